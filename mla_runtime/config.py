@@ -1,0 +1,351 @@
+"""Model configuration read from a Hugging Face ``config.json``.
+
+Covers the MLA families: ``deepseek_v2`` (DeepSeek-V2, V2-Lite), ``deepseek_v3`` (DeepSeek-V3, R1) and
+Kimi-K2 (``kimi_k2``, DeepseekV3 architecture). Notation follows DESIGN.md §1: ``d_c = kv_lora_rank``,
+``d_r = qk_rope_head_dim``, ``d_n = qk_nope_head_dim``, ``d_v = v_head_dim``, ``n_h`` heads.
+
+Every field is validated when the config is built; a bad value raises ``ValueError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MLA_ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
+MLA_MODEL_TYPES = {"deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3"}
+PRESET_DIR = Path(__file__).resolve().parent.parent / "model_configs"
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN attention-magnitude correction ``0.1 * mscale * ln(scale) + 1`` (1 when not extending)."""
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding of the ``d_r`` decoupled dims. ``kind`` is ``"default"`` or ``"yarn"``."""
+
+    theta: float = 10000.0
+    kind: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+    interleave: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("default", "yarn"):
+            raise ValueError(f"rope_scaling.type: unsupported RoPE type {self.kind!r} (use 'default' or 'yarn')")
+        if self.theta <= 0:
+            raise ValueError(f"rope_theta must be positive, got {self.theta}")
+        if self.kind == "yarn":
+            if self.factor <= 0:
+                raise ValueError(f"rope_scaling.factor must be positive, got {self.factor}")
+            if not self.original_max_position_embeddings:
+                raise ValueError("rope_scaling.original_max_position_embeddings is required for YaRN")
+
+    @property
+    def cos_sin_scale(self) -> float:
+        """Factor on cos/sin (YaRN's attention factor; 1 for default RoPE)."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+    @property
+    def softmax_mscale(self) -> float:
+        """``m`` in the softmax scale ``(d_n + d_r)^-1/2 * m^2`` (DESIGN.md §1)."""
+        if self.kind == "yarn" and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale_all_dim)
+        return 1.0
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Routed + shared experts. V2 routes by softmax, V3/Kimi-K2 by sigmoid with a correction bias."""
+
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    n_group: int = 1
+    topk_group: int = 1
+    topk_method: str = "greedy"
+    scoring_func: str = "softmax"
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = False
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_group",
+                     "topk_group", "moe_layer_freq"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_shared_experts < 0:
+            raise ValueError(f"n_shared_experts must be >= 0, got {self.n_shared_experts}")
+        if self.first_k_dense_replace < 0:
+            raise ValueError(f"first_k_dense_replace must be >= 0, got {self.first_k_dense_replace}")
+        if self.n_routed_experts % self.n_group:
+            raise ValueError(
+                f"n_routed_experts ({self.n_routed_experts}) must be divisible by n_group ({self.n_group})")
+        if self.topk_group > self.n_group:
+            raise ValueError(f"topk_group ({self.topk_group}) must not exceed n_group ({self.n_group})")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds n_routed_experts "
+                             f"({self.n_routed_experts})")
+        if self.topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+            raise ValueError(f"topk_method: unsupported value {self.topk_method!r}")
+        if self.scoring_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"scoring_func: unsupported value {self.scoring_func!r}")
+        per_group = self.n_routed_experts // self.n_group
+        if self.topk_method == "noaux_tc" and per_group < 2 and self.n_group > 1:
+            raise ValueError(f"topk_method 'noaux_tc' scores a group by its top-2 experts: n_routed_experts / "
+                             f"n_group must be >= 2, got {per_group}")
+        if self.topk_group * per_group < self.num_experts_per_tok:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the experts in the "
+                             f"topk_group ({self.topk_group}) kept groups ({self.topk_group * per_group})")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the runtime needs to know about an MLA checkpoint."""
+
+    family: str  # "deepseek_v2" | "deepseek_v3" (Kimi-K2 is deepseek_v3)
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    kv_lora_rank: int
+    q_lora_rank: int | None
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    torch_dtype: str = "bfloat16"
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    moe: MoEConfig | None = None
+    fp8_block_size: tuple[int, int] | None = None  # set for FP8 block-quantised checkpoints
+    num_nextn_predict_layers: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
+                     "qk_rope_head_dim", "v_head_dim", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.qk_nope_head_dim < 0:
+            raise ValueError(f"qk_nope_head_dim must be >= 0, got {self.qk_nope_head_dim}")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ValueError(f"q_lora_rank must be null or >= 1, got {self.q_lora_rank}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even (RoPE rotates pairs), got {self.qk_rope_head_dim}")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act: only 'silu' is supported, got {self.hidden_act!r}")
+        has_dense = any(not self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+        if has_dense and self.intermediate_size < 1:
+            raise ValueError("intermediate_size must be >= 1: the model has dense MLP layers")
+
+    # -- notation of DESIGN.md §1 -------------------------------------------------------------
+    @property
+    def d_c(self) -> int:
+        return self.kv_lora_rank
+
+    @property
+    def d_r(self) -> int:
+        return self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values cached per token per layer: ``d_c + d_r``."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.qk_head_dim ** -0.5 * self.rope.softmax_mscale ** 2
+
+    def is_moe_layer(self, layer: int) -> bool:
+        m = self.moe
+        return m is not None and layer >= m.first_k_dense_replace and layer % m.moe_layer_freq == 0
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        if self.eos_token_id is None:
+            return []
+        return list(self.eos_token_id) if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        return _parse(raw)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        """Read ``<path>/config.json``; ``path`` may also be a preset name in ``model_configs/``."""
+        return cls.from_dict(load_config_dict(path))
+
+    def with_overrides(self, **changes: Any) -> ModelConfig:
+        from dataclasses import replace
+
+        return replace(self, **changes)
+
+
+def resolve_model_path(path: str | Path) -> Path:
+    """A checkpoint directory, a ``config.json`` file, or a preset name (``deepseek-v3``)."""
+    p = Path(path)
+    if p.is_dir():
+        return p / "config.json"
+    if p.is_file():
+        return p
+    preset = PRESET_DIR / f"{path}.json"
+    if preset.is_file():
+        return preset
+    presets = sorted(q.stem for q in PRESET_DIR.glob("*.json"))
+    raise ValueError(f"model: {str(path)!r} is neither a checkpoint directory, a config.json, nor a preset "
+                     f"(presets: {', '.join(presets)})")
+
+
+def load_config_dict(path: str | Path) -> dict[str, Any]:
+    cfg_file = resolve_model_path(path)
+    try:
+        return json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_file}: not valid JSON ({e})") from e
+
+
+def _required(raw: dict[str, Any], name: str) -> Any:
+    if raw.get(name) is None:
+        raise ValueError(f"config field {name!r} is required for an MLA model but is missing")
+    return raw[name]
+
+
+def _family(raw: dict[str, Any]) -> str:
+    model_type = raw.get("model_type")
+    if model_type in MLA_MODEL_TYPES:
+        return MLA_MODEL_TYPES[model_type]
+    for arch in raw.get("architectures") or []:
+        if arch in MLA_ARCHITECTURES:
+            return MLA_ARCHITECTURES[arch]
+    raise ValueError(
+        f"model_type {model_type!r} (architectures {raw.get('architectures')}) is not a multi-head latent "
+        f"attention model: expected one of {sorted(MLA_MODEL_TYPES)} or architectures {sorted(MLA_ARCHITECTURES)}")
+
+
+def _parse_rope(raw: dict[str, Any], family: str) -> RopeConfig:
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind == "deepseek_yarn":
+        kind = "yarn"
+    interleave = True if family == "deepseek_v2" else bool(raw.get("rope_interleave", True))
+    if kind == "default":
+        return RopeConfig(theta=float(theta), interleave=interleave)
+    factor = params.get("factor")
+    orig = params.get("original_max_position_embeddings")
+    if factor is None and orig:
+        factor = _required(raw, "max_position_embeddings") / orig
+    return RopeConfig(
+        theta=float(theta), kind=kind, factor=float(factor if factor is not None else 1.0),
+        original_max_position_embeddings=orig,
+        beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+        mscale=params.get("mscale"), mscale_all_dim=params.get("mscale_all_dim"),
+        attention_factor=params.get("attention_factor"), truncate=bool(params.get("truncate", True)),
+        interleave=interleave)
+
+
+def _parse_moe(raw: dict[str, Any], family: str) -> MoEConfig | None:
+    n_routed = raw.get("n_routed_experts")
+    if not n_routed:
+        return None
+    v3 = family == "deepseek_v3"
+    return MoEConfig(
+        n_routed_experts=int(n_routed),
+        n_shared_experts=int(raw.get("n_shared_experts") or 0),
+        num_experts_per_tok=int(_required(raw, "num_experts_per_tok")),
+        moe_intermediate_size=int(_required(raw, "moe_intermediate_size")),
+        n_group=int(raw.get("n_group") or 1),
+        topk_group=int(raw.get("topk_group") or 1),
+        topk_method=raw.get("topk_method") or ("noaux_tc" if v3 else "greedy"),
+        scoring_func=raw.get("scoring_func") or ("sigmoid" if v3 else "softmax"),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", v3)),
+        first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
+        moe_layer_freq=int(raw.get("moe_layer_freq") or 1),
+    )
+
+
+def _parse_fp8(raw: dict[str, Any]) -> tuple[int, int] | None:
+    q = raw.get("quantization_config")
+    if not q:
+        return None
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise ValueError(f"quantization_config.quant_method: only block 'fp8' is supported, got {method!r}")
+    block = q.get("weight_block_size") or [128, 128]
+    if len(block) != 2 or min(block) < 1:
+        raise ValueError(f"quantization_config.weight_block_size must be two positive ints, got {block}")
+    return int(block[0]), int(block[1])
+
+
+def _parse(raw: dict[str, Any]) -> ModelConfig:
+    family = _family(raw)
+    if raw.get("kv_lora_rank") is None:
+        raise ValueError("config field 'kv_lora_rank' is missing: this is not a multi-head latent attention "
+                         "config (MLA caches a kv_lora_rank-wide latent per token)")
+    moe = _parse_moe(raw, family)
+    if family == "deepseek_v3" and moe is not None and moe.scoring_func == "sigmoid" \
+            and moe.topk_method not in ("noaux_tc", "greedy"):
+        raise ValueError(f"topk_method {moe.topk_method!r} is not valid with sigmoid scoring (use 'noaux_tc')")
+    dtype = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
+    return ModelConfig(
+        family=family,
+        model_type=str(raw.get("model_type", family)),
+        vocab_size=int(_required(raw, "vocab_size")),
+        hidden_size=int(_required(raw, "hidden_size")),
+        intermediate_size=int(raw.get("intermediate_size") or 0),
+        num_hidden_layers=int(_required(raw, "num_hidden_layers")),
+        num_attention_heads=int(_required(raw, "num_attention_heads")),
+        kv_lora_rank=int(raw["kv_lora_rank"]),
+        q_lora_rank=None if raw.get("q_lora_rank") is None else int(raw["q_lora_rank"]),
+        qk_nope_head_dim=int(_required(raw, "qk_nope_head_dim")),
+        qk_rope_head_dim=int(_required(raw, "qk_rope_head_dim")),
+        v_head_dim=int(_required(raw, "v_head_dim")),
+        max_position_embeddings=int(raw.get("max_position_embeddings") or 4096),
+        rms_norm_eps=float(raw.get("rms_norm_eps") or 1e-6),
+        hidden_act=str(raw.get("hidden_act") or "silu"),
+        attention_bias=bool(raw.get("attention_bias", False)),
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        torch_dtype=str(dtype),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_id=raw.get("eos_token_id"),
+        rope=_parse_rope(raw, family),
+        moe=moe,
+        fp8_block_size=_parse_fp8(raw),
+        num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
+    )
