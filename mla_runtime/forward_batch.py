@@ -1,0 +1,91 @@
+"""``ForwardBatch``: the only object that crosses from scheduling into the model.
+
+A step runs ``T`` new tokens belonging to ``B`` sequences. Sequence ``b`` brings ``q_len_b`` new tokens
+(a prefill chunk or one decode token) on top of ``context_len_b`` tokens already in the latent cache;
+after the step its cache holds ``seq_len_b = context_len_b + q_len_b`` tokens. Tokens of a sequence are
+contiguous and in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
+    query_start_loc: torch.Tensor  # [B + 1] int32: cu_seqlens of the new tokens
+    seq_lens: torch.Tensor  # [B] int32: cached tokens after this step
+    seq_start_loc: torch.Tensor  # [B + 1] int32: cu_seqlens of seq_lens (keys of the naive path)
+    context_lens: torch.Tensor  # [B] int32: cached tokens before this step
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    token_seq_lens: torch.Tensor  # [T] int32: keys visible to each new token (causal)
+    token_req_idx: torch.Tensor  # [T] int32: sequence (block-table row) of each new token
+    logits_indices: torch.Tensor  # [B] int64: last new token of each sequence
+    query_lens: list[int]
+    context_lens_list: list[int]
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        return max(self.query_lens, default=0) == 1
+
+    @classmethod
+    def build(cls, token_chunks: Sequence[Sequence[int]], context_lens: Sequence[int],
+              block_tables: Sequence[Sequence[int]], block_size: int,
+              device: torch.device | str = "cpu") -> ForwardBatch:
+        """Build from plain lists: the new token ids, cached length and block ids of each sequence."""
+        if not (len(token_chunks) == len(context_lens) == len(block_tables)):
+            raise ValueError("token_chunks, context_lens and block_tables must have one entry per sequence")
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tok_seq: list[int] = []
+        tok_req: list[int] = []
+        starts = [0]
+        for b, (chunk, ctx, table) in enumerate(zip(token_chunks, context_lens, block_tables)):
+            n = len(chunk)
+            if n == 0:
+                raise ValueError(f"sequence {b} has no new tokens")
+            if (ctx + n + block_size - 1) // block_size > len(table):
+                raise ValueError(f"sequence {b}: {ctx + n} tokens need more than its {len(table)} blocks")
+            ids.extend(chunk)
+            for pos in range(ctx, ctx + n):
+                positions.append(pos)
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+                tok_seq.append(pos + 1)
+                tok_req.append(b)
+            starts.append(starts[-1] + n)
+        width = max((len(t) for t in block_tables), default=0) or 1
+        table_rows = [list(t) + [0] * (width - len(t)) for t in block_tables]
+        qlens = [len(c) for c in token_chunks]
+        seq_lens = [c + q for c, q in zip(context_lens, qlens)]
+        seq_starts = [0]
+        for n in seq_lens:
+            seq_starts.append(seq_starts[-1] + n)
+
+        def i32(x: list[int] | list[list[int]]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.int32, device=device)
+
+        def i64(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.int64, device=device)
+
+        return cls(
+            input_ids=i64(ids), positions=i64(positions), slot_mapping=i64(slots),
+            query_start_loc=i32(starts), seq_lens=i32(seq_lens), seq_start_loc=i32(seq_starts),
+            context_lens=i32(list(context_lens)), block_tables=i32(table_rows),
+            token_seq_lens=i32(tok_seq), token_req_idx=i32(tok_req), logits_indices=i64([s - 1 for s in starts[1:]]),
+            query_lens=qlens, context_lens_list=list(context_lens), block_size=block_size)

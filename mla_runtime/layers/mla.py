@@ -1,0 +1,112 @@
+"""Multi-head latent attention over the paged latent cache.
+
+Notation (DESIGN.md §1): ``d_c = kv_lora_rank``, ``d_r = qk_rope_head_dim``, ``d_n = qk_nope_head_dim``,
+``d_v = v_head_dim``, ``n_h`` heads, ``T`` new tokens, ``S`` cached tokens of the batch.
+
+    [c ; k_r] = kv_a_proj_with_mqa(h);  c = kv_a_layernorm(c);  k_r = RoPE(k_r)
+    the cache stores exactly [c ; k_r]  (d_c + d_r values per token per layer)
+    kv_b_proj.weight viewed as [n_h, d_n + d_v, d_c]:  W_UK = [:, :d_n],  W_UV = [:, d_n:]
+
+Two ways to attend, equal up to rounding (each is the other's oracle):
+
+- **naive / up-projected** (compute-friendly, long prefill chunks): gather the sequence's latents,
+  ``k_i = [W_UK_i c ; k_r]``, ``v_i = W_UV_i c``, causal varlen attention per head.
+- **absorbed** (decode, short chunks): ``q~_i = W_UK_i^T q_n_i`` (d_c wide), score
+  ``q~_i · c_j + q_r_i · k_r_j``, ``o_i = W_UV_i (sum_j p_ij c_j)`` — MQA with one ``d_c + d_r`` key and a
+  ``d_c`` value that is a prefix of the key; the cache is read once for all heads.
+
+Softmax scale ``(d_n + d_r)^-1/2 * m^2`` with the YaRN ``m`` (``ModelConfig.softmax_scale``).
+``path="auto"`` picks the cheaper path from a FLOP count of the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from mla_kernels import gather_latent, mla_decode, prefill_attention, store_latent
+from torch import nn
+
+from mla_runtime.cache.latent_cache import LayerCache
+from mla_runtime.config import ModelConfig
+from mla_runtime.forward_batch import ForwardBatch
+from mla_runtime.layers.linear import Linear
+from mla_runtime.layers.norm import RMSNorm
+from mla_runtime.layers.rotary import RotaryEmbedding
+
+ATTENTION_PATHS = ("auto", "naive", "absorbed")
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, path: str = "auto",
+                 backend: str | None = None) -> None:
+        super().__init__()
+        if path not in ATTENTION_PATHS:
+            raise ValueError(f"attention path must be one of {ATTENTION_PATHS}, got {path!r}")
+        self.path = path
+        self.backend = backend
+        self.n_h = cfg.num_attention_heads
+        self.d_c, self.d_r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        self.d_n, self.d_v = cfg.qk_nope_head_dim, cfg.v_head_dim
+        self.scale = cfg.softmax_scale
+        hidden, qk = cfg.hidden_size, cfg.qk_head_dim
+        if cfg.q_lora_rank is None:
+            self.q_proj: Linear | None = Linear(hidden, self.n_h * qk, dtype)
+        else:
+            self.q_proj = None
+            self.q_a_proj = Linear(hidden, cfg.q_lora_rank, dtype, bias=cfg.attention_bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype)
+            self.q_b_proj = Linear(cfg.q_lora_rank, self.n_h * qk, dtype)
+        self.kv_a_proj_with_mqa = Linear(hidden, self.d_c + self.d_r, dtype, bias=cfg.attention_bias)
+        self.kv_a_layernorm = RMSNorm(self.d_c, cfg.rms_norm_eps, dtype)
+        self.kv_b_proj = Linear(self.d_c, self.n_h * (self.d_n + self.d_v), dtype)
+        self.o_proj = Linear(self.n_h * self.d_v, hidden, dtype, bias=cfg.attention_bias)
+        self.rotary = RotaryEmbedding(cfg.rope, self.d_r)
+
+    # -- absorbed weights -------------------------------------------------------------------
+    def w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``W_UK [n_h, d_n, d_c]`` and ``W_UV [n_h, d_v, d_c]`` (views of ``kv_b_proj``)."""
+        w = self.kv_b_proj.weight.view(self.n_h, self.d_n + self.d_v, self.d_c)
+        return w[:, : self.d_n], w[:, self.d_n:]
+
+    def choose_path(self, batch: ForwardBatch) -> str:
+        if self.path != "auto":
+            return self.path
+        if batch.is_decode:
+            return "absorbed"
+        # FLOPs per head, ignoring the causal half (same for both).
+        pairs = sum(q * (c + q) for q, c in zip(batch.query_lens, batch.context_lens_list))
+        keys = sum(c + q for q, c in zip(batch.query_lens, batch.context_lens_list))
+        tokens = batch.num_tokens
+        absorbed = pairs * (2 * self.d_c + self.d_r) + tokens * self.d_c * (self.d_n + self.d_v)
+        naive = keys * self.d_c * (self.d_n + self.d_v) + pairs * (self.d_n + self.d_r + self.d_v)
+        return "absorbed" if absorbed <= naive else "naive"
+
+    # -- forward -----------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(num_tokens, self.n_h, self.d_n + self.d_r)
+        q_n, q_r = q.split([self.d_n, self.d_r], dim=-1)  # [T, n_h, d_n], [T, n_h, d_r]
+        c, k_r = self.kv_a_proj_with_mqa(x).split([self.d_c, self.d_r], dim=-1)
+        c = self.kv_a_layernorm(c)  # [T, d_c]
+        q_r, k_r = self.rotary(batch.positions, q_r, k_r)
+        store_latent(cache.kv, cache.scales, c, k_r, batch.slot_mapping, backend=self.backend)
+
+        w_uk, w_uv = self.w_uk_uv()
+        if self.choose_path(batch) == "absorbed":
+            q_abs = torch.einsum("thn,hnc->thc", q_n, w_uk)  # [T, n_h, d_c]
+            o_lat, _ = mla_decode(torch.cat([q_abs, q_r], dim=-1), cache.kv, cache.scales, batch.block_tables,
+                                  batch.token_seq_lens, self.scale, self.d_c, req_indices=batch.token_req_idx,
+                                  backend=self.backend)  # [T, n_h, d_c]
+            o = torch.einsum("thc,hvc->thv", o_lat, w_uv)  # [T, n_h, d_v]
+        else:
+            latent = gather_latent(cache.kv, cache.scales, batch.block_tables, batch.seq_lens, x.dtype,
+                                   backend=self.backend)  # [S, d_c + d_r]
+            c_all, k_r_all = latent.split([self.d_c, self.d_r], dim=-1)
+            kv = self.kv_b_proj(c_all).view(-1, self.n_h, self.d_n + self.d_v)
+            k_n, v = kv.split([self.d_n, self.d_v], dim=-1)  # [S, n_h, d_n], [S, n_h, d_v]
+            o, _ = prefill_attention(q_n, q_r, k_n, k_r_all, v, batch.query_start_loc, batch.seq_start_loc,
+                                     self.scale, backend=self.backend)
+        return self.o_proj(o.reshape(num_tokens, self.n_h * self.d_v))

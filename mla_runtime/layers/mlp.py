@@ -1,0 +1,24 @@
+"""SwiGLU feed-forward (dense layers and shared experts)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one ``[2I, d]`` weight."""
+
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, bias: bool = False) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * intermediate, hidden, dtype=dtype), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(hidden, intermediate, dtype=dtype), requires_grad=False)
+        self.gate_up_bias = (nn.Parameter(torch.zeros(2 * intermediate, dtype=dtype), requires_grad=False)
+                             if bias else None)
+        self.down_bias = nn.Parameter(torch.zeros(hidden, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_proj, self.gate_up_bias).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj, self.down_bias)

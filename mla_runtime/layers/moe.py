@@ -1,0 +1,113 @@
+"""Mixture of experts: routers of DeepSeek-V2 and V3 / Kimi-K2, grouped expert execution.
+
+Routers (scores in fp32):
+- V2 (``scoring_func="softmax"``): ``s = softmax(W_g h)``; ``greedy`` takes the top-k experts;
+  ``group_limited_greedy`` keeps the ``topk_group`` groups with the highest max score, zeroes the rest,
+  then takes the top-k. Weights are ``s`` of the chosen experts (renormalised if ``norm_topk_prob``).
+- V3 (``scoring_func="sigmoid"``, ``topk_method="noaux_tc"``): ``s = sigmoid(W_g h)``; the choice uses
+  ``s + e_score_correction_bias``; a group's score is the sum of its top-2 biased scores; dropped groups
+  are masked with −inf; weights are the *unbiased* ``s`` of the chosen experts, renormalised when
+  ``norm_topk_prob``.
+Both then multiply by ``routed_scaling_factor``.
+
+Execution sorts the (token, expert) pairs by expert and runs one matmul pair per expert that has
+tokens — the loop is over experts, never over tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mla_runtime.config import MoEConfig
+from mla_runtime.layers.mlp import GatedMLP
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: MoEConfig, hidden: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, hidden, dtype=torch.float32),
+                                   requires_grad=False)
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32), requires_grad=False)
+            if cfg.topk_method == "noaux_tc" else None)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, d]`` → (weights ``[T, k]`` fp32, expert ids ``[T, k]``)."""
+        cfg = self.cfg
+        logits = F.linear(x.float(), self.weight)  # [T, E]
+        num_tokens = logits.shape[0]
+        per_group = cfg.n_routed_experts // cfg.n_group
+        if cfg.scoring_func == "softmax":
+            scores = logits.softmax(dim=-1)
+        else:
+            scores = logits.sigmoid()
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+        if cfg.topk_method == "group_limited_greedy" or (cfg.topk_method == "noaux_tc" and cfg.n_group > 1):
+            grouped = choice.view(num_tokens, cfg.n_group, per_group)
+            if cfg.topk_method == "noaux_tc":
+                group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, n_group]
+            else:
+                group_scores = grouped.max(dim=-1).values
+            group_idx = group_scores.topk(cfg.topk_group, dim=-1, sorted=False).indices
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+            keep = keep.unsqueeze(-1).expand(-1, -1, per_group).reshape(num_tokens, -1)
+            fill = 0.0 if cfg.topk_method == "group_limited_greedy" else float("-inf")
+            choice = choice.masked_fill(~keep, fill)
+        expert_ids = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False).indices
+        weights = scores.gather(1, expert_ids)
+        if cfg.norm_topk_prob and cfg.num_experts_per_tok > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, expert_ids
+
+
+class Experts(nn.Module):
+    """Routed experts stored stacked: ``gate_up_proj [E, 2I, d]``, ``down_proj [E, d, I]``."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, dtype=dtype),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate, dtype=dtype),
+                                      requires_grad=False)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        num_tokens, top_k = expert_ids.shape
+        flat = expert_ids.reshape(-1)  # [T*k]
+        order = flat.argsort(stable=True)
+        token_of = order // top_k  # token of each sorted (token, expert) pair
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        x_sorted = x[token_of]  # [T*k, d]
+        w_sorted = weights.reshape(-1)[order].unsqueeze(-1)
+        out_sorted = torch.empty_like(x_sorted)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            seg = x_sorted[start:start + n]
+            gate, up = F.linear(seg, self.gate_up_proj[e]).chunk(2, dim=-1)
+            h = F.linear(F.silu(gate) * up, self.down_proj[e])
+            out_sorted[start:start + n] = (h.float() * w_sorted[start:start + n]).to(x.dtype)
+            start += n
+        out = torch.zeros_like(x)
+        out.index_add_(0, token_of, out_sorted)
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: MoEConfig, hidden: int, dtype: torch.dtype, bias: bool = False) -> None:
+        super().__init__()
+        self.gate = Router(cfg, hidden)
+        self.experts = Experts(cfg.n_routed_experts, hidden, cfg.moe_intermediate_size, dtype)
+        self.shared_experts = (GatedMLP(hidden, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, bias)
+                               if cfg.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, expert_ids = self.gate(x)
+        out = self.experts(x, weights, expert_ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

@@ -1,0 +1,73 @@
+"""Rotary position embedding of the ``d_r`` decoupled key/query dims (default RoPE and YaRN).
+
+Layouts: DeepSeek checkpoints rotate *interleaved* pairs ``(x0, x1), (x2, x3), ...``
+(``rope_interleave``); other checkpoints rotate the two halves ``(x_i, x_{i + d_r/2})``. For the
+interleaved layout the rotated vector is written de-interleaved (``[even' ; odd']``): queries and keys
+get the same permutation, so every dot product — and therefore attention — is unchanged, and the cache
+holds a contiguous layout that the kernels read without strides.
+
+YaRN (arXiv 2309.00071) blends interpolated and extrapolated frequencies with a linear ramp between
+the ``beta_fast``/``beta_slow`` correction dims; cos/sin are multiplied by the attention factor and the
+softmax scale carries ``mscale_all_dim`` (see ``RopeConfig``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from mla_runtime.config import RopeConfig
+
+
+def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
+    """Inverse frequencies ``[dim / 2]`` (fp32)."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
+    pos_freqs = rope.theta ** exponents
+    if rope.kind == "default":
+        return 1.0 / pos_freqs
+    assert rope.original_max_position_embeddings is not None  # validated by RopeConfig
+
+    def correction_dim(num_rotations: float) -> float:
+        orig = rope.original_max_position_embeddings
+        return dim * math.log(orig / (num_rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, rope: RopeConfig, dim: int) -> None:
+        super().__init__()
+        self.interleave = rope.interleave
+        self.scale = rope.cos_sin_scale
+        self.register_buffer("inv_freq", rope_inv_freq(rope, dim), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, d_r / 2]`` for integer positions ``[T]``."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x [T, ..., d_r]`` with cos/sin ``[T, d_r / 2]``; output de-interleaved."""
+        shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
+        cos, sin = cos.view(shape), sin.view(shape)
+        if self.interleave:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+        else:
+            half = x.shape[-1] // 2
+            x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin(positions, q.dtype)
+        return self.rotate(q, cos, sin), self.rotate(k, cos, sin)

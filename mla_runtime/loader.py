@@ -1,0 +1,219 @@
+"""Load a Hugging Face MLA checkpoint (``config.json`` + safetensors) into ``DeepseekForCausalLM``.
+
+- Single-file (``model.safetensors``) and sharded (``model.safetensors.index.json``) checkpoints.
+- Streamed: tensors are read one at a time from memory-mapped files straight into the model's
+  pre-allocated parameters, so peak RAM stays near the model's own size.
+- One name table (``checkpoint_layout``) maps every checkpoint tensor to a parameter slot; per-expert
+  tensors are stacked, ``gate_proj``/``up_proj`` are fused.
+- DeepSeek-V3 FP8 block-quantised weights (``*.weight`` in float8_e4m3fn with ``*.weight_scale_inv``,
+  one fp32 scale per 128×128 block) are dequantised on load.
+- The multi-token-prediction layer (``model.layers.{num_hidden_layers}.*``) is skipped.
+- Every missing, unexpected or mis-shaped tensor is reported by name in one ``CheckpointError``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from mla_runtime.config import ModelConfig
+from mla_runtime.models.deepseek import DeepseekForCausalLM
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+_IGNORED_RE = re.compile(r"rotary_emb\.inv_freq$")
+_FUSED_EXPERTS_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config: lists every offending tensor."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where a checkpoint tensor goes: a parameter and an index into it (``()`` = the whole tensor)."""
+
+    param: str
+    index: tuple[int | slice, ...] = ()
+
+
+def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+        return dtype
+    if dtype == "auto":
+        return DTYPES.get(cfg.torch_dtype, torch.bfloat16)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def checkpoint_layout(cfg: ModelConfig, fused_expert_layers: set[int] = frozenset()) -> dict[str, Slot]:
+    """The name table: every tensor the checkpoint must hold → its parameter slot."""
+    table: dict[str, Slot] = {"model.embed_tokens.weight": Slot("model.embed_tokens.weight"),
+                              "model.norm.weight": Slot("model.norm.weight")}
+    if not cfg.tie_word_embeddings:
+        table["lm_head.weight"] = Slot("lm_head")
+    attn = (["q_proj"] if cfg.q_lora_rank is None else ["q_a_proj", "q_b_proj"]) + \
+        ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+    biased = {"q_a_proj", "kv_a_proj_with_mqa", "o_proj"} if cfg.attention_bias else set()
+    norms = ["kv_a_layernorm"] + ([] if cfg.q_lora_rank is None else ["q_a_layernorm"])
+
+    def mlp(prefix: str, size: int) -> None:
+        table[f"{prefix}.gate_proj.weight"] = Slot(f"{prefix}.gate_up_proj", (slice(0, size),))
+        table[f"{prefix}.up_proj.weight"] = Slot(f"{prefix}.gate_up_proj", (slice(size, 2 * size),))
+        table[f"{prefix}.down_proj.weight"] = Slot(f"{prefix}.down_proj")
+        if cfg.mlp_bias:
+            table[f"{prefix}.gate_proj.bias"] = Slot(f"{prefix}.gate_up_bias", (slice(0, size),))
+            table[f"{prefix}.up_proj.bias"] = Slot(f"{prefix}.gate_up_bias", (slice(size, 2 * size),))
+            table[f"{prefix}.down_proj.bias"] = Slot(f"{prefix}.down_bias")
+
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}"
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            table[f"{p}.{name}.weight"] = Slot(f"{p}.{name}.weight")
+        for name in attn:
+            table[f"{p}.self_attn.{name}.weight"] = Slot(f"{p}.self_attn.{name}.weight")
+            if name in biased:
+                table[f"{p}.self_attn.{name}.bias"] = Slot(f"{p}.self_attn.{name}.bias")
+        for name in norms:
+            table[f"{p}.self_attn.{name}.weight"] = Slot(f"{p}.self_attn.{name}.weight")
+        if not cfg.is_moe_layer(i):
+            mlp(f"{p}.mlp", cfg.intermediate_size)
+            continue
+        moe = cfg.moe
+        assert moe is not None
+        size = moe.moe_intermediate_size
+        table[f"{p}.mlp.gate.weight"] = Slot(f"{p}.mlp.gate.weight")
+        if moe.topk_method == "noaux_tc":
+            table[f"{p}.mlp.gate.e_score_correction_bias"] = Slot(f"{p}.mlp.gate.e_score_correction_bias")
+        if moe.n_shared_experts:
+            mlp(f"{p}.mlp.shared_experts", size * moe.n_shared_experts)
+        experts = f"{p}.mlp.experts"
+        if i in fused_expert_layers:  # transformers' in-memory layout: [E, 2I, d] and [E, d, I]
+            table[f"{experts}.gate_up_proj"] = Slot(f"{experts}.gate_up_proj")
+            table[f"{experts}.down_proj"] = Slot(f"{experts}.down_proj")
+            continue
+        for e in range(moe.n_routed_experts):
+            table[f"{experts}.{e}.gate_proj.weight"] = Slot(f"{experts}.gate_up_proj", (e, slice(0, size)))
+            table[f"{experts}.{e}.up_proj.weight"] = Slot(f"{experts}.gate_up_proj", (e, slice(size, 2 * size)))
+            table[f"{experts}.{e}.down_proj.weight"] = Slot(f"{experts}.down_proj", (e,))
+    return table
+
+
+def checkpoint_files(path: Path) -> dict[str, Path]:
+    """Tensor name → file holding it."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: path / fname for name, fname in weight_map.items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors files and no model.safetensors.index.json")
+    names: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            for name in handle.keys():
+                names[name] = f
+    return names
+
+
+def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """``weight [out, in]`` (float8) times its per-block scale ``[ceil(out/b0), ceil(in/b1)]`` → fp32."""
+    out_f, in_f = weight.shape
+    scale = scale_inv.float().repeat_interleave(block[0], 0)[:out_f].repeat_interleave(block[1], 1)[:, :in_f]
+    return weight.float() * scale
+
+
+class _Reader:
+    """Open safetensors files lazily (memory-mapped) and hand out one tensor at a time."""
+
+    def __init__(self, files: dict[str, Path]) -> None:
+        self.files = files
+        self._handles: dict[Path, object] = {}
+
+    def get(self, name: str) -> torch.Tensor:
+        f = self.files[name]
+        if f not in self._handles:
+            self._handles[f] = safe_open(str(f), framework="pt")
+        return self._handles[f].get_tensor(name)  # type: ignore[attr-defined]
+
+    def shape(self, name: str) -> list[int]:
+        f = self.files[name]
+        if f not in self._handles:
+            self._handles[f] = safe_open(str(f), framework="pt")
+        return list(self._handles[f].get_slice(name).get_shape())  # type: ignore[attr-defined]
+
+
+def _mtp_or_ignored(name: str, cfg: ModelConfig) -> bool:
+    if _IGNORED_RE.search(name):
+        return True
+    m = _LAYER_RE.match(name)
+    return m is not None and int(m.group(1)) >= cfg.num_hidden_layers
+
+
+def load_weights(model: DeepseekForCausalLM, path: str | Path) -> None:
+    """Fill ``model`` from the checkpoint at ``path``; raises ``CheckpointError`` listing every problem."""
+    path = Path(path)
+    cfg = model.config
+    files = checkpoint_files(path)
+    fused = {int(m.group(1)) for n in files if (m := _FUSED_EXPERTS_RE.match(n))}
+    table = checkpoint_layout(cfg, fused)
+    params = dict(model.named_parameters())
+    reader = _Reader(files)
+
+    scale_names = {n for n in files if n.endswith(".weight_scale_inv")}
+    missing = sorted(n for n in table if n not in files)
+    unexpected = sorted(n for n in files if n not in table and n not in scale_names and not _mtp_or_ignored(n, cfg))
+    mismatched = []
+    for name, slot in table.items():
+        if name not in files:
+            continue
+        want = list(params[slot.param][slot.index].shape)
+        got = reader.shape(name)
+        if got != want:
+            mismatched.append(f"{name}: checkpoint {got}, config expects {want}")
+    problems = ([f"missing: {n}" for n in missing] + [f"unexpected: {n}" for n in unexpected]
+                + [f"shape mismatch: {m}" for m in mismatched])
+    if problems:
+        raise CheckpointError(f"checkpoint {path} does not match its config ({len(problems)} problems):\n  "
+                              + "\n  ".join(problems))
+
+    for name, slot in table.items():
+        target = params[slot.param][slot.index]
+        tensor = reader.get(name)
+        scale_name = name[: -len("weight")] + "weight_scale_inv" if name.endswith(".weight") else None
+        if scale_name in scale_names:
+            if cfg.fp8_block_size is None:
+                raise CheckpointError(f"{scale_name}: FP8 scales found but config.json has no "
+                                      f"quantization_config with weight_block_size")
+            tensor = dequantize_fp8_block(tensor, reader.get(scale_name), cfg.fp8_block_size)
+        with torch.no_grad():
+            target.copy_(tensor.to(target.dtype))
+        del tensor
+
+
+def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a checkpoint, one at a time (for tools that inspect checkpoints)."""
+    reader = _Reader(checkpoint_files(Path(path)))
+    for name in sorted(reader.files):
+        yield name, reader.get(name)
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype = "auto", attention_path: str = "auto",
+               backend: str | None = None, device: str | torch.device = "cpu") -> DeepseekForCausalLM:
+    """Build the model from ``<path>/config.json`` and load its safetensors weights."""
+    cfg = ModelConfig.from_pretrained(path)
+    torch_dtype = resolve_dtype(dtype, cfg)
+    with torch.device(device):
+        model = DeepseekForCausalLM(cfg, torch_dtype, attention_path, backend)
+    load_weights(model, path)
+    return model.eval()

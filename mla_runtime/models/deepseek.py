@@ -1,0 +1,80 @@
+"""DeepSeek-V2 / V3 / Kimi-K2 decoder: embeddings, MLA + (dense MLP | MoE) layers, final norm, lm_head.
+
+Parameter names mirror the Hugging Face checkpoints (``model.layers.{i}.self_attn.kv_b_proj.weight``...)
+so the loader's name table stays short; the only layout changes are fused/stacked weights
+(``gate_up_proj`` of an MLP, the ``[E, ...]`` stacks of routed experts).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mla_runtime.cache.latent_cache import LatentCache
+from mla_runtime.config import ModelConfig
+from mla_runtime.forward_batch import ForwardBatch
+from mla_runtime.layers.mla import MLAttention
+from mla_runtime.layers.mlp import GatedMLP
+from mla_runtime.layers.moe import MoE
+from mla_runtime.layers.norm import RMSNorm
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, attention_path: str,
+                 backend: str | None) -> None:
+        super().__init__()
+        self.self_attn = MLAttention(cfg, dtype, attention_path, backend)
+        if cfg.is_moe_layer(layer):
+            assert cfg.moe is not None
+            self.mlp: nn.Module = MoE(cfg.moe, cfg.hidden_size, dtype, cfg.mlp_bias)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, cfg.mlp_bias)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, _freeze=True,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
+        self.layers = nn.ModuleList()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class DeepseekForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, attention_path: str = "auto",
+                 backend: str | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.dtype = dtype
+        self.model = DeepseekModel(cfg, dtype)
+        for i in range(cfg.num_hidden_layers):
+            self.model.layers.append(DecoderLayer(cfg, i, dtype, attention_path, backend))
+        self.lm_head = (None if cfg.tie_word_embeddings else
+                        nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False))
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head
+
+    def set_attention(self, path: str, backend: str | None) -> None:
+        """Choose the attention path (``auto``/``naive``/``absorbed``) and kernel backend (None = by device)."""
+        for layer in self.model.layers:
+            layer.self_attn.path = path
+            layer.self_attn.backend = backend
+
+    def forward(self, batch: ForwardBatch, cache: LatentCache) -> torch.Tensor:
+        """Hidden states ``[T, d]`` after the final norm, writing each layer's latent into ``cache``."""
+        x = self.model.embed_tokens(batch.input_ids)
+        for layer, layer_cache in zip(self.model.layers, cache.layers):
+            x = layer(x, batch, layer_cache)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight).float()

@@ -1,0 +1,157 @@
+"""Tiny random MLA checkpoints built with transformers (the reference implementation) for the tests.
+
+Weights are re-randomised after construction so that norm weights are not 1, biases are not 0 and the
+router's correction bias matters: a test that passes must have used every tensor correctly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+VOCAB = 256
+
+
+def _v3_config(**overrides: Any):
+    from transformers import DeepseekV3Config
+
+    kw: dict[str, Any] = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=160, moe_intermediate_size=32,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+        n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2, kv_lora_rank=32, q_lora_rank=48,
+        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24, first_k_dense_replace=1,
+        max_position_embeddings=512, routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
+        tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=None,
+    )
+    kw.update(overrides)
+    return DeepseekV3Config(**kw)
+
+
+def _v2_config(**overrides: Any):
+    from transformers import DeepseekV2Config
+
+    kw: dict[str, Any] = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=160, moe_intermediate_size=32,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+        n_shared_experts=2, num_experts_per_tok=3, n_group=4, topk_group=2, topk_method="group_limited_greedy",
+        kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+        first_k_dense_replace=1, max_position_embeddings=512, routed_scaling_factor=1.5,
+        tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=None,
+    )
+    kw.update(overrides)
+    return DeepseekV2Config(**kw)
+
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 1.0}
+
+# name → (family, config overrides). Together they cover q_lora_rank null/set, YaRN with mscale,
+# rope_interleave true/false, V2 group-limited and greedy routing, V3 noaux_tc, v_head_dim != d_n.
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "v3": ("v3", {"rope_parameters": YARN}),
+    "v3_noq_halfsplit": ("v3", {"q_lora_rank": None, "rope_interleave": False, "v_head_dim": 16,
+                                "tie_word_embeddings": True}),
+    "v2_group": ("v2", {"rope_parameters": YARN}),
+    "v2_greedy_qlora": ("v2", {"topk_method": "greedy", "n_group": 1, "topk_group": 1, "q_lora_rank": 48,
+                               "v_head_dim": 24}),
+}
+
+
+def build_hf_model(variant: str, seed: int = 0):
+    from transformers import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+
+    family, overrides = VARIANTS[variant]
+    torch.manual_seed(seed)
+    if family == "v3":
+        model = DeepseekV3ForCausalLM(_v3_config(**overrides))
+    else:
+        model = DeepseekV2ForCausalLM(_v2_config(**overrides))
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith("bias"):
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+            elif "mlp.gate.weight" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.08 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+    return model.eval()
+
+
+def save_checkpoint(model, out: Path, max_shard_size: str | None = None) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    if max_shard_size:
+        model.save_pretrained(out, max_shard_size=max_shard_size)
+    else:
+        model.save_pretrained(out)
+    return out
+
+
+FP8_MAX = 448.0
+
+
+def quantize_fp8_checkpoint(src: Path, dst: Path, block: int = 128) -> Path:
+    """Rewrite ``src`` as a DeepSeek-V3-style FP8 checkpoint: every linear weight of attention and MLPs
+    becomes float8_e4m3fn with a ``weight_scale_inv`` per ``block × block`` tile."""
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(str(src / "model.safetensors"))
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        quantise = (t.dim() == 2 and name.endswith("proj.weight") and ".layers." in name)
+        if not quantise:
+            out[name] = t
+            continue
+        rows, cols = t.shape
+        nr, nc = -(-rows // block), -(-cols // block)
+        scale = torch.empty(nr, nc)
+        q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+        for i in range(nr):
+            for j in range(nc):
+                tile = t[i * block:(i + 1) * block, j * block:(j + 1) * block].float()
+                s = tile.abs().max().clamp(min=1e-12) / FP8_MAX
+                scale[i, j] = s
+                q[i * block:(i + 1) * block, j * block:(j + 1) * block] = (tile / s).to(torch.float8_e4m3fn)
+        out[name] = q
+        out[name[: -len("weight")] + "weight_scale_inv"] = scale
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [block, block]}
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
+def dequantized_reference(path: Path, out: Path):
+    """transformers' model holding the FP8 checkpoint's weights dequantised to fp32 (the reference)."""
+    from transformers import AutoModelForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(dequantized_state_dict(path), str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["quantization_config"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+
+
+def dequantized_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """The FP8 checkpoint's weights as the reference should see them (fp32, dequantised)."""
+    from mla_runtime.loader import dequantize_fp8_block
+
+    tensors = load_file(str(path / "model.safetensors"))
+    block = tuple(json.loads((path / "config.json").read_text())["quantization_config"]["weight_block_size"])
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("weight_scale_inv"):
+            continue
+        scale = tensors.get(name[: -len("weight")] + "weight_scale_inv")
+        out[name] = dequantize_fp8_block(t, scale, block) if scale is not None else t.float()
+    return out

@@ -1,0 +1,45 @@
+"""Shared fixtures: tiny random MLA checkpoints, built once per test session with transformers."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # kernels: interpret Triton on CPU (must precede the first triton import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tests.checkpoints import VARIANTS, build_hf_model, quantize_fp8_checkpoint, save_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """``tiny_checkpoint(variant)`` → (checkpoint dir, transformers model)."""
+    built: dict[str, tuple] = {}
+
+    def get(variant: str):
+        if variant not in built:
+            hf = build_hf_model(variant)
+            path = save_checkpoint(hf, tmp_path_factory.mktemp(f"ckpt_{variant}"))
+            built[variant] = (path, hf)
+        return built[variant]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def sharded_checkpoint(tmp_path_factory, tiny_checkpoint):
+    _, hf = tiny_checkpoint("v3")
+    return save_checkpoint(hf, tmp_path_factory.mktemp("ckpt_sharded"), max_shard_size="100KB"), hf
+
+
+@pytest.fixture(scope="session")
+def fp8_checkpoint(tmp_path_factory, tiny_checkpoint):
+    path, _ = tiny_checkpoint("v3")
+    return quantize_fp8_checkpoint(path, tmp_path_factory.mktemp("ckpt_fp8"))
+
+
+@pytest.fixture(scope="session", params=sorted(VARIANTS))
+def variant(request):
+    return request.param
