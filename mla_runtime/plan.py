@@ -1,0 +1,515 @@
+"""Memory planner: the one owner of memory sizing (DESIGN.md §1–2).
+
+Device memory is split three ways, per rank::
+
+    usable      = floor(device_memory_bytes × memory_utilization)
+    cache budget = usable − weights − activation reserve
+    num_blocks  = floor(cache budget / (latent_bytes_per_token × block_size))
+
+Latent cache layout (the contract the cache code allocates exactly), per layer::
+
+    latent  [num_blocks, block_size, d_c + d_r]   cache dtype
+    scales  [num_blocks, block_size, 2]           float32, only for fp8/int8 caches
+                                                  (one scale for the d_c part, one for the d_r part)
+
+so a token costs ``(d_c + d_r) × bytes(cache dtype) (+ 8 when quantised)`` per layer. DeepSeek-V3 in
+bf16: 576 × 61 × 2 = 70,272 B/token; the same model's un-absorbed per-head K/V cache would cost
+n_h × (d_n + d_r + d_v) × 61 × 2 = 4,997,120 B/token (71×).
+
+Tensor parallelism (``tensor_parallel_size = tp``) shards, per rank: attention heads (q/q_b, kv_b,
+o_proj), the dense-MLP and expert intermediate dims (ceil division), and the vocabulary of the
+embedding and lm_head (ceil division); q_a/kv_a projections, norms and the router are replicated.
+With ``latent_cache_layout="replicated"`` every rank caches every token; with ``"sharded"`` each
+token's latent lives on one rank, so a rank pays ``latent / tp`` bytes per token and the whole group
+holds ``tp×`` the tokens.
+
+CLI: ``python -m mla_runtime.plan --model deepseek-v3 --max-seq-len 32768 --max-num-seqs 64
+--device-memory 141GiB --tensor-parallel-size 16``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+
+import torch
+
+from mla_runtime.config import ModelConfig
+
+MODEL_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+# None = "auto": the cache uses the model dtype.
+CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+    "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+    "int8": torch.int8,
+}
+QUANTIZED_CACHE_DTYPES = (torch.float8_e4m3fn, torch.int8)
+CACHE_SCALES_PER_TOKEN = 2  # per layer: one scale for the latent c, one for the RoPE key k_r
+CACHE_SCALE_DTYPE = torch.float32
+LATENT_CACHE_LAYOUTS = ("replicated", "sharded")
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+ACTIVATION_OVERHEAD_BYTES = 256 * 2**20
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class CacheDtype:
+    """The element type of the latent cache tensor and whether it carries per-token scales."""
+
+    dtype: torch.dtype
+    quantized: bool
+
+    @property
+    def name(self) -> str:
+        return _dtype_name(self.dtype)
+
+    @property
+    def element_bytes(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def scale_bytes(self) -> int:
+        """Scale bytes per token per layer (0 for unquantised caches)."""
+        return CACHE_SCALES_PER_TOKEN * CACHE_SCALE_DTYPE.itemsize if self.quantized else 0
+
+
+def resolve_model_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
+    """``"auto"`` → the checkpoint's ``torch_dtype``; FP8 checkpoints load (dequantised) at that dtype."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in MODEL_DTYPES.values():
+            raise ValueError(f"dtype: weights load as float32/bfloat16/float16, got {dtype}")
+        return dtype
+    name = config.torch_dtype if dtype == "auto" else dtype
+    if name not in MODEL_DTYPES:
+        field = "config torch_dtype" if dtype == "auto" else "dtype"
+        raise ValueError(f"{field}: unsupported model dtype {name!r} (use one of {', '.join(MODEL_DTYPES)})")
+    return MODEL_DTYPES[name]
+
+
+def resolve_cache_dtype(cache_dtype: str | torch.dtype, model_dtype: torch.dtype) -> CacheDtype:
+    """Map a cache dtype name (``CACHE_DTYPES``) to the cache tensor's torch dtype and quantisation."""
+    if isinstance(cache_dtype, torch.dtype):
+        if cache_dtype not in CACHE_DTYPES.values():
+            raise ValueError(f"cache_dtype: unsupported cache dtype {cache_dtype}")
+        dt = cache_dtype
+    else:
+        if cache_dtype not in CACHE_DTYPES:
+            raise ValueError(f"cache_dtype: unsupported cache dtype {cache_dtype!r} "
+                             f"(use one of {', '.join(CACHE_DTYPES)})")
+        dt = CACHE_DTYPES[cache_dtype] or model_dtype
+    return CacheDtype(dtype=dt, quantized=dt in QUANTIZED_CACHE_DTYPES)
+
+
+# -- bytes per token -----------------------------------------------------------------------------
+def latent_bytes_per_token(config: ModelConfig, cache_dtype: str | torch.dtype = "auto",
+                           model_dtype: str | torch.dtype = "auto") -> int:
+    """Exact bytes the paged latent cache stores per token, all layers: ``[c ; k_r]`` (+ scales)."""
+    cache = resolve_cache_dtype(cache_dtype, resolve_model_dtype(model_dtype, config))
+    per_layer = config.latent_dim * cache.element_bytes + cache.scale_bytes
+    return per_layer * config.num_hidden_layers
+
+
+def mha_bytes_per_token(config: ModelConfig, dtype: str | torch.dtype = "auto") -> int:
+    """Bytes per token of the un-absorbed per-head cache: ``n_h × (d_n + d_r + d_v) × layers × bytes``."""
+    element = resolve_cache_dtype(dtype, resolve_model_dtype("auto", config)).element_bytes
+    per_layer = config.num_attention_heads * (config.qk_head_dim + config.v_head_dim)
+    return per_layer * config.num_hidden_layers * element
+
+
+# -- weights ---------------------------------------------------------------------------------------
+def _check_tp(config: ModelConfig, tensor_parallel_size: int) -> None:
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    if config.num_attention_heads % tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size ({tensor_parallel_size}) must divide num_attention_heads "
+                         f"({config.num_attention_heads})")
+
+
+def parameter_breakdown(config: ModelConfig, tensor_parallel_size: int = 1) -> dict[str, int]:
+    """Parameters per rank by component (exact for ``tensor_parallel_size=1``; the MTP layer is skipped).
+
+    Counts what the checkpoint holds, so the ``noaux_tc`` router's ``e_score_correction_bias`` is
+    included (transformers keeps it as a buffer). Components: embedding, attention, dense_mlp, moe
+    (router + routed + shared experts), norms (all RMSNorm weights), lm_head (0 when tied).
+    """
+    _check_tp(config, tensor_parallel_size)
+    tp = tensor_parallel_size
+
+    def shard(n: int) -> int:
+        return -(-n // tp)
+
+    d, heads = config.hidden_size, config.num_attention_heads // tp
+    bias = int(config.attention_bias)
+    attn = 0 if config.q_lora_rank is None else (d + bias) * config.q_lora_rank          # q_a_proj
+    q_in = d if config.q_lora_rank is None else config.q_lora_rank
+    attn += q_in * heads * config.qk_head_dim                                    # q_proj | q_b_proj
+    attn += (d + bias) * config.latent_dim                                       # kv_a_proj_with_mqa
+    attn += config.kv_lora_rank * heads * (config.qk_nope_head_dim + config.v_head_dim)  # kv_b_proj
+    attn += heads * config.v_head_dim * d + bias * d                             # o_proj
+    attn_norms = config.kv_lora_rank + (config.q_lora_rank or 0)                 # kv_a / q_a layernorm
+
+    def mlp(intermediate: int) -> int:  # gate, up, down (+ biases when mlp_bias)
+        inter = shard(intermediate)
+        return 3 * d * inter + int(config.mlp_bias) * (2 * inter + d)
+
+    counts = dict.fromkeys(("embedding", "attention", "dense_mlp", "moe", "norms", "lm_head"), 0)
+    counts["embedding"] = shard(config.vocab_size) * d
+    counts["lm_head"] = 0 if config.tie_word_embeddings else shard(config.vocab_size) * d
+    counts["norms"] = d  # final norm
+    for layer in range(config.num_hidden_layers):
+        counts["attention"] += attn
+        counts["norms"] += 2 * d + attn_norms
+        m = config.moe
+        if m is not None and config.is_moe_layer(layer):
+            router = m.n_routed_experts * d + (m.n_routed_experts if m.topk_method == "noaux_tc" else 0)
+            routed = m.n_routed_experts * 3 * d * shard(m.moe_intermediate_size)
+            shared = mlp(m.n_shared_experts * m.moe_intermediate_size) if m.n_shared_experts else 0
+            counts["moe"] += router + routed + shared
+        else:
+            counts["dense_mlp"] += mlp(config.intermediate_size)
+    return counts
+
+
+def parameter_count(config: ModelConfig, tensor_parallel_size: int = 1) -> int:
+    """Parameters of the main model (no MTP layer), per rank when ``tensor_parallel_size > 1``."""
+    return sum(parameter_breakdown(config, tensor_parallel_size).values())
+
+
+def weight_bytes(config: ModelConfig, dtype: str | torch.dtype = "auto",
+                 tensor_parallel_size: int = 1) -> int:
+    """Parameter bytes at the load dtype (FP8 checkpoints are dequantised to it), per rank."""
+    element = resolve_model_dtype(dtype, config).itemsize
+    return parameter_count(config, tensor_parallel_size) * element
+
+
+# -- activations -------------------------------------------------------------------------------
+def default_max_num_batched_tokens(max_seq_len: int, max_num_seqs: int) -> int:
+    """Token budget of one step when the caller sets none: chunked prefill of up to 8,192 tokens."""
+    return max(min(max_seq_len, DEFAULT_MAX_NUM_BATCHED_TOKENS), max_num_seqs)
+
+
+def activation_reserve_bytes(config: ModelConfig, *, dtype: str | torch.dtype = "auto",
+                             max_num_batched_tokens: int, max_num_seqs: int,
+                             tensor_parallel_size: int = 1) -> int:
+    """Conservative bytes for one step's activations, per rank.
+
+    With ``T = max_num_batched_tokens`` tokens in flight, ``b`` bytes per model-dtype element,
+    ``h = n_h / tp`` local heads and ``s(x) = ceil(x / tp)``::
+
+        per_token = b × (2·d + widest) + router
+          2·d      residual stream + the current layer's input/output (hidden states)
+          widest   the largest intermediate alive at once, the max of
+                   attention  h·(2·(d_n + d_r) + 2·d_v)   q, up-projected k and v, attention output
+                   absorbed   h·(2·d_c + d_r)              q̃ = [W_UKᵀ q_n ; q_r] and the latent output
+                   dense MLP  3·s(I)                       gate/up output + activated product
+                   MoE        3·(k·s(I_e) + s(n_s·I_e)) + k·d   per-expert gate/up/act for k routed
+                                                                copies, shared experts, dispatched copies
+          router   8·n_routed                              fp32 router logits + scores (MoE models)
+        reserve = T·per_token + 2·4·min(max_num_seqs, T)·vocab + ACTIVATION_OVERHEAD_BYTES
+
+    The logits term is fp32 logits and probabilities for one sampled row per sequence (full vocab:
+    vocab-parallel logits are gathered). The fixed 256 MiB overhead covers kernel workspaces
+    (split-KV partial outputs), sampler buffers and allocator slack. Each term is an upper bound
+    of what lives at once; nothing is assumed to be freed early.
+    """
+    _check_tp(config, tensor_parallel_size)
+    if max_num_batched_tokens < 1:
+        raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    tp = tensor_parallel_size
+
+    def shard(n: int) -> int:
+        return -(-n // tp)
+
+    b = resolve_model_dtype(dtype, config).itemsize
+    d, heads = config.hidden_size, config.num_attention_heads // tp
+    widths = [heads * (2 * config.qk_head_dim + 2 * config.v_head_dim),
+              heads * (2 * config.kv_lora_rank + config.qk_rope_head_dim)]
+    layers = range(config.num_hidden_layers)
+    if any(not config.is_moe_layer(i) for i in layers):
+        widths.append(3 * shard(config.intermediate_size))
+    router = 0
+    m = config.moe
+    if m is not None and any(config.is_moe_layer(i) for i in layers):
+        experts = m.num_experts_per_tok * shard(m.moe_intermediate_size)
+        widths.append(3 * (experts + shard(m.n_shared_experts * m.moe_intermediate_size))
+                      + m.num_experts_per_tok * d)
+        router = 2 * 4 * m.n_routed_experts
+    per_token = b * (2 * d + max(widths)) + router
+    logits = 2 * 4 * min(max_num_seqs, max_num_batched_tokens) * config.vocab_size
+    return max_num_batched_tokens * per_token + logits + ACTIVATION_OVERHEAD_BYTES
+
+
+# -- the plan ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Per-rank memory split and cache capacity. All byte counts are per rank unless named total."""
+
+    dtype: torch.dtype
+    cache_dtype: CacheDtype
+    block_size: int
+    tensor_parallel_size: int
+    latent_cache_layout: str
+    max_seq_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    device_memory_bytes: int
+    memory_utilization: float
+    usable_bytes: int
+    parameter_count: int              # whole model
+    weight_bytes: int                 # per rank
+    total_weight_bytes: int           # whole model
+    activation_bytes: int
+    cache_budget_bytes: int
+    latent_bytes_per_token: int       # whole token, all layers
+    cache_bytes_per_token_per_rank: float  # latent / tp when sharded
+    mha_bytes_per_token: int
+    num_blocks: int                   # per rank
+    max_tokens: int                   # tokens the whole group can cache
+    max_sequences: int                # sequences of max_seq_len that fit at once
+    blocks_per_sequence: int
+
+    @property
+    def fits(self) -> bool:
+        """Whether ``max_num_seqs`` sequences of ``max_seq_len`` tokens fit in the cache at once."""
+        return self.max_sequences >= self.max_num_seqs
+
+    @property
+    def absorption_ratio(self) -> float:
+        """How many times smaller the latent cache is than the un-absorbed MHA cache."""
+        return self.mha_bytes_per_token / self.latent_bytes_per_token
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes the cache tensors actually take on one rank (≤ the budget)."""
+        return self.num_blocks * self.block_size * self.latent_bytes_per_token
+
+
+def _min_tp_that_fits(config: ModelConfig, dtype: torch.dtype, usable: int) -> int | None:
+    for tp in range(1, config.num_attention_heads + 1):
+        if config.num_attention_heads % tp == 0 and weight_bytes(config, dtype, tp) <= usable:
+            return tp
+    return None
+
+
+def plan_memory(config: ModelConfig, *, dtype: str | torch.dtype, cache_dtype: str | torch.dtype = "auto",
+                device_memory_bytes: int, memory_utilization: float = 0.92, max_seq_len: int,
+                max_num_seqs: int, block_size: int = 64, max_num_batched_tokens: int | None = None,
+                tensor_parallel_size: int = 1, latent_cache_layout: str = "replicated") -> MemoryPlan:
+    """Split one rank's ``device_memory_bytes`` into weights, activations and latent cache blocks.
+
+    Raises ``ValueError`` naming the argument for bad input, and when weights (plus the activation
+    reserve) do not fit, saying by how much and what to change.
+    """
+    model_dtype = resolve_model_dtype(dtype, config)
+    cache = resolve_cache_dtype(cache_dtype, model_dtype)
+    _check_tp(config, tensor_parallel_size)
+    if not 0 < memory_utilization <= 1:
+        raise ValueError(f"memory_utilization must be in (0, 1], got {memory_utilization}")
+    for name, value in (("device_memory_bytes", device_memory_bytes), ("max_seq_len", max_seq_len),
+                        ("max_num_seqs", max_num_seqs), ("block_size", block_size)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if latent_cache_layout not in LATENT_CACHE_LAYOUTS:
+        raise ValueError(f"latent_cache_layout must be one of {LATENT_CACHE_LAYOUTS}, "
+                         f"got {latent_cache_layout!r}")
+    tp = tensor_parallel_size
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = default_max_num_batched_tokens(max_seq_len, max_num_seqs)
+
+    usable = math.floor(device_memory_bytes * memory_utilization)
+    weights = weight_bytes(config, model_dtype, tp)
+    if weights > usable:
+        need_tp = _min_tp_that_fits(config, model_dtype, usable)
+        tp_hint = (f"tensor_parallel_size >= {need_tp}" if need_tp else
+                   f"tensor parallelism (even {config.num_attention_heads} ranks are not enough)")
+        raise ValueError(
+            f"model weights do not fit: {weights:,} B ({_gib(weights)}) per rank in "
+            f"{_dtype_name(model_dtype)} at tensor_parallel_size={tp}, but only {usable:,} B "
+            f"({_gib(usable)}) of {device_memory_bytes:,} B are usable at memory_utilization="
+            f"{memory_utilization} — short by {weights - usable:,} B ({_gib(weights - usable)}). "
+            f"Use more device memory, {tp_hint}, or a smaller weight dtype"
+            + (" (dtype='bfloat16' halves them)" if model_dtype == torch.float32 else ""))
+    activations = activation_reserve_bytes(
+        config, dtype=model_dtype, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        tensor_parallel_size=tp)
+    if weights + activations > usable:
+        raise ValueError(
+            f"weights ({weights:,} B) plus the activation reserve ({activations:,} B for "
+            f"max_num_batched_tokens={max_num_batched_tokens}) exceed the {usable:,} B usable per rank by "
+            f"{weights + activations - usable:,} B: lower max_num_batched_tokens or max_num_seqs, or add "
+            f"memory / tensor parallelism")
+    budget = usable - weights - activations
+    latent = latent_bytes_per_token(config, cache.dtype, model_dtype)
+    holders = tp if latent_cache_layout == "sharded" else 1  # ranks that split the tokens between them
+    num_blocks = budget // (latent * block_size)
+    blocks_per_sequence = -(-max_seq_len // block_size)
+    return MemoryPlan(
+        dtype=model_dtype, cache_dtype=cache, block_size=block_size, tensor_parallel_size=tp,
+        latent_cache_layout=latent_cache_layout, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, device_memory_bytes=device_memory_bytes,
+        memory_utilization=memory_utilization, usable_bytes=usable,
+        parameter_count=parameter_count(config), weight_bytes=weights,
+        total_weight_bytes=weight_bytes(config, model_dtype), activation_bytes=activations,
+        cache_budget_bytes=budget, latent_bytes_per_token=latent,
+        cache_bytes_per_token_per_rank=latent / holders,
+        mha_bytes_per_token=mha_bytes_per_token(config, cache.dtype),
+        num_blocks=num_blocks, max_tokens=num_blocks * block_size * holders,
+        max_sequences=num_blocks * holders // blocks_per_sequence, blocks_per_sequence=blocks_per_sequence,
+    )
+
+
+# -- byte strings and the report -------------------------------------------------------------------
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_BYTES_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_bytes(value: str | int) -> int:
+    """``"80GiB"``, ``"2GB"``, ``"512MiB"``, ``"1.5e9"`` or an int → bytes.
+
+    kB/MB/GB/TB are powers of 1000, KiB/MiB/GiB/TiB powers of 1024; units are case-insensitive.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"byte size must be an int or a string like '80GiB', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"byte size must be >= 0, got {value}")
+        return value
+    match = _BYTES_RE.match(value)
+    unit = match and _UNITS.get(match.group(2).lower())
+    if not match or unit is None:
+        raise ValueError(f"cannot parse byte size {value!r}: use a number with an optional unit "
+                         f"B, kB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024)")
+    try:
+        number = Decimal(match.group(1))
+    except InvalidOperation as e:  # pragma: no cover - the regex admits only valid decimals
+        raise ValueError(f"cannot parse byte size {value!r}") from e
+    return int(number * unit)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.2f} GiB"
+
+
+def _row(label: str, value: str, note: str = "") -> str:
+    return f"  {label:<36}{value:>20}{'  ' + note if note else ''}"
+
+
+def format_per_token(config: ModelConfig, cache: CacheDtype, tensor_parallel_size: int = 1,
+                     latent_cache_layout: str = "replicated") -> list[str]:
+    """Report lines for the cache cost of one token: latent, per rank when sharded, MHA, saving."""
+    layers, tp = config.num_hidden_layers, tensor_parallel_size
+    latent = latent_bytes_per_token(config, cache.dtype)
+    mha = mha_bytes_per_token(config, cache.dtype)
+    per_layer = (f"({config.latent_dim} x {cache.element_bytes} B + {cache.scale_bytes} B scales)"
+                 if cache.quantized else f"{config.latent_dim} values x {cache.element_bytes} B")
+    lines = [_row("latent cache per token", f"{latent:,} B", f"= {per_layer} x {layers} layers")]
+    if latent_cache_layout == "sharded" and tp > 1:
+        lines.append(_row("latent cache per token per rank", f"{latent / tp:,.1f} B",
+                          f"(each token on one of {tp} ranks)"))
+    return lines + [
+        _row("un-absorbed MHA cache per token", f"{mha:,} B",
+             f"= {config.num_attention_heads} heads x {config.qk_head_dim + config.v_head_dim} x {layers} "
+             f"layers x {cache.element_bytes} B"),
+        _row("absorption saving", f"{mha / latent:,.2f}x", "smaller cache per token than MHA"),
+    ]
+
+
+def format_report(plan: MemoryPlan, config: ModelConfig, model: str = "") -> str:
+    """A readable, operator-facing account of the plan (what the CLI prints)."""
+    tp = plan.tensor_parallel_size
+
+    def bytes_row(label: str, n: int, note: str = "") -> str:
+        return _row(label, f"{n:,} B", f"{_gib(n):>13}" + (f"  {note}" if note else ""))
+
+    lines = [
+        f"Memory plan for {model or config.model_type} ({config.model_type}: {config.num_hidden_layers} "
+        f"layers, {config.num_attention_heads} heads, d_c={config.d_c}, d_r={config.d_r}, "
+        f"{plan.parameter_count:,} parameters)",
+        f"  model dtype {_dtype_name(plan.dtype)}, cache dtype {plan.cache_dtype.name}, block size "
+        f"{plan.block_size}, tensor parallel {tp} ({plan.latent_cache_layout} latent cache)",
+        "",
+        bytes_row("device memory per rank", plan.device_memory_bytes),
+        bytes_row(f"usable at utilization {plan.memory_utilization}", plan.usable_bytes),
+        bytes_row("weights per rank", plan.weight_bytes,
+                  f"(total {plan.total_weight_bytes:,} B)" if tp > 1 else ""),
+        bytes_row("activation reserve", plan.activation_bytes,
+                  f"({plan.max_num_batched_tokens:,} batched tokens, {plan.max_num_seqs:,} seqs)"),
+        bytes_row("latent cache budget", plan.cache_budget_bytes),
+        "",
+        *format_per_token(config, plan.cache_dtype, tp, plan.latent_cache_layout),
+        "",
+        _row("blocks per rank", f"{plan.num_blocks:,}",
+             f"x {plan.block_size} tokens ({_gib(plan.cache_bytes)} allocated)"),
+        _row("tokens that fit", f"{plan.max_tokens:,}"),
+        _row(f"sequences of {plan.max_seq_len:,} tokens that fit", f"{plan.max_sequences:,}"),
+    ]
+    verdict = "FITS" if plan.fits else "DOES NOT FIT"
+    needed = plan.max_num_seqs * plan.blocks_per_sequence
+    lines += ["", f"  requested {plan.max_num_seqs:,} x {plan.max_seq_len:,} tokens: {verdict} "
+              f"(needs {needed:,} blocks of {plan.block_size} tokens, the cache holds "
+              f"{plan.max_tokens // plan.block_size:,})"]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mla_runtime.plan", description=(
+        "Plan how one rank's memory splits into weights, activations and latent cache blocks."))
+    parser.add_argument("--model", required=True, help="checkpoint dir, config.json, or preset name")
+    parser.add_argument("--max-seq-len", type=int, default=None,
+                        help="tokens per sequence (default: the model's max_position_embeddings)")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--device-memory", type=parse_bytes, required=True,
+                        help="memory of one device, e.g. 80GiB, 141GB, 1.5e11")
+    parser.add_argument("--memory-utilization", type=float, default=0.92)
+    parser.add_argument("--dtype", default="auto", choices=["auto", *MODEL_DTYPES])
+    parser.add_argument("--cache-dtype", default="auto", choices=list(CACHE_DTYPES))
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--latent-cache-layout", default="replicated", choices=list(LATENT_CACHE_LAYOUTS))
+    args = parser.parse_args(argv)
+    try:
+        config = ModelConfig.from_pretrained(args.model)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        plan = plan_memory(
+            config, dtype=args.dtype, cache_dtype=args.cache_dtype, device_memory_bytes=args.device_memory,
+            memory_utilization=args.memory_utilization,
+            max_seq_len=args.max_seq_len or config.max_position_embeddings, max_num_seqs=args.max_num_seqs,
+            block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+            tensor_parallel_size=args.tensor_parallel_size, latent_cache_layout=args.latent_cache_layout)
+    except ValueError as e:
+        try:  # the per-token cost does not depend on memory: still worth showing
+            cache = resolve_cache_dtype(args.cache_dtype, resolve_model_dtype(args.dtype, config))
+            print(f"Cache cost per token for {args.model} (no plan: see the error below)")
+            print("\n".join(format_per_token(config, cache, args.tensor_parallel_size,
+                                             args.latent_cache_layout)))
+        except ValueError:
+            pass
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_report(plan, config, args.model))
+    return 0
+
+if __name__ == "__main__":
+    sys.exit(main())
