@@ -240,3 +240,14 @@ def test_cli_weights_too_big_still_reports_per_token_cost(capsys):
     assert rc == 2
     assert f"{(576 + 8) * 61:,}" in captured.out
     assert "do not fit" in captured.err and "tensor_parallel_size" in captured.err
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "bf16", "fp8", "int8"])
+def test_planner_bytes_equal_what_the_cache_allocates(cache_dtype):
+    from mla_runtime.cache.latent_cache import LatentCache
+
+    cache = resolve_cache_dtype(cache_dtype, torch.float32)
+    allocated = LatentCache(TINY_V3.num_hidden_layers, num_blocks=3, block_size=16,
+                            latent_dim=TINY_V3.latent_dim, dtype=cache.dtype)
+    assert allocated.bytes_per_token() == latent_bytes_per_token(TINY_V3, cache_dtype, "float32")
+    assert allocated.nbytes() == 3 * 16 * latent_bytes_per_token(TINY_V3, cache_dtype, "float32")
