@@ -24,9 +24,8 @@ from safetensors import safe_open
 
 from mla_runtime.config import ModelConfig
 from mla_runtime.models.deepseek import DeepseekForCausalLM
+from mla_runtime.plan import resolve_model_dtype
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _IGNORED_RE = re.compile(r"rotary_emb\.inv_freq$")
 _FUSED_EXPERTS_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj$")
@@ -42,18 +41,6 @@ class Slot:
 
     param: str
     index: tuple[int | slice, ...] = ()
-
-
-def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        if dtype not in DTYPES.values():
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
-        return dtype
-    if dtype == "auto":
-        return DTYPES.get(cfg.torch_dtype, torch.bfloat16)
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
-    return DTYPES[dtype]
 
 
 def checkpoint_layout(cfg: ModelConfig, fused_expert_layers: set[int] = frozenset()) -> dict[str, Slot]:
@@ -212,7 +199,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", attention_pa
                backend: str | None = None, device: str | torch.device = "cpu") -> DeepseekForCausalLM:
     """Build the model from ``<path>/config.json`` and load its safetensors weights."""
     cfg = ModelConfig.from_pretrained(path)
-    torch_dtype = resolve_dtype(dtype, cfg)
+    torch_dtype = resolve_model_dtype(dtype, cfg)
     with torch.device(device):
         model = DeepseekForCausalLM(cfg, torch_dtype, attention_path, backend)
     load_weights(model, path)

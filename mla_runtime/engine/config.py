@@ -1,0 +1,55 @@
+"""``EngineConfig``: every knob of ``LLM``/``AsyncLLM``, validated once, frozen."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mla_runtime.layers.mla import ATTENTION_PATHS
+from mla_runtime.plan import CACHE_DTYPES, LATENT_CACHE_LAYOUTS, parse_bytes
+
+ATTENTION_BACKENDS = (None, "triton", "torch")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 64
+    kv_cache_dtype: str = "auto"
+    kv_cache_memory: int | str | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1
+    attention_backend: str | None = None
+    attention_path: str = "auto"
+    latent_cache_layout: str = "replicated"
+    latent_rank: int | None = None
+    seed: int = 0
+    device: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 16 or self.block_size % 16:
+            raise ValueError(f"block_size must be a positive multiple of 16, got {self.block_size}")
+        if self.kv_cache_dtype not in CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {sorted(CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_memory is not None:
+            object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be 'triton', 'torch' or None, got {self.attention_backend!r}")
+        if self.attention_path not in ATTENTION_PATHS:
+            raise ValueError(f"attention_path must be one of {ATTENTION_PATHS}, got {self.attention_path!r}")
+        if self.latent_cache_layout not in LATENT_CACHE_LAYOUTS:
+            raise ValueError(f"latent_cache_layout must be one of {LATENT_CACHE_LAYOUTS}, "
+                             f"got {self.latent_cache_layout!r}")
+        if self.latent_rank is not None and self.latent_rank < 1:
+            raise ValueError(f"latent_rank must be >= 1, got {self.latent_rank}")

@@ -1,0 +1,166 @@
+"""Scheduler: continuous batching under a token budget, chunked prefill, prefix caching, preemption.
+
+Each step it fills a budget of ``max_num_batched_tokens`` new tokens:
+1. running sequences first, in admission order — a decode needs one token, an unfinished prefill the
+   rest of its prompt (chunked to what the budget has left), so long prompts never stall decodes;
+2. if a running sequence needs a block and none is free, the most recently admitted running sequence
+   is preempted: its blocks go back to the pool (full ones stay prefix-cached) and it re-queues at the
+   front, to be recomputed later — cheap, since its prefix is usually still cached;
+3. then waiting sequences, in arrival order, while the budget, ``max_num_seqs`` and the pool allow;
+   each first takes the longest cached prefix of its tokens.
+
+The scheduler deals only in sequences, token counts and block ids.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from mla_runtime.engine.block_pool import BlockPool, block_hash
+from mla_runtime.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.num_computed_tokens_total = 0  # tokens run through the model (prefix hits excluded)
+
+    # -- queue ---------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Finish ``seq`` wherever it is (waiting, running) and return its blocks."""
+        if seq.is_finished:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    # -- blocks --------------------------------------------------------------------------------
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _release(self, seq: Sequence) -> None:
+        self.pool.free(seq.block_table)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _prefix_hashes(self, seq: Sequence) -> list[int]:
+        """Hashes of the full blocks a new sequence may take from the cache (at least one token is
+        always left to compute, so the step has logits to sample from)."""
+        tokens = seq.token_ids
+        hashes: list[int] = []
+        parent = None
+        for k in range((len(tokens) - 1) // self.block_size):
+            parent = block_hash(parent, tokens[k * self.block_size:(k + 1) * self.block_size])
+            hashes.append(parent)
+        return hashes
+
+    def _admit_prefix(self, seq: Sequence) -> None:
+        hashes = self._prefix_hashes(seq)
+        hit = self.pool.lookup(hashes, seq.num_tokens)
+        seq.block_table = hit
+        seq.block_hashes = hashes[: len(hit)]
+        seq.num_computed_tokens = len(hit) * self.block_size
+        seq.num_cached_prompt_tokens = seq.num_computed_tokens
+
+    def _waits_for_sibling(self, seq: Sequence) -> bool:
+        """Samples 2..n of a request wait until sample 1 has cached the prompt, then share its blocks."""
+        first = seq.share_prefix_with
+        if first is None or not self.pool.enable_prefix_caching or first.is_finished:
+            return False
+        full_prompt_blocks = (len(seq.prompt_token_ids) - 1) // self.block_size
+        return len(first.block_hashes) < full_prompt_blocks
+
+    # -- one step ------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed, budget)
+            need = self._blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
+            while need > self.pool.num_free_blocks and self.running[-1] is not seq:
+                self._preempt(self.running[-1])
+                preempted = True
+            if need > self.pool.num_free_blocks:
+                self._preempt(seq)
+                preempted = True
+                break
+            seq.block_table += self.pool.allocate(need)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+            i += 1
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            if self._waits_for_sibling(seq):
+                break
+            if not seq.block_table:
+                self._admit_prefix(seq)
+            n = min(seq.num_uncomputed, budget)
+            need = self._blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
+            if need > self.pool.num_free_blocks:
+                self._release(seq)  # give the prefix hits back; retry next step
+                break
+            seq.block_table += self.pool.allocate(need)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return batch
+
+    def on_step_done(self, batch: ScheduledBatch) -> None:
+        """Advance computed counts and index newly completed full blocks in the prefix cache."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.num_computed_tokens_total += n
+            tokens = seq.token_ids
+            while len(seq.block_hashes) < seq.num_computed_tokens // self.block_size:
+                k = len(seq.block_hashes)
+                parent = seq.block_hashes[-1] if seq.block_hashes else None
+                h = block_hash(parent, tokens[k * self.block_size:(k + 1) * self.block_size])
+                seq.block_hashes.append(h)
+                self.pool.register(seq.block_table[k], h)

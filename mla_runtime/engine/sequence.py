@@ -1,0 +1,56 @@
+"""A sequence: one sample of one request, and everything the scheduler tracks about it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from mla_runtime.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    index: int  # sample index within its request (0 .. n-1)
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # hashes of the full, computed blocks
+    num_computed_tokens: int = 0  # tokens whose latent is in the cache
+    num_cached_prompt_tokens: int = 0  # tokens served by the prefix cache at (re)admission
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    num_preemptions: int = 0
+    share_prefix_with: Sequence | None = None  # sample 1 of the same request (n > 1)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens

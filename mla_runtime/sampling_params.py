@@ -1,0 +1,52 @@
+"""``SamplingParams``: how to pick each next token, validated when built (vLLM's names and defaults)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    stop_strings: tuple[str, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise bad("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise bad("temperature", "must be a number >= 0")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+            raise bad("top_k", "must be -1 (disabled) or an integer >= 1")
+        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", "must be in [0, 1]")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise bad("seed", "must be an integer or None")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise bad("logprobs", "must be None or an integer >= 0")
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
+            raise bad("stop_token_ids", "must be a list of non-negative token ids")
+        object.__setattr__(self, "stop_strings", tuple(stops))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

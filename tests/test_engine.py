@@ -1,0 +1,194 @@
+"""Engine: batching never changes tokens; prefix hits and preemption change speed only; no block leaks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from mla_runtime import LLM, SamplingParams
+from tests.checkpoints import VOCAB
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+
+
+def make_prompts(n: int, seed: int = 0, lo: int = 1, hi: int = 90) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(2, VOCAB) for _ in range(rng.randint(lo, hi))]} for _ in range(n)]
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def assert_clean(llm: LLM) -> None:
+    llm.engine.pool.check_whole()
+    assert not llm.engine.requests
+    assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
+
+
+@pytest.fixture(scope="module")
+def v3(tiny_checkpoint):
+    return tiny_checkpoint("v3")
+
+
+def new_llm(path, **kw) -> LLM:
+    kw.setdefault("kv_cache_memory", "8MiB")
+    kw.setdefault("block_size", 16)
+    return LLM(str(path), dtype="float32", max_model_len=256, **kw)
+
+
+def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def test_batched_greedy_equals_one_by_one_and_transformers(v3):
+    path, hf = v3
+    llm = new_llm(path, max_num_batched_tokens=256)
+    prompts = make_prompts(32)
+    together = tokens(llm.generate(prompts, GREEDY))
+    assert_clean(llm)
+    alone = [tokens(llm.generate([p], GREEDY))[0] for p in prompts]
+    assert together == alone
+    for p, got in list(zip(prompts, together))[:8]:
+        assert got == hf_greedy(hf, p["prompt_token_ids"], GREEDY.max_tokens)
+    assert_clean(llm)
+
+
+def test_preemption_keeps_tokens(v3):
+    path, _ = v3
+    prompts = make_prompts(12, seed=1, lo=30, hi=60)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    roomy = tokens(new_llm(path).generate(prompts, params))
+    small = new_llm(path, kv_cache_memory=20 * 16 * (32 + 16) * 3 * 4)  # 20 blocks of 16 tokens, fp32
+    assert small.engine.pool.num_blocks == 20
+    tight = tokens(small.generate(prompts, params))
+    assert small.engine.scheduler.num_preemptions > 0
+    assert tight == roomy
+    assert_clean(small)
+
+
+def test_prefix_hit_computes_only_new_tokens(v3):
+    path, _ = v3
+    llm = new_llm(path)
+    rng = random.Random(3)
+    shared = [rng.randrange(2, VOCAB) for _ in range(48)]  # 3 blocks of 16
+    first = {"prompt_token_ids": shared + [5, 6, 7]}
+    second = {"prompt_token_ids": shared + [9, 10]}
+    llm.generate([first], GREEDY)
+    before = llm.engine.stats()
+    out = llm.generate([second], GREEDY)[0]
+    after = llm.engine.stats()
+    assert out.num_cached_tokens == 48
+    assert after["prefix_hit_tokens"] - before["prefix_hit_tokens"] == 48
+    # prompt tail (2 tokens) + 11 decode steps (the 12th token needs no forward pass)
+    assert after["num_computed_tokens"] - before["num_computed_tokens"] == 2 + GREEDY.max_tokens - 1
+    fresh = new_llm(path, enable_prefix_caching=False)
+    assert tokens(fresh.generate([second], GREEDY)) == [out.outputs[0].token_ids]
+    assert_clean(llm)
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(v3):
+    path, _ = v3
+    llm = new_llm(path)
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+    target = make_prompts(1, seed=7)[0]
+    alone = tokens(llm.generate([target], params))[0]
+    again = tokens(llm.generate([target], params))[0]
+    others = make_prompts(6, seed=8)
+    mixed = llm.generate(others[:3] + [target] + others[3:], [SamplingParams(max_tokens=16, temperature=1.0)] * 3
+                         + [params] + [SamplingParams(max_tokens=16, temperature=1.0)] * 3)
+    assert alone == again == mixed[3].outputs[0].token_ids
+    other_seed = tokens(llm.generate([target], SamplingParams(max_tokens=16, temperature=0.9, seed=99)))[0]
+    assert other_seed != alone
+    assert_clean(llm)
+
+
+def test_n_samples_share_prompt_blocks(v3):
+    path, _ = v3
+    llm = new_llm(path)
+    prompt = make_prompts(1, seed=11, lo=64, hi=64)[0]  # 4 full blocks, the last recomputed
+    params = SamplingParams(n=4, max_tokens=8, temperature=1.0, seed=5)
+    peak = []
+    llm.engine.scheduler_hook = None
+    engine = llm.engine
+    engine.add_request("r", prompt, params)
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        peak.append(engine.pool.num_used_blocks)
+        done = outs
+    (out,) = done
+    assert len(out.outputs) == 4 and all(len(o.token_ids) == 8 for o in out.outputs)
+    # unshared: 4 samples × 5 blocks = 20; shared: 3 prompt blocks + 4 × 2 private blocks = 11
+    assert max(peak) <= 11
+    assert engine.pool.hit_tokens >= 3 * 48
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    assert_clean(llm)
+
+
+def test_abort_at_every_stage_frees_blocks(v3):
+    path, _ = v3
+    llm = new_llm(path, max_num_batched_tokens=32)
+    engine = llm.engine
+    long_prompt = make_prompts(1, seed=12, lo=120, hi=120)[0]
+    engine.add_request("queued", long_prompt, GREEDY)
+    engine.abort("queued")
+    assert_clean(llm)
+    engine.add_request("prefilling", long_prompt, GREEDY)
+    engine.step()  # 32 of 120 prompt tokens
+    assert engine.scheduler.running and engine.pool.num_used_blocks > 0
+    engine.abort("prefilling")
+    assert_clean(llm)
+    engine.add_request("decoding", make_prompts(1, seed=13, lo=10, hi=10)[0], SamplingParams(max_tokens=50))
+    for _ in range(4):
+        engine.step()
+    assert engine.requests["decoding"].seqs[0].output_token_ids
+    out = engine.abort("decoding")
+    assert out.outputs[0].finish_reason == "abort"
+    assert_clean(llm)
+
+
+def test_stop_conditions(v3):
+    path, _ = v3
+    llm = new_llm(path)
+    prompt = make_prompts(1, seed=14)[0]
+    free_run = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
+    toks = free_run.outputs[0].token_ids
+    assert free_run.outputs[0].finish_reason == "length" and len(toks) == 10
+    stopped = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True,
+                                                    stop_token_ids=[toks[3]]))[0]
+    assert stopped.outputs[0].finish_reason == "stop"
+    assert stopped.outputs[0].token_ids == toks[: toks.index(toks[3]) + 1]
+    assert_clean(llm)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"), ({"top_k": 0}, "top_k"), ({"n": 0}, "n"), ({"min_p": 2}, "min_p"),
+])
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_name_the_problem(v3):
+    path, _ = v3
+    llm = new_llm(path)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([{"prompt_token_ids": []}], GREEDY)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([{"prompt_token_ids": [3] * 300}], GREEDY)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate([{"prompt_token_ids": [VOCAB + 5]}], GREEDY)
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.generate(["text needs a tokenizer"], GREEDY)
+    assert_clean(llm)
+
+
+def test_cache_too_small_for_one_sequence(v3):
+    path, _ = v3
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        new_llm(path, kv_cache_memory="10KiB")
