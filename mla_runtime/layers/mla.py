@@ -102,7 +102,7 @@ class MLAttention(nn.Module):
                                   backend=self.backend)  # [T, n_h, d_c]
             o = torch.einsum("thc,hvc->thv", o_lat, w_uv)  # [T, n_h, d_v]
         else:
-            latent = gather_latent(cache.kv, cache.scales, batch.block_tables, batch.seq_lens, x.dtype,
+            latent = gather_latent(cache.kv, cache.scales, batch.block_tables, batch.seq_lens, x.dtype, self.d_c,
                                    backend=self.backend)  # [S, d_c + d_r]
             c_all, k_r_all = latent.split([self.d_c, self.d_r], dim=-1)
             kv = self.kv_b_proj(c_all).view(-1, self.n_h, self.d_n + self.d_v)
