@@ -30,6 +30,9 @@ class ForwardBatch:
     query_lens: list[int]
     context_lens_list: list[int]
     block_size: int
+    # sharded latent cache (tensor parallel): this rank's slots / visible key counts, set by the model
+    local_slot_mapping: torch.Tensor | None = None
+    local_token_seq_lens: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -33,6 +33,16 @@ class LLM:
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Release the engine (stops tensor-parallel worker ranks)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

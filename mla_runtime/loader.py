@@ -24,6 +24,7 @@ from safetensors import safe_open
 
 from mla_runtime.config import ModelConfig
 from mla_runtime.models.deepseek import DeepseekForCausalLM
+from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 from mla_runtime.plan import resolve_model_dtype
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
@@ -37,30 +38,52 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class Slot:
-    """Where a checkpoint tensor goes: a parameter and an index into it (``()`` = the whole tensor)."""
+    """Where a checkpoint tensor goes: a parameter, an index into it (``()`` = the whole tensor) and,
+    under tensor parallelism, the part of the checkpoint tensor this rank takes:
+    ``shard = (dim, start, stop, full)`` with ``full`` the tensor's whole size along ``dim``."""
 
     param: str
     index: tuple[int | slice, ...] = ()
+    shard: tuple[int, int, int, int] | None = None
 
 
-def checkpoint_layout(cfg: ModelConfig, fused_expert_layers: set[int] = frozenset()) -> dict[str, Slot]:
-    """The name table: every tensor the checkpoint must hold → its parameter slot."""
-    table: dict[str, Slot] = {"model.embed_tokens.weight": Slot("model.embed_tokens.weight"),
-                              "model.norm.weight": Slot("model.norm.weight")}
+def checkpoint_layout(cfg: ModelConfig, par: ParallelContext = SINGLE_RANK,
+                      fused_expert_layers: set[int] = frozenset()) -> dict[str, Slot | None]:
+    """The name table: every tensor the checkpoint must hold → its parameter slot on this rank
+    (None: the tensor belongs to another tensor-parallel rank)."""
+    n = par.world_size
+
+    def part(dim: int, full: int) -> tuple[int, int, int, int] | None:
+        if n == 1:
+            return None
+        size = full // n
+        return dim, par.rank * size, (par.rank + 1) * size, full
+
+    v0, v1, _ = par.vocab_split(cfg.vocab_size)
+    vocab = (slice(0, v1 - v0),) if n > 1 else ()
+    vocab_shard = (0, v0, v1, cfg.vocab_size) if n > 1 else None
+    table: dict[str, Slot | None] = {
+        "model.embed_tokens.weight": Slot("model.embed_tokens.weight", vocab, vocab_shard),
+        "model.norm.weight": Slot("model.norm.weight")}
     if not cfg.tie_word_embeddings:
-        table["lm_head.weight"] = Slot("lm_head")
+        table["lm_head.weight"] = Slot("lm_head", vocab, vocab_shard)
+    h = cfg.num_attention_heads
+    head_rows = {"q_proj": h * cfg.qk_head_dim, "q_b_proj": h * cfg.qk_head_dim,
+                 "kv_b_proj": h * (cfg.qk_nope_head_dim + cfg.v_head_dim)}
     attn = (["q_proj"] if cfg.q_lora_rank is None else ["q_a_proj", "q_b_proj"]) + \
         ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
     biased = {"q_a_proj", "kv_a_proj_with_mqa", "o_proj"} if cfg.attention_bias else set()
     norms = ["kv_a_layernorm"] + ([] if cfg.q_lora_rank is None else ["q_a_layernorm"])
 
     def mlp(prefix: str, size: int) -> None:
-        table[f"{prefix}.gate_proj.weight"] = Slot(f"{prefix}.gate_up_proj", (slice(0, size),))
-        table[f"{prefix}.up_proj.weight"] = Slot(f"{prefix}.gate_up_proj", (slice(size, 2 * size),))
-        table[f"{prefix}.down_proj.weight"] = Slot(f"{prefix}.down_proj")
+        local = size // n
+        table[f"{prefix}.gate_proj.weight"] = Slot(f"{prefix}.gate_up_proj", (slice(0, local),), part(0, size))
+        table[f"{prefix}.up_proj.weight"] = Slot(f"{prefix}.gate_up_proj", (slice(local, 2 * local),), part(0, size))
+        table[f"{prefix}.down_proj.weight"] = Slot(f"{prefix}.down_proj", (), part(1, size))
         if cfg.mlp_bias:
-            table[f"{prefix}.gate_proj.bias"] = Slot(f"{prefix}.gate_up_bias", (slice(0, size),))
-            table[f"{prefix}.up_proj.bias"] = Slot(f"{prefix}.gate_up_bias", (slice(size, 2 * size),))
+            table[f"{prefix}.gate_proj.bias"] = Slot(f"{prefix}.gate_up_bias", (slice(0, local),), part(0, size))
+            table[f"{prefix}.up_proj.bias"] = Slot(f"{prefix}.gate_up_bias", (slice(local, 2 * local),),
+                                                   part(0, size))
             table[f"{prefix}.down_proj.bias"] = Slot(f"{prefix}.down_bias")
 
     for i in range(cfg.num_hidden_layers):
@@ -68,7 +91,10 @@ def checkpoint_layout(cfg: ModelConfig, fused_expert_layers: set[int] = frozense
         for name in ("input_layernorm", "post_attention_layernorm"):
             table[f"{p}.{name}.weight"] = Slot(f"{p}.{name}.weight")
         for name in attn:
-            table[f"{p}.self_attn.{name}.weight"] = Slot(f"{p}.self_attn.{name}.weight")
+            shard = part(0, head_rows[name]) if name in head_rows else None
+            if name == "o_proj":
+                shard = part(1, h * cfg.v_head_dim)
+            table[f"{p}.self_attn.{name}.weight"] = Slot(f"{p}.self_attn.{name}.weight", (), shard)
             if name in biased:
                 table[f"{p}.self_attn.{name}.bias"] = Slot(f"{p}.self_attn.{name}.bias")
         for name in norms:
@@ -85,14 +111,20 @@ def checkpoint_layout(cfg: ModelConfig, fused_expert_layers: set[int] = frozense
         if moe.n_shared_experts:
             mlp(f"{p}.mlp.shared_experts", size * moe.n_shared_experts)
         experts = f"{p}.mlp.experts"
+        e0, e1 = par.split(moe.n_routed_experts)
         if i in fused_expert_layers:  # transformers' in-memory layout: [E, 2I, d] and [E, d, I]
-            table[f"{experts}.gate_up_proj"] = Slot(f"{experts}.gate_up_proj")
-            table[f"{experts}.down_proj"] = Slot(f"{experts}.down_proj")
+            table[f"{experts}.gate_up_proj"] = Slot(f"{experts}.gate_up_proj", (), part(0, moe.n_routed_experts))
+            table[f"{experts}.down_proj"] = Slot(f"{experts}.down_proj", (), part(0, moe.n_routed_experts))
             continue
         for e in range(moe.n_routed_experts):
-            table[f"{experts}.{e}.gate_proj.weight"] = Slot(f"{experts}.gate_up_proj", (e, slice(0, size)))
-            table[f"{experts}.{e}.up_proj.weight"] = Slot(f"{experts}.gate_up_proj", (e, slice(size, 2 * size)))
-            table[f"{experts}.{e}.down_proj.weight"] = Slot(f"{experts}.down_proj", (e,))
+            names = [f"{experts}.{e}.{w}_proj.weight" for w in ("gate", "up", "down")]
+            if not e0 <= e < e1:
+                table.update(dict.fromkeys(names))
+                continue
+            le = e - e0
+            table[names[0]] = Slot(f"{experts}.gate_up_proj", (le, slice(0, size)))
+            table[names[1]] = Slot(f"{experts}.gate_up_proj", (le, slice(size, 2 * size)))
+            table[names[2]] = Slot(f"{experts}.down_proj", (le,))
     return table
 
 
@@ -127,17 +159,22 @@ class _Reader:
         self.files = files
         self._handles: dict[Path, object] = {}
 
-    def get(self, name: str) -> torch.Tensor:
+    def _handle(self, name: str):
         f = self.files[name]
         if f not in self._handles:
             self._handles[f] = safe_open(str(f), framework="pt")
-        return self._handles[f].get_tensor(name)  # type: ignore[attr-defined]
+        return self._handles[f]
+
+    def get(self, name: str, shard: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+        """The tensor, or only this rank's part of it (read without materialising the rest)."""
+        if shard is None:
+            return self._handle(name).get_tensor(name)
+        dim, start, stop, _ = shard
+        index = (slice(None),) * dim + (slice(start, stop),)
+        return self._handle(name).get_slice(name)[index]
 
     def shape(self, name: str) -> list[int]:
-        f = self.files[name]
-        if f not in self._handles:
-            self._handles[f] = safe_open(str(f), framework="pt")
-        return list(self._handles[f].get_slice(name).get_shape())  # type: ignore[attr-defined]
+        return list(self._handle(name).get_slice(name).get_shape())
 
 
 def _mtp_or_ignored(name: str, cfg: ModelConfig) -> bool:
@@ -148,12 +185,13 @@ def _mtp_or_ignored(name: str, cfg: ModelConfig) -> bool:
 
 
 def load_weights(model: DeepseekForCausalLM, path: str | Path) -> None:
-    """Fill ``model`` from the checkpoint at ``path``; raises ``CheckpointError`` listing every problem."""
+    """Fill ``model`` (this rank's shard of it) from the checkpoint at ``path``; raises
+    ``CheckpointError`` listing every problem."""
     path = Path(path)
     cfg = model.config
     files = checkpoint_files(path)
     fused = {int(m.group(1)) for n in files if (m := _FUSED_EXPERTS_RE.match(n))}
-    table = checkpoint_layout(cfg, fused)
+    table = checkpoint_layout(cfg, model.par, fused)
     params = dict(model.named_parameters())
     reader = _Reader(files)
 
@@ -162,9 +200,11 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path) -> None:
     unexpected = sorted(n for n in files if n not in table and n not in scale_names and not _mtp_or_ignored(n, cfg))
     mismatched = []
     for name, slot in table.items():
-        if name not in files:
+        if name not in files or slot is None:
             continue
         want = list(params[slot.param][slot.index].shape)
+        if slot.shard is not None:
+            want[slot.shard[0]] = slot.shard[3]
         got = reader.shape(name)
         if got != want:
             mismatched.append(f"{name}: checkpoint {got}, config expects {want}")
@@ -175,14 +215,20 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path) -> None:
                               + "\n  ".join(problems))
 
     for name, slot in table.items():
+        if slot is None:
+            continue
         target = params[slot.param][slot.index]
-        tensor = reader.get(name)
         scale_name = name[: -len("weight")] + "weight_scale_inv" if name.endswith(".weight") else None
         if scale_name in scale_names:
             if cfg.fp8_block_size is None:
                 raise CheckpointError(f"{scale_name}: FP8 scales found but config.json has no "
                                       f"quantization_config with weight_block_size")
-            tensor = dequantize_fp8_block(tensor, reader.get(scale_name), cfg.fp8_block_size)
+            tensor = dequantize_fp8_block(reader.get(name), reader.get(scale_name), cfg.fp8_block_size)
+            if slot.shard is not None:
+                dim, start, stop, _ = slot.shard
+                tensor = tensor.narrow(dim, start, stop - start)
+        else:
+            tensor = reader.get(name, slot.shard)
         with torch.no_grad():
             target.copy_(tensor.to(target.dtype))
         del tensor
@@ -196,11 +242,12 @@ def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto", attention_path: str = "auto",
-               backend: str | None = None, device: str | torch.device = "cpu") -> DeepseekForCausalLM:
-    """Build the model from ``<path>/config.json`` and load its safetensors weights."""
+               backend: str | None = None, device: str | torch.device = "cpu",
+               par: ParallelContext = SINGLE_RANK) -> DeepseekForCausalLM:
+    """Build the model (this rank's shard) from ``<path>/config.json`` and load its safetensors weights."""
     cfg = ModelConfig.from_pretrained(path)
     torch_dtype = resolve_model_dtype(dtype, cfg)
     with torch.device(device):
-        model = DeepseekForCausalLM(cfg, torch_dtype, attention_path, backend)
+        model = DeepseekForCausalLM(cfg, torch_dtype, attention_path, backend, par)
     load_weights(model, path)
     return model.eval()

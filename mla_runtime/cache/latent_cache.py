@@ -24,8 +24,8 @@ class LayerCache:
 class LatentCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, latent_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
-        if block_size < 16 or block_size % 16:
-            raise ValueError(f"block_size must be a positive multiple of 16, got {block_size}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks

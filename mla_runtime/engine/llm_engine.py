@@ -19,16 +19,24 @@ from typing import Any
 
 import torch
 
-from mla_runtime.cache.latent_cache import LatentCache
 from mla_runtime.config import ModelConfig
 from mla_runtime.engine.block_pool import BlockPool
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.engine.model_runner import ModelRunner
 from mla_runtime.engine.scheduler import Scheduler
 from mla_runtime.engine.sequence import Sequence
+from mla_runtime.engine.tp_workers import TensorParallelGroup, make_cache
 from mla_runtime.loader import load_model
 from mla_runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from mla_runtime.plan import default_max_num_batched_tokens, latent_bytes_per_token, resolve_cache_dtype, weight_bytes
+from mla_runtime.parallel import SINGLE_RANK, check_tensor_parallel
+from mla_runtime.plan import (
+    activation_reserve_bytes,
+    default_max_num_batched_tokens,
+    latent_bytes_per_token,
+    resolve_cache_dtype,
+    resolve_model_dtype,
+    weight_bytes,
+)
 from mla_runtime.sampling_params import SamplingParams
 from mla_runtime.tokenizer import IncrementalDetokenizer, load_tokenizer
 
@@ -66,44 +74,59 @@ def _available_ram() -> int:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         t0 = time.monotonic()
-        self.model = load_model(config.model, dtype=config.dtype, attention_path=config.attention_path,
-                                backend=config.attention_backend, device=self.device)
-        self.model_config: ModelConfig = self.model.config
-        self.tokenizer = load_tokenizer(config.model)
-        cfg = self.model_config
+        cfg = self.model_config = ModelConfig.from_pretrained(config.model)
+        tp = config.tensor_parallel_size
+        check_tensor_parallel(cfg, tp, config.block_size, config.latent_cache_layout)
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() and tp == 1 else "cpu"))
+        model_dtype = resolve_model_dtype(config.dtype, cfg)
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's max_position_embeddings "
                              f"({cfg.max_position_embeddings})")
         self.max_num_batched_tokens = config.max_num_batched_tokens or default_max_num_batched_tokens(
             self.max_model_len, config.max_num_seqs)
-        self.cache_dtype = resolve_cache_dtype(config.kv_cache_dtype, self.model.dtype)
-        self.bytes_per_token = latent_bytes_per_token(cfg, self.cache_dtype.dtype, self.model.dtype)
+        self.cache_dtype = resolve_cache_dtype(config.kv_cache_dtype, model_dtype)
+        self.bytes_per_token = latent_bytes_per_token(cfg, self.cache_dtype.dtype, model_dtype)
+        sharded = tp > 1 and config.latent_cache_layout == "sharded"
+        self.bytes_per_token_per_rank = self.bytes_per_token // tp if sharded else self.bytes_per_token
+        self.weight_bytes = weight_bytes(cfg, model_dtype, tp)
         num_blocks = self._num_blocks()
-        self.cache = LatentCache(cfg.num_hidden_layers, num_blocks, config.block_size, cfg.latent_dim,
-                                 self.cache_dtype.dtype, self.device)
+        self.tp_group = TensorParallelGroup(config, num_blocks, self.cache_dtype.dtype) if tp > 1 else None
+        par = self.tp_group.par if self.tp_group else SINGLE_RANK
+        try:
+            self.model = load_model(config.model, dtype=model_dtype, attention_path=config.attention_path,
+                                    backend=config.attention_backend, device=self.device, par=par)
+            self.cache = make_cache(self.model, num_blocks, config, self.cache_dtype.dtype, par, self.device)
+            if self.tp_group:
+                self.tp_group.ready()
+        except BaseException:
+            self.shutdown()
+            raise
+        self.tokenizer = load_tokenizer(config.model)
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.cache, self.device, config.seed)
+        self.runner = ModelRunner(self.model, self.cache, self.device, config.seed, config.block_size, self.tp_group)
         self.requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
-        self.weight_bytes = weight_bytes(cfg, self.model.dtype)
         self.load_seconds = time.monotonic() - t0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
 
     # -- sizing --------------------------------------------------------------------------------
     def _num_blocks(self) -> int:
+        """Blocks that fit the per-rank cache budget (every rank holds the same block ids)."""
         cfg, bs = self.config, self.config.block_size
-        per_block = self.bytes_per_token * bs
+        per_block = self.bytes_per_token_per_rank * bs
         seq_blocks = -(-self.max_model_len // bs)
         if cfg.kv_cache_memory is not None:
             budget = int(cfg.kv_cache_memory)
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * 0.9)
+            activations = activation_reserve_bytes(self.model_config, dtype=cfg.dtype,
+                                                   max_num_batched_tokens=self.max_num_batched_tokens,
+                                                   max_num_seqs=cfg.max_num_seqs)
+            budget = int(free * 0.9) - self.weight_bytes - activations
         else:  # no point reserving more than max_num_seqs full-length sequences on a CPU
             budget = min(int(_available_ram() * CPU_CACHE_FRACTION), seq_blocks * cfg.max_num_seqs * per_block)
         num_blocks = budget // per_block
@@ -121,10 +144,14 @@ class LLMEngine:
             "model": self.config.model, "family": cfg.family, "layers": cfg.num_hidden_layers,
             "heads": cfg.num_attention_heads, "d_c": cfg.kv_lora_rank, "d_r": cfg.qk_rope_head_dim,
             "dtype": str(self.model.dtype).removeprefix("torch."), "cache_dtype": self.cache_dtype.name,
+            "tensor_parallel_size": self.config.tensor_parallel_size,
+            "latent_cache_layout": self.config.latent_cache_layout,
+            "cache_bytes_per_token_per_rank": self.bytes_per_token_per_rank,
             "block_size": self.config.block_size, "num_blocks": self.cache.num_blocks,
             "cache_bytes": self.cache.nbytes(), "cache_bytes_per_token": self.bytes_per_token,
             "weight_bytes": self.weight_bytes, "max_model_len": self.max_model_len,
-            "max_concurrent_tokens": self.cache.num_slots, "max_num_seqs": self.config.max_num_seqs,
+            "max_concurrent_tokens": self.pool.num_blocks * self.config.block_size,
+            "max_num_seqs": self.config.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens, "device": str(self.device),
         }
 
@@ -259,6 +286,11 @@ class LLMEngine:
         cached = state.seqs[0].num_cached_prompt_tokens if state.seqs else 0
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs, state.finished,
                              state.metrics, cached)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker ranks (nothing to do on one rank)."""
+        if getattr(self, "tp_group", None) is not None:
+            self.tp_group.shutdown()
 
     # -- introspection (tests, metrics) --------------------------------------------------------
     def stats(self) -> dict[str, float]:

@@ -8,15 +8,19 @@ from mla_runtime.cache.latent_cache import LatentCache
 from mla_runtime.engine.sampler import SampleResult, sample
 from mla_runtime.engine.scheduler import ScheduledBatch
 from mla_runtime.engine.sequence import Sequence
+from mla_runtime.engine.tp_workers import RankDiedError, TensorParallelGroup
 from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.models.deepseek import DeepseekForCausalLM
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekForCausalLM, cache: LatentCache, device: torch.device, seed: int) -> None:
+    def __init__(self, model: DeepseekForCausalLM, cache: LatentCache, device: torch.device, seed: int,
+                 block_size: int, tp_group: TensorParallelGroup | None = None) -> None:
         self.model = model
         self.cache = cache
         self.device = device
+        self.block_size = block_size  # logical block size (the sharded cache keeps block_size / N per rank)
+        self.tp_group = tp_group
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def build_batch(self, batch: ScheduledBatch) -> ForwardBatch:
@@ -26,17 +30,28 @@ class ModelRunner:
             chunks.append(seq.token_ids[start:start + n])
             contexts.append(start)
             tables.append(seq.block_table)
-        return ForwardBatch.build(chunks, contexts, tables, self.cache.block_size, self.device)
+        return ForwardBatch.build(chunks, contexts, tables, self.block_size, self.device)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SampleResult]:
         """Run one step; returns the sequences that reached their last token and their samples."""
         fwd = self.build_batch(batch)
-        hidden = self.model(fwd, self.cache)
         rows = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
                 if seq.num_computed_tokens + n == seq.num_tokens]
-        if not rows:
+        if self.tp_group is None:
+            logits = self._forward(fwd, rows)
+        else:
+            self.tp_group.broadcast_step(fwd, rows)
+            try:
+                logits = self._forward(fwd, rows)
+            except RuntimeError as e:  # a collective failed: a peer rank is gone
+                self.tp_group.check_alive()
+                raise RankDiedError(f"tensor-parallel step failed: {e}") from e
+        if logits is None:
             return [], SampleResult([], [])
         seqs = [batch.seqs[i] for i in rows]
-        logits = self.model.compute_logits(hidden[fwd.logits_indices[rows]])
         return seqs, sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.generator)
+
+    def _forward(self, fwd: ForwardBatch, rows: list[int]) -> torch.Tensor | None:
+        hidden = self.model(fwd, self.cache)
+        return self.model.compute_logits(hidden[fwd.logits_indices[rows]]) if rows else None

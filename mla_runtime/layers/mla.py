@@ -17,6 +17,11 @@ Two ways to attend, equal up to rounding (each is the other's oracle):
 
 Softmax scale ``(d_n + d_r)^-1/2 * m^2`` with the YaRN ``m`` (``ModelConfig.softmax_scale``).
 ``path="auto"`` picks the cheaper path from a FLOP count of the batch.
+
+Tensor parallel (``mla_runtime.parallel``): each rank owns ``n_h / N`` heads. With the sharded latent
+cache a rank keeps only its share of the tokens, so attention always takes the absorbed path there:
+all heads' queries are gathered, each rank attends its own tokens, and the partial outputs are merged
+by log-sum-exp before each rank keeps its heads.
 """
 
 from __future__ import annotations
@@ -31,19 +36,21 @@ from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.layers.linear import Linear
 from mla_runtime.layers.norm import RMSNorm
 from mla_runtime.layers.rotary import RotaryEmbedding
+from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 
 ATTENTION_PATHS = ("auto", "naive", "absorbed")
 
 
 class MLAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, path: str = "auto",
-                 backend: str | None = None) -> None:
+                 backend: str | None = None, par: ParallelContext = SINGLE_RANK) -> None:
         super().__init__()
         if path not in ATTENTION_PATHS:
             raise ValueError(f"attention path must be one of {ATTENTION_PATHS}, got {path!r}")
         self.path = path
         self.backend = backend
-        self.n_h = cfg.num_attention_heads
+        self.par = par
+        self.n_h = cfg.num_attention_heads // par.world_size  # heads on this rank
         self.d_c, self.d_r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
         self.d_n, self.d_v = cfg.qk_nope_head_dim, cfg.v_head_dim
         self.scale = cfg.softmax_scale
@@ -68,6 +75,8 @@ class MLAttention(nn.Module):
         return w[:, : self.d_n], w[:, self.d_n:]
 
     def choose_path(self, batch: ForwardBatch) -> str:
+        if self.par.sharded_cache:
+            return "absorbed"
         if self.path != "auto":
             return self.path
         if batch.is_decode:
@@ -92,14 +101,20 @@ class MLAttention(nn.Module):
         c, k_r = self.kv_a_proj_with_mqa(x).split([self.d_c, self.d_r], dim=-1)
         c = self.kv_a_layernorm(c)  # [T, d_c]
         q_r, k_r = self.rotary(batch.positions, q_r, k_r)
-        store_latent(cache.kv, cache.scales, c, k_r, batch.slot_mapping, backend=self.backend)
+        sharded = self.par.sharded_cache
+        slots = batch.local_slot_mapping if sharded else batch.slot_mapping
+        store_latent(cache.kv, cache.scales, c, k_r, slots, backend=self.backend)
 
         w_uk, w_uv = self.w_uk_uv()
         if self.choose_path(batch) == "absorbed":
             q_abs = torch.einsum("thn,hnc->thc", q_n, w_uk)  # [T, n_h, d_c]
-            o_lat, _ = mla_decode(torch.cat([q_abs, q_r], dim=-1), cache.kv, cache.scales, batch.block_tables,
-                                  batch.token_seq_lens, self.scale, self.d_c, req_indices=batch.token_req_idx,
-                                  backend=self.backend)  # [T, n_h, d_c]
+            q_cat = torch.cat([q_abs, q_r], dim=-1)
+            if sharded:
+                o_lat = self._attend_sharded(q_cat, batch, cache)
+            else:
+                o_lat, _ = mla_decode(q_cat, cache.kv, cache.scales, batch.block_tables, batch.token_seq_lens,
+                                      self.scale, self.d_c, req_indices=batch.token_req_idx,
+                                      backend=self.backend)  # [T, n_h, d_c]
             o = torch.einsum("thc,hvc->thv", o_lat, w_uv)  # [T, n_h, d_v]
         else:
             latent = gather_latent(cache.kv, cache.scales, batch.block_tables, batch.seq_lens, x.dtype, self.d_c,
@@ -109,4 +124,18 @@ class MLAttention(nn.Module):
             k_n, v = kv.split([self.d_n, self.d_v], dim=-1)  # [S, n_h, d_n], [S, n_h, d_v]
             o, _ = prefill_attention(q_n, q_r, k_n, k_r_all, v, batch.query_start_loc, batch.seq_start_loc,
                                      self.scale, backend=self.backend)
-        return self.o_proj(o.reshape(num_tokens, self.n_h * self.d_v))
+        bias = self.o_proj.bias if self.par.rank == 0 else None  # added once across ranks
+        out = torch.nn.functional.linear(o.reshape(num_tokens, self.n_h * self.d_v), self.o_proj.weight, bias)
+        return self.par.all_reduce(out)
+
+    def _attend_sharded(self, q_cat: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
+        """Absorbed attention over this rank's share of the tokens, merged across ranks by LSE."""
+        assert batch.local_token_seq_lens is not None
+        q_all = self.par.all_gather(q_cat, dim=1)  # [T, n_h_total, d_c + d_r]: every head's query
+        o_part, lse = mla_decode(q_all, cache.kv, cache.scales, batch.block_tables, batch.local_token_seq_lens,
+                                 self.scale, self.d_c, req_indices=batch.token_req_idx, backend=self.backend)
+        lse_all = self.par.all_gather(lse.unsqueeze(0), dim=0)  # [N, T, n_h_total]
+        weight = torch.exp(lse - torch.logsumexp(lse_all, dim=0))  # 0 where this rank saw no token
+        merged = self.par.all_reduce(o_part.float() * weight.unsqueeze(-1))  # [T, n_h_total, d_c]
+        first = self.par.rank * self.n_h
+        return merged[:, first:first + self.n_h].to(q_cat.dtype)

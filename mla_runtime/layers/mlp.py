@@ -6,12 +6,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mla_runtime.parallel import SINGLE_RANK, ParallelContext
+
 
 class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one ``[2I, d]`` weight."""
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one ``[2I, d]`` weight.
 
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, bias: bool = False) -> None:
+    Under tensor parallelism each rank holds ``I / N`` of the intermediate dimension and returns a
+    partial sum (the down bias is added on rank 0 only); ``reduce`` all-reduces it here, or the caller
+    reduces several partial sums at once.
+    """
+
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, bias: bool = False,
+                 par: ParallelContext = SINGLE_RANK, reduce: bool = True) -> None:
         super().__init__()
+        self.par = par
+        self.reduce = reduce
+        intermediate //= par.world_size
         self.intermediate = intermediate
         self.gate_up_proj = nn.Parameter(torch.empty(2 * intermediate, hidden, dtype=dtype), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(hidden, intermediate, dtype=dtype), requires_grad=False)
@@ -21,4 +32,6 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up_proj, self.gate_up_bias).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj, self.down_bias)
+        bias = self.down_bias if self.par.rank == 0 else None
+        out = F.linear(F.silu(gate) * up, self.down_proj, bias)
+        return self.par.all_reduce(out) if self.reduce else out

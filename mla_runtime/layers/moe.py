@@ -22,6 +22,7 @@ from torch import nn
 
 from mla_runtime.config import MoEConfig
 from mla_runtime.layers.mlp import GatedMLP
+from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 
 
 class Router(nn.Module):
@@ -64,10 +65,17 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts stored stacked: ``gate_up_proj [E, 2I, d]``, ``down_proj [E, d, I]``."""
+    """Routed experts stored stacked: ``gate_up_proj [E, 2I, d]``, ``down_proj [E, d, I]``.
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype) -> None:
+    Under tensor parallelism a rank holds experts ``[first, first + E / N)`` and returns the partial sum
+    of the (token, expert) pairs it owns.
+    """
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
+                 par: ParallelContext = SINGLE_RANK) -> None:
         super().__init__()
+        self.first, last = par.split(num_experts)
+        num_experts = last - self.first
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, dtype=dtype),
                                          requires_grad=False)
@@ -75,12 +83,13 @@ class Experts(nn.Module):
                                       requires_grad=False)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-        num_tokens, top_k = expert_ids.shape
-        flat = expert_ids.reshape(-1)  # [T*k]
-        order = flat.argsort(stable=True)
-        token_of = order // top_k  # token of each sorted (token, expert) pair
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        x_sorted = x[token_of]  # [T*k, d]
+        top_k = expert_ids.shape[1]
+        local = expert_ids.reshape(-1) - self.first  # [T*k] local expert id of each (token, expert) pair
+        pairs = ((local >= 0) & (local < self.num_experts)).nonzero().squeeze(1)
+        order = pairs[local[pairs].argsort(stable=True)]  # this rank's pairs, grouped by expert
+        token_of = order // top_k
+        counts = torch.bincount(local[order], minlength=self.num_experts).tolist()
+        x_sorted = x[token_of]  # [P, d]
         w_sorted = weights.reshape(-1)[order].unsqueeze(-1)
         out_sorted = torch.empty_like(x_sorted)
         start = 0
@@ -98,16 +107,18 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: MoEConfig, hidden: int, dtype: torch.dtype, bias: bool = False) -> None:
+    def __init__(self, cfg: MoEConfig, hidden: int, dtype: torch.dtype, bias: bool = False,
+                 par: ParallelContext = SINGLE_RANK) -> None:
         super().__init__()
+        self.par = par
         self.gate = Router(cfg, hidden)
-        self.experts = Experts(cfg.n_routed_experts, hidden, cfg.moe_intermediate_size, dtype)
-        self.shared_experts = (GatedMLP(hidden, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, bias)
-                               if cfg.n_shared_experts else None)
+        self.experts = Experts(cfg.n_routed_experts, hidden, cfg.moe_intermediate_size, dtype, par)
+        self.shared_experts = (GatedMLP(hidden, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, bias,
+                                        par, reduce=False) if cfg.n_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, expert_ids = self.gate(x)
         out = self.experts(x, weights, expert_ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return self.par.all_reduce(out)  # one reduction for routed and shared experts

@@ -18,18 +18,36 @@ from mla_runtime.layers.mla import MLAttention
 from mla_runtime.layers.mlp import GatedMLP
 from mla_runtime.layers.moe import MoE
 from mla_runtime.layers.norm import RMSNorm
+from mla_runtime.parallel import SINGLE_RANK, ParallelContext, local_latent_view
+
+
+class VocabEmbedding(nn.Module):
+    """Token embedding; under tensor parallelism each rank holds ``ceil(V / N)`` rows of the vocabulary."""
+
+    def __init__(self, vocab: int, hidden: int, dtype: torch.dtype, par: ParallelContext) -> None:
+        super().__init__()
+        self.par = par
+        self.start, self.stop, rows = par.vocab_split(vocab)
+        self.weight = nn.Parameter(torch.zeros(rows, hidden, dtype=dtype), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.par.enabled:
+            return F.embedding(ids, self.weight)
+        mine = (ids >= self.start) & (ids < self.stop)
+        local = torch.where(mine, ids - self.start, torch.zeros_like(ids))
+        return self.par.all_reduce(F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, attention_path: str,
-                 backend: str | None) -> None:
+                 backend: str | None, par: ParallelContext) -> None:
         super().__init__()
-        self.self_attn = MLAttention(cfg, dtype, attention_path, backend)
+        self.self_attn = MLAttention(cfg, dtype, attention_path, backend, par)
         if cfg.is_moe_layer(layer):
             assert cfg.moe is not None
-            self.mlp: nn.Module = MoE(cfg.moe, cfg.hidden_size, dtype, cfg.mlp_bias)
+            self.mlp: nn.Module = MoE(cfg.moe, cfg.hidden_size, dtype, cfg.mlp_bias, par)
         else:
-            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, cfg.mlp_bias)
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, cfg.mlp_bias, par)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -39,25 +57,26 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, par: ParallelContext) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, _freeze=True,
-                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, par)
         self.layers = nn.ModuleList()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
 class DeepseekForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, attention_path: str = "auto",
-                 backend: str | None = None) -> None:
+                 backend: str | None = None, par: ParallelContext = SINGLE_RANK) -> None:
         super().__init__()
         self.config = cfg
         self.dtype = dtype
-        self.model = DeepseekModel(cfg, dtype)
+        self.par = par
+        self.model = DeepseekModel(cfg, dtype, par)
         for i in range(cfg.num_hidden_layers):
-            self.model.layers.append(DecoderLayer(cfg, i, dtype, attention_path, backend))
+            self.model.layers.append(DecoderLayer(cfg, i, dtype, attention_path, backend, par))
+        rows = self.model.embed_tokens.weight.shape[0]
         self.lm_head = (None if cfg.tie_word_embeddings else
-                        nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False))
+                        nn.Parameter(torch.zeros(rows, cfg.hidden_size, dtype=dtype), requires_grad=False))
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -71,10 +90,18 @@ class DeepseekForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, cache: LatentCache) -> torch.Tensor:
         """Hidden states ``[T, d]`` after the final norm, writing each layer's latent into ``cache``."""
+        if self.par.sharded_cache:
+            batch.local_slot_mapping, batch.local_token_seq_lens = local_latent_view(
+                batch.positions, batch.slot_mapping, batch.token_seq_lens, batch.block_size, self.par)
         x = self.model.embed_tokens(batch.input_ids)
         for layer, layer_cache in zip(self.model.layers, cache.layers):
             x = layer(x, batch, layer_cache)
         return self.model.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """fp32 logits ``[R, V]`` (under tensor parallelism: on rank 0, None elsewhere)."""
+        logits = F.linear(hidden, self.lm_head_weight).float()
+        if not self.par.enabled:
+            return logits
+        full = self.par.gather_to_first(logits, dim=-1)
+        return None if full is None else full[:, : self.config.vocab_size]

@@ -1,0 +1,137 @@
+"""Tensor-parallel worker ranks: one process per extra rank, driven by rank 0's single scheduler.
+
+Rank 0 owns every decision (scheduler, block pool, sampling). Each step it broadcasts the step's
+``ForwardBatch`` — input ids, positions, slot mapping, block tables, sequence lengths — once; every rank
+runs its shard of the model on it against its own latent cache, which uses the same block ids; the
+lm_head's vocabulary slices are gathered back on rank 0. A rank that dies is noticed before the next
+broadcast (process liveness) or by the collective itself (gloo reports the closed connection), and the
+step fails with ``RankDiedError`` instead of hanging.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from mla_runtime.cache.latent_cache import LatentCache
+from mla_runtime.engine.config import EngineConfig
+from mla_runtime.forward_batch import ForwardBatch
+from mla_runtime.loader import load_model
+from mla_runtime.parallel import ParallelContext
+
+logger = logging.getLogger("mla_runtime")
+
+
+class RankDiedError(RuntimeError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_cache(model, num_blocks: int, config: EngineConfig, cache_dtype: torch.dtype,
+               par: ParallelContext, device: torch.device) -> LatentCache:
+    """This rank's latent cache: all tokens (replicated) or every N-th token (sharded)."""
+    block = config.block_size // par.world_size if par.sharded_cache else config.block_size
+    cfg = model.config
+    return LatentCache(cfg.num_hidden_layers, num_blocks, block, cfg.latent_dim, cache_dtype, device)
+
+
+def _threads_per_rank(world: int) -> int:
+    return max(1, (os.cpu_count() or 1) // world)
+
+
+def _init(rank: int, world: int, port: int, timeout_s: float) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def worker_main(rank: int, world: int, port: int, config: EngineConfig, num_blocks: int,
+                cache_dtype: torch.dtype, timeout_s: float) -> None:
+    torch.set_num_threads(_threads_per_rank(world))
+    _init(rank, world, port, timeout_s)
+    par = ParallelContext(rank, world, config.latent_cache_layout)
+    device = torch.device("cpu")
+    model = load_model(config.model, dtype=config.dtype, attention_path=config.attention_path,
+                       backend=config.attention_backend, device=device, par=par)
+    cache = make_cache(model, num_blocks, config, cache_dtype, par, device)
+    dist.barrier()
+    while True:
+        box: list = [None]
+        dist.broadcast_object_list(box, src=0)
+        command = box[0]
+        if command[0] == "stop":
+            break
+        _, batch, rows = command
+        with torch.inference_mode():
+            hidden = model(batch, cache)
+            if rows:
+                model.compute_logits(hidden[batch.logits_indices[rows]])
+    dist.destroy_process_group()
+
+
+class TensorParallelGroup:
+    """Rank 0's side: starts the worker ranks and broadcasts each step to them."""
+
+    def __init__(self, config: EngineConfig, num_blocks: int, cache_dtype: torch.dtype,
+                 timeout_s: float = 60.0) -> None:
+        world = config.tensor_parallel_size
+        port = _free_port()
+        ctx = mp.get_context("spawn")
+        self.procs = [ctx.Process(target=worker_main, name=f"mla-tp-rank{r}", daemon=True,
+                                  args=(r, world, port, config, num_blocks, cache_dtype, timeout_s))
+                      for r in range(1, world)]
+        for p in self.procs:
+            p.start()
+        torch.set_num_threads(_threads_per_rank(world))
+        try:
+            _init(0, world, port, timeout_s)
+        except Exception as e:
+            self.check_alive()
+            raise RankDiedError(f"tensor-parallel ranks did not join within {timeout_s:.0f} s: {e}") from e
+        self.par = ParallelContext(0, world, config.latent_cache_layout)
+        self.closed = False
+        logger.info("tensor parallel: %d ranks (gloo), %s latent cache", world, config.latent_cache_layout)
+
+    def ready(self) -> None:
+        """Wait until every rank has loaded its shard."""
+        self.check_alive()
+        dist.barrier()
+
+    def check_alive(self) -> None:
+        for rank, p in enumerate(self.procs, start=1):
+            if not p.is_alive():
+                raise RankDiedError(f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.exitcode}; "
+                                    f"the engine cannot continue — restart it")
+
+    def broadcast_step(self, batch: ForwardBatch, rows: list[int]) -> None:
+        self.check_alive()
+        try:
+            dist.broadcast_object_list([("step", batch, rows)], src=0)
+        except RuntimeError as e:
+            raise RankDiedError(f"tensor-parallel broadcast failed ({e}); a worker rank is gone") from e
+
+    def shutdown(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if all(p.is_alive() for p in self.procs):
+                dist.broadcast_object_list([("stop",)], src=0)
+        except RuntimeError:
+            pass
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,103 @@
+"""Tensor parallelism on CPU (gloo, 2 ranks): one scheduler, shards sharing its block ids."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from mla_runtime import LLM, SamplingParams
+from mla_runtime.config import ModelConfig
+from mla_runtime.engine.tp_workers import RankDiedError
+from mla_runtime.plan import plan_memory
+from tests.test_engine import make_prompts, tokens
+
+PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+BLOCK = 32
+BYTES_PER_TOKEN = (32 + 16) * 3 * 4  # tiny v3: (d_c + d_r) x layers x fp32
+
+
+def workload():
+    """Prompts sharing a 2-block prefix (prefix hits) plus unrelated ones."""
+    shared = make_prompts(1, seed=21, lo=64, hi=64)[0]["prompt_token_ids"]
+    hits = [{"prompt_token_ids": shared + p["prompt_token_ids"]} for p in make_prompts(3, seed=22, lo=3, hi=20)]
+    return hits + make_prompts(7, seed=23, lo=20, hi=70)
+
+
+def run(path, tp: int, layout: str = "replicated", blocks: int = 14):
+    per_rank = BYTES_PER_TOKEN // tp if layout == "sharded" else BYTES_PER_TOKEN
+    llm = LLM(str(path), dtype="float32", max_model_len=256, block_size=BLOCK, tensor_parallel_size=tp,
+              latent_cache_layout=layout, kv_cache_memory=blocks * BLOCK * per_rank, max_num_batched_tokens=128)
+    try:
+        out = llm.generate(workload()[:1], PARAMS) + llm.generate(workload()[1:], PARAMS)
+        stats = llm.engine.stats()
+        llm.engine.pool.check_whole()
+        return tokens(out), stats, llm.engine
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint):
+    path, _ = tiny_checkpoint("v3")
+    return run(path, 1)
+
+
+@pytest.mark.parametrize("layout", ["replicated", "sharded"])
+def test_two_ranks_equal_one_rank(tiny_checkpoint, reference, layout):
+    path, _ = tiny_checkpoint("v3")
+    ref_tokens, ref_stats, _ = reference
+    assert ref_stats["num_preemptions"] > 0 and ref_stats["prefix_hit_tokens"] > 0  # the workload is real
+    got, stats, engine = run(path, 2, layout, blocks=14 if layout == "replicated" else 14)
+    assert got == ref_tokens
+    assert stats["prefix_hit_tokens"] > 0
+    assert stats["num_preemptions"] > 0
+    # per-rank cache bytes: sharded keeps 1/N of every token's latent on each rank
+    assert engine.bytes_per_token == BYTES_PER_TOKEN
+    expected_per_rank = BYTES_PER_TOKEN // 2 if layout == "sharded" else BYTES_PER_TOKEN
+    assert engine.bytes_per_token_per_rank == expected_per_rank
+    assert engine.cache.nbytes() == engine.pool.num_blocks * BLOCK * expected_per_rank
+
+
+def test_sharded_layout_fits_n_times_the_tokens(tiny_checkpoint):
+    path, _ = tiny_checkpoint("v3")
+    budget = 40 * BLOCK * BYTES_PER_TOKEN
+    engines = {}
+    for layout in ("replicated", "sharded"):
+        llm = LLM(str(path), dtype="float32", max_model_len=256, block_size=BLOCK, tensor_parallel_size=2,
+                  latent_cache_layout=layout, kv_cache_memory=budget)
+        engines[layout] = (llm.engine.pool.num_blocks, llm.engine.cache.nbytes())
+        llm.shutdown()
+    assert engines["sharded"][0] == 2 * engines["replicated"][0] == 80
+    assert engines["sharded"][1] == engines["replicated"][1] == budget
+    cfg = ModelConfig.from_pretrained("deepseek-v3")
+    plans = {layout: plan_memory(cfg, dtype="bfloat16", device_memory_bytes=141 * 2**30, max_seq_len=32768,
+                                 max_num_seqs=16, tensor_parallel_size=16, latent_cache_layout=layout)
+             for layout in ("replicated", "sharded")}
+    assert plans["sharded"].cache_bytes_per_token_per_rank * 16 == plans["replicated"].cache_bytes_per_token_per_rank
+    assert plans["sharded"].max_tokens == 16 * plans["replicated"].max_tokens
+
+
+def test_indivisible_heads_fail_at_start_saying_what_to_change(tiny_checkpoint):
+    path, _ = tiny_checkpoint("v3")
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\).*candidates: \[1, 2, 4\]"):
+        LLM(str(path), dtype="float32", tensor_parallel_size=3, kv_cache_memory="4MiB", max_model_len=256)
+
+
+def test_dead_rank_fails_fast(tiny_checkpoint):
+    path, _ = tiny_checkpoint("v3")
+    llm = LLM(str(path), dtype="float32", max_model_len=256, block_size=BLOCK, tensor_parallel_size=2,
+              kv_cache_memory="4MiB")
+    try:
+        assert len(llm.generate(make_prompts(2, seed=30), PARAMS)) == 2
+        worker = llm.engine.tp_group.procs[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        start = time.monotonic()
+        with pytest.raises(RankDiedError, match="rank 1"):
+            llm.generate(make_prompts(2, seed=31), PARAMS)
+        assert time.monotonic() - start < 15
+    finally:
+        llm.shutdown()
