@@ -1,0 +1,21 @@
+"""mla_kernels: the attention kernels of mla-runtime (Triton on CUDA, vectorised torch on CPU).
+
+Every public function takes ``backend="triton" | "torch" | None`` (None: "triton" for CUDA tensors, else
+"torch"); fp32 references for all of them live in :mod:`mla_kernels.reference`. This package never
+imports ``mla_runtime``.
+"""
+
+from .common import default_backend, dequantize_rows, quantize_per_token
+from .decode import mla_decode
+from .latent_store import gather_latent, store_latent
+from .prefill import prefill_attention
+
+__all__ = [
+    "default_backend",
+    "dequantize_rows",
+    "gather_latent",
+    "mla_decode",
+    "prefill_attention",
+    "quantize_per_token",
+    "store_latent",
+]
