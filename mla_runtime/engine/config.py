@@ -26,6 +26,8 @@ class EngineConfig:
     attention_path: str = "auto"
     latent_cache_layout: str = "replicated"
     latent_rank: int | None = None
+    latent_projection: str = "svd"  # "svd" (no data) or "pca" (needs latent_calibration)
+    latent_calibration: str | None = None  # a text file for the PCA of the latents
     seed: int = 0
     device: str | None = None
 
@@ -53,3 +55,9 @@ class EngineConfig:
                              f"got {self.latent_cache_layout!r}")
         if self.latent_rank is not None and self.latent_rank < 1:
             raise ValueError(f"latent_rank must be >= 1, got {self.latent_rank}")
+        if self.latent_projection not in ("svd", "pca"):
+            raise ValueError(f"latent_projection must be 'svd' or 'pca', got {self.latent_projection!r}")
+        if self.latent_projection == "pca" and self.latent_rank is not None and not self.latent_calibration:
+            raise ValueError("latent_projection 'pca' needs latent_calibration (a text file)")
+        if self.latent_rank is not None and self.tensor_parallel_size > 1:
+            raise ValueError("latent_rank is not supported with tensor_parallel_size > 1")

@@ -26,6 +26,7 @@ from mla_runtime.engine.model_runner import ModelRunner
 from mla_runtime.engine.scheduler import Scheduler
 from mla_runtime.engine.sequence import Sequence
 from mla_runtime.engine.tp_workers import TensorParallelGroup, make_cache
+from mla_runtime.latent_rank import truncate_latent_rank
 from mla_runtime.loader import load_model
 from mla_runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mla_runtime.parallel import SINGLE_RANK, check_tensor_parallel
@@ -43,7 +44,8 @@ from mla_runtime.tokenizer import IncrementalDetokenizer, load_tokenizer
 logger = logging.getLogger("mla_runtime")
 
 PromptType = str | dict[str, Any] | list[int]
-CPU_CACHE_FRACTION = 0.25  # of available RAM, when kv_cache_memory is not given
+CPU_CACHE_FRACTION = 0.25
+CALIBRATION_TOKENS = 16384  # of available RAM, when kv_cache_memory is not given
 
 
 @dataclass
@@ -76,6 +78,11 @@ class LLMEngine:
         self.config = config
         t0 = time.monotonic()
         cfg = self.model_config = ModelConfig.from_pretrained(config.model)
+        if config.latent_rank is not None:
+            if config.latent_rank > cfg.kv_lora_rank:
+                raise ValueError(f"latent_rank ({config.latent_rank}) exceeds the model's kv_lora_rank "
+                                 f"({cfg.kv_lora_rank})")
+            cfg = self.model_config = cfg.with_overrides(kv_lora_rank=config.latent_rank)  # the cache's d_c
         tp = config.tensor_parallel_size
         check_tensor_parallel(cfg, tp, config.block_size, config.latent_cache_layout)
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() and tp == 1 else "cpu"))
@@ -97,13 +104,15 @@ class LLMEngine:
         try:
             self.model = load_model(config.model, dtype=model_dtype, attention_path=config.attention_path,
                                     backend=config.attention_backend, device=self.device, par=par)
+            self.tokenizer = load_tokenizer(config.model)
+            if config.latent_rank is not None:
+                self._truncate_latent()
             self.cache = make_cache(self.model, num_blocks, config, self.cache_dtype.dtype, par, self.device)
             if self.tp_group:
                 self.tp_group.ready()
         except BaseException:
             self.shutdown()
             raise
-        self.tokenizer = load_tokenizer(config.model)
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.cache, self.device, config.seed, config.block_size, self.tp_group)
@@ -112,6 +121,18 @@ class LLMEngine:
         self.load_seconds = time.monotonic() - t0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+
+    def _truncate_latent(self) -> None:
+        cfg = self.config
+        calibration = None
+        if cfg.latent_projection == "pca":
+            text = open(cfg.latent_calibration or "", encoding="utf-8").read()
+            if self.tokenizer is None:
+                raise ValueError("latent_calibration needs a tokenizer in the checkpoint directory")
+            ids = self.tokenizer.encode(text)[:CALIBRATION_TOKENS]
+            calibration = [ids[i:i + 512] for i in range(0, len(ids), 512)]
+        truncate_latent_rank(self.model, cfg.latent_rank, cfg.latent_projection, calibration)
+        logger.info("latent rank truncated to %d (%s)", cfg.latent_rank, cfg.latent_projection)
 
     # -- sizing --------------------------------------------------------------------------------
     def _num_blocks(self) -> int:

@@ -67,6 +67,20 @@ class MLAttention(nn.Module):
         self.kv_b_proj = Linear(self.d_c, self.n_h * (self.d_n + self.d_v), dtype)
         self.o_proj = Linear(self.n_h * self.d_v, hidden, dtype, bias=cfg.attention_bias)
         self.rotary = RotaryEmbedding(cfg.rope, self.d_r)
+        self.d_c_in = self.d_c  # width of the latent kv_a_proj_with_mqa produces
+        self.latent_down: nn.Parameter | None = None  # [r, d_c_in] when the latent rank is truncated
+
+    def truncate_latent(self, basis: torch.Tensor) -> None:
+        """Cache ``r`` values per token instead of ``d_c``: ``c' = basisᵀ norm(c)`` with ``basis [d_c, r]``
+        orthonormal, and ``kv_b_proj`` folded to ``W · basis`` so that ``W c ≈ (W basis) c'``."""
+        basis = basis.to(self.kv_b_proj.weight.dtype)
+        r = basis.shape[1]
+        down = basis.T.contiguous() if self.latent_down is None else (self.latent_down.T @ basis).T.contiguous()
+        folded = self.kv_b_proj.weight @ basis  # [n_h (d_n + d_v), r]
+        self.kv_b_proj = Linear(r, folded.shape[0], folded.dtype)
+        self.kv_b_proj.weight.data.copy_(folded)
+        self.latent_down = nn.Parameter(down, requires_grad=False)
+        self.d_c = r
 
     # -- absorbed weights -------------------------------------------------------------------
     def w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,8 +112,10 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(num_tokens, self.n_h, self.d_n + self.d_r)
         q_n, q_r = q.split([self.d_n, self.d_r], dim=-1)  # [T, n_h, d_n], [T, n_h, d_r]
-        c, k_r = self.kv_a_proj_with_mqa(x).split([self.d_c, self.d_r], dim=-1)
+        c, k_r = self.kv_a_proj_with_mqa(x).split([self.d_c_in, self.d_r], dim=-1)
         c = self.kv_a_layernorm(c)  # [T, d_c]
+        if self.latent_down is not None:
+            c = torch.nn.functional.linear(c, self.latent_down)  # [T, r]: the truncated latent
         q_r, k_r = self.rotary(batch.positions, q_r, k_r)
         sharded = self.par.sharded_cache
         slots = batch.local_slot_mapping if sharded else batch.slot_mapping
