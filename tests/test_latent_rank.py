@@ -61,9 +61,10 @@ def test_pca_reconstructs_its_calibration_latents_at_least_as_well_as_svd(tiny_c
         for attn, sigma, b_pca, b_svd in zip([layer.self_attn for layer in model.model.layers], moments,
                                              pca_bases(model, rank, calib), svd_bases(model, rank)):
             w = attn.kv_b_proj.weight.double()
+            assert reconstruction_error(w, sigma, b_pca) <= reconstruction_error(w, sigma, b_svd) * (1 + 1e-6)
 
-            def err(b):
-                residual = torch.eye(w.shape[1], dtype=torch.float64) - b.double() @ b.double().T
-                return float(torch.trace(w @ residual @ sigma @ residual.T @ w.T))
 
-            assert err(b_pca) <= err(b_svd) * (1 + 1e-6)
+def reconstruction_error(w: torch.Tensor, sigma: torch.Tensor, basis: torch.Tensor) -> float:
+    """E‖W (c − B Bᵀ c)‖² for latents with second moment sigma."""
+    residual = torch.eye(w.shape[1], dtype=torch.float64) - basis.double() @ basis.double().T
+    return float(torch.trace(w @ residual @ sigma @ residual.T @ w.T))
