@@ -27,7 +27,7 @@ _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 
 
 def default_backend(t: torch.Tensor) -> str:
-    """"triton" when ``t`` lives on a CUDA device, else "torch" (the vectorised CPU path)."""
+    """The backend None resolves to: "triton" for CUDA tensors, else "torch" (the vectorised CPU path)."""
     return "triton" if t.is_cuda else "torch"
 
 

@@ -20,6 +20,8 @@ With one split stage 1 writes the final output directly.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -29,7 +31,6 @@ from .common import (
     check_cache,
     check_int_tensor,
     check_triton_cache,
-    dequantize_rows,
     last_dim_contiguous,
     resolve_backend,
     triton_interpreting,
@@ -38,7 +39,9 @@ from .common import (
 _BLOCK_H = 16  # heads per program (tl.dot needs >= 16 rows; fewer heads are masked)
 _MIN_TOKENS_PER_SPLIT = 256
 _MAX_SPLITS = 64
-_TORCH_SCORE_BYTES = 1 << 29  # the torch path processes query rows in chunks of at most this many score bytes
+# the torch path works on groups of sequences of about this many latent / score bytes (cache-sized temporaries)
+_TORCH_KV_BYTES = 8 << 20
+_TORCH_SCORE_BYTES = 32 << 20
 
 
 @triton.jit
@@ -149,9 +152,15 @@ def _merge_splits_kernel(
     tl.store(lse_ptr + n * stride_ln + heads * stride_lh, lse, mask=mask_h)
 
 
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
 def _default_num_kv_splits(n_rows: int, n_heads: int, max_len_bound: int, device: torch.device) -> int:
-    """Enough programs to fill the device (about two waves), but at least 256 tokens per split."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    """Enough programs to fill the device (about two waves), but at least 256 tokens per split. Uses only
+    shapes (no device sync), so it is CUDA-graph safe; pass num_kv_splits to tune it."""
+    sms = _multiprocessors(device)
     programs = n_rows * triton.cdiv(n_heads, _BLOCK_H)
     splits = min(triton.cdiv(2 * sms, programs), triton.cdiv(max_len_bound, _MIN_TOKENS_PER_SPLIT), _MAX_SPLITS)
     return max(splits, 1)
@@ -216,11 +225,55 @@ def _torch_compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
+def _gather_rows(cache: torch.Tensor, scales: torch.Tensor | None, block_rows: torch.Tensor, row_len: torch.Tensor,
+                 compute: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Whole blocks of R block-table rows -> latent [R, L, D] in ``compute`` (fp8/int8 left unscaled) and
+    per-token scales [R, L, 2]; everything past a row's length is zeroed (it may be NaN poison)."""
+    n_seq, n_blk = block_rows.shape
+    block_size, width = cache.shape[1], cache.shape[2]
+    used = torch.arange(n_blk, device=cache.device)[None, :] * block_size < row_len[:, None]  # [R, n_blk]
+    blk = torch.where(used, block_rows, 0).long()  # unused entries may point anywhere, e.g. out of range
+    kv = cache[blk].view(n_seq, n_blk * block_size, width).to(compute)
+    pos = torch.arange(n_blk * block_size, device=cache.device)
+    past_end = torch.nonzero((pos[None, :] >= row_len[:, None]).flatten()).squeeze(1)
+    kv.view(-1, width)[past_end] = 0.0  # 0 * NaN = NaN: the poison must not reach the matmuls
+    if scales is None:
+        return kv, None
+    tok_scales = scales[blk].view(n_seq, n_blk * block_size, 2)
+    tok_scales.view(-1, 2)[past_end] = 0.0
+    return kv, tok_scales
+
+
+def _attend(q: torch.Tensor, q_lens: torch.Tensor, kv: torch.Tensor, tok_scales: torch.Tensor | None,
+            sm_scale: float, d_c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [R, Q, H, D] over kv [R, L, D], query (r, i) seeing q_lens[r, i] tokens -> (out [R, Q, H, d_c], lse)."""
+    n_seq, n_q, n_heads, width = q.shape
+    max_len = kv.shape[1]
+    q = q.reshape(n_seq, n_q * n_heads, width)
+    kv_t = kv.transpose(1, 2)  # [R, D, L]
+    if tok_scales is None:  # one matmul covers the d_c and d_r parts
+        scores = torch.bmm(q, kv_t).float()  # [R, Q * H, L]
+    else:  # per-token scales multiply the dot products, as in the Triton kernel
+        scale_c, scale_r = tok_scales[:, None, :, 0], tok_scales[:, None, :, 1]  # [R, 1, L]
+        scores = torch.bmm(q[..., :d_c], kv_t[:, :d_c]).float().mul_(scale_c)
+        scores += torch.bmm(q[..., d_c:], kv_t[:, d_c:]).float().mul_(scale_r)
+    hidden = torch.arange(max_len, device=kv.device)[None, None, :] >= q_lens[..., None]  # [R, Q, L]
+    bias = torch.zeros(hidden.shape, device=kv.device).masked_fill_(hidden, float("-inf"))  # shared by all heads
+    scores = scores.view(n_seq, n_q, n_heads, max_len).mul_(sm_scale).add_(bias[:, :, None, :])
+    m = scores.amax(dim=-1)  # [R, Q, H]
+    m = torch.where(torch.isfinite(m), m, 0.0)  # seq_len 0: p = 0, out 0, lse -inf
+    p = torch.exp(scores - m[..., None]).view(n_seq, n_q * n_heads, max_len)
+    denom = p.sum(dim=-1).view(n_seq, n_q, n_heads)
+    if tok_scales is not None:
+        p = p * scale_c
+    out = torch.bmm(p.to(kv.dtype), kv[..., :d_c]).view(n_seq, n_q, n_heads, d_c)
+    return out / torch.where(denom > 0, denom, 1.0)[..., None], m + torch.log(denom)
+
+
 def _mla_decode_torch(q: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None,
                       block_tables: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float, d_c: int,
                       req_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n_rows, n_heads, width = q.shape
-    block_size = cache.shape[1]
     dev = q.device
     lens = seq_lens.long()
     max_len = int(lens.max())
@@ -228,24 +281,12 @@ def _mla_decode_torch(q: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor
         return (torch.zeros(n_rows, n_heads, d_c, dtype=q.dtype, device=dev),
                 torch.full((n_rows, n_heads), float("-inf"), dtype=torch.float32, device=dev))
     compute = _torch_compute_dtype(q.dtype)
+    n_blk = -(-max_len // cache.shape[1])
 
-    # gather each referenced block-table row once, whole blocks at a time, padded to L = n_blk * block_size
+    # query rows sharing a block-table row (a chunk) become one padded batch entry: [R, Q, H, D]
     rows, row_of = torch.unique(req_indices.long(), return_inverse=True)  # [R], [N]
     n_seq = len(rows)
     row_len = torch.zeros(n_seq, dtype=torch.long, device=dev).scatter_reduce_(0, row_of, lens, "amax")
-    n_blk = -(-max_len // block_size)
-    used = torch.arange(n_blk, device=dev)[None, :] * block_size < row_len[:, None]  # [R, n_blk]
-    blk = torch.where(used, block_tables[rows, :n_blk], 0).long()  # unused entries may be out of range
-    kv = cache[blk].view(n_seq, n_blk * block_size, width)  # [R, L, D]
-    if scales is not None:
-        kv = dequantize_rows(kv, scales[blk].view(n_seq, n_blk * block_size, 2), d_c)
-    kv = kv.to(compute)
-    max_len = n_blk * block_size
-    pos = torch.arange(max_len, device=dev)
-    # poison past each row's length (stale tails, block 0 stand-ins) must not reach the value matmul: 0 * NaN
-    kv.view(-1, width)[torch.nonzero((pos[None, :] >= row_len[:, None]).flatten()).squeeze(1)] = 0.0
-
-    # query rows sharing a block-table row (a chunk) become one padded batch entry: [R, Q, H, D]
     rank, max_q = _rank_within_group(row_of, n_seq)
     q_pad = torch.zeros(n_seq, max_q, n_heads, width, dtype=compute, device=dev)
     q_pad[row_of, rank] = q.to(compute)
@@ -253,22 +294,18 @@ def _mla_decode_torch(q: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor
     len_pad[row_of, rank] = lens
     out_pad = torch.empty(n_seq, max_q, n_heads, d_c, dtype=torch.float32, device=dev)
     lse_pad = torch.empty(n_seq, max_q, n_heads, dtype=torch.float32, device=dev)
-    chunk = max(1, _TORCH_SCORE_BYTES // (4 * n_seq * n_heads * max_len))
-    kv_t = kv.transpose(1, 2)  # [R, D, L]: one matmul covers the d_c and d_r parts
-    for q0 in range(0, max_q, chunk):
-        qs = q_pad[:, q0 : q0 + chunk]  # [R, Qc, H, D]
-        n_q = qs.shape[1]
-        scores = torch.bmm(qs.reshape(n_seq, n_q * n_heads, width), kv_t).float()
-        hidden = pos[None, None, :] >= len_pad[:, q0 : q0 + chunk, None]  # [R, Qc, L]
-        bias = torch.zeros(hidden.shape, device=dev).masked_fill_(hidden, float("-inf"))  # shared by all heads
-        scores = scores.view(n_seq, n_q, n_heads, max_len).mul_(sm_scale).add_(bias[:, :, None, :])
-        m = scores.amax(dim=-1)  # [R, Qc, H]
-        m = torch.where(torch.isfinite(m), m, 0.0)  # seq_len 0: p = 0, out 0, lse -inf
-        p = torch.exp(scores - m[..., None])
-        denom = p.sum(dim=-1)
-        o = torch.bmm(p.view(n_seq, n_q * n_heads, max_len).to(compute), kv[..., :d_c])
-        out_pad[:, q0 : q0 + chunk] = o.view(n_seq, n_q, n_heads, d_c) / torch.where(denom > 0, denom, 1.0)[..., None]
-        lse_pad[:, q0 : q0 + chunk] = m + torch.log(denom)
+
+    # batched over rows, but in groups that keep the gathered latent and the scores cache-sized
+    kv_row_bytes = n_blk * cache.shape[1] * width * compute.itemsize
+    group = max(1, _TORCH_KV_BYTES // kv_row_bytes)
+    for r0 in range(0, n_seq, group):
+        r1 = min(r0 + group, n_seq)
+        kv, tok_scales = _gather_rows(cache, scales, block_tables[rows[r0:r1], :n_blk], row_len[r0:r1], compute)
+        q_step = max(1, _TORCH_SCORE_BYTES // (4 * (r1 - r0) * n_heads * kv.shape[1]))
+        for q0 in range(0, max_q, q_step):
+            q1 = min(q0 + q_step, max_q)
+            out_pad[r0:r1, q0:q1], lse_pad[r0:r1, q0:q1] = _attend(
+                q_pad[r0:r1, q0:q1], len_pad[r0:r1, q0:q1], kv, tok_scales, sm_scale, d_c)
     return out_pad[row_of, rank].to(q.dtype), lse_pad[row_of, rank]
 
 

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .common import ACT_DTYPES, check_int_tensor, last_dim_contiguous, resolve_backend, triton_interpreting
 
-_TORCH_SCORE_BYTES = 1 << 29  # the torch path processes queries in chunks of at most this many score bytes
+_TORCH_SCORE_BYTES = 64 << 20  # the torch path processes queries in chunks of at most this many score bytes
 
 
 @triton.jit
