@@ -101,3 +101,40 @@ def test_dead_rank_fails_fast(tiny_checkpoint):
         assert time.monotonic() - start < 15
     finally:
         llm.shutdown()
+
+
+TORCHRUN_SCRIPT = """
+import json, sys
+from mla_runtime import LLM, SamplingParams
+if __name__ == "__main__":
+    path, prompts = sys.argv[1], json.loads(sys.argv[2])
+    with LLM(path, dtype="float32", max_model_len=256, kv_cache_memory="4MiB", block_size=32,
+             tensor_parallel_size=2, latent_cache_layout="sharded") as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+        print("TOKENS", json.dumps([o.outputs[0].token_ids for o in outs]))
+"""
+
+
+def test_torchrun_starts_every_rank_from_one_script(tiny_checkpoint, tmp_path):
+    """``torchrun --nproc-per-node 2 script.py``: rank 0 is the engine, rank 1 serves its steps and exits."""
+    import json
+    import subprocess
+    import sys
+
+    path, _ = tiny_checkpoint("v3")
+    prompts = make_prompts(3, seed=40)
+    script = tmp_path / "serve.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           str(script), str(path), json.dumps(prompts)],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("TOKENS")]
+    assert len(lines) == 1  # only rank 0 returns from LLM(); rank 1 exits inside it
+    expected = run_single(path, prompts)
+    assert json.loads(lines[0].split(" ", 1)[1]) == expected
+
+
+def run_single(path, prompts) -> list[list[int]]:
+    with LLM(str(path), dtype="float32", max_model_len=256, kv_cache_memory="4MiB", block_size=32) as llm:
+        return tokens(llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)))

@@ -25,7 +25,13 @@ from mla_runtime.engine.config import EngineConfig
 from mla_runtime.engine.model_runner import ModelRunner
 from mla_runtime.engine.scheduler import Scheduler
 from mla_runtime.engine.sequence import Sequence
-from mla_runtime.engine.tp_workers import TensorParallelGroup, make_cache
+from mla_runtime.engine.tp_workers import (
+    TensorParallelGroup,
+    launched_by_torchrun,
+    make_cache,
+    run_torchrun_worker,
+    torchrun_rank,
+)
 from mla_runtime.latent_rank import truncate_latent_rank
 from mla_runtime.loader import load_model
 from mla_runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -98,6 +104,8 @@ class LLMEngine:
         sharded = tp > 1 and config.latent_cache_layout == "sharded"
         self.bytes_per_token_per_rank = self.bytes_per_token // tp if sharded else self.bytes_per_token
         self.weight_bytes = weight_bytes(cfg, model_dtype, tp)
+        if tp > 1 and launched_by_torchrun() and torchrun_rank() != 0:
+            run_torchrun_worker(config)  # serves rank 0's steps, then ends this process
         num_blocks = self._num_blocks()
         self.tp_group = TensorParallelGroup(config, num_blocks, self.cache_dtype.dtype) if tp > 1 else None
         par = self.tp_group.par if self.tp_group else SINGLE_RANK

@@ -1,5 +1,11 @@
 """Tensor-parallel worker ranks: one process per extra rank, driven by rank 0's single scheduler.
 
+Two ways to start the ranks:
+- one machine: rank 0 (the process that builds ``LLM``/the server) spawns ranks 1..N-1 itself;
+- several machines: ``torchrun --nnodes M --nproc-per-node K script.py ...`` starts every rank; rank 0
+  proceeds as the engine and, on every other rank, constructing the engine runs the worker loop instead
+  and exits the process when rank 0 shuts down — so the same script serves on all ranks.
+
 Rank 0 owns every decision (scheduler, block pool, sampling). Each step it broadcasts the step's
 ``ForwardBatch`` — input ids, positions, slot mapping, block tables, sequence lengths — once; every rank
 runs its shard of the model on it against its own latent cache, which uses the same block ids; the
@@ -50,15 +56,41 @@ def _threads_per_rank(world: int) -> int:
     return max(1, (os.cpu_count() or 1) // world)
 
 
-def _init(rank: int, world: int, port: int, timeout_s: float) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def torchrun_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _init(rank: int, world: int, init_method: str, timeout_s: float) -> None:
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
 
 
-def worker_main(rank: int, world: int, port: int, config: EngineConfig, num_blocks: int,
-                cache_dtype: torch.dtype, timeout_s: float) -> None:
+def worker_main(rank: int, world: int, init_method: str, config: EngineConfig, timeout_s: float) -> None:
+    """Entry point of a spawned worker rank."""
     torch.set_num_threads(_threads_per_rank(world))
-    _init(rank, world, port, timeout_s)
+    _init(rank, world, init_method, timeout_s)
+    serve_worker(rank, world, config)
+
+
+def run_torchrun_worker(config: EngineConfig, timeout_s: float = 60.0) -> None:
+    """On a torchrun rank other than 0: serve rank 0's steps, then end the process."""
+    world = int(os.environ["WORLD_SIZE"])
+    if world != config.tensor_parallel_size:
+        raise ValueError(f"torchrun started {world} ranks but tensor_parallel_size is {config.tensor_parallel_size}")
+    _init(torchrun_rank(), world, "env://", timeout_s)
+    serve_worker(torchrun_rank(), world, config)
+    raise SystemExit(0)
+
+
+def serve_worker(rank: int, world: int, config: EngineConfig) -> None:
+    """Load this rank's shard and run every step rank 0 broadcasts, until it says stop."""
+    box: list = [None]
+    dist.broadcast_object_list(box, src=0)
+    _, num_blocks, cache_dtype = box[0]  # ("init", blocks, cache dtype): rank 0 sized the cache
     par = ParallelContext(rank, world, config.latent_cache_layout)
     device = torch.device("cpu")
     model = load_model(config.model, dtype=config.dtype, attention_path=config.attention_path,
@@ -85,19 +117,23 @@ class TensorParallelGroup:
     def __init__(self, config: EngineConfig, num_blocks: int, cache_dtype: torch.dtype,
                  timeout_s: float = 60.0) -> None:
         world = config.tensor_parallel_size
-        port = _free_port()
-        ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=worker_main, name=f"mla-tp-rank{r}", daemon=True,
-                                  args=(r, world, port, config, num_blocks, cache_dtype, timeout_s))
-                      for r in range(1, world)]
-        for p in self.procs:
-            p.start()
-        torch.set_num_threads(_threads_per_rank(world))
+        self.procs: list = []
+        if launched_by_torchrun():  # the other ranks exist already, maybe on other machines
+            init_method = "env://"
+        else:
+            init_method = f"tcp://127.0.0.1:{_free_port()}"
+            ctx = mp.get_context("spawn")
+            self.procs = [ctx.Process(target=worker_main, name=f"mla-tp-rank{r}", daemon=True,
+                                      args=(r, world, init_method, config, timeout_s)) for r in range(1, world)]
+            for p in self.procs:
+                p.start()
+            torch.set_num_threads(_threads_per_rank(world))
         try:
-            _init(0, world, port, timeout_s)
+            _init(0, world, init_method, timeout_s)
         except Exception as e:
             self.check_alive()
             raise RankDiedError(f"tensor-parallel ranks did not join within {timeout_s:.0f} s: {e}") from e
+        dist.broadcast_object_list([("init", num_blocks, cache_dtype)], src=0)
         self.par = ParallelContext(0, world, config.latent_cache_layout)
         self.closed = False
         logger.info("tensor parallel: %d ranks (gloo), %s latent cache", world, config.latent_cache_layout)
