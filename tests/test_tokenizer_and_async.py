@@ -1,0 +1,99 @@
+"""Incremental detokenisation, chat templates, logprobs and the asyncio engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from mla_runtime import SamplingParams
+from mla_runtime.engine.async_llm import AsyncLLM
+from mla_runtime.engine.config import EngineConfig
+from mla_runtime.tokenizer import IncrementalDetokenizer, apply_chat_template
+from tests.test_engine import assert_clean, make_prompts, new_llm
+
+TEXT = "naïve café — 東京 🚀🎉 Ünïcödé ∑ x² ≤ ∞\n\tdef f(): return '✓'"
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer():
+    """A byte-level BPE trained on a few lines: multi-byte characters end up split across tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["hello world", "def f(): return 1", "plain ascii text only"], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    fast.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+    return fast
+
+
+def test_incremental_detokenizer_never_emits_half_a_character(byte_tokenizer):
+    ids = byte_tokenizer.encode(TEXT)
+    assert len(ids) > len(TEXT)  # the emoji and CJK characters really span several byte tokens
+    detok = IncrementalDetokenizer(byte_tokenizer, [])
+    deltas = [detok.add(t) for t in ids]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == TEXT == detok.text
+
+
+def test_chat_template_is_applied(byte_tokenizer):
+    ids = apply_chat_template(byte_tokenizer, [{"role": "user", "content": "hi ✓"}])
+    assert byte_tokenizer.decode(ids) == "<user>hi ✓<assistant>"
+
+
+def test_logprobs_are_log_softmax_of_the_logits(tiny_checkpoint):
+    path, hf = tiny_checkpoint("v3")
+    llm = new_llm(path)
+    prompt = make_prompts(1, seed=50)[0]
+    out = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0, logprobs=2))[0].outputs[0]
+    assert len(out.logprobs) == 3
+    ids = prompt["prompt_token_ids"] + out.token_ids
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    for i, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        row = ref[len(prompt["prompt_token_ids"]) - 1 + i]
+        assert tok in entry and len(entry) <= 3
+        assert entry[tok] == pytest.approx(float(row[tok]), abs=1e-4)
+        assert max(entry.values()) == pytest.approx(float(row.max()), abs=1e-4)
+    assert_clean(llm)
+
+
+def test_async_streams_and_abort(tiny_checkpoint):
+    path, _ = tiny_checkpoint("v3")
+    engine = AsyncLLM(EngineConfig(model=str(path), dtype="float32", max_model_len=256, block_size=16,
+                                   kv_cache_memory="8MiB"))
+    prompts = make_prompts(3, seed=51)
+
+    async def stream(i: int, n: int) -> list[int]:
+        seen = []
+        async for out in engine.generate(prompts[i], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+                                         f"req-{i}"):
+            seen.append(len(out.outputs[0].token_ids))
+            final = out
+        assert seen == sorted(seen) and seen[-1] == n and final.finished
+        return final.outputs[0].token_ids
+
+    async def aborted() -> str:
+        async for out in engine.generate(prompts[2], SamplingParams(max_tokens=200), "req-abort"):
+            if len(out.outputs[0].token_ids) >= 3:
+                engine.abort("req-abort")
+                return "aborted"
+        return "finished"
+
+    async def main():
+        return await asyncio.gather(stream(0, 8), stream(1, 5), aborted())
+
+    try:
+        a, b, c = asyncio.run(main())
+        assert len(a) == 8 and len(b) == 5 and c == "aborted"
+        llm_engine = engine.engine
+        llm_engine.pool.check_whole()
+        assert not llm_engine.requests
+    finally:
+        engine.shutdown()
