@@ -192,3 +192,22 @@ def test_cache_too_small_for_one_sequence(v3):
     path, _ = v3
     with pytest.raises(ValueError, match="kv_cache_memory"):
         new_llm(path, kv_cache_memory="10KiB")
+
+
+def test_long_prefill_does_not_stall_running_decodes(v3):
+    path, _ = v3
+    llm = new_llm(path, max_num_batched_tokens=16)
+    engine = llm.engine
+    engine.add_request("short", make_prompts(1, seed=60, lo=5, hi=5)[0], SamplingParams(max_tokens=20))
+    engine.step()  # the short prompt is prefilled and decoding
+    engine.add_request("long", make_prompts(1, seed=61, lo=200, hi=200)[0], SamplingParams(max_tokens=2))
+    short = engine.requests["short"].seqs[0]
+    for _ in range(5):  # the long prompt needs 13 chunks of 16 tokens; the decode advances every step
+        before = len(short.output_token_ids)
+        engine.step()
+        assert len(short.output_token_ids) == before + 1
+    long_seq = engine.requests["long"].seqs[0]
+    assert 0 < long_seq.num_computed_tokens < 200  # chunked: it shares each step's budget
+    for rid in list(engine.requests):
+        engine.abort(rid)
+    assert_clean(llm)

@@ -1,8 +1,8 @@
 """Scheduler: continuous batching under a token budget, chunked prefill, prefix caching, preemption.
 
 Each step it fills a budget of ``max_num_batched_tokens`` new tokens:
-1. running sequences first, in admission order — a decode needs one token, an unfinished prefill the
-   rest of its prompt (chunked to what the budget has left), so long prompts never stall decodes;
+1. running sequences first — decodes (one token each), then unfinished prefills (the rest of the
+   prompt, chunked to what the budget has left), so long prompts never stall running decodes;
 2. if a running sequence needs a block and none is free, the most recently admitted running sequence
    is preempted: its blocks go back to the pool (full ones stay prefix-cached) and it re-queues at the
    front, to be recomputed later — cheap, since its prefix is usually still cached;
@@ -114,23 +114,31 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         preempted = False
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        # decodes first, then unfinished prefills: a long prompt never stalls running decodes
+        order = [s for s in self.running if s.num_uncomputed == 1] + \
+            [s for s in self.running if s.num_uncomputed > 1]
+        scheduled: set[int] = set()
+        for seq in order:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
             n = min(seq.num_uncomputed, budget)
             need = self._blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
-            while need > self.pool.num_free_blocks and self.running[-1] is not seq:
-                self._preempt(self.running[-1])
+            while need > self.pool.num_free_blocks:
+                victims = [v for v in self.running if v.seq_id not in scheduled]
+                victim = victims[-1]  # the most recently admitted one not already in this batch
+                self._preempt(victim)
                 preempted = True
-            if need > self.pool.num_free_blocks:
-                self._preempt(seq)
-                preempted = True
-                break
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
             seq.block_table += self.pool.allocate(need)
+            scheduled.add(seq.seq_id)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
-            i += 1
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
