@@ -1,0 +1,382 @@
+"""Load generator for the HTTP server: latency percentiles, throughput, errors, and soak drift.
+
+Examples (server started with ``python server.py``):
+
+    python bench/bench_serving.py --num-requests 200 --rate 4            # Poisson arrivals, 4 req/s
+    python bench/bench_serving.py --num-requests 200 --concurrency 16    # 16 requests always in flight
+    python bench/bench_serving.py --duration 600 --rate 2                # soak: RSS / cache drift over time
+    python bench/bench_serving.py --multi-turn 5 --prompt-len 1500       # turn-2 TTFT vs turn-1 (prefix reuse)
+
+Requests stream from ``POST /generate`` (one SSE event per token, so TTFT and TPOT are exact) or from the
+OpenAI ``/v1/completions`` route (``--endpoint completions``, to compare with other servers). Prompts are
+seeded: Python-like text from a fixed vocabulary, tokenized by ``--tokenizer`` (default: the demo model's)
+and cut to a length drawn uniformly from ``prompt_len × [1 - range, 1 + range]``; output lengths likewise,
+with ``ignore_eos`` so each request generates exactly its drawn length. Metrics:
+
+- TTFT: request sent → first token event; TPOT: (end − first token) / (tokens − 1); E2E: sent → last event.
+- Soak (``--duration``): every ``--sample-every`` s the server's ``/metrics`` is read
+  (``process_resident_memory_bytes``, ``mla_latent_cache_usage_ratio``); drift = median of the last 20% of
+  samples vs the median of the first 20% after a 10% warm-up (the seeds ask for <= 5%). After the load the
+  cache must be empty again (``mla_latent_cache_blocks_used == 0``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+DEMO_MODEL = Path(__file__).resolve().parent.parent / "mla_runtime" / "demo_model"
+WORDS = ("def class return import self value items count name path data result index key list dict "
+         "for in if else while with open try except raise None True False len range print yield lambda "
+         "append update get set sorted os sys json time args kwargs config").split()
+
+
+# -- workload ---------------------------------------------------------------------------------------
+def python_like_text(rng: random.Random, n_lines: int) -> str:
+    lines = []
+    for i in range(n_lines):
+        a, b, c = rng.sample(WORDS, 3)
+        lines.append(rng.choice([f"def {a}_{i}({b}, {c}):", f"    {a} = {b}.{c}({i})", f"    return {a} + {b}",
+                                 f"class {a.title()}{i}:", f"    if {a} in {b}:", f"        {c}.append({a})",
+                                 f"import {a}", f"    for {a} in {b}:"]))
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+
+def make_workload(args: argparse.Namespace, n: int) -> Workload:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
+    rng = random.Random(args.seed)
+
+    def draw(mean: int) -> int:
+        lo, hi = max(1, round(mean * (1 - args.range))), max(1, round(mean * (1 + args.range)))
+        return rng.randint(lo, hi)
+
+    prompts, outs = [], []
+    for _ in range(n):
+        length = draw(args.prompt_len)
+        ids: list[int] = []
+        while len(ids) < length:
+            ids += tok.encode(python_like_text(rng, 8 + length // 6), add_special_tokens=False)
+        prompts.append(ids[:length])
+        outs.append(draw(args.output_len))
+    return Workload(prompts, outs)
+
+
+# -- one request ------------------------------------------------------------------------------------
+@dataclass
+class Result:
+    ok: bool
+    status: int = 0
+    error: str = ""
+    ttft: float | None = None
+    tpot: float | None = None
+    e2e: float = 0.0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+
+
+async def stream_request(client: httpx.AsyncClient, args: argparse.Namespace, prompt: Any, max_tokens: int,
+                         endpoint: str | None = None, messages: list | None = None) -> tuple[Result, str]:
+    """Send one streaming request; return its timings and generated text."""
+    endpoint = endpoint or args.endpoint
+    body: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0.0, "stream": True, "ignore_eos": True}
+    if endpoint == "generate":
+        path, body["prompt"] = "/generate", prompt
+    elif endpoint == "completions":
+        path = "/v1/completions"
+        body.update(prompt=prompt, model=args.model, stream_options={"include_usage": True})
+    else:
+        path = "/v1/chat/completions"
+        body.update(messages=messages, model=args.model, stream_options={"include_usage": True})
+        body.pop("ignore_eos")
+    t0 = time.perf_counter()
+    first = last = None
+    tokens, text = 0, []
+    res = Result(ok=False)
+    try:
+        async with client.stream("POST", path, json=body) as r:
+            res.status = r.status_code
+            if r.status_code != 200:
+                res.error = (await r.aread()).decode(errors="replace")[:200]
+                return res, ""
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                now = time.perf_counter()
+                event = json.loads(line[6:])
+                if "error" in event:
+                    res.error = event["error"]["message"]
+                    return res, ""
+                first = first or now
+                last = now
+                if endpoint == "generate":
+                    tokens += len(event["token_ids"])
+                    text.append(event["text"])
+                    usage = event.get("usage")
+                else:
+                    for c in event.get("choices", []):
+                        text.append(c.get("text") or c.get("delta", {}).get("content") or "")
+                    usage = event.get("usage")
+                if usage:
+                    res.prompt_tokens = usage["prompt_tokens"]
+                    tokens = usage["completion_tokens"]
+                    res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    except httpx.HTTPError as e:
+        res.error = f"{type(e).__name__}: {e}"
+        return res, ""
+    res.ok, res.e2e, res.output_tokens = True, time.perf_counter() - t0, tokens
+    if first is not None:
+        res.ttft = first - t0
+        if tokens > 1 and last is not None:
+            res.tpot = (last - first) / (tokens - 1)
+    return res, "".join(text)
+
+
+# -- load modes -------------------------------------------------------------------------------------
+@dataclass
+class Samples:
+    t: list[float] = field(default_factory=list)
+    rss: list[float] = field(default_factory=list)
+    cache: list[float] = field(default_factory=list)
+
+
+async def scrape(client: httpx.AsyncClient) -> dict[str, float]:
+    text = (await client.get("/metrics")).text
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, _, value = line.partition(" ")
+            out[name] = float(value)
+    return out
+
+
+async def sampler(client: httpx.AsyncClient, every: float, samples: Samples, stop: asyncio.Event) -> None:
+    t0 = time.perf_counter()
+    while not stop.is_set():
+        m = await scrape(client)
+        samples.t.append(time.perf_counter() - t0)
+        samples.rss.append(m.get("process_resident_memory_bytes", 0.0))
+        samples.cache.append(m.get("mla_latent_cache_usage_ratio", 0.0))
+        try:
+            await asyncio.wait_for(stop.wait(), every)
+        except TimeoutError:
+            pass
+
+
+async def run_load(args: argparse.Namespace) -> int:
+    n = args.num_requests if not args.duration else 100_000
+    work = make_workload(args, min(n, args.pool))
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    rng = random.Random(args.seed + 1)
+    results: list[Result] = []
+    samples, stop = Samples(), asyncio.Event()
+    sem = asyncio.Semaphore(args.concurrency) if args.concurrency else None
+    async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout, headers=headers,
+                                 limits=limits) as client:
+        await wait_ready(client)
+        before = await scrape(client)
+        bar = tqdm(total=args.duration or n, unit="s" if args.duration else "req", file=sys.stderr,
+                   bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} [{elapsed}<{remaining}]")
+        watcher = asyncio.create_task(sampler(client, args.sample_every, samples, stop)) if args.duration else None
+
+        async def one(i: int) -> None:
+            k = i % len(work.prompts)
+            try:
+                res, _ = await stream_request(client, args, work.prompts[k], work.output_lens[k])
+            finally:
+                if sem:
+                    sem.release()
+            results.append(res)
+            if not args.duration:
+                bar.update(1)
+
+        t0 = time.perf_counter()
+        tasks: list[asyncio.Task] = []
+        for i in range(n):
+            if args.duration and time.perf_counter() - t0 >= args.duration:
+                break
+            if sem:
+                await sem.acquire()  # fixed concurrency: the next request starts when one finishes
+            tasks.append(asyncio.create_task(one(i)))
+            await asyncio.sleep(rng.expovariate(args.rate) if args.rate != float("inf") else 0)
+            if args.duration:
+                bar.n = min(args.duration, time.perf_counter() - t0)
+                bar.refresh()
+        await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - t0
+        stop.set()
+        if watcher:
+            await watcher
+        bar.close()
+        after = await scrape(client)
+    report(args, results, elapsed, before, after, samples)
+    return 0 if all(r.ok for r in results) else 1
+
+
+async def wait_ready(client: httpx.AsyncClient, timeout: float = 300.0) -> None:
+    end = time.perf_counter() + timeout
+    while time.perf_counter() < end:
+        try:
+            if (await client.get("/ready")).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        await asyncio.sleep(0.5)
+    raise SystemExit(f"{client.base_url} is not ready after {timeout:.0f} s")
+
+
+# -- reporting --------------------------------------------------------------------------------------
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+
+
+def drift(values: list[float]) -> float:
+    """Median of the last 20% vs the first 20% after a 10% warm-up, as a fraction."""
+    if len(values) < 10:
+        return float("nan")
+    n = len(values)
+    first = statistics.median(values[n // 10: n // 10 + max(1, n // 5)])
+    last = statistics.median(values[-max(1, n // 5):])
+    return (last - first) / first if first else float("nan")
+
+
+def report(args: argparse.Namespace, results: list[Result], elapsed: float, before: dict, after: dict,
+           samples: Samples) -> None:
+    ok = [r for r in results if r.ok]
+    errors: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            key = f"{r.status or 'transport'}: {r.error[:80]}"
+            errors[key] = errors.get(key, 0) + 1
+    out_tokens = sum(r.output_tokens for r in ok)
+    prompt_tokens = sum(r.prompt_tokens or 0 for r in ok)
+    mode = f"rate {args.rate:g}/s (Poisson)" if args.rate != float("inf") else "all at once"
+    if args.concurrency:
+        mode = f"concurrency {args.concurrency}"
+    print(f"\n== bench_serving: {len(results)} requests, {mode}, endpoint {args.endpoint}, "
+          f"prompt {args.prompt_len}±{args.range:.0%} tokens, output {args.output_len}±{args.range:.0%} tokens ==")
+    print(f"{'succeeded':<28}{len(ok)}")
+    print(f"{'errors':<28}{len(results) - len(ok)}" + "".join(f"\n  {k}: {v}" for k, v in errors.items()))
+    print(f"{'duration (s)':<28}{elapsed:.2f}")
+    print(f"{'request throughput (req/s)':<28}{len(ok) / elapsed:.2f}")
+    print(f"{'output throughput (tok/s)':<28}{out_tokens / elapsed:.1f}")
+    if prompt_tokens:
+        print(f"{'total throughput (tok/s)':<28}{(out_tokens + prompt_tokens) / elapsed:.1f}")
+    print(f"{'metric (ms)':<28}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
+    for name, vals in (("TTFT", [r.ttft for r in ok if r.ttft is not None]),
+                       ("TPOT", [r.tpot for r in ok if r.tpot is not None]),
+                       ("E2E", [r.e2e for r in ok])):
+        if vals:
+            ms = [v * 1e3 for v in vals]
+            print(f"{name:<28}{statistics.fmean(ms):>10.1f}{pct(ms, 50):>10.1f}{pct(ms, 90):>10.1f}"
+                  f"{pct(ms, 99):>10.1f}")
+    hits = after.get("mla_prefix_cache_hits_tokens_total", 0) - before.get("mla_prefix_cache_hits_tokens_total", 0)
+    queried = (after.get("mla_prefix_cache_queries_tokens_total", 0)
+               - before.get("mla_prefix_cache_queries_tokens_total", 0))
+    if queried:
+        print(f"{'prefix-cache hit rate':<28}{hits / queried:.1%}")
+    pre = after.get("mla_preemptions_total", 0) - before.get("mla_preemptions_total", 0)
+    print(f"{'preemptions':<28}{pre:.0f}")
+    print(f"{'cache blocks used after':<28}{after.get('mla_latent_cache_blocks_used', float('nan')):.0f}")
+    if samples.t:
+        rss_drift = drift(samples.rss)
+        print(f"{'soak samples':<28}{len(samples.t)} over {samples.t[-1]:.0f} s")
+        print(f"{'RSS first/last (MiB)':<28}{samples.rss[0] / 2**20:.1f} / {samples.rss[-1] / 2**20:.1f}")
+        print(f"{'RSS drift':<28}{rss_drift:+.2%}  ({'OK' if abs(rss_drift) <= 0.05 else 'ABOVE'} the 5% bound)")
+        print(f"{'cache usage mean/max':<28}{statistics.fmean(samples.cache):.1%} / {max(samples.cache):.1%}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"results": [r.__dict__ for r in results], "elapsed": elapsed,
+                                               "samples": samples.__dict__}, indent=1))
+
+
+# -- multi-turn prefix reuse ------------------------------------------------------------------------
+async def run_multi_turn(args: argparse.Namespace) -> int:
+    """Sequential two-turn chats: turn 2 repeats turn 1 (+ the reply) and should reuse its cached prefix."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
+    rng = random.Random(args.seed)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    rows = []
+    async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout, headers=headers) as client:
+        await wait_ready(client)
+        for _ in tqdm(range(args.multi_turn), desc="conversations", file=sys.stderr):
+            ids = tok.encode(python_like_text(rng, args.prompt_len // 4), add_special_tokens=False)
+            while len(ids) < args.prompt_len:
+                ids += tok.encode(python_like_text(rng, 20), add_special_tokens=False)
+            first = [{"role": "user", "content": tok.decode(ids[:args.prompt_len])}]
+            r1, reply = await stream_request(client, args, None, args.output_len, "chat", first)
+            second = first + [{"role": "assistant", "content": reply},
+                              {"role": "user", "content": python_like_text(rng, 2)}]
+            r2, _ = await stream_request(client, args, None, args.output_len, "chat", second)
+            if not (r1.ok and r2.ok):
+                print(f"error: {r1.error or r2.error}", file=sys.stderr)
+                return 1
+            rows.append((r1, r2))
+    print(f"\n== multi-turn prefix reuse: {len(rows)} conversations, turn-1 prompt ~{args.prompt_len} tokens, "
+          f"{args.output_len} output tokens ==")
+    print(f"{'turn':<8}{'prompt tok':>12}{'cached tok':>12}{'TTFT mean ms':>14}{'TTFT p50 ms':>13}")
+    for turn in (0, 1):
+        rs = [row[turn] for row in rows]
+        ttfts = [r.ttft * 1e3 for r in rs if r.ttft is not None]
+        print(f"{turn + 1:<8}{statistics.fmean(r.prompt_tokens for r in rs):>12.0f}"
+              f"{statistics.fmean(r.cached_tokens for r in rs):>12.0f}{statistics.fmean(ttfts):>14.1f}"
+              f"{pct(ttfts, 50):>13.1f}")
+    ratio = statistics.median(r2.ttft / r1.ttft for r1, r2 in rows if r1.ttft and r2.ttft)
+    print(f"turn-2 / turn-1 TTFT (median of per-conversation ratios): {ratio:.2f}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--endpoint", choices=("generate", "completions"), default="generate")
+    p.add_argument("--model", default=None, help="model id sent to the OpenAI routes (default: the server's)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--tokenizer", default=str(DEMO_MODEL), help="tokenizer folder used to build exact-length prompts")
+    p.add_argument("--num-requests", type=int, default=100)
+    p.add_argument("--rate", type=float, default=float("inf"), help="Poisson arrival rate, requests/s")
+    p.add_argument("--concurrency", type=int, default=0, help="fixed number of requests in flight (0: off)")
+    p.add_argument("--duration", type=float, default=0.0, help="soak mode: keep sending for this many seconds")
+    p.add_argument("--sample-every", type=float, default=2.0, help="soak: seconds between /metrics samples")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--range", type=float, default=0.5, help="lengths drawn from mean × [1 - range, 1 + range]")
+    p.add_argument("--pool", type=int, default=512, help="distinct prompts (reused round-robin beyond)")
+    p.add_argument("--multi-turn", type=int, default=0, help="run N two-turn chats and compare their TTFT")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write every request's numbers to this file")
+    args = p.parse_args(argv)
+    if args.duration and not args.concurrency and args.rate == float("inf"):
+        p.error("--duration needs --rate or --concurrency (otherwise requests would be started without bound)")
+    if args.multi_turn:
+        return asyncio.run(run_multi_turn(args))
+    return asyncio.run(run_load(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""Server configuration: defaults < ``MLA_API_KEY`` < ``--config serve.yaml`` < command-line flags.
+
+Every option has one flat name (the ``EngineConfig`` or ``ServerConfig`` field it sets). ``OPTIONS`` maps
+each to its place in the YAML file (the seed's ``model`` / ``kv_cache`` / ``serving`` layout) and to its
+flag, so an error can always say where the bad value came from. Unknown YAML keys are an error that names
+the key; the engine options are validated by ``EngineConfig`` itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from mla_runtime.engine.config import EngineConfig
+from mla_runtime.plan import parse_bytes
+
+DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo_model"
+API_KEY_ENV = "MLA_API_KEY"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    request_timeout: float = 120.0  # seconds from arrival (queueing included) to the last token
+    max_queue: int = 256  # requests admitted beyond max_num_seqs before answering 429
+    api_key: str | None = None
+    max_body_bytes: int | str = "4MiB"
+    served_model_name: str | None = None
+    shutdown_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests before aborting them
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be an integer in [0, 65535], got {self.port!r}")
+        for name in ("request_timeout", "shutdown_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+        if not isinstance(self.max_queue, int) or isinstance(self.max_queue, bool) or self.max_queue < 0:
+            raise ValueError(f"max_queue must be an integer >= 0, got {self.max_queue!r}")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise ValueError("api_key must be a non-empty string")
+        body = parse_bytes(self.max_body_bytes)
+        if body < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes!r}")
+        object.__setattr__(self, "max_body_bytes", body)
+
+
+@dataclass(frozen=True)
+class Option:
+    yaml: str | None  # "section.key" in serve.yaml
+    flag: str | None
+    type: Any = str
+    help: str = ""
+
+
+ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
+SERVER_FIELDS = {f.name for f in fields(ServerConfig)}
+
+OPTIONS: dict[str, Option] = {
+    "model": Option("model.path", "--model", str, "checkpoint directory (default: the embedded demo model)"),
+    "dtype": Option("model.dtype", "--dtype", str, "weight/compute dtype: auto, bfloat16, float16, float32"),
+    "tensor_parallel_size": Option("model.tensor_parallel_size", "--tensor-parallel-size", int),
+    "latent_rank": Option("model.latent_rank", "--latent-rank", int, "truncate the cached latent to this rank"),
+    "attention_backend": Option(None, "--attention-backend", str, "triton or torch (default: by device)"),
+    "max_model_len": Option("kv_cache.max_seq_len", "--max-model-len", int, "context limit per request"),
+    "kv_cache_memory": Option("kv_cache.memory", "--kv-cache-memory", str, "latent-cache bytes, e.g. 8GiB"),
+    "block_size": Option("kv_cache.block_size", "--block-size", int, "tokens per cache block (multiple of 16)"),
+    "max_num_seqs": Option("kv_cache.max_num_seqs", "--max-num-seqs", int, "sequences running at once"),
+    "max_num_batched_tokens": Option(None, "--max-num-batched-tokens", int, "token budget of one step"),
+    "kv_cache_dtype": Option("kv_cache.dtype", "--kv-cache-dtype", str, "auto, bfloat16, float16, fp8, int8…"),
+    "latent_cache_layout": Option("kv_cache.layout", "--latent-cache-layout", str, "replicated or sharded"),
+    "host": Option("serving.host", "--host", str),
+    "port": Option("serving.listen_port", "--port", int),
+    "request_timeout": Option("serving.request_timeout", "--request-timeout", float, "seconds; then 504"),
+    "max_queue": Option("serving.max_queue", "--max-queue", int, "requests waiting beyond max_num_seqs; then 429"),
+    "api_key": Option("serving.api_key", "--api-key", str, f"require 'Authorization: Bearer KEY' "
+                                                           f"(default: ${API_KEY_ENV})"),
+    "max_body_bytes": Option("serving.max_body_bytes", "--max-body-bytes", str, "request body limit; then 413"),
+    "served_model_name": Option("serving.served_model_name", "--served-model-name", str,
+                                "model id in /v1/models (default: the checkpoint folder's name)"),
+    "shutdown_timeout": Option("serving.shutdown_timeout", "--shutdown-timeout", float,
+                               "seconds SIGTERM waits for in-flight requests"),
+}
+YAML_KEYS = {opt.yaml: name for name, opt in OPTIONS.items() if opt.yaml}
+YAML_HINTS = {"kv_cache.gpu_memory_util": "size the latent cache in bytes with kv_cache.memory (e.g. '40GiB')"}
+
+
+def where(name: str) -> str:
+    """Where an option can be set, for error messages: ``kv_cache.block_size / --block-size``."""
+    opt = OPTIONS.get(name)
+    if opt is None:
+        return name
+    return " / ".join(p for p in (opt.yaml, opt.flag) if p)
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """serve.yaml → flat options. Unknown sections and keys are errors that name them."""
+    import yaml
+
+    p = Path(path)
+    try:
+        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ValueError(f"--config {path}: cannot read the file ({e.strerror})") from e
+    except yaml.YAMLError as e:
+        raise ValueError(f"--config {path}: not valid YAML: {e}") from e
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"--config {path}: the top level must be a mapping with model / kv_cache / serving")
+    sections = sorted({k.split(".")[0] for k in YAML_KEYS})
+    out: dict[str, Any] = {}
+    for section, body in raw.items():
+        if section not in sections:
+            raise ValueError(f"--config {path}: unknown section {section!r} (known: {', '.join(sections)})")
+        if not isinstance(body, dict):
+            raise ValueError(f"--config {path}: {section} must be a mapping of keys")
+        for key, value in body.items():
+            dotted = f"{section}.{key}"
+            if dotted not in YAML_KEYS:
+                known = ", ".join(k.split(".")[1] for k in YAML_KEYS if k.startswith(section + "."))
+                hint = YAML_HINTS.get(dotted, f"known keys in {section}: {known}")
+                raise ValueError(f"--config {path}: unknown key {dotted!r}; {hint}")
+            out[YAML_KEYS[dotted]] = _check_type(dotted, YAML_KEYS[dotted], value)
+    return out
+
+
+def _check_type(dotted: str, name: str, value: Any) -> Any:
+    want = OPTIONS[name].type
+    if name in ("kv_cache_memory", "max_body_bytes"):  # "8GiB" or a plain byte count
+        want = (str, int)
+    elif want is float:
+        want = (int, float)
+    if value is None or isinstance(value, bool) or not isinstance(value, want):
+        kinds = " or ".join(t.__name__ for t in (want if isinstance(want, tuple) else (want,)))
+        raise ValueError(f"{dotted} must be {kinds}, got {value!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="server.py", description="Serve an MLA checkpoint over HTTP (/generate, /v1/*, /metrics).",
+        epilog="Precedence: flags > --config file > $MLA_API_KEY > defaults.")
+    parser.add_argument("--config", help="serve.yaml (sections model / kv_cache / serving; see "
+                                         "mla_runtime/serving/serve.example.yaml)")
+    for name, opt in OPTIONS.items():
+        parser.add_argument(opt.flag, dest=name, type=opt.type, default=None, help=opt.help or None)
+    return parser
+
+
+def default_model() -> str:
+    if not (DEMO_MODEL / "config.json").is_file() or not any(DEMO_MODEL.glob("*.safetensors")):
+        raise ValueError(f"no model given and the embedded demo model is missing from {DEMO_MODEL} (it needs "
+                         f"config.json and *.safetensors; build it with bench/train_demo_model.py); "
+                         f"pass --model PATH or set model.path in --config")
+    return str(DEMO_MODEL)
+
+
+def resolve(argv: Sequence[str] | None = None, env: dict[str, str] | None = None
+            ) -> tuple[EngineConfig, ServerConfig]:
+    """Command line (and optional YAML file) → validated engine and server configs."""
+    env = os.environ if env is None else env
+    args = build_parser().parse_args(argv)
+    values: dict[str, Any] = {}
+    if env.get(API_KEY_ENV):
+        values["api_key"] = env[API_KEY_ENV]
+    if args.config:
+        values.update(load_yaml(args.config))
+    values.update({k: v for k, v in vars(args).items() if k in OPTIONS and v is not None})
+    if values.get("model") is None:
+        values["model"] = default_model()
+    model = Path(str(values["model"])).expanduser()
+    if not (model / "config.json").is_file():
+        raise ValueError(f"model ({where('model')}): {model} is not a checkpoint directory (no config.json)")
+    values["model"] = str(model)
+    engine_kw = {k: v for k, v in values.items() if k in ENGINE_FIELDS}
+    server_kw = {k: v for k, v in values.items() if k in SERVER_FIELDS}
+    server_kw.setdefault("served_model_name", model.name)
+    return _build(EngineConfig, engine_kw), _build(ServerConfig, server_kw)
+
+
+def _build(cls: type, kw: dict[str, Any]) -> Any:
+    try:
+        return cls(**kw)
+    except (ValueError, TypeError) as e:
+        msg = str(e)
+        field = next((n for n in kw if msg.startswith(n)), None) or next(
+            (n for n, v in kw.items() if isinstance(v, str) and repr(v) in msg), None)
+        suffix = f" (set with {where(field)})" if field else ""
+        raise ValueError(f"invalid configuration: {e}{suffix}") from e

@@ -1,0 +1,146 @@
+"""Response bodies and SSE chunks for ``/generate``, ``/v1/completions`` and ``/v1/chat/completions``.
+
+The engine hands out cumulative ``RequestOutput``s; ``StreamState`` turns them into deltas. While a
+request has stop strings, the last ``len(longest stop) - 1`` characters are held back, so text that
+turns out to be the start of a stop string (cut from the final text) is never streamed: the
+concatenated deltas always equal the non-streamed text.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from mla_runtime.engine.llm_engine import PromptType
+from mla_runtime.outputs import RequestOutput
+from mla_runtime.sampling_params import SamplingParams
+from mla_runtime.serving.protocol import usage
+
+OBJECTS = {"completions": ("text_completion", "text_completion"),
+           "chat": ("chat.completion", "chat.completion.chunk")}
+ID_PREFIX = {"generate": "gen", "completions": "cmpl", "chat": "chatcmpl"}
+
+
+@dataclass
+class Job:
+    """One admitted generation request, as the HTTP layer sees it."""
+
+    endpoint: str  # "generate" | "completions" | "chat"
+    prompt: PromptType
+    params: SamplingParams
+    model: str
+    stream: bool = False
+    include_usage: bool = False
+    echo: str | None = None  # prompt text to prepend (completions with echo)
+    request_id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+    arrival: float = field(default_factory=time.monotonic)
+    outcome: str | None = None  # set once, when the request ends
+
+    def __post_init__(self) -> None:
+        self.request_id = self.request_id or f"{ID_PREFIX[self.endpoint]}-{uuid.uuid4().hex}"
+
+
+def finish_reason(reason: str | None) -> str | None:
+    return None if reason is None else ("length" if reason == "length" else "stop")
+
+
+def _usage(out: RequestOutput) -> dict[str, Any]:
+    return usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens)
+
+
+def full_body(job: Job, out: RequestOutput) -> dict[str, Any]:
+    """The non-streamed answer."""
+    if job.endpoint == "generate":
+        if len(out.outputs) == 1:
+            c = out.outputs[0]
+            return {"id": job.request_id, "text": c.text, "token_ids": c.token_ids,
+                    "finish_reason": finish_reason(c.finish_reason), "usage": _usage(out)}
+        return {"id": job.request_id,
+                "outputs": [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
+                             "finish_reason": finish_reason(c.finish_reason)} for c in out.outputs],
+                "usage": _usage(out)}
+    head = {"id": job.request_id, "object": OBJECTS[job.endpoint][0], "created": job.created, "model": job.model}
+    if job.endpoint == "completions":
+        choices = [{"index": c.index, "text": (job.echo or "") + c.text, "logprobs": None,
+                    "finish_reason": finish_reason(c.finish_reason)} for c in out.outputs]
+    else:
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
+                    "finish_reason": finish_reason(c.finish_reason)} for c in out.outputs]
+    return {**head, "choices": choices, "usage": _usage(out)}
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
+
+
+class StreamState:
+    """Per-request streaming progress: how much text and how many tokens each sample has sent."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        n = job.params.n
+        self.sent_chars = [0] * n
+        self.sent_tokens = [0] * n
+        self.done = [False] * n
+        self.started = False
+        self.hold = max((len(s) for s in job.params.stop_strings), default=1) - 1
+
+    def chunks(self, out: RequestOutput) -> list[bytes]:
+        """SSE events for what ``out`` adds; after the final output also usage and ``[DONE]``."""
+        events = []
+        if not self.started:
+            self.started = True
+            events += self._opening()
+        for c in out.outputs:
+            i = c.index
+            if self.done[i]:
+                continue
+            finished = c.finish_reason is not None
+            end = len(c.text) if finished else max(self.sent_chars[i], len(c.text) - self.hold)
+            text = c.text[self.sent_chars[i]:end]
+            tokens = c.token_ids[self.sent_tokens[i]:]
+            self.sent_chars[i], self.sent_tokens[i] = end, len(c.token_ids)
+            self.done[i] = finished
+            reason = finish_reason(c.finish_reason)
+            if text or (tokens and self.job.endpoint == "generate") or finished:
+                events.append(sse(self._delta(i, text, tokens, reason, out if out.finished else None)))
+        if out.finished:
+            if self.job.include_usage and self.job.endpoint != "generate":
+                events.append(sse({**self._head(), "choices": [], "usage": _usage(out)}))
+            events.append(sse("[DONE]"))
+        return events
+
+    def _head(self) -> dict[str, Any]:
+        obj = OBJECTS[self.job.endpoint][1]
+        return {"id": self.job.request_id, "object": obj, "created": self.job.created, "model": self.job.model}
+
+    def _opening(self) -> list[bytes]:
+        job = self.job
+        if job.endpoint == "chat":  # OpenAI's first chunk announces the role
+            return [sse({**self._head(), "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                      "logprobs": None, "finish_reason": None}]})
+                    for i in range(job.params.n)]
+        if job.endpoint == "completions" and job.echo:
+            return [sse({**self._head(), "choices": [{"index": i, "text": job.echo, "logprobs": None,
+                                                      "finish_reason": None}]}) for i in range(job.params.n)]
+        return []
+
+    def _delta(self, i: int, text: str, tokens: list[int], reason: str | None,
+               final: RequestOutput | None) -> dict[str, Any]:
+        if self.job.endpoint == "generate":
+            event: dict[str, Any] = {"id": self.job.request_id, "index": i, "text": text, "token_ids": tokens,
+                                     "finish_reason": reason}
+            if final is not None:
+                event["usage"] = _usage(final)
+            return event
+        if self.job.endpoint == "completions":
+            choice: dict[str, Any] = {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": i, "delta": {"content": text} if text else {}, "logprobs": None,
+                      "finish_reason": reason}
+        return {**self._head(), "choices": [choice]}

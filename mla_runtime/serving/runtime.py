@@ -1,0 +1,180 @@
+"""``ServingRuntime``: the engine's life inside the server, admission, and per-request accounting.
+
+Lifecycle: ``start`` loads the weights in a worker thread (``/health`` answers meanwhile, ``/ready`` is 503),
+logs the operator summary, runs one probe generation and only then turns ready. ``admit`` is the single
+admission point (429 beyond ``max_num_seqs + max_queue`` requests in flight); ``finish`` records each
+admitted request's outcome exactly once; ``stop`` shuts the engine thread down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from mla_runtime.engine.async_llm import AsyncLLM
+from mla_runtime.engine.config import EngineConfig
+from mla_runtime.outputs import RequestOutput
+from mla_runtime.plan import activation_reserve_bytes
+from mla_runtime.sampling_params import SamplingParams
+from mla_runtime.serving.config import ServerConfig
+from mla_runtime.serving.metrics import ServerMetrics
+from mla_runtime.serving.protocol import ApiError
+from mla_runtime.serving.responses import Job
+
+logger = logging.getLogger("mla_runtime.serving")
+
+STATUS_OUTCOMES = {400: "invalid", 401: "unauthorized", 404: "invalid", 413: "too_large", 422: "invalid",
+                   429: "rejected", 503: "error", 504: "timeout"}
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+class ServingRuntime:
+    def __init__(self, engine_config: EngineConfig, config: ServerConfig, metrics: ServerMetrics,
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
+        self.engine_config = engine_config
+        self.config = config
+        self.metrics = metrics
+        self.on_fatal = on_fatal
+        self.llm: AsyncLLM | None = None
+        self.ready = False
+        self.status = "loading weights"
+        self.shutting_down = False
+        self.in_flight = 0
+        self.describe: dict[str, Any] = {}
+
+    # -- start-up ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        t0 = time.monotonic()
+        try:
+            self.llm = await asyncio.to_thread(AsyncLLM, self.engine_config)
+            engine = self.llm.engine
+            self.describe = engine.describe()
+            activations = activation_reserve_bytes(
+                engine.model_config, dtype=engine.model.dtype, max_num_batched_tokens=engine.max_num_batched_tokens,
+                max_num_seqs=self.engine_config.max_num_seqs,
+                tensor_parallel_size=self.engine_config.tensor_parallel_size)
+            self.metrics.attach_engine(self.llm.stats, self.describe, activations)
+            self._log_summary(activations, engine.load_seconds)
+            self.status = "running the probe generation"
+            probe_s = await self._probe()
+        except Exception as e:  # noqa: BLE001 - any start-up failure is fatal and must be reported
+            self.status = f"start-up failed: {e}"
+            logger.error("start-up failed: %s", e, exc_info=not isinstance(e, ValueError))
+            if self.on_fatal is not None:
+                self.on_fatal(e)
+            return
+        self.ready = True
+        self.status = "ready"
+        self.metrics.ready.set(1)
+        logger.info("ready in %.1f s (probe generation %.0f ms); serving http://%s:%d", time.monotonic() - t0,
+                    probe_s * 1e3, self.config.host, self.config.port)
+
+    async def _probe(self) -> float:
+        assert self.llm is not None
+        t0 = time.monotonic()
+        engine = self.llm.engine
+        bos = engine.model_config.bos_token_id
+        prompt = {"prompt_token_ids": [bos if bos is not None else 0]}
+        last: RequestOutput | None = None
+        async for out in self.llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0), "probe"):
+            last = out
+        if last is None or len(last.outputs[0].token_ids) != 1:
+            raise RuntimeError("the probe generation returned no token")
+        return time.monotonic() - t0
+
+    def _log_summary(self, activations: int, load_seconds: float) -> None:
+        d, c = self.describe, self.config
+        logger.info("model %s (%s): %d layers, %d heads, d_c=%d, d_r=%d, dtype %s, loaded in %.1f s",
+                    d["model"], d["family"], d["layers"], d["heads"], d["d_c"], d["d_r"], d["dtype"], load_seconds)
+        logger.info("latent cache: %s, block size %d, %d blocks, %s/token -> max concurrent tokens %d "
+                    "(max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d)",
+                    d["cache_dtype"], d["block_size"], d["num_blocks"], human_bytes(d["cache_bytes_per_token"]),
+                    d["max_concurrent_tokens"], d["max_model_len"], d["max_num_seqs"], d["max_num_batched_tokens"])
+        total = d["weight_bytes"] + d["cache_bytes"] + activations
+        logger.info("memory on %s: weights %s | latent cache %s | activations (reserve) %s | total %s",
+                    d["device"], human_bytes(d["weight_bytes"]), human_bytes(d["cache_bytes"]),
+                    human_bytes(activations), human_bytes(total))
+        logger.info("serving: request_timeout %.0f s, max_queue %d, max_body_bytes %s, api key %s, model id %r",
+                    c.request_timeout, c.max_queue, human_bytes(int(c.max_body_bytes)),
+                    "required" if c.api_key else "not required", c.served_model_name)
+
+    # -- requests ------------------------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return int(self.describe.get("max_model_len", 0))
+
+    def check_ready(self) -> AsyncLLM:
+        if self.shutting_down:
+            raise ApiError(503, "the server is shutting down")
+        if self.llm is not None and self.llm.error is not None:
+            raise ApiError(503, f"the engine failed: {self.llm.error}")
+        if not self.ready or self.llm is None:
+            raise ApiError(503, f"not ready: {self.status}", headers={"Retry-After": "5"})
+        return self.llm
+
+    def admit(self, job: Job) -> None:
+        limit = self.engine_config.max_num_seqs + self.config.max_queue
+        if self.in_flight >= limit:
+            raise ApiError(429, f"server at capacity: {self.in_flight} requests in flight (max_num_seqs "
+                                f"{self.engine_config.max_num_seqs} + max_queue {self.config.max_queue}); "
+                                f"retry later", headers={"Retry-After": "1"})
+        self.in_flight += 1
+        self.metrics.in_flight.inc()
+
+    def reject(self, endpoint: str, status: int) -> None:
+        self.metrics.requests.labels(endpoint, STATUS_OUTCOMES.get(status, "error")).inc()
+
+    def deadline(self, job: Job) -> float:
+        """Event-loop time at which ``job`` times out."""
+        return asyncio.get_running_loop().time() - (time.monotonic() - job.arrival) + self.config.request_timeout
+
+    def finish(self, job: Job, outcome: str, out: RequestOutput | None) -> None:
+        """Record an admitted job's end (idempotent); abort it in the engine unless it finished there."""
+        if job.outcome is not None:
+            return
+        job.outcome = outcome
+        if self.llm is not None and (out is None or not out.finished):
+            self.llm.abort(job.request_id)
+        self.in_flight -= 1
+        m = self.metrics
+        m.in_flight.dec()
+        m.requests.labels(job.endpoint, outcome).inc()
+        if out is None:
+            logger.info("%s %s %s before the first token, after %.3f s", job.endpoint, job.request_id, outcome,
+                        time.monotonic() - job.arrival)
+            return
+        m.prompt_tokens.inc(len(out.prompt_token_ids))
+        m.generation_tokens.inc(sum(len(c.token_ids) for c in out.outputs))
+        m.cached_prompt_tokens.inc(out.num_cached_tokens)
+        logger.info("%s %s %s: prompt %d tokens (%d cached), generated %d, ttft %s, total %.3f s", job.endpoint,
+                    job.request_id, outcome, len(out.prompt_token_ids), out.num_cached_tokens,
+                    sum(len(c.token_ids) for c in out.outputs),
+                    "-" if out.metrics.ttft is None else f"{out.metrics.ttft:.3f} s", time.monotonic() - job.arrival)
+        if outcome == "success":
+            m.e2e.observe(time.monotonic() - job.arrival)
+            if out.metrics.ttft is not None:
+                m.ttft.observe(out.metrics.ttft)
+            if out.metrics.time_per_output_token is not None:
+                m.tpot.observe(out.metrics.time_per_output_token)
+
+    def begin_shutdown(self) -> None:
+        """SIGTERM: refuse new requests (503) and turn /ready off so balancers drain; in-flight ones go on."""
+        self.shutting_down = True
+        self.ready = False
+        self.metrics.ready.set(0)
+
+    def stop(self) -> None:
+        self.begin_shutdown()
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm.engine.shutdown()  # tensor-parallel worker ranks

@@ -1,0 +1,495 @@
+"""The HTTP server, end to end: real uvicorn servers on free 127.0.0.1 ports, real HTTP clients.
+
+Two in-process servers share a tiny random DeepSeek-V3 checkpoint that has a byte-level BPE tokenizer
+(so text prompts and arbitrary Unicode work): ``server`` with generous limits, and ``strict`` with an API
+key, ``max_num_seqs=2``, ``max_queue=2``, a short ``request_timeout`` and a small body limit. A third
+server runs as a subprocess to check the start-up log and SIGTERM. Cache blocks are checked through
+``/metrics`` the way an operator would see a leak.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from mla_runtime import LLM, SamplingParams
+from mla_runtime.engine.config import EngineConfig
+from mla_runtime.serving.app import build_app
+from mla_runtime.serving.config import ServerConfig
+from tests.checkpoints import build_hf_model, save_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ '# ' + message['role'] + ':\\n' + "
+                 "message['content'] + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '# assistant:\\n' }}"
+                 "{% endif %}")
+ENGINE = dict(dtype="float32", max_model_len=256, block_size=16, kv_cache_memory="8MiB")
+API_KEY = "sk-test-key"
+UNICODE = 'héllo 世界 🚀👩‍👩‍👧 "quoted" \\back\\slash\n\ttab \u0000nul עברית e\u0301 <|eos|> {"json": [1]}'
+WORDS = ["def", "class", "return", "import", "the", "fox", "data", "loop", "世界", "🚀", "λ", "(", ")", ":", "\n"]
+
+
+# -- fixtures ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def text_checkpoint(tmp_path_factory) -> Path:
+    """The v3 test model with its vocabulary resized to a byte-level BPE tokenizer trained here."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|bos|>", "<|eos|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["def hello(world):\n    return world + 1\n", "the quick brown fox jumps"] * 20, trainer)
+    hf = build_hf_model("v3")
+    hf.resize_token_embeddings(tok.get_vocab_size(), mean_resizing=False)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # well-separated logits, as in the other engine tests
+        for w in (hf.model.embed_tokens.weight, hf.lm_head.weight):
+            w.copy_(0.08 * torch.randn(w.shape, generator=g))
+    path = save_checkpoint(hf, tmp_path_factory.mktemp("text_ckpt"))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Live:
+    """A uvicorn server in a background thread."""
+
+    def __init__(self, ckpt: Path, engine: dict | None = None, wait: bool = True, **server: object) -> None:
+        import uvicorn
+
+        port = free_port()
+        self.base = f"http://127.0.0.1:{port}"
+        self.app = build_app(EngineConfig(model=str(ckpt), **{**ENGINE, **(engine or {})}),
+                             ServerConfig(port=port, served_model_name="tiny", **server))
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        if wait:
+            wait_ready(self.base)
+
+    @property
+    def llm(self):
+        return self.app.state.runtime.llm
+
+    def metrics(self) -> dict[tuple, float]:
+        return parse_metrics(httpx.get(self.base + "/metrics").text)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def wait_ready(base: str, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        assert proc is None or proc.poll() is None, "the server process exited during start-up"
+        try:
+            if httpx.get(base + "/ready").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{base} not ready after {timeout} s")
+
+
+def parse_metrics(text: str) -> dict[tuple, float]:
+    """{(sample name, (label, value)...): value}."""
+    return {(s.name, *sorted(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def requests_total(m: dict, outcome: str, endpoint: str = "generate") -> float:
+    return m[("mla_requests_total", ("endpoint", endpoint), ("outcome", outcome))]
+
+
+def wait_idle(live: Live, timeout: float = 15.0) -> dict:
+    """Poll /metrics until no request is running or holding a block; return the last scrape."""
+    end = time.monotonic() + timeout
+    while True:
+        m = live.metrics()
+        if (m[("mla_latent_cache_blocks_used",)] == 0 and m[("mla_running_sequences",)] == 0
+                and m[("mla_queue_depth",)] == 0 and m[("mla_requests_in_flight",)] == 0):
+            return m
+        assert time.monotonic() < end, f"blocks not freed: {m[('mla_latent_cache_blocks_used',)]} used"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def server(text_checkpoint) -> Iterator[Live]:
+    live = Live(text_checkpoint)
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def strict(text_checkpoint) -> Iterator[Live]:
+    live = Live(text_checkpoint, engine={"max_num_seqs": 2}, max_queue=2, request_timeout=1.5, api_key=API_KEY,
+                max_body_bytes=4096)
+    yield live
+    live.stop()
+
+
+@pytest.fixture
+def slow_engine(strict: Live) -> Iterator[None]:
+    """Every engine step of ``strict`` takes >= 30 ms, so requests overlap deterministically."""
+    def hook(engine, outputs) -> None:
+        time.sleep(0.03)
+
+    strict.llm.step_hooks.append(hook)
+    yield
+    strict.llm.step_hooks.remove(hook)
+
+
+def auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+def assert_error(r: httpx.Response, status: int, field: str) -> None:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "code"} and err["code"] == status
+    assert field in err["message"], err
+
+
+# -- probes and metrics -----------------------------------------------------------------------------
+def test_health_ready_models_and_metrics_names(server):
+    assert httpx.get(server.base + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.base + "/ready").status_code == 200
+    models = httpx.get(server.base + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["tiny"] and models["data"][0]["max_model_len"] == 256
+    m = server.metrics()
+    describe = server.llm.engine.describe()
+    assert m[("mla_memory_bytes", ("part", "weights"))] == describe["weight_bytes"] > 0
+    assert m[("mla_memory_bytes", ("part", "latent_cache"))] == describe["cache_bytes"] > 0
+    assert m[("mla_memory_bytes", ("part", "activations_reserve"))] > 0
+    assert m[("mla_latent_cache_blocks_total",)] == describe["num_blocks"]
+    assert m[("mla_latent_cache_capacity_tokens",)] == describe["max_concurrent_tokens"]
+    assert m[("process_resident_memory_bytes",)] > 0 and m[("mla_ready",)] == 1
+    names = {k[0] for k in m}
+    for name in ("mla_queue_depth", "mla_running_sequences", "mla_latent_cache_usage_ratio",
+                 "mla_prefix_cache_hit_rate", "mla_preemptions_total", "mla_time_to_first_token_seconds_bucket",
+                 "mla_time_per_output_token_seconds_bucket", "mla_e2e_request_latency_seconds_bucket",
+                 "mla_prompt_tokens_total", "mla_generation_tokens_total"):
+        assert name in names, name
+
+
+def test_ready_is_503_until_loaded_and_a_dead_engine_fails_health(text_checkpoint, monkeypatch):
+    import mla_runtime.serving.runtime as runtime
+
+    gate = threading.Event()
+
+    class GatedAsyncLLM(runtime.AsyncLLM):  # loading "takes" until the test opens the gate
+        def __init__(self, *args, **kwargs) -> None:
+            assert gate.wait(60)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(runtime, "AsyncLLM", GatedAsyncLLM)
+    live = Live(text_checkpoint, wait=False)
+    try:
+        while True:  # uvicorn is up long before the engine
+            try:
+                assert httpx.get(live.base + "/health").json() == {"status": "ok"}
+                break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        assert_error(httpx.get(live.base + "/ready"), 503, "loading weights")
+        assert_error(httpx.post(live.base + "/generate", json={"prompt": "x"}), 503, "not ready")
+        gate.set()
+        wait_ready(live.base)
+
+        def crash(engine, outputs) -> None:
+            raise RuntimeError("simulated device fault")
+
+        live.llm.step_hooks.append(crash)
+        assert_error(httpx.post(live.base + "/generate", json={"prompt": "x", "max_tokens": 2}), 503,
+                     "simulated device fault")
+        assert_error(httpx.get(live.base + "/health"), 503, "simulated device fault")
+        assert_error(httpx.get(live.base + "/ready"), 503, "engine failed")
+    finally:
+        gate.set()
+        live.stop()
+
+
+# -- OpenAI compatibility ---------------------------------------------------------------------------
+def test_openai_client_completes_and_streams(server):
+    import openai
+
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    kw = dict(model="tiny", prompt="def hello(", max_tokens=6, temperature=0)
+    done = client.completions.create(**kw)
+    assert done.object == "text_completion" and done.choices[0].finish_reason in ("stop", "length")
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == done.choices[0].text
+    assert chunks[-1].usage.completion_tokens == done.usage.completion_tokens > 0
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo 🚀"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.total_tokens == (
+        chat.usage.prompt_tokens + chat.usage.completion_tokens)
+    stream = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                                 stream=True))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == chat.choices[0].message.content
+    assert stream[-1].choices[0].finish_reason == chat.choices[0].finish_reason
+
+    with pytest.raises(openai.NotFoundError, match="model"):
+        client.completions.create(model="other", prompt="x", max_tokens=1)
+
+
+# -- correctness under concurrency ------------------------------------------------------------------
+def test_64_concurrent_requests_equal_one_by_one_greedy(server, text_checkpoint):
+    import random
+
+    rng = random.Random(0)
+    prompts = ["".join(rng.choice(WORDS) + rng.choice(["", " "]) for _ in range(rng.randint(1, 40)))
+               for _ in range(64)]
+    before = server.metrics()
+
+    async def send_all() -> list[dict]:
+        async with httpx.AsyncClient(base_url=server.base, timeout=120) as client:
+            rs = await asyncio.gather(*(client.post("/generate", json={"prompt": p, "max_tokens": 6,
+                                                                       "temperature": 0}) for p in prompts))
+        assert [r.status_code for r in rs] == [200] * 64, [r.text for r in rs if r.status_code != 200]
+        return [r.json() for r in rs]
+
+    got = asyncio.run(send_all())
+    llm = LLM(str(text_checkpoint), **ENGINE)
+    for p, g in zip(prompts, got):
+        ref = llm.generate(p, SamplingParams(max_tokens=6, temperature=0.0))[0]
+        assert g["token_ids"] == ref.outputs[0].token_ids and g["text"] == ref.outputs[0].text
+        assert g["finish_reason"] == ref.outputs[0].finish_reason
+        assert g["usage"]["prompt_tokens"] == len(ref.prompt_token_ids)
+        assert g["usage"]["total_tokens"] == len(ref.prompt_token_ids) + len(ref.outputs[0].token_ids)
+
+    after = wait_idle(server)
+    assert requests_total(after, "success") - requests_total(before, "success") == 64
+    for name, key in (("mla_prompt_tokens_total", "prompt_tokens"),
+                      ("mla_generation_tokens_total", "completion_tokens")):
+        assert after[(name,)] - before[(name,)] == sum(g["usage"][key] for g in got)
+    ttft = ("mla_time_to_first_token_seconds_count",)
+    assert after[ttft] - before[ttft] == 64
+
+
+def test_multi_turn_chat_reuses_the_prefix(server):
+    first = [{"role": "user", "content": "def hello(world): return world + 1 " * 8}]
+    r1 = httpx.post(server.base + "/v1/chat/completions",
+                    json={"messages": first, "max_tokens": 8, "temperature": 0}).json()
+    second = first + [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+                      {"role": "user", "content": "and again"}]
+    r2 = httpx.post(server.base + "/v1/chat/completions",
+                    json={"messages": second, "max_tokens": 8, "temperature": 0}).json()
+    full_blocks = r1["usage"]["prompt_tokens"] // 16 * 16
+    assert r2["usage"]["prompt_tokens"] > r1["usage"]["prompt_tokens"]
+    assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] >= full_blocks - 16 > 0
+
+
+# -- bad input --------------------------------------------------------------------------------------
+BAD = [  # (path, body, status, what the message must name)
+    ("/generate", b"{not json", 400, "JSON"),
+    ("/generate", b"[1, 2]", 422, "body"),
+    ("/generate", {}, 422, "prompt"),
+    ("/generate", {"prompt": ""}, 400, "prompt"),
+    ("/generate", {"prompt": "fox " * 300}, 400, "max_model_len"),
+    ("/generate", {"prompt": [1, 2, 99999]}, 400, "prompt_token_ids"),
+    ("/generate", {"prompt": 5}, 422, "prompt"),
+    ("/generate", {"prompt": "x", "max_tokens": 0}, 422, "max_tokens"),
+    ("/generate", {"prompt": "x", "max_tokens": "ten"}, 422, "max_tokens"),
+    ("/generate", {"prompt": "x", "max_tokens": 2.5}, 422, "max_tokens"),
+    ("/generate", {"prompt": "x", "temperature": -1}, 422, "temperature"),
+    ("/generate", {"prompt": "x", "temperature": "hot"}, 422, "temperature"),
+    ("/generate", {"prompt": "x", "top_p": 1.5}, 422, "top_p"),
+    ("/generate", {"prompt": "x", "top_k": 0}, 422, "top_k"),
+    ("/generate", {"prompt": "x", "seed": "s"}, 422, "seed"),
+    ("/generate", {"prompt": "x", "stop": [""]}, 400, "stop"),
+    ("/generate", {"prompt": "x", "stop": [3]}, 422, "stop"),
+    ("/generate", {"prompt": "x", "stream": "yes"}, 422, "stream"),
+    ("/generate", {"prompt": "x", "max_length": 10}, 422, "max_length"),
+    ("/generate", b'{"prompt": "\\ud800"}', 400, "surrogate"),
+    ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "presence_penalty": 1.0}, 400, "presence_penalty"),
+    ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": []}, 422, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 422, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 422, "messages.0.content"),
+]
+
+
+def test_every_bad_input_gets_a_json_error_naming_it_and_the_server_stays_ready(server):
+    before = server.metrics()
+    with httpx.Client(base_url=server.base) as client:
+        for path, body, status, field in BAD:
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            r = client.post(path, content=content, headers={"Content-Type": "application/json"})
+            assert_error(r, status, field)
+        assert_error(client.get("/no/such/route"), 404, "/no/such/route")
+        assert_error(client.get("/generate"), 405, "GET")
+        assert client.get("/ready").status_code == 200
+        assert client.post("/generate", json={"prompt": "fine", "max_tokens": 2}).status_code == 200
+    after = wait_idle(server)
+    invalid = sum(requests_total(after, "invalid", e) - requests_total(before, "invalid", e)
+                  for e in ("generate", "completions", "chat"))
+    assert invalid == len(BAD)
+
+
+def test_unicode_and_special_characters_pass_through_intact(server):
+    tok = server.llm.tokenizer
+    r = httpx.post(server.base + "/v1/completions",
+                   json={"model": "tiny", "prompt": UNICODE, "max_tokens": 3, "echo": True, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["text"].startswith(UNICODE)
+    assert body["usage"]["prompt_tokens"] == len(tok.encode(UNICODE))
+    g = httpx.post(server.base + "/generate", json={"prompt": UNICODE, "max_tokens": 5, "temperature": 0}).json()
+    with httpx.stream("POST", server.base + "/generate",
+                      json={"prompt": UNICODE, "max_tokens": 5, "temperature": 0, "stream": True}) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert "".join(e["text"] for e in events) == g["text"]
+    assert [t for e in events for t in e["token_ids"]] == g["token_ids"]
+
+
+# -- disconnects, timeouts, admission ---------------------------------------------------------------
+def test_client_disconnect_aborts_and_frees_blocks(server):
+    before = server.metrics()
+    long = {"prompt": "the fox " * 20, "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+    with httpx.Client(base_url=server.base, timeout=30) as client:
+        with client.stream("POST", "/generate", json={**long, "stream": True}) as s:
+            lines = s.iter_lines()
+            assert next(lines).startswith("data: ")
+            during = server.metrics()
+            assert during[("mla_running_sequences",)] == 1 and during[("mla_latent_cache_blocks_used",)] > 0
+        with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
+            client.post("/generate", json=long, timeout=0.3)
+    after = wait_idle(server)
+    assert requests_total(after, "client_disconnect") - requests_total(before, "client_disconnect") == 2
+    assert after[("mla_generation_tokens_total",)] - before[("mla_generation_tokens_total",)] < 400
+
+
+def test_api_key_and_body_limit(strict):
+    prompt = {"prompt": "hi", "max_tokens": 2}
+    assert_error(httpx.post(strict.base + "/generate", json=prompt), 401, "API key")
+    assert_error(httpx.post(strict.base + "/generate", json=prompt, headers={"Authorization": "Bearer wrong"}),
+                 401, "API key")
+    assert httpx.post(strict.base + "/generate", json=prompt, headers=auth()).status_code == 200
+    assert httpx.get(strict.base + "/health").status_code == 200  # probes stay open
+    big = {"prompt": "x" * 5000}
+    assert_error(httpx.post(strict.base + "/generate", json=big, headers=auth()), 413, "max_body_bytes")
+    chunked = (bytes([b]) * 1000 for b in b"abcdefgh")  # no Content-Length: the limit applies while reading
+    assert_error(httpx.post(strict.base + "/generate", content=chunked, headers=auth()), 413, "max_body_bytes")
+
+
+def test_queue_bound_answers_429_and_loses_nothing(strict, slow_engine):
+    before = strict.metrics()
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=strict.base, timeout=60, headers=auth()) as client:
+            return await asyncio.gather(*(client.post("/generate", json={
+                "prompt": f"fox {i}", "max_tokens": 6, "ignore_eos": True, "temperature": 0}) for i in range(12)))
+
+    rs = asyncio.run(burst())
+    ok = [r for r in rs if r.status_code == 200]
+    busy = [r for r in rs if r.status_code == 429]
+    assert len(ok) + len(busy) == 12 and len(ok) >= 4 and busy
+    for r in busy:
+        assert_error(r, 429, "max_queue")
+        assert int(r.headers["Retry-After"]) >= 1
+    for r in ok:  # every admitted request ran to the end
+        assert r.json()["usage"]["completion_tokens"] == 6 and r.json()["finish_reason"] == "length"
+    after = wait_idle(strict)
+    assert requests_total(after, "rejected") - requests_total(before, "rejected") == len(busy)
+    assert requests_total(after, "success") - requests_total(before, "success") == len(ok)
+
+
+def test_timeout_aborts_with_504_and_frees_blocks(strict, slow_engine):
+    before = strict.metrics()
+    long = {"prompt": "the fox", "max_tokens": 200, "ignore_eos": True}
+    t0 = time.monotonic()
+    r = httpx.post(strict.base + "/generate", json=long, headers=auth(), timeout=30)
+    assert_error(r, 504, "request_timeout")
+    assert 1.4 < time.monotonic() - t0 < 10
+    with httpx.stream("POST", strict.base + "/generate", json={**long, "stream": True}, headers=auth()) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert events[0]["token_ids"] and events[-1]["error"]["code"] == 504
+    after = wait_idle(strict)
+    assert requests_total(after, "timeout") - requests_total(before, "timeout") == 2
+
+
+def test_every_cache_block_is_free_at_the_end(server, strict):
+    for live in (server, strict):
+        wait_idle(live)
+        engine = live.llm.engine
+        with live.llm._lock:
+            engine.pool.check_whole()
+            assert engine.pool.num_free_blocks == engine.pool.num_blocks and not engine.requests
+
+
+# -- the process: start-up log and SIGTERM ----------------------------------------------------------
+def test_subprocess_logs_the_plan_and_sigterm_exits_0(text_checkpoint, tmp_path):
+    """SIGTERM lets a short in-flight request finish, aborts one that outlives --shutdown-timeout, exits 0."""
+    port = free_port()
+    log = tmp_path / "server.log"
+    cmd = [sys.executable, str(ROOT / "server.py"), "--model", str(text_checkpoint), "--port", str(port),
+           "--dtype", "float32", "--max-model-len", "512", "--block-size", "16", "--kv-cache-memory", "8MiB",
+           "--shutdown-timeout", "1"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base, proc=proc)
+        text = log.read_text()
+        for fact in ("3 layers", "4 heads", "d_c=32", "d_r=16", "block size 16", "max concurrent tokens",
+                     "weights", "latent cache", "activations"):
+            assert fact in text, fact
+        lines: dict[int, list[str]] = {}
+        started = threading.Barrier(3)
+
+        def stream(max_tokens: int) -> None:
+            with httpx.stream("POST", base + "/generate", timeout=60, json={
+                    "prompt": "fox", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}) as s:
+                got = lines.setdefault(max_tokens, [])
+                for line in s.iter_lines():
+                    if line and not got:
+                        started.wait()
+                    if line:
+                        got.append(line)
+
+        threads = [threading.Thread(target=stream, args=(n,)) for n in (60, 500)]
+        for t in threads:
+            t.start()
+        started.wait(30)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        for t in threads:
+            t.join(10)
+        assert lines[60][-1] == "data: [DONE]"  # finished within the grace period
+        cut = json.loads(lines[500][-1][6:])  # aborted when the grace period ran out, and told so
+        assert cut["error"]["code"] == 503 and "shut down" in cut["error"]["message"]
+        text = log.read_text()
+        assert "received SIGTERM" in text and " aborted" in text and "engine stopped" in text
+    finally:
+        if proc.poll() is None:
+            proc.kill()
