@@ -10,6 +10,7 @@ server runs as a subprocess to check the start-up log and SIGTERM. Cache blocks 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -146,21 +147,23 @@ def server(text_checkpoint) -> Iterator[Live]:
 
 @pytest.fixture(scope="module")
 def strict(text_checkpoint) -> Iterator[Live]:
-    live = Live(text_checkpoint, engine={"max_num_seqs": 2}, max_queue=2, request_timeout=1.5, api_key=API_KEY,
+    live = Live(text_checkpoint, engine={"max_num_seqs": 2}, max_queue=2, request_timeout=3.0, api_key=API_KEY,
                 max_body_bytes=4096)
     yield live
     live.stop()
 
 
-@pytest.fixture
-def slow_engine(strict: Live) -> Iterator[None]:
-    """Every engine step of ``strict`` takes >= 30 ms, so requests overlap deterministically."""
+@contextlib.contextmanager
+def slowed(live: Live, delay: float) -> Iterator[None]:
+    """Every engine step of ``live`` takes at least ``delay`` s, so requests overlap deterministically."""
     def hook(engine, outputs) -> None:
-        time.sleep(0.03)
+        time.sleep(delay)
 
-    strict.llm.step_hooks.append(hook)
-    yield
-    strict.llm.step_hooks.remove(hook)
+    live.llm.step_hooks.append(hook)
+    try:
+        yield
+    finally:
+        live.llm.step_hooks.remove(hook)
 
 
 def auth() -> dict[str, str]:
@@ -375,7 +378,7 @@ def test_unicode_and_special_characters_pass_through_intact(server):
 def test_client_disconnect_aborts_and_frees_blocks(server):
     before = server.metrics()
     long = {"prompt": "the fox " * 20, "max_tokens": 200, "ignore_eos": True, "temperature": 0}
-    with httpx.Client(base_url=server.base, timeout=30) as client:
+    with slowed(server, 0.02), httpx.Client(base_url=server.base, timeout=30) as client:
         with client.stream("POST", "/generate", json={**long, "stream": True}) as s:
             lines = s.iter_lines()
             assert next(lines).startswith("data: ")
@@ -383,9 +386,9 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
             assert during[("mla_running_sequences",)] == 1 and during[("mla_latent_cache_blocks_used",)] > 0
         with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
             client.post("/generate", json=long, timeout=0.3)
-    after = wait_idle(server)
+        after = wait_idle(server)
     assert requests_total(after, "client_disconnect") - requests_total(before, "client_disconnect") == 2
-    assert after[("mla_generation_tokens_total",)] - before[("mla_generation_tokens_total",)] < 400
+    assert after[("mla_generation_tokens_total",)] - before[("mla_generation_tokens_total",)] < 200
 
 
 def test_api_key_and_body_limit(strict):
@@ -401,15 +404,16 @@ def test_api_key_and_body_limit(strict):
     assert_error(httpx.post(strict.base + "/generate", content=chunked, headers=auth()), 413, "max_body_bytes")
 
 
-def test_queue_bound_answers_429_and_loses_nothing(strict, slow_engine):
+def test_queue_bound_answers_429_and_loses_nothing(strict):
     before = strict.metrics()
 
     async def burst() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=strict.base, timeout=60, headers=auth()) as client:
             return await asyncio.gather(*(client.post("/generate", json={
-                "prompt": f"fox {i}", "max_tokens": 6, "ignore_eos": True, "temperature": 0}) for i in range(12)))
+                "prompt": f"fox {i}", "max_tokens": 40, "ignore_eos": True, "temperature": 0}) for i in range(12)))
 
-    rs = asyncio.run(burst())
+    with slowed(strict, 0.01):
+        rs = asyncio.run(burst())
     ok = [r for r in rs if r.status_code == 200]
     busy = [r for r in rs if r.status_code == 429]
     assert len(ok) + len(busy) == 12 and len(ok) >= 4 and busy
@@ -417,22 +421,29 @@ def test_queue_bound_answers_429_and_loses_nothing(strict, slow_engine):
         assert_error(r, 429, "max_queue")
         assert int(r.headers["Retry-After"]) >= 1
     for r in ok:  # every admitted request ran to the end
-        assert r.json()["usage"]["completion_tokens"] == 6 and r.json()["finish_reason"] == "length"
+        assert r.json()["usage"]["completion_tokens"] == 40 and r.json()["finish_reason"] == "length"
     after = wait_idle(strict)
     assert requests_total(after, "rejected") - requests_total(before, "rejected") == len(busy)
     assert requests_total(after, "success") - requests_total(before, "success") == len(ok)
 
 
-def test_timeout_aborts_with_504_and_frees_blocks(strict, slow_engine):
+def test_timeout_aborts_with_504_and_frees_blocks(strict):
     before = strict.metrics()
     long = {"prompt": "the fox", "max_tokens": 200, "ignore_eos": True}
+
+    async def both() -> tuple[httpx.Response, list[dict]]:
+        async with httpx.AsyncClient(base_url=strict.base, timeout=30, headers=auth()) as client:
+            async def stream() -> list[dict]:
+                async with client.stream("POST", "/generate", json={**long, "stream": True}) as s:
+                    return [json.loads(line[6:]) async for line in s.aiter_lines() if line.startswith("data: {")]
+            return await asyncio.gather(client.post("/generate", json=long), stream())
+
     t0 = time.monotonic()
-    r = httpx.post(strict.base + "/generate", json=long, headers=auth(), timeout=30)
-    assert_error(r, 504, "request_timeout")
-    assert 1.4 < time.monotonic() - t0 < 10
-    with httpx.stream("POST", strict.base + "/generate", json={**long, "stream": True}, headers=auth()) as s:
-        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
-    assert events[0]["token_ids"] and events[-1]["error"]["code"] == 504
+    with slowed(strict, 0.05):
+        plain, events = asyncio.run(both())
+    assert 2.9 < time.monotonic() - t0 < 9
+    assert_error(plain, 504, "request_timeout")
+    assert events[0]["token_ids"] and events[-1]["error"]["code"] == 504  # the stream had begun: an error event
     after = wait_idle(strict)
     assert requests_total(after, "timeout") - requests_total(before, "timeout") == 2
 
