@@ -1,0 +1,516 @@
+"""Rank × cache-precision sweep: what shrinking the cached latent costs in quality and buys in memory.
+
+Seed 003 tells operators not to change the low-rank dimension unless validated; this is the instrument
+that validates it. For every point (projection method, latent rank ``r``, cache dtype) it reports:
+
+- ``method``: ``full`` (the untruncated model), ``svd`` (basis from ``kv_b_proj``) or ``pca`` (from latents
+  collected on calibration text);
+- ``rank``: latent values cached per token per layer (``d_c`` for ``full``);
+- ``cache_dtype``: element type of the latent cache (``fp32``, ``bf16``, ``fp16``, ``fp8``, ``int8``);
+- ``bytes_per_token``: bytes the allocated cache holds per token, all layers:
+  ``(r + d_r) × layers × bytes(dtype)``, plus 8 bytes of scales per layer for fp8/int8;
+- ``bytes_vs_full``: ``bytes_per_token`` over that of the full model with a model-dtype cache;
+- ``max_concurrent_tokens``: tokens that fit ``--memory-budget`` bytes of cache, in whole blocks (the engine's
+  rule);
+- ``perplexity``: ``exp`` of the mean next-token NLL on the eval tokens;
+- ``kl_div``: mean ``KL(p_full ‖ p_point)`` per token (nats), the reference being the full model with a
+  model-dtype cache;
+- ``top1_agreement``: fraction of eval positions whose argmax equals the reference's;
+- ``decode_tokens_per_s``: greedy decode throughput on a fixed batch (below); empty when ``--decode-steps 0``.
+
+How each number is made:
+
+- Truncation: a copy of the model goes through ``latent_rank.truncate_latent_rank`` (``svd`` or ``pca``), so
+  the up-projection is folded and the cache really holds ``r + d_r`` values per token; ``bytes_per_token``
+  is read from the allocated ``LatentCache``, not computed. At ``r = d_c`` the basis is a rotation, so the
+  model is reproduced to rounding.
+- Quality: the eval tokens are cut into non-overlapping windows of ``window + 1`` tokens; each window runs
+  through a fresh paged cache of the point's dtype in prefill chunks of ``chunk`` tokens, so later chunks
+  read earlier tokens back from the (quantised, truncated) cache as serving does.
+- Decode tokens/s: the model and a cache directly, not the engine: ``decode_batch`` sequences of
+  ``decode_context`` prompt tokens are prefilled, then ``decode_steps`` greedy steps are timed (each: batch
+  build, forward on the absorbed path, logits, argmax) after one untimed warm-up step; tokens/s is
+  ``decode_batch / median step time``. No scheduling or sampling overhead; on a shared CPU treat it as
+  indicative.
+
+CLI::
+
+    python -m mla_runtime.sweep --model PATH --ranks 512,256,128,64,32 --cache-dtypes bf16,fp8,int8 \\
+        --eval-text held_out.py --calibration-text other.py --memory-budget 1GiB
+
+Ranks above the model's ``d_c`` are capped to it. Token ids can replace text (``--eval-tokens``,
+``--calibration-tokens``: a JSON list of ints or of lists, or whitespace-separated ints). Writes
+``sweep.csv``, ``sweep.md`` and ``sweep.png`` (quality against bytes per token) to ``--out-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from mla_runtime.cache.latent_cache import LatentCache
+from mla_runtime.forward_batch import ForwardBatch
+from mla_runtime.latent_rank import METHODS, truncate_latent_rank
+from mla_runtime.loader import load_model
+from mla_runtime.models.deepseek import DeepseekForCausalLM
+from mla_runtime.plan import parse_bytes, resolve_cache_dtype
+
+COLUMNS = ("method", "rank", "cache_dtype", "bytes_per_token", "bytes_vs_full", "max_concurrent_tokens",
+           "perplexity", "kl_div", "top1_agreement", "decode_tokens_per_s")
+SHORT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+               torch.float8_e4m3fn: "fp8", torch.int8: "int8"}
+OUTPUT_FILES = ("sweep.csv", "sweep.md", "sweep.png")
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    ranks: tuple[int, ...] = (512, 256, 128, 64, 32)
+    cache_dtypes: tuple[str, ...] = ("bf16", "fp8", "int8")
+    methods: tuple[str, ...] = ("svd", "pca")
+    memory_budget: int | str = "1GiB"
+    dtype: str = "auto"  # model weights / compute
+    block_size: int = 64
+    window: int = 512
+    chunk: int = 256
+    windows_per_batch: int = 4
+    max_eval_tokens: int = 4096
+    max_calibration_tokens: int = 16384
+    decode_batch: int = 8
+    decode_context: int = 128
+    decode_steps: int = 16  # 0: skip the timing
+    device: str = "cpu"
+    attention_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget))
+        if not self.ranks or min(self.ranks) < 1:
+            raise ValueError(f"ranks must be positive integers, got {list(self.ranks)}")
+        if not self.cache_dtypes:
+            raise ValueError("cache_dtypes must name at least one dtype")
+        for name in self.cache_dtypes:
+            resolve_cache_dtype(name, torch.float32)  # raises a ValueError naming the dtype
+        bad = [m for m in self.methods if m not in METHODS]
+        if bad or not self.methods:
+            raise ValueError(f"methods must be a non-empty subset of {METHODS}, got {list(self.methods)}")
+        for name in ("block_size", "window", "chunk", "windows_per_batch", "max_eval_tokens",
+                     "max_calibration_tokens", "decode_batch", "decode_context"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.decode_steps < 0:
+            raise ValueError(f"decode_steps must be >= 0, got {self.decode_steps}")
+
+
+@dataclass
+class SweepRow:
+    method: str
+    rank: int
+    cache_dtype: str
+    bytes_per_token: int
+    bytes_vs_full: float
+    max_concurrent_tokens: int
+    perplexity: float
+    kl_div: float
+    top1_agreement: float
+    decode_tokens_per_s: float | None
+
+
+@dataclass
+class SweepResult:
+    model: str
+    d_c: int
+    d_r: int
+    num_layers: int
+    model_dtype: str
+    eval_tokens: int  # scored positions
+    calibration_tokens: int
+    memory_budget: int
+    rows: list[SweepRow] = field(default_factory=list)
+
+
+def capped_ranks(ranks: Sequence[int], d_c: int) -> list[int]:
+    """Ranks capped at ``d_c``, deduplicated, largest first."""
+    return sorted({min(r, d_c) for r in ranks}, reverse=True)
+
+
+def max_concurrent_tokens(budget: int, bytes_per_token: int, block_size: int) -> int:
+    """Tokens in the whole blocks that fit ``budget`` bytes (the engine sizes its block pool the same way)."""
+    return budget // (bytes_per_token * block_size) * block_size
+
+
+def eval_windows(docs: Sequence[Sequence[int]], window: int, max_tokens: int) -> list[list[int]]:
+    """Non-overlapping windows of ``window + 1`` tokens (the last may be shorter, at least 2) scoring at most
+    ``max_tokens`` positions in all."""
+    out: list[list[int]] = []
+    budget = max_tokens
+    for doc in docs:
+        for start in range(0, len(doc) - 1, window):
+            n = min(window, len(doc) - 1 - start, budget)
+            if n < 1:
+                break
+            out.append(list(doc[start:start + n + 1]))
+            budget -= n
+        if budget <= 0:
+            break
+    if not out:
+        raise ValueError("eval tokens: need at least one document of 2 or more tokens")
+    return out
+
+
+def calibration_chunks(docs: Sequence[Sequence[int]], max_tokens: int, chunk: int = 512) -> list[list[int]]:
+    ids = [t for doc in docs for t in doc][:max_tokens]
+    return [ids[i:i + chunk] for i in range(0, len(ids), chunk)]
+
+
+# -- running the model through a paged cache ------------------------------------------------------
+def _new_cache(model: DeepseekForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
+               device: str) -> LatentCache:
+    cfg = model.config
+    return LatentCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.latent_dim, dtype, device)
+
+
+@torch.inference_mode()
+def window_log_probs(model: DeepseekForCausalLM, windows: Sequence[Sequence[int]], cache_dtype: torch.dtype,
+                     cfg: SweepConfig) -> tuple[torch.Tensor, int]:
+    """Log-probabilities ``[sum(len(w) - 1), V]`` fp32 of every window's inputs, in window order, and the
+    bytes per token of the cache they ran through. All windows run as one batch of sequences, in chunks."""
+    bs = cfg.block_size
+    per_seq = -(-max(len(w) for w in windows) // bs)
+    cache = _new_cache(model, per_seq * len(windows), bs, cache_dtype, cfg.device)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(windows))]
+    inputs = [list(w[:-1]) for w in windows]
+    done = [0] * len(windows)
+    parts: list[list[torch.Tensor]] = [[] for _ in windows]
+    while any(d < len(x) for d, x in zip(done, inputs)):
+        live = [i for i, x in enumerate(inputs) if done[i] < len(x)]
+        chunks = [inputs[i][done[i]:done[i] + cfg.chunk] for i in live]
+        batch = ForwardBatch.build(chunks, [done[i] for i in live], [tables[i] for i in live], bs, cfg.device)
+        logp = torch.log_softmax(model.compute_logits(model(batch, cache)), dim=-1).cpu()
+        start = 0
+        for i, c in zip(live, chunks):
+            parts[i].append(logp[start:start + len(c)])
+            start += len(c)
+            done[i] += len(c)
+    return torch.cat([p for ps in parts for p in ps]), cache.bytes_per_token()
+
+
+@torch.inference_mode()
+def decode_tokens_per_s(model: DeepseekForCausalLM, prompts: Sequence[Sequence[int]], steps: int,
+                        cache_dtype: torch.dtype, cfg: SweepConfig) -> float:
+    """Greedy decode tokens/s of a fixed batch: prefill ``prompts``, one warm-up step, then ``steps`` timed
+    steps; the median step time is used, so a shared CPU's stalls do not dominate."""
+    bs = cfg.block_size
+    per_seq = -(-(max(len(p) for p in prompts) + steps + 1) // bs)
+    cache = _new_cache(model, per_seq * len(prompts), bs, cache_dtype, cfg.device)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
+    lens = [len(p) for p in prompts]
+    batch = ForwardBatch.build(prompts, [0] * len(prompts), tables, bs, cfg.device)
+    nxt = model.compute_logits(model(batch, cache)[batch.logits_indices]).argmax(-1).tolist()
+    sync = torch.cuda.synchronize if cfg.device.startswith("cuda") else (lambda: None)
+    seconds = []
+    for _ in range(steps + 1):  # the first step is a warm-up
+        sync()
+        start = time.perf_counter()
+        batch = ForwardBatch.build([[t] for t in nxt], lens, tables, bs, cfg.device)
+        nxt = model.compute_logits(model(batch, cache)).argmax(-1).tolist()
+        seconds.append(time.perf_counter() - start)
+        lens = [n + 1 for n in lens]
+    return len(prompts) / statistics.median(seconds[1:])
+
+
+# -- the sweep ------------------------------------------------------------------------------------
+def run_sweep(model_path: str | Path, eval_docs: Sequence[Sequence[int]],
+              calibration_docs: Sequence[Sequence[int]] | None = None, config: SweepConfig | None = None,
+              progress: bool = False) -> SweepResult:
+    """Evaluate the full model and every (method, rank, cache dtype) point on ``eval_docs`` (token-id lists)."""
+    cfg = config or SweepConfig()
+    if "pca" in cfg.methods and not calibration_docs:
+        raise ValueError("method 'pca' needs calibration tokens (--calibration-text or --calibration-tokens)")
+    base = load_model(model_path, dtype=cfg.dtype, backend=cfg.attention_backend, device=cfg.device)
+    mcfg = base.config
+    ranks = capped_ranks(cfg.ranks, mcfg.kv_lora_rank)
+    ref_dtype = base.dtype
+    cache_dtypes = [resolve_cache_dtype(n, base.dtype).dtype for n in cfg.cache_dtypes]
+    full_dtypes = list(dict.fromkeys([ref_dtype, *cache_dtypes]))  # the reference first, no duplicates
+    windows = eval_windows(eval_docs, min(cfg.window, mcfg.max_position_embeddings - 1), cfg.max_eval_tokens)
+    calib = calibration_chunks(calibration_docs or [], cfg.max_calibration_tokens) if "pca" in cfg.methods else []
+    context = max(1, min(cfg.decode_context, mcfg.max_position_embeddings - cfg.decode_steps - 1))
+    decode_prompts = [(list(windows[i % len(windows)]) * context)[:context]
+                      for i in range(cfg.decode_batch)]
+    groups = [windows[i:i + cfg.windows_per_batch] for i in range(0, len(windows), cfg.windows_per_batch)]
+    group_targets = [torch.tensor([t for w in group for t in w[1:]]) for group in groups]
+    result = SweepResult(model=str(model_path), d_c=mcfg.kv_lora_rank, d_r=mcfg.qk_rope_head_dim,
+                         num_layers=mcfg.num_hidden_layers, model_dtype=SHORT_NAMES[ref_dtype],
+                         eval_tokens=sum(len(w) - 1 for w in windows), calibration_tokens=sum(map(len, calib)),
+                         memory_budget=int(cfg.memory_budget))
+
+    points: list[tuple[str, int, torch.dtype]] = [("full", mcfg.kv_lora_rank, d) for d in full_dtypes]
+    points += [(m, r, d) for m in cfg.methods for r in ranks for d in cache_dtypes]
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(points), desc="sweep", unit="point", file=sys.stderr)
+    reference: list[torch.Tensor] = []  # per window group: the full model's log-probs (model-dtype cache)
+    model, model_key = base, ("full", mcfg.kv_lora_rank)
+    full_bytes = 0
+    for method, rank, dtype in points:
+        if bar is not None:
+            bar.set_postfix_str(f"{method} r={rank} {SHORT_NAMES[dtype]}")
+        if (method, rank) != model_key:
+            model = truncate_latent_rank(copy.deepcopy(base), rank, method, calibration=calib or None)
+            model_key = (method, rank)
+        nll = kl = agree = 0.0
+        bytes_per_token = 0
+        for g, (group, tgt) in enumerate(zip(groups, group_targets)):
+            logp, bytes_per_token = window_log_probs(model, group, dtype, cfg)
+            if len(reference) == g:  # the first point is the reference itself
+                reference.append(logp)
+            ref = reference[g]
+            nll -= float(logp.gather(1, tgt[:, None]).sum())
+            kl += float(torch.nn.functional.kl_div(logp, ref, log_target=True, reduction="sum"))
+            agree += float((logp.argmax(-1) == ref.argmax(-1)).sum())
+        n = result.eval_tokens
+        full_bytes = full_bytes or bytes_per_token
+        tps = (decode_tokens_per_s(model, decode_prompts, cfg.decode_steps, dtype, cfg)
+               if cfg.decode_steps else None)
+        row = SweepRow(method=method, rank=rank, cache_dtype=SHORT_NAMES[dtype], bytes_per_token=bytes_per_token,
+                       bytes_vs_full=bytes_per_token / full_bytes,
+                       max_concurrent_tokens=max_concurrent_tokens(int(cfg.memory_budget), bytes_per_token,
+                                                                   cfg.block_size),
+                       perplexity=math.exp(nll / n), kl_div=max(kl / n, 0.0), top1_agreement=agree / n,
+                       decode_tokens_per_s=tps)
+        result.rows.append(row)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return result
+
+
+# -- reports --------------------------------------------------------------------------------------
+def write_csv(result: SweepResult, path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for row in result.rows:
+            writer.writerow({k: ("" if v is None else v) for k, v in asdict(row).items()})
+
+
+def _fmt(column: str, value: object) -> str:
+    if value is None:
+        return "–"
+    if column == "perplexity":
+        return f"{value:.3f}"
+    if column == "kl_div":
+        return f"{value:.2e}" if 0 < float(value) < 1e-3 else f"{value:.4f}"
+    if column == "top1_agreement":
+        return f"{100 * float(value):.2f}%"
+    if column == "bytes_vs_full":
+        return f"{value:.3f}"
+    if column == "decode_tokens_per_s":
+        return f"{value:,.0f}"
+    if isinstance(value, int):
+        return f"{value:,}" if column != "rank" else str(value)
+    return str(value)
+
+
+def markdown_table(result: SweepResult) -> str:
+    lines = [
+        f"Model `{result.model}`: d_c={result.d_c}, d_r={result.d_r}, {result.num_layers} layers, "
+        f"weights {result.model_dtype}; {result.eval_tokens:,} eval tokens, {result.calibration_tokens:,} "
+        f"calibration tokens (pca); memory budget {result.memory_budget:,} B. KL and top-1 are against "
+        f"the full model with a {result.model_dtype} cache.",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "|".join("---" if c in ("method", "cache_dtype") else "---:" for c in COLUMNS) + "|",
+    ]
+    for row in result.rows:
+        lines.append("| " + " | ".join(_fmt(c, getattr(row, c)) for c in COLUMNS) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: SweepResult, path: Path) -> bool:
+    """Perplexity, KL and top-1 agreement against bytes per token, one line per (method, cache dtype).
+    Returns False (and writes nothing) when matplotlib is missing (``pip install mla-runtime[bench]``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    panels = (("perplexity", "perplexity (lower is better)"), ("kl_div", "KL(full ‖ point), nats/token"),
+              ("top1_agreement", "top-1 agreement with full"))
+    colours = {"svd": "tab:blue", "pca": "tab:orange", "full": "black"}
+    markers = {"fp32": "D", "bf16": "o", "fp16": "v", "fp8": "s", "int8": "^"}
+    styles = {"fp32": "-", "bf16": "-", "fp16": "-", "fp8": "--", "int8": ":"}
+    series: dict[tuple[str, str], list[SweepRow]] = {}
+    for row in result.rows:
+        series.setdefault((row.method, row.cache_dtype), []).append(row)
+    floor = min((r.kl_div for r in result.rows if r.kl_div > 0), default=1e-9) / 2
+    for ax, (column, title) in zip(axes, panels):
+        for (method, dtype), rows in series.items():
+            rows = sorted(rows, key=lambda r: r.bytes_per_token)
+            xs = [r.bytes_per_token for r in rows]
+            ys = [max(getattr(r, column), floor) if column == "kl_div" else getattr(r, column) for r in rows]
+            full = method == "full"  # the untruncated model: one black point per cache dtype
+            ax.plot(xs, ys, linestyle="none" if full else styles.get(dtype, "-"), marker=markers.get(dtype, "o"),
+                    markersize=8 if full else 5, color=colours.get(method, "gray"), label=f"{method} {dtype}")
+            if column == "perplexity" and method != "full" and dtype == rows[0].cache_dtype:
+                for r in rows:
+                    ax.annotate(str(r.rank), (r.bytes_per_token, r.perplexity), fontsize=7,
+                                textcoords="offset points", xytext=(3, 3), color=colours.get(method, "gray"))
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("cache bytes per token (all layers)")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        if column != "top1_agreement":
+            ax.set_yscale("log")
+    axes[0].legend(fontsize=7, ncol=2)
+    fig.suptitle(f"{Path(result.model).name}: latent rank × cache dtype (d_c={result.d_c}, d_r={result.d_r}; "
+                 f"labels = rank)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_reports(result: SweepResult, out_dir: str | Path) -> list[Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    csv_path, md_path, png_path = (out / name for name in OUTPUT_FILES)
+    write_csv(result, csv_path)
+    md_path.write_text(markdown_table(result))
+    written = [csv_path, md_path]
+    if plot(result, png_path):
+        written.append(png_path)
+    else:
+        print("sweep: matplotlib is not installed, no plot written (pip install 'mla-runtime[bench]')",
+              file=sys.stderr)
+    return written
+
+
+# -- CLI ------------------------------------------------------------------------------------------
+def read_token_file(path: str | Path) -> list[list[int]]:
+    """Token ids from a JSON list of ints (one document) or of lists, or from whitespace-separated ints."""
+    text = Path(path).read_text()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        try:
+            return [[int(t) for t in text.split()]]
+        except ValueError as e:
+            raise ValueError(f"{path}: expected JSON or whitespace-separated token ids ({e})") from e
+    if isinstance(data, list) and all(isinstance(t, int) for t in data):
+        return [data]
+    if isinstance(data, list) and all(isinstance(d, list) and all(isinstance(t, int) for t in d) for d in data):
+        return data
+    raise ValueError(f"{path}: expected a JSON list of token ids or a list of such lists")
+
+
+def _docs(texts: list[str] | None, token_files: list[str] | None, tokenizer_path: str, what: str
+          ) -> list[list[int]] | None:
+    if texts and token_files:
+        raise ValueError(f"--{what}-text and --{what}-tokens are exclusive")
+    if token_files:
+        return [doc for f in token_files for doc in read_token_file(f)]
+    if not texts:
+        return None
+    from mla_runtime.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_path)
+    if tok is None:
+        raise ValueError(f"--{what}-text: no tokenizer files in {tokenizer_path}; pass --tokenizer or "
+                         f"--{what}-tokens")
+    return [list(tok.encode(Path(f).read_text(encoding="utf-8"))) for f in texts]
+
+
+def _ints(value: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from e
+
+
+def _names(value: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = SweepConfig()
+    ap = argparse.ArgumentParser(prog="python -m mla_runtime.sweep",
+                                 description="Sweep latent rank × cache dtype: quality, bytes per token, "
+                                             "capacity and decode speed.")
+    ap.add_argument("--model", required=True, help="checkpoint directory")
+    ap.add_argument("--ranks", type=_ints, default=d.ranks, help="comma-separated; capped at the model's d_c")
+    ap.add_argument("--cache-dtypes", type=_names, default=d.cache_dtypes, help="e.g. bf16,fp8,int8")
+    ap.add_argument("--methods", type=_names, default=d.methods, help="svd,pca (pca needs calibration)")
+    ap.add_argument("--eval-text", nargs="+", help="held-out text file(s) for perplexity / KL / top-1")
+    ap.add_argument("--eval-tokens", nargs="+", help="token-id file(s) instead of --eval-text")
+    ap.add_argument("--calibration-text", nargs="+", help="text file(s) for the PCA (not the eval text)")
+    ap.add_argument("--calibration-tokens", nargs="+", help="token-id file(s) instead of --calibration-text")
+    ap.add_argument("--tokenizer", help="tokenizer directory (default: --model)")
+    ap.add_argument("--memory-budget", default="1GiB", help="latent-cache bytes, e.g. 1GiB, 80GB")
+    ap.add_argument("--dtype", default=d.dtype, help="weights/compute dtype (auto = the checkpoint's)")
+    ap.add_argument("--block-size", type=int, default=d.block_size)
+    ap.add_argument("--window", type=int, default=d.window, help="tokens of context per eval window")
+    ap.add_argument("--chunk", type=int, default=d.chunk, help="prefill chunk (tokens)")
+    ap.add_argument("--max-eval-tokens", type=int, default=d.max_eval_tokens)
+    ap.add_argument("--max-calibration-tokens", type=int, default=d.max_calibration_tokens)
+    ap.add_argument("--decode-batch", type=int, default=d.decode_batch)
+    ap.add_argument("--decode-context", type=int, default=d.decode_context)
+    ap.add_argument("--decode-steps", type=int, default=d.decode_steps, help="timed decode steps (0: skip)")
+    ap.add_argument("--device", default=d.device)
+    ap.add_argument("--attention-backend", choices=("triton", "torch"), default=None)
+    ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's); 1 is steadiest on a busy host")
+    ap.add_argument("--out-dir", default="bench/out/sweep")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            ap.error(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    try:
+        cfg = SweepConfig(
+            ranks=args.ranks, cache_dtypes=args.cache_dtypes, methods=args.methods,
+            memory_budget=args.memory_budget, dtype=args.dtype, block_size=args.block_size, window=args.window,
+            chunk=args.chunk, max_eval_tokens=args.max_eval_tokens,
+            max_calibration_tokens=args.max_calibration_tokens, decode_batch=args.decode_batch,
+            decode_context=args.decode_context, decode_steps=args.decode_steps, device=args.device,
+            attention_backend=args.attention_backend)
+        tokenizer = args.tokenizer or args.model
+        eval_docs = _docs(args.eval_text, args.eval_tokens, tokenizer, "eval")
+        if eval_docs is None:
+            raise ValueError("give --eval-text or --eval-tokens")
+        calib = _docs(args.calibration_text, args.calibration_tokens, tokenizer, "calibration")
+        if args.eval_text and args.calibration_text and set(args.eval_text) & set(args.calibration_text):
+            print("sweep: warning: calibration text overlaps the eval text; PCA will look better than it is",
+                  file=sys.stderr)
+        result = run_sweep(args.model, eval_docs, calib, cfg, progress=not args.no_progress)
+    except ValueError as e:
+        ap.error(str(e))
+    written = write_reports(result, args.out_dir)
+    print(markdown_table(result))
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
