@@ -7,14 +7,18 @@ imports ``mla_runtime``.
 
 from .common import default_backend, dequantize_rows, quantize_per_token
 from .decode import mla_decode
+from .decode_cpu import DecodePlan, mla_decode_planned, plan_decode
 from .latent_store import gather_latent, store_latent
 from .prefill import prefill_attention
 
 __all__ = [
+    "DecodePlan",
     "default_backend",
     "dequantize_rows",
     "gather_latent",
     "mla_decode",
+    "mla_decode_planned",
+    "plan_decode",
     "prefill_attention",
     "quantize_per_token",
     "store_latent",

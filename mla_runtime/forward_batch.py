@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,6 +34,10 @@ class ForwardBatch:
     # sharded latent cache (tensor parallel): this rank's slots / visible key counts, set by the model
     local_slot_mapping: torch.Tensor | None = None
     local_token_seq_lens: torch.Tensor | None = None
+    # set by the model once per step and shared by every layer: RoPE cos/sin [T, d_r / 2] and, for CPU
+    # decode steps, the gather plan of the absorbed attention (mla_kernels.DecodePlan)
+    rope_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+    decode_plan: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -250,4 +250,4 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", attention_pa
     with torch.device(device):
         model = DeepseekForCausalLM(cfg, torch_dtype, attention_path, backend, par)
     load_weights(model, path)
-    return model.eval()
+    return model.eval().prepare_inference()

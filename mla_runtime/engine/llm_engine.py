@@ -93,6 +93,8 @@ class LLMEngine:
         check_tensor_parallel(cfg, tp, config.block_size, config.latent_cache_layout)
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() and tp == 1 else "cpu"))
         model_dtype = resolve_model_dtype(config.dtype, cfg)
+        if config.num_threads is not None and self.device.type == "cpu" and tp == 1:
+            torch.set_num_threads(config.num_threads)  # process-wide, as torch's own setting is
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's max_position_embeddings "
@@ -182,6 +184,7 @@ class LLMEngine:
             "max_concurrent_tokens": self.pool.num_blocks * self.config.block_size,
             "max_num_seqs": self.config.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens, "device": str(self.device),
+            "num_threads": torch.get_num_threads(),
         }
 
     # -- requests ------------------------------------------------------------------------------

@@ -1,10 +1,15 @@
-"""A bias-optional linear layer whose weight is allocated empty: checkpoints fill it, nothing initialises it."""
+"""A bias-optional linear layer whose weight is allocated empty: checkpoints fill it, nothing initialises it.
+
+``prepare_inference()`` (called once the weights are final) packs the weight for oneDNN on CPU
+(``cpu_gemm``); a layer that was never prepared computes plain ``F.linear``.
+"""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from mla_runtime.layers.cpu_gemm import PackedWeight, linear
 
 
 class Linear(nn.Module):
@@ -14,6 +19,10 @@ class Linear(nn.Module):
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.packed: PackedWeight | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def prepare_inference(self) -> None:
+        self.packed = PackedWeight.make(self.weight)
+
+    def forward(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
+        return linear(x, self.weight, self.bias if bias else None, self.packed)

@@ -27,7 +27,7 @@ by log-sum-exp before each rank keeps its heads.
 from __future__ import annotations
 
 import torch
-from mla_kernels import gather_latent, mla_decode, prefill_attention, store_latent
+from mla_kernels import gather_latent, mla_decode, mla_decode_planned, prefill_attention, store_latent
 from torch import nn
 
 from mla_runtime.cache.latent_cache import LayerCache
@@ -69,6 +69,15 @@ class MLAttention(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rope, self.d_r)
         self.d_c_in = self.d_c  # width of the latent kv_a_proj_with_mqa produces
         self.latent_down: nn.Parameter | None = None  # [r, d_c_in] when the latent rank is truncated
+        # contiguous copies of the absorbed weights, made by prepare_inference(): W_UK [n_h, d_n, d_c] and
+        # W_UVᵀ [n_h, d_c, d_v], so that absorption and up-projection are one batched GEMM each
+        self.w_uk: torch.Tensor | None = None
+        self.w_uv_t: torch.Tensor | None = None
+
+    def prepare_inference(self) -> None:
+        """Cache the absorbed weights (call again whenever ``kv_b_proj`` changes)."""
+        w_uk, w_uv = self.w_uk_uv()
+        self.w_uk, self.w_uv_t = w_uk.contiguous(), w_uv.transpose(1, 2).contiguous()
 
     def truncate_latent(self, basis: torch.Tensor) -> None:
         """Cache ``r`` values per token instead of ``d_c``: ``c' = basisᵀ norm(c)`` with ``basis [d_c, r]``
@@ -81,6 +90,9 @@ class MLAttention(nn.Module):
         self.kv_b_proj.weight.data.copy_(folded)
         self.latent_down = nn.Parameter(down, requires_grad=False)
         self.d_c = r
+        if self.w_uk is not None:
+            self.kv_b_proj.prepare_inference()
+            self.prepare_inference()
 
     # -- absorbed weights -------------------------------------------------------------------
     def w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,22 +128,13 @@ class MLAttention(nn.Module):
         c = self.kv_a_layernorm(c)  # [T, d_c]
         if self.latent_down is not None:
             c = torch.nn.functional.linear(c, self.latent_down)  # [T, r]: the truncated latent
-        q_r, k_r = self.rotary(batch.positions, q_r, k_r)
+        q_r, k_r = self.rotary(batch.positions, q_r, k_r, batch.rope_cos_sin)
         sharded = self.par.sharded_cache
         slots = batch.local_slot_mapping if sharded else batch.slot_mapping
         store_latent(cache.kv, cache.scales, c, k_r, slots, backend=self.backend)
 
-        w_uk, w_uv = self.w_uk_uv()
         if self.choose_path(batch) == "absorbed":
-            q_abs = torch.einsum("thn,hnc->thc", q_n, w_uk)  # [T, n_h, d_c]
-            q_cat = torch.cat([q_abs, q_r], dim=-1)
-            if sharded:
-                o_lat = self._attend_sharded(q_cat, batch, cache)
-            else:
-                o_lat, _ = mla_decode(q_cat, cache.kv, cache.scales, batch.block_tables, batch.token_seq_lens,
-                                      self.scale, self.d_c, req_indices=batch.token_req_idx,
-                                      backend=self.backend)  # [T, n_h, d_c]
-            o = torch.einsum("thc,hvc->thv", o_lat, w_uv)  # [T, n_h, d_v]
+            o = self._absorbed(q_n, q_r, batch, cache)  # [T, n_h, d_v]
         else:
             latent = gather_latent(cache.kv, cache.scales, batch.block_tables, batch.seq_lens, x.dtype, self.d_c,
                                    backend=self.backend)  # [S, d_c + d_r]
@@ -140,9 +143,28 @@ class MLAttention(nn.Module):
             k_n, v = kv.split([self.d_n, self.d_v], dim=-1)  # [S, n_h, d_n], [S, n_h, d_v]
             o, _ = prefill_attention(q_n, q_r, k_n, k_r_all, v, batch.query_start_loc, batch.seq_start_loc,
                                      self.scale, backend=self.backend)
-        bias = self.o_proj.bias if self.par.rank == 0 else None  # added once across ranks
-        out = torch.nn.functional.linear(o.reshape(num_tokens, self.n_h * self.d_v), self.o_proj.weight, bias)
+        out = self.o_proj(o.reshape(num_tokens, self.n_h * self.d_v), bias=self.par.rank == 0)  # bias added once
         return self.par.all_reduce(out)
+
+    def _absorbed(self, q_n: torch.Tensor, q_r: torch.Tensor, batch: ForwardBatch, cache: LayerCache
+                  ) -> torch.Tensor:
+        """Absorbed attention: ``q~ = W_UKᵀ q_n``, MQA over the latent, ``o = W_UV o_lat`` -> ``[T, n_h, d_v]``."""
+        if self.w_uk is not None and self.w_uv_t is not None:
+            w_uk, w_uv_t = self.w_uk, self.w_uv_t
+        else:  # not prepared: strided views of kv_b_proj
+            w_uk, w_uv = self.w_uk_uv()
+            w_uv_t = w_uv.transpose(1, 2)
+        q_abs = torch.bmm(q_n.transpose(0, 1), w_uk).transpose(0, 1)  # [T, n_h, d_c]
+        q_cat = torch.cat([q_abs, q_r], dim=-1)  # [T, n_h, d_c + d_r]
+        if self.par.sharded_cache:
+            o_lat = self._attend_sharded(q_cat, batch, cache)
+        elif batch.decode_plan is not None:
+            o_lat = mla_decode_planned(q_cat, cache.kv, batch.decode_plan, self.scale, self.d_c)
+        else:
+            o_lat, _ = mla_decode(q_cat, cache.kv, cache.scales, batch.block_tables, batch.token_seq_lens,
+                                  self.scale, self.d_c, req_indices=batch.token_req_idx,
+                                  backend=self.backend)  # [T, n_h, d_c]
+        return torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)  # [T, n_h, d_v]
 
     def _attend_sharded(self, q_cat: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
         """Absorbed attention over this rank's share of the tokens, merged across ranks by LSE."""

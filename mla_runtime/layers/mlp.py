@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mla_runtime.layers.cpu_gemm import PackedWeight, linear
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 
 
@@ -29,9 +30,15 @@ class GatedMLP(nn.Module):
         self.gate_up_bias = (nn.Parameter(torch.zeros(2 * intermediate, dtype=dtype), requires_grad=False)
                              if bias else None)
         self.down_bias = nn.Parameter(torch.zeros(hidden, dtype=dtype), requires_grad=False) if bias else None
+        self.gate_up_packed: PackedWeight | None = None
+        self.down_packed: PackedWeight | None = None
+
+    def prepare_inference(self) -> None:
+        self.gate_up_packed = PackedWeight.make(self.gate_up_proj)
+        self.down_packed = PackedWeight.make(self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj, self.gate_up_bias).chunk(2, dim=-1)
+        gate, up = linear(x, self.gate_up_proj, self.gate_up_bias, self.gate_up_packed).chunk(2, dim=-1)
         bias = self.down_bias if self.par.rank == 0 else None
-        out = F.linear(F.silu(gate) * up, self.down_proj, bias)
+        out = linear(F.silu(gate) * up, self.down_proj, bias, self.down_packed)
         return self.par.all_reduce(out) if self.reduce else out

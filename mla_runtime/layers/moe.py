@@ -10,8 +10,9 @@ Routers (scores in fp32):
   ``norm_topk_prob``.
 Both then multiply by ``routed_scaling_factor``.
 
-Execution sorts the (token, expert) pairs by expert and runs one matmul pair per expert that has
-tokens — the loop is over experts, never over tokens.
+Execution groups the (token, expert) pairs by expert — in Python for a decode step's few pairs, by a
+stable sort for a prefill's many — and runs one matmul pair per expert that has tokens (oneDNN-packed
+weights on CPU); the loop is over experts, never over tokens.
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from mla_runtime.config import MoEConfig
+from mla_runtime.layers.cpu_gemm import PackedWeight, linear
 from mla_runtime.layers.mlp import GatedMLP
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
+
+HOST_GROUPING_MAX_PAIRS = 1024  # up to this many (token, expert) pairs, group them in Python instead of sorting
 
 
 class Router(nn.Module):
@@ -81,28 +85,40 @@ class Experts(nn.Module):
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate, dtype=dtype),
                                       requires_grad=False)
+        self.gate_up_packed: list[PackedWeight | None] = []
+        self.down_packed: list[PackedWeight | None] = []
+
+    def prepare_inference(self) -> None:
+        self.gate_up_packed = [PackedWeight.make(w) for w in self.gate_up_proj]
+        self.down_packed = [PackedWeight.make(w) for w in self.down_proj]
+
+    def _groups(self, expert_ids: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """This rank's (local expert, its (token, slot) pair indices ``t * top_k + j``), experts ascending."""
+        local = expert_ids.reshape(-1) - self.first  # [T*k] local expert id of each pair
+        if local.numel() <= HOST_GROUPING_MAX_PAIRS:  # a decode step: group on the host, no sort
+            buckets: list[list[int]] = [[] for _ in range(self.num_experts)]
+            for pair, e in enumerate(local.tolist()):
+                if 0 <= e < self.num_experts:
+                    buckets[e].append(pair)
+            return [(e, torch.tensor(b, device=local.device)) for e, b in enumerate(buckets) if b]
+        pairs = ((local >= 0) & (local < self.num_experts)).nonzero().squeeze(1)
+        order = pairs[local[pairs].argsort(stable=True)]  # grouped by expert, pair order within
+        counts = torch.bincount(local[order], minlength=self.num_experts).tolist()
+        return [(e, seg) for e, seg in enumerate(order.split(counts)) if seg.numel()]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         top_k = expert_ids.shape[1]
-        local = expert_ids.reshape(-1) - self.first  # [T*k] local expert id of each (token, expert) pair
-        pairs = ((local >= 0) & (local < self.num_experts)).nonzero().squeeze(1)
-        order = pairs[local[pairs].argsort(stable=True)]  # this rank's pairs, grouped by expert
-        token_of = order // top_k
-        counts = torch.bincount(local[order], minlength=self.num_experts).tolist()
-        x_sorted = x[token_of]  # [P, d]
-        w_sorted = weights.reshape(-1)[order].unsqueeze(-1)
-        out_sorted = torch.empty_like(x_sorted)
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            seg = x_sorted[start:start + n]
-            gate, up = F.linear(seg, self.gate_up_proj[e]).chunk(2, dim=-1)
-            h = F.linear(F.silu(gate) * up, self.down_proj[e])
-            out_sorted[start:start + n] = (h.float() * w_sorted[start:start + n]).to(x.dtype)
-            start += n
+        flat_weights = weights.reshape(-1)
+        packed = bool(self.gate_up_packed)
         out = torch.zeros_like(x)
-        out.index_add_(0, token_of, out_sorted)
+        for e, pairs in self._groups(expert_ids):
+            tokens = pairs // top_k
+            seg = x.index_select(0, tokens)  # [n, d]
+            gate, up = linear(seg, self.gate_up_proj[e], None, self.gate_up_packed[e] if packed else None
+                              ).chunk(2, dim=-1)
+            h = linear(F.silu(gate) * up, self.down_proj[e], None, self.down_packed[e] if packed else None)
+            h = (h.float() * flat_weights.index_select(0, pairs).unsqueeze(-1)).to(x.dtype)
+            out.index_add_(0, tokens, h)  # experts in ascending order: the same sums as one sorted index_add
         return out
 
 

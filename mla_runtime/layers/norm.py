@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -13,7 +14,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        shape = (x.shape[-1],)
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # one fused op
+            return F.rms_norm(x, shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), shape, None, self.eps).to(x.dtype)  # round, then scale

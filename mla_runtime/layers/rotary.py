@@ -67,7 +67,13 @@ class RotaryEmbedding(nn.Module):
             x1, x2 = x[..., :half], x[..., half:]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin(positions, q.dtype)
-        return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate the RoPE parts of queries ``[T, n_h, d_r]`` and keys ``[T, d_r]``; ``cos_sin`` may come
+        precomputed (``cos_sin(positions, q.dtype)``, shared by all layers of a step)."""
+        cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions, q.dtype)
+        if q.shape[0] == 0:
+            return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
+        # one rotation for both: the key is the (n_h + 1)-th head
+        both = self.rotate(torch.cat([q, k.unsqueeze(1)], dim=1), cos, sin)  # [T, n_h + 1, d_r]
+        return both[:, :-1], both[:, -1]

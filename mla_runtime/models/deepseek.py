@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from mla_kernels import plan_decode
+from mla_kernels.common import resolve_backend
 from torch import nn
 
 from mla_runtime.cache.latent_cache import LatentCache
 from mla_runtime.config import ModelConfig
 from mla_runtime.forward_batch import ForwardBatch
+from mla_runtime.layers.cpu_gemm import PackedWeight, linear
 from mla_runtime.layers.mla import MLAttention
 from mla_runtime.layers.mlp import GatedMLP
 from mla_runtime.layers.moe import MoE
@@ -78,9 +81,20 @@ class DeepseekForCausalLM(nn.Module):
         self.lm_head = (None if cfg.tie_word_embeddings else
                         nn.Parameter(torch.zeros(rows, cfg.hidden_size, dtype=dtype), requires_grad=False))
 
+        self.lm_head_packed: PackedWeight | None = None
+
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head
+
+    def prepare_inference(self) -> DeepseekForCausalLM:
+        """Derive the inference layouts of the final weights (oneDNN-packed GEMM weights on CPU, contiguous
+        absorbed attention weights). Call once the weights are loaded, and again after changing any."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "prepare_inference"):
+                module.prepare_inference()
+        self.lm_head_packed = PackedWeight.make(self.lm_head_weight)
+        return self
 
     def set_attention(self, path: str, backend: str | None) -> None:
         """Choose the attention path (``auto``/``naive``/``absorbed``) and kernel backend (None = by device)."""
@@ -93,6 +107,13 @@ class DeepseekForCausalLM(nn.Module):
         if self.par.sharded_cache:
             batch.local_slot_mapping, batch.local_token_seq_lens = local_latent_view(
                 batch.positions, batch.slot_mapping, batch.token_seq_lens, batch.block_size, self.par)
+        attn = self.model.layers[0].self_attn
+        batch.rope_cos_sin = attn.rotary.cos_sin(batch.positions, self.dtype)  # every layer's RoPE is the same
+        batch.decode_plan = None
+        if (batch.is_decode and not self.par.sharded_cache and not cache.quantised
+                and resolve_backend(attn.backend, cache.layers[0].kv) == "torch"):
+            batch.decode_plan = plan_decode(batch.block_tables, batch.token_seq_lens, batch.block_size,
+                                            batch.token_req_idx)
         x = self.model.embed_tokens(batch.input_ids)
         for layer, layer_cache in zip(self.model.layers, cache.layers):
             x = layer(x, batch, layer_cache)
@@ -100,7 +121,7 @@ class DeepseekForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """fp32 logits ``[R, V]`` (under tensor parallelism: on rank 0, None elsewhere)."""
-        logits = F.linear(hidden, self.lm_head_weight).float()
+        logits = linear(hidden, self.lm_head_weight, None, self.lm_head_packed).float()
         if not self.par.enabled:
             return logits
         full = self.par.gather_to_first(logits, dim=-1)

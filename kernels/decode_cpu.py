@@ -1,0 +1,75 @@
+"""Absorbed MLA decode on CPU, planned once per step and shared by every layer.
+
+A decode step runs the same attention pattern in every layer: query row n reads the first
+``seq_lens[n]`` latent rows of block-table row ``req_indices[n]``. ``plan_decode`` turns the block
+table into that pattern once — the flat cache slot of every key, padded to the longest row, and an
+additive mask — and ``mla_decode_planned`` then needs three GEMM-shaped calls per layer::
+
+    kv  = cache.view(-1, D)[slots]                    # [N, L, D], D = d_c + d_r; one gather
+    s   = mask + sm_scale · q kvᵀ                      # [N, H, L]; one batched GEMM (d_c and d_r parts together)
+    out = softmax(s) kv[..., :d_c]                     # [N, H, d_c]; one batched GEMM
+
+Padding keys repeat the row's last real key (a slot this step has written), so no read ever leaves the
+row's own tokens: unused pages may hold anything, NaN included, and the -inf mask gives the padding
+exactly zero weight. Every row must see at least one key (a decoding row always sees itself).
+
+Semantics are those of ``mla_decode`` (``reference.ref_mla_decode``) for float caches, computed in fp32
+whatever the input dtype: bf16 queries and latents are exact in fp32, so only the output is rounded (the
+scores are never rounded to bf16 before the softmax).
+fp8/int8 caches (per-token scales) and CUDA tensors use ``mla_decode``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .common import FLOAT_CACHE_DTYPES, check_int_tensor
+
+
+@dataclass
+class DecodePlan:
+    slots: torch.Tensor  # [N, L] int64: cache slot of key j of query row n (padding: the row's last key)
+    mask: torch.Tensor  # [N, 1, L] float32: 0 for j < seq_lens[n], -inf after
+    max_len: int  # L
+
+
+def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                req_indices: torch.Tensor | None = None) -> DecodePlan:
+    """block_tables ``[B, max_blocks]`` int32, seq_lens ``[N]`` int32 (each >= 1), req_indices ``[N]`` (block-table
+    row of query row n; default n) -> the step's ``DecodePlan``."""
+    check_int_tensor("block_tables", block_tables, 2, block_tables.device)
+    check_int_tensor("seq_lens", seq_lens, 1, block_tables.device)
+    lens = seq_lens.long()
+    n_rows = lens.shape[0]
+    if n_rows == 0:
+        raise ValueError("plan_decode needs at least one query row")
+    lo, hi = (int(v) for v in torch.stack([lens.min(), lens.max()]).tolist())
+    if lo < 1:
+        raise ValueError(f"every query row must see at least one key, got a seq_len of {lo}")
+    if hi > block_tables.shape[1] * block_size:
+        raise ValueError(f"a seq_len of {hi} needs more than the block table's {block_tables.shape[1]} blocks")
+    rows = block_tables if req_indices is None else block_tables.index_select(0, req_indices.long())
+    pos = torch.arange(hi, device=lens.device)
+    key = torch.minimum(pos[None, :], (lens - 1)[:, None])  # [N, L]: padding repeats the last key
+    slots = rows.long().gather(1, key // block_size) * block_size + key % block_size
+    mask = torch.zeros(n_rows, 1, hi, device=lens.device)
+    mask.masked_fill_((pos[None, :] >= lens[:, None]).unsqueeze(1), float("-inf"))
+    return DecodePlan(slots=slots, mask=mask, max_len=hi)
+
+
+def mla_decode_planned(q: torch.Tensor, cache: torch.Tensor, plan: DecodePlan, sm_scale: float,
+                       d_c: int) -> torch.Tensor:
+    """q ``[N, H, d_c + d_r]`` (absorbed no-RoPE query, then rotated RoPE query), cache ``[num_blocks,
+    block_size, d_c + d_r]`` float -> out ``[N, H, d_c]`` in q.dtype (see the module docstring)."""
+    if cache.dtype not in FLOAT_CACHE_DTYPES:
+        raise ValueError(f"mla_decode_planned reads float caches; use mla_decode for {cache.dtype}")
+    n_rows, _, width = q.shape
+    if width != cache.shape[2] or plan.slots.shape[0] != n_rows:
+        raise ValueError(f"q {tuple(q.shape)} does not match the cache width {cache.shape[2]} or the plan's "
+                         f"{plan.slots.shape[0]} rows")
+    kv = cache.view(-1, width).index_select(0, plan.slots.view(-1)).view(n_rows, plan.max_len, width).float()
+    scores = torch.baddbmm(plan.mask, q.float(), kv.transpose(1, 2), alpha=sm_scale)  # [N, H, L]
+    p = torch.softmax(scores, dim=-1)
+    return torch.bmm(p, kv[..., :d_c]).to(q.dtype)  # [N, H, d_c]

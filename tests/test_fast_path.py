@@ -1,0 +1,157 @@
+"""The CPU fast paths equal the plain ones: the planned decode equals the fp32 reference on poisoned,
+shuffled caches; oneDNN-packed GEMMs equal ``F.linear``; the fused RoPE, the host-side expert grouping and
+a prepared model equal their plain counterparts; the engine's greedy tokens do not depend on them."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():  # kernels: interpret Triton on CPU (must precede the first triton import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from mla_kernels import mla_decode_planned, plan_decode  # noqa: E402
+from mla_kernels.reference import ref_mla_decode  # noqa: E402
+
+from mla_runtime import LLM, SamplingParams  # noqa: E402
+from mla_runtime.config import MoEConfig, RopeConfig  # noqa: E402
+from mla_runtime.layers import moe as moe_module  # noqa: E402
+from mla_runtime.layers.cpu_gemm import PackedWeight, linear  # noqa: E402
+from mla_runtime.layers.rotary import RotaryEmbedding  # noqa: E402
+from mla_runtime.loader import load_model  # noqa: E402
+from tests.kernel_utils import assert_close_dtype, make_paged_case  # noqa: E402
+from tests.model_utils import PagedRunner  # noqa: E402
+from tests.test_model_parity import prompts, rel_err  # noqa: E402
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    """fp32: float rounding of 64-600-long dot products and a softmax (outputs are O(1)); bf16: as the kernels."""
+    if dtype == torch.float32:
+        assert not torch.isnan(out).any()
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:
+        assert_close_dtype(out, ref, dtype)
+
+
+# -- planned decode ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seq_lens", [(1,), (64,), (65, 1, 130, 17), (5, 200, 64, 63, 128, 2)])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_planned_decode_matches_reference(dtype, seq_lens, block_size):
+    d_c, d_r, heads = 48, 16, 5
+    case = make_paged_case(list(seq_lens), d_c, d_r, block_size=block_size, dtype=dtype, seed=len(seq_lens))
+    q = torch.randn(len(seq_lens), heads, d_c + d_r, generator=torch.Generator().manual_seed(1)).to(dtype)
+    plan = plan_decode(case.block_tables, case.seq_lens, block_size)
+    out = mla_decode_planned(q, case.cache, plan, 0.3, d_c)
+    ref, _ = ref_mla_decode(q.float(), case.cache, None, case.block_tables, case.seq_lens, 0.3, d_c)
+    assert out.dtype == dtype and out.shape == (len(seq_lens), heads, d_c)
+    assert_close(out, ref, dtype)
+
+
+def test_planned_decode_rows_sharing_a_table_row():
+    """Several query rows on one block-table row (a chunk), each seeing its own causal prefix."""
+    d_c, d_r = 32, 16
+    case = make_paged_case([40, 90], d_c, d_r, block_size=16, seed=3)
+    req = torch.tensor([0, 1, 1, 1], dtype=torch.int32)
+    lens = torch.tensor([40, 88, 89, 90], dtype=torch.int32)
+    q = torch.randn(4, 3, d_c + d_r)
+    out = mla_decode_planned(q, case.cache, plan_decode(case.block_tables, lens, 16, req), 0.2, d_c)
+    ref, _ = ref_mla_decode(q, case.cache, None, case.block_tables, lens, 0.2, d_c, req_indices=req)
+    assert_close(out, ref, torch.float32)
+
+
+def test_plan_decode_rejects_rows_without_keys():
+    case = make_paged_case([4, 9], 32, 16, block_size=16)
+    with pytest.raises(ValueError, match="at least one key"):
+        plan_decode(case.block_tables, torch.tensor([4, 0], dtype=torch.int32), 16)
+
+
+def test_planned_decode_rejects_quantised_caches():
+    case = make_paged_case([4], 32, 16, block_size=16, dtype=torch.int8)
+    plan = plan_decode(case.block_tables, case.seq_lens, 16)
+    with pytest.raises(ValueError, match="float caches"):
+        mla_decode_planned(torch.randn(1, 2, 48), case.cache, plan, 0.2, 32)
+
+
+# -- packed GEMMs ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(0, 96), (1, 96), (3, 96), (8, 96), (33, 96), (2, 5, 96)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(dtype, shape, bias):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(130, 96, generator=g).to(dtype)
+    b = torch.randn(130, generator=g).to(dtype) if bias else None
+    x = torch.randn(*shape, generator=g).to(dtype)
+    packed = PackedWeight.make(w)
+    got, want = linear(x, w, b, packed), F.linear(x, w, b)
+    assert got.shape == want.shape and got.dtype == dtype
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=2**-6)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+def test_packed_weight_only_where_onednn_applies():
+    assert PackedWeight.make(torch.randn(4, 4, dtype=torch.float64)) is None
+    assert PackedWeight.make(torch.randn(2, 4, 4)) is None
+
+
+# -- layers ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("interleave", [True, False])
+def test_rotary_with_shared_cos_sin_equals_separate_rotations(interleave):
+    rope = RotaryEmbedding(RopeConfig(interleave=interleave), 8)
+    pos = torch.tensor([0, 3, 17, 100])
+    q, k = torch.randn(4, 2, 8), torch.randn(4, 8)
+    cos, sin = rope.cos_sin(pos, torch.float32)
+    q_rot, k_rot = rope(pos, q, k, (cos, sin))
+    torch.testing.assert_close(q_rot, rope.rotate(q, cos, sin))
+    torch.testing.assert_close(k_rot, rope.rotate(k, cos, sin))
+
+
+def test_host_grouped_experts_equal_sorted(monkeypatch):
+    cfg = MoEConfig(n_routed_experts=6, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=16,
+                    scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True)
+    moe = moe_module.MoE(cfg, 24, torch.float32)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    moe.experts.prepare_inference()
+    x = torch.randn(9, 24, generator=g)
+    host = moe(x)
+    monkeypatch.setattr(moe_module, "HOST_GROUPING_MAX_PAIRS", 0)
+    torch.testing.assert_close(moe(x), host, rtol=1e-6, atol=1e-6)
+
+
+# -- the model and the engine -----------------------------------------------------------------------------
+def _unprepared(ckpt):
+    """The same weights without any inference layout (no packed GEMMs, no absorbed-weight copies)."""
+    model = load_model(ckpt, dtype="float32")
+    for m in model.modules():
+        for name in ("packed", "gate_up_packed", "down_packed", "w_uk", "w_uv_t", "lm_head_packed"):
+            if hasattr(m, name):
+                setattr(m, name, [] if isinstance(getattr(m, name), list) else None)
+    return model
+
+
+def test_prepared_model_decode_equals_unprepared(tiny_checkpoint):
+    ckpt, _ = tiny_checkpoint("v3")
+    ps = prompts([30, 12, 7], seed=11)
+    logits = []
+    for model in (load_model(ckpt, dtype="float32"), _unprepared(ckpt)):
+        runner = PagedRunner(model, len(ps), 48)
+        runner.step({i: p[:-3] for i, p in enumerate(ps)})
+        steps = [runner.step({i: [p[-t]] for i, p in enumerate(ps)}) for t in (3, 2, 1)]
+        logits.append(torch.cat([torch.cat([s[i] for i in range(len(ps))]) for s in steps]))
+    assert rel_err(logits[0], logits[1]) <= 1e-5
+
+
+def test_engine_greedy_tokens_batched_equal_single(tiny_checkpoint):
+    ckpt, _ = tiny_checkpoint("v3")
+    ps = [{"prompt_token_ids": p} for p in prompts([9, 31, 4, 17], seed=12)]
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    llm = LLM(str(ckpt), dtype="float32", max_model_len=64, kv_cache_memory="4MiB", block_size=16)
+    batched = [o.outputs[0].token_ids for o in llm.generate(ps, sp)]
+    single = [llm.generate([p], sp)[0].outputs[0].token_ids for p in ps]
+    assert batched == single
