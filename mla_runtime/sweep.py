@@ -20,7 +20,7 @@ that validates it. For every point (projection method, latent rank ``r``, cache 
 
 How each number is made:
 
-- Truncation: a copy of the model goes through ``latent_rank.truncate_latent_rank`` (``svd`` or ``pca``), so
+- Truncation: a freshly loaded model goes through ``latent_rank.truncate_latent_rank`` (``svd`` or ``pca``), so
   the up-projection is folded and the cache really holds ``r + d_r`` values per token; ``bytes_per_token``
   is read from the allocated ``LatentCache``, not computed. At ``r = d_c`` the basis is a rotation, so the
   model is reproduced to rounding.
@@ -46,7 +46,6 @@ Ranks above the model's ``d_c`` are capped to it. Token ids can replace text (``
 from __future__ import annotations
 
 import argparse
-import copy
 import csv
 import json
 import math
@@ -71,6 +70,7 @@ COLUMNS = ("method", "rank", "cache_dtype", "bytes_per_token", "bytes_vs_full", 
 SHORT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
                torch.float8_e4m3fn: "fp8", torch.int8: "int8"}
 OUTPUT_FILES = ("sweep.csv", "sweep.md", "sweep.png")
+KL_PLOT_FLOOR = 1e-6  # KL of the exact points (0, or rounding) is drawn here on the log axis
 
 
 @dataclass(frozen=True)
@@ -236,11 +236,14 @@ def run_sweep(model_path: str | Path, eval_docs: Sequence[Sequence[int]],
     cfg = config or SweepConfig()
     if "pca" in cfg.methods and not calibration_docs:
         raise ValueError("method 'pca' needs calibration tokens (--calibration-text or --calibration-tokens)")
-    base = load_model(model_path, dtype=cfg.dtype, backend=cfg.attention_backend, device=cfg.device)
-    mcfg = base.config
+    def load() -> DeepseekForCausalLM:
+        return load_model(model_path, dtype=cfg.dtype, backend=cfg.attention_backend, device=cfg.device)
+
+    model = load()  # the full model first; each (method, rank) then loads its own
+    mcfg = model.config
     ranks = capped_ranks(cfg.ranks, mcfg.kv_lora_rank)
-    ref_dtype = base.dtype
-    cache_dtypes = [resolve_cache_dtype(n, base.dtype).dtype for n in cfg.cache_dtypes]
+    ref_dtype = model.dtype
+    cache_dtypes = [resolve_cache_dtype(n, ref_dtype).dtype for n in cfg.cache_dtypes]
     full_dtypes = list(dict.fromkeys([ref_dtype, *cache_dtypes]))  # the reference first, no duplicates
     windows = eval_windows(eval_docs, min(cfg.window, mcfg.max_position_embeddings - 1), cfg.max_eval_tokens)
     calib = calibration_chunks(calibration_docs or [], cfg.max_calibration_tokens) if "pca" in cfg.methods else []
@@ -262,13 +265,14 @@ def run_sweep(model_path: str | Path, eval_docs: Sequence[Sequence[int]],
 
         bar = tqdm(total=len(points), desc="sweep", unit="point", file=sys.stderr)
     reference: list[torch.Tensor] = []  # per window group: the full model's log-probs (model-dtype cache)
-    model, model_key = base, ("full", mcfg.kv_lora_rank)
+    model_key = ("full", mcfg.kv_lora_rank)
     full_bytes = 0
     for method, rank, dtype in points:
         if bar is not None:
             bar.set_postfix_str(f"{method} r={rank} {SHORT_NAMES[dtype]}")
         if (method, rank) != model_key:
-            model = truncate_latent_rank(copy.deepcopy(base), rank, method, calibration=calib or None)
+            del model  # one model in memory at a time; a fresh load (not a copy: weights may be packed)
+            model = truncate_latent_rank(load(), rank, method, calibration=calib or None)
             model_key = (method, rank)
         nll = kl = agree = 0.0
         bytes_per_token = 0
@@ -348,10 +352,12 @@ def plot(result: SweepResult, path: Path) -> bool:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter
     except ImportError:
         return False
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
-    panels = (("perplexity", "perplexity (lower is better)"), ("kl_div", "KL(full ‖ point), nats/token"),
+    panels = (("perplexity", "perplexity (lower is better)"),
+              ("kl_div", f"KL(full ‖ point), nats/token (floor {KL_PLOT_FLOOR:g})"),
               ("top1_agreement", "top-1 agreement with full"))
     colours = {"svd": "tab:blue", "pca": "tab:orange", "full": "black"}
     markers = {"fp32": "D", "bf16": "o", "fp16": "v", "fp8": "s", "int8": "^"}
@@ -359,7 +365,7 @@ def plot(result: SweepResult, path: Path) -> bool:
     series: dict[tuple[str, str], list[SweepRow]] = {}
     for row in result.rows:
         series.setdefault((row.method, row.cache_dtype), []).append(row)
-    floor = min((r.kl_div for r in result.rows if r.kl_div > 0), default=1e-9) / 2
+    floor = KL_PLOT_FLOOR
     for ax, (column, title) in zip(axes, panels):
         for (method, dtype), rows in series.items():
             rows = sorted(rows, key=lambda r: r.bytes_per_token)
@@ -378,6 +384,11 @@ def plot(result: SweepResult, path: Path) -> bool:
         ax.grid(True, which="both", alpha=0.3)
         if column != "top1_agreement":
             ax.set_yscale("log")
+            plain = FuncFormatter(lambda v, _: f"{v:g}")
+            ax.yaxis.set_major_formatter(plain)
+            if column == "perplexity":
+                ax.yaxis.set_minor_formatter(plain)
+                ax.tick_params(axis="y", which="minor", labelsize=7)
     axes[0].legend(fontsize=7, ncol=2)
     fig.suptitle(f"{Path(result.model).name}: latent rank × cache dtype (d_c={result.d_c}, d_r={result.d_r}; "
                  f"labels = rank)")
@@ -434,7 +445,7 @@ def _docs(texts: list[str] | None, token_files: list[str] | None, tokenizer_path
     if tok is None:
         raise ValueError(f"--{what}-text: no tokenizer files in {tokenizer_path}; pass --tokenizer or "
                          f"--{what}-tokens")
-    return [list(tok.encode(Path(f).read_text(encoding="utf-8"))) for f in texts]
+    return [list(tok.encode(Path(f).read_text(encoding="utf-8"), verbose=False)) for f in texts]
 
 
 def _ints(value: str) -> tuple[int, ...]:

@@ -146,17 +146,19 @@ def test_bad_input_names_the_flag(tiny_checkpoint, tmp_path, capsys):
 
 
 # -- the committed demo model ------------------------------------------------------------------------
-DEMO = Path(__file__).resolve().parent.parent / "mla_runtime" / "demo_model"
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = ROOT / "mla_runtime" / "demo_model"
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 # Held out by bench/train_demo_model.py (every 20th kept stdlib file): neither tokenizer nor model saw them.
 EVAL_FILE, CALIBRATION_FILE = "shutil.py", "subprocess.py"
-RANKS = (128, 96, 64, 32, 16, 8)
-PPL_SLACK = 0.01  # relative: near full rank truncation may be noise-level either way
+RANKS = (128, 64, 32, 16, 8)
+# Near full rank truncation moves perplexity by noise-level amounts either way (on the recorded sweep in
+# bench/RESULTS.md a rank-96 SVD scores 0.1% *below* the full model); KL to the full model has no such noise.
+PPL_SLACK = 0.01
 
 
 def held_out_files() -> set[str]:
-    spec = importlib.util.spec_from_file_location("train_demo_model", DEMO.parent.parent / "bench" /
-                                                  "train_demo_model.py")
+    spec = importlib.util.spec_from_file_location("train_demo_model", ROOT / "bench" / "train_demo_model.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     _, held_out = module.build_corpus(60.0)
@@ -169,14 +171,19 @@ def test_demo_model_perplexity_rises_as_rank_falls_and_pca_beats_svd():
     if not {EVAL_FILE, CALIBRATION_FILE} <= held_out:
         pytest.skip(f"{EVAL_FILE}/{CALIBRATION_FILE} are not held out from this interpreter's demo corpus")
     tok = load_tokenizer(DEMO)
-    eval_ids, calib_ids = (tok.encode((STDLIB / f).read_text(encoding="utf-8")) for f in (EVAL_FILE,
-                                                                                           CALIBRATION_FILE))
+    eval_ids, calib_ids = (tok.encode((STDLIB / name).read_text(encoding="utf-8"), verbose=False)
+                           for name in (EVAL_FILE, CALIBRATION_FILE))
     cfg = SweepConfig(ranks=RANKS, cache_dtypes=("fp32",), methods=("svd", "pca"), dtype="float32",
-                      max_eval_tokens=2048, max_calibration_tokens=4096, decode_steps=0)
+                      max_eval_tokens=1024, max_calibration_tokens=2048, decode_steps=0)
     result = run_sweep(DEMO, [eval_ids], [calib_ids], cfg)
-    ppl = {(r.method, r.rank): r.perplexity for r in result.rows}
+    rows = {(r.method, r.rank): r for r in result.rows}
     for method in ("svd", "pca"):
-        curve = [ppl[method, r] for r in RANKS]
-        assert all(lo <= hi * (1 + PPL_SLACK) for lo, hi in zip(curve, curve[1:])), (method, curve)
+        ppl = [rows[method, r].perplexity for r in RANKS]
+        kl = [rows[method, r].kl_div for r in RANKS]
+        assert all(lo <= hi * (1 + PPL_SLACK) for lo, hi in zip(ppl, ppl[1:])), (method, ppl)
+        assert all(lo < hi for lo, hi in zip(kl, kl[1:])), (method, kl)
+        assert ppl[-1] > ppl[0] * 1.05, (method, ppl)  # rank 8 of 128 is visibly worse
     for r in RANKS[1:]:
-        assert ppl["pca", r] <= ppl["svd", r] * (1 + PPL_SLACK), (r, ppl["pca", r], ppl["svd", r])
+        pca, svd = rows["pca", r], rows["svd", r]
+        assert pca.perplexity <= svd.perplexity * (1 + PPL_SLACK), (r, pca.perplexity, svd.perplexity)
+        assert pca.kl_div <= svd.kl_div, (r, pca.kl_div, svd.kl_div)
