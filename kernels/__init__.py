@@ -1,13 +1,13 @@
 """mla_kernels: the attention kernels of mla-runtime (Triton on CUDA, vectorised torch on CPU).
 
 Every public function takes ``backend="triton" | "torch" | None`` (None: "triton" for CUDA tensors, else
-"torch"); fp32 references for all of them live in :mod:`mla_kernels.reference`. This package never
-imports ``mla_runtime``.
+"torch"), except the CPU decode fast path of ``decode_cpu`` (torch only); fp32 references for all of them
+live in :mod:`mla_kernels.reference`. This package never imports ``mla_runtime``.
 """
 
 from .common import default_backend, dequantize_rows, quantize_per_token
 from .decode import mla_decode
-from .decode_cpu import DecodePlan, mla_decode_planned, plan_decode
+from .decode_cpu import DecodePlan, mla_decode_planned, plan_decode, write_latent
 from .latent_store import gather_latent, store_latent
 from .prefill import prefill_attention
 
@@ -22,4 +22,5 @@ __all__ = [
     "prefill_attention",
     "quantize_per_token",
     "store_latent",
+    "write_latent",
 ]

@@ -13,9 +13,10 @@ Padding keys repeat the row's last real key (a slot this step has written), so n
 row's own tokens: unused pages may hold anything, NaN included, and the -inf mask gives the padding
 exactly zero weight. Every row must see at least one key (a decoding row always sees itself).
 
-Semantics are those of ``mla_decode`` (``reference.ref_mla_decode``) for float caches, computed in fp32
-whatever the input dtype: bf16 queries and latents are exact in fp32, so only the output is rounded (the
-scores are never rounded to bf16 before the softmax).
+Semantics are those of ``mla_decode`` (``reference.ref_mla_decode``) for float caches and of its torch path
+in bf16: with bf16 queries and cache the two GEMMs take bf16 inputs (fp32 accumulation, the dot products
+rounded to bf16, as in transformers' bf16 attention) and the scale, mask and softmax run in fp32; every other
+combination computes in fp32.
 fp8/int8 caches (per-token scales) and CUDA tensors use ``mla_decode``.
 """
 
@@ -69,7 +70,23 @@ def mla_decode_planned(q: torch.Tensor, cache: torch.Tensor, plan: DecodePlan, s
     if width != cache.shape[2] or plan.slots.shape[0] != n_rows:
         raise ValueError(f"q {tuple(q.shape)} does not match the cache width {cache.shape[2]} or the plan's "
                          f"{plan.slots.shape[0]} rows")
-    kv = cache.view(-1, width).index_select(0, plan.slots.view(-1)).view(n_rows, plan.max_len, width).float()
-    scores = torch.baddbmm(plan.mask, q.float(), kv.transpose(1, 2), alpha=sm_scale)  # [N, H, L]
-    p = torch.softmax(scores, dim=-1)
+    compute = torch.bfloat16 if q.dtype == cache.dtype == torch.bfloat16 else torch.float32
+    kv = cache.view(-1, width).index_select(0, plan.slots.view(-1)).view(n_rows, plan.max_len, width)
+    kv = kv.to(compute)
+    if compute == torch.float32:
+        scores = torch.baddbmm(plan.mask, q.float(), kv.transpose(1, 2), alpha=sm_scale)  # [N, H, L]
+    else:  # bf16 products, fp32 accumulation; scale, mask and softmax in fp32
+        scores = torch.bmm(q, kv.transpose(1, 2)).float().mul_(sm_scale).add_(plan.mask)
+    p = torch.softmax(scores, dim=-1).to(compute)
     return torch.bmm(p, kv[..., :d_c]).to(q.dtype)  # [N, H, d_c]
+
+
+def write_latent(cache: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``cache[slot_t] = [latent_t ; k_rope_t]`` for a float cache and slots that are all valid (>= 0): the
+    decode step's cache write as one copy (``store_latent`` also skips negative slots and quantises)."""
+    if cache.dtype not in FLOAT_CACHE_DTYPES:
+        raise ValueError(f"write_latent writes float caches; use store_latent for {cache.dtype}")
+    rows = torch.cat([latent, k_rope], dim=-1)  # [T, d_c + d_r]
+    if rows.shape[-1] != cache.shape[2]:
+        raise ValueError(f"latent + k_rope width {rows.shape[-1]} != cache row width {cache.shape[2]}")
+    cache.view(-1, cache.shape[2]).index_copy_(0, slot_mapping.long(), rows.to(cache.dtype))

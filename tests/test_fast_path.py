@@ -44,9 +44,10 @@ def test_planned_decode_matches_reference(dtype, seq_lens, block_size):
     d_c, d_r, heads = 48, 16, 5
     case = make_paged_case(list(seq_lens), d_c, d_r, block_size=block_size, dtype=dtype, seed=len(seq_lens))
     q = torch.randn(len(seq_lens), heads, d_c + d_r, generator=torch.Generator().manual_seed(1)).to(dtype)
+    scale = (d_c + d_r) ** -0.5  # scores of a realistic size: bf16 rounds each one by <= 2^-8 relative
     plan = plan_decode(case.block_tables, case.seq_lens, block_size)
-    out = mla_decode_planned(q, case.cache, plan, 0.3, d_c)
-    ref, _ = ref_mla_decode(q.float(), case.cache, None, case.block_tables, case.seq_lens, 0.3, d_c)
+    out = mla_decode_planned(q, case.cache, plan, scale, d_c)
+    ref, _ = ref_mla_decode(q.float(), case.cache, None, case.block_tables, case.seq_lens, scale, d_c)
     assert out.dtype == dtype and out.shape == (len(seq_lens), heads, d_c)
     assert_close(out, ref, dtype)
 
@@ -120,8 +121,10 @@ def test_host_grouped_experts_equal_sorted(monkeypatch):
     moe.experts.prepare_inference()
     x = torch.randn(9, 24, generator=g)
     host = moe(x)
+    one_by_one = torch.cat([moe(x[i:i + 1]) for i in range(9)])  # the single-token path
     monkeypatch.setattr(moe_module, "HOST_GROUPING_MAX_PAIRS", 0)
     torch.testing.assert_close(moe(x), host, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(one_by_one, host, rtol=1e-5, atol=1e-6)
 
 
 # -- the model and the engine -----------------------------------------------------------------------------

@@ -20,9 +20,10 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.packed: PackedWeight | None = None
+        self.fused = False  # True: its owner runs it stacked with another layer, so it keeps no packed copy
 
     def prepare_inference(self) -> None:
-        self.packed = PackedWeight.make(self.weight)
+        self.packed = None if self.fused else PackedWeight.make(self.weight)
 
     def forward(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
         return linear(x, self.weight, self.bias if bias else None, self.packed)

@@ -27,12 +27,20 @@ by log-sum-exp before each rank keeps its heads.
 from __future__ import annotations
 
 import torch
-from mla_kernels import gather_latent, mla_decode, mla_decode_planned, prefill_attention, store_latent
+from mla_kernels import (
+    gather_latent,
+    mla_decode,
+    mla_decode_planned,
+    prefill_attention,
+    store_latent,
+    write_latent,
+)
 from torch import nn
 
 from mla_runtime.cache.latent_cache import LayerCache
 from mla_runtime.config import ModelConfig
 from mla_runtime.forward_batch import ForwardBatch
+from mla_runtime.layers.cpu_gemm import PackedWeight, linear
 from mla_runtime.layers.linear import Linear
 from mla_runtime.layers.norm import RMSNorm
 from mla_runtime.layers.rotary import RotaryEmbedding
@@ -63,6 +71,8 @@ class MLAttention(nn.Module):
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype)
             self.q_b_proj = Linear(cfg.q_lora_rank, self.n_h * qk, dtype)
         self.kv_a_proj_with_mqa = Linear(hidden, self.d_c + self.d_r, dtype, bias=cfg.attention_bias)
+        if cfg.q_lora_rank is not None:  # prepare_inference() stacks the two
+            self.q_a_proj.fused = self.kv_a_proj_with_mqa.fused = True
         self.kv_a_layernorm = RMSNorm(self.d_c, cfg.rms_norm_eps, dtype)
         self.kv_b_proj = Linear(self.d_c, self.n_h * (self.d_n + self.d_v), dtype)
         self.o_proj = Linear(self.n_h * self.d_v, hidden, dtype, bias=cfg.attention_bias)
@@ -73,11 +83,19 @@ class MLAttention(nn.Module):
         # W_UVᵀ [n_h, d_c, d_v], so that absorption and up-projection are one batched GEMM each
         self.w_uk: torch.Tensor | None = None
         self.w_uv_t: torch.Tensor | None = None
+        # q_a_proj and kv_a_proj_with_mqa read the same input: one GEMM over their stacked weights
+        self.qkv_a: PackedWeight | None = None
+        self.qkv_a_bias: torch.Tensor | None = None
 
     def prepare_inference(self) -> None:
-        """Cache the absorbed weights (call again whenever ``kv_b_proj`` changes)."""
+        """Cache the absorbed weights and the stacked input projection (call again when the weights change)."""
         w_uk, w_uv = self.w_uk_uv()
         self.w_uk, self.w_uv_t = w_uk.contiguous(), w_uv.transpose(1, 2).contiguous()
+        self.qkv_a, self.qkv_a_bias = None, None
+        if self.q_proj is None:
+            self.qkv_a = PackedWeight.make(torch.cat([self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight]))
+            if self.qkv_a is not None and self.q_a_proj.bias is not None:
+                self.qkv_a_bias = torch.cat([self.q_a_proj.bias, self.kv_a_proj_with_mqa.bias])
 
     def truncate_latent(self, basis: torch.Tensor) -> None:
         """Cache ``r`` values per token instead of ``d_c``: ``c' = basisᵀ norm(c)`` with ``basis [d_c, r]``
@@ -120,18 +138,27 @@ class MLAttention(nn.Module):
         num_tokens = x.shape[0]
         if self.q_proj is not None:
             q = self.q_proj(x)
+            latent = self.kv_a_proj_with_mqa(x)
+        elif self.qkv_a is not None:
+            q_lat, latent = linear(x, self.qkv_a.plain, self.qkv_a_bias, self.qkv_a).split(
+                [self.q_a_proj.out_features, self.d_c_in + self.d_r], dim=-1)
+            q = self.q_b_proj(self.q_a_layernorm(q_lat))
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            latent = self.kv_a_proj_with_mqa(x)
         q = q.view(num_tokens, self.n_h, self.d_n + self.d_r)
         q_n, q_r = q.split([self.d_n, self.d_r], dim=-1)  # [T, n_h, d_n], [T, n_h, d_r]
-        c, k_r = self.kv_a_proj_with_mqa(x).split([self.d_c_in, self.d_r], dim=-1)
+        c, k_r = latent.split([self.d_c_in, self.d_r], dim=-1)
         c = self.kv_a_layernorm(c)  # [T, d_c]
         if self.latent_down is not None:
             c = torch.nn.functional.linear(c, self.latent_down)  # [T, r]: the truncated latent
         q_r, k_r = self.rotary(batch.positions, q_r, k_r, batch.rope_cos_sin)
         sharded = self.par.sharded_cache
         slots = batch.local_slot_mapping if sharded else batch.slot_mapping
-        store_latent(cache.kv, cache.scales, c, k_r, slots, backend=self.backend)
+        if batch.decode_plan is not None:  # a CPU decode step: float cache, every slot valid
+            write_latent(cache.kv, c, k_r, slots)
+        else:
+            store_latent(cache.kv, cache.scales, c, k_r, slots, backend=self.backend)
 
         if self.choose_path(batch) == "absorbed":
             o = self._absorbed(q_n, q_r, batch, cache)  # [T, n_h, d_v]

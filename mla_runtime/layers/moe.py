@@ -106,17 +106,23 @@ class Experts(nn.Module):
         counts = torch.bincount(local[order], minlength=self.num_experts).tolist()
         return [(e, seg) for e, seg in enumerate(order.split(counts)) if seg.numel()]
 
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        packed = bool(self.gate_up_packed)
+        gate, up = linear(x, self.gate_up_proj[e], None, self.gate_up_packed[e] if packed else None).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down_proj[e], None, self.down_packed[e] if packed else None)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         top_k = expert_ids.shape[1]
-        flat_weights = weights.reshape(-1)
-        packed = bool(self.gate_up_packed)
         out = torch.zeros_like(x)
+        if x.shape[0] == 1:  # one token: no gathering or scattering
+            for j, e in sorted(enumerate(expert_ids[0].tolist()), key=lambda je: je[1]):
+                if 0 <= e - self.first < self.num_experts:
+                    out += (self._expert(e - self.first, x).float() * weights[0, j]).to(x.dtype)
+            return out
+        flat_weights = weights.reshape(-1)
         for e, pairs in self._groups(expert_ids):
             tokens = pairs // top_k
-            seg = x.index_select(0, tokens)  # [n, d]
-            gate, up = linear(seg, self.gate_up_proj[e], None, self.gate_up_packed[e] if packed else None
-                              ).chunk(2, dim=-1)
-            h = linear(F.silu(gate) * up, self.down_proj[e], None, self.down_packed[e] if packed else None)
+            h = self._expert(e, x.index_select(0, tokens))  # [n, d]
             h = (h.float() * flat_weights.index_select(0, pairs).unsqueeze(-1)).to(x.dtype)
             out.index_add_(0, tokens, h)  # experts in ascending order: the same sums as one sorted index_add
         return out

@@ -74,6 +74,12 @@ class RotaryEmbedding(nn.Module):
         cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions, q.dtype)
         if q.shape[0] == 0:
             return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
-        # one rotation for both: the key is the (n_h + 1)-th head
-        both = self.rotate(torch.cat([q, k.unsqueeze(1)], dim=1), cos, sin)  # [T, n_h + 1, d_r]
+        both = torch.cat([q, k.unsqueeze(1)], dim=1)  # [T, n_h + 1, d_r]: one rotation, the key as one more head
+        if self.interleave and both.dtype == torch.float32:
+            # interleaved pairs are complex numbers: one complex product, then de-interleave
+            cis = torch.complex(cos, sin).unsqueeze(1)  # [T, 1, d_r / 2]
+            rotated = torch.view_as_real(torch.view_as_complex(both.unflatten(-1, (-1, 2))) * cis)
+            both = rotated.transpose(-1, -2).flatten(-2)  # [T, n_h + 1, d_r] = [even' ; odd']
+        else:
+            both = self.rotate(both, cos, sin)
         return both[:, :-1], both[:, -1]
