@@ -355,8 +355,8 @@ def plot(result: SweepResult, path: Path) -> bool:
         from matplotlib.ticker import FuncFormatter
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
-    panels = (("perplexity", "perplexity (lower is better)"),
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    panels = (("perplexity", "perplexity (lower is better; dotted: full model)"),
               ("kl_div", f"KL(full ‖ point), nats/token (floor {KL_PLOT_FLOOR:g})"),
               ("top1_agreement", "top-1 agreement with full"))
     colours = {"svd": "tab:blue", "pca": "tab:orange", "full": "black"}
@@ -365,34 +365,36 @@ def plot(result: SweepResult, path: Path) -> bool:
     series: dict[tuple[str, str], list[SweepRow]] = {}
     for row in result.rows:
         series.setdefault((row.method, row.cache_dtype), []).append(row)
-    floor = KL_PLOT_FLOOR
+    labelled = next((r.cache_dtype for r in result.rows if r.method != "full"), None)  # ranks written once
     for ax, (column, title) in zip(axes, panels):
         for (method, dtype), rows in series.items():
             rows = sorted(rows, key=lambda r: r.bytes_per_token)
             xs = [r.bytes_per_token for r in rows]
-            ys = [max(getattr(r, column), floor) if column == "kl_div" else getattr(r, column) for r in rows]
+            ys = [max(getattr(r, column), KL_PLOT_FLOOR) if column == "kl_div" else getattr(r, column)
+                  for r in rows]
             full = method == "full"  # the untruncated model: one black point per cache dtype
             ax.plot(xs, ys, linestyle="none" if full else styles.get(dtype, "-"), marker=markers.get(dtype, "o"),
                     markersize=8 if full else 5, color=colours.get(method, "gray"), label=f"{method} {dtype}")
-            if column == "perplexity" and method != "full" and dtype == rows[0].cache_dtype:
+            if column == "perplexity" and not full and dtype == labelled:
                 for r in rows:
                     ax.annotate(str(r.rank), (r.bytes_per_token, r.perplexity), fontsize=7,
                                 textcoords="offset points", xytext=(3, 3), color=colours.get(method, "gray"))
         ax.set_xscale("log", base=2)
         ax.set_xlabel("cache bytes per token (all layers)")
-        ax.set_title(title)
+        ax.set_title(title, fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-        if column != "top1_agreement":
-            ax.set_yscale("log")
-            plain = FuncFormatter(lambda v, _: f"{v:g}")
-            ax.yaxis.set_major_formatter(plain)
-            if column == "perplexity":
-                ax.yaxis.set_minor_formatter(plain)
-                ax.tick_params(axis="y", which="minor", labelsize=7)
-    axes[0].legend(fontsize=7, ncol=2)
+    ppl = [r.perplexity for r in result.rows]
+    axes[0].axhline(result.rows[0].perplexity, color="black", linestyle=":", linewidth=0.8)
+    if max(ppl) > 3 * min(ppl):  # a collapse: only a log axis keeps the good points readable
+        axes[0].set_yscale("log")
+        axes[0].yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axes[1].set_yscale("log")
+    axes[1].yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center right", fontsize=8)
     fig.suptitle(f"{Path(result.model).name}: latent rank × cache dtype (d_c={result.d_c}, d_r={result.d_r}; "
                  f"labels = rank)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.91, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
