@@ -46,19 +46,20 @@ def latent_second_moments(model: DeepseekForCausalLM, token_chunks: Sequence[Seq
     """``E[c cᵀ]`` per layer (fp64) of the normalised latents the model produces on ``token_chunks``."""
     cfg = model.config
     moments = [torch.zeros(a.d_c, a.d_c, dtype=torch.float64) for a in _attn_layers(model)]
+    device = model.lm_head_weight.device
     count = 0
     hooks = []
     for i, attn in enumerate(_attn_layers(model)):
         def hook(_module, _inp, out, i=i):
             c = out.double().reshape(-1, out.shape[-1])
-            moments[i] += c.T @ c
+            moments[i] += (c.T @ c).cpu()
         hooks.append(attn.kv_a_layernorm.register_forward_hook(hook))
     try:
         for chunk in token_chunks:
             blocks = -(-len(chunk) // block_size)
             cache = LatentCache(cfg.num_hidden_layers, blocks, block_size, model.model.layers[0].self_attn.d_c
-                                + cfg.qk_rope_head_dim, model.dtype)
-            batch = ForwardBatch.build([list(chunk)], [0], [list(range(blocks))], block_size)
+                                + cfg.qk_rope_head_dim, model.dtype, device)
+            batch = ForwardBatch.build([list(chunk)], [0], [list(range(blocks))], block_size, device)
             model(batch, cache)
             count += len(chunk)
     finally:
@@ -72,7 +73,7 @@ def latent_second_moments(model: DeepseekForCausalLM, token_chunks: Sequence[Seq
 def pca_bases(model: DeepseekForCausalLM, rank: int, token_chunks: Sequence[Sequence[int]]) -> list[torch.Tensor]:
     bases = []
     for attn, sigma in zip(_attn_layers(model), latent_second_moments(model, token_chunks)):
-        w = attn.kv_b_proj.weight.double()
+        w = attn.kv_b_proj.weight.double().cpu()
         evals, evecs = torch.linalg.eigh(sigma)
         root = evecs @ torch.diag(evals.clamp(min=0).sqrt()) @ evecs.T  # Σ^{1/2}
         m = root @ (w.T @ w) @ root

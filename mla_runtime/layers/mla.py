@@ -100,7 +100,7 @@ class MLAttention(nn.Module):
     def truncate_latent(self, basis: torch.Tensor) -> None:
         """Cache ``r`` values per token instead of ``d_c``: ``c' = basisᵀ norm(c)`` with ``basis [d_c, r]``
         orthonormal, and ``kv_b_proj`` folded to ``W · basis`` so that ``W c ≈ (W basis) c'``."""
-        basis = basis.to(self.kv_b_proj.weight.dtype)
+        basis = basis.to(self.kv_b_proj.weight.device, self.kv_b_proj.weight.dtype)
         r = basis.shape[1]
         down = basis.T.contiguous() if self.latent_down is None else (self.latent_down.T @ basis).T.contiguous()
         folded = self.kv_b_proj.weight @ basis  # [n_h (d_n + d_v), r]
