@@ -37,7 +37,7 @@ def make_workload(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> 
 def run_mla(path: Path, prompts: list[list[int]], args) -> float:
     llm = LLM(str(path), dtype=args.dtype, max_model_len=args.max_len + args.max_tokens + 16,
               kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs or len(prompts),
-              num_threads=args.threads)
+              num_threads=args.threads, enable_prefix_caching=False)  # the warm-up must not prefill for it
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(max_tokens=4, temperature=0))
     t0 = time.perf_counter()

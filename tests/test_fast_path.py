@@ -93,6 +93,17 @@ def test_packed_linear_matches_f_linear(dtype, shape, bias):
     torch.testing.assert_close(got.float(), want.float(), **tol)
 
 
+def test_packed_linear_matrix_vector_layouts():
+    """float32 takes the plain layout for one row, the blocked one for more; both equal F.linear."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(2048, 1024, generator=g)
+    packed = PackedWeight.make(w)
+    assert packed is not None and packed.plain_gemv
+    for rows in (1, 2):
+        x = torch.randn(rows, 1024, generator=g)
+        torch.testing.assert_close(linear(x, w, None, packed), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
 def test_packed_weight_only_where_onednn_applies():
     assert PackedWeight.make(torch.randn(4, 4, dtype=torch.float64)) is None
     assert PackedWeight.make(torch.randn(2, 4, 4)) is None
@@ -158,3 +169,43 @@ def test_engine_greedy_tokens_batched_equal_single(tiny_checkpoint):
     batched = [o.outputs[0].token_ids for o in llm.generate(ps, sp)]
     single = [llm.generate([p], sp)[0].outputs[0].token_ids for p in ps]
     assert batched == single
+
+
+def test_thread_tuner_probes_then_keeps_the_faster_count(monkeypatch):
+    from mla_runtime.engine import thread_tuner as tt
+
+    clock = [0.0]
+    monkeypatch.setattr(tt.time, "perf_counter", lambda: clock[0])
+    cost = {2: 1.0, 1: 0.25}  # seconds per step with that many threads: here 1 thread wins
+    before = torch.get_num_threads()
+    tuner = tt.ThreadTuner(2, period=10, probe_steps=2)
+    used = []
+    try:
+        for _ in range(14):
+            with tuner.step(8) as threads:
+                used.append(threads)
+                clock[0] += cost[threads]
+    finally:
+        torch.set_num_threads(before)
+    assert used[:4] == [2, 2, 1, 1]  # the probe: each candidate in turn
+    assert used[4:14] == [1] * 10  # then the faster one; a clear verdict (4x) doubles the period to 20
+    with tuner.step(300, decode=False) as threads:  # a prefill chunk: the latest verdict, no probe
+        assert threads == 1
+    for _ in range(6):
+        with tuner.step(8) as threads:
+            used.append(threads)
+            clock[0] += 1.0  # now equally fast: a close call
+    assert used[14:20] == [1] * 6
+    with tuner.step(8) as threads:  # step 20 of the key: the next probe
+        assert threads == 2
+    torch.set_num_threads(before)
+    assert tt.ThreadTuner.key(1) == 1 and tt.ThreadTuner.key(5) == tt.ThreadTuner.key(8) == 8
+
+
+def test_num_threads_validation():
+    from mla_runtime.engine.config import EngineConfig
+
+    for bad in (0, -1, "many", 1.5):
+        with pytest.raises(ValueError, match="num_threads"):
+            EngineConfig(model="x", num_threads=bad)
+    assert EngineConfig(model="x", num_threads="auto").num_threads == "auto"

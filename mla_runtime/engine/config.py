@@ -30,7 +30,9 @@ class EngineConfig:
     latent_calibration: str | None = None  # a text file for the PCA of the latents
     seed: int = 0
     device: str | None = None
-    num_threads: int | None = None  # CPU threads for the model's kernels (None: the cores this process may use)
+    # CPU threads of the model's kernels: a count, "auto" (measured per step size, see engine/thread_tuner.py)
+    # or None (torch's setting: every core)
+    num_threads: int | str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 16 or self.block_size % 16:
@@ -60,7 +62,8 @@ class EngineConfig:
             raise ValueError(f"latent_projection must be 'svd' or 'pca', got {self.latent_projection!r}")
         if self.latent_projection == "pca" and self.latent_rank is not None and not self.latent_calibration:
             raise ValueError("latent_projection 'pca' needs latent_calibration (a text file)")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.num_threads is not None and self.num_threads != "auto" and (
+                not isinstance(self.num_threads, int) or self.num_threads < 1):
+            raise ValueError(f"num_threads must be a positive int, 'auto' or None, got {self.num_threads!r}")
         if self.latent_rank is not None and self.tensor_parallel_size > 1:
             raise ValueError("latent_rank is not supported with tensor_parallel_size > 1")

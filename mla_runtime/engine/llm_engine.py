@@ -25,6 +25,7 @@ from mla_runtime.engine.config import EngineConfig
 from mla_runtime.engine.model_runner import ModelRunner
 from mla_runtime.engine.scheduler import Scheduler
 from mla_runtime.engine.sequence import Sequence
+from mla_runtime.engine.thread_tuner import ThreadTuner
 from mla_runtime.engine.tp_workers import (
     TensorParallelGroup,
     launched_by_torchrun,
@@ -93,8 +94,12 @@ class LLMEngine:
         check_tensor_parallel(cfg, tp, config.block_size, config.latent_cache_layout)
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() and tp == 1 else "cpu"))
         model_dtype = resolve_model_dtype(config.dtype, cfg)
+        self.thread_tuner: ThreadTuner | None = None
         if config.num_threads is not None and self.device.type == "cpu" and tp == 1:
-            torch.set_num_threads(config.num_threads)  # process-wide, as torch's own setting is
+            if config.num_threads == "auto":
+                self.thread_tuner = ThreadTuner(len(os.sched_getaffinity(0)))
+            else:
+                torch.set_num_threads(config.num_threads)  # process-wide, as torch's own setting is
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's max_position_embeddings "
@@ -125,7 +130,8 @@ class LLMEngine:
             raise
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.cache, self.device, config.seed, config.block_size, self.tp_group)
+        self.runner = ModelRunner(self.model, self.cache, self.device, config.seed, config.block_size, self.tp_group,
+                                  self.thread_tuner)
         self.requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
         self.load_seconds = time.monotonic() - t0

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from mla_runtime.cache.latent_cache import LatentCache
 from mla_runtime.engine.sampler import SampleResult, sample
 from mla_runtime.engine.scheduler import ScheduledBatch
 from mla_runtime.engine.sequence import Sequence
+from mla_runtime.engine.thread_tuner import ThreadTuner
 from mla_runtime.engine.tp_workers import RankDiedError, TensorParallelGroup
 from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.models.deepseek import DeepseekForCausalLM
@@ -15,12 +18,14 @@ from mla_runtime.models.deepseek import DeepseekForCausalLM
 
 class ModelRunner:
     def __init__(self, model: DeepseekForCausalLM, cache: LatentCache, device: torch.device, seed: int,
-                 block_size: int, tp_group: TensorParallelGroup | None = None) -> None:
+                 block_size: int, tp_group: TensorParallelGroup | None = None,
+                 thread_tuner: ThreadTuner | None = None) -> None:
         self.model = model
         self.cache = cache
         self.device = device
         self.block_size = block_size  # logical block size (the sharded cache keeps block_size / N per rank)
         self.tp_group = tp_group
+        self.thread_tuner = thread_tuner
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def build_batch(self, batch: ScheduledBatch) -> ForwardBatch:
@@ -39,7 +44,8 @@ class ModelRunner:
         rows = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
                 if seq.num_computed_tokens + n == seq.num_tokens]
         if self.tp_group is None:
-            logits = self._forward(fwd, rows)
+            with self.thread_tuner.step(fwd.num_tokens, fwd.is_decode) if self.thread_tuner else nullcontext():
+                logits = self._forward(fwd, rows)
         else:
             self.tp_group.broadcast_step(fwd, rows)
             try:
