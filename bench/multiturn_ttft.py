@@ -6,9 +6,12 @@ Turn 1 is a user message holding the first 6,000 characters of the stdlib's shut
 with the reply and a short follow-up, so all its full blocks but the tail come from the prefix cache.
 """
 
-import sysconfig, pathlib
+import pathlib
+import sysconfig
+
 from mla_runtime import LLM, SamplingParams
 from mla_runtime.tokenizer import apply_chat_template
+
 if __name__ != "__main__":
     raise SystemExit("run as a script")
 llm = LLM("mla_runtime/demo_model", kv_cache_memory="256MiB")
