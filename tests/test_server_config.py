@@ -110,3 +110,10 @@ def test_server_main_exits_2_with_the_reason(tmp_path, capsys):
 def test_the_shipped_example_is_valid(model_dir):
     engine, srv = resolve(["--config", str(EXAMPLE), "--model", str(model_dir)], env={})
     assert isinstance(srv, ServerConfig) and engine.model == str(model_dir)
+
+
+@pytest.mark.skipif(not (cfg.DEMO_MODEL / "config.json").is_file(), reason="the demo model is not built")
+def test_no_model_flag_serves_the_embedded_demo_model():
+    engine, srv = resolve([], env={})
+    assert engine.model == str(cfg.DEMO_MODEL) and srv.served_model_name == "demo_model"
+    assert (srv.host, srv.port) == ("127.0.0.1", 8000)
