@@ -13,7 +13,8 @@ code reads, unchanged) and the blocked copy (the price is one extra copy of the 
 blocked layout made for a batch streams a weight that is not in cache 1.15–1.4× slower at one row (7 MoE
 layers' experts: 6.3 vs 7.3 ms; the lm_head: 6.4 vs 9.3 ms) — and everything else uses the blocked one
 (bf16 at one row: 3.9 vs 6.4 ms; float32 at 2–3 rows: up to 6× faster than the plain weight). Results
-equal ``F.linear`` to float rounding (the same products, another summation order). Anything oneDNN cannot take — another device or dtype, an empty input — goes to ``F.linear``.
+equal ``F.linear`` to float rounding (the same products, another summation order). Anything oneDNN
+cannot take — another device or dtype, an empty input — goes to ``F.linear``.
 """
 
 from __future__ import annotations
