@@ -362,7 +362,8 @@ def main() -> None:
     args.logs.mkdir(parents=True, exist_ok=True)
     print(f"machine: {machine_description()}; load average at the start {load()}")
     print(f"checkpoint: {args.checkpoint} (bench/peer_checkpoint.py, seed {args.seed}); {args.prompt_len} tokens in, "
-          f"{args.max_tokens} out, greedy, median of {args.repeats} interleaved runs, {args.threads} threads per "
+          f"{args.max_tokens} out, greedy, median of {args.repeats} "
+          f"{'sequential' if args.sequential else 'interleaved'} runs, {args.threads} threads per "
           f"worker (mla-runtime: num_threads={args.mla_threads}; transformers: {args.hf_threads or args.threads} "
           f"threads, batches {args.hf_batches or args.batches})", flush=True)
     results: dict[tuple[str, str], dict] = {}
