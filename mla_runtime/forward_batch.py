@@ -35,9 +35,12 @@ class ForwardBatch:
     local_slot_mapping: torch.Tensor | None = None
     local_token_seq_lens: torch.Tensor | None = None
     # set by the model once per step and shared by every layer: RoPE cos/sin [T, d_r / 2] and, for CPU
-    # decode steps, the gather plan of the absorbed attention (mla_kernels.DecodePlan)
+    # steps that start with decodes, the gather plan of the absorbed attention of those decode rows
+    # (mla_kernels.DecodePlan over tokens [:num_planned]) and the rest of the step as a sub-batch
     rope_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
     decode_plan: Any = None
+    num_planned: int = 0
+    prefill_part: ForwardBatch | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -50,6 +53,36 @@ class ForwardBatch:
     @property
     def is_decode(self) -> bool:
         return max(self.query_lens, default=0) == 1
+
+    @property
+    def num_decode_tokens(self) -> int:
+        """Length of the leading run of one-token sequences (the scheduler puts decodes first): in a mixed
+        step, tokens ``[:D]`` are decodes and the rest are prefill chunks."""
+        d = 0
+        for q in self.query_lens:
+            if q != 1:
+                break
+            d += 1
+        return d
+
+    def tail(self, first: int) -> ForwardBatch:
+        """The sub-batch of sequences ``first:`` (whose tokens are ``[first_token:]`` of this batch) with its
+        own offsets; the leading sequences must have one token each (``first <= num_decode_tokens``)."""
+        if first > self.num_decode_tokens:
+            raise ValueError(f"tail({first}) needs {first} leading one-token sequences, "
+                             f"the batch has {self.num_decode_tokens}")
+        t0 = first  # one token per leading sequence
+        return ForwardBatch(
+            input_ids=self.input_ids[t0:], positions=self.positions[t0:], slot_mapping=self.slot_mapping[t0:],
+            query_start_loc=self.query_start_loc[first:] - t0, seq_lens=self.seq_lens[first:],
+            seq_start_loc=self.seq_start_loc[first:] - self.seq_start_loc[first],
+            context_lens=self.context_lens[first:], block_tables=self.block_tables[first:],
+            token_seq_lens=self.token_seq_lens[t0:], token_req_idx=self.token_req_idx[t0:] - first,
+            logits_indices=self.logits_indices[first:] - t0, query_lens=self.query_lens[first:],
+            context_lens_list=self.context_lens_list[first:], block_size=self.block_size,
+            local_slot_mapping=None if self.local_slot_mapping is None else self.local_slot_mapping[t0:],
+            local_token_seq_lens=None if self.local_token_seq_lens is None else self.local_token_seq_lens[t0:],
+            rope_cos_sin=None if self.rope_cos_sin is None else tuple(x[t0:] for x in self.rope_cos_sin))
 
     @classmethod
     def build(cls, token_chunks: Sequence[Sequence[int]], context_lens: Sequence[int],

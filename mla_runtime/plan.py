@@ -60,6 +60,7 @@ CACHE_SCALES_PER_TOKEN = 2  # per layer: one scale for the latent c, one for the
 CACHE_SCALE_DTYPE = torch.float32
 LATENT_CACHE_LAYOUTS = ("replicated", "sharded")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+MIN_DEFAULT_BATCHED_TOKENS = 2048
 ACTIVATION_OVERHEAD_BYTES = 256 * 2**20
 
 
@@ -199,8 +200,11 @@ def weight_bytes(config: ModelConfig, dtype: str | torch.dtype = "auto",
 
 # -- activations -------------------------------------------------------------------------------
 def default_max_num_batched_tokens(max_seq_len: int, max_num_seqs: int) -> int:
-    """Token budget of one step when the caller sets none: chunked prefill of up to 8,192 tokens."""
-    return max(min(max_seq_len, DEFAULT_MAX_NUM_BATCHED_TOKENS), max_num_seqs)
+    """Token budget of one step when the caller sets none: room for one whole sequence up to 8,192 tokens
+    (longer prompts are chunked), and at least 2,048 tokens (when that many can be in flight) so that a burst
+    of short prompts prefills in a few large steps rather than many small ones."""
+    return max(min(max_seq_len, DEFAULT_MAX_NUM_BATCHED_TOKENS),
+               min(MIN_DEFAULT_BATCHED_TOKENS, max_seq_len * max_num_seqs), max_num_seqs)
 
 
 def activation_reserve_bytes(config: ModelConfig, *, dtype: str | torch.dtype = "auto",

@@ -18,6 +18,7 @@ from mla_kernels.reference import ref_mla_decode  # noqa: E402
 
 from mla_runtime import LLM, SamplingParams  # noqa: E402
 from mla_runtime.config import MoEConfig, RopeConfig  # noqa: E402
+from mla_runtime.forward_batch import ForwardBatch  # noqa: E402
 from mla_runtime.layers import moe as moe_module  # noqa: E402
 from mla_runtime.layers.cpu_gemm import PackedWeight, linear  # noqa: E402
 from mla_runtime.layers.rotary import RotaryEmbedding  # noqa: E402
@@ -159,6 +160,47 @@ def test_prepared_model_decode_equals_unprepared(tiny_checkpoint):
         steps = [runner.step({i: [p[-t]] for i, p in enumerate(ps)}) for t in (3, 2, 1)]
         logits.append(torch.cat([torch.cat([s[i] for i in range(len(ps))]) for s in steps]))
     assert rel_err(logits[0], logits[1]) <= 1e-5
+
+
+def test_forward_batch_tail_equals_a_batch_of_the_tail():
+    chunks, ctx, tables = [[5], [6], [7, 8, 9], [10, 11]], [3, 17, 0, 16], [[2, 9], [4, 1], [7], [3, 0, 5]]
+    full = ForwardBatch.build(chunks, ctx, tables, 16)
+    assert full.num_decode_tokens == 2
+    tail, direct = full.tail(2), ForwardBatch.build(chunks[2:], ctx[2:], tables[2:], 16)
+    for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "seq_start_loc",
+                 "context_lens", "token_seq_lens", "token_req_idx", "logits_indices"):
+        assert torch.equal(getattr(tail, name), getattr(direct, name)), name
+    assert torch.equal(tail.block_tables[:, :direct.block_tables.shape[1]], direct.block_tables)  # padded alike
+    assert (tail.query_lens, tail.context_lens_list) == (direct.query_lens, direct.context_lens_list)
+    with pytest.raises(ValueError, match="leading one-token"):
+        full.tail(3)
+
+
+@pytest.mark.parametrize("path", ["auto", "naive"])
+def test_mixed_step_decodes_planned_prefill_apart(tiny_checkpoint, monkeypatch, path):
+    """A step of decodes followed by prefill chunks: the decodes take the planned path, the chunks their own,
+    and the logits equal those of running the decodes and the chunks as two separate steps."""
+    from mla_runtime.layers import mla as mla_module
+
+    ckpt, _ = tiny_checkpoint("v3")
+    ps = prompts([20, 13, 30, 9], seed=21)
+    planned_rows = []
+    real = mla_module.mla_decode_planned
+    monkeypatch.setattr(mla_module, "mla_decode_planned",
+                        lambda q, *a, **k: planned_rows.append(q.shape[0]) or real(q, *a, **k))
+    results = []
+    for mixed in (True, False):
+        model = load_model(ckpt, dtype="float32")
+        model.set_attention(path, None)
+        runner = PagedRunner(model, len(ps), 48)
+        runner.step({0: ps[0][:-1], 1: ps[1][:-1], 3: ps[3][:4]})  # 0, 1 then decode; 3 continues its prompt
+        decodes, chunks = {0: ps[0][-1:], 1: ps[1][-1:]}, {2: ps[2][:17], 3: ps[3][4:]}
+        planned_rows.clear()
+        out = runner.step({**decodes, **chunks}) if mixed else {**runner.step(decodes), **runner.step(chunks)}
+        assert planned_rows == [2] * model.config.num_hidden_layers  # only the decodes were planned
+        results.append(torch.cat([out[i] for i in range(len(ps))]))
+    assert not torch.isnan(results[0]).any()
+    assert rel_err(results[0], results[1]) <= 1e-5
 
 
 def test_engine_greedy_tokens_batched_equal_single(tiny_checkpoint):

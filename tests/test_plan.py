@@ -111,8 +111,9 @@ def test_activation_reserve_formula_tiny_v3():
 
 def test_default_batched_tokens():
     assert default_max_num_batched_tokens(163_840, 256) == 8192
-    assert default_max_num_batched_tokens(1024, 8) == 1024
-    assert default_max_num_batched_tokens(128, 512) == 512
+    assert default_max_num_batched_tokens(1024, 8) == 2048  # a burst of short prompts: 2,048 per step
+    assert default_max_num_batched_tokens(128, 8) == 1024  # never more than can be in flight
+    assert default_max_num_batched_tokens(16, 4096) == 4096  # one token for every sequence
 
 
 # -- capacity ----------------------------------------------------------------------------------------

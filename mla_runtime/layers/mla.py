@@ -155,27 +155,41 @@ class MLAttention(nn.Module):
         q_r, k_r = self.rotary(batch.positions, q_r, k_r, batch.rope_cos_sin)
         sharded = self.par.sharded_cache
         slots = batch.local_slot_mapping if sharded else batch.slot_mapping
-        if batch.decode_plan is not None:  # a CPU decode step: float cache, every slot valid
+        if batch.decode_plan is not None:  # a CPU step with planned decodes: float cache, every slot valid
             write_latent(cache.kv, c, k_r, slots)
         else:
             store_latent(cache.kv, cache.scales, c, k_r, slots, backend=self.backend)
 
-        if self.choose_path(batch) == "absorbed":
-            o = self._absorbed(q_n, q_r, batch, cache)  # [T, n_h, d_v]
+        d = batch.num_planned
+        if d == num_tokens:  # a CPU decode step
+            o = self._absorbed(q_n, q_r, batch, cache, planned=True)  # [T, n_h, d_v]
+        elif d:  # a mixed CPU step: planned decodes, then the prefill chunks as their own batch
+            assert batch.prefill_part is not None
+            o = torch.cat([self._absorbed(q_n[:d], q_r[:d], batch, cache, planned=True),
+                           self._attend(q_n[d:], q_r[d:], batch.prefill_part, cache)])
         else:
-            latent = gather_latent(cache.kv, cache.scales, batch.block_tables, batch.seq_lens, x.dtype, self.d_c,
-                                   backend=self.backend)  # [S, d_c + d_r]
-            c_all, k_r_all = latent.split([self.d_c, self.d_r], dim=-1)
-            kv = self.kv_b_proj(c_all).view(-1, self.n_h, self.d_n + self.d_v)
-            k_n, v = kv.split([self.d_n, self.d_v], dim=-1)  # [S, n_h, d_n], [S, n_h, d_v]
-            o, _ = prefill_attention(q_n, q_r, k_n, k_r_all, v, batch.query_start_loc, batch.seq_start_loc,
-                                     self.scale, backend=self.backend)
+            o = self._attend(q_n, q_r, batch, cache)
         out = self.o_proj(o.reshape(num_tokens, self.n_h * self.d_v), bias=self.par.rank == 0)  # bias added once
         return self.par.all_reduce(out)
 
-    def _absorbed(self, q_n: torch.Tensor, q_r: torch.Tensor, batch: ForwardBatch, cache: LayerCache
-                  ) -> torch.Tensor:
-        """Absorbed attention: ``q~ = W_UKᵀ q_n``, MQA over the latent, ``o = W_UV o_lat`` -> ``[T, n_h, d_v]``."""
+    def _attend(self, q_n: torch.Tensor, q_r: torch.Tensor, batch: ForwardBatch, cache: LayerCache
+                ) -> torch.Tensor:
+        """Attention of ``batch``'s queries over the latents already in ``cache`` -> ``[T, n_h, d_v]``."""
+        if self.choose_path(batch) == "absorbed":
+            return self._absorbed(q_n, q_r, batch, cache)
+        latent = gather_latent(cache.kv, cache.scales, batch.block_tables, batch.seq_lens, q_n.dtype, self.d_c,
+                               backend=self.backend)  # [S, d_c + d_r]
+        c_all, k_r_all = latent.split([self.d_c, self.d_r], dim=-1)
+        kv = self.kv_b_proj(c_all).view(-1, self.n_h, self.d_n + self.d_v)
+        k_n, v = kv.split([self.d_n, self.d_v], dim=-1)  # [S, n_h, d_n], [S, n_h, d_v]
+        o, _ = prefill_attention(q_n, q_r, k_n, k_r_all, v, batch.query_start_loc, batch.seq_start_loc,
+                                 self.scale, backend=self.backend)
+        return o
+
+    def _absorbed(self, q_n: torch.Tensor, q_r: torch.Tensor, batch: ForwardBatch, cache: LayerCache,
+                  planned: bool = False) -> torch.Tensor:
+        """Absorbed attention: ``q~ = W_UKᵀ q_n``, MQA over the latent, ``o = W_UV o_lat`` -> ``[T, n_h, d_v]``;
+        ``planned``: the rows are the step's planned decodes (``batch.decode_plan``)."""
         if self.w_uk is not None and self.w_uv_t is not None:
             w_uk, w_uv_t = self.w_uk, self.w_uv_t
         else:  # not prepared: strided views of kv_b_proj
@@ -185,7 +199,7 @@ class MLAttention(nn.Module):
         q_cat = torch.cat([q_abs, q_r], dim=-1)  # [T, n_h, d_c + d_r]
         if self.par.sharded_cache:
             o_lat = self._attend_sharded(q_cat, batch, cache)
-        elif batch.decode_plan is not None:
+        elif planned:
             o_lat = mla_decode_planned(q_cat, cache.kv, batch.decode_plan, self.scale, self.d_c)
         else:
             o_lat, _ = mla_decode(q_cat, cache.kv, cache.scales, batch.block_tables, batch.token_seq_lens,

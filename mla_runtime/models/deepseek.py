@@ -109,11 +109,18 @@ class DeepseekForCausalLM(nn.Module):
                 batch.positions, batch.slot_mapping, batch.token_seq_lens, batch.block_size, self.par)
         attn = self.model.layers[0].self_attn
         batch.rope_cos_sin = attn.rotary.cos_sin(batch.positions, self.dtype)  # every layer's RoPE is the same
-        batch.decode_plan = None
-        if (batch.is_decode and not self.par.sharded_cache and not cache.quantised
+        batch.decode_plan, batch.num_planned, batch.prefill_part = None, 0, None
+        if (not self.par.sharded_cache and not cache.quantised
                 and resolve_backend(attn.backend, cache.layers[0].kv) == "torch"):
-            batch.decode_plan = plan_decode(batch.block_tables, batch.token_seq_lens, batch.block_size,
-                                            batch.token_req_idx)
+            # CPU, float cache: the step's leading decodes take the planned absorbed path; the prefill
+            # chunks after them (a mixed step) attend as a sub-batch of their own
+            d = batch.num_decode_tokens
+            if d:
+                batch.decode_plan = plan_decode(batch.block_tables[:d], batch.token_seq_lens[:d], batch.block_size,
+                                                batch.token_req_idx[:d])
+                batch.num_planned = d
+                if d < batch.num_seqs:
+                    batch.prefill_part = batch.tail(d)
         x = self.model.embed_tokens(batch.input_ids)
         for layer, layer_cache in zip(self.model.layers, cache.layers):
             x = layer(x, batch, layer_cache)
