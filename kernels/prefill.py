@@ -11,6 +11,11 @@ with q_len queries (the newest tokens) and k_len >= q_len keys (context + chunk)
 Triton: a flash-attention style kernel, grid (⌈max q_len / BLOCK_M⌉, B, H); each program keeps a BLOCK_M × d
 query tile in registers and walks the keys in BLOCK_N tiles up to its causal limit with an online softmax;
 the d_n and d_r parts are two dot products; head dims are padded to powers of two and masked.
+
+torch backend: CPU float32/bfloat16 tensors go to torch's CPU flash-attention kernel, one call per sequence
+(there the RoPE key is repeated per head, as that kernel wants one key tensor; measured on a 2-core EPYC,
+8 × 128 tokens × 16 heads fp32: 31.6 → 20.8 ms per layer, 2 × 1,024 tokens: 342 → 106 ms); other devices
+and float16 take a padded, vectorised implementation of the same formula.
 """
 
 from __future__ import annotations
@@ -179,6 +184,47 @@ def _prefill_torch(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch.Ten
     return out, lse
 
 
+_SDPA_CPU_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _prefill_cpu_flash(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor,
+                       v: torch.Tensor, cu_q: list[int], cu_k: list[int], sm_scale: float
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU path: torch's flash-attention kernel for CPU, one call per sequence.
+
+    That kernel wants one head size for q, k and v, so the queries are ``[q_n ; q_r]``, the keys
+    ``[k_n ; k_r]`` with the shared RoPE key repeated per head, and the narrower of (q·k, v) is zero-padded
+    (zeros change neither a dot product nor the kept part of the output). A chunk whose cached context
+    precedes it (q_len < k_len) passes its bottom-right causal mask; a whole prompt uses the kernel's own
+    causal mask. Scores, softmax and accumulation are fp32 (bf16 GEMM inputs for bf16 tensors).
+    """
+    n_tokens, n_heads, d_n = q_nope.shape
+    d_r, d_v = q_rope.shape[2], v.shape[2]
+    width = max(d_n + d_r, d_v)
+    q = torch.cat([q_nope, q_rope], dim=-1)  # [T, H, d_n + d_r]
+    k = torch.cat([k_nope, k_rope.unsqueeze(1).expand(-1, n_heads, -1)], dim=-1)  # [S, H, d_n + d_r]
+    if d_n + d_r < width:
+        q, k = (torch.nn.functional.pad(t, (0, width - d_n - d_r)) for t in (q, k))
+    if d_v < width:
+        v = torch.nn.functional.pad(v, (0, width - d_v))
+    out = torch.empty(n_tokens, n_heads, d_v, dtype=q_nope.dtype)
+    lse = torch.empty(n_tokens, n_heads, dtype=torch.float32)
+    for q0, q1, k0, k1 in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]):
+        q_len, k_len = q1 - q0, k1 - k0
+        if q_len == 0:
+            continue
+        mask = None
+        if q_len < k_len:  # query i sees keys j <= k_len - q_len + i
+            hidden = torch.ones(q_len, k_len, dtype=torch.bool).triu_(k_len - q_len + 1)
+            mask = torch.zeros(q_len, k_len, dtype=q.dtype).masked_fill_(hidden, float("-inf"))  # additive
+        o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q[q0:q1].transpose(0, 1).unsqueeze(0), k[k0:k1].transpose(0, 1).unsqueeze(0),
+            v[k0:k1].transpose(0, 1).unsqueeze(0), 0.0, mask is None, attn_mask=mask, scale=sm_scale)
+        out[q0:q1] = o[0, :, :, :d_v].transpose(0, 1)
+        lse[q0:q1] = l[0].transpose(0, 1)
+    return out, lse
+
+
 def prefill_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor,
                       v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, sm_scale: float,
                       backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,5 +279,7 @@ def prefill_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch.
     if resolve_backend(backend, q_nope) == "triton":
         return _prefill_triton(q_nope, q_rope, k_nope, k_rope, v, cu_seqlens_q, cu_seqlens_k, float(sm_scale),
                                max_q_len)
+    if dev.type == "cpu" and q_nope.dtype in _SDPA_CPU_DTYPES:
+        return _prefill_cpu_flash(q_nope, q_rope, k_nope, k_rope, v, cu_q, cu_k, float(sm_scale))
     return _prefill_torch(q_nope, q_rope, k_nope, k_rope, v, cu_seqlens_q, cu_seqlens_k, float(sm_scale),
                           max_q_len, max_k_len)

@@ -40,6 +40,8 @@ CASES = [
     PrefillCase((7, 70), (50, 70), 16, 64, 32, 48, torch.bfloat16),
     PrefillCase((3, 5), (3, 9), 128, 16, 16, 32),
     PrefillCase((33, 20), (97, 20), 4, 64, 32, 64, torch.float16),
+    PrefillCase((5, 9), (12, 9), 2, 16, 16, 48),  # d_v wider than the query/key head
+    PrefillCase((6, 11), (6, 30), 3, 32, 16, 64, torch.bfloat16),
 ]
 
 
@@ -92,3 +94,17 @@ def test_prefill_rejects_bad_arguments() -> None:
         prefill_attention(q_n, q_r, k_n[:3], k_r[:3], v[:3], cu_q, torch.tensor([0, 3], dtype=torch.int32), 0.1)
     with pytest.raises(ValueError, match="cu_seqlens_q"):
         prefill_attention(q_n, q_r, k_n, k_r, v, cu_q.long(), cu_k, 0.1)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.dtype != torch.float16], ids=str)
+def test_padded_torch_path_matches_reference(case: PrefillCase) -> None:
+    """The padded torch path (CUDA tensors with backend="torch", float16) on the cases that CPU float32/bf16
+    send to torch's flash kernel instead."""
+    from mla_kernels.prefill import _prefill_torch
+
+    q_n, q_r, k_n, k_r, v, cu_q, cu_k = _inputs(case)
+    sm_scale = (case.d_n + case.d_r) ** -0.5
+    out, lse = _prefill_torch(q_n, q_r, k_n, k_r, v, cu_q, cu_k, sm_scale, max(case.q_lens), max(case.k_lens))
+    ref_out, ref_lse = ref_prefill_attention(q_n, q_r, k_n, k_r, v, cu_q, cu_k, sm_scale)
+    assert_close_dtype(out, ref_out, case.dtype)
+    assert_lse_close(lse, ref_lse, case.dtype)

@@ -95,8 +95,11 @@ def test_bfloat16_close_to_float32(tiny_checkpoint):
     assert model.model.layers[0].self_attn.kv_b_proj.weight.dtype == torch.bfloat16
     (got,) = PagedRunner(model, 1, len(p)).prefill([p])
     ref = hf_logits(hf, p)
-    cos = torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0)
-    assert cos > 0.999
+    per_token = torch.nn.functional.cosine_similarity(got, ref, dim=-1)
+    # Routing is discrete: a near-tied expert choice can flip under bf16 rounding and move that token's logits
+    # (transformers' own bf16 model flips one token of this prompt), so the bound is per token, not per prompt.
+    assert per_token.median() > 0.9995
+    assert (per_token > 0.999).float().mean() >= 0.9
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
 
 
