@@ -26,17 +26,19 @@ CONFIG: dict[str, Any] = dict(
 )
 
 
-def build_checkpoint(out: Path, seed: int = 0) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` to ``out`` (skipped when a build of the same seed is there)."""
+def build_checkpoint(out: Path, seed: int = 0, config: dict[str, Any] | None = None) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` to ``out`` (skipped when a build of the same seed and
+    config is there); ``config`` defaults to ``CONFIG``."""
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
+    config = CONFIG if config is None else config
     stamp = out / "bench_build.json"
-    want = {"seed": seed, "config": CONFIG}
+    want = {"seed": seed, "config": config}
     if stamp.exists() and json.loads(stamp.read_text()) == want:
         return out
     torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(**CONFIG)).eval()
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**config)).eval()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, b in model.named_buffers():

@@ -111,15 +111,19 @@ def test_packed_weight_only_where_onednn_applies():
 
 
 # -- layers ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("interleave", [True, False])
-def test_rotary_with_shared_cos_sin_equals_separate_rotations(interleave):
+def test_rotary_with_shared_cos_sin_equals_separate_rotations(interleave, dtype):
     rope = RotaryEmbedding(RopeConfig(interleave=interleave), 8)
     pos = torch.tensor([0, 3, 17, 100])
-    q, k = torch.randn(4, 2, 8), torch.randn(4, 8)
-    cos, sin = rope.cos_sin(pos, torch.float32)
+    q, k = torch.randn(4, 2, 8).to(dtype), torch.randn(4, 8).to(dtype)
+    cos, sin = rope.cos_sin(pos, dtype)
     q_rot, k_rot = rope(pos, q, k, (cos, sin))
-    torch.testing.assert_close(q_rot, rope.rotate(q, cos, sin))
-    torch.testing.assert_close(k_rot, rope.rotate(k, cos, sin))
+    assert q_rot.dtype == k_rot.dtype == dtype
+    # bf16: the fused rotation rounds once, the plain one after every product: one bf16 step apart at most
+    tol = {} if dtype == torch.float32 else dict(rtol=0, atol=2 ** -6 * 4)
+    torch.testing.assert_close(q_rot, rope.rotate(q, cos, sin), **tol)
+    torch.testing.assert_close(k_rot, rope.rotate(k, cos, sin), **tol)
 
 
 def test_host_grouped_experts_equal_sorted(monkeypatch):

@@ -113,12 +113,15 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         top_k = expert_ids.shape[1]
-        out = torch.zeros_like(x)
-        if x.shape[0] == 1:  # one token: no gathering or scattering
-            for j, e in sorted(enumerate(expert_ids[0].tolist()), key=lambda je: je[1]):
+        if x.shape[0] == 1:  # one token: no gathering or scattering; the weights as Python floats (exact)
+            out: torch.Tensor | None = None
+            for e, w in sorted(zip(expert_ids[0].tolist(), weights[0].tolist())):
                 if 0 <= e - self.first < self.num_experts:
-                    out += (self._expert(e - self.first, x).float() * weights[0, j]).to(x.dtype)
-            return out
+                    h = self._expert(e - self.first, x)
+                    h = h * w if h.dtype == torch.float32 else (h.float() * w).to(x.dtype)
+                    out = h if out is None else out.add_(h)
+            return torch.zeros_like(x) if out is None else out
+        out = torch.zeros_like(x)
         flat_weights = weights.reshape(-1)
         for e, pairs in self._groups(expert_ids):
             tokens = pairs // top_k

@@ -75,11 +75,13 @@ class RotaryEmbedding(nn.Module):
         if q.shape[0] == 0:
             return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         both = torch.cat([q, k.unsqueeze(1)], dim=1)  # [T, n_h + 1, d_r]: one rotation, the key as one more head
-        if self.interleave and both.dtype == torch.float32:
-            # interleaved pairs are complex numbers: one complex product, then de-interleave
-            cis = torch.complex(cos, sin).unsqueeze(1)  # [T, 1, d_r / 2]
-            rotated = torch.view_as_real(torch.view_as_complex(both.unflatten(-1, (-1, 2))) * cis)
-            both = rotated.transpose(-1, -2).flatten(-2)  # [T, n_h + 1, d_r] = [even' ; odd']
+        if self.interleave and both.dtype in (torch.float32, torch.bfloat16):
+            # interleaved pairs are complex numbers: one complex product (fp32; bf16 rounds once at the
+            # end, within one bf16 step of rounding each product as the reference does), then de-interleave
+            dtype = both.dtype
+            cis = torch.complex(cos.float(), sin.float()).unsqueeze(1)  # [T, 1, d_r / 2]
+            rotated = torch.view_as_real(torch.view_as_complex(both.float().unflatten(-1, (-1, 2))) * cis)
+            both = rotated.transpose(-1, -2).flatten(-2).to(dtype)  # [T, n_h + 1, d_r] = [even' ; odd']
         else:
             both = self.rotate(both, cos, sin)
         return both[:, :-1], both[:, -1]
