@@ -182,8 +182,8 @@ def test_forward_batch_tail_equals_a_batch_of_the_tail():
 
 @pytest.mark.parametrize("path", ["auto", "naive"])
 def test_mixed_step_decodes_planned_prefill_apart(tiny_checkpoint, monkeypatch, path):
-    """A step of decodes followed by prefill chunks: the decodes take the planned path, the chunks their own,
-    and the logits equal those of running the decodes and the chunks as two separate steps."""
+    """A step of decodes followed by prefill chunks: the decodes take the planned path (unless the naive path
+    is forced), the chunks their own, and the logits equal those of running them as two separate steps."""
     from mla_runtime.layers import mla as mla_module
 
     ckpt, _ = tiny_checkpoint("v3")
@@ -201,7 +201,8 @@ def test_mixed_step_decodes_planned_prefill_apart(tiny_checkpoint, monkeypatch, 
         decodes, chunks = {0: ps[0][-1:], 1: ps[1][-1:]}, {2: ps[2][:17], 3: ps[3][4:]}
         planned_rows.clear()
         out = runner.step({**decodes, **chunks}) if mixed else {**runner.step(decodes), **runner.step(chunks)}
-        assert planned_rows == [2] * model.config.num_hidden_layers  # only the decodes were planned
+        # only the decodes were planned; a forced up-projected path plans nothing
+        assert planned_rows == ([2] * model.config.num_hidden_layers if path == "auto" else [])
         results.append(torch.cat([out[i] for i in range(len(ps))]))
     assert not torch.isnan(results[0]).any()
     assert rel_err(results[0], results[1]) <= 1e-5

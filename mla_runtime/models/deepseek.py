@@ -110,7 +110,7 @@ class DeepseekForCausalLM(nn.Module):
         attn = self.model.layers[0].self_attn
         batch.rope_cos_sin = attn.rotary.cos_sin(batch.positions, self.dtype)  # every layer's RoPE is the same
         batch.decode_plan, batch.num_planned, batch.prefill_part = None, 0, None
-        if (not self.par.sharded_cache and not cache.quantised
+        if (not self.par.sharded_cache and not cache.quantised and attn.path != "naive"
                 and resolve_backend(attn.backend, cache.layers[0].kv) == "torch"):
             # CPU, float cache: the step's leading decodes take the planned absorbed path; the prefill
             # chunks after them (a mixed step) attend as a sub-batch of their own
