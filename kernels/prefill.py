@@ -195,8 +195,9 @@ def _prefill_cpu_flash(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch
     That kernel wants one head size for q, k and v, so the queries are ``[q_n ; q_r]``, the keys
     ``[k_n ; k_r]`` with the shared RoPE key repeated per head, and the narrower of (q·k, v) is zero-padded
     (zeros change neither a dot product nor the kept part of the output). A chunk whose cached context
-    precedes it (q_len < k_len) passes its bottom-right causal mask; a whole prompt uses the kernel's own
-    causal mask. Scores, softmax and accumulation are fp32 (bf16 GEMM inputs for bf16 tensors).
+    precedes it (q_len < k_len) passes its bottom-right causal mask, built for blocks of query rows so that
+    no mask exceeds ``_TORCH_SCORE_BYTES``; a whole prompt uses the kernel's own causal mask. Scores,
+    softmax and accumulation are fp32 (bf16 GEMM inputs for bf16 tensors).
     """
     n_tokens, n_heads, d_n = q_nope.shape
     d_r, d_v = q_rope.shape[2], v.shape[2]
@@ -211,17 +212,22 @@ def _prefill_cpu_flash(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch
     lse = torch.empty(n_tokens, n_heads, dtype=torch.float32)
     for q0, q1, k0, k1 in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]):
         q_len, k_len = q1 - q0, k1 - k0
-        if q_len == 0:
-            continue
-        mask = None
-        if q_len < k_len:  # query i sees keys j <= k_len - q_len + i
-            hidden = torch.ones(q_len, k_len, dtype=torch.bool).triu_(k_len - q_len + 1)
-            mask = torch.zeros(q_len, k_len, dtype=q.dtype).masked_fill_(hidden, float("-inf"))  # additive
-        o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q[q0:q1].transpose(0, 1).unsqueeze(0), k[k0:k1].transpose(0, 1).unsqueeze(0),
-            v[k0:k1].transpose(0, 1).unsqueeze(0), 0.0, mask is None, attn_mask=mask, scale=sm_scale)
-        out[q0:q1] = o[0, :, :, :d_v].transpose(0, 1)
-        lse[q0:q1] = l[0].transpose(0, 1)
+        if q_len == k_len:  # a whole prompt: the kernel's own causal mask, no mask tensor
+            spans = [(0, q_len)] if q_len else []
+        else:  # after cached context: query rows in blocks whose additive mask stays within the byte budget
+            rows = max(1, _TORCH_SCORE_BYTES // (k_len * q.element_size()))
+            spans = [(r, min(r + rows, q_len)) for r in range(0, q_len, rows)]
+        for r0, r1 in spans:
+            mask, keys = None, k_len
+            if q_len < k_len:  # query i sees keys j <= k_len - q_len + i; the block's last row sees `keys`
+                keys = k_len - q_len + r1
+                hidden = torch.ones(r1 - r0, keys, dtype=torch.bool).triu_(k_len - q_len + r0 + 1)
+                mask = torch.zeros(r1 - r0, keys, dtype=q.dtype).masked_fill_(hidden, float("-inf"))
+            o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q[q0 + r0:q0 + r1].transpose(0, 1).unsqueeze(0), k[k0:k0 + keys].transpose(0, 1).unsqueeze(0),
+                v[k0:k0 + keys].transpose(0, 1).unsqueeze(0), 0.0, mask is None, attn_mask=mask, scale=sm_scale)
+            out[q0 + r0:q0 + r1] = o[0, :, :, :d_v].transpose(0, 1)
+            lse[q0 + r0:q0 + r1] = l[0].transpose(0, 1)
     return out, lse
 
 

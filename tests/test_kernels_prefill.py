@@ -108,3 +108,18 @@ def test_padded_torch_path_matches_reference(case: PrefillCase) -> None:
     ref_out, ref_lse = ref_prefill_attention(q_n, q_r, k_n, k_r, v, cu_q, cu_k, sm_scale)
     assert_close_dtype(out, ref_out, case.dtype)
     assert_lse_close(lse, ref_lse, case.dtype)
+
+
+@pytest.mark.parametrize("budget", [256, 4096])
+def test_cpu_flash_path_blocks_query_rows_after_context(monkeypatch, budget) -> None:
+    """A chunk after cached context builds its causal mask in blocks of query rows (bounded memory for long
+    contexts); every block size gives the reference result."""
+    import mla_kernels.prefill as prefill_module
+
+    monkeypatch.setattr(prefill_module, "_TORCH_SCORE_BYTES", budget)
+    case = PrefillCase((9, 40, 6), (9, 75, 30), 2, 16, 16, 24)
+    q_n, q_r, k_n, k_r, v, cu_q, cu_k = _inputs(case)
+    out, lse = prefill_attention(q_n, q_r, k_n, k_r, v, cu_q, cu_k, 0.25, backend="torch")
+    ref_out, ref_lse = ref_prefill_attention(q_n, q_r, k_n, k_r, v, cu_q, cu_k, 0.25)
+    assert_close_dtype(out, ref_out, torch.float32)
+    assert_lse_close(lse, ref_lse, torch.float32)
