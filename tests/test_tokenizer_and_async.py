@@ -97,3 +97,68 @@ def test_async_streams_and_abort(tiny_checkpoint):
         assert not llm_engine.requests
     finally:
         engine.shutdown()
+
+
+def test_async_calls_never_wait_for_a_step(tiny_checkpoint):
+    """While the engine thread is inside a long step, submitting, aborting and reading stats return at once
+    (the asyncio loop is never blocked); the queued operations then take effect in order, bad input still
+    raises in the caller, and the pool ends whole."""
+    import threading
+    import time
+
+    path, _ = tiny_checkpoint("v3")
+    engine = AsyncLLM(EngineConfig(model=str(path), dtype="float32", max_model_len=256, block_size=16,
+                                   kv_cache_memory="8MiB"))
+    in_step, release = threading.Event(), threading.Event()
+
+    def slow_step(llm_engine, outputs) -> None:  # a step hook runs inside the step, under the engine lock
+        in_step.set()
+        release.wait(10)
+
+    engine.step_hooks.append(slow_step)
+    prompts = make_prompts(3, seed=52)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+    async def main():
+        first = asyncio.create_task(_collect(engine.generate(prompts[0], params, "held")))
+        assert await asyncio.to_thread(in_step.wait, 10)  # the engine thread is now inside a step
+        t0 = time.monotonic()
+        queue = engine.add_request("second", prompts[1], params)
+        engine.add_request("dropped", prompts[2], params)
+        engine.abort("dropped")
+        stats = engine.stats()
+        with pytest.raises(ValueError, match="already in use"):
+            engine.add_request("second", prompts[1], params)
+        with pytest.raises(ValueError, match="empty"):
+            engine.add_request("bad", {"prompt_token_ids": []}, params)
+        elapsed = time.monotonic() - t0
+        engine.step_hooks.remove(slow_step)
+        release.set()
+        second = []
+        while not second or not second[-1].finished:
+            second.append(await queue.get())
+        return elapsed, stats, await first, second[-1]
+
+    try:
+        elapsed, stats, first, second = asyncio.run(main())
+        assert elapsed < 1.0  # the step it overlapped lasts until `release` (10 s at most)
+        assert stats["num_blocks"] > 0  # the snapshot of the last step, not a wait for the current one
+        assert len(first.outputs[0].token_ids) == 4 and len(second.outputs[0].token_ids) == 4
+        deadline = time.monotonic() + 10
+        while engine.engine.requests and time.monotonic() < deadline:  # the abort is applied by the engine thread
+            time.sleep(0.01)
+        with engine._lock:
+            assert not engine.engine.requests
+            engine.engine.pool.check_whole()
+        # every queued submission was applied, the aborted one included (its prompt was counted, no output)
+        assert engine.stats()["num_prompt_tokens"] == sum(len(p["prompt_token_ids"]) for p in prompts)
+    finally:
+        release.set()
+        engine.shutdown()
+
+
+async def _collect(stream):
+    last = None
+    async for out in stream:
+        last = out
+    return last

@@ -1,9 +1,13 @@
 """``AsyncLLM``: the engine for asyncio programs (the HTTP server), with one stream per request.
 
-The engine steps in one background thread; callers submit and abort through a lock, and each step's
-outputs are handed to the asyncio loop of the request that owns them. ``generate`` is an async
-iterator of cumulative ``RequestOutput``s; leaving it early (a client that disconnects, a timeout)
-aborts the request and frees its blocks.
+The engine steps in one background thread, which alone touches the scheduler. Callers never wait for a
+step: ``add_request`` validates and tokenizes the request in the caller's thread (bad input raises
+ValueError there) and queues it, ``abort`` queues the abort, and the engine thread applies both, in order,
+before its next step; ``stats`` reads the snapshot the engine thread publishes after every step. So a long
+prefill step never stalls the asyncio loop (streams, health checks, new requests). Each step's outputs
+are handed to the asyncio loop of the request that owns them. ``generate`` is an async iterator of
+cumulative ``RequestOutput``s; leaving it early (a client that disconnects, a timeout) aborts the
+request and frees its blocks.
 """
 
 from __future__ import annotations
@@ -11,10 +15,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections import deque
 from collections.abc import AsyncIterator
 
 from mla_runtime.engine.config import EngineConfig
-from mla_runtime.engine.llm_engine import LLMEngine, PromptType
+from mla_runtime.engine.llm_engine import LLMEngine, PromptType, RequestState
 from mla_runtime.outputs import RequestOutput
 from mla_runtime.sampling_params import SamplingParams
 
@@ -28,7 +33,9 @@ class EngineDeadError(RuntimeError):
 class AsyncLLM:
     def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None, **kwargs) -> None:
         self.engine = engine or LLMEngine(config or EngineConfig(**kwargs))
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held by the engine thread while it steps or applies queued operations
+        self._ops: deque[tuple[str, RequestState | str]] = deque()  # ("add", state) | ("abort", request_id)
+        self._stats = self.engine.stats()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
@@ -44,24 +51,40 @@ class AsyncLLM:
     # -- engine thread -------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stopped:
-            with self._lock:
-                busy = self.engine.has_unfinished_requests()
-            if not busy:
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
             try:
                 with self._lock:
-                    outputs = self.engine.step()
-                    for hook in self.step_hooks:
-                        hook(self.engine, outputs)
+                    self._apply_ops()
+                    busy = self.engine.has_unfinished_requests()
+                    if busy:
+                        outputs = self.engine.step()
+                        for hook in self.step_hooks:
+                            hook(self.engine, outputs)
+                    self._stats = self.engine.stats()
             except BaseException as e:  # the engine is broken: fail every request, loudly
                 logger.exception("engine step failed")
                 self.error = e
                 self._fail_all(e)
                 return
+            if not busy:
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
             for out in outputs:
                 self._deliver(out.request_id, out)
+
+    def _apply_ops(self) -> None:
+        """Queued submissions and aborts, in the order they were made (engine thread, under the lock)."""
+        while self._ops:
+            op, arg = self._ops.popleft()
+            if op == "add":
+                assert isinstance(arg, RequestState)
+                try:
+                    self.engine.submit(arg)
+                except ValueError as e:
+                    self._deliver(arg.request_id, e)
+            else:
+                assert isinstance(arg, str)
+                self.engine.abort(arg)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
@@ -81,10 +104,12 @@ class AsyncLLM:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> asyncio.Queue:
         if self.error is not None:
             raise EngineDeadError(f"engine failed earlier: {self.error}")
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        state = self.engine.prepare_request(request_id, prompt, params)  # bad input raises here
         queue: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            self.engine.add_request(request_id, prompt, params)
-            self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        self._ops.append(("add", state))
         self._wake.set()
         return queue
 
@@ -107,13 +132,13 @@ class AsyncLLM:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
-            self.engine.abort(request_id)
         self._streams.pop(request_id, None)
+        self._ops.append(("abort", request_id))
+        self._wake.set()
 
     def stats(self) -> dict[str, float]:
-        with self._lock:
-            return self.engine.stats()
+        """The engine's counters as of its last step (published by the engine thread; never waits for a step)."""
+        return dict(self._stats)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stopped = True

@@ -212,9 +212,16 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> RequestState:
-        params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        return self.submit(self.prepare_request(request_id, prompt, params, arrival_time))
+
+    def prepare_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                        arrival_time: float | None = None) -> RequestState:
+        """Validate and tokenize a request into its state without touching the scheduler (safe to call from
+        another thread than the one stepping the engine); ``submit`` then queues it. Bad input raises
+        ValueError."""
+        params = params or SamplingParams()
         text, ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("prompt is empty")
@@ -235,13 +242,18 @@ class LLMEngine:
                                  share_prefix_with=None))
         for s in seqs[1:]:
             s.share_prefix_with = seqs[0]
-        state = RequestState(request_id, text, ids, params, seqs,
-                             [IncrementalDetokenizer(self.tokenizer, ids) for _ in seqs], ["" for _ in seqs],
-                             RequestMetrics(arrival_time=now))
-        self.requests[request_id] = state
-        for s in seqs:
+        return RequestState(request_id, text, ids, params, seqs,
+                            [IncrementalDetokenizer(self.tokenizer, ids) for _ in seqs], ["" for _ in seqs],
+                            RequestMetrics(arrival_time=now))
+
+    def submit(self, state: RequestState) -> RequestState:
+        """Queue a prepared request for scheduling (in the thread that steps the engine)."""
+        if state.request_id in self.requests:
+            raise ValueError(f"request_id {state.request_id!r} is already in use")
+        self.requests[state.request_id] = state
+        for s in state.seqs:
             self.scheduler.add(s)
-        self.num_prompt_tokens += len(ids)
+        self.num_prompt_tokens += len(state.prompt_token_ids)
         return state
 
     def abort(self, request_id: str) -> RequestOutput | None:
