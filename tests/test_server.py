@@ -263,6 +263,43 @@ def test_openai_client_completes_and_streams(server):
         client.completions.create(model="other", prompt="x", max_tokens=1)
 
 
+def test_openai_logprobs_in_both_shapes_streamed_or_not(server):
+    """Completions (``logprobs: k``) and chat (``logprobs`` + ``top_logprobs``) return one entry per generated
+    token; greedy tokens are their position's most likely; streamed entries concatenate to the full answer."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0)
+    kw = dict(model="tiny", prompt="def hello(", max_tokens=6, temperature=0, logprobs=3, ignore_eos=True)
+    done = client.completions.create(**{k: v for k, v in kw.items() if k != "ignore_eos"},
+                                     extra_body={"ignore_eos": True})
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == done.usage.completion_tokens == 6
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) <= 3 and value <= 0 and max(top.values()) == top[token] == pytest.approx(value, abs=1e-5)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    chunks = list(client.completions.create(**{k: v for k, v in kw.items() if k != "ignore_eos"}, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    streamed = [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(lp.token_logprobs, abs=1e-6)
+    offsets = [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.text_offset]
+    assert offsets == lp.text_offset
+
+    messages = [{"role": "user", "content": "héllo 🚀"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
+                                          logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 5
+    for entry in content:
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-5)
+        assert bytes(entry.bytes).decode("utf-8", errors="replace") == entry.token
+    stream = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
+                                                 logprobs=True, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [e.logprob for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert streamed == pytest.approx([e.logprob for e in content], abs=1e-6)
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
 # -- correctness under concurrency ------------------------------------------------------------------
 def test_64_concurrent_requests_equal_one_by_one_greedy(server, text_checkpoint):
     import random
@@ -335,6 +372,10 @@ BAD = [  # (path, body, status, what the message must name)
     ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"]}, 400, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "presence_penalty": 1.0}, 400, "presence_penalty"),
     ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "model"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "logprobs": 21}, 422, "logprobs"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "logprobs": 2, "echo": True}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+     "top_logprobs"),
     ("/v1/chat/completions", {"messages": []}, 422, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 422, "messages.0.role"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 422, "messages.0.content"),

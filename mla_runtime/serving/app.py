@@ -154,6 +154,10 @@ def build_app(engine_config: EngineConfig, config: ServerConfig,
         assert rt.llm is not None
         return rt.llm.tokenizer
 
+    def token_text(token: int) -> str:
+        tok = tokenizer()
+        return tok.decode([token]) if tok is not None else ""
+
     def generate_job(req: GenerateRequest) -> Job:
         prompt = req.prompt if isinstance(req.prompt, str) else {"prompt_token_ids": req.prompt}
         return Job("generate", prompt, req.sampling_params(16), config.served_model_name or "", stream=req.stream)
@@ -169,7 +173,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig,
         prompt = p if isinstance(p, str) else {"prompt_token_ids": p}
         return Job("completions", prompt, req.sampling_params(16), config.served_model_name or "",
                    stream=req.stream, include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                   echo=echo)
+                   echo=echo, logprobs=req.logprobs_count(), token_text=token_text)
 
     def chat_job(req: ChatRequest) -> Job:
         check_model(req.model)
@@ -181,7 +185,8 @@ def build_app(engine_config: EngineConfig, config: ServerConfig,
         max_tokens = req.max_completion_tokens or req.max_tokens or max(1, rt.max_model_len - len(ids))
         params = req.sampling_params(max_tokens)
         return Job("chat", {"prompt_token_ids": ids}, params, config.served_model_name or "", stream=req.stream,
-                   include_usage=bool(req.stream_options and req.stream_options.include_usage))
+                   include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                   logprobs=req.logprobs_count(), token_text=token_text)
 
     async def _generation(request: Request, endpoint: str, schema: type[BaseModel],
                           make_job: Callable[[Any], Job]) -> Response:

@@ -3,7 +3,10 @@
 Types are strict (``"5"`` is not an integer, ``true`` is not a number) so a wrongly typed field is a 422
 naming it instead of a silent coercion. Our own ``/generate`` rejects unknown fields (a typo such as
 ``max_length`` must not be ignored); the OpenAI routes ignore fields they do not use, as OpenAI clients
-send extras, but reject the ones whose meaning they cannot honour (penalties, logprobs).
+send extras, but reject the ones whose meaning they cannot honour (presence/frequency penalties; logprobs
+of the prompt, i.e. ``logprobs`` with ``echo``). Log-probabilities of generated tokens are returned in
+OpenAI's shapes: ``logprobs: k`` on completions, ``logprobs: true`` (+ ``top_logprobs: k``) on chat,
+``k <= MAX_LOGPROBS``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mla_runtime.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20  # most alternatives per generated token a request may ask for
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
@@ -75,13 +80,17 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     stream: bool = False
 
+    def logprobs_count(self) -> int | None:
+        """Alternatives per generated token to return (None: no log-probabilities)."""
+        return None
+
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if self.top_k == 0:
             raise ApiError(422, "top_k: must be -1 (disabled) or an integer >= 1", param="top_k")
         try:
             return SamplingParams(n=self.n, max_tokens=self.max_tokens or default_max_tokens,
                                   temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                                  stop=self.stop, ignore_eos=self.ignore_eos)
+                                  stop=self.stop, ignore_eos=self.ignore_eos, logprobs=self.logprobs_count())
         except ValueError as e:  # SamplingParams names the field first
             raise ApiError(400, str(e), param=str(e).split(" ")[0]) from e
 
@@ -120,7 +129,7 @@ class CompletionRequest(OpenAIFields):
     prompt: Prompt | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     def single_prompt(self) -> str | list[int]:
         p = self.prompt
@@ -131,10 +140,14 @@ class CompletionRequest(OpenAIFields):
             p = p[0]
         return p  # type: ignore[return-value]
 
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
+
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.logprobs is not None:
-            raise ApiError(400, "logprobs: not supported by this server", param="logprobs")
+        if self.logprobs is not None and self.echo:
+            raise ApiError(400, "logprobs: log-probabilities of the prompt (logprobs with echo) are not supported",
+                           param="logprobs")
 
 
 class ChatMessage(BaseModel):
@@ -159,15 +172,18 @@ class ChatRequest(OpenAIFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     def plain_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
 
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.logprobs or self.top_logprobs:
-            raise ApiError(400, "logprobs: not supported by this server", param="logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

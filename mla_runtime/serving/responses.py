@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,8 @@ class Job:
     stream: bool = False
     include_usage: bool = False
     echo: str | None = None  # prompt text to prepend (completions with echo)
+    logprobs: int | None = None  # alternatives per generated token to return; None: no log-probabilities
+    token_text: Callable[[int], str] = str  # a token id's text, for log-probability entries
     request_id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     arrival: float = field(default_factory=time.monotonic)
@@ -52,6 +55,52 @@ def _usage(out: RequestOutput) -> dict[str, Any]:
     return usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens)
 
 
+def _top(job: Job, entry: dict[int, float]) -> list[tuple[str, float]]:
+    """The ``job.logprobs`` most likely tokens of one position (the sampler's entry also holds the chosen one)."""
+    best = sorted(entry.items(), key=lambda kv: -kv[1])[: job.logprobs or 0]
+    return [(job.token_text(t), v) for t, v in best]
+
+
+def _by_text(top: list[tuple[str, float]]) -> dict[str, float]:
+    """The legacy shape keys alternatives by text; tokens whose texts coincide (e.g. partial UTF-8 bytes, all
+    "\ufffd") keep the most likely one's value."""
+    out: dict[str, float] = {}
+    for text, value in top:
+        out.setdefault(text, value)
+    return out
+
+
+def completion_logprobs(job: Job, tokens: list[int], entries: list[dict[int, float]], offset: int
+                        ) -> dict[str, Any]:
+    """OpenAI's legacy completions ``logprobs`` object for ``tokens``; ``offset``: text offset of the first."""
+    texts = [job.token_text(t) for t in tokens]
+    offsets = []
+    for text in texts:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": texts, "token_logprobs": [e[t] for t, e in zip(tokens, entries)],
+            "top_logprobs": [_by_text(_top(job, e)) for e in entries] if job.logprobs else None,
+            "text_offset": offsets}
+
+
+def chat_logprobs(job: Job, tokens: list[int], entries: list[dict[int, float]]) -> dict[str, Any]:
+    """OpenAI's chat ``logprobs`` object (``content``: one entry per token) for ``tokens``."""
+    def item(text: str, value: float) -> dict[str, Any]:
+        return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**item(job.token_text(t), e[t]), "top_logprobs": [item(x, v) for x, v in _top(job, e)]}
+                        for t, e in zip(tokens, entries)]}
+
+
+def _choice_logprobs(job: Job, tokens: list[int], entries: list[dict[int, float]] | None,
+                     offset: int = 0) -> dict[str, Any] | None:
+    if job.logprobs is None or entries is None:
+        return None
+    if job.endpoint == "completions":
+        return completion_logprobs(job, tokens, entries, offset)
+    return chat_logprobs(job, tokens, entries)
+
+
 def full_body(job: Job, out: RequestOutput) -> dict[str, Any]:
     """The non-streamed answer."""
     if job.endpoint == "generate":
@@ -65,10 +114,12 @@ def full_body(job: Job, out: RequestOutput) -> dict[str, Any]:
                 "usage": _usage(out)}
     head = {"id": job.request_id, "object": OBJECTS[job.endpoint][0], "created": job.created, "model": job.model}
     if job.endpoint == "completions":
-        choices = [{"index": c.index, "text": (job.echo or "") + c.text, "logprobs": None,
+        choices = [{"index": c.index, "text": (job.echo or "") + c.text,
+                    "logprobs": _choice_logprobs(job, c.token_ids, c.logprobs, len(job.echo or "")),
                     "finish_reason": finish_reason(c.finish_reason)} for c in out.outputs]
     else:
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": _choice_logprobs(job, c.token_ids, c.logprobs),
                     "finish_reason": finish_reason(c.finish_reason)} for c in out.outputs]
     return {**head, "choices": choices, "usage": _usage(out)}
 
@@ -86,6 +137,7 @@ class StreamState:
         n = job.params.n
         self.sent_chars = [0] * n
         self.sent_tokens = [0] * n
+        self.token_chars = [len(job.echo or "")] * n  # text offset of the next token (completions logprobs)
         self.done = [False] * n
         self.started = False
         self.hold = max((len(s) for s in job.params.stop_strings), default=1) - 1
@@ -104,11 +156,16 @@ class StreamState:
             end = len(c.text) if finished else max(self.sent_chars[i], len(c.text) - self.hold)
             text = c.text[self.sent_chars[i]:end]
             tokens = c.token_ids[self.sent_tokens[i]:]
+            entries = None if c.logprobs is None else c.logprobs[self.sent_tokens[i]:]
             self.sent_chars[i], self.sent_tokens[i] = end, len(c.token_ids)
             self.done[i] = finished
             reason = finish_reason(c.finish_reason)
-            if text or (tokens and self.job.endpoint == "generate") or finished:
-                events.append(sse(self._delta(i, text, tokens, reason, out if out.finished else None)))
+            per_token = self.job.endpoint == "generate" or self.job.logprobs is not None  # never drop a token's data
+            if text or (tokens and per_token) or finished:
+                lp = _choice_logprobs(self.job, tokens, entries, self.token_chars[i]) if tokens else None
+                if lp is not None and self.job.endpoint == "completions":
+                    self.token_chars[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                events.append(sse(self._delta(i, text, tokens, reason, out if out.finished else None, lp)))
         if out.finished:
             if self.job.include_usage and self.job.endpoint != "generate":
                 events.append(sse({**self._head(), "choices": [], "usage": _usage(out)}))
@@ -131,7 +188,7 @@ class StreamState:
         return []
 
     def _delta(self, i: int, text: str, tokens: list[int], reason: str | None,
-               final: RequestOutput | None) -> dict[str, Any]:
+               final: RequestOutput | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.job.endpoint == "generate":
             event: dict[str, Any] = {"id": self.job.request_id, "index": i, "text": text, "token_ids": tokens,
                                      "finish_reason": reason}
@@ -139,8 +196,8 @@ class StreamState:
                 event["usage"] = _usage(final)
             return event
         if self.job.endpoint == "completions":
-            choice: dict[str, Any] = {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+            choice: dict[str, Any] = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
         else:
-            choice = {"index": i, "delta": {"content": text} if text else {}, "logprobs": None,
+            choice = {"index": i, "delta": {"content": text} if text else {}, "logprobs": logprobs,
                       "finish_reason": reason}
         return {**self._head(), "choices": [choice]}
