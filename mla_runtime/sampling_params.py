@@ -18,6 +18,8 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0  # subtracted once from the logit of every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence of a token already generated
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -40,6 +42,10 @@ class SamplingParams:
             raise bad("seed", "must be an integer or None")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", "must be None or an integer >= 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not -2 <= value <= 2:
+                raise bad(name, "must be a number in [-2, 2]")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stops):
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
@@ -50,3 +56,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalised(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0

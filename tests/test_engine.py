@@ -168,10 +168,41 @@ def test_stop_conditions(v3):
 @pytest.mark.parametrize("kwargs, field", [
     ({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"), ({"top_k": 0}, "top_k"), ({"n": 0}, "n"), ({"min_p": 2}, "min_p"),
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_penalties_lower_generated_tokens_by_their_counts():
+    from mla_runtime.engine.sampler import sample
+
+    logits = torch.tensor([[2.0, 1.9, 0.0, -1.0], [2.0, 1.9, 0.0, -1.0], [2.0, 1.9, 0.0, -1.0]])
+    params = [SamplingParams(temperature=0, frequency_penalty=0.1, logprobs=0),
+              SamplingParams(temperature=0, presence_penalty=0.05),
+              SamplingParams(temperature=0, presence_penalty=2.0)]
+    outputs = [[0, 0, 3], [0, 0, 3], []]  # token 0 twice, token 3 once; the last row has generated nothing
+    gen = torch.Generator().manual_seed(0)
+    result = sample(logits, params, [None] * 3, gen, outputs)
+    # row 0: 2.0 - 2 × 0.1 = 1.8 < 1.9 -> token 1; row 1: 2.0 - 0.05 = 1.95 > 1.9 -> still 0; row 2: nothing to penalise
+    assert result.token_ids == [1, 0, 0]
+    # log-probabilities stay those of the model's own logits
+    assert result.logprobs[0][1] == pytest.approx(float(logits[0].log_softmax(-1)[1]))
+    assert torch.equal(logits[0], torch.tensor([2.0, 1.9, 0.0, -1.0]))  # the caller's logits are untouched
+
+
+def test_frequency_penalty_changes_a_repetitive_greedy_run(v3):
+    path, _ = v3
+    llm = new_llm(path)
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    plain = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+    toks = plain.outputs[0].token_ids
+    assert len(set(toks)) < len(toks)  # the tiny random model repeats itself
+    penalised = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                                      frequency_penalty=2.0))[0].outputs[0].token_ids
+    assert penalised != toks and len(set(penalised)) > len(set(toks))
+    assert_clean(llm)
 
 
 def test_bad_prompts_name_the_problem(v3):

@@ -56,7 +56,8 @@ class ModelRunner:
         if logits is None:
             return [], SampleResult([], [])
         seqs = [batch.seqs[i] for i in rows]
-        return seqs, sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.generator)
+        return seqs, sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.generator,
+                            [s.output_token_ids for s in seqs])
 
     def _forward(self, fwd: ForwardBatch, rows: list[int]) -> torch.Tensor | None:
         hidden = self.model(fwd, self.cache)

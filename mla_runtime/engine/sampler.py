@@ -1,4 +1,10 @@
-"""Sampler: temperature, top-k, top-p, min-p, greedy; per-sequence generators for seeded requests.
+"""Sampler: presence/frequency penalties, temperature, top-k, top-p, min-p, greedy; per-sequence generators
+for seeded requests.
+
+Penalties (OpenAI's definition) lower the logit of each token already *generated* by the sequence:
+``logit -= frequency_penalty · count + presence_penalty · [count > 0]``, before temperature and filtering;
+greedy rows take the argmax of the penalised logits. Returned log-probabilities are those of the model's
+own logits (unpenalised, untempered), as vLLM returns by default.
 
 A seeded sequence draws from its own ``torch.Generator``, so its tokens do not depend on what else is
 in the batch. Draws use the exponential-race form of categorical sampling
@@ -34,10 +40,25 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def _penalise(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]] | None) -> torch.Tensor:
+    rows = [i for i, p in enumerate(params) if p.penalised and outputs is not None and outputs[i]]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for i in rows:
+        counts = torch.bincount(torch.tensor(outputs[i], device=logits.device), minlength=logits.shape[1])
+        counts = counts[: logits.shape[1]].to(logits.dtype)
+        logits[i] -= params[i].frequency_penalty * counts + params[i].presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           default_generator: torch.Generator) -> SampleResult:
-    """``logits [B, V]`` fp32, one row per sequence to sample."""
+           default_generator: torch.Generator, outputs: list[list[int]] | None = None) -> SampleResult:
+    """``logits [B, V]`` fp32, one row per sequence to sample; ``outputs``: each row's generated tokens so far
+    (needed by presence/frequency penalties)."""
     num_rows, vocab = logits.shape
+    raw = logits
+    logits = _penalise(logits, params, outputs)
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
@@ -57,7 +78,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     logprobs: list[dict[int, float] | None] = [None] * num_rows
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if want:
-        lp = logits[want].log_softmax(dim=-1)
+        lp = raw[want].log_softmax(dim=-1)
         for row, i in enumerate(want):
             k = params[i].logprobs or 0
             entry = {int(tokens[i]): float(lp[row, tokens[i]])}

@@ -3,8 +3,8 @@
 Types are strict (``"5"`` is not an integer, ``true`` is not a number) so a wrongly typed field is a 422
 naming it instead of a silent coercion. Our own ``/generate`` rejects unknown fields (a typo such as
 ``max_length`` must not be ignored); the OpenAI routes ignore fields they do not use, as OpenAI clients
-send extras, but reject the ones whose meaning they cannot honour (presence/frequency penalties; logprobs
-of the prompt, i.e. ``logprobs`` with ``echo``). Log-probabilities of generated tokens are returned in
+send extras, but reject the ones whose meaning they cannot honour (log-probabilities of the prompt, i.e.
+``logprobs`` with ``echo``). Log-probabilities of generated tokens are returned in
 OpenAI's shapes: ``logprobs: k`` on completions, ``logprobs: true`` (+ ``top_logprobs: k``) on chat,
 ``k <= MAX_LOGPROBS``.
 """
@@ -79,6 +79,8 @@ class SamplingFields(BaseModel):
     n: int = Field(default=1, ge=1, le=16)
     ignore_eos: bool = False
     stream: bool = False
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
 
     def logprobs_count(self) -> int | None:
         """Alternatives per generated token to return (None: no log-probabilities)."""
@@ -90,7 +92,8 @@ class SamplingFields(BaseModel):
         try:
             return SamplingParams(n=self.n, max_tokens=self.max_tokens or default_max_tokens,
                                   temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                                  stop=self.stop, ignore_eos=self.ignore_eos, logprobs=self.logprobs_count())
+                                  stop=self.stop, ignore_eos=self.ignore_eos, logprobs=self.logprobs_count(),
+                                  presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
         except ValueError as e:  # SamplingParams names the field first
             raise ApiError(400, str(e), param=str(e).split(" ")[0]) from e
 
@@ -115,14 +118,10 @@ class OpenAIFields(SamplingFields):
 
     model: str | None = None
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
     user: str | None = None
 
     def check_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                raise ApiError(400, f"{name}: not supported by this server (use 0)", param=name)
+        """Refuse fields whose meaning this server cannot honour (400 naming the field)."""
 
 
 class CompletionRequest(OpenAIFields):
