@@ -212,8 +212,6 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> RequestState:
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         return self.submit(self.prepare_request(request_id, prompt, params, arrival_time))
 
     def prepare_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
