@@ -12,11 +12,17 @@ projection ``B Bᵀ c`` of the latent. Two ways to choose ``B``:
   latents actually are.
 
 At ``r = d_c`` both bases are square orthonormal and the model is reproduced exactly (up to rounding).
+
+Under tensor parallelism every rank calls these functions together: the calibration forward passes run
+on every shard (they contain the model's collectives), the heads' rows of each ``kv_b_proj`` are
+gathered on rank 0, which computes the basis from the whole matrix — so it is the single-rank basis —
+and broadcasts it; each rank then folds it into its own rows. The latent is replicated across ranks,
+so one basis serves every head and both cache layouts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -31,13 +37,29 @@ def _attn_layers(model: DeepseekForCausalLM):
     return [layer.self_attn for layer in model.model.layers]
 
 
-def svd_bases(model: DeepseekForCausalLM, rank: int) -> list[torch.Tensor]:
+def _layer_bases(model: DeepseekForCausalLM, rank: int,
+                 basis: Callable[[int, torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+    """``basis(layer, W)`` for every layer, ``W`` the layer's whole ``kv_b_proj`` weight ``[n_h (d_n + d_v), d_c]``
+    in fp32. Under tensor parallelism ``W`` is gathered on rank 0 (one layer at a time), the basis is
+    computed there and broadcast, so every rank returns the same ``[d_c, r]`` bases."""
+    par = model.par
     bases = []
-    for attn in _attn_layers(model):
-        w = attn.kv_b_proj.weight.float()  # [n_h (d_n + d_v), d_c]
-        _, _, vh = torch.linalg.svd(w, full_matrices=True)
-        bases.append(vh[:rank].T.contiguous())  # [d_c, r]
+    for i, attn in enumerate(_attn_layers(model)):
+        w = par.gather_to_first(attn.kv_b_proj.weight.float(), dim=0)  # heads' rows in order
+        if w is not None:
+            b = basis(i, w).float().contiguous()
+        else:
+            b = torch.empty(attn.d_c, rank, dtype=torch.float32, device=attn.kv_b_proj.weight.device)
+        bases.append(par.broadcast_from_first(b))
     return bases
+
+
+def svd_bases(model: DeepseekForCausalLM, rank: int) -> list[torch.Tensor]:
+    def top_right_singular(_layer: int, w: torch.Tensor) -> torch.Tensor:
+        _, _, vh = torch.linalg.svd(w, full_matrices=True)
+        return vh[:rank].T  # [d_c, r]
+
+    return _layer_bases(model, rank, top_right_singular)
 
 
 @torch.inference_mode()
@@ -57,7 +79,8 @@ def latent_second_moments(model: DeepseekForCausalLM, token_chunks: Sequence[Seq
     try:
         for chunk in token_chunks:
             blocks = -(-len(chunk) // block_size)
-            cache = LatentCache(cfg.num_hidden_layers, blocks, block_size, model.model.layers[0].self_attn.d_c
+            local_block = block_size // model.par.world_size if model.par.sharded_cache else block_size
+            cache = LatentCache(cfg.num_hidden_layers, blocks, local_block, model.model.layers[0].self_attn.d_c
                                 + cfg.qk_rope_head_dim, model.dtype, device)
             batch = ForwardBatch.build([list(chunk)], [0], [list(range(blocks))], block_size, device)
             model(batch, cache)
@@ -71,30 +94,31 @@ def latent_second_moments(model: DeepseekForCausalLM, token_chunks: Sequence[Seq
 
 
 def pca_bases(model: DeepseekForCausalLM, rank: int, token_chunks: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-    bases = []
-    for attn, sigma in zip(_attn_layers(model), latent_second_moments(model, token_chunks)):
-        w = attn.kv_b_proj.weight.double().cpu()
-        evals, evecs = torch.linalg.eigh(sigma)
+    moments = latent_second_moments(model, token_chunks)
+
+    def weighted_pca(layer: int, w: torch.Tensor) -> torch.Tensor:
+        w = w.double().cpu()
+        evals, evecs = torch.linalg.eigh(moments[layer])
         root = evecs @ torch.diag(evals.clamp(min=0).sqrt()) @ evecs.T  # Σ^{1/2}
         m = root @ (w.T @ w) @ root
         _, vecs = torch.linalg.eigh(m)
         top = root @ vecs[:, -rank:]  # directions in latent space, not yet orthonormal
         q, _ = torch.linalg.qr(top)
-        bases.append(q.float().contiguous())
-    return bases
+        return q.to(model.lm_head_weight.device)
+
+    return _layer_bases(model, rank, weighted_pca)
 
 
 def truncate_latent_rank(model: DeepseekForCausalLM, rank: int, method: str = "svd",
                          calibration: Sequence[Sequence[int]] | None = None) -> DeepseekForCausalLM:
     """Truncate every layer's cached latent to ``rank`` values, in place; returns the model, whose
-    ``config.kv_lora_rank`` now reads ``rank`` (the cache width follows it)."""
+    ``config.kv_lora_rank`` now reads ``rank`` (the cache width follows it). Under tensor parallelism every
+    rank calls it, with the same ``calibration``."""
     d_c = model.config.kv_lora_rank
     if not 1 <= rank <= d_c:
         raise ValueError(f"latent_rank must be in [1, kv_lora_rank={d_c}], got {rank}")
     if method not in METHODS:
         raise ValueError(f"latent projection method must be one of {METHODS}, got {method!r}")
-    if model.par.enabled:
-        raise ValueError("latent_rank is not supported with tensor_parallel_size > 1")
     if method == "pca":
         if not calibration:
             raise ValueError("latent projection 'pca' needs calibration text")

@@ -70,6 +70,12 @@ class ParallelContext:
         dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=dim)
 
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``x`` on every rank (in place; every rank passes a tensor of the same shape)."""
+        if self.enabled:
+            dist.broadcast(x, src=0)
+        return x
+
     def gather_to_first(self, x: torch.Tensor, dim: int) -> torch.Tensor | None:
         """Concatenate every rank's ``x`` on rank 0 (None elsewhere)."""
         if not self.enabled:

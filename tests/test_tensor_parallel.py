@@ -138,3 +138,47 @@ def test_torchrun_starts_every_rank_from_one_script(tiny_checkpoint, tmp_path):
 def run_single(path, prompts) -> list[list[int]]:
     with LLM(str(path), dtype="float32", max_model_len=256, kv_cache_memory="4MiB", block_size=32) as llm:
         return tokens(llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)))
+
+
+DEMO = os.path.join(os.path.dirname(__file__), "..", "mla_runtime", "demo_model")
+CALIBRATION = "".join(f"def step_{i}(items, count):\n    return [x * {i} for x in items if x > count]\n"
+                      for i in range(60))
+
+
+def run_truncated(tp: int, layout: str, method: str, calibration: str):
+    with LLM(DEMO, dtype="float32", max_model_len=256, block_size=32, kv_cache_memory="2MiB",
+             tensor_parallel_size=tp, latent_cache_layout=layout, latent_rank=48, latent_projection=method,
+             latent_calibration=calibration) as llm:
+        outs = llm.generate(["def load(path):\n    with open(path) as f:", "class Counter:\n    def __init__(self"],
+                            SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0))
+        engine = llm.engine
+        engine.pool.check_whole()
+        widths = (engine.model_config.kv_lora_rank, engine.cache.layers[0].kv.shape[-1], engine.bytes_per_token_per_rank)
+        return ([o.outputs[0].token_ids for o in outs], [lp[t] for o in outs for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)], widths)
+
+
+@pytest.mark.parametrize("layout,method", [("replicated", "pca"), ("sharded", "svd")])
+def test_latent_rank_under_two_ranks_equals_one_rank(tmp_path, layout, method):
+    """Every rank folds the same basis (computed on rank 0 from the whole kv_b_proj) into its own heads."""
+    calibration = tmp_path / "calibration.txt"
+    calibration.write_text(CALIBRATION)
+    ref_tokens, ref_logp, ref_widths = run_truncated(1, "replicated", method, str(calibration))
+    tokens_, logp, widths = run_truncated(2, layout, method, str(calibration))
+    assert tokens_ == ref_tokens
+    assert logp == pytest.approx(ref_logp, abs=1e-3)
+    # the cache holds r + d_r values per token on every rank; the sharded layout keeps half of the tokens
+    assert ref_widths == (48, 48 + 16, (48 + 16) * 4 * 4)  # d_r 16, 4 layers, fp32
+    assert widths[:2] == (48, 48 + 16)
+    assert widths[2] == ref_widths[2] // (2 if layout == "sharded" else 1)
+
+
+def test_rank_zero_failing_before_truncation_stops_the_workers(tmp_path):
+    import multiprocessing
+
+    with pytest.raises(FileNotFoundError):
+        LLM(DEMO, dtype="float32", max_model_len=256, kv_cache_memory="2MiB", tensor_parallel_size=2,
+            latent_rank=48, latent_projection="pca", latent_calibration=str(tmp_path / "missing.txt"))
+    deadline = time.monotonic() + 15
+    while any(p.name.startswith("mla-tp-rank") for p in multiprocessing.active_children()):
+        assert time.monotonic() < deadline, "a worker rank outlived the failed engine"
+        time.sleep(0.1)

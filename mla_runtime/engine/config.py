@@ -65,5 +65,3 @@ class EngineConfig:
         if self.num_threads is not None and self.num_threads != "auto" and (
                 not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"num_threads must be a positive int, 'auto' or None, got {self.num_threads!r}")
-        if self.latent_rank is not None and self.tensor_parallel_size > 1:
-            raise ValueError("latent_rank is not supported with tensor_parallel_size > 1")

@@ -147,6 +147,8 @@ class LLMEngine:
                 raise ValueError("latent_calibration needs a tokenizer in the checkpoint directory")
             ids = self.tokenizer.encode(text)[:CALIBRATION_TOKENS]
             calibration = [ids[i:i + 512] for i in range(0, len(ids), 512)]
+        if self.tp_group:  # every rank truncates its shard with the same bases (computed on rank 0)
+            self.tp_group.send_calibration(calibration)
         truncate_latent_rank(self.model, cfg.latent_rank, cfg.latent_projection, calibration)
         logger.info("latent rank truncated to %d (%s)", cfg.latent_rank, cfg.latent_projection)
 

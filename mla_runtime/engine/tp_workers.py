@@ -9,7 +9,9 @@ Two ways to start the ranks:
 Rank 0 owns every decision (scheduler, block pool, sampling). Each step it broadcasts the step's
 ``ForwardBatch`` — input ids, positions, slot mapping, block tables, sequence lengths — once; every rank
 runs its shard of the model on it against its own latent cache, which uses the same block ids; the
-lm_head's vocabulary slices are gathered back on rank 0. A rank that dies is noticed before the next
+lm_head's vocabulary slices are gathered back on rank 0. With ``latent_rank`` set, the ranks truncate
+the latent together after loading (``latent_rank.truncate_latent_rank``: rank 0 broadcasts the calibration
+tokens, computes the bases and broadcasts them) before sizing their caches. A rank that dies is noticed before the next
 broadcast (process liveness) or by the collective itself (gloo reports the closed connection), and the
 step fails with ``RankDiedError`` instead of hanging.
 """
@@ -28,6 +30,7 @@ import torch.distributed as dist
 from mla_runtime.cache.latent_cache import LatentCache
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.forward_batch import ForwardBatch
+from mla_runtime.latent_rank import truncate_latent_rank
 from mla_runtime.loader import load_model
 from mla_runtime.parallel import ParallelContext
 
@@ -95,6 +98,13 @@ def serve_worker(rank: int, world: int, config: EngineConfig) -> None:
     device = torch.device("cpu")
     model = load_model(config.model, dtype=config.dtype, attention_path=config.attention_path,
                        backend=config.attention_backend, device=device, par=par)
+    if config.latent_rank is not None:
+        box = [None]
+        dist.broadcast_object_list(box, src=0)  # ("latent", calibration chunks), or ("stop",) if rank 0 failed
+        if box[0][0] == "stop":
+            dist.destroy_process_group()
+            return
+        truncate_latent_rank(model, config.latent_rank, config.latent_projection, box[0][1])
     cache = make_cache(model, num_blocks, config, cache_dtype, par, device)
     dist.barrier()
     while True:
@@ -142,6 +152,11 @@ class TensorParallelGroup:
         """Wait until every rank has loaded its shard."""
         self.check_alive()
         dist.barrier()
+
+    def send_calibration(self, calibration: list[list[int]] | None) -> None:
+        """Start the ranks' latent-rank truncation: they receive the calibration token chunks (None for svd)."""
+        self.check_alive()
+        dist.broadcast_object_list([("latent", calibration)], src=0)
 
     def check_alive(self) -> None:
         for rank, p in enumerate(self.procs, start=1):
