@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_REPETITION_PENALTY = 2.0
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -20,6 +22,9 @@ class SamplingParams:
     logprobs: int | None = None
     presence_penalty: float = 0.0  # subtracted once from the logit of every token already generated
     frequency_penalty: float = 0.0  # subtracted per occurrence of a token already generated
+    repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt and generated tokens
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    min_tokens: int = 0  # tokens generated before EOS, stop_token_ids or stop strings can end the sequence
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -46,6 +51,20 @@ class SamplingParams:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not -2 <= value <= 2:
                 raise bad(name, "must be a number in [-2, 2]")
+        r = self.repetition_penalty
+        if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0 < r <= MAX_REPETITION_PENALTY:
+            raise bad("repetition_penalty", f"must be a number in (0, {MAX_REPETITION_PENALTY:g}]")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", "must be a dict of token id -> bias")
+            for t, b in self.logit_bias.items():
+                if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                    raise ValueError(f"logit_bias keys must be non-negative token ids, got {t!r}")
+                if not isinstance(b, (int, float)) or isinstance(b, bool) or not -100 <= b <= 100:
+                    raise ValueError(f"logit_bias of token {t} must be a number in [-100, 100], got {b!r}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or \
+                not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}]")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stops):
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
@@ -59,4 +78,4 @@ class SamplingParams:
 
     @property
     def penalised(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1

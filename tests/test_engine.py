@@ -169,6 +169,10 @@ def test_stop_conditions(v3):
     ({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"), ({"top_k": 0}, "top_k"), ({"n": 0}, "n"), ({"min_p": 2}, "min_p"),
     ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"repetition_penalty": 2.5}, "repetition_penalty"),
+    ({"logit_bias": {3: 101}}, "logit_bias"), ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+    ({"logit_bias": [1, 2]}, "logit_bias"), ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -190,6 +194,48 @@ def test_penalties_lower_generated_tokens_by_their_counts():
     # log-probabilities stay those of the model's own logits
     assert result.logprobs[0][1] == pytest.approx(float(logits[0].log_softmax(-1)[1]))
     assert torch.equal(logits[0], torch.tensor([2.0, 1.9, 0.0, -1.0]))  # the caller's logits are untouched
+
+
+def test_repetition_penalty_logit_bias_and_min_tokens_in_the_sampler():
+    from mla_runtime.engine.sampler import sample
+
+    logits = torch.tensor([[2.0, 1.9, 0.0, -1.0], [-1.0, -1.5, -3.0, -4.0], [2.0, 1.9, 0.0, -1.0],
+                           [2.0, 1.9, 0.0, -1.0]])
+    params = [SamplingParams(temperature=0, repetition_penalty=1.1, logprobs=0),  # token 0 in the prompt
+              SamplingParams(temperature=0, repetition_penalty=2.0),  # token 0 generated: -1 -> -2
+              SamplingParams(temperature=0, logit_bias={2: 2.5}),
+              SamplingParams(temperature=0, min_tokens=3)]
+    prompts = [[0, 2], [3], [], []]
+    outputs = [[], [0], [], []]
+    suppress = [[], [], [], [0, 1]]  # row 3 may not stop yet: its stop tokens are 0 and 1
+    result = sample(logits, params, [None] * 4, torch.Generator().manual_seed(0), outputs, prompts, suppress)
+    # row 0: 2.0 / 1.1 = 1.82 < 1.9 -> 1; row 1: -1.0 × 2 = -2.0 < -1.5 -> 1; row 2: 0.0 + 2.5 > 2.0 -> 2;
+    # row 3: 0 and 1 barred -> 2
+    assert result.token_ids == [1, 1, 2, 2]
+    assert result.logprobs[0][1] == pytest.approx(float(logits[0].log_softmax(-1)[1]))  # the model's own
+
+
+def test_min_tokens_and_logit_bias_in_a_run(v3):
+    path, _ = v3
+    llm = new_llm(path)
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    toks = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
+    # a stop token that the greedy run emits at position 2 cannot end the sequence before min_tokens
+    stop = toks[1]
+    early = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                  stop_token_ids=[stop]))[0].outputs[0]
+    assert early.finish_reason == "stop" and len(early.token_ids) == toks.index(stop) + 1
+    late = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                 stop_token_ids=[stop], min_tokens=6))[0].outputs[0]
+    assert stop not in late.token_ids[:6]
+    assert late.finish_reason == "length" or (len(late.token_ids) > 6 and late.token_ids[-1] == stop)
+    # a large bias makes a token the greedy choice at every step
+    biased = llm.generate([prompt], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True,
+                                                   logit_bias={42: 100.0}))[0].outputs[0].token_ids
+    assert biased == [42] * 5
+    with pytest.raises(ValueError, match="logit_bias names token"):
+        llm.generate([prompt], SamplingParams(max_tokens=5, logit_bias={VOCAB: 1.0}))
+    assert_clean(llm)
 
 
 def test_frequency_penalty_changes_a_repetitive_greedy_run(v3):

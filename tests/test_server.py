@@ -263,6 +263,21 @@ def test_openai_client_completes_and_streams(server):
         client.completions.create(model="other", prompt="x", max_tokens=1)
 
 
+def test_logit_bias_repetition_penalty_and_min_tokens_over_http(server):
+    import openai
+
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0)
+    biased = client.completions.create(model="tiny", prompt="def hello(", max_tokens=4, temperature=0, logprobs=0,
+                                       logit_bias={"42": 100})
+    assert len(biased.choices[0].logprobs.tokens) == 4
+    r = httpx.post(server.base + "/generate", json={"prompt": "def hello(", "max_tokens": 4, "temperature": 0,
+                                                   "logit_bias": {"42": 100}, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["token_ids"] == [42] * 4
+    r = httpx.post(server.base + "/generate", json={"prompt": "def hello(", "max_tokens": 8, "temperature": 0,
+                                                   "repetition_penalty": 1.3, "min_tokens": 8})
+    assert r.status_code == 200 and len(r.json()["token_ids"]) == 8
+
+
 def test_openai_logprobs_in_both_shapes_streamed_or_not(server):
     """Completions (``logprobs: k``) and chat (``logprobs`` + ``top_logprobs``) return one entry per generated
     token; greedy tokens are their position's most likely; streamed entries concatenate to the full answer."""
@@ -372,6 +387,11 @@ BAD = [  # (path, body, status, what the message must name)
     ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"]}, 400, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "presence_penalty": 2.5}, 422, "presence_penalty"),
     ("/generate", {"prompt": "x", "frequency_penalty": "high"}, 422, "frequency_penalty"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "logit_bias": {"5": 300}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+    ("/generate", {"prompt": "x", "repetition_penalty": 0}, 422, "repetition_penalty"),
+    ("/generate", {"prompt": "x", "min_tokens": 50, "max_tokens": 5}, 400, "min_tokens"),
     ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "model"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "logprobs": 21}, 422, "logprobs"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "logprobs": 2, "echo": True}, 400, "logprobs"),

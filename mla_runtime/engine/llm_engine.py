@@ -228,6 +228,11 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+        bad_bias = [t for t in params.logit_bias or {} if t >= vocab]
+        if bad_bias:
+            raise ValueError(f"logit_bias names token {bad_bias[0]}, outside the vocabulary [0, {vocab})")
+        if any(t >= vocab for t in params.stop_token_ids or []):
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}: the prompt "
                              f"must be shorter to leave room for output")
@@ -308,6 +313,8 @@ class LLMEngine:
             state.metrics.token_times.append(now)
         self.num_generation_tokens += 1
         detok = state.detoks[seq.index]
+        if len(seq.output_token_ids) == params.min_tokens:  # the first token that may stop the sequence
+            seq.stop_text_from = len(state.texts[seq.index])
         detok.add(token)
         text = detok.text
         reason = None
@@ -315,8 +322,11 @@ class LLMEngine:
             reason = "stop"
         elif params.stop_token_ids and token in params.stop_token_ids:
             reason = "stop"
-        if params.stop_strings and reason is None:
-            cut = min((i for i in (text.find(s) for s in params.stop_strings) if i >= 0), default=-1)
+        if len(seq.output_token_ids) < params.min_tokens:
+            reason = None  # stop tokens cannot be sampled yet (the sampler suppresses them); stop strings wait
+        elif params.stop_strings and reason is None:  # a stop string must end after the first min_tokens - 1 tokens
+            found = (text.find(s, max(0, seq.stop_text_from - len(s) + 1)) for s in params.stop_strings)
+            cut = min((i for i in found if i >= 0), default=-1)
             if cut >= 0:
                 text = text[:cut]
                 reason = "stop"

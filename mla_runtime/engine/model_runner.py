@@ -57,7 +57,16 @@ class ModelRunner:
             return [], SampleResult([], [])
         seqs = [batch.seqs[i] for i in rows]
         return seqs, sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.generator,
-                            [s.output_token_ids for s in seqs])
+                            [s.output_token_ids for s in seqs], [s.prompt_token_ids for s in seqs],
+                            [self._stop_tokens(s) for s in seqs])
+
+    def _stop_tokens(self, seq: Sequence) -> list[int]:
+        """The tokens that would end ``seq`` now but may not yet (fewer than ``min_tokens`` generated)."""
+        p = seq.params
+        if len(seq.output_token_ids) >= p.min_tokens:
+            return []
+        eos = [] if p.ignore_eos else [t for t in self.model.config.eos_token_ids if t < self.model.config.vocab_size]
+        return eos + list(p.stop_token_ids or [])
 
     def _forward(self, fwd: ForwardBatch, rows: list[int]) -> torch.Tensor | None:
         hidden = self.model(fwd, self.cache)

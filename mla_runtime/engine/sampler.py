@@ -1,10 +1,19 @@
-"""Sampler: presence/frequency penalties, temperature, top-k, top-p, min-p, greedy; per-sequence generators
-for seeded requests.
+"""Sampler: logit processing (penalties, logit bias, min_tokens), then temperature, top-k, top-p, min-p or
+greedy; per-sequence generators for seeded requests.
 
-Penalties (OpenAI's definition) lower the logit of each token already *generated* by the sequence:
-``logit -= frequency_penalty · count + presence_penalty · [count > 0]``, before temperature and filtering;
-greedy rows take the argmax of the penalised logits. Returned log-probabilities are those of the model's
-own logits (unpenalised, untempered), as vLLM returns by default.
+Logit processing, in vLLM's order, before temperature and filtering (greedy rows take the argmax of the
+processed logits):
+
+- ``repetition_penalty`` r (tokens of the prompt *or* the output): a positive logit is divided by r, a
+  negative one multiplied by it;
+- presence / frequency penalties (OpenAI's definition, generated tokens only):
+  ``logit -= frequency_penalty · count + presence_penalty · [count > 0]``;
+- ``logit_bias``: added to the named tokens' logits;
+- ``min_tokens``: until a row has generated that many tokens, its stop tokens (EOS unless ``ignore_eos``, and
+  ``stop_token_ids``) get −inf — the caller passes them as ``suppress``.
+
+Returned log-probabilities are those of the model's own logits (unprocessed, untempered), as vLLM returns
+by default.
 
 A seeded sequence draws from its own ``torch.Generator``, so its tokens do not depend on what else is
 in the batch. Draws use the exponential-race form of categorical sampling
@@ -40,25 +49,45 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def _penalise(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]] | None) -> torch.Tensor:
-    rows = [i for i, p in enumerate(params) if p.penalised and outputs is not None and outputs[i]]
+def _process(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]] | None,
+             prompts: list[list[int]] | None, suppress: list[list[int]] | None) -> torch.Tensor:
+    """The logits after penalties, logit bias and min_tokens suppression (see the module docstring); the
+    input itself when no row asks for any of them."""
+    vocab = logits.shape[1]
+    rows = [i for i, p in enumerate(params) if p.penalised or p.logit_bias or (suppress and suppress[i])]
     if not rows:
         return logits
     logits = logits.clone()
+    device = logits.device
     for i in rows:
-        counts = torch.bincount(torch.tensor(outputs[i], device=logits.device), minlength=logits.shape[1])
-        counts = counts[: logits.shape[1]].to(logits.dtype)
-        logits[i] -= params[i].frequency_penalty * counts + params[i].presence_penalty * (counts > 0).to(logits.dtype)
+        p, out = params[i], (outputs[i] if outputs is not None else [])
+        row = logits[i]
+        if p.repetition_penalty != 1:
+            seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+            for ids in (prompts[i] if prompts is not None else [], out):
+                if ids:
+                    seen[torch.tensor(ids, device=device)] = True
+            scaled = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            row.copy_(torch.where(seen, scaled, row))
+        if (p.presence_penalty or p.frequency_penalty) and out:
+            counts = torch.bincount(torch.tensor(out, device=device), minlength=vocab)[:vocab].to(logits.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=device)
+            row.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=device))
+        if suppress and suppress[i]:
+            row[torch.tensor(suppress[i], device=device)] = float("-inf")
     return logits
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           default_generator: torch.Generator, outputs: list[list[int]] | None = None) -> SampleResult:
-    """``logits [B, V]`` fp32, one row per sequence to sample; ``outputs``: each row's generated tokens so far
-    (needed by presence/frequency penalties)."""
+           default_generator: torch.Generator, outputs: list[list[int]] | None = None,
+           prompts: list[list[int]] | None = None, suppress: list[list[int]] | None = None) -> SampleResult:
+    """``logits [B, V]`` fp32, one row per sequence to sample; ``outputs`` / ``prompts``: each row's generated
+    and prompt tokens (needed by the penalties); ``suppress``: token ids each row may not sample now."""
     num_rows, vocab = logits.shape
     raw = logits
-    logits = _penalise(logits, params, outputs)
+    logits = _process(logits, params, outputs, prompts, suppress)
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:

@@ -38,6 +38,7 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0
     share_prefix_with: Sequence | None = None  # sample 1 of the same request (n > 1)
+    stop_text_from: int = 0  # stop strings count from here in the output text (set when min_tokens is reached)
 
     @property
     def token_ids(self) -> list[int]:

@@ -81,6 +81,9 @@ class SamplingFields(BaseModel):
     stream: bool = False
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # OpenAI's shape: token ids as strings
+    min_tokens: int = Field(default=0, ge=0)
 
     def logprobs_count(self) -> int | None:
         """Alternatives per generated token to return (None: no log-probabilities)."""
@@ -89,11 +92,20 @@ class SamplingFields(BaseModel):
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if self.top_k == 0:
             raise ApiError(422, "top_k: must be -1 (disabled) or an integer >= 1", param="top_k")
+        bias = None
+        if self.logit_bias:
+            try:
+                bias = {int(t): b for t, b in self.logit_bias.items()}
+            except ValueError:
+                raise ApiError(400, "logit_bias: keys must be token ids (integers written as strings)",
+                               param="logit_bias") from None
         try:
             return SamplingParams(n=self.n, max_tokens=self.max_tokens or default_max_tokens,
                                   temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
                                   stop=self.stop, ignore_eos=self.ignore_eos, logprobs=self.logprobs_count(),
-                                  presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
+                                  presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                                  repetition_penalty=self.repetition_penalty, logit_bias=bias,
+                                  min_tokens=self.min_tokens)
         except ValueError as e:  # SamplingParams names the field first
             raise ApiError(400, str(e), param=str(e).split(" ")[0]) from e
 
