@@ -153,3 +153,26 @@ def test_trained_perplexity_far_below_uniform_and_random(model, tokenizer):
     untrained = DeepseekV3ForCausalLM._from_config(model.config, dtype=torch.float32).eval()
     random_ppl = perplexity(untrained, ids)
     assert random_ppl > 10 * PPL_BOUND, f"random-weight perplexity {random_ppl:.1f}: bound not discriminative"
+
+
+def test_stop_strings_wait_for_min_tokens():
+    """A stop string that ends within the text of the first ``min_tokens - 1`` tokens does not end the
+    sequence; its next occurrence does (vLLM's semantics)."""
+    from mla_runtime import LLM, SamplingParams
+
+    greedy = dict(max_tokens=24, temperature=0, ignore_eos=True)
+    with LLM(str(DEMO), dtype="float32", max_model_len=256, kv_cache_memory="4MiB") as llm:
+        prompt = "def load(path):\n"
+        free = llm.generate([prompt], SamplingParams(**greedy))[0].outputs[0]
+        decode = llm.engine.tokenizer.decode
+        stop = "path"
+        assert free.text.count(stop) >= 2, free.text  # the demo model repeats its argument names
+        j = next(k for k in range(1, len(free.token_ids) + 1) if stop in decode(free.token_ids[:k]))
+        early = llm.generate([prompt], SamplingParams(**greedy, stop=stop))[0].outputs[0]
+        assert early.finish_reason == "stop" and len(early.token_ids) == j
+        assert early.text == free.text[:free.text.index(stop)]
+        late = llm.generate([prompt], SamplingParams(**greedy, stop=stop, min_tokens=j + 1))[0].outputs[0]
+        head = decode(free.token_ids[:j])  # stop strings must end after this text
+        assert late.finish_reason == "stop" and len(late.token_ids) > j
+        assert late.text == free.text[:free.text.index(stop, len(head) - len(stop) + 1)]
+        llm.engine.pool.check_whole()
