@@ -384,7 +384,7 @@ BAD = [  # (path, body, status, what the message must name)
     ("/generate", {"prompt": "x", "stream": "yes"}, 422, "stream"),
     ("/generate", {"prompt": "x", "max_length": 10}, 422, "max_length"),
     ("/generate", b'{"prompt": "\\ud800"}', 400, "surrogate"),
-    ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": ["a", ""]}, 400, "prompt"),  # one prompt of the batch is empty
     ("/v1/completions", {"model": "tiny", "prompt": "x", "presence_penalty": 2.5}, 422, "presence_penalty"),
     ("/generate", {"prompt": "x", "frequency_penalty": "high"}, 422, "frequency_penalty"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
@@ -453,6 +453,19 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
     assert after[("mla_generation_tokens_total",)] - before[("mla_generation_tokens_total",)] < 200
 
 
+def test_client_disconnect_aborts_every_prompt_of_a_batch(server):
+    batch = {"model": "tiny", "prompt": ["the fox " * 10, "a dog " * 10, "the end"], "max_tokens": 200,
+             "ignore_eos": True, "stream": True}
+    with slowed(server, 0.02), httpx.Client(base_url=server.base, timeout=30) as client:
+        with client.stream("POST", "/v1/completions", json=batch) as s:
+            assert next(s.iter_lines()).startswith("data: ")
+            assert server.metrics()[("mla_running_sequences",)] == 3
+        with pytest.raises(httpx.ReadTimeout):  # the same, not streamed
+            client.post("/v1/completions", json={**batch, "stream": False}, timeout=0.3)
+        after = wait_idle(server)  # no sequence left running, no block held
+    assert after[("mla_requests_in_flight",)] == 0
+
+
 def test_api_key_and_body_limit(strict):
     prompt = {"prompt": "hi", "max_tokens": 2}
     assert_error(httpx.post(strict.base + "/generate", json=prompt), 401, "API key")
@@ -464,6 +477,40 @@ def test_api_key_and_body_limit(strict):
     assert_error(httpx.post(strict.base + "/generate", json=big, headers=auth()), 413, "max_body_bytes")
     chunked = (bytes([b]) * 1000 for b in b"abcdefgh")  # no Content-Length: the limit applies while reading
     assert_error(httpx.post(strict.base + "/generate", content=chunked, headers=auth()), 413, "max_body_bytes")
+
+
+def test_batched_completions_answer_every_prompt_in_order(server, strict):
+    """OpenAI's batch form of /v1/completions: ``n`` choices per prompt, prompt p's at ``p·n + i``, each equal to
+    the prompt sent alone; streamed chunks concatenate to the same texts; usage sums over the prompts."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0)
+    prompts = ["the quick brown", "def hello(", "a"]
+    kw = dict(model="tiny", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    alone = [client.completions.create(prompt=p, **kw) for p in prompts]
+    batch = client.completions.create(prompt=prompts, n=2, echo=True, **kw)
+    assert [c.index for c in batch.choices] == list(range(6))
+    for p, (prompt, single) in enumerate(zip(prompts, alone)):
+        for i in range(2):
+            assert batch.choices[2 * p + i].text == prompt + single.choices[0].text
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+    texts = [""] * 3
+    for chunk in client.completions.create(prompt=prompts, stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [a.choices[0].text for a in alone]
+    ids = client.completions.create(prompt=[[5, 6, 7], [8, 9]], **kw)
+    assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 5
+    # a batch counts as one request per prompt against max_num_seqs + max_queue (2 + 2 on this server)
+    r = httpx.post(strict.base + "/v1/completions", headers=auth(),
+                   json={"model": "tiny", "prompt": ["a"] * 5, "max_tokens": 2})
+    assert_error(r, 400, "prompt")
+    r = httpx.post(strict.base + "/v1/completions", headers=auth(),
+                   json={"model": "tiny", "prompt": ["a"] * 4, "max_tokens": 2})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 4
+    wait_idle(server)
+    wait_idle(strict)
 
 
 def test_queue_bound_answers_429_and_loses_nothing(strict):

@@ -153,8 +153,11 @@ def run_truncated(tp: int, layout: str, method: str, calibration: str):
                             SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0))
         engine = llm.engine
         engine.pool.check_whole()
-        widths = (engine.model_config.kv_lora_rank, engine.cache.layers[0].kv.shape[-1], engine.bytes_per_token_per_rank)
-        return ([o.outputs[0].token_ids for o in outs], [lp[t] for o in outs for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)], widths)
+        widths = (engine.model_config.kv_lora_rank, engine.cache.layers[0].kv.shape[-1],
+                  engine.bytes_per_token_per_rank)
+        samples = [o.outputs[0] for o in outs]
+        return ([c.token_ids for c in samples], [lp[t] for c in samples for t, lp in zip(c.token_ids, c.logprobs)],
+                widths)
 
 
 @pytest.mark.parametrize("layout,method", [("replicated", "pca"), ("sharded", "svd")])

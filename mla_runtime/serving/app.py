@@ -30,7 +30,7 @@ from mla_runtime.outputs import RequestOutput
 from mla_runtime.serving.config import ServerConfig
 from mla_runtime.serving.metrics import ServerMetrics
 from mla_runtime.serving.protocol import ApiError, ChatRequest, CompletionRequest, GenerateRequest, validation_error
-from mla_runtime.serving.responses import Job, StreamState, full_body, sse
+from mla_runtime.serving.responses import Job, StreamState, full_body, merge_outputs, sse
 from mla_runtime.serving.runtime import ServingRuntime
 from mla_runtime.tokenizer import apply_chat_template
 
@@ -71,6 +71,45 @@ async def guarded(request: Request, awaitable: Awaitable[Any], deadline: float) 
     if task in done:
         return task.result()
     raise ClientDisconnected() if watcher in done else RequestTimedOut()
+
+
+async def generate_job_outputs(llm: AsyncLLM, job: Job) -> AsyncIterator[RequestOutput]:
+    """The job's outputs as the engine produces them; for a batch of prompts, one engine request each, run
+    concurrently and merged (``merge_outputs``) each time one advances, once every prompt has started.
+    The first failure (e.g. the engine refusing a prompt) is raised; closing this generator aborts them all."""
+    if len(job.prompts) == 1:
+        async for out in llm.generate(job.prompts[0], job.params, job.request_id):
+            yield out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, prompt: Any, request_id: str) -> None:
+        try:
+            async for out in llm.generate(prompt, job.params, request_id):
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, None))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, prompt, rid))
+             for i, (prompt, rid) in enumerate(zip(job.prompts, job.engine_request_ids))]
+    latest: list[RequestOutput | None] = [None] * len(tasks)
+    try:
+        running = len(tasks)
+        while running:
+            i, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                running -= 1
+                continue
+            latest[i] = item
+            if all(x is not None for x in latest):
+                yield merge_outputs(job, latest)  # type: ignore[arg-type]
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _last(gen: AsyncIterator[RequestOutput], first: RequestOutput) -> RequestOutput:
@@ -160,18 +199,18 @@ def build_app(engine_config: EngineConfig, config: ServerConfig,
 
     def generate_job(req: GenerateRequest) -> Job:
         prompt = req.prompt if isinstance(req.prompt, str) else {"prompt_token_ids": req.prompt}
-        return Job("generate", prompt, req.sampling_params(16), config.served_model_name or "", stream=req.stream)
+        return Job("generate", [prompt], req.sampling_params(16), config.served_model_name or "", stream=req.stream)
 
     def completion_job(req: CompletionRequest) -> Job:
         check_model(req.model)
         req.check_unsupported()
-        p = req.single_prompt()
+        prompts = req.prompt_list()
         echo = None
         if req.echo:
             tok = tokenizer()
-            echo = p if isinstance(p, str) else (tok.decode(p) if tok is not None else "")
-        prompt = p if isinstance(p, str) else {"prompt_token_ids": p}
-        return Job("completions", prompt, req.sampling_params(16), config.served_model_name or "",
+            echo = [p if isinstance(p, str) else (tok.decode(p) if tok is not None else "") for p in prompts]
+        return Job("completions", [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompts],
+                   req.sampling_params(16), config.served_model_name or "",
                    stream=req.stream, include_usage=bool(req.stream_options and req.stream_options.include_usage),
                    echo=echo, logprobs=req.logprobs_count(), token_text=token_text)
 
@@ -184,7 +223,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig,
             raise ApiError(400, f"messages: {e}", param="messages") from e
         max_tokens = req.max_completion_tokens or req.max_tokens or max(1, rt.max_model_len - len(ids))
         params = req.sampling_params(max_tokens)
-        return Job("chat", {"prompt_token_ids": ids}, params, config.served_model_name or "", stream=req.stream,
+        return Job("chat", [{"prompt_token_ids": ids}], params, config.served_model_name or "", stream=req.stream,
                    include_usage=bool(req.stream_options and req.stream_options.include_usage),
                    logprobs=req.logprobs_count(), token_text=token_text)
 
@@ -206,7 +245,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig,
         return await _run(request, llm, job)
 
     async def _run(request: Request, llm: AsyncLLM, job: Job) -> Response:
-        gen = llm.generate(job.prompt, job.params, job.request_id)
+        gen = generate_job_outputs(llm, job)
         deadline = rt.deadline(job)
         outcome, out, error = "error", None, None
         try:

@@ -142,14 +142,12 @@ class CompletionRequest(OpenAIFields):
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
-    def single_prompt(self) -> str | list[int]:
+    def prompt_list(self) -> list[str | list[int]]:
+        """The request's prompts: one, or OpenAI's batch form (a list of strings or of token-id lists)."""
         p = self.prompt
         if isinstance(p, list) and p and not isinstance(p[0], int):
-            if len(p) != 1:
-                raise ApiError(400, "prompt: a list of several prompts is not supported; send one request each",
-                               param="prompt")
-            p = p[0]
-        return p  # type: ignore[return-value]
+            return list(p)  # type: ignore[arg-type]
+        return [p]  # type: ignore[list-item]
 
     def logprobs_count(self) -> int | None:
         return self.logprobs

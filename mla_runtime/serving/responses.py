@@ -12,7 +12,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mla_runtime.engine.llm_engine import PromptType
@@ -30,12 +30,12 @@ class Job:
     """One admitted generation request, as the HTTP layer sees it."""
 
     endpoint: str  # "generate" | "completions" | "chat"
-    prompt: PromptType
+    prompts: list[PromptType]  # one, or several for a batched /v1/completions request
     params: SamplingParams
     model: str
     stream: bool = False
     include_usage: bool = False
-    echo: str | None = None  # prompt text to prepend (completions with echo)
+    echo: list[str] | None = None  # each prompt's text, prepended to its choices (completions with echo)
     logprobs: int | None = None  # alternatives per generated token to return; None: no log-probabilities
     token_text: Callable[[int], str] = str  # a token id's text, for log-probability entries
     request_id: str = ""
@@ -45,6 +45,35 @@ class Job:
 
     def __post_init__(self) -> None:
         self.request_id = self.request_id or f"{ID_PREFIX[self.endpoint]}-{uuid.uuid4().hex}"
+
+    @property
+    def engine_request_ids(self) -> list[str]:
+        """The engine requests behind this job: its own id, or ``<id>-<p>`` for prompt p of a batch."""
+        if len(self.prompts) == 1:
+            return [self.request_id]
+        return [f"{self.request_id}-{p}" for p in range(len(self.prompts))]
+
+    @property
+    def num_choices(self) -> int:
+        """Choices in the answer: ``n`` per prompt; prompt p's samples are choices ``p·n .. p·n + n - 1``."""
+        return len(self.prompts) * self.params.n
+
+    def echo_of(self, choice: int) -> str:
+        return self.echo[choice // self.params.n] if self.echo else ""
+
+
+def merge_outputs(job: Job, outs: list[RequestOutput]) -> RequestOutput:
+    """One ``RequestOutput`` for a batched job: the prompts' choices re-indexed in prompt order, the prompt
+    tokens (for usage) concatenated; timing metrics are the first prompt's."""
+    if len(outs) == 1:
+        return outs[0]
+    n = job.params.n
+    return RequestOutput(
+        request_id=job.request_id, prompt=None,
+        prompt_token_ids=[t for o in outs for t in o.prompt_token_ids],
+        outputs=[replace(c, index=p * n + c.index) for p, o in enumerate(outs) for c in o.outputs],
+        finished=all(o.finished for o in outs), metrics=outs[0].metrics,
+        num_cached_tokens=sum(o.num_cached_tokens for o in outs))
 
 
 def finish_reason(reason: str | None) -> str | None:
@@ -114,8 +143,8 @@ def full_body(job: Job, out: RequestOutput) -> dict[str, Any]:
                 "usage": _usage(out)}
     head = {"id": job.request_id, "object": OBJECTS[job.endpoint][0], "created": job.created, "model": job.model}
     if job.endpoint == "completions":
-        choices = [{"index": c.index, "text": (job.echo or "") + c.text,
-                    "logprobs": _choice_logprobs(job, c.token_ids, c.logprobs, len(job.echo or "")),
+        choices = [{"index": c.index, "text": job.echo_of(c.index) + c.text,
+                    "logprobs": _choice_logprobs(job, c.token_ids, c.logprobs, len(job.echo_of(c.index))),
                     "finish_reason": finish_reason(c.finish_reason)} for c in out.outputs]
     else:
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
@@ -134,10 +163,10 @@ class StreamState:
 
     def __init__(self, job: Job) -> None:
         self.job = job
-        n = job.params.n
+        n = job.num_choices
         self.sent_chars = [0] * n
         self.sent_tokens = [0] * n
-        self.token_chars = [len(job.echo or "")] * n  # text offset of the next token (completions logprobs)
+        self.token_chars = [len(job.echo_of(i)) for i in range(n)]  # text offset of the next token (logprobs)
         self.done = [False] * n
         self.started = False
         self.hold = max((len(s) for s in job.params.stop_strings), default=1) - 1
@@ -181,10 +210,10 @@ class StreamState:
         if job.endpoint == "chat":  # OpenAI's first chunk announces the role
             return [sse({**self._head(), "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                       "logprobs": None, "finish_reason": None}]})
-                    for i in range(job.params.n)]
+                    for i in range(job.num_choices)]
         if job.endpoint == "completions" and job.echo:
-            return [sse({**self._head(), "choices": [{"index": i, "text": job.echo, "logprobs": None,
-                                                      "finish_reason": None}]}) for i in range(job.params.n)]
+            return [sse({**self._head(), "choices": [{"index": i, "text": job.echo_of(i), "logprobs": None,
+                                                      "finish_reason": None}]}) for i in range(job.num_choices)]
         return []
 
     def _delta(self, i: int, text: str, tokens: list[int], reason: str | None,

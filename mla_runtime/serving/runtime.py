@@ -123,13 +123,18 @@ class ServingRuntime:
         return self.llm
 
     def admit(self, job: Job) -> None:
+        """Count ``job`` in flight (each prompt of a batch counts as one request), or refuse it."""
         limit = self.engine_config.max_num_seqs + self.config.max_queue
-        if self.in_flight >= limit:
+        weight = len(job.prompts)
+        if weight > limit:
+            raise ApiError(400, f"prompt: {weight} prompts in one request exceed the server's capacity of {limit} "
+                                f"requests in flight (max_num_seqs + max_queue); split the batch", param="prompt")
+        if self.in_flight + weight > limit:
             raise ApiError(429, f"server at capacity: {self.in_flight} requests in flight (max_num_seqs "
                                 f"{self.engine_config.max_num_seqs} + max_queue {self.config.max_queue}); "
                                 f"retry later", headers={"Retry-After": "1"})
-        self.in_flight += 1
-        self.metrics.in_flight.inc()
+        self.in_flight += weight
+        self.metrics.in_flight.inc(weight)
 
     def reject(self, endpoint: str, status: int) -> None:
         self.metrics.requests.labels(endpoint, STATUS_OUTCOMES.get(status, "error")).inc()
@@ -144,10 +149,11 @@ class ServingRuntime:
             return
         job.outcome = outcome
         if self.llm is not None and (out is None or not out.finished):
-            self.llm.abort(job.request_id)
-        self.in_flight -= 1
+            for request_id in job.engine_request_ids:
+                self.llm.abort(request_id)
+        self.in_flight -= len(job.prompts)
         m = self.metrics
-        m.in_flight.dec()
+        m.in_flight.dec(len(job.prompts))
         m.requests.labels(job.endpoint, outcome).inc()
         if out is None:
             logger.info("%s %s %s before the first token, after %.3f s", job.endpoint, job.request_id, outcome,
