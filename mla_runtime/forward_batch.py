@@ -36,7 +36,8 @@ class ForwardBatch:
     local_token_seq_lens: torch.Tensor | None = None
     # set by the model once per step and shared by every layer: RoPE cos/sin [T, d_r / 2] and, for CPU
     # steps that start with decodes, the gather plan of the absorbed attention of those decode rows
-    # (mla_kernels.DecodePlan over tokens [:num_planned]) and the rest of the step as a sub-batch
+    # (mla_kernels.DecodePlan over tokens [:num_planned], speculative drafts included) and the rest of the
+    # step as a sub-batch
     rope_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
     decode_plan: Any = None
     num_planned: int = 0
@@ -54,24 +55,24 @@ class ForwardBatch:
     def is_decode(self) -> bool:
         return max(self.query_lens, default=0) == 1
 
-    @property
-    def num_decode_tokens(self) -> int:
-        """Length of the leading run of one-token sequences (the scheduler puts decodes first): in a mixed
-        step, tokens ``[:D]`` are decodes and the rest are prefill chunks."""
-        d = 0
+    def leading_short(self, max_query_len: int) -> tuple[int, int]:
+        """``(sequences, tokens)`` of the leading run of sequences with at most ``max_query_len`` new tokens each
+        (the scheduler puts decodes — with their speculative drafts — first): in a mixed step those tokens
+        are ``[:tokens]`` and the prefill chunks come after them."""
+        seqs = tokens = 0
         for q in self.query_lens:
-            if q != 1:
+            if q > max_query_len:
                 break
-            d += 1
-        return d
+            seqs += 1
+            tokens += q
+        return seqs, tokens
 
     def tail(self, first: int) -> ForwardBatch:
-        """The sub-batch of sequences ``first:`` (whose tokens are ``[first_token:]`` of this batch) with its
-        own offsets; the leading sequences must have one token each (``first <= num_decode_tokens``)."""
-        if first > self.num_decode_tokens:
-            raise ValueError(f"tail({first}) needs {first} leading one-token sequences, "
-                             f"the batch has {self.num_decode_tokens}")
-        t0 = first  # one token per leading sequence
+        """The sub-batch of sequences ``first:`` (whose tokens follow those of the first ``first`` sequences)
+        with its own offsets."""
+        if not 0 <= first <= self.num_seqs:
+            raise ValueError(f"tail({first}) of a batch of {self.num_seqs} sequences")
+        t0 = sum(self.query_lens[:first])
         return ForwardBatch(
             input_ids=self.input_ids[t0:], positions=self.positions[t0:], slot_mapping=self.slot_mapping[t0:],
             query_start_loc=self.query_start_loc[first:] - t0, seq_lens=self.seq_lens[first:],

@@ -169,15 +169,16 @@ def test_prepared_model_decode_equals_unprepared(tiny_checkpoint):
 def test_forward_batch_tail_equals_a_batch_of_the_tail():
     chunks, ctx, tables = [[5], [6], [7, 8, 9], [10, 11]], [3, 17, 0, 16], [[2, 9], [4, 1], [7], [3, 0, 5]]
     full = ForwardBatch.build(chunks, ctx, tables, 16)
-    assert full.num_decode_tokens == 2
-    tail, direct = full.tail(2), ForwardBatch.build(chunks[2:], ctx[2:], tables[2:], 16)
-    for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "seq_start_loc",
-                 "context_lens", "token_seq_lens", "token_req_idx", "logits_indices"):
-        assert torch.equal(getattr(tail, name), getattr(direct, name)), name
-    assert torch.equal(tail.block_tables[:, :direct.block_tables.shape[1]], direct.block_tables)  # padded alike
-    assert (tail.query_lens, tail.context_lens_list) == (direct.query_lens, direct.context_lens_list)
-    with pytest.raises(ValueError, match="leading one-token"):
-        full.tail(3)
+    assert full.leading_short(1) == (2, 2) and full.leading_short(3) == (4, 7) and full.leading_short(0) == (0, 0)
+    for first in (2, 3):
+        tail, direct = full.tail(first), ForwardBatch.build(chunks[first:], ctx[first:], tables[first:], 16)
+        for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "seq_start_loc",
+                     "context_lens", "token_seq_lens", "token_req_idx", "logits_indices"):
+            assert torch.equal(getattr(tail, name), getattr(direct, name)), name
+        assert torch.equal(tail.block_tables[:, :direct.block_tables.shape[1]], direct.block_tables)  # padded
+        assert (tail.query_lens, tail.context_lens_list) == (direct.query_lens, direct.context_lens_list)
+    with pytest.raises(ValueError, match="tail"):
+        full.tail(5)
 
 
 @pytest.mark.parametrize("path", ["auto", "naive"])

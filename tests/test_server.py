@@ -195,7 +195,8 @@ def test_health_ready_models_and_metrics_names(server):
     for name in ("mla_queue_depth", "mla_running_sequences", "mla_latent_cache_usage_ratio",
                  "mla_prefix_cache_hit_rate", "mla_preemptions_total", "mla_time_to_first_token_seconds_bucket",
                  "mla_time_per_output_token_seconds_bucket", "mla_e2e_request_latency_seconds_bucket",
-                 "mla_prompt_tokens_total", "mla_generation_tokens_total"):
+                 "mla_prompt_tokens_total", "mla_generation_tokens_total", "mla_spec_draft_tokens_total",
+                 "mla_spec_accepted_tokens_total"):
         assert name in names, name
 
 
@@ -454,16 +455,21 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
 
 
 def test_client_disconnect_aborts_every_prompt_of_a_batch(server):
-    batch = {"model": "tiny", "prompt": ["the fox " * 10, "a dog " * 10, "the end"], "max_tokens": 200,
-             "ignore_eos": True, "stream": True}
-    with slowed(server, 0.02), httpx.Client(base_url=server.base, timeout=30) as client:
-        with client.stream("POST", "/v1/completions", json=batch) as s:
-            assert next(s.iter_lines()).startswith("data: ")
-            assert server.metrics()[("mla_running_sequences",)] == 3
-        with pytest.raises(httpx.ReadTimeout):  # the same, not streamed
-            client.post("/v1/completions", json={**batch, "stream": False}, timeout=0.3)
-        after = wait_idle(server)  # no sequence left running, no block held
-    assert after[("mla_requests_in_flight",)] == 0
+    batch = {"model": "tiny", "prompt": ["the fox " * 10, "a dog " * 10, "the end"], "max_tokens": 150,
+             "ignore_eos": True, "temperature": 0, "stream": True}
+    engine = server.llm.engine
+    for stream in (True, False):
+        before = engine.num_generation_tokens
+        with slowed(server, 0.02), httpx.Client(base_url=server.base, timeout=30) as client:
+            if stream:
+                with client.stream("POST", "/v1/completions", json=batch) as s:
+                    assert next(s.iter_lines()).startswith("data: ")
+            else:
+                with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
+                    client.post("/v1/completions", json={**batch, "stream": False}, timeout=0.3)
+            after = wait_idle(server)  # no sequence left running, no block held
+        assert after[("mla_requests_in_flight",)] == 0
+        assert engine.num_generation_tokens - before < 3 * 150  # every prompt stopped early
 
 
 def test_api_key_and_body_limit(strict):

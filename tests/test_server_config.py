@@ -63,6 +63,9 @@ def test_flags_override_the_file_and_the_file_overrides_the_environment(tmp_path
                            "--max-model-len", "1024"], env={"MLA_API_KEY": "env"})
     assert srv.api_key == "env" and srv.port == 8000
     assert (engine.latent_rank, engine.kv_cache_memory, engine.max_model_len) == (16, 64 * 2**20, 1024)
+    path = write(tmp_path, f"model: {{path: {model_dir}}}\nspeculative: {{num_tokens: 4, prompt_lookup_max: 5}}\n")
+    engine, _ = resolve(["--config", path, "--prompt-lookup-min", "2"], env={})
+    assert (engine.num_speculative_tokens, engine.prompt_lookup_max, engine.prompt_lookup_min) == (4, 5, 2)
 
 
 @pytest.mark.parametrize("text, named", [

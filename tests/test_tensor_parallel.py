@@ -185,3 +185,26 @@ def test_rank_zero_failing_before_truncation_stops_the_workers(tmp_path):
     while any(p.name.startswith("mla-tp-rank") for p in multiprocessing.active_children()):
         assert time.monotonic() < deadline, "a worker rank outlived the failed engine"
         time.sleep(0.1)
+
+
+def test_speculative_decoding_under_two_ranks(tiny_checkpoint, reference):
+    """Every rank computes the logits of all of a speculative step's tokens (the lm_head is vocab-sharded)."""
+    path, _ = tiny_checkpoint("v3")
+    ref_tokens, _, _ = reference
+    llm = LLM(str(path), dtype="float32", max_model_len=256, block_size=BLOCK, tensor_parallel_size=2,
+              kv_cache_memory=14 * BLOCK * BYTES_PER_TOKEN, max_num_batched_tokens=128, num_speculative_tokens=3)
+    try:
+        loop = {"prompt_token_ids": [11, 12, 13, 14] * 8}
+        out = llm.generate(workload()[:1], PARAMS) + llm.generate(workload()[1:], PARAMS)
+        assert tokens(out) == ref_tokens
+        single = run_single_plain(path, loop)
+        assert tokens(llm.generate([loop], PARAMS)) == single
+        assert llm.engine.stats()["num_draft_tokens"] > 0
+        llm.engine.pool.check_whole()
+    finally:
+        llm.shutdown()
+
+
+def run_single_plain(path, prompt) -> list[list[int]]:
+    with LLM(str(path), dtype="float32", max_model_len=256, block_size=BLOCK, kv_cache_memory="4MiB") as llm:
+        return tokens(llm.generate([prompt], PARAMS))

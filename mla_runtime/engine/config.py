@@ -33,6 +33,12 @@ class EngineConfig:
     # CPU threads of the model's kernels: a count, "auto" (measured per step size, see engine/thread_tuner.py)
     # or None (torch's setting: every core)
     num_threads: int | str | None = None
+    # speculative decoding by prompt lookup (engine/speculative.py) for greedy requests: up to this many
+    # draft tokens per step (0: off), copied after the latest earlier occurrence of the sequence's last
+    # prompt_lookup_max .. prompt_lookup_min tokens
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
 
     def __post_init__(self) -> None:
         if self.block_size < 16 or self.block_size % 16:
@@ -56,6 +62,13 @@ class EngineConfig:
         if self.latent_cache_layout not in LATENT_CACHE_LAYOUTS:
             raise ValueError(f"latent_cache_layout must be one of {LATENT_CACHE_LAYOUTS}, "
                              f"got {self.latent_cache_layout!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) and prompt_lookup_max "
+                             f"({self.prompt_lookup_max}) must satisfy 1 <= min <= max")
         if self.latent_rank is not None and self.latent_rank < 1:
             raise ValueError(f"latent_rank must be >= 1, got {self.latent_rank}")
         if self.latent_projection not in ("svd", "pca"):

@@ -129,7 +129,8 @@ class LLMEngine:
             self.shutdown()
             raise
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
+                                   config.num_speculative_tokens, (config.prompt_lookup_max, config.prompt_lookup_min))
         self.runner = ModelRunner(self.model, self.cache, self.device, config.seed, config.block_size, self.tp_group,
                                   self.thread_tuner)
         self.requests: dict[str, RequestState] = {}
@@ -137,6 +138,8 @@ class LLMEngine:
         self.load_seconds = time.monotonic() - t0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.num_draft_tokens = 0  # speculative tokens proposed / accepted by the model
+        self.num_accepted_tokens = 0
 
     def _truncate_latent(self) -> None:
         cfg = self.config
@@ -279,16 +282,22 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        sampled_seqs, result = self.runner.execute(batch)
-        self.scheduler.on_step_done(batch)
+        sampled, accepted = self.runner.execute(batch)
+        self.num_draft_tokens += sum(len(s.draft_token_ids) for s in batch.seqs)
+        self.num_accepted_tokens += sum(accepted.values())
+        self.scheduler.on_step_done(batch, accepted)
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
-        for seq, token, lp in zip(sampled_seqs, result.token_ids, result.logprobs):
+        for new in sampled:
+            seq = new.seq
             state = self.requests.get(seq.request_id)
-            if state is None or seq.is_finished:
+            if state is None:
                 continue
-            self._append(state, seq, token, lp, now)
-            touched[state.request_id] = state
+            for token, lp in zip(new.token_ids, new.logprobs):
+                if seq.is_finished:  # a stop among a speculative step's tokens drops the rest
+                    break
+                self._append(state, seq, token, lp, now)
+                touched[state.request_id] = state
         outputs = []
         for state in touched.values():
             if all(s.is_finished for s in state.seqs):
@@ -362,4 +371,5 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_computed_tokens": self.scheduler.num_computed_tokens_total,
             "num_prompt_tokens": self.num_prompt_tokens, "num_generation_tokens": self.num_generation_tokens,
+            "num_draft_tokens": self.num_draft_tokens, "num_accepted_tokens": self.num_accepted_tokens,
         }

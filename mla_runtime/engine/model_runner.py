@@ -3,17 +3,28 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 
 from mla_runtime.cache.latent_cache import LatentCache
-from mla_runtime.engine.sampler import SampleResult, sample
+from mla_runtime.engine.sampler import sample
 from mla_runtime.engine.scheduler import ScheduledBatch
 from mla_runtime.engine.sequence import Sequence
 from mla_runtime.engine.thread_tuner import ThreadTuner
 from mla_runtime.engine.tp_workers import RankDiedError, TensorParallelGroup
 from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.models.deepseek import DeepseekForCausalLM
+from mla_runtime.sampling_params import SamplingParams
+
+
+@dataclass
+class Sampled:
+    """What one step gives a sequence: its new tokens, in order, and their log-probability entries."""
+
+    seq: Sequence
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]
 
 
 class ModelRunner:
@@ -32,42 +43,69 @@ class ModelRunner:
         chunks, contexts, tables = [], [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
-            chunks.append(seq.token_ids[start:start + n])
+            chunks.append(seq.token_ids[start:start + n - len(seq.draft_token_ids)] + seq.draft_token_ids)
             contexts.append(start)
             tables.append(seq.block_table)
         return ForwardBatch.build(chunks, contexts, tables, self.block_size, self.device)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SampleResult]:
-        """Run one step; returns the sequences that reached their last token and their samples."""
+    def execute(self, batch: ScheduledBatch) -> tuple[list[Sampled], dict[int, int]]:
+        """Run one step. Returns, for each sequence that reached its last token, the tokens it gains (one, or
+        for a speculative decode its accepted drafts and the model's next token) with their log-probabilities;
+        and the number of accepted drafts by seq_id."""
         fwd = self.build_batch(batch)
-        rows = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
-                if seq.num_computed_tokens + n == seq.num_tokens]
+        # logit rows: the last token of each sequence that completes, every token of a speculative decode
+        seqs: list[Sequence] = []
+        token_rows: list[int] = []
+        first_row = 0
+        for seq, n, end in zip(batch.seqs, batch.num_new_tokens, fwd.query_start_loc[1:].tolist()):
+            if seq.num_computed_tokens + n - len(seq.draft_token_ids) == seq.num_tokens:
+                seqs.append(seq)
+                token_rows.extend(range(end - 1 - len(seq.draft_token_ids), end))
         if self.tp_group is None:
             with self.thread_tuner.step(fwd.num_tokens, fwd.is_decode) if self.thread_tuner else nullcontext():
-                logits = self._forward(fwd, rows)
+                logits = self._forward(fwd, token_rows)
         else:
-            self.tp_group.broadcast_step(fwd, rows)
+            self.tp_group.broadcast_step(fwd, token_rows)
             try:
-                logits = self._forward(fwd, rows)
+                logits = self._forward(fwd, token_rows)
             except RuntimeError as e:  # a collective failed: a peer rank is gone
                 self.tp_group.check_alive()
                 raise RankDiedError(f"tensor-parallel step failed: {e}") from e
         if logits is None:
-            return [], SampleResult([], [])
-        seqs = [batch.seqs[i] for i in rows]
-        return seqs, sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.generator,
-                            [s.output_token_ids for s in seqs], [s.prompt_token_ids for s in seqs],
-                            [self._stop_tokens(s) for s in seqs])
+            return [], {}
+        # one sampler row per logit row; row j of a speculative decode sees its first j drafts as generated
+        params, gens, outputs, prompts, suppress = [], [], [], [], []
+        for seq in seqs:
+            for j in range(len(seq.draft_token_ids) + 1):
+                out = seq.output_token_ids + seq.draft_token_ids[:j]
+                params.append(seq.params)
+                gens.append(seq.generator)
+                outputs.append(out)
+                prompts.append(seq.prompt_token_ids)
+                suppress.append(self._stop_tokens(seq.params, len(out)))
+        result = sample(logits, params, gens, self.generator, outputs, prompts, suppress)
+        sampled, accepted = [], {}
+        for seq in seqs:
+            k = len(seq.draft_token_ids)
+            tokens, lps = result.token_ids[first_row:first_row + k + 1], result.logprobs[first_row:first_row + k + 1]
+            first_row += k + 1
+            a = 0
+            while a < k and seq.draft_token_ids[a] == tokens[a]:  # greedy: a draft stands if the model chose it
+                a += 1
+            if k:
+                accepted[seq.seq_id] = a
+            sampled.append(Sampled(seq, tokens[:a + 1], lps[:a + 1]))
+        return sampled, accepted
 
-    def _stop_tokens(self, seq: Sequence) -> list[int]:
-        """The tokens that would end ``seq`` now but may not yet (fewer than ``min_tokens`` generated)."""
-        p = seq.params
-        if len(seq.output_token_ids) >= p.min_tokens:
+    def _stop_tokens(self, params: SamplingParams, num_generated: int) -> list[int]:
+        """The tokens that would end a sequence with ``num_generated`` tokens but may not yet (min_tokens)."""
+        if num_generated >= params.min_tokens:
             return []
-        eos = [] if p.ignore_eos else [t for t in self.model.config.eos_token_ids if t < self.model.config.vocab_size]
-        return eos + list(p.stop_token_ids or [])
+        cfg = self.model.config
+        eos = [] if params.ignore_eos else [t for t in cfg.eos_token_ids if t < cfg.vocab_size]
+        return eos + list(params.stop_token_ids or [])
 
-    def _forward(self, fwd: ForwardBatch, rows: list[int]) -> torch.Tensor | None:
+    def _forward(self, fwd: ForwardBatch, token_rows: list[int]) -> torch.Tensor | None:
         hidden = self.model(fwd, self.cache)
-        return self.model.compute_logits(hidden[fwd.logits_indices[rows]]) if rows else None
+        return self.model.compute_logits(hidden[token_rows]) if token_rows else None

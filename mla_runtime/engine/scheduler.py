@@ -9,6 +9,11 @@ Each step it fills a budget of ``max_num_batched_tokens`` new tokens:
 3. then waiting sequences, in arrival order, while the budget, ``max_num_seqs`` and the pool allow;
    each first takes the longest cached prefix of its tokens.
 
+With speculative decoding on, a greedy decode also carries its draft tokens (``engine/speculative.py``):
+they take budget and cache slots like any token, and ``on_step_done`` counts only the ones the model
+accepted as computed — the latents written for rejected drafts lie past the sequence's end and are
+overwritten by the tokens that really come there.
+
 The scheduler deals only in sequences, token counts and block ids.
 """
 
@@ -19,6 +24,7 @@ from dataclasses import dataclass, field
 
 from mla_runtime.engine.block_pool import BlockPool, block_hash
 from mla_runtime.engine.sequence import Sequence, SequenceStatus
+from mla_runtime.engine.speculative import propose
 
 
 @dataclass
@@ -35,8 +41,12 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int = 0,
+                 num_speculative_tokens: int = 0, prompt_lookup: tuple[int, int] = (3, 1)) -> None:
         self.pool = pool
+        self.max_model_len = max_model_len
+        self.num_speculative_tokens = num_speculative_tokens
+        self.prompt_lookup = prompt_lookup  # (longest, shortest) suffix to look up
         self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -73,6 +83,7 @@ class Scheduler:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
+        seq.draft_token_ids = []
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -124,6 +135,8 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(seq.num_uncomputed, budget)
+            seq.draft_token_ids = self._drafts(seq, budget - 1) if n == seq.num_uncomputed == 1 else []
+            n += len(seq.draft_token_ids)
             need = self._blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
             while need > self.pool.num_free_blocks:
                 victims = [v for v in self.running if v.seq_id not in scheduled]
@@ -160,12 +173,28 @@ class Scheduler:
             budget -= n
         return batch
 
-    def on_step_done(self, batch: ScheduledBatch) -> None:
-        """Advance computed counts and index newly completed full blocks in the prefix cache."""
+    def _drafts(self, seq: Sequence, room: int) -> list[int]:
+        """Draft tokens for a greedy decode: at most ``room``, never past max_tokens or max_model_len."""
+        p = seq.params
+        k = min(self.num_speculative_tokens, room, p.max_tokens - len(seq.output_token_ids) - 1,
+                self.max_model_len - seq.num_tokens - 1 if self.max_model_len else room)
+        if k < 1 or not p.greedy:
+            return []
+        longest, shortest = self.prompt_lookup
+        return propose(seq.token_ids, k, longest, shortest)
+
+    def on_step_done(self, batch: ScheduledBatch, accepted: dict[int, int] | None = None) -> None:
+        """Advance computed counts and index newly completed full blocks in the prefix cache; ``accepted``:
+        how many draft tokens the model confirmed, by seq_id (only those count as computed)."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            tokens = seq.token_ids
+            if seq.draft_token_ids:
+                a = (accepted or {}).get(seq.seq_id, 0)
+                n -= len(seq.draft_token_ids) - a
+                tokens = tokens + seq.draft_token_ids[:a]  # the engine appends them after this
+                seq.draft_token_ids = []
             seq.num_computed_tokens += n
             self.num_computed_tokens_total += n
-            tokens = seq.token_ids
             while len(seq.block_hashes) < seq.num_computed_tokens // self.block_size:
                 k = len(seq.block_hashes)
                 parent = seq.block_hashes[-1] if seq.block_hashes else None

@@ -38,6 +38,7 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0
     share_prefix_with: Sequence | None = None  # sample 1 of the same request (n > 1)
+    draft_token_ids: list[int] = field(default_factory=list)  # this step's speculative tokens (after the last)
     stop_text_from: int = 0  # stop strings count from here in the output text (set when min_tokens is reached)
 
     @property

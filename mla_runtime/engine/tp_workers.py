@@ -113,11 +113,11 @@ def serve_worker(rank: int, world: int, config: EngineConfig) -> None:
         command = box[0]
         if command[0] == "stop":
             break
-        _, batch, rows = command
+        _, batch, token_rows = command
         with torch.inference_mode():
             hidden = model(batch, cache)
-            if rows:
-                model.compute_logits(hidden[batch.logits_indices[rows]])
+            if token_rows:
+                model.compute_logits(hidden[token_rows])
     dist.destroy_process_group()
 
 
@@ -164,10 +164,11 @@ class TensorParallelGroup:
                 raise RankDiedError(f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.exitcode}; "
                                     f"the engine cannot continue — restart it")
 
-    def broadcast_step(self, batch: ForwardBatch, rows: list[int]) -> None:
+    def broadcast_step(self, batch: ForwardBatch, token_rows: list[int]) -> None:
+        """Send the step to every rank: the batch and the tokens whose logits it needs."""
         self.check_alive()
         try:
-            dist.broadcast_object_list([("step", batch, rows)], src=0)
+            dist.broadcast_object_list([("step", batch, token_rows)], src=0)
         except RuntimeError as e:
             raise RankDiedError(f"tensor-parallel broadcast failed ({e}); a worker rank is gone") from e
 

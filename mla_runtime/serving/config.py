@@ -74,6 +74,12 @@ OPTIONS: dict[str, Option] = {
     "max_num_batched_tokens": Option(None, "--max-num-batched-tokens", int, "token budget of one step"),
     "kv_cache_dtype": Option("kv_cache.dtype", "--kv-cache-dtype", str, "auto, bfloat16, float16, fp8, int8…"),
     "latent_cache_layout": Option("kv_cache.layout", "--latent-cache-layout", str, "replicated or sharded"),
+    "num_speculative_tokens": Option("speculative.num_tokens", "--num-speculative-tokens", int,
+                                     "draft tokens per greedy decode step by prompt lookup (0: off)"),
+    "prompt_lookup_max": Option("speculative.prompt_lookup_max", "--prompt-lookup-max", int,
+                                "longest suffix looked up for drafts"),
+    "prompt_lookup_min": Option("speculative.prompt_lookup_min", "--prompt-lookup-min", int,
+                                "shortest suffix looked up for drafts"),
     "host": Option("serving.host", "--host", str),
     "port": Option("serving.listen_port", "--port", int),
     "request_timeout": Option("serving.request_timeout", "--request-timeout", float, "seconds; then 504"),
@@ -146,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="server.py", description="Serve an MLA checkpoint over HTTP (/generate, /v1/*, /metrics).",
         epilog="Precedence: flags > --config file > $MLA_API_KEY > defaults.")
-    parser.add_argument("--config", help="serve.yaml (sections model / kv_cache / serving; see "
+    parser.add_argument("--config", help="serve.yaml (sections model / kv_cache / speculative / serving; see "
                                          "mla_runtime/serving/serve.example.yaml)")
     for name, opt in OPTIONS.items():
         parser.add_argument(opt.flag, dest=name, type=opt.type, default=None, help=opt.help or None)

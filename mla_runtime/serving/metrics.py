@@ -99,6 +99,10 @@ class EngineCollector(Collector):
                       s["prefix_hit_tokens"])
         yield counter("mla_preemptions", "Sequences preempted (blocks freed, recomputed later)",
                       s["num_preemptions"])
+        yield counter("mla_spec_draft_tokens", "Speculative draft tokens proposed (prompt lookup)",
+                      s["num_draft_tokens"])
+        yield counter("mla_spec_accepted_tokens", "Speculative draft tokens the model accepted",
+                      s["num_accepted_tokens"])
         mem = GaugeMetricFamily("mla_memory_bytes", "Memory by part: weights, latent cache, planned activation "
                                 "reserve, other (measured process/device memory beyond weights and cache)",
                                 labels=["part"])

@@ -1,0 +1,162 @@
+"""Speculative decoding by prompt lookup: greedy output is exactly plain decoding's, in fewer steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mla_runtime import LLM, SamplingParams
+from mla_runtime.engine.speculative import propose
+from tests.test_engine import assert_clean, make_prompts, new_llm
+
+DEMO = Path(__file__).resolve().parent.parent / "mla_runtime" / "demo_model"
+
+
+def test_propose_copies_what_followed_the_latest_earlier_occurrence():
+    assert propose([1, 2, 3, 4, 1, 2], k=3, max_n=3, min_n=1) == [3, 4, 1]  # suffix [1, 2] seen at 0
+    assert propose([5, 1, 2, 9, 1, 2, 7, 1, 2], k=2, max_n=2, min_n=1) == [7, 1]  # the latest occurrence wins
+    assert propose([1, 2, 3, 9, 2, 3, 8, 1, 2, 3], k=2, max_n=3, min_n=1) == [9, 2]  # longest suffix first
+    assert propose([1, 2, 3, 4, 5], k=3, max_n=3, min_n=1) == []  # nothing repeats
+    assert propose([4, 2, 4], k=3, max_n=3, min_n=2) == []  # only a 1-token match, below min_n
+    assert propose([7, 7], k=4, max_n=3, min_n=1) == [7]
+    assert propose([1, 2, 1], k=0, max_n=3, min_n=1) == []
+
+
+def repetitive_prompts() -> list[dict]:
+    """Prompts that repeat themselves (so drafts exist) and random ones (so some are rejected)."""
+    loop = [11, 12, 13, 14, 15, 16]
+    return [{"prompt_token_ids": loop * 6}, {"prompt_token_ids": [40, 41] * 10 + [40]}] + make_prompts(4, seed=5)
+
+
+def generate(path, params, num_speculative_tokens: int, **kw):
+    llm = new_llm(path, num_speculative_tokens=num_speculative_tokens, **kw)
+    outs = llm.generate(repetitive_prompts(), params)
+    stats = llm.engine.stats()
+    assert_clean(llm)
+    return outs, stats, llm
+
+
+@pytest.mark.parametrize("extra", [
+    {},
+    {"frequency_penalty": 0.1, "repetition_penalty": 1.05},  # penalties see accepted drafts as generated
+    {"min_tokens": 20, "stop_token_ids": [12, 41]},  # stop tokens suppressed per position, then honoured
+])
+def test_speculative_greedy_equals_plain_greedy(tiny_checkpoint, extra):
+    path, _ = tiny_checkpoint("v3")
+    params = SamplingParams(max_tokens=40, temperature=0.0, logprobs=1, **extra)
+    plain, plain_stats, _ = generate(path, params, 0)
+    spec, stats, llm = generate(path, params, 4)
+    for a, b in zip(plain, spec):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert b.outputs[0].finish_reason == a.outputs[0].finish_reason
+        for t, x, y in zip(a.outputs[0].token_ids, a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert y[t] == pytest.approx(x[t], abs=1e-4)
+            assert set(y) == set(x)
+    assert stats["num_draft_tokens"] > 0 and 0 < stats["num_accepted_tokens"] <= stats["num_draft_tokens"]
+    # every accepted draft saves a step's worth of tokens from being recomputed later: computed tokens match
+    assert stats["num_computed_tokens"] == plain_stats["num_computed_tokens"]
+    assert stats["num_generation_tokens"] == plain_stats["num_generation_tokens"]
+
+
+def test_speculation_under_preemption_and_prefix_hits(tiny_checkpoint):
+    path, _ = tiny_checkpoint("v3")
+    prompts = [{"prompt_token_ids": p["prompt_token_ids"] * 3} for p in make_prompts(10, seed=8, lo=10, hi=20)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain = new_llm(path).generate(prompts, params)
+    small = new_llm(path, kv_cache_memory=20 * 16 * (32 + 16) * 3 * 4, num_speculative_tokens=3)
+    spec = small.generate(prompts, params) + small.generate(prompts[:2], params)  # the second run hits the cache
+    assert small.engine.scheduler.num_preemptions > 0
+    assert small.engine.stats()["prefix_hit_tokens"] > 0 and small.engine.stats()["num_accepted_tokens"] > 0
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain + plain[:2]]
+    assert_clean(small)
+
+
+def test_sampled_requests_are_not_speculated(tiny_checkpoint):
+    path, _ = tiny_checkpoint("v3")
+    params = SamplingParams(max_tokens=20, temperature=0.8, seed=3)
+    plain, _, _ = generate(path, params, 0)
+    spec, stats, _ = generate(path, params, 4)
+    assert stats["num_draft_tokens"] == 0
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+
+
+def test_stop_string_inside_a_speculative_step_and_fewer_steps(tmp_path):
+    """On the demo model (which repeats its argument names) drafts are accepted, a stop string that lands
+    among a step's tokens cuts there, and the run takes fewer engine steps."""
+    prompt = "def load(path):\n"
+    runs = {}
+    for k in (0, 4):
+        with LLM(str(DEMO), dtype="float32", max_model_len=256, kv_cache_memory="4MiB",
+                 num_speculative_tokens=k) as llm:
+            steps = 0
+            llm.engine.add_request("r", prompt, SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))
+            while llm.engine.has_unfinished_requests():
+                llm.engine.step()
+                steps += 1
+            free = llm.generate([prompt], SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))[0]
+            stop = free.outputs[0].text[20:24]
+            cut = llm.generate([prompt], SamplingParams(max_tokens=48, temperature=0, stop=stop))[0]
+            runs[k] = (steps, free.outputs[0], cut.outputs[0], llm.engine.stats())
+            assert_clean(llm)
+    (plain_steps, plain_free, plain_cut, _), (spec_steps, spec_free, spec_cut, stats) = runs[0], runs[4]
+    assert spec_free.token_ids == plain_free.token_ids and spec_free.text == plain_free.text
+    assert spec_cut.text == plain_cut.text and spec_cut.token_ids == plain_cut.token_ids
+    assert spec_cut.finish_reason == "stop"
+    assert stats["num_accepted_tokens"] > 0
+    assert spec_steps < plain_steps
+
+
+def test_bad_speculative_settings_name_the_field(tiny_checkpoint):
+    path, _ = tiny_checkpoint("v3")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        new_llm(path, num_speculative_tokens=-1)
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        new_llm(path, num_speculative_tokens=2, prompt_lookup_min=4, prompt_lookup_max=2)
+
+
+class FixedLogits:
+    """A stand-in model whose every position scores the vocabulary the same way."""
+
+    def __init__(self, row: list[float]) -> None:
+        import torch
+
+        from mla_runtime.config import ModelConfig
+
+        self.row = torch.tensor(row)
+        self.config = ModelConfig.from_dict({"model_type": "deepseek_v3", "vocab_size": len(row), "eos_token_id": 3,
+                                             "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1,
+                                             "kv_lora_rank": 4, "qk_rope_head_dim": 2, "qk_nope_head_dim": 2,
+                                             "v_head_dim": 2, "intermediate_size": 8})
+
+    def __call__(self, batch, cache):
+        import torch
+
+        return torch.zeros(batch.num_tokens, 1)
+
+    def compute_logits(self, hidden):
+        return self.row.expand(hidden.shape[0], -1).clone()
+
+
+@pytest.mark.parametrize("params, drafts, expected", [
+    # row j sees drafts[:j] as generated: the accepted first draft (0) is penalised at row 1, which then picks 1
+    (SamplingParams(temperature=0, frequency_penalty=0.1), [0, 0], [0, 1]),
+    (SamplingParams(temperature=0, repetition_penalty=1.1), [0, 0, 0], [0, 1]),
+    # min_tokens counts the drafts before each row: EOS (3) is barred at rows 0-1 and allowed from row 2
+    (SamplingParams(temperature=0, min_tokens=3), [0, 0, 0], [0, 0, 3]),
+    (SamplingParams(temperature=0), [0, 2, 0], [0, 0]),  # the second draft is rejected: the model says 0
+])
+def test_each_draft_position_is_sampled_with_the_drafts_before_it(params, drafts, expected):
+    import torch
+
+    from mla_runtime.engine.model_runner import ModelRunner
+    from mla_runtime.engine.scheduler import ScheduledBatch
+    from mla_runtime.engine.sequence import Sequence
+
+    logits = [2.0, 1.95, 0.0, 2.5 if params.min_tokens else -1.0]
+    runner = ModelRunner(FixedLogits(logits), cache=None, device=torch.device("cpu"), seed=0, block_size=16)
+    seq = Sequence(seq_id=0, request_id="r", index=0, prompt_token_ids=[2, 2], params=params, output_token_ids=[2])
+    seq.num_computed_tokens, seq.block_table, seq.draft_token_ids = 2, [0], list(drafts)
+    sampled, accepted = runner.execute(ScheduledBatch([seq], [1 + len(drafts)]))
+    assert sampled[0].token_ids == expected
+    assert accepted == {0: len(expected) - 1}
