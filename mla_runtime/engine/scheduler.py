@@ -136,6 +136,9 @@ class Scheduler:
                 continue
             n = min(seq.num_uncomputed, budget)
             seq.draft_token_ids = self._drafts(seq, budget - 1) if n == seq.num_uncomputed == 1 else []
+            if seq.draft_token_ids and (self._blocks_for(seq.num_computed_tokens + n + len(seq.draft_token_ids))
+                                        - len(seq.block_table) > self.pool.num_free_blocks):
+                seq.draft_token_ids = []  # drafts never cost another sequence its blocks
             n += len(seq.draft_token_ids)
             need = self._blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
             while need > self.pool.num_free_blocks:
