@@ -78,7 +78,7 @@ class ModelRunner:
         params, gens, outputs, prompts, suppress = [], [], [], [], []
         for seq in seqs:
             for j in range(len(seq.draft_token_ids) + 1):
-                out = seq.output_token_ids + seq.draft_token_ids[:j]
+                out = seq.output_token_ids + seq.draft_token_ids[:j] if j else seq.output_token_ids  # no copy
                 params.append(seq.params)
                 gens.append(seq.generator)
                 outputs.append(out)
