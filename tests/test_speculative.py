@@ -1,4 +1,5 @@
-"""Speculative decoding by prompt lookup: greedy output is exactly plain decoding's, in fewer steps."""
+"""Speculative decoding by prompt lookup: greedy output is exactly plain decoding's and sampled output keeps
+its distribution, in fewer steps."""
 
 from __future__ import annotations
 
@@ -72,13 +73,46 @@ def test_speculation_under_preemption_and_prefix_hits(tiny_checkpoint):
     assert_clean(small)
 
 
-def test_sampled_requests_are_not_speculated(tiny_checkpoint):
+def test_sampled_requests_speculate_and_stay_seeded(tiny_checkpoint):
     path, _ = tiny_checkpoint("v3")
-    params = SamplingParams(max_tokens=20, temperature=0.8, seed=3)
-    plain, _, _ = generate(path, params, 0)
-    spec, stats, _ = generate(path, params, 4)
-    assert stats["num_draft_tokens"] == 0
-    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    params = SamplingParams(max_tokens=30, temperature=0.3, seed=3, ignore_eos=True)
+    first, stats, _ = generate(path, params, 4)
+    again, _, _ = generate(path, params, 4)
+    assert stats["num_draft_tokens"] > 0 and stats["num_accepted_tokens"] > 0
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]  # seeded
+    assert all(len(o.outputs[0].token_ids) == 30 for o in first)
+
+
+def test_speculative_sampling_keeps_the_distribution():
+    """Random rows with a draft: accept it with probability p(draft), else draw from the rest of p — each
+    emitted token is distributed as p, whether the drafts are likely, unlikely or impossible."""
+    import math
+
+    import torch
+
+    from mla_runtime.engine.model_runner import ModelRunner
+    from mla_runtime.engine.scheduler import ScheduledBatch
+    from mla_runtime.engine.sequence import Sequence
+
+    p = [0.5, 0.3, 0.2, 0.0]
+    runner = ModelRunner(FixedLogits([math.log(x) if x else -math.inf for x in p]), cache=None,
+                         device=torch.device("cpu"), seed=0, block_size=16)
+    params = SamplingParams(temperature=1.0, max_tokens=16)
+    trials = 4000
+    for drafts in ([0, 0], [2, 1], [3, 3]):
+        first, second = torch.zeros(4), torch.zeros(4)
+        for t in range(trials):
+            seq = Sequence(seq_id=0, request_id="r", index=0, prompt_token_ids=[1], params=params,
+                           output_token_ids=[1], generator=torch.Generator().manual_seed(t))
+            seq.num_computed_tokens, seq.block_table, seq.draft_token_ids = 1, [0], list(drafts)
+            sampled, _ = runner.execute(ScheduledBatch([seq], [3]))
+            tokens = sampled[0].token_ids
+            first[tokens[0]] += 1
+            if len(tokens) > 1:  # the first draft was accepted: the next token is again a draw from p
+                second[tokens[1]] += 1
+        assert torch.allclose(first / trials, torch.tensor(p), atol=0.03), (drafts, first / trials)
+        if drafts[0] != 3:
+            assert torch.allclose(second / second.sum(), torch.tensor(p), atol=0.04), (drafts, second / second.sum())
 
 
 def test_stop_string_inside_a_speculative_step_and_fewer_steps(tmp_path):

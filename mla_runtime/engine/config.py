@@ -33,7 +33,7 @@ class EngineConfig:
     # CPU threads of the model's kernels: a count, "auto" (measured per step size, see engine/thread_tuner.py)
     # or None (torch's setting: every core)
     num_threads: int | str | None = None
-    # speculative decoding by prompt lookup (engine/speculative.py) for greedy requests: up to this many
+    # speculative decoding by prompt lookup (engine/speculative.py): up to this many
     # draft tokens per step (0: off), copied after the latest earlier occurrence of the sequence's last
     # prompt_lookup_max .. prompt_lookup_min tokens
     num_speculative_tokens: int = 0

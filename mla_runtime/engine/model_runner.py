@@ -75,23 +75,25 @@ class ModelRunner:
         if logits is None:
             return [], {}
         # one sampler row per logit row; row j of a speculative decode sees its first j drafts as generated
-        params, gens, outputs, prompts, suppress = [], [], [], [], []
+        params, gens, outputs, prompts, suppress, drafts = [], [], [], [], [], []
         for seq in seqs:
-            for j in range(len(seq.draft_token_ids) + 1):
+            k = len(seq.draft_token_ids)
+            for j in range(k + 1):
                 out = seq.output_token_ids + seq.draft_token_ids[:j] if j else seq.output_token_ids  # no copy
                 params.append(seq.params)
                 gens.append(seq.generator)
                 outputs.append(out)
                 prompts.append(seq.prompt_token_ids)
                 suppress.append(self._stop_tokens(seq.params, len(out)))
-        result = sample(logits, params, gens, self.generator, outputs, prompts, suppress)
+                drafts.append(seq.draft_token_ids[j] if j < k else None)
+        result = sample(logits, params, gens, self.generator, outputs, prompts, suppress, drafts)
         sampled, accepted = [], {}
         for seq in seqs:
             k = len(seq.draft_token_ids)
             tokens, lps = result.token_ids[first_row:first_row + k + 1], result.logprobs[first_row:first_row + k + 1]
             first_row += k + 1
             a = 0
-            while a < k and seq.draft_token_ids[a] == tokens[a]:  # greedy: a draft stands if the model chose it
+            while a < k and seq.draft_token_ids[a] == tokens[a]:  # the sampler returned the draft: accepted
                 a += 1
             if k:
                 accepted[seq.seq_id] = a

@@ -82,9 +82,16 @@ def _process(logits: torch.Tensor, params: list[SamplingParams], outputs: list[l
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            default_generator: torch.Generator, outputs: list[list[int]] | None = None,
-           prompts: list[list[int]] | None = None, suppress: list[list[int]] | None = None) -> SampleResult:
+           prompts: list[list[int]] | None = None, suppress: list[list[int]] | None = None,
+           drafts: list[int | None] | None = None) -> SampleResult:
     """``logits [B, V]`` fp32, one row per sequence to sample; ``outputs`` / ``prompts``: each row's generated
-    and prompt tokens (needed by the penalties); ``suppress``: token ids each row may not sample now."""
+    and prompt tokens (needed by the penalties); ``suppress``: token ids each row may not sample now;
+    ``drafts``: a speculative draft token proposed at the row, or None.
+
+    A row with a draft returns the draft when it is accepted and another token otherwise. Greedy rows accept
+    it when it is the argmax. Random rows follow speculative sampling for a deterministic proposal: accept
+    the draft ``x`` with probability ``p(x)`` (``p`` the row's distribution after temperature and
+    filtering), else draw from ``p`` with ``x`` removed — so every emitted token is distributed as ``p``."""
     num_rows, vocab = logits.shape
     raw = logits
     logits = _process(logits, params, outputs, prompts, suppress)
@@ -99,10 +106,20 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         min_p = torch.tensor([params[i].min_p for i in random_rows], device=logits.device)
         scaled = _filter(logits[idx] / temp.unsqueeze(1), top_k, top_p, min_p)
         probs = scaled.softmax(dim=-1)
-        noise = torch.empty_like(probs)
+        noise = torch.ones_like(probs)
+        accepted: list[tuple[int, int]] = []
         for row, i in enumerate(random_rows):
-            noise[row].exponential_(generator=generators[i] or default_generator)
+            gen = generators[i] or default_generator
+            draft = drafts[i] if drafts is not None else None
+            if draft is not None:
+                if float(torch.rand((), generator=gen, device=probs.device)) < float(probs[row, draft]):
+                    accepted.append((i, draft))
+                    continue
+                probs[row, draft] = 0.0  # rejected: the rest of p, renormalised by the race below
+            noise[row].exponential_(generator=gen)
         tokens[idx] = (probs / noise).argmax(dim=-1)
+        for i, draft in accepted:
+            tokens[i] = draft
 
     logprobs: list[dict[int, float] | None] = [None] * num_rows
     want = [i for i, p in enumerate(params) if p.logprobs is not None]

@@ -9,7 +9,7 @@ Each step it fills a budget of ``max_num_batched_tokens`` new tokens:
 3. then waiting sequences, in arrival order, while the budget, ``max_num_seqs`` and the pool allow;
    each first takes the longest cached prefix of its tokens.
 
-With speculative decoding on, a greedy decode also carries its draft tokens (``engine/speculative.py``):
+With speculative decoding on, a decode also carries its draft tokens (``engine/speculative.py``):
 they take budget and cache slots like any token, and ``on_step_done`` counts only the ones the model
 accepted as computed — the latents written for rejected drafts lie past the sequence's end and are
 overwritten by the tokens that really come there.
@@ -177,11 +177,11 @@ class Scheduler:
         return batch
 
     def _drafts(self, seq: Sequence, room: int) -> list[int]:
-        """Draft tokens for a greedy decode: at most ``room``, never past max_tokens or max_model_len."""
+        """Draft tokens for a decode: at most ``room``, never past max_tokens or max_model_len."""
         p = seq.params
         k = min(self.num_speculative_tokens, room, p.max_tokens - len(seq.output_token_ids) - 1,
                 self.max_model_len - seq.num_tokens - 1 if self.max_model_len else room)
-        if k < 1 or not p.greedy:
+        if k < 1:
             return []
         longest, shortest = self.prompt_lookup
         return propose(seq.token_ids, k, longest, shortest)

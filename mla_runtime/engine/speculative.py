@@ -1,14 +1,15 @@
 """Speculative decoding by prompt lookup: draft tokens copied from the sequence's own past.
 
 A decode step of a small batch on a CPU streams every weight once whatever the number of tokens, so
-checking ``k`` guessed tokens costs little more than computing one. For a greedy sequence the scheduler
-asks ``propose`` for up to ``k`` drafts: the longest suffix of the sequence (``prompt_lookup_max`` down
-to ``prompt_lookup_min`` tokens) that occurred earlier, and the tokens that followed its latest earlier
+checking ``k`` guessed tokens costs little more than computing one. For each decode the scheduler asks
+``propose`` for up to ``k`` drafts: the longest suffix of the sequence (``prompt_lookup_max`` down to
+``prompt_lookup_min`` tokens) that occurred earlier, and the tokens that followed its latest earlier
 occurrence — the pattern of code edits, quotes and retrieval answers, which repeat their context. The
-step runs the last token and the drafts together; the model's greedy choice at each position is the
-token the sequence would have produced anyway, so drafts are accepted while they match it, and the first
-mismatch is replaced by the model's own token. Output is exactly that of plain greedy decoding; each step
-yields 1 to ``k + 1`` tokens.
+step runs the last token and the drafts together and samples every position, position j as if drafts
+``[:j]`` were already generated; drafts are kept while the sampler accepts them (``sampler.sample``:
+greedy rows when the draft is the argmax, random rows with probability ``p(draft)``), and the first
+refusal is replaced by the sampler's own token. Greedy output is exactly plain greedy decoding's; sampled
+output has the same distribution. Each step yields 1 to ``k + 1`` tokens.
 """
 
 from __future__ import annotations
