@@ -1,12 +1,12 @@
-"""Speculative decoding by prompt lookup: greedy tokens/s with and without drafts, measured in one run.
+"""Speculative decoding by prompt lookup: tokens/s with and without drafts, measured in one run.
 
-    python bench/bench_speculative.py --batch 1 8 --num-speculative-tokens 0 2 4 8
+    python bench/bench_speculative.py --batch 1 8 --num-speculative-tokens 0 2 4 8 [--temperature 0.7]
 
-Runs the same greedy requests through one engine per draft budget ``k`` (``k = 0`` is plain decoding, the
+Runs the same requests through one engine per draft budget ``k`` (``k = 0`` is plain decoding, the
 baseline) and prints, per batch size and ``k``: output tokens/s (prefill included), engine steps, drafts
-proposed and accepted, and the speed-up over ``k = 0``. Outputs are checked to be identical to the
-baseline's. Prompts are Python-like source text (``bench_serving.python_like_text``, seeded), the kind of
-input that repeats itself; ``--model`` defaults to the embedded demo model.
+proposed and accepted, and the speed-up over ``k = 0``. Greedy outputs (the default) are checked to be
+identical to the baseline's. Prompts are Python-like source text (``bench_serving.python_like_text``,
+seeded), the kind of input that repeats itself; ``--model`` defaults to the embedded demo model.
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ from mla_runtime import LLM, SamplingParams
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "mla_runtime" / "demo_model"
 
 
-def run(model: str, dtype: str, prompts: list[str], k: int, max_tokens: int, batch: int, repeats: int):
+def run(model: str, dtype: str, prompts: list[str], k: int, max_tokens: int, batch: int, repeats: int,
+        temperature: float):
     with LLM(model, dtype=dtype, max_model_len=1024, kv_cache_memory="256MiB", max_num_seqs=batch,
              num_speculative_tokens=k, enable_prefix_caching=False) as llm:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0, ignore_eos=True)
         llm.generate(prompts[:batch], SamplingParams(max_tokens=8, temperature=0))  # warm-up
         best, outs, counts = float("inf"), None, None
         for _ in range(repeats):
@@ -51,6 +52,12 @@ def run(model: str, dtype: str, prompts: list[str], k: int, max_tokens: int, bat
         return batch * max_tokens / best, outs, counts
 
 
+def same(outs, base_outs, temperature: float) -> str:
+    if temperature > 0:
+        return "- (sampled)"
+    return "yes" if outs == base_outs else "NO"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(DEMO_MODEL))
@@ -60,6 +67,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-lines", type=int, default=12)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
     if args.threads:
@@ -67,19 +75,20 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [python_like_text(rng, args.prompt_lines) for _ in range(max(args.batch))]
     ks = sorted(set(args.num_speculative_tokens) | {0})
-    print(f"model {args.model} ({args.dtype}), {args.max_tokens} greedy tokens per prompt, best of {args.repeats}")
+    print(f"model {args.model} ({args.dtype}), {args.max_tokens} tokens per prompt at temperature "
+          f"{args.temperature:g}, best of {args.repeats}")
     print("| batch | k | tok/s | steps | drafts | accepted | acceptance | speed-up vs k=0 | same tokens |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for batch in args.batch:
         base_rate, base_outs = None, None
         for k in ks:
             rate, outs, (steps, drafts, accepted) = run(args.model, args.dtype, prompts, k, args.max_tokens, batch,
-                                                        args.repeats)
+                                                        args.repeats, args.temperature)
             if k == 0:
                 base_rate, base_outs = rate, outs
             share = f"{accepted / drafts:.0%}" if drafts else "-"
             print(f"| {batch} | {k} | {rate:.1f} | {steps} | {drafts} | {accepted} | {share} | "
-                  f"{rate / base_rate:.2f}× | {'yes' if outs == base_outs else 'NO'} |", flush=True)
+                  f"{rate / base_rate:.2f}× | {same(outs, base_outs, args.temperature)} |", flush=True)
 
 
 if __name__ == "__main__":
