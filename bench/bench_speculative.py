@@ -7,6 +7,11 @@ baseline) and prints, per batch size and ``k``: output tokens/s (prefill include
 proposed and accepted, and the speed-up over ``k = 0``. Greedy outputs (the default) are checked to be
 identical to the baseline's. Prompts are Python-like source text (``bench_serving.python_like_text``,
 seeded), the kind of input that repeats itself; ``--model`` defaults to the embedded demo model.
+
+``--step-cost`` measures instead what a verification step costs, whatever the model accepts: every decode
+is given exactly ``k`` drafts (the proposer is replaced by one that always proposes ``k`` tokens), and the
+median engine step (batch 1) is printed against the plain step. With acceptance ``a`` drafts per step a
+step yields ``1 + a`` tokens, so speculation pays when ``1 + a`` exceeds that ratio.
 """
 
 from __future__ import annotations
@@ -52,6 +57,34 @@ def run(model: str, dtype: str, prompts: list[str], k: int, max_tokens: int, bat
         return batch * max_tokens / best, outs, counts
 
 
+def step_cost(model: str, dtype: str, ks: list[int], steps: int = 24) -> None:
+    from mla_runtime.engine import scheduler
+
+    loop = list(range(100, 116))
+    scheduler.propose = lambda tokens, k, longest, shortest: (loop * (k // 16 + 1))[:k]  # always k drafts
+    print(f"model {model} ({dtype}), batch 1, k drafts forced at every decode: median decode step")
+    print("| k | step ms | drafts per step | step ÷ plain step |")
+    print("|---:|---:|---:|---:|")
+    base = None
+    for k in ks:
+        with LLM(model, dtype=dtype, max_model_len=1024, kv_cache_memory="256MiB", max_num_seqs=1,
+                 num_speculative_tokens=k, enable_prefix_caching=False) as llm:
+            engine = llm.engine
+            engine.add_request("cost", {"prompt_token_ids": loop * 8},
+                               SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+            for _ in range(4):  # prefill and warm-up
+                engine.step()
+            times, drafts = [], engine.num_draft_tokens
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - t0)
+            per_step = (engine.num_draft_tokens - drafts) / steps
+        ms = sorted(times)[len(times) // 2] * 1e3
+        base = base or ms
+        print(f"| {k} | {ms:.2f} | {per_step:.1f} | {ms / base:.2f}× |", flush=True)
+
+
 def same(outs, base_outs, temperature: float) -> str:
     if temperature > 0:
         return "- (sampled)"
@@ -69,9 +102,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--step-cost", action="store_true", help="time a verification step against a plain one")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.step_cost:
+        step_cost(args.model, args.dtype, sorted(set(args.num_speculative_tokens) | {0}))
+        return
     rng = random.Random(0)
     prompts = [python_like_text(rng, args.prompt_lines) for _ in range(max(args.batch))]
     ks = sorted(set(args.num_speculative_tokens) | {0})
