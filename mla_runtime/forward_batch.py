@@ -36,8 +36,7 @@ class ForwardBatch:
     local_token_seq_lens: torch.Tensor | None = None
     # set by the model once per step and shared by every layer: RoPE cos/sin [T, d_r / 2] and, for CPU
     # steps that start with decodes, the gather plan of the absorbed attention of those decode rows
-    # (mla_kernels.DecodePlan over tokens [:num_planned], speculative drafts included) and the rest of the
-    # step as a sub-batch
+    # (mla_kernels.DecodePlan over tokens [:num_planned]) and the rest of the step as a sub-batch
     rope_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
     decode_plan: Any = None
     num_planned: int = 0
@@ -57,8 +56,8 @@ class ForwardBatch:
 
     def leading_short(self, max_query_len: int) -> tuple[int, int]:
         """``(sequences, tokens)`` of the leading run of sequences with at most ``max_query_len`` new tokens each
-        (the scheduler puts decodes — with their speculative drafts — first): in a mixed step those tokens
-        are ``[:tokens]`` and the prefill chunks come after them."""
+        (the scheduler puts one-token decodes first): in a mixed step those tokens are ``[:tokens]`` and the
+        chunks come after them."""
         seqs = tokens = 0
         for q in self.query_lens:
             if q > max_query_len:

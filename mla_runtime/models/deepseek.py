@@ -23,10 +23,10 @@ from mla_runtime.layers.moe import MoE
 from mla_runtime.layers.norm import RMSNorm
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext, local_latent_view
 
-# On CPU, the leading sequences of a step with at most this many new tokens (decodes, speculative
-# verifications, short chunks) attend through one shared gather plan, a causal row per token; each row
-# gathers its own keys, so longer chunks take the prefill path instead.
-PLANNED_MAX_QUERY_LEN = 16
+# On CPU, the leading sequences of a step with at most this many new tokens attend through one shared
+# gather plan. Each query row gathers its own keys there, so only single-token decodes take it; chunks
+# (speculative verifications, prefills) take ``MLAttention._attend``, which gathers a sequence's latent once.
+PLANNED_MAX_QUERY_LEN = 1
 
 
 class VocabEmbedding(nn.Module):
@@ -117,9 +117,8 @@ class DeepseekForCausalLM(nn.Module):
         batch.decode_plan, batch.num_planned, batch.prefill_part = None, 0, None
         if (not self.par.sharded_cache and not cache.quantised and attn.path != "naive"
                 and resolve_backend(attn.backend, cache.layers[0].kv) == "torch"):
-            # CPU, float cache: the step's leading decodes (with any speculative drafts) take the planned
-            # absorbed path, one causal row per token; the prefill chunks after them (a mixed step) attend
-            # as a sub-batch of their own
+            # CPU, float cache: the step's leading decodes take the planned absorbed path; the chunks
+            # after them (a mixed step) attend as a sub-batch of their own
             seqs, d = batch.leading_short(PLANNED_MAX_QUERY_LEN)
             if d:
                 batch.decode_plan = plan_decode(batch.block_tables[:seqs], batch.token_seq_lens[:d],
