@@ -13,6 +13,9 @@ Padding keys repeat the row's last real key (a slot this step has written), so n
 row's own tokens: unused pages may hold anything, NaN included, and the -inf mask gives the padding
 exactly zero weight. Every row must see at least one key (a decoding row always sees itself).
 
+Query rows are processed in groups whose gathered keys fit ``PLANNED_KV_BYTES`` (a usual decode step is one
+group; 64 rows of 8,192 fp32 keys would otherwise gather 1.2 GB per layer).
+
 The padded length ``L`` is rounded up to a multiple of ``PLAN_LEN_MULTIPLE``: oneDNN, which runs the
 batched GEMMs, builds (JIT-compiles) a kernel for every new shape, and a length that grows by one each
 step made that a new kernel every step — measured on a 2-core EPYC, the two GEMMs of a bf16 batch-1 layer
@@ -34,6 +37,7 @@ import torch
 from .common import FLOAT_CACHE_DTYPES, check_int_tensor
 
 PLAN_LEN_MULTIPLE = 32
+PLANNED_KV_BYTES = 256 << 20  # gathered keys per group of query rows: bounds a large batch's transient memory
 
 
 @dataclass
@@ -79,14 +83,21 @@ def mla_decode_planned(q: torch.Tensor, cache: torch.Tensor, plan: DecodePlan, s
         raise ValueError(f"q {tuple(q.shape)} does not match the cache width {cache.shape[2]} or the plan's "
                          f"{plan.slots.shape[0]} rows")
     compute = torch.bfloat16 if q.dtype == cache.dtype == torch.bfloat16 else torch.float32
-    kv = cache.view(-1, width).index_select(0, plan.slots.view(-1)).view(n_rows, plan.max_len, width)
-    kv = kv.to(compute)
-    if compute == torch.float32:
-        scores = torch.baddbmm(plan.mask, q.float(), kv.transpose(1, 2), alpha=sm_scale)  # [N, H, L]
-    else:  # bf16 products, fp32 accumulation; scale, mask and softmax in fp32
-        scores = torch.bmm(q, kv.transpose(1, 2)).float().mul_(sm_scale).add_(plan.mask)
-    p = torch.softmax(scores, dim=-1).to(compute)
-    return torch.bmm(p, kv[..., :d_c]).to(q.dtype)  # [N, H, d_c]
+    flat = cache.view(-1, width)
+    # rows in groups whose gathered keys stay within PLANNED_KV_BYTES (one group for usual decode steps)
+    group = max(1, PLANNED_KV_BYTES // (plan.max_len * width * compute.itemsize))
+    outs = []
+    for r0 in range(0, n_rows, group):
+        r1 = min(r0 + group, n_rows)
+        kv = flat.index_select(0, plan.slots[r0:r1].reshape(-1)).view(r1 - r0, plan.max_len, width).to(compute)
+        mask = plan.mask[r0:r1]
+        if compute == torch.float32:
+            scores = torch.baddbmm(mask, q[r0:r1].float(), kv.transpose(1, 2), alpha=sm_scale)  # [n, H, L]
+        else:  # bf16 products, fp32 accumulation; scale, mask and softmax in fp32
+            scores = torch.bmm(q[r0:r1], kv.transpose(1, 2)).float().mul_(sm_scale).add_(mask)
+        p = torch.softmax(scores, dim=-1).to(compute)
+        outs.append(torch.bmm(p, kv[..., :d_c]).to(q.dtype))  # [n, H, d_c]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def write_latent(cache: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, slot_mapping: torch.Tensor) -> None:

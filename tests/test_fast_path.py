@@ -53,6 +53,20 @@ def test_planned_decode_matches_reference(dtype, seq_lens, block_size):
     assert_close(out, ref, dtype)
 
 
+def test_planned_decode_in_row_groups_equals_one_group(monkeypatch):
+    """A batch whose gathered keys exceed PLANNED_KV_BYTES is processed in row groups, with the same result."""
+    import mla_kernels.decode_cpu as decode_cpu
+
+    d_c, d_r = 48, 16
+    case = make_paged_case([5, 200, 64, 63, 128], d_c, d_r, block_size=16, seed=4)
+    q = torch.randn(5, 3, d_c + d_r, generator=torch.Generator().manual_seed(2))
+    plan = plan_decode(case.block_tables, case.seq_lens, 16)
+    whole = mla_decode_planned(q, case.cache, plan, 0.2, d_c)
+    monkeypatch.setattr(decode_cpu, "PLANNED_KV_BYTES", 2 * plan.max_len * (d_c + d_r) * 4)  # two rows a group
+    grouped = mla_decode_planned(q, case.cache, plan, 0.2, d_c)
+    assert torch.equal(grouped, whole)
+
+
 def test_planned_decode_rows_sharing_a_table_row():
     """Several query rows on one block-table row (a chunk), each seeing its own causal prefix."""
     d_c, d_r = 32, 16
