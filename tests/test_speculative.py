@@ -194,3 +194,32 @@ def test_each_draft_position_is_sampled_with_the_drafts_before_it(params, drafts
     sampled, accepted = runner.execute(ScheduledBatch([seq], [1 + len(drafts)]))
     assert sampled[0].token_ids == expected
     assert accepted == {0: len(expected) - 1}
+
+
+def test_served_with_speculation_streams_the_same_text():
+    """The server with --num-speculative-tokens: several tokens per step stream as the same deltas' text."""
+    import json
+
+    import httpx
+
+    from tests.test_server import Live
+
+    prompt = {"prompt": "def load(path):\n", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    texts = {}
+    for k in (0, 4):
+        live = Live(DEMO, engine={"num_speculative_tokens": k, "max_model_len": 256, "kv_cache_memory": "4MiB",
+                                  "dtype": "float32"})
+        try:
+            whole = httpx.post(live.base + "/generate", json=prompt, timeout=60).json()
+            events = []
+            with httpx.stream("POST", live.base + "/generate", json={**prompt, "stream": True}, timeout=60) as s:
+                for line in s.iter_lines():
+                    if line.startswith("data: {"):
+                        events.append(json.loads(line[6:]))
+            streamed = "".join(e["text"] for e in events)
+            assert streamed == whole["text"] and sum(len(e["token_ids"]) for e in events) == 40
+            texts[k] = (whole["text"], len(events), live.metrics()[("mla_spec_accepted_tokens_total",)])
+        finally:
+            live.stop()
+    assert texts[4][0] == texts[0][0]
+    assert texts[4][2] > 0 and texts[4][1] < texts[0][1]  # accepted drafts: fewer, larger events
