@@ -205,6 +205,9 @@ def build_app(engine_config: EngineConfig, config: ServerConfig,
         check_model(req.model)
         req.check_unsupported()
         prompts = req.prompt_list()
+        if len(prompts) > 1 and req.stream:
+            raise ApiError(400, "stream: a list of prompts is answered in one response, not streamed; send one "
+                                "streaming request per prompt", param="stream")
         echo = None
         if req.echo:
             tok = tokenizer()
