@@ -60,8 +60,6 @@ def expected_experts(num_experts: int, top_k: int, batch: int) -> float:
 def step_products(model, batch: int):
     """The decode step's weight products as (bytes, thunk) pairs, rows per product as in the real step."""
     dtype = model.dtype
-    hidden = model.config.hidden_size
-    x = torch.randn(batch, hidden, dtype=dtype)
     products = []
 
     def lin(weight, packed, rows):
@@ -96,7 +94,6 @@ def step_products(model, batch: int):
         else:
             mlp(layer.mlp, batch)
     lin(model.lm_head_weight, model.lm_head_packed, batch)
-    del x
     return products
 
 

@@ -57,7 +57,6 @@ class ModelRunner:
         # logit rows: the last token of each sequence that completes, every token of a speculative decode
         seqs: list[Sequence] = []
         token_rows: list[int] = []
-        first_row = 0
         for seq, n, end in zip(batch.seqs, batch.num_new_tokens, fwd.query_start_loc[1:].tolist()):
             if seq.num_computed_tokens + n - len(seq.draft_token_ids) == seq.num_tokens:
                 seqs.append(seq)
@@ -87,7 +86,7 @@ class ModelRunner:
                 suppress.append(self._stop_tokens(seq.params, len(out)))
                 drafts.append(seq.draft_token_ids[j] if j < k else None)
         result = sample(logits, params, gens, self.generator, outputs, prompts, suppress, drafts)
-        sampled, accepted = [], {}
+        sampled, accepted, first_row = [], {}, 0
         for seq in seqs:
             k = len(seq.draft_token_ids)
             tokens, lps = result.token_ids[first_row:first_row + k + 1], result.logprobs[first_row:first_row + k + 1]
