@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-import server
 from mla_runtime.serving import config as cfg
+from mla_runtime.serving import server
 from mla_runtime.serving.config import ServerConfig, resolve
 
 EXAMPLE = Path(cfg.__file__).with_name("serve.example.yaml")
