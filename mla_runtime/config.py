@@ -17,7 +17,7 @@ from typing import Any
 
 MLA_ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
 MLA_MODEL_TYPES = {"deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3"}
-PRESET_DIR = Path(__file__).resolve().parent.parent / "model_configs"
+PRESET_DIR = Path(__file__).resolve().parent / "model_configs"
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

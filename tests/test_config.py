@@ -1,4 +1,4 @@
-"""ModelConfig parses the published MLA configs (model_configs/) and rejects bad ones by field name."""
+"""ModelConfig parses the published MLA configs (mla_runtime/model_configs/) and rejects bad ones by field name."""
 
 import json
 import math
