@@ -18,12 +18,9 @@ from __future__ import annotations
 import torch
 import triton
 
-FLOAT_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-QUANT_CACHE_DTYPES = (torch.float8_e4m3fn, torch.int8)
-ACT_DTYPES = FLOAT_CACHE_DTYPES
-BACKENDS = ("triton", "torch")
+from .dtypes import FLOAT_CACHE_DTYPES, QMAX, QUANTIZED_CACHE_DTYPES
 
-_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+BACKENDS = ("triton", "torch")
 
 
 def default_backend(t: torch.Tensor) -> str:
@@ -58,12 +55,8 @@ def check_triton_cache(cache: torch.Tensor) -> None:
                          "or backend='torch' on this device")
 
 
-def is_quantized(dtype: torch.dtype) -> bool:
-    return dtype in QUANT_CACHE_DTYPES
-
-
 def qmax(dtype: torch.dtype) -> float:
-    return _QMAX[dtype]
+    return QMAX[dtype]
 
 
 def check_cache(cache: torch.Tensor, scales: torch.Tensor | None) -> None:
@@ -77,7 +70,7 @@ def check_cache(cache: torch.Tensor, scales: torch.Tensor | None) -> None:
     if cache.dtype in FLOAT_CACHE_DTYPES:
         if scales is not None:
             raise ValueError(f"scales must be None for an unquantised {cache.dtype} cache")
-    elif cache.dtype in QUANT_CACHE_DTYPES:
+    elif cache.dtype in QUANTIZED_CACHE_DTYPES:
         if scales is None:
             raise ValueError(f"scales [num_blocks, block_size, 2] float32 are required for a {cache.dtype} cache")
         if scales.shape != (cache.shape[0], cache.shape[1], 2) or scales.dtype != torch.float32:
@@ -86,7 +79,7 @@ def check_cache(cache: torch.Tensor, scales: torch.Tensor | None) -> None:
         if scales.stride(-1) != 1 or scales.device != cache.device:
             raise ValueError("scales must be contiguous in its last dimension and on the cache's device")
     else:
-        raise ValueError(f"cache dtype must be one of {FLOAT_CACHE_DTYPES + QUANT_CACHE_DTYPES}, got {cache.dtype}")
+        raise ValueError(f"cache dtype must be one of {FLOAT_CACHE_DTYPES + QUANTIZED_CACHE_DTYPES}, got {cache.dtype}")
 
 
 def check_int_tensor(name: str, t: torch.Tensor, dim: int, device: torch.device,

@@ -27,7 +27,6 @@ import triton
 import triton.language as tl
 
 from .common import (
-    ACT_DTYPES,
     check_cache,
     check_int_tensor,
     check_triton_cache,
@@ -35,6 +34,7 @@ from .common import (
     resolve_backend,
     triton_interpreting,
 )
+from .dtypes import ACT_DTYPES
 
 _BLOCK_H = 16  # heads per program (tl.dot needs >= 16 rows; fewer heads are masked)
 _MIN_TOKENS_PER_SPLIT = 256

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .common import FLOAT_CACHE_DTYPES, check_int_tensor
+from .common import check_int_tensor
+from .dtypes import FLOAT_CACHE_DTYPES
 
 PLAN_LEN_MULTIPLE = 32
 PLANNED_KV_BYTES = 256 << 20  # gathered keys per group of query rows: bounds a large batch's transient memory

@@ -17,16 +17,15 @@ import triton
 import triton.language as tl
 
 from .common import (
-    ACT_DTYPES,
     check_cache,
     check_int_tensor,
     check_triton_cache,
     dequantize_rows,
-    is_quantized,
     last_dim_contiguous,
     quantize_per_token,
     resolve_backend,
 )
+from .dtypes import ACT_DTYPES, is_quantized
 
 # 1.5 * 2**23: in fp32, (x + M) - M rounds |x| < 2**22 to the nearest integer, ties to even
 _RNE_MAGIC = tl.constexpr(12582912.0)

@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import ACT_DTYPES, check_int_tensor, last_dim_contiguous, resolve_backend, triton_interpreting
+from .common import check_int_tensor, last_dim_contiguous, resolve_backend, triton_interpreting
+from .dtypes import ACT_DTYPES
 
 _TORCH_SCORE_BYTES = 64 << 20  # the torch path processes queries in chunks of at most this many score bytes
 

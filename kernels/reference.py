@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from .common import dequantize_rows, is_quantized, quantize_per_token
+from .common import dequantize_rows, quantize_per_token
+from .dtypes import is_quantized
 
 
 def ref_store_latent(cache: torch.Tensor, scales: torch.Tensor | None, latent: torch.Tensor,

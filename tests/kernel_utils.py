@@ -16,7 +16,7 @@ if not torch.cuda.is_available():  # kernels: interpret Triton on CPU (must prec
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from mla_kernels import store_latent  # noqa: E402
-from mla_kernels.common import is_quantized  # noqa: E402
+from mla_kernels.dtypes import is_quantized  # noqa: E402
 
 OUT_OF_RANGE_BLOCK = 10**6
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

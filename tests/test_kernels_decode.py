@@ -13,7 +13,7 @@ if not torch.cuda.is_available():  # kernels: interpret Triton on CPU (must prec
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from mla_kernels import gather_latent, mla_decode, prefill_attention  # noqa: E402
-from mla_kernels.common import is_quantized  # noqa: E402
+from mla_kernels.dtypes import is_quantized  # noqa: E402
 from mla_kernels.reference import ref_mla_decode  # noqa: E402
 
 from tests.kernel_utils import (  # noqa: E402

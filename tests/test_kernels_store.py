@@ -11,7 +11,7 @@ if not torch.cuda.is_available():  # kernels: interpret Triton on CPU (must prec
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from mla_kernels import gather_latent, store_latent  # noqa: E402
-from mla_kernels.common import is_quantized  # noqa: E402
+from mla_kernels.dtypes import is_quantized  # noqa: E402
 from mla_kernels.reference import ref_gather_latent, ref_store_latent  # noqa: E402
 
 from tests.kernel_utils import BACKENDS, DEVICE, assert_close_dtype, make_paged_case, poisoned_cache  # noqa: E402

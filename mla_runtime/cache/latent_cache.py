@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-QUANTISED_CACHE_DTYPES = (torch.float8_e4m3fn, torch.int8)
+from mla_kernels.dtypes import is_quantized
 
 
 @dataclass
@@ -32,7 +31,7 @@ class LatentCache:
         self.block_size = block_size
         self.latent_dim = latent_dim
         self.dtype = dtype
-        quantised = dtype in QUANTISED_CACHE_DTYPES
+        quantised = is_quantized(dtype)
         self.layers = [
             LayerCache(
                 kv=torch.zeros(num_blocks, block_size, latent_dim, dtype=dtype, device=device),
@@ -42,7 +41,7 @@ class LatentCache:
 
     @property
     def quantised(self) -> bool:
-        return self.dtype in QUANTISED_CACHE_DTYPES
+        return is_quantized(self.dtype)
 
     @property
     def num_slots(self) -> int:

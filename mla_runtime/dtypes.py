@@ -1,0 +1,71 @@
+"""Dtype names, one table: what ``dtype=`` and ``kv_cache_dtype=`` accept, and what a cache element costs.
+
+The cache's element types themselves (plain floats, and the quantised types that carry per-token scales)
+are defined once in ``mla_kernels.dtypes``; this module gives them their user-facing names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from mla_kernels.dtypes import FLOAT_CACHE_DTYPES, QUANTIZED_CACHE_DTYPES, is_quantized
+
+__all__ = ["CACHE_DTYPES", "FLOAT_CACHE_DTYPES", "MODEL_DTYPES", "QUANTIZED_CACHE_DTYPES", "CacheDtype",
+           "dtype_name", "resolve_cache_dtype"]
+
+MODEL_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+# None = "auto": the cache uses the model dtype.
+CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+    "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+    "int8": torch.int8,
+}
+CACHE_SCALES_PER_TOKEN = 2  # per layer: one scale for the latent c, one for the RoPE key k_r
+CACHE_SCALE_DTYPE = torch.float32
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class CacheDtype:
+    """The element type of the latent cache tensor and whether it carries per-token scales."""
+
+    dtype: torch.dtype
+    quantized: bool
+
+    @property
+    def name(self) -> str:
+        return dtype_name(self.dtype)
+
+    @property
+    def element_bytes(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def scale_bytes(self) -> int:
+        """Scale bytes per token per layer (0 for unquantised caches)."""
+        return CACHE_SCALES_PER_TOKEN * CACHE_SCALE_DTYPE.itemsize if self.quantized else 0
+
+
+def resolve_cache_dtype(cache_dtype: str | torch.dtype, model_dtype: torch.dtype) -> CacheDtype:
+    """Map a cache dtype name (``CACHE_DTYPES``) to the cache tensor's torch dtype and quantisation."""
+    if isinstance(cache_dtype, torch.dtype):
+        if cache_dtype not in FLOAT_CACHE_DTYPES + QUANTIZED_CACHE_DTYPES:
+            raise ValueError(f"cache_dtype: unsupported cache dtype {cache_dtype}")
+        dt = cache_dtype
+    else:
+        if cache_dtype not in CACHE_DTYPES:
+            raise ValueError(f"cache_dtype: unsupported cache dtype {cache_dtype!r} "
+                             f"(use one of {', '.join(CACHE_DTYPES)})")
+        dt = CACHE_DTYPES[cache_dtype] or model_dtype
+    return CacheDtype(dtype=dt, quantized=is_quantized(dt))
