@@ -246,7 +246,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", attention_pa
                par: ParallelContext = SINGLE_RANK) -> DeepseekForCausalLM:
     """Build the model (this rank's shard) from ``<path>/config.json`` and load its safetensors weights."""
     cfg = ModelConfig.from_pretrained(path)
-    torch_dtype = resolve_model_dtype(dtype, cfg)
+    torch_dtype = resolve_model_dtype(dtype, cfg, device)
     with torch.device(device):
         model = DeepseekForCausalLM(cfg, torch_dtype, attention_path, backend, par)
     load_weights(model, path)

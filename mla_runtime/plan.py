@@ -30,6 +30,7 @@ CLI: ``python -m mla_runtime.plan --model deepseek-v3 --max-seq-len 32768 --max-
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import re
 import sys
@@ -89,8 +90,14 @@ class CacheDtype:
         return CACHE_SCALES_PER_TOKEN * CACHE_SCALE_DTYPE.itemsize if self.quantized else 0
 
 
-def resolve_model_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
-    """``"auto"`` → the checkpoint's ``torch_dtype``; FP8 checkpoints load (dequantised) at that dtype."""
+def resolve_model_dtype(dtype: str | torch.dtype, config: ModelConfig,
+                        device: str | torch.device | None = None) -> torch.dtype:
+    """``"auto"`` → the checkpoint's ``torch_dtype``; FP8 checkpoints load (dequantised) at that dtype.
+
+    On a CPU ``device``, ``"auto"`` keeps a half-precision checkpoint's dtype only where the CPU computes
+    in it natively and its fast path passed the probe (``cpu_gemm.cpu_auto_dtype``), else float32; the
+    choice and its reason are logged. Without a device (the planner) or on a GPU it is the checkpoint's.
+    """
     if isinstance(dtype, torch.dtype):
         if dtype not in MODEL_DTYPES.values():
             raise ValueError(f"dtype: weights load as float32/bfloat16/float16, got {dtype}")
@@ -99,7 +106,14 @@ def resolve_model_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.
     if name not in MODEL_DTYPES:
         field = "config torch_dtype" if dtype == "auto" else "dtype"
         raise ValueError(f"{field}: unsupported model dtype {name!r} (use one of {', '.join(MODEL_DTYPES)})")
-    return MODEL_DTYPES[name]
+    if dtype != "auto" or device is None or torch.device(device).type != "cpu":
+        return MODEL_DTYPES[name]
+    from mla_runtime.layers.cpu_gemm import cpu_auto_dtype  # the probe: only where a CPU model is loaded
+
+    chosen, why = cpu_auto_dtype(MODEL_DTYPES[name])
+    logging.getLogger("mla_runtime").info('dtype "auto" on this CPU: %s (checkpoint torch_dtype %s): %s',
+                                          str(chosen).removeprefix("torch."), name, why)
+    return chosen
 
 
 def resolve_cache_dtype(cache_dtype: str | torch.dtype, model_dtype: torch.dtype) -> CacheDtype:

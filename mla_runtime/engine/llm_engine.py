@@ -93,7 +93,7 @@ class LLMEngine:
         tp = config.tensor_parallel_size
         check_tensor_parallel(cfg, tp, config.block_size, config.latent_cache_layout)
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() and tp == 1 else "cpu"))
-        model_dtype = resolve_model_dtype(config.dtype, cfg)
+        model_dtype = resolve_model_dtype(config.dtype, cfg, self.device)
         self.thread_tuner: ThreadTuner | None = None
         if config.num_threads is not None and self.device.type == "cpu" and tp == 1:
             if config.num_threads == "auto":

@@ -1,4 +1,4 @@
-"""CPU matrix products through oneDNN, with weights pre-packed once at load time.
+"""CPU matrix products: a path chosen per weight dtype by a run-time probe, with weights prepared once at load.
 
 ``F.linear`` on a CPU tensor calls MKL's sgemm for float32. On AMD processors MKL does not take its
 AVX-512 paths, and for the small ``M`` of decoding (1–32 rows) it runs far below the memory bandwidth
@@ -7,52 +7,257 @@ AVX-512 paths, and for the small ``M`` of decoding (1–32 rows) it runs far bel
 instruction set alone, and a weight reordered once into its blocked layout (``_reorder_linear_weight``)
 is streamed without a per-call reorder.
 
-``PackedWeight`` keeps both layouts of one ``[N, K]`` weight: the plain tensor (what the rest of the
-code reads, unchanged) and the blocked copy (the price is one extra copy of the linear weights in RAM).
-``linear`` picks per call: a float32 matrix-vector product (one row) runs oneDNN on the plain weight — the
-blocked layout made for a batch streams a weight that is not in cache 1.15–1.4× slower at one row (7 MoE
-layers' experts: 6.3 vs 7.3 ms; the lm_head: 6.4 vs 9.3 ms) — and everything else uses the blocked one
-(bf16 at one row: 3.9 vs 6.4 ms; float32 at 2–3 rows: up to 6× faster than the plain weight). Results
-equal ``F.linear`` to float rounding (the same products, another summation order). Anything oneDNN
-cannot take — another device or dtype, an empty input — goes to ``F.linear``.
+Whether oneDNN can pack a dtype depends on the CPU (bf16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT on x86;
+other CPUs have their own rules), so no instruction set is assumed: the first product of each weight dtype
+in a process runs ``probe`` on a tiny weight. Paths (``GemmChoice.path``):
+
+- ``onednn``: the probe packed a weight and its products equal the exact result. ``PackedWeight`` keeps the
+  plain tensor (what the rest of the code reads) and the blocked copy: one extra copy of the linear
+  weights in RAM (``extra_bytes_per_element`` = the dtype's size). A float32 matrix-vector product (one
+  row) runs oneDNN on the plain weight — the blocked layout made for a batch streams a weight that is not
+  in cache 1.15–1.4× slower at one row — and everything else uses the blocked one.
+- ``plain``: ``F.linear`` in the weight's dtype; no extra memory.
+- ``upcast``: a float32 copy of the weight (computed through the float32 path: blocked where oneDNN
+  packs float32, else plain), the input cast to float32 and the result back. Memory: +4 bytes per
+  weight element on top of the weight itself (a bf16 layer's weights take 3× their bf16 size).
+
+Where the fast path fails its probe (or ``MLA_CPU_GEMM=plain`` forces the fallbacks), a half-precision
+dtype takes ``plain`` or ``upcast``, whichever the probe measures faster on this machine
+(``TIMING_ROWS`` rows of a ``TIMING_SHAPE`` weight); float32 takes ``plain``. Results equal ``F.linear``
+to float rounding (the same products, another summation order). Anything else — another device or
+dtype, an empty input — goes to ``F.linear``.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
+logger = logging.getLogger("mla_runtime")
+
+GEMM_ENV = "MLA_CPU_GEMM"
+GEMM_MODES = ("auto", "plain")  # auto: the fast path where its probe passes; plain: the fallbacks only
 PACK_BATCH_HINT = 16  # oneDNN chooses the blocked layout for about this many rows
-PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+PROBED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+TIMING_SHAPE = (2048, 1024)  # [N, K] of the weight the fallbacks are timed on (4–8 MB: beyond L2)
+TIMING_ROWS = (1, 8)  # decode batch sizes the fallback timing sums over
+# torch.cpu.get_capabilities() keys meaning native arithmetic in a dtype (x86, AMX, aarch64 NEON/SVE)
+NATIVE_CAPABILITIES: dict[torch.dtype, tuple[str, ...]] = {
+    torch.bfloat16: ("avx512_bf16", "amx_bf16", "bf16", "sve_bf16"),
+    torch.float16: ("avx512_fp16", "amx_fp16", "fp16_arith"),
+}
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+@dataclass(frozen=True)
+class GemmChoice:
+    """The product path for weights of one dtype in this process, and why it was chosen."""
+
+    dtype: torch.dtype  # the weights' dtype
+    mode: str  # the MLA_CPU_GEMM value it was chosen under
+    path: str  # "onednn" | "plain" | "upcast" (module docstring)
+    compute_dtype: torch.dtype
+    reason: str
+
+    @property
+    def extra_bytes_per_element(self) -> int:
+        """RAM beyond the weight itself, per weight element: the blocked copy, or the float32 copy."""
+        return {"onednn": self.dtype.itemsize, "upcast": 4}.get(self.path, 0)
+
+    def info(self) -> dict[str, str]:
+        return {"dtype": _name(self.dtype), "mode": self.mode, "path": self.path,
+                "compute_dtype": _name(self.compute_dtype),
+                "extra_bytes_per_weight": str(self.extra_bytes_per_element), "reason": self.reason}
+
+
+def gemm_mode() -> str:
+    """``MLA_CPU_GEMM`` (default ``auto``); an unknown value is an error naming the variable."""
+    mode = os.environ.get(GEMM_ENV, "auto").strip().lower() or "auto"
+    if mode not in GEMM_MODES:
+        raise ValueError(f"{GEMM_ENV}: unknown value {os.environ[GEMM_ENV]!r} (use one of {', '.join(GEMM_MODES)})")
+    return mode
+
+
+@contextmanager
+def forced_gemm_mode(mode: str) -> Iterator[None]:
+    """Run a block (a model load, a test) under ``MLA_CPU_GEMM=mode``; the previous value comes back after."""
+    before = os.environ.get(GEMM_ENV)
+    os.environ[GEMM_ENV] = mode
+    try:
+        gemm_mode()
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(GEMM_ENV, None)
+        else:
+            os.environ[GEMM_ENV] = before
+
+
+def gemm_choice(dtype: torch.dtype) -> GemmChoice:
+    """The path for ``dtype`` weights under the current ``MLA_CPU_GEMM``; probed once per (dtype, mode)."""
+    if dtype not in PROBED_DTYPES:
+        raise ValueError(f"dtype: CPU products are probed for {', '.join(map(_name, PROBED_DTYPES))}, got {dtype}")
+    return _probe(dtype, gemm_mode())
+
+
+def gemm_info(dtype: torch.dtype | str) -> dict[str, str]:
+    """The choice for ``dtype`` (a torch dtype or its name) as string labels, for logs and metrics."""
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."))
+    return gemm_choice(dtype).info()
+
+
+@functools.cache
+def _probe(dtype: torch.dtype, mode: str) -> GemmChoice:
+    t0 = time.perf_counter()
+    failure = fast_path_failure(dtype) if mode == "auto" else f"{GEMM_ENV}=plain forces the fallbacks"
+    if failure is None:
+        choice = GemmChoice(dtype, mode, "onednn", dtype, "oneDNN pre-packed weights passed the probe")
+    else:
+        choice = _fallback(dtype, mode, failure)
+    logger.info("CPU GEMM for %s weights: %s, computing in %s (+%d B per weight element): %s [probe %.0f ms]",
+                _name(dtype), choice.path, _name(choice.compute_dtype), choice.extra_bytes_per_element,
+                choice.reason, 1e3 * (time.perf_counter() - t0))
+    return choice
+
+
+def fast_path_failure(dtype: torch.dtype) -> str | None:
+    """None where oneDNN packs a ``dtype`` weight and its products are exact, else why not.
+
+    Inputs, weights and bias are small integers, so every product and sum (|y| <= 68) is exact in
+    float32, bfloat16 and float16: the packed product must equal the float64 one bit for bit.
+    """
+    name = _name(dtype)
+    if not onednn_available():
+        return "oneDNN is not available in this torch build"
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(-1, 2, (48, 64), generator=g).to(dtype)  # [N, K]
+    b = torch.randint(-4, 5, (48,), generator=g).to(dtype)
+    try:
+        packed = PackedWeight(w, "onednn")
+        for rows in (1, 5):  # the matrix-vector and the blocked layouts
+            x = torch.randint(-1, 2, (rows, 64), generator=g).to(dtype)
+            got = linear(x, w, b, packed)
+            if got.dtype != dtype or not torch.equal(got.double(), F.linear(x.double(), w.double(), b.double())):
+                return f"oneDNN {name} products differ from the exact result on this CPU"
+    except RuntimeError as e:
+        return f"oneDNN {name} packing unsupported on this CPU: {str(e).strip().splitlines()[0][:200]}"
+    return None
+
+
+def _time_ms(fn: Callable[[], Any], reps: int = 3) -> float:
+    fn()  # warm-up: first-touch allocations, kernel selection
+    best = math.inf
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return 1e3 * best
+
+
+def _fallback(dtype: torch.dtype, mode: str, why: str) -> GemmChoice:
+    """float32: ``F.linear``; half precision: ``F.linear`` in that dtype or in float32, whichever is faster."""
+    if dtype == torch.float32:
+        return GemmChoice(dtype, mode, "plain", dtype, f"F.linear; {why}")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(*TIMING_SHAPE, generator=g).to(dtype)
+    xs = [torch.randn(rows, TIMING_SHAPE[1], generator=g).to(dtype) for rows in TIMING_ROWS]
+    wide = PackedWeight(w, "upcast")
+    plain_ms = sum(_time_ms(lambda x=x: F.linear(x, w)) for x in xs)
+    upcast_ms = sum(_time_ms(lambda x=x: linear(x, w, None, wide)) for x in xs)
+    rows = "+".join(map(str, TIMING_ROWS))
+    timing = (f"rows {rows} of a {list(TIMING_SHAPE)} weight: {_name(dtype)} F.linear {plain_ms:.2f} ms, "
+              f"float32 {upcast_ms:.2f} ms")
+    if upcast_ms < plain_ms:
+        return GemmChoice(dtype, mode, "upcast", torch.float32, f"{why}; float32 measured faster ({timing})")
+    return GemmChoice(dtype, mode, "plain", dtype, f"{why}; {_name(dtype)} F.linear measured faster ({timing})")
+
+
+def cpu_auto_dtype(checkpoint: torch.dtype, capabilities: Mapping[str, Any] | None = None,
+                   choice: GemmChoice | None = None) -> tuple[torch.dtype, str]:
+    """The dtype ``dtype="auto"`` loads a ``checkpoint``-dtype model at on this CPU, and why.
+
+    Half precision is kept only where the CPU has native arithmetic for it (``capabilities``, from
+    ``torch.cpu.get_capabilities()``) and its fast path passed the probe (``choice``); elsewhere float32.
+    """
+    if checkpoint == torch.float32:
+        return checkpoint, "the checkpoint's torch_dtype"
+    name = _name(checkpoint)
+    if capabilities is None:
+        capabilities = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    keys = NATIVE_CAPABILITIES.get(checkpoint, ())
+    native = [k for k in keys if capabilities.get(k)]
+    if not native:
+        return torch.float32, f"the CPU has no native {name} arithmetic (none of {', '.join(keys)})"
+    choice = gemm_choice(checkpoint) if choice is None else choice
+    if choice.path != "onednn":
+        return torch.float32, f"the {name} fast path is not taken: {choice.reason}"
+    return checkpoint, f"native {name} ({', '.join(native)}) and the {name} fast path passed its probe"
+
+
+def _reorder(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_HINT)
+
+
 class PackedWeight:
-    """One ``[N, K]`` weight in its plain and its oneDNN-blocked layout (see the module docstring)."""
+    """One ``[N, K]`` weight prepared for its ``onednn`` or ``upcast`` path (see the module docstring)."""
 
-    __slots__ = ("plain", "blocked", "plain_gemv")
+    __slots__ = ("plain", "blocked", "wide", "plain_gemv", "upcast")
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, path: str) -> None:
         self.plain = weight.detach()
-        self.blocked = torch.ops.mkldnn._reorder_linear_weight(self.plain.contiguous(), PACK_BATCH_HINT)
-        self.plain_gemv = weight.dtype == torch.float32  # one row: oneDNN on the plain weight
+        self.upcast = path == "upcast"
+        self.wide: torch.Tensor | None = None  # the float32 copy, where it is computed with F.linear
+        self.blocked: torch.Tensor | None = None
+        if path == "onednn":
+            self.blocked = _reorder(self.plain)
+        elif self.upcast and gemm_choice(torch.float32).path == "onednn":
+            self.blocked = _reorder(self.plain.float())  # the only float32 layout kept
+        elif self.upcast:
+            self.wide = self.plain.float()
+        else:
+            raise ValueError(f"path: a packed weight is 'onednn' or 'upcast', got {path!r}")
+        self.plain_gemv = path == "onednn" and weight.dtype == torch.float32  # one row: oneDNN on the plain weight
 
     @staticmethod
     def make(weight: torch.Tensor) -> PackedWeight | None:
-        """A packed weight, or None where oneDNN does not apply (then callers use ``F.linear``)."""
-        if weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES or weight.dim() != 2 \
-                or not onednn_available():
+        """The weight prepared for its dtype's chosen path, or None where callers use ``F.linear``."""
+        if weight.device.type != "cpu" or weight.dtype not in PROBED_DTYPES or weight.dim() != 2:
             return None
-        return PackedWeight(weight)
+        path = gemm_choice(weight.dtype).path
+        return None if path == "plain" else PackedWeight(weight, path)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: PackedWeight | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, through oneDNN when ``packed`` (made from ``weight``) is given."""
+    """``F.linear(x, weight, bias)``, on the path ``packed`` (made from ``weight``) was prepared for."""
     if packed is None or x.dtype != weight.dtype or x.numel() == 0:
         return F.linear(x, weight, bias)
+    if packed.upcast:
+        wide_bias = None if bias is None else bias.float()
+        return _product(x.float(), packed, wide_bias).to(x.dtype)
+    return _product(x, packed, bias)
+
+
+def _product(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    if packed.blocked is None:
+        return F.linear(x, packed.wide, bias)
     w = packed.plain if packed.plain_gemv and x.numel() == x.shape[-1] else packed.blocked
     return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [None], "")
