@@ -16,6 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from mla_runtime.layers import cpu_gemm
+
 OUTCOMES = ("success", "invalid", "unauthorized", "too_large", "rejected", "timeout", "client_disconnect",
             "aborted", "error")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -118,3 +120,10 @@ class EngineCollector(Collector):
         info.add_metric([str(d[k]) for k in ("model", "dtype", "cache_dtype", "layers", "heads", "d_c", "d_r",
                                              "block_size")], 1)
         yield info
+        if str(d["device"]) == "cpu":
+            gemm = cpu_gemm.gemm_info(str(d["dtype"]))
+            family = GaugeMetricFamily("mla_cpu_gemm_info", "CPU matrix-product path chosen by the load-time probe "
+                                       "for the model's weight dtype, its compute dtype and why (value 1)",
+                                       labels=list(gemm))
+            family.add_metric(list(gemm.values()), 1)
+            yield family
