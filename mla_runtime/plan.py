@@ -1,4 +1,4 @@
-"""Memory planner: the one owner of memory sizing (DESIGN.md §1–2).
+"""Memory planner: the one owner of memory sizing.
 
 Device memory is split three ways, per rank::
 
@@ -23,8 +23,9 @@ With ``latent_cache_layout="replicated"`` every rank caches every token; with ``
 token's latent lives on one rank, so a rank pays ``latent / tp`` bytes per token and the whole group
 holds ``tp×`` the tokens.
 
-CLI: ``python -m mla_runtime.plan --model deepseek-v3 --max-seq-len 32768 --max-num-seqs 64
---device-memory 141GiB --tensor-parallel-size 16``.
+CLI: ``mla-runtime plan --model deepseek-v3 --max-seq-len 32768 --max-num-seqs 64
+--device-memory 141GiB --tensor-parallel-size 16`` (also ``python -m mla_runtime.plan``); it exits 1 when
+the requested sequences do not fit.
 """
 
 from __future__ import annotations
@@ -40,54 +41,14 @@ from decimal import Decimal, InvalidOperation
 
 import torch
 
-from mla_runtime.config import ModelConfig
+from mla_runtime.cli import DefaultsHelpFormatter
+from mla_runtime.config import PRESET_DIR, ModelConfig
+from mla_runtime.dtypes import CACHE_DTYPES, MODEL_DTYPES, CacheDtype, dtype_name, resolve_cache_dtype
 
-MODEL_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-}
-# None = "auto": the cache uses the model dtype.
-CACHE_DTYPES: dict[str, torch.dtype | None] = {
-    "auto": None,
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
-    "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
-    "int8": torch.int8,
-}
-QUANTIZED_CACHE_DTYPES = (torch.float8_e4m3fn, torch.int8)
-CACHE_SCALES_PER_TOKEN = 2  # per layer: one scale for the latent c, one for the RoPE key k_r
-CACHE_SCALE_DTYPE = torch.float32
 LATENT_CACHE_LAYOUTS = ("replicated", "sharded")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 MIN_DEFAULT_BATCHED_TOKENS = 2048
 ACTIVATION_OVERHEAD_BYTES = 256 * 2**20
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-@dataclass(frozen=True)
-class CacheDtype:
-    """The element type of the latent cache tensor and whether it carries per-token scales."""
-
-    dtype: torch.dtype
-    quantized: bool
-
-    @property
-    def name(self) -> str:
-        return _dtype_name(self.dtype)
-
-    @property
-    def element_bytes(self) -> int:
-        return self.dtype.itemsize
-
-    @property
-    def scale_bytes(self) -> int:
-        """Scale bytes per token per layer (0 for unquantised caches)."""
-        return CACHE_SCALES_PER_TOKEN * CACHE_SCALE_DTYPE.itemsize if self.quantized else 0
 
 
 def resolve_model_dtype(dtype: str | torch.dtype, config: ModelConfig,
@@ -114,20 +75,6 @@ def resolve_model_dtype(dtype: str | torch.dtype, config: ModelConfig,
     logging.getLogger("mla_runtime").info('dtype "auto" on this CPU: %s (checkpoint torch_dtype %s): %s',
                                           str(chosen).removeprefix("torch."), name, why)
     return chosen
-
-
-def resolve_cache_dtype(cache_dtype: str | torch.dtype, model_dtype: torch.dtype) -> CacheDtype:
-    """Map a cache dtype name (``CACHE_DTYPES``) to the cache tensor's torch dtype and quantisation."""
-    if isinstance(cache_dtype, torch.dtype):
-        if cache_dtype not in CACHE_DTYPES.values():
-            raise ValueError(f"cache_dtype: unsupported cache dtype {cache_dtype}")
-        dt = cache_dtype
-    else:
-        if cache_dtype not in CACHE_DTYPES:
-            raise ValueError(f"cache_dtype: unsupported cache dtype {cache_dtype!r} "
-                             f"(use one of {', '.join(CACHE_DTYPES)})")
-        dt = CACHE_DTYPES[cache_dtype] or model_dtype
-    return CacheDtype(dtype=dt, quantized=dt in QUANTIZED_CACHE_DTYPES)
 
 
 # -- bytes per token -----------------------------------------------------------------------------
@@ -359,7 +306,7 @@ def plan_memory(config: ModelConfig, *, dtype: str | torch.dtype, cache_dtype: s
                    f"tensor parallelism (even {config.num_attention_heads} ranks are not enough)")
         raise ValueError(
             f"model weights do not fit: {weights:,} B ({_gib(weights)}) per rank in "
-            f"{_dtype_name(model_dtype)} at tensor_parallel_size={tp}, but only {usable:,} B "
+            f"{dtype_name(model_dtype)} at tensor_parallel_size={tp}, but only {usable:,} B "
             f"({_gib(usable)}) of {device_memory_bytes:,} B are usable at memory_utilization="
             f"{memory_utilization} — short by {weights - usable:,} B ({_gib(weights - usable)}). "
             f"Use more device memory, {tp_hint}, or a smaller weight dtype"
@@ -461,7 +408,7 @@ def format_report(plan: MemoryPlan, config: ModelConfig, model: str = "") -> str
         f"Memory plan for {model or config.model_type} ({config.model_type}: {config.num_hidden_layers} "
         f"layers, {config.num_attention_heads} heads, d_c={config.d_c}, d_r={config.d_r}, "
         f"{plan.parameter_count:,} parameters)",
-        f"  model dtype {_dtype_name(plan.dtype)}, cache dtype {plan.cache_dtype.name}, block size "
+        f"  model dtype {dtype_name(plan.dtype)}, cache dtype {plan.cache_dtype.name}, block size "
         f"{plan.block_size}, tensor parallel {tp} ({plan.latent_cache_layout} latent cache)",
         "",
         bytes_row("device memory per rank", plan.device_memory_bytes),
@@ -487,27 +434,37 @@ def format_report(plan: MemoryPlan, config: ModelConfig, model: str = "") -> str
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mla_runtime.plan", description=(
-        "Plan how one rank's memory splits into weights, activations and latent cache blocks."))
-    parser.add_argument("--model", required=True, help="checkpoint dir, config.json, or preset name")
+def build_parser(prog: str = "python -m mla_runtime.plan") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, formatter_class=DefaultsHelpFormatter,
+                                     description="Plan how one rank's memory splits into weights, activations "
+                                                 "and latent cache blocks. Exits 1 when the request does not fit.")
+    parser.add_argument("--model", required=True, help="checkpoint dir, config.json, or preset name "
+                                                       "(" + ", ".join(sorted(p.stem for p in
+                                                                             PRESET_DIR.glob("*.json"))) + ")")
     parser.add_argument("--max-seq-len", type=int, default=None,
                         help="tokens per sequence (default: the model's max_position_embeddings)")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences that must fit at once")
     parser.add_argument("--device-memory", type=parse_bytes, required=True,
                         help="memory of one device, e.g. 80GiB, 141GB, 1.5e11")
-    parser.add_argument("--memory-utilization", type=float, default=0.92)
-    parser.add_argument("--dtype", default="auto", choices=["auto", *MODEL_DTYPES])
-    parser.add_argument("--cache-dtype", default="auto", choices=list(CACHE_DTYPES))
-    parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--latent-cache-layout", default="replicated", choices=list(LATENT_CACHE_LAYOUTS))
-    args = parser.parse_args(argv)
+    parser.add_argument("--memory-utilization", type=float, default=0.92, help="fraction of it the runtime uses")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *MODEL_DTYPES], help="weight dtype")
+    parser.add_argument("--cache-dtype", default="auto", choices=list(CACHE_DTYPES), help="latent-cache dtype")
+    parser.add_argument("--block-size", type=int, default=64, help="tokens per cache block")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="token budget of one step (default: max-seq-len capped at 8192, at least 2048)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the model is sharded across")
+    parser.add_argument("--latent-cache-layout", default="replicated", choices=list(LATENT_CACHE_LAYOUTS),
+                        help="sharded: each token's latent on one rank")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m mla_runtime.plan") -> int:
+    """Print the plan; 0 when the requested sequences fit, 1 when they do not, 2 on bad input."""
+    args = build_parser(prog).parse_args(argv)
     try:
         config = ModelConfig.from_pretrained(args.model)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     try:
         plan = plan_memory(
@@ -524,10 +481,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                              args.latent_cache_layout)))
         except ValueError:
             pass
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     print(format_report(plan, config, args.model))
-    return 0
+    return 0 if plan.fits else 1
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,6 +1,6 @@
 """Rank × cache-precision sweep: what shrinking the cached latent costs in quality and buys in memory.
 
-Seed 003 tells operators not to change the low-rank dimension unless validated; this is the instrument
+The low-rank dimension should not be changed without validation; this is the instrument
 that validates it. For every point (projection method, latent rank ``r``, cache dtype) it reports:
 
 - ``method``: ``full`` (the untruncated model), ``svd`` (basis from ``kv_b_proj``) or ``pca`` (from latents
@@ -35,10 +35,12 @@ How each number is made:
 
 CLI::
 
-    python -m mla_runtime.sweep --model PATH --ranks 512,256,128,64,32 --cache-dtypes bf16,fp8,int8 \\
-        --eval-text held_out.py --calibration-text other.py --memory-budget 1GiB
+    mla-runtime sweep --model PATH --eval-text held_out.py        # svd at every rank, bf16/fp8/int8 caches
+    mla-runtime sweep --model PATH --ranks 512,256,128,64,32 --cache-dtypes bf16,fp8,int8 \\
+        --eval-text held_out.py --calibration-text other.py --memory-budget 1GiB   # svd and pca
 
-Ranks above the model's ``d_c`` are capped to it. Token ids can replace text (``--eval-tokens``,
+``--methods`` defaults to ``svd``, plus ``pca`` when calibration text or tokens are given. Ranks above
+the model's ``d_c`` are capped to it. Token ids can replace text (``--eval-tokens``,
 ``--calibration-tokens``: a JSON list of ints or of lists, or whitespace-separated ints). Writes
 ``sweep.csv``, ``sweep.md`` and ``sweep.png`` (quality against bytes per token) to ``--out-dir``.
 """
@@ -59,11 +61,14 @@ from pathlib import Path
 import torch
 
 from mla_runtime.cache.latent_cache import LatentCache
+from mla_runtime.cli import DefaultsHelpFormatter
+from mla_runtime.dtypes import resolve_cache_dtype
 from mla_runtime.forward_batch import ForwardBatch
+from mla_runtime.hub import resolve_model
 from mla_runtime.latent_rank import METHODS, truncate_latent_rank
 from mla_runtime.loader import load_model
 from mla_runtime.models.deepseek import DeepseekForCausalLM
-from mla_runtime.plan import parse_bytes, resolve_cache_dtype
+from mla_runtime.plan import parse_bytes
 
 COLUMNS = ("method", "rank", "cache_dtype", "bytes_per_token", "bytes_vs_full", "max_concurrent_tokens",
            "perplexity", "kl_div", "top1_agreement", "decode_tokens_per_s")
@@ -461,15 +466,18 @@ def _names(value: str) -> tuple[str, ...]:
     return tuple(v.strip() for v in value.split(",") if v.strip())
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m mla_runtime.sweep") -> argparse.ArgumentParser:
     d = SweepConfig()
-    ap = argparse.ArgumentParser(prog="python -m mla_runtime.sweep",
+    ap = argparse.ArgumentParser(prog=prog, formatter_class=DefaultsHelpFormatter,
                                  description="Sweep latent rank × cache dtype: quality, bytes per token, "
                                              "capacity and decode speed.")
-    ap.add_argument("--model", required=True, help="checkpoint directory")
-    ap.add_argument("--ranks", type=_ints, default=d.ranks, help="comma-separated; capped at the model's d_c")
-    ap.add_argument("--cache-dtypes", type=_names, default=d.cache_dtypes, help="e.g. bf16,fp8,int8")
-    ap.add_argument("--methods", type=_names, default=d.methods, help="svd,pca (pca needs calibration)")
+    ap.add_argument("--model", required=True, help="checkpoint directory or hub repo id org/name")
+    ap.add_argument("--revision", help="hub branch, tag or commit of a repo id (default: main)")
+    ap.add_argument("--ranks", type=_ints, default=",".join(map(str, d.ranks)),
+                    help="comma-separated; capped at the model's d_c")
+    ap.add_argument("--cache-dtypes", type=_names, default=",".join(d.cache_dtypes), help="e.g. bf16,fp8,int8")
+    ap.add_argument("--methods", type=_names, default=None,
+                    help="svd,pca (default: svd, and pca when calibration text or tokens are given)")
     ap.add_argument("--eval-text", nargs="+", help="held-out text file(s) for perplexity / KL / top-1")
     ap.add_argument("--eval-tokens", nargs="+", help="token-id file(s) instead of --eval-text")
     ap.add_argument("--calibration-text", nargs="+", help="text file(s) for the PCA (not the eval text)")
@@ -477,38 +485,44 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokenizer", help="tokenizer directory (default: --model)")
     ap.add_argument("--memory-budget", default="1GiB", help="latent-cache bytes, e.g. 1GiB, 80GB")
     ap.add_argument("--dtype", default=d.dtype, help="weights/compute dtype (auto = the checkpoint's)")
-    ap.add_argument("--block-size", type=int, default=d.block_size)
+    ap.add_argument("--block-size", type=int, default=d.block_size, help="tokens per cache block")
     ap.add_argument("--window", type=int, default=d.window, help="tokens of context per eval window")
     ap.add_argument("--chunk", type=int, default=d.chunk, help="prefill chunk (tokens)")
-    ap.add_argument("--max-eval-tokens", type=int, default=d.max_eval_tokens)
-    ap.add_argument("--max-calibration-tokens", type=int, default=d.max_calibration_tokens)
-    ap.add_argument("--decode-batch", type=int, default=d.decode_batch)
-    ap.add_argument("--decode-context", type=int, default=d.decode_context)
+    ap.add_argument("--max-eval-tokens", type=int, default=d.max_eval_tokens, help="eval tokens scored at most")
+    ap.add_argument("--max-calibration-tokens", type=int, default=d.max_calibration_tokens,
+                    help="calibration tokens the PCA reads at most")
+    ap.add_argument("--decode-batch", type=int, default=d.decode_batch, help="sequences of the timed decode")
+    ap.add_argument("--decode-context", type=int, default=d.decode_context,
+                    help="prompt tokens per timed decode sequence")
     ap.add_argument("--decode-steps", type=int, default=d.decode_steps, help="timed decode steps (0: skip)")
-    ap.add_argument("--device", default=d.device)
-    ap.add_argument("--attention-backend", choices=("triton", "torch"), default=None)
+    ap.add_argument("--device", default=d.device, help="torch device")
+    ap.add_argument("--attention-backend", choices=("triton", "torch"), default=None,
+                    help="attention kernels (default: by device)")
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's); 1 is steadiest on a busy host")
-    ap.add_argument("--out-dir", default="bench/out/sweep")
+    ap.add_argument("--out-dir", default="bench/out/sweep", help="where sweep.csv, sweep.md, sweep.png go")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     return ap
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = build_parser()
+def main(argv: Sequence[str] | None = None, prog: str = "python -m mla_runtime.sweep") -> int:
+    ap = build_parser(prog)
     args = ap.parse_args(argv)
     if args.threads is not None:
         if args.threads < 1:
             ap.error(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     try:
+        model = resolve_model(args.model, args.revision)
+        calibrated = bool(args.calibration_text or args.calibration_tokens)
+        methods = args.methods or (("svd", "pca") if calibrated else ("svd",))
         cfg = SweepConfig(
-            ranks=args.ranks, cache_dtypes=args.cache_dtypes, methods=args.methods,
+            ranks=args.ranks, cache_dtypes=args.cache_dtypes, methods=methods,
             memory_budget=args.memory_budget, dtype=args.dtype, block_size=args.block_size, window=args.window,
             chunk=args.chunk, max_eval_tokens=args.max_eval_tokens,
             max_calibration_tokens=args.max_calibration_tokens, decode_batch=args.decode_batch,
             decode_context=args.decode_context, decode_steps=args.decode_steps, device=args.device,
             attention_backend=args.attention_backend)
-        tokenizer = args.tokenizer or args.model
+        tokenizer = args.tokenizer or model
         eval_docs = _docs(args.eval_text, args.eval_tokens, tokenizer, "eval")
         if eval_docs is None:
             raise ValueError("give --eval-text or --eval-tokens")
@@ -516,7 +530,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.eval_text and args.calibration_text and set(args.eval_text) & set(args.calibration_text):
             print("sweep: warning: calibration text overlaps the eval text; PCA will look better than it is",
                   file=sys.stderr)
-        result = run_sweep(args.model, eval_docs, calib, cfg, progress=not args.no_progress)
+        result = run_sweep(model, eval_docs, calib, cfg, progress=not args.no_progress)
     except ValueError as e:
         ap.error(str(e))
     written = write_reports(result, args.out_dir)

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mla_runtime.dtypes import CACHE_DTYPES
 from mla_runtime.layers.mla import ATTENTION_PATHS
-from mla_runtime.plan import CACHE_DTYPES, LATENT_CACHE_LAYOUTS, parse_bytes
+from mla_runtime.plan import LATENT_CACHE_LAYOUTS, parse_bytes
 
 ATTENTION_BACKENDS = (None, "triton", "torch")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str
+    model: str  # a checkpoint folder or a hub repo id (org/name, resolved by hub.resolve_model)
+    revision: str | None = None  # hub branch, tag or commit of a repo id (None: main)
     dtype: str = "auto"
     max_model_len: int | None = None
     block_size: int = 64

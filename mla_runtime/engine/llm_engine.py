@@ -14,7 +14,7 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from mla_runtime.engine.tp_workers import (
     run_torchrun_worker,
     torchrun_rank,
 )
+from mla_runtime.hub import resolve_model
 from mla_runtime.latent_rank import truncate_latent_rank
 from mla_runtime.loader import load_model
 from mla_runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -82,6 +83,7 @@ def _available_ram() -> int:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        config = replace(config, model=resolve_model(config.model, config.revision))  # hub id → local folder
         self.config = config
         t0 = time.monotonic()
         cfg = self.model_config = ModelConfig.from_pretrained(config.model)

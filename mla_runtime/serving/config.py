@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mla_runtime.engine.config import EngineConfig
+from mla_runtime.hub import is_repo_id
 from mla_runtime.plan import parse_bytes
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo_model"
@@ -32,16 +33,28 @@ class ServerConfig:
     max_body_bytes: int | str = "4MiB"
     served_model_name: str | None = None
     shutdown_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests before aborting them
+    header_timeout: float = 10.0  # seconds for a request's headers and body to arrive, then the connection closes
+    stream_stall_timeout: float = 30.0  # seconds a streaming client may not read before its stream is aborted
+    step_timeout: float = 120.0  # seconds one engine step may run before /health turns 503 and the server restarts
+    max_connections: int = 1000  # open connections; beyond, new ones are closed at once
+    metrics_auth: bool = False  # /metrics requires the API key too
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
             raise ValueError(f"port must be an integer in [0, 65535], got {self.port!r}")
-        for name in ("request_timeout", "shutdown_timeout"):
+        for name in ("request_timeout", "shutdown_timeout", "header_timeout", "stream_stall_timeout", "step_timeout"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
         if not isinstance(self.max_queue, int) or isinstance(self.max_queue, bool) or self.max_queue < 0:
             raise ValueError(f"max_queue must be an integer >= 0, got {self.max_queue!r}")
+        if not isinstance(self.max_connections, int) or isinstance(self.max_connections, bool) or \
+                self.max_connections < 1:
+            raise ValueError(f"max_connections must be an integer >= 1, got {self.max_connections!r}")
+        if not isinstance(self.metrics_auth, bool):
+            raise ValueError(f"metrics_auth must be true or false, got {self.metrics_auth!r}")
+        if self.metrics_auth and self.api_key is None:
+            raise ValueError("metrics_auth needs an API key (--api-key or $MLA_API_KEY)")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("api_key must be a non-empty string")
         body = parse_bytes(self.max_body_bytes)
@@ -62,16 +75,27 @@ ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
 SERVER_FIELDS = {f.name for f in fields(ServerConfig)}
 
 OPTIONS: dict[str, Option] = {
-    "model": Option("model.path", "--model", str, "checkpoint directory (default: the embedded demo model)"),
+    "model": Option("model.path", "--model", str, "checkpoint directory or hub repo id org/name "
+                                                  "(default: the embedded demo model)"),
+    "revision": Option("model.revision", "--revision", str,
+                       "hub branch, tag or commit of a repo id --model (default: main)"),
     "dtype": Option("model.dtype", "--dtype", str, "weight/compute dtype: auto, bfloat16, float16, float32"),
-    "tensor_parallel_size": Option("model.tensor_parallel_size", "--tensor-parallel-size", int),
-    "latent_rank": Option("model.latent_rank", "--latent-rank", int, "truncate the cached latent to this rank"),
+    "tensor_parallel_size": Option("model.tensor_parallel_size", "--tensor-parallel-size", int,
+                                   "ranks the model is sharded across (torchrun or worker processes)"),
+    "latent_rank": Option("model.latent_rank", "--latent-rank", int,
+                          "truncate the cached latent to this rank (default: the model's kv_lora_rank)"),
     "attention_backend": Option(None, "--attention-backend", str, "triton or torch (default: by device)"),
-    "max_model_len": Option("kv_cache.max_seq_len", "--max-model-len", int, "context limit per request"),
-    "kv_cache_memory": Option("kv_cache.memory", "--kv-cache-memory", str, "latent-cache bytes, e.g. 8GiB"),
+    "max_model_len": Option("kv_cache.max_seq_len", "--max-model-len", int,
+                            "context limit per request (default: the model's max_position_embeddings)"),
+    "kv_cache_memory": Option("kv_cache.memory", "--kv-cache-memory", str,
+                              "latent-cache bytes, e.g. 8GiB (default: on CPU a quarter of the available RAM, "
+                              "at most max-num-seqs full sequences; on GPU 90%% of free memory less weights "
+                              "and activations)"),
     "block_size": Option("kv_cache.block_size", "--block-size", int, "tokens per cache block (multiple of 16)"),
     "max_num_seqs": Option("kv_cache.max_num_seqs", "--max-num-seqs", int, "sequences running at once"),
-    "max_num_batched_tokens": Option(None, "--max-num-batched-tokens", int, "token budget of one step"),
+    "max_num_batched_tokens": Option(None, "--max-num-batched-tokens", int,
+                                     "token budget of one step (default: max-model-len capped at 8192, "
+                                     "at least 2048)"),
     "kv_cache_dtype": Option("kv_cache.dtype", "--kv-cache-dtype", str, "auto, bfloat16, float16, fp8, int8…"),
     "latent_cache_layout": Option("kv_cache.layout", "--latent-cache-layout", str, "replicated or sharded"),
     "num_speculative_tokens": Option("speculative.num_tokens", "--num-speculative-tokens", int,
@@ -80,8 +104,8 @@ OPTIONS: dict[str, Option] = {
                                 "longest suffix looked up for drafts"),
     "prompt_lookup_min": Option("speculative.prompt_lookup_min", "--prompt-lookup-min", int,
                                 "shortest suffix looked up for drafts"),
-    "host": Option("serving.host", "--host", str),
-    "port": Option("serving.listen_port", "--port", int),
+    "host": Option("serving.host", "--host", str, "address to listen on"),
+    "port": Option("serving.listen_port", "--port", int, "port to listen on (0: any free port)"),
     "request_timeout": Option("serving.request_timeout", "--request-timeout", float, "seconds; then 504"),
     "max_queue": Option("serving.max_queue", "--max-queue", int, "requests waiting beyond max_num_seqs; then 429"),
     "api_key": Option("serving.api_key", "--api-key", str, f"require 'Authorization: Bearer KEY' "
@@ -91,6 +115,16 @@ OPTIONS: dict[str, Option] = {
                                 "model id in /v1/models (default: the checkpoint folder's name)"),
     "shutdown_timeout": Option("serving.shutdown_timeout", "--shutdown-timeout", float,
                                "seconds SIGTERM waits for in-flight requests"),
+    "header_timeout": Option("serving.header_timeout", "--header-timeout", float,
+                             "seconds for a request's headers and body to arrive; then the connection closes"),
+    "stream_stall_timeout": Option("serving.stream_stall_timeout", "--stream-stall-timeout", float,
+                                   "seconds a streaming client may not read; then its stream is aborted"),
+    "step_timeout": Option("serving.step_timeout", "--step-timeout", float,
+                           "seconds one engine step may run; then /health is 503 and the server exits 1 "
+                           "after draining"),
+    "max_connections": Option("serving.max_connections", "--max-connections", int,
+                              "open connections; beyond, new ones are closed at once"),
+    "metrics_auth": Option("serving.metrics_auth", "--metrics-auth", bool, "/metrics requires the API key"),
 }
 YAML_KEYS = {opt.yaml: name for name, opt in OPTIONS.items() if opt.yaml}
 YAML_HINTS = {"kv_cache.gpu_memory_util": "size the latent cache in bytes with kv_cache.memory (e.g. '40GiB')"}
@@ -142,21 +176,34 @@ def _check_type(dotted: str, name: str, value: Any) -> Any:
         want = (str, int)
     elif want is float:
         want = (int, float)
-    if value is None or isinstance(value, bool) or not isinstance(value, want):
+    if value is None or (isinstance(value, bool) and want is not bool) or not isinstance(value, want):
         kinds = " or ".join(t.__name__ for t in (want if isinstance(want, tuple) else (want,)))
         raise ValueError(f"{dotted} must be {kinds}, got {value!r}")
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "server.py") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="server.py", description="Serve an MLA checkpoint over HTTP (/generate, /v1/*, /metrics).",
+        prog=prog, description="Serve an MLA checkpoint over HTTP (/generate, /v1/*, /metrics).",
         epilog="Precedence: flags > --config file > $MLA_API_KEY > defaults.")
     parser.add_argument("--config", help="serve.yaml (sections model / kv_cache / speculative / serving; see "
                                          "mla_runtime/serving/serve.example.yaml)")
     for name, opt in OPTIONS.items():
-        parser.add_argument(opt.flag, dest=name, type=opt.type, default=None, help=opt.help or None)
+        if opt.type is bool:  # a switch: given → true
+            parser.add_argument(opt.flag, dest=name, action="store_true", default=None, help=_help(name, opt))
+            continue
+        parser.add_argument(opt.flag, dest=name, type=opt.type, default=None, help=_help(name, opt))
     return parser
+
+
+def _help(name: str, opt: Option) -> str:
+    """The flag's help with its default (flags default to None so that the config file can set them)."""
+    if "default:" in opt.help:
+        return opt.help
+    default = next(f.default for f in fields(EngineConfig if name in ENGINE_FIELDS else ServerConfig)
+                   if f.name == name)
+    shown = "none" if default is None else default
+    return f"{opt.help} (default: {shown})" if opt.help else f"(default: {shown})"
 
 
 def default_model() -> str:
@@ -167,11 +214,11 @@ def default_model() -> str:
     return str(DEMO_MODEL)
 
 
-def resolve(argv: Sequence[str] | None = None, env: dict[str, str] | None = None
+def resolve(argv: Sequence[str] | None = None, env: dict[str, str] | None = None, prog: str = "server.py"
             ) -> tuple[EngineConfig, ServerConfig]:
     """Command line (and optional YAML file) → validated engine and server configs."""
     env = os.environ if env is None else env
-    args = build_parser().parse_args(argv)
+    args = build_parser(prog).parse_args(argv)
     values: dict[str, Any] = {}
     if env.get(API_KEY_ENV):
         values["api_key"] = env[API_KEY_ENV]
@@ -180,14 +227,22 @@ def resolve(argv: Sequence[str] | None = None, env: dict[str, str] | None = None
     values.update({k: v for k, v in vars(args).items() if k in OPTIONS and v is not None})
     if values.get("model") is None:
         values["model"] = default_model()
-    model = Path(str(values["model"])).expanduser()
-    if not (model / "config.json").is_file():
-        raise ValueError(f"model ({where('model')}): {model} is not a checkpoint directory (no config.json)")
-    values["model"] = str(model)
+    values["model"] = model = _check_model(str(values["model"]))
     engine_kw = {k: v for k, v in values.items() if k in ENGINE_FIELDS}
     server_kw = {k: v for k, v in values.items() if k in SERVER_FIELDS}
-    server_kw.setdefault("served_model_name", model.name)
+    server_kw.setdefault("served_model_name", model if is_repo_id(model) else Path(model).name)
     return _build(EngineConfig, engine_kw), _build(ServerConfig, server_kw)
+
+
+def _check_model(model: str) -> str:
+    """A local checkpoint folder (with config.json), or a hub repo id (downloaded when the engine starts)."""
+    if is_repo_id(model):
+        return model
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        also = "" if path.is_dir() else " nor a hub repo id (org/name)"
+        raise ValueError(f"model ({where('model')}): {path} is not a checkpoint directory (no config.json){also}")
+    return str(path)
 
 
 def _build(cls: type, kw: dict[str, Any]) -> Any:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Callable, Sequence
 from types import FrameType
@@ -56,16 +57,35 @@ class Server(uvicorn.Server):
         return handlers()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def port_taken(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on (bound as uvicorn binds it), or None when it can."""
+    if port == 0:
+        return None
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "server.py") -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        engine_config, config = resolve(argv)
+        engine_config, config = resolve(argv, prog=prog)
     except ValueError as e:
-        print(f"server.py: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     if engine_config.tensor_parallel_size > 1 and launched_by_torchrun() and torchrun_rank() != 0:
         LLMEngine(engine_config)  # a worker rank under torchrun: serves rank 0's steps, then exits
         return 0
+    if why := port_taken(config.host, config.port):  # before the model loads
+        print(f"{prog}: error: cannot listen on {config.host}:{config.port}: {why} (pick another --port)",
+              file=sys.stderr)
+        return 1
     failures: list[BaseException] = []
     server: Server | None = None
 
@@ -80,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     on_exit=app.state.runtime.begin_shutdown)
     server.run()
     if failures:
-        print(f"server.py: start-up failed: {failures[0]}", file=sys.stderr)
+        print(f"{prog}: start-up failed: {failures[0]}", file=sys.stderr)
         return 1
     return 0
 

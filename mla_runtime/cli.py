@@ -1,0 +1,66 @@
+"""``mla-runtime``: one command, one subcommand per tool.
+
+    mla-runtime serve [--model PATH|ORG/NAME] [--port 8000] ...   # the HTTP server (same flags as server.py)
+    mla-runtime plan --model deepseek-v3 --device-memory 141GiB    # the memory planner
+    mla-runtime sweep --model PATH --eval-text held_out.txt        # latent rank × cache dtype sweep
+    mla-runtime bench [--model PATH]                               # offline throughput
+
+Each subcommand owns its flags (``mla-runtime SUBCOMMAND --help``); its module is imported only when it
+runs, so ``plan`` does not import the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
+
+# subcommand → (module with main(argv, prog), one-line summary)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("mla_runtime.serving.server", "serve a checkpoint over HTTP (/generate, /v1/*, /metrics)"),
+    "plan": ("mla_runtime.plan", "split one device's memory into weights, activations and latent cache"),
+    "sweep": ("mla_runtime.sweep", "latent rank × cache dtype: quality, bytes per token, capacity, speed"),
+    "bench": ("mla_runtime.benchmark", "offline throughput of LLM.generate on a checkpoint"),
+}
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """``--help`` shows each flag's default, except where there is none (required flags, None defaults:
+    their help says what happens) or the help already names it; descriptions keep their line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.required or action.default in (None, False, argparse.SUPPRESS) or "default:" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def _version() -> str:
+    try:
+        return version("mla-runtime")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mla-runtime", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="An inference runtime for multi-head latent attention models (DeepSeek-V2/V3, Kimi-K2).",
+        epilog="subcommands:\n" + "\n".join(f"  {name:<8}{summary}" for name, (_, summary) in COMMANDS.items())
+        + "\n\nmla-runtime SUBCOMMAND --help lists the subcommand's flags and their defaults.")
+    parser.add_argument("--version", action="version", version=f"mla-runtime {_version()}")
+    parser.add_argument("command", choices=list(COMMANDS), metavar="SUBCOMMAND", help=", ".join(COMMANDS))
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the subcommand's flags")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module = importlib.import_module(COMMANDS[args.command][0])
+    return module.main(args.args, prog=f"mla-runtime {args.command}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
