@@ -1,5 +1,6 @@
 """The CPU fast paths equal the plain ones: the planned decode equals the fp32 reference on poisoned,
-shuffled caches; oneDNN-packed GEMMs equal ``F.linear``; the fused RoPE, the host-side expert grouping and
+shuffled caches; the CPU GEMM paths (probed fast path and forced fallbacks) equal ``F.linear`` and the
+probe's decisions match what works here; the fused RoPE, the host-side expert grouping and
 a prepared model equal their plain counterparts; the engine's greedy tokens do not depend on them."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from mla_kernels.reference import ref_mla_decode  # noqa: E402
 from mla_runtime import LLM, SamplingParams  # noqa: E402
 from mla_runtime.config import MoEConfig, RopeConfig  # noqa: E402
 from mla_runtime.forward_batch import ForwardBatch  # noqa: E402
+from mla_runtime.layers import cpu_gemm  # noqa: E402
 from mla_runtime.layers import moe as moe_module  # noqa: E402
 from mla_runtime.layers.cpu_gemm import PackedWeight, linear  # noqa: E402
 from mla_runtime.layers.rotary import RotaryEmbedding  # noqa: E402
@@ -92,28 +94,98 @@ def test_planned_decode_rejects_quantised_caches():
         mla_decode_planned(torch.randn(1, 2, 48), case.cache, plan, 0.2, 32)
 
 
-# -- packed GEMMs ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# -- CPU GEMM paths ----------------------------------------------------------------------------------------
+GEMM_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def gemm_tol(dtype: torch.dtype) -> dict[str, float]:
+    """fp32: rounding of 96-long dot products; half precision: one rounding of the output (8 / 11 bits)."""
+    return {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2**-7, atol=2**-6),
+            torch.float16: dict(rtol=2**-10, atol=2**-8)}[dtype]
+
+
+@pytest.mark.parametrize("dtype", GEMM_DTYPES)
 @pytest.mark.parametrize("shape", [(0, 96), (1, 96), (3, 96), (8, 96), (33, 96), (2, 5, 96)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_f_linear(dtype, shape, bias):
+def test_packed_linear_matches_f_linear(gemm_mode, dtype, shape, bias):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(130, 96, generator=g).to(dtype)
     b = torch.randn(130, generator=g).to(dtype) if bias else None
     x = torch.randn(*shape, generator=g).to(dtype)
+    choice = cpu_gemm.gemm_choice(dtype)
     packed = PackedWeight.make(w)
+    assert choice.mode == gemm_mode and (packed is None) == (choice.path == "plain")
+    assert packed is None or packed.upcast == (choice.path == "upcast")
     got, want = linear(x, w, b, packed), F.linear(x, w, b)
     assert got.shape == want.shape and got.dtype == dtype
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=2**-6)
-    torch.testing.assert_close(got.float(), want.float(), **tol)
+    torch.testing.assert_close(got.float(), want.float(), **gemm_tol(dtype))
 
 
-def test_packed_linear_matrix_vector_layouts():
-    """float32 takes the plain layout for one row, the blocked one for more; both equal F.linear."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_upcast_path_matches_f_linear(gemm_mode, dtype):
+    """The float32 path of a half-precision weight (whichever float32 path this mode takes) equals F.linear."""
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(130, 96, generator=g).to(dtype), torch.randn(130, generator=g).to(dtype)
+    packed = PackedWeight(w, "upcast")
+    assert packed.upcast and (packed.blocked is None) == (cpu_gemm.gemm_choice(torch.float32).path == "plain")
+    for rows in (1, 7):
+        x = torch.randn(rows, 96, generator=g).to(dtype)
+        got = linear(x, w, b, packed)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), F.linear(x, w, b).float(), **gemm_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", GEMM_DTYPES)
+def test_probe_decision_matches_what_works(dtype, monkeypatch):
+    """The fast path is chosen exactly where oneDNN packs this dtype here and its products equal F.linear."""
+    monkeypatch.setenv(cpu_gemm.GEMM_ENV, "auto")
+    g = torch.Generator().manual_seed(2)
+    w, x = torch.randn(130, 96, generator=g).to(dtype), torch.randn(5, 96, generator=g).to(dtype)
+    try:
+        got = linear(x, w, None, PackedWeight(w, "onednn"))
+        works = bool(torch.allclose(got.float(), F.linear(x, w).float(), **gemm_tol(dtype)))
+    except RuntimeError:
+        works = False
+    choice = cpu_gemm.gemm_choice(dtype)
+    assert (choice.path == "onednn") == works == (cpu_gemm.fast_path_failure(dtype) is None)
+    assert choice.compute_dtype == (dtype if choice.path != "upcast" else torch.float32)
+    assert choice.reason and cpu_gemm.gemm_info(dtype)["path"] == choice.path
+    if dtype == torch.float32:  # float32 has no float32 fallback to time: F.linear where oneDNN fails
+        assert choice.path in ("onednn", "plain")
+
+
+def test_forced_plain_takes_no_fast_path(monkeypatch):
+    monkeypatch.setenv(cpu_gemm.GEMM_ENV, "plain")
+    for dtype in GEMM_DTYPES:
+        choice = cpu_gemm.gemm_choice(dtype)
+        assert choice.mode == "plain" and choice.path in ("plain", "upcast") and "MLA_CPU_GEMM" in choice.reason
+    assert PackedWeight.make(torch.randn(8, 4)) is None  # float32: F.linear
+    info = cpu_gemm.gemm_info("bfloat16")
+    assert info["mode"] == "plain" and info["extra_bytes_per_weight"] == ("4" if info["path"] == "upcast" else "0")
+
+
+def test_gemm_switch_rejects_unknown_values(monkeypatch):
+    monkeypatch.setenv(cpu_gemm.GEMM_ENV, "fast")
+    with pytest.raises(ValueError, match="MLA_CPU_GEMM"):
+        PackedWeight.make(torch.randn(8, 4))
+    with pytest.raises(ValueError, match="MLA_CPU_GEMM"), cpu_gemm.forced_gemm_mode("avx512"):
+        pass
+    assert os.environ[cpu_gemm.GEMM_ENV] == "fast"  # the context manager put the previous value back
+    monkeypatch.delenv(cpu_gemm.GEMM_ENV)
+    with cpu_gemm.forced_gemm_mode("plain"):
+        assert cpu_gemm.gemm_choice(torch.float32).path == "plain"
+    assert cpu_gemm.GEMM_ENV not in os.environ and cpu_gemm.gemm_mode() == "auto"
+
+
+def test_packed_linear_matrix_vector_layouts(gemm_mode):
+    """float32 on oneDNN takes the plain layout for one row, the blocked one for more; both equal F.linear."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(2048, 1024, generator=g)
     packed = PackedWeight.make(w)
-    assert packed is not None and packed.plain_gemv
+    if cpu_gemm.gemm_choice(torch.float32).path == "onednn":
+        assert packed is not None and packed.plain_gemv
+    else:
+        assert packed is None
     for rows in (1, 2):
         x = torch.randn(rows, 1024, generator=g)
         torch.testing.assert_close(linear(x, w, None, packed), F.linear(x, w), rtol=1e-5, atol=1e-4)
@@ -122,6 +194,48 @@ def test_packed_linear_matrix_vector_layouts():
 def test_packed_weight_only_where_onednn_applies():
     assert PackedWeight.make(torch.randn(4, 4, dtype=torch.float64)) is None
     assert PackedWeight.make(torch.randn(2, 4, 4)) is None
+
+
+BF16_CPU = {"x86 AVX-512 BF16": {"avx512_f": True, "avx512_bf16": True}, "x86 AMX": {"amx_bf16": True},
+            "aarch64": {"neon": True, "bf16": True}}
+NO_BF16_CPU = {"x86 AVX2": {"avx2": True, "fma3": True}, "x86 AVX-512 without BF16": {"avx512_f": True},
+               "aarch64 without bf16": {"neon": True}}
+
+
+def test_auto_dtype_on_cpu_decision():
+    """``dtype="auto"`` keeps bf16 only with native bf16 and a passing probe; the reason says which failed."""
+    fast = cpu_gemm.GemmChoice(torch.bfloat16, "auto", "onednn", torch.bfloat16, "passed")
+    slow = cpu_gemm.GemmChoice(torch.bfloat16, "auto", "upcast", torch.float32, "packing unsupported: X")
+    for caps in BF16_CPU.values():
+        assert cpu_gemm.cpu_auto_dtype(torch.bfloat16, caps, fast)[0] == torch.bfloat16
+        dtype, why = cpu_gemm.cpu_auto_dtype(torch.bfloat16, caps, slow)
+        assert dtype == torch.float32 and "packing unsupported: X" in why
+    for caps in NO_BF16_CPU.values():
+        dtype, why = cpu_gemm.cpu_auto_dtype(torch.bfloat16, caps, fast)
+        assert dtype == torch.float32 and "no native bfloat16" in why
+    assert cpu_gemm.cpu_auto_dtype(torch.float32, {}, slow)[0] == torch.float32
+    assert cpu_gemm.cpu_auto_dtype(torch.float16, {"avx512_fp16": True}, slow)[0] == torch.float32
+
+
+def test_auto_dtype_on_this_cpu(tiny_checkpoint, caplog, monkeypatch):
+    """On this machine: the engine's resolution equals the decision for its own capabilities and probe;
+    a bf16 checkpoint stays bf16 without a device (the planner) or on a GPU."""
+    from mla_runtime.config import ModelConfig
+    from mla_runtime.plan import resolve_model_dtype
+
+    monkeypatch.setenv(cpu_gemm.GEMM_ENV, "auto")
+    cfg = ModelConfig.from_pretrained(tiny_checkpoint("v3")[0]).with_overrides(torch_dtype="bfloat16")
+    caps = torch.cpu.get_capabilities()
+    native = any(caps.get(k) for k in cpu_gemm.NATIVE_CAPABILITIES[torch.bfloat16])
+    probe_ok = cpu_gemm.gemm_choice(torch.bfloat16).path == "onednn"
+    with caplog.at_level("INFO", logger="mla_runtime"):
+        got = resolve_model_dtype("auto", cfg, "cpu")
+    assert got == (torch.bfloat16 if native and probe_ok else torch.float32)
+    assert f'dtype "auto" on this CPU: {str(got).removeprefix("torch.")}' in caplog.text
+    assert resolve_model_dtype("auto", cfg) == resolve_model_dtype("auto", cfg, "cuda") == torch.bfloat16
+    assert resolve_model_dtype("bfloat16", cfg, "cpu") == torch.bfloat16  # explicit: always honoured
+    monkeypatch.setenv(cpu_gemm.GEMM_ENV, "plain")  # no fast path: float32
+    assert resolve_model_dtype("auto", cfg, "cpu") == torch.float32
 
 
 # -- layers ----------------------------------------------------------------------------------------------
@@ -168,7 +282,7 @@ def _unprepared(ckpt):
     return model
 
 
-def test_prepared_model_decode_equals_unprepared(tiny_checkpoint):
+def test_prepared_model_decode_equals_unprepared(tiny_checkpoint, gemm_mode):
     ckpt, _ = tiny_checkpoint("v3")
     ps = prompts([30, 12, 7], seed=11)
     logits = []
@@ -223,7 +337,7 @@ def test_mixed_step_decodes_planned_prefill_apart(tiny_checkpoint, monkeypatch, 
     assert rel_err(results[0], results[1]) <= 1e-5
 
 
-def test_engine_greedy_tokens_batched_equal_single(tiny_checkpoint):
+def test_engine_greedy_tokens_batched_equal_single(tiny_checkpoint, gemm_mode):
     ckpt, _ = tiny_checkpoint("v3")
     ps = [{"prompt_token_ids": p} for p in prompts([9, 31, 4, 17], seed=12)]
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

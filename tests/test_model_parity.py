@@ -1,4 +1,5 @@
-"""The model equals transformers' DeepseekV2/V3 on tiny random checkpoints (fp32, relative error <= 1e-4)."""
+"""The model equals transformers' DeepseekV2/V3 on tiny random checkpoints (fp32, relative error <= 1e-4), on the
+probed CPU GEMM paths and on the forced fallbacks (``gemm_mode``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mla_runtime.config import ModelConfig
+from mla_runtime.layers.cpu_gemm import gemm_choice
 from mla_runtime.loader import CheckpointError, load_model
 from tests.checkpoints import VOCAB, dequantized_reference
 from tests.model_utils import PagedRunner, hf_logits
@@ -28,7 +30,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("path", ["naive", "absorbed"])
-def test_prefill_logits_match_transformers(tiny_checkpoint, variant, path):
+def test_prefill_logits_match_transformers(tiny_checkpoint, variant, path, gemm_mode):
     ckpt, hf = tiny_checkpoint(variant)
     model = load_model(ckpt, dtype="float32", attention_path=path)
     ps = prompts()
@@ -48,7 +50,7 @@ def test_absorbed_equals_naive(tiny_checkpoint, variant):
         assert rel_err(a, b) <= 2e-5
 
 
-def test_token_by_token_decode_equals_full_forward(tiny_checkpoint, variant):
+def test_token_by_token_decode_equals_full_forward(tiny_checkpoint, variant, gemm_mode):
     ckpt, hf = tiny_checkpoint(variant)
     model = load_model(ckpt, dtype="float32")
     ps = prompts([9, 23, 14], seed=2)
@@ -88,11 +90,16 @@ def test_fp8_block_checkpoint_dequantised_on_load(fp8_checkpoint, tiny_checkpoin
     assert rel_err(got, hf_logits(hf, p)) > 1e-4
 
 
-def test_bfloat16_close_to_float32(tiny_checkpoint):
+def test_bfloat16_close_to_float32(tiny_checkpoint, gemm_mode):
+    """An explicit bf16 load works on every CPU: on the probed fast path, or on the fallback it chose."""
     ckpt, hf = tiny_checkpoint("v3")
     p = prompts([30])[0]
     model = load_model(ckpt, dtype="bfloat16")
-    assert model.model.layers[0].self_attn.kv_b_proj.weight.dtype == torch.bfloat16
+    o_proj = model.model.layers[0].self_attn.o_proj
+    assert o_proj.weight.dtype == torch.bfloat16
+    path = gemm_choice(torch.bfloat16).path  # the layers were prepared for the path chosen for bf16
+    assert (o_proj.packed is None) == (path == "plain")
+    assert (path == "upcast") == bool(o_proj.packed and o_proj.packed.upcast)
     (got,) = PagedRunner(model, 1, len(p)).prefill([p])
     ref = hf_logits(hf, p)
     per_token = torch.nn.functional.cosine_similarity(got, ref, dim=-1)
