@@ -309,17 +309,11 @@ def _mla_decode_torch(q: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor
     return out_pad[row_of, rank].to(q.dtype), lse_pad[row_of, rank]
 
 
-def mla_decode(q: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None, block_tables: torch.Tensor,
-               seq_lens: torch.Tensor, sm_scale: float, d_c: int, req_indices: torch.Tensor | None = None,
-               num_kv_splits: int | None = None, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Absorbed MLA attention of query rows over their paged latent sequences.
-
-    q ``[N, H, d_c + d_r]`` (absorbed no-RoPE query, then rotated RoPE query), cache ``[num_blocks, block_size,
-    d_c + d_r]``, scales ``[num_blocks, block_size, 2]`` fp32 for fp8/int8 caches else None, block_tables
-    ``[B, max_blocks]`` int32, seq_lens ``[N]`` int32 (tokens row n attends), req_indices ``[N]`` int32 (block-table
-    row of query row n; default n). Returns out ``[N, H, d_c]`` in q.dtype and lse ``[N, H]`` float32.
-    """
+def _check_decode_args(q: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None, block_tables: torch.Tensor,
+                       seq_lens: torch.Tensor, d_c: int, req_indices: torch.Tensor | None,
+                       num_kv_splits: int | None) -> None:
     check_cache(cache, scales)
+    n_rows = q.shape[0]
     if q.dim() != 3 or q.dtype not in ACT_DTYPES:
         raise ValueError(f"q must be [N, H, d_c + d_r] float32/bfloat16/float16, got {q.dtype} {tuple(q.shape)}")
     if q.shape[2] != cache.shape[2]:
@@ -329,7 +323,6 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None
     if not 0 < d_c < cache.shape[2]:
         raise ValueError(f"d_c must satisfy 0 < d_c < {cache.shape[2]} (the RoPE part needs at least one value), "
                          f"got {d_c}")
-    n_rows = q.shape[0]
     check_int_tensor("block_tables", block_tables, 2, q.device)
     check_int_tensor("seq_lens", seq_lens, 1, q.device)
     if seq_lens.shape[0] != n_rows:
@@ -338,12 +331,31 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None
         if block_tables.shape[0] < n_rows:
             raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {n_rows} query rows; pass "
                              "req_indices to map query rows to block-table rows")
-        req_indices = torch.arange(n_rows, dtype=torch.int32, device=q.device)
-    check_int_tensor("req_indices", req_indices, 1, q.device, (torch.int32, torch.int64))
-    if req_indices.shape[0] != n_rows:
+    else:
+        check_int_tensor("req_indices", req_indices, 1, q.device, (torch.int32, torch.int64))
+    if req_indices is not None and req_indices.shape[0] != n_rows:
         raise ValueError(f"req_indices has {req_indices.shape[0]} entries for {n_rows} query rows")
     if num_kv_splits is not None and not (isinstance(num_kv_splits, int) and num_kv_splits >= 1):
         raise ValueError(f"num_kv_splits must be a positive int or None, got {num_kv_splits!r}")
+
+
+def mla_decode(q: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None, block_tables: torch.Tensor,
+               seq_lens: torch.Tensor, sm_scale: float, d_c: int, req_indices: torch.Tensor | None = None,
+               num_kv_splits: int | None = None, backend: str | None = None,
+               validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA attention of query rows over their paged latent sequences.
+
+    q ``[N, H, d_c + d_r]`` (absorbed no-RoPE query, then rotated RoPE query), cache ``[num_blocks, block_size,
+    d_c + d_r]``, scales ``[num_blocks, block_size, 2]`` fp32 for fp8/int8 caches else None, block_tables
+    ``[B, max_blocks]`` int32, seq_lens ``[N]`` int32 (tokens row n attends), req_indices ``[N]`` int32 (block-table
+    row of query row n; default n). Returns out ``[N, H, d_c]`` in q.dtype and lse ``[N, H]`` float32.
+    ``validate=False`` skips the argument checks (for callers that checked the step's arguments once already).
+    """
+    n_rows = q.shape[0]
+    if validate:
+        _check_decode_args(q, cache, scales, block_tables, seq_lens, d_c, req_indices, num_kv_splits)
+    if req_indices is None:
+        req_indices = torch.arange(n_rows, dtype=torch.int32, device=q.device)
     if n_rows == 0:
         return (torch.empty(0, q.shape[1], d_c, dtype=q.dtype, device=q.device),
                 torch.empty(0, q.shape[1], dtype=torch.float32, device=q.device))

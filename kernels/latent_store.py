@@ -161,13 +161,8 @@ def _store_latent_triton(cache: torch.Tensor, scales: torch.Tensor | None, laten
     )
 
 
-def store_latent(cache: torch.Tensor, scales: torch.Tensor | None, latent: torch.Tensor, k_rope: torch.Tensor,
-                 slot_mapping: torch.Tensor, backend: str | None = None) -> None:
-    """Write ``[latent ; k_rope]`` of each token into its cache slot, in place, quantising fp8/int8 caches.
-
-    cache ``[num_blocks, block_size, d_c + d_r]``, scales ``[num_blocks, block_size, 2]`` fp32 or None,
-    latent ``[T, d_c]``, k_rope ``[T, d_r]``, slot_mapping ``[T]`` int32/int64 (negative = skip the token).
-    """
+def _check_store_args(cache: torch.Tensor, scales: torch.Tensor | None, latent: torch.Tensor, k_rope: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
     check_cache(cache, scales)
     if latent.dim() != 2 or latent.dtype not in ACT_DTYPES:
         raise ValueError(f"latent must be [T, d_c] float32/bfloat16/float16, got {latent.dtype} "
@@ -183,6 +178,18 @@ def store_latent(cache: torch.Tensor, scales: torch.Tensor | None, latent: torch
     check_int_tensor("slot_mapping", slot_mapping, 1, cache.device, (torch.int32, torch.int64))
     if slot_mapping.shape[0] != latent.shape[0]:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {latent.shape[0]} tokens")
+
+
+def store_latent(cache: torch.Tensor, scales: torch.Tensor | None, latent: torch.Tensor, k_rope: torch.Tensor,
+                 slot_mapping: torch.Tensor, backend: str | None = None, validate: bool = True) -> None:
+    """Write ``[latent ; k_rope]`` of each token into its cache slot, in place, quantising fp8/int8 caches.
+
+    cache ``[num_blocks, block_size, d_c + d_r]``, scales ``[num_blocks, block_size, 2]`` fp32 or None,
+    latent ``[T, d_c]``, k_rope ``[T, d_r]``, slot_mapping ``[T]`` int32/int64 (negative = skip the token).
+    ``validate=False`` skips the argument checks (for callers that checked the step's arguments once already).
+    """
+    if validate:
+        _check_store_args(cache, scales, latent, k_rope, slot_mapping)
     if latent.shape[0] == 0:
         return
     latent, k_rope = last_dim_contiguous(latent), last_dim_contiguous(k_rope)

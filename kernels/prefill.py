@@ -232,15 +232,17 @@ def _prefill_cpu_flash(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch
     return out, lse
 
 
-def prefill_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor,
-                      v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, sm_scale: float,
-                      backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal varlen attention with a head-shared RoPE key, bottom-right aligned.
+def _check_cu_seqlens(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, device: torch.device) -> None:
+    check_int_tensor("cu_seqlens_q", cu_seqlens_q, 1, device)
+    check_int_tensor("cu_seqlens_k", cu_seqlens_k, 1, device)
+    if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.shape[0] < 1:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both be [B + 1], got {tuple(cu_seqlens_q.shape)} "
+                         f"and {tuple(cu_seqlens_k.shape)}")
 
-    q_nope ``[T, H, d_n]``, q_rope ``[T, H, d_r]``, k_nope ``[S, H, d_n]``, k_rope ``[S, d_r]`` (one per token,
-    shared by all heads), v ``[S, H, d_v]``, cu_seqlens_q / cu_seqlens_k ``[B + 1]`` int32 with q_len_b <= k_len_b.
-    Returns out ``[T, H, d_v]`` in q_nope.dtype and lse ``[T, H]`` float32.
-    """
+
+def _check_prefill_args(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor,
+                        v: torch.Tensor, cu_q: list[int], cu_k: list[int], q_lens: list[int],
+                        k_lens: list[int]) -> None:
     if q_nope.dim() != 3 or q_nope.dtype not in ACT_DTYPES:
         raise ValueError(f"q_nope must be [T, H, d_n] float32/bfloat16/float16, got {q_nope.dtype} "
                          f"{tuple(q_nope.shape)}")
@@ -266,14 +268,6 @@ def prefill_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch.
                          f"{k_rope.shape[0]}, {v.shape[0]}")
     if k_rope.shape[1] != q_rope.shape[2]:
         raise ValueError(f"k_rope width {k_rope.shape[1]} must equal q_rope width {q_rope.shape[2]}")
-    check_int_tensor("cu_seqlens_q", cu_seqlens_q, 1, dev)
-    check_int_tensor("cu_seqlens_k", cu_seqlens_k, 1, dev)
-    if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.shape[0] < 1:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both be [B + 1], got {tuple(cu_seqlens_q.shape)} "
-                         f"and {tuple(cu_seqlens_k.shape)}")
-    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    q_lens = [b - a for a, b in zip(cu_q[:-1], cu_q[1:])]
-    k_lens = [b - a for a, b in zip(cu_k[:-1], cu_k[1:])]
     if cu_q[0] != 0 or cu_k[0] != 0 or min(q_lens + k_lens, default=0) < 0:
         raise ValueError("cu_seqlens_q and cu_seqlens_k must start at 0 and be non-decreasing")
     if cu_q[-1] != n_tokens or cu_k[-1] != n_keys:
@@ -281,6 +275,29 @@ def prefill_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch.
                          f"queries / {n_keys} keys")
     if any(ql > kl for ql, kl in zip(q_lens, k_lens)):
         raise ValueError("every sequence needs q_len <= k_len (queries are the newest keys)")
+
+
+def prefill_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor,
+                      v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, sm_scale: float,
+                      backend: str | None = None, host_cu_seqlens: tuple[list[int], list[int]] | None = None,
+                      validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal varlen attention with a head-shared RoPE key, bottom-right aligned.
+
+    q_nope ``[T, H, d_n]``, q_rope ``[T, H, d_r]``, k_nope ``[S, H, d_n]``, k_rope ``[S, d_r]`` (one per token,
+    shared by all heads), v ``[S, H, d_v]``, cu_seqlens_q / cu_seqlens_k ``[B + 1]`` int32 with q_len_b <= k_len_b.
+    Returns out ``[T, H, d_v]`` in q_nope.dtype and lse ``[T, H]`` float32.
+
+    ``host_cu_seqlens``: the same two cu_seqlens as host lists, when the caller has them (saves a device sync);
+    ``validate=False`` skips the argument checks (for callers that checked the step's arguments once already).
+    """
+    if validate:
+        _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q_nope.device)
+    cu_q, cu_k = host_cu_seqlens or (cu_seqlens_q.tolist(), cu_seqlens_k.tolist())
+    q_lens = [b - a for a, b in zip(cu_q[:-1], cu_q[1:])]
+    k_lens = [b - a for a, b in zip(cu_k[:-1], cu_k[1:])]
+    if validate:
+        _check_prefill_args(q_nope, q_rope, k_nope, k_rope, v, cu_q, cu_k, q_lens, k_lens)
+    dev = q_nope.device
     q_nope, q_rope, k_nope, k_rope, v = (last_dim_contiguous(t) for t in (q_nope, q_rope, k_nope, k_rope, v))
     max_q_len, max_k_len = max(q_lens, default=0), max(k_lens, default=0)
     if resolve_backend(backend, q_nope) == "triton":

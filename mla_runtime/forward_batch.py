@@ -4,18 +4,20 @@ A step runs ``T`` new tokens belonging to ``B`` sequences. Sequence ``b`` brings
 (a prefill chunk or one decode token) on top of ``context_len_b`` tokens already in the latent cache;
 after the step its cache holds ``seq_len_b = context_len_b + q_len_b`` tokens. Tokens of a sequence are
 contiguous and in order.
+
+A batch is immutable: how the layers attend over it (RoPE tables, decode plans, this rank's cache view) is
+decided once per step in ``attention_metadata.AttentionMetadata``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 
-@dataclass
+@dataclass(frozen=True)
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
@@ -31,16 +33,6 @@ class ForwardBatch:
     query_lens: list[int]
     context_lens_list: list[int]
     block_size: int
-    # sharded latent cache (tensor parallel): this rank's slots / visible key counts, set by the model
-    local_slot_mapping: torch.Tensor | None = None
-    local_token_seq_lens: torch.Tensor | None = None
-    # set by the model once per step and shared by every layer: RoPE cos/sin [T, d_r / 2] and, for CPU
-    # steps that start with decodes, the gather plan of the absorbed attention of those decode rows
-    # (mla_kernels.DecodePlan over tokens [:num_planned]) and the rest of the step as a sub-batch
-    rope_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
-    decode_plan: Any = None
-    num_planned: int = 0
-    prefill_part: ForwardBatch | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -79,10 +71,7 @@ class ForwardBatch:
             context_lens=self.context_lens[first:], block_tables=self.block_tables[first:],
             token_seq_lens=self.token_seq_lens[t0:], token_req_idx=self.token_req_idx[t0:] - first,
             logits_indices=self.logits_indices[first:] - t0, query_lens=self.query_lens[first:],
-            context_lens_list=self.context_lens_list[first:], block_size=self.block_size,
-            local_slot_mapping=None if self.local_slot_mapping is None else self.local_slot_mapping[t0:],
-            local_token_seq_lens=None if self.local_token_seq_lens is None else self.local_token_seq_lens[t0:],
-            rope_cos_sin=None if self.rope_cos_sin is None else tuple(x[t0:] for x in self.rope_cos_sin))
+            context_lens_list=self.context_lens_list[first:], block_size=self.block_size)
 
     @classmethod
     def build(cls, token_chunks: Sequence[Sequence[int]], context_lens: Sequence[int],

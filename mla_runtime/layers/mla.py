@@ -1,6 +1,6 @@
 """Multi-head latent attention over the paged latent cache.
 
-Notation (DESIGN.md §1): ``d_c = kv_lora_rank``, ``d_r = qk_rope_head_dim``, ``d_n = qk_nope_head_dim``,
+Notation: ``d_c = kv_lora_rank``, ``d_r = qk_rope_head_dim``, ``d_n = qk_nope_head_dim``,
 ``d_v = v_head_dim``, ``n_h`` heads, ``T`` new tokens, ``S`` cached tokens of the batch.
 
     [c ; k_r] = kv_a_proj_with_mqa(h);  c = kv_a_layernorm(c);  k_r = RoPE(k_r)
@@ -16,7 +16,9 @@ Two ways to attend, equal up to rounding (each is the other's oracle):
   ``d_c`` value that is a prefix of the key; the cache is read once for all heads.
 
 Softmax scale ``(d_n + d_r)^-1/2 * m^2`` with the YaRN ``m`` (``ModelConfig.softmax_scale``).
-``path="auto"`` picks the cheaper path from a FLOP count of the batch.
+``path="auto"`` picks the cheaper path from a FLOP count of the batch. Which path a step takes, its RoPE
+tables and its CPU decode plan are decided once per step (``attention_metadata``); every layer only reads
+them. The first layer checks the kernels' arguments; the others run the same shapes unchecked.
 
 Tensor parallel (``mla_runtime.parallel``): each rank owns ``n_h / N`` heads. With the sharded latent
 cache a rank keeps only its share of the tokens, so attention always takes the absorbed path there:
@@ -37,9 +39,9 @@ from mla_kernels import (
 )
 from torch import nn
 
+from mla_runtime.attention_metadata import AttentionDims, AttentionMetadata
 from mla_runtime.cache.latent_cache import LayerCache
 from mla_runtime.config import ModelConfig
-from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.layers.cpu_gemm import PackedWeight, linear
 from mla_runtime.layers.linear import Linear
 from mla_runtime.layers.norm import RMSNorm
@@ -51,13 +53,14 @@ ATTENTION_PATHS = ("auto", "naive", "absorbed")
 
 class MLAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, path: str = "auto",
-                 backend: str | None = None, par: ParallelContext = SINGLE_RANK) -> None:
+                 backend: str | None = None, par: ParallelContext = SINGLE_RANK, layer: int = 0) -> None:
         super().__init__()
         if path not in ATTENTION_PATHS:
             raise ValueError(f"attention path must be one of {ATTENTION_PATHS}, got {path!r}")
         self.path = path
         self.backend = backend
         self.par = par
+        self.validate = layer == 0  # kernel arguments are checked once per step, by the first layer
         self.n_h = cfg.num_attention_heads // par.world_size  # heads on this rank
         self.d_c, self.d_r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
         self.d_n, self.d_v = cfg.qk_nope_head_dim, cfg.v_head_dim
@@ -118,24 +121,35 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.n_h, self.d_n + self.d_v, self.d_c)
         return w[:, : self.d_n], w[:, self.d_n:]
 
-    def choose_path(self, batch: ForwardBatch) -> str:
-        if self.par.sharded_cache:
-            return "absorbed"
-        if self.path != "auto":
-            return self.path
-        if batch.is_decode:
-            return "absorbed"
-        # FLOPs per head, ignoring the causal half (same for both).
-        pairs = sum(q * (c + q) for q, c in zip(batch.query_lens, batch.context_lens_list))
-        keys = sum(c + q for q, c in zip(batch.query_lens, batch.context_lens_list))
-        tokens = batch.num_tokens
-        absorbed = pairs * (2 * self.d_c + self.d_r) + tokens * self.d_c * (self.d_n + self.d_v)
-        naive = keys * self.d_c * (self.d_n + self.d_v) + pairs * (self.d_n + self.d_r + self.d_v)
-        return "absorbed" if absorbed <= naive else "naive"
+    @property
+    def dims(self) -> AttentionDims:
+        return AttentionDims(self.d_c, self.d_r, self.d_n, self.d_v)
 
     # -- forward -----------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: LayerCache) -> torch.Tensor:
         num_tokens = x.shape[0]
+        q_n, q_r, c, k_r = self._project(x)
+        q_r, k_r = self.rotary(meta.batch.positions, q_r, k_r, meta.rope_cos_sin)
+        if meta.plain_write:  # a CPU step with planned decodes: float cache, every slot valid
+            write_latent(cache.kv, c, k_r, meta.slot_mapping)
+        else:
+            store_latent(cache.kv, cache.scales, c, k_r, meta.slot_mapping, backend=self.backend,
+                         validate=self.validate)
+        d = meta.num_planned
+        if d == num_tokens:  # a CPU decode step
+            o = self._absorbed(q_n, q_r, meta, cache, planned=True)  # [T, n_h, d_v]
+        elif d:  # a mixed CPU step: planned decodes, then the prefill chunks as their own batch
+            assert meta.rest is not None
+            o = torch.cat([self._absorbed(q_n[:d], q_r[:d], meta, cache, planned=True),
+                           self._attend(q_n[d:], q_r[d:], meta.rest, cache)])
+        else:
+            o = self._attend(q_n, q_r, meta, cache)
+        out = self.o_proj(o.reshape(num_tokens, self.n_h * self.d_v), bias=self.par.rank == 0)  # bias added once
+        return self.par.all_reduce(out)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [T, d]`` -> ``q_n [T, n_h, d_n]``, ``q_r [T, n_h, d_r]`` (not rotated), the normalised latent
+        ``c [T, d_c]`` (truncated when the latent rank is) and ``k_r [T, d_r]`` (not rotated)."""
         if self.q_proj is not None:
             q = self.q_proj(x)
             latent = self.kv_a_proj_with_mqa(x)
@@ -146,50 +160,33 @@ class MLAttention(nn.Module):
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
             latent = self.kv_a_proj_with_mqa(x)
-        q = q.view(num_tokens, self.n_h, self.d_n + self.d_r)
-        q_n, q_r = q.split([self.d_n, self.d_r], dim=-1)  # [T, n_h, d_n], [T, n_h, d_r]
+        q_n, q_r = q.view(x.shape[0], self.n_h, self.d_n + self.d_r).split([self.d_n, self.d_r], dim=-1)
         c, k_r = latent.split([self.d_c_in, self.d_r], dim=-1)
-        c = self.kv_a_layernorm(c)  # [T, d_c]
+        c = self.kv_a_layernorm(c)
         if self.latent_down is not None:
             c = torch.nn.functional.linear(c, self.latent_down)  # [T, r]: the truncated latent
-        q_r, k_r = self.rotary(batch.positions, q_r, k_r, batch.rope_cos_sin)
-        sharded = self.par.sharded_cache
-        slots = batch.local_slot_mapping if sharded else batch.slot_mapping
-        if batch.decode_plan is not None:  # a CPU step with planned decodes: float cache, every slot valid
-            write_latent(cache.kv, c, k_r, slots)
-        else:
-            store_latent(cache.kv, cache.scales, c, k_r, slots, backend=self.backend)
+        return q_n, q_r, c, k_r
 
-        d = batch.num_planned
-        if d == num_tokens:  # a CPU decode step
-            o = self._absorbed(q_n, q_r, batch, cache, planned=True)  # [T, n_h, d_v]
-        elif d:  # a mixed CPU step: planned decodes, then the prefill chunks as their own batch
-            assert batch.prefill_part is not None
-            o = torch.cat([self._absorbed(q_n[:d], q_r[:d], batch, cache, planned=True),
-                           self._attend(q_n[d:], q_r[d:], batch.prefill_part, cache)])
-        else:
-            o = self._attend(q_n, q_r, batch, cache)
-        out = self.o_proj(o.reshape(num_tokens, self.n_h * self.d_v), bias=self.par.rank == 0)  # bias added once
-        return self.par.all_reduce(out)
-
-    def _attend(self, q_n: torch.Tensor, q_r: torch.Tensor, batch: ForwardBatch, cache: LayerCache
+    def _attend(self, q_n: torch.Tensor, q_r: torch.Tensor, meta: AttentionMetadata, cache: LayerCache
                 ) -> torch.Tensor:
-        """Attention of ``batch``'s queries over the latents already in ``cache`` -> ``[T, n_h, d_v]``."""
-        if self.choose_path(batch) == "absorbed":
-            return self._absorbed(q_n, q_r, batch, cache)
+        """Attention of ``meta.batch``'s queries over the latents already in ``cache`` -> ``[T, n_h, d_v]``."""
+        if meta.path == "absorbed":
+            return self._absorbed(q_n, q_r, meta, cache)
+        batch = meta.batch
         latent = gather_latent(cache.kv, cache.scales, batch.block_tables, batch.seq_lens, q_n.dtype, self.d_c,
                                backend=self.backend)  # [S, d_c + d_r]
         c_all, k_r_all = latent.split([self.d_c, self.d_r], dim=-1)
         kv = self.kv_b_proj(c_all).view(-1, self.n_h, self.d_n + self.d_v)
         k_n, v = kv.split([self.d_n, self.d_v], dim=-1)  # [S, n_h, d_n], [S, n_h, d_v]
         o, _ = prefill_attention(q_n, q_r, k_n, k_r_all, v, batch.query_start_loc, batch.seq_start_loc,
-                                 self.scale, backend=self.backend)
+                                 self.scale, backend=self.backend, host_cu_seqlens=meta.host_cu_seqlens,
+                                 validate=self.validate)
         return o
 
-    def _absorbed(self, q_n: torch.Tensor, q_r: torch.Tensor, batch: ForwardBatch, cache: LayerCache,
+    def _absorbed(self, q_n: torch.Tensor, q_r: torch.Tensor, meta: AttentionMetadata, cache: LayerCache,
                   planned: bool = False) -> torch.Tensor:
         """Absorbed attention: ``q~ = W_UKᵀ q_n``, MQA over the latent, ``o = W_UV o_lat`` -> ``[T, n_h, d_v]``;
-        ``planned``: the rows are the step's planned decodes (``batch.decode_plan``)."""
+        ``planned``: the rows are the step's planned decodes (``meta.decode_plan``)."""
         if self.w_uk is not None and self.w_uv_t is not None:
             w_uk, w_uv_t = self.w_uk, self.w_uv_t
         else:  # not prepared: strided views of kv_b_proj
@@ -198,21 +195,22 @@ class MLAttention(nn.Module):
         q_abs = torch.bmm(q_n.transpose(0, 1), w_uk).transpose(0, 1)  # [T, n_h, d_c]
         q_cat = torch.cat([q_abs, q_r], dim=-1)  # [T, n_h, d_c + d_r]
         if self.par.sharded_cache:
-            o_lat = self._attend_sharded(q_cat, batch, cache)
+            o_lat = self._attend_sharded(q_cat, meta, cache)
         elif planned:
-            o_lat = mla_decode_planned(q_cat, cache.kv, batch.decode_plan, self.scale, self.d_c)
+            o_lat = mla_decode_planned(q_cat, cache.kv, meta.decode_plan, self.scale, self.d_c)
         else:
-            o_lat, _ = mla_decode(q_cat, cache.kv, cache.scales, batch.block_tables, batch.token_seq_lens,
+            batch = meta.batch
+            o_lat, _ = mla_decode(q_cat, cache.kv, cache.scales, batch.block_tables, meta.token_seq_lens,
                                   self.scale, self.d_c, req_indices=batch.token_req_idx,
-                                  backend=self.backend)  # [T, n_h, d_c]
+                                  backend=self.backend, validate=self.validate)  # [T, n_h, d_c]
         return torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)  # [T, n_h, d_v]
 
-    def _attend_sharded(self, q_cat: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
+    def _attend_sharded(self, q_cat: torch.Tensor, meta: AttentionMetadata, cache: LayerCache) -> torch.Tensor:
         """Absorbed attention over this rank's share of the tokens, merged across ranks by LSE."""
-        assert batch.local_token_seq_lens is not None
         q_all = self.par.all_gather(q_cat, dim=1)  # [T, n_h_total, d_c + d_r]: every head's query
-        o_part, lse = mla_decode(q_all, cache.kv, cache.scales, batch.block_tables, batch.local_token_seq_lens,
-                                 self.scale, self.d_c, req_indices=batch.token_req_idx, backend=self.backend)
+        o_part, lse = mla_decode(q_all, cache.kv, cache.scales, meta.batch.block_tables, meta.token_seq_lens,
+                                 self.scale, self.d_c, req_indices=meta.batch.token_req_idx, backend=self.backend,
+                                 validate=self.validate)
         lse_all = self.par.all_gather(lse.unsqueeze(0), dim=0)  # [N, T, n_h_total]
         weight = torch.exp(lse - torch.logsumexp(lse_all, dim=0))  # 0 where this rank saw no token
         merged = self.par.all_reduce(o_part.float() * weight.unsqueeze(-1))  # [T, n_h_total, d_c]

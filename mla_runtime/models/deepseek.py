@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from mla_kernels import plan_decode
-from mla_kernels.common import resolve_backend
 from torch import nn
 
+from mla_runtime.attention_metadata import AttentionMetadata, build_attention_metadata
 from mla_runtime.cache.latent_cache import LatentCache
 from mla_runtime.config import ModelConfig
 from mla_runtime.forward_batch import ForwardBatch
@@ -21,12 +20,7 @@ from mla_runtime.layers.mla import MLAttention
 from mla_runtime.layers.mlp import GatedMLP
 from mla_runtime.layers.moe import MoE
 from mla_runtime.layers.norm import RMSNorm
-from mla_runtime.parallel import SINGLE_RANK, ParallelContext, local_latent_view
-
-# On CPU, the leading sequences of a step with at most this many new tokens attend through one shared
-# gather plan. Each query row gathers its own keys there, so only single-token decodes take it; chunks
-# (speculative verifications, prefills) take ``MLAttention._attend``, which gathers a sequence's latent once.
-PLANNED_MAX_QUERY_LEN = 1
+from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 
 
 class VocabEmbedding(nn.Module):
@@ -50,7 +44,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, attention_path: str,
                  backend: str | None, par: ParallelContext) -> None:
         super().__init__()
-        self.self_attn = MLAttention(cfg, dtype, attention_path, backend, par)
+        self.self_attn = MLAttention(cfg, dtype, attention_path, backend, par, layer)
         if cfg.is_moe_layer(layer):
             assert cfg.moe is not None
             self.mlp: nn.Module = MoE(cfg.moe, cfg.hidden_size, dtype, cfg.mlp_bias, par)
@@ -59,8 +53,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, cache)
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), meta, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -107,28 +101,21 @@ class DeepseekForCausalLM(nn.Module):
             layer.self_attn.path = path
             layer.self_attn.backend = backend
 
-    def forward(self, batch: ForwardBatch, cache: LatentCache) -> torch.Tensor:
-        """Hidden states ``[T, d]`` after the final norm, writing each layer's latent into ``cache``."""
-        if self.par.sharded_cache:
-            batch.local_slot_mapping, batch.local_token_seq_lens = local_latent_view(
-                batch.positions, batch.slot_mapping, batch.token_seq_lens, batch.block_size, self.par)
+    def attention_metadata(self, batch: ForwardBatch, cache: LatentCache) -> AttentionMetadata:
+        """How every layer attends over ``batch`` this step (one object per step; see ``attention_metadata``)."""
         attn = self.model.layers[0].self_attn
-        batch.rope_cos_sin = attn.rotary.cos_sin(batch.positions, self.dtype)  # every layer's RoPE is the same
-        batch.decode_plan, batch.num_planned, batch.prefill_part = None, 0, None
-        if (not self.par.sharded_cache and not cache.quantised and attn.path != "naive"
-                and resolve_backend(attn.backend, cache.layers[0].kv) == "torch"):
-            # CPU, float cache: the step's leading decodes take the planned absorbed path; the chunks
-            # after them (a mixed step) attend as a sub-batch of their own
-            seqs, d = batch.leading_short(PLANNED_MAX_QUERY_LEN)
-            if d:
-                batch.decode_plan = plan_decode(batch.block_tables[:seqs], batch.token_seq_lens[:d],
-                                                batch.block_size, batch.token_req_idx[:d])
-                batch.num_planned = d
-                if seqs < batch.num_seqs:
-                    batch.prefill_part = batch.tail(seqs)
+        rope = attn.rotary.cos_sin(batch.positions, self.dtype)  # every layer's RoPE is the same
+        return build_attention_metadata(batch, rope, attn.dims, attn.path, attn.backend, cache.layers[0].kv,
+                                        cache.quantised, self.par)
+
+    def forward(self, batch: ForwardBatch, cache: LatentCache, meta: AttentionMetadata | None = None
+                ) -> torch.Tensor:
+        """Hidden states ``[T, d]`` after the final norm, writing each layer's latent into ``cache``; ``meta``
+        defaults to ``attention_metadata(batch, cache)``."""
+        meta = meta or self.attention_metadata(batch, cache)
         x = self.model.embed_tokens(batch.input_ids)
         for layer, layer_cache in zip(self.model.layers, cache.layers):
-            x = layer(x, batch, layer_cache)
+            x = layer(x, meta, layer_cache)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
