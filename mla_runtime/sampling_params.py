@@ -45,6 +45,8 @@ class SamplingParams:
             raise bad("min_p", "must be in [0, 1]")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise bad("seed", "must be an integer or None")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:  # torch seeds are 64-bit
+            raise bad("seed", "must be a 64-bit signed integer, in [-2**63, 2**63)")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", "must be None or an integer >= 0")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -31,6 +31,7 @@ from mla_runtime import LLM, SamplingParams
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.serving.app import build_app
 from mla_runtime.serving.config import ServerConfig
+from mla_runtime.serving.server import uvicorn_config
 from tests.checkpoints import build_hf_model, save_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,17 +77,24 @@ def free_port() -> int:
 
 
 class Live:
-    """A uvicorn server in a background thread."""
+    """A uvicorn server in a background thread; ``sndbuf``: the kernel send buffer of its connections (bytes;
+    default: the kernel's autotuning, up to several MB on loopback)."""
 
-    def __init__(self, ckpt: Path, engine: dict | None = None, wait: bool = True, **server: object) -> None:
+    def __init__(self, ckpt: Path, engine: dict | None = None, wait: bool = True, on_fatal=None,
+                 sndbuf: int | None = None, **server: object) -> None:
         import uvicorn
 
-        port = free_port()
+        sock = socket.socket()
+        if sndbuf is not None:  # inherited by accepted connections
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
         self.base = f"http://127.0.0.1:{port}"
-        self.app = build_app(EngineConfig(model=str(ckpt), **{**ENGINE, **(engine or {})}),
-                             ServerConfig(port=port, served_model_name="tiny", **server))
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        config = ServerConfig(port=port, served_model_name="tiny", **server)
+        self.app = build_app(EngineConfig(model=str(ckpt), **{**ENGINE, **(engine or {})}), config, on_fatal)
+        self.headers = {"Authorization": f"Bearer {config.api_key}"} if config.metrics_auth else {}
+        self.server = uvicorn.Server(uvicorn_config(self.app, config, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         if wait:
             wait_ready(self.base)
@@ -96,7 +104,7 @@ class Live:
         return self.app.state.runtime.llm
 
     def metrics(self) -> dict[tuple, float]:
-        return parse_metrics(httpx.get(self.base + "/metrics").text)
+        return parse_metrics(httpx.get(self.base + "/metrics", headers=self.headers).text)
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -228,10 +236,11 @@ def test_ready_is_503_until_loaded_and_a_dead_engine_fails_health(text_checkpoin
             raise RuntimeError("simulated device fault")
 
         live.llm.step_hooks.append(crash)
-        assert_error(httpx.post(live.base + "/generate", json={"prompt": "x", "max_tokens": 2}), 503,
-                     "simulated device fault")
-        assert_error(httpx.get(live.base + "/health"), 503, "simulated device fault")
-        assert_error(httpx.get(live.base + "/ready"), 503, "engine failed")
+        for r in (httpx.post(live.base + "/generate", json={"prompt": "x", "max_tokens": 2}),
+                  httpx.get(live.base + "/health")):
+            assert_error(r, 503, "engine failed")
+            assert "simulated device fault" not in r.text  # internal exception text stays in the log
+        assert httpx.get(live.base + "/ready").status_code == 503
     finally:
         gate.set()
         live.stop()
@@ -386,7 +395,10 @@ BAD = [  # (path, body, status, what the message must name)
     ("/generate", {"prompt": "x", "max_length": 10}, 422, "max_length"),
     ("/generate", b'{"prompt": "\\ud800"}', 400, "surrogate"),
     ("/v1/completions", {"model": "tiny", "prompt": ["a", ""]}, 400, "prompt"),  # one prompt of the batch is empty
-    ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"], "stream": True}, 400, "stream"),
+    ("/generate", b"[" * 100_000, 400, "nested"),
+    ("/generate", b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}", 400, "body"),
+    ("/generate", {"prompt": "x", "seed": 2**64}, 400, "seed"),
+    ("/v1/completions", {"model": "tiny", "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "presence_penalty": 2.5}, 422, "presence_penalty"),
     ("/generate", {"prompt": "x", "frequency_penalty": "high"}, 422, "frequency_penalty"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
@@ -481,9 +493,21 @@ def test_api_key_and_body_limit(strict):
     assert_error(httpx.post(strict.base + "/generate", content=chunked, headers=auth()), 413, "max_body_bytes")
 
 
+def streamed_choices(chunks) -> dict[int, tuple[str, str | None]]:
+    """{choice index: (concatenated text, finish reason)} of an OpenAI completions stream."""
+    texts: dict[int, str] = {}
+    reasons: dict[int, str | None] = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            reasons[c.index] = c.finish_reason or reasons.get(c.index)
+    return {i: (texts[i], reasons[i]) for i in sorted(texts)}
+
+
 def test_batched_completions_answer_every_prompt_in_order(server, strict):
     """OpenAI's batch form of /v1/completions: ``n`` choices per prompt, prompt p's at ``p·n + i``, each equal to
-    the prompt sent alone; streamed chunks concatenate to the same texts; usage sums over the prompts."""
+    the prompt sent alone; streamed, the chunks of each choice concatenate to the same text and end with the
+    same finish reason; usage sums over the prompts."""
     import openai
 
     client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0)
@@ -497,8 +521,8 @@ def test_batched_completions_answer_every_prompt_in_order(server, strict):
             assert batch.choices[2 * p + i].text == prompt + single.choices[0].text
     assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
     assert batch.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
-    with pytest.raises(openai.BadRequestError, match="stream"):
-        client.completions.create(prompt=prompts, stream=True, **kw)
+    streamed = streamed_choices(client.completions.create(prompt=prompts, n=2, echo=True, stream=True, **kw))
+    assert streamed == {c.index: (c.text, c.finish_reason) for c in batch.choices}
     ids = client.completions.create(prompt=[[5, 6, 7], [8, 9]], **kw)
     assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 5
     # a batch counts as one request per prompt against max_num_seqs + max_queue (2 + 2 on this server)
@@ -567,7 +591,8 @@ def test_every_cache_block_is_free_at_the_end(server, strict):
 
 # -- the process: start-up log and SIGTERM ----------------------------------------------------------
 def test_subprocess_logs_the_plan_and_sigterm_exits_0(text_checkpoint, tmp_path):
-    """SIGTERM lets a short in-flight request finish, aborts one that outlives --shutdown-timeout, exits 0."""
+    """SIGTERM drains (the listener stays open, /ready and new requests get 503), lets a short in-flight
+    request finish, aborts one that outlives --shutdown-timeout, exits 0."""
     port = free_port()
     log = tmp_path / "server.log"
     cmd = [sys.executable, str(ROOT / "server.py"), "--model", str(text_checkpoint), "--port", str(port),
@@ -601,6 +626,9 @@ def test_subprocess_logs_the_plan_and_sigterm_exits_0(text_checkpoint, tmp_path)
             t.start()
         started.wait(30)
         proc.send_signal(signal.SIGTERM)
+        # the drain: the listener stays open, /ready and new requests answer 503 while the streams go on
+        assert_error(httpx.get(base + "/ready"), 503, "shutting down")
+        assert_error(httpx.post(base + "/generate", json={"prompt": "x"}), 503, "shutting down")
         assert proc.wait(60) == 0
         for t in threads:
             t.join(10)
@@ -609,6 +637,29 @@ def test_subprocess_logs_the_plan_and_sigterm_exits_0(text_checkpoint, tmp_path)
         assert cut["error"]["code"] == 503 and "shut down" in cut["error"]["message"]
         text = log.read_text()
         assert "received SIGTERM" in text and " aborted" in text and "engine stopped" in text
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_subprocess_exits_1_when_the_engine_dies(text_checkpoint, tmp_path):
+    """A fault after start-up (here the engine thread dies, by fault injection) turns /health 503 and ends the
+    process with status 1 after the drain, so that a supervisor restarts it."""
+    port = free_port()
+    cmd = [sys.executable, str(ROOT / "server.py"), "--model", str(text_checkpoint), "--port", str(port),
+           "--dtype", "float32", "--max-model-len", "256", "--block-size", "16", "--kv-cache-memory", "8MiB",
+           "--shutdown-timeout", "2"]
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "MLA_FAULT_INJECTION": "step:3"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base, proc=proc)
+        r = httpx.post(base + "/generate", json={"prompt": "fox", "max_tokens": 10, "ignore_eos": True}, timeout=60)
+        assert_error(r, 503, "engine failed")
+        assert proc.wait(60) == 1
+        assert "stopped after a fault" in log.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1,13 +1,18 @@
 """``AsyncLLM``: the engine for asyncio programs (the HTTP server), with one stream per request.
 
 The engine steps in one background thread, which alone touches the scheduler. Callers never wait for a
-step: ``add_request`` validates and tokenizes the request in the caller's thread (bad input raises
-ValueError there) and queues it, ``abort`` queues the abort, and the engine thread applies both, in order,
-before its next step; ``stats`` reads the snapshot the engine thread publishes after every step. So a long
-prefill step never stalls the asyncio loop (streams, health checks, new requests). Each step's outputs
-are handed to the asyncio loop of the request that owns them. ``generate`` is an async iterator of
-cumulative ``RequestOutput``s; leaving it early (a client that disconnects, a timeout) aborts the
-request and frees its blocks.
+step: ``prepare`` validates and tokenizes a request in a worker thread (bad input raises ValueError),
+``add_request`` queues it, ``abort`` queues the abort, and the engine thread applies both, in order,
+before its next step; ``stats`` reads the snapshot the engine thread publishes after every step. So
+neither a long prefill step nor the tokenisation of a large prompt stalls the asyncio loop (streams, health
+checks, new requests). Each step's outputs are handed to the asyncio loop of the request that owns them.
+A stream keeps only the latest output (outputs are cumulative, each supersedes the one before), so a
+consumer that falls behind holds one output, not a queue of copies. ``generate`` is an async iterator of
+cumulative ``RequestOutput``s (a slow consumer skips intermediate ones); leaving it early (a client that
+disconnects, a timeout) aborts the request and frees its blocks.
+
+``step_started`` is the monotonic time at which the current step began (None between steps), for a
+watchdog that notices a step that hangs (e.g. a stopped tensor-parallel rank).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 
@@ -30,6 +36,35 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class Stream:
+    """One request's outputs as the asyncio side sees them: the latest output, or the error that ended it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.latest: RequestOutput | None = None
+        self.error: BaseException | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Called on the stream's loop: replace the pending output (or record the error) and wake ``get``."""
+        if isinstance(item, BaseException):
+            self.error = item
+        else:
+            self.latest = item
+        self.ready.set()
+
+    async def get(self) -> RequestOutput:
+        """The newest output since the last call (waits for one); raises the error that ended the stream."""
+        while self.latest is None and self.error is None:
+            self.ready.clear()
+            await self.ready.wait()
+        if self.latest is None:
+            assert self.error is not None
+            raise self.error
+        out, self.latest = self.latest, None
+        return out
+
+
 class AsyncLLM:
     def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None, **kwargs) -> None:
         self.engine = engine or LLMEngine(config or EngineConfig(**kwargs))
@@ -37,9 +72,10 @@ class AsyncLLM:
         self._ops: deque[tuple[str, RequestState | str]] = deque()  # ("add", state) | ("abort", request_id)
         self._stats = self.engine.stats()
         self._wake = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, Stream] = {}
         self._stopped = False
         self.error: BaseException | None = None
+        self.step_started: float | None = None  # monotonic start of the step in progress
         self.step_hooks: list = []  # called after each step with (engine, outputs), in the engine thread
         self._thread = threading.Thread(target=self._loop, name="mla-engine", daemon=True)
         self._thread.start()
@@ -47,6 +83,11 @@ class AsyncLLM:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    @property
+    def alive(self) -> bool:
+        """The engine thread is running (it ends on a failed step or at shutdown)."""
+        return self._thread.is_alive()
 
     # -- engine thread -------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -56,9 +97,11 @@ class AsyncLLM:
                     self._apply_ops()
                     busy = self.engine.has_unfinished_requests()
                     if busy:
+                        self.step_started = time.monotonic()
                         outputs = self.engine.step()
                         for hook in self.step_hooks:
                             hook(self.engine, outputs)
+                        self.step_started = None
                     self._stats = self.engine.stats()
             except BaseException as e:  # the engine is broken: fail every request, loudly
                 logger.exception("engine step failed")
@@ -90,9 +133,8 @@ class AsyncLLM:
         stream = self._streams.get(request_id)
         if stream is None:
             return
-        loop, queue = stream
         try:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            stream.loop.call_soon_threadsafe(stream.put, item)
         except RuntimeError:  # the caller's loop is closed
             self._streams.pop(request_id, None)
 
@@ -101,31 +143,36 @@ class AsyncLLM:
             self._deliver(rid, EngineDeadError(f"engine failed: {e}"))
 
     # -- public API ----------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> asyncio.Queue:
+    def _check_usable(self, request_id: str) -> None:
         if self.error is not None:
             raise EngineDeadError(f"engine failed earlier: {self.error}")
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        state = self.engine.prepare_request(request_id, prompt, params)  # bad input raises here
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), queue)
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> Stream:
+        """Validate and tokenize in the caller's thread, then queue; see ``generate`` for the asyncio way."""
+        self._check_usable(request_id)
+        return self._submit(self.engine.prepare_request(request_id, prompt, params))  # bad input raises here
+
+    def _submit(self, state: RequestState) -> Stream:
+        self._check_usable(state.request_id)
+        stream = Stream(asyncio.get_running_loop())
+        self._streams[state.request_id] = stream
         self._ops.append(("add", state))
         self._wake.set()
-        return queue
+        return stream
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str
                        ) -> AsyncIterator[RequestOutput]:
-        queue = self.add_request(request_id, prompt, params)
+        self._check_usable(request_id)
+        state = await asyncio.to_thread(self.engine.prepare_request, request_id, prompt, params)
+        stream = self._submit(state)
         finished = False
         try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
+            while not finished:
+                item = await stream.get()
                 finished = item.finished
                 yield item
-                if finished:
-                    return
         finally:
             self._streams.pop(request_id, None)
             if not finished:
@@ -139,6 +186,11 @@ class AsyncLLM:
     def stats(self) -> dict[str, float]:
         """The engine's counters as of its last step (published by the engine thread; never waits for a step)."""
         return dict(self._stats)
+
+    def step_seconds(self) -> float:
+        """How long the step in progress has run (0 between steps)."""
+        started = self.step_started
+        return 0.0 if started is None else time.monotonic() - started
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stopped = True

@@ -18,8 +18,8 @@ from prometheus_client.registry import Collector
 
 from mla_runtime.layers import cpu_gemm
 
-OUTCOMES = ("success", "invalid", "unauthorized", "too_large", "rejected", "timeout", "client_disconnect",
-            "aborted", "error")
+OUTCOMES = ("success", "invalid", "unauthorized", "too_large", "rejected", "timeout", "stalled",
+            "client_disconnect", "aborted", "error")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 

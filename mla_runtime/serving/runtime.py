@@ -1,15 +1,23 @@
 """``ServingRuntime``: the engine's life inside the server, admission, and per-request accounting.
 
 Lifecycle: ``start`` loads the weights in a worker thread (``/health`` answers meanwhile, ``/ready`` is 503),
-logs the operator summary, runs one probe generation and only then turns ready. ``admit`` is the single
-admission point (429 beyond ``max_num_seqs + max_queue`` requests in flight); ``finish`` records each
-admitted request's outcome exactly once; ``stop`` shuts the engine thread down.
+logs the operator summary, runs one probe generation and only then turns ready and starts the watchdog.
+``admit`` is the single admission point (429 beyond ``max_num_seqs + max_queue`` sequences in flight: a
+request holds ``n`` per prompt); ``finish`` records each admitted request's outcome exactly once; ``stop``
+shuts the engine thread down.
+
+The watchdog checks every ``WATCH_PERIOD`` s that the engine thread is alive and that no step has run for
+more than ``--step-timeout`` seconds (a stopped or dead tensor-parallel rank blocks the step's collective).
+On a fault ``/health`` answers 503 (at once: it reads the step's start time itself), new requests get 503,
+and ``on_fatal`` asks the process to drain and exit non-zero, so that its supervisor restarts it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +35,39 @@ from mla_runtime.serving.responses import Job
 logger = logging.getLogger("mla_runtime.serving")
 
 STATUS_OUTCOMES = {400: "invalid", 401: "unauthorized", 404: "invalid", 413: "too_large", 422: "invalid",
-                   429: "rejected", 503: "error", 504: "timeout"}
+                   429: "rejected", 499: "client_disconnect", 503: "error", 504: "timeout"}
+WATCH_PERIOD = 0.25  # s between the watchdog's checks
+FAULT_ENV = "MLA_FAULT_INJECTION"
+
+
+def fault_injection(kind: str) -> int | None:
+    """Fault injection for tests and bench/abuse.py: ``MLA_FAULT_INJECTION=stream:K`` makes every stream raise
+    after its K-th engine output, ``step:K`` makes the K-th engine step after start-up raise (the engine
+    thread dies). None when unset or of another kind."""
+    name, _, count = os.environ.get(FAULT_ENV, "").partition(":")
+    return int(count) if name == kind and count.isdigit() and int(count) > 0 else None
+
+
+def _failing_step(after: int) -> Callable[[Any, Any], None]:
+    steps = [0]
+
+    def hook(engine: Any, outputs: Any) -> None:
+        steps[0] += 1
+        if steps[0] == after:
+            raise RuntimeError(f"injected engine fault at step {after} ({FAULT_ENV})")
+
+    return hook
+
+
+def max_token_chars(tokenizer: Any) -> int:
+    """The most characters one token of ``tokenizer`` can stand for: its longest vocabulary entry. For a
+    byte-level BPE an entry has one character per byte, so it bounds the decoded text too; a normalizer
+    could turn several characters into one, so its presence quadruples the bound."""
+    vocab = tokenizer.get_vocab()
+    longest = max((len(t) for t in vocab), default=1)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    normalizer = getattr(backend, "normalizer", None) if backend is not None else None
+    return max(1, longest) * (4 if normalizer is not None else 1)
 
 
 def human_bytes(n: float) -> str:
@@ -49,8 +89,11 @@ class ServingRuntime:
         self.ready = False
         self.status = "loading weights"
         self.shutting_down = False
-        self.in_flight = 0
+        self.in_flight = 0  # sequences of admitted requests
         self.describe: dict[str, Any] = {}
+        self.max_chars_per_token = 0  # 0: no tokenizer, no character bound
+        self.fault: str | None = None
+        self._watchdog: asyncio.Task | None = None
 
     # -- start-up ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -63,7 +106,10 @@ class ServingRuntime:
                 engine.model_config, dtype=engine.model.dtype, max_num_batched_tokens=engine.max_num_batched_tokens,
                 max_num_seqs=self.engine_config.max_num_seqs,
                 tensor_parallel_size=self.engine_config.tensor_parallel_size)
-            self.metrics.attach_engine(self.llm.stats, self.describe, activations)
+            self.metrics.attach_engine(self.llm.stats, {**self.describe, "model": self.config.served_model_name},
+                                       activations)
+            if self.llm.tokenizer is not None:
+                self.max_chars_per_token = await asyncio.to_thread(max_token_chars, self.llm.tokenizer)
             self._log_summary(activations, engine.load_seconds)
             self.status = "running the probe generation"
             probe_s = await self._probe()
@@ -76,6 +122,9 @@ class ServingRuntime:
         self.ready = True
         self.status = "ready"
         self.metrics.ready.set(1)
+        self._watchdog = asyncio.create_task(self._watch())
+        if (after := fault_injection("step")) is not None:
+            self.llm.step_hooks.append(_failing_step(after))
         logger.info("ready in %.1f s (probe generation %.0f ms); serving http://%s:%d", time.monotonic() - t0,
                     probe_s * 1e3, self.config.host, self.config.port)
 
@@ -108,29 +157,83 @@ class ServingRuntime:
                     c.request_timeout, c.max_queue, human_bytes(int(c.max_body_bytes)),
                     "required" if c.api_key else "not required", c.served_model_name)
 
+    # -- faults --------------------------------------------------------------------------------
+    def health_problem(self) -> str | None:
+        """Why /health must answer 503, or None: start-up failed, the engine thread died, or a step hangs."""
+        if self.status.startswith("start-up failed"):
+            return self.status
+        if self.fault is not None:
+            return self.fault
+        llm = self.llm
+        if llm is None:
+            return None
+        if llm.error is not None or (self.ready and not llm.alive):
+            return "the engine failed; see the server log"
+        seconds = llm.step_seconds()
+        if seconds > self.config.step_timeout:
+            return f"an engine step has run for {seconds:.0f} s (step_timeout {self.config.step_timeout:g} s)"
+        return None
+
+    async def _watch(self) -> None:
+        while self.fault is None and not self.shutting_down:
+            await asyncio.sleep(min(WATCH_PERIOD, self.config.step_timeout / 4))
+            problem = self.health_problem()
+            if problem is not None and not self.shutting_down:
+                self.declare_fault(problem)
+
+    def declare_fault(self, problem: str) -> None:
+        """The engine cannot go on: refuse new requests and ask the process to drain and exit non-zero."""
+        if self.fault is not None:
+            return
+        self.fault = problem
+        logger.error("fault: %s; draining, then exiting with a failure so that the supervisor restarts the "
+                     "server", problem)
+        self.begin_shutdown()
+        if self.on_fatal is not None:
+            self.on_fatal(RuntimeError(problem))
+
+    async def stop_watchdog(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watchdog
+
     # -- requests ------------------------------------------------------------------------------
     @property
     def max_model_len(self) -> int:
         return int(self.describe.get("max_model_len", 0))
 
+    @property
+    def max_prompt_chars(self) -> int:
+        """Characters beyond which a text prompt cannot fit in max_model_len tokens (0: unknown)."""
+        return self.max_chars_per_token * self.max_model_len
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.llm.tokenizer if self.llm is not None else None
+
     def check_ready(self) -> AsyncLLM:
+        if self.fault is not None:
+            raise ApiError(503, f"the server is restarting: {self.fault}")
         if self.shutting_down:
             raise ApiError(503, "the server is shutting down")
         if self.llm is not None and self.llm.error is not None:
-            raise ApiError(503, f"the engine failed: {self.llm.error}")
+            raise ApiError(503, "the engine failed; see the server log")
         if not self.ready or self.llm is None:
             raise ApiError(503, f"not ready: {self.status}", headers={"Retry-After": "5"})
         return self.llm
 
     def admit(self, job: Job) -> None:
-        """Count ``job`` in flight (each prompt of a batch counts as one request), or refuse it."""
+        """Count ``job``'s sequences in flight (``n`` for each prompt of a batch), or refuse it."""
         limit = self.engine_config.max_num_seqs + self.config.max_queue
-        weight = len(job.prompts)
+        weight = job.num_choices
         if weight > limit:
-            raise ApiError(400, f"prompt: {weight} prompts in one request exceed the server's capacity of {limit} "
-                                f"requests in flight (max_num_seqs + max_queue); split the batch", param="prompt")
+            param = "n" if len(job.prompts) == 1 else "prompt"
+            raise ApiError(400, f"{param}: {len(job.prompts)} prompt(s) × n={job.params.n} = {weight} sequences "
+                                f"exceed the server's capacity of {limit} sequences in flight (max_num_seqs + "
+                                f"max_queue); split the request", param=param)
         if self.in_flight + weight > limit:
-            raise ApiError(429, f"server at capacity: {self.in_flight} requests in flight (max_num_seqs "
+            raise ApiError(429, f"server at capacity: {self.in_flight} sequences in flight (max_num_seqs "
                                 f"{self.engine_config.max_num_seqs} + max_queue {self.config.max_queue}); "
                                 f"retry later", headers={"Retry-After": "1"})
         self.in_flight += weight
@@ -151,9 +254,9 @@ class ServingRuntime:
         if self.llm is not None and (out is None or not out.finished):
             for request_id in job.engine_request_ids:
                 self.llm.abort(request_id)
-        self.in_flight -= len(job.prompts)
+        self.in_flight -= job.num_choices
         m = self.metrics
-        m.in_flight.dec(len(job.prompts))
+        m.in_flight.dec(job.num_choices)
         m.requests.labels(job.endpoint, outcome).inc()
         if out is None:
             logger.info("%s %s %s before the first token, after %.3f s", job.endpoint, job.request_id, outcome,
@@ -181,6 +284,19 @@ class ServingRuntime:
 
     def stop(self) -> None:
         self.begin_shutdown()
-        if self.llm is not None:
-            self.llm.shutdown()
-            self.llm.engine.shutdown()  # tensor-parallel worker ranks
+        if self.llm is None:
+            return
+        if self.fault is not None:  # a hung rank would block the orderly stop: end the ranks first
+            self._kill_ranks()
+        self.llm.shutdown()
+        if self.llm.alive:
+            logger.error("the engine thread did not stop; leaving it behind")
+            return
+        self.llm.engine.shutdown()  # tensor-parallel worker ranks
+
+    def _kill_ranks(self) -> None:
+        group = getattr(self.llm.engine, "tp_group", None) if self.llm is not None else None
+        for p in getattr(group, "procs", []):
+            if p.is_alive():
+                logger.error("killing tensor-parallel rank process %s (pid %s)", p.name, p.pid)
+                p.kill()

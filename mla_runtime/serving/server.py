@@ -3,9 +3,13 @@
 Endpoints: POST /generate, /v1/completions, /v1/chat/completions (SSE with "stream": true);
 GET /v1/models, /health, /ready, /metrics.
 
-SIGTERM or Ctrl-C stops accepting connections, lets in-flight requests finish for up to
-``--shutdown-timeout`` seconds, aborts the rest, stops the engine and exits 0. A start-up failure
-(bad configuration, weights that do not load, a failed probe generation) exits 1 with the reason.
+SIGTERM or Ctrl-C starts a drain: ``/ready`` answers 503 and new generation requests get 503 while the
+listener stays open and in-flight requests finish, for up to ``--shutdown-timeout`` seconds; then the
+listener closes, the rest are aborted, the engine stops and the process exits 0 (a second signal ends the
+drain at once). A fault after start-up (the engine thread died, a step outlived ``--step-timeout``, e.g. a
+hung tensor-parallel rank) drains the same way and exits 1, so that systemd, Kubernetes or torchrun
+restarts the server. A start-up failure (bad configuration, weights that do not load, a failed probe
+generation) exits 1 with the reason.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import logging
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable, Sequence
 from types import FrameType
 
@@ -23,26 +28,58 @@ import uvicorn
 from mla_runtime.engine.llm_engine import LLMEngine
 from mla_runtime.engine.tp_workers import launched_by_torchrun, torchrun_rank
 from mla_runtime.serving.app import build_app
-from mla_runtime.serving.config import resolve
+from mla_runtime.serving.config import ServerConfig, resolve
+from mla_runtime.serving.http import GuardedH11Protocol
 
 logger = logging.getLogger("mla_runtime.serving")
 
 
-class Server(uvicorn.Server):
-    """uvicorn's server, except that the first SIGTERM/SIGINT also tells the app to stop admitting
-    requests, and that the handled signal is not re-raised after the graceful shutdown (uvicorn
-    re-raises it, which would end the process with -15 instead of 0)."""
+def uvicorn_config(app: object, config: ServerConfig, log_level: str = "info") -> uvicorn.Config:
+    """uvicorn's configuration for ``app``: the h11 protocol with the header/body timeout, the stream stall
+    abort and the connection cap (``serving/http.py``), idle keep-alive connections closed after 5 s."""
+    protocol = GuardedH11Protocol.configured(config.header_timeout, config.stream_stall_timeout,
+                                             config.max_connections)
+    return uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level, http=protocol,
+                          timeout_keep_alive=5, timeout_graceful_shutdown=config.shutdown_timeout,
+                          access_log=False)
 
-    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+
+class Server(uvicorn.Server):
+    """uvicorn's server with a drain before its shutdown: the first SIGTERM/SIGINT (or ``begin_drain``)
+    tells the app to refuse new requests, and the listener stays open until no sequence is in flight or
+    the drain's time is up; then uvicorn shuts down as usual. The handled signal is not re-raised after the
+    graceful shutdown (uvicorn re-raises it, which would end the process with -15 instead of 0)."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None], in_flight: Callable[[], int]) -> None:
         super().__init__(config)
         self.on_exit = on_exit
+        self.in_flight = in_flight
+        self.drain_until: float | None = None
+
+    def begin_drain(self, why: str) -> None:
+        if self.drain_until is not None or self.should_exit:
+            return
+        logger.info("%s: finishing in-flight requests (up to %s s), refusing new ones", why,
+                    self.config.timeout_graceful_shutdown)
+        self.on_exit()
+        self.drain_until = time.monotonic() + self.config.timeout_graceful_shutdown
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if not self.should_exit:
-            logger.info("received %s: finishing in-flight requests (up to %s s), refusing new ones",
-                        signal.Signals(sig).name, self.config.timeout_graceful_shutdown)
-            self.on_exit()
-        super().handle_exit(sig, frame)
+        if self.drain_until is None and not self.should_exit:
+            self.begin_drain(f"received {signal.Signals(sig).name}")
+            return
+        super().handle_exit(sig, frame)  # a second signal ends the drain
+
+    async def on_tick(self, counter: int) -> bool:
+        if await super().on_tick(counter):
+            return True
+        if self.drain_until is None:
+            return False
+        left = self.drain_until - time.monotonic()
+        if self.in_flight() > 0 and left > 0:
+            return False
+        self.config.timeout_graceful_shutdown = max(left, 1.0)  # uvicorn's own wait: what is left, ≥ 1 s
+        return True
 
     def capture_signals(self):  # type: ignore[override]
         @contextlib.contextmanager
@@ -91,16 +128,18 @@ def main(argv: Sequence[str] | None = None, prog: str = "server.py") -> int:
 
     def on_fatal(e: BaseException) -> None:
         failures.append(e)
-        if server is not None:
+        if server is not None and rt.fault is not None:
+            server.begin_drain("fault")
+        elif server is not None:
             server.should_exit = True
 
     app = build_app(engine_config, config, on_fatal=on_fatal)
-    server = Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
-                                   timeout_graceful_shutdown=config.shutdown_timeout, access_log=False),
-                    on_exit=app.state.runtime.begin_shutdown)
+    rt = app.state.runtime
+    server = Server(uvicorn_config(app, config), on_exit=rt.begin_shutdown, in_flight=lambda: rt.in_flight)
     server.run()
     if failures:
-        print(f"{prog}: start-up failed: {failures[0]}", file=sys.stderr)
+        print(f"{prog}: {'stopped after a fault' if rt.fault else 'start-up failed'}: {failures[0]}",
+              file=sys.stderr)
         return 1
     return 0
 
