@@ -162,3 +162,30 @@ async def _collect(stream):
     async for out in stream:
         last = out
     return last
+
+
+def test_a_stream_holds_only_the_latest_output(tiny_checkpoint):
+    """A consumer that does not read while the request runs to the end finds one output waiting, the final
+    cumulative one, not a queue of one copy per step."""
+    import time
+
+    path, _ = tiny_checkpoint("v3")
+    engine = AsyncLLM(EngineConfig(model=str(path), dtype="float32", max_model_len=256, block_size=16,
+                                   kv_cache_memory="8MiB"))
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, logprobs=5)
+
+    async def main():
+        stream = engine.add_request("idle-reader", make_prompts(1, seed=53)[0], params)
+        deadline = time.monotonic() + 30
+        while stream.latest is None or not stream.latest.finished:  # the engine runs the request to the end
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        out = await stream.get()
+        return out, stream.latest
+
+    try:
+        out, left = asyncio.run(main())
+        assert out.finished and len(out.outputs[0].token_ids) == 30 and len(out.outputs[0].logprobs) == 30
+        assert left is None  # nothing else was kept
+    finally:
+        engine.shutdown()
