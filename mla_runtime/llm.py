@@ -1,7 +1,7 @@
 """``LLM``: the offline Python API, named as vLLM users expect.
 
     from mla_runtime import LLM, SamplingParams
-    llm = LLM("path/to/checkpoint")
+    llm = LLM("path/to/checkpoint")          # or a hub repo id: LLM("org/name", revision="main")
     out = llm.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=32, temperature=0))
     out[0].outputs[0].text, out[0].outputs[0].token_ids, out[0].outputs[0].finish_reason
 """
@@ -49,8 +49,9 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion, batched; outputs come back in prompt order."""
+                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion, batched; outputs come back in prompt order. ``use_tqdm``: a
+        progress bar of finished requests (None: when stderr is a terminal)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                  and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -72,17 +73,13 @@ class LLM:
                 self.engine.abort(rid)
             raise
         done: dict[str, RequestOutput] = {}
-        bar = None
-        if use_tqdm:
-            from tqdm import tqdm
+        from tqdm import tqdm
 
-            bar = tqdm(total=len(ids), desc="generate")
+        bar = tqdm(total=len(ids), desc="generate", unit="req", disable=None if use_tqdm is None else not use_tqdm)
         while len(done) < len(ids):
             for out in self.engine.step():
                 if out.finished:
                     done[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
+                    bar.update(1)
+        bar.close()
         return [done[rid] for rid in ids]

@@ -214,9 +214,15 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path) -> None:
         raise CheckpointError(f"checkpoint {path} does not match its config ({len(problems)} problems):\n  "
                               + "\n  ".join(problems))
 
+    from tqdm import tqdm
+
+    # on a terminal only (disable=None), and on one rank only
+    bar = tqdm(total=sum(slot is not None for slot in table.values()), desc="loading weights", unit="tensor",
+               disable=None if model.par.rank == 0 else True, leave=False)
     for name, slot in table.items():
         if slot is None:
             continue
+        bar.update(1)
         target = params[slot.param][slot.index]
         scale_name = name[: -len("weight")] + "weight_scale_inv" if name.endswith(".weight") else None
         if scale_name in scale_names:
@@ -232,6 +238,7 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path) -> None:
         with torch.no_grad():
             target.copy_(tensor.to(target.dtype))
         del tensor
+    bar.close()
 
 
 def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
