@@ -61,7 +61,7 @@ def error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-def parse_json(body: bytes) -> Any:
+def parse_json(body: bytes | bytearray) -> Any:
     """The body's JSON value; any parser failure (syntax, encoding, nesting too deep) is a 400 naming body."""
     try:
         data = json.loads(body)
@@ -71,7 +71,7 @@ def parse_json(body: bytes) -> Any:
         raise ApiError(400, "body: JSON nested too deeply", param="body") from None
     except ValueError as e:  # e.g. an integer literal with too many digits
         raise ApiError(400, f"body: malformed JSON: {e}", param="body") from None
-    if b"\\ud" in body.lower():  # "\ud800"-style escapes may encode a lone surrogate: not text
+    if b"\\ud" in body or b"\\uD" in body:  # "\ud800"-style escapes may encode a lone surrogate: not text
         try:
             json.dumps(data, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
@@ -146,8 +146,10 @@ def _auth_check(config: ServerConfig) -> Callable[[Request], None]:
     return check_auth
 
 
-async def read_json(request: Request, limit: int) -> Any:
-    """The request's JSON body, read up to ``limit`` bytes (413 beyond); raises ClientDisconnected."""
+async def read_json(request: Request, limit: int, parse_slot: asyncio.Semaphore) -> Any:
+    """The request's JSON body, read up to ``limit`` bytes (413 beyond); raises ClientDisconnected. A large
+    body is parsed in a worker thread, one at a time (``parse_slot``): the parser holds the GIL throughout
+    (~10 ms per MB), so parsing several at once would keep the event loop waiting for their sum."""
     declared = request.headers.get("content-length", "")
     too_large = ApiError(413, f"request body exceeds max_body_bytes ({limit:,} bytes)", param="body")
     if declared.isdigit() and int(declared) > limit:
@@ -161,8 +163,9 @@ async def read_json(request: Request, limit: int) -> Any:
     except ClientDisconnect:
         raise ClientDisconnected() from None
     if len(body) > THREAD_PARSE_BYTES:
-        return await asyncio.to_thread(parse_json, bytes(body))
-    return parse_json(bytes(body))
+        async with parse_slot:
+            return await asyncio.to_thread(parse_json, body)
+    return parse_json(body)
 
 
 class JobBuilder:
@@ -232,13 +235,14 @@ class JobBuilder:
 def _add_generation_routes(app: FastAPI, rt: ServingRuntime, engine_config: EngineConfig, config: ServerConfig,
                            check_auth: Callable[[Request], None]) -> None:
     jobs = JobBuilder(rt, engine_config, config)
+    parse_slot = asyncio.Semaphore(1)
     fault_after = fault_injection("stream")
 
     async def _generation(request: Request, endpoint: str, schema: type[BaseModel],
                           make_job: Callable[[Any], Job]) -> Response:
         try:
             check_auth(request)
-            body = await read_json(request, int(config.max_body_bytes))
+            body = await read_json(request, int(config.max_body_bytes), parse_slot)
             req = validate(schema, body)
             llm = rt.check_ready()
             job = await asyncio.to_thread(make_job, req)
