@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -399,8 +400,11 @@ def probe_hung_rank() -> None:
         os.kill(ranks[-1], signal.SIGSTOP)
         t0 = time.monotonic()
         with httpx.Client(base_url=srv.base, timeout=60) as client:
-            threading.Thread(target=lambda: client.post("/generate", json={"prompt": "x", "max_tokens": 4}),
-                             daemon=True).start()
+            def request() -> None:  # it waits on the hung step; the process then ends under it
+                with contextlib.suppress(httpx.HTTPError):
+                    client.post("/generate", json={"prompt": "x", "max_tokens": 4})
+
+            threading.Thread(target=request, daemon=True).start()
             health = 200
             while health == 200 and time.monotonic() - t0 < 30:
                 time.sleep(0.1)
