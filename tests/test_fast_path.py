@@ -144,7 +144,7 @@ def test_probe_decision_matches_what_works(dtype, monkeypatch):
     try:
         got = linear(x, w, None, PackedWeight(w, "onednn"))
         works = bool(torch.allclose(got.float(), F.linear(x, w).float(), **gemm_tol(dtype)))
-    except RuntimeError:
+    except Exception:  # anything the fast path raises here means it does not work
         works = False
     choice = cpu_gemm.gemm_choice(dtype)
     assert (choice.path == "onednn") == works == (cpu_gemm.fast_path_failure(dtype) is None)
