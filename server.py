@@ -1,4 +1,4 @@
-"""Serve an MLA checkpoint over HTTP.
+"""Serve an MLA checkpoint over HTTP: the same program as ``mla-runtime serve`` (mla_runtime/serving/server.py).
 
     python server.py                                  # the embedded demo model on 127.0.0.1:8000
     python server.py --model PATH --port 8080 --max-model-len 8192 --kv-cache-memory 8GiB

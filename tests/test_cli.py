@@ -100,10 +100,13 @@ def test_a_taken_port_fails_before_the_model_loads(tmp_path, capsys):
     assert "in use" in err[0] and "start-up failed" not in err[0]
 
 
-def test_sweep_runs_with_only_model_and_eval_text(tmp_path, monkeypatch, capsys):
+def test_sweep_needs_no_method_or_calibration_flags(tmp_path, monkeypatch, capsys):
+    """Beyond --model and --eval-text, only flags that make it quick: no --methods, no calibration."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "eval.txt").write_text((ROOT / "mla_runtime" / "plan.py").read_text()[:1500])
-    assert main(["sweep", "--model", str(DEMO_MODEL), "--eval-text", "eval.txt"]) == 0
+    assert main(["sweep", "--model", str(DEMO_MODEL), "--eval-text", "eval.txt", "--ranks", "32",
+                 "--cache-dtypes", "int8", "--decode-steps", "0", "--window", "64", "--max-eval-tokens", "128",
+                 "--no-progress"]) == 0
     out = capsys.readouterr().out
     methods = {row.split("|")[1].strip() for row in out.splitlines() if re.match(r"\| (full|svd|pca) ", row)}
     assert methods == {"full", "svd"}  # no calibration text: no PCA
