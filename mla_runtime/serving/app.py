@@ -232,6 +232,57 @@ class JobBuilder:
                    logprobs=req.logprobs_count(), token_text=self.token_text)
 
 
+async def run_job(request: Request, rt: ServingRuntime, config: ServerConfig, llm: AsyncLLM, job: Job,
+                  fault_after: int | None) -> Response:
+    """Submit an admitted job and answer it: a JSON body, or an SSE stream once the first output exists."""
+    gen = generate_job_outputs(llm, job)
+    deadline = rt.deadline(job)
+    outcome, out, error = "error", None, None
+    try:
+        out = await guarded(request, anext(gen), deadline)
+        if job.stream:
+            outcome = "streaming"
+            return stream_job(rt, config, job, gen, StreamEnd(out), deadline, fault_after)
+        out = await guarded(request, last_output(gen, out), deadline)
+        body = await asyncio.to_thread(full_body, job, out)
+        outcome = "success"
+        return JSONResponse(body)
+    except ValueError as e:  # the engine's validation of the prompt: names the problem
+        outcome, error = "invalid", ApiError(400, str(e), param=str(e).split(" ")[0].rstrip(":"))
+    except RequestTimedOut:
+        outcome, error = "timeout", timeout_error(config.request_timeout)
+    except ClientDisconnected:
+        outcome = "client_disconnect"
+        return Response(status_code=499)
+    except EngineDeadError:
+        error = ApiError(503, "the engine failed; see the server log")
+    except asyncio.CancelledError:  # uvicorn cancels what outlives --shutdown-timeout
+        outcome = "aborted"
+        if not rt.shutting_down:
+            raise
+        error = ApiError(503, "aborted: the server shut down before the request finished")
+    finally:
+        if outcome != "streaming":
+            rt.finish(job, outcome, out)
+            await gen.aclose()
+    return error_response(error)
+
+
+def stream_job(rt: ServingRuntime, config: ServerConfig, job: Job, gen: AsyncIterator[Any], end: StreamEnd,
+               deadline: float, fault_after: int | None) -> Response:
+    body = job_events(job, gen, end, deadline, config.request_timeout, fault_after)
+
+    async def close(reason: str) -> None:  # runs however the response ended, even if never iterated
+        with contextlib.suppress(Exception):
+            await body.aclose()
+        rt.finish(job, end.outcome or reason, end.last)
+        with contextlib.suppress(Exception):
+            await gen.aclose()
+
+    return SSEResponse(body, close, lambda: rt.shutting_down, deadline, config.stream_stall_timeout,
+                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
 def _add_generation_routes(app: FastAPI, rt: ServingRuntime, engine_config: EngineConfig, config: ServerConfig,
                            check_auth: Callable[[Request], None]) -> None:
     jobs = JobBuilder(rt, engine_config, config)
@@ -253,53 +304,7 @@ def _add_generation_routes(app: FastAPI, rt: ServingRuntime, engine_config: Engi
         except ClientDisconnected:
             rt.reject(endpoint, 499)
             return Response(status_code=499)
-        return await _run(request, llm, job)
-
-    async def _run(request: Request, llm: AsyncLLM, job: Job) -> Response:
-        gen = generate_job_outputs(llm, job)
-        deadline = rt.deadline(job)
-        outcome, out, error = "error", None, None
-        try:
-            out = await guarded(request, anext(gen), deadline)
-            if job.stream:
-                outcome = "streaming"
-                return _stream(job, gen, StreamEnd(out), deadline)
-            out = await guarded(request, last_output(gen, out), deadline)
-            body = await asyncio.to_thread(full_body, job, out)
-            outcome = "success"
-            return JSONResponse(body)
-        except ValueError as e:  # the engine's validation of the prompt: names the problem
-            outcome, error = "invalid", ApiError(400, str(e), param=str(e).split(" ")[0].rstrip(":"))
-        except RequestTimedOut:
-            outcome, error = "timeout", timeout_error(config.request_timeout)
-        except ClientDisconnected:
-            outcome = "client_disconnect"
-            return Response(status_code=499)
-        except EngineDeadError:
-            error = ApiError(503, "the engine failed; see the server log")
-        except asyncio.CancelledError:  # uvicorn cancels what outlives --shutdown-timeout
-            outcome = "aborted"
-            if not rt.shutting_down:
-                raise
-            error = ApiError(503, "aborted: the server shut down before the request finished")
-        finally:
-            if outcome != "streaming":
-                rt.finish(job, outcome, out)
-                await gen.aclose()
-        return error_response(error)
-
-    def _stream(job: Job, gen: AsyncIterator[Any], end: StreamEnd, deadline: float) -> Response:
-        body = job_events(job, gen, end, deadline, config.request_timeout, fault_after)
-
-        async def close(reason: str) -> None:  # runs however the response ended, even if never iterated
-            with contextlib.suppress(Exception):
-                await body.aclose()
-            rt.finish(job, end.outcome or reason, end.last)
-            with contextlib.suppress(Exception):
-                await gen.aclose()
-
-        return SSEResponse(body, close, lambda: rt.shutting_down, deadline, config.stream_stall_timeout,
-                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await run_job(request, rt, config, llm, job, fault_after)
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
