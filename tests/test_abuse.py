@@ -205,6 +205,7 @@ def test_a_hung_step_turns_health_503_and_asks_for_a_restart(text_checkpoint):  
         pending.start()
         wait_for(lambda: httpx.get(live.base + "/health").status_code == 503, "/health 503", 30)
         assert_error(httpx.get(live.base + "/health"), 503, "step_timeout")
+        assert live.metrics()[("mla_engine_step_seconds",)] > 0.5
         wait_for(lambda: bool(fatal), "on_fatal called", 30)
         assert_error(httpx.get(live.base + "/ready"), 503, "restarting")
         assert_error(httpx.post(live.base + "/generate", json={"prompt": "x"}), 503, "restarting")

@@ -33,6 +33,8 @@ class ServerMetrics:
                                 ["endpoint", "outcome"], registry=r)
         self.in_flight = Gauge("mla_requests_in_flight", "Requests admitted and not yet answered", registry=r)
         self.ready = Gauge("mla_ready", "1 once the weights are loaded and the probe generation passed", registry=r)
+        self.step_seconds = Gauge("mla_engine_step_seconds", "How long the engine step in progress has run (0 "
+                                  "between steps; compared with --step-timeout)", registry=r)
         self.ttft = Histogram("mla_time_to_first_token_seconds", "Arrival to first generated token",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("mla_time_per_output_token_seconds", "Mean gap between generated tokens",

@@ -106,6 +106,7 @@ class ServingRuntime:
                 engine.model_config, dtype=engine.model.dtype, max_num_batched_tokens=engine.max_num_batched_tokens,
                 max_num_seqs=self.engine_config.max_num_seqs,
                 tensor_parallel_size=self.engine_config.tensor_parallel_size)
+            self.metrics.step_seconds.set_function(self.llm.step_seconds)
             self.metrics.attach_engine(self.llm.stats, {**self.describe, "model": self.config.served_model_name},
                                        activations)
             if self.llm.tokenizer is not None:
