@@ -37,6 +37,7 @@ import statistics
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -62,7 +63,7 @@ class Server:
     def __init__(self, flags: list[str], env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        self.log = open(ROOT / "bench" / f".abuse_{self.port}.log", "w")  # noqa: SIM115 - closed in stop()
+        self.log = open(Path(tempfile.gettempdir()) / f"mla_abuse_{self.port}.log", "w")  # noqa: SIM115 - stop()
         self.proc = subprocess.Popen([sys.executable, str(ROOT / "server.py"), "--port", str(self.port), *flags],
                                      stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
