@@ -1,7 +1,7 @@
 """Model configuration read from a Hugging Face ``config.json``.
 
 Covers the MLA families: ``deepseek_v2`` (DeepSeek-V2, V2-Lite), ``deepseek_v3`` (DeepSeek-V3, R1) and
-Kimi-K2 (``kimi_k2``, DeepseekV3 architecture). Notation follows DESIGN.md §1: ``d_c = kv_lora_rank``,
+Kimi-K2 (``kimi_k2``, DeepseekV3 architecture). Notation used throughout: ``d_c = kv_lora_rank``,
 ``d_r = qk_rope_head_dim``, ``d_n = qk_nope_head_dim``, ``d_v = v_head_dim``, ``n_h`` heads.
 
 Every field is validated when the config is built; a bad value raises ``ValueError`` naming the field.
@@ -67,7 +67,7 @@ class RopeConfig:
 
     @property
     def softmax_mscale(self) -> float:
-        """``m`` in the softmax scale ``(d_n + d_r)^-1/2 * m^2`` (DESIGN.md §1)."""
+        """``m`` in the softmax scale ``(d_n + d_r)^-1/2 * m^2``."""
         if self.kind == "yarn" and self.mscale_all_dim:
             return yarn_mscale(self.factor, self.mscale_all_dim)
         return 1.0
@@ -167,7 +167,7 @@ class ModelConfig:
         if has_dense and self.intermediate_size < 1:
             raise ValueError("intermediate_size must be >= 1: the model has dense MLP layers")
 
-    # -- notation of DESIGN.md §1 -------------------------------------------------------------
+    # -- the notation of the MLA math ----------------------------------------------------------
     @property
     def d_c(self) -> int:
         return self.kv_lora_rank

@@ -109,14 +109,28 @@ def pca_bases(model: DeepseekForCausalLM, rank: int, token_chunks: Sequence[Sequ
     return _layer_bases(model, rank, weighted_pca)
 
 
+CALIBRATION_TOKENS = 16384  # calibration tokens the PCA reads by default
+CALIBRATION_CHUNK = 512  # tokens per calibration sequence
+
+
+def calibration_chunks(docs: Sequence[Sequence[int]], max_tokens: int = CALIBRATION_TOKENS) -> list[list[int]]:
+    """The first ``max_tokens`` tokens of ``docs`` (token-id lists), as sequences of ``CALIBRATION_CHUNK``."""
+    ids = [t for doc in docs for t in doc][:max_tokens]
+    return [ids[i:i + CALIBRATION_CHUNK] for i in range(0, len(ids), CALIBRATION_CHUNK)]
+
+
+def check_latent_rank(rank: object, kv_lora_rank: int) -> None:
+    """A latent rank must be an integer in ``[1, kv_lora_rank]`` (it can only drop latent dimensions)."""
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= kv_lora_rank:
+        raise ValueError(f"latent_rank must be an integer in [1, kv_lora_rank={kv_lora_rank}], got {rank!r}")
+
+
 def truncate_latent_rank(model: DeepseekForCausalLM, rank: int, method: str = "svd",
                          calibration: Sequence[Sequence[int]] | None = None) -> DeepseekForCausalLM:
     """Truncate every layer's cached latent to ``rank`` values, in place; returns the model, whose
     ``config.kv_lora_rank`` now reads ``rank`` (the cache width follows it). Under tensor parallelism every
     rank calls it, with the same ``calibration``."""
-    d_c = model.config.kv_lora_rank
-    if not 1 <= rank <= d_c:
-        raise ValueError(f"latent_rank must be in [1, kv_lora_rank={d_c}], got {rank}")
+    check_latent_rank(rank, model.config.kv_lora_rank)
     if method not in METHODS:
         raise ValueError(f"latent projection method must be one of {METHODS}, got {method!r}")
     if method == "pca":

@@ -13,23 +13,24 @@ from collections.abc import Sequence
 
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.engine.llm_engine import LLMEngine, PromptType
+from mla_runtime.engine.tp_workers import is_torchrun_worker, run_torchrun_worker
 from mla_runtime.outputs import RequestOutput
 from mla_runtime.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str, *, dtype: str = "auto", max_model_len: int | None = None, block_size: int = 64,
-                 kv_cache_dtype: str = "auto", kv_cache_memory: int | str | None = None, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
-                 tensor_parallel_size: int = 1, attention_backend: str | None = None,
-                 latent_cache_layout: str = "replicated", latent_rank: int | None = None, seed: int = 0,
-                 **kwargs) -> None:
-        self.config = EngineConfig(
-            model=str(model), dtype=dtype, max_model_len=max_model_len, block_size=block_size,
-            kv_cache_dtype=kv_cache_dtype, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-            tensor_parallel_size=tensor_parallel_size, attention_backend=attention_backend,
-            latent_cache_layout=latent_cache_layout, latent_rank=latent_rank, seed=seed, **kwargs)
+    """``LLM(model, **engine_keywords)``: every keyword is an ``EngineConfig`` field (``dtype``, ``max_model_len``,
+    ``kv_cache_memory``, ``tensor_parallel_size``, ``latent_rank``, ``revision``, ...), validated there.
+
+    Under ``torchrun`` with ``tensor_parallel_size > 1``, every rank runs the same script: on rank 0 this builds
+    the engine; on the other ranks it serves rank 0's steps and then ends the process, so only rank 0 returns.
+    """
+
+    def __init__(self, model: str, **kwargs) -> None:
+        self.config = EngineConfig(model=str(model), **kwargs)
+        if is_torchrun_worker(self.config):
+            run_torchrun_worker(self.config)
+            raise SystemExit(0)
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,85 +46,99 @@ class Slot:
     shard: tuple[int, int, int, int] | None = None
 
 
+class _Layout:
+    """Builds the name table of one rank (``checkpoint_layout``), one part of the model at a time."""
+
+    def __init__(self, cfg: ModelConfig, par: ParallelContext) -> None:
+        self.cfg, self.par, self.n = cfg, par, par.world_size
+        self.table: dict[str, Slot | None] = {}
+
+    def part(self, dim: int, full: int) -> tuple[int, int, int, int] | None:
+        """This rank's equal share of ``full`` along ``dim`` (None on one rank)."""
+        if self.n == 1:
+            return None
+        size = full // self.n
+        return dim, self.par.rank * size, (self.par.rank + 1) * size, full
+
+    def whole(self, name: str) -> None:
+        self.table[name] = Slot(name)
+
+    def embeddings(self) -> None:
+        v0, v1, _ = self.par.vocab_split(self.cfg.vocab_size)
+        vocab = (slice(0, v1 - v0),) if self.n > 1 else ()
+        vocab_shard = (0, v0, v1, self.cfg.vocab_size) if self.n > 1 else None
+        self.table["model.embed_tokens.weight"] = Slot("model.embed_tokens.weight", vocab, vocab_shard)
+        self.whole("model.norm.weight")
+        if not self.cfg.tie_word_embeddings:
+            self.table["lm_head.weight"] = Slot("lm_head", vocab, vocab_shard)
+
+    def attention(self, p: str) -> None:
+        cfg, h = self.cfg, self.cfg.num_attention_heads
+        shards = {"q_proj": self.part(0, h * cfg.qk_head_dim), "q_b_proj": self.part(0, h * cfg.qk_head_dim),
+                  "kv_b_proj": self.part(0, h * (cfg.qk_nope_head_dim + cfg.v_head_dim)),
+                  "o_proj": self.part(1, h * cfg.v_head_dim)}
+        projections = (["q_proj"] if cfg.q_lora_rank is None else ["q_a_proj", "q_b_proj"]) + \
+            ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+        for name in projections:
+            self.table[f"{p}.self_attn.{name}.weight"] = Slot(f"{p}.self_attn.{name}.weight", (), shards.get(name))
+            if cfg.attention_bias and name in ("q_a_proj", "kv_a_proj_with_mqa", "o_proj"):
+                self.whole(f"{p}.self_attn.{name}.bias")
+        for name in ["kv_a_layernorm"] + ([] if cfg.q_lora_rank is None else ["q_a_layernorm"]):
+            self.whole(f"{p}.self_attn.{name}.weight")
+
+    def mlp(self, prefix: str, size: int) -> None:
+        """A gated MLP: gate and up stacked into ``gate_up_proj``, the intermediate dimension sharded."""
+        local, shard = size // self.n, self.part(0, size)
+        kinds = ["weight"] + (["bias"] if self.cfg.mlp_bias else [])
+        for kind in kinds:
+            stacked = f"{prefix}.gate_up_{'proj' if kind == 'weight' else 'bias'}"
+            self.table[f"{prefix}.gate_proj.{kind}"] = Slot(stacked, (slice(0, local),), shard)
+            self.table[f"{prefix}.up_proj.{kind}"] = Slot(stacked, (slice(local, 2 * local),), shard)
+        self.table[f"{prefix}.down_proj.weight"] = Slot(f"{prefix}.down_proj", (), self.part(1, size))
+        if self.cfg.mlp_bias:
+            self.table[f"{prefix}.down_proj.bias"] = Slot(f"{prefix}.down_bias")
+
+    def moe(self, p: str, fused: bool) -> None:
+        """Router, shared experts and this rank's whole routed experts (stacked ``[E, ...]``)."""
+        moe = self.cfg.moe
+        assert moe is not None
+        size, experts = moe.moe_intermediate_size, f"{p}.mlp.experts"
+        self.whole(f"{p}.mlp.gate.weight")
+        if moe.topk_method == "noaux_tc":
+            self.whole(f"{p}.mlp.gate.e_score_correction_bias")
+        if moe.n_shared_experts:
+            self.mlp(f"{p}.mlp.shared_experts", size * moe.n_shared_experts)
+        if fused:  # transformers' in-memory layout: [E, 2I, d] and [E, d, I]
+            for name in ("gate_up_proj", "down_proj"):
+                self.table[f"{experts}.{name}"] = Slot(f"{experts}.{name}", (), self.part(0, moe.n_routed_experts))
+            return
+        e0, e1 = self.par.split(moe.n_routed_experts)
+        for e in range(moe.n_routed_experts):
+            names = [f"{experts}.{e}.{w}_proj.weight" for w in ("gate", "up", "down")]
+            if not e0 <= e < e1:
+                self.table.update(dict.fromkeys(names))  # another rank's expert
+                continue
+            self.table[names[0]] = Slot(f"{experts}.gate_up_proj", (e - e0, slice(0, size)))
+            self.table[names[1]] = Slot(f"{experts}.gate_up_proj", (e - e0, slice(size, 2 * size)))
+            self.table[names[2]] = Slot(f"{experts}.down_proj", (e - e0,))
+
+
 def checkpoint_layout(cfg: ModelConfig, par: ParallelContext = SINGLE_RANK,
                       fused_expert_layers: set[int] = frozenset()) -> dict[str, Slot | None]:
     """The name table: every tensor the checkpoint must hold → its parameter slot on this rank
     (None: the tensor belongs to another tensor-parallel rank)."""
-    n = par.world_size
-
-    def part(dim: int, full: int) -> tuple[int, int, int, int] | None:
-        if n == 1:
-            return None
-        size = full // n
-        return dim, par.rank * size, (par.rank + 1) * size, full
-
-    v0, v1, _ = par.vocab_split(cfg.vocab_size)
-    vocab = (slice(0, v1 - v0),) if n > 1 else ()
-    vocab_shard = (0, v0, v1, cfg.vocab_size) if n > 1 else None
-    table: dict[str, Slot | None] = {
-        "model.embed_tokens.weight": Slot("model.embed_tokens.weight", vocab, vocab_shard),
-        "model.norm.weight": Slot("model.norm.weight")}
-    if not cfg.tie_word_embeddings:
-        table["lm_head.weight"] = Slot("lm_head", vocab, vocab_shard)
-    h = cfg.num_attention_heads
-    head_rows = {"q_proj": h * cfg.qk_head_dim, "q_b_proj": h * cfg.qk_head_dim,
-                 "kv_b_proj": h * (cfg.qk_nope_head_dim + cfg.v_head_dim)}
-    attn = (["q_proj"] if cfg.q_lora_rank is None else ["q_a_proj", "q_b_proj"]) + \
-        ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
-    biased = {"q_a_proj", "kv_a_proj_with_mqa", "o_proj"} if cfg.attention_bias else set()
-    norms = ["kv_a_layernorm"] + ([] if cfg.q_lora_rank is None else ["q_a_layernorm"])
-
-    def mlp(prefix: str, size: int) -> None:
-        local = size // n
-        table[f"{prefix}.gate_proj.weight"] = Slot(f"{prefix}.gate_up_proj", (slice(0, local),), part(0, size))
-        table[f"{prefix}.up_proj.weight"] = Slot(f"{prefix}.gate_up_proj", (slice(local, 2 * local),), part(0, size))
-        table[f"{prefix}.down_proj.weight"] = Slot(f"{prefix}.down_proj", (), part(1, size))
-        if cfg.mlp_bias:
-            table[f"{prefix}.gate_proj.bias"] = Slot(f"{prefix}.gate_up_bias", (slice(0, local),), part(0, size))
-            table[f"{prefix}.up_proj.bias"] = Slot(f"{prefix}.gate_up_bias", (slice(local, 2 * local),),
-                                                   part(0, size))
-            table[f"{prefix}.down_proj.bias"] = Slot(f"{prefix}.down_bias")
-
+    layout = _Layout(cfg, par)
+    layout.embeddings()
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}"
-        for name in ("input_layernorm", "post_attention_layernorm"):
-            table[f"{p}.{name}.weight"] = Slot(f"{p}.{name}.weight")
-        for name in attn:
-            shard = part(0, head_rows[name]) if name in head_rows else None
-            if name == "o_proj":
-                shard = part(1, h * cfg.v_head_dim)
-            table[f"{p}.self_attn.{name}.weight"] = Slot(f"{p}.self_attn.{name}.weight", (), shard)
-            if name in biased:
-                table[f"{p}.self_attn.{name}.bias"] = Slot(f"{p}.self_attn.{name}.bias")
-        for name in norms:
-            table[f"{p}.self_attn.{name}.weight"] = Slot(f"{p}.self_attn.{name}.weight")
-        if not cfg.is_moe_layer(i):
-            mlp(f"{p}.mlp", cfg.intermediate_size)
-            continue
-        moe = cfg.moe
-        assert moe is not None
-        size = moe.moe_intermediate_size
-        table[f"{p}.mlp.gate.weight"] = Slot(f"{p}.mlp.gate.weight")
-        if moe.topk_method == "noaux_tc":
-            table[f"{p}.mlp.gate.e_score_correction_bias"] = Slot(f"{p}.mlp.gate.e_score_correction_bias")
-        if moe.n_shared_experts:
-            mlp(f"{p}.mlp.shared_experts", size * moe.n_shared_experts)
-        experts = f"{p}.mlp.experts"
-        e0, e1 = par.split(moe.n_routed_experts)
-        if i in fused_expert_layers:  # transformers' in-memory layout: [E, 2I, d] and [E, d, I]
-            table[f"{experts}.gate_up_proj"] = Slot(f"{experts}.gate_up_proj", (), part(0, moe.n_routed_experts))
-            table[f"{experts}.down_proj"] = Slot(f"{experts}.down_proj", (), part(0, moe.n_routed_experts))
-            continue
-        for e in range(moe.n_routed_experts):
-            names = [f"{experts}.{e}.{w}_proj.weight" for w in ("gate", "up", "down")]
-            if not e0 <= e < e1:
-                table.update(dict.fromkeys(names))
-                continue
-            le = e - e0
-            table[names[0]] = Slot(f"{experts}.gate_up_proj", (le, slice(0, size)))
-            table[names[1]] = Slot(f"{experts}.gate_up_proj", (le, slice(size, 2 * size)))
-            table[names[2]] = Slot(f"{experts}.down_proj", (le,))
-    return table
+        layout.whole(f"{p}.input_layernorm.weight")
+        layout.whole(f"{p}.post_attention_layernorm.weight")
+        layout.attention(p)
+        if cfg.is_moe_layer(i):
+            layout.moe(p, i in fused_expert_layers)
+        else:
+            layout.mlp(f"{p}.mlp", cfg.intermediate_size)
+    return layout.table
 
 
 def checkpoint_files(path: Path) -> dict[str, Path]:
@@ -239,13 +252,6 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path) -> None:
             target.copy_(tensor.to(target.dtype))
         del tensor
     bar.close()
-
-
-def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of a checkpoint, one at a time (for tools that inspect checkpoints)."""
-    reader = _Reader(checkpoint_files(Path(path)))
-    for name in sorted(reader.files):
-        yield name, reader.get(name)
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto", attention_path: str = "auto",

@@ -17,8 +17,10 @@ bf16: 576 × 61 × 2 = 70,272 B/token; the same model's un-absorbed per-head K/V
 n_h × (d_n + d_r + d_v) × 61 × 2 = 4,997,120 B/token (71×).
 
 Tensor parallelism (``tensor_parallel_size = tp``) shards, per rank: attention heads (q/q_b, kv_b,
-o_proj), the dense-MLP and expert intermediate dims (ceil division), and the vocabulary of the
-embedding and lm_head (ceil division); q_a/kv_a projections, norms and the router are replicated.
+o_proj), the intermediate dims of the dense MLP and the shared experts (ceil division), the routed experts
+themselves (each rank holds ``n_routed_experts / tp`` whole experts, which costs the same bytes as a ``tp``-th
+of every expert's intermediate dim; the count below uses the latter), and the vocabulary of the embedding and
+lm_head (ceil division); q_a/kv_a projections, norms and the router are replicated.
 With ``latent_cache_layout="replicated"`` every rank caches every token; with ``"sharded"`` each
 token's latent lives on one rank, so a rank pays ``latent / tp`` bytes per token and the whole group
 holds ``tp×`` the tokens.
@@ -221,6 +223,41 @@ def activation_reserve_bytes(config: ModelConfig, *, dtype: str | torch.dtype = 
     return max_num_batched_tokens * per_token + logits + ACTIVATION_OVERHEAD_BYTES
 
 
+# -- the engine's cache size ----------------------------------------------------------------------
+GPU_MEMORY_UTILIZATION = 0.9  # of the GPU memory free once the weights are loaded
+CPU_CACHE_FRACTION = 0.25  # of the RAM available once the weights are loaded (activations share the rest)
+
+
+def cache_budget_bytes(*, on_gpu: bool, free_bytes: int, activation_bytes: int, bytes_per_token: int,
+                       block_size: int, max_model_len: int, max_num_seqs: int) -> int:
+    """Latent-cache bytes of one rank when ``kv_cache_memory`` is not given, from the memory free after loading:
+    on a GPU ``free × GPU_MEMORY_UTILIZATION − activation reserve``; on a CPU ``CPU_CACHE_FRACTION`` of the
+    available RAM, but no more than ``max_num_seqs`` sequences of ``max_model_len`` tokens can use."""
+    if on_gpu:
+        return int(free_bytes * GPU_MEMORY_UTILIZATION) - activation_bytes
+    per_sequence = -(-max_model_len // block_size) * block_size * bytes_per_token
+    return min(int(free_bytes * CPU_CACHE_FRACTION), per_sequence * max_num_seqs)
+
+
+def cache_capacity_tokens(budget_bytes: int, bytes_per_token: int, block_size: int) -> int:
+    """Tokens in the whole blocks of ``block_size`` tokens that fit ``budget_bytes``."""
+    return max(0, budget_bytes) // (bytes_per_token * block_size) * block_size
+
+
+def cache_num_blocks(budget_bytes: int, bytes_per_token: int, block_size: int, max_model_len: int) -> int:
+    """Blocks that fit ``budget_bytes``; a ``ValueError`` naming ``kv_cache_memory`` when not even one sequence of
+    ``max_model_len`` tokens fits."""
+    num_blocks = cache_capacity_tokens(budget_bytes, bytes_per_token, block_size) // block_size
+    per_block = bytes_per_token * block_size
+    seq_blocks = -(-max_model_len // block_size)
+    if num_blocks < seq_blocks:
+        raise ValueError(
+            f"kv_cache_memory: {budget_bytes:,} B hold {num_blocks} blocks of {block_size} tokens ({per_block:,} B "
+            f"each), but one sequence of max_model_len={max_model_len} needs {seq_blocks}; raise kv_cache_memory "
+            f"to at least {seq_blocks * per_block:,} B or lower max_model_len")
+    return num_blocks
+
+
 # -- the plan ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class MemoryPlan:
@@ -273,6 +310,33 @@ def _min_tp_that_fits(config: ModelConfig, dtype: torch.dtype, usable: int) -> i
     return None
 
 
+def _check_plan_args(config: ModelConfig, memory_utilization: float, latent_cache_layout: str,
+                     tensor_parallel_size: int, **positive: int) -> None:
+    _check_tp(config, tensor_parallel_size)
+    if not 0 < memory_utilization <= 1:
+        raise ValueError(f"memory_utilization must be in (0, 1], got {memory_utilization}")
+    for name, value in positive.items():
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if latent_cache_layout not in LATENT_CACHE_LAYOUTS:
+        raise ValueError(f"latent_cache_layout must be one of {LATENT_CACHE_LAYOUTS}, "
+                         f"got {latent_cache_layout!r}")
+
+
+def _weights_do_not_fit(config: ModelConfig, model_dtype: torch.dtype, tp: int, weights: int, usable: int,
+                        device_memory_bytes: int, memory_utilization: float) -> str:
+    """By how much the weights miss, and what to change (tensor parallelism, memory, dtype)."""
+    need_tp = _min_tp_that_fits(config, model_dtype, usable)
+    tp_hint = (f"tensor_parallel_size >= {need_tp}" if need_tp else
+               f"tensor parallelism (even {config.num_attention_heads} ranks are not enough)")
+    return (f"model weights do not fit: {weights:,} B ({_gib(weights)}) per rank in "
+            f"{dtype_name(model_dtype)} at tensor_parallel_size={tp}, but only {usable:,} B "
+            f"({_gib(usable)}) of {device_memory_bytes:,} B are usable at memory_utilization="
+            f"{memory_utilization} — short by {weights - usable:,} B ({_gib(weights - usable)}). "
+            f"Use more device memory, {tp_hint}, or a smaller weight dtype"
+            + (" (dtype='bfloat16' halves them)" if model_dtype == torch.float32 else ""))
+
+
 def plan_memory(config: ModelConfig, *, dtype: str | torch.dtype, cache_dtype: str | torch.dtype = "auto",
                 device_memory_bytes: int, memory_utilization: float = 0.92, max_seq_len: int,
                 max_num_seqs: int, block_size: int = 64, max_num_batched_tokens: int | None = None,
@@ -284,33 +348,17 @@ def plan_memory(config: ModelConfig, *, dtype: str | torch.dtype, cache_dtype: s
     """
     model_dtype = resolve_model_dtype(dtype, config)
     cache = resolve_cache_dtype(cache_dtype, model_dtype)
-    _check_tp(config, tensor_parallel_size)
-    if not 0 < memory_utilization <= 1:
-        raise ValueError(f"memory_utilization must be in (0, 1], got {memory_utilization}")
-    for name, value in (("device_memory_bytes", device_memory_bytes), ("max_seq_len", max_seq_len),
-                        ("max_num_seqs", max_num_seqs), ("block_size", block_size)):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-    if latent_cache_layout not in LATENT_CACHE_LAYOUTS:
-        raise ValueError(f"latent_cache_layout must be one of {LATENT_CACHE_LAYOUTS}, "
-                         f"got {latent_cache_layout!r}")
+    _check_plan_args(config, memory_utilization, latent_cache_layout, tensor_parallel_size,
+                     device_memory_bytes=device_memory_bytes, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
+                     block_size=block_size)
     tp = tensor_parallel_size
     if max_num_batched_tokens is None:
         max_num_batched_tokens = default_max_num_batched_tokens(max_seq_len, max_num_seqs)
-
     usable = math.floor(device_memory_bytes * memory_utilization)
     weights = weight_bytes(config, model_dtype, tp)
     if weights > usable:
-        need_tp = _min_tp_that_fits(config, model_dtype, usable)
-        tp_hint = (f"tensor_parallel_size >= {need_tp}" if need_tp else
-                   f"tensor parallelism (even {config.num_attention_heads} ranks are not enough)")
-        raise ValueError(
-            f"model weights do not fit: {weights:,} B ({_gib(weights)}) per rank in "
-            f"{dtype_name(model_dtype)} at tensor_parallel_size={tp}, but only {usable:,} B "
-            f"({_gib(usable)}) of {device_memory_bytes:,} B are usable at memory_utilization="
-            f"{memory_utilization} — short by {weights - usable:,} B ({_gib(weights - usable)}). "
-            f"Use more device memory, {tp_hint}, or a smaller weight dtype"
-            + (" (dtype='bfloat16' halves them)" if model_dtype == torch.float32 else ""))
+        raise ValueError(_weights_do_not_fit(config, model_dtype, tp, weights, usable, device_memory_bytes,
+                                             memory_utilization))
     activations = activation_reserve_bytes(
         config, dtype=model_dtype, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
         tensor_parallel_size=tp)

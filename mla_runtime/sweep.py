@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import math
 import statistics
@@ -59,16 +60,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
-from mla_runtime.cache.latent_cache import LatentCache
 from mla_runtime.cli import DefaultsHelpFormatter
+from mla_runtime.config import ModelConfig
 from mla_runtime.dtypes import resolve_cache_dtype
-from mla_runtime.forward_batch import ForwardBatch
+from mla_runtime.engine.config import EngineConfig
+from mla_runtime.engine.worker import StepInput, Worker
 from mla_runtime.hub import resolve_model
-from mla_runtime.latent_rank import METHODS, truncate_latent_rank
-from mla_runtime.loader import load_model
-from mla_runtime.models.deepseek import DeepseekForCausalLM
-from mla_runtime.plan import parse_bytes
+from mla_runtime.latent_rank import CALIBRATION_TOKENS, METHODS, calibration_chunks
+from mla_runtime.plan import cache_capacity_tokens, parse_bytes
 
 COLUMNS = ("method", "rank", "cache_dtype", "bytes_per_token", "bytes_vs_full", "max_concurrent_tokens",
            "perplexity", "kl_div", "top1_agreement", "decode_tokens_per_s")
@@ -90,7 +91,7 @@ class SweepConfig:
     chunk: int = 256
     windows_per_batch: int = 4
     max_eval_tokens: int = 4096
-    max_calibration_tokens: int = 16384
+    max_calibration_tokens: int = CALIBRATION_TOKENS
     decode_batch: int = 8
     decode_context: int = 128
     decode_steps: int = 16  # 0: skip the timing
@@ -148,11 +149,6 @@ def capped_ranks(ranks: Sequence[int], d_c: int) -> list[int]:
     return sorted({min(r, d_c) for r in ranks}, reverse=True)
 
 
-def max_concurrent_tokens(budget: int, bytes_per_token: int, block_size: int) -> int:
-    """Tokens in the whole blocks that fit ``budget`` bytes (the engine sizes its block pool the same way)."""
-    return budget // (bytes_per_token * block_size) * block_size
-
-
 def eval_windows(docs: Sequence[Sequence[int]], window: int, max_tokens: int) -> list[list[int]]:
     """Non-overlapping windows of ``window + 1`` tokens (the last may be shorter, at least 2) scoring at most
     ``max_tokens`` positions in all."""
@@ -172,26 +168,22 @@ def eval_windows(docs: Sequence[Sequence[int]], window: int, max_tokens: int) ->
     return out
 
 
-def calibration_chunks(docs: Sequence[Sequence[int]], max_tokens: int, chunk: int = 512) -> list[list[int]]:
-    ids = [t for doc in docs for t in doc][:max_tokens]
-    return [ids[i:i + chunk] for i in range(0, len(ids), chunk)]
-
-
 # -- running the model through a paged cache ------------------------------------------------------
-def _new_cache(model: DeepseekForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
-               device: str) -> LatentCache:
-    cfg = model.config
-    return LatentCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.latent_dim, dtype, device)
+def load_worker(model_path: str | Path, cfg: SweepConfig) -> Worker:
+    """A loaded single-rank ``Worker`` of the full (untruncated) model."""
+    worker = Worker(EngineConfig(model=str(model_path), dtype=cfg.dtype, block_size=cfg.block_size,
+                                 device=cfg.device, attention_backend=cfg.attention_backend))
+    worker.load()
+    return worker
 
 
 @torch.inference_mode()
-def window_log_probs(model: DeepseekForCausalLM, windows: Sequence[Sequence[int]], cache_dtype: torch.dtype,
+def window_log_probs(worker: Worker, windows: Sequence[Sequence[int]], cache_dtype: torch.dtype,
                      cfg: SweepConfig) -> tuple[torch.Tensor, int]:
     """Log-probabilities ``[sum(len(w) - 1), V]`` fp32 of every window's inputs, in window order, and the
     bytes per token of the cache they ran through. All windows run as one batch of sequences, in chunks."""
-    bs = cfg.block_size
-    per_seq = -(-max(len(w) for w in windows) // bs)
-    cache = _new_cache(model, per_seq * len(windows), bs, cache_dtype, cfg.device)
+    per_seq = -(-max(len(w) for w in windows) // cfg.block_size)
+    cache = worker.allocate(per_seq * len(windows), cache_dtype)
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(windows))]
     inputs = [list(w[:-1]) for w in windows]
     done = [0] * len(windows)
@@ -199,8 +191,10 @@ def window_log_probs(model: DeepseekForCausalLM, windows: Sequence[Sequence[int]
     while any(d < len(x) for d, x in zip(done, inputs)):
         live = [i for i, x in enumerate(inputs) if done[i] < len(x)]
         chunks = [inputs[i][done[i]:done[i] + cfg.chunk] for i in live]
-        batch = ForwardBatch.build(chunks, [done[i] for i in live], [tables[i] for i in live], bs, cfg.device)
-        logp = torch.log_softmax(model.compute_logits(model(batch, cache)), dim=-1).cpu()
+        rows = list(range(sum(map(len, chunks))))
+        logits = worker.execute(StepInput(chunks, [done[i] for i in live], [tables[i] for i in live], rows))
+        assert logits is not None
+        logp = torch.log_softmax(logits, dim=-1).cpu()
         start = 0
         for i, c in zip(live, chunks):
             parts[i].append(logp[start:start + len(c)])
@@ -210,30 +204,71 @@ def window_log_probs(model: DeepseekForCausalLM, windows: Sequence[Sequence[int]
 
 
 @torch.inference_mode()
-def decode_tokens_per_s(model: DeepseekForCausalLM, prompts: Sequence[Sequence[int]], steps: int,
+def decode_tokens_per_s(worker: Worker, prompts: Sequence[Sequence[int]], steps: int,
                         cache_dtype: torch.dtype, cfg: SweepConfig) -> float:
     """Greedy decode tokens/s of a fixed batch: prefill ``prompts``, one warm-up step, then ``steps`` timed
     steps; the median step time is used, so a shared CPU's stalls do not dominate."""
-    bs = cfg.block_size
-    per_seq = -(-(max(len(p) for p in prompts) + steps + 1) // bs)
-    cache = _new_cache(model, per_seq * len(prompts), bs, cache_dtype, cfg.device)
+    per_seq = -(-(max(len(p) for p in prompts) + steps + 1) // cfg.block_size)
+    worker.allocate(per_seq * len(prompts), cache_dtype)
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
     lens = [len(p) for p in prompts]
-    batch = ForwardBatch.build(prompts, [0] * len(prompts), tables, bs, cfg.device)
-    nxt = model.compute_logits(model(batch, cache)[batch.logits_indices]).argmax(-1).tolist()
+    last_rows = list(itertools.accumulate(lens, initial=-1))[1:]
+    logits = worker.execute(StepInput([list(p) for p in prompts], [0] * len(prompts), tables, last_rows))
+    assert logits is not None
+    nxt = logits.argmax(-1).tolist()
     sync = torch.cuda.synchronize if cfg.device.startswith("cuda") else (lambda: None)
     seconds = []
     for _ in range(steps + 1):  # the first step is a warm-up
         sync()
         start = time.perf_counter()
-        batch = ForwardBatch.build([[t] for t in nxt], lens, tables, bs, cfg.device)
-        nxt = model.compute_logits(model(batch, cache)).argmax(-1).tolist()
+        logits = worker.execute(StepInput([[t] for t in nxt], lens, tables, list(range(len(nxt)))))
+        assert logits is not None
+        nxt = logits.argmax(-1).tolist()
         seconds.append(time.perf_counter() - start)
         lens = [n + 1 for n in lens]
     return len(prompts) / statistics.median(seconds[1:])
 
 
 # -- the sweep ------------------------------------------------------------------------------------
+@dataclass
+class _Inputs:
+    """What every point of a sweep runs on: the scored windows (in groups), their targets, the calibration
+    chunks for PCA and the decode-timing prompts."""
+
+    groups: list[list[list[int]]]
+    targets: list[torch.Tensor]
+    calibration: list[list[int]]
+    decode_prompts: list[list[int]]
+
+
+def _inputs(eval_docs: Sequence[Sequence[int]], calibration_docs: Sequence[Sequence[int]] | None,
+            mcfg: ModelConfig, cfg: SweepConfig) -> _Inputs:
+    windows = eval_windows(eval_docs, min(cfg.window, mcfg.max_position_embeddings - 1), cfg.max_eval_tokens)
+    calib = calibration_chunks(calibration_docs or [], cfg.max_calibration_tokens) if "pca" in cfg.methods else []
+    context = max(1, min(cfg.decode_context, mcfg.max_position_embeddings - cfg.decode_steps - 1))
+    decode_prompts = [(list(windows[i % len(windows)]) * context)[:context] for i in range(cfg.decode_batch)]
+    groups = [windows[i:i + cfg.windows_per_batch] for i in range(0, len(windows), cfg.windows_per_batch)]
+    targets = [torch.tensor([t for w in group for t in w[1:]]) for group in groups]
+    return _Inputs(groups, targets, calib, decode_prompts)
+
+
+def _score(worker: Worker, dtype: torch.dtype, data: _Inputs, reference: list[torch.Tensor], cfg: SweepConfig
+           ) -> tuple[float, float, float, int]:
+    """Summed NLL, KL to the reference and top-1 agreements over every window group, and the cache's bytes per
+    token. The first point scored becomes the reference."""
+    nll = kl = agree = 0.0
+    bytes_per_token = 0
+    for g, (group, tgt) in enumerate(zip(data.groups, data.targets)):
+        logp, bytes_per_token = window_log_probs(worker, group, dtype, cfg)
+        if len(reference) == g:  # the first point is the reference itself
+            reference.append(logp)
+        ref = reference[g]
+        nll -= float(logp.gather(1, tgt[:, None]).sum())
+        kl += float(torch.nn.functional.kl_div(logp, ref, log_target=True, reduction="sum"))
+        agree += float((logp.argmax(-1) == ref.argmax(-1)).sum())
+    return nll, kl, agree, bytes_per_token
+
+
 def run_sweep(model_path: str | Path, eval_docs: Sequence[Sequence[int]],
               calibration_docs: Sequence[Sequence[int]] | None = None, config: SweepConfig | None = None,
               progress: bool = False) -> SweepResult:
@@ -241,73 +276,41 @@ def run_sweep(model_path: str | Path, eval_docs: Sequence[Sequence[int]],
     cfg = config or SweepConfig()
     if "pca" in cfg.methods and not calibration_docs:
         raise ValueError("method 'pca' needs calibration tokens (--calibration-text or --calibration-tokens)")
-    def load() -> DeepseekForCausalLM:
-        return load_model(model_path, dtype=cfg.dtype, backend=cfg.attention_backend, device=cfg.device)
-
-    model = load()  # the full model first; each (method, rank) then loads its own
-    mcfg = model.config
-    ranks = capped_ranks(cfg.ranks, mcfg.kv_lora_rank)
-    ref_dtype = model.dtype
+    worker = load_worker(model_path, cfg)  # the full model first; each (method, rank) then loads its own
+    assert worker.model is not None
+    mcfg, ref_dtype = worker.model_config, worker.model.dtype
     cache_dtypes = [resolve_cache_dtype(n, ref_dtype).dtype for n in cfg.cache_dtypes]
-    full_dtypes = list(dict.fromkeys([ref_dtype, *cache_dtypes]))  # the reference first, no duplicates
-    windows = eval_windows(eval_docs, min(cfg.window, mcfg.max_position_embeddings - 1), cfg.max_eval_tokens)
-    calib = calibration_chunks(calibration_docs or [], cfg.max_calibration_tokens) if "pca" in cfg.methods else []
-    context = max(1, min(cfg.decode_context, mcfg.max_position_embeddings - cfg.decode_steps - 1))
-    decode_prompts = [(list(windows[i % len(windows)]) * context)[:context]
-                      for i in range(cfg.decode_batch)]
-    groups = [windows[i:i + cfg.windows_per_batch] for i in range(0, len(windows), cfg.windows_per_batch)]
-    group_targets = [torch.tensor([t for w in group for t in w[1:]]) for group in groups]
+    data = _inputs(eval_docs, calibration_docs, mcfg, cfg)
     result = SweepResult(model=str(model_path), d_c=mcfg.kv_lora_rank, d_r=mcfg.qk_rope_head_dim,
                          num_layers=mcfg.num_hidden_layers, model_dtype=SHORT_NAMES[ref_dtype],
-                         eval_tokens=sum(len(w) - 1 for w in windows), calibration_tokens=sum(map(len, calib)),
-                         memory_budget=int(cfg.memory_budget))
-
-    points: list[tuple[str, int, torch.dtype]] = [("full", mcfg.kv_lora_rank, d) for d in full_dtypes]
-    points += [(m, r, d) for m in cfg.methods for r in ranks for d in cache_dtypes]
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(points), desc="sweep", unit="point", file=sys.stderr)
+                         eval_tokens=sum(len(t) for t in data.targets),
+                         calibration_tokens=sum(map(len, data.calibration)), memory_budget=int(cfg.memory_budget))
+    points = [("full", mcfg.kv_lora_rank, d) for d in dict.fromkeys([ref_dtype, *cache_dtypes])]  # reference first
+    points += [(m, r, d) for m in cfg.methods for r in capped_ranks(cfg.ranks, mcfg.kv_lora_rank) for d in cache_dtypes]
+    bar = tqdm(total=len(points), desc="sweep", unit="point", file=sys.stderr, disable=not progress)
     reference: list[torch.Tensor] = []  # per window group: the full model's log-probs (model-dtype cache)
-    model_key = ("full", mcfg.kv_lora_rank)
-    full_bytes = 0
+    loaded, full_bytes = ("full", mcfg.kv_lora_rank), 0
     for method, rank, dtype in points:
-        if bar is not None:
-            bar.set_postfix_str(f"{method} r={rank} {SHORT_NAMES[dtype]}")
-        if (method, rank) != model_key:
-            del model  # one model in memory at a time; a fresh load (not a copy: weights may be packed)
-            model = truncate_latent_rank(load(), rank, method, calibration=calib or None)
-            model_key = (method, rank)
-        nll = kl = agree = 0.0
-        bytes_per_token = 0
-        for g, (group, tgt) in enumerate(zip(groups, group_targets)):
-            logp, bytes_per_token = window_log_probs(model, group, dtype, cfg)
-            if len(reference) == g:  # the first point is the reference itself
-                reference.append(logp)
-            ref = reference[g]
-            nll -= float(logp.gather(1, tgt[:, None]).sum())
-            kl += float(torch.nn.functional.kl_div(logp, ref, log_target=True, reduction="sum"))
-            agree += float((logp.argmax(-1) == ref.argmax(-1)).sum())
-        n = result.eval_tokens
-        full_bytes = full_bytes or bytes_per_token
-        tps = (decode_tokens_per_s(model, decode_prompts, cfg.decode_steps, dtype, cfg)
-               if cfg.decode_steps else None)
-        row = SweepRow(method=method, rank=rank, cache_dtype=SHORT_NAMES[dtype], bytes_per_token=bytes_per_token,
-                       bytes_vs_full=bytes_per_token / full_bytes,
-                       max_concurrent_tokens=max_concurrent_tokens(int(cfg.memory_budget), bytes_per_token,
-                                                                   cfg.block_size),
-                       perplexity=math.exp(nll / n), kl_div=max(kl / n, 0.0), top1_agreement=agree / n,
-                       decode_tokens_per_s=tps)
-        result.rows.append(row)
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
+        bar.set_postfix_str(f"{method} r={rank} {SHORT_NAMES[dtype]}")
+        if (method, rank) != loaded:
+            del worker  # one model in memory at a time; a fresh load (not a copy: weights may be packed)
+            worker = load_worker(model_path, cfg)
+            worker.truncate_latent(data.calibration or None, rank, method)
+            loaded = (method, rank)
+        nll, kl, agree, bytes_per_token = _score(worker, dtype, data, reference, cfg)
+        n, full_bytes = result.eval_tokens, full_bytes or bytes_per_token
+        tps = decode_tokens_per_s(worker, data.decode_prompts, cfg.decode_steps, dtype, cfg) if cfg.decode_steps \
+            else None
+        result.rows.append(SweepRow(
+            method=method, rank=rank, cache_dtype=SHORT_NAMES[dtype], bytes_per_token=bytes_per_token,
+            bytes_vs_full=bytes_per_token / full_bytes,
+            max_concurrent_tokens=cache_capacity_tokens(int(cfg.memory_budget), bytes_per_token, cfg.block_size),
+            perplexity=math.exp(nll / n), kl_div=max(kl / n, 0.0), top1_agreement=agree / n, decode_tokens_per_s=tps))
+        bar.update(1)
+    bar.close()
     return result
 
 
-# -- reports --------------------------------------------------------------------------------------
 def write_csv(result: SweepResult, path: Path) -> None:
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)

@@ -95,8 +95,7 @@ def test_speculative_sampling_keeps_the_distribution():
     from mla_runtime.engine.sequence import Sequence
 
     p = [0.5, 0.3, 0.2, 0.0]
-    runner = ModelRunner(FixedLogits([math.log(x) if x else -math.inf for x in p]), cache=None,
-                         device=torch.device("cpu"), seed=0, block_size=16)
+    runner = ModelRunner(FixedLogits([math.log(x) if x else -math.inf for x in p]), seed=0)
     params = SamplingParams(temperature=1.0, max_tokens=16)
     trials = 4000
     for drafts in ([0, 0], [2, 1], [3, 3]):
@@ -150,7 +149,7 @@ def test_bad_speculative_settings_name_the_field(tiny_checkpoint):
 
 
 class FixedLogits:
-    """A stand-in model whose every position scores the vocabulary the same way."""
+    """A stand-in worker whose every position scores the vocabulary the same way."""
 
     def __init__(self, row: list[float]) -> None:
         import torch
@@ -158,18 +157,14 @@ class FixedLogits:
         from mla_runtime.config import ModelConfig
 
         self.row = torch.tensor(row)
-        self.config = ModelConfig.from_dict({"model_type": "deepseek_v3", "vocab_size": len(row), "eos_token_id": 3,
-                                             "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1,
-                                             "kv_lora_rank": 4, "qk_rope_head_dim": 2, "qk_nope_head_dim": 2,
-                                             "v_head_dim": 2, "intermediate_size": 8})
+        self.device = torch.device("cpu")
+        self.model_config = ModelConfig.from_dict({"model_type": "deepseek_v3", "vocab_size": len(row),
+                                                   "eos_token_id": 3, "hidden_size": 8, "num_hidden_layers": 1,
+                                                   "num_attention_heads": 1, "kv_lora_rank": 4, "qk_rope_head_dim": 2,
+                                                   "qk_nope_head_dim": 2, "v_head_dim": 2, "intermediate_size": 8})
 
-    def __call__(self, batch, cache):
-        import torch
-
-        return torch.zeros(batch.num_tokens, 1)
-
-    def compute_logits(self, hidden):
-        return self.row.expand(hidden.shape[0], -1).clone()
+    def execute(self, step):
+        return self.row.expand(len(step.logit_rows), -1).clone()
 
 
 @pytest.mark.parametrize("params, drafts, expected", [
@@ -181,14 +176,13 @@ class FixedLogits:
     (SamplingParams(temperature=0), [0, 2, 0], [0, 0]),  # the second draft is rejected: the model says 0
 ])
 def test_each_draft_position_is_sampled_with_the_drafts_before_it(params, drafts, expected):
-    import torch
 
     from mla_runtime.engine.model_runner import ModelRunner
     from mla_runtime.engine.scheduler import ScheduledBatch
     from mla_runtime.engine.sequence import Sequence
 
     logits = [2.0, 1.95, 0.0, 2.5 if params.min_tokens else -1.0]
-    runner = ModelRunner(FixedLogits(logits), cache=None, device=torch.device("cpu"), seed=0, block_size=16)
+    runner = ModelRunner(FixedLogits(logits), seed=0)
     seq = Sequence(seq_id=0, request_id="r", index=0, prompt_token_ids=[2, 2], params=params, output_token_ids=[2])
     seq.num_computed_tokens, seq.block_table, seq.draft_token_ids = 2, [0], list(drafts)
     sampled, accepted = runner.execute(ScheduledBatch([seq], [1 + len(drafts)]))

@@ -118,13 +118,6 @@ class BlockPool:
             self._index[h] = block
             self.block_hashes[block] = h
 
-    def reset_prefix_cache(self) -> None:
-        for b in list(self._evictable):
-            self._evictable.pop(b)
-            self.block_hashes[b] = None
-            self._free.append(b)
-        self._index = {h: b for h, b in self._index.items() if self.ref_counts[b] > 0}
-
     def check_whole(self) -> None:
         """Raise unless every block is free (no references held)."""
         held = [b for b, r in enumerate(self.ref_counts) if r]

@@ -71,8 +71,6 @@ class EngineConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) and prompt_lookup_max "
                              f"({self.prompt_lookup_max}) must satisfy 1 <= min <= max")
-        if self.latent_rank is not None and self.latent_rank < 1:
-            raise ValueError(f"latent_rank must be >= 1, got {self.latent_rank}")
         if self.latent_projection not in ("svd", "pca"):
             raise ValueError(f"latent_projection must be 'svd' or 'pca', got {self.latent_projection!r}")
         if self.latent_projection == "pca" and self.latent_rank is not None and not self.latent_calibration:

@@ -1,4 +1,10 @@
-"""Model runner: turns a ``ScheduledBatch`` into a ``ForwardBatch``, runs the model, samples."""
+"""``ModelRunner``: rank 0's side of a step — order the scheduled sequences for the kernels, run the step on
+every rank, sample.
+
+The step runs its one-token decodes first (stable order within each group): on CPU the leading decodes share
+one gather plan of the absorbed attention (``attention_metadata``), so this is where the batch is put in the
+order the kernels want; the scheduler does not need to know.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from mla_runtime.cache.latent_cache import LatentCache
 from mla_runtime.engine.sampler import sample
 from mla_runtime.engine.scheduler import ScheduledBatch
 from mla_runtime.engine.sequence import Sequence
 from mla_runtime.engine.thread_tuner import ThreadTuner
 from mla_runtime.engine.tp_workers import RankDiedError, TensorParallelGroup
-from mla_runtime.forward_batch import ForwardBatch
-from mla_runtime.models.deepseek import DeepseekForCausalLM
+from mla_runtime.engine.worker import StepInput, Worker
 from mla_runtime.sampling_params import SamplingParams
 
 
@@ -28,51 +32,57 @@ class Sampled:
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekForCausalLM, cache: LatentCache, device: torch.device, seed: int,
-                 block_size: int, tp_group: TensorParallelGroup | None = None,
+    def __init__(self, worker: Worker, seed: int, tp_group: TensorParallelGroup | None = None,
                  thread_tuner: ThreadTuner | None = None) -> None:
-        self.model = model
-        self.cache = cache
-        self.device = device
-        self.block_size = block_size  # logical block size (the sharded cache keeps block_size / N per rank)
+        self.worker = worker
         self.tp_group = tp_group
         self.thread_tuner = thread_tuner
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        cfg = worker.model_config
+        self.eos_token_ids = [t for t in cfg.eos_token_ids if t < cfg.vocab_size]
+        self.generator = torch.Generator(device=worker.device).manual_seed(seed)
 
-    def build_batch(self, batch: ScheduledBatch) -> ForwardBatch:
-        chunks, contexts, tables = [], [], []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            start = seq.num_computed_tokens
-            chunks.append(seq.token_ids[start:start + n - len(seq.draft_token_ids)] + seq.draft_token_ids)
+    @staticmethod
+    def prepare(batch: ScheduledBatch) -> tuple[StepInput, list[Sequence]]:
+        """The step's message, one-token decodes first, and the sequences that get logits: each one whose last
+        token runs in this step (all its positions for a speculative decode: its drafts are verified)."""
+        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] != 1)
+        chunks, contexts, tables, rows, seqs = [], [], [], [], []
+        end = 0
+        for i in order:
+            seq, n = batch.seqs[i], batch.num_new_tokens[i]
+            start, k = seq.num_computed_tokens, len(seq.draft_token_ids)
+            chunks.append(seq.token_ids[start:start + n - k] + seq.draft_token_ids)
             contexts.append(start)
             tables.append(seq.block_table)
-        return ForwardBatch.build(chunks, contexts, tables, self.block_size, self.device)
+            end += n
+            if start + n - k == seq.num_tokens:
+                seqs.append(seq)
+                rows.extend(range(end - 1 - k, end))
+        return StepInput(chunks, contexts, tables, rows), seqs
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sampled], dict[int, int]]:
         """Run one step. Returns, for each sequence that reached its last token, the tokens it gains (one, or
         for a speculative decode its accepted drafts and the model's next token) with their log-probabilities;
         and the number of accepted drafts by seq_id."""
-        fwd = self.build_batch(batch)
-        # logit rows: the last token of each sequence that completes, every token of a speculative decode
-        seqs: list[Sequence] = []
-        token_rows: list[int] = []
-        for seq, n, end in zip(batch.seqs, batch.num_new_tokens, fwd.query_start_loc[1:].tolist()):
-            if seq.num_computed_tokens + n - len(seq.draft_token_ids) == seq.num_tokens:
-                seqs.append(seq)
-                token_rows.extend(range(end - 1 - len(seq.draft_token_ids), end))
+        step, seqs = self.prepare(batch)
         if self.tp_group is None:
-            with self.thread_tuner.step(fwd.num_tokens, fwd.is_decode) if self.thread_tuner else nullcontext():
-                logits = self._forward(fwd, token_rows)
+            num_tokens = sum(map(len, step.token_chunks))
+            is_decode = max(map(len, step.token_chunks), default=0) == 1
+            with self.thread_tuner.step(num_tokens, is_decode) if self.thread_tuner else nullcontext():
+                logits = self.worker.execute(step)
         else:
-            self.tp_group.broadcast_step(fwd, token_rows)
+            self.tp_group.broadcast_step(step)
             try:
-                logits = self._forward(fwd, token_rows)
+                logits = self.worker.execute(step)
             except RuntimeError as e:  # a collective failed: a peer rank is gone
                 self.tp_group.check_alive()
                 raise RankDiedError(f"tensor-parallel step failed: {e}") from e
         if logits is None:
             return [], {}
+        return self._sample(logits, seqs)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[Sampled], dict[int, int]]:
         # one sampler row per logit row; row j of a speculative decode sees its first j drafts as generated
         params, gens, outputs, prompts, suppress, drafts = [], [], [], [], [], []
         for seq in seqs:
@@ -103,10 +113,4 @@ class ModelRunner:
         """The tokens that would end a sequence with ``num_generated`` tokens but may not yet (min_tokens)."""
         if num_generated >= params.min_tokens:
             return []
-        cfg = self.model.config
-        eos = [] if params.ignore_eos else [t for t in cfg.eos_token_ids if t < cfg.vocab_size]
-        return eos + list(params.stop_token_ids or [])
-
-    def _forward(self, fwd: ForwardBatch, token_rows: list[int]) -> torch.Tensor | None:
-        hidden = self.model(fwd, self.cache)
-        return self.model.compute_logits(hidden[token_rows]) if token_rows else None
+        return ([] if params.ignore_eos else self.eos_token_ids) + list(params.stop_token_ids or [])

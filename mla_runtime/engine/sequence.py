@@ -41,13 +41,18 @@ class Sequence:
     draft_token_ids: list[int] = field(default_factory=list)  # this step's speculative tokens (after the last)
     stop_text_from: int = 0  # stop strings count from here in the output text (set when min_tokens is reached)
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    token_ids: list[int] = field(init=False)  # prompt then output: kept whole, so a step reads it in O(1)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids) + self.output_token_ids
+
+    def append_token(self, token: int) -> None:
+        self.output_token_ids.append(token)
+        self.token_ids.append(token)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.token_ids)
 
     @property
     def is_finished(self) -> bool:

@@ -20,6 +20,7 @@ Thread counts change only between steps (``torch.set_num_threads``; process-wide
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Iterator
@@ -41,6 +42,17 @@ class _KeyState:
 
 
 class ThreadTuner:
+    @classmethod
+    def for_engine(cls, num_threads: int | str | None, device: torch.device, world_size: int) -> ThreadTuner | None:
+        """The engine's setting of ``num_threads``: ``"auto"`` gives a tuner (one CPU rank only), an integer
+        sets torch's thread count now (process-wide, as torch's own setting is), None leaves torch's."""
+        if num_threads is None or device.type != "cpu" or world_size > 1:
+            return None
+        if num_threads == "auto":
+            return cls(len(os.sched_getaffinity(0)))
+        torch.set_num_threads(int(num_threads))
+        return None
+
     def __init__(self, max_threads: int, period: int = 96, probe_steps: int = 4) -> None:
         if max_threads < 1:
             raise ValueError(f"max_threads must be >= 1, got {max_threads}")

@@ -25,8 +25,7 @@ from types import FrameType
 
 import uvicorn
 
-from mla_runtime.engine.llm_engine import LLMEngine
-from mla_runtime.engine.tp_workers import launched_by_torchrun, torchrun_rank
+from mla_runtime.engine.tp_workers import is_torchrun_worker, run_torchrun_worker
 from mla_runtime.serving.app import build_app
 from mla_runtime.serving.config import ServerConfig, resolve
 from mla_runtime.serving.http import GuardedH11Protocol
@@ -116,8 +115,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "server.py") -> int:
     except ValueError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    if engine_config.tensor_parallel_size > 1 and launched_by_torchrun() and torchrun_rank() != 0:
-        LLMEngine(engine_config)  # a worker rank under torchrun: serves rank 0's steps, then exits
+    if is_torchrun_worker(engine_config):
+        run_torchrun_worker(engine_config)  # a worker rank under torchrun: serves rank 0's steps until it stops
         return 0
     if why := port_taken(config.host, config.port):  # before the model loads
         print(f"{prog}: error: cannot listen on {config.host}:{config.port}: {why} (pick another --port)",

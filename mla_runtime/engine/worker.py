@@ -1,0 +1,151 @@
+"""``Worker``: one rank's model and latent cache, and the steps it runs.
+
+Every place that runs the model builds it the same way — the engine's own rank, each tensor-parallel rank,
+and the latent-rank sweep:
+
+1. ``Worker(config, par)`` finds the checkpoint (a folder, or a hub repo id it downloads), reads its config
+   (with the latent rank applied), picks the device and the weight and cache dtypes;
+2. ``load()`` loads this rank's shard of the weights;
+3. ``truncate_latent(calibration)`` folds the latent-rank basis into the weights (when ``latent_rank`` is set);
+4. ``num_blocks()`` sizes the paged cache by the planner's rule (``plan.cache_budget_bytes``), fed the memory
+   free at that moment;
+5. ``allocate(num_blocks)`` allocates the cache;
+6. ``execute(step)`` runs one ``StepInput``: builds the ``ForwardBatch`` and the attention metadata, runs the
+   model and returns the logits of the requested rows (None on ranks other than 0).
+
+A ``StepInput`` is plain integer lists, so it is also the compact message rank 0 sends each tensor-parallel
+rank per step.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mla_runtime.cache.latent_cache import LatentCache
+from mla_runtime.config import ModelConfig
+from mla_runtime.dtypes import CacheDtype, resolve_cache_dtype
+from mla_runtime.engine.config import EngineConfig
+from mla_runtime.forward_batch import ForwardBatch
+from mla_runtime.hub import resolve_model
+from mla_runtime.latent_rank import check_latent_rank, truncate_latent_rank
+from mla_runtime.loader import load_model
+from mla_runtime.models.deepseek import DeepseekForCausalLM
+from mla_runtime.parallel import SINGLE_RANK, ParallelContext, check_tensor_parallel
+from mla_runtime.plan import (
+    activation_reserve_bytes,
+    cache_budget_bytes,
+    cache_num_blocks,
+    default_max_num_batched_tokens,
+    latent_bytes_per_token,
+    resolve_model_dtype,
+    weight_bytes,
+)
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One step as plain lists, in the order the model runs the sequences."""
+
+    token_chunks: list[list[int]]  # new tokens of each sequence (a prefill chunk, a decode, a decode + drafts)
+    context_lens: list[int]  # tokens of each sequence already in the cache
+    block_tables: list[list[int]]  # block ids of each sequence
+    logit_rows: list[int]  # rows of the step's new tokens whose logits are needed
+
+
+def available_host_memory() -> int:
+    """Bytes of RAM available now (``MemAvailable``), or half the physical RAM where that is unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, par: ParallelContext = SINGLE_RANK) -> None:
+        self.config = config
+        self.par = par
+        self.model_path = resolve_model(config.model, config.revision)  # a hub repo id -> its local snapshot
+        cfg = ModelConfig.from_pretrained(self.model_path)
+        if config.latent_rank is not None:
+            check_latent_rank(config.latent_rank, cfg.kv_lora_rank)
+            cfg = cfg.with_overrides(kv_lora_rank=config.latent_rank)  # the cache's d_c
+        self.model_config = cfg
+        tp = config.tensor_parallel_size
+        check_tensor_parallel(cfg, tp, config.block_size, config.latent_cache_layout)
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() and tp == 1 else "cpu"))
+        self.dtype = resolve_model_dtype(config.dtype, cfg, self.device)
+        self.cache_dtype: CacheDtype = resolve_cache_dtype(config.kv_cache_dtype, self.dtype)
+        self.max_model_len = config.max_model_len or cfg.max_position_embeddings
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's max_position_embeddings "
+                             f"({cfg.max_position_embeddings})")
+        self.max_num_batched_tokens = config.max_num_batched_tokens or default_max_num_batched_tokens(
+            self.max_model_len, config.max_num_seqs)
+        self.bytes_per_token = latent_bytes_per_token(cfg, self.cache_dtype.dtype, self.dtype)
+        sharded = tp > 1 and config.latent_cache_layout == "sharded"
+        self.bytes_per_token_per_rank = self.bytes_per_token // tp if sharded else self.bytes_per_token
+        self.weight_bytes = weight_bytes(cfg, self.dtype, tp)
+        self.activation_bytes = activation_reserve_bytes(
+            cfg, dtype=self.dtype, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs, tensor_parallel_size=tp)
+        self.model: DeepseekForCausalLM | None = None
+        self.cache: LatentCache | None = None
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def load(self) -> DeepseekForCausalLM:
+        c = self.config
+        self.model = load_model(self.model_path, dtype=self.dtype, attention_path=c.attention_path,
+                                backend=c.attention_backend, device=self.device, par=self.par)
+        return self.model
+
+    def truncate_latent(self, calibration: Sequence[Sequence[int]] | None, rank: int | None = None,
+                        method: str | None = None) -> None:
+        """Cache ``rank`` (default ``latent_rank``) values per token, with the ``method`` (default
+        ``latent_projection``) basis; ``calibration``: token chunks for ``pca``, None for ``svd``."""
+        rank = rank or self.config.latent_rank
+        assert self.model is not None and rank is not None
+        truncate_latent_rank(self.model, rank, method or self.config.latent_projection, calibration)
+
+    def num_blocks(self) -> int:
+        """Cache blocks of ``block_size`` tokens that fit this rank's budget (see ``plan.cache_budget_bytes``)."""
+        c = self.config
+        if c.kv_cache_memory is not None:
+            budget = int(c.kv_cache_memory)
+        else:
+            on_gpu = self.device.type == "cuda"
+            free = torch.cuda.mem_get_info(self.device)[0] if on_gpu else available_host_memory()
+            budget = cache_budget_bytes(on_gpu=on_gpu, free_bytes=free, activation_bytes=self.activation_bytes,
+                                        bytes_per_token=self.bytes_per_token_per_rank, block_size=c.block_size,
+                                        max_model_len=self.max_model_len, max_num_seqs=c.max_num_seqs)
+        return cache_num_blocks(budget, self.bytes_per_token_per_rank, c.block_size, self.max_model_len)
+
+    def allocate(self, num_blocks: int, cache_dtype: torch.dtype | None = None) -> LatentCache:
+        """This rank's latent cache (in ``cache_dtype``, default the configured one), as wide as the model's
+        latent: all tokens (replicated) or every N-th token of a block (sharded). It replaces any earlier one."""
+        assert self.model is not None
+        par, cfg = self.par, self.model.config
+        block = self.config.block_size // par.world_size if par.sharded_cache else self.config.block_size
+        self.cache = None  # free the old cache first
+        self.cache = LatentCache(cfg.num_hidden_layers, num_blocks, block, cfg.latent_dim,
+                                 cache_dtype or self.cache_dtype.dtype, self.device)
+        return self.cache
+
+    # -- steps -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> torch.Tensor | None:
+        """Run one step; fp32 logits ``[len(logit_rows), V]`` on rank 0, None elsewhere or without rows."""
+        assert self.model is not None and self.cache is not None
+        batch = ForwardBatch.build(step.token_chunks, step.context_lens, step.block_tables, self.config.block_size,
+                                   self.device)
+        hidden = self.model(batch, self.cache, self.model.attention_metadata(batch, self.cache))
+        if not step.logit_rows:
+            return None
+        return self.model.compute_logits(hidden[step.logit_rows])
