@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mla_runtime.engine.sampler import sample
+from mla_runtime.engine.sampler import Penalties, sample
 from mla_runtime.engine.scheduler import ScheduledBatch
 from mla_runtime.engine.sequence import Sequence
 from mla_runtime.engine.thread_tuner import ThreadTuner
@@ -31,6 +31,31 @@ class Sampled:
     logprobs: list[dict[int, float] | None]
 
 
+@dataclass
+class _TokenCounts:
+    """One penalised sequence's tokens, kept on the device: ``counts [V]`` of its generated tokens and ``seen [V]``
+    (in the prompt or generated); ``catch_up`` adds the tokens generated since the last step."""
+
+    seq: Sequence
+    counts: torch.Tensor
+    seen: torch.Tensor
+    num_counted: int = 0
+
+    @classmethod
+    def new(cls, seq: Sequence, vocab: int, device: torch.device) -> _TokenCounts:
+        seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+        seen[torch.tensor(seq.prompt_token_ids, dtype=torch.long, device=device)] = True
+        return cls(seq, torch.zeros(vocab, device=device), seen)
+
+    def catch_up(self) -> None:
+        new = self.seq.output_token_ids[self.num_counted:]
+        if new:
+            ids = torch.tensor(new, dtype=torch.long, device=self.counts.device)
+            self.counts.index_put_((ids,), torch.ones(len(new), device=self.counts.device), accumulate=True)
+            self.seen[ids] = True
+            self.num_counted += len(new)
+
+
 class ModelRunner:
     def __init__(self, worker: Worker, seed: int, tp_group: TensorParallelGroup | None = None,
                  thread_tuner: ThreadTuner | None = None) -> None:
@@ -40,6 +65,7 @@ class ModelRunner:
         cfg = worker.model_config
         self.eos_token_ids = [t for t in cfg.eos_token_ids if t < cfg.vocab_size]
         self.generator = torch.Generator(device=worker.device).manual_seed(seed)
+        self.counts: dict[int, _TokenCounts] = {}  # penalised sequences' token counts, by seq_id
 
     @staticmethod
     def prepare(batch: ScheduledBatch) -> tuple[StepInput, list[Sequence]]:
@@ -84,18 +110,16 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[Sampled], dict[int, int]]:
         # one sampler row per logit row; row j of a speculative decode sees its first j drafts as generated
-        params, gens, outputs, prompts, suppress, drafts = [], [], [], [], [], []
+        params, gens, suppress, drafts = [], [], [], []
         for seq in seqs:
             k = len(seq.draft_token_ids)
             for j in range(k + 1):
-                out = seq.output_token_ids + seq.draft_token_ids[:j] if j else seq.output_token_ids  # no copy
                 params.append(seq.params)
                 gens.append(seq.generator)
-                outputs.append(out)
-                prompts.append(seq.prompt_token_ids)
-                suppress.append(self._stop_tokens(seq.params, len(out)))
+                suppress.append(self._stop_tokens(seq.params, len(seq.output_token_ids) + j))
                 drafts.append(seq.draft_token_ids[j] if j < k else None)
-        result = sample(logits, params, gens, self.generator, outputs, prompts, suppress, drafts)
+        result = sample(logits, params, gens, self.generator, suppress=suppress, drafts=drafts,
+                        penalties=self._penalties(seqs, logits.shape[1]))
         sampled, accepted, first_row = [], {}, 0
         for seq in seqs:
             k = len(seq.draft_token_ids)
@@ -108,6 +132,34 @@ class ModelRunner:
                 accepted[seq.seq_id] = a
             sampled.append(Sampled(seq, tokens[:a + 1], lps[:a + 1]))
         return sampled, accepted
+
+    def _penalties(self, seqs: list[Sequence], vocab: int) -> Penalties | None:
+        """The token counts of the step's penalised rows, from counts kept on the device per sequence (each
+        generated token is added once); row j of a speculative decode also counts its first j drafts."""
+        for seq_id in [i for i, c in self.counts.items() if c.seq.is_finished]:
+            del self.counts[seq_id]
+        rows, drafted_rows, drafted_ids = [], [], []
+        row = 0
+        for seq in seqs:
+            k = len(seq.draft_token_ids)
+            if seq.params.penalised:
+                counts = self.counts.get(seq.seq_id) or self.counts.setdefault(
+                    seq.seq_id, _TokenCounts.new(seq, vocab, self.worker.device))
+                counts.catch_up()
+                for j in range(k + 1):
+                    drafted_rows += [len(rows)] * j
+                    drafted_ids += seq.draft_token_ids[:j]
+                    rows.append((row + j, counts))
+            row += k + 1
+        if not rows:
+            return None
+        dev = self.worker.device
+        counts = torch.stack([c.counts for _, c in rows])  # [R, V]
+        if drafted_ids:
+            counts.index_put_((torch.tensor(drafted_rows, device=dev), torch.tensor(drafted_ids, device=dev)),
+                              torch.ones(len(drafted_ids), device=dev), accumulate=True)
+        seen = torch.stack([c.seen for _, c in rows]) | (counts > 0)
+        return Penalties(torch.tensor([r for r, _ in rows], device=dev), counts, seen)
 
     def _stop_tokens(self, params: SamplingParams, num_generated: int) -> list[int]:
         """The tokens that would end a sequence with ``num_generated`` tokens but may not yet (min_tokens)."""

@@ -49,87 +49,137 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def _process(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]] | None,
-             prompts: list[list[int]] | None, suppress: list[list[int]] | None) -> torch.Tensor:
-    """The logits after penalties, logit bias and min_tokens suppression (see the module docstring); the
-    input itself when no row asks for any of them."""
-    vocab = logits.shape[1]
-    rows = [i for i, p in enumerate(params) if p.penalised or p.logit_bias or (suppress and suppress[i])]
-    if not rows:
+@dataclass
+class Penalties:
+    """The token counts the penalties read, for the rows that have penalties: ``rows [R]`` (logit rows),
+    ``counts [R, V]`` float32 (generated-token counts) and ``seen [R, V]`` bool (in the prompt or generated)."""
+
+    rows: torch.Tensor
+    counts: torch.Tensor
+    seen: torch.Tensor
+
+    @classmethod
+    def from_lists(cls, rows: list[int], outputs: list[list[int]], prompts: list[list[int]], vocab: int,
+                   device: torch.device) -> Penalties:
+        """Count the listed rows' tokens: one upload of all of them, one scatter each for counts and seen."""
+        row_of_out = [r for r, out in enumerate(outputs) for _ in out]
+        row_of_prompt = [r for r, ids in enumerate(prompts) for _ in ids]
+        out_ids = torch.tensor([t for out in outputs for t in out], dtype=torch.long, device=device)
+        prompt_ids = torch.tensor([t for ids in prompts for t in ids], dtype=torch.long, device=device)
+        counts = torch.zeros(len(rows), vocab, device=device)
+        counts.index_put_((torch.tensor(row_of_out, dtype=torch.long, device=device), out_ids),
+                          torch.ones(len(out_ids), device=device), accumulate=True)
+        seen = counts > 0
+        seen[torch.tensor(row_of_prompt, dtype=torch.long, device=device), prompt_ids] = True
+        return cls(torch.tensor(rows, dtype=torch.long, device=device), counts, seen)
+
+
+def _column(params: list[SamplingParams], rows: list[int], name: str, device: torch.device) -> torch.Tensor:
+    return torch.tensor([getattr(params[i], name) for i in rows], dtype=torch.float32, device=device)[:, None]
+
+
+def _process(logits: torch.Tensor, params: list[SamplingParams], penalties: Penalties | None,
+             suppress: list[list[int]] | None) -> torch.Tensor:
+    """The logits after penalties, logit bias and min_tokens suppression (see the module docstring), each applied
+    to all its rows at once; the input itself when no row asks for any of them."""
+    biased = [i for i, p in enumerate(params) if p.logit_bias]
+    barred = [i for i in range(len(params)) if suppress and suppress[i]]
+    if penalties is None and not biased and not barred:
         return logits
     logits = logits.clone()
-    device = logits.device
-    for i in rows:
-        p, out = params[i], (outputs[i] if outputs is not None else [])
-        row = logits[i]
-        if p.repetition_penalty != 1:
-            seen = torch.zeros(vocab, dtype=torch.bool, device=device)
-            for ids in (prompts[i] if prompts is not None else [], out):
-                if ids:
-                    seen[torch.tensor(ids, device=device)] = True
-            scaled = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-            row.copy_(torch.where(seen, scaled, row))
-        if (p.presence_penalty or p.frequency_penalty) and out:
-            counts = torch.bincount(torch.tensor(out, device=device), minlength=vocab)[:vocab].to(logits.dtype)
-            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-        if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), device=device)
-            row.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=device))
-        if suppress and suppress[i]:
-            row[torch.tensor(suppress[i], device=device)] = float("-inf")
+    dev = logits.device
+    if penalties is not None:
+        rows = penalties.rows.tolist()
+        x = logits[penalties.rows]  # [R, V]
+        rep = _column(params, rows, "repetition_penalty", dev)
+        x = torch.where(penalties.seen, torch.where(x > 0, x / rep, x * rep), x)
+        x -= _column(params, rows, "frequency_penalty", dev) * penalties.counts
+        x -= _column(params, rows, "presence_penalty", dev) * (penalties.counts > 0).float()
+        logits[penalties.rows] = x
+    if biased:
+        pairs = [(i, t, v) for i in biased for t, v in params[i].logit_bias.items()]  # type: ignore[union-attr]
+        index = torch.tensor([(i, t) for i, t, _ in pairs], dtype=torch.long, device=dev).T
+        logits.index_put_((index[0], index[1]), torch.tensor([v for *_, v in pairs], device=dev), accumulate=True)
+    if barred:
+        assert suppress is not None
+        index = torch.tensor([(i, t) for i in barred for t in suppress[i]], dtype=torch.long, device=dev).T
+        logits[index[0], index[1]] = float("-inf")
     return logits
+
+
+def _draw(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+          default_generator: torch.Generator, drafts: list[int | None] | None, tokens: torch.Tensor) -> None:
+    """Sample the random rows into ``tokens`` (in place); see ``sample``."""
+    vocab = logits.shape[1]
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not random_rows:
+        return
+    dev = logits.device
+    idx = torch.tensor(random_rows, device=dev)
+    top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in random_rows], device=dev)
+    scaled = _filter(logits[idx] / _column(params, random_rows, "temperature", dev), top_k,
+                     _column(params, random_rows, "top_p", dev)[:, 0], _column(params, random_rows, "min_p", dev)[:, 0])
+    probs = scaled.softmax(dim=-1)
+    noise = torch.empty_like(probs)
+    draft_rows = [r for r, i in enumerate(random_rows) if drafts is not None and drafts[i] is not None]
+    uniform = torch.empty(len(draft_rows), device=dev)
+    for k, r in enumerate(draft_rows):  # one draw per row, from the row's own generator (seeded requests)
+        uniform[k:k + 1].uniform_(generator=generators[random_rows[r]] or default_generator)
+    for r, i in enumerate(random_rows):
+        noise[r].exponential_(generator=generators[i] or default_generator)
+    if draft_rows:
+        assert drafts is not None
+        rows_t = torch.tensor(draft_rows, device=dev)
+        draft_t = torch.tensor([drafts[random_rows[r]] for r in draft_rows], device=dev)
+        accept = uniform < probs[rows_t, draft_t]  # accept the draft x with probability p(x)
+        probs[rows_t, draft_t] = 0.0  # rejected: a draw from the rest of p (the race renormalises)
+    tokens[idx] = (probs / noise).argmax(dim=-1)
+    if draft_rows:
+        tokens[idx[rows_t]] = torch.where(accept, draft_t, tokens[idx[rows_t]])
+
+
+def _logprobs(raw: torch.Tensor, params: list[SamplingParams], tokens: torch.Tensor
+              ) -> list[dict[int, float] | None]:
+    """Each asking row's sampled token and its top-k, with the model's own (unprocessed) log-probabilities."""
+    out: list[dict[int, float] | None] = [None] * len(params)
+    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not want:
+        return out
+    lp = raw[want].log_softmax(dim=-1)
+    chosen = lp.gather(1, tokens[want][:, None])[:, 0].tolist()
+    k_max = min(max(params[i].logprobs or 0 for i in want), raw.shape[1])
+    top = lp.topk(k_max) if k_max else None
+    top_ids = top.indices.tolist() if top is not None else []
+    top_vals = top.values.tolist() if top is not None else []
+    picked = tokens[want].tolist()
+    for row, i in enumerate(want):
+        entry = {picked[row]: chosen[row]}
+        k = params[i].logprobs or 0
+        if k:
+            entry.update(zip(top_ids[row][:k], top_vals[row][:k]))
+        out[i] = entry
+    return out
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            default_generator: torch.Generator, outputs: list[list[int]] | None = None,
            prompts: list[list[int]] | None = None, suppress: list[list[int]] | None = None,
-           drafts: list[int | None] | None = None) -> SampleResult:
-    """``logits [B, V]`` fp32, one row per sequence to sample; ``outputs`` / ``prompts``: each row's generated
-    and prompt tokens (needed by the penalties); ``suppress``: token ids each row may not sample now;
-    ``drafts``: a speculative draft token proposed at the row, or None.
+           drafts: list[int | None] | None = None, penalties: Penalties | None = None) -> SampleResult:
+    """``logits [B, V]`` fp32, one row per sequence to sample; ``penalties``: the token counts of the rows with
+    penalties (else counted here from ``outputs`` / ``prompts``, each row's generated and prompt tokens);
+    ``suppress``: token ids each row may not sample now; ``drafts``: a speculative draft token proposed at the
+    row, or None.
 
     A row with a draft returns the draft when it is accepted and another token otherwise. Greedy rows accept
     it when it is the argmax. Random rows follow speculative sampling for a deterministic proposal: accept
     the draft ``x`` with probability ``p(x)`` (``p`` the row's distribution after temperature and
     filtering), else draw from ``p`` with ``x`` removed — so every emitted token is distributed as ``p``."""
-    num_rows, vocab = logits.shape
-    raw = logits
-    logits = _process(logits, params, outputs, prompts, suppress)
-    tokens = logits.argmax(dim=-1)
-    random_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if random_rows:
-        idx = torch.tensor(random_rows, device=logits.device)
-        temp = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)
-        top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in random_rows],
-                             device=logits.device)
-        top_p = torch.tensor([params[i].top_p for i in random_rows], device=logits.device)
-        min_p = torch.tensor([params[i].min_p for i in random_rows], device=logits.device)
-        scaled = _filter(logits[idx] / temp.unsqueeze(1), top_k, top_p, min_p)
-        probs = scaled.softmax(dim=-1)
-        noise = torch.ones_like(probs)
-        accepted: list[tuple[int, int]] = []
-        for row, i in enumerate(random_rows):
-            gen = generators[i] or default_generator
-            draft = drafts[i] if drafts is not None else None
-            if draft is not None:
-                if float(torch.rand((), generator=gen, device=probs.device)) < float(probs[row, draft]):
-                    accepted.append((i, draft))
-                    continue
-                probs[row, draft] = 0.0  # rejected: the rest of p, renormalised by the race below
-            noise[row].exponential_(generator=gen)
-        tokens[idx] = (probs / noise).argmax(dim=-1)
-        for i, draft in accepted:
-            tokens[i] = draft
-
-    logprobs: list[dict[int, float] | None] = [None] * num_rows
-    want = [i for i, p in enumerate(params) if p.logprobs is not None]
-    if want:
-        lp = raw[want].log_softmax(dim=-1)
-        for row, i in enumerate(want):
-            k = params[i].logprobs or 0
-            entry = {int(tokens[i]): float(lp[row, tokens[i]])}
-            if k:
-                top = lp[row].topk(min(k, vocab))
-                entry.update({int(t): float(v) for t, v in zip(top.indices, top.values)})
-            logprobs[i] = entry
-    return SampleResult(tokens.tolist(), logprobs)
+    penalised = [i for i, p in enumerate(params) if p.penalised]
+    if penalties is None and penalised:
+        penalties = Penalties.from_lists(penalised, [(outputs or [[]] * len(params))[i] for i in penalised],
+                                         [(prompts or [[]] * len(params))[i] for i in penalised],
+                                         logits.shape[1], logits.device)
+    processed = _process(logits, params, penalties if penalised else None, suppress)
+    tokens = processed.argmax(dim=-1)
+    _draw(processed, params, generators, default_generator, drafts, tokens)
+    return SampleResult(tokens.tolist(), _logprobs(logits, params, tokens))
