@@ -179,7 +179,7 @@ def _mla_decode_triton(q: torch.Tensor, cache: torch.Tensor, scales: torch.Tenso
         part_out = torch.empty(n_rows, n_heads, num_kv_splits, d_c, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(n_rows, n_heads, num_kv_splits, dtype=torch.float32, device=q.device)
     quant = scales is not None
-    sc = scales if quant else cache  # dummy pointer when unquantised
+    sc = scales if scales is not None else cache  # dummy pointer when unquantised (check_cache: scales iff quantised)
     block_dc = triton.next_power_of_2(d_c)
     # the CPU interpreter multiplies bf16 tiles as raw integers, so it gets fp32 tiles instead
     compute_fp32 = q.dtype == torch.float32 or (triton_interpreting() and q.dtype == torch.bfloat16)

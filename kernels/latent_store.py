@@ -138,6 +138,7 @@ def _store_latent_torch(cache: torch.Tensor, scales: torch.Tensor | None, latent
     if is_quantized(cache.dtype):
         qc, sc = quantize_per_token(latent[keep], cache.dtype)  # [T', d_c], [T']
         qr, sr = quantize_per_token(k_rope[keep], cache.dtype)  # [T', d_r], [T']
+        assert scales is not None  # check_cache: a quantised cache has scales
         cache[blk, off] = torch.cat([qc, qr], dim=-1)
         scales[blk, off] = torch.stack([sc, sr], dim=-1)
     else:
@@ -151,7 +152,7 @@ def _store_latent_triton(cache: torch.Tensor, scales: torch.Tensor | None, laten
     quant = is_quantized(cache.dtype)
     if not quant:  # a plain copy: convert in torch (exact rounding) and keep the kernel a copy
         latent, k_rope = latent.to(cache.dtype), k_rope.to(cache.dtype)
-    sc = scales if quant else cache  # dummy pointer when unquantised
+    sc = scales if scales is not None else cache  # dummy pointer when unquantised (check_cache: scales iff quantised)
     _store_latent_kernel[(n_tokens,)](
         latent, k_rope, slot_mapping, cache, sc,
         latent.stride(0), k_rope.stride(0), cache.stride(0), cache.stride(1), sc.stride(0), sc.stride(1),
@@ -225,7 +226,7 @@ def _gather_latent_triton(cache: torch.Tensor, scales: torch.Tensor | None, bloc
     if total == 0:
         return out
     quant = scales is not None
-    sc = scales if quant else cache
+    sc = scales if scales is not None else cache  # dummy pointer when unquantised
     block_n = 32
     _gather_latent_kernel[(len(seq_lens), triton.cdiv(max_len, block_n))](
         cache, sc, block_tables, seq_lens, cu, out,

@@ -28,13 +28,14 @@ import torch
 
 from mla_runtime.cache.latent_cache import LatentCache
 from mla_runtime.forward_batch import ForwardBatch
+from mla_runtime.layers.mla import MLAttention
 from mla_runtime.models.deepseek import DeepseekForCausalLM
 
 METHODS = ("svd", "pca")
 
 
-def _attn_layers(model: DeepseekForCausalLM):
-    return [layer.self_attn for layer in model.model.layers]
+def _attn_layers(model: DeepseekForCausalLM) -> list[MLAttention]:
+    return model.attention_layers()
 
 
 def _layer_bases(model: DeepseekForCausalLM, rank: int,
@@ -80,7 +81,7 @@ def latent_second_moments(model: DeepseekForCausalLM, token_chunks: Sequence[Seq
         for chunk in token_chunks:
             blocks = -(-len(chunk) // block_size)
             local_block = block_size // model.par.world_size if model.par.sharded_cache else block_size
-            cache = LatentCache(cfg.num_hidden_layers, blocks, local_block, model.model.layers[0].self_attn.d_c
+            cache = LatentCache(cfg.num_hidden_layers, blocks, local_block, _attn_layers(model)[0].d_c
                                 + cfg.qk_rope_head_dim, model.dtype, device)
             batch = ForwardBatch.build([list(chunk)], [0], [list(range(blocks))], block_size, device)
             model(batch, cache)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,7 +125,7 @@ class _Layout:
 
 
 def checkpoint_layout(cfg: ModelConfig, par: ParallelContext = SINGLE_RANK,
-                      fused_expert_layers: set[int] = frozenset()) -> dict[str, Slot | None]:
+                      fused_expert_layers: AbstractSet[int] = frozenset()) -> dict[str, Slot | None]:
     """The name table: every tensor the checkpoint must hold → its parameter slot on this rank
     (None: the tensor belongs to another tensor-parallel rank)."""
     layout = _Layout(cfg, par)

@@ -58,6 +58,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -319,7 +320,7 @@ def write_csv(result: SweepResult, path: Path) -> None:
             writer.writerow({k: ("" if v is None else v) for k, v in asdict(row).items()})
 
 
-def _fmt(column: str, value: object) -> str:
+def _fmt(column: str, value: Any) -> str:
     if value is None:
         return "–"
     if column == "perplexity":

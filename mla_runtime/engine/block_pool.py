@@ -85,7 +85,8 @@ class BlockPool:
                 raise RuntimeError(f"block {b} freed more often than allocated")
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                if self.block_hashes[b] is not None and self._index.get(self.block_hashes[b]) == b:
+                h = self.block_hashes[b]
+                if h is not None and self._index.get(h) == b:
                     self._evictable[b] = None
                 else:
                     self.block_hashes[b] = None

@@ -161,7 +161,9 @@ class LLMEngine:
         touched: dict[str, RequestState] = {}
         for new in sampled:
             state = self.requests.get(new.seq.request_id)
-            for token, lp in zip(new.token_ids, new.logprobs) if state else ():
+            if state is None:  # aborted meanwhile
+                continue
+            for token, lp in zip(new.token_ids, new.logprobs):
                 if new.seq.is_finished:  # a stop among a speculative step's tokens drops the rest
                     break
                 append_token(state, new.seq, token, lp, now, self.model_config, self.max_model_len,

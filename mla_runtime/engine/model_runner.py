@@ -72,7 +72,11 @@ class ModelRunner:
         """The step's message, one-token decodes first, and the sequences that get logits: each one whose last
         token runs in this step (all its positions for a speculative decode: its drafts are verified)."""
         order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] != 1)
-        chunks, contexts, tables, rows, seqs = [], [], [], [], []
+        chunks: list[list[int]] = []
+        contexts: list[int] = []
+        tables: list[list[int]] = []
+        rows: list[int] = []
+        seqs: list[Sequence] = []
         end = 0
         for i in order:
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
@@ -138,18 +142,20 @@ class ModelRunner:
         generated token is added once); row j of a speculative decode also counts its first j drafts."""
         for seq_id in [i for i, c in self.counts.items() if c.seq.is_finished]:
             del self.counts[seq_id]
-        rows, drafted_rows, drafted_ids = [], [], []
+        rows: list[tuple[int, _TokenCounts]] = []
+        drafted_rows: list[int] = []
+        drafted_ids: list[int] = []
         row = 0
         for seq in seqs:
             k = len(seq.draft_token_ids)
             if seq.params.penalised:
-                counts = self.counts.get(seq.seq_id) or self.counts.setdefault(
+                kept = self.counts.get(seq.seq_id) or self.counts.setdefault(
                     seq.seq_id, _TokenCounts.new(seq, vocab, self.worker.device))
-                counts.catch_up()
+                kept.catch_up()
                 for j in range(k + 1):
                     drafted_rows += [len(rows)] * j
                     drafted_ids += seq.draft_token_ids[:j]
-                    rows.append((row + j, counts))
+                    rows.append((row + j, kept))
             row += k + 1
         if not rows:
             return None

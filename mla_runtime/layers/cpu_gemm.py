@@ -119,9 +119,8 @@ def gemm_choice(dtype: torch.dtype) -> GemmChoice:
 
 def gemm_info(dtype: torch.dtype | str) -> dict[str, str]:
     """The choice for ``dtype`` (a torch dtype or its name) as string labels, for logs and metrics."""
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype.removeprefix("torch."))
-    return gemm_choice(dtype).info()
+    resolved: torch.dtype = getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
+    return gemm_choice(resolved).info()
 
 
 @functools.cache
@@ -182,7 +181,7 @@ def _fallback(dtype: torch.dtype, mode: str, why: str) -> GemmChoice:
     w = torch.randn(*TIMING_SHAPE, generator=g).to(dtype)
     xs = [torch.randn(rows, TIMING_SHAPE[1], generator=g).to(dtype) for rows in TIMING_ROWS]
     wide = PackedWeight(w, "upcast")
-    times = [_race_ms(lambda x=x: F.linear(x, w), lambda x=x: linear(x, w, None, wide)) for x in xs]
+    times = [_race_ms(functools.partial(F.linear, x, w), functools.partial(linear, x, w, None, wide)) for x in xs]
     plain_ms, upcast_ms = sum(t[0] for t in times), sum(t[1] for t in times)
     rows = "+".join(map(str, TIMING_ROWS))
     timing = (f"rows {rows} of a {list(TIMING_SHAPE)} weight: {_name(dtype)} F.linear {plain_ms:.2f} ms, "
@@ -260,6 +259,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def _product(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     if packed.blocked is None:
+        assert packed.wide is not None  # the upcast layout keeps a float32 copy
         return F.linear(x, packed.wide, bias)
     w = packed.plain if packed.plain_gemv and x.numel() == x.shape[-1] else packed.blocked
     return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [None], "")

@@ -97,8 +97,9 @@ class MLAttention(nn.Module):
         self.qkv_a, self.qkv_a_bias = None, None
         if self.q_proj is None:
             self.qkv_a = PackedWeight.make(torch.cat([self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight]))
-            if self.qkv_a is not None and self.q_a_proj.bias is not None:
-                self.qkv_a_bias = torch.cat([self.q_a_proj.bias, self.kv_a_proj_with_mqa.bias])
+            a_bias, kv_bias = self.q_a_proj.bias, self.kv_a_proj_with_mqa.bias
+            if self.qkv_a is not None and a_bias is not None and kv_bias is not None:  # both or neither
+                self.qkv_a_bias = torch.cat([a_bias, kv_bias])
 
     def truncate_latent(self, basis: torch.Tensor) -> None:
         """Cache ``r`` values per token instead of ``d_c``: ``c' = basisᵀ norm(c)`` with ``basis [d_c, r]``

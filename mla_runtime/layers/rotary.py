@@ -27,10 +27,10 @@ def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
     pos_freqs = rope.theta ** exponents
     if rope.kind == "default":
         return 1.0 / pos_freqs
-    assert rope.original_max_position_embeddings is not None  # validated by RopeConfig
+    orig = rope.original_max_position_embeddings
+    assert orig is not None  # validated by RopeConfig
 
     def correction_dim(num_rotations: float) -> float:
-        orig = rope.original_max_position_embeddings
         return dim * math.log(orig / (num_rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
 
     low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
@@ -45,6 +45,8 @@ def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    inv_freq: torch.Tensor
+
     def __init__(self, rope: RopeConfig, dim: int) -> None:
         super().__init__()
         self.interleave = rope.interleave

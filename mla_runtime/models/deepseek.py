@@ -7,6 +7,8 @@ so the loader's name table stays short; the only layout changes are fused/stacke
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -91,19 +93,22 @@ class DeepseekForCausalLM(nn.Module):
         absorbed attention weights). Call once the weights are loaded, and again after changing any."""
         for module in self.modules():
             if module is not self and hasattr(module, "prepare_inference"):
-                module.prepare_inference()
+                cast(Any, module).prepare_inference()
         self.lm_head_packed = PackedWeight.make(self.lm_head_weight)
         return self
 
+    def attention_layers(self) -> list[MLAttention]:
+        return [cast(DecoderLayer, layer).self_attn for layer in self.model.layers]
+
     def set_attention(self, path: str, backend: str | None) -> None:
         """Choose the attention path (``auto``/``naive``/``absorbed``) and kernel backend (None = by device)."""
-        for layer in self.model.layers:
-            layer.self_attn.path = path
-            layer.self_attn.backend = backend
+        for attn in self.attention_layers():
+            attn.path = path
+            attn.backend = backend
 
     def attention_metadata(self, batch: ForwardBatch, cache: LatentCache) -> AttentionMetadata:
         """How every layer attends over ``batch`` this step (one object per step; see ``attention_metadata``)."""
-        attn = self.model.layers[0].self_attn
+        attn = self.attention_layers()[0]
         rope = attn.rotary.cos_sin(batch.positions, self.dtype)  # every layer's RoPE is the same
         return build_attention_metadata(batch, rope, attn.dims, attn.path, attn.backend, cache.layers[0].kv,
                                         cache.quantised, self.par)
