@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mla_runtime.errors import InvalidParam
+
 MAX_REPETITION_PENALTY = 2.0
 
 
@@ -28,8 +30,8 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+        def bad(name: str, why: str) -> InvalidParam:
+            return InvalidParam(name, f"{name} {why}, got {getattr(self, name)!r}")
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
@@ -61,9 +63,10 @@ class SamplingParams:
                 raise bad("logit_bias", "must be a dict of token id -> bias")
             for t, b in self.logit_bias.items():
                 if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-                    raise ValueError(f"logit_bias keys must be non-negative token ids, got {t!r}")
+                    raise InvalidParam("logit_bias", f"logit_bias keys must be non-negative token ids, got {t!r}")
                 if not isinstance(b, (int, float)) or isinstance(b, bool) or not -100 <= b <= 100:
-                    raise ValueError(f"logit_bias of token {t} must be a number in [-100, 100], got {b!r}")
+                    raise InvalidParam("logit_bias",
+                                       f"logit_bias of token {t} must be a number in [-100, 100], got {b!r}")
         if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or \
                 not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}]")

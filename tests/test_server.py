@@ -192,12 +192,12 @@ def test_health_ready_models_and_metrics_names(server):
     models = httpx.get(server.base + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["tiny"] and models["data"][0]["max_model_len"] == 256
     m = server.metrics()
-    describe = server.llm.engine.describe()
-    assert m[("mla_memory_bytes", ("part", "weights"))] == describe["weight_bytes"] > 0
-    assert m[("mla_memory_bytes", ("part", "latent_cache"))] == describe["cache_bytes"] > 0
+    info = server.llm.engine.info()
+    assert m[("mla_memory_bytes", ("part", "weights"))] == info.weight_bytes > 0
+    assert m[("mla_memory_bytes", ("part", "latent_cache"))] == info.cache_bytes > 0
     assert m[("mla_memory_bytes", ("part", "activations_reserve"))] > 0
-    assert m[("mla_latent_cache_blocks_total",)] == describe["num_blocks"]
-    assert m[("mla_latent_cache_capacity_tokens",)] == describe["max_concurrent_tokens"]
+    assert m[("mla_latent_cache_blocks_total",)] == info.num_blocks
+    assert m[("mla_latent_cache_capacity_tokens",)] == info.max_concurrent_tokens
     assert m[("process_resident_memory_bytes",)] > 0 and m[("mla_ready",)] == 1
     names = {k[0] for k in m}
     for name in ("mla_queue_depth", "mla_running_sequences", "mla_latent_cache_usage_ratio",

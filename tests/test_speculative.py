@@ -54,10 +54,10 @@ def test_speculative_greedy_equals_plain_greedy(tiny_checkpoint, extra):
         for t, x, y in zip(a.outputs[0].token_ids, a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert y[t] == pytest.approx(x[t], abs=1e-4)
             assert set(y) == set(x)
-    assert stats["num_draft_tokens"] > 0 and 0 < stats["num_accepted_tokens"] <= stats["num_draft_tokens"]
+    assert stats.num_draft_tokens > 0 and 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
     # every accepted draft saves a step's worth of tokens from being recomputed later: computed tokens match
-    assert stats["num_computed_tokens"] == plain_stats["num_computed_tokens"]
-    assert stats["num_generation_tokens"] == plain_stats["num_generation_tokens"]
+    assert stats.num_computed_tokens == plain_stats.num_computed_tokens
+    assert stats.num_generation_tokens == plain_stats.num_generation_tokens
 
 
 def test_speculation_under_preemption_and_prefix_hits(tiny_checkpoint):
@@ -68,7 +68,7 @@ def test_speculation_under_preemption_and_prefix_hits(tiny_checkpoint):
     small = new_llm(path, kv_cache_memory=20 * 16 * (32 + 16) * 3 * 4, num_speculative_tokens=3)
     spec = small.generate(prompts, params) + small.generate(prompts[:2], params)  # the second run hits the cache
     assert small.engine.scheduler.num_preemptions > 0
-    assert small.engine.stats()["prefix_hit_tokens"] > 0 and small.engine.stats()["num_accepted_tokens"] > 0
+    assert small.engine.stats().prefix_hit_tokens > 0 and small.engine.stats().num_accepted_tokens > 0
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain + plain[:2]]
     assert_clean(small)
 
@@ -78,7 +78,7 @@ def test_sampled_requests_speculate_and_stay_seeded(tiny_checkpoint):
     params = SamplingParams(max_tokens=30, temperature=0.3, seed=3, ignore_eos=True)
     first, stats, _ = generate(path, params, 4)
     again, _, _ = generate(path, params, 4)
-    assert stats["num_draft_tokens"] > 0 and stats["num_accepted_tokens"] > 0
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]  # seeded
     assert all(len(o.outputs[0].token_ids) == 30 for o in first)
 
@@ -136,7 +136,7 @@ def test_stop_string_inside_a_speculative_step_and_fewer_steps(tmp_path):
     assert spec_free.token_ids == plain_free.token_ids and spec_free.text == plain_free.text
     assert spec_cut.text == plain_cut.text and spec_cut.token_ids == plain_cut.token_ids
     assert spec_cut.finish_reason == "stop"
-    assert stats["num_accepted_tokens"] > 0
+    assert stats.num_accepted_tokens > 0
     assert spec_steps < plain_steps
 
 

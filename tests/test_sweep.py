@@ -92,7 +92,7 @@ def test_capacity_matches_the_engine(swept):
               kv_cache_dtype="fp8", latent_rank=8)
     engine = llm.engine
     assert engine.bytes_per_token == row.bytes_per_token
-    assert engine.describe()["max_concurrent_tokens"] == row.max_concurrent_tokens
+    assert engine.info().max_concurrent_tokens == row.max_concurrent_tokens
 
 
 def test_eval_windows_score_every_token_once():

@@ -49,11 +49,11 @@ def reference(tiny_checkpoint):
 def test_two_ranks_equal_one_rank(tiny_checkpoint, reference, layout):
     path, _ = tiny_checkpoint("v3")
     ref_tokens, ref_stats, _ = reference
-    assert ref_stats["num_preemptions"] > 0 and ref_stats["prefix_hit_tokens"] > 0  # the workload is real
+    assert ref_stats.num_preemptions > 0 and ref_stats.prefix_hit_tokens > 0  # the workload is real
     got, stats, engine = run(path, 2, layout, blocks=14 if layout == "replicated" else 14)
     assert got == ref_tokens
-    assert stats["prefix_hit_tokens"] > 0
-    assert stats["num_preemptions"] > 0
+    assert stats.prefix_hit_tokens > 0
+    assert stats.num_preemptions > 0
     # per-rank cache bytes: sharded keeps 1/N of every token's latent on each rank
     assert engine.bytes_per_token == BYTES_PER_TOKEN
     expected_per_rank = BYTES_PER_TOKEN // 2 if layout == "sharded" else BYTES_PER_TOKEN
@@ -199,7 +199,7 @@ def test_speculative_decoding_under_two_ranks(tiny_checkpoint, reference):
         assert tokens(out) == ref_tokens
         single = run_single_plain(path, loop)
         assert tokens(llm.generate([loop], PARAMS)) == single
-        assert llm.engine.stats()["num_draft_tokens"] > 0
+        assert llm.engine.stats().num_draft_tokens > 0
         llm.engine.pool.check_whole()
     finally:
         llm.shutdown()

@@ -142,7 +142,7 @@ def test_async_calls_never_wait_for_a_step(tiny_checkpoint):
     try:
         elapsed, stats, first, second = asyncio.run(main())
         assert elapsed < 1.0  # the step it overlapped lasts until `release` (10 s at most)
-        assert stats["num_blocks"] > 0  # the snapshot of the last step, not a wait for the current one
+        assert stats.num_blocks > 0  # the snapshot of the last step, not a wait for the current one
         assert len(first.outputs[0].token_ids) == 4 and len(second.outputs[0].token_ids) == 4
         deadline = time.monotonic() + 10
         while engine.engine.requests and time.monotonic() < deadline:  # the abort is applied by the engine thread
@@ -151,7 +151,7 @@ def test_async_calls_never_wait_for_a_step(tiny_checkpoint):
             assert not engine.engine.requests
             engine.engine.pool.check_whole()
         # every queued submission was applied, the aborted one included (its prompt was counted, no output)
-        assert engine.stats()["num_prompt_tokens"] == sum(len(p["prompt_token_ids"]) for p in prompts)
+        assert engine.stats().num_prompt_tokens == sum(len(p["prompt_token_ids"]) for p in prompts)
     finally:
         release.set()
         engine.shutdown()

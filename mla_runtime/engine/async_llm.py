@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 
 from mla_runtime.engine.config import EngineConfig
+from mla_runtime.engine.info import EngineStats
 from mla_runtime.engine.llm_engine import LLMEngine, PromptType, RequestState
 from mla_runtime.outputs import RequestOutput
 from mla_runtime.sampling_params import SamplingParams
@@ -183,9 +184,9 @@ class AsyncLLM:
         self._ops.append(("abort", request_id))
         self._wake.set()
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> EngineStats:
         """The engine's counters as of its last step (published by the engine thread; never waits for a step)."""
-        return dict(self._stats)
+        return self._stats
 
     def step_seconds(self) -> float:
         """How long the step in progress has run (0 between steps)."""
@@ -193,6 +194,12 @@ class AsyncLLM:
         return 0.0 if started is None else time.monotonic() - started
 
     def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the engine thread, then the engine (its tensor-parallel ranks). An engine thread that does not
+        stop within ``timeout`` (a hung step) is left behind, and so is the engine it holds."""
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.error("the engine thread did not stop; leaving it behind")
+            return
+        self.engine.shutdown()

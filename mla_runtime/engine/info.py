@@ -5,8 +5,8 @@ Both are frozen dataclasses: the server's logs and Prometheus metrics read named
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from mla_runtime.dtypes import dtype_name
 
@@ -14,21 +14,10 @@ if TYPE_CHECKING:
     from mla_runtime.engine.worker import Worker
 
 
-class _Fields:
-    """Read access by field name as well (``info["d_c"]``), for code that formats every field."""
-
-    def keys(self) -> list[str]:
-        return [f.name for f in fields(self)]  # type: ignore[arg-type]
-
-    def __getitem__(self, name: str) -> Any:
-        if name not in self.keys():
-            raise KeyError(name)
-        return getattr(self, name)
-
-
 @dataclass(frozen=True)
-class EngineInfo(_Fields):
+class EngineInfo:
     model: str  # the checkpoint as given (a folder or a hub repo id)
+    checkpoint: str  # the local folder it was loaded from (for logs: metrics never show paths)
     family: str
     layers: int
     heads: int
@@ -57,7 +46,8 @@ class EngineInfo(_Fields):
         c, m = worker.config, worker.model_config
         assert worker.model is not None and worker.cache is not None
         return cls(
-            model=c.model, family=m.family, layers=m.num_hidden_layers, heads=m.num_attention_heads,
+            model=c.model, checkpoint=worker.model_path, family=m.family, layers=m.num_hidden_layers,
+            heads=m.num_attention_heads,
             d_c=m.kv_lora_rank, d_r=m.qk_rope_head_dim, dtype=dtype_name(worker.model.dtype),
             cache_dtype=worker.cache_dtype.name, tensor_parallel_size=c.tensor_parallel_size,
             latent_cache_layout=c.latent_cache_layout, cache_bytes_per_token=worker.bytes_per_token,
@@ -69,7 +59,7 @@ class EngineInfo(_Fields):
 
 
 @dataclass(frozen=True)
-class EngineStats(_Fields):
+class EngineStats:
     num_waiting: int
     num_running: int
     num_free_blocks: int

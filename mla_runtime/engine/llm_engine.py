@@ -13,11 +13,9 @@ processing to ``engine/requests.py``.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
-from typing import Any
 
 import torch
 
@@ -186,9 +184,6 @@ class LLMEngine:
     def info(self) -> EngineInfo:
         """What an operator needs at start-up (logged by the server, exported as metrics)."""
         return EngineInfo.of(self.worker, self.pool.num_blocks, torch.get_num_threads())
-
-    def describe(self) -> dict[str, Any]:
-        return dataclasses.asdict(self.info())
 
     def stats(self) -> EngineStats:
         s, pool = self.scheduler, self.pool

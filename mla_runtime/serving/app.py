@@ -1,6 +1,7 @@
 """The FastAPI application: routes, authentication, body limits, timeouts, disconnects, SSE.
 
-Every generation request goes through ``_generation``: authenticate (401) → read at most
+The routes are module functions over ``app.state.server`` (a ``ServerState``). Every generation
+request goes through ``_generation``: authenticate (401) → read at most
 ``max_body_bytes`` (413) → parse JSON (400; a large body in a worker thread) → validate the schema (422)
 → check readiness (503) → build the job in a worker thread (400/404: the prompt's length in characters is
 checked against what ``max_model_len`` tokens can hold before anything is tokenized, then templating and
@@ -22,10 +23,11 @@ import contextlib
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
@@ -34,7 +36,9 @@ from starlette.requests import ClientDisconnect
 
 from mla_runtime.engine.async_llm import AsyncLLM, EngineDeadError
 from mla_runtime.engine.config import EngineConfig
+from mla_runtime.errors import InvalidParam
 from mla_runtime.serving.config import ServerConfig
+from mla_runtime.serving.jobs import JobBuilder
 from mla_runtime.serving.metrics import ServerMetrics
 from mla_runtime.serving.protocol import ApiError, ChatRequest, CompletionRequest, GenerateRequest, validation_error
 from mla_runtime.serving.responses import Job, full_body
@@ -50,9 +54,9 @@ from mla_runtime.serving.streaming import (
     last_output,
     timeout_error,
 )
-from mla_runtime.tokenizer import apply_chat_template
 
 logger = logging.getLogger("mla_runtime.serving")
+router = APIRouter()
 
 THREAD_PARSE_BYTES = 64 * 1024  # JSON bodies above this size are parsed in a worker thread
 
@@ -89,6 +93,23 @@ def validate(schema: type[BaseModel], body: Any) -> Any:
         raise ApiError(400, "body: JSON nested too deeply", param="body") from None
 
 
+@dataclass(frozen=True)
+class ServerState:
+    """What the routes share (``app.state.server``): the runtime, both configurations, metrics and the jobs."""
+
+    rt: ServingRuntime
+    engine_config: EngineConfig
+    config: ServerConfig
+    metrics: ServerMetrics
+    jobs: JobBuilder
+    parse_slot: asyncio.Semaphore  # large JSON bodies are parsed one at a time
+    fault_after: int | None  # MLA_FAULT_INJECTION=stream:K (tests only)
+
+
+def _server(request: Request) -> ServerState:
+    return request.app.state.server
+
+
 def build_app(engine_config: EngineConfig, config: ServerConfig,
               on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
     """The app; ``on_fatal`` is called once when the server must end with a failure (start-up failed, or the
@@ -111,39 +132,35 @@ def build_app(engine_config: EngineConfig, config: ServerConfig,
 
     app = FastAPI(title="mla-runtime", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.runtime = rt
-    _add_error_handlers(app)
-    check_auth = _auth_check(config)
-    _add_generation_routes(app, rt, engine_config, config, check_auth)
-    _add_probe_routes(app, rt, config, metrics, check_auth)
+    app.state.server = ServerState(rt, engine_config, config, metrics, JobBuilder(rt, engine_config, config),
+                                   asyncio.Semaphore(1), fault_injection("stream"))
+    app.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, internal_error)
+    app.include_router(router)
     return app
 
 
-def _add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        detail = exc.detail if isinstance(exc.detail, str) else "error"
-        if exc.status_code == 404:
-            detail = f"no route {request.url.path}"
-        elif exc.status_code == 405:
-            detail = f"method {request.method} is not allowed on {request.url.path}"
-        return error_response(ApiError(exc.status_code, detail))
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s", request.url.path)
-        return error_response(ApiError(500, "internal error; see the server log"))
+async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    detail = exc.detail if isinstance(exc.detail, str) else "error"
+    if exc.status_code == 404:
+        detail = f"no route {request.url.path}"
+    elif exc.status_code == 405:
+        detail = f"method {request.method} is not allowed on {request.url.path}"
+    return error_response(ApiError(exc.status_code, detail))
 
 
-def _auth_check(config: ServerConfig) -> Callable[[Request], None]:
-    def check_auth(request: Request) -> None:
-        if config.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
-            raise ApiError(401, "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
-                           headers={"WWW-Authenticate": "Bearer"})
+async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error on %s", request.url.path)
+    return error_response(ApiError(500, "internal error; see the server log"))
 
-    return check_auth
+
+def check_auth(request: Request, config: ServerConfig) -> None:
+    if config.api_key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
+        raise ApiError(401, "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
+                       headers={"WWW-Authenticate": "Bearer"})
 
 
 async def read_json(request: Request, limit: int, parse_slot: asyncio.Semaphore) -> Any:
@@ -168,70 +185,6 @@ async def read_json(request: Request, limit: int, parse_slot: asyncio.Semaphore)
     return parse_json(body)
 
 
-class JobBuilder:
-    """Request schema → ``Job``: checks the model name and the prompt's size, applies the chat template.
-    Runs in a worker thread (templating and decoding cost CPU); reads only immutable state."""
-
-    def __init__(self, rt: ServingRuntime, engine_config: EngineConfig, config: ServerConfig) -> None:
-        self.rt, self.engine_config, self.config = rt, engine_config, config
-        self.model = config.served_model_name or ""
-
-    def check_model(self, name: str | None) -> None:
-        if name not in (None, self.config.served_model_name, self.engine_config.model):
-            raise ApiError(404, f"model: {name!r} is not served here; this server serves "
-                                f"{self.config.served_model_name!r}", param="model")
-
-    def check_text(self, text: str, param: str) -> None:
-        """400 for an empty prompt, or one whose length alone proves it exceeds max_model_len tokens."""
-        if not text and param == "prompt":
-            raise ApiError(400, "prompt: must not be empty", param="prompt")
-        limit, per_token = self.rt.max_prompt_chars, self.rt.max_chars_per_token
-        if limit and len(text) > limit:
-            raise ApiError(400, f"{param}: {len(text):,} characters cannot fit in max_model_len "
-                                f"({self.rt.max_model_len}) tokens (a token of this tokenizer covers at most "
-                                f"{per_token} characters)", param=param)
-
-    def token_text(self, token: int) -> str:
-        tok = self.rt.tokenizer
-        return tok.decode([token]) if tok is not None else ""
-
-    def generate(self, req: GenerateRequest) -> Job:
-        if isinstance(req.prompt, str):
-            self.check_text(req.prompt, "prompt")
-        prompt = req.prompt if isinstance(req.prompt, str) else {"prompt_token_ids": req.prompt}
-        return Job("generate", [prompt], req.sampling_params(16), self.model, stream=req.stream)
-
-    def completion(self, req: CompletionRequest) -> Job:
-        self.check_model(req.model)
-        req.check_unsupported()
-        prompts = req.prompt_list()
-        for p in prompts:
-            if isinstance(p, str):
-                self.check_text(p, "prompt")
-        echo = None
-        if req.echo:
-            tok = self.rt.tokenizer
-            echo = [p if isinstance(p, str) else (tok.decode(p) if tok is not None else "") for p in prompts]
-        return Job("completions", [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompts],
-                   req.sampling_params(16), self.model,
-                   stream=req.stream, include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                   echo=echo, logprobs=req.logprobs_count(), token_text=self.token_text)
-
-    def chat(self, req: ChatRequest) -> Job:
-        self.check_model(req.model)
-        req.check_unsupported()
-        messages = req.plain_messages()
-        self.check_text("".join(m["content"] for m in messages), "messages")
-        try:
-            ids = apply_chat_template(self.rt.tokenizer, messages)
-        except ValueError as e:
-            raise ApiError(400, f"messages: {e}", param="messages") from e
-        max_tokens = req.max_completion_tokens or req.max_tokens or max(1, self.rt.max_model_len - len(ids))
-        return Job("chat", [{"prompt_token_ids": ids}], req.sampling_params(max_tokens), self.model,
-                   stream=req.stream, include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                   logprobs=req.logprobs_count(), token_text=self.token_text)
-
-
 async def run_job(request: Request, rt: ServingRuntime, config: ServerConfig, llm: AsyncLLM, job: Job,
                   fault_after: int | None) -> Response:
     """Submit an admitted job and answer it: a JSON body, or an SSE stream once the first output exists."""
@@ -248,7 +201,7 @@ async def run_job(request: Request, rt: ServingRuntime, config: ServerConfig, ll
         outcome = "success"
         return JSONResponse(body)
     except ValueError as e:  # the engine's validation of the prompt: names the problem
-        outcome, error = "invalid", ApiError(400, str(e), param=str(e).split(" ")[0].rstrip(":"))
+        outcome, error = "invalid", ApiError(400, str(e), param=e.param if isinstance(e, InvalidParam) else None)
     except RequestTimedOut:
         outcome, error = "timeout", timeout_error(config.request_timeout)
     except ClientDisconnected:
@@ -268,7 +221,7 @@ async def run_job(request: Request, rt: ServingRuntime, config: ServerConfig, ll
     return error_response(error)
 
 
-def stream_job(rt: ServingRuntime, config: ServerConfig, job: Job, gen: AsyncIterator[Any], end: StreamEnd,
+def stream_job(rt: ServingRuntime, config: ServerConfig, job: Job, gen: AsyncGenerator[Any, None], end: StreamEnd,
                deadline: float, fault_after: int | None) -> Response:
     body = job_events(job, gen, end, deadline, config.request_timeout, fault_after)
 
@@ -283,75 +236,78 @@ def stream_job(rt: ServingRuntime, config: ServerConfig, job: Job, gen: AsyncIte
                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def _add_generation_routes(app: FastAPI, rt: ServingRuntime, engine_config: EngineConfig, config: ServerConfig,
-                           check_auth: Callable[[Request], None]) -> None:
-    jobs = JobBuilder(rt, engine_config, config)
-    parse_slot = asyncio.Semaphore(1)
-    fault_after = fault_injection("stream")
+async def _generation(request: Request, endpoint: str, schema: type[BaseModel],
+                      make_job: Callable[[JobBuilder, Any], Job]) -> Response:
+    srv = _server(request)
+    rt, config = srv.rt, srv.config
+    try:
+        check_auth(request, config)
+        body = await read_json(request, int(config.max_body_bytes), srv.parse_slot)
+        req = validate(schema, body)
+        llm = rt.check_ready()
+        job = await asyncio.to_thread(make_job, srv.jobs, req)
+        rt.admit(job)
+    except ApiError as e:
+        rt.reject(endpoint, e.status)
+        return error_response(e)
+    except ClientDisconnected:
+        rt.reject(endpoint, 499)
+        return Response(status_code=499)
+    return await run_job(request, rt, config, llm, job, srv.fault_after)
 
-    async def _generation(request: Request, endpoint: str, schema: type[BaseModel],
-                          make_job: Callable[[Any], Job]) -> Response:
+
+@router.post("/generate")
+async def generate(request: Request) -> Response:
+    return await _generation(request, "generate", GenerateRequest, JobBuilder.generate)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    return await _generation(request, "completions", CompletionRequest, JobBuilder.completion)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    return await _generation(request, "chat", ChatRequest, JobBuilder.chat)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> Response:
+    srv = _server(request)
+    try:
+        check_auth(request, srv.config)
+    except ApiError as e:
+        return error_response(e)
+    return JSONResponse({"object": "list", "data": [{
+        "id": srv.config.served_model_name, "object": "model", "created": srv.rt.created, "owned_by": "mla-runtime",
+        "root": srv.config.served_model_name, "max_model_len": srv.rt.max_model_len or None}]})
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    problem = _server(request).rt.health_problem()
+    if problem is not None:
+        return error_response(ApiError(503, problem))
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/ready")
+async def ready(request: Request) -> Response:
+    srv = _server(request)
+    try:
+        srv.rt.check_ready()
+    except ApiError as e:
+        return error_response(e)
+    return JSONResponse({"status": "ready", "model": srv.config.served_model_name})
+
+
+@router.get("/metrics")
+async def prometheus(request: Request) -> Response:
+    srv = _server(request)
+    if srv.config.metrics_auth:
         try:
-            check_auth(request)
-            body = await read_json(request, int(config.max_body_bytes), parse_slot)
-            req = validate(schema, body)
-            llm = rt.check_ready()
-            job = await asyncio.to_thread(make_job, req)
-            rt.admit(job)
-        except ApiError as e:
-            rt.reject(endpoint, e.status)
-            return error_response(e)
-        except ClientDisconnected:
-            rt.reject(endpoint, 499)
-            return Response(status_code=499)
-        return await run_job(request, rt, config, llm, job, fault_after)
-
-    @app.post("/generate")
-    async def generate(request: Request) -> Response:
-        return await _generation(request, "generate", GenerateRequest, jobs.generate)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await _generation(request, "completions", CompletionRequest, jobs.completion)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await _generation(request, "chat", ChatRequest, jobs.chat)
-
-
-def _add_probe_routes(app: FastAPI, rt: ServingRuntime, config: ServerConfig, metrics: ServerMetrics,
-                      check_auth: Callable[[Request], None]) -> None:
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        try:
-            check_auth(request)
+            check_auth(request, srv.config)
         except ApiError as e:
             return error_response(e)
-        return JSONResponse({"object": "list", "data": [{
-            "id": config.served_model_name, "object": "model", "created": 0, "owned_by": "mla-runtime",
-            "root": config.served_model_name, "max_model_len": rt.max_model_len or None}]})
-
-    @app.get("/health")
-    async def health() -> Response:
-        problem = rt.health_problem()
-        if problem is not None:
-            return error_response(ApiError(503, problem))
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/ready")
-    async def ready() -> Response:
-        try:
-            rt.check_ready()
-        except ApiError as e:
-            return error_response(e)
-        return JSONResponse({"status": "ready", "model": config.served_model_name})
-
-    @app.get("/metrics")
-    async def prometheus(request: Request) -> Response:
-        if config.metrics_auth:
-            try:
-                check_auth(request)
-            except ApiError as e:
-                return error_response(e)
-        body = await asyncio.to_thread(metrics.render)
-        return Response(body, media_type=CONTENT_TYPE_LATEST)
+    body = await asyncio.to_thread(srv.metrics.render)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)

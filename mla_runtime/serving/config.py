@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -189,6 +189,8 @@ def build_parser(prog: str = "server.py") -> argparse.ArgumentParser:
     parser.add_argument("--config", help="serve.yaml (sections model / kv_cache / speculative / serving; see "
                                          "mla_runtime/serving/serve.example.yaml)")
     for name, opt in OPTIONS.items():
+        if opt.flag is None:
+            continue
         if opt.type is bool:  # a switch: given → true
             parser.add_argument(opt.flag, dest=name, action="store_true", default=None, help=_help(name, opt))
             continue
@@ -214,14 +216,15 @@ def default_model() -> str:
     return str(DEMO_MODEL)
 
 
-def resolve(argv: Sequence[str] | None = None, env: dict[str, str] | None = None, prog: str = "server.py"
+def resolve(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None, prog: str = "server.py"
             ) -> tuple[EngineConfig, ServerConfig]:
-    """Command line (and optional YAML file) → validated engine and server configs."""
-    env = os.environ if env is None else env
+    """Command line (and optional YAML file) → validated engine and server configs (``env``: the environment,
+    default ``os.environ``)."""
+    environ: Mapping[str, str] = os.environ if env is None else env
     args = build_parser(prog).parse_args(argv)
     values: dict[str, Any] = {}
-    if env.get(API_KEY_ENV):
-        values["api_key"] = env[API_KEY_ENV]
+    if environ.get(API_KEY_ENV):
+        values["api_key"] = environ[API_KEY_ENV]
     if args.config:
         values.update(load_yaml(args.config))
     values.update({k: v for k, v in vars(args).items() if k in OPTIONS and v is not None})

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import resource
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from mla_runtime.engine.info import EngineInfo, EngineStats
 from mla_runtime.layers import cpu_gemm
 
 OUTCOMES = ("success", "invalid", "unauthorized", "too_large", "rejected", "timeout", "stalled",
@@ -49,9 +49,8 @@ class ServerMetrics:
             for outcome in OUTCOMES:
                 self.requests.labels(endpoint, outcome)
 
-    def attach_engine(self, stats: Callable[[], dict[str, float]], describe: dict[str, Any],
-                      activation_bytes: int) -> None:
-        self.registry.register(EngineCollector(stats, describe, activation_bytes))
+    def attach_engine(self, stats: Callable[[], EngineStats], info: EngineInfo, served_name: str) -> None:
+        self.registry.register(EngineCollector(stats, info, served_name))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -72,14 +71,13 @@ def _process_memory_bytes(device: str) -> int:
 class EngineCollector(Collector):
     """Engine state at scrape time; ``stats`` is ``AsyncLLM.stats`` (takes the engine lock briefly)."""
 
-    def __init__(self, stats: Callable[[], dict[str, float]], describe: dict[str, Any],
-                 activation_bytes: int) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], info: EngineInfo, served_name: str) -> None:
         self.stats = stats
-        self.model = describe
-        self.activation_bytes = activation_bytes
+        self.info = info
+        self.served_name = served_name  # never the checkpoint's path
 
     def collect(self) -> Iterator[Metric]:
-        s, d = self.stats(), self.model
+        s, d = self.stats(), self.info
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             return GaugeMetricFamily(name, doc, value=value)
@@ -87,43 +85,43 @@ class EngineCollector(Collector):
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
             return CounterMetricFamily(name, doc, value=value)
 
-        yield gauge("mla_queue_depth", "Sequences waiting for a running slot", s["num_waiting"])
-        yield gauge("mla_running_sequences", "Sequences in the running batch", s["num_running"])
-        total, free = s["num_blocks"], s["num_free_blocks"]
+        yield gauge("mla_queue_depth", "Sequences waiting for a running slot", s.num_waiting)
+        yield gauge("mla_running_sequences", "Sequences in the running batch", s.num_running)
+        total, free = s.num_blocks, s.num_free_blocks
         yield gauge("mla_latent_cache_blocks_total", "Latent-cache blocks (capacity)", total)
         yield gauge("mla_latent_cache_blocks_used", "Latent-cache blocks held by sequences", total - free)
-        yield gauge("mla_latent_cache_usage_ratio", "Used / total latent-cache blocks", s["cache_usage"])
+        yield gauge("mla_latent_cache_usage_ratio", "Used / total latent-cache blocks", s.cache_usage)
         yield gauge("mla_latent_cache_capacity_tokens", "Tokens the latent cache holds at once",
-                    d["max_concurrent_tokens"])
+                    d.max_concurrent_tokens)
         yield gauge("mla_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / looked up",
-                    s["prefix_hit_rate"])
+                    s.prefix_hit_rate)
         yield counter("mla_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache",
-                      s["prefix_query_tokens"])
+                      s.prefix_query_tokens)
         yield counter("mla_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache",
-                      s["prefix_hit_tokens"])
+                      s.prefix_hit_tokens)
         yield counter("mla_preemptions", "Sequences preempted (blocks freed, recomputed later)",
-                      s["num_preemptions"])
+                      s.num_preemptions)
         yield counter("mla_spec_draft_tokens", "Speculative draft tokens proposed (prompt lookup)",
-                      s["num_draft_tokens"])
+                      s.num_draft_tokens)
         yield counter("mla_spec_accepted_tokens", "Speculative draft tokens the model accepted",
-                      s["num_accepted_tokens"])
+                      s.num_accepted_tokens)
         mem = GaugeMetricFamily("mla_memory_bytes", "Memory by part: weights, latent cache, planned activation "
                                 "reserve, other (measured process/device memory beyond weights and cache)",
                                 labels=["part"])
-        weights, cache = d["weight_bytes"], d["cache_bytes"]
+        weights, cache = d.weight_bytes, d.cache_bytes
         mem.add_metric(["weights"], weights)
         mem.add_metric(["latent_cache"], cache)
-        mem.add_metric(["activations_reserve"], self.activation_bytes)
-        mem.add_metric(["other"], max(0, _process_memory_bytes(str(d["device"])) - weights - cache))
+        mem.add_metric(["activations_reserve"], d.activation_bytes)
+        mem.add_metric(["other"], max(0, _process_memory_bytes(d.device) - weights - cache))
         yield mem
         info = GaugeMetricFamily("mla_model_info", "Served model and cache layout (value 1)",
                                  labels=["model", "dtype", "cache_dtype", "layers", "heads", "d_c", "d_r",
                                          "block_size"])
-        info.add_metric([str(d[k]) for k in ("model", "dtype", "cache_dtype", "layers", "heads", "d_c", "d_r",
-                                             "block_size")], 1)
+        info.add_metric([self.served_name] + [str(getattr(d, k)) for k in ("dtype", "cache_dtype", "layers", "heads",
+                                                                           "d_c", "d_r", "block_size")], 1)
         yield info
-        if str(d["device"]) == "cpu":
-            gemm = cpu_gemm.gemm_info(str(d["dtype"]))
+        if d.device == "cpu":
+            gemm = cpu_gemm.gemm_info(d.dtype)
             family = GaugeMetricFamily("mla_cpu_gemm_info", "CPU matrix-product path chosen by the load-time probe "
                                        "for the model's weight dtype, its compute dtype and why (value 1)",
                                        labels=list(gemm))

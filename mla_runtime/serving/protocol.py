@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from mla_runtime.errors import InvalidParam
 from mla_runtime.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20  # most alternatives per generated token a request may ask for
@@ -106,8 +107,8 @@ class SamplingFields(BaseModel):
                                   presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                                   repetition_penalty=self.repetition_penalty, logit_bias=bias,
                                   min_tokens=self.min_tokens)
-        except ValueError as e:  # SamplingParams names the field first
-            raise ApiError(400, str(e), param=str(e).split(" ")[0]) from e
+        except InvalidParam as e:  # SamplingParams names the field
+            raise ApiError(400, str(e), param=e.param) from e
 
 
 class GenerateRequest(SamplingFields):

@@ -24,8 +24,8 @@ from typing import Any
 
 from mla_runtime.engine.async_llm import AsyncLLM
 from mla_runtime.engine.config import EngineConfig
+from mla_runtime.engine.info import EngineInfo
 from mla_runtime.outputs import RequestOutput
-from mla_runtime.plan import activation_reserve_bytes
 from mla_runtime.sampling_params import SamplingParams
 from mla_runtime.serving.config import ServerConfig
 from mla_runtime.serving.metrics import ServerMetrics
@@ -90,7 +90,8 @@ class ServingRuntime:
         self.status = "loading weights"
         self.shutting_down = False
         self.in_flight = 0  # sequences of admitted requests
-        self.describe: dict[str, Any] = {}
+        self.info: EngineInfo | None = None
+        self.created = int(time.time())  # the model's "created" on /v1/models: when this server started
         self.max_chars_per_token = 0  # 0: no tokenizer, no character bound
         self.fault: str | None = None
         self._watchdog: asyncio.Task | None = None
@@ -101,17 +102,12 @@ class ServingRuntime:
         try:
             self.llm = await asyncio.to_thread(AsyncLLM, self.engine_config)
             engine = self.llm.engine
-            self.describe = engine.describe()
-            activations = activation_reserve_bytes(
-                engine.model_config, dtype=engine.model.dtype, max_num_batched_tokens=engine.max_num_batched_tokens,
-                max_num_seqs=self.engine_config.max_num_seqs,
-                tensor_parallel_size=self.engine_config.tensor_parallel_size)
+            self.info = engine.info()
             self.metrics.step_seconds.set_function(self.llm.step_seconds)
-            self.metrics.attach_engine(self.llm.stats, {**self.describe, "model": self.config.served_model_name},
-                                       activations)
+            self.metrics.attach_engine(self.llm.stats, self.info, self.config.served_model_name or "")
             if self.llm.tokenizer is not None:
                 self.max_chars_per_token = await asyncio.to_thread(max_token_chars, self.llm.tokenizer)
-            self._log_summary(activations, engine.load_seconds)
+            self._log_summary(self.info, engine.load_seconds)
             self.status = "running the probe generation"
             probe_s = await self._probe()
         except Exception as e:  # noqa: BLE001 - any start-up failure is fatal and must be reported
@@ -142,18 +138,19 @@ class ServingRuntime:
             raise RuntimeError("the probe generation returned no token")
         return time.monotonic() - t0
 
-    def _log_summary(self, activations: int, load_seconds: float) -> None:
-        d, c = self.describe, self.config
-        logger.info("model %s (%s): %d layers, %d heads, d_c=%d, d_r=%d, dtype %s, loaded in %.1f s",
-                    d["model"], d["family"], d["layers"], d["heads"], d["d_c"], d["d_r"], d["dtype"], load_seconds)
+    def _log_summary(self, d: EngineInfo, load_seconds: float) -> None:
+        c = self.config
+        logger.info("model %s (%s, from %s): %d layers, %d heads, d_c=%d, d_r=%d, dtype %s, loaded in %.1f s",
+                    c.served_model_name, d.family, d.checkpoint, d.layers, d.heads, d.d_c, d.d_r, d.dtype,
+                    load_seconds)
         logger.info("latent cache: %s, block size %d, %d blocks, %s/token -> max concurrent tokens %d "
                     "(max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d)",
-                    d["cache_dtype"], d["block_size"], d["num_blocks"], human_bytes(d["cache_bytes_per_token"]),
-                    d["max_concurrent_tokens"], d["max_model_len"], d["max_num_seqs"], d["max_num_batched_tokens"])
-        total = d["weight_bytes"] + d["cache_bytes"] + activations
+                    d.cache_dtype, d.block_size, d.num_blocks, human_bytes(d.cache_bytes_per_token),
+                    d.max_concurrent_tokens, d.max_model_len, d.max_num_seqs, d.max_num_batched_tokens)
+        total = d.weight_bytes + d.cache_bytes + d.activation_bytes
         logger.info("memory on %s: weights %s | latent cache %s | activations (reserve) %s | total %s",
-                    d["device"], human_bytes(d["weight_bytes"]), human_bytes(d["cache_bytes"]),
-                    human_bytes(activations), human_bytes(total))
+                    d.device, human_bytes(d.weight_bytes), human_bytes(d.cache_bytes),
+                    human_bytes(d.activation_bytes), human_bytes(total))
         logger.info("serving: request_timeout %.0f s, max_queue %d, max_body_bytes %s, api key %s, model id %r",
                     c.request_timeout, c.max_queue, human_bytes(int(c.max_body_bytes)),
                     "required" if c.api_key else "not required", c.served_model_name)
@@ -202,7 +199,7 @@ class ServingRuntime:
     # -- requests ------------------------------------------------------------------------------
     @property
     def max_model_len(self) -> int:
-        return int(self.describe.get("max_model_len", 0))
+        return self.info.max_model_len if self.info is not None else 0
 
     @property
     def max_prompt_chars(self) -> int:
@@ -289,11 +286,7 @@ class ServingRuntime:
             return
         if self.fault is not None:  # a hung rank would block the orderly stop: end the ranks first
             self._kill_ranks()
-        self.llm.shutdown()
-        if self.llm.alive:
-            logger.error("the engine thread did not stop; leaving it behind")
-            return
-        self.llm.engine.shutdown()  # tensor-parallel worker ranks
+        self.llm.shutdown()  # the engine thread, then the tensor-parallel ranks
 
     def _kill_ranks(self) -> None:
         group = getattr(self.llm.engine, "tp_group", None) if self.llm is not None else None

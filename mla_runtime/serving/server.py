@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
@@ -33,13 +34,14 @@ from mla_runtime.serving.http import GuardedH11Protocol
 logger = logging.getLogger("mla_runtime.serving")
 
 
-def uvicorn_config(app: object, config: ServerConfig, log_level: str = "info") -> uvicorn.Config:
+def uvicorn_config(app: Any, config: ServerConfig, log_level: str = "info") -> uvicorn.Config:
     """uvicorn's configuration for ``app``: the h11 protocol with the header/body timeout, the stream stall
     abort and the connection cap (``serving/http.py``), idle keep-alive connections closed after 5 s."""
     protocol = GuardedH11Protocol.configured(config.header_timeout, config.stream_stall_timeout,
                                              config.max_connections)
     return uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level, http=protocol,
-                          timeout_keep_alive=5, timeout_graceful_shutdown=config.shutdown_timeout,
+                          timeout_keep_alive=5,
+                          timeout_graceful_shutdown=config.shutdown_timeout,  # type: ignore[arg-type]  # float s
                           access_log=False)
 
 
@@ -61,7 +63,7 @@ class Server(uvicorn.Server):
         logger.info("%s: finishing in-flight requests (up to %s s), refusing new ones", why,
                     self.config.timeout_graceful_shutdown)
         self.on_exit()
-        self.drain_until = time.monotonic() + self.config.timeout_graceful_shutdown
+        self.drain_until = time.monotonic() + float(self.config.timeout_graceful_shutdown or 0)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.drain_until is None and not self.should_exit:
@@ -77,7 +79,7 @@ class Server(uvicorn.Server):
         left = self.drain_until - time.monotonic()
         if self.in_flight() > 0 and left > 0:
             return False
-        self.config.timeout_graceful_shutdown = max(left, 1.0)  # uvicorn's own wait: what is left, ≥ 1 s
+        self.config.timeout_graceful_shutdown = max(left, 1.0)  # type: ignore[assignment]  # uvicorn's wait, ≥ 1 s
         return True
 
     def capture_signals(self):  # type: ignore[override]

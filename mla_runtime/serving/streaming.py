@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,7 +70,7 @@ async def guarded(request: Request, awaitable: Awaitable[Any], deadline: float) 
     raise ClientDisconnected() if watcher in done else RequestTimedOut()
 
 
-async def generate_job_outputs(llm: AsyncLLM, job: Job) -> AsyncIterator[RequestOutput]:
+async def generate_job_outputs(llm: AsyncLLM, job: Job) -> AsyncGenerator[RequestOutput, None]:
     """The job's outputs as the engine produces them; for a batch of prompts, one engine request each, run
     concurrently and merged (``merge_outputs``) each time one advances, once every prompt has started.
     The first failure (e.g. the engine refusing a prompt) is raised; closing this generator aborts them all."""
@@ -138,7 +138,7 @@ def timeout_error(seconds: float) -> ApiError:
 
 
 async def job_events(job: Job, gen: AsyncIterator[RequestOutput], end: StreamEnd, deadline: float,
-                     request_timeout: float, fault_after: int | None = None) -> AsyncIterator[bytes]:
+                     request_timeout: float, fault_after: int | None = None) -> AsyncGenerator[bytes, None]:
     """SSE chunks of ``job`` from its first output (``end.last``) to the end; ``fault_after``: raise after
     that many engine outputs (fault injection, see ``MLA_FAULT_INJECTION``)."""
     state = StreamState(job)
