@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from mla_runtime.cli import DefaultsHelpFormatter
 from mla_runtime.config import ModelConfig
+from mla_runtime.help_format import DefaultsHelpFormatter
 from mla_runtime.hub import resolve_model
 
 

@@ -43,9 +43,9 @@ from decimal import Decimal, InvalidOperation
 
 import torch
 
-from mla_runtime.cli import DefaultsHelpFormatter
 from mla_runtime.config import PRESET_DIR, ModelConfig
 from mla_runtime.dtypes import CACHE_DTYPES, MODEL_DTYPES, CacheDtype, dtype_name, resolve_cache_dtype
+from mla_runtime.help_format import DefaultsHelpFormatter
 
 LATENT_CACHE_LAYOUTS = ("replicated", "sharded")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192

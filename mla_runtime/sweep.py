@@ -63,11 +63,11 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from mla_runtime.cli import DefaultsHelpFormatter
 from mla_runtime.config import ModelConfig
 from mla_runtime.dtypes import resolve_cache_dtype
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.engine.worker import StepInput, Worker
+from mla_runtime.help_format import DefaultsHelpFormatter
 from mla_runtime.hub import resolve_model
 from mla_runtime.latent_rank import CALIBRATION_TOKENS, METHODS, calibration_chunks
 from mla_runtime.plan import cache_capacity_tokens, parse_bytes

@@ -1,0 +1,80 @@
+"""The one-way import rule: server → engine → worker → model → layers → kernels (docs/structures.md).
+
+Every module of ``mla_runtime`` and ``mla_kernels`` has a level; a module may import its own level and the
+levels below, never one above (imports inside functions count too). Tools (the CLI, the sweep, the benchmark)
+sit on top and may import anything.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# level of each top-level name under mla_runtime (engine.worker/engine.config: see LEVEL_OF_SUBMODULE)
+LEVELS = {
+    "config": 1, "dtypes": 1, "errors": 1, "parallel": 1, "forward_batch": 1, "sampling_params": 1, "outputs": 1,
+    "hub": 1, "tokenizer": 1, "cache": 1, "help_format": 1,
+    "layers": 2, "attention_metadata": 2,
+    "models": 3,
+    "loader": 4, "latent_rank": 4, "plan": 4,
+    "engine": 6, "llm": 6,
+    "serving": 8,
+    "cli": 9, "sweep": 9, "benchmark": 9,
+}
+LEVEL_OF_SUBMODULE = {"engine.config": 5, "engine.worker": 5}  # the worker and its config sit below the engine
+KERNELS = 0
+
+
+def level(module: str) -> int:
+    if module.split(".")[0] == "mla_kernels":
+        return KERNELS
+    name = module.removeprefix("mla_runtime.")
+    if module == "mla_runtime":
+        return 9  # the package's public API re-exports the top
+    for prefix, lvl in LEVEL_OF_SUBMODULE.items():
+        if name == prefix or name.startswith(prefix + "."):
+            return lvl
+    return LEVELS[name.split(".")[0]]
+
+
+def modules() -> list[tuple[str, Path]]:
+    found = []
+    for package, folder in (("mla_runtime", ROOT / "mla_runtime"), ("mla_kernels", ROOT / "kernels")):
+        for path in sorted(folder.rglob("*.py")):
+            parts = [package, *path.relative_to(folder).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found.append((".".join(parts), path))
+    return found
+
+
+def imported(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return {n for n in names if n.split(".")[0] in ("mla_runtime", "mla_kernels") and n != "mla_runtime"}
+
+
+@pytest.mark.parametrize("module,path", modules(), ids=lambda x: x if isinstance(x, str) else "")
+def test_imports_only_point_down(module, path):
+    mine = level(module)
+    upward = sorted(f"{n} (level {level(n)})" for n in imported(path) if level(n) > mine)
+    assert not upward, f"{module} (level {mine}) imports a higher level: {upward}"
+
+
+def test_every_module_has_a_level():
+    for module, _ in modules():
+        level(module)  # a new top-level module must be placed in LEVELS
+
+
+def test_kernels_never_import_the_runtime():
+    for module, path in modules():
+        if module.startswith("mla_kernels"):
+            assert not any(n.startswith("mla_runtime") for n in imported(path)), module
