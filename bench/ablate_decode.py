@@ -2,7 +2,7 @@
 
     python bench/ablate_decode.py --batch 1 8 --dtype float32 bfloat16 --threads 2
 
-On the issue-8 benchmark checkpoint, ``batch`` sequences are prefilled (``--prompt-len`` tokens) and kept
+On the benchmark checkpoint, ``batch`` sequences are prefilled (``--prompt-len`` tokens) and kept
 decoding; in each of ``--rounds`` rounds every variant runs ``--steps`` decode steps in turn (interleaved, so a
 change in the machine's load hits all variants alike), and the median step time per variant is reported with
 its ratio to "all on". Variants switch one change off at run time:

@@ -2,7 +2,7 @@
 
     python bench/bf16_quality.py --prompts 4 --new-tokens 24
 
-On the issue-8 benchmark checkpoint: transformers float32 generates ``--new-tokens`` greedy tokens after
+On the benchmark checkpoint: transformers float32 generates ``--new-tokens`` greedy tokens after
 each 128-token prompt; then every system scores that same continuation (teacher forcing) and the
 log-probability it gives each chosen token is compared with float32's. mla-runtime runs its real paths:
 the prompt as one prefill step through the paged latent cache, then one decode step per token (absorbed

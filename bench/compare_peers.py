@@ -4,7 +4,7 @@
     python bench/compare_peers.py                  # batch 1, 8, 32; float32 and bfloat16; median of 3
     python bench/compare_peers.py --batches 1 8 --dtypes float32 --systems mla-runtime transformers
 
-Builds the issue-8 checkpoint with transformers (seeded; ``bench/peer_checkpoint.py``) and starts every
+Builds the benchmark checkpoint with transformers (seeded; ``bench/peer_checkpoint.py``) and starts every
 system in its own worker process, on the same prompts (``--prompt-len`` seeded random token ids each, greedy,
 ``--max-tokens`` out, EOS ignored):
 

@@ -1,4 +1,4 @@
-"""The benchmark checkpoint of issue 8: a DeepseekV3-layout model built with transformers, seeded.
+"""The benchmark checkpoint: a DeepseekV3-layout model built with transformers, seeded.
 
 hidden 1024, 8 layers, 16 heads, kv_lora_rank 512, qk_rope_head_dim 64, q_lora_rank 384, qk_nope_head_dim 64,
 v_head_dim 64, 4 routed experts (top-2) + 1 shared, first layer dense, vocab 32000 — the latent widths

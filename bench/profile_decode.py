@@ -2,7 +2,7 @@
 
     python bench/profile_decode.py --batch 1 8 --dtype float32 bfloat16 --steps 32
 
-Loads the issue-8 benchmark checkpoint (``bench/peer_checkpoint.py``, built on first use), prefills
+Loads the benchmark checkpoint (``bench/peer_checkpoint.py``, built on first use), prefills
 ``batch`` prompts of ``--prompt-len`` tokens, runs a few warm-up decode steps, then times ``--steps``
 decode steps twice:
 

@@ -2,7 +2,7 @@
 
     python bench/profile_prefill.py --batch 8 --dtype float32 bfloat16 --threads 2
 
-Loads the issue-8 benchmark checkpoint, prefills the prompts (prefix caching off, one warm-up round), and
+Loads the benchmark checkpoint, prefills the prompts (prefix caching off, one warm-up round), and
 prints the step's wall time, the same exclusive-time categories as ``profile_decode.py`` and the top aten
 ops under ``torch.profiler``.
 """

@@ -1,4 +1,4 @@
-"""How fast could *any* implementation decode the issue-8 benchmark checkpoint on this machine?
+"""How fast could *any* implementation decode the benchmark checkpoint on this machine?
 
     python bench/roofline.py --batch 1 8 --dtype float32 bfloat16 --threads 2
 
