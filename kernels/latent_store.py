@@ -217,10 +217,14 @@ def _gather_latent_torch(cache: torch.Tensor, scales: torch.Tensor | None, block
 
 
 def _gather_latent_triton(cache: torch.Tensor, scales: torch.Tensor | None, block_tables: torch.Tensor,
-                          seq_lens: torch.Tensor, out_dtype: torch.dtype, d_c: int) -> torch.Tensor:
+                          seq_lens: torch.Tensor, out_dtype: torch.dtype, d_c: int,
+                          host_lens: list[int] | None) -> torch.Tensor:
     cu = torch.zeros(len(seq_lens) + 1, dtype=torch.int64, device=cache.device)
     torch.cumsum(seq_lens, 0, out=cu[1:])
-    total, max_len = (int(x) for x in torch.stack([cu[-1], seq_lens.max().long()]).tolist())
+    if host_lens is not None:  # the caller's host copy: no device sync
+        total, max_len = sum(host_lens), max(host_lens, default=0)
+    else:
+        total, max_len = (int(x) for x in torch.stack([cu[-1], seq_lens.max().long()]).tolist())
     d_r = cache.shape[2] - d_c
     out = torch.empty(total, cache.shape[2], dtype=out_dtype, device=cache.device)
     if total == 0:
@@ -240,11 +244,12 @@ def _gather_latent_triton(cache: torch.Tensor, scales: torch.Tensor | None, bloc
 
 def gather_latent(cache: torch.Tensor, scales: torch.Tensor | None, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, out_dtype: torch.dtype, d_c: int | None = None,
-                  backend: str | None = None) -> torch.Tensor:
+                  backend: str | None = None, host_lens: list[int] | None = None) -> torch.Tensor:
     """Dequantised latents of each sequence's first ``seq_lens[b]`` tokens, concatenated in batch order.
 
     block_tables ``[B, max_blocks]`` int32, seq_lens ``[B]`` int32 -> ``[sum(seq_lens), d_c + d_r]`` out_dtype.
-    ``d_c`` is only needed for fp8/int8 caches (to apply the two per-token scales).
+    ``d_c`` is only needed for fp8/int8 caches (to apply the two per-token scales); ``host_lens``: ``seq_lens`` as
+    a host list, when the caller has it (saves a device sync).
     """
     check_cache(cache, scales)
     check_int_tensor("block_tables", block_tables, 2, cache.device)
@@ -258,5 +263,5 @@ def gather_latent(cache: torch.Tensor, scales: torch.Tensor | None, block_tables
     d_c = cache.shape[2] - 1 if d_c is None else d_c  # unquantised: the split is irrelevant to a copy
     if resolve_backend(backend, cache) == "triton":
         check_triton_cache(cache)
-        return _gather_latent_triton(cache, scales, block_tables, seq_lens, out_dtype, d_c)
+        return _gather_latent_triton(cache, scales, block_tables, seq_lens, out_dtype, d_c, host_lens)
     return _gather_latent_torch(cache, scales, block_tables, seq_lens, out_dtype, d_c)

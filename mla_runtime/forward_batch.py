@@ -48,7 +48,7 @@ class ForwardBatch:
 
     def leading_short(self, max_query_len: int) -> tuple[int, int]:
         """``(sequences, tokens)`` of the leading run of sequences with at most ``max_query_len`` new tokens each
-        (the scheduler puts one-token decodes first): in a mixed step those tokens are ``[:tokens]`` and the
+        (the model runner puts one-token decodes first): in a mixed step those tokens are ``[:tokens]`` and the
         chunks come after them."""
         seqs = tokens = 0
         for q in self.query_lens:

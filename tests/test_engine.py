@@ -83,9 +83,9 @@ def test_prefix_hit_computes_only_new_tokens(v3):
     out = llm.generate([second], GREEDY)[0]
     after = llm.engine.stats()
     assert out.num_cached_tokens == 48
-    assert after["prefix_hit_tokens"] - before["prefix_hit_tokens"] == 48
+    assert after.prefix_hit_tokens - before.prefix_hit_tokens == 48
     # prompt tail (2 tokens) + 11 decode steps (the 12th token needs no forward pass)
-    assert after["num_computed_tokens"] - before["num_computed_tokens"] == 2 + GREEDY.max_tokens - 1
+    assert after.num_computed_tokens - before.num_computed_tokens == 2 + GREEDY.max_tokens - 1
     fresh = new_llm(path, enable_prefix_caching=False)
     assert tokens(fresh.generate([second], GREEDY)) == [out.outputs[0].token_ids]
     assert_clean(llm)

@@ -174,14 +174,7 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
-        return self._decodes_first(batch)
-
-    @staticmethod
-    def _decodes_first(batch: ScheduledBatch) -> ScheduledBatch:
-        """One-token decodes first, then speculative decodes and prefill chunks (the model plans the leading
-        one-token run once per step on CPU); the order within each group is kept."""
-        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] != 1)
-        return ScheduledBatch([batch.seqs[i] for i in order], [batch.num_new_tokens[i] for i in order])
+        return batch
 
     def _drafts(self, seq: Sequence, room: int) -> list[int]:
         """Draft tokens for a decode: at most ``room``, never past max_tokens or max_model_len."""

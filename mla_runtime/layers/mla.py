@@ -174,8 +174,10 @@ class MLAttention(nn.Module):
         if meta.path == "absorbed":
             return self._absorbed(q_n, q_r, meta, cache)
         batch = meta.batch
+        cu_k = meta.host_cu_seqlens[1]
+        key_lens = [b - a for a, b in zip(cu_k, cu_k[1:])]
         latent = gather_latent(cache.kv, cache.scales, batch.block_tables, batch.seq_lens, q_n.dtype, self.d_c,
-                               backend=self.backend)  # [S, d_c + d_r]
+                               backend=self.backend, host_lens=key_lens)  # [S, d_c + d_r]
         c_all, k_r_all = latent.split([self.d_c, self.d_r], dim=-1)
         kv = self.kv_b_proj(c_all).view(-1, self.n_h, self.d_n + self.d_v)
         k_n, v = kv.split([self.d_n, self.d_v], dim=-1)  # [S, n_h, d_n], [S, n_h, d_v]
