@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from pathlib import Path
 
 import torch
 
@@ -93,7 +94,7 @@ class LLMEngine:
         """Token chunks of ``latent_calibration`` for the PCA projection (None for SVD, which needs no data)."""
         if self.config.latent_projection != "pca":
             return None
-        text = open(self.config.latent_calibration or "", encoding="utf-8").read()
+        text = Path(self.config.latent_calibration or "").read_text(encoding="utf-8")
         if self.tokenizer is None:
             raise ValueError("latent_calibration needs a tokenizer in the checkpoint directory")
         return calibration_chunks([self.tokenizer.encode(text)])
