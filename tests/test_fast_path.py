@@ -191,6 +191,38 @@ def test_packed_linear_matrix_vector_layouts(gemm_mode):
         torch.testing.assert_close(linear(x, w, None, packed), F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("one_row_aten", [False, True])
+def test_one_row_products_take_the_measured_path(gemm_mode, one_row_aten, monkeypatch):
+    """A weight's one-row products take F.linear exactly when the per-shape timing chose it (bit-identical to
+    F.linear then); oneDNN otherwise, equal to rounding; batches always take oneDNN's blocked layout."""
+    monkeypatch.setattr(cpu_gemm, "one_row_aten", lambda *shape: one_row_aten)
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 64, generator=g)
+    packed = PackedWeight.make(w)
+    if cpu_gemm.gemm_choice(torch.float32).path != "onednn":
+        assert packed is None
+        return
+    assert packed is not None and packed.one_row_aten is one_row_aten
+    calls = []
+    real_product = cpu_gemm._product
+    monkeypatch.setattr(cpu_gemm, "_product", lambda *a: calls.append(1) or real_product(*a))
+    x1, x4 = torch.randn(1, 64, generator=g), torch.randn(4, 64, generator=g)
+    one = linear(x1, w, None, packed)
+    assert (len(calls) == 0) is one_row_aten  # F.linear, not oneDNN, exactly when chosen
+    if one_row_aten:
+        assert torch.equal(one, F.linear(x1, w))
+    torch.testing.assert_close(one, F.linear(x1, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear(x4, w, None, packed), F.linear(x4, w), rtol=1e-5, atol=1e-5)
+    assert len(calls) == (1 if one_row_aten else 2)  # a batch always runs oneDNN
+
+
+def test_one_row_timing_skips_large_weights(monkeypatch):
+    """Weights beyond ONE_ROW_TIMING_MAX elements are never timed: oneDNN streams them fastest."""
+    monkeypatch.setattr(cpu_gemm, "_race_ms", lambda *a, **k: pytest.fail("a large weight was timed"))
+    n = cpu_gemm.ONE_ROW_TIMING_MAX // 1024 + 1
+    assert cpu_gemm.one_row_aten.__wrapped__(n, 1024, torch.float32, 2) is False
+
+
 def test_packed_weight_only_where_onednn_applies():
     assert PackedWeight.make(torch.randn(4, 4, dtype=torch.float64)) is None
     assert PackedWeight.make(torch.randn(2, 4, 4)) is None

@@ -16,6 +16,12 @@ in a process runs ``probe`` on a tiny weight. Paths (``GemmChoice.path``):
   weights in RAM (``extra_bytes_per_element`` = the dtype's size). A float32 matrix-vector product (one
   row) runs oneDNN on the plain weight — the blocked layout made for a batch streams a weight that is not
   in cache 1.15–1.4× slower at one row — and everything else uses the blocked one.
+  oneDNN's set-up costs tens of microseconds per call, so for a weight small enough that this dominates a
+  one-row product, ``F.linear`` is faster: measured on a 2-core EPYC, float32 one-row ``[1024, 1024]`` 100 µs
+  vs 142 µs in oneDNN, ``[1024, 512]`` 55 vs 93 µs, a 4-expert router 4.5 vs 30 µs (the benchmark model's
+  expert, output and router projections), while ``[4096, 1024]`` takes 1,225 µs in ``F.linear`` against 338 µs.
+  So each weight shape up to ``ONE_ROW_TIMING_MAX`` elements is timed once per process (``one_row_aten``), and
+  its one-row products take ``F.linear`` where that is at least ``ONE_ROW_MARGIN`` faster.
 - ``plain``: ``F.linear`` in the weight's dtype; no extra memory.
 - ``upcast``: a float32 copy of the weight (computed through the float32 path: blocked where oneDNN
   packs float32, else plain), the input cast to float32 and the result back. Memory: +4 bytes per
@@ -51,6 +57,8 @@ PACK_BATCH_HINT = 16  # oneDNN chooses the blocked layout for about this many ro
 PROBED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TIMING_SHAPE = (2048, 1024)  # [N, K] of the weight the fallbacks are timed on (4–8 MB: beyond L2)
 TIMING_ROWS = (1, 8)  # decode batch sizes the fallback timing sums over
+ONE_ROW_TIMING_MAX = 4 << 20  # weights with more elements than this stream fastest through oneDNN: not timed
+ONE_ROW_MARGIN = 0.9  # F.linear takes a weight's one-row products when it needs at most 0.9× oneDNN's time
 # torch.cpu.get_capabilities() keys meaning native arithmetic in a dtype (x86, AMX, aarch64 NEON/SVE)
 NATIVE_CAPABILITIES: dict[torch.dtype, tuple[str, ...]] = {
     torch.bfloat16: ("avx512_bf16", "amx_bf16", "bf16", "sve_bf16"),
@@ -220,7 +228,7 @@ def _reorder(weight: torch.Tensor) -> torch.Tensor:
 class PackedWeight:
     """One ``[N, K]`` weight prepared for its ``onednn`` or ``upcast`` path (see the module docstring)."""
 
-    __slots__ = ("plain", "blocked", "wide", "plain_gemv", "upcast")
+    __slots__ = ("plain", "blocked", "wide", "plain_gemv", "upcast", "one_row_aten")
 
     def __init__(self, weight: torch.Tensor, path: str) -> None:
         self.plain = weight.detach()
@@ -236,6 +244,7 @@ class PackedWeight:
         else:
             raise ValueError(f"path: a packed weight is 'onednn' or 'upcast', got {path!r}")
         self.plain_gemv = path == "onednn" and weight.dtype == torch.float32  # one row: oneDNN on the plain weight
+        self.one_row_aten = path == "onednn" and one_row_aten(*weight.shape, weight.dtype, torch.get_num_threads())
 
     @staticmethod
     def make(weight: torch.Tensor) -> PackedWeight | None:
@@ -246,10 +255,28 @@ class PackedWeight:
         return None if path == "plain" else PackedWeight(weight, path)
 
 
+@functools.cache
+def one_row_aten(n: int, k: int, dtype: torch.dtype, threads: int) -> bool:
+    """Whether one-row products with an ``[n, k]`` weight are faster in ``F.linear`` than in oneDNN here (timed
+    once per shape, dtype and thread count; see the module docstring)."""
+    if n * k > ONE_ROW_TIMING_MAX:
+        return False
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    x = torch.randn(1, k, generator=g).to(dtype)
+    packed = PackedWeight.__new__(PackedWeight)
+    packed.plain, packed.blocked, packed.wide = w, _reorder(w), None
+    packed.plain_gemv = dtype == torch.float32
+    aten_ms, onednn_ms = _race_ms(functools.partial(F.linear, x, w), functools.partial(_product, x, packed, None),
+                                  reps=7)
+    return aten_ms <= ONE_ROW_MARGIN * onednn_ms
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: PackedWeight | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, on the path ``packed`` (made from ``weight``) was prepared for."""
-    if packed is None or x.dtype != weight.dtype or x.numel() == 0:
+    if packed is None or x.dtype != weight.dtype or x.numel() == 0 or (
+            packed.one_row_aten and x.numel() == x.shape[-1]):
         return F.linear(x, weight, bias)
     if packed.upcast:
         wide_bias = None if bias is None else bias.float()
