@@ -17,11 +17,13 @@ in a process runs ``probe`` on a tiny weight. Paths (``GemmChoice.path``):
   row) runs oneDNN on the plain weight — the blocked layout made for a batch streams a weight that is not
   in cache 1.15–1.4× slower at one row — and everything else uses the blocked one.
   oneDNN's set-up costs tens of microseconds per call, so for a weight small enough that this dominates a
-  one-row product, ``F.linear`` is faster: measured on a 2-core EPYC, float32 one-row ``[1024, 1024]`` 100 µs
-  vs 142 µs in oneDNN, ``[1024, 512]`` 55 vs 93 µs, a 4-expert router 4.5 vs 30 µs (the benchmark model's
-  expert, output and router projections), while ``[4096, 1024]`` takes 1,225 µs in ``F.linear`` against 338 µs.
-  So each weight shape up to ``ONE_ROW_TIMING_MAX`` elements is timed once per process (``one_row_aten``), and
-  its one-row products take ``F.linear`` where that is at least ``ONE_ROW_MARGIN`` faster.
+  one-row product, ``F.linear`` is faster: measured on a 2-core EPYC with the weights out of cache, as a
+  decode step streams them, float32 one-row ``[4, 1024]`` (a 4-expert router) takes 5.8 µs in ``F.linear``
+  against 63 µs in oneDNN and ``[128, 64]`` 14 vs 99 µs, while ``[1024, 1024]`` takes 419 vs 344 µs and every
+  larger projection is faster in oneDNN. (With the weight kept in cache, ``F.linear`` also wins at
+  ``[1024, 1024]``: timing must stream.) So each weight shape up to ``ONE_ROW_TIMING_MAX`` elements is timed
+  once per process, rotating through copies that do not fit in cache (``one_row_aten``), and its one-row
+  products take ``F.linear`` where that is at least ``ONE_ROW_MARGIN`` faster.
 - ``plain``: ``F.linear`` in the weight's dtype; no extra memory.
 - ``upcast``: a float32 copy of the weight (computed through the float32 path: blocked where oneDNN
   packs float32, else plain), the input cast to float32 and the result back. Memory: +4 bytes per
@@ -59,6 +61,8 @@ TIMING_SHAPE = (2048, 1024)  # [N, K] of the weight the fallbacks are timed on (
 TIMING_ROWS = (1, 8)  # decode batch sizes the fallback timing sums over
 ONE_ROW_TIMING_MAX = 4 << 20  # weights with more elements than this stream fastest through oneDNN: not timed
 ONE_ROW_MARGIN = 0.9  # F.linear takes a weight's one-row products when it needs at most 0.9× oneDNN's time
+ONE_ROW_COLD_BYTES = 64 << 20  # the timing rotates through this many bytes of weight copies (beyond the LLC)
+ONE_ROW_MAX_COPIES = 256
 # torch.cpu.get_capabilities() keys meaning native arithmetic in a dtype (x86, AMX, aarch64 NEON/SVE)
 NATIVE_CAPABILITIES: dict[torch.dtype, tuple[str, ...]] = {
     torch.bfloat16: ("avx512_bf16", "amx_bf16", "bf16", "sve_bf16"),
@@ -262,13 +266,25 @@ def one_row_aten(n: int, k: int, dtype: torch.dtype, threads: int) -> bool:
     if n * k > ONE_ROW_TIMING_MAX:
         return False
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(n, k, generator=g).to(dtype)
+    copies = max(1, min(ONE_ROW_MAX_COPIES, ONE_ROW_COLD_BYTES // (n * k * dtype.itemsize)))
+    weights = [torch.full((n, k), 0.5, dtype=dtype) for _ in range(copies)]  # values do not change the time
+    packs = []
+    for w in weights:
+        packed = PackedWeight.__new__(PackedWeight)
+        packed.plain, packed.blocked, packed.wide = w, _reorder(w), None
+        packed.plain_gemv = dtype == torch.float32
+        packs.append(packed)
     x = torch.randn(1, k, generator=g).to(dtype)
-    packed = PackedWeight.__new__(PackedWeight)
-    packed.plain, packed.blocked, packed.wide = w, _reorder(w), None
-    packed.plain_gemv = dtype == torch.float32
-    aten_ms, onednn_ms = _race_ms(functools.partial(F.linear, x, w), functools.partial(_product, x, packed, None),
-                                  reps=7)
+
+    def aten() -> None:
+        for w in weights:
+            F.linear(x, w)
+
+    def onednn() -> None:
+        for packed in packs:
+            _product(x, packed, None)
+
+    aten_ms, onednn_ms = _race_ms(aten, onednn)
     return aten_ms <= ONE_ROW_MARGIN * onednn_ms
 
 
