@@ -361,7 +361,7 @@ def main() -> None:
     build_checkpoint(args.checkpoint, seed=args.seed)
     args.logs.mkdir(parents=True, exist_ok=True)
     print(f"machine: {machine_description()}; load average at the start {load()}")
-    print(f"checkpoint: {args.checkpoint} (bench/peer_checkpoint.py, seed {args.seed}); {args.prompt_len} tokens in, "
+    print(f"checkpoint: {args.checkpoint} (bench/peer_checkpoint.py, seed={args.seed}); {args.prompt_len} tokens in, "
           f"{args.max_tokens} out, greedy, median of {args.repeats} "
           f"{'sequential' if args.sequential else 'interleaved'} runs, {args.threads} threads per "
           f"worker (mla-runtime: num_threads={args.mla_threads}; transformers: {args.hf_threads or args.threads} "

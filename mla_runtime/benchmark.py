@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     vocab = ModelConfig.from_pretrained(path).vocab_size
     prompts = make_workload(args.num_prompts, args.min_len, args.max_len, vocab, args.seed)
     n_out = len(prompts) * args.max_tokens
-    print(f"{len(prompts)} prompts, {args.min_len}-{args.max_len} tokens (seed {args.seed}, "
+    print(f"{len(prompts)} prompts, {args.min_len}-{args.max_len} tokens (seed={args.seed}, "
           f"{sum(map(len, prompts))} prompt tokens), {args.max_tokens} out each, greedy, "
           f"{torch.get_num_threads()} threads; checkpoint {Path(path)}", flush=True)
     t_mla, dtype = run_mla(path, prompts, args)
