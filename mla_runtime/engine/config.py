@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from mla_runtime.dtypes import CACHE_DTYPES
 from mla_runtime.layers.mla import ATTENTION_PATHS
+from mla_runtime.layers.quantization import check_quantization
 from mla_runtime.plan import LATENT_CACHE_LAYOUTS, parse_bytes
 
 ATTENTION_BACKENDS = (None, "triton", "torch")
@@ -16,6 +17,8 @@ class EngineConfig:
     model: str  # a checkpoint folder or a hub repo id (org/name, resolved by hub.resolve_model)
     revision: str | None = None  # hub branch, tag or commit of a repo id (None: main)
     dtype: str = "auto"
+    # weight-only quantisation at load (layers/quantization.py): None / "none" (the dtype's weights) or "int8"
+    quantization: str | None = None
     max_model_len: int | None = None
     block_size: int = 64
     kv_cache_dtype: str = "auto"
@@ -43,6 +46,7 @@ class EngineConfig:
     prompt_lookup_min: int = 1
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "quantization", check_quantization(self.quantization))
         if self.block_size < 16 or self.block_size % 16:
             raise ValueError(f"block_size must be a positive multiple of 16, got {self.block_size}")
         if self.kv_cache_dtype not in CACHE_DTYPES:

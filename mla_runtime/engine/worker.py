@@ -7,6 +7,8 @@ and the latent-rank sweep:
    (with the latent rank applied), picks the device and the weight and cache dtypes;
 2. ``load()`` loads this rank's shard of the weights;
 3. ``truncate_latent(calibration)`` folds the latent-rank basis into the weights (when ``latent_rank`` is set);
+   with ``quantization="int8"`` the weights are then quantised (``layers.quantization``), once, before the cache
+   is sized: by the first ``num_blocks()`` or ``allocate()``;
 4. ``num_blocks()`` sizes the paged cache by the planner's rule (``plan.cache_budget_bytes``), fed the memory
    free at that moment;
 5. ``allocate(num_blocks)`` allocates the cache;
@@ -32,6 +34,7 @@ from mla_runtime.engine.config import EngineConfig
 from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.hub import resolve_model
 from mla_runtime.latent_rank import check_latent_rank, truncate_latent_rank
+from mla_runtime.layers.quantization import quantize_model
 from mla_runtime.loader import load_model
 from mla_runtime.models.deepseek import DeepseekForCausalLM
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext, check_tensor_parallel
@@ -92,12 +95,13 @@ class Worker:
         self.bytes_per_token = latent_bytes_per_token(cfg, self.cache_dtype.dtype, self.dtype)
         sharded = tp > 1 and config.latent_cache_layout == "sharded"
         self.bytes_per_token_per_rank = self.bytes_per_token // tp if sharded else self.bytes_per_token
-        self.weight_bytes = weight_bytes(cfg, self.dtype, tp)
+        self.weight_bytes = weight_bytes(cfg, self.dtype, tp, config.quantization)
         self.activation_bytes = activation_reserve_bytes(
             cfg, dtype=self.dtype, max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, tensor_parallel_size=tp)
         self.model: DeepseekForCausalLM | None = None
         self.cache: LatentCache | None = None
+        self.quantized = False  # the model's weights are quantised (config.quantization): no more truncation
 
     # -- set-up ----------------------------------------------------------------------------------
     def load(self) -> DeepseekForCausalLM:
@@ -112,11 +116,23 @@ class Worker:
         ``latent_projection``) basis; ``calibration``: token chunks for ``pca``, None for ``svd``."""
         rank = rank or self.config.latent_rank
         assert self.model is not None and rank is not None
+        if self.quantized:
+            raise RuntimeError("truncate_latent: the weights are already quantised; truncate before sizing the cache")
         truncate_latent_rank(self.model, rank, method or self.config.latent_projection, calibration)
+
+    def quantize(self) -> None:
+        """Quantise the loaded (and truncated) weights as ``config.quantization`` says; once (later calls do
+        nothing). The float weights it replaces are released before the cache is sized."""
+        if self.quantized or self.config.quantization is None:
+            return
+        assert self.model is not None
+        quantize_model(self.model, self.config.quantization)
+        self.quantized = True
 
     def num_blocks(self) -> int:
         """Cache blocks of ``block_size`` tokens that fit this rank's budget (see ``plan.cache_budget_bytes``)."""
         c = self.config
+        self.quantize()
         if c.kv_cache_memory is not None:
             budget = int(c.kv_cache_memory)
         else:
@@ -131,6 +147,7 @@ class Worker:
         """This rank's latent cache (in ``cache_dtype``, default the configured one), as wide as the model's
         latent: all tokens (replicated) or every N-th token of a block (sharded). It replaces any earlier one."""
         assert self.model is not None
+        self.quantize()
         par, cfg = self.par, self.model.config
         block = self.config.block_size // par.world_size if par.sharded_cache else self.config.block_size
         self.cache = None  # free the old cache first

@@ -233,6 +233,7 @@ class PackedWeight:
     """One ``[N, K]`` weight prepared for its ``onednn`` or ``upcast`` path (see the module docstring)."""
 
     __slots__ = ("plain", "blocked", "wide", "plain_gemv", "upcast", "one_row_aten")
+    quantized = False  # True: a weight-only quantised matrix (``layers.quantization``) that runs its own ``matmul``
 
     def __init__(self, weight: torch.Tensor, path: str) -> None:
         self.plain = weight.detach()
@@ -257,6 +258,10 @@ class PackedWeight:
             return None
         path = gemm_choice(weight.dtype).path
         return None if path == "plain" else PackedWeight(weight, path)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The product of a quantised weight (subclasses); a float weight runs through ``linear``."""
+        raise NotImplementedError("a float PackedWeight runs through cpu_gemm.linear")
 
 
 @functools.cache
@@ -290,7 +295,10 @@ def one_row_aten(n: int, k: int, dtype: torch.dtype, threads: int) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: PackedWeight | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, on the path ``packed`` (made from ``weight``) was prepared for."""
+    """``F.linear(x, weight, bias)``, on the path ``packed`` (made from ``weight``) was prepared for; a quantised
+    ``packed`` computes its own product (``weight`` then only stands for its shape)."""
+    if packed is not None and packed.quantized:
+        return packed.matmul(x, bias)
     if packed is None or x.dtype != weight.dtype or x.numel() == 0 or (
             packed.one_row_aten and x.numel() == x.shape[-1]):
         return F.linear(x, weight, bias)
