@@ -4,12 +4,12 @@ quality and buys in memory.
 The low-rank dimension should not be changed without validation; this is the instrument
 that validates it. For every point (weights, projection method, latent rank ``r``, cache dtype) it reports:
 
-- ``weights``: weight precision: ``none`` (the model dtype) or ``int8`` (weight-only, ``quantization="int8"``,
-  quantised at load after any truncation);
 - ``method``: ``full`` (the untruncated model), ``svd`` (basis from ``kv_b_proj``) or ``pca`` (from latents
   collected on calibration text);
 - ``rank``: latent values cached per token per layer (``d_c`` for ``full``);
 - ``cache_dtype``: element type of the latent cache (``fp32``, ``bf16``, ``fp16``, ``fp8``, ``int8``);
+- ``weights``: weight precision: ``none`` (the model dtype) or ``int8`` (weight-only, ``quantization="int8"``,
+  quantised at load after any truncation);
 - ``bytes_per_token``: bytes the allocated cache holds per token, all layers:
   ``(r + d_r) × layers × bytes(dtype)``, plus 8 bytes of scales per layer for fp8/int8;
 - ``bytes_vs_full``: ``bytes_per_token`` over that of the full model with a model-dtype cache;
@@ -77,7 +77,7 @@ from mla_runtime.latent_rank import CALIBRATION_TOKENS, METHODS, calibration_chu
 from mla_runtime.layers.quantization import check_quantization
 from mla_runtime.plan import cache_capacity_tokens, parse_bytes
 
-COLUMNS = ("weights", "method", "rank", "cache_dtype", "bytes_per_token", "bytes_vs_full", "max_concurrent_tokens",
+COLUMNS = ("method", "rank", "cache_dtype", "weights", "bytes_per_token", "bytes_vs_full", "max_concurrent_tokens",
            "perplexity", "kl_div", "top1_agreement", "decode_tokens_per_s")
 SHORT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
                torch.float8_e4m3fn: "fp8", torch.int8: "int8"}
@@ -130,10 +130,10 @@ class SweepConfig:
 
 @dataclass
 class SweepRow:
-    weights: str
     method: str
     rank: int
     cache_dtype: str
+    weights: str
     bytes_per_token: int
     bytes_vs_full: float
     max_concurrent_tokens: int

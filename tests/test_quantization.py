@@ -15,6 +15,7 @@ from mla_runtime.layers.quantization import Int8Weight, quantize_model, quantize
 from mla_runtime.loader import load_model
 from mla_runtime.plan import parameter_count, quantized_parameters, weight_bytes
 from mla_runtime.serving.config import resolve
+from mla_runtime.sweep import SweepConfig, run_sweep
 from tests.model_utils import PagedRunner
 
 # |log p_int8 - log p_fp32| over every token of the vocabulary at every position of the tiny checkpoints, measured:
@@ -126,3 +127,17 @@ def test_quantization_flag_and_yaml_reach_the_engine(tiny_checkpoint, tmp_path):
     assert resolve(["--config", str(yaml)], env={})[0].quantization == "int8"
     with pytest.raises(ValueError, match="quantization"):
         resolve(["--model", str(path), "--quantization", "fp4"], env={})
+
+
+def test_sweep_has_a_weight_precision_axis(tiny_checkpoint):
+    path, _ = tiny_checkpoint("v3")
+    rng = random.Random(3)
+    doc = [rng.randrange(2, 256) for _ in range(70)]
+    cfg = SweepConfig(ranks=(32,), cache_dtypes=("fp32",), methods=("svd",), weights=("none", "int8"),
+                      dtype="float32", block_size=16, window=32, chunk=16, decode_steps=0)
+    rows = {(r.weights, r.method): r for r in run_sweep(path, [doc], None, cfg).rows}
+    assert sorted(rows) == [("int8", "full"), ("int8", "svd"), ("none", "full"), ("none", "svd")]
+    assert rows["none", "full"].kl_div == 0 and rows["int8", "full"].kl_div > 0  # the reference is unquantised
+    assert rows["int8", "full"].perplexity == pytest.approx(rows["none", "full"].perplexity, rel=0.05)
+    with pytest.raises(InvalidParam, match="quantization"):
+        SweepConfig(weights=("int4",))
