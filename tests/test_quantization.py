@@ -87,20 +87,24 @@ def test_int8_model_close_to_float32(tiny_checkpoint, variant):
     assert weight_bytes(cfg, "float32", 1, "int8") < weight_bytes(cfg, "float32") / 2 + rows_tied * 4
 
 
-def test_llm_int8_generates_and_releases_every_block(tiny_checkpoint, gemm_mode):
-    path, _ = tiny_checkpoint("v3")
+def _generate(path, quantization: str | None, tensor_parallel_size: int = 1) -> list:
     sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0)
     prompts = [{"prompt_token_ids": [random.Random(i).randrange(2, 256) for _ in range(12 + 5 * i)]}
                for i in range(3)]
-    outs = {}
-    for quantization in (None, "int8"):
-        llm = LLM(str(path), dtype="float32", max_model_len=64, kv_cache_memory="2MiB", block_size=16,
-                  quantization=quantization)
-        outs[quantization] = llm.generate(prompts, sp)
+    llm = LLM(str(path), dtype="float32", max_model_len=64, kv_cache_memory="2MiB", block_size=32,
+              quantization=quantization, tensor_parallel_size=tensor_parallel_size)
+    try:
+        outs = llm.generate(prompts, sp)
         llm.engine.pool.check_whole()
         assert llm.engine.worker.quantized == (quantization == "int8")
+        return outs
+    finally:
+        llm.shutdown()
+
+
+def _assert_close_to_float32(reference: list, quantized: list) -> None:
     diffs = []
-    for ref, got in zip(outs[None], outs["int8"]):
+    for ref, got in zip(reference, quantized):
         r, g = ref.outputs[0], got.outputs[0]
         assert g.token_ids[0] == r.token_ids[0]  # greedy: the first token at least agrees
         for k, (a, b) in enumerate(zip(r.token_ids, g.token_ids)):
@@ -108,6 +112,17 @@ def test_llm_int8_generates_and_releases_every_block(tiny_checkpoint, gemm_mode)
                 break
             diffs.append(abs(r.logprobs[k][a] - g.logprobs[k][b]))
     assert 0 < max(diffs) <= MAX_LOGPROB_ERROR and sorted(diffs)[len(diffs) // 2] <= MEDIAN_LOGPROB_ERROR
+
+
+def test_llm_int8_generates_and_releases_every_block(tiny_checkpoint, gemm_mode):
+    path, _ = tiny_checkpoint("v3")
+    _assert_close_to_float32(_generate(path, None), _generate(path, "int8"))
+
+
+def test_int8_under_two_ranks(tiny_checkpoint):
+    """Each rank quantises its own shard (row-parallel shards: scales over their share of K)."""
+    path, _ = tiny_checkpoint("v3")
+    _assert_close_to_float32(_generate(path, None), _generate(path, "int8", tensor_parallel_size=2))
 
 
 @pytest.mark.parametrize("value", ["int4", "INT8", 8, ""])
