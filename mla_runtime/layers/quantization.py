@@ -22,6 +22,8 @@ element), so the resident weights are the int8 copies; nothing may re-derive a l
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -94,7 +96,7 @@ class Int8Weight(PackedWeight):
         k = self.qweight.shape[1]
         rows = x.reshape(-1, k)
         if self.kernel and rows.shape[0]:
-            y = torch.ops.aten._weight_int8pack_mm(rows.float().contiguous(), self.qweight, self.scales)
+            y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(rows.float().contiguous(), self.qweight, self.scales)
         else:
             y = F.linear(rows.float(), self.qweight.float()) * self.scales
         if bias is not None:
@@ -109,8 +111,8 @@ def _release(param: nn.Parameter) -> None:
 def _quantize_attention(attn: MLAttention) -> None:
     """Its projections (not ``kv_b_proj``); the stacked ``q_a``/``kv_a`` input projection as one matrix."""
     if attn.q_proj is None:
-        weights = [attn.q_a_proj.weight, attn.kv_a_proj_with_mqa.weight]
-        attn.qkv_a = Int8Weight(torch.cat(weights))
+        weights: list[nn.Parameter] = [attn.q_a_proj.weight, attn.kv_a_proj_with_mqa.weight]
+        attn.qkv_a = Int8Weight(torch.cat(tuple(weights)))
         a_bias, kv_bias = attn.q_a_proj.bias, attn.kv_a_proj_with_mqa.bias
         attn.qkv_a_bias = None if a_bias is None or kv_bias is None else torch.cat([a_bias, kv_bias])
         for w in weights:
@@ -156,7 +158,8 @@ def quantize_model(model: nn.Module, quantization: str | None) -> int:
             _quantize_mlp(module)
         elif isinstance(module, Experts):
             _quantize_experts(module)
-    model.lm_head_packed = Int8Weight(model.lm_head_weight)  # type: ignore[operator]
+    head_weight = cast(torch.Tensor, model.lm_head_weight)
+    model.__dict__["lm_head_packed"] = Int8Weight(head_weight)  # a plain attribute, as prepare_inference sets it
     head = getattr(model, "lm_head", None)
     if isinstance(head, nn.Parameter):  # untied; a tied lm_head is the embedding, which stays
         _release(head)
