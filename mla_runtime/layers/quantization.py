@@ -7,10 +7,11 @@ Each matrix ``W [N, K]`` of a quantised product becomes ``q [N, K]`` int8 and on
 
 Activations stay in the model dtype (weight-only): the product reads 1 byte per weight instead of 4 (float32)
 or 2, which is what bounds a decode step on a CPU. On CPU it runs ``torch.ops.aten._weight_int8pack_mm``
-(ATen's int8 matrix-vector kernel, vectorised for AVX2/AVX-512/NEON; measured fastest of the candidates in
-``bench/bench_gemv.py``), computing in float32 (a bfloat16/float16 input is widened and the result narrowed
-back); elsewhere, or under ``MLA_CPU_GEMM=plain``, the int8 weight is widened per call and multiplied with
-``F.linear`` (same values, another summation order).
+(ATen's int8-weight matrix product; ``bench/bench_gemv.py`` times it against the other candidates), computing
+in float32 (a bfloat16/float16 input is widened and the result narrowed back; on AVX2 the kernel's bfloat16-input
+variant measured several times faster, at the cost of rounding activations to bfloat16); elsewhere, or under
+``MLA_CPU_GEMM=plain``, the int8 weight is widened per call and multiplied with ``F.linear`` (same values,
+another summation order).
 
 What is quantised (``quantize_model``): every projection of the attention except ``kv_b_proj`` (its absorbed
 factors ``W_UK``/``W_UV`` and the up-projection of long prefills stay exact), the dense MLPs, the shared and
