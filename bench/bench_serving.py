@@ -6,6 +6,7 @@ Examples (server started with ``python server.py``):
     python bench/bench_serving.py --num-requests 200 --concurrency 16    # 16 requests always in flight
     python bench/bench_serving.py --duration 600 --rate 2                # soak: RSS / cache drift over time
     python bench/bench_serving.py --multi-turn 5 --prompt-len 1500       # turn-2 TTFT vs turn-1 (prefix reuse)
+    python bench/bench_serving.py --replicas 2 --sessions 16 --turns 4   # Ray Serve replicas: round robin vs affinity
 
 Requests stream from ``POST /generate`` (one SSE event per token, so TTFT and TPOT are exact) or from the
 OpenAI ``/v1/completions`` route (``--endpoint completions``, to compare with other servers). Prompts are
@@ -350,6 +351,104 @@ async def run_multi_turn(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- replicas: round robin vs affinity routing -----------------------------------------------------
+async def run_conversations(args: argparse.Namespace, base_url: str, tok: Any) -> list[tuple[int, Result]]:
+    """``--sessions`` chats of ``--turns`` turns, interleaved: every chat's turn t (in a seeded random order, at most
+    ``--concurrency`` at once) before any turn t + 1. Each turn resends the whole chat, so its prefix is cached
+    wherever the previous turn ran. No session id is sent: only the prompt's prefix can steer the router."""
+    rng = random.Random(args.seed)
+    chats: list[list[dict[str, str]]] = []
+    for _ in range(args.sessions):
+        ids = tok.encode(python_like_text(rng, args.prompt_len // 4), add_special_tokens=False)
+        while len(ids) < args.prompt_len:
+            ids += tok.encode(python_like_text(rng, 20), add_special_tokens=False)
+        chats.append([{"role": "user", "content": tok.decode(ids[:args.prompt_len])}])
+    rows: list[tuple[int, Result]] = []
+    slots = asyncio.Semaphore(max(1, args.concurrency))
+    async with httpx.AsyncClient(base_url=base_url, timeout=args.timeout) as client:
+        async def turn(t: int, chat: list[dict[str, str]]) -> None:
+            async with slots:
+                res, reply = await stream_request(client, args, None, args.output_len, "chat", chat)
+            if not res.ok:
+                raise RuntimeError(f"request failed: {res.status} {res.error}")
+            rows.append((t, res))
+            chat += [{"role": "assistant", "content": reply}, {"role": "user", "content": python_like_text(rng, 2)}]
+
+        for t in range(args.turns):
+            order = list(range(args.sessions))
+            rng.shuffle(order)
+            await asyncio.gather(*(turn(t, chats[i]) for i in order))
+    return rows
+
+
+def replica_hit_tokens(text: str) -> tuple[float, float]:
+    """(prefix-cache hit tokens, looked-up tokens), summed over the replicas' series."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sums = {"mla_prefix_cache_hits_tokens_total": 0.0, "mla_prefix_cache_queries_tokens_total": 0.0}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            if sample.name in sums:
+                sums[sample.name] += sample.value
+    return sums["mla_prefix_cache_hits_tokens_total"], sums["mla_prefix_cache_queries_tokens_total"]
+
+
+def run_replicas(args: argparse.Namespace) -> int:
+    """Deploy ``--replicas`` replicas on a local Ray, once per router and round (round robin, affinity, round robin,
+    ...: fresh replicas and caches each time), run the same multi-turn workload, compare hit rate and TTFT."""
+    import socket
+
+    from ray import serve
+    from transformers import AutoTokenizer
+
+    from mla_runtime.engine.config import EngineConfig
+    from mla_runtime.serving import ray_replicas
+    from mla_runtime.serving.config import ReplicaConfig, ServerConfig
+
+    tok = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    engine = EngineConfig(model=args.replica_model, dtype="float32", max_model_len=args.max_model_len, block_size=16,
+                          kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(4, args.concurrency))
+    config = ServerConfig(port=port, served_model_name="demo", request_timeout=args.timeout)
+    started = ray_replicas.start_ray(ReplicaConfig(replicas=args.replicas))
+    table: dict[str, list[tuple[float, float, float]]] = {"round_robin": [], "affinity": []}
+    try:
+        for _ in range(args.rounds):
+            for router in table:
+                ray_replicas.deploy(engine, config, ReplicaConfig(
+                    replicas=args.replicas, router=router, affinity_queue_threshold=args.affinity_queue_threshold))
+                rows = asyncio.run(run_conversations(args, f"http://127.0.0.1:{port}", tok))
+                hits, queries = replica_hit_tokens(httpx.get(f"http://127.0.0.1:{port}/metrics").text)
+                later = [r.ttft * 1e3 for t, r in rows if t > 0 and r.ttft is not None]
+                table[router].append((hits / max(queries, 1), statistics.median(later), pct(later, 90)))
+                print(f"{router:<12} hit rate {hits / max(queries, 1):.3f}  TTFT turns 2+ p50 "
+                      f"{statistics.median(later):.1f} ms p90 {pct(later, 90):.1f} ms", file=sys.stderr)
+                serve.delete(ray_replicas.APP_NAME)
+    finally:
+        serve.shutdown()
+        if started:
+            import ray
+
+            ray.shutdown()
+    report_replicas(args, table)
+    return 0
+
+
+def report_replicas(args: argparse.Namespace, table: dict[str, list[tuple[float, float, float]]]) -> None:
+    print(f"\n== {args.replicas} replicas, {args.sessions} chats x {args.turns} turns, first prompt ~{args.prompt_len} "
+          f"tokens, {args.output_len} output tokens, concurrency {args.concurrency}, {args.rounds} round(s), "
+          f"affinity queue threshold {args.affinity_queue_threshold} ==")
+    print(f"{'router':<14}{'hit rate':>10}{'TTFT p50 ms':>13}{'TTFT p90 ms':>13}   (turns 2+, median over rounds)")
+    med = {}
+    for router, runs in table.items():
+        med[router] = [statistics.median(col) for col in zip(*runs)]
+        print(f"{router:<14}{med[router][0]:>10.3f}{med[router][1]:>13.1f}{med[router][2]:>13.1f}")
+    rr, aff = med["round_robin"], med["affinity"]
+    print(f"affinity / round robin: hit rate {aff[0] / max(rr[0], 1e-9):.2f}x, TTFT p50 {aff[1] / rr[1]:.2f}x")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -372,7 +471,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write every request's numbers to this file")
+    p.add_argument("--replicas", type=int, default=0, help="start a local Ray Serve with N replicas of --replica-model "
+                   "and compare round robin with affinity routing on a multi-turn workload")
+    p.add_argument("--replica-model", default=str(DEMO_MODEL))
+    p.add_argument("--sessions", type=int, default=16, help="replicas: chats")
+    p.add_argument("--turns", type=int, default=4, help="replicas: turns per chat")
+    p.add_argument("--rounds", type=int, default=2, help="replicas: deployments per router (alternating)")
+    p.add_argument("--max-model-len", type=int, default=1024, help="replicas: each replica's context limit")
+    p.add_argument("--kv-cache-memory", default="9MiB", help="replicas: each replica's latent cache")
+    p.add_argument("--affinity-queue-threshold", type=int, default=None,
+                   help="replicas: ongoing requests beyond which affinity falls back to the least loaded")
     args = p.parse_args(argv)
+    if args.replicas:
+        return run_replicas(args)
     if args.duration and not args.concurrency and args.rate == float("inf"):
         p.error("--duration needs --rate or --concurrency (otherwise requests would be started without bound)")
     if args.multi_turn:

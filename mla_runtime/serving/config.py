@@ -192,8 +192,12 @@ OPTIONS: dict[str, Option] = {
                                                             "(default: one process, no Ray)"),
     "ray_address": Option("replicas.ray_address", "--ray-address", str,
                           "join this Ray cluster (default: start a local Ray instance)"),
-    "min_replicas": Option("replicas.min", "--min-replicas", int, "autoscaling: fewest replicas"),
-    "max_replicas": Option("replicas.max", "--max-replicas", int, "autoscaling: most replicas"),
+    "min_replicas": Option("replicas.min", "--min-replicas", int,
+                           "autoscale on ongoing requests, down to this many replicas (default: no autoscaling; "
+                           "with --max-replicas: --replicas or 1)"),
+    "max_replicas": Option("replicas.max", "--max-replicas", int,
+                           "autoscale up to this many replicas (default: no autoscaling; with --min-replicas: "
+                           "--replicas or the minimum)"),
     "target_ongoing_requests": Option("replicas.target_ongoing_requests", "--target-ongoing-requests", float,
                                       "autoscaling: ongoing requests per replica to aim at "
                                       "(default: max-num-seqs)"),

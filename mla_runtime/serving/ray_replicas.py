@@ -305,7 +305,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 def application(engine_config: EngineConfig, config: ServerConfig, rc: ReplicaConfig) -> Any:
     """The Ray Serve application: the ingress bound to the engine deployment."""
     threshold = engine_config.max_num_seqs if rc.affinity_queue_threshold is None else rc.affinity_queue_threshold
-    router = RequestRouterConfig(request_router_class=AffinityRouter,
+    router = RequestRouterConfig(request_router_class=f"{__name__}.AffinityRouter",  # type: ignore[arg-type]
                                  request_router_kwargs={"policy": rc.router, "queue_threshold": threshold})
     options: dict[str, Any] = dict(
         name=ENGINE_DEPLOYMENT, max_ongoing_requests=engine_config.max_num_seqs + config.max_queue + HEADROOM,
@@ -319,8 +319,9 @@ def application(engine_config: EngineConfig, config: ServerConfig, rc: ReplicaCo
             "target_ongoing_requests": rc.target_ongoing_requests or engine_config.max_num_seqs}
     else:
         options["num_replicas"] = rc.initial
-    engine = serve.deployment(EngineReplica).options(**options).bind(engine_config, config)
-    ingress = serve.deployment(Ingress).options(name="Ingress", num_replicas=1, max_ongoing_requests=
+    deployment: Any = serve.deployment
+    engine = deployment(EngineReplica).options(**options).bind(engine_config, config)
+    ingress = deployment(Ingress).options(name="Ingress", num_replicas=1, max_ongoing_requests=
                                                 config.max_connections, ray_actor_options={"num_cpus": 0})
     return ingress.bind(engine, engine_config, config)
 
