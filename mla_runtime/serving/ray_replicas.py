@@ -204,8 +204,12 @@ class Ingress:
         tried: set[str] = set()
         for attempt in range(MAX_ATTEMPTS):
             gen = self.stream.http.remote(replace(req, avoid=frozenset(tried)))
-            try:
-                _, replica = await anext(gen)
+            try:  # bounded: with no live replica at all, routing waits for one
+                _, replica = await asyncio.wait_for(anext(gen), self.config.request_timeout)
+            except TimeoutError:
+                gen.cancel()
+                return error_response(ApiError(503, "no engine replica took the request within request_timeout; "
+                                                    "retry later", headers={"Retry-After": "5"}))
             except RAY_FAILURES as e:  # the replica died before it accepted the request: send it elsewhere
                 logger.warning("ingress: a replica failed before accepting %s %s (%s); retrying", req.method,
                                req.path, type(e).__name__)
