@@ -344,10 +344,11 @@ def soak_report(samples: Samples, warmup: float) -> None:
           f"({kept} after the {warmup:.0f} s warm-up)")
     print(f"{'RSS first/last (MiB)':<28}{samples.rss[0] / 2**20:.1f} / {samples.rss[-1] / 2**20:.1f}")
     print(f"{'RSS drift':<28}{rss_drift:+.2%}  ({'OK' if abs(rss_drift) <= 0.05 else 'ABOVE'} the 5% bound)")
-    ratio = last / first if first > 0 else float("nan")
-    verdict = "levels off" if last <= first / 3 else "does NOT level off"
-    print(f"{'RSS slope first/last third':<28}{first:+.3f} / {last:+.3f} MiB per 1k requests "
-          f"(last/first {ratio:.2f}: {verdict})")
+    if first > 0:
+        verdict = f"last/first {last / first:.2f}: " + ("levels off" if last <= first / 3 else "does NOT level off")
+    else:
+        verdict = "no growth in the first third" + ("" if last <= 0 else ", but growth in the last")
+    print(f"{'RSS slope first/last third':<28}{first:+.3f} / {last:+.3f} MiB per 1k requests ({verdict})")
     print(f"{'cache usage mean/max':<28}{statistics.fmean(samples.cache):.1%} / {max(samples.cache):.1%}")
     freed = [v for v in samples.columns["pressure_freed"] if v == v]
     if freed:
