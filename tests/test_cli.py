@@ -81,7 +81,7 @@ def test_top_level_help_names_the_subcommands(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    assert all(name in out for name in COMMANDS) and set(COMMANDS) == {"serve", "plan", "sweep", "bench"}
+    assert all(name in out for name in COMMANDS) and set(COMMANDS) == {"serve", "plan", "sweep", "bench", "hash"}
     with pytest.raises(SystemExit) as done:
         main(["warp"])
     assert done.value.code == 2

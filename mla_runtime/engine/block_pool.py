@@ -6,6 +6,9 @@
 - A full block's hash chains over the previous block's hash and the block's token ids, so equal hashes
   mean equal prefixes, not merely equal blocks.
 - Counters are in tokens: ``query_tokens`` looked up, ``hit_tokens`` served from the cache.
+- Cache pressure: ``relieve_pressure`` (called between steps) frees cached-free blocks, least recently used
+  first, while the blocks in use or cached exceed ``watermark`` of the pool, so that admissions find plain
+  free blocks; blocks in use are never touched. Every eviction goes through ``_evict_lru``.
 
 The pool deals only in integer ids; it knows nothing of tensors.
 """
@@ -25,9 +28,14 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 watermark: float = 1.0) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if not 0.0 < watermark <= 1.0:
+            raise ValueError(f"watermark must be in (0, 1], got {watermark!r}")
+        self.watermark = watermark
+        self.pressure_freed = 0  # cached-free blocks freed by relieve_pressure
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -53,6 +61,15 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self._index)
 
+    @property
+    def num_idle_cached_blocks(self) -> int:
+        """Cached-free blocks: prefix blocks no sequence holds, kept for later hits."""
+        return len(self._evictable)
+
+    def occupancy(self) -> float:
+        """Blocks in use or holding an idle cached prefix, over all blocks (what the watermark bounds)."""
+        return (self.num_blocks - len(self._free)) / self.num_blocks
+
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
 
@@ -65,14 +82,7 @@ class BlockPool:
             raise NoFreeBlocksError(f"need {n} blocks, {self.num_free_blocks} free")
         out = []
         for _ in range(n):
-            if self._free:
-                b = self._free.popleft()
-            else:
-                b, _ = self._evictable.popitem(last=False)
-                h = self.block_hashes[b]
-                if h is not None and self._index.get(h) == b:
-                    del self._index[h]
-                self.block_hashes[b] = None
+            b = self._free.popleft() if self._free else self._evict_lru()
             self.ref_counts[b] = 1
             out.append(b)
         return out
@@ -91,6 +101,27 @@ class BlockPool:
                 else:
                     self.block_hashes[b] = None
                     self._free.append(b)
+
+    def _evict_lru(self) -> int:
+        """Drop the least recently used cached-free block from the prefix index and return its id (the only
+        place a cached block is forgotten)."""
+        b, _ = self._evictable.popitem(last=False)
+        h = self.block_hashes[b]
+        if h is not None and self._index.get(h) == b:
+            del self._index[h]
+        self.block_hashes[b] = None
+        return b
+
+    def relieve_pressure(self) -> int:
+        """Above the watermark, free cached-free blocks (LRU first) until the occupied blocks are back at the
+        watermark or no idle cached block is left; returns how many were freed."""
+        limit = int(self.watermark * self.num_blocks)
+        freed = 0
+        while self._evictable and self.num_blocks - len(self._free) > limit:
+            self._free.append(self._evict_lru())
+            freed += 1
+        self.pressure_freed += freed
+        return freed
 
     # -- prefix cache --------------------------------------------------------------------------
     def lookup(self, hashes: Sequence[int], num_query_tokens: int) -> list[int]:

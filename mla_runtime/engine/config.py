@@ -23,6 +23,10 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
+    # between steps, idle cached prefix blocks are freed (LRU first) while more than this fraction of the
+    # latent-cache blocks is in use or cached (1.0: only when an allocation needs them)
+    cache_watermark: float = 0.8
+    verify_weights: bool = False  # check every *.safetensors against the checkpoint's sha256 manifest first
     tensor_parallel_size: int = 1
     attention_backend: str | None = None
     attention_path: str = "auto"
@@ -75,6 +79,11 @@ class EngineConfig:
             raise ValueError(f"latent_projection must be 'svd' or 'pca', got {self.latent_projection!r}")
         if self.latent_projection == "pca" and self.latent_rank is not None and not self.latent_calibration:
             raise ValueError("latent_projection 'pca' needs latent_calibration (a text file)")
+        if isinstance(self.cache_watermark, bool) or not isinstance(self.cache_watermark, (int, float)) or \
+                not 0.0 < self.cache_watermark <= 1.0:
+            raise ValueError(f"cache_watermark must be a fraction in (0, 1], got {self.cache_watermark!r}")
+        if not isinstance(self.verify_weights, bool):
+            raise ValueError(f"verify_weights must be true or false, got {self.verify_weights!r}")
         if self.num_threads is not None and self.num_threads != "auto" and (
                 not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"num_threads must be a positive int, 'auto' or None, got {self.num_threads!r}")

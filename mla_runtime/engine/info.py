@@ -40,6 +40,8 @@ class EngineInfo:
     max_num_batched_tokens: int
     device: str
     num_threads: int
+    weights_fingerprint: str | None  # 16 hex digits of the weight files' sha256 manifest (None: no manifest)
+    weights_verified: bool  # the files were hashed against the manifest at start-up
 
     @classmethod
     def of(cls, worker: Worker, num_blocks: int, num_threads: int) -> EngineInfo:
@@ -55,7 +57,8 @@ class EngineInfo:
             num_blocks=num_blocks, cache_bytes=worker.cache.nbytes(), weight_bytes=worker.weight_bytes,
             activation_bytes=worker.activation_bytes, max_model_len=worker.max_model_len,
             max_concurrent_tokens=num_blocks * c.block_size, max_num_seqs=c.max_num_seqs,
-            max_num_batched_tokens=worker.max_num_batched_tokens, device=str(worker.device), num_threads=num_threads)
+            max_num_batched_tokens=worker.max_num_batched_tokens, device=str(worker.device), num_threads=num_threads,
+            weights_fingerprint=worker.weights_fingerprint, weights_verified=c.verify_weights)
 
 
 @dataclass(frozen=True)
@@ -74,3 +77,7 @@ class EngineStats:
     num_generation_tokens: int
     num_draft_tokens: int
     num_accepted_tokens: int
+    num_idle_cached_blocks: int  # free blocks that still hold an indexed prefix
+    cache_watermark: float
+    pressure_freed_blocks: int  # idle cached blocks freed above the watermark
+    seconds_above_watermark: float

@@ -62,7 +62,8 @@ class LLMEngine:
             self.shutdown()
             raise
         self.thread_tuner = ThreadTuner.for_engine(config.num_threads, self.device, tp)
-        self.pool = BlockPool(self.cache.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.pool = BlockPool(self.cache.num_blocks, config.block_size, config.enable_prefix_caching,
+                              config.cache_watermark)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
                                    config.num_speculative_tokens, (config.prompt_lookup_max, config.prompt_lookup_min))
         self.runner = ModelRunner(self.worker, config.seed, self.tp_group, self.thread_tuner)
@@ -151,7 +152,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if not batch.seqs:
+            self.scheduler.relieve_cache_pressure()
             return []
+        start = time.monotonic()
+        for seq in batch.seqs:
+            state = self.requests.get(seq.request_id)
+            if state is not None and state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = start
         sampled, accepted = self.runner.execute(batch)
         self.num_draft_tokens += sum(len(s.draft_token_ids) for s in batch.seqs)
         self.num_accepted_tokens += sum(accepted.values())
@@ -174,6 +181,7 @@ class LLMEngine:
                 state.finished = True
                 state.metrics.finished_time = now
                 del self.requests[state.request_id]
+        self.scheduler.relieve_cache_pressure()  # finished sequences' blocks are back: free idle ones now
         return [make_output(state) for state in touched.values()]
 
     def shutdown(self) -> None:
@@ -194,4 +202,6 @@ class LLMEngine:
             prefix_hit_tokens=pool.hit_tokens, prefix_hit_rate=pool.hit_rate(), num_preemptions=s.num_preemptions,
             num_computed_tokens=s.num_computed_tokens_total, num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens, num_draft_tokens=self.num_draft_tokens,
-            num_accepted_tokens=self.num_accepted_tokens)
+            num_accepted_tokens=self.num_accepted_tokens, num_idle_cached_blocks=pool.num_idle_cached_blocks,
+            cache_watermark=pool.watermark, pressure_freed_blocks=pool.pressure_freed,
+            seconds_above_watermark=s.seconds_above_watermark)

@@ -19,12 +19,15 @@ rank per step.
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from mla_runtime import checksums
 from mla_runtime.cache.latent_cache import LatentCache
 from mla_runtime.config import ModelConfig
 from mla_runtime.dtypes import CacheDtype, resolve_cache_dtype
@@ -44,6 +47,8 @@ from mla_runtime.plan import (
     resolve_model_dtype,
     weight_bytes,
 )
+
+logger = logging.getLogger("mla_runtime")
 
 
 @dataclass(frozen=True)
@@ -98,10 +103,18 @@ class Worker:
             max_num_seqs=config.max_num_seqs, tensor_parallel_size=tp)
         self.model: DeepseekForCausalLM | None = None
         self.cache: LatentCache | None = None
+        self.weights_fingerprint: str | None = None  # from the sha256 manifest (None: the folder has none)
 
     # -- set-up ----------------------------------------------------------------------------------
     def load(self) -> DeepseekForCausalLM:
+        """Load the weights (checked against the checkpoint's sha256 manifest first with ``verify_weights``)."""
         c = self.config
+        if c.verify_weights and self.par.rank == 0:
+            t0 = time.monotonic()
+            self.weights_fingerprint = checksums.verify(self.model_path)
+            logger.info("weights verified against their sha256 manifest in %.1f s", time.monotonic() - t0)
+        else:
+            self.weights_fingerprint = checksums.manifest_fingerprint(self.model_path)
         self.model = load_model(self.model_path, dtype=self.dtype, attention_path=c.attention_path,
                                 backend=c.attention_backend, device=self.device, par=self.par)
         return self.model

@@ -38,6 +38,8 @@ class ServerConfig:
     step_timeout: float = 120.0  # seconds one engine step may run before /health turns 503 and the server restarts
     max_connections: int = 1000  # open connections; beyond, new ones are closed at once
     metrics_auth: bool = False  # /metrics requires the API key too
+    log_format: str = "text"  # "text" (a line for a terminal) or "json" (one JSON object per line)
+    log_prompts: bool = False  # the request log carries the prompt's text
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
@@ -53,6 +55,10 @@ class ServerConfig:
             raise ValueError(f"max_connections must be an integer >= 1, got {self.max_connections!r}")
         if not isinstance(self.metrics_auth, bool):
             raise ValueError(f"metrics_auth must be true or false, got {self.metrics_auth!r}")
+        if self.log_format not in ("text", "json"):
+            raise ValueError(f"log_format must be 'text' or 'json', got {self.log_format!r}")
+        if not isinstance(self.log_prompts, bool):
+            raise ValueError(f"log_prompts must be true or false, got {self.log_prompts!r}")
         if self.metrics_auth and self.api_key is None:
             raise ValueError("metrics_auth needs an API key (--api-key or $MLA_API_KEY)")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
@@ -207,6 +213,16 @@ OPTIONS: dict[str, Option] = {
                                        "the least loaded (default: max-num-seqs)"),
     "replica_cpus": Option("replicas.cpus_per_replica", "--replica-cpus", float,
                            "Ray CPUs each replica reserves"),
+    "log_format": Option("serving.log_format", "--log-format", str,
+                         "text (a line for a terminal) or json (one JSON object per line, a line per request)"),
+    "log_prompts": Option("serving.log_prompts", "--log-prompts", bool,
+                          "the request log carries the prompt's text (never logged otherwise)"),
+    "verify_weights": Option("model.verify_weights", "--verify-weights", bool,
+                             "check every *.safetensors file against the checkpoint's sha256 manifest (the hub's "
+                             "LFS hashes, or SHA256SUMS from 'mla-runtime hash') before loading"),
+    "cache_watermark": Option("kv_cache.watermark", "--cache-watermark", float,
+                              "fraction of latent-cache blocks (in use or cached) above which idle cached prefix "
+                              "blocks are freed between steps, least recently used first (1.0: off)"),
 }
 YAML_KEYS = {opt.yaml: name for name, opt in OPTIONS.items() if opt.yaml}
 YAML_HINTS = {"kv_cache.gpu_memory_util": "size the latent cache in bytes with kv_cache.memory (e.g. '40GiB')"}

@@ -8,6 +8,7 @@ the memory split (weights / latent cache / activation reserve / other).
 
 from __future__ import annotations
 
+import os
 import resource
 from collections.abc import Callable, Iterator
 
@@ -68,6 +69,19 @@ def _process_memory_bytes(device: str) -> int:
         return 0
 
 
+def memory_limit_bytes() -> int:
+    """What this process may use: its cgroup's memory limit (v2, else v1) when set, else the host's RAM."""
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 1 << 60:  # v1 reports "no limit" as a huge number
+            return int(text)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 class EngineCollector(Collector):
     """Engine state at scrape time; ``stats`` is ``AsyncLLM.stats`` (takes the engine lock briefly)."""
 
@@ -75,6 +89,7 @@ class EngineCollector(Collector):
         self.stats = stats
         self.info = info
         self.served_name = served_name  # never the checkpoint's path
+        self.memory_limit = memory_limit_bytes()
 
     def collect(self) -> Iterator[Metric]:
         s, d = self.stats(), self.info
@@ -101,6 +116,14 @@ class EngineCollector(Collector):
                       s.prefix_hit_tokens)
         yield counter("mla_preemptions", "Sequences preempted (blocks freed, recomputed later)",
                       s.num_preemptions)
+        yield gauge("mla_prefix_cache_idle_blocks", "Free latent-cache blocks still holding an indexed prefix "
+                    "(reusable, freed first under pressure)", s.num_idle_cached_blocks)
+        yield gauge("mla_cache_watermark_ratio", "Fraction of the latent-cache blocks (in use or cached) above which "
+                    "idle cached prefix blocks are freed between steps", s.cache_watermark)
+        yield counter("mla_cache_pressure_freed_blocks", "Idle cached prefix blocks freed above the watermark",
+                      s.pressure_freed_blocks)
+        yield counter("mla_cache_pressure_seconds", "Seconds the latent-cache blocks in use or cached stayed above "
+                      "the watermark", s.seconds_above_watermark)
         yield counter("mla_spec_draft_tokens", "Speculative draft tokens proposed (prompt lookup)",
                       s.num_draft_tokens)
         yield counter("mla_spec_accepted_tokens", "Speculative draft tokens the model accepted",
@@ -114,11 +137,14 @@ class EngineCollector(Collector):
         mem.add_metric(["activations_reserve"], d.activation_bytes)
         mem.add_metric(["other"], max(0, _process_memory_bytes(d.device) - weights - cache))
         yield mem
-        info = GaugeMetricFamily("mla_model_info", "Served model and cache layout (value 1)",
-                                 labels=["model", "dtype", "cache_dtype", "layers", "heads", "d_c", "d_r",
-                                         "block_size"])
+        yield gauge("mla_memory_limit_bytes", "Memory this process may use: its cgroup limit, else the host's RAM "
+                    "(compare with process_resident_memory_bytes)", self.memory_limit)
+        info = GaugeMetricFamily("mla_model_info", "Served model, cache layout and the weights' sha256 fingerprint "
+                                 "(value 1)", labels=["model", "dtype", "cache_dtype", "layers", "heads", "d_c", "d_r",
+                                                      "block_size", "weights", "weights_verified"])
         info.add_metric([self.served_name] + [str(getattr(d, k)) for k in ("dtype", "cache_dtype", "layers", "heads",
-                                                                           "d_c", "d_r", "block_size")], 1)
+                                                                           "d_c", "d_r", "block_size")]
+                        + [d.weights_fingerprint or "unknown", str(d.weights_verified).lower()], 1)
         yield info
         if d.device == "cpu":
             gemm = cpu_gemm.gemm_info(d.dtype)

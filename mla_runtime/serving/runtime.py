@@ -143,6 +143,9 @@ class ServingRuntime:
         logger.info("model %s (%s, from %s): %d layers, %d heads, d_c=%d, d_r=%d, dtype %s, loaded in %.1f s",
                     c.served_model_name, d.family, d.checkpoint, d.layers, d.heads, d.d_c, d.d_r, d.dtype,
                     load_seconds)
+        state = "verified" if d.weights_verified else "from the manifest, not checked (--verify-weights checks it)"
+        logger.info("weights fingerprint %s", f"{d.weights_fingerprint} ({state})" if d.weights_fingerprint
+                    else "unknown: the checkpoint has no sha256 manifest (write one with `mla-runtime hash`)")
         logger.info("latent cache: %s, block size %d, %d blocks, %s/token -> max concurrent tokens %d "
                     "(max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d)",
                     d.cache_dtype, d.block_size, d.num_blocks, human_bytes(d.cache_bytes_per_token),
@@ -237,8 +240,18 @@ class ServingRuntime:
         self.in_flight += weight
         self.metrics.in_flight.inc(weight)
 
-    def reject(self, endpoint: str, status: int) -> None:
-        self.metrics.requests.labels(endpoint, STATUS_OUTCOMES.get(status, "error")).inc()
+    def reject(self, endpoint: str, status: int) -> str:
+        """Count a request refused before admission; returns its outcome label."""
+        outcome = STATUS_OUTCOMES.get(status, "error")
+        self.metrics.requests.labels(endpoint, outcome).inc()
+        return outcome
+
+    def cache_blocks(self) -> tuple[int, int] | None:
+        """(used, total) latent-cache blocks in the engine's latest snapshot; None before it started."""
+        if self.llm is None:
+            return None
+        stats = self.llm.stats()
+        return stats.num_blocks - stats.num_free_blocks, stats.num_blocks
 
     def deadline(self, job: Job) -> float:
         """Event-loop time at which ``job`` times out."""
@@ -256,17 +269,12 @@ class ServingRuntime:
         m = self.metrics
         m.in_flight.dec(job.num_choices)
         m.requests.labels(job.endpoint, outcome).inc()
+        job.last_output = out
         if out is None:
-            logger.info("%s %s %s before the first token, after %.3f s", job.endpoint, job.request_id, outcome,
-                        time.monotonic() - job.arrival)
             return
         m.prompt_tokens.inc(len(out.prompt_token_ids))
         m.generation_tokens.inc(sum(len(c.token_ids) for c in out.outputs))
         m.cached_prompt_tokens.inc(out.num_cached_tokens)
-        logger.info("%s %s %s: prompt %d tokens (%d cached), generated %d, ttft %s, total %.3f s", job.endpoint,
-                    job.request_id, outcome, len(out.prompt_token_ids), out.num_cached_tokens,
-                    sum(len(c.token_ids) for c in out.outputs),
-                    "-" if out.metrics.ttft is None else f"{out.metrics.ttft:.3f} s", time.monotonic() - job.arrival)
         if outcome == "success":
             m.e2e.observe(time.monotonic() - job.arrival)
             if out.metrics.ttft is not None:

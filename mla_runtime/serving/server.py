@@ -25,12 +25,14 @@ from types import FrameType
 from typing import Any
 
 import uvicorn
+from uvicorn.config import LOGGING_CONFIG
 
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.engine.tp_workers import is_torchrun_worker, run_torchrun_worker
 from mla_runtime.serving.app import build_app
 from mla_runtime.serving.config import ReplicaConfig, ServerConfig, resolve_all
 from mla_runtime.serving.http import GuardedH11Protocol
+from mla_runtime.serving.request_log import configure_logging
 
 logger = logging.getLogger("mla_runtime.serving")
 
@@ -41,7 +43,7 @@ def uvicorn_config(app: Any, config: ServerConfig, log_level: str = "info") -> u
     protocol = GuardedH11Protocol.configured(config.header_timeout, config.stream_stall_timeout,
                                              config.max_connections)
     return uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level, http=protocol,
-                          timeout_keep_alive=5,
+                          timeout_keep_alive=5, log_config=None if config.log_format == "json" else LOGGING_CONFIG,
                           timeout_graceful_shutdown=config.shutdown_timeout,  # type: ignore[arg-type]  # float s
                           access_log=False)
 
@@ -127,12 +129,12 @@ def serve_replicas(engine_config: EngineConfig, config: ServerConfig, replicas: 
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "server.py") -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         engine_config, config, replicas = resolve_all(argv, prog=prog)
     except ValueError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    configure_logging(config.log_format)
     if replicas.enabled:
         return serve_replicas(engine_config, config, replicas, prog)
     if is_torchrun_worker(engine_config):
