@@ -22,7 +22,7 @@ from mla_runtime.cache.latent_cache import LatentCache
 from mla_runtime.cli import main
 from mla_runtime.engine.block_pool import block_hash
 from tests.checkpoints import VOCAB
-from tests.test_server import Live, text_checkpoint  # noqa: F401  (a fixture)
+from tests.test_server import Live, text_checkpoint, wait_ready  # noqa: F401  (a fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 16
@@ -271,7 +271,8 @@ def test_two_processes_sharing_a_directory_both_hit(v3, tmp_path):
 def test_server_flushes_at_shutdown_and_reports_disk_hits_after_a_restart(text_checkpoint, tmp_path):  # noqa: F811
     body = {"prompt": [random.Random(3).randrange(2, 300) for _ in range(120)], "max_tokens": 6, "temperature": 0}
     engine = {"kv_cache_dir": str(tmp_path)}
-    first = Live(text_checkpoint, engine=engine)
+    first = Live(text_checkpoint, engine=engine, wait=False)
+    wait_ready(first.base, timeout=600)  # the first engine of a process times its CPU products once
     cold = httpx.post(first.base + "/generate", json=body, timeout=60).json()
     first.stop()  # a graceful stop: the resident blocks go to disk
     assert len(files(tmp_path)) == 120 // BLOCK
@@ -328,3 +329,24 @@ def test_warm_precomputes_prompts_that_a_later_engine_finds(v3, tmp_path, capsys
     llm.shutdown()
     assert main(["warm", "--model", str(v3), "--prompts", str(prompts)]) == 2
     assert "--kv-cache-dir is required" in capsys.readouterr().err
+
+
+def test_settings_that_need_a_directory_name_the_field_and_the_planner_gives_the_capacity(capsys):
+    from mla_runtime.config import ModelConfig
+    from mla_runtime.engine.config import EngineConfig
+    from mla_runtime.plan import plan_memory
+
+    for kw, field in (({"kv_cache_write_through": True}, "kv_cache_write_through"),
+                      ({"kv_cache_disk_bytes": "1GiB"}, "kv_cache_disk_bytes"),
+                      ({"kv_cache_dir": "d", "enable_prefix_caching": False}, "enable_prefix_caching"),
+                      ({"kv_cache_dir": "d", "kv_cache_disk_bytes": "lots"}, "byte size")):
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(model="m", **kw)
+    assert EngineConfig(model="m", kv_cache_dir=Path("d"), kv_cache_disk_bytes="2KiB").kv_cache_disk_bytes == 2048
+    plan = plan_memory(ModelConfig.from_pretrained("deepseek-v3"), dtype="bfloat16", device_memory_bytes=141 * 2**30,
+                       max_seq_len=32768, max_num_seqs=16, tensor_parallel_size=16, disk_bytes=10**12)
+    assert plan.disk_file_bytes - 70_272 * 64 in range(200, 400)  # the latents of a block plus one header
+    assert plan.disk_capacity_tokens == 10**12 // plan.disk_file_bytes * 64 > 14_000_000
+    assert main(["plan", "--model", "deepseek-v3", "--device-memory", "141GiB", "--tensor-parallel-size", "16",
+                 "--max-num-seqs", "16", "--max-seq-len", "32768", "--kv-cache-disk-bytes", "1TB"]) == 0
+    assert f"disk tier: tokens that fit {plan.disk_capacity_tokens:,}" in " ".join(capsys.readouterr().out.split())
