@@ -10,6 +10,7 @@ import random
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -101,6 +102,25 @@ def test_corrupt_truncated_and_foreign_files_are_misses_deleted_and_counted(tmp_
     assert reader.load(hashes[2:], [4]) == 0 and not paths[2].exists()
     assert reader.stats().corrupt_files == 3
     assert reader.load(hashes[3:], [4]) == 1  # the good one still loads
+
+
+def test_prefetch_reads_ahead_into_staging(tmp_path):
+    writer = tier_over(tmp_path, torch.bfloat16)
+    hashes = chain(3)
+    for b, h in enumerate(hashes):
+        writer.store(h, b)
+    writer.close(30)
+    reader = tier_over(tmp_path, torch.bfloat16, seed=1)
+    reader.prefetch(hashes)
+    deadline = time.monotonic() + 60
+    while reader.stats().bytes_read < 3 * reader.file_bytes():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    for f in files(tmp_path):
+        f.unlink()  # the staged copies are what a load now takes
+    assert reader.lookup(hashes) == 3 and reader.load(hashes, [5, 6, 7]) == 3
+    assert torch.equal(reader.cache.layers[1].kv[7], writer.cache.layers[1].kv[2])
+    assert reader.stats().bytes_read == 3 * reader.file_bytes()  # each file read once
 
 
 def test_eviction_keeps_the_directory_under_its_bound(tmp_path):
