@@ -79,7 +79,7 @@ def one_round(ckpt: Path, lengths: list[int], r: int, args: argparse.Namespace, 
     prompts = {L: [rng.randrange(2, 32000) for _ in range(L + QUESTION)] for L in lengths}
     first = LLM(str(ckpt), **kw)
     cold = {L: first.generate([{"prompt_token_ids": prompts[L]}], p, use_tqdm=False)[0] for L in lengths}
-    first.shutdown()
+    first.shutdown(flush_timeout=args.flush_timeout)  # every block on disk before the restart
     drop_from_page_cache(d)
     again = LLM(str(ckpt), **kw)
     for L in lengths:
@@ -96,7 +96,8 @@ def one_round(ckpt: Path, lengths: list[int], r: int, args: argparse.Namespace, 
         row["device"].append(hit.metrics.ttft)
         row["read"].append((after.bytes_read - before.bytes_read) / L)
         print(f"round {r} L={L}: recompute {cold[L].metrics.ttft:.3f} s, disk {out.metrics.ttft:.3f} s, "
-              f"device {hit.metrics.ttft:.3f} s", flush=True)
+              f"device {hit.metrics.ttft:.3f} s, read {row['read'][-1]:,.1f} B per cached token "
+              f"(latent {again.engine.bytes_per_token:,} B)", flush=True)
     rows["bytes_per_token"] = again.engine.bytes_per_token
     rows["file_bytes"] = again.engine.worker.disk_tier.file_bytes()
     rows["dtype"] = str(again.engine.worker.dtype).removeprefix("torch.")
@@ -128,6 +129,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-cache-memory", default="512MiB")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--flush-timeout", type=float, default=600.0,
+                        help="seconds the first engine's shutdown may take to write its blocks")
     parser.add_argument("--cache-parent", default=str(ROOT / "bench" / "out" / "diskcache"),
                         help="the disk tier's directories are made here (on the disk under test)")
     args = parser.parse_args()
