@@ -23,7 +23,7 @@ LEVELS = {
     "loader": 4, "latent_rank": 4, "plan": 4,
     "engine": 6, "llm": 6,
     "serving": 8,
-    "cli": 9, "sweep": 9, "benchmark": 9,
+    "cli": 9, "sweep": 9, "benchmark": 9, "warm": 9,
 }
 LEVEL_OF_SUBMODULE = {"engine.config": 5, "engine.worker": 5}  # the worker and its config sit below the engine
 KERNELS = 0

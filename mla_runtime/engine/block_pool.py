@@ -9,18 +9,48 @@
 - Cache pressure: ``relieve_pressure`` (called between steps) frees cached-free blocks, least recently used
   first, while the blocks in use or cached exceed ``watermark`` of the pool, so that admissions find plain
   free blocks; blocks in use are never touched. Every eviction goes through ``_evict_lru``.
+- Counters are in tokens: ``query_tokens`` looked up, ``hit_tokens`` served from the cache (this pool's own
+  blocks); ``lower_query_tokens`` / ``lower_hit_tokens`` the same for the lower tier.
+- A block hash is 128 bits of BLAKE2b, the same in every process, so that it can name a block on disk.
+
+A lower tier (``LowerTier``: the disk tier, ``cache/disk_tier.py``, driven by ``engine/kv_tier.py``) sits under
+the pool when one is attached:
+- a cached block about to be evicted is handed to ``store`` first (write before free: the tier copies the
+  block's rows out before ``allocate`` returns it); with ``write_through``, every block as soon as it is
+  registered;
+- ``lookup`` continues a prefix missing here in the lower tier: the blocks found there are loaded into fresh
+  blocks, registered, and returned as hits like this pool's own;
+- ``prefetch`` lets the tier read ahead for a queued sequence.
 
 The pool deals only in integer ids; it knows nothing of tensors.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from typing import Protocol
 
 
 def block_hash(parent: int | None, token_ids: Sequence[int]) -> int:
-    return hash((parent, tuple(token_ids)))
+    h = hashlib.blake2b(digest_size=16)
+    h.update(b"root" if parent is None else parent.to_bytes(16, "little"))
+    h.update(array("q", token_ids).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+class LowerTier(Protocol):
+    """A slower cache under the pool, in block ids and hashes (see the module docstring)."""
+
+    def store(self, block_hash: int, block: int) -> None: ...
+
+    def lookup(self, hashes: Sequence[int]) -> int: ...
+
+    def load(self, hashes: Sequence[int], blocks: Sequence[int]) -> int: ...
+
+    def prefetch(self, hashes: Sequence[int]) -> None: ...
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -46,6 +76,16 @@ class BlockPool:
         self._index: dict[int, int] = {}  # hash → block id
         self.query_tokens = 0
         self.hit_tokens = 0
+        self.num_evictions = 0  # cached blocks evicted to make room
+        self.lower: LowerTier | None = None
+        self.write_through = False
+        self.lower_query_tokens = 0
+        self.lower_hit_tokens = 0
+
+    def attach_lower_tier(self, tier: LowerTier, write_through: bool = False) -> None:
+        if not self.enable_prefix_caching:
+            raise ValueError("a lower cache tier needs enable_prefix_caching")
+        self.lower, self.write_through = tier, write_through
 
     # -- accounting ----------------------------------------------------------------------------
     @property
@@ -108,8 +148,11 @@ class BlockPool:
         b, _ = self._evictable.popitem(last=False)
         h = self.block_hashes[b]
         if h is not None and self._index.get(h) == b:
+            if self.lower is not None:
+                self.lower.store(h, b)  # write before free (a no-op when already on disk)
             del self._index[h]
         self.block_hashes[b] = None
+        self.num_evictions += 1
         return b
 
     def relieve_pressure(self) -> int:
@@ -140,15 +183,50 @@ class BlockPool:
                 self._evictable.pop(b, None)
             self.ref_counts[b] += 1
         self.hit_tokens += len(hit) * self.block_size
+        if self.lower is not None and len(hit) < len(hashes):
+            hit += self._load_lower(hashes[len(hit):])
         return hit
 
-    def register(self, block: int, h: int) -> None:
-        """Index a full, computed block under its chained hash (first writer wins)."""
+    def _load_lower(self, hashes: Sequence[int]) -> list[int]:
+        """Continue a prefix in the lower tier: load the blocks found there into fresh blocks (as many as are free)
+        and register them; they come back referenced, like hits."""
+        assert self.lower is not None
+        self.lower_query_tokens += len(hashes) * self.block_size
+        n = min(self.lower.lookup(hashes), self.num_free_blocks)
+        if n == 0:
+            return []
+        blocks = self.allocate(n)
+        loaded = self.lower.load(hashes[:n], blocks)
+        self.free(blocks[loaded:])
+        for b, h in zip(blocks[:loaded], hashes):
+            self.register(b, h, from_lower=True)
+        self.lower_hit_tokens += loaded * self.block_size
+        return blocks[:loaded]
+
+    def prefetch(self, hashes: Sequence[int]) -> None:
+        """Ask the lower tier to read ahead the blocks of ``hashes`` after the prefix cached here."""
+        if self.lower is None:
+            return
+        k = 0
+        while k < len(hashes) and hashes[k] in self._index:
+            k += 1
+        if k < len(hashes):
+            self.lower.prefetch(hashes[k:])
+
+    def cached_blocks(self) -> list[tuple[int, int]]:
+        """``(hash, block)`` of every full block indexed here (in use or cached-free)."""
+        return list(self._index.items())
+
+    def register(self, block: int, h: int, from_lower: bool = False) -> None:
+        """Index a full, computed block under its chained hash (first writer wins); with write-through, the lower
+        tier stores it now (unless it came from there)."""
         if not self.enable_prefix_caching:
             return
         if h not in self._index:
             self._index[h] = block
             self.block_hashes[block] = h
+            if self.write_through and self.lower is not None and not from_lower:
+                self.lower.store(h, block)
 
     def check_whole(self) -> None:
         """Raise unless every block is free (no references held)."""

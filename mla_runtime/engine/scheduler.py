@@ -7,7 +7,8 @@ Each step it fills a budget of ``max_num_batched_tokens`` new tokens:
    is preempted: its blocks go back to the pool (full ones stay prefix-cached) and it re-queues at the
    front, to be recomputed later — cheap, since its prefix is usually still cached;
 3. then waiting sequences, in arrival order, while the budget, ``max_num_seqs`` and the pool allow;
-   each first takes the longest cached prefix of its tokens.
+   each first takes the longest cached prefix of its tokens (continued in the pool's lower tier, the disk,
+   when it has one: those blocks are loaded before the sequence's first step, and prefetched while it queues).
 
 Between steps ``relieve_cache_pressure`` frees idle cached prefix blocks above the pool's watermark (LRU
 first), so admissions take plain free blocks instead of evicting inside a step; running sequences keep
@@ -65,6 +66,8 @@ class Scheduler:
     # -- queue ---------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        if self.pool.lower is not None:  # a lower cache tier reads the prefix ahead while the sequence queues
+            self.pool.prefetch(self._prefix_hashes(seq))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

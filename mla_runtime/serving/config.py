@@ -165,6 +165,14 @@ OPTIONS: dict[str, Option] = {
     "max_num_batched_tokens": Option(None, "--max-num-batched-tokens", int,
                                      "token budget of one step (default: max-model-len capped at 8192, "
                                      "at least 2048)"),
+    "kv_cache_dir": Option("kv_cache.dir", "--kv-cache-dir", str,
+                           "directory of the disk tier: evicted prefix-cache blocks are written there and found "
+                           "again after a restart; several processes may share it (default: off)"),
+    "kv_cache_write_through": Option("kv_cache.write_through", "--kv-cache-write-through", bool,
+                                     "write every full block to the disk tier as soon as it is complete"),
+    "kv_cache_disk_bytes": Option("kv_cache.disk_bytes", "--kv-cache-disk-bytes", str,
+                                  "bound of the disk tier's directory, e.g. 500GiB; least recently used files go "
+                                  "first (default: its current size plus 90%% of the free disk space)"),
     "kv_cache_dtype": Option("kv_cache.dtype", "--kv-cache-dtype", str, "auto, bfloat16, float16, fp8, int8…"),
     "latent_cache_layout": Option("kv_cache.layout", "--latent-cache-layout", str, "replicated or sharded"),
     "num_speculative_tokens": Option("speculative.num_tokens", "--num-speculative-tokens", int,
@@ -270,7 +278,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 def _check_type(dotted: str, name: str, value: Any) -> Any:
     want = OPTIONS[name].type
-    if name in ("kv_cache_memory", "max_body_bytes"):  # "8GiB" or a plain byte count
+    if name in ("kv_cache_memory", "max_body_bytes", "kv_cache_disk_bytes"):  # "8GiB" or a plain byte count
         want = (str, int)
     elif want is float:
         want = (int, float)

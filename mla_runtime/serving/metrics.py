@@ -3,7 +3,9 @@
 Two kinds: what the HTTP layer observes (requests by outcome, latency histograms, token counters, counted
 when a request ends), and what the engine knows, read from ``AsyncLLM.stats()`` at scrape time by
 ``EngineCollector`` (queue depth, running sequences, latent-cache blocks, prefix hits, preemptions) plus
-the memory split (weights / latent cache / activation reserve / other).
+the memory split (weights / latent cache / activation reserve / other), and the prefix cache per tier
+(``mla_kv_tier_*{tier="device"|"disk"}``: hits, misses, evictions, capacity; the disk tier's bytes read and
+written, write queue depth, dropped writes, corrupt files and usage).
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ class EngineCollector(Collector):
                       s.prefix_query_tokens)
         yield counter("mla_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache",
                       s.prefix_hit_tokens)
+        yield from _tier_metrics(s, d)
         yield counter("mla_preemptions", "Sequences preempted (blocks freed, recomputed later)",
                       s.num_preemptions)
         yield gauge("mla_prefix_cache_idle_blocks", "Free latent-cache blocks still holding an indexed prefix "
@@ -153,3 +156,40 @@ class EngineCollector(Collector):
                                        labels=list(gemm))
             family.add_metric(list(gemm.values()), 1)
             yield family
+
+
+def _tier_metrics(s: EngineStats, d: EngineInfo) -> Iterator[Metric]:
+    """The prefix cache per tier: the device pool, and the disk tier when one is configured."""
+    disk = s.disk
+    tiers = ["device"] + (["disk"] if disk is not None else [])
+    values: dict[str, list[float]] = {
+        "hits_tokens": [s.prefix_device_hit_tokens, s.prefix_disk_hit_tokens],
+        "misses_tokens": [s.prefix_query_tokens - s.prefix_device_hit_tokens,
+                          s.prefix_disk_query_tokens - s.prefix_disk_hit_tokens],
+        "evictions": [s.num_evictions, disk.evictions if disk is not None else 0],
+        "capacity_tokens": [d.max_concurrent_tokens, d.disk_capacity_tokens],
+    }
+    docs = {"hits_tokens": "Prompt tokens found in this tier of the prefix cache",
+            "misses_tokens": "Prompt tokens looked up in this tier and not found there",
+            "evictions": "Blocks (device) or files (disk) evicted to make room",
+            "capacity_tokens": "Tokens this tier holds"}
+    for name, per_tier in values.items():
+        kind = GaugeMetricFamily if name == "capacity_tokens" else CounterMetricFamily
+        family = kind(f"mla_kv_tier_{name}", docs[name], labels=["tier"])
+        for tier, value in zip(tiers, per_tier):
+            family.add_metric([tier], value)
+        yield family
+    if disk is None:
+        return
+    for name, doc, value, is_counter in (
+            ("read_bytes", "File bytes read from the disk tier", disk.bytes_read, True),
+            ("written_bytes", "File bytes written to the disk tier by this process", disk.bytes_written, True),
+            ("write_queue_depth", "Blocks copied out of the device pool, waiting to be written", disk.write_queue_depth,
+             False),
+            ("write_drops", "Blocks not written because the write queue was full", disk.write_drops, True),
+            ("corrupt_files", "Truncated, corrupt or foreign files found, deleted and read as misses",
+             disk.corrupt_files, True),
+            ("usage_bytes", "Bytes in the disk tier's directory (last scan plus own writes)", disk.usage_bytes, False)):
+        family = (CounterMetricFamily if is_counter else GaugeMetricFamily)(f"mla_kv_tier_{name}", doc, labels=["tier"])
+        family.add_metric(["disk"], value)
+        yield family

@@ -154,6 +154,11 @@ class ServingRuntime:
         logger.info("memory on %s: weights %s | latent cache %s | activations (reserve) %s | total %s",
                     d.device, human_bytes(d.weight_bytes), human_bytes(d.cache_bytes),
                     human_bytes(d.activation_bytes), human_bytes(total))
+        if d.kv_cache_dir is not None:
+            logger.info("disk tier: %s, capacity %s = %d tokens (%s per file of %d tokens), %s",
+                        d.kv_cache_dir, human_bytes(d.disk_capacity_bytes), d.disk_capacity_tokens,
+                        human_bytes(d.disk_file_bytes), d.block_size,
+                        "write-through" if d.kv_cache_write_through else "written on eviction and at shutdown")
         logger.info("serving: request_timeout %.0f s, max_queue %d, max_body_bytes %s, api key %s, model id %r",
                     c.request_timeout, c.max_queue, human_bytes(int(c.max_body_bytes)),
                     "required" if c.api_key else "not required", c.served_model_name)
@@ -294,7 +299,8 @@ class ServingRuntime:
             return
         if self.fault is not None:  # a hung rank would block the orderly stop: end the ranks first
             self._kill_ranks()
-        self.llm.shutdown()  # the engine thread, then the tensor-parallel ranks
+        # the engine thread, the disk tier's flush of resident blocks (its own shutdown_timeout), the ranks
+        self.llm.shutdown(flush_timeout=self.config.shutdown_timeout)
 
     def _kill_ranks(self) -> None:
         group = getattr(self.llm.engine, "tp_group", None) if self.llm is not None else None
