@@ -23,6 +23,7 @@ import torch
 from mla_runtime.engine.block_pool import BlockPool
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.engine.info import EngineInfo, EngineStats
+from mla_runtime.engine.kv_tier import DiskTierDriver
 from mla_runtime.engine.model_runner import ModelRunner
 from mla_runtime.engine.requests import (
     PromptType,
@@ -62,7 +63,13 @@ class LLMEngine:
             self.shutdown()
             raise
         self.thread_tuner = ThreadTuner.for_engine(config.num_threads, self.device, tp)
-        self.pool = BlockPool(self.cache.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.pool = BlockPool(self.cache.num_blocks, config.block_size, config.enable_prefix_caching,
+                              config.cache_watermark)
+        self.kv_tier: DiskTierDriver | None = None
+        if self.worker.disk_tier is not None:
+            self.kv_tier = DiskTierDriver(self.worker, self.worker.disk_tier, self.tp_group)
+            self.pool.attach_lower_tier(self.kv_tier, config.kv_cache_write_through)
+            self._log_disk_tier()
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
                                    config.num_speculative_tokens, (config.prompt_lookup_max, config.prompt_lookup_min))
         self.runner = ModelRunner(self.worker, config.seed, self.tp_group, self.thread_tuner)
@@ -87,8 +94,18 @@ class LLMEngine:
         if tp:
             tp.send("allocate", num_blocks)
         w.allocate(num_blocks)
+        w.open_disk_tier()
         if tp:
             tp.ready()
+
+    def _log_disk_tier(self) -> None:
+        tier = self.worker.disk_tier
+        assert tier is not None
+        st = tier.stats()
+        logger.info("disk tier: %s, capacity %s B = %d tokens (%d B per block of %d tokens), %s B in use, %s",
+                    tier.folder, f"{tier.capacity_bytes:,}", tier.capacity_tokens(), tier.file_bytes(),
+                    self.config.block_size, f"{st.usage_bytes:,}",
+                    "write-through" if self.config.kv_cache_write_through else "written on eviction")
 
     def _calibration(self) -> list[list[int]] | None:
         """Token chunks of ``latent_calibration`` for the PCA projection (None for SVD, which needs no data)."""
@@ -151,7 +168,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if not batch.seqs:
+            self.scheduler.relieve_cache_pressure()
             return []
+        start = time.monotonic()
+        for seq in batch.seqs:
+            state = self.requests.get(seq.request_id)
+            if state is not None and state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = start
         sampled, accepted = self.runner.execute(batch)
         self.num_draft_tokens += sum(len(s.draft_token_ids) for s in batch.seqs)
         self.num_accepted_tokens += sum(accepted.values())
@@ -174,10 +197,21 @@ class LLMEngine:
                 state.finished = True
                 state.metrics.finished_time = now
                 del self.requests[state.request_id]
+        self.scheduler.relieve_cache_pressure()  # finished sequences' blocks are back: free idle ones now
         return [make_output(state) for state in touched.values()]
 
-    def shutdown(self) -> None:
-        """Stop the tensor-parallel worker ranks (nothing to do on one rank)."""
+    def shutdown(self, flush_timeout: float = 30.0) -> None:
+        """Write the resident full blocks that are not on disk yet (with a disk tier, up to ``flush_timeout`` s),
+        then stop the tensor-parallel worker ranks."""
+        kv_tier, self.kv_tier = getattr(self, "kv_tier", None), None
+        if kv_tier is not None:
+            t0 = time.monotonic()
+            try:
+                n = kv_tier.close(self.pool.cached_blocks(), flush_timeout)
+                logger.info("disk tier: %d resident blocks on disk at shutdown (%.2f s)", n, time.monotonic() - t0)
+            except RuntimeError as e:  # a tensor-parallel rank is gone: rank 0's queued writes still finish
+                logger.error("disk tier: flush at shutdown failed: %s", e)
+                kv_tier.tier.close(flush_timeout)
         if self.tp_group is not None:
             self.tp_group.shutdown()
 
@@ -188,10 +222,18 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         s, pool = self.scheduler, self.pool
+        hits = pool.hit_tokens + pool.lower_hit_tokens
+        tier = self.worker.disk_tier
         return EngineStats(
             num_waiting=len(s.waiting), num_running=len(s.running), num_free_blocks=pool.num_free_blocks,
             num_blocks=pool.num_blocks, cache_usage=pool.usage(), prefix_query_tokens=pool.query_tokens,
-            prefix_hit_tokens=pool.hit_tokens, prefix_hit_rate=pool.hit_rate(), num_preemptions=s.num_preemptions,
+            prefix_hit_tokens=hits, prefix_hit_rate=hits / pool.query_tokens if pool.query_tokens else 0.0,
+            num_preemptions=s.num_preemptions,
             num_computed_tokens=s.num_computed_tokens_total, num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens, num_draft_tokens=self.num_draft_tokens,
-            num_accepted_tokens=self.num_accepted_tokens)
+            num_accepted_tokens=self.num_accepted_tokens, num_idle_cached_blocks=pool.num_idle_cached_blocks,
+            cache_watermark=pool.watermark, pressure_freed_blocks=pool.pressure_freed,
+            seconds_above_watermark=s.seconds_above_watermark,
+            num_evictions=pool.num_evictions,
+            prefix_device_hit_tokens=pool.hit_tokens, prefix_disk_query_tokens=pool.lower_query_tokens,
+            prefix_disk_hit_tokens=pool.lower_hit_tokens, disk=tier.stats() if tier is not None else None)
