@@ -12,7 +12,19 @@ from mla_runtime.cache.disk_tier import DiskTierStats
 from mla_runtime.dtypes import dtype_name
 
 if TYPE_CHECKING:
+    from mla_runtime.engine.block_pool import BlockPool
+    from mla_runtime.engine.scheduler import Scheduler
     from mla_runtime.engine.worker import Worker
+
+
+@dataclass
+class TokenCounts:
+    """Tokens the engine has handled since it started (the running totals behind the throughput metrics)."""
+
+    prompt: int = 0  # prompt tokens of admitted requests
+    generation: int = 0  # tokens generated
+    draft: int = 0  # speculative tokens proposed
+    accepted: int = 0  # speculative tokens accepted
 
 
 @dataclass(frozen=True)
@@ -98,3 +110,18 @@ class EngineStats:
     prefix_disk_query_tokens: int = 0  # tokens of blocks the device pool missed, looked up on disk
     prefix_disk_hit_tokens: int = 0
     disk: DiskTierStats | None = None  # the disk tier's I/O (None: off)
+
+    @classmethod
+    def of(cls, s: Scheduler, pool: BlockPool, counts: TokenCounts, disk: DiskTierStats | None) -> EngineStats:
+        hits = pool.hit_tokens + pool.lower_hit_tokens
+        return cls(
+            num_waiting=len(s.waiting), num_running=len(s.running), num_free_blocks=pool.num_free_blocks,
+            num_blocks=pool.num_blocks, cache_usage=pool.usage(), prefix_query_tokens=pool.query_tokens,
+            prefix_hit_tokens=hits, prefix_hit_rate=hits / pool.query_tokens if pool.query_tokens else 0.0,
+            num_preemptions=s.num_preemptions, num_computed_tokens=s.num_computed_tokens_total,
+            num_prompt_tokens=counts.prompt, num_generation_tokens=counts.generation, num_draft_tokens=counts.draft,
+            num_accepted_tokens=counts.accepted, num_idle_cached_blocks=pool.num_idle_cached_blocks,
+            cache_watermark=pool.watermark, pressure_freed_blocks=pool.pressure_freed,
+            seconds_above_watermark=s.seconds_above_watermark, num_evictions=pool.num_evictions,
+            prefix_device_hit_tokens=pool.hit_tokens, prefix_disk_query_tokens=pool.lower_query_tokens,
+            prefix_disk_hit_tokens=pool.lower_hit_tokens, disk=disk)

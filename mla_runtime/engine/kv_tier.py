@@ -13,12 +13,30 @@ waits for the writers up to the timeout.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 
 from mla_runtime.cache.disk_tier import DiskTier, DiskTierStats, agree_min, broadcast_blocks
+from mla_runtime.engine.block_pool import BlockPool
 from mla_runtime.engine.tp_workers import TensorParallelGroup
 from mla_runtime.engine.worker import Worker
+
+logger = logging.getLogger("mla_runtime")
+
+
+def attach_disk_tier(worker: Worker, pool: BlockPool, tp_group: TensorParallelGroup | None,
+                     write_through: bool) -> DiskTierDriver | None:
+    """Put the worker's disk tier (if it opened one) under ``pool``, and log its capacity."""
+    tier = worker.disk_tier
+    if tier is None:
+        return None
+    driver = DiskTierDriver(worker, tier, tp_group)
+    pool.attach_lower_tier(driver, write_through)
+    logger.info("disk tier: %s, capacity %s B = %d tokens (%d B per block of %d tokens), %s B in use, %s",
+                tier.folder, f"{tier.capacity_bytes:,}", tier.capacity_tokens(), tier.file_bytes(), pool.block_size,
+                f"{tier.stats().usage_bytes:,}", "write-through" if write_through else "written on eviction")
+    return driver
 
 
 class DiskTierDriver:
@@ -70,3 +88,14 @@ class DiskTierDriver:
             self.tp.send("kv_close", max(0.0, deadline - time.monotonic()))
         self.tier.close(max(0.0, deadline - time.monotonic()))
         return queued
+
+    def shutdown(self, pool: BlockPool, timeout: float) -> None:
+        """``close`` with the pool's resident blocks, logged; a failed flush still lets rank 0's queued writes
+        finish."""
+        t0 = time.monotonic()
+        try:
+            n = self.close(pool.cached_blocks(), timeout)
+            logger.info("disk tier: %d resident blocks on disk at shutdown (%.2f s)", n, time.monotonic() - t0)
+        except RuntimeError as e:  # a tensor-parallel rank is gone
+            logger.error("disk tier: flush at shutdown failed: %s", e)
+            self.tier.close(timeout)

@@ -16,14 +16,13 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from pathlib import Path
 
 import torch
 
 from mla_runtime.engine.block_pool import BlockPool
 from mla_runtime.engine.config import EngineConfig
-from mla_runtime.engine.info import EngineInfo, EngineStats
-from mla_runtime.engine.kv_tier import DiskTierDriver
+from mla_runtime.engine.info import EngineInfo, EngineStats, TokenCounts
+from mla_runtime.engine.kv_tier import attach_disk_tier
 from mla_runtime.engine.model_runner import ModelRunner
 from mla_runtime.engine.requests import (
     PromptType,
@@ -38,7 +37,7 @@ from mla_runtime.engine.scheduler import Scheduler
 from mla_runtime.engine.thread_tuner import ThreadTuner
 from mla_runtime.engine.tp_workers import TensorParallelGroup
 from mla_runtime.engine.worker import Worker
-from mla_runtime.latent_rank import calibration_chunks
+from mla_runtime.latent_rank import calibration_from_file
 from mla_runtime.outputs import RequestOutput
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 from mla_runtime.sampling_params import SamplingParams
@@ -65,19 +64,14 @@ class LLMEngine:
         self.thread_tuner = ThreadTuner.for_engine(config.num_threads, self.device, tp)
         self.pool = BlockPool(self.cache.num_blocks, config.block_size, config.enable_prefix_caching,
                               config.cache_watermark)
-        self.kv_tier: DiskTierDriver | None = None
-        if self.worker.disk_tier is not None:
-            self.kv_tier = DiskTierDriver(self.worker, self.worker.disk_tier, self.tp_group)
-            self.pool.attach_lower_tier(self.kv_tier, config.kv_cache_write_through)
-            self._log_disk_tier()
+        self.kv_tier = attach_disk_tier(self.worker, self.pool, self.tp_group, config.kv_cache_write_through)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
                                    config.num_speculative_tokens, (config.prompt_lookup_max, config.prompt_lookup_min))
         self.runner = ModelRunner(self.worker, config.seed, self.tp_group, self.thread_tuner)
         self.requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
         self.load_seconds = time.monotonic() - t0
-        self.num_prompt_tokens = self.num_generation_tokens = 0
-        self.num_draft_tokens = self.num_accepted_tokens = 0  # speculative tokens proposed / accepted
+        self.counts = TokenCounts()
 
     def _set_up_worker(self) -> None:
         """Load, truncate, size and allocate on every rank (the worker ranks follow rank 0's commands)."""
@@ -85,7 +79,9 @@ class LLMEngine:
         w.load()
         self.tokenizer = load_tokenizer(w.model_path)
         if self.config.latent_rank is not None:
-            calibration = self._calibration()
+            c = self.config
+            calibration = calibration_from_file(c.latent_projection, c.latent_calibration,
+                                                self.tokenizer.encode if self.tokenizer is not None else None)
             if tp:
                 tp.send("truncate", calibration)
             w.truncate_latent(calibration)
@@ -97,24 +93,6 @@ class LLMEngine:
         w.open_disk_tier()
         if tp:
             tp.ready()
-
-    def _log_disk_tier(self) -> None:
-        tier = self.worker.disk_tier
-        assert tier is not None
-        st = tier.stats()
-        logger.info("disk tier: %s, capacity %s B = %d tokens (%d B per block of %d tokens), %s B in use, %s",
-                    tier.folder, f"{tier.capacity_bytes:,}", tier.capacity_tokens(), tier.file_bytes(),
-                    self.config.block_size, f"{st.usage_bytes:,}",
-                    "write-through" if self.config.kv_cache_write_through else "written on eviction")
-
-    def _calibration(self) -> list[list[int]] | None:
-        """Token chunks of ``latent_calibration`` for the PCA projection (None for SVD, which needs no data)."""
-        if self.config.latent_projection != "pca":
-            return None
-        text = Path(self.config.latent_calibration or "").read_text(encoding="utf-8")
-        if self.tokenizer is None:
-            raise ValueError("latent_calibration needs a tokenizer in the checkpoint directory")
-        return calibration_chunks([self.tokenizer.encode(text)])
 
     # the worker's model, cache and sizes, read often enough by callers to be named here
     model = property(lambda self: self.worker.model)
@@ -148,7 +126,7 @@ class LLMEngine:
         self.requests[state.request_id] = state
         for s in state.seqs:
             self.scheduler.add(s)
-        self.num_prompt_tokens += len(state.prompt_token_ids)
+        self.counts.prompt += len(state.prompt_token_ids)
         return state
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -176,8 +154,8 @@ class LLMEngine:
             if state is not None and state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = start
         sampled, accepted = self.runner.execute(batch)
-        self.num_draft_tokens += sum(len(s.draft_token_ids) for s in batch.seqs)
-        self.num_accepted_tokens += sum(accepted.values())
+        self.counts.draft += sum(len(s.draft_token_ids) for s in batch.seqs)
+        self.counts.accepted += sum(accepted.values())
         self.scheduler.on_step_done(batch, accepted)
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
@@ -190,7 +168,7 @@ class LLMEngine:
                     break
                 append_token(state, new.seq, token, lp, now, self.model_config, self.max_model_len,
                              self.scheduler.finish)
-                self.num_generation_tokens += 1
+                self.counts.generation += 1
                 touched[state.request_id] = state
         for state in touched.values():
             if all(s.is_finished for s in state.seqs):
@@ -205,13 +183,7 @@ class LLMEngine:
         then stop the tensor-parallel worker ranks."""
         kv_tier, self.kv_tier = getattr(self, "kv_tier", None), None
         if kv_tier is not None:
-            t0 = time.monotonic()
-            try:
-                n = kv_tier.close(self.pool.cached_blocks(), flush_timeout)
-                logger.info("disk tier: %d resident blocks on disk at shutdown (%.2f s)", n, time.monotonic() - t0)
-            except RuntimeError as e:  # a tensor-parallel rank is gone: rank 0's queued writes still finish
-                logger.error("disk tier: flush at shutdown failed: %s", e)
-                kv_tier.tier.close(flush_timeout)
+            kv_tier.shutdown(self.pool, flush_timeout)
         if self.tp_group is not None:
             self.tp_group.shutdown()
 
@@ -221,19 +193,5 @@ class LLMEngine:
         return EngineInfo.of(self.worker, self.pool.num_blocks, torch.get_num_threads())
 
     def stats(self) -> EngineStats:
-        s, pool = self.scheduler, self.pool
-        hits = pool.hit_tokens + pool.lower_hit_tokens
         tier = self.worker.disk_tier
-        return EngineStats(
-            num_waiting=len(s.waiting), num_running=len(s.running), num_free_blocks=pool.num_free_blocks,
-            num_blocks=pool.num_blocks, cache_usage=pool.usage(), prefix_query_tokens=pool.query_tokens,
-            prefix_hit_tokens=hits, prefix_hit_rate=hits / pool.query_tokens if pool.query_tokens else 0.0,
-            num_preemptions=s.num_preemptions,
-            num_computed_tokens=s.num_computed_tokens_total, num_prompt_tokens=self.num_prompt_tokens,
-            num_generation_tokens=self.num_generation_tokens, num_draft_tokens=self.num_draft_tokens,
-            num_accepted_tokens=self.num_accepted_tokens, num_idle_cached_blocks=pool.num_idle_cached_blocks,
-            cache_watermark=pool.watermark, pressure_freed_blocks=pool.pressure_freed,
-            seconds_above_watermark=s.seconds_above_watermark,
-            num_evictions=pool.num_evictions,
-            prefix_device_hit_tokens=pool.hit_tokens, prefix_disk_query_tokens=pool.lower_query_tokens,
-            prefix_disk_hit_tokens=pool.lower_hit_tokens, disk=tier.stats() if tier is not None else None)
+        return EngineStats.of(self.scheduler, self.pool, self.counts, tier.stats() if tier is not None else None)
