@@ -81,7 +81,8 @@ class Int8Weight(PackedWeight):
         self.qweight, self.scales = quantize_int8(weight)
         self.plain = released(weight)  # callers pass it as the "weight" argument: shape and dtype only
         self.blocked = self.wide = None
-        self.upcast = self.plain_gemv = self.one_row_aten = False
+        self.upcast = self.plain_gemv = False
+        self.aten_max_rows = 0
         self.kernel = weight.device.type == "cpu" and gemm_mode() == "auto"
 
     @property
