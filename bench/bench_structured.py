@@ -57,7 +57,7 @@ def checkpoint_with_tokenizer(seed: int) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "model.safetensors"):
         (out / name).unlink(missing_ok=True)
-        (out / name).symlink_to(weights / name)
+        (out / name).symlink_to(weights.resolve() / name)
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
