@@ -94,6 +94,34 @@ def replay_mask_times(llm: LLM, spec: StructuredOutputs, outputs: list[list[int]
     return times
 
 
+def mask_walk(path: Path, tokens: int, walks: int, seed: int) -> list[float]:
+    """Per-token mask seconds of one matcher alone, without the model: ``walks`` walks of ``tokens`` tokens through
+    the schema's grammar, each token drawn uniformly from the mask (what the random-weights model does)."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from mla_runtime.engine.structured import GrammarCompiler
+
+    vocab = CONFIG["vocab_size"]
+    compiler = GrammarCompiler(AutoTokenizer.from_pretrained(str(path)), vocab, [1])
+    spec = StructuredOutputs(json=SCHEMA)
+    words = (vocab + 31) // 32
+    bits = torch.zeros(words, dtype=torch.int32)
+    rng, times = random.Random(seed), []
+    for _ in range(walks):
+        state = compiler.new_state(spec)
+        for _ in range(tokens):
+            t0 = time.perf_counter()
+            state.matcher.unsafe_compute_mask_ptr(bits.data_ptr(), words * 4)
+            times.append(time.perf_counter() - t0)
+            allowed = ((bits.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten().nonzero()[:, 0]
+            if state.finished or not len(allowed):
+                break
+            state.accept(int(allowed[rng.randrange(len(allowed))]))
+    return times
+
+
 def pct(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, int(q * len(s)))]
@@ -117,6 +145,7 @@ def bench_batch(llm: LLM, batch: int, args: argparse.Namespace) -> None:
         for name, params in (("plain", plain), ("schema", constrained)):
             seconds, n, toks = one_round(llm, prompts, params)
             rates[name].append(n / seconds)
+            print(f"  batch {batch} {name}: {n} tokens in {seconds:.2f} s = {n / seconds:.1f} tokens/s", flush=True)
             tokens_per_round[name].append(n)
             if name == "schema":
                 outputs += toks
@@ -142,10 +171,16 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--masks-only", action="store_true", help="only the per-token mask time, without the model")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = checkpoint_with_tokenizer(args.seed)
-    print(" ".join(sys.argv), f"| torch threads {args.threads} | dtype {args.dtype}")
+    if args.masks_only:
+        us = [t * 1e6 for t in mask_walk(path, args.max_tokens, 20, args.seed)]
+        print(f"per-token mask, one matcher alone, vocabulary {CONFIG['vocab_size']} ({len(us)} tokens): "
+              f"p50 {pct(us, .5):.0f} us  p99 {pct(us, .99):.0f} us  mean {statistics.mean(us):.0f} us")
+        return
+    print(" ".join(sys.argv), f"| torch threads {args.threads} | dtype {args.dtype}", flush=True)
     with LLM(str(path), dtype=args.dtype, max_model_len=512, kv_cache_memory="256MiB",
              max_num_seqs=max(args.batch), enable_prefix_caching=False) as llm:
         for batch in args.batch:
