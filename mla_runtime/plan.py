@@ -43,6 +43,7 @@ from decimal import Decimal, InvalidOperation
 
 import torch
 
+from mla_runtime.cache.disk_tier import HEADER_ESTIMATE_BYTES
 from mla_runtime.config import PRESET_DIR, ModelConfig
 from mla_runtime.dtypes import CACHE_DTYPES, MODEL_DTYPES, CacheDtype, dtype_name, resolve_cache_dtype
 from mla_runtime.help_format import DefaultsHelpFormatter
@@ -286,6 +287,9 @@ class MemoryPlan:
     max_tokens: int                   # tokens the whole group can cache
     max_sequences: int                # sequences of max_seq_len that fit at once
     blocks_per_sequence: int
+    disk_bytes: int | None = None     # the disk tier's bound (kv_cache_disk_bytes), whole directory
+    disk_file_bytes: int = 0          # one block on disk: its latents (all shards) plus file headers
+    disk_capacity_tokens: int = 0     # tokens the disk tier holds
 
     @property
     def fits(self) -> bool:
@@ -301,6 +305,15 @@ class MemoryPlan:
     def cache_bytes(self) -> int:
         """Bytes the cache tensors actually take on one rank (≤ the budget)."""
         return self.num_blocks * self.block_size * self.latent_bytes_per_token
+
+
+def disk_tier_capacity(disk_bytes: int, latent_bytes_per_token: int, block_size: int,
+                       files_per_block: int = 1) -> tuple[int, int]:
+    """``(bytes of one block on disk, tokens that fit)`` for a disk tier bounded by ``disk_bytes``: each block is
+    its latents (exactly the cache's bytes per token × block size) plus one header per file (one file per rank
+    under the sharded layout)."""
+    per_block = latent_bytes_per_token * block_size + files_per_block * HEADER_ESTIMATE_BYTES
+    return per_block, disk_bytes // per_block * block_size
 
 
 def _min_tp_that_fits(config: ModelConfig, dtype: torch.dtype, usable: int) -> int | None:
@@ -340,11 +353,13 @@ def _weights_do_not_fit(config: ModelConfig, model_dtype: torch.dtype, tp: int, 
 def plan_memory(config: ModelConfig, *, dtype: str | torch.dtype, cache_dtype: str | torch.dtype = "auto",
                 device_memory_bytes: int, memory_utilization: float = 0.92, max_seq_len: int,
                 max_num_seqs: int, block_size: int = 64, max_num_batched_tokens: int | None = None,
-                tensor_parallel_size: int = 1, latent_cache_layout: str = "replicated") -> MemoryPlan:
+                tensor_parallel_size: int = 1, latent_cache_layout: str = "replicated",
+                disk_bytes: int | None = None) -> MemoryPlan:
     """Split one rank's ``device_memory_bytes`` into weights, activations and latent cache blocks.
 
     Raises ``ValueError`` naming the argument for bad input, and when weights (plus the activation
-    reserve) do not fit, saying by how much and what to change.
+    reserve) do not fit, saying by how much and what to change. ``disk_bytes``: the disk tier's bound, whose
+    capacity in tokens the plan then reports.
     """
     model_dtype = resolve_model_dtype(dtype, config)
     cache = resolve_cache_dtype(cache_dtype, model_dtype)
@@ -373,6 +388,8 @@ def plan_memory(config: ModelConfig, *, dtype: str | torch.dtype, cache_dtype: s
     holders = tp if latent_cache_layout == "sharded" else 1  # ranks that split the tokens between them
     num_blocks = budget // (latent * block_size)
     blocks_per_sequence = -(-max_seq_len // block_size)
+    disk_file_bytes, disk_tokens = (0, 0) if disk_bytes is None else disk_tier_capacity(
+        disk_bytes, latent, block_size, holders)
     return MemoryPlan(
         dtype=model_dtype, cache_dtype=cache, block_size=block_size, tensor_parallel_size=tp,
         latent_cache_layout=latent_cache_layout, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
@@ -385,6 +402,7 @@ def plan_memory(config: ModelConfig, *, dtype: str | torch.dtype, cache_dtype: s
         mha_bytes_per_token=mha_bytes_per_token(config, cache.dtype),
         num_blocks=num_blocks, max_tokens=num_blocks * block_size * holders,
         max_sequences=num_blocks * holders // blocks_per_sequence, blocks_per_sequence=blocks_per_sequence,
+        disk_bytes=disk_bytes, disk_file_bytes=disk_file_bytes, disk_capacity_tokens=disk_tokens,
     )
 
 
@@ -474,6 +492,10 @@ def format_report(plan: MemoryPlan, config: ModelConfig, model: str = "") -> str
         _row("tokens that fit", f"{plan.max_tokens:,}"),
         _row(f"sequences of {plan.max_seq_len:,} tokens that fit", f"{plan.max_sequences:,}"),
     ]
+    if plan.disk_bytes is not None:
+        lines.append(_row("disk tier: tokens that fit", f"{plan.disk_capacity_tokens:,}",
+                          f"in {plan.disk_bytes:,} B ({_gib(plan.disk_bytes)}), {plan.disk_file_bytes:,} B per "
+                          f"block of {plan.block_size} on disk"))
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
     needed = plan.max_num_seqs * plan.blocks_per_sequence
     lines += ["", f"  requested {plan.max_num_seqs:,} x {plan.max_seq_len:,} tokens: {verdict} "
@@ -503,6 +525,8 @@ def build_parser(prog: str = "python -m mla_runtime.plan") -> argparse.ArgumentP
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the model is sharded across")
     parser.add_argument("--latent-cache-layout", default="replicated", choices=list(LATENT_CACHE_LAYOUTS),
                         help="sharded: each token's latent on one rank")
+    parser.add_argument("--kv-cache-disk-bytes", type=parse_bytes, default=None,
+                        help="the disk tier's bound, e.g. 1TB: show how many tokens of prefix it holds")
     return parser
 
 
@@ -520,7 +544,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m mla_runtime.p
             memory_utilization=args.memory_utilization,
             max_seq_len=args.max_seq_len or config.max_position_embeddings, max_num_seqs=args.max_num_seqs,
             block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
-            tensor_parallel_size=args.tensor_parallel_size, latent_cache_layout=args.latent_cache_layout)
+            tensor_parallel_size=args.tensor_parallel_size, latent_cache_layout=args.latent_cache_layout,
+            disk_bytes=args.kv_cache_disk_bytes)
     except ValueError as e:
         try:  # the per-token cost does not depend on memory: still worth showing
             cache = resolve_cache_dtype(args.cache_dtype, resolve_model_dtype(args.dtype, config))

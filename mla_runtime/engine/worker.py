@@ -9,7 +9,9 @@ and the latent-rank sweep:
 3. ``truncate_latent(calibration)`` folds the latent-rank basis into the weights (when ``latent_rank`` is set);
 4. ``num_blocks()`` sizes the paged cache by the planner's rule (``plan.cache_budget_bytes``), fed the memory
    free at that moment;
-5. ``allocate(num_blocks)`` allocates the cache;
+5. ``allocate(num_blocks)`` allocates the cache; ``open_disk_tier()`` then opens this rank's disk tier when
+   ``kv_cache_dir`` is set (rank 0 alone under the replicated layout; every rank, for its shard, under the sharded
+   one);
 6. ``execute(step)`` runs one ``StepInput``: builds the ``ForwardBatch`` and the attention metadata, runs the
    model and returns the logits of the requested rows (None on ranks other than 0).
 
@@ -19,12 +21,16 @@ rank per step.
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from mla_runtime import checksums
+from mla_runtime.cache.disk_tier import DiskTier, file_sha256, model_fingerprint
 from mla_runtime.cache.latent_cache import LatentCache
 from mla_runtime.config import ModelConfig
 from mla_runtime.dtypes import CacheDtype, resolve_cache_dtype
@@ -44,6 +50,8 @@ from mla_runtime.plan import (
     resolve_model_dtype,
     weight_bytes,
 )
+
+logger = logging.getLogger("mla_runtime")
 
 
 @dataclass(frozen=True)
@@ -98,10 +106,19 @@ class Worker:
             max_num_seqs=config.max_num_seqs, tensor_parallel_size=tp)
         self.model: DeepseekForCausalLM | None = None
         self.cache: LatentCache | None = None
+        self.weights_fingerprint: str | None = None  # from the sha256 manifest (None: the folder has none)
+        self.disk_tier: DiskTier | None = None
 
     # -- set-up ----------------------------------------------------------------------------------
     def load(self) -> DeepseekForCausalLM:
+        """Load the weights (checked against the checkpoint's sha256 manifest first with ``verify_weights``)."""
         c = self.config
+        if c.verify_weights and self.par.rank == 0:
+            t0 = time.monotonic()
+            self.weights_fingerprint = checksums.verify(self.model_path)
+            logger.info("weights verified against their sha256 manifest in %.1f s", time.monotonic() - t0)
+        else:
+            self.weights_fingerprint = checksums.manifest_fingerprint(self.model_path)
         self.model = load_model(self.model_path, dtype=self.dtype, attention_path=c.attention_path,
                                 backend=c.attention_backend, device=self.device, par=self.par)
         return self.model
@@ -137,6 +154,30 @@ class Worker:
         self.cache = LatentCache(cfg.num_hidden_layers, num_blocks, block, cfg.latent_dim,
                                  cache_dtype or self.cache_dtype.dtype, self.device)
         return self.cache
+
+    def cache_fingerprint(self) -> str:
+        """What decides the bytes of a cached latent (``cache/disk_tier.model_fingerprint``): a disk tier written
+        under any other value is never read."""
+        c = self.config
+        calibration = file_sha256(c.latent_calibration) if c.latent_rank and c.latent_projection == "pca" else None
+        settings = {"latent_rank": c.latent_rank, "latent_projection": c.latent_projection if c.latent_rank else None,
+                    "latent_calibration_sha256": calibration, "dtype": str(self.dtype),
+                    "cache_dtype": self.cache_dtype.name, "block_size": c.block_size,
+                    "tensor_parallel_size": c.tensor_parallel_size,
+                    "latent_cache_layout": c.latent_cache_layout if c.tensor_parallel_size > 1 else None}
+        return model_fingerprint(self.model_path, settings)
+
+    def open_disk_tier(self) -> DiskTier | None:
+        """This rank's disk tier over its cache, when ``kv_cache_dir`` is set and this rank keeps files."""
+        c, par = self.config, self.par
+        if c.kv_cache_dir is None or (par.rank != 0 and not par.sharded_cache):
+            return None
+        assert self.cache is not None
+        disk_bytes = c.kv_cache_disk_bytes
+        self.disk_tier = DiskTier(c.kv_cache_dir, self.cache_fingerprint(), self.cache, c.block_size,
+                                  capacity_bytes=None if disk_bytes is None else int(disk_bytes),
+                                  shard=par.rank if par.sharded_cache else None)
+        return self.disk_tier
 
     # -- steps -----------------------------------------------------------------------------------
     @torch.inference_mode()
