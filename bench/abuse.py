@@ -371,7 +371,7 @@ def probe_error_injection() -> None:
         srv.wait_idle(30)
         got = srv.outcomes()
         err = json.loads(lines[-2][6:]).get("error", {})
-        ok = lines[-1] == "data: [DONE]" and err.get("code") == 500 and "injected" not in " ".join(lines)
+        ok = lines[-1] == "data: [DONE]" and err.get("code") == "internal_error" and "injected" not in " ".join(lines)
         record("error_injection", ok and got.get("error") == 1 and not got.get("client_disconnect"),
                f"stream ended with {err.get('message')!r} then [DONE]; outcomes {diff(got, {})}")
     finally:

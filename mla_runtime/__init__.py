@@ -13,11 +13,12 @@ if TYPE_CHECKING:
     from mla_runtime.engine.async_llm import AsyncLLM
     from mla_runtime.llm import LLM
     from mla_runtime.outputs import CompletionOutput, RequestOutput
-    from mla_runtime.sampling_params import SamplingParams
+    from mla_runtime.sampling_params import SamplingParams, StructuredOutputs
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputs", "RequestOutput", "CompletionOutput"]
 _HOMES = {"LLM": "mla_runtime.llm", "AsyncLLM": "mla_runtime.engine.async_llm",
-          "SamplingParams": "mla_runtime.sampling_params", "RequestOutput": "mla_runtime.outputs",
+          "SamplingParams": "mla_runtime.sampling_params",
+          "StructuredOutputs": "mla_runtime.sampling_params", "RequestOutput": "mla_runtime.outputs",
           "CompletionOutput": "mla_runtime.outputs"}
 
 

@@ -2,11 +2,55 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from mla_runtime.errors import InvalidParam
 
 MAX_REPETITION_PENALTY = 2.0
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on the output, vLLM's ``StructuredOutputsParams``: exactly one of ``json`` (a JSON schema, as a
+    dict or its text), ``json_object`` (any JSON object), ``regex``, ``choice`` (one of these strings) or
+    ``grammar`` (Lark, or llama.cpp's GBNF). ``param`` names the request field it came from, for errors."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    param: str = field(default="structured_outputs", compare=False)
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise InvalidParam(self.param, f"{self.param}: give exactly one of json, json_object, regex, choice or "
+                                           f"grammar, got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise InvalidParam(self.param, f"{self.param}: json must be a JSON schema (an object or its text)")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or any(not isinstance(c, str) for c in self.choice)):
+            raise InvalidParam(self.param, f"{self.param}: choice must be a non-empty list of strings")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidParam(self.param, f"{self.param}: {name} must be a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object")
+                    if getattr(self, k) not in (None, False))
+
+    def key(self) -> str:
+        """A hash of the constraint (its kind and canonical text): the compiled-grammar cache key."""
+        value = getattr(self, self.kind)
+        text = json.dumps(value, sort_keys=True) if not isinstance(value, str) else value
+        return hashlib.sha256(f"{self.kind}\0{text}".encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -27,6 +71,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt and generated tokens
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     min_tokens: int = 0  # tokens generated before EOS, stop_token_ids or stop strings can end the sequence
+    structured_outputs: StructuredOutputs | None = None  # constrained decoding (engine/structured.py)
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -75,6 +120,8 @@ class SamplingParams:
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
             raise bad("stop_token_ids", "must be a list of non-negative token ids")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise bad("structured_outputs", "must be a StructuredOutputs")
         object.__setattr__(self, "stop_strings", tuple(stops))
 
     @property

@@ -22,12 +22,14 @@ def load_tokenizer(path: str | Path) -> Any | None:
     return AutoTokenizer.from_pretrained(str(p), local_files_only=True, trust_remote_code=False)
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of a chat, using the tokenizer's template (or a plain ``role: content`` layout)."""
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
+                        tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Token ids of a chat, using the tokenizer's template (or a plain ``role: content`` layout); ``tools``:
+    OpenAI tool definitions, for a template that shows them to the model."""
     if tokenizer is None:
         raise ValueError("chat requests need a tokenizer, and this checkpoint has none")
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)

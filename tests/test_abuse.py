@@ -143,7 +143,7 @@ def test_an_exception_in_a_stream_ends_it_with_an_error_event_counted_as_error(g
         lines = [line for line in s.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
     error = json.loads(lines[-2][6:])["error"]
-    assert error["code"] == 500 and "secret" not in json.dumps(lines)
+    assert error["code"] == "internal_error" and "secret" not in json.dumps(lines)
     after = wait_idle(guarded)
     assert requests_total(after, "error") - requests_total(before, "error") == 1
     assert requests_total(after, "client_disconnect") == requests_total(before, "client_disconnect")

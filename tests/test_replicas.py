@@ -236,7 +236,7 @@ def test_killing_a_replica_fails_its_streams_cleanly_and_loses_no_new_request(ap
             for replica, task, _ in streams:
                 events = await asyncio.wait_for(task, 120)  # never a hang
                 if replica == victim:
-                    assert events[-1].get("error", {}).get("code") == 503, events[-1]
+                    assert events[-1].get("error", {}).get("code") == "service_unavailable", events[-1]
                 else:
                     assert events[-1] == {"done": True}
                     assert sum(len(e.get("token_ids", [])) for e in events) == 240

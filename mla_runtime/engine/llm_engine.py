@@ -34,6 +34,7 @@ from mla_runtime.engine.requests import (
     tokenize,
 )
 from mla_runtime.engine.scheduler import Scheduler
+from mla_runtime.engine.structured import GrammarCompiler
 from mla_runtime.engine.thread_tuner import ThreadTuner
 from mla_runtime.engine.tp_workers import TensorParallelGroup
 from mla_runtime.engine.worker import Worker
@@ -69,6 +70,7 @@ class LLMEngine:
                                    config.num_speculative_tokens, (config.prompt_lookup_max, config.prompt_lookup_min))
         self.runner = ModelRunner(self.worker, config.seed, self.tp_group, self.thread_tuner)
         self.requests: dict[str, RequestState] = {}
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.runner.eos_token_ids)
         self._seq_ids = itertools.count()
         self.load_seconds = time.monotonic() - t0
         self.counts = TokenCounts()
@@ -113,11 +115,15 @@ class LLMEngine:
                         arrival_time: float | None = None) -> RequestState:
         """Validate and tokenize a request into its state without touching the scheduler (safe to call from
         another thread than the one stepping the engine); ``submit`` then queues it. Bad input raises
-        ``InvalidParam`` (a ValueError naming the field)."""
+        ``InvalidParam`` (a ValueError naming the field). A structured-outputs constraint is compiled here (or
+        found in the compiled-grammar cache)."""
         params = params or SamplingParams()
         text, ids = tokenize(self.tokenizer, prompt)
         check_request(ids, params, self.model_config.vocab_size, self.max_model_len)
-        return new_request(request_id, text, ids, params, self.tokenizer, self._seq_ids, self.device, arrival_time)
+        spec = params.structured_outputs
+        grammars = [self.grammars.new_state(spec) for _ in range(params.n)] if spec is not None else None
+        return new_request(request_id, text, ids, params, self.tokenizer, self._seq_ids, self.device, arrival_time,
+                           grammars)
 
     def submit(self, state: RequestState) -> RequestState:
         """Queue a prepared request for scheduling (in the thread that steps the engine)."""

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from mla_runtime.engine.sampler import Penalties, sample
+from mla_runtime.engine.sampler import Penalties, TokenMasks, sample
 from mla_runtime.engine.scheduler import ScheduledBatch
 from mla_runtime.engine.sequence import Sequence
+from mla_runtime.engine.structured import MaskBuilder
 from mla_runtime.engine.thread_tuner import ThreadTuner
 from mla_runtime.engine.tp_workers import RankDiedError, TensorParallelGroup
 from mla_runtime.engine.worker import StepInput, Worker
@@ -66,6 +67,7 @@ class ModelRunner:
         self.eos_token_ids = [t for t in cfg.eos_token_ids if t < cfg.vocab_size]
         self.generator = torch.Generator(device=worker.device).manual_seed(seed)
         self.counts: dict[int, _TokenCounts] = {}  # penalised sequences' token counts, by seq_id
+        self.masks = MaskBuilder(cfg.vocab_size)  # structured outputs' masks, computed during the forward pass
 
     @staticmethod
     def prepare(batch: ScheduledBatch) -> tuple[StepInput, list[Sequence]]:
@@ -96,6 +98,7 @@ class ModelRunner:
         for a speculative decode its accepted drafts and the model's next token) with their log-probabilities;
         and the number of accepted drafts by seq_id."""
         step, seqs = self.prepare(batch)
+        pending = self.masks.start(seqs)
         if self.tp_group is None:
             num_tokens = sum(map(len, step.token_chunks))
             is_decode = max(map(len, step.token_chunks), default=0) == 1
@@ -108,11 +111,13 @@ class ModelRunner:
             except RuntimeError as e:  # a collective failed: a peer rank is gone
                 self.tp_group.check_alive()
                 raise RankDiedError(f"tensor-parallel step failed: {e}") from e
+        masks = self.masks.finish(pending)
         if logits is None:
             return [], {}
-        return self._sample(logits, seqs)
+        return self._sample(logits, seqs, masks)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[Sampled], dict[int, int]]:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], masks: TokenMasks | None = None
+                ) -> tuple[list[Sampled], dict[int, int]]:
         # one sampler row per logit row; row j of a speculative decode sees its first j drafts as generated
         params, gens, suppress, drafts = [], [], [], []
         for seq in seqs:
@@ -120,10 +125,11 @@ class ModelRunner:
             for j in range(k + 1):
                 params.append(seq.params)
                 gens.append(seq.generator)
-                suppress.append(self._stop_tokens(seq.params, len(seq.output_token_ids) + j))
+                # a grammar decides alone when its output may end: min_tokens would contradict it
+                suppress.append([] if seq.grammar else self._stop_tokens(seq.params, len(seq.output_token_ids) + j))
                 drafts.append(seq.draft_token_ids[j] if j < k else None)
         result = sample(logits, params, gens, self.generator, suppress=suppress, drafts=drafts,
-                        penalties=self._penalties(seqs, logits.shape[1]))
+                        penalties=self._penalties(seqs, logits.shape[1]), masks=masks)
         sampled, accepted, first_row = [], {}, 0
         for seq in seqs:
             k = len(seq.draft_token_ids)

@@ -15,6 +15,7 @@ import torch
 
 from mla_runtime.config import ModelConfig
 from mla_runtime.engine.sequence import Sequence
+from mla_runtime.engine.structured import GrammarState
 from mla_runtime.errors import InvalidParam
 from mla_runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mla_runtime.sampling_params import SamplingParams
@@ -71,14 +72,17 @@ def check_request(ids: list[int], params: SamplingParams, vocab: int, max_model_
 
 
 def new_request(request_id: str, text: str | None, ids: list[int], params: SamplingParams, tokenizer: Any,
-                seq_ids: Iterator[int], device: torch.device, arrival_time: float | None) -> RequestState:
-    """The state of a checked request: one ``Sequence`` per sample (samples 2..n share sample 1's prefix)."""
+                seq_ids: Iterator[int], device: torch.device, arrival_time: float | None,
+                grammars: list[GrammarState] | None = None) -> RequestState:
+    """The state of a checked request: one ``Sequence`` per sample (samples 2..n share sample 1's prefix);
+    ``grammars``: each sample's grammar state (structured outputs)."""
     now = arrival_time if arrival_time is not None else time.monotonic()
     seqs = []
     for i in range(params.n):
         gen = None if params.seed is None else torch.Generator(device=device).manual_seed(params.seed + i)
         seqs.append(Sequence(seq_id=next(seq_ids), request_id=request_id, index=i, prompt_token_ids=ids,
-                             params=params, arrival_time=now, generator=gen))
+                             params=params, arrival_time=now, generator=gen,
+                             grammar=grammars[i] if grammars else None))
     for s in seqs[1:]:
         s.share_prefix_with = seqs[0]
     return RequestState(request_id, text, ids, params, seqs, [IncrementalDetokenizer(tokenizer, ids) for _ in seqs],
@@ -92,6 +96,8 @@ def append_token(state: RequestState, seq: Sequence, token: int, logprobs: dict[
     ``max_model_len`` (``finish(seq, reason)`` ends the sequence)."""
     params = seq.params
     seq.append_token(token)
+    if seq.grammar is not None:
+        seq.grammar.accept(token)
     if logprobs is not None:
         seq.output_logprobs.append(logprobs)
     seq.token_times.append(now)
@@ -107,6 +113,8 @@ def append_token(state: RequestState, seq: Sequence, token: int, logprobs: dict[
     detok.add(token)
     text, reason = _stop(seq, detok.text, token, cfg)
     state.texts[seq.index] = text
+    if reason is None and seq.grammar is not None and seq.grammar.finished:
+        reason = "stop"  # the constrained output is complete: only EOS could follow
     if reason is None and (len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= max_model_len):
         reason = "length"
     if reason is not None:

@@ -4,6 +4,9 @@ greedy; per-sequence generators for seeded requests.
 Logit processing, in vLLM's order, before temperature and filtering (greedy rows take the argmax of the
 processed logits):
 
+- structured outputs: the grammar's mask (``TokenMasks``, ``engine/structured.py``) sends every token the
+  row's grammar forbids to −inf;
+
 - ``repetition_penalty`` r (tokens of the prompt *or* the output): a positive logit is divided by r, a
   negative one multiplied by it;
 - presence / frequency penalties (OpenAI's definition, generated tokens only):
@@ -27,6 +30,21 @@ from dataclasses import dataclass
 import torch
 
 from mla_runtime.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenMasks:
+    """The tokens constrained rows may sample: ``rows`` (logit rows) and ``bits [len(rows), ceil(V / 32)]`` int32,
+    bit ``t % 32`` of word ``t // 32`` set when token t is allowed (llguidance's layout)."""
+
+    rows: list[int]
+    bits: torch.Tensor
+
+    def allowed(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """``[len(rows), vocab]`` bool."""
+        shifts = torch.arange(32, dtype=torch.int32, device=device)
+        bits = self.bits.to(device)
+        return ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
 
 
 @dataclass
@@ -79,15 +97,18 @@ def _column(params: list[SamplingParams], rows: list[int], name: str, device: to
 
 
 def _process(logits: torch.Tensor, params: list[SamplingParams], penalties: Penalties | None,
-             suppress: list[list[int]] | None) -> torch.Tensor:
-    """The logits after penalties, logit bias and min_tokens suppression (see the module docstring), each applied
-    to all its rows at once; the input itself when no row asks for any of them."""
+             suppress: list[list[int]] | None, masks: TokenMasks | None = None) -> torch.Tensor:
+    """The logits after grammar masks, penalties, logit bias and min_tokens suppression (see the module
+    docstring), each applied to all its rows at once; the input itself when no row asks for any of them."""
     biased = [i for i, p in enumerate(params) if p.logit_bias]
     barred = [i for i in range(len(params)) if suppress and suppress[i]]
-    if penalties is None and not biased and not barred:
+    if penalties is None and not biased and not barred and (masks is None or not masks.rows):
         return logits
     logits = logits.clone()
     dev = logits.device
+    if masks is not None and masks.rows:
+        rows_t = torch.tensor(masks.rows, dtype=torch.long, device=dev)
+        logits[rows_t] = logits[rows_t].masked_fill(~masks.allowed(logits.shape[1], dev), float("-inf"))
     if penalties is not None:
         rows = penalties.rows.tolist()
         x = logits[penalties.rows]  # [R, V]
@@ -164,11 +185,12 @@ def _logprobs(raw: torch.Tensor, params: list[SamplingParams], tokens: torch.Ten
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            default_generator: torch.Generator, outputs: list[list[int]] | None = None,
            prompts: list[list[int]] | None = None, suppress: list[list[int]] | None = None,
-           drafts: list[int | None] | None = None, penalties: Penalties | None = None) -> SampleResult:
+           drafts: list[int | None] | None = None, penalties: Penalties | None = None,
+           masks: TokenMasks | None = None) -> SampleResult:
     """``logits [B, V]`` fp32, one row per sequence to sample; ``penalties``: the token counts of the rows with
     penalties (else counted here from ``outputs`` / ``prompts``, each row's generated and prompt tokens);
     ``suppress``: token ids each row may not sample now; ``drafts``: a speculative draft token proposed at the
-    row, or None.
+    row, or None; ``masks``: the tokens the constrained rows' grammars allow.
 
     A row with a draft returns the draft when it is accepted and another token otherwise. Greedy rows accept
     it when it is the argmax. Random rows follow speculative sampling for a deterministic proposal: accept
@@ -179,7 +201,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         penalties = Penalties.from_lists(penalised, [(outputs or [[]] * len(params))[i] for i in penalised],
                                          [(prompts or [[]] * len(params))[i] for i in penalised],
                                          logits.shape[1], logits.device)
-    processed = _process(logits, params, penalties if penalised else None, suppress)
+    processed = _process(logits, params, penalties if penalised else None, suppress, masks)
     tokens = processed.argmax(dim=-1)
     _draw(processed, params, generators, default_generator, drafts, tokens)
     return SampleResult(tokens.tolist(), _logprobs(logits, params, tokens))

@@ -203,7 +203,8 @@ class Scheduler:
         if k < 1:
             return []
         longest, shortest = self.prompt_lookup
-        return propose(seq.token_ids, k, longest, shortest)
+        drafts = propose(seq.token_ids, k, longest, shortest)
+        return seq.grammar.valid_prefix(drafts) if seq.grammar is not None else drafts  # never verify a violation
 
     def on_step_done(self, batch: ScheduledBatch, accepted: dict[int, int] | None = None) -> None:
         """Advance computed counts and index newly completed full blocks in the prefix cache; ``accepted``:

@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from mla_runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from mla_runtime.engine.structured import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -39,6 +43,7 @@ class Sequence:
     num_preemptions: int = 0
     share_prefix_with: Sequence | None = None  # sample 1 of the same request (n > 1)
     draft_token_ids: list[int] = field(default_factory=list)  # this step's speculative tokens (after the last)
+    grammar: GrammarState | None = None  # structured outputs: the output's position in its grammar
     stop_text_from: int = 0  # stop strings count from here in the output text (set when min_tokens is reached)
 
     token_ids: list[int] = field(init=False)  # prompt then output: kept whole, so a step reads it in O(1)

@@ -2,7 +2,7 @@
 
 The routes are module functions over ``app.state.server`` (a ``ServerState``). Every generation
 request goes through ``_generation``: authenticate (401) → read at most
-``max_body_bytes`` (413) → parse JSON (400; a large body in a worker thread) → validate the schema (422)
+``max_body_bytes`` (413) → parse JSON (400; a large body in a worker thread) → validate the schema (400)
 → check readiness (503) → build the job in a worker thread (400/404: the prompt's length in characters is
 checked against what ``max_model_len`` tokens can hold before anything is tokenized, then templating and
 tokenization run off the event loop) → admit (429, counting sequences) → submit and wait for the first

@@ -12,6 +12,7 @@ from mla_runtime.serving.config import ServerConfig
 from mla_runtime.serving.protocol import ApiError, ChatRequest, CompletionRequest, GenerateRequest
 from mla_runtime.serving.responses import Job
 from mla_runtime.serving.runtime import ServingRuntime
+from mla_runtime.serving.tools import deepseek_begin_token
 from mla_runtime.tokenizer import apply_chat_template
 
 
@@ -22,6 +23,7 @@ class JobBuilder:
     def __init__(self, rt: ServingRuntime, engine_config: EngineConfig, config: ServerConfig) -> None:
         self.rt, self.engine_config, self.config = rt, engine_config, config
         self.model = config.served_model_name or ""
+        self._tool_marker: tuple[int | None] | None = None  # the chat template's tool-call marker, looked up once
 
     def check_model(self, name: str | None) -> None:
         if name not in (None, self.config.served_model_name, self.engine_config.model):
@@ -41,6 +43,16 @@ class JobBuilder:
     def token_text(self, token: int) -> str:
         tok = self.rt.tokenizer
         return tok.decode([token]) if tok is not None else ""
+
+    def raw_text(self, tokens: list[int]) -> str:
+        """Tokens' text with the special tokens kept (tool-call markers)."""
+        tok = self.rt.tokenizer
+        return tok.decode(tokens, skip_special_tokens=False) if tok is not None else ""
+
+    def tool_marker(self) -> int | None:
+        if self._tool_marker is None:
+            self._tool_marker = (deepseek_begin_token(self.rt.tokenizer),)
+        return self._tool_marker[0]
 
     def generate(self, req: GenerateRequest) -> Job:
         if isinstance(req.prompt, str):
@@ -67,13 +79,14 @@ class JobBuilder:
     def chat(self, req: ChatRequest) -> Job:
         self.check_model(req.model)
         req.check_unsupported()
+        tools = req.tool_mode(self.tool_marker())
         messages = req.plain_messages()
         self.check_text("".join(m["content"] for m in messages), "messages")
         try:
-            ids = apply_chat_template(self.rt.tokenizer, messages)
+            ids = apply_chat_template(self.rt.tokenizer, messages, req.tool_dicts() if tools else None)
         except ValueError as e:
             raise ApiError(400, f"messages: {e}", param="messages") from e
         max_tokens = req.max_completion_tokens or req.max_tokens or max(1, self.rt.max_model_len - len(ids))
         return Job("chat", [{"prompt_token_ids": ids}], req.sampling_params(max_tokens), self.model,
                    stream=req.stream, include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                   logprobs=req.logprobs_count(), token_text=self.token_text)
+                   logprobs=req.logprobs_count(), token_text=self.token_text, tools=tools, raw_text=self.raw_text)

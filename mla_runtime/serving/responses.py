@@ -4,6 +4,11 @@ The engine hands out cumulative ``RequestOutput``s; ``StreamState`` turns them i
 request has stop strings, the last ``len(longest stop) - 1`` characters are held back, so text that
 turns out to be the start of a stop string (cut from the final text) is never streamed: the
 concatenated deltas always equal the non-streamed text.
+
+A chat answer with tool calls (``tools.py``) carries them as ``message.tool_calls`` with
+``finish_reason: "tool_calls"``; streamed, the constrained output is not sent as content but as one
+``delta.tool_calls`` event when the choice ends, and an ``auto`` answer's text streams as content until the
+model's tool-call marker.
 """
 
 from __future__ import annotations
@@ -16,9 +21,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mla_runtime.engine.llm_engine import PromptType
-from mla_runtime.outputs import RequestOutput
+from mla_runtime.outputs import CompletionOutput, RequestOutput
 from mla_runtime.sampling_params import SamplingParams
 from mla_runtime.serving.protocol import usage
+from mla_runtime.serving.tools import ToolMode, calls_of_output, parse_deepseek
 
 OBJECTS = {"completions": ("text_completion", "text_completion"),
            "chat": ("chat.completion", "chat.completion.chunk")}
@@ -38,6 +44,8 @@ class Job:
     echo: list[str] | None = None  # each prompt's text, prepended to its choices (completions with echo)
     logprobs: int | None = None  # alternatives per generated token to return; None: no log-probabilities
     token_text: Callable[[int], str] = str  # a token id's text, for log-probability entries
+    tools: ToolMode | None = None  # how the answer carries tool calls (chat with tools)
+    raw_text: Callable[[list[int]], str] = lambda ids: ""  # tokens' text with special tokens (tool-call markers)
     request_id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     arrival: float = field(default_factory=time.monotonic)
@@ -79,6 +87,28 @@ def merge_outputs(job: Job, outs: list[RequestOutput]) -> RequestOutput:
 
 def finish_reason(reason: str | None) -> str | None:
     return None if reason is None else ("length" if reason == "length" else "stop")
+
+
+def tool_calls(job: Job, c: CompletionOutput) -> tuple[str | None, list[dict[str, Any]]]:
+    """A finished chat choice's ``(content, tool_calls)``."""
+    if job.tools is None:
+        return c.text, []
+    if job.tools.kind == "auto":
+        if job.tools.begin_token not in c.token_ids:
+            return c.text, []
+        return parse_deepseek(job.raw_text(c.token_ids))
+    return calls_of_output(job.tools, c.text)
+
+
+def chat_message(job: Job, c: CompletionOutput) -> tuple[dict[str, Any], str | None]:
+    """A finished chat choice's ``message`` and ``finish_reason``."""
+    content, calls = tool_calls(job, c)
+    message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+    reason = finish_reason(c.finish_reason)
+    if calls:
+        message["tool_calls"] = calls
+        reason = "tool_calls" if reason == "stop" else reason
+    return message, reason
 
 
 def _usage(out: RequestOutput) -> dict[str, Any]:
@@ -148,9 +178,11 @@ def full_body(job: Job, out: RequestOutput) -> dict[str, Any]:
                     "logprobs": _choice_logprobs(job, c.token_ids, c.logprobs, len(job.echo_of(c.index))),
                     "finish_reason": finish_reason(c.finish_reason)} for c in out.outputs]
     else:
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": _choice_logprobs(job, c.token_ids, c.logprobs),
-                    "finish_reason": finish_reason(c.finish_reason)} for c in out.outputs]
+        choices = []
+        for c in out.outputs:
+            message, reason = chat_message(job, c)
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": _choice_logprobs(job, c.token_ids, c.logprobs), "finish_reason": reason})
     return {**head, "choices": choices, "usage": _usage(out)}
 
 
@@ -187,20 +219,41 @@ class StreamState:
             text = c.text[self.sent_chars[i]:end]
             tokens = c.token_ids[self.sent_tokens[i]:]
             entries = None if c.logprobs is None else c.logprobs[self.sent_tokens[i]:]
+            reason = finish_reason(c.finish_reason)
+            calls: list[dict[str, Any]] = []
+            if self.job.tools is not None:
+                text, calls, reason = self._tool_delta(c, text)
+                end = self.sent_chars[i] + len(text)  # count only the content sent
             self.sent_chars[i], self.sent_tokens[i] = end, len(c.token_ids)
             self.done[i] = finished
-            reason = finish_reason(c.finish_reason)
             per_token = self.job.endpoint == "generate" or self.job.logprobs is not None  # never drop a token's data
             if text or (tokens and per_token) or finished:
                 lp = _choice_logprobs(self.job, tokens, entries, self.token_chars[i]) if tokens else None
                 if lp is not None and self.job.endpoint == "completions":
                     self.token_chars[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-                events.append(sse(self._delta(i, text, tokens, reason, out if out.finished else None, lp)))
+                event = self._delta(i, text, tokens, reason, out if out.finished else None, lp)
+                if calls:
+                    event["choices"][0]["delta"]["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+                events.append(sse(event))
         if out.finished:
             if self.job.include_usage and self.job.endpoint != "generate":
                 events.append(sse({**self._head(), "choices": [], "usage": _usage(out)}))
             events.append(sse("[DONE]"))
         return events
+
+    def _tool_delta(self, c: CompletionOutput, text: str) -> tuple[str, list[dict[str, Any]], str | None]:
+        """A tool-call choice's ``(content delta, tool calls, finish_reason)``: a constrained output is never sent
+        as content; an ``auto`` output's text is, until the model's tool-call marker."""
+        tools = self.job.tools
+        assert tools is not None
+        if c.finish_reason is None:
+            free = tools.kind == "auto" and tools.begin_token not in c.token_ids
+            return (text if free else ""), [], None
+        content, calls = tool_calls(self.job, c)
+        _, reason = chat_message(self.job, c)
+        if tools.kind == "auto":  # the content not yet sent (the text before the marker)
+            return (content or "")[self.sent_chars[c.index]:], calls, reason
+        return ("" if calls else content or ""), calls, reason
 
     def _head(self) -> dict[str, Any]:
         obj = OBJECTS[self.job.endpoint][1]
