@@ -53,7 +53,6 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         t0 = time.monotonic()
         self.config = config
-        self.tp_group: TensorParallelGroup | None = None
         tp = config.tensor_parallel_size
         self.worker = Worker(config, ParallelContext(0, tp, config.latent_cache_layout) if tp > 1 else SINGLE_RANK)
         self.tp_group = TensorParallelGroup(config) if tp > 1 else None  # bad settings fail before ranks start
@@ -66,9 +65,10 @@ class LLMEngine:
         self.pool = BlockPool(self.cache.num_blocks, config.block_size, config.enable_prefix_caching,
                               config.cache_watermark)
         self.kv_tier = attach_disk_tier(self.worker, self.pool, self.tp_group, config.kv_cache_write_through)
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
+        w = self.worker
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, w.max_num_batched_tokens, w.max_model_len,
                                    config.num_speculative_tokens, (config.prompt_lookup_max, config.prompt_lookup_min))
-        self.runner = ModelRunner(self.worker, config.seed, self.tp_group, self.thread_tuner)
+        self.runner = ModelRunner(w, config.seed, self.tp_group, self.thread_tuner)
         self.requests: dict[str, RequestState] = {}
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.runner.eos_token_ids)
         self._seq_ids = itertools.count()
@@ -102,7 +102,6 @@ class LLMEngine:
     model_config = property(lambda self: self.worker.model_config)
     device = property(lambda self: self.worker.device)
     max_model_len = property(lambda self: self.worker.max_model_len)
-    max_num_batched_tokens = property(lambda self: self.worker.max_num_batched_tokens)
     bytes_per_token = property(lambda self: self.worker.bytes_per_token)
     bytes_per_token_per_rank = property(lambda self: self.worker.bytes_per_token_per_rank)
 
@@ -114,16 +113,13 @@ class LLMEngine:
     def prepare_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                         arrival_time: float | None = None) -> RequestState:
         """Validate and tokenize a request into its state without touching the scheduler (safe to call from
-        another thread than the one stepping the engine); ``submit`` then queues it. Bad input raises
-        ``InvalidParam`` (a ValueError naming the field). A structured-outputs constraint is compiled here (or
-        found in the compiled-grammar cache)."""
+        another thread than the one stepping the engine; a structured-outputs grammar is compiled here); ``submit``
+        then queues it. Bad input raises ``InvalidParam`` (a ValueError naming the field)."""
         params = params or SamplingParams()
         text, ids = tokenize(self.tokenizer, prompt)
         check_request(ids, params, self.model_config.vocab_size, self.max_model_len)
-        spec = params.structured_outputs
-        grammars = [self.grammars.new_state(spec) for _ in range(params.n)] if spec is not None else None
         return new_request(request_id, text, ids, params, self.tokenizer, self._seq_ids, self.device, arrival_time,
-                           grammars)
+                           self.grammars)
 
     def submit(self, state: RequestState) -> RequestState:
         """Queue a prepared request for scheduling (in the thread that steps the engine)."""

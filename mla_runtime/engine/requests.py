@@ -15,7 +15,7 @@ import torch
 
 from mla_runtime.config import ModelConfig
 from mla_runtime.engine.sequence import Sequence
-from mla_runtime.engine.structured import GrammarState
+from mla_runtime.engine.structured import GrammarCompiler
 from mla_runtime.errors import InvalidParam
 from mla_runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mla_runtime.sampling_params import SamplingParams
@@ -73,10 +73,12 @@ def check_request(ids: list[int], params: SamplingParams, vocab: int, max_model_
 
 def new_request(request_id: str, text: str | None, ids: list[int], params: SamplingParams, tokenizer: Any,
                 seq_ids: Iterator[int], device: torch.device, arrival_time: float | None,
-                grammars: list[GrammarState] | None = None) -> RequestState:
+                compiler: GrammarCompiler | None = None) -> RequestState:
     """The state of a checked request: one ``Sequence`` per sample (samples 2..n share sample 1's prefix);
-    ``grammars``: each sample's grammar state (structured outputs)."""
+    ``compiler`` gives each sample its grammar state when the request has a structured-outputs constraint."""
     now = arrival_time if arrival_time is not None else time.monotonic()
+    spec = params.structured_outputs
+    grammars = [compiler.new_state(spec) for _ in range(params.n)] if spec is not None and compiler else None
     seqs = []
     for i in range(params.n):
         gen = None if params.seed is None else torch.Generator(device=device).manual_seed(params.seed + i)
