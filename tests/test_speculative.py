@@ -155,7 +155,9 @@ class FixedLogits:
         import torch
 
         from mla_runtime.config import ModelConfig
+        from mla_runtime.engine.config import EngineConfig
 
+        self.config = EngineConfig(model="unused")
         self.row = torch.tensor(row)
         self.device = torch.device("cpu")
         self.model_config = ModelConfig.from_dict({"model_type": "deepseek_v3", "vocab_size": len(row),

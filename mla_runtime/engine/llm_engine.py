@@ -64,7 +64,8 @@ class LLMEngine:
         self.thread_tuner = ThreadTuner.for_engine(config.num_threads, self.device, tp)
         self.pool = BlockPool(self.cache.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
-                                   config.num_speculative_tokens, (config.prompt_lookup_max, config.prompt_lookup_min))
+                                   config.num_speculative_tokens, (config.prompt_lookup_max, config.prompt_lookup_min),
+                                   config.speculative_method)
         self.runner = ModelRunner(self.worker, config.seed, self.tp_group, self.thread_tuner)
         self.requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()

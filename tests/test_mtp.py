@@ -1,0 +1,140 @@
+"""Multi-token-prediction (MTP) speculative decoding: the checkpoint's MTP layer loads, computes what the
+DeepSeek-V3 description says (against an fp32 reference), and drafts tokens that the main model verifies
+without changing the output."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from mla_runtime import LLM, SamplingParams
+from mla_runtime.cache.latent_cache import LatentCache
+from mla_runtime.errors import InvalidParam
+from mla_runtime.forward_batch import ForwardBatch
+from mla_runtime.loader import load_model
+from tests.checkpoints import VOCAB, add_mtp_layer, mtp_reference, quantize_fp8_checkpoint
+from tests.test_engine import assert_clean, make_prompts, new_llm
+
+DEMO = Path(__file__).resolve().parent.parent / "mla_runtime" / "demo_model"
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(tiny_checkpoint, tmp_path_factory):
+    """(path, transformers model, its MTP layer): the tiny V3 checkpoint plus a random MTP layer."""
+    path, hf = tiny_checkpoint("v3")
+    dst = tmp_path_factory.mktemp("ckpt_mtp")
+    return dst, hf, add_mtp_layer(path, dst, hf)
+
+
+def paged(model, blocks: int, block_size: int = 16):
+    cache = LatentCache(model.num_cache_layers, blocks, block_size, model.config.latent_dim, model.dtype)
+    for layer in cache.layers:  # any read of an unwritten slot shows up as NaN
+        layer.kv.fill_(float("nan"))
+    table = list(range(blocks))
+    random.Random(3).shuffle(table)
+    return cache, table
+
+
+@torch.no_grad()
+def runtime_mtp_logits(model, ids: list[int], chain: list[int], split: int) -> torch.Tensor:
+    """The runtime's MTP logits for positions ``0 .. n-2`` of ``ids`` (main model and MTP layer in two chunks
+    split at ``split``, through the paged cache), then one chained link per token of ``chain``."""
+    cache, table = paged(model, 4)
+    rows, bs = [], 16
+    for start, stop in ((0, split), (split, len(ids) - 1)):
+        hidden = model(ForwardBatch.build([ids[start:stop]], [start], [table], bs), cache)
+        out = model.mtp_forward(ForwardBatch.build([ids[start + 1:stop + 1]], [start], [table], bs), cache, hidden)
+        rows.append(out)
+    last = rows[-1][-1:]
+    for j, token in enumerate(chain):
+        last = model.mtp_forward(ForwardBatch.build([[token]], [len(ids) - 1 + j], [table], bs), cache, last)
+        rows.append(last)
+    out = torch.cat(rows)
+    return model.compute_logits(model.mtp[0].shared_head.norm(out))
+
+
+def test_mtp_forward_matches_the_fp32_reference(mtp_checkpoint):
+    path, hf, layer = mtp_checkpoint
+    model = load_model(path, dtype="float32", num_mtp_layers=1)
+    ids = [random.Random(1).randrange(2, VOCAB) for _ in range(29)]
+    ref_plain = mtp_reference(hf, layer, ids, [])
+    chain = [int(ref_plain[-1].argmax()), 17, 99]  # the first link continues from its own greedy draft
+    ref = mtp_reference(hf, layer, ids, chain)
+    got = runtime_mtp_logits(model, ids, chain, split=11)
+    assert got.shape == ref.shape
+    torch.testing.assert_close(got, ref.float(), rtol=1e-4, atol=1e-4)
+    assert int(got[-1].argmax()) == int(ref[-1].argmax())
+
+
+def test_fp8_mtp_layer_loads_dequantised(mtp_checkpoint, tmp_path):
+    """FP8 block weights of the MTP layer are dequantised like any layer's."""
+    from tests.checkpoints import dequantized_state_dict
+
+    path, _, _ = mtp_checkpoint
+    fp8 = quantize_fp8_checkpoint(path, tmp_path / "fp8", block=16)
+    model = load_model(fp8, dtype="float32", num_mtp_layers=1)
+    want = dequantized_state_dict(fp8)
+    name = f"model.layers.{model.config.num_hidden_layers}.self_attn.kv_b_proj.weight"
+    assert want[name].dtype == torch.float32
+    torch.testing.assert_close(model.mtp[0].self_attn.kv_b_proj.weight, want[name])
+    torch.testing.assert_close(model.mtp[0].eh_proj.weight,
+                               want[f"model.layers.{model.config.num_hidden_layers}.eh_proj.weight"])
+
+
+def test_without_an_mtp_layer_asking_for_mtp_names_the_field(tiny_checkpoint, mtp_checkpoint):
+    path, _ = tiny_checkpoint("v3")
+    with pytest.raises(InvalidParam, match="speculative_method") as e:
+        new_llm(path, speculative_method="mtp")
+    assert e.value.param == "speculative_method"
+    with pytest.raises(InvalidParam, match="speculative_method"):
+        new_llm(path, speculative_method="medusa")
+    # the MTP checkpoint still loads and runs without MTP (its layer is skipped) and plain output is unchanged
+    mtp_path, _, _ = mtp_checkpoint
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    prompts = make_prompts(2, seed=4)
+    assert [o.outputs[0].token_ids for o in new_llm(mtp_path).generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in new_llm(path).generate(prompts, params)]
+
+
+def generate(path, params, prompts, **kw):
+    llm = new_llm(path, **kw)
+    outs = llm.generate(prompts, params)
+    stats = llm.engine.stats()
+    assert_clean(llm)
+    return [o.outputs[0].token_ids for o in outs], stats, llm
+
+
+@pytest.mark.parametrize("k, extra", [
+    (1, {}),
+    (3, {"enable_prefix_caching": False, "max_num_batched_tokens": 24}),  # chunked prefill
+    (2, {"latent_rank": 24}),
+])
+def test_mtp_greedy_equals_plain_greedy(mtp_checkpoint, k, extra):
+    path, _, _ = mtp_checkpoint
+    prompts = make_prompts(5, seed=6, lo=5, hi=60)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain, plain_stats, _ = generate(path, params, prompts, **extra)
+    spec, stats, llm = generate(path, params, prompts, speculative_method="mtp", num_speculative_tokens=k, **extra)
+    assert spec == plain
+    assert stats.num_draft_tokens > 0
+    assert stats.num_computed_tokens == plain_stats.num_computed_tokens
+
+
+def test_mtp_drafts_are_the_reference_chain(mtp_checkpoint):
+    """After a prompt's prefill the drafts the engine holds are the reference's greedy chain."""
+    path, hf, layer = mtp_checkpoint
+    ids = [random.Random(2).randrange(2, VOCAB) for _ in range(21)]
+    llm = new_llm(path, speculative_method="mtp", num_speculative_tokens=3)
+    llm.engine.add_request("r", {"prompt_token_ids": ids}, SamplingParams(max_tokens=8, temperature=0.0))
+    llm.engine.step()  # the prefill: samples one token, then the MTP layer drafts three
+    seq = llm.engine.requests["r"].seqs[0]
+    full = ids + seq.output_token_ids
+    chain: list[int] = []
+    for _ in range(3):
+        chain.append(int(mtp_reference(hf, layer, full, chain)[-1].argmax()))
+    assert seq.mtp_draft_ids == chain
+    llm.engine.abort("r")
+    assert_clean(llm)
