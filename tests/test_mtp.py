@@ -138,3 +138,31 @@ def test_mtp_drafts_are_the_reference_chain(mtp_checkpoint):
     assert seq.mtp_draft_ids == chain
     llm.engine.abort("r")
     assert_clean(llm)
+
+
+@pytest.mark.parametrize("layout", ["replicated", "sharded"])
+def test_mtp_under_two_ranks(mtp_checkpoint, layout):
+    """Each rank holds its shard of the MTP layer (heads, experts; the greedy draft is reduced over the
+    vocabulary shards): the drafts are the reference chain and the output is plain decoding's."""
+    path, hf, layer = mtp_checkpoint
+    ids = [random.Random(2).randrange(2, VOCAB) for _ in range(45)]
+    prompts = [{"prompt_token_ids": ids}] + make_prompts(3, seed=9, lo=5, hi=70)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in new_llm(path, block_size=32).generate(prompts, params)]
+    llm = LLM(str(path), dtype="float32", max_model_len=256, block_size=32, tensor_parallel_size=2,
+              latent_cache_layout=layout, kv_cache_memory="8MiB", speculative_method="mtp",
+              num_speculative_tokens=2)
+    try:
+        llm.engine.add_request("r", {"prompt_token_ids": ids}, SamplingParams(max_tokens=4, temperature=0.0))
+        llm.engine.step()
+        seq = llm.engine.requests["r"].seqs[0]
+        chain: list[int] = []
+        for _ in range(2):
+            chain.append(int(mtp_reference(hf, layer, ids + seq.output_token_ids, chain)[-1].argmax()))
+        assert seq.mtp_draft_ids == chain
+        llm.engine.abort("r")
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
+        assert llm.engine.stats().num_draft_tokens > 0
+        llm.engine.pool.check_whole()
+    finally:
+        llm.shutdown()

@@ -74,3 +74,7 @@ class EngineStats:
     num_generation_tokens: int
     num_draft_tokens: int
     num_accepted_tokens: int
+    speculative_method: str = "prompt_lookup"
+    num_spec_steps: int = 0  # decodes that carried drafts
+    drafts_by_position: tuple[int, ...] = ()  # [j]: decodes whose (j+1)-th draft was proposed
+    accepted_by_position: tuple[int, ...] = ()  # [j]: ... and accepted

@@ -72,6 +72,9 @@ class LLMEngine:
         self.load_seconds = time.monotonic() - t0
         self.num_prompt_tokens = self.num_generation_tokens = 0
         self.num_draft_tokens = self.num_accepted_tokens = 0  # speculative tokens proposed / accepted
+        self.num_spec_steps = 0
+        self.drafts_by_position = [0] * config.num_speculative_tokens
+        self.accepted_by_position = [0] * config.num_speculative_tokens
 
     def _set_up_worker(self) -> None:
         """Load, truncate, size and allocate on every rank (the worker ranks follow rank 0's commands)."""
@@ -154,8 +157,7 @@ class LLMEngine:
         if not batch.seqs:
             return []
         sampled, accepted = self.runner.execute(batch)
-        self.num_draft_tokens += sum(len(s.draft_token_ids) for s in batch.seqs)
-        self.num_accepted_tokens += sum(accepted.values())
+        self._count_drafts(batch.seqs, accepted)
         self.scheduler.on_step_done(batch, accepted)
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
@@ -177,6 +179,18 @@ class LLMEngine:
                 del self.requests[state.request_id]
         return [make_output(state) for state in touched.values()]
 
+    def _count_drafts(self, seqs: list, accepted: dict[int, int]) -> None:
+        for seq in seqs:
+            k, a = len(seq.draft_token_ids), accepted.get(seq.seq_id, 0)
+            if not k:
+                continue
+            self.num_spec_steps += 1
+            self.num_draft_tokens += k
+            self.num_accepted_tokens += a
+            for j in range(k):
+                self.drafts_by_position[j] += 1
+                self.accepted_by_position[j] += j < a
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker ranks (nothing to do on one rank)."""
         if self.tp_group is not None:
@@ -195,4 +209,6 @@ class LLMEngine:
             prefix_hit_tokens=pool.hit_tokens, prefix_hit_rate=pool.hit_rate(), num_preemptions=s.num_preemptions,
             num_computed_tokens=s.num_computed_tokens_total, num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens, num_draft_tokens=self.num_draft_tokens,
-            num_accepted_tokens=self.num_accepted_tokens)
+            num_accepted_tokens=self.num_accepted_tokens, speculative_method=self.config.speculative_method,
+            num_spec_steps=self.num_spec_steps, drafts_by_position=tuple(self.drafts_by_position),
+            accepted_by_position=tuple(self.accepted_by_position))
