@@ -166,3 +166,61 @@ def test_mtp_under_two_ranks(mtp_checkpoint, layout):
         llm.engine.pool.check_whole()
     finally:
         llm.shutdown()
+
+
+def test_mtp_under_preemption_and_prefix_hits(mtp_checkpoint):
+    path, _, _ = mtp_checkpoint
+    prompts = [{"prompt_token_ids": p["prompt_token_ids"] * 3} for p in make_prompts(8, seed=8, lo=10, hi=20)]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    plain = new_llm(path).generate(prompts, params)
+    small = new_llm(path, kv_cache_memory=22 * 16 * (32 + 16) * 4 * 4, speculative_method="mtp",
+                    num_speculative_tokens=3)
+    spec = small.generate(prompts, params) + small.generate(prompts[:2], params)  # the second run hits the cache
+    assert small.engine.scheduler.num_preemptions > 0
+    assert small.engine.stats().prefix_hit_tokens > 0 and small.engine.stats().num_draft_tokens > 0
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain + plain[:2]]
+    assert_clean(small)
+
+
+def demo_llm(**kw) -> LLM:
+    return LLM(str(DEMO), dtype="float32", max_model_len=256, kv_cache_memory="4MiB", **kw)
+
+
+def test_demo_model_drafts_with_its_mtp_head():
+    """The committed demo model carries a trained MTP head: greedy text is plain decoding's in fewer steps,
+    seeded sampling is reproducible, and the counters see accepted drafts at each position."""
+    prompts = ["def load(path):\n", "class Parser:\n    def __init__(self, text):\n"]
+    greedy = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    with demo_llm() as llm:
+        plain = [o.outputs[0].text for o in llm.generate(prompts, greedy)]
+    with demo_llm(speculative_method="mtp", num_speculative_tokens=2) as llm:
+        assert [o.outputs[0].text for o in llm.generate(prompts, greedy)] == plain
+        stats = llm.engine.stats()
+        assert stats.speculative_method == "mtp" and stats.num_accepted_tokens > 0
+        assert stats.drafts_by_position[0] >= stats.drafts_by_position[1] > 0
+        assert stats.accepted_by_position[0] >= stats.accepted_by_position[1]
+        assert sum(stats.accepted_by_position) == stats.num_accepted_tokens
+        sampled = SamplingParams(max_tokens=32, temperature=0.8, seed=5, ignore_eos=True)
+        first, again = llm.generate(prompts, sampled), llm.generate(prompts, sampled)
+        assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
+        assert all(len(o.outputs[0].token_ids) == 32 for o in first)
+        assert_clean(llm)
+
+
+def test_served_with_mtp_streams_the_same_text():
+    import httpx
+
+    from tests.test_server import Live
+
+    prompt = {"prompt": "def load(path):\n", "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+    texts = []
+    for engine in ({}, {"speculative_method": "mtp", "num_speculative_tokens": 2}):
+        live = Live(DEMO, engine={"max_model_len": 256, "kv_cache_memory": "4MiB", "dtype": "float32", **engine})
+        try:
+            texts.append(httpx.post(live.base + "/generate", json=prompt, timeout=60).json()["text"])
+            m = live.metrics()
+        finally:
+            live.stop()
+    assert texts[0] == texts[1]
+    assert m[("mla_spec_draft_tokens_total", ("method", "mtp"))] > 0
+    assert ("mla_spec_position_accepted_total", ("method", "mtp"), ("position", "2")) in m
