@@ -94,8 +94,8 @@ def step_cost(model: str, dtype: str, ks: list[int], steps: int = 24) -> None:
 
 
 def _engine_counts(engine) -> tuple:
-    return (engine.num_spec_steps, engine.num_accepted_tokens, engine.num_generation_tokens,
-            tuple(engine.drafts_by_position), tuple(engine.accepted_by_position))
+    c = engine.counts
+    return (c.spec_steps, c.accepted, c.generation, tuple(c.drafts_by_position), tuple(c.accepted_by_position))
 
 
 def one_round(llm, prompts: list[str], params: SamplingParams, tag: str) -> dict:

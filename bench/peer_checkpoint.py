@@ -26,6 +26,15 @@ CONFIG: dict[str, Any] = dict(
 )
 
 
+def demo_config() -> dict[str, Any]:
+    """The embedded demo model's architecture (4 layers, hidden 256, d_c 128, vocab 8192) with random weights:
+    a checkpoint small enough for hours of serving on two CPU cores (the soak in ``RESULTS_serving.md``)."""
+    demo = json.loads((Path(__file__).resolve().parent.parent / "mla_runtime" / "demo_model" / "config.json")
+                      .read_text())
+    keep = set(CONFIG) | {"rms_norm_eps", "rope_theta"}
+    return {k: v for k, v in demo.items() if k in keep}
+
+
 def build_checkpoint(out: Path, seed: int = 0, config: dict[str, Any] | None = None) -> Path:
     """Write ``config.json`` + ``model.safetensors`` to ``out`` (skipped when a build of the same seed and
     config is there); ``config`` defaults to ``CONFIG``."""
@@ -61,4 +70,6 @@ def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 if __name__ == "__main__":
     import sys
 
-    print(build_checkpoint(Path(sys.argv[1] if len(sys.argv) > 1 else "bench/out/peer_ckpt")))
+    args = [a for a in sys.argv[1:] if a != "--demo-config"]
+    print(build_checkpoint(Path(args[0] if args else "bench/out/peer_ckpt"),
+                           config=demo_config() if "--demo-config" in sys.argv else None))

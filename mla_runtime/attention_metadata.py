@@ -23,6 +23,7 @@ from mla_kernels import DecodePlan, plan_decode
 from mla_kernels.common import resolve_backend
 
 from mla_runtime.forward_batch import ForwardBatch
+from mla_runtime.layers.rotary import RopeTables
 from mla_runtime.parallel import ParallelContext, local_latent_view
 
 # On CPU, the leading sequences of a step with at most this many new tokens attend through one shared
@@ -44,7 +45,7 @@ class AttentionDims:
 @dataclass(frozen=True)
 class AttentionMetadata:
     batch: ForwardBatch
-    rope_cos_sin: tuple[torch.Tensor, torch.Tensor]  # [T, d_r / 2] each
+    rope: RopeTables  # the step's RoPE tables (the same for every layer)
     slot_mapping: torch.Tensor  # [T] int64: this rank's cache slot of each new token (-1: another rank's)
     token_seq_lens: torch.Tensor  # [T] int32: this rank's cached keys visible to each new token
     path: str  # "absorbed" or "naive": how the tokens after the planned decodes attend
@@ -84,7 +85,7 @@ def host_cu_seqlens(batch: ForwardBatch) -> tuple[list[int], list[int]]:
     return cu_q, cu_k
 
 
-def build_attention_metadata(batch: ForwardBatch, rope_cos_sin: tuple[torch.Tensor, torch.Tensor],
+def build_attention_metadata(batch: ForwardBatch, rope: RopeTables,
                              dims: AttentionDims, forced_path: str, backend: str | None, cache_kv: torch.Tensor,
                              quantised_cache: bool, par: ParallelContext) -> AttentionMetadata:
     """The step's metadata (see the module docstring). ``cache_kv``: one layer's cache tensor (its device and
@@ -95,7 +96,7 @@ def build_attention_metadata(batch: ForwardBatch, rope_cos_sin: tuple[torch.Tens
     else:
         slots, seq_lens = batch.slot_mapping, batch.token_seq_lens
     path = choose_path(batch, dims, forced_path, par.sharded_cache)
-    meta = AttentionMetadata(batch, rope_cos_sin, slots, seq_lens, path, host_cu_seqlens(batch))
+    meta = AttentionMetadata(batch, rope, slots, seq_lens, path, host_cu_seqlens(batch))
     if (par.sharded_cache or quantised_cache or forced_path == "naive"
             or resolve_backend(backend, cache_kv) != "torch"):
         return meta
@@ -108,6 +109,6 @@ def build_attention_metadata(batch: ForwardBatch, rope_cos_sin: tuple[torch.Tens
     rest = None
     if seqs < batch.num_seqs:
         tail = batch.tail(seqs)
-        rest = AttentionMetadata(tail, (rope_cos_sin[0][d:], rope_cos_sin[1][d:]), slots[d:], seq_lens[d:],
+        rest = AttentionMetadata(tail, rope.tail(d), slots[d:], seq_lens[d:],
                                  choose_path(tail, dims, forced_path, False), host_cu_seqlens(tail))
-    return AttentionMetadata(batch, rope_cos_sin, slots, seq_lens, path, meta.host_cu_seqlens, plan, d, rest)
+    return AttentionMetadata(batch, rope, slots, seq_lens, path, meta.host_cu_seqlens, plan, d, rest)

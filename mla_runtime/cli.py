@@ -4,6 +4,8 @@
     mla-runtime plan --model deepseek-v3 --device-memory 141GiB    # the memory planner
     mla-runtime sweep --model PATH --eval-text held_out.txt        # latent rank × cache dtype sweep
     mla-runtime bench [--model PATH]                               # offline throughput
+    mla-runtime hash PATH                                          # write PATH/SHA256SUMS (--verify-weights)
+    mla-runtime warm --kv-cache-dir DIR --prompts prompts.txt      # precompute prefixes into the disk tier
 
 Each subcommand owns its flags (``mla-runtime SUBCOMMAND --help``); its module is imported only when it
 runs, so ``plan`` does not import the server.
@@ -23,6 +25,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("mla_runtime.plan", "split one device's memory into weights, activations and latent cache"),
     "sweep": ("mla_runtime.sweep", "latent rank × cache dtype: quality, bytes per token, capacity, speed"),
     "bench": ("mla_runtime.benchmark", "offline throughput of LLM.generate on a checkpoint"),
+    "hash": ("mla_runtime.checksums", "write a checkpoint's sha256 manifest (SHA256SUMS) for --verify-weights"),
+    "warm": ("mla_runtime.warm", "precompute the prefixes of common prompts into the disk tier (--kv-cache-dir)"),
 }
 
 

@@ -23,6 +23,7 @@ so one basis serves every head and both cache layouts.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -120,6 +121,17 @@ def calibration_chunks(docs: Sequence[Sequence[int]], max_tokens: int = CALIBRAT
     """The first ``max_tokens`` tokens of ``docs`` (token-id lists), as sequences of ``CALIBRATION_CHUNK``."""
     ids = [t for doc in docs for t in doc][:max_tokens]
     return [ids[i:i + CALIBRATION_CHUNK] for i in range(0, len(ids), CALIBRATION_CHUNK)]
+
+
+def calibration_from_file(projection: str, path: str | None, encode: Callable[[str], list[int]] | None
+                          ) -> list[list[int]] | None:
+    """Token chunks of the calibration text file for the PCA projection (None for SVD, which needs no data)."""
+    if projection != "pca":
+        return None
+    text = Path(path or "").read_text(encoding="utf-8")
+    if encode is None:
+        raise ValueError("latent_calibration needs a tokenizer in the checkpoint directory")
+    return calibration_chunks([encode(text)])
 
 
 def check_latent_rank(rank: object, kv_lora_rank: int) -> None:

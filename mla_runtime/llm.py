@@ -34,9 +34,10 @@ class LLM:
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
 
-    def shutdown(self) -> None:
-        """Release the engine (stops tensor-parallel worker ranks)."""
-        self.engine.shutdown()
+    def shutdown(self, flush_timeout: float = 30.0) -> None:
+        """Release the engine: with a disk tier (``kv_cache_dir``), write the resident full blocks not on disk yet
+        (up to ``flush_timeout`` s); stop tensor-parallel worker ranks."""
+        self.engine.shutdown(flush_timeout)
 
     def __enter__(self) -> LLM:
         return self

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 @dataclass
 class RequestMetrics:
     arrival_time: float
+    first_scheduled_time: float | None = None  # the first step that ran one of its sequences
     first_token_time: float | None = None
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)
@@ -16,6 +17,11 @@ class RequestMetrics:
     def ttft(self) -> float | None:
         """Seconds from arrival to the first generated token."""
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float | None:
+        """Seconds from arrival until a step first ran the request."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
 
     @property
     def time_per_output_token(self) -> float | None:

@@ -43,6 +43,7 @@ from decimal import Decimal, InvalidOperation
 
 import torch
 
+from mla_runtime.cache.disk_tier import HEADER_ESTIMATE_BYTES
 from mla_runtime.config import PRESET_DIR, ModelConfig
 from mla_runtime.dtypes import CACHE_DTYPES, MODEL_DTYPES, CacheDtype, dtype_name, resolve_cache_dtype
 from mla_runtime.help_format import DefaultsHelpFormatter
@@ -155,10 +156,49 @@ def parameter_count(config: ModelConfig, tensor_parallel_size: int = 1) -> int:
 
 
 def weight_bytes(config: ModelConfig, dtype: str | torch.dtype = "auto",
-                 tensor_parallel_size: int = 1) -> int:
-    """Parameter bytes at the load dtype (FP8 checkpoints are dequantised to it), per rank."""
+                 tensor_parallel_size: int = 1, quantization: str | None = None) -> int:
+    """Parameter bytes at the load dtype (FP8 checkpoints are dequantised to it), per rank; with
+    ``quantization="int8"`` the quantised matrices (``quantized_parameters``) count 1 byte each plus a float32
+    scale per output row."""
     element = resolve_model_dtype(dtype, config).itemsize
-    return parameter_count(config, tensor_parallel_size) * element
+    total = parameter_count(config, tensor_parallel_size)
+    if quantization in (None, "none"):
+        return total * element
+    if quantization != "int8":
+        raise ValueError(f"quantization: none or int8, got {quantization!r}")
+    elements, rows = quantized_parameters(config, tensor_parallel_size)
+    tied = config.tie_word_embeddings  # the lm_head's int8 copy comes on top of the embedding it shares
+    return (total - elements + (rows[-1] * config.hidden_size if tied else 0)) * element + elements + 4 * rows[0]
+
+
+def quantized_parameters(config: ModelConfig, tensor_parallel_size: int = 1) -> tuple[int, tuple[int, int]]:
+    """Weights that ``quantization="int8"`` stores as int8, per rank: (elements, (output rows, lm_head rows)).
+
+    Every attention projection except ``kv_b_proj`` (biases stay), the dense MLPs, the routed and shared
+    experts (not the router) and the lm_head (``layers.quantization``); counted from ``parameter_breakdown``.
+    """
+    counts = parameter_breakdown(config, tensor_parallel_size)
+    tp, d = tensor_parallel_size, config.hidden_size
+    heads = config.num_attention_heads // tp
+    vocab_rows = -(-config.vocab_size // tp)
+    bias = int(config.attention_bias)
+    kv_b = config.kv_lora_rank * heads * (config.qk_nope_head_dim + config.v_head_dim)
+    attn_rows = (config.q_lora_rank or 0) + heads * config.qk_head_dim + config.latent_dim + d
+    attn_bias = bias * ((config.q_lora_rank or 0) + config.latent_dim + d)
+    elements = (counts["attention"] - config.num_hidden_layers * (kv_b + attn_bias)) + vocab_rows * d
+    rows = config.num_hidden_layers * attn_rows + vocab_rows
+    moe = config.moe
+    for layer in range(config.num_hidden_layers):
+        if moe is not None and config.is_moe_layer(layer):
+            inter = -(-moe.moe_intermediate_size // tp)
+            shared = -(-(moe.n_shared_experts * moe.moe_intermediate_size) // tp) if moe.n_shared_experts else 0
+            elements += 3 * d * (moe.n_routed_experts * inter + shared)
+            rows += moe.n_routed_experts * (2 * inter + d) + (2 * shared + d if shared else 0)
+        else:
+            inter = -(-config.intermediate_size // tp)
+            elements += 3 * d * inter
+            rows += 2 * inter + d
+    return elements, (rows, vocab_rows)
 
 
 # -- activations -------------------------------------------------------------------------------
@@ -286,6 +326,9 @@ class MemoryPlan:
     max_tokens: int                   # tokens the whole group can cache
     max_sequences: int                # sequences of max_seq_len that fit at once
     blocks_per_sequence: int
+    disk_bytes: int | None = None     # the disk tier's bound (kv_cache_disk_bytes), whole directory
+    disk_file_bytes: int = 0          # one block on disk: its latents (all shards) plus file headers
+    disk_capacity_tokens: int = 0     # tokens the disk tier holds
 
     @property
     def fits(self) -> bool:
@@ -301,6 +344,15 @@ class MemoryPlan:
     def cache_bytes(self) -> int:
         """Bytes the cache tensors actually take on one rank (≤ the budget)."""
         return self.num_blocks * self.block_size * self.latent_bytes_per_token
+
+
+def disk_tier_capacity(disk_bytes: int, latent_bytes_per_token: int, block_size: int,
+                       files_per_block: int = 1) -> tuple[int, int]:
+    """``(bytes of one block on disk, tokens that fit)`` for a disk tier bounded by ``disk_bytes``: each block is
+    its latents (exactly the cache's bytes per token × block size) plus one header per file (one file per rank
+    under the sharded layout)."""
+    per_block = latent_bytes_per_token * block_size + files_per_block * HEADER_ESTIMATE_BYTES
+    return per_block, disk_bytes // per_block * block_size
 
 
 def _min_tp_that_fits(config: ModelConfig, dtype: torch.dtype, usable: int) -> int | None:
@@ -340,11 +392,14 @@ def _weights_do_not_fit(config: ModelConfig, model_dtype: torch.dtype, tp: int, 
 def plan_memory(config: ModelConfig, *, dtype: str | torch.dtype, cache_dtype: str | torch.dtype = "auto",
                 device_memory_bytes: int, memory_utilization: float = 0.92, max_seq_len: int,
                 max_num_seqs: int, block_size: int = 64, max_num_batched_tokens: int | None = None,
-                tensor_parallel_size: int = 1, latent_cache_layout: str = "replicated") -> MemoryPlan:
-    """Split one rank's ``device_memory_bytes`` into weights, activations and latent cache blocks.
+                tensor_parallel_size: int = 1, latent_cache_layout: str = "replicated",
+                disk_bytes: int | None = None, quantization: str | None = None) -> MemoryPlan:
+    """Split one rank's ``device_memory_bytes`` into weights, activations and latent cache blocks
+    (``quantization="int8"``: weight-only int8 weights, ``weight_bytes``).
 
     Raises ``ValueError`` naming the argument for bad input, and when weights (plus the activation
-    reserve) do not fit, saying by how much and what to change.
+    reserve) do not fit, saying by how much and what to change. ``disk_bytes``: the disk tier's bound, whose
+    capacity in tokens the plan then reports.
     """
     model_dtype = resolve_model_dtype(dtype, config)
     cache = resolve_cache_dtype(cache_dtype, model_dtype)
@@ -355,7 +410,7 @@ def plan_memory(config: ModelConfig, *, dtype: str | torch.dtype, cache_dtype: s
     if max_num_batched_tokens is None:
         max_num_batched_tokens = default_max_num_batched_tokens(max_seq_len, max_num_seqs)
     usable = math.floor(device_memory_bytes * memory_utilization)
-    weights = weight_bytes(config, model_dtype, tp)
+    weights = weight_bytes(config, model_dtype, tp, quantization)
     if weights > usable:
         raise ValueError(_weights_do_not_fit(config, model_dtype, tp, weights, usable, device_memory_bytes,
                                              memory_utilization))
@@ -373,18 +428,21 @@ def plan_memory(config: ModelConfig, *, dtype: str | torch.dtype, cache_dtype: s
     holders = tp if latent_cache_layout == "sharded" else 1  # ranks that split the tokens between them
     num_blocks = budget // (latent * block_size)
     blocks_per_sequence = -(-max_seq_len // block_size)
+    disk_file_bytes, disk_tokens = (0, 0) if disk_bytes is None else disk_tier_capacity(
+        disk_bytes, latent, block_size, holders)
     return MemoryPlan(
         dtype=model_dtype, cache_dtype=cache, block_size=block_size, tensor_parallel_size=tp,
         latent_cache_layout=latent_cache_layout, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, device_memory_bytes=device_memory_bytes,
         memory_utilization=memory_utilization, usable_bytes=usable,
         parameter_count=parameter_count(config), weight_bytes=weights,
-        total_weight_bytes=weight_bytes(config, model_dtype), activation_bytes=activations,
+        total_weight_bytes=weight_bytes(config, model_dtype, 1, quantization), activation_bytes=activations,
         cache_budget_bytes=budget, latent_bytes_per_token=latent,
         cache_bytes_per_token_per_rank=latent / holders,
         mha_bytes_per_token=mha_bytes_per_token(config, cache.dtype),
         num_blocks=num_blocks, max_tokens=num_blocks * block_size * holders,
         max_sequences=num_blocks * holders // blocks_per_sequence, blocks_per_sequence=blocks_per_sequence,
+        disk_bytes=disk_bytes, disk_file_bytes=disk_file_bytes, disk_capacity_tokens=disk_tokens,
     )
 
 
@@ -474,6 +532,10 @@ def format_report(plan: MemoryPlan, config: ModelConfig, model: str = "") -> str
         _row("tokens that fit", f"{plan.max_tokens:,}"),
         _row(f"sequences of {plan.max_seq_len:,} tokens that fit", f"{plan.max_sequences:,}"),
     ]
+    if plan.disk_bytes is not None:
+        lines.append(_row("disk tier: tokens that fit", f"{plan.disk_capacity_tokens:,}",
+                          f"in {plan.disk_bytes:,} B ({_gib(plan.disk_bytes)}), {plan.disk_file_bytes:,} B per "
+                          f"block of {plan.block_size} on disk"))
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
     needed = plan.max_num_seqs * plan.blocks_per_sequence
     lines += ["", f"  requested {plan.max_num_seqs:,} x {plan.max_seq_len:,} tokens: {verdict} "
@@ -497,12 +559,16 @@ def build_parser(prog: str = "python -m mla_runtime.plan") -> argparse.ArgumentP
     parser.add_argument("--memory-utilization", type=float, default=0.92, help="fraction of it the runtime uses")
     parser.add_argument("--dtype", default="auto", choices=["auto", *MODEL_DTYPES], help="weight dtype")
     parser.add_argument("--cache-dtype", default="auto", choices=list(CACHE_DTYPES), help="latent-cache dtype")
+    parser.add_argument("--quantization", default="none", choices=["none", "int8"],
+                        help="weight-only quantisation of the model's matrices")
     parser.add_argument("--block-size", type=int, default=64, help="tokens per cache block")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="token budget of one step (default: max-seq-len capped at 8192, at least 2048)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the model is sharded across")
     parser.add_argument("--latent-cache-layout", default="replicated", choices=list(LATENT_CACHE_LAYOUTS),
                         help="sharded: each token's latent on one rank")
+    parser.add_argument("--kv-cache-disk-bytes", type=parse_bytes, default=None,
+                        help="the disk tier's bound, e.g. 1TB: show how many tokens of prefix it holds")
     return parser
 
 
@@ -520,7 +586,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m mla_runtime.p
             memory_utilization=args.memory_utilization,
             max_seq_len=args.max_seq_len or config.max_position_embeddings, max_num_seqs=args.max_num_seqs,
             block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
-            tensor_parallel_size=args.tensor_parallel_size, latent_cache_layout=args.latent_cache_layout)
+            tensor_parallel_size=args.tensor_parallel_size, latent_cache_layout=args.latent_cache_layout,
+            disk_bytes=args.kv_cache_disk_bytes, quantization=args.quantization)
     except ValueError as e:
         try:  # the per-token cost does not depend on memory: still worth showing
             cache = resolve_cache_dtype(args.cache_dtype, resolve_model_dtype(args.dtype, config))

@@ -1,12 +1,15 @@
-"""Rank × cache-precision sweep: what shrinking the cached latent costs in quality and buys in memory.
+"""Rank × cache-precision × weight-precision sweep: what shrinking the cached latent (or the weights) costs in
+quality and buys in memory.
 
 The low-rank dimension should not be changed without validation; this is the instrument
-that validates it. For every point (projection method, latent rank ``r``, cache dtype) it reports:
+that validates it. For every point (weights, projection method, latent rank ``r``, cache dtype) it reports:
 
 - ``method``: ``full`` (the untruncated model), ``svd`` (basis from ``kv_b_proj``) or ``pca`` (from latents
   collected on calibration text);
 - ``rank``: latent values cached per token per layer (``d_c`` for ``full``);
 - ``cache_dtype``: element type of the latent cache (``fp32``, ``bf16``, ``fp16``, ``fp8``, ``int8``);
+- ``weights``: weight precision: ``none`` (the model dtype) or ``int8`` (weight-only, ``quantization="int8"``,
+  quantised at load after any truncation);
 - ``bytes_per_token``: bytes the allocated cache holds per token, all layers:
   ``(r + d_r) × layers × bytes(dtype)``, plus 8 bytes of scales per layer for fp8/int8;
 - ``bytes_vs_full``: ``bytes_per_token`` over that of the full model with a model-dtype cache;
@@ -38,6 +41,7 @@ CLI::
     mla-runtime sweep --model PATH --eval-text held_out.py        # svd at every rank, bf16/fp8/int8 caches
     mla-runtime sweep --model PATH --ranks 512,256,128,64,32 --cache-dtypes bf16,fp8,int8 \\
         --eval-text held_out.py --calibration-text other.py --memory-budget 1GiB   # svd and pca
+    mla-runtime sweep --model PATH --weights none,int8 --ranks 512 --cache-dtypes fp32 --eval-text held_out.py
 
 ``--methods`` defaults to ``svd``, plus ``pca`` when calibration text or tokens are given. Ranks above
 the model's ``d_c`` are capped to it. Token ids can replace text (``--eval-tokens``,
@@ -70,9 +74,10 @@ from mla_runtime.engine.worker import StepInput, Worker
 from mla_runtime.help_format import DefaultsHelpFormatter
 from mla_runtime.hub import resolve_model
 from mla_runtime.latent_rank import CALIBRATION_TOKENS, METHODS, calibration_chunks
+from mla_runtime.layers.quantization import check_quantization
 from mla_runtime.plan import cache_capacity_tokens, parse_bytes
 
-COLUMNS = ("method", "rank", "cache_dtype", "bytes_per_token", "bytes_vs_full", "max_concurrent_tokens",
+COLUMNS = ("method", "rank", "cache_dtype", "weights", "bytes_per_token", "bytes_vs_full", "max_concurrent_tokens",
            "perplexity", "kl_div", "top1_agreement", "decode_tokens_per_s")
 SHORT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
                torch.float8_e4m3fn: "fp8", torch.int8: "int8"}
@@ -85,6 +90,7 @@ class SweepConfig:
     ranks: tuple[int, ...] = (512, 256, 128, 64, 32)
     cache_dtypes: tuple[str, ...] = ("bf16", "fp8", "int8")
     methods: tuple[str, ...] = ("svd", "pca")
+    weights: tuple[str, ...] = ("none",)  # weight precisions: none (the model dtype) and/or int8
     memory_budget: int | str = "1GiB"
     dtype: str = "auto"  # model weights / compute
     block_size: int = 64
@@ -107,6 +113,10 @@ class SweepConfig:
             raise ValueError("cache_dtypes must name at least one dtype")
         for name in self.cache_dtypes:
             resolve_cache_dtype(name, torch.float32)  # raises a ValueError naming the dtype
+        if not self.weights:
+            raise ValueError("weights must name at least one weight precision (none, int8)")
+        for name in self.weights:
+            check_quantization(name)  # raises a ValueError naming quantization
         bad = [m for m in self.methods if m not in METHODS]
         if bad or not self.methods:
             raise ValueError(f"methods must be a non-empty subset of {METHODS}, got {list(self.methods)}")
@@ -123,6 +133,7 @@ class SweepRow:
     method: str
     rank: int
     cache_dtype: str
+    weights: str
     bytes_per_token: int
     bytes_vs_full: float
     max_concurrent_tokens: int
@@ -170,10 +181,11 @@ def eval_windows(docs: Sequence[Sequence[int]], window: int, max_tokens: int) ->
 
 
 # -- running the model through a paged cache ------------------------------------------------------
-def load_worker(model_path: str | Path, cfg: SweepConfig) -> Worker:
-    """A loaded single-rank ``Worker`` of the full (untruncated) model."""
+def load_worker(model_path: str | Path, cfg: SweepConfig, weights: str = "none") -> Worker:
+    """A loaded single-rank ``Worker`` of the full (untruncated) model; ``weights="int8"`` quantises it when its
+    first cache is allocated (after any truncation)."""
     worker = Worker(EngineConfig(model=str(model_path), dtype=cfg.dtype, block_size=cfg.block_size,
-                                 device=cfg.device, attention_backend=cfg.attention_backend))
+                                 device=cfg.device, attention_backend=cfg.attention_backend, quantization=weights))
     worker.load()
     return worker
 
@@ -286,24 +298,27 @@ def run_sweep(model_path: str | Path, eval_docs: Sequence[Sequence[int]],
                          num_layers=mcfg.num_hidden_layers, model_dtype=SHORT_NAMES[ref_dtype],
                          eval_tokens=sum(len(t) for t in data.targets),
                          calibration_tokens=sum(map(len, data.calibration)), memory_budget=int(cfg.memory_budget))
-    points = [("full", mcfg.kv_lora_rank, d) for d in dict.fromkeys([ref_dtype, *cache_dtypes])]  # reference first
-    points += [(m, r, d) for m in cfg.methods for r in capped_ranks(cfg.ranks, mcfg.kv_lora_rank) for d in cache_dtypes]
+    full = [("full", mcfg.kv_lora_rank, d) for d in dict.fromkeys([ref_dtype, *cache_dtypes])]
+    cut = [(m, r, d) for m in cfg.methods for r in capped_ranks(cfg.ranks, mcfg.kv_lora_rank) for d in cache_dtypes]
+    points = [("none", *full[0])]  # the reference first: the full model in its own dtype, cache included
+    points += [(w, *p) for w in cfg.weights for p in full + cut if (w, *p) != points[0]]
     bar = tqdm(total=len(points), desc="sweep", unit="point", file=sys.stderr, disable=not progress)
     reference: list[torch.Tensor] = []  # per window group: the full model's log-probs (model-dtype cache)
-    loaded, full_bytes = ("full", mcfg.kv_lora_rank), 0
-    for method, rank, dtype in points:
-        bar.set_postfix_str(f"{method} r={rank} {SHORT_NAMES[dtype]}")
-        if (method, rank) != loaded:
+    loaded, full_bytes = ("none", "full", mcfg.kv_lora_rank), 0
+    for weights, method, rank, dtype in points:
+        bar.set_postfix_str(f"{weights} {method} r={rank} {SHORT_NAMES[dtype]}")
+        if (weights, method, rank) != loaded:
             del worker  # one model in memory at a time; a fresh load (not a copy: weights may be packed)
-            worker = load_worker(model_path, cfg)
-            worker.truncate_latent(data.calibration or None, rank, method)
-            loaded = (method, rank)
+            worker = load_worker(model_path, cfg, weights)
+            if method != "full":
+                worker.truncate_latent(data.calibration or None, rank, method)
+            loaded = (weights, method, rank)
         nll, kl, agree, bytes_per_token = _score(worker, dtype, data, reference, cfg)
         n, full_bytes = result.eval_tokens, full_bytes or bytes_per_token
         tps = decode_tokens_per_s(worker, data.decode_prompts, cfg.decode_steps, dtype, cfg) if cfg.decode_steps \
             else None
         result.rows.append(SweepRow(
-            method=method, rank=rank, cache_dtype=SHORT_NAMES[dtype], bytes_per_token=bytes_per_token,
+            weights=weights, method=method, rank=rank, cache_dtype=SHORT_NAMES[dtype], bytes_per_token=bytes_per_token,
             bytes_vs_full=bytes_per_token / full_bytes,
             max_concurrent_tokens=cache_capacity_tokens(int(cfg.memory_budget), bytes_per_token, cfg.block_size),
             perplexity=math.exp(nll / n), kl_div=max(kl / n, 0.0), top1_agreement=agree / n, decode_tokens_per_s=tps))
@@ -346,7 +361,7 @@ def markdown_table(result: SweepResult) -> str:
         f"the full model with a {result.model_dtype} cache.",
         "",
         "| " + " | ".join(COLUMNS) + " |",
-        "|" + "|".join("---" if c in ("method", "cache_dtype") else "---:" for c in COLUMNS) + "|",
+        "|" + "|".join("---" if c in ("weights", "method", "cache_dtype") else "---:" for c in COLUMNS) + "|",
     ]
     for row in result.rows:
         lines.append("| " + " | ".join(_fmt(c, getattr(row, c)) for c in COLUMNS) + " |")
@@ -372,8 +387,9 @@ def plot(result: SweepResult, path: Path) -> bool:
     markers = {"fp32": "D", "bf16": "o", "fp16": "v", "fp8": "s", "int8": "^"}
     styles = {"fp32": "-", "bf16": "-", "fp16": "-", "fp8": "--", "int8": ":"}
     series: dict[tuple[str, str], list[SweepRow]] = {}
-    for row in result.rows:
-        series.setdefault((row.method, row.cache_dtype), []).append(row)
+    for row in result.rows:  # int8 weights: their own series, labelled "w8 <method> <dtype>"
+        prefix = "" if row.weights == "none" else f"w{row.weights.removeprefix('int')} "
+        series.setdefault((prefix + row.method, row.cache_dtype), []).append(row)
     labelled = next((r.cache_dtype for r in result.rows if r.method != "full"), None)  # ranks written once
     for ax, (column, title) in zip(axes, panels):
         for (method, dtype), rows in series.items():
@@ -381,13 +397,14 @@ def plot(result: SweepResult, path: Path) -> bool:
             xs = [r.bytes_per_token for r in rows]
             ys = [max(getattr(r, column), KL_PLOT_FLOOR) if column == "kl_div" else getattr(r, column)
                   for r in rows]
-            full = method == "full"  # the untruncated model: one black point per cache dtype
+            full = method.endswith("full")  # the untruncated model: one point per cache dtype
+            colour = colours.get(method, "tab:green" if full else "gray")
             ax.plot(xs, ys, linestyle="none" if full else styles.get(dtype, "-"), marker=markers.get(dtype, "o"),
-                    markersize=8 if full else 5, color=colours.get(method, "gray"), label=f"{method} {dtype}")
+                    markersize=8 if full else 5, color=colour, label=f"{method} {dtype}")
             if column == "perplexity" and not full and dtype == labelled:
                 for r in rows:
                     ax.annotate(str(r.rank), (r.bytes_per_token, r.perplexity), fontsize=7,
-                                textcoords="offset points", xytext=(3, 3), color=colours.get(method, "gray"))
+                                textcoords="offset points", xytext=(3, 3), color=colour)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("cache bytes per token (all layers)")
         ax.set_title(title, fontsize=10)
@@ -480,6 +497,8 @@ def build_parser(prog: str = "python -m mla_runtime.sweep") -> argparse.Argument
     ap.add_argument("--ranks", type=_ints, default=",".join(map(str, d.ranks)),
                     help="comma-separated; capped at the model's d_c")
     ap.add_argument("--cache-dtypes", type=_names, default=",".join(d.cache_dtypes), help="e.g. bf16,fp8,int8")
+    ap.add_argument("--weights", type=_names, default=",".join(d.weights),
+                    help="weight precisions: none (the model dtype) and/or int8 (weight-only, quantised at load)")
     ap.add_argument("--methods", type=_names, default=None,
                     help="svd,pca (default: svd, and pca when calibration text or tokens are given)")
     ap.add_argument("--eval-text", nargs="+", help="held-out text file(s) for perplexity / KL / top-1")
@@ -520,7 +539,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m mla_runtime.s
         calibrated = bool(args.calibration_text or args.calibration_tokens)
         methods = args.methods or (("svd", "pca") if calibrated else ("svd",))
         cfg = SweepConfig(
-            ranks=args.ranks, cache_dtypes=args.cache_dtypes, methods=methods,
+            ranks=args.ranks, cache_dtypes=args.cache_dtypes, methods=methods, weights=args.weights,
             memory_budget=args.memory_budget, dtype=args.dtype, block_size=args.block_size, window=args.window,
             chunk=args.chunk, max_eval_tokens=args.max_eval_tokens,
             max_calibration_tokens=args.max_calibration_tokens, decode_batch=args.decode_batch,

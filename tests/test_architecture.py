@@ -17,13 +17,13 @@ ROOT = Path(__file__).resolve().parent.parent
 # level of each top-level name under mla_runtime (engine.worker/engine.config: see LEVEL_OF_SUBMODULE)
 LEVELS = {
     "config": 1, "dtypes": 1, "errors": 1, "parallel": 1, "forward_batch": 1, "sampling_params": 1, "outputs": 1,
-    "hub": 1, "tokenizer": 1, "cache": 1, "help_format": 1,
+    "hub": 1, "tokenizer": 1, "cache": 1, "help_format": 1, "checksums": 1,
     "layers": 2, "attention_metadata": 2,
     "models": 3,
     "loader": 4, "latent_rank": 4, "plan": 4,
     "engine": 6, "llm": 6,
     "serving": 8,
-    "cli": 9, "sweep": 9, "benchmark": 9,
+    "cli": 9, "sweep": 9, "benchmark": 9, "warm": 9,
 }
 LEVEL_OF_SUBMODULE = {"engine.config": 5, "engine.worker": 5}  # the worker and its config sit below the engine
 KERNELS = 0

@@ -70,6 +70,8 @@ def test_serve_help_lists_every_server_flag_with_its_default(capsys):
     ("plan", "--max-num-seqs MAX_NUM_SEQS sequences that must fit at once (default: 256)"),
     ("sweep", "--ranks RANKS comma-separated; capped at the model's d_c (default: 512,256,128,64,32)"),
     ("bench", "--max-tokens MAX_TOKENS tokens generated per prompt (default: 64)"),
+    ("warm", "--kv-cache-write-through write every full block to the disk tier as soon as it is complete "
+             "(default: False)"),
 ])
 def test_every_subcommand_help_shows_defaults(command, expected, capsys):
     flat = " ".join(_help(command, capsys).split())
@@ -81,7 +83,8 @@ def test_top_level_help_names_the_subcommands(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    assert all(name in out for name in COMMANDS) and set(COMMANDS) == {"serve", "plan", "sweep", "bench"}
+    assert all(name in out for name in COMMANDS)
+    assert set(COMMANDS) == {"serve", "plan", "sweep", "bench", "hash", "warm"}
     with pytest.raises(SystemExit) as done:
         main(["warp"])
     assert done.value.code == 2

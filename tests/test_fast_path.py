@@ -191,36 +191,37 @@ def test_packed_linear_matrix_vector_layouts(gemm_mode):
         torch.testing.assert_close(linear(x, w, None, packed), F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("one_row_aten", [False, True])
-def test_one_row_products_take_the_measured_path(gemm_mode, one_row_aten, monkeypatch):
-    """A weight's one-row products take F.linear exactly when the per-shape timing chose it (bit-identical to
-    F.linear then); oneDNN otherwise, equal to rounding; batches always take oneDNN's blocked layout."""
-    monkeypatch.setattr(cpu_gemm, "one_row_aten", lambda *shape: one_row_aten)
+@pytest.mark.parametrize("aten_rows", [0, 1, 8])
+def test_small_products_take_the_measured_path(gemm_mode, aten_rows, monkeypatch):
+    """A weight's products of up to ``aten_max_rows`` rows take F.linear exactly as the per-shape timing chose
+    (bit-identical to F.linear then); oneDNN otherwise, equal to rounding; larger batches always take oneDNN."""
+    monkeypatch.setattr(cpu_gemm, "aten_max_rows", lambda *shape: aten_rows)
     g = torch.Generator().manual_seed(1)
     w = torch.randn(96, 64, generator=g)
     packed = PackedWeight.make(w)
     if cpu_gemm.gemm_choice(torch.float32).path != "onednn":
         assert packed is None
         return
-    assert packed is not None and packed.one_row_aten is one_row_aten
+    assert packed is not None and packed.aten_max_rows == aten_rows
     calls = []
     real_product = cpu_gemm._product
     monkeypatch.setattr(cpu_gemm, "_product", lambda *a: calls.append(1) or real_product(*a))
-    x1, x4 = torch.randn(1, 64, generator=g), torch.randn(4, 64, generator=g)
-    one = linear(x1, w, None, packed)
-    assert (len(calls) == 0) is one_row_aten  # F.linear, not oneDNN, exactly when chosen
-    if one_row_aten:
-        assert torch.equal(one, F.linear(x1, w))
-    torch.testing.assert_close(one, F.linear(x1, w), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(linear(x4, w, None, packed), F.linear(x4, w), rtol=1e-5, atol=1e-5)
-    assert len(calls) == (1 if one_row_aten else 2)  # a batch always runs oneDNN
+    for rows in (1, 4, 8, 16):
+        x = torch.randn(rows, 64, generator=g)
+        before = len(calls)
+        got = linear(x, w, None, packed)
+        took_aten = len(calls) == before
+        assert took_aten is (rows <= aten_rows)  # F.linear, not oneDNN, exactly when chosen
+        if took_aten:
+            assert torch.equal(got, F.linear(x, w))
+        torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
 def test_one_row_timing_skips_large_weights(monkeypatch):
     """Weights beyond ONE_ROW_TIMING_MAX elements are never timed: oneDNN streams them fastest."""
     monkeypatch.setattr(cpu_gemm, "_race_ms", lambda *a, **k: pytest.fail("a large weight was timed"))
     n = cpu_gemm.ONE_ROW_TIMING_MAX // 1024 + 1
-    assert cpu_gemm.one_row_aten.__wrapped__(n, 1024, torch.float32, 2) is False
+    assert cpu_gemm.aten_max_rows.__wrapped__(n, 1024, torch.float32, 2) == 0
 
 
 def test_packed_weight_only_where_onednn_applies():
@@ -278,7 +279,7 @@ def test_rotary_with_shared_cos_sin_equals_separate_rotations(interleave, dtype)
     pos = torch.tensor([0, 3, 17, 100])
     q, k = torch.randn(4, 2, 8).to(dtype), torch.randn(4, 8).to(dtype)
     cos, sin = rope.cos_sin(pos, dtype)
-    q_rot, k_rot = rope(pos, q, k, (cos, sin))
+    q_rot, k_rot = rope(pos, q, k, rope.tables(pos, dtype))
     assert q_rot.dtype == k_rot.dtype == dtype
     # bf16: the fused rotation rounds once, the plain one after every product: one bf16 step apart at most
     tol = {} if dtype == torch.float32 else dict(rtol=0, atol=2 ** -6 * 4)

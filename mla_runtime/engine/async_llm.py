@@ -193,13 +193,14 @@ class AsyncLLM:
         started = self.step_started
         return 0.0 if started is None else time.monotonic() - started
 
-    def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop the engine thread, then the engine (its tensor-parallel ranks). An engine thread that does not
-        stop within ``timeout`` (a hung step) is left behind, and so is the engine it holds."""
+    def shutdown(self, timeout: float = 5.0, flush_timeout: float = 30.0) -> None:
+        """Stop the engine thread, then the engine (its disk tier's flush, up to ``flush_timeout`` s, and its
+        tensor-parallel ranks). An engine thread that does not stop within ``timeout`` (a hung step) is left behind,
+        and so is the engine it holds."""
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout)
         if self._thread.is_alive():
             logger.error("the engine thread did not stop; leaving it behind")
             return
-        self.engine.shutdown()
+        self.engine.shutdown(flush_timeout)

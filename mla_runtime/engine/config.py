@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from mla_runtime.dtypes import CACHE_DTYPES
 from mla_runtime.errors import InvalidParam
 from mla_runtime.layers.mla import ATTENTION_PATHS
+from mla_runtime.layers.quantization import check_quantization
 from mla_runtime.plan import LATENT_CACHE_LAYOUTS, parse_bytes
 
 ATTENTION_BACKENDS = (None, "triton", "torch")
@@ -18,6 +20,8 @@ class EngineConfig:
     model: str  # a checkpoint folder or a hub repo id (org/name, resolved by hub.resolve_model)
     revision: str | None = None  # hub branch, tag or commit of a repo id (None: main)
     dtype: str = "auto"
+    # weight-only quantisation at load (layers/quantization.py): None / "none" (the dtype's weights) or "int8"
+    quantization: str | None = None
     max_model_len: int | None = None
     block_size: int = 64
     kv_cache_dtype: str = "auto"
@@ -25,6 +29,10 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
+    # between steps, idle cached prefix blocks are freed (LRU first) while more than this fraction of the
+    # latent-cache blocks is in use or cached (1.0: only when an allocation needs them)
+    cache_watermark: float = 0.8
+    verify_weights: bool = False  # check every *.safetensors against the checkpoint's sha256 manifest first
     tensor_parallel_size: int = 1
     attention_backend: str | None = None
     attention_path: str = "auto"
@@ -45,8 +53,15 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
+    # the disk tier of the prefix cache (cache/disk_tier.py): full blocks evicted from the pool (or, with
+    # write-through, every full block) are written under kv_cache_dir and found there again after a restart;
+    # kv_cache_disk_bytes bounds the directory (default: its current size plus 90% of the free disk space)
+    kv_cache_dir: str | None = None
+    kv_cache_write_through: bool = False
+    kv_cache_disk_bytes: int | str | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "quantization", check_quantization(self.quantization))
         if self.block_size < 16 or self.block_size % 16:
             raise ValueError(f"block_size must be a positive multiple of 16, got {self.block_size}")
         if self.kv_cache_dtype not in CACHE_DTYPES:
@@ -84,6 +99,29 @@ class EngineConfig:
             raise ValueError(f"latent_projection must be 'svd' or 'pca', got {self.latent_projection!r}")
         if self.latent_projection == "pca" and self.latent_rank is not None and not self.latent_calibration:
             raise ValueError("latent_projection 'pca' needs latent_calibration (a text file)")
+        if isinstance(self.cache_watermark, bool) or not isinstance(self.cache_watermark, (int, float)) or \
+                not 0.0 < self.cache_watermark <= 1.0:
+            raise ValueError(f"cache_watermark must be a fraction in (0, 1], got {self.cache_watermark!r}")
+        if not isinstance(self.verify_weights, bool):
+            raise ValueError(f"verify_weights must be true or false, got {self.verify_weights!r}")
+        self._check_disk_tier()
         if self.num_threads is not None and self.num_threads != "auto" and (
                 not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"num_threads must be a positive int, 'auto' or None, got {self.num_threads!r}")
+
+    def _check_disk_tier(self) -> None:
+        if isinstance(self.kv_cache_dir, os.PathLike):
+            object.__setattr__(self, "kv_cache_dir", os.fspath(self.kv_cache_dir))
+        if self.kv_cache_disk_bytes is not None:
+            object.__setattr__(self, "kv_cache_disk_bytes", parse_bytes(self.kv_cache_disk_bytes))
+        if self.kv_cache_dir is None:
+            for name in ("kv_cache_write_through", "kv_cache_disk_bytes"):
+                if getattr(self, name) not in (None, False):
+                    raise ValueError(f"{name} needs kv_cache_dir (the disk tier's directory)")
+            return
+        if not isinstance(self.kv_cache_dir, str) or not self.kv_cache_dir:
+            raise ValueError(f"kv_cache_dir must be a directory path, got {self.kv_cache_dir!r}")
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_cache_dir needs enable_prefix_caching (the disk tier holds prefix-cache blocks)")
+        if not isinstance(self.kv_cache_write_through, bool):
+            raise ValueError(f"kv_cache_write_through must be true or false, got {self.kv_cache_write_through!r}")

@@ -5,13 +5,30 @@ Both are frozen dataclasses: the server's logs and Prometheus metrics read named
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from mla_runtime.cache.disk_tier import DiskTierStats
 from mla_runtime.dtypes import dtype_name
 
 if TYPE_CHECKING:
+    from mla_runtime.engine.block_pool import BlockPool
+    from mla_runtime.engine.scheduler import Scheduler
     from mla_runtime.engine.worker import Worker
+
+
+@dataclass
+class TokenCounts:
+    """Tokens the engine has handled since it started (the running totals behind the throughput metrics)."""
+
+    prompt: int = 0  # prompt tokens of admitted requests
+    generation: int = 0  # tokens generated
+    draft: int = 0  # speculative tokens proposed
+    accepted: int = 0  # speculative tokens accepted
+    method: str = "prompt_lookup"  # the speculative method
+    spec_steps: int = 0  # decodes that verified drafts
+    drafts_by_position: list[int] = field(default_factory=list)  # [j]: decodes whose (j+1)-th draft was proposed
+    accepted_by_position: list[int] = field(default_factory=list)  # [j]: ... and accepted
 
 
 @dataclass(frozen=True)
@@ -40,12 +57,19 @@ class EngineInfo:
     max_num_batched_tokens: int
     device: str
     num_threads: int
+    weights_fingerprint: str | None  # 16 hex digits of the weight files' sha256 manifest (None: no manifest)
+    weights_verified: bool  # the files were hashed against the manifest at start-up
+    kv_cache_dir: str | None = None  # the disk tier (None: off)
+    disk_capacity_bytes: int = 0
+    disk_capacity_tokens: int = 0
+    disk_file_bytes: int = 0  # one block's file
+    kv_cache_write_through: bool = False
 
     @classmethod
     def of(cls, worker: Worker, num_blocks: int, num_threads: int) -> EngineInfo:
         c, m = worker.config, worker.model_config
         assert worker.model is not None and worker.cache is not None
-        return cls(
+        info = cls(
             model=c.model, checkpoint=worker.model_path, family=m.family, layers=m.num_hidden_layers,
             heads=m.num_attention_heads,
             d_c=m.kv_lora_rank, d_r=m.qk_rope_head_dim, dtype=dtype_name(worker.model.dtype),
@@ -55,7 +79,14 @@ class EngineInfo:
             num_blocks=num_blocks, cache_bytes=worker.cache.nbytes(), weight_bytes=worker.weight_bytes,
             activation_bytes=worker.activation_bytes, max_model_len=worker.max_model_len,
             max_concurrent_tokens=num_blocks * c.block_size, max_num_seqs=c.max_num_seqs,
-            max_num_batched_tokens=worker.max_num_batched_tokens, device=str(worker.device), num_threads=num_threads)
+            max_num_batched_tokens=worker.max_num_batched_tokens, device=str(worker.device), num_threads=num_threads,
+            weights_fingerprint=worker.weights_fingerprint, weights_verified=c.verify_weights)
+        tier = worker.disk_tier
+        if tier is None:
+            return info
+        return replace(info, kv_cache_dir=str(tier.root), disk_capacity_bytes=tier.capacity_bytes,
+                       disk_capacity_tokens=tier.capacity_tokens(), disk_file_bytes=tier.file_bytes(),
+                       kv_cache_write_through=c.kv_cache_write_through)
 
 
 @dataclass(frozen=True)
@@ -66,7 +97,7 @@ class EngineStats:
     num_blocks: int
     cache_usage: float
     prefix_query_tokens: int
-    prefix_hit_tokens: int
+    prefix_hit_tokens: int  # every tier
     prefix_hit_rate: float
     num_preemptions: int
     num_computed_tokens: int
@@ -74,7 +105,33 @@ class EngineStats:
     num_generation_tokens: int
     num_draft_tokens: int
     num_accepted_tokens: int
+    num_idle_cached_blocks: int  # free blocks that still hold an indexed prefix
+    cache_watermark: float
+    pressure_freed_blocks: int  # idle cached blocks freed above the watermark
+    seconds_above_watermark: float
+    num_evictions: int = 0  # device-pool blocks evicted
+    prefix_device_hit_tokens: int = 0  # prefix_hit_tokens by tier
+    prefix_disk_query_tokens: int = 0  # tokens of blocks the device pool missed, looked up on disk
+    prefix_disk_hit_tokens: int = 0
+    disk: DiskTierStats | None = None  # the disk tier's I/O (None: off)
     speculative_method: str = "prompt_lookup"
     num_spec_steps: int = 0  # decodes that carried drafts
     drafts_by_position: tuple[int, ...] = ()  # [j]: decodes whose (j+1)-th draft was proposed
     accepted_by_position: tuple[int, ...] = ()  # [j]: ... and accepted
+
+    @classmethod
+    def of(cls, s: Scheduler, pool: BlockPool, counts: TokenCounts, disk: DiskTierStats | None) -> EngineStats:
+        hits = pool.hit_tokens + pool.lower_hit_tokens
+        return cls(
+            num_waiting=len(s.waiting), num_running=len(s.running), num_free_blocks=pool.num_free_blocks,
+            num_blocks=pool.num_blocks, cache_usage=pool.usage(), prefix_query_tokens=pool.query_tokens,
+            prefix_hit_tokens=hits, prefix_hit_rate=hits / pool.query_tokens if pool.query_tokens else 0.0,
+            num_preemptions=s.num_preemptions, num_computed_tokens=s.num_computed_tokens_total,
+            num_prompt_tokens=counts.prompt, num_generation_tokens=counts.generation, num_draft_tokens=counts.draft,
+            num_accepted_tokens=counts.accepted, num_idle_cached_blocks=pool.num_idle_cached_blocks,
+            cache_watermark=pool.watermark, pressure_freed_blocks=pool.pressure_freed,
+            seconds_above_watermark=s.seconds_above_watermark, num_evictions=pool.num_evictions,
+            prefix_device_hit_tokens=pool.hit_tokens, prefix_disk_query_tokens=pool.lower_query_tokens,
+            prefix_disk_hit_tokens=pool.lower_hit_tokens, disk=disk, speculative_method=counts.method,
+            num_spec_steps=counts.spec_steps, drafts_by_position=tuple(counts.drafts_by_position),
+            accepted_by_position=tuple(counts.accepted_by_position))

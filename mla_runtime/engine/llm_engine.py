@@ -16,13 +16,13 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from pathlib import Path
 
 import torch
 
 from mla_runtime.engine.block_pool import BlockPool
 from mla_runtime.engine.config import EngineConfig
-from mla_runtime.engine.info import EngineInfo, EngineStats
+from mla_runtime.engine.info import EngineInfo, EngineStats, TokenCounts
+from mla_runtime.engine.kv_tier import attach_disk_tier
 from mla_runtime.engine.model_runner import ModelRunner
 from mla_runtime.engine.requests import (
     PromptType,
@@ -37,7 +37,7 @@ from mla_runtime.engine.scheduler import Scheduler
 from mla_runtime.engine.thread_tuner import ThreadTuner
 from mla_runtime.engine.tp_workers import TensorParallelGroup
 from mla_runtime.engine.worker import Worker
-from mla_runtime.latent_rank import calibration_chunks
+from mla_runtime.latent_rank import calibration_from_file
 from mla_runtime.outputs import RequestOutput
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 from mla_runtime.sampling_params import SamplingParams
@@ -62,7 +62,9 @@ class LLMEngine:
             self.shutdown()
             raise
         self.thread_tuner = ThreadTuner.for_engine(config.num_threads, self.device, tp)
-        self.pool = BlockPool(self.cache.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.pool = BlockPool(self.cache.num_blocks, config.block_size, config.enable_prefix_caching,
+                              config.cache_watermark)
+        self.kv_tier = attach_disk_tier(self.worker, self.pool, self.tp_group, config.kv_cache_write_through)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
                                    config.num_speculative_tokens, (config.prompt_lookup_max, config.prompt_lookup_min),
                                    config.speculative_method)
@@ -70,11 +72,9 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
         self.load_seconds = time.monotonic() - t0
-        self.num_prompt_tokens = self.num_generation_tokens = 0
-        self.num_draft_tokens = self.num_accepted_tokens = 0  # speculative tokens proposed / accepted
-        self.num_spec_steps = 0
-        self.drafts_by_position = [0] * config.num_speculative_tokens
-        self.accepted_by_position = [0] * config.num_speculative_tokens
+        k = config.num_speculative_tokens
+        self.counts = TokenCounts(method=config.speculative_method, drafts_by_position=[0] * k,
+                                  accepted_by_position=[0] * k)
 
     def _set_up_worker(self) -> None:
         """Load, truncate, size and allocate on every rank (the worker ranks follow rank 0's commands)."""
@@ -82,7 +82,9 @@ class LLMEngine:
         w.load()
         self.tokenizer = load_tokenizer(w.model_path)
         if self.config.latent_rank is not None:
-            calibration = self._calibration()
+            c = self.config
+            calibration = calibration_from_file(c.latent_projection, c.latent_calibration,
+                                                self.tokenizer.encode if self.tokenizer is not None else None)
             if tp:
                 tp.send("truncate", calibration)
             w.truncate_latent(calibration)
@@ -91,17 +93,9 @@ class LLMEngine:
         if tp:
             tp.send("allocate", num_blocks)
         w.allocate(num_blocks)
+        w.open_disk_tier()
         if tp:
             tp.ready()
-
-    def _calibration(self) -> list[list[int]] | None:
-        """Token chunks of ``latent_calibration`` for the PCA projection (None for SVD, which needs no data)."""
-        if self.config.latent_projection != "pca":
-            return None
-        text = Path(self.config.latent_calibration or "").read_text(encoding="utf-8")
-        if self.tokenizer is None:
-            raise ValueError("latent_calibration needs a tokenizer in the checkpoint directory")
-        return calibration_chunks([self.tokenizer.encode(text)])
 
     # the worker's model, cache and sizes, read often enough by callers to be named here
     model = property(lambda self: self.worker.model)
@@ -135,7 +129,7 @@ class LLMEngine:
         self.requests[state.request_id] = state
         for s in state.seqs:
             self.scheduler.add(s)
-        self.num_prompt_tokens += len(state.prompt_token_ids)
+        self.counts.prompt += len(state.prompt_token_ids)
         return state
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -155,7 +149,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if not batch.seqs:
+            self.scheduler.relieve_cache_pressure()
             return []
+        start = time.monotonic()
+        for seq in batch.seqs:
+            state = self.requests.get(seq.request_id)
+            if state is not None and state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = start
         sampled, accepted = self.runner.execute(batch)
         self._count_drafts(batch.seqs, accepted)
         self.scheduler.on_step_done(batch, accepted)
@@ -170,13 +170,14 @@ class LLMEngine:
                     break
                 append_token(state, new.seq, token, lp, now, self.model_config, self.max_model_len,
                              self.scheduler.finish)
-                self.num_generation_tokens += 1
+                self.counts.generation += 1
                 touched[state.request_id] = state
         for state in touched.values():
             if all(s.is_finished for s in state.seqs):
                 state.finished = True
                 state.metrics.finished_time = now
                 del self.requests[state.request_id]
+        self.scheduler.relieve_cache_pressure()  # finished sequences' blocks are back: free idle ones now
         return [make_output(state) for state in touched.values()]
 
     def _count_drafts(self, seqs: list, accepted: dict[int, int]) -> None:
@@ -184,15 +185,19 @@ class LLMEngine:
             k, a = len(seq.draft_token_ids), accepted.get(seq.seq_id, 0)
             if not k:
                 continue
-            self.num_spec_steps += 1
-            self.num_draft_tokens += k
-            self.num_accepted_tokens += a
+            self.counts.spec_steps += 1
+            self.counts.draft += k
+            self.counts.accepted += a
             for j in range(k):
-                self.drafts_by_position[j] += 1
-                self.accepted_by_position[j] += j < a
+                self.counts.drafts_by_position[j] += 1
+                self.counts.accepted_by_position[j] += j < a
 
-    def shutdown(self) -> None:
-        """Stop the tensor-parallel worker ranks (nothing to do on one rank)."""
+    def shutdown(self, flush_timeout: float = 30.0) -> None:
+        """Write the resident full blocks that are not on disk yet (with a disk tier, up to ``flush_timeout`` s),
+        then stop the tensor-parallel worker ranks."""
+        kv_tier, self.kv_tier = getattr(self, "kv_tier", None), None
+        if kv_tier is not None:
+            kv_tier.shutdown(self.pool, flush_timeout)
         if self.tp_group is not None:
             self.tp_group.shutdown()
 
@@ -202,13 +207,5 @@ class LLMEngine:
         return EngineInfo.of(self.worker, self.pool.num_blocks, torch.get_num_threads())
 
     def stats(self) -> EngineStats:
-        s, pool = self.scheduler, self.pool
-        return EngineStats(
-            num_waiting=len(s.waiting), num_running=len(s.running), num_free_blocks=pool.num_free_blocks,
-            num_blocks=pool.num_blocks, cache_usage=pool.usage(), prefix_query_tokens=pool.query_tokens,
-            prefix_hit_tokens=pool.hit_tokens, prefix_hit_rate=pool.hit_rate(), num_preemptions=s.num_preemptions,
-            num_computed_tokens=s.num_computed_tokens_total, num_prompt_tokens=self.num_prompt_tokens,
-            num_generation_tokens=self.num_generation_tokens, num_draft_tokens=self.num_draft_tokens,
-            num_accepted_tokens=self.num_accepted_tokens, speculative_method=self.config.speculative_method,
-            num_spec_steps=self.num_spec_steps, drafts_by_position=tuple(self.drafts_by_position),
-            accepted_by_position=tuple(self.accepted_by_position))
+        tier = self.worker.disk_tier
+        return EngineStats.of(self.scheduler, self.pool, self.counts, tier.stats() if tier is not None else None)

@@ -7,7 +7,12 @@ Each step it fills a budget of ``max_num_batched_tokens`` new tokens:
    is preempted: its blocks go back to the pool (full ones stay prefix-cached) and it re-queues at the
    front, to be recomputed later — cheap, since its prefix is usually still cached;
 3. then waiting sequences, in arrival order, while the budget, ``max_num_seqs`` and the pool allow;
-   each first takes the longest cached prefix of its tokens.
+   each first takes the longest cached prefix of its tokens (continued in the pool's lower tier, the disk,
+   when it has one: those blocks are loaded before the sequence's first step, and prefetched while it queues).
+
+Between steps ``relieve_cache_pressure`` frees idle cached prefix blocks above the pool's watermark (LRU
+first), so admissions take plain free blocks instead of evicting inside a step; running sequences keep
+their blocks, so running work still fills the cache to 100 %.
 
 With speculative decoding on, a decode also carries its draft tokens (``engine/speculative.py``, or the ones
 the MTP layer proposed in the sequence's previous step, ``engine/mtp.py``):
@@ -20,6 +25,7 @@ The scheduler deals only in sequences, token counts and block ids.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -57,10 +63,14 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_computed_tokens_total = 0  # tokens run through the model (prefix hits excluded)
+        self.seconds_above_watermark = 0.0  # while the occupied blocks stayed above the watermark after relief
+        self._pressure_checked: tuple[float, bool] | None = None  # (when, above) at the last relief
 
     # -- queue ---------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        if self.pool.lower is not None:  # a lower cache tier reads the prefix ahead while the sequence queues
+            self.pool.prefetch(self._prefix_hashes(seq))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -123,6 +133,15 @@ class Scheduler:
             return False
         full_prompt_blocks = (len(seq.prompt_token_ids) - 1) // self.block_size
         return len(first.block_hashes) < full_prompt_blocks
+
+    def relieve_cache_pressure(self) -> int:
+        """Free idle cached prefix blocks above the watermark (between steps); count the time spent above it."""
+        freed = self.pool.relieve_pressure()
+        now = time.monotonic()
+        if self._pressure_checked is not None and self._pressure_checked[1]:
+            self.seconds_above_watermark += now - self._pressure_checked[0]
+        self._pressure_checked = (now, self.pool.occupancy() > self.pool.watermark)
+        return freed
 
     # -- one step ------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:

@@ -7,9 +7,13 @@ and the latent-rank sweep:
    (with the latent rank applied), picks the device and the weight and cache dtypes;
 2. ``load()`` loads this rank's shard of the weights;
 3. ``truncate_latent(calibration)`` folds the latent-rank basis into the weights (when ``latent_rank`` is set);
+   with ``quantization="int8"`` the weights are then quantised (``layers.quantization``), once, before the cache
+   is sized: by the first ``num_blocks()`` or ``allocate()``;
 4. ``num_blocks()`` sizes the paged cache by the planner's rule (``plan.cache_budget_bytes``), fed the memory
    free at that moment;
-5. ``allocate(num_blocks)`` allocates the cache;
+5. ``allocate(num_blocks)`` allocates the cache; ``open_disk_tier()`` then opens this rank's disk tier when
+   ``kv_cache_dir`` is set (rank 0 alone under the replicated layout; every rank, for its shard, under the sharded
+   one);
 6. ``execute(step)`` runs one ``StepInput``: builds the ``ForwardBatch`` and the attention metadata, runs the
    model and returns the logits of the requested rows (None on ranks other than 0);
 7. with ``speculative_method="mtp"``, ``draft(d)`` then runs the checkpoint's MTP layer over the step's
@@ -21,12 +25,16 @@ rank per step.
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from mla_runtime import checksums
+from mla_runtime.cache.disk_tier import DiskTier, file_sha256, model_fingerprint
 from mla_runtime.cache.latent_cache import LatentCache
 from mla_runtime.config import ModelConfig
 from mla_runtime.dtypes import CacheDtype, resolve_cache_dtype
@@ -35,6 +43,7 @@ from mla_runtime.errors import InvalidParam
 from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.hub import resolve_model
 from mla_runtime.latent_rank import check_latent_rank, truncate_latent_rank
+from mla_runtime.layers.quantization import quantize_model
 from mla_runtime.loader import load_model
 from mla_runtime.models.deepseek import DeepseekForCausalLM
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext, check_tensor_parallel
@@ -47,6 +56,8 @@ from mla_runtime.plan import (
     resolve_model_dtype,
     weight_bytes,
 )
+
+logger = logging.getLogger("mla_runtime")
 
 
 @dataclass(frozen=True)
@@ -114,17 +125,27 @@ class Worker:
         self.bytes_per_token = latent_bytes_per_token(cache_layers, self.cache_dtype.dtype, self.dtype)
         sharded = tp > 1 and config.latent_cache_layout == "sharded"
         self.bytes_per_token_per_rank = self.bytes_per_token // tp if sharded else self.bytes_per_token
-        self.weight_bytes = weight_bytes(cfg, self.dtype, tp)
+        self.weight_bytes = weight_bytes(cfg, self.dtype, tp, config.quantization)
         self.activation_bytes = activation_reserve_bytes(
             cfg, dtype=self.dtype, max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, tensor_parallel_size=tp)
         self.model: DeepseekForCausalLM | None = None
         self.cache: LatentCache | None = None
         self.last_hidden: torch.Tensor | None = None  # the last step's hidden states, for the MTP layer
+        self.quantized = False  # the model's weights are quantised (config.quantization): no more truncation
+        self.weights_fingerprint: str | None = None  # from the sha256 manifest (None: the folder has none)
+        self.disk_tier: DiskTier | None = None
 
     # -- set-up ----------------------------------------------------------------------------------
     def load(self) -> DeepseekForCausalLM:
+        """Load the weights (checked against the checkpoint's sha256 manifest first with ``verify_weights``)."""
         c = self.config
+        if c.verify_weights and self.par.rank == 0:
+            t0 = time.monotonic()
+            self.weights_fingerprint = checksums.verify(self.model_path)
+            logger.info("weights verified against their sha256 manifest in %.1f s", time.monotonic() - t0)
+        else:
+            self.weights_fingerprint = checksums.manifest_fingerprint(self.model_path)
         self.model = load_model(self.model_path, dtype=self.dtype, attention_path=c.attention_path,
                                 backend=c.attention_backend, device=self.device, par=self.par,
                                 num_mtp_layers=self.num_mtp_layers)
@@ -136,11 +157,23 @@ class Worker:
         ``latent_projection``) basis; ``calibration``: token chunks for ``pca``, None for ``svd``."""
         rank = rank or self.config.latent_rank
         assert self.model is not None and rank is not None
+        if self.quantized:
+            raise RuntimeError("truncate_latent: the weights are already quantised; truncate before sizing the cache")
         truncate_latent_rank(self.model, rank, method or self.config.latent_projection, calibration)
+
+    def quantize(self) -> None:
+        """Quantise the loaded (and truncated) weights as ``config.quantization`` says; once (later calls do
+        nothing). The float weights it replaces are released before the cache is sized."""
+        if self.quantized or self.config.quantization is None:
+            return
+        assert self.model is not None
+        quantize_model(self.model, self.config.quantization)
+        self.quantized = True
 
     def num_blocks(self) -> int:
         """Cache blocks of ``block_size`` tokens that fit this rank's budget (see ``plan.cache_budget_bytes``)."""
         c = self.config
+        self.quantize()
         if c.kv_cache_memory is not None:
             budget = int(c.kv_cache_memory)
         else:
@@ -155,12 +188,37 @@ class Worker:
         """This rank's latent cache (in ``cache_dtype``, default the configured one), as wide as the model's
         latent: all tokens (replicated) or every N-th token of a block (sharded). It replaces any earlier one."""
         assert self.model is not None
+        self.quantize()
         par, cfg = self.par, self.model.config
         block = self.config.block_size // par.world_size if par.sharded_cache else self.config.block_size
         self.cache = None  # free the old cache first
         self.cache = LatentCache(self.model.num_cache_layers, num_blocks, block, cfg.latent_dim,
                                  cache_dtype or self.cache_dtype.dtype, self.device)
         return self.cache
+
+    def cache_fingerprint(self) -> str:
+        """What decides the bytes of a cached latent (``cache/disk_tier.model_fingerprint``): a disk tier written
+        under any other value is never read."""
+        c = self.config
+        calibration = file_sha256(c.latent_calibration) if c.latent_rank and c.latent_projection == "pca" else None
+        settings = {"latent_rank": c.latent_rank, "latent_projection": c.latent_projection if c.latent_rank else None,
+                    "latent_calibration_sha256": calibration, "dtype": str(self.dtype),
+                    "cache_dtype": self.cache_dtype.name, "block_size": c.block_size,
+                    "tensor_parallel_size": c.tensor_parallel_size,
+                    "latent_cache_layout": c.latent_cache_layout if c.tensor_parallel_size > 1 else None}
+        return model_fingerprint(self.model_path, settings)
+
+    def open_disk_tier(self) -> DiskTier | None:
+        """This rank's disk tier over its cache, when ``kv_cache_dir`` is set and this rank keeps files."""
+        c, par = self.config, self.par
+        if c.kv_cache_dir is None or (par.rank != 0 and not par.sharded_cache):
+            return None
+        assert self.cache is not None
+        disk_bytes = c.kv_cache_disk_bytes
+        self.disk_tier = DiskTier(c.kv_cache_dir, self.cache_fingerprint(), self.cache, c.block_size,
+                                  capacity_bytes=None if disk_bytes is None else int(disk_bytes),
+                                  shard=par.rank if par.sharded_cache else None)
+        return self.disk_tier
 
     # -- steps -----------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -22,8 +22,10 @@ in a process runs ``probe`` on a tiny weight. Paths (``GemmChoice.path``):
   against 63 µs in oneDNN and ``[128, 64]`` 14 vs 99 µs, while ``[1024, 1024]`` takes 419 vs 344 µs and every
   larger projection is faster in oneDNN. (With the weight kept in cache, ``F.linear`` also wins at
   ``[1024, 1024]``: timing must stream.) So each weight shape up to ``ONE_ROW_TIMING_MAX`` elements is timed
-  once per process, rotating through copies that do not fit in cache (``one_row_aten``), and its one-row
-  products take ``F.linear`` where that is at least ``ONE_ROW_MARGIN`` faster.
+  once per process, rotating through copies that do not fit in cache (``aten_max_rows``): its one-row
+  products take ``F.linear`` where that is at least ``ONE_ROW_MARGIN`` faster, and where ``F.linear`` also
+  wins at ``FEW_ROWS`` rows against oneDNN's blocked layout, so do all its products of up to that many rows
+  (a batch-8 decode step of a small model).
 - ``plain``: ``F.linear`` in the weight's dtype; no extra memory.
 - ``upcast``: a float32 copy of the weight (computed through the float32 path: blocked where oneDNN
   packs float32, else plain), the input cast to float32 and the result back. Memory: +4 bytes per
@@ -63,6 +65,7 @@ ONE_ROW_TIMING_MAX = 4 << 20  # weights with more elements than this stream fast
 ONE_ROW_MARGIN = 0.9  # F.linear takes a weight's one-row products when it needs at most 0.9× oneDNN's time
 ONE_ROW_COLD_BYTES = 64 << 20  # the timing rotates through this many bytes of weight copies (beyond the LLC)
 ONE_ROW_MAX_COPIES = 256
+FEW_ROWS = 8  # where F.linear also wins at this many rows, every product of up to this many rows takes it
 # torch.cpu.get_capabilities() keys meaning native arithmetic in a dtype (x86, AMX, aarch64 NEON/SVE)
 NATIVE_CAPABILITIES: dict[torch.dtype, tuple[str, ...]] = {
     torch.bfloat16: ("avx512_bf16", "amx_bf16", "bf16", "sve_bf16"),
@@ -232,7 +235,8 @@ def _reorder(weight: torch.Tensor) -> torch.Tensor:
 class PackedWeight:
     """One ``[N, K]`` weight prepared for its ``onednn`` or ``upcast`` path (see the module docstring)."""
 
-    __slots__ = ("plain", "blocked", "wide", "plain_gemv", "upcast", "one_row_aten")
+    __slots__ = ("plain", "blocked", "wide", "plain_gemv", "upcast", "aten_max_rows")
+    quantized = False  # True: a weight-only quantised matrix (``layers.quantization``) that runs its own ``matmul``
 
     def __init__(self, weight: torch.Tensor, path: str) -> None:
         self.plain = weight.detach()
@@ -248,7 +252,9 @@ class PackedWeight:
         else:
             raise ValueError(f"path: a packed weight is 'onednn' or 'upcast', got {path!r}")
         self.plain_gemv = path == "onednn" and weight.dtype == torch.float32  # one row: oneDNN on the plain weight
-        self.one_row_aten = path == "onednn" and one_row_aten(*weight.shape, weight.dtype, torch.get_num_threads())
+        # products of at most this many rows take F.linear (small weights: oneDNN's per-call set-up dominates)
+        self.aten_max_rows = aten_max_rows(*weight.shape, weight.dtype, torch.get_num_threads()) if (
+            path == "onednn") else 0
 
     @staticmethod
     def make(weight: torch.Tensor) -> PackedWeight | None:
@@ -258,13 +264,17 @@ class PackedWeight:
         path = gemm_choice(weight.dtype).path
         return None if path == "plain" else PackedWeight(weight, path)
 
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The product of a quantised weight (subclasses); a float weight runs through ``linear``."""
+        raise NotImplementedError("a float PackedWeight runs through cpu_gemm.linear")
+
 
 @functools.cache
-def one_row_aten(n: int, k: int, dtype: torch.dtype, threads: int) -> bool:
-    """Whether one-row products with an ``[n, k]`` weight are faster in ``F.linear`` than in oneDNN here (timed
-    once per shape, dtype and thread count; see the module docstring)."""
+def aten_max_rows(n: int, k: int, dtype: torch.dtype, threads: int) -> int:
+    """Up to how many rows products with an ``[n, k]`` weight are faster in ``F.linear`` than in oneDNN here:
+    0, 1 or ``FEW_ROWS`` (timed once per shape, dtype and thread count; see the module docstring)."""
     if n * k > ONE_ROW_TIMING_MAX:
-        return False
+        return 0
     g = torch.Generator().manual_seed(0)
     copies = max(1, min(ONE_ROW_MAX_COPIES, ONE_ROW_COLD_BYTES // (n * k * dtype.itemsize)))
     weights = [torch.full((n, k), 0.5, dtype=dtype) for _ in range(copies)]  # values do not change the time
@@ -274,25 +284,34 @@ def one_row_aten(n: int, k: int, dtype: torch.dtype, threads: int) -> bool:
         packed.plain, packed.blocked, packed.wide = w, _reorder(w), None
         packed.plain_gemv = dtype == torch.float32
         packs.append(packed)
-    x = torch.randn(1, k, generator=g).to(dtype)
+    best = 0
+    for rows in (1, FEW_ROWS):
+        x = torch.randn(rows, k, generator=g).to(dtype)
+        aten_ms, onednn_ms = _race_ms(functools.partial(_each_aten, x, weights),
+                                      functools.partial(_each_onednn, x, packs))
+        if aten_ms > ONE_ROW_MARGIN * onednn_ms:
+            break
+        best = rows
+    return best
 
-    def aten() -> None:
-        for w in weights:
-            F.linear(x, w)
 
-    def onednn() -> None:
-        for packed in packs:
-            _product(x, packed, None)
+def _each_aten(x: torch.Tensor, weights: list[torch.Tensor]) -> None:
+    for w in weights:
+        F.linear(x, w)
 
-    aten_ms, onednn_ms = _race_ms(aten, onednn)
-    return aten_ms <= ONE_ROW_MARGIN * onednn_ms
+
+def _each_onednn(x: torch.Tensor, packs: list[PackedWeight]) -> None:
+    for packed in packs:
+        _product(x, packed, None)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: PackedWeight | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, on the path ``packed`` (made from ``weight``) was prepared for."""
-    if packed is None or x.dtype != weight.dtype or x.numel() == 0 or (
-            packed.one_row_aten and x.numel() == x.shape[-1]):
+    """``F.linear(x, weight, bias)``, on the path ``packed`` (made from ``weight``) was prepared for; a quantised
+    ``packed`` computes its own product (``weight`` then only stands for its shape)."""
+    if packed is not None and packed.quantized:
+        return packed.matmul(x, bias)
+    if packed is None or x.dtype != weight.dtype or x.numel() <= packed.aten_max_rows * x.shape[-1]:
         return F.linear(x, weight, bias)
     if packed.upcast:
         wide_bias = None if bias is None else bias.float()

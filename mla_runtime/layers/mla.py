@@ -130,7 +130,7 @@ class MLAttention(nn.Module):
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: LayerCache) -> torch.Tensor:
         num_tokens = x.shape[0]
         q_n, q_r, c, k_r = self._project(x)
-        q_r, k_r = self.rotary(meta.batch.positions, q_r, k_r, meta.rope_cos_sin)
+        q_r, k_r = self.rotary(meta.batch.positions, q_r, k_r, meta.rope)
         if meta.plain_write:  # a CPU step with planned decodes: float cache, every slot valid
             write_latent(cache.kv, c, k_r, meta.slot_mapping)
         else:

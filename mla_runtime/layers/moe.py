@@ -42,7 +42,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, d]`` → (weights ``[T, k]`` fp32, expert ids ``[T, k]``)."""
         cfg = self.cfg
-        logits = F.linear(x.float(), self.weight)  # [T, E]
+        logits = F.linear(x if x.dtype == torch.float32 else x.float(), self.weight)  # [T, E]
         num_tokens = logits.shape[0]
         per_group = cfg.n_routed_experts // cfg.n_group
         if cfg.scoring_func == "softmax":
@@ -87,10 +87,13 @@ class Experts(nn.Module):
                                       requires_grad=False)
         self.gate_up_packed: list[PackedWeight | None] = []
         self.down_packed: list[PackedWeight | None] = []
+        self.gate_up_list: list[torch.Tensor] = []  # per-expert views, made once (indexing the stack is an op)
+        self.down_list: list[torch.Tensor] = []
 
     def prepare_inference(self) -> None:
-        self.gate_up_packed = [PackedWeight.make(w) for w in self.gate_up_proj]
-        self.down_packed = [PackedWeight.make(w) for w in self.down_proj]
+        self.gate_up_list, self.down_list = list(self.gate_up_proj.unbind(0)), list(self.down_proj.unbind(0))
+        self.gate_up_packed = [PackedWeight.make(w) for w in self.gate_up_list]
+        self.down_packed = [PackedWeight.make(w) for w in self.down_list]
 
     def _groups(self, expert_ids: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         """This rank's (local expert, its (token, slot) pair indices ``t * top_k + j``), experts ascending."""
@@ -107,15 +110,17 @@ class Experts(nn.Module):
         return [(e, seg) for e, seg in enumerate(order.split(counts)) if seg.numel()]
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        packed = bool(self.gate_up_packed)
-        gate, up = linear(x, self.gate_up_proj[e], None, self.gate_up_packed[e] if packed else None).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down_proj[e], None, self.down_packed[e] if packed else None)
+        if not self.gate_up_packed:  # not prepared
+            gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+            return F.linear(F.silu(gate) * up, self.down_proj[e])
+        gate, up = linear(x, self.gate_up_list[e], None, self.gate_up_packed[e]).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down_list[e], None, self.down_packed[e])
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         top_k = expert_ids.shape[1]
         if x.shape[0] == 1:  # one token: no gathering or scattering; the weights as Python floats (exact)
             out: torch.Tensor | None = None
-            for e, w in sorted(zip(expert_ids[0].tolist(), weights[0].tolist())):
+            for e, w in sorted(zip(expert_ids.tolist()[0], weights.tolist()[0])):
                 if 0 <= e - self.first < self.num_experts:
                     h = self._expert(e - self.first, x)
                     h = h * w if h.dtype == torch.float32 else (h.float() * w).to(x.dtype)

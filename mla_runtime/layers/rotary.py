@@ -14,6 +14,7 @@ softmax scale carries ``mscale_all_dim`` (see ``RopeConfig``).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -44,6 +45,19 @@ def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
     return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
+class RopeTables(NamedTuple):
+    """One step's RoPE tables: ``cos``/``sin [T, d_r / 2]`` in the model dtype and, for interleaved pairs in
+    fp32/bf16, ``cis = cos + i·sin [T, 1, d_r / 2]`` (complex64) for the one-product rotation."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    cis: torch.Tensor | None
+
+    def tail(self, start: int) -> RopeTables:
+        """The tables of tokens ``[start:]``."""
+        return RopeTables(self.cos[start:], self.sin[start:], None if self.cis is None else self.cis[start:])
+
+
 class RotaryEmbedding(nn.Module):
     inv_freq: torch.Tensor
 
@@ -58,6 +72,14 @@ class RotaryEmbedding(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
 
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """The step's tables for ``positions [T]`` in ``dtype``: computed once, read by every layer."""
+        cos, sin = self.cos_sin(positions, dtype)
+        cis = None
+        if self.interleave and dtype in (torch.float32, torch.bfloat16):
+            cis = torch.complex(cos.float(), sin.float()).unsqueeze(1)  # [T, 1, d_r / 2]
+        return RopeTables(cos, sin, cis)
+
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate ``x [T, ..., d_r]`` with cos/sin ``[T, d_r / 2]``; output de-interleaved."""
         shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
@@ -70,20 +92,22 @@ class RotaryEmbedding(nn.Module):
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate the RoPE parts of queries ``[T, n_h, d_r]`` and keys ``[T, d_r]``; ``cos_sin`` may come
-        precomputed (``cos_sin(positions, q.dtype)``, shared by all layers of a step)."""
-        cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions, q.dtype)
+                tables: RopeTables | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate the RoPE parts of queries ``[T, n_h, d_r]`` and keys ``[T, d_r]``; ``tables`` may come
+        precomputed (``tables(positions, q.dtype)``, shared by all layers of a step)."""
+        tables = tables if tables is not None else self.tables(positions, q.dtype)
         if q.shape[0] == 0:
-            return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
+            return self.rotate(q, tables.cos, tables.sin), self.rotate(k, tables.cos, tables.sin)
         both = torch.cat([q, k.unsqueeze(1)], dim=1)  # [T, n_h + 1, d_r]: one rotation, the key as one more head
-        if self.interleave and both.dtype in (torch.float32, torch.bfloat16):
+        if tables.cis is not None and both.dtype in (torch.float32, torch.bfloat16):
             # interleaved pairs are complex numbers: one complex product (fp32; bf16 rounds once at the
             # end, within one bf16 step of rounding each product as the reference does), then de-interleave
             dtype = both.dtype
-            cis = torch.complex(cos.float(), sin.float()).unsqueeze(1)  # [T, 1, d_r / 2]
-            rotated = torch.view_as_real(torch.view_as_complex(both.float().unflatten(-1, (-1, 2))) * cis)
-            both = rotated.transpose(-1, -2).flatten(-2).to(dtype)  # [T, n_h + 1, d_r] = [even' ; odd']
+            wide = both if dtype == torch.float32 else both.float()
+            rotated = torch.view_as_real(torch.view_as_complex(wide.unflatten(-1, (-1, 2))) * tables.cis)
+            both = rotated.transpose(-1, -2).flatten(-2)  # [T, n_h + 1, d_r] = [even' ; odd']
+            if dtype != torch.float32:
+                both = both.to(dtype)
         else:
-            both = self.rotate(both, cos, sin)
+            both = self.rotate(both, tables.cos, tables.sin)
         return both[:, :-1], both[:, -1]

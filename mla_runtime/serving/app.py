@@ -41,6 +41,7 @@ from mla_runtime.serving.config import ServerConfig
 from mla_runtime.serving.jobs import JobBuilder
 from mla_runtime.serving.metrics import ServerMetrics
 from mla_runtime.serving.protocol import ApiError, ChatRequest, CompletionRequest, GenerateRequest, validation_error
+from mla_runtime.serving.request_log import REQUEST_ID_HEADER, RequestIdMiddleware, RequestLog, RequestRecord
 from mla_runtime.serving.responses import Job, full_body
 from mla_runtime.serving.runtime import ServingRuntime, fault_injection
 from mla_runtime.serving.streaming import (
@@ -137,6 +138,8 @@ def build_app(engine_config: EngineConfig, config: ServerConfig,
     app.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, internal_error)
     app.include_router(router)
+    app.state.request_log = RequestLog(config.log_prompts, rt.cache_blocks)
+    app.add_middleware(RequestIdMiddleware, log=lambda: app.state.request_log)  # type: ignore[arg-type]
     return app
 
 
@@ -151,7 +154,11 @@ async def http_error(request: Request, exc: StarletteHTTPException) -> JSONRespo
 
 async def internal_error(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error on %s", request.url.path)
-    return error_response(ApiError(500, "internal error; see the server log"))
+    response = error_response(ApiError(500, "internal error; see the server log"))
+    record = getattr(request.state, "request_record", None)
+    if isinstance(record, RequestRecord):  # this handler answers outside the middleware that adds the header
+        response.headers[REQUEST_ID_HEADER.decode()] = record.request_id
+    return response
 
 
 def check_auth(request: Request, config: ServerConfig) -> None:
@@ -240,6 +247,7 @@ async def _generation(request: Request, endpoint: str, schema: type[BaseModel],
                       make_job: Callable[[JobBuilder, Any], Job]) -> Response:
     srv = _server(request)
     rt, config = srv.rt, srv.config
+    record: RequestRecord | None = getattr(request.state, "request_record", None)
     try:
         check_auth(request, config)
         body = await read_json(request, int(config.max_body_bytes), srv.parse_slot)
@@ -248,11 +256,17 @@ async def _generation(request: Request, endpoint: str, schema: type[BaseModel],
         job = await asyncio.to_thread(make_job, srv.jobs, req)
         rt.admit(job)
     except ApiError as e:
-        rt.reject(endpoint, e.status)
+        outcome = rt.reject(endpoint, e.status)
+        if record is not None:
+            record.outcome = outcome
         return error_response(e)
     except ClientDisconnected:
-        rt.reject(endpoint, 499)
+        outcome = rt.reject(endpoint, 499)
+        if record is not None:
+            record.outcome = outcome
         return Response(status_code=499)
+    if record is not None:
+        record.job = job
     return await run_job(request, rt, config, llm, job, srv.fault_after)
 
 

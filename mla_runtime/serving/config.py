@@ -38,6 +38,8 @@ class ServerConfig:
     step_timeout: float = 120.0  # seconds one engine step may run before /health turns 503 and the server restarts
     max_connections: int = 1000  # open connections; beyond, new ones are closed at once
     metrics_auth: bool = False  # /metrics requires the API key too
+    log_format: str = "text"  # "text" (a line for a terminal) or "json" (one JSON object per line)
+    log_prompts: bool = False  # the request log carries the prompt's text
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
@@ -53,6 +55,10 @@ class ServerConfig:
             raise ValueError(f"max_connections must be an integer >= 1, got {self.max_connections!r}")
         if not isinstance(self.metrics_auth, bool):
             raise ValueError(f"metrics_auth must be true or false, got {self.metrics_auth!r}")
+        if self.log_format not in ("text", "json"):
+            raise ValueError(f"log_format must be 'text' or 'json', got {self.log_format!r}")
+        if not isinstance(self.log_prompts, bool):
+            raise ValueError(f"log_prompts must be true or false, got {self.log_prompts!r}")
         if self.metrics_auth and self.api_key is None:
             raise ValueError("metrics_auth needs an API key (--api-key or $MLA_API_KEY)")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
@@ -61,6 +67,68 @@ class ServerConfig:
         if body < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes!r}")
         object.__setattr__(self, "max_body_bytes", body)
+
+
+ROUTERS = ("affinity", "round_robin")
+
+
+def _count(name: str, value: object, low: int) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """Replicas on Ray Serve (``serving/ray_replicas.py``); ``replicas`` None (and no min/max): one process."""
+
+    replicas: int | None = None  # engine replicas (the initial count when autoscaling)
+    ray_address: str | None = None  # join this Ray cluster (default: start a local Ray instance)
+    min_replicas: int | None = None  # autoscaling bounds (either one turns autoscaling on)
+    max_replicas: int | None = None
+    target_ongoing_requests: float | None = None  # per replica, for autoscaling (default: max_num_seqs)
+    router: str = "affinity"  # affinity (prefix/session) or round_robin
+    affinity_queue_threshold: int | None = None  # ongoing requests beyond which a replica is passed over
+    replica_cpus: float = 1.0  # Ray CPUs each replica reserves (its torch threads follow them)
+
+    def __post_init__(self) -> None:
+        _count("replicas", self.replicas, 1)
+        _count("min_replicas", self.min_replicas, 1)
+        _count("max_replicas", self.max_replicas, 1)
+        _count("affinity_queue_threshold", self.affinity_queue_threshold, 0)
+        low, high = self.min_replicas, self.max_replicas
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"min_replicas ({low}) must be <= max_replicas ({high})")
+        if self.replicas is not None and ((low is not None and self.replicas < low) or
+                                          (high is not None and self.replicas > high)):
+            raise ValueError(f"replicas ({self.replicas}) must lie within min_replicas..max_replicas")
+        target = self.target_ongoing_requests
+        if target is not None and (not isinstance(target, (int, float)) or isinstance(target, bool) or target <= 0):
+            raise ValueError(f"target_ongoing_requests must be a number > 0, got {target!r}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {self.router!r}")
+        if not isinstance(self.replica_cpus, (int, float)) or self.replica_cpus < 0:
+            raise ValueError(f"replica_cpus must be a number >= 0, got {self.replica_cpus!r}")
+        if not self.enabled and (self.ray_address is not None or self.target_ongoing_requests is not None):
+            raise ValueError("ray_address and target_ongoing_requests need --replicas N (or --min/--max-replicas)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.replicas is not None or self.min_replicas is not None or self.max_replicas is not None
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.min_replicas is not None or self.max_replicas is not None
+
+    @property
+    def initial(self) -> int:
+        """Replicas started first."""
+        return self.replicas or self.min_replicas or 1
+
+    @property
+    def bounds(self) -> tuple[int, int]:
+        """(min, max) replicas when autoscaling."""
+        low = self.min_replicas or min(self.initial, self.max_replicas or self.initial)
+        return low, self.max_replicas or max(low, self.initial)
 
 
 @dataclass(frozen=True)
@@ -73,6 +141,7 @@ class Option:
 
 ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
 SERVER_FIELDS = {f.name for f in fields(ServerConfig)}
+REPLICA_FIELDS = {f.name for f in fields(ReplicaConfig)}
 
 OPTIONS: dict[str, Option] = {
     "model": Option("model.path", "--model", str, "checkpoint directory or hub repo id org/name "
@@ -80,6 +149,8 @@ OPTIONS: dict[str, Option] = {
     "revision": Option("model.revision", "--revision", str,
                        "hub branch, tag or commit of a repo id --model (default: main)"),
     "dtype": Option("model.dtype", "--dtype", str, "weight/compute dtype: auto, bfloat16, float16, float32"),
+    "quantization": Option("model.quantization", "--quantization", str,
+                           "weight-only quantisation at load: none or int8 (per-channel scales)"),
     "tensor_parallel_size": Option("model.tensor_parallel_size", "--tensor-parallel-size", int,
                                    "ranks the model is sharded across (torchrun or worker processes)"),
     "latent_rank": Option("model.latent_rank", "--latent-rank", int,
@@ -96,6 +167,14 @@ OPTIONS: dict[str, Option] = {
     "max_num_batched_tokens": Option(None, "--max-num-batched-tokens", int,
                                      "token budget of one step (default: max-model-len capped at 8192, "
                                      "at least 2048)"),
+    "kv_cache_dir": Option("kv_cache.dir", "--kv-cache-dir", str,
+                           "directory of the disk tier: evicted prefix-cache blocks are written there and found "
+                           "again after a restart; several processes may share it (default: off)"),
+    "kv_cache_write_through": Option("kv_cache.write_through", "--kv-cache-write-through", bool,
+                                     "write every full block to the disk tier as soon as it is complete"),
+    "kv_cache_disk_bytes": Option("kv_cache.disk_bytes", "--kv-cache-disk-bytes", str,
+                                  "bound of the disk tier's directory, e.g. 500GiB; least recently used files go "
+                                  "first (default: its current size plus 90%% of the free disk space)"),
     "kv_cache_dtype": Option("kv_cache.dtype", "--kv-cache-dtype", str, "auto, bfloat16, float16, fp8, int8…"),
     "latent_cache_layout": Option("kv_cache.layout", "--latent-cache-layout", str, "replicated or sharded"),
     "speculative_method": Option("speculative.method", "--speculative-method", str,
@@ -128,6 +207,35 @@ OPTIONS: dict[str, Option] = {
     "max_connections": Option("serving.max_connections", "--max-connections", int,
                               "open connections; beyond, new ones are closed at once"),
     "metrics_auth": Option("serving.metrics_auth", "--metrics-auth", bool, "/metrics requires the API key"),
+    "replicas": Option("replicas.count", "--replicas", int, "engine replicas behind one port, on Ray Serve "
+                                                            "(default: one process, no Ray)"),
+    "ray_address": Option("replicas.ray_address", "--ray-address", str,
+                          "join this Ray cluster (default: start a local Ray instance)"),
+    "min_replicas": Option("replicas.min", "--min-replicas", int,
+                           "autoscale on ongoing requests, down to this many replicas (default: no autoscaling; "
+                           "with --max-replicas: --replicas or 1)"),
+    "max_replicas": Option("replicas.max", "--max-replicas", int,
+                           "autoscale up to this many replicas (default: no autoscaling; with --min-replicas: "
+                           "--replicas or the minimum)"),
+    "target_ongoing_requests": Option("replicas.target_ongoing_requests", "--target-ongoing-requests", float,
+                                      "autoscaling: ongoing requests per replica to aim at "
+                                      "(default: max-num-seqs)"),
+    "router": Option("replicas.router", "--router", str, "affinity (prefix and session) or round_robin"),
+    "affinity_queue_threshold": Option("replicas.affinity_queue_threshold", "--affinity-queue-threshold", int,
+                                       "ongoing requests beyond which the preferred replica is passed over for "
+                                       "the least loaded (default: max-num-seqs)"),
+    "replica_cpus": Option("replicas.cpus_per_replica", "--replica-cpus", float,
+                           "Ray CPUs each replica reserves"),
+    "log_format": Option("serving.log_format", "--log-format", str,
+                         "text (a line for a terminal) or json (one JSON object per line, a line per request)"),
+    "log_prompts": Option("serving.log_prompts", "--log-prompts", bool,
+                          "the request log carries the prompt's text (never logged otherwise)"),
+    "verify_weights": Option("model.verify_weights", "--verify-weights", bool,
+                             "check every *.safetensors file against the checkpoint's sha256 manifest (the hub's "
+                             "LFS hashes, or SHA256SUMS from 'mla-runtime hash') before loading"),
+    "cache_watermark": Option("kv_cache.watermark", "--cache-watermark", float,
+                              "fraction of latent-cache blocks (in use or cached) above which idle cached prefix "
+                              "blocks are freed between steps, least recently used first (1.0: off)"),
 }
 YAML_KEYS = {opt.yaml: name for name, opt in OPTIONS.items() if opt.yaml}
 YAML_HINTS = {"kv_cache.gpu_memory_util": "size the latent cache in bytes with kv_cache.memory (e.g. '40GiB')"}
@@ -175,7 +283,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 def _check_type(dotted: str, name: str, value: Any) -> Any:
     want = OPTIONS[name].type
-    if name in ("kv_cache_memory", "max_body_bytes"):  # "8GiB" or a plain byte count
+    if name in ("kv_cache_memory", "max_body_bytes", "kv_cache_disk_bytes"):  # "8GiB" or a plain byte count
         want = (str, int)
     elif want is float:
         want = (int, float)
@@ -205,8 +313,8 @@ def _help(name: str, opt: Option) -> str:
     """The flag's help with its default (flags default to None so that the config file can set them)."""
     if "default:" in opt.help:
         return opt.help
-    default = next(f.default for f in fields(EngineConfig if name in ENGINE_FIELDS else ServerConfig)
-                   if f.name == name)
+    cls = EngineConfig if name in ENGINE_FIELDS else ReplicaConfig if name in REPLICA_FIELDS else ServerConfig
+    default = next(f.default for f in fields(cls) if f.name == name)
     shown = "none" if default is None else default
     return f"{opt.help} (default: {shown})" if opt.help else f"(default: {shown})"
 
@@ -223,6 +331,13 @@ def resolve(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = N
             ) -> tuple[EngineConfig, ServerConfig]:
     """Command line (and optional YAML file) → validated engine and server configs (``env``: the environment,
     default ``os.environ``)."""
+    engine, server, _ = resolve_all(argv, env, prog)
+    return engine, server
+
+
+def resolve_all(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None, prog: str = "server.py"
+                ) -> tuple[EngineConfig, ServerConfig, ReplicaConfig]:
+    """``resolve`` and the replica configuration (``replicas`` section, ``--replicas`` and its flags)."""
     environ: Mapping[str, str] = os.environ if env is None else env
     args = build_parser(prog).parse_args(argv)
     values: dict[str, Any] = {}
@@ -237,7 +352,8 @@ def resolve(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = N
     engine_kw = {k: v for k, v in values.items() if k in ENGINE_FIELDS}
     server_kw = {k: v for k, v in values.items() if k in SERVER_FIELDS}
     server_kw.setdefault("served_model_name", model if is_repo_id(model) else Path(model).name)
-    return _build(EngineConfig, engine_kw), _build(ServerConfig, server_kw)
+    replica_kw = {k: v for k, v in values.items() if k in REPLICA_FIELDS}
+    return _build(EngineConfig, engine_kw), _build(ServerConfig, server_kw), _build(ReplicaConfig, replica_kw)
 
 
 def _check_model(model: str) -> str:

@@ -3,11 +3,14 @@
 Two kinds: what the HTTP layer observes (requests by outcome, latency histograms, token counters, counted
 when a request ends), and what the engine knows, read from ``AsyncLLM.stats()`` at scrape time by
 ``EngineCollector`` (queue depth, running sequences, latent-cache blocks, prefix hits, preemptions) plus
-the memory split (weights / latent cache / activation reserve / other).
+the memory split (weights / latent cache / activation reserve / other), and the prefix cache per tier
+(``mla_kv_tier_*{tier="device"|"disk"}``: hits, misses, evictions, capacity; the disk tier's bytes read and
+written, write queue depth, dropped writes, corrupt files and usage).
 """
 
 from __future__ import annotations
 
+import os
 import resource
 from collections.abc import Callable, Iterator
 
@@ -68,6 +71,19 @@ def _process_memory_bytes(device: str) -> int:
         return 0
 
 
+def memory_limit_bytes() -> int:
+    """What this process may use: its cgroup's memory limit (v2, else v1) when set, else the host's RAM."""
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 1 << 60:  # v1 reports "no limit" as a huge number
+            return int(text)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 class EngineCollector(Collector):
     """Engine state at scrape time; ``stats`` is ``AsyncLLM.stats`` (takes the engine lock briefly)."""
 
@@ -75,6 +91,7 @@ class EngineCollector(Collector):
         self.stats = stats
         self.info = info
         self.served_name = served_name  # never the checkpoint's path
+        self.memory_limit = memory_limit_bytes()
 
     def collect(self) -> Iterator[Metric]:
         s, d = self.stats(), self.info
@@ -99,8 +116,17 @@ class EngineCollector(Collector):
                       s.prefix_query_tokens)
         yield counter("mla_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache",
                       s.prefix_hit_tokens)
+        yield from _tier_metrics(s, d)
         yield counter("mla_preemptions", "Sequences preempted (blocks freed, recomputed later)",
                       s.num_preemptions)
+        yield gauge("mla_prefix_cache_idle_blocks", "Free latent-cache blocks still holding an indexed prefix "
+                    "(reusable, freed first under pressure)", s.num_idle_cached_blocks)
+        yield gauge("mla_cache_watermark_ratio", "Fraction of the latent-cache blocks (in use or cached) above which "
+                    "idle cached prefix blocks are freed between steps", s.cache_watermark)
+        yield counter("mla_cache_pressure_freed_blocks", "Idle cached prefix blocks freed above the watermark",
+                      s.pressure_freed_blocks)
+        yield counter("mla_cache_pressure_seconds", "Seconds the latent-cache blocks in use or cached stayed above "
+                      "the watermark", s.seconds_above_watermark)
         yield from _speculative(s)
         mem = GaugeMetricFamily("mla_memory_bytes", "Memory by part: weights, latent cache, planned activation "
                                 "reserve, other (measured process/device memory beyond weights and cache)",
@@ -111,11 +137,14 @@ class EngineCollector(Collector):
         mem.add_metric(["activations_reserve"], d.activation_bytes)
         mem.add_metric(["other"], max(0, _process_memory_bytes(d.device) - weights - cache))
         yield mem
-        info = GaugeMetricFamily("mla_model_info", "Served model and cache layout (value 1)",
-                                 labels=["model", "dtype", "cache_dtype", "layers", "heads", "d_c", "d_r",
-                                         "block_size"])
+        yield gauge("mla_memory_limit_bytes", "Memory this process may use: its cgroup limit, else the host's RAM "
+                    "(compare with process_resident_memory_bytes)", self.memory_limit)
+        info = GaugeMetricFamily("mla_model_info", "Served model, cache layout and the weights' sha256 fingerprint "
+                                 "(value 1)", labels=["model", "dtype", "cache_dtype", "layers", "heads", "d_c", "d_r",
+                                                      "block_size", "weights", "weights_verified"])
         info.add_metric([self.served_name] + [str(getattr(d, k)) for k in ("dtype", "cache_dtype", "layers", "heads",
-                                                                           "d_c", "d_r", "block_size")], 1)
+                                                                           "d_c", "d_r", "block_size")]
+                        + [d.weights_fingerprint or "unknown", str(d.weights_verified).lower()], 1)
         yield info
         if d.device == "cpu":
             gemm = cpu_gemm.gemm_info(d.dtype)
@@ -144,4 +173,41 @@ def _speculative(s: EngineStats) -> Iterator[CounterMetricFamily]:
         family = CounterMetricFamily(name, doc, labels=["method", "position"])
         for j, value in enumerate(values):
             family.add_metric(method + [str(j + 1)], value)
+        yield family
+
+
+def _tier_metrics(s: EngineStats, d: EngineInfo) -> Iterator[Metric]:
+    """The prefix cache per tier: the device pool, and the disk tier when one is configured."""
+    disk = s.disk
+    tiers = ["device"] + (["disk"] if disk is not None else [])
+    values: dict[str, list[float]] = {
+        "hits_tokens": [s.prefix_device_hit_tokens, s.prefix_disk_hit_tokens],
+        "misses_tokens": [s.prefix_query_tokens - s.prefix_device_hit_tokens,
+                          s.prefix_disk_query_tokens - s.prefix_disk_hit_tokens],
+        "evictions": [s.num_evictions, disk.evictions if disk is not None else 0],
+        "capacity_tokens": [d.max_concurrent_tokens, d.disk_capacity_tokens],
+    }
+    docs = {"hits_tokens": "Prompt tokens found in this tier of the prefix cache",
+            "misses_tokens": "Prompt tokens looked up in this tier and not found there",
+            "evictions": "Blocks (device) or files (disk) evicted to make room",
+            "capacity_tokens": "Tokens this tier holds"}
+    for name, per_tier in values.items():
+        kind = GaugeMetricFamily if name == "capacity_tokens" else CounterMetricFamily
+        family = kind(f"mla_kv_tier_{name}", docs[name], labels=["tier"])
+        for tier, value in zip(tiers, per_tier):
+            family.add_metric([tier], value)
+        yield family
+    if disk is None:
+        return
+    for name, doc, value, is_counter in (
+            ("read_bytes", "File bytes read from the disk tier", disk.bytes_read, True),
+            ("written_bytes", "File bytes written to the disk tier by this process", disk.bytes_written, True),
+            ("write_queue_depth", "Blocks copied out of the device pool, waiting to be written", disk.write_queue_depth,
+             False),
+            ("write_drops", "Blocks not written because the write queue was full", disk.write_drops, True),
+            ("corrupt_files", "Truncated, corrupt or foreign files found, deleted and read as misses",
+             disk.corrupt_files, True),
+            ("usage_bytes", "Bytes in the disk tier's directory (last scan plus own writes)", disk.usage_bytes, False)):
+        family = (CounterMetricFamily if is_counter else GaugeMetricFamily)(f"mla_kv_tier_{name}", doc, labels=["tier"])
+        family.add_metric(["disk"], value)
         yield family

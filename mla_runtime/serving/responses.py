@@ -42,6 +42,7 @@ class Job:
     created: int = field(default_factory=lambda: int(time.time()))
     arrival: float = field(default_factory=time.monotonic)
     outcome: str | None = None  # set once, when the request ends
+    last_output: RequestOutput | None = None  # the engine's last output, kept for the request log
 
     def __post_init__(self) -> None:
         self.request_id = self.request_id or f"{ID_PREFIX[self.endpoint]}-{uuid.uuid4().hex}"

@@ -143,6 +143,9 @@ class ServingRuntime:
         logger.info("model %s (%s, from %s): %d layers, %d heads, d_c=%d, d_r=%d, dtype %s, loaded in %.1f s",
                     c.served_model_name, d.family, d.checkpoint, d.layers, d.heads, d.d_c, d.d_r, d.dtype,
                     load_seconds)
+        state = "verified" if d.weights_verified else "from the manifest, not checked (--verify-weights checks it)"
+        logger.info("weights fingerprint %s", f"{d.weights_fingerprint} ({state})" if d.weights_fingerprint
+                    else "unknown: the checkpoint has no sha256 manifest (write one with `mla-runtime hash`)")
         logger.info("latent cache: %s, block size %d, %d blocks, %s/token -> max concurrent tokens %d "
                     "(max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d)",
                     d.cache_dtype, d.block_size, d.num_blocks, human_bytes(d.cache_bytes_per_token),
@@ -151,6 +154,11 @@ class ServingRuntime:
         logger.info("memory on %s: weights %s | latent cache %s | activations (reserve) %s | total %s",
                     d.device, human_bytes(d.weight_bytes), human_bytes(d.cache_bytes),
                     human_bytes(d.activation_bytes), human_bytes(total))
+        if d.kv_cache_dir is not None:
+            logger.info("disk tier: %s, capacity %s = %d tokens (%s per file of %d tokens), %s",
+                        d.kv_cache_dir, human_bytes(d.disk_capacity_bytes), d.disk_capacity_tokens,
+                        human_bytes(d.disk_file_bytes), d.block_size,
+                        "write-through" if d.kv_cache_write_through else "written on eviction and at shutdown")
         logger.info("serving: request_timeout %.0f s, max_queue %d, max_body_bytes %s, api key %s, model id %r",
                     c.request_timeout, c.max_queue, human_bytes(int(c.max_body_bytes)),
                     "required" if c.api_key else "not required", c.served_model_name)
@@ -237,8 +245,18 @@ class ServingRuntime:
         self.in_flight += weight
         self.metrics.in_flight.inc(weight)
 
-    def reject(self, endpoint: str, status: int) -> None:
-        self.metrics.requests.labels(endpoint, STATUS_OUTCOMES.get(status, "error")).inc()
+    def reject(self, endpoint: str, status: int) -> str:
+        """Count a request refused before admission; returns its outcome label."""
+        outcome = STATUS_OUTCOMES.get(status, "error")
+        self.metrics.requests.labels(endpoint, outcome).inc()
+        return outcome
+
+    def cache_blocks(self) -> tuple[int, int] | None:
+        """(used, total) latent-cache blocks in the engine's latest snapshot; None before it started."""
+        if self.llm is None:
+            return None
+        stats = self.llm.stats()
+        return stats.num_blocks - stats.num_free_blocks, stats.num_blocks
 
     def deadline(self, job: Job) -> float:
         """Event-loop time at which ``job`` times out."""
@@ -256,17 +274,12 @@ class ServingRuntime:
         m = self.metrics
         m.in_flight.dec(job.num_choices)
         m.requests.labels(job.endpoint, outcome).inc()
+        job.last_output = out
         if out is None:
-            logger.info("%s %s %s before the first token, after %.3f s", job.endpoint, job.request_id, outcome,
-                        time.monotonic() - job.arrival)
             return
         m.prompt_tokens.inc(len(out.prompt_token_ids))
         m.generation_tokens.inc(sum(len(c.token_ids) for c in out.outputs))
         m.cached_prompt_tokens.inc(out.num_cached_tokens)
-        logger.info("%s %s %s: prompt %d tokens (%d cached), generated %d, ttft %s, total %.3f s", job.endpoint,
-                    job.request_id, outcome, len(out.prompt_token_ids), out.num_cached_tokens,
-                    sum(len(c.token_ids) for c in out.outputs),
-                    "-" if out.metrics.ttft is None else f"{out.metrics.ttft:.3f} s", time.monotonic() - job.arrival)
         if outcome == "success":
             m.e2e.observe(time.monotonic() - job.arrival)
             if out.metrics.ttft is not None:
@@ -286,7 +299,8 @@ class ServingRuntime:
             return
         if self.fault is not None:  # a hung rank would block the orderly stop: end the ranks first
             self._kill_ranks()
-        self.llm.shutdown()  # the engine thread, then the tensor-parallel ranks
+        # the engine thread, the disk tier's flush of resident blocks (its own shutdown_timeout), the ranks
+        self.llm.shutdown(flush_timeout=self.config.shutdown_timeout)
 
     def _kill_ranks(self) -> None:
         group = getattr(self.llm.engine, "tp_group", None) if self.llm is not None else None

@@ -25,11 +25,14 @@ from types import FrameType
 from typing import Any
 
 import uvicorn
+from uvicorn.config import LOGGING_CONFIG
 
+from mla_runtime.engine.config import EngineConfig
 from mla_runtime.engine.tp_workers import is_torchrun_worker, run_torchrun_worker
 from mla_runtime.serving.app import build_app
-from mla_runtime.serving.config import ServerConfig, resolve
+from mla_runtime.serving.config import ReplicaConfig, ServerConfig, resolve_all
 from mla_runtime.serving.http import GuardedH11Protocol
+from mla_runtime.serving.request_log import configure_logging
 
 logger = logging.getLogger("mla_runtime.serving")
 
@@ -40,7 +43,7 @@ def uvicorn_config(app: Any, config: ServerConfig, log_level: str = "info") -> u
     protocol = GuardedH11Protocol.configured(config.header_timeout, config.stream_stall_timeout,
                                              config.max_connections)
     return uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level, http=protocol,
-                          timeout_keep_alive=5,
+                          timeout_keep_alive=5, log_config=None if config.log_format == "json" else LOGGING_CONFIG,
                           timeout_graceful_shutdown=config.shutdown_timeout,  # type: ignore[arg-type]  # float s
                           access_log=False)
 
@@ -110,13 +113,30 @@ def port_taken(host: str, port: int) -> str | None:
     return None
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "server.py") -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def serve_replicas(engine_config: EngineConfig, config: ServerConfig, replicas: ReplicaConfig, prog: str) -> int:
+    """``--replicas N``: the same endpoints through Ray Serve (``serving/ray_replicas.py``, imported only here)."""
+    if why := port_taken(config.host, config.port):
+        print(f"{prog}: error: cannot listen on {config.host}:{config.port}: {why} (pick another --port)",
+              file=sys.stderr)
+        return 1
     try:
-        engine_config, config = resolve(argv, prog=prog)
+        from mla_runtime.serving import ray_replicas
+    except ImportError as e:
+        print(f"{prog}: error: --replicas needs Ray Serve ({e}); install it with: pip install 'mla-runtime[ray]'",
+              file=sys.stderr)
+        return 2
+    return ray_replicas.main(engine_config, config, replicas, prog)
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "server.py") -> int:
+    try:
+        engine_config, config, replicas = resolve_all(argv, prog=prog)
     except ValueError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    configure_logging(config.log_format)
+    if replicas.enabled:
+        return serve_replicas(engine_config, config, replicas, prog)
     if is_torchrun_worker(engine_config):
         run_torchrun_worker(engine_config)  # a worker rank under torchrun: serves rank 0's steps until it stops
         return 0
