@@ -1,6 +1,14 @@
-"""Speculative decoding by prompt lookup: tokens/s with and without drafts, measured in one run.
+"""Speculative decoding (prompt lookup, or the model's MTP layer): tokens/s with and without drafts, in one run.
 
     python bench/bench_speculative.py --batch 1 8 --num-speculative-tokens 0 2 4 8 [--temperature 0.7]
+    python bench/bench_speculative.py --method mtp prompt_lookup --num-speculative-tokens 1 2 3 --batch 1 8
+
+With ``--method``, every (method, k) and plain decoding get an engine each, loaded side by side, and the runs
+alternate between them round by round (``--rounds``); the tables give medians. Per row: tokens/s, speed-up over
+plain decoding, mean acceptance length (1 + accepted drafts per verification step), accepted tokens per decode
+step, the acceptance at each draft position, and whether the greedy tokens equal plain decoding's. With
+``mtp`` it also prints the median time of one MTP draft link (``Worker.draft`` per link) against one plain
+main-model step (``Worker.execute``) at batch 1.
 
 Runs the same requests through one engine per draft budget ``k`` (``k = 0`` is plain decoding, the
 baseline) and prints, per batch size and ``k``: output tokens/s (prefill included), engine steps, drafts
@@ -85,6 +93,107 @@ def step_cost(model: str, dtype: str, ks: list[int], steps: int = 24) -> None:
         print(f"| {k} | {ms:.2f} | {per_step:.1f} | {ms / base:.2f}× |", flush=True)
 
 
+def _engine_counts(engine) -> tuple:
+    c = engine.counts
+    return (c.spec_steps, c.accepted, c.generation, tuple(c.drafts_by_position), tuple(c.accepted_by_position))
+
+
+def one_round(llm, prompts: list[str], params: SamplingParams, tag: str) -> dict:
+    """One batch of requests through ``llm``: seconds, tokens, engine steps and speculative counts."""
+    engine = llm.engine
+    before = _engine_counts(engine)
+    steps, finished = 0, {}
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}-{time.perf_counter_ns()}", p, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        steps += 1
+    seconds = time.perf_counter() - t0
+    after = _engine_counts(engine)
+    outs = [o.outputs[0].token_ids for o in sorted(finished.values(), key=lambda o: o.request_id)]
+    return {"seconds": seconds, "steps": steps, "outs": outs, "verify": after[0] - before[0],
+            "accepted": after[1] - before[1], "tokens": after[2] - before[2],
+            "drafts_pos": [a - b for a, b in zip(after[3], before[3])],
+            "accepted_pos": [a - b for a, b in zip(after[4], before[4])]}
+
+
+class Timed:
+    """Wraps ``Worker.execute`` / ``Worker.draft`` of one engine to record their wall times."""
+
+    def __init__(self, worker) -> None:
+        self.execute: list[float] = []
+        self.draft: list[tuple[float, int]] = []  # (seconds, chain links)
+        execute, draft = worker.execute, worker.draft
+
+        def timed_execute(step):
+            t0 = time.perf_counter()
+            out = execute(step)
+            self.execute.append(time.perf_counter() - t0)
+            return out
+
+        def timed_draft(d):
+            t0 = time.perf_counter()
+            out = draft(d)
+            self.draft.append((time.perf_counter() - t0, max(map(len, out), default=0)))
+            return out
+
+        worker.execute, worker.draft = timed_execute, timed_draft
+
+
+def median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")
+
+
+def compare_methods(args, prompts: list[str]) -> None:
+    """Every (method, k) against plain decoding, engines loaded side by side, rounds alternating."""
+    configs = [("plain", 0)] + [(m, k) for m in args.method for k in sorted(set(args.num_speculative_tokens)) if k]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0, ignore_eos=True)
+    print(f"model {args.model} ({args.dtype}), {args.max_tokens} tokens per prompt at temperature "
+          f"{args.temperature:g}, median of {args.rounds} alternating rounds")
+    for batch in args.batch:
+        llms, timers = {}, {}
+        for method, k in configs:
+            kw = {} if method == "plain" else {"speculative_method": method, "num_speculative_tokens": k}
+            llms[(method, k)] = LLM(args.model, dtype=args.dtype, max_model_len=1024, kv_cache_memory="32MiB",
+                                    max_num_seqs=batch, enable_prefix_caching=False, **kw)
+            llms[(method, k)].generate(prompts[:batch], SamplingParams(max_tokens=8, temperature=0))  # warm-up
+            timers[(method, k)] = Timed(llms[(method, k)].engine.worker)
+        rounds: dict = {c: [] for c in configs}
+        for r in range(args.rounds):
+            for c in configs:
+                rounds[c].append(one_round(llms[c], prompts[:batch], params, f"{c[0]}{c[1]}-{r}"))
+        print(f"\nbatch {batch}\n")
+        print("| method | k | tok/s | speed-up | acceptance length | tokens/step | acceptance by position "
+              "| same tokens |")
+        print("|---|---:|---:|---:|---:|---:|---|---|")
+        base = median([x["seconds"] for x in rounds[("plain", 0)]])
+        base_outs = rounds[("plain", 0)][0]["outs"]
+        for c in configs:
+            xs = rounds[c]
+            sec = median([x["seconds"] for x in xs])
+            verify, accepted = sum(x["verify"] for x in xs), sum(x["accepted"] for x in xs)
+            length = f"{1 + accepted / verify:.2f}" if verify else "-"
+            per_step = sum(x["tokens"] for x in xs) / sum(x["steps"] for x in xs)
+            pos_d = [sum(v) for v in zip(*[x["drafts_pos"] for x in xs])]
+            pos_a = [sum(v) for v in zip(*[x["accepted_pos"] for x in xs])]
+            by_pos = " / ".join(f"{a / d:.0%}" for a, d in zip(pos_a, pos_d) if d) or "-"
+            print(f"| {c[0]} | {c[1]} | {batch * args.max_tokens / sec:.1f} | {base / sec:.2f}× | {length} | "
+                  f"{per_step:.2f} | {by_pos} | {same(xs[0]['outs'], base_outs, args.temperature)} |", flush=True)
+        if batch == 1 and ("mtp", 1) in timers:
+            main_step = median(timers[("plain", 0)].execute[-args.rounds * args.max_tokens:])
+            links = [t / n for t, n in timers[("mtp", 1)].draft if n == 1]
+            verify_step = median(timers[("mtp", 1)].execute)
+            print(f"\ncost at batch 1: plain main-model step {main_step * 1e3:.2f} ms; verification step with 1 draft "
+                  f"{verify_step * 1e3:.2f} ms ({verify_step / main_step:.2f}×); one MTP draft step "
+                  f"{median(links) * 1e3:.2f} ms ({median(links) / main_step:.2f}× a main step)", flush=True)
+        for llm in llms.values():
+            llm.shutdown()
+
+
 def same(outs, base_outs, temperature: float) -> str:
     if temperature > 0:
         return "- (sampled)"
@@ -103,6 +212,9 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--step-cost", action="store_true", help="time a verification step against a plain one")
+    ap.add_argument("--method", nargs="+", choices=["mtp", "prompt_lookup"], default=None,
+                    help="compare these speculative methods (alternating rounds, medians) instead of the k sweep")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds per engine with --method")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -111,6 +223,9 @@ def main() -> None:
         return
     rng = random.Random(0)
     prompts = [python_like_text(rng, args.prompt_lines) for _ in range(max(args.batch))]
+    if args.method:
+        compare_methods(args, prompts)
+        return
     ks = sorted(set(args.num_speculative_tokens) | {0})
     print(f"model {args.model} ({args.dtype}), {args.max_tokens} tokens per prompt at temperature "
           f"{args.temperature:g}, best of {args.repeats}")

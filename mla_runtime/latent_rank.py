@@ -99,6 +99,8 @@ def pca_bases(model: DeepseekForCausalLM, rank: int, token_chunks: Sequence[Sequ
     moments = latent_second_moments(model, token_chunks)
 
     def weighted_pca(layer: int, w: torch.Tensor) -> torch.Tensor:
+        if not moments[layer].any():  # a layer the calibration pass does not run (the MTP layer): its SVD basis
+            return torch.linalg.svd(w, full_matrices=True)[2][:rank].T
         w = w.double().cpu()
         evals, evecs = torch.linalg.eigh(moments[layer])
         root = evecs @ torch.diag(evals.clamp(min=0).sqrt()) @ evecs.T  # Σ^{1/2}

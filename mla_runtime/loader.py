@@ -7,7 +7,11 @@
   tensors are stacked, ``gate_proj``/``up_proj`` are fused.
 - DeepSeek-V3 FP8 block-quantised weights (``*.weight`` in float8_e4m3fn with ``*.weight_scale_inv``,
   one fp32 scale per 128×128 block) are dequantised on load.
-- The multi-token-prediction layer (``model.layers.{num_hidden_layers}.*``) is skipped.
+- DeepSeek-V3's multi-token-prediction layers (``model.layers.{num_hidden_layers + j}.*``: ``enorm``, ``hnorm``,
+  ``eh_proj``, a decoder block, ``shared_head.norm``) load into ``model.mtp[j]`` when ``num_mtp_layers`` asks
+  for them (sharded like any layer, FP8 blocks dequantised), and are skipped otherwise. Their copies of the
+  embedding and head (``embed_tokens``, ``shared_head.head``) are skipped: the main model's are used, as
+  DeepSeek-V3 shares them.
 - Every missing, unexpected or mis-shaped tensor is reported by name in one ``CheckpointError``.
 """
 
@@ -23,6 +27,7 @@ import torch
 from safetensors import safe_open
 
 from mla_runtime.config import ModelConfig
+from mla_runtime.errors import InvalidParam
 from mla_runtime.models.deepseek import DeepseekForCausalLM
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 from mla_runtime.plan import resolve_model_dtype
@@ -124,21 +129,41 @@ class _Layout:
             self.table[names[2]] = Slot(f"{experts}.down_proj", (e - e0,))
 
 
+def _decoder_layer(layout: _Layout, cfg: ModelConfig, i: int, fused_expert_layers: AbstractSet[int]) -> None:
+    p = f"model.layers.{i}"
+    layout.whole(f"{p}.input_layernorm.weight")
+    layout.whole(f"{p}.post_attention_layernorm.weight")
+    layout.attention(p)
+    if cfg.is_moe_layer(i):
+        layout.moe(p, i in fused_expert_layers)
+    else:
+        layout.mlp(f"{p}.mlp", cfg.intermediate_size)
+
+
+def mtp_layer_names(cfg: ModelConfig, j: int) -> list[str]:
+    """The parts of MTP layer ``j`` that only MTP layers have (checkpoint names)."""
+    p = f"model.layers.{cfg.num_hidden_layers + j}"
+    return [f"{p}.{n}.weight" for n in ("enorm", "hnorm", "eh_proj", "shared_head.norm")]
+
+
 def checkpoint_layout(cfg: ModelConfig, par: ParallelContext = SINGLE_RANK,
-                      fused_expert_layers: AbstractSet[int] = frozenset()) -> dict[str, Slot | None]:
+                      fused_expert_layers: AbstractSet[int] = frozenset(),
+                      num_mtp_layers: int = 0) -> dict[str, Slot | None]:
     """The name table: every tensor the checkpoint must hold → its parameter slot on this rank
-    (None: the tensor belongs to another tensor-parallel rank)."""
+    (None: the tensor belongs to another tensor-parallel rank). MTP layer ``j`` (checkpoint
+    ``model.layers.{num_hidden_layers + j}``) goes to the parameters ``mtp.{j}``."""
     layout = _Layout(cfg, par)
     layout.embeddings()
     for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}"
-        layout.whole(f"{p}.input_layernorm.weight")
-        layout.whole(f"{p}.post_attention_layernorm.weight")
-        layout.attention(p)
-        if cfg.is_moe_layer(i):
-            layout.moe(p, i in fused_expert_layers)
-        else:
-            layout.mlp(f"{p}.mlp", cfg.intermediate_size)
+        _decoder_layer(layout, cfg, i, fused_expert_layers)
+    for j in range(num_mtp_layers):
+        mtp = _Layout(cfg, par)
+        _decoder_layer(mtp, cfg, cfg.num_hidden_layers + j, fused_expert_layers)
+        for name in mtp_layer_names(cfg, j):
+            mtp.whole(name)
+        ckpt, own = f"model.layers.{cfg.num_hidden_layers + j}.", f"mtp.{j}."
+        for name, slot in mtp.table.items():
+            layout.table[name] = None if slot is None else Slot(own + slot.param[len(ckpt):], slot.index, slot.shard)
     return layout.table
 
 
@@ -198,14 +223,25 @@ def _mtp_or_ignored(name: str, cfg: ModelConfig) -> bool:
     return m is not None and int(m.group(1)) >= cfg.num_hidden_layers
 
 
+def check_mtp_weights(cfg: ModelConfig, files: AbstractSet[str] | dict[str, Path], path: Path) -> None:
+    """MTP drafting needs the checkpoint's MTP layer: a clear error naming ``speculative_method`` without it."""
+    if cfg.num_nextn_predict_layers < 1 or not all(n in files for n in mtp_layer_names(cfg, 0)):
+        raise InvalidParam("speculative_method", f"speculative_method 'mtp' needs a checkpoint with a "
+                           f"multi-token-prediction layer (num_nextn_predict_layers >= 1 and the tensors "
+                           f"model.layers.{cfg.num_hidden_layers}.eh_proj/enorm/hnorm/...); {path} has none: "
+                           f"use speculative_method 'prompt_lookup'")
+
+
 def load_weights(model: DeepseekForCausalLM, path: str | Path) -> None:
-    """Fill ``model`` (this rank's shard of it) from the checkpoint at ``path``; raises
+    """Fill ``model`` (this rank's shard of it, with its ``mtp`` layers) from the checkpoint at ``path``; raises
     ``CheckpointError`` listing every problem."""
     path = Path(path)
     cfg = model.config
     files = checkpoint_files(path)
+    if len(model.mtp):
+        check_mtp_weights(cfg, files, path)
     fused = {int(m.group(1)) for n in files if (m := _FUSED_EXPERTS_RE.match(n))}
-    table = checkpoint_layout(cfg, model.par, fused)
+    table = checkpoint_layout(cfg, model.par, fused, len(model.mtp))
     params = dict(model.named_parameters())
     reader = _Reader(files)
 
@@ -257,11 +293,14 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path) -> None:
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto", attention_path: str = "auto",
                backend: str | None = None, device: str | torch.device = "cpu",
-               par: ParallelContext = SINGLE_RANK) -> DeepseekForCausalLM:
-    """Build the model (this rank's shard) from ``<path>/config.json`` and load its safetensors weights."""
+               par: ParallelContext = SINGLE_RANK, num_mtp_layers: int = 0) -> DeepseekForCausalLM:
+    """Build the model (this rank's shard, with ``num_mtp_layers`` MTP layers) from ``<path>/config.json`` and
+    load its safetensors weights."""
     cfg = ModelConfig.from_pretrained(path)
+    if num_mtp_layers > cfg.num_nextn_predict_layers:
+        check_mtp_weights(cfg, {}, Path(path))
     torch_dtype = resolve_model_dtype(dtype, cfg, device)
     with torch.device(device):
-        model = DeepseekForCausalLM(cfg, torch_dtype, attention_path, backend, par)
+        model = DeepseekForCausalLM(cfg, torch_dtype, attention_path, backend, par, num_mtp_layers)
     load_weights(model, path)
     return model.eval().prepare_inference()

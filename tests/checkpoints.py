@@ -155,3 +155,83 @@ def dequantized_state_dict(path: Path) -> dict[str, torch.Tensor]:
         scale = tensors.get(name[: -len("weight")] + "weight_scale_inv")
         out[name] = dequantize_fp8_block(t, scale, block) if scale is not None else t.float()
     return out
+
+
+def _randomise(module, seed: int) -> None:
+    """The same re-randomisation as ``build_hf_model``: norms not 1, router bias relevant."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            elif "mlp.gate.weight" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.08 * torch.randn(p.shape, generator=g))
+        for name, b in module.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+
+
+def build_mtp_layer(config, seed: int = 7):
+    """A random DeepSeek-V3 multi-token-prediction layer for ``config`` (transformers' decoder block plus
+    ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``), whose parameter names are the checkpoint's."""
+    from torch import nn
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
+
+    layer = DeepseekV3DecoderLayer(config, config.num_hidden_layers)
+    h = config.hidden_size
+    layer.enorm = DeepseekV3RMSNorm(h, eps=config.rms_norm_eps)
+    layer.hnorm = DeepseekV3RMSNorm(h, eps=config.rms_norm_eps)
+    layer.eh_proj = nn.Linear(2 * h, h, bias=False)
+    layer.shared_head = nn.Module()
+    layer.shared_head.norm = DeepseekV3RMSNorm(h, eps=config.rms_norm_eps)
+    _randomise(layer, seed)
+    return layer.eval()
+
+
+def add_mtp_layer(src: Path, dst: Path, hf_model, seed: int = 7):
+    """Copy the checkpoint at ``src`` to ``dst`` with one random MTP layer stored as DeepSeek-V3 stores it:
+    ``model.layers.{num_hidden_layers}.*`` in the same file, with its own copies of the embedding and head.
+    Returns the MTP layer (transformers modules, for the reference)."""
+    import shutil
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    tensors = load_file(str(src / "model.safetensors"))
+    layer = build_mtp_layer(hf_model.config, seed)
+    prefix = f"model.layers.{hf_model.config.num_hidden_layers}."
+    state = dict(layer.state_dict())
+    state["embed_tokens.weight"] = hf_model.model.embed_tokens.weight.detach()
+    state["shared_head.head.weight"] = hf_model.lm_head.weight.detach()
+    tensors.update({prefix + name: t.detach().clone().contiguous() for name, t in state.items()})
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return layer
+
+
+def mtp_reference(hf_model, layer, token_ids: list[int], chain: list[int]) -> torch.Tensor:
+    """fp32 MTP logits written from the DeepSeek-V3 description: for positions ``i = 0 .. n-2`` of
+    ``token_ids`` (n tokens), ``x_i = eh_proj([enorm(embed(t_{i+1})) ; hnorm(h_i)])`` with ``h`` the main model's
+    last hidden state (after its final norm), ``y = block(x)`` causal, ``logits = head(shared_head.norm(y))``;
+    then one chained position per token of ``chain``: ``x = eh_proj([enorm(embed(c)) ; hnorm(y_prev)])`` at the
+    next position, attending to every earlier row. Returns ``[n - 1 + len(chain), V]``."""
+    ids = torch.tensor([token_ids])
+    with torch.no_grad():
+        h = hf_model.model(input_ids=ids[:, :-1]).last_hidden_state  # [1, n-1, d]
+        embed = hf_model.model.embed_tokens
+
+        def fuse(tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+            return layer.eh_proj(torch.cat([layer.enorm(embed(tokens)), layer.hnorm(hidden)], dim=-1))
+
+        def block(x: torch.Tensor) -> torch.Tensor:
+            pos = torch.arange(x.shape[1])[None]
+            return layer(x, position_embeddings=hf_model.model.rotary_emb(x, pos))
+
+        x = fuse(ids[:, 1:], h)
+        y = block(x)
+        for token in chain:
+            x = torch.cat([x, fuse(torch.tensor([[token]]), y[:, -1:])], dim=1)
+            y = block(x)
+        return hf_model.lm_head(layer.shared_head.norm(y))[0]

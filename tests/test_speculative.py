@@ -155,7 +155,9 @@ class FixedLogits:
         import torch
 
         from mla_runtime.config import ModelConfig
+        from mla_runtime.engine.config import EngineConfig
 
+        self.config = EngineConfig(model="unused")
         self.row = torch.tensor(row)
         self.device = torch.device("cpu")
         self.model_config = ModelConfig.from_dict({"model_type": "deepseek_v3", "vocab_size": len(row),
@@ -212,7 +214,8 @@ def test_served_with_speculation_streams_the_same_text():
                         events.append(json.loads(line[6:]))
             streamed = "".join(e["text"] for e in events)
             assert streamed == whole["text"] and sum(len(e["token_ids"]) for e in events) == 40
-            texts[k] = (whole["text"], len(events), live.metrics()[("mla_spec_accepted_tokens_total",)])
+            accepted = live.metrics()[("mla_spec_accepted_tokens_total", ("method", "prompt_lookup"))]
+            texts[k] = (whole["text"], len(events), accepted)
         finally:
             live.stop()
     assert texts[4][0] == texts[0][0]

@@ -6,11 +6,13 @@ import os
 from dataclasses import dataclass
 
 from mla_runtime.dtypes import CACHE_DTYPES
+from mla_runtime.errors import InvalidParam
 from mla_runtime.layers.mla import ATTENTION_PATHS
 from mla_runtime.layers.quantization import check_quantization
 from mla_runtime.plan import LATENT_CACHE_LAYOUTS, parse_bytes
 
 ATTENTION_BACKENDS = (None, "triton", "torch")
+SPECULATIVE_METHODS = ("prompt_lookup", "mtp")
 
 
 @dataclass(frozen=True)
@@ -43,9 +45,11 @@ class EngineConfig:
     # CPU threads of the model's kernels: a count, "auto" (measured per step size, see engine/thread_tuner.py)
     # or None (torch's setting: every core)
     num_threads: int | str | None = None
-    # speculative decoding by prompt lookup (engine/speculative.py): up to this many
-    # draft tokens per step (0: off), copied after the latest earlier occurrence of the sequence's last
-    # prompt_lookup_max .. prompt_lookup_min tokens
+    # speculative decoding: up to this many draft tokens per step (0: off), by prompt lookup (engine/speculative.py:
+    # copied after the latest earlier occurrence of the sequence's last prompt_lookup_max .. prompt_lookup_min
+    # tokens) or by the checkpoint's multi-token-prediction layer ("mtp", engine/mtp.py; 1 draft when
+    # num_speculative_tokens is left at 0)
+    speculative_method: str = "prompt_lookup"
     num_speculative_tokens: int = 0
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
@@ -83,6 +87,11 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise InvalidParam("speculative_method", f"speculative_method must be one of {SPECULATIVE_METHODS}, "
+                               f"got {self.speculative_method!r}")
+        if self.speculative_method == "mtp" and self.num_speculative_tokens == 0:
+            object.__setattr__(self, "num_speculative_tokens", 1)
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) and prompt_lookup_max "
                              f"({self.prompt_lookup_max}) must satisfy 1 <= min <= max")

@@ -5,7 +5,8 @@ Both are frozen dataclasses: the server's logs and Prometheus metrics read named
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from mla_runtime.cache.disk_tier import DiskTierStats
@@ -14,6 +15,7 @@ from mla_runtime.dtypes import dtype_name
 if TYPE_CHECKING:
     from mla_runtime.engine.block_pool import BlockPool
     from mla_runtime.engine.scheduler import Scheduler
+    from mla_runtime.engine.sequence import Sequence
     from mla_runtime.engine.worker import Worker
 
 
@@ -25,6 +27,29 @@ class TokenCounts:
     generation: int = 0  # tokens generated
     draft: int = 0  # speculative tokens proposed
     accepted: int = 0  # speculative tokens accepted
+    method: str = "prompt_lookup"  # the speculative method
+    spec_steps: int = 0  # decodes that verified drafts
+    drafts_by_position: list[int] = field(default_factory=list)  # [j]: decodes whose (j+1)-th draft was proposed
+    accepted_by_position: list[int] = field(default_factory=list)  # [j]: ... and accepted
+
+    @classmethod
+    def for_speculation(cls, method: str, num_speculative_tokens: int) -> TokenCounts:
+        k = num_speculative_tokens
+        return cls(method=method, drafts_by_position=[0] * k, accepted_by_position=[0] * k)
+
+    def count_drafts(self, seqs: Iterable[Sequence], accepted: dict[int, int]) -> None:
+        """Count a step's verified drafts: in all, and by position (the j-th draft counts as accepted when the
+        first j + 1 were)."""
+        for seq in seqs:
+            k, a = len(seq.draft_token_ids), accepted.get(seq.seq_id, 0)
+            if not k:
+                continue
+            self.spec_steps += 1
+            self.draft += k
+            self.accepted += a
+            for j in range(k):
+                self.drafts_by_position[j] += 1
+                self.accepted_by_position[j] += j < a
 
 
 @dataclass(frozen=True)
@@ -110,6 +135,10 @@ class EngineStats:
     prefix_disk_query_tokens: int = 0  # tokens of blocks the device pool missed, looked up on disk
     prefix_disk_hit_tokens: int = 0
     disk: DiskTierStats | None = None  # the disk tier's I/O (None: off)
+    speculative_method: str = "prompt_lookup"
+    num_spec_steps: int = 0  # decodes that carried drafts
+    drafts_by_position: tuple[int, ...] = ()  # [j]: decodes whose (j+1)-th draft was proposed
+    accepted_by_position: tuple[int, ...] = ()  # [j]: ... and accepted
 
     @classmethod
     def of(cls, s: Scheduler, pool: BlockPool, counts: TokenCounts, disk: DiskTierStats | None) -> EngineStats:
@@ -124,4 +153,6 @@ class EngineStats:
             cache_watermark=pool.watermark, pressure_freed_blocks=pool.pressure_freed,
             seconds_above_watermark=s.seconds_above_watermark, num_evictions=pool.num_evictions,
             prefix_device_hit_tokens=pool.hit_tokens, prefix_disk_query_tokens=pool.lower_query_tokens,
-            prefix_disk_hit_tokens=pool.lower_hit_tokens, disk=disk)
+            prefix_disk_hit_tokens=pool.lower_hit_tokens, disk=disk, speculative_method=counts.method,
+            num_spec_steps=counts.spec_steps, drafts_by_position=tuple(counts.drafts_by_position),
+            accepted_by_position=tuple(counts.accepted_by_position))

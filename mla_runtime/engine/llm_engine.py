@@ -67,13 +67,14 @@ class LLMEngine:
         self.kv_tier = attach_disk_tier(self.worker, self.pool, self.tp_group, config.kv_cache_write_through)
         w = self.worker
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, w.max_num_batched_tokens, w.max_model_len,
-                                   config.num_speculative_tokens, (config.prompt_lookup_max, config.prompt_lookup_min))
+                                   config.num_speculative_tokens, (config.prompt_lookup_max, config.prompt_lookup_min),
+                                   config.speculative_method)
         self.runner = ModelRunner(w, config.seed, self.tp_group, self.thread_tuner)
         self.requests: dict[str, RequestState] = {}
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.runner.eos_token_ids)
         self._seq_ids = itertools.count()
         self.load_seconds = time.monotonic() - t0
-        self.counts = TokenCounts()
+        self.counts = TokenCounts.for_speculation(config.speculative_method, config.num_speculative_tokens)
 
     def _set_up_worker(self) -> None:
         """Load, truncate, size and allocate on every rank (the worker ranks follow rank 0's commands)."""
@@ -156,8 +157,7 @@ class LLMEngine:
             if state is not None and state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = start
         sampled, accepted = self.runner.execute(batch)
-        self.counts.draft += sum(len(s.draft_token_ids) for s in batch.seqs)
-        self.counts.accepted += sum(accepted.values())
+        self.counts.count_drafts(batch.seqs, accepted)
         self.scheduler.on_step_done(batch, accepted)
         now = time.monotonic()
         touched: dict[str, RequestState] = {}

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mla_runtime.engine.mtp import draft_input
 from mla_runtime.engine.sampler import Penalties, TokenMasks, sample
 from mla_runtime.engine.scheduler import ScheduledBatch
 from mla_runtime.engine.sequence import Sequence
@@ -68,12 +69,19 @@ class ModelRunner:
         self.generator = torch.Generator(device=worker.device).manual_seed(seed)
         self.counts: dict[int, _TokenCounts] = {}  # penalised sequences' token counts, by seq_id
         self.masks = MaskBuilder(cfg.vocab_size)  # structured outputs' masks, computed during the forward pass
+        spec = worker.config
+        self.mtp_drafts = spec.num_speculative_tokens if spec.speculative_method == "mtp" else 0
+
+    @staticmethod
+    def order(batch: ScheduledBatch) -> list[int]:
+        """The step's sequence order: one-token decodes first, stable within each group."""
+        return sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] != 1)
 
     @staticmethod
     def prepare(batch: ScheduledBatch) -> tuple[StepInput, list[Sequence]]:
         """The step's message, one-token decodes first, and the sequences that get logits: each one whose last
         token runs in this step (all its positions for a speculative decode: its drafts are verified)."""
-        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] != 1)
+        order = ModelRunner.order(batch)
         chunks: list[list[int]] = []
         contexts: list[int] = []
         tables: list[list[int]] = []
@@ -112,9 +120,19 @@ class ModelRunner:
                 self.tp_group.check_alive()
                 raise RankDiedError(f"tensor-parallel step failed: {e}") from e
         masks = self.masks.finish(pending)
-        if logits is None:
-            return [], {}
-        return self._sample(logits, seqs, masks)
+        sampled, accepted = ([], {}) if logits is None else self._sample(logits, seqs, masks)
+        if self.mtp_drafts:  # also after a step of prefill chunks only: their MTP latents
+            self._draft(batch, sampled)
+        return sampled, accepted
+
+    def _draft(self, batch: ScheduledBatch, sampled: list[Sampled]) -> None:
+        """The MTP layer's pass over the step (``engine/mtp.py``): its latents, and the next step's drafts."""
+        gained = {s.seq.seq_id: s.token_ids for s in sampled}
+        d, seqs = draft_input(batch, self.order(batch), gained, self.mtp_drafts, self.worker.config.block_size)
+        if self.tp_group is not None:
+            self.tp_group.send("draft", d)
+        for seq, drafts in zip(seqs, self.worker.draft(d)):
+            seq.mtp_draft_ids = drafts
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], masks: TokenMasks | None = None
                 ) -> tuple[list[Sampled], dict[int, int]]:

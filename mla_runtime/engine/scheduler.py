@@ -14,7 +14,8 @@ Between steps ``relieve_cache_pressure`` frees idle cached prefix blocks above t
 first), so admissions take plain free blocks instead of evicting inside a step; running sequences keep
 their blocks, so running work still fills the cache to 100 %.
 
-With speculative decoding on, a decode also carries its draft tokens (``engine/speculative.py``):
+With speculative decoding on, a decode also carries its draft tokens (``engine/speculative.py``, or the ones
+the MTP layer proposed in the sequence's previous step, ``engine/mtp.py``):
 they take budget and cache slots like any token, and ``on_step_done`` counts only the ones the model
 accepted as computed — the latents written for rejected drafts lie past the sequence's end and are
 overwritten by the tokens that really come there.
@@ -48,8 +49,10 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int = 0,
-                 num_speculative_tokens: int = 0, prompt_lookup: tuple[int, int] = (3, 1)) -> None:
+                 num_speculative_tokens: int = 0, prompt_lookup: tuple[int, int] = (3, 1),
+                 speculative_method: str = "prompt_lookup") -> None:
         self.pool = pool
+        self.speculative_method = speculative_method
         self.max_model_len = max_model_len
         self.num_speculative_tokens = num_speculative_tokens
         self.prompt_lookup = prompt_lookup  # (longest, shortest) suffix to look up
@@ -94,6 +97,7 @@ class Scheduler:
         seq.block_hashes = []
         seq.num_computed_tokens = 0
         seq.draft_token_ids = []
+        seq.mtp_draft_ids = []
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -193,7 +197,20 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
+        if self.speculative_method == "mtp" and self.num_speculative_tokens > 1:
+            self._lookahead(batch)
         return batch
+
+    def _lookahead(self, batch: ScheduledBatch) -> None:
+        """Blocks for the slots the MTP layer's chained drafts write after a sampled step (``engine/mtp.py``),
+        taken only while free: a chain that finds none is shorter, no sequence is preempted for it."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.num_computed_tokens + n < seq.num_tokens:
+                continue  # a prefill chunk before the prompt's end: nothing is sampled, no chain
+            need = self._blocks_for(seq.num_computed_tokens + n + self.num_speculative_tokens - 1) \
+                - len(seq.block_table)
+            if 0 < need <= self.pool.num_free_blocks:
+                seq.block_table += self.pool.allocate(need)
 
     def _drafts(self, seq: Sequence, room: int) -> list[int]:
         """Draft tokens for a decode: at most ``room``, never past max_tokens or max_model_len."""
@@ -202,6 +219,8 @@ class Scheduler:
                 self.max_model_len - seq.num_tokens - 1 if self.max_model_len else room)
         if k < 1:
             return []
+        if self.speculative_method == "mtp":
+            return seq.mtp_draft_ids[:k]
         longest, shortest = self.prompt_lookup
         drafts = propose(seq.token_ids, k, longest, shortest)
         return seq.grammar.valid_prefix(drafts) if seq.grammar is not None else drafts  # never verify a violation

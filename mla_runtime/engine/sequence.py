@@ -44,6 +44,7 @@ class Sequence:
     share_prefix_with: Sequence | None = None  # sample 1 of the same request (n > 1)
     draft_token_ids: list[int] = field(default_factory=list)  # this step's speculative tokens (after the last)
     grammar: GrammarState | None = None  # structured outputs: the output's position in its grammar
+    mtp_draft_ids: list[int] = field(default_factory=list)  # the MTP layer's drafts for the next step
     stop_text_from: int = 0  # stop strings count from here in the output text (set when min_tokens is reached)
 
     token_ids: list[int] = field(init=False)  # prompt then output: kept whole, so a step reads it in O(1)

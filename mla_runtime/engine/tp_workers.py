@@ -100,6 +100,8 @@ def serve_worker(rank: int, world: int, config: EngineConfig) -> None:
         kind, arg = command
         if kind == "step":
             worker.execute(arg)
+        elif kind == "draft":
+            worker.draft(arg)
         elif kind == "truncate":
             worker.truncate_latent(arg)
         elif kind == "allocate":
@@ -157,7 +159,7 @@ class TensorParallelGroup:
         logger.info("tensor parallel: %d ranks (gloo), %s latent cache", world, config.latent_cache_layout)
 
     def send(self, kind: str, arg: object) -> None:
-        """Broadcast one command (``truncate``, ``allocate`` or ``step``) to every worker rank."""
+        """Broadcast one command (``truncate``, ``allocate``, ``step`` or ``draft``) to every worker rank."""
         self.check_alive()
         try:
             dist.broadcast_object_list([(kind, arg)], src=0)

@@ -15,7 +15,9 @@ and the latent-rank sweep:
    ``kv_cache_dir`` is set (rank 0 alone under the replicated layout; every rank, for its shard, under the sharded
    one);
 6. ``execute(step)`` runs one ``StepInput``: builds the ``ForwardBatch`` and the attention metadata, runs the
-   model and returns the logits of the requested rows (None on ranks other than 0).
+   model and returns the logits of the requested rows (None on ranks other than 0);
+7. with ``speculative_method="mtp"``, ``draft(d)`` then runs the checkpoint's MTP layer over the step's
+   positions (a ``DraftInput``) and chains it into draft tokens (``engine/mtp.py`` describes the scheme).
 
 A ``StepInput`` is plain integer lists, so it is also the compact message rank 0 sends each tensor-parallel
 rank per step.
@@ -37,6 +39,7 @@ from mla_runtime.cache.latent_cache import LatentCache
 from mla_runtime.config import ModelConfig
 from mla_runtime.dtypes import CacheDtype, resolve_cache_dtype
 from mla_runtime.engine.config import EngineConfig
+from mla_runtime.errors import InvalidParam
 from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.hub import resolve_model
 from mla_runtime.latent_rank import check_latent_rank, truncate_latent_rank
@@ -67,6 +70,19 @@ class StepInput:
     logit_rows: list[int]  # rows of the step's new tokens whose logits are needed
 
 
+@dataclass(frozen=True)
+class DraftInput:
+    """The MTP layer's part of a step, as plain lists (see ``engine/mtp.py``): for each sequence the positions
+    ``context_len .. context_len + len(chunk) - 1`` that the step computed and kept, the token after each, the
+    rows of the step's hidden states they continue from, and how many drafts to chain (0: only the latents)."""
+
+    token_chunks: list[list[int]]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    hidden_rows: list[int]  # one row of the last ``execute``'s hidden states per token, in order
+    num_drafts: list[int]
+
+
 def available_host_memory() -> int:
     """Bytes of RAM available now (``MemAvailable``), or half the physical RAM where that is unknown."""
     try:
@@ -89,6 +105,11 @@ class Worker:
             check_latent_rank(config.latent_rank, cfg.kv_lora_rank)
             cfg = cfg.with_overrides(kv_lora_rank=config.latent_rank)  # the cache's d_c
         self.model_config = cfg
+        self.num_mtp_layers = 1 if config.speculative_method == "mtp" else 0
+        if self.num_mtp_layers > cfg.num_nextn_predict_layers:
+            raise InvalidParam("speculative_method", f"speculative_method 'mtp' needs a checkpoint with a "
+                               f"multi-token-prediction layer; {self.model_path} has num_nextn_predict_layers = "
+                               f"{cfg.num_nextn_predict_layers}: use speculative_method 'prompt_lookup'")
         tp = config.tensor_parallel_size
         check_tensor_parallel(cfg, tp, config.block_size, config.latent_cache_layout)
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() and tp == 1 else "cpu"))
@@ -100,7 +121,8 @@ class Worker:
                              f"({cfg.max_position_embeddings})")
         self.max_num_batched_tokens = config.max_num_batched_tokens or default_max_num_batched_tokens(
             self.max_model_len, config.max_num_seqs)
-        self.bytes_per_token = latent_bytes_per_token(cfg, self.cache_dtype.dtype, self.dtype)
+        cache_layers = cfg.with_overrides(num_hidden_layers=cfg.num_hidden_layers + self.num_mtp_layers)
+        self.bytes_per_token = latent_bytes_per_token(cache_layers, self.cache_dtype.dtype, self.dtype)
         sharded = tp > 1 and config.latent_cache_layout == "sharded"
         self.bytes_per_token_per_rank = self.bytes_per_token // tp if sharded else self.bytes_per_token
         self.weight_bytes = weight_bytes(cfg, self.dtype, tp, config.quantization)
@@ -109,6 +131,7 @@ class Worker:
             max_num_seqs=config.max_num_seqs, tensor_parallel_size=tp)
         self.model: DeepseekForCausalLM | None = None
         self.cache: LatentCache | None = None
+        self.last_hidden: torch.Tensor | None = None  # the last step's hidden states, for the MTP layer
         self.quantized = False  # the model's weights are quantised (config.quantization): no more truncation
         self.weights_fingerprint: str | None = None  # from the sha256 manifest (None: the folder has none)
         self.disk_tier: DiskTier | None = None
@@ -124,7 +147,8 @@ class Worker:
         else:
             self.weights_fingerprint = checksums.manifest_fingerprint(self.model_path)
         self.model = load_model(self.model_path, dtype=self.dtype, attention_path=c.attention_path,
-                                backend=c.attention_backend, device=self.device, par=self.par)
+                                backend=c.attention_backend, device=self.device, par=self.par,
+                                num_mtp_layers=self.num_mtp_layers)
         return self.model
 
     def truncate_latent(self, calibration: Sequence[Sequence[int]] | None, rank: int | None = None,
@@ -168,7 +192,7 @@ class Worker:
         par, cfg = self.par, self.model.config
         block = self.config.block_size // par.world_size if par.sharded_cache else self.config.block_size
         self.cache = None  # free the old cache first
-        self.cache = LatentCache(cfg.num_hidden_layers, num_blocks, block, cfg.latent_dim,
+        self.cache = LatentCache(self.model.num_cache_layers, num_blocks, block, cfg.latent_dim,
                                  cache_dtype or self.cache_dtype.dtype, self.device)
         return self.cache
 
@@ -204,6 +228,38 @@ class Worker:
         batch = ForwardBatch.build(step.token_chunks, step.context_lens, step.block_tables, self.config.block_size,
                                    self.device)
         hidden = self.model(batch, self.cache, self.model.attention_metadata(batch, self.cache))
+        if self.num_mtp_layers:
+            self.last_hidden = hidden
         if not step.logit_rows:
             return None
         return self.model.compute_logits(hidden[step.logit_rows])
+
+    @torch.inference_mode()
+    def draft(self, d: DraftInput) -> list[list[int]]:
+        """Run the MTP layer over ``d`` (writing its latents) and chain it into each sequence's drafts; the same
+        drafts on every rank."""
+        assert self.model is not None and self.cache is not None and self.last_hidden is not None
+        model, cache, bs = self.model, self.cache, self.config.block_size
+        batch = ForwardBatch.build(d.token_chunks, d.context_lens, d.block_tables, bs, self.device)
+        hidden = self.last_hidden[torch.tensor(d.hidden_rows, dtype=torch.long, device=self.device)]
+        self.last_hidden = None
+        out = model.mtp_forward(batch, cache, hidden)
+        drafts: list[list[int]] = [[] for _ in d.num_drafts]
+        active = [b for b, k in enumerate(d.num_drafts) if k > 0]
+        if not active:
+            return drafts
+        out = out[batch.logits_indices[active]]  # each drafting sequence's last position
+        ends = [d.context_lens[b] + len(d.token_chunks[b]) for b in active]  # the first draft's position
+        while True:
+            for b, t in zip(active, model.mtp_greedy(out).tolist()):
+                drafts[b].append(t)
+            keep = [i for i, b in enumerate(active) if len(drafts[b]) < d.num_drafts[b]]
+            if not keep:
+                return drafts
+            active, out = [active[i] for i in keep], out[keep]
+            # the next link: the last draft at its own position, continuing from the layer's output
+            batch = ForwardBatch.build([[drafts[b][-1]] for b in active],
+                                       [ends[keep[j]] + len(drafts[b]) - 1 for j, b in enumerate(active)],
+                                       [d.block_tables[b] for b in active], bs, self.device)
+            ends = [ends[i] for i in keep]
+            out = model.mtp_forward(batch, cache, out)

@@ -3,6 +3,10 @@
 Parameter names mirror the Hugging Face checkpoints (``model.layers.{i}.self_attn.kv_b_proj.weight``...)
 so the loader's name table stays short; the only layout changes are fused/stacked weights
 (``gate_up_proj`` of an MLP, the ``[E, ...]`` stacks of routed experts).
+
+DeepSeek-V3's multi-token-prediction (MTP) layers, stored as ``model.layers.{num_hidden_layers + j}`` in the
+checkpoint, are built only when asked for (``num_mtp_layers``) and live in ``mtp`` (the loader renames them).
+The MTP layer attends over the same paged latent cache as one more layer (``cache.layers[num_hidden_layers + j]``).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from mla_runtime.cache.latent_cache import LatentCache
 from mla_runtime.config import ModelConfig
 from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.layers.cpu_gemm import PackedWeight, linear
+from mla_runtime.layers.linear import Linear
 from mla_runtime.layers.mla import MLAttention
 from mla_runtime.layers.mlp import GatedMLP
 from mla_runtime.layers.moe import MoE
@@ -60,6 +65,35 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class SharedHead(nn.Module):
+    """The MTP layer's own final norm (its ``head`` is the main model's ``lm_head``, see ``MTPLayer``)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class MTPLayer(DecoderLayer):
+    """DeepSeek-V3's multi-token-prediction module: for position ``i`` it takes the main model's hidden state
+    ``h_i`` (after the final norm) and the next token ``t_{i+1}`` and predicts ``t_{i+2}``::
+
+        x = eh_proj([enorm(embed(t_{i+1})) ; hnorm(h_i)]);  y = block(x);  logits = head(shared_head.norm(y))
+
+    ``block`` is a whole decoder layer (MLA + MLP or MoE by its index). Chained drafting feeds ``y`` back as
+    the next position's ``h``. The embedding and head are the main model's (DeepSeek-V3 shares them)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, attention_path: str,
+                 backend: str | None, par: ParallelContext) -> None:
+        super().__init__(cfg, layer, dtype, attention_path, backend, par)
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, dtype)
+        self.shared_head = SharedHead(cfg, dtype)
+
+    def fuse(self, embedded: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden.to(embedded.dtype))], dim=-1))
+
+
 class DeepseekModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, par: ParallelContext) -> None:
         super().__init__()
@@ -70,7 +104,7 @@ class DeepseekModel(nn.Module):
 
 class DeepseekForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, attention_path: str = "auto",
-                 backend: str | None = None, par: ParallelContext = SINGLE_RANK) -> None:
+                 backend: str | None = None, par: ParallelContext = SINGLE_RANK, num_mtp_layers: int = 0) -> None:
         super().__init__()
         self.config = cfg
         self.dtype = dtype
@@ -78,6 +112,8 @@ class DeepseekForCausalLM(nn.Module):
         self.model = DeepseekModel(cfg, dtype, par)
         for i in range(cfg.num_hidden_layers):
             self.model.layers.append(DecoderLayer(cfg, i, dtype, attention_path, backend, par))
+        self.mtp = nn.ModuleList(MTPLayer(cfg, cfg.num_hidden_layers + j, dtype, attention_path, backend, par)
+                                 for j in range(num_mtp_layers))
         rows = self.model.embed_tokens.weight.shape[0]
         self.lm_head = (None if cfg.tie_word_embeddings else
                         nn.Parameter(torch.zeros(rows, cfg.hidden_size, dtype=dtype), requires_grad=False))
@@ -98,7 +134,12 @@ class DeepseekForCausalLM(nn.Module):
         return self
 
     def attention_layers(self) -> list[MLAttention]:
-        return [cast(DecoderLayer, layer).self_attn for layer in self.model.layers]
+        """Every layer that attends over the latent cache, in cache order: the decoder's, then the MTP layers'."""
+        return [cast(DecoderLayer, layer).self_attn for layer in [*self.model.layers, *self.mtp]]
+
+    @property
+    def num_cache_layers(self) -> int:
+        return len(self.model.layers) + len(self.mtp)
 
     def set_attention(self, path: str, backend: str | None) -> None:
         """Choose the attention path (``auto``/``naive``/``absorbed``) and kernel backend (None = by device)."""
@@ -122,6 +163,31 @@ class DeepseekForCausalLM(nn.Module):
         for layer, layer_cache in zip(self.model.layers, cache.layers):
             x = layer(x, meta, layer_cache)
         return self.model.norm(x)
+
+    def mtp_forward(self, batch: ForwardBatch, cache: LatentCache, hidden: torch.Tensor,
+                    meta: AttentionMetadata | None = None) -> torch.Tensor:
+        """The first MTP layer over ``batch`` (its ``input_ids`` are the tokens after each position, ``hidden
+        [T, d]`` the states it continues from), writing its latents into its cache layer; its output ``[T, d]``
+        before ``shared_head.norm``."""
+        meta = meta or self.attention_metadata(batch, cache)
+        layer = cast(MTPLayer, self.mtp[0])
+        x = layer.fuse(self.model.embed_tokens(batch.input_ids), hidden)
+        return cast(torch.Tensor, layer(x, meta, cache.layers[len(self.model.layers)]))
+
+    def mtp_greedy(self, out: torch.Tensor) -> torch.Tensor:
+        """The MTP layer's greedy tokens ``[R]`` for its outputs ``out [R, d]``, on every rank."""
+        normed = cast(MTPLayer, self.mtp[0]).shared_head.norm(out)
+        logits = linear(normed, self.lm_head_weight, None, self.lm_head_packed).float()
+        if not self.par.enabled:
+            return logits.argmax(-1)
+        start, stop, _ = self.par.vocab_split(self.config.vocab_size)
+        logits[:, stop - start:] = float("-inf")  # padding rows of the last shard
+        best, idx = logits.max(-1)
+        # the best of every rank's shard: ties go to the lowest id, as argmax over the whole vocabulary does
+        best_all = self.par.all_gather(best.unsqueeze(-1), dim=-1)  # [R, N]
+        idx_all = self.par.all_gather((idx + start).unsqueeze(-1), dim=-1)
+        winner = best_all.argmax(-1, keepdim=True)
+        return idx_all.gather(-1, winner).squeeze(-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """fp32 logits ``[R, V]`` (under tensor parallelism: on rank 0, None elsewhere)."""

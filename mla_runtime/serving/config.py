@@ -177,8 +177,11 @@ OPTIONS: dict[str, Option] = {
                                   "first (default: its current size plus 90%% of the free disk space)"),
     "kv_cache_dtype": Option("kv_cache.dtype", "--kv-cache-dtype", str, "auto, bfloat16, float16, fp8, int8…"),
     "latent_cache_layout": Option("kv_cache.layout", "--latent-cache-layout", str, "replicated or sharded"),
+    "speculative_method": Option("speculative.method", "--speculative-method", str,
+                                 "where drafts come from: prompt_lookup, or mtp (the checkpoint's "
+                                 "multi-token-prediction layer)"),
     "num_speculative_tokens": Option("speculative.num_tokens", "--num-speculative-tokens", int,
-                                     "draft tokens per decode step by prompt lookup (0: off)"),
+                                     "draft tokens per decode step (0: off; mtp alone: 1)"),
     "prompt_lookup_max": Option("speculative.prompt_lookup_max", "--prompt-lookup-max", int,
                                 "longest suffix looked up for drafts"),
     "prompt_lookup_min": Option("speculative.prompt_lookup_min", "--prompt-lookup-min", int,

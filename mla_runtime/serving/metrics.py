@@ -127,10 +127,7 @@ class EngineCollector(Collector):
                       s.pressure_freed_blocks)
         yield counter("mla_cache_pressure_seconds", "Seconds the latent-cache blocks in use or cached stayed above "
                       "the watermark", s.seconds_above_watermark)
-        yield counter("mla_spec_draft_tokens", "Speculative draft tokens proposed (prompt lookup)",
-                      s.num_draft_tokens)
-        yield counter("mla_spec_accepted_tokens", "Speculative draft tokens the model accepted",
-                      s.num_accepted_tokens)
+        yield from _speculative(s)
         mem = GaugeMetricFamily("mla_memory_bytes", "Memory by part: weights, latent cache, planned activation "
                                 "reserve, other (measured process/device memory beyond weights and cache)",
                                 labels=["part"])
@@ -156,6 +153,27 @@ class EngineCollector(Collector):
                                        labels=list(gemm))
             family.add_metric(list(gemm.values()), 1)
             yield family
+
+
+def _speculative(s: EngineStats) -> Iterator[CounterMetricFamily]:
+    """Speculative-decoding counters, labelled with the method; per draft position (1 = the first draft) the
+    drafts proposed and accepted, so that acceptance length = 1 + accepted / verify steps."""
+    method = [s.speculative_method]
+    for name, doc, value in (
+            ("mla_spec_draft_tokens", "Speculative draft tokens proposed", s.num_draft_tokens),
+            ("mla_spec_accepted_tokens", "Speculative draft tokens the model accepted", s.num_accepted_tokens),
+            ("mla_spec_verify_steps", "Decodes that verified drafts", s.num_spec_steps)):
+        family = CounterMetricFamily(name, doc, labels=["method"])
+        family.add_metric(method, value)
+        yield family
+    for name, doc, values in (
+            ("mla_spec_position_drafts", "Decodes that proposed a draft at this position", s.drafts_by_position),
+            ("mla_spec_position_accepted", "Decodes that accepted the draft at this position "
+             "(the accepted length reaches it)", s.accepted_by_position)):
+        family = CounterMetricFamily(name, doc, labels=["method", "position"])
+        for j, value in enumerate(values):
+            family.add_metric(method + [str(j + 1)], value)
+        yield family
 
 
 def _tier_metrics(s: EngineStats, d: EngineInfo) -> Iterator[Metric]:
