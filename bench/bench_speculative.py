@@ -46,7 +46,7 @@ def run(model: str, dtype: str, prompts: list[str], k: int, max_tokens: int, bat
         best, outs, counts = float("inf"), None, None
         for _ in range(repeats):
             engine = llm.engine
-            start = (engine.num_draft_tokens, engine.num_accepted_tokens)
+            start = (engine.counts.draft, engine.counts.accepted)
             steps = 0
             t0 = time.perf_counter()
             for i, p in enumerate(prompts[:batch]):
@@ -61,7 +61,7 @@ def run(model: str, dtype: str, prompts: list[str], k: int, max_tokens: int, bat
             if elapsed < best:
                 best = elapsed
                 outs = [o.outputs[0].token_ids for o in sorted(finished.values(), key=lambda o: o.request_id)]
-                counts = (steps, engine.num_draft_tokens - start[0], engine.num_accepted_tokens - start[1])
+                counts = (steps, engine.counts.draft - start[0], engine.counts.accepted - start[1])
         return batch * max_tokens / best, outs, counts
 
 
@@ -82,12 +82,12 @@ def step_cost(model: str, dtype: str, ks: list[int], steps: int = 24) -> None:
                                SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
             for _ in range(4):  # prefill and warm-up
                 engine.step()
-            times, drafts = [], engine.num_draft_tokens
+            times, drafts = [], engine.counts.draft
             for _ in range(steps):
                 t0 = time.perf_counter()
                 engine.step()
                 times.append(time.perf_counter() - t0)
-            per_step = (engine.num_draft_tokens - drafts) / steps
+            per_step = (engine.counts.draft - drafts) / steps
         ms = sorted(times)[len(times) // 2] * 1e3
         base = base or ms
         print(f"| {k} | {ms:.2f} | {per_step:.1f} | {ms / base:.2f}× |", flush=True)

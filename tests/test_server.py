@@ -472,13 +472,13 @@ def test_client_disconnect_aborts_every_prompt_of_a_batch(server):
     batch = {"model": "tiny", "prompt": ["the fox " * 10, "a dog " * 10, "the end"], "max_tokens": 150,
              "ignore_eos": True, "temperature": 0}
     engine = server.llm.engine
-    before = engine.num_generation_tokens
+    before = engine.counts.generation
     with slowed(server, 0.02), httpx.Client(base_url=server.base, timeout=30) as client:
         with pytest.raises(httpx.ReadTimeout):  # a client that gives up
             client.post("/v1/completions", json=batch, timeout=0.3)
         after = wait_idle(server)  # no sequence left running, no block held
     assert after[("mla_requests_in_flight",)] == 0
-    assert engine.num_generation_tokens - before < 3 * 150  # every prompt stopped early
+    assert engine.counts.generation - before < 3 * 150  # every prompt stopped early
 
 
 def test_api_key_and_body_limit(strict):

@@ -150,7 +150,8 @@ OPTIONS: dict[str, Option] = {
                        "hub branch, tag or commit of a repo id --model (default: main)"),
     "dtype": Option("model.dtype", "--dtype", str, "weight/compute dtype: auto, bfloat16, float16, float32"),
     "quantization": Option("model.quantization", "--quantization", str,
-                           "weight-only quantisation at load: none or int8 (per-channel scales)"),
+                           "weight-only quantisation at load: none or int8 (per-channel scales) "
+                           "(default: the checkpoint's weights in --dtype)"),
     "tensor_parallel_size": Option("model.tensor_parallel_size", "--tensor-parallel-size", int,
                                    "ranks the model is sharded across (torchrun or worker processes)"),
     "latent_rank": Option("model.latent_rank", "--latent-rank", int,
