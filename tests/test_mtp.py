@@ -173,8 +173,9 @@ def test_mtp_under_preemption_and_prefix_hits(mtp_checkpoint):
     prompts = [{"prompt_token_ids": p["prompt_token_ids"] * 3} for p in make_prompts(8, seed=8, lo=10, hi=20)]
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     plain = new_llm(path).generate(prompts, params)
+    # 22 blocks: preemptions; the watermark policy off, so that the finished prompts' blocks stay cached
     small = new_llm(path, kv_cache_memory=22 * 16 * (32 + 16) * 4 * 4, speculative_method="mtp",
-                    num_speculative_tokens=3)
+                    num_speculative_tokens=3, cache_watermark=1.0)
     spec = small.generate(prompts, params) + small.generate(prompts[:2], params)  # the second run hits the cache
     assert small.engine.scheduler.num_preemptions > 0
     assert small.engine.stats().prefix_hit_tokens > 0 and small.engine.stats().num_draft_tokens > 0

@@ -18,11 +18,12 @@ import json
 import logging
 import re
 import resource
+import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 from mla_runtime.outputs import RequestOutput
 from mla_runtime.serving.responses import Job
@@ -150,15 +151,30 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(data, ensure_ascii=False, default=str)
 
 
+class StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes each record to ``sys.stderr`` as it is at that moment, not the stream of start-up (which an
+    embedding program or a test harness may have swapped and closed since)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: TextIO) -> None:
+        pass
+
+
 def configure_logging(log_format: str) -> None:
-    """Root logging for the server process: a timestamped text line, or one JSON object per line."""
-    handler = logging.StreamHandler()
+    """Root logging for the server process: a timestamped text line, or one JSON object per line. Replaces
+    the plain stderr handlers a previous call (or ``basicConfig``) installed; other handlers stay."""
+    handler = StderrHandler()
     if log_format == "json":
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
-    root.handlers[:] = [handler]
+    root.handlers[:] = [h for h in root.handlers if type(h) not in (logging.StreamHandler, StderrHandler)]
+    root.addHandler(handler)
     root.setLevel(logging.INFO)
 
 
