@@ -8,7 +8,7 @@ the layers attend over them; every layer reads it and none writes it:
   query sees (under the sharded layout a rank keeps every N-th token, so both differ from the batch's);
 - the attention path of the batch (``absorbed`` or ``naive``, by FLOP count unless a path is forced);
 - on CPU with a float cache, the gather plan (``mla_kernels.plan_decode``) of the step's leading one-token
-  decodes, and the rest of the step (prefill chunks, speculative verifications) as a batch of its own.
+  decodes and short speculative verifications, and the rest of the step (prefill chunks) as a batch of its own.
 
 ``build_attention_metadata`` is a pure function of the batch, the model's attention settings and the cache,
 so every tensor-parallel rank derives its own from the same step message.
@@ -26,10 +26,14 @@ from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.layers.rotary import RopeTables
 from mla_runtime.parallel import ParallelContext, local_latent_view
 
-# On CPU, the leading sequences of a step with at most this many new tokens attend through one shared
-# gather plan. Each query row gathers its own keys there, so only single-token decodes take it; chunks
-# (speculative verifications, prefills) take the per-sequence path, which gathers a sequence's latent once.
-PLANNED_MAX_QUERY_LEN = 1
+# On CPU, the leading sequences of a step attend through one shared gather plan, in which each query row gathers
+# its own keys: every one-token decode, and a short chunk (a speculative verification: at most
+# PLANNED_MAX_QUERY_LEN tokens) while the keys its rows read beyond one row's stay under PLANNED_EXTRA_KEY_BYTES.
+# Reading a few more keys costs less than the per-sequence path's two dozen more operator calls per layer (on the
+# demo model a one-draft verification step ran 730 operator calls that way and 420 planned); longer chunks
+# (prefills, verifications over long contexts) take the per-sequence path, which gathers a sequence's latent once.
+PLANNED_MAX_QUERY_LEN = 8
+PLANNED_EXTRA_KEY_BYTES = 2 << 20
 
 
 @dataclass(frozen=True)
@@ -100,8 +104,9 @@ def build_attention_metadata(batch: ForwardBatch, rope: RopeTables,
     if (par.sharded_cache or quantised_cache or forced_path == "naive"
             or resolve_backend(backend, cache_kv) != "torch"):
         return meta
-    # CPU, float cache: the leading decodes share one gather plan; the chunks after them attend apart
-    seqs, d = batch.leading_short(PLANNED_MAX_QUERY_LEN)
+    # CPU, float cache: the leading decodes and short chunks share one gather plan; the chunks after them attend apart
+    key_bytes = cache_kv.shape[-1] * cache_kv.element_size()
+    seqs, d = batch.leading_short(PLANNED_MAX_QUERY_LEN, PLANNED_EXTRA_KEY_BYTES // key_bytes)
     if not d:
         return meta
     plan = plan_decode(batch.block_tables[:seqs], batch.token_seq_lens[:d], batch.block_size,

@@ -331,6 +331,8 @@ def test_forward_batch_tail_equals_a_batch_of_the_tail():
     chunks, ctx, tables = [[5], [6], [7, 8, 9], [10, 11]], [3, 17, 0, 16], [[2, 9], [4, 1], [7], [3, 0, 5]]
     full = ForwardBatch.build(chunks, ctx, tables, 16)
     assert full.leading_short(1) == (2, 2) and full.leading_short(3) == (4, 7) and full.leading_short(0) == (0, 0)
+    # a chunk also counts the keys its rows read beyond one row's: (3 - 1) * 3 = 6, then (2 - 1) * 18 = 18
+    assert full.leading_short(3, 6) == (3, 5) and full.leading_short(3, 5) == (2, 2)
     for first in (2, 3):
         tail, direct = full.tail(first), ForwardBatch.build(chunks[first:], ctx[first:], tables[first:], 16)
         for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "seq_start_loc",
@@ -340,6 +342,35 @@ def test_forward_batch_tail_equals_a_batch_of_the_tail():
         assert (tail.query_lens, tail.context_lens_list) == (direct.query_lens, direct.context_lens_list)
     with pytest.raises(ValueError, match="tail"):
         full.tail(5)
+
+
+@pytest.mark.parametrize("extra_key_bytes", [None, 64])
+def test_short_chunks_join_the_decode_plan(tiny_checkpoint, monkeypatch, extra_key_bytes):
+    """Speculative verifications (a few tokens over a cached context) join the decodes' gather plan while the
+    keys they read stay under the bound, with the logits of the per-sequence path."""
+    from mla_runtime import attention_metadata
+    from mla_runtime.layers import mla as mla_module
+
+    ckpt, _ = tiny_checkpoint("v3")
+    ps = prompts([20, 13, 30], seed=22)
+    planned_rows = []
+    real = mla_module.mla_decode_planned
+    monkeypatch.setattr(mla_module, "mla_decode_planned",
+                        lambda q, *a, **k: planned_rows.append(q.shape[0]) or real(q, *a, **k))
+    if extra_key_bytes is not None:  # too small for the 3-token chunk over 13 keys
+        monkeypatch.setattr(attention_metadata, "PLANNED_EXTRA_KEY_BYTES", extra_key_bytes)
+    results = []
+    for max_query_len in (attention_metadata.PLANNED_MAX_QUERY_LEN, 1):
+        monkeypatch.setattr(attention_metadata, "PLANNED_MAX_QUERY_LEN", max_query_len)
+        model = load_model(ckpt, dtype="float32")
+        runner = PagedRunner(model, len(ps), 48)
+        runner.step({0: ps[0][:-1], 1: ps[1][:-3], 2: ps[2][:20]})
+        planned_rows.clear()
+        out = runner.step({0: ps[0][-1:], 1: ps[1][-3:], 2: ps[2][20:]})  # a decode, a verification, a chunk
+        chunk_planned = max_query_len > 1 and extra_key_bytes is None
+        assert planned_rows == [4 if chunk_planned else 1] * model.config.num_hidden_layers
+        results.append(torch.cat([out[i] for i in range(len(ps))]))
+    assert rel_err(results[0], results[1]) <= 1e-5
 
 
 @pytest.mark.parametrize("path", ["auto", "naive"])

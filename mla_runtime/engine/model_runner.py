@@ -1,9 +1,10 @@
 """``ModelRunner``: rank 0's side of a step — order the scheduled sequences for the kernels, run the step on
 every rank, sample.
 
-The step runs its one-token decodes first (stable order within each group): on CPU the leading decodes share
-one gather plan of the absorbed attention (``attention_metadata``), so this is where the batch is put in the
-order the kernels want; the scheduler does not need to know.
+The step runs its sequences shortest first (one-token decodes, then speculative verifications, then prefill
+chunks; stable among equals): on CPU the leading short ones share one gather plan of the absorbed attention
+(``attention_metadata``), so this is where the batch is put in the order the kernels want; the scheduler does
+not need to know.
 """
 
 from __future__ import annotations
@@ -74,8 +75,9 @@ class ModelRunner:
 
     @staticmethod
     def order(batch: ScheduledBatch) -> list[int]:
-        """The step's sequence order: one-token decodes first, stable within each group."""
-        return sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] != 1)
+        """The step's sequence order: fewest new tokens first (decodes, then verifications, then prefill chunks),
+        stable among equals."""
+        return sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i])
 
     @staticmethod
     def prepare(batch: ScheduledBatch) -> tuple[StepInput, list[Sequence]]:

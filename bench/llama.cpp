@@ -1,0 +1,1 @@
+/work/wt/int8/bench/llama.cpp
