@@ -46,13 +46,14 @@ class ForwardBatch:
     def is_decode(self) -> bool:
         return max(self.query_lens, default=0) == 1
 
-    def leading_short(self, max_query_len: int) -> tuple[int, int]:
+    def leading_short(self, max_query_len: int, max_extra_keys: int | None = None) -> tuple[int, int]:
         """``(sequences, tokens)`` of the leading run of sequences with at most ``max_query_len`` new tokens each
-        (the model runner puts one-token decodes first): in a mixed step those tokens are ``[:tokens]`` and the
-        chunks come after them."""
+        (the model runner puts the shortest first): in a mixed step those tokens are ``[:tokens]`` and the longer
+        chunks come after them. ``max_extra_keys`` also bounds, for a sequence of ``q > 1`` new tokens, the keys
+        its rows read beyond one row's (``(q - 1) * seq_len``)."""
         seqs = tokens = 0
-        for q in self.query_lens:
-            if q > max_query_len:
+        for q, c in zip(self.query_lens, self.context_lens_list):
+            if q > max_query_len or (q > 1 and max_extra_keys is not None and (q - 1) * (c + q) > max_extra_keys):
                 break
             seqs += 1
             tokens += q
@@ -107,15 +108,16 @@ class ForwardBatch:
         for n in seq_lens:
             seq_starts.append(seq_starts[-1] + n)
 
-        def i32(x: list[int] | list[list[int]]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.int32, device=device)
-
-        def i64(x: list[int]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.int64, device=device)
-
+        # two host-to-device transfers (one per dtype), split into views, instead of one per field
+        num_tokens, num_seqs = len(ids), len(qlens)
+        ids64 = torch.tensor(ids + positions + slots + [s - 1 for s in starts[1:]], dtype=torch.int64, device=device)
+        input_ids, pos_t, slot_t, logits_t = ids64.split([num_tokens] * 3 + [num_seqs])
+        ints32 = torch.tensor(starts + seq_lens + seq_starts + list(context_lens) + tok_seq + tok_req
+                              + [b for row in table_rows for b in row], dtype=torch.int32, device=device)
+        qsl, sl, ssl, cl, tsl, tri, tables = ints32.split([num_seqs + 1, num_seqs, num_seqs + 1, num_seqs,
+                                                            num_tokens, num_tokens, num_seqs * width])
         return cls(
-            input_ids=i64(ids), positions=i64(positions), slot_mapping=i64(slots),
-            query_start_loc=i32(starts), seq_lens=i32(seq_lens), seq_start_loc=i32(seq_starts),
-            context_lens=i32(list(context_lens)), block_tables=i32(table_rows),
-            token_seq_lens=i32(tok_seq), token_req_idx=i32(tok_req), logits_indices=i64([s - 1 for s in starts[1:]]),
-            query_lens=qlens, context_lens_list=list(context_lens), block_size=block_size)
+            input_ids=input_ids, positions=pos_t, slot_mapping=slot_t, query_start_loc=qsl, seq_lens=sl,
+            seq_start_loc=ssl, context_lens=cl, block_tables=tables.view(num_seqs, width), token_seq_lens=tsl,
+            token_req_idx=tri, logits_indices=logits_t, query_lens=qlens, context_lens_list=list(context_lens),
+            block_size=block_size)
