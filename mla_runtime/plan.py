@@ -158,7 +158,7 @@ def parameter_count(config: ModelConfig, tensor_parallel_size: int = 1) -> int:
 def weight_bytes(config: ModelConfig, dtype: str | torch.dtype = "auto",
                  tensor_parallel_size: int = 1, quantization: str | None = None) -> int:
     """Parameter bytes at the load dtype (FP8 checkpoints are dequantised to it), per rank; with
-    ``quantization="int8"`` the quantised matrices (``quantized_parameters``) count 1 byte each plus a float32
+    ``quantization="int8"`` the quantised matrices (``quantized_parameters``) count 1 byte each plus a bfloat16
     scale per output row."""
     element = resolve_model_dtype(dtype, config).itemsize
     total = parameter_count(config, tensor_parallel_size)
@@ -168,7 +168,7 @@ def weight_bytes(config: ModelConfig, dtype: str | torch.dtype = "auto",
         raise ValueError(f"quantization: none or int8, got {quantization!r}")
     elements, rows = quantized_parameters(config, tensor_parallel_size)
     tied = config.tie_word_embeddings  # the lm_head's int8 copy comes on top of the embedding it shares
-    return (total - elements + (rows[-1] * config.hidden_size if tied else 0)) * element + elements + 4 * rows[0]
+    return (total - elements + (rows[-1] * config.hidden_size if tied else 0)) * element + elements + 2 * rows[0]
 
 
 def quantized_parameters(config: ModelConfig, tensor_parallel_size: int = 1) -> tuple[int, tuple[int, int]]:

@@ -11,7 +11,7 @@ from mla_runtime import LLM, SamplingParams
 from mla_runtime.config import ModelConfig
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.errors import InvalidParam
-from mla_runtime.layers.quantization import Int8Weight, quantize_model, quantized_weights
+from mla_runtime.layers.quantization import Int8Weight, int8_kernel_failure, quantize_model, quantized_weights
 from mla_runtime.loader import load_model
 from mla_runtime.plan import parameter_count, quantized_parameters, weight_bytes
 from mla_runtime.serving.config import resolve
@@ -33,10 +33,12 @@ def test_int8_product_equals_its_dequantised_matrix(gemm_mode, dtype, shape):
     w = torch.randn(*shape, generator=g)
     w[3, 5] = 40.0  # an outlier: only its own row's scale grows
     q = Int8Weight(w.to(dtype))
+    # the kernel mishandles inner dimensions that are not a multiple of 8 (wrong values or a crash on AVX2)
+    assert q.kernel == (gemm_mode == "auto" and shape[1] % 64 == 0 and int8_kernel_failure("auto") is None)
     dq = q.dequantize()
     step = q.scales.unsqueeze(1)
     assert q.qweight.dtype == torch.int8 and q.qweight.abs().max() <= 127
-    assert torch.equal(q.scales.bfloat16().float(), q.scales)  # the same grid in every compute dtype
+    assert q.scales.dtype == torch.bfloat16  # exact: the scales are rounded up to bfloat16 values
     assert ((dq - w.to(dtype).float()).abs() <= step / 2 + 1e-6).all()  # nearest of the row's grid
     assert q.plain.shape == w.shape and q.plain.untyped_storage().nbytes() <= 4  # the float weight is released
     bias = torch.randn(shape[0], generator=g).to(dtype)
@@ -45,9 +47,16 @@ def test_int8_product_equals_its_dequantised_matrix(gemm_mode, dtype, shape):
         got = q.matmul(x, bias)
         ref = torch.nn.functional.linear(x.float(), dq, bias.float())
         assert got.dtype == dtype and got.shape == (*rows, shape[0])
-        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        tol = 2e-2 if q.kernel or dtype != torch.float32 else 1e-4  # the CPU kernel takes bfloat16 rows
         scale = ref.abs().max().item() if ref.numel() else 1.0
         torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol * scale)
+
+
+def test_int8_kernel_probe_in_both_states(gemm_mode):
+    failure = int8_kernel_failure(gemm_mode)
+    if gemm_mode == "plain":
+        assert failure == "MLA_CPU_GEMM=plain forces the fallback"
+    assert Int8Weight(torch.randn(8, 128)).kernel == (failure is None)  # a failed probe falls back cleanly
 
 
 def _logprobs(model, prompts: list[list[int]], decodes: int) -> torch.Tensor:
@@ -81,7 +90,7 @@ def test_int8_model_close_to_float32(tiny_checkpoint, variant):
     elements, (rows, _) = quantized_parameters(cfg)
     assert sum(w.qweight.numel() for w in weights) == elements
     assert sum(w.scales.numel() for w in weights) == rows
-    assert held == elements + 4 * rows
+    assert held == elements + 2 * rows  # a bfloat16 scale per output row
     assert weight_bytes(cfg, "float32", 1, "int8") == (parameter_count(cfg) - elements) * 4 + held + (
         rows_tied := (cfg.vocab_size * cfg.hidden_size if cfg.tie_word_embeddings else 0)) * 4
     assert weight_bytes(cfg, "float32", 1, "int8") < weight_bytes(cfg, "float32") / 2 + rows_tied * 4

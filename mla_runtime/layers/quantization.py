@@ -1,17 +1,22 @@
 """Weight-only int8 quantisation (``quantization="int8"``), done at load from any checkpoint.
 
-Each matrix ``W [N, K]`` of a quantised product becomes ``q [N, K]`` int8 and one scale per output channel::
+Each matrix ``W [N, K]`` of a quantised product becomes ``q [N, K]`` int8 and one bfloat16 scale per output
+channel::
 
-    s_n = absmax(W[n, :]) / 127   (rounded up to a bfloat16 value, so the same grid serves every compute dtype)
+    s_n = absmax(W[n, :]) / 127   (rounded up to a bfloat16 value: stored as bfloat16, exactly)
     q[n, k] = round(W[n, k] / s_n)  ∈ [-127, 127]          y = (x · qᵀ) ⊙ s  (+ bias)
 
-Activations stay in the model dtype (weight-only): the product reads 1 byte per weight instead of 4 (float32)
-or 2, which is what bounds a decode step on a CPU. On CPU it runs ``torch.ops.aten._weight_int8pack_mm``
-(ATen's int8-weight matrix product; ``bench/bench_gemv.py`` times it against the other candidates), computing
-in float32 (a bfloat16/float16 input is widened and the result narrowed back; on AVX2 the kernel's bfloat16-input
-variant measured several times faster, at the cost of rounding activations to bfloat16); elsewhere, or under
-``MLA_CPU_GEMM=plain``, the int8 weight is widened per call and multiplied with ``F.linear`` (same values,
-another summation order).
+The product reads 1 byte per weight instead of 4 (float32) or 2, which is what bounds a decode step on a CPU.
+On CPU it runs ``torch.ops.aten._weight_int8pack_mm`` (ATen's int8-weight matrix product; ``bench/bench_gemv.py``
+times it against the other candidates) with **bfloat16 activations**: the input rows are rounded to bfloat16
+(8 significant bits, finer than the 8-bit activations ggml's Q8_0 products use), the kernel accumulates in
+float32 and returns bfloat16, widened back to the model dtype before the bias. Its float32-input variant is the
+unvectorised one (3-12x slower on AVX2 in that benchmark), so the bfloat16 variant is used on every CPU, and every
+CPU computes the same values. The kernel is used for inner dimensions that are a multiple of 64 (its bfloat16
+variant mishandles a tail: on AVX2 it returns wrong values, or crashes, when ``K`` is not a multiple of 8; every
+MLA checkpoint's dimensions are multiples of 64) and once a probe has found it exact on this CPU
+(``int8_kernel_failure``). Elsewhere, or under ``MLA_CPU_GEMM=plain``, the int8 weight is widened per call and
+multiplied in float32 with ``F.linear`` (float32 activations, another summation order).
 
 What is quantised (``quantize_model``): every projection of the attention except ``kv_b_proj`` (its absorbed
 factors ``W_UK``/``W_UV`` and the up-projection of long prefills stay exact), the dense MLPs, the shared and
@@ -23,6 +28,8 @@ element), so the resident weights are the int8 copies; nothing may re-derive a l
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import cast
 
 import torch
@@ -36,8 +43,11 @@ from mla_runtime.layers.mla import MLAttention
 from mla_runtime.layers.mlp import GatedMLP
 from mla_runtime.layers.moe import Experts
 
+logger = logging.getLogger("mla_runtime")
+
 WEIGHT_QUANTIZATIONS = ("int8",)  # None (or "none"): weights in the model dtype
 QMAX = 127
+KERNEL_K_MULTIPLE = 64  # the CPU kernel runs inner dimensions that are a multiple of this
 
 
 def check_quantization(value: object) -> str | None:
@@ -58,12 +68,43 @@ def _round_up_to_bf16(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight [N, K]`` -> (``q [N, K]`` int8, ``scales [N]`` float32): symmetric, per output channel."""
+    """``weight [N, K]`` -> (``q [N, K]`` int8, ``scales [N]`` bfloat16): symmetric, per output channel."""
     w = weight.detach().float()
     absmax = w.abs().amax(dim=1)
     scales = _round_up_to_bf16(torch.where(absmax > 0, absmax / QMAX, torch.ones_like(absmax)))
     q = torch.round(w / scales.unsqueeze(1)).clamp_(-QMAX, QMAX).to(torch.int8)
-    return q, scales
+    return q, scales.to(torch.bfloat16)  # exact: the scales are bfloat16 values
+
+
+@functools.cache
+def int8_kernel_failure(mode: str) -> str | None:
+    """None where ``_weight_int8pack_mm`` with bfloat16 rows is exact on this CPU (under ``MLA_CPU_GEMM=mode``),
+    else why the widening fallback runs. Small integers make every product and sum exact in bfloat16."""
+    if mode != "auto":
+        return f"MLA_CPU_GEMM={mode} forces the fallback"
+    g = torch.Generator().manual_seed(0)
+    try:
+        for n, k, rows in ((48, 64, 1), (48, 128, 5)):
+            q = torch.randint(-2, 3, (n, k), generator=g, dtype=torch.int8)
+            scales = torch.randint(1, 3, (n,), generator=g).to(torch.bfloat16)
+            x = torch.randint(-1, 2, (rows, k), generator=g).to(torch.bfloat16)
+            got = torch.ops.aten._weight_int8pack_mm(x, q, scales)
+            if not torch.equal(got.double(), (x.double() @ q.double().T) * scales.double()):
+                return "int8 products with bfloat16 rows differ from the exact result on this CPU"
+    except Exception as e:  # whatever the kernel raises on this CPU or build, the fallback takes over
+        return f"the int8 kernel is unsupported here: {(str(e).strip() or repr(e)).splitlines()[0][:200]}"
+    return None
+
+
+def uses_int8_kernel(weight: torch.Tensor) -> bool:
+    """Whether an int8 ``weight [N, K]`` runs ATen's int8 kernel (else it is widened per call)."""
+    if weight.device.type != "cpu" or weight.shape[1] % KERNEL_K_MULTIPLE:
+        return False
+    mode = gemm_mode()
+    failure = int8_kernel_failure(mode)
+    if failure is not None and mode == "auto":
+        logger.warning("int8 weights: widened to float32 per product: %s", failure)
+    return failure is None
 
 
 def released(weight: torch.Tensor) -> torch.Tensor:
@@ -83,24 +124,25 @@ class Int8Weight(PackedWeight):
         self.blocked = self.wide = None
         self.upcast = self.plain_gemv = False
         self.aten_max_rows = 0
-        self.kernel = weight.device.type == "cpu" and gemm_mode() == "auto"
+        self.kernel = uses_int8_kernel(weight)
 
     @property
     def nbytes(self) -> int:
-        return self.qweight.numel() + 4 * self.scales.numel()
+        return self.qweight.numel() + self.scales.numel() * self.scales.element_size()
 
     def dequantize(self) -> torch.Tensor:
         """The float32 matrix the int8 one stands for."""
-        return self.qweight.float() * self.scales.unsqueeze(1)
+        return self.qweight.float() * self.scales.float().unsqueeze(1)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [..., K]`` (any float dtype) -> ``x · Wᵀ (+ bias)`` in ``x``'s dtype."""
         k = self.qweight.shape[1]
         rows = x.reshape(-1, k)
         if self.kernel and rows.shape[0]:
-            y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(rows.float().contiguous(), self.qweight, self.scales)
+            y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(rows.to(torch.bfloat16).contiguous(), self.qweight,
+                                                                 self.scales)
         else:
-            y = F.linear(rows.float(), self.qweight.float()) * self.scales
+            y = F.linear(rows.float(), self.qweight.float()) * self.scales.float()
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype).reshape(*x.shape[:-1], self.qweight.shape[0])
