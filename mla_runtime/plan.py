@@ -329,6 +329,8 @@ class MemoryPlan:
     disk_bytes: int | None = None     # the disk tier's bound (kv_cache_disk_bytes), whole directory
     disk_file_bytes: int = 0          # one block on disk: its latents (all shards) plus file headers
     disk_capacity_tokens: int = 0     # tokens the disk tier holds
+    host_bytes: int | None = None     # the host-RAM tier of one rank (kv_cache_host_bytes)
+    host_capacity_tokens: int = 0     # tokens the host tier holds
 
     @property
     def fits(self) -> bool:
@@ -353,6 +355,12 @@ def disk_tier_capacity(disk_bytes: int, latent_bytes_per_token: int, block_size:
     under the sharded layout)."""
     per_block = latent_bytes_per_token * block_size + files_per_block * HEADER_ESTIMATE_BYTES
     return per_block, disk_bytes // per_block * block_size
+
+
+def host_tier_capacity(host_bytes: int, cache_bytes_per_token_per_rank: float, block_size: int) -> int:
+    """Tokens a host tier of ``host_bytes`` per rank holds: whole blocks of the rank's latents (its shard of each
+    token under the sharded layout)."""
+    return int(host_bytes // (cache_bytes_per_token_per_rank * block_size)) * block_size
 
 
 def _min_tp_that_fits(config: ModelConfig, dtype: torch.dtype, usable: int) -> int | None:
@@ -393,13 +401,14 @@ def plan_memory(config: ModelConfig, *, dtype: str | torch.dtype, cache_dtype: s
                 device_memory_bytes: int, memory_utilization: float = 0.92, max_seq_len: int,
                 max_num_seqs: int, block_size: int = 64, max_num_batched_tokens: int | None = None,
                 tensor_parallel_size: int = 1, latent_cache_layout: str = "replicated",
-                disk_bytes: int | None = None, quantization: str | None = None) -> MemoryPlan:
+                disk_bytes: int | None = None, quantization: str | None = None,
+                host_bytes: int | None = None) -> MemoryPlan:
     """Split one rank's ``device_memory_bytes`` into weights, activations and latent cache blocks
     (``quantization="int8"``: weight-only int8 weights, ``weight_bytes``).
 
     Raises ``ValueError`` naming the argument for bad input, and when weights (plus the activation
-    reserve) do not fit, saying by how much and what to change. ``disk_bytes``: the disk tier's bound, whose
-    capacity in tokens the plan then reports.
+    reserve) do not fit, saying by how much and what to change. ``disk_bytes``: the disk tier's bound, and
+    ``host_bytes``: the host-RAM tier's size per rank, whose capacities in tokens the plan then reports.
     """
     model_dtype = resolve_model_dtype(dtype, config)
     cache = resolve_cache_dtype(cache_dtype, model_dtype)
@@ -443,6 +452,8 @@ def plan_memory(config: ModelConfig, *, dtype: str | torch.dtype, cache_dtype: s
         num_blocks=num_blocks, max_tokens=num_blocks * block_size * holders,
         max_sequences=num_blocks * holders // blocks_per_sequence, blocks_per_sequence=blocks_per_sequence,
         disk_bytes=disk_bytes, disk_file_bytes=disk_file_bytes, disk_capacity_tokens=disk_tokens,
+        host_bytes=host_bytes,
+        host_capacity_tokens=0 if host_bytes is None else host_tier_capacity(host_bytes, latent / holders, block_size),
     )
 
 
@@ -532,6 +543,9 @@ def format_report(plan: MemoryPlan, config: ModelConfig, model: str = "") -> str
         _row("tokens that fit", f"{plan.max_tokens:,}"),
         _row(f"sequences of {plan.max_seq_len:,} tokens that fit", f"{plan.max_sequences:,}"),
     ]
+    if plan.host_bytes is not None:
+        lines.append(_row("host tier: tokens that fit", f"{plan.host_capacity_tokens:,}",
+                          f"in {plan.host_bytes:,} B ({_gib(plan.host_bytes)}) of host RAM per rank"))
     if plan.disk_bytes is not None:
         lines.append(_row("disk tier: tokens that fit", f"{plan.disk_capacity_tokens:,}",
                           f"in {plan.disk_bytes:,} B ({_gib(plan.disk_bytes)}), {plan.disk_file_bytes:,} B per "
@@ -569,6 +583,8 @@ def build_parser(prog: str = "python -m mla_runtime.plan") -> argparse.ArgumentP
                         help="sharded: each token's latent on one rank")
     parser.add_argument("--kv-cache-disk-bytes", type=parse_bytes, default=None,
                         help="the disk tier's bound, e.g. 1TB: show how many tokens of prefix it holds")
+    parser.add_argument("--kv-cache-host-bytes", type=parse_bytes, default=None,
+                        help="the host-RAM tier per rank, e.g. 256GiB: show how many tokens of prefix it holds")
     return parser
 
 
@@ -587,7 +603,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m mla_runtime.p
             max_seq_len=args.max_seq_len or config.max_position_embeddings, max_num_seqs=args.max_num_seqs,
             block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
             tensor_parallel_size=args.tensor_parallel_size, latent_cache_layout=args.latent_cache_layout,
-            disk_bytes=args.kv_cache_disk_bytes, quantization=args.quantization)
+            disk_bytes=args.kv_cache_disk_bytes, quantization=args.quantization, host_bytes=args.kv_cache_host_bytes)
     except ValueError as e:
         try:  # the per-token cost does not depend on memory: still worth showing
             cache = resolve_cache_dtype(args.cache_dtype, resolve_model_dtype(args.dtype, config))

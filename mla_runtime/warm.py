@@ -64,7 +64,7 @@ def warm(engine_config: Any, prompts: Sequence[PromptType], flush_timeout: float
     from mla_runtime.sampling_params import SamplingParams
 
     t0 = time.monotonic()
-    config = replace(engine_config, kv_cache_write_through=True)
+    config = replace(engine_config, kv_cache_write_through=True, kv_cache_host_bytes=0)  # disk is the goal
     kwargs = {k: v for k, v in vars(config).items() if k != "model"}
     llm = LLM(config.model, **kwargs)
     try:

@@ -43,7 +43,7 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,6 +132,8 @@ class DiskTier:
     """Files of one rank's latent-cache blocks under ``directory`` (see the module docstring). ``shard``: this rank's
     index under the sharded tensor-parallel layout (None: the whole block). ``block_size``: tokens per block."""
 
+    persistent = True  # what it holds outlives the process (a shutdown stores the resident blocks here)
+
     def __init__(self, directory: str | Path, fingerprint: str, cache: LatentCache, block_size: int,
                  capacity_bytes: int | None = None, shard: int | None = None,
                  queue_bytes: int = DEFAULT_QUEUE_BYTES, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
@@ -143,7 +145,7 @@ class DiskTier:
         self.block_size = block_size
         self.shard = shard
         self.suffix = f".r{shard}.blk" if shard is not None else ".blk"
-        self.payload_bytes = cache.nbytes() // cache.num_blocks
+        self.payload_bytes = cache.block_bytes()
         self.queue_bytes = queue_bytes
         self.staging_bytes = staging_bytes
         self._lock = threading.Condition()
@@ -185,6 +187,13 @@ class DiskTier:
     def store(self, block_hash: int, block: int, wait: bool = False) -> bool:
         """Copy ``block``'s rows out now and queue them for writing (a no-op when the file exists or is queued).
         A full queue drops the block (counted) unless ``wait``. True when the block is or will be on disk."""
+        return self.store_payload(block_hash, lambda: self._snapshot(block), wait)
+
+    def store_payload(self, block_hash: int, payload: torch.Tensor | Callable[[], torch.Tensor],
+                      wait: bool = False) -> bool:
+        """``store`` for a block already out of the cache: ``payload`` is its bytes on the host (laid out as
+        ``LatentCache.read_block`` makes them; the writer keeps the tensor, so it must not change afterwards), or a
+        function that returns them, called only when the block is to be written."""
         key = self.key(block_hash)
         with self._lock:
             if key in self._present or key in self._pending:
@@ -197,7 +206,7 @@ class DiskTier:
                 return False
             self._pending.add(key)
             self._queued_bytes += n
-        self._writes.put(_Write(key, self.path(key), self._snapshot(block)))
+        self._writes.put(_Write(key, self.path(key), payload() if callable(payload) else payload))
         return True
 
     def lookup(self, hashes: Sequence[int]) -> int:
@@ -268,19 +277,10 @@ class DiskTier:
     # -- tensors ---------------------------------------------------------------------------------
     def _snapshot(self, block: int) -> torch.Tensor:
         """``block``'s bytes in every layer (latents, then scales) as one host uint8 tensor (a copy)."""
-        layers = self.cache.layers
-        parts = [layer.kv[block].reshape(-1).view(torch.uint8) for layer in layers]
-        parts += [layer.scales[block].reshape(-1).view(torch.uint8) for layer in layers if layer.scales is not None]
-        return torch.cat(parts).cpu()
+        return self.cache.read_block(block).cpu()
 
     def _fill(self, block: int, payload: torch.Tensor) -> None:
-        offset = 0
-        targets = [layer.kv[block] for layer in self.cache.layers]
-        targets += [layer.scales[block] for layer in self.cache.layers if layer.scales is not None]
-        for t in targets:
-            view = t.view(-1).view(torch.uint8)
-            view.copy_(payload[offset:offset + view.numel()])
-            offset += view.numel()
+        self.cache.write_block(block, payload)
 
     # -- files -----------------------------------------------------------------------------------
     def _header(self, key: str) -> bytes:

@@ -58,3 +58,26 @@ class LatentCache:
 
     def bytes_per_token(self) -> int:
         return self.nbytes() // self.num_slots
+
+    # -- one block as bytes (the payload of the prefix cache's lower tiers) --------------------------
+    def block_views(self, block: int) -> list[torch.Tensor]:
+        """``block``'s rows as flat uint8 views, in payload order: every layer's latents, then every layer's
+        scales (fp8/int8 caches). Their sizes add up to ``block_bytes()``."""
+        views = [layer.kv[block].view(-1).view(torch.uint8) for layer in self.layers]
+        views += [layer.scales[block].view(-1).view(torch.uint8) for layer in self.layers if layer.scales is not None]
+        return views
+
+    def block_bytes(self) -> int:
+        return self.nbytes() // self.num_blocks
+
+    def read_block(self, block: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``block``'s payload (``block_views`` concatenated) as one uint8 tensor on the cache's device, or written
+        into ``out`` when it is on that device too."""
+        return torch.cat(self.block_views(block), out=out)
+
+    def write_block(self, block: int, payload: torch.Tensor) -> None:
+        """Fill ``block`` from a payload laid out as ``read_block`` makes it (on any device)."""
+        offset = 0
+        for view in self.block_views(block):
+            view.copy_(payload[offset:offset + view.numel()])
+            offset += view.numel()

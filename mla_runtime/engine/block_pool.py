@@ -13,8 +13,8 @@
   blocks); ``lower_query_tokens`` / ``lower_hit_tokens`` the same for the lower tier.
 - A block hash is 128 bits of BLAKE2b, the same in every process, so that it can name a block on disk.
 
-A lower tier (``LowerTier``: the disk tier, ``cache/disk_tier.py``, driven by ``engine/kv_tier.py``) sits under
-the pool when one is attached:
+A lower tier (``LowerTier``: the host-RAM tier and/or the disk tier, ``cache/host_tier.py`` and
+``cache/disk_tier.py``, driven by ``engine/kv_tier.py``) sits under the pool when one is attached:
 - a cached block about to be evicted is handed to ``store`` first (write before free: the tier copies the
   block's rows out before ``allocate`` returns it); with ``write_through``, every block as soon as it is
   registered;

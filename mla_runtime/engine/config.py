@@ -59,6 +59,10 @@ class EngineConfig:
     kv_cache_dir: str | None = None
     kv_cache_write_through: bool = False
     kv_cache_disk_bytes: int | str | None = None
+    # the host-RAM tier between the device pool and the disk tier (cache/host_tier.py; useful on GPUs): bytes of
+    # host memory for evicted blocks (0: none). None: a quarter of the available RAM on CUDA, none on a CPU (whose
+    # pool is host RAM already). It needs enable_prefix_caching, not kv_cache_dir
+    kv_cache_host_bytes: int | str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "quantization", check_quantization(self.quantization))
@@ -105,6 +109,7 @@ class EngineConfig:
         if not isinstance(self.verify_weights, bool):
             raise ValueError(f"verify_weights must be true or false, got {self.verify_weights!r}")
         self._check_disk_tier()
+        self._check_host_tier()
         if self.num_threads is not None and self.num_threads != "auto" and (
                 not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"num_threads must be a positive int, 'auto' or None, got {self.num_threads!r}")
@@ -125,3 +130,15 @@ class EngineConfig:
             raise ValueError("kv_cache_dir needs enable_prefix_caching (the disk tier holds prefix-cache blocks)")
         if not isinstance(self.kv_cache_write_through, bool):
             raise ValueError(f"kv_cache_write_through must be true or false, got {self.kv_cache_write_through!r}")
+
+    def _check_host_tier(self) -> None:
+        if self.kv_cache_host_bytes is None:
+            return
+        try:
+            host_bytes = parse_bytes(self.kv_cache_host_bytes)
+        except ValueError as e:
+            raise InvalidParam("kv_cache_host_bytes", f"kv_cache_host_bytes: {e}") from None
+        object.__setattr__(self, "kv_cache_host_bytes", host_bytes)
+        if host_bytes and not self.enable_prefix_caching:
+            raise InvalidParam("kv_cache_host_bytes", "kv_cache_host_bytes needs enable_prefix_caching (the host "
+                               "tier holds prefix-cache blocks); set it to 0 or turn prefix caching on")

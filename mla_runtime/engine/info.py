@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from mla_runtime.cache.disk_tier import DiskTierStats
+from mla_runtime.cache.host_tier import HostTierStats
 from mla_runtime.dtypes import dtype_name
 
 if TYPE_CHECKING:
@@ -85,6 +86,8 @@ class EngineInfo:
     disk_capacity_tokens: int = 0
     disk_file_bytes: int = 0  # one block's file
     kv_cache_write_through: bool = False
+    host_capacity_bytes: int = 0  # the host-RAM tier (0: off)
+    host_capacity_tokens: int = 0
 
     @classmethod
     def of(cls, worker: Worker, num_blocks: int, num_threads: int) -> EngineInfo:
@@ -102,12 +105,14 @@ class EngineInfo:
             max_concurrent_tokens=num_blocks * c.block_size, max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=worker.max_num_batched_tokens, device=str(worker.device), num_threads=num_threads,
             weights_fingerprint=worker.weights_fingerprint, weights_verified=c.verify_weights)
-        tier = worker.disk_tier
-        if tier is None:
-            return info
-        return replace(info, kv_cache_dir=str(tier.root), disk_capacity_bytes=tier.capacity_bytes,
-                       disk_capacity_tokens=tier.capacity_tokens(), disk_file_bytes=tier.file_bytes(),
-                       kv_cache_write_through=c.kv_cache_write_through)
+        host, disk = worker.host_tier, worker.disk_tier
+        if host is not None:
+            info = replace(info, host_capacity_bytes=host.capacity_bytes, host_capacity_tokens=host.capacity_tokens())
+        if disk is not None:
+            info = replace(info, kv_cache_dir=str(disk.root), disk_capacity_bytes=disk.capacity_bytes,
+                           disk_capacity_tokens=disk.capacity_tokens(), disk_file_bytes=disk.file_bytes(),
+                           kv_cache_write_through=c.kv_cache_write_through)
+        return info
 
 
 @dataclass(frozen=True)
@@ -132,17 +137,24 @@ class EngineStats:
     seconds_above_watermark: float
     num_evictions: int = 0  # device-pool blocks evicted
     prefix_device_hit_tokens: int = 0  # prefix_hit_tokens by tier
-    prefix_disk_query_tokens: int = 0  # tokens of blocks the device pool missed, looked up on disk
+    prefix_host_query_tokens: int = 0  # tokens of blocks the device pool missed, looked up in host RAM
+    prefix_host_hit_tokens: int = 0
+    prefix_disk_query_tokens: int = 0  # tokens of blocks the tiers above missed, looked up on disk
     prefix_disk_hit_tokens: int = 0
     disk: DiskTierStats | None = None  # the disk tier's I/O (None: off)
+    host: HostTierStats | None = None  # the host tier's copies and slots (None: off)
     speculative_method: str = "prompt_lookup"
     num_spec_steps: int = 0  # decodes that carried drafts
     drafts_by_position: tuple[int, ...] = ()  # [j]: decodes whose (j+1)-th draft was proposed
     accepted_by_position: tuple[int, ...] = ()  # [j]: ... and accepted
 
     @classmethod
-    def of(cls, s: Scheduler, pool: BlockPool, counts: TokenCounts, disk: DiskTierStats | None) -> EngineStats:
+    def of(cls, s: Scheduler, pool: BlockPool, counts: TokenCounts, disk: DiskTierStats | None,
+           host: HostTierStats | None = None) -> EngineStats:
         hits = pool.hit_tokens + pool.lower_hit_tokens
+        # the pool's lower-tier counts cover the host tier and the disk tier under it: split by the host's hits
+        host_hits = min(host.hits_blocks * pool.block_size, pool.lower_hit_tokens) if host is not None else 0
+        host_query = pool.lower_query_tokens if host is not None else 0
         return cls(
             num_waiting=len(s.waiting), num_running=len(s.running), num_free_blocks=pool.num_free_blocks,
             num_blocks=pool.num_blocks, cache_usage=pool.usage(), prefix_query_tokens=pool.query_tokens,
@@ -152,7 +164,9 @@ class EngineStats:
             num_accepted_tokens=counts.accepted, num_idle_cached_blocks=pool.num_idle_cached_blocks,
             cache_watermark=pool.watermark, pressure_freed_blocks=pool.pressure_freed,
             seconds_above_watermark=s.seconds_above_watermark, num_evictions=pool.num_evictions,
-            prefix_device_hit_tokens=pool.hit_tokens, prefix_disk_query_tokens=pool.lower_query_tokens,
-            prefix_disk_hit_tokens=pool.lower_hit_tokens, disk=disk, speculative_method=counts.method,
+            prefix_device_hit_tokens=pool.hit_tokens, prefix_host_query_tokens=host_query,
+            prefix_host_hit_tokens=host_hits, prefix_disk_query_tokens=pool.lower_query_tokens - host_hits,
+            prefix_disk_hit_tokens=pool.lower_hit_tokens - host_hits, disk=disk, host=host,
+            speculative_method=counts.method,
             num_spec_steps=counts.spec_steps, drafts_by_position=tuple(counts.drafts_by_position),
             accepted_by_position=tuple(counts.accepted_by_position))

@@ -1,14 +1,16 @@
-"""``DiskTierDriver``: rank 0's side of the disk tier — the ``LowerTier`` the block pool calls, in block ids and
-hashes, carried out on every rank that keeps files.
+"""``LowerTierDriver``: rank 0's side of the lower tiers of the prefix cache — the ``LowerTier`` the block pool
+calls, in block ids and hashes, carried out on every rank that keeps them. The tier it drives is the top of the
+rank's stack: the host-RAM tier (``cache/host_tier.py``, over the disk tier when there is one) or the disk tier
+alone (``cache/disk_tier.py``); both take the same calls.
 
-- One rank, or the replicated tensor-parallel layout: rank 0's ``DiskTier`` alone writes and reads; a load is
-  then broadcast from rank 0's cache to the other ranks (``kv_broadcast``), which hold the same latents.
-- The sharded layout: each rank keeps the shard files of its own tokens under the same block key. Rank 0 sends
+- One rank, or the replicated tensor-parallel layout: rank 0's tiers alone store and load; a load is then
+  broadcast from rank 0's cache to the other ranks (``kv_broadcast``), which hold the same latents.
+- The sharded layout: each rank keeps the shards of its own tokens under the same block key. Rank 0 sends
   ``kv_store`` and ``kv_load`` to the other ranks; a load counts only the blocks every rank found (the smallest
   count, agreed by an all-reduce). Prefetching is rank 0's alone, so it is off under this layout.
 
 A graceful shutdown (``close``) first stores every full block the pool still holds that is not on disk yet, then
-waits for the writers up to the timeout.
+waits for the writers up to the timeout (with a host tier alone, nothing outlives the process: it only closes).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import logging
 import time
 from collections.abc import Sequence
 
-from mla_runtime.cache.disk_tier import DiskTier, DiskTierStats, agree_min, broadcast_blocks
+from mla_runtime.cache.disk_tier import DiskTier, agree_min, broadcast_blocks
+from mla_runtime.cache.host_tier import HostTier
 from mla_runtime.engine.block_pool import BlockPool
 from mla_runtime.engine.tp_workers import TensorParallelGroup
 from mla_runtime.engine.worker import Worker
@@ -25,22 +28,30 @@ from mla_runtime.engine.worker import Worker
 logger = logging.getLogger("mla_runtime")
 
 
-def attach_disk_tier(worker: Worker, pool: BlockPool, tp_group: TensorParallelGroup | None,
-                     write_through: bool) -> DiskTierDriver | None:
-    """Put the worker's disk tier (if it opened one) under ``pool``, and log its capacity."""
-    tier = worker.disk_tier
+def attach_lower_tier(worker: Worker, pool: BlockPool, tp_group: TensorParallelGroup | None,
+                      write_through: bool) -> LowerTierDriver | None:
+    """Put the worker's lower tiers (if it opened any) under ``pool``, and log their capacity."""
+    tier = worker.lower_tier
     if tier is None:
         return None
-    driver = DiskTierDriver(worker, tier, tp_group)
+    driver = LowerTierDriver(worker, tier, tp_group)
     pool.attach_lower_tier(driver, write_through)
-    logger.info("disk tier: %s, capacity %s B = %d tokens (%d B per block of %d tokens), %s B in use, %s",
-                tier.folder, f"{tier.capacity_bytes:,}", tier.capacity_tokens(), tier.file_bytes(), pool.block_size,
-                f"{tier.stats().usage_bytes:,}", "write-through" if write_through else "written on eviction")
+    host, disk = worker.host_tier, worker.disk_tier
+    if host is not None:
+        logger.info("host tier: capacity %s B = %d tokens (%d B per block of %d tokens, %s memory), %s",
+                    f"{host.capacity_bytes:,}", host.capacity_tokens(), host.payload_bytes, pool.block_size,
+                    "pinned" if host.pinned else "pageable",
+                    "over the disk tier" if disk is not None else "host RAM only: nothing survives a restart")
+    if disk is not None:
+        logger.info("disk tier: %s, capacity %s B = %d tokens (%d B per block of %d tokens), %s B in use, %s",
+                    disk.folder, f"{disk.capacity_bytes:,}", disk.capacity_tokens(), disk.file_bytes(),
+                    pool.block_size, f"{disk.stats().usage_bytes:,}",
+                    "write-through" if write_through else "written on eviction")
     return driver
 
 
-class DiskTierDriver:
-    def __init__(self, worker: Worker, tier: DiskTier, tp_group: TensorParallelGroup | None = None) -> None:
+class LowerTierDriver:
+    def __init__(self, worker: Worker, tier: HostTier | DiskTier, tp_group: TensorParallelGroup | None = None) -> None:
         self.worker = worker
         self.tier = tier
         self.tp = tp_group
@@ -71,13 +82,12 @@ class DiskTierDriver:
         if not self.sharded:
             self.tier.prefetch(hashes)
 
-    def stats(self) -> DiskTierStats:
-        return self.tier.stats()
-
     def close(self, resident: Sequence[tuple[int, int]], timeout: float) -> int:
         """Store the ``(hash, block)`` pairs not on disk yet (waiting for queue room), then write everything queued
-        within ``timeout`` seconds, on every rank; returns how many blocks were queued for it."""
+        within ``timeout`` seconds, on every rank; returns how many blocks were stored for it. Without a disk tier
+        nothing outlives the process: the tiers only close."""
         deadline = time.monotonic() + timeout
+        resident = resident if self.tier.persistent else []
         queued = 0
         for h, b in resident:
             if time.monotonic() > deadline:
@@ -95,7 +105,9 @@ class DiskTierDriver:
         t0 = time.monotonic()
         try:
             n = self.close(pool.cached_blocks(), timeout)
-            logger.info("disk tier: %d resident blocks on disk at shutdown (%.2f s)", n, time.monotonic() - t0)
+            if self.tier.persistent:
+                logger.info("disk tier: %d resident blocks stored for it at shutdown (%.2f s)", n,
+                            time.monotonic() - t0)
         except RuntimeError as e:  # a tensor-parallel rank is gone
             logger.error("disk tier: flush at shutdown failed: %s", e)
             self.tier.close(timeout)

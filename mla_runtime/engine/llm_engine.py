@@ -22,7 +22,7 @@ import torch
 from mla_runtime.engine.block_pool import BlockPool
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.engine.info import EngineInfo, EngineStats, TokenCounts
-from mla_runtime.engine.kv_tier import attach_disk_tier
+from mla_runtime.engine.kv_tier import attach_lower_tier
 from mla_runtime.engine.model_runner import ModelRunner
 from mla_runtime.engine.requests import (
     PromptType,
@@ -64,7 +64,7 @@ class LLMEngine:
         self.thread_tuner = ThreadTuner.for_engine(config.num_threads, self.device, tp)
         self.pool = BlockPool(self.cache.num_blocks, config.block_size, config.enable_prefix_caching,
                               config.cache_watermark)
-        self.kv_tier = attach_disk_tier(self.worker, self.pool, self.tp_group, config.kv_cache_write_through)
+        self.kv_tier = attach_lower_tier(self.worker, self.pool, self.tp_group, config.kv_cache_write_through)
         w = self.worker
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, w.max_num_batched_tokens, w.max_model_len,
                                    config.num_speculative_tokens, (config.prompt_lookup_max, config.prompt_lookup_min),
@@ -93,7 +93,7 @@ class LLMEngine:
         if tp:
             tp.send("allocate", num_blocks)
         w.allocate(num_blocks)
-        w.open_disk_tier()
+        w.open_lower_tier()
         if tp:
             tp.ready()
 
@@ -181,8 +181,8 @@ class LLMEngine:
         return [make_output(state) for state in touched.values()]
 
     def shutdown(self, flush_timeout: float = 30.0) -> None:
-        """Write the resident full blocks that are not on disk yet (with a disk tier, up to ``flush_timeout`` s),
-        then stop the tensor-parallel worker ranks."""
+        """Write the resident full blocks that are not on disk yet (with a disk tier, up to ``flush_timeout`` s; the
+        host tier's blocks too), then stop the tensor-parallel worker ranks."""
         kv_tier, self.kv_tier = getattr(self, "kv_tier", None), None
         if kv_tier is not None:
             kv_tier.shutdown(self.pool, flush_timeout)
@@ -195,5 +195,6 @@ class LLMEngine:
         return EngineInfo.of(self.worker, self.pool.num_blocks, torch.get_num_threads())
 
     def stats(self) -> EngineStats:
-        tier = self.worker.disk_tier
-        return EngineStats.of(self.scheduler, self.pool, self.counts, tier.stats() if tier is not None else None)
+        disk, host = self.worker.disk_tier, self.worker.host_tier
+        return EngineStats.of(self.scheduler, self.pool, self.counts, disk.stats() if disk is not None else None,
+                              host.stats() if host is not None else None)

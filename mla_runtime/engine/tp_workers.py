@@ -10,9 +10,9 @@ Every rank is a ``Worker`` (``engine/worker.py``): it loads its shard, then runs
 in the order rank 0 runs them on its own worker — ``truncate`` (the latent-rank calibration tokens, when
 ``latent_rank`` is set: every rank folds the same bases, computed on rank 0), ``allocate`` (the block count
 rank 0 sized, so that every rank holds the same block ids), then one ``step`` per engine step (a ``StepInput``:
-plain integer lists, from which each rank builds its own batch and attention metadata), and ``stop``. With a disk
-tier (``engine/kv_tier.py``) also ``kv_broadcast`` (receive blocks rank 0 loaded), and under the sharded layout
-``kv_store``, ``kv_load`` and ``kv_close`` (each rank keeps its shard's files). Rank 0
+plain integer lists, from which each rank builds its own batch and attention metadata), and ``stop``. With lower
+tiers of the prefix cache (``engine/kv_tier.py``) also ``kv_broadcast`` (receive blocks rank 0 loaded), and under
+the sharded layout ``kv_store``, ``kv_load`` and ``kv_close`` (each rank keeps its shard's blocks). Rank 0
 owns every decision (scheduler, block pool, sampling); the lm_head's vocabulary slices are gathered back on
 rank 0. A rank that dies is noticed before the next broadcast (process liveness) or by the collective itself
 (gloo reports the closed connection), and the step fails with ``RankDiedError`` instead of hanging.
@@ -106,18 +106,18 @@ def serve_worker(rank: int, world: int, config: EngineConfig) -> None:
             worker.truncate_latent(arg)
         elif kind == "allocate":
             worker.allocate(arg)
-            worker.open_disk_tier()
+            worker.open_lower_tier()
             dist.barrier()  # rank 0's ready(): every rank has its cache
         elif kind.startswith("kv_"):
-            _disk_tier_command(worker, kind, arg)
-    if worker.disk_tier is not None:
-        worker.disk_tier.close(0)
+            _lower_tier_command(worker, kind, arg)
+    if worker.lower_tier is not None:
+        worker.lower_tier.close(0)
     dist.destroy_process_group()
 
 
-def _disk_tier_command(worker: Worker, kind: str, arg: Any) -> None:
-    """A disk-tier command of rank 0's ``DiskTierDriver`` (engine/kv_tier.py)."""
-    tier = worker.disk_tier
+def _lower_tier_command(worker: Worker, kind: str, arg: Any) -> None:
+    """A lower-tier command of rank 0's ``LowerTierDriver`` (engine/kv_tier.py)."""
+    tier = worker.lower_tier
     if kind == "kv_broadcast":
         assert worker.cache is not None
         broadcast_blocks(worker.cache, arg, worker.par)

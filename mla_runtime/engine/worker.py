@@ -11,9 +11,10 @@ and the latent-rank sweep:
    is sized: by the first ``num_blocks()`` or ``allocate()``;
 4. ``num_blocks()`` sizes the paged cache by the planner's rule (``plan.cache_budget_bytes``), fed the memory
    free at that moment;
-5. ``allocate(num_blocks)`` allocates the cache; ``open_disk_tier()`` then opens this rank's disk tier when
-   ``kv_cache_dir`` is set (rank 0 alone under the replicated layout; every rank, for its shard, under the sharded
-   one);
+5. ``allocate(num_blocks)`` allocates the cache; ``open_lower_tier()`` then opens this rank's lower tiers of the
+   prefix cache: the disk tier when ``kv_cache_dir`` is set, and the host-RAM tier over it (by default on CUDA, or
+   with ``kv_cache_host_bytes``) — on rank 0 alone under the replicated layout; every rank, for its shard, under
+   the sharded one;
 6. ``execute(step)`` runs one ``StepInput``: builds the ``ForwardBatch`` and the attention metadata, runs the
    model and returns the logits of the requested rows (None on ranks other than 0);
 7. with ``speculative_method="mtp"``, ``draft(d)`` then runs the checkpoint's MTP layer over the step's
@@ -35,6 +36,7 @@ import torch
 
 from mla_runtime import checksums
 from mla_runtime.cache.disk_tier import DiskTier, file_sha256, model_fingerprint
+from mla_runtime.cache.host_tier import HostTier
 from mla_runtime.cache.latent_cache import LatentCache
 from mla_runtime.config import ModelConfig
 from mla_runtime.dtypes import CacheDtype, resolve_cache_dtype
@@ -135,6 +137,7 @@ class Worker:
         self.quantized = False  # the model's weights are quantised (config.quantization): no more truncation
         self.weights_fingerprint: str | None = None  # from the sha256 manifest (None: the folder has none)
         self.disk_tier: DiskTier | None = None
+        self.host_tier: HostTier | None = None
 
     # -- set-up ----------------------------------------------------------------------------------
     def load(self) -> DeepseekForCausalLM:
@@ -208,17 +211,46 @@ class Worker:
                     "latent_cache_layout": c.latent_cache_layout if c.tensor_parallel_size > 1 else None}
         return model_fingerprint(self.model_path, settings)
 
-    def open_disk_tier(self) -> DiskTier | None:
-        """This rank's disk tier over its cache, when ``kv_cache_dir`` is set and this rank keeps files."""
+    @property
+    def lower_tier(self) -> HostTier | DiskTier | None:
+        """The top of this rank's lower tiers: the host tier (over the disk tier, if any), else the disk tier."""
+        return self.host_tier if self.host_tier is not None else self.disk_tier
+
+    def open_lower_tier(self) -> HostTier | DiskTier | None:
+        """Open this rank's lower tiers of the prefix cache over its cache, on the ranks that keep them (rank 0
+        alone under the replicated layout; every rank, for its shard, under the sharded one): the disk tier when
+        ``kv_cache_dir`` is set, the host tier over it when ``host_tier_bytes()`` is not 0. Returns the top one."""
         c, par = self.config, self.par
-        if c.kv_cache_dir is None or (par.rank != 0 and not par.sharded_cache):
+        if par.rank != 0 and not par.sharded_cache:
             return None
         assert self.cache is not None
-        disk_bytes = c.kv_cache_disk_bytes
-        self.disk_tier = DiskTier(c.kv_cache_dir, self.cache_fingerprint(), self.cache, c.block_size,
-                                  capacity_bytes=None if disk_bytes is None else int(disk_bytes),
-                                  shard=par.rank if par.sharded_cache else None)
-        return self.disk_tier
+        if c.kv_cache_dir is not None:
+            disk_bytes = c.kv_cache_disk_bytes
+            self.disk_tier = DiskTier(c.kv_cache_dir, self.cache_fingerprint(), self.cache, c.block_size,
+                                      capacity_bytes=None if disk_bytes is None else int(disk_bytes),
+                                      shard=par.rank if par.sharded_cache else None)
+        host_bytes = self.host_tier_bytes()
+        if host_bytes:
+            self.host_tier = HostTier(self.cache, host_bytes, c.block_size, self.disk_tier, c.kv_cache_write_through)
+        return self.lower_tier
+
+    def host_tier_bytes(self) -> int:
+        """The host tier's bytes on this rank: ``kv_cache_host_bytes``, or by default a quarter of the available RAM
+        on CUDA with prefix caching (shared by the ranks of the sharded layout) and none on a CPU, whose cache is
+        host RAM already. 0: no host tier."""
+        c = self.config
+        assert self.cache is not None
+        block = self.cache.block_bytes()
+        if c.kv_cache_host_bytes is not None:
+            n = int(c.kv_cache_host_bytes)
+            if 0 < n < block:
+                raise InvalidParam("kv_cache_host_bytes", f"kv_cache_host_bytes ({n:,} B) holds no cache block of "
+                                   f"{block:,} B: give at least that, or 0 for no host tier")
+            return n
+        if self.device.type != "cuda" or not c.enable_prefix_caching:
+            return 0
+        share = available_host_memory() // 4 // (self.par.world_size if self.par.sharded_cache else 1)
+        return share if share >= block else 0
 
     # -- steps -----------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -176,6 +176,9 @@ OPTIONS: dict[str, Option] = {
     "kv_cache_disk_bytes": Option("kv_cache.disk_bytes", "--kv-cache-disk-bytes", str,
                                   "bound of the disk tier's directory, e.g. 500GiB; least recently used files go "
                                   "first (default: its current size plus 90%% of the free disk space)"),
+    "kv_cache_host_bytes": Option("kv_cache.host_bytes", "--kv-cache-host-bytes", str,
+                                  "host RAM for the host tier between the GPU's cache and the disk tier, e.g. "
+                                  "64GiB; 0: none (default: on CUDA a quarter of the available RAM, on a CPU none)"),
     "kv_cache_dtype": Option("kv_cache.dtype", "--kv-cache-dtype", str, "auto, bfloat16, float16, fp8, int8…"),
     "latent_cache_layout": Option("kv_cache.layout", "--latent-cache-layout", str, "replicated or sharded"),
     "speculative_method": Option("speculative.method", "--speculative-method", str,
@@ -284,7 +287,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 def _check_type(dotted: str, name: str, value: Any) -> Any:
     want = OPTIONS[name].type
-    if name in ("kv_cache_memory", "max_body_bytes", "kv_cache_disk_bytes"):  # "8GiB" or a plain byte count
+    if name in ("kv_cache_memory", "max_body_bytes", "kv_cache_disk_bytes", "kv_cache_host_bytes"):  # "8GiB" or bytes
         want = (str, int)
     elif want is float:
         want = (int, float)

@@ -4,8 +4,8 @@ Two kinds: what the HTTP layer observes (requests by outcome, latency histograms
 when a request ends), and what the engine knows, read from ``AsyncLLM.stats()`` at scrape time by
 ``EngineCollector`` (queue depth, running sequences, latent-cache blocks, prefix hits, preemptions) plus
 the memory split (weights / latent cache / activation reserve / other), and the prefix cache per tier
-(``mla_kv_tier_*{tier="device"|"disk"}``: hits, misses, evictions, capacity; the disk tier's bytes read and
-written, write queue depth, dropped writes, corrupt files and usage).
+(``mla_kv_tier_*{tier="device"|"host"|"disk"}``: hits, misses, evictions, capacity; the host and disk tiers' bytes
+read, written and held; the disk tier's write queue depth, dropped writes and corrupt files).
 """
 
 from __future__ import annotations
@@ -177,37 +177,60 @@ def _speculative(s: EngineStats) -> Iterator[CounterMetricFamily]:
 
 
 def _tier_metrics(s: EngineStats, d: EngineInfo) -> Iterator[Metric]:
-    """The prefix cache per tier: the device pool, and the disk tier when one is configured."""
-    disk = s.disk
-    tiers = ["device"] + (["disk"] if disk is not None else [])
-    values: dict[str, list[float]] = {
-        "hits_tokens": [s.prefix_device_hit_tokens, s.prefix_disk_hit_tokens],
-        "misses_tokens": [s.prefix_query_tokens - s.prefix_device_hit_tokens,
-                          s.prefix_disk_query_tokens - s.prefix_disk_hit_tokens],
-        "evictions": [s.num_evictions, disk.evictions if disk is not None else 0],
-        "capacity_tokens": [d.max_concurrent_tokens, d.disk_capacity_tokens],
+    """The prefix cache per tier: the device pool, and the host-RAM and disk tiers when they are on."""
+    host, disk = s.host, s.disk
+    tiers = ["device"] + (["host"] if host is not None else []) + (["disk"] if disk is not None else [])
+    values: dict[str, dict[str, float]] = {
+        "hits_tokens": {"device": s.prefix_device_hit_tokens, "host": s.prefix_host_hit_tokens,
+                        "disk": s.prefix_disk_hit_tokens},
+        "misses_tokens": {"device": s.prefix_query_tokens - s.prefix_device_hit_tokens,
+                          "host": s.prefix_host_query_tokens - s.prefix_host_hit_tokens,
+                          "disk": s.prefix_disk_query_tokens - s.prefix_disk_hit_tokens},
+        "evictions": {"device": s.num_evictions, "host": host.evictions if host is not None else 0,
+                      "disk": disk.evictions if disk is not None else 0},
+        "capacity_tokens": {"device": d.max_concurrent_tokens, "host": d.host_capacity_tokens,
+                            "disk": d.disk_capacity_tokens},
     }
     docs = {"hits_tokens": "Prompt tokens found in this tier of the prefix cache",
             "misses_tokens": "Prompt tokens looked up in this tier and not found there",
-            "evictions": "Blocks (device) or files (disk) evicted to make room",
+            "evictions": "Blocks (device, host) or files (disk) evicted to make room",
             "capacity_tokens": "Tokens this tier holds"}
     for name, per_tier in values.items():
         kind = GaugeMetricFamily if name == "capacity_tokens" else CounterMetricFamily
         family = kind(f"mla_kv_tier_{name}", docs[name], labels=["tier"])
-        for tier, value in zip(tiers, per_tier):
-            family.add_metric([tier], value)
+        for tier in tiers:
+            family.add_metric([tier], per_tier[tier])
         yield family
-    if disk is None:
-        return
-    for name, doc, value, is_counter in (
-            ("read_bytes", "File bytes read from the disk tier", disk.bytes_read, True),
-            ("written_bytes", "File bytes written to the disk tier by this process", disk.bytes_written, True),
-            ("write_queue_depth", "Blocks copied out of the device pool, waiting to be written", disk.write_queue_depth,
-             False),
-            ("write_drops", "Blocks not written because the write queue was full", disk.write_drops, True),
-            ("corrupt_files", "Truncated, corrupt or foreign files found, deleted and read as misses",
+    yield from _io_metrics(s)
+
+
+def _io_metrics(s: EngineStats) -> Iterator[Metric]:
+    """Bytes in and out of the host and disk tiers; the disk tier's queue, drops, corrupt files and usage."""
+    host, disk = s.host, s.disk
+    rows: list[tuple[str, str, str, float, bool]] = []
+    if host is not None:
+        rows += [("read_bytes", "host", "", host.bytes_loaded, True),
+                 ("written_bytes", "host", "", host.bytes_stored, True),
+                 ("usage_bytes", "host", "", host.usage_bytes, False)]
+    if disk is not None:
+        rows += [
+            ("read_bytes", "disk", "", disk.bytes_read, True),
+            ("written_bytes", "disk", "", disk.bytes_written, True),
+            ("write_queue_depth", "disk", "Blocks copied out of the device pool, waiting to be written",
+             disk.write_queue_depth, False),
+            ("write_drops", "disk", "Blocks not written because the write queue was full", disk.write_drops, True),
+            ("corrupt_files", "disk", "Truncated, corrupt or foreign files found, deleted and read as misses",
              disk.corrupt_files, True),
-            ("usage_bytes", "Bytes in the disk tier's directory (last scan plus own writes)", disk.usage_bytes, False)):
-        family = (CounterMetricFamily if is_counter else GaugeMetricFamily)(f"mla_kv_tier_{name}", doc, labels=["tier"])
-        family.add_metric(["disk"], value)
-        yield family
+            ("usage_bytes", "disk", "", disk.usage_bytes, False)]
+    docs = {"read_bytes": "Bytes read from the tier (host: copied back to the device; disk: file bytes)",
+            "written_bytes": "Bytes written to the tier (host: copied from the device; disk: file bytes by this "
+                             "process)",
+            "usage_bytes": "Bytes the tier holds (disk: the directory, last scan plus own writes)"}
+    families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
+    for name, tier, doc, value, is_counter in rows:
+        if name not in families:
+            kind: type[CounterMetricFamily | GaugeMetricFamily] = CounterMetricFamily if is_counter else \
+                GaugeMetricFamily
+            families[name] = kind(f"mla_kv_tier_{name}", doc or docs[name], labels=["tier"])
+        families[name].add_metric([tier], value)
+    yield from families.values()

@@ -154,6 +154,10 @@ class ServingRuntime:
         logger.info("memory on %s: weights %s | latent cache %s | activations (reserve) %s | total %s",
                     d.device, human_bytes(d.weight_bytes), human_bytes(d.cache_bytes),
                     human_bytes(d.activation_bytes), human_bytes(total))
+        if d.host_capacity_bytes:
+            logger.info("host tier: capacity %s = %d tokens in host RAM, %s", human_bytes(d.host_capacity_bytes),
+                        d.host_capacity_tokens, "over the disk tier" if d.kv_cache_dir is not None
+                        else "no disk tier under it: nothing survives a restart")
         if d.kv_cache_dir is not None:
             logger.info("disk tier: %s, capacity %s = %d tokens (%s per file of %d tokens), %s",
                         d.kv_cache_dir, human_bytes(d.disk_capacity_bytes), d.disk_capacity_tokens,
