@@ -95,19 +95,22 @@ class Experts(nn.Module):
         self.gate_up_packed = [PackedWeight.make(w) for w in self.gate_up_list]
         self.down_packed = [PackedWeight.make(w) for w in self.down_list]
 
-    def _groups(self, expert_ids: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-        """This rank's (local expert, its (token, slot) pair indices ``t * top_k + j``), experts ascending."""
+    def _groups(self, expert_ids: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """This rank's (token, slot) pair indices ``t * top_k + j`` grouped by local expert (experts ascending,
+        pair order within), and each group's (local expert, size)."""
         local = expert_ids.reshape(-1) - self.first  # [T*k] local expert id of each pair
         if local.numel() <= HOST_GROUPING_MAX_PAIRS:  # a decode step: group on the host, no sort
             buckets: list[list[int]] = [[] for _ in range(self.num_experts)]
             for pair, e in enumerate(local.tolist()):
                 if 0 <= e < self.num_experts:
                     buckets[e].append(pair)
-            return [(e, torch.tensor(b, device=local.device)) for e, b in enumerate(buckets) if b]
+            flat = [pair for bucket in buckets for pair in bucket]
+            return (torch.tensor(flat, dtype=torch.long, device=local.device),
+                    [(e, len(b)) for e, b in enumerate(buckets) if b])
         pairs = ((local >= 0) & (local < self.num_experts)).nonzero().squeeze(1)
         order = pairs[local[pairs].argsort(stable=True)]  # grouped by expert, pair order within
         counts = torch.bincount(local[order], minlength=self.num_experts).tolist()
-        return [(e, seg) for e, seg in enumerate(order.split(counts)) if seg.numel()]
+        return order, [(e, n) for e, n in enumerate(counts) if n]
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         if not self.gate_up_packed:  # not prepared
@@ -126,14 +129,21 @@ class Experts(nn.Module):
                     h = h * w if h.dtype == torch.float32 else (h.float() * w).to(x.dtype)
                     out = h if out is None else out.add_(h)
             return torch.zeros_like(x) if out is None else out
+        order, groups = self._groups(expert_ids)
         out = torch.zeros_like(x)
-        flat_weights = weights.reshape(-1)
-        for e, pairs in self._groups(expert_ids):
-            tokens = pairs // top_k
-            h = self._expert(e, x.index_select(0, tokens))  # [n, d]
-            h = (h.float() * flat_weights.index_select(0, pairs).unsqueeze(-1)).to(x.dtype)
-            out.index_add_(0, tokens, h)  # experts in ascending order: the same sums as one sorted index_add
-        return out
+        if not groups:
+            return out
+        tokens = order // top_k
+        xs = x.index_select(0, tokens)  # every pair's token, grouped by expert
+        hs, start = [], 0
+        for e, n in groups:
+            hs.append(self._expert(e, xs[start:start + n]))
+            start += n
+        h = hs[0] if len(hs) == 1 else torch.cat(hs)
+        w = weights.reshape(-1).index_select(0, order).unsqueeze(-1)
+        h = h * w if h.dtype == torch.float32 else (h.float() * w).to(x.dtype)
+        # one index_add in the groups' order: a token's experts are summed in ascending order, as one by one
+        return out.index_add_(0, tokens, h)
 
 
 class MoE(nn.Module):
