@@ -22,6 +22,7 @@ from mla_runtime.config import MoEConfig, RopeConfig  # noqa: E402
 from mla_runtime.forward_batch import ForwardBatch  # noqa: E402
 from mla_runtime.layers import cpu_gemm  # noqa: E402
 from mla_runtime.layers import moe as moe_module  # noqa: E402
+from mla_runtime.layers import rotary as rotary_module  # noqa: E402
 from mla_runtime.layers.cpu_gemm import PackedWeight, linear  # noqa: E402
 from mla_runtime.layers.rotary import RotaryEmbedding  # noqa: E402
 from mla_runtime.loader import load_model  # noqa: E402
@@ -274,17 +275,21 @@ def test_auto_dtype_on_this_cpu(tiny_checkpoint, caplog, monkeypatch):
 # -- layers ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("interleave", [True, False])
-def test_rotary_with_shared_cos_sin_equals_separate_rotations(interleave, dtype):
+@pytest.mark.parametrize("tokens", [4, rotary_module.ROPE_MATRIX_MAX_TOKENS + 1])  # rotation matrices; complex/plain
+def test_rotary_with_shared_cos_sin_equals_separate_rotations(interleave, dtype, tokens):
     rope = RotaryEmbedding(RopeConfig(interleave=interleave), 8)
-    pos = torch.tensor([0, 3, 17, 100])
-    q, k = torch.randn(4, 2, 8).to(dtype), torch.randn(4, 8).to(dtype)
+    pos = torch.randint(0, 4096, (tokens,))
+    q, k = torch.randn(tokens, 2, 8).to(dtype), torch.randn(tokens, 8).to(dtype)
     cos, sin = rope.cos_sin(pos, dtype)
-    q_rot, k_rot = rope(pos, q, k, rope.tables(pos, dtype))
+    tables = rope.tables(pos, dtype)
+    assert (tables.matrix is not None) == (tokens <= rotary_module.ROPE_MATRIX_MAX_TOKENS)
+    q_rot, k_rot = rope(pos, q, k, tables)
     assert q_rot.dtype == k_rot.dtype == dtype
     # bf16: the fused rotation rounds once, the plain one after every product: one bf16 step apart at most
     tol = {} if dtype == torch.float32 else dict(rtol=0, atol=2 ** -6 * 4)
     torch.testing.assert_close(q_rot, rope.rotate(q, cos, sin), **tol)
     torch.testing.assert_close(k_rot, rope.rotate(k, cos, sin), **tol)
+    torch.testing.assert_close(tables.tail(1).cos, tables.cos[1:])
 
 
 def test_host_grouped_experts_equal_sorted(monkeypatch):

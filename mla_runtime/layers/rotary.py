@@ -9,6 +9,12 @@ holds a contiguous layout that the kernels read without strides.
 YaRN (arXiv 2309.00071) blends interpolated and extrapolated frequencies with a linear ramp between
 the ``beta_fast``/``beta_slow`` correction dims; cos/sin are multiplied by the attention factor and the
 softmax scale carries ``mscale_all_dim`` (see ``RopeConfig``).
+
+A rotation is linear: ``x' = x R`` with ``R [d_r, d_r]`` holding each pair's ``cos``/``±sin`` (and the
+de-interleaving permutation). A step of at most ``ROPE_MATRIX_MAX_TOKENS`` tokens (decodes, verifications)
+builds every token's ``R`` once and each layer rotates its queries and key with one batched product — five
+operator calls per layer instead of a dozen; longer steps use the complex product (interleaved) or the
+cos/sin formula, whose tables do not grow with ``d_r²``.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import torch
 from torch import nn
 
 from mla_runtime.config import RopeConfig
+
+ROPE_MATRIX_MAX_TOKENS = 64  # steps of at most this many tokens rotate by one batched product per layer
 
 
 def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
@@ -46,26 +54,41 @@ def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
 
 
 class RopeTables(NamedTuple):
-    """One step's RoPE tables: ``cos``/``sin [T, d_r / 2]`` in the model dtype and, for interleaved pairs in
-    fp32/bf16, ``cis = cos + i·sin [T, 1, d_r / 2]`` (complex64) for the one-product rotation."""
+    """One step's RoPE tables: ``cos``/``sin [T, d_r / 2]`` in the model dtype; for fp32/bf16, either each
+    token's rotation matrix ``[T, d_r, d_r]`` (fp32; short steps) or, for interleaved pairs,
+    ``cis = cos + i·sin [T, 1, d_r / 2]`` (complex64) for the one-product rotation."""
 
     cos: torch.Tensor
     sin: torch.Tensor
     cis: torch.Tensor | None
+    matrix: torch.Tensor | None = None
 
     def tail(self, start: int) -> RopeTables:
         """The tables of tokens ``[start:]``."""
-        return RopeTables(self.cos[start:], self.sin[start:], None if self.cis is None else self.cis[start:])
+        return RopeTables(self.cos[start:], self.sin[start:], None if self.cis is None else self.cis[start:],
+                          None if self.matrix is None else self.matrix[start:])
+
+
+def rotation_slots(dim: int, interleave: bool) -> torch.Tensor:
+    """Flat indices into a ``[dim, dim]`` rotation matrix of the entries ``[cos ; -sin ; cos ; sin]`` (each
+    ``[dim / 2]``): pair ``i`` reads inputs ``(a, b)`` = ``(2i, 2i + 1)`` (interleaved) or ``(i, i + dim / 2)`` and
+    writes outputs ``i`` (``a cos - b sin``) and ``i + dim / 2`` (``b cos + a sin``)."""
+    half = dim // 2
+    i = torch.arange(half)
+    a, b = (2 * i, 2 * i + 1) if interleave else (i, i + half)
+    return torch.cat([a * dim + i, b * dim + i, b * dim + half + i, a * dim + half + i])
 
 
 class RotaryEmbedding(nn.Module):
     inv_freq: torch.Tensor
+    slots: torch.Tensor
 
     def __init__(self, rope: RopeConfig, dim: int) -> None:
         super().__init__()
         self.interleave = rope.interleave
         self.scale = rope.cos_sin_scale
         self.register_buffer("inv_freq", rope_inv_freq(rope, dim), persistent=False)
+        self.register_buffer("slots", rotation_slots(dim, rope.interleave), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[T, d_r / 2]`` for integer positions ``[T]``."""
@@ -75,10 +98,20 @@ class RotaryEmbedding(nn.Module):
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         """The step's tables for ``positions [T]`` in ``dtype``: computed once, read by every layer."""
         cos, sin = self.cos_sin(positions, dtype)
-        cis = None
-        if self.interleave and dtype in (torch.float32, torch.bfloat16):
-            cis = torch.complex(cos.float(), sin.float()).unsqueeze(1)  # [T, 1, d_r / 2]
+        if dtype not in (torch.float32, torch.bfloat16):
+            return RopeTables(cos, sin, None)
+        if positions.shape[0] <= ROPE_MATRIX_MAX_TOKENS:
+            return RopeTables(cos, sin, None, self.rotation_matrices(cos, sin))
+        cis = torch.complex(cos.float(), sin.float()).unsqueeze(1) if self.interleave else None  # [T, 1, d_r / 2]
         return RopeTables(cos, sin, cis)
+
+    def rotation_matrices(self, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``R [T, d_r, d_r]`` (fp32) with ``x R`` = ``rotate(x)`` for each token's cos/sin ``[T, d_r / 2]``."""
+        c, s = cos.float(), sin.float()
+        dim = 2 * c.shape[1]
+        matrix = torch.zeros(c.shape[0], dim * dim, dtype=torch.float32, device=c.device)
+        matrix.index_copy_(1, self.slots, torch.cat([c, -s, c, s], dim=1))
+        return matrix.view(-1, dim, dim)
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate ``x [T, ..., d_r]`` with cos/sin ``[T, d_r / 2]``; output de-interleaved."""
@@ -99,7 +132,10 @@ class RotaryEmbedding(nn.Module):
         if q.shape[0] == 0:
             return self.rotate(q, tables.cos, tables.sin), self.rotate(k, tables.cos, tables.sin)
         both = torch.cat([q, k.unsqueeze(1)], dim=1)  # [T, n_h + 1, d_r]: one rotation, the key as one more head
-        if tables.cis is not None and both.dtype in (torch.float32, torch.bfloat16):
+        if tables.matrix is not None and both.dtype in (torch.float32, torch.bfloat16):
+            rotated = torch.bmm(both if both.dtype == torch.float32 else both.float(), tables.matrix)
+            both = rotated if rotated.dtype == both.dtype else rotated.to(both.dtype)
+        elif tables.cis is not None and both.dtype in (torch.float32, torch.bfloat16):
             # interleaved pairs are complex numbers: one complex product (fp32; bf16 rounds once at the
             # end, within one bf16 step of rounding each product as the reference does), then de-interleave
             dtype = both.dtype
