@@ -111,11 +111,11 @@ class ForwardBatch:
         # two host-to-device transfers (one per dtype), split into views, instead of one per field
         num_tokens, num_seqs = len(ids), len(qlens)
         ids64 = torch.tensor(ids + positions + slots + [s - 1 for s in starts[1:]], dtype=torch.int64, device=device)
-        input_ids, pos_t, slot_t, logits_t = ids64.split([num_tokens] * 3 + [num_seqs])
+        input_ids, pos_t, slot_t, logits_t = torch.split(ids64, [num_tokens] * 3 + [num_seqs])
         ints32 = torch.tensor(starts + seq_lens + seq_starts + list(context_lens) + tok_seq + tok_req
                               + [b for row in table_rows for b in row], dtype=torch.int32, device=device)
-        qsl, sl, ssl, cl, tsl, tri, tables = ints32.split([num_seqs + 1, num_seqs, num_seqs + 1, num_seqs,
-                                                            num_tokens, num_tokens, num_seqs * width])
+        qsl, sl, ssl, cl, tsl, tri, tables = torch.split(ints32, [num_seqs + 1, num_seqs, num_seqs + 1, num_seqs,
+                                                               num_tokens, num_tokens, num_seqs * width])
         return cls(
             input_ids=input_ids, positions=pos_t, slot_mapping=slot_t, query_start_loc=qsl, seq_lens=sl,
             seq_start_loc=ssl, context_lens=cl, block_tables=tables.view(num_seqs, width), token_seq_lens=tsl,
