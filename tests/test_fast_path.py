@@ -292,6 +292,22 @@ def test_rotary_with_shared_cos_sin_equals_separate_rotations(interleave, dtype,
     torch.testing.assert_close(tables.tail(1).cos, tables.cos[1:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_table_rows_equal_the_formula_and_the_table_grows(dtype):
+    rope = RotaryEmbedding(RopeConfig(interleave=True, theta=10000.0), 8)
+
+    def direct(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = pos.float()[:, None] * rope.inv_freq[None, :]
+        return (freqs.cos() * rope.scale).to(dtype), (freqs.sin() * rope.scale).to(dtype)
+
+    for pos in (torch.tensor([0, 5, 4095, 7]), torch.tensor([9000, 3]), torch.tensor([], dtype=torch.long)):
+        cos, sin = rope.cos_sin(pos, dtype)
+        want_cos, want_sin = direct(pos)
+        assert cos.shape == (len(pos), 4) and torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    assert rope.cos_sin(torch.tensor([3]), dtype, max_position=3)[0].shape == (1, 4)
+    assert 9000 < len(rope._tables[dtype]) <= 2 * 9001  # grown once, by doubling the largest position seen
+
+
 def test_host_grouped_experts_equal_sorted(monkeypatch):
     cfg = MoEConfig(n_routed_experts=6, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=16,
                     scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True)

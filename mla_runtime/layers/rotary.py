@@ -28,6 +28,7 @@ from torch import nn
 from mla_runtime.config import RopeConfig
 
 ROPE_MATRIX_MAX_TOKENS = 64  # steps of at most this many tokens rotate by one batched product per layer
+ROPE_TABLE_MIN_POSITIONS = 4096  # the cos/sin table covers at least this many positions (it doubles as needed)
 
 
 def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
@@ -89,15 +90,30 @@ class RotaryEmbedding(nn.Module):
         self.scale = rope.cos_sin_scale
         self.register_buffer("inv_freq", rope_inv_freq(rope, dim), persistent=False)
         self.register_buffer("slots", rotation_slots(dim, rope.interleave), persistent=False)
+        self._tables: dict[torch.dtype, torch.Tensor] = {}  # dtype -> [positions, d_r]: cos ; sin of each position
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[T, d_r / 2]`` for integer positions ``[T]``."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, max_position: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, d_r / 2]`` for integer positions ``[T]``: rows of a table of every position up to the
+        largest seen, computed once by the same formula (so the same values) and doubled when a step goes past it.
+        ``max_position``: the largest of ``positions`` when the caller knows it (saves reading it back)."""
+        if positions.shape[0] == 0:
+            empty = torch.empty(0, self.inv_freq.shape[0], dtype=dtype, device=positions.device)
+            return empty, empty
+        top = int(positions.max()) if max_position is None else max_position
+        table = self._tables.get(dtype)
+        if table is None or table.shape[0] <= top:
+            size = max(ROPE_TABLE_MIN_POSITIONS, 2 * (top + 1))
+            freqs = torch.arange(size, device=self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
+            table = torch.cat([(freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)], dim=1)
+            self._tables[dtype] = table
+        rows = table.index_select(0, positions)
+        half = self.inv_freq.shape[0]
+        return rows[:, :half], rows[:, half:]
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype, max_position: int | None = None) -> RopeTables:
         """The step's tables for ``positions [T]`` in ``dtype``: computed once, read by every layer."""
-        cos, sin = self.cos_sin(positions, dtype)
+        cos, sin = self.cos_sin(positions, dtype, max_position)
         if dtype not in (torch.float32, torch.bfloat16):
             return RopeTables(cos, sin, None)
         if positions.shape[0] <= ROPE_MATRIX_MAX_TOKENS:

@@ -150,7 +150,8 @@ class DeepseekForCausalLM(nn.Module):
     def attention_metadata(self, batch: ForwardBatch, cache: LatentCache) -> AttentionMetadata:
         """How every layer attends over ``batch`` this step (one object per step; see ``attention_metadata``)."""
         attn = self.attention_layers()[0]
-        rope = attn.rotary.tables(batch.positions, self.dtype)  # every layer's RoPE is the same
+        top = max((c + q - 1 for c, q in zip(batch.context_lens_list, batch.query_lens)), default=None)
+        rope = attn.rotary.tables(batch.positions, self.dtype, top)  # every layer's RoPE is the same
         return build_attention_metadata(batch, rope, attn.dims, attn.path, attn.backend, cache.layers[0].kv,
                                         cache.quantised, self.par)
 
