@@ -49,16 +49,17 @@ class DecodePlan:
 
 
 def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
-                req_indices: torch.Tensor | None = None) -> DecodePlan:
+                req_indices: torch.Tensor | None = None, len_range: tuple[int, int] | None = None) -> DecodePlan:
     """block_tables ``[B, max_blocks]`` int32, seq_lens ``[N]`` int32 (each >= 1), req_indices ``[N]`` (block-table
-    row of query row n; default n) -> the step's ``DecodePlan``."""
+    row of query row n; default n) -> the step's ``DecodePlan``. ``len_range``: the smallest and largest of
+    ``seq_lens`` when the caller knows them on the host (saves reading them back)."""
     check_int_tensor("block_tables", block_tables, 2, block_tables.device)
     check_int_tensor("seq_lens", seq_lens, 1, block_tables.device)
     lens = seq_lens.long()
     n_rows = lens.shape[0]
     if n_rows == 0:
         raise ValueError("plan_decode needs at least one query row")
-    lo, hi = (int(v) for v in torch.stack([lens.min(), lens.max()]).tolist())
+    lo, hi = len_range if len_range is not None else (int(v) for v in torch.stack([lens.min(), lens.max()]).tolist())
     if lo < 1:
         raise ValueError(f"every query row must see at least one key, got a seq_len of {lo}")
     if hi > block_tables.shape[1] * block_size:
@@ -66,10 +67,10 @@ def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: 
     rows = block_tables if req_indices is None else block_tables.index_select(0, req_indices.long())
     hi = -(-hi // PLAN_LEN_MULTIPLE) * PLAN_LEN_MULTIPLE  # a few shapes, not one per step
     pos = torch.arange(hi, device=lens.device)
-    key = torch.minimum(pos[None, :], (lens - 1)[:, None])  # [N, L]: padding repeats the last key
+    last = (lens - 1).unsqueeze(1)
+    key = torch.minimum(pos, last)  # [N, L]: padding repeats the last key
     slots = rows.long().gather(1, key // block_size) * block_size + key % block_size
-    mask = torch.zeros(n_rows, 1, hi, device=lens.device)
-    mask.masked_fill_((pos[None, :] >= lens[:, None]).unsqueeze(1), float("-inf"))
+    mask = torch.where(pos > last, float("-inf"), 0.0).unsqueeze(1)  # [N, 1, L] float32
     return DecodePlan(slots=slots, mask=mask, max_len=hi)
 
 

@@ -109,8 +109,10 @@ def build_attention_metadata(batch: ForwardBatch, rope: RopeTables,
     seqs, d = batch.leading_short(PLANNED_MAX_QUERY_LEN, PLANNED_EXTRA_KEY_BYTES // key_bytes)
     if not d:
         return meta
+    ctx, qs = batch.context_lens_list[:seqs], batch.query_lens[:seqs]
+    len_range = (min(c + 1 for c in ctx), max(c + q for c, q in zip(ctx, qs)))  # keys seen by the plan's rows
     plan = plan_decode(batch.block_tables[:seqs], batch.token_seq_lens[:d], batch.block_size,
-                       batch.token_req_idx[:d])
+                       batch.token_req_idx[:d], len_range)
     rest = None
     if seqs < batch.num_seqs:
         tail = batch.tail(seqs)

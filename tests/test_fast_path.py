@@ -50,6 +50,9 @@ def test_planned_decode_matches_reference(dtype, seq_lens, block_size):
     q = torch.randn(len(seq_lens), heads, d_c + d_r, generator=torch.Generator().manual_seed(1)).to(dtype)
     scale = (d_c + d_r) ** -0.5  # scores of a realistic size: bf16 rounds each one by <= 2^-8 relative
     plan = plan_decode(case.block_tables, case.seq_lens, block_size)
+    hinted = plan_decode(case.block_tables, case.seq_lens, block_size, len_range=(min(seq_lens), max(seq_lens)))
+    assert hinted.max_len == plan.max_len and torch.equal(hinted.slots, plan.slots)
+    assert torch.equal(hinted.mask, plan.mask) and plan.mask.dtype == torch.float32
     out = mla_decode_planned(q, case.cache, plan, scale, d_c)
     ref, _ = ref_mla_decode(q.float(), case.cache, None, case.block_tables, case.seq_lens, scale, d_c)
     assert out.dtype == dtype and out.shape == (len(seq_lens), heads, d_c)
