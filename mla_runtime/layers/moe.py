@@ -133,7 +133,25 @@ class Experts(nn.Module):
         out = torch.zeros_like(x)
         if not groups:
             return out
-        tokens = order // top_k
+        if order.numel() <= HOST_GROUPING_MAX_PAIRS:
+            return self._together(x, weights, order, groups, out)
+        flat_weights = weights.reshape(-1)
+        start = 0
+        for e, n in groups:  # many pairs (a prefill): expert by expert, so the gathered rows stay one expert's
+            pairs = order[start:start + n]
+            start += n
+            tokens = pairs // top_k
+            h = self._expert(e, x.index_select(0, tokens))  # [n, d]
+            h = (h.float() * flat_weights.index_select(0, pairs).unsqueeze(-1)).to(x.dtype)
+            out.index_add_(0, tokens, h)  # experts in ascending order: the same sums as one sorted index_add
+        return out
+
+    def _together(self, x: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, groups: list[tuple[int, int]],
+                  out: torch.Tensor) -> torch.Tensor:
+        """A few pairs (a decode or verification step): one gather, one weight product and one ``index_add_`` for
+        every expert's pairs, in the groups' order (a token's experts are summed in ascending order, as one by
+        one)."""
+        tokens = order // weights.shape[1]
         xs = x.index_select(0, tokens)  # every pair's token, grouped by expert
         hs, start = [], 0
         for e, n in groups:
@@ -142,7 +160,6 @@ class Experts(nn.Module):
         h = hs[0] if len(hs) == 1 else torch.cat(hs)
         w = weights.reshape(-1).index_select(0, order).unsqueeze(-1)
         h = h * w if h.dtype == torch.float32 else (h.float() * w).to(x.dtype)
-        # one index_add in the groups' order: a token's experts are summed in ascending order, as one by one
         return out.index_add_(0, tokens, h)
 
 
