@@ -49,6 +49,18 @@ def mla_runtime_logprobs(path: str, dtype: str, seqs: list[list[int]], prompt_le
     return torch.stack(out, dim=1)
 
 
+@torch.inference_mode()
+def greedy_reference(hf, prompts: list[list[int]], prompt_len: int, new_tokens: int
+                     ) -> tuple[list[list[int]], torch.Tensor, slice, torch.Tensor]:
+    """transformers' greedy continuations of ``prompts`` (exactly ``new_tokens`` each): the sequences, as one tensor,
+    the positions that predict the new tokens, and the model's log-probabilities there (the reference)."""
+    seqs = [hf.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False,
+                        min_new_tokens=new_tokens)[0].tolist() for p in prompts]
+    ids = torch.tensor(seqs)
+    positions = slice(prompt_len - 1, ids.shape[1] - 1)
+    return seqs, ids, positions, torch.log_softmax(hf(ids).logits[:, positions].float(), dim=-1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=4)
@@ -60,12 +72,8 @@ def main() -> None:
     build_checkpoint(OUT)
     hf = AutoModelForCausalLM.from_pretrained(OUT, dtype=torch.float32).eval()
     prompts = make_prompts(args.prompts, args.prompt_len, CONFIG["vocab_size"], seed=0)
+    seqs, ids, positions, ref = greedy_reference(hf, prompts, args.prompt_len, args.new_tokens)
     with torch.inference_mode():
-        seqs = [hf.generate(torch.tensor([p]), max_new_tokens=args.new_tokens, do_sample=False,
-                            min_new_tokens=args.new_tokens)[0].tolist() for p in prompts]
-        ids = torch.tensor(seqs)
-        positions = slice(args.prompt_len - 1, ids.shape[1] - 1)
-        ref = torch.log_softmax(hf(ids).logits[:, positions].float(), dim=-1)
         hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)
         systems = {"transformers bf16": torch.log_softmax(hf_bf16(ids).logits[:, positions].float(), dim=-1)}
     systems["mla-runtime bf16"] = mla_runtime_logprobs(str(OUT), "bfloat16", seqs, args.prompt_len)

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
-from bf16_quality import mla_runtime_logprobs
+from bf16_quality import greedy_reference, mla_runtime_logprobs
 from peer_checkpoint import CONFIG, build_checkpoint, make_prompts
 from profile_decode import OUT
 
@@ -79,12 +79,8 @@ def main() -> None:
     build_checkpoint(OUT)
     hf = AutoModelForCausalLM.from_pretrained(OUT, dtype=torch.float32).eval()
     prompts = make_prompts(args.prompts, args.prompt_len, CONFIG["vocab_size"], seed=0)
+    seqs, ids, positions, ref = greedy_reference(hf, prompts, args.prompt_len, args.new_tokens)
     with torch.inference_mode():
-        seqs = [hf.generate(torch.tensor([p]), max_new_tokens=args.new_tokens, do_sample=False,
-                            min_new_tokens=args.new_tokens)[0].tolist() for p in prompts]
-        ids = torch.tensor(seqs)
-        positions = slice(args.prompt_len - 1, ids.shape[1] - 1)
-        ref = torch.log_softmax(hf(ids).logits[:, positions].float(), dim=-1)
         with ggml_q8_0(hf):
             systems = {"Q8_0, ggml's numerics (transformers)": torch.log_softmax(
                 hf(ids).logits[:, positions].float(), dim=-1)}
