@@ -6,6 +6,7 @@
     mla-runtime bench [--model PATH]                               # offline throughput
     mla-runtime hash PATH                                          # write PATH/SHA256SUMS (--verify-weights)
     mla-runtime warm --kv-cache-dir DIR --prompts prompts.txt      # precompute prefixes into the disk tier
+    mla-runtime token-map --model PATH --out MAP.json corpus.txt   # the draft vocabulary of MTP speculation
 
 Each subcommand owns its flags (``mla-runtime SUBCOMMAND --help``); its module is imported only when it
 runs, so ``plan`` does not import the server.
@@ -27,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("mla_runtime.benchmark", "offline throughput of LLM.generate on a checkpoint"),
     "hash": ("mla_runtime.checksums", "write a checkpoint's sha256 manifest (SHA256SUMS) for --verify-weights"),
     "warm": ("mla_runtime.warm", "precompute the prefixes of common prompts into the disk tier (--kv-cache-dir)"),
+    "token-map": ("mla_runtime.token_map", "count a corpus's tokens into the draft vocabulary of MTP speculation"),
 }
 
 
@@ -41,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mla-runtime", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="An inference runtime for multi-head latent attention models (DeepSeek-V2/V3, Kimi-K2).",
-        epilog="subcommands:\n" + "\n".join(f"  {name:<8}{summary}" for name, (_, summary) in COMMANDS.items())
+        epilog="subcommands:\n" + "\n".join(f"  {name:<10}{summary}" for name, (_, summary) in COMMANDS.items())
         + "\n\nmla-runtime SUBCOMMAND --help lists the subcommand's flags and their defaults.")
     parser.add_argument("--version", action="version", version=f"mla-runtime {_version()}")
     parser.add_argument("command", choices=list(COMMANDS), metavar="SUBCOMMAND", help=", ".join(COMMANDS))

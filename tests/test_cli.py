@@ -70,6 +70,7 @@ def test_serve_help_lists_every_server_flag_with_its_default(capsys):
     ("plan", "--max-num-seqs MAX_NUM_SEQS sequences that must fit at once (default: 256)"),
     ("sweep", "--ranks RANKS comma-separated; capped at the model's d_c (default: 512,256,128,64,32)"),
     ("bench", "--max-tokens MAX_TOKENS tokens generated per prompt (default: 64)"),
+    ("token-map", "--size SIZE tokens in the map (the special tokens come on top) (default: 32768)"),
     ("warm", "--kv-cache-write-through write every full block to the disk tier as soon as it is complete "
              "(default: False)"),
 ])
@@ -84,7 +85,7 @@ def test_top_level_help_names_the_subcommands(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert all(name in out for name in COMMANDS)
-    assert set(COMMANDS) == {"serve", "plan", "sweep", "bench", "hash", "warm"}
+    assert set(COMMANDS) == {"serve", "plan", "sweep", "bench", "hash", "warm", "token-map"}
     with pytest.raises(SystemExit) as done:
         main(["warp"])
     assert done.value.code == 2

@@ -4,6 +4,7 @@ without changing the output."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -12,9 +13,12 @@ import torch
 
 from mla_runtime import LLM, SamplingParams
 from mla_runtime.cache.latent_cache import LatentCache
+from mla_runtime.cli import main as cli_main
 from mla_runtime.errors import InvalidParam
 from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.loader import load_model
+from mla_runtime.token_map import MAP_FILE, count_tokens, load_token_map, resolve_token_map
+from mla_runtime.tokenizer import load_tokenizer
 from tests.checkpoints import VOCAB, add_mtp_layer, mtp_reference, quantize_fp8_checkpoint
 from tests.test_engine import assert_clean, make_prompts, new_llm
 
@@ -225,3 +229,120 @@ def test_served_with_mtp_streams_the_same_text():
     assert texts[0] == texts[1]
     assert m[("mla_spec_draft_tokens_total", ("method", "mtp"))] > 0
     assert ("mla_spec_position_accepted_total", ("method", "mtp"), ("position", "2")) in m
+
+
+# ------------------------------------------------------------------------------------------ draft vocabulary
+def reference_chain(hf, layer, full: list[int], k: int, allowed: list[int] | None) -> list[int]:
+    """The reference's greedy chain of ``k`` drafts after ``full``, choosing among ``allowed`` (None: all)."""
+    chain: list[int] = []
+    for _ in range(k):
+        logits = mtp_reference(hf, layer, full, chain)[-1]
+        chain.append(int(logits.argmax()) if allowed is None else allowed[int(logits[allowed].argmax())])
+    return chain
+
+
+def write_map(path: Path, ids: list[int]) -> Path:
+    path.write_text(json.dumps(ids), encoding="utf-8")
+    return path
+
+
+def test_a_draft_vocabulary_restricts_the_drafts_not_the_output(mtp_checkpoint, tmp_path):
+    """Drafts come from the map's tokens only (the reference chain restricted to them), and the output stays
+    plain decoding's, tokens outside the map included."""
+    path, hf, layer = mtp_checkpoint
+    allowed = sorted(random.Random(4).sample(range(VOCAB), VOCAB // 3))
+    token_map = write_map(tmp_path / "map.json", list(reversed(allowed)))  # any order
+    ids = [random.Random(2).randrange(2, VOCAB) for _ in range(21)]
+    llm = new_llm(path, speculative_method="mtp", num_speculative_tokens=3, speculative_token_map=str(token_map))
+    llm.engine.add_request("r", {"prompt_token_ids": ids}, SamplingParams(max_tokens=8, temperature=0.0))
+    llm.engine.step()
+    seq = llm.engine.requests["r"].seqs[0]
+    expected = reference_chain(hf, layer, ids + seq.output_token_ids, 3, allowed)
+    assert seq.mtp_draft_ids == expected
+    assert expected != reference_chain(hf, layer, ids + seq.output_token_ids, 3, None)  # the map mattered
+    llm.engine.abort("r")
+    prompts = make_prompts(5, seed=6, lo=5, hi=60)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain, _, _ = generate(path, params, prompts)
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert out == plain
+    assert any(t not in allowed for o in out for t in o)
+    assert llm.engine.stats().num_draft_tokens > 0
+    assert_clean(llm)
+
+
+def test_a_draft_vocabulary_under_two_ranks(mtp_checkpoint, tmp_path):
+    """Each rank drafts from the map's ids in its vocabulary shard; a rank whose shard holds none of them
+    still takes part in the reduction."""
+    path, hf, layer = mtp_checkpoint
+    allowed = list(range(3, VOCAB // 2, 3))  # rank 0's shard only
+    token_map = write_map(tmp_path / "map.json", allowed)
+    ids = [random.Random(5).randrange(2, VOCAB) for _ in range(30)]
+    llm = LLM(str(path), dtype="float32", max_model_len=256, block_size=32, tensor_parallel_size=2,
+              latent_cache_layout="sharded", kv_cache_memory="8MiB", speculative_method="mtp",
+              num_speculative_tokens=2, speculative_token_map=str(token_map))
+    try:
+        llm.engine.add_request("r", {"prompt_token_ids": ids}, SamplingParams(max_tokens=4, temperature=0.0))
+        llm.engine.step()
+        seq = llm.engine.requests["r"].seqs[0]
+        assert seq.mtp_draft_ids == reference_chain(hf, layer, ids + seq.output_token_ids, 2, allowed)
+        llm.engine.abort("r")
+        llm.engine.pool.check_whole()
+    finally:
+        llm.shutdown()
+
+
+def test_int8_weights_draft_from_the_vocabulary_too(mtp_checkpoint, tmp_path):
+    path, _, _ = mtp_checkpoint
+    token_map = write_map(tmp_path / "map.json", list(range(0, VOCAB, 2)))
+    prompts = make_prompts(3, seed=7, lo=5, hi=40)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    plain, _, _ = generate(path, params, prompts, quantization="int8")
+    spec, stats, llm = generate(path, params, prompts, quantization="int8", speculative_method="mtp",
+                                num_speculative_tokens=2, speculative_token_map=str(token_map))
+    assert spec == plain and stats.num_draft_tokens > 0
+    model = llm.engine.worker.model
+    assert model.draft_head_packed is not None and model.draft_head_packed.quantized
+
+
+def test_the_checkpoint_map_is_found_and_can_be_switched_off(tmp_path):
+    (tmp_path / MAP_FILE).write_text("[5, 1, 5, 3]", encoding="utf-8")
+    assert resolve_token_map(None, tmp_path, 10)[0] == [1, 3, 5]
+    assert resolve_token_map("none", tmp_path, 10)[0] is None
+    assert resolve_token_map(None, tmp_path / "elsewhere", 10)[0] is None
+    own = write_map(tmp_path / "own.json", [9])
+    ids, source = resolve_token_map(str(own), tmp_path, 10)
+    assert ids == [9] and "1 of 10 tokens" in source
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("[1, 2", "not valid JSON"),
+    ("{}", "non-empty JSON list"),
+    ("[]", "non-empty JSON list"),
+    ("[1, 10]", "not token ids in [0, 10)"),
+    ('[1, "2"]', "not token ids"),
+    ("[true]", "not token ids"),
+])
+def test_a_bad_map_is_an_error_naming_the_file(tmp_path, text, problem):
+    bad = tmp_path / "bad.json"
+    bad.write_text(text, encoding="utf-8")
+    with pytest.raises(InvalidParam, match="speculative_token_map") as e:
+        load_token_map(bad, 10)
+    assert problem in str(e.value) and str(bad) in str(e.value)
+    with pytest.raises(InvalidParam, match="cannot be read"):
+        load_token_map(tmp_path / "missing.json", 10)
+
+
+def test_the_demo_model_ships_a_map_and_the_token_map_command_writes_one(tmp_path, capsys):
+    ids = load_token_map(DEMO / MAP_FILE, 8192)
+    assert 256 <= len(ids) < 8192 and 1 in ids  # the end-of-sequence token may be drafted
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def f(x):\n    return x + 1\n" * 20, encoding="utf-8")
+    out = tmp_path / "map.json"
+    assert cli_main(["token-map", "--model", str(DEMO), "--size", "4", "--out", str(out), str(corpus)]) == 0
+    written = json.loads(out.read_text())
+    tokenizer = load_tokenizer(DEMO)
+    counts = count_tokens(tokenizer, [corpus.read_text()])
+    top = sorted(counts, key=lambda t: (-counts[t], t))[:4]
+    assert written == [*dict.fromkeys(tokenizer.all_special_ids), *top]
+    assert "covering" in capsys.readouterr().out

@@ -53,6 +53,9 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
+    # the tokens MTP drafts may propose (token_map.py): None: the checkpoint's speculative_token_map.json where it
+    # has one, else all; "none": all; a path: that JSON list of token ids
+    speculative_token_map: str | None = None
     # the disk tier of the prefix cache (cache/disk_tier.py): full blocks evicted from the pool (or, with
     # write-through, every full block) are written under kv_cache_dir and found there again after a restart;
     # kv_cache_disk_bytes bounds the directory (default: its current size plus 90% of the free disk space)
@@ -96,6 +99,11 @@ class EngineConfig:
                                f"got {self.speculative_method!r}")
         if self.speculative_method == "mtp" and self.num_speculative_tokens == 0:
             object.__setattr__(self, "num_speculative_tokens", 1)
+        if isinstance(self.speculative_token_map, os.PathLike):
+            object.__setattr__(self, "speculative_token_map", os.fspath(self.speculative_token_map))
+        if self.speculative_token_map is not None and not isinstance(self.speculative_token_map, str):
+            raise InvalidParam("speculative_token_map", "speculative_token_map must be a path, 'none' or None, "
+                               f"got {self.speculative_token_map!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) and prompt_lookup_max "
                              f"({self.prompt_lookup_max}) must satisfy 1 <= min <= max")

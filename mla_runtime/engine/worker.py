@@ -58,6 +58,7 @@ from mla_runtime.plan import (
     resolve_model_dtype,
     weight_bytes,
 )
+from mla_runtime.token_map import resolve_token_map
 
 logger = logging.getLogger("mla_runtime")
 
@@ -152,6 +153,11 @@ class Worker:
         self.model = load_model(self.model_path, dtype=self.dtype, attention_path=c.attention_path,
                                 backend=c.attention_backend, device=self.device, par=self.par,
                                 num_mtp_layers=self.num_mtp_layers)
+        if self.num_mtp_layers:
+            ids, source = resolve_token_map(c.speculative_token_map, self.model_path, self.model_config.vocab_size)
+            self.model.set_draft_vocab(ids)
+            if self.par.rank == 0:
+                logger.info("MTP draft vocabulary: %s", source)
         return self.model
 
     def truncate_latent(self, calibration: Sequence[Sequence[int]] | None, rank: int | None = None,

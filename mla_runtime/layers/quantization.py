@@ -207,6 +207,10 @@ def quantize_model(model: nn.Module, quantization: str | None) -> int:
     head = getattr(model, "lm_head", None)
     if isinstance(head, nn.Parameter):  # untied; a tied lm_head is the embedding, which stays
         _release(head)
+    draft_head = getattr(model, "draft_head", None)  # the MTP drafts' rows of it (set_draft_vocab)
+    if draft_head is not None and draft_head.numel():
+        model.__dict__["draft_head_packed"] = Int8Weight(draft_head)
+        model.__dict__["draft_head"] = released(draft_head)
     return sum(w.nbytes for w in quantized_weights(model))
 
 

@@ -119,6 +119,10 @@ class DeepseekForCausalLM(nn.Module):
                         nn.Parameter(torch.zeros(rows, cfg.hidden_size, dtype=dtype), requires_grad=False))
 
         self.lm_head_packed: PackedWeight | None = None
+        # the MTP drafts' head: the lm_head rows of the draft vocabulary (``set_draft_vocab``), on this rank
+        self.draft_ids: torch.Tensor | None = None  # their token ids, ascending (None: the whole head)
+        self.draft_head: torch.Tensor | None = None
+        self.draft_head_packed: PackedWeight | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -175,18 +179,47 @@ class DeepseekForCausalLM(nn.Module):
         x = layer.fuse(self.model.embed_tokens(batch.input_ids), hidden)
         return cast(torch.Tensor, layer(x, meta, cache.layers[len(self.model.layers)]))
 
+    def set_draft_vocab(self, token_ids: list[int] | None) -> None:
+        """Let MTP drafts propose only ``token_ids`` (sorted, distinct; None: the whole vocabulary): their head is a
+        copy of those lm_head rows (this rank's share of them), read instead of the whole head by every draft link
+        (``token_map``). Call after loading and before quantising."""
+        if token_ids is None:
+            self.draft_ids = self.draft_head = self.draft_head_packed = None
+            return
+        ids, start = torch.tensor(token_ids, dtype=torch.long), 0
+        if self.par.enabled:  # this rank's lm_head holds the vocabulary rows [start, stop)
+            start, stop, _ = self.par.vocab_split(self.config.vocab_size)
+            ids = ids[(ids >= start) & (ids < stop)]
+        weight = self.lm_head_weight
+        self.draft_ids = ids.to(weight.device)
+        self.draft_head = weight[self.draft_ids - start].contiguous()
+        self.draft_head_packed = PackedWeight.make(self.draft_head) if len(ids) else None  # none: nothing to pack
+
     def mtp_greedy(self, out: torch.Tensor) -> torch.Tensor:
-        """The MTP layer's greedy tokens ``[R]`` for its outputs ``out [R, d]``, on every rank."""
+        """The MTP layer's greedy tokens ``[R]`` for its outputs ``out [R, d]`` (within the draft vocabulary), on
+        every rank."""
         normed = cast(MTPLayer, self.mtp[0]).shared_head.norm(out)
-        logits = linear(normed, self.lm_head_weight, None, self.lm_head_packed).float()
+        if self.draft_head is None:
+            logits = linear(normed, self.lm_head_weight, None, self.lm_head_packed).float()
+        else:
+            logits = linear(normed, self.draft_head, None, self.draft_head_packed).float()
         if not self.par.enabled:
-            return logits.argmax(-1)
+            idx = logits.argmax(-1)
+            return idx if self.draft_ids is None else self.draft_ids[idx]
         start, stop, _ = self.par.vocab_split(self.config.vocab_size)
-        logits[:, stop - start:] = float("-inf")  # padding rows of the last shard
-        best, idx = logits.max(-1)
+        if self.draft_ids is None:
+            logits[:, stop - start:] = float("-inf")  # padding rows of the last shard
+            best, idx = logits.max(-1)
+            idx = idx + start
+        elif logits.shape[-1]:
+            best, idx = logits.max(-1)
+            idx = self.draft_ids[idx]
+        else:  # none of the draft vocabulary is in this rank's shard
+            best = logits.new_full(logits.shape[:1], float("-inf"))
+            idx = torch.zeros(logits.shape[:1], dtype=torch.long, device=logits.device)
         # the best of every rank's shard: ties go to the lowest id, as argmax over the whole vocabulary does
         best_all = self.par.all_gather(best.unsqueeze(-1), dim=-1)  # [R, N]
-        idx_all = self.par.all_gather((idx + start).unsqueeze(-1), dim=-1)
+        idx_all = self.par.all_gather(idx.unsqueeze(-1), dim=-1)
         winner = best_all.argmax(-1, keepdim=True)
         return idx_all.gather(-1, winner).squeeze(-1)
 

@@ -186,6 +186,9 @@ OPTIONS: dict[str, Option] = {
                                  "multi-token-prediction layer)"),
     "num_speculative_tokens": Option("speculative.num_tokens", "--num-speculative-tokens", int,
                                      "draft tokens per decode step (0: off; mtp alone: 1)"),
+    "speculative_token_map": Option("speculative.token_map", "--speculative-token-map", str,
+                                    "JSON list of the token ids MTP drafts may propose ('none': all; default: "
+                                    "the checkpoint's speculative_token_map.json, else all)"),
     "prompt_lookup_max": Option("speculative.prompt_lookup_max", "--prompt-lookup-max", int,
                                 "longest suffix looked up for drafts"),
     "prompt_lookup_min": Option("speculative.prompt_lookup_min", "--prompt-lookup-min", int,
