@@ -8,10 +8,12 @@ rows of the same positions. Its row at position ``i`` depends on tokens ``0 .. i
 Each step, after the main model ran and the sampler chose the step's tokens, the runner sends the worker a
 ``DraftInput`` (``draft_input``) and the worker (``Worker.draft``):
 
-1. runs the MTP layer over every position the step computed and kept — a prefill chunk's positions (the
-   token after each is known from the prompt), or a decode's position and its accepted drafts (the token after
-   the last is the one just sampled) — writing their MTP latent rows, so that the MTP cache always holds the
-   rows of every computed position (the prompt's included);
+1. runs the MTP layer over the rows the step computed — with the step's own batch and attention metadata, so
+   the pass plans nothing — each fed the token after its position: a prefill chunk's next prompt tokens, or for
+   a decode its accepted drafts and then the token just sampled. That writes the MTP latent rows of every kept
+   position, so that the MTP cache always holds the rows of every computed position (the prompt's included);
+   the rows of rejected drafts are scratch, like the main model's, and are overwritten once those positions are
+   real;
 2. for each sequence that just sampled, takes the MTP output at its last kept position ``p`` as the first
    draft ``d_1`` (greedy), then chains: the layer runs again at ``p + 1`` on ``(its own output, d_1)`` to give
    ``d_2``, and so on up to ``num_speculative_tokens`` drafts, reusing its weights (as vLLM and SGLang do).
@@ -39,10 +41,10 @@ def draft_input(batch: ScheduledBatch, order: list[int], gained: dict[int, list[
                 block_size: int) -> tuple[DraftInput, list[Sequence]]:
     """The MTP pass of a step that ran ``batch`` in ``order``; ``gained``: the tokens each sampled sequence
     gains (accepted drafts, then the sampled token), by seq_id. Returns the input and its sequences."""
-    chunks: list[list[int]] = []
-    contexts: list[int] = []
+    token_ids: list[int] = []
+    last_rows: list[int] = []
+    next_positions: list[int] = []
     tables: list[list[int]] = []
-    rows: list[int] = []
     wants: list[int] = []
     seqs: list[Sequence] = []
     row = 0
@@ -58,11 +60,12 @@ def draft_input(batch: ScheduledBatch, order: list[int], gained: dict[int, list[
             room = len(seq.block_table) * block_size - (c + m)  # chain links need a slot each
             left = seq.params.max_tokens - len(seq.output_token_ids) - len(new)
             want = max(0, min(max_drafts, room + 1, left - 1))
-        chunks.append(following)
-        contexts.append(c)
+        # the rows of rejected drafts run too (scratch latents, as the main model's): the step's rows stay whole
+        token_ids += following + following[-1:] * (n - m)
+        last_rows.append(row + m - 1)
+        next_positions.append(c + m)
         tables.append(seq.block_table)
-        rows.extend(range(row, row + m))
         wants.append(want)
         seqs.append(seq)
         row += n
-    return DraftInput(chunks, contexts, tables, rows, wants), seqs
+    return DraftInput(token_ids, last_rows, next_positions, tables, wants), seqs

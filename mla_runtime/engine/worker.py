@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from mla_runtime import checksums
+from mla_runtime.attention_metadata import AttentionMetadata
 from mla_runtime.cache.disk_tier import DiskTier, file_sha256, model_fingerprint
 from mla_runtime.cache.host_tier import HostTier
 from mla_runtime.cache.latent_cache import LatentCache
@@ -75,14 +76,15 @@ class StepInput:
 
 @dataclass(frozen=True)
 class DraftInput:
-    """The MTP layer's part of a step, as plain lists (see ``engine/mtp.py``): for each sequence the positions
-    ``context_len .. context_len + len(chunk) - 1`` that the step computed and kept, the token after each, the
-    rows of the step's hidden states they continue from, and how many drafts to chain (0: only the latents)."""
+    """The MTP layer's part of a step, as plain lists (see ``engine/mtp.py``). The MTP pass runs over the rows of
+    the last ``execute`` (same positions, slots and attention metadata), each fed the token after its position;
+    per sequence: the row of its last kept position, the position after it and how many drafts to chain from it
+    (0: only the latents)."""
 
-    token_chunks: list[list[int]]
-    context_lens: list[int]
+    token_ids: list[int]  # one per row of the last step, in its order (past a sequence's last kept row: any)
+    last_rows: list[int]
+    next_positions: list[int]
     block_tables: list[list[int]]
-    hidden_rows: list[int]  # one row of the last ``execute``'s hidden states per token, in order
     num_drafts: list[int]
 
 
@@ -134,7 +136,8 @@ class Worker:
             max_num_seqs=config.max_num_seqs, tensor_parallel_size=tp)
         self.model: DeepseekForCausalLM | None = None
         self.cache: LatentCache | None = None
-        self.last_hidden: torch.Tensor | None = None  # the last step's hidden states, for the MTP layer
+        # the last step's batch, attention metadata and hidden states, for the MTP layer's pass over the same rows
+        self.last_step: tuple[ForwardBatch, AttentionMetadata, torch.Tensor] | None = None
         self.quantized = False  # the model's weights are quantised (config.quantization): no more truncation
         self.weights_fingerprint: str | None = None  # from the sha256 manifest (None: the folder has none)
         self.disk_tier: DiskTier | None = None
@@ -265,9 +268,10 @@ class Worker:
         assert self.model is not None and self.cache is not None
         batch = ForwardBatch.build(step.token_chunks, step.context_lens, step.block_tables, self.config.block_size,
                                    self.device)
-        hidden = self.model(batch, self.cache, self.model.attention_metadata(batch, self.cache))
+        meta = self.model.attention_metadata(batch, self.cache)
+        hidden = self.model(batch, self.cache, meta)
         if self.num_mtp_layers:
-            self.last_hidden = hidden
+            self.last_step = batch, meta, hidden
         if not step.logit_rows:
             return None
         return self.model.compute_logits(hidden[step.logit_rows])
@@ -276,18 +280,18 @@ class Worker:
     def draft(self, d: DraftInput) -> list[list[int]]:
         """Run the MTP layer over ``d`` (writing its latents) and chain it into each sequence's drafts; the same
         drafts on every rank."""
-        assert self.model is not None and self.cache is not None and self.last_hidden is not None
+        assert self.model is not None and self.cache is not None and self.last_step is not None
         model, cache, bs = self.model, self.cache, self.config.block_size
-        batch = ForwardBatch.build(d.token_chunks, d.context_lens, d.block_tables, bs, self.device)
-        hidden = self.last_hidden[torch.tensor(d.hidden_rows, dtype=torch.long, device=self.device)]
-        self.last_hidden = None
-        out = model.mtp_forward(batch, cache, hidden)
+        batch, meta, hidden = self.last_step
+        self.last_step = None
+        ids = torch.tensor(d.token_ids, dtype=torch.long, device=self.device)
+        out = model.mtp_forward(batch, cache, hidden, meta, input_ids=ids)
         drafts: list[list[int]] = [[] for _ in d.num_drafts]
         active = [b for b, k in enumerate(d.num_drafts) if k > 0]
         if not active:
             return drafts
-        out = out[batch.logits_indices[active]]  # each drafting sequence's last position
-        ends = [d.context_lens[b] + len(d.token_chunks[b]) for b in active]  # the first draft's position
+        out = out[torch.tensor([d.last_rows[b] for b in active], device=self.device)]  # last kept positions
+        ends = [d.next_positions[b] for b in active]  # the first draft's position
         while True:
             for b, t in zip(active, model.mtp_greedy(out).tolist()):
                 drafts[b].append(t)

@@ -170,13 +170,13 @@ class DeepseekForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def mtp_forward(self, batch: ForwardBatch, cache: LatentCache, hidden: torch.Tensor,
-                    meta: AttentionMetadata | None = None) -> torch.Tensor:
-        """The first MTP layer over ``batch`` (its ``input_ids`` are the tokens after each position, ``hidden
-        [T, d]`` the states it continues from), writing its latents into its cache layer; its output ``[T, d]``
-        before ``shared_head.norm``."""
+                    meta: AttentionMetadata | None = None, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The first MTP layer over ``batch``'s positions (``input_ids``, default the batch's own: the token after
+        each position; ``hidden [T, d]``: the states it continues from), writing its latents into its cache layer;
+        its output ``[T, d]`` before ``shared_head.norm``."""
         meta = meta or self.attention_metadata(batch, cache)
         layer = cast(MTPLayer, self.mtp[0])
-        x = layer.fuse(self.model.embed_tokens(batch.input_ids), hidden)
+        x = layer.fuse(self.model.embed_tokens(batch.input_ids if input_ids is None else input_ids), hidden)
         return cast(torch.Tensor, layer(x, meta, cache.layers[len(self.model.layers)]))
 
     def set_draft_vocab(self, token_ids: list[int] | None) -> None:
