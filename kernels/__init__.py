@@ -7,7 +7,7 @@ live in :mod:`mla_kernels.reference`. This package never imports ``mla_runtime``
 
 from .common import default_backend, dequantize_rows, quantize_per_token
 from .decode import mla_decode
-from .decode_cpu import DecodePlan, mla_decode_planned, plan_decode, write_latent
+from .decode_cpu import DecodePlan, mla_decode_planned, plan_decode, plan_decode_lists, write_latent
 from .latent_store import gather_latent, store_latent
 from .prefill import prefill_attention
 
@@ -19,6 +19,7 @@ __all__ = [
     "mla_decode",
     "mla_decode_planned",
     "plan_decode",
+    "plan_decode_lists",
     "prefill_attention",
     "quantize_per_token",
     "store_latent",

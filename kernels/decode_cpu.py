@@ -30,6 +30,7 @@ fp8/int8 caches (per-token scales) and CUDA tensors use ``mla_decode``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,27 @@ def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: 
     slots = rows.long().gather(1, key // block_size) * block_size + key % block_size
     mask = torch.where(pos > last, float("-inf"), 0.0).unsqueeze(1)  # [N, 1, L] float32
     return DecodePlan(slots=slots, mask=mask, max_len=hi)
+
+
+def plan_decode_lists(block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int], block_size: int,
+                      device: torch.device | str = "cpu") -> DecodePlan:
+    """``plan_decode`` from host lists — the block table of each query row and its ``seq_len`` — for a small
+    plan: the same ``DecodePlan``, built in Python and moved in two tensors instead of a dozen tensor ops."""
+    if not seq_lens or len(block_tables) != len(seq_lens):
+        raise ValueError("plan_decode_lists needs one block table per query row, and at least one row")
+    width = -(-max(seq_lens) // PLAN_LEN_MULTIPLE) * PLAN_LEN_MULTIPLE
+    slots: list[int] = []
+    mask: list[float] = []
+    for table, n in zip(block_tables, seq_lens):
+        if not 1 <= n <= len(table) * block_size:
+            raise ValueError(f"a seq_len of {n} needs between 1 key and the block table's {len(table)} blocks")
+        row = [s for block in table[:-(-n // block_size)] for s in range(block * block_size, (block + 1) * block_size)]
+        slots += row[:n] + [row[n - 1]] * (width - n)  # padding repeats the last key
+        mask += [0.0] * n + [float("-inf")] * (width - n)
+    rows = len(seq_lens)
+    return DecodePlan(slots=torch.tensor(slots, dtype=torch.int64, device=device).view(rows, width),
+                      mask=torch.tensor(mask, dtype=torch.float32, device=device).view(rows, 1, width),
+                      max_len=width)
 
 
 def mla_decode_planned(q: torch.Tensor, cache: torch.Tensor, plan: DecodePlan, sm_scale: float,

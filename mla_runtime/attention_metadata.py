@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from mla_kernels import DecodePlan, plan_decode
+from mla_kernels import DecodePlan, plan_decode, plan_decode_lists
 from mla_kernels.common import resolve_backend
 
 from mla_runtime.forward_batch import ForwardBatch
@@ -34,6 +34,9 @@ from mla_runtime.parallel import ParallelContext, local_latent_view
 # (prefills, verifications over long contexts) take the per-sequence path, which gathers a sequence's latent once.
 PLANNED_MAX_QUERY_LEN = 8
 PLANNED_EXTRA_KEY_BYTES = 2 << 20
+# A plan of at most this many (query row, key) entries is built on the host from the batch's block-table lists
+# (``plan_decode_lists``: two tensors made, instead of a dozen tensor ops); larger ones by tensor ops.
+HOST_PLAN_MAX_ENTRIES = 8192
 
 
 @dataclass(frozen=True)
@@ -109,13 +112,23 @@ def build_attention_metadata(batch: ForwardBatch, rope: RopeTables,
     seqs, d = batch.leading_short(PLANNED_MAX_QUERY_LEN, PLANNED_EXTRA_KEY_BYTES // key_bytes)
     if not d:
         return meta
-    ctx, qs = batch.context_lens_list[:seqs], batch.query_lens[:seqs]
-    len_range = (min(c + 1 for c in ctx), max(c + q for c, q in zip(ctx, qs)))  # keys seen by the plan's rows
-    plan = plan_decode(batch.block_tables[:seqs], batch.token_seq_lens[:d], batch.block_size,
-                       batch.token_req_idx[:d], len_range)
+    plan = _plan(batch, seqs, d, cache_kv.device)
     rest = None
     if seqs < batch.num_seqs:
         tail = batch.tail(seqs)
         rest = AttentionMetadata(tail, rope.tail(d), slots[d:], seq_lens[d:],
                                  choose_path(tail, dims, forced_path, False), host_cu_seqlens(tail))
     return AttentionMetadata(batch, rope, slots, seq_lens, path, meta.host_cu_seqlens, plan, d, rest)
+
+
+def _plan(batch: ForwardBatch, seqs: int, rows: int, device: torch.device) -> DecodePlan:
+    """The gather plan of the first ``rows`` tokens (those of the first ``seqs`` sequences)."""
+    ctx, qs = batch.context_lens_list[:seqs], batch.query_lens[:seqs]
+    len_range = (min(c + 1 for c in ctx), max(c + q for c, q in zip(ctx, qs)))  # keys seen by the plan's rows
+    tables = batch.host_block_tables
+    if tables is not None and rows * len_range[1] <= HOST_PLAN_MAX_ENTRIES:
+        lens = [c + j for c, q in zip(ctx, qs) for j in range(1, q + 1)]
+        return plan_decode_lists([tables[b] for b, q in enumerate(qs) for _ in range(q)], lens, batch.block_size,
+                                 device)
+    return plan_decode(batch.block_tables[:seqs], batch.token_seq_lens[:rows], batch.block_size,
+                       batch.token_req_idx[:rows], len_range)

@@ -33,6 +33,7 @@ class ForwardBatch:
     query_lens: list[int]
     context_lens_list: list[int]
     block_size: int
+    host_block_tables: Sequence[Sequence[int]] | None = None  # the block ids of each sequence, as given to build
 
     @property
     def num_tokens(self) -> int:
@@ -72,7 +73,8 @@ class ForwardBatch:
             context_lens=self.context_lens[first:], block_tables=self.block_tables[first:],
             token_seq_lens=self.token_seq_lens[t0:], token_req_idx=self.token_req_idx[t0:] - first,
             logits_indices=self.logits_indices[first:] - t0, query_lens=self.query_lens[first:],
-            context_lens_list=self.context_lens_list[first:], block_size=self.block_size)
+            context_lens_list=self.context_lens_list[first:], block_size=self.block_size,
+            host_block_tables=None if self.host_block_tables is None else self.host_block_tables[first:])
 
     @classmethod
     def build(cls, token_chunks: Sequence[Sequence[int]], context_lens: Sequence[int],
@@ -120,4 +122,4 @@ class ForwardBatch:
             input_ids=input_ids, positions=pos_t, slot_mapping=slot_t, query_start_loc=qsl, seq_lens=sl,
             seq_start_loc=ssl, context_lens=cl, block_tables=tables.view(num_seqs, width), token_seq_lens=tsl,
             token_req_idx=tri, logits_indices=logits_t, query_lens=qlens, context_lens_list=list(context_lens),
-            block_size=block_size)
+            block_size=block_size, host_block_tables=block_tables)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():  # kernels: interpret Triton on CPU (must precede the first triton import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from mla_kernels import mla_decode_planned, plan_decode  # noqa: E402
+from mla_kernels import mla_decode_planned, plan_decode, plan_decode_lists  # noqa: E402
 from mla_kernels.reference import ref_mla_decode  # noqa: E402
 
 from mla_runtime import LLM, SamplingParams  # noqa: E402
@@ -83,6 +83,20 @@ def test_planned_decode_rows_sharing_a_table_row():
     out = mla_decode_planned(q, case.cache, plan_decode(case.block_tables, lens, 16, req), 0.2, d_c)
     ref, _ = ref_mla_decode(q, case.cache, None, case.block_tables, lens, 0.2, d_c, req_indices=req)
     assert_close(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_the_host_built_plan_equals_the_tensor_built_one(block_size):
+    """plan_decode_lists (block-table lists, one per query row) makes plan_decode's plan, chunk rows included."""
+    case = make_paged_case([40, 90, 1, 129], 32, 16, block_size=block_size, seed=5)
+    req = torch.tensor([0, 1, 1, 1, 2, 3], dtype=torch.int32)
+    lens = torch.tensor([40, 88, 89, 90, 1, 129], dtype=torch.int32)
+    tables = [row[:-(-int(n) // block_size)] for row, n in zip(case.block_tables.tolist(), case.seq_lens.tolist())]
+    host = plan_decode_lists([tables[r] for r in req.tolist()], lens.tolist(), block_size)
+    plan = plan_decode(case.block_tables, lens, block_size, req)
+    assert host.max_len == plan.max_len and torch.equal(host.slots, plan.slots) and torch.equal(host.mask, plan.mask)
+    with pytest.raises(ValueError, match="block table"):
+        plan_decode_lists([tables[0]], [41 + 64], block_size)
 
 
 def test_plan_decode_rejects_rows_without_keys():
