@@ -4,11 +4,12 @@
     python bench/bench_speculative.py --method mtp prompt_lookup --num-speculative-tokens 1 2 3 --batch 1 8
 
 With ``--method``, every (method, k) and plain decoding get an engine each, loaded side by side, and the runs
-alternate between them round by round (``--rounds``); the tables give medians. Per row: tokens/s, speed-up over
-plain decoding, mean acceptance length (1 + accepted drafts per verification step), accepted tokens per decode
-step, the acceptance at each draft position, and whether the greedy tokens equal plain decoding's. With
-``mtp`` it also prints the median time of one MTP draft link (``Worker.draft`` per link) against one plain
-main-model step (``Worker.execute``) at batch 1.
+alternate between them round by round (``--rounds``); the tables give medians. Per row: tokens/s and the
+speed-up over plain decoding, for the whole run (prefill included) and for decoding alone (the time after every
+request's first token, and the tokens generated in it), mean acceptance length (1 + accepted drafts per
+verification step), accepted tokens per decode step, the acceptance at each draft position, and whether the
+greedy tokens equal plain decoding's. With ``mtp`` it also prints the median time of one MTP draft link
+(``Worker.draft`` per link) against one plain main-model step (``Worker.execute``) at batch 1.
 
 Runs the same requests through one engine per draft budget ``k`` (``k = 0`` is plain decoding, the
 baseline) and prints, per batch size and ``k``: output tokens/s (prefill included), engine steps, drafts
@@ -102,19 +103,23 @@ def one_round(llm, prompts: list[str], params: SamplingParams, tag: str) -> dict
     """One batch of requests through ``llm``: seconds, tokens, engine steps and speculative counts."""
     engine = llm.engine
     before = _engine_counts(engine)
-    steps, finished = 0, {}
+    steps, finished, first = 0, {}, {}
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(f"{tag}-{i}-{time.perf_counter_ns()}", p, params)
     while engine.has_unfinished_requests():
         for out in engine.step():
+            if out.outputs[0].token_ids and out.request_id not in first:
+                first[out.request_id] = time.perf_counter()
             if out.finished:
                 finished[out.request_id] = out
         steps += 1
     seconds = time.perf_counter() - t0
+    decode_seconds = seconds - (max(first.values()) - t0)  # after every request's first token: decoding only
     after = _engine_counts(engine)
     outs = [o.outputs[0].token_ids for o in sorted(finished.values(), key=lambda o: o.request_id)]
-    return {"seconds": seconds, "steps": steps, "outs": outs, "verify": after[0] - before[0],
+    return {"seconds": seconds, "decode_seconds": decode_seconds, "steps": steps, "outs": outs,
+            "verify": after[0] - before[0],
             "accepted": after[1] - before[1], "tokens": after[2] - before[2],
             "drafts_pos": [a - b for a, b in zip(after[3], before[3])],
             "accepted_pos": [a - b for a, b in zip(after[4], before[4])]}
@@ -167,22 +172,25 @@ def compare_methods(args, prompts: list[str]) -> None:
             for c in configs:
                 rounds[c].append(one_round(llms[c], prompts[:batch], params, f"{c[0]}{c[1]}-{r}"))
         print(f"\nbatch {batch}\n")
-        print("| method | k | tok/s | speed-up | acceptance length | tokens/step | acceptance by position "
-              "| same tokens |")
-        print("|---|---:|---:|---:|---:|---:|---|---|")
+        print("| method | k | tok/s | speed-up | decode tok/s | decode speed-up | acceptance length | tokens/step "
+              "| acceptance by position | same tokens |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
         base = median([x["seconds"] for x in rounds[("plain", 0)]])
+        base_decode = median([x["decode_seconds"] for x in rounds[("plain", 0)]])
         base_outs = rounds[("plain", 0)][0]["outs"]
         for c in configs:
             xs = rounds[c]
             sec = median([x["seconds"] for x in xs])
+            dec = median([x["decode_seconds"] for x in xs])
             verify, accepted = sum(x["verify"] for x in xs), sum(x["accepted"] for x in xs)
             length = f"{1 + accepted / verify:.2f}" if verify else "-"
             per_step = sum(x["tokens"] for x in xs) / sum(x["steps"] for x in xs)
             pos_d = [sum(v) for v in zip(*[x["drafts_pos"] for x in xs])]
             pos_a = [sum(v) for v in zip(*[x["accepted_pos"] for x in xs])]
             by_pos = " / ".join(f"{a / d:.0%}" for a, d in zip(pos_a, pos_d) if d) or "-"
-            print(f"| {c[0]} | {c[1]} | {batch * args.max_tokens / sec:.1f} | {base / sec:.2f}× | {length} | "
-                  f"{per_step:.2f} | {by_pos} | {same(xs[0]['outs'], base_outs, args.temperature)} |", flush=True)
+            print(f"| {c[0]} | {c[1]} | {batch * args.max_tokens / sec:.1f} | {base / sec:.2f}× | "
+                  f"{batch * (args.max_tokens - 1) / dec:.1f} | {base_decode / dec:.2f}× | {length} | {per_step:.2f} | "
+                  f"{by_pos} | {same(xs[0]['outs'], base_outs, args.temperature)} |", flush=True)
         if batch == 1 and ("mtp", 1) in timers:
             main_step = median(timers[("plain", 0)].execute[-args.rounds * args.max_tokens:])
             links = [t / n for t, n in timers[("mtp", 1)].draft if n == 1]
