@@ -15,7 +15,8 @@ of a probe before and after).
 Candidates (a candidate the CPU or torch build cannot run is listed as unsupported):
 
 - ``fp32 F.linear`` — ATen (MKL sgemm/sgemv); ``fp32 onednn-plain`` / ``fp32 onednn-blocked`` — oneDNN's
-  ``_linear_pointwise`` on the plain weight and on the layout ``_reorder_linear_weight`` makes;
+  ``_linear_pointwise`` on the plain weight and on the layout ``_reorder_linear_weight`` makes; ``fp32 row-kernel``
+  (one row) — ``mla_kernels.cpu_gemv``, the AVX2 kernel compiled at run time;
   ``fp32 cpu_gemm`` — what ``mla_runtime.layers.cpu_gemm.linear`` picks for that weight;
 - ``bf16 F.linear``, ``bf16 onednn-blocked``, ``bf16 cpu_gemm`` — the same in bfloat16;
 - ``int8 pack-mm fp32x`` / ``int8 pack-mm bf16x`` — ``torch.ops.aten._weight_int8pack_mm``: int8 weight,
@@ -35,6 +36,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from mla_kernels import cpu_gemv
 from roofline import stream_bandwidth
 
 from mla_runtime.layers.cpu_gemm import PackedWeight, _reorder, linear
@@ -58,6 +60,10 @@ def float_candidates(n: int, k: int, rows: int, dtype: torch.dtype, cold_mib: in
     pw = torch.ops.mkldnn._linear_pointwise
     if dtype == torch.float32:
         out[f"{name} onednn-plain"] = (lambda: [pw(x, w, None, "none", [None], "") for w in ws], nbytes)
+        if rows == 1:
+            why = cpu_gemv.failure()
+            out[f"{name} row-kernel"] = ((lambda: [cpu_gemv.gemv(x, w) for w in ws], nbytes) if why is None else
+                                        (None, f"unsupported: {why}"))  # type: ignore[assignment]
     try:
         blocked = [_reorder(w) for w in ws]
         pw(x, blocked[0], None, "none", [None], "")

@@ -14,7 +14,7 @@ from mla_runtime.layers.cpu_gemm import GEMM_ENV, GEMM_MODES  # noqa: E402
 from tests.checkpoints import VARIANTS, build_hf_model, quantize_fp8_checkpoint, save_checkpoint  # noqa: E402
 
 
-@pytest.fixture(params=GEMM_MODES)
+@pytest.fixture(params=[m for m in GEMM_MODES if m != "onednn"])
 def gemm_mode(request, monkeypatch) -> str:
     """Run a test under each CPU product mode (``MLA_CPU_GEMM``): ``auto`` takes the fast paths that pass
     their probe on this CPU, ``plain`` forces the fallbacks, so every machine also tests what a CPU

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():  # kernels: interpret Triton on CPU (must precede the first triton import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from mla_kernels import mla_decode_planned, plan_decode, plan_decode_lists  # noqa: E402
+from mla_kernels import cpu_gemv, mla_decode_planned, plan_decode, plan_decode_lists  # noqa: E402
 from mla_kernels.reference import ref_mla_decode  # noqa: E402
 
 from mla_runtime import LLM, SamplingParams  # noqa: E402
@@ -487,3 +487,60 @@ def test_num_threads_validation():
         with pytest.raises(ValueError, match="num_threads"):
             EngineConfig(model="x", num_threads=bad)
     assert EngineConfig(model="x", num_threads="auto").num_threads == "auto"
+
+
+# -- the one-row AVX2 kernel ----------------------------------------------------------------------------------
+needs_row_kernel = pytest.mark.skipif(cpu_gemv.failure() is not None,
+                                      reason=f"the one-row kernel does not build here: {cpu_gemv.failure()}")
+
+
+@needs_row_kernel
+@pytest.mark.parametrize("n, k", [(1, 8), (5, 13), (37, 77), (256, 1024), (1030, 512)])
+def test_row_kernel_matches_f_linear(n, k):
+    g = torch.Generator().manual_seed(n)
+    w, x, b = torch.randn(n, k, generator=g), torch.randn(1, 1, k, generator=g), torch.randn(n, generator=g)
+    out = cpu_gemv.gemv(x, w, b)
+    assert out.shape == (1, 1, n)
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_row_kernel
+def test_row_kernel_rejects_what_it_cannot_compute():
+    w = torch.randn(8, 16)
+    for x, weight in ((torch.randn(2, 16), w), (torch.randn(1, 16).double(), w), (torch.randn(1, 8), w.t())):
+        with pytest.raises(ValueError, match="one float32 row"):
+            cpu_gemv.gemv(x, weight)
+
+
+def test_one_row_products_with_and_without_the_kernel(monkeypatch):
+    """Where the kernel builds, float32 one-row products take it under auto and oneDNN under onednn (the state of
+    a CPU without it); both equal F.linear. Rows past one always take oneDNN."""
+    w = torch.randn(96, 64)
+    x = torch.randn(1, 64)
+    for mode in ("auto", "onednn"):
+        monkeypatch.setenv(cpu_gemm.GEMM_ENV, mode)
+        packed = PackedWeight.make(w)
+        if packed is None:
+            pytest.skip("oneDNN cannot pack float32 on this CPU: no one-row path to choose")
+        assert packed.row_kernel == (mode == "auto" and cpu_gemv.failure() is None)
+        assert (cpu_gemm.row_kernel_failure() is None) == packed.row_kernel
+        torch.testing.assert_close(linear(x, w, None, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(linear(x.repeat(3, 1), w, None, packed), F.linear(x.repeat(3, 1), w))
+
+
+def test_the_row_kernel_is_left_out_with_a_reason_where_it_cannot_build(monkeypatch):
+    """No C compiler, or one that fails: the kernel is unavailable, says why, and weights keep oneDNN."""
+    builds_here = cpu_gemv.failure() is None  # else it stops earlier (architecture, instruction set)
+    monkeypatch.setenv(cpu_gemm.GEMM_ENV, "auto")
+    try:
+        for compiler, said in ((None, "no C compiler found"), ("false", "compiling gemv_f32.c with false failed")):
+            monkeypatch.setattr(cpu_gemv, "_compiler", lambda c=compiler: c)
+            cpu_gemv._load.cache_clear()
+            cpu_gemv.failure.cache_clear()
+            why = cpu_gemv.failure()
+            assert why is not None and (said in why or not builds_here)
+            packed = PackedWeight.make(torch.randn(16, 32))
+            assert packed is None or not packed.row_kernel
+    finally:
+        cpu_gemv._load.cache_clear()
+        cpu_gemv.failure.cache_clear()

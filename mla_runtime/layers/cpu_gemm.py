@@ -26,6 +26,9 @@ in a process runs ``probe`` on a tiny weight. Paths (``GemmChoice.path``):
   products take ``F.linear`` where that is at least ``ONE_ROW_MARGIN`` faster, and where ``F.linear`` also
   wins at ``FEW_ROWS`` rows against oneDNN's blocked layout, so do all its products of up to that many rows
   (a batch-8 decode step of a small model).
+  Where ``mla_kernels.cpu_gemv`` builds on this machine (x86-64 with AVX2 and FMA, a C compiler; its probe
+  passed), float32 one-row products run that kernel on the plain weight instead: it streams small and middling
+  weights 1.3–2.2× faster than oneDNN (``bench/bench_gemv.py``). ``MLA_CPU_GEMM=onednn`` leaves it out.
 - ``plain``: ``F.linear`` in the weight's dtype; no extra memory.
 - ``upcast``: a float32 copy of the weight (computed through the float32 path: blocked where oneDNN
   packs float32, else plain), the input cast to float32 and the result back. Memory: +4 bytes per
@@ -52,11 +55,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from mla_kernels import cpu_gemv
 
 logger = logging.getLogger("mla_runtime")
 
 GEMM_ENV = "MLA_CPU_GEMM"
-GEMM_MODES = ("auto", "plain")  # auto: the fast path where its probe passes; plain: the fallbacks only
+# auto: the fast paths where their probes pass; onednn: oneDNN without the one-row kernel; plain: the fallbacks only
+GEMM_MODES = ("auto", "onednn", "plain")
 PACK_BATCH_HINT = 16  # oneDNN chooses the blocked layout for about this many rows
 PROBED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TIMING_SHAPE = (2048, 1024)  # [N, K] of the weight the fallbacks are timed on (4–8 MB: beyond L2)
@@ -141,9 +146,14 @@ def gemm_info(dtype: torch.dtype | str) -> dict[str, str]:
 @functools.cache
 def _probe(dtype: torch.dtype, mode: str) -> GemmChoice:
     t0 = time.perf_counter()
-    failure = fast_path_failure(dtype) if mode == "auto" else f"{GEMM_ENV}=plain forces the fallbacks"
+    failure = fast_path_failure(dtype) if mode != "plain" else f"{GEMM_ENV}=plain forces the fallbacks"
     if failure is None:
-        choice = GemmChoice(dtype, mode, "onednn", dtype, "oneDNN pre-packed weights passed the probe")
+        reason = "oneDNN pre-packed weights passed the probe"
+        if dtype == torch.float32:
+            why_not = row_kernel_failure(mode)
+            reason += "; one-row products: " + ("the AVX2 kernel (mla_kernels.cpu_gemv)" if why_not is None else
+                                                 f"oneDNN ({why_not})")
+        choice = GemmChoice(dtype, mode, "onednn", dtype, reason)
     else:
         choice = _fallback(dtype, mode, failure)
     logger.info("CPU GEMM for %s weights: %s, computing in %s (+%d B per weight element): %s [probe %.0f ms]",
@@ -174,6 +184,15 @@ def fast_path_failure(dtype: torch.dtype) -> str | None:
     except Exception as e:  # whatever the fast path raises on this CPU, a fallback takes over
         return f"oneDNN {name} packing unsupported on this CPU: {(str(e).strip() or repr(e)).splitlines()[0][:200]}"
     return None
+
+
+def row_kernel_failure(mode: str | None = None) -> str | None:
+    """None where float32 one-row products take the compiled AVX2 kernel (``mla_kernels.cpu_gemv``) under ``mode``
+    (default: the current ``MLA_CPU_GEMM``), else why not."""
+    mode = gemm_mode() if mode is None else mode
+    if mode != "auto":
+        return f"{GEMM_ENV}={mode} leaves it out"
+    return cpu_gemv.failure()
 
 
 def _race_ms(first: Callable[[], Any], second: Callable[[], Any], reps: int = 3) -> tuple[float, float]:
@@ -235,7 +254,7 @@ def _reorder(weight: torch.Tensor) -> torch.Tensor:
 class PackedWeight:
     """One ``[N, K]`` weight prepared for its ``onednn`` or ``upcast`` path (see the module docstring)."""
 
-    __slots__ = ("plain", "blocked", "wide", "plain_gemv", "upcast", "aten_max_rows")
+    __slots__ = ("plain", "blocked", "wide", "plain_gemv", "row_kernel", "upcast", "aten_max_rows")
     quantized = False  # True: a weight-only quantised matrix (``layers.quantization``) that runs its own ``matmul``
 
     def __init__(self, weight: torch.Tensor, path: str) -> None:
@@ -252,6 +271,8 @@ class PackedWeight:
         else:
             raise ValueError(f"path: a packed weight is 'onednn' or 'upcast', got {path!r}")
         self.plain_gemv = path == "onednn" and weight.dtype == torch.float32  # one row: oneDNN on the plain weight
+        self.row_kernel = (self.plain_gemv and self.plain.is_contiguous()  # ... or the AVX2 kernel on it
+                           and row_kernel_failure() is None)
         # products of at most this many rows take F.linear (small weights: oneDNN's per-call set-up dominates)
         self.aten_max_rows = aten_max_rows(*weight.shape, weight.dtype, torch.get_num_threads()) if (
             path == "onednn") else 0
@@ -283,6 +304,7 @@ def aten_max_rows(n: int, k: int, dtype: torch.dtype, threads: int) -> int:
         packed = PackedWeight.__new__(PackedWeight)
         packed.plain, packed.blocked, packed.wide = w, _reorder(w), None
         packed.plain_gemv = dtype == torch.float32
+        packed.row_kernel = packed.plain_gemv and row_kernel_failure() is None
         packs.append(packed)
     best = 0
     for rows in (1, FEW_ROWS):
@@ -323,5 +345,8 @@ def _product(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -
     if packed.blocked is None:
         assert packed.wide is not None  # the upcast layout keeps a float32 copy
         return F.linear(x, packed.wide, bias)
-    w = packed.plain if packed.plain_gemv and x.numel() == x.shape[-1] else packed.blocked
+    one_row = x.numel() == x.shape[-1]
+    if one_row and packed.row_kernel:
+        return cpu_gemv.gemv(x, packed.plain, bias)
+    w = packed.plain if packed.plain_gemv and one_row else packed.blocked
     return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [None], "")

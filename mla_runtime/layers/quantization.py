@@ -122,7 +122,7 @@ class Int8Weight(PackedWeight):
         self.qweight, self.scales = quantize_int8(weight)
         self.plain = released(weight)  # callers pass it as the "weight" argument: shape and dtype only
         self.blocked = self.wide = None
-        self.upcast = self.plain_gemv = False
+        self.upcast = self.plain_gemv = self.row_kernel = False
         self.aten_max_rows = 0
         self.kernel = uses_int8_kernel(weight)
 
