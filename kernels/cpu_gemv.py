@@ -1,4 +1,5 @@
-"""One-row float32 products (``y = W x``) for x86-64 CPUs with AVX2 and FMA, compiled at run time.
+"""One-row products (``y = W x``; float32 weights, or int8 weights with a scale per row) for x86-64 CPUs with AVX2
+and FMA, compiled at run time.
 
 A decode step at batch 1 multiplies one row by every weight matrix, streaming each from memory once. oneDNN and
 MKL reach the memory bandwidth only on large matrices: measured on a 2-core AMD EPYC (Zen 3, AVX2) with the weights
@@ -74,9 +75,9 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         return None, f"building the kernel failed: {e}"
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    fn = lib.mla_gemv_f32
-    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3  # w, x, y, n, k, threads
-    fn.restype = None
+    lib.mla_gemv_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3  # w, x, y, n, k, threads
+    lib.mla_gemv_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3  # w, scale, x, y, n, k, threads
+    lib.mla_gemv_f32.restype = lib.mla_gemv_i8.restype = None
     return lib, None
 
 
@@ -90,8 +91,12 @@ def failure() -> str | None:
     for n, k in ((37, 77), (8, 64), (1, 3)):  # row and column tails included
         w = torch.randint(-2, 3, (n, k), generator=g).float()
         x = torch.randint(-2, 3, (1, k), generator=g).float()
-        if not torch.equal(gemv(x, w).double(), x.double() @ w.double().T):
+        exact = x.double() @ w.double().T
+        if not torch.equal(gemv(x, w).double(), exact):
             return "the one-row kernel's products differ from the exact result on this CPU"
+        scale = torch.full((n,), 0.5)
+        if not torch.equal(gemv_int8(x, w.to(torch.int8), scale).double(), exact * 0.5):
+            return "the one-row int8 kernel's products differ from the exact result on this CPU"
     return None
 
 
@@ -108,3 +113,20 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
     lib.mla_gemv_f32(weight.data_ptr(), row.data_ptr(), y.data_ptr(), n, k, torch.get_num_threads())
     return y if bias is None else y.add_(bias)
+
+
+def gemv_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x · (qweight · scales[:, None])ᵀ`` in float32 for one row ``x [..., K]`` (any float dtype), a contiguous
+    int8 ``qweight [N, K]`` and float32 ``scales [N]``; only where ``failure()`` is None."""
+    lib, _ = _load()
+    assert lib is not None, "gemv_int8 needs the kernel: check failure() first"
+    n, k = qweight.shape
+    if (x.numel() != k or qweight.dtype != torch.int8 or not qweight.is_contiguous()
+            or scales.dtype != torch.float32 or scales.shape != (n,) or not scales.is_contiguous()):
+        raise ValueError(f"gemv_int8 takes one row of {k} values, a contiguous int8 weight and {n} float32 scales, "
+                         f"got x {tuple(x.shape)}, weight {qweight.dtype} and scales {tuple(scales.shape)} "
+                         f"{scales.dtype}")
+    row = x.to(torch.float32).contiguous()
+    y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
+    lib.mla_gemv_i8(qweight.data_ptr(), scales.data_ptr(), row.data_ptr(), y.data_ptr(), n, k, torch.get_num_threads())
+    return y

@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from mla_kernels import cpu_gemv
 
 from mla_runtime import LLM, SamplingParams
 from mla_runtime.config import ModelConfig
@@ -47,9 +48,27 @@ def test_int8_product_equals_its_dequantised_matrix(gemm_mode, dtype, shape):
         got = q.matmul(x, bias)
         ref = torch.nn.functional.linear(x.float(), dq, bias.float())
         assert got.dtype == dtype and got.shape == (*rows, shape[0])
-        tol = 2e-2 if q.kernel or dtype != torch.float32 else 1e-4  # the CPU kernel takes bfloat16 rows
+        one_row = q.row_scales is not None and x.numel() == shape[1]  # the AVX2 kernel: float32 rows
+        tol = 2e-2 if (q.kernel and not one_row) or dtype != torch.float32 else 1e-4  # ATen's: bfloat16 rows
         scale = ref.abs().max().item() if ref.numel() else 1.0
         torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol * scale)
+
+
+@pytest.mark.parametrize("mode", ["auto", "onednn"])
+def test_one_row_int8_products_with_and_without_the_row_kernel(mode, monkeypatch):
+    """Where the AVX2 one-row kernel builds, auto runs one-row int8 products through it (float32 rows: within
+    float rounding of the dequantised product); onednn (and a CPU without it) keeps ATen's kernel."""
+    monkeypatch.setenv("MLA_CPU_GEMM", mode)
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 128, generator=g)
+    q = Int8Weight(w)
+    assert (q.row_scales is not None) == (mode == "auto" and cpu_gemv.failure() is None)
+    x, bias = torch.randn(1, 128, generator=g), torch.randn(96, generator=g)
+    ref = torch.nn.functional.linear(x, q.dequantize(), bias)
+    tol = 1e-5 if q.row_scales is not None else 2e-2  # ATen's kernel takes bfloat16 rows
+    torch.testing.assert_close(q.matmul(x, bias), ref, rtol=tol, atol=tol * ref.abs().max().item())
+    if q.row_scales is not None:
+        torch.testing.assert_close(cpu_gemv.gemv_int8(x, q.qweight, q.row_scales), x @ q.dequantize().T)
 
 
 def test_int8_kernel_probe_in_both_states(gemm_mode):

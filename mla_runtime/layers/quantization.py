@@ -16,7 +16,10 @@ CPU computes the same values. The kernel is used for inner dimensions that are a
 variant mishandles a tail: on AVX2 it returns wrong values, or crashes, when ``K`` is not a multiple of 8; every
 MLA checkpoint's dimensions are multiples of 64) and once a probe has found it exact on this CPU
 (``int8_kernel_failure``). Elsewhere, or under ``MLA_CPU_GEMM=plain``, the int8 weight is widened per call and
-multiplied in float32 with ``F.linear`` (float32 activations, another summation order).
+multiplied in float32 with ``F.linear`` (float32 activations, another summation order). One-row products (batch-1
+decoding) run the AVX2 kernel of ``mla_kernels.cpu_gemv`` where it builds (``MLA_CPU_GEMM=auto``): it widens each
+int8 weight to float32 in registers, so its rows are float32 (not rounded to bfloat16) and it reads one byte per
+weight.
 
 What is quantised (``quantize_model``): every projection of the attention except ``kv_b_proj`` (its absorbed
 factors ``W_UK``/``W_UV`` and the up-projection of long prefills stay exact), the dense MLPs, the shared and
@@ -34,10 +37,11 @@ from typing import cast
 
 import torch
 import torch.nn.functional as F
+from mla_kernels import cpu_gemv
 from torch import nn
 
 from mla_runtime.errors import InvalidParam
-from mla_runtime.layers.cpu_gemm import PackedWeight, gemm_mode
+from mla_runtime.layers.cpu_gemm import PackedWeight, gemm_mode, row_kernel_failure
 from mla_runtime.layers.linear import Linear
 from mla_runtime.layers.mla import MLAttention
 from mla_runtime.layers.mlp import GatedMLP
@@ -80,7 +84,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def int8_kernel_failure(mode: str) -> str | None:
     """None where ``_weight_int8pack_mm`` with bfloat16 rows is exact on this CPU (under ``MLA_CPU_GEMM=mode``),
     else why the widening fallback runs. Small integers make every product and sum exact in bfloat16."""
-    if mode != "auto":
+    if mode == "plain":
         return f"MLA_CPU_GEMM={mode} forces the fallback"
     g = torch.Generator().manual_seed(0)
     try:
@@ -115,7 +119,7 @@ def released(weight: torch.Tensor) -> torch.Tensor:
 class Int8Weight(PackedWeight):
     """A weight-only int8 ``[N, K]`` matrix: what ``cpu_gemm.linear`` runs in place of the float weight."""
 
-    __slots__ = ("qweight", "scales", "kernel")
+    __slots__ = ("qweight", "scales", "kernel", "row_scales")
     quantized = True
 
     def __init__(self, weight: torch.Tensor) -> None:  # no PackedWeight.__init__: no float layout is kept
@@ -125,6 +129,8 @@ class Int8Weight(PackedWeight):
         self.upcast = self.plain_gemv = self.row_kernel = False
         self.aten_max_rows = 0
         self.kernel = uses_int8_kernel(weight)
+        # one-row products: the compiled AVX2 kernel where it builds (float32 rows and these float32 scales)
+        self.row_scales = self.scales.float() if weight.device.type == "cpu" and row_kernel_failure() is None else None
 
     @property
     def nbytes(self) -> int:
@@ -137,6 +143,9 @@ class Int8Weight(PackedWeight):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [..., K]`` (any float dtype) -> ``x · Wᵀ (+ bias)`` in ``x``'s dtype."""
         k = self.qweight.shape[1]
+        if self.row_scales is not None and x.numel() == k:
+            one: torch.Tensor = cpu_gemv.gemv_int8(x, self.qweight, self.row_scales)
+            return (one if bias is None else one.add_(bias.float())).to(x.dtype)
         rows = x.reshape(-1, k)
         if self.kernel and rows.shape[0]:
             y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(rows.to(torch.bfloat16).contiguous(), self.qweight,
