@@ -20,7 +20,8 @@ Candidates (a candidate the CPU or torch build cannot run is listed as unsupport
   ``fp32 cpu_gemm`` — what ``mla_runtime.layers.cpu_gemm.linear`` picks for that weight;
 - ``bf16 F.linear``, ``bf16 onednn-blocked``, ``bf16 cpu_gemm`` — the same in bfloat16;
 - ``int8 pack-mm fp32x`` / ``int8 pack-mm bf16x`` — ``torch.ops.aten._weight_int8pack_mm``: int8 weight,
-  one scale per output channel, the input in float32 / bfloat16 (the weight-only int8 path);
+  one scale per output channel, the input in float32 / bfloat16 (the weight-only int8 path); ``int8 row-kernel``
+  (one row) — ``mla_kernels.cpu_gemv.gemv_int8``, widening each weight to float32 in registers;
 - ``int4 pack-mm g32 fp32x`` / ``bf16x`` — ``torch.ops.aten._weight_int4pack_mm_for_cpu``: 4-bit weight,
   scale and zero per 32-element group;
 - ``torchao int8wo`` — ``torchao.quantization.Int8WeightOnlyConfig`` where torchao is importable (optional).
@@ -83,8 +84,13 @@ def int8_candidates(n: int, k: int, rows: int, cold_mib: int) -> dict[str, tuple
     x = torch.randn(rows, k, generator=g)
     xb, sb = x.bfloat16(), scales.bfloat16()
     mm = torch.ops.aten._weight_int8pack_mm
-    return {"int8 pack-mm fp32x": (lambda: [mm(x, w, scales) for w in ws], nbytes),
-            "int8 pack-mm bf16x": (lambda: [mm(xb, w, sb) for w in ws], n * k + n * 2)}
+    out = {"int8 pack-mm fp32x": (lambda: [mm(x, w, scales) for w in ws], nbytes),
+           "int8 pack-mm bf16x": (lambda: [mm(xb, w, sb) for w in ws], n * k + n * 2)}
+    if rows == 1:
+        why = cpu_gemv.failure()
+        out["int8 row-kernel"] = ((lambda: [cpu_gemv.gemv_int8(x, w, scales) for w in ws], nbytes) if why is None
+                                  else (None, f"unsupported: {why}"))  # type: ignore[assignment]
+    return out
 
 
 def int4_candidates(n: int, k: int, rows: int, cold_mib: int, group: int = 32) -> dict[str, tuple[Call, int]]:
