@@ -212,7 +212,8 @@ def test_packed_linear_matrix_vector_layouts(gemm_mode):
 @pytest.mark.parametrize("aten_rows", [0, 1, 8])
 def test_small_products_take_the_measured_path(gemm_mode, aten_rows, monkeypatch):
     """A weight's products of up to ``aten_max_rows`` rows take F.linear exactly as the per-shape timing chose
-    (bit-identical to F.linear then); oneDNN otherwise, equal to rounding; larger batches always take oneDNN."""
+    (bit-identical to F.linear then); oneDNN otherwise, equal to rounding; larger batches always take oneDNN. One
+    row takes the AVX2 kernel wherever it builds (it is no ``_product`` call)."""
     monkeypatch.setattr(cpu_gemm, "aten_max_rows", lambda *shape: aten_rows)
     g = torch.Generator().manual_seed(1)
     w = torch.randn(96, 64, generator=g)
@@ -228,8 +229,9 @@ def test_small_products_take_the_measured_path(gemm_mode, aten_rows, monkeypatch
         x = torch.randn(rows, 64, generator=g)
         before = len(calls)
         got = linear(x, w, None, packed)
-        took_aten = len(calls) == before
-        assert took_aten is (rows <= aten_rows)  # F.linear, not oneDNN, exactly when chosen
+        kernel = rows == 1 and packed.row_kernel  # one row: the AVX2 kernel where it builds, whatever the timing
+        took_aten = len(calls) == before and not kernel
+        assert took_aten is (rows <= aten_rows and not kernel)  # F.linear, not oneDNN, exactly when chosen
         if took_aten:
             assert torch.equal(got, F.linear(x, w))
         torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
@@ -544,3 +546,20 @@ def test_the_row_kernel_is_left_out_with_a_reason_where_it_cannot_build(monkeypa
     finally:
         cpu_gemv._load.cache_clear()
         cpu_gemv.failure.cache_clear()
+
+
+def test_with_the_row_kernel_only_few_row_products_are_timed(monkeypatch):
+    """The kernel takes one-row products; whether F.linear beats oneDNN at 2–8 rows is still timed (a kernel that
+    wins at one row must not send a small weight's few-row products to oneDNN)."""
+    timed = []
+
+    def race(first, second, reps=3):
+        timed.append(first.args[0].shape[0])
+        return 1.0, 2.0  # F.linear faster
+
+    monkeypatch.setattr(cpu_gemm, "_race_ms", race)
+    assert cpu_gemm.aten_max_rows.__wrapped__(96, 64, torch.float32, 2, True) == cpu_gemm.FEW_ROWS
+    assert timed == [cpu_gemm.FEW_ROWS]
+    timed.clear()
+    assert cpu_gemm.aten_max_rows.__wrapped__(96, 64, torch.float32, 2, False) == cpu_gemm.FEW_ROWS
+    assert timed == [1, cpu_gemm.FEW_ROWS]

@@ -274,8 +274,8 @@ class PackedWeight:
         self.row_kernel = (self.plain_gemv and self.plain.is_contiguous()  # ... or the AVX2 kernel on it
                            and row_kernel_failure() is None)
         # products of at most this many rows take F.linear (small weights: oneDNN's per-call set-up dominates)
-        self.aten_max_rows = aten_max_rows(*weight.shape, weight.dtype, torch.get_num_threads()) if (
-            path == "onednn") else 0
+        self.aten_max_rows = aten_max_rows(*weight.shape, weight.dtype, torch.get_num_threads(),
+                                           self.row_kernel) if path == "onednn" else 0
 
     @staticmethod
     def make(weight: torch.Tensor) -> PackedWeight | None:
@@ -291,9 +291,11 @@ class PackedWeight:
 
 
 @functools.cache
-def aten_max_rows(n: int, k: int, dtype: torch.dtype, threads: int) -> int:
+def aten_max_rows(n: int, k: int, dtype: torch.dtype, threads: int, row_kernel: bool = False) -> int:
     """Up to how many rows products with an ``[n, k]`` weight are faster in ``F.linear`` than in oneDNN here:
-    0, 1 or ``FEW_ROWS`` (timed once per shape, dtype and thread count; see the module docstring)."""
+    0, 1 or ``FEW_ROWS`` (timed once per shape, dtype and thread count; see the module docstring). With
+    ``row_kernel`` one-row products take the AVX2 kernel whatever this says, and only ``FEW_ROWS`` is timed: a
+    kernel that wins at one row says nothing about two to eight, where ``F.linear`` may still beat oneDNN."""
     if n * k > ONE_ROW_TIMING_MAX:
         return 0
     g = torch.Generator().manual_seed(0)
@@ -304,10 +306,10 @@ def aten_max_rows(n: int, k: int, dtype: torch.dtype, threads: int) -> int:
         packed = PackedWeight.__new__(PackedWeight)
         packed.plain, packed.blocked, packed.wide = w, _reorder(w), None
         packed.plain_gemv = dtype == torch.float32
-        packed.row_kernel = packed.plain_gemv and row_kernel_failure() is None
+        packed.row_kernel = False  # rows > 1 are timed against oneDNN alone
         packs.append(packed)
     best = 0
-    for rows in (1, FEW_ROWS):
+    for rows in (FEW_ROWS,) if row_kernel else (1, FEW_ROWS):
         x = torch.randn(rows, k, generator=g).to(dtype)
         aten_ms, onednn_ms = _race_ms(functools.partial(_each_aten, x, weights),
                                       functools.partial(_each_onednn, x, packs))
@@ -333,7 +335,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     ``packed`` computes its own product (``weight`` then only stands for its shape)."""
     if packed is not None and packed.quantized:
         return packed.matmul(x, bias)
-    if packed is None or x.dtype != weight.dtype or x.numel() <= packed.aten_max_rows * x.shape[-1]:
+    if packed is None or x.dtype != weight.dtype:
+        return F.linear(x, weight, bias)
+    if packed.row_kernel and x.numel() == x.shape[-1]:  # one row: the AVX2 kernel (module docstring)
+        return cpu_gemv.gemv(x, packed.plain, bias)
+    if x.numel() <= packed.aten_max_rows * x.shape[-1]:
         return F.linear(x, weight, bias)
     if packed.upcast:
         wide_bias = None if bias is None else bias.float()
@@ -345,8 +351,5 @@ def _product(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -
     if packed.blocked is None:
         assert packed.wide is not None  # the upcast layout keeps a float32 copy
         return F.linear(x, packed.wide, bias)
-    one_row = x.numel() == x.shape[-1]
-    if one_row and packed.row_kernel:
-        return cpu_gemv.gemv(x, packed.plain, bias)
-    w = packed.plain if packed.plain_gemv and one_row else packed.blocked
+    w = packed.plain if packed.plain_gemv and x.numel() == x.shape[-1] else packed.blocked
     return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [None], "")
