@@ -77,7 +77,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         shutil.rmtree(folder, ignore_errors=True)
     lib.mla_gemv_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3  # w, x, y, n, k, threads
     lib.mla_gemv_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3  # w, scale, x, y, n, k, threads
-    lib.mla_gemv_f32.restype = lib.mla_gemv_i8.restype = None
+    lib.mla_gemm_few_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4  # w, x, y, m, n, k, threads
+    lib.mla_gemv_f32.restype = lib.mla_gemv_i8.restype = lib.mla_gemm_few_f32.restype = None
     return lib, None
 
 
@@ -112,6 +113,26 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     row = x.contiguous()
     y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
     lib.mla_gemv_f32(weight.data_ptr(), row.data_ptr(), y.data_ptr(), n, k, torch.get_num_threads())
+    return y if bias is None else y.add_(bias)
+
+
+FEW_ROWS_MAX = 8
+
+
+def gemm_few(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for 2 to ``FEW_ROWS_MAX`` float32 rows ``x [..., K]`` and a contiguous float32 CPU
+    ``weight [N, K]``: each weight row read once for all the input rows; only where ``failure()`` is None."""
+    lib, _ = _load()
+    assert lib is not None, "gemm_few needs the kernel: check failure() first"
+    n, k = weight.shape
+    rows = x.numel() // k if k else 0
+    if (x.shape[-1] != k or not 1 <= rows <= FEW_ROWS_MAX or x.dtype != torch.float32
+            or weight.dtype != torch.float32 or not weight.is_contiguous()):
+        raise ValueError(f"gemm_few takes 1 to {FEW_ROWS_MAX} float32 rows of {k} values and a contiguous float32 "
+                         f"weight, got x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} {weight.dtype}")
+    xs = x.contiguous()
+    y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
+    lib.mla_gemm_few_f32(weight.data_ptr(), xs.data_ptr(), y.data_ptr(), rows, n, k, torch.get_num_threads())
     return y if bias is None else y.add_(bias)
 
 

@@ -213,7 +213,7 @@ def test_packed_linear_matrix_vector_layouts(gemm_mode):
 def test_small_products_take_the_measured_path(gemm_mode, aten_rows, monkeypatch):
     """A weight's products of up to ``aten_max_rows`` rows take F.linear exactly as the per-shape timing chose
     (bit-identical to F.linear then); oneDNN otherwise, equal to rounding; larger batches always take oneDNN. One
-    row takes the AVX2 kernel wherever it builds (it is no ``_product`` call)."""
+    to ``KERNEL_MAX_ROWS`` rows take the AVX2 kernels wherever they build (no ``_product`` call)."""
     monkeypatch.setattr(cpu_gemm, "aten_max_rows", lambda *shape: aten_rows)
     g = torch.Generator().manual_seed(1)
     w = torch.randn(96, 64, generator=g)
@@ -229,7 +229,7 @@ def test_small_products_take_the_measured_path(gemm_mode, aten_rows, monkeypatch
         x = torch.randn(rows, 64, generator=g)
         before = len(calls)
         got = linear(x, w, None, packed)
-        kernel = rows == 1 and packed.row_kernel  # one row: the AVX2 kernel where it builds, whatever the timing
+        kernel = rows <= cpu_gemm.KERNEL_MAX_ROWS and packed.row_kernel  # the AVX2 kernels, whatever the timing
         took_aten = len(calls) == before and not kernel
         assert took_aten is (rows <= aten_rows and not kernel)  # F.linear, not oneDNN, exactly when chosen
         if took_aten:
@@ -504,6 +504,16 @@ def test_row_kernel_matches_f_linear(n, k):
     out = cpu_gemv.gemv(x, w, b)
     assert out.shape == (1, 1, n)
     torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_row_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+def test_few_row_kernel_matches_f_linear(rows):
+    g = torch.Generator().manual_seed(rows)
+    w, x, b = torch.randn(37, 77, generator=g), torch.randn(rows, 77, generator=g), torch.randn(37, generator=g)
+    torch.testing.assert_close(cpu_gemv.gemm_few(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="float32 rows"):
+        cpu_gemv.gemm_few(torch.randn(9, 77), w)
 
 
 @needs_row_kernel

@@ -62,3 +62,24 @@ void mla_gemv_i8(const int8_t *w, const float *scale, const float *x, float *y, 
     #pragma omp parallel for schedule(static) num_threads((int)threads)
     for (int64_t r = 0; r < n; r++) y[r] = dot_i8(w + r * k, x, k) * scale[r];
 }
+
+/* A few rows at once (2 <= m <= 8, a speculative verification or a small batch): Y [m, n] = X [m, k] W^T. Each
+ * weight row is read once, front to back, and multiplied into all m input rows (which stay in L1). */
+void mla_gemm_few_f32(const float *w, const float *x, float *y, int64_t m, int64_t n, int64_t k, int64_t threads) {
+    const int64_t k8 = k - k % 8;
+    #pragma omp parallel for schedule(static) num_threads((int)threads)
+    for (int64_t r = 0; r < n; r++) {
+        const float *wr = w + r * k;
+        __m256 acc[8];
+        for (int64_t j = 0; j < m; j++) acc[j] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < k8; i += 8) {
+            const __m256 wv = _mm256_loadu_ps(wr + i);
+            for (int64_t j = 0; j < m; j++) acc[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + j * k + i), acc[j]);
+        }
+        for (int64_t j = 0; j < m; j++) {
+            float s = hsum(acc[j]);
+            for (int64_t i = k8; i < k; i++) s += wr[i] * x[j * k + i];
+            y[j * n + r] = s;
+        }
+    }
+}

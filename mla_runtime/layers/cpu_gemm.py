@@ -27,8 +27,10 @@ in a process runs ``probe`` on a tiny weight. Paths (``GemmChoice.path``):
   wins at ``FEW_ROWS`` rows against oneDNN's blocked layout, so do all its products of up to that many rows
   (a batch-8 decode step of a small model).
   Where ``mla_kernels.cpu_gemv`` builds on this machine (x86-64 with AVX2 and FMA, a C compiler; its probe
-  passed), float32 one-row products run that kernel on the plain weight instead: it streams small and middling
-  weights 1.3–2.2× faster than oneDNN (``bench/bench_gemv.py``). ``MLA_CPU_GEMM=onednn`` leaves it out.
+  passed), float32 products of up to ``KERNEL_MAX_ROWS`` rows (batch-1 decoding, a speculative verification, a
+  small batch) run its kernels on the plain weight instead, reading each weight row once for all input rows: they
+  stream small and middling weights 1.1–2.6× faster than oneDNN at one to four rows (``bench/bench_gemv.py``;
+  at eight rows they only draw level). ``MLA_CPU_GEMM=onednn`` leaves them out.
 - ``plain``: ``F.linear`` in the weight's dtype; no extra memory.
 - ``upcast``: a float32 copy of the weight (computed through the float32 path: blocked where oneDNN
   packs float32, else plain), the input cast to float32 and the result back. Memory: +4 bytes per
@@ -71,6 +73,7 @@ ONE_ROW_MARGIN = 0.9  # F.linear takes a weight's one-row products when it needs
 ONE_ROW_COLD_BYTES = 64 << 20  # the timing rotates through this many bytes of weight copies (beyond the LLC)
 ONE_ROW_MAX_COPIES = 256
 FEW_ROWS = 8  # where F.linear also wins at this many rows, every product of up to this many rows takes it
+KERNEL_MAX_ROWS = 4  # products of up to this many rows take the AVX2 kernels where they build (bench/RESULTS.md)
 # torch.cpu.get_capabilities() keys meaning native arithmetic in a dtype (x86, AMX, aarch64 NEON/SVE)
 NATIVE_CAPABILITIES: dict[torch.dtype, tuple[str, ...]] = {
     torch.bfloat16: ("avx512_bf16", "amx_bf16", "bf16", "sve_bf16"),
@@ -337,8 +340,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return packed.matmul(x, bias)
     if packed is None or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
-    if packed.row_kernel and x.numel() == x.shape[-1]:  # one row: the AVX2 kernel (module docstring)
-        return cpu_gemv.gemv(x, packed.plain, bias)
+    if packed.row_kernel and 0 < x.numel() <= KERNEL_MAX_ROWS * x.shape[-1]:  # the AVX2 kernels (module docstring)
+        one = x.numel() == x.shape[-1]
+        return cpu_gemv.gemv(x, packed.plain, bias) if one else cpu_gemv.gemm_few(x, packed.plain, bias)
     if x.numel() <= packed.aten_max_rows * x.shape[-1]:
         return F.linear(x, weight, bias)
     if packed.upcast:
