@@ -29,7 +29,7 @@ in a process runs ``probe`` on a tiny weight. Paths (``GemmChoice.path``):
   Where ``mla_kernels.cpu_gemv`` builds on this machine (x86-64 with AVX2 and FMA, a C compiler; its probe
   passed), float32 products of up to ``KERNEL_MAX_ROWS`` rows (batch-1 decoding, a speculative verification, a
   small batch) run its kernels on the plain weight instead, reading each weight row once for all input rows: they
-  stream small and middling weights 1.1–2.6× faster than oneDNN at one to four rows (``bench/bench_gemv.py``;
+  stream small and middling weights 1.1–2.6× faster than oneDNN at one to six rows (``bench/bench_gemv.py``;
   at eight rows they only draw level). ``MLA_CPU_GEMM=onednn`` leaves them out.
 - ``plain``: ``F.linear`` in the weight's dtype; no extra memory.
 - ``upcast``: a float32 copy of the weight (computed through the float32 path: blocked where oneDNN
@@ -73,7 +73,7 @@ ONE_ROW_MARGIN = 0.9  # F.linear takes a weight's one-row products when it needs
 ONE_ROW_COLD_BYTES = 64 << 20  # the timing rotates through this many bytes of weight copies (beyond the LLC)
 ONE_ROW_MAX_COPIES = 256
 FEW_ROWS = 8  # where F.linear also wins at this many rows, every product of up to this many rows takes it
-KERNEL_MAX_ROWS = 4  # products of up to this many rows take the AVX2 kernels where they build (bench/RESULTS.md)
+KERNEL_MAX_ROWS = 6  # products of up to this many rows take the AVX2 kernels where they build (bench/RESULTS.md)
 # torch.cpu.get_capabilities() keys meaning native arithmetic in a dtype (x86, AMX, aarch64 NEON/SVE)
 NATIVE_CAPABILITIES: dict[torch.dtype, tuple[str, ...]] = {
     torch.bfloat16: ("avx512_bf16", "amx_bf16", "bf16", "sve_bf16"),
