@@ -1,12 +1,14 @@
-"""One-row products (``y = W x``; float32 weights, or int8 weights with a scale per row) for x86-64 CPUs with AVX2
-and FMA, compiled at run time.
+"""Products of one to a few rows for x86-64 CPUs with AVX2 and FMA, compiled at run time: float32 weights at one
+row (``gemv``) and at two to ``FEW_ROWS_MAX`` rows (``gemm_few``), int8 weights with a scale per row at one row
+(``gemv_int8``).
 
-A decode step at batch 1 multiplies one row by every weight matrix, streaming each from memory once. oneDNN and
-MKL reach the memory bandwidth only on large matrices: measured on a 2-core AMD EPYC (Zen 3, AVX2) with the weights
-out of cache (``bench/bench_gemv.py``), oneDNN streams a ``[512, 256]`` weight at 4.2 GB/s, ``[1024, 512]`` at
-7.6 and ``[4096, 1024]`` at 15.1 GB/s, where the machine streams 17–25 GB/s. ``csrc/gemv_f32.c`` does the product
-the simple way — each thread streams four rows at a time against the input row, which stays in L1 — and reaches
-9.4, 12.7 and 19.4 GB/s on the same weights.
+A decode step at batch 1 multiplies one row by every weight matrix, streaming each from memory once (a speculative
+verification or a small batch, a few rows). oneDNN and MKL reach the memory bandwidth only on large matrices:
+measured on a 2-core AMD EPYC (Zen 3, AVX2) with the weights out of cache (``bench/bench_gemv.py``), oneDNN
+streams a ``[512, 256]`` weight at 4.2 GB/s, ``[1024, 512]`` at 7.6 and ``[4096, 1024]`` at 15.1 GB/s, where the
+machine streams 16–25 GB/s. ``csrc/gemv_f32.c`` does the product the simple way — each thread reads its share of
+the weight rows front to back, one sequential stream, each row multiplied into every input row (which stay in
+L1) — and reaches 9.4, 12.7 and 19.4 GB/s on the same weights at one row (bench/RESULTS.md has the tables).
 
 It is C, not a PyTorch extension, so that building it takes the system C compiler well under a second and no
 PyTorch headers. ``failure()`` (once per process) checks the CPU (``torch.cpu.get_capabilities``: avx2 and
@@ -54,7 +56,7 @@ def _torch_openmp() -> list[str]:
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None, f"the one-row kernel is written for x86-64 (this CPU: {platform.machine()})"
+        return None, f"the kernels are written for x86-64 (this CPU: {platform.machine()})"
     caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
     missing = [c for c in ("avx2", "fma3") if not caps.get(c)]
     if missing:
@@ -95,6 +97,9 @@ def failure() -> str | None:
         exact = x.double() @ w.double().T
         if not torch.equal(gemv(x, w).double(), exact):
             return "the one-row kernel's products differ from the exact result on this CPU"
+        xs = torch.randint(-2, 3, (3, k), generator=g).float()
+        if not torch.equal(gemm_few(xs, w).double(), xs.double() @ w.double().T):
+            return "the few-row kernel's products differ from the exact result on this CPU"
         scale = torch.full((n,), 0.5)
         if not torch.equal(gemv_int8(x, w.to(torch.int8), scale).double(), exact * 0.5):
             return "the one-row int8 kernel's products differ from the exact result on this CPU"
