@@ -80,7 +80,9 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.mla_gemv_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3  # w, x, y, n, k, threads
     lib.mla_gemv_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3  # w, scale, x, y, n, k, threads
     lib.mla_gemm_few_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4  # w, x, y, m, n, k, threads
-    lib.mla_gemv_f32.restype = lib.mla_gemv_i8.restype = lib.mla_gemm_few_f32.restype = None
+    lib.mla_gemm_few_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4  # w, scale, x, y, m, n, k, threads
+    for fn in (lib.mla_gemv_f32, lib.mla_gemv_i8, lib.mla_gemm_few_f32, lib.mla_gemm_few_i8):
+        fn.restype = None
     return lib, None
 
 
@@ -103,6 +105,8 @@ def failure() -> str | None:
         scale = torch.full((n,), 0.5)
         if not torch.equal(gemv_int8(x, w.to(torch.int8), scale).double(), exact * 0.5):
             return "the one-row int8 kernel's products differ from the exact result on this CPU"
+        if not torch.equal(gemm_few_int8(xs, w.to(torch.int8), scale).double(), xs.double() @ w.double().T * 0.5):
+            return "the few-row int8 kernel's products differ from the exact result on this CPU"
     return None
 
 
@@ -155,4 +159,24 @@ def gemv_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> t
     row = x.to(torch.float32).contiguous()
     y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
     lib.mla_gemv_i8(qweight.data_ptr(), scales.data_ptr(), row.data_ptr(), y.data_ptr(), n, k, torch.get_num_threads())
+    return y
+
+
+def gemm_few_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x · (qweight · scales[:, None])ᵀ`` in float32 for 1 to ``FEW_ROWS_MAX`` rows ``x [..., K]`` (any float dtype),
+    a contiguous int8 ``qweight [N, K]`` and float32 ``scales [N]``; only where ``failure()`` is None."""
+    lib, _ = _load()
+    assert lib is not None, "gemm_few_int8 needs the kernel: check failure() first"
+    n, k = qweight.shape
+    rows = x.numel() // k if k else 0
+    if (x.shape[-1] != k or not 1 <= rows <= FEW_ROWS_MAX or qweight.dtype != torch.int8
+            or not qweight.is_contiguous() or scales.dtype != torch.float32 or scales.shape != (n,)
+            or not scales.is_contiguous()):
+        raise ValueError(f"gemm_few_int8 takes 1 to {FEW_ROWS_MAX} rows of {k} values, a contiguous int8 weight and "
+                         f"{n} float32 scales, got x {tuple(x.shape)}, weight {qweight.dtype} and scales "
+                         f"{tuple(scales.shape)} {scales.dtype}")
+    xs = x.to(torch.float32).contiguous()
+    y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
+    lib.mla_gemm_few_i8(qweight.data_ptr(), scales.data_ptr(), xs.data_ptr(), y.data_ptr(), rows, n, k,
+                        torch.get_num_threads())
     return y

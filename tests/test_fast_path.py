@@ -209,11 +209,13 @@ def test_packed_linear_matrix_vector_layouts(gemm_mode):
         torch.testing.assert_close(linear(x, w, None, packed), F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("mode", ["auto", "onednn", "plain"])
 @pytest.mark.parametrize("aten_rows", [0, 1, 8])
-def test_small_products_take_the_measured_path(gemm_mode, aten_rows, monkeypatch):
+def test_small_products_take_the_measured_path(mode, aten_rows, monkeypatch):
     """A weight's products of up to ``aten_max_rows`` rows take F.linear exactly as the per-shape timing chose
     (bit-identical to F.linear then); oneDNN otherwise, equal to rounding; larger batches always take oneDNN. One
-    to ``KERNEL_MAX_ROWS`` rows take the AVX2 kernels wherever they build (no ``_product`` call)."""
+    to ``KERNEL_MAX_ROWS`` rows take the AVX2 kernels wherever they build (no ``_product`` call, and no timing)."""
+    monkeypatch.setenv(cpu_gemm.GEMM_ENV, mode)
     monkeypatch.setattr(cpu_gemm, "aten_max_rows", lambda *shape: aten_rows)
     g = torch.Generator().manual_seed(1)
     w = torch.randn(96, 64, generator=g)
@@ -221,7 +223,7 @@ def test_small_products_take_the_measured_path(gemm_mode, aten_rows, monkeypatch
     if cpu_gemm.gemm_choice(torch.float32).path != "onednn":
         assert packed is None
         return
-    assert packed is not None and packed.aten_max_rows == aten_rows
+    assert packed is not None and packed.aten_max_rows == (0 if packed.row_kernel else aten_rows)
     calls = []
     real_product = cpu_gemm._product
     monkeypatch.setattr(cpu_gemm, "_product", lambda *a: calls.append(1) or real_product(*a))
@@ -231,7 +233,7 @@ def test_small_products_take_the_measured_path(gemm_mode, aten_rows, monkeypatch
         got = linear(x, w, None, packed)
         kernel = rows <= cpu_gemm.KERNEL_MAX_ROWS and packed.row_kernel  # the AVX2 kernels, whatever the timing
         took_aten = len(calls) == before and not kernel
-        assert took_aten is (rows <= aten_rows and not kernel)  # F.linear, not oneDNN, exactly when chosen
+        assert took_aten is (rows <= packed.aten_max_rows and not kernel)  # F.linear, not oneDNN, exactly when chosen
         if took_aten:
             assert torch.equal(got, F.linear(x, w))
         torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
@@ -507,13 +509,19 @@ def test_row_kernel_matches_f_linear(n, k):
 
 
 @needs_row_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 8])
-def test_few_row_kernel_matches_f_linear(rows):
+@pytest.mark.parametrize("rows", range(1, cpu_gemv.FEW_ROWS_MAX + 1))
+def test_few_row_kernels_match_f_linear(rows):
+    """Every row count has its own compiled instance; a column tail (77 = 9 * 8 + 5) included."""
     g = torch.Generator().manual_seed(rows)
     w, x, b = torch.randn(37, 77, generator=g), torch.randn(rows, 77, generator=g), torch.randn(37, generator=g)
     torch.testing.assert_close(cpu_gemv.gemm_few(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    q, scales = torch.randint(-127, 128, (37, 77), generator=g, dtype=torch.int8), torch.rand(37, generator=g)
+    torch.testing.assert_close(cpu_gemv.gemm_few_int8(x, q, scales), F.linear(x, q.float() * scales[:, None]),
+                               rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match="float32 rows"):
         cpu_gemv.gemm_few(torch.randn(9, 77), w)
+    with pytest.raises(ValueError, match="float32 scales"):
+        cpu_gemv.gemm_few_int8(torch.randn(9, 77), q, scales)
 
 
 @needs_row_kernel
@@ -525,8 +533,8 @@ def test_row_kernel_rejects_what_it_cannot_compute():
 
 
 def test_one_row_products_with_and_without_the_kernel(monkeypatch):
-    """Where the kernel builds, float32 one-row products take it under auto and oneDNN under onednn (the state of
-    a CPU without it); both equal F.linear. Rows past one always take oneDNN."""
+    """Where the kernel builds, float32 products of one to ``KERNEL_MAX_ROWS`` rows take it under auto and oneDNN
+    under onednn (the state of a CPU without it); both equal F.linear."""
     w = torch.randn(96, 64)
     x = torch.randn(1, 64)
     for mode in ("auto", "onednn"):
@@ -560,9 +568,9 @@ def test_the_row_kernel_is_left_out_with_a_reason_where_it_cannot_build(monkeypa
         cpu_gemv.failure.cache_clear()
 
 
-def test_with_the_row_kernel_only_few_row_products_are_timed(monkeypatch):
-    """The kernel takes one-row products; whether F.linear beats oneDNN at 2–8 rows is still timed (a kernel that
-    wins at one row must not send a small weight's few-row products to oneDNN)."""
+def test_with_the_row_kernels_nothing_is_timed(monkeypatch):
+    """The kernels take every product of up to ``KERNEL_MAX_ROWS`` (>= ``FEW_ROWS``) rows, so a weight they serve is
+    not timed against F.linear; without them its one-row and few-row products are."""
     timed = []
 
     def race(first, second, reps=3):
@@ -570,8 +578,17 @@ def test_with_the_row_kernel_only_few_row_products_are_timed(monkeypatch):
         return 1.0, 2.0  # F.linear faster
 
     monkeypatch.setattr(cpu_gemm, "_race_ms", race)
-    assert cpu_gemm.aten_max_rows.__wrapped__(96, 64, torch.float32, 2, True) == cpu_gemm.FEW_ROWS
-    assert timed == [cpu_gemm.FEW_ROWS]
-    timed.clear()
-    assert cpu_gemm.aten_max_rows.__wrapped__(96, 64, torch.float32, 2, False) == cpu_gemm.FEW_ROWS
+    assert cpu_gemm.KERNEL_MAX_ROWS >= cpu_gemm.FEW_ROWS
+    assert cpu_gemm.aten_max_rows.__wrapped__(96, 64, torch.float32, 2) == cpu_gemm.FEW_ROWS
     assert timed == [1, cpu_gemm.FEW_ROWS]
+    try:
+        for mode in ("auto", "onednn"):
+            monkeypatch.setenv(cpu_gemm.GEMM_ENV, mode)
+            timed.clear()
+            cpu_gemm.aten_max_rows.cache_clear()
+            packed = PackedWeight.make(torch.randn(96, 64))
+            if packed is None:  # oneDNN cannot pack float32 on this CPU
+                continue
+            assert timed == ([] if packed.row_kernel else [1, cpu_gemm.FEW_ROWS])
+    finally:
+        cpu_gemm.aten_max_rows.cache_clear()  # no fake timing outlives the test

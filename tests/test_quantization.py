@@ -12,6 +12,7 @@ from mla_runtime import LLM, SamplingParams
 from mla_runtime.config import ModelConfig
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.errors import InvalidParam
+from mla_runtime.layers.cpu_gemm import KERNEL_MAX_ROWS
 from mla_runtime.layers.quantization import Int8Weight, int8_kernel_failure, quantize_model, quantized_weights
 from mla_runtime.loader import load_model
 from mla_runtime.plan import parameter_count, quantized_parameters, weight_bytes
@@ -48,27 +49,31 @@ def test_int8_product_equals_its_dequantised_matrix(gemm_mode, dtype, shape):
         got = q.matmul(x, bias)
         ref = torch.nn.functional.linear(x.float(), dq, bias.float())
         assert got.dtype == dtype and got.shape == (*rows, shape[0])
-        one_row = q.row_scales is not None and x.numel() == shape[1]  # the AVX2 kernel: float32 rows
-        tol = 2e-2 if (q.kernel and not one_row) or dtype != torch.float32 else 1e-4  # ATen's: bfloat16 rows
+        few_rows = q.row_scales is not None and 0 < x.numel() <= KERNEL_MAX_ROWS * shape[1]  # AVX2: float32 rows
+        tol = 2e-2 if (q.kernel and not few_rows) or dtype != torch.float32 else 1e-4  # ATen's: bfloat16 rows
         scale = ref.abs().max().item() if ref.numel() else 1.0
         torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol * scale)
 
 
 @pytest.mark.parametrize("mode", ["auto", "onednn"])
-def test_one_row_int8_products_with_and_without_the_row_kernel(mode, monkeypatch):
-    """Where the AVX2 one-row kernel builds, auto runs one-row int8 products through it (float32 rows: within
-    float rounding of the dequantised product); onednn (and a CPU without it) keeps ATen's kernel."""
+@pytest.mark.parametrize("rows", [1, 3, 8, 9])
+def test_few_row_int8_products_with_and_without_the_row_kernels(mode, rows, monkeypatch):
+    """Where the AVX2 kernels build, auto runs int8 products of one to ``KERNEL_MAX_ROWS`` rows through them (float32
+    rows: within float rounding of the dequantised product); more rows, onednn (and a CPU without the kernels) keep
+    ATen's kernel (bfloat16 rows)."""
     monkeypatch.setenv("MLA_CPU_GEMM", mode)
     g = torch.Generator().manual_seed(1)
     w = torch.randn(96, 128, generator=g)
     q = Int8Weight(w)
     assert (q.row_scales is not None) == (mode == "auto" and cpu_gemv.failure() is None)
-    x, bias = torch.randn(1, 128, generator=g), torch.randn(96, generator=g)
+    x, bias = torch.randn(rows, 128, generator=g), torch.randn(96, generator=g)
     ref = torch.nn.functional.linear(x, q.dequantize(), bias)
-    tol = 1e-5 if q.row_scales is not None else 2e-2  # ATen's kernel takes bfloat16 rows
+    kernels = q.row_scales is not None and rows <= KERNEL_MAX_ROWS
+    tol = 1e-5 if kernels else 2e-2
     torch.testing.assert_close(q.matmul(x, bias), ref, rtol=tol, atol=tol * ref.abs().max().item())
-    if q.row_scales is not None:
-        torch.testing.assert_close(cpu_gemv.gemv_int8(x, q.qweight, q.row_scales), x @ q.dequantize().T)
+    if kernels and q.row_scales is not None:
+        few = cpu_gemv.gemv_int8 if rows == 1 else cpu_gemv.gemm_few_int8
+        torch.testing.assert_close(few(x, q.qweight, q.row_scales), x @ q.dequantize().T)
 
 
 def test_int8_kernel_probe_in_both_states(gemm_mode):

@@ -63,23 +63,54 @@ void mla_gemv_i8(const int8_t *w, const float *scale, const float *x, float *y, 
     for (int64_t r = 0; r < n; r++) y[r] = dot_i8(w + r * k, x, k) * scale[r];
 }
 
-/* A few rows at once (2 <= m <= 8, a speculative verification or a small batch): Y [m, n] = X [m, k] W^T. Each
- * weight row is read once, front to back, and multiplied into all m input rows (which stay in L1). */
-void mla_gemm_few_f32(const float *w, const float *x, float *y, int64_t m, int64_t n, int64_t k, int64_t threads) {
+/* A few rows at once (1 <= m <= 8, a speculative verification or a small batch): Y [m, n] = X [m, k] W^T. Each
+ * weight row is read once, front to back, and multiplied into all m input rows (which stay in L1). The row count
+ * is a compile-time constant in each instance (the switches below), so the m accumulators live in registers. */
+static inline __attribute__((always_inline)) void few_f32(const float *wr, const float *x, float *y, int64_t r,
+                                                          const int m, int64_t n, int64_t k) {
     const int64_t k8 = k - k % 8;
-    #pragma omp parallel for schedule(static) num_threads((int)threads)
-    for (int64_t r = 0; r < n; r++) {
-        const float *wr = w + r * k;
-        __m256 acc[8];
-        for (int64_t j = 0; j < m; j++) acc[j] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < k8; i += 8) {
-            const __m256 wv = _mm256_loadu_ps(wr + i);
-            for (int64_t j = 0; j < m; j++) acc[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + j * k + i), acc[j]);
-        }
-        for (int64_t j = 0; j < m; j++) {
-            float s = hsum(acc[j]);
-            for (int64_t i = k8; i < k; i++) s += wr[i] * x[j * k + i];
-            y[j * n + r] = s;
-        }
+    __m256 acc[8];
+    for (int j = 0; j < m; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k8; i += 8) {
+        const __m256 wv = _mm256_loadu_ps(wr + i);
+        for (int j = 0; j < m; j++) acc[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + j * k + i), acc[j]);
     }
+    for (int j = 0; j < m; j++) {
+        float s = hsum(acc[j]);
+        for (int64_t i = k8; i < k; i++) s += wr[i] * x[j * k + i];
+        y[j * n + r] = s;
+    }
+}
+
+static inline __attribute__((always_inline)) void few_i8(const int8_t *wr, float scale, const float *x, float *y,
+                                                         int64_t r, const int m, int64_t n, int64_t k) {
+    const int64_t k8 = k - k % 8;
+    __m256 acc[8];
+    for (int j = 0; j < m; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k8; i += 8) {
+        const __m256 wv = widen8(wr + i);
+        for (int j = 0; j < m; j++) acc[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + j * k + i), acc[j]);
+    }
+    for (int j = 0; j < m; j++) {
+        float s = hsum(acc[j]);
+        for (int64_t i = k8; i < k; i++) s += (float)wr[i] * x[j * k + i];
+        y[j * n + r] = s * scale;
+    }
+}
+
+#define ROWS_CASES(CALL) \
+    switch (m) { case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; case 5: CALL(5); break; \
+                 case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(8); break; }
+
+void mla_gemm_few_f32(const float *w, const float *x, float *y, int64_t m, int64_t n, int64_t k, int64_t threads) {
+#define F32_ROW(M) few_f32(w + r * k, x, y, r, M, n, k)
+    #pragma omp parallel for schedule(static) num_threads((int)threads)
+    for (int64_t r = 0; r < n; r++) ROWS_CASES(F32_ROW)
+}
+
+void mla_gemm_few_i8(const int8_t *w, const float *scale, const float *x, float *y, int64_t m, int64_t n, int64_t k,
+                     int64_t threads) {
+#define I8_ROW(M) few_i8(w + r * k, scale[r], x, y, r, M, n, k)
+    #pragma omp parallel for schedule(static) num_threads((int)threads)
+    for (int64_t r = 0; r < n; r++) ROWS_CASES(I8_ROW)
 }

@@ -29,8 +29,8 @@ in a process runs ``probe`` on a tiny weight. Paths (``GemmChoice.path``):
   Where ``mla_kernels.cpu_gemv`` builds on this machine (x86-64 with AVX2 and FMA, a C compiler; its probe
   passed), float32 products of up to ``KERNEL_MAX_ROWS`` rows (batch-1 decoding, a speculative verification, a
   small batch) run its kernels on the plain weight instead, reading each weight row once for all input rows: they
-  stream small and middling weights 1.1–2.6× faster than oneDNN at one to six rows (``bench/bench_gemv.py``;
-  at eight rows they only draw level). ``MLA_CPU_GEMM=onednn`` leaves them out.
+  stream small and middling weights 1.1–2.6× faster than oneDNN at one to six rows and 1.1–1.6× at eight
+  (``bench/bench_gemv.py``). ``MLA_CPU_GEMM=onednn`` leaves them out.
 - ``plain``: ``F.linear`` in the weight's dtype; no extra memory.
 - ``upcast``: a float32 copy of the weight (computed through the float32 path: blocked where oneDNN
   packs float32, else plain), the input cast to float32 and the result back. Memory: +4 bytes per
@@ -73,7 +73,7 @@ ONE_ROW_MARGIN = 0.9  # F.linear takes a weight's one-row products when it needs
 ONE_ROW_COLD_BYTES = 64 << 20  # the timing rotates through this many bytes of weight copies (beyond the LLC)
 ONE_ROW_MAX_COPIES = 256
 FEW_ROWS = 8  # where F.linear also wins at this many rows, every product of up to this many rows takes it
-KERNEL_MAX_ROWS = 6  # products of up to this many rows take the AVX2 kernels where they build (bench/RESULTS.md)
+KERNEL_MAX_ROWS = 8  # products of up to this many rows take the AVX2 kernels where they build (bench/RESULTS.md)
 # torch.cpu.get_capabilities() keys meaning native arithmetic in a dtype (x86, AMX, aarch64 NEON/SVE)
 NATIVE_CAPABILITIES: dict[torch.dtype, tuple[str, ...]] = {
     torch.bfloat16: ("avx512_bf16", "amx_bf16", "bf16", "sve_bf16"),
@@ -277,8 +277,9 @@ class PackedWeight:
         self.row_kernel = (self.plain_gemv and self.plain.is_contiguous()  # ... or the AVX2 kernel on it
                            and row_kernel_failure() is None)
         # products of at most this many rows take F.linear (small weights: oneDNN's per-call set-up dominates)
-        self.aten_max_rows = aten_max_rows(*weight.shape, weight.dtype, torch.get_num_threads(),
-                                           self.row_kernel) if path == "onednn" else 0
+        # (the AVX2 kernels, where they run, take every product F.linear could win: up to FEW_ROWS rows)
+        self.aten_max_rows = (aten_max_rows(*weight.shape, weight.dtype, torch.get_num_threads())
+                              if path == "onednn" and not self.row_kernel else 0)
 
     @staticmethod
     def make(weight: torch.Tensor) -> PackedWeight | None:
@@ -294,11 +295,9 @@ class PackedWeight:
 
 
 @functools.cache
-def aten_max_rows(n: int, k: int, dtype: torch.dtype, threads: int, row_kernel: bool = False) -> int:
+def aten_max_rows(n: int, k: int, dtype: torch.dtype, threads: int) -> int:
     """Up to how many rows products with an ``[n, k]`` weight are faster in ``F.linear`` than in oneDNN here:
-    0, 1 or ``FEW_ROWS`` (timed once per shape, dtype and thread count; see the module docstring). With
-    ``row_kernel`` one-row products take the AVX2 kernel whatever this says, and only ``FEW_ROWS`` is timed: a
-    kernel that wins at one row says nothing about two to eight, where ``F.linear`` may still beat oneDNN."""
+    0, 1 or ``FEW_ROWS`` (timed once per shape, dtype and thread count; see the module docstring)."""
     if n * k > ONE_ROW_TIMING_MAX:
         return 0
     g = torch.Generator().manual_seed(0)
@@ -309,10 +308,10 @@ def aten_max_rows(n: int, k: int, dtype: torch.dtype, threads: int, row_kernel: 
         packed = PackedWeight.__new__(PackedWeight)
         packed.plain, packed.blocked, packed.wide = w, _reorder(w), None
         packed.plain_gemv = dtype == torch.float32
-        packed.row_kernel = False  # rows > 1 are timed against oneDNN alone
+        packed.row_kernel = False
         packs.append(packed)
     best = 0
-    for rows in (FEW_ROWS,) if row_kernel else (1, FEW_ROWS):
+    for rows in (1, FEW_ROWS):
         x = torch.randn(rows, k, generator=g).to(dtype)
         aten_ms, onednn_ms = _race_ms(functools.partial(_each_aten, x, weights),
                                       functools.partial(_each_onednn, x, packs))

@@ -16,10 +16,10 @@ CPU computes the same values. The kernel is used for inner dimensions that are a
 variant mishandles a tail: on AVX2 it returns wrong values, or crashes, when ``K`` is not a multiple of 8; every
 MLA checkpoint's dimensions are multiples of 64) and once a probe has found it exact on this CPU
 (``int8_kernel_failure``). Elsewhere, or under ``MLA_CPU_GEMM=plain``, the int8 weight is widened per call and
-multiplied in float32 with ``F.linear`` (float32 activations, another summation order). One-row products (batch-1
-decoding) run the AVX2 kernel of ``mla_kernels.cpu_gemv`` where it builds (``MLA_CPU_GEMM=auto``): it widens each
-int8 weight to float32 in registers, so its rows are float32 (not rounded to bfloat16) and it reads one byte per
-weight.
+multiplied in float32 with ``F.linear`` (float32 activations, another summation order). Products of one to
+``KERNEL_MAX_ROWS`` rows (decoding, a speculative verification, a small batch) run the AVX2 kernels of
+``mla_kernels.cpu_gemv`` where they build (``MLA_CPU_GEMM=auto``): they widen each int8 weight to float32 in
+registers, so their rows are float32 (not rounded to bfloat16) and they read one byte per weight.
 
 What is quantised (``quantize_model``): every projection of the attention except ``kv_b_proj`` (its absorbed
 factors ``W_UK``/``W_UV`` and the up-projection of long prefills stay exact), the dense MLPs, the shared and
@@ -41,7 +41,7 @@ from mla_kernels import cpu_gemv
 from torch import nn
 
 from mla_runtime.errors import InvalidParam
-from mla_runtime.layers.cpu_gemm import PackedWeight, gemm_mode, row_kernel_failure
+from mla_runtime.layers.cpu_gemm import KERNEL_MAX_ROWS, PackedWeight, gemm_mode, row_kernel_failure
 from mla_runtime.layers.linear import Linear
 from mla_runtime.layers.mla import MLAttention
 from mla_runtime.layers.mlp import GatedMLP
@@ -143,9 +143,12 @@ class Int8Weight(PackedWeight):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [..., K]`` (any float dtype) -> ``x · Wᵀ (+ bias)`` in ``x``'s dtype."""
         k = self.qweight.shape[1]
-        if self.row_scales is not None and x.numel() == k:
-            one: torch.Tensor = cpu_gemv.gemv_int8(x, self.qweight, self.row_scales)
-            return (one if bias is None else one.add_(bias.float())).to(x.dtype)
+        if self.row_scales is not None and 0 < x.numel() <= KERNEL_MAX_ROWS * k:  # the AVX2 kernels
+            if x.numel() == k:
+                few: torch.Tensor = cpu_gemv.gemv_int8(x, self.qweight, self.row_scales)
+            else:
+                few = cpu_gemv.gemm_few_int8(x, self.qweight, self.row_scales)
+            return (few if bias is None else few.add_(bias.float())).to(x.dtype)
         rows = x.reshape(-1, k)
         if self.kernel and rows.shape[0]:
             y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(rows.to(torch.bfloat16).contiguous(), self.qweight,
