@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv_f32.c"
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = (CSRC / "gemv_f32.c", CSRC / "mla_decode_f32.c")  # one library; both include csrc/simd.h
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 COMPILE_TIMEOUT_S = 120
 
@@ -67,11 +68,12 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     folder = tempfile.mkdtemp(prefix="mla_gemv_")
     try:
         out = os.path.join(folder, "libmla_gemv.so")
-        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", out, *_torch_openmp()], capture_output=True,
+        done = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", out, *_torch_openmp()], capture_output=True,
                               text=True, timeout=COMPILE_TIMEOUT_S)
         if done.returncode != 0:
             said = (done.stderr.strip() or done.stdout.strip() or f"exit status {done.returncode}").splitlines()
-            return None, f"compiling {SOURCE.name} with {cc} failed: {said[-1][:200]}"
+            names = " and ".join(source.name for source in SOURCES)
+            return None, f"compiling {names} with {cc} failed: {said[-1][:200]}"
         lib = ctypes.CDLL(out)  # the mapping stays valid after the file is removed
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"building the kernel failed: {e}"
@@ -81,7 +83,17 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.mla_gemv_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3  # w, scale, x, y, n, k, threads
     lib.mla_gemm_few_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4  # w, x, y, m, n, k, threads
     lib.mla_gemm_few_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4  # w, scale, x, y, m, n, k, threads
-    for fn in (lib.mla_gemv_f32, lib.mla_gemv_i8, lib.mla_gemm_few_f32, lib.mla_gemm_few_i8):
+    # q_n, its two strides, q_r, its two strides, w_uk, w_uv_t, cache, slots, slot stride, lens, scale, out, scratch,
+    # scratch stride, rows, heads, d_n, d_r, d_c, d_v, threads
+    lib.mla_absorbed_decode_f32.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + \
+        [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_float] + \
+        [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 8
+    lib.mla_rms_norm_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 2 + \
+        [ctypes.c_int64] * 2 + [ctypes.c_float]  # x, row stride, weight, y, m, k, eps
+    lib.mla_gated_mlps.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + \
+        [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]  # x, y, d, table, ids, weights, n, scratch, threads
+    for fn in (lib.mla_gemv_f32, lib.mla_gemv_i8, lib.mla_gemm_few_f32, lib.mla_gemm_few_i8,
+               lib.mla_absorbed_decode_f32, lib.mla_rms_norm_f32, lib.mla_gated_mlps):
         fn.restype = None
     return lib, None
 
@@ -107,6 +119,31 @@ def failure() -> str | None:
             return "the one-row int8 kernel's products differ from the exact result on this CPU"
         if not torch.equal(gemm_few_int8(xs, w.to(torch.int8), scale).double(), xs.double() @ w.double().T * 0.5):
             return "the few-row int8 kernel's products differ from the exact result on this CPU"
+    xs = torch.randn(3, 40, generator=g)
+    weight = torch.randn(40, generator=g)
+    if not torch.allclose(rms_norm(xs, weight, 1e-6), torch.nn.functional.rms_norm(xs, (40,), weight, 1e-6),
+                          rtol=1e-5, atol=1e-6):
+        return "the RMSNorm kernel differs from torch's on this CPU"
+    return _decode_failure(g)
+
+
+def _decode_failure(g: torch.Generator) -> str | None:
+    """The absorbed decode kernel against the same attention in torch (float64) on a small random layer."""
+    rows, heads, d_n, d_r, d_c, d_v, blocks = 3, 5, 16, 8, 72, 24, 40
+    q = torch.randn(rows, heads, d_n + d_r, generator=g)
+    q_n, q_r = q.split([d_n, d_r], dim=-1)
+    w_uk, w_uv_t = torch.randn(heads, d_n, d_c, generator=g), torch.randn(heads, d_c, d_v, generator=g)
+    cache = torch.randn(blocks, d_c + d_r, generator=g)
+    lens = torch.tensor([1, 7, 33])
+    slots = torch.randperm(blocks, generator=g)[:33].repeat(rows, 1)
+    got = absorbed_decode(q_n, q_r, w_uk, w_uv_t, cache, slots, lens, 0.3)
+    for t in range(rows):
+        keys = cache[slots[t, :lens[t]]].double()
+        q_abs = torch.einsum("hn,hnc->hc", q_n[t].double(), w_uk.double())
+        p = torch.softmax(0.3 * (torch.cat([q_abs, q_r[t].double()], -1) @ keys.T), dim=-1)
+        want = torch.einsum("hc,hcv->hv", p @ keys[:, :d_c], w_uv_t.double())
+        if not torch.allclose(got[t].double(), want, rtol=1e-4, atol=1e-4):
+            return "the absorbed decode kernel differs from torch's attention on this CPU"
     return None
 
 
@@ -180,3 +217,98 @@ def gemm_few_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) 
     lib.mla_gemm_few_i8(qweight.data_ptr(), scales.data_ptr(), xs.data_ptr(), y.data_ptr(), rows, n, k,
                         torch.get_num_threads())
     return y
+
+
+def absorbed_decode(q_n: torch.Tensor, q_r: torch.Tensor, w_uk: torch.Tensor, w_uv_t: torch.Tensor,
+                    cache: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """A layer's absorbed decode attention in one call (``csrc/mla_decode_f32.c``), all float32 on the CPU:
+    ``q_n [T, H, d_n]`` and rotated ``q_r [T, H, d_r]`` (any row and head strides), ``w_uk [H, d_n, d_c]``,
+    ``w_uv_t [H, d_c, d_v]``, ``cache [S, d_c + d_r]`` (flat latent rows), ``slots [T, L]`` int64 (row t's keys:
+    ``cache[slots[t, :lens[t]]]``) and ``lens [T]`` int64 (each >= 1, <= L) -> ``out [T, H, d_v]``. Only where
+    ``failure()`` is None; the caller guarantees the slots are valid rows of ``cache``."""
+    lib, _ = _load()
+    assert lib is not None, "absorbed_decode needs the kernel: check failure() first"
+    rows, heads, d_n = q_n.shape
+    d_r, (d_c, d_v) = q_r.shape[2], w_uv_t.shape[1:]
+    q_n, q_r = (q if q.stride(2) == 1 else q.contiguous() for q in (q_n, q_r))
+    tensors = (q_n, q_r, w_uk, w_uv_t, cache)
+    if (any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors)
+            or q_r.shape[:2] != (rows, heads)
+            or w_uk.shape != (heads, d_n, d_c) or not w_uk.is_contiguous() or not w_uv_t.is_contiguous()
+            or cache.shape[1] != d_c + d_r or not cache.is_contiguous()
+            or slots.dtype != torch.int64 or slots.shape[0] != rows or slots.stride(1) != 1
+            or lens.dtype != torch.int64 or lens.shape != (rows,) or not lens.is_contiguous()):
+        raise ValueError(f"absorbed_decode: q_n {tuple(q_n.shape)}, q_r {tuple(q_r.shape)}, w_uk {tuple(w_uk.shape)}, "
+                         f"w_uv_t {tuple(w_uv_t.shape)}, cache {tuple(cache.shape)}, slots {tuple(slots.shape)} "
+                         f"{slots.dtype} and lens {tuple(lens.shape)} {lens.dtype} do not fit one float32 layer")
+    threads = torch.get_num_threads()
+    stride = -(-heads // threads) * (2 * rows * d_c + slots.shape[1])  # per thread: see the C source
+    scratch = torch.empty(threads, stride, dtype=torch.float32)
+    out = torch.empty(rows, heads, d_v, dtype=torch.float32)
+    lib.mla_absorbed_decode_f32(q_n.data_ptr(), q_n.stride(0), q_n.stride(1), q_r.data_ptr(), q_r.stride(0),
+                                q_r.stride(1), w_uk.data_ptr(), w_uv_t.data_ptr(), cache.data_ptr(), slots.data_ptr(),
+                                slots.stride(0), lens.data_ptr(), scale, out.data_ptr(), scratch.data_ptr(), stride,
+                                rows, heads, d_n, d_r, d_c, d_v, threads)
+    return out
+
+
+NORM_MAX_ROWS = 64  # RMSNorm of up to this many rows takes the one-thread kernel
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``F.rms_norm(x, (K,), weight, eps)`` for float32 ``x [..., K]`` (rows with a stride, last dimension
+    contiguous) and a contiguous float32 ``weight [K]``, on one thread; only where ``failure()`` is None."""
+    lib, _ = _load()
+    assert lib is not None, "rms_norm needs the kernel: check failure() first"
+    k, shape = weight.shape[0], x.shape
+    if x.dim() != 2:
+        x = x.reshape(-1, k)
+    if (x.shape[1] != k or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.stride(1) != 1
+            or not weight.is_contiguous()):
+        raise ValueError(f"rms_norm takes float32 rows of {k} values and a contiguous float32 weight, got x "
+                         f"{tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} {weight.dtype}")
+    y = torch.empty(x.shape, dtype=torch.float32)
+    lib.mla_rms_norm_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), y.data_ptr(), x.shape[0], k, eps)
+    return y.view(shape)
+
+
+class GatedMLPTable:
+    """The weights of gated MLPs (a MoE layer's experts and shared experts, or one dense MLP) as the one-row kernel
+    reads them: ``mlps`` lists each MLP's ``(gate_up [2I, d], down [d, I])``, each a contiguous float32 tensor or an
+    int8 ``(qweight, float32 row scales)`` pair. Holds them alive while it exists."""
+
+    def __init__(self, mlps: list[tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+                                        torch.Tensor | tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        rows, self.keep = [], []
+        for gate_up, down in mlps:
+            entry = []
+            for part in (gate_up, down):
+                weight, scales = part if isinstance(part, tuple) else (part, None)
+                ok = weight.is_contiguous() and (weight.dtype == torch.float32 if scales is None else
+                                                 weight.dtype == torch.int8 and scales.dtype == torch.float32)
+                if not ok:
+                    raise ValueError(f"GatedMLPTable: a {weight.dtype} weight {tuple(weight.shape)} is neither a "
+                                     "contiguous float32 one nor int8 with float32 scales")
+                entry += [weight.data_ptr(), 0 if scales is None else scales.data_ptr()]
+                self.keep += [weight, scales]
+            rows.append(entry + [down.shape[-1] if not isinstance(down, tuple) else down[0].shape[1]])
+        self.table = torch.tensor(rows, dtype=torch.int64)
+        self.hidden = (mlps[0][0] if not isinstance(mlps[0][0], tuple) else mlps[0][0][0]).shape[1]
+        self.max_inter = int(self.table[:, 4].max())
+
+    def __call__(self, x: torch.Tensor, ids: list[int], weights: list[float]) -> torch.Tensor:
+        """``sum_i weights[i] * mlp_{ids[i]}(x)`` for one float32 row ``x [..., d]``; where ``failure()`` is None."""
+        lib, _ = _load()
+        assert lib is not None, "GatedMLPTable needs the kernel: check failure() first"
+        if (x.numel() != self.hidden or x.dtype != torch.float32 or not ids or len(ids) != len(weights)
+                or not 0 <= min(ids) <= max(ids) < len(self.table)):
+            raise ValueError(f"GatedMLPTable takes one float32 row of {self.hidden} values and one weight per MLP, "
+                             f"got x {tuple(x.shape)} {x.dtype}, MLPs {ids} of {len(self.table)} and {len(weights)} "
+                             "weights")
+        row = x.contiguous()
+        y = torch.empty(x.shape, dtype=torch.float32)
+        scratch = torch.empty(3 * self.max_inter, dtype=torch.float32)
+        n = len(ids)
+        lib.mla_gated_mlps(row.data_ptr(), y.data_ptr(), self.hidden, self.table.data_ptr(), (ctypes.c_int64 * n)(*ids),
+                           (ctypes.c_float * n)(*weights), n, scratch.data_ptr(), torch.get_num_threads())
+        return y

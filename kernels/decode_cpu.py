@@ -47,6 +47,7 @@ class DecodePlan:
     slots: torch.Tensor  # [N, L] int64: cache slot of key j of query row n (padding: the row's last key)
     mask: torch.Tensor  # [N, 1, L] float32: 0 for j < seq_lens[n], -inf after
     max_len: int  # L: the longest row, rounded up to a multiple of PLAN_LEN_MULTIPLE
+    lens: torch.Tensor  # [N] int64: seq_lens (the keys of each row; what the compiled decode kernel reads)
 
 
 def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
@@ -56,7 +57,7 @@ def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: 
     ``seq_lens`` when the caller knows them on the host (saves reading them back)."""
     check_int_tensor("block_tables", block_tables, 2, block_tables.device)
     check_int_tensor("seq_lens", seq_lens, 1, block_tables.device)
-    lens = seq_lens.long()
+    lens = seq_lens.long().contiguous()
     n_rows = lens.shape[0]
     if n_rows == 0:
         raise ValueError("plan_decode needs at least one query row")
@@ -72,7 +73,7 @@ def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: 
     key = torch.minimum(pos, last)  # [N, L]: padding repeats the last key
     slots = rows.long().gather(1, key // block_size) * block_size + key % block_size
     mask = torch.where(pos > last, float("-inf"), 0.0).unsqueeze(1)  # [N, 1, L] float32
-    return DecodePlan(slots=slots, mask=mask, max_len=hi)
+    return DecodePlan(slots=slots, mask=mask, max_len=hi, lens=lens)
 
 
 def plan_decode_lists(block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int], block_size: int,
@@ -93,7 +94,7 @@ def plan_decode_lists(block_tables: Sequence[Sequence[int]], seq_lens: Sequence[
     rows = len(seq_lens)
     return DecodePlan(slots=torch.tensor(slots, dtype=torch.int64, device=device).view(rows, width),
                       mask=torch.tensor(mask, dtype=torch.float32, device=device).view(rows, 1, width),
-                      max_len=width)
+                      max_len=width, lens=torch.tensor(seq_lens, dtype=torch.int64, device=device))
 
 
 def mla_decode_planned(q: torch.Tensor, cache: torch.Tensor, plan: DecodePlan, sm_scale: float,

@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 if not torch.cuda.is_available():  # kernels: interpret Triton on CPU (must precede the first triton import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -24,6 +25,7 @@ from mla_runtime.layers import cpu_gemm  # noqa: E402
 from mla_runtime.layers import moe as moe_module  # noqa: E402
 from mla_runtime.layers import rotary as rotary_module  # noqa: E402
 from mla_runtime.layers.cpu_gemm import PackedWeight, linear  # noqa: E402
+from mla_runtime.layers.norm import RMSNorm  # noqa: E402
 from mla_runtime.layers.rotary import RotaryEmbedding  # noqa: E402
 from mla_runtime.loader import load_model  # noqa: E402
 from tests.kernel_utils import assert_close_dtype, make_paged_case  # noqa: E402
@@ -386,6 +388,15 @@ def test_forward_batch_tail_equals_a_batch_of_the_tail():
         full.tail(5)
 
 
+def _spy_planned_rows(monkeypatch, mla_module) -> list[int]:
+    """The row count of every planned decode call, through torch (``mla_decode_planned``) or the compiled kernel."""
+    rows: list[int] = []
+    real, real_kernel = mla_module.mla_decode_planned, cpu_gemv.absorbed_decode
+    monkeypatch.setattr(mla_module, "mla_decode_planned", lambda q, *a: rows.append(q.shape[0]) or real(q, *a))
+    monkeypatch.setattr(cpu_gemv, "absorbed_decode", lambda q_n, *a: rows.append(q_n.shape[0]) or real_kernel(q_n, *a))
+    return rows
+
+
 @pytest.mark.parametrize("extra_key_bytes", [None, 64])
 def test_short_chunks_join_the_decode_plan(tiny_checkpoint, monkeypatch, extra_key_bytes):
     """Speculative verifications (a few tokens over a cached context) join the decodes' gather plan while the
@@ -395,10 +406,7 @@ def test_short_chunks_join_the_decode_plan(tiny_checkpoint, monkeypatch, extra_k
 
     ckpt, _ = tiny_checkpoint("v3")
     ps = prompts([20, 13, 30], seed=22)
-    planned_rows = []
-    real = mla_module.mla_decode_planned
-    monkeypatch.setattr(mla_module, "mla_decode_planned",
-                        lambda q, *a, **k: planned_rows.append(q.shape[0]) or real(q, *a, **k))
+    planned_rows = _spy_planned_rows(monkeypatch, mla_module)
     if extra_key_bytes is not None:  # too small for the 3-token chunk over 13 keys
         monkeypatch.setattr(attention_metadata, "PLANNED_EXTRA_KEY_BYTES", extra_key_bytes)
     results = []
@@ -423,10 +431,7 @@ def test_mixed_step_decodes_planned_prefill_apart(tiny_checkpoint, monkeypatch, 
 
     ckpt, _ = tiny_checkpoint("v3")
     ps = prompts([20, 13, 30, 9], seed=21)
-    planned_rows = []
-    real = mla_module.mla_decode_planned
-    monkeypatch.setattr(mla_module, "mla_decode_planned",
-                        lambda q, *a, **k: planned_rows.append(q.shape[0]) or real(q, *a, **k))
+    planned_rows = _spy_planned_rows(monkeypatch, mla_module)
     results = []
     for mixed in (True, False):
         model = load_model(ckpt, dtype="float32")
@@ -555,7 +560,8 @@ def test_the_row_kernel_is_left_out_with_a_reason_where_it_cannot_build(monkeypa
     builds_here = cpu_gemv.failure() is None  # else it stops earlier (architecture, instruction set)
     monkeypatch.setenv(cpu_gemm.GEMM_ENV, "auto")
     try:
-        for compiler, said in ((None, "no C compiler found"), ("false", "compiling gemv_f32.c with false failed")):
+        failed = "compiling gemv_f32.c and mla_decode_f32.c with false failed"
+        for compiler, said in ((None, "no C compiler found"), ("false", failed)):
             monkeypatch.setattr(cpu_gemv, "_compiler", lambda c=compiler: c)
             cpu_gemv._load.cache_clear()
             cpu_gemv.failure.cache_clear()
@@ -592,3 +598,152 @@ def test_with_the_row_kernels_nothing_is_timed(monkeypatch):
             assert timed == ([] if packed.row_kernel else [1, cpu_gemm.FEW_ROWS])
     finally:
         cpu_gemm.aten_max_rows.cache_clear()  # no fake timing outlives the test
+
+
+# -- the compiled absorbed decode and RMSNorm --------------------------------------------------------------------
+@needs_row_kernel
+@pytest.mark.parametrize("rows, heads, dims, threads", [
+    (1, 16, (64, 64, 512, 64), 2),   # the benchmark checkpoint's layer, one decode
+    (8, 16, (64, 64, 512, 64), 2),   # batch 8
+    (3, 5, (16, 8, 72, 24), 2),      # an odd head count (groups of 3 and 2) and column tails
+    (2, 6, (8, 8, 40, 8), 4),        # more threads than a group needs; d_c not a multiple of 32
+    (5, 3, (16, 16, 64, 16), 1),
+])
+def test_absorbed_decode_kernel_matches_the_planned_torch_path(rows, heads, dims, threads):
+    """One call equals absorption + ``mla_decode_planned`` + up-projection (the torch path it replaces) for rows of
+    different lengths, with a cache whose unused rows hold NaN (never read)."""
+    d_n, d_r, d_c, d_v = dims
+    g = torch.Generator().manual_seed(rows * heads)
+    block, blocks = 4, 24
+    cache = torch.full((blocks, block, d_c + d_r), float("nan"))
+    lens = [1 + (7 * i + 3) % 37 for i in range(rows)]
+    tables = [torch.randperm(blocks, generator=g)[: -(-n // block)].tolist() for n in lens]
+    plan = plan_decode_lists(tables, lens, block)
+    flat = cache.view(-1, d_c + d_r)
+    flat[plan.slots.unique()] = torch.randn(plan.slots.unique().numel(), d_c + d_r, generator=g)
+    q = torch.randn(rows, heads, d_n + d_r, generator=g)
+    q_n, q_r = q.split([d_n, d_r], dim=-1)
+    w_uk, w_uv_t = torch.randn(heads, d_n, d_c, generator=g), torch.randn(heads, d_c, d_v, generator=g) / d_c ** 0.5
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_gemv.absorbed_decode(q_n, q_r, w_uk, w_uv_t, flat, plan.slots, plan.lens, 0.1)
+    finally:
+        torch.set_num_threads(before)
+    q_abs = torch.bmm(q_n.transpose(0, 1), w_uk).transpose(0, 1)
+    o_lat = mla_decode_planned(torch.cat([q_abs, q_r], dim=-1), cache, plan, 0.1, d_c)
+    want = torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)
+    assert got.shape == (rows, heads, d_v) and torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@needs_row_kernel
+def test_absorbed_decode_kernel_rejects_what_it_cannot_compute():
+    q = torch.randn(1, 2, 16)
+    slots, lens = torch.zeros(1, 4, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
+    w_uk, w_uv_t, cache = torch.randn(2, 8, 16), torch.randn(2, 16, 8), torch.randn(4, 24)
+    for bad in (dict(cache=cache.double()), dict(lens=lens.int()), dict(w_uk=torch.randn(2, 8, 15)),
+                dict(cache=torch.randn(4, 20))):
+        args = dict(q_n=q[..., :8], q_r=q[..., 8:], w_uk=w_uk, w_uv_t=w_uv_t, cache=cache, slots=slots, lens=lens)
+        args.update(bad)
+        with pytest.raises(ValueError, match="do not fit one float32 layer"):
+            cpu_gemv.absorbed_decode(scale=1.0, **args)
+
+
+@needs_row_kernel
+@pytest.mark.parametrize("shape", [(1, 1024), (3, 77), (2, 4, 40)])
+def test_rms_norm_kernel_matches_torch(shape):
+    g = torch.Generator().manual_seed(len(shape))
+    x, w = torch.randn(*shape, generator=g) * 3, torch.randn(shape[-1], generator=g)
+    torch.testing.assert_close(cpu_gemv.rms_norm(x, w, 1e-6), F.rms_norm(x, (shape[-1],), w, 1e-6))
+    wide = torch.randn(shape[0], 2 * shape[-1], generator=g)  # rows with a stride: a split's first part
+    part = wide[:, : shape[-1]]
+    torch.testing.assert_close(cpu_gemv.rms_norm(part, w, 1e-6), F.rms_norm(part, (shape[-1],), w, 1e-6))
+
+
+def test_rms_norm_module_with_and_without_the_kernel(monkeypatch):
+    """Prepared float32 norms take the kernel under auto where it builds (a few rows only), F.rms_norm otherwise."""
+    x = torch.randn(5, 64)
+    for mode in ("auto", "onednn"):
+        monkeypatch.setenv(cpu_gemm.GEMM_ENV, mode)
+        norm = RMSNorm(64, 1e-6)
+        norm.weight.data.normal_()
+        norm.prepare_inference()
+        assert norm.kernel == (mode == "auto" and cpu_gemv.failure() is None)
+        for rows in (x, torch.randn(cpu_gemv.NORM_MAX_ROWS + 1, 64)):
+            torch.testing.assert_close(norm(rows), F.rms_norm(rows, (64,), norm.weight, 1e-6))
+
+
+def test_decode_plans_carry_each_rows_length():
+    tables, lens = [[3, 1], [0], [2, 4, 5]], [5, 2, 9]
+    host = plan_decode_lists(tables, lens, 4)
+    padded = torch.tensor([t + [0] * (3 - len(t)) for t in tables], dtype=torch.int32)
+    device = plan_decode(padded, torch.tensor(lens, dtype=torch.int32), 4)
+    assert host.lens.tolist() == device.lens.tolist() == lens and host.lens.dtype == device.lens.dtype == torch.int64
+
+
+@needs_row_kernel
+def test_gated_mlp_table_matches_torch_for_float32_and_int8_weights():
+    """The one-row kernel sums weighted gated MLPs of either weight kind, in the order given."""
+    g = torch.Generator().manual_seed(5)
+    d, inters = 40, (16, 24, 8)
+    mlps = [(torch.randn(2 * i, d, generator=g), torch.randn(d, i, generator=g)) for i in inters]
+    q = [torch.randint(-127, 128, (2 * inters[2], d), generator=g, dtype=torch.int8),
+         torch.randint(-127, 128, (d, inters[2]), generator=g, dtype=torch.int8)]
+    scales = [torch.rand(2 * inters[2], generator=g) / 64, torch.rand(d, generator=g) / 64]
+    table = cpu_gemv.GatedMLPTable([mlps[0], mlps[1], ((q[0], scales[0]), (q[1], scales[1]))])
+    dense = [mlps[0], mlps[1], (q[0].float() * scales[0][:, None], q[1].float() * scales[1][:, None])]
+
+    def mlp(x, gate_up, down):
+        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, down)
+
+    x = torch.randn(1, d, generator=g)
+    for ids, weights in (([0], [1.0]), ([2, 0, 1], [0.5, -1.5, 2.0]), ([1, 1], [1.0, 1.0])):
+        want = sum(w * mlp(x, *dense[i]) for i, w in zip(ids, weights))
+        torch.testing.assert_close(table(x, ids, weights), want, rtol=1e-4, atol=1e-4)
+    for ids, weights, bad in (([3], [1.0], torch.randn(1, d)), ([0], [], torch.randn(1, d)),
+                              ([0], [1.0], torch.randn(2, d)), ([0], [1.0], torch.randn(1, d).double())):
+        with pytest.raises(ValueError, match="one float32 row"):
+            table(bad, ids, weights)
+    with pytest.raises(ValueError, match="neither a contiguous float32"):
+        cpu_gemv.GatedMLPTable([(mlps[0][0].t(), mlps[0][1])])
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_one_token_moe_and_mlp_with_and_without_the_kernel(quantization, monkeypatch):
+    """A prepared MoE layer (routed and shared experts) and a dense MLP give one token the same output through the
+    compiled kernel (auto) as through the per-product path (onednn), float32 or int8; a quantised layer makes its
+    table again from the int8 weights."""
+    from mla_runtime.layers.mlp import GatedMLP
+    from mla_runtime.layers.quantization import quantize_model
+
+    cfg = MoEConfig(n_routed_experts=6, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=64,
+                    scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True)
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(1))
+    outs = {}
+    for mode in ("auto", "onednn"):
+        monkeypatch.setenv(cpu_gemm.GEMM_ENV, mode)
+        g = torch.Generator().manual_seed(0)
+        layer = nn.ModuleDict({"moe": moe_module.MoE(cfg, 64, torch.float32), "mlp": GatedMLP(64, 128, torch.float32)})
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+        for m in layer.modules():
+            if m is not layer and hasattr(m, "prepare_inference"):
+                m.prepare_inference()
+        first = layer["moe"](x)  # made with the float weights ...
+        if quantization:
+            layer.lm_head_weight = torch.randn(8, 64)  # what quantize_model expects of a model
+            quantize_model(layer, quantization)  # ... and made again from the int8 ones
+        outs[mode] = (layer["moe"](x), layer["mlp"](x))
+        kernel = mode == "auto" and cpu_gemv.failure() is None
+        tables = (layer["moe"].experts.row_table, layer["mlp"].row_table)
+        assert all(isinstance(t, cpu_gemv.GatedMLPTable) == kernel for t in tables)
+        if kernel and quantization:
+            assert all(k.dtype in (torch.int8, torch.float32) for k in tables[0].keep if k is not None)
+            assert any(k.dtype == torch.int8 for k in tables[0].keep if k is not None)
+        assert first.shape == x.shape
+    tol = 1e-5 if quantization is None else 3e-2  # int8 on onednn: ATen's kernel rounds the rows to bfloat16
+    for a, b in zip(outs["auto"], outs["onednn"]):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol * b.abs().max().item())

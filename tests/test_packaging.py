@@ -24,6 +24,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from mla_kernels import cpu_gemv
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("pyproject.toml", "README.md", "mla_runtime", "kernels")
@@ -69,14 +70,17 @@ def test_the_wheel_carries_presets_demo_model_and_example(installed):
             "print(sorted(p.name for p in (r / 'model_configs').iterdir())); "
             "print(sorted(p.name for p in (r / 'demo_model').iterdir())); "
             "print((r / 'serving' / 'serve.example.yaml').is_file()); "
-            "from mla_kernels import cpu_gemv; print(cpu_gemv.SOURCE.is_file())")
+            "from mla_kernels import cpu_gemv; "
+            "print(all(p.is_file() for p in (*cpu_gemv.SOURCES, cpu_gemv.CSRC / 'simd.h'))); "
+            f"print(cpu_gemv.failure() == {cpu_gemv.failure()!r})")
     lines = _run([str(bin_dir / "python"), "-c", code], cwd=work, env=env).stdout.splitlines()
     venv = str(bin_dir.parent)
     assert lines[0].startswith(venv) and lines[1].startswith(venv), lines  # not the checkout
     assert "deepseek-v3.json" in lines[2] and "kimi-k2.json" in lines[2]
     assert "model.safetensors" in lines[3] and "tokenizer.json" in lines[3] and "config.json" in lines[3]
     assert "speculative_token_map.json" in lines[3] and "mtp.safetensors" in lines[3]
-    assert lines[4] == "True" and lines[5] == "True"  # the one-row kernel's C source ships too
+    assert lines[4] == "True" and lines[5] == "True"  # the compiled kernels' C sources and header ship too
+    assert lines[6] == "True"  # and build (or fail, for the same reason) from the installed package
 
 
 def test_installed_cli_plans_a_preset_and_lists_serve_flags(installed):

@@ -6,34 +6,12 @@
  * them one after the other, front to back: one long sequential stream per thread, which the hardware prefetcher
  * follows best (four rows interleaved were up to 2x slower on int8 rows of 1 KB), with four independent
  * accumulators along the row. x stays in L1. */
-#include <immintrin.h>
-#include <stdint.h>
+#include <math.h>
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_hadd_ps(s, s);
-    s = _mm_hadd_ps(s, s);
-    return _mm_cvtss_f32(s);
-}
+#include "simd.h"
 
 static inline __m256 widen8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-}
-
-static float dot_f32(const float *w, const float *x, int64_t k) {
-    const int64_t k32 = k - k % 32, k8 = k - k % 8;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    int64_t i = 0;
-    for (; i < k32; i += 32) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 16), _mm256_loadu_ps(x + i + 16), a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 24), _mm256_loadu_ps(x + i + 24), a3);
-    }
-    for (; i < k8; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), a0);
-    float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-    for (; i < k; i++) s += w[i] * x[i];
-    return s;
 }
 
 static float dot_i8(const int8_t *w, const float *x, int64_t k) {
@@ -113,4 +91,48 @@ void mla_gemm_few_i8(const int8_t *w, const float *scale, const float *x, float 
 #define I8_ROW(M) few_i8(w + r * k, scale[r], x, y, r, M, n, k)
     #pragma omp parallel for schedule(static) num_threads((int)threads)
     for (int64_t r = 0; r < n; r++) ROWS_CASES(I8_ROW)
+}
+
+/* RMSNorm of m rows of x [m, k] (row stride ld) into y [m, k]: y = x / sqrt(mean(x^2) + eps) * weight, in float32.
+ * One thread: a decode step's few rows take microseconds, less than waking the thread pool would. */
+void mla_rms_norm_f32(const float *x, int64_t ld, const float *weight, float *y, int64_t m, int64_t k, float eps) {
+    for (int64_t j = 0; j < m; j++) {
+        const float *xr = x + j * ld;
+        const float r = 1.0f / sqrtf(dot_f32(xr, xr, k) / (float)k + eps);
+        float *yr = y + j * k;
+        const __m256 rv = _mm256_set1_ps(r);
+        int64_t i = 0;
+        for (; i + 8 <= k; i += 8)
+            _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), rv), _mm256_loadu_ps(weight + i)));
+        for (; i < k; i++) yr[i] = xr[i] * r * weight[i];
+    }
+}
+
+/* Gated MLPs of one row x [d], summed: y = sum_e w_e * down_e(silu(gate_e x) * up_e x), the experts a MoE layer
+ * routed the row to plus its shared experts (or one dense MLP). table [*, 5] holds each MLP's gate_up [2 I, d] and
+ * down [d, I] weights with their row scales (0: float32 weights, else int8 weights and float32 scales) and I; ids
+ * and w name the n MLPs and their weights. One parallel region for all of them: each product's rows are split over
+ * the threads, with a barrier between the products. scratch: 3 max(I) floats. */
+void mla_gated_mlps(const float *x, float *y, int64_t d, const int64_t *table, const int64_t *ids, const float *w,
+                    int64_t n, float *scratch, int64_t threads) {
+    #pragma omp parallel num_threads((int)threads)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < d; r++) y[r] = 0.0f;
+        for (int64_t e = 0; e < n; e++) {
+            const int64_t *mlp = table + ids[e] * 5, inter = mlp[4];
+            const float *gu_scale = (const float *)mlp[1], *down_scale = (const float *)mlp[3];
+            float *act = scratch + 2 * inter;
+            #pragma omp for schedule(static)
+            for (int64_t r = 0; r < 2 * inter; r++)
+                scratch[r] = gu_scale ? dot_i8((const int8_t *)mlp[0] + r * d, x, d) * gu_scale[r]
+                                      : dot_f32((const float *)mlp[0] + r * d, x, d);
+            #pragma omp for schedule(static)
+            for (int64_t r = 0; r < inter; r++) act[r] = scratch[r] / (1.0f + expf(-scratch[r])) * scratch[inter + r];
+            #pragma omp for schedule(static)
+            for (int64_t r = 0; r < d; r++)
+                y[r] += w[e] * (down_scale ? dot_i8((const int8_t *)mlp[2] + r * inter, act, inter) * down_scale[r]
+                                           : dot_f32((const float *)mlp[2] + r * inter, act, inter));
+        }
+    }
 }

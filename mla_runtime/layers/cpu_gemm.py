@@ -289,6 +289,11 @@ class PackedWeight:
         path = gemm_choice(weight.dtype).path
         return None if path == "plain" else PackedWeight(weight, path)
 
+    def row_operand(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+        """The weight as the compiled one-row kernels read it (``mla_kernels.cpu_gemv.GatedMLPTable``), or None where
+        its products do not take them."""
+        return self.plain if self.row_kernel else None
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The product of a quantised weight (subclasses); a float weight runs through ``linear``."""
         raise NotImplementedError("a float PackedWeight runs through cpu_gemm.linear")

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 from mla_kernels import (
+    cpu_gemv,
     gather_latent,
     mla_decode,
     mla_decode_planned,
@@ -42,7 +43,7 @@ from torch import nn
 from mla_runtime.attention_metadata import AttentionDims, AttentionMetadata
 from mla_runtime.cache.latent_cache import LayerCache
 from mla_runtime.config import ModelConfig
-from mla_runtime.layers.cpu_gemm import PackedWeight, linear
+from mla_runtime.layers.cpu_gemm import PackedWeight, linear, row_kernel_failure
 from mla_runtime.layers.linear import Linear
 from mla_runtime.layers.norm import RMSNorm
 from mla_runtime.layers.rotary import RotaryEmbedding
@@ -89,11 +90,14 @@ class MLAttention(nn.Module):
         # q_a_proj and kv_a_proj_with_mqa read the same input: one GEMM over their stacked weights
         self.qkv_a: PackedWeight | None = None
         self.qkv_a_bias: torch.Tensor | None = None
+        self.decode_kernel = False  # planned CPU decodes run mla_kernels.cpu_gemv.absorbed_decode (float32)
 
     def prepare_inference(self) -> None:
         """Cache the absorbed weights and the stacked input projection (call again when the weights change)."""
         w_uk, w_uv = self.w_uk_uv()
         self.w_uk, self.w_uv_t = w_uk.contiguous(), w_uv.transpose(1, 2).contiguous()
+        self.decode_kernel = (self.w_uk.device.type == "cpu" and self.w_uk.dtype == torch.float32
+                              and not self.par.sharded_cache and row_kernel_failure() is None)
         self.qkv_a, self.qkv_a_bias = None, None
         if self.q_proj is None:
             self.qkv_a = PackedWeight.make(torch.cat([self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight]))
@@ -190,8 +194,11 @@ class MLAttention(nn.Module):
                   planned: bool = False) -> torch.Tensor:
         """Absorbed attention: ``q~ = W_UKᵀ q_n``, MQA over the latent, ``o = W_UV o_lat`` -> ``[T, n_h, d_v]``;
         ``planned``: the rows are the step's planned decodes (``meta.decode_plan``)."""
-        if self.w_uk is not None and self.w_uv_t is not None:
-            w_uk, w_uv_t = self.w_uk, self.w_uv_t
+        plan, w_uk, w_uv_t = meta.decode_plan, self.w_uk, self.w_uv_t
+        if w_uk is not None and w_uv_t is not None:
+            if planned and plan is not None and self.decode_kernel and cache.kv.dtype == torch.float32:
+                flat = cache.kv.view(-1, cache.kv.shape[-1])  # the whole layer in one compiled call
+                return cpu_gemv.absorbed_decode(q_n, q_r, w_uk, w_uv_t, flat, plan.slots, plan.lens, self.scale)
         else:  # not prepared: strided views of kv_b_proj
             w_uk, w_uv = self.w_uk_uv()
             w_uv_t = w_uv.transpose(1, 2)

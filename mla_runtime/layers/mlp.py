@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from mla_kernels import cpu_gemv
 from torch import nn
 
 from mla_runtime.layers.cpu_gemm import PackedWeight, linear
@@ -32,13 +33,38 @@ class GatedMLP(nn.Module):
         self.down_bias = nn.Parameter(torch.zeros(hidden, dtype=dtype), requires_grad=False) if bias else None
         self.gate_up_packed: PackedWeight | None = None
         self.down_packed: PackedWeight | None = None
+        self.row_table: cpu_gemv.GatedMLPTable | bool | None = None  # one-row kernel (row_table); None: not made yet
 
     def prepare_inference(self) -> None:
         self.gate_up_packed = PackedWeight.make(self.gate_up_proj)
         self.down_packed = PackedWeight.make(self.down_proj)
+        self.row_table = None
+
+    @property
+    def biased(self) -> bool:
+        return self.gate_up_bias is not None or self.down_bias is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == x.shape[-1] and x.dtype == torch.float32 and not self.biased:  # one row: one kernel call
+            if self.row_table is None:
+                self.row_table = row_table([(self.gate_up_packed, self.down_packed)])
+            if isinstance(self.row_table, cpu_gemv.GatedMLPTable):
+                out = self.row_table(x, [0], [1.0])
+                return self.par.all_reduce(out) if self.reduce else out
         gate, up = linear(x, self.gate_up_proj, self.gate_up_bias, self.gate_up_packed).chunk(2, dim=-1)
         bias = self.down_bias if self.par.rank == 0 else None
         out = linear(F.silu(gate) * up, self.down_proj, bias, self.down_packed)
         return self.par.all_reduce(out) if self.reduce else out
+
+
+def row_table(mlps: list[tuple[PackedWeight | None, PackedWeight | None]]) -> cpu_gemv.GatedMLPTable | bool:
+    """The compiled one-row kernel's table of these gated MLPs' ``(gate_up, down)`` weights, or False where any of
+    them does not take the compiled kernels (no kernel on this CPU, another dtype or mode)."""
+    operands = []
+    for gate_up, down in mlps:
+        a = gate_up.row_operand() if gate_up is not None else None
+        b = down.row_operand() if down is not None else None
+        if a is None or b is None:
+            return False
+        operands.append((a, b))
+    return cpu_gemv.GatedMLPTable(operands) if operands else False

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from mla_kernels import cpu_gemv
 from torch import nn
 
 from mla_runtime.config import MoEConfig
 from mla_runtime.layers.cpu_gemm import PackedWeight, linear
-from mla_runtime.layers.mlp import GatedMLP
+from mla_runtime.layers.mlp import GatedMLP, row_table
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 
 HOST_GROUPING_MAX_PAIRS = 1024  # up to this many (token, expert) pairs, group them in Python instead of sorting
@@ -89,11 +90,24 @@ class Experts(nn.Module):
         self.down_packed: list[PackedWeight | None] = []
         self.gate_up_list: list[torch.Tensor] = []  # per-expert views, made once (indexing the stack is an op)
         self.down_list: list[torch.Tensor] = []
+        # one-row kernel over these experts and the layer's shared experts (one_row_table); None: not made yet
+        self.row_table: cpu_gemv.GatedMLPTable | bool | None = None
 
     def prepare_inference(self) -> None:
         self.gate_up_list, self.down_list = list(self.gate_up_proj.unbind(0)), list(self.down_proj.unbind(0))
         self.gate_up_packed = [PackedWeight.make(w) for w in self.gate_up_list]
         self.down_packed = [PackedWeight.make(w) for w in self.down_list]
+        self.row_table = None
+
+    def one_row_table(self, shared: GatedMLP | None) -> cpu_gemv.GatedMLPTable | bool:
+        """The compiled kernel's table of this rank's experts (ids ``0..num_experts-1``), then the shared experts
+        (id ``num_experts``), or False where they do not all take the compiled kernels."""
+        if self.row_table is None:
+            mlps = list(zip(self.gate_up_packed, self.down_packed))
+            if shared is not None:
+                mlps.append((shared.gate_up_packed, shared.down_packed) if not shared.biased else (None, None))
+            self.row_table = row_table(mlps)
+        return self.row_table
 
     def _groups(self, expert_ids: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """This rank's (token, slot) pair indices ``t * top_k + j`` grouped by local expert (experts ascending,
@@ -175,7 +189,24 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, expert_ids = self.gate(x)
+        if x.shape[0] == 1 and x.dtype == torch.float32:  # one token: every MLP it needs in one kernel call
+            table = self.experts.one_row_table(self.shared_experts)
+            if isinstance(table, cpu_gemv.GatedMLPTable):
+                return self.par.all_reduce(self._one_row(x, weights, expert_ids, table))
         out = self.experts(x, weights, expert_ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return self.par.all_reduce(out)  # one reduction for routed and shared experts
+
+    def _one_row(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
+                 table: cpu_gemv.GatedMLPTable) -> torch.Tensor:
+        """One token's routed experts on this rank (ascending, as ``Experts.forward`` sums them), then the shared
+        experts, summed by the compiled kernel."""
+        first, count = self.experts.first, self.experts.num_experts
+        pairs = sorted((e - first, w) for e, w in zip(expert_ids.tolist()[0], weights.tolist()[0])
+                       if 0 <= e - first < count)
+        ids, scales = [e for e, _ in pairs], [w for _, w in pairs]
+        if self.shared_experts is not None:
+            ids.append(count)
+            scales.append(1.0)
+        return table(x, ids, scales) if ids else torch.zeros_like(x)

@@ -136,6 +136,9 @@ class Int8Weight(PackedWeight):
     def nbytes(self) -> int:
         return self.qweight.numel() + self.scales.numel() * self.scales.element_size()
 
+    def row_operand(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if self.row_scales is None else (self.qweight, self.row_scales)
+
     def dequantize(self) -> torch.Tensor:
         """The float32 matrix the int8 one stands for."""
         return self.qweight.float() * self.scales.float().unsqueeze(1)
@@ -187,11 +190,13 @@ def _quantize_linear(lin: Linear) -> None:
 
 def _quantize_mlp(mlp: GatedMLP) -> None:
     mlp.gate_up_packed, mlp.down_packed = Int8Weight(mlp.gate_up_proj), Int8Weight(mlp.down_proj)
+    mlp.row_table = None  # made again from the int8 weights
     _release(mlp.gate_up_proj)
     _release(mlp.down_proj)
 
 
 def _quantize_experts(experts: Experts) -> None:
+    experts.row_table = None  # the MoE's one-row table: made again from the int8 weights
     experts.gate_up_packed = [Int8Weight(w) for w in experts.gate_up_proj]
     experts.down_packed = [Int8Weight(w) for w in experts.down_proj]
     _release(experts.gate_up_proj)
