@@ -20,8 +20,80 @@
 
 #define MAX_GROUP 256  /* heads per thread */
 
-/* y[0:n] = sum_r x[r] * row_r[0:n] with row_r = base + (idx ? idx[r] : r) * ld: rows of a matrix (or gathered
- * cache rows) scaled and summed, 64 columns (eight registers) at a time. */
+/* Ask for n floats at p in cache, front to back: one sequential stream the memory system can run ahead on (the
+ * products below read their weights by column blocks, which the hardware prefetchers follow poorly from memory). */
+static inline void prefetch(const float *p, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) _mm_prefetch((const char *)(p + i), _MM_HINT_T1);
+}
+
+/* y[0:n] = sum_i x[i] b[i][0:n] for one row x and a row-major b [k, n], reading b front to back: in registers when a
+ * row of b fits in eight of them, else accumulated in y (in L1) row by row. The one-row case of small_gemm, whose
+ * column blocks stream a cold matrix more slowly. */
+static void vec_mat(const float *x, const float *b, int64_t k, int64_t n, float *y) {
+    if (n == 64) {
+        __m256 a[8];
+        for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < k; i++) {
+            const __m256 p = _mm256_set1_ps(x[i]);
+            for (int u = 0; u < 8; u++) a[u] = _mm256_fmadd_ps(p, _mm256_loadu_ps(b + i * n + 8 * u), a[u]);
+        }
+        for (int u = 0; u < 8; u++) _mm256_storeu_ps(y + 8 * u, a[u]);
+        return;
+    }
+    const int64_t n8 = n - n % 8;
+    for (int64_t j = 0; j < n; j++) y[j] = 0.0f;
+    for (int64_t i = 0; i < k; i++) {
+        const float *row = b + i * n;
+        const __m256 p = _mm256_set1_ps(x[i]);
+        for (int64_t j = 0; j < n8; j += 8)
+            _mm256_storeu_ps(y + j, _mm256_fmadd_ps(p, _mm256_loadu_ps(row + j), _mm256_loadu_ps(y + j)));
+        for (int64_t j = n8; j < n; j++) y[j] += x[i] * row[j];
+    }
+}
+
+/* c[t][0:n] = sum_k a[t][k] b[k][0:n] for t < m: rows of a (row stride lda) times the row-major b [k, n] into rows of
+ * c (row stride ldc), two rows of a by 32 columns of b in eight registers (one load of b serves two rows). */
+static void small_gemm(const float *a, int64_t lda, const float *b, int64_t k, int64_t n, float *c, int64_t ldc,
+                       int64_t m) {
+    if (m == 1) {
+        vec_mat(a, b, k, n, c);
+        return;
+    }
+    prefetch(b, k * n);
+    for (int64_t t = 0; t < m; t += 2) {
+        const float *a0 = a + t * lda, *a1 = t + 1 < m ? a0 + lda : a0;  /* an odd last row: computed twice */
+        float *c0 = c + t * ldc, *c1 = t + 1 < m ? c0 + ldc : c0;
+        int64_t j = 0;
+        for (; j + 32 <= n; j += 32) {
+            __m256 x[4], y[4];
+            for (int u = 0; u < 4; u++) x[u] = y[u] = _mm256_setzero_ps();
+            for (int64_t i = 0; i < k; i++) {
+                const __m256 p = _mm256_set1_ps(a0[i]), q = _mm256_set1_ps(a1[i]);
+                for (int u = 0; u < 4; u++) {
+                    const __m256 bv = _mm256_loadu_ps(b + i * n + j + 8 * u);
+                    x[u] = _mm256_fmadd_ps(p, bv, x[u]);
+                    y[u] = _mm256_fmadd_ps(q, bv, y[u]);
+                }
+            }
+            for (int u = 0; u < 4; u++) {
+                _mm256_storeu_ps(c1 + j + 8 * u, y[u]);
+                _mm256_storeu_ps(c0 + j + 8 * u, x[u]);
+            }
+        }
+        for (; j < n; j++) {
+            float x0 = 0.0f, y0 = 0.0f;
+            for (int64_t i = 0; i < k; i++) {
+                x0 += a0[i] * b[i * n + j];
+                y0 += a1[i] * b[i * n + j];
+            }
+            c1[j] = y0;
+            c0[j] = x0;
+        }
+    }
+}
+
+/* o[0:n] = sum_r x[r] key_r[0:n], key_r = base + idx[r] * ld: gathered cache rows scaled and summed, 64 columns at a
+ * time (the one-head tail of weighted_keys). */
 static void row_sum(const float *x, const float *base, int64_t ld, const int64_t *idx, int64_t nrows, int64_t n,
                     float *y) {
     int64_t c = 0;
@@ -29,64 +101,104 @@ static void row_sum(const float *x, const float *base, int64_t ld, const int64_t
         __m256 a[8];
         for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_ps();
         for (int64_t r = 0; r < nrows; r++) {
-            const float *row = base + (idx ? idx[r] : r) * ld + c;
+            const float *row = base + idx[r] * ld + c;
             const __m256 s = _mm256_set1_ps(x[r]);
             for (int u = 0; u < 8; u++) a[u] = _mm256_fmadd_ps(s, _mm256_loadu_ps(row + 8 * u), a[u]);
         }
         for (int u = 0; u < 8; u++) _mm256_storeu_ps(y + c + 8 * u, a[u]);
     }
-    for (; c + 8 <= n; c += 8) {
-        __m256 a = _mm256_setzero_ps();
-        for (int64_t r = 0; r < nrows; r++)
-            a = _mm256_fmadd_ps(_mm256_set1_ps(x[r]), _mm256_loadu_ps(base + (idx ? idx[r] : r) * ld + c), a);
-        _mm256_storeu_ps(y + c, a);
-    }
     for (; c < n; c++) {
         float s = 0.0f;
-        for (int64_t r = 0; r < nrows; r++) s += x[r] * base[(idx ? idx[r] : r) * ld + c];
+        for (int64_t r = 0; r < nrows; r++) s += x[r] * base[idx[r] * ld + c];
         y[c] = s;
     }
 }
 
+/* e^x for eight floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^7 (relative error below
+ * 2e-7 on that range), times 2^n built in the exponent bits. Inputs below -87 give 0 (softmax only feeds x <= 0). */
+static inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  /* ln2 in two parts: exact n * hi */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
 /* softmax of s[0:n] in place */
 static void softmax(float *s, int64_t n) {
-    float mx = -INFINITY, sum = 0.0f;
-    for (int64_t j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
-    for (int64_t j = 0; j < n; j++) sum += (s[j] = expf(s[j] - mx));
+    const int64_t n8 = n - n % 8;
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < n8; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    float mx = _mm_cvtss_f32(m4);
+    for (int64_t j = n8; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+    const __m256 mb = _mm256_set1_ps(mx);
+    __m256 sv = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n8; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mb));
+        _mm256_storeu_ps(s + j, e);
+        sv = _mm256_add_ps(sv, e);
+    }
+    float sum = hsum(sv);
+    for (int64_t j = n8; j < n; j++) sum += (s[j] = expf(s[j] - mx));
     const float inv = 1.0f / sum;
-    for (int64_t j = 0; j < n; j++) s[j] *= inv;
+    const __m256 iv = _mm256_set1_ps(inv);
+    for (int64_t j = 0; j < n8; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), iv));
+    for (int64_t j = n8; j < n; j++) s[j] *= inv;
 }
 
-/* y[0:n] += a * x[0:n] */
-static inline void axpy(float a, const float *x, float *y, int64_t n) {
-    const __m256 av = _mm256_set1_ps(a);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-    for (; i < n; i++) y[i] += a * x[i];
-}
-
-/* s[h * ld + j] = scale * (q[h] . key[:d_c] + qr[h] . key[d_c:]) for nh heads: four heads share each load of the
- * key, whose d_c + d_r values are read once per four heads. */
-static void scores(const float *const *q, const float *const *qr, const float *key, int64_t nh, int64_t d_c,
-                   int64_t d_r, float scale, float *s, int64_t ld, int64_t j) {
-    int64_t h = 0;
-    for (; h + 4 <= nh; h += 4) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        int64_t i = 0;
-        for (; i + 8 <= d_c; i += 8) {
-            const __m256 k = _mm256_loadu_ps(key + i);
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q[h] + i), k, a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q[h + 1] + i), k, a1);
-            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q[h + 2] + i), k, a2);
-            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q[h + 3] + i), k, a3);
-        }
-        float t[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
+/* Accumulate four heads' queries q[0..3][0:n] against two keys ka, kb (four heads by two keys in eight registers:
+ * each load of a key serves four heads, each load of a query two keys). */
+static inline void tile4x2(const float *const *q, const float *ka, const float *kb, int64_t n, __m256 *acc) {
+    for (int64_t i = 0; i + 8 <= n; i += 8) {
+        const __m256 a = _mm256_loadu_ps(ka + i), b = _mm256_loadu_ps(kb + i);
         for (int u = 0; u < 4; u++) {
-            for (int64_t c = i; c < d_c; c++) t[u] += q[h + u][c] * key[c];
-            s[(h + u) * ld + j] = scale * (t[u] + dot_f32(qr[h + u], key + d_c, d_r));
+            const __m256 qv = _mm256_loadu_ps(q[u] + i);
+            acc[2 * u] = _mm256_fmadd_ps(qv, a, acc[2 * u]);
+            acc[2 * u + 1] = _mm256_fmadd_ps(qv, b, acc[2 * u + 1]);
         }
     }
-    for (; h < nh; h++) s[h * ld + j] = scale * (dot_f32(q[h], key, d_c) + dot_f32(qr[h], key + d_c, d_r));
+}
+
+/* s[h * ld + j] = scale * (q[h] . key_j[:d_c] + qr[h] . key_j[d_c:]) for nh heads and the keys j0 and j0 + 1
+ * (key_j = cache + slot[j] * width; with one = 1 only j0). Four heads by two keys at a time when d_c and d_r are
+ * multiples of 8, else one dot product at a time. */
+static void scores(const float *const *q, const float *const *qr, const float *cache, int64_t width,
+                   const int64_t *slot, int64_t j0, int one, int64_t nh, int64_t d_c, int64_t d_r, float scale,
+                   float *s, int64_t ld) {
+    const float *ka = cache + slot[j0] * width, *kb = one ? ka : cache + slot[j0 + 1] * width;
+    int64_t h = 0;
+    if (d_c % 8 == 0 && d_r % 8 == 0) {
+        for (; h + 4 <= nh; h += 4) {
+            __m256 acc[8];
+            for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
+            tile4x2(q + h, ka, kb, d_c, acc);
+            tile4x2(qr + h, ka + d_c, kb + d_c, d_r, acc);
+            for (int u = 0; u < 4; u++) {
+                s[(h + u) * ld + j0] = scale * hsum(acc[2 * u]);
+                if (!one) s[(h + u) * ld + j0 + 1] = scale * hsum(acc[2 * u + 1]);
+            }
+        }
+    }
+    for (; h < nh; h++)
+        for (int k = 0; k < 2 - one; k++) {
+            const float *key = k ? kb : ka;
+            s[h * ld + j0 + k] = scale * (dot_f32(q[h], key, d_c) + dot_f32(qr[h], key + d_c, d_r));
+        }
 }
 
 /* o[h][0:d_c] = sum_j p[h * ld + j] key_j[0:d_c] for nh heads, keys key_j = cache + slot[j] * width: two heads and
@@ -145,13 +257,9 @@ void mla_absorbed_decode_f32(const float *q_n, int64_t qn_t, int64_t qn_h, const
         float *q_abs = scratch + omp_get_thread_num() * scratch_stride;  /* [T][G][d_c] */
         float *o_lat = q_abs + rows * group * d_c;                          /* [T][G][d_c] */
         float *s = o_lat + rows * group * d_c;                              /* [G][slot_stride] */
-        /* absorb: each head's W_UK streamed front to back once, every row's q~ accumulated in cache */
-        for (int64_t i = 0; i < rows * group * d_c; i++) q_abs[i] = 0.0f;
+        /* absorb: q~[t] = q_n[t, h] W_UK[h], every row of a head at once */
         for (int64_t h = h0; h < h1; h++)
-            for (int64_t n = 0; n < d_n; n++)
-                for (int64_t t = 0; t < rows; t++)
-                    axpy(q_n[t * qn_t + h * qn_h + n], w_uk + (h * d_n + n) * d_c, q_abs + (t * group + h - h0) * d_c,
-                         d_c);
+            small_gemm(q_n + h * qn_h, qn_t, w_uk + h * d_n * d_c, d_n, d_c, q_abs + (h - h0) * d_c, group * d_c, rows);
         /* attend: keys outer and this thread's heads inner for the scores, heads outer for the weighted sum */
         const float *qa[MAX_GROUP], *qr[MAX_GROUP];
         float *ol[MAX_GROUP];
@@ -163,15 +271,14 @@ void mla_absorbed_decode_f32(const float *q_n, int64_t qn_t, int64_t qn_h, const
                 qr[h - h0] = q_r + t * qr_t + h * qr_h;
                 ol[h - h0] = o_lat + (t * group + h - h0) * d_c;
             }
-            for (int64_t j = 0; j < len; j++)
-                scores(qa, qr, cache + slot[j] * width, h1 - h0, d_c, d_r, scale, s, slot_stride, j);
+            for (int64_t j = 0; j < len; j += 2)
+                scores(qa, qr, cache, width, slot, j, j + 1 == len, h1 - h0, d_c, d_r, scale, s, slot_stride);
             for (int64_t h = h0; h < h1; h++) softmax(s + (h - h0) * slot_stride, len);
             weighted_keys(s, slot_stride, cache, width, slot, len, h1 - h0, d_c, ol);
         }
-        /* up-project: each head's W_UV read from memory once */
+        /* up-project: out[t, h] = o_lat[t] W_UV^T[h], every row of a head at once */
         for (int64_t h = h0; h < h1; h++)
-            for (int64_t t = 0; t < rows; t++)
-                row_sum(o_lat + (t * group + h - h0) * d_c, w_uv_t + h * d_c * d_v, d_v, NULL, d_c, d_v,
-                        out + (t * heads + h) * d_v);
+            small_gemm(o_lat + (h - h0) * d_c, group * d_c, w_uv_t + h * d_c * d_v, d_c, d_v, out + h * d_v, heads * d_v,
+                       rows);
     }
 }
