@@ -92,8 +92,11 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         [ctypes.c_int64] * 2 + [ctypes.c_float]  # x, row stride, weight, y, m, k, eps
     lib.mla_gated_mlps.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + \
         [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]  # x, y, d, table, ids, weights, n, scratch, threads
+    # x, y, d, router, route, bias, scaling, table, first, count, shared, scratch, max_inter, threads
+    lib.mla_moe_row.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + \
+        [ctypes.c_float, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 2
     for fn in (lib.mla_gemv_f32, lib.mla_gemv_i8, lib.mla_gemm_few_f32, lib.mla_gemm_few_i8,
-               lib.mla_absorbed_decode_f32, lib.mla_rms_norm_f32, lib.mla_gated_mlps):
+               lib.mla_absorbed_decode_f32, lib.mla_rms_norm_f32, lib.mla_gated_mlps, lib.mla_moe_row):
         fn.restype = None
     return lib, None
 
@@ -272,6 +275,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return y.view(shape)
 
 
+ROUTE_SCORING = ("softmax", "sigmoid")
+ROUTE_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+MOE_MAX_TOPK = 64  # as csrc/gemv_f32.c
+
+
+def route_config(scoring: str, method: str, n_experts: int, n_group: int, topk_group: int, top_k: int,
+                 norm_topk_prob: bool) -> torch.Tensor | None:
+    """The routing settings ``GatedMLPTable.moe_row`` passes to the kernel, or None where it does not route them."""
+    if (scoring not in ROUTE_SCORING or method not in ROUTE_METHODS or not 1 <= top_k <= min(n_experts, MOE_MAX_TOPK)
+            or n_group < 1 or n_experts % n_group or not 1 <= topk_group <= n_group
+            or (method == "noaux_tc" and n_group > 1 and n_experts // n_group < 2)):
+        return None
+    return torch.tensor([ROUTE_SCORING.index(scoring), ROUTE_METHODS.index(method), n_group, topk_group, top_k,
+                         int(norm_topk_prob), n_experts, 0], dtype=torch.int64)
+
+
 class GatedMLPTable:
     """The weights of gated MLPs (a MoE layer's experts and shared experts, or one dense MLP) as the one-row kernel
     reads them: ``mlps`` lists each MLP's ``(gate_up [2I, d], down [d, I])``, each a contiguous float32 tensor or an
@@ -311,4 +330,28 @@ class GatedMLPTable:
         n = len(ids)
         lib.mla_gated_mlps(row.data_ptr(), y.data_ptr(), self.hidden, self.table.data_ptr(), (ctypes.c_int64 * n)(*ids),
                            (ctypes.c_float * n)(*weights), n, scratch.data_ptr(), torch.get_num_threads())
+        return y
+
+    def moe_row(self, x: torch.Tensor, router: torch.Tensor, route: torch.Tensor, bias: torch.Tensor | None,
+                scaling: float, first: int, count: int, shared: int) -> torch.Tensor:
+        """A MoE layer for one float32 row ``x [..., d]`` in one call: router logits (``router [E, d]`` float32), the
+        routing ``route`` (``route_config``; ``bias`` its noaux_tc correction), then the chosen experts this table
+        holds (global ids ``first .. first + count - 1`` are its rows ``0 .. count - 1``) and the shared experts
+        (row ``shared``, or -1), summed. Only where ``failure()`` is None."""
+        lib, _ = _load()
+        assert lib is not None, "moe_row needs the kernel: check failure() first"
+        n_experts, n_group = int(route[6]), int(route[2])
+        if (x.numel() != self.hidden or x.dtype != torch.float32 or router.shape != (n_experts, self.hidden)
+                or router.dtype != torch.float32 or not router.is_contiguous() or not 0 <= count <= len(self.table)
+                or not -1 <= shared < len(self.table) or (bias is not None and (bias.shape != (n_experts,)
+                                                                                  or bias.dtype != torch.float32))):
+            raise ValueError(f"moe_row takes one float32 row of {self.hidden} values and a float32 router "
+                             f"[{n_experts}, {self.hidden}], got x {tuple(x.shape)} {x.dtype} and router "
+                             f"{tuple(router.shape)} {router.dtype}")
+        row = x.contiguous()
+        y = torch.empty(x.shape, dtype=torch.float32)
+        scratch = torch.empty(3 * self.max_inter + 5 * n_experts + n_group + MOE_MAX_TOPK + 1, dtype=torch.float32)
+        lib.mla_moe_row(row.data_ptr(), y.data_ptr(), self.hidden, router.data_ptr(), route.data_ptr(),
+                        None if bias is None else bias.data_ptr(), scaling, self.table.data_ptr(), first, count, shared,
+                        scratch.data_ptr(), self.max_inter, torch.get_num_threads())
         return y

@@ -747,3 +747,33 @@ def test_one_token_moe_and_mlp_with_and_without_the_kernel(quantization, monkeyp
     tol = 1e-5 if quantization is None else 3e-2  # int8 on onednn: ATen's kernel rounds the rows to bfloat16
     for a, b in zip(outs["auto"], outs["onednn"]):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol * b.abs().max().item())
+
+
+@pytest.mark.parametrize("router", [
+    dict(scoring_func="softmax", topk_method="greedy", num_experts_per_tok=2),
+    dict(scoring_func="softmax", topk_method="group_limited_greedy", n_group=4, topk_group=2, num_experts_per_tok=3),
+    dict(scoring_func="sigmoid", topk_method="noaux_tc", n_group=2, topk_group=1, num_experts_per_tok=2,
+         norm_topk_prob=True),
+    dict(scoring_func="sigmoid", topk_method="noaux_tc", num_experts_per_tok=1, routed_scaling_factor=2.5),
+])
+def test_one_token_moe_kernel_routes_as_the_router(router, monkeypatch):
+    """The compiled MoE row (router logits, routing, experts, shared experts in one call) equals the Router module and
+    the per-expert path for DeepSeek-V2's and V3's routings, over tokens whose routes differ."""
+    cfg = MoEConfig(n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32, **router)
+    outs = {}
+    for mode in ("auto", "onednn"):
+        monkeypatch.setenv(cpu_gemm.GEMM_ENV, mode)
+        moe = moe_module.MoE(cfg, 48, torch.float32)
+        with torch.no_grad():
+            for p in moe.parameters():
+                p.copy_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        for m in moe.modules():
+            if hasattr(m, "prepare_inference"):
+                m.prepare_inference()
+        xs = torch.randn(12, 1, 48, generator=torch.Generator().manual_seed(9))
+        outs[mode] = torch.cat([moe(x) for x in xs])
+        kernel = mode == "auto" and cpu_gemv.failure() is None
+        assert isinstance(moe.experts.row_table, cpu_gemv.GatedMLPTable) == kernel
+    torch.testing.assert_close(outs["auto"], outs["onednn"], rtol=1e-5, atol=1e-5)
+    routes = {tuple(moe.gate(x)[1].sort().values.tolist()[0]) for x in xs}
+    assert len(routes) > 1  # the tokens exercise more than one route

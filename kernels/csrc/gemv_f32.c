@@ -11,6 +11,8 @@
 
 #include "simd.h"
 
+#define MOE_MAX_TOPK 64  /* experts per token mla_moe_row routes to (mla_kernels.cpu_gemv checks) */
+
 static inline __m256 widen8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
@@ -158,24 +160,125 @@ void mla_rms_norm_f32(const float *x, int64_t ld, const float *weight, float *y,
 /* Gated MLPs of one row x [d], summed: y = sum_e w_e * down_e(silu(gate_e x) * up_e x), the experts a MoE layer
  * routed the row to plus its shared experts (or one dense MLP). table [*, 5] holds each MLP's gate_up [2 I, d] and
  * down [d, I] weights with their row scales (0: float32 weights, else int8 weights and float32 scales) and I; ids
- * and w name the n MLPs and their weights. One parallel region for all of them: each product's rows are split over
- * the threads, with a barrier between the products. scratch: 3 max(I) floats. */
+ * and w name the n MLPs and their weights. Inside a parallel region: each product's rows are split over the threads,
+ * with a barrier between the products. scratch: 3 max(I) floats. */
+static void gated_mlps(const float *x, float *y, int64_t d, const int64_t *table, const int64_t *ids, const float *w,
+                       int64_t n, float *scratch) {
+    if (n == 0) {
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < d; r++) y[r] = 0.0f;
+    }
+    for (int64_t e = 0; e < n; e++) {
+        const int64_t *mlp = table + ids[e] * 5, inter = mlp[4];
+        const float *gu_scale = (const float *)mlp[1], *down_scale = (const float *)mlp[3];
+        float *act = scratch + 2 * inter;
+        product_rows(gu_scale ? NULL : (const float *)mlp[0], gu_scale ? (const int8_t *)mlp[0] : NULL, gu_scale,
+                     x, 2 * inter, d, 1.0f, 0, scratch);
+        #pragma omp barrier
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < inter; r++) act[r] = scratch[r] / (1.0f + expf(-scratch[r])) * scratch[inter + r];
+        product_rows(down_scale ? NULL : (const float *)mlp[2], down_scale ? (const int8_t *)mlp[2] : NULL,
+                     down_scale, act, d, inter, w[e], e > 0, y);
+        #pragma omp barrier  /* the next MLP's gate_up output overwrites the scratch this one read */
+    }
+}
+
 void mla_gated_mlps(const float *x, float *y, int64_t d, const int64_t *table, const int64_t *ids, const float *w,
                     int64_t n, float *scratch, int64_t threads) {
     #pragma omp parallel num_threads((int)threads)
-    {
-        for (int64_t e = 0; e < n; e++) {
-            const int64_t *mlp = table + ids[e] * 5, inter = mlp[4];
-            const float *gu_scale = (const float *)mlp[1], *down_scale = (const float *)mlp[3];
-            float *act = scratch + 2 * inter;
-            product_rows(gu_scale ? NULL : (const float *)mlp[0], gu_scale ? (const int8_t *)mlp[0] : NULL, gu_scale,
-                         x, 2 * inter, d, 1.0f, 0, scratch);
-            #pragma omp barrier
-            #pragma omp for schedule(static)
-            for (int64_t r = 0; r < inter; r++) act[r] = scratch[r] / (1.0f + expf(-scratch[r])) * scratch[inter + r];
-            product_rows(down_scale ? NULL : (const float *)mlp[2], down_scale ? (const int8_t *)mlp[2] : NULL,
-                         down_scale, act, d, inter, w[e], e > 0, y);
-            #pragma omp barrier  /* the next MLP's gate_up output overwrites the scratch this one read */
+    gated_mlps(x, y, d, table, ids, w, n, scratch);
+}
+
+/* The index of the largest of v[0:n] not yet taken (ties: the lowest index), or -1. */
+static int64_t argmax_free(const float *v, const char *taken, int64_t n) {
+    int64_t best = -1;
+    for (int64_t i = 0; i < n; i++)
+        if (!taken[i] && (best < 0 || v[i] > v[best])) best = i;
+    return best;
+}
+
+/* DeepSeek's routing of one row (mla_runtime.layers.moe.Router): logits [E] -> the top_k experts' ids (ascending)
+ * and weights. route[8] = {scoring (0 softmax, 1 sigmoid), method (0 greedy, 1 group-limited greedy, 2 noaux_tc),
+ * n_group, topk_group, top_k, norm_topk_prob, E, 0}; bias: the noaux_tc correction (or NULL). scratch: 3 E floats
+ * and E + n_group bytes. Returns top_k. */
+static int64_t route(const float *logits, const int64_t *cfg, const float *bias, float scaling, int64_t *ids,
+                     float *w, float *scratch) {
+    const int64_t E = cfg[6], n_group = cfg[2], per = E / n_group, top_k = cfg[4];
+    float *score = scratch, *choice = scratch + E, *group = scratch + 2 * E;
+    char *taken = (char *)(scratch + 3 * E), *keep = taken + E;
+    float mx = logits[0], sum = 0.0f;
+    for (int64_t e = 1; e < E; e++) mx = logits[e] > mx ? logits[e] : mx;
+    for (int64_t e = 0; e < E; e++) {
+        score[e] = cfg[0] ? 1.0f / (1.0f + expf(-logits[e])) : expf(logits[e] - mx);
+        sum += score[e];
+    }
+    for (int64_t e = 0; e < E; e++) {
+        if (!cfg[0]) score[e] /= sum;
+        choice[e] = bias ? score[e] + bias[e] : score[e];
+        taken[e] = 0;
+    }
+    if (cfg[1] == 1 || (cfg[1] == 2 && n_group > 1)) {  /* keep the topk_group best groups */
+        for (int64_t g = 0; g < n_group; g++) {
+            const float *c = choice + g * per;
+            float a = -INFINITY, b = -INFINITY;  /* the group's largest two */
+            for (int64_t i = 0; i < per; i++) {
+                if (c[i] > a) { b = a; a = c[i]; } else if (c[i] > b) b = c[i];
+            }
+            group[g] = cfg[1] == 2 ? a + b : a;
+            keep[g] = 0;
         }
+        for (int64_t i = 0; i < cfg[3]; i++) {
+            const int64_t g = argmax_free(group, keep, n_group);
+            if (g >= 0) keep[g] = 1;
+        }
+        for (int64_t e = 0; e < E; e++)
+            if (!keep[e / per]) choice[e] = cfg[1] == 1 ? 0.0f : -INFINITY;
+    }
+    float total = 0.0f;
+    for (int64_t i = 0; i < top_k; i++) {
+        const int64_t e = argmax_free(choice, taken, E);
+        taken[e] = 1;
+        total += score[e];
+    }
+    int64_t n = 0;
+    for (int64_t e = 0; e < E; e++)  /* ascending ids: the order the experts' outputs are summed in */
+        if (taken[e]) {
+            ids[n] = e;
+            w[n++] = score[e];
+        }
+    for (int64_t i = 0; i < n; i++) w[i] = (cfg[5] && top_k > 1 ? w[i] / (total + 1e-20f) : w[i]) * scaling;
+    return n;
+}
+
+/* A MoE layer for one row x [d]: router logits (router [E, d] float32), the routing, then this rank's chosen
+ * experts (global ids first .. first + count - 1 are table rows 0 .. count - 1) and the shared experts (table row
+ * shared, or -1), summed into y, all in one parallel region. scratch: 3 max(I) + 4 E + n_group floats. */
+void mla_moe_row(const float *x, float *y, int64_t d, const float *router, const int64_t *cfg, const float *bias,
+                 float scaling, const int64_t *table, int64_t first, int64_t count, int64_t shared, float *scratch,
+                 int64_t max_inter, int64_t threads) {
+    const int64_t E = cfg[6];
+    float *logits = scratch + 3 * max_inter, *route_scratch = logits + E, *w = route_scratch + 4 * E + cfg[2];
+    int64_t ids[MOE_MAX_TOPK + 1];
+    int64_t n = 0;
+    #pragma omp parallel num_threads((int)threads)
+    {
+        product_rows(router, NULL, NULL, x, E, d, 1.0f, 0, logits);
+        #pragma omp barrier
+        #pragma omp single
+        {
+            int64_t chosen[MOE_MAX_TOPK];
+            float weight[MOE_MAX_TOPK];
+            const int64_t k = route(logits, cfg, bias, scaling, chosen, weight, route_scratch);
+            for (int64_t i = 0; i < k; i++)
+                if (chosen[i] >= first && chosen[i] < first + count) {
+                    ids[n] = chosen[i] - first;
+                    w[n++] = weight[i];
+                }
+            if (shared >= 0) {
+                ids[n] = shared;
+                w[n++] = 1.0f;
+            }
+        }
+        gated_mlps(x, y, d, table, ids, w, n, scratch);
     }
 }

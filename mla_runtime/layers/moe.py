@@ -40,6 +40,16 @@ class Router(nn.Module):
             nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32), requires_grad=False)
             if cfg.topk_method == "noaux_tc" else None)
 
+    def kernel_route(self) -> torch.Tensor | None:
+        """This router's settings for the compiled one-row MoE kernel (``cpu_gemv.route_config``), or None."""
+        if "route" not in self.__dict__:
+            cfg = self.cfg
+            self.__dict__["route"] = cpu_gemv.route_config(cfg.scoring_func, cfg.topk_method, cfg.n_routed_experts,
+                                                           cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok,
+                                                           cfg.norm_topk_prob)
+        route: torch.Tensor | None = self.__dict__["route"]
+        return route
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, d]`` → (weights ``[T, k]`` fp32, expert ids ``[T, k]``)."""
         cfg = self.cfg
@@ -188,25 +198,17 @@ class MoE(nn.Module):
                                         par, reduce=False) if cfg.n_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, expert_ids = self.gate(x)
-        if x.shape[0] == 1 and x.dtype == torch.float32:  # one token: every MLP it needs in one kernel call
+        if x.shape[0] == 1 and x.dtype == torch.float32:  # one token: the whole layer in one kernel call
             table = self.experts.one_row_table(self.shared_experts)
-            if isinstance(table, cpu_gemv.GatedMLPTable):
-                return self.par.all_reduce(self._one_row(x, weights, expert_ids, table))
+            route = self.gate.kernel_route()
+            if isinstance(table, cpu_gemv.GatedMLPTable) and route is not None:
+                shared = self.experts.num_experts if self.shared_experts is not None else -1
+                out = table.moe_row(x, self.gate.weight, route, self.gate.e_score_correction_bias,
+                                    self.gate.cfg.routed_scaling_factor, self.experts.first, self.experts.num_experts,
+                                    shared)
+                return self.par.all_reduce(out)
+        weights, expert_ids = self.gate(x)
         out = self.experts(x, weights, expert_ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return self.par.all_reduce(out)  # one reduction for routed and shared experts
-
-    def _one_row(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
-                 table: cpu_gemv.GatedMLPTable) -> torch.Tensor:
-        """One token's routed experts on this rank (ascending, as ``Experts.forward`` sums them), then the shared
-        experts, summed by the compiled kernel."""
-        first, count = self.experts.first, self.experts.num_experts
-        pairs = sorted((e - first, w) for e, w in zip(expert_ids.tolist()[0], weights.tolist()[0])
-                       if 0 <= e - first < count)
-        ids, scales = [e for e, _ in pairs], [w for _, w in pairs]
-        if self.shared_experts is not None:
-            ids.append(count)
-            scales.append(1.0)
-        return table(x, ids, scales) if ids else torch.zeros_like(x)
