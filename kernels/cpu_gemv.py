@@ -1,23 +1,30 @@
-"""Products of one to a few rows for x86-64 CPUs with AVX2 and FMA, compiled at run time: float32 weights at one
-row (``gemv``) and at two to ``FEW_ROWS_MAX`` rows (``gemm_few``), int8 weights with a scale per row at one row
-(``gemv_int8``).
+"""The decode step's compiled CPU kernels, for x86-64 with AVX2 and FMA, built at run time:
 
-A decode step at batch 1 multiplies one row by every weight matrix, streaming each from memory once (a speculative
-verification or a small batch, a few rows). oneDNN and MKL reach the memory bandwidth only on large matrices:
-measured on a 2-core AMD EPYC (Zen 3, AVX2) with the weights out of cache (``bench/bench_gemv.py``), oneDNN
-streams a ``[512, 256]`` weight at 4.2 GB/s, ``[1024, 512]`` at 7.6 and ``[4096, 1024]`` at 15.1 GB/s, where the
-machine streams 16–25 GB/s. ``csrc/gemv_f32.c`` does the product the simple way — each thread reads its share of
-the weight rows front to back, one sequential stream, each row multiplied into every input row (which stay in
-L1) — and reaches 9.4, 12.7 and 19.4 GB/s on the same weights at one row (bench/RESULTS.md has the tables).
+- products of one row with a weight matrix (``gemv``: float32; ``gemv_int8``: int8 with a scale per row, the row
+  rounded to int16) and of two to ``FEW_ROWS_MAX`` rows (``gemm_few``, ``gemm_few_int8``: float32 rows);
+- a layer's absorbed MLA decode attention in one call (``absorbed_decode``): absorption into the latent, attention
+  over the paged latent cache, up-projection;
+- a one-thread RMSNorm of a few rows (``rms_norm``);
+- gated MLPs of one row (``GatedMLPTable``): a dense MLP, or a MoE layer's router, routing, routed and shared
+  experts in one call (``GatedMLPTable.moe_row``).
 
-It is C, not a PyTorch extension, so that building it takes the system C compiler well under a second and no
-PyTorch headers. ``failure()`` (once per process) checks the CPU (``torch.cpu.get_capabilities``: avx2 and
-fma3 on x86-64), finds a compiler (``$CC``, ``cc``, ``gcc``), compiles the source with ``-O3 -mavx2 -mfma
--fopenmp`` into a private temporary folder, linking the OpenMP runtime PyTorch ships (so the kernel's threads are
-PyTorch's pool, not a second one competing for the cores), loads it with ``ctypes`` and checks products of small
-integers against the exact result. Anything that fails makes it unavailable, with the reason, and callers keep
-their other path (``mla_runtime.layers.cpu_gemm``). Results equal ``F.linear``'s to float rounding (another
-summation order).
+A decode step at batch 1 multiplies one row by every weight matrix, streaming each from memory once. oneDNN and MKL
+reach the memory bandwidth only on large matrices: measured on a 2-core AMD EPYC (Zen 3, AVX2) with the weights out
+of cache (``bench/bench_gemv.py``), oneDNN streams a ``[512, 256]`` weight at 4.2 GB/s, ``[1024, 512]`` at 7.6 and
+``[4096, 1024]`` at 15.1 GB/s, where the machine streams 16–25 GB/s. ``csrc/gemv_f32.c`` does the product the
+simple way: each thread reads its share of the weight rows front to back as two sequential streams, and the input
+rows stay in L1. The step's small operations cost more in dispatch than in arithmetic there (``F.rms_norm`` of one
+row: about 35 µs; a MoE router in torch ops: about 120 µs), which is why the norm, the attention and the MoE layer
+are whole calls of their own (bench/RESULTS.md has the measurements).
+
+It is C, not a PyTorch extension, so that building it takes the system C compiler about a second and no PyTorch
+headers. ``failure()`` (once per process) checks the CPU (``torch.cpu.get_capabilities``: avx2 and fma3 on x86-64),
+finds a compiler (``$CC``, ``cc``, ``gcc``), compiles the sources with ``-O3 -mavx2 -mfma -fopenmp`` into a private
+temporary folder, linking the OpenMP runtime PyTorch ships (so the kernels' threads are PyTorch's pool, not a second
+one competing for the cores), loads them with ``ctypes`` and checks each kernel against torch on small inputs.
+Anything that fails makes them unavailable, with the reason, and callers keep their torch paths
+(``mla_runtime.layers.cpu_gemm``). Results equal torch's to float rounding (another summation order), except the
+one-row int8 product's int16 rounding of its row.
 """
 
 from __future__ import annotations
@@ -187,7 +194,8 @@ def gemm_few(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 
 def gemv_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``x · (qweight · scales[:, None])ᵀ`` in float32 for one row ``x [..., K]`` (any float dtype), a contiguous
-    int8 ``qweight [N, K]`` and float32 ``scales [N]``; only where ``failure()`` is None."""
+    int8 ``qweight [N, K]`` and float32 ``scales [N]``, the row rounded to int16 with a power-of-two scale (its
+    largest value to at most 16383); only where ``failure()`` is None."""
     lib, _ = _load()
     assert lib is not None, "gemv_int8 needs the kernel: check failure() first"
     n, k = qweight.shape

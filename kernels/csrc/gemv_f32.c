@@ -38,39 +38,62 @@ static inline void dot2_f32(const float *wa, const float *wb, const float *x, in
     *yb = sb;
 }
 
-static inline void dot2_i8(const int8_t *wa, const int8_t *wb, const float *x, int64_t k, float *ya, float *yb) {
+/* x [k] as int16 with one power-of-two scale (|q| <= 16383; exact for values of few significant bits), for the
+ * int8 products below; returns the scale. */
+static float quantize16(const float *x, int16_t *q, int64_t k) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < k; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    int e = 0;
+    if (amax > 0.0f) frexpf(amax / 16383.0f, &e);  /* 2^e >= amax / 16383 */
+    const float inv = ldexpf(1.0f, -e);
+    for (int64_t i = 0; i < k; i++) q[i] = (int16_t)lrintf(x[i] * inv);
+    return ldexpf(1.0f, e);
+}
+
+static inline __m256i madd8(const int8_t *w, const int16_t *x) {  /* 16 int8 x int16 products, summed in pairs */
+    return _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w)),
+                             _mm256_loadu_si256((const __m256i *)x));
+}
+
+/* Two int8 rows' dot products with the int16 row xq: integer multiply-adds (one instruction per 16 weights where
+ * widening to float takes three per 8), int32 sums moved to float every I16_CHUNK values, before they could
+ * overflow (127 * 16383 * 2 per pair and step). */
+#define I16_CHUNK 4096
+static inline void dot2_i16(const int8_t *wa, const int8_t *wb, const int16_t *xq, int64_t k, float *ya, float *yb) {
     const int64_t k16 = k - k % 16;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
-    int64_t i = 0;
-    for (; i < k16; i += 16) {
-        const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
-        a0 = _mm256_fmadd_ps(widen8(wa + i), x0, a0);
-        a1 = _mm256_fmadd_ps(widen8(wa + i + 8), x1, a1);
-        b0 = _mm256_fmadd_ps(widen8(wb + i), x0, b0);
-        b1 = _mm256_fmadd_ps(widen8(wb + i + 8), x1, b1);
+    __m256 fa = _mm256_setzero_ps(), fb = fa;
+    for (int64_t c = 0; c < k16; c += I16_CHUNK) {
+        const int64_t end = c + I16_CHUNK < k16 ? c + I16_CHUNK : k16;
+        __m256i a = _mm256_setzero_si256(), b = a;
+        for (int64_t i = c; i < end; i += 16) {
+            a = _mm256_add_epi32(a, madd8(wa + i, xq + i));
+            b = _mm256_add_epi32(b, madd8(wb + i, xq + i));
+        }
+        fa = _mm256_add_ps(fa, _mm256_cvtepi32_ps(a));
+        fb = _mm256_add_ps(fb, _mm256_cvtepi32_ps(b));
     }
-    float sa = hsum(_mm256_add_ps(a0, a1)), sb = hsum(_mm256_add_ps(b0, b1));
-    for (; i < k; i++) {
-        sa += (float)wa[i] * x[i];
-        sb += (float)wb[i] * x[i];
+    float sa = hsum(fa), sb = hsum(fb);
+    for (int64_t i = k16; i < k; i++) {
+        sa += (float)wa[i] * xq[i];
+        sb += (float)wb[i] * xq[i];
     }
     *ya = sa;
     *yb = sb;
 }
 
 /* Inside a parallel region: this thread's share of rows [0, n) of y = alpha * (W x) * scale (+ y when add), W
- * float32 (wf) or int8 (wq with scale), read as two streams. No barrier. */
-static void product_rows(const float *wf, const int8_t *wq, const float *scale, const float *x, int64_t n, int64_t k,
-                         float alpha, int add, float *y) {
+ * float32 (wf, times x) or int8 (wq with scale, times x quantised to xq * sx), read as two streams. No barrier. */
+static void product_rows(const float *wf, const int8_t *wq, const float *scale, const float *x, const int16_t *xq,
+                         float sx, int64_t n, int64_t k, float alpha, int add, float *y) {
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
     const int64_t r0 = n * t / nt, r1 = n * (t + 1) / nt, half = (r1 - r0 + 1) / 2;
     for (int64_t i = 0; i < half; i++) {
         const int64_t ra = r0 + i, rb = r0 + half + i < r1 ? r0 + half + i : ra;  /* an odd range's last row: twice */
         float va, vb;
         if (wq) {
-            dot2_i8(wq + ra * k, wq + rb * k, x, k, &va, &vb);
-            va *= scale[ra];
-            vb *= scale[rb];
+            dot2_i16(wq + ra * k, wq + rb * k, xq, k, &va, &vb);
+            va *= sx * scale[ra];
+            vb *= sx * scale[rb];
         } else {
             dot2_f32(wf + ra * k, wf + rb * k, x, k, &va, &vb);
         }
@@ -81,13 +104,15 @@ static void product_rows(const float *wf, const int8_t *wq, const float *scale, 
 
 void mla_gemv_f32(const float *w, const float *x, float *y, int64_t n, int64_t k, int64_t threads) {
     #pragma omp parallel num_threads((int)threads)
-    product_rows(w, NULL, NULL, x, n, k, 1.0f, 0, y);
+    product_rows(w, NULL, NULL, x, NULL, 0.0f, n, k, 1.0f, 0, y);
 }
 
 void mla_gemv_i8(const int8_t *w, const float *scale, const float *x, float *y, int64_t n, int64_t k,
                  int64_t threads) {
+    int16_t xq[k];
+    const float sx = quantize16(x, xq, k);
     #pragma omp parallel num_threads((int)threads)
-    product_rows(NULL, w, scale, x, n, k, 1.0f, 0, y);
+    product_rows(NULL, w, scale, NULL, xq, sx, n, k, 1.0f, 0, y);
 }
 
 /* A few rows at once (1 <= m <= 8, a speculative verification or a small batch): Y [m, n] = X [m, k] W^T. Each
@@ -163,30 +188,46 @@ void mla_rms_norm_f32(const float *x, int64_t ld, const float *weight, float *y,
  * and w name the n MLPs and their weights. Inside a parallel region: each product's rows are split over the threads,
  * with a barrier between the products. scratch: 3 max(I) floats. */
 static void gated_mlps(const float *x, float *y, int64_t d, const int64_t *table, const int64_t *ids, const float *w,
-                       int64_t n, float *scratch) {
+                       int64_t n, float *scratch, int16_t *xq, int16_t *aq, float *qs) {
+    /* qs[0], qs[1]: the scales of xq and aq, shared by the team (set by one thread, read after a barrier) */
     if (n == 0) {
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < d; r++) y[r] = 0.0f;
     }
+    #pragma omp single
+    qs[0] = quantize16(x, xq, d);  /* for int8 weights; cheap next to any product */
     for (int64_t e = 0; e < n; e++) {
         const int64_t *mlp = table + ids[e] * 5, inter = mlp[4];
         const float *gu_scale = (const float *)mlp[1], *down_scale = (const float *)mlp[3];
         float *act = scratch + 2 * inter;
         product_rows(gu_scale ? NULL : (const float *)mlp[0], gu_scale ? (const int8_t *)mlp[0] : NULL, gu_scale,
-                     x, 2 * inter, d, 1.0f, 0, scratch);
+                     x, xq, qs[0], 2 * inter, d, 1.0f, 0, scratch);
         #pragma omp barrier
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < inter; r++) act[r] = scratch[r] / (1.0f + expf(-scratch[r])) * scratch[inter + r];
+        if (down_scale) {
+            #pragma omp single
+            qs[1] = quantize16(act, aq, inter);
+        }
         product_rows(down_scale ? NULL : (const float *)mlp[2], down_scale ? (const int8_t *)mlp[2] : NULL,
-                     down_scale, act, d, inter, w[e], e > 0, y);
+                     down_scale, act, aq, qs[1], d, inter, w[e], e > 0, y);
         #pragma omp barrier  /* the next MLP's gate_up output overwrites the scratch this one read */
     }
 }
 
+/* The largest intermediate size among the n MLPs ids names. */
+static int64_t largest_inter(const int64_t *table, const int64_t *ids, int64_t n) {
+    int64_t m = 1;
+    for (int64_t e = 0; e < n; e++) m = table[ids[e] * 5 + 4] > m ? table[ids[e] * 5 + 4] : m;
+    return m;
+}
+
 void mla_gated_mlps(const float *x, float *y, int64_t d, const int64_t *table, const int64_t *ids, const float *w,
                     int64_t n, float *scratch, int64_t threads) {
+    int16_t xq[d], aq[largest_inter(table, ids, n)];
+    float qs[2];
     #pragma omp parallel num_threads((int)threads)
-    gated_mlps(x, y, d, table, ids, w, n, scratch);
+    gated_mlps(x, y, d, table, ids, w, n, scratch, xq, aq, qs);
 }
 
 /* The index of the largest of v[0:n] not yet taken (ties: the lowest index), or -1. */
@@ -260,9 +301,11 @@ void mla_moe_row(const float *x, float *y, int64_t d, const float *router, const
     float *logits = scratch + 3 * max_inter, *route_scratch = logits + E, *w = route_scratch + 4 * E + cfg[2];
     int64_t ids[MOE_MAX_TOPK + 1];
     int64_t n = 0;
+    int16_t xq[d], aq[max_inter];
+    float qs[2];
     #pragma omp parallel num_threads((int)threads)
     {
-        product_rows(router, NULL, NULL, x, E, d, 1.0f, 0, logits);
+        product_rows(router, NULL, NULL, x, NULL, 0.0f, E, d, 1.0f, 0, logits);
         #pragma omp barrier
         #pragma omp single
         {
@@ -279,6 +322,6 @@ void mla_moe_row(const float *x, float *y, int64_t d, const float *router, const
                 w[n++] = 1.0f;
             }
         }
-        gated_mlps(x, y, d, table, ids, w, n, scratch);
+        gated_mlps(x, y, d, table, ids, w, n, scratch, xq, aq, qs);
     }
 }
