@@ -28,8 +28,10 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+from mla_kernels import cpu_gemv
 from peer_checkpoint import build_checkpoint, make_prompts
 
 from mla_runtime import LLM, SamplingParams
@@ -101,11 +103,24 @@ def start_decoding(llm: LLM, batch: int, prompt_len: int, steps: int, warmup: in
         engine.step()
 
 
-def run(dtype: str, batch: int, steps: int, prompt_len: int, timer: CategoryTimer, threads: int | None) -> None:
+def as_ops(module: Any, names: tuple[str, ...]) -> dict[str, Callable]:
+    """Wrap the compiled kernels' entry points in ``record_function`` so that torch.profiler counts them as ops
+    (they are ctypes calls, invisible to it otherwise); returns the originals to restore."""
+    originals = {name: getattr(module, name) for name in names}
+    for name, fn in originals.items():
+        def op(*args: Any, _fn: Callable = fn, _name: str = f"mla_kernels::{name}", **kwargs: Any) -> Any:
+            with torch.profiler.record_function(_name):
+                return _fn(*args, **kwargs)
+        setattr(module, name, op)
+    return originals
+
+
+def run(dtype: str, batch: int, steps: int, prompt_len: int, timer: CategoryTimer, threads: int | None,
+        quantization: str | None = None) -> None:
     if threads:
         torch.set_num_threads(threads)
     llm = LLM(str(OUT), dtype=dtype, max_model_len=prompt_len + steps * 3 + 64, kv_cache_memory="512MiB",
-              max_num_seqs=batch)
+              max_num_seqs=batch, quantization=quantization)
     start_decoding(llm, batch, prompt_len, steps, warmup=8)
     engine = llm.engine
 
@@ -123,17 +138,28 @@ def run(dtype: str, batch: int, steps: int, prompt_len: int, timer: CategoryTime
     timer.enabled = False
     cats = dict(timer.exclusive)
 
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:  # pass 2: Python share
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        profiled = time.perf_counter() - t0
+    kernels = ("gemv", "gemm_few", "gemv_int8", "gemm_few_int8", "absorbed_decode", "rms_norm")
+    originals = as_ops(cpu_gemv, kernels)
+    methods = as_ops(cpu_gemv.GatedMLPTable, ("__call__", "moe_row"))
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:  # pass 2: Python share
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            profiled = time.perf_counter() - t0
+    finally:
+        for name, fn in originals.items():
+            setattr(cpu_gemv, name, fn)
+        for name, fn in methods.items():
+            setattr(cpu_gemv.GatedMLPTable, name, fn)
     top_level_ops = sum(e.cpu_time_total for e in prof.events() if e.cpu_parent is None) / 1e6
     python_share = max(0.0, 1 - top_level_ops / profiled)
 
-    print(f"\n## {dtype}, batch {batch}: decode step {plain * 1e3:.2f} ms plain "
+    label = dtype if quantization is None else f"{dtype}, {quantization} weights"
+    print(f"\n## {label}, batch {batch}: decode step {plain * 1e3:.2f} ms plain "
           f"({batch / plain:.1f} tok/s), {timed * 1e3:.2f} ms with timers; context {prompt_len}+")
-    print(f"Python/dispatch overhead (wall not inside any aten op, torch.profiler): {python_share * 100:.0f}%")
+    print(f"Python/dispatch overhead (wall not inside any aten op or compiled kernel, torch.profiler): "
+          f"{python_share * 100:.0f}%")
     print("| category | ms/step | share |")
     print("|---|---:|---:|")
     total = sum(cats.values())
@@ -153,13 +179,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--quantization", default=None, choices=["int8"], help="weight-only quantisation")
     args = ap.parse_args()
     build_checkpoint(OUT)
     timer = CategoryTimer()
     timer.install()
     for dtype in args.dtype:
         for batch in args.batch:
-            run(dtype, batch, args.steps, args.prompt_len, timer, args.threads)
+            run(dtype, batch, args.steps, args.prompt_len, timer, args.threads, args.quantization)
 
 
 if __name__ == "__main__":
