@@ -92,28 +92,6 @@ static void small_gemm(const float *a, int64_t lda, const float *b, int64_t k, i
     }
 }
 
-/* o[0:n] = sum_r x[r] key_r[0:n], key_r = base + idx[r] * ld: gathered cache rows scaled and summed, 64 columns at a
- * time (the one-head tail of weighted_keys). */
-static void row_sum(const float *x, const float *base, int64_t ld, const int64_t *idx, int64_t nrows, int64_t n,
-                    float *y) {
-    int64_t c = 0;
-    for (; c + 64 <= n; c += 64) {
-        __m256 a[8];
-        for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_ps();
-        for (int64_t r = 0; r < nrows; r++) {
-            const float *row = base + idx[r] * ld + c;
-            const __m256 s = _mm256_set1_ps(x[r]);
-            for (int u = 0; u < 8; u++) a[u] = _mm256_fmadd_ps(s, _mm256_loadu_ps(row + 8 * u), a[u]);
-        }
-        for (int u = 0; u < 8; u++) _mm256_storeu_ps(y + c + 8 * u, a[u]);
-    }
-    for (; c < n; c++) {
-        float s = 0.0f;
-        for (int64_t r = 0; r < nrows; r++) s += x[r] * base[idx[r] * ld + c];
-        y[c] = s;
-    }
-}
-
 /* e^x for eight floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^7 (relative error below
  * 2e-7 on that range), times 2^n built in the exponent bits. Inputs below -87 give 0 (softmax only feeds x <= 0). */
 static inline __m256 exp8(__m256 x) {
@@ -201,43 +179,49 @@ static void scores(const float *const *q, const float *const *qr, const float *c
         }
 }
 
-/* o[h][0:d_c] = sum_j p[h * ld + j] key_j[0:d_c] for nh heads, keys key_j = cache + slot[j] * width: two heads and
- * 32 columns at a time, in registers, so each key block is loaded once per two heads and nothing is stored until
- * the end. */
-static void weighted_keys(const float *p, int64_t ld, const float *cache, int64_t width, const int64_t *slot,
-                          int64_t len, int64_t nh, int64_t d_c, float *const *o) {
-    int64_t h = 0;
-    for (; h + 2 <= nh; h += 2) {
-        int64_t c = 0;
-        for (; c + 32 <= d_c; c += 32) {
-            __m256 a[4], b[4];
-            for (int u = 0; u < 4; u++) a[u] = b[u] = _mm256_setzero_ps();
-            for (int64_t j = 0; j < len; j++) {
-                const float *k = cache + slot[j] * width + c;
-                const __m256 pa = _mm256_set1_ps(p[h * ld + j]), pb = _mm256_set1_ps(p[(h + 1) * ld + j]);
-                for (int u = 0; u < 4; u++) {
-                    const __m256 kv = _mm256_loadu_ps(k + 8 * u);
-                    a[u] = _mm256_fmadd_ps(pa, kv, a[u]);
-                    b[u] = _mm256_fmadd_ps(pb, kv, b[u]);
-                }
-            }
-            for (int u = 0; u < 4; u++) {
-                _mm256_storeu_ps(o[h] + c + 8 * u, a[u]);
-                _mm256_storeu_ps(o[h + 1] + c + 8 * u, b[u]);
-            }
-        }
-        for (; c < d_c; c++) {
-            float sa = 0.0f, sb = 0.0f;
-            for (int64_t j = 0; j < len; j++) {
-                const float k = cache[slot[j] * width + c];
-                sa += p[h * ld + j] * k;
-                sb += p[(h + 1) * ld + j] * k;
-            }
-            o[h][c] = sa;
-            o[h + 1][c] = sb;
+/* o[h][c0:c0+32] (+)= sum_{j0 <= j < j1} p[h * ld + j] key_j[c0:c0+32] for the heads h0 and h1 (h1 == h0: one
+ * head), in eight registers: each key block is loaded once for both heads. */
+static inline void weigh_block(const float *p, int64_t ld, const float *cache, int64_t width, const int64_t *slot,
+                               int64_t j0, int64_t j1, int64_t h0, int64_t h1, int64_t c0, float *const *o) {
+    __m256 a[4], b[4];
+    for (int u = 0; u < 4; u++) {
+        a[u] = j0 ? _mm256_loadu_ps(o[h0] + c0 + 8 * u) : _mm256_setzero_ps();
+        b[u] = j0 ? _mm256_loadu_ps(o[h1] + c0 + 8 * u) : _mm256_setzero_ps();
+    }
+    for (int64_t j = j0; j < j1; j++) {
+        const float *k = cache + slot[j] * width + c0;
+        const __m256 pa = _mm256_set1_ps(p[h0 * ld + j]), pb = _mm256_set1_ps(p[h1 * ld + j]);
+        for (int u = 0; u < 4; u++) {
+            const __m256 kv = _mm256_loadu_ps(k + 8 * u);
+            a[u] = _mm256_fmadd_ps(pa, kv, a[u]);
+            b[u] = _mm256_fmadd_ps(pb, kv, b[u]);
         }
     }
-    for (; h < nh; h++) row_sum(p + h * ld, cache, width, slot, len, d_c, o[h]);
+    for (int u = 0; u < 4; u++) {
+        _mm256_storeu_ps(o[h1] + c0 + 8 * u, b[u]);
+        _mm256_storeu_ps(o[h0] + c0 + 8 * u, a[u]);  /* last: the one head's result when h1 == h0 */
+    }
+}
+
+/* o[h][0:d_c] = sum_j p[h * ld + j] key_j[0:d_c] for nh heads, keys key_j = cache + slot[j] * width. The keys go in
+ * chunks of WEIGH_KEYS (a chunk's latents fit in L2; a row's whole context may not), and within a chunk 32 columns
+ * of them at a time (in L1) serve every pair of heads. */
+#define WEIGH_KEYS 32
+static void weighted_keys(const float *p, int64_t ld, const float *cache, int64_t width, const int64_t *slot,
+                          int64_t len, int64_t nh, int64_t d_c, float *const *o) {
+    const int64_t c32 = d_c - d_c % 32;
+    for (int64_t j0 = 0; j0 < len; j0 += WEIGH_KEYS) {
+        const int64_t j1 = j0 + WEIGH_KEYS < len ? j0 + WEIGH_KEYS : len;
+        for (int64_t c = 0; c < c32; c += 32)
+            for (int64_t h = 0; h < nh; h += 2)
+                weigh_block(p, ld, cache, width, slot, j0, j1, h, h + 1 < nh ? h + 1 : h, c, o);
+        for (int64_t h = 0; h < nh; h++)  /* columns past the last block of 32 */
+            for (int64_t c = c32; c < d_c; c++) {
+                float acc = j0 ? o[h][c] : 0.0f;
+                for (int64_t j = j0; j < j1; j++) acc += p[h * ld + j] * cache[slot[j] * width + c];
+                o[h][c] = acc;
+            }
+    }
 }
 
 /* q_n [T, H, d_n] and q_r [T, H, d_r] (strides per row and per head, elements contiguous), w_uk [H, d_n, d_c],
