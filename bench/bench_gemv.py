@@ -16,12 +16,13 @@ Candidates (a candidate the CPU or torch build cannot run is listed as unsupport
 
 - ``fp32 F.linear`` — ATen (MKL sgemm/sgemv); ``fp32 onednn-plain`` / ``fp32 onednn-blocked`` — oneDNN's
   ``_linear_pointwise`` on the plain weight and on the layout ``_reorder_linear_weight`` makes; ``fp32 row-kernel``
-  (one row) — ``mla_kernels.cpu_gemv``, the AVX2 kernel compiled at run time;
+  (one to eight rows) — ``mla_kernels.cpu_gemv.gemv`` / ``gemm_few``, the AVX2 kernels compiled at run time;
   ``fp32 cpu_gemm`` — what ``mla_runtime.layers.cpu_gemm.linear`` picks for that weight;
 - ``bf16 F.linear``, ``bf16 onednn-blocked``, ``bf16 cpu_gemm`` — the same in bfloat16;
 - ``int8 pack-mm fp32x`` / ``int8 pack-mm bf16x`` — ``torch.ops.aten._weight_int8pack_mm``: int8 weight,
   one scale per output channel, the input in float32 / bfloat16 (the weight-only int8 path); ``int8 row-kernel``
-  (one row) — ``mla_kernels.cpu_gemv.gemv_int8``, widening each weight to float32 in registers;
+  (one to eight rows) — ``mla_kernels.cpu_gemv.gemv_int8`` (the row rounded to int16, integer multiply-adds) /
+  ``gemm_few_int8`` (float32 rows, each weight widened to float32 in registers);
 - ``int4 pack-mm g32 fp32x`` / ``bf16x`` — ``torch.ops.aten._weight_int4pack_mm_for_cpu``: 4-bit weight,
   scale and zero per 32-element group;
 - ``torchao int8wo`` — ``torchao.quantization.Int8WeightOnlyConfig`` where torchao is importable (optional).
@@ -61,9 +62,10 @@ def float_candidates(n: int, k: int, rows: int, dtype: torch.dtype, cold_mib: in
     pw = torch.ops.mkldnn._linear_pointwise
     if dtype == torch.float32:
         out[f"{name} onednn-plain"] = (lambda: [pw(x, w, None, "none", [None], "") for w in ws], nbytes)
-        if rows == 1:
+        if rows <= cpu_gemv.FEW_ROWS_MAX:
             why = cpu_gemv.failure()
-            out[f"{name} row-kernel"] = ((lambda: [cpu_gemv.gemv(x, w) for w in ws], nbytes) if why is None else
+            kernel = cpu_gemv.gemv if rows == 1 else cpu_gemv.gemm_few
+            out[f"{name} row-kernel"] = ((lambda: [kernel(x, w) for w in ws], nbytes) if why is None else
                                         (None, f"unsupported: {why}"))  # type: ignore[assignment]
     try:
         blocked = [_reorder(w) for w in ws]
@@ -86,9 +88,10 @@ def int8_candidates(n: int, k: int, rows: int, cold_mib: int) -> dict[str, tuple
     mm = torch.ops.aten._weight_int8pack_mm
     out = {"int8 pack-mm fp32x": (lambda: [mm(x, w, scales) for w in ws], nbytes),
            "int8 pack-mm bf16x": (lambda: [mm(xb, w, sb) for w in ws], n * k + n * 2)}
-    if rows == 1:
+    if rows <= cpu_gemv.FEW_ROWS_MAX:
         why = cpu_gemv.failure()
-        out["int8 row-kernel"] = ((lambda: [cpu_gemv.gemv_int8(x, w, scales) for w in ws], nbytes) if why is None
+        kernel = cpu_gemv.gemv_int8 if rows == 1 else cpu_gemv.gemm_few_int8
+        out["int8 row-kernel"] = ((lambda: [kernel(x, w, scales) for w in ws], nbytes) if why is None
                                   else (None, f"unsupported: {why}"))  # type: ignore[assignment]
     return out
 
