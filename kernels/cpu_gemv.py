@@ -252,15 +252,24 @@ def absorbed_decode(q_n: torch.Tensor, q_r: torch.Tensor, w_uk: torch.Tensor, w_
         raise ValueError(f"absorbed_decode: q_n {tuple(q_n.shape)}, q_r {tuple(q_r.shape)}, w_uk {tuple(w_uk.shape)}, "
                          f"w_uv_t {tuple(w_uv_t.shape)}, cache {tuple(cache.shape)}, slots {tuple(slots.shape)} "
                          f"{slots.dtype} and lens {tuple(lens.shape)} {lens.dtype} do not fit one float32 layer")
-    threads = torch.get_num_threads()
-    stride = -(-heads // threads) * (2 * rows * d_c + slots.shape[1])  # per thread: see the C source
-    scratch = torch.empty(threads, stride, dtype=torch.float32)
+    threads = max(torch.get_num_threads(), -(-heads // DECODE_MAX_GROUP))  # at most DECODE_MAX_GROUP heads a thread
+    per_row = -(-heads // threads) * 2 * d_c  # scratch floats a row takes per thread (q~ and o_lat of its heads)
+    step = max(1, DECODE_SCRATCH_BYTES // (4 * threads * per_row))  # rows per call: bounds the scratch
     out = torch.empty(rows, heads, d_v, dtype=torch.float32)
-    lib.mla_absorbed_decode_f32(q_n.data_ptr(), q_n.stride(0), q_n.stride(1), q_r.data_ptr(), q_r.stride(0),
-                                q_r.stride(1), w_uk.data_ptr(), w_uv_t.data_ptr(), cache.data_ptr(), slots.data_ptr(),
-                                slots.stride(0), lens.data_ptr(), scale, out.data_ptr(), scratch.data_ptr(), stride,
-                                rows, heads, d_n, d_r, d_c, d_v, threads)
+    for r0 in range(0, rows, step):
+        n = min(step, rows - r0)
+        stride = n * per_row + -(-heads // threads) * slots.shape[1]  # per thread: see the C source
+        scratch = torch.empty(threads, stride, dtype=torch.float32)
+        lib.mla_absorbed_decode_f32(q_n[r0].data_ptr(), q_n.stride(0), q_n.stride(1), q_r[r0].data_ptr(),
+                                    q_r.stride(0), q_r.stride(1), w_uk.data_ptr(), w_uv_t.data_ptr(), cache.data_ptr(),
+                                    slots[r0].data_ptr(), slots.stride(0), lens[r0].data_ptr(), scale,
+                                    out[r0].data_ptr(), scratch.data_ptr(), stride, n, heads, d_n, d_r, d_c, d_v,
+                                    threads)
     return out
+
+
+DECODE_MAX_GROUP = 256  # heads one thread of the decode kernel takes (MAX_GROUP in csrc/mla_decode_f32.c)
+DECODE_SCRATCH_BYTES = 64 << 20  # the decode kernel's scratch per call; more rows are split over calls
 
 
 NORM_MAX_ROWS = 64  # RMSNorm of up to this many rows takes the one-thread kernel

@@ -777,3 +777,20 @@ def test_one_token_moe_kernel_routes_as_the_router(router, monkeypatch):
     torch.testing.assert_close(outs["auto"], outs["onednn"], rtol=1e-5, atol=1e-5)
     routes = {tuple(moe.gate(x)[1].sort().values.tolist()[0]) for x in xs}
     assert len(routes) > 1  # the tokens exercise more than one route
+
+
+@needs_row_kernel
+def test_absorbed_decode_kernel_splits_rows_and_heads_it_cannot_hold_at_once(monkeypatch):
+    """Rows beyond the scratch bound go in several calls, and heads beyond a thread's group take more threads: the
+    result is the same."""
+    g = torch.Generator().manual_seed(4)
+    rows, heads, d_n, d_r, d_c, d_v = 5, 7, 8, 8, 40, 16
+    cache = torch.randn(24, 4, d_c + d_r, generator=g)
+    plan = plan_decode_lists([list(range(i, i + 5)) for i in range(rows)], [3, 9, 1, 17, 5], 4)
+    q_n, q_r = torch.randn(rows, heads, d_n + d_r, generator=g).split([d_n, d_r], dim=-1)
+    w_uk, w_uv_t = torch.randn(heads, d_n, d_c, generator=g), torch.randn(heads, d_c, d_v, generator=g)
+    args = (q_n, q_r, w_uk, w_uv_t, cache.view(-1, d_c + d_r), plan.slots, plan.lens, 0.2)
+    whole = cpu_gemv.absorbed_decode(*args)
+    monkeypatch.setattr(cpu_gemv, "DECODE_SCRATCH_BYTES", 1)  # one row a call
+    monkeypatch.setattr(cpu_gemv, "DECODE_MAX_GROUP", 2)  # seven heads: four threads
+    torch.testing.assert_close(cpu_gemv.absorbed_decode(*args), whole, rtol=1e-5, atol=1e-5)  # other head tiles

@@ -15,6 +15,7 @@
  * Built with gemv_f32.c into one library by mla_kernels.cpu_gemv. */
 #include <math.h>
 #include <omp.h>
+#include <stdlib.h>
 
 #include "simd.h"
 
@@ -234,7 +235,7 @@ void mla_absorbed_decode_f32(const float *q_n, int64_t qn_t, int64_t qn_h, const
                              float *scratch, int64_t scratch_stride, int64_t rows, int64_t heads, int64_t d_n,
                              int64_t d_r, int64_t d_c, int64_t d_v, int64_t threads) {
     const int64_t width = d_c + d_r, group = (heads + threads - 1) / threads;
-    if (group > MAX_GROUP) return;  /* the caller runs enough threads (mla_kernels.cpu_gemv) */
+    if (group > MAX_GROUP) abort();  /* mla_kernels.cpu_gemv runs enough threads that this cannot happen */
     #pragma omp parallel num_threads((int)threads)
     {
         const int64_t h0 = omp_get_thread_num() * group, h1 = h0 + group < heads ? h0 + group : heads;
