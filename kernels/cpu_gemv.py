@@ -102,6 +102,12 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     # x, y, d, router, route, bias, scaling, table, first, count, shared, scratch, max_inter, threads
     lib.mla_moe_row.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + \
         [ctypes.c_float, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 2
+    # latent, its row stride, norm, eps, q, its two strides, heads, d_n, cos, sin, their row stride, cache, slots,
+    # rows, d_c, d_r, interleave
+    lib.mla_rope_store_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float,
+                                       ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2 + \
+        [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 4
+    lib.mla_rope_store_f32.restype = None
     for fn in (lib.mla_gemv_f32, lib.mla_gemv_i8, lib.mla_gemm_few_f32, lib.mla_gemm_few_i8,
                lib.mla_absorbed_decode_f32, lib.mla_rms_norm_f32, lib.mla_gated_mlps, lib.mla_moe_row):
         fn.restype = None
@@ -266,6 +272,32 @@ def absorbed_decode(q_n: torch.Tensor, q_r: torch.Tensor, w_uk: torch.Tensor, w_
                                     out[r0].data_ptr(), scratch.data_ptr(), stride, n, heads, d_n, d_r, d_c, d_v,
                                     threads)
     return out
+
+
+def rope_store(latent: torch.Tensor, norm: torch.Tensor, eps: float, q: torch.Tensor, d_n: int, cos: torch.Tensor,
+               sin: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, interleave: bool) -> None:
+    """The latent side of a float32 decode step in one call, on one thread: for each row ``t`` of ``latent [T,
+    d_c + d_r]`` (``[c ; k_r]`` from ``kv_a_proj_with_mqa``), ``cache[slots[t]] = [RMSNorm(c) * norm ; RoPE(k_r)]``,
+    and the RoPE part of each head of ``q [T, H, d_n + d_r]`` rotated in place (de-interleaved, as
+    ``mla_runtime.layers.rotary``). ``cos``/``sin [T, d_r / 2]`` (rows with a stride), ``cache [S, d_c + d_r]``,
+    ``slots [T]`` int64 (all valid). Only where ``failure()`` is None."""
+    lib, _ = _load()
+    assert lib is not None, "rope_store needs the kernel: check failure() first"
+    rows, width = latent.shape
+    d_r = q.shape[2] - d_n
+    d_c = width - d_r
+    tensors = (latent, norm, q, cos, sin, cache)
+    if (any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors) or latent.stride(1) != 1
+            or q.shape[0] != rows or q.stride(2) != 1 or norm.shape != (d_c,) or not norm.is_contiguous()
+            or cos.shape != (rows, d_r // 2) or sin.shape != cos.shape or cos.stride(1) != 1
+            or sin.stride() != cos.stride() or cache.shape[1] != width or not cache.is_contiguous()
+            or slots.dtype != torch.int64 or slots.shape != (rows,) or not slots.is_contiguous()):
+        raise ValueError(f"rope_store: latent {tuple(latent.shape)}, q {tuple(q.shape)}, cos {tuple(cos.shape)}, cache "
+                         f"{tuple(cache.shape)} and slots {tuple(slots.shape)} {slots.dtype} do not fit one float32 "
+                         "decode step")
+    lib.mla_rope_store_f32(latent.data_ptr(), latent.stride(0), norm.data_ptr(), eps, q.data_ptr(), q.stride(0),
+                           q.stride(1), q.shape[1], d_n, cos.data_ptr(), sin.data_ptr(), cos.stride(0),
+                           cache.data_ptr(), slots.data_ptr(), rows, d_c, d_r, int(interleave))
 
 
 DECODE_MAX_GROUP = 256  # heads one thread of the decode kernel takes (MAX_GROUP in csrc/mla_decode_f32.c)

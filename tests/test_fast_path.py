@@ -15,7 +15,7 @@ from torch import nn
 if not torch.cuda.is_available():  # kernels: interpret Triton on CPU (must precede the first triton import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from mla_kernels import cpu_gemv, mla_decode_planned, plan_decode, plan_decode_lists  # noqa: E402
+from mla_kernels import cpu_gemv, mla_decode_planned, plan_decode, plan_decode_lists, write_latent  # noqa: E402
 from mla_kernels.reference import ref_mla_decode  # noqa: E402
 
 from mla_runtime import LLM, SamplingParams  # noqa: E402
@@ -794,3 +794,53 @@ def test_absorbed_decode_kernel_splits_rows_and_heads_it_cannot_hold_at_once(mon
     monkeypatch.setattr(cpu_gemv, "DECODE_SCRATCH_BYTES", 1)  # one row a call
     monkeypatch.setattr(cpu_gemv, "DECODE_MAX_GROUP", 2)  # seven heads: four threads
     torch.testing.assert_close(cpu_gemv.absorbed_decode(*args), whole, rtol=1e-5, atol=1e-5)  # other head tiles
+
+
+@needs_row_kernel
+@pytest.mark.parametrize("interleave", [True, False])
+def test_rope_store_kernel_matches_the_torch_latent_side(interleave):
+    """Norm, RoPE and cache write of the latent and the queries' RoPE in one call equal RMSNorm + RotaryEmbedding +
+    write_latent."""
+    g = torch.Generator().manual_seed(int(interleave))
+    rows, heads, d_n, d_r, d_c = 3, 5, 8, 16, 40
+    rope = RotaryEmbedding(RopeConfig(theta=10000.0, interleave=interleave), d_r)
+    norm = RMSNorm(d_c, 1e-6)
+    norm.weight.data.normal_(generator=g)
+    positions = torch.tensor([0, 7, 130])
+    tables = rope.tables(positions, torch.float32)
+    latent = torch.randn(rows, d_c + d_r + 24, generator=g)[:, : d_c + d_r]  # rows with a stride, as a split leaves
+    q = torch.randn(rows, heads, d_n + d_r, generator=g)
+    slots = torch.tensor([5, 0, 9])
+    cache, want_cache = torch.zeros(12, d_c + d_r), torch.zeros(1, 12, d_c + d_r)
+    q_r, k_r = rope(positions, q[..., d_n:], latent[:, d_c:], tables)
+    write_latent(want_cache, F.rms_norm(latent[:, :d_c], (d_c,), norm.weight, 1e-6), k_r, slots)
+    want_q = torch.cat([q[..., :d_n], q_r], dim=-1)
+    cpu_gemv.rope_store(latent, norm.weight, 1e-6, q, d_n, tables.cos, tables.sin, cache, slots, interleave)
+    assert tables.cos.stride(0) != tables.cos.shape[1]  # the table's rows, with a stride
+    torch.testing.assert_close(cache, want_cache[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-6)
+
+
+def test_float32_decode_steps_take_the_compiled_attention_and_match_torch(tiny_checkpoint, monkeypatch):
+    """Where the kernels build, every layer of a float32 decode step runs the latent side and the attention as
+    compiled calls, with the logits of the torch path (the kernels left out)."""
+    from mla_runtime.layers import mla as mla_module
+
+    ckpt, _ = tiny_checkpoint("v3")
+    ps = prompts([30, 12, 7], seed=12)
+    calls = []
+    real = cpu_gemv.rope_store
+    monkeypatch.setattr(cpu_gemv, "rope_store", lambda *a: calls.append(1) or real(*a))
+    logits = []
+    for compiled in (True, False):
+        if not compiled:
+            monkeypatch.setattr(mla_module.MLAttention, "_compiled_decode", lambda *a: False)
+        model = load_model(ckpt, dtype="float32")
+        runner = PagedRunner(model, len(ps), 48)
+        runner.step({i: p[:-2] for i, p in enumerate(ps)})
+        calls.clear()
+        steps = [runner.step({i: [p[-t]] for i, p in enumerate(ps)}) for t in (2, 1)]
+        expected = 2 * model.config.num_hidden_layers if compiled and cpu_gemv.failure() is None else 0
+        assert len(calls) == expected
+        logits.append(torch.cat([torch.cat([s[i] for i in range(len(ps))]) for s in steps]))
+    assert rel_err(logits[0], logits[1]) <= 1e-5

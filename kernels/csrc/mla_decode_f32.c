@@ -267,3 +267,37 @@ void mla_absorbed_decode_f32(const float *q_n, int64_t qn_t, int64_t qn_h, const
                        rows);
     }
 }
+
+/* RoPE of one d_r vector x into y (y may be x): pair i is (x[2i], x[2i + 1]) when interleaved, else (x[i],
+ * x[i + d_r / 2]); written de-interleaved, y[i] = a cos - b sin, y[i + d_r / 2] = b cos + a sin (as
+ * mla_runtime.layers.rotary). */
+static void rope(const float *x, float *y, const float *cos, const float *sin, int64_t d_r, int interleave) {
+    const int64_t half = d_r / 2;
+    float t[d_r];
+    for (int64_t i = 0; i < half; i++) {
+        const float a = interleave ? x[2 * i] : x[i], b = interleave ? x[2 * i + 1] : x[i + half];
+        t[i] = a * cos[i] - b * sin[i];
+        t[i + half] = b * cos[i] + a * sin[i];
+    }
+    for (int64_t i = 0; i < d_r; i++) y[i] = t[i];
+}
+
+/* The latent side of a decode step's rows, on one thread: for row t, cache[slots[t]] = [RMSNorm(c_t) * norm ;
+ * RoPE(k_r_t)] from latent_t = [c_t ; k_r_t] (row stride lat_ld), and each head's RoPE part of q (q + t q_t + h q_h
+ * + d_n, d_r values) rotated in place. cos, sin: [T, d_r / 2] with row stride cs_ld. */
+void mla_rope_store_f32(const float *latent, int64_t lat_ld, const float *norm, float eps, float *q, int64_t q_t,
+                        int64_t q_h, int64_t heads, int64_t d_n, const float *cos, const float *sin, int64_t cs_ld,
+                        float *cache, const int64_t *slots, int64_t rows, int64_t d_c, int64_t d_r,
+                        int64_t interleave) {
+    for (int64_t t = 0; t < rows; t++) {
+        const float *c = latent + t * lat_ld, *ct = cos + t * cs_ld, *st = sin + t * cs_ld;
+        float *row = cache + slots[t] * (d_c + d_r);
+        const float r = 1.0f / sqrtf(dot_f32(c, c, d_c) / (float)d_c + eps);
+        for (int64_t i = 0; i < d_c; i++) row[i] = c[i] * r * norm[i];
+        rope(c + d_c, row + d_c, ct, st, d_r, (int)interleave);
+        for (int64_t h = 0; h < heads; h++) {
+            float *qr = q + t * q_t + h * q_h + d_n;
+            rope(qr, qr, ct, st, d_r, (int)interleave);
+        }
+    }
+}

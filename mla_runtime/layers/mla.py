@@ -133,6 +133,16 @@ class MLAttention(nn.Module):
     # -- forward -----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: LayerCache) -> torch.Tensor:
         num_tokens = x.shape[0]
+        if self._compiled_decode(meta, cache, num_tokens):
+            o = self._decode_compiled(x, meta, cache)
+        else:
+            o = self._attention(x, meta, cache)
+        out = self.o_proj(o.reshape(num_tokens, self.n_h * self.d_v), bias=self.par.rank == 0)  # bias added once
+        return self.par.all_reduce(out)
+
+    def _attention(self, x: torch.Tensor, meta: AttentionMetadata, cache: LayerCache) -> torch.Tensor:
+        """``x [T, d]`` -> ``[T, n_h, d_v]``: the new latents written, then the path the step planned."""
+        num_tokens = x.shape[0]
         q_n, q_r, c, k_r = self._project(x)
         q_r, k_r = self.rotary(meta.batch.positions, q_r, k_r, meta.rope)
         if meta.plain_write:  # a CPU step with planned decodes: float cache, every slot valid
@@ -142,29 +152,50 @@ class MLAttention(nn.Module):
                          validate=self.validate)
         d = meta.num_planned
         if d == num_tokens:  # a CPU decode step
-            o = self._absorbed(q_n, q_r, meta, cache, planned=True)  # [T, n_h, d_v]
-        elif d:  # a mixed CPU step: planned decodes, then the prefill chunks as their own batch
+            return self._absorbed(q_n, q_r, meta, cache, planned=True)  # [T, n_h, d_v]
+        if d:  # a mixed CPU step: planned decodes, then the prefill chunks as their own batch
             assert meta.rest is not None
-            o = torch.cat([self._absorbed(q_n[:d], q_r[:d], meta, cache, planned=True),
-                           self._attend(q_n[d:], q_r[d:], meta.rest, cache)])
-        else:
-            o = self._attend(q_n, q_r, meta, cache)
-        out = self.o_proj(o.reshape(num_tokens, self.n_h * self.d_v), bias=self.par.rank == 0)  # bias added once
-        return self.par.all_reduce(out)
+            return torch.cat([self._absorbed(q_n[:d], q_r[:d], meta, cache, planned=True),
+                              self._attend(q_n[d:], q_r[d:], meta.rest, cache)])
+        return self._attend(q_n, q_r, meta, cache)
+
+    def _compiled_decode(self, meta: AttentionMetadata, cache: LayerCache, num_tokens: int) -> bool:
+        """Whether this step's attention runs as two compiled calls (``_decode_compiled``): a float32 CPU decode step
+        whose every slot is valid, on prepared weights with the full latent rank."""
+        return (self.decode_kernel and meta.num_planned == num_tokens and meta.plain_write
+                and meta.decode_plan is not None and cache.kv.dtype == torch.float32 and self.latent_down is None
+                and self.w_uk is not None and meta.rope.cos.dtype == torch.float32)
+
+    def _decode_compiled(self, x: torch.Tensor, meta: AttentionMetadata, cache: LayerCache) -> torch.Tensor:
+        """A float32 CPU decode step in two compiled calls after the projections: the latent side (norm, RoPE, cache
+        write, the queries' RoPE) and the absorbed attention -> ``[T, n_h, d_v]``."""
+        q, latent = self._queries_and_latent(x)
+        q3 = q.view(x.shape[0], self.n_h, self.d_n + self.d_r)
+        flat = cache.kv.view(-1, cache.kv.shape[-1])
+        slots = meta.slot_mapping if meta.slot_mapping.dtype == torch.int64 else meta.slot_mapping.long()
+        norm = self.kv_a_layernorm
+        cpu_gemv.rope_store(latent, norm.weight, norm.eps, q3, self.d_n, meta.rope.cos, meta.rope.sin, flat, slots,
+                            self.rotary.interleave)
+        q_n, q_r = q3.split([self.d_n, self.d_r], dim=-1)
+        plan = meta.decode_plan
+        assert plan is not None and self.w_uk is not None and self.w_uv_t is not None
+        return cpu_gemv.absorbed_decode(q_n, q_r, self.w_uk, self.w_uv_t, flat, plan.slots, plan.lens, self.scale)
+
+    def _queries_and_latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, d]`` -> the queries ``[T, n_h (d_n + d_r)]`` and ``[c ; k_r] [T, d_c_in + d_r]`` (neither normed
+        nor rotated)."""
+        if self.q_proj is not None:
+            return self.q_proj(x), self.kv_a_proj_with_mqa(x)
+        if self.qkv_a is not None:
+            q_lat, latent = linear(x, self.qkv_a.plain, self.qkv_a_bias, self.qkv_a).split(
+                [self.q_a_proj.out_features, self.d_c_in + self.d_r], dim=-1)
+            return self.q_b_proj(self.q_a_layernorm(q_lat)), latent
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))), self.kv_a_proj_with_mqa(x)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [T, d]`` -> ``q_n [T, n_h, d_n]``, ``q_r [T, n_h, d_r]`` (not rotated), the normalised latent
         ``c [T, d_c]`` (truncated when the latent rank is) and ``k_r [T, d_r]`` (not rotated)."""
-        if self.q_proj is not None:
-            q = self.q_proj(x)
-            latent = self.kv_a_proj_with_mqa(x)
-        elif self.qkv_a is not None:
-            q_lat, latent = linear(x, self.qkv_a.plain, self.qkv_a_bias, self.qkv_a).split(
-                [self.q_a_proj.out_features, self.d_c_in + self.d_r], dim=-1)
-            q = self.q_b_proj(self.q_a_layernorm(q_lat))
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-            latent = self.kv_a_proj_with_mqa(x)
+        q, latent = self._queries_and_latent(x)
         q_n, q_r = q.view(x.shape[0], self.n_h, self.d_n + self.d_r).split([self.d_n, self.d_r], dim=-1)
         c, k_r = latent.split([self.d_c_in, self.d_r], dim=-1)
         c = self.kv_a_layernorm(c)
