@@ -1,7 +1,7 @@
 """The decode step's compiled CPU kernels, for x86-64 with AVX2 and FMA, built at run time:
 
 - products of one row with a weight matrix (``gemv``: float32; ``gemv_int8``: int8 with a scale per row, the row
-  rounded to int16) and of two to ``FEW_ROWS_MAX`` rows (``gemm_few``, ``gemm_few_int8``: float32 rows);
+  rounded to int16) and of two to ``FEW_ROWS_MAX`` rows (``gemm_few``; ``gemm_few_int8``, rows rounded to int16);
 - a layer's absorbed MLA decode attention in one call (``absorbed_decode``): absorption into the latent, attention
   over the paged latent cache, up-projection;
 - a one-thread RMSNorm of a few rows (``rms_norm``);
@@ -24,7 +24,7 @@ temporary folder, linking the OpenMP runtime PyTorch ships (so the kernels' thre
 one competing for the cores), loads them with ``ctypes`` and checks each kernel against torch on small inputs.
 Anything that fails makes them unavailable, with the reason, and callers keep their torch paths
 (``mla_runtime.layers.cpu_gemm``). Results equal torch's to float rounding (another summation order), except the
-one-row int8 product's int16 rounding of its row.
+int8 products' int16 rounding of their rows.
 """
 
 from __future__ import annotations
@@ -218,7 +218,8 @@ def gemv_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> t
 
 def gemm_few_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``x · (qweight · scales[:, None])ᵀ`` in float32 for 1 to ``FEW_ROWS_MAX`` rows ``x [..., K]`` (any float dtype),
-    a contiguous int8 ``qweight [N, K]`` and float32 ``scales [N]``; only where ``failure()`` is None."""
+    a contiguous int8 ``qweight [N, K]`` and float32 ``scales [N]``, each row rounded to int16 with a power-of-two
+    scale; only where ``failure()`` is None."""
     lib, _ = _load()
     assert lib is not None, "gemm_few_int8 needs the kernel: check failure() first"
     n, k = qweight.shape

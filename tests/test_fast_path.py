@@ -521,8 +521,8 @@ def test_few_row_kernels_match_f_linear(rows):
     w, x, b = torch.randn(37, 77, generator=g), torch.randn(rows, 77, generator=g), torch.randn(37, generator=g)
     torch.testing.assert_close(cpu_gemv.gemm_few(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     q, scales = torch.randint(-127, 128, (37, 77), generator=g, dtype=torch.int8), torch.rand(37, generator=g)
-    torch.testing.assert_close(cpu_gemv.gemm_few_int8(x, q, scales), F.linear(x, q.float() * scales[:, None]),
-                               rtol=1e-5, atol=1e-4)
+    want = F.linear(x, q.float() * scales[:, None])  # the rows rounded to int16: within 2^-14 of their largest value
+    torch.testing.assert_close(cpu_gemv.gemm_few_int8(x, q, scales), want, rtol=3e-4, atol=3e-4 * want.abs().max())
     with pytest.raises(ValueError, match="float32 rows"):
         cpu_gemv.gemm_few(torch.randn(9, 77), w)
     with pytest.raises(ValueError, match="float32 scales"):

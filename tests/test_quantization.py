@@ -52,7 +52,7 @@ def test_int8_product_equals_its_dequantised_matrix(gemm_mode, dtype, shape):
         assert got.dtype == dtype and got.shape == (*rows, shape[0])
         few_rows = q.row_scales is not None and 0 < x.numel() <= KERNEL_MAX_ROWS * shape[1]  # AVX2: float32 rows
         tol = 2e-2 if (q.kernel and not few_rows) or dtype != torch.float32 else 3e-4  # ATen's: bfloat16 rows
-        # (one row on the AVX2 kernel: int16 rows, within 2^-14 of the row's largest value)
+        # (the AVX2 kernels: int16 rows, within 2^-14 of each row's largest value)
         scale = ref.abs().max().item() if ref.numel() else 1.0
         torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol * scale)
 
@@ -60,9 +60,9 @@ def test_int8_product_equals_its_dequantised_matrix(gemm_mode, dtype, shape):
 @pytest.mark.parametrize("mode", ["auto", "onednn"])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9])
 def test_few_row_int8_products_with_and_without_the_row_kernels(mode, rows, monkeypatch):
-    """Where the AVX2 kernels build, auto runs int8 products of one to ``KERNEL_MAX_ROWS`` rows through them (one row
-    rounded to int16 with a power-of-two scale, two to eight in float32); more rows, onednn (and a CPU without the
-    kernels) keep ATen's kernel (bfloat16 rows)."""
+    """Where the AVX2 kernels build, auto runs int8 products of one to ``KERNEL_MAX_ROWS`` rows through them (each row
+    rounded to int16 with a power-of-two scale); more rows, onednn (and a CPU without the kernels) keep ATen's kernel
+    (bfloat16 rows)."""
     monkeypatch.setenv("MLA_CPU_GEMM", mode)
     g = torch.Generator().manual_seed(1)
     w = torch.randn(96, 128, generator=g)
@@ -71,7 +71,7 @@ def test_few_row_int8_products_with_and_without_the_row_kernels(mode, rows, monk
     x, bias = torch.randn(rows, 128, generator=g), torch.randn(96, generator=g)
     ref = torch.nn.functional.linear(x, q.dequantize(), bias)
     kernels = q.row_scales is not None and rows <= KERNEL_MAX_ROWS
-    tol = (3e-4 if rows == 1 else 1e-5) if kernels else 2e-2  # one row: int16 rows; 2–8: float32; ATen: bfloat16
+    tol = 3e-4 if kernels else 2e-2  # the kernels: rows rounded to int16; ATen's: bfloat16
     torch.testing.assert_close(q.matmul(x, bias), ref, rtol=tol, atol=tol * ref.abs().max().item())
     if kernels and q.row_scales is not None:
         few = cpu_gemv.gemv_int8 if rows == 1 else cpu_gemv.gemm_few_int8

@@ -1,5 +1,7 @@
 /* Products of one or a few rows with a weight matrix for x86-64 with AVX2 and FMA: float32 W, or int8 W with one
- * float32 scale per row (each int8 weight widened to float32 in registers, so a row is read at one byte per weight).
+ * float32 scale per row (read at one byte per weight; the input rows rounded to int16 with a power-of-two scale and
+ * multiplied with integer multiply-adds). Also the one-thread RMSNorm, and a dense MLP or a MoE layer of one row
+ * (router, routing, experts) in one call.
  *
  * Built at run time by mla_kernels.cpu_gemv with the system C compiler and linked against the OpenMP runtime
  * PyTorch already loaded, so its threads are PyTorch's. One-row products: each thread takes a contiguous range of
@@ -134,19 +136,28 @@ static inline __attribute__((always_inline)) void few_f32(const float *wr, const
     }
 }
 
-static inline __attribute__((always_inline)) void few_i8(const int8_t *wr, float scale, const float *x, float *y,
-                                                         int64_t r, const int m, int64_t n, int64_t k) {
-    const int64_t k8 = k - k % 8;
-    __m256 acc[8];
-    for (int j = 0; j < m; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < k8; i += 8) {
-        const __m256 wv = widen8(wr + i);
-        for (int j = 0; j < m; j++) acc[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + j * k + i), acc[j]);
+/* Int8 weights against m rows already rounded to int16 (xq, m rows of k, one scale per row in sx): integer
+ * multiply-adds, the int32 sums moved to float every I16_CHUNK values. */
+static inline __attribute__((always_inline)) void few_i8(const int8_t *wr, float scale, const int16_t *xq,
+                                                         const float *sx, float *y, int64_t r, const int m, int64_t n,
+                                                         int64_t k) {
+    const int64_t k16 = k - k % 16;
+    float sums[8] = {0.0f};  /* in memory: only the m integer accumulators stay in registers through the loop */
+    for (int64_t c = 0; c < k16; c += I16_CHUNK) {
+        const int64_t end = c + I16_CHUNK < k16 ? c + I16_CHUNK : k16;
+        __m256i a[8];
+        for (int j = 0; j < m; j++) a[j] = _mm256_setzero_si256();
+        for (int64_t i = c; i < end; i += 16) {
+            const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + i)));
+            for (int j = 0; j < m; j++)
+                a[j] = _mm256_add_epi32(a[j], _mm256_madd_epi16(wv, _mm256_loadu_si256((const __m256i *)(xq + j * k + i))));
+        }
+        for (int j = 0; j < m; j++) sums[j] += hsum(_mm256_cvtepi32_ps(a[j]));
     }
     for (int j = 0; j < m; j++) {
-        float s = hsum(acc[j]);
-        for (int64_t i = k8; i < k; i++) s += (float)wr[i] * x[j * k + i];
-        y[j * n + r] = s * scale;
+        float s = sums[j];
+        for (int64_t i = k16; i < k; i++) s += (float)wr[i] * xq[j * k + i];
+        y[j * n + r] = s * sx[j] * scale;
     }
 }
 
@@ -162,7 +173,10 @@ void mla_gemm_few_f32(const float *w, const float *x, float *y, int64_t m, int64
 
 void mla_gemm_few_i8(const int8_t *w, const float *scale, const float *x, float *y, int64_t m, int64_t n, int64_t k,
                      int64_t threads) {
-#define I8_ROW(M) few_i8(w + r * k, scale[r], x, y, r, M, n, k)
+    int16_t xq[m * k];
+    float sx[8];
+    for (int64_t j = 0; j < m; j++) sx[j] = quantize16(x + j * k, xq + j * k, k);
+#define I8_ROW(M) few_i8(w + r * k, scale[r], xq, sx, y, r, M, n, k)
     #pragma omp parallel for schedule(static) num_threads((int)threads)
     for (int64_t r = 0; r < n; r++) ROWS_CASES(I8_ROW)
 }

@@ -18,9 +18,9 @@ MLA checkpoint's dimensions are multiples of 64) and once a probe has found it e
 (``int8_kernel_failure``). Elsewhere, or under ``MLA_CPU_GEMM=plain``, the int8 weight is widened per call and
 multiplied in float32 with ``F.linear`` (float32 activations, another summation order). Products of one to
 ``KERNEL_MAX_ROWS`` rows (decoding, a speculative verification, a small batch) run the AVX2 kernels of
-``mla_kernels.cpu_gemv`` where they build (``MLA_CPU_GEMM=auto``), reading one byte per weight: one row is rounded to
-int16 with a power-of-two scale (within 2^-14 of its largest value, far finer than bfloat16) and multiplied with
-integer multiply-adds; two to eight rows stay float32 and each int8 weight is widened to float32 in registers.
+``mla_kernels.cpu_gemv`` where they build (``MLA_CPU_GEMM=auto``), reading one byte per weight: each row is rounded
+to int16 with a power-of-two scale (within 2^-14 of its largest value, far finer than bfloat16) and multiplied with
+integer multiply-adds.
 
 What is quantised (``quantize_model``): every projection of the attention except ``kv_b_proj`` (its absorbed
 factors ``W_UK``/``W_UV`` and the up-projection of long prefills stay exact), the dense MLPs, the shared and
