@@ -18,7 +18,9 @@ Two ways to attend, equal up to rounding (each is the other's oracle):
 Softmax scale ``(d_n + d_r)^-1/2 * m^2`` with the YaRN ``m`` (``ModelConfig.softmax_scale``).
 ``path="auto"`` picks the cheaper path from a FLOP count of the batch. Which path a step takes, its RoPE
 tables and its CPU decode plan are decided once per step (``attention_metadata``); every layer only reads
-them. The first layer checks the kernels' arguments; the others run the same shapes unchecked.
+them. The first layer checks the kernels' arguments; the others run the same shapes unchecked. On a CPU where the
+compiled kernels build (``mla_kernels.cpu_gemv``), a float32 decode step runs the latent side (norm, RoPE, cache
+write) and the absorbed attention as two compiled calls after the projections.
 
 Tensor parallel (``mla_runtime.parallel``): each rank owns ``n_h / N`` heads. With the sharded latent
 cache a rank keeps only its share of the tokens, so attention always takes the absorbed path there:

@@ -12,7 +12,9 @@ Both then multiply by ``routed_scaling_factor``.
 
 Execution groups the (token, expert) pairs by expert — in Python for a decode step's few pairs, by a
 stable sort for a prefill's many — and runs one matmul pair per expert that has tokens (oneDNN-packed
-weights on CPU); the loop is over experts, never over tokens.
+weights on CPU); the loop is over experts, never over tokens. A float32 token alone on a CPU where the compiled
+kernels build (``mla_kernels.cpu_gemv``) takes the whole layer in one call instead: router logits, the same routing,
+its routed experts and the shared experts (``GatedMLPTable.moe_row``).
 """
 
 from __future__ import annotations
