@@ -83,6 +83,18 @@ def test_blocks_round_trip_bit_exactly_and_foreign_keys_miss(tmp_path, dtype):
     assert tier_over(tmp_path, dtype, fingerprint="b" * 64).lookup(hashes) == 0
 
 
+def test_close_writes_what_is_queued_and_waits_for_its_threads(tmp_path):
+    """A closed tier has written its queue and its threads have ended: none is left inside a torch call when the
+    interpreter exits (which can abort the process)."""
+    tier = tier_over(tmp_path, torch.float32)
+    for block, h in enumerate(chain(4)):
+        assert tier.store(h, block)
+    tier.close(30)
+    assert not tier._writer.is_alive() and not tier._reader.is_alive()
+    assert len(files(tmp_path)) == 4
+    tier.close(30)  # a second close is a no-op
+
+
 def test_corrupt_truncated_and_foreign_files_are_misses_deleted_and_counted(tmp_path):
     writer = tier_over(tmp_path, torch.float32)
     hashes = chain(4)

@@ -64,6 +64,7 @@ TEMP_FILE_MAX_AGE = 600.0  # s: older temporary files are a crashed writer's lef
 LOW_WATERMARK = 0.9  # eviction frees the directory down to this fraction of its bound
 DEFAULT_QUEUE_BYTES = 256 * 2**20
 DEFAULT_STAGING_BYTES = 256 * 2**20
+CLOSE_JOIN_S = 10.0  # close() waits this long for each thread to take its stop signal (past a write in flight)
 
 
 # -- keys --------------------------------------------------------------------------------------------
@@ -258,7 +259,8 @@ class DiskTier:
         return True
 
     def close(self, timeout: float | None = None) -> None:
-        """Write what is queued (up to ``timeout`` s), then stop the threads."""
+        """Write what is queued (up to ``timeout`` s), then stop the threads and wait for them (a thread still inside
+        a torch call when the interpreter exits can abort the process)."""
         if self.closed:
             return
         done = self.flush(timeout)
@@ -267,6 +269,9 @@ class DiskTier:
         self.closed = True
         self._writes.put(None)
         self._reads.put(None)
+        for thread in (self._writer, self._reader):
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(CLOSE_JOIN_S)
 
     def stats(self) -> DiskTierStats:
         with self._lock:
