@@ -599,9 +599,10 @@ def test_subprocess_logs_the_plan_and_sigterm_exits_0(text_checkpoint, tmp_path)
     cmd = [sys.executable, str(ROOT / "server.py"), "--model", str(text_checkpoint), "--port", str(port),
            "--dtype", "float32", "--max-model-len", "512", "--block-size", "16", "--kv-cache-memory", "8MiB",
            "--shutdown-timeout", "1"]
+    # every step 3 ms longer: 500 tokens outlive the 1 s grace period on any machine (>= 1.5 s), 60 tokens do not
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MLA_FAULT_INJECTION": "slow_step:3"}
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base, proc=proc)

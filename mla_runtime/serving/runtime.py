@@ -43,7 +43,8 @@ FAULT_ENV = "MLA_FAULT_INJECTION"
 def fault_injection(kind: str) -> int | None:
     """Fault injection for tests and bench/abuse.py: ``MLA_FAULT_INJECTION=stream:K`` makes every stream raise
     after its K-th engine output, ``step:K`` makes the K-th engine step after start-up raise (the engine
-    thread dies). None when unset or of another kind."""
+    thread dies), ``slow_step:K`` makes every engine step take K ms longer (a slow machine, whatever this one's
+    speed). None when unset or of another kind."""
     name, _, count = os.environ.get(FAULT_ENV, "").partition(":")
     return int(count) if name == kind and count.isdigit() and int(count) > 0 else None
 
@@ -55,6 +56,13 @@ def _failing_step(after: int) -> Callable[[Any, Any], None]:
         steps[0] += 1
         if steps[0] == after:
             raise RuntimeError(f"injected engine fault at step {after} ({FAULT_ENV})")
+
+    return hook
+
+
+def _slow_step(ms: int) -> Callable[[Any, Any], None]:
+    def hook(engine: Any, outputs: Any) -> None:
+        time.sleep(ms / 1000)
 
     return hook
 
@@ -122,6 +130,8 @@ class ServingRuntime:
         self._watchdog = asyncio.create_task(self._watch())
         if (after := fault_injection("step")) is not None:
             self.llm.step_hooks.append(_failing_step(after))
+        if (ms := fault_injection("slow_step")) is not None:
+            self.llm.step_hooks.append(_slow_step(ms))
         logger.info("ready in %.1f s (probe generation %.0f ms); serving http://%s:%d", time.monotonic() - t0,
                     probe_s * 1e3, self.config.host, self.config.port)
 
