@@ -36,12 +36,13 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "gemv_f32.c", CSRC / "mla_decode_f32.c")  # one library; both include csrc/simd.h
+SOURCES = (CSRC / "gemv_f32.c", CSRC / "mla_decode_f32.c", CSRC / "mla_layer_f32.c")  # one library (csrc/simd.h)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 COMPILE_TIMEOUT_S = 120
 
@@ -79,7 +80,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
                               text=True, timeout=COMPILE_TIMEOUT_S)
         if done.returncode != 0:
             said = (done.stderr.strip() or done.stdout.strip() or f"exit status {done.returncode}").splitlines()
-            names = " and ".join(source.name for source in SOURCES)
+            names = ", ".join(source.name for source in SOURCES)
             return None, f"compiling {names} with {cc} failed: {said[-1][:200]}"
         lib = ctypes.CDLL(out)  # the mapping stays valid after the file is removed
     except (OSError, subprocess.SubprocessError) as e:
@@ -108,6 +109,10 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
                                        ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2 + \
         [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 4
     lib.mla_rope_store_f32.restype = None
+    lib.mla_decoder_layer.argtypes = [ctypes.c_void_p] * 5  # layer table, step table, x, cache, scratch
+    lib.mla_decoder_layer.restype = ctypes.c_int64
+    lib.mla_decoder_layer_scratch.argtypes = [ctypes.c_void_p] * 2
+    lib.mla_decoder_layer_scratch.restype = ctypes.c_int64
     for fn in (lib.mla_gemv_f32, lib.mla_gemv_i8, lib.mla_gemm_few_f32, lib.mla_gemm_few_i8,
                lib.mla_absorbed_decode_f32, lib.mla_rms_norm_f32, lib.mla_gated_mlps, lib.mla_moe_row):
         fn.restype = None
@@ -405,3 +410,163 @@ class GatedMLPTable:
                         None if bias is None else bias.data_ptr(), scaling, self.table.data_ptr(), first, count, shared,
                         scratch.data_ptr(), self.max_inter, torch.get_num_threads())
         return y
+
+
+
+# the entries of a decoder layer's table and of a step's (enum LayerField and StepField in csrc/mla_layer_f32.c)
+LAYER_FIELDS = ("in_norm", "post_norm", "q_norm", "kv_norm", "qa_w", "qa_s", "kva_w", "kva_s", "qb_w", "qb_s", "w_uk",
+                "w_uv_t", "o_w", "o_s", "mlp_table", "router", "route", "route_bias", "first", "count", "shared",
+                "max_inter", "d", "q_lora", "heads", "d_n", "d_r", "d_c", "d_v", "interleave", "floats")
+STEP_FIELDS = ("rows", "cos", "sin", "cs_ld", "slots", "keys", "key_stride", "lens", "threads", "decode_threads",
+               "decode_stride")
+LAYER_DIMS = ("d", "q_lora", "heads", "d_n", "d_r", "d_c", "d_v")
+Operand = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # float32 [N, K], or int8 [N, K] with float32 scales [N]
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's weights for ``DecoderLayerTable`` (float32 unless said): ``norms`` the input,
+    post-attention, ``q_a`` (None without ``q_lora``) and ``kv_a`` RMSNorm weights with ``eps`` theirs; ``qa`` the
+    stacked ``[q_a ; kv_a]`` projection with ``q_lora``, else ``q_proj`` (and ``kva`` then ``kv_a``); ``qb`` ``q_b``
+    with ``q_lora``; ``w_uk [H, d_n, d_c]``, ``w_uv_t [H, d_c, d_v]``; ``o`` ``o_proj``. ``mlp``: the MLP's
+    ``GatedMLPTable`` (a dense MLP: its row 0) or None (the caller runs the MLP); a MoE layer adds ``moe``: its router
+    weight ``[E, d]``, ``route_config``, correction bias (or None), scaling factor and the table's first expert id,
+    expert count and shared row, as ``GatedMLPTable.moe_row`` takes them."""
+
+    dims: dict[str, int]  # LAYER_DIMS
+    norms: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]
+    eps: tuple[float, float, float, float]
+    scale: float
+    interleave: bool
+    qa: Operand
+    kva: Operand | None
+    qb: Operand | None
+    w_uk: torch.Tensor
+    w_uv_t: torch.Tensor
+    o: Operand
+    mlp: GatedMLPTable | None = None
+    moe: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float, int, int, int] | None = None
+
+
+class DecoderLayerTable:
+    """A decoder layer's weights as ``decoder_layer`` reads them (``LayerWeights``), checked once here: the calls
+    trust them. Holds the tensors alive."""
+
+    def __init__(self, w: LayerWeights) -> None:
+        self.keep: list[object] = []
+        d, q_lora, heads, d_n, d_r, d_c, d_v = (w.dims[k] for k in LAYER_DIMS)
+        qk = d_n + d_r
+        if (w.kva is None) != bool(q_lora) or (w.qb is None) != (not q_lora) or (w.norms[2] is None) != (not q_lora):
+            raise ValueError("DecoderLayerTable: with q_lora the stacked q_a/kv_a, q_b and the q_a norm; without, "
+                             "q_proj and kv_a")
+        fields: dict[str, int] = {k: w.dims[k] for k in LAYER_DIMS}
+        fields["interleave"] = int(w.interleave)
+        for name, norm, width in zip(("in_norm", "post_norm", "q_norm", "kv_norm"), w.norms, (d, d, q_lora, d_c)):
+            if norm is not None:
+                fields[name] = self._tensor(name, norm, torch.float32, (width,))
+        q_out = q_lora + d_c + d_r if q_lora else heads * qk
+        for name, operand, shape in (("qa", w.qa, (q_out, d)), ("kva", w.kva, (d_c + d_r, d)),
+                                     ("qb", w.qb, (heads * qk, q_lora)), ("o", w.o, (d, heads * d_v))):
+            if operand is not None:
+                fields[name + "_w"], fields[name + "_s"] = self._operand(name, operand, shape)
+        fields["w_uk"] = self._tensor("w_uk", w.w_uk, torch.float32, (heads, d_n, d_c))
+        fields["w_uv_t"] = self._tensor("w_uv_t", w.w_uv_t, torch.float32, (heads, d_c, d_v))
+        scaling = self._mlp(w, fields) if w.mlp is not None else 0.0
+        floats = torch.tensor([*w.eps, w.scale, scaling], dtype=torch.float32)
+        self.keep.append(floats)
+        fields["floats"] = floats.data_ptr()
+        self.heads, self.hidden, self.d_c = heads, d, d_c
+        self.runs_mlp = w.mlp is not None
+        self.table = torch.tensor([fields.get(name, 0) for name in LAYER_FIELDS], dtype=torch.int64)
+        self.ptr = self.table.data_ptr()
+
+    def _mlp(self, w: LayerWeights, fields: dict[str, int]) -> float:
+        mlp = w.mlp
+        assert mlp is not None
+        if mlp.hidden != w.dims["d"]:
+            raise ValueError(f"DecoderLayerTable: the MLP table's width {mlp.hidden} is not the layer's {w.dims['d']}")
+        fields["mlp_table"], fields["max_inter"] = mlp.table.data_ptr(), mlp.max_inter
+        self.keep.append(mlp)
+        if w.moe is None:
+            return 0.0
+        router, route, bias, scaling, first, count, shared = w.moe
+        n_experts = int(route[6])
+        fields["router"] = self._tensor("router", router, torch.float32, (n_experts, w.dims["d"]))
+        fields["route"] = self._tensor("route", route, torch.int64, (8,))
+        if bias is not None:
+            fields["route_bias"] = self._tensor("route_bias", bias, torch.float32, (n_experts,))
+        if not (0 <= count <= len(mlp.table) and -1 <= shared < len(mlp.table)):
+            raise ValueError(f"DecoderLayerTable: experts {count} and shared row {shared} do not fit the MLP table")
+        fields.update(first=first, count=count, shared=shared)
+        return scaling
+
+    def _tensor(self, name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+        if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"DecoderLayerTable: {name} must be a contiguous {dtype} CPU tensor {list(shape)}, got "
+                             f"{t.dtype} {list(t.shape)}")
+        self.keep.append(t)
+        return t.data_ptr()
+
+    def _operand(self, name: str, operand: Operand, shape: tuple[int, int]) -> tuple[int, int]:
+        if isinstance(operand, tuple):
+            weight, scales = operand
+            return self._tensor(name, weight, torch.int8, shape), self._tensor(name + " scales", scales, torch.float32,
+                                                                                 shape[:1])
+        return self._tensor(name, operand, torch.float32, shape), 0
+
+
+class DecodeStep:
+    """A decode step's rows as ``decoder_layer`` reads them: ``rows`` query rows (1 to ``FEW_ROWS_MAX``), RoPE tables
+    ``cos``/``sin [T, d_r / 2]`` (rows with a stride), each row's cache slot ``slots [T]`` and its keys' slots
+    ``keys [T, L]`` with their counts ``lens [T]`` (int64; ``DecodePlan``), for layers of ``heads`` heads and latent
+    width ``d_c``; one scratch buffer serves every layer of the step."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor,
+                 lens: torch.Tensor, heads: int, d_c: int, table: DecoderLayerTable) -> None:
+        rows = slots.shape[0]
+        if (not 1 <= rows <= FEW_ROWS_MAX or cos.dtype != torch.float32 or cos.shape[0] != rows
+                or cos.stride(1) != 1 or sin.shape != cos.shape or sin.stride() != cos.stride()
+                or slots.dtype != torch.int64 or not slots.is_contiguous() or keys.dtype != torch.int64
+                or keys.shape[0] != rows or keys.stride(1) != 1 or lens.dtype != torch.int64 or lens.shape != (rows,)
+                or not lens.is_contiguous()):
+            raise ValueError(f"DecodeStep: cos {tuple(cos.shape)}, slots {tuple(slots.shape)} {slots.dtype}, keys "
+                             f"{tuple(keys.shape)} {keys.dtype} and lens {tuple(lens.shape)} {lens.dtype} do not fit "
+                             f"1 to {FEW_ROWS_MAX} decode rows")
+        self.keep = (cos, sin, slots, keys, lens)
+        threads = torch.get_num_threads()
+        decode_threads = max(threads, -(-heads // DECODE_MAX_GROUP))  # as absorbed_decode
+        group = -(-heads // decode_threads)
+        values = dict(rows=rows, cos=cos.data_ptr(), sin=sin.data_ptr(), cs_ld=cos.stride(0), slots=slots.data_ptr(),
+                      keys=keys.data_ptr(), key_stride=keys.stride(0), lens=lens.data_ptr(), threads=threads,
+                      decode_threads=decode_threads, decode_stride=rows * group * 2 * d_c + group * keys.shape[1])
+        self.rows, self.heads, self.d_c = rows, heads, d_c
+        self.table = torch.tensor([values[name] for name in STEP_FIELDS], dtype=torch.int64)
+        self.ptr = self.table.data_ptr()
+        lib, _ = _load()
+        assert lib is not None, "DecodeStep needs the kernels: check failure() first"
+        self.scratch = torch.empty(lib.mla_decoder_layer_scratch(table.ptr, self.ptr), dtype=torch.float32)
+
+    def fits(self, table: DecoderLayerTable) -> bool:
+        """Whether this step's scratch serves ``table``'s layer (every layer of a model does, but a MTP layer's MLP
+        may be larger)."""
+        lib, _ = _load()
+        assert lib is not None
+        return table.heads == self.heads and table.d_c == self.d_c and \
+            lib.mla_decoder_layer_scratch(table.ptr, self.ptr) <= self.scratch.numel()
+
+
+def decoder_layer(table: DecoderLayerTable, step: DecodeStep, x: torch.Tensor, cache: torch.Tensor
+                  ) -> torch.Tensor | None:
+    """One decoder layer over ``step``'s rows (``csrc/mla_layer_f32.c``): ``x [T, d]`` (contiguous float32) updated in
+    place, the new latents written into ``cache`` (the layer's ``[S, d_c + d_r]`` float32 rows; the step's slots and
+    keys are valid rows of it). Returns None when the layer's MLP ran too, else ``RMSNorm(x)`` (post-attention, a view
+    of the step's scratch, valid until the next call) for the caller's MLP. Only where ``failure()`` is None."""
+    lib, _ = _load()
+    assert lib is not None, "decoder_layer needs the kernels: check failure() first"
+    if (x.shape != (step.rows, table.hidden) or x.dtype != torch.float32 or not x.is_contiguous()
+            or cache.dtype != torch.float32 or not cache.is_contiguous() or not step.fits(table)):
+        raise ValueError(f"decoder_layer: x {tuple(x.shape)} {x.dtype} and cache {tuple(cache.shape)} {cache.dtype} do "
+                         f"not fit a layer of width {table.hidden} over {step.rows} rows")
+    if lib.mla_decoder_layer(table.ptr, step.ptr, x.data_ptr(), cache.data_ptr(), step.scratch.data_ptr()):
+        return None
+    return step.scratch[:x.numel()].view(x.shape)

@@ -5,6 +5,7 @@ a prepared model equal their plain counterparts; the engine's greedy tokens do n
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -389,11 +390,13 @@ def test_forward_batch_tail_equals_a_batch_of_the_tail():
 
 
 def _spy_planned_rows(monkeypatch, mla_module) -> list[int]:
-    """The row count of every planned decode call, through torch (``mla_decode_planned``) or the compiled kernel."""
+    """The row count of every planned decode call, through torch (``mla_decode_planned``), the compiled kernel or the
+    compiled layer."""
     rows: list[int] = []
-    real, real_kernel = mla_module.mla_decode_planned, cpu_gemv.absorbed_decode
+    real, real_kernel, real_layer = mla_module.mla_decode_planned, cpu_gemv.absorbed_decode, cpu_gemv.decoder_layer
     monkeypatch.setattr(mla_module, "mla_decode_planned", lambda q, *a: rows.append(q.shape[0]) or real(q, *a))
     monkeypatch.setattr(cpu_gemv, "absorbed_decode", lambda q_n, *a: rows.append(q_n.shape[0]) or real_kernel(q_n, *a))
+    monkeypatch.setattr(cpu_gemv, "decoder_layer", lambda t, s, *a: rows.append(s.rows) or real_layer(t, s, *a))
     return rows
 
 
@@ -560,7 +563,7 @@ def test_the_row_kernel_is_left_out_with_a_reason_where_it_cannot_build(monkeypa
     builds_here = cpu_gemv.failure() is None  # else it stops earlier (architecture, instruction set)
     monkeypatch.setenv(cpu_gemm.GEMM_ENV, "auto")
     try:
-        failed = "compiling gemv_f32.c and mla_decode_f32.c with false failed"
+        failed = "compiling gemv_f32.c, mla_decode_f32.c, mla_layer_f32.c with false failed"
         for compiler, said in ((None, "no C compiler found"), ("false", failed)):
             monkeypatch.setattr(cpu_gemv, "_compiler", lambda c=compiler: c)
             cpu_gemv._load.cache_clear()
@@ -823,9 +826,12 @@ def test_rope_store_kernel_matches_the_torch_latent_side(interleave):
 
 def test_float32_decode_steps_take_the_compiled_attention_and_match_torch(tiny_checkpoint, monkeypatch):
     """Where the kernels build, every layer of a float32 decode step runs the latent side and the attention as
-    compiled calls, with the logits of the torch path (the kernels left out)."""
+    compiled calls, with the logits of the torch path (the kernels left out). (The whole layer as one call is left
+    out here: see the next test.)"""
     from mla_runtime.layers import mla as mla_module
+    from mla_runtime.models.deepseek import DeepseekForCausalLM
 
+    monkeypatch.setattr(DeepseekForCausalLM, "_decode_step", lambda *a: None)
     ckpt, _ = tiny_checkpoint("v3")
     ps = prompts([30, 12, 7], seed=12)
     calls = []
@@ -844,3 +850,72 @@ def test_float32_decode_steps_take_the_compiled_attention_and_match_torch(tiny_c
         assert len(calls) == expected
         logits.append(torch.cat([torch.cat([s[i] for i in range(len(ps))]) for s in steps]))
     assert rel_err(logits[0], logits[1]) <= 1e-5
+
+
+@pytest.mark.parametrize("variant", ["v3", "v3_noq_halfsplit", "v2_group", "v2_greedy_qlora"])
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_decode_steps_run_each_layer_as_one_compiled_call_with_the_same_logits(tiny_checkpoint, variant,
+                                                                                quantization, monkeypatch):
+    """Where the kernels build, a decode step of one to eight rows runs each decoder layer as one compiled call
+    (norms, projections, latent side, attention, MLP), with exactly the logits of the layer called op by op: the same
+    kernels in the same order. With and without q_lora_rank, dense and MoE layers, V2's and V3's routing, float32 and
+    int8 weights; a quantised model makes its layer tables again from the int8 weights."""
+    from mla_runtime.layers.quantization import quantize_model
+    from mla_runtime.models import deepseek
+
+    ckpt, _ = tiny_checkpoint(variant)
+    ps = prompts([30, 12, 7], seed=5)
+    calls = []
+    real = cpu_gemv.decoder_layer
+    monkeypatch.setattr(deepseek.cpu_gemv, "decoder_layer", lambda *a: calls.append(a[0]) or real(*a))
+    model = load_model(ckpt, dtype="float32")
+    if quantization:
+        runner = PagedRunner(model, 1, 48)
+        runner.step({0: ps[0][:3]})
+        runner.step({0: [ps[0][3]]})  # tables made from the float32 weights ...
+        quantize_model(model, quantization)  # ... are made again from the int8 ones
+        calls.clear()
+    logits = []
+    for compiled in (True, False):
+        if not compiled:
+            monkeypatch.setattr(deepseek.DeepseekForCausalLM, "_decode_step", lambda *a: None)
+        runner = PagedRunner(model, len(ps), 48)
+        runner.step({i: p[:-2] for i, p in enumerate(ps)})
+        steps = [runner.step({i: [p[-2]] for i, p in enumerate(ps)}), runner.step({0: [ps[0][-1]]})]
+        logits.append(torch.cat([torch.cat(list(s.values())) for s in steps]))
+    layers = model.config.num_hidden_layers
+    assert len(calls) == (2 * layers if cpu_gemm.row_kernel_failure() is None else 0)
+    assert torch.equal(logits[0], logits[1])
+    if calls and quantization:
+        assert any(isinstance(k, torch.Tensor) and k.dtype == torch.int8 for k in calls[0].keep)
+
+
+@needs_row_kernel
+def test_decoder_layer_tables_and_steps_reject_what_they_cannot_compute(tiny_checkpoint):
+    """A layer table checks every weight's dtype and shape when it is made, naming the one that does not fit; a step
+    takes one to eight rows; a call checks the hidden rows and the cache."""
+    from mla_runtime.layers.decoder_kernel import layer_weights
+
+    ckpt, _ = tiny_checkpoint("v3")
+    model = load_model(ckpt, dtype="float32")
+    layer = model.model.layers[1]
+    weights = layer_weights((layer.input_layernorm, layer.post_attention_layernorm), layer.self_attn, layer.mlp)
+    assert weights is not None
+    table = cpu_gemv.DecoderLayerTable(weights)
+    bad = dataclasses.replace(weights, w_uk=weights.w_uk.transpose(1, 2))
+    with pytest.raises(ValueError, match="w_uk must be a contiguous"):
+        cpu_gemv.DecoderLayerTable(bad)
+    with pytest.raises(ValueError, match="o must be a contiguous torch.int8"):
+        cpu_gemv.DecoderLayerTable(dataclasses.replace(weights, o=(weights.o, weights.o[:, 0])))
+    d_r = weights.dims["d_r"]
+    rope = torch.zeros(9, d_r // 2)
+    keys, lens = torch.zeros(9, 4, dtype=torch.long), torch.ones(9, dtype=torch.long)
+    with pytest.raises(ValueError, match="1 to 8 decode rows"):
+        cpu_gemv.DecodeStep(rope, rope, torch.zeros(9, dtype=torch.long), keys, lens, table.heads, table.d_c, table)
+    step = cpu_gemv.DecodeStep(rope[:2], rope[:2], torch.zeros(2, dtype=torch.long), keys[:2], lens[:2], table.heads,
+                               table.d_c, table)
+    cache = torch.zeros(8, table.d_c + d_r)
+    with pytest.raises(ValueError, match="do not fit a layer"):
+        cpu_gemv.decoder_layer(table, step, torch.zeros(3, table.hidden), cache)
+    with pytest.raises(ValueError, match="do not fit a layer"):
+        cpu_gemv.decoder_layer(table, step, torch.zeros(2, table.hidden), cache.double())

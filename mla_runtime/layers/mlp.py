@@ -44,12 +44,17 @@ class GatedMLP(nn.Module):
     def biased(self) -> bool:
         return self.gate_up_bias is not None or self.down_bias is not None
 
+    def one_row_table(self) -> cpu_gemv.GatedMLPTable | bool:
+        """The compiled one-row kernel's table of this MLP (row 0), or False where it does not take it."""
+        if self.row_table is None:
+            self.row_table = False if self.biased else row_table([(self.gate_up_packed, self.down_packed)])
+        return self.row_table
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == x.shape[-1] and x.dtype == torch.float32 and not self.biased:  # one row: one kernel call
-            if self.row_table is None:
-                self.row_table = row_table([(self.gate_up_packed, self.down_packed)])
-            if isinstance(self.row_table, cpu_gemv.GatedMLPTable):
-                out = self.row_table(x, [0], [1.0])
+        if x.numel() == x.shape[-1] and x.dtype == torch.float32:  # one row: one kernel call
+            table = self.one_row_table()
+            if isinstance(table, cpu_gemv.GatedMLPTable):
+                out = table(x, [0], [1.0])
                 return self.par.all_reduce(out) if self.reduce else out
         gate, up = linear(x, self.gate_up_proj, self.gate_up_bias, self.gate_up_packed).chunk(2, dim=-1)
         bias = self.down_bias if self.par.rank == 0 else None

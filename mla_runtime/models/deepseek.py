@@ -15,13 +15,15 @@ from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
+from mla_kernels import cpu_gemv
 from torch import nn
 
 from mla_runtime.attention_metadata import AttentionMetadata, build_attention_metadata
-from mla_runtime.cache.latent_cache import LatentCache
+from mla_runtime.cache.latent_cache import LatentCache, LayerCache
 from mla_runtime.config import ModelConfig
 from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.layers.cpu_gemm import PackedWeight, linear
+from mla_runtime.layers.decoder_kernel import DecoderKernel, decode_step
 from mla_runtime.layers.linear import Linear
 from mla_runtime.layers.mla import MLAttention
 from mla_runtime.layers.mlp import GatedMLP
@@ -59,8 +61,20 @@ class DecoderLayer(nn.Module):
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, cfg.mlp_bias, par)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.kernel = DecoderKernel()  # the layer as one compiled call, on decode steps that take it
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache) -> torch.Tensor:
+    def kernel_table(self) -> cpu_gemv.DecoderLayerTable | None:
+        """The layer's compiled table (``layers.decoder_kernel``), or None where it runs call by call."""
+        return self.kernel.table((self.input_layernorm, self.post_attention_layernorm), self.self_attn, self.mlp)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: LayerCache,
+                step: cpu_gemv.DecodeStep | None = None) -> torch.Tensor:
+        """``x [T, d]`` through the layer; ``step`` (``decode_step``): the layer runs as one compiled call where it
+        can, and then ``x`` is updated in place."""
+        table = self.kernel_table() if step is not None else None
+        if step is not None and table is not None and step.fits(table):
+            h = cpu_gemv.decoder_layer(table, step, x, cache.kv.view(-1, cache.kv.shape[-1]))
+            return x if h is None else x + self.mlp(h)
         x = x + self.self_attn(self.input_layernorm(x), meta, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -165,9 +179,19 @@ class DeepseekForCausalLM(nn.Module):
         defaults to ``attention_metadata(batch, cache)``."""
         meta = meta or self.attention_metadata(batch, cache)
         x = self.model.embed_tokens(batch.input_ids)
+        step = self._decode_step(meta, cache)
+        if step is not None:
+            x = x.contiguous()  # updated in place by the compiled layers
         for layer, layer_cache in zip(self.model.layers, cache.layers):
-            x = layer(x, meta, layer_cache)
+            x = layer(x, meta, layer_cache, step)
         return self.model.norm(x)
+
+    def _decode_step(self, meta: AttentionMetadata, cache: LatentCache) -> cpu_gemv.DecodeStep | None:
+        """The step's rows for the compiled decoder layers, where the step and the first layer take them."""
+        if meta.decode_plan is None or not self.model.layers or self.par.enabled:
+            return None
+        first = cast(DecoderLayer, self.model.layers[0]).kernel_table()
+        return decode_step(meta, cache.layers[0].kv.dtype, first)
 
     def mtp_forward(self, batch: ForwardBatch, cache: LatentCache, hidden: torch.Tensor,
                     meta: AttentionMetadata | None = None, input_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,145 @@
+/* One decoder layer of a decode step in one call, for float32 activations on x86-64 with AVX2 and FMA: the
+ * same kernels the step would otherwise call one by one from Python (gemv_f32.c, mla_decode_f32.c), in order,
+ * with their intermediate rows in one scratch buffer. For the step's T rows x [T, d] (updated in place):
+ *
+ *     h = RMSNorm(x)                                    input_layernorm
+ *     [q_lat ; latent] = qkv_a(h);  q = q_b(RMSNorm(q_lat))   (a q_lora_rank model; else q = q_proj(h),
+ *                                                        latent = kv_a(h))
+ *     cache[slot] = [RMSNorm(c) ; RoPE(k_r)];  q_r = RoPE(q_r)
+ *     o = absorbed attention of q over the paged latent cache
+ *     x += o_proj(o)
+ *     h = RMSNorm(x)                                    post_attention_layernorm
+ *     x += MLP(h)   one row: the dense MLP or the MoE layer (mla_moe_row); more rows: left to the caller, who
+ *                   finds h at the start of the scratch buffer
+ *
+ * Weights are float32, or int8 with a float32 scale per row (a zero scale pointer: float32). The layer's weights
+ * and sizes are a table of 64-bit integers (LayerField), the step's rows another (StepField), both built by
+ * mla_kernels.cpu_gemv, which also checks every shape once when it builds them. The Python side costs one call a
+ * layer instead of about fifteen (each some microseconds of dispatch: bench/RESULTS.md). */
+#include <stdint.h>
+
+/* the entry points of gemv_f32.c and mla_decode_f32.c */
+void mla_gemv_f32(const float *w, const float *x, float *y, int64_t n, int64_t k, int64_t threads);
+void mla_gemv_i8(const int8_t *w, const float *scale, const float *x, float *y, int64_t n, int64_t k,
+                 int64_t threads);
+void mla_gemm_few_f32(const float *w, const float *x, float *y, int64_t m, int64_t n, int64_t k, int64_t threads);
+void mla_gemm_few_i8(const int8_t *w, const float *scale, const float *x, float *y, int64_t m, int64_t n, int64_t k,
+                     int64_t threads);
+void mla_rms_norm_f32(const float *x, int64_t ld, const float *weight, float *y, int64_t m, int64_t k, float eps);
+void mla_absorbed_decode_f32(const float *q_n, int64_t qn_t, int64_t qn_h, const float *q_r, int64_t qr_t,
+                             int64_t qr_h, const float *w_uk, const float *w_uv_t, const float *cache,
+                             const int64_t *slots, int64_t slot_stride, const int64_t *lens, float scale, float *out,
+                             float *scratch, int64_t scratch_stride, int64_t rows, int64_t heads, int64_t d_n,
+                             int64_t d_r, int64_t d_c, int64_t d_v, int64_t threads);
+void mla_rope_store_f32(const float *latent, int64_t lat_ld, const float *norm, float eps, float *q, int64_t q_t,
+                        int64_t q_h, int64_t heads, int64_t d_n, const float *cos, const float *sin, int64_t cs_ld,
+                        float *cache, const int64_t *slots, int64_t rows, int64_t d_c, int64_t d_r,
+                        int64_t interleave);
+void mla_gated_mlps(const float *x, float *y, int64_t d, const int64_t *table, const int64_t *ids, const float *w,
+                    int64_t n, float *scratch, int64_t threads);
+void mla_moe_row(const float *x, float *y, int64_t d, const float *router, const int64_t *cfg, const float *bias,
+                 float scaling, const int64_t *table, int64_t first, int64_t count, int64_t shared, float *scratch,
+                 int64_t max_inter, int64_t threads);
+
+/* The layer table (mla_kernels.cpu_gemv.LAYER_FIELDS names the same entries in the same order). Products: a weight
+ * pointer and its row scales (0: float32). */
+enum LayerField {
+    L_IN_NORM, L_POST_NORM, L_Q_NORM, L_KV_NORM,  /* RMSNorm weights (L_Q_NORM: 0 without q_lora_rank) */
+    L_QA_W, L_QA_S,  /* [q_lora + d_c + d_r, d] stacked q_a/kv_a; without q_lora_rank: q_proj [H (d_n + d_r), d] */
+    L_KVA_W, L_KVA_S,  /* kv_a [d_c + d_r, d] without q_lora_rank, else 0 */
+    L_QB_W, L_QB_S,  /* q_b [H (d_n + d_r), q_lora] (0 without q_lora_rank) */
+    L_W_UK, L_W_UV_T,  /* [H, d_n, d_c], [H, d_c, d_v] */
+    L_O_W, L_O_S,  /* o_proj [d, H d_v] */
+    L_MLP_TABLE,  /* a GatedMLPTable's table: the dense MLP (row 0) or the experts and shared experts; 0: none */
+    L_ROUTER, L_ROUTE, L_ROUTE_BIAS,  /* a MoE layer's router [E, d], route config and correction bias; else 0 */
+    L_FIRST, L_COUNT, L_SHARED, L_MAX_INTER,  /* its experts in the table (mla_moe_row), the largest I */
+    L_D, L_Q_LORA, L_HEADS, L_D_N, L_D_R, L_D_C, L_D_V, L_INTERLEAVE,
+    L_FLOATS,  /* float32 [6]: the four norms' eps, the softmax scale, the routed scaling factor */
+    L_FIELDS
+};
+
+/* The step table: the rows and where their metadata lies (mla_kernels.cpu_gemv.STEP_FIELDS). */
+enum StepField {
+    S_ROWS, S_COS, S_SIN, S_CS_LD,  /* T; the RoPE tables [T, d_r / 2] (row stride) */
+    S_SLOTS,  /* [T] int64: each row's own cache slot */
+    S_KEYS, S_KEY_STRIDE, S_LENS,  /* [T, stride] int64 cache rows of each row's keys, [T] int64 their counts */
+    S_THREADS, S_DECODE_THREADS, S_DECODE_STRIDE,  /* threads; the attention's threads and scratch per thread */
+    S_FIELDS
+};
+
+#define PTR(type, table, field) ((type)(intptr_t)(table)[field])
+
+/* y [m, n] = x [m, k] W^T for W float32 or int8 with row scales */
+static void product(const int64_t *L, int w_field, const float *x, float *y, int64_t m, int64_t n, int64_t k,
+                    int64_t threads) {
+    const void *w = PTR(const void *, L, w_field);
+    const float *scale = PTR(const float *, L, w_field + 1);
+    if (scale)
+        (m == 1 ? mla_gemv_i8((const int8_t *)w, scale, x, y, n, k, threads)
+                : mla_gemm_few_i8((const int8_t *)w, scale, x, y, m, n, k, threads));
+    else
+        (m == 1 ? mla_gemv_f32((const float *)w, x, y, n, k, threads)
+                : mla_gemm_few_f32((const float *)w, x, y, m, n, k, threads));
+}
+
+/* The MLP's scratch floats (mla_moe_row's: 3 max(I) + 5 E + n_group + MOE_MAX_TOPK + 1; the dense MLP's: 3 I). */
+static int64_t mlp_scratch(const int64_t *L) {
+    const int64_t *route = PTR(const int64_t *, L, L_ROUTE);
+    return 3 * L[L_MAX_INTER] + (route ? 5 * route[6] + route[2] + 64 + 1 : 0);
+}
+
+/* Scratch floats one call needs, laid out as in mla_decoder_layer. */
+int64_t mla_decoder_layer_scratch(const int64_t *L, const int64_t *S) {
+    const int64_t t = S[S_ROWS], d = L[L_D], heads = L[L_HEADS], qk = L[L_D_N] + L[L_D_R];
+    const int64_t lat_w = L[L_Q_LORA] + L[L_D_C] + L[L_D_R];
+    return t * d + t * lat_w + t * L[L_Q_LORA] + t * heads * qk + t * heads * L[L_D_V] + t * d +
+           S[S_DECODE_THREADS] * S[S_DECODE_STRIDE] + mlp_scratch(L) + d;
+}
+
+static void residual(float *x, const float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] += y[i];
+}
+
+/* x [T, d] in place through one decoder layer (the file's comment); cache: the layer's flat latent rows. Returns 1
+ * when it also ran the MLP (one row and a table), else 0: then h = RMSNorm(x) is at scratch[0 : T d]. */
+int64_t mla_decoder_layer(const int64_t *L, const int64_t *S, float *x, float *cache, float *scratch) {
+    const float *f = PTR(const float *, L, L_FLOATS);
+    const int64_t t = S[S_ROWS], threads = S[S_THREADS], d = L[L_D], heads = L[L_HEADS], q_lora = L[L_Q_LORA];
+    const int64_t d_n = L[L_D_N], d_r = L[L_D_R], d_c = L[L_D_C], d_v = L[L_D_V], qk = d_n + d_r;
+    const int64_t lat_w = q_lora + d_c + d_r;  /* a row of the stacked input projection */
+    float *h = scratch, *qa = h + t * d, *qn = qa + t * lat_w, *q = qn + t * q_lora, *o = q + t * heads * qk;
+    float *out = o + t * heads * d_v, *att = out + t * d, *mlp = att + S[S_DECODE_THREADS] * S[S_DECODE_STRIDE];
+    mla_rms_norm_f32(x, d, PTR(const float *, L, L_IN_NORM), h, t, d, f[0]);
+    if (q_lora) {
+        product(L, L_QA_W, h, qa, t, lat_w, d, threads);
+        mla_rms_norm_f32(qa, lat_w, PTR(const float *, L, L_Q_NORM), qn, t, q_lora, f[2]);
+        product(L, L_QB_W, qn, q, t, heads * qk, q_lora, threads);
+    } else {
+        product(L, L_QA_W, h, q, t, heads * qk, d, threads);
+        product(L, L_KVA_W, h, qa, t, d_c + d_r, d, threads);
+    }
+    mla_rope_store_f32(qa + q_lora, lat_w, PTR(const float *, L, L_KV_NORM), f[3], q, heads * qk, qk, heads, d_n,
+                       PTR(const float *, S, S_COS), PTR(const float *, S, S_SIN), S[S_CS_LD], cache,
+                       PTR(const int64_t *, S, S_SLOTS), t, d_c, d_r, L[L_INTERLEAVE]);
+    mla_absorbed_decode_f32(q, heads * qk, qk, q + d_n, heads * qk, qk, PTR(const float *, L, L_W_UK),
+                            PTR(const float *, L, L_W_UV_T), cache, PTR(const int64_t *, S, S_KEYS), S[S_KEY_STRIDE],
+                            PTR(const int64_t *, S, S_LENS), f[4], o, att, S[S_DECODE_STRIDE], t, heads, d_n, d_r,
+                            d_c, d_v, S[S_DECODE_THREADS]);
+    product(L, L_O_W, o, out, t, d, heads * d_v, threads);
+    residual(x, out, t * d);
+    mla_rms_norm_f32(x, d, PTR(const float *, L, L_POST_NORM), h, t, d, f[1]);
+    if (t != 1 || !L[L_MLP_TABLE]) return 0;
+    float *y = mlp + mlp_scratch(L);
+    const int64_t *table = PTR(const int64_t *, L, L_MLP_TABLE);
+    if (L[L_ROUTER]) {
+        mla_moe_row(h, y, d, PTR(const float *, L, L_ROUTER), PTR(const int64_t *, L, L_ROUTE),
+                    PTR(const float *, L, L_ROUTE_BIAS), f[5], table, L[L_FIRST], L[L_COUNT], L[L_SHARED], mlp,
+                    L[L_MAX_INTER], threads);
+    } else {
+        const int64_t id = 0;
+        const float one = 1.0f;
+        mla_gated_mlps(h, y, d, table, &id, &one, 1, mlp, threads);
+    }
+    residual(x, y, d);
+    return 1;
+}

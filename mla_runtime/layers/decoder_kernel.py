@@ -1,0 +1,127 @@
+"""A decode step's decoder layer as one compiled call (``mla_kernels.cpu_gemv.decoder_layer``).
+
+A float32 CPU decode step of one to eight rows runs, per layer, two norms, three or four products, the latent side,
+the absorbed attention, a third norm and the MLP: about fifteen torch or ctypes calls, each some microseconds of
+Python and dispatch, where the products of a small model take tens. Where the compiled kernels build and every
+product of the layer takes them (float32 weights, or int8 ones: ``layers.quantization``), the layer is one call
+instead: the same kernels in the same order, so its results equal the call-by-call path's bit for bit. A layer's
+table (``DecoderKernel``) is made at its first step and made again whenever a weight it reads was replaced
+(``prepare_inference``, quantisation, a truncated latent); the step's rows (``decode_step``) once per step.
+
+Left to the torch path: tensor parallelism, biased projections, a truncated latent rank, a quantised latent cache,
+steps with prefill chunks or more than eight rows. With more than one row the MLP runs in torch after the call
+(a MoE layer's experts are grouped over the rows there, each read once).
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+from mla_kernels import cpu_gemv
+from torch import nn
+
+from mla_runtime.attention_metadata import AttentionMetadata
+from mla_runtime.layers.cpu_gemm import PackedWeight, row_kernel_failure
+from mla_runtime.layers.linear import Linear
+from mla_runtime.layers.mla import MLAttention
+from mla_runtime.layers.mlp import GatedMLP
+from mla_runtime.layers.moe import MoE
+from mla_runtime.layers.norm import RMSNorm
+
+
+def _operand(packed: PackedWeight | None) -> cpu_gemv.Operand | None:
+    return None if packed is None else packed.row_operand()
+
+
+def _unbiased(*linears: Linear | None) -> bool:
+    return all(lin is None or lin.bias is None for lin in linears)
+
+
+def _sources(norms: tuple[RMSNorm, RMSNorm], attn: MLAttention, mlp: nn.Module) -> tuple[object, ...]:
+    """What a layer's table was made from: a table stays valid while each of these is the same object."""
+    packed = (attn.qkv_a,) if attn.q_proj is None else (attn.q_proj.packed, attn.kv_a_proj_with_mqa.packed)
+    tables = ((mlp.experts.row_table,) if isinstance(mlp, MoE) else
+              (mlp.row_table,) if isinstance(mlp, GatedMLP) else ())
+    return (*packed, attn.q_b_proj.packed if attn.q_proj is None else None, attn.o_proj.packed, attn.w_uk,
+            attn.w_uv_t, attn.latent_down, *tables, norms[0].kernel, norms[1].kernel)
+
+
+def _mlp_table(mlp: nn.Module) -> tuple[cpu_gemv.GatedMLPTable | None, tuple | None]:
+    """The MLP's one-row table and, for a MoE layer, what ``moe_row`` takes beside it (None: the caller runs it)."""
+    if isinstance(mlp, GatedMLP) and mlp.par.world_size == 1:
+        table = mlp.one_row_table()
+        return (table, None) if isinstance(table, cpu_gemv.GatedMLPTable) else (None, None)
+    if isinstance(mlp, MoE) and mlp.par.world_size == 1:
+        table, route = mlp.experts.one_row_table(mlp.shared_experts), mlp.gate.kernel_route()
+        if not isinstance(table, cpu_gemv.GatedMLPTable) or route is None:
+            return None, None
+        shared = mlp.experts.num_experts if mlp.shared_experts is not None else -1
+        return table, (mlp.gate.weight, route, mlp.gate.e_score_correction_bias, mlp.gate.cfg.routed_scaling_factor,
+                       mlp.experts.first, mlp.experts.num_experts, shared)
+    return None, None
+
+
+def layer_weights(norms: tuple[RMSNorm, RMSNorm], attn: MLAttention, mlp: nn.Module) -> cpu_gemv.LayerWeights | None:
+    """The layer (input and post-attention norms, attention, MLP) as the compiled call reads it, or None where any
+    part of its attention does not take the compiled kernels."""
+    q_lora = attn.q_proj is None
+    if (not attn.decode_kernel or attn.par.world_size != 1 or attn.latent_down is not None or attn.w_uk is None
+            or attn.w_uv_t is None or not all(n.kernel for n in norms) or not attn.kv_a_layernorm.kernel
+            or (q_lora and not attn.q_a_layernorm.kernel)):
+        return None
+    if q_lora:
+        if attn.qkv_a_bias is not None or not _unbiased(attn.q_a_proj, attn.kv_a_proj_with_mqa, attn.q_b_proj):
+            return None
+        qa, kva, qb = _operand(attn.qkv_a), None, _operand(attn.q_b_proj.packed)
+    else:
+        assert attn.q_proj is not None
+        if not _unbiased(attn.q_proj, attn.kv_a_proj_with_mqa):
+            return None
+        qa, kva, qb = _operand(attn.q_proj.packed), _operand(attn.kv_a_proj_with_mqa.packed), None
+    o = _operand(attn.o_proj.packed)
+    if qa is None or o is None or not _unbiased(attn.o_proj) or (kva is None) == (qb is None):
+        return None
+    table, moe = _mlp_table(mlp)
+    q_norm = attn.q_a_layernorm if q_lora else None
+    dims = dict(d=attn.o_proj.out_features, q_lora=attn.q_a_proj.out_features if q_lora else 0, heads=attn.n_h,
+                d_n=attn.d_n, d_r=attn.d_r, d_c=attn.d_c, d_v=attn.d_v)
+    eps = (norms[0].eps, norms[1].eps, q_norm.eps if q_norm is not None else 0.0, attn.kv_a_layernorm.eps)
+    return cpu_gemv.LayerWeights(
+        dims=dims, norms=(norms[0].weight, norms[1].weight, None if q_norm is None else q_norm.weight,
+                          attn.kv_a_layernorm.weight),
+        eps=eps, scale=attn.scale, interleave=attn.rotary.interleave, qa=qa, kva=kva, qb=qb, w_uk=attn.w_uk,
+        w_uv_t=attn.w_uv_t, o=o, mlp=table, moe=cast(tuple, moe) if moe is not None else None)
+
+
+class DecoderKernel:
+    """A decoder layer's compiled table, kept while the weights it was made from stay (``table``)."""
+
+    def __init__(self) -> None:
+        self.sources: tuple[object, ...] | None = None
+        self.made: cpu_gemv.DecoderLayerTable | None = None
+
+    def table(self, norms: tuple[RMSNorm, RMSNorm], attn: MLAttention, mlp: nn.Module
+              ) -> cpu_gemv.DecoderLayerTable | None:
+        """The layer's table, or None where it does not take the compiled call."""
+        sources = _sources(norms, attn, mlp)
+        if self.sources is None or len(sources) != len(self.sources) or \
+                any(a is not b for a, b in zip(sources, self.sources)):
+            weights = layer_weights(norms, attn, mlp)
+            self.made = None if weights is None else cpu_gemv.DecoderLayerTable(weights)
+            self.sources = _sources(norms, attn, mlp)  # again: making the MLP's table may have set it
+        return self.made
+
+
+def decode_step(meta: AttentionMetadata, cache_dtype: torch.dtype, first: cpu_gemv.DecoderLayerTable | None
+                ) -> cpu_gemv.DecodeStep | None:
+    """The step's rows for the compiled layers (``first``: the first layer's table), or None where the step does not
+    take them: not a planned float32 CPU decode step of 1 to ``FEW_ROWS_MAX`` rows."""
+    plan, rows = meta.decode_plan, meta.slot_mapping.shape[0]
+    if (first is None or plan is None or meta.num_planned != rows or not meta.plain_write
+            or not 1 <= rows <= cpu_gemv.FEW_ROWS_MAX or cache_dtype != torch.float32
+            or meta.rope.cos.dtype != torch.float32 or row_kernel_failure() is not None):
+        return None
+    slots = meta.slot_mapping if meta.slot_mapping.dtype == torch.int64 else meta.slot_mapping.long()
+    return cpu_gemv.DecodeStep(meta.rope.cos, meta.rope.sin, slots.contiguous(), plan.slots, plan.lens, first.heads,
+                               first.d_c, first)
