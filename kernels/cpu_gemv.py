@@ -559,8 +559,9 @@ def decoder_layer(table: DecoderLayerTable, step: DecodeStep, x: torch.Tensor, c
                   ) -> torch.Tensor | None:
     """One decoder layer over ``step``'s rows (``csrc/mla_layer_f32.c``): ``x [T, d]`` (contiguous float32) updated in
     place, the new latents written into ``cache`` (the layer's ``[S, d_c + d_r]`` float32 rows; the step's slots and
-    keys are valid rows of it). Returns None when the layer's MLP ran too, else ``RMSNorm(x)`` (post-attention, a view
-    of the step's scratch, valid until the next call) for the caller's MLP. Only where ``failure()`` is None."""
+    keys are valid rows of it). Returns None when the layer's MLP ran too (the table has one), else ``RMSNorm(x)``
+    (post-attention, a view of the step's scratch, valid until the next call) for the caller's MLP. Only where
+    ``failure()`` is None."""
     lib, _ = _load()
     assert lib is not None, "decoder_layer needs the kernels: check failure() first"
     if (x.shape != (step.rows, table.hidden) or x.dtype != torch.float32 or not x.is_contiguous()

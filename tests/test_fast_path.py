@@ -857,9 +857,10 @@ def test_float32_decode_steps_take_the_compiled_attention_and_match_torch(tiny_c
 def test_decode_steps_run_each_layer_as_one_compiled_call_with_the_same_logits(tiny_checkpoint, variant,
                                                                                 quantization, monkeypatch):
     """Where the kernels build, a decode step of one to eight rows runs each decoder layer as one compiled call
-    (norms, projections, latent side, attention, MLP), with exactly the logits of the layer called op by op: the same
-    kernels in the same order. With and without q_lora_rank, dense and MoE layers, V2's and V3's routing, float32 and
-    int8 weights; a quantised model makes its layer tables again from the int8 weights."""
+    (norms, projections, latent side, attention, MLP), with the logits of the layer called op by op (the same kernels
+    in the same order; the MLP's float arithmetic may round differently). With and without q_lora_rank, dense and MoE
+    layers, V2's and V3's routing, float32 and int8 weights; a quantised model makes its layer tables again from the
+    int8 weights."""
     from mla_runtime.layers.quantization import quantize_model
     from mla_runtime.models import deepseek
 
@@ -885,7 +886,7 @@ def test_decode_steps_run_each_layer_as_one_compiled_call_with_the_same_logits(t
         logits.append(torch.cat([torch.cat(list(s.values())) for s in steps]))
     layers = model.config.num_hidden_layers
     assert len(calls) == (2 * layers if cpu_gemm.row_kernel_failure() is None else 0)
-    assert torch.equal(logits[0], logits[1])
+    assert rel_err(logits[0], logits[1]) <= 1e-5
     if calls and quantization:
         assert any(isinstance(k, torch.Tensor) and k.dtype == torch.int8 for k in calls[0].keep)
 

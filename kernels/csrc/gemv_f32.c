@@ -305,6 +305,12 @@ static int64_t route(const float *logits, const int64_t *cfg, const float *bias,
     return n;
 }
 
+/* route() for the other sources: one row's routing (scratch: 4 E + n_group floats will do) */
+int64_t mla_route_row(const float *logits, const int64_t *cfg, const float *bias, float scaling, int64_t *ids,
+                      float *w, float *scratch) {
+    return route(logits, cfg, bias, scaling, ids, w, scratch);
+}
+
 /* A MoE layer for one row x [d]: router logits (router [E, d] float32), the routing, then this rank's chosen
  * experts (global ids first .. first + count - 1 are table rows 0 .. count - 1) and the shared experts (table row
  * shared, or -1), summed into y, all in one parallel region. scratch: 3 max(I) + 4 E + n_group floats. */

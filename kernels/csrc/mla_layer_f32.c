@@ -9,14 +9,16 @@
  *     o = absorbed attention of q over the paged latent cache
  *     x += o_proj(o)
  *     h = RMSNorm(x)                                    post_attention_layernorm
- *     x += MLP(h)   one row: the dense MLP or the MoE layer (mla_moe_row); more rows: left to the caller, who
- *                   finds h at the start of the scratch buffer
+ *     x += MLP(h)   the dense MLP or the MoE layer (router, routing, routed and shared experts); without an MLP
+ *                   table the caller runs it, and finds h at the start of the scratch buffer
  *
  * Weights are float32, or int8 with a float32 scale per row (a zero scale pointer: float32). The layer's weights
  * and sizes are a table of 64-bit integers (LayerField), the step's rows another (StepField), both built by
  * mla_kernels.cpu_gemv, which also checks every shape once when it builds them. The Python side costs one call a
  * layer instead of about fifteen (each some microseconds of dispatch: bench/RESULTS.md). */
+#include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 /* the entry points of gemv_f32.c and mla_decode_f32.c */
 void mla_gemv_f32(const float *w, const float *x, float *y, int64_t n, int64_t k, int64_t threads);
@@ -37,6 +39,8 @@ void mla_rope_store_f32(const float *latent, int64_t lat_ld, const float *norm, 
                         int64_t interleave);
 void mla_gated_mlps(const float *x, float *y, int64_t d, const int64_t *table, const int64_t *ids, const float *w,
                     int64_t n, float *scratch, int64_t threads);
+int64_t mla_route_row(const float *logits, const int64_t *cfg, const float *bias, float scaling, int64_t *ids,
+                      float *w, float *scratch);
 void mla_moe_row(const float *x, float *y, int64_t d, const float *router, const int64_t *cfg, const float *bias,
                  float scaling, const int64_t *table, int64_t first, int64_t count, int64_t shared, float *scratch,
                  int64_t max_inter, int64_t threads);
@@ -69,7 +73,7 @@ enum StepField {
 
 #define PTR(type, table, field) ((type)(intptr_t)(table)[field])
 
-/* y [m, n] = x [m, k] W^T for W float32 or int8 with row scales */
+/* y [m, n] = x [m, k] W^T for W float32 or int8 with row scales: L[w_field] and L[w_field + 1] */
 static void product(const int64_t *L, int w_field, const float *x, float *y, int64_t m, int64_t n, int64_t k,
                     int64_t threads) {
     const void *w = PTR(const void *, L, w_field);
@@ -82,10 +86,73 @@ static void product(const int64_t *L, int w_field, const float *x, float *y, int
                 : mla_gemm_few_f32((const float *)w, x, y, m, n, k, threads));
 }
 
-/* The MLP's scratch floats (mla_moe_row's: 3 max(I) + 5 E + n_group + MOE_MAX_TOPK + 1; the dense MLP's: 3 I). */
-static int64_t mlp_scratch(const int64_t *L) {
+#define MAX_ROWS 8     /* rows a call takes (mla_kernels.cpu_gemv.FEW_ROWS_MAX) */
+#define MAX_TOPK 64    /* experts a row is routed to (MOE_MAX_TOPK in gemv_f32.c) */
+
+/* The MLP's scratch floats for t rows: one row, mla_moe_row's (3 max(I) + 5 E + n_group + MAX_TOPK + 1; dense: 3 I);
+ * more, mlp_rows' (logits [t, E], the routing's 4 E + n_group, the rows of one expert [t, d], its gate_up [t, 2 I],
+ * its activations [t, I] and outputs [t, d]). */
+static int64_t mlp_scratch(const int64_t *L, int64_t t) {
     const int64_t *route = PTR(const int64_t *, L, L_ROUTE);
-    return 3 * L[L_MAX_INTER] + (route ? 5 * route[6] + route[2] + 64 + 1 : 0);
+    const int64_t experts = route ? route[6] : 0, groups = route ? route[2] : 0, d = L[L_D], inter = L[L_MAX_INTER];
+    if (t == 1) return 3 * inter + (route ? 5 * experts + groups + MAX_TOPK + 1 : 0);
+    return t * experts + 4 * experts + groups + t * d + 3 * t * inter + t * d;
+}
+
+/* One gated MLP (a row of the MLP table) of n rows xs [n, d] -> h [n, d]: gate_up [n, 2 I], act [n, I] scratch. */
+static void gated_rows(const int64_t *L, const int64_t *mlp, const float *xs, int64_t n, float *gate_up, float *act,
+                       float *h, int64_t threads) {
+    const int64_t d = L[L_D], inter = mlp[4];
+    const int64_t gu[2] = {mlp[0], mlp[1]}, down[2] = {mlp[2], mlp[3]};
+    product(gu, 0, xs, gate_up, n, 2 * inter, d, threads);
+    for (int64_t j = 0; j < n; j++) {
+        const float *g = gate_up + j * 2 * inter;
+        for (int64_t r = 0; r < inter; r++) act[j * inter + r] = g[r] / (1.0f + expf(-g[r])) * g[inter + r];
+    }
+    product(down, 0, act, h, n, d, inter, threads);
+}
+
+/* The MLP of t rows h [t, d] -> y [t, d]: the dense MLP (table row 0), or the MoE layer: each row routed, then
+ * expert by expert (ascending) the rows that chose it, gathered, through the expert once, their outputs times
+ * the routing weights added to theirs; then the shared experts over every row. */
+static void mlp_rows(const int64_t *L, const float *h, int64_t t, float *y, float *scratch, int64_t threads) {
+    const int64_t d = L[L_D], *table = PTR(const int64_t *, L, L_MLP_TABLE);
+    const int64_t *cfg = PTR(const int64_t *, L, L_ROUTE);
+    const int64_t experts = cfg ? cfg[6] : 0, inter = L[L_MAX_INTER];
+    float *logits = scratch, *route_scratch = logits + t * experts, *xs = route_scratch + 4 * experts + (cfg ? cfg[2] : 0);
+    float *gate_up = xs + t * d, *act = gate_up + 2 * t * inter, *out = act + t * inter;
+    if (!cfg) {
+        gated_rows(L, table, h, t, gate_up, act, y, threads);
+        return;
+    }
+    const float *f = PTR(const float *, L, L_FLOATS);
+    int64_t ids[MAX_ROWS][MAX_TOPK], k[MAX_ROWS];
+    float w[MAX_ROWS][MAX_TOPK];
+    const int64_t router[2] = {L[L_ROUTER], 0};
+    product(router, 0, h, logits, t, experts, d, threads);
+    for (int64_t j = 0; j < t; j++)
+        k[j] = mla_route_row(logits + j * experts, cfg, PTR(const float *, L, L_ROUTE_BIAS), f[5], ids[j], w[j],
+                             route_scratch);
+    for (int64_t i = 0; i < t * d; i++) y[i] = 0.0f;
+    for (int64_t e = L[L_FIRST]; e < L[L_FIRST] + L[L_COUNT]; e++) {
+        int64_t rows[MAX_ROWS], n = 0;
+        float weight[MAX_ROWS];
+        for (int64_t j = 0; j < t; j++)
+            for (int64_t i = 0; i < k[j]; i++)
+                if (ids[j][i] == e) {
+                    rows[n] = j;
+                    weight[n++] = w[j][i];
+                }
+        if (!n) continue;
+        for (int64_t j = 0; j < n; j++) memcpy(xs + j * d, h + rows[j] * d, d * sizeof(float));
+        gated_rows(L, table + (e - L[L_FIRST]) * 5, xs, n, gate_up, act, out, threads);
+        for (int64_t j = 0; j < n; j++)
+            for (int64_t i = 0; i < d; i++) y[rows[j] * d + i] += out[j * d + i] * weight[j];
+    }
+    if (L[L_SHARED] >= 0) {
+        gated_rows(L, table + L[L_SHARED] * 5, h, t, gate_up, act, out, threads);
+        for (int64_t i = 0; i < t * d; i++) y[i] += out[i];
+    }
 }
 
 /* Scratch floats one call needs, laid out as in mla_decoder_layer. */
@@ -93,7 +160,7 @@ int64_t mla_decoder_layer_scratch(const int64_t *L, const int64_t *S) {
     const int64_t t = S[S_ROWS], d = L[L_D], heads = L[L_HEADS], qk = L[L_D_N] + L[L_D_R];
     const int64_t lat_w = L[L_Q_LORA] + L[L_D_C] + L[L_D_R];
     return t * d + t * lat_w + t * L[L_Q_LORA] + t * heads * qk + t * heads * L[L_D_V] + t * d +
-           S[S_DECODE_THREADS] * S[S_DECODE_STRIDE] + mlp_scratch(L) + d;
+           S[S_DECODE_THREADS] * S[S_DECODE_STRIDE] + mlp_scratch(L, t) + t * d;
 }
 
 static void residual(float *x, const float *y, int64_t n) {
@@ -128,10 +195,12 @@ int64_t mla_decoder_layer(const int64_t *L, const int64_t *S, float *x, float *c
     product(L, L_O_W, o, out, t, d, heads * d_v, threads);
     residual(x, out, t * d);
     mla_rms_norm_f32(x, d, PTR(const float *, L, L_POST_NORM), h, t, d, f[1]);
-    if (t != 1 || !L[L_MLP_TABLE]) return 0;
-    float *y = mlp + mlp_scratch(L);
+    if (!L[L_MLP_TABLE]) return 0;
+    float *y = mlp + mlp_scratch(L, t);
     const int64_t *table = PTR(const int64_t *, L, L_MLP_TABLE);
-    if (L[L_ROUTER]) {
+    if (t > 1) {
+        mlp_rows(L, h, t, y, mlp, threads);
+    } else if (L[L_ROUTER]) {
         mla_moe_row(h, y, d, PTR(const float *, L, L_ROUTER), PTR(const int64_t *, L, L_ROUTE),
                     PTR(const float *, L, L_ROUTE_BIAS), f[5], table, L[L_FIRST], L[L_COUNT], L[L_SHARED], mlp,
                     L[L_MAX_INTER], threads);
@@ -140,6 +209,6 @@ int64_t mla_decoder_layer(const int64_t *L, const int64_t *S, float *x, float *c
         const float one = 1.0f;
         mla_gated_mlps(h, y, d, table, &id, &one, 1, mlp, threads);
     }
-    residual(x, y, d);
+    residual(x, y, t * d);
     return 1;
 }

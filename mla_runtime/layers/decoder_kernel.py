@@ -4,13 +4,15 @@ A float32 CPU decode step of one to eight rows runs, per layer, two norms, three
 the absorbed attention, a third norm and the MLP: about fifteen torch or ctypes calls, each some microseconds of
 Python and dispatch, where the products of a small model take tens. Where the compiled kernels build and every
 product of the layer takes them (float32 weights, or int8 ones: ``layers.quantization``), the layer is one call
-instead: the same kernels in the same order, so its results equal the call-by-call path's bit for bit. A layer's
+instead: the same kernels in the same order, so its attention equals the call-by-call path's bit for bit. A layer's
 table (``DecoderKernel``) is made at its first step and made again whenever a weight it reads was replaced
 (``prepare_inference``, quantisation, a truncated latent); the step's rows (``decode_step``) once per step.
 
-Left to the torch path: tensor parallelism, biased projections, a truncated latent rank, a quantised latent cache,
-steps with prefill chunks or more than eight rows. With more than one row the MLP runs in torch after the call
-(a MoE layer's experts are grouped over the rows there, each read once).
+The MLP is part of the call where its weights take the compiled kernels: a dense MLP, or a MoE layer (router,
+DeepSeek's routing, then expert by expert the rows that chose it, each expert's weights read once for all of them,
+then the shared experts); the routing's float32 arithmetic is the kernel's own, so a MoE layer's output equals the
+torch path's to float rounding rather than bit for bit. Left to the torch path: tensor parallelism, biased
+projections, a truncated latent rank, a quantised latent cache, steps with prefill chunks or more than eight rows.
 """
 
 from __future__ import annotations
@@ -38,13 +40,20 @@ def _unbiased(*linears: Linear | None) -> bool:
     return all(lin is None or lin.bias is None for lin in linears)
 
 
-def _sources(norms: tuple[RMSNorm, RMSNorm], attn: MLAttention, mlp: nn.Module) -> tuple[object, ...]:
-    """What a layer's table was made from: a table stays valid while each of these is the same object."""
-    packed = (attn.qkv_a,) if attn.q_proj is None else (attn.q_proj.packed, attn.kv_a_proj_with_mqa.packed)
-    tables = ((mlp.experts.row_table,) if isinstance(mlp, MoE) else
-              (mlp.row_table,) if isinstance(mlp, GatedMLP) else ())
-    return (*packed, attn.q_b_proj.packed if attn.q_proj is None else None, attn.o_proj.packed, attn.w_uk,
-            attn.w_uv_t, attn.latent_down, *tables, norms[0].kernel, norms[1].kernel)
+def _watched(norms: tuple[RMSNorm, RMSNorm], attn: MLAttention, mlp: nn.Module) -> list[tuple[object, str]]:
+    """What a layer's table is made from, as (holder, attribute) pairs: the table stays valid while each attribute
+    holds the same object (plain attributes: reading them costs no module lookup)."""
+    pairs: list[tuple[object, str]]
+    if attn.q_proj is None:
+        pairs = [(attn, "qkv_a"), (attn.q_b_proj, "packed")]
+    else:
+        pairs = [(attn.q_proj, "packed"), (attn.kv_a_proj_with_mqa, "packed")]
+    pairs += [(attn.o_proj, "packed"), (attn, "w_uk"), (attn, "w_uv_t"), (norms[0], "kernel"), (norms[1], "kernel")]
+    if isinstance(mlp, MoE):
+        pairs.append((mlp.experts, "row_table"))
+    elif isinstance(mlp, GatedMLP):
+        pairs.append((mlp, "row_table"))
+    return pairs
 
 
 def _mlp_table(mlp: nn.Module) -> tuple[cpu_gemv.GatedMLPTable | None, tuple | None]:
@@ -98,18 +107,18 @@ class DecoderKernel:
     """A decoder layer's compiled table, kept while the weights it was made from stay (``table``)."""
 
     def __init__(self) -> None:
-        self.sources: tuple[object, ...] | None = None
+        self.watched: list[tuple[object, str]] = []
+        self.seen: list[object] = []
         self.made: cpu_gemv.DecoderLayerTable | None = None
 
     def table(self, norms: tuple[RMSNorm, RMSNorm], attn: MLAttention, mlp: nn.Module
               ) -> cpu_gemv.DecoderLayerTable | None:
         """The layer's table, or None where it does not take the compiled call."""
-        sources = _sources(norms, attn, mlp)
-        if self.sources is None or len(sources) != len(self.sources) or \
-                any(a is not b for a, b in zip(sources, self.sources)):
+        if not self.watched or any(getattr(h, a) is not v for (h, a), v in zip(self.watched, self.seen)):
             weights = layer_weights(norms, attn, mlp)
             self.made = None if weights is None else cpu_gemv.DecoderLayerTable(weights)
-            self.sources = _sources(norms, attn, mlp)  # again: making the MLP's table may have set it
+            self.watched = _watched(norms, attn, mlp)  # after: making the MLP's table sets it
+            self.seen = [getattr(h, a) for h, a in self.watched]
         return self.made
 
 
