@@ -27,29 +27,28 @@ static inline void prefetch(const float *p, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) _mm_prefetch((const char *)(p + i), _MM_HINT_T1);
 }
 
-/* y[0:n] = sum_i x[i] b[i][0:n] for one row x and a row-major b [k, n], reading b front to back: in registers when a
- * row of b fits in eight of them, else accumulated in y (in L1) row by row. The one-row case of small_gemm, whose
- * column blocks stream a cold matrix more slowly. */
+/* y[0:n] = sum_i x[i] b[i][0:n] for one row x and a row-major b [k, n], reading b front to back as two sequential
+ * streams (its two halves side by side, each summed into its own accumulator in L1; one stream was 10-17 % slower
+ * from memory). The one-row case of small_gemm, whose column blocks stream a cold matrix more slowly. */
 static void vec_mat(const float *x, const float *b, int64_t k, int64_t n, float *y) {
-    if (n == 64) {
-        __m256 a[8];
-        for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < k; i++) {
-            const __m256 p = _mm256_set1_ps(x[i]);
-            for (int u = 0; u < 8; u++) a[u] = _mm256_fmadd_ps(p, _mm256_loadu_ps(b + i * n + 8 * u), a[u]);
+    const int64_t n8 = n - n % 8, half = k / 2;
+    float y2[n];
+    for (int64_t j = 0; j < n; j++) y[j] = y2[j] = 0.0f;
+    for (int64_t i = 0; i < half; i++) {
+        const float *ra = b + i * n, *rb = b + (i + half) * n;
+        const __m256 pa = _mm256_set1_ps(x[i]), pb = _mm256_set1_ps(x[i + half]);
+        for (int64_t j = 0; j < n8; j += 8) {
+            _mm256_storeu_ps(y + j, _mm256_fmadd_ps(pa, _mm256_loadu_ps(ra + j), _mm256_loadu_ps(y + j)));
+            _mm256_storeu_ps(y2 + j, _mm256_fmadd_ps(pb, _mm256_loadu_ps(rb + j), _mm256_loadu_ps(y2 + j)));
         }
-        for (int u = 0; u < 8; u++) _mm256_storeu_ps(y + 8 * u, a[u]);
-        return;
+        for (int64_t j = n8; j < n; j++) {
+            y[j] += x[i] * ra[j];
+            y2[j] += x[i + half] * rb[j];
+        }
     }
-    const int64_t n8 = n - n % 8;
-    for (int64_t j = 0; j < n; j++) y[j] = 0.0f;
-    for (int64_t i = 0; i < k; i++) {
-        const float *row = b + i * n;
-        const __m256 p = _mm256_set1_ps(x[i]);
-        for (int64_t j = 0; j < n8; j += 8)
-            _mm256_storeu_ps(y + j, _mm256_fmadd_ps(p, _mm256_loadu_ps(row + j), _mm256_loadu_ps(y + j)));
-        for (int64_t j = n8; j < n; j++) y[j] += x[i] * row[j];
-    }
+    for (int64_t i = 2 * half; i < k; i++)  /* an odd k's last row */
+        for (int64_t j = 0; j < n; j++) y[j] += x[i] * b[i * n + j];
+    for (int64_t j = 0; j < n; j++) y[j] += y2[j];
 }
 
 /* c[t][0:n] = sum_k a[t][k] b[k][0:n] for t < m: rows of a (row stride lda) times the row-major b [k, n] into rows of
@@ -91,6 +90,14 @@ static void small_gemm(const float *a, int64_t lda, const float *b, int64_t k, i
             c0[j] = x0;
         }
     }
+}
+
+/* Ask for a cached key row (width floats) in L1. A row of DeepSeek's latent is 2304 bytes, so consecutive keys cross a
+ * 4 KB page every other row, where the hardware prefetchers stop; the scores ask for the pair of keys KEYS_AHEAD
+ * ahead (bench/RESULTS.md: 10-20 % off the attention over 224 keys). */
+#define KEYS_AHEAD 4
+static inline void fetch_key(const float *key, int64_t width) {
+    for (int64_t b = 0; b < width; b += 16) _mm_prefetch((const char *)(key + b), _MM_HINT_T0);
 }
 
 /* e^x for eight floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^7 (relative error below
@@ -256,8 +263,11 @@ void mla_absorbed_decode_f32(const float *q_n, int64_t qn_t, int64_t qn_h, const
                 qr[h - h0] = q_r + t * qr_t + h * qr_h;
                 ol[h - h0] = o_lat + (t * group + h - h0) * d_c;
             }
-            for (int64_t j = 0; j < len; j += 2)
+            for (int64_t j = 0; j < len; j += 2) {
+                for (int64_t u = j + KEYS_AHEAD; u < j + KEYS_AHEAD + 2 && u < len; u++)
+                    fetch_key(cache + slot[u] * width, width);
                 scores(qa, qr, cache, width, slot, j, j + 1 == len, h1 - h0, d_c, d_r, scale, s, slot_stride);
+            }
             for (int64_t h = h0; h < h1; h++) softmax(s + (h - h0) * slot_stride, len);
             weighted_keys(s, slot_stride, cache, width, slot, len, h1 - h0, d_c, ol);
         }

@@ -17,6 +17,7 @@ projections, a truncated latent rank, a quantised latent cache, steps with prefi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -111,10 +112,12 @@ class DecoderKernel:
         self.seen: list[object] = []
         self.made: cpu_gemv.DecoderLayerTable | None = None
 
-    def table(self, norms: tuple[RMSNorm, RMSNorm], attn: MLAttention, mlp: nn.Module
+    def table(self, parts: Callable[[], tuple[tuple[RMSNorm, RMSNorm], MLAttention, nn.Module]]
               ) -> cpu_gemv.DecoderLayerTable | None:
-        """The layer's table, or None where it does not take the compiled call."""
+        """The layer's table, or None where it does not take the compiled call; ``parts()``: the layer's input and
+        post-attention norms, attention and MLP (asked for only when the table is made)."""
         if not self.watched or any(getattr(h, a) is not v for (h, a), v in zip(self.watched, self.seen)):
+            norms, attn, mlp = parts()
             weights = layer_weights(norms, attn, mlp)
             self.made = None if weights is None else cpu_gemv.DecoderLayerTable(weights)
             self.watched = _watched(norms, attn, mlp)  # after: making the MLP's table sets it

@@ -20,7 +20,6 @@ cos/sin formula, whose tables do not grow with ``d_r²``.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -54,20 +53,40 @@ def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
     return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
-class RopeTables(NamedTuple):
+class RopeTables:
     """One step's RoPE tables: ``cos``/``sin [T, d_r / 2]`` in the model dtype; for fp32/bf16, either each
-    token's rotation matrix ``[T, d_r, d_r]`` (fp32; short steps) or, for interleaved pairs,
-    ``cis = cos + i·sin [T, 1, d_r / 2]`` (complex64) for the one-product rotation."""
+    token's rotation matrix ``[T, d_r, d_r]`` (fp32; short steps; made at its first use, which a step whose layers
+    run as compiled calls never has) or, for interleaved pairs, ``cis = cos + i·sin [T, 1, d_r / 2]`` (complex64) for
+    the one-product rotation."""
 
-    cos: torch.Tensor
-    sin: torch.Tensor
-    cis: torch.Tensor | None
-    matrix: torch.Tensor | None = None
+    __slots__ = ("cos", "sin", "cis", "_matrix", "_slots")
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, cis: torch.Tensor | None,
+                 matrix: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> None:
+        self.cos, self.sin, self.cis = cos, sin, cis
+        self._matrix = matrix
+        self._slots = slots  # rotation_slots(): the matrix is made from them on first use
+
+    @property
+    def matrix(self) -> torch.Tensor | None:
+        if self._matrix is None and self._slots is not None:
+            self._matrix = rotation_matrices(self.cos, self.sin, self._slots)
+        return self._matrix
 
     def tail(self, start: int) -> RopeTables:
         """The tables of tokens ``[start:]``."""
         return RopeTables(self.cos[start:], self.sin[start:], None if self.cis is None else self.cis[start:],
-                          None if self.matrix is None else self.matrix[start:])
+                          None if self._matrix is None else self._matrix[start:], self._slots)
+
+
+def rotation_matrices(cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``R [T, d_r, d_r]`` (fp32) with ``x R`` = ``rotate(x)`` for each token's cos/sin ``[T, d_r / 2]``
+    (``slots``: ``rotation_slots``)."""
+    c, s = cos.float(), sin.float()
+    dim = 2 * c.shape[1]
+    matrix = torch.zeros(c.shape[0], dim * dim, dtype=torch.float32, device=c.device)
+    matrix.index_copy_(1, slots, torch.cat([c, -s, c, s], dim=1))
+    return matrix.view(-1, dim, dim)
 
 
 def rotation_slots(dim: int, interleave: bool) -> torch.Tensor:
@@ -117,17 +136,9 @@ class RotaryEmbedding(nn.Module):
         if dtype not in (torch.float32, torch.bfloat16):
             return RopeTables(cos, sin, None)
         if positions.shape[0] <= ROPE_MATRIX_MAX_TOKENS:
-            return RopeTables(cos, sin, None, self.rotation_matrices(cos, sin))
+            return RopeTables(cos, sin, None, slots=self.slots)
         cis = torch.complex(cos.float(), sin.float()).unsqueeze(1) if self.interleave else None  # [T, 1, d_r / 2]
         return RopeTables(cos, sin, cis)
-
-    def rotation_matrices(self, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``R [T, d_r, d_r]`` (fp32) with ``x R`` = ``rotate(x)`` for each token's cos/sin ``[T, d_r / 2]``."""
-        c, s = cos.float(), sin.float()
-        dim = 2 * c.shape[1]
-        matrix = torch.zeros(c.shape[0], dim * dim, dtype=torch.float32, device=c.device)
-        matrix.index_copy_(1, self.slots, torch.cat([c, -s, c, s], dim=1))
-        return matrix.view(-1, dim, dim)
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate ``x [T, ..., d_r]`` with cos/sin ``[T, d_r / 2]``; output de-interleaved."""

@@ -65,7 +65,10 @@ class DecoderLayer(nn.Module):
 
     def kernel_table(self) -> cpu_gemv.DecoderLayerTable | None:
         """The layer's compiled table (``layers.decoder_kernel``), or None where it runs call by call."""
-        return self.kernel.table((self.input_layernorm, self.post_attention_layernorm), self.self_attn, self.mlp)
+        return self.kernel.table(self._parts)
+
+    def _parts(self) -> tuple[tuple[RMSNorm, RMSNorm], MLAttention, nn.Module]:
+        return (self.input_layernorm, self.post_attention_layernorm), self.self_attn, self.mlp
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: LayerCache,
                 step: cpu_gemv.DecodeStep | None = None) -> torch.Tensor:
