@@ -96,6 +96,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.mla_absorbed_decode_f32.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + \
         [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_float] + \
         [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 8
+    lib.mla_absorbed_decode_bf16w.argtypes = lib.mla_absorbed_decode_f32.argtypes
     lib.mla_rms_norm_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 2 + \
         [ctypes.c_int64] * 2 + [ctypes.c_float]  # x, row stride, weight, y, m, k, eps
     lib.mla_gated_mlps.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + \
@@ -114,7 +115,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.mla_decoder_layer_scratch.argtypes = [ctypes.c_void_p] * 2
     lib.mla_decoder_layer_scratch.restype = ctypes.c_int64
     for fn in (lib.mla_gemv_f32, lib.mla_gemv_i8, lib.mla_gemm_few_f32, lib.mla_gemm_few_i8,
-               lib.mla_absorbed_decode_f32, lib.mla_rms_norm_f32, lib.mla_gated_mlps, lib.mla_moe_row):
+               lib.mla_absorbed_decode_f32, lib.mla_absorbed_decode_bf16w, lib.mla_rms_norm_f32, lib.mla_gated_mlps,
+               lib.mla_moe_row):
         fn.restype = None
     return lib, None
 
@@ -157,14 +159,16 @@ def _decode_failure(g: torch.Generator) -> str | None:
     cache = torch.randn(blocks, d_c + d_r, generator=g)
     lens = torch.tensor([1, 7, 33])
     slots = torch.randperm(blocks, generator=g)[:33].repeat(rows, 1)
-    got = absorbed_decode(q_n, q_r, w_uk, w_uv_t, cache, slots, lens, 0.3)
-    for t in range(rows):
-        keys = cache[slots[t, :lens[t]]].double()
-        q_abs = torch.einsum("hn,hnc->hc", q_n[t].double(), w_uk.double())
-        p = torch.softmax(0.3 * (torch.cat([q_abs, q_r[t].double()], -1) @ keys.T), dim=-1)
-        want = torch.einsum("hc,hcv->hv", p @ keys[:, :d_c], w_uv_t.double())
-        if not torch.allclose(got[t].double(), want, rtol=1e-4, atol=1e-4):
-            return "the absorbed decode kernel differs from torch's attention on this CPU"
+    for weights in ((w_uk, w_uv_t), (w_uk.bfloat16(), w_uv_t.bfloat16())):
+        got = absorbed_decode(q_n, q_r, *weights, cache, slots, lens, 0.3)
+        uk, uv_t = (w.double() for w in weights)
+        for t in range(rows):
+            keys = cache[slots[t, :lens[t]]].double()
+            q_abs = torch.einsum("hn,hnc->hc", q_n[t].double(), uk)
+            p = torch.softmax(0.3 * (torch.cat([q_abs, q_r[t].double()], -1) @ keys.T), dim=-1)
+            want = torch.einsum("hc,hcv->hv", p @ keys[:, :d_c], uv_t)
+            if not torch.allclose(got[t].double(), want, rtol=1e-4, atol=1e-4):
+                return f"the absorbed decode kernel ({weights[0].dtype} weights) differs from torch's attention here"
     return None
 
 
@@ -244,18 +248,19 @@ def gemm_few_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) 
 
 def absorbed_decode(q_n: torch.Tensor, q_r: torch.Tensor, w_uk: torch.Tensor, w_uv_t: torch.Tensor,
                     cache: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """A layer's absorbed decode attention in one call (``csrc/mla_decode_f32.c``), all float32 on the CPU:
+    """A layer's absorbed decode attention in one call (``csrc/mla_decode_f32.c``), float32 on the CPU:
     ``q_n [T, H, d_n]`` and rotated ``q_r [T, H, d_r]`` (any row and head strides), ``w_uk [H, d_n, d_c]``,
-    ``w_uv_t [H, d_c, d_v]``, ``cache [S, d_c + d_r]`` (flat latent rows), ``slots [T, L]`` int64 (row t's keys:
-    ``cache[slots[t, :lens[t]]]``) and ``lens [T]`` int64 (each >= 1, <= L) -> ``out [T, H, d_v]``. Only where
-    ``failure()`` is None; the caller guarantees the slots are valid rows of ``cache``."""
+    ``w_uv_t [H, d_c, d_v]`` (float32, or both bfloat16: read at half the bytes), ``cache [S, d_c + d_r]`` (flat
+    latent rows), ``slots [T, L]`` int64 (row t's keys: ``cache[slots[t, :lens[t]]]``) and ``lens [T]`` int64 (each
+    >= 1, <= L) -> ``out [T, H, d_v]``. Only where ``failure()`` is None; the caller guarantees the slots are valid
+    rows of ``cache``."""
     lib, _ = _load()
     assert lib is not None, "absorbed_decode needs the kernel: check failure() first"
     rows, heads, d_n = q_n.shape
     d_r, (d_c, d_v) = q_r.shape[2], w_uv_t.shape[1:]
     q_n, q_r = (q if q.stride(2) == 1 else q.contiguous() for q in (q_n, q_r))
-    tensors = (q_n, q_r, w_uk, w_uv_t, cache)
-    if (any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors)
+    tensors = (q_n, q_r, cache, w_uk.float() if w_uk.dtype == torch.bfloat16 else w_uk, w_uv_t.float())
+    if (any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors) or w_uv_t.dtype != w_uk.dtype
             or q_r.shape[:2] != (rows, heads)
             or w_uk.shape != (heads, d_n, d_c) or not w_uk.is_contiguous() or not w_uv_t.is_contiguous()
             or cache.shape[1] != d_c + d_r or not cache.is_contiguous()
@@ -268,11 +273,12 @@ def absorbed_decode(q_n: torch.Tensor, q_r: torch.Tensor, w_uk: torch.Tensor, w_
     per_row = -(-heads // threads) * 2 * d_c  # scratch floats a row takes per thread (q~ and o_lat of its heads)
     step = max(1, DECODE_SCRATCH_BYTES // (4 * threads * per_row))  # rows per call: bounds the scratch
     out = torch.empty(rows, heads, d_v, dtype=torch.float32)
+    kernel = lib.mla_absorbed_decode_bf16w if w_uk.dtype == torch.bfloat16 else lib.mla_absorbed_decode_f32
     for r0 in range(0, rows, step):
         n = min(step, rows - r0)
         stride = n * per_row + -(-heads // threads) * slots.shape[1]  # per thread: see the C source
         scratch = torch.empty(threads, stride, dtype=torch.float32)
-        lib.mla_absorbed_decode_f32(q_n[r0].data_ptr(), q_n.stride(0), q_n.stride(1), q_r[r0].data_ptr(),
+        kernel(q_n[r0].data_ptr(), q_n.stride(0), q_n.stride(1), q_r[r0].data_ptr(),
                                     q_r.stride(0), q_r.stride(1), w_uk.data_ptr(), w_uv_t.data_ptr(), cache.data_ptr(),
                                     slots[r0].data_ptr(), slots.stride(0), lens[r0].data_ptr(), scale,
                                     out[r0].data_ptr(), scratch.data_ptr(), stride, n, heads, d_n, d_r, d_c, d_v,
@@ -415,8 +421,8 @@ class GatedMLPTable:
 
 # the entries of a decoder layer's table and of a step's (enum LayerField and StepField in csrc/mla_layer_f32.c)
 LAYER_FIELDS = ("in_norm", "post_norm", "q_norm", "kv_norm", "qa_w", "qa_s", "kva_w", "kva_s", "qb_w", "qb_s", "w_uk",
-                "w_uv_t", "o_w", "o_s", "mlp_table", "router", "route", "route_bias", "first", "count", "shared",
-                "max_inter", "d", "q_lora", "heads", "d_n", "d_r", "d_c", "d_v", "interleave", "floats")
+                "w_uv_t", "w_bf16", "o_w", "o_s", "mlp_table", "router", "route", "route_bias", "first", "count",
+                "shared", "max_inter", "d", "q_lora", "heads", "d_n", "d_r", "d_c", "d_v", "interleave", "floats")
 STEP_FIELDS = ("rows", "cos", "sin", "cs_ld", "slots", "keys", "key_stride", "lens", "threads", "decode_threads",
                "decode_stride")
 LAYER_DIMS = ("d", "q_lora", "heads", "d_n", "d_r", "d_c", "d_v")
@@ -428,7 +434,8 @@ class LayerWeights:
     """One decoder layer's weights for ``DecoderLayerTable`` (float32 unless said): ``norms`` the input,
     post-attention, ``q_a`` (None without ``q_lora``) and ``kv_a`` RMSNorm weights with ``eps`` theirs; ``qa`` the
     stacked ``[q_a ; kv_a]`` projection with ``q_lora``, else ``q_proj`` (and ``kva`` then ``kv_a``); ``qb`` ``q_b``
-    with ``q_lora``; ``w_uk [H, d_n, d_c]``, ``w_uv_t [H, d_c, d_v]``; ``o`` ``o_proj``. ``mlp``: the MLP's
+    with ``q_lora``; ``w_uk [H, d_n, d_c]``, ``w_uv_t [H, d_c, d_v]`` (float32, or both bfloat16); ``o`` ``o_proj``.
+    ``mlp``: the MLP's
     ``GatedMLPTable`` (a dense MLP: its row 0) or None (the caller runs the MLP); a MoE layer adds ``moe``: its router
     weight ``[E, d]``, ``route_config``, correction bias (or None), scaling factor and the table's first expert id,
     expert count and shared row, as ``GatedMLPTable.moe_row`` takes them."""
@@ -469,8 +476,10 @@ class DecoderLayerTable:
                                      ("qb", w.qb, (heads * qk, q_lora)), ("o", w.o, (d, heads * d_v))):
             if operand is not None:
                 fields[name + "_w"], fields[name + "_s"] = self._operand(name, operand, shape)
-        fields["w_uk"] = self._tensor("w_uk", w.w_uk, torch.float32, (heads, d_n, d_c))
-        fields["w_uv_t"] = self._tensor("w_uv_t", w.w_uv_t, torch.float32, (heads, d_c, d_v))
+        w_dtype = torch.bfloat16 if w.w_uk.dtype == torch.bfloat16 else torch.float32
+        fields["w_uk"] = self._tensor("w_uk", w.w_uk, w_dtype, (heads, d_n, d_c))
+        fields["w_uv_t"] = self._tensor("w_uv_t", w.w_uv_t, w_dtype, (heads, d_c, d_v))
+        fields["w_bf16"] = int(w_dtype == torch.bfloat16)
         scaling = self._mlp(w, fields) if w.mlp is not None else 0.0
         floats = torch.tensor([*w.eps, w.scale, scaling], dtype=torch.float32)
         self.keep.append(floats)

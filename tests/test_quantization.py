@@ -13,7 +13,7 @@ from mla_runtime import LLM, SamplingParams
 from mla_runtime.config import ModelConfig
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.errors import InvalidParam
-from mla_runtime.layers.cpu_gemm import KERNEL_MAX_ROWS
+from mla_runtime.layers.cpu_gemm import KERNEL_MAX_ROWS, row_kernel_failure
 from mla_runtime.layers.quantization import Int8Weight, int8_kernel_failure, quantize_model, quantized_weights
 from mla_runtime.loader import load_model
 from mla_runtime.plan import parameter_count, quantized_parameters, weight_bytes
@@ -100,7 +100,8 @@ def _logprobs(model, prompts: list[list[int]], decodes: int) -> torch.Tensor:
 def test_int8_model_close_to_float32(tiny_checkpoint, variant):
     """Teacher-forced log-probabilities through the real paths (prefill, then absorbed decodes): every
     quantised layer kind (stacked q_a/kv_a or q_proj, experts, dense MLP, shared experts, tied and untied
-    lm_head) within the bound, and the int8 weights are what the planner counts."""
+    lm_head; the compiled decode kernel's bfloat16 absorbed factors) within the bound, and the int8 weights are what
+    the planner counts."""
     path, _ = tiny_checkpoint(variant)
     rng = random.Random(5)
     prompts = [[rng.randrange(2, 256) for _ in range(n)] for n in (21, 40, 9)]
@@ -112,6 +113,10 @@ def test_int8_model_close_to_float32(tiny_checkpoint, variant):
     assert 0 < err.median().item() <= MEDIAN_LOGPROB_ERROR  # quantised (not exact), and close
     assert err.max().item() <= MAX_LOGPROB_ERROR
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.85
+    bf16_factors = row_kernel_failure() is None  # the compiled decode kernel reads bfloat16 copies
+    for attn in model.attention_layers():
+        assert attn.w_uk.dtype == attn.w_uv_t.dtype == (torch.bfloat16 if bf16_factors else torch.float32)
+        assert attn.kv_b_proj.weight.dtype == torch.float32  # the prefill's up-projection stays exact
     cfg = ModelConfig.from_pretrained(path)
     weights = quantized_weights(model)
     elements, (rows, _) = quantized_parameters(cfg)

@@ -16,50 +16,73 @@
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "simd.h"
 
 #define MAX_GROUP 256  /* heads per thread */
 
-/* Ask for n floats at p in cache, front to back: one sequential stream the memory system can run ahead on (the
+/* Ask for n bytes at p in cache, front to back: one sequential stream the memory system can run ahead on (the
  * products below read their weights by column blocks, which the hardware prefetchers follow poorly from memory). */
-static inline void prefetch(const float *p, int64_t n) {
-    for (int64_t i = 0; i < n; i += 16) _mm_prefetch((const char *)(p + i), _MM_HINT_T1);
+static inline void prefetch(const void *p, int64_t n) {
+    for (int64_t i = 0; i < n; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T1);
+}
+
+/* Eight weights from b + i as floats: float32, or bfloat16 (its bits are a float32's upper half). The weight format
+ * is a compile-time constant wherever this is inlined, so each format gets its own loops. */
+static inline __attribute__((always_inline)) __m256 load8(const void *b, int64_t i, const int bf16) {
+    if (bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)b + i))), 16));
+    return _mm256_loadu_ps((const float *)b + i);
+}
+
+static inline __attribute__((always_inline)) float load1(const void *b, int64_t i, const int bf16) {
+    if (bf16) {
+        const uint32_t bits = (uint32_t)((const uint16_t *)b)[i] << 16;
+        float f;
+        memcpy(&f, &bits, sizeof f);
+        return f;
+    }
+    return ((const float *)b)[i];
 }
 
 /* y[0:n] = sum_i x[i] b[i][0:n] for one row x and a row-major b [k, n], reading b front to back as two sequential
  * streams (its two halves side by side, each summed into its own accumulator in L1; one stream was 10-17 % slower
  * from memory). The one-row case of small_gemm, whose column blocks stream a cold matrix more slowly. */
-static void vec_mat(const float *x, const float *b, int64_t k, int64_t n, float *y) {
+static inline __attribute__((always_inline)) void vec_mat(const float *x, const void *b, int64_t k, int64_t n,
+                                                          float *y, const int bf16) {
     const int64_t n8 = n - n % 8, half = k / 2;
     float y2[n];
     for (int64_t j = 0; j < n; j++) y[j] = y2[j] = 0.0f;
     for (int64_t i = 0; i < half; i++) {
-        const float *ra = b + i * n, *rb = b + (i + half) * n;
+        const int64_t ra = i * n, rb = (i + half) * n;
         const __m256 pa = _mm256_set1_ps(x[i]), pb = _mm256_set1_ps(x[i + half]);
         for (int64_t j = 0; j < n8; j += 8) {
-            _mm256_storeu_ps(y + j, _mm256_fmadd_ps(pa, _mm256_loadu_ps(ra + j), _mm256_loadu_ps(y + j)));
-            _mm256_storeu_ps(y2 + j, _mm256_fmadd_ps(pb, _mm256_loadu_ps(rb + j), _mm256_loadu_ps(y2 + j)));
+            _mm256_storeu_ps(y + j, _mm256_fmadd_ps(pa, load8(b, ra + j, bf16), _mm256_loadu_ps(y + j)));
+            _mm256_storeu_ps(y2 + j, _mm256_fmadd_ps(pb, load8(b, rb + j, bf16), _mm256_loadu_ps(y2 + j)));
         }
         for (int64_t j = n8; j < n; j++) {
-            y[j] += x[i] * ra[j];
-            y2[j] += x[i + half] * rb[j];
+            y[j] += x[i] * load1(b, ra + j, bf16);
+            y2[j] += x[i + half] * load1(b, rb + j, bf16);
         }
     }
     for (int64_t i = 2 * half; i < k; i++)  /* an odd k's last row */
-        for (int64_t j = 0; j < n; j++) y[j] += x[i] * b[i * n + j];
+        for (int64_t j = 0; j < n; j++) y[j] += x[i] * load1(b, i * n + j, bf16);
     for (int64_t j = 0; j < n; j++) y[j] += y2[j];
 }
 
-/* c[t][0:n] = sum_k a[t][k] b[k][0:n] for t < m: rows of a (row stride lda) times the row-major b [k, n] into rows of
- * c (row stride ldc), two rows of a by 32 columns of b in eight registers (one load of b serves two rows). */
-static void small_gemm(const float *a, int64_t lda, const float *b, int64_t k, int64_t n, float *c, int64_t ldc,
-                       int64_t m) {
+/* c[t][0:n] = sum_k a[t][k] b[k][0:n] for t < m: rows of a (row stride lda) times the row-major b [k, n] (float32 or
+ * bfloat16) into rows of c (row stride ldc), two rows of a by 32 columns of b in eight registers (one load of b
+ * serves two rows). */
+static inline __attribute__((always_inline)) void small_gemm(const float *a, int64_t lda, const void *b, int64_t k,
+                                                             int64_t n, float *c, int64_t ldc, int64_t m,
+                                                             const int bf16) {
     if (m == 1) {
-        vec_mat(a, b, k, n, c);
+        vec_mat(a, b, k, n, c, bf16);
         return;
     }
-    prefetch(b, k * n);
+    prefetch(b, k * n * (bf16 ? 2 : 4));
     for (int64_t t = 0; t < m; t += 2) {
         const float *a0 = a + t * lda, *a1 = t + 1 < m ? a0 + lda : a0;  /* an odd last row: computed twice */
         float *c0 = c + t * ldc, *c1 = t + 1 < m ? c0 + ldc : c0;
@@ -70,7 +93,7 @@ static void small_gemm(const float *a, int64_t lda, const float *b, int64_t k, i
             for (int64_t i = 0; i < k; i++) {
                 const __m256 p = _mm256_set1_ps(a0[i]), q = _mm256_set1_ps(a1[i]);
                 for (int u = 0; u < 4; u++) {
-                    const __m256 bv = _mm256_loadu_ps(b + i * n + j + 8 * u);
+                    const __m256 bv = load8(b, i * n + j + 8 * u, bf16);
                     x[u] = _mm256_fmadd_ps(p, bv, x[u]);
                     y[u] = _mm256_fmadd_ps(q, bv, y[u]);
                 }
@@ -83,8 +106,8 @@ static void small_gemm(const float *a, int64_t lda, const float *b, int64_t k, i
         for (; j < n; j++) {
             float x0 = 0.0f, y0 = 0.0f;
             for (int64_t i = 0; i < k; i++) {
-                x0 += a0[i] * b[i * n + j];
-                y0 += a1[i] * b[i * n + j];
+                x0 += a0[i] * load1(b, i * n + j, bf16);
+                y0 += a1[i] * load1(b, i * n + j, bf16);
             }
             c1[j] = y0;
             c0[j] = x0;
@@ -236,11 +259,12 @@ static void weighted_keys(const float *p, int64_t ld, const float *cache, int64_
  * w_uv_t [H, d_c, d_v], cache [*, d_c + d_r], slots [T, slot_stride] (the cache row of each row's keys), lens [T]
  * (>= 1; at most slot_stride are read), out [T, H, d_v], scratch [threads, scratch_stride] with scratch_stride >=
  * G (2 T d_c + slot_stride), G = ceil(H / threads) heads per thread. */
-void mla_absorbed_decode_f32(const float *q_n, int64_t qn_t, int64_t qn_h, const float *q_r, int64_t qr_t,
-                             int64_t qr_h, const float *w_uk, const float *w_uv_t, const float *cache,
-                             const int64_t *slots, int64_t slot_stride, const int64_t *lens, float scale, float *out,
-                             float *scratch, int64_t scratch_stride, int64_t rows, int64_t heads, int64_t d_n,
-                             int64_t d_r, int64_t d_c, int64_t d_v, int64_t threads) {
+static inline __attribute__((always_inline)) void absorbed_decode(
+        const float *q_n, int64_t qn_t, int64_t qn_h, const float *q_r, int64_t qr_t, int64_t qr_h, const void *w_uk,
+        const void *w_uv_t, const float *cache, const int64_t *slots, int64_t slot_stride, const int64_t *lens,
+        float scale, float *out, float *scratch, int64_t scratch_stride, int64_t rows, int64_t heads, int64_t d_n,
+        int64_t d_r, int64_t d_c, int64_t d_v, int64_t threads, const int bf16) {
+    const int64_t esize = bf16 ? 2 : 4;
     const int64_t width = d_c + d_r, group = (heads + threads - 1) / threads;
     if (group > MAX_GROUP) abort();  /* mla_kernels.cpu_gemv runs enough threads that this cannot happen */
     #pragma omp parallel num_threads((int)threads)
@@ -251,7 +275,8 @@ void mla_absorbed_decode_f32(const float *q_n, int64_t qn_t, int64_t qn_h, const
         float *s = o_lat + rows * group * d_c;                              /* [G][slot_stride] */
         /* absorb: q~[t] = q_n[t, h] W_UK[h], every row of a head at once */
         for (int64_t h = h0; h < h1; h++)
-            small_gemm(q_n + h * qn_h, qn_t, w_uk + h * d_n * d_c, d_n, d_c, q_abs + (h - h0) * d_c, group * d_c, rows);
+            small_gemm(q_n + h * qn_h, qn_t, (const char *)w_uk + h * d_n * d_c * esize, d_n, d_c,
+                       q_abs + (h - h0) * d_c, group * d_c, rows, bf16);
         /* attend: keys outer and this thread's heads inner for the scores, heads outer for the weighted sum */
         const float *qa[MAX_GROUP], *qr[MAX_GROUP];
         float *ol[MAX_GROUP];
@@ -273,9 +298,30 @@ void mla_absorbed_decode_f32(const float *q_n, int64_t qn_t, int64_t qn_h, const
         }
         /* up-project: out[t, h] = o_lat[t] W_UV^T[h], every row of a head at once */
         for (int64_t h = h0; h < h1; h++)
-            small_gemm(o_lat + (h - h0) * d_c, group * d_c, w_uv_t + h * d_c * d_v, d_c, d_v, out + h * d_v, heads * d_v,
-                       rows);
+            small_gemm(o_lat + (h - h0) * d_c, group * d_c, (const char *)w_uv_t + h * d_c * d_v * esize, d_c, d_v,
+                       out + h * d_v, heads * d_v, rows, bf16);
     }
+}
+
+#define DECODE_ARGS q_n, qn_t, qn_h, q_r, qr_t, qr_h, w_uk, w_uv_t, cache, slots, slot_stride, lens, scale, out, scratch, \
+                    scratch_stride, rows, heads, d_n, d_r, d_c, d_v, threads
+
+/* float32 W_UK and W_UV^T */
+void mla_absorbed_decode_f32(const float *q_n, int64_t qn_t, int64_t qn_h, const float *q_r, int64_t qr_t,
+                             int64_t qr_h, const void *w_uk, const void *w_uv_t, const float *cache,
+                             const int64_t *slots, int64_t slot_stride, const int64_t *lens, float scale, float *out,
+                             float *scratch, int64_t scratch_stride, int64_t rows, int64_t heads, int64_t d_n,
+                             int64_t d_r, int64_t d_c, int64_t d_v, int64_t threads) {
+    absorbed_decode(DECODE_ARGS, 0);
+}
+
+/* bfloat16 W_UK and W_UV^T (read at half the bytes; everything else float32) */
+void mla_absorbed_decode_bf16w(const float *q_n, int64_t qn_t, int64_t qn_h, const float *q_r, int64_t qr_t,
+                               int64_t qr_h, const void *w_uk, const void *w_uv_t, const float *cache,
+                               const int64_t *slots, int64_t slot_stride, const int64_t *lens, float scale, float *out,
+                               float *scratch, int64_t scratch_stride, int64_t rows, int64_t heads, int64_t d_n,
+                               int64_t d_r, int64_t d_c, int64_t d_v, int64_t threads) {
+    absorbed_decode(DECODE_ARGS, 1);
 }
 
 /* RoPE of one d_r vector x into y (y may be x): pair i is (x[2i], x[2i + 1]) when interleaved, else (x[i],

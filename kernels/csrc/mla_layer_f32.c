@@ -29,10 +29,15 @@ void mla_gemm_few_i8(const int8_t *w, const float *scale, const float *x, float 
                      int64_t threads);
 void mla_rms_norm_f32(const float *x, int64_t ld, const float *weight, float *y, int64_t m, int64_t k, float eps);
 void mla_absorbed_decode_f32(const float *q_n, int64_t qn_t, int64_t qn_h, const float *q_r, int64_t qr_t,
-                             int64_t qr_h, const float *w_uk, const float *w_uv_t, const float *cache,
+                             int64_t qr_h, const void *w_uk, const void *w_uv_t, const float *cache,
                              const int64_t *slots, int64_t slot_stride, const int64_t *lens, float scale, float *out,
                              float *scratch, int64_t scratch_stride, int64_t rows, int64_t heads, int64_t d_n,
                              int64_t d_r, int64_t d_c, int64_t d_v, int64_t threads);
+void mla_absorbed_decode_bf16w(const float *q_n, int64_t qn_t, int64_t qn_h, const float *q_r, int64_t qr_t,
+                               int64_t qr_h, const void *w_uk, const void *w_uv_t, const float *cache,
+                               const int64_t *slots, int64_t slot_stride, const int64_t *lens, float scale, float *out,
+                               float *scratch, int64_t scratch_stride, int64_t rows, int64_t heads, int64_t d_n,
+                               int64_t d_r, int64_t d_c, int64_t d_v, int64_t threads);
 void mla_rope_store_f32(const float *latent, int64_t lat_ld, const float *norm, float eps, float *q, int64_t q_t,
                         int64_t q_h, int64_t heads, int64_t d_n, const float *cos, const float *sin, int64_t cs_ld,
                         float *cache, const int64_t *slots, int64_t rows, int64_t d_c, int64_t d_r,
@@ -52,7 +57,7 @@ enum LayerField {
     L_QA_W, L_QA_S,  /* [q_lora + d_c + d_r, d] stacked q_a/kv_a; without q_lora_rank: q_proj [H (d_n + d_r), d] */
     L_KVA_W, L_KVA_S,  /* kv_a [d_c + d_r, d] without q_lora_rank, else 0 */
     L_QB_W, L_QB_S,  /* q_b [H (d_n + d_r), q_lora] (0 without q_lora_rank) */
-    L_W_UK, L_W_UV_T,  /* [H, d_n, d_c], [H, d_c, d_v] */
+    L_W_UK, L_W_UV_T, L_W_BF16,  /* [H, d_n, d_c], [H, d_c, d_v]: float32, or bfloat16 where L_W_BF16 is 1 */
     L_O_W, L_O_S,  /* o_proj [d, H d_v] */
     L_MLP_TABLE,  /* a GatedMLPTable's table: the dense MLP (row 0) or the experts and shared experts; 0: none */
     L_ROUTER, L_ROUTE, L_ROUTE_BIAS,  /* a MoE layer's router [E, d], route config and correction bias; else 0 */
@@ -188,10 +193,10 @@ int64_t mla_decoder_layer(const int64_t *L, const int64_t *S, float *x, float *c
     mla_rope_store_f32(qa + q_lora, lat_w, PTR(const float *, L, L_KV_NORM), f[3], q, heads * qk, qk, heads, d_n,
                        PTR(const float *, S, S_COS), PTR(const float *, S, S_SIN), S[S_CS_LD], cache,
                        PTR(const int64_t *, S, S_SLOTS), t, d_c, d_r, L[L_INTERLEAVE]);
-    mla_absorbed_decode_f32(q, heads * qk, qk, q + d_n, heads * qk, qk, PTR(const float *, L, L_W_UK),
-                            PTR(const float *, L, L_W_UV_T), cache, PTR(const int64_t *, S, S_KEYS), S[S_KEY_STRIDE],
-                            PTR(const int64_t *, S, S_LENS), f[4], o, att, S[S_DECODE_STRIDE], t, heads, d_n, d_r,
-                            d_c, d_v, S[S_DECODE_THREADS]);
+    (L[L_W_BF16] ? mla_absorbed_decode_bf16w : mla_absorbed_decode_f32)(
+        q, heads * qk, qk, q + d_n, heads * qk, qk, PTR(const void *, L, L_W_UK), PTR(const void *, L, L_W_UV_T), cache,
+        PTR(const int64_t *, S, S_KEYS), S[S_KEY_STRIDE], PTR(const int64_t *, S, S_LENS), f[4], o, att,
+        S[S_DECODE_STRIDE], t, heads, d_n, d_r, d_c, d_v, S[S_DECODE_THREADS]);
     product(L, L_O_W, o, out, t, d, heads * d_v, threads);
     residual(x, out, t * d);
     mla_rms_norm_f32(x, d, PTR(const float *, L, L_POST_NORM), h, t, d, f[1]);

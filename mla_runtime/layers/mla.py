@@ -86,7 +86,8 @@ class MLAttention(nn.Module):
         self.d_c_in = self.d_c  # width of the latent kv_a_proj_with_mqa produces
         self.latent_down: nn.Parameter | None = None  # [r, d_c_in] when the latent rank is truncated
         # contiguous copies of the absorbed weights, made by prepare_inference(): W_UK [n_h, d_n, d_c] and
-        # W_UVᵀ [n_h, d_c, d_v], so that absorption and up-projection are one batched GEMM each
+        # W_UVᵀ [n_h, d_c, d_v], so that absorption and up-projection are one batched GEMM each (with int8 weights,
+        # bfloat16 copies that only the compiled decode kernel reads: layers.quantization)
         self.w_uk: torch.Tensor | None = None
         self.w_uv_t: torch.Tensor | None = None
         # q_a_proj and kv_a_proj_with_mqa read the same input: one GEMM over their stacked weights
@@ -228,12 +229,12 @@ class MLAttention(nn.Module):
         """Absorbed attention: ``q~ = W_UKᵀ q_n``, MQA over the latent, ``o = W_UV o_lat`` -> ``[T, n_h, d_v]``;
         ``planned``: the rows are the step's planned decodes (``meta.decode_plan``)."""
         plan, w_uk, w_uv_t = meta.decode_plan, self.w_uk, self.w_uv_t
-        if w_uk is not None and w_uv_t is not None:
-            if planned and plan is not None and self.decode_kernel and cache.kv.dtype == torch.float32:
-                flat = cache.kv.view(-1, cache.kv.shape[-1])  # the whole layer in one compiled call
-                return cpu_gemv.absorbed_decode(q_n, q_r, w_uk, w_uv_t, flat, plan.slots, plan.lens, self.scale)
-        else:  # not prepared: strided views of kv_b_proj
-            w_uk, w_uv = self.w_uk_uv()
+        if w_uk is not None and w_uv_t is not None and planned and plan is not None and self.decode_kernel \
+                and cache.kv.dtype == torch.float32:
+            flat = cache.kv.view(-1, cache.kv.shape[-1])  # the whole layer in one compiled call
+            return cpu_gemv.absorbed_decode(q_n, q_r, w_uk, w_uv_t, flat, plan.slots, plan.lens, self.scale)
+        if w_uk is None or w_uv_t is None or w_uk.dtype != self.kv_b_proj.weight.dtype:
+            w_uk, w_uv = self.w_uk_uv()  # not prepared, or the copies are the kernel's (bfloat16): views of kv_b_proj
             w_uv_t = w_uv.transpose(1, 2)
         q_abs = torch.bmm(q_n.transpose(0, 1), w_uk).transpose(0, 1)  # [T, n_h, d_c]
         q_cat = torch.cat([q_abs, q_r], dim=-1)  # [T, n_h, d_c + d_r]

@@ -22,9 +22,11 @@ multiplied in float32 with ``F.linear`` (float32 activations, another summation 
 to int16 with a power-of-two scale (within 2^-14 of its largest value, far finer than bfloat16) and multiplied with
 integer multiply-adds.
 
-What is quantised (``quantize_model``): every projection of the attention except ``kv_b_proj`` (its absorbed
-factors ``W_UK``/``W_UV`` and the up-projection of long prefills stay exact), the dense MLPs, the shared and
-routed experts, and the lm_head. The embedding, norms and router stay in the model dtype. A quantised
+What is quantised (``quantize_model``): every projection of the attention except ``kv_b_proj`` (the up-projection
+of long prefills stays exact; where the compiled decode kernel runs, the copies of its absorbed factors
+``W_UK``/``W_UV`` that the kernel reads are rounded to bfloat16, which halves the bytes a decode step reads there,
+and ``bench/int8_quality.py`` measures the whole), the dense MLPs, the shared and routed experts, and the
+lm_head. The embedding, norms and router stay in the model dtype. A quantised
 float weight is released: its parameter keeps its shape and dtype but no storage (a broadcast single
 element), so the resident weights are the int8 copies; nothing may re-derive a layout from it afterwards
 (``MLAttention.prepare_inference`` or a latent-rank truncation must come first).
@@ -169,7 +171,10 @@ def _release(param: nn.Parameter) -> None:
 
 
 def _quantize_attention(attn: MLAttention) -> None:
-    """Its projections (not ``kv_b_proj``); the stacked ``q_a``/``kv_a`` input projection as one matrix."""
+    """Its projections (not ``kv_b_proj``); the stacked ``q_a``/``kv_a`` input projection as one matrix. Where the
+    compiled decode kernel runs, the absorbed factors it reads become bfloat16 copies (``kv_b_proj`` itself stays)."""
+    if attn.decode_kernel and attn.w_uk is not None and attn.w_uv_t is not None:
+        attn.w_uk, attn.w_uv_t = attn.w_uk.bfloat16(), attn.w_uv_t.bfloat16()
     if attn.q_proj is None:
         weights: list[nn.Parameter] = [attn.q_a_proj.weight, attn.kv_a_proj_with_mqa.weight]
         attn.qkv_a = Int8Weight(torch.cat(tuple(weights)))
