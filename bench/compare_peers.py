@@ -25,11 +25,11 @@ absolute difference of the chosen tokens' log-probabilities over the positions w
 llama.cpp``): the checkpoint converted to GGUF f32, bf16 and q8_0 by that tree's own converter
 (``bench/llama_convert.py``), then decode tokens/s after a ``--prompt-len`` prompt at batch 1 (``llama-bench
 -d``) and ``--decode-batch`` (``llama-batched-bench -npl``), and prefill tokens/s at batch 1 (``llama-bench
--p``); mla-runtime's decode is the median ``LLMEngine.step`` after the same prompt (fp32, int8 weights, and
-bf16 where it loads), its prefill one step of the prompt. Rounds alternate the systems; medians are reported
-with the machine's streaming bandwidth (``roofline.stream_bandwidth``) and, for each system, the weight bytes
-one decode step reads (every matrix in its format; routed experts as ``roofline.expected_experts``) ×
-steps/s as a fraction of it. See ``bench/llama_peer.py``.
+-p``, the median of three repetitions); mla-runtime's decode is the median ``LLMEngine.step`` after the same
+prompt (fp32, int8 weights, and bf16 where it loads), its prefill the median of three one-step prefills of the
+prompt. Rounds alternate the systems; medians are reported with the machine's streaming bandwidth
+(``roofline.stream_bandwidth``) and, for each system, the weight bytes one decode step reads (every matrix in its
+format; routed experts as ``roofline.expected_experts``) × steps/s as a fraction of it. See ``bench/llama_peer.py``.
 
 All workers get the same thread budget (``--threads``, default all cores; mla-runtime runs with
 ``num_threads="auto"`` within it unless ``--mla-threads`` says otherwise); the machine (CPU, cores, ISA)

@@ -24,6 +24,7 @@ GGUF_DIR = HERE / "out" / "gguf"
 # bytes per weight of each format (q8_0: 32 int8 + one float16 scale per block); mla-runtime int8 adds a float32
 # scale per output row (negligible) and keeps kv_b_proj in float32
 BYTES = {"f32": 4.0, "fp32": 4.0, "bf16": 2.0, "q8_0": 34 / 32, "int8": 1.0}
+PREFILL_REPEATS = 3  # prefill tok/s: the median of this many prompts per round, for both systems (one is noisy)
 PEER_OF = {"fp32": "f32", "bf16": "bf16", "int8": "q8_0"}
 
 
@@ -57,13 +58,14 @@ def step_bytes(fmt: str, batch: int) -> float:
 
 def llama_bench(gguf: Path, threads: int, prompt_len: int, steps: int) -> tuple[float, float]:
     """(decode tok/s at batch 1 with ``prompt_len`` tokens in context, prefill tok/s of ``prompt_len`` tokens)."""
-    def run(*extra: str) -> float:
-        out = subprocess.run([str(BIN / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json",
-                              *extra], check=True, capture_output=True, text=True).stdout
-        return float(json.loads(out)[0]["avg_ts"])
+    def run(reps: int, *extra: str) -> float:
+        out = subprocess.run([str(BIN / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-r", str(reps), "-o",
+                              "json", *extra], check=True, capture_output=True, text=True).stdout
+        row = json.loads(out)[0]
+        return float(statistics.median(row["samples_ts"]) if row.get("samples_ts") else row["avg_ts"])
 
-    return (run("-p", "0", "-n", str(steps), "-d", str(prompt_len)),
-            run("-p", str(prompt_len), "-n", "0"))
+    return (run(1, "-p", "0", "-n", str(steps), "-d", str(prompt_len)),
+            run(PREFILL_REPEATS, "-p", str(prompt_len), "-n", "0"))
 
 
 def llama_batched(gguf: Path, threads: int, prompt_len: int, steps: int, batch: int) -> float:
@@ -87,18 +89,29 @@ class MlaPeer:
                        max_model_len=prompt_len + steps + 32, max_num_seqs=batch, kv_cache_memory="512MiB",
                        enable_prefix_caching=False, num_threads=threads)
         self.params = SamplingParams(max_tokens=steps + 3, temperature=0, ignore_eos=True)
+        self.once = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
         self.prompts = make_prompts(batch, prompt_len, CONFIG["vocab_size"], seed=0)
         self.steps, self.ids = steps, 0
 
     def run(self, batch: int) -> tuple[float, float]:
-        """(decode tok/s: ``batch`` / median step after the prompt, prefill tok/s of the prompts' one step)."""
+        """(decode tok/s: ``batch`` / median step after the prompt, prefill tok/s of the prompts' one step; at batch
+        1, the median of ``PREFILL_REPEATS`` prefills)."""
         engine = self.llm.engine
+        prefills = []
+        for _ in range(PREFILL_REPEATS - 1 if batch == 1 else 0):  # prefill only: the request ends after its step
+            engine.add_request(f"peer-{self.ids}", {"prompt_token_ids": self.prompts[0]}, self.once)
+            self.ids += 1
+            t0 = time.perf_counter()
+            engine.step()
+            prefills.append(len(self.prompts[0]) / (time.perf_counter() - t0))
+            while engine.has_unfinished_requests():
+                engine.step()
         for p in self.prompts[:batch]:
             engine.add_request(f"peer-{self.ids}", {"prompt_token_ids": p}, self.params)
             self.ids += 1
         t0 = time.perf_counter()
         engine.step()
-        prefill = batch * len(self.prompts[0]) / (time.perf_counter() - t0)
+        prefills.append(batch * len(self.prompts[0]) / (time.perf_counter() - t0))
         engine.step()  # warm-up decode
         times = []
         for _ in range(self.steps):
@@ -108,7 +121,7 @@ class MlaPeer:
         while engine.has_unfinished_requests():
             engine.step()
         engine.pool.check_whole()
-        return batch / statistics.median(times), prefill
+        return batch / statistics.median(times), statistics.median(prefills)
 
 
 def _measure(args, systems: dict[str, object], batch: int) -> dict[str, dict[str, list[float]]]:
