@@ -225,18 +225,22 @@ def gemv_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> t
     return y
 
 
+INT8_ROWS_MAX = 64  # int8 products of up to this many rows take the kernel, eight rows at a time
+
+
 def gemm_few_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``x · (qweight · scales[:, None])ᵀ`` in float32 for 1 to ``FEW_ROWS_MAX`` rows ``x [..., K]`` (any float dtype),
-    a contiguous int8 ``qweight [N, K]`` and float32 ``scales [N]``, each row rounded to int16 with a power-of-two
-    scale; only where ``failure()`` is None."""
+    """``x · (qweight · scales[:, None])ᵀ`` in float32 for 1 to ``INT8_ROWS_MAX`` rows ``x [..., K]`` (any float
+    dtype), a contiguous int8 ``qweight [N, K]`` and float32 ``scales [N]``, each row rounded to int16 with a
+    power-of-two scale; eight rows at a time, each row's result independent of the others. Only where ``failure()``
+    is None."""
     lib, _ = _load()
     assert lib is not None, "gemm_few_int8 needs the kernel: check failure() first"
     n, k = qweight.shape
     rows = x.numel() // k if k else 0
-    if (x.shape[-1] != k or not 1 <= rows <= FEW_ROWS_MAX or qweight.dtype != torch.int8
+    if (x.shape[-1] != k or not 1 <= rows <= INT8_ROWS_MAX or qweight.dtype != torch.int8
             or not qweight.is_contiguous() or scales.dtype != torch.float32 or scales.shape != (n,)
             or not scales.is_contiguous()):
-        raise ValueError(f"gemm_few_int8 takes 1 to {FEW_ROWS_MAX} rows of {k} values, a contiguous int8 weight and "
+        raise ValueError(f"gemm_few_int8 takes 1 to {INT8_ROWS_MAX} rows of {k} values, a contiguous int8 weight and "
                          f"{n} float32 scales, got x {tuple(x.shape)}, weight {qweight.dtype} and scales "
                          f"{tuple(scales.shape)} {scales.dtype}")
     xs = x.to(torch.float32).contiguous()

@@ -10,6 +10,7 @@
  * of 1 KB). x stays in L1. */
 #include <math.h>
 #include <omp.h>
+#include <stdlib.h>
 
 #include "simd.h"
 
@@ -171,14 +172,24 @@ void mla_gemm_few_f32(const float *w, const float *x, float *y, int64_t m, int64
     for (int64_t r = 0; r < n; r++) ROWS_CASES(F32_ROW)
 }
 
-void mla_gemm_few_i8(const int8_t *w, const float *scale, const float *x, float *y, int64_t m, int64_t n, int64_t k,
+/* Any number of rows, eight at a time (each row's result does not depend on the others: a verification step's rows
+ * come out as the same rows decoded one by one would). */
+void mla_gemm_few_i8(const int8_t *w, const float *scale, const float *x, float *y, int64_t rows, int64_t n, int64_t k,
                      int64_t threads) {
-    int16_t xq[m * k];
-    float sx[8];
-    for (int64_t j = 0; j < m; j++) sx[j] = quantize16(x + j * k, xq + j * k, k);
-#define I8_ROW(M) few_i8(w + r * k, scale[r], xq, sx, y, r, M, n, k)
-    #pragma omp parallel for schedule(static) num_threads((int)threads)
-    for (int64_t r = 0; r < n; r++) ROWS_CASES(I8_ROW)
+    int16_t *xq = malloc((size_t)(rows * k) * sizeof(int16_t));
+    float *sx = malloc((size_t)rows * sizeof(float));
+    if (!xq || !sx) abort();  /* a few hundred kilobytes: mla_kernels.cpu_gemv bounds the rows */
+    for (int64_t j = 0; j < rows; j++) sx[j] = quantize16(x + j * k, xq + j * k, k);
+    for (int64_t c = 0; c < rows; c += 8) {
+        const int64_t m = rows - c < 8 ? rows - c : 8;
+        const int16_t *xc = xq + c * k;
+        float *yc = y + c * n;
+#define I8_ROW(M) few_i8(w + r * k, scale[r], xc, sx + c, yc, r, M, n, k)
+        #pragma omp parallel for schedule(static) num_threads((int)threads)
+        for (int64_t r = 0; r < n; r++) ROWS_CASES(I8_ROW)
+    }
+    free(xq);
+    free(sx);
 }
 
 /* RMSNorm of m rows of x [m, k] (row stride ld) into y [m, k]: y = x / sqrt(mean(x^2) + eps) * weight, in float32.

@@ -233,9 +233,11 @@ class MLAttention(nn.Module):
                 and cache.kv.dtype == torch.float32:
             flat = cache.kv.view(-1, cache.kv.shape[-1])  # the whole layer in one compiled call
             return cpu_gemv.absorbed_decode(q_n, q_r, w_uk, w_uv_t, flat, plan.slots, plan.lens, self.scale)
-        if w_uk is None or w_uv_t is None or w_uk.dtype != self.kv_b_proj.weight.dtype:
-            w_uk, w_uv = self.w_uk_uv()  # not prepared, or the copies are the kernel's (bfloat16): views of kv_b_proj
+        if w_uk is None or w_uv_t is None:  # not prepared: strided views of kv_b_proj
+            w_uk, w_uv = self.w_uk_uv()
             w_uv_t = w_uv.transpose(1, 2)
+        elif w_uk.dtype != q_n.dtype:  # the kernel's bfloat16 copies (int8 models): the same values, widened
+            w_uk, w_uv_t = w_uk.to(q_n.dtype), w_uv_t.to(q_n.dtype)
         q_abs = torch.bmm(q_n.transpose(0, 1), w_uk).transpose(0, 1)  # [T, n_h, d_c]
         q_cat = torch.cat([q_abs, q_r], dim=-1)  # [T, n_h, d_c + d_r]
         if self.par.sharded_cache:
