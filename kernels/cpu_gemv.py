@@ -6,7 +6,10 @@
   over the paged latent cache, up-projection;
 - a one-thread RMSNorm of a few rows (``rms_norm``);
 - gated MLPs of one row (``GatedMLPTable``): a dense MLP, or a MoE layer's router, routing, routed and shared
-  experts in one call (``GatedMLPTable.moe_row``).
+  experts in one call (``GatedMLPTable.moe_row``);
+- a whole decoder layer of one to ``FEW_ROWS_MAX`` rows in one call (``decoder_layer``, ``csrc/mla_layer_f32.c``):
+  the kernels above in the order a decode step calls them, with the MLP of any of those row counts (a MoE layer's
+  rows routed, then each chosen expert read once for the rows that chose it).
 
 A decode step at batch 1 multiplies one row by every weight matrix, streaming each from memory once. oneDNN and MKL
 reach the memory bandwidth only on large matrices: measured on a 2-core AMD EPYC (Zen 3, AVX2) with the weights out
@@ -15,7 +18,7 @@ of cache (``bench/bench_gemv.py``), oneDNN streams a ``[512, 256]`` weight at 4.
 simple way: each thread reads its share of the weight rows front to back as two sequential streams, and the input
 rows stay in L1. The step's small operations cost more in dispatch than in arithmetic there (``F.rms_norm`` of one
 row: about 35 µs; a MoE router in torch ops: about 120 µs), which is why the norm, the attention and the MoE layer
-are whole calls of their own (bench/RESULTS.md has the measurements).
+are whole calls of their own, and then each decoder layer (bench/RESULTS.md has the measurements).
 
 It is C, not a PyTorch extension, so that building it takes the system C compiler about a second and no PyTorch
 headers. ``failure()`` (once per process) checks the CPU (``torch.cpu.get_capabilities``: avx2 and fma3 on x86-64),

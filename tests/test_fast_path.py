@@ -529,7 +529,19 @@ def test_few_row_kernels_match_f_linear(rows):
     with pytest.raises(ValueError, match="float32 rows"):
         cpu_gemv.gemm_few(torch.randn(9, 77), w)
     with pytest.raises(ValueError, match="float32 scales"):
-        cpu_gemv.gemm_few_int8(torch.randn(9, 77), q, scales)
+        cpu_gemv.gemm_few_int8(torch.randn(cpu_gemv.INT8_ROWS_MAX + 1, 77), q, scales)
+
+
+@needs_row_kernel
+def test_int8_products_of_many_rows_equal_their_rows_one_at_a_time():
+    """int8 products of up to INT8_ROWS_MAX rows go eight rows at a time, and each row's result is the one it gets
+    alone (a speculative verification's rows equal the same tokens decoded one by one)."""
+    g = torch.Generator().manual_seed(3)
+    q, scales = torch.randint(-127, 128, (37, 77), generator=g, dtype=torch.int8), torch.rand(37, generator=g)
+    x = torch.randn(cpu_gemv.INT8_ROWS_MAX, 77, generator=g)
+    for rows in (9, 23, cpu_gemv.INT8_ROWS_MAX):
+        together = cpu_gemv.gemm_few_int8(x[:rows], q, scales)
+        assert torch.equal(together, torch.cat([cpu_gemv.gemm_few_int8(x[i:i + 1], q, scales) for i in range(rows)]))
 
 
 @needs_row_kernel

@@ -12,7 +12,8 @@
  *     x += MLP(h)   the dense MLP or the MoE layer (router, routing, routed and shared experts); without an MLP
  *                   table the caller runs it, and finds h at the start of the scratch buffer
  *
- * Weights are float32, or int8 with a float32 scale per row (a zero scale pointer: float32). The layer's weights
+ * Weights are float32, or int8 with a float32 scale per row (a zero scale pointer: float32); the absorbed factors
+ * float32 or bfloat16 (int8 models). The layer's weights
  * and sizes are a table of 64-bit integers (LayerField), the step's rows another (StepField), both built by
  * mla_kernels.cpu_gemv, which also checks every shape once when it builds them. The Python side costs one call a
  * layer instead of about fifteen (each some microseconds of dispatch: bench/RESULTS.md). */
