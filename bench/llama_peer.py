@@ -52,8 +52,8 @@ def step_bytes(fmt: str, batch: int) -> float:
     experts = expected_experts(c["n_routed_experts"], c["num_experts_per_tok"], batch) + c["n_shared_experts"]
     matrices = (c["num_hidden_layers"] * attn + c["first_k_dense_replace"] * 3 * d * c["intermediate_size"]
                 + moe_layers * experts * expert + c["vocab_size"] * d)
-    exact = 4.0 if fmt == "int8" else BYTES[fmt]  # kv_b_proj: float32 under mla-runtime int8
-    return matrices * BYTES[fmt] + c["num_hidden_layers"] * kv_b * exact
+    factors = 2.0 if fmt == "int8" else BYTES[fmt]  # kv_b_proj: the decode kernel's bfloat16 copies under int8
+    return matrices * BYTES[fmt] + c["num_hidden_layers"] * kv_b * factors
 
 
 def llama_bench(gguf: Path, threads: int, prompt_len: int, steps: int) -> tuple[float, float]:
