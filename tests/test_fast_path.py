@@ -938,3 +938,28 @@ def test_decoder_layer_tables_and_steps_reject_what_they_cannot_compute(tiny_che
         cpu_gemv.decoder_layer(table, step, torch.zeros(3, table.hidden), cache)
     with pytest.raises(ValueError, match="do not fit a layer"):
         cpu_gemv.decoder_layer(table, step, torch.zeros(2, table.hidden), cache.double())
+
+
+def test_compiled_layers_follow_weights_replaced_before_prepare_inference(tiny_checkpoint, monkeypatch):
+    """Replacing a weight (here a norm's parameter, which no packed copy tracks) and preparing the model again makes
+    the compiled layers read the new weight: their decode logits equal the op-by-op path's on the changed model."""
+    from mla_runtime.models import deepseek
+
+    ckpt, _ = tiny_checkpoint("v3")
+    ps = prompts([20, 9], seed=8)
+    model = load_model(ckpt, dtype="float32")
+    PagedRunner(model, 1, 48).step({0: ps[0][:4]})  # a prefill: no tables yet
+    runner = PagedRunner(model, len(ps), 48)
+    runner.step({i: p[:-1] for i, p in enumerate(ps)})
+    runner.step({i: [p[-1]] for i, p in enumerate(ps)})  # a decode step: the tables are made
+    layer = model.model.layers[1]
+    layer.input_layernorm.weight = nn.Parameter(layer.input_layernorm.weight * 1.5, requires_grad=False)
+    model.prepare_inference()
+    logits = []
+    for compiled in (True, False):
+        if not compiled:
+            monkeypatch.setattr(deepseek.DeepseekForCausalLM, "_decode_step", lambda *a: None)
+        runner = PagedRunner(model, len(ps), 48)
+        runner.step({i: p[:-1] for i, p in enumerate(ps)})
+        logits.append(torch.cat(list(runner.step({i: [p[-1]] for i, p in enumerate(ps)}).values())))
+    assert rel_err(logits[0], logits[1]) <= 1e-5

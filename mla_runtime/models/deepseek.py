@@ -63,6 +63,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.kernel = DecoderKernel()  # the layer as one compiled call, on decode steps that take it
 
+    def prepare_inference(self) -> None:
+        """Forget the compiled table: it is made again, from the prepared weights, at the next decode step."""
+        self.kernel = DecoderKernel()
+
     def kernel_table(self) -> cpu_gemv.DecoderLayerTable | None:
         """The layer's compiled table (``layers.decoder_kernel``), or None where it runs call by call."""
         return self.kernel.table(self._parts)
