@@ -910,11 +910,12 @@ def test_decode_steps_run_each_layer_as_one_compiled_call_with_the_same_logits(t
 
 
 @needs_row_kernel
-def test_decoder_layer_tables_and_steps_reject_what_they_cannot_compute(tiny_checkpoint):
+def test_decoder_layer_tables_and_steps_reject_what_they_cannot_compute(tiny_checkpoint, monkeypatch):
     """A layer table checks every weight's dtype and shape when it is made, naming the one that does not fit; a step
     takes one to eight rows; a call checks the hidden rows and the cache."""
     from mla_runtime.layers.decoder_kernel import layer_weights
 
+    monkeypatch.setenv(cpu_gemm.GEMM_ENV, "auto")  # the kernels themselves, whatever the suite's mode
     ckpt, _ = tiny_checkpoint("v3")
     model = load_model(ckpt, dtype="float32")
     layer = model.model.layers[1]
