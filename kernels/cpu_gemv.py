@@ -563,12 +563,16 @@ class DecodeStep:
         self.scratch = torch.empty(lib.mla_decoder_layer_scratch(table.ptr, self.ptr), dtype=torch.float32)
 
     def fits(self, table: DecoderLayerTable) -> bool:
-        """Whether this step's scratch serves ``table``'s layer (every layer of a model does, but a MTP layer's MLP
-        may be larger)."""
+        """Whether this step serves ``table``'s layer (the same heads and latent width); the scratch grows to what the
+        layer needs (a model's dense and MoE layers need different amounts)."""
+        if table.heads != self.heads or table.d_c != self.d_c:
+            return False
         lib, _ = _load()
         assert lib is not None
-        return table.heads == self.heads and table.d_c == self.d_c and \
-            lib.mla_decoder_layer_scratch(table.ptr, self.ptr) <= self.scratch.numel()
+        need = lib.mla_decoder_layer_scratch(table.ptr, self.ptr)
+        if need > self.scratch.numel():
+            self.scratch = torch.empty(need, dtype=torch.float32)
+        return True
 
 
 def decoder_layer(table: DecoderLayerTable, step: DecodeStep, x: torch.Tensor, cache: torch.Tensor

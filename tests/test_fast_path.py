@@ -934,6 +934,11 @@ def test_decoder_layer_tables_and_steps_reject_what_they_cannot_compute(tiny_che
         cpu_gemv.DecodeStep(rope, rope, torch.zeros(9, dtype=torch.long), keys, lens, table.heads, table.d_c, table)
     step = cpu_gemv.DecodeStep(rope[:2], rope[:2], torch.zeros(2, dtype=torch.long), keys[:2], lens[:2], table.heads,
                                table.d_c, table)
+    lib, _ = cpu_gemv._load()
+    for other in model.model.layers:  # dense and MoE layers need different scratch: the step's grows to each
+        other_table = other.kernel_table()
+        assert step.fits(other_table)
+        assert step.scratch.numel() >= lib.mla_decoder_layer_scratch(other_table.ptr, step.ptr)
     cache = torch.zeros(8, table.d_c + d_r)
     with pytest.raises(ValueError, match="do not fit a layer"):
         cpu_gemv.decoder_layer(table, step, torch.zeros(3, table.hidden), cache)
