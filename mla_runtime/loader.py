@@ -18,19 +18,35 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
+from collections import OrderedDict
+from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from mla_runtime.config import ModelConfig
 from mla_runtime.errors import InvalidParam
+from mla_runtime.layers.quantization import (
+    WEIGHT_FORMATS,
+    QuantizedMatrices,
+    check_quantization,
+    install_quantized,
+    quantized_parameter_names,
+)
+from mla_runtime.layers.qweight import QuantizedWeight
+from mla_runtime.layers.rotary import RotaryEmbedding
 from mla_runtime.models.deepseek import DeepseekForCausalLM
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 from mla_runtime.plan import resolve_model_dtype
+
+logger = logging.getLogger("mla_runtime")
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _IGNORED_RE = re.compile(r"rotary_emb\.inv_freq$")
@@ -192,16 +208,23 @@ def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: t
 
 
 class _Reader:
-    """Open safetensors files lazily (memory-mapped) and hand out one tensor at a time."""
+    """Open safetensors files lazily (memory-mapped) and hand out one tensor at a time. At most ``OPEN_FILES`` stay
+    open: a checkpoint is read shard after shard, and a closed file's pages leave this process's resident memory."""
+
+    OPEN_FILES = 2
 
     def __init__(self, files: dict[str, Path]) -> None:
         self.files = files
-        self._handles: dict[Path, object] = {}
+        self._handles: OrderedDict[Path, Any] = OrderedDict()
 
-    def _handle(self, name: str):
+    def _handle(self, name: str) -> Any:
         f = self.files[name]
-        if f not in self._handles:
+        if f in self._handles:
+            self._handles.move_to_end(f)
+        else:
             self._handles[f] = safe_open(str(f), framework="pt")
+            while len(self._handles) > self.OPEN_FILES:
+                self._handles.popitem(last=False)
         return self._handles[f]
 
     def get(self, name: str, shard: tuple[int, int, int, int] | None = None) -> torch.Tensor:
@@ -214,6 +237,12 @@ class _Reader:
 
     def shape(self, name: str) -> list[int]:
         return list(self._handle(name).get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> str:
+        return str(self._handle(name).get_slice(name).get_dtype())
+
+    def close(self) -> None:
+        self._handles.clear()
 
 
 def _mtp_or_ignored(name: str, cfg: ModelConfig) -> bool:
@@ -232,9 +261,103 @@ def check_mtp_weights(cfg: ModelConfig, files: AbstractSet[str] | dict[str, Path
                            f"use speculative_method 'prompt_lookup'")
 
 
-def load_weights(model: DeepseekForCausalLM, path: str | Path) -> None:
+def _scale_shard(shard: tuple[int, int, int, int] | None, block: tuple[int, int]
+                 ) -> tuple[int, int, int, int] | None:
+    """The part of a ``weight_scale_inv`` that covers the part ``shard`` of its weight (block-aligned)."""
+    if shard is None:
+        return None
+    dim, start, stop, full = shard
+    b = block[dim]
+    return dim, start // b, -(-stop // b), -(-full // b)
+
+
+def _block_aligned(shard: tuple[int, int, int, int] | None, rows: int | None, block: tuple[int, int]) -> bool:
+    """Whether an FP8 tensor's part ``shard`` (and, stacked with others, its ``rows``) starts and ends on block
+    boundaries, so that it keeps its own block scales."""
+    if rows is not None and rows % block[0]:
+        return False
+    if shard is None:
+        return True
+    dim, start, stop, full = shard
+    return start % block[dim] == 0 and (stop % block[dim] == 0 or stop == full)
+
+
+def _piece_position(param: torch.Tensor, index: tuple[int | slice, ...]) -> tuple[int | None, int]:
+    """(expert, first row) of the part ``index`` of a product parameter (``[N, K]``, or ``[E, N, K]``: expert
+    None when the part spans every expert)."""
+    expert = index[0] if param.dim() == 3 and index else None
+    rows = index[1:] if param.dim() == 3 else index
+    first = rows[0].start if rows and isinstance(rows[0], slice) else 0
+    return cast(int | None, expert), first or 0
+
+
+class _QuantizedMatrices:
+    """The quantised parts of each product matrix as they stream in; a matrix (one per expert of a stack) is stacked
+    from its row blocks once they are all there, so at most one matrix's parts wait at a time."""
+
+    def __init__(self, shapes: dict[str, torch.Size]) -> None:
+        self.shapes = shapes
+        self.waiting: dict[tuple[str, int | None], list[tuple[int, QuantizedWeight]]] = {}
+        self.done: dict[str, QuantizedMatrices] = {
+            n: cast(QuantizedMatrices, [None] * s[0]) if len(s) == 3 else cast(QuantizedMatrices, None)
+            for n, s in shapes.items()}
+
+    def add(self, param: str, expert: int | None, first_row: int, piece: QuantizedWeight) -> None:
+        parts = self.waiting.setdefault((param, expert), [])
+        parts.append((first_row, piece))
+        if sum(p.shape[0] for _, p in parts) < self.shapes[param][-2]:
+            return
+        del self.waiting[(param, expert)]
+        parts.sort(key=lambda part: part[0])
+        matrix = parts[0][1] if len(parts) == 1 else type(parts[0][1]).cat([p for _, p in parts])
+        if expert is None:
+            self.done[param] = matrix
+        else:
+            cast(list, self.done[param])[expert] = matrix
+
+    def result(self) -> dict[str, QuantizedMatrices]:
+        incomplete = [n for n, m in self.done.items() if m is None or (isinstance(m, list) and None in m)]
+        if incomplete or self.waiting:
+            raise CheckpointError(f"quantised weights left incomplete: {', '.join(incomplete[:5])}")
+        return self.done
+
+
+def _weight_kinds(cfg: ModelConfig, table: dict[str, Slot | None], params: Mapping[str, torch.Tensor],
+                  quantization: str | None, scale_names: AbstractSet[str], product_names: list[str]
+                  ) -> dict[str, str]:
+    """What each product parameter becomes: ``quantization``'s format, or ``fp8`` where the checkpoint stores it as
+    FP8 blocks that this rank's part keeps whole; absent: the model dtype."""
+    if quantization is not None:
+        return dict.fromkeys(product_names, quantization)
+    if cfg.fp8_block_size is None:
+        return {}
+    block = cfg.fp8_block_size
+    fp8 = dict.fromkeys(product_names, True)
+    for name, slot in table.items():
+        if slot is None or slot.param not in fp8:
+            continue
+        stacked = slot.index and isinstance(slot.index[-1], slice)
+        rows = params[slot.param][slot.index].shape[-2] if stacked else None
+        fp8[slot.param] &= (name[: -len("weight")] + "weight_scale_inv" in scale_names
+                            and _block_aligned(slot.shard, rows, block))
+    kinds = {n: "fp8" for n, keep in fp8.items() if keep}
+    if len(kinds) < len(fp8):
+        logger.info("FP8 weights: %d of %d product matrices are not whole FP8 blocks on this rank and load "
+                    "dequantised", len(fp8) - len(kinds), len(fp8))
+    return kinds
+
+
+def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str | None = None,
+                 device: torch.device | None = None) -> None:
     """Fill ``model`` (this rank's shard of it, with its ``mtp`` layers) from the checkpoint at ``path``; raises
-    ``CheckpointError`` listing every problem."""
+    ``CheckpointError`` listing every problem. ``device``: where parameters still on the meta device go (default:
+    where the model's other tensors are).
+
+    Tensor by tensor, each read from its memory-mapped file, converted to its final form and placed: parameters
+    still on the meta device are allocated as they are first filled, and a product matrix whose final form is
+    quantised (``quantization``, or FP8 blocks kept as stored) is never allocated in a float dtype: each checkpoint
+    tensor is quantised on its own (every format's scales are per row or per group of a row, so this equals
+    quantising the stacked matrix) and its row blocks stacked once complete."""
     path = Path(path)
     cfg = model.config
     files = checkpoint_files(path)
@@ -263,6 +386,23 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path) -> None:
     if problems:
         raise CheckpointError(f"checkpoint {path} does not match its config ({len(problems)} problems):\n  "
                               + "\n  ".join(problems))
+    if scale_names and cfg.fp8_block_size is None:
+        raise CheckpointError(f"{min(scale_names)}: FP8 scales found but config.json has no "
+                              f"quantization_config with weight_block_size")
+
+    if device is None:
+        device = next((t.device for t in [*model.parameters(), *model.buffers()] if not t.is_meta),
+                      torch.device("cpu"))
+    kinds = _weight_kinds(cfg, table, params, quantization, scale_names, quantized_parameter_names(model))
+    fmt = None if quantization is None else WEIGHT_FORMATS[quantization]
+    matrices = _QuantizedMatrices({n: params[n].shape for n in kinds})
+    modules = dict(model.named_modules())
+    for name, param in params.items():  # the float parameters, allocated now (zeros: vocabulary padding rows)
+        if name not in kinds and param.is_meta:
+            owner, _, attr = name.rpartition(".")
+            setattr(modules[owner] if owner else model, attr,
+                    nn.Parameter(torch.zeros(param.shape, dtype=param.dtype, device=device), requires_grad=False))
+    params = dict(model.named_parameters())
 
     from tqdm import tqdm
 
@@ -273,34 +413,63 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path) -> None:
         if slot is None:
             continue
         bar.update(1)
-        target = params[slot.param][slot.index]
+        param = params[slot.param]
+        kind = kinds.get(slot.param)
         scale_name = name[: -len("weight")] + "weight_scale_inv" if name.endswith(".weight") else None
+        if kind == "fp8":
+            from mla_runtime.layers.fp8 import Fp8Weight
+
+            block = cast(tuple[int, int], cfg.fp8_block_size)
+            weight = reader.get(name, slot.shard).to(device)
+            scale = reader.get(cast(str, scale_name), _scale_shard(slot.shard, block)).to(device)
+            expert, first = _piece_position(param, slot.index)
+            matrices.add(slot.param, expert, first, Fp8Weight(weight, scale.float(), block, param.dtype))
+            continue
         if scale_name in scale_names:
-            if cfg.fp8_block_size is None:
-                raise CheckpointError(f"{scale_name}: FP8 scales found but config.json has no "
-                                      f"quantization_config with weight_block_size")
-            tensor = dequantize_fp8_block(reader.get(name), reader.get(scale_name), cfg.fp8_block_size)
+            block = cast(tuple[int, int], cfg.fp8_block_size)
+            tensor = dequantize_fp8_block(reader.get(name), reader.get(scale_name), block)
             if slot.shard is not None:
                 dim, start, stop, _ = slot.shard
                 tensor = tensor.narrow(dim, start, stop - start)
         else:
             tensor = reader.get(name, slot.shard)
-        with torch.no_grad():
-            target.copy_(tensor.to(target.dtype))
+        tensor = tensor.to(device=device, dtype=param.dtype)
+        if kind is None:
+            with torch.no_grad():
+                param[slot.index].copy_(tensor)
+        else:
+            assert fmt is not None
+            expert, first = _piece_position(param, slot.index)
+            if expert is None and param.dim() == 3:  # every expert at once (transformers' fused layout)
+                for e, rows in enumerate(tensor):
+                    matrices.add(slot.param, e, first, fmt.quantize(rows))
+            else:
+                matrices.add(slot.param, expert, first, fmt.quantize(tensor))
         del tensor
     bar.close()
+    reader.close()
+    install_quantized(model, matrices.result())
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.materialize(device)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise CheckpointError(f"{path}: nothing loaded into {', '.join(left[:5])}")
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto", attention_path: str = "auto",
                backend: str | None = None, device: str | torch.device = "cpu",
-               par: ParallelContext = SINGLE_RANK, num_mtp_layers: int = 0) -> DeepseekForCausalLM:
+               par: ParallelContext = SINGLE_RANK, num_mtp_layers: int = 0,
+               quantization: str | None = None) -> DeepseekForCausalLM:
     """Build the model (this rank's shard, with ``num_mtp_layers`` MTP layers) from ``<path>/config.json`` and
-    load its safetensors weights."""
+    load its safetensors weights straight into their final form: the model dtype, or the products quantised
+    (``quantization``: ``layers.quantization``; then ``finish_quantization`` must follow once the weights are final,
+    after any latent-rank truncation) or, for an FP8 checkpoint without ``quantization``, kept in FP8 blocks."""
     cfg = ModelConfig.from_pretrained(path)
     if num_mtp_layers > cfg.num_nextn_predict_layers:
         check_mtp_weights(cfg, {}, Path(path))
     torch_dtype = resolve_model_dtype(dtype, cfg, device)
-    with torch.device(device):
+    with torch.device("meta"):  # parameters that take no memory: load_weights allocates each in its final form
         model = DeepseekForCausalLM(cfg, torch_dtype, attention_path, backend, par, num_mtp_layers)
-    load_weights(model, path)
+    load_weights(model, path, check_quantization(quantization), torch.device(device))
     return model.eval().prepare_inference()

@@ -35,7 +35,7 @@ def test_int8_product_equals_its_dequantised_matrix(gemm_mode, dtype, shape):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(*shape, generator=g)
     w[3, 5] = 40.0  # an outlier: only its own row's scale grows
-    q = Int8Weight(w.to(dtype))
+    q = Int8Weight.quantize(w.to(dtype))
     # the kernel mishandles inner dimensions that are not a multiple of 8 (wrong values or a crash on AVX2)
     assert q.kernel == (gemm_mode == "auto" and shape[1] % 64 == 0 and int8_kernel_failure("auto") is None)
     dq = q.dequantize()
@@ -66,7 +66,7 @@ def test_few_row_int8_products_with_and_without_the_row_kernels(mode, rows, monk
     monkeypatch.setenv("MLA_CPU_GEMM", mode)
     g = torch.Generator().manual_seed(1)
     w = torch.randn(96, 128, generator=g)
-    q = Int8Weight(w)
+    q = Int8Weight.quantize(w)
     assert (q.row_scales is not None) == (mode == "auto" and cpu_gemv.failure() is None)
     x, bias = torch.randn(rows, 128, generator=g), torch.randn(96, generator=g)
     ref = torch.nn.functional.linear(x, q.dequantize(), bias)
@@ -83,7 +83,7 @@ def test_int8_kernel_probe_in_both_states(gemm_mode):
     failure = int8_kernel_failure(gemm_mode)
     if gemm_mode == "plain":
         assert failure == "MLA_CPU_GEMM=plain forces the fallback"
-    assert Int8Weight(torch.randn(8, 128)).kernel == (failure is None)  # a failed probe falls back cleanly
+    assert Int8Weight.quantize(torch.randn(8, 128)).kernel == (failure is None)  # a failed probe falls back cleanly
 
 
 def _logprobs(model, prompts: list[list[int]], decodes: int) -> torch.Tensor:

@@ -7,8 +7,9 @@ and the latent-rank sweep:
    (with the latent rank applied), picks the device and the weight and cache dtypes;
 2. ``load()`` loads this rank's shard of the weights;
 3. ``truncate_latent(calibration)`` folds the latent-rank basis into the weights (when ``latent_rank`` is set);
-   with ``quantization="int8"`` the weights are then quantised (``layers.quantization``), once, before the cache
-   is sized: by the first ``num_blocks()`` or ``allocate()``;
+   with ``quantization`` the products were quantised as they streamed in (``loader``), and the absorbed factors
+   are rounded after truncation (``layers.quantization.finish_quantization``), once, before the cache is sized:
+   by the first ``num_blocks()`` or ``allocate()``;
 4. ``num_blocks()`` sizes the paged cache by the planner's rule (``plan.cache_budget_bytes``), fed the memory
    free at that moment;
 5. ``allocate(num_blocks)`` allocates the cache; ``open_lower_tier()`` then opens this rank's lower tiers of the
@@ -46,7 +47,7 @@ from mla_runtime.errors import InvalidParam
 from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.hub import resolve_model
 from mla_runtime.latent_rank import check_latent_rank, truncate_latent_rank
-from mla_runtime.layers.quantization import quantize_model
+from mla_runtime.layers.quantization import finish_quantization
 from mla_runtime.loader import load_model
 from mla_runtime.models.deepseek import DeepseekForCausalLM
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext, check_tensor_parallel
@@ -155,7 +156,7 @@ class Worker:
             self.weights_fingerprint = checksums.manifest_fingerprint(self.model_path)
         self.model = load_model(self.model_path, dtype=self.dtype, attention_path=c.attention_path,
                                 backend=c.attention_backend, device=self.device, par=self.par,
-                                num_mtp_layers=self.num_mtp_layers)
+                                num_mtp_layers=self.num_mtp_layers, quantization=c.quantization)
         if self.num_mtp_layers:
             ids, source = resolve_token_map(c.speculative_token_map, self.model_path, self.model_config.vocab_size)
             self.model.set_draft_vocab(ids)
@@ -170,16 +171,18 @@ class Worker:
         rank = rank or self.config.latent_rank
         assert self.model is not None and rank is not None
         if self.quantized:
-            raise RuntimeError("truncate_latent: the weights are already quantised; truncate before sizing the cache")
+            raise RuntimeError("truncate_latent: the absorbed factors are already rounded; truncate before sizing "
+                               "the cache")
         truncate_latent_rank(self.model, rank, method or self.config.latent_projection, calibration)
 
     def quantize(self) -> None:
-        """Quantise the loaded (and truncated) weights as ``config.quantization`` says; once (later calls do
-        nothing). The float weights it replaces are released before the cache is sized."""
+        """Finish the quantisation of the weights (``config.quantization``), once they are final: the products were
+        quantised as they loaded; the absorbed factors and a tied head follow truncation (``finish_quantization``).
+        Once (later calls do nothing), before the cache is sized."""
         if self.quantized or self.config.quantization is None:
             return
         assert self.model is not None
-        quantize_model(self.model, self.config.quantization)
+        finish_quantization(self.model, self.config.quantization)
         self.quantized = True
 
     def num_blocks(self) -> int:

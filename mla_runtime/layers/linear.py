@@ -23,6 +23,8 @@ class Linear(nn.Module):
         self.fused = False  # True: its owner runs it stacked with another layer, so it keeps no packed copy
 
     def prepare_inference(self) -> None:
+        if self.packed is not None and self.packed.quantized:  # a quantised weight is final as it is
+            return
         self.packed = None if self.fused else PackedWeight.make(self.weight)
 
     def forward(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:

@@ -101,6 +101,8 @@ class MLAttention(nn.Module):
         self.w_uk, self.w_uv_t = w_uk.contiguous(), w_uv.transpose(1, 2).contiguous()
         self.decode_kernel = (self.w_uk.device.type == "cpu" and self.w_uk.dtype == torch.float32
                               and not self.par.sharded_cache and row_kernel_failure() is None)
+        if self.qkv_a is not None and self.qkv_a.quantized:  # quantised: final as it is
+            return
         self.qkv_a, self.qkv_a_bias = None, None
         if self.q_proj is None:
             self.qkv_a = PackedWeight.make(torch.cat([self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight]))

@@ -36,6 +36,8 @@ class GatedMLP(nn.Module):
         self.row_table: cpu_gemv.GatedMLPTable | bool | None = None  # one-row kernel (row_table); None: not made yet
 
     def prepare_inference(self) -> None:
+        if self.gate_up_packed is not None and self.gate_up_packed.quantized:  # quantised weights are final
+            return
         self.gate_up_packed = PackedWeight.make(self.gate_up_proj)
         self.down_packed = PackedWeight.make(self.down_proj)
         self.row_table = None

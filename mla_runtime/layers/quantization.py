@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
 from typing import cast
 
 import torch
@@ -53,10 +54,10 @@ from mla_runtime.layers.linear import Linear
 from mla_runtime.layers.mla import MLAttention
 from mla_runtime.layers.mlp import GatedMLP
 from mla_runtime.layers.moe import Experts
+from mla_runtime.layers.qweight import QuantizedWeight, released, released_like
 
 logger = logging.getLogger("mla_runtime")
 
-WEIGHT_QUANTIZATIONS = ("int8",)  # None (or "none"): weights in the model dtype
 QMAX = 127
 KERNEL_K_MULTIPLE = 64  # the CPU kernel runs inner dimensions that are a multiple of this
 
@@ -65,8 +66,8 @@ def check_quantization(value: object) -> str | None:
     """The normalised ``quantization`` setting (None: off); anything else is ``InvalidParam('quantization')``."""
     if value is None or value == "none":
         return None
-    if not isinstance(value, str) or value not in WEIGHT_QUANTIZATIONS:
-        raise InvalidParam("quantization", f"quantization must be one of none, {', '.join(WEIGHT_QUANTIZATIONS)}, "
+    if not isinstance(value, str) or value not in WEIGHT_FORMATS:
+        raise InvalidParam("quantization", f"quantization must be one of none, {', '.join(WEIGHT_FORMATS)}, "
                                            f"got {value!r}")
     return value
 
@@ -118,26 +119,33 @@ def uses_int8_kernel(weight: torch.Tensor) -> bool:
     return failure is None
 
 
-def released(weight: torch.Tensor) -> torch.Tensor:
-    """A stand-in for a released weight: same shape, dtype and device, one element of storage."""
-    return torch.empty((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
-
-
-class Int8Weight(PackedWeight):
+class Int8Weight(QuantizedWeight):
     """A weight-only int8 ``[N, K]`` matrix: what ``cpu_gemm.linear`` runs in place of the float weight."""
 
     __slots__ = ("qweight", "scales", "kernel", "row_scales")
-    quantized = True
+    scheme = "int8"
 
-    def __init__(self, weight: torch.Tensor) -> None:  # no PackedWeight.__init__: no float layout is kept
-        self.qweight, self.scales = quantize_int8(weight)
-        self.plain = released(weight)  # callers pass it as the "weight" argument: shape and dtype only
-        self.blocked = self.wide = None
-        self.upcast = self.plain_gemv = self.row_kernel = False
-        self.aten_max_rows = 0
-        self.kernel = uses_int8_kernel(weight)
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
+        """``qweight [N, K]`` int8 and ``scales [N]`` bfloat16, standing for a weight of ``dtype``."""
+        self._release_float(qweight.shape, dtype, qweight.device)
+        self.qweight, self.scales = qweight, scales
+        self.kernel = uses_int8_kernel(qweight)
         # one-row products: the compiled AVX2 kernel where it builds (float32 rows and these float32 scales)
-        self.row_scales = self.scales.float() if weight.device.type == "cpu" and row_kernel_failure() is None else None
+        cpu = qweight.device.type == "cpu"
+        self.row_scales = self.scales.float() if cpu and row_kernel_failure() is None else None
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Int8Weight:
+        return cls(*quantize_int8(weight), weight.dtype)
+
+    @classmethod
+    def cat(cls, parts: Sequence[QuantizedWeight]) -> Int8Weight:
+        int8 = [cast(Int8Weight, p) for p in parts]
+        return cls(torch.cat([p.qweight for p in int8]), torch.cat([p.scales for p in int8]), int8[0].plain.dtype)
+
+    def select_rows(self, index: torch.Tensor) -> Int8Weight:
+        """The matrix of the output rows ``index`` (the MTP drafts' rows of the lm_head)."""
+        return Int8Weight(self.qweight[index].contiguous(), self.scales[index].contiguous(), self.plain.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -170,88 +178,129 @@ class Int8Weight(PackedWeight):
         return y.to(x.dtype).reshape(*x.shape[:-1], self.qweight.shape[0])
 
 
-def _release(param: nn.Parameter) -> None:
-    param.data = released(param.data)
+# the ``quantization`` values and the formats they make; more register themselves below
+WEIGHT_FORMATS: dict[str, type[QuantizedWeight]] = {"int8": Int8Weight}
 
 
-def _quantize_attention(attn: MLAttention) -> None:
-    """Its projections (not ``kv_b_proj``); the stacked ``q_a``/``kv_a`` input projection as one matrix.
-    ``kv_b_proj`` keeps its dtype with its values rounded to bfloat16, so that every path (the prefill's
-    up-projection, the absorbed copies) reads the same factors; where the compiled decode kernel runs, its copies
-    of them are stored in bfloat16 (half the bytes a decode step reads there)."""
+def release(module: nn.Module, name: str, device: torch.device) -> None:
+    """Replace the parameter ``module.<name>`` by a released stand-in on ``device`` (its shape and dtype; no
+    storage): also one that was never allocated (on the meta device)."""
+    param = getattr(module, name)
+    setattr(module, name, nn.Parameter(released_like(param.shape, param.dtype, device), requires_grad=False))
+
+
+def quantized_parameter_names(model: nn.Module) -> list[str]:
+    """The parameters whose final form is a quantised matrix, by name: every projection of the attention except
+    ``kv_b_proj``, the dense MLPs, the shared and routed experts (``[E, N, K]`` stacks: one matrix per expert), and
+    an untied lm_head (a tied one is the embedding, which stays; ``finish_quantization`` quantises a copy)."""
+    names: list[str] = []
+    for prefix, module in model.named_modules():
+        p = f"{prefix}." if prefix else ""
+        if isinstance(module, MLAttention):
+            inputs = ["q_proj"] if module.q_proj is not None else ["q_a_proj", "q_b_proj"]
+            names += [f"{p}{n}.weight" for n in (*inputs, "kv_a_proj_with_mqa", "o_proj")]
+        elif isinstance(module, GatedMLP | Experts):
+            names += [f"{p}gate_up_proj", f"{p}down_proj"]
+    if isinstance(getattr(model, "lm_head", None), nn.Parameter):
+        names.append("lm_head")
+    return names
+
+
+QuantizedMatrices = QuantizedWeight | list[QuantizedWeight]  # one matrix, or one per expert of a stack
+
+
+def install_quantized(model: nn.Module, weights: dict[str, QuantizedMatrices]) -> None:
+    """Put quantised matrices (by parameter name, as ``quantized_parameter_names`` names them) in place of their
+    float parameters, which are released. ``q_a_proj`` and ``kv_a_proj_with_mqa`` become the attention's stacked
+    input projection."""
+    modules = dict(model.named_modules())
+    for name, weight in weights.items():
+        owner, _, attr = name.rpartition(".")
+        module = modules[owner]
+        if isinstance(module, Linear):
+            if owner.endswith((".q_a_proj", ".kv_a_proj_with_mqa")) and module.fused:
+                pass  # stacked below, with its partner
+            else:
+                module.packed = cast(QuantizedWeight, weight)
+        elif isinstance(module, GatedMLP):
+            setattr(module, "gate_up_packed" if attr == "gate_up_proj" else "down_packed", weight)
+            module.row_table = None  # made again from the quantised weights
+        elif isinstance(module, Experts):
+            setattr(module, "gate_up_packed" if attr == "gate_up_proj" else "down_packed",
+                    list(cast(list[QuantizedWeight], weight)))
+            module.row_table = None
+        elif attr == "lm_head":
+            model.__dict__["lm_head_packed"] = weight  # a plain attribute, as prepare_inference sets it
+        else:
+            raise ValueError(f"{name}: not a parameter that is quantised")
+        first = weight[0] if isinstance(weight, list) else weight
+        release(module, attr, first.plain.device)
+    for prefix, module in modules.items():
+        if isinstance(module, MLAttention) and module.q_proj is None:
+            a, kv = weights.get(f"{prefix}.q_a_proj.weight"), weights.get(f"{prefix}.kv_a_proj_with_mqa.weight")
+            if a is None or kv is None:
+                continue
+            first = cast(QuantizedWeight, a)
+            module.qkv_a = type(first).cat([first, cast(QuantizedWeight, kv)])
+            a_bias, kv_bias = module.q_a_proj.bias, module.kv_a_proj_with_mqa.bias
+            module.qkv_a_bias = None if a_bias is None or kv_bias is None else torch.cat([a_bias, kv_bias])
+
+
+def round_absorbed_factors(attn: MLAttention) -> None:
+    """``kv_b_proj`` (the absorbed factors ``W_UK``/``W_UV``) keeps its dtype with its values rounded to bfloat16, so
+    that every path (the prefill's up-projection, the absorbed copies) reads the same factors; where the compiled
+    decode kernel runs, its copies of them are stored in bfloat16 (half the bytes a decode step reads there). Done
+    after any latent-rank truncation, which folds its basis into ``kv_b_proj`` at full precision."""
     kv_b = attn.kv_b_proj
     kv_b.weight.data.copy_(kv_b.weight.data.to(torch.bfloat16))
     kv_b.prepare_inference()
     w_uk, w_uv = attn.w_uk_uv()
     dtype = torch.bfloat16 if attn.decode_kernel else w_uk.dtype
     attn.w_uk, attn.w_uv_t = w_uk.to(dtype).contiguous(), w_uv.transpose(1, 2).to(dtype).contiguous()
-    if attn.q_proj is None:
-        weights: list[nn.Parameter] = [attn.q_a_proj.weight, attn.kv_a_proj_with_mqa.weight]
-        attn.qkv_a = Int8Weight(torch.cat(tuple(weights)))
-        a_bias, kv_bias = attn.q_a_proj.bias, attn.kv_a_proj_with_mqa.bias
-        attn.qkv_a_bias = None if a_bias is None or kv_bias is None else torch.cat([a_bias, kv_bias])
-        for w in weights:
-            _release(w)
-        linears = [attn.q_b_proj, attn.o_proj]
-    else:
-        linears = [attn.q_proj, attn.kv_a_proj_with_mqa, attn.o_proj]
-    for lin in linears:
-        _quantize_linear(lin)
 
 
-def _quantize_linear(lin: Linear) -> None:
-    lin.packed = Int8Weight(lin.weight)
-    _release(lin.weight)
-
-
-def _quantize_mlp(mlp: GatedMLP) -> None:
-    mlp.gate_up_packed, mlp.down_packed = Int8Weight(mlp.gate_up_proj), Int8Weight(mlp.down_proj)
-    mlp.row_table = None  # made again from the int8 weights
-    _release(mlp.gate_up_proj)
-    _release(mlp.down_proj)
-
-
-def _quantize_experts(experts: Experts) -> None:
-    experts.row_table = None  # the MoE's one-row table: made again from the int8 weights
-    experts.gate_up_packed = [Int8Weight(w) for w in experts.gate_up_proj]
-    experts.down_packed = [Int8Weight(w) for w in experts.down_proj]
-    _release(experts.gate_up_proj)
-    _release(experts.down_proj)
+@torch.no_grad()
+def finish_quantization(model: nn.Module, quantization: str) -> None:
+    """What follows the products' quantisation once the weights are final (loaded, and truncated to a latent rank
+    if asked): the absorbed factors (``round_absorbed_factors``), a tied lm_head's quantised copy, and the MTP
+    drafts' head."""
+    fmt = WEIGHT_FORMATS[quantization]
+    for module in model.modules():
+        if isinstance(module, MLAttention):
+            round_absorbed_factors(module)
+    head = cast(PackedWeight | None, getattr(model, "lm_head_packed", None))
+    if head is None or not head.quantized:  # tied: the embedding stays, the head is a quantised copy of it
+        model.__dict__["lm_head_packed"] = fmt.quantize(cast(torch.Tensor, model.lm_head_weight))
+    draft_head = getattr(model, "draft_head", None)  # the MTP drafts' rows of it (set_draft_vocab)
+    if draft_head is not None and draft_head.numel() and draft_head.untyped_storage().nbytes() > 4:
+        model.__dict__["draft_head_packed"] = fmt.quantize(draft_head)
+        model.__dict__["draft_head"] = released(draft_head)
 
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, quantization: str | None) -> int:
-    """Quantise ``model``'s products in place (see the module docstring); returns the int8 bytes it holds.
-
-    ``model`` is a prepared ``DeepseekForCausalLM`` (its ``lm_head_weight`` / ``lm_head_packed``); a tied
-    lm_head keeps the embedding it shares and adds the int8 copy.
-    """
-    if check_quantization(quantization) is None:
+    """Quantise a loaded model's products in place (``quantized_parameter_names``) and finish
+    (``finish_quantization``); returns the bytes of quantised matrices it holds. (Loading with ``quantization``
+    quantises while the checkpoint streams in instead: ``loader.load_model``.)"""
+    scheme = check_quantization(quantization)
+    if scheme is None:
         return 0
-    for module in model.modules():
-        if isinstance(module, MLAttention):
-            _quantize_attention(module)
-        elif isinstance(module, GatedMLP):
-            _quantize_mlp(module)
-        elif isinstance(module, Experts):
-            _quantize_experts(module)
-    head_weight = cast(torch.Tensor, model.lm_head_weight)
-    model.__dict__["lm_head_packed"] = Int8Weight(head_weight)  # a plain attribute, as prepare_inference sets it
-    head = getattr(model, "lm_head", None)
-    if isinstance(head, nn.Parameter):  # untied; a tied lm_head is the embedding, which stays
-        _release(head)
-    draft_head = getattr(model, "draft_head", None)  # the MTP drafts' rows of it (set_draft_vocab)
-    if draft_head is not None and draft_head.numel():
-        model.__dict__["draft_head_packed"] = Int8Weight(draft_head)
-        model.__dict__["draft_head"] = released(draft_head)
+    fmt = WEIGHT_FORMATS[scheme]
+    params = dict(model.named_parameters())
+    weights: dict[str, QuantizedMatrices] = {}
+    for name in quantized_parameter_names(model):
+        param = params[name]
+        weights[name] = [fmt.quantize(w) for w in param] if param.dim() == 3 else fmt.quantize(param)
+    install_quantized(model, weights)
+    finish_quantization(model, scheme)
     return sum(w.nbytes for w in quantized_weights(model))
 
 
-def quantized_weights(model: nn.Module) -> list[Int8Weight]:
-    """Every ``Int8Weight`` the model's modules hold."""
-    found: list[Int8Weight] = []
+def quantized_weights(model: nn.Module) -> list[QuantizedWeight]:
+    """Every quantised matrix the model's modules hold."""
+    found: list[QuantizedWeight] = []
     for module in model.modules():
         for value in vars(module).values():
             items = value if isinstance(value, list) else [value]
-            found += [v for v in items if isinstance(v, Int8Weight)]
+            found += [v for v in items if isinstance(v, QuantizedWeight)]
     return found

@@ -107,9 +107,16 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.interleave = rope.interleave
         self.scale = rope.cos_sin_scale
+        self.rope, self.dim = rope, dim
         self.register_buffer("inv_freq", rope_inv_freq(rope, dim), persistent=False)
         self.register_buffer("slots", rotation_slots(dim, rope.interleave), persistent=False)
         self._tables: dict[torch.dtype, torch.Tensor] = {}  # dtype -> [positions, d_r]: cos ; sin of each position
+
+    def materialize(self, device: torch.device | str) -> None:
+        """Compute the buffers on ``device`` (a model built on the meta device has none)."""
+        self.inv_freq = rope_inv_freq(self.rope, self.dim).to(device)
+        self.slots = rotation_slots(self.dim, self.rope.interleave).to(device)
+        self._tables = {}
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, max_position: int | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:

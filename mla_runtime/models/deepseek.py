@@ -29,6 +29,7 @@ from mla_runtime.layers.mla import MLAttention
 from mla_runtime.layers.mlp import GatedMLP
 from mla_runtime.layers.moe import MoE
 from mla_runtime.layers.norm import RMSNorm
+from mla_runtime.layers.qweight import QuantizedWeight, released_like
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 
 
@@ -155,7 +156,8 @@ class DeepseekForCausalLM(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "prepare_inference"):
                 cast(Any, module).prepare_inference()
-        self.lm_head_packed = PackedWeight.make(self.lm_head_weight)
+        if self.lm_head_packed is None or not self.lm_head_packed.quantized:
+            self.lm_head_packed = PackedWeight.make(self.lm_head_weight)
         return self
 
     def attention_layers(self) -> list[MLAttention]:
@@ -221,8 +223,12 @@ class DeepseekForCausalLM(nn.Module):
         if self.par.enabled:  # this rank's lm_head holds the vocabulary rows [start, stop)
             start, stop, _ = self.par.vocab_split(self.config.vocab_size)
             ids = ids[(ids >= start) & (ids < stop)]
-        weight = self.lm_head_weight
+        weight, packed = self.lm_head_weight, self.lm_head_packed
         self.draft_ids = ids.to(weight.device)
+        if isinstance(packed, QuantizedWeight):  # loaded quantised: the float head was never materialised
+            self.draft_head_packed = packed.select_rows(self.draft_ids - start) if len(ids) else None
+            self.draft_head = released_like((len(ids), weight.shape[1]), weight.dtype, weight.device)
+            return
         self.draft_head = weight[self.draft_ids - start].contiguous()
         self.draft_head_packed = PackedWeight.make(self.draft_head) if len(ids) else None  # none: nothing to pack
 

@@ -1,0 +1,75 @@
+"""The common shape of a weight-only quantised matrix: what every stored format (int8, int4, FP8 blocks) offers.
+
+A ``QuantizedWeight`` stands in for one float ``[N, K]`` weight of a product (``y = x · Wᵀ``). It is made either
+from a float matrix (``quantize``: the runtime's own quantisation, done while a checkpoint streams in) or from the
+tensors a checkpoint stores (each format's own constructor), and it is row-stackable (``cat``: products that read
+the same input, such as ``q_a_proj`` and ``kv_a_proj_with_mqa``, run as one). Every format's scales are per output
+row or per group of one row, so quantising row blocks one at a time and stacking them gives exactly what quantising
+the stacked matrix gives.
+
+The float parameter it replaces keeps its shape and dtype but no storage (``released``), so nothing may re-derive a
+layout from it afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+
+from mla_runtime.layers.cpu_gemm import PackedWeight
+
+
+def released(weight: torch.Tensor) -> torch.Tensor:
+    """A stand-in for a released weight: same shape, dtype and device, one element of storage."""
+    return torch.empty((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+
+
+def released_like(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``released`` for a weight that was never allocated."""
+    return torch.empty((), dtype=dtype, device=device).expand(*shape)
+
+
+class QuantizedWeight(PackedWeight):
+    """Base of the weight-only formats. ``plain`` is the released float weight (shape and dtype only: callers pass it
+    as the "weight" argument of ``cpu_gemm.linear``, which hands the product to ``matmul``)."""
+
+    __slots__ = ()
+    quantized = True
+    scheme: ClassVar[str]  # the ``quantization`` value that makes this format ("int8", "int4", "fp8")
+
+    def _release_float(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> None:
+        """Set the fields every ``PackedWeight`` has: no float layout is kept."""
+        self.plain = released_like(shape, dtype, device)
+        self.blocked = self.wide = None
+        self.upcast = self.plain_gemv = self.row_kernel = False
+        self.aten_max_rows = 0
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> QuantizedWeight:
+        """The format's own quantisation of a float ``[N, K]`` weight (the result runs in ``weight.dtype``)."""
+        raise NotImplementedError(f"{cls.__name__} is not made from float weights")
+
+    @classmethod
+    def cat(cls, parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
+        """The row-stacked matrix of ``parts`` (same format, same ``K``): exactly what quantising the stacked float
+        matrix gives."""
+        raise NotImplementedError
+
+    def select_rows(self, index: torch.Tensor) -> QuantizedWeight:
+        """The matrix of the output rows ``index`` (the MTP drafts' rows of a quantised lm_head)."""
+        raise NotImplementedError
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.plain.shape
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes: the stored matrix and its scales."""
+        raise NotImplementedError
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 matrix this one stands for."""
+        raise NotImplementedError
