@@ -17,11 +17,13 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import logging
+import os
 import re
-from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,42 +209,80 @@ def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: t
     return weight.float() * scale
 
 
-class _Reader:
-    """Open safetensors files lazily (memory-mapped) and hand out one tensor at a time. At most ``OPEN_FILES`` stay
-    open: a checkpoint is read shard after shard, and a closed file's pages leave this process's resident memory."""
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+                      "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
-    OPEN_FILES = 2
+
+class _Reader:
+    """Read one tensor (or one rank's rows of it) at a time from safetensors files, with ``pread`` into memory that
+    becomes the tensor: nothing is memory-mapped, so a load's resident memory is the tensors it holds, not the pages
+    of the files it has read (a shard of a real checkpoint is a gigabyte or more). The format is an 8-byte header
+    length, a JSON header of ``name -> {dtype, shape, data_offsets}``, then the data."""
 
     def __init__(self, files: dict[str, Path]) -> None:
         self.files = files
-        self._handles: OrderedDict[Path, Any] = OrderedDict()
+        self._headers: dict[Path, tuple[int, dict[str, Any]]] = {}
 
-    def _handle(self, name: str) -> Any:
+    def _entry(self, name: str) -> tuple[Path, int, dict[str, Any]]:
         f = self.files[name]
-        if f in self._handles:
-            self._handles.move_to_end(f)
-        else:
-            self._handles[f] = safe_open(str(f), framework="pt")
-            while len(self._handles) > self.OPEN_FILES:
-                self._handles.popitem(last=False)
-        return self._handles[f]
+        if f not in self._headers:
+            with open(f, "rb") as handle:
+                size = int.from_bytes(handle.read(8), "little")
+                self._headers[f] = 8 + size, json.loads(handle.read(size))
+        start, header = self._headers[f]
+        return f, start, header[name]
+
+    def _read(self, f: Path, offset: int, nbytes: int) -> torch.Tensor:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        view = memoryview(cast(Any, buf.numpy()))
+        with open(f, "rb", buffering=0) as handle:
+            done = 0
+            while done < nbytes:
+                n = os.preadv(handle.fileno(), [view[done:]], offset + done)
+                if n <= 0:
+                    raise CheckpointError(f"{f}: file ends inside a tensor (truncated?)")
+                done += n
+        return buf
 
     def get(self, name: str, shard: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-        """The tensor, or only this rank's part of it (read without materialising the rest)."""
+        """The tensor, or only this rank's part of it (a part of the rows is read alone; a part along another
+        dimension is cut from the whole tensor)."""
+        f, start, entry = self._entry(name)
+        dtype, shape = SAFETENSORS_DTYPES[entry["dtype"]], list(entry["shape"])
+        first, last = entry["data_offsets"]
+        if shard is not None and shard[0] == 0:
+            _, a, b, _ = shard
+            row = (last - first) // shape[0] if shape[0] else 0
+            data = self._read(f, start + first + a * row, (b - a) * row)
+            return data.view(dtype).reshape(b - a, *shape[1:])
+        tensor = self._read(f, start + first, last - first).view(dtype).reshape(shape)
         if shard is None:
-            return self._handle(name).get_tensor(name)
-        dim, start, stop, _ = shard
-        index = (slice(None),) * dim + (slice(start, stop),)
-        return self._handle(name).get_slice(name)[index]
+            return tensor
+        dim, a, b, _ = shard
+        return tensor.narrow(dim, a, b - a).contiguous()
 
     def shape(self, name: str) -> list[int]:
-        return list(self._handle(name).get_slice(name).get_shape())
+        return list(self._entry(name)[2]["shape"])
 
     def dtype(self, name: str) -> str:
-        return str(self._handle(name).get_slice(name).get_dtype())
+        return str(self._entry(name)[2]["dtype"])
 
-    def close(self) -> None:
-        self._handles.clear()
+
+def _release_free_memory() -> None:
+    """Hand the allocator's free pages back to the system (glibc: ``malloc_trim``). A load frees a float temporary
+    for every tensor it quantises between the quantised tensors it keeps; without this, the holes stay resident."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        return None
 
 
 def _mtp_or_ignored(name: str, cfg: ModelConfig) -> bool:
@@ -289,6 +329,47 @@ def _piece_position(param: torch.Tensor, index: tuple[int | slice, ...]) -> tupl
     rows = index[1:] if param.dim() == 3 else index
     first = rows[0].start if rows and isinstance(rows[0], slice) else 0
     return cast(int | None, expert), first or 0
+
+
+TRIM_BYTES = 64 << 20  # the allocator hands its free pages back after about this many bytes of tensors converted
+CHUNK_ELEMENTS = 8 << 20  # a tensor is converted in row blocks of about this many values (32 MB in float32)
+
+
+def _row_chunks(reader: _Reader, name: str, shard: tuple[int, int, int, int] | None, scale_name: str | None,
+                block: tuple[int, int] | None) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first row, rows) of this rank's part of a checkpoint tensor, in blocks of about ``CHUNK_ELEMENTS`` values,
+    each read (and FP8 blocks dequantised) on its own: converting a large tensor (an embedding, a head) never holds
+    more than one block of it in a wider dtype. Tensors of more than two dimensions come whole."""
+    shape = reader.shape(name)
+    if len(shape) != 2 or (shard is not None and shard[0] != 0):
+        tensor = reader.get(name, shard) if scale_name is None else _dequantized(reader, name, scale_name, block, shard)
+        yield 0, tensor
+        return
+    start, stop = (0, shape[0]) if shard is None else shard[1:3]
+    step = max(1, CHUNK_ELEMENTS // max(1, shape[1]))
+    if scale_name is not None:
+        assert block is not None
+        step = max(block[0], step // block[0] * block[0])  # whole blocks of rows (start is block-aligned or 0)
+    for a in range(start, stop, step):
+        b = min(stop, a + step)
+        part = (0, a, b, shape[0])
+        yield a - start, (reader.get(name, part) if scale_name is None
+                          else _dequantized(reader, name, scale_name, block, part))
+
+
+def _dequantized(reader: _Reader, name: str, scale_name: str, block: tuple[int, int] | None,
+                 shard: tuple[int, int, int, int] | None) -> torch.Tensor:
+    """Float32 of (a part of) an FP8 block tensor: a part of the rows reads only those rows and their scales."""
+    assert block is not None
+    if shard is not None and shard[0] == 0 and shard[1] % block[0] == 0:
+        _, a, b, full = shard
+        scale = reader.get(scale_name, (0, a // block[0], -(-b // block[0]), -(-full // block[0])))
+        return dequantize_fp8_block(reader.get(name, shard), scale, block)
+    tensor = dequantize_fp8_block(reader.get(name), reader.get(scale_name), block)
+    if shard is None:
+        return tensor
+    dim, a, b, _ = shard
+    return tensor.narrow(dim, a, b - a).contiguous()
 
 
 class _QuantizedMatrices:
@@ -353,7 +434,7 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
     ``CheckpointError`` listing every problem. ``device``: where parameters still on the meta device go (default:
     where the model's other tensors are).
 
-    Tensor by tensor, each read from its memory-mapped file, converted to its final form and placed: parameters
+    Tensor by tensor (large ones in blocks of rows), each read, converted to its final form and placed: parameters
     still on the meta device are allocated as they are first filled, and a product matrix whose final form is
     quantised (``quantization``, or FP8 blocks kept as stored) is never allocated in a float dtype: each checkpoint
     tensor is quantised on its own (every format's scales are per row or per group of a row, so this equals
@@ -409,6 +490,7 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
     # on a terminal only (disable=None), and on one rank only
     bar = tqdm(total=sum(slot is not None for slot in table.values()), desc="loading weights", unit="tensor",
                disable=None if model.par.rank == 0 else True, leave=False)
+    converted = 0  # bytes converted since the allocator last handed free pages back
     for name, slot in table.items():
         if slot is None:
             continue
@@ -425,29 +507,26 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
             expert, first = _piece_position(param, slot.index)
             matrices.add(slot.param, expert, first, Fp8Weight(weight, scale.float(), block, param.dtype))
             continue
-        if scale_name in scale_names:
-            block = cast(tuple[int, int], cfg.fp8_block_size)
-            tensor = dequantize_fp8_block(reader.get(name), reader.get(scale_name), block)
-            if slot.shard is not None:
-                dim, start, stop, _ = slot.shard
-                tensor = tensor.narrow(dim, start, stop - start)
-        else:
-            tensor = reader.get(name, slot.shard)
-        tensor = tensor.to(device=device, dtype=param.dtype)
-        if kind is None:
-            with torch.no_grad():
-                param[slot.index].copy_(tensor)
-        else:
-            assert fmt is not None
-            expert, first = _piece_position(param, slot.index)
-            if expert is None and param.dim() == 3:  # every expert at once (transformers' fused layout)
-                for e, rows in enumerate(tensor):
-                    matrices.add(slot.param, e, first, fmt.quantize(rows))
+        fp8_scale = scale_name if scale_name in scale_names else None
+        expert, first = _piece_position(param, slot.index)
+        for row, chunk in _row_chunks(reader, name, slot.shard, fp8_scale, cfg.fp8_block_size):
+            chunk = chunk.to(device=device, dtype=param.dtype)
+            if kind is None:
+                with torch.no_grad():
+                    target = param[slot.index]
+                    (target if target.dim() == 3 else target[row: row + chunk.shape[0]]).copy_(chunk)
+            elif expert is None and param.dim() == 3:  # every expert at once (transformers' fused layout)
+                for e, rows in enumerate(chunk):
+                    matrices.add(slot.param, e, first, cast(Any, fmt).quantize(rows))
             else:
-                matrices.add(slot.param, expert, first, fmt.quantize(tensor))
-        del tensor
+                matrices.add(slot.param, expert, first + row, cast(Any, fmt).quantize(chunk))
+            converted += chunk.numel() * chunk.element_size()
+            del chunk
+        if converted > TRIM_BYTES:
+            _release_free_memory()
+            converted = 0
     bar.close()
-    reader.close()
+    _release_free_memory()
     install_quantized(model, matrices.result())
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):

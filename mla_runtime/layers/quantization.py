@@ -82,9 +82,9 @@ def _round_up_to_bf16(x: torch.Tensor) -> torch.Tensor:
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight [N, K]`` -> (``q [N, K]`` int8, ``scales [N]`` bfloat16): symmetric, per output channel."""
     w = weight.detach().float()
-    absmax = w.abs().amax(dim=1)
+    absmax = torch.linalg.vector_norm(w, float("inf"), dim=1)  # max |w| of each row, without an |w| temporary
     scales = _round_up_to_bf16(torch.where(absmax > 0, absmax / QMAX, torch.ones_like(absmax)))
-    q = torch.round(w / scales.unsqueeze(1)).clamp_(-QMAX, QMAX).to(torch.int8)
+    q = torch.div(w, scales.unsqueeze(1)).round_().clamp_(-QMAX, QMAX).to(torch.int8)
     return q, scales.to(torch.bfloat16)  # exact: the scales are bfloat16 values
 
 
