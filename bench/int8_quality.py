@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -43,14 +43,16 @@ def q8_0_round_trip(x: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def ggml_q8_0(model: torch.nn.Module) -> Iterator[None]:
-    """Quantise ``model``'s matrices to Q8_0 in place and, while inside, every ``F.linear`` input that meets
-    one of them (experts are slices of a stacked parameter: matched by storage)."""
+def ggml_products(model: torch.nn.Module, weight_round_trip: Callable[[torch.Tensor], torch.Tensor]
+                  ) -> Iterator[None]:
+    """Round ``model``'s matrices through a ggml weight type (``weight_round_trip``) in place and, while inside,
+    every ``F.linear`` input that meets one of them through Q8_0 (the ``vec_dot_type`` of Q8_0 and Q4_0 alike;
+    experts are slices of a stacked parameter: matched by storage)."""
     stores = set()
     for name, p in model.named_parameters():
         if p.dim() >= 2 and not name.endswith("mlp.gate.weight") and p.shape[-1] % QK8_0 == 0:
             with torch.no_grad():
-                p.copy_(q8_0_round_trip(p))
+                p.copy_(weight_round_trip(p))
             stores.add(p.untyped_storage().data_ptr())
     plain = F.linear
 
@@ -64,6 +66,12 @@ def ggml_q8_0(model: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         F.linear = plain
+
+
+def ggml_q8_0(model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
+    """Quantise ``model``'s matrices to Q8_0 in place and, while inside, every ``F.linear`` input that meets
+    one of them."""
+    return ggml_products(model, q8_0_round_trip)
 
 
 def main() -> None:

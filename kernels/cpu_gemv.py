@@ -2,6 +2,9 @@
 
 - products of one row with a weight matrix (``gemv``: float32; ``gemv_int8``: int8 with a scale per row, the row
   rounded to int16) and of two to ``FEW_ROWS_MAX`` rows (``gemm_few``; ``gemm_few_int8``, rows rounded to int16);
+- products of one to ``INT4_ROWS_MAX`` rows with a group-wise int4 weight (``gemm_int4``, ``csrc/gemv_int4.c``: ggml's
+  Q4_0 numbers, half a byte per weight and a float16 scale per 32; rows rounded to int16), probed on its own
+  (``int4_failure``);
 - a layer's absorbed MLA decode attention in one call (``absorbed_decode``): absorption into the latent, attention
   over the paged latent cache, up-projection;
 - a one-thread RMSNorm of a few rows (``rms_norm``);
@@ -27,7 +30,7 @@ temporary folder, linking the OpenMP runtime PyTorch ships (so the kernels' thre
 one competing for the cores), loads them with ``ctypes`` and checks each kernel against torch on small inputs.
 Anything that fails makes them unavailable, with the reason, and callers keep their torch paths
 (``mla_runtime.layers.cpu_gemm``). Results equal torch's to float rounding (another summation order), except the
-int8 products' int16 rounding of their rows.
+int8 and int4 products' int16 rounding of their rows.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "gemv_f32.c", CSRC / "mla_decode_f32.c", CSRC / "mla_layer_f32.c")  # one library (csrc/simd.h)
+SOURCES = (CSRC / "gemv_f32.c", CSRC / "mla_decode_f32.c", CSRC / "mla_layer_f32.c",
+           CSRC / "gemv_fp8.c", CSRC / "gemv_int4.c")  # one library (csrc/simd.h)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 COMPILE_TIMEOUT_S = 120
 
@@ -94,6 +98,13 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.mla_gemv_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3  # w, scale, x, y, n, k, threads
     lib.mla_gemm_few_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4  # w, x, y, m, n, k, threads
     lib.mla_gemm_few_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4  # w, scale, x, y, m, n, k, threads
+    # packed int4 nibbles, float16 scales, x, y, m, n, k, threads
+    lib.mla_gemm_i4.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
+    lib.mla_gemm_i4.restype = None
+    # w (float8_e4m3fn bytes), scale, block rows, block columns, x, y, m, n, k, threads
+    lib.mla_gemm_fp8.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + \
+        [ctypes.c_int64] * 4
+    lib.mla_gemm_fp8.restype = None
     # q_n, its two strides, q_r, its two strides, w_uk, w_uv_t, cache, slots, slot stride, lens, scale, out, scratch,
     # scratch stride, rows, heads, d_n, d_r, d_c, d_v, threads
     lib.mla_absorbed_decode_f32.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + \
@@ -250,6 +261,151 @@ def gemm_few_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) 
     y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
     lib.mla_gemm_few_i8(qweight.data_ptr(), scales.data_ptr(), xs.data_ptr(), y.data_ptr(), rows, n, k,
                         torch.get_num_threads())
+    return y
+
+
+FP8_ROWS_MAX = 64  # block-FP8 products of up to this many rows take the kernel
+
+
+@functools.cache
+def fp8_failure() -> str | None:
+    """None where the block-FP8 kernel (``csrc/gemv_fp8.c``) is built and exact on this machine, else why not (the
+    other kernels do not depend on it). Checks the widening of every e4m3 byte, then products whose values are small
+    integers and powers of two (exact in float32) with partial blocks, against float64."""
+    why = failure()
+    if why is not None:
+        return why
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    if caps.get("f16c") is False:
+        return "the CPU lacks f16c"
+    every = torch.zeros(512, 17, dtype=torch.uint8)
+    every[:256, 5] = every[256:, 16] = torch.arange(256, dtype=torch.uint8)  # each byte, in a vector and in the tail
+    weight = every.view(torch.float8_e4m3fn)
+    want = weight[:, 5].float().add(weight[:, 16].float()) * 0.5
+    for rows in (1, 5):  # straight from the bytes, and through a widened row
+        x = torch.zeros(rows, 17)
+        x[:, 5] = x[:, 16] = 1.0
+        got = gemm_fp8(x, weight, torch.full((4, 2), 0.5), (128, 16))
+        if not torch.equal(torch.isnan(got), torch.isnan(want).expand(rows, -1)) or not torch.equal(
+                torch.nan_to_num(got), torch.nan_to_num(want).expand(rows, -1)):
+            return "the FP8 kernel widens e4m3 bytes wrongly on this CPU"
+    g = torch.Generator().manual_seed(0)
+    for n, k, block, rows in ((37, 77, (16, 32), 1), (37, 77, (16, 32), 9), (8, 64, (128, 128), 3), (3, 5, (1, 2), 2)):
+        weight = torch.randint(-2, 3, (n, k), generator=g).float().to(torch.float8_e4m3fn)
+        shape = (-(-n // block[0]), -(-k // block[1]))
+        scale = torch.tensor([0.25, 0.5, 2.0])[torch.randint(0, 3, shape, generator=g)]
+        x = torch.randint(-2, 3, (rows, k), generator=g).float()
+        wide = weight.double() * scale.double().repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+        if not torch.equal(gemm_fp8(x, weight, scale, block).double(), x.double() @ wide.T):
+            return "the FP8 kernel's products differ from the exact result on this CPU"
+    return None
+
+
+def gemm_fp8(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """``x · Wᵀ`` in float32 for 1 to ``FP8_ROWS_MAX`` rows ``x [..., K]`` (any float dtype, computed in float32) and a
+    block-FP8 weight: contiguous float8_e4m3fn ``weight [N, K]`` with contiguous float32 ``scale_inv [ceil(N / bn),
+    ceil(K / bk)]`` (``W = weight * scale_inv`` of its ``block = (bn, bk)``), read at one byte per value. Each row's
+    result is independent of the others. Only where ``fp8_failure()`` is None."""
+    lib, _ = _load()
+    assert lib is not None, "gemm_fp8 needs the kernel: check fp8_failure() first"
+    n, k = weight.shape
+    bn, bk = block
+    rows = x.numel() // k if k else 0
+    if (x.shape[-1] != k or not 1 <= rows <= FP8_ROWS_MAX or weight.dtype != torch.float8_e4m3fn
+            or not weight.is_contiguous() or weight.device.type != "cpu" or bn < 1 or bk < 1
+            or scale_inv.dtype != torch.float32 or scale_inv.shape != (-(-n // bn), -(-k // bk))
+            or not scale_inv.is_contiguous()):
+        raise ValueError(f"gemm_fp8 takes 1 to {FP8_ROWS_MAX} rows of {k} values, a contiguous float8_e4m3fn CPU "
+                         f"weight and float32 block scales [ceil(N / bn), ceil(K / bk)], got x {tuple(x.shape)}, "
+                         f"weight {weight.dtype} {tuple(weight.shape)}, scales {tuple(scale_inv.shape)} "
+                         f"{scale_inv.dtype} and block {tuple(block)}")
+    xs = x.to(torch.float32).contiguous()
+    y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
+    lib.mla_gemm_fp8(weight.data_ptr(), scale_inv.data_ptr(), bn, bk, xs.data_ptr(), y.data_ptr(), rows, n, k,
+                     torch.get_num_threads())
+    return y
+
+
+INT4_GROUP = 32  # int4 weights: one float16 scale per this many values along K (csrc/gemv_int4.c)
+INT4_ROWS_MAX = 64  # int4 products of up to this many rows take the kernel, eight rows at a time
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Integer ``q [N, Kp]`` (values in [-8, 7], ``Kp`` a multiple of ``INT4_GROUP``) -> the packed nibbles
+    ``[N, Kp / 2]`` uint8 the int4 kernel reads: in each group of 32 values, byte ``j`` holds ``q[j] + 8`` in its low
+    nibble and ``q[j + 16] + 8`` in its high nibble (the order of ggml's Q4_0 blocks). Any device."""
+    n, kp = q.shape
+    u = (q.to(torch.int16) + 8).to(torch.uint8).view(n, kp // INT4_GROUP, 2, INT4_GROUP // 2)
+    return (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(n, kp // 2)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """``pack_int4``'s inverse: int8 ``[N, Kp]`` with values in [-8, 7]."""
+    n, half = packed.shape
+    b = packed.view(n, half // (INT4_GROUP // 2), 1, INT4_GROUP // 2)
+    return torch.cat([b & 0x0F, b >> 4], dim=2).reshape(n, 2 * half).to(torch.int8) - 8
+
+
+@functools.cache
+def int4_failure() -> str | None:
+    """None where the int4 kernel (``csrc/gemv_int4.c``) is built and exact on this machine, else why not. Checks the
+    widening of every finite float16 scale, then products with row and group tails whose values make every sum
+    exact in float32, against float64."""
+    why = failure()
+    if why is not None:
+        return why
+    # every finite float16 bit pattern as a scale: row j of x picks group j of each weight row
+    bits = torch.arange(1 << 16, dtype=torch.int32)
+    finite = bits[(bits & 0x7C00) != 0x7C00].to(torch.int16).view(torch.float16)
+    groups = 32
+    n = finite.numel() // groups
+    scales = finite[:n * groups].reshape(n, groups)
+    q = torch.zeros(n, groups * INT4_GROUP, dtype=torch.int8)
+    q[:, ::INT4_GROUP] = 1
+    x = torch.zeros(groups, groups * INT4_GROUP)
+    x[torch.arange(groups), torch.arange(groups) * INT4_GROUP] = 1.0
+    if not torch.equal(gemm_int4(x, pack_int4(q), scales), scales.float().T):
+        return "the int4 kernel widens float16 scales wrongly on this CPU"
+    g = torch.Generator().manual_seed(0)
+    for n, k, rows in ((37, 64, 1), (37, 96, 3), (9, 40, 9), (70, 512, 13), (5, 32, 64)):
+        kp = -(-k // INT4_GROUP) * INT4_GROUP
+        q = torch.randint(-8, 8, (n, kp), generator=g, dtype=torch.int8)
+        q[:, k:] = 0
+        x = torch.randint(-1, 2, (rows, k), generator=g).float()
+        one = torch.randint(-(1 << 15), 1 << 15, (n, 1), generator=g, dtype=torch.int32)  # one scale a row: any value
+        one = torch.where((one & 0x7C00) == 0x7C00, one & ~0x4000, one).to(torch.int16).view(torch.float16)
+        per_group = torch.tensor([0.25, 0.5, 1.0, 2.0])[torch.randint(0, 4, (n, kp // INT4_GROUP), generator=g)]
+        for scales in (one.expand(n, kp // INT4_GROUP).contiguous(), per_group.half()):
+            wide = (q.double().view(n, -1, INT4_GROUP) * scales.double().unsqueeze(2)).view(n, kp)[:, :k]
+            if not torch.equal(gemm_int4(x, pack_int4(q), scales).double(), x.double() @ wide.T):
+                return "the int4 kernel's products differ from the exact result on this CPU"
+    return None
+
+
+def gemm_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x · Wᵀ`` in float32 for 1 to ``INT4_ROWS_MAX`` rows ``x [..., K]`` (any float dtype) and a group-wise int4
+    weight ``W [N, K]``: contiguous ``packed [N, Kp / 2]`` uint8 (``pack_int4``; ``Kp`` is ``K`` rounded up to a
+    multiple of ``INT4_GROUP``, the padding zero) and contiguous float16 ``scales [N, Kp / 32]``, read at half a byte
+    per weight. Each row is rounded to int16 with one power-of-two scale (an error of at most 2^-15 of its largest
+    magnitude per value), each group of 32 is an exact integer dot product, summed in float32 with the group's scale.
+    A row's result does not depend on the other rows. Only where ``int4_failure()`` is None."""
+    lib, _ = _load()
+    assert lib is not None, "gemm_int4 needs the kernel: check int4_failure() first"
+    n, half = packed.shape
+    k = x.shape[-1]
+    kp = -(-k // INT4_GROUP) * INT4_GROUP
+    rows = x.numel() // k if k else 0
+    if (not 1 <= rows <= INT4_ROWS_MAX or 2 * half != kp or packed.dtype != torch.uint8 or not packed.is_contiguous()
+            or packed.device.type != "cpu" or scales.dtype != torch.float16 or scales.shape != (n, kp // INT4_GROUP)
+            or not scales.is_contiguous()):
+        raise ValueError(f"gemm_int4 takes 1 to {INT4_ROWS_MAX} rows of K values, contiguous uint8 nibbles [N, Kp / 2] "
+                         f"and float16 scales [N, Kp / {INT4_GROUP}] (Kp: K rounded up to a multiple of {INT4_GROUP}), "
+                         f"got x {tuple(x.shape)}, packed {packed.dtype} {tuple(packed.shape)} and scales "
+                         f"{scales.dtype} {tuple(scales.shape)}")
+    xs = x.to(torch.float32).contiguous()
+    y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
+    lib.mla_gemm_i4(packed.data_ptr(), scales.data_ptr(), xs.data_ptr(), y.data_ptr(), rows, n, k,
+                    torch.get_num_threads())
     return y
 
 

@@ -10,3 +10,13 @@ class InvalidParam(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+class InsufficientMemory(ValueError):
+    """A model that cannot fit the memory it would load into: refused before any weight is read. The message gives
+    the sizes and the settings that would fit; ``needed`` and ``available`` are the bytes."""
+
+    def __init__(self, message: str, needed: int, available: int) -> None:
+        super().__init__(message)
+        self.needed = needed
+        self.available = available

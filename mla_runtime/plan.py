@@ -40,6 +40,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
+from typing import Any
 
 import torch
 
@@ -155,49 +156,263 @@ def parameter_count(config: ModelConfig, tensor_parallel_size: int = 1) -> int:
     return sum(parameter_breakdown(config, tensor_parallel_size).values())
 
 
-def weight_bytes(config: ModelConfig, dtype: str | torch.dtype = "auto",
-                 tensor_parallel_size: int = 1, quantization: str | None = None) -> int:
-    """Parameter bytes at the load dtype (FP8 checkpoints are dequantised to it), per rank; with
-    ``quantization="int8"`` the quantised matrices (``quantized_parameters``) count 1 byte each plus a bfloat16
-    scale per output row."""
-    element = resolve_model_dtype(dtype, config).itemsize
-    total = parameter_count(config, tensor_parallel_size)
+WEIGHT_QUANTIZATIONS = ("int8", "int4", "fp8")  # the quantization values (layers.quantization.WEIGHT_FORMATS)
+INT4_GROUP = 32  # int4: weights per float16 scale along K (layers.int4.GROUP)
+FP8_QUANTIZE_BLOCK = (128, 128)  # quantization="fp8" of float weights: rows x columns per scale (layers.fp8)
+
+
+def check_weight_quantization(quantization: str | None) -> str | None:
+    """``None``/``"none"`` → None; ``int8``/``int4``/``fp8`` as they are; anything else a ``ValueError`` naming it."""
     if quantization in (None, "none"):
-        return total * element
-    if quantization != "int8":
-        raise ValueError(f"quantization: none or int8, got {quantization!r}")
-    elements, rows = quantized_parameters(config, tensor_parallel_size)
-    tied = config.tie_word_embeddings  # the lm_head's int8 copy comes on top of the embedding it shares
-    return (total - elements + (rows[-1] * config.hidden_size if tied else 0)) * element + elements + 2 * rows[0]
+        return None
+    if quantization not in WEIGHT_QUANTIZATIONS:
+        raise ValueError(f"quantization: none, {', '.join(WEIGHT_QUANTIZATIONS)}, got {quantization!r}")
+    return quantization
+
+
+@dataclass(frozen=True)
+class _Matrix:
+    """``count`` weight matrices of one kind on a rank, each ``sum(rows) × k``: stacked from the checkpoint tensors
+    of ``rows`` output rows each (this rank's part of them)."""
+
+    name: str
+    count: int
+    rows: tuple[int, ...]
+    k: int
+    product: bool  # quantised with ``quantization`` (``layers.quantization.quantized_parameter_names``)
+    fp8_whole: bool  # an FP8 checkpoint stores it in blocks that this rank's part keeps whole (``loader``)
+    piece: int  # elements of the largest checkpoint tensor behind one of them: this rank's part of it ...
+    full: int  # ... and the whole tensor (an FP8 one loaded dequantised is read whole, then sliced)
+    fp8_stored: bool = True  # an FP8 checkpoint stores it in FP8 blocks (not the lm_head, nor eh_proj)
+    pack: str = "linear"  # on a CPU, a float one is packed on its own ("linear") or stacked with its partner ("fused")
+
+    @property
+    def elements(self) -> int:
+        return sum(self.rows) * self.k
+
+
+def _tp_splits(config: ModelConfig, tp: int) -> bool:
+    """Whether the model splits ``tp`` ways (``parallel.check_tensor_parallel``, without the cache layout's rule)."""
+    m = config.moe
+    if config.num_attention_heads % tp:
+        return False
+    if m is not None and (m.n_routed_experts % tp or (m.moe_intermediate_size * m.n_shared_experts) % tp):
+        return False
+    dense = any(not config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+    return not (dense and config.intermediate_size % tp)
+
+
+def _matrices(config: ModelConfig, tp: int, num_mtp_layers: int = 0) -> list[_Matrix]:
+    """Every weight matrix of one rank (the model's own layout: ``models/deepseek.py``): the products, ``kv_b_proj``,
+    the MTP layers' ``eh_proj`` and an untied lm_head. ``fp8_whole`` follows the loader's rule (``_weight_kinds``):
+    an FP8 checkpoint's products stay FP8 where every part a rank takes, and every part stacked with another, starts
+    and ends on a block; the lm_head is not stored in FP8 and ``kv_b_proj`` is dequantised."""
+    _check_tp(config, tp)
+    d, heads, big_heads = config.hidden_size, config.num_attention_heads // tp, config.num_attention_heads
+    qk, d_c, latent = config.qk_head_dim, config.kv_lora_rank, config.latent_dim
+    fp8 = config.fp8_block_size is not None
+    bn, bk = config.fp8_block_size or (1, 1)
+
+    def whole(local: int, block: int) -> bool:  # a dimension split across ranks
+        return fp8 and (tp == 1 or local % block == 0)
+
+    layers = range(config.num_hidden_layers + num_mtp_layers)
+    n = len(layers)
+    found: list[_Matrix] = []
+    if config.q_lora_rank is None:
+        found.append(_Matrix("q_proj", n, (heads * qk,), d, True, whole(heads * qk, bn), heads * qk * d,
+                             big_heads * qk * d))
+        found.append(_Matrix("kv_a_proj_with_mqa", n, (latent,), d, True, fp8, latent * d, latent * d))
+    else:
+        q_lora = config.q_lora_rank
+        a = max(q_lora, latent) * d
+        found.append(_Matrix("q_a_proj+kv_a_proj_with_mqa", n, (q_lora, latent), d, True, fp8, a, a, pack="fused"))
+        found.append(_Matrix("q_b_proj", n, (heads * qk,), q_lora, True, whole(heads * qk, bn), heads * qk * q_lora,
+                             big_heads * qk * q_lora))
+    kv_b_rows = config.qk_nope_head_dim + config.v_head_dim
+    found.append(_Matrix("kv_b_proj", n, (heads * kv_b_rows,), d_c, False, False, heads * kv_b_rows * d_c,
+                         big_heads * kv_b_rows * d_c))
+    d_v = config.v_head_dim
+    found.append(_Matrix("o_proj", n, (d,), heads * d_v, True, whole(heads * d_v, bk), d * heads * d_v,
+                         d * big_heads * d_v))
+
+    def gated(name: str, count: int, inter: int, split: bool) -> list[_Matrix]:
+        local = inter // tp if split else inter
+        stacked_whole = fp8 and local % bn == 0  # gate and up stacked: each must end on a block
+        down_whole = whole(local, bk) if split else fp8
+        return [_Matrix(f"{name} gate_up", count, (local, local), d, True, stacked_whole, local * d, inter * d),
+                _Matrix(f"{name} down", count, (d,), local, True, down_whole, d * local, d * inter)]
+
+    dense = sum(not config.is_moe_layer(i) for i in layers)
+    if dense:
+        found += gated("dense mlp", dense, config.intermediate_size, True)
+    m = config.moe
+    moe_layers = n - dense
+    if m is not None and moe_layers:
+        if m.n_shared_experts:
+            found += gated("shared experts", moe_layers, m.n_shared_experts * m.moe_intermediate_size, True)
+        found += gated("routed experts", moe_layers * (m.n_routed_experts // tp), m.moe_intermediate_size, False)
+    if num_mtp_layers:
+        found.append(_Matrix("eh_proj", num_mtp_layers, (d,), 2 * d, False, False, 2 * d * d, 2 * d * d, False))
+    if not config.tie_word_embeddings:
+        vocab_rows = -(-config.vocab_size // tp)
+        found.append(_Matrix("lm_head", 1, (vocab_rows,), d, True, False, vocab_rows * d, config.vocab_size * d,
+                             False))
+    return found
+
+
+def _stored_bytes(matrix: _Matrix, fmt: str, element: int, fp8_block: tuple[int, int]) -> int:
+    """Bytes of one matrix in ``fmt``: ``float`` (``element`` bytes a value), ``int8`` (a byte a value, a bfloat16
+    scale per row), ``int4`` (half a byte a value and a float16 scale per 32 values of a row, ``K`` padded to a whole
+    group) or ``fp8`` (a byte a value, a float32 scale per ``fp8_block``, each checkpoint part with its own blocks)."""
+    rows, k = sum(matrix.rows), matrix.k
+    if fmt == "float":
+        return rows * k * element
+    if fmt == "int8":
+        return rows * k + 2 * rows
+    if fmt == "int4":
+        groups = -(-k // INT4_GROUP)
+        return rows * groups * INT4_GROUP // 2 + 2 * rows * groups
+    bn, bk = fp8_block
+    return rows * k + 4 * sum(-(-r // bn) for r in matrix.rows) * -(-k // bk)
+
+
+@dataclass(frozen=True)
+class WeightFootprint:
+    """The bytes one rank's weights hold once loaded, by part (``weight_footprint``)."""
+
+    dtype: torch.dtype  # the model dtype
+    format: str  # the products' format: the model dtype's name, int8, int4, fp8, or "fp8 (checkpoint blocks)"
+    float_bytes: int  # weights in the model dtype: embedding, norms, kv_b_proj, matrices left unquantised; router fp32
+    quantized_bytes: int  # quantised matrices with their scales
+    absorbed_bytes: int  # the attention's copies of its absorbed factors (w_uk, w_uv_t)
+    packed_bytes: int  # CPU only: float matrices' second layout, the stacked q_a+kv_a copy, int8 float32 row scales
+    largest_read_elements: int  # the largest tensor a load converts to a float one (this rank's part)
+
+    @property
+    def total(self) -> int:
+        return self.float_bytes + self.quantized_bytes + self.absorbed_bytes + self.packed_bytes
+
+
+def _cpu_layouts(dtype: torch.dtype) -> tuple[int, bool]:
+    """(extra bytes per float weight element on this CPU, whether the compiled one-row kernels run): the probes the
+    model's ``prepare_inference`` also runs (``cpu_gemm``)."""
+    from mla_runtime.layers.cpu_gemm import PROBED_DTYPES, gemm_choice, row_kernel_failure
+
+    extra = gemm_choice(dtype).extra_bytes_per_element if dtype in PROBED_DTYPES else 0
+    return extra, row_kernel_failure() is None
+
+
+def weight_footprint(config: ModelConfig, dtype: str | torch.dtype = "auto", tensor_parallel_size: int = 1,
+                     quantization: str | None = None, *, device: str | torch.device | None = None,
+                     num_mtp_layers: int = 0, latent_cache_layout: str = "replicated") -> WeightFootprint:
+    """What one rank's weights hold once loaded (``loader.load_model``, then ``finish_quantization``), by part.
+
+    - Products (every attention projection but ``kv_b_proj``, the dense MLPs, shared and routed experts, an untied
+      lm_head): in the model dtype; or with ``quantization`` ``int8`` (``N·K + 2·N`` bytes: a bfloat16 scale per
+      row), ``int4`` (``N·Kp/2 + 2·N·Kp/32``, ``Kp`` = ``K`` rounded up to 32) or ``fp8`` (``N·K`` + a float32 scale
+      per 128×128 block). An FP8 checkpoint (``config.fp8_block_size``) without ``quantization`` keeps its products
+      as stored: ``N·K`` + a float32 scale per block of this rank's part, where that part is whole blocks (else they
+      load dequantised); its lm_head and ``kv_b_proj`` are in the model dtype. A tied lm_head gets a quantised copy
+      (the embedding stays).
+    - ``kv_b_proj`` in the model dtype, and per attention layer its absorbed factors' copies ``w_uk``/``w_uv_t``
+      (``n_h·(d_n + d_v)·d_c`` values): bfloat16 with ``quantization`` where the compiled CPU decode kernel runs
+      (a float32 model on a CPU that builds it, replicated cache), else the model dtype.
+    - Embedding, norms (and biases) in the model dtype; the MoE router and its correction bias in float32.
+    - ``device`` a CPU only: each float matrix's second layout, ``cpu_gemm.GemmChoice.extra_bytes_per_element`` a
+      value as probed on this machine (oneDNN's blocked copy, or a float32 copy; 0 on the ``plain`` path), and where
+      ``q_a_proj`` and ``kv_a_proj_with_mqa`` run stacked, their stacked copy; where the compiled one-row kernels
+      run, int8 matrices' float32 copy of their scales (4 bytes a row). On a GPU, or without ``device`` (a plan for
+      no particular machine), none of these is counted.
+    - ``num_mtp_layers``: the MTP layers' decoder blocks, ``eh_proj`` and norms (the embedding and head are shared).
+
+    Not counted: RoPE tables and the MTP drafts' head rows (small), and the 1-element stand-ins of released weights.
+    """
+    tp = tensor_parallel_size
+    scheme = check_weight_quantization(quantization)
+    on_cpu = device is not None and torch.device(device).type == "cpu"
+    model_dtype = resolve_model_dtype(dtype, config, device)
+    element = model_dtype.itemsize
+    extra, row_kernels = _cpu_layouts(model_dtype) if on_cpu else (0, False)
+    decode_kernel = row_kernels and model_dtype == torch.float32 and not (latent_cache_layout == "sharded" and tp > 1)
+    row_scales = row_kernels and scheme == "int8"  # Int8Weight.row_scales: float32 scales for the row kernels
+    checkpoint_fp8 = scheme is None and config.fp8_block_size is not None
+    fmt_name = (scheme or ("fp8 (checkpoint blocks)" if checkpoint_fp8 else dtype_name(model_dtype)))
+    fp8_block = config.fp8_block_size if checkpoint_fp8 and config.fp8_block_size else FP8_QUANTIZE_BLOCK
+
+    float_bytes = quantized = packed = 0
+    largest = 0
+    for matrix in _matrices(config, tp, num_mtp_layers):
+        fmt = scheme if scheme is not None and matrix.product else \
+            "fp8" if checkpoint_fp8 and matrix.product and matrix.fp8_whole else "float"
+        if not (checkpoint_fp8 and fmt == "fp8"):  # FP8 blocks kept as stored are never widened
+            dequantised = config.fp8_block_size is not None and matrix.fp8_stored  # read whole, then sliced
+            largest = max(largest, matrix.full if dequantised else matrix.piece)
+        size = matrix.count * _stored_bytes(matrix, fmt, element, fp8_block)
+        if fmt == "float":
+            float_bytes += size
+            if extra:
+                packed += matrix.count * matrix.elements * (extra + (element if matrix.pack == "fused" else 0))
+        else:
+            quantized += size
+            packed += 4 * matrix.count * sum(matrix.rows) if row_scales else 0
+    d, vocab_rows = config.hidden_size, -(-config.vocab_size // tp)
+    largest = max(largest, vocab_rows * d)
+    head = _Matrix("lm_head", 1, (vocab_rows,), d, True, False, vocab_rows * d, config.vocab_size * d, False)
+    if config.tie_word_embeddings and scheme is not None:  # the quantised copy of the embedding
+        quantized += _stored_bytes(head, scheme, element, fp8_block)
+        packed += 4 * vocab_rows if row_scales else 0
+    elif config.tie_word_embeddings and extra:  # the embedding is the head: packed for its products
+        packed += head.elements * extra
+
+    # the rest: embedding, norms, biases (model dtype), routers (float32)
+    layers = range(config.num_hidden_layers + num_mtp_layers)
+    q_lora = config.q_lora_rank or 0
+    per_layer = 2 * d + config.kv_lora_rank + q_lora
+    if config.attention_bias:
+        per_layer += q_lora + config.latent_dim + d
+        if q_lora and (extra or scheme is not None or checkpoint_fp8):  # the stacked input projection's bias
+            per_layer += q_lora + config.latent_dim
+    rest = vocab_rows * d + d + len(layers) * per_layer + num_mtp_layers * 3 * d  # + MTP enorm, hnorm, head norm
+    router = 0
+    m = config.moe
+    for i in layers:
+        moe_layer = m is not None and config.is_moe_layer(i)
+        if moe_layer and m is not None:
+            router += m.n_routed_experts * d + (m.n_routed_experts if m.topk_method == "noaux_tc" else 0)
+            if config.mlp_bias and m.n_shared_experts:  # the shared experts' biases (routed experts have none)
+                rest += 2 * (m.n_shared_experts * m.moe_intermediate_size // tp) + d
+        elif config.mlp_bias:
+            rest += 2 * (config.intermediate_size // tp) + d
+    float_bytes += rest * element + 4 * router
+
+    heads = config.num_attention_heads // tp
+    absorbed_element = 2 if scheme is not None and decode_kernel else element
+    # w_uk is a view of kv_b_proj where a rank has one head and keeps its dtype (already contiguous); w_uv_t a copy
+    w_uk = 0 if heads == 1 and absorbed_element == element else heads * config.qk_nope_head_dim
+    absorbed = len(layers) * (w_uk + heads * config.v_head_dim) * config.kv_lora_rank * absorbed_element
+    return WeightFootprint(model_dtype, fmt_name, float_bytes, quantized, absorbed, packed, largest)
+
+
+def weight_bytes(config: ModelConfig, dtype: str | torch.dtype = "auto", tensor_parallel_size: int = 1,
+                 quantization: str | None = None, *, device: str | torch.device | None = None,
+                 num_mtp_layers: int = 0, latent_cache_layout: str = "replicated") -> int:
+    """Bytes one rank's weights hold once loaded: ``weight_footprint(...).total`` (its docstring says what counts;
+    ``device`` a CPU adds the float matrices' second layout as probed on this machine)."""
+    return weight_footprint(config, dtype, tensor_parallel_size, quantization, device=device,
+                            num_mtp_layers=num_mtp_layers, latent_cache_layout=latent_cache_layout).total
 
 
 def quantized_parameters(config: ModelConfig, tensor_parallel_size: int = 1) -> tuple[int, tuple[int, int]]:
-    """Weights that ``quantization="int8"`` stores as int8, per rank: (elements, (output rows, lm_head rows)).
+    """The matrices ``quantization`` stores quantised, per rank: (elements, (output rows, lm_head rows)).
 
-    Every attention projection except ``kv_b_proj`` (biases stay), the dense MLPs, the routed and shared
-    experts (not the router) and the lm_head (``layers.quantization``); counted from ``parameter_breakdown``.
+    Every attention projection except ``kv_b_proj`` (biases stay), the dense MLPs, the routed and shared experts
+    (not the router) and the lm_head, tied or not (``layers.quantization``): what ``_matrices`` marks ``product``.
     """
-    counts = parameter_breakdown(config, tensor_parallel_size)
-    tp, d = tensor_parallel_size, config.hidden_size
-    heads = config.num_attention_heads // tp
-    vocab_rows = -(-config.vocab_size // tp)
-    bias = int(config.attention_bias)
-    kv_b = config.kv_lora_rank * heads * (config.qk_nope_head_dim + config.v_head_dim)
-    attn_rows = (config.q_lora_rank or 0) + heads * config.qk_head_dim + config.latent_dim + d
-    attn_bias = bias * ((config.q_lora_rank or 0) + config.latent_dim + d)
-    elements = (counts["attention"] - config.num_hidden_layers * (kv_b + attn_bias)) + vocab_rows * d
-    rows = config.num_hidden_layers * attn_rows + vocab_rows
-    moe = config.moe
-    for layer in range(config.num_hidden_layers):
-        if moe is not None and config.is_moe_layer(layer):
-            inter = -(-moe.moe_intermediate_size // tp)
-            shared = -(-(moe.n_shared_experts * moe.moe_intermediate_size) // tp) if moe.n_shared_experts else 0
-            elements += 3 * d * (moe.n_routed_experts * inter + shared)
-            rows += moe.n_routed_experts * (2 * inter + d) + (2 * shared + d if shared else 0)
-        else:
-            inter = -(-config.intermediate_size // tp)
-            elements += 3 * d * inter
-            rows += 2 * inter + d
+    products = [m for m in _matrices(config, tensor_parallel_size) if m.product and m.name != "lm_head"]
+    vocab_rows = -(-config.vocab_size // tensor_parallel_size)
+    elements = sum(m.count * m.elements for m in products) + vocab_rows * config.hidden_size
+    rows = sum(m.count * sum(m.rows) for m in products) + vocab_rows
     return elements, (rows, vocab_rows)
 
 
@@ -331,6 +546,7 @@ class MemoryPlan:
     disk_capacity_tokens: int = 0     # tokens the disk tier holds
     host_bytes: int | None = None     # the host-RAM tier of one rank (kv_cache_host_bytes)
     host_capacity_tokens: int = 0     # tokens the host tier holds
+    weights: WeightFootprint | None = None  # the per-rank weights by part (their total is weight_bytes)
 
     @property
     def fits(self) -> bool:
@@ -363,9 +579,11 @@ def host_tier_capacity(host_bytes: int, cache_bytes_per_token_per_rank: float, b
     return int(host_bytes // (cache_bytes_per_token_per_rank * block_size)) * block_size
 
 
-def _min_tp_that_fits(config: ModelConfig, dtype: torch.dtype, usable: int) -> int | None:
+def _min_tp_that_fits(config: ModelConfig, dtype: torch.dtype, usable: int, quantization: str | None = None,
+                      device: str | torch.device | None = None) -> int | None:
+    """The fewest ranks the model splits across whose per-rank weights (in ``quantization``) fit ``usable`` bytes."""
     for tp in range(1, config.num_attention_heads + 1):
-        if config.num_attention_heads % tp == 0 and weight_bytes(config, dtype, tp) <= usable:
+        if _tp_splits(config, tp) and weight_bytes(config, dtype, tp, quantization, device=device) <= usable:
             return tp
     return None
 
@@ -383,18 +601,39 @@ def _check_plan_args(config: ModelConfig, memory_utilization: float, latent_cach
                          f"got {latent_cache_layout!r}")
 
 
+def _smaller_formats(config: ModelConfig, quantization: str | None) -> list[str]:
+    """The weight formats smaller than ``quantization`` (None: the checkpoint's own) worth suggesting."""
+    order = [None, "fp8", "int8", "int4"] if config.fp8_block_size is None else ["fp8", None, "int8", "int4"]
+    return [q for q in order[order.index(quantization) + 1:] if q in ("int8", "int4")]
+
+
 def _weights_do_not_fit(config: ModelConfig, model_dtype: torch.dtype, tp: int, weights: int, usable: int,
-                        device_memory_bytes: int, memory_utilization: float) -> str:
-    """By how much the weights miss, and what to change (tensor parallelism, memory, dtype)."""
-    need_tp = _min_tp_that_fits(config, model_dtype, usable)
-    tp_hint = (f"tensor_parallel_size >= {need_tp}" if need_tp else
-               f"tensor parallelism (even {config.num_attention_heads} ranks are not enough)")
-    return (f"model weights do not fit: {weights:,} B ({_gib(weights)}) per rank in "
-            f"{dtype_name(model_dtype)} at tensor_parallel_size={tp}, but only {usable:,} B "
+                        device_memory_bytes: int, memory_utilization: float, quantization: str | None = None,
+                        device: str | torch.device | None = None) -> str:
+    """By how much the weights miss, and what would fit: more ranks, a smaller weight format, memory, dtype."""
+    fmt = weight_footprint(config, model_dtype, tp, quantization, device=device).format
+    name = dtype_name(model_dtype)
+    held = name if fmt == name else f"{fmt} (the rest in {name})"
+    options = []
+    need_tp = _min_tp_that_fits(config, model_dtype, usable, quantization, device)
+    if need_tp:
+        per_rank = weight_bytes(config, model_dtype, need_tp, quantization, device=device)
+        options.append(f"tensor_parallel_size >= {need_tp} ({_gib(per_rank)} per rank)")
+    for q in _smaller_formats(config, quantization):
+        smaller = weight_bytes(config, model_dtype, tp, q, device=device)
+        if smaller <= usable:
+            options.append(f'quantization="{q}" ({_gib(smaller)} per rank)')
+        elif (q_tp := _min_tp_that_fits(config, model_dtype, usable, q, device)) is not None:
+            per_rank = weight_bytes(config, model_dtype, q_tp, q, device=device)
+            options.append(f'quantization="{q}" with tensor_parallel_size >= {q_tp} ({_gib(per_rank)} per rank)')
+    if model_dtype == torch.float32:
+        options.append("a smaller dtype (dtype='bfloat16' halves the float weights)")
+    fits = "; ".join(options) if options else f"none of int8, int4 or up to {config.num_attention_heads} ranks"
+    return (f"model weights do not fit: {weights:,} B ({_gib(weights)}) per rank in {held} at "
+            f"tensor_parallel_size={tp}, but only {usable:,} B "
             f"({_gib(usable)}) of {device_memory_bytes:,} B are usable at memory_utilization="
             f"{memory_utilization} — short by {weights - usable:,} B ({_gib(weights - usable)}). "
-            f"Use more device memory, {tp_hint}, or a smaller weight dtype"
-            + (" (dtype='bfloat16' halves them)" if model_dtype == torch.float32 else ""))
+            f"Use more device memory, or what fits: {fits}")
 
 
 def plan_memory(config: ModelConfig, *, dtype: str | torch.dtype, cache_dtype: str | torch.dtype = "auto",
@@ -402,16 +641,20 @@ def plan_memory(config: ModelConfig, *, dtype: str | torch.dtype, cache_dtype: s
                 max_num_seqs: int, block_size: int = 64, max_num_batched_tokens: int | None = None,
                 tensor_parallel_size: int = 1, latent_cache_layout: str = "replicated",
                 disk_bytes: int | None = None, quantization: str | None = None,
-                host_bytes: int | None = None) -> MemoryPlan:
-    """Split one rank's ``device_memory_bytes`` into weights, activations and latent cache blocks
-    (``quantization="int8"``: weight-only int8 weights, ``weight_bytes``).
+                host_bytes: int | None = None, device: str | torch.device | None = None) -> MemoryPlan:
+    """Split one rank's ``device_memory_bytes`` into weights, activations and latent cache blocks.
+
+    The weights are what the rank holds once loaded (``weight_footprint``): ``quantization`` ``int8``/``int4``/``fp8``
+    for weight-only quantised products, an FP8 checkpoint's products in its FP8 blocks without it. ``device``: a CPU
+    adds the float weights' second layout that this machine's CPU products keep (``cpu_gemm``); None or a GPU: none.
 
     Raises ``ValueError`` naming the argument for bad input, and when weights (plus the activation
     reserve) do not fit, saying by how much and what to change. ``disk_bytes``: the disk tier's bound, and
     ``host_bytes``: the host-RAM tier's size per rank, whose capacities in tokens the plan then reports.
     """
-    model_dtype = resolve_model_dtype(dtype, config)
+    model_dtype = resolve_model_dtype(dtype, config, device)
     cache = resolve_cache_dtype(cache_dtype, model_dtype)
+    quantization = check_weight_quantization(quantization)
     _check_plan_args(config, memory_utilization, latent_cache_layout, tensor_parallel_size,
                      device_memory_bytes=device_memory_bytes, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
                      block_size=block_size)
@@ -419,10 +662,12 @@ def plan_memory(config: ModelConfig, *, dtype: str | torch.dtype, cache_dtype: s
     if max_num_batched_tokens is None:
         max_num_batched_tokens = default_max_num_batched_tokens(max_seq_len, max_num_seqs)
     usable = math.floor(device_memory_bytes * memory_utilization)
-    weights = weight_bytes(config, model_dtype, tp, quantization)
+    footprint = weight_footprint(config, model_dtype, tp, quantization, device=device,
+                                 latent_cache_layout=latent_cache_layout)
+    weights = footprint.total
     if weights > usable:
         raise ValueError(_weights_do_not_fit(config, model_dtype, tp, weights, usable, device_memory_bytes,
-                                             memory_utilization))
+                                             memory_utilization, quantization, device))
     activations = activation_reserve_bytes(
         config, dtype=model_dtype, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
         tensor_parallel_size=tp)
@@ -445,7 +690,8 @@ def plan_memory(config: ModelConfig, *, dtype: str | torch.dtype, cache_dtype: s
         max_num_batched_tokens=max_num_batched_tokens, device_memory_bytes=device_memory_bytes,
         memory_utilization=memory_utilization, usable_bytes=usable,
         parameter_count=parameter_count(config), weight_bytes=weights,
-        total_weight_bytes=weight_bytes(config, model_dtype, 1, quantization), activation_bytes=activations,
+        total_weight_bytes=weight_bytes(config, model_dtype, 1, quantization, device=device),
+        activation_bytes=activations,
         cache_budget_bytes=budget, latent_bytes_per_token=latent,
         cache_bytes_per_token_per_rank=latent / holders,
         mha_bytes_per_token=mha_bytes_per_token(config, cache.dtype),
@@ -454,7 +700,119 @@ def plan_memory(config: ModelConfig, *, dtype: str | torch.dtype, cache_dtype: s
         disk_bytes=disk_bytes, disk_file_bytes=disk_file_bytes, disk_capacity_tokens=disk_tokens,
         host_bytes=host_bytes,
         host_capacity_tokens=0 if host_bytes is None else host_tier_capacity(host_bytes, latent / holders, block_size),
+        weights=footprint,
     )
+
+
+# -- the load's memory check ----------------------------------------------------------------------
+LOAD_MARGIN_CPU_BYTES = 2**30  # a CPU load's slack on top: quantisers' temporaries, allocator, page tables
+
+
+@dataclass(frozen=True)
+class LoadRequirement:
+    """Bytes one rank needs to load a model and start serving it (``load_requirement``)."""
+
+    weights: WeightFootprint  # the loaded weights, by part
+    transient_bytes: int  # the load's peak on top of them
+    activation_bytes: int  # the planner's reserve for one step
+    cache_bytes: int  # the smallest cache: kv_cache_memory, or one sequence of max_model_len tokens
+    cache_bytes_per_token: int  # this rank's latent bytes per token (all cache layers)
+    block_size: int
+    max_model_len: int
+    kv_cache_memory: bool  # cache_bytes is the kv_cache_memory setting
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.weights.total
+
+    @property
+    def total(self) -> int:
+        return self.weight_bytes + self.transient_bytes + self.activation_bytes + self.cache_bytes
+
+
+def load_requirement(config: ModelConfig, *, dtype: str | torch.dtype, device: str | torch.device,
+                     max_model_len: int, tensor_parallel_size: int = 1, quantization: str | None = None,
+                     num_mtp_layers: int = 0, latent_cache_layout: str = "replicated",
+                     cache_dtype: str | torch.dtype = "auto", block_size: int = 64, max_num_seqs: int = 256,
+                     max_num_batched_tokens: int | None = None, kv_cache_memory: int | None = None,
+                     latent_rank: int | None = None) -> LoadRequirement:
+    """The bytes one rank needs to load ``config``'s checkpoint (the worker's settings) and start:
+
+        weights     the loaded weights (``weight_footprint`` on ``device``)
+        transient   the load's peak on top of them: the largest checkpoint tensor it converts (its part on this
+                    rank; an FP8 one loaded dequantised is read whole) as float32, + ``LOAD_MARGIN_CPU_BYTES`` on a CPU
+        activations the reserve for one step (``activation_reserve_bytes``)
+        cache       ``kv_cache_memory`` when set, else one sequence of ``max_model_len`` tokens (whole blocks): the
+                    least cache the engine starts with
+
+    ``config`` is the checkpoint's own: the load holds its weights before any truncation to ``latent_rank``, which
+    sets the width the cache and the activations have."""
+    tp = tensor_parallel_size
+    model_dtype = resolve_model_dtype(dtype, config, device)
+    weights = weight_footprint(config, model_dtype, tp, quantization, device=device, num_mtp_layers=num_mtp_layers,
+                               latent_cache_layout=latent_cache_layout)
+    on_cpu = torch.device(device).type == "cpu"
+    transient = 4 * weights.largest_read_elements + (LOAD_MARGIN_CPU_BYTES if on_cpu else 0)
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = default_max_num_batched_tokens(max_model_len, max_num_seqs)
+    served = config if latent_rank is None else config.with_overrides(kv_lora_rank=latent_rank)
+    activations = activation_reserve_bytes(served, dtype=model_dtype, max_num_batched_tokens=max_num_batched_tokens,
+                                           max_num_seqs=max_num_seqs, tensor_parallel_size=tp)
+    cache_layers = served.with_overrides(num_hidden_layers=config.num_hidden_layers + num_mtp_layers)
+    per_token = latent_bytes_per_token(cache_layers, cache_dtype, model_dtype)
+    if latent_cache_layout == "sharded" and tp > 1:
+        per_token //= tp
+    cache = kv_cache_memory if kv_cache_memory is not None else \
+        -(-max_model_len // block_size) * block_size * per_token
+    return LoadRequirement(weights, transient, activations, cache, per_token, block_size, max_model_len,
+                           kv_cache_memory is not None)
+
+
+def check_load_memory(config: ModelConfig, available_bytes: int, settings: dict[str, Any], where: str = ""
+                      ) -> LoadRequirement:
+    """``load_requirement(config, **settings)``, checked against the ``available_bytes`` the rank can have: an
+    ``errors.InsufficientMemory`` (a ``ValueError``) when it needs more, saying how much, of what, and which settings
+    would fit (``quantization="int8"`` / ``"int4"``, more tensor-parallel ranks, a lower ``max_model_len`` or
+    ``kv_cache_memory``), each with what it needs. ``where``: the memory's name for the message."""
+    from mla_runtime.errors import InsufficientMemory
+
+    need = load_requirement(config, **settings)
+    if need.total <= available_bytes:
+        return need
+    w = need.weights
+    margin = f" + {_size(LOAD_MARGIN_CPU_BYTES)} margin" if torch.device(settings["device"]).type == "cpu" else ""
+    cache_why = ("kv_cache_memory" if need.kv_cache_memory else
+                 f"one sequence of max_model_len={need.max_model_len:,} tokens")
+    held = w.format if w.format == dtype_name(w.dtype) else f"{w.format}, the rest in {dtype_name(w.dtype)}"
+    parts = (f"weights {_size(need.weight_bytes)} ({held}), load peak "
+             f"{_size(need.transient_bytes)} (its largest tensor in float32{margin}), activation reserve "
+             f"{_size(need.activation_bytes)}, latent cache {_size(need.cache_bytes)} ({cache_why})")
+    options = []
+    for q in _smaller_formats(config, check_weight_quantization(settings.get("quantization"))):
+        smaller = load_requirement(config, **{**settings, "quantization": q}).total
+        if smaller <= available_bytes:
+            options.append(f'quantization="{q}" needs {_size(smaller)}')
+    tp = settings.get("tensor_parallel_size", 1)
+    for more in range(tp + 1, config.num_attention_heads + 1):
+        if _tp_splits(config, more):
+            per_rank = load_requirement(config, **{**settings, "tensor_parallel_size": more}).total
+            if per_rank <= available_bytes:
+                options.append(f"tensor_parallel_size={more} needs {_size(per_rank)} per rank, in memory of its own")
+                break
+    others = need.total - need.cache_bytes
+    block = need.cache_bytes_per_token * need.block_size
+    if others + block <= available_bytes:
+        if need.kv_cache_memory:
+            options.append(f"kv_cache_memory <= {_size(available_bytes - others)}")
+        else:
+            tokens = (available_bytes - others) // block * need.block_size
+            options.append(f"max_model_len <= {tokens:,} (the cache takes {_size(1000 * need.cache_bytes_per_token)} "
+                           f"per 1,000 tokens)")
+    fits = "; ".join(options) if options else "none of int8, int4, more tensor-parallel ranks or a shorter context"
+    raise InsufficientMemory(
+        f"not enough memory to load the model{' on ' + where if where else ''}: it needs {_size(need.total)} "
+        f"({need.total:,} B: {parts}) but {_size(available_bytes)} ({available_bytes:,} B) are available. "
+        f"Settings that fit: {fits}", need.total, available_bytes)
 
 
 # -- byte strings and the report -------------------------------------------------------------------
@@ -490,6 +848,14 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:,.2f} GiB"
 
 
+def _size(n: float) -> str:
+    """GiB from 1 GiB up, else MiB or KiB (two decimals)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n / 2**10:,.2f} KiB"
+
+
 def _row(label: str, value: str, note: str = "") -> str:
     return f"  {label:<36}{value:>20}{'  ' + note if note else ''}"
 
@@ -521,17 +887,26 @@ def format_report(plan: MemoryPlan, config: ModelConfig, model: str = "") -> str
     def bytes_row(label: str, n: int, note: str = "") -> str:
         return _row(label, f"{n:,} B", f"{_gib(n):>13}" + (f"  {note}" if note else ""))
 
+    w = plan.weights
+    fmt = w.format if w is not None else dtype_name(plan.dtype)
+    parts = [] if w is None else [bytes_row(f"  {label}", n) for label, n in (
+        ("quantised matrices + scales", w.quantized_bytes),
+        (f"in {dtype_name(w.dtype)} (embedding, kv_b...)", w.float_bytes),
+        ("absorbed copies (w_uk, w_uv_t)", w.absorbed_bytes),
+        ("CPU-only copies (packed layouts)", w.packed_bytes)) if n]
+
     lines = [
         f"Memory plan for {model or config.model_type} ({config.model_type}: {config.num_hidden_layers} "
         f"layers, {config.num_attention_heads} heads, d_c={config.d_c}, d_r={config.d_r}, "
         f"{plan.parameter_count:,} parameters)",
-        f"  model dtype {dtype_name(plan.dtype)}, cache dtype {plan.cache_dtype.name}, block size "
+        f"  model dtype {dtype_name(plan.dtype)}, weights {fmt}, cache dtype {plan.cache_dtype.name}, block size "
         f"{plan.block_size}, tensor parallel {tp} ({plan.latent_cache_layout} latent cache)",
         "",
         bytes_row("device memory per rank", plan.device_memory_bytes),
         bytes_row(f"usable at utilization {plan.memory_utilization}", plan.usable_bytes),
         bytes_row("weights per rank", plan.weight_bytes,
                   f"(total {plan.total_weight_bytes:,} B)" if tp > 1 else ""),
+        *parts,
         bytes_row("activation reserve", plan.activation_bytes,
                   f"({plan.max_num_batched_tokens:,} batched tokens, {plan.max_num_seqs:,} seqs)"),
         bytes_row("latent cache budget", plan.cache_budget_bytes),
@@ -573,8 +948,12 @@ def build_parser(prog: str = "python -m mla_runtime.plan") -> argparse.ArgumentP
     parser.add_argument("--memory-utilization", type=float, default=0.92, help="fraction of it the runtime uses")
     parser.add_argument("--dtype", default="auto", choices=["auto", *MODEL_DTYPES], help="weight dtype")
     parser.add_argument("--cache-dtype", default="auto", choices=list(CACHE_DTYPES), help="latent-cache dtype")
-    parser.add_argument("--quantization", default="none", choices=["none", "int8"],
-                        help="weight-only quantisation of the model's matrices")
+    parser.add_argument("--quantization", default="none", choices=["none", *WEIGHT_QUANTIZATIONS],
+                        help="weight-only quantisation of the model's matrices (none: the checkpoint's own format, "
+                             "an FP8 checkpoint's FP8 blocks)")
+    parser.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                        help="cpu: also count the second layout this machine's CPU products keep of the float "
+                             "weights, and pick dtype auto as a CPU load does (default: no particular machine)")
     parser.add_argument("--block-size", type=int, default=64, help="tokens per cache block")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="token budget of one step (default: max-seq-len capped at 8192, at least 2048)")
@@ -603,10 +982,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m mla_runtime.p
             max_seq_len=args.max_seq_len or config.max_position_embeddings, max_num_seqs=args.max_num_seqs,
             block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
             tensor_parallel_size=args.tensor_parallel_size, latent_cache_layout=args.latent_cache_layout,
-            disk_bytes=args.kv_cache_disk_bytes, quantization=args.quantization, host_bytes=args.kv_cache_host_bytes)
+            disk_bytes=args.kv_cache_disk_bytes, quantization=args.quantization, host_bytes=args.kv_cache_host_bytes,
+            device=args.device)
     except ValueError as e:
         try:  # the per-token cost does not depend on memory: still worth showing
-            cache = resolve_cache_dtype(args.cache_dtype, resolve_model_dtype(args.dtype, config))
+            cache = resolve_cache_dtype(args.cache_dtype, resolve_model_dtype(args.dtype, config, args.device))
             print(f"Cache cost per token for {args.model} (no plan: see the error below)")
             print("\n".join(format_per_token(config, cache, args.tensor_parallel_size,
                                              args.latent_cache_layout)))

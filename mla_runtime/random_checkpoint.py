@@ -86,7 +86,7 @@ def write_random_checkpoint(config: dict[str, Any], out: str | Path, dtype: torc
     groups = list(_groups(shapes))
     weight_map: dict[str, str] = {}
     total = 0
-    for i, (shard, names) in enumerate(groups):
+    for i, (_, names) in enumerate(groups):
         fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         tensors = {n: _values(n, shapes[n], dtype, std) for n in names}
         total += sum(t.numel() * t.element_size() for t in tensors.values())
@@ -102,7 +102,8 @@ def write_random_checkpoint(config: dict[str, Any], out: str | Path, dtype: torc
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mla_runtime.random_checkpoint", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m mla_runtime.random_checkpoint",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True,
                         help="a config.json, or a preset name of mla_runtime/model_configs (e.g. deepseek-v2-lite)")
     parser.add_argument("--out", required=True, help="folder to write (created)")

@@ -17,13 +17,30 @@ from mla_runtime.plan import (
     parameter_count,
     parse_bytes,
     plan_memory,
+    quantized_parameters,
     resolve_cache_dtype,
     weight_bytes,
 )
 
-V3 = ModelConfig.from_pretrained("deepseek-v3")
+V3 = ModelConfig.from_pretrained("deepseek-v3")  # the FP8 checkpoint: its products load as FP8 blocks
+V3_BF16 = V3.with_overrides(fp8_block_size=None)  # the same model from a bfloat16 checkpoint
 V2_LITE = ModelConfig.from_pretrained("deepseek-v2-lite")
 TINY_V3 = ModelConfig.from_pretrained("tiny-deepseek-v3")
+
+
+def _absorbed_elements(cfg: ModelConfig, tp: int = 1) -> int:
+    """Values of the attention's absorbed-factor copies (w_uk, w_uv_t): as many as kv_b_proj, every layer."""
+    heads = cfg.num_attention_heads // tp
+    return cfg.num_hidden_layers * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank
+
+
+def _router_elements(cfg: ModelConfig) -> int:
+    """Values of the MoE routers and their correction biases (kept in float32)."""
+    m = cfg.moe
+    assert m is not None
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    bias = m.n_routed_experts if m.topk_method == "noaux_tc" else 0
+    return moe_layers * (m.n_routed_experts * cfg.hidden_size + bias)
 
 
 # -- cache dtypes and bytes per token ---------------------------------------------------------------
@@ -77,8 +94,9 @@ def test_parameter_count_matches_transformers(name):
         b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
     cfg = ModelConfig.from_pretrained(name)
     assert parameter_count(cfg) == expected
-    assert weight_bytes(cfg, "float32") == 4 * expected
-    assert weight_bytes(cfg, "bf16") == 2 * expected
+    # loaded: every parameter, the absorbed factors' copies, the routers in float32 (no device: no CPU copies)
+    assert weight_bytes(cfg, "float32") == 4 * (expected + _absorbed_elements(cfg))
+    assert weight_bytes(cfg, "bf16") == 2 * (expected + _absorbed_elements(cfg) + _router_elements(cfg))
 
 
 def test_tensor_parallel_shards_all_but_replicated_tensors():
@@ -93,7 +111,7 @@ def test_tensor_parallel_shards_all_but_replicated_tensors():
 
 def test_published_model_sizes():
     assert parameter_count(V3) == 671_026_419_200  # 671B main model; the MTP layer is not counted
-    assert weight_bytes(V3, "bfloat16") == 2 * 671_026_419_200
+    assert weight_bytes(V3_BF16, "bfloat16") == 2 * (671_026_419_200 + _absorbed_elements(V3) + _router_elements(V3))
     assert parameter_count(V2_LITE) == pytest.approx(15.7e9, rel=0.01)
     assert parameter_count(ModelConfig.from_pretrained("deepseek-v2")) == pytest.approx(236e9, rel=0.01)
     assert parameter_count(ModelConfig.from_pretrained("kimi-k2")) == pytest.approx(1.03e12, rel=0.01)
@@ -154,12 +172,12 @@ def test_capacity_with_quantised_cache_and_utilization():
 
 
 def test_deepseek_v3_plan_numbers():
-    plan = plan_memory(V3, dtype="bfloat16", device_memory_bytes=parse_bytes("141GiB"), max_seq_len=32768,
+    plan = plan_memory(V3_BF16, dtype="bfloat16", device_memory_bytes=parse_bytes("141GiB"), max_seq_len=32768,
                        max_num_seqs=16, tensor_parallel_size=16)
     assert plan.latent_bytes_per_token == 70_272
     assert plan.mha_bytes_per_token == 4_997_120
     assert plan.absorption_ratio == pytest.approx(71.11, abs=0.01)
-    assert plan.total_weight_bytes == 2 * 671_026_419_200
+    assert plan.total_weight_bytes == weight_bytes(V3_BF16, "bfloat16")
     assert plan.weight_bytes < plan.total_weight_bytes // 15
     assert plan.num_blocks == plan.cache_budget_bytes // (70_272 * 64)
 
@@ -179,12 +197,17 @@ def test_sharded_layout_divides_per_rank_bytes_by_tp():
 
 def test_weights_too_big_says_by_how_much():
     usable = int(parse_bytes("80GiB") * 0.92)
-    short = 2 * 671_026_419_200 - usable
+    short = weight_bytes(V3_BF16, "bfloat16") - usable
     with pytest.raises(ValueError, match=rf"short by {short:,} B") as err:
-        plan_memory(V3, dtype="bfloat16", device_memory_bytes=parse_bytes("80GiB"), max_seq_len=4096,
+        plan_memory(V3_BF16, dtype="bfloat16", device_memory_bytes=parse_bytes("80GiB"), max_seq_len=4096,
                     max_num_seqs=8)
     msg = str(err.value)
-    assert "more device memory" in msg and "tensor_parallel_size >= 32" in msg and "dtype" in msg
+    assert "more device memory" in msg and "tensor_parallel_size >= 32" in msg
+    assert 'quantization="int8" with tensor_parallel_size >= 16' in msg  # half the bytes: half the ranks
+    assert 'quantization="int4" with tensor_parallel_size >= 8' in msg
+    with pytest.raises(ValueError, match=r"dtype='bfloat16' halves"):
+        plan_memory(V3_BF16, dtype="float32", device_memory_bytes=parse_bytes("80GiB"), max_seq_len=4096,
+                    max_num_seqs=8)
 
 
 def test_activations_too_big_names_batched_tokens():
@@ -231,7 +254,8 @@ def test_cli_report_deepseek_v3(capsys):
     latent_line = next(line for line in out.splitlines() if "latent cache per token" in line)
     assert "70,272" in latent_line
     assert "4,997,120" in out and "71.11x" in out and "FITS" in out
-    assert f"{2 * 671_026_419_200:,}" in out
+    assert "weights fp8 (checkpoint blocks)" in out  # the preset is DeepSeek-V3's FP8 checkpoint
+    assert f"(total {weight_bytes(V3, 'bfloat16'):,} B)" in out
 
 
 def test_cli_weights_too_big_still_reports_per_token_cost(capsys):
@@ -252,3 +276,286 @@ def test_planner_bytes_equal_what_the_cache_allocates(cache_dtype):
                             latent_dim=TINY_V3.latent_dim, dtype=cache.dtype)
     assert allocated.bytes_per_token() == latent_bytes_per_token(TINY_V3, cache_dtype, "float32")
     assert allocated.nbytes() == 3 * 16 * latent_bytes_per_token(TINY_V3, cache_dtype, "float32")
+
+
+# -- weights as loaded: the planner's bytes against what a loaded model holds --------------------------------
+def _resident_bytes(model: torch.nn.Module) -> int:
+    """Bytes a loaded model's tensors hold: every tensor its modules keep (parameters, buffers, absorbed copies,
+    packed layouts, quantised matrices and their scales), each storage once. Left out: RoPE buffers and the
+    1-element stand-ins of released weights, which the planner does not count. oneDNN's blocked copies are opaque
+    tensors: counted at their logical size (numel x element size; any padding of the blocked layout is not
+    visible)."""
+    from mla_runtime.layers.cpu_gemm import PackedWeight
+    from mla_runtime.layers.rotary import RotaryEmbedding
+
+    found: dict[object, int] = {}
+
+    def visit(value: object) -> None:
+        if isinstance(value, torch.Tensor):
+            if value.is_meta or value.numel() == 0 or (value.dim() and 0 in value.stride()):  # released: expanded
+                return
+            try:
+                storage = value.untyped_storage()
+            except NotImplementedError:  # an opaque oneDNN tensor
+                found[("opaque", id(value))] = value.numel() * value.element_size()
+                return
+            found[storage.data_ptr()] = max(found.get(storage.data_ptr(), 0), storage.nbytes())
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                visit(v)
+        elif isinstance(value, dict):
+            for v in value.values():
+                visit(v)
+        elif isinstance(value, PackedWeight):
+            for cls in type(value).__mro__:
+                for slot in getattr(cls, "__slots__", ()):
+                    visit(getattr(value, slot, None))
+
+    for module in model.modules():
+        if not isinstance(module, RotaryEmbedding):
+            visit({k: v for k, v in vars(module).items() if k != "_modules"})
+    return sum(found.values())
+
+
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+@pytest.mark.parametrize("variant", ["v3", "v2_group", "v3_noq_halfsplit"])
+def test_weight_bytes_equal_what_a_loaded_model_holds(tiny_checkpoint, variant, quantization, gemm_mode):
+    """The planner's per-part bytes against a model loaded in each format: exact. Under MLA_CPU_GEMM=plain the CPU
+    keeps no second layout, so the count for no particular device (``device=None``) must match; under auto, the
+    count for this CPU (its probes: oneDNN's blocked copies, int8's float32 row scales, bfloat16 absorbed copies)."""
+    from mla_runtime.layers.quantization import finish_quantization, quantized_weights
+    from mla_runtime.loader import load_model
+    from mla_runtime.plan import weight_footprint
+
+    path, _ = tiny_checkpoint(variant)
+    cfg = ModelConfig.from_pretrained(path)
+    model = load_model(path, dtype="float32", quantization=quantization)
+    if quantization is not None:
+        finish_quantization(model, quantization)
+    planned = weight_footprint(cfg, "float32", 1, quantization, device="cpu" if gemm_mode == "auto" else None)
+    assert planned.quantized_bytes == sum(w.nbytes for w in quantized_weights(model))
+    assert planned.total == _resident_bytes(model)
+    if quantization is not None:
+        assert planned.format == quantization and planned.quantized_bytes > 0
+        elements, _ = quantized_parameters(cfg)
+        assert sum(w.shape.numel() for w in quantized_weights(model)) == elements
+
+
+@pytest.mark.parametrize("tp,layout", [(2, "replicated"), (4, "sharded")])
+def test_weight_bytes_per_rank_equal_a_loaded_shard(tiny_checkpoint, tp, layout):
+    """One rank's shard (the last rank: its vocabulary part is the padded one), int8 on this CPU: exact; at four ranks
+    a rank has one head, whose ``w_uk`` is a view of ``kv_b_proj`` where it keeps the model dtype."""
+    from mla_runtime.layers.quantization import finish_quantization
+    from mla_runtime.loader import load_model
+    from mla_runtime.parallel import ParallelContext
+
+    path, _ = tiny_checkpoint("v3")
+    cfg = ModelConfig.from_pretrained(path)
+    for quantization in (None, "int8"):
+        model = load_model(path, dtype="float32", quantization=quantization, par=ParallelContext(tp - 1, tp, layout))
+        if quantization:
+            finish_quantization(model, quantization)
+        assert weight_bytes(cfg, "float32", tp, quantization, device="cpu",
+                            latent_cache_layout=layout) == _resident_bytes(model)
+
+
+def _deepseek_fp8_checkpoint(src, dst, block: int = 128):
+    """``src`` rewritten as DeepSeek's FP8 checkpoints store it: every projection of every layer (kv_a_proj_with_mqa
+    and kv_b_proj included) in float8_e4m3fn with a float32 ``weight_scale_inv`` per ``block x block`` tile; the
+    embedding, norms, routers and lm_head as they were."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if not (t.dim() == 2 and ".layers." in name and "_proj" in name):
+            out[name] = t
+            continue
+        rows, cols = t.shape
+        scale = torch.empty(-(-rows // block), -(-cols // block))
+        q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+        for i in range(scale.shape[0]):
+            for j in range(scale.shape[1]):
+                tile = t[i * block:(i + 1) * block, j * block:(j + 1) * block].float()
+                scale[i, j] = tile.abs().max().clamp(min=1e-12) / 448.0
+                q[i * block:(i + 1) * block, j * block:(j + 1) * block] = (tile / scale[i, j]).to(torch.float8_e4m3fn)
+        out[name], out[name[: -len("weight")] + "weight_scale_inv"] = q, scale
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    raw = json.loads((src / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [block, block]}
+    (dst / "config.json").write_text(json.dumps(raw))
+    return dst
+
+
+def test_fp8_checkpoint_weight_bytes_equal_what_the_model_holds(tmp_path, gemm_mode):
+    """An FP8 checkpoint loaded without ``quantization`` keeps its products as stored: N x K bytes and a float32 scale
+    per 128 x 128 block; kv_b_proj, the lm_head and the embedding in the model dtype. Dimensions whole blocks (128),
+    so that every product keeps its blocks, as DeepSeek-V3's do."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from mla_runtime.layers.quantization import quantized_weights
+    from mla_runtime.loader import load_model
+    from mla_runtime.plan import weight_footprint
+    from tests.checkpoints import _v3_config, save_checkpoint
+
+    torch.manual_seed(0)
+    hf = DeepseekV3ForCausalLM(_v3_config(intermediate_size=128, moe_intermediate_size=128, q_lora_rank=128))
+    path = _deepseek_fp8_checkpoint(save_checkpoint(hf, tmp_path / "bf16"), tmp_path / "fp8")
+    cfg = ModelConfig.from_pretrained(path)
+    model = load_model(path, dtype="float32")
+    planned = weight_footprint(cfg, "float32", device="cpu" if gemm_mode == "auto" else None)
+    assert planned.format == "fp8 (checkpoint blocks)"
+    weights = quantized_weights(model)
+    assert {w.scheme for w in weights} == {"fp8"}
+    assert planned.quantized_bytes == sum(w.nbytes for w in weights)
+    assert planned.total == _resident_bytes(model)
+    # each checkpoint tensor is at most 128 x 128: one scale each. Per layer q_a, kv_a (stacked), q_b, o_proj; the dense
+    # layer's gate, up, down; each MoE layer's shared and 8 routed experts' gate, up, down
+    scales = 3 * 4 + 3 + 2 * (1 + 8) * 3
+    assert planned.quantized_bytes == sum(w.shape.numel() for w in weights) + 4 * scales
+
+
+def test_int4_and_fp8_byte_formulas():
+    """int4: half a byte a value and a float16 scale per 32 values of a row (``K`` padded to whole groups); fp8: a byte
+    a value and a float32 scale per 128 x 128 block of each checkpoint part. Checked against the formats' own
+    ``nbytes`` where they are importable."""
+    from mla_runtime.plan import _Matrix, _stored_bytes
+
+    for n, k in ((96, 64), (40, 100), (256, 7168)):
+        m = _Matrix("m", 1, (n,), k, True, True, n * k, n * k)
+        kp = -(-k // 32) * 32
+        assert _stored_bytes(m, "int4", 4, (128, 128)) == n * kp // 2 + 2 * n * kp // 32
+        assert _stored_bytes(m, "int8", 4, (128, 128)) == n * k + 2 * n
+        assert _stored_bytes(m, "fp8", 4, (128, 128)) == n * k + 4 * -(-n // 128) * -(-k // 128)
+        w = torch.randn(n, k)
+        int4 = pytest.importorskip("mla_runtime.layers.int4")
+        assert int4.GROUP == 32 and int4.Int4Weight.quantize(w).nbytes == _stored_bytes(m, "int4", 4, (128, 128))
+        fp8 = pytest.importorskip("mla_runtime.layers.fp8")
+        assert fp8.DEFAULT_BLOCK == (128, 128)
+        assert fp8.Fp8Weight.quantize(w).nbytes == _stored_bytes(m, "fp8", 4, (128, 128))
+    # two checkpoint parts stacked (gate and up): each has its own scale rows
+    stacked = _Matrix("gate_up", 1, (64, 64), 256, True, True, 64 * 256, 64 * 256)
+    assert _stored_bytes(stacked, "fp8", 4, (128, 128)) == 128 * 256 + 4 * 2 * 2
+
+
+def test_deepseek_v3_fp8_fits_eight_h200():
+    """DeepSeek-V3 as published (FP8 blocks) on 8 ranks of 141 GiB: about 84 GB of weights per rank (what vLLM and
+    SGLang need for it), with room left for the latent cache."""
+    plan = plan_memory(V3, dtype="auto", device_memory_bytes=parse_bytes("141GiB"), max_seq_len=32768,
+                       max_num_seqs=16, tensor_parallel_size=8)
+    assert plan.weights is not None and plan.weights.format == "fp8 (checkpoint blocks)"
+    assert plan.dtype == torch.bfloat16
+    assert 82e9 < plan.weight_bytes < 88e9
+    assert plan.fits and plan.max_tokens > 500_000
+    # the FP8 products: one byte a value plus a float32 scale per 128 x 128 block
+    elements, _ = quantized_parameters(V3, 8)
+    head = -(-V3.vocab_size // 8) * V3.hidden_size
+    assert elements - head < plan.weights.quantized_bytes < 1.001 * (elements - head)
+    # dequantised to bfloat16 the same model needs 16 ranks
+    with pytest.raises(ValueError, match=r"tensor_parallel_size >= 16"):
+        plan_memory(V3_BF16, dtype="bfloat16", device_memory_bytes=parse_bytes("141GiB"), max_seq_len=32768,
+                    max_num_seqs=16, tensor_parallel_size=8)
+
+
+def test_cli_deepseek_v3_fp8_on_eight_ranks_and_quantization_choices(capsys):
+    argv = ["--model", "deepseek-v3", "--tensor-parallel-size", "8", "--device-memory", "141GiB",
+            "--max-seq-len", "32768", "--max-num-seqs", "16"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "weights fp8 (checkpoint blocks)" in out and "FITS" in out
+    assert f"{weight_bytes(V3, 'bfloat16', 8):,}" in out
+    for q in ("int8", "int4", "fp8"):
+        assert main([*argv, "--quantization", q]) == 0
+        out = capsys.readouterr().out
+        assert f"weights {q}," in out and f"{weight_bytes(V3, 'bfloat16', 8, q):,}" in out
+    assert weight_bytes(V3, "bfloat16", 8, "int4") < 0.6 * weight_bytes(V3, "bfloat16", 8, "int8")
+    # four ranks: the FP8 weights miss; the message names what fits
+    assert main([*argv[:3], "4", *argv[4:]]) == 2
+    err = capsys.readouterr().err
+    assert "do not fit" in err and "tensor_parallel_size >= 8" in err and 'quantization="int4" (' in err
+
+
+def test_cpu_device_counts_the_packed_copies():
+    """Without a device the planner counts no CPU-only copy; on a CPU, those this machine's probes choose."""
+    from mla_runtime.layers.cpu_gemm import gemm_choice
+    from mla_runtime.plan import weight_footprint
+
+    plain = weight_footprint(V2_LITE, "float32")
+    cpu = weight_footprint(V2_LITE, "float32", device="cpu")
+    gpu = weight_footprint(V2_LITE, "float32", device="cuda")
+    assert plain == gpu and plain.packed_bytes == 0
+    extra = gemm_choice(torch.float32).extra_bytes_per_element
+    assert (cpu.packed_bytes > 0) == (extra > 0)
+    if extra:  # every float matrix (not the embedding, norms or routers) once more, q_a/kv_a stacked: twice more
+        assert cpu.packed_bytes > extra * (parameter_count(V2_LITE) - 2 * V2_LITE.vocab_size * V2_LITE.hidden_size)
+
+
+# -- the load's memory check -----------------------------------------------------------------------------------
+def test_load_requirement_parts(tiny_checkpoint):
+    from mla_runtime.plan import LOAD_MARGIN_CPU_BYTES, load_requirement
+
+    cfg = ModelConfig.from_pretrained(tiny_checkpoint("v3")[0])
+    need = load_requirement(cfg, dtype="float32", device="cpu", max_model_len=100, block_size=16, max_num_seqs=4)
+    assert need.weight_bytes == weight_bytes(cfg, "float32", device="cpu")
+    # the largest tensor read: the embedding (256 x 64), converted to float32
+    assert need.transient_bytes == 4 * 256 * 64 + LOAD_MARGIN_CPU_BYTES
+    assert need.cache_bytes == 7 * 16 * latent_bytes_per_token(cfg, "auto", "float32")  # 100 tokens: 7 blocks
+    assert need.activation_bytes == activation_reserve_bytes(cfg, dtype="float32", max_num_batched_tokens=400,
+                                                             max_num_seqs=4)
+    assert need.total == need.weight_bytes + need.transient_bytes + need.activation_bytes + need.cache_bytes
+    explicit = load_requirement(cfg, dtype="float32", device="cpu", max_model_len=100, kv_cache_memory=12345)
+    assert explicit.cache_bytes == 12345  # kv_cache_memory is the cache the engine takes
+    gpu = load_requirement(cfg, dtype="float32", device="cuda", max_model_len=100, block_size=16, max_num_seqs=4)
+    assert gpu.transient_bytes == 4 * 256 * 64  # no CPU margin, no CPU copies
+    assert gpu.weight_bytes == weight_bytes(cfg, "float32")
+
+
+def test_load_check_names_the_settings_that_fit():
+    from mla_runtime.errors import InsufficientMemory
+    from mla_runtime.plan import check_load_memory
+
+    settings = dict(dtype="bfloat16", device="cuda", max_model_len=4096, max_num_seqs=4)
+    with pytest.raises(InsufficientMemory) as err:
+        check_load_memory(V2_LITE, 24 * 2**30, settings, "cuda:0")
+    msg = str(err.value)
+    assert isinstance(err.value, ValueError) and err.value.available == 24 * 2**30
+    assert "not enough memory to load the model on cuda:0" in msg and "24.00 GiB" in msg
+    assert f"{err.value.needed / 2**30:,.2f} GiB" in msg and "weights 29." in msg
+    assert 'quantization="int8" needs 1' in msg and 'quantization="int4" needs 1' in msg
+    assert "tensor_parallel_size=2 needs" in msg
+    assert check_load_memory(V2_LITE, 24 * 2**30, {**settings, "quantization": "int8"}).total < 24 * 2**30
+    # the weights fit but the context does not: a max_model_len that fits
+    with pytest.raises(InsufficientMemory, match=r"max_model_len <= [0-9,]+") as err:
+        check_load_memory(V2_LITE, 24 * 2**30, {**settings, "quantization": "int4", "max_model_len": 163840,
+                                                "cache_dtype": "float32"}, "cuda:0")
+    tokens = int(str(err.value).split("max_model_len <= ")[1].split(" ")[0].replace(",", ""))
+    assert check_load_memory(V2_LITE, 24 * 2**30, {**settings, "quantization": "int4", "max_model_len": tokens,
+                                                   "cache_dtype": "float32"}).total <= 24 * 2**30
+
+
+def test_worker_refuses_a_model_too_large_before_reading_a_weight(tiny_checkpoint, monkeypatch):
+    from mla_runtime.engine import worker as worker_module
+    from mla_runtime.engine.config import EngineConfig
+    from mla_runtime.errors import InsufficientMemory
+
+    path, _ = tiny_checkpoint("v3")
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a weight was read")
+
+    monkeypatch.setattr(worker_module, "load_model", no_load)
+    monkeypatch.setattr(worker_module.checksums, "verify", no_load)
+    monkeypatch.setattr(worker_module.checksums, "manifest_fingerprint", no_load)
+    monkeypatch.setattr(worker_module, "available_host_memory", lambda: 512 * 2**20)
+    for kv_cache_memory in (None, "1GiB"):
+        worker = worker_module.Worker(EngineConfig(model=str(path), dtype="float32", max_model_len=256,
+                                                   kv_cache_memory=kv_cache_memory, device="cpu"))
+        with pytest.raises(InsufficientMemory, match=r"it needs [0-9.]+ GiB .* but 512.00 MiB") as err:
+            worker.load()
+        assert ("latent cache 1.00 GiB (kv_cache_memory)" in str(err.value)) == (kv_cache_memory is not None)
+        assert "load peak 1.00 GiB" in str(err.value)
+    # enough memory: the check passes and the load goes on
+    monkeypatch.setattr(worker_module, "available_host_memory", lambda: 64 * 2**30)
+    with pytest.raises(AssertionError, match="a weight was read"):
+        worker_module.Worker(EngineConfig(model=str(path), dtype="float32", max_model_len=256, device="cpu")).load()

@@ -5,7 +5,8 @@ and the latent-rank sweep:
 
 1. ``Worker(config, par)`` finds the checkpoint (a folder, or a hub repo id it downloads), reads its config
    (with the latent rank applied), picks the device and the weight and cache dtypes;
-2. ``load()`` loads this rank's shard of the weights;
+2. ``load()`` loads this rank's shard of the weights, once ``check_memory()`` has found that the memory this rank can
+   have holds them, the load's peak, the activation reserve and the least cache (before any weight is read);
 3. ``truncate_latent(calibration)`` folds the latent-rank basis into the weights (when ``latent_rank`` is set);
    with ``quantization`` the products were quantised as they streamed in (``loader``), and the absorbed factors
    are rounded after truncation (``layers.quantization.finish_quantization``), once, before the cache is sized:
@@ -55,6 +56,7 @@ from mla_runtime.plan import (
     activation_reserve_bytes,
     cache_budget_bytes,
     cache_num_blocks,
+    check_load_memory,
     default_max_num_batched_tokens,
     latent_bytes_per_token,
     resolve_model_dtype,
@@ -106,7 +108,7 @@ class Worker:
         self.config = config
         self.par = par
         self.model_path = resolve_model(config.model, config.revision)  # a hub repo id -> its local snapshot
-        cfg = ModelConfig.from_pretrained(self.model_path)
+        cfg = self.checkpoint_config = ModelConfig.from_pretrained(self.model_path)  # what the load reads
         if config.latent_rank is not None:
             check_latent_rank(config.latent_rank, cfg.kv_lora_rank)
             cfg = cfg.with_overrides(kv_lora_rank=config.latent_rank)  # the cache's d_c
@@ -131,7 +133,9 @@ class Worker:
         self.bytes_per_token = latent_bytes_per_token(cache_layers, self.cache_dtype.dtype, self.dtype)
         sharded = tp > 1 and config.latent_cache_layout == "sharded"
         self.bytes_per_token_per_rank = self.bytes_per_token // tp if sharded else self.bytes_per_token
-        self.weight_bytes = weight_bytes(cfg, self.dtype, tp, config.quantization)
+        self.weight_bytes = weight_bytes(self.checkpoint_config, self.dtype, tp, config.quantization,
+                                         device=self.device, num_mtp_layers=self.num_mtp_layers,
+                                         latent_cache_layout=config.latent_cache_layout)
         self.activation_bytes = activation_reserve_bytes(
             cfg, dtype=self.dtype, max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, tensor_parallel_size=tp)
@@ -145,8 +149,27 @@ class Worker:
         self.host_tier: HostTier | None = None
 
     # -- set-up ----------------------------------------------------------------------------------
+    def check_memory(self) -> None:
+        """Refuse a load this rank's memory cannot hold, before any weight is read: ``plan.check_load_memory``
+        against the RAM available (``available_host_memory``) on a CPU, the free device memory on CUDA. Raises
+        ``errors.InsufficientMemory`` (a ``ValueError``) with the sizes and the settings that would fit."""
+        c = self.config
+        on_gpu = self.device.type == "cuda"
+        available = torch.cuda.mem_get_info(self.device)[0] if on_gpu else available_host_memory()
+        where = f"{self.device} (free device memory)" if on_gpu else "this host (its available RAM)"
+        check_load_memory(self.checkpoint_config, available, dict(
+            dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
+            tensor_parallel_size=c.tensor_parallel_size, quantization=c.quantization,
+            num_mtp_layers=self.num_mtp_layers, latent_cache_layout=c.latent_cache_layout,
+            cache_dtype=self.cache_dtype.dtype, block_size=c.block_size, max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            kv_cache_memory=None if c.kv_cache_memory is None else int(c.kv_cache_memory),
+            latent_rank=c.latent_rank), where)
+
     def load(self) -> DeepseekForCausalLM:
-        """Load the weights (checked against the checkpoint's sha256 manifest first with ``verify_weights``)."""
+        """Load the weights (checked against the checkpoint's sha256 manifest first with ``verify_weights``), once
+        ``check_memory`` has found room for them."""
+        self.check_memory()
         c = self.config
         if c.verify_weights and self.par.rank == 0:
             t0 = time.monotonic()

@@ -14,10 +14,14 @@ Execution groups the (token, expert) pairs by expert — in Python for a decode 
 stable sort for a prefill's many — and runs one matmul pair per expert that has tokens (oneDNN-packed
 weights on CPU); the loop is over experts, never over tokens. A float32 token alone on a CPU where the compiled
 kernels build (``mla_kernels.cpu_gemv``) takes the whole layer in one call instead: router logits, the same routing,
-its routed experts and the shared experts (``GatedMLPTable.moe_row``).
+its routed experts and the shared experts (``GatedMLPTable.moe_row``). On a GPU, experts whose weights are all
+block-FP8 (``Fp8Weight``) run as two grouped Triton launches (``mla_kernels.fp8_gemm.fp8_grouped_gemm``: gate/up,
+then down) over the pairs sorted by expert on the device, with no host synchronisation.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +30,7 @@ from torch import nn
 
 from mla_runtime.config import MoEConfig
 from mla_runtime.layers.cpu_gemm import PackedWeight, linear
+from mla_runtime.layers.fp8 import Fp8Weight
 from mla_runtime.layers.mlp import GatedMLP, row_table
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 
@@ -81,6 +86,41 @@ class Router(nn.Module):
         return weights * cfg.routed_scaling_factor, expert_ids
 
 
+class Fp8Stacks(NamedTuple):
+    """A MoE layer's block-FP8 experts stacked for ``fp8_grouped_gemm``."""
+
+    gate_up: torch.Tensor  # [E, 2I, d] float8_e4m3fn
+    gate_up_scale: torch.Tensor  # [E, ceil(2I / bn), ceil(d / bk)] float32
+    gate_up_block: tuple[int, int]
+    down: torch.Tensor  # [E, d, I]
+    down_scale: torch.Tensor
+    down_block: tuple[int, int]
+
+
+def _stack_fp8(gate_up: list[PackedWeight | None], down: list[PackedWeight | None]) -> Fp8Stacks | None:
+    """``Experts.fp8_stacks``: the stacks, each expert's ``Fp8Weight`` then viewing its slice, or None."""
+    from mla_kernels.fp8_gemm import fp8_gemm_failure
+
+    parts: list[tuple[torch.Tensor, torch.Tensor, tuple[int, int]]] = []
+    for packed in (gate_up, down):
+        if not packed or not all(isinstance(p, Fp8Weight) for p in packed):
+            return None
+        fp8 = [p for p in packed if isinstance(p, Fp8Weight)]
+        first = fp8[0]
+        if (any(p.weight.shape != first.weight.shape or p.block != first.block
+                or p.weight.device != first.weight.device for p in fp8)
+                or fp8_gemm_failure(first.weight.device) is not None or first.block[1] < 16
+                or first.block[1] & (first.block[1] - 1)):
+            return None
+        parts.append((torch.stack([p.weight for p in fp8]), torch.stack([p.scale_inv for p in fp8]), first.block))
+    for packed, (weight, scale, _) in zip((gate_up, down), parts):
+        for e, p in enumerate(packed):
+            if isinstance(p, Fp8Weight):
+                p.weight, p.scale_inv = weight[e], scale[e]  # views of the stack: the separate copies are freed
+    (gu, gu_s, gu_block), (dn, dn_s, dn_block) = parts
+    return Fp8Stacks(gu, gu_s, gu_block, dn, dn_s, dn_block)
+
+
 class Experts(nn.Module):
     """Routed experts stored stacked: ``gate_up_proj [E, 2I, d]``, ``down_proj [E, d, I]``.
 
@@ -104,6 +144,9 @@ class Experts(nn.Module):
         self.down_list: list[torch.Tensor] = []
         # one-row kernel over these experts and the layer's shared experts (one_row_table); None: not made yet
         self.row_table: cpu_gemv.GatedMLPTable | bool | None = None
+        # block-FP8 experts on a GPU: their matrices stacked for the grouped kernel (fp8_stacks), with the lists they
+        # were made from; None: not made yet (or the lists changed)
+        self._fp8: tuple[list, list, Fp8Stacks | None] | None = None
 
     def prepare_inference(self) -> None:
         self.gate_up_list, self.down_list = list(self.gate_up_proj.unbind(0)), list(self.down_proj.unbind(0))
@@ -147,7 +190,40 @@ class Experts(nn.Module):
         gate, up = linear(x, self.gate_up_list[e], None, self.gate_up_packed[e]).chunk(2, dim=-1)
         return linear(F.silu(gate) * up, self.down_list[e], None, self.down_packed[e])
 
+    def fp8_stacks(self) -> Fp8Stacks | None:
+        """The experts' block-FP8 matrices stacked as the grouped Triton kernel reads them (``[E, N, K]`` weights,
+        ``[E, ...]`` scales), or None where they are not all ``Fp8Weight`` of one shape and block on a device the
+        kernel runs on. Made once (again when the weight lists are replaced); each expert's ``Fp8Weight`` then reads
+        its slice of the stack, so no second copy is kept."""
+        gate_up, down = self.gate_up_packed, self.down_packed
+        if self._fp8 is None or self._fp8[0] is not gate_up or self._fp8[1] is not down:
+            self._fp8 = (gate_up, down, _stack_fp8(gate_up, down))
+        return self._fp8[2]
+
+    def _fp8_grouped(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
+                     stacks: Fp8Stacks) -> torch.Tensor:
+        """Every pair of this rank's experts in two grouped launches: the pairs sorted by local expert on the device
+        (other ranks' pairs after them: rows of no expert, which the kernel leaves 0), each expert's rows
+        ``offsets[e]:offsets[e + 1]``."""
+        from mla_kernels.fp8_gemm import fp8_grouped_gemm  # Triton: imported where it runs
+
+        top_k = expert_ids.shape[1]
+        local = expert_ids.reshape(-1) - self.first
+        mine = (local >= 0) & (local < self.num_experts)
+        key, order = torch.sort(torch.where(mine, local, self.num_experts), stable=True)
+        offsets = torch.searchsorted(key, torch.arange(self.num_experts + 1, device=key.device, dtype=key.dtype))
+        tokens = order // top_k
+        gate, up = fp8_grouped_gemm(x.index_select(0, tokens), stacks.gate_up, stacks.gate_up_scale, offsets,
+                                    stacks.gate_up_block).chunk(2, dim=-1)
+        h = fp8_grouped_gemm(F.silu(gate) * up, stacks.down, stacks.down_scale, offsets, stacks.down_block)
+        h = h.float() * weights.reshape(-1).index_select(0, order).unsqueeze(-1)
+        return torch.zeros_like(x).index_add_(0, tokens, h.to(x.dtype))
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and self.gate_up_packed:
+            stacks = self.fp8_stacks()
+            if stacks is not None:
+                return self._fp8_grouped(x, weights, expert_ids, stacks)
         top_k = expert_ids.shape[1]
         if x.shape[0] == 1:  # one token: no gathering or scattering; the weights as Python floats (exact)
             out: torch.Tensor | None = None

@@ -50,6 +50,8 @@ from torch import nn
 
 from mla_runtime.errors import InvalidParam
 from mla_runtime.layers.cpu_gemm import PackedWeight, gemm_mode, row_kernel_failure
+from mla_runtime.layers.fp8 import Fp8Weight
+from mla_runtime.layers.int4 import Int4Weight
 from mla_runtime.layers.linear import Linear
 from mla_runtime.layers.mla import MLAttention
 from mla_runtime.layers.mlp import GatedMLP
@@ -178,8 +180,9 @@ class Int8Weight(QuantizedWeight):
         return y.to(x.dtype).reshape(*x.shape[:-1], self.qweight.shape[0])
 
 
-# the ``quantization`` values and the formats they make; more register themselves below
-WEIGHT_FORMATS: dict[str, type[QuantizedWeight]] = {"int8": Int8Weight}
+# the ``quantization`` values and the formats they make: int8 (above), int4 (``layers.int4``: groups of 32 with
+# llama.cpp Q4_0's rounding) and fp8 (``layers.fp8``: DeepSeek's 128 x 128 FP8 blocks, which FP8 checkpoints keep)
+WEIGHT_FORMATS: dict[str, type[QuantizedWeight]] = {"int8": Int8Weight, "int4": Int4Weight, "fp8": Fp8Weight}
 
 
 def release(module: nn.Module, name: str, device: torch.device) -> None:
