@@ -7,6 +7,7 @@
     mla-runtime hash PATH                                          # write PATH/SHA256SUMS (--verify-weights)
     mla-runtime warm --kv-cache-dir DIR --prompts prompts.txt      # precompute prefixes into the disk tier
     mla-runtime token-map --model PATH --out MAP.json corpus.txt   # the draft vocabulary of MTP speculation
+    mla-runtime quantize --model SRC --quantization int4 --out DIR # a pre-quantised (compressed-tensors) copy
 
 Each subcommand owns its flags (``mla-runtime SUBCOMMAND --help``); its module is imported only when it
 runs, so ``plan`` does not import the server.
@@ -29,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "hash": ("mla_runtime.checksums", "write a checkpoint's sha256 manifest (SHA256SUMS) for --verify-weights"),
     "warm": ("mla_runtime.warm", "precompute the prefixes of common prompts into the disk tier (--kv-cache-dir)"),
     "token-map": ("mla_runtime.token_map", "count a corpus's tokens into the draft vocabulary of MTP speculation"),
+    "quantize": ("mla_runtime.compressed", "write a checkpoint pre-quantised to int8/int4 (compressed-tensors)"),
 }
 
 

@@ -148,6 +148,7 @@ class ModelConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     moe: MoEConfig | None = None
     fp8_block_size: tuple[int, int] | None = None  # set for FP8 block-quantised checkpoints
+    stored_quantization: str | None = None  # "int8"/"int4": a pre-quantised (compressed-tensors) checkpoint
     num_nextn_predict_layers: int = 0
 
     def __post_init__(self) -> None:
@@ -299,13 +300,24 @@ def _parse_moe(raw: dict[str, Any], family: str) -> MoEConfig | None:
     )
 
 
+def _parse_stored_quantization(raw: dict[str, Any]) -> str | None:
+    """``int8``/``int4`` for a compressed-tensors checkpoint (``compressed``), None for any other."""
+    q = raw.get("quantization_config")
+    if not q or q.get("quant_method") != "compressed-tensors":
+        return None
+    from mla_runtime.compressed import parse_quantization_config
+
+    return parse_quantization_config(q).quantization
+
+
 def _parse_fp8(raw: dict[str, Any]) -> tuple[int, int] | None:
     q = raw.get("quantization_config")
-    if not q:
+    if not q or q.get("quant_method") == "compressed-tensors":
         return None
     method = q.get("quant_method")
     if method != "fp8":
-        raise ValueError(f"quantization_config.quant_method: only block 'fp8' is supported, got {method!r}")
+        raise ValueError(f"quantization_config.quant_method: block 'fp8' and 'compressed-tensors' (int8, int4) are "
+                         f"supported, got {method!r}")
     block = q.get("weight_block_size") or [128, 128]
     if len(block) != 2 or min(block) < 1:
         raise ValueError(f"quantization_config.weight_block_size must be two positive ints, got {block}")
@@ -347,5 +359,6 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         rope=_parse_rope(raw, family),
         moe=moe,
         fp8_block_size=_parse_fp8(raw),
+        stored_quantization=_parse_stored_quantization(raw),
         num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
     )

@@ -33,8 +33,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from mla_runtime.compressed import is_stored_compressed, read_stored, stored_names
 from mla_runtime.config import ModelConfig
 from mla_runtime.errors import InvalidParam
+from mla_runtime.layers.fp8 import Fp8Weight
 from mla_runtime.layers.quantization import (
     WEIGHT_FORMATS,
     QuantizedMatrices,
@@ -333,6 +335,7 @@ def _piece_position(param: torch.Tensor, index: tuple[int | slice, ...]) -> tupl
 
 TRIM_BYTES = 64 << 20  # the allocator hands its free pages back after about this many bytes of tensors converted
 CHUNK_ELEMENTS = 8 << 20  # a tensor is converted in row blocks of about this many values (32 MB in float32)
+CHUNK_ROW_MULTIPLE = 128  # ... of a multiple of this many rows
 
 
 def _row_chunks(reader: _Reader, name: str, shard: tuple[int, int, int, int] | None, scale_name: str | None,
@@ -346,10 +349,10 @@ def _row_chunks(reader: _Reader, name: str, shard: tuple[int, int, int, int] | N
         yield 0, tensor
         return
     start, stop = (0, shape[0]) if shard is None else shard[1:3]
-    step = max(1, CHUNK_ELEMENTS // max(1, shape[1]))
-    if scale_name is not None:
-        assert block is not None
-        step = max(block[0], step // block[0] * block[0])  # whole blocks of rows (start is block-aligned or 0)
+    # whole blocks of rows: an FP8 source's scale rows, and the FP8 blocks a quantisation to fp8 makes (start is
+    # block-aligned or 0)
+    rows = CHUNK_ROW_MULTIPLE if block is None else block[0]
+    step = max(rows, CHUNK_ELEMENTS // max(1, shape[1]) // rows * rows)
     for a in range(start, stop, step):
         b = min(stop, a + step)
         part = (0, a, b, shape[0])
@@ -449,17 +452,29 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
     params = dict(model.named_parameters())
     reader = _Reader(files)
 
+    stored = cfg.stored_quantization  # a pre-quantised checkpoint: its matrices load as stored
+    if stored is not None:
+        if quantization not in (None, stored):
+            raise InvalidParam("quantization", f"{path} is stored quantised to {stored}; quantization={quantization!r} "
+                               f"would quantise it again: load it as stored, or quantise the original checkpoint")
+        quantization = stored
+    compressed = {n for n in table if stored is not None and is_stored_compressed(n, files.keys(), stored)}
     scale_names = {n for n in files if n.endswith(".weight_scale_inv")}
-    missing = sorted(n for n in table if n not in files)
-    unexpected = sorted(n for n in files if n not in table and n not in scale_names and not _mtp_or_ignored(n, cfg))
+    companions = {c for n in compressed for c in stored_names(n, cast(str, stored))}
+    missing = sorted(n for n in table if n not in files and n not in compressed)
+    unexpected = sorted(n for n in files if n not in table and n not in scale_names and n not in companions
+                        and not _mtp_or_ignored(n, cfg))
     mismatched = []
     for name, slot in table.items():
-        if name not in files or slot is None:
+        if (name not in files and name not in compressed) or slot is None:
             continue
         want = list(params[slot.param][slot.index].shape)
         if slot.shard is not None:
             want[slot.shard[0]] = slot.shard[3]
-        got = reader.shape(name)
+        if name in compressed and stored == "int4":
+            got = [int(v) for v in reader.get(stored_names(name, stored)[2]).tolist()]
+        else:
+            got = reader.shape(name)
         if got != want:
             mismatched.append(f"{name}: checkpoint {got}, config expects {want}")
     problems = ([f"missing: {n}" for n in missing] + [f"unexpected: {n}" for n in unexpected]
@@ -498,8 +513,12 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
         param = params[slot.param]
         kind = kinds.get(slot.param)
         scale_name = name[: -len("weight")] + "weight_scale_inv" if name.endswith(".weight") else None
+        if name in compressed:
+            expert, first = _piece_position(param, slot.index)
+            matrices.add(slot.param, expert, first,
+                         read_stored(reader, name, cast(str, stored), slot.shard, param.dtype, device))
+            continue
         if kind == "fp8":
-            from mla_runtime.layers.fp8 import Fp8Weight
 
             block = cast(tuple[int, int], cfg.fp8_block_size)
             weight = reader.get(name, slot.shard).to(device)

@@ -113,6 +113,8 @@ class Worker:
             check_latent_rank(config.latent_rank, cfg.kv_lora_rank)
             cfg = cfg.with_overrides(kv_lora_rank=config.latent_rank)  # the cache's d_c
         self.model_config = cfg
+        # the weights' format: the one asked for, or the one a pre-quantised checkpoint is stored in
+        self.quantization = config.quantization or cfg.stored_quantization
         self.num_mtp_layers = 1 if config.speculative_method == "mtp" else 0
         if self.num_mtp_layers > cfg.num_nextn_predict_layers:
             raise InvalidParam("speculative_method", f"speculative_method 'mtp' needs a checkpoint with a "
@@ -133,7 +135,7 @@ class Worker:
         self.bytes_per_token = latent_bytes_per_token(cache_layers, self.cache_dtype.dtype, self.dtype)
         sharded = tp > 1 and config.latent_cache_layout == "sharded"
         self.bytes_per_token_per_rank = self.bytes_per_token // tp if sharded else self.bytes_per_token
-        self.weight_bytes = weight_bytes(self.checkpoint_config, self.dtype, tp, config.quantization,
+        self.weight_bytes = weight_bytes(self.checkpoint_config, self.dtype, tp, self.quantization,
                                          device=self.device, num_mtp_layers=self.num_mtp_layers,
                                          latent_cache_layout=config.latent_cache_layout)
         self.activation_bytes = activation_reserve_bytes(
@@ -159,7 +161,7 @@ class Worker:
         where = f"{self.device} (free device memory)" if on_gpu else "this host (its available RAM)"
         check_load_memory(self.checkpoint_config, available, dict(
             dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
-            tensor_parallel_size=c.tensor_parallel_size, quantization=c.quantization,
+            tensor_parallel_size=c.tensor_parallel_size, quantization=self.quantization,
             num_mtp_layers=self.num_mtp_layers, latent_cache_layout=c.latent_cache_layout,
             cache_dtype=self.cache_dtype.dtype, block_size=c.block_size, max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -179,7 +181,7 @@ class Worker:
             self.weights_fingerprint = checksums.manifest_fingerprint(self.model_path)
         self.model = load_model(self.model_path, dtype=self.dtype, attention_path=c.attention_path,
                                 backend=c.attention_backend, device=self.device, par=self.par,
-                                num_mtp_layers=self.num_mtp_layers, quantization=c.quantization)
+                                num_mtp_layers=self.num_mtp_layers, quantization=self.quantization)
         if self.num_mtp_layers:
             ids, source = resolve_token_map(c.speculative_token_map, self.model_path, self.model_config.vocab_size)
             self.model.set_draft_vocab(ids)
@@ -202,10 +204,10 @@ class Worker:
         """Finish the quantisation of the weights (``config.quantization``), once they are final: the products were
         quantised as they loaded; the absorbed factors and a tied head follow truncation (``finish_quantization``).
         Once (later calls do nothing), before the cache is sized."""
-        if self.quantized or self.config.quantization is None:
+        if self.quantized or self.quantization is None:
             return
         assert self.model is not None
-        finish_quantization(self.model, self.config.quantization)
+        finish_quantization(self.model, self.quantization)
         self.quantized = True
 
     def num_blocks(self) -> int:

@@ -243,8 +243,12 @@ def install_quantized(model: nn.Module, weights: dict[str, QuantizedMatrices]) -
             a, kv = weights.get(f"{prefix}.q_a_proj.weight"), weights.get(f"{prefix}.kv_a_proj_with_mqa.weight")
             if a is None or kv is None:
                 continue
-            first = cast(QuantizedWeight, a)
-            module.qkv_a = type(first).cat([first, cast(QuantizedWeight, kv)])
+            first, second = cast(QuantizedWeight, a), cast(QuantizedWeight, kv)
+            try:
+                module.qkv_a = type(first).cat([first, second])
+            except ValueError:  # a format whose blocks span rows (FP8) and a q_lora_rank not a multiple of them
+                module.q_a_proj.packed, module.kv_a_proj_with_mqa.packed = first, second
+                continue
             a_bias, kv_bias = module.q_a_proj.bias, module.kv_a_proj_with_mqa.bias
             module.qkv_a_bias = None if a_bias is None or kv_bias is None else torch.cat([a_bias, kv_bias])
 

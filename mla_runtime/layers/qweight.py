@@ -23,12 +23,12 @@ from mla_runtime.layers.cpu_gemm import PackedWeight
 
 def released(weight: torch.Tensor) -> torch.Tensor:
     """A stand-in for a released weight: same shape, dtype and device, one element of storage."""
-    return torch.empty((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+    return torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
 
 
 def released_like(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """``released`` for a weight that was never allocated."""
-    return torch.empty((), dtype=dtype, device=device).expand(*shape)
+    return torch.zeros((), dtype=dtype, device=device).expand(*shape)
 
 
 class QuantizedWeight(PackedWeight):

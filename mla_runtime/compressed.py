@@ -1,0 +1,276 @@
+"""Pre-quantised checkpoints in the compressed-tensors format (the one vLLM, transformers and llm-compressor read and
+write), through the ``compressed-tensors`` library.
+
+Two weight-only schemes map onto the runtime's formats; their tensors load as stored, with no re-quantisation:
+
+- ``int8``: format ``int-quantized``; weights int, 8 bits, symmetric, strategy ``channel``. A matrix ``X`` is
+  ``X.weight`` (int8 ``[N, K]``) and ``X.weight_scale`` (``[N, 1]``).
+- ``int4``: format ``pack-quantized``; weights int, 4 bits, symmetric, strategy ``group`` of 32. A matrix ``X`` is
+  ``X.weight_packed`` (int32 ``[N, K/8]``), ``X.weight_scale`` (``[N, K/32]``) and ``X.weight_shape``.
+
+The int8 scales are held in bfloat16 (the type the int8 kernels take), so a float32 scale is rounded to 8 significant
+bits; every other stored value is used as it is.
+
+Anything else in a checkpoint's ``quantization_config`` (activation quantisation, asymmetric weights, other group
+sizes or bit widths, float formats) is refused at load with an error naming it. Matrices the checkpoint leaves
+unquantised (its ``ignore`` list) are quantised by the runtime while loading, as it does for any checkpoint.
+
+``mla-runtime quantize --model SRC --quantization int8|int4 --out DIR`` writes one from any checkpoint the runtime
+loads (bfloat16, float32, FP8 blocks): the matrices it quantises (every attention projection except ``kv_b_proj``,
+the MLPs and experts, an untied lm_head) in the scheme above, everything else as stored (FP8 ones dequantised to
+bfloat16), one shard per decoder layer, and the tokenizer and generation files copied.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mla_runtime.layers.int4 import Int4Weight
+from mla_runtime.layers.quantization import Int8Weight
+from mla_runtime.layers.qweight import QuantizedWeight
+
+INT4_GROUP = 32
+SCHEMES = {"int8": ("int-quantized", 8, "channel", None), "int4": ("pack-quantized", 4, "group", INT4_GROUP)}
+
+
+class UnsupportedScheme(ValueError):
+    """A compressed-tensors checkpoint whose scheme the runtime cannot run as stored."""
+
+
+@dataclass(frozen=True)
+class StoredScheme:
+    """What a compressed-tensors checkpoint stores: ``quantization`` (``int8``/``int4``) and its format name."""
+
+    quantization: str
+    format: str
+
+
+def parse_quantization_config(q: dict[str, Any]) -> StoredScheme:
+    """The runtime format of a compressed-tensors ``quantization_config``, or ``UnsupportedScheme`` naming what is
+    not supported."""
+    fmt = q.get("format")
+    groups = q.get("config_groups") or {}
+    if not groups:
+        raise UnsupportedScheme("quantization_config (compressed-tensors): no config_groups")
+    found = set()
+    for name, group in groups.items():
+        if not isinstance(group, dict):
+            raise UnsupportedScheme(f"quantization_config.config_groups.{name}: a scheme object expected")
+        for field in ("input_activations", "output_activations"):
+            if group.get(field):
+                raise UnsupportedScheme(f"quantization_config.config_groups.{name}.{field}: activation quantisation "
+                                        f"is not supported (weight-only int8 and int4 checkpoints are)")
+        w = group.get("weights") or {}
+        kind = (w.get("type"), w.get("num_bits"), w.get("strategy"), w.get("group_size"), w.get("symmetric", True))
+        match = [k for k, (_, bits, strategy, size) in SCHEMES.items()
+                 if kind[:3] == ("int", bits, strategy) and (size is None or kind[3] == size) and kind[4]]
+        if not match:
+            raise UnsupportedScheme(
+                f"quantization_config.config_groups.{name}.weights: type={kind[0]} num_bits={kind[1]} "
+                f"strategy={kind[2]} group_size={kind[3]} symmetric={kind[4]} is not supported (supported: "
+                f"int 8-bit symmetric channel, or int 4-bit symmetric group of {INT4_GROUP})")
+        found.add(match[0])
+    if len(found) != 1:
+        raise UnsupportedScheme(f"quantization_config: config_groups mix {sorted(found)}; one scheme is supported")
+    quantization = found.pop()
+    if fmt not in (SCHEMES[quantization][0], "naive-quantized" if quantization == "int8" else None):
+        raise UnsupportedScheme(f"quantization_config.format {fmt!r} is not supported for {quantization} weights "
+                                f"(use {SCHEMES[quantization][0]!r})")
+    return StoredScheme(quantization, str(fmt))
+
+
+def stored_names(name: str, quantization: str) -> list[str]:
+    """The tensors a compressed matrix ``<base>.weight`` is stored as."""
+    base = name[: -len("weight")]
+    if quantization == "int4":
+        return [base + "weight_packed", base + "weight_scale", base + "weight_shape"]
+    return [name, base + "weight_scale"]
+
+
+def is_stored_compressed(name: str, files: Collection[str], quantization: str) -> bool:
+    """Whether ``<base>.weight`` is stored compressed in a checkpoint holding ``files`` (else as a float tensor)."""
+    return name.endswith(".weight") and stored_names(name, quantization)[1] in files
+
+
+def quantization_config(quantization: str, ignore: list[str]) -> dict[str, Any]:
+    """The ``quantization_config`` of a checkpoint written in ``quantization`` (compressed-tensors' own model)."""
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        QuantizationStatus,
+    )
+
+    fmt, bits, strategy, group = SCHEMES[quantization]
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy=strategy, group_size=group)
+    config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
+                                format=fmt, quantization_status=QuantizationStatus.COMPRESSED, ignore=ignore)
+    return config.model_dump(exclude_none=True, mode="json")
+
+
+def compress(weight: QuantizedWeight) -> dict[str, torch.Tensor]:
+    """The stored tensors (names after ``<base>.``) of a runtime matrix, through the library's compressors."""
+    from compressed_tensors.compressors import IntQuantizationCompressor, PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    if isinstance(weight, Int8Weight):
+        scale = weight.scales.unsqueeze(1)
+        args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
+        compressor: Any = IntQuantizationCompressor
+    elif isinstance(weight, Int4Weight):
+        q, scale = weight.to_int()
+        args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=INT4_GROUP)
+        compressor = PackedQuantizationCompressor
+    else:
+        raise TypeError(f"compress: int8 or int4 matrices, got {type(weight).__name__}")
+    # exact: every value is an integer times its scale, so the library's division gives the integers back
+    dense = weight.dequantize()
+    state = {"weight": dense, "weight_scale": scale}
+    return dict(compressor.compress(state, QuantizationScheme(targets=["Linear"], weights=args)))
+
+
+def read_stored(reader: Any, name: str, quantization: str, shard: tuple[int, int, int, int] | None,
+                dtype: torch.dtype, device: torch.device) -> QuantizedWeight:
+    """The matrix ``<base>.weight`` as stored (this rank's part of it: ``shard`` on the rows, or on the columns at
+    group boundaries), made into the runtime's format without re-quantising."""
+    base = name[: -len("weight")]
+    if quantization == "int8":
+        q = reader.get(name, shard)
+        scale = reader.get(base + "weight_scale", shard if shard is not None and shard[0] == 0 else None)
+        return Int8Weight(q.to(device).contiguous(), scale.reshape(-1).to(device, torch.bfloat16), dtype)
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    n, k = (int(v) for v in reader.get(base + "weight_shape").tolist())
+    packed = reader.get(base + "weight_packed")
+    scale = reader.get(base + "weight_scale")
+    q = unpack_from_int32(packed, 4, torch.Size((n, k)))
+    if shard is not None:
+        dim, a, b, _ = shard
+        q = q.narrow(dim, a, b - a)
+        scale = scale.narrow(dim, a // INT4_GROUP if dim else a, (b - a) // INT4_GROUP if dim else b - a)
+    return Int4Weight.from_int(q.to(device).contiguous(), scale.to(device).contiguous(), dtype)
+
+
+# -- writing ------------------------------------------------------------------------------------------------------
+COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                "generation_config.json", "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt")
+
+
+def write_quantized_checkpoint(src: str | Path, out: str | Path, quantization: str) -> Path:
+    """Write ``src`` (any checkpoint the runtime loads) to ``out`` in the compressed-tensors format of
+    ``quantization``, tensor by tensor: each matrix is quantised exactly as loading ``src`` with ``quantization``
+    quantises it (from its float32 values), so loading ``out`` gives the same weights without the work."""
+    from safetensors.torch import save_file
+
+    from mla_runtime.config import ModelConfig
+    from mla_runtime.layers.quantization import WEIGHT_FORMATS, quantized_parameter_names
+    from mla_runtime.loader import (
+        _dequantized,
+        _Reader,
+        _row_chunks,
+        checkpoint_files,
+        checkpoint_layout,
+    )
+    from mla_runtime.models.deepseek import DeepseekForCausalLM
+
+    if quantization not in SCHEMES:
+        raise ValueError(f"quantization: int8 or int4, got {quantization!r}")
+    src, out = Path(src), Path(out)
+    raw = json.loads((src / "config.json").read_text())
+    cfg = ModelConfig.from_pretrained(src)
+    if cfg.stored_quantization is not None:
+        raise ValueError(f"{src} is already quantised ({cfg.stored_quantization}); quantise its original instead")
+    out.mkdir(parents=True, exist_ok=True)
+    files = checkpoint_files(src)
+    with torch.device("meta"):
+        model = DeepseekForCausalLM(cfg, torch.float32, num_mtp_layers=cfg.num_nextn_predict_layers)
+    products = set(quantized_parameter_names(model))
+    table = checkpoint_layout(cfg, num_mtp_layers=cfg.num_nextn_predict_layers)
+    fmt = WEIGHT_FORMATS[quantization]
+    reader = _Reader(files)
+    block = cfg.fp8_block_size
+    scales = {n for n in files if n.endswith(".weight_scale_inv")}
+    shards: dict[Path, list[str]] = {}
+    for name, f in files.items():
+        if name not in scales:
+            shards.setdefault(f, []).append(name)
+    weight_map: dict[str, str] = {}
+    ignore: set[str] = set()
+    for i, names in enumerate(shards.values()):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors: dict[str, torch.Tensor] = {}
+        for name in names:
+            slot = table.get(name)
+            scale_name = name[: -len("weight")] + "weight_scale_inv" if name.endswith(".weight") else None
+            fp8 = scale_name if scale_name in scales else None
+            k = reader.shape(name)[-1]
+            if (slot is not None and slot.param in products and name.endswith(".weight")
+                    and (quantization != "int4" or k % INT4_GROUP == 0)):  # the format's groups span whole rows
+                parts = [fmt.quantize(chunk.float()) for _, chunk in _row_chunks(reader, name, None, fp8, block)]
+                matrix = parts[0] if len(parts) == 1 else type(parts[0]).cat(parts)
+                base = name[: -len("weight")]
+                tensors.update({base + k: v.contiguous() for k, v in compress(matrix).items()})
+            else:
+                tensor = reader.get(name) if fp8 is None else _dequantized(reader, name, fp8, block, None)
+                if fp8 is not None:
+                    tensor = tensor.to(torch.bfloat16)
+                tensors[name] = tensor.contiguous()
+                if name.endswith(".weight") and tensor.dim() == 2:
+                    ignore.add(name[: -len(".weight")])
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, fname))
+        del tensors
+    index = {"metadata": {"total_size": sum((out / f).stat().st_size for f in set(weight_map.values()))},
+             "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    raw["quantization_config"] = quantization_config(quantization, sorted(ignore))
+    if block is not None:
+        raw["torch_dtype"] = "bfloat16"  # what the FP8 source's unquantised tensors are written in
+    (out / "config.json").write_text(json.dumps(raw, indent=2))
+    for extra in COPIED_FILES:
+        if (src / extra).is_file():
+            shutil.copy2(src / extra, out / extra)
+    return out
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    """``mla-runtime quantize --model SRC --quantization int8|int4 --out DIR``."""
+    import time
+
+    from mla_runtime.help_format import DefaultsHelpFormatter
+    from mla_runtime.hub import resolve_model
+
+    ap = argparse.ArgumentParser(prog=prog, formatter_class=DefaultsHelpFormatter,
+                                 description="Write a checkpoint's weights pre-quantised, in the compressed-tensors "
+                                             "format: loading it then reads the quantised weights as stored.")
+    ap.add_argument("--model", required=True, help="checkpoint folder or hub repo id")
+    ap.add_argument("--revision", default=None, help="hub revision (with a repo id)")
+    ap.add_argument("--quantization", required=True, choices=sorted(SCHEMES))
+    ap.add_argument("--out", required=True, help="folder to write (created; must not hold a checkpoint already)")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    if (out / "config.json").exists():
+        ap.error(f"--out {out}: already holds a checkpoint")
+    t0 = time.monotonic()
+    try:
+        write_quantized_checkpoint(resolve_model(args.model, args.revision), out, args.quantization)
+    except (ValueError, OSError) as e:
+        print(f"mla-runtime quantize: {e}", file=sys.stderr)
+        return 1
+    size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    print(f"{out}: {args.quantization} weights in the compressed-tensors format, {size / 2**30:.2f} GiB, "
+          f"written in {time.monotonic() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
