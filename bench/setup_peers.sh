@@ -44,7 +44,7 @@ setup_llama_cpp() {
     -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_OPENMP=ON -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF
   nice -n "$NICE" cmake --build "$LLAMA_DIR/build" -j "$JOBS" \
-    --target llama-bench llama-batched-bench
+    --target llama-bench llama-batched-bench llama-quantize
   # The converter's own environment: its pinned numpy/transformers and the tree's gguf-py, installed editable.
   [ -x "$LLAMA_DIR/venv/bin/python" ] || "$PYTHON" -m venv "$LLAMA_DIR/venv"
   "$LLAMA_DIR/venv/bin/python" -m pip install -q --upgrade pip

@@ -1,1 +1,0 @@
-/work/wt/int8/bench/llama.cpp
