@@ -16,6 +16,12 @@ so a token costs ``(d_c + d_r) × bytes(cache dtype) (+ 8 when quantised)`` per 
 bf16: 576 × 61 × 2 = 70,272 B/token; the same model's un-absorbed per-head K/V cache would cost
 n_h × (d_n + d_r + d_v) × 61 × 2 = 4,997,120 B/token (71×).
 
+The weights are what a rank holds once loaded (``weight_footprint``): the products in the model dtype, int8, int4 or
+FP8 blocks (``quantization``; an FP8 checkpoint keeps its own blocks without it: DeepSeek-V3 on 8 ranks holds about
+86 GB each), ``kv_b_proj`` and its absorbed factors' copies, and on a CPU the second layouts its products keep.
+A load needs more than that while it runs (``load_requirement``); the worker refuses one that cannot fit before it
+reads a weight (``check_load_memory``).
+
 Tensor parallelism (``tensor_parallel_size = tp``) shards, per rank: attention heads (q/q_b, kv_b,
 o_proj), the intermediate dims of the dense MLP and the shared experts (ceil division), the routed experts
 themselves (each rank holds ``n_routed_experts / tp`` whole experts, which costs the same bytes as a ``tp``-th
@@ -26,8 +32,8 @@ token's latent lives on one rank, so a rank pays ``latent / tp`` bytes per token
 holds ``tp×`` the tokens.
 
 CLI: ``mla-runtime plan --model deepseek-v3 --max-seq-len 32768 --max-num-seqs 64
---device-memory 141GiB --tensor-parallel-size 16`` (also ``python -m mla_runtime.plan``); it exits 1 when
-the requested sequences do not fit.
+--device-memory 141GiB --tensor-parallel-size 8 [--quantization int4] [--device cpu]`` (also
+``python -m mla_runtime.plan``); it exits 1 when the requested sequences do not fit.
 """
 
 from __future__ import annotations
@@ -314,7 +320,7 @@ def weight_footprint(config: ModelConfig, dtype: str | torch.dtype = "auto", ten
       per 128×128 block). An FP8 checkpoint (``config.fp8_block_size``) without ``quantization`` keeps its products
       as stored: ``N·K`` + a float32 scale per block of this rank's part, where that part is whole blocks (else they
       load dequantised); its lm_head and ``kv_b_proj`` are in the model dtype. A tied lm_head gets a quantised copy
-      (the embedding stays).
+      (the embedding stays). A pre-quantised checkpoint (``config.stored_quantization``) counts in its format.
     - ``kv_b_proj`` in the model dtype, and per attention layer its absorbed factors' copies ``w_uk``/``w_uv_t``
       (``n_h·(d_n + d_v)·d_c`` values): bfloat16 with ``quantization`` where the compiled CPU decode kernel runs
       (a float32 model on a CPU that builds it, replicated cache), else the model dtype.
@@ -329,7 +335,7 @@ def weight_footprint(config: ModelConfig, dtype: str | torch.dtype = "auto", ten
     Not counted: RoPE tables and the MTP drafts' head rows (small), and the 1-element stand-ins of released weights.
     """
     tp = tensor_parallel_size
-    scheme = check_weight_quantization(quantization)
+    scheme = check_weight_quantization(quantization) or config.stored_quantization  # a pre-quantised checkpoint's
     on_cpu = device is not None and torch.device(device).type == "cpu"
     model_dtype = resolve_model_dtype(dtype, config, device)
     element = model_dtype.itemsize
@@ -602,7 +608,10 @@ def _check_plan_args(config: ModelConfig, memory_utilization: float, latent_cach
 
 
 def _smaller_formats(config: ModelConfig, quantization: str | None) -> list[str]:
-    """The weight formats smaller than ``quantization`` (None: the checkpoint's own) worth suggesting."""
+    """The weight formats smaller than ``quantization`` (None: the checkpoint's own) worth suggesting: none for a
+    pre-quantised checkpoint, which loads as stored."""
+    if config.stored_quantization is not None:
+        return []
     order = [None, "fp8", "int8", "int4"] if config.fp8_block_size is None else ["fp8", None, "int8", "int4"]
     return [q for q in order[order.index(quantization) + 1:] if q in ("int8", "int4")]
 

@@ -338,6 +338,27 @@ def test_weight_bytes_equal_what_a_loaded_model_holds(tiny_checkpoint, variant, 
         assert sum(w.shape.numel() for w in quantized_weights(model)) == elements
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_pre_quantised_checkpoint_counts_in_its_stored_format(tiny_checkpoint, tmp_path, scheme):
+    """A compressed-tensors checkpoint (``mla-runtime quantize``) loads as stored: the planner counts its format
+    without being asked for one, and suggests no other (its format is fixed)."""
+    pytest.importorskip("compressed_tensors")
+    from mla_runtime.compressed import main as quantize_main
+    from mla_runtime.layers.quantization import finish_quantization
+    from mla_runtime.loader import load_model
+    from mla_runtime.plan import _smaller_formats, weight_footprint
+
+    src, _ = tiny_checkpoint("v3")
+    assert quantize_main(["--model", str(src), "--quantization", scheme, "--out", str(tmp_path / scheme)]) == 0
+    cfg = ModelConfig.from_pretrained(tmp_path / scheme)
+    model = load_model(tmp_path / scheme, dtype="float32")
+    finish_quantization(model, scheme)
+    planned = weight_footprint(cfg, "float32", device="cpu")
+    assert planned.format == scheme and planned == weight_footprint(cfg, "float32", 1, scheme, device="cpu")
+    assert planned.total == _resident_bytes(model)
+    assert _smaller_formats(cfg, None) == []
+
+
 @pytest.mark.parametrize("tp,layout", [(2, "replicated"), (4, "sharded")])
 def test_weight_bytes_per_rank_equal_a_loaded_shard(tiny_checkpoint, tp, layout):
     """One rank's shard (the last rank: its vocabulary part is the padded one), int8 on this CPU: exact; at four ranks
