@@ -27,7 +27,7 @@ import argparse
 import json
 import shutil
 import sys
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,26 +138,38 @@ def compress(weight: QuantizedWeight) -> dict[str, torch.Tensor]:
     return dict(compressor.compress(state, QuantizationScheme(targets=["Linear"], weights=args)))
 
 
+STORED_CHUNK_ROWS = 4096  # a stored int4 matrix is unpacked this many rows at a time (the library widens to int32)
+
+
 def read_stored(reader: Any, name: str, quantization: str, shard: tuple[int, int, int, int] | None,
-                dtype: torch.dtype, device: torch.device) -> QuantizedWeight:
-    """The matrix ``<base>.weight`` as stored (this rank's part of it: ``shard`` on the rows, or on the columns at
-    group boundaries), made into the runtime's format without re-quantising."""
+                dtype: torch.dtype, device: torch.device) -> Iterator[tuple[int, QuantizedWeight]]:
+    """(first row, rows) of the matrix ``<base>.weight`` as stored (this rank's part of it: ``shard`` on the rows, or
+    on the columns at group boundaries), made into the runtime's format without re-quantising; an int4 matrix in
+    blocks of ``STORED_CHUNK_ROWS`` rows, read and unpacked one at a time."""
     base = name[: -len("weight")]
     if quantization == "int8":
         q = reader.get(name, shard)
         scale = reader.get(base + "weight_scale", shard if shard is not None and shard[0] == 0 else None)
-        return Int8Weight(q.to(device).contiguous(), scale.reshape(-1).to(device, torch.bfloat16), dtype)
+        yield 0, Int8Weight(q.to(device).contiguous(), scale.reshape(-1).to(device, torch.bfloat16), dtype)
+        return
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
     n, k = (int(v) for v in reader.get(base + "weight_shape").tolist())
-    packed = reader.get(base + "weight_packed")
-    scale = reader.get(base + "weight_scale")
-    q = unpack_from_int32(packed, 4, torch.Size((n, k)))
-    if shard is not None:
-        dim, a, b, _ = shard
-        q = q.narrow(dim, a, b - a)
-        scale = scale.narrow(dim, a // INT4_GROUP if dim else a, (b - a) // INT4_GROUP if dim else b - a)
-    return Int4Weight.from_int(q.to(device).contiguous(), scale.to(device).contiguous(), dtype)
+    rows = (0, n) if shard is None or shard[0] != 0 else (shard[1], shard[2])
+    cols = (0, k) if shard is None or shard[0] == 0 else (shard[1], shard[2])
+    if cols[0] % INT4_GROUP or (cols[1] % INT4_GROUP and cols[1] != k):
+        raise ValueError(f"{base}weight_packed: this rank's columns {cols} do not start and end on groups of "
+                         f"{INT4_GROUP}")
+    for a in range(rows[0], rows[1], STORED_CHUNK_ROWS):
+        b = min(rows[1], a + STORED_CHUNK_ROWS)
+        packed = reader.get(base + "weight_packed", (0, a, b, n))
+        scale = reader.get(base + "weight_scale", (0, a, b, n))
+        q = unpack_from_int32(packed, 4, torch.Size((b - a, k)))
+        if cols != (0, k):
+            q = q[:, cols[0]:cols[1]]
+            scale = scale[:, cols[0] // INT4_GROUP: -(-cols[1] // INT4_GROUP)]
+        yield a - rows[0], Int4Weight.from_int(q.to(device).contiguous(), scale.to(device).contiguous(), dtype)
+        del q, packed
 
 
 # -- writing ------------------------------------------------------------------------------------------------------

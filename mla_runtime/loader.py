@@ -51,6 +51,7 @@ from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 from mla_runtime.plan import resolve_model_dtype
 
 logger = logging.getLogger("mla_runtime")
+STORED_FP8 = "stored fp8"  # a product matrix kept in the FP8 blocks the checkpoint stores
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _IGNORED_RE = re.compile(r"rotary_emb\.inv_freq$")
@@ -409,12 +410,11 @@ class _QuantizedMatrices:
 def _weight_kinds(cfg: ModelConfig, table: dict[str, Slot | None], params: Mapping[str, torch.Tensor],
                   quantization: str | None, scale_names: AbstractSet[str], product_names: list[str]
                   ) -> dict[str, str]:
-    """What each product parameter becomes: ``quantization``'s format, or ``fp8`` where the checkpoint stores it as
-    FP8 blocks that this rank's part keeps whole; absent: the model dtype."""
-    if quantization is not None:
-        return dict.fromkeys(product_names, quantization)
-    if cfg.fp8_block_size is None:
-        return {}
+    """What each product parameter becomes: ``STORED_FP8`` where the checkpoint stores it as FP8 blocks that this
+    rank's part keeps whole (with ``quantization`` None or ``fp8``), else ``quantization``'s format; absent: the
+    model dtype."""
+    if cfg.fp8_block_size is None or quantization not in (None, "fp8"):
+        return {} if quantization is None else dict.fromkeys(product_names, quantization)
     block = cfg.fp8_block_size
     fp8 = dict.fromkeys(product_names, True)
     for name, slot in table.items():
@@ -424,10 +424,12 @@ def _weight_kinds(cfg: ModelConfig, table: dict[str, Slot | None], params: Mappi
         rows = params[slot.param][slot.index].shape[-2] if stacked else None
         fp8[slot.param] &= (name[: -len("weight")] + "weight_scale_inv" in scale_names
                             and _block_aligned(slot.shard, rows, block))
-    kinds = {n: "fp8" for n, keep in fp8.items() if keep}
+    kinds = {n: STORED_FP8 for n, keep in fp8.items() if keep}
     if len(kinds) < len(fp8):
-        logger.info("FP8 weights: %d of %d product matrices are not whole FP8 blocks on this rank and load "
-                    "dequantised", len(fp8) - len(kinds), len(fp8))
+        logger.info("FP8 weights: %d of %d product matrices are not whole FP8 blocks on this rank and load %s",
+                    len(fp8) - len(kinds), len(fp8), "dequantised" if quantization is None else "re-blocked")
+    if quantization is not None:
+        kinds.update({n: quantization for n in fp8 if n not in kinds})
     return kinds
 
 
@@ -515,10 +517,10 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
         scale_name = name[: -len("weight")] + "weight_scale_inv" if name.endswith(".weight") else None
         if name in compressed:
             expert, first = _piece_position(param, slot.index)
-            matrices.add(slot.param, expert, first,
-                         read_stored(reader, name, cast(str, stored), slot.shard, param.dtype, device))
+            for row, piece in read_stored(reader, name, cast(str, stored), slot.shard, param.dtype, device):
+                matrices.add(slot.param, expert, first + row, piece)
             continue
-        if kind == "fp8":
+        if kind == STORED_FP8:
 
             block = cast(tuple[int, int], cfg.fp8_block_size)
             weight = reader.get(name, slot.shard).to(device)

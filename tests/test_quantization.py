@@ -168,7 +168,7 @@ def test_int8_under_two_ranks(tiny_checkpoint):
     _assert_close_to_float32(_generate(path, None), _generate(path, "int8", tensor_parallel_size=2))
 
 
-@pytest.mark.parametrize("value", ["int4", "INT8", 8, ""])
+@pytest.mark.parametrize("value", ["int2", "INT8", 8, ""])
 def test_quantization_flag_rejects_bad_values(value):
     with pytest.raises(InvalidParam) as e:
         EngineConfig(model="m", quantization=value)
@@ -191,14 +191,16 @@ def test_sweep_has_a_weight_precision_axis(tiny_checkpoint):
     path, _ = tiny_checkpoint("v3")
     rng = random.Random(3)
     doc = [rng.randrange(2, 256) for _ in range(70)]
-    cfg = SweepConfig(ranks=(32,), cache_dtypes=("fp32",), methods=("svd",), weights=("none", "int8"),
+    cfg = SweepConfig(ranks=(32,), cache_dtypes=("fp32",), methods=("svd",), weights=("none", "int8", "int4"),
                       dtype="float32", block_size=16, window=32, chunk=16, decode_steps=0)
     rows = {(r.weights, r.method): r for r in run_sweep(path, [doc], None, cfg).rows}
-    assert sorted(rows) == [("int8", "full"), ("int8", "svd"), ("none", "full"), ("none", "svd")]
+    assert sorted(rows) == [("int4", "full"), ("int4", "svd"), ("int8", "full"), ("int8", "svd"), ("none", "full"),
+                            ("none", "svd")]
     assert rows["none", "full"].kl_div == 0 and rows["int8", "full"].kl_div > 0  # the reference is unquantised
     assert rows["int8", "full"].perplexity == pytest.approx(rows["none", "full"].perplexity, rel=0.05)
+    assert rows["int4", "full"].kl_div > rows["int8", "full"].kl_div  # 4 bits are coarser than 8
     with pytest.raises(InvalidParam, match="quantization"):
-        SweepConfig(weights=("int4",))
+        SweepConfig(weights=("int2",))
 
 
 @pytest.mark.skipif(cpu_gemv.failure() is not None, reason=f"the AVX2 kernels do not build here: {cpu_gemv.failure()}")

@@ -104,6 +104,12 @@ class MLAttention(nn.Module):
         if self.qkv_a is not None and self.qkv_a.quantized:  # quantised: final as it is
             return
         self.qkv_a, self.qkv_a_bias = None, None
+        separate = [lin.packed for lin in (self.q_a_proj, self.kv_a_proj_with_mqa)] if self.q_proj is None else []
+        if any(p is not None and p.quantized for p in separate):  # one of them quantised alone: run them apart
+            for lin in (self.q_a_proj, self.kv_a_proj_with_mqa):
+                lin.fused = False
+                lin.prepare_inference()
+            return
         if self.q_proj is None:
             self.qkv_a = PackedWeight.make(torch.cat([self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight]))
             a_bias, kv_bias = self.q_a_proj.bias, self.kv_a_proj_with_mqa.bias

@@ -36,10 +36,11 @@ class GatedMLP(nn.Module):
         self.row_table: cpu_gemv.GatedMLPTable | bool | None = None  # one-row kernel (row_table); None: not made yet
 
     def prepare_inference(self) -> None:
-        if self.gate_up_packed is not None and self.gate_up_packed.quantized:  # quantised weights are final
-            return
-        self.gate_up_packed = PackedWeight.make(self.gate_up_proj)
-        self.down_packed = PackedWeight.make(self.down_proj)
+        """Pack the float weights (a quantised one is final as it is)."""
+        if not _quantized(self.gate_up_packed):
+            self.gate_up_packed = PackedWeight.make(self.gate_up_proj)
+        if not _quantized(self.down_packed):
+            self.down_packed = PackedWeight.make(self.down_proj)
         self.row_table = None
 
     @property
@@ -62,6 +63,10 @@ class GatedMLP(nn.Module):
         bias = self.down_bias if self.par.rank == 0 else None
         out = linear(F.silu(gate) * up, self.down_proj, bias, self.down_packed)
         return self.par.all_reduce(out) if self.reduce else out
+
+
+def _quantized(packed: PackedWeight | None) -> bool:
+    return packed is not None and packed.quantized
 
 
 def row_table(mlps: list[tuple[PackedWeight | None, PackedWeight | None]]) -> cpu_gemv.GatedMLPTable | bool:

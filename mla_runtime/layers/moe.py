@@ -150,10 +150,11 @@ class Experts(nn.Module):
 
     def prepare_inference(self) -> None:
         self.gate_up_list, self.down_list = list(self.gate_up_proj.unbind(0)), list(self.down_proj.unbind(0))
-        if self.gate_up_packed and all(p is not None and p.quantized for p in self.gate_up_packed):
-            return  # quantised weights are final
-        self.gate_up_packed = [PackedWeight.make(w) for w in self.gate_up_list]
-        self.down_packed = [PackedWeight.make(w) for w in self.down_list]
+        # pack the float weights (a quantised one is final as it is)
+        if not (self.gate_up_packed and all(p is not None and p.quantized for p in self.gate_up_packed)):
+            self.gate_up_packed = [PackedWeight.make(w) for w in self.gate_up_list]
+        if not (self.down_packed and all(p is not None and p.quantized for p in self.down_packed)):
+            self.down_packed = [PackedWeight.make(w) for w in self.down_list]
         self.row_table = None
 
     def one_row_table(self, shared: GatedMLP | None) -> cpu_gemv.GatedMLPTable | bool:

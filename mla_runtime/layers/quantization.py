@@ -241,7 +241,10 @@ def install_quantized(model: nn.Module, weights: dict[str, QuantizedMatrices]) -
     for prefix, module in modules.items():
         if isinstance(module, MLAttention) and module.q_proj is None:
             a, kv = weights.get(f"{prefix}.q_a_proj.weight"), weights.get(f"{prefix}.kv_a_proj_with_mqa.weight")
-            if a is None or kv is None:
+            if a is None or kv is None:  # one alone (a checkpoint storing only one in FP8): it runs on its own
+                for lin, w in ((module.q_a_proj, a), (module.kv_a_proj_with_mqa, kv)):
+                    if w is not None:
+                        lin.packed = cast(QuantizedWeight, w)
                 continue
             first, second = cast(QuantizedWeight, a), cast(QuantizedWeight, kv)
             try:

@@ -1,0 +1,320 @@
+"""A real-size model on this machine: DeepSeek-V2-Lite's exact config and tensor names (15.7 B parameters, 31 GB of
+bfloat16), random weights, loaded with int8 and int4 from the bfloat16 checkpoint and from pre-quantised
+(compressed-tensors) copies of it, next to llama.cpp running the same weights as q8_0 / q4_0 GGUF.
+
+    python bench/bench_real_size.py --work /tmp/real_size               # everything (about an hour on 2 cores)
+    python bench/bench_real_size.py --work /tmp/real_size --only mla     # mla-runtime only
+    python bench/bench_real_size.py --work /tmp/real_size --layers 4    # a shorter model, same layer shapes
+
+For each mla-runtime mode a fresh process loads the model and reports its peak resident memory (sampled every few
+milliseconds, and the kernel's own high-water mark ``VmHWM``), the load's seconds and decode tokens/s at batch 1
+and 8 (the median step after the prompt). The process guards its own memory: past ``--rss-limit`` it stops itself with a
+message instead of letting the OOM killer pick a victim. llama.cpp (``bash bench/setup_peers.sh llama.cpp``) runs
+its own converter (q8_0) and ``llama-quantize`` (q4_0 from the q8_0 file, ``--allow-requantize``: the timing does not
+depend on the values), then ``llama-bench`` (batch 1) and ``llama-batched-bench`` (batch 8); its load time is the
+``load time`` its own perf counters print. The two systems run one after the other (their weights do not fit this
+machine's memory together), each over the same files on the same warm page cache.
+
+The "fraction of bandwidth" is the weight bytes one decode token reads (every matrix of a step once: attention,
+the dense MLP, the shared experts, the routed experts a batch is expected to touch, the lm_head; in each system's
+format) times tokens/s, over the machine's streaming bandwidth (``roofline.stream_bandwidth``).
+Results: ``bench/RESULTS_real_size.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+PRESET = HERE.parent / "mla_runtime" / "model_configs" / "deepseek-v2-lite.json"
+PROMPT_LEN, STEPS = 64, 16
+BATCHES = (1, 8)
+# bytes per weight of each format, scales included (q8_0/q4_0: a float16 scale per 32 weights; int8: a bfloat16 scale
+# per row, negligible; int4: a float16 scale per 32)
+BYTES = {"int8": 1.0, "int4": 18 / 32, "q8_0": 34 / 32, "q4_0": 18 / 32}
+
+
+def high_water_mark() -> int:
+    """The kernel's peak RSS of this process (``VmHWM``; unlike ``ru_maxrss``, not inherited across exec)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class MemoryGuard:
+    """Samples this process's RSS; past ``limit`` bytes it prints why and ends the process (exit 3)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.peak, self.done = limit, 0, threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        while not self.done.is_set():
+            now = rss()
+            self.peak = max(self.peak, now)
+            if now > self.limit:
+                print(json.dumps({"error": f"resident memory {now / 2**30:.1f} GiB passed the guard's "
+                                           f"{self.limit / 2**30:.1f} GiB: stopped"}), flush=True)
+                os._exit(3)
+            time.sleep(0.005)
+
+    def stop(self) -> int:
+        self.done.set()
+        self.thread.join()
+        return max(self.peak, high_water_mark())
+
+
+def step_bytes(cfg: dict, fmt: str, batch: int) -> float:
+    """Weight bytes one decode step of ``batch`` rows reads in ``fmt`` (see the module docstring)."""
+    from roofline import expected_experts
+
+    d, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+    latent = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+    q = d * heads * qk if not cfg.get("q_lora_rank") else d * cfg["q_lora_rank"] + cfg["q_lora_rank"] * heads * qk
+    attn = q + d * latent + heads * cfg["v_head_dim"] * d
+    kv_b = cfg["kv_lora_rank"] * heads * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"])
+    dense = cfg["first_k_dense_replace"]
+    moe_layers = cfg["num_hidden_layers"] - dense
+    expert = 3 * d * cfg["moe_intermediate_size"]
+    experts = expected_experts(cfg["n_routed_experts"], cfg["num_experts_per_tok"], batch) + cfg["n_shared_experts"]
+    matrices = (cfg["num_hidden_layers"] * attn + dense * 3 * d * cfg["intermediate_size"]
+                + moe_layers * experts * expert + cfg["vocab_size"] * d)
+    # kv_b_proj: llama.cpp stores it in the file's format; mla-runtime's decode kernel reads bfloat16 copies
+    factors = BYTES[fmt] if fmt.startswith("q") else 2.0
+    return matrices * BYTES[fmt] + cfg["num_hidden_layers"] * kv_b * factors
+
+
+# -- one mla-runtime measurement, in its own process -------------------------------------------------------------
+def worker(path: str, quantization: str, rounds: int, threads: int, limit: int) -> None:
+    import torch
+
+    from mla_runtime import LLM, SamplingParams
+
+    torch.set_num_threads(threads)
+    base = rss()
+    guard = MemoryGuard(limit)
+    t0 = time.perf_counter()
+    llm = LLM(path, dtype="float32", quantization=quantization, max_model_len=PROMPT_LEN + STEPS + 64,
+              max_num_seqs=max(BATCHES), kv_cache_memory="256MiB", enable_prefix_caching=False, num_threads=threads)
+    load_s = time.perf_counter() - t0
+    loaded = rss()
+    engine = llm.engine
+    params = SamplingParams(max_tokens=STEPS + 2, temperature=0, ignore_eos=True)
+    vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, min(vocab, 30000), (PROMPT_LEN,), generator=g).tolist() for _ in range(max(BATCHES))]
+    tok_s: dict[int, list[float]] = {b: [] for b in BATCHES}
+    n = 0
+    for _ in range(rounds):
+        for batch in BATCHES:
+            for p in prompts[:batch]:
+                engine.add_request(f"r{n}", {"prompt_token_ids": p}, params)
+                n += 1
+            engine.step()  # the prompts
+            engine.step()  # a first decode step
+            times = []
+            for _ in range(STEPS):
+                t = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - t)
+            while engine.has_unfinished_requests():
+                engine.step()
+            tok_s[batch].append(batch / statistics.median(times))
+    peak = guard.stop()
+    print(json.dumps({"load_s": load_s, "peak_rss": peak, "loaded_rss": loaded, "base_rss": base,
+                      "tok_s": {str(b): statistics.median(v) for b, v in tok_s.items()},
+                      "tok_s_rounds": {str(b): v for b, v in tok_s.items()}}), flush=True)
+
+
+def run_worker(path: Path, quantization: str, args) -> dict:
+    cmd = [sys.executable, __file__, "--worker", str(path), "--quantization", quantization,
+           "--rounds", str(args.rounds), "--threads", str(args.threads), "--rss-limit", str(args.rss_limit)]
+    print(f"  mla-runtime {quantization} from {path.name} ...", flush=True)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if not lines:
+        return {"error": (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1][:300]}
+    return json.loads(lines[-1])
+
+
+# -- llama.cpp --------------------------------------------------------------------------------------------------
+def llama_measure(gguf: Path, args) -> dict:
+    from llama_peer import BIN
+
+    def bench(batch: int) -> tuple[float, float | None]:
+        if batch == 1:
+            out = subprocess.run([str(BIN / "llama-bench"), "-m", str(gguf), "-t", str(args.threads), "-r", "1",
+                                  "-o", "json", "-p", "0", "-n", str(STEPS), "-d", str(PROMPT_LEN)],
+                                 capture_output=True, text=True, check=True)
+            row = json.loads(out.stdout)[0]
+            return float(row["avg_ts"]), None
+        out = subprocess.run([str(BIN / "llama-batched-bench"), "-m", str(gguf), "-t", str(args.threads), "-tb",
+                              str(args.threads), "-c", str(batch * (PROMPT_LEN + STEPS) + 64), "-npp",
+                              str(PROMPT_LEN), "-ntg", str(STEPS), "-npl", str(batch), "--output-format", "jsonl"],
+                             capture_output=True, text=True, check=True)
+        rows = [json.loads(ln) for ln in (out.stdout + out.stderr).splitlines() if ln.startswith("{")]
+        load = re.search(r"load time =\s*([\d.]+) ms", out.stderr)
+        return float(rows[-1]["speed_tg"]), float(load.group(1)) / 1e3 if load else None
+
+    tok_s: dict[int, list[float]] = {b: [] for b in BATCHES}
+    loads = []
+    for _ in range(args.rounds):
+        for batch in BATCHES:
+            t, load = bench(batch)
+            tok_s[batch].append(t)
+            if load is not None:
+                loads.append(load)
+    return {"load_s": statistics.median(loads) if loads else None,
+            "tok_s": {str(b): statistics.median(v) for b, v in tok_s.items()},
+            "tok_s_rounds": {str(b): v for b, v in tok_s.items()}}
+
+
+def llama_files(src: Path, work: Path) -> dict[str, Path]:
+    from llama_peer import BIN, CONVERTER_PYTHON
+
+    q8 = work / "v2lite-q8_0.gguf"
+    if not q8.exists():
+        print("  converting to q8_0 GGUF (llama.cpp's converter) ...", flush=True)
+        subprocess.run([str(CONVERTER_PYTHON), str(HERE / "llama_convert.py"), str(src), "--outtype", "q8_0",
+                        "--outfile", str(q8)], check=True, capture_output=True)
+    q4 = work / "v2lite-q4_0.gguf"
+    if not q4.exists():
+        print("  llama-quantize q8_0 -> q4_0 ...", flush=True)
+        subprocess.run([str(BIN / "llama-quantize"), "--allow-requantize", str(q8), str(q4), "q4_0",
+                        str(os.cpu_count())], check=True, capture_output=True)
+    return {"q8_0": q8, "q4_0": q4}
+
+
+def warm(path: Path) -> None:
+    """Read a file or folder once, so every system starts from the same warm page cache."""
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    for f in files:
+        with open(f, "rb", buffering=0) as h:
+            while h.read(64 << 20):
+                pass
+
+
+# -- the report -------------------------------------------------------------------------------------------------
+def machine() -> str:
+    from compare_peers import machine_description
+
+    return machine_description()
+
+
+def report(results: dict, cfg: dict, bandwidth: float, args) -> str:
+    gib = 2**30
+    lines = [f"Machine: {machine()}; streaming bandwidth {bandwidth / 1e9:.1f} GB/s (roofline.stream_bandwidth).",
+             f"Model: DeepSeek-V2-Lite's config ({cfg['num_hidden_layers']} layers), random bfloat16 weights; "
+             f"{args.threads} threads, {args.rounds} rounds, prompt {PROMPT_LEN} tokens, {STEPS} decode steps.",
+             "",
+             "| system | weights from | peak RSS | load s | b1 tok/s | b8 tok/s | b1 bandwidth fraction |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for name, r in results.items():
+        if "error" in r:
+            lines.append(f"| {name} | | {r['error']} | | | | |")
+            continue
+        fmt = name.split()[-1]
+        t1, t8 = r["tok_s"]["1"], r["tok_s"]["8"]
+        frac = step_bytes(cfg, fmt, 1) * t1 / bandwidth
+        peak = f"{r['peak_rss'] / gib:.2f} GiB" if "peak_rss" in r else "–"
+        load = f"{r['load_s']:.1f}" if r.get("load_s") is not None else "–"
+        lines.append(f"| {name} | {r.get('source', '')} | {peak} | {load} | {t1:.2f} | {t8:.2f} | {frac:.2f} |")
+    ratios = []
+    for ours, peer in (("int8", "q8_0"), ("int4", "q4_0")):
+        for source in ("bf16", "pre"):
+            a, b = results.get(f"mla-runtime {source} {ours}"), results.get(f"llama.cpp {peer}")
+            if a and b and "error" not in a and "error" not in b:
+                ratios.append(f"- {ours} ({source}) ÷ {peer}: batch 1 {a['tok_s']['1'] / b['tok_s']['1']:.2f}×, "
+                              f"batch 8 {a['tok_s']['8'] / b['tok_s']['8']:.2f}×"
+                              + (f"; load {a['load_s'] / b['load_s']:.2f}× llama.cpp's" if b.get("load_s") else ""))
+    return "\n".join(lines + [""] + ratios) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", type=Path, default=Path("/tmp/mla_real_size"), help="folder for the checkpoints")
+    ap.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (default: the real 27)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--only", choices=["mla", "llama", "all"], default="all")
+    ap.add_argument("--modes", default="bf16:int8,bf16:int4,pre:int8,pre:int4",
+                    help="mla-runtime modes: SOURCE:QUANTIZATION, SOURCE bf16 (quantised while loading) or pre "
+                         "(a pre-quantised checkpoint)")
+    ap.add_argument("--rss-limit", type=int, default=int(21.5 * 2**30), help="bytes: a worker stops itself past it")
+    ap.add_argument("--keep", action="store_true", help="keep the pre-quantised copies")
+    ap.add_argument("--out", type=Path, default=None, help="write the report here too")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--quantization", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args.worker, args.quantization, args.rounds, args.threads, args.rss_limit)
+        return
+
+    from roofline import stream_bandwidth
+
+    from mla_runtime.compressed import write_quantized_checkpoint
+    from mla_runtime.random_checkpoint import write_random_checkpoint
+
+    cfg = json.loads(PRESET.read_text())
+    if args.layers:
+        cfg["num_hidden_layers"] = args.layers
+    args.work.mkdir(parents=True, exist_ok=True)
+    src = args.work / f"v2lite-bf16-{cfg['num_hidden_layers']}"
+    if not (src / "model.safetensors.index.json").exists():
+        print(f"writing {src} (random bfloat16 weights) ...", flush=True)
+        t0 = time.perf_counter()
+        write_random_checkpoint(cfg, src)
+        print(f"  {time.perf_counter() - t0:.0f} s", flush=True)
+    bandwidth = stream_bandwidth()
+    results: dict[str, dict] = {}
+    if args.only in ("mla", "all"):
+        for mode in args.modes.split(","):
+            source, quantization = mode.split(":")
+            path = src
+            if source == "pre":
+                path = args.work / f"{src.name}-{quantization}"
+                if not (path / "config.json").exists():
+                    t0 = time.perf_counter()
+                    write_quantized_checkpoint(src, path, quantization)
+                    print(f"  wrote {path.name} in {time.perf_counter() - t0:.0f} s", flush=True)
+            warm(path)
+            r = run_worker(path, quantization, args)
+            r["source"] = "bf16 checkpoint" if source == "bf16" else "pre-quantised"
+            results[f"mla-runtime {source} {quantization}"] = r
+            print(f"  {json.dumps(r)}", flush=True)
+            if source == "pre" and not args.keep:
+                shutil.rmtree(path)
+    if args.only in ("llama", "all"):
+        for fmt, gguf in llama_files(src, args.work).items():
+            warm(gguf)
+            print(f"  llama.cpp {fmt} ...", flush=True)
+            r = llama_measure(gguf, args)
+            r["source"] = "GGUF"
+            results[f"llama.cpp {fmt}"] = r
+            print(f"  {json.dumps(r)}", flush=True)
+    text = report(results, cfg, bandwidth, args)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
