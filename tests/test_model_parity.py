@@ -13,6 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from mla_runtime.config import ModelConfig
 from mla_runtime.layers.cpu_gemm import gemm_choice
+from mla_runtime.layers.fp8 import Fp8Weight
+from mla_runtime.layers.quantization import quantized_weights
 from mla_runtime.loader import CheckpointError, load_model
 from tests.checkpoints import VOCAB, dequantized_reference
 from tests.model_utils import PagedRunner, hf_logits
@@ -75,7 +77,7 @@ def test_sharded_checkpoint(sharded_checkpoint):
     assert rel_err(got, hf_logits(hf, p)) <= 1e-4
 
 
-def test_fp8_block_checkpoint_dequantised_on_load(fp8_checkpoint, tiny_checkpoint, tmp_path):
+def test_fp8_block_checkpoint_keeps_its_fp8_weights(fp8_checkpoint, tiny_checkpoint, tmp_path):
     _, hf = tiny_checkpoint("v3")
     tensors = load_file(str(fp8_checkpoint / "model.safetensors"))
     assert tensors["model.layers.0.mlp.gate_proj.weight"].dtype == torch.float8_e4m3fn
@@ -88,6 +90,30 @@ def test_fp8_block_checkpoint_dequantised_on_load(fp8_checkpoint, tiny_checkpoin
     assert rel_err(got, hf_logits(reference, p)) <= 1e-4
     # and the quantisation really changed the weights (the test would be vacuous otherwise)
     assert rel_err(got, hf_logits(hf, p)) > 1e-4
+    # the FP8 matrices stay FP8, one byte per weight (plus a float32 scale per block)
+    fp8 = [w for w in quantized_weights(model) if isinstance(w, Fp8Weight)]
+    assert fp8 and all(w.weight.dtype == torch.float8_e4m3fn for w in fp8)
+    assert sum(w.nbytes for w in fp8) < 1.1 * sum(w.weight.numel() for w in fp8)
+
+
+def test_fp8_checkpoint_under_two_ranks(fp8_checkpoint):
+    """Each rank keeps its whole FP8 blocks (the rest dequantised) and the two ranks compute what one does."""
+    from mla_runtime import LLM, SamplingParams
+
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
+    p = [{"prompt_token_ids": prompts([13])[0]}]
+    outs = []
+    for tp in (1, 2):
+        llm = LLM(str(fp8_checkpoint), dtype="float32", max_model_len=64, kv_cache_memory="2MiB", block_size=32,
+                  tensor_parallel_size=tp)
+        try:
+            outs.append(llm.generate(p, sp)[0].outputs[0])
+        finally:
+            llm.shutdown()
+    assert outs[0].token_ids == outs[1].token_ids
+    for a, b in zip(outs[0].logprobs, outs[1].logprobs):
+        t = next(iter(a))
+        assert abs(a[t] - b[t]) < 1e-3
 
 
 def test_bfloat16_close_to_float32(tiny_checkpoint, gemm_mode):
