@@ -28,64 +28,15 @@ import json
 import shutil
 import sys
 from collections.abc import Collection, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from mla_runtime.config import INT4_GROUP, SCHEMES
 from mla_runtime.layers.int4 import Int4Weight
 from mla_runtime.layers.quantization import Int8Weight
 from mla_runtime.layers.qweight import QuantizedWeight
-
-INT4_GROUP = 32
-SCHEMES = {"int8": ("int-quantized", 8, "channel", None), "int4": ("pack-quantized", 4, "group", INT4_GROUP)}
-
-
-class UnsupportedScheme(ValueError):
-    """A compressed-tensors checkpoint whose scheme the runtime cannot run as stored."""
-
-
-@dataclass(frozen=True)
-class StoredScheme:
-    """What a compressed-tensors checkpoint stores: ``quantization`` (``int8``/``int4``) and its format name."""
-
-    quantization: str
-    format: str
-
-
-def parse_quantization_config(q: dict[str, Any]) -> StoredScheme:
-    """The runtime format of a compressed-tensors ``quantization_config``, or ``UnsupportedScheme`` naming what is
-    not supported."""
-    fmt = q.get("format")
-    groups = q.get("config_groups") or {}
-    if not groups:
-        raise UnsupportedScheme("quantization_config (compressed-tensors): no config_groups")
-    found = set()
-    for name, group in groups.items():
-        if not isinstance(group, dict):
-            raise UnsupportedScheme(f"quantization_config.config_groups.{name}: a scheme object expected")
-        for field in ("input_activations", "output_activations"):
-            if group.get(field):
-                raise UnsupportedScheme(f"quantization_config.config_groups.{name}.{field}: activation quantisation "
-                                        f"is not supported (weight-only int8 and int4 checkpoints are)")
-        w = group.get("weights") or {}
-        kind = (w.get("type"), w.get("num_bits"), w.get("strategy"), w.get("group_size"), w.get("symmetric", True))
-        match = [k for k, (_, bits, strategy, size) in SCHEMES.items()
-                 if kind[:3] == ("int", bits, strategy) and (size is None or kind[3] == size) and kind[4]]
-        if not match:
-            raise UnsupportedScheme(
-                f"quantization_config.config_groups.{name}.weights: type={kind[0]} num_bits={kind[1]} "
-                f"strategy={kind[2]} group_size={kind[3]} symmetric={kind[4]} is not supported (supported: "
-                f"int 8-bit symmetric channel, or int 4-bit symmetric group of {INT4_GROUP})")
-        found.add(match[0])
-    if len(found) != 1:
-        raise UnsupportedScheme(f"quantization_config: config_groups mix {sorted(found)}; one scheme is supported")
-    quantization = found.pop()
-    if fmt not in (SCHEMES[quantization][0], "naive-quantized" if quantization == "int8" else None):
-        raise UnsupportedScheme(f"quantization_config.format {fmt!r} is not supported for {quantization} weights "
-                                f"(use {SCHEMES[quantization][0]!r})")
-    return StoredScheme(quantization, str(fmt))
 
 
 def stored_names(name: str, quantization: str) -> list[str]:

@@ -300,13 +300,62 @@ def _parse_moe(raw: dict[str, Any], family: str) -> MoEConfig | None:
     )
 
 
+# -- pre-quantised (compressed-tensors) checkpoints: the schemes the runtime runs as stored (``compressed``) -------
+INT4_GROUP = 32
+SCHEMES = {"int8": ("int-quantized", 8, "channel", None), "int4": ("pack-quantized", 4, "group", INT4_GROUP)}
+
+
+class UnsupportedScheme(ValueError):
+    """A compressed-tensors checkpoint whose scheme the runtime cannot run as stored."""
+
+
+@dataclass(frozen=True)
+class StoredScheme:
+    """What a compressed-tensors checkpoint stores: ``quantization`` (``int8``/``int4``) and its format name."""
+
+    quantization: str
+    format: str
+
+
+def parse_quantization_config(q: dict[str, Any]) -> StoredScheme:
+    """The runtime format of a compressed-tensors ``quantization_config``, or ``UnsupportedScheme`` naming what is
+    not supported."""
+    fmt = q.get("format")
+    groups = q.get("config_groups") or {}
+    if not groups:
+        raise UnsupportedScheme("quantization_config (compressed-tensors): no config_groups")
+    found = set()
+    for name, group in groups.items():
+        if not isinstance(group, dict):
+            raise UnsupportedScheme(f"quantization_config.config_groups.{name}: a scheme object expected")
+        for part in ("input_activations", "output_activations"):
+            if group.get(part):
+                raise UnsupportedScheme(f"quantization_config.config_groups.{name}.{part}: activation quantisation "
+                                        f"is not supported (weight-only int8 and int4 checkpoints are)")
+        w = group.get("weights") or {}
+        kind = (w.get("type"), w.get("num_bits"), w.get("strategy"), w.get("group_size"), w.get("symmetric", True))
+        match = [k for k, (_, bits, strategy, size) in SCHEMES.items()
+                 if kind[:3] == ("int", bits, strategy) and (size is None or kind[3] == size) and kind[4]]
+        if not match:
+            raise UnsupportedScheme(
+                f"quantization_config.config_groups.{name}.weights: type={kind[0]} num_bits={kind[1]} "
+                f"strategy={kind[2]} group_size={kind[3]} symmetric={kind[4]} is not supported (supported: "
+                f"int 8-bit symmetric channel, or int 4-bit symmetric group of {INT4_GROUP})")
+        found.add(match[0])
+    if len(found) != 1:
+        raise UnsupportedScheme(f"quantization_config: config_groups mix {sorted(found)}; one scheme is supported")
+    quantization = found.pop()
+    if fmt not in (SCHEMES[quantization][0], "naive-quantized" if quantization == "int8" else None):
+        raise UnsupportedScheme(f"quantization_config.format {fmt!r} is not supported for {quantization} weights "
+                                f"(use {SCHEMES[quantization][0]!r})")
+    return StoredScheme(quantization, str(fmt))
+
+
 def _parse_stored_quantization(raw: dict[str, Any]) -> str | None:
     """``int8``/``int4`` for a compressed-tensors checkpoint (``compressed``), None for any other."""
     q = raw.get("quantization_config")
     if not q or q.get("quant_method") != "compressed-tensors":
         return None
-    from mla_runtime.compressed import parse_quantization_config
-
     return parse_quantization_config(q).quantization
 
 

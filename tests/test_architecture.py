@@ -20,7 +20,7 @@ LEVELS = {
     "hub": 1, "tokenizer": 1, "cache": 1, "help_format": 1, "checksums": 1,
     "layers": 2, "attention_metadata": 2,
     "models": 3,
-    "loader": 4, "latent_rank": 4, "plan": 4, "token_map": 4,
+    "loader": 4, "latent_rank": 4, "plan": 4, "token_map": 4, "compressed": 4, "random_checkpoint": 4,
     "engine": 6, "llm": 6,
     "serving": 8,
     "cli": 9, "sweep": 9, "benchmark": 9, "warm": 9,

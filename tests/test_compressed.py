@@ -18,8 +18,8 @@ from compressed_tensors.quantization import (
 from safetensors import safe_open
 
 from mla_runtime import LLM, SamplingParams
-from mla_runtime.compressed import UnsupportedScheme, main, parse_quantization_config
-from mla_runtime.config import ModelConfig
+from mla_runtime.compressed import main
+from mla_runtime.config import ModelConfig, UnsupportedScheme, parse_quantization_config
 from mla_runtime.layers.int4 import Int4Weight
 from mla_runtime.layers.quantization import Int8Weight, finish_quantization, quantized_weights
 from mla_runtime.loader import load_model

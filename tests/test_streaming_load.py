@@ -125,3 +125,20 @@ def test_a_quantised_load_peaks_near_its_final_weights(tmp_path_factory, scheme)
     bound = m["held"] + 2 * largest + (48 << 20)
     assert above <= bound, f"peak {above / 2**20:.0f} MiB above baseline, bound {bound / 2**20:.0f} MiB"
     assert above < float32_model  # the old load-then-quantise needed at least this
+
+
+def test_latent_rank_truncation_after_a_quantised_load_equals_the_old_order(tiny_checkpoint):
+    """Truncation needs only ``kv_b_proj`` wide (never quantised): quantising while loading, then truncating, then
+    finishing gives the weights of load -> truncate -> quantise."""
+    from mla_runtime.latent_rank import truncate_latent_rank
+
+    path, _ = tiny_checkpoint("v3")
+    old = truncate_latent_rank(load_model(path, dtype="float32"), 16, "svd", None)
+    quantize_model(old, "int8")
+    new = truncate_latent_rank(load_model(path, dtype="float32", quantization="int8"), 16, "svd", None)
+    finish_quantization(new, "int8")
+    want, got = _state(old), _state(new)
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+    assert all(a.d_c == 16 for a in new.attention_layers())
