@@ -85,7 +85,7 @@ def test_top_level_help_names_the_subcommands(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert all(name in out for name in COMMANDS)
-    assert set(COMMANDS) == {"serve", "plan", "sweep", "bench", "hash", "warm", "token-map"}
+    assert set(COMMANDS) == {"serve", "plan", "sweep", "bench", "hash", "warm", "token-map", "quantize"}
     with pytest.raises(SystemExit) as done:
         main(["warp"])
     assert done.value.code == 2

@@ -243,6 +243,7 @@ class Worker:
         calibration = file_sha256(c.latent_calibration) if c.latent_rank and c.latent_projection == "pca" else None
         settings = {"latent_rank": c.latent_rank, "latent_projection": c.latent_projection if c.latent_rank else None,
                     "latent_calibration_sha256": calibration, "dtype": str(self.dtype),
+                    "quantization": self.quantization,
                     "cache_dtype": self.cache_dtype.name, "block_size": c.block_size,
                     "tensor_parallel_size": c.tensor_parallel_size,
                     "latent_cache_layout": c.latent_cache_layout if c.tensor_parallel_size > 1 else None}
