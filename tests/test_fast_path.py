@@ -575,7 +575,7 @@ def test_the_row_kernel_is_left_out_with_a_reason_where_it_cannot_build(monkeypa
     builds_here = cpu_gemv.failure() is None  # else it stops earlier (architecture, instruction set)
     monkeypatch.setenv(cpu_gemm.GEMM_ENV, "auto")
     try:
-        failed = "compiling gemv_f32.c, mla_decode_f32.c, mla_layer_f32.c with false failed"
+        failed = f"compiling {', '.join(s.name for s in cpu_gemv.SOURCES)} with false failed"
         for compiler, said in ((None, "no C compiler found"), ("false", failed)):
             monkeypatch.setattr(cpu_gemv, "_compiler", lambda c=compiler: c)
             cpu_gemv._load.cache_clear()
