@@ -12,8 +12,10 @@ and 8 (the median step after the prompt). The process guards its own memory: pas
 message instead of letting the OOM killer pick a victim. llama.cpp (``bash bench/setup_peers.sh llama.cpp``) runs
 its own converter (q8_0) and ``llama-quantize`` (q4_0 from the q8_0 file, ``--allow-requantize``: the timing does not
 depend on the values), then ``llama-bench`` (batch 1) and ``llama-batched-bench`` (batch 8); its load time is the
-``load time`` its own perf counters print. The two systems run one after the other (their weights do not fit this
-machine's memory together), each over the same files on the same warm page cache.
+wall time of a process that loads the file and generates one token (llama.cpp maps the file and reads the
+weights as the first token touches them; it repacks q4_0 for its AVX2 kernels). The two systems run one after
+the other (their weights do not fit this machine's memory together), each over the same files on the same warm
+page cache.
 
 The "fraction of bandwidth" is the weight bytes one decode token reads (every matrix of a step once: attention,
 the dense MLP, the shared experts, the routed experts a batch is expected to touch, the lm_head; in each system's
@@ -26,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -171,18 +172,23 @@ def llama_measure(gguf: Path, args) -> dict:
                               str(PROMPT_LEN), "-ntg", str(STEPS), "-npl", str(batch), "--output-format", "jsonl"],
                              capture_output=True, text=True, check=True)
         rows = [json.loads(ln) for ln in (out.stdout + out.stderr).splitlines() if ln.startswith("{")]
-        load = re.search(r"load time =\s*([\d.]+) ms", out.stderr)
-        return float(rows[-1]["speed_tg"]), float(load.group(1)) / 1e3 if load else None
+        return float(rows[-1]["speed_tg"]), None
+
+    def start() -> float:
+        """Seconds from the process's start to its first generated token (one token of prompt, one generated)."""
+        t0 = time.perf_counter()
+        subprocess.run([str(BIN / "llama-batched-bench"), "-m", str(gguf), "-t", str(args.threads), "-tb",
+                        str(args.threads), "-c", "256", "-npp", "1", "-ntg", "1", "-npl", "1"],
+                       capture_output=True, text=True, check=True)
+        return time.perf_counter() - t0
 
     tok_s: dict[int, list[float]] = {b: [] for b in BATCHES}
     loads = []
     for _ in range(args.rounds):
+        loads.append(start())
         for batch in BATCHES:
-            t, load = bench(batch)
-            tok_s[batch].append(t)
-            if load is not None:
-                loads.append(load)
-    return {"load_s": statistics.median(loads) if loads else None,
+            tok_s[batch].append(bench(batch)[0])
+    return {"load_s": statistics.median(loads),
             "tok_s": {str(b): statistics.median(v) for b, v in tok_s.items()},
             "tok_s_rounds": {str(b): v for b, v in tok_s.items()}}
 
