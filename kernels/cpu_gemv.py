@@ -422,8 +422,10 @@ def absorbed_decode(q_n: torch.Tensor, q_r: torch.Tensor, w_uk: torch.Tensor, w_
     rows, heads, d_n = q_n.shape
     d_r, (d_c, d_v) = q_r.shape[2], w_uv_t.shape[1:]
     q_n, q_r = (q if q.stride(2) == 1 else q.contiguous() for q in (q_n, q_r))
-    tensors = (q_n, q_r, cache, w_uk.float() if w_uk.dtype == torch.bfloat16 else w_uk, w_uv_t.float())
-    if (any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors) or w_uv_t.dtype != w_uk.dtype
+    # (checked without widening the factors: a copy of both per call would cost more than the attention)
+    if (any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (q_n, q_r, cache))
+            or w_uk.dtype not in (torch.float32, torch.bfloat16) or w_uk.device.type != "cpu"
+            or w_uv_t.dtype != w_uk.dtype or w_uv_t.device.type != "cpu"
             or q_r.shape[:2] != (rows, heads)
             or w_uk.shape != (heads, d_n, d_c) or not w_uk.is_contiguous() or not w_uv_t.is_contiguous()
             or cache.shape[1] != d_c + d_r or not cache.is_contiguous()
