@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from mla_kernels import cpu_gemv
 
-from mla_runtime.layers import fp8 as fp8_module
+from mla_runtime.layers import qweight
 from mla_runtime.layers.fp8 import Fp8Weight, quantize_fp8_block
 from mla_runtime.loader import dequantize_fp8_block
 
@@ -135,7 +135,7 @@ def test_fallback_dequantises_a_bounded_number_of_rows(monkeypatch):
     q = stored(200, 320, (128, 128), 8)
     x = torch.randn(5, 320)
     whole = q.matmul(x, None)
-    monkeypatch.setattr(fp8_module, "DEQUANT_CHUNK_BYTES", 4 * 320 * 48)  # 48 rows at a time: 5 chunks
+    monkeypatch.setattr(qweight, "WIDEN_CHUNK_ELEMENTS", 320 * 48)  # 48 rows at a time: 5 chunks
     chunked = q.matmul(x, None)
     for got in (whole, chunked):
         assert_product(got, x, q.dequantize())

@@ -7,7 +7,7 @@ import pytest
 import torch
 from mla_kernels import cpu_gemv
 
-from mla_runtime.layers import int4
+from mla_runtime.layers import int4, qweight
 from mla_runtime.layers.int4 import Int4Weight, int4_kernel_failure
 
 
@@ -221,7 +221,7 @@ def test_matmul_in_both_modes(gemm_mode, dtype, shape, monkeypatch):
     assert w.kernel == (gemm_mode == "auto" and cpu_gemv.int4_failure() is None)
     dq = w.dequantize()
     bias = torch.randn(n, generator=g).to(dtype)
-    monkeypatch.setattr(int4, "CHUNK_ELEMENTS", 1000)  # the fallback dequantises a few rows at a time
+    monkeypatch.setattr(qweight, "WIDEN_CHUNK_ELEMENTS", 1000)  # the fallback dequantises a few rows at a time
     for lead in ((1,), (3,), (2, 5), (70,), (0,)):
         x = torch.randn(*lead, k, generator=g).to(dtype)
         got = w.matmul(x, bias)

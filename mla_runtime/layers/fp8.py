@@ -33,7 +33,6 @@ from mla_runtime.layers.qweight import QuantizedWeight
 FP8_MAX = 448.0  # the largest float8_e4m3fn magnitude
 DEFAULT_BLOCK = (128, 128)
 TRITON_BLOCK_K = (16, 32, 64, 128, 256)  # block columns the Triton GEMM takes (one tl.dot step per block)
-DEQUANT_CHUNK_BYTES = 64 << 20  # the fallback dequantises at most about this many float32 bytes of the weight at once
 
 
 def _blocks(n: int, k: int, block: tuple[int, int]) -> tuple[int, int]:
@@ -149,21 +148,10 @@ class Fp8Weight(QuantizedWeight):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [..., K]`` (any float dtype) -> ``x · Wᵀ (+ bias)`` in ``x``'s dtype."""
-        n, k = self.weight.shape
+        k = self.weight.shape[1]
         if self.weight.is_cuda and self.block[1] in TRITON_BLOCK_K and fp8_gemm_failure(self.weight.device) is None:
             return cast(torch.Tensor, fp8_gemm(x, self.weight, self.scale_inv, self.block, bias))
         if self.kernel and 0 < x.numel() <= cpu_gemv.FP8_ROWS_MAX * k:  # the AVX2 kernel
             few = cpu_gemv.gemm_fp8(x, self.weight, self.scale_inv, self.block)
             return (few if bias is None else few.add_(bias.float())).to(x.dtype)
-        rows = x.reshape(-1, k).float()
-        step = max(1, DEQUANT_CHUNK_BYTES // (4 * max(k, 1)))
-        if step >= n:
-            y = F.linear(rows, self._dequantize_rows(0, n))
-        else:  # bounded float32 temporaries: a block of output rows at a time
-            y = torch.empty(rows.shape[0], n, dtype=torch.float32, device=x.device)
-            for r0 in range(0, n, step):
-                r1 = min(n, r0 + step)
-                y[:, r0:r1] = F.linear(rows, self._dequantize_rows(r0, r1))
-        if bias is not None:
-            y = y + bias.float()
-        return y.to(x.dtype).reshape(*x.shape[:-1], n)
+        return self.widened_product(x, bias)

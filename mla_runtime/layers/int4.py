@@ -48,7 +48,7 @@ logger = logging.getLogger("mla_runtime")
 
 GROUP = cpu_gemv.INT4_GROUP  # values per float16 scale along K
 QMIN, QMAX = -8, 7
-CHUNK_ELEMENTS = 1 << 22  # quantisation and the fallback product work on blocks of rows of about this many values
+CHUNK_ELEMENTS = 1 << 22  # quantisation works on blocks of rows of about this many values
 
 
 def padded(k: int) -> int:
@@ -168,19 +168,8 @@ class Int4Weight(QuantizedWeight):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [..., K]`` (any float dtype) -> ``x · Wᵀ (+ bias)`` in ``x``'s dtype."""
-        k, n = self.k, self.packed.shape[0]
+        k = self.k
         if self.kernel and 0 < x.numel() <= cpu_gemv.INT4_ROWS_MAX * k:  # the AVX2 kernel (module docstring)
             few: torch.Tensor = cpu_gemv.gemm_int4(x, self.packed, self.scales)
             return (few if bias is None else few.add_(bias.float())).to(x.dtype)
-        rows = x.reshape(-1, k).float()
-        step = max(1, CHUNK_ELEMENTS // padded(k))
-        if n <= step:
-            y = F.linear(rows, self._dequantize_rows(0, n))
-        else:
-            y = torch.empty(rows.shape[0], n, dtype=torch.float32, device=x.device)
-            for r0 in range(0, n, step):
-                r1 = min(n, r0 + step)
-                y[:, r0:r1] = F.linear(rows, self._dequantize_rows(r0, r1))
-        if bias is not None:
-            y = y + bias.float()
-        return y.to(x.dtype).reshape(*x.shape[:-1], n)
+        return self.widened_product(x, bias)

@@ -17,8 +17,11 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from mla_runtime.layers.cpu_gemm import PackedWeight
+
+WIDEN_CHUNK_ELEMENTS = 4 << 20  # a widened product converts about this many weights to float32 at a time
 
 
 def released(weight: torch.Tensor) -> torch.Tensor:
@@ -73,3 +76,25 @@ class QuantizedWeight(PackedWeight):
     def dequantize(self) -> torch.Tensor:
         """The float32 matrix this one stands for."""
         raise NotImplementedError
+
+    def _dequantize_rows(self, r0: int, r1: int) -> torch.Tensor:
+        """Float32 rows ``[r0, r1)`` of the matrix."""
+        raise NotImplementedError
+
+    def widened_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x [..., K] · Wᵀ (+ bias)`` in ``x``'s dtype by widening the weight to float32 a block of output rows at a
+        time (about ``WIDEN_CHUNK_ELEMENTS`` values: bounded temporaries) and ``F.linear``: the path of any device, and
+        of products too large for a format's few-row kernels."""
+        n, k = self.shape
+        rows = x.reshape(-1, k).float()
+        step = max(1, WIDEN_CHUNK_ELEMENTS // max(k, 1))
+        if n <= step:
+            y = F.linear(rows, self._dequantize_rows(0, n))
+        else:
+            y = torch.empty(rows.shape[0], n, dtype=torch.float32, device=x.device)
+            for r0 in range(0, n, step):
+                r1 = min(n, r0 + step)
+                y[:, r0:r1] = F.linear(rows, self._dequantize_rows(r0, r1))
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype).reshape(*x.shape[:-1], n)
