@@ -26,14 +26,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.nn.functional as F
-from bf16_quality import greedy_reference, mla_runtime_logprobs
-from int8_quality import ggml_products
-from peer_checkpoint import CONFIG, build_checkpoint, make_prompts
-from profile_decode import OUT
+from int8_quality import compare
 
-from mla_runtime.layers import quantization
-from mla_runtime.layers.int4 import GROUP, Int4Weight, quantize_q4_0
+from mla_runtime.layers.int4 import GROUP, quantize_q4_0
 
 
 def q4_0_round_trip(w: torch.Tensor) -> torch.Tensor:
@@ -51,34 +46,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    from transformers import AutoModelForCausalLM
-
-    # ``quantize_model`` makes every format ``WEIGHT_FORMATS`` names
-    quantization.WEIGHT_FORMATS.setdefault("int4", Int4Weight)
-    build_checkpoint(OUT)
-    hf = AutoModelForCausalLM.from_pretrained(OUT, dtype=torch.float32).eval()
-    prompts = make_prompts(args.prompts, args.prompt_len, CONFIG["vocab_size"], seed=0)
-    seqs, ids, positions, ref = greedy_reference(hf, prompts, args.prompt_len, args.new_tokens)
-    with torch.inference_mode():
-        with ggml_products(hf, q4_0_round_trip):
-            systems = {"Q4_0, ggml's numerics (transformers)": torch.log_softmax(
-                hf(ids).logits[:, positions].float(), dim=-1)}
-    del hf
-    systems["mla-runtime int4"] = mla_runtime_logprobs(str(OUT), "float32", seqs, args.prompt_len, "int4")
-    systems["mla-runtime fp32"] = mla_runtime_logprobs(str(OUT), "float32", seqs, args.prompt_len)
-    chosen = ids[:, args.prompt_len:].unsqueeze(-1)
-    ref_chosen = ref.gather(-1, chosen)
-    print(f"{args.prompts} prompts × {args.prompt_len} tokens, {args.new_tokens} float32-greedy tokens scored "
-          "by each system; |log p - log p_fp32| of the chosen tokens, and KL(fp32 ‖ system) per position")
-    print("| system | median | p90 | max | mean KL | argmax = float32's |\n|---|---:|---:|---:|---:|---:|")
-    for name, lp in systems.items():
-        err = (lp.gather(-1, chosen) - ref_chosen).abs().flatten()
-        kl = F.kl_div(lp, ref, log_target=True, reduction="none").sum(-1).mean().item()
-        agree = (lp.argmax(-1) == ref.argmax(-1)).float().mean().item()
-        print(f"| {name} | {err.median().item():.4f} | {err.quantile(0.9).item():.4f} | {err.max().item():.3f} "
-              f"| {kl:.2e} | {agree * 100:.1f}% |")
-
+    compare(args, "Q4_0", q4_0_round_trip, "int4")
 
 if __name__ == "__main__":
     main()

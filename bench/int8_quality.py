@@ -68,19 +68,10 @@ def ggml_products(model: torch.nn.Module, weight_round_trip: Callable[[torch.Ten
         F.linear = plain
 
 
-def ggml_q8_0(model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
-    """Quantise ``model``'s matrices to Q8_0 in place and, while inside, every ``F.linear`` input that meets
-    one of them."""
-    return ggml_products(model, q8_0_round_trip)
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=24)
-    ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
+def compare(args: argparse.Namespace, peer: str, weight_round_trip: Callable[[torch.Tensor], torch.Tensor],
+            quantization: str) -> None:
+    """Print the table: ggml's ``peer`` numerics (``weight_round_trip`` on the weights, Q8_0 activations),
+    mla-runtime with ``quantization`` and mla-runtime float32, each against transformers float32 on the same tokens."""
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
@@ -89,11 +80,12 @@ def main() -> None:
     prompts = make_prompts(args.prompts, args.prompt_len, CONFIG["vocab_size"], seed=0)
     seqs, ids, positions, ref = greedy_reference(hf, prompts, args.prompt_len, args.new_tokens)
     with torch.inference_mode():
-        with ggml_q8_0(hf):
-            systems = {"Q8_0, ggml's numerics (transformers)": torch.log_softmax(
+        with ggml_products(hf, weight_round_trip):
+            systems = {f"{peer}, ggml's numerics (transformers)": torch.log_softmax(
                 hf(ids).logits[:, positions].float(), dim=-1)}
     del hf
-    systems["mla-runtime int8"] = mla_runtime_logprobs(str(OUT), "float32", seqs, args.prompt_len, "int8")
+    systems[f"mla-runtime {quantization}"] = mla_runtime_logprobs(str(OUT), "float32", seqs, args.prompt_len,
+                                                                 quantization)
     systems["mla-runtime fp32"] = mla_runtime_logprobs(str(OUT), "float32", seqs, args.prompt_len)
     chosen = ids[:, args.prompt_len:].unsqueeze(-1)
     ref_chosen = ref.gather(-1, chosen)
@@ -107,6 +99,16 @@ def main() -> None:
         print(f"| {name} | {err.median().item():.4f} | {err.quantile(0.9).item():.4f} | {err.max().item():.3f} "
               f"| {kl:.2e} | {agree * 100:.1f}% |")
 
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    compare(args, "Q8_0", q8_0_round_trip, "int8")
 
 if __name__ == "__main__":
     main()
