@@ -23,11 +23,14 @@ rows stay in L1. The step's small operations cost more in dispatch than in arith
 row: about 35 µs; a MoE router in torch ops: about 120 µs), which is why the norm, the attention and the MoE layer
 are whole calls of their own, and then each decoder layer (bench/RESULTS.md has the measurements).
 
-It is C, not a PyTorch extension, so that building it takes the system C compiler about a second and no PyTorch
+It is C, not a PyTorch extension, so that building it takes the system C compiler a few seconds and no PyTorch
 headers. ``failure()`` (once per process) checks the CPU (``torch.cpu.get_capabilities``: avx2 and fma3 on x86-64),
-finds a compiler (``$CC``, ``cc``, ``gcc``), compiles the sources with ``-O3 -mavx2 -mfma -fopenmp`` into a private
-temporary folder, linking the OpenMP runtime PyTorch ships (so the kernels' threads are PyTorch's pool, not a second
-one competing for the cores), loads them with ``ctypes`` and checks each kernel against torch on small inputs.
+finds a compiler (``$CC``, ``cc``, ``gcc``), compiles the sources with ``-O3 -mavx2 -mfma -fopenmp`` (code for wider
+ISAs is compiled per function with target attributes and chosen at run time), linking the OpenMP runtime PyTorch
+ships (so the kernels' threads are PyTorch's pool, not a second one competing for the cores), loads them with
+``ctypes`` and checks each kernel against torch on small inputs. The built library is kept in ``cache_dir()``, named
+by a digest of the sources, the command line and the compiler's version, so a machine builds it once, not once per
+process.
 Anything that fails makes them unavailable, with the reason, and callers keep their torch paths
 (``mla_runtime.layers.cpu_gemm``). Results equal torch's to float rounding (another summation order), except the
 int8 and int4 products' int16 rounding of their rows.
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import os
 import platform
 import shutil
@@ -69,6 +73,52 @@ def _torch_openmp() -> list[str]:
     return []
 
 
+def cache_dir() -> Path:
+    """Where built kernel libraries are kept, one per source, flags and compiler: ``$MLA_KERNEL_CACHE``, else
+    ``$XDG_CACHE_HOME/mla-runtime/kernels`` (``~/.cache`` without it)."""
+    if os.environ.get("MLA_KERNEL_CACHE"):
+        return Path(os.environ["MLA_KERNEL_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mla-runtime" / "kernels"
+
+
+def _build_key(cc: str, command: list[str]) -> str:
+    """A digest of everything the built library depends on: the sources, the command line and the compiler."""
+    h = hashlib.sha256()
+    for source in (*SOURCES, CSRC / "simd.h"):
+        h.update(source.read_bytes())
+    h.update("\0".join(command).encode())
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+    h.update(version.stdout.encode())
+    return h.hexdigest()[:20]
+
+
+def _build(cc: str) -> tuple[str | None, str | None]:
+    """The built library's path (from the cache where it was built before), or None and why not."""
+    command = [*FLAGS, *map(str, SOURCES), *_torch_openmp()]
+    try:
+        name = f"libmla_gemv-{_build_key(cc, command)}.so"
+        folder = cache_dir()
+        if (folder / name).is_file():
+            return str(folder / name), None
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            staging = tempfile.mkdtemp(prefix=".build-", dir=folder)
+        except OSError:  # a read-only home: build for this process alone
+            folder, staging = Path(tempfile.mkdtemp(prefix="mla_gemv_")), ""
+        out = os.path.join(staging or folder, name)
+        done = subprocess.run([cc, *command, "-o", out], capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+        if done.returncode != 0:
+            said = (done.stderr.strip() or done.stdout.strip() or f"exit status {done.returncode}").splitlines()
+            names = ", ".join(source.name for source in SOURCES)
+            return None, f"compiling {names} with {cc} failed: {said[-1][:200]}"
+        if staging:
+            os.replace(out, folder / name)  # atomic: a concurrent build of the same key writes the same bytes
+            shutil.rmtree(staging, ignore_errors=True)
+        return str(folder / name), None
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"building the kernel failed: {e}"
+
+
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -80,27 +130,22 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     cc = _compiler()
     if cc is None:
         return None, "no C compiler found ($CC, cc, gcc, clang)"
-    folder = tempfile.mkdtemp(prefix="mla_gemv_")
+    path, why = _build(cc)
+    if path is None:
+        return None, why
     try:
-        out = os.path.join(folder, "libmla_gemv.so")
-        done = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", out, *_torch_openmp()], capture_output=True,
-                              text=True, timeout=COMPILE_TIMEOUT_S)
-        if done.returncode != 0:
-            said = (done.stderr.strip() or done.stdout.strip() or f"exit status {done.returncode}").splitlines()
-            names = ", ".join(source.name for source in SOURCES)
-            return None, f"compiling {names} with {cc} failed: {said[-1][:200]}"
-        lib = ctypes.CDLL(out)  # the mapping stays valid after the file is removed
-    except (OSError, subprocess.SubprocessError) as e:
-        return None, f"building the kernel failed: {e}"
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        lib = ctypes.CDLL(path)
+    except OSError as e:
+        return None, f"loading the built kernel failed: {e}"
     lib.mla_gemv_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3  # w, x, y, n, k, threads
     lib.mla_gemv_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3  # w, scale, x, y, n, k, threads
     lib.mla_gemm_few_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4  # w, x, y, m, n, k, threads
     lib.mla_gemm_few_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4  # w, scale, x, y, m, n, k, threads
-    # packed int4 nibbles, float16 scales, x, y, m, n, k, threads
-    lib.mla_gemm_i4.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
+    # packed int4 nibbles, float16 scales, x, y, m, n, k, threads, variant
+    lib.mla_gemm_i4.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5
     lib.mla_gemm_i4.restype = None
+    lib.mla_i4_variants.argtypes = []
+    lib.mla_i4_variants.restype = ctypes.c_int64
     # w (float8_e4m3fn bytes), scale, block rows, block columns, x, y, m, n, k, threads
     lib.mla_gemm_fp8.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + \
         [ctypes.c_int64] * 4
@@ -326,6 +371,10 @@ def gemm_fp8(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, blo
     return y
 
 
+# a weight operand of the tables: float32 [N, K]; int8 [N, K] with float32 row scales [N]; or int4 nibbles
+# [N, Kp / 2] (pack_int4) with float16 group scales [N, Kp / 32]
+Operand = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
 INT4_GROUP = 32  # int4 weights: one float16 scale per this many values along K (csrc/gemv_int4.c)
 INT4_ROWS_MAX = 64  # int4 products of up to this many rows take the kernel, eight rows at a time
 
@@ -346,15 +395,39 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([b & 0x0F, b >> 4], dim=2).reshape(n, 2 * half).to(torch.int8) - 8
 
 
+INT4_VARIANTS = ("avx2", "avx512_vnni")  # the int4 kernel's variants (enum in csrc/gemv_int4.c), slowest first
+
+
+@functools.cache
+def int4_variants() -> tuple[str, ...]:
+    """The int4 kernel's variants this CPU executes (``INT4_VARIANTS``; empty where the library does not build)."""
+    lib, _ = _load()
+    if lib is None:
+        return ()
+    mask = int(lib.mla_i4_variants())
+    return tuple(name for i, name in enumerate(INT4_VARIANTS) if mask >> i & 1)
+
+
 @functools.cache
 def int4_failure() -> str | None:
-    """None where the int4 kernel (``csrc/gemv_int4.c``) is built and exact on this machine, else why not. Checks the
-    widening of every finite float16 scale, then products with row and group tails whose values make every sum
-    exact in float32, against float64."""
+    """None where the int4 kernel (``csrc/gemv_int4.c``) is built and exact on this machine in every variant it
+    executes, else why not. Checks the widening of every finite float16 scale, then products with row and group tails
+    whose activations round to themselves (each group's largest magnitude 127: scale 1) and whose sums are exact in
+    float32, against float64."""
     why = failure()
     if why is not None:
         return why
-    # every finite float16 bit pattern as a scale: row j of x picks group j of each weight row
+    if not int4_variants():
+        return "the CPU lacks f16c"
+    for variant in int4_variants():
+        why = _int4_variant_failure(variant)
+        if why is not None:
+            return why
+    return None
+
+
+def _int4_variant_failure(variant: str) -> str | None:
+    # every finite float16 bit pattern as a scale: row j of x picks group j of each weight row, times 127
     bits = torch.arange(1 << 16, dtype=torch.int32)
     finite = bits[(bits & 0x7C00) != 0x7C00].to(torch.int16).view(torch.float16)
     groups = 32
@@ -363,32 +436,53 @@ def int4_failure() -> str | None:
     q = torch.zeros(n, groups * INT4_GROUP, dtype=torch.int8)
     q[:, ::INT4_GROUP] = 1
     x = torch.zeros(groups, groups * INT4_GROUP)
-    x[torch.arange(groups), torch.arange(groups) * INT4_GROUP] = 1.0
-    if not torch.equal(gemm_int4(x, pack_int4(q), scales), scales.float().T):
-        return "the int4 kernel widens float16 scales wrongly on this CPU"
+    x[torch.arange(groups), torch.arange(groups) * INT4_GROUP] = 127.0
+    if not torch.equal(gemm_int4(x, pack_int4(q), scales, variant), scales.float().T * 127):
+        return f"the int4 kernel ({variant}) widens float16 scales wrongly on this CPU"
     g = torch.Generator().manual_seed(0)
-    for n, k, rows in ((37, 64, 1), (37, 96, 3), (9, 40, 9), (70, 512, 13), (5, 32, 64)):
+    for n, k, rows in ((37, 64, 1), (37, 96, 3), (9, 40, 9), (70, 512, 13), (5, 32, 64), (6, 200, 5)):
         kp = -(-k // INT4_GROUP) * INT4_GROUP
         q = torch.randint(-8, 8, (n, kp), generator=g, dtype=torch.int8)
         q[:, k:] = 0
-        x = torch.randint(-1, 2, (rows, k), generator=g).float()
+        x = torch.randint(-3, 4, (rows, k), generator=g).float()
+        x[:, ::INT4_GROUP] = 127.0 * (torch.randint(0, 2, x[:, ::INT4_GROUP].shape, generator=g) * 2 - 1)
         one = torch.randint(-(1 << 15), 1 << 15, (n, 1), generator=g, dtype=torch.int32)  # one scale a row: any value
         one = torch.where((one & 0x7C00) == 0x7C00, one & ~0x4000, one).to(torch.int16).view(torch.float16)
+        one = torch.where(one.float().abs() > 1e3, one / 256, one)  # sums of products stay exact in float32
         per_group = torch.tensor([0.25, 0.5, 1.0, 2.0])[torch.randint(0, 4, (n, kp // INT4_GROUP), generator=g)]
         for scales in (one.expand(n, kp // INT4_GROUP).contiguous(), per_group.half()):
             wide = (q.double().view(n, -1, INT4_GROUP) * scales.double().unsqueeze(2)).view(n, kp)[:, :k]
-            if not torch.equal(gemm_int4(x, pack_int4(q), scales).double(), x.double() @ wide.T):
-                return "the int4 kernel's products differ from the exact result on this CPU"
+            if not torch.equal(gemm_int4(x, pack_int4(q), scales, variant).double(), x.double() @ wide.T):
+                return f"the int4 kernel's ({variant}) products differ from the exact result on this CPU"
     return None
 
 
-def gemm_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def quantize_q8_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """How the int4 kernel rounds its input rows (``csrc/gemv_int4.c``), in torch: ``x [..., K]`` float32 -> (``q
+    [..., Kp]`` int8, zero past ``K``; ``scale [..., Kp / 32]`` float32), ``x ≈ q * scale`` per group of 32 with
+    ``scale = amax / 127`` and ``q = round(x * (127 / amax))`` to nearest even (NaN scales where a group is not
+    finite)."""
+    k = x.shape[-1]
+    kp = -(-k // INT4_GROUP) * INT4_GROUP
+    v = torch.nn.functional.pad(x.float(), (0, kp - k)).unflatten(-1, (-1, INT4_GROUP))
+    amax = v.abs().amax(-1, keepdim=True)
+    finite = v.isfinite().all(-1, keepdim=True)
+    safe = torch.where(amax > 0, amax, torch.ones_like(amax))
+    q = torch.where(finite & (amax > 0), torch.round(v * (127.0 / safe)).clamp(-127, 127), torch.zeros_like(v))
+    scale = torch.where(finite, torch.where(amax > 0, amax / 127.0, torch.zeros_like(amax)),
+                        torch.full_like(amax, float("nan")))
+    return q.to(torch.int8).flatten(-2), scale.squeeze(-1)
+
+
+def gemm_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, variant: str | None = None
+              ) -> torch.Tensor:
     """``x · Wᵀ`` in float32 for 1 to ``INT4_ROWS_MAX`` rows ``x [..., K]`` (any float dtype) and a group-wise int4
     weight ``W [N, K]``: contiguous ``packed [N, Kp / 2]`` uint8 (``pack_int4``; ``Kp`` is ``K`` rounded up to a
     multiple of ``INT4_GROUP``, the padding zero) and contiguous float16 ``scales [N, Kp / 32]``, read at half a byte
-    per weight. Each row is rounded to int16 with one power-of-two scale (an error of at most 2^-15 of its largest
-    magnitude per value), each group of 32 is an exact integer dot product, summed in float32 with the group's scale.
-    A row's result does not depend on the other rows. Only where ``int4_failure()`` is None."""
+    per weight. Each row is rounded to int8 with a scale per group of 32 (``quantize_q8_groups``: ggml's Q8_0
+    activations), each group is an exact integer dot product, summed in float32 times the two groups' scales. A row's
+    result does not depend on the other rows, nor on the variant (``int4_variants()``; default: the fastest).
+    Only where ``int4_failure()`` is None."""
     lib, _ = _load()
     assert lib is not None, "gemm_int4 needs the kernel: check int4_failure() first"
     n, half = packed.shape
@@ -402,11 +496,22 @@ def gemm_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> to
                          f"and float16 scales [N, Kp / {INT4_GROUP}] (Kp: K rounded up to a multiple of {INT4_GROUP}), "
                          f"got x {tuple(x.shape)}, packed {packed.dtype} {tuple(packed.shape)} and scales "
                          f"{scales.dtype} {tuple(scales.shape)}")
+    variant = int4_variant() if variant is None else variant
+    if variant not in int4_variants():
+        raise ValueError(f"gemm_int4: this CPU runs the int4 variants {list(int4_variants())}, not {variant!r}")
     xs = x.to(torch.float32).contiguous()
     y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
     lib.mla_gemm_i4(packed.data_ptr(), scales.data_ptr(), xs.data_ptr(), y.data_ptr(), rows, n, k,
-                    torch.get_num_threads())
+                    torch.get_num_threads(), INT4_VARIANTS.index(variant))
     return y
+
+
+def int4_variant() -> str:
+    """The int4 variant products and tables take here: the fastest this CPU executes."""
+    variants = int4_variants()
+    if not variants:
+        raise ValueError("no int4 kernel variant runs on this CPU: check int4_failure() first")
+    return variants[-1]
 
 
 def absorbed_decode(q_n: torch.Tensor, q_r: torch.Tensor, w_uk: torch.Tensor, w_uv_t: torch.Tensor,
@@ -517,29 +622,62 @@ def route_config(scoring: str, method: str, n_experts: int, n_group: int, topk_g
                          int(norm_topk_prob), n_experts, 0], dtype=torch.int64)
 
 
+WEIGHT_KINDS = {"float32": 0, "int8": 1, "int4": 2}  # enum WeightKind in csrc/gemv_f32.c; int4: + its variant
+MLP_FIELDS = 7  # a GatedMLPTable row: gate_up weight, scales, kind; down weight, scales, kind; I (csrc/gemv_f32.c)
+
+
+def operand_fields(operand: Operand, shape: tuple[int, int], name: str, keep: list[object]) -> tuple[int, int, int]:
+    """A weight operand of a table as (weight pointer, scales pointer, kind), checked against the ``[N, K]`` matrix it
+    stands for: a contiguous float32 tensor, an int8 ``(qweight, float32 row scales)`` pair or an int4 ``(packed
+    uint8 [N, Kp / 2], float16 scales [N, Kp / 32])`` pair (run by ``int4_variant()``). ``keep`` holds the tensors."""
+    n, k = shape
+    kp = -(-k // INT4_GROUP) * INT4_GROUP
+    want: tuple[tuple[torch.dtype, tuple[int, ...]], ...]
+    if isinstance(operand, tuple):
+        weight, scales = operand
+        if weight.dtype == torch.uint8:
+            kind, want = WEIGHT_KINDS["int4"], ((torch.uint8, (n, kp // 2)), (torch.float16, (n, kp // INT4_GROUP)))
+        else:
+            kind, want = WEIGHT_KINDS["int8"], ((torch.int8, (n, k)), (torch.float32, (n,)))
+    else:
+        weight, scales, kind, want = operand, None, WEIGHT_KINDS["float32"], ((torch.float32, (n, k)),)
+    for t, (dtype, dims) in zip((weight, scales), want):
+        assert t is not None
+        if t.dtype != dtype or tuple(t.shape) != dims or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{name}: a weight [{n}, {k}] is a contiguous float32 tensor, int8 with float32 row "
+                             f"scales, or int4 nibbles with float16 group scales; got {t.dtype} {list(t.shape)} where "
+                             f"{dtype} {list(dims)} was expected")
+    if kind == WEIGHT_KINDS["int4"]:
+        if int4_failure() is not None:
+            raise ValueError(f"{name}: the int4 kernel does not run here: {int4_failure()}")
+        kind += INT4_VARIANTS.index(int4_variant())
+    keep += [weight, scales]
+    return weight.data_ptr(), 0 if scales is None else scales.data_ptr(), kind
+
+
+def operand_rows(operand: Operand) -> int:
+    """The number of rows ``N`` of an operand's matrix."""
+    return (operand[0] if isinstance(operand, tuple) else operand).shape[0]
+
+
 class GatedMLPTable:
     """The weights of gated MLPs (a MoE layer's experts and shared experts, or one dense MLP) as the one-row kernel
-    reads them: ``mlps`` lists each MLP's ``(gate_up [2I, d], down [d, I])``, each a contiguous float32 tensor or an
-    int8 ``(qweight, float32 row scales)`` pair. Holds them alive while it exists."""
+    reads them: ``mlps`` lists each MLP's ``(gate_up [2I, d], down [d, I])`` operands (``operand_fields``). Holds
+    them alive while it exists."""
 
-    def __init__(self, mlps: list[tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-                                        torch.Tensor | tuple[torch.Tensor, torch.Tensor]]]) -> None:
-        rows, self.keep = [], []
+    def __init__(self, mlps: list[tuple[Operand, Operand]]) -> None:
+        rows: list[list[int]] = []
+        self.keep: list[object] = []
+        self.hidden = operand_rows(mlps[0][1])
         for gate_up, down in mlps:
-            entry = []
-            for part in (gate_up, down):
-                weight, scales = part if isinstance(part, tuple) else (part, None)
-                ok = weight.is_contiguous() and (weight.dtype == torch.float32 if scales is None else
-                                                 weight.dtype == torch.int8 and scales.dtype == torch.float32)
-                if not ok:
-                    raise ValueError(f"GatedMLPTable: a {weight.dtype} weight {tuple(weight.shape)} is neither a "
-                                     "contiguous float32 one nor int8 with float32 scales")
-                entry += [weight.data_ptr(), 0 if scales is None else scales.data_ptr()]
-                self.keep += [weight, scales]
-            rows.append(entry + [down.shape[-1] if not isinstance(down, tuple) else down[0].shape[1]])
+            inter = operand_rows(gate_up) // 2
+            if operand_rows(down) != self.hidden:
+                raise ValueError(f"GatedMLPTable: a down projection of {operand_rows(down)} rows in MLPs of width "
+                                 f"{self.hidden}")
+            rows.append([*operand_fields(gate_up, (2 * inter, self.hidden), "GatedMLPTable", self.keep),
+                         *operand_fields(down, (self.hidden, inter), "GatedMLPTable", self.keep), inter])
         self.table = torch.tensor(rows, dtype=torch.int64)
-        self.hidden = (mlps[0][0] if not isinstance(mlps[0][0], tuple) else mlps[0][0][0]).shape[1]
-        self.max_inter = int(self.table[:, 4].max())
+        self.max_inter = int(self.table[:, MLP_FIELDS - 1].max())
 
     def __call__(self, x: torch.Tensor, ids: list[int], weights: list[float]) -> torch.Tensor:
         """``sum_i weights[i] * mlp_{ids[i]}(x)`` for one float32 row ``x [..., d]``; where ``failure()`` is None."""
@@ -585,13 +723,13 @@ class GatedMLPTable:
 
 
 # the entries of a decoder layer's table and of a step's (enum LayerField and StepField in csrc/mla_layer_f32.c)
-LAYER_FIELDS = ("in_norm", "post_norm", "q_norm", "kv_norm", "qa_w", "qa_s", "kva_w", "kva_s", "qb_w", "qb_s", "w_uk",
-                "w_uv_t", "w_bf16", "o_w", "o_s", "mlp_table", "router", "route", "route_bias", "first", "count",
-                "shared", "max_inter", "d", "q_lora", "heads", "d_n", "d_r", "d_c", "d_v", "interleave", "floats")
+LAYER_FIELDS = ("in_norm", "post_norm", "q_norm", "kv_norm", "qa_w", "qa_s", "qa_k", "kva_w", "kva_s", "kva_k", "qb_w",
+                "qb_s", "qb_k", "w_uk", "w_uv_t", "w_bf16", "o_w", "o_s", "o_k", "mlp_table", "router", "route",
+                "route_bias", "first", "count", "shared", "max_inter", "d", "q_lora", "heads", "d_n", "d_r", "d_c",
+                "d_v", "interleave", "floats")
 STEP_FIELDS = ("rows", "cos", "sin", "cs_ld", "slots", "keys", "key_stride", "lens", "threads", "decode_threads",
                "decode_stride")
 LAYER_DIMS = ("d", "q_lora", "heads", "d_n", "d_r", "d_c", "d_v")
-Operand = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # float32 [N, K], or int8 [N, K] with float32 scales [N]
 
 
 @dataclass
@@ -640,7 +778,8 @@ class DecoderLayerTable:
         for name, operand, shape in (("qa", w.qa, (q_out, d)), ("kva", w.kva, (d_c + d_r, d)),
                                      ("qb", w.qb, (heads * qk, q_lora)), ("o", w.o, (d, heads * d_v))):
             if operand is not None:
-                fields[name + "_w"], fields[name + "_s"] = self._operand(name, operand, shape)
+                fields[name + "_w"], fields[name + "_s"], fields[name + "_k"] = operand_fields(
+                    operand, shape, f"DecoderLayerTable: {name}", self.keep)
         w_dtype = torch.bfloat16 if w.w_uk.dtype == torch.bfloat16 else torch.float32
         fields["w_uk"] = self._tensor("w_uk", w.w_uk, w_dtype, (heads, d_n, d_c))
         fields["w_uv_t"] = self._tensor("w_uv_t", w.w_uv_t, w_dtype, (heads, d_c, d_v))
@@ -680,13 +819,6 @@ class DecoderLayerTable:
                              f"{t.dtype} {list(t.shape)}")
         self.keep.append(t)
         return t.data_ptr()
-
-    def _operand(self, name: str, operand: Operand, shape: tuple[int, int]) -> tuple[int, int]:
-        if isinstance(operand, tuple):
-            weight, scales = operand
-            return self._tensor(name, weight, torch.int8, shape), self._tensor(name + " scales", scales, torch.float32,
-                                                                                 shape[:1])
-        return self._tensor(name, operand, torch.float32, shape), 0
 
 
 class DecodeStep:

@@ -115,6 +115,13 @@ def read_stored(reader: Any, name: str, quantization: str, shard: tuple[int, int
         b = min(rows[1], a + STORED_CHUNK_ROWS)
         packed = reader.get(base + "weight_packed", (0, a, b, n))
         scale = reader.get(base + "weight_scale", (0, a, b, n))
+        if k % INT4_GROUP == 0 and sys.byteorder == "little":  # the nibbles moved as bytes, no widening
+            lo, hi = cols[0] // 8, cols[1] // 8
+            words = packed if (lo, hi) == (0, k // 8) else packed[:, lo:hi]
+            scale = scale[:, cols[0] // INT4_GROUP: cols[1] // INT4_GROUP]
+            yield a - rows[0], Int4Weight.from_words(words.to(device), scale.to(device).contiguous(),
+                                                     cols[1] - cols[0], dtype)
+            continue
         q = unpack_from_int32(packed, 4, torch.Size((b - a, k)))
         if cols != (0, k):
             q = q[:, cols[0]:cols[1]]

@@ -589,6 +589,33 @@ def test_the_row_kernel_is_left_out_with_a_reason_where_it_cannot_build(monkeypa
         cpu_gemv.failure.cache_clear()
 
 
+def test_the_kernel_library_is_built_once_per_machine(tmp_path, monkeypatch):
+    """The built library is kept in the cache folder under a digest of what it is built from: a second process (here:
+    a cleared cache) loads it without compiling; other flags build another."""
+    if cpu_gemv.failure() is not None:
+        pytest.skip(f"the kernels do not build here: {cpu_gemv.failure()}")
+    monkeypatch.setenv("MLA_KERNEL_CACHE", str(tmp_path / "kernels"))
+    real_run = cpu_gemv.subprocess.run
+    compiles: list[list[str]] = []
+    monkeypatch.setattr(cpu_gemv.subprocess, "run",
+                        lambda cmd, **kw: (compiles.append(cmd) if "-o" in cmd else None) or real_run(cmd, **kw))
+    try:
+        for _ in range(2):
+            cpu_gemv._load.cache_clear()
+            cpu_gemv.failure.cache_clear()
+            assert cpu_gemv.failure() is None
+        built = list((tmp_path / "kernels").glob("libmla_gemv-*.so"))
+        assert len(compiles) == 1 and len(built) == 1
+        monkeypatch.setattr(cpu_gemv, "FLAGS", (*cpu_gemv.FLAGS, "-DMLA_OTHER_BUILD"))
+        cpu_gemv._load.cache_clear()
+        cpu_gemv.failure.cache_clear()
+        assert cpu_gemv.failure() is None
+        assert len(compiles) == 2 and len(list((tmp_path / "kernels").glob("libmla_gemv-*.so"))) == 2
+    finally:
+        cpu_gemv._load.cache_clear()
+        cpu_gemv.failure.cache_clear()
+
+
 def test_with_the_row_kernels_nothing_is_timed(monkeypatch):
     """The kernels take every product of up to ``KERNEL_MAX_ROWS`` (>= ``FEW_ROWS``) rows, so a weight they serve is
     not timed against F.linear; without them its one-row and few-row products are."""
@@ -725,7 +752,7 @@ def test_gated_mlp_table_matches_torch_for_float32_and_int8_weights():
                               ([0], [1.0], torch.randn(2, d)), ([0], [1.0], torch.randn(1, d).double())):
         with pytest.raises(ValueError, match="one float32 row"):
             table(bad, ids, weights)
-    with pytest.raises(ValueError, match="neither a contiguous float32"):
+    with pytest.raises(ValueError, match="is a contiguous float32 tensor, int8"):
         cpu_gemv.GatedMLPTable([(mlps[0][0].t(), mlps[0][1])])
 
 
@@ -869,14 +896,14 @@ def test_float32_decode_steps_take_the_compiled_attention_and_match_torch(tiny_c
 
 
 @pytest.mark.parametrize("variant", ["v3", "v3_noq_halfsplit", "v2_group", "v2_greedy_qlora"])
-@pytest.mark.parametrize("quantization", [None, "int8"])
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
 def test_decode_steps_run_each_layer_as_one_compiled_call_with_the_same_logits(tiny_checkpoint, variant,
                                                                                 quantization, monkeypatch):
     """Where the kernels build, a decode step of one to eight rows runs each decoder layer as one compiled call
     (norms, projections, latent side, attention, MLP), with the logits of the layer called op by op (the same kernels
     in the same order; the MLP's float arithmetic may round differently). With and without q_lora_rank, dense and MoE
-    layers, V2's and V3's routing, float32 and int8 weights; a quantised model makes its layer tables again from the
-    int8 weights."""
+    layers, V2's and V3's routing, float32, int8 and int4 weights; a quantised model makes its layer tables again from
+    the quantised weights."""
     from mla_runtime.layers.quantization import quantize_model
     from mla_runtime.models import deepseek
 
@@ -906,7 +933,8 @@ def test_decode_steps_run_each_layer_as_one_compiled_call_with_the_same_logits(t
     # from the MLP can come out of the next product 2^-14 larger
     assert rel_err(logits[0], logits[1]) <= (1e-5 if quantization is None else 5e-4)
     if calls and quantization:
-        assert any(isinstance(k, torch.Tensor) and k.dtype == torch.int8 for k in calls[0].keep)
+        stored = torch.int8 if quantization == "int8" else torch.uint8
+        assert any(isinstance(k, torch.Tensor) and k.dtype == stored for k in calls[0].keep)
 
 
 @needs_row_kernel
@@ -925,7 +953,7 @@ def test_decoder_layer_tables_and_steps_reject_what_they_cannot_compute(tiny_che
     bad = dataclasses.replace(weights, w_uk=weights.w_uk.transpose(1, 2))
     with pytest.raises(ValueError, match="w_uk must be a contiguous"):
         cpu_gemv.DecoderLayerTable(bad)
-    with pytest.raises(ValueError, match="o must be a contiguous torch.int8"):
+    with pytest.raises(ValueError, match="o: a weight .* got torch.float32"):
         cpu_gemv.DecoderLayerTable(dataclasses.replace(weights, o=(weights.o, weights.o[:, 0])))
     d_r = weights.dims["d_r"]
     rope = torch.zeros(9, d_r // 2)

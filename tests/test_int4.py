@@ -137,11 +137,25 @@ def test_nbytes():
 
 
 def _tolerance(dq: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """What the kernel may differ from the exact product by: each row's int16 rounding (at most its largest
-    magnitude / 32767 per value) and float32 sums."""
+    """What the kernel may differ from the exact product by: the rounding of each group of 32 input values to int8
+    (at most the group's largest magnitude / 254 per value) and float32 sums."""
     wa, xa = dq.double().abs(), x.double().abs()
-    step = xa.amax(-1, keepdim=True) / 32767
-    return step * wa.sum(1) + 1e-5 * (xa @ wa.T) + 1e-30
+    k = x.shape[-1]
+    groups = torch.nn.functional.pad(xa, (0, -k % 32)).unflatten(-1, (-1, 32))
+    step = (groups.amax(-1, keepdim=True) / 254).expand(groups.shape).flatten(-2)[..., :k]
+    return step @ wa.T + 1e-5 * (xa @ wa.T) + 1e-30
+
+
+def _variants() -> list[str]:
+    """Every int4 kernel variant; one this CPU cannot execute is skipped by name."""
+    return list(cpu_gemv.INT4_VARIANTS)
+
+
+def _variant_or_skip(variant: str) -> None:
+    _kernel_or_skip()
+    if variant not in cpu_gemv.int4_variants():
+        pytest.skip(f"this CPU does not execute the int4 kernel's {variant} variant (it runs "
+                    f"{list(cpu_gemv.int4_variants())})")
 
 
 def _kernel_or_skip() -> None:
@@ -188,6 +202,36 @@ def test_kernel_row_and_thread_independence():
         torch.set_num_threads(before)
     for full, part in zip(outs[::2], outs[1::2], strict=True):
         assert torch.equal(full, outs[0]) and torch.equal(part, outs[0][5:18])
+
+
+@pytest.mark.parametrize("variant", _variants())
+@pytest.mark.parametrize("n,k,rows", [(37, 1024, 1), (64, 96, 5), (9, 200, 13), (130, 2048, 8)])
+def test_kernel_is_its_rounded_rows_times_the_weight(variant, n, k, rows):
+    """Each variant computes the exact product of the Q8_0-rounded rows (``quantize_q8_groups``) with the int4
+    weight, to float32 summation, and every variant gives the same bits."""
+    _variant_or_skip(variant)
+    g = torch.Generator().manual_seed(n * k + rows)
+    w = Int4Weight.quantize(torch.randn(n, k, generator=g))
+    x = torch.randn(rows, k, generator=g) * torch.logspace(-3, 3, k)[torch.randperm(k, generator=g)]
+    q, scale = cpu_gemv.quantize_q8_groups(x)
+    xr = (q.double().unflatten(-1, (-1, 32)) * scale.double().unsqueeze(-1)).flatten(-2)[:, :k]
+    assert ((xr - x.double()).abs() <= _tolerance(torch.eye(k), x)).all()  # at most half a step per value
+    dq = w.dequantize().double()
+    got = cpu_gemv.gemm_int4(x, w.packed, w.scales, variant)
+    want = xr @ dq.T
+    assert ((got.double() - want).abs() <= 2e-6 * (xr.abs() @ dq.abs().T) + 1e-30).all()
+    assert torch.equal(got, cpu_gemv.gemm_int4(x, w.packed, w.scales, cpu_gemv.INT4_VARIANTS[0])
+                       if cpu_gemv.INT4_VARIANTS[0] in cpu_gemv.int4_variants() else got)
+
+
+def test_variants_named():
+    """The variants this CPU executes are a subset of those built, the fastest chosen; an unknown one is refused."""
+    _kernel_or_skip()
+    assert set(cpu_gemv.int4_variants()) <= set(cpu_gemv.INT4_VARIANTS)
+    assert cpu_gemv.int4_variant() == cpu_gemv.int4_variants()[-1]
+    w = Int4Weight.quantize(torch.randn(8, 64))
+    with pytest.raises(ValueError, match="int4 variants"):
+        cpu_gemv.gemm_int4(torch.randn(1, 64), w.packed, w.scales, "sse2")
 
 
 def test_kernel_non_finite_rows():
@@ -244,7 +288,7 @@ def test_kernel_and_fallback_agree(monkeypatch):
     slow = Int4Weight.quantize(w)
     assert fast.kernel and not slow.kernel
     gap = (fast.matmul(x, None).double() - slow.matmul(x, None).double()).abs()
-    assert (gap <= _tolerance(fast.dequantize(), x)).all()  # the kernel's int16 rows: the only difference
+    assert (gap <= _tolerance(fast.dequantize(), x)).all()  # the kernel's int8 groups: the only difference
 
 
 def test_fallback_reason():
@@ -260,3 +304,20 @@ def test_on_cuda():
     assert torch.equal(gpu.packed.cpu(), cpu.packed) and torch.equal(gpu.scales.cpu(), cpu.scales)
     x = torch.randn(3, 96)
     assert torch.allclose(gpu.matmul(x.cuda(), None).cpu(), x @ cpu.dequantize().T, rtol=1e-4, atol=1e-4)
+
+
+def test_from_words_equals_the_library_unpacked():
+    """compressed-tensors' packed words moved into this format as bytes give the weights its own unpacking gives."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+
+    g = torch.Generator().manual_seed(11)
+    q = torch.randint(-8, 8, (9, 96), generator=g, dtype=torch.int8)
+    scales = torch.rand(9, 3, generator=g).half()
+    words = pack_to_int32(q, 4)
+    fast = Int4Weight.from_words(words, scales, 96, torch.float32)
+    slow = Int4Weight.from_int(unpack_from_int32(words, 4, torch.Size((9, 96))), scales, torch.float32)
+    assert torch.equal(fast.packed, slow.packed) and torch.equal(fast.scales, slow.scales)
+    half = Int4Weight.from_words(words[:, 4:], scales[:, 1:], 64, torch.float32)  # a rank's columns, on groups
+    assert torch.equal(half.dequantize(), slow.dequantize()[:, 32:])
+    with pytest.raises(ValueError, match="multiple of 32"):
+        Int4Weight.from_words(pack_to_int32(q[:, :40], 4), scales[:, :2], 40, torch.float32)

@@ -84,21 +84,43 @@ static inline void dot2_i16(const int8_t *wa, const int8_t *wb, const int16_t *x
     *yb = sb;
 }
 
-/* Inside a parallel region: this thread's share of rows [0, n) of y = alpha * (W x) * scale (+ y when add), W
- * float32 (wf, times x) or int8 (wq with scale, times x quantised to xq * sx), read as two streams. No barrier. */
-static void product_rows(const float *wf, const int8_t *wq, const float *scale, const float *x, const int16_t *xq,
-                         float sx, int64_t n, int64_t k, float alpha, int add, float *y) {
+/* A weight operand, as the tables hold it: op[0] the weight, op[1] its scales, op[2] its kind: W_F32 (float32, no
+ * scales), W_I8 (int8 with a float32 scale per row) or W_I4 + v (group-wise int4 with float16 scales, gemv_int4.c,
+ * run by its variant v). */
+enum WeightKind { W_F32 = 0, W_I8 = 1, W_I4 = 2 };
+
+/* One input row in the forms the operands read: x (float32), xq (int16, scale sx: int8 weights), x8 (prepared for
+ * int4 weights: mla_q8_prepare); a form no operand reads may be absent. */
+typedef struct {
+    const float *x;
+    const int16_t *xq;
+    float sx;
+    const uint8_t *x8;
+} Row;
+
+void mla_i4_share(int64_t variant, const uint8_t *w, const uint16_t *scales, const uint8_t *xp, float *y, int64_t n,
+                  int64_t k, float alpha, int add);
+
+/* Inside a parallel region: this thread's share of rows [0, n) of y = alpha * (W x) (+ y when add), W the operand
+ * op; float32 and int8 rows read as two streams. No barrier. */
+static void product_rows(const int64_t *op, const Row *in, int64_t n, int64_t k, float alpha, int add, float *y) {
+    if (op[2] >= W_I4) {
+        mla_i4_share(op[2] - W_I4, (const uint8_t *)op[0], (const uint16_t *)op[1], in->x8, y, n, k, alpha, add);
+        return;
+    }
+    const int8_t *wq = op[2] == W_I8 ? (const int8_t *)op[0] : NULL;
+    const float *wf = (const float *)op[0], *scale = (const float *)op[1];
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
     const int64_t r0 = n * t / nt, r1 = n * (t + 1) / nt, half = (r1 - r0 + 1) / 2;
     for (int64_t i = 0; i < half; i++) {
         const int64_t ra = r0 + i, rb = r0 + half + i < r1 ? r0 + half + i : ra;  /* an odd range's last row: twice */
         float va, vb;
         if (wq) {
-            dot2_i16(wq + ra * k, wq + rb * k, xq, k, &va, &vb);
-            va *= sx * scale[ra];
-            vb *= sx * scale[rb];
+            dot2_i16(wq + ra * k, wq + rb * k, in->xq, k, &va, &vb);
+            va *= in->sx * scale[ra];
+            vb *= in->sx * scale[rb];
         } else {
-            dot2_f32(wf + ra * k, wf + rb * k, x, k, &va, &vb);
+            dot2_f32(wf + ra * k, wf + rb * k, in->x, k, &va, &vb);
         }
         y[ra] = alpha * va + (add ? y[ra] : 0.0f);
         if (rb != ra) y[rb] = alpha * vb + (add ? y[rb] : 0.0f);
@@ -106,16 +128,20 @@ static void product_rows(const float *wf, const int8_t *wq, const float *scale, 
 }
 
 void mla_gemv_f32(const float *w, const float *x, float *y, int64_t n, int64_t k, int64_t threads) {
+    const int64_t op[3] = {(int64_t)(intptr_t)w, 0, W_F32};
+    const Row in = {x, NULL, 0.0f, NULL};
     #pragma omp parallel num_threads((int)threads)
-    product_rows(w, NULL, NULL, x, NULL, 0.0f, n, k, 1.0f, 0, y);
+    product_rows(op, &in, n, k, 1.0f, 0, y);
 }
 
 void mla_gemv_i8(const int8_t *w, const float *scale, const float *x, float *y, int64_t n, int64_t k,
                  int64_t threads) {
     int16_t xq[k];
     const float sx = quantize16(x, xq, k);
+    const int64_t op[3] = {(int64_t)(intptr_t)w, (int64_t)(intptr_t)scale, W_I8};
+    const Row in = {NULL, xq, sx, NULL};
     #pragma omp parallel num_threads((int)threads)
-    product_rows(NULL, w, scale, NULL, xq, sx, n, k, 1.0f, 0, y);
+    product_rows(op, &in, n, k, 1.0f, 0, y);
 }
 
 /* A few rows at once (1 <= m <= 8, a speculative verification or a small batch): Y [m, n] = X [m, k] W^T. Each
@@ -208,34 +234,63 @@ void mla_rms_norm_f32(const float *x, int64_t ld, const float *weight, float *y,
 }
 
 /* Gated MLPs of one row x [d], summed: y = sum_e w_e * down_e(silu(gate_e x) * up_e x), the experts a MoE layer
- * routed the row to plus its shared experts (or one dense MLP). table [*, 5] holds each MLP's gate_up [2 I, d] and
- * down [d, I] weights with their row scales (0: float32 weights, else int8 weights and float32 scales) and I; ids
- * and w name the n MLPs and their weights. Inside a parallel region: each product's rows are split over the threads,
- * with a barrier between the products. scratch: 3 max(I) floats. */
+ * routed the row to plus its shared experts (or one dense MLP). table [*, MLP_FIELDS] holds each MLP's gate_up
+ * [2 I, d] and down [d, I] operands (weight, scales, kind: product_rows) and I; ids and w name the n MLPs and their
+ * weights. Inside a parallel region: each product's rows are split over the threads, with a barrier between the
+ * products. scratch: 3 max(I) floats; xs and as: the input rows' int16 and int4-prepared forms (d and max(I)
+ * values: QBuf), shared by the team. */
+#define MLP_FIELDS 7  /* gate_up weight, scales, kind; down weight, scales, kind; I */
+
+typedef struct {
+    int16_t *xq;
+    uint8_t *x8;
+    float sx;
+} QBuf;
+
+int64_t mla_q8_row_bytes(int64_t k);
+void mla_q8_prepare(const float *x, int64_t rows, int64_t k, uint8_t *out);
+
+/* (one thread) the forms of x [k] that operands of these kinds read */
+static Row prepare_row(const float *x, int64_t k, int kinds, QBuf *q) {
+    Row in = {x, NULL, 0.0f, NULL};
+    if (kinds & (1 << W_I8)) {
+        q->sx = quantize16(x, q->xq, k);
+        in.xq = q->xq;
+        in.sx = q->sx;
+    }
+    if (kinds & (1 << W_I4)) {
+        mla_q8_prepare(x, 1, k, q->x8);
+        in.x8 = q->x8;
+    }
+    return in;
+}
+
+static int kind_bit(int64_t kind) { return 1 << (kind >= W_I4 ? W_I4 : (int)kind); }
+
 static void gated_mlps(const float *x, float *y, int64_t d, const int64_t *table, const int64_t *ids, const float *w,
-                       int64_t n, float *scratch, int16_t *xq, int16_t *aq, float *qs) {
-    /* qs[0], qs[1]: the scales of xq and aq, shared by the team (set by one thread, read after a barrier) */
+                       int64_t n, float *scratch, QBuf *xs, QBuf *as) {
     if (n == 0) {
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < d; r++) y[r] = 0.0f;
     }
+    int kinds = 0;
+    for (int64_t e = 0; e < n; e++) kinds |= kind_bit(table[ids[e] * MLP_FIELDS + 2]);
     #pragma omp single
-    qs[0] = quantize16(x, xq, d);  /* for int8 weights; cheap next to any product */
+    prepare_row(x, d, kinds, xs);  /* cheap next to any product */
+    const Row in = {x, xs->xq, xs->sx, xs->x8};
     for (int64_t e = 0; e < n; e++) {
-        const int64_t *mlp = table + ids[e] * 5, inter = mlp[4];
-        const float *gu_scale = (const float *)mlp[1], *down_scale = (const float *)mlp[3];
+        const int64_t *mlp = table + ids[e] * MLP_FIELDS, inter = mlp[6];
         float *act = scratch + 2 * inter;
-        product_rows(gu_scale ? NULL : (const float *)mlp[0], gu_scale ? (const int8_t *)mlp[0] : NULL, gu_scale,
-                     x, xq, qs[0], 2 * inter, d, 1.0f, 0, scratch);
+        product_rows(mlp, &in, 2 * inter, d, 1.0f, 0, scratch);
         #pragma omp barrier
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < inter; r++) act[r] = scratch[r] / (1.0f + expf(-scratch[r])) * scratch[inter + r];
-        if (down_scale) {
+        if (mlp[5] != W_F32) {
             #pragma omp single
-            qs[1] = quantize16(act, aq, inter);
+            prepare_row(act, inter, kind_bit(mlp[5]), as);
         }
-        product_rows(down_scale ? NULL : (const float *)mlp[2], down_scale ? (const int8_t *)mlp[2] : NULL,
-                     down_scale, act, aq, qs[1], d, inter, w[e], e > 0, y);
+        const Row mid = {act, as->xq, as->sx, as->x8};
+        product_rows(mlp + 3, &mid, d, inter, w[e], e > 0, y);
         #pragma omp barrier  /* the next MLP's gate_up output overwrites the scratch this one read */
     }
 }
@@ -243,16 +298,18 @@ static void gated_mlps(const float *x, float *y, int64_t d, const int64_t *table
 /* The largest intermediate size among the n MLPs ids names. */
 static int64_t largest_inter(const int64_t *table, const int64_t *ids, int64_t n) {
     int64_t m = 1;
-    for (int64_t e = 0; e < n; e++) m = table[ids[e] * 5 + 4] > m ? table[ids[e] * 5 + 4] : m;
+    for (int64_t e = 0; e < n; e++) m = table[ids[e] * MLP_FIELDS + 6] > m ? table[ids[e] * MLP_FIELDS + 6] : m;
     return m;
 }
 
 void mla_gated_mlps(const float *x, float *y, int64_t d, const int64_t *table, const int64_t *ids, const float *w,
                     int64_t n, float *scratch, int64_t threads) {
-    int16_t xq[d], aq[largest_inter(table, ids, n)];
-    float qs[2];
+    const int64_t inter = largest_inter(table, ids, n);
+    int16_t xq[d], aq[inter];
+    uint8_t x8[mla_q8_row_bytes(d)], a8[mla_q8_row_bytes(inter)];
+    QBuf xs = {xq, x8, 0.0f}, as = {aq, a8, 0.0f};
     #pragma omp parallel num_threads((int)threads)
-    gated_mlps(x, y, d, table, ids, w, n, scratch, xq, aq, qs);
+    gated_mlps(x, y, d, table, ids, w, n, scratch, &xs, &as);
 }
 
 /* The index of the largest of v[0:n] not yet taken (ties: the lowest index), or -1. */
@@ -333,10 +390,13 @@ void mla_moe_row(const float *x, float *y, int64_t d, const float *router, const
     int64_t ids[MOE_MAX_TOPK + 1];
     int64_t n = 0;
     int16_t xq[d], aq[max_inter];
-    float qs[2];
+    uint8_t x8[mla_q8_row_bytes(d)], a8[mla_q8_row_bytes(max_inter)];
+    QBuf xs = {xq, x8, 0.0f}, as = {aq, a8, 0.0f};
+    const int64_t router_op[3] = {(int64_t)(intptr_t)router, 0, W_F32};
+    const Row in = {x, NULL, 0.0f, NULL};
     #pragma omp parallel num_threads((int)threads)
     {
-        product_rows(router, NULL, NULL, x, NULL, 0.0f, E, d, 1.0f, 0, logits);
+        product_rows(router_op, &in, E, d, 1.0f, 0, logits);
         #pragma omp barrier
         #pragma omp single
         {
@@ -353,6 +413,6 @@ void mla_moe_row(const float *x, float *y, int64_t d, const float *router, const
                 w[n++] = 1.0f;
             }
         }
-        gated_mlps(x, y, d, table, ids, w, n, scratch, xq, aq, qs);
+        gated_mlps(x, y, d, table, ids, w, n, scratch, &xs, &as);
     }
 }

@@ -1,166 +1,365 @@
-/* Products of 1 to a few dozen rows with a group-wise int4 weight, for x86-64 with AVX2 and FMA.
+/* Products of 1 to a few dozen rows with a group-wise int4 weight, for x86-64: an AVX2 + FMA + F16C variant and an
+ * AVX-512 (F/BW/VL) + VNNI one, chosen per call (the caller names the variant; mla_i4_variants says which this CPU
+ * runs). Both compute the same integers and the same float operations in the same order, so their results are
+ * identical bit for bit.
  *
- * The weight W [n, k] is stored as kp = k rounded up to a multiple of 32 columns (the padding is zero): packed
- * nibbles [n, kp / 2] and one float16 scale per group of 32 along k, [n, kp / 32]. A group's 16 bytes hold its
- * 32 values q in [-8, 7] as q + 8: byte j has value j in its low nibble and value j + 16 in its high nibble (the
- * order of ggml's Q4_0 blocks). W[r, c] = (q[r, c] - 8) * scale[r, c / 32].
+ * Weight W [n, k], stored as kp = k rounded up to a multiple of 32 columns (the padding is zero): packed nibbles
+ * [n, kp / 2] and one float16 scale per group of 32 along k, [n, kp / 32]. A group's 16 bytes hold its 32 values
+ * q in [-8, 7] as q + 8: byte j has value j in its low nibble and value j + 16 in its high nibble (the order of
+ * ggml's Q4_0 blocks). W[r, c] = (q[r, c] - 8) * scale[r, c / 32].
  *
- * Activations: each input row is rounded to int16 with one power-of-two scale per row (its largest magnitude to
- * at most 32767, so the rounding error of any value is at most 2^-15 of the row's largest value), then each group
- * is an integer dot product (_mm256_madd_epi16 of the widened nibbles with the int16 row, exact in int32), turned
- * to float and accumulated with the group's scale by one FMA into eight float32 lanes per row.
+ * Activations are rounded to int8 with one float32 scale per group of 32 values, as ggml's Q8_0 rounds them for
+ * its Q4_0 products: a = round(x * 127 / amax) to nearest even, scale amax / 127 (amax: the group's largest
+ * magnitude; a group holding infinity or NaN gets a NaN scale, so its products come out NaN). A prepared row
+ * (mla_q8_prepare) is laid out in chunks of 4 groups (128 values, 64 packed weight bytes), each 256 bytes:
+ *
+ *     lo [64] int8     values 0..15 of the chunk's groups 0, 1, 2, 3 (the weight bytes' low nibbles)
+ *     hi [64] int8     values 16..31 of the same groups (the high nibbles)
+ *     bias [16] int32  lane l (group l / 4): -8 times the sum of the 8 values lane l multiplies
+ *     scale [16] f32   lane l: its group's activation scale
+ *
+ * Lane l of a chunk is bytes 4l..4l+3 of lo and of hi: the unsigned nibbles times the signed values, summed
+ * (AVX-512 VNNI: vpdpbusd; AVX2: vpmaddubsw, whose int16 pair sums cannot saturate at 15 * 127 * 4, then vpmaddwd),
+ * start from the lane's bias (which subtracts the nibbles' offset of 8 exactly), and the int32 lane is turned to
+ * float32 and added into the lane's float accumulator times weight scale * activation scale, one FMA. A row's 16
+ * lane accumulators are summed at the end, lanes l and l + 8 first, then the eight in simd.h's hsum order.
  *
  * The weight is streamed from memory once for all the rows: each thread takes blocks of weight rows (a block's
- * packed bytes fit in L1/L2) and passes over them once per tile of up to 8 input rows, with the tile's row count
- * compiled into each instance (the switch below) so the accumulators live in registers, and a software prefetch
- * running ahead of the weight stream. Every (weight row, input row) pair has its own accumulator and sees the same
- * sequence of operations whatever the tile, so a row's result does not depend on the other rows of the batch. */
+ * packed bytes stay in L1/L2) and passes over them once per tile of input rows (4 in the AVX2 variant, 8 in the
+ * AVX-512 one; the count compiled into each instance, so the accumulators live in registers), with a software
+ * prefetch running ahead of the weight stream. Every (weight row, input row) pair has its own accumulators and sees
+ * the same operations whatever the tile, so a row's result does not depend on the other rows of the batch. */
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "simd.h"
 
-#define I4_GROUP 32            /* values per scale */
-#define I4_TILE 8              /* input rows per pass over a block of weight rows */
-#define I4_BLOCK_BYTES 16384   /* packed bytes of a block of weight rows (stays in L1/L2 across the tiles) */
-#define I4_XMAX 32767.0f       /* the int16 rows' largest magnitude */
+#define I4_GROUP 32             /* values per scale */
+#define I4_CHUNK_GROUPS 4       /* groups per chunk */
+#define I4_CHUNK_WBYTES 64      /* packed weight bytes of a chunk */
+#define I4_CHUNK_XBYTES 256     /* a prepared activation row's bytes per chunk */
+#define I4_BLOCK_BYTES 16384    /* packed bytes of a block of weight rows (stays in L1/L2 across the tiles) */
 #ifndef I4_PREFETCH
-#define I4_PREFETCH 1024       /* bytes ahead in the weight stream */
+#define I4_PREFETCH 1024        /* bytes ahead in the weight stream */
 #endif
 
-/* Eight float16 values (bit patterns) as float32, exactly (subnormals, infinities and NaN included), with integer
- * operations only (F16C is not assumed). */
-static inline __m256 half8_to_float(__m128i bits) {
-    const __m256i h = _mm256_cvtepu16_epi32(bits);
-    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(0x8000)), 16);
-    const __m256i expo = _mm256_and_si256(h, _mm256_set1_epi32(0x7c00));
-    const __m256i mag = _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(0x7fff)), 13);
-    /* normal: rebias the exponent (15 -> 127) */
-    const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(mag, _mm256_set1_epi32(112 << 23)));
-    /* zero and subnormal: mantissa * 2^-24 (a normal float32: no subnormal float32 is ever formed) */
-    const __m256 small = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(h, _mm256_set1_epi32(0x03ff))),
-                                       _mm256_set1_ps(0x1p-24f));
-    /* infinity and NaN: the float32 exponent all ones, the mantissa kept */
-    const __m256 special = _mm256_castsi256_ps(_mm256_or_si256(mag, _mm256_set1_epi32(0x7f800000)));
-    const __m256 is_small = _mm256_castsi256_ps(_mm256_cmpeq_epi32(expo, _mm256_setzero_si256()));
-    const __m256 is_special = _mm256_castsi256_ps(_mm256_cmpeq_epi32(expo, _mm256_set1_epi32(0x7c00)));
-    __m256 f = _mm256_blendv_ps(normal, small, is_small);
-    f = _mm256_blendv_ps(f, special, is_special);
-    return _mm256_or_ps(f, _mm256_castsi256_ps(sign));
+enum { I4_AVX2 = 0, I4_AVX512_VNNI = 1 };
+
+static inline int64_t i4_groups(int64_t k) { return (k + I4_GROUP - 1) / I4_GROUP; }
+static inline int64_t i4_chunks(int64_t k) { return (i4_groups(k) + I4_CHUNK_GROUPS - 1) / I4_CHUNK_GROUPS; }
+
+/* Bytes of one prepared activation row of k values. */
+int64_t mla_q8_row_bytes(int64_t k) { return i4_chunks(k) * I4_CHUNK_XBYTES; }
+
+/* Which variants this CPU runs: bit I4_AVX2, bit I4_AVX512_VNNI. */
+int64_t mla_i4_variants(void) {
+    __builtin_cpu_init();
+    int64_t v = 0;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        v |= 1 << I4_AVX2;
+    if ((v & 1) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+        v |= 1 << I4_AVX512_VNNI;
+    return v;
 }
 
-static void halves_to_float(const uint16_t *h, float *f, int64_t count) {
-    int64_t i = 0;
-    for (; i + 8 <= count; i += 8) _mm256_storeu_ps(f + i, half8_to_float(_mm_loadu_si128((const __m128i *)(h + i))));
-    if (i < count) {
-        uint16_t tail[8] = {0};
-        float out[8];
-        for (int64_t j = i; j < count; j++) tail[j - i] = h[j];
-        _mm256_storeu_ps(out, half8_to_float(_mm_loadu_si128((const __m128i *)tail)));
-        for (int64_t j = i; j < count; j++) f[j] = out[j - i];
-    }
-}
-
-/* x [k] as int16 q [kp] (zeros past k) with one power-of-two scale: |q| <= 32767, exact for values of few
- * significant bits. Returns the scale (NaN where x has a non-finite value: its products come out NaN). */
-static float quantize_row16(const float *x, int16_t *q, int64_t k, int64_t kp) {
+/* One group of 32 values v -> its 16 lo and 16 hi values, the 4 lanes' biases and scales (the file's comment). */
+static inline void q8_group(const float *v, int8_t *lo, int8_t *hi, int32_t *bias, float *scale) {
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), inf = _mm256_set1_ps(INFINITY);
-    __m256 mv = _mm256_setzero_ps(), bad = mv;
-    int64_t i = 0;
-    for (; i + 8 <= k; i += 8) {
-        const __m256 a = _mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask);
+    __m256 f[4], mv = _mm256_setzero_ps(), bad = mv;
+    for (int i = 0; i < 4; i++) {
+        f[i] = _mm256_loadu_ps(v + 8 * i);
+        const __m256 a = _mm256_and_ps(f[i], abs_mask);
         mv = _mm256_max_ps(mv, a);
         bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ));  /* infinity or NaN */
     }
-    float lanes[8], amax = 0.0f;
-    _mm256_storeu_ps(lanes, mv);
-    for (int j = 0; j < 8; j++) amax = lanes[j] > amax ? lanes[j] : amax;
-    int finite = _mm256_movemask_ps(bad) == 0;
-    for (; i < k; i++) {
-        finite &= isfinite(x[i]) != 0;
-        amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+    float d = 0.0f;
+    __m256i q[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+    if (_mm256_movemask_ps(bad)) {
+        d = NAN;
+    } else if (amax > 0.0f) {
+        const __m256 inv = _mm256_set1_ps(127.0f / amax);
+        const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
+        d = amax / 127.0f;
+        for (int i = 0; i < 4; i++)  /* to nearest even (the default rounding mode) */
+            q[i] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(f[i], inv)), top), bottom);
     }
-    if (!finite) {
-        for (int64_t j = 0; j < kp; j++) q[j] = 0;
-        return NAN;
+    const __m256i bytes = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm_storeu_si128((__m128i *)lo, _mm256_castsi256_si128(bytes));
+    _mm_storeu_si128((__m128i *)hi, _mm256_extracti128_si256(bytes, 1));
+    int32_t pair[16];  /* values i + 16 j summed over j: [0..7] from q[0] + q[2], [8..15] from q[1] + q[3] */
+    _mm256_storeu_si256((__m256i *)pair, _mm256_add_epi32(q[0], q[2]));
+    _mm256_storeu_si256((__m256i *)(pair + 8), _mm256_add_epi32(q[1], q[3]));
+    for (int l = 0; l < 4; l++) {
+        bias[l] = -8 * (pair[4 * l] + pair[4 * l + 1] + pair[4 * l + 2] + pair[4 * l + 3]);
+        scale[l] = d;
     }
-    int e = 0;
-    if (amax > 0.0f) frexpf(amax / I4_XMAX, &e);  /* 2^e > amax / 32767 */
-    const float inv = ldexpf(1.0f, -e);
-    const __m256 iv = _mm256_set1_ps(inv);
-    int64_t j = 0;
-    for (; j + 16 <= k; j += 16) {  /* round to nearest even (the default mode), as lrintf */
-        const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + j), iv));
-        const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + j + 8), iv));
-        _mm256_storeu_si256((__m256i *)(q + j), _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xd8));
-    }
-    for (; j < k; j++) q[j] = (int16_t)lrintf(x[j] * inv);
-    for (; j < kp; j++) q[j] = 0;
-    return ldexpf(1.0f, e);
 }
 
-/* Weight row r (packed wr, float scales sc, g_n groups) times m int16 rows xq (row stride kp = 32 g_n):
- * y[j n + r] = sx[j] * sum_g sc[g] * (q_g . xq_jg). */
-static inline __attribute__((always_inline)) void i4_row(const uint8_t *wr, const float *sc, int64_t g_n,
-                                                         const int16_t *xq, const float *sx, float *y, int64_t n,
-                                                         int64_t r, const int m) {
-    const int64_t kp = g_n * I4_GROUP;
-    const __m256i eight = _mm256_set1_epi16(8), low = _mm256_set1_epi16(0x0f);
-    __m256 acc[I4_TILE];
-    for (int j = 0; j < m; j++) acc[j] = _mm256_setzero_ps();
+/* One row x [k] -> its prepared form (the file's comment) at out (mla_q8_row_bytes(k) bytes). */
+static void q8_prepare_row(const float *x, int64_t k, uint8_t *out) {
+    const int64_t g_n = i4_groups(k), chunks = i4_chunks(k);
+    if (chunks * I4_CHUNK_GROUPS > g_n)  /* the last chunk's missing groups: zero */
+        memset(out + (chunks - 1) * I4_CHUNK_XBYTES, 0, I4_CHUNK_XBYTES);
     for (int64_t g = 0; g < g_n; g++) {
-        if ((g & 3) == 0) _mm_prefetch((const char *)(wr + g * 16) + I4_PREFETCH, _MM_HINT_T0);
-        /* 16 bytes -> 16 int16 lanes, each a byte: its low nibbles are values 0..15, its high nibbles 16..31 */
-        const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wr + g * 16)));
-        const __m256i w0 = _mm256_sub_epi16(_mm256_and_si256(b, low), eight);
-        const __m256i w1 = _mm256_sub_epi16(_mm256_srli_epi16(b, 4), eight);
-        const __m256 s = _mm256_broadcast_ss(sc + g);
+        float tail[I4_GROUP];
+        const float *v = x + g * I4_GROUP;
+        if ((g + 1) * I4_GROUP > k) {
+            for (int64_t i = 0; i < I4_GROUP; i++) tail[i] = g * I4_GROUP + i < k ? v[i] : 0.0f;
+            v = tail;
+        }
+        uint8_t *chunk = out + (g / I4_CHUNK_GROUPS) * I4_CHUNK_XBYTES;
+        const int s = (int)(g % I4_CHUNK_GROUPS);
+        q8_group(v, (int8_t *)chunk + 16 * s, (int8_t *)chunk + 64 + 16 * s, (int32_t *)(chunk + 128) + 4 * s,
+                 (float *)(chunk + 192) + 4 * s);
+    }
+}
+
+/* rows of x [rows, k] -> out (rows * mla_q8_row_bytes(k) bytes). */
+void mla_q8_prepare(const float *x, int64_t rows, int64_t k, uint8_t *out) {
+    for (int64_t j = 0; j < rows; j++) q8_prepare_row(x + j * k, k, out + j * mla_q8_row_bytes(k));
+}
+
+/* The last, partial chunk of a row of g_n groups (g_n not a multiple of 4): its weight bytes and scales (float16
+ * bits) copied into zero-padded buffers. */
+static void i4_tail(const uint8_t *wr, const uint16_t *sr, int64_t g_n, uint8_t *wbuf, uint16_t *sbuf) {
+    const int64_t g0 = g_n - g_n % I4_CHUNK_GROUPS;
+    memset(wbuf, 0, I4_CHUNK_WBYTES);
+    memset(sbuf, 0, I4_CHUNK_GROUPS * sizeof(uint16_t));
+    memcpy(wbuf, wr + g0 * 16, (size_t)(g_n - g0) * 16);
+    memcpy(sbuf, sr + g0, (size_t)(g_n - g0) * sizeof(uint16_t));
+}
+
+#define AVX2_TARGET __attribute__((target("avx2,fma,f16c"), always_inline)) static inline
+#define AVX512_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"), always_inline)) \
+    static inline
+
+/* One chunk (weight bytes wc, scales sc) into the m rows' accumulators, AVX2: the chunk as two halves of 8 lanes.
+ * xc: the first row's chunk c (row stride xs bytes). */
+AVX2_TARGET void i4_chunk_avx2(const uint8_t *wc, const uint16_t *sc, const uint8_t *xc, int64_t xs, __m256 acc[][2],
+                               const int m) {
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const __m256 dw4 = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)sc)));
+    for (int h = 0; h < 2; h++) {
+        const __m256i b = _mm256_loadu_si256((const __m256i *)(wc + 32 * h));
+        const __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+        const __m256 dw = _mm256_permutevar8x32_ps(dw4, _mm256_setr_epi32(2 * h, 2 * h, 2 * h, 2 * h, 2 * h + 1,
+                                                                          2 * h + 1, 2 * h + 1, 2 * h + 1));
         for (int j = 0; j < m; j++) {
-            const int16_t *xj = xq + j * kp + g * I4_GROUP;
-            const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xj)),
-                                               _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xj + 16))));
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[j]);
+            const uint8_t *x = xc + j * xs;
+            const __m256i p = _mm256_add_epi16(
+                _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(x + 32 * h))),
+                _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 64 + 32 * h))));
+            const __m256i s = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(x + 128 + 32 * h)),
+                                               _mm256_madd_epi16(p, ones));
+            const __m256 scale = _mm256_mul_ps(dw, _mm256_loadu_ps((const float *)(x + 192 + 32 * h)));
+            acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[j][h]);
         }
     }
-    for (int j = 0; j < m; j++) y[j * n + r] = hsum(acc[j]) * sx[j];
 }
 
-#define I4_TILE_CASES(CALL) \
+/* Weight row r (packed wr, scales sr, g_n groups) times m prepared rows xp (row stride xs bytes):
+ * y[j n + r] = the row's dot product (the file's comment). */
+AVX2_TARGET void i4_row_avx2(const uint8_t *wr, const uint16_t *sr, int64_t g_n, const uint8_t *xp, int64_t xs,
+                             float *y, int64_t n, int64_t r, const int m) {
+    const int64_t full = g_n / I4_CHUNK_GROUPS;
+    __m256 acc[4][2];
+    for (int j = 0; j < m; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < full; c++) {
+        _mm_prefetch((const char *)(wr + c * I4_CHUNK_WBYTES) + I4_PREFETCH, _MM_HINT_T0);
+        i4_chunk_avx2(wr + c * I4_CHUNK_WBYTES, sr + c * I4_CHUNK_GROUPS, xp + c * I4_CHUNK_XBYTES, xs, acc, m);
+    }
+    if (full * I4_CHUNK_GROUPS < g_n) {
+        uint8_t wbuf[I4_CHUNK_WBYTES];
+        uint16_t sbuf[I4_CHUNK_GROUPS];
+        i4_tail(wr, sr, g_n, wbuf, sbuf);
+        i4_chunk_avx2(wbuf, sbuf, xp + full * I4_CHUNK_XBYTES, xs, acc, m);
+    }
+    for (int j = 0; j < m; j++) y[j * n + r] = hsum(_mm256_add_ps(acc[j][0], acc[j][1]));
+}
+
+/* The same with AVX-512: a chunk's 16 lanes in one register, the products by vpdpbusd. */
+AVX512_TARGET void i4_chunk_avx512(const uint8_t *wc, const uint16_t *sc, const uint8_t *xc, int64_t xs,
+                                   __m512 *acc, const int m) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512 dw = _mm512_permutexvar_ps(
+        spread, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)sc))));
+    const __m512i b = _mm512_loadu_si512((const void *)wc);
+    const __m512i lo = _mm512_and_si512(b, low), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+    for (int j = 0; j < m; j++) {
+        const uint8_t *x = xc + j * xs;
+        __m512i s = _mm512_loadu_si512((const void *)(x + 128));
+        s = _mm512_dpbusd_epi32(s, lo, _mm512_loadu_si512((const void *)x));
+        s = _mm512_dpbusd_epi32(s, hi, _mm512_loadu_si512((const void *)(x + 64)));
+        const __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps((const float *)(x + 192)));
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[j]);
+    }
+}
+
+AVX512_TARGET void i4_row_avx512(const uint8_t *wr, const uint16_t *sr, int64_t g_n, const uint8_t *xp, int64_t xs,
+                                 float *y, int64_t n, int64_t r, const int m) {
+    const int64_t full = g_n / I4_CHUNK_GROUPS;
+    __m512 acc[8];
+    for (int j = 0; j < m; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < full; c++) {
+        _mm_prefetch((const char *)(wr + c * I4_CHUNK_WBYTES) + I4_PREFETCH, _MM_HINT_T0);
+        i4_chunk_avx512(wr + c * I4_CHUNK_WBYTES, sr + c * I4_CHUNK_GROUPS, xp + c * I4_CHUNK_XBYTES, xs, acc, m);
+    }
+    if (full * I4_CHUNK_GROUPS < g_n) {
+        uint8_t wbuf[I4_CHUNK_WBYTES];
+        uint16_t sbuf[I4_CHUNK_GROUPS];
+        i4_tail(wr, sr, g_n, wbuf, sbuf);
+        i4_chunk_avx512(wbuf, sbuf, xp + full * I4_CHUNK_XBYTES, xs, acc, m);
+    }
+    for (int j = 0; j < m; j++)
+        y[j * n + r] = hsum(_mm256_add_ps(_mm512_castps512_ps256(acc[j]),
+                                          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[j]), 1))));
+}
+
+/* Two weight rows (wa, wb with scales sa, sb) times one prepared row xp: ya, yb. The rows' chunks interleaved, two
+ * sequential weight streams a thread (one leaves memory bandwidth unused), each activation chunk read once for
+ * both; each row sees exactly the operations i4_row_* gives it. */
+AVX2_TARGET void i4_pair_avx2(const uint8_t *wa, const uint16_t *sa, const uint8_t *wb, const uint16_t *sb,
+                              int64_t g_n, const uint8_t *xp, float *ya, float *yb) {
+    const int64_t full = g_n / I4_CHUNK_GROUPS;
+    __m256 acc_a[1][2] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}}, acc_b[1][2] = {{acc_a[0][0], acc_a[0][0]}};
+    for (int64_t c = 0; c < full; c++) {
+        _mm_prefetch((const char *)(wa + c * I4_CHUNK_WBYTES) + I4_PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *)(wb + c * I4_CHUNK_WBYTES) + I4_PREFETCH, _MM_HINT_T0);
+        i4_chunk_avx2(wa + c * I4_CHUNK_WBYTES, sa + c * I4_CHUNK_GROUPS, xp + c * I4_CHUNK_XBYTES, 0, acc_a, 1);
+        i4_chunk_avx2(wb + c * I4_CHUNK_WBYTES, sb + c * I4_CHUNK_GROUPS, xp + c * I4_CHUNK_XBYTES, 0, acc_b, 1);
+    }
+    if (full * I4_CHUNK_GROUPS < g_n) {
+        uint8_t wbuf[I4_CHUNK_WBYTES];
+        uint16_t sbuf[I4_CHUNK_GROUPS];
+        i4_tail(wa, sa, g_n, wbuf, sbuf);
+        i4_chunk_avx2(wbuf, sbuf, xp + full * I4_CHUNK_XBYTES, 0, acc_a, 1);
+        i4_tail(wb, sb, g_n, wbuf, sbuf);
+        i4_chunk_avx2(wbuf, sbuf, xp + full * I4_CHUNK_XBYTES, 0, acc_b, 1);
+    }
+    *ya = hsum(_mm256_add_ps(acc_a[0][0], acc_a[0][1]));
+    *yb = hsum(_mm256_add_ps(acc_b[0][0], acc_b[0][1]));
+}
+
+AVX512_TARGET void i4_pair_avx512(const uint8_t *wa, const uint16_t *sa, const uint8_t *wb, const uint16_t *sb,
+                                  int64_t g_n, const uint8_t *xp, float *ya, float *yb) {
+    const int64_t full = g_n / I4_CHUNK_GROUPS;
+    __m512 acc_a[1] = {_mm512_setzero_ps()}, acc_b[1] = {_mm512_setzero_ps()};
+    for (int64_t c = 0; c < full; c++) {
+        _mm_prefetch((const char *)(wa + c * I4_CHUNK_WBYTES) + I4_PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *)(wb + c * I4_CHUNK_WBYTES) + I4_PREFETCH, _MM_HINT_T0);
+        i4_chunk_avx512(wa + c * I4_CHUNK_WBYTES, sa + c * I4_CHUNK_GROUPS, xp + c * I4_CHUNK_XBYTES, 0, acc_a, 1);
+        i4_chunk_avx512(wb + c * I4_CHUNK_WBYTES, sb + c * I4_CHUNK_GROUPS, xp + c * I4_CHUNK_XBYTES, 0, acc_b, 1);
+    }
+    if (full * I4_CHUNK_GROUPS < g_n) {
+        uint8_t wbuf[I4_CHUNK_WBYTES];
+        uint16_t sbuf[I4_CHUNK_GROUPS];
+        i4_tail(wa, sa, g_n, wbuf, sbuf);
+        i4_chunk_avx512(wbuf, sbuf, xp + full * I4_CHUNK_XBYTES, 0, acc_a, 1);
+        i4_tail(wb, sb, g_n, wbuf, sbuf);
+        i4_chunk_avx512(wbuf, sbuf, xp + full * I4_CHUNK_XBYTES, 0, acc_b, 1);
+    }
+    *ya = hsum(_mm256_add_ps(_mm512_castps512_ps256(acc_a[0]),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc_a[0]), 1))));
+    *yb = hsum(_mm256_add_ps(_mm512_castps512_ps256(acc_b[0]),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc_b[0]), 1))));
+}
+
+#define TILE_CASES4(CALL) \
+    switch (m) { case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; default: CALL(4); break; }
+#define TILE_CASES8(CALL) \
     switch (m) { case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; \
                  case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(8); break; }
 
+/* Weight rows [r0, r1) times rows prepared rows xp (stride xs): y [rows, n]. */
+__attribute__((target("avx2,fma,f16c"))) static void i4_block_avx2(const uint8_t *w, const uint16_t *scales,
+                                                                   int64_t g_n, const uint8_t *xp, int64_t xs,
+                                                                   float *y, int64_t rows, int64_t n, int64_t r0,
+                                                                   int64_t r1) {
+    for (int64_t c = 0; c < rows; c += 4) {
+        const int m = rows - c < 4 ? (int)(rows - c) : 4;
+#define I4_AVX2_CALL(M) \
+    for (int64_t r = r0; r < r1; r++) i4_row_avx2(w + r * g_n * 16, scales + r * g_n, g_n, xp + c * xs, xs, y + c * n, n, r, M)
+        TILE_CASES4(I4_AVX2_CALL)
+    }
+}
+
+__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"))) static void i4_block_avx512(
+    const uint8_t *w, const uint16_t *scales, int64_t g_n, const uint8_t *xp, int64_t xs, float *y, int64_t rows,
+    int64_t n, int64_t r0, int64_t r1) {
+    for (int64_t c = 0; c < rows; c += 8) {
+        const int m = rows - c < 8 ? (int)(rows - c) : 8;
+#define I4_AVX512_CALL(M) \
+    for (int64_t r = r0; r < r1; r++) i4_row_avx512(w + r * g_n * 16, scales + r * g_n, g_n, xp + c * xs, xs, y + c * n, n, r, M)
+        TILE_CASES8(I4_AVX512_CALL)
+    }
+}
+
+static void i4_block(int64_t variant, const uint8_t *w, const uint16_t *scales, int64_t g_n, const uint8_t *xp,
+                     int64_t xs, float *y, int64_t rows, int64_t n, int64_t r0, int64_t r1) {
+    (variant == I4_AVX512_VNNI ? i4_block_avx512 : i4_block_avx2)(w, scales, g_n, xp, xs, y, rows, n, r0, r1);
+}
+
+/* Weight rows [r0, r1) times one prepared row xp into y[r0 .. r1) (= alpha * product (+ y where add)), read as two
+ * sequential streams, the range's two halves side by side (as gemv_f32.c's one-row products: one stream a thread
+ * leaves memory bandwidth unused). */
+static void i4_one_row(int64_t variant, const uint8_t *w, const uint16_t *scales, int64_t g_n, const uint8_t *xp,
+                       float *y, int64_t r0, int64_t r1, float alpha, int add) {
+    const int64_t half = (r1 - r0 + 1) / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const int64_t ra = r0 + i, rb = r0 + half + i < r1 ? r0 + half + i : ra;  /* an odd range's last row: twice */
+        float va, vb;
+        (variant == I4_AVX512_VNNI ? i4_pair_avx512 : i4_pair_avx2)(w + ra * g_n * 16, scales + ra * g_n,
+                                                                   w + rb * g_n * 16, scales + rb * g_n, g_n, xp,
+                                                                   &va, &vb);
+        y[ra] = alpha * va + (add ? y[ra] : 0.0f);
+        if (rb != ra) y[rb] = alpha * vb + (add ? y[rb] : 0.0f);
+    }
+}
+
+/* Inside a parallel region: this thread's share of the n weight rows times one prepared row xp, into y [n]
+ * (y = alpha * product (+ y where add)). No barrier. */
+void mla_i4_share(int64_t variant, const uint8_t *w, const uint16_t *scales, const uint8_t *xp, float *y, int64_t n,
+                  int64_t k, float alpha, int add) {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    i4_one_row(variant, w, scales, i4_groups(k), xp, y, n * t / nt, n * (t + 1) / nt, alpha, add);
+}
+
 /* Y [rows, n] = X [rows, k] W^T in float32, W as above (w packed, scales float16 bit patterns). */
 void mla_gemm_i4(const uint8_t *w, const uint16_t *scales, const float *x, float *y, int64_t rows, int64_t n,
-                 int64_t k, int64_t threads) {
-    const int64_t g_n = (k + I4_GROUP - 1) / I4_GROUP, kp = g_n * I4_GROUP;
-    int64_t block = I4_BLOCK_BYTES / (kp / 2);
+                 int64_t k, int64_t threads, int64_t variant) {
+    const int64_t g_n = i4_groups(k), xs = mla_q8_row_bytes(k);
+    int64_t block = I4_BLOCK_BYTES / (g_n * 16);
     const int64_t balanced = n / (4 * threads);  /* at least about four blocks a thread */
     block = block < balanced ? block : balanced;
     block = block < 1 ? 1 : block;
     const int64_t blocks = (n + block - 1) / block;
-    int16_t *xq = malloc((size_t)(rows * kp) * sizeof(int16_t));
-    float *sx = malloc((size_t)rows * sizeof(float));
-    float *sc_all = malloc((size_t)(threads * block * g_n) * sizeof(float));
-    if (!xq || !sx || !sc_all) abort();  /* mla_kernels.cpu_gemv bounds the rows */
+    uint8_t *xp = malloc((size_t)(rows * xs));
+    if (!xp) abort();  /* mla_kernels.cpu_gemv bounds the rows */
+    if (rows == 1) {
+        q8_prepare_row(x, k, xp);
+        #pragma omp parallel num_threads((int)threads)
+        mla_i4_share(variant, w, scales, xp, y, n, k, 1.0f, 0);
+        free(xp);
+        return;
+    }
     #pragma omp parallel num_threads((int)threads)
     {
         #pragma omp for schedule(static)
-        for (int64_t j = 0; j < rows; j++) sx[j] = quantize_row16(x + j * k, xq + j * kp, k, kp);
-        float *sc = sc_all + omp_get_thread_num() * block * g_n;  /* this thread's block's scales as float32 */
+        for (int64_t j = 0; j < rows; j++) q8_prepare_row(x + j * k, k, xp + j * xs);
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t r0 = b * block, r1 = r0 + block < n ? r0 + block : n;
-            halves_to_float(scales + r0 * g_n, sc, (r1 - r0) * g_n);
-            for (int64_t c = 0; c < rows; c += I4_TILE) {
-                const int m = rows - c < I4_TILE ? (int)(rows - c) : I4_TILE;
-#define I4_TILE_CALL(M) \
-    for (int64_t r = r0; r < r1; r++) i4_row(w + r * (kp / 2), sc + (r - r0) * g_n, g_n, xq + c * kp, sx + c, y + c * n, n, r, M)
-                I4_TILE_CASES(I4_TILE_CALL)
-            }
+            i4_block(variant, w, scales, g_n, xp, xs, y, rows, n, r0, r1);
         }
     }
-    free(xq);
-    free(sx);
-    free(sc_all);
+    free(xp);
 }

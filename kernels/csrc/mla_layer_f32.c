@@ -12,8 +12,8 @@
  *     x += MLP(h)   the dense MLP or the MoE layer (router, routing, routed and shared experts); without an MLP
  *                   table the caller runs it, and finds h at the start of the scratch buffer
  *
- * Weights are float32, or int8 with a float32 scale per row (a zero scale pointer: float32); the absorbed factors
- * float32 or bfloat16 (int8 models). The layer's weights
+ * Weights are float32, int8 with a float32 scale per row, or group-wise int4 (gemv_int4.c); the absorbed factors
+ * float32 or bfloat16 (quantised models). The layer's weights
  * and sizes are a table of 64-bit integers (LayerField), the step's rows another (StepField), both built by
  * mla_kernels.cpu_gemv, which also checks every shape once when it builds them. The Python side costs one call a
  * layer instead of about fifteen (each some microseconds of dispatch: bench/RESULTS.md). */
@@ -28,6 +28,8 @@ void mla_gemv_i8(const int8_t *w, const float *scale, const float *x, float *y, 
 void mla_gemm_few_f32(const float *w, const float *x, float *y, int64_t m, int64_t n, int64_t k, int64_t threads);
 void mla_gemm_few_i8(const int8_t *w, const float *scale, const float *x, float *y, int64_t m, int64_t n, int64_t k,
                      int64_t threads);
+void mla_gemm_i4(const uint8_t *w, const uint16_t *scales, const float *x, float *y, int64_t rows, int64_t n,
+                 int64_t k, int64_t threads, int64_t variant);
 void mla_rms_norm_f32(const float *x, int64_t ld, const float *weight, float *y, int64_t m, int64_t k, float eps);
 void mla_absorbed_decode_f32(const float *q_n, int64_t qn_t, int64_t qn_h, const float *q_r, int64_t qr_t,
                              int64_t qr_h, const void *w_uk, const void *w_uv_t, const float *cache,
@@ -52,14 +54,15 @@ void mla_moe_row(const float *x, float *y, int64_t d, const float *router, const
                  int64_t max_inter, int64_t threads);
 
 /* The layer table (mla_kernels.cpu_gemv.LAYER_FIELDS names the same entries in the same order). Products: a weight
- * pointer and its row scales (0: float32). */
+ * pointer, its scales and its kind (WeightKind: float32, int8 with row scales, int4 with group scales and the
+ * variant of its kernel). */
 enum LayerField {
     L_IN_NORM, L_POST_NORM, L_Q_NORM, L_KV_NORM,  /* RMSNorm weights (L_Q_NORM: 0 without q_lora_rank) */
-    L_QA_W, L_QA_S,  /* [q_lora + d_c + d_r, d] stacked q_a/kv_a; without q_lora_rank: q_proj [H (d_n + d_r), d] */
-    L_KVA_W, L_KVA_S,  /* kv_a [d_c + d_r, d] without q_lora_rank, else 0 */
-    L_QB_W, L_QB_S,  /* q_b [H (d_n + d_r), q_lora] (0 without q_lora_rank) */
+    L_QA_W, L_QA_S, L_QA_K,  /* [q_lora + d_c + d_r, d] stacked q_a/kv_a; without q_lora_rank: q_proj [H (d_n + d_r), d] */
+    L_KVA_W, L_KVA_S, L_KVA_K,  /* kv_a [d_c + d_r, d] without q_lora_rank, else 0 */
+    L_QB_W, L_QB_S, L_QB_K,  /* q_b [H (d_n + d_r), q_lora] (0 without q_lora_rank) */
     L_W_UK, L_W_UV_T, L_W_BF16,  /* [H, d_n, d_c], [H, d_c, d_v]: float32, or bfloat16 where L_W_BF16 is 1 */
-    L_O_W, L_O_S,  /* o_proj [d, H d_v] */
+    L_O_W, L_O_S, L_O_K,  /* o_proj [d, H d_v] */
     L_MLP_TABLE,  /* a GatedMLPTable's table: the dense MLP (row 0) or the experts and shared experts; 0: none */
     L_ROUTER, L_ROUTE, L_ROUTE_BIAS,  /* a MoE layer's router [E, d], route config and correction bias; else 0 */
     L_FIRST, L_COUNT, L_SHARED, L_MAX_INTER,  /* its experts in the table (mla_moe_row), the largest I */
@@ -79,14 +82,20 @@ enum StepField {
 
 #define PTR(type, table, field) ((type)(intptr_t)(table)[field])
 
-/* y [m, n] = x [m, k] W^T for W float32 or int8 with row scales: L[w_field] and L[w_field + 1] */
+enum WeightKind { W_F32 = 0, W_I8 = 1, W_I4 = 2 };  /* as gemv_f32.c: W_I4 + the int4 kernel's variant */
+#define MLP_FIELDS 7  /* a GatedMLPTable row: gate_up weight, scales, kind; down weight, scales, kind; I */
+
+/* y [m, n] = x [m, k] W^T for the operand L[w_field .. w_field + 2]: weight, scales, kind */
 static void product(const int64_t *L, int w_field, const float *x, float *y, int64_t m, int64_t n, int64_t k,
                     int64_t threads) {
     const void *w = PTR(const void *, L, w_field);
-    const float *scale = PTR(const float *, L, w_field + 1);
-    if (scale)
-        (m == 1 ? mla_gemv_i8((const int8_t *)w, scale, x, y, n, k, threads)
-                : mla_gemm_few_i8((const int8_t *)w, scale, x, y, m, n, k, threads));
+    const void *scale = PTR(const void *, L, w_field + 1);
+    const int64_t kind = L[w_field + 2];
+    if (kind >= W_I4)
+        mla_gemm_i4((const uint8_t *)w, (const uint16_t *)scale, x, y, m, n, k, threads, kind - W_I4);
+    else if (kind == W_I8)
+        (m == 1 ? mla_gemv_i8((const int8_t *)w, (const float *)scale, x, y, n, k, threads)
+                : mla_gemm_few_i8((const int8_t *)w, (const float *)scale, x, y, m, n, k, threads));
     else
         (m == 1 ? mla_gemv_f32((const float *)w, x, y, n, k, threads)
                 : mla_gemm_few_f32((const float *)w, x, y, m, n, k, threads));
@@ -108,14 +117,13 @@ static int64_t mlp_scratch(const int64_t *L, int64_t t) {
 /* One gated MLP (a row of the MLP table) of n rows xs [n, d] -> h [n, d]: gate_up [n, 2 I], act [n, I] scratch. */
 static void gated_rows(const int64_t *L, const int64_t *mlp, const float *xs, int64_t n, float *gate_up, float *act,
                        float *h, int64_t threads) {
-    const int64_t d = L[L_D], inter = mlp[4];
-    const int64_t gu[2] = {mlp[0], mlp[1]}, down[2] = {mlp[2], mlp[3]};
-    product(gu, 0, xs, gate_up, n, 2 * inter, d, threads);
+    const int64_t d = L[L_D], inter = mlp[6];
+    product(mlp, 0, xs, gate_up, n, 2 * inter, d, threads);
     for (int64_t j = 0; j < n; j++) {
         const float *g = gate_up + j * 2 * inter;
         for (int64_t r = 0; r < inter; r++) act[j * inter + r] = g[r] / (1.0f + expf(-g[r])) * g[inter + r];
     }
-    product(down, 0, act, h, n, d, inter, threads);
+    product(mlp, 3, act, h, n, d, inter, threads);
 }
 
 /* The MLP of t rows h [t, d] -> y [t, d]: the dense MLP (table row 0), or the MoE layer: each row routed, then
@@ -134,7 +142,7 @@ static void mlp_rows(const int64_t *L, const float *h, int64_t t, float *y, floa
     const float *f = PTR(const float *, L, L_FLOATS);
     int64_t ids[MAX_ROWS][MAX_TOPK], k[MAX_ROWS];
     float w[MAX_ROWS][MAX_TOPK];
-    const int64_t router[2] = {L[L_ROUTER], 0};
+    const int64_t router[3] = {L[L_ROUTER], 0, W_F32};
     product(router, 0, h, logits, t, experts, d, threads);
     for (int64_t j = 0; j < t; j++)
         k[j] = mla_route_row(logits + j * experts, cfg, PTR(const float *, L, L_ROUTE_BIAS), f[5], ids[j], w[j],
@@ -151,12 +159,12 @@ static void mlp_rows(const int64_t *L, const float *h, int64_t t, float *y, floa
                 }
         if (!n) continue;
         for (int64_t j = 0; j < n; j++) memcpy(xs + j * d, h + rows[j] * d, d * sizeof(float));
-        gated_rows(L, table + (e - L[L_FIRST]) * 5, xs, n, gate_up, act, out, threads);
+        gated_rows(L, table + (e - L[L_FIRST]) * MLP_FIELDS, xs, n, gate_up, act, out, threads);
         for (int64_t j = 0; j < n; j++)
             for (int64_t i = 0; i < d; i++) y[rows[j] * d + i] += out[j * d + i] * weight[j];
     }
     if (L[L_SHARED] >= 0) {
-        gated_rows(L, table + L[L_SHARED] * 5, h, t, gate_up, act, out, threads);
+        gated_rows(L, table + L[L_SHARED] * MLP_FIELDS, h, t, gate_up, act, out, threads);
         for (int64_t i = 0; i < t * d; i++) y[i] += out[i];
     }
 }

@@ -135,6 +135,23 @@ class Int4Weight(QuantizedWeight):
         wide = F.pad(q.to(torch.int8), (0, kp - k))
         return cls(cpu_gemv.pack_int4(wide), scales.to(torch.float16), k, dtype)
 
+    @classmethod
+    def from_words(cls, words: torch.Tensor, scales: torch.Tensor, k: int, dtype: torch.dtype) -> Int4Weight:
+        """From compressed-tensors' pack-quantized storage of a ``[N, k]`` matrix whose ``k`` is a multiple of 32:
+        ``words [N, k / 8]`` int32 holding value ``i`` of a row at bits ``4i`` of the row's little-endian bytes,
+        offset by 8, and ``scales [N, k / 32]``. The nibbles are moved into this format's order with byte
+        operations (no widening to one value a byte), which is what makes loading such a checkpoint cost little more
+        than reading it."""
+        n = words.shape[0]
+        if k % GROUP or words.dtype != torch.int32 or words.shape != (n, k // 8) or scales.shape != (n, k // GROUP):
+            raise ValueError(f"Int4Weight.from_words: int32 words [N, {k // 8}] and scales [N, {k // GROUP}] of a "
+                             f"matrix whose K ({k}) is a multiple of {GROUP}, got {words.dtype} "
+                             f"{tuple(words.shape)} and {tuple(scales.shape)}")
+        halves = words.contiguous().view(torch.uint8).view(n, k // GROUP, 2, GROUP // 4)  # values 0..15, 16..31
+        values = torch.stack((halves & 0x0F, halves >> 4), dim=-1).view(n, k // GROUP, 2, GROUP // 2)
+        packed = (values[:, :, 0] | (values[:, :, 1] << 4)).view(n, k // 2)
+        return cls(packed, scales.to(torch.float16), k, dtype)
+
     def to_int(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(``q [N, K]`` int8 in [-8, 7], ``scales [N, ceil(K / 32)]`` float16): what ``from_int`` takes."""
         return cpu_gemv.unpack_int4(self.packed)[:, :self.k].contiguous(), self.scales
@@ -155,8 +172,9 @@ class Int4Weight(QuantizedWeight):
     def nbytes(self) -> int:
         return self.packed.numel() + self.scales.numel() * self.scales.element_size()
 
-    def row_operand(self) -> None:
-        return None  # the one-row MLP kernels read float32 or int8 weights
+    def row_operand(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The matrix as the compiled layer and MLP kernels read it (``cpu_gemv.operand_fields``), where they run."""
+        return (self.packed, self.scales) if self.kernel else None
 
     def _dequantize_rows(self, r0: int, r1: int) -> torch.Tensor:
         q = cpu_gemv.unpack_int4(self.packed[r0:r1]).float().view(r1 - r0, -1, GROUP)
