@@ -146,6 +146,10 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.mla_gemm_i4.restype = None
     lib.mla_i4_variants.argtypes = []
     lib.mla_i4_variants.restype = ctypes.c_int64
+    lib.mla_i8_variants.argtypes = []
+    lib.mla_i8_variants.restype = ctypes.c_int64
+    lib.mla_i8_select.argtypes = [ctypes.c_int64]
+    lib.mla_i8_select.restype = None
     # w (float8_e4m3fn bytes), scale, block rows, block columns, x, y, m, n, k, threads
     lib.mla_gemm_fp8.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + \
         [ctypes.c_int64] * 4
@@ -307,6 +311,28 @@ def gemm_few_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) 
     lib.mla_gemm_few_i8(qweight.data_ptr(), scales.data_ptr(), xs.data_ptr(), y.data_ptr(), rows, n, k,
                         torch.get_num_threads())
     return y
+
+
+INT8_VARIANTS = ("avx2", "avx512_vnni")  # the few-row int8 product's variants (csrc/gemv_f32.c), slowest first
+
+
+def int8_variants() -> tuple[str, ...]:
+    """The few-row int8 product's variants this CPU executes; the fastest runs unless ``select_int8_variant`` says
+    otherwise. They give identical results (the same integer sums)."""
+    lib, _ = _load()
+    if lib is None:
+        return ()
+    mask = int(lib.mla_i8_variants())
+    return tuple(name for i, name in enumerate(INT8_VARIANTS) if mask >> i & 1)
+
+
+def select_int8_variant(variant: str | None) -> None:
+    """Run the few-row int8 products with ``variant`` (one of ``int8_variants()``), or the fastest (None)."""
+    lib, _ = _load()
+    assert lib is not None, "select_int8_variant needs the kernel: check failure() first"
+    if variant is not None and variant not in int8_variants():
+        raise ValueError(f"this CPU runs the int8 variants {list(int8_variants())}, not {variant!r}")
+    lib.mla_i8_select(-1 if variant is None else INT8_VARIANTS.index(variant))
 
 
 FP8_ROWS_MAX = 64  # block-FP8 products of up to this many rows take the kernel

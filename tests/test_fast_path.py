@@ -997,3 +997,30 @@ def test_compiled_layers_follow_weights_replaced_before_prepare_inference(tiny_c
         runner.step({i: p[:-1] for i, p in enumerate(ps)})
         logits.append(torch.cat(list(runner.step({i: [p[-1]] for i, p in enumerate(ps)}).values())))
     assert rel_err(logits[0], logits[1]) <= 1e-5
+
+
+@pytest.mark.parametrize("variant", cpu_gemv.INT8_VARIANTS)
+def test_each_int8_variant_gives_the_same_bits(variant):
+    """The few-row int8 product's variants compute the same integer sums and round them alike: every variant equals
+    the exact product on integers and gives the default's bits on random rows (tails of 16 and of 1 to 15 values,
+    and the int32 chunks' boundary at 4096 included). A variant this CPU cannot execute is skipped by name."""
+    if cpu_gemv.failure() is not None:
+        pytest.skip(f"the kernels do not build here: {cpu_gemv.failure()}")
+    if variant not in cpu_gemv.int8_variants():
+        pytest.skip(f"this CPU does not execute the int8 product's {variant} variant (it runs "
+                    f"{list(cpu_gemv.int8_variants())})")
+    g = torch.Generator().manual_seed(7)
+    try:
+        for n, k, rows in ((37, 77, 3), (16, 48, 8), (9, 4200, 5), (40, 2048, 13)):
+            w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+            scale = torch.rand(n, generator=g)
+            ints = torch.randint(-2, 3, (rows, k), generator=g).float()
+            x = torch.randn(rows, k, generator=g)
+            cpu_gemv.select_int8_variant(None)
+            default = cpu_gemv.gemm_few_int8(x, w, scale)
+            cpu_gemv.select_int8_variant(variant)
+            unit = torch.ones(n)
+            assert torch.equal(cpu_gemv.gemm_few_int8(ints, w, unit).double(), ints.double() @ w.double().T)
+            assert torch.equal(cpu_gemv.gemm_few_int8(x, w, scale), default)
+    finally:
+        cpu_gemv.select_int8_variant(None)

@@ -188,6 +188,69 @@ static inline __attribute__((always_inline)) void few_i8(const int8_t *wr, float
     }
 }
 
+/* few_i8 with AVX-512 VNNI: 32 weights a step, one vpdpwssd per row (16 lanes, each the sum of two AVX2 lanes'
+ * products: lane l holds AVX2 lane l's even steps, lane l + 8 its odd ones), a 16-weight step with AVX2 where one is
+ * left; lanes l and l + 8 are added as integers before the float conversion, so every sum is few_i8's exactly. */
+__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"), always_inline)) static inline void few_i8_vnni(
+    const int8_t *wr, float scale, const int16_t *xq, const float *sx, float *y, int64_t r, const int m, int64_t n,
+    int64_t k) {
+    const int64_t k16 = k - k % 16;
+    float sums[8] = {0.0f};
+    for (int64_t c = 0; c < k16; c += I16_CHUNK) {
+        const int64_t end = c + I16_CHUNK < k16 ? c + I16_CHUNK : k16;
+        __m512i a[8];
+        __m256i t[8];
+        for (int j = 0; j < m; j++) {
+            a[j] = _mm512_setzero_si512();
+            t[j] = _mm256_setzero_si256();
+        }
+        int64_t i = c;
+        for (; i + 32 <= end; i += 32) {
+            const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wr + i)));
+            for (int j = 0; j < m; j++)
+                a[j] = _mm512_dpwssd_epi32(a[j], wv, _mm512_loadu_si512((const void *)(xq + j * k + i)));
+        }
+        if (i < end) {  /* one 16-weight step */
+            const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + i)));
+            for (int j = 0; j < m; j++)
+                t[j] = _mm256_madd_epi16(wv, _mm256_loadu_si256((const __m256i *)(xq + j * k + i)));
+        }
+        for (int j = 0; j < m; j++) {
+            const __m256i lanes = _mm256_add_epi32(
+                _mm256_add_epi32(_mm512_castsi512_si256(a[j]), _mm512_extracti64x4_epi64(a[j], 1)), t[j]);
+            sums[j] += hsum(_mm256_cvtepi32_ps(lanes));
+        }
+    }
+    for (int j = 0; j < m; j++) {
+        float s = sums[j];
+        for (int64_t i = k16; i < k; i++) s += (float)wr[i] * xq[j * k + i];
+        y[j * n + r] = s * sx[j] * scale;
+    }
+}
+
+/* Whether this CPU runs few_i8_vnni (checked once). */
+static int has_vnni(void) {
+    static int known = -1;
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    }
+    return known;
+}
+
+/* The few-row int8 products' variant: -1 the fastest this CPU runs (the default), 0 few_i8, 1 few_i8_vnni
+ * (mla_i8_select: tests force each). */
+static int use_vnni = -1;
+
+int64_t mla_i8_variants(void) { return 1 | (has_vnni() << 1); }
+
+void mla_i8_select(int64_t variant) { use_vnni = variant < 0 ? has_vnni() : (int)(variant == 1 && has_vnni()); }
+
+__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"))) static void few_i8_rows_vnni(
+    const int8_t *w, const float *scale, const int16_t *xc, const float *sx, float *yc, int64_t m, int64_t n,
+    int64_t k, int64_t threads);
+
 #define ROWS_CASES(CALL) \
     switch (m) { case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; case 5: CALL(5); break; \
                  case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(8); break; }
@@ -210,12 +273,24 @@ void mla_gemm_few_i8(const int8_t *w, const float *scale, const float *x, float 
         const int64_t m = rows - c < 8 ? rows - c : 8;
         const int16_t *xc = xq + c * k;
         float *yc = y + c * n;
+        if (use_vnni < 0) use_vnni = has_vnni();
+        if (use_vnni) {
+            few_i8_rows_vnni(w, scale, xc, sx + c, yc, m, n, k, threads);
+            continue;
+        }
 #define I8_ROW(M) few_i8(w + r * k, scale[r], xc, sx + c, yc, r, M, n, k)
         #pragma omp parallel for schedule(static) num_threads((int)threads)
         for (int64_t r = 0; r < n; r++) ROWS_CASES(I8_ROW)
     }
     free(xq);
     free(sx);
+}
+
+static void few_i8_rows_vnni(const int8_t *w, const float *scale, const int16_t *xc, const float *sx, float *yc,
+                             int64_t m, int64_t n, int64_t k, int64_t threads) {
+#define I8_VNNI_ROW(M) few_i8_vnni(w + r * k, scale[r], xc, sx, yc, r, M, n, k)
+    #pragma omp parallel for schedule(static) num_threads((int)threads)
+    for (int64_t r = 0; r < n; r++) ROWS_CASES(I8_VNNI_ROW)
 }
 
 /* RMSNorm of m rows of x [m, k] (row stride ld) into y [m, k]: y = x / sqrt(mean(x^2) + eps) * weight, in float32.
