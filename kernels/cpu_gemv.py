@@ -3,7 +3,8 @@
 - products of one row with a weight matrix (``gemv``: float32; ``gemv_int8``: int8 with a scale per row, the row
   rounded to int16) and of two to ``FEW_ROWS_MAX`` rows (``gemm_few``; ``gemm_few_int8``, rows rounded to int16);
 - products of one to ``INT4_ROWS_MAX`` rows with a group-wise int4 weight (``gemm_int4``, ``csrc/gemv_int4.c``: ggml's
-  Q4_0 numbers, half a byte per weight and a float16 scale per 32; rows rounded to int16), probed on its own
+  Q4_0 numbers, half a byte per weight and a float16 scale per 32; rows rounded to int8 per group of 32, as Q8_0),
+  in an AVX2 and an AVX-512 VNNI variant with the same bits (``int4_variants``), probed on its own
   (``int4_failure``);
 - a layer's absorbed MLA decode attention in one call (``absorbed_decode``): absorption into the latent, attention
   over the paged latent cache, up-projection;
@@ -33,7 +34,7 @@ by a digest of the sources, the command line and the compiler's version, so a ma
 process.
 Anything that fails makes them unavailable, with the reason, and callers keep their torch paths
 (``mla_runtime.layers.cpu_gemm``). Results equal torch's to float rounding (another summation order), except the
-int8 and int4 products' int16 rounding of their rows.
+int8 products' int16 rounding of their rows and the int4 products' int8 rounding.
 """
 
 from __future__ import annotations

@@ -20,12 +20,12 @@ byte ``j`` holding ``q[j] + 8`` in its low nibble and ``q[j + 16] + 8`` in its h
 ``scales [N, Kp / 32]`` float16: 0.5625 bytes per weight (18 bytes per 32 values, as Q4_0).
 
 Products: on the CPU, one to ``cpu_gemv.INT4_ROWS_MAX`` rows (decoding, a speculative verification, a small batch)
-run the AVX2 kernel of ``mla_kernels.cpu_gemv`` (``gemm_int4``, ``csrc/gemv_int4.c``) where it builds and its probe
-passes (``int4_kernel_failure``): it reads half a byte per weight, once for all the rows, rounds each input row to
-int16 with a power-of-two scale (an error of at most 2^-15 of the row's largest magnitude per value: finer than
-the 8-bit activations with a scale per 32 values of ggml's Q4_0 × Q8_0 products unless a row's largest value is
-over a hundred times its typical group's) and sums each group's exact integer dot product in float32 with its
-scale; a row's result does not depend on the rows beside it. Everywhere else (other devices, more rows,
+run the compiled kernel of ``mla_kernels.cpu_gemv`` (``gemm_int4``, ``csrc/gemv_int4.c``; AVX2, or AVX-512 VNNI where
+the CPU has it, with the same bits) where it builds and its probe passes (``int4_kernel_failure``): it reads half a
+byte per weight, once for all the rows, rounds each input row to int8 with a scale per group of 32 as ggml's Q8_0
+does (``cpu_gemv.quantize_q8_groups``), and sums each group's exact integer dot product in float32 with the two
+scales: the arithmetic of llama.cpp's Q4_0 × Q8_0 products. A row's result does not depend on the rows beside it.
+The compiled decode step reads the same matrices (``row_operand``). Everywhere else (other devices, more rows,
 ``MLA_CPU_GEMM=plain``) the matrix is dequantised to float32, a block of output rows at a time, and multiplied with
 ``F.linear`` in float32 (float32 activations).
 """
