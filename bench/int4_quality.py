@@ -9,9 +9,9 @@ continuation (teacher forcing) and the log-probability it gives each chosen toke
 - **mla-runtime int4**: ``quantize_model(model, "int4")`` on the loaded float32 model: every product weight an
   ``Int4Weight`` (Q4_0's weights: groups of 32 with a float16 scale, values in [-8, 7]); the activations entering
   each product rounded to int8 per group of 32 as Q8_0 (the CPU kernel, up to 64 rows: every decode step) or kept
-  float32 (the dequantising fallback: the prefill's 128-row products) — through its real paths (one prefill step through the
-  paged latent cache, then one decode step per token). ``kv_b_proj`` keeps its dtype with its values rounded to
-  bfloat16, and the embedding stays float32, as ``quantize_model`` does.
+  float32 (the dequantising fallback: the prefill's 128-row products) — through its real paths (one prefill step
+  through the paged latent cache, then one decode step per token). ``kv_b_proj`` keeps its dtype with its values
+  rounded to bfloat16, and the embedding stays float32, as ``quantize_model`` does.
 - **Q4_0 (ggml's numerics)**: transformers float32 with Q4_0 applied as llama.cpp's CPU backend applies it to a
   q4_0 GGUF: every matrix but the router (embedding, attention projections including ``kv_b``, experts, lm_head:
   llama-quantize's ``--pure`` mix; its default keeps the lm_head at Q6_K) rounded to Q4_0, and the activations

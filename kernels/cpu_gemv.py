@@ -147,6 +147,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.mla_gemm_i4.restype = None
     lib.mla_i4_variants.argtypes = []
     lib.mla_i4_variants.restype = ctypes.c_int64
+    lib.mla_i4_from_stored.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2  # src, dst, groups, threads
+    lib.mla_i4_from_stored.restype = None
     lib.mla_i8_variants.argtypes = []
     lib.mla_i8_variants.restype = ctypes.c_int64
     lib.mla_i8_select.argtypes = [ctypes.c_int64]
@@ -433,6 +435,21 @@ def int4_variants() -> tuple[str, ...]:
         return ()
     mask = int(lib.mla_i4_variants())
     return tuple(name for i, name in enumerate(INT4_VARIANTS) if mask >> i & 1)
+
+
+def int4_from_stored(stored: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' pack-quantized int4 bytes (``[N, K / 2]`` uint8, ``K`` a multiple of 32: byte ``b`` of a
+    row holds values ``2b`` and ``2b + 1``, low nibble first) -> ``pack_int4``'s order, one pass over the bytes. Only
+    where ``failure()`` is None."""
+    lib, _ = _load()
+    assert lib is not None, "int4_from_stored needs the kernel library: check failure() first"
+    if stored.dtype != torch.uint8 or stored.dim() != 2 or stored.shape[1] % (INT4_GROUP // 2) or stored.is_cuda:
+        raise ValueError(f"int4_from_stored takes uint8 CPU bytes [N, K / 2] with K a multiple of {INT4_GROUP}, got "
+                         f"{stored.dtype} {tuple(stored.shape)}")
+    src = stored.contiguous()
+    out = torch.empty_like(src)
+    lib.mla_i4_from_stored(src.data_ptr(), out.data_ptr(), src.numel() // (INT4_GROUP // 2), torch.get_num_threads())
+    return out
 
 
 @functools.cache

@@ -42,7 +42,7 @@
 #define I4_CHUNK_XBYTES 256     /* a prepared activation row's bytes per chunk */
 #define I4_BLOCK_BYTES 16384    /* packed bytes of a block of weight rows (stays in L1/L2 across the tiles) */
 #ifndef I4_PREFETCH
-#define I4_PREFETCH 1024        /* bytes ahead in the weight stream */
+#define I4_PREFETCH 2048        /* bytes ahead in the weight stream */
 #endif
 
 enum { I4_AVX2 = 0, I4_AVX512_VNNI = 1 };
@@ -119,6 +119,20 @@ static void q8_prepare_row(const float *x, int64_t k, uint8_t *out) {
         const int s = (int)(g % I4_CHUNK_GROUPS);
         q8_group(v, (int8_t *)chunk + 16 * s, (int8_t *)chunk + 64 + 16 * s, (int32_t *)(chunk + 128) + 4 * s,
                  (float *)(chunk + 192) + 4 * s);
+    }
+}
+
+/* groups of 32 int4 values as compressed-tensors stores them (16 bytes: byte b holds values 2b and 2b + 1, low
+ * nibble first) -> this file's order (byte j: values j and j + 16), for `groups` groups. */
+void mla_i4_from_stored(const uint8_t *src, uint8_t *dst, int64_t groups, int64_t threads) {
+    #pragma omp parallel for schedule(static) num_threads((int)threads)
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *a = src + 16 * g, *b = a + 8;
+        uint8_t *o = dst + 16 * g;
+        for (int i = 0; i < 8; i++) {
+            o[2 * i] = (uint8_t)((a[i] & 0x0f) | (b[i] << 4));
+            o[2 * i + 1] = (uint8_t)((a[i] >> 4) | (b[i] & 0xf0));
+        }
     }
 }
 

@@ -147,10 +147,14 @@ class Int4Weight(QuantizedWeight):
             raise ValueError(f"Int4Weight.from_words: int32 words [N, {k // 8}] and scales [N, {k // GROUP}] of a "
                              f"matrix whose K ({k}) is a multiple of {GROUP}, got {words.dtype} "
                              f"{tuple(words.shape)} and {tuple(scales.shape)}")
-        halves = words.contiguous().view(torch.uint8).view(n, k // GROUP, 2, GROUP // 4)  # values 0..15, 16..31
-        values = torch.stack((halves & 0x0F, halves >> 4), dim=-1).view(n, k // GROUP, 2, GROUP // 2)
-        packed = (values[:, :, 0] | (values[:, :, 1] << 4)).view(n, k // 2)
-        return cls(packed, scales.to(torch.float16), k, dtype)
+        stored = words.contiguous().view(torch.uint8)
+        if stored.device.type == "cpu" and cpu_gemv.failure() is None:
+            packed = cpu_gemv.int4_from_stored(stored)
+        else:
+            halves = stored.view(n, k // GROUP, 2, GROUP // 4)  # values 0..15, 16..31
+            values = torch.stack((halves & 0x0F, halves >> 4), dim=-1).view(n, k // GROUP, 2, GROUP // 2)
+            packed = values[:, :, 0] | (values[:, :, 1] << 4)
+        return cls(packed.reshape(n, k // 2), scales.to(torch.float16), k, dtype)
 
     def to_int(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(``q [N, K]`` int8 in [-8, 7], ``scales [N, ceil(K / 32)]`` float16): what ``from_int`` takes."""
