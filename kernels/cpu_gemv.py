@@ -138,6 +138,9 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         lib = ctypes.CDLL(path)
     except OSError as e:
         return None, f"loading the built kernel failed: {e}"
+    finally:
+        if Path(path).parent != cache_dir():  # a private build: the mapping stays valid after the file is removed
+            shutil.rmtree(Path(path).parent, ignore_errors=True)
     lib.mla_gemv_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3  # w, x, y, n, k, threads
     lib.mla_gemv_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3  # w, scale, x, y, n, k, threads
     lib.mla_gemm_few_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4  # w, x, y, m, n, k, threads

@@ -616,6 +616,28 @@ def test_the_kernel_library_is_built_once_per_machine(tmp_path, monkeypatch):
         cpu_gemv.failure.cache_clear()
 
 
+def test_an_unwritable_kernel_cache_builds_for_the_process(tmp_path, monkeypatch):
+    """A cache folder that cannot be made (here: under a regular file) leaves the kernels available, built into a
+    private folder for this process and removed once loaded."""
+    import tempfile
+    from pathlib import Path
+    if cpu_gemv.failure() is not None:
+        pytest.skip(f"the kernels do not build here: {cpu_gemv.failure()}")
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("MLA_KERNEL_CACHE", str(blocker / "kernels"))
+    try:
+        cpu_gemv._load.cache_clear()
+        cpu_gemv.failure.cache_clear()
+        before = set(Path(tempfile.gettempdir()).glob("mla_gemv_*"))
+        assert cpu_gemv.failure() is None
+        assert blocker.read_text() == "not a folder"
+        assert set(Path(tempfile.gettempdir()).glob("mla_gemv_*")) == before
+    finally:
+        cpu_gemv._load.cache_clear()
+        cpu_gemv.failure.cache_clear()
+
+
 def test_with_the_row_kernels_nothing_is_timed(monkeypatch):
     """The kernels take every product of up to ``KERNEL_MAX_ROWS`` (>= ``FEW_ROWS``) rows, so a weight they serve is
     not timed against F.linear; without them its one-row and few-row products are."""
