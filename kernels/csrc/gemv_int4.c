@@ -199,6 +199,12 @@ AVX2_TARGET void i4_row_avx2(const uint8_t *wr, const uint16_t *sr, int64_t g_n,
     for (int j = 0; j < m; j++) y[j * n + r] = hsum(_mm256_add_ps(acc[j][0], acc[j][1]));
 }
 
+/* A row's 16 lane accumulators summed: lanes l and l + 8 first, then hsum (the AVX2 variant's order). */
+AVX512_TARGET float hsum16(__m512 acc) {
+    return hsum(_mm256_add_ps(_mm512_castps512_ps256(acc),
+                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1))));
+}
+
 /* The same with AVX-512: a chunk's 16 lanes in one register, the products by vpdpbusd. */
 AVX512_TARGET void i4_chunk_avx512(const uint8_t *wc, const uint16_t *sc, const uint8_t *xc, int64_t xs,
                                    __m512 *acc, const int m) {
@@ -233,9 +239,7 @@ AVX512_TARGET void i4_row_avx512(const uint8_t *wr, const uint16_t *sr, int64_t 
         i4_tail(wr, sr, g_n, wbuf, sbuf);
         i4_chunk_avx512(wbuf, sbuf, xp + full * I4_CHUNK_XBYTES, xs, acc, m);
     }
-    for (int j = 0; j < m; j++)
-        y[j * n + r] = hsum(_mm256_add_ps(_mm512_castps512_ps256(acc[j]),
-                                          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[j]), 1))));
+    for (int j = 0; j < m; j++) y[j * n + r] = hsum16(acc[j]);
 }
 
 /* Two weight rows (wa, wb with scales sa, sb) times one prepared row xp: ya, yb. The rows' chunks interleaved, two
@@ -281,10 +285,8 @@ AVX512_TARGET void i4_pair_avx512(const uint8_t *wa, const uint16_t *sa, const u
         i4_tail(wb, sb, g_n, wbuf, sbuf);
         i4_chunk_avx512(wbuf, sbuf, xp + full * I4_CHUNK_XBYTES, 0, acc_b, 1);
     }
-    *ya = hsum(_mm256_add_ps(_mm512_castps512_ps256(acc_a[0]),
-                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc_a[0]), 1))));
-    *yb = hsum(_mm256_add_ps(_mm512_castps512_ps256(acc_b[0]),
-                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc_b[0]), 1))));
+    *ya = hsum16(acc_a[0]);
+    *yb = hsum16(acc_b[0]);
 }
 
 #define TILE_CASES4(CALL) \
