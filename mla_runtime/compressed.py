@@ -99,7 +99,7 @@ def read_stored(reader: Any, name: str, quantization: str, shard: tuple[int, int
     blocks of ``STORED_CHUNK_ROWS`` rows, read and unpacked one at a time."""
     base = name[: -len("weight")]
     if quantization == "int8":
-        q = reader.get(name, shard)
+        q = reader.stored(name, shard)
         scale = reader.get(base + "weight_scale", shard if shard is not None and shard[0] == 0 else None)
         yield 0, Int8Weight(q.to(device).contiguous(), scale.reshape(-1).to(device, torch.bfloat16), dtype)
         return

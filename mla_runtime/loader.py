@@ -1,8 +1,9 @@
 """Load a Hugging Face MLA checkpoint (``config.json`` + safetensors) into ``DeepseekForCausalLM``.
 
 - Single-file (``model.safetensors``) and sharded (``model.safetensors.index.json``) checkpoints.
-- Streamed: tensors are read one at a time from memory-mapped files straight into the model's
-  pre-allocated parameters, so peak RAM stays near the model's own size.
+- Streamed: tensors are read one at a time into their final form (cast, quantised, sliced for this rank), so peak
+  RAM stays near the model's own size; matrices that run as stored (pre-quantised int8, FP8 blocks) are views of
+  the mapped file on a CPU (``_Reader.stored``).
 - One name table (``checkpoint_layout``) maps every checkpoint tensor to a parameter slot; per-expert
   tensors are stacked, ``gate_proj``/``up_proj`` are fused.
 - DeepSeek-V3 FP8 block-quantised weights (``*.weight`` in float8_e4m3fn with ``*.weight_scale_inv``,
@@ -21,8 +22,10 @@ import ctypes
 import functools
 import json
 import logging
+import mmap
 import os
 import re
+import sys
 from collections.abc import Iterator, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
@@ -219,13 +222,19 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
 
 class _Reader:
     """Read one tensor (or one rank's rows of it) at a time from safetensors files, with ``pread`` into memory that
-    becomes the tensor: nothing is memory-mapped, so a load's resident memory is the tensors it holds, not the pages
-    of the files it has read (a shard of a real checkpoint is a gigabyte or more). The format is an 8-byte header
-    length, a JSON header of ``name -> {dtype, shape, data_offsets}``, then the data."""
+    becomes the tensor, so a load's resident memory is the tensors it holds, not the pages of the files it has read
+    (a shard of a real checkpoint is a gigabyte or more). The one exception is ``stored``: a matrix the runtime runs
+    exactly as the file stores it (pre-quantised int8, FP8 blocks) is served from a private mapping of the file, the
+    way llama.cpp serves a GGUF: loading it costs no copy, its pages are the page cache's until written, and they can
+    be dropped and read again under memory pressure. The format is an 8-byte header length, a JSON header of
+    ``name -> {dtype, shape, data_offsets}``, then the data."""
 
-    def __init__(self, files: dict[str, Path]) -> None:
+    def __init__(self, files: dict[str, Path], device: torch.device | None = None) -> None:
         self.files = files
         self._headers: dict[Path, tuple[int, dict[str, Any]]] = {}
+        self._maps: dict[Path, torch.Tensor] = {}
+        # the file's bytes are the tensor's
+        self.maps = (device is None or device.type == "cpu") and sys.byteorder == "little"
 
     def _entry(self, name: str) -> tuple[Path, int, dict[str, Any]]:
         f = self.files[name]
@@ -264,6 +273,25 @@ class _Reader:
             return tensor
         dim, a, b, _ = shard
         return tensor.narrow(dim, a, b - a).contiguous()
+
+    def stored(self, name: str, shard: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+        """``get``, but where the tensor (or this rank's rows of it) is used as stored and loads to the CPU: a view of
+        the mapped file (``torch.cat`` of views lying back to back in it is free: ``qweight.stack_rows``)."""
+        f, start, entry = self._entry(name)
+        first, last = entry["data_offsets"]
+        if not self.maps or last == first or (shard is not None and shard[0] != 0):
+            return self.get(name, shard)
+        dtype, shape = SAFETENSORS_DTYPES[entry["dtype"]], list(entry["shape"])
+        if (start + first) % dtype.itemsize:  # a view of another dtype must start on its alignment
+            return self.get(name, shard)
+        if shard is not None:
+            row = (last - first) // shape[0]
+            first, last, shape[0] = first + shard[1] * row, first + shard[2] * row, shard[2] - shard[1]
+        if f not in self._maps:
+            with open(f, "rb") as handle:  # copy-on-write: nothing the runtime does can change the file
+                self._maps[f] = torch.frombuffer(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY),
+                                                 dtype=torch.uint8)
+        return self._maps[f][start + first: start + last].view(dtype).reshape(shape)
 
     def shape(self, name: str) -> list[int]:
         return list(self._entry(name)[2]["shape"])
@@ -452,7 +480,10 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
     fused = {int(m.group(1)) for n in files if (m := _FUSED_EXPERTS_RE.match(n))}
     table = checkpoint_layout(cfg, model.par, fused, len(model.mtp))
     params = dict(model.named_parameters())
-    reader = _Reader(files)
+    if device is None:
+        device = next((t.device for t in [*model.parameters(), *model.buffers()] if not t.is_meta),
+                      torch.device("cpu"))
+    reader = _Reader(files, device)
 
     stored = cfg.stored_quantization  # a pre-quantised checkpoint: its matrices load as stored
     if stored is not None:
@@ -488,9 +519,6 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
         raise CheckpointError(f"{min(scale_names)}: FP8 scales found but config.json has no "
                               f"quantization_config with weight_block_size")
 
-    if device is None:
-        device = next((t.device for t in [*model.parameters(), *model.buffers()] if not t.is_meta),
-                      torch.device("cpu"))
     kinds = _weight_kinds(cfg, table, params, quantization, scale_names, quantized_parameter_names(model))
     fmt = None if quantization is None else WEIGHT_FORMATS[quantization]
     matrices = _QuantizedMatrices({n: params[n].shape for n in kinds})
@@ -523,7 +551,7 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
         if kind == STORED_FP8:
 
             block = cast(tuple[int, int], cfg.fp8_block_size)
-            weight = reader.get(name, slot.shard).to(device)
+            weight = reader.stored(name, slot.shard).to(device)
             scale = reader.get(cast(str, scale_name), _scale_shard(slot.shard, block)).to(device)
             expert, first = _piece_position(param, slot.index)
             matrices.add(slot.param, expert, first, Fp8Weight(weight, scale.float(), block, param.dtype))

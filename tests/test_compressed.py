@@ -146,3 +146,25 @@ def test_an_unsupported_scheme_is_refused_by_name(weights, says):
     q["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "int", "strategy": "token"}
     with pytest.raises(UnsupportedScheme, match="input_activations"):
         parse_quantization_config(q)
+
+
+def test_stored_int8_matrices_are_served_from_the_mapped_file_without_a_copy(written):
+    """A pre-quantised int8 matrix runs exactly as the file stores it, so the CPU loader serves it from a private
+    (copy-on-write) mapping of the file: each expert's gate and up rows, stored one after the other, are one view of
+    the file, not a copy; writing to the loaded weights never changes the file."""
+    _, out = written
+    path = out["int8"]
+    model = load_model(path, dtype="float32")
+    layer = next(i for i, lay in enumerate(model.model.layers) if hasattr(lay.mlp, "experts"))
+    gate_up = model.model.layers[layer].mlp.experts.gate_up_packed[1]
+    assert isinstance(gate_up, Int8Weight)
+    prefix = f"model.layers.{layer}.mlp.experts.1."
+    shard = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"][prefix + "gate_proj.weight"] \
+        if (path / "model.safetensors.index.json").exists() else "model.safetensors"
+    with safe_open(str(path / shard), "pt") as f:
+        stored = torch.cat([f.get_tensor(prefix + "gate_proj.weight"), f.get_tensor(prefix + "up_proj.weight")])
+    assert torch.equal(gate_up.qweight, stored)
+    assert gate_up.qweight.untyped_storage().nbytes() == (path / shard).stat().st_size  # the whole file, mapped
+    before = (path / shard).read_bytes()
+    gate_up.qweight.zero_()
+    assert (path / shard).read_bytes() == before

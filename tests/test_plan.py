@@ -284,11 +284,13 @@ def _resident_bytes(model: torch.nn.Module) -> int:
     packed layouts, quantised matrices and their scales), each storage once. Left out: RoPE buffers and the
     1-element stand-ins of released weights, which the planner does not count. oneDNN's blocked copies are opaque
     tensors: counted at their logical size (numel x element size; any padding of the blocked layout is not
-    visible)."""
+    visible). A storage the runtime did not allocate (a mapped checkpoint file, whose matrices run as stored)
+    counts the bytes its views cover: the pages nothing reads never become resident."""
     from mla_runtime.layers.cpu_gemm import PackedWeight
     from mla_runtime.layers.rotary import RotaryEmbedding
 
     found: dict[object, int] = {}
+    mapped: dict[int, set[tuple[int, int]]] = {}  # a mapped file's storage -> the byte ranges its views cover
 
     def visit(value: object) -> None:
         if isinstance(value, torch.Tensor):
@@ -296,7 +298,11 @@ def _resident_bytes(model: torch.nn.Module) -> int:
                 found[("opaque", id(value))] = value.numel() * value.element_size()
             elif not value.is_meta and value.numel() and not (value.dim() and 0 in value.stride()):  # not released
                 storage = value.untyped_storage()
-                found[storage.data_ptr()] = max(found.get(storage.data_ptr(), 0), storage.nbytes())
+                if storage.resizable():
+                    found[storage.data_ptr()] = max(found.get(storage.data_ptr(), 0), storage.nbytes())
+                else:
+                    start = value.data_ptr()
+                    mapped.setdefault(storage.data_ptr(), set()).add((start, start + value.nbytes))
         elif isinstance(value, (list, tuple)):
             for v in value:
                 visit(v)
@@ -311,6 +317,11 @@ def _resident_bytes(model: torch.nn.Module) -> int:
     for module in model.modules():
         if not isinstance(module, RotaryEmbedding):
             visit({k: v for k, v in vars(module).items() if k != "_modules"})
+    for ranges in mapped.values():
+        end = 0
+        for a, b in sorted(ranges):
+            found[("mapped", a)] = max(0, b - max(a, end))
+            end = max(end, b)
     return sum(found.values())
 
 

@@ -15,6 +15,7 @@ from mla_runtime.engine.config import EngineConfig
 from mla_runtime.errors import InvalidParam
 from mla_runtime.layers.cpu_gemm import KERNEL_MAX_ROWS, row_kernel_failure
 from mla_runtime.layers.quantization import Int8Weight, int8_kernel_failure, quantize_model, quantized_weights
+from mla_runtime.layers.qweight import stack_rows
 from mla_runtime.loader import load_model
 from mla_runtime.plan import parameter_count, quantized_parameters, weight_bytes
 from mla_runtime.serving.config import resolve
@@ -218,3 +219,15 @@ def test_one_row_int8_kernel_rounds_the_row_to_int16():
     ints = torch.randint(-300, 301, (1, q.shape[1]), generator=g).float()  # exact in int16: only float rounding
     torch.testing.assert_close(cpu_gemv.gemv_int8(ints, q, scales).double(), ints.double() @ q.double().T
                                * scales.double(), rtol=1e-6, atol=0)
+
+
+def test_stack_rows_joins_back_to_back_blocks_as_a_view_and_copies_others():
+    whole = torch.arange(60, dtype=torch.int8).reshape(10, 6)
+    joined = stack_rows([whole[:3], whole[3:7], whole[7:]])
+    assert torch.equal(joined, whole) and joined.data_ptr() == whole.data_ptr()  # a view: no copy
+    apart = stack_rows([whole[:3], whole[5:]])  # a gap: copied, in order
+    assert torch.equal(apart, torch.cat([whole[:3], whole[5:]])) and apart.data_ptr() != whole.data_ptr()
+    swapped = stack_rows([whole[5:], whole[:5]])
+    assert torch.equal(swapped, torch.cat([whole[5:], whole[:5]]))
+    other = torch.zeros(4, 6, dtype=torch.int8)
+    assert torch.equal(stack_rows([whole[:2], other]), torch.cat([whole[:2], other]))

@@ -28,7 +28,7 @@ from mla_kernels import cpu_gemv
 from mla_kernels.fp8_gemm import fp8_gemm, fp8_gemm_failure
 
 from mla_runtime.layers.cpu_gemm import gemm_mode
-from mla_runtime.layers.qweight import QuantizedWeight
+from mla_runtime.layers.qweight import QuantizedWeight, stack_rows
 
 FP8_MAX = 448.0  # the largest float8_e4m3fn magnitude
 DEFAULT_BLOCK = (128, 128)
@@ -111,7 +111,7 @@ class Fp8Weight(QuantizedWeight):
             if i < len(fp8) - 1 and p.weight.shape[0] % p.block[0]:
                 raise ValueError(f"Fp8Weight.cat: part {i} has {p.weight.shape[0]} rows, not a multiple of its "
                                  f"{p.block[0]} block rows: its last scale row would also cover the next part's rows")
-        return cls(torch.cat([p.weight for p in fp8]), torch.cat([p.scale_inv for p in fp8]), first.block,
+        return cls(stack_rows([p.weight for p in fp8]), torch.cat([p.scale_inv for p in fp8]), first.block,
                    first.plain.dtype)
 
     def select_rows(self, index: torch.Tensor) -> Fp8Weight:

@@ -56,7 +56,7 @@ from mla_runtime.layers.linear import Linear
 from mla_runtime.layers.mla import MLAttention
 from mla_runtime.layers.mlp import GatedMLP
 from mla_runtime.layers.moe import Experts
-from mla_runtime.layers.qweight import QuantizedWeight, released, released_like
+from mla_runtime.layers.qweight import QuantizedWeight, released, released_like, stack_rows
 
 logger = logging.getLogger("mla_runtime")
 
@@ -143,7 +143,7 @@ class Int8Weight(QuantizedWeight):
     @classmethod
     def cat(cls, parts: Sequence[QuantizedWeight]) -> Int8Weight:
         int8 = [cast(Int8Weight, p) for p in parts]
-        return cls(torch.cat([p.qweight for p in int8]), torch.cat([p.scales for p in int8]), int8[0].plain.dtype)
+        return cls(stack_rows([p.qweight for p in int8]), torch.cat([p.scales for p in int8]), int8[0].plain.dtype)
 
     def select_rows(self, index: torch.Tensor) -> Int8Weight:
         """The matrix of the output rows ``index`` (the MTP drafts' rows of the lm_head)."""

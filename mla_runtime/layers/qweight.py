@@ -34,6 +34,23 @@ def released_like(shape: Sequence[int], dtype: torch.dtype, device: torch.device
     return torch.zeros((), dtype=dtype, device=device).expand(*shape)
 
 
+def stack_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat`` of row blocks, except that blocks already lying back to back in one storage (the matrices of a
+    checkpoint served from its mapped file, where ``gate_proj`` and ``up_proj`` are stored one after the other) are
+    joined as a view of it, without a copy."""
+    first = tensors[0]
+    end = first.data_ptr()
+    joined = first.device.type == "cpu"
+    for t in tensors:
+        joined = (joined and t.is_contiguous() and t.data_ptr() == end and t.shape[1:] == first.shape[1:]
+                  and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr())
+        end += t.numel() * t.element_size()
+    if len(tensors) == 1 or not joined:
+        return torch.cat(list(tensors))
+    rows = sum(t.shape[0] for t in tensors)
+    return first.as_strided((rows, *first.shape[1:]), first.stride())
+
+
 class QuantizedWeight(PackedWeight):
     """Base of the weight-only formats. ``plain`` is the released float weight (shape and dtype only: callers pass it
     as the "weight" argument of ``cpu_gemm.linear``, which hands the product to ``matmul``)."""

@@ -108,8 +108,11 @@ class RotaryEmbedding(nn.Module):
         self.interleave = rope.interleave
         self.scale = rope.cos_sin_scale
         self.rope, self.dim = rope, dim
-        self.register_buffer("inv_freq", rope_inv_freq(rope, dim), persistent=False)
-        self.register_buffer("slots", rotation_slots(dim, rope.interleave), persistent=False)
+        device = torch.get_default_device()
+        with torch.device("cpu"):  # made on the CPU and moved: a model built on the meta device would run these through
+            inv_freq, slots = rope_inv_freq(rope, dim), rotation_slots(dim, rope.interleave)  # torch's slow references
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        self.register_buffer("slots", slots.to(device), persistent=False)
         self._tables: dict[torch.dtype, torch.Tensor] = {}  # dtype -> [positions, d_r]: cos ; sin of each position
 
     def materialize(self, device: torch.device | str) -> None:
