@@ -103,8 +103,6 @@ def read_stored(reader: Any, name: str, quantization: str, shard: tuple[int, int
         scale = reader.get(base + "weight_scale", shard if shard is not None and shard[0] == 0 else None)
         yield 0, Int8Weight(q.to(device).contiguous(), scale.reshape(-1).to(device, torch.bfloat16), dtype)
         return
-    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-
     n, k = (int(v) for v in reader.get(base + "weight_shape").tolist())
     rows = (0, n) if shard is None or shard[0] != 0 else (shard[1], shard[2])
     cols = (0, k) if shard is None or shard[0] == 0 else (shard[1], shard[2])
@@ -122,6 +120,9 @@ def read_stored(reader: Any, name: str, quantization: str, shard: tuple[int, int
             yield a - rows[0], Int4Weight.from_words(words.to(device), scale.to(device).contiguous(),
                                                      cols[1] - cols[0], dtype)
             continue
+        # elsewhere the library unpacks (imported only here: importing it takes seconds)
+        from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
         q = unpack_from_int32(packed, 4, torch.Size((b - a, k)))
         if cols != (0, k):
             q = q[:, cols[0]:cols[1]]
