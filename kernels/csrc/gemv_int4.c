@@ -242,6 +242,56 @@ AVX512_TARGET void i4_row_avx512(const uint8_t *wr, const uint16_t *sr, int64_t 
     for (int j = 0; j < m; j++) y[j * n + r] = hsum16(acc[j]);
 }
 
+/* Two weight rows (wa, wb with scales sa, sb) times m prepared rows xp (row stride xs bytes) into y[j n + ra] and
+ * y[j n + rb]: every input chunk loaded once for both weight rows (the input rows, 32 KB for 8 rows of 2048 values,
+ * are what a tile reads most); each (weight row, input row) pair sees exactly i4_row_avx512's operations. */
+AVX512_TARGET void i4_rows2_avx512(const uint8_t *wa, const uint16_t *sa, const uint8_t *wb, const uint16_t *sb,
+                                   int64_t g_n, const uint8_t *xp, int64_t xs, float *y, int64_t n, int64_t ra,
+                                   int64_t rb, const int m) {
+    const int64_t full = g_n / I4_CHUNK_GROUPS;
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    __m512 acc_a[8], acc_b[8];
+    for (int j = 0; j < m; j++) acc_a[j] = acc_b[j] = _mm512_setzero_ps();
+    uint8_t wbuf[2][I4_CHUNK_WBYTES];
+    uint16_t sbuf[2][I4_CHUNK_GROUPS];
+    const int64_t chunks = full + (full * I4_CHUNK_GROUPS < g_n);
+    for (int64_t c = 0; c < chunks; c++) {
+        const uint8_t *ca = wa + c * I4_CHUNK_WBYTES, *cb = wb + c * I4_CHUNK_WBYTES;
+        const uint16_t *qa = sa + c * I4_CHUNK_GROUPS, *qb = sb + c * I4_CHUNK_GROUPS;
+        if (c == full) {  /* the partial last chunk, zero-padded */
+            i4_tail(wa, sa, g_n, wbuf[0], sbuf[0]);
+            i4_tail(wb, sb, g_n, wbuf[1], sbuf[1]);
+            ca = wbuf[0], cb = wbuf[1], qa = sbuf[0], qb = sbuf[1];
+        } else {
+            _mm_prefetch((const char *)ca + I4_PREFETCH, _MM_HINT_T0);
+            _mm_prefetch((const char *)cb + I4_PREFETCH, _MM_HINT_T0);
+        }
+        const __m512 dwa = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_cvtph_ps(
+                               _mm_loadl_epi64((const __m128i *)qa))));
+        const __m512 dwb = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_cvtph_ps(
+                               _mm_loadl_epi64((const __m128i *)qb))));
+        const __m512i ba = _mm512_loadu_si512((const void *)ca), bb = _mm512_loadu_si512((const void *)cb);
+        const __m512i lo_a = _mm512_and_si512(ba, low), hi_a = _mm512_and_si512(_mm512_srli_epi16(ba, 4), low);
+        const __m512i lo_b = _mm512_and_si512(bb, low), hi_b = _mm512_and_si512(_mm512_srli_epi16(bb, 4), low);
+        const uint8_t *xc = xp + c * I4_CHUNK_XBYTES;
+        for (int j = 0; j < m; j++) {
+            const uint8_t *x = xc + j * xs;
+            const __m512i x0 = _mm512_loadu_si512((const void *)x), x1 = _mm512_loadu_si512((const void *)(x + 64));
+            const __m512i bias = _mm512_loadu_si512((const void *)(x + 128));
+            const __m512 sx = _mm512_loadu_ps((const float *)(x + 192));
+            const __m512i s_a = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(bias, lo_a, x0), hi_a, x1);
+            const __m512i s_b = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(bias, lo_b, x0), hi_b, x1);
+            acc_a[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s_a), _mm512_mul_ps(dwa, sx), acc_a[j]);
+            acc_b[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s_b), _mm512_mul_ps(dwb, sx), acc_b[j]);
+        }
+    }
+    for (int j = 0; j < m; j++) {
+        y[j * n + ra] = hsum16(acc_a[j]);
+        y[j * n + rb] = hsum16(acc_b[j]);
+    }
+}
+
 /* Two weight rows (wa, wb with scales sa, sb) times one prepared row xp: ya, yb. The rows' chunks interleaved, two
  * sequential weight streams a thread (one leaves memory bandwidth unused), each activation chunk read once for
  * both; each row sees exactly the operations i4_row_* gives it. */
@@ -314,7 +364,12 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"))) st
     for (int64_t c = 0; c < rows; c += 8) {
         const int m = rows - c < 8 ? (int)(rows - c) : 8;
 #define I4_AVX512_CALL(M) \
-    for (int64_t r = r0; r < r1; r++) i4_row_avx512(w + r * g_n * 16, scales + r * g_n, g_n, xp + c * xs, xs, y + c * n, n, r, M)
+    for (int64_t r = r0; r < r1; r += 2) \
+        if (r + 1 < r1) \
+            i4_rows2_avx512(w + r * g_n * 16, scales + r * g_n, w + (r + 1) * g_n * 16, scales + (r + 1) * g_n, \
+                            g_n, xp + c * xs, xs, y + c * n, n, r, r + 1, M); \
+        else \
+            i4_row_avx512(w + r * g_n * 16, scales + r * g_n, g_n, xp + c * xs, xs, y + c * n, n, r, M)
         TILE_CASES8(I4_AVX512_CALL)
     }
 }
