@@ -7,9 +7,9 @@ bfloat16), random weights, loaded with int8 and int4 from the bfloat16 checkpoin
     python bench/bench_real_size.py --work /tmp/real_size --layers 4    # a shorter model, same layer shapes
 
 For each mla-runtime mode a fresh process loads the model and reports its peak resident memory (sampled every few
-milliseconds, and the kernel's own high-water mark ``VmHWM``), the load's seconds and decode tokens/s at batch 1
-and 8 (the median step after the prompt). The process guards its own memory: past ``--rss-limit`` it stops itself with a
-message instead of letting the OOM killer pick a victim. llama.cpp (``bash bench/setup_peers.sh llama.cpp``) runs
+milliseconds, and the kernel's own high-water mark ``VmHWM``), the load's seconds (importing torch and the runtime
+included) and decode tokens/s at batch 1 and 8 (the median step after the prompt). The process guards its own
+memory: past ``--rss-limit`` it stops itself with a message instead of letting the OOM killer pick a victim. llama.cpp (``bash bench/setup_peers.sh llama.cpp``) runs
 its own converter (q8_0) and ``llama-quantize`` (q4_0 from the q8_0 file, ``--allow-requantize``: the timing does not
 depend on the values), then ``llama-bench`` (batch 1) and ``llama-batched-bench`` (batch 8); its load time is the
 wall time of a process that loads the file and generates one token (llama.cpp maps the file and reads the
@@ -105,6 +105,7 @@ def step_bytes(cfg: dict, fmt: str, batch: int) -> float:
 
 # -- one mla-runtime measurement, in its own process -------------------------------------------------------------
 def worker(path: str, quantization: str, rounds: int, threads: int, limit: int) -> None:
+    t0 = time.perf_counter()  # the load's seconds include importing torch and the runtime, as llama.cpp's its start
     import torch
 
     from mla_runtime import LLM, SamplingParams
@@ -112,7 +113,6 @@ def worker(path: str, quantization: str, rounds: int, threads: int, limit: int) 
     torch.set_num_threads(threads)
     base = rss()
     guard = MemoryGuard(limit)
-    t0 = time.perf_counter()
     llm = LLM(path, dtype="float32", quantization=quantization, max_model_len=PROMPT_LEN + STEPS + 64,
               max_num_seqs=max(BATCHES), kv_cache_memory="256MiB", enable_prefix_caching=False, num_threads=threads)
     load_s = time.perf_counter() - t0

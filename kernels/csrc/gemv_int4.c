@@ -26,8 +26,9 @@
  *
  * The weight is streamed from memory once for all the rows: each thread takes blocks of weight rows (a block's
  * packed bytes stay in L1/L2) and passes over them once per tile of input rows (4 in the AVX2 variant, 8 in the
- * AVX-512 one; the count compiled into each instance, so the accumulators live in registers), with a software
- * prefetch running ahead of the weight stream. Every (weight row, input row) pair has its own accumulators and sees
+ * AVX-512 one; the count compiled into each instance, so the accumulators live in registers; the AVX-512 one takes
+ * two weight rows at a time, each input chunk loaded once for both), with a software prefetch running ahead of the
+ * weight stream. Every (weight row, input row) pair has its own accumulators and sees
  * the same operations whatever the tile, so a row's result does not depend on the other rows of the batch. */
 #include <math.h>
 #include <omp.h>
