@@ -9,11 +9,12 @@ bfloat16), random weights, loaded with int8 and int4 from the bfloat16 checkpoin
 For each mla-runtime mode a fresh process loads the model and reports its peak resident memory (sampled every few
 milliseconds, and the kernel's own high-water mark ``VmHWM``), the load's seconds (importing torch and the runtime
 included) and decode tokens/s at batch 1 and 8 (the median step after the prompt). The process guards its own
-memory: past ``--rss-limit`` it stops itself with a message instead of letting the OOM killer pick a victim. llama.cpp (``bash bench/setup_peers.sh llama.cpp``) runs
-its own converter (q8_0) and ``llama-quantize`` (q4_0 from the q8_0 file, ``--allow-requantize``: the timing does not
-depend on the values), then ``llama-bench`` (batch 1) and ``llama-batched-bench`` (batch 8); its load time is the
-wall time of a process that loads the file and generates one token (llama.cpp maps the file and reads the
-weights as the first token touches them; it repacks q4_0 for its AVX2 kernels). The two systems run one after
+memory: past ``--rss-limit`` it stops itself with a message instead of letting the OOM killer pick a victim.
+llama.cpp (``bash bench/setup_peers.sh llama.cpp``) runs its own converter (q8_0) and ``llama-quantize`` (q4_0 from
+the q8_0 file, ``--allow-requantize``: the timing does not depend on the values), then ``llama-bench`` (batch 1) and
+``llama-batched-bench`` (batch 8); its load time is the wall time of a process that loads the file and generates one
+token (llama.cpp maps the file and reads the weights as the first token touches them; it repacks q4_0 for its AVX2
+kernels). The two systems run one after
 the other (their weights do not fit this machine's memory together), each over the same files on the same warm
 page cache.
 

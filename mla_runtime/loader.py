@@ -523,11 +523,15 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
     fmt = None if quantization is None else WEIGHT_FORMATS[quantization]
     matrices = _QuantizedMatrices({n: params[n].shape for n in kinds})
     modules = dict(model.named_modules())
-    for name, param in params.items():  # the float parameters, allocated now (zeros: vocabulary padding rows)
+    # the float parameters, allocated now: one checkpoint tensor fills a whole one; others (stacked, or with
+    # vocabulary padding rows) start from zeros
+    whole = {slot.param for slot in table.values() if slot is not None and slot.index == ()}
+    for name, param in params.items():
         if name not in kinds and param.is_meta:
             owner, _, attr = name.rpartition(".")
+            alloc = torch.empty if name in whole else torch.zeros
             setattr(modules[owner] if owner else model, attr,
-                    nn.Parameter(torch.zeros(param.shape, dtype=param.dtype, device=device), requires_grad=False))
+                    nn.Parameter(alloc(param.shape, dtype=param.dtype, device=device), requires_grad=False))
     params = dict(model.named_parameters())
 
     from tqdm import tqdm

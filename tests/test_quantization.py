@@ -231,3 +231,20 @@ def test_stack_rows_joins_back_to_back_blocks_as_a_view_and_copies_others():
     assert torch.equal(swapped, torch.cat([whole[5:], whole[:5]]))
     other = torch.zeros(4, 6, dtype=torch.int8)
     assert torch.equal(stack_rows([whole[:2], other]), torch.cat([whole[:2], other]))
+
+
+def test_an_int8_matrix_at_any_address_runs_the_many_row_product():
+    """A pre-quantised matrix served from its mapped checkpoint lies wherever the file put it; ATen's int8 kernel
+    crashes on a weight 8 bytes off a 16-byte boundary, so such a matrix runs from an aligned copy: same values."""
+    g = torch.Generator().manual_seed(0)
+    n, k = 96, 256
+    buf = torch.randint(-127, 128, (n * k + 64,), generator=g, dtype=torch.int8)
+    scales = (torch.rand(n, generator=g) + 0.5).to(torch.bfloat16)
+    x = torch.randn(80, k, generator=g)  # more rows than the few-row kernels take
+    want = Int8Weight(buf[: n * k].view(n, k), scales, torch.float32).matmul(x, None)
+    for offset in (8, 24, 40):
+        w = Int8Weight(buf[offset: offset + n * k].view(n, k), scales, torch.float32)
+        assert w.qweight.data_ptr() % 16 == 8
+        aligned = Int8Weight(w.qweight.clone(), scales, torch.float32)
+        assert torch.equal(w.matmul(x, None), aligned.matmul(x, None))
+    assert want.shape == (80, n)

@@ -81,6 +81,9 @@ def _round_up_to_bf16(x: torch.Tensor) -> torch.Tensor:
     return torch.where(near.float() >= x, near, up).float()
 
 
+ATEN_INT8_ALIGN = 64  # bytes: the alignment of a weight _weight_int8pack_mm reads in place (the allocator's)
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight [N, K]`` -> (``q [N, K]`` int8, ``scales [N]`` bfloat16): symmetric, per output channel."""
     w = weight.detach().float()
@@ -171,7 +174,10 @@ class Int8Weight(QuantizedWeight):
             return (few if bias is None else few.add_(bias.float())).to(x.dtype)
         rows = x.reshape(-1, k)
         if self.kernel and rows.shape[0]:
-            y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(rows.to(torch.bfloat16).contiguous(), self.qweight,
+            # ATen's kernel loads the weight 16 bytes at a time from aligned addresses; a matrix served from its
+            # mapped checkpoint lies wherever the file put it, so it runs from an aligned copy for the call
+            w = self.qweight if self.qweight.data_ptr() % ATEN_INT8_ALIGN == 0 else self.qweight.clone()
+            y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(rows.to(torch.bfloat16).contiguous(), w,
                                                                  self.scales)
         else:
             y = F.linear(rows.float(), self.qweight.float()) * self.scales.float()
