@@ -194,7 +194,7 @@ def llama_measure(gguf: Path, args) -> dict:
             "tok_s_rounds": {str(b): v for b, v in tok_s.items()}}
 
 
-def llama_files(src: Path, work: Path) -> dict[str, Path]:
+def llama_files(src: Path, work: Path, formats: list[str]) -> dict[str, Path]:
     from llama_peer import BIN, CONVERTER_PYTHON
 
     q8 = work / "v2lite-q8_0.gguf"
@@ -203,11 +203,13 @@ def llama_files(src: Path, work: Path) -> dict[str, Path]:
         subprocess.run([str(CONVERTER_PYTHON), str(HERE / "llama_convert.py"), str(src), "--outtype", "q8_0",
                         "--outfile", str(q8)], check=True, capture_output=True)
     q4 = work / "v2lite-q4_0.gguf"
+    if "q4_0" not in formats:
+        return {"q8_0": q8}
     if not q4.exists():
         print("  llama-quantize q8_0 -> q4_0 ...", flush=True)
         subprocess.run([str(BIN / "llama-quantize"), "--allow-requantize", str(q8), str(q4), "q4_0",
                         str(os.cpu_count())], check=True, capture_output=True)
-    return {"q8_0": q8, "q4_0": q4}
+    return {f: {"q8_0": q8, "q4_0": q4}[f] for f in formats}
 
 
 def warm(path: Path) -> None:
@@ -267,6 +269,7 @@ def main() -> None:
                          "(a pre-quantised checkpoint)")
     ap.add_argument("--rss-limit", type=int, default=int(21.5 * 2**30), help="bytes: a worker stops itself past it")
     ap.add_argument("--keep", action="store_true", help="keep the pre-quantised copies")
+    ap.add_argument("--llama-formats", default="q8_0,q4_0", help="llama.cpp's formats to measure (q8_0, q4_0)")
     ap.add_argument("--out", type=Path, default=None, help="write the report here too")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--quantization", default=None, help=argparse.SUPPRESS)
@@ -310,7 +313,7 @@ def main() -> None:
             if source == "pre" and not args.keep:
                 shutil.rmtree(path)
     if args.only in ("llama", "all"):
-        for fmt, gguf in llama_files(src, args.work).items():
+        for fmt, gguf in llama_files(src, args.work, args.llama_formats.split(",")).items():
             warm(gguf)
             print(f"  llama.cpp {fmt} ...", flush=True)
             r = llama_measure(gguf, args)
