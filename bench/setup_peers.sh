@@ -53,6 +53,13 @@ setup_llama_cpp() {
   grep -v -e '^torch' -e '^--extra-index-url' "$src/requirements/requirements-convert_hf_to_gguf.txt" \
     > "$src/requirements/requirements-convert-cpu.txt"
   local index=()
+  if [ -n "$TORCH_INDEX" ] && ! "$PYTHON" -c "import socket, sys, urllib.parse; socket.setdefaulttimeout(5); \
+socket.getaddrinfo(urllib.parse.urlparse(sys.argv[1]).hostname, 443)" "$TORCH_INDEX" 2>/dev/null; then
+    # offline (a package mirror only): the index is unreachable, and the default index's newest torch is a CUDA
+    # build of several GB; take the project's own CPU pin from what the mirror holds
+    echo "setup_peers: $TORCH_INDEX unreachable; installing torch==2.13.0 from the default index" >&2
+    TORCH_INDEX="" TORCH_SPEC="torch==2.13.0"
+  fi
   [ -z "$TORCH_INDEX" ] || index=(--extra-index-url "$TORCH_INDEX")
   "$LLAMA_DIR/venv/bin/python" -m pip install -q "${index[@]}" "$TORCH_SPEC"
   "$LLAMA_DIR/venv/bin/python" -m pip install -q -r "$src/requirements/requirements-convert-cpu.txt"
