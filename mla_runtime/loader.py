@@ -233,7 +233,7 @@ class _Reader:
         self.files = files
         self._headers: dict[Path, tuple[int, dict[str, Any]]] = {}
         self._maps: dict[Path, torch.Tensor] = {}
-        # the file's bytes are the tensor's
+        # ``stored`` maps where the tensors stay on the CPU and the file's (little-endian) bytes are the machine's
         self.maps = (device is None or device.type == "cpu") and sys.byteorder == "little"
 
     def _entry(self, name: str) -> tuple[Path, int, dict[str, Any]]:
@@ -257,19 +257,26 @@ class _Reader:
                 done += n
         return buf
 
-    def get(self, name: str, shard: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-        """The tensor, or only this rank's part of it (a part of the rows is read alone; a part along another
-        dimension is cut from the whole tensor)."""
+    def _span(self, name: str, rows: tuple[int, int] | None = None
+              ) -> tuple[Path, int, int, torch.dtype, list[int]]:
+        """Where tensor ``name`` lies (or its rows ``[a, b)``): its file, byte offset and byte count, dtype and
+        shape."""
         f, start, entry = self._entry(name)
         dtype, shape = SAFETENSORS_DTYPES[entry["dtype"]], list(entry["shape"])
         first, last = entry["data_offsets"]
-        if shard is not None and shard[0] == 0:
-            _, a, b, _ = shard
-            row = (last - first) // shape[0] if shape[0] else 0
-            data = self._read(f, start + first + a * row, (b - a) * row)
-            return data.view(dtype).reshape(b - a, *shape[1:])
-        tensor = self._read(f, start + first, last - first).view(dtype).reshape(shape)
-        if shard is None:
+        if rows is None:
+            return f, start + first, last - first, dtype, shape
+        a, b = rows
+        row = (last - first) // shape[0] if shape[0] else 0
+        return f, start + first + a * row, (b - a) * row, dtype, [b - a, *shape[1:]]
+
+    def get(self, name: str, shard: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+        """The tensor, or only this rank's part of it (a part of the rows is read alone; a part along another
+        dimension is cut from the whole tensor)."""
+        rows = (shard[1], shard[2]) if shard is not None and shard[0] == 0 else None
+        f, offset, nbytes, dtype, shape = self._span(name, rows)
+        tensor = self._read(f, offset, nbytes).view(dtype).reshape(shape)
+        if shard is None or rows is not None:
             return tensor
         dim, a, b, _ = shard
         return tensor.narrow(dim, a, b - a).contiguous()
@@ -277,21 +284,16 @@ class _Reader:
     def stored(self, name: str, shard: tuple[int, int, int, int] | None = None) -> torch.Tensor:
         """``get``, but where the tensor (or this rank's rows of it) is used as stored and loads to the CPU: a view of
         the mapped file (``torch.cat`` of views lying back to back in it is free: ``qweight.stack_rows``)."""
-        f, start, entry = self._entry(name)
-        first, last = entry["data_offsets"]
-        if not self.maps or last == first or (shard is not None and shard[0] != 0):
+        if not self.maps or (shard is not None and shard[0] != 0):
             return self.get(name, shard)
-        dtype, shape = SAFETENSORS_DTYPES[entry["dtype"]], list(entry["shape"])
-        if (start + first) % dtype.itemsize:  # a view of another dtype must start on its alignment
+        f, offset, nbytes, dtype, shape = self._span(name, None if shard is None else (shard[1], shard[2]))
+        if nbytes == 0 or offset % dtype.itemsize:  # a view of another dtype must start on its alignment
             return self.get(name, shard)
-        if shard is not None:
-            row = (last - first) // shape[0]
-            first, last, shape[0] = first + shard[1] * row, first + shard[2] * row, shard[2] - shard[1]
         if f not in self._maps:
             with open(f, "rb") as handle:  # copy-on-write: nothing the runtime does can change the file
                 self._maps[f] = torch.frombuffer(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY),
                                                  dtype=torch.uint8)
-        return self._maps[f][start + first: start + last].view(dtype).reshape(shape)
+        return self._maps[f][offset: offset + nbytes].view(dtype).reshape(shape)
 
     def shape(self, name: str) -> list[int]:
         return list(self._entry(name)[2]["shape"])
