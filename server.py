@@ -16,7 +16,10 @@ SIGTERM or Ctrl-C stops accepting connections, lets in-flight requests finish fo
 
 import sys
 
-from mla_runtime.serving.server import main
+from mla_runtime.serving.config import build_parser
 
 if __name__ == "__main__":
+    build_parser().parse_args()  # --help and flag errors before the server (and torch) is imported
+    from mla_runtime.serving.server import main
+
     sys.exit(main())

@@ -10,7 +10,7 @@
     mla-runtime quantize --model SRC --quantization int4 --out DIR # a pre-quantised (compressed-tensors) copy
 
 Each subcommand owns its flags (``mla-runtime SUBCOMMAND --help``); its module is imported only when it
-runs, so ``plan`` does not import the server.
+runs, so ``plan`` does not import the server, and ``serve --help`` imports neither the server nor torch.
 """
 
 from __future__ import annotations
@@ -55,8 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    prog = f"mla-runtime {args.command}"
+    if args.command == "serve":  # --help and flag errors before the server (and torch) is imported
+        from mla_runtime.serving.config import build_parser as serve_parser
+
+        serve_parser(prog).parse_args(args.args)
     module = importlib.import_module(COMMANDS[args.command][0])
-    return module.main(args.args, prog=f"mla-runtime {args.command}")
+    return module.main(args.args, prog=prog)
 
 
 if __name__ == "__main__":

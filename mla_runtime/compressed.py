@@ -152,6 +152,7 @@ def write_quantized_checkpoint(src: str | Path, out: str | Path, quantization: s
         checkpoint_layout,
     )
     from mla_runtime.models.deepseek import DeepseekForCausalLM
+    from mla_runtime.resolved_config import ResolvedConfig
 
     if quantization not in SCHEMES:
         raise ValueError(f"quantization: int8 or int4, got {quantization!r}")
@@ -163,7 +164,7 @@ def write_quantized_checkpoint(src: str | Path, out: str | Path, quantization: s
     out.mkdir(parents=True, exist_ok=True)
     files = checkpoint_files(src)
     with torch.device("meta"):
-        model = DeepseekForCausalLM(cfg, torch.float32, num_mtp_layers=cfg.num_nextn_predict_layers)
+        model = DeepseekForCausalLM(ResolvedConfig(cfg, torch.float32, num_mtp_layers=cfg.num_nextn_predict_layers))
     products = set(quantized_parameter_names(model))
     table = checkpoint_layout(cfg, num_mtp_layers=cfg.num_nextn_predict_layers)
     fmt = WEIGHT_FORMATS[quantization]

@@ -4,8 +4,8 @@
 reads (``ALLOW_PATTERNS``: config, generation config, tokenizer files, chat template, safetensors and their
 index) through ``huggingface_hub.snapshot_download``, which shows its own progress bar and reads tokens from
 the environment (``HF_TOKEN``) or ``hf auth login``. The cache location and offline mode are read from the
-environment at call time (``HF_HUB_CACHE``, else ``HF_HOME``/hub; ``HF_HUB_OFFLINE``), so they take effect
-even when ``huggingface_hub`` was imported before they were set.
+environment at call time (``HF_HUB_CACHE``, else ``HF_HOME``/hub; ``HF_HUB_OFFLINE``; through ``env.py``), so
+they take effect even when ``huggingface_hub`` was imported before they were set.
 
 A local folder is returned unchanged. A preset name (``mla_runtime/model_configs/``) is a config without
 weights: an error here, usable only by the planner.
@@ -14,10 +14,10 @@ weights: an error here, usable only by the planner.
 from __future__ import annotations
 
 import logging
-import os
 import re
 from pathlib import Path
 
+from mla_runtime import env
 from mla_runtime.config import PRESET_DIR
 
 logger = logging.getLogger("mla_runtime")
@@ -29,7 +29,6 @@ ALLOW_PATTERNS = [
 ]
 # "org/name": letters, digits, "-", "_", "." (what the hub accepts), not starting with "." or "-"
 REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
-TRUE = {"1", "on", "yes", "true"}
 
 
 class ModelNotFoundError(ValueError):
@@ -43,17 +42,13 @@ def is_repo_id(model: str) -> bool:
 
 def hub_cache_dir() -> str | None:
     """The hub cache from the environment now (None: huggingface_hub's default)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return os.environ["HF_HUB_CACHE"]
-    if os.environ.get("HF_HOME"):
-        return os.path.join(os.environ["HF_HOME"], "hub")
-    return None
+    return env.hf_hub_cache()
 
 
 def hub_offline() -> bool:
     from huggingface_hub import constants
 
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in TRUE or bool(constants.HF_HUB_OFFLINE)
+    return env.hf_hub_offline() or bool(constants.HF_HUB_OFFLINE)
 
 
 def resolve_model(model: str, revision: str | None = None) -> str:

@@ -29,6 +29,7 @@ import torch
 
 from mla_runtime.cache.latent_cache import LatentCache
 from mla_runtime.forward_batch import ForwardBatch
+from mla_runtime.layers.linear import Linear
 from mla_runtime.layers.mla import MLAttention
 from mla_runtime.models.deepseek import DeepseekForCausalLM
 
@@ -155,6 +156,21 @@ def truncate_latent_rank(model: DeepseekForCausalLM, rank: int, method: str = "s
     else:
         bases = svd_bases(model, rank)
     for attn, basis in zip(_attn_layers(model), bases):
-        attn.truncate_latent(basis)
+        fold_latent_basis(attn, basis)
     model.config = model.config.with_overrides(kv_lora_rank=rank)
     return model
+
+
+def fold_latent_basis(attn: MLAttention, basis: torch.Tensor) -> None:
+    """Cache ``r`` values per token instead of ``d_c``: ``c' = basisᵀ norm(c)`` with ``basis [d_c, r]``
+    orthonormal, and ``kv_b_proj`` folded to ``W · basis`` so that ``W c ≈ (W basis) c'``."""
+    basis = basis.to(attn.kv_b_proj.weight.device, attn.kv_b_proj.weight.dtype)
+    down = basis.T.contiguous() if attn.latent_down is None else (attn.latent_down.T @ basis).T.contiguous()
+    folded = attn.kv_b_proj.weight @ basis  # [n_h (d_n + d_v), r]
+    attn.kv_b_proj = Linear(basis.shape[1], folded.shape[0], folded.dtype)
+    attn.kv_b_proj.weight.data.copy_(folded)
+    attn.latent_down = torch.nn.Parameter(down, requires_grad=False)
+    attn.d_c = basis.shape[1]
+    if attn.w_uk is not None:
+        attn.kv_b_proj.prepare_inference()
+        attn.prepare_inference()

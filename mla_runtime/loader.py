@@ -36,6 +36,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from mla_runtime import attention
 from mla_runtime.compressed import is_stored_compressed, read_stored, stored_names
 from mla_runtime.config import ModelConfig
 from mla_runtime.errors import InvalidParam
@@ -52,6 +53,7 @@ from mla_runtime.layers.rotary import RotaryEmbedding
 from mla_runtime.models.deepseek import DeepseekForCausalLM
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 from mla_runtime.plan import resolve_model_dtype
+from mla_runtime.resolved_config import ResolvedConfig
 
 logger = logging.getLogger("mla_runtime")
 STORED_FP8 = "stored fp8"  # a product matrix kept in the FP8 blocks the checkpoint stores
@@ -596,14 +598,24 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", attention_pa
                par: ParallelContext = SINGLE_RANK, num_mtp_layers: int = 0,
                quantization: str | None = None) -> DeepseekForCausalLM:
     """Build the model (this rank's shard, with ``num_mtp_layers`` MTP layers) from ``<path>/config.json`` and
-    load its safetensors weights straight into their final form: the model dtype, or the products quantised
-    (``quantization``: ``layers.quantization``; then ``finish_quantization`` must follow once the weights are final,
-    after any latent-rank truncation) or, for an FP8 checkpoint without ``quantization``, kept in FP8 blocks."""
+    load its safetensors weights straight into their final form (``load_resolved``): the settings resolved here the
+    way the engine's ``Worker`` resolves them (``dtype="auto"``: ``plan.resolve_model_dtype``; ``backend`` None:
+    the device's attention backend)."""
     cfg = ModelConfig.from_pretrained(path)
-    if num_mtp_layers > cfg.num_nextn_predict_layers:
-        check_mtp_weights(cfg, {}, Path(path))
-    torch_dtype = resolve_model_dtype(dtype, cfg, device)
+    dev = torch.device(device)
+    rc = ResolvedConfig(cfg, resolve_model_dtype(dtype, cfg, dev), dev, par, attention.resolve(backend, dev),
+                        attention_path, num_mtp_layers, check_quantization(quantization))
+    return load_resolved(path, rc)
+
+
+def load_resolved(path: str | Path, rc: ResolvedConfig) -> DeepseekForCausalLM:
+    """Build the model ``rc`` describes and load the weights at ``path`` into their final form: the model dtype, or
+    the products quantised (``rc.quantization``: ``layers.quantization``; then ``finish_quantization`` must follow
+    once the weights are final, after any latent-rank truncation) or, for an FP8 checkpoint without
+    ``quantization``, kept in FP8 blocks."""
+    if rc.num_mtp_layers > rc.model.num_nextn_predict_layers:
+        check_mtp_weights(rc.model, {}, Path(path))
     with torch.device("meta"):  # parameters that take no memory: load_weights allocates each in its final form
-        model = DeepseekForCausalLM(cfg, torch_dtype, attention_path, backend, par, num_mtp_layers)
-    load_weights(model, path, check_quantization(quantization), torch.device(device))
+        model = DeepseekForCausalLM(rc)
+    load_weights(model, path, rc.quantization, rc.device)
     return model.eval().prepare_inference()

@@ -41,11 +41,9 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
 from typing import Any
 
 import torch
@@ -54,8 +52,8 @@ from mla_runtime.cache.disk_tier import HEADER_ESTIMATE_BYTES
 from mla_runtime.config import PRESET_DIR, ModelConfig
 from mla_runtime.dtypes import CACHE_DTYPES, MODEL_DTYPES, CacheDtype, dtype_name, resolve_cache_dtype
 from mla_runtime.help_format import DefaultsHelpFormatter
+from mla_runtime.options import LATENT_CACHE_LAYOUTS, WEIGHT_QUANTIZATIONS, parse_bytes  # defined without torch
 
-LATENT_CACHE_LAYOUTS = ("replicated", "sharded")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 MIN_DEFAULT_BATCHED_TOKENS = 2048
 ACTIVATION_OVERHEAD_BYTES = 256 * 2**20
@@ -162,7 +160,6 @@ def parameter_count(config: ModelConfig, tensor_parallel_size: int = 1) -> int:
     return sum(parameter_breakdown(config, tensor_parallel_size).values())
 
 
-WEIGHT_QUANTIZATIONS = ("int8", "int4", "fp8")  # the quantization values (layers.quantization.WEIGHT_FORMATS)
 INT4_GROUP = 32  # int4: weights per float16 scale along K (layers.int4.GROUP)
 FP8_QUANTIZE_BLOCK = (128, 128)  # quantization="fp8" of float weights: rows x columns per scale (layers.fp8)
 
@@ -825,34 +822,6 @@ def check_load_memory(config: ModelConfig, available_bytes: int, settings: dict[
 
 
 # -- byte strings and the report -------------------------------------------------------------------
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_BYTES_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
-
-
-def parse_bytes(value: str | int) -> int:
-    """``"80GiB"``, ``"2GB"``, ``"512MiB"``, ``"1.5e9"`` or an int → bytes.
-
-    kB/MB/GB/TB are powers of 1000, KiB/MiB/GiB/TiB powers of 1024; units are case-insensitive.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ValueError(f"byte size must be an int or a string like '80GiB', got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"byte size must be >= 0, got {value}")
-        return value
-    match = _BYTES_RE.match(value)
-    unit = match and _UNITS.get(match.group(2).lower())
-    if not match or unit is None:
-        raise ValueError(f"cannot parse byte size {value!r}: use a number with an optional unit "
-                         f"B, kB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024)")
-    try:
-        number = Decimal(match.group(1))
-    except InvalidOperation as e:  # pragma: no cover - the regex admits only valid decimals
-        raise ValueError(f"cannot parse byte size {value!r}") from e
-    return int(number * unit)
-
-
 def _gib(n: float) -> str:
     return f"{n / 2**30:,.2f} GiB"
 

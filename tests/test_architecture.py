@@ -17,8 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # level of each top-level name under mla_runtime (engine.worker/engine.config: see LEVEL_OF_SUBMODULE)
 LEVELS = {
     "config": 1, "dtypes": 1, "errors": 1, "parallel": 1, "forward_batch": 1, "sampling_params": 1, "outputs": 1,
-    "hub": 1, "tokenizer": 1, "cache": 1, "help_format": 1, "checksums": 1,
-    "layers": 2, "attention_metadata": 2,
+    "env": 1, "options": 1,
+    "hub": 1, "tokenizer": 1, "cache": 1, "help_format": 1, "checksums": 1, "resolved_config": 1,
+    "layers": 2, "attention": 2,
     "models": 3,
     "loader": 4, "latent_rank": 4, "plan": 4, "token_map": 4, "compressed": 4, "random_checkpoint": 4,
     "engine": 6, "llm": 6,
@@ -78,3 +79,40 @@ def test_kernels_never_import_the_runtime():
     for module, path in modules():
         if module.startswith("mla_kernels"):
             assert not any(n.startswith("mla_runtime") for n in imported(path)), module
+
+
+ENV_ACCESS = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
+
+
+def _environment_access(tree: ast.AST) -> list[int]:
+    """Lines of ``os.environ`` / ``os.getenv`` (and the like) and of ``from os import environ``."""
+    return sorted(
+        node.lineno for node in ast.walk(tree)
+        if (isinstance(node, ast.Attribute) and node.attr in ENV_ACCESS and isinstance(node.value, ast.Name)
+            and node.value.id == "os")
+        or (isinstance(node, ast.ImportFrom) and node.module == "os" and any(a.name in ENV_ACCESS for a in node.names)))
+
+
+def test_only_the_env_module_reads_the_environment():
+    """Every environment variable is read in ``mla_runtime/env.py``, whose docstring lists them all."""
+    for module, path in modules():
+        if module.startswith("mla_runtime") and module != "mla_runtime.env":
+            lines = _environment_access(ast.parse(path.read_text()))
+            assert not lines, f"{module} reads the environment (lines {lines}): add a function to mla_runtime/env.py"
+
+
+def test_every_config_field_has_a_flag_and_a_yaml_key():
+    from dataclasses import fields
+
+    from mla_runtime.engine.config import EngineConfig
+    from mla_runtime.serving.config import OPTIONS, YAML_KEYS, ReplicaConfig, ServerConfig, build_parser
+
+    flags: dict[str, list[str]] = {}
+    for action in build_parser()._actions:
+        flags.setdefault(action.dest, []).extend(action.option_strings)
+    for cls in (EngineConfig, ServerConfig, ReplicaConfig):
+        for f in fields(cls):
+            option = OPTIONS[f.name]
+            assert option.flag in flags.get(f.name, []), f"{cls.__name__}.{f.name} has no flag"
+            assert YAML_KEYS.get(option.yaml) == f.name, f"{cls.__name__}.{f.name} has no YAML key of its own"
+

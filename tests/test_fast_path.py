@@ -389,9 +389,11 @@ def test_forward_batch_tail_equals_a_batch_of_the_tail():
         full.tail(5)
 
 
-def _spy_planned_rows(monkeypatch, mla_module) -> list[int]:
+def _spy_planned_rows(monkeypatch) -> list[int]:
     """The row count of every planned decode call, through torch (``mla_decode_planned``), the compiled kernel or the
     compiled layer."""
+    from mla_runtime.attention import cpu as mla_module
+
     rows: list[int] = []
     real, real_kernel, real_layer = mla_module.mla_decode_planned, cpu_gemv.absorbed_decode, cpu_gemv.decoder_layer
     monkeypatch.setattr(mla_module, "mla_decode_planned", lambda q, *a: rows.append(q.shape[0]) or real(q, *a))
@@ -404,17 +406,16 @@ def _spy_planned_rows(monkeypatch, mla_module) -> list[int]:
 def test_short_chunks_join_the_decode_plan(tiny_checkpoint, monkeypatch, extra_key_bytes):
     """Speculative verifications (a few tokens over a cached context) join the decodes' gather plan while the
     keys they read stay under the bound, with the logits of the per-sequence path."""
-    from mla_runtime import attention_metadata
-    from mla_runtime.layers import mla as mla_module
+    from mla_runtime.attention import cpu as cpu_attention
 
     ckpt, _ = tiny_checkpoint("v3")
     ps = prompts([20, 13, 30], seed=22)
-    planned_rows = _spy_planned_rows(monkeypatch, mla_module)
+    planned_rows = _spy_planned_rows(monkeypatch)
     if extra_key_bytes is not None:  # too small for the 3-token chunk over 13 keys
-        monkeypatch.setattr(attention_metadata, "PLANNED_EXTRA_KEY_BYTES", extra_key_bytes)
+        monkeypatch.setattr(cpu_attention, "PLANNED_EXTRA_KEY_BYTES", extra_key_bytes)
     results = []
-    for max_query_len in (attention_metadata.PLANNED_MAX_QUERY_LEN, 1):
-        monkeypatch.setattr(attention_metadata, "PLANNED_MAX_QUERY_LEN", max_query_len)
+    for max_query_len in (cpu_attention.PLANNED_MAX_QUERY_LEN, 1):
+        monkeypatch.setattr(cpu_attention, "PLANNED_MAX_QUERY_LEN", max_query_len)
         model = load_model(ckpt, dtype="float32")
         runner = PagedRunner(model, len(ps), 48)
         runner.step({0: ps[0][:-1], 1: ps[1][:-3], 2: ps[2][:20]})
@@ -430,15 +431,12 @@ def test_short_chunks_join_the_decode_plan(tiny_checkpoint, monkeypatch, extra_k
 def test_mixed_step_decodes_planned_prefill_apart(tiny_checkpoint, monkeypatch, path):
     """A step of decodes followed by prefill chunks: the decodes take the planned path (unless the naive path
     is forced), the chunks their own, and the logits equal those of running them as two separate steps."""
-    from mla_runtime.layers import mla as mla_module
-
     ckpt, _ = tiny_checkpoint("v3")
     ps = prompts([20, 13, 30, 9], seed=21)
-    planned_rows = _spy_planned_rows(monkeypatch, mla_module)
+    planned_rows = _spy_planned_rows(monkeypatch)
     results = []
     for mixed in (True, False):
-        model = load_model(ckpt, dtype="float32")
-        model.set_attention(path, None)
+        model = load_model(ckpt, dtype="float32", attention_path=path)
         runner = PagedRunner(model, len(ps), 48)
         runner.step({0: ps[0][:-1], 1: ps[1][:-1], 3: ps[3][:4]})  # 0, 1 then decode; 3 continues its prompt
         decodes, chunks = {0: ps[0][-1:], 1: ps[1][-1:]}, {2: ps[2][:17], 3: ps[3][4:]}
@@ -893,7 +891,7 @@ def test_float32_decode_steps_take_the_compiled_attention_and_match_torch(tiny_c
     """Where the kernels build, every layer of a float32 decode step runs the latent side and the attention as
     compiled calls, with the logits of the torch path (the kernels left out). (The whole layer as one call is left
     out here: see the next test.)"""
-    from mla_runtime.layers import mla as mla_module
+    from mla_runtime.attention import CpuBackend
     from mla_runtime.models.deepseek import DeepseekForCausalLM
 
     monkeypatch.setattr(DeepseekForCausalLM, "_decode_step", lambda *a: None)
@@ -905,7 +903,7 @@ def test_float32_decode_steps_take_the_compiled_attention_and_match_torch(tiny_c
     logits = []
     for compiled in (True, False):
         if not compiled:
-            monkeypatch.setattr(mla_module.MLAttention, "_compiled_decode", lambda *a: False)
+            monkeypatch.setattr(CpuBackend, "_compiled", lambda *a: False)
         model = load_model(ckpt, dtype="float32")
         runner = PagedRunner(model, len(ps), 48)
         runner.step({i: p[:-2] for i, p in enumerate(ps)})

@@ -575,7 +575,7 @@ def test_worker_refuses_a_model_too_large_before_reading_a_weight(tiny_checkpoin
     def no_load(*args, **kwargs):
         raise AssertionError("a weight was read")
 
-    monkeypatch.setattr(worker_module, "load_model", no_load)
+    monkeypatch.setattr(worker_module, "load_resolved", no_load)
     monkeypatch.setattr(worker_module.checksums, "verify", no_load)
     monkeypatch.setattr(worker_module.checksums, "manifest_fingerprint", no_load)
     monkeypatch.setattr(worker_module, "available_host_memory", lambda: 512 * 2**20)

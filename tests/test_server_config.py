@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from mla_runtime import env
 from mla_runtime.serving import config as cfg
 from mla_runtime.serving import server
 from mla_runtime.serving.config import ServerConfig, resolve
 
 EXAMPLE = Path(cfg.__file__).with_name("serve.example.yaml")
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -120,3 +124,84 @@ def test_no_model_flag_serves_the_embedded_demo_model():
     engine, srv = resolve([], env={})
     assert engine.model == str(cfg.DEMO_MODEL) and srv.served_model_name == "demo_model"
     assert (srv.host, srv.port) == ("127.0.0.1", 8000)
+
+
+def test_every_engine_setting_has_a_flag(model_dir):
+    engine, _ = resolve(["--model", str(model_dir), "--no-enable-prefix-caching", "--num-threads", "auto",
+                         "--attention-backend", "torch", "--attention-path", "naive", "--seed", "7",
+                         "--device", "cpu", "--latent-projection", "pca", "--latent-calibration", "calib.txt",
+                         "--max-num-batched-tokens", "512", "--verify-weights"], env={})
+    assert engine.enable_prefix_caching is False and engine.num_threads == "auto" and engine.verify_weights
+    assert (engine.attention_backend, engine.attention_path, engine.seed, engine.device) == ("torch", "naive", 7, "cpu")
+    assert (engine.latent_projection, engine.latent_calibration, engine.max_num_batched_tokens) == \
+        ("pca", "calib.txt", 512)
+    engine, _ = resolve(["--model", str(model_dir), "--num-threads", "3"], env={})
+    assert engine.num_threads == 3 and engine.enable_prefix_caching is True
+
+
+def test_every_engine_setting_has_a_yaml_key_and_flags_turn_booleans_off(tmp_path, model_dir):
+    path = write(tmp_path, f"""
+model: {{path: {model_dir}, attention_backend: torch, attention_path: absorbed, verify_weights: true}}
+kv_cache: {{prefix_caching: false, max_num_batched_tokens: 256}}
+engine: {{seed: 3, device: cpu, num_threads: 2}}
+""")
+    engine, _ = resolve(["--config", path], env={})
+    assert (engine.attention_backend, engine.attention_path, engine.verify_weights) == ("torch", "absorbed", True)
+    assert (engine.enable_prefix_caching, engine.max_num_batched_tokens) == (False, 256)
+    assert (engine.seed, engine.device, engine.num_threads) == (3, "cpu", 2)
+    engine, _ = resolve(["--config", path, "--enable-prefix-caching", "--no-verify-weights"], env={})
+    assert engine.enable_prefix_caching is True and engine.verify_weights is False
+
+
+def test_a_bad_thread_count_is_a_usage_error(model_dir, capsys):
+    with pytest.raises(SystemExit) as done:
+        resolve(["--model", str(model_dir), "--num-threads", "many"], env={})
+    assert done.value.code == 2
+    assert "--num-threads: expected a count or 'auto', got 'many'" in capsys.readouterr().err
+
+
+def test_yaml_errors_name_the_new_keys(tmp_path, model_dir):
+    path = write(tmp_path, "engine: {seed: '7'}\n")
+    with pytest.raises(ValueError, match=r"engine\.seed must be int, got '7'"):
+        resolve(["--config", path, "--model", str(model_dir)], env={})
+    path = write(tmp_path, "model: {attention_backend: tpu}\n")
+    with pytest.raises(ValueError, match=r"attention_backend.*model\.attention_backend / --attention-backend"):
+        resolve(["--config", path, "--model", str(model_dir)], env={})
+
+
+def test_an_empty_api_key_in_the_environment_is_no_key(model_dir):
+    _, srv = resolve(["--model", str(model_dir)], env={"MLA_API_KEY": ""})
+    assert srv.api_key is None
+
+
+@pytest.mark.parametrize("code", [
+    "from mla_runtime.cli import main; main(['serve', '--help'])",
+    "import runpy; sys.argv = ['server.py', '--help']; runpy.run_path(str(ROOT / 'server.py'), run_name='__main__')",
+])
+def test_serve_help_imports_neither_torch_nor_triton(code):
+    script = (f"import sys\nfrom pathlib import Path\nROOT = Path({str(ROOT)!r})\ntry:\n    {code}\n"
+              f"except SystemExit:\n    pass\nprint('MODULES', sorted(sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "--enable-prefix-caching, --no-enable-prefix-caching" in done.stdout
+    modules = done.stdout.rsplit("MODULES", 1)[1]
+    assert "'torch'" not in modules and "'triton'" not in modules
+
+
+def test_the_docs_list_every_option_and_environment_variable():
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    for o in cfg.OPTIONS.values():
+        assert f"`{o.flag}`" in text and f"`{o.yaml}`" in text, o.name
+    for name in ("MLA_API_KEY", "MLA_CPU_GEMM", "HF_HUB_CACHE", "HF_HOME", "HF_HUB_OFFLINE", "TORCHELASTIC_RUN_ID",
+                 "WORLD_SIZE", "RANK", "MLA_FAULT_INJECTION", "CC", "MLA_KERNEL_CACHE", "XDG_CACHE_HOME",
+                 "MLA_REQUIRE_PROMTOOL"):
+        assert f"`{name}`" in text and name in env.__doc__, name
+
+
+def test_the_torch_free_vocabulary_matches_the_tables_it_names():
+    from mla_runtime import options
+    from mla_runtime.dtypes import CACHE_DTYPES
+    from mla_runtime.layers.quantization import WEIGHT_FORMATS
+
+    assert options.CACHE_DTYPE_NAMES == tuple(CACHE_DTYPES)
+    assert options.WEIGHT_QUANTIZATIONS == tuple(WEIGHT_FORMATS)

@@ -1,78 +1,148 @@
-"""``EngineConfig``: every knob of ``LLM``/``AsyncLLM``, validated once, frozen."""
+"""``EngineConfig``: every knob of ``LLM``/``AsyncLLM``, validated once, frozen.
+
+Imports nothing that imports torch: ``mla-runtime serve --help`` builds its parser from these fields.
+"""
 
 from __future__ import annotations
 
+import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from mla_runtime.dtypes import CACHE_DTYPES
 from mla_runtime.errors import InvalidParam
-from mla_runtime.layers.mla import ATTENTION_PATHS
-from mla_runtime.layers.quantization import check_quantization
-from mla_runtime.plan import LATENT_CACHE_LAYOUTS, parse_bytes
+from mla_runtime.options import (
+    ATTENTION_PATHS,
+    CACHE_DTYPE_NAMES,
+    LATENT_CACHE_LAYOUTS,
+    WEIGHT_QUANTIZATIONS,
+    check_quantization,
+    opt,
+    parse_bytes,
+)
 
-ATTENTION_BACKENDS = (None, "triton", "torch")
+ATTENTION_BACKENDS = (None, "triton", "torch", "cpu")  # the names of mla_runtime.attention.BACKENDS
 SPECULATIVE_METHODS = ("prompt_lookup", "mtp")
+LATENT_PROJECTIONS = ("svd", "pca")
+
+
+def parse_threads(text: str) -> int | str:
+    """``--num-threads``: a count or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count or 'auto', got {text!r}") from None
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str  # a checkpoint folder or a hub repo id (org/name, resolved by hub.resolve_model)
-    revision: str | None = None  # hub branch, tag or commit of a repo id (None: main)
-    dtype: str = "auto"
-    # weight-only quantisation at load (layers/quantization.py): None / "none" (the dtype's weights) or "int8"
-    quantization: str | None = None
-    max_model_len: int | None = None
-    block_size: int = 64
-    kv_cache_dtype: str = "auto"
-    kv_cache_memory: int | str | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None
-    enable_prefix_caching: bool = True
+    """Each field's ``opt`` gives its serve.yaml key, flag and help: ``serving/config.py`` builds the command
+    line and the YAML loader from them."""
+
+    # a checkpoint folder or a hub repo id (org/name, resolved by hub.resolve_model)
+    model: str = field(metadata=opt("model.path", "checkpoint directory or hub repo id org/name "
+                                                  "(default: the embedded demo model)"))
+    revision: str | None = field(default=None, metadata=opt(
+        "model.revision", "hub branch, tag or commit of a repo id --model (default: main)"))
+    dtype: str = field(default="auto", metadata=opt(
+        "model.dtype", "weight/compute dtype: auto (the checkpoint's), bfloat16, float16, float32"))
+    # weight-only quantisation at load (layers/quantization.py): None / "none" (the dtype's weights) or a format
+    quantization: str | None = field(default=None, metadata=opt(
+        "model.quantization", "weight-only quantisation at load (default: the checkpoint's weights in --dtype)",
+        choices=("none", *WEIGHT_QUANTIZATIONS)))
+    max_model_len: int | None = field(default=None, metadata=opt(
+        "kv_cache.max_seq_len", "context limit per request (default: the model's max_position_embeddings)"))
+    block_size: int = field(default=64, metadata=opt(
+        "kv_cache.block_size", "tokens per cache block (multiple of 16)"))
+    kv_cache_dtype: str = field(default="auto", metadata=opt(
+        "kv_cache.dtype", "latent-cache element type (auto: the model's dtype)", choices=CACHE_DTYPE_NAMES))
+    kv_cache_memory: int | str | None = field(default=None, metadata=opt(
+        "kv_cache.memory", "latent-cache bytes, e.g. 8GiB (default: on CPU a quarter of the available RAM, at most "
+                           "max-num-seqs full sequences; on GPU 90% of free memory less weights and activations)"))
+    max_num_seqs: int = field(default=64, metadata=opt("kv_cache.max_num_seqs", "sequences running at once"))
+    max_num_batched_tokens: int | None = field(default=None, metadata=opt(
+        "kv_cache.max_num_batched_tokens", "token budget of one step (default: max-model-len capped at 8192, "
+                                           "at least 2048)"))
+    enable_prefix_caching: bool = field(default=True, metadata=opt(
+        "kv_cache.prefix_caching", "keep the blocks of finished prompts so that later prompts with the same "
+                                   "prefix skip its prefill"))
     # between steps, idle cached prefix blocks are freed (LRU first) while more than this fraction of the
     # latent-cache blocks is in use or cached (1.0: only when an allocation needs them)
-    cache_watermark: float = 0.8
-    verify_weights: bool = False  # check every *.safetensors against the checkpoint's sha256 manifest first
-    tensor_parallel_size: int = 1
-    attention_backend: str | None = None
-    attention_path: str = "auto"
-    latent_cache_layout: str = "replicated"
-    latent_rank: int | None = None
-    latent_projection: str = "svd"  # "svd" (no data) or "pca" (needs latent_calibration)
-    latent_calibration: str | None = None  # a text file for the PCA of the latents
-    seed: int = 0
-    device: str | None = None
+    cache_watermark: float = field(default=0.8, metadata=opt(
+        "kv_cache.watermark", "fraction of latent-cache blocks (in use or cached) above which idle cached prefix "
+                              "blocks are freed between steps, least recently used first (1.0: off)"))
+    verify_weights: bool = field(default=False, metadata=opt(
+        "model.verify_weights", "check every *.safetensors file against the checkpoint's sha256 manifest (the "
+                                "hub's LFS hashes, or SHA256SUMS from 'mla-runtime hash') before loading"))
+    tensor_parallel_size: int = field(default=1, metadata=opt(
+        "model.tensor_parallel_size", "ranks the model is sharded across (torchrun or worker processes)"))
+    attention_backend: str | None = field(default=None, metadata=opt(
+        "model.attention_backend", "attention kernels (default: by device)", choices=ATTENTION_BACKENDS[1:]))
+    attention_path: str = field(default="auto", metadata=opt(
+        "model.attention_path", "attend over up-projected keys and values (naive), in the latent space "
+                                "(absorbed), or the cheaper of the two per step by FLOP count (auto)",
+        choices=ATTENTION_PATHS))
+    latent_cache_layout: str = field(default="replicated", metadata=opt(
+        "kv_cache.layout", "the latent cache across tensor-parallel ranks", choices=LATENT_CACHE_LAYOUTS))
+    latent_rank: int | None = field(default=None, metadata=opt(
+        "model.latent_rank", "truncate the cached latent to this rank (default: the model's kv_lora_rank)"))
+    latent_projection: str = field(default="svd", metadata=opt(
+        "model.latent_projection", "basis of --latent-rank: svd (of the weights, no data) or pca (of the latents "
+                                   "of --latent-calibration)", choices=LATENT_PROJECTIONS))
+    latent_calibration: str | None = field(default=None, metadata=opt(
+        "model.latent_calibration", "text file whose latents --latent-projection pca is fitted to "
+                                    "(default: no file)"))
+    seed: int = field(default=0, metadata=opt("engine.seed", "seed of the sampling random number generator"))
+    device: str | None = field(default=None, metadata=opt(
+        "engine.device", "torch device, e.g. cpu, cuda, cuda:1 (default: cuda when available and "
+                         "--tensor-parallel-size is 1, else cpu)"))
     # CPU threads of the model's kernels: a count, "auto" (measured per step size, see engine/thread_tuner.py)
     # or None (torch's setting: every core)
-    num_threads: int | str | None = None
+    num_threads: int | str | None = field(default=None, metadata=opt(
+        "engine.num_threads", "CPU threads of the model's kernels: a count, or auto (tuned per step size) "
+                              "(default: torch's setting, every core)", parse=parse_threads))
     # speculative decoding: up to this many draft tokens per step (0: off), by prompt lookup (engine/speculative.py:
     # copied after the latest earlier occurrence of the sequence's last prompt_lookup_max .. prompt_lookup_min
     # tokens) or by the checkpoint's multi-token-prediction layer ("mtp", engine/mtp.py; 1 draft when
     # num_speculative_tokens is left at 0)
-    speculative_method: str = "prompt_lookup"
-    num_speculative_tokens: int = 0
-    prompt_lookup_max: int = 3
-    prompt_lookup_min: int = 1
+    speculative_method: str = field(default="prompt_lookup", metadata=opt(
+        "speculative.method", "where drafts come from: prompt_lookup, or mtp (the checkpoint's "
+                              "multi-token-prediction layer)", choices=SPECULATIVE_METHODS))
+    num_speculative_tokens: int = field(default=0, metadata=opt(
+        "speculative.num_tokens", "draft tokens per decode step (0: off; mtp alone: 1)"))
+    prompt_lookup_max: int = field(default=3, metadata=opt(
+        "speculative.prompt_lookup_max", "longest suffix looked up for drafts"))
+    prompt_lookup_min: int = field(default=1, metadata=opt(
+        "speculative.prompt_lookup_min", "shortest suffix looked up for drafts"))
     # the tokens MTP drafts may propose (token_map.py): None: the checkpoint's speculative_token_map.json where it
     # has one, else all; "none": all; a path: that JSON list of token ids
-    speculative_token_map: str | None = None
+    speculative_token_map: str | None = field(default=None, metadata=opt(
+        "speculative.token_map", "JSON list of the token ids MTP drafts may propose, or 'none': all (default: "
+                                 "the checkpoint's speculative_token_map.json, else all)"))
     # the disk tier of the prefix cache (cache/disk_tier.py): full blocks evicted from the pool (or, with
-    # write-through, every full block) are written under kv_cache_dir and found there again after a restart;
-    # kv_cache_disk_bytes bounds the directory (default: its current size plus 90% of the free disk space)
-    kv_cache_dir: str | None = None
-    kv_cache_write_through: bool = False
-    kv_cache_disk_bytes: int | str | None = None
-    # the host-RAM tier between the device pool and the disk tier (cache/host_tier.py; useful on GPUs): bytes of
-    # host memory for evicted blocks (0: none). None: a quarter of the available RAM on CUDA, none on a CPU (whose
-    # pool is host RAM already). It needs enable_prefix_caching, not kv_cache_dir
-    kv_cache_host_bytes: int | str | None = None
+    # write-through, every full block) are written under kv_cache_dir and found there again after a restart
+    kv_cache_dir: str | None = field(default=None, metadata=opt(
+        "kv_cache.dir", "directory of the disk tier: evicted prefix-cache blocks are written there and found "
+                        "again after a restart; several processes may share it (default: off)"))
+    kv_cache_write_through: bool = field(default=False, metadata=opt(
+        "kv_cache.write_through", "write every full block to the disk tier as soon as it is complete"))
+    kv_cache_disk_bytes: int | str | None = field(default=None, metadata=opt(
+        "kv_cache.disk_bytes", "bound of the disk tier's directory, e.g. 500GiB; least recently used files go "
+                               "first (default: its current size plus 90% of the free disk space)"))
+    # the host-RAM tier between the device pool and the disk tier (cache/host_tier.py; useful on GPUs); on a CPU
+    # the pool is host RAM already. It needs enable_prefix_caching, not kv_cache_dir
+    kv_cache_host_bytes: int | str | None = field(default=None, metadata=opt(
+        "kv_cache.host_bytes", "host RAM for the host tier between the GPU's cache and the disk tier, e.g. "
+                               "64GiB; 0: none (default: on CUDA a quarter of the available RAM, on a CPU none)"))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "quantization", check_quantization(self.quantization))
         if self.block_size < 16 or self.block_size % 16:
             raise ValueError(f"block_size must be a positive multiple of 16, got {self.block_size}")
-        if self.kv_cache_dtype not in CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {sorted(CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in CACHE_DTYPE_NAMES:
+            raise ValueError(f"kv_cache_dtype must be one of {sorted(CACHE_DTYPE_NAMES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.kv_cache_memory is not None:
             object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
         if self.max_num_seqs < 1:
@@ -84,7 +154,8 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be 'triton', 'torch' or None, got {self.attention_backend!r}")
+            raise ValueError(f"attention_backend must be 'triton', 'torch', 'cpu' or None, "
+                             f"got {self.attention_backend!r}")
         if self.attention_path not in ATTENTION_PATHS:
             raise ValueError(f"attention_path must be one of {ATTENTION_PATHS}, got {self.attention_path!r}")
         if self.latent_cache_layout not in LATENT_CACHE_LAYOUTS:
@@ -107,7 +178,7 @@ class EngineConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) and prompt_lookup_max "
                              f"({self.prompt_lookup_max}) must satisfy 1 <= min <= max")
-        if self.latent_projection not in ("svd", "pca"):
+        if self.latent_projection not in LATENT_PROJECTIONS:
             raise ValueError(f"latent_projection must be 'svd' or 'pca', got {self.latent_projection!r}")
         if self.latent_projection == "pca" and self.latent_rank is not None and not self.latent_calibration:
             raise ValueError("latent_projection 'pca' needs latent_calibration (a text file)")

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mla_runtime import env
 from mla_runtime.cache.disk_tier import agree_min, broadcast_blocks
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.engine.worker import StepInput, Worker
@@ -53,11 +54,11 @@ def _threads_per_rank(world: int) -> int:
 
 
 def launched_by_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return (env.torchrun_world_size() or 1) > 1
 
 
 def torchrun_rank() -> int:
-    return int(os.environ.get("RANK", "0"))
+    return env.torchrun_rank()
 
 
 def is_torchrun_worker(config: EngineConfig) -> bool:
@@ -79,7 +80,9 @@ def worker_main(rank: int, world: int, init_method: str, config: EngineConfig, t
 
 def run_torchrun_worker(config: EngineConfig, timeout_s: float = 60.0) -> None:
     """On a torchrun rank other than 0: serve rank 0's steps; returns when rank 0 stops."""
-    world = int(os.environ["WORLD_SIZE"])
+    world = env.torchrun_world_size()
+    if world is None:
+        raise RuntimeError("run_torchrun_worker needs a process started by torchrun")
     if world != config.tensor_parallel_size:
         raise ValueError(f"torchrun started {world} ranks but tensor_parallel_size is {config.tensor_parallel_size}")
     _init(torchrun_rank(), world, "env://", timeout_s)

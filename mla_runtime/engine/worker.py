@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mla_runtime import checksums
-from mla_runtime.attention_metadata import AttentionMetadata
+from mla_runtime import attention, checksums
+from mla_runtime.attention import AttentionMetadata
 from mla_runtime.cache.disk_tier import DiskTier, file_sha256, model_fingerprint
 from mla_runtime.cache.host_tier import HostTier
 from mla_runtime.cache.latent_cache import LatentCache
@@ -49,7 +49,7 @@ from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.hub import resolve_model
 from mla_runtime.latent_rank import check_latent_rank, truncate_latent_rank
 from mla_runtime.layers.quantization import finish_quantization
-from mla_runtime.loader import load_model
+from mla_runtime.loader import load_resolved
 from mla_runtime.models.deepseek import DeepseekForCausalLM
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext, check_tensor_parallel
 from mla_runtime.plan import (
@@ -62,6 +62,7 @@ from mla_runtime.plan import (
     resolve_model_dtype,
     weight_bytes,
 )
+from mla_runtime.resolved_config import ResolvedConfig
 from mla_runtime.token_map import resolve_token_map
 
 logger = logging.getLogger("mla_runtime")
@@ -124,6 +125,10 @@ class Worker:
         check_tensor_parallel(cfg, tp, config.block_size, config.latent_cache_layout)
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() and tp == 1 else "cpu"))
         self.dtype = resolve_model_dtype(config.dtype, cfg, self.device)
+        # what the model is built from: the checkpoint's shape and the settings resolved for this machine
+        self.resolved = ResolvedConfig(self.checkpoint_config, self.dtype, self.device, par,
+                                       attention.resolve(config.attention_backend, self.device), config.attention_path,
+                                       self.num_mtp_layers, self.quantization)
         self.cache_dtype: CacheDtype = resolve_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
@@ -179,9 +184,7 @@ class Worker:
             logger.info("weights verified against their sha256 manifest in %.1f s", time.monotonic() - t0)
         else:
             self.weights_fingerprint = checksums.manifest_fingerprint(self.model_path)
-        self.model = load_model(self.model_path, dtype=self.dtype, attention_path=c.attention_path,
-                                backend=c.attention_backend, device=self.device, par=self.par,
-                                num_mtp_layers=self.num_mtp_layers, quantization=self.quantization)
+        self.model = load_resolved(self.model_path, self.resolved)
         if self.num_mtp_layers:
             ids, source = resolve_token_map(c.speculative_token_map, self.model_path, self.model_config.vocab_size)
             self.model.set_draft_vocab(ids)

@@ -48,7 +48,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -59,9 +58,11 @@ import torch
 import torch.nn.functional as F
 from mla_kernels import cpu_gemv
 
+from mla_runtime import env
+
 logger = logging.getLogger("mla_runtime")
 
-GEMM_ENV = "MLA_CPU_GEMM"
+GEMM_ENV = env.CPU_GEMM
 # auto: the fast paths where their probes pass; onednn: oneDNN without the one-row kernel; plain: the fallbacks only
 GEMM_MODES = ("auto", "onednn", "plain")
 PACK_BATCH_HINT = 16  # oneDNN chooses the blocked layout for about this many rows
@@ -112,25 +113,19 @@ class GemmChoice:
 
 def gemm_mode() -> str:
     """``MLA_CPU_GEMM`` (default ``auto``); an unknown value is an error naming the variable."""
-    mode = os.environ.get(GEMM_ENV, "auto").strip().lower() or "auto"
+    raw = env.cpu_gemm_mode()
+    mode = (raw or "auto").strip().lower() or "auto"
     if mode not in GEMM_MODES:
-        raise ValueError(f"{GEMM_ENV}: unknown value {os.environ[GEMM_ENV]!r} (use one of {', '.join(GEMM_MODES)})")
+        raise ValueError(f"{GEMM_ENV}: unknown value {raw!r} (use one of {', '.join(GEMM_MODES)})")
     return mode
 
 
 @contextmanager
 def forced_gemm_mode(mode: str) -> Iterator[None]:
     """Run a block (a model load, a test) under ``MLA_CPU_GEMM=mode``; the previous value comes back after."""
-    before = os.environ.get(GEMM_ENV)
-    os.environ[GEMM_ENV] = mode
-    try:
+    with env.overriding(GEMM_ENV, mode):
         gemm_mode()
         yield
-    finally:
-        if before is None:
-            os.environ.pop(GEMM_ENV, None)
-        else:
-            os.environ[GEMM_ENV] = before
 
 
 def gemm_choice(dtype: torch.dtype) -> GemmChoice:

@@ -20,12 +20,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import cast
 
-import torch
 from mla_kernels import cpu_gemv
 from torch import nn
 
-from mla_runtime.attention_metadata import AttentionMetadata
-from mla_runtime.layers.cpu_gemm import PackedWeight, row_kernel_failure
+from mla_runtime.attention.metadata import AttentionMetadata
+from mla_runtime.layers.cpu_gemm import PackedWeight
 from mla_runtime.layers.linear import Linear
 from mla_runtime.layers.mla import MLAttention
 from mla_runtime.layers.mlp import GatedMLP
@@ -125,15 +124,12 @@ class DecoderKernel:
         return self.made
 
 
-def decode_step(meta: AttentionMetadata, cache_dtype: torch.dtype, first: cpu_gemv.DecoderLayerTable | None
-                ) -> cpu_gemv.DecodeStep | None:
-    """The step's rows for the compiled layers (``first``: the first layer's table), or None where the step does not
-    take them: not a planned float32 CPU decode step of 1 to ``FEW_ROWS_MAX`` rows."""
+def decode_step(meta: AttentionMetadata, first: cpu_gemv.DecoderLayerTable | None) -> cpu_gemv.DecodeStep | None:
+    """The rows of a step that takes the compiled kernels (the backend's ``compiled_rows``) for the compiled layers
+    (``first``: the first layer's table), or None where the layers run call by call: no table, or more rows than
+    ``FEW_ROWS_MAX``."""
     plan, rows = meta.decode_plan, meta.slot_mapping.shape[0]
-    if (first is None or plan is None or meta.num_planned != rows or not meta.plain_write
-            or not 1 <= rows <= cpu_gemv.FEW_ROWS_MAX or cache_dtype != torch.float32
-            or meta.rope.cos.dtype != torch.float32 or row_kernel_failure() is not None):
+    if first is None or plan is None or not 1 <= rows <= cpu_gemv.FEW_ROWS_MAX:
         return None
-    slots = meta.slot_mapping if meta.slot_mapping.dtype == torch.int64 else meta.slot_mapping.long()
-    return cpu_gemv.DecodeStep(meta.rope.cos, meta.rope.sin, slots.contiguous(), plan.slots, plan.lens, first.heads,
-                               first.d_c, first)
+    return cpu_gemv.DecodeStep(meta.rope.cos, meta.rope.sin, meta.slot_mapping.contiguous(), plan.slots, plan.lens,
+                               first.heads, first.d_c, first)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from mla_kernels import cpu_gemv
 from torch import nn
 
-from mla_runtime.attention_metadata import AttentionMetadata, build_attention_metadata
+from mla_runtime.attention import AttentionMetadata, make_backend
 from mla_runtime.cache.latent_cache import LatentCache, LayerCache
 from mla_runtime.config import ModelConfig
 from mla_runtime.forward_batch import ForwardBatch
@@ -30,7 +30,8 @@ from mla_runtime.layers.mlp import GatedMLP
 from mla_runtime.layers.moe import MoE
 from mla_runtime.layers.norm import RMSNorm
 from mla_runtime.layers.qweight import QuantizedWeight, released_like
-from mla_runtime.parallel import SINGLE_RANK, ParallelContext
+from mla_runtime.parallel import ParallelContext
+from mla_runtime.resolved_config import ResolvedConfig
 
 
 class VocabEmbedding(nn.Module):
@@ -51,10 +52,10 @@ class VocabEmbedding(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, attention_path: str,
-                 backend: str | None, par: ParallelContext) -> None:
+    def __init__(self, rc: ResolvedConfig, layer: int) -> None:
         super().__init__()
-        self.self_attn = MLAttention(cfg, dtype, attention_path, backend, par, layer)
+        cfg, dtype, par = rc.model, rc.dtype, rc.par
+        self.self_attn = MLAttention(rc, layer)
         if cfg.is_moe_layer(layer):
             assert cfg.moe is not None
             self.mlp: nn.Module = MoE(cfg.moe, cfg.hidden_size, dtype, cfg.mlp_bias, par)
@@ -104,9 +105,9 @@ class MTPLayer(DecoderLayer):
     ``block`` is a whole decoder layer (MLA + MLP or MoE by its index). Chained drafting feeds ``y`` back as
     the next position's ``h``. The embedding and head are the main model's (DeepSeek-V3 shares them)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, attention_path: str,
-                 backend: str | None, par: ParallelContext) -> None:
-        super().__init__(cfg, layer, dtype, attention_path, backend, par)
+    def __init__(self, rc: ResolvedConfig, layer: int) -> None:
+        super().__init__(rc, layer)
+        cfg, dtype = rc.model, rc.dtype
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, dtype)
@@ -125,17 +126,18 @@ class DeepseekModel(nn.Module):
 
 
 class DeepseekForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, attention_path: str = "auto",
-                 backend: str | None = None, par: ParallelContext = SINGLE_RANK, num_mtp_layers: int = 0) -> None:
+    def __init__(self, rc: ResolvedConfig) -> None:
         super().__init__()
-        self.config = cfg
+        cfg, dtype = rc.model, rc.dtype
+        self.resolved = rc
+        self.config = cfg  # the latent width follows a truncated latent rank (latent_rank.truncate_latent_rank)
         self.dtype = dtype
-        self.par = par
-        self.model = DeepseekModel(cfg, dtype, par)
+        self.par = rc.par
+        self.attention = make_backend(rc)  # how every layer attends (mla_runtime.attention)
+        self.model = DeepseekModel(cfg, dtype, rc.par)
         for i in range(cfg.num_hidden_layers):
-            self.model.layers.append(DecoderLayer(cfg, i, dtype, attention_path, backend, par))
-        self.mtp = nn.ModuleList(MTPLayer(cfg, cfg.num_hidden_layers + j, dtype, attention_path, backend, par)
-                                 for j in range(num_mtp_layers))
+            self.model.layers.append(DecoderLayer(rc, i))
+        self.mtp = nn.ModuleList(MTPLayer(rc, cfg.num_hidden_layers + j) for j in range(rc.num_mtp_layers))
         rows = self.model.embed_tokens.weight.shape[0]
         self.lm_head = (None if cfg.tie_word_embeddings else
                         nn.Parameter(torch.zeros(rows, cfg.hidden_size, dtype=dtype), requires_grad=False))
@@ -156,6 +158,8 @@ class DeepseekForCausalLM(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "prepare_inference"):
                 cast(Any, module).prepare_inference()
+        for attn in self.attention_layers():
+            self.attention.prepare_layer(attn)
         if self.lm_head_packed is None or not self.lm_head_packed.quantized:
             self.lm_head_packed = PackedWeight.make(self.lm_head_weight)
         return self
@@ -168,19 +172,12 @@ class DeepseekForCausalLM(nn.Module):
     def num_cache_layers(self) -> int:
         return len(self.model.layers) + len(self.mtp)
 
-    def set_attention(self, path: str, backend: str | None) -> None:
-        """Choose the attention path (``auto``/``naive``/``absorbed``) and kernel backend (None = by device)."""
-        for attn in self.attention_layers():
-            attn.path = path
-            attn.backend = backend
-
     def attention_metadata(self, batch: ForwardBatch, cache: LatentCache) -> AttentionMetadata:
         """How every layer attends over ``batch`` this step (one object per step; see ``attention_metadata``)."""
         attn = self.attention_layers()[0]
         top = max((c + q - 1 for c, q in zip(batch.context_lens_list, batch.query_lens)), default=None)
         rope = attn.rotary.tables(batch.positions, self.dtype, top)  # every layer's RoPE is the same
-        return build_attention_metadata(batch, rope, attn.dims, attn.path, attn.backend, cache.layers[0].kv,
-                                        cache.quantised, self.par)
+        return self.attention.prepare(batch, rope, attn.dims, cache)
 
     def forward(self, batch: ForwardBatch, cache: LatentCache, meta: AttentionMetadata | None = None
                 ) -> torch.Tensor:
@@ -197,10 +194,9 @@ class DeepseekForCausalLM(nn.Module):
 
     def _decode_step(self, meta: AttentionMetadata, cache: LatentCache) -> cpu_gemv.DecodeStep | None:
         """The step's rows for the compiled decoder layers, where the step and the first layer take them."""
-        if meta.decode_plan is None or not self.model.layers or self.par.enabled:
+        if not self.model.layers or self.par.enabled or not meta.backend.compiled_rows(meta, cache.layers[0]):
             return None
-        first = cast(DecoderLayer, self.model.layers[0]).kernel_table()
-        return decode_step(meta, cache.layers[0].kv.dtype, first)
+        return decode_step(meta, cast(DecoderLayer, self.model.layers[0]).kernel_table())
 
     def mtp_forward(self, batch: ForwardBatch, cache: LatentCache, hidden: torch.Tensor,
                     meta: AttentionMetadata | None = None, input_ids: torch.Tensor | None = None) -> torch.Tensor:

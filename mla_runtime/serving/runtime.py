@@ -17,11 +17,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import Any
 
+from mla_runtime import env
 from mla_runtime.engine.async_llm import AsyncLLM
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.engine.info import EngineInfo
@@ -37,7 +37,7 @@ logger = logging.getLogger("mla_runtime.serving")
 STATUS_OUTCOMES = {400: "invalid", 401: "unauthorized", 404: "invalid", 413: "too_large", 422: "invalid",
                    429: "rejected", 499: "client_disconnect", 503: "error", 504: "timeout"}
 WATCH_PERIOD = 0.25  # s between the watchdog's checks
-FAULT_ENV = "MLA_FAULT_INJECTION"
+FAULT_ENV = env.FAULT_INJECTION
 
 
 def fault_injection(kind: str) -> int | None:
@@ -45,7 +45,7 @@ def fault_injection(kind: str) -> int | None:
     after its K-th engine output, ``step:K`` makes the K-th engine step after start-up raise (the engine
     thread dies), ``slow_step:K`` makes every engine step take K ms longer (a slow machine, whatever this one's
     speed). None when unset or of another kind."""
-    name, _, count = os.environ.get(FAULT_ENV, "").partition(":")
+    name, _, count = (env.fault_injection() or "").partition(":")
     return int(count) if name == kind and count.isdigit() and int(count) > 0 else None
 
 

@@ -1,0 +1,132 @@
+"""The CPU backend: decodes through one shared gather plan, and as compiled calls where the kernels build.
+
+On a float latent cache, the leading sequences of a step attend through one gather plan
+(``mla_kernels.plan_decode``) in which each query row gathers its own keys: every one-token decode, and a short
+chunk (a speculative verification: at most ``PLANNED_MAX_QUERY_LEN`` tokens) while the keys its rows read beyond
+one row's stay under ``PLANNED_EXTRA_KEY_BYTES``. Reading a few more keys costs less than the per-sequence path's two
+dozen more operator calls per layer (on the demo model a one-draft verification step ran 730 operator calls that
+way and 420 planned); longer chunks (prefills, verifications over long contexts) come after them in the step
+(``StepPlan`` puts the shortest first) and take the reference paths as a batch of their own (``rest``), which gather a
+sequence's latent once. A quantised cache, or a forced ``naive`` path, takes the reference paths throughout.
+
+Where the compiled kernels (``mla_kernels.cpu_gemv``) build and a layer's weights are float32 (``prepare_layer``), a
+step whose every row is planned (``compiled_rows``: float32 cache and RoPE tables) runs each layer's latent side
+(norm, RoPE, cache write, the queries' RoPE) and its absorbed attention as two compiled calls after the projections;
+``models/deepseek.py`` may then run the whole decoder layer as one call (``layers/decoder_kernel.py``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from mla_kernels import DecodePlan, cpu_gemv, mla_decode_planned, plan_decode, plan_decode_lists, write_latent
+
+from mla_runtime.attention.metadata import AttentionDims, AttentionMetadata, choose_path, host_cu_seqlens
+from mla_runtime.attention.paged import PagedBackend, absorb, unabsorb
+from mla_runtime.cache.latent_cache import LatentCache, LayerCache
+from mla_runtime.forward_batch import ForwardBatch
+from mla_runtime.layers.cpu_gemm import row_kernel_failure
+from mla_runtime.layers.rotary import RopeTables
+
+if TYPE_CHECKING:
+    from mla_runtime.layers.mla import MLAttention
+
+PLANNED_MAX_QUERY_LEN = 8
+PLANNED_EXTRA_KEY_BYTES = 2 << 20
+# A plan of at most this many (query row, key) entries is built on the host from the batch's block-table lists
+# (``plan_decode_lists``: two tensors made, instead of a dozen tensor ops); larger ones by tensor ops.
+HOST_PLAN_MAX_ENTRIES = 8192
+
+
+class CpuBackend(PagedBackend):
+    name = "cpu"
+
+    def __init__(self, path: str = "auto") -> None:
+        super().__init__("torch", path)
+
+    def prepare_layer(self, attn: MLAttention) -> None:
+        """A layer whose absorbed weights are float32 takes the compiled decode kernels where they build."""
+        attn.decode_kernel = (attn.w_uk is not None and attn.w_uk.dtype == torch.float32
+                              and attn.w_uk.device.type == "cpu" and row_kernel_failure() is None)
+
+    def prepare(self, batch: ForwardBatch, rope: RopeTables, dims: AttentionDims, cache: LatentCache
+                ) -> AttentionMetadata:
+        meta = super().prepare(batch, rope, dims, cache)
+        kv = cache.layers[0].kv
+        if cache.quantised or self.path == "naive":
+            return meta
+        key_bytes = kv.shape[-1] * kv.element_size()
+        seqs, d = batch.leading_short(PLANNED_MAX_QUERY_LEN, PLANNED_EXTRA_KEY_BYTES // key_bytes)
+        if not d:
+            return meta
+        rest = None
+        if seqs < batch.num_seqs:
+            tail = batch.tail(seqs)
+            rest = AttentionMetadata(self, tail, rope.tail(d), tail.slot_mapping, tail.token_seq_lens,
+                                     choose_path(tail, dims, self.path), host_cu_seqlens(tail))
+        return AttentionMetadata(self, batch, rope, meta.slot_mapping, meta.token_seq_lens, meta.path,
+                                 meta.host_cu_seqlens, _plan(batch, seqs, d, kv.device), d, rest)
+
+    def compiled_rows(self, meta: AttentionMetadata, cache: LayerCache) -> bool:
+        """A step whose every row is a planned decode, over a float32 cache with float32 RoPE tables, on a CPU where
+        the compiled kernels run: the one place that decides whether a step takes them."""
+        return (meta.all_planned and cache.kv.dtype == torch.float32 and meta.rope.cos.dtype == torch.float32
+                and row_kernel_failure() is None)
+
+    def _compiled(self, attn: MLAttention, meta: AttentionMetadata, cache: LayerCache) -> bool:
+        """The layer's latent side and attention run compiled: a compiled step, on the layer's prepared float32
+        weights with the full latent rank (the compiled latent side has no truncation)."""
+        return attn.decode_kernel and attn.latent_down is None and self.compiled_rows(meta, cache)
+
+    def write(self, attn: MLAttention, q: torch.Tensor, latent: torch.Tensor, meta: AttentionMetadata,
+              cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self._compiled(attn, meta, cache):
+            return super().write(attn, q, latent, meta, cache)
+        q3 = q.view(q.shape[0], attn.n_h, attn.d_n + attn.d_r)
+        norm = attn.kv_a_layernorm
+        cpu_gemv.rope_store(latent, norm.weight, norm.eps, q3, attn.d_n, meta.rope.cos, meta.rope.sin,
+                            cache.kv.view(-1, cache.kv.shape[-1]), meta.slot_mapping, attn.rotary.interleave)
+        q_n, q_r = q3.split([attn.d_n, attn.d_r], dim=-1)
+        return q_n, q_r
+
+    def store(self, attn: MLAttention, c: torch.Tensor, k_r: torch.Tensor, meta: AttentionMetadata,
+              cache: LayerCache) -> None:
+        if meta.decode_plan is None:
+            return super().store(attn, c, k_r, meta, cache)
+        write_latent(cache.kv, c, k_r, meta.slot_mapping)  # a planned step: float cache, every slot valid
+
+    def forward(self, q_n: torch.Tensor, q_r: torch.Tensor, attn: MLAttention, meta: AttentionMetadata,
+                cache: LayerCache) -> torch.Tensor:
+        d = meta.num_planned
+        if not d:
+            return super().forward(q_n, q_r, attn, meta, cache)
+        planned = self._planned(q_n[:d], q_r[:d], attn, meta, cache)
+        if meta.rest is None:
+            return planned
+        return torch.cat([planned, super().forward(q_n[d:], q_r[d:], attn, meta.rest, cache)])
+
+    def _planned(self, q_n: torch.Tensor, q_r: torch.Tensor, attn: MLAttention, meta: AttentionMetadata,
+                 cache: LayerCache) -> torch.Tensor:
+        """The planned rows' absorbed attention: the whole layer in one compiled call where the layer takes it."""
+        plan = meta.decode_plan
+        assert plan is not None
+        if attn.decode_kernel and attn.w_uk is not None and attn.w_uv_t is not None \
+                and cache.kv.dtype == torch.float32:
+            return cpu_gemv.absorbed_decode(q_n, q_r, attn.w_uk, attn.w_uv_t, cache.kv.view(-1, cache.kv.shape[-1]),
+                                            plan.slots, plan.lens, attn.scale)
+        o_lat = mla_decode_planned(absorb(q_n, q_r, attn), cache.kv, plan, attn.scale, attn.d_c)
+        return unabsorb(o_lat, attn)
+
+
+def _plan(batch: ForwardBatch, seqs: int, rows: int, device: torch.device) -> DecodePlan:
+    """The gather plan of the first ``rows`` tokens (those of the first ``seqs`` sequences)."""
+    ctx, qs = batch.context_lens_list[:seqs], batch.query_lens[:seqs]
+    len_range = (min(c + 1 for c in ctx), max(c + q for c, q in zip(ctx, qs)))  # keys seen by the plan's rows
+    tables = batch.host_block_tables
+    if tables is not None and rows * len_range[1] <= HOST_PLAN_MAX_ENTRIES:
+        lens = [c + j for c, q in zip(ctx, qs) for j in range(1, q + 1)]
+        return plan_decode_lists([tables[b] for b, q in enumerate(qs) for _ in range(q)], lens, batch.block_size,
+                                 device)
+    return plan_decode(batch.block_tables[:seqs], batch.token_seq_lens[:rows], batch.block_size,
+                       batch.token_req_idx[:rows], len_range)

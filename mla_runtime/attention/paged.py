@@ -1,0 +1,123 @@
+"""The reference backend: attention over the paged latent cache with ``mla_kernels``' Triton or torch kernels.
+
+A step takes one of two paths, equal up to rounding (each is the other's oracle; ``layers/mla.py`` has the math):
+
+- **naive / up-projected** (long prefill chunks): gather each sequence's latents, rebuild its keys and values with
+  ``kv_b_proj`` and run causal varlen attention per head;
+- **absorbed** (decodes, short chunks): fold ``W_UK`` into the queries, attend over the latent as MQA with one
+  ``d_c + d_r`` key per token (read once for all heads), and unfold the output through ``W_UV``.
+
+``prepare`` picks the path of the whole step by FLOP count (or the forced one). ``write`` stores each layer's new
+latents, ``forward`` attends. The CPU and sharded backends (``attention/cpu.py``, ``attention/sharded.py``) change
+what they need and inherit the rest.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from mla_kernels import gather_latent, mla_decode, prefill_attention, store_latent
+
+from mla_runtime.attention.metadata import AttentionDims, AttentionMetadata, choose_path, host_cu_seqlens
+from mla_runtime.cache.latent_cache import LatentCache, LayerCache
+from mla_runtime.forward_batch import ForwardBatch
+from mla_runtime.layers.rotary import RopeTables
+
+if TYPE_CHECKING:
+    from mla_runtime.layers.mla import MLAttention
+
+
+class PagedBackend:
+    """Attention through ``mla_kernels`` with ``kernels`` ("triton" or "torch") and a path (``auto`` by cost)."""
+
+    name = "paged"
+
+    def __init__(self, kernels: str, path: str = "auto") -> None:
+        self.kernels = kernels
+        self.path = path
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(kernels={self.kernels!r}, path={self.path!r})"
+
+    # -- once per load and per step --------------------------------------------------------------
+    def prepare_layer(self, attn: MLAttention) -> None:
+        """Called once a layer's weights are final (and again whenever they change)."""
+
+    def prepare(self, batch: ForwardBatch, rope: RopeTables, dims: AttentionDims, cache: LatentCache
+                ) -> AttentionMetadata:
+        """The step's metadata: every layer attends through it."""
+        return AttentionMetadata(self, batch, rope, batch.slot_mapping, batch.token_seq_lens,
+                                 choose_path(batch, dims, self.path), host_cu_seqlens(batch))
+
+    def compiled_rows(self, meta: AttentionMetadata, cache: LayerCache) -> bool:
+        """Whether the step's rows take the compiled CPU decode kernels (never, here)."""
+        return False
+
+    # -- per layer -------------------------------------------------------------------------------
+    def write(self, attn: MLAttention, q: torch.Tensor, latent: torch.Tensor, meta: AttentionMetadata,
+              cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new tokens' ``[norm(c) ; rope(k_r)]`` and return the queries ``q_n [T, n_h, d_n]`` and rotated
+        ``q_r [T, n_h, d_r]``; ``q``, ``latent``: the layer's projections (``MLAttention.project``)."""
+        q_n, q_r, c, k_r = attn.split(q, latent)
+        q_r, k_r = attn.rotary(meta.batch.positions, q_r, k_r, meta.rope)
+        self.store(attn, c, k_r, meta, cache)
+        return q_n, q_r
+
+    def store(self, attn: MLAttention, c: torch.Tensor, k_r: torch.Tensor, meta: AttentionMetadata,
+              cache: LayerCache) -> None:
+        store_latent(cache.kv, cache.scales, c, k_r, meta.slot_mapping, backend=self.kernels, validate=attn.validate)
+
+    def forward(self, q_n: torch.Tensor, q_r: torch.Tensor, attn: MLAttention, meta: AttentionMetadata,
+                cache: LayerCache) -> torch.Tensor:
+        """Attention of ``meta.batch``'s queries over the latents in ``cache`` -> ``[T, n_h, d_v]``."""
+        if meta.path == "absorbed":
+            return unabsorb(self.latent_attention(absorb(q_n, q_r, attn), attn, meta, cache), attn)
+        return self.naive(q_n, q_r, attn, meta, cache)
+
+    def latent_attention(self, q_cat: torch.Tensor, attn: MLAttention, meta: AttentionMetadata, cache: LayerCache
+                         ) -> torch.Tensor:
+        """MQA of the absorbed queries ``[T, n_h, d_c + d_r]`` over the latent -> ``[T, n_h, d_c]``."""
+        batch = meta.batch
+        o_lat, _ = mla_decode(q_cat, cache.kv, cache.scales, batch.block_tables, meta.token_seq_lens, attn.scale,
+                              attn.d_c, req_indices=batch.token_req_idx, backend=self.kernels,
+                              validate=attn.validate)
+        return o_lat
+
+    def naive(self, q_n: torch.Tensor, q_r: torch.Tensor, attn: MLAttention, meta: AttentionMetadata,
+              cache: LayerCache) -> torch.Tensor:
+        """The up-projected path: keys and values rebuilt from the gathered latents -> ``[T, n_h, d_v]``."""
+        batch = meta.batch
+        key_lens = [c + q for q, c in zip(batch.query_lens, batch.context_lens_list)]  # host lists: no device sync
+        latent = gather_latent(cache.kv, cache.scales, batch.block_tables, batch.seq_lens, q_n.dtype, attn.d_c,
+                               backend=self.kernels, host_lens=key_lens)  # [S, d_c + d_r]
+        c_all, k_r_all = latent.split([attn.d_c, attn.d_r], dim=-1)
+        kv = attn.kv_b_proj(c_all).view(-1, attn.n_h, attn.d_n + attn.d_v)
+        k_n, v = kv.split([attn.d_n, attn.d_v], dim=-1)  # [S, n_h, d_n], [S, n_h, d_v]
+        o, _ = prefill_attention(q_n, q_r, k_n, k_r_all, v, batch.query_start_loc, batch.seq_start_loc, attn.scale,
+                                 backend=self.kernels, host_cu_seqlens=meta.host_cu_seqlens, validate=attn.validate)
+        return o
+
+
+def absorbed_weights(attn: MLAttention, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``W_UK [n_h, d_n, d_c]`` and ``W_UVᵀ [n_h, d_c, d_v]`` in ``dtype``: the prepared contiguous copies (widened
+    where they are the compiled kernel's bfloat16 copies of an int8 model), or strided views of ``kv_b_proj``."""
+    w_uk, w_uv_t = attn.w_uk, attn.w_uv_t
+    if w_uk is None or w_uv_t is None:
+        w_uk, w_uv = attn.w_uk_uv()
+        return w_uk, w_uv.transpose(1, 2)
+    if w_uk.dtype != dtype:
+        return w_uk.to(dtype), w_uv_t.to(dtype)
+    return w_uk, w_uv_t
+
+
+def absorb(q_n: torch.Tensor, q_r: torch.Tensor, attn: MLAttention) -> torch.Tensor:
+    """``[W_UKᵀ q_n ; q_r]`` -> ``[T, n_h, d_c + d_r]``."""
+    w_uk, _ = absorbed_weights(attn, q_n.dtype)
+    return torch.cat([torch.bmm(q_n.transpose(0, 1), w_uk).transpose(0, 1), q_r], dim=-1)
+
+
+def unabsorb(o_lat: torch.Tensor, attn: MLAttention) -> torch.Tensor:
+    """``W_UV o_lat`` -> ``[T, n_h, d_v]``."""
+    _, w_uv_t = absorbed_weights(attn, o_lat.dtype)
+    return torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)

@@ -1,0 +1,95 @@
+"""Every environment variable the runtime reads, read here and nowhere else in ``mla_runtime``.
+
+Variable             Default         Read by                What it does
+-------------------  --------------  ---------------------  -------------------------------------------------------
+MLA_API_KEY          unset: no key   serving/config.py      the API key the server requires (--api-key and
+                                                            serving.api_key override it)
+MLA_CPU_GEMM         auto            layers/cpu_gemm.py     the CPU matrix-product path (cpu_gemm.GEMM_MODES)
+HF_HUB_CACHE         the hub's       hub.py                 hub cache directory for repo ids
+HF_HOME              the hub's       hub.py                 hub cache at $HF_HOME/hub when HF_HUB_CACHE is unset
+HF_HUB_OFFLINE       off             hub.py                 1/on/yes/true: repo ids only from the local cache
+TORCHELASTIC_RUN_ID  unset           engine/tp_workers.py   set by torchrun: this process is one of its ranks
+WORLD_SIZE           1               engine/tp_workers.py   set by torchrun: the number of ranks
+RANK                 0               engine/tp_workers.py   set by torchrun: this process's rank
+MLA_FAULT_INJECTION  unset: none     serving/runtime.py     test hook: stream:K, step:K or slow_step:K faults
+
+Read by others (documented in docs/configuration.md, not read here): ``mla_kernels.cpu_gemv`` reads ``CC``,
+``MLA_KERNEL_CACHE`` and ``XDG_CACHE_HOME`` itself (the kernels package never imports ``mla_runtime``);
+huggingface_hub reads ``HF_TOKEN``; the tests read ``MLA_REQUIRE_PROMTOOL`` and ``CI`` and set
+``TRITON_INTERPRET``.
+
+Every function reads the environment when called (a value set after import takes effect); ``environ`` replaces
+``os.environ`` for a caller that resolves a configuration from a given environment.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
+API_KEY = "MLA_API_KEY"
+CPU_GEMM = "MLA_CPU_GEMM"
+FAULT_INJECTION = "MLA_FAULT_INJECTION"
+HF_HUB_CACHE = "HF_HUB_CACHE"
+HF_HOME = "HF_HOME"
+HF_HUB_OFFLINE = "HF_HUB_OFFLINE"
+TRUE = {"1", "on", "yes", "true"}
+
+
+def _get(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """The variable's value; None when unset or empty."""
+    return (os.environ if environ is None else environ).get(name) or None
+
+
+def api_key(environ: Mapping[str, str] | None = None) -> str | None:
+    return _get(API_KEY, environ)
+
+
+def cpu_gemm_mode() -> str | None:
+    """``MLA_CPU_GEMM`` as set (``cpu_gemm.gemm_mode`` validates it); None when unset."""
+    return _get(CPU_GEMM)
+
+
+@contextmanager
+def overriding(name: str, value: str) -> Iterator[None]:
+    """Set a variable for a block and put the previous value back after. The environment, not a module global,
+    so that processes started meanwhile (tensor-parallel ranks) see it too."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def hf_hub_cache() -> str | None:
+    """The hub cache directory (None: huggingface_hub's default)."""
+    if cache := _get(HF_HUB_CACHE):
+        return cache
+    home = _get(HF_HOME)
+    return os.path.join(home, "hub") if home else None
+
+
+def hf_hub_offline() -> bool:
+    return (_get(HF_HUB_OFFLINE) or "").strip().lower() in TRUE
+
+
+def torchrun_world_size() -> int | None:
+    """The ranks torchrun started, when this process is one of them; else None."""
+    if os.environ.get("TORCHELASTIC_RUN_ID") is None:  # torchrun sets it; present at all is what counts
+        return None
+    return int(_get("WORLD_SIZE") or "1")
+
+
+def torchrun_rank() -> int:
+    return int(_get("RANK") or "0")
+
+
+def fault_injection() -> str | None:
+    """Test hook, never set in production: ``MLA_FAULT_INJECTION`` (``serving/runtime.py`` parses it); None
+    when unset."""
+    return _get(FAULT_INJECTION)
