@@ -252,9 +252,11 @@ def _family(raw: dict[str, Any]) -> str:
     for arch in raw.get("architectures") or []:
         if arch in MLA_ARCHITECTURES:
             return MLA_ARCHITECTURES[arch]
+    # an unknown model may still use multi-head latent attention (MiniCPM3 does): say what is supported instead
     raise ValueError(
-        f"model_type {model_type!r} (architectures {raw.get('architectures')}) is not a multi-head latent "
-        f"attention model: expected one of {sorted(MLA_MODEL_TYPES)} or architectures {sorted(MLA_ARCHITECTURES)}")
+        f"model_type {model_type!r} (architectures {raw.get('architectures')}) is not supported: mla-runtime runs "
+        f"the multi-head latent attention architectures of DeepSeek-V2, DeepSeek-V3 and Kimi-K2 (model_type one of "
+        f"{sorted(MLA_MODEL_TYPES)}, or architectures {sorted(MLA_ARCHITECTURES)})")
 
 
 def _parse_rope(raw: dict[str, Any], family: str) -> RopeConfig:

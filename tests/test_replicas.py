@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import random
 import signal
@@ -97,6 +98,83 @@ def total(m: dict, name: str) -> float:
     return sum(per_replica(m, name).values())
 
 
+# -- the pieces, without a Ray cluster ---------------------------------------------------------------
+class _Handle:
+    """The replica's answer as the ingress gets it from a handle call: parts, and ``cancel``."""
+
+    def __init__(self, parts) -> None:
+        self.parts = parts
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await anext(self.parts)
+
+    def cancel(self) -> None:
+        pass
+
+
+def test_one_x_request_id_through_serves_proxy():
+    """Serve's proxy middleware in front of the ingress's relay of a replica's app: the id appears once, the
+    client's own when it sent one, else the proxy's, which the replica's app saw on the request."""
+    from ray.serve._private.http_util import RequestIdMiddleware
+    from starlette.requests import Request
+
+    from mla_runtime.serving.app import build_app
+    from mla_runtime.serving.asgi_call import HttpRequest, call_asgi
+
+    config = ServerConfig()
+    replica_app = build_app(EngineConfig(model=str(DEMO)), config)  # /health answers before the engine loads
+    ingress = ray_replicas.Ingress.__new__(ray_replicas.Ingress)
+    ingress.config = config
+    seen: list[str | None] = []
+
+    async def ingress_app(scope, receive, send) -> None:
+        req = HttpRequest("GET", "/health", headers=tuple(Request(scope, receive).headers.items()))
+        seen.append(req.header("x-request-id"))
+        response = await ingress.answer(_Handle(call_asgi(replica_app, req)), "replica-1", retry=False)
+        await response(scope, receive, send)
+
+    async def get(headers: dict[str, str]) -> httpx.Response:
+        transport = httpx.ASGITransport(app=RequestIdMiddleware(ingress_app))
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+            return await client.get("/health", headers=headers)
+
+    mine = asyncio.run(get({"X-Request-Id": "client-7"}))
+    assert mine.status_code == 200 and mine.headers.get_list("x-request-id") == ["client-7"]
+    fresh = asyncio.run(get({}))
+    assert fresh.headers.get_list("x-request-id") == [seen[-1]]
+    assert fresh.headers["x-replica-id"] == "replica-1"
+
+
+def test_a_replica_logs_the_engine_summary(monkeypatch, capsys):
+    """A replica runs in a Ray worker, whose root logger Ray leaves at WARNING: it sets up logging itself."""
+    context = type("Context", (), {"replica_id": type("Id", (), {"unique_id": "replica-x"})()})()
+    monkeypatch.setattr(ray_replicas.serve, "get_replica_context", lambda: context)
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    root.setLevel(logging.WARNING)  # as in a fresh worker process
+    class Replica(ray_replicas.EngineReplica):
+        def __del__(self) -> None:  # Ray Serve awaits the real one when it stops a replica; run() does here
+            pass
+
+    replica = Replica.__new__(Replica)
+
+    async def run() -> None:
+        await replica.__init__(EngineConfig(model=str(DEMO), max_model_len=128, kv_cache_memory="4MiB"),
+                               ServerConfig(served_model_name="demo"))
+        await ray_replicas.EngineReplica.__del__(replica)
+
+    try:
+        asyncio.run(run())
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    err = capsys.readouterr().err
+    assert "model demo (" in err and "latent cache:" in err and "replica replica-x ready" in err
+
+
 # -- the API through Ray ---------------------------------------------------------------------------
 def test_openai_client_and_streaming_through_ray(app):
     import openai
@@ -114,6 +192,7 @@ def test_openai_client_and_streaming_through_ray(app):
         openai.OpenAI(base_url=app.base + "/v1", api_key="wrong", max_retries=0).completions.create(**kw)
     r = httpx.post(app.base + "/generate", headers=AUTH, json={"prompt": "", "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert len(r.headers.get_list("x-request-id")) == 1
     assert httpx.get(app.base + "/ready").status_code == 200
     assert httpx.get(app.base + "/metrics").status_code == 401  # --metrics-auth, as in one process
 

@@ -393,7 +393,8 @@ BAD = [  # (path, body, status, what the message must name)
     ("/generate", {"prompt": "x", "stop": [""]}, 400, "stop"),
     ("/generate", {"prompt": "x", "stop": [3]}, 400, "stop"),
     ("/generate", {"prompt": "x", "stream": "yes"}, 400, "stream"),
-    ("/generate", {"prompt": "x", "max_length": 10}, 400, "max_length"),
+    ("/generate", {"prompt": "x", "max_new_tokens": 10}, 400, "max_new_tokens"),
+    ("/generate", {"prompt": "x", "max_length": 1}, 400, "max_length"),
     ("/generate", b'{"prompt": "\\ud800"}', 400, "surrogate"),
     ("/v1/completions", {"model": "tiny", "prompt": ["a", ""]}, 400, "prompt"),  # one prompt of the batch is empty
     ("/generate", b"[" * 100_000, 400, "nested"),
@@ -454,7 +455,7 @@ def test_unicode_and_special_characters_pass_through_intact(server):
 # -- disconnects, timeouts, admission ---------------------------------------------------------------
 def test_client_disconnect_aborts_and_frees_blocks(server):
     before = server.metrics()
-    long = {"prompt": "the fox " * 20, "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+    long = {"prompt": "the fox " * 20, "max_tokens": 180, "ignore_eos": True, "temperature": 0}  # 60 + 180 fit
     with slowed(server, 0.02), httpx.Client(base_url=server.base, timeout=30) as client:
         with client.stream("POST", "/generate", json={**long, "stream": True}) as s:
             lines = s.iter_lines()
@@ -465,7 +466,7 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
             client.post("/generate", json=long, timeout=0.3)
         after = wait_idle(server)
     assert requests_total(after, "client_disconnect") - requests_total(before, "client_disconnect") == 2
-    assert after[("mla_generation_tokens_total",)] - before[("mla_generation_tokens_total",)] < 200
+    assert after[("mla_generation_tokens_total",)] - before[("mla_generation_tokens_total",)] < 180
 
 
 def test_client_disconnect_aborts_every_prompt_of_a_batch(server):

@@ -14,7 +14,9 @@ import pytest
 
 from mla_runtime import LLM, SamplingParams, StructuredOutputs
 from mla_runtime.errors import InvalidParam
-from mla_runtime.serving.tools import parse_deepseek
+from mla_runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from mla_runtime.serving.responses import Job, StreamState, chat_message
+from mla_runtime.serving.tools import ToolMode, calls_of_output, parse_deepseek
 from tests.test_server import Live, wait_ready
 
 DEMO = Path(__file__).resolve().parent.parent / "mla_runtime" / "demo_model"
@@ -142,7 +144,7 @@ def client(server):
 
 def chat(client, **kw):
     return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "def f(x):"}],
-                                          temperature=0, max_tokens=64, **kw)
+                                          **{"temperature": 0, "max_tokens": 64, **kw})
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
@@ -202,6 +204,67 @@ def test_forced_tool_calls_come_back_as_tool_calls(client, stream):
             assert call.type == "function" and call.id.startswith("call_") and call.function.name in names
             schema = WEATHER if call.function.name == "get_weather" else LOOKUP
             jsonschema.validate(json.loads(call.function.arguments), schema["function"]["parameters"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_call_cut_by_max_tokens_finishes_with_length_and_its_partial_arguments(client, stream):
+    for choice, max_tokens in (({"type": "function", "function": {"name": "get_weather"}}, 6), ("required", 20)):
+        r = chat(client, tools=[WEATHER, LOOKUP], tool_choice=choice, stream=stream, parallel_tool_calls=False,
+                 max_tokens=max_tokens)
+        if stream:
+            chunks = [c for c in r if c.choices]
+            assert not "".join(c.choices[0].delta.content or "" for c in chunks)  # never the JSON as content
+            calls = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+            reason = chunks[-1].choices[0].finish_reason
+        else:
+            message = r.choices[0].message
+            assert message.content is None
+            calls, reason = message.tool_calls, r.choices[0].finish_reason
+        assert reason == "length" and len(calls) == 1, (choice, calls)
+        call = calls[0]
+        assert call.function.name == "get_weather" and call.function.arguments.startswith('{"mode')
+        with pytest.raises(json.JSONDecodeError):  # what was written so far: it does not parse
+            json.loads(call.function.arguments)
+    r = chat(client, tools=[WEATHER, LOOKUP], tool_choice="required", max_tokens=3)  # cut before any name
+    assert r.choices[0].finish_reason == "length" and r.choices[0].message.content is None
+    assert not r.choices[0].message.tool_calls
+
+
+def test_cut_tool_calls_keep_every_named_call():
+    mode = ToolMode("required")
+    calls, complete = calls_of_output(mode, '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {"y')
+    assert not complete and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
+        [("a", '{"x": 1}'), ("b", '{"y')]
+    assert calls_of_output(mode, '[{"name": "a", "para')[0][0]["function"]["arguments"] == ""
+    assert calls_of_output(mode, '[{"name": "a')[0] == []
+    calls, complete = calls_of_output(mode, '[{"name": "a", "parameters": {}}]')
+    assert complete and calls[0]["function"]["arguments"] == "{}"
+    calls, complete = calls_of_output(ToolMode("named", name="f"), '{"x": ')
+    assert not complete and calls[0]["function"] == {"name": "f", "arguments": '{"x": '}
+    v3 = ("Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+          '{"city": "Par')
+    assert parse_deepseek(v3, cut=True)[0] == "Checking."
+    assert parse_deepseek(v3, cut=True)[1][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Par'}
+    unnamed = "Hi<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_wea"
+    assert parse_deepseek(unnamed, cut=True) == ("Hi", [])
+    v31 = '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>lookup<｜tool▁sep｜>{"ok": tr'
+    assert parse_deepseek(v31, cut=True)[1][0]["function"] == {"name": "lookup", "arguments": '{"ok": tr'}
+
+
+def test_an_auto_answer_cut_short_keeps_its_text_as_content_and_its_call():
+    raw = "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>lookup<｜tool▁sep｜>{\"ok\": tr"
+    job = Job("chat", [{"prompt_token_ids": [1]}], SamplingParams(max_tokens=9), "m",
+              tools=ToolMode("auto", begin_token=7), raw_text=lambda ids: raw)
+    cut = CompletionOutput(0, "Checking.lookup{\"ok\": tr", [1, 7, 2], "length")
+    message, reason = chat_message(job, cut)
+    assert reason == "length" and message["content"] == "Checking."
+    assert [c["function"] for c in message["tool_calls"]] == [{"name": "lookup", "arguments": '{"ok": tr'}]
+    out = RequestOutput("r", None, [1], [cut], True, RequestMetrics(0.0))
+    events = [json.loads(e[6:]) for e in StreamState(job).chunks(out) if e.startswith(b"data: {")]
+    deltas = [e["choices"][0] for e in events if e["choices"]]
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == "Checking."
+    assert deltas[-1]["finish_reason"] == "length"
+    assert deltas[-1]["delta"]["tool_calls"][0]["function"]["name"] == "lookup"
 
 
 def test_openai_errors_name_the_field(client, server):

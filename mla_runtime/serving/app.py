@@ -10,6 +10,7 @@ output, racing the client's disconnect and the request's deadline (400 from the 
 504, abort on disconnect). Only then does a streaming request get its ``200`` and an SSE body, so a request
 that never started still gets an honest status code. Every error body is
 ``{"error": {"message", "type", "code", "param"}}``; no response carries an internal exception's text.
+``/openapi.json`` and ``/docs`` describe every route (``openapi.py``); with an API key they require it.
 
 Fault injection (tests and ``bench/abuse.py`` only, see ``runtime.fault_injection``):
 ``MLA_FAULT_INJECTION=stream:K`` makes every stream raise an exception after its K-th engine output, to
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -40,6 +41,7 @@ from mla_runtime.errors import InvalidParam
 from mla_runtime.serving.config import ServerConfig
 from mla_runtime.serving.jobs import JobBuilder
 from mla_runtime.serving.metrics import ServerMetrics
+from mla_runtime.serving.openapi import docs_page, openapi_schema
 from mla_runtime.serving.protocol import ApiError, ChatRequest, CompletionRequest, GenerateRequest, validation_error
 from mla_runtime.serving.request_log import REQUEST_ID_HEADER, RequestIdMiddleware, RequestLog, RequestRecord
 from mla_runtime.serving.responses import Job, full_body
@@ -105,6 +107,7 @@ class ServerState:
     jobs: JobBuilder
     parse_slot: asyncio.Semaphore  # large JSON bodies are parsed one at a time
     fault_after: int | None  # MLA_FAULT_INJECTION=stream:K (tests only)
+    openapi: dict[str, Any]  # the OpenAPI document, built once
 
 
 def _server(request: Request) -> ServerState:
@@ -134,7 +137,8 @@ def build_app(engine_config: EngineConfig, config: ServerConfig,
     app = FastAPI(title="mla-runtime", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.runtime = rt
     app.state.server = ServerState(rt, engine_config, config, metrics, JobBuilder(rt, engine_config, config),
-                                   asyncio.Semaphore(1), fault_injection("stream"))
+                                   asyncio.Semaphore(1), fault_injection("stream"), openapi_schema(config))
+    app.openapi_schema = app.state.server.openapi  # app.openapi() answers the same document
     app.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, internal_error)
     app.include_router(router)
@@ -325,3 +329,23 @@ async def prometheus(request: Request) -> Response:
             return error_response(e)
     body = await asyncio.to_thread(srv.metrics.render)
     return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/openapi.json")
+async def openapi_document(request: Request) -> Response:
+    srv = _server(request)
+    try:
+        check_auth(request, srv.config)
+    except ApiError as e:
+        return error_response(e)
+    return JSONResponse(srv.openapi)
+
+
+@router.get("/docs")
+async def docs(request: Request) -> Response:
+    srv = _server(request)
+    try:
+        check_auth(request, srv.config)
+    except ApiError as e:
+        return error_response(e)
+    return HTMLResponse(docs_page(srv.openapi))

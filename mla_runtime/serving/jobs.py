@@ -1,13 +1,21 @@
 """``JobBuilder``: a validated request schema → a ``Job`` (the prompts, sampling parameters and answer shape).
 
-It checks the model name and the prompt's size in characters (before anything is tokenised), applies the chat
-template and renders echoes. It runs in a worker thread (templating and decoding cost CPU) and reads only
-immutable state.
+It checks the model name and the prompt's size in characters (before anything is tokenised), tokenises the
+prompts (or applies the chat template) and settles each job's output limit against ``max_model_len``, and renders
+echoes. It runs in a worker thread (tokenising, templating and decoding cost CPU) and reads only immutable state.
+
+Output limits: a limit the request sets (``max_tokens``, ``max_completion_tokens``, ``max_length`` on
+``/generate``) that cannot fit ``max_model_len`` after the prompt is a 400 naming the numbers, as vLLM and OpenAI
+answer it; a default limit (16 on ``/generate`` and ``/v1/completions``, what the prompt leaves on chat) is never
+refused: generation also stops at ``max_model_len`` (``finish_reason: "length"``).
 """
 
 from __future__ import annotations
 
 from mla_runtime.engine.config import EngineConfig
+from mla_runtime.engine.llm_engine import PromptType
+from mla_runtime.engine.requests import tokenize
+from mla_runtime.errors import InvalidParam
 from mla_runtime.serving.config import ServerConfig
 from mla_runtime.serving.protocol import ApiError, ChatRequest, CompletionRequest, GenerateRequest
 from mla_runtime.serving.responses import Job
@@ -54,11 +62,50 @@ class JobBuilder:
             self._tool_marker = (deepseek_begin_token(self.rt.tokenizer),)
         return self._tool_marker[0]
 
+    def tokenized(self, prompt: str | list[int]) -> tuple[PromptType, int]:
+        """The prompt as the engine takes it (text and token ids: it is not tokenised twice), and its length."""
+        try:
+            text, ids = tokenize(self.rt.tokenizer, prompt)
+        except InvalidParam as e:
+            raise ApiError(400, str(e), param=e.param) from e
+        vocab = self.rt.llm.engine.model_config.vocab_size if self.rt.llm is not None else 0
+        if text is None and vocab and any(t < 0 or t >= vocab for t in ids):  # before anything decodes them
+            raise ApiError(400, f"prompt_token_ids must be integers in [0, {vocab})", param="prompt_token_ids")
+        return ({"prompt": text, "prompt_token_ids": ids} if text is not None else {"prompt_token_ids": ids}), len(ids)
+
+    def output_limit(self, lengths: list[int], requested: int | None, param: str, default: int | None,
+                     max_length: int | None = None, prompt_param: str = "prompt") -> int:
+        """``max_tokens`` for prompts of ``lengths`` tokens: the tighter of ``requested`` (set by field ``param``)
+        and ``max_length - prompt``; ``default`` (None: what max_model_len leaves) when the request sets neither.
+        A limit the request sets must fit max_model_len after the longest prompt (400 naming the numbers)."""
+        limit, longest = self.rt.max_model_len, max(lengths)
+        if limit and longest >= limit:
+            raise ApiError(400, f"{prompt_param}: the prompt has {longest} tokens, but max_model_len is {limit}: the "
+                                f"prompt must be shorter to leave room for output", param=prompt_param)
+        if max_length is not None:
+            if max_length <= longest:
+                raise ApiError(400, f"max_length: {max_length} counts the prompt's tokens too (transformers' meaning) "
+                                    f"and the prompt already has {longest}; give more than {longest}, or max_tokens "
+                                    f"for the generated tokens alone", param="max_length")
+            if limit and max_length > limit:
+                raise ApiError(400, f"max_length: {max_length} exceeds max_model_len ({limit})", param="max_length")
+            if requested is None or max_length - longest < requested:
+                requested, param = max_length - longest, "max_length"
+        if requested is None:
+            return default if default is not None else max(1, limit - longest)
+        if limit and longest + requested > limit:
+            raise ApiError(400, f"{param}: the prompt has {longest} tokens and {param} is {requested}: "
+                                f"{longest + requested} exceeds max_model_len ({limit}); ask for at most "
+                                f"{limit - longest} tokens or shorten the prompt", param=param)
+        return requested
+
     def generate(self, req: GenerateRequest) -> Job:
         if isinstance(req.prompt, str):
             self.check_text(req.prompt, "prompt")
-        prompt = req.prompt if isinstance(req.prompt, str) else {"prompt_token_ids": req.prompt}
-        return Job("generate", [prompt], req.sampling_params(16), self.model, stream=req.stream)
+        prompt, length = self.tokenized(req.prompt)
+        requested, param = req.requested_max_tokens()
+        max_tokens = self.output_limit([length], requested, param, 16, req.max_length)
+        return Job("generate", [prompt], req.sampling_params(max_tokens), self.model, stream=req.stream)
 
     def completion(self, req: CompletionRequest) -> Job:
         self.check_model(req.model)
@@ -67,12 +114,14 @@ class JobBuilder:
         for p in prompts:
             if isinstance(p, str):
                 self.check_text(p, "prompt")
+        engine_prompts, lengths = zip(*(self.tokenized(p) for p in prompts))
         echo = None
         if req.echo:
             tok = self.rt.tokenizer
             echo = [p if isinstance(p, str) else (tok.decode(p) if tok is not None else "") for p in prompts]
-        return Job("completions", [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompts],
-                   req.sampling_params(16), self.model,
+        requested, param = req.requested_max_tokens()
+        max_tokens = self.output_limit(list(lengths), requested, param, 16)
+        return Job("completions", list(engine_prompts), req.sampling_params(max_tokens), self.model,
                    stream=req.stream, include_usage=bool(req.stream_options and req.stream_options.include_usage),
                    echo=echo, logprobs=req.logprobs_count(), token_text=self.token_text)
 
@@ -86,7 +135,8 @@ class JobBuilder:
             ids = apply_chat_template(self.rt.tokenizer, messages, req.tool_dicts() if tools else None)
         except ValueError as e:
             raise ApiError(400, f"messages: {e}", param="messages") from e
-        max_tokens = req.max_completion_tokens or req.max_tokens or max(1, self.rt.max_model_len - len(ids))
+        requested, param = req.requested_max_tokens()
+        max_tokens = self.output_limit([len(ids)], requested, param, None, prompt_param="messages")
         return Job("chat", [{"prompt_token_ids": ids}], req.sampling_params(max_tokens), self.model,
                    stream=req.stream, include_usage=bool(req.stream_options and req.stream_options.include_usage),
                    logprobs=req.logprobs_count(), token_text=self.token_text, tools=tools, raw_text=self.raw_text)

@@ -2,7 +2,7 @@
 
 Types are strict (``"5"`` is not an integer, ``true`` is not a number) so a wrongly typed field is a 400
 naming it (``param``) instead of a silent coercion, as OpenAI answers validation errors. Our own ``/generate``
-rejects unknown fields (a typo such as ``max_length`` must not be ignored); the OpenAI routes ignore fields
+rejects unknown fields (a misspelt limit must not be ignored); the OpenAI routes ignore fields
 they do not use, as OpenAI clients send extras (``store``, ``metadata``, ``service_tier`` ...), but reject
 with 400 the ones whose meaning they cannot honour (``UNSUPPORTED``; log-probabilities of the prompt, i.e.
 ``logprobs`` with ``echo``). Log-probabilities of generated tokens are returned in OpenAI's shapes:
@@ -26,6 +26,8 @@ from mla_runtime.sampling_params import SamplingParams, StructuredOutputs
 from mla_runtime.serving.tools import ToolMode, required_schema
 
 MAX_LOGPROBS = 20  # most alternatives per generated token a request may ask for
+# a top_k this large keeps every token (no vocabulary is larger), as -1 does; the sampler holds top_k in an int64
+TOP_K_ALL = 2**31
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
@@ -82,25 +84,32 @@ Stop = str | list[str] | None
 class SamplingFields(BaseModel):
     model_config = ConfigDict(strict=True)
 
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    max_tokens: int | None = Field(default=None, ge=1, description=(
+        "Most tokens to generate; prompt + max_tokens must fit max_model_len (else 400)"))
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="0: greedy")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, ge=-1)
-    seed: int | None = None
-    stop: Stop = None
-    n: int = Field(default=1, ge=1, le=16)
+    top_k: int = Field(default=-1, ge=-1, description="-1: disabled; 0 is refused")
+    seed: int | None = Field(default=None, description="Seeds sample i with seed + i (64 bits)")
+    stop: Stop = Field(default=None, description="Strings that end the output (cut from it)")
+    n: int = Field(default=1, ge=1, le=16, description="Samples per prompt")
     ignore_eos: bool = False
-    stream: bool = False
+    stream: bool = Field(default=False, description="Answer as server-sent events (text/event-stream)")
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
-    logit_bias: dict[str, float] | None = None  # OpenAI's shape: token ids as strings
-    min_tokens: int = Field(default=0, ge=0)
-    structured_outputs: dict[str, Any] | None = None  # vLLM's: one of json, regex, choice, grammar
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0, description="vLLM's: prompt and output tokens")
+    logit_bias: dict[str, float] | None = Field(default=None, description=(
+        "Token ids (as strings) -> bias in [-100, 100]"))
+    min_tokens: int = Field(default=0, ge=0, description="EOS and stop strings are ignored before this many tokens")
+    structured_outputs: dict[str, Any] | None = Field(default=None, description=(
+        "vLLM's constraint: one of json, regex, choice, grammar (docs/structured-outputs.md)"))
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """The output limit the request sets itself (None: it leaves the default) and the field that set it."""
+        return (self.max_tokens if "max_tokens" in self.model_fields_set else None), "max_tokens"
 
     def logprobs_count(self) -> int | None:
         """Alternatives per generated token to return (None: no log-probabilities)."""
@@ -129,7 +138,8 @@ class SamplingFields(BaseModel):
                                 f"{found[0].param})", param=found[1].param)
         return found[0] if found else None
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """The engine's parameters; ``max_tokens``: the output limit the job builder settled on."""
         if self.top_k == 0:
             raise ApiError(400, "top_k: must be -1 (disabled) or an integer >= 1", param="top_k")
         bias = None
@@ -140,8 +150,8 @@ class SamplingFields(BaseModel):
                 raise ApiError(400, "logit_bias: keys must be token ids (integers written as strings)",
                                param="logit_bias") from None
         try:
-            return SamplingParams(n=self.n, max_tokens=self.max_tokens or default_max_tokens,
-                                  temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+            return SamplingParams(n=self.n, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                                  top_k=self.top_k if self.top_k < TOP_K_ALL else -1, seed=self.seed,
                                   stop=self.stop, ignore_eos=self.ignore_eos, logprobs=self.logprobs_count(),
                                   presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                                   repetition_penalty=self.repetition_penalty, logit_bias=bias,
@@ -153,10 +163,16 @@ class SamplingFields(BaseModel):
 class GenerateRequest(SamplingFields):
     """``POST /generate``: our own minimal API."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra={"examples": [
+        {"prompt": "def fibonacci(n):", "max_tokens": 48, "temperature": 0},
+        {"prompt": "解释KV Cache的作用：", "max_length": 100, "temperature": 0.7}]})
 
-    prompt: Prompt
-    max_tokens: int = Field(default=16, ge=1)
+    prompt: Prompt = Field(description="Text, or token ids")
+    max_tokens: int = Field(default=16, ge=1, description=(
+        "Most tokens to generate (default 16, or none with max_length); prompt + max_tokens must fit max_model_len"))
+    max_length: int | None = Field(default=None, ge=1, description=(
+        "Prompt tokens + generated tokens, as transformers' generate counts them; must exceed the prompt's length "
+        "and fit max_model_len. With max_tokens too, the tighter limit applies"))
 
 
 class StreamOptions(BaseModel):
@@ -222,7 +238,8 @@ class OpenAIFields(SamplingFields):
 
 class CompletionRequest(OpenAIFields):
     prompt: Prompt | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=1, description=(
+        "Most tokens to generate per choice (default 16); prompt + max_tokens must fit max_model_len"))
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
@@ -286,7 +303,8 @@ class Tool(BaseModel):
 
 class ChatRequest(OpenAIFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, description=(
+        "OpenAI's newer name of max_tokens (wins over it); default: what max_model_len leaves after the prompt"))
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = None
@@ -346,6 +364,11 @@ class ChatRequest(OpenAIFields):
 
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
 
     def check_unsupported(self) -> None:
         super().check_unsupported()

@@ -52,6 +52,7 @@ from mla_runtime.serving.asgi_call import HttpRequest, ResponseStart, call_asgi
 from mla_runtime.serving.config import ReplicaConfig, ServerConfig
 from mla_runtime.serving.protocol import ApiError
 from mla_runtime.serving.replica_metrics import ReplicaScrape, render
+from mla_runtime.serving.request_log import REQUEST_ID_HEADER, configure_logging
 from mla_runtime.serving.responses import sse
 
 logger = logging.getLogger("mla_runtime.serving")
@@ -128,6 +129,9 @@ class EngineReplica:
     async def __init__(self, engine_config: EngineConfig, config: ServerConfig) -> None:  # type: ignore[misc]
         from mla_runtime.serving.app import build_app
 
+        # a replica is a fresh Ray worker process: without this its INFO lines (the start-up summary: model shape,
+        # latent cache, dtype, CPU path) are dropped, as Ray configures only its own loggers there
+        configure_logging(config.log_format)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.failures: list[BaseException] = []
         self.app = build_app(engine_config, config, on_fatal=self.failures.append)
@@ -170,6 +174,7 @@ class Ingress:
     async def __init__(self, engine: Any, engine_config: EngineConfig, config: ServerConfig) -> None:  # type: ignore[misc]
         from mla_runtime.tokenizer import load_tokenizer
 
+        configure_logging(config.log_format)
         self.config = config
         self.block_size = engine_config.block_size
         try:
@@ -235,7 +240,7 @@ class Ingress:
                 body = b"".join([chunk async for chunk in gen])
                 if retry:
                     return None
-                return Response(body, 429, headers=dict(start.headers))
+                return Response(body, 429, headers=relayed_headers(start.headers))
         except asyncio.CancelledError:
             gen.cancel()
             raise
@@ -245,7 +250,7 @@ class Ingress:
             timed_out = isinstance(e, TimeoutError)
             return error_response(ApiError(504 if timed_out else 503, "request timed out" if timed_out else
                                            "the replica serving this request failed; retry"))
-        headers = {k: v for k, v in start.headers if k.lower() not in ("content-length", "transfer-encoding")}
+        headers = relayed_headers(start.headers)
         headers[REPLICA_HEADER] = replica
         sse = headers.get("content-type", "").startswith("text/event-stream")
         return StreamingResponse(relay(gen, replica, sse), status_code=start.status, headers=headers)
@@ -271,6 +276,16 @@ class Ingress:
         counts = dict(router.policy.counts) if router is not None and hasattr(router, "policy") else {}
         body = await asyncio.to_thread(render, sorted(good.values(), key=lambda s: s.replica), counts)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+# Serve's HTTP proxy adds X-Request-Id to every answer itself: the client's id, or a fresh one it also put on the
+# request, so the replica's app saw and logged the same id. The replica's copy would make it appear twice.
+DROPPED_HEADERS = frozenset({"content-length", "transfer-encoding", REQUEST_ID_HEADER.decode()})
+
+
+def relayed_headers(headers: tuple[tuple[str, str], ...]) -> dict[str, str]:
+    """The headers of a replica's answer that the ingress passes on."""
+    return {k: v for k, v in headers if k.lower() not in DROPPED_HEADERS}
 
 
 async def relay(gen: Any, replica: str, sse_stream: bool) -> AsyncIterator[bytes]:

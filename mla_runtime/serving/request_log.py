@@ -98,8 +98,16 @@ class RequestRecord:
             rec["cache_blocks_used"], rec["cache_blocks_total"] = cache_blocks
         rec["rss_bytes"] = resident_bytes()
         if log_prompts and job is not None:
-            rec["prompt"] = job.prompts[0] if len(job.prompts) == 1 else job.prompts
+            texts = [_prompt_text(p) for p in job.prompts]
+            rec["prompt"] = texts[0] if len(texts) == 1 else texts
         return rec
+
+
+def _prompt_text(prompt: Any) -> Any:
+    """A prompt as the client gave it: its text when it had one (the engine's form also holds its token ids)."""
+    if isinstance(prompt, dict):
+        return prompt.get("prompt") if prompt.get("prompt") is not None else prompt.get("prompt_token_ids")
+    return prompt
 
 
 def _round(x: float | None) -> float | None:

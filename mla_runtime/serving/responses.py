@@ -8,7 +8,8 @@ concatenated deltas always equal the non-streamed text.
 A chat answer with tool calls (``tools.py``) carries them as ``message.tool_calls`` with
 ``finish_reason: "tool_calls"``; streamed, the constrained output is not sent as content but as one
 ``delta.tool_calls`` event when the choice ends, and an ``auto`` answer's text streams as content until the
-model's tool-call marker.
+model's tool-call marker. A call cut short by ``max_tokens`` keeps ``finish_reason: "length"`` and comes back the
+same way, with the arguments written so far (``tools.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from mla_runtime.engine.llm_engine import PromptType
 from mla_runtime.outputs import CompletionOutput, RequestOutput
 from mla_runtime.sampling_params import SamplingParams
 from mla_runtime.serving.protocol import usage
-from mla_runtime.serving.tools import ToolMode, calls_of_output, parse_deepseek
+from mla_runtime.serving.tools import CALLS_END, ToolMode, calls_of_output, parse_deepseek
 
 OBJECTS = {"completions": ("text_completion", "text_completion"),
            "chat": ("chat.completion", "chat.completion.chunk")}
@@ -89,25 +90,34 @@ def finish_reason(reason: str | None) -> str | None:
     return None if reason is None else ("length" if reason == "length" else "stop")
 
 
-def tool_calls(job: Job, c: CompletionOutput) -> tuple[str | None, list[dict[str, Any]]]:
-    """A finished chat choice's ``(content, tool_calls)``."""
+def tool_answer(job: Job, c: CompletionOutput) -> tuple[str | None, list[dict[str, Any]], str | None]:
+    """A finished chat choice's ``(content, tool_calls, finish_reason)``: ``"tool_calls"`` only for complete
+    calls; a cut output keeps its reason (``"length"``) and its partial calls, and is never content when
+    constrained."""
+    reason = finish_reason(c.finish_reason)
     if job.tools is None:
-        return c.text, []
+        return c.text, [], reason
     if job.tools.kind == "auto":
         if job.tools.begin_token not in c.token_ids:
-            return c.text, []
-        return parse_deepseek(job.raw_text(c.token_ids))
-    return calls_of_output(job.tools, c.text)
+            return c.text, [], reason
+        raw = job.raw_text(c.token_ids)
+        cut = reason == "length" or CALLS_END not in raw  # max_tokens, or a stop string, ended it inside the calls
+        content, calls = parse_deepseek(raw, cut=cut)
+        complete = not cut
+    else:
+        content = None
+        calls, complete = calls_of_output(job.tools, c.text)
+    if calls and complete and reason == "stop":
+        reason = "tool_calls"
+    return content, calls, reason
 
 
 def chat_message(job: Job, c: CompletionOutput) -> tuple[dict[str, Any], str | None]:
     """A finished chat choice's ``message`` and ``finish_reason``."""
-    content, calls = tool_calls(job, c)
+    content, calls, reason = tool_answer(job, c)
     message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
-    reason = finish_reason(c.finish_reason)
     if calls:
         message["tool_calls"] = calls
-        reason = "tool_calls" if reason == "stop" else reason
     return message, reason
 
 
@@ -249,11 +259,10 @@ class StreamState:
         if c.finish_reason is None:
             free = tools.kind == "auto" and tools.begin_token not in c.token_ids
             return (text if free else ""), [], None
-        content, calls = tool_calls(self.job, c)
-        _, reason = chat_message(self.job, c)
+        content, calls, reason = tool_answer(self.job, c)
         if tools.kind == "auto":  # the content not yet sent (the text before the marker)
             return (content or "")[self.sent_chars[c.index]:], calls, reason
-        return ("" if calls else content or ""), calls, reason
+        return "", calls, reason
 
     def _head(self) -> dict[str, Any]:
         obj = OBJECTS[self.job.endpoint][1]

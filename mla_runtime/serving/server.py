@@ -1,7 +1,7 @@
 """The HTTP server process: resolve the configuration, build the app, run uvicorn, exit with a status.
 
 Endpoints: POST /generate, /v1/completions, /v1/chat/completions (SSE with "stream": true);
-GET /v1/models, /health, /ready, /metrics.
+GET /v1/models, /health, /ready, /metrics, /openapi.json, /docs (docs/serving.md).
 
 SIGTERM or Ctrl-C starts a drain: ``/ready`` answers 503 and new generation requests get 503 while the
 listener stays open and in-flight requests finish, for up to ``--shutdown-timeout`` seconds; then the

@@ -18,6 +18,11 @@ DeepSeek-V3 writes its calls between special tokens, after any text content::
     ```<｜tool▁call▁end｜><｜tool▁call▁begin｜>...<｜tool▁call▁end｜><｜tool▁calls▁end｜>
 
 and DeepSeek-V3.1 as ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{"arg": 1}<｜tool▁call▁end｜>``; both are parsed.
+
+An output cut short (by ``max_tokens`` or a stop string) is answered as OpenAI answers it: with whatever was
+produced. Its calls are those whose name was written; the last one's ``arguments`` is the JSON text written so far
+(it does not parse). Constrained JSON is never returned as content; the text before an ``auto`` answer's
+tool-call marker is.
 """
 
 from __future__ import annotations
@@ -64,30 +69,75 @@ def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, An
     return schema
 
 
-def calls_of_output(mode: ToolMode, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """``(content, tool_calls)`` of a finished constrained (``named`` / ``required``) output; a truncated output
-    that is not valid JSON stays content."""
+_ITEM_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.-]+)"')
+_ITEM_ARGS = re.compile(r'\s*,\s*"parameters"\s*:\s*')
+_ITEM_END = re.compile(r"\s*\}\s*,?")
+_FENCE_TAIL = re.compile(r"\n?`{1,3}$")  # a closing fence cut short (JSON never ends with a backtick)
+
+
+def calls_of_output(mode: ToolMode, text: str) -> tuple[list[dict[str, Any]], bool]:
+    """``(tool_calls, complete)`` of a finished constrained (``named`` / ``required``) output; ``complete`` is
+    False when the output was cut short (then the last call's arguments do not parse, see the module docstring)."""
     if mode.kind == "named":
         assert mode.name is not None
-        return None, [tool_call(mode.name, text)]
+        return [tool_call(mode.name, text)], _parses(text)
     try:
         items = json.loads(text)
     except json.JSONDecodeError:
-        return text, []
-    return None, [tool_call(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
+        return _partial_calls(text), False
+    return [tool_call(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items], True
 
 
-def parse_deepseek(raw: str) -> tuple[str | None, list[dict[str, Any]]]:
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+def _partial_calls(text: str) -> list[dict[str, Any]]:
+    """The calls of a cut ``required`` array (``[{"name": N, "parameters": {...}}, ...``): each item whose name
+    was written, the last one with the arguments' text so far. The grammar writes ``name`` before ``parameters``,
+    in the schema's order."""
+    decoder = json.JSONDecoder()
+    calls: list[dict[str, Any]] = []
+    pos = text.find("[") + 1
+    while pos > 0 and (name := _ITEM_NAME.match(text, pos)) is not None:
+        start = _ITEM_ARGS.match(text, name.end())
+        if start is None:  # cut before the arguments
+            calls.append(tool_call(name[1], ""))
+            break
+        try:
+            args, end = decoder.raw_decode(text, start.end())
+        except json.JSONDecodeError:
+            calls.append(tool_call(name[1], text[start.end():]))
+            break
+        calls.append(tool_call(name[1], json.dumps(args, ensure_ascii=False)))
+        tail = _ITEM_END.match(text, end)
+        pos = tail.end() if tail is not None else 0
+    return calls
+
+
+def parse_deepseek(raw: str, cut: bool = False) -> tuple[str | None, list[dict[str, Any]]]:
     """``(content, tool_calls)`` of a DeepSeek-V3 answer decoded with its special tokens (see the module
-    docstring). Calls whose arguments are not a JSON object are dropped; text without calls is all content."""
+    docstring). Calls whose arguments are not a JSON object are dropped; text without calls is all content.
+    ``cut``: the output was cut short; its content is the text before the markers, and a last call whose name
+    was written is kept with the arguments written so far."""
     head, found, rest = raw.partition(CALLS_BEGIN)
     if not found:
         return raw, []
     calls = []
-    for chunk in rest.split(CALL_BEGIN)[1:]:
-        body = chunk.split(CALL_END)[0]
+    chunks = rest.split(CALL_BEGIN)[1:]
+    for i, chunk in enumerate(chunks):
+        body, ended, _ = chunk.partition(CALL_END)
         left, sep, right = body.partition(SEP)
         if not sep:
+            continue
+        if cut and not ended and i == len(chunks) - 1:
+            partial = _partial_deepseek(left, right)
+            if partial is not None:
+                calls.append(tool_call(*partial))
             continue
         fenced = _FENCED.match(right)
         name, args = (fenced["name"], fenced["args"]) if fenced else (left, right)
@@ -97,7 +147,21 @@ def parse_deepseek(raw: str) -> tuple[str | None, list[dict[str, Any]]]:
             continue
         if isinstance(value, dict) and name.strip():
             calls.append(tool_call(name.strip(), json.dumps(value, ensure_ascii=False)))
+    if cut:
+        return head or None, calls
     return (head or None) if calls else raw, calls
+
+
+def _partial_deepseek(left: str, right: str) -> tuple[str, str] | None:
+    r"""``(name, arguments so far)`` of a cut call: V3's ``function<sep>NAME\n```json\n{...`` (None until its
+    name's line ends) or V3.1's ``NAME<sep>{...``."""
+    if left.strip() == "function":
+        name, newline, after = right.partition("\n")
+        if not newline or not name.strip():
+            return None
+        args = after.partition("\n")[2] if after.startswith("`") else after  # past the opening fence
+        return name.strip(), _FENCE_TAIL.sub("", args)
+    return (left.strip(), right) if left.strip() else None
 
 
 def deepseek_begin_token(tokenizer: Any) -> int | None:

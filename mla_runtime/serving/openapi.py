@@ -1,0 +1,307 @@
+"""The OpenAPI document (``GET /openapi.json``) and its Swagger UI page (``GET /docs``).
+
+The routes parse their bodies by hand (size limit, JSON off the event loop, tokenisation in a worker thread), so
+FastAPI sees no body parameter to describe: the document is built here from the same pydantic models the routes
+validate with (``protocol.py``) and from models of the answers, which exist only to be described. Every route of
+the app is listed (a test checks it): request bodies, 200 bodies (JSON, or ``text/event-stream`` whose events carry
+the JSON of a chunk as ``data``), the error body of every error status, ``X-Request-Id`` on every answer, and the
+bearer scheme on the routes that require the API key when one is set.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+from pydantic.json_schema import models_json_schema
+
+from mla_runtime.serving.config import ServerConfig
+from mla_runtime.serving.protocol import ERROR_TYPES, ChatRequest, CompletionRequest, GenerateRequest
+
+REF = "#/components/schemas/{model}"
+SSE_NOTE = ("with \"stream\": true, server-sent events: one `data: <JSON>` line per event, then `data: [DONE]`; "
+            "a stream that fails after it started ends with `data: <Error>`.")
+
+
+# -- answers, described (the routes build them as dicts) --------------------------------------------------
+class ErrorDetail(BaseModel):
+    message: str
+    type: str = Field(description=f"One of {sorted(set(ERROR_TYPES.values()) | {'server_error'})}")
+    code: str | None = Field(description="A short machine-readable reason, or null")
+    param: str | None = Field(description="The request field at fault (a dotted path), or null")
+
+
+class Error(BaseModel):
+    """Every error answer's body."""
+
+    error: ErrorDetail
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="Prompt tokens read from the prefix cache")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+FinishReason = Literal["stop", "length", "tool_calls"] | None
+
+
+class GenerateOutput(BaseModel):
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+
+
+class GenerateResponse(BaseModel):
+    """``n`` = 1: ``text``, ``token_ids``, ``finish_reason``; ``n`` > 1: ``outputs``, one per sample."""
+
+    id: str
+    text: str | None = None
+    token_ids: list[int] | None = None
+    finish_reason: FinishReason = None
+    outputs: list[GenerateOutput] | None = None
+    usage: Usage
+
+
+class GenerateEvent(BaseModel):
+    """One event of a streamed ``/generate``: new text and tokens of sample ``index``."""
+
+    id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    usage: Usage | None = Field(default=None, description="On the events of the final step")
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None
+    finish_reason: FinishReason
+
+
+class Completion(BaseModel):
+    """``/v1/completions``'s answer; streamed, each event has this shape with the new text as ``text`` (and a last
+    event with ``usage`` and no choices when ``stream_options.include_usage``)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="JSON text; cut short (not parseable) when finish_reason is \"length\"")
+
+
+class ToolCall(BaseModel):
+    index: int | None = Field(default=None, description="Streamed only")
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+    refusal: None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: dict[str, Any] | None
+    finish_reason: FinishReason
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: dict[str, Any] | None
+    finish_reason: FinishReason
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class Model(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int | None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[Model]
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+
+
+class Ready(BaseModel):
+    status: Literal["ready"]
+    model: str
+
+
+MODELS: list[type[BaseModel]] = [GenerateRequest, CompletionRequest, ChatRequest, Error, GenerateResponse,
+                                 GenerateEvent, Completion, ChatCompletion, ChatCompletionChunk, ModelList, Health,
+                                 Ready]
+ERRORS = {400: "Invalid request: the message and param name the field", 401: "Missing or wrong API key",
+          404: "Unknown model", 413: "Body above max_body_bytes",
+          429: "At capacity (max_num_seqs + max_queue sequences in flight); see Retry-After",
+          500: "Server fault (details in the server log only)",
+          503: "Not ready, draining, or after a fault", 504: "Exceeded request_timeout; aborted"}
+GENERATION_ERRORS = (400, 401, 413, 429, 500, 503, 504)
+
+
+def _json(model: str) -> dict[str, Any]:
+    return {"schema": {"$ref": REF.format(model=model)}}
+
+
+def _errors(codes: tuple[int, ...]) -> dict[str, Any]:
+    out = {}
+    for code in codes:
+        response: dict[str, Any] = {"description": ERRORS[code], "content": {"application/json": _json("Error")}}
+        if code in (429, 503):
+            response["headers"] = {"Retry-After": {"schema": {"type": "string"}, "description": "Seconds"}}
+        out[str(code)] = response
+    return out
+
+
+def _operation(summary: str, ok: dict[str, Any], errors: tuple[int, ...], secured: bool,
+               body: str | None = None) -> dict[str, Any]:
+    op: dict[str, Any] = {"summary": summary, "operationId": summary.lower().replace(" ", "_").replace("/", "_"),
+                          "responses": {"200": ok, **_errors(tuple(c for c in errors if c != 401 or secured))}}
+    if body is not None:
+        op["requestBody"] = {"required": True, "content": {"application/json": _json(body)}}
+    if secured:
+        op["security"] = [{"bearer": []}]
+    return op
+
+
+def _event(event: str) -> dict[str, Any]:
+    """One server-sent event (the schema of ``text/event-stream`` describes each event before OpenAPI 3.2): its
+    ``data`` is the JSON of ``event``, or of an Error, or ``[DONE]`` (the last)."""
+    data = {"type": "string", "contentMediaType": "application/json",
+            "contentSchema": {"anyOf": [_json(event)["schema"], _json("Error")["schema"]]},
+            "description": f"JSON: a {event}, or an Error; the last event's data is [DONE]"}
+    return {"schema": {"type": "object", "required": ["data"], "properties": {"data": data}}}
+
+
+def _generation(summary: str, body: str, answer: str, event: str, secured: bool, model_errors: bool) -> dict[str, Any]:
+    ok = {"description": f"The answer; {SSE_NOTE}",
+          "content": {"application/json": _json(answer), "text/event-stream": _event(event)}}
+    errors = GENERATION_ERRORS + ((404,) if model_errors else ())
+    return {"post": _operation(summary, ok, tuple(sorted(errors)), secured, body)}
+
+
+def _get(summary: str, ok: dict[str, Any], errors: tuple[int, ...], secured: bool) -> dict[str, Any]:
+    return {"get": _operation(summary, ok, errors, secured)}
+
+
+def _json_ok(model: str, what: str) -> dict[str, Any]:
+    return {"description": what, "content": {"application/json": _json(model)}}
+
+
+def _paths(config: ServerConfig) -> dict[str, Any]:
+    keyed = config.api_key is not None
+    return {
+        "/generate": _generation("Generate", "GenerateRequest", "GenerateResponse", "GenerateEvent", keyed, False),
+        "/v1/completions": _generation("Completions", "CompletionRequest", "Completion", "Completion", keyed, True),
+        "/v1/chat/completions": _generation("Chat completions", "ChatRequest", "ChatCompletion",
+                                            "ChatCompletionChunk", keyed, True),
+        "/v1/models": _get("Models", _json_ok("ModelList", "The served model"), (401,), keyed),
+        "/health": _get("Health", _json_ok("Health", "Liveness: the engine thread is alive and no step hangs"),
+                        (503,), False),
+        "/ready": _get("Ready", _json_ok("Ready", "Readiness: loaded, probed, not draining"), (503,), False),
+        "/metrics": _get("Metrics", {"description": "Prometheus text format",
+                                     "content": {"text/plain": {"schema": {"type": "string"}}}},
+                         (401,), keyed and config.metrics_auth),
+        "/openapi.json": _get("OpenAPI", {"description": "This document",
+                                          "content": {"application/json": {"schema": {"type": "object"}}}},
+                              (401,), keyed),
+        "/docs": _get("Docs", {"description": "Swagger UI over this document",
+                               "content": {"text/html": {"schema": {"type": "string"}}}}, (401,), keyed),
+    }
+
+
+def _with_request_id(paths: dict[str, Any]) -> dict[str, Any]:
+    header = {"X-Request-Id": {"schema": {"type": "string"},
+                               "description": "The client's own X-Request-Id when usable, else a new id"}}
+    for item in paths.values():
+        for op in item.values():
+            for response in op["responses"].values():
+                response["headers"] = {**header, **response.get("headers", {})}
+    return paths
+
+
+def openapi_schema(config: ServerConfig) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of the app serving ``config``."""
+    _, top = models_json_schema([(m, "validation") for m in MODELS], ref_template=REF)
+    components: dict[str, Any] = {"schemas": top["$defs"]}
+    if config.api_key is not None:
+        components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer",
+                                                    "description": "The server's --api-key"}}
+    return {"openapi": "3.1.0",
+            "info": {"title": "mla-runtime", "version": _version(),
+                     "description": "Inference for multi-head latent attention models: our /generate and "
+                                    "OpenAI-compatible routes. Every error is {\"error\": {message, type, code, "
+                                    "param}}."},
+            "paths": _with_request_id(_paths(config)), "components": components}
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("mla-runtime")
+    except PackageNotFoundError:
+        return "0"
+
+
+def docs_page(schema: dict[str, Any]) -> str:
+    """Swagger UI with the document inline: a browser cannot send the API key when the page fetches
+    ``/openapi.json`` itself, so ``/docs`` needs no second request."""
+    spec = json.dumps(schema).replace("</", "<\\/")  # never ends the <script> element
+    dist = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5"
+    return (f'<!doctype html><html><head><meta charset="utf-8"><title>mla-runtime API</title>'
+            f'<link rel="stylesheet" href="{dist}/swagger-ui.css"></head><body><div id="swagger-ui"></div>'
+            f'<script src="{dist}/swagger-ui-bundle.js"></script>'
+            f'<script>SwaggerUIBundle({{spec: {spec}, dom_id: "#swagger-ui"}})</script></body></html>')
