@@ -100,7 +100,7 @@ def run(dtype: str, batch: int, args) -> None:
               kv_cache_memory="1GiB", max_num_seqs=batch, num_threads=args.threads)
     total_steps = args.rounds * args.steps * len(VARIANTS)
     start_decoding(llm, batch, args.prompt_len, total_steps // 3 + 8, warmup=4)
-    engine, model = llm.engine, llm.engine.model
+    engine, model = llm.engine, llm.engine.worker.model
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     for _ in range(args.rounds):
         for name, variant in VARIANTS.items():

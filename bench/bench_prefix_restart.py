@@ -102,8 +102,8 @@ def one_round(ckpt: Path, lengths: list[int], r: int, args: argparse.Namespace, 
         row["read"].append((after.bytes_read - before.bytes_read) / L)
         print(f"round {r} L={L}: recompute {cold[L].metrics.ttft:.3f} s, disk {out.metrics.ttft:.3f} s, "
               f"device {hit.metrics.ttft:.3f} s, read {row['read'][-1]:,.1f} B per cached token "
-              f"(latent {again.engine.bytes_per_token:,} B)", flush=True)
-    rows["bytes_per_token"] = again.engine.bytes_per_token
+              f"(latent {again.engine.worker.bytes_per_token:,} B)", flush=True)
+    rows["bytes_per_token"] = again.engine.worker.bytes_per_token
     rows["file_bytes"] = again.engine.worker.disk_tier.file_bytes()
     rows["dtype"] = str(again.engine.worker.dtype).removeprefix("torch.")
     again.shutdown()

@@ -67,10 +67,10 @@ def run(model: str, dtype: str, prompts: list[str], k: int, max_tokens: int, bat
 
 
 def step_cost(model: str, dtype: str, ks: list[int], steps: int = 24) -> None:
-    from mla_runtime.engine import scheduler
+    from mla_runtime.engine import proposer
 
     loop = list(range(100, 116))
-    scheduler.propose = lambda tokens, k, longest, shortest: (loop * (k // 16 + 1))[:k]  # always k drafts
+    proposer.propose = lambda tokens, k, longest, shortest: (loop * (k // 16 + 1))[:k]  # always k drafts
     print(f"model {model} ({dtype}), batch 1, k drafts forced at every decode: median decode step")
     print("| k | step ms | drafts per step | step ÷ plain step |")
     print("|---:|---:|---:|---:|")

@@ -65,7 +65,7 @@ def main() -> None:
             toks = [o.outputs[0].token_ids for o in outs]
             reference = reference or toks
             rows.append((tp, layout, engine.pool.num_blocks, engine.pool.num_blocks * engine.config.block_size,
-                         engine.bytes_per_token_per_rank, engine.cache.nbytes(),
+                         engine.worker.bytes_per_token_per_rank, engine.worker.cache.nbytes(),
                          sum(map(len, toks)) / seconds, toks == reference))
     base_tokens, base_tps = rows[0][3], rows[0][6]
     print(f"per-rank cache budget {budget:,} B; {args.prompts} prompts x {args.prompt_len} tokens in, "

@@ -41,9 +41,9 @@ OUT = Path(__file__).resolve().parent / "out" / "peer_ckpt"
 # (module, attribute path, category): every function whose exclusive time is charged to the category.
 TARGETS: list[tuple[str, str, str]] = [
     ("mla_runtime.engine.llm_engine", "LLMEngine.step", "engine/scheduler"),
-    ("mla_runtime.engine.model_runner", "ModelRunner.build_batch", "batch metadata"),
-    ("mla_runtime.engine.model_runner", "ModelRunner.execute", "engine/scheduler"),
-    ("mla_runtime.engine.model_runner", "sample", "sampling"),
+    ("mla_runtime.engine.model_runner", "ModelRunner.prepare", "batch metadata"),
+    ("mla_runtime.engine.model_runner", "ModelRunner.run", "engine/scheduler"),
+    ("mla_runtime.engine.sampler", "sample", "sampling"),
     ("mla_runtime.models.deepseek", "DeepseekForCausalLM.forward", "model glue"),
     ("mla_runtime.models.deepseek", "DeepseekForCausalLM.compute_logits", "dense matmuls"),
     ("mla_runtime.models.deepseek", "DecoderLayer.forward", "model glue"),

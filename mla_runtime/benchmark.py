@@ -48,7 +48,7 @@ def run_mla(path: str, prompts: list[list[int]], args: argparse.Namespace) -> tu
     seconds = time.perf_counter() - t0
     if any(len(o.outputs[0].token_ids) != args.max_tokens for o in outs):
         raise RuntimeError(f"a request ended before {args.max_tokens} tokens despite ignore_eos")
-    dtype = llm.engine.model.dtype
+    dtype = llm.engine.worker.dtype
     llm.shutdown()
     return seconds, dtype
 

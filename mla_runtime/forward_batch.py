@@ -49,7 +49,7 @@ class ForwardBatch:
 
     def leading_short(self, max_query_len: int, max_extra_keys: int | None = None) -> tuple[int, int]:
         """``(sequences, tokens)`` of the leading run of sequences with at most ``max_query_len`` new tokens each
-        (the model runner puts the shortest first): in a mixed step those tokens are ``[:tokens]`` and the longer
+        (``StepPlan`` puts the fewest new tokens first): in a mixed step those tokens are ``[:tokens]`` and the longer
         chunks come after them. ``max_extra_keys`` also bounds, for a sequence of ``q > 1`` new tokens, the keys
         its rows read beyond one row's (``(q - 1) * seq_len``)."""
         seqs = tokens = 0

@@ -33,7 +33,8 @@ holds ``tp×`` the tokens.
 
 CLI: ``mla-runtime plan --model deepseek-v3 --max-seq-len 32768 --max-num-seqs 64
 --device-memory 141GiB --tensor-parallel-size 8 [--quantization int4] [--device cpu]`` (also
-``python -m mla_runtime.plan``); it exits 1 when the requested sequences do not fit.
+``python -m mla_runtime.plan``); it exits 0 when the requested sequences fit, 1 when the weights fit but the
+cache cannot hold the sequences, 2 on bad input or when the weights alone do not fit.
 """
 
 from __future__ import annotations
@@ -914,7 +915,8 @@ def format_report(plan: MemoryPlan, config: ModelConfig, model: str = "") -> str
 def build_parser(prog: str = "python -m mla_runtime.plan") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, formatter_class=DefaultsHelpFormatter,
                                      description="Plan how one rank's memory splits into weights, activations "
-                                                 "and latent cache blocks. Exits 1 when the request does not fit.")
+                                                 "and latent cache blocks. Exits 1 when the cache cannot hold the "
+                                                 "sequences, 2 when the weights alone do not fit (or on bad input).")
     parser.add_argument("--model", required=True, help="checkpoint dir, config.json, or preset name "
                                                        "(" + ", ".join(sorted(p.stem for p in
                                                                              PRESET_DIR.glob("*.json"))) + ")")

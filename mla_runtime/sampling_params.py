@@ -12,6 +12,9 @@ from mla_runtime.errors import InvalidParam
 MAX_REPETITION_PENALTY = 2.0
 
 
+TOP_K_ALL = 2**31 - 1  # a top_k above it keeps every token, as -1 does
+
+
 @dataclass(frozen=True)
 class StructuredOutputs:
     """A constraint on the output, vLLM's ``StructuredOutputsParams``: exactly one of ``json`` (a JSON schema, as a
@@ -86,8 +89,10 @@ class SamplingParams:
             raise bad("temperature", "must be a number >= 0")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or (self.top_k < 1 and self.top_k != -1):
             raise bad("top_k", "must be -1 (disabled) or an integer >= 1")
+        if self.top_k > TOP_K_ALL:  # more than any vocabulary: every token (the kernels index with int32/int64)
+            object.__setattr__(self, "top_k", -1)
         if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
             raise bad("min_p", "must be in [0, 1]")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):

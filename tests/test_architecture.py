@@ -116,3 +116,24 @@ def test_every_config_field_has_a_flag_and_a_yaml_key():
             assert option.flag in flags.get(f.name, []), f"{cls.__name__}.{f.name} has no flag"
             assert YAML_KEYS.get(option.yaml) == f.name, f"{cls.__name__}.{f.name} has no YAML key of its own"
 
+
+def test_the_scheduler_knows_nothing_of_speculation():
+    """Drafts are chosen by ``engine/proposer.py``; the scheduler only budgets a decode's extra tokens."""
+    source = (ROOT / "mla_runtime" / "engine" / "scheduler.py").read_text().lower()
+    found = [word for word in ("draft", "mtp", "speculative", "lookahead") if word in source]
+    assert not found, f"engine/scheduler.py mentions {found}"
+
+
+def _class_node(path: Path, name: str) -> ast.ClassDef:
+    return next(n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef) and n.name == name)
+
+
+def test_the_attention_layer_leaves_paths_to_its_backend():
+    """``MLAttention`` keeps the projections and hands the rest to the step's attention backend: it stays short and
+    never tests a dtype or a device (the backends in ``mla_runtime/attention/`` decide their own paths)."""
+    node = _class_node(ROOT / "mla_runtime" / "layers" / "mla.py", "MLAttention")
+    assert node.end_lineno is not None and node.end_lineno - node.lineno + 1 < 80
+    tests = [n.lineno for n in ast.walk(node) if isinstance(n, ast.Compare)
+             and any(isinstance(x, ast.Attribute) and x.attr in ("dtype", "device", "type")
+                     for side in (n.left, *n.comparators) for x in ast.walk(side))]
+    assert not tests, f"MLAttention tests a dtype or device on lines {tests}"

@@ -179,6 +179,17 @@ def test_bad_sampling_params_name_the_field(kwargs, field):
         SamplingParams(**kwargs)
 
 
+def test_a_top_k_beyond_any_vocabulary_keeps_every_token(v3):
+    """A top_k too large for the kernels' indices (>= 2**31) means what -1 means, and the engine keeps running."""
+    path, _ = v3
+    llm = new_llm(path)
+    target = make_prompts(1, seed=7)[0]
+    runs = [tokens(llm.generate([target], SamplingParams(max_tokens=8, temperature=0.9, top_k=k, seed=5)))[0]
+            for k in (2**63, -1)]
+    assert SamplingParams(top_k=2**63).top_k == -1 and runs[0] == runs[1]
+    assert_clean(llm)
+
+
 def test_penalties_lower_generated_tokens_by_their_counts():
     from mla_runtime.engine.sampler import sample
 
@@ -288,3 +299,35 @@ def test_long_prefill_does_not_stall_running_decodes(v3):
     for rid in list(engine.requests):
         engine.abort(rid)
     assert_clean(llm)
+
+
+def test_the_step_plan_puts_decodes_first_and_budgets_extra_tokens():
+    """The scheduler's ``StepPlan``: fewest new tokens first; a decode's extra tokens are cut to the budget its
+    own token leaves, and only the accepted ones count as computed."""
+    from mla_runtime.engine.block_pool import BlockPool
+    from mla_runtime.engine.scheduler import Scheduler, StepPlan
+    from mla_runtime.engine.sequence import Sequence
+
+    scheduler = Scheduler(BlockPool(16, 16), max_num_seqs=8, max_num_batched_tokens=40)
+    a, b, c = (Sequence(i, str(i), 0, list(range(2 + 50 * i, 2 + 50 * i + n)), GREEDY)
+               for i, n in enumerate((10, 30, 20)))
+    scheduler.add(a)
+    scheduler.add(b)
+    first = scheduler.schedule()
+    assert first.seqs == (a, b) and first.num_new_tokens == (10, 30)
+    scheduler.on_step_done(first)
+    a.append_token(5)
+    b.append_token(6)
+    scheduler.add(c)
+    plan = scheduler.schedule({a.seq_id: [7, 8, 9]})
+    assert plan.seqs == (b, a, c) and plan.num_new_tokens == (1, 4, 20)
+    assert plan.extra_token_ids == ((), (7, 8, 9), ())
+    scheduler.on_step_done(plan, {a.seq_id: 1})
+    assert (a.num_computed_tokens, b.num_computed_tokens) == (12, 31)
+    a.append_token(7)
+    a.append_token(4)
+    b.append_token(3)
+    cut = scheduler.schedule({a.seq_id: [1] * 60})  # a, the first running decode, takes the whole budget
+    assert cut.seqs == (a,) and cut.num_new_tokens == (40,) and cut.extra_token_ids == ((1,) * 39,)
+    with pytest.raises(ValueError):
+        StepPlan((a, b), (3, 1))

@@ -193,7 +193,7 @@ def v3(tiny_checkpoint):
 def test_a_prefix_evicted_from_the_device_pool_comes_back_from_host_ram(v3, caplog):
     caplog.set_level(logging.INFO, logger="mla_runtime")
     llm = small_llm(v3)
-    block = llm.engine.cache.block_bytes()
+    block = llm.engine.worker.cache.block_bytes()
     slots = 2**20 // block
     assert f"host tier: capacity {slots * block:,} B = {slots * BLOCK} tokens" in caplog.text
     assert "pageable memory), host RAM only: nothing survives a restart" in caplog.text
@@ -212,7 +212,7 @@ def test_a_prefix_evicted_from_the_device_pool_comes_back_from_host_ram(v3, capl
     assert s.prefix_host_hit_tokens - before.prefix_host_hit_tokens == FULL
     assert s.prefix_device_hit_tokens == before.prefix_device_hit_tokens and s.prefix_disk_hit_tokens == 0
     assert s.host is not None and s.host.hits_blocks == FULL // BLOCK and s.host.evictions == 0
-    assert s.host.bytes_loaded == FULL // BLOCK * llm.engine.cache.block_bytes()
+    assert s.host.bytes_loaded == FULL // BLOCK * llm.engine.worker.cache.block_bytes()
     info = llm.engine.info()
     assert info.host_capacity_bytes == s.host.capacity_bytes and info.host_capacity_tokens >= 100 * BLOCK
     metrics = {(sample.name, sample.labels["tier"]): sample.value for m in _tier_metrics(s, info)

@@ -29,12 +29,12 @@ def test_full_rank_reproduces_the_model(tiny_checkpoint):
 def test_truncated_cache_holds_r_values_per_token(tiny_checkpoint):
     ckpt, _ = tiny_checkpoint("v3")
     llm = LLM(str(ckpt), dtype="float32", max_model_len=128, block_size=16, kv_cache_memory="1MiB", latent_rank=12)
-    engine = llm.engine
-    assert engine.model_config.kv_lora_rank == 12
-    assert engine.bytes_per_token == (12 + 16) * 3 * 4
-    assert engine.cache.layers[0].kv.shape[-1] == 12 + 16
-    assert engine.cache.nbytes() == engine.pool.num_blocks * 16 * engine.bytes_per_token
-    assert engine.pool.num_blocks == (1 << 20) // (16 * engine.bytes_per_token)
+    engine, worker = llm.engine, llm.engine.worker
+    assert worker.model_config.kv_lora_rank == 12
+    assert worker.bytes_per_token == (12 + 16) * 3 * 4
+    assert worker.cache.layers[0].kv.shape[-1] == 12 + 16
+    assert worker.cache.nbytes() == engine.pool.num_blocks * 16 * worker.bytes_per_token
+    assert engine.pool.num_blocks == (1 << 20) // (16 * worker.bytes_per_token)
     out = llm.generate([{"prompt_token_ids": prompts([20])[0]}], SamplingParams(max_tokens=5, temperature=0))
     assert len(out[0].outputs[0].token_ids) == 5
     engine.pool.check_whole()

@@ -167,6 +167,7 @@ def test_weights_fingerprint_in_model_info(ops_server, text_checkpoint):  # noqa
             if line.startswith("mla_model_info{")][0]
     want = fingerprint({f.name: sha256_file(f) for f in text_checkpoint.glob("*.safetensors")})
     assert f'weights="{want}"' in info and 'weights_verified="true"' in info
+    assert 'attention_backend="cpu"' in info  # the backend the model attends through on this CPU
 
 
 # -- verified weights ---------------------------------------------------------------------------

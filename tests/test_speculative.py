@@ -91,7 +91,7 @@ def test_speculative_sampling_keeps_the_distribution():
     import torch
 
     from mla_runtime.engine.model_runner import ModelRunner
-    from mla_runtime.engine.scheduler import ScheduledBatch
+    from mla_runtime.engine.scheduler import StepPlan
     from mla_runtime.engine.sequence import Sequence
 
     p = [0.5, 0.3, 0.2, 0.0]
@@ -103,8 +103,8 @@ def test_speculative_sampling_keeps_the_distribution():
         for t in range(trials):
             seq = Sequence(seq_id=0, request_id="r", index=0, prompt_token_ids=[1], params=params,
                            output_token_ids=[1], generator=torch.Generator().manual_seed(t))
-            seq.num_computed_tokens, seq.block_table, seq.draft_token_ids = 1, [0], list(drafts)
-            sampled, _ = runner.execute(ScheduledBatch([seq], [3]))
+            seq.num_computed_tokens, seq.block_table = 1, [0]
+            sampled, _ = runner.run(StepPlan((seq,), (3,), (tuple(drafts),)))
             tokens = sampled[0].token_ids
             first[tokens[0]] += 1
             if len(tokens) > 1:  # the first draft was accepted: the next token is again a draw from p
@@ -180,14 +180,14 @@ class FixedLogits:
 def test_each_draft_position_is_sampled_with_the_drafts_before_it(params, drafts, expected):
 
     from mla_runtime.engine.model_runner import ModelRunner
-    from mla_runtime.engine.scheduler import ScheduledBatch
+    from mla_runtime.engine.scheduler import StepPlan
     from mla_runtime.engine.sequence import Sequence
 
     logits = [2.0, 1.95, 0.0, 2.5 if params.min_tokens else -1.0]
     runner = ModelRunner(FixedLogits(logits), seed=0)
     seq = Sequence(seq_id=0, request_id="r", index=0, prompt_token_ids=[2, 2], params=params, output_token_ids=[2])
-    seq.num_computed_tokens, seq.block_table, seq.draft_token_ids = 2, [0], list(drafts)
-    sampled, accepted = runner.execute(ScheduledBatch([seq], [1 + len(drafts)]))
+    seq.num_computed_tokens, seq.block_table = 2, [0]
+    sampled, accepted = runner.run(StepPlan((seq,), (1 + len(drafts),), (tuple(drafts),)))
     assert sampled[0].token_ids == expected
     assert accepted == {0: len(expected) - 1}
 

@@ -91,7 +91,7 @@ def test_capacity_matches_the_engine(swept):
     llm = LLM(str(ckpt), dtype="float32", max_model_len=64, block_size=BLOCK, kv_cache_memory=BUDGET,
               kv_cache_dtype="fp8", latent_rank=8)
     engine = llm.engine
-    assert engine.bytes_per_token == row.bytes_per_token
+    assert engine.worker.bytes_per_token == row.bytes_per_token
     assert engine.info().max_concurrent_tokens == row.max_concurrent_tokens
 
 

@@ -55,10 +55,10 @@ def test_two_ranks_equal_one_rank(tiny_checkpoint, reference, layout):
     assert stats.prefix_hit_tokens > 0
     assert stats.num_preemptions > 0
     # per-rank cache bytes: sharded keeps 1/N of every token's latent on each rank
-    assert engine.bytes_per_token == BYTES_PER_TOKEN
+    assert engine.worker.bytes_per_token == BYTES_PER_TOKEN
     expected_per_rank = BYTES_PER_TOKEN // 2 if layout == "sharded" else BYTES_PER_TOKEN
-    assert engine.bytes_per_token_per_rank == expected_per_rank
-    assert engine.cache.nbytes() == engine.pool.num_blocks * BLOCK * expected_per_rank
+    assert engine.worker.bytes_per_token_per_rank == expected_per_rank
+    assert engine.worker.cache.nbytes() == engine.pool.num_blocks * BLOCK * expected_per_rank
 
 
 def test_sharded_layout_fits_n_times_the_tokens(tiny_checkpoint):
@@ -68,7 +68,7 @@ def test_sharded_layout_fits_n_times_the_tokens(tiny_checkpoint):
     for layout in ("replicated", "sharded"):
         llm = LLM(str(path), dtype="float32", max_model_len=256, block_size=BLOCK, tensor_parallel_size=2,
                   latent_cache_layout=layout, kv_cache_memory=budget)
-        engines[layout] = (llm.engine.pool.num_blocks, llm.engine.cache.nbytes())
+        engines[layout] = (llm.engine.pool.num_blocks, llm.engine.worker.cache.nbytes())
         llm.shutdown()
     assert engines["sharded"][0] == 2 * engines["replicated"][0] == 80
     assert engines["sharded"][1] == engines["replicated"][1] == budget
@@ -153,8 +153,8 @@ def run_truncated(tp: int, layout: str, method: str, calibration: str):
                             SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0))
         engine = llm.engine
         engine.pool.check_whole()
-        widths = (engine.model_config.kv_lora_rank, engine.cache.layers[0].kv.shape[-1],
-                  engine.bytes_per_token_per_rank)
+        widths = (engine.worker.model_config.kv_lora_rank, engine.worker.cache.layers[0].kv.shape[-1],
+                  engine.worker.bytes_per_token_per_rank)
         samples = [o.outputs[0] for o in outs]
         return ([c.token_ids for c in samples], [lp[t] for c in samples for t, lp in zip(c.token_ids, c.logprobs)],
                 widths)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from mla_runtime.cache.disk_tier import DiskTierStats
 from mla_runtime.cache.host_tier import HostTierStats
 from mla_runtime.dtypes import dtype_name
+from mla_runtime.layers import cpu_gemm
 
 if TYPE_CHECKING:
     from mla_runtime.engine.block_pool import BlockPool
@@ -38,11 +39,12 @@ class TokenCounts:
         k = num_speculative_tokens
         return cls(method=method, drafts_by_position=[0] * k, accepted_by_position=[0] * k)
 
-    def count_drafts(self, seqs: Iterable[Sequence], accepted: dict[int, int]) -> None:
-        """Count a step's verified drafts: in all, and by position (the j-th draft counts as accepted when the
-        first j + 1 were)."""
-        for seq in seqs:
-            k, a = len(seq.draft_token_ids), accepted.get(seq.seq_id, 0)
+    def count_drafts(self, seqs: Iterable[Sequence], drafts: Iterable[tuple[int, ...]],
+                     accepted: dict[int, int]) -> None:
+        """Count a step's verified drafts (``drafts``: each sequence's): in all, and by position (the j-th draft
+        counts as accepted when the first j + 1 were)."""
+        for seq, verified in zip(seqs, drafts):
+            k, a = len(verified), accepted.get(seq.seq_id, 0)
             if not k:
                 continue
             self.spec_steps += 1
@@ -88,6 +90,8 @@ class EngineInfo:
     kv_cache_write_through: bool = False
     host_capacity_bytes: int = 0  # the host-RAM tier (0: off)
     host_capacity_tokens: int = 0
+    attention_backend: str = ""  # the model's attention backend (mla_runtime.attention): triton, torch, cpu, sharded
+    cpu_gemm: dict[str, str] = field(default_factory=dict)  # on a CPU: the matrix-product path chosen and why
 
     @classmethod
     def of(cls, worker: Worker, num_blocks: int, num_threads: int) -> EngineInfo:
@@ -104,7 +108,9 @@ class EngineInfo:
             activation_bytes=worker.activation_bytes, max_model_len=worker.max_model_len,
             max_concurrent_tokens=num_blocks * c.block_size, max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=worker.max_num_batched_tokens, device=str(worker.device), num_threads=num_threads,
-            weights_fingerprint=worker.weights_fingerprint, weights_verified=c.verify_weights)
+            weights_fingerprint=worker.weights_fingerprint, weights_verified=c.verify_weights,
+            attention_backend=worker.model.attention.name,
+            cpu_gemm=cpu_gemm.gemm_info(worker.model.dtype) if worker.device.type == "cpu" else {})
         host, disk = worker.host_tier, worker.disk_tier
         if host is not None:
             info = replace(info, host_capacity_bytes=host.capacity_bytes, host_capacity_tokens=host.capacity_tokens())

@@ -2,13 +2,15 @@
 
 Request lifecycle:
 1. ``add_request`` validates the prompt and parameters and queues one ``Sequence`` per sample;
-2. ``step`` asks the scheduler for a batch, the runner runs it on the worker(s) and samples, the scheduler
-   indexes the newly full blocks, and finished sequences hand their blocks back to the pool;
+2. ``step`` runs the step pipeline: the proposer drafts for the running decodes, the scheduler turns them and
+   its budget into a ``StepPlan``, the runner prepares it, executes it on the worker(s) and samples, the
+   proposer observes the step, the scheduler indexes the newly full blocks, and finished sequences hand their
+   blocks back to the pool;
 3. every request touched by the step gets a fresh ``RequestOutput`` (cumulative text and tokens);
 4. ``abort`` finishes a request at any stage and frees its blocks.
 
-The model, its cache and their sizing belong to the ``Worker`` (``engine/worker.py``); input and output
-processing to ``engine/requests.py``.
+The model, its cache and their sizing belong to the ``Worker`` (``engine/worker.py``: read them there,
+``engine.worker.cache``); input and output processing to ``engine/requests.py``.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ import time
 
 import torch
 
+from mla_runtime.config import ModelConfig
 from mla_runtime.engine.block_pool import BlockPool
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.engine.info import EngineInfo, EngineStats, TokenCounts
 from mla_runtime.engine.kv_tier import attach_lower_tier
 from mla_runtime.engine.model_runner import ModelRunner
+from mla_runtime.engine.proposer import make_proposer
 from mla_runtime.engine.requests import (
     PromptType,
     RequestState,
@@ -61,17 +65,18 @@ class LLMEngine:
         except BaseException:
             self.shutdown()
             raise
-        self.thread_tuner = ThreadTuner.for_engine(config.num_threads, self.device, tp)
-        self.pool = BlockPool(self.cache.num_blocks, config.block_size, config.enable_prefix_caching,
-                              config.cache_watermark)
-        self.kv_tier = attach_lower_tier(self.worker, self.pool, self.tp_group, config.kv_cache_write_through)
         w = self.worker
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, w.max_num_batched_tokens, w.max_model_len,
-                                   config.num_speculative_tokens, (config.prompt_lookup_max, config.prompt_lookup_min),
-                                   config.speculative_method)
+        assert w.cache is not None
+        self.thread_tuner = ThreadTuner.for_engine(config.num_threads, w.device, tp)
+        self.pool = BlockPool(w.cache.num_blocks, config.block_size, config.enable_prefix_caching,
+                              config.cache_watermark)
+        self.kv_tier = attach_lower_tier(w, self.pool, self.tp_group, config.kv_cache_write_through)
+        self.proposer = make_proposer(config, w, self.tp_group)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, w.max_num_batched_tokens,
+                                   self.proposer.trailing_slots)
         self.runner = ModelRunner(w, config.seed, self.tp_group, self.thread_tuner)
         self.requests: dict[str, RequestState] = {}
-        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.runner.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, w.model_config.vocab_size, self.runner.sampler.eos_token_ids)
         self._seq_ids = itertools.count()
         self.load_seconds = time.monotonic() - t0
         self.counts = TokenCounts.for_speculation(config.speculative_method, config.num_speculative_tokens)
@@ -97,14 +102,11 @@ class LLMEngine:
         if tp:
             tp.ready()
 
-    # the worker's model, cache and sizes, read often enough by callers to be named here
-    model = property(lambda self: self.worker.model)
-    cache = property(lambda self: self.worker.cache)
-    model_config = property(lambda self: self.worker.model_config)
-    device = property(lambda self: self.worker.device)
-    max_model_len = property(lambda self: self.worker.max_model_len)
-    bytes_per_token = property(lambda self: self.worker.bytes_per_token)
-    bytes_per_token_per_rank = property(lambda self: self.worker.bytes_per_token_per_rank)
+    @property
+    def model_config(self) -> ModelConfig:
+        """The served model's configuration (after latent-rank truncation), for callers outside the engine; the
+        rest of the model's facts are the worker's (``engine.worker``)."""
+        return self.worker.model_config
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
@@ -116,10 +118,10 @@ class LLMEngine:
         """Validate and tokenize a request into its state without touching the scheduler (safe to call from
         another thread than the one stepping the engine; a structured-outputs grammar is compiled here); ``submit``
         then queues it. Bad input raises ``InvalidParam`` (a ValueError naming the field)."""
-        params = params or SamplingParams()
+        params, w = params or SamplingParams(), self.worker
         text, ids = tokenize(self.tokenizer, prompt)
-        check_request(ids, params, self.model_config.vocab_size, self.max_model_len)
-        return new_request(request_id, text, ids, params, self.tokenizer, self._seq_ids, self.device, arrival_time,
+        check_request(ids, params, w.model_config.vocab_size, w.max_model_len)
+        return new_request(request_id, text, ids, params, self.tokenizer, self._seq_ids, w.device, arrival_time,
                            self.grammars)
 
     def submit(self, state: RequestState) -> RequestState:
@@ -147,18 +149,20 @@ class LLMEngine:
 
     # -- stepping ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
-        if not batch.seqs:
+        """propose → schedule → prepare → execute → sample → observe → bookkeeping."""
+        plan = self.scheduler.schedule(self.proposer.propose(self.scheduler.running))
+        if not plan.seqs:
             self.scheduler.relieve_cache_pressure()
             return []
         start = time.monotonic()
-        for seq in batch.seqs:
+        for seq in plan.seqs:
             state = self.requests.get(seq.request_id)
             if state is not None and state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = start
-        sampled, accepted = self.runner.execute(batch)
-        self.counts.count_drafts(batch.seqs, accepted)
-        self.scheduler.on_step_done(batch, accepted)
+        sampled, accepted = self.runner.run(plan)
+        self.proposer.observe(plan, sampled)  # before the bookkeeping: it reads the state the step started from
+        self.counts.count_drafts(plan.seqs, plan.extra_token_ids, accepted)
+        self.scheduler.on_step_done(plan, accepted)
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
         for new in sampled:
@@ -168,7 +172,7 @@ class LLMEngine:
             for token, lp in zip(new.token_ids, new.logprobs):
                 if new.seq.is_finished:  # a stop among a speculative step's tokens drops the rest
                     break
-                append_token(state, new.seq, token, lp, now, self.model_config, self.max_model_len,
+                append_token(state, new.seq, token, lp, now, self.worker.model_config, self.worker.max_model_len,
                              self.scheduler.finish)
                 self.counts.generation += 1
                 touched[state.request_id] = state

@@ -5,8 +5,8 @@ The MTP layer at position ``i`` reads the main model's hidden state ``h_i`` (aft
 so its latent rows live in the paged latent cache as one more layer, at the same slots as the main model's
 rows of the same positions. Its row at position ``i`` depends on tokens ``0 .. i + 1`` only.
 
-Each step, after the main model ran and the sampler chose the step's tokens, the runner sends the worker a
-``DraftInput`` (``draft_input``) and the worker (``Worker.draft``):
+Each step, after the main model ran and the sampler chose the step's tokens, the MTP proposer
+(``engine/proposer.py``) sends the worker a ``DraftInput`` (``draft_input``) and the worker (``Worker.draft``):
 
 1. runs the MTP layer over the rows the step computed — with the step's own batch and attention metadata, so
    the pass plans nothing — each fed the token after its position: a prefill chunk's next prompt tokens, or for
@@ -21,9 +21,9 @@ Each step, after the main model ran and the sampler chose the step's tokens, the
 The next step verifies the drafts exactly like prompt-lookup drafts (``engine/speculative.py``): greedy output
 is plain decoding's, sampled output keeps its distribution (the drafts are greedy, a deterministic proposal).
 Chained links write scratch rows past the sequence's end; the next step's MTP pass overwrites the ones that
-become real positions, as the main model's rows of rejected drafts are. The scheduler allocates the blocks the
-chain needs ahead when they are free (``lookahead``); a chain never costs another sequence a block, it gets
-shorter instead.
+become real positions, as the main model's rows of rejected drafts are. The scheduler reserves the blocks the
+chain needs past the sequence's end when they are free (the proposer's ``trailing_slots``); a chain never costs
+another sequence a block, it gets shorter instead.
 
 Prefix hits reuse the MTP rows of cached blocks. The row of a block's last position depends on the token after
 the block, which the sharing sequence may not have: such a row is slightly stale. That only changes which drafts
@@ -32,25 +32,22 @@ are proposed, never the output.
 
 from __future__ import annotations
 
-from mla_runtime.engine.scheduler import ScheduledBatch
-from mla_runtime.engine.sequence import Sequence
+from mla_runtime.engine.scheduler import StepPlan
 from mla_runtime.engine.worker import DraftInput
 
 
-def draft_input(batch: ScheduledBatch, order: list[int], gained: dict[int, list[int]], max_drafts: int,
-                block_size: int) -> tuple[DraftInput, list[Sequence]]:
-    """The MTP pass of a step that ran ``batch`` in ``order``; ``gained``: the tokens each sampled sequence
-    gains (accepted drafts, then the sampled token), by seq_id. Returns the input and its sequences."""
+def draft_input(plan: StepPlan, gained: dict[int, list[int]], max_drafts: int, block_size: int) -> DraftInput:
+    """The MTP pass of a step that ran ``plan`` (before its bookkeeping), one entry per sequence in the plan's
+    order; ``gained``: the tokens each sampled sequence gains (accepted drafts, then the sampled token), by
+    seq_id."""
     token_ids: list[int] = []
     last_rows: list[int] = []
     next_positions: list[int] = []
     tables: list[list[int]] = []
     wants: list[int] = []
-    seqs: list[Sequence] = []
     row = 0
-    for i in order:
-        seq, n = batch.seqs[i], batch.num_new_tokens[i]
-        c, k = seq.num_computed_tokens, len(seq.draft_token_ids)
+    for seq, n, drafts in zip(plan.seqs, plan.num_new_tokens, plan.extra_token_ids):
+        c, k = seq.num_computed_tokens, len(drafts)
         new = gained.get(seq.seq_id)
         if new is None:  # a prefill chunk before the prompt's end: the following tokens are the prompt's
             m, following, want = n, seq.token_ids[c + 1:c + n + 1], 0
@@ -66,6 +63,5 @@ def draft_input(batch: ScheduledBatch, order: list[int], gained: dict[int, list[
         next_positions.append(c + m)
         tables.append(seq.block_table)
         wants.append(want)
-        seqs.append(seq)
         row += n
-    return DraftInput(token_ids, last_rows, next_positions, tables, wants), seqs
+    return DraftInput(token_ids, last_rows, next_positions, tables, wants)

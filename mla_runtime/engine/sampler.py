@@ -21,6 +21,10 @@ by default.
 A seeded sequence draws from its own ``torch.Generator``, so its tokens do not depend on what else is
 in the batch. Draws use the exponential-race form of categorical sampling
 (``argmax(p / E)``, ``E ~ Exp(1)``), which needs one random number per vocabulary entry.
+
+``Sampler`` is a step's sampling on rank 0: one row per logit row (a speculative decode with k drafts has k + 1,
+row j sampled as if its first j drafts were already generated), and the state sampling keeps between steps: the
+penalised sequences' token counts, on the device (``PenaltyCounts``), and the default generator.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mla_runtime.engine.sequence import Sequence
 from mla_runtime.sampling_params import SamplingParams
 
 
@@ -205,3 +210,111 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     tokens = processed.argmax(dim=-1)
     _draw(processed, params, generators, default_generator, drafts, tokens)
     return SampleResult(tokens.tolist(), _logprobs(logits, params, tokens))
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """What one step gives a sequence: its new tokens, in order, and their log-probability entries."""
+
+    seq: Sequence
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]
+
+
+@dataclass
+class PenaltyCounts:
+    """One penalised sequence's tokens, kept on the device: ``counts [V]`` of its generated tokens and ``seen [V]``
+    (in the prompt or generated); ``catch_up`` adds the tokens generated since the last step."""
+
+    seq: Sequence
+    counts: torch.Tensor
+    seen: torch.Tensor
+    num_counted: int = 0
+
+    @classmethod
+    def new(cls, seq: Sequence, vocab: int, device: torch.device) -> PenaltyCounts:
+        seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+        seen[torch.tensor(seq.prompt_token_ids, dtype=torch.long, device=device)] = True
+        return cls(seq, torch.zeros(vocab, device=device), seen)
+
+    def catch_up(self) -> None:
+        new = self.seq.output_token_ids[self.num_counted:]
+        if new:
+            ids = torch.tensor(new, dtype=torch.long, device=self.counts.device)
+            self.counts.index_put_((ids,), torch.ones(len(new), device=self.counts.device), accumulate=True)
+            self.seen[ids] = True
+            self.num_counted += len(new)
+
+
+class Sampler:
+    """A step's sampling (see the module docstring); the penalised sequences' counts are kept by seq_id and
+    dropped once their sequence has finished."""
+
+    def __init__(self, eos_token_ids: list[int], device: torch.device, seed: int) -> None:
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.counts: dict[int, PenaltyCounts] = {}
+
+    def sample_step(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[tuple[int, ...]],
+                    masks: TokenMasks | None = None) -> tuple[list[Sampled], dict[int, int]]:
+        """``logits``: the rows of ``seqs``, k + 1 for a sequence with k ``drafts`` to verify. Returns what each
+        sequence gains — its drafts while the sampler returns them (accepted), then the sampler's token after them
+        — and the number of accepted drafts by seq_id, for the sequences that had any."""
+        params, gens, suppress, row_drafts = [], [], [], []
+        for seq, more in zip(seqs, drafts):
+            for j in range(len(more) + 1):
+                params.append(seq.params)
+                gens.append(seq.generator)
+                # a grammar decides alone when its output may end: min_tokens would contradict it
+                suppress.append([] if seq.grammar else self._stop_tokens(seq.params, len(seq.output_token_ids) + j))
+                row_drafts.append(more[j] if j < len(more) else None)
+        result = sample(logits, params, gens, self.generator, suppress=suppress, drafts=row_drafts,
+                        penalties=self._penalties(seqs, drafts, logits.shape[1]), masks=masks)
+        sampled, accepted, first_row = [], {}, 0
+        for seq, more in zip(seqs, drafts):
+            k = len(more)
+            tokens, lps = result.token_ids[first_row:first_row + k + 1], result.logprobs[first_row:first_row + k + 1]
+            first_row += k + 1
+            a = 0
+            while a < k and more[a] == tokens[a]:  # the sampler returned the draft: accepted
+                a += 1
+            if k:
+                accepted[seq.seq_id] = a
+            sampled.append(Sampled(seq, tokens[:a + 1], lps[:a + 1]))
+        return sampled, accepted
+
+    def _penalties(self, seqs: list[Sequence], drafts: list[tuple[int, ...]], vocab: int) -> Penalties | None:
+        """The token counts of the step's penalised rows, from the counts kept per sequence (each generated token is
+        added once); row j of a speculative decode also counts its first j drafts."""
+        for seq_id in [i for i, c in self.counts.items() if c.seq.is_finished]:
+            del self.counts[seq_id]
+        rows: list[tuple[int, PenaltyCounts]] = []
+        drafted_rows: list[int] = []
+        drafted_ids: list[int] = []
+        row = 0
+        for seq, more in zip(seqs, drafts):
+            if seq.params.penalised:
+                kept = self.counts.get(seq.seq_id) or self.counts.setdefault(
+                    seq.seq_id, PenaltyCounts.new(seq, vocab, self.device))
+                kept.catch_up()
+                for j in range(len(more) + 1):
+                    drafted_rows += [len(rows)] * j
+                    drafted_ids += more[:j]
+                    rows.append((row + j, kept))
+            row += len(more) + 1
+        if not rows:
+            return None
+        dev = self.device
+        counts = torch.stack([c.counts for _, c in rows])  # [R, V]
+        if drafted_ids:
+            counts.index_put_((torch.tensor(drafted_rows, device=dev), torch.tensor(drafted_ids, device=dev)),
+                              torch.ones(len(drafted_ids), device=dev), accumulate=True)
+        seen = torch.stack([c.seen for _, c in rows]) | (counts > 0)
+        return Penalties(torch.tensor([r for r, _ in rows], device=dev), counts, seen)
+
+    def _stop_tokens(self, params: SamplingParams, num_generated: int) -> list[int]:
+        """The tokens that would end a sequence with ``num_generated`` tokens but may not yet (min_tokens)."""
+        if num_generated >= params.min_tokens:
+            return []
+        return ([] if params.ignore_eos else self.eos_token_ids) + list(params.stop_token_ids or [])

@@ -14,30 +14,57 @@ Between steps ``relieve_cache_pressure`` frees idle cached prefix blocks above t
 first), so admissions take plain free blocks instead of evicting inside a step; running sequences keep
 their blocks, so running work still fills the cache to 100 %.
 
-With speculative decoding on, a decode also carries its draft tokens (``engine/speculative.py``, or the ones
-the MTP layer proposed in the sequence's previous step, ``engine/mtp.py``):
-they take budget and cache slots like any token, and ``on_step_done`` counts only the ones the model
-accepted as computed — the latents written for rejected drafts lie past the sequence's end and are
-overwritten by the tokens that really come there.
+A running decode may bring extra tokens after its last one (``schedule(extra)``: tokens to verify, chosen
+before the step by someone else): they take budget and cache slots like any token, cut to what the budget
+has left and dropped when their blocks are not free (they never cost another sequence its blocks);
+``on_step_done`` counts only the ones the step accepted as computed — the latents written for the others lie
+past the sequence's end and are overwritten by the tokens that really come there. ``trailing_slots``: blocks
+for that many slots past the end of each sequence that reaches its end in a step, taken only while free, for
+what runs after the step and writes there.
 
-The scheduler deals only in sequences, token counts and block ids.
+The scheduler deals only in sequences, token counts and block ids, and hands the step on as a ``StepPlan``.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from mla_runtime.engine.block_pool import BlockPool, block_hash
 from mla_runtime.engine.sequence import Sequence, SequenceStatus
-from mla_runtime.engine.speculative import propose
 
 
-@dataclass
-class ScheduledBatch:
-    seqs: list[Sequence] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's work, in the order the model runs it — the only place that order is decided.
+
+    Order: fewest new tokens first, stable among equals (so in the order the scheduler took them): one-token
+    decodes, then decodes with extra tokens to verify, then prefill chunks. Why: on CPU the absorbed-attention
+    decode kernels plan their gather once for the leading run of short rows and take the longer chunks after it
+    as a batch of their own (the attention metadata's CPU decode plan), so the decodes must lead. Every stage after
+    the scheduler keeps this order: the step's token rows, logit rows, sampler rows and grammar masks, the work
+    after the step and the sampled results all follow it.
+    """
+
+    seqs: tuple[Sequence, ...] = ()
+    num_new_tokens: tuple[int, ...] = ()  # tokens each sequence computes in the step, its extra tokens included
+    extra_token_ids: tuple[tuple[int, ...], ...] = ()  # each one's tokens after its last, to verify (default: none)
+
+    def __post_init__(self) -> None:
+        if not self.extra_token_ids:
+            object.__setattr__(self, "extra_token_ids", ((),) * len(self.seqs))
+        n = self.num_new_tokens
+        if not len(self.seqs) == len(n) == len(self.extra_token_ids) or any(a > b for a, b in zip(n, n[1:])):
+            raise ValueError("a StepPlan holds one count and one extra-token tuple per sequence, fewest tokens first")
+
+    @classmethod
+    def ordered(cls, seqs: list[Sequence], num_new_tokens: list[int], extra: list[tuple[int, ...]]) -> StepPlan:
+        """The plan of ``seqs`` (as the scheduler took them) in the step's order (see the class docstring)."""
+        order = sorted(range(len(seqs)), key=num_new_tokens.__getitem__)
+        return cls(tuple(seqs[i] for i in order), tuple(num_new_tokens[i] for i in order),
+                   tuple(extra[i] for i in order))
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -48,17 +75,13 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int = 0,
-                 num_speculative_tokens: int = 0, prompt_lookup: tuple[int, int] = (3, 1),
-                 speculative_method: str = "prompt_lookup") -> None:
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
+                 trailing_slots: int = 0) -> None:
         self.pool = pool
-        self.speculative_method = speculative_method
-        self.max_model_len = max_model_len
-        self.num_speculative_tokens = num_speculative_tokens
-        self.prompt_lookup = prompt_lookup  # (longest, shortest) suffix to look up
         self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.trailing_slots = trailing_slots
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -96,8 +119,6 @@ class Scheduler:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
-        seq.draft_token_ids = []
-        seq.mtp_draft_ids = []
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -144,8 +165,11 @@ class Scheduler:
         return freed
 
     # -- one step ------------------------------------------------------------------------------
-    def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
+    def schedule(self, extra: Mapping[int, list[int]] | None = None) -> StepPlan:
+        """The next step; ``extra``: tokens a running one-token decode brings after its last one, by seq_id."""
+        seqs: list[Sequence] = []
+        counts: list[int] = []
+        extras: list[tuple[int, ...]] = []
         budget = self.max_num_batched_tokens
         preempted = False
         # decodes first, then unfinished prefills: a long prompt never stalls running decodes
@@ -157,16 +181,12 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_uncomputed, budget)
-            seq.draft_token_ids = self._drafts(seq, budget - 1) if n == seq.num_uncomputed == 1 else []
-            if seq.draft_token_ids and (self._blocks_for(seq.num_computed_tokens + n + len(seq.draft_token_ids))
-                                        - len(seq.block_table) > self.pool.num_free_blocks):
-                seq.draft_token_ids = []  # drafts never cost another sequence its blocks
-            n += len(seq.draft_token_ids)
+            more = self._extra_for(seq, budget, extra) if extra else ()
+            n = min(seq.num_uncomputed, budget) + len(more)
             need = self._blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
             while need > self.pool.num_free_blocks:
                 victims = [v for v in self.running if v.seq_id not in scheduled]
-                victim = victims[-1]  # the most recently admitted one not already in this batch
+                victim = victims[-1]  # the most recently admitted one not already in this step
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
@@ -175,66 +195,70 @@ class Scheduler:
                 continue
             seq.block_table += self.pool.allocate(need)
             scheduled.add(seq.seq_id)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
+            seqs.append(seq)
+            counts.append(n)
+            extras.append(more)
             budget -= n
-
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            seq = self.waiting[0]
-            if self._waits_for_sibling(seq):
+            n = self._admit(budget)
+            if not n:
                 break
-            if not seq.block_table:
-                self._admit_prefix(seq)
-            n = min(seq.num_uncomputed, budget)
-            need = self._blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
-            if need > self.pool.num_free_blocks:
-                self._release(seq)  # give the prefix hits back; retry next step
-                break
-            seq.block_table += self.pool.allocate(need)
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
+            seqs.append(self.running[-1])
+            counts.append(n)
+            extras.append(())
             budget -= n
-        if self.speculative_method == "mtp" and self.num_speculative_tokens > 1:
-            self._lookahead(batch)
-        return batch
+        if self.trailing_slots:
+            self._reserve_trailing(seqs, counts)
+        return StepPlan.ordered(seqs, counts, extras)
 
-    def _lookahead(self, batch: ScheduledBatch) -> None:
-        """Blocks for the slots the MTP layer's chained drafts write after a sampled step (``engine/mtp.py``),
-        taken only while free: a chain that finds none is shorter, no sequence is preempted for it."""
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+    def _extra_for(self, seq: Sequence, budget: int, extra: Mapping[int, list[int]]) -> tuple[int, ...]:
+        """A one-token decode's extra tokens, cut to the budget its own token leaves; none when their blocks are
+        not free."""
+        if seq.num_uncomputed != 1:
+            return ()
+        more = tuple(extra.get(seq.seq_id, ())[:budget - 1])
+        if more and self._blocks_for(seq.num_computed_tokens + 1 + len(more)) - len(seq.block_table) \
+                > self.pool.num_free_blocks:
+            return ()
+        return more
+
+    def _admit(self, budget: int) -> int:
+        """Admit the first waiting sequence with up to ``budget`` of its tokens; the count (0: it must wait)."""
+        seq = self.waiting[0]
+        if self._waits_for_sibling(seq):
+            return 0
+        if not seq.block_table:
+            self._admit_prefix(seq)
+        n = min(seq.num_uncomputed, budget)
+        need = self._blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
+        if need > self.pool.num_free_blocks:
+            self._release(seq)  # give the prefix hits back; retry next step
+            return 0
+        seq.block_table += self.pool.allocate(need)
+        self.waiting.popleft()
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return n
+
+    def _reserve_trailing(self, seqs: list[Sequence], counts: list[int]) -> None:
+        """Blocks for ``trailing_slots`` slots past the end of each sequence that reaches its end, in the order
+        the sequences were taken, while free: no sequence is preempted for them."""
+        for seq, n in zip(seqs, counts):
             if seq.num_computed_tokens + n < seq.num_tokens:
-                continue  # a prefill chunk before the prompt's end: nothing is sampled, no chain
-            need = self._blocks_for(seq.num_computed_tokens + n + self.num_speculative_tokens - 1) \
-                - len(seq.block_table)
+                continue  # a prefill chunk before the prompt's end: nothing runs past it
+            need = self._blocks_for(seq.num_computed_tokens + n + self.trailing_slots) - len(seq.block_table)
             if 0 < need <= self.pool.num_free_blocks:
                 seq.block_table += self.pool.allocate(need)
 
-    def _drafts(self, seq: Sequence, room: int) -> list[int]:
-        """Draft tokens for a decode: at most ``room``, never past max_tokens or max_model_len."""
-        p = seq.params
-        k = min(self.num_speculative_tokens, room, p.max_tokens - len(seq.output_token_ids) - 1,
-                self.max_model_len - seq.num_tokens - 1 if self.max_model_len else room)
-        if k < 1:
-            return []
-        if self.speculative_method == "mtp":
-            return seq.mtp_draft_ids[:k]
-        longest, shortest = self.prompt_lookup
-        drafts = propose(seq.token_ids, k, longest, shortest)
-        return seq.grammar.valid_prefix(drafts) if seq.grammar is not None else drafts  # never verify a violation
-
-    def on_step_done(self, batch: ScheduledBatch, accepted: dict[int, int] | None = None) -> None:
-        """Advance computed counts and index newly completed full blocks in the prefix cache; ``accepted``:
-        how many draft tokens the model confirmed, by seq_id (only those count as computed)."""
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+    def on_step_done(self, plan: StepPlan, accepted: Mapping[int, int] | None = None) -> None:
+        """Advance computed counts and index newly completed full blocks in the prefix cache; ``accepted``: how
+        many of a sequence's extra tokens the step confirmed, by seq_id (only those count as computed)."""
+        for seq, n, more in zip(plan.seqs, plan.num_new_tokens, plan.extra_token_ids):
             tokens = seq.token_ids
-            if seq.draft_token_ids:
+            if more:
                 a = (accepted or {}).get(seq.seq_id, 0)
-                n -= len(seq.draft_token_ids) - a
-                tokens = tokens + seq.draft_token_ids[:a]  # the engine appends them after this
-                seq.draft_token_ids = []
+                n -= len(more) - a
+                tokens = tokens + list(more[:a])  # the engine appends them after this
             seq.num_computed_tokens += n
             self.num_computed_tokens_total += n
             while len(seq.block_hashes) < seq.num_computed_tokens // self.block_size:

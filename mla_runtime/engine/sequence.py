@@ -42,9 +42,9 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0
     share_prefix_with: Sequence | None = None  # sample 1 of the same request (n > 1)
-    draft_token_ids: list[int] = field(default_factory=list)  # this step's speculative tokens (after the last)
     grammar: GrammarState | None = None  # structured outputs: the output's position in its grammar
-    mtp_draft_ids: list[int] = field(default_factory=list)  # the MTP layer's drafts for the next step
+    # the MTP layer's drafts for the next step (engine/proposer.py: written after every step that samples it)
+    mtp_draft_ids: list[int] = field(default_factory=list)
     stop_text_from: int = 0  # stop strings count from here in the output text (set when min_tokens is reached)
 
     token_ids: list[int] = field(init=False)  # prompt then output: kept whole, so a step reads it in O(1)

@@ -1,10 +1,11 @@
 """Speculative decoding by prompt lookup: draft tokens copied from the sequence's own past.
 
 A decode step of a small batch on a CPU streams every weight once whatever the number of tokens, so
-checking ``k`` guessed tokens costs little more than computing one. For each decode the scheduler asks
-``propose`` for up to ``k`` drafts: the longest suffix of the sequence (``prompt_lookup_max`` down to
-``prompt_lookup_min`` tokens) that occurred earlier, and the tokens that followed its latest earlier
-occurrence — the pattern of code edits, quotes and retrieval answers, which repeat their context. The
+checking ``k`` guessed tokens costs little more than computing one. For each decode the prompt-lookup
+proposer (``engine/proposer.py``) asks ``propose`` for up to ``k`` drafts: the longest suffix of the sequence
+(``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens) that occurred earlier, and the tokens that
+followed its latest earlier occurrence — the pattern of code edits, quotes and retrieval answers, which repeat
+their context. The
 step runs the last token and the drafts together and samples every position, position j as if drafts
 ``[:j]`` were already generated; drafts are kept while the sampler accepts them (``sampler.sample``:
 greedy rows when the draft is the argmax, random rows with probability ``p(draft)``), and the first

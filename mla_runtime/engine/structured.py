@@ -150,8 +150,8 @@ class MaskBuilder:
         self.mask_seconds: deque[tuple[float, int]] = deque(maxlen=max_records)  # (seconds, rows) per step
         self.wait_seconds: deque[float] = deque(maxlen=max_records)
 
-    def start(self, seqs: list[Sequence]) -> Future[TokenMasks] | None:
-        """Begin the masks of ``seqs`` (in the step's row order, k + 1 rows per sequence with k drafts); None
+    def start(self, seqs: list[Sequence], drafts: list[tuple[int, ...]]) -> Future[TokenMasks] | None:
+        """Begin the masks of ``seqs`` (in the step's row order, k + 1 rows per sequence with k ``drafts``); None
         when no sequence is constrained."""
         if not any(s.grammar is not None for s in seqs):
             return None
@@ -160,19 +160,19 @@ class MaskBuilder:
 
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="mla-masks")
             self._executor = llguidance.LLExecutor(max(1, min(8, (os.cpu_count() or 2) // 2)))
-        return self._pool.submit(self._compute, seqs)
+        return self._pool.submit(self._compute, seqs, drafts)
 
-    def _compute(self, seqs: list[Sequence]) -> TokenMasks:
+    def _compute(self, seqs: list[Sequence], drafts: list[tuple[int, ...]]) -> TokenMasks:
         t0 = time.perf_counter()
         plain: list[tuple[llguidance.LLMatcher, int]] = []
         drafted: list[tuple[llguidance.LLMatcher, int, list[int]]] = []
         rows: list[int] = []
         first = 0
-        for seq in seqs:
-            k = len(seq.draft_token_ids)
+        for seq, more in zip(seqs, drafts):
+            k = len(more)
             if seq.grammar is not None:
                 if k:
-                    drafted.append((seq.grammar.matcher, len(rows), list(seq.draft_token_ids)))
+                    drafted.append((seq.grammar.matcher, len(rows), list(more)))
                 else:
                     plain.append((seq.grammar.matcher, len(rows)))
                 rows.extend(range(first, first + k + 1))

@@ -19,7 +19,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from mla_runtime.engine.info import EngineInfo, EngineStats
-from mla_runtime.layers import cpu_gemm
 
 OUTCOMES = ("success", "invalid", "unauthorized", "too_large", "rejected", "timeout", "stalled",
             "client_disconnect", "aborted", "error")
@@ -141,13 +140,13 @@ class EngineCollector(Collector):
                     "(compare with process_resident_memory_bytes)", self.memory_limit)
         info = GaugeMetricFamily("mla_model_info", "Served model, cache layout and the weights' sha256 fingerprint "
                                  "(value 1)", labels=["model", "dtype", "cache_dtype", "layers", "heads", "d_c", "d_r",
-                                                      "block_size", "weights", "weights_verified"])
+                                                      "block_size", "weights", "weights_verified", "attention_backend"])
         info.add_metric([self.served_name] + [str(getattr(d, k)) for k in ("dtype", "cache_dtype", "layers", "heads",
                                                                            "d_c", "d_r", "block_size")]
-                        + [d.weights_fingerprint or "unknown", str(d.weights_verified).lower()], 1)
+                        + [d.weights_fingerprint or "unknown", str(d.weights_verified).lower(), d.attention_backend], 1)
         yield info
-        if d.device == "cpu":
-            gemm = cpu_gemm.gemm_info(d.dtype)
+        if d.cpu_gemm:
+            gemm = d.cpu_gemm
             family = GaugeMetricFamily("mla_cpu_gemm_info", "CPU matrix-product path chosen by the load-time probe "
                                        "for the model's weight dtype, its compute dtype and why (value 1)",
                                        labels=list(gemm))

@@ -150,9 +150,9 @@ class ServingRuntime:
 
     def _log_summary(self, d: EngineInfo, load_seconds: float) -> None:
         c = self.config
-        logger.info("model %s (%s, from %s): %d layers, %d heads, d_c=%d, d_r=%d, dtype %s, loaded in %.1f s",
-                    c.served_model_name, d.family, d.checkpoint, d.layers, d.heads, d.d_c, d.d_r, d.dtype,
-                    load_seconds)
+        logger.info("model %s (%s, from %s): %d layers, %d heads, d_c=%d, d_r=%d, dtype %s, attention backend %s, "
+                    "loaded in %.1f s", c.served_model_name, d.family, d.checkpoint, d.layers, d.heads, d.d_c, d.d_r,
+                    d.dtype, d.attention_backend, load_seconds)
         state = "verified" if d.weights_verified else "from the manifest, not checked (--verify-weights checks it)"
         logger.info("weights fingerprint %s", f"{d.weights_fingerprint} ({state})" if d.weights_fingerprint
                     else "unknown: the checkpoint has no sha256 manifest (write one with `mla-runtime hash`)")
