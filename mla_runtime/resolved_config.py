@@ -3,7 +3,8 @@
 ``EngineConfig`` says what the user asked for (``dtype="auto"``, no device, no attention backend); the ``Worker``
 resolves it against the checkpoint and the machine (``engine/worker.py``) and ``loader.load_model`` does the same for
 a model loaded on its own. Every layer then reads the one frozen object it was built with: the model's shape, the
-weight dtype and device, this rank's place under tensor parallelism and the attention backend (``attention``).
+weight dtype and device, this rank's place under tensor parallelism and the attention backend (``attention``). The
+Worker's record also holds what it sized: the cache dtype and block, ``max_model_len`` and the step's budgets.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from mla_runtime.config import ModelConfig
+from mla_runtime.dtypes import CacheDtype
 from mla_runtime.options import ATTENTION_PATHS
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 
@@ -27,6 +29,13 @@ class ResolvedConfig:
     attention_path: str = "auto"  # "auto" (by FLOP count per step), "naive" or "absorbed"
     num_mtp_layers: int = 0  # DeepSeek-V3's multi-token-prediction layers built after the decoder's
     quantization: str | None = None  # the products' weight format (None: ``dtype``)
+    # the engine's (a model loaded on its own has none): the latent cache's element type and block, the lengths and
+    # budgets of a step
+    cache_dtype: CacheDtype | None = None
+    block_size: int = 64
+    max_model_len: int = 0
+    max_num_batched_tokens: int = 0
+    max_num_seqs: int = 0
 
     def __post_init__(self) -> None:
         if self.attention_path not in ATTENTION_PATHS:

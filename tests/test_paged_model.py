@@ -1,5 +1,6 @@
-"""The whole model through the paged latent cache, on both kernel backends, equals transformers;
-quantised caches stay within a bounded logit error of the 16-bit cache."""
+"""The whole model through the paged latent cache, through each attention backend (the torch reference, Triton and
+the CPU backend's planned and compiled decodes), equals transformers; quantised caches stay within a bounded logit
+error of the 16-bit cache. (The sharded backend's reference test is in test_tensor_parallel.py.)"""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from mla_runtime.loader import load_model
 from tests.model_utils import PagedRunner, hf_logits
 from tests.test_model_parity import prompts, rel_err
 
-BACKENDS = ["torch", "triton"]
+BACKENDS = ["torch", "triton", "cpu"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -37,6 +38,20 @@ def test_prefix_then_decode_matches_transformers(tiny_checkpoint, backend, path)
             logits[i].append(lg)
     for i, p in enumerate(ps):
         assert rel_err(torch.cat(logits[i]), hf_logits(hf, p)) <= 1e-4
+
+
+def test_each_backend_name_resolves_for_its_device(tiny_checkpoint):
+    from mla_runtime import attention
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert attention.resolve(None, cpu) == "cpu" and attention.resolve(None, cuda) == "triton"
+    assert attention.resolve("torch", cuda) == "torch"
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        attention.resolve("cpu", cuda)
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        attention.resolve("flash", cpu)
+    ckpt, _ = tiny_checkpoint("v3")
+    assert [load_model(ckpt, dtype="float32", backend=b).attention.name for b in (None, "torch")] == ["cpu", "torch"]
 
 
 @pytest.mark.parametrize("cache_dtype, median_bound, min_agree", [(torch.int8, 0.02, 0.95),

@@ -40,10 +40,9 @@ HOST_PLAN_MAX_ENTRIES = 8192
 
 
 class CpuBackend(PagedBackend):
-    name = "cpu"
-
     def __init__(self, path: str = "auto") -> None:
         super().__init__("torch", path)
+        self.name = "cpu"
 
     def prepare_layer(self, attn: MLAttention) -> None:
         """A layer whose absorbed weights are float32 takes the compiled decode kernels where they build."""

@@ -31,9 +31,8 @@ if TYPE_CHECKING:
 class PagedBackend:
     """Attention through ``mla_kernels`` with ``kernels`` ("triton" or "torch") and a path (``auto`` by cost)."""
 
-    name = "paged"
-
     def __init__(self, kernels: str, path: str = "auto") -> None:
+        self.name = kernels  # the registry's name (attention.BACKENDS): triton or torch
         self.kernels = kernels
         self.path = path
 

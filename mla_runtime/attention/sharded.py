@@ -24,10 +24,9 @@ if TYPE_CHECKING:
 
 
 class ShardedBackend(PagedBackend):
-    name = "sharded"
-
     def __init__(self, kernels: str, par: ParallelContext) -> None:
         super().__init__(kernels, "absorbed")
+        self.name = "sharded"
         self.par = par
 
     def prepare(self, batch: ForwardBatch, rope: RopeTables, dims: AttentionDims, cache: LatentCache

@@ -125,10 +125,6 @@ class Worker:
         check_tensor_parallel(cfg, tp, config.block_size, config.latent_cache_layout)
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() and tp == 1 else "cpu"))
         self.dtype = resolve_model_dtype(config.dtype, cfg, self.device)
-        # what the model is built from: the checkpoint's shape and the settings resolved for this machine
-        self.resolved = ResolvedConfig(self.checkpoint_config, self.dtype, self.device, par,
-                                       attention.resolve(config.attention_backend, self.device), config.attention_path,
-                                       self.num_mtp_layers, self.quantization)
         self.cache_dtype: CacheDtype = resolve_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
@@ -136,6 +132,12 @@ class Worker:
                              f"({cfg.max_position_embeddings})")
         self.max_num_batched_tokens = config.max_num_batched_tokens or default_max_num_batched_tokens(
             self.max_model_len, config.max_num_seqs)
+        # what the model is built from: the checkpoint's shape and the settings resolved for this machine, once
+        self.resolved = ResolvedConfig(
+            self.checkpoint_config, self.dtype, self.device, par, attention.resolve(config.attention_backend,
+                                                                                     self.device),
+            config.attention_path, self.num_mtp_layers, self.quantization, self.cache_dtype, config.block_size,
+            self.max_model_len, self.max_num_batched_tokens, config.max_num_seqs)
         cache_layers = cfg.with_overrides(num_hidden_layers=cfg.num_hidden_layers + self.num_mtp_layers)
         self.bytes_per_token = latent_bytes_per_token(cache_layers, self.cache_dtype.dtype, self.dtype)
         sharded = tp > 1 and config.latent_cache_layout == "sharded"
