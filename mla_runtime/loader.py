@@ -40,6 +40,7 @@ from mla_runtime import attention
 from mla_runtime.compressed import is_stored_compressed, read_stored, stored_names
 from mla_runtime.config import ModelConfig
 from mla_runtime.errors import InvalidParam
+from mla_runtime.layers.cpu_gemm import resolve_cpu_dtype
 from mla_runtime.layers.fp8 import Fp8Weight
 from mla_runtime.layers.quantization import (
     WEIGHT_FORMATS,
@@ -599,11 +600,15 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", attention_pa
                quantization: str | None = None) -> DeepseekForCausalLM:
     """Build the model (this rank's shard, with ``num_mtp_layers`` MTP layers) from ``<path>/config.json`` and
     load its safetensors weights straight into their final form (``load_resolved``): the settings resolved here the
-    way the engine's ``Worker`` resolves them (``dtype="auto"``: ``plan.resolve_model_dtype``; ``backend`` None:
+    way the engine's ``Worker`` resolves them (``dtype="auto"``: the checkpoint's, or on a CPU
+    ``cpu_gemm.resolve_cpu_dtype``; ``backend`` None:
     the device's attention backend)."""
     cfg = ModelConfig.from_pretrained(path)
     dev = torch.device(device)
-    rc = ResolvedConfig(cfg, resolve_model_dtype(dtype, cfg, dev), dev, par, attention.resolve(backend, dev),
+    model_dtype = resolve_model_dtype(dtype, cfg)
+    if dev.type == "cpu":
+        model_dtype = resolve_cpu_dtype(dtype, model_dtype)
+    rc = ResolvedConfig(cfg, model_dtype, dev, par, attention.resolve(backend, dev),
                         attention_path, num_mtp_layers, check_quantization(quantization))
     return load_resolved(path, rc)
 

@@ -40,7 +40,6 @@ cache cannot hold the sequences, 2 on bad input or when the weights alone do not
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import sys
 from collections.abc import Sequence
@@ -54,20 +53,16 @@ from mla_runtime.config import PRESET_DIR, ModelConfig
 from mla_runtime.dtypes import CACHE_DTYPES, MODEL_DTYPES, CacheDtype, dtype_name, resolve_cache_dtype
 from mla_runtime.help_format import DefaultsHelpFormatter
 from mla_runtime.options import LATENT_CACHE_LAYOUTS, WEIGHT_QUANTIZATIONS, parse_bytes  # defined without torch
+from mla_runtime.resolved_config import CpuLayouts
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 MIN_DEFAULT_BATCHED_TOKENS = 2048
 ACTIVATION_OVERHEAD_BYTES = 256 * 2**20
 
 
-def resolve_model_dtype(dtype: str | torch.dtype, config: ModelConfig,
-                        device: str | torch.device | None = None) -> torch.dtype:
-    """``"auto"`` → the checkpoint's ``torch_dtype``; FP8 checkpoints load (dequantised) at that dtype.
-
-    On a CPU ``device``, ``"auto"`` keeps a half-precision checkpoint's dtype only where the CPU computes
-    in it natively and its fast path passed the probe (``cpu_gemm.cpu_auto_dtype``), else float32; the
-    choice and its reason are logged. Without a device (the planner) or on a GPU it is the checkpoint's.
-    """
+def resolve_model_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
+    """``"auto"`` → the checkpoint's ``torch_dtype``; FP8 checkpoints load (dequantised) at that dtype. (On a CPU, the
+    loader and the Worker then ask ``layers.cpu_gemm.resolve_cpu_dtype`` whether this CPU keeps half precision.)"""
     if isinstance(dtype, torch.dtype):
         if dtype not in MODEL_DTYPES.values():
             raise ValueError(f"dtype: weights load as float32/bfloat16/float16, got {dtype}")
@@ -76,14 +71,7 @@ def resolve_model_dtype(dtype: str | torch.dtype, config: ModelConfig,
     if name not in MODEL_DTYPES:
         field = "config torch_dtype" if dtype == "auto" else "dtype"
         raise ValueError(f"{field}: unsupported model dtype {name!r} (use one of {', '.join(MODEL_DTYPES)})")
-    if dtype != "auto" or device is None or torch.device(device).type != "cpu":
-        return MODEL_DTYPES[name]
-    from mla_runtime.layers.cpu_gemm import cpu_auto_dtype  # the probe: only where a CPU model is loaded
-
-    chosen, why = cpu_auto_dtype(MODEL_DTYPES[name])
-    logging.getLogger("mla_runtime").info('dtype "auto" on this CPU: %s (checkpoint torch_dtype %s): %s',
-                                          str(chosen).removeprefix("torch."), name, why)
-    return chosen
+    return MODEL_DTYPES[name]
 
 
 # -- bytes per token -----------------------------------------------------------------------------
@@ -298,17 +286,8 @@ class WeightFootprint:
         return self.float_bytes + self.quantized_bytes + self.absorbed_bytes + self.packed_bytes
 
 
-def _cpu_layouts(dtype: torch.dtype) -> tuple[int, bool]:
-    """(extra bytes per float weight element on this CPU, whether the compiled one-row kernels run): the probes the
-    model's ``prepare_inference`` also runs (``cpu_gemm``)."""
-    from mla_runtime.layers.cpu_gemm import PROBED_DTYPES, gemm_choice, row_kernel_failure
-
-    extra = gemm_choice(dtype).extra_bytes_per_element if dtype in PROBED_DTYPES else 0
-    return extra, row_kernel_failure() is None
-
-
 def weight_footprint(config: ModelConfig, dtype: str | torch.dtype = "auto", tensor_parallel_size: int = 1,
-                     quantization: str | None = None, *, device: str | torch.device | None = None,
+                     quantization: str | None = None, *, cpu: CpuLayouts | None = None,
                      num_mtp_layers: int = 0, latent_cache_layout: str = "replicated") -> WeightFootprint:
     """What one rank's weights hold once loaded (``loader.load_model``, then ``finish_quantization``), by part.
 
@@ -323,21 +302,22 @@ def weight_footprint(config: ModelConfig, dtype: str | torch.dtype = "auto", ten
       (``n_h·(d_n + d_v)·d_c`` values): bfloat16 with ``quantization`` where the compiled CPU decode kernel runs
       (a float32 model on a CPU that builds it, replicated cache), else the model dtype.
     - Embedding, norms (and biases) in the model dtype; the MoE router and its correction bias in float32.
-    - ``device`` a CPU only: each float matrix's second layout, ``cpu_gemm.GemmChoice.extra_bytes_per_element`` a
-      value as probed on this machine (oneDNN's blocked copy, or a float32 copy; 0 on the ``plain`` path), and where
+    - ``cpu`` (a CPU's probed layouts, ``layers.cpu_gemm.cpu_layouts``) only: each float matrix's second layout,
+      ``extra_bytes_per_element`` (oneDNN's blocked copy, or a float32 copy; 0 on the ``plain`` path), and where
       ``q_a_proj`` and ``kv_a_proj_with_mqa`` run stacked, their stacked copy; where the compiled one-row kernels
-      run, int8 matrices' float32 copy of their scales (4 bytes a row). On a GPU, or without ``device`` (a plan for
-      no particular machine), none of these is counted.
+      run, int8 matrices' float32 copy of their scales (4 bytes a row). On a GPU, or without ``cpu`` (a plan for no
+      particular machine), none of these is counted.
     - ``num_mtp_layers``: the MTP layers' decoder blocks, ``eh_proj`` and norms (the embedding and head are shared).
 
     Not counted: RoPE tables and the MTP drafts' head rows (small), and the 1-element stand-ins of released weights.
     """
     tp = tensor_parallel_size
     scheme = check_weight_quantization(quantization) or config.stored_quantization  # a pre-quantised checkpoint's
-    on_cpu = device is not None and torch.device(device).type == "cpu"
-    model_dtype = resolve_model_dtype(dtype, config, device)
+    model_dtype = resolve_model_dtype(dtype, config)
     element = model_dtype.itemsize
-    extra, row_kernels = _cpu_layouts(model_dtype) if on_cpu else (0, False)
+    if cpu is not None and cpu.dtype != model_dtype:
+        raise ValueError(f"cpu: layouts probed for {cpu.dtype} weights, not {model_dtype}")
+    extra, row_kernels = (cpu.extra_bytes_per_element, cpu.row_kernels) if cpu is not None else (0, False)
     decode_kernel = row_kernels and model_dtype == torch.float32 and not (latent_cache_layout == "sharded" and tp > 1)
     row_scales = row_kernels and scheme == "int8"  # Int8Weight.row_scales: float32 scales for the row kernels
     checkpoint_fp8 = scheme is None and config.fp8_block_size is not None
@@ -399,11 +379,11 @@ def weight_footprint(config: ModelConfig, dtype: str | torch.dtype = "auto", ten
 
 
 def weight_bytes(config: ModelConfig, dtype: str | torch.dtype = "auto", tensor_parallel_size: int = 1,
-                 quantization: str | None = None, *, device: str | torch.device | None = None,
+                 quantization: str | None = None, *, cpu: CpuLayouts | None = None,
                  num_mtp_layers: int = 0, latent_cache_layout: str = "replicated") -> int:
     """Bytes one rank's weights hold once loaded: ``weight_footprint(...).total`` (its docstring says what counts;
-    ``device`` a CPU adds the float matrices' second layout as probed on this machine)."""
-    return weight_footprint(config, dtype, tensor_parallel_size, quantization, device=device,
+    ``cpu`` adds the float matrices' second layout as probed on this machine)."""
+    return weight_footprint(config, dtype, tensor_parallel_size, quantization, cpu=cpu,
                             num_mtp_layers=num_mtp_layers, latent_cache_layout=latent_cache_layout).total
 
 
@@ -584,10 +564,10 @@ def host_tier_capacity(host_bytes: int, cache_bytes_per_token_per_rank: float, b
 
 
 def _min_tp_that_fits(config: ModelConfig, dtype: torch.dtype, usable: int, quantization: str | None = None,
-                      device: str | torch.device | None = None) -> int | None:
+                      cpu: CpuLayouts | None = None) -> int | None:
     """The fewest ranks the model splits across whose per-rank weights (in ``quantization``) fit ``usable`` bytes."""
     for tp in range(1, config.num_attention_heads + 1):
-        if _tp_splits(config, tp) and weight_bytes(config, dtype, tp, quantization, device=device) <= usable:
+        if _tp_splits(config, tp) and weight_bytes(config, dtype, tp, quantization, cpu=cpu) <= usable:
             return tp
     return None
 
@@ -616,22 +596,22 @@ def _smaller_formats(config: ModelConfig, quantization: str | None) -> list[str]
 
 def _weights_do_not_fit(config: ModelConfig, model_dtype: torch.dtype, tp: int, weights: int, usable: int,
                         device_memory_bytes: int, memory_utilization: float, quantization: str | None = None,
-                        device: str | torch.device | None = None) -> str:
+                        cpu: CpuLayouts | None = None) -> str:
     """By how much the weights miss, and what would fit: more ranks, a smaller weight format, memory, dtype."""
-    fmt = weight_footprint(config, model_dtype, tp, quantization, device=device).format
+    fmt = weight_footprint(config, model_dtype, tp, quantization, cpu=cpu).format
     name = dtype_name(model_dtype)
     held = name if fmt == name else f"{fmt} (the rest in {name})"
     options = []
-    need_tp = _min_tp_that_fits(config, model_dtype, usable, quantization, device)
+    need_tp = _min_tp_that_fits(config, model_dtype, usable, quantization, cpu)
     if need_tp:
-        per_rank = weight_bytes(config, model_dtype, need_tp, quantization, device=device)
+        per_rank = weight_bytes(config, model_dtype, need_tp, quantization, cpu=cpu)
         options.append(f"tensor_parallel_size >= {need_tp} ({_gib(per_rank)} per rank)")
     for q in _smaller_formats(config, quantization):
-        smaller = weight_bytes(config, model_dtype, tp, q, device=device)
+        smaller = weight_bytes(config, model_dtype, tp, q, cpu=cpu)
         if smaller <= usable:
             options.append(f'quantization="{q}" ({_gib(smaller)} per rank)')
-        elif (q_tp := _min_tp_that_fits(config, model_dtype, usable, q, device)) is not None:
-            per_rank = weight_bytes(config, model_dtype, q_tp, q, device=device)
+        elif (q_tp := _min_tp_that_fits(config, model_dtype, usable, q, cpu)) is not None:
+            per_rank = weight_bytes(config, model_dtype, q_tp, q, cpu=cpu)
             options.append(f'quantization="{q}" with tensor_parallel_size >= {q_tp} ({_gib(per_rank)} per rank)')
     if model_dtype == torch.float32:
         options.append("a smaller dtype (dtype='bfloat16' halves the float weights)")
@@ -648,18 +628,18 @@ def plan_memory(config: ModelConfig, *, dtype: str | torch.dtype, cache_dtype: s
                 max_num_seqs: int, block_size: int = 64, max_num_batched_tokens: int | None = None,
                 tensor_parallel_size: int = 1, latent_cache_layout: str = "replicated",
                 disk_bytes: int | None = None, quantization: str | None = None,
-                host_bytes: int | None = None, device: str | torch.device | None = None) -> MemoryPlan:
+                host_bytes: int | None = None, cpu: CpuLayouts | None = None) -> MemoryPlan:
     """Split one rank's ``device_memory_bytes`` into weights, activations and latent cache blocks.
 
     The weights are what the rank holds once loaded (``weight_footprint``): ``quantization`` ``int8``/``int4``/``fp8``
-    for weight-only quantised products, an FP8 checkpoint's products in its FP8 blocks without it. ``device``: a CPU
-    adds the float weights' second layout that this machine's CPU products keep (``cpu_gemm``); None or a GPU: none.
+    for weight-only quantised products, an FP8 checkpoint's products in its FP8 blocks without it. ``cpu``: a CPU's
+    probed layouts (``layers.cpu_gemm.cpu_layouts``) add the float weights' second layout; None (a GPU): none.
 
     Raises ``ValueError`` naming the argument for bad input, and when weights (plus the activation
     reserve) do not fit, saying by how much and what to change. ``disk_bytes``: the disk tier's bound, and
     ``host_bytes``: the host-RAM tier's size per rank, whose capacities in tokens the plan then reports.
     """
-    model_dtype = resolve_model_dtype(dtype, config, device)
+    model_dtype = resolve_model_dtype(dtype, config) if cpu is None else cpu.dtype
     cache = resolve_cache_dtype(cache_dtype, model_dtype)
     quantization = check_weight_quantization(quantization)
     _check_plan_args(config, memory_utilization, latent_cache_layout, tensor_parallel_size,
@@ -669,12 +649,12 @@ def plan_memory(config: ModelConfig, *, dtype: str | torch.dtype, cache_dtype: s
     if max_num_batched_tokens is None:
         max_num_batched_tokens = default_max_num_batched_tokens(max_seq_len, max_num_seqs)
     usable = math.floor(device_memory_bytes * memory_utilization)
-    footprint = weight_footprint(config, model_dtype, tp, quantization, device=device,
+    footprint = weight_footprint(config, model_dtype, tp, quantization, cpu=cpu,
                                  latent_cache_layout=latent_cache_layout)
     weights = footprint.total
     if weights > usable:
         raise ValueError(_weights_do_not_fit(config, model_dtype, tp, weights, usable, device_memory_bytes,
-                                             memory_utilization, quantization, device))
+                                             memory_utilization, quantization, cpu))
     activations = activation_reserve_bytes(
         config, dtype=model_dtype, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
         tensor_parallel_size=tp)
@@ -697,7 +677,7 @@ def plan_memory(config: ModelConfig, *, dtype: str | torch.dtype, cache_dtype: s
         max_num_batched_tokens=max_num_batched_tokens, device_memory_bytes=device_memory_bytes,
         memory_utilization=memory_utilization, usable_bytes=usable,
         parameter_count=parameter_count(config), weight_bytes=weights,
-        total_weight_bytes=weight_bytes(config, model_dtype, 1, quantization, device=device),
+        total_weight_bytes=weight_bytes(config, model_dtype, 1, quantization, cpu=cpu),
         activation_bytes=activations,
         cache_budget_bytes=budget, latent_bytes_per_token=latent,
         cache_bytes_per_token_per_rank=latent / holders,
@@ -742,10 +722,10 @@ def load_requirement(config: ModelConfig, *, dtype: str | torch.dtype, device: s
                      num_mtp_layers: int = 0, latent_cache_layout: str = "replicated",
                      cache_dtype: str | torch.dtype = "auto", block_size: int = 64, max_num_seqs: int = 256,
                      max_num_batched_tokens: int | None = None, kv_cache_memory: int | None = None,
-                     latent_rank: int | None = None) -> LoadRequirement:
+                     latent_rank: int | None = None, cpu: CpuLayouts | None = None) -> LoadRequirement:
     """The bytes one rank needs to load ``config``'s checkpoint (the worker's settings) and start:
 
-        weights     the loaded weights (``weight_footprint`` on ``device``)
+        weights     the loaded weights (``weight_footprint``, with ``cpu``: the probed layouts of a CPU ``device``)
         transient   the load's peak on top of them: the largest checkpoint tensor it converts (its part on this
                     rank; an FP8 one loaded dequantised is read whole) as float32, + ``LOAD_MARGIN_CPU_BYTES`` on a CPU
         activations the reserve for one step (``activation_reserve_bytes``)
@@ -755,8 +735,8 @@ def load_requirement(config: ModelConfig, *, dtype: str | torch.dtype, device: s
     ``config`` is the checkpoint's own: the load holds its weights before any truncation to ``latent_rank``, which
     sets the width the cache and the activations have."""
     tp = tensor_parallel_size
-    model_dtype = resolve_model_dtype(dtype, config, device)
-    weights = weight_footprint(config, model_dtype, tp, quantization, device=device, num_mtp_layers=num_mtp_layers,
+    model_dtype = resolve_model_dtype(dtype, config)
+    weights = weight_footprint(config, model_dtype, tp, quantization, cpu=cpu, num_mtp_layers=num_mtp_layers,
                                latent_cache_layout=latent_cache_layout)
     on_cpu = torch.device(device).type == "cpu"
     transient = 4 * weights.largest_read_elements + (LOAD_MARGIN_CPU_BYTES if on_cpu else 0)
@@ -947,6 +927,13 @@ def build_parser(prog: str = "python -m mla_runtime.plan") -> argparse.ArgumentP
     return parser
 
 
+def _probed_cpu(dtype: str, config: ModelConfig) -> CpuLayouts:
+    """``--device cpu``: this CPU's probes, as a model loaded here would run them (the planner's facts)."""
+    from mla_runtime.layers.cpu_gemm import cpu_layouts, resolve_cpu_dtype
+
+    return cpu_layouts(resolve_cpu_dtype(dtype, resolve_model_dtype(dtype, config)))
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "python -m mla_runtime.plan") -> int:
     """Print the plan; 0 when the requested sequences fit, 1 when they do not, 2 on bad input."""
     args = build_parser(prog).parse_args(argv)
@@ -956,6 +943,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m mla_runtime.p
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     try:
+        cpu = _probed_cpu(args.dtype, config) if args.device is not None and torch.device(args.device).type == "cpu" \
+            else None
         plan = plan_memory(
             config, dtype=args.dtype, cache_dtype=args.cache_dtype, device_memory_bytes=args.device_memory,
             memory_utilization=args.memory_utilization,
@@ -963,10 +952,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m mla_runtime.p
             block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
             tensor_parallel_size=args.tensor_parallel_size, latent_cache_layout=args.latent_cache_layout,
             disk_bytes=args.kv_cache_disk_bytes, quantization=args.quantization, host_bytes=args.kv_cache_host_bytes,
-            device=args.device)
+            cpu=cpu)
     except ValueError as e:
         try:  # the per-token cost does not depend on memory: still worth showing
-            cache = resolve_cache_dtype(args.cache_dtype, resolve_model_dtype(args.dtype, config, args.device))
+            cache = resolve_cache_dtype(args.cache_dtype, resolve_model_dtype(args.dtype, config))
             print(f"Cache cost per token for {args.model} (no plan: see the error below)")
             print("\n".join(format_per_token(config, cache, args.tensor_parallel_size,
                                              args.latent_cache_layout)))

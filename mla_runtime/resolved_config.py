@@ -20,6 +20,16 @@ from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 
 
 @dataclass(frozen=True)
+class CpuLayouts:
+    """What this CPU's product paths hold beside a model's ``dtype`` weights, as its load-time probes found them
+    (``layers.cpu_gemm.cpu_layouts``): the facts about the machine that the memory planner's arithmetic counts."""
+
+    dtype: torch.dtype  # the model dtype these facts are for
+    extra_bytes_per_element: int  # each float matrix's second layout (oneDNN's blocked copy, or a float32 copy)
+    row_kernels: bool  # the compiled few-row kernels run (they read float32 copies of int8 scales)
+
+
+@dataclass(frozen=True)
 class ResolvedConfig:
     model: ModelConfig  # the checkpoint's shape (a truncated latent rank is folded in after the load)
     dtype: torch.dtype = torch.float32  # weights and activations

@@ -277,7 +277,7 @@ def test_auto_dtype_on_cpu_decision():
 
 def test_auto_dtype_on_this_cpu(tiny_checkpoint, caplog, monkeypatch):
     """On this machine: the engine's resolution equals the decision for its own capabilities and probe;
-    a bf16 checkpoint stays bf16 without a device (the planner) or on a GPU."""
+    a bf16 checkpoint stays bf16 for the planner (no machine) and on a GPU, and an explicit dtype is honoured."""
     from mla_runtime.config import ModelConfig
     from mla_runtime.plan import resolve_model_dtype
 
@@ -287,13 +287,13 @@ def test_auto_dtype_on_this_cpu(tiny_checkpoint, caplog, monkeypatch):
     native = any(caps.get(k) for k in cpu_gemm.NATIVE_CAPABILITIES[torch.bfloat16])
     probe_ok = cpu_gemm.gemm_choice(torch.bfloat16).path == "onednn"
     with caplog.at_level("INFO", logger="mla_runtime"):
-        got = resolve_model_dtype("auto", cfg, "cpu")
+        got = cpu_gemm.resolve_cpu_dtype("auto", resolve_model_dtype("auto", cfg))
     assert got == (torch.bfloat16 if native and probe_ok else torch.float32)
     assert f'dtype "auto" on this CPU: {str(got).removeprefix("torch.")}' in caplog.text
-    assert resolve_model_dtype("auto", cfg) == resolve_model_dtype("auto", cfg, "cuda") == torch.bfloat16
-    assert resolve_model_dtype("bfloat16", cfg, "cpu") == torch.bfloat16  # explicit: always honoured
+    assert resolve_model_dtype("auto", cfg) == torch.bfloat16
+    assert cpu_gemm.resolve_cpu_dtype("bfloat16", torch.bfloat16) == torch.bfloat16  # explicit: always honoured
     monkeypatch.setenv(cpu_gemm.GEMM_ENV, "plain")  # no fast path: float32
-    assert resolve_model_dtype("auto", cfg, "cpu") == torch.float32
+    assert cpu_gemm.resolve_cpu_dtype("auto", torch.bfloat16) == torch.float32
 
 
 # -- layers ----------------------------------------------------------------------------------------------

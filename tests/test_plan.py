@@ -329,7 +329,7 @@ def _resident_bytes(model: torch.nn.Module) -> int:
 @pytest.mark.parametrize("variant", ["v3", "v2_group", "v3_noq_halfsplit"])
 def test_weight_bytes_equal_what_a_loaded_model_holds(tiny_checkpoint, variant, quantization, gemm_mode):
     """The planner's per-part bytes against a model loaded in each format: exact. Under MLA_CPU_GEMM=plain the CPU
-    keeps no second layout, so the count for no particular device (``device=None``) must match; under auto, the
+    keeps no second layout, so the count for no particular machine (``cpu=None``) must match; under auto, the
     count for this CPU (its probes: oneDNN's blocked copies, int8's float32 row scales, bfloat16 absorbed copies)."""
     from mla_runtime.layers.quantization import finish_quantization, quantized_weights
     from mla_runtime.loader import load_model
@@ -340,7 +340,7 @@ def test_weight_bytes_equal_what_a_loaded_model_holds(tiny_checkpoint, variant, 
     model = load_model(path, dtype="float32", quantization=quantization)
     if quantization is not None:
         finish_quantization(model, quantization)
-    planned = weight_footprint(cfg, "float32", 1, quantization, device="cpu" if gemm_mode == "auto" else None)
+    planned = weight_footprint(cfg, "float32", 1, quantization, cpu=CPU() if gemm_mode == "auto" else None)
     assert planned.quantized_bytes == sum(w.nbytes for w in quantized_weights(model))
     assert planned.total == _resident_bytes(model)
     if quantization is not None:
@@ -364,8 +364,8 @@ def test_pre_quantised_checkpoint_counts_in_its_stored_format(tiny_checkpoint, t
     cfg = ModelConfig.from_pretrained(tmp_path / scheme)
     model = load_model(tmp_path / scheme, dtype="float32")
     finish_quantization(model, scheme)
-    planned = weight_footprint(cfg, "float32", device="cpu")
-    assert planned.format == scheme and planned == weight_footprint(cfg, "float32", 1, scheme, device="cpu")
+    planned = weight_footprint(cfg, "float32", cpu=CPU())
+    assert planned.format == scheme and planned == weight_footprint(cfg, "float32", 1, scheme, cpu=CPU())
     assert planned.total == _resident_bytes(model)
     assert _smaller_formats(cfg, None) == []
 
@@ -384,7 +384,7 @@ def test_weight_bytes_per_rank_equal_a_loaded_shard(tiny_checkpoint, tp, layout)
         model = load_model(path, dtype="float32", quantization=quantization, par=ParallelContext(tp - 1, tp, layout))
         if quantization:
             finish_quantization(model, quantization)
-        assert weight_bytes(cfg, "float32", tp, quantization, device="cpu",
+        assert weight_bytes(cfg, "float32", tp, quantization, cpu=CPU(),
                             latent_cache_layout=layout) == _resident_bytes(model)
 
 
@@ -433,7 +433,7 @@ def test_fp8_checkpoint_weight_bytes_equal_what_the_model_holds(tmp_path, gemm_m
     path = _deepseek_fp8_checkpoint(save_checkpoint(hf, tmp_path / "bf16"), tmp_path / "fp8")
     cfg = ModelConfig.from_pretrained(path)
     model = load_model(path, dtype="float32")
-    planned = weight_footprint(cfg, "float32", device="cpu" if gemm_mode == "auto" else None)
+    planned = weight_footprint(cfg, "float32", cpu=CPU() if gemm_mode == "auto" else None)
     assert planned.format == "fp8 (checkpoint blocks)"
     weights = quantized_weights(model)
     assert {w.scheme for w in weights} == {"fp8"}
@@ -505,15 +505,24 @@ def test_cli_deepseek_v3_fp8_on_eight_ranks_and_quantization_choices(capsys):
     assert "do not fit" in err and "tensor_parallel_size >= 8" in err and 'quantization="int4" (' in err
 
 
+def CPU(dtype: torch.dtype = torch.float32):  # noqa: N802
+    """This machine's probed layouts for ``dtype`` weights, as the Worker passes them to the planner."""
+    from mla_runtime.layers.cpu_gemm import cpu_layouts
+
+    return cpu_layouts(dtype)
+
+
 def test_cpu_device_counts_the_packed_copies():
-    """Without a device the planner counts no CPU-only copy; on a CPU, those this machine's probes choose."""
+    """Without a CPU's probed layouts the planner counts no CPU-only copy; with them, those this machine's probes
+    choose."""
     from mla_runtime.layers.cpu_gemm import gemm_choice
     from mla_runtime.plan import weight_footprint
 
     plain = weight_footprint(V2_LITE, "float32")
-    cpu = weight_footprint(V2_LITE, "float32", device="cpu")
-    gpu = weight_footprint(V2_LITE, "float32", device="cuda")
-    assert plain == gpu and plain.packed_bytes == 0
+    cpu = weight_footprint(V2_LITE, "float32", cpu=CPU())
+    assert plain.packed_bytes == 0
+    with pytest.raises(ValueError, match="layouts probed for torch.float32"):
+        weight_footprint(V2_LITE, "bfloat16", cpu=CPU())
     extra = gemm_choice(torch.float32).extra_bytes_per_element
     assert (cpu.packed_bytes > 0) == (extra > 0)
     if extra:  # every float matrix (not the embedding, norms or routers) once more, q_a/kv_a stacked: twice more
@@ -525,8 +534,9 @@ def test_load_requirement_parts(tiny_checkpoint):
     from mla_runtime.plan import LOAD_MARGIN_CPU_BYTES, load_requirement
 
     cfg = ModelConfig.from_pretrained(tiny_checkpoint("v3")[0])
-    need = load_requirement(cfg, dtype="float32", device="cpu", max_model_len=100, block_size=16, max_num_seqs=4)
-    assert need.weight_bytes == weight_bytes(cfg, "float32", device="cpu")
+    need = load_requirement(cfg, dtype="float32", device="cpu", max_model_len=100, block_size=16, max_num_seqs=4,
+                            cpu=CPU())
+    assert need.weight_bytes == weight_bytes(cfg, "float32", cpu=CPU())
     # the largest tensor read: the embedding (256 x 64), converted to float32
     assert need.transient_bytes == 4 * 256 * 64 + LOAD_MARGIN_CPU_BYTES
     assert need.cache_bytes == 7 * 16 * latent_bytes_per_token(cfg, "auto", "float32")  # 100 tokens: 7 blocks

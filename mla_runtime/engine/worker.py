@@ -48,6 +48,7 @@ from mla_runtime.errors import InvalidParam
 from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.hub import resolve_model
 from mla_runtime.latent_rank import check_latent_rank, truncate_latent_rank
+from mla_runtime.layers.cpu_gemm import cpu_layouts, resolve_cpu_dtype
 from mla_runtime.layers.quantization import finish_quantization
 from mla_runtime.loader import load_resolved
 from mla_runtime.models.deepseek import DeepseekForCausalLM
@@ -62,7 +63,7 @@ from mla_runtime.plan import (
     resolve_model_dtype,
     weight_bytes,
 )
-from mla_runtime.resolved_config import ResolvedConfig
+from mla_runtime.resolved_config import CpuLayouts, ResolvedConfig
 from mla_runtime.token_map import resolve_token_map
 
 logger = logging.getLogger("mla_runtime")
@@ -124,7 +125,12 @@ class Worker:
         tp = config.tensor_parallel_size
         check_tensor_parallel(cfg, tp, config.block_size, config.latent_cache_layout)
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() and tp == 1 else "cpu"))
-        self.dtype = resolve_model_dtype(config.dtype, cfg, self.device)
+        self.dtype = resolve_model_dtype(config.dtype, cfg)
+        # a CPU's probes, once: the dtype "auto" keeps there, and what its product paths hold (the planner's facts)
+        self.cpu: CpuLayouts | None = None
+        if self.device.type == "cpu":
+            self.dtype = resolve_cpu_dtype(config.dtype, self.dtype)
+            self.cpu = cpu_layouts(self.dtype)
         self.cache_dtype: CacheDtype = resolve_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
@@ -143,7 +149,7 @@ class Worker:
         sharded = tp > 1 and config.latent_cache_layout == "sharded"
         self.bytes_per_token_per_rank = self.bytes_per_token // tp if sharded else self.bytes_per_token
         self.weight_bytes = weight_bytes(self.checkpoint_config, self.dtype, tp, self.quantization,
-                                         device=self.device, num_mtp_layers=self.num_mtp_layers,
+                                         cpu=self.cpu, num_mtp_layers=self.num_mtp_layers,
                                          latent_cache_layout=config.latent_cache_layout)
         self.activation_bytes = activation_reserve_bytes(
             cfg, dtype=self.dtype, max_num_batched_tokens=self.max_num_batched_tokens,
@@ -173,7 +179,7 @@ class Worker:
             cache_dtype=self.cache_dtype.dtype, block_size=c.block_size, max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             kv_cache_memory=None if c.kv_cache_memory is None else int(c.kv_cache_memory),
-            latent_rank=c.latent_rank), where)
+            latent_rank=c.latent_rank, cpu=self.cpu), where)
 
     def load(self) -> DeepseekForCausalLM:
         """Load the weights (checked against the checkpoint's sha256 manifest first with ``verify_weights``), once

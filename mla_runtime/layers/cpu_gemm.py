@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from mla_kernels import cpu_gemv
 
 from mla_runtime import env
+from mla_runtime.resolved_config import CpuLayouts
 
 logger = logging.getLogger("mla_runtime")
 
@@ -243,6 +244,23 @@ def cpu_auto_dtype(checkpoint: torch.dtype, capabilities: Mapping[str, Any] | No
     if choice.path != "onednn":
         return torch.float32, f"the {name} fast path is not taken: {choice.reason}"
     return checkpoint, f"native {name} ({', '.join(native)}) and the {name} fast path passed its probe"
+
+
+def cpu_layouts(dtype: torch.dtype) -> CpuLayouts:
+    """The planner's facts about this CPU for ``dtype`` weights: what the probes chose (``gemm_choice``,
+    ``row_kernel_failure``), the same ones the model's ``prepare_inference`` runs."""
+    extra = gemm_choice(dtype).extra_bytes_per_element if dtype in PROBED_DTYPES else 0
+    return CpuLayouts(dtype, extra, row_kernel_failure() is None)
+
+
+def resolve_cpu_dtype(requested: str | torch.dtype, checkpoint: torch.dtype) -> torch.dtype:
+    """The model dtype on this CPU: ``requested`` "auto" keeps a half-precision ``checkpoint`` dtype only where
+    ``cpu_auto_dtype`` finds it fast (the choice and its reason logged); an explicit dtype as it is."""
+    if requested != "auto":
+        return checkpoint
+    chosen, why = cpu_auto_dtype(checkpoint)
+    logger.info('dtype "auto" on this CPU: %s (checkpoint torch_dtype %s): %s', _name(chosen), _name(checkpoint), why)
+    return chosen
 
 
 def _reorder(weight: torch.Tensor) -> torch.Tensor:
