@@ -4,7 +4,7 @@ Variable             Default         Read by                What it does
 -------------------  --------------  ---------------------  -------------------------------------------------------
 MLA_API_KEY          unset: no key   serving/config.py      the API key the server requires (--api-key and
                                                             serving.api_key override it)
-MLA_CPU_GEMM         auto            layers/cpu_gemm.py     the CPU matrix-product path (cpu_gemm.GEMM_MODES)
+MLA_CPU_GEMM         auto            layers/cpu_gemm.py     deprecated: the engine setting cpu_gemm (its default)
 HF_HUB_CACHE         the hub's       hub.py                 hub cache directory for repo ids
 HF_HOME              the hub's       hub.py                 hub cache at $HF_HOME/hub when HF_HUB_CACHE is unset
 HF_HUB_OFFLINE       off             hub.py                 1/on/yes/true: repo ids only from the local cache

@@ -58,6 +58,25 @@ def test_batched_greedy_equals_one_by_one_and_transformers(v3):
     assert_clean(llm)
 
 
+@pytest.mark.parametrize("mode", ["auto", "onednn", "plain"])
+def test_each_cpu_gemm_setting_is_applied_at_load_and_keeps_the_tokens(v3, mode):
+    """The engine setting cpu_gemm picks the CPU products' paths while the weights are prepared (and is reported); the
+    process's own mode is left as it was, and every setting gives transformers' greedy tokens."""
+    from mla_runtime.layers import cpu_gemm
+
+    path, hf = v3
+    llm = new_llm(path, cpu_gemm=mode)
+    assert cpu_gemm.gemm_mode() == "auto"  # applied to the load alone
+    info = llm.engine.info()
+    assert info.cpu_gemm["mode"] == mode and info.attention_backend == "cpu"
+    compiled = {attn.decode_kernel for attn in llm.engine.worker.model.attention_layers()}
+    assert compiled == {mode == "auto" and cpu_gemm.row_kernel_failure("auto") is None}  # the compiled decode
+    prompts = make_prompts(3, seed=4)
+    for p, got in zip(prompts, tokens(llm.generate(prompts, GREEDY))):
+        assert got == hf_greedy(hf, p["prompt_token_ids"], GREEDY.max_tokens)
+    assert_clean(llm)
+
+
 def test_preemption_keeps_tokens(v3):
     path, _ = v3
     prompts = make_prompts(12, seed=1, lo=30, hi=60)

@@ -179,7 +179,7 @@ def test_forced_plain_takes_no_fast_path(monkeypatch):
     monkeypatch.setenv(cpu_gemm.GEMM_ENV, "plain")
     for dtype in GEMM_DTYPES:
         choice = cpu_gemm.gemm_choice(dtype)
-        assert choice.mode == "plain" and choice.path in ("plain", "upcast") and "MLA_CPU_GEMM" in choice.reason
+        assert choice.mode == "plain" and choice.path in ("plain", "upcast") and "cpu_gemm=plain" in choice.reason
     assert PackedWeight.make(torch.randn(8, 4)) is None  # float32: F.linear
     info = cpu_gemm.gemm_info("bfloat16")
     assert info["mode"] == "plain" and info["extra_bytes_per_weight"] == ("4" if info["path"] == "upcast" else "0")
@@ -189,9 +189,11 @@ def test_gemm_switch_rejects_unknown_values(monkeypatch):
     monkeypatch.setenv(cpu_gemm.GEMM_ENV, "fast")
     with pytest.raises(ValueError, match="MLA_CPU_GEMM"):
         PackedWeight.make(torch.randn(8, 4))
-    with pytest.raises(ValueError, match="MLA_CPU_GEMM"), cpu_gemm.forced_gemm_mode("avx512"):
+    with pytest.raises(ValueError, match="cpu_gemm: unknown value 'avx512'"), cpu_gemm.forced_gemm_mode("avx512"):
         pass
-    assert os.environ[cpu_gemm.GEMM_ENV] == "fast"  # the context manager put the previous value back
+    with cpu_gemm.forced_gemm_mode("onednn"):  # the engine's setting wins over the deprecated variable
+        assert cpu_gemm.gemm_mode() == "onednn"
+    assert os.environ[cpu_gemm.GEMM_ENV] == "fast"  # the variable itself is never written
     monkeypatch.delenv(cpu_gemm.GEMM_ENV)
     with cpu_gemm.forced_gemm_mode("plain"):
         assert cpu_gemm.gemm_choice(torch.float32).path == "plain"

@@ -292,7 +292,7 @@ def test_kernel_and_fallback_agree(monkeypatch):
 
 
 def test_fallback_reason():
-    assert int4_kernel_failure("plain") == "MLA_CPU_GEMM=plain forces the fallback"
+    assert int4_kernel_failure("plain") == "cpu_gemm=plain forces the fallback"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -83,7 +83,7 @@ def test_few_row_int8_products_with_and_without_the_row_kernels(mode, rows, monk
 def test_int8_kernel_probe_in_both_states(gemm_mode):
     failure = int8_kernel_failure(gemm_mode)
     if gemm_mode == "plain":
-        assert failure == "MLA_CPU_GEMM=plain forces the fallback"
+        assert failure == "cpu_gemm=plain forces the fallback"
     assert Int8Weight.quantize(torch.randn(8, 128)).kernel == (failure is None)  # a failed probe falls back cleanly
 
 

@@ -68,10 +68,10 @@ class CpuBackend(PagedBackend):
                                  meta.host_cu_seqlens, _plan(batch, seqs, d, kv.device), d, rest)
 
     def compiled_rows(self, meta: AttentionMetadata, cache: LayerCache) -> bool:
-        """A step whose every row is a planned decode, over a float32 cache with float32 RoPE tables, on a CPU where
-        the compiled kernels run: the one place that decides whether a step takes them."""
-        return (meta.all_planned and cache.kv.dtype == torch.float32 and meta.rope.cos.dtype == torch.float32
-                and row_kernel_failure() is None)
+        """A step whose every row is a planned decode, over a float32 cache with float32 RoPE tables: the one place
+        that decides whether a step takes the compiled kernels (on the layers that ``prepare_layer`` found take
+        them: whether the kernels run here was decided once, when the weights were prepared)."""
+        return meta.all_planned and cache.kv.dtype == torch.float32 and meta.rope.cos.dtype == torch.float32
 
     def _compiled(self, attn: MLAttention, meta: AttentionMetadata, cache: LayerCache) -> bool:
         """The layer's latent side and attention run compiled: a compiled step, on the layer's prepared float32

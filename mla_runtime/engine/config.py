@@ -13,6 +13,7 @@ from mla_runtime.errors import InvalidParam
 from mla_runtime.options import (
     ATTENTION_PATHS,
     CACHE_DTYPE_NAMES,
+    CPU_GEMM_MODES,
     LATENT_CACHE_LAYOUTS,
     WEIGHT_QUANTIZATIONS,
     check_quantization,
@@ -102,6 +103,12 @@ class EngineConfig:
     num_threads: int | str | None = field(default=None, metadata=opt(
         "engine.num_threads", "CPU threads of the model's kernels: a count, or auto (tuned per step size) "
                               "(default: torch's setting, every core)", parse=parse_threads))
+    # the CPU products' paths, chosen once when the model is prepared (layers/cpu_gemm.py): auto, the fast paths where
+    # their probes pass; onednn, oneDNN without the compiled kernels; plain, the fallbacks only
+    cpu_gemm: str | None = field(default=None, metadata=opt(
+        "engine.cpu_gemm", "CPU products: auto (the fast paths where their probes pass), onednn (oneDNN without the "
+                           "compiled kernels) or plain (the fallbacks) (default: auto, or the deprecated "
+                           "$MLA_CPU_GEMM)", choices=CPU_GEMM_MODES))
     # speculative decoding: up to this many draft tokens per step (0: off), by prompt lookup (engine/speculative.py:
     # copied after the latest earlier occurrence of the sequence's last prompt_lookup_max .. prompt_lookup_min
     # tokens) or by the checkpoint's multi-token-prediction layer ("mtp", engine/mtp.py; 1 draft when
@@ -189,6 +196,9 @@ class EngineConfig:
             raise ValueError(f"verify_weights must be true or false, got {self.verify_weights!r}")
         self._check_disk_tier()
         self._check_host_tier()
+        if self.cpu_gemm is not None and self.cpu_gemm not in CPU_GEMM_MODES:
+            raise InvalidParam("cpu_gemm", f"cpu_gemm must be one of {', '.join(CPU_GEMM_MODES)} or None, "
+                               f"got {self.cpu_gemm!r}")
         if self.num_threads is not None and self.num_threads != "auto" and (
                 not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"num_threads must be a positive int, 'auto' or None, got {self.num_threads!r}")

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 from mla_runtime.cache.disk_tier import DiskTierStats
 from mla_runtime.cache.host_tier import HostTierStats
 from mla_runtime.dtypes import dtype_name
-from mla_runtime.layers import cpu_gemm
 
 if TYPE_CHECKING:
     from mla_runtime.engine.block_pool import BlockPool
@@ -110,7 +109,7 @@ class EngineInfo:
             max_num_batched_tokens=worker.max_num_batched_tokens, device=str(worker.device), num_threads=num_threads,
             weights_fingerprint=worker.weights_fingerprint, weights_verified=c.verify_weights,
             attention_backend=worker.model.attention.name,
-            cpu_gemm=cpu_gemm.gemm_info(worker.model.dtype) if worker.device.type == "cpu" else {})
+            cpu_gemm=worker.gemm_info)
         host, disk = worker.host_tier, worker.disk_tier
         if host is not None:
             info = replace(info, host_capacity_bytes=host.capacity_bytes, host_capacity_tokens=host.capacity_tokens())

@@ -32,6 +32,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +49,7 @@ from mla_runtime.errors import InvalidParam
 from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.hub import resolve_model
 from mla_runtime.latent_rank import check_latent_rank, truncate_latent_rank
-from mla_runtime.layers.cpu_gemm import cpu_layouts, resolve_cpu_dtype
+from mla_runtime.layers.cpu_gemm import cpu_layouts, forced_gemm_mode, gemm_info, gemm_mode, resolve_cpu_dtype
 from mla_runtime.layers.quantization import finish_quantization
 from mla_runtime.loader import load_resolved
 from mla_runtime.models.deepseek import DeepseekForCausalLM
@@ -126,11 +127,15 @@ class Worker:
         check_tensor_parallel(cfg, tp, config.block_size, config.latent_cache_layout)
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() and tp == 1 else "cpu"))
         self.dtype = resolve_model_dtype(config.dtype, cfg)
-        # a CPU's probes, once: the dtype "auto" keeps there, and what its product paths hold (the planner's facts)
+        # a CPU's probes, once, under the cpu_gemm mode every preparation of the weights runs under (``prepared``):
+        # the dtype "auto" keeps there, and what its product paths hold (the planner's facts)
         self.cpu: CpuLayouts | None = None
+        self.gemm_mode = config.cpu_gemm or gemm_mode()
+        self.gemm_info: dict[str, str] = {}  # the product path the load chose, for EngineInfo (CPU only)
         if self.device.type == "cpu":
-            self.dtype = resolve_cpu_dtype(config.dtype, self.dtype)
-            self.cpu = cpu_layouts(self.dtype)
+            with self.prepared():
+                self.dtype = resolve_cpu_dtype(config.dtype, self.dtype)
+                self.cpu = cpu_layouts(self.dtype)
         self.cache_dtype: CacheDtype = resolve_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
@@ -164,6 +169,11 @@ class Worker:
         self.host_tier: HostTier | None = None
 
     # -- set-up ----------------------------------------------------------------------------------
+    def prepared(self) -> AbstractContextManager[None]:
+        """A block that prepares weights (load, truncation, quantisation) under this engine's ``cpu_gemm`` mode: the
+        paths it picks are frozen into the prepared weights; no step reads the mode again."""
+        return forced_gemm_mode(self.gemm_mode)
+
     def check_memory(self) -> None:
         """Refuse a load this rank's memory cannot hold, before any weight is read: ``plan.check_load_memory``
         against the RAM available (``available_host_memory``) on a CPU, the free device memory on CUDA. Raises
@@ -192,7 +202,10 @@ class Worker:
             logger.info("weights verified against their sha256 manifest in %.1f s", time.monotonic() - t0)
         else:
             self.weights_fingerprint = checksums.manifest_fingerprint(self.model_path)
-        self.model = load_resolved(self.model_path, self.resolved)
+        with self.prepared():
+            self.model = load_resolved(self.model_path, self.resolved)
+            if self.device.type == "cpu":
+                self.gemm_info = gemm_info(self.dtype)
         if self.num_mtp_layers:
             ids, source = resolve_token_map(c.speculative_token_map, self.model_path, self.model_config.vocab_size)
             self.model.set_draft_vocab(ids)
@@ -209,7 +222,8 @@ class Worker:
         if self.quantized:
             raise RuntimeError("truncate_latent: the absorbed factors are already rounded; truncate before sizing "
                                "the cache")
-        truncate_latent_rank(self.model, rank, method or self.config.latent_projection, calibration)
+        with self.prepared():
+            truncate_latent_rank(self.model, rank, method or self.config.latent_projection, calibration)
 
     def quantize(self) -> None:
         """Finish the quantisation of the weights (``config.quantization``), once they are final: the products were
@@ -218,7 +232,8 @@ class Worker:
         if self.quantized or self.quantization is None:
             return
         assert self.model is not None
-        finish_quantization(self.model, self.quantization)
+        with self.prepared():
+            finish_quantization(self.model, self.quantization)
         self.quantized = True
 
     def num_blocks(self) -> int:

@@ -30,13 +30,13 @@ in a process runs ``probe`` on a tiny weight. Paths (``GemmChoice.path``):
   passed), float32 products of up to ``KERNEL_MAX_ROWS`` rows (batch-1 decoding, a speculative verification, a
   small batch) run its kernels on the plain weight instead, reading each weight row once for all input rows: they
   stream small and middling weights 1.1–2.6× faster than oneDNN at one to six rows and 1.1–1.6× at eight
-  (``bench/bench_gemv.py``). ``MLA_CPU_GEMM=onednn`` leaves them out.
+  (``bench/bench_gemv.py``). ``cpu_gemm=onednn`` leaves them out.
 - ``plain``: ``F.linear`` in the weight's dtype; no extra memory.
 - ``upcast``: a float32 copy of the weight (computed through the float32 path: blocked where oneDNN
   packs float32, else plain), the input cast to float32 and the result back. Memory: +4 bytes per
   weight element on top of the weight itself (a bf16 layer's weights take 3× their bf16 size).
 
-Where the fast path fails its probe (or ``MLA_CPU_GEMM=plain`` forces the fallbacks), a half-precision
+Where the fast path fails its probe (or ``cpu_gemm=plain`` forces the fallbacks), a half-precision
 dtype takes ``plain`` or ``upcast``, whichever the probe measures faster on this machine
 (``TIMING_ROWS`` rows of a ``TIMING_SHAPE`` weight); float32 takes ``plain``. Results equal ``F.linear``
 to float rounding (the same products, another summation order). Anything else — another device or
@@ -59,13 +59,13 @@ import torch.nn.functional as F
 from mla_kernels import cpu_gemv
 
 from mla_runtime import env
+from mla_runtime.options import CPU_GEMM_MODES
 from mla_runtime.resolved_config import CpuLayouts
 
 logger = logging.getLogger("mla_runtime")
 
-GEMM_ENV = env.CPU_GEMM
-# auto: the fast paths where their probes pass; onednn: oneDNN without the one-row kernel; plain: the fallbacks only
-GEMM_MODES = ("auto", "onednn", "plain")
+GEMM_ENV = env.CPU_GEMM  # the deprecated way to set the mode: the engine setting cpu_gemm replaces it
+GEMM_MODES = CPU_GEMM_MODES
 PACK_BATCH_HINT = 16  # oneDNN chooses the blocked layout for about this many rows
 PROBED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TIMING_SHAPE = (2048, 1024)  # [N, K] of the weight the fallbacks are timed on (4–8 MB: beyond L2)
@@ -96,7 +96,7 @@ class GemmChoice:
     """The product path for weights of one dtype in this process, and why it was chosen."""
 
     dtype: torch.dtype  # the weights' dtype
-    mode: str  # the MLA_CPU_GEMM value it was chosen under
+    mode: str  # the cpu_gemm mode it was chosen under (gemm_mode)
     path: str  # "onednn" | "plain" | "upcast" (module docstring)
     compute_dtype: torch.dtype
     reason: str
@@ -112,25 +112,46 @@ class GemmChoice:
                 "extra_bytes_per_weight": str(self.extra_bytes_per_element), "reason": self.reason}
 
 
+_forced: list[str] = []  # the modes of the forced_gemm_mode blocks being run, innermost last
+
+
 def gemm_mode() -> str:
-    """``MLA_CPU_GEMM`` (default ``auto``); an unknown value is an error naming the variable."""
+    """The mode a load takes its products' paths under: the innermost ``forced_gemm_mode`` block's (the engine runs
+    its load in one, with its ``cpu_gemm`` setting), else the deprecated ``MLA_CPU_GEMM`` variable, else ``auto``.
+    Read while a model is prepared, never per step: the paths are frozen into the prepared weights."""
+    if _forced:
+        return _forced[-1]
     raw = env.cpu_gemm_mode()
     mode = (raw or "auto").strip().lower() or "auto"
     if mode not in GEMM_MODES:
         raise ValueError(f"{GEMM_ENV}: unknown value {raw!r} (use one of {', '.join(GEMM_MODES)})")
+    if raw:
+        _warn_deprecated()
     return mode
 
 
+@functools.cache
+def _warn_deprecated() -> None:
+    logger.warning("%s is deprecated: set the engine's cpu_gemm (--cpu-gemm, engine.cpu_gemm) instead", GEMM_ENV)
+
+
 @contextmanager
-def forced_gemm_mode(mode: str) -> Iterator[None]:
-    """Run a block (a model load, a test) under ``MLA_CPU_GEMM=mode``; the previous value comes back after."""
-    with env.overriding(GEMM_ENV, mode):
-        gemm_mode()
+def forced_gemm_mode(mode: str | None) -> Iterator[None]:
+    """Prepare weights (a model load, a test) under ``mode`` (None: ``gemm_mode()`` as it is); blocks nest."""
+    if mode is None:
         yield
+        return
+    if mode not in GEMM_MODES:
+        raise ValueError(f"cpu_gemm: unknown value {mode!r} (use one of {', '.join(GEMM_MODES)})")
+    _forced.append(mode)
+    try:
+        yield
+    finally:
+        _forced.pop()
 
 
 def gemm_choice(dtype: torch.dtype) -> GemmChoice:
-    """The path for ``dtype`` weights under the current ``MLA_CPU_GEMM``; probed once per (dtype, mode)."""
+    """The path for ``dtype`` weights under the current mode (``gemm_mode``); probed once per (dtype, mode)."""
     if dtype not in PROBED_DTYPES:
         raise ValueError(f"dtype: CPU products are probed for {', '.join(map(_name, PROBED_DTYPES))}, got {dtype}")
     return _probe(dtype, gemm_mode())
@@ -145,7 +166,7 @@ def gemm_info(dtype: torch.dtype | str) -> dict[str, str]:
 @functools.cache
 def _probe(dtype: torch.dtype, mode: str) -> GemmChoice:
     t0 = time.perf_counter()
-    failure = fast_path_failure(dtype) if mode != "plain" else f"{GEMM_ENV}=plain forces the fallbacks"
+    failure = fast_path_failure(dtype) if mode != "plain" else "cpu_gemm=plain forces the fallbacks"
     if failure is None:
         reason = "oneDNN pre-packed weights passed the probe"
         if dtype == torch.float32:
@@ -187,10 +208,10 @@ def fast_path_failure(dtype: torch.dtype) -> str | None:
 
 def row_kernel_failure(mode: str | None = None) -> str | None:
     """None where float32 one-row products take the compiled AVX2 kernel (``mla_kernels.cpu_gemv``) under ``mode``
-    (default: the current ``MLA_CPU_GEMM``), else why not."""
+    (default: the current ``gemm_mode()``), else why not."""
     mode = gemm_mode() if mode is None else mode
     if mode != "auto":
-        return f"{GEMM_ENV}={mode} leaves it out"
+        return f"cpu_gemm={mode} leaves it out"
     return cpu_gemv.failure()
 
 

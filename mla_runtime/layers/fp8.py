@@ -8,10 +8,10 @@ ceil(K / bk)]`` float32, one scale per ``bn × bk`` block (128 × 128 in those c
 The runtime multiplies the stored bytes; nothing is re-quantised. On CUDA ``matmul`` runs the Triton block-FP8 GEMM
 (``mla_kernels.fp8_gemm``: the activations quantised per token in groups of ``bk`` values to float8_e4m3fn, both
 scales applied per K block, float32 accumulation). On a CPU, products of one to ``cpu_gemv.FP8_ROWS_MAX`` rows run the
-AVX2 kernel ``csrc/gemv_fp8.c`` where it builds and passes its probe (``MLA_CPU_GEMM=auto``): float32 activations, the
+AVX2 kernel ``csrc/gemv_fp8.c`` where it builds and passes its probe (``cpu_gemm=auto``): float32 activations, the
 weight read at one byte per value and widened in the kernel, the dequantised values exactly ``float(weight) *
 scale``; each row's result does not depend on the rows beside it. More rows, a CPU without the kernel, or
-``MLA_CPU_GEMM=plain``: the matrix is dequantised to float32 (a bounded number of output rows at a time) and multiplied
+``cpu_gemm=plain``: the matrix is dequantised to float32 (a bounded number of output rows at a time) and multiplied
 with ``F.linear``; so is it on a GPU the Triton kernel does not run on (before sm_89, ROCm).
 
 ``quantize`` makes the format from a float matrix (128 × 128 blocks, scale = the block's largest magnitude / 448).
@@ -85,7 +85,7 @@ class Fp8Weight(QuantizedWeight):
         self.weight = weight.contiguous()
         self.scale_inv = scale_inv.to(torch.float32).contiguous()
         self.block = (bn, bk)
-        # products of a few rows on a CPU: the AVX2 kernel where it builds, passes its probe and MLA_CPU_GEMM allows it
+        # products of a few rows on a CPU: the AVX2 kernel where it builds, passes its probe and cpu_gemm allows it
         self.kernel = weight.device.type == "cpu" and gemm_mode() == "auto" and cpu_gemv.fp8_failure() is None
 
     @classmethod

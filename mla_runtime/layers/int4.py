@@ -26,7 +26,7 @@ byte per weight, once for all the rows, rounds each input row to int8 with a sca
 does (``cpu_gemv.quantize_q8_groups``), and sums each group's exact integer dot product in float32 with the two
 scales: the arithmetic of llama.cpp's Q4_0 × Q8_0 products. A row's result does not depend on the rows beside it.
 The compiled decode step reads the same matrices (``row_operand``). Everywhere else (other devices, more rows,
-``MLA_CPU_GEMM=plain``) the matrix is dequantised to float32, a block of output rows at a time, and multiplied with
+``cpu_gemm=plain``) the matrix is dequantised to float32, a block of output rows at a time, and multiplied with
 ``F.linear`` in float32 (float32 activations).
 """
 
@@ -84,10 +84,10 @@ def quantize_q4_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @functools.cache
 def int4_kernel_failure(mode: str) -> str | None:
-    """None where int4 products of a few rows take the compiled kernel on this CPU under ``MLA_CPU_GEMM=mode``, else
+    """None where int4 products of a few rows take the compiled kernel on this CPU under ``cpu_gemm=mode``, else
     why they are dequantised instead (``plain`` forces that; ``onednn`` keeps the kernel: oneDNN has no int4 path)."""
     if mode == "plain":
-        return f"MLA_CPU_GEMM={mode} forces the fallback"
+        return f"cpu_gemm={mode} forces the fallback"
     failure = cpu_gemv.int4_failure()
     if failure is not None:
         logger.warning("int4 weights: dequantised to float32 per product: %s", failure)

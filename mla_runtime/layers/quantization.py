@@ -15,10 +15,10 @@ unvectorised one (3-12x slower on AVX2 in that benchmark), so the bfloat16 varia
 CPU computes the same values. The kernel is used for inner dimensions that are a multiple of 64 (its bfloat16
 variant mishandles a tail: on AVX2 it returns wrong values, or crashes, when ``K`` is not a multiple of 8; every
 MLA checkpoint's dimensions are multiples of 64) and once a probe has found it exact on this CPU
-(``int8_kernel_failure``). Elsewhere, or under ``MLA_CPU_GEMM=plain``, the int8 weight is widened per call and
+(``int8_kernel_failure``). Elsewhere, or under ``cpu_gemm=plain``, the int8 weight is widened per call and
 multiplied in float32 with ``F.linear`` (float32 activations, another summation order). Products of one to
 ``cpu_gemv.INT8_ROWS_MAX`` rows (decoding, a speculative verification, a small batch or prompt) run the AVX2 kernels
-of ``mla_kernels.cpu_gemv`` where they build (``MLA_CPU_GEMM=auto``), reading one byte per weight: each row is
+of ``mla_kernels.cpu_gemv`` where they build (``cpu_gemm=auto``), reading one byte per weight: each row is
 rounded to int16 with a power-of-two scale (within 2^-14 of its largest value, far finer than bfloat16) and
 multiplied with integer multiply-adds, eight rows at a time. They are 1.5-1.8x faster than ATen's kernel from 8 to 64
 rows on AVX2 (``[4096, 1024]``: 1.24 / 2.05 / 3.88 / 7.39 ms at 8 / 16 / 32 / 64 rows, against 1.86 / 3.45 / 6.76 /
@@ -95,10 +95,10 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @functools.cache
 def int8_kernel_failure(mode: str) -> str | None:
-    """None where ``_weight_int8pack_mm`` with bfloat16 rows is exact on this CPU (under ``MLA_CPU_GEMM=mode``),
+    """None where ``_weight_int8pack_mm`` with bfloat16 rows is exact on this CPU (under ``cpu_gemm=mode``),
     else why the widening fallback runs. Small integers make every product and sum exact in bfloat16."""
     if mode == "plain":
-        return f"MLA_CPU_GEMM={mode} forces the fallback"
+        return f"cpu_gemm={mode} forces the fallback"
     g = torch.Generator().manual_seed(0)
     try:
         for n, k, rows in ((48, 64, 1), (48, 128, 5)):
