@@ -216,8 +216,8 @@ def test_packed_linear_matrix_vector_layouts(gemm_mode):
 
 @pytest.mark.parametrize("mode", ["auto", "onednn", "plain"])
 @pytest.mark.parametrize("aten_rows", [0, 1, 8])
-def test_small_products_take_the_measured_path(mode, aten_rows, monkeypatch):
-    """A weight's products of up to ``aten_max_rows`` rows take F.linear exactly as the per-shape timing chose
+def test_small_products_take_the_chosen_path(mode, aten_rows, monkeypatch):
+    """A weight's products of up to ``aten_max_rows`` rows take F.linear exactly as the size rule chose
     (bit-identical to F.linear then); oneDNN otherwise, equal to rounding; larger batches always take oneDNN. One
     to ``KERNEL_MAX_ROWS`` rows take the AVX2 kernels wherever they build (no ``_product`` call, and no timing)."""
     monkeypatch.setenv(cpu_gemm.GEMM_ENV, mode)
@@ -236,7 +236,7 @@ def test_small_products_take_the_measured_path(mode, aten_rows, monkeypatch):
         x = torch.randn(rows, 64, generator=g)
         before = len(calls)
         got = linear(x, w, None, packed)
-        kernel = rows <= cpu_gemm.KERNEL_MAX_ROWS and packed.row_kernel  # the AVX2 kernels, whatever the timing
+        kernel = rows <= cpu_gemm.KERNEL_MAX_ROWS and packed.row_kernel  # the AVX2 kernels, whatever the rule
         took_aten = len(calls) == before and not kernel
         assert took_aten is (rows <= packed.aten_max_rows and not kernel)  # F.linear, not oneDNN, exactly when chosen
         if took_aten:
@@ -244,11 +244,15 @@ def test_small_products_take_the_measured_path(mode, aten_rows, monkeypatch):
         torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
-def test_one_row_timing_skips_large_weights(monkeypatch):
-    """Weights beyond ONE_ROW_TIMING_MAX elements are never timed: oneDNN streams them fastest."""
-    monkeypatch.setattr(cpu_gemm, "_race_ms", lambda *a, **k: pytest.fail("a large weight was timed"))
-    n = cpu_gemm.ONE_ROW_TIMING_MAX // 1024 + 1
-    assert cpu_gemm.aten_max_rows.__wrapped__(n, 1024, torch.float32, 2) == 0
+def test_small_weights_take_aten_by_a_size_rule_never_a_timing():
+    """Which products take F.linear is a rule of the weight's size and dtype: the same on every start, whatever the
+    machine's load (a timing there would change the low bits of the results from run to run)."""
+    limit, rows = cpu_gemm.ATEN_ROWS[torch.float32]
+    assert rows == cpu_gemm.FEW_ROWS and cpu_gemm.aten_max_rows(64, limit // 64, torch.float32) == rows
+    assert cpu_gemm.aten_max_rows(64, limit // 64 + 1, torch.float32) == 0
+    assert cpu_gemm.aten_max_rows(4, 1024, torch.bfloat16) == 1
+    assert cpu_gemm.aten_max_rows(16, 1024, torch.bfloat16) == 0
+    assert cpu_gemm.aten_max_rows(4, 4, torch.int8) == 0  # not a probed float dtype
 
 
 def test_packed_weight_only_where_onednn_applies():
@@ -638,30 +642,25 @@ def test_an_unwritable_kernel_cache_builds_for_the_process(tmp_path, monkeypatch
         cpu_gemv.failure.cache_clear()
 
 
-def test_with_the_row_kernels_nothing_is_timed(monkeypatch):
-    """The kernels take every product of up to ``KERNEL_MAX_ROWS`` (>= ``FEW_ROWS``) rows, so a weight they serve is
-    not timed against F.linear; without them its one-row and few-row products are."""
-    timed = []
-
-    def race(first, second, reps=3):
-        timed.append(first.args[0].shape[0])
-        return 1.0, 2.0  # F.linear faster
-
-    monkeypatch.setattr(cpu_gemm, "_race_ms", race)
+def test_with_the_row_kernels_no_product_takes_aten():
+    """The kernels take every product of up to ``KERNEL_MAX_ROWS`` (>= ``FEW_ROWS``) rows, so a weight they serve
+    never takes F.linear; without them (``onednn``) a small one's few-row products do."""
     assert cpu_gemm.KERNEL_MAX_ROWS >= cpu_gemm.FEW_ROWS
-    assert cpu_gemm.aten_max_rows.__wrapped__(96, 64, torch.float32, 2) == cpu_gemm.FEW_ROWS
-    assert timed == [1, cpu_gemm.FEW_ROWS]
-    try:
-        for mode in ("auto", "onednn"):
-            monkeypatch.setenv(cpu_gemm.GEMM_ENV, mode)
-            timed.clear()
-            cpu_gemm.aten_max_rows.cache_clear()
+    for mode in ("auto", "onednn"):
+        with cpu_gemm.forced_gemm_mode(mode):
             packed = PackedWeight.make(torch.randn(96, 64))
-            if packed is None:  # oneDNN cannot pack float32 on this CPU
-                continue
-            assert timed == ([] if packed.row_kernel else [1, cpu_gemm.FEW_ROWS])
-    finally:
-        cpu_gemm.aten_max_rows.cache_clear()  # no fake timing outlives the test
+        if packed is None:  # oneDNN cannot pack float32 on this CPU
+            continue
+        assert packed.aten_max_rows == (0 if packed.row_kernel else cpu_gemm.FEW_ROWS)
+
+
+def test_a_failed_half_precision_fast_path_falls_back_by_a_rule(monkeypatch):
+    """Without oneDNN's half-precision path: F.linear in that dtype where the CPU computes in it natively, a float32
+    copy where it does not; decided from the CPU's capabilities, never by a timing."""
+    for caps, path in (({"avx512_bf16": True}, "plain"), ({}, "upcast")):
+        monkeypatch.setattr(torch.cpu, "get_capabilities", lambda caps=caps: caps)
+        choice = cpu_gemm._fallback(torch.bfloat16, "plain", "forced")
+        assert choice.path == path and choice.compute_dtype == (torch.bfloat16 if path == "plain" else torch.float32)
 
 
 # -- the compiled absorbed decode and RMSNorm --------------------------------------------------------------------

@@ -21,11 +21,12 @@ in a process runs ``probe`` on a tiny weight. Paths (``GemmChoice.path``):
   decode step streams them, float32 one-row ``[4, 1024]`` (a 4-expert router) takes 5.8 µs in ``F.linear``
   against 63 µs in oneDNN and ``[128, 64]`` 14 vs 99 µs, while ``[1024, 1024]`` takes 419 vs 344 µs and every
   larger projection is faster in oneDNN. (With the weight kept in cache, ``F.linear`` also wins at
-  ``[1024, 1024]``: timing must stream.) So each weight shape up to ``ONE_ROW_TIMING_MAX`` elements is timed
-  once per process, rotating through copies that do not fit in cache (``aten_max_rows``): its one-row
-  products take ``F.linear`` where that is at least ``ONE_ROW_MARGIN`` faster, and where ``F.linear`` also
-  wins at ``FEW_ROWS`` rows against oneDNN's blocked layout, so do all its products of up to that many rows
-  (a batch-8 decode step of a small model).
+  ``[1024, 1024]``: timing must stream.) So small weights take ``F.linear`` by a size rule (``aten_max_rows``,
+  ``ATEN_ROWS``), never by a timing at start-up, which would make the path, and the low bits of the results,
+  depend on the machine's load: float32 weights of up to 32 Ki elements for products of up to ``FEW_ROWS`` rows,
+  half-precision ones of up to 4 Ki elements for one row. (Measured with the weights streamed, 2 threads: on an
+  AMD EPYC with AVX-512 float32 ``F.linear`` won at 8 rows up to ``[64, 512]`` and lost from ``[256, 256]``;
+  bfloat16 won at one row for ``[4, 1024]`` only.)
   Where ``mla_kernels.cpu_gemv`` builds on this machine (x86-64 with AVX2 and FMA, a C compiler; its probe
   passed), float32 products of up to ``KERNEL_MAX_ROWS`` rows (batch-1 decoding, a speculative verification, a
   small batch) run its kernels on the plain weight instead, reading each weight row once for all input rows: they
@@ -36,9 +37,10 @@ in a process runs ``probe`` on a tiny weight. Paths (``GemmChoice.path``):
   packs float32, else plain), the input cast to float32 and the result back. Memory: +4 bytes per
   weight element on top of the weight itself (a bf16 layer's weights take 3× their bf16 size).
 
-Where the fast path fails its probe (or ``cpu_gemm=plain`` forces the fallbacks), a half-precision
-dtype takes ``plain`` or ``upcast``, whichever the probe measures faster on this machine
-(``TIMING_ROWS`` rows of a ``TIMING_SHAPE`` weight); float32 takes ``plain``. Results equal ``F.linear``
+Where the fast path fails its probe (or ``cpu_gemm=plain`` forces the fallbacks), a half-precision dtype takes
+``plain`` where the CPU has native arithmetic in it (``NATIVE_CAPABILITIES``) and ``upcast`` where it has not (ATen
+then widens every element of every product); float32 takes ``plain``. A rule, not a timing: the path, and so the
+numbers, never depend on the machine's load at start-up. Results equal ``F.linear``
 to float rounding (the same products, another summation order). Anything else — another device or
 dtype, an empty input — goes to ``F.linear``.
 """
@@ -47,9 +49,8 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -68,13 +69,10 @@ GEMM_ENV = env.CPU_GEMM  # the deprecated way to set the mode: the engine settin
 GEMM_MODES = CPU_GEMM_MODES
 PACK_BATCH_HINT = 16  # oneDNN chooses the blocked layout for about this many rows
 PROBED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-TIMING_SHAPE = (2048, 1024)  # [N, K] of the weight the fallbacks are timed on (4–8 MB: beyond L2)
-TIMING_ROWS = (1, 8)  # decode batch sizes the fallback timing sums over
-ONE_ROW_TIMING_MAX = 4 << 20  # weights with more elements than this stream fastest through oneDNN: not timed
-ONE_ROW_MARGIN = 0.9  # F.linear takes a weight's one-row products when it needs at most 0.9× oneDNN's time
-ONE_ROW_COLD_BYTES = 64 << 20  # the timing rotates through this many bytes of weight copies (beyond the LLC)
-ONE_ROW_MAX_COPIES = 256
-FEW_ROWS = 8  # where F.linear also wins at this many rows, every product of up to this many rows takes it
+FEW_ROWS = 8  # small float32 weights take F.linear for every product of up to this many rows
+# products of up to ROWS rows with a weight of at most ELEMENTS elements take F.linear (module docstring)
+ATEN_ROWS: dict[torch.dtype, tuple[int, int]] = {torch.float32: (32 << 10, FEW_ROWS), torch.bfloat16: (4 << 10, 1),
+                                                 torch.float16: (4 << 10, 1)}
 KERNEL_MAX_ROWS = 8  # products of up to this many rows take the AVX2 kernels where they build (bench/RESULTS.md)
 # torch.cpu.get_capabilities() keys meaning native arithmetic in a dtype (x86, AMX, aarch64 NEON/SVE)
 NATIVE_CAPABILITIES: dict[torch.dtype, tuple[str, ...]] = {
@@ -215,34 +213,22 @@ def row_kernel_failure(mode: str | None = None) -> str | None:
     return cpu_gemv.failure()
 
 
-def _race_ms(first: Callable[[], Any], second: Callable[[], Any], reps: int = 3) -> tuple[float, float]:
-    """Best-of-``reps`` milliseconds of two calls, run alternately so both see the same machine load."""
-    first(), second()  # warm-up: first-touch allocations, kernel selection
-    best = [math.inf, math.inf]
-    for _ in range(reps):
-        for i, fn in enumerate((first, second)):
-            t = time.perf_counter()
-            fn()
-            best[i] = min(best[i], time.perf_counter() - t)
-    return 1e3 * best[0], 1e3 * best[1]
+def native_arithmetic(dtype: torch.dtype, capabilities: Mapping[str, Any] | None = None) -> list[str]:
+    """The capabilities (``torch.cpu.get_capabilities()`` keys) that give this CPU native ``dtype`` arithmetic."""
+    if capabilities is None:
+        capabilities = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    return [k for k in NATIVE_CAPABILITIES.get(dtype, ()) if capabilities.get(k)]
 
 
 def _fallback(dtype: torch.dtype, mode: str, why: str) -> GemmChoice:
-    """float32: ``F.linear``; half precision: ``F.linear`` in that dtype or in float32, whichever is faster."""
+    """float32: ``F.linear``; half precision: ``F.linear`` in that dtype where the CPU computes in it natively, else
+    in float32 (a copy of the weight)."""
     if dtype == torch.float32:
         return GemmChoice(dtype, mode, "plain", dtype, f"F.linear; {why}")
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(*TIMING_SHAPE, generator=g).to(dtype)
-    xs = [torch.randn(rows, TIMING_SHAPE[1], generator=g).to(dtype) for rows in TIMING_ROWS]
-    wide = PackedWeight(w, "upcast")
-    times = [_race_ms(functools.partial(F.linear, x, w), functools.partial(linear, x, w, None, wide)) for x in xs]
-    plain_ms, upcast_ms = sum(t[0] for t in times), sum(t[1] for t in times)
-    rows = "+".join(map(str, TIMING_ROWS))
-    timing = (f"rows {rows} of a {list(TIMING_SHAPE)} weight: {_name(dtype)} F.linear {plain_ms:.2f} ms, "
-              f"float32 {upcast_ms:.2f} ms")
-    if upcast_ms < plain_ms:
-        return GemmChoice(dtype, mode, "upcast", torch.float32, f"{why}; float32 measured faster ({timing})")
-    return GemmChoice(dtype, mode, "plain", dtype, f"{why}; {_name(dtype)} F.linear measured faster ({timing})")
+    native = native_arithmetic(dtype)
+    if native:
+        return GemmChoice(dtype, mode, "plain", dtype, f"{why}; native {_name(dtype)} ({', '.join(native)})")
+    return GemmChoice(dtype, mode, "upcast", torch.float32, f"{why}; no native {_name(dtype)} arithmetic")
 
 
 def cpu_auto_dtype(checkpoint: torch.dtype, capabilities: Mapping[str, Any] | None = None,
@@ -255,10 +241,8 @@ def cpu_auto_dtype(checkpoint: torch.dtype, capabilities: Mapping[str, Any] | No
     if checkpoint == torch.float32:
         return checkpoint, "the checkpoint's torch_dtype"
     name = _name(checkpoint)
-    if capabilities is None:
-        capabilities = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
     keys = NATIVE_CAPABILITIES.get(checkpoint, ())
-    native = [k for k in keys if capabilities.get(k)]
+    native = native_arithmetic(checkpoint, capabilities)
     if not native:
         return torch.float32, f"the CPU has no native {name} arithmetic (none of {', '.join(keys)})"
     choice = gemm_choice(checkpoint) if choice is None else choice
@@ -312,8 +296,8 @@ class PackedWeight:
                            and row_kernel_failure() is None)
         # products of at most this many rows take F.linear (small weights: oneDNN's per-call set-up dominates)
         # (the AVX2 kernels, where they run, take every product F.linear could win: up to FEW_ROWS rows)
-        self.aten_max_rows = (aten_max_rows(*weight.shape, weight.dtype, torch.get_num_threads())
-                              if path == "onednn" and not self.row_kernel else 0)
+        n, k = weight.shape
+        self.aten_max_rows = aten_max_rows(n, k, weight.dtype) if path == "onednn" and not self.row_kernel else 0
 
     @staticmethod
     def make(weight: torch.Tensor) -> PackedWeight | None:
@@ -333,41 +317,11 @@ class PackedWeight:
         raise NotImplementedError("a float PackedWeight runs through cpu_gemm.linear")
 
 
-@functools.cache
-def aten_max_rows(n: int, k: int, dtype: torch.dtype, threads: int) -> int:
-    """Up to how many rows products with an ``[n, k]`` weight are faster in ``F.linear`` than in oneDNN here:
-    0, 1 or ``FEW_ROWS`` (timed once per shape, dtype and thread count; see the module docstring)."""
-    if n * k > ONE_ROW_TIMING_MAX:
-        return 0
-    g = torch.Generator().manual_seed(0)
-    copies = max(1, min(ONE_ROW_MAX_COPIES, ONE_ROW_COLD_BYTES // (n * k * dtype.itemsize)))
-    weights = [torch.full((n, k), 0.5, dtype=dtype) for _ in range(copies)]  # values do not change the time
-    packs = []
-    for w in weights:
-        packed = PackedWeight.__new__(PackedWeight)
-        packed.plain, packed.blocked, packed.wide = w, _reorder(w), None
-        packed.plain_gemv = dtype == torch.float32
-        packed.row_kernel = False
-        packs.append(packed)
-    best = 0
-    for rows in (1, FEW_ROWS):
-        x = torch.randn(rows, k, generator=g).to(dtype)
-        aten_ms, onednn_ms = _race_ms(functools.partial(_each_aten, x, weights),
-                                      functools.partial(_each_onednn, x, packs))
-        if aten_ms > ONE_ROW_MARGIN * onednn_ms:
-            break
-        best = rows
-    return best
-
-
-def _each_aten(x: torch.Tensor, weights: list[torch.Tensor]) -> None:
-    for w in weights:
-        F.linear(x, w)
-
-
-def _each_onednn(x: torch.Tensor, packs: list[PackedWeight]) -> None:
-    for packed in packs:
-        _product(x, packed, None)
+def aten_max_rows(n: int, k: int, dtype: torch.dtype) -> int:
+    """Up to how many rows products with an ``[n, k]`` ``dtype`` weight take ``F.linear`` rather than oneDNN: a size
+    rule (``ATEN_ROWS``; see the module docstring)."""
+    elements, rows = ATEN_ROWS.get(dtype, (0, 0))
+    return rows if n * k <= elements else 0
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
