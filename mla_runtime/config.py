@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-MLA_ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
-MLA_MODEL_TYPES = {"deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3"}
+from mla_runtime.families import ARCHITECTURES, FAMILIES, family_of
+
+MLA_ARCHITECTURES = ARCHITECTURES
+MLA_MODEL_TYPES = {name: f.layout for name, f in FAMILIES.items()}
 PRESET_DIR = Path(__file__).resolve().parent / "model_configs"
 
 
@@ -203,7 +205,8 @@ class ModelConfig:
     # -- construction ---------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        return _parse(raw)
+        """A ``config.json``'s dict, rewritten first by its family's adapter (``families``)."""
+        return _parse(family_of(raw).normalise(raw))
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -246,17 +249,8 @@ def _required(raw: dict[str, Any], name: str) -> Any:
 
 
 def _family(raw: dict[str, Any]) -> str:
-    model_type = raw.get("model_type")
-    if model_type in MLA_MODEL_TYPES:
-        return MLA_MODEL_TYPES[model_type]
-    for arch in raw.get("architectures") or []:
-        if arch in MLA_ARCHITECTURES:
-            return MLA_ARCHITECTURES[arch]
-    # an unknown model may still use multi-head latent attention (MiniCPM3 does): say what is supported instead
-    raise ValueError(
-        f"model_type {model_type!r} (architectures {raw.get('architectures')}) is not supported: mla-runtime runs "
-        f"the multi-head latent attention architectures of DeepSeek-V2, DeepSeek-V3 and Kimi-K2 (model_type one of "
-        f"{sorted(MLA_MODEL_TYPES)}, or architectures {sorted(MLA_ARCHITECTURES)})")
+    """The layout (``deepseek_v2`` / ``deepseek_v3``) of an already normalised config (``families.family_of``)."""
+    return family_of(raw).layout
 
 
 def _parse_rope(raw: dict[str, Any], family: str) -> RopeConfig:
