@@ -18,7 +18,9 @@ Candidates (a candidate the CPU or torch build cannot run is listed as unsupport
   ``_linear_pointwise`` on the plain weight and on the layout ``_reorder_linear_weight`` makes; ``fp32 row-kernel``
   (one to eight rows) — ``mla_kernels.cpu_gemv.gemv`` / ``gemm_few``, the AVX2 kernels compiled at run time;
   ``fp32 cpu_gemm`` — what ``mla_runtime.layers.cpu_gemm.linear`` picks for that weight;
-- ``bf16 F.linear``, ``bf16 onednn-blocked``, ``bf16 cpu_gemm`` — the same in bfloat16;
+- ``bf16 F.linear``, ``bf16 onednn-blocked``, ``bf16 cpu_gemm`` — the same in bfloat16; ``bf16 row-kernel`` (one to
+  eight rows) — ``mla_kernels.cpu_gemv.gemm_few_bf16``: the weight read at two bytes, widened by a shift (AVX2, no
+  AVX512-BF16 needed); ``bf16 upcast`` — the float32 copy a CPU without oneDNN's bfloat16 path computes with;
 - ``int8 pack-mm fp32x`` / ``int8 pack-mm bf16x`` — ``torch.ops.aten._weight_int8pack_mm``: int8 weight,
   one scale per output channel, the input in float32 / bfloat16 (the weight-only int8 path); ``int8 row-kernel``
   (one to eight rows) — ``mla_kernels.cpu_gemv.gemv_int8`` (the row rounded to int16, integer multiply-adds) /
@@ -73,6 +75,12 @@ def float_candidates(n: int, k: int, rows: int, dtype: torch.dtype, cold_mib: in
         out[f"{name} onednn-blocked"] = (lambda: [pw(x, b, None, "none", [None], "") for b in blocked], nbytes)
     except Exception as e:  # this CPU / build cannot pack the dtype
         out[f"{name} onednn-blocked"] = (None, f"unsupported: {str(e).splitlines()[0][:80]}")  # type: ignore[assignment]
+    if dtype == torch.bfloat16 and rows <= cpu_gemv.FEW_ROWS_MAX:
+        why = cpu_gemv.bf16_failure()
+        out[f"{name} row-kernel"] = ((lambda: [cpu_gemv.gemm_few_bf16(x, w).to(dtype) for w in ws], nbytes)
+                                    if why is None else (None, f"unsupported: {why}"))  # type: ignore[assignment]
+        wide = [PackedWeight(w, "upcast") for w in ws]  # what a CPU without oneDNN's bf16 path runs: float32 copies
+        out[f"{name} upcast"] = (lambda: [linear(x, w, None, p) for w, p in zip(ws, wide)], nbytes)
     packs = [PackedWeight.make(w) for w in ws]
     out[f"{name} cpu_gemm"] = (lambda: [linear(x, w, None, p) for w, p in zip(ws, packs)], nbytes)
     return out

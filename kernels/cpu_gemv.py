@@ -145,6 +145,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.mla_gemv_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3  # w, scale, x, y, n, k, threads
     lib.mla_gemm_few_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4  # w, x, y, m, n, k, threads
     lib.mla_gemm_few_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4  # w, scale, x, y, m, n, k, threads
+    lib.mla_gemm_few_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4  # w, x, y, m, n, k, threads
     # packed int4 nibbles, float16 scales, x, y, m, n, k, threads, variant
     lib.mla_gemm_i4.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5
     lib.mla_gemm_i4.restype = None
@@ -183,7 +184,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.mla_decoder_layer.restype = ctypes.c_int64
     lib.mla_decoder_layer_scratch.argtypes = [ctypes.c_void_p] * 2
     lib.mla_decoder_layer_scratch.restype = ctypes.c_int64
-    for fn in (lib.mla_gemv_f32, lib.mla_gemv_i8, lib.mla_gemm_few_f32, lib.mla_gemm_few_i8,
+    for fn in (lib.mla_gemv_f32, lib.mla_gemv_i8, lib.mla_gemm_few_f32, lib.mla_gemm_few_i8, lib.mla_gemm_few_bf16,
                lib.mla_absorbed_decode_f32, lib.mla_absorbed_decode_bf16w, lib.mla_rms_norm_f32, lib.mla_gated_mlps,
                lib.mla_moe_row):
         fn.restype = None
@@ -274,6 +275,40 @@ def gemm_few(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
     lib.mla_gemm_few_f32(weight.data_ptr(), xs.data_ptr(), y.data_ptr(), rows, n, k, torch.get_num_threads())
     return y if bias is None else y.add_(bias)
+
+
+def gemm_few_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` in float32 of 1 to ``FEW_ROWS_MAX`` rows ``x [..., K]`` (any float dtype, widened) and a contiguous
+    bfloat16 CPU ``weight [N, K]`` read at two bytes per weight (widened exactly in the kernel); the float32 result
+    ``[..., N]`` (``+ bias``). Only where ``bf16_failure()`` is None."""
+    lib, _ = _load()
+    assert lib is not None, "gemm_few_bf16 needs the kernel: check bf16_failure() first"
+    n, k = weight.shape
+    rows = x.numel() // k if k else 0
+    if (x.shape[-1] != k or not 1 <= rows <= FEW_ROWS_MAX or weight.dtype != torch.bfloat16
+            or not weight.is_contiguous()):
+        raise ValueError(f"gemm_few_bf16 takes 1 to {FEW_ROWS_MAX} rows of {k} values and a contiguous bfloat16 "
+                         f"weight, got x {tuple(x.shape)} and weight {tuple(weight.shape)} {weight.dtype}")
+    xs = x.to(torch.float32).contiguous()
+    y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
+    lib.mla_gemm_few_bf16(weight.data_ptr(), xs.data_ptr(), y.data_ptr(), rows, n, k, torch.get_num_threads())
+    return y if bias is None else y.add_(bias)
+
+
+@functools.cache
+def bf16_failure() -> str | None:
+    """None where the bfloat16-weight kernel is built and exact on this machine, else why not: products of small
+    integers (exact in float32) with row and column tails, against float64."""
+    why = failure()
+    if why is not None:
+        return why
+    g = torch.Generator().manual_seed(0)
+    for n, k, rows in ((37, 77, 1), (8, 64, 5), (3, 5, 8)):
+        w = torch.randint(-3, 4, (n, k), generator=g).to(torch.bfloat16)
+        x = torch.randint(-3, 4, (rows, k), generator=g).float()
+        if not torch.equal(gemm_few_bf16(x, w).double(), x.double() @ w.double().T):
+            return "the bfloat16-weight kernel's products differ from the exact result on this CPU"
+    return None
 
 
 def gemv_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -1045,3 +1045,32 @@ def test_each_int8_variant_gives_the_same_bits(variant):
             assert torch.equal(cpu_gemv.gemm_few_int8(x, w, scale), default)
     finally:
         cpu_gemv.select_int8_variant(None)
+
+
+@pytest.mark.parametrize("path", ["onednn", "upcast"])
+def test_bf16_weights_take_the_two_byte_kernel_for_few_rows(path, monkeypatch):
+    """A bfloat16 weight's products of up to ``BF16_KERNEL_ROWS[path]`` rows run the kernel that reads it at two bytes
+    (float32 arithmetic on the exactly widened weight); more rows, or ``cpu_gemm=onednn``, take the weight's path."""
+    if cpu_gemv.bf16_failure() is not None:
+        pytest.skip(f"the bfloat16-weight kernel does not run here: {cpu_gemv.bf16_failure()}")
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(70, 96, generator=g).bfloat16(), torch.randn(70, generator=g).bfloat16()
+    if path == "onednn" and cpu_gemm.fast_path_failure(torch.bfloat16) is not None:
+        pytest.skip("oneDNN has no bfloat16 path on this CPU")
+    calls = []
+    real = cpu_gemv.gemm_few_bf16
+    monkeypatch.setattr(cpu_gemv, "gemm_few_bf16", lambda *a: calls.append(1) or real(*a))
+    limit = cpu_gemm.BF16_KERNEL_ROWS[path]
+    for mode, expect in (("auto", limit), ("onednn", 0)):
+        with cpu_gemm.forced_gemm_mode(mode):
+            packed = PackedWeight(w, path)
+        assert packed.bf16_rows == expect
+        for rows in (1, limit, limit + 1):
+            x = torch.randn(rows, 96, generator=g).bfloat16()
+            calls.clear()
+            got = linear(x, w, b, packed)
+            assert bool(calls) == (rows <= expect) and got.dtype == torch.bfloat16
+            want = (x.float() @ w.float().T + b.float())
+            torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=5e-2)
+            if calls:  # the kernel's float32 sum, rounded once to bfloat16
+                torch.testing.assert_close(got, want.bfloat16(), rtol=1e-2, atol=1e-2)

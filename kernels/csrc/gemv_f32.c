@@ -311,6 +311,40 @@ void mla_gemm_few_f32(const float *w, const float *x, float *y, int64_t m, int64
     for (int64_t r = 0; r < n; r++) ROWS_CASES(F32_ROW)
 }
 
+/* bfloat16 W (read at two bytes per weight, widened to float32 by a shift: exact, and no AVX512-BF16 needed) against
+ * m float32 rows, as few_f32: each weight row read once, front to back, for all m rows (which stay in L1). */
+static inline __m256 widen_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static inline float bf16_value(uint16_t v) {
+    union { uint32_t u; float f; } bits = {(uint32_t)v << 16};
+    return bits.f;
+}
+
+static inline __attribute__((always_inline)) void few_bf16(const uint16_t *wr, const float *x, float *y, int64_t r,
+                                                           const int m, int64_t n, int64_t k) {
+    const int64_t k8 = k - k % 8;
+    __m256 acc[8];
+    for (int j = 0; j < m; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k8; i += 8) {
+        const __m256 wv = widen_bf16(wr + i);
+        for (int j = 0; j < m; j++) acc[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + j * k + i), acc[j]);
+    }
+    for (int j = 0; j < m; j++) {
+        float s = hsum(acc[j]);
+        for (int64_t i = k8; i < k; i++) s += bf16_value(wr[i]) * x[j * k + i];
+        y[j * n + r] = s;
+    }
+}
+
+void mla_gemm_few_bf16(const uint16_t *w, const float *x, float *y, int64_t m, int64_t n, int64_t k,
+                       int64_t threads) {
+#define BF16_ROW(M) few_bf16(w + r * k, x, y, r, M, n, k)
+    #pragma omp parallel for schedule(static) num_threads((int)threads)
+    for (int64_t r = 0; r < n; r++) ROWS_CASES(BF16_ROW)
+}
+
 /* Any number of rows, eight at a time (each row's result does not depend on the others: a verification step's rows
  * come out as the same rows decoded one by one would). */
 void mla_gemm_few_i8(const int8_t *w, const float *scale, const float *x, float *y, int64_t rows, int64_t n, int64_t k,

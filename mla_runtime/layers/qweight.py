@@ -64,7 +64,7 @@ class QuantizedWeight(PackedWeight):
         self.plain = released_like(shape, dtype, device)
         self.blocked = self.wide = None
         self.upcast = self.plain_gemv = self.row_kernel = False
-        self.aten_max_rows = 0
+        self.aten_max_rows = self.bf16_rows = 0
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> QuantizedWeight:
