@@ -730,14 +730,16 @@ def route_config(scoring: str, method: str, n_experts: int, n_group: int, topk_g
                          int(norm_topk_prob), n_experts, 0], dtype=torch.int64)
 
 
-WEIGHT_KINDS = {"float32": 0, "int8": 1, "int4": 2}  # enum WeightKind in csrc/gemv_f32.c; int4: + its variant
+WEIGHT_KINDS = {"float32": 0, "int8": 1, "int4": 2, "bfloat16": 64}  # enum WeightKind in csrc/gemv_f32.c (int4: + its
+# variant)
 MLP_FIELDS = 7  # a GatedMLPTable row: gate_up weight, scales, kind; down weight, scales, kind; I (csrc/gemv_f32.c)
 
 
 def operand_fields(operand: Operand, shape: tuple[int, int], name: str, keep: list[object]) -> tuple[int, int, int]:
     """A weight operand of a table as (weight pointer, scales pointer, kind), checked against the ``[N, K]`` matrix it
-    stands for: a contiguous float32 tensor, an int8 ``(qweight, float32 row scales)`` pair or an int4 ``(packed
-    uint8 [N, Kp / 2], float16 scales [N, Kp / 32])`` pair (run by ``int4_variant()``). ``keep`` holds the tensors."""
+    stands for: a contiguous float32 or bfloat16 tensor, an int8 ``(qweight, float32 row scales)`` pair or an int4
+    ``(packed uint8 [N, Kp / 2], float16 scales [N, Kp / 32])`` pair (run by ``int4_variant()``). ``keep`` holds the
+    tensors."""
     n, k = shape
     kp = -(-k // INT4_GROUP) * INT4_GROUP
     want: tuple[tuple[torch.dtype, tuple[int, ...]], ...]
@@ -747,14 +749,16 @@ def operand_fields(operand: Operand, shape: tuple[int, int], name: str, keep: li
             kind, want = WEIGHT_KINDS["int4"], ((torch.uint8, (n, kp // 2)), (torch.float16, (n, kp // INT4_GROUP)))
         else:
             kind, want = WEIGHT_KINDS["int8"], ((torch.int8, (n, k)), (torch.float32, (n,)))
+    elif operand.dtype == torch.bfloat16:
+        weight, scales, kind, want = operand, None, WEIGHT_KINDS["bfloat16"], ((torch.bfloat16, (n, k)),)
     else:
         weight, scales, kind, want = operand, None, WEIGHT_KINDS["float32"], ((torch.float32, (n, k)),)
     for t, (dtype, dims) in zip((weight, scales), want):
         assert t is not None
         if t.dtype != dtype or tuple(t.shape) != dims or not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError(f"{name}: a weight [{n}, {k}] is a contiguous float32 tensor, int8 with float32 row "
-                             f"scales, or int4 nibbles with float16 group scales; got {t.dtype} {list(t.shape)} where "
-                             f"{dtype} {list(dims)} was expected")
+            raise ValueError(f"{name}: a weight [{n}, {k}] is a contiguous float32 or bfloat16 tensor, int8 with "
+                             f"float32 row scales, or int4 nibbles with float16 group scales; got {t.dtype} "
+                             f"{list(t.shape)} where {dtype} {list(dims)} was expected")
     if kind == WEIGHT_KINDS["int4"]:
         if int4_failure() is not None:
             raise ValueError(f"{name}: the int4 kernel does not run here: {int4_failure()}")

@@ -773,7 +773,7 @@ def test_gated_mlp_table_matches_torch_for_float32_and_int8_weights():
                               ([0], [1.0], torch.randn(2, d)), ([0], [1.0], torch.randn(1, d).double())):
         with pytest.raises(ValueError, match="one float32 row"):
             table(bad, ids, weights)
-    with pytest.raises(ValueError, match="is a contiguous float32 tensor, int8"):
+    with pytest.raises(ValueError, match="is a contiguous float32 or bfloat16 tensor, int8"):
         cpu_gemv.GatedMLPTable([(mlps[0][0].t(), mlps[0][1])])
 
 
@@ -917,14 +917,14 @@ def test_float32_decode_steps_take_the_compiled_attention_and_match_torch(tiny_c
 
 
 @pytest.mark.parametrize("variant", ["v3", "v3_noq_halfsplit", "v2_group", "v2_greedy_qlora"])
-@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+@pytest.mark.parametrize("quantization", [None, "int8", "int4", "bf16"])
 def test_decode_steps_run_each_layer_as_one_compiled_call_with_the_same_logits(tiny_checkpoint, variant,
                                                                                 quantization, monkeypatch):
     """Where the kernels build, a decode step of one to eight rows runs each decoder layer as one compiled call
     (norms, projections, latent side, attention, MLP), with the logits of the layer called op by op (the same kernels
     in the same order; the MLP's float arithmetic may round differently). With and without q_lora_rank, dense and MoE
-    layers, V2's and V3's routing, float32, int8 and int4 weights; a quantised model makes its layer tables again from
-    the quantised weights."""
+    layers, V2's and V3's routing, float32, int8, int4 and bfloat16 weights; a quantised model makes its layer tables
+    again from the quantised weights."""
     from mla_runtime.layers.quantization import quantize_model
     from mla_runtime.models import deepseek
 
@@ -954,7 +954,7 @@ def test_decode_steps_run_each_layer_as_one_compiled_call_with_the_same_logits(t
     # from the MLP can come out of the next product 2^-14 larger
     assert rel_err(logits[0], logits[1]) <= (1e-5 if quantization is None else 5e-4)
     if calls and quantization:
-        stored = torch.int8 if quantization == "int8" else torch.uint8
+        stored = {"int8": torch.int8, "int4": torch.uint8, "bf16": torch.bfloat16}[quantization]
         assert any(isinstance(k, torch.Tensor) and k.dtype == stored for k in calls[0].keep)
 
 

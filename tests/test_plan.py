@@ -325,7 +325,7 @@ def _resident_bytes(model: torch.nn.Module) -> int:
     return sum(found.values())
 
 
-@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+@pytest.mark.parametrize("quantization", [None, "int8", "int4", "bf16"])
 @pytest.mark.parametrize("variant", ["v3", "v2_group", "v3_noq_halfsplit"])
 def test_weight_bytes_equal_what_a_loaded_model_holds(tiny_checkpoint, variant, quantization, gemm_mode):
     """The planner's per-part bytes against a model loaded in each format: exact. Under MLA_CPU_GEMM=plain the CPU

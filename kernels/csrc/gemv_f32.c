@@ -85,9 +85,39 @@ static inline void dot2_i16(const int8_t *wa, const int8_t *wb, const int16_t *x
 }
 
 /* A weight operand, as the tables hold it: op[0] the weight, op[1] its scales, op[2] its kind: W_F32 (float32, no
- * scales), W_I8 (int8 with a float32 scale per row) or W_I4 + v (group-wise int4 with float16 scales, gemv_int4.c,
- * run by its variant v). */
-enum WeightKind { W_F32 = 0, W_I8 = 1, W_I4 = 2 };
+ * scales), W_I8 (int8 with a float32 scale per row), W_I4 + v (group-wise int4 with float16 scales, gemv_int4.c,
+ * run by its variant v) or W_BF16 (bfloat16, no scales: read at two bytes, widened by a shift). */
+enum WeightKind { W_F32 = 0, W_I8 = 1, W_I4 = 2, W_BF16 = 64 };
+
+static inline __m256 widen_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static inline float bf16_value(uint16_t v) {
+    union { uint32_t u; float f; } bits = {(uint32_t)v << 16};
+    return bits.f;
+}
+
+/* dot2_f32 with bfloat16 rows. */
+static inline void dot2_bf16(const uint16_t *wa, const uint16_t *wb, const float *x, int64_t k, float *ya, float *yb) {
+    const int64_t k16 = k - k % 16;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+    int64_t i = 0;
+    for (; i < k16; i += 16) {
+        const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
+        a0 = _mm256_fmadd_ps(widen_bf16(wa + i), x0, a0);
+        a1 = _mm256_fmadd_ps(widen_bf16(wa + i + 8), x1, a1);
+        b0 = _mm256_fmadd_ps(widen_bf16(wb + i), x0, b0);
+        b1 = _mm256_fmadd_ps(widen_bf16(wb + i + 8), x1, b1);
+    }
+    float sa = hsum(_mm256_add_ps(a0, a1)), sb = hsum(_mm256_add_ps(b0, b1));
+    for (; i < k; i++) {
+        sa += bf16_value(wa[i]) * x[i];
+        sb += bf16_value(wb[i]) * x[i];
+    }
+    *ya = sa;
+    *yb = sb;
+}
 
 /* One input row in the forms the operands read: x (float32), xq (int16, scale sx: int8 weights), x8 (prepared for
  * int4 weights: mla_q8_prepare); a form no operand reads may be absent. */
@@ -104,11 +134,12 @@ void mla_i4_share(int64_t variant, const uint8_t *w, const uint16_t *scales, con
 /* Inside a parallel region: this thread's share of rows [0, n) of y = alpha * (W x) (+ y when add), W the operand
  * op; float32 and int8 rows read as two streams. No barrier. */
 static void product_rows(const int64_t *op, const Row *in, int64_t n, int64_t k, float alpha, int add, float *y) {
-    if (op[2] >= W_I4) {
+    if (op[2] >= W_I4 && op[2] != W_BF16) {
         mla_i4_share(op[2] - W_I4, (const uint8_t *)op[0], (const uint16_t *)op[1], in->x8, y, n, k, alpha, add);
         return;
     }
     const int8_t *wq = op[2] == W_I8 ? (const int8_t *)op[0] : NULL;
+    const uint16_t *wh = op[2] == W_BF16 ? (const uint16_t *)op[0] : NULL;
     const float *wf = (const float *)op[0], *scale = (const float *)op[1];
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
     const int64_t r0 = n * t / nt, r1 = n * (t + 1) / nt, half = (r1 - r0 + 1) / 2;
@@ -119,6 +150,8 @@ static void product_rows(const int64_t *op, const Row *in, int64_t n, int64_t k,
             dot2_i16(wq + ra * k, wq + rb * k, in->xq, k, &va, &vb);
             va *= in->sx * scale[ra];
             vb *= in->sx * scale[rb];
+        } else if (wh) {
+            dot2_bf16(wh + ra * k, wh + rb * k, in->x, k, &va, &vb);
         } else {
             dot2_f32(wf + ra * k, wf + rb * k, in->x, k, &va, &vb);
         }
@@ -339,15 +372,6 @@ void mla_gemm_few_f32(const float *w, const float *x, float *y, int64_t m, int64
 
 /* bfloat16 W (read at two bytes per weight, widened to float32 by a shift: exact, and no AVX512-BF16 needed) against
  * m float32 rows, as few_f32: each weight row read once, front to back, for all m rows (which stay in L1). */
-static inline __m256 widen_bf16(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-
-static inline float bf16_value(uint16_t v) {
-    union { uint32_t u; float f; } bits = {(uint32_t)v << 16};
-    return bits.f;
-}
-
 static inline __attribute__((always_inline)) void few_bf16(const uint16_t *wr, const float *x, float *y, int64_t r,
                                                            const int m, int64_t n, int64_t k) {
     const int64_t k8 = k - k % 8;
@@ -508,7 +532,9 @@ static Row prepare_row(const float *x, int64_t k, int kinds, QBuf *q) {
     return in;
 }
 
-static int kind_bit(int64_t kind) { return 1 << (kind >= W_I4 ? W_I4 : (int)kind); }
+static int kind_bit(int64_t kind) {  /* the input form a kind reads: float32 rows for float32 and bfloat16 weights */
+    return kind == W_BF16 ? 1 << W_F32 : 1 << (kind >= W_I4 ? W_I4 : (int)kind);
+}
 
 static void gated_mlps(const float *x, float *y, int64_t d, const int64_t *table, const int64_t *ids, const float *w,
                        int64_t n, float *scratch, QBuf *xs, QBuf *as) {

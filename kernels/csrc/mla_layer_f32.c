@@ -28,6 +28,8 @@ void mla_gemv_i8(const int8_t *w, const float *scale, const float *x, float *y, 
 void mla_gemm_few_f32(const float *w, const float *x, float *y, int64_t m, int64_t n, int64_t k, int64_t threads);
 void mla_gemm_few_i8(const int8_t *w, const float *scale, const float *x, float *y, int64_t m, int64_t n, int64_t k,
                      int64_t threads);
+void mla_gemm_few_bf16(const uint16_t *w, const float *x, float *y, int64_t m, int64_t n, int64_t k,
+                       int64_t threads);
 void mla_gemm_i4(const uint8_t *w, const uint16_t *scales, const float *x, float *y, int64_t rows, int64_t n,
                  int64_t k, int64_t threads, int64_t variant);
 void mla_rms_norm_f32(const float *x, int64_t ld, const float *weight, float *y, int64_t m, int64_t k, float eps);
@@ -55,7 +57,7 @@ void mla_moe_row(const float *x, float *y, int64_t d, const float *router, const
 
 /* The layer table (mla_kernels.cpu_gemv.LAYER_FIELDS names the same entries in the same order). Products: a weight
  * pointer, its scales and its kind (WeightKind: float32, int8 with row scales, int4 with group scales and the
- * variant of its kernel). */
+ * variant of its kernel, bfloat16). */
 enum LayerField {
     L_IN_NORM, L_POST_NORM, L_Q_NORM, L_KV_NORM,  /* RMSNorm weights (L_Q_NORM: 0 without q_lora_rank) */
     L_QA_W, L_QA_S, L_QA_K,  /* [q_lora + d_c + d_r, d] stacked q_a/kv_a; without q_lora_rank: q_proj [H (d_n + d_r), d] */
@@ -82,7 +84,7 @@ enum StepField {
 
 #define PTR(type, table, field) ((type)(intptr_t)(table)[field])
 
-enum WeightKind { W_F32 = 0, W_I8 = 1, W_I4 = 2 };  /* as gemv_f32.c: W_I4 + the int4 kernel's variant */
+enum WeightKind { W_F32 = 0, W_I8 = 1, W_I4 = 2, W_BF16 = 64 };  /* as gemv_f32.c: W_I4 + the int4 kernel's variant */
 #define MLP_FIELDS 7  /* a GatedMLPTable row: gate_up weight, scales, kind; down weight, scales, kind; I */
 
 /* y [m, n] = x [m, k] W^T for the operand L[w_field .. w_field + 2]: weight, scales, kind */
@@ -91,7 +93,9 @@ static void product(const int64_t *L, int w_field, const float *x, float *y, int
     const void *w = PTR(const void *, L, w_field);
     const void *scale = PTR(const void *, L, w_field + 1);
     const int64_t kind = L[w_field + 2];
-    if (kind >= W_I4)
+    if (kind == W_BF16)
+        mla_gemm_few_bf16((const uint16_t *)w, x, y, m, n, k, threads);
+    else if (kind >= W_I4)
         mla_gemm_i4((const uint8_t *)w, (const uint16_t *)scale, x, y, m, n, k, threads, kind - W_I4);
     else if (kind == W_I8)
         (m == 1 ? mla_gemv_i8((const int8_t *)w, (const float *)scale, x, y, n, k, threads)

@@ -49,6 +49,7 @@ from mla_kernels import cpu_gemv
 from torch import nn
 
 from mla_runtime.errors import InvalidParam
+from mla_runtime.layers.bf16 import Bf16Weight
 from mla_runtime.layers.cpu_gemm import PackedWeight, gemm_mode, row_kernel_failure
 from mla_runtime.layers.fp8 import Fp8Weight
 from mla_runtime.layers.int4 import Int4Weight
@@ -187,8 +188,10 @@ class Int8Weight(QuantizedWeight):
 
 
 # the ``quantization`` values and the formats they make: int8 (above), int4 (``layers.int4``: groups of 32 with
-# llama.cpp Q4_0's rounding) and fp8 (``layers.fp8``: DeepSeek's 128 x 128 FP8 blocks, which FP8 checkpoints keep)
-WEIGHT_FORMATS: dict[str, type[QuantizedWeight]] = {"int8": Int8Weight, "int4": Int4Weight, "fp8": Fp8Weight}
+# llama.cpp Q4_0's rounding), fp8 (``layers.fp8``: DeepSeek's 128 x 128 FP8 blocks, which FP8 checkpoints keep) and
+# bf16 (``layers.bf16``: bfloat16 weights in a float32 model)
+WEIGHT_FORMATS: dict[str, type[QuantizedWeight]] = {"int8": Int8Weight, "int4": Int4Weight, "fp8": Fp8Weight,
+                                                    "bf16": Bf16Weight}
 
 
 def release(module: nn.Module, name: str, device: torch.device) -> None:

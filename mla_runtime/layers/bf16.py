@@ -1,0 +1,73 @@
+"""Weight-only bfloat16: the products' weights held at two bytes in a float32 model (``quantization="bf16"``).
+
+A bfloat16 checkpoint loaded with ``dtype="float32"`` keeps float32 activations, norms and attention (and on a CPU the
+compiled decode path, which computes in float32) while its products' weights stay bfloat16: half the bytes a decode
+step streams, exactly the checkpoint's values. (A float32 checkpoint's weights are rounded to bfloat16.)
+
+Products of up to ``cpu_gemv.FEW_ROWS_MAX`` rows on a CPU where the compiled kernels build (and ``cpu_gemm`` is
+``auto``) run ``cpu_gemv.gemm_few_bf16``, which widens each weight to float32 by a shift (exact; AVX2 alone) and
+computes in float32; the compiled layer and MLP kernels read the same matrix (``row_operand``). Larger products widen
+the weight to float32 a block of rows at a time (``widened_product``), as every device does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import cast
+
+import torch
+from mla_kernels import cpu_gemv
+
+from mla_runtime.layers.cpu_gemm import gemm_mode
+from mla_runtime.layers.qweight import QuantizedWeight, stack_rows
+
+
+def bf16_kernel(weight: torch.Tensor) -> bool:
+    """Whether products of a few rows with this bfloat16 ``weight`` run the compiled kernel here."""
+    return (weight.device.type == "cpu" and weight.is_contiguous() and gemm_mode() == "auto"
+            and cpu_gemv.bf16_failure() is None)
+
+
+class Bf16Weight(QuantizedWeight):
+    """A bfloat16 ``[N, K]`` matrix standing for a weight of another dtype (float32)."""
+
+    __slots__ = ("weight", "kernel")
+    scheme = "bf16"
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+        self._release_float(weight.shape, dtype, weight.device)
+        self.weight = weight
+        self.kernel = bf16_kernel(weight)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Bf16Weight:
+        return cls(weight.detach().to(torch.bfloat16).contiguous(), weight.dtype)
+
+    @classmethod
+    def cat(cls, parts: Sequence[QuantizedWeight]) -> Bf16Weight:
+        mats = [cast(Bf16Weight, p) for p in parts]
+        return cls(stack_rows([m.weight for m in mats]), mats[0].plain.dtype)
+
+    def select_rows(self, index: torch.Tensor) -> Bf16Weight:
+        return Bf16Weight(self.weight[index].contiguous(), self.plain.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * 2
+
+    def row_operand(self) -> torch.Tensor | None:
+        return self.weight if self.kernel else None
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight.float()
+
+    def _dequantize_rows(self, r0: int, r1: int) -> torch.Tensor:
+        return self.weight[r0:r1].float()
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x [..., K]`` (any float dtype) -> ``x · Wᵀ (+ bias)`` in ``x``'s dtype."""
+        k = self.weight.shape[1]
+        if self.kernel and 0 < x.numel() <= cpu_gemv.FEW_ROWS_MAX * k:
+            few = cpu_gemv.gemm_few_bf16(x, self.weight)
+            return (few if bias is None else few.add_(bias.float())).to(x.dtype)
+        return self.widened_product(x, bias)
