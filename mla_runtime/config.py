@@ -31,7 +31,8 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 @dataclass(frozen=True)
 class RopeConfig:
-    """Rotary embedding of the ``d_r`` decoupled dims. ``kind`` is ``"default"`` or ``"yarn"``."""
+    """Rotary embedding of the ``d_r`` decoupled dims. ``kind`` is ``"default"``, ``"yarn"`` or ``"longrope"`` (its
+    ``short_factor`` divides each frequency; within ``original_max_position_embeddings`` only: ``_parse_longrope``)."""
 
     theta: float = 10000.0
     kind: str = "default"
@@ -44,10 +45,14 @@ class RopeConfig:
     attention_factor: float | None = None
     truncate: bool = True
     interleave: bool = True
+    short_factor: tuple[float, ...] | None = None  # longrope: one divisor per frequency (d_r / 2 of them)
 
     def __post_init__(self) -> None:
-        if self.kind not in ("default", "yarn"):
-            raise ValueError(f"rope_scaling.type: unsupported RoPE type {self.kind!r} (use 'default' or 'yarn')")
+        if self.kind not in ("default", "yarn", "longrope"):
+            raise ValueError(f"rope_scaling.type: unsupported RoPE type {self.kind!r} (use 'default', 'yarn' or "
+                             f"'longrope')")
+        if self.kind == "longrope" and not self.short_factor:
+            raise ValueError("rope_scaling.short_factor is required for longrope")
         if self.theta <= 0:
             raise ValueError(f"rope_theta must be positive, got {self.theta}")
         if self.kind == "yarn":
@@ -58,7 +63,12 @@ class RopeConfig:
 
     @property
     def cos_sin_scale(self) -> float:
-        """Factor on cos/sin (YaRN's attention factor; 1 for default RoPE)."""
+        """Factor on cos/sin (YaRN's or LongRoPE's attention factor; 1 for default RoPE)."""
+        if self.kind == "longrope":  # LongRoPE's default: sqrt(1 + ln(factor) / ln(original length)) when extending
+            if self.attention_factor is not None:
+                return self.attention_factor
+            orig = self.original_max_position_embeddings or 1
+            return math.sqrt(1 + math.log(self.factor) / math.log(orig)) if self.factor > 1 and orig > 1 else 1.0
         if self.kind != "yarn":
             return 1.0
         if self.attention_factor is not None:
@@ -91,6 +101,12 @@ class MoEConfig:
     norm_topk_prob: bool = False
     first_k_dense_replace: int = 0
     moe_layer_freq: int = 1
+    # a per-layer schedule (True: MoE) where the checkpoint lists one (``mlp_layer_types``); it replaces
+    # ``first_k_dense_replace``/``moe_layer_freq``. Layers past it (MTP) are of its last layer's kind.
+    moe_layers: tuple[bool, ...] | None = None
+    # noaux_tc's learned ``e_score_correction_bias``: "required" in the checkpoint, "optional" (zeros where the
+    # checkpoint has none: A.X-K1 routes without one) or "none" (Mistral 4's grouped softmax routing has none)
+    correction_bias: str = "required"
 
     def __post_init__(self) -> None:
         for name in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_group",
@@ -113,6 +129,8 @@ class MoEConfig:
             raise ValueError(f"topk_method: unsupported value {self.topk_method!r}")
         if self.scoring_func not in ("softmax", "sigmoid"):
             raise ValueError(f"scoring_func: unsupported value {self.scoring_func!r}")
+        if self.correction_bias not in ("required", "optional", "none"):
+            raise ValueError(f"correction_bias: 'required', 'optional' or 'none', got {self.correction_bias!r}")
         per_group = self.n_routed_experts // self.n_group
         if self.topk_method == "noaux_tc" and per_group < 2 and self.n_group > 1:
             raise ValueError(f"topk_method 'noaux_tc' scores a group by its top-2 experts: n_routed_experts / "
@@ -152,6 +170,16 @@ class ModelConfig:
     fp8_block_size: tuple[int, int] | None = None  # set for FP8 block-quantised checkpoints
     stored_quantization: str | None = None  # "int8"/"int4": a pre-quantised (compressed-tensors) checkpoint
     num_nextn_predict_layers: int = 0
+    # µP (MiniCPM3): the embeddings are multiplied by ``embedding_scale``, each residual branch (attention, MLP) by
+    # ``residual_scale`` before it is added, and the final hidden state divided by ``lm_head_divisor`` before lm_head
+    embedding_scale: float = 1.0
+    residual_scale: float = 1.0
+    lm_head_divisor: float = 1.0
+    latent_norm_eps: float | None = None  # eps of q_a_layernorm and kv_a_layernorm (None: rms_norm_eps)
+    moe_output_norm: bool = False  # A.X-K1: an RMSNorm (``post_mlp_layernorm``) on each MoE layer's output
+    # Mistral 4 (Llama-4 scaling): the queries at position p times 1 + beta * ln(1 + floor(p / L)), L the RoPE's
+    # original_max_position_embeddings (so 1 below L); 0: none
+    query_scale_beta: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
@@ -166,6 +194,18 @@ class ModelConfig:
             raise ValueError(f"qk_rope_head_dim must be even (RoPE rotates pairs), got {self.qk_rope_head_dim}")
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act: only 'silu' is supported, got {self.hidden_act!r}")
+        if self.moe is not None and self.moe.moe_layers is not None \
+                and len(self.moe.moe_layers) != self.num_hidden_layers:
+            raise ValueError(f"mlp_layer_types lists {len(self.moe.moe_layers)} layers, the model has "
+                             f"{self.num_hidden_layers}")
+        short = self.rope.short_factor
+        if short is not None and len(short) != self.qk_rope_head_dim // 2:
+            raise ValueError(f"rope_scaling.short_factor has {len(short)} values, qk_rope_head_dim / 2 = "
+                             f"{self.qk_rope_head_dim // 2} expected")
+        if self.query_scale_beta and not self.rope.original_max_position_embeddings:
+            raise ValueError("query_scale_beta needs the RoPE's original_max_position_embeddings")
+        if min(self.embedding_scale, self.residual_scale, self.lm_head_divisor) <= 0:
+            raise ValueError("embedding_scale, residual_scale and lm_head_divisor must be positive")
         has_dense = any(not self.is_moe_layer(i) for i in range(self.num_hidden_layers))
         if has_dense and self.intermediate_size < 1:
             raise ValueError("intermediate_size must be >= 1: the model has dense MLP layers")
@@ -185,6 +225,11 @@ class ModelConfig:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     @property
+    def latent_eps(self) -> float:
+        """The eps of ``q_a_layernorm`` and ``kv_a_layernorm``."""
+        return self.rms_norm_eps if self.latent_norm_eps is None else self.latent_norm_eps
+
+    @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
@@ -194,6 +239,8 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         m = self.moe
+        if m is not None and m.moe_layers is not None:
+            return m.moe_layers[min(layer, len(m.moe_layers) - 1)]
         return m is not None and layer >= m.first_k_dense_replace and layer % m.moe_layer_freq == 0
 
     @property
@@ -262,6 +309,8 @@ def _parse_rope(raw: dict[str, Any], family: str) -> RopeConfig:
     interleave = True if family == "deepseek_v2" else bool(raw.get("rope_interleave", True))
     if kind == "default":
         return RopeConfig(theta=float(theta), interleave=interleave)
+    if kind == "longrope":
+        return _parse_longrope(raw, params, float(theta), interleave)
     factor = params.get("factor")
     orig = params.get("original_max_position_embeddings")
     if factor is None and orig:
@@ -273,6 +322,24 @@ def _parse_rope(raw: dict[str, Any], family: str) -> RopeConfig:
         mscale=params.get("mscale"), mscale_all_dim=params.get("mscale_all_dim"),
         attention_factor=params.get("attention_factor"), truncate=bool(params.get("truncate", True)),
         interleave=interleave)
+
+
+def _parse_longrope(raw: dict[str, Any], params: dict[str, Any], theta: float, interleave: bool) -> RopeConfig:
+    """LongRoPE within its original length, where ``short_factor`` divides each frequency. Past that length the
+    reference switches every position of the sequence to ``long_factor`` (re-rotating what is cached), which the
+    runtime does not implement: such a config is refused."""
+    orig = params.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings")
+    if not orig or not params.get("short_factor"):
+        raise ValueError("rope_scaling: longrope needs original_max_position_embeddings and short_factor")
+    max_pos = int(_required(raw, "max_position_embeddings"))
+    if max_pos > orig:
+        raise ValueError(f"rope_scaling: longrope past original_max_position_embeddings ({orig}; "
+                         f"max_position_embeddings is {max_pos}) is not supported: there the reference re-rotates "
+                         f"the whole sequence with long_factor. Set max_position_embeddings to {orig} to run within it")
+    factor = params.get("factor") or max_pos / orig
+    return RopeConfig(theta=theta, kind="longrope", factor=float(factor), original_max_position_embeddings=int(orig),
+                      attention_factor=params.get("attention_factor"), interleave=interleave,
+                      short_factor=tuple(float(f) for f in params["short_factor"]))
 
 
 def _parse_moe(raw: dict[str, Any], family: str) -> MoEConfig | None:
@@ -293,6 +360,8 @@ def _parse_moe(raw: dict[str, Any], family: str) -> MoEConfig | None:
         norm_topk_prob=bool(raw.get("norm_topk_prob", v3)),
         first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
         moe_layer_freq=int(raw.get("moe_layer_freq") or 1),
+        moe_layers=None if raw.get("moe_layers") is None else tuple(bool(b) for b in raw["moe_layers"]),
+        correction_bias=str(raw.get("correction_bias") or "required"),
     )
 
 
@@ -406,4 +475,10 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         fp8_block_size=_parse_fp8(raw),
         stored_quantization=_parse_stored_quantization(raw),
         num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
+        embedding_scale=float(raw.get("embedding_scale", 1.0)),
+        residual_scale=float(raw.get("residual_scale", 1.0)),
+        lm_head_divisor=float(raw.get("lm_head_divisor", 1.0)),
+        latent_norm_eps=None if raw.get("latent_norm_eps") is None else float(raw["latent_norm_eps"]),
+        moe_output_norm=bool(raw.get("moe_output_norm", False)),
+        query_scale_beta=float(raw.get("query_scale_beta") or 0.0),
     )

@@ -10,6 +10,7 @@ names it: never silently wrong output.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,10 +35,208 @@ class Family:
     rename: Callable[[str], str | None] = _same_name  # a checkpoint tensor name -> the model's (None: not used)
 
 
+# -- dense and GLM MLA families: transformers' class defaults fill what a config.json leaves out ------------------
+_MOE_FIELDS = ("n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size", "n_group",
+               "topk_group", "topk_method", "scoring_func", "routed_scaling_factor", "norm_topk_prob",
+               "first_k_dense_replace", "moe_layer_freq")
+REFERENCE_NORM_EPS = 1e-6  # the eps transformers builds q_a_layernorm and kv_a_layernorm with, whatever rms_norm_eps
+
+
+def _with_defaults(raw: Raw, **defaults: Any) -> Raw:
+    """``raw`` with ``defaults`` for the keys it does not have (a key present as null stays null)."""
+    return {**defaults, **raw}
+
+
+def _full_rotary(raw: Raw) -> None:
+    """Refuse a partial rotary embedding: the runtime rotates all ``qk_rope_head_dim`` dims."""
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if factor is not None and float(factor) != 1.0:
+        raise ValueError(f"{raw.get('model_type')}: partial_rotary_factor {factor} is not supported (the runtime "
+                         f"rotates every one of the qk_rope_head_dim dims)")
+
+
+def _dense(raw: Raw) -> Raw:
+    """No MoE: transformers' dense MLA families have no experts, whatever MoE fields a config carries."""
+    return {k: v for k, v in raw.items() if k not in _MOE_FIELDS}
+
+
+def _minicpm3(raw: Raw) -> Raw:
+    """MiniCPM3: dense MLA with µP scaling (``scale_emb``, ``scale_depth``, ``dim_model_base``) and RoPE over the
+    two halves of ``d_r`` (not interleaved); ``v_head_dim`` defaults to ``hidden_size / num_attention_heads``."""
+    _full_rotary(raw)
+    out = _dense(_with_defaults(raw, vocab_size=73448, hidden_size=2560, intermediate_size=6400, num_hidden_layers=62,
+                                num_attention_heads=40, max_position_embeddings=32768, rms_norm_eps=1e-5,
+                                tie_word_embeddings=True, kv_lora_rank=256, q_lora_rank=768, qk_nope_head_dim=64,
+                                qk_rope_head_dim=32, scale_emb=12, scale_depth=1.4, dim_model_base=256))
+    layers, hidden = int(out["num_hidden_layers"]), int(out["hidden_size"])
+    if out.get("v_head_dim") is None:
+        out["v_head_dim"] = hidden // int(out["num_attention_heads"])
+    depth = math.sqrt(layers) if out["scale_depth"] is None else float(out["scale_depth"])  # null: no scaling
+    base = hidden if out["dim_model_base"] is None else int(out["dim_model_base"])
+    out.update(embedding_scale=float(out["scale_emb"]), residual_scale=depth / math.sqrt(layers),
+               lm_head_divisor=hidden / base, rope_interleave=False, latent_norm_eps=REFERENCE_NORM_EPS)
+    return out
+
+
+def _youtu(raw: Raw) -> Raw:
+    """Youtu-LLM: DeepSeek-V3's attention (``rope_interleave``) in a dense Llama decoder with tied embeddings."""
+    _full_rotary(raw)
+    out = _dense(_with_defaults(raw, vocab_size=128256, hidden_size=2048, intermediate_size=6144,
+                                num_hidden_layers=32, num_attention_heads=16, max_position_embeddings=131072,
+                                rms_norm_eps=1e-6, tie_word_embeddings=True, kv_lora_rank=512, q_lora_rank=1536,
+                                qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, rope_interleave=True))
+    out["latent_norm_eps"] = REFERENCE_NORM_EPS
+    return out
+
+
+def _glm4_moe_lite(raw: Raw) -> Raw:
+    """GLM-4.7-Flash: DeepSeek-V3's attention and router (sigmoid scores, correction bias, groups scored by their
+    top-2, ``norm_topk_prob``, ``routed_scaling_factor``) with the MoE layers listed by ``mlp_layer_types``
+    (transformers' default: every layer but the first)."""
+    _full_rotary(raw)
+    out = _with_defaults(raw, vocab_size=154880, hidden_size=2048, intermediate_size=10240, moe_intermediate_size=1536,
+                         num_hidden_layers=47, num_attention_heads=20, n_shared_experts=1, n_routed_experts=64,
+                         routed_scaling_factor=1.8, kv_lora_rank=512, q_lora_rank=768, qk_rope_head_dim=64,
+                         v_head_dim=256, qk_nope_head_dim=192, n_group=1, topk_group=1, num_experts_per_tok=4,
+                         norm_topk_prob=True, max_position_embeddings=202752, rms_norm_eps=1e-5,
+                         tie_word_embeddings=False, rope_interleave=True)
+    kinds = out.get("mlp_layer_types") or ["dense"] + ["sparse"] * (int(out["num_hidden_layers"]) - 1)
+    unknown = sorted(set(kinds) - {"dense", "sparse"})
+    if unknown:
+        raise ValueError(f"glm4_moe_lite: mlp_layer_types {unknown} are not supported (use 'dense' or 'sparse')")
+    # the router is fixed by the architecture: fields a config may carry for it are not read by the reference
+    out.update(moe_layers=[k == "sparse" for k in kinds], topk_method="noaux_tc", scoring_func="sigmoid",
+               first_k_dense_replace=0, moe_layer_freq=1, latent_norm_eps=REFERENCE_NORM_EPS)
+    return out
+
+
+# -- DeepSeek-V3 variants: transformers' DeepSeek-V3 decoder with their own defaults and the variations named here ---
+V3_ROUTER = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1}  # fixed by the architecture
+
+
+def _sarvam_mla(raw: Raw) -> Raw:
+    """Sarvam (``sarvam_mla``): transformers runs it as DeepseekV3ForCausalLM with SarvamMLAConfig's defaults (no
+    Q-LoRA, one dense first layer, one expert group). The original config's names ``num_experts``,
+    ``num_shared_experts`` and ``num_mtp_layers`` are read as DeepSeek's; ``head_dim``/``q_head_dim`` are derived."""
+    out = {k: v for k, v in raw.items() if k not in ("head_dim", "q_head_dim")}
+    for old, new in (("num_experts", "n_routed_experts"), ("num_shared_experts", "n_shared_experts"),
+                     ("num_mtp_layers", "num_nextn_predict_layers")):
+        if old in out:
+            value = out.pop(old)
+            out.setdefault(new, value)
+    out = _with_defaults(out, vocab_size=262144, hidden_size=4096, intermediate_size=16384, moe_intermediate_size=2048,
+                         num_hidden_layers=32, num_attention_heads=64, n_shared_experts=1, n_routed_experts=128,
+                         routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+                         v_head_dim=128, qk_nope_head_dim=128, n_group=1, topk_group=1, num_experts_per_tok=8,
+                         first_k_dense_replace=1, norm_topk_prob=True, max_position_embeddings=4096,
+                         rms_norm_eps=1e-6, tie_word_embeddings=False, rope_interleave=True, bos_token_id=0,
+                         eos_token_id=1)
+    return {**out, **V3_ROUTER, "latent_norm_eps": REFERENCE_NORM_EPS}
+
+
+# Kimi-K2.5's text model: the wrapper's names for it (original checkpoint, then transformers' own), and what
+# transformers renames on the way (its ``blocks`` -> ``layers``)
+_KIMI_K25_TEXT = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                  ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
+
+
+def _kimi_k25(raw: Raw) -> Raw:
+    """Kimi-K2.5/K2.6 (``kimi_k25``): a vision tower around a DeepSeek-V3 language model; the runtime serves the
+    text model, read from ``text_config``. transformers ties lm_head to the embeddings by the wrapper's
+    ``tie_word_embeddings`` (default true), not the text config's."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError("kimi_k25: config.json has no text_config (the language model's config)")
+    out = {**text, "model_type": "kimi_k25", "architectures": None,
+           "tie_word_embeddings": bool(raw.get("tie_word_embeddings", True))}
+    for key in ("quantization_config", "torch_dtype", "dtype", "bos_token_id", "eos_token_id"):
+        if out.get(key) is None and raw.get(key) is not None:
+            out[key] = raw[key]
+    return out
+
+
+def _kimi_k25_name(name: str) -> str | None:
+    """A Kimi-K2.5 tensor's name in the text model, or None for the vision tower's and the projector's. A name
+    already the text model's stays (a checkpoint the runtime wrote)."""
+    if name.startswith(("model.layers.", "model.embed_tokens.", "model.norm.")):
+        return name
+    for old, new in _KIMI_K25_TEXT:
+        if name.startswith(old):
+            name = new + name[len(old):]
+            return "model.layers." + name[len("model.blocks."):] if name.startswith("model.blocks.") else name
+    return None
+
+
+def _axk1(raw: Raw) -> Raw:
+    """A.X-K1 (``axk1``): DeepSeek-V3 with an RMSNorm on each MoE layer's output (``post_mlp_layernorm``), MoE
+    layers listed by ``mlp_layer_types`` (else from ``first_k_dense_replace``/``moe_layer_freq``, default 1 and 1),
+    always Q-LoRA, no MTP layers, and a router whose correction bias the released checkpoints leave out (zeros)."""
+    out = _with_defaults(raw, vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+                         num_hidden_layers=61, num_attention_heads=64, n_shared_experts=1, n_routed_experts=192,
+                         routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+                         v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4, num_experts_per_tok=8,
+                         norm_topk_prob=True, max_position_embeddings=32768, rms_norm_eps=1e-6, bos_token_id=163691,
+                         eos_token_id=163691, tie_word_embeddings=False, rope_interleave=True)
+    if out.get("q_lora_rank") is None:
+        raise ValueError("axk1: q_lora_rank is required (A.X-K1's attention always has a Q-LoRA)")
+    layers = int(out["num_hidden_layers"])
+    first, freq = int(out.get("first_k_dense_replace") or 1), int(out.get("moe_layer_freq") or 1)
+    kinds = out.get("mlp_layer_types") or ["sparse" if i >= first and i % freq == 0 else "dense"
+                                           for i in range(layers)]
+    unknown = sorted(set(kinds) - {"dense", "sparse"})
+    if unknown:
+        raise ValueError(f"axk1: mlp_layer_types {unknown} are not supported (use 'dense' or 'sparse')")
+    return {**out, **V3_ROUTER, "moe_layers": [k == "sparse" for k in kinds], "first_k_dense_replace": 0,
+            "correction_bias": "optional", "moe_output_norm": True, "num_nextn_predict_layers": 0,
+            "latent_norm_eps": REFERENCE_NORM_EPS}
+
+
+def _axk1_name(name: str) -> str:
+    """transformers' in-memory name of the MoE output norm -> the checkpoints' (beside the layer's other norms)."""
+    return name.replace(".mlp.post_mlp_layernorm.", ".post_mlp_layernorm.")
+
+
+MISTRAL4_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 128.0, "original_max_position_embeddings": 8192,
+                 "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
+                 "llama_4_scaling_beta": 0.1}
+
+
+def _mistral4(raw: Raw) -> Raw:
+    """Mistral 4 (``mistral4``): DeepSeek-V3's MLA with a softmax router (no correction bias; groups, when more than
+    one, ranked by their top-2 scores), every layer from ``first_k_dense_replace`` (default 0) a MoE layer, YaRN over
+    the ``d_r`` rotary dims, and the Llama-4 query scaling (``llama_4_scaling_beta``: ``query_scale_beta``)."""
+    out = _with_defaults(raw, vocab_size=131072, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=2048,
+                         num_hidden_layers=36, num_attention_heads=32, n_shared_experts=1, n_routed_experts=128,
+                         routed_scaling_factor=1.0, kv_lora_rank=256, q_lora_rank=1024, qk_rope_head_dim=64,
+                         v_head_dim=128, qk_nope_head_dim=64, n_group=1, topk_group=1, num_experts_per_tok=4,
+                         first_k_dense_replace=0, norm_topk_prob=True, max_position_embeddings=1048576,
+                         rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+                         rope_interleave=True)
+    rope = dict(out.get("rope_parameters") or out.get("rope_scaling") or MISTRAL4_ROPE)
+    d_n, d_r = int(out["qk_nope_head_dim"]), int(out["qk_rope_head_dim"])
+    partial = rope.get("partial_rotary_factor")
+    if partial is not None and int((d_n + d_r) * float(partial)) != d_r:
+        raise ValueError(f"mistral4: partial_rotary_factor {partial} rotates {int((d_n + d_r) * float(partial))} "
+                         f"dims; the runtime rotates the qk_rope_head_dim ({d_r}) dims")
+    grouped = int(out.get("n_group") or 1) > 1
+    return {**out, "rope_parameters": rope, "rope_scaling": None,
+            "query_scale_beta": float(rope.get("llama_4_scaling_beta") or 0.0), "scoring_func": "softmax",
+            "topk_method": "noaux_tc" if grouped else "greedy", "correction_bias": "none", "moe_layer_freq": 1,
+            "latent_norm_eps": REFERENCE_NORM_EPS}
+
+
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("deepseek_v2", "deepseek_v2", "deepseek-ai/DeepSeek-V2-Lite"),
     Family("deepseek_v3", "deepseek_v3", "deepseek-ai/DeepSeek-V3"),
     Family("kimi_k2", "deepseek_v3", "moonshotai/Kimi-K2-Instruct"),
+    Family("minicpm3", "deepseek_v3", "openbmb/MiniCPM3-4B", _minicpm3),
+    Family("youtu", "deepseek_v3", "tencent/Youtu-LLM-2B", _youtu),
+    Family("glm4_moe_lite", "deepseek_v3", "zai-org/GLM-4.7-Flash", _glm4_moe_lite),
+    Family("sarvam_mla", "deepseek_v3", "sarvamai/sarvam-105b", _sarvam_mla),
+    Family("kimi_k25", "deepseek_v3", "moonshotai/Kimi-K2.6", _kimi_k25, _kimi_k25_name),
+    Family("axk1", "deepseek_v3", "skt/A.X-K1", _axk1, _axk1_name),
+    Family("mistral4", "deepseek_v3", "mistralai/Mistral-Small-4-119B-2603", _mistral4),
 )}
 # checkpoints that name only their architecture
 ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}

@@ -5,7 +5,8 @@
   RAM stays near the model's own size; matrices that run as stored (pre-quantised int8, FP8 blocks) are views of
   the mapped file on a CPU (``_Reader.stored``).
 - One name table (``checkpoint_layout``) maps every checkpoint tensor to a parameter slot; per-expert
-  tensors are stacked, ``gate_proj``/``up_proj`` are fused.
+  tensors are stacked, ``gate_proj``/``up_proj`` are fused. The family's adapter (``families.Family.rename``) first
+  gives each stored tensor its name in that table, or drops it (a vision tower's tensors: ``renamed_files``).
 - DeepSeek-V3 FP8 block-quantised weights (``*.weight`` in float8_e4m3fn with ``*.weight_scale_inv``,
   one fp32 scale per 128×128 block) are dequantised on load.
 - DeepSeek-V3's multi-token-prediction layers (``model.layers.{num_hidden_layers + j}.*``: ``enorm``, ``hnorm``,
@@ -26,7 +27,7 @@ import mmap
 import os
 import re
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ from mla_runtime import attention
 from mla_runtime.compressed import is_stored_compressed, read_stored, stored_names
 from mla_runtime.config import ModelConfig
 from mla_runtime.errors import InvalidParam
+from mla_runtime.families import FAMILIES
 from mla_runtime.layers.cpu_gemm import resolve_cpu_dtype
 from mla_runtime.layers.fp8 import Fp8Weight
 from mla_runtime.layers.quantization import (
@@ -62,6 +64,7 @@ STORED_FP8 = "stored fp8"  # a product matrix kept in the FP8 blocks the checkpo
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _IGNORED_RE = re.compile(r"rotary_emb\.inv_freq$")
 _FUSED_EXPERTS_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj$")
+_POST_MLP_NORM_RE = re.compile(r"^model\.layers\.(\d+)\.post_mlp_layernorm\.weight$")
 
 
 class CheckpointError(ValueError):
@@ -137,8 +140,10 @@ class _Layout:
         assert moe is not None
         size, experts = moe.moe_intermediate_size, f"{p}.mlp.experts"
         self.whole(f"{p}.mlp.gate.weight")
-        if moe.topk_method == "noaux_tc":
+        if moe.topk_method == "noaux_tc" and moe.correction_bias != "none":
             self.whole(f"{p}.mlp.gate.e_score_correction_bias")
+        if self.cfg.moe_output_norm:  # stored beside the layer's norms, a part of its MoE here
+            self.table[f"{p}.post_mlp_layernorm.weight"] = Slot(f"{p}.mlp.post_mlp_layernorm.weight")
         if moe.n_shared_experts:
             self.mlp(f"{p}.mlp.shared_experts", size * moe.n_shared_experts)
         if fused:  # transformers' in-memory layout: [E, 2I, d] and [E, d, I]
@@ -194,6 +199,24 @@ def checkpoint_layout(cfg: ModelConfig, par: ParallelContext = SINGLE_RANK,
     return layout.table
 
 
+def renamed_files(files: dict[str, Path], rename: Callable[[str], str | None]
+                  ) -> tuple[dict[str, Path], dict[str, str]]:
+    """The checkpoint's tensors under the model's names (``Family.rename``; a tensor it maps to None, such as a vision
+    tower's, is left out), and the stored name of each renamed one."""
+    named: dict[str, Path] = {}
+    stored: dict[str, str] = {}
+    for name, f in files.items():
+        new = rename(name)
+        if new is None:
+            continue
+        if new in named:
+            raise CheckpointError(f"checkpoint tensors {stored.get(new, new)!r} and {name!r} both map to {new!r}")
+        named[new] = f
+        if new != name:
+            stored[new] = name
+    return named, stored
+
+
 def checkpoint_files(path: Path) -> dict[str, Path]:
     """Tensor name → file holding it."""
     index = path / "model.safetensors.index.json"
@@ -232,8 +255,10 @@ class _Reader:
     be dropped and read again under memory pressure. The format is an 8-byte header length, a JSON header of
     ``name -> {dtype, shape, data_offsets}``, then the data."""
 
-    def __init__(self, files: dict[str, Path], device: torch.device | None = None) -> None:
+    def __init__(self, files: dict[str, Path], device: torch.device | None = None,
+                 file_names: Mapping[str, str] | None = None) -> None:
         self.files = files
+        self.file_names = file_names or {}  # a renamed tensor's name in its file (``renamed_files``)
         self._headers: dict[Path, tuple[int, dict[str, Any]]] = {}
         self._maps: dict[Path, torch.Tensor] = {}
         # ``stored`` maps where the tensors stay on the CPU and the file's (little-endian) bytes are the machine's
@@ -246,7 +271,7 @@ class _Reader:
                 size = int.from_bytes(handle.read(8), "little")
                 self._headers[f] = 8 + size, json.loads(handle.read(size))
         start, header = self._headers[f]
-        return f, start, header[name]
+        return f, start, header[self.file_names.get(name, name)]
 
     def _read(self, f: Path, offset: int, nbytes: int) -> torch.Tensor:
         buf = torch.empty(nbytes, dtype=torch.uint8)
@@ -324,6 +349,9 @@ def _malloc_trim() -> Any:
 def _mtp_or_ignored(name: str, cfg: ModelConfig) -> bool:
     if _IGNORED_RE.search(name):
         return True
+    norm = _POST_MLP_NORM_RE.match(name) if cfg.moe_output_norm else None
+    if norm is not None and not cfg.is_moe_layer(int(norm.group(1))):
+        return True  # A.X-K1 stores the MoE output norm for its dense layers too, which do not use it
     m = _LAYER_RE.match(name)
     return m is not None and int(m.group(1)) >= cfg.num_hidden_layers
 
@@ -479,16 +507,21 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
     quantising the stacked matrix) and its row blocks stacked once complete."""
     path = Path(path)
     cfg = model.config
-    files = checkpoint_files(path)
+    family = FAMILIES.get(cfg.model_type)
+    files, file_names = checkpoint_files(path), dict[str, str]()
+    if family is not None:
+        files, file_names = renamed_files(files, family.rename)
     if len(model.mtp):
         check_mtp_weights(cfg, files, path)
     fused = {int(m.group(1)) for n in files if (m := _FUSED_EXPERTS_RE.match(n))}
     table = checkpoint_layout(cfg, model.par, fused, len(model.mtp))
+    if cfg.moe is not None and cfg.moe.correction_bias == "optional":  # absent: the router's zeros stay
+        table = {n: s for n, s in table.items() if n in files or not n.endswith(".e_score_correction_bias")}
     params = dict(model.named_parameters())
     if device is None:
         device = next((t.device for t in [*model.parameters(), *model.buffers()] if not t.is_meta),
                       torch.device("cpu"))
-    reader = _Reader(files, device)
+    reader = _Reader(files, device, file_names)
 
     stored = cfg.stored_quantization  # a pre-quantised checkpoint: its matrices load as stored
     if stored is not None:

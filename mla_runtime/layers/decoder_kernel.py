@@ -12,7 +12,8 @@ The MLP is part of the call where its weights take the compiled kernels: a dense
 DeepSeek's routing, then expert by expert the rows that chose it, each expert's weights read once for all of them,
 then the shared experts); the routing's float32 arithmetic is the kernel's own, so a MoE layer's output equals the
 torch path's to float rounding rather than bit for bit. Left to the torch path: tensor parallelism, biased
-projections, a truncated latent rank, a quantised latent cache, steps with prefill chunks or more than eight rows.
+projections, a truncated latent rank, a quantised latent cache, steps with prefill chunks or more than eight rows, and
+layers whose residual branches are scaled (µP: the compiled call adds them as they are).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def _mlp_table(mlp: nn.Module) -> tuple[cpu_gemv.GatedMLPTable | None, tuple | N
     if isinstance(mlp, GatedMLP) and mlp.par.world_size == 1:
         table = mlp.one_row_table()
         return (table, None) if isinstance(table, cpu_gemv.GatedMLPTable) else (None, None)
-    if isinstance(mlp, MoE) and mlp.par.world_size == 1:
+    if isinstance(mlp, MoE) and mlp.par.world_size == 1 and mlp.post_mlp_layernorm is None:  # else: the caller's
         table, route = mlp.experts.one_row_table(mlp.shared_experts), mlp.gate.kernel_route()
         if not isinstance(table, cpu_gemv.GatedMLPTable) or route is None:
             return None, None
@@ -71,13 +72,17 @@ def _mlp_table(mlp: nn.Module) -> tuple[cpu_gemv.GatedMLPTable | None, tuple | N
     return None, None
 
 
-def layer_weights(norms: tuple[RMSNorm, RMSNorm], attn: MLAttention, mlp: nn.Module) -> cpu_gemv.LayerWeights | None:
+def layer_weights(norms: tuple[RMSNorm, RMSNorm], attn: MLAttention, mlp: nn.Module,
+                  residual_scale: float = 1.0) -> cpu_gemv.LayerWeights | None:
     """The layer (input and post-attention norms, attention, MLP) as the compiled call reads it, or None where any
-    part of its attention does not take the compiled kernels."""
+    part of its attention does not take the compiled kernels, or its residual branches are scaled."""
+    if attn.query_scale[0]:  # Mistral 4's position-scaled queries (mla.position_scaled) take the torch path
+        return None
     q_lora = attn.q_proj is None
-    if (not attn.decode_kernel or attn.par.world_size != 1 or attn.latent_down is not None or attn.w_uk is None
-            or attn.w_uv_t is None or not all(n.kernel for n in norms) or not attn.kv_a_layernorm.kernel
-            or (q_lora and not attn.q_a_layernorm.kernel)):
+    scaled_residual = residual_scale != 1.0
+    if (scaled_residual or not attn.decode_kernel or attn.par.world_size != 1 or attn.latent_down is not None
+            or attn.w_uk is None or attn.w_uv_t is None or not all(n.kernel for n in norms)
+            or not attn.kv_a_layernorm.kernel or (q_lora and not attn.q_a_layernorm.kernel)):
         return None
     if q_lora:
         if attn.qkv_a_bias is not None or not _unbiased(attn.q_a_proj, attn.kv_a_proj_with_mqa, attn.q_b_proj):
@@ -106,7 +111,8 @@ def layer_weights(norms: tuple[RMSNorm, RMSNorm], attn: MLAttention, mlp: nn.Mod
 class DecoderKernel:
     """A decoder layer's compiled table, kept while the weights it was made from stay (``table``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, residual_scale: float = 1.0) -> None:
+        self.residual_scale = residual_scale  # the layer's µP branch scale (``layer_weights``)
         self.watched: list[tuple[object, str]] = []
         self.seen: list[object] = []
         self.made: cpu_gemv.DecoderLayerTable | None = None
@@ -117,7 +123,7 @@ class DecoderKernel:
         post-attention norms, attention and MLP (asked for only when the table is made)."""
         if not self.watched or any(getattr(h, a) is not v for (h, a), v in zip(self.watched, self.seen)):
             norms, attn, mlp = parts()
-            weights = layer_weights(norms, attn, mlp)
+            weights = layer_weights(norms, attn, mlp, self.residual_scale)
             self.made = None if weights is None else cpu_gemv.DecoderLayerTable(weights)
             self.watched = _watched(norms, attn, mlp)  # after: making the MLP's table sets it
             self.seen = [getattr(h, a) for h, a in self.watched]

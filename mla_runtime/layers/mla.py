@@ -50,23 +50,22 @@ class MLAttention(nn.Module):
         self.d_c, self.d_r, self.d_n, self.d_v = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, \
             cfg.v_head_dim
         self.scale = cfg.softmax_scale
+        self.query_scale = (cfg.query_scale_beta, cfg.rope.original_max_position_embeddings or 1)  # position_scaled
         hidden, qk, bias = cfg.hidden_size, cfg.qk_head_dim, cfg.attention_bias
+        self.kv_a_proj_with_mqa = Linear(hidden, self.d_c + self.d_r, dtype, bias=bias)
         self.q_proj = Linear(hidden, self.n_h * qk, dtype) if cfg.q_lora_rank is None else None
         if cfg.q_lora_rank is not None:
             self.q_a_proj = Linear(hidden, cfg.q_lora_rank, dtype, bias=bias)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.latent_eps, dtype)
             self.q_b_proj = Linear(cfg.q_lora_rank, self.n_h * qk, dtype)
-        self.kv_a_proj_with_mqa = Linear(hidden, self.d_c + self.d_r, dtype, bias=bias)
-        if cfg.q_lora_rank is not None:  # prepare_inference() stacks the two
-            self.q_a_proj.fused = self.kv_a_proj_with_mqa.fused = True
-        self.kv_a_layernorm = RMSNorm(self.d_c, cfg.rms_norm_eps, dtype)
+            self.q_a_proj.fused = self.kv_a_proj_with_mqa.fused = True  # prepare_inference() stacks the two
+        self.kv_a_layernorm = RMSNorm(self.d_c, cfg.latent_eps, dtype)
         self.kv_b_proj = Linear(self.d_c, self.n_h * (self.d_n + self.d_v), dtype)
         self.o_proj = Linear(self.n_h * self.d_v, hidden, dtype, bias=bias)
         self.rotary = RotaryEmbedding(cfg.rope, self.d_r)
         self.d_c_in = self.d_c  # width of the latent kv_a_proj_with_mqa produces
         self.latent_down: nn.Parameter | None = None  # [r, d_c_in] when the latent rank is truncated (latent_rank)
-        # contiguous W_UK [n_h, d_n, d_c] and W_UVᵀ [n_h, d_c, d_v] (prepare_inference): absorption and
-        # up-projection are one batched GEMM each (int8 models: bfloat16 copies, layers.quantization)
+        # contiguous W_UK [n_h, d_n, d_c] and W_UVᵀ [n_h, d_c, d_v] (prepare_inference): one batched GEMM each
         self.w_uk: torch.Tensor | None = None
         self.w_uv_t: torch.Tensor | None = None
         self.qkv_a: PackedWeight | None = None  # q_a_proj and kv_a_proj_with_mqa stacked: one GEMM
@@ -89,7 +88,9 @@ class MLAttention(nn.Module):
         return AttentionDims(self.d_c, self.d_r, self.d_n, self.d_v)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: LayerCache) -> torch.Tensor:
-        q_n, q_r = meta.backend.write(self, *self.project(x), meta, cache)
+        q, latent = self.project(x)
+        q = position_scaled(q, meta.batch.positions, *self.query_scale)
+        q_n, q_r = meta.backend.write(self, q, latent, meta, cache)
         o = meta.backend.forward(q_n, q_r, self, meta, cache)  # [T, n_h, d_v]
         out = self.o_proj(o.reshape(x.shape[0], self.n_h * self.d_v), bias=self.par.rank == 0)  # bias added once
         return self.par.all_reduce(out)
@@ -115,6 +116,16 @@ class MLAttention(nn.Module):
         if self.latent_down is not None:
             c = torch.nn.functional.linear(c, self.latent_down)  # [T, r]: the truncated latent
         return q_n, q_r, c, k_r
+
+
+def position_scaled(q: torch.Tensor, positions: torch.Tensor, beta: float, length: int) -> torch.Tensor:
+    """Mistral 4's (Llama-4) query scaling: the queries ``q [T, ...]`` at position ``p`` times
+    ``1 + beta * ln(1 + floor(p / length))`` (``beta`` 0: ``q`` as it is). Linear in ``q``: the same before RoPE as
+    after it."""
+    if not beta:
+        return q
+    scale = 1 + beta * torch.log1p(torch.floor(positions[: q.shape[0]].to(torch.float32) / length))
+    return q * scale.to(q.dtype).unsqueeze(-1)
 
 
 def stack_input_projections(attn: MLAttention) -> None:

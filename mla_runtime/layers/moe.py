@@ -8,7 +8,8 @@ Routers (scores in fp32):
   ``s + e_score_correction_bias``; a group's score is the sum of its top-2 biased scores; dropped groups
   are masked with −inf; weights are the *unbiased* ``s`` of the chosen experts, renormalised when
   ``norm_topk_prob``.
-Both then multiply by ``routed_scaling_factor``.
+Both then multiply by ``routed_scaling_factor``. Mistral 4 groups softmax scores as V3 does, without a correction
+bias (``MoEConfig.correction_bias`` "none"); A.X-K1 adds an RMSNorm on the layer's output (``post_mlp_layernorm``).
 
 Execution groups the (token, expert) pairs by expert — in Python for a decode step's few pairs, by a
 stable sort for a prefill's many — and runs one matmul pair per expert that has tokens (oneDNN-packed
@@ -32,6 +33,7 @@ from mla_runtime.config import MoEConfig
 from mla_runtime.layers.cpu_gemm import PackedWeight, linear
 from mla_runtime.layers.fp8 import Fp8Weight
 from mla_runtime.layers.mlp import GatedMLP, row_table
+from mla_runtime.layers.norm import RMSNorm
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 
 HOST_GROUPING_MAX_PAIRS = 1024  # up to this many (token, expert) pairs, group them in Python instead of sorting
@@ -45,7 +47,7 @@ class Router(nn.Module):
                                    requires_grad=False)
         self.e_score_correction_bias = (
             nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32), requires_grad=False)
-            if cfg.topk_method == "noaux_tc" else None)
+            if cfg.topk_method == "noaux_tc" and cfg.correction_bias != "none" else None)
 
     def kernel_route(self) -> torch.Tensor | None:
         """This router's settings for the compiled one-row MoE kernel (``cpu_gemv.route_config``), or None."""
@@ -270,9 +272,11 @@ class Experts(nn.Module):
 
 class MoE(nn.Module):
     def __init__(self, cfg: MoEConfig, hidden: int, dtype: torch.dtype, bias: bool = False,
-                 par: ParallelContext = SINGLE_RANK) -> None:
+                 par: ParallelContext = SINGLE_RANK, output_norm_eps: float | None = None) -> None:
         super().__init__()
         self.par = par
+        # A.X-K1: an RMSNorm on the layer's whole output (after the reduction: the norm is of the full sum)
+        self.post_mlp_layernorm = None if output_norm_eps is None else RMSNorm(hidden, output_norm_eps, dtype)
         self.gate = Router(cfg, hidden)
         self.experts = Experts(cfg.n_routed_experts, hidden, cfg.moe_intermediate_size, dtype, par)
         self.shared_experts = (GatedMLP(hidden, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, bias,
@@ -287,9 +291,13 @@ class MoE(nn.Module):
                 out = table.moe_row(x, self.gate.weight, route, self.gate.e_score_correction_bias,
                                     self.gate.cfg.routed_scaling_factor, self.experts.first, self.experts.num_experts,
                                     shared)
-                return self.par.all_reduce(out)
+                return self._output(out)
         weights, expert_ids = self.gate(x)
         out = self.experts(x, weights, expert_ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return self.par.all_reduce(out)  # one reduction for routed and shared experts
+        return self._output(out)
+
+    def _output(self, out: torch.Tensor) -> torch.Tensor:
+        out = self.par.all_reduce(out)  # one reduction for routed and shared experts
+        return out if self.post_mlp_layernorm is None else self.post_mlp_layernorm(out)

@@ -36,6 +36,9 @@ def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
     pos_freqs = rope.theta ** exponents
     if rope.kind == "default":
         return 1.0 / pos_freqs
+    if rope.kind == "longrope":
+        assert rope.short_factor is not None and len(rope.short_factor) == dim // 2  # validated by ModelConfig
+        return 1.0 / (torch.tensor(rope.short_factor, dtype=torch.float32) * pos_freqs)
     orig = rope.original_max_position_embeddings
     assert orig is not None  # validated by RopeConfig
 

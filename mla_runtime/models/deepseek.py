@@ -58,16 +58,18 @@ class DecoderLayer(nn.Module):
         self.self_attn = MLAttention(rc, layer)
         if cfg.is_moe_layer(layer):
             assert cfg.moe is not None
-            self.mlp: nn.Module = MoE(cfg.moe, cfg.hidden_size, dtype, cfg.mlp_bias, par)
+            self.mlp: nn.Module = MoE(cfg.moe, cfg.hidden_size, dtype, cfg.mlp_bias, par,
+                                      cfg.rms_norm_eps if cfg.moe_output_norm else None)
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, cfg.mlp_bias, par)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.kernel = DecoderKernel()  # the layer as one compiled call, on decode steps that take it
+        self.residual_scale = cfg.residual_scale  # µP: on each branch before it is added
+        self.kernel = DecoderKernel(self.residual_scale)  # the layer as one compiled call, on decode steps that take it
 
     def prepare_inference(self) -> None:
         """Forget the compiled table: it is made again, from the prepared weights, at the next decode step."""
-        self.kernel = DecoderKernel()
+        self.kernel = DecoderKernel(self.residual_scale)
 
     def kernel_table(self) -> cpu_gemv.DecoderLayerTable | None:
         """The layer's compiled table (``layers.decoder_kernel``), or None where it runs call by call."""
@@ -84,6 +86,10 @@ class DecoderLayer(nn.Module):
         if step is not None and table is not None:
             h = cpu_gemv.decoder_layer(table, step, x, cache.kv.view(-1, cache.kv.shape[-1]))
             return x if h is None else x + self.mlp(h)
+        s = self.residual_scale
+        if s != 1.0:
+            x = x + self.self_attn(self.input_layernorm(x), meta, cache) * s
+            return x + self.mlp(self.post_attention_layernorm(x)) * s
         x = x + self.self_attn(self.input_layernorm(x), meta, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -185,6 +191,8 @@ class DeepseekForCausalLM(nn.Module):
         defaults to ``attention_metadata(batch, cache)``."""
         meta = meta or self.attention_metadata(batch, cache)
         x = self.model.embed_tokens(batch.input_ids)
+        if self.config.embedding_scale != 1.0:  # µP
+            x = x * self.config.embedding_scale
         step = self._decode_step(meta, cache)
         if step is not None:
             x = x.contiguous()  # updated in place by the compiled layers
@@ -258,6 +266,8 @@ class DeepseekForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """fp32 logits ``[R, V]`` (under tensor parallelism: on rank 0, None elsewhere)."""
+        if self.config.lm_head_divisor != 1.0:  # µP
+            hidden = hidden / self.config.lm_head_divisor
         logits = linear(hidden, self.lm_head_weight, None, self.lm_head_packed).float()
         if not self.par.enabled:
             return logits
