@@ -146,6 +146,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.mla_gemm_few_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4  # w, x, y, m, n, k, threads
     lib.mla_gemm_few_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4  # w, scale, x, y, m, n, k, threads
     lib.mla_gemm_few_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4  # w, x, y, m, n, k, threads
+    lib.mla_gemv_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3  # w, x, y, n, k, threads
     # packed int4 nibbles, float16 scales, x, y, m, n, k, threads, variant
     lib.mla_gemm_i4.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5
     lib.mla_gemm_i4.restype = None
@@ -188,7 +189,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.mla_decoder_layer.restype = ctypes.c_int64
     lib.mla_decoder_layer_scratch.argtypes = [ctypes.c_void_p] * 2
     lib.mla_decoder_layer_scratch.restype = ctypes.c_int64
-    for fn in (lib.mla_gemv_f32, lib.mla_gemv_i8, lib.mla_gemm_few_f32, lib.mla_gemm_few_i8, lib.mla_gemm_few_bf16,
+    for fn in (lib.mla_gemv_f32, lib.mla_gemv_i8, lib.mla_gemm_few_f32, lib.mla_gemm_few_i8, lib.mla_gemm_few_bf16, lib.mla_gemv_bf16,
                lib.mla_absorbed_decode_f32, lib.mla_absorbed_decode_bf16w, lib.mla_rms_norm_f32, lib.mla_gated_mlps,
                lib.mla_moe_row):
         fn.restype = None
@@ -295,7 +296,10 @@ def gemm_few_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                          f"weight, got x {tuple(x.shape)} and weight {tuple(weight.shape)} {weight.dtype}")
     xs = x.to(torch.float32).contiguous()
     y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
-    lib.mla_gemm_few_bf16(weight.data_ptr(), xs.data_ptr(), y.data_ptr(), rows, n, k, torch.get_num_threads())
+    if rows == 1:  # each thread's rows as two sequential streams (as gemv)
+        lib.mla_gemv_bf16(weight.data_ptr(), xs.data_ptr(), y.data_ptr(), n, k, torch.get_num_threads())
+    else:
+        lib.mla_gemm_few_bf16(weight.data_ptr(), xs.data_ptr(), y.data_ptr(), rows, n, k, torch.get_num_threads())
     return y if bias is None else y.add_(bias)
 
 

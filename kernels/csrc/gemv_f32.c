@@ -167,6 +167,13 @@ void mla_gemv_f32(const float *w, const float *x, float *y, int64_t n, int64_t k
     product_rows(op, &in, n, k, 1.0f, 0, y);
 }
 
+void mla_gemv_bf16(const uint16_t *w, const float *x, float *y, int64_t n, int64_t k, int64_t threads) {
+    const int64_t op[3] = {(int64_t)(intptr_t)w, 0, W_BF16};
+    const Row in = {x, NULL, 0.0f, NULL};
+    #pragma omp parallel num_threads((int)threads)
+    product_rows(op, &in, n, k, 1.0f, 0, y);
+}
+
 void mla_gemv_i8(const int8_t *w, const float *scale, const float *x, float *y, int64_t n, int64_t k,
                  int64_t threads) {
     int16_t xq[k];

@@ -30,6 +30,7 @@ void mla_gemm_few_i8(const int8_t *w, const float *scale, const float *x, float 
                      int64_t threads);
 void mla_gemm_few_bf16(const uint16_t *w, const float *x, float *y, int64_t m, int64_t n, int64_t k,
                        int64_t threads);
+void mla_gemv_bf16(const uint16_t *w, const float *x, float *y, int64_t n, int64_t k, int64_t threads);
 void mla_gemm_i4(const uint8_t *w, const uint16_t *scales, const float *x, float *y, int64_t rows, int64_t n,
                  int64_t k, int64_t threads, int64_t variant);
 void mla_rms_norm_f32(const float *x, int64_t ld, const float *weight, float *y, int64_t m, int64_t k, float eps);
@@ -94,7 +95,8 @@ static void product(const int64_t *L, int w_field, const float *x, float *y, int
     const void *scale = PTR(const void *, L, w_field + 1);
     const int64_t kind = L[w_field + 2];
     if (kind == W_BF16)
-        mla_gemm_few_bf16((const uint16_t *)w, x, y, m, n, k, threads);
+        (m == 1 ? mla_gemv_bf16((const uint16_t *)w, x, y, n, k, threads)
+                : mla_gemm_few_bf16((const uint16_t *)w, x, y, m, n, k, threads));
     else if (kind >= W_I4)
         mla_gemm_i4((const uint8_t *)w, (const uint16_t *)scale, x, y, m, n, k, threads, kind - W_I4);
     else if (kind == W_I8)
