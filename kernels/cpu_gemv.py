@@ -157,10 +157,6 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.mla_i8_variants.argtypes = []
     lib.mla_i8_variants.restype = ctypes.c_int64
     lib.mla_i8_select.argtypes = [ctypes.c_int64]
-    lib.mla_f32_variants.argtypes = []
-    lib.mla_f32_variants.restype = ctypes.c_int64
-    lib.mla_f32_select.argtypes = [ctypes.c_int64]
-    lib.mla_f32_select.restype = None
     lib.mla_i8_select.restype = None
     # w (float8_e4m3fn bytes), scale, block rows, block columns, x, y, m, n, k, threads
     lib.mla_gemm_fp8.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + \
@@ -189,9 +185,9 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.mla_decoder_layer.restype = ctypes.c_int64
     lib.mla_decoder_layer_scratch.argtypes = [ctypes.c_void_p] * 2
     lib.mla_decoder_layer_scratch.restype = ctypes.c_int64
-    for fn in (lib.mla_gemv_f32, lib.mla_gemv_i8, lib.mla_gemm_few_f32, lib.mla_gemm_few_i8, lib.mla_gemm_few_bf16, lib.mla_gemv_bf16,
-               lib.mla_absorbed_decode_f32, lib.mla_absorbed_decode_bf16w, lib.mla_rms_norm_f32, lib.mla_gated_mlps,
-               lib.mla_moe_row):
+    for fn in (lib.mla_gemv_f32, lib.mla_gemv_i8, lib.mla_gemm_few_f32, lib.mla_gemm_few_i8, lib.mla_gemm_few_bf16,
+               lib.mla_gemv_bf16, lib.mla_absorbed_decode_f32, lib.mla_absorbed_decode_bf16w, lib.mla_rms_norm_f32,
+               lib.mla_gated_mlps, lib.mla_moe_row):
         fn.restype = None
     return lib, None
 
@@ -382,28 +378,6 @@ def select_int8_variant(variant: str | None) -> None:
     if variant is not None and variant not in int8_variants():
         raise ValueError(f"this CPU runs the int8 variants {list(int8_variants())}, not {variant!r}")
     lib.mla_i8_select(-1 if variant is None else INT8_VARIANTS.index(variant))
-
-
-FLOAT_VARIANTS = ("avx2", "avx512")  # the few-row float32 / bfloat16-weight products' variants, slowest first
-
-
-def float_variants() -> tuple[str, ...]:
-    """The few-row float products' variants this CPU executes (``gemm_few``, ``gemm_few_bf16``); the fastest runs
-    unless ``select_float_variant`` says otherwise. They sum in other orders: equal to float rounding."""
-    lib, _ = _load()
-    if lib is None:
-        return ()
-    mask = int(lib.mla_f32_variants())
-    return tuple(name for i, name in enumerate(FLOAT_VARIANTS) if mask >> i & 1)
-
-
-def select_float_variant(variant: str | None) -> None:
-    """Run the few-row float products with ``variant`` (one of ``float_variants()``), or the fastest (None)."""
-    lib, _ = _load()
-    assert lib is not None, "select_float_variant needs the kernel: check failure() first"
-    if variant is not None and variant not in float_variants():
-        raise ValueError(f"this CPU runs the float variants {list(float_variants())}, not {variant!r}")
-    lib.mla_f32_select(-1 if variant is None else FLOAT_VARIANTS.index(variant))
 
 
 FP8_ROWS_MAX = 64  # block-FP8 products of up to this many rows take the kernel

@@ -1047,35 +1047,6 @@ def test_each_int8_variant_gives_the_same_bits(variant):
         cpu_gemv.select_int8_variant(None)
 
 
-@pytest.mark.parametrize("variant", cpu_gemv.FLOAT_VARIANTS)
-def test_each_float_variant_is_exact_on_integers_and_close_on_random_rows(variant):
-    """The few-row float32 and bfloat16-weight products' variants: each equals the exact product on small integers
-    (every summation order is exact there) with row and column tails, an odd row count (the wide variant's last row
-    alone) included, and agrees with the default to float rounding on random rows. A variant this CPU cannot execute
-    is skipped by name."""
-    if cpu_gemv.failure() is not None:
-        pytest.skip(f"the kernels do not build here: {cpu_gemv.failure()}")
-    if variant not in cpu_gemv.float_variants():
-        pytest.skip(f"this CPU does not execute the float products' {variant} variant (it runs "
-                    f"{list(cpu_gemv.float_variants())})")
-    g = torch.Generator().manual_seed(8)
-    try:
-        for n, k, rows in ((37, 77, 3), (16, 48, 8), (9, 1040, 5), (1, 16, 1), (40, 2048, 2)):
-            w = torch.randint(-3, 4, (n, k), generator=g).float()
-            ints = torch.randint(-3, 4, (rows, k), generator=g).float()
-            x = torch.randn(rows, k, generator=g)
-            cpu_gemv.select_float_variant(None)
-            defaults = cpu_gemv.gemm_few(x, w), cpu_gemv.gemm_few_bf16(x, w.bfloat16())
-            cpu_gemv.select_float_variant(variant)
-            exact = ints.double() @ w.double().T
-            assert torch.equal(cpu_gemv.gemm_few(ints, w).double(), exact)
-            assert torch.equal(cpu_gemv.gemm_few_bf16(ints, w.bfloat16()).double(), exact)
-            torch.testing.assert_close(cpu_gemv.gemm_few(x, w), defaults[0], rtol=1e-5, atol=1e-4)
-            torch.testing.assert_close(cpu_gemv.gemm_few_bf16(x, w.bfloat16()), defaults[1], rtol=1e-5, atol=1e-4)
-    finally:
-        cpu_gemv.select_float_variant(None)
-
-
 @pytest.mark.parametrize("path", ["onednn", "upcast"])
 def test_bf16_weights_take_the_two_byte_kernel_for_few_rows(path, monkeypatch):
     """A bfloat16 weight's products of up to ``BF16_KERNEL_ROWS[path]`` rows run the kernel that reads it at two bytes

@@ -345,33 +345,7 @@ __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"))) static 
     switch (m) { case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; case 5: CALL(5); break; \
                  case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(8); break; }
 
-/* The few-row float products' variant (float32 and bfloat16 weights): -1 the fastest this CPU runs (the default),
- * 0 few_f32 / few_bf16 (AVX2), 1 few2_wide (AVX-512F: two weight rows at a time, so each input load feeds two
- * multiply-adds; 16 lanes). The variants sum in other orders: results agree to float rounding, not bit for bit. */
-static int has_avx512f(void) {
-    static int known = -1;
-    if (known < 0) {
-        __builtin_cpu_init();
-        known = __builtin_cpu_supports("avx512f") != 0;
-    }
-    return known;
-}
-
-static int use_wide = -1;
-
-int64_t mla_f32_variants(void) { return 1 | (has_avx512f() << 1); }
-
-void mla_f32_select(int64_t variant) { use_wide = variant < 0 ? has_avx512f() : (int)(variant == 1 && has_avx512f()); }
-
-__attribute__((target("avx2,fma,avx512f"))) static void few_rows_wide(const void *w, int bf16, const float *x, float *y,
-                                                                     int64_t m, int64_t n, int64_t k, int64_t threads);
-
 void mla_gemm_few_f32(const float *w, const float *x, float *y, int64_t m, int64_t n, int64_t k, int64_t threads) {
-    if (use_wide < 0) use_wide = has_avx512f();
-    if (use_wide) {
-        few_rows_wide(w, 0, x, y, m, n, k, threads);
-        return;
-    }
 #define F32_ROW(M) few_f32(w + r * k, x, y, r, M, n, k)
     #pragma omp parallel for schedule(static) num_threads((int)threads)
     for (int64_t r = 0; r < n; r++) ROWS_CASES(F32_ROW)
@@ -397,65 +371,9 @@ static inline __attribute__((always_inline)) void few_bf16(const uint16_t *wr, c
 
 void mla_gemm_few_bf16(const uint16_t *w, const float *x, float *y, int64_t m, int64_t n, int64_t k,
                        int64_t threads) {
-    if (use_wide < 0) use_wide = has_avx512f();
-    if (use_wide) {
-        few_rows_wide(w, 1, x, y, m, n, k, threads);
-        return;
-    }
 #define BF16_ROW(M) few_bf16(w + r * k, x, y, r, M, n, k)
     #pragma omp parallel for schedule(static) num_threads((int)threads)
     for (int64_t r = 0; r < n; r++) ROWS_CASES(BF16_ROW)
-}
-
-/* 16 weights of row p from i, as float32 (bfloat16: widened by a shift). */
-__attribute__((target("avx2,fma,avx512f"), always_inline)) static inline __m512 load16(const void *p, int bf16,
-                                                                                      int64_t i) {
-    if (bf16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))), 16));
-    return _mm512_loadu_ps((const float *)p + i);
-}
-
-__attribute__((target("avx2,fma,avx512f"), always_inline)) static inline float value1(const void *p, int bf16,
-                                                                                     int64_t i) {
-    return bf16 ? bf16_value(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-/* Rows ra and rb of W against m input rows: each 16-value step of x feeds both rows' accumulators (2 m of the 32
- * registers), so the input rows, which stay in L1, are loaded half as often as one row at a time. */
-__attribute__((target("avx2,fma,avx512f"), always_inline)) static inline void few2_wide(
-    const void *wa, const void *wb, int bf16, const float *x, float *y, int64_t ra, int64_t rb, const int m, int64_t n,
-    int64_t k) {
-    const int64_t k16 = k - k % 16;
-    __m512 a[8], b[8];
-    for (int j = 0; j < m; j++) a[j] = b[j] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < k16; i += 16) {
-        const __m512 va = load16(wa, bf16, i), vb = load16(wb, bf16, i);
-        for (int j = 0; j < m; j++) {
-            const __m512 xv = _mm512_loadu_ps(x + j * k + i);
-            a[j] = _mm512_fmadd_ps(va, xv, a[j]);
-            b[j] = _mm512_fmadd_ps(vb, xv, b[j]);
-        }
-    }
-    for (int j = 0; j < m; j++) {
-        float s = _mm512_reduce_add_ps(a[j]), t = _mm512_reduce_add_ps(b[j]);
-        for (int64_t i = k16; i < k; i++) {
-            s += value1(wa, bf16, i) * x[j * k + i];
-            t += value1(wb, bf16, i) * x[j * k + i];
-        }
-        y[j * n + ra] = s;
-        if (rb != ra) y[j * n + rb] = t;
-    }
-}
-
-static void few_rows_wide(const void *w, int bf16, const float *x, float *y, int64_t m, int64_t n, int64_t k,
-                          int64_t threads) {
-    const int64_t esize = bf16 ? 2 : 4;
-    const char *base = (const char *)w;
-#define WIDE_ROW(M) few2_wide(base + r * k * esize, base + (r + 1 < n ? r + 1 : r) * k * esize, bf16, x, y, r, \
-                              r + 1 < n ? r + 1 : r, M, n, k)
-    #pragma omp parallel for schedule(static) num_threads((int)threads)
-    for (int64_t r = 0; r < n; r += 2) ROWS_CASES(WIDE_ROW)
 }
 
 /* Any number of rows, eight at a time (each row's result does not depend on the others: a verification step's rows

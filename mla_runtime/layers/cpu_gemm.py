@@ -32,12 +32,13 @@ in a process runs ``probe`` on a tiny weight. Paths (``GemmChoice.path``):
   small batch) run its kernels on the plain weight instead, reading each weight row once for all input rows: they
   stream small and middling weights 1.1–2.6× faster than oneDNN at one to six rows and 1.1–1.6× at eight
   (``bench/bench_gemv.py``). ``cpu_gemm=onednn`` leaves them out.
-  A bfloat16 weight's products of one row (on the ``onednn`` path) or of up to eight (on the ``upcast`` path of a
+  A bfloat16 weight's products of up to two rows (on the ``onednn`` path) or eight (on the ``upcast`` path of a
   CPU without oneDNN's bfloat16 products) run ``cpu_gemv.gemm_few_bf16`` on the plain weight: it reads the weight at
   two bytes, widened to float32 by a shift (exact; AVX2 alone), and computes in float32. Measured with the weights
-  streamed, 2 threads, on an AMD EPYC with AVX-512 (``bench/bench_gemv.py``): one row of ``[32000, 1024]`` 2.2 ms
-  against oneDNN's native bfloat16 2.5 ms and the float32 copy's 5.7 ms; at eight rows it is compute-bound (6.9 ms
-  against oneDNN's 3.1 ms), and about even with the float32 copy (6.2 ms) while reading half its bytes.
+  streamed, 2 threads, on an AMD EPYC with AVX-512 (``bench/bench_gemv.py``): one row of ``[4096, 1024]`` 0.29 ms
+  against oneDNN's native bfloat16 0.41 ms and the float32 kernel's 0.57 ms; two rows 0.43 ms against oneDNN's 0.56;
+  from four rows oneDNN's native products win (eight: 0.67 against 1.6 ms), and the kernel is about even with the
+  float32 copy a CPU without them computes with, while reading half its bytes.
 - ``plain``: ``F.linear`` in the weight's dtype; no extra memory.
 - ``upcast``: a float32 copy of the weight (computed through the float32 path: blocked where oneDNN
   packs float32, else plain), the input cast to float32 and the result back. Memory: +4 bytes per
@@ -77,9 +78,9 @@ PACK_BATCH_HINT = 16  # oneDNN chooses the blocked layout for about this many ro
 PROBED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FEW_ROWS = 8  # small float32 weights take F.linear for every product of up to this many rows
 # bfloat16 weights: products of up to this many rows take the compiled kernel that reads them at two bytes, by the
-# weight's path (module docstring): against oneDNN's native bfloat16 products only one row; against the float32 copy
+# weight's path (module docstring): against oneDNN's native bfloat16 products up to two rows; against the float32 copy
 # of a CPU without them, every few-row product
-BF16_KERNEL_ROWS = {"onednn": 1, "upcast": 8}
+BF16_KERNEL_ROWS = {"onednn": 2, "upcast": 8}
 # products of up to ROWS rows with a weight of at most ELEMENTS elements take F.linear (module docstring)
 ATEN_ROWS: dict[torch.dtype, tuple[int, int]] = {torch.float32: (32 << 10, FEW_ROWS), torch.bfloat16: (4 << 10, 1),
                                                  torch.float16: (4 << 10, 1)}
