@@ -42,7 +42,7 @@ from mla_runtime.compressed import is_stored_compressed, read_stored, stored_nam
 from mla_runtime.config import ModelConfig
 from mla_runtime.errors import InvalidParam
 from mla_runtime.families import FAMILIES
-from mla_runtime.layers.cpu_gemm import resolve_cpu_dtype
+from mla_runtime.layers.cpu_gemm import resolve_cpu_format
 from mla_runtime.layers.fp8 import Fp8Weight
 from mla_runtime.layers.quantization import (
     WEIGHT_FORMATS,
@@ -634,15 +634,16 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", attention_pa
     """Build the model (this rank's shard, with ``num_mtp_layers`` MTP layers) from ``<path>/config.json`` and
     load its safetensors weights straight into their final form (``load_resolved``): the settings resolved here the
     way the engine's ``Worker`` resolves them (``dtype="auto"``: the checkpoint's, or on a CPU
-    ``cpu_gemm.resolve_cpu_dtype``; ``backend`` None:
+    ``cpu_gemm.resolve_cpu_format``; ``backend`` None:
     the device's attention backend)."""
     cfg = ModelConfig.from_pretrained(path)
     dev = torch.device(device)
-    model_dtype = resolve_model_dtype(dtype, cfg)
-    if dev.type == "cpu":
-        model_dtype = resolve_cpu_dtype(dtype, model_dtype)
+    model_dtype, scheme = resolve_model_dtype(dtype, cfg), check_quantization(quantization)
+    if dev.type == "cpu":  # "auto" may keep a bfloat16 checkpoint's products bfloat16 in a float32 model
+        model_dtype, chosen = resolve_cpu_format(dtype, model_dtype, scheme or cfg.stored_quantization)
+        scheme = scheme if chosen == (scheme or cfg.stored_quantization) else chosen
     rc = ResolvedConfig(cfg, model_dtype, dev, par, attention.resolve(backend, dev),
-                        attention_path, num_mtp_layers, check_quantization(quantization))
+                        attention_path, num_mtp_layers, scheme)
     return load_resolved(path, rc)
 
 

@@ -308,8 +308,9 @@ def weight_footprint(config: ModelConfig, dtype: str | torch.dtype = "auto", ten
     - ``cpu`` (a CPU's probed layouts, ``layers.cpu_gemm.cpu_layouts``) only: each float matrix's second layout,
       ``extra_bytes_per_element`` (oneDNN's blocked copy, or a float32 copy; 0 on the ``plain`` path), and where
       ``q_a_proj`` and ``kv_a_proj_with_mqa`` run stacked, their stacked copy; where the compiled one-row kernels
-      run, int8 matrices' float32 copy of their scales (4 bytes a row). On a GPU, or without ``cpu`` (a plan for no
-      particular machine), none of these is counted.
+      run, int8 matrices' float32 copy of their scales (4 bytes a row). (A ``bf16`` matrix counts, where oneDNN has
+      bfloat16 products, its blocked copy for them among its own bytes: 2 more a weight.) On a GPU, or without
+      ``cpu`` (a plan for no particular machine), none of these is counted.
     - ``num_mtp_layers``: the MTP layers' decoder blocks, ``eh_proj`` and norms (the embedding and head are shared).
 
     Not counted: RoPE tables and the MTP drafts' head rows (small), and the 1-element stand-ins of released weights.
@@ -323,6 +324,7 @@ def weight_footprint(config: ModelConfig, dtype: str | torch.dtype = "auto", ten
     extra, row_kernels = (cpu.extra_bytes_per_element, cpu.row_kernels) if cpu is not None else (0, False)
     decode_kernel = row_kernels and model_dtype == torch.float32 and not (latent_cache_layout == "sharded" and tp > 1)
     row_scales = row_kernels and scheme == "int8"  # Int8Weight.row_scales: float32 scales for the row kernels
+    bf16_blocked = cpu is not None and cpu.bf16_blocked and scheme == "bf16"  # Bf16Weight.native: a second copy
     checkpoint_fp8 = scheme is None and config.fp8_block_size is not None
     fmt_name = (scheme or ("fp8 (checkpoint blocks)" if checkpoint_fp8 else dtype_name(model_dtype)))
     fp8_block = config.fp8_block_size if checkpoint_fp8 and config.fp8_block_size else FP8_QUANTIZE_BLOCK
@@ -343,12 +345,14 @@ def weight_footprint(config: ModelConfig, dtype: str | torch.dtype = "auto", ten
         else:
             quantized += size
             packed += 4 * matrix.count * sum(matrix.rows) if row_scales else 0
+            quantized += size if bf16_blocked else 0
     d, vocab_rows = config.hidden_size, -(-config.vocab_size // tp)
     largest = max(largest, vocab_rows * d)
     head = _Matrix("lm_head", 1, (vocab_rows,), d, True, False, vocab_rows * d, config.vocab_size * d, False)
     if config.tie_word_embeddings and scheme is not None:  # the quantised copy of the embedding
         quantized += _stored_bytes(head, scheme, element, fp8_block)
         packed += 4 * vocab_rows if row_scales else 0
+        quantized += _stored_bytes(head, scheme, element, fp8_block) if bf16_blocked else 0
     elif config.tie_word_embeddings and extra:  # the embedding is the head: packed for its products
         packed += head.elements * extra
 
@@ -593,7 +597,8 @@ def _smaller_formats(config: ModelConfig, quantization: str | None) -> list[str]
     pre-quantised checkpoint, which loads as stored."""
     if config.stored_quantization is not None:
         return []
-    order = [None, "fp8", "int8", "int4"] if config.fp8_block_size is None else ["fp8", None, "int8", "int4"]
+    order = [None, "bf16", "fp8", "int8", "int4"] if config.fp8_block_size is None else \
+        ["fp8", None, "bf16", "int8", "int4"]
     return [q for q in order[order.index(quantization) + 1:] if q in ("int8", "int4")]
 
 
@@ -616,7 +621,7 @@ def _weights_do_not_fit(config: ModelConfig, model_dtype: torch.dtype, tp: int, 
         elif (q_tp := _min_tp_that_fits(config, model_dtype, usable, q, cpu)) is not None:
             per_rank = weight_bytes(config, model_dtype, q_tp, q, cpu=cpu)
             options.append(f'quantization="{q}" with tensor_parallel_size >= {q_tp} ({_gib(per_rank)} per rank)')
-    if model_dtype == torch.float32:
+    if model_dtype == torch.float32 and quantization is None:
         options.append("a smaller dtype (dtype='bfloat16' halves the float weights)")
     fits = "; ".join(options) if options else f"none of int8, int4 or up to {config.num_attention_heads} ranks"
     return (f"model weights do not fit: {weights:,} B ({_gib(weights)}) per rank in {held} at "
@@ -930,11 +935,14 @@ def build_parser(prog: str = "python -m mla_runtime.plan") -> argparse.ArgumentP
     return parser
 
 
-def _probed_cpu(dtype: str, config: ModelConfig) -> CpuLayouts:
-    """``--device cpu``: this CPU's probes, as a model loaded here would run them (the planner's facts)."""
-    from mla_runtime.layers.cpu_gemm import cpu_layouts, resolve_cpu_dtype
+def _probed_cpu(dtype: str, config: ModelConfig, quantization: str | None) -> tuple[CpuLayouts, str | None]:
+    """``--device cpu``: this CPU's probes and the products' format, as a model loaded here would run them (the
+    planner's facts)."""
+    from mla_runtime.layers.cpu_gemm import cpu_layouts, resolve_cpu_format
 
-    return cpu_layouts(resolve_cpu_dtype(dtype, resolve_model_dtype(dtype, config)))
+    stored = quantization or config.stored_quantization
+    model_dtype, chosen = resolve_cpu_format(dtype, resolve_model_dtype(dtype, config), stored)
+    return cpu_layouts(model_dtype), quantization if chosen == stored else chosen
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m mla_runtime.plan") -> int:
@@ -946,15 +954,15 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m mla_runtime.p
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     try:
-        cpu = _probed_cpu(args.dtype, config) if args.device is not None and torch.device(args.device).type == "cpu" \
-            else None
+        cpu, quantization = _probed_cpu(args.dtype, config, check_weight_quantization(args.quantization)) \
+            if args.device is not None and torch.device(args.device).type == "cpu" else (None, args.quantization)
         plan = plan_memory(
             config, dtype=args.dtype, cache_dtype=args.cache_dtype, device_memory_bytes=args.device_memory,
             memory_utilization=args.memory_utilization,
             max_seq_len=args.max_seq_len or config.max_position_embeddings, max_num_seqs=args.max_num_seqs,
             block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
             tensor_parallel_size=args.tensor_parallel_size, latent_cache_layout=args.latent_cache_layout,
-            disk_bytes=args.kv_cache_disk_bytes, quantization=args.quantization, host_bytes=args.kv_cache_host_bytes,
+            disk_bytes=args.kv_cache_disk_bytes, quantization=quantization, host_bytes=args.kv_cache_host_bytes,
             cpu=cpu)
     except ValueError as e:
         try:  # the per-token cost does not depend on memory: still worth showing

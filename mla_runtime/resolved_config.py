@@ -27,6 +27,7 @@ class CpuLayouts:
     dtype: torch.dtype  # the model dtype these facts are for
     extra_bytes_per_element: int  # each float matrix's second layout (oneDNN's blocked copy, or a float32 copy)
     row_kernels: bool  # the compiled few-row kernels run (they read float32 copies of int8 scales)
+    bf16_blocked: bool = False  # bf16 weights keep oneDNN's blocked bfloat16 copy for many-row products (layers.bf16)
 
 
 @dataclass(frozen=True)

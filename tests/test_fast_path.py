@@ -1074,3 +1074,27 @@ def test_bf16_weights_take_the_two_byte_kernel_for_few_rows(path, monkeypatch):
             torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=5e-2)
             if calls:  # the kernel's float32 sum, rounded once to bfloat16
                 torch.testing.assert_close(got, want.bfloat16(), rtol=1e-2, atol=1e-2)
+
+
+def test_auto_keeps_a_bf16_checkpoints_products_bf16_in_a_float32_model(tiny_checkpoint):
+    """``dtype="auto"`` on a CPU where the compiled kernels read bfloat16 weights: a bfloat16 checkpoint runs as a
+    float32 model with bfloat16 products (``quantization="bf16"``); an explicit dtype, another format, or another
+    checkpoint dtype is left alone. The engine reports what it chose."""
+    from mla_runtime import LLM
+    from mla_runtime.layers.bf16 import Bf16Weight
+
+    runs = cpu_gemv.bf16_failure() is None and cpu_gemm.gemm_mode() == "auto"
+    auto = cpu_gemm.resolve_cpu_format("auto", torch.bfloat16, None)
+    assert auto == ((torch.float32, "bf16") if runs else (cpu_gemm.resolve_cpu_dtype("auto", torch.bfloat16), None))
+    assert cpu_gemm.resolve_cpu_format("bfloat16", torch.bfloat16, None) == (torch.bfloat16, None)
+    assert cpu_gemm.resolve_cpu_format("auto", torch.bfloat16, "int8")[1] == "int8"
+    assert cpu_gemm.resolve_cpu_format("auto", torch.float32, None) == (torch.float32, None)
+    if not runs:
+        return
+    from mla_runtime.serving.config import DEMO_MODEL
+
+    llm = LLM(str(DEMO_MODEL), kv_cache_memory="8MiB", max_model_len=128)  # a bfloat16 checkpoint
+    worker = llm.engine.worker
+    assert worker.dtype == torch.float32 and worker.quantization == "bf16"
+    assert isinstance(worker.model.lm_head_packed, Bf16Weight)
+    llm.shutdown()

@@ -49,7 +49,7 @@ from mla_runtime.errors import InvalidParam
 from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.hub import resolve_model
 from mla_runtime.latent_rank import check_latent_rank, truncate_latent_rank
-from mla_runtime.layers.cpu_gemm import cpu_layouts, forced_gemm_mode, gemm_info, gemm_mode, resolve_cpu_dtype
+from mla_runtime.layers.cpu_gemm import cpu_layouts, forced_gemm_mode, gemm_info, gemm_mode, resolve_cpu_format
 from mla_runtime.layers.quantization import finish_quantization
 from mla_runtime.loader import load_resolved
 from mla_runtime.models.deepseek import DeepseekForCausalLM
@@ -134,7 +134,7 @@ class Worker:
         self.gemm_info: dict[str, str] = {}  # the product path the load chose, for EngineInfo (CPU only)
         if self.device.type == "cpu":
             with self.prepared():
-                self.dtype = resolve_cpu_dtype(config.dtype, self.dtype)
+                self.dtype, self.quantization = resolve_cpu_format(config.dtype, self.dtype, self.quantization)
                 self.cpu = cpu_layouts(self.dtype)
         self.cache_dtype: CacheDtype = resolve_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings

@@ -266,7 +266,7 @@ def cpu_layouts(dtype: torch.dtype) -> CpuLayouts:
     """The planner's facts about this CPU for ``dtype`` weights: what the probes chose (``gemm_choice``,
     ``row_kernel_failure``), the same ones the model's ``prepare_inference`` runs."""
     extra = gemm_choice(dtype).extra_bytes_per_element if dtype in PROBED_DTYPES else 0
-    return CpuLayouts(dtype, extra, row_kernel_failure() is None)
+    return CpuLayouts(dtype, extra, row_kernel_failure() is None, gemm_choice(torch.bfloat16).path == "onednn")
 
 
 def resolve_cpu_dtype(requested: str | torch.dtype, checkpoint: torch.dtype) -> torch.dtype:
@@ -277,6 +277,20 @@ def resolve_cpu_dtype(requested: str | torch.dtype, checkpoint: torch.dtype) -> 
     chosen, why = cpu_auto_dtype(checkpoint)
     logger.info('dtype "auto" on this CPU: %s (checkpoint torch_dtype %s): %s', _name(chosen), _name(checkpoint), why)
     return chosen
+
+
+def resolve_cpu_format(requested: str | torch.dtype, checkpoint: torch.dtype, quantization: str | None
+                       ) -> tuple[torch.dtype, str | None]:
+    """The model dtype and the products' weight format on this CPU. ``requested`` "auto" with a bfloat16
+    ``checkpoint`` whose products are not otherwise quantised keeps them bfloat16 in a float32 model where the compiled
+    kernels read bfloat16 weights (``quantization="bf16"``: the float32 decode path at half the bytes, the checkpoint's
+    own values); otherwise ``resolve_cpu_dtype``, with ``quantization`` as it is."""
+    if (requested == "auto" and quantization is None and checkpoint == torch.bfloat16 and gemm_mode() == "auto"
+            and cpu_gemv.bf16_failure() is None):
+        logger.info('dtype "auto" on this CPU: float32 with bfloat16 weights (checkpoint torch_dtype bfloat16): the '
+                    "compiled kernels read them at two bytes")
+        return torch.float32, "bf16"
+    return resolve_cpu_dtype(requested, checkpoint), quantization
 
 
 def _reorder(weight: torch.Tensor) -> torch.Tensor:
