@@ -1,8 +1,9 @@
 """Model configuration read from a Hugging Face ``config.json``.
 
-Covers the MLA families: ``deepseek_v2`` (DeepSeek-V2, V2-Lite), ``deepseek_v3`` (DeepSeek-V3, R1) and
-Kimi-K2 (``kimi_k2``, DeepseekV3 architecture). Notation used throughout: ``d_c = kv_lora_rank``,
-``d_r = qk_rope_head_dim``, ``d_n = qk_nope_head_dim``, ``d_v = v_head_dim``, ``n_h`` heads.
+Covers every MLA family ``families.py`` has an adapter for: each ``config.json`` is first rewritten by its family's
+adapter onto DeepSeek-V2's and V3's field names, plus the named variations of the one model (µP scaling, a per-layer
+MoE schedule, router bias, query scaling, ...) that this module parses. Notation used throughout:
+``d_c = kv_lora_rank``, ``d_r = qk_rope_head_dim``, ``d_n = qk_nope_head_dim``, ``d_v = v_head_dim``, ``n_h`` heads.
 
 Every field is validated when the config is built; a bad value raises ``ValueError`` naming the field.
 """
