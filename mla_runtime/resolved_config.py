@@ -4,7 +4,8 @@
 resolves it against the checkpoint and the machine (``engine/worker.py``) and ``loader.load_model`` does the same for
 a model loaded on its own. Every layer then reads the one frozen object it was built with: the model's shape, the
 weight dtype and device, this rank's place under tensor parallelism and the attention backend (``attention``). The
-Worker's record also holds what it sized: the cache dtype and block, ``max_model_len`` and the step's budgets.
+Worker's record also holds what it sized (the cache dtype and block, ``max_model_len`` and the step's budgets) and,
+on a CPU, its kernel plan (the ``cpu_gemm`` mode and the probes' ``CpuLayouts``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ class ResolvedConfig:
     max_model_len: int = 0
     max_num_batched_tokens: int = 0
     max_num_seqs: int = 0
+    # the kernel plan of a CPU: the cpu_gemm mode the weights were prepared under, and what its probes found
+    cpu_gemm: str | None = None
+    cpu: CpuLayouts | None = None
 
     def __post_init__(self) -> None:
         if self.attention_path not in ATTENTION_PATHS:
