@@ -48,7 +48,6 @@ import torch.nn.functional as F
 from mla_kernels import cpu_gemv
 from torch import nn
 
-from mla_runtime.errors import InvalidParam
 from mla_runtime.layers.bf16 import Bf16Weight
 from mla_runtime.layers.cpu_gemm import PackedWeight, gemm_mode, row_kernel_failure
 from mla_runtime.layers.fp8 import Fp8Weight
@@ -58,21 +57,13 @@ from mla_runtime.layers.mla import MLAttention
 from mla_runtime.layers.mlp import GatedMLP
 from mla_runtime.layers.moe import Experts
 from mla_runtime.layers.qweight import QuantizedWeight, released, released_like, stack_rows
+from mla_runtime.options import check_quantization  # noqa: F401
 
 logger = logging.getLogger("mla_runtime")
 
 QMAX = 127
 KERNEL_K_MULTIPLE = 64  # the CPU kernel runs inner dimensions that are a multiple of this
-
-
-def check_quantization(value: object) -> str | None:
-    """The normalised ``quantization`` setting (None: off); anything else is ``InvalidParam('quantization')``."""
-    if value is None or value == "none":
-        return None
-    if not isinstance(value, str) or value not in WEIGHT_FORMATS:
-        raise InvalidParam("quantization", f"quantization must be one of none, {', '.join(WEIGHT_FORMATS)}, "
-                                           f"got {value!r}")
-    return value
+# check_quantization: options' (the same names as WEIGHT_FORMATS, test_server_config checks), importable from here
 
 
 def _round_up_to_bf16(x: torch.Tensor) -> torch.Tensor:
