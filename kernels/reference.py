@@ -8,6 +8,14 @@ Everything is computed in float32 from the dequantised cache; outputs stay float
                        lse = log Σ_j exp(s_j)
     prefill (causal, bottom-right aligned):   query i of a sequence with q_len queries and k_len keys
                        sees keys j <= k_len - q_len + i;   s_ij = sm_scale (q_n_i·k_n_j + q_r_i·k_r_j)
+
+DeepSeek Sparse Attention (``sparse.py``), query row t reading block-table row req_indices[t]:
+
+    indexer key j (fp8: one scale per group of 128 values):   k_j = index_cache[block_table[j // bs], j % bs] * scales
+    indexer score:     score[t, j] = Σ_h w[t, h] relu(q[t, h]·k_j)      j < key_lens[t]
+    top-k:             the topk positions j of highest score, descending; key_lens[t] <= topk: 0 .. key_lens[t] - 1,
+                       then -1
+    sparse decode:     absorbed decode over the selected positions j in indices[t] (j >= 0) only; none: out 0, lse -inf
 """
 
 from __future__ import annotations
@@ -16,6 +24,8 @@ import torch
 
 from .common import dequantize_rows, quantize_per_token
 from .dtypes import is_quantized
+
+INDEX_GROUP = 128  # values of an fp8 indexer key sharing one scale
 
 
 def ref_store_latent(cache: torch.Tensor, scales: torch.Tensor | None, latent: torch.Tensor,
@@ -27,6 +37,7 @@ def ref_store_latent(cache: torch.Tensor, scales: torch.Tensor | None, latent: t
             continue
         blk, off = divmod(slot, block_size)
         if is_quantized(cache.dtype):
+            assert scales is not None  # a quantised cache has scales
             qc, sc = quantize_per_token(latent[t : t + 1], cache.dtype)
             qr, sr = quantize_per_token(k_rope[t : t + 1], cache.dtype)
             cache[blk, off, :d_c] = qc[0]
@@ -95,4 +106,87 @@ def ref_prefill_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: to
         scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
         out[qs:qe] = torch.einsum("hqk,khv->qhv", torch.softmax(scores, dim=-1), vv)
         lse[qs:qe] = torch.logsumexp(scores, dim=-1).T
+    return out, lse
+
+
+def ref_store_index_keys(cache: torch.Tensor, scales: torch.Tensor | None, keys: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> None:
+    """Write token t's indexer key into slot slot_mapping[t] (skip negative slots), one token and group at a time;
+    fp8 caches quantise each group of 128 values with its own absmax scale."""
+    block_size, d_index = cache.shape[1], cache.shape[2]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        blk, off = divmod(slot, block_size)
+        if scales is None:
+            cache[blk, off] = keys[t].to(cache.dtype)
+            continue
+        for g, start in enumerate(range(0, d_index, INDEX_GROUP)):
+            stored, scale = quantize_per_token(keys[t : t + 1, start : start + INDEX_GROUP], cache.dtype)
+            cache[blk, off, start : start + INDEX_GROUP] = stored[0]
+            scales[blk, off, g] = scale[0]
+
+
+def ref_index_keys(cache: torch.Tensor, scales: torch.Tensor | None, block_row: torch.Tensor,
+                   seq_len: int) -> torch.Tensor:
+    """The first seq_len dequantised indexer keys of one block-table row: float32 [seq_len, d_I]."""
+    block_size, d_index = cache.shape[1], cache.shape[2]
+    out = torch.zeros(seq_len, d_index, dtype=torch.float32, device=cache.device)
+    for j in range(seq_len):
+        blk, off = int(block_row[j // block_size]), j % block_size
+        out[j] = cache[blk, off].float()
+        if scales is not None:
+            for g, start in enumerate(range(0, d_index, INDEX_GROUP)):
+                out[j, start : start + INDEX_GROUP] *= scales[blk, off, g]
+    return out
+
+
+def ref_indexer_scores(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None,
+                       block_tables: torch.Tensor, req_indices: torch.Tensor, key_lens: torch.Tensor) -> torch.Tensor:
+    """score[t, j] = Σ_h w[t, h] relu(q[t, h]·k_j) for j < key_lens[t], -inf after: float32 [T, max(key_lens)]."""
+    lens = key_lens.tolist()
+    out = torch.full((q.shape[0], max(lens, default=0)), float("-inf"), dtype=torch.float32, device=q.device)
+    for t, n in enumerate(lens):
+        keys = ref_index_keys(cache, scales, block_tables[int(req_indices[t])], n)  # [n, d_I]
+        logits = q[t].float() @ keys.T  # [n_I, n]
+        out[t, :n] = (weights[t].float()[:, None] * torch.relu(logits)).sum(dim=0)
+    return out
+
+
+def ref_indexer_topk(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None,
+                     block_tables: torch.Tensor, req_indices: torch.Tensor, key_lens: torch.Tensor,
+                     topk: int) -> torch.Tensor:
+    """The topk positions of highest indexer score per row, descending: int32 [T, topk]; a row seeing at most
+    topk keys keeps 0 .. key_len - 1, then -1."""
+    scores = ref_indexer_scores(q, weights, cache, scales, block_tables, req_indices, key_lens)
+    out = torch.full((q.shape[0], topk), -1, dtype=torch.int32, device=q.device)
+    for t, n in enumerate(key_lens.tolist()):
+        if n <= topk:
+            out[t, :n] = torch.arange(n, dtype=torch.int32)
+        else:
+            out[t] = torch.topk(scores[t, :n], topk).indices.to(torch.int32)
+    return out
+
+
+def ref_sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None,
+                          block_tables: torch.Tensor, req_indices: torch.Tensor, indices: torch.Tensor,
+                          sm_scale: float, d_c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed attention of each query row over its selected positions only (indices[t] >= 0):
+    (out float32 [T, H, d_c], lse float32 [T, H]); a row without a selected position gets out 0, lse -inf."""
+    n_rows, n_heads, _ = q.shape
+    block_size = cache.shape[1]
+    out = torch.zeros(n_rows, n_heads, d_c, dtype=torch.float32, device=q.device)
+    lse = torch.full((n_rows, n_heads), float("-inf"), dtype=torch.float32, device=q.device)
+    for t in range(n_rows):
+        pos = [j for j in indices[t].tolist() if j >= 0]
+        if not pos:
+            continue
+        row = block_tables[int(req_indices[t])]
+        blk = torch.tensor([int(row[j // block_size]) for j in pos], device=cache.device)
+        off = torch.tensor([j % block_size for j in pos], device=cache.device)
+        kv = dequantize_rows(cache[blk, off], None if scales is None else scales[blk, off], d_c)  # [K', d_c + d_r]
+        qt = q[t].float()
+        scores = sm_scale * (qt[:, :d_c] @ kv[:, :d_c].T + qt[:, d_c:] @ kv[:, d_c:].T)  # [H, K']
+        out[t] = torch.softmax(scores, dim=-1) @ kv[:, :d_c]
+        lse[t] = torch.logsumexp(scores, dim=-1)
     return out, lse

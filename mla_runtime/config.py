@@ -142,6 +142,35 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class IndexerConfig:
+    """DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2, GLM-5): per layer ``n_heads`` queries of
+    ``head_dim`` (from the query's low-rank ``q_resid``) and one key of ``head_dim`` per token (from the hidden state,
+    LayerNorm'd), cached beside the latent. Each query attends only to the ``topk`` earlier tokens of highest
+    ``score[s, t] = sum_h w[s, h] n_heads^-1/2 relu(head_dim^-1/2 q[s, h] . k[t])``; all of them while there are at
+    most ``topk``. RoPE rotates the first ``qk_rope_head_dim`` dims of q and k, in halves (``rope_interleave`` False:
+    DeepSeek-V3.2) or interleaved pairs (GLM-5). ``shared``: the layers that reuse the previous layer's selection
+    instead of running an indexer of their own (GLM-5's ``indexer_types``)."""
+
+    n_heads: int
+    head_dim: int
+    topk: int
+    rope_interleave: bool = False
+    shared: tuple[bool, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("n_heads", "head_dim", "topk"):  # the config.json names are index_<name>
+            if getattr(self, name) < 1:
+                raise ValueError(f"index_{name} must be >= 1, got {getattr(self, name)}")
+        if self.shared is not None and self.shared[:1] == (True,):
+            raise ValueError("indexer_types: the first layer must be 'full' (a 'shared' layer reuses the previous "
+                             "layer's selection)")
+
+    def is_shared(self, layer: int) -> bool:
+        """Whether ``layer`` reuses the previous layer's selection (layers past the schedule, MTP: their own)."""
+        return self.shared is not None and layer < len(self.shared) and self.shared[layer]
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Everything the runtime needs to know about an MLA checkpoint."""
 
@@ -181,6 +210,7 @@ class ModelConfig:
     # Mistral 4 (Llama-4 scaling): the queries at position p times 1 + beta * ln(1 + floor(p / L)), L the RoPE's
     # original_max_position_embeddings (so 1 below L); 0: none
     query_scale_beta: float = 0.0
+    indexer: IndexerConfig | None = None  # DeepSeek Sparse Attention (None: every query attends to every token)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
@@ -207,6 +237,17 @@ class ModelConfig:
             raise ValueError("query_scale_beta needs the RoPE's original_max_position_embeddings")
         if min(self.embedding_scale, self.residual_scale, self.lm_head_divisor) <= 0:
             raise ValueError("embedding_scale, residual_scale and lm_head_divisor must be positive")
+        idx = self.indexer
+        if idx is not None:
+            if self.q_lora_rank is None:
+                raise ValueError("index_n_heads: the sparse-attention indexer reads the query's low-rank q_resid; "
+                                 "this config has no q_lora_rank")
+            if idx.head_dim < self.qk_rope_head_dim:
+                raise ValueError(f"index_head_dim ({idx.head_dim}) must be >= qk_rope_head_dim "
+                                 f"({self.qk_rope_head_dim}): the indexer rotates that many of its dims")
+            if idx.shared is not None and len(idx.shared) != self.num_hidden_layers:
+                raise ValueError(f"indexer_types lists {len(idx.shared)} layers, the model has "
+                                 f"{self.num_hidden_layers}")
         has_dense = any(not self.is_moe_layer(i) for i in range(self.num_hidden_layers))
         if has_dense and self.intermediate_size < 1:
             raise ValueError("intermediate_size must be >= 1: the model has dense MLP layers")
@@ -224,6 +265,11 @@ class ModelConfig:
     def latent_dim(self) -> int:
         """Values cached per token per layer: ``d_c + d_r``."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def index_dim(self) -> int:
+        """Values of the indexer's key cached per token per layer (0 without sparse attention)."""
+        return 0 if self.indexer is None else self.indexer.head_dim
 
     @property
     def latent_eps(self) -> float:
@@ -482,4 +528,19 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         latent_norm_eps=None if raw.get("latent_norm_eps") is None else float(raw["latent_norm_eps"]),
         moe_output_norm=bool(raw.get("moe_output_norm", False)),
         query_scale_beta=float(raw.get("query_scale_beta") or 0.0),
+        indexer=_parse_indexer(raw),
     )
+
+
+def _parse_indexer(raw: dict[str, Any]) -> IndexerConfig | None:
+    """The sparse-attention indexer of a normalised config: present where ``index_topk`` is set."""
+    if raw.get("index_topk") is None:
+        return None
+    kinds = raw.get("indexer_types")
+    if kinds is not None:
+        unknown = sorted(set(kinds) - {"full", "shared"})
+        if unknown:
+            raise ValueError(f"indexer_types {unknown} are not supported (use 'full' or 'shared')")
+    return IndexerConfig(n_heads=int(_required(raw, "index_n_heads")), head_dim=int(_required(raw, "index_head_dim")),
+                         topk=int(raw["index_topk"]), rope_interleave=bool(raw.get("index_rope_interleave", False)),
+                         shared=None if kinds is None else tuple(k == "shared" for k in kinds))

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 from mla_kernels.dtypes import FLOAT_CACHE_DTYPES, QUANTIZED_CACHE_DTYPES, is_quantized
 
-__all__ = ["CACHE_DTYPES", "FLOAT_CACHE_DTYPES", "MODEL_DTYPES", "QUANTIZED_CACHE_DTYPES", "CacheDtype",
-           "dtype_name", "resolve_cache_dtype"]
+__all__ = ["CACHE_DTYPES", "FLOAT_CACHE_DTYPES", "INDEX_SCALE_GROUP", "MODEL_DTYPES", "QUANTIZED_CACHE_DTYPES",
+           "CacheDtype", "dtype_name", "index_bytes_per_token", "index_cache_dtype", "resolve_cache_dtype"]
 
 MODEL_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -69,3 +69,28 @@ def resolve_cache_dtype(cache_dtype: str | torch.dtype, model_dtype: torch.dtype
                              f"(use one of {', '.join(CACHE_DTYPES)})")
         dt = CACHE_DTYPES[cache_dtype] or model_dtype
     return CacheDtype(dtype=dt, quantized=is_quantized(dt))
+
+
+# -- the sparse-attention indexer's key cache, beside the latent ------------------------------------------------------
+INDEX_SCALE_GROUP = 128  # an fp8 indexer key carries one fp32 scale per this many values
+
+
+def index_cache_dtype(latent: torch.dtype, model_dtype: torch.dtype) -> torch.dtype:
+    """The element type of the indexer's keys beside a latent cache of ``latent``: fp8 (with a scale per
+    ``INDEX_SCALE_GROUP`` values, as DeepSeek stores them) beside an fp8 latent, the latent's own float type beside a
+    float latent, and the model's float type beside an int8 latent (the indexer's scores have no int8 kernel)."""
+    if latent == torch.float8_e4m3fn or latent in FLOAT_CACHE_DTYPES:
+        return latent
+    return model_dtype
+
+
+def index_scale_groups(index_dim: int) -> int:
+    return -(-index_dim // INDEX_SCALE_GROUP)
+
+
+def index_bytes_per_token(index_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one token's indexer key in one layer: ``index_dim`` values (+ their fp32 scales when fp8)."""
+    if not index_dim:
+        return 0
+    scales = index_scale_groups(index_dim) * CACHE_SCALE_DTYPE.itemsize if dtype == torch.float8_e4m3fn else 0
+    return index_dim * dtype.itemsize + scales

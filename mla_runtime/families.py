@@ -226,6 +226,60 @@ def _mistral4(raw: Raw) -> Raw:
             "latent_norm_eps": REFERENCE_NORM_EPS}
 
 
+# -- DeepSeek Sparse Attention (DSA): DeepSeek-V3's decoder with the lightning indexer on every layer -----------------
+def _mlp_layer_kinds(out: Raw, model_type: str, first_dense: int) -> list[bool]:
+    """The MoE layers of a config listing ``mlp_layer_types`` (else the first ``first_k_dense_replace`` dense)."""
+    layers = int(out["num_hidden_layers"])
+    first = int(out["first_k_dense_replace"] if out.get("first_k_dense_replace") is not None else first_dense)
+    kinds = out.get("mlp_layer_types") or ["dense"] * min(first, layers) + ["sparse"] * max(layers - first, 0)
+    unknown = sorted(set(kinds) - {"dense", "sparse"})
+    if unknown:
+        raise ValueError(f"{model_type}: mlp_layer_types {unknown} are not supported (use 'dense' or 'sparse')")
+    return [k == "sparse" for k in kinds]
+
+
+def _dsa_common(out: Raw, model_type: str) -> Raw:
+    if out.get("q_lora_rank") is None:
+        raise ValueError(f"{model_type}: q_lora_rank is required (the indexer reads the query's low-rank q_resid)")
+    return {**out, **V3_ROUTER, "moe_layers": _mlp_layer_kinds(out, model_type, 3), "first_k_dense_replace": 0,
+            "rope_interleave": True, "latent_norm_eps": REFERENCE_NORM_EPS}
+
+
+def _deepseek_v32(raw: Raw) -> Raw:
+    """DeepSeek-V3.2 (``deepseek_v32``): DeepSeek-V3 with an indexer on every layer whose RoPE rotates halves."""
+    out = _with_defaults(raw, vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+                         num_hidden_layers=61, num_attention_heads=128, n_shared_experts=1, n_routed_experts=256,
+                         routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+                         v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4, num_experts_per_tok=8,
+                         norm_topk_prob=True, max_position_embeddings=163840, rms_norm_eps=1e-6, bos_token_id=0,
+                         eos_token_id=1, tie_word_embeddings=False, index_topk=2048, index_head_dim=128,
+                         index_n_heads=64)
+    return {**_dsa_common(out, "deepseek_v32"), "index_rope_interleave": False, "indexer_types": None}
+
+
+def _glm_moe_dsa(raw: Raw) -> Raw:
+    """GLM-5 (``glm_moe_dsa``): DeepSeek-V3.2's attention with an interleaved indexer RoPE, and layers that reuse the
+    previous layer's selection (``indexer_types``: else from ``index_topk_pattern``, or ``index_topk_freq`` and
+    ``index_skip_topk_offset``, as transformers derives it)."""
+    out = _with_defaults(raw, vocab_size=154880, hidden_size=6144, intermediate_size=12288, moe_intermediate_size=2048,
+                         num_hidden_layers=78, num_attention_heads=64, n_shared_experts=1, n_routed_experts=256,
+                         routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=2048, qk_rope_head_dim=64,
+                         v_head_dim=256, qk_nope_head_dim=192, n_group=1, topk_group=1, num_experts_per_tok=8,
+                         norm_topk_prob=True, max_position_embeddings=202752, rms_norm_eps=1e-5,
+                         tie_word_embeddings=False, index_topk=2048, index_head_dim=128, index_n_heads=32)
+    layers = int(out["num_hidden_layers"])
+    kinds = out.get("indexer_types")
+    if kinds is None:
+        pattern = out.get("index_topk_pattern")
+        if pattern is not None:
+            letters = {"F": "full", "S": "shared"}
+            kinds = [letters.get(c, c) for c in pattern] if isinstance(pattern, str) else list(pattern)
+        else:
+            freq, offset = max(int(out.get("index_topk_freq") or 1), 1), int(out.get("index_skip_topk_offset", 2))
+            kinds = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
+    return {**_dsa_common(out, "glm_moe_dsa"), "index_rope_interleave": True, "indexer_types": list(kinds)}
+
+
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("deepseek_v2", "deepseek_v2", "deepseek-ai/DeepSeek-V2-Lite"),
     Family("deepseek_v3", "deepseek_v3", "deepseek-ai/DeepSeek-V3"),
@@ -237,6 +291,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("kimi_k25", "deepseek_v3", "moonshotai/Kimi-K2.6", _kimi_k25, _kimi_k25_name),
     Family("axk1", "deepseek_v3", "skt/A.X-K1", _axk1, _axk1_name),
     Family("mistral4", "deepseek_v3", "mistralai/Mistral-Small-4-119B-2603", _mistral4),
+    Family("deepseek_v32", "deepseek_v3", "deepseek-ai/DeepSeek-V3.2", _deepseek_v32),
+    Family("glm_moe_dsa", "deepseek_v3", "zai-org/GLM-5", _glm_moe_dsa),
 )}
 # checkpoints that name only their architecture
 ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}

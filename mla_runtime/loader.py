@@ -121,6 +121,10 @@ class _Layout:
                 self.whole(f"{p}.self_attn.{name}.bias")
         for name in ["kv_a_layernorm"] + ([] if cfg.q_lora_rank is None else ["q_a_layernorm"]):
             self.whole(f"{p}.self_attn.{name}.weight")
+        layer = int(p.rsplit(".", 1)[1])
+        if cfg.indexer is not None and not cfg.indexer.is_shared(layer):  # replicated on every rank
+            for name in ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight"):
+                self.whole(f"{p}.self_attn.indexer.{name}")
 
     def mlp(self, prefix: str, size: int) -> None:
         """A gated MLP: gate and up stacked into ``gate_up_proj``, the intermediate dimension sharded."""

@@ -50,7 +50,15 @@ import torch
 
 from mla_runtime.cache.disk_tier import HEADER_ESTIMATE_BYTES
 from mla_runtime.config import PRESET_DIR, ModelConfig
-from mla_runtime.dtypes import CACHE_DTYPES, MODEL_DTYPES, CacheDtype, dtype_name, resolve_cache_dtype
+from mla_runtime.dtypes import (
+    CACHE_DTYPES,
+    MODEL_DTYPES,
+    CacheDtype,
+    dtype_name,
+    index_bytes_per_token,
+    index_cache_dtype,
+    resolve_cache_dtype,
+)
 from mla_runtime.help_format import DefaultsHelpFormatter
 from mla_runtime.options import LATENT_CACHE_LAYOUTS, WEIGHT_QUANTIZATIONS, parse_bytes  # defined without torch
 from mla_runtime.resolved_config import CpuLayouts
@@ -77,9 +85,12 @@ def resolve_model_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.
 # -- bytes per token -----------------------------------------------------------------------------
 def latent_bytes_per_token(config: ModelConfig, cache_dtype: str | torch.dtype = "auto",
                            model_dtype: str | torch.dtype = "auto") -> int:
-    """Exact bytes the paged latent cache stores per token, all layers: ``[c ; k_r]`` (+ scales)."""
-    cache = resolve_cache_dtype(cache_dtype, resolve_model_dtype(model_dtype, config))
+    """Exact bytes the paged latent cache stores per token, all layers: ``[c ; k_r]`` (+ scales), and the sparse-
+    attention indexer's key beside it (``dtypes.index_cache_dtype``)."""
+    model = resolve_model_dtype(model_dtype, config)
+    cache = resolve_cache_dtype(cache_dtype, model)
     per_layer = config.latent_dim * cache.element_bytes + cache.scale_bytes
+    per_layer += index_bytes_per_token(config.index_dim, index_cache_dtype(cache.dtype, model))
     return per_layer * config.num_hidden_layers
 
 
@@ -121,6 +132,9 @@ def parameter_breakdown(config: ModelConfig, tensor_parallel_size: int = 1) -> d
     attn += config.kv_lora_rank * heads * (config.qk_nope_head_dim + config.v_head_dim)  # kv_b_proj
     attn += heads * config.v_head_dim * d + bias * d                             # o_proj
     attn_norms = config.kv_lora_rank + (config.q_lora_rank or 0)                 # kv_a / q_a layernorm
+    idx = config.indexer  # sparse attention's indexer, replicated: wq_b, wk, k_norm (weight and bias), weights_proj
+    indexer = 0 if idx is None else (idx.n_heads * idx.head_dim * (config.q_lora_rank or 0) + d * idx.head_dim
+                                     + 2 * idx.head_dim + d * idx.n_heads)
 
     def mlp(intermediate: int) -> int:  # gate, up, down (+ biases when mlp_bias)
         inter = shard(intermediate)
@@ -131,7 +145,7 @@ def parameter_breakdown(config: ModelConfig, tensor_parallel_size: int = 1) -> d
     counts["lm_head"] = 0 if config.tie_word_embeddings else shard(config.vocab_size) * d
     counts["norms"] = d  # final norm
     for layer in range(config.num_hidden_layers):
-        counts["attention"] += attn
+        counts["attention"] += attn + (0 if idx is None or idx.is_shared(layer) else indexer)
         counts["norms"] += 2 * d + attn_norms
         m = config.moe
         if m is not None and config.is_moe_layer(layer):
@@ -224,6 +238,13 @@ def _matrices(config: ModelConfig, tp: int, num_mtp_layers: int = 0) -> list[_Ma
     kv_b_rows = config.qk_nope_head_dim + config.v_head_dim
     found.append(_Matrix("kv_b_proj", n, (heads * kv_b_rows,), d_c, False, False, heads * kv_b_rows * d_c,
                          big_heads * kv_b_rows * d_c))
+    idx = config.indexer
+    if idx is not None and config.q_lora_rank is not None:  # the indexer's projections: replicated, never quantised
+        own = sum(not idx.is_shared(i) for i in layers)
+        q_rows, q_lora = idx.n_heads * idx.head_dim, config.q_lora_rank
+        found.append(_Matrix("indexer wq_b", own, (q_rows,), q_lora, False, False, q_rows * q_lora, q_rows * q_lora))
+        found.append(_Matrix("indexer wk+weights_proj", own, (idx.head_dim, idx.n_heads), d, False, False,
+                             idx.head_dim * d, idx.head_dim * d))
     d_v = config.v_head_dim
     found.append(_Matrix("o_proj", n, (d,), heads * d_v, True, whole(heads * d_v, bk), d * heads * d_v,
                          d * big_heads * d_v))
@@ -835,6 +856,9 @@ def format_per_token(config: ModelConfig, cache: CacheDtype, tensor_parallel_siz
     mha = mha_bytes_per_token(config, cache.dtype)
     per_layer = (f"({config.latent_dim} x {cache.element_bytes} B + {cache.scale_bytes} B scales)"
                  if cache.quantized else f"{config.latent_dim} values x {cache.element_bytes} B")
+    index = index_bytes_per_token(config.index_dim, index_cache_dtype(cache.dtype, resolve_model_dtype("auto", config)))
+    if index:
+        per_layer = f"({per_layer} + {index} B indexer key)"
     lines = [_row("latent cache per token", f"{latent:,} B", f"= {per_layer} x {layers} layers")]
     if latent_cache_layout == "sharded" and tp > 1:
         lines.append(_row("latent cache per token per rank", f"{latent / tp:,.1f} B",

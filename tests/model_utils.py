@@ -7,6 +7,7 @@ import random
 import torch
 
 from mla_runtime.cache.latent_cache import LatentCache
+from mla_runtime.dtypes import index_cache_dtype
 from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.models.deepseek import DeepseekForCausalLM
 
@@ -27,10 +28,12 @@ class PagedRunner:
         self.model = model
         self.block_size = block_size
         self.cache = LatentCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.latent_dim,
-                                 cache_dtype or model.dtype)
+                                 cache_dtype or model.dtype, index_dim=cfg.index_dim,
+                                 index_dtype=index_cache_dtype(cache_dtype or model.dtype, model.dtype))
         for layer in self.cache.layers:  # poison: any read of an unwritten slot shows up as NaN
-            if layer.kv.is_floating_point():
-                layer.kv.fill_(float("nan"))
+            for t in (layer.kv, layer.index):
+                if t is not None and t.is_floating_point():
+                    t.fill_(float("nan"))
         ids = list(range(num_blocks))
         random.Random(seed).shuffle(ids)
         self.tables = [ids[i * per_seq:(i + 1) * per_seq] for i in range(num_seqs)]

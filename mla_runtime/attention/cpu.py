@@ -20,7 +20,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from mla_kernels import DecodePlan, cpu_gemv, mla_decode_planned, plan_decode, plan_decode_lists, write_latent
+from mla_kernels import (
+    DecodePlan,
+    cpu_gemv,
+    mla_decode_planned,
+    plan_decode,
+    plan_decode_lists,
+    sparse_plan,
+    write_latent,
+)
 
 from mla_runtime.attention.metadata import AttentionDims, AttentionMetadata, choose_path, host_cu_seqlens
 from mla_runtime.attention.paged import PagedBackend, absorb, unabsorb
@@ -105,11 +113,26 @@ class CpuBackend(PagedBackend):
             return planned
         return torch.cat([planned, super().forward(q_n[d:], q_r[d:], attn, meta.rest, cache)])
 
+    def sparse_forward(self, q_n: torch.Tensor, q_r: torch.Tensor, attn: MLAttention, meta: AttentionMetadata,
+                       cache: LayerCache, selected: torch.Tensor) -> torch.Tensor:
+        """Sparse attention on a float cache: the selection as a gather plan (``sparse_plan``), attended like a
+        planned decode (a compiled call where the layer takes the compiled kernels)."""
+        if cache.scales is not None:
+            return super().sparse_forward(q_n, q_r, attn, meta, cache, selected)
+        batch = meta.batch
+        plan = sparse_plan(selected, batch.block_tables, batch.token_req_idx, batch.block_size)
+        return self._attend_plan(q_n, q_r, attn, plan, cache)
+
     def _planned(self, q_n: torch.Tensor, q_r: torch.Tensor, attn: MLAttention, meta: AttentionMetadata,
                  cache: LayerCache) -> torch.Tensor:
         """The planned rows' absorbed attention: the whole layer in one compiled call where the layer takes it."""
         plan = meta.decode_plan
         assert plan is not None
+        return self._attend_plan(q_n, q_r, attn, plan, cache)
+
+    def _attend_plan(self, q_n: torch.Tensor, q_r: torch.Tensor, attn: MLAttention, plan: DecodePlan,
+                     cache: LayerCache) -> torch.Tensor:
+        """Absorbed attention of the plan's rows over the keys it gathers for each -> ``[N, n_h, d_v]``."""
         if attn.decode_kernel and attn.w_uk is not None and attn.w_uv_t is not None \
                 and cache.kv.dtype == torch.float32:
             return cpu_gemv.absorbed_decode(q_n, q_r, attn.w_uk, attn.w_uv_t, cache.kv.view(-1, cache.kv.shape[-1]),

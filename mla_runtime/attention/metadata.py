@@ -17,7 +17,7 @@ tensor-parallel rank derives its own from the same step message.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,6 +52,9 @@ class AttentionMetadata:
     decode_plan: DecodePlan | None = None  # CPU: the gather plan of tokens [:num_planned]
     num_planned: int = 0
     rest: AttentionMetadata | None = None  # the sequences after the planned decodes, as their own batch
+    # sparse attention: the tokens each layer's queries attend to (``MLAttention.select``), kept for a next layer that
+    # reuses its previous layer's choice: the one thing the layers write into the step's metadata
+    selections: dict[int, torch.Tensor | None] = field(default_factory=dict)
 
     @property
     def all_planned(self) -> bool:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from mla_kernels import gather_latent, mla_decode, prefill_attention, store_latent
+from mla_kernels import gather_latent, indexer_topk, mla_decode, prefill_attention, sparse_mla_decode, store_latent
 
 from mla_runtime.attention.metadata import AttentionDims, AttentionMetadata, choose_path, host_cu_seqlens
 from mla_runtime.cache.latent_cache import LatentCache, LayerCache
@@ -73,6 +73,24 @@ class PagedBackend:
         if meta.path == "absorbed":
             return unabsorb(self.latent_attention(absorb(q_n, q_r, attn), attn, meta, cache), attn)
         return self.naive(q_n, q_r, attn, meta, cache)
+
+    def select(self, q: torch.Tensor, w: torch.Tensor, meta: AttentionMetadata, cache: LayerCache, topk: int
+               ) -> torch.Tensor:
+        """The sparse-attention indexer's choice: each query's ``topk`` token positions of highest score
+        ``sum_h w[t, h] relu(q[t, h] . k_j)`` over the indexer keys in ``cache`` (``-1``: none) -> ``[T, topk]``."""
+        batch = meta.batch
+        assert cache.index is not None
+        return indexer_topk(q, w, cache.index, cache.index_scales, batch.block_tables, batch.token_req_idx,
+                            meta.token_seq_lens, topk, backend=self.kernels)
+
+    def sparse_forward(self, q_n: torch.Tensor, q_r: torch.Tensor, attn: MLAttention, meta: AttentionMetadata,
+                       cache: LayerCache, selected: torch.Tensor) -> torch.Tensor:
+        """Sparse attention: each query over only the token positions ``selected [T, topk]`` for it (``-1``: none),
+        absorbed -> ``[T, n_h, d_v]``."""
+        batch = meta.batch
+        o_lat, _ = sparse_mla_decode(absorb(q_n, q_r, attn), cache.kv, cache.scales, batch.block_tables,
+                                     batch.token_req_idx, selected, attn.scale, attn.d_c, backend=self.kernels)
+        return unabsorb(o_lat, attn)
 
     def latent_attention(self, q_cat: torch.Tensor, attn: MLAttention, meta: AttentionMetadata, cache: LayerCache
                          ) -> torch.Tensor:

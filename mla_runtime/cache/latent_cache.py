@@ -4,6 +4,11 @@ Each token's row is ``[norm(c) ; rope(k_r)]`` — the latent first, then the sha
 caches (fp8 e4m3, int8) keep, beside it, ``scales [num_blocks, block_size, 2]`` fp32: one per-token scale
 for the latent part and one for the RoPE part. Block ids are shared by every layer (and every
 tensor-parallel rank): block ``i`` of a sequence is the same block in all layers.
+
+A model with sparse attention (DeepSeek-V3.2's indexer) keeps, in the same blocks, each token's indexer key:
+``index [num_blocks, block_size, d_I]`` per layer in its own element type (``dtypes.index_cache_dtype``; fp8 with
+``index_scales [num_blocks, block_size, ceil(d_I / 128)]``). Whatever moves a block (prefix caching, the host and disk
+tiers, ``warm``) moves its indexer keys with its latents: they are part of the block's payload (``block_views``).
 """
 
 from __future__ import annotations
@@ -11,18 +16,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from mla_kernels.dtypes import is_quantized
+from mla_kernels.dtypes import FLOAT_CACHE_DTYPES, is_quantized
+
+from mla_runtime.dtypes import index_scale_groups
 
 
 @dataclass
 class LayerCache:
     kv: torch.Tensor  # [num_blocks, block_size, d_c + d_r]
     scales: torch.Tensor | None  # [num_blocks, block_size, 2] fp32 for fp8/int8, else None
+    index: torch.Tensor | None = None  # [num_blocks, block_size, d_I]: the sparse-attention indexer's keys
+    index_scales: torch.Tensor | None = None  # [num_blocks, block_size, ceil(d_I / 128)] fp32 for an fp8 index
 
 
 class LatentCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, latent_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype, device: torch.device | str = "cpu", index_dim: int = 0,
+                 index_dtype: torch.dtype | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if num_blocks < 1:
@@ -31,12 +41,21 @@ class LatentCache:
         self.block_size = block_size
         self.latent_dim = latent_dim
         self.dtype = dtype
+        self.index_dim = index_dim
+        self.index_dtype = index_dtype or (dtype if dtype in FLOAT_CACHE_DTYPES else torch.bfloat16)
+        if index_dim and self.index_dtype not in (*FLOAT_CACHE_DTYPES, torch.float8_e4m3fn):
+            raise ValueError(f"index_dtype: the indexer's keys are kept as a float or fp8, not {self.index_dtype}")
         quantised = is_quantized(dtype)
         self.layers = [
             LayerCache(
                 kv=torch.zeros(num_blocks, block_size, latent_dim, dtype=dtype, device=device),
                 scales=(torch.ones(num_blocks, block_size, 2, dtype=torch.float32, device=device)
-                        if quantised else None))
+                        if quantised else None),
+                index=(torch.zeros(num_blocks, block_size, index_dim, dtype=self.index_dtype, device=device)
+                       if index_dim else None),
+                index_scales=(torch.ones(num_blocks, block_size, index_scale_groups(index_dim), dtype=torch.float32,
+                                         device=device)
+                              if index_dim and self.index_dtype == torch.float8_e4m3fn else None))
             for _ in range(num_layers)]
 
     @property
@@ -49,12 +68,7 @@ class LatentCache:
 
     def nbytes(self) -> int:
         """Bytes really allocated for the cache (all layers, scales included)."""
-        total = 0
-        for layer in self.layers:
-            total += layer.kv.numel() * layer.kv.element_size()
-            if layer.scales is not None:
-                total += layer.scales.numel() * layer.scales.element_size()
-        return total
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in _tensors(layer))
 
     def bytes_per_token(self) -> int:
         return self.nbytes() // self.num_slots
@@ -62,10 +76,10 @@ class LatentCache:
     # -- one block as bytes (the payload of the prefix cache's lower tiers) --------------------------
     def block_views(self, block: int) -> list[torch.Tensor]:
         """``block``'s rows as flat uint8 views, in payload order: every layer's latents, then every layer's
-        scales (fp8/int8 caches). Their sizes add up to ``block_bytes()``."""
-        views = [layer.kv[block].view(-1).view(torch.uint8) for layer in self.layers]
-        views += [layer.scales[block].view(-1).view(torch.uint8) for layer in self.layers if layer.scales is not None]
-        return views
+        scales (fp8/int8 caches), then every layer's indexer keys and their scales (sparse attention). Their sizes
+        add up to ``block_bytes()``."""
+        parts = [_tensors_in_order(layer)[k] for k in range(4) for layer in self.layers]
+        return [t[block].reshape(-1).view(torch.uint8) for t in parts if t is not None]
 
     def block_bytes(self) -> int:
         return self.nbytes() // self.num_blocks
@@ -81,3 +95,11 @@ class LatentCache:
         for view in self.block_views(block):
             view.copy_(payload[offset:offset + view.numel()])
             offset += view.numel()
+
+
+def _tensors_in_order(layer: LayerCache) -> tuple[torch.Tensor | None, ...]:
+    return layer.kv, layer.scales, layer.index, layer.index_scales
+
+
+def _tensors(layer: LayerCache) -> list[torch.Tensor]:
+    return [t for t in _tensors_in_order(layer) if t is not None]

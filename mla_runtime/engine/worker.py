@@ -43,7 +43,7 @@ from mla_runtime.cache.disk_tier import DiskTier, file_sha256, model_fingerprint
 from mla_runtime.cache.host_tier import HostTier
 from mla_runtime.cache.latent_cache import LatentCache
 from mla_runtime.config import ModelConfig
-from mla_runtime.dtypes import CacheDtype, resolve_cache_dtype
+from mla_runtime.dtypes import CacheDtype, index_cache_dtype, resolve_cache_dtype
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.errors import InvalidParam
 from mla_runtime.forward_batch import ForwardBatch
@@ -258,8 +258,9 @@ class Worker:
         par, cfg = self.par, self.model.config
         block = self.config.block_size // par.world_size if par.sharded_cache else self.config.block_size
         self.cache = None  # free the old cache first
-        self.cache = LatentCache(self.model.num_cache_layers, num_blocks, block, cfg.latent_dim,
-                                 cache_dtype or self.cache_dtype.dtype, self.device)
+        dtype = cache_dtype or self.cache_dtype.dtype
+        self.cache = LatentCache(self.model.num_cache_layers, num_blocks, block, cfg.latent_dim, dtype, self.device,
+                                 cfg.index_dim, index_cache_dtype(dtype, self.dtype))
         return self.cache
 
     def cache_fingerprint(self) -> str:

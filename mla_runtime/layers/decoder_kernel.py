@@ -78,6 +78,8 @@ def layer_weights(norms: tuple[RMSNorm, RMSNorm], attn: MLAttention, mlp: nn.Mod
     part of its attention does not take the compiled kernels, or its residual branches are scaled."""
     if attn.query_scale[0]:  # Mistral 4's position-scaled queries (mla.position_scaled) take the torch path
         return None
+    if attn.indexer is not None or attn.shares_selection:  # sparse attention: the indexer runs call by call
+        return None
     q_lora = attn.q_proj is None
     scaled_residual = residual_scale != 1.0
     if (scaled_residual or not attn.decode_kernel or attn.par.world_size != 1 or attn.latent_down is not None

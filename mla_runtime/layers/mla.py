@@ -33,6 +33,7 @@ from torch import nn
 from mla_runtime.attention.metadata import AttentionDims, AttentionMetadata
 from mla_runtime.cache.latent_cache import LayerCache
 from mla_runtime.layers.cpu_gemm import PackedWeight, linear
+from mla_runtime.layers.indexer import Indexer, sparse_selection
 from mla_runtime.layers.linear import Linear
 from mla_runtime.layers.norm import RMSNorm
 from mla_runtime.layers.rotary import RotaryEmbedding
@@ -71,6 +72,7 @@ class MLAttention(nn.Module):
         self.qkv_a: PackedWeight | None = None  # q_a_proj and kv_a_proj_with_mqa stacked: one GEMM
         self.qkv_a_bias: torch.Tensor | None = None
         self.decode_kernel = False  # the backend's prepare_layer: the compiled CPU decode kernels read this layer
+        self.layer, (self.indexer, self.shares_selection) = layer, Indexer.of_layer(rc, layer)  # sparse attention
 
     def prepare_inference(self) -> None:
         """Cache the absorbed weights and the stacked input projection (call again when the weights change)."""
@@ -88,23 +90,25 @@ class MLAttention(nn.Module):
         return AttentionDims(self.d_c, self.d_r, self.d_n, self.d_v)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: LayerCache) -> torch.Tensor:
-        q, latent = self.project(x)
+        q, latent, q_resid = self.project(x)
         q = position_scaled(q, meta.batch.positions, *self.query_scale)
         q_n, q_r = meta.backend.write(self, q, latent, meta, cache)
-        o = meta.backend.forward(q_n, q_r, self, meta, cache)  # [T, n_h, d_v]
+        selected = sparse_selection(self, x, q_resid, meta, cache)  # sparse attention: the keys each query reads
+        o = (meta.backend.forward(q_n, q_r, self, meta, cache) if selected is None  # [T, n_h, d_v]
+             else meta.backend.sparse_forward(q_n, q_r, self, meta, cache, selected))
         out = self.o_proj(o.reshape(x.shape[0], self.n_h * self.d_v), bias=self.par.rank == 0)  # bias added once
         return self.par.all_reduce(out)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [T, d]`` -> the queries ``[T, n_h (d_n + d_r)]`` and ``[c ; k_r] [T, d_c_in + d_r]`` (neither normed
-        nor rotated)."""
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``x [T, d]`` -> the queries ``[T, n_h (d_n + d_r)]``, ``[c ; k_r] [T, d_c_in + d_r]`` (neither normed
+        nor rotated) and the normed low-rank query ``q_resid [T, q_lora_rank]`` (None without a Q-LoRA)."""
         if self.q_proj is not None:
-            return self.q_proj(x), self.kv_a_proj_with_mqa(x)
-        if self.qkv_a is not None:
-            q_lat, latent = linear(x, self.qkv_a.plain, self.qkv_a_bias, self.qkv_a).split(
-                [self.q_a_proj.out_features, self.d_c_in + self.d_r], dim=-1)
-            return self.q_b_proj(self.q_a_layernorm(q_lat)), latent
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))), self.kv_a_proj_with_mqa(x)
+            return self.q_proj(x), self.kv_a_proj_with_mqa(x), None
+        widths = [self.q_a_proj.out_features, self.d_c_in + self.d_r]
+        q_lat, latent = (self.q_a_proj(x), self.kv_a_proj_with_mqa(x)) if self.qkv_a is None else linear(
+            x, self.qkv_a.plain, self.qkv_a_bias, self.qkv_a).split(widths, dim=-1)
+        q_resid = self.q_a_layernorm(q_lat)
+        return self.q_b_proj(q_resid), latent, q_resid
 
     def split(self, q: torch.Tensor, latent: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
