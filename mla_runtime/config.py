@@ -108,6 +108,14 @@ class MoEConfig:
     # noaux_tc's learned ``e_score_correction_bias``: "required" in the checkpoint, "optional" (zeros where the
     # checkpoint has none: A.X-K1 routes without one) or "none" (Mistral 4's grouped softmax routing has none)
     correction_bias: str = "required"
+    # LongCat-Flash's zero-computation experts: ids ``n_routed_experts .. router_experts - 1`` of the router return
+    # their input (times their weight) and hold no weights
+    zero_experts: int = 0
+
+    @property
+    def router_experts(self) -> int:
+        """The experts the router scores: the routed experts, then the zero (identity) experts."""
+        return self.n_routed_experts + self.zero_experts
 
     def __post_init__(self) -> None:
         for name in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_group",
@@ -116,23 +124,25 @@ class MoEConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.n_shared_experts < 0:
             raise ValueError(f"n_shared_experts must be >= 0, got {self.n_shared_experts}")
+        if self.zero_experts < 0:
+            raise ValueError(f"zero_expert_num must be >= 0, got {self.zero_experts}")
         if self.first_k_dense_replace < 0:
             raise ValueError(f"first_k_dense_replace must be >= 0, got {self.first_k_dense_replace}")
-        if self.n_routed_experts % self.n_group:
+        if self.router_experts % self.n_group:
             raise ValueError(
-                f"n_routed_experts ({self.n_routed_experts}) must be divisible by n_group ({self.n_group})")
+                f"n_routed_experts ({self.router_experts}) must be divisible by n_group ({self.n_group})")
         if self.topk_group > self.n_group:
             raise ValueError(f"topk_group ({self.topk_group}) must not exceed n_group ({self.n_group})")
-        if self.num_experts_per_tok > self.n_routed_experts:
+        if self.num_experts_per_tok > self.router_experts:
             raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds n_routed_experts "
-                             f"({self.n_routed_experts})")
+                             f"({self.router_experts})")
         if self.topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
             raise ValueError(f"topk_method: unsupported value {self.topk_method!r}")
         if self.scoring_func not in ("softmax", "sigmoid"):
             raise ValueError(f"scoring_func: unsupported value {self.scoring_func!r}")
         if self.correction_bias not in ("required", "optional", "none"):
             raise ValueError(f"correction_bias: 'required', 'optional' or 'none', got {self.correction_bias!r}")
-        per_group = self.n_routed_experts // self.n_group
+        per_group = self.router_experts // self.n_group
         if self.topk_method == "noaux_tc" and per_group < 2 and self.n_group > 1:
             raise ValueError(f"topk_method 'noaux_tc' scores a group by its top-2 experts: n_routed_experts / "
                              f"n_group must be >= 2, got {per_group}")
@@ -211,6 +221,19 @@ class ModelConfig:
     # original_max_position_embeddings (so 1 below L); 0: none
     query_scale_beta: float = 0.0
     indexer: IndexerConfig | None = None  # DeepSeek Sparse Attention (None: every query attends to every token)
+    # LongCat-Flash: each layer holds this many (attention, dense MLP) blocks, each attention a cache layer of its own,
+    # and a MoE beside them (``models.deepseek.LongcatDecoderLayer``); 1: DeepSeek's one attention and one MLP or MoE
+    attention_blocks_per_layer: int = 1
+    # LongCat-Flash's MLA: the queries times ``query_lora_scale`` and the normed latent ``c`` times ``latent_scale``
+    # (both folded into q_a_layernorm's and kv_a_layernorm's weights at load, so the cache holds the scaled latent)
+    query_lora_scale: float = 1.0
+    latent_scale: float = 1.0
+    # A.X-K2's attention: no q_b_proj; one projection ``q_gate_proj`` of ``[q_resid ; q_a_proj(h)]`` gives each head's
+    # query and a gate, and the head's attention output is multiplied by sigmoid(gate) before o_proj
+    query_gate: bool = False
+    # A.X-K2: the rank of a low-rank sigmoid gate on every layer's input norm and on a MoE layer's post-attention norm
+    # (``layers.norm.GatedRMSNorm``); 0: plain RMSNorms
+    gated_norm_rank: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
@@ -248,9 +271,22 @@ class ModelConfig:
             if idx.shared is not None and len(idx.shared) != self.num_hidden_layers:
                 raise ValueError(f"indexer_types lists {len(idx.shared)} layers, the model has "
                                  f"{self.num_hidden_layers}")
-        has_dense = any(not self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+        has_dense = any(self.dense_mlps(i) for i in range(self.num_hidden_layers))
         if has_dense and self.intermediate_size < 1:
             raise ValueError("intermediate_size must be >= 1: the model has dense MLP layers")
+        if self.attention_blocks_per_layer < 1:
+            raise ValueError(f"attention_blocks_per_layer must be >= 1, got {self.attention_blocks_per_layer}")
+        if self.attention_blocks_per_layer > 1 and (self.moe is None or not all(
+                self.is_moe_layer(i) for i in range(self.num_hidden_layers))):
+            raise ValueError("attention_blocks_per_layer > 1 needs a MoE on every layer (the layer's shortcut MoE)")
+        if min(self.query_lora_scale, self.latent_scale) <= 0:
+            raise ValueError("query_lora_scale and latent_scale must be positive")
+        if self.query_lora_scale != 1.0 and self.q_lora_rank is None:
+            raise ValueError("query_lora_scale needs a q_lora_rank (it scales q_a_layernorm)")
+        if self.query_gate and self.q_lora_rank is None:
+            raise ValueError("query_gate needs a q_lora_rank (its projection reads the query's low-rank state)")
+        if self.gated_norm_rank < 0:
+            raise ValueError(f"gated_norm_rank must be >= 0, got {self.gated_norm_rank}")
 
     # -- the notation of the MLA math ----------------------------------------------------------
     @property
@@ -270,6 +306,17 @@ class ModelConfig:
     def index_dim(self) -> int:
         """Values of the indexer's key cached per token per layer (0 without sparse attention)."""
         return 0 if self.indexer is None else self.indexer.head_dim
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Attention blocks of the decoder, each a layer of the latent cache: ``attention_blocks_per_layer`` a layer."""
+        return self.num_hidden_layers * self.attention_blocks_per_layer
+
+    def dense_mlps(self, layer: int) -> int:
+        """Dense MLPs of ``layer``: one per attention block in a LongCat layer, else one where it is not a MoE."""
+        if self.attention_blocks_per_layer > 1:
+            return self.attention_blocks_per_layer
+        return int(not self.is_moe_layer(layer))
 
     @property
     def latent_eps(self) -> float:
@@ -409,6 +456,7 @@ def _parse_moe(raw: dict[str, Any], family: str) -> MoEConfig | None:
         moe_layer_freq=int(raw.get("moe_layer_freq") or 1),
         moe_layers=None if raw.get("moe_layers") is None else tuple(bool(b) for b in raw["moe_layers"]),
         correction_bias=str(raw.get("correction_bias") or "required"),
+        zero_experts=int(raw.get("zero_experts") or 0),
     )
 
 
@@ -529,6 +577,11 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         moe_output_norm=bool(raw.get("moe_output_norm", False)),
         query_scale_beta=float(raw.get("query_scale_beta") or 0.0),
         indexer=_parse_indexer(raw),
+        attention_blocks_per_layer=int(raw.get("attention_blocks_per_layer") or 1),
+        query_lora_scale=float(raw.get("query_lora_scale") or 1.0),
+        latent_scale=float(raw.get("latent_scale") or 1.0),
+        query_gate=bool(raw.get("query_gate", False)),
+        gated_norm_rank=int(raw.get("gated_norm_rank") or 0),
     )
 
 

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 import torch
 from mla_kernels.dtypes import FLOAT_CACHE_DTYPES, QUANTIZED_CACHE_DTYPES, is_quantized
+from mla_kernels.sparse import index_scale_groups
 
-__all__ = ["CACHE_DTYPES", "FLOAT_CACHE_DTYPES", "INDEX_SCALE_GROUP", "MODEL_DTYPES", "QUANTIZED_CACHE_DTYPES",
-           "CacheDtype", "dtype_name", "index_bytes_per_token", "index_cache_dtype", "resolve_cache_dtype"]
+__all__ = ["CACHE_DTYPES", "FLOAT_CACHE_DTYPES", "MODEL_DTYPES", "QUANTIZED_CACHE_DTYPES", "CacheDtype",
+           "dtype_name", "index_bytes_per_token", "index_cache_dtype", "resolve_cache_dtype"]
 
 MODEL_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -72,20 +73,13 @@ def resolve_cache_dtype(cache_dtype: str | torch.dtype, model_dtype: torch.dtype
 
 
 # -- the sparse-attention indexer's key cache, beside the latent ------------------------------------------------------
-INDEX_SCALE_GROUP = 128  # an fp8 indexer key carries one fp32 scale per this many values
-
-
 def index_cache_dtype(latent: torch.dtype, model_dtype: torch.dtype) -> torch.dtype:
-    """The element type of the indexer's keys beside a latent cache of ``latent``: fp8 (with a scale per
-    ``INDEX_SCALE_GROUP`` values, as DeepSeek stores them) beside an fp8 latent, the latent's own float type beside a
-    float latent, and the model's float type beside an int8 latent (the indexer's scores have no int8 kernel)."""
+    """The element type of the indexer's keys beside a latent cache of ``latent``: fp8 (with a scale per 128 values,
+    ``mla_kernels.sparse.INDEX_SCALE_GROUP``, as DeepSeek stores them) beside an fp8 latent, the latent's own float
+    type beside a float latent, and the model's float type beside an int8 latent (the indexer has no int8 kernel)."""
     if latent == torch.float8_e4m3fn or latent in FLOAT_CACHE_DTYPES:
         return latent
     return model_dtype
-
-
-def index_scale_groups(index_dim: int) -> int:
-    return -(-index_dim // INDEX_SCALE_GROUP)
 
 
 def index_bytes_per_token(index_dim: int, dtype: torch.dtype) -> int:

@@ -280,6 +280,109 @@ def _glm_moe_dsa(raw: Raw) -> Raw:
     return {**_dsa_common(out, "glm_moe_dsa"), "index_rope_interleave": True, "indexer_types": list(kinds)}
 
 
+def _axk2(raw: Raw) -> Raw:
+    """A.X-K2 (``axk2``): DeepSeek-V3.2's sparse attention and router with three variations. No ``q_b_proj``: one
+    projection of ``[q_resid ; q_a_proj(h)]`` gives each head's query and a sigmoid gate on its attention output
+    (``query_gate``; the checkpoints store it as ``q_b_proj``). A low-rank sigmoid gate on every layer's input norm and
+    on a MoE layer's post-attention norm (``gated_norm_rank``). MoE layers listed by ``mlp_layer_types``, else from
+    ``first_k_dense_replace``/``moe_layer_freq`` (default 1 and 1). The router takes no expert groups unless
+    ``n_group`` is set; grouped routing is refused: A.X-K2 scores the dropped groups' experts 0 where the runtime
+    drops them (-inf), which can pick other experts. No MTP layers (transformers reads none)."""
+    out = _with_defaults(raw, vocab_size=163840, hidden_size=2048, intermediate_size=5120, moe_intermediate_size=512,
+                         num_hidden_layers=48, num_attention_heads=32, n_shared_experts=1, n_routed_experts=128,
+                         routed_scaling_factor=2.5, kv_lora_rank=128, q_lora_rank=384, qk_rope_head_dim=32,
+                         v_head_dim=64, qk_nope_head_dim=64, n_group=None, topk_group=None, num_experts_per_tok=8,
+                         norm_topk_prob=True, max_position_embeddings=131072, rms_norm_eps=1e-6, bos_token_id=163691,
+                         eos_token_id=163691, tie_word_embeddings=False, index_topk=2048, index_head_dim=128,
+                         index_n_heads=16, gated_norm_rank=16)
+    groups, kept = out.get("n_group"), out.get("topk_group")
+    if (groups is None) != (kept is None):
+        raise ValueError(f"axk2: n_group ({groups}) and topk_group ({kept}) must be set together (both null: no "
+                         f"expert groups)")
+    if groups is not None and int(groups) > 1:
+        raise ValueError(f"axk2: grouped routing (n_group {groups}) is not supported: A.X-K2 scores the experts of "
+                         f"the groups it drops 0, not -inf, which the runtime's router does not implement")
+    if out.get("gated_norm_rank") is None or int(out["gated_norm_rank"]) < 1:
+        raise ValueError(f"axk2: gated_norm_rank must be >= 1, got {out.get('gated_norm_rank')}")
+    if out.get("mlp_layer_types") is None:
+        first = 1 if out.get("first_k_dense_replace") is None else int(out["first_k_dense_replace"])
+        freq = int(out.get("moe_layer_freq") or 1)
+        out["mlp_layer_types"] = ["sparse" if i >= first and i % freq == 0 else "dense"
+                                  for i in range(int(out["num_hidden_layers"]))]
+    return {**_dsa_common(out, "axk2"), "index_rope_interleave": False, "indexer_types": None, "query_gate": True,
+            "gated_norm_rank": int(out["gated_norm_rank"]), "num_nextn_predict_layers": 0}
+
+
+# -- LongCat-Flash: two attention blocks a layer and a shortcut MoE with zero-computation experts --------------------
+def _alias(out: Raw, name: str, alias: str) -> None:
+    """``out[name]`` from transformers' alias of it (``attribute_map``) where the config uses only the alias."""
+    if out.get(name) is None and out.get(alias) is not None:
+        out[name] = out[alias]
+
+
+def _longcat_flash(raw: Raw) -> Raw:
+    """LongCat-Flash (``longcat_flash``): ``num_layers`` layers of two MLA blocks each (cache layers ``2i`` and
+    ``2i + 1``) with a dense MLP after each, and a MoE fed by the first block's post-attention norm whose output is
+    added at the layer's end. The router: softmax over the routed and ``zero_expert_num`` zero (identity) experts,
+    the top-k chosen with a correction bias, their weights unnormalised times ``routed_scaling_factor``; no shared
+    experts. The MLA always has a Q-LoRA, scales the queries by ``sqrt(hidden_size / q_lora_rank)`` and the normed
+    latent by ``sqrt(hidden_size / kv_lora_rank)``, and rotates ``head_dim`` (= ``qk_rope_head_dim``) interleaved
+    dims. The checkpoint's MTP layer (``model.mtp``) is not read, as transformers does not."""
+    out = dict(raw)
+    for name, alias in (("moe_topk", "num_experts_per_tok"), ("ffn_hidden_size", "intermediate_size"),
+                        ("expert_ffn_hidden_size", "moe_intermediate_size"), ("n_routed_experts", "num_local_experts")):
+        _alias(out, name, alias)
+    if out.get("num_layers") is None and out.get("num_hidden_layers") is not None:
+        out["num_layers"] = int(out["num_hidden_layers"]) // 2  # transformers: num_hidden_layers = 2 * num_layers
+    if not any(out.get(k) is not None for k in ("rope_parameters", "rope_scaling", "rope_theta")):
+        out["rope_theta"] = 10000000.0
+    out = _with_defaults(out, vocab_size=131072, hidden_size=6144, num_layers=28, num_attention_heads=64,
+                         ffn_hidden_size=12288, max_position_embeddings=131072, rms_norm_eps=1e-5, bos_token_id=1,
+                         eos_token_id=2, tie_word_embeddings=False, attention_bias=False, q_lora_rank=1536,
+                         kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, head_dim=64, v_head_dim=128,
+                         moe_topk=12, n_routed_experts=512, zero_expert_num=256, expert_ffn_hidden_size=2048,
+                         routed_scaling_factor=6.0)
+    _full_rotary(out)
+    missing = []
+    if out.get("q_lora_rank") is None:
+        missing.append("q_lora_rank null (LongCat's attention always has a Q-LoRA)")
+    d_r, d_n = int(out["qk_rope_head_dim"]), int(out["qk_nope_head_dim"])
+    if out.get("head_dim") is not None and int(out["head_dim"]) != d_r:
+        missing.append(f"head_dim {out['head_dim']} != qk_rope_head_dim {d_r} (the rotary dims are head_dim)")
+    if out.get("qk_head_dim") is not None and int(out["qk_head_dim"]) != d_n + d_r:
+        missing.append(f"qk_head_dim {out['qk_head_dim']} != qk_nope_head_dim + qk_rope_head_dim ({d_n + d_r})")
+    if not out.get("n_routed_experts"):
+        missing.append("n_routed_experts 0 (a MoE of zero experts only)")
+    if out.get("router_bias"):
+        missing.append("router_bias (a bias on the router's classifier)")
+    if out.get("zero_expert_type", "identity") not in (None, "identity"):
+        missing.append(f"zero_expert_type {out['zero_expert_type']!r} (only identity zero experts)")
+    for flag in ("mla_scale_q_lora", "mla_scale_kv_lora"):
+        if out.get(flag) is False:
+            missing.append(f"{flag} false (transformers always scales)")
+    if out.get("attention_method", "MLA") not in (None, "MLA"):
+        missing.append(f"attention_method {out['attention_method']!r} (only MLA)")
+    if missing:
+        raise ValueError("longcat_flash: not supported: " + "; ".join(missing))
+    hidden = int(out["hidden_size"])
+    return {**out, "num_hidden_layers": int(out["num_layers"]), "attention_blocks_per_layer": 2,
+            "intermediate_size": out["ffn_hidden_size"], "moe_intermediate_size": out["expert_ffn_hidden_size"],
+            "num_experts_per_tok": out["moe_topk"], "zero_experts": int(out.get("zero_expert_num") or 0),
+            "n_shared_experts": 0, "n_group": 1, "topk_group": 1, "topk_method": "noaux_tc", "scoring_func": "softmax",
+            "norm_topk_prob": False, "correction_bias": "required", "first_k_dense_replace": 0, "moe_layer_freq": 1,
+            "moe_layers": None, "mlp_bias": False, "rope_interleave": True, "num_nextn_predict_layers": 0,
+            "latent_norm_eps": REFERENCE_NORM_EPS, "query_lora_scale": math.sqrt(hidden / int(out["q_lora_rank"])),
+            "latent_scale": math.sqrt(hidden / int(out["kv_lora_rank"]))}
+
+
+def _longcat_flash_name(name: str) -> str | None:
+    """LongCat's router (``mlp.router.classifier``, ``mlp.router.e_score_correction_bias``) -> the model's
+    ``mlp.gate``; its MTP layer (``model.mtp.*``) is dropped."""
+    if name.startswith("model.mtp."):
+        return None
+    return name.replace(".mlp.router.classifier.", ".mlp.gate.").replace(".mlp.router.", ".mlp.gate.")
+
+
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("deepseek_v2", "deepseek_v2", "deepseek-ai/DeepSeek-V2-Lite"),
     Family("deepseek_v3", "deepseek_v3", "deepseek-ai/DeepSeek-V3"),
@@ -293,6 +396,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("mistral4", "deepseek_v3", "mistralai/Mistral-Small-4-119B-2603", _mistral4),
     Family("deepseek_v32", "deepseek_v3", "deepseek-ai/DeepSeek-V3.2", _deepseek_v32),
     Family("glm_moe_dsa", "deepseek_v3", "zai-org/GLM-5", _glm_moe_dsa),
+    Family("axk2", "deepseek_v3", "skt/A.X-K2-Light", _axk2),
+    Family("longcat_flash", "deepseek_v3", "meituan-longcat/LongCat-Flash-Chat", _longcat_flash, _longcat_flash_name),
 )}
 # checkpoints that name only their architecture
 ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}

@@ -83,7 +83,7 @@ def latent_second_moments(model: DeepseekForCausalLM, token_chunks: Sequence[Seq
         for chunk in token_chunks:
             blocks = -(-len(chunk) // block_size)
             local_block = block_size // model.par.world_size if model.par.sharded_cache else block_size
-            cache = LatentCache(cfg.num_hidden_layers, blocks, local_block, _attn_layers(model)[0].d_c
+            cache = LatentCache(model.num_cache_layers, blocks, local_block, _attn_layers(model)[0].d_c
                                 + cfg.qk_rope_head_dim, model.dtype, device, cfg.index_dim)
             batch = ForwardBatch.build([list(chunk)], [0], [list(range(blocks))], block_size, device)
             model(batch, cache)

@@ -14,6 +14,11 @@
   for them (sharded like any layer, FP8 blocks dequantised), and are skipped otherwise. Their copies of the
   embedding and head (``embed_tokens``, ``shared_head.head``) are skipped: the main model's are used, as
   DeepSeek-V3 shares them.
+- LongCat-Flash's layers hold two attention blocks, two dense MLPs (``self_attn.{b}``, ``mlps.{b}``) and a MoE whose
+  zero experts have no weights (gate/up tensors stored for them are skipped); its MLA scales are folded into
+  ``q_a_layernorm`` and ``kv_a_layernorm`` once loaded (``_fold_lora_scales``).
+- A.X-K2's fused query and gate projection is stored as ``q_b_proj`` and loads into ``q_gate_proj`` (each rank its
+  heads' rows); its gated norms' gates (``W_down``, ``W_up``) load into ``gate_down``/``gate_up``.
 - Every missing, unexpected or mis-shaped tensor is reported by name in one ``CheckpointError``.
 """
 
@@ -65,6 +70,7 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _IGNORED_RE = re.compile(r"rotary_emb\.inv_freq$")
 _FUSED_EXPERTS_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj$")
 _POST_MLP_NORM_RE = re.compile(r"^model\.layers\.(\d+)\.post_mlp_layernorm\.weight$")
+_EXPERT_RE = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
 
 
 class CheckpointError(ValueError):
@@ -121,10 +127,23 @@ class _Layout:
                 self.whole(f"{p}.self_attn.{name}.bias")
         for name in ["kv_a_layernorm"] + ([] if cfg.q_lora_rank is None else ["q_a_layernorm"]):
             self.whole(f"{p}.self_attn.{name}.weight")
+        if cfg.query_gate:  # A.X-K2: its q_b_proj is q_gate_proj, each head's query rows then its gate rows
+            self.table[f"{p}.self_attn.q_b_proj.weight"] = Slot(
+                f"{p}.self_attn.q_gate_proj.weight", (), self.part(0, h * (cfg.qk_head_dim + cfg.v_head_dim)))
         layer = int(p.rsplit(".", 1)[1])
         if cfg.indexer is not None and not cfg.indexer.is_shared(layer):  # replicated on every rank
             for name in ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight"):
                 self.whole(f"{p}.self_attn.indexer.{name}")
+
+    def norm(self, prefix: str, gated: bool) -> None:
+        """A decoder norm, replicated: an RMSNorm, or A.X-K2's gated one (``layers.norm.GatedRMSNorm``: its norm and
+        the gate's ``W_down``/``W_up``)."""
+        if not gated:
+            self.whole(f"{prefix}.weight")
+            return
+        self.whole(f"{prefix}.norm.weight")
+        self.table[f"{prefix}.W_down.weight"] = Slot(f"{prefix}.gate_down.weight")
+        self.table[f"{prefix}.W_up.weight"] = Slot(f"{prefix}.gate_up.weight")
 
     def mlp(self, prefix: str, size: int) -> None:
         """A gated MLP: gate and up stacked into ``gate_up_proj``, the intermediate dimension sharded."""
@@ -153,6 +172,10 @@ class _Layout:
         if fused:  # transformers' in-memory layout: [E, 2I, d] and [E, d, I]
             for name in ("gate_up_proj", "down_proj"):
                 self.table[f"{experts}.{name}"] = Slot(f"{experts}.{name}", (), self.part(0, moe.n_routed_experts))
+            if moe.zero_experts:  # LongCat: gate_up_proj has rows for the zero experts too, which are not read
+                e0, e1 = self.par.split(moe.n_routed_experts)
+                self.table[f"{experts}.gate_up_proj"] = Slot(f"{experts}.gate_up_proj", (),
+                                                             (0, e0, e1, moe.router_experts))
             return
         e0, e1 = self.par.split(moe.n_routed_experts)
         for e in range(moe.n_routed_experts):
@@ -167,13 +190,33 @@ class _Layout:
 
 def _decoder_layer(layout: _Layout, cfg: ModelConfig, i: int, fused_expert_layers: AbstractSet[int]) -> None:
     p = f"model.layers.{i}"
-    layout.whole(f"{p}.input_layernorm.weight")
-    layout.whole(f"{p}.post_attention_layernorm.weight")
+    if cfg.attention_blocks_per_layer > 1:
+        _longcat_layer(layout, cfg, p, i in fused_expert_layers)
+        return
+    layout.norm(f"{p}.input_layernorm", cfg.gated_norm_rank > 0)
+    layout.norm(f"{p}.post_attention_layernorm", cfg.gated_norm_rank > 0 and cfg.is_moe_layer(i))
     layout.attention(p)
     if cfg.is_moe_layer(i):
         layout.moe(p, i in fused_expert_layers)
     else:
         layout.mlp(f"{p}.mlp", cfg.intermediate_size)
+
+
+def _longcat_layer(layout: _Layout, cfg: ModelConfig, p: str, fused: bool) -> None:
+    """A LongCat layer (``models.deepseek.LongcatDecoderLayer``): per block ``b`` its norms
+    (``input_layernorm.{b}``, ``post_attention_layernorm.{b}``), attention (``self_attn.{b}``) and dense MLP
+    (``mlps.{b}``); then the layer's MoE."""
+    for b in range(cfg.attention_blocks_per_layer):
+        layout.whole(f"{p}.input_layernorm.{b}.weight")
+        layout.whole(f"{p}.post_attention_layernorm.{b}.weight")
+        block = _Layout(cfg, layout.par)
+        block.attention(p)
+        old, new = f"{p}.self_attn.", f"{p}.self_attn.{b}."
+        for name, slot in block.table.items():
+            assert slot is not None
+            layout.table[name.replace(old, new, 1)] = Slot(slot.param.replace(old, new, 1), slot.index, slot.shard)
+        layout.mlp(f"{p}.mlps.{b}", cfg.intermediate_size)
+    layout.moe(p, fused)
 
 
 def mtp_layer_names(cfg: ModelConfig, j: int) -> list[str]:
@@ -356,6 +399,9 @@ def _mtp_or_ignored(name: str, cfg: ModelConfig) -> bool:
     norm = _POST_MLP_NORM_RE.match(name) if cfg.moe_output_norm else None
     if norm is not None and not cfg.is_moe_layer(int(norm.group(1))):
         return True  # A.X-K1 stores the MoE output norm for its dense layers too, which do not use it
+    zero = _EXPERT_RE.match(name) if cfg.moe is not None and cfg.moe.zero_experts else None
+    if zero is not None and int(zero.group(1)) >= cast(Any, cfg.moe).n_routed_experts:
+        return True  # LongCat's zero experts: transformers stores gate/up rows for them, which no token reads
     m = _LAYER_RE.match(name)
     return m is not None and int(m.group(1)) >= cfg.num_hidden_layers
 
@@ -622,6 +668,7 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
             converted = 0
     bar.close()
     _release_free_memory()
+    _fold_lora_scales(model)
     install_quantized(model, matrices.result())
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
@@ -629,6 +676,19 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise CheckpointError(f"{path}: nothing loaded into {', '.join(left[:5])}")
+
+
+def _fold_lora_scales(model: DeepseekForCausalLM) -> None:
+    """LongCat's MLA scales (``ModelConfig.query_lora_scale``, ``latent_scale``) into the freshly loaded weights of
+    ``q_a_layernorm`` (the queries are linear in it) and ``kv_a_layernorm`` (the cached latent is its output)."""
+    cfg = model.config
+    if cfg.query_lora_scale == 1.0 and cfg.latent_scale == 1.0:
+        return
+    with torch.no_grad():
+        for attn in model.attention_layers():
+            for norm, scale in ((attn.q_a_layernorm, cfg.query_lora_scale), (attn.kv_a_layernorm, cfg.latent_scale)):
+                if scale != 1.0:
+                    norm.weight.copy_((norm.weight.float() * scale).to(norm.weight.dtype))
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto", attention_path: str = "auto",

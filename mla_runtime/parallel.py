@@ -101,7 +101,7 @@ def check_tensor_parallel(cfg: ModelConfig, world_size: int, block_size: int, la
         shared = cfg.moe.moe_intermediate_size * cfg.moe.n_shared_experts
         if shared % world_size:
             problems.append(f"the shared experts' intermediate size ({shared}) is not divisible by it")
-    if any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) and cfg.intermediate_size % world_size:
+    if any(cfg.dense_mlps(i) for i in range(cfg.num_hidden_layers)) and cfg.intermediate_size % world_size:
         problems.append(f"intermediate_size ({cfg.intermediate_size}) is not divisible by it")
     if layout == "sharded" and (block_size % world_size or (block_size // world_size) % 16):
         problems.append(f"block_size / tensor_parallel_size ({block_size} / {world_size}) must be a multiple of 16 "

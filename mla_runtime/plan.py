@@ -84,21 +84,22 @@ def resolve_model_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.
 
 # -- bytes per token -----------------------------------------------------------------------------
 def latent_bytes_per_token(config: ModelConfig, cache_dtype: str | torch.dtype = "auto",
-                           model_dtype: str | torch.dtype = "auto") -> int:
-    """Exact bytes the paged latent cache stores per token, all layers: ``[c ; k_r]`` (+ scales), and the sparse-
-    attention indexer's key beside it (``dtypes.index_cache_dtype``)."""
+                           model_dtype: str | torch.dtype = "auto", num_mtp_layers: int = 0) -> int:
+    """Exact bytes the paged latent cache stores per token, all layers (the MTP layers' too): ``[c ; k_r]``
+    (+ scales), and the sparse-attention indexer's key beside it (``dtypes.index_cache_dtype``)."""
     model = resolve_model_dtype(model_dtype, config)
     cache = resolve_cache_dtype(cache_dtype, model)
     per_layer = config.latent_dim * cache.element_bytes + cache.scale_bytes
     per_layer += index_bytes_per_token(config.index_dim, index_cache_dtype(cache.dtype, model))
-    return per_layer * config.num_hidden_layers
+    # a LongCat layer caches each of its attention blocks
+    return per_layer * (config.num_attention_layers + num_mtp_layers)
 
 
 def mha_bytes_per_token(config: ModelConfig, dtype: str | torch.dtype = "auto") -> int:
     """Bytes per token of the un-absorbed per-head cache: ``n_h × (d_n + d_r + d_v) × layers × bytes``."""
     element = resolve_cache_dtype(dtype, resolve_model_dtype("auto", config)).element_bytes
     per_layer = config.num_attention_heads * (config.qk_head_dim + config.v_head_dim)
-    return per_layer * config.num_hidden_layers * element
+    return per_layer * config.num_attention_layers * element
 
 
 # -- weights ---------------------------------------------------------------------------------------
@@ -115,7 +116,8 @@ def parameter_breakdown(config: ModelConfig, tensor_parallel_size: int = 1) -> d
 
     Counts what the checkpoint holds, so the ``noaux_tc`` router's ``e_score_correction_bias`` is
     included (transformers keeps it as a buffer). Components: embedding, attention, dense_mlp, moe
-    (router + routed + shared experts), norms (all RMSNorm weights), lm_head (0 when tied).
+    (router + routed + shared experts), norms (all RMSNorm weights, and the low-rank gates of A.X-K2's gated
+    norms), lm_head (0 when tied).
     """
     _check_tp(config, tensor_parallel_size)
     tp = tensor_parallel_size
@@ -127,7 +129,8 @@ def parameter_breakdown(config: ModelConfig, tensor_parallel_size: int = 1) -> d
     bias = int(config.attention_bias)
     attn = 0 if config.q_lora_rank is None else (d + bias) * config.q_lora_rank          # q_a_proj
     q_in = d if config.q_lora_rank is None else config.q_lora_rank
-    attn += q_in * heads * config.qk_head_dim                                    # q_proj | q_b_proj
+    q_rows = config.qk_head_dim + (config.v_head_dim if config.query_gate else 0)  # A.X-K2: a gate per head too
+    attn += q_in * (2 if config.query_gate else 1) * heads * q_rows              # q_proj | q_b_proj | q_gate_proj
     attn += (d + bias) * config.latent_dim                                       # kv_a_proj_with_mqa
     attn += config.kv_lora_rank * heads * (config.qk_nope_head_dim + config.v_head_dim)  # kv_b_proj
     attn += heads * config.v_head_dim * d + bias * d                             # o_proj
@@ -144,18 +147,24 @@ def parameter_breakdown(config: ModelConfig, tensor_parallel_size: int = 1) -> d
     counts["embedding"] = shard(config.vocab_size) * d
     counts["lm_head"] = 0 if config.tie_word_embeddings else shard(config.vocab_size) * d
     counts["norms"] = d  # final norm
+    blocks = config.attention_blocks_per_layer  # LongCat: attention blocks (with their two norms) of a layer
     for layer in range(config.num_hidden_layers):
-        counts["attention"] += attn + (0 if idx is None or idx.is_shared(layer) else indexer)
-        counts["norms"] += 2 * d + attn_norms
+        counts["attention"] += blocks * attn + (0 if idx is None or idx.is_shared(layer) else indexer)
+        counts["norms"] += blocks * (2 * d + attn_norms) + 2 * d * config.gated_norm_rank * _gated_norms(config, layer)
         m = config.moe
         if m is not None and config.is_moe_layer(layer):
-            router = m.n_routed_experts * d + (m.n_routed_experts if m.topk_method == "noaux_tc" else 0)
+            router = m.router_experts * d + (m.router_experts if m.topk_method == "noaux_tc" else 0)
             routed = m.n_routed_experts * 3 * d * shard(m.moe_intermediate_size)
             shared = mlp(m.n_shared_experts * m.moe_intermediate_size) if m.n_shared_experts else 0
             counts["moe"] += router + routed + shared
-        else:
-            counts["dense_mlp"] += mlp(config.intermediate_size)
+        counts["dense_mlp"] += config.dense_mlps(layer) * mlp(config.intermediate_size)
     return counts
+
+
+def _gated_norms(config: ModelConfig, layer: int) -> int:
+    """A.X-K2's gated norms in ``layer`` (each with a low-rank gate ``[r, d]`` and ``[d, r]``): the input norm, and the
+    post-attention norm of a MoE layer."""
+    return 0 if not config.gated_norm_rank else 1 + int(config.is_moe_layer(layer))
 
 
 def parameter_count(config: ModelConfig, tensor_parallel_size: int = 1) -> int:
@@ -204,7 +213,7 @@ def _tp_splits(config: ModelConfig, tp: int) -> bool:
         return False
     if m is not None and (m.n_routed_experts % tp or (m.moe_intermediate_size * m.n_shared_experts) % tp):
         return False
-    dense = any(not config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+    dense = any(config.dense_mlps(i) for i in range(config.num_hidden_layers))
     return not (dense and config.intermediate_size % tp)
 
 
@@ -223,7 +232,7 @@ def _matrices(config: ModelConfig, tp: int, num_mtp_layers: int = 0) -> list[_Ma
         return fp8 and (tp == 1 or local % block == 0)
 
     layers = range(config.num_hidden_layers + num_mtp_layers)
-    n = len(layers)
+    n = config.num_attention_layers + num_mtp_layers  # attention blocks (a LongCat layer has two)
     found: list[_Matrix] = []
     if config.q_lora_rank is None:
         found.append(_Matrix("q_proj", n, (heads * qk,), d, True, whole(heads * qk, bn), heads * qk * d,
@@ -233,8 +242,13 @@ def _matrices(config: ModelConfig, tp: int, num_mtp_layers: int = 0) -> list[_Ma
         q_lora = config.q_lora_rank
         a = max(q_lora, latent) * d
         found.append(_Matrix("q_a_proj+kv_a_proj_with_mqa", n, (q_lora, latent), d, True, fp8, a, a, pack="fused"))
-        found.append(_Matrix("q_b_proj", n, (heads * qk,), q_lora, True, whole(heads * qk, bn), heads * qk * q_lora,
-                             big_heads * qk * q_lora))
+        if config.query_gate:  # A.X-K2: each head's query and gate rows from [q_resid ; q_a_proj(h)]
+            rows = qk + config.v_head_dim
+            found.append(_Matrix("q_gate_proj", n, (heads * rows,), 2 * q_lora, True, whole(heads * rows, bn),
+                                 heads * rows * 2 * q_lora, big_heads * rows * 2 * q_lora))
+        else:
+            found.append(_Matrix("q_b_proj", n, (heads * qk,), q_lora, True, whole(heads * qk, bn),
+                                 heads * qk * q_lora, big_heads * qk * q_lora))
     kv_b_rows = config.qk_nope_head_dim + config.v_head_dim
     found.append(_Matrix("kv_b_proj", n, (heads * kv_b_rows,), d_c, False, False, heads * kv_b_rows * d_c,
                          big_heads * kv_b_rows * d_c))
@@ -256,15 +270,20 @@ def _matrices(config: ModelConfig, tp: int, num_mtp_layers: int = 0) -> list[_Ma
         return [_Matrix(f"{name} gate_up", count, (local, local), d, True, stacked_whole, local * d, inter * d),
                 _Matrix(f"{name} down", count, (d,), local, True, down_whole, d * local, d * inter)]
 
-    dense = sum(not config.is_moe_layer(i) for i in layers)
+    dense = sum(config.dense_mlps(i) for i in layers)
     if dense:
         found += gated("dense mlp", dense, config.intermediate_size, True)
     m = config.moe
-    moe_layers = n - dense
+    moe_layers = sum(config.is_moe_layer(i) for i in layers)
     if m is not None and moe_layers:
         if m.n_shared_experts:
             found += gated("shared experts", moe_layers, m.n_shared_experts * m.moe_intermediate_size, True)
         found += gated("routed experts", moe_layers * (m.n_routed_experts // tp), m.moe_intermediate_size, False)
+    gates = sum(_gated_norms(config, i) for i in layers)
+    if gates:  # A.X-K2's gated norms: their low-rank gates, replicated, never quantised, not stored in FP8
+        r = config.gated_norm_rank
+        found.append(_Matrix("gated norm W_down", gates, (r,), d, False, False, r * d, r * d, False))
+        found.append(_Matrix("gated norm W_up", gates, (d,), r, False, False, d * r, d * r, False))
     if num_mtp_layers:
         found.append(_Matrix("eh_proj", num_mtp_layers, (d,), 2 * d, False, False, 2 * d * d, 2 * d * d, False))
     if not config.tie_word_embeddings:
@@ -385,24 +404,27 @@ def weight_footprint(config: ModelConfig, dtype: str | torch.dtype = "auto", ten
         per_layer += q_lora + config.latent_dim + d
         if q_lora and (extra or scheme is not None or checkpoint_fp8):  # the stacked input projection's bias
             per_layer += q_lora + config.latent_dim
-    rest = vocab_rows * d + d + len(layers) * per_layer + num_mtp_layers * 3 * d  # + MTP enorm, hnorm, head norm
+    blocks = config.num_attention_layers + num_mtp_layers  # per_layer: of each attention block
+    rest = vocab_rows * d + d + blocks * per_layer + num_mtp_layers * 3 * d  # + MTP enorm, hnorm, head norm
+    idx = config.indexer  # the sparse-attention indexer's key LayerNorm (weight and bias) on the layers that have one
+    rest += 0 if idx is None else 2 * idx.head_dim * sum(not idx.is_shared(i) for i in layers)
     router = 0
     m = config.moe
     for i in layers:
         moe_layer = m is not None and config.is_moe_layer(i)
         if moe_layer and m is not None:
-            router += m.n_routed_experts * d + (m.n_routed_experts if m.topk_method == "noaux_tc" else 0)
+            router += m.router_experts * d + (m.router_experts if m.topk_method == "noaux_tc" else 0)
             if config.mlp_bias and m.n_shared_experts:  # the shared experts' biases (routed experts have none)
                 rest += 2 * (m.n_shared_experts * m.moe_intermediate_size // tp) + d
-        elif config.mlp_bias:
-            rest += 2 * (config.intermediate_size // tp) + d
+        if config.mlp_bias:  # the dense MLPs' biases
+            rest += config.dense_mlps(i) * (2 * (config.intermediate_size // tp) + d)
     float_bytes += rest * element + 4 * router
 
     heads = config.num_attention_heads // tp
     absorbed_element = 2 if scheme is not None and decode_kernel else element
     # w_uk is a view of kv_b_proj where a rank has one head and keeps its dtype (already contiguous); w_uv_t a copy
     w_uk = 0 if heads == 1 and absorbed_element == element else heads * config.qk_nope_head_dim
-    absorbed = len(layers) * (w_uk + heads * config.v_head_dim) * config.kv_lora_rank * absorbed_element
+    absorbed = blocks * (w_uk + heads * config.v_head_dim) * config.kv_lora_rank * absorbed_element
     return WeightFootprint(model_dtype, fmt_name, float_bytes, quantized, absorbed, packed, largest)
 
 
@@ -476,7 +498,7 @@ def activation_reserve_bytes(config: ModelConfig, *, dtype: str | torch.dtype = 
     widths = [heads * (2 * config.qk_head_dim + 2 * config.v_head_dim),
               heads * (2 * config.kv_lora_rank + config.qk_rope_head_dim)]
     layers = range(config.num_hidden_layers)
-    if any(not config.is_moe_layer(i) for i in layers):
+    if any(config.dense_mlps(i) for i in layers):
         widths.append(3 * shard(config.intermediate_size))
     router = 0
     m = config.moe
@@ -484,7 +506,7 @@ def activation_reserve_bytes(config: ModelConfig, *, dtype: str | torch.dtype = 
         experts = m.num_experts_per_tok * shard(m.moe_intermediate_size)
         widths.append(3 * (experts + shard(m.n_shared_experts * m.moe_intermediate_size))
                       + m.num_experts_per_tok * d)
-        router = 2 * 4 * m.n_routed_experts
+        router = 2 * 4 * m.router_experts
     per_token = b * (2 * d + max(widths)) + router
     logits = 2 * 4 * min(max_num_seqs, max_num_batched_tokens) * config.vocab_size
     return max_num_batched_tokens * per_token + logits + ACTIVATION_OVERHEAD_BYTES
@@ -774,8 +796,7 @@ def load_requirement(config: ModelConfig, *, dtype: str | torch.dtype, device: s
     served = config if latent_rank is None else config.with_overrides(kv_lora_rank=latent_rank)
     activations = activation_reserve_bytes(served, dtype=model_dtype, max_num_batched_tokens=max_num_batched_tokens,
                                            max_num_seqs=max_num_seqs, tensor_parallel_size=tp)
-    cache_layers = served.with_overrides(num_hidden_layers=config.num_hidden_layers + num_mtp_layers)
-    per_token = latent_bytes_per_token(cache_layers, cache_dtype, model_dtype)
+    per_token = latent_bytes_per_token(served, cache_dtype, model_dtype, num_mtp_layers)
     if latent_cache_layout == "sharded" and tp > 1:
         per_token //= tp
     cache = kv_cache_memory if kv_cache_memory is not None else \
@@ -851,7 +872,7 @@ def _row(label: str, value: str, note: str = "") -> str:
 def format_per_token(config: ModelConfig, cache: CacheDtype, tensor_parallel_size: int = 1,
                      latent_cache_layout: str = "replicated") -> list[str]:
     """Report lines for the cache cost of one token: latent, per rank when sharded, MHA, saving."""
-    layers, tp = config.num_hidden_layers, tensor_parallel_size
+    layers, tp = config.num_attention_layers, tensor_parallel_size  # cache layers: a LongCat layer has two
     latent = latent_bytes_per_token(config, cache.dtype)
     mha = mha_bytes_per_token(config, cache.dtype)
     per_layer = (f"({config.latent_dim} x {cache.element_bytes} B + {cache.scale_bytes} B scales)"
@@ -871,6 +892,11 @@ def format_per_token(config: ModelConfig, cache: CacheDtype, tensor_parallel_siz
     ]
 
 
+def _blocks_note(config: ModelConfig) -> str:
+    k = config.attention_blocks_per_layer
+    return "" if k == 1 else f" of {k} attention blocks"
+
+
 def format_report(plan: MemoryPlan, config: ModelConfig, model: str = "") -> str:
     """A readable, operator-facing account of the plan (what the CLI prints)."""
     tp = plan.tensor_parallel_size
@@ -888,7 +914,7 @@ def format_report(plan: MemoryPlan, config: ModelConfig, model: str = "") -> str
 
     lines = [
         f"Memory plan for {model or config.model_type} ({config.model_type}: {config.num_hidden_layers} "
-        f"layers, {config.num_attention_heads} heads, d_c={config.d_c}, d_r={config.d_r}, "
+        f"layers{_blocks_note(config)}, {config.num_attention_heads} heads, d_c={config.d_c}, d_r={config.d_r}, "
         f"{plan.parameter_count:,} parameters)",
         f"  model dtype {dtype_name(plan.dtype)}, weights {fmt}, cache dtype {plan.cache_dtype.name}, block size "
         f"{plan.block_size}, tensor parallel {tp} ({plan.latent_cache_layout} latent cache)",

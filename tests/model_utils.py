@@ -27,7 +27,7 @@ class PagedRunner:
         num_blocks = per_seq * num_seqs + 3
         self.model = model
         self.block_size = block_size
-        self.cache = LatentCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.latent_dim,
+        self.cache = LatentCache(model.num_cache_layers, num_blocks, block_size, cfg.latent_dim,
                                  cache_dtype or model.dtype, index_dim=cfg.index_dim,
                                  index_dtype=index_cache_dtype(cache_dtype or model.dtype, model.dtype))
         for layer in self.cache.layers:  # poison: any read of an unwritten slot shows up as NaN

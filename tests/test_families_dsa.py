@@ -5,6 +5,7 @@ tensor-parallel ranks, chunked prefill, prefix caching and int8 weights."""
 
 from __future__ import annotations
 
+import json
 import random
 from typing import Any
 
@@ -16,7 +17,7 @@ from mla_runtime.config import ModelConfig
 from mla_runtime.layers.quantization import finish_quantization
 from mla_runtime.loader import load_model
 from mla_runtime.plan import latent_bytes_per_token
-from tests.checkpoints import VOCAB
+from tests.checkpoints import VOCAB, dequantized_reference, quantize_fp8_checkpoint
 from tests.model_utils import PagedRunner, hf_logits
 from tests.test_engine import hf_greedy
 
@@ -128,6 +129,16 @@ def test_greedy_tokens_equal_transformers(checkpoint, family):
     assert [list(o.outputs[0].token_ids) for o in again] == [list(o.outputs[0].token_ids) for o in outs[1:3]]
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_each_attention_backend_matches_transformers(checkpoint, backend):
+    """The CUDA backend's kernels (Triton, interpreted on a CPU) and the torch reference path: the indexer's scores
+    and top-k over the paged keys, and the sparse absorbed attention, in chunks."""
+    path, hf = checkpoint("glm_moe_dsa")
+    ps = prompts((21, 30), seed=6)
+    for p, got in zip(ps, prefill(load_model(path, dtype="float32", backend=backend), ps, chunk=16)):
+        assert rel_err(got, hf_logits(hf, p)) <= 1e-4
+
+
 def test_dense_while_every_query_sees_at_most_topk(checkpoint):
     """index_topk above every sequence's length: the selection is every key, as in the reference."""
     path, hf = checkpoint("deepseek_v32", index_topk=256)
@@ -163,3 +174,111 @@ def test_int8_weights_close_to_float32(checkpoint, family):
     assert rel_err(got, ref) > 0  # quantised, not the float32 weights
     # a near-tie of the router or of the indexer's ranking can pick another expert or key: measured 0.84-0.9
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
+
+
+def test_fp8_checkpoint_equals_its_dequantised_weights(checkpoint, tmp_path):
+    """DeepSeek-V3.2 ships FP8 blocks: the products stay in them, and the model equals transformers holding the
+    same weights dequantised."""
+    path, _ = checkpoint("deepseek_v32")
+    fp8 = quantize_fp8_checkpoint(path, tmp_path / "fp8", block=16)
+    ref = dequantized_reference(fp8, tmp_path / "ref")
+    ps = prompts((33, 8), seed=9)
+    for p, got in zip(ps, prefill(load_model(fp8, dtype="float32"), ps)):
+        assert rel_err(got, hf_logits(ref, p)) <= 1e-4
+
+
+def test_long_prompts_through_preemption_prefix_cache_and_disk_restart(checkpoint, tmp_path):
+    """Prompts far longer than index_topk give the same tokens with room to spare, when a small cache preempts them,
+    when their prefixes come from the device cache, and from the disk tier after a restart: the indexer keys travel
+    with the latents."""
+    path, hf = checkpoint("deepseek_v32")
+    ps = prompts((150, 120, 90, 140), seed=11)
+    reqs = [{"prompt_token_ids": p} for p in ps]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    kw: dict[str, Any] = dict(dtype="float32", max_model_len=256, block_size=16)
+    roomy = LLM(str(path), kv_cache_memory="4MiB", **kw)
+    try:
+        want = [list(o.outputs[0].token_ids) for o in roomy.generate(reqs, params)]
+    finally:
+        roomy.shutdown()
+    assert want[0] == hf_greedy(hf, ps[0], 12)
+    per_block = 16 * latent_bytes_per_token(ModelConfig.from_pretrained(path), "auto", "float32")
+    small = LLM(str(path), kv_cache_memory=str(24 * per_block), **kw)  # 24 blocks: two prompts at a time
+    try:
+        assert [list(o.outputs[0].token_ids) for o in small.generate(reqs, params)] == want
+        assert small.engine.scheduler.num_preemptions > 0
+        small.engine.pool.check_whole()
+    finally:
+        small.shutdown()
+    disk = LLM(str(path), kv_cache_memory="4MiB", kv_cache_dir=str(tmp_path), **kw)
+    try:
+        assert [list(o.outputs[0].token_ids) for o in disk.generate(reqs, params)] == want
+        again = disk.generate(reqs[:1], params)[0]  # from the device cache
+        assert again.num_cached_tokens == 144 and list(again.outputs[0].token_ids) == want[0]
+    finally:
+        disk.shutdown()
+    restarted = LLM(str(path), kv_cache_memory="4MiB", kv_cache_dir=str(tmp_path), **kw)
+    try:
+        outs = restarted.generate(reqs, params)
+        assert [o.num_cached_tokens for o in outs] == [144, 112, 80, 128]  # every whole block, from disk
+        assert [list(o.outputs[0].token_ids) for o in outs] == want
+    finally:
+        restarted.shutdown()
+
+
+def test_mtp_drafts_keep_the_greedy_tokens(checkpoint, tmp_path):
+    """DeepSeek-V3.2's MTP layer (an indexer of its own, its keys in the MTP layer's cache) drafts, and the sparse
+    verification of the drafts keeps plain greedy decoding's tokens."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from torch import nn
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32DecoderLayer, DeepseekV32RMSNorm
+
+    path, hf = checkpoint("deepseek_v32")
+    cfg, n = hf.config, hf.config.num_hidden_layers
+    torch.manual_seed(3)
+    layer = DeepseekV32DecoderLayer(cfg, n - 1)  # a MoE block, like the last layer
+    h = cfg.hidden_size
+    layer.enorm, layer.hnorm = DeepseekV32RMSNorm(h), DeepseekV32RMSNorm(h)
+    layer.eh_proj = nn.Linear(2 * h, h, bias=False)
+    layer.shared_head = nn.Module()
+    layer.shared_head.norm = DeepseekV32RMSNorm(h)
+    mtp = tmp_path / "mtp"
+    shutil.copytree(path, mtp)
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors.update({f"model.layers.{n}.{k}": v.detach().clone().contiguous() for k, v in layer.state_dict().items()})
+    save_file(tensors, str(mtp / "model.safetensors"), metadata={"format": "pt"})
+    raw = json.loads((mtp / "config.json").read_text())
+    (mtp / "config.json").write_text(json.dumps({**raw, "num_nextn_predict_layers": 1}))
+    reqs = [{"prompt_token_ids": p} for p in prompts((40, 25, 9), seed=4)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for method in (None, "mtp"):
+        spec: dict[str, Any] = {} if method is None else {"speculative_method": method, "num_speculative_tokens": 2}
+        llm = LLM(str(mtp), dtype="float32", max_model_len=128, kv_cache_memory="4MiB", block_size=16, **spec)
+        try:
+            outs[method] = [list(o.outputs[0].token_ids) for o in llm.generate(reqs, params)]
+            if method:
+                assert llm.engine.stats().num_draft_tokens > 0
+                assert llm.engine.worker.model.mtp[0].self_attn.indexer is not None
+        finally:
+            llm.shutdown()
+    assert outs["mtp"] == outs[None]
+
+
+@pytest.mark.parametrize("cache_dtype, agree", [(torch.float8_e4m3fn, 0.7), (torch.bfloat16, 0.95)])
+def test_quantised_and_bf16_caches_stay_close(checkpoint, cache_dtype, agree):
+    """An fp8 latent cache keeps the indexer keys in fp8 with a scale per 128 values; a bf16 one in bf16. The top-k
+    is discrete: a rounding that reorders two keys at its edge swaps a key in or out, so a sparse model strays further
+    from its float32 run than a dense one (measured top-1 agreement, sparse / dense: fp8 0.77 / 0.97, bf16 0.99 / 1)."""
+    path, _ = checkpoint("deepseek_v32")
+    model = load_model(path, dtype="float32")
+    ps = prompts((40, 33), seed=13)
+    ref = torch.cat(prefill(model, ps))
+    runner = PagedRunner(model, len(ps), 40, cache_dtype=cache_dtype)
+    assert runner.cache.layers[0].index is not None and runner.cache.layers[0].index.dtype == cache_dtype
+    assert (runner.cache.layers[0].index_scales is not None) == (cache_dtype == torch.float8_e4m3fn)
+    got = torch.cat(runner.prefill(ps))
+    assert rel_err(got, ref) > 0
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= agree

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 
 import torch
 from mla_kernels.dtypes import FLOAT_CACHE_DTYPES, is_quantized
-
-from mla_runtime.dtypes import index_scale_groups
+from mla_kernels.sparse import index_scale_groups
 
 
 @dataclass

@@ -149,8 +149,7 @@ class Worker:
                                                                                      self.device),
             config.attention_path, self.num_mtp_layers, self.quantization, self.cache_dtype, config.block_size,
             self.max_model_len, self.max_num_batched_tokens, config.max_num_seqs, self.gemm_mode, self.cpu)
-        cache_layers = cfg.with_overrides(num_hidden_layers=cfg.num_hidden_layers + self.num_mtp_layers)
-        self.bytes_per_token = latent_bytes_per_token(cache_layers, self.cache_dtype.dtype, self.dtype)
+        self.bytes_per_token = latent_bytes_per_token(cfg, self.cache_dtype.dtype, self.dtype, self.num_mtp_layers)
         sharded = tp > 1 and config.latent_cache_layout == "sharded"
         self.bytes_per_token_per_rank = self.bytes_per_token // tp if sharded else self.bytes_per_token
         self.weight_bytes = weight_bytes(self.checkpoint_config, self.dtype, tp, self.quantization,

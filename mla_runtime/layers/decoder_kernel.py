@@ -12,8 +12,9 @@ The MLP is part of the call where its weights take the compiled kernels: a dense
 DeepSeek's routing, then expert by expert the rows that chose it, each expert's weights read once for all of them,
 then the shared experts); the routing's float32 arithmetic is the kernel's own, so a MoE layer's output equals the
 torch path's to float rounding rather than bit for bit. Left to the torch path: tensor parallelism, biased
-projections, a truncated latent rank, a quantised latent cache, steps with prefill chunks or more than eight rows, and
-layers whose residual branches are scaled (µP: the compiled call adds them as they are).
+projections, a truncated latent rank, a quantised latent cache, steps with prefill chunks or more than eight rows,
+layers whose residual branches are scaled (µP: the compiled call adds them as they are), and A.X-K2's variations
+(its gated query projection and output gate, its gated norms): the compiled call has neither.
 """
 
 from __future__ import annotations
@@ -41,10 +42,19 @@ def _unbiased(*linears: Linear | None) -> bool:
     return all(lin is None or lin.bias is None for lin in linears)
 
 
-def _watched(norms: tuple[RMSNorm, RMSNorm], attn: MLAttention, mlp: nn.Module) -> list[tuple[object, str]]:
+def _call_by_call(norms: tuple[nn.Module, nn.Module], attn: MLAttention) -> bool:
+    """Whether the layer has a variation the compiled call does not implement, whatever its weights: A.X-K2's
+    gated query projection (``query_gate``) or gated norms (``gated_norm_rank``)."""
+    return attn.q_gate_proj is not None or not all(isinstance(n, RMSNorm) for n in norms)
+
+
+def _watched(norms: tuple[nn.Module, nn.Module], attn: MLAttention, mlp: nn.Module) -> list[tuple[object, str]]:
     """What a layer's table is made from, as (holder, attribute) pairs: the table stays valid while each attribute
-    holds the same object (plain attributes: reading them costs no module lookup)."""
+    holds the same object (plain attributes: reading them costs no module lookup). A layer that never takes the
+    compiled call watches one attribute that never changes (its None table stays)."""
     pairs: list[tuple[object, str]]
+    if _call_by_call(norms, attn):
+        return [(attn, "q_gate_proj")]
     if attn.q_proj is None:
         pairs = [(attn, "qkv_a"), (attn.q_b_proj, "packed")]
     else:
@@ -72,10 +82,14 @@ def _mlp_table(mlp: nn.Module) -> tuple[cpu_gemv.GatedMLPTable | None, tuple | N
     return None, None
 
 
-def layer_weights(norms: tuple[RMSNorm, RMSNorm], attn: MLAttention, mlp: nn.Module,
+def layer_weights(norms: tuple[nn.Module, nn.Module], attn: MLAttention, mlp: nn.Module,
                   residual_scale: float = 1.0) -> cpu_gemv.LayerWeights | None:
     """The layer (input and post-attention norms, attention, MLP) as the compiled call reads it, or None where any
-    part of its attention does not take the compiled kernels, or its residual branches are scaled."""
+    part of its attention does not take the compiled kernels, or its residual branches are scaled, or it has
+    A.X-K2's variations (``_call_by_call``)."""
+    first, second = norms
+    if _call_by_call(norms, attn) or not (isinstance(first, RMSNorm) and isinstance(second, RMSNorm)):
+        return None
     if attn.query_scale[0]:  # Mistral 4's position-scaled queries (mla.position_scaled) take the torch path
         return None
     if attn.indexer is not None or attn.shares_selection:  # sparse attention: the indexer runs call by call
@@ -83,10 +97,11 @@ def layer_weights(norms: tuple[RMSNorm, RMSNorm], attn: MLAttention, mlp: nn.Mod
     q_lora = attn.q_proj is None
     scaled_residual = residual_scale != 1.0
     if (scaled_residual or not attn.decode_kernel or attn.par.world_size != 1 or attn.latent_down is not None
-            or attn.w_uk is None or attn.w_uv_t is None or not all(n.kernel for n in norms)
+            or attn.w_uk is None or attn.w_uv_t is None or not (first.kernel and second.kernel)
             or not attn.kv_a_layernorm.kernel or (q_lora and not attn.q_a_layernorm.kernel)):
         return None
     if q_lora:
+        assert attn.q_b_proj is not None  # a Q-LoRA without query_gate
         if attn.qkv_a_bias is not None or not _unbiased(attn.q_a_proj, attn.kv_a_proj_with_mqa, attn.q_b_proj):
             return None
         qa, kva, qb = _operand(attn.qkv_a), None, _operand(attn.q_b_proj.packed)
@@ -102,9 +117,9 @@ def layer_weights(norms: tuple[RMSNorm, RMSNorm], attn: MLAttention, mlp: nn.Mod
     q_norm = attn.q_a_layernorm if q_lora else None
     dims = dict(d=attn.o_proj.out_features, q_lora=attn.q_a_proj.out_features if q_lora else 0, heads=attn.n_h,
                 d_n=attn.d_n, d_r=attn.d_r, d_c=attn.d_c, d_v=attn.d_v)
-    eps = (norms[0].eps, norms[1].eps, q_norm.eps if q_norm is not None else 0.0, attn.kv_a_layernorm.eps)
+    eps = (first.eps, second.eps, q_norm.eps if q_norm is not None else 0.0, attn.kv_a_layernorm.eps)
     return cpu_gemv.LayerWeights(
-        dims=dims, norms=(norms[0].weight, norms[1].weight, None if q_norm is None else q_norm.weight,
+        dims=dims, norms=(first.weight, second.weight, None if q_norm is None else q_norm.weight,
                           attn.kv_a_layernorm.weight),
         eps=eps, scale=attn.scale, interleave=attn.rotary.interleave, qa=qa, kva=kva, qb=qb, w_uk=attn.w_uk,
         w_uv_t=attn.w_uv_t, o=o, mlp=table, moe=cast(tuple, moe) if moe is not None else None)
@@ -119,7 +134,7 @@ class DecoderKernel:
         self.seen: list[object] = []
         self.made: cpu_gemv.DecoderLayerTable | None = None
 
-    def table(self, parts: Callable[[], tuple[tuple[RMSNorm, RMSNorm], MLAttention, nn.Module]]
+    def table(self, parts: Callable[[], tuple[tuple[nn.Module, nn.Module], MLAttention, nn.Module]]
               ) -> cpu_gemv.DecoderLayerTable | None:
         """The layer's table, or None where it does not take the compiled call; ``parts()``: the layer's input and
         post-attention norms, attention and MLP (asked for only when the table is made)."""

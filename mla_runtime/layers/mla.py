@@ -21,6 +21,10 @@ The layer computes its projections and hands them to the step's attention backen
 tables and any CPU decode plan are decided once per step by the backend's ``prepare``; every layer only reads them.
 The first layer checks the kernels' arguments; the others run the same shapes unchecked.
 
+A.X-K2 (``ModelConfig.query_gate``) has no ``q_b_proj``: ``q_gate_proj`` maps ``[q_resid ; q_a_proj(h)]`` to each
+head's query and a gate ``g`` (``d_n + d_r`` then ``d_v`` rows per head), and ``o_i`` becomes ``o_i * sigmoid(g_i)``
+before ``o_proj``.
+
 Tensor parallel (``mla_runtime.parallel``): each rank owns ``n_h / N`` heads; ``o_proj``'s partial products are
 summed across ranks (its bias added once).
 """
@@ -32,6 +36,7 @@ from torch import nn
 
 from mla_runtime.attention.metadata import AttentionDims, AttentionMetadata
 from mla_runtime.cache.latent_cache import LayerCache
+from mla_runtime.config import ModelConfig
 from mla_runtime.layers.cpu_gemm import PackedWeight, linear
 from mla_runtime.layers.indexer import Indexer, sparse_selection
 from mla_runtime.layers.linear import Linear
@@ -55,10 +60,10 @@ class MLAttention(nn.Module):
         hidden, qk, bias = cfg.hidden_size, cfg.qk_head_dim, cfg.attention_bias
         self.kv_a_proj_with_mqa = Linear(hidden, self.d_c + self.d_r, dtype, bias=bias)
         self.q_proj = Linear(hidden, self.n_h * qk, dtype) if cfg.q_lora_rank is None else None
+        self.q_b_proj, self.q_gate_proj = query_up_projections(cfg, self.n_h, dtype)
         if cfg.q_lora_rank is not None:
             self.q_a_proj = Linear(hidden, cfg.q_lora_rank, dtype, bias=bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.latent_eps, dtype)
-            self.q_b_proj = Linear(cfg.q_lora_rank, self.n_h * qk, dtype)
             self.q_a_proj.fused = self.kv_a_proj_with_mqa.fused = True  # prepare_inference() stacks the two
         self.kv_a_layernorm = RMSNorm(self.d_c, cfg.latent_eps, dtype)
         self.kv_b_proj = Linear(self.d_c, self.n_h * (self.d_n + self.d_v), dtype)
@@ -90,25 +95,26 @@ class MLAttention(nn.Module):
         return AttentionDims(self.d_c, self.d_r, self.d_n, self.d_v)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: LayerCache) -> torch.Tensor:
-        q, latent, q_resid = self.project(x)
+        q, latent, q_resid, gate = self.project(x)
         q = position_scaled(q, meta.batch.positions, *self.query_scale)
         q_n, q_r = meta.backend.write(self, q, latent, meta, cache)
         selected = sparse_selection(self, x, q_resid, meta, cache)  # sparse attention: the keys each query reads
         o = (meta.backend.forward(q_n, q_r, self, meta, cache) if selected is None  # [T, n_h, d_v]
              else meta.backend.sparse_forward(q_n, q_r, self, meta, cache, selected))
-        out = self.o_proj(o.reshape(x.shape[0], self.n_h * self.d_v), bias=self.par.rank == 0)  # bias added once
+        out = self.o_proj(gated(o, gate).reshape(x.shape[0], self.n_h * self.d_v), bias=self.par.rank == 0)  # bias once
         return self.par.all_reduce(out)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``x [T, d]`` -> the queries ``[T, n_h (d_n + d_r)]``, ``[c ; k_r] [T, d_c_in + d_r]`` (neither normed
-        nor rotated) and the normed low-rank query ``q_resid [T, q_lora_rank]`` (None without a Q-LoRA)."""
+        nor rotated), the normed low-rank query ``q_resid [T, q_lora_rank]`` (None without a Q-LoRA) and the output
+        gate ``[T, n_h, d_v]`` (None without ``query_gate``)."""
         if self.q_proj is not None:
-            return self.q_proj(x), self.kv_a_proj_with_mqa(x), None
+            return self.q_proj(x), self.kv_a_proj_with_mqa(x), None, None
         widths = [self.q_a_proj.out_features, self.d_c_in + self.d_r]
         q_lat, latent = (self.q_a_proj(x), self.kv_a_proj_with_mqa(x)) if self.qkv_a is None else linear(
             x, self.qkv_a.plain, self.qkv_a_bias, self.qkv_a).split(widths, dim=-1)
-        q_resid = self.q_a_layernorm(q_lat)
-        return self.q_b_proj(q_resid), latent, q_resid
+        q, q_resid, gate = queries(self, q_lat)
+        return q, latent, q_resid, gate
 
     def split(self, q: torch.Tensor, latent: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -120,6 +126,34 @@ class MLAttention(nn.Module):
         if self.latent_down is not None:
             c = torch.nn.functional.linear(c, self.latent_down)  # [T, r]: the truncated latent
         return q_n, q_r, c, k_r
+
+
+def query_up_projections(cfg: ModelConfig, n_h: int, dtype: torch.dtype) -> tuple[Linear | None, Linear | None]:
+    """The Q-LoRA's up-projection for ``n_h`` heads: ``q_b_proj [n_h (d_n + d_r), q_lora_rank]``, or with
+    ``query_gate`` ``q_gate_proj [n_h (d_n + d_r + d_v), 2 q_lora_rank]`` in its place (None, None: no Q-LoRA)."""
+    if cfg.q_lora_rank is None:
+        return None, None
+    if not cfg.query_gate:
+        return Linear(cfg.q_lora_rank, n_h * cfg.qk_head_dim, dtype), None
+    return None, Linear(2 * cfg.q_lora_rank, n_h * (cfg.qk_head_dim + cfg.v_head_dim), dtype)
+
+
+def queries(attn: MLAttention, q_lat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``q_a_proj``'s output ``q_lat [T, q_lora_rank]`` -> the queries ``[T, n_h (d_n + d_r)]`` (contiguous),
+    ``q_resid`` (``q_lat`` normed) and the output gate ``[T, n_h, d_v]`` (None without ``query_gate``)."""
+    q_resid = attn.q_a_layernorm(q_lat)
+    if attn.q_gate_proj is None:
+        assert attn.q_b_proj is not None
+        return attn.q_b_proj(q_resid), q_resid, None
+    fused = attn.q_gate_proj(torch.cat([q_resid, q_lat], dim=-1)).view(q_lat.shape[0], attn.n_h, -1)
+    q, gate = fused.split([attn.d_n + attn.d_r, attn.d_v], dim=-1)
+    return q.contiguous().view(q_lat.shape[0], -1), q_resid, gate
+
+
+def gated(o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    """The attention output ``o [T, n_h, d_v]`` times ``sigmoid(gate)`` (in fp32, cast back, as the reference
+    does); ``o`` itself without a gate."""
+    return o if gate is None else (o * torch.sigmoid(gate.float())).to(o.dtype)
 
 
 def position_scaled(q: torch.Tensor, positions: torch.Tensor, beta: float, length: int) -> torch.Tensor:

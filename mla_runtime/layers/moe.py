@@ -10,6 +10,10 @@ Routers (scores in fp32):
   ``norm_topk_prob``.
 Both then multiply by ``routed_scaling_factor``. Mistral 4 groups softmax scores as V3 does, without a correction
 bias (``MoEConfig.correction_bias`` "none"); A.X-K1 adds an RMSNorm on the layer's output (``post_mlp_layernorm``).
+LongCat-Flash routes softmax scores with a correction bias and no groups over its routed experts and
+``MoEConfig.zero_experts`` zero experts (ids from ``n_routed_experts`` on), which hold no weights and return their
+input times their weight (``zero_expert_output``); the compiled one-row kernel does not take them, so such a layer
+runs the torch path.
 
 Execution groups the (token, expert) pairs by expert — in Python for a decode step's few pairs, by a
 stable sort for a prefill's many — and runs one matmul pair per expert that has tokens (oneDNN-packed
@@ -43,19 +47,20 @@ class Router(nn.Module):
     def __init__(self, cfg: MoEConfig, hidden: int) -> None:
         super().__init__()
         self.cfg = cfg
-        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, hidden, dtype=torch.float32),
+        self.weight = nn.Parameter(torch.empty(cfg.router_experts, hidden, dtype=torch.float32),
                                    requires_grad=False)
         self.e_score_correction_bias = (
-            nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32), requires_grad=False)
+            nn.Parameter(torch.zeros(cfg.router_experts, dtype=torch.float32), requires_grad=False)
             if cfg.topk_method == "noaux_tc" and cfg.correction_bias != "none" else None)
 
     def kernel_route(self) -> torch.Tensor | None:
-        """This router's settings for the compiled one-row MoE kernel (``cpu_gemv.route_config``), or None."""
+        """This router's settings for the compiled one-row MoE kernel (``cpu_gemv.route_config``), or None: also
+        with zero experts, which the compiled kernel does not add (``MoE.forward`` then takes the torch path)."""
         if "route" not in self.__dict__:
             cfg = self.cfg
-            self.__dict__["route"] = cpu_gemv.route_config(cfg.scoring_func, cfg.topk_method, cfg.n_routed_experts,
-                                                           cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok,
-                                                           cfg.norm_topk_prob)
+            self.__dict__["route"] = None if cfg.zero_experts else cpu_gemv.route_config(
+                cfg.scoring_func, cfg.topk_method, cfg.n_routed_experts, cfg.n_group, cfg.topk_group,
+                cfg.num_experts_per_tok, cfg.norm_topk_prob)
         route: torch.Tensor | None = self.__dict__["route"]
         return route
 
@@ -64,7 +69,7 @@ class Router(nn.Module):
         cfg = self.cfg
         logits = F.linear(x if x.dtype == torch.float32 else x.float(), self.weight)  # [T, E]
         num_tokens = logits.shape[0]
-        per_group = cfg.n_routed_experts // cfg.n_group
+        per_group = cfg.router_experts // cfg.n_group
         if cfg.scoring_func == "softmax":
             scores = logits.softmax(dim=-1)
         else:
@@ -270,6 +275,14 @@ class Experts(nn.Module):
         return out.index_add_(0, tokens, h)
 
 
+def zero_expert_output(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, n_routed: int
+                       ) -> torch.Tensor:
+    """What the zero (identity) experts add: each token ``x [T, d]`` times the sum of its weights ``[T, k]`` for
+    the chosen ids ``>= n_routed``."""
+    w = weights.masked_fill(expert_ids < n_routed, 0.0).sum(dim=-1, keepdim=True)
+    return x * w if x.dtype == torch.float32 else (x.float() * w).to(x.dtype)
+
+
 class MoE(nn.Module):
     def __init__(self, cfg: MoEConfig, hidden: int, dtype: torch.dtype, bias: bool = False,
                  par: ParallelContext = SINGLE_RANK, output_norm_eps: float | None = None) -> None:
@@ -296,6 +309,8 @@ class MoE(nn.Module):
         out = self.experts(x, weights, expert_ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
+        if self.gate.cfg.zero_experts and self.par.rank == 0:  # on one rank: the reduction sums the ranks' parts
+            out = out + zero_expert_output(x, weights, expert_ids, self.gate.cfg.n_routed_experts)
         return self._output(out)
 
     def _output(self, out: torch.Tensor) -> torch.Tensor:

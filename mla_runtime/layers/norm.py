@@ -1,4 +1,4 @@
-"""RMSNorm, computed in fp32 and cast back, exactly as the DeepSeek reference does.
+"""RMSNorm, computed in fp32 and cast back, exactly as the DeepSeek reference does; and A.X-K2's gated RMSNorm.
 
 A decode step normalises a few rows dozens of times; ``F.rms_norm`` costs about 35 µs a call on one row there
 (measured on a 2-core EPYC, torch 2.13), so once the model is prepared, float32 CPU rows up to
@@ -14,6 +14,7 @@ from mla_kernels import cpu_gemv
 from torch import nn
 
 from mla_runtime.layers.cpu_gemm import row_kernel_failure
+from mla_runtime.layers.linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -34,3 +35,28 @@ class RMSNorm(nn.Module):
                 return cpu_gemv.rms_norm(x, self.weight, self.eps)
             return F.rms_norm(x, shape, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), shape, None, self.eps).to(x.dtype)  # round, then scale
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm times a low-rank gate of its own output (A.X-K2's ``gated_norm_rank``)::
+
+        y = RMSNorm(x);  out = y * sigmoid(gate_up(silu(gate_down(y))))     gate_down [r, d], gate_up [d, r]
+
+    the product taken in fp32 and cast back, as the reference does. Checkpoints name the norm ``norm`` and the gate's
+    matrices ``W_down`` and ``W_up``; every rank holds all of it."""
+
+    def __init__(self, dim: int, rank: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.norm = RMSNorm(dim, eps, dtype)
+        self.gate_down = Linear(dim, rank, dtype)
+        self.gate_up = Linear(rank, dim, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(x)
+        gate = self.gate_up(F.silu(self.gate_down(y)))
+        return (y * torch.sigmoid(gate.float())).to(y.dtype)
+
+
+def decoder_norm(dim: int, eps: float, dtype: torch.dtype, gate_rank: int = 0) -> RMSNorm | GatedRMSNorm:
+    """A decoder layer's norm: plain, or gated where ``gate_rank`` > 0."""
+    return GatedRMSNorm(dim, gate_rank, eps, dtype) if gate_rank > 0 else RMSNorm(dim, eps, dtype)

@@ -25,15 +25,16 @@ rows on AVX2 (``[4096, 1024]``: 1.24 / 2.05 / 3.88 / 7.39 ms at 8 / 16 / 32 / 64
 11.6), and a row's result does not depend on the rows beside it, so a speculative verification computes what
 decoding the same tokens one by one would.
 
-What is quantised (``quantize_model``): every projection of the attention except ``kv_b_proj``, the dense MLPs, the
-shared and routed experts, and the lm_head. ``kv_b_proj`` (the absorbed factors ``W_UK``/``W_UV``) keeps its dtype
-but its values are rounded to bfloat16 (8 significant bits, finer than the int8 matrices), on every CPU, so that the
-prefill's up-projection and the decode's absorbed attention read the same factors; where the compiled decode kernel
-runs, its copies of them are stored in bfloat16, which halves the bytes a decode step reads there
-(``bench/int8_quality.py`` and the sweep's perplexity measure the whole). The embedding, norms and router stay in
-the model dtype. A quantised float weight is released: its parameter keeps its shape and dtype but no storage (a
-broadcast single element), so the resident weights are the int8 copies; nothing may re-derive a layout from it
-afterwards (``MLAttention.prepare_inference`` or a latent-rank truncation must come first).
+What is quantised (``quantize_model``): every projection of the attention except ``kv_b_proj`` (A.X-K2's ``q_gate_proj``
+included), the dense MLPs, the shared and routed experts, and the lm_head. ``kv_b_proj`` (the absorbed factors
+``W_UK``/``W_UV``) keeps its dtype but its values are rounded to bfloat16 (8 significant bits, finer than the int8
+matrices), on every CPU, so that the prefill's up-projection and the decode's absorbed attention read the same factors;
+where the compiled decode kernel runs, its copies of them are stored in bfloat16, which halves the bytes a decode step
+reads there (``bench/int8_quality.py`` and the sweep's perplexity measure the whole). The embedding, norms and router
+stay in the model dtype, and so do the small low-rank gates of A.X-K2's gated norms. A quantised float weight is
+released: its parameter keeps its shape and dtype but no storage (a broadcast single element), so the resident weights
+are the int8 copies; nothing may re-derive a layout from it afterwards (``MLAttention.prepare_inference`` or a
+latent-rank truncation must come first).
 """
 
 from __future__ import annotations
@@ -200,7 +201,8 @@ def quantized_parameter_names(model: nn.Module) -> list[str]:
     for prefix, module in model.named_modules():
         p = f"{prefix}." if prefix else ""
         if isinstance(module, MLAttention):
-            inputs = ["q_proj"] if module.q_proj is not None else ["q_a_proj", "q_b_proj"]
+            inputs = ["q_proj"] if module.q_proj is not None else \
+                ["q_a_proj", "q_b_proj" if module.q_gate_proj is None else "q_gate_proj"]
             names += [f"{p}{n}.weight" for n in (*inputs, "kv_a_proj_with_mqa", "o_proj")]
         elif isinstance(module, GatedMLP | Experts):
             names += [f"{p}gate_up_proj", f"{p}down_proj"]

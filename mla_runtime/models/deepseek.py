@@ -28,7 +28,7 @@ from mla_runtime.layers.linear import Linear
 from mla_runtime.layers.mla import MLAttention
 from mla_runtime.layers.mlp import GatedMLP
 from mla_runtime.layers.moe import MoE
-from mla_runtime.layers.norm import RMSNorm
+from mla_runtime.layers.norm import RMSNorm, decoder_norm
 from mla_runtime.layers.qweight import QuantizedWeight, released_like
 from mla_runtime.parallel import ParallelContext
 from mla_runtime.resolved_config import ResolvedConfig
@@ -62,8 +62,10 @@ class DecoderLayer(nn.Module):
                                       cfg.rms_norm_eps if cfg.moe_output_norm else None)
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, cfg.mlp_bias, par)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        gate = cfg.gated_norm_rank  # A.X-K2: gated norms on every layer's input and a MoE layer's MLP input
+        self.input_layernorm = decoder_norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, gate)
+        self.post_attention_layernorm = decoder_norm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
+                                                     gate if cfg.is_moe_layer(layer) else 0)
         self.residual_scale = cfg.residual_scale  # µP: on each branch before it is added
         self.kernel = DecoderKernel(self.residual_scale)  # the layer as one compiled call, on decode steps that take it
 
@@ -75,7 +77,7 @@ class DecoderLayer(nn.Module):
         """The layer's compiled table (``layers.decoder_kernel``), or None where it runs call by call."""
         return self.kernel.table(self._parts)
 
-    def _parts(self) -> tuple[tuple[RMSNorm, RMSNorm], MLAttention, nn.Module]:
+    def _parts(self) -> tuple[tuple[nn.Module, nn.Module], MLAttention, nn.Module]:
         return (self.input_layernorm, self.post_attention_layernorm), self.self_attn, self.mlp
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: LayerCache,
@@ -92,6 +94,46 @@ class DecoderLayer(nn.Module):
             return x + self.mlp(self.post_attention_layernorm(x)) * s
         x = x + self.self_attn(self.input_layernorm(x), meta, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LongcatDecoderLayer(nn.Module):
+    """LongCat-Flash's layer: ``attention_blocks_per_layer`` (two) blocks of attention and a dense MLP, each
+    attention a cache layer of its own (``caches``, in order), and a shortcut MoE that reads the first block's
+    post-attention norm and is added at the layer's end::
+
+        h = x + attn0(ln0(x));  n = post_ln0(h);  s = moe(n);  h = h + mlp0(n)
+        h = h + attn1(ln1(h));  h = h + mlp1(post_ln1(h));  out = h + s
+
+    It runs call by call: the compiled whole-layer kernel (``DecoderKernel``) does not take it."""
+
+    def __init__(self, rc: ResolvedConfig, layer: int) -> None:
+        super().__init__()
+        cfg, dtype, par = rc.model, rc.dtype, rc.par
+        blocks = cfg.attention_blocks_per_layer
+        assert cfg.moe is not None
+        self.mlp = MoE(cfg.moe, cfg.hidden_size, dtype, cfg.mlp_bias, par)
+        self.self_attn = nn.ModuleList(MLAttention(rc, layer * blocks + b) for b in range(blocks))
+        self.mlps = nn.ModuleList(GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, cfg.mlp_bias, par)
+                                  for _ in range(blocks))
+        self.input_layernorm = nn.ModuleList(RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) for _ in range(blocks))
+        self.post_attention_layernorm = nn.ModuleList(RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+                                                      for _ in range(blocks))
+
+    def kernel_table(self) -> None:
+        """No compiled table: the layer runs call by call."""
+        return None
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, caches: list[LayerCache],
+                step: cpu_gemv.DecodeStep | None = None) -> torch.Tensor:
+        shortcut: torch.Tensor | None = None
+        for b, (attn, mlp) in enumerate(zip(self.self_attn, self.mlps)):
+            x = x + attn(self.input_layernorm[b](x), meta, caches[b])
+            normed = self.post_attention_layernorm[b](x)
+            if shortcut is None:
+                shortcut = self.mlp(normed)
+            x = x + mlp(normed)
+        assert shortcut is not None
+        return x + shortcut
 
 
 class SharedHead(nn.Module):
@@ -142,7 +184,8 @@ class DeepseekForCausalLM(nn.Module):
         self.attention = make_backend(rc)  # how every layer attends (mla_runtime.attention)
         self.model = DeepseekModel(cfg, dtype, rc.par)
         for i in range(cfg.num_hidden_layers):
-            self.model.layers.append(DecoderLayer(rc, i))
+            self.model.layers.append(DecoderLayer(rc, i) if cfg.attention_blocks_per_layer == 1
+                                     else LongcatDecoderLayer(rc, i))
         self.mtp = nn.ModuleList(MTPLayer(rc, cfg.num_hidden_layers + j) for j in range(rc.num_mtp_layers))
         rows = self.model.embed_tokens.weight.shape[0]
         self.lm_head = (None if cfg.tie_word_embeddings else
@@ -171,12 +214,17 @@ class DeepseekForCausalLM(nn.Module):
         return self
 
     def attention_layers(self) -> list[MLAttention]:
-        """Every layer that attends over the latent cache, in cache order: the decoder's, then the MTP layers'."""
-        return [cast(DecoderLayer, layer).self_attn for layer in [*self.model.layers, *self.mtp]]
+        """Every layer that attends over the latent cache, in cache order: the decoder's (a LongCat layer's blocks in
+        order), then the MTP layers'."""
+        found: list[MLAttention] = []
+        for layer in [*self.model.layers, *self.mtp]:
+            attn = layer.self_attn  # a LongCat layer's: one per block
+            found += [cast(MLAttention, a) for a in (attn if isinstance(attn, nn.ModuleList) else [attn])]
+        return found
 
     @property
     def num_cache_layers(self) -> int:
-        return len(self.model.layers) + len(self.mtp)
+        return len(self.model.layers) * self.config.attention_blocks_per_layer + len(self.mtp)
 
     def attention_metadata(self, batch: ForwardBatch, cache: LatentCache) -> AttentionMetadata:
         """How every layer attends over ``batch`` this step (one object per step; see ``attention_metadata``)."""
@@ -196,8 +244,9 @@ class DeepseekForCausalLM(nn.Module):
         step = self._decode_step(meta, cache)
         if step is not None:
             x = x.contiguous()  # updated in place by the compiled layers
-        for layer, layer_cache in zip(self.model.layers, cache.layers):
-            x = layer(x, meta, layer_cache, step)
+        k = self.config.attention_blocks_per_layer  # cache layers of a decoder layer (LongcatDecoderLayer: each)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, meta, cache.layers[i] if k == 1 else cache.layers[i * k:(i + 1) * k], step)
         return self.model.norm(x)
 
     def _decode_step(self, meta: AttentionMetadata, cache: LatentCache) -> cpu_gemv.DecodeStep | None:
@@ -214,7 +263,7 @@ class DeepseekForCausalLM(nn.Module):
         meta = meta or self.attention_metadata(batch, cache)
         layer = cast(MTPLayer, self.mtp[0])
         x = layer.fuse(self.model.embed_tokens(batch.input_ids if input_ids is None else input_ids), hidden)
-        return cast(torch.Tensor, layer(x, meta, cache.layers[len(self.model.layers)]))
+        return cast(torch.Tensor, layer(x, meta, cache.layers[self.num_cache_layers - len(self.mtp)]))
 
     def set_draft_vocab(self, token_ids: list[int] | None) -> None:
         """Let MTP drafts propose only ``token_ids`` (sorted, distinct; None: the whole vocabulary): their head is a
