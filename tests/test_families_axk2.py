@@ -130,7 +130,7 @@ def test_preset_is_transformers_default_size():
         hf = tf.AXK2ForCausalLM(tf.AXK2Config())
     expected = sum(p.numel() for p in hf.parameters()) + sum(
         b.numel() for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias"))
-    assert parameter_count(ModelConfig.from_pretrained("a.x-k2-light")) == expected
+    assert parameter_count(ModelConfig.from_pretrained("ax-k2-light")) == expected
 
 
 def test_prefill_logits_match_transformers(checkpoint):
