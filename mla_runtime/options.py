@@ -26,6 +26,9 @@ CPU_GEMM_MODES = ("auto", "onednn", "plain")
 WEIGHT_QUANTIZATIONS = ("int8", "int4", "fp8", "bf16")  # the formats of layers.quantization.WEIGHT_FORMATS
 # the names of dtypes.CACHE_DTYPES (which maps them to torch dtypes)
 CACHE_DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "fp8", "fp8_e4m3", "int8")
+# how decode steps use CUDA graphs (engine/cuda_graphs.py): capture them on CUDA, or run them eagerly through the
+# graphs' padded buffers on any device (the stand-in, no capture)
+CUDA_GRAPH_MODES = ("capture", "stand-in")
 
 OPTION = "option"  # the metadata key of a config field's ``Option``
 
@@ -61,6 +64,7 @@ def options_of(cls: type) -> dict[str, Option]:
         hint = hints[f.name]
         union = get_origin(hint) in (Union, types.UnionType)
         kinds = tuple(a for a in get_args(hint) if a is not type(None)) if union else (hint,)
+        kinds = tuple(get_origin(k) or k for k in kinds)  # list[int] → list: what a YAML value is checked against
         if len(kinds) > 1 and str not in kinds and declared.parse is None:
             raise TypeError(f"{cls.__name__}.{f.name}: a union type needs parse= for its flag")
         out[f.name] = replace(declared, name=f.name, flag=declared.flag or "--" + f.name.replace("_", "-"),

@@ -14,6 +14,7 @@ from mla_runtime.options import (
     ATTENTION_PATHS,
     CACHE_DTYPE_NAMES,
     CPU_GEMM_MODES,
+    CUDA_GRAPH_MODES,
     LATENT_CACHE_LAYOUTS,
     WEIGHT_QUANTIZATIONS,
     check_quantization,
@@ -34,6 +35,14 @@ def parse_threads(text: str) -> int | str:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a count or 'auto', got {text!r}") from None
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """``--cuda-graph-sizes``: batch sizes separated by commas (or spaces), e.g. ``1,2,4,8``."""
+    try:
+        return tuple(int(s) for s in text.replace(",", " ").split())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected batch sizes like 1,2,4,8, got {text!r}") from None
 
 
 @dataclass(frozen=True)
@@ -142,6 +151,18 @@ class EngineConfig:
     kv_cache_host_bytes: int | str | None = field(default=None, metadata=opt(
         "kv_cache.host_bytes", "host RAM for the host tier between the GPU's cache and the disk tier, e.g. "
                                "64GiB; 0: none (default: on CUDA a quarter of the available RAM, on a CPU none)"))
+    # decode steps under CUDA graphs (engine/cuda_graphs.py): a step of one new token per sequence replays the graph
+    # of the smallest size that holds it, padded; other steps, and larger ones, run eagerly
+    enforce_eager: bool = field(default=False, metadata=opt(
+        "engine.enforce_eager", "run every step eagerly: no CUDA graphs"))
+    cuda_graph_sizes: tuple[int, ...] | list[int] | None = field(default=None, metadata=opt(
+        "engine.cuda_graph_sizes", "batch sizes of the decode steps captured as CUDA graphs, e.g. 1,2,4,8 (default: "
+                                   "1, 2, 4 and the multiples of 8 up to the first that holds --max-num-seqs, at most "
+                                   "512)", parse=parse_sizes))
+    cuda_graph_mode: str = field(default="capture", metadata=opt(
+        "engine.cuda_graph_mode", "capture: decode steps replay CUDA graphs on CUDA (none elsewhere); stand-in: they "
+                                  "run eagerly through the graphs' padded buffers, no capture, on any device (a check "
+                                  "that padding changes no output)", choices=CUDA_GRAPH_MODES))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "quantization", check_quantization(self.quantization))
@@ -199,9 +220,25 @@ class EngineConfig:
         if self.cpu_gemm is not None and self.cpu_gemm not in CPU_GEMM_MODES:
             raise InvalidParam("cpu_gemm", f"cpu_gemm must be one of {', '.join(CPU_GEMM_MODES)} or None, "
                                f"got {self.cpu_gemm!r}")
+        self._check_cuda_graphs()
         if self.num_threads is not None and self.num_threads != "auto" and (
                 not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"num_threads must be a positive int, 'auto' or None, got {self.num_threads!r}")
+
+    def _check_cuda_graphs(self) -> None:
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+        if self.cuda_graph_mode not in CUDA_GRAPH_MODES:
+            raise InvalidParam("cuda_graph_mode", f"cuda_graph_mode must be one of {', '.join(CUDA_GRAPH_MODES)}, "
+                               f"got {self.cuda_graph_mode!r}")
+        sizes = self.cuda_graph_sizes
+        if sizes is None:
+            return
+        if not isinstance(sizes, (tuple, list)) or not sizes or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes):
+            raise InvalidParam("cuda_graph_sizes", f"cuda_graph_sizes must be a non-empty list of batch sizes >= 1, "
+                               f"got {sizes!r}")
+        object.__setattr__(self, "cuda_graph_sizes", tuple(sorted(set(sizes))))
 
     def _check_disk_tier(self) -> None:
         if isinstance(self.kv_cache_dir, os.PathLike):

@@ -7,7 +7,8 @@
 3. ``sample(prepared, logits)``: the masks, then the ``Sampler`` (``engine/sampler.py``, which keeps the penalty
    state between steps).
 
-``run(plan)`` is the three in a row.
+``run(plan)`` is the three in a row. At start-up (the cache allocated), it plugs the decode CUDA graphs into its
+worker where they are on (``engine/cuda_graphs.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mla_runtime.engine.cuda_graphs import DecodeGraphs, start_decode_graphs
 from mla_runtime.engine.sampler import Sampled, Sampler, TokenMasks
 from mla_runtime.engine.scheduler import StepPlan
 from mla_runtime.engine.sequence import Sequence
@@ -47,6 +49,8 @@ class ModelRunner:
         cfg = worker.model_config
         self.sampler = Sampler([t for t in cfg.eos_token_ids if t < cfg.vocab_size], worker.device, seed)
         self.masks = MaskBuilder(cfg.vocab_size)  # structured outputs' masks, computed during the forward pass
+        # decode steps under CUDA graphs (or their stand-in); None: every step eager
+        self.graphs: DecodeGraphs | None = start_decode_graphs(worker) if tp_group is None else None
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> tuple[list[Sampled], dict[int, int]]:

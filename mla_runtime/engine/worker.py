@@ -17,8 +17,10 @@ and the latent-rank sweep:
    prefix cache: the disk tier when ``kv_cache_dir`` is set, and the host-RAM tier over it (by default on CUDA, or
    with ``kv_cache_host_bytes``) — on rank 0 alone under the replicated layout; every rank, for its shard, under
    the sharded one;
-6. ``execute(step)`` runs one ``StepInput``: builds the ``ForwardBatch`` and the attention metadata, runs the
-   model and returns the logits of the requested rows (None on ranks other than 0);
+6. ``execute(step)`` runs one ``StepInput``: builds the ``ForwardBatch`` and runs ``forward`` over it (the attention
+   metadata, then the model), and returns the logits of the requested rows (None on ranks other than 0); a pure
+   decode step goes to the decode graphs instead when the engine plugged them in at start-up (``graphs``:
+   ``engine/cuda_graphs.py``), which run the same ``forward`` over their static buffers;
 7. with ``speculative_method="mtp"``, ``draft(d)`` then runs the checkpoint's MTP layer over the step's
    positions (a ``DraftInput``) and chains it into draft tokens (``engine/mtp.py`` describes the scheme).
 
@@ -34,6 +36,7 @@ import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -92,6 +95,13 @@ class DraftInput:
     next_positions: list[int]
     block_tables: list[list[int]]
     num_drafts: list[int]
+
+
+class DecodeGraphRunner(Protocol):
+    """Pure decode steps through CUDA graphs (``engine/cuda_graphs.DecodeGraphs``, plugged in by the engine at
+    start-up): ``run`` returns the hidden states of the step's rows, or None for a step it does not take."""
+
+    def run(self, step: StepInput) -> torch.Tensor | None: ...
 
 
 def available_host_memory() -> int:
@@ -166,6 +176,7 @@ class Worker:
         self.weights_fingerprint: str | None = None  # from the sha256 manifest (None: the folder has none)
         self.disk_tier: DiskTier | None = None
         self.host_tier: HostTier | None = None
+        self.graphs: DecodeGraphRunner | None = None  # set at start-up where decode steps run as CUDA graphs
 
     # -- set-up ----------------------------------------------------------------------------------
     def prepared(self) -> AbstractContextManager[None]:
@@ -321,15 +332,24 @@ class Worker:
     def execute(self, step: StepInput) -> torch.Tensor | None:
         """Run one step; fp32 logits ``[len(logit_rows), V]`` on rank 0, None elsewhere or without rows."""
         assert self.model is not None and self.cache is not None
-        batch = ForwardBatch.build(step.token_chunks, step.context_lens, step.block_tables, self.config.block_size,
-                                   self.device)
-        meta = self.model.attention_metadata(batch, self.cache)
-        hidden = self.model(batch, self.cache, meta)
-        if self.num_mtp_layers:
-            self.last_step = batch, meta, hidden
+        hidden = self.graphs.run(step) if self.graphs is not None else None
+        if hidden is None:
+            batch = ForwardBatch.build(step.token_chunks, step.context_lens, step.block_tables,
+                                       self.config.block_size, self.device)
+            hidden = self.forward(batch)
         if not step.logit_rows:
             return None
         return self.model.compute_logits(hidden[step.logit_rows])
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """The model over one step's batch: the step's attention metadata, then every layer -> hidden states
+        ``[T, d]``. Eager steps and the decode graphs (captured, or their stand-in) run this same function."""
+        assert self.model is not None and self.cache is not None
+        meta = self.model.attention_metadata(batch, self.cache)
+        hidden: torch.Tensor = self.model(batch, self.cache, meta)
+        if self.num_mtp_layers:
+            self.last_step = batch, meta, hidden
+        return hidden
 
     @torch.inference_mode()
     def draft(self, d: DraftInput) -> list[list[int]]:
