@@ -47,6 +47,9 @@ class RopeConfig:
     truncate: bool = True
     interleave: bool = True
     short_factor: tuple[float, ...] | None = None  # longrope: one divisor per frequency (d_r / 2 of them)
+    # Mistral Large 4 (LeRoPE): each inverse frequency times ``exp(alpha)``, ``alpha [d_r / 2]`` a learned checkpoint
+    # tensor (``model.rotary_emb.alpha``, float32), the same for every layer and the indexer
+    learned_frequency_scale: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("default", "yarn", "longrope"):
@@ -159,18 +162,25 @@ class IndexerConfig:
     ``score[s, t] = sum_h w[s, h] n_heads^-1/2 relu(head_dim^-1/2 q[s, h] . k[t])``; all of them while there are at
     most ``topk``. RoPE rotates the first ``qk_rope_head_dim`` dims of q and k, in halves (``rope_interleave`` False:
     DeepSeek-V3.2) or interleaved pairs (GLM-5). ``shared``: the layers that reuse the previous layer's selection
-    instead of running an indexer of their own (GLM-5's ``indexer_types``)."""
+    instead of running an indexer of their own (GLM-5's ``indexer_types``). ``query_source``: where the queries come
+    from: ``"q_resid"`` (DeepSeek-V3.2, GLM-5) or ``"hidden"`` (Mistral Large 4, whose attention has no Q-LoRA:
+    ``wq_b(LayerNorm(h))``, the LayerNorm ``q_input_norm`` with weight and bias). ``query_log_scaling``: the queries
+    of head ``i`` at position ``p`` times ``scale_i ln(1 + p) + bias_i`` (learned per layer, ``softmax_scaling``)."""
 
     n_heads: int
     head_dim: int
     topk: int
     rope_interleave: bool = False
     shared: tuple[bool, ...] | None = None
+    query_source: str = "q_resid"
+    query_log_scaling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("n_heads", "head_dim", "topk"):  # the config.json names are index_<name>
             if getattr(self, name) < 1:
                 raise ValueError(f"index_{name} must be >= 1, got {getattr(self, name)}")
+        if self.query_source not in ("q_resid", "hidden"):
+            raise ValueError(f"index_query_source: 'q_resid' or 'hidden', got {self.query_source!r}")
         if self.shared is not None and self.shared[:1] == (True,):
             raise ValueError("indexer_types: the first layer must be 'full' (a 'shared' layer reuses the previous "
                              "layer's selection)")
@@ -234,6 +244,15 @@ class ModelConfig:
     # A.X-K2: the rank of a low-rank sigmoid gate on every layer's input norm and on a MoE layer's post-attention norm
     # (``layers.norm.GatedRMSNorm``); 0: plain RMSNorms
     gated_norm_rank: int = 0
+    # Mistral Large 4's NoPE layers: ``rope_layers[i]`` False: layer ``i`` rotates nothing (its queries' and keys'
+    # d_r rope dims are nope dims; ``layers.mla`` keeps its cache row d_c + d_r wide with zeros as k_r); None: every
+    # layer rotates. Layers past the schedule (MTP) rotate.
+    rope_layers: tuple[bool, ...] | None = None
+    # Mistral Large 4: the attention's queries of head ``i`` at position ``p`` times ``scale_i ln(1 + p) + bias_i``
+    # (learned per layer: ``self_attn.softmax_scaling``)
+    query_log_scaling: bool = False
+    # Mistral Large 4: the final logits are ``cap tanh(logits / cap)``; 0: as they are
+    logit_softcap: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
@@ -262,7 +281,7 @@ class ModelConfig:
             raise ValueError("embedding_scale, residual_scale and lm_head_divisor must be positive")
         idx = self.indexer
         if idx is not None:
-            if self.q_lora_rank is None:
+            if self.q_lora_rank is None and idx.query_source == "q_resid":
                 raise ValueError("index_n_heads: the sparse-attention indexer reads the query's low-rank q_resid; "
                                  "this config has no q_lora_rank")
             if idx.head_dim < self.qk_rope_head_dim:
@@ -287,6 +306,11 @@ class ModelConfig:
             raise ValueError("query_gate needs a q_lora_rank (its projection reads the query's low-rank state)")
         if self.gated_norm_rank < 0:
             raise ValueError(f"gated_norm_rank must be >= 0, got {self.gated_norm_rank}")
+        if self.rope_layers is not None and len(self.rope_layers) != self.num_hidden_layers:
+            raise ValueError(f"no_rope_layers lists {len(self.rope_layers)} layers, the model has "
+                             f"{self.num_hidden_layers}")
+        if self.logit_softcap < 0:
+            raise ValueError(f"final_logit_softcapping must be >= 0, got {self.logit_softcap}")
 
     # -- the notation of the MLA math ----------------------------------------------------------
     @property
@@ -317,6 +341,14 @@ class ModelConfig:
         if self.attention_blocks_per_layer > 1:
             return self.attention_blocks_per_layer
         return int(not self.is_moe_layer(layer))
+
+    def uses_rope(self, layer: int) -> bool:
+        """Whether ``layer`` rotates its queries and keys (``rope_layers``; layers past it, MTP: they do)."""
+        return self.rope_layers is None or layer >= len(self.rope_layers) or self.rope_layers[layer]
+
+    def layer_nope_dim(self, layer: int) -> int:
+        """``d_n`` of ``layer``: a NoPE layer's queries and keys have ``d_n + d_r`` dims without position."""
+        return self.qk_nope_head_dim + (0 if self.uses_rope(layer) else self.qk_rope_head_dim)
 
     @property
     def latent_eps(self) -> float:
@@ -402,7 +434,8 @@ def _parse_rope(raw: dict[str, Any], family: str) -> RopeConfig:
         kind = "yarn"
     interleave = True if family == "deepseek_v2" else bool(raw.get("rope_interleave", True))
     if kind == "default":
-        return RopeConfig(theta=float(theta), interleave=interleave)
+        return RopeConfig(theta=float(theta), interleave=interleave,
+                          learned_frequency_scale=bool(raw.get("rope_learned_frequency_scale", False)))
     if kind == "longrope":
         return _parse_longrope(raw, params, float(theta), interleave)
     factor = params.get("factor")
@@ -415,7 +448,7 @@ def _parse_rope(raw: dict[str, Any], family: str) -> RopeConfig:
         beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
         mscale=params.get("mscale"), mscale_all_dim=params.get("mscale_all_dim"),
         attention_factor=params.get("attention_factor"), truncate=bool(params.get("truncate", True)),
-        interleave=interleave)
+        interleave=interleave, learned_frequency_scale=bool(raw.get("rope_learned_frequency_scale", False)))
 
 
 def _parse_longrope(raw: dict[str, Any], params: dict[str, Any], theta: float, interleave: bool) -> RopeConfig:
@@ -582,6 +615,9 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         latent_scale=float(raw.get("latent_scale") or 1.0),
         query_gate=bool(raw.get("query_gate", False)),
         gated_norm_rank=int(raw.get("gated_norm_rank") or 0),
+        rope_layers=None if raw.get("rope_layers") is None else tuple(bool(b) for b in raw["rope_layers"]),
+        query_log_scaling=bool(raw.get("query_log_scaling", False)),
+        logit_softcap=float(raw.get("logit_softcap") or 0.0),
     )
 
 
@@ -596,4 +632,6 @@ def _parse_indexer(raw: dict[str, Any]) -> IndexerConfig | None:
             raise ValueError(f"indexer_types {unknown} are not supported (use 'full' or 'shared')")
     return IndexerConfig(n_heads=int(_required(raw, "index_n_heads")), head_dim=int(_required(raw, "index_head_dim")),
                          topk=int(raw["index_topk"]), rope_interleave=bool(raw.get("index_rope_interleave", False)),
-                         shared=None if kinds is None else tuple(k == "shared" for k in kinds))
+                         shared=None if kinds is None else tuple(k == "shared" for k in kinds),
+                         query_source=str(raw.get("index_query_source") or "q_resid"),
+                         query_log_scaling=bool(raw.get("index_query_log_scaling", False)))

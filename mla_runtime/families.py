@@ -267,7 +267,12 @@ def _glm_moe_dsa(raw: Raw) -> Raw:
                          v_head_dim=256, qk_nope_head_dim=192, n_group=1, topk_group=1, num_experts_per_tok=8,
                          norm_topk_prob=True, max_position_embeddings=202752, rms_norm_eps=1e-5,
                          tie_word_embeddings=False, index_topk=2048, index_head_dim=128, index_n_heads=32)
-    layers = int(out["num_hidden_layers"])
+    return {**_dsa_common(out, "glm_moe_dsa"), "index_rope_interleave": True, "indexer_types": _indexer_kinds(out)}
+
+
+def _indexer_kinds(out: Raw) -> list[str]:
+    """GLM-5's ``indexer_types``: as listed, else from ``index_topk_pattern``, or ``index_topk_freq`` and
+    ``index_skip_topk_offset``, as transformers derives them."""
     kinds = out.get("indexer_types")
     if kinds is None:
         pattern = out.get("index_topk_pattern")
@@ -276,8 +281,9 @@ def _glm_moe_dsa(raw: Raw) -> Raw:
             kinds = [letters.get(c, c) for c in pattern] if isinstance(pattern, str) else list(pattern)
         else:
             freq, offset = max(int(out.get("index_topk_freq") or 1), 1), int(out.get("index_skip_topk_offset", 2))
-            kinds = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
-    return {**_dsa_common(out, "glm_moe_dsa"), "index_rope_interleave": True, "indexer_types": list(kinds)}
+            kinds = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared"
+                     for i in range(int(out["num_hidden_layers"]))]
+    return list(kinds)
 
 
 def _axk2(raw: Raw) -> Raw:
@@ -311,6 +317,117 @@ def _axk2(raw: Raw) -> Raw:
                                   for i in range(int(out["num_hidden_layers"]))]
     return {**_dsa_common(out, "axk2"), "index_rope_interleave": False, "indexer_types": None, "query_gate": True,
             "gated_norm_rank": int(out["gated_norm_rank"]), "num_nextn_predict_layers": 0}
+
+
+MISTRAL_LARGE4_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2048.0,
+                       "original_max_position_embeddings": 512, "beta_fast": 32.0, "beta_slow": 1.0,
+                       "attention_factor": 1.0}
+
+
+def _mistral_large4(raw: Raw) -> Raw:
+    """Mistral Large 4 (``mistral_large4``: a vision tower around the text model ``mistral_large4_text``, which is
+    served; a bare ``mistral_large4_text`` config too). GLM-5's sparse attention with these variations: no Q-LoRA, so
+    the indexer's queries come from the hidden state (``index_query_source`` ``hidden``); the attention's and the
+    indexer's queries times a learned per-head ``scale ln(1 + p) + bias`` (``query_log_scaling``,
+    ``index_query_log_scaling``); NoPE layers (``no_rope_layers[i]`` 0: ``rope_layers``), whose indexer rotates
+    nothing either; YaRN with learned per-frequency scales (LeRoPE: ``rope_learned_frequency_scale``), interleaved
+    pairs in the attention and the indexer; the final logits soft-capped (``final_logit_softcapping``). The router is
+    Mistral 4's: softmax, groups ranked by their top-2 scores (a dropped group's experts scored 0, which no kept
+    expert's positive softmax score loses to: the runtime's -inf), no correction bias, always renormalised.
+    Cross-layer KV sharing (``kv_source_layers`` naming another layer) is refused. The MTP head (``mtp_dspark``) is
+    not read, as transformers does not. kv_a_layernorm uses ``rms_norm_eps`` (not DeepSeek's 1e-6)."""
+    if raw.get("model_type") == "mistral_large4":
+        text = raw.get("text_config")
+        if not isinstance(text, dict):
+            raise ValueError("mistral_large4: config.json has no text_config (the language model's config)")
+        out = {**text, "architectures": None, "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False))}
+        for key in ("quantization_config", "torch_dtype", "dtype"):
+            if out.get(key) is None and raw.get(key) is not None:
+                out[key] = raw[key]
+    else:
+        out = dict(raw)
+    out["model_type"] = "mistral_large4"
+    out = _with_defaults(out, vocab_size=204800, hidden_size=6144, intermediate_size=24576, moe_intermediate_size=6144,
+                         num_hidden_layers=72, num_attention_heads=64, n_shared_experts=1, n_routed_experts=128,
+                         routed_scaling_factor=1.0, kv_lora_rank=512, qk_rope_head_dim=64, v_head_dim=128,
+                         qk_nope_head_dim=64, n_group=1, topk_group=1, num_experts_per_tok=4,
+                         max_position_embeddings=1048576, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+                         index_topk=2048, index_head_dim=128, index_n_heads=32, first_k_dense_replace=1,
+                         tie_word_embeddings=False, final_logit_softcapping=30.0)
+    if not any(out.get(k) is not None for k in ("rope_parameters", "rope_scaling")):
+        out["rope_parameters"] = dict(MISTRAL_LARGE4_ROPE)
+    _full_rotary(out)
+    layers = int(out["num_hidden_layers"])
+    sources = out.get("kv_source_layers")
+    if sources is not None and list(sources) != list(range(layers)):
+        shared = [i for i, s in enumerate(sources) if s != i]
+        raise ValueError(f"mistral_large4: kv_source_layers {list(sources)} make layers {shared} reuse another "
+                         f"layer's KV: cross-layer KV sharing is not supported (every layer must own its cache)")
+    rope = out.get("no_rope_layers")
+    if rope is None:
+        every = int(out.get("no_rope_layer_interval") or 4)
+        rope = [int((i + 1) % every != 0) for i in range(layers)]
+    if len(rope) < layers:
+        raise ValueError(f"mistral_large4: no_rope_layers lists {len(rope)} layers, the model has {layers}")
+    if int(out.get("num_experts_per_tok") or 0) == 1:
+        raise ValueError("mistral_large4: num_experts_per_tok 1 is not supported: the reference renormalises a single "
+                         "expert's weight to 1, the runtime's router keeps its score")
+    grouped = int(out.get("n_group") or 1) > 1
+    softcap = out.get("final_logit_softcapping")
+    return {**out, "q_lora_rank": None, "moe_layers": _mlp_layer_kinds(out, "mistral_large4", 1),
+            "first_k_dense_replace": 0, "moe_layer_freq": 1, "scoring_func": "softmax",
+            "topk_method": "noaux_tc" if grouped else "greedy", "correction_bias": "none", "norm_topk_prob": True,
+            "rope_interleave": True, "index_rope_interleave": True, "indexer_types": _indexer_kinds(out),
+            "index_query_source": "hidden", "index_query_log_scaling": True, "query_log_scaling": True,
+            "rope_layers": [bool(r) for r in rope[:layers]], "rope_learned_frequency_scale": True,
+            "logit_softcap": float(softcap or 0.0), "num_nextn_predict_layers": 0, "latent_norm_eps": None,
+            "mlp_bias": False}
+
+
+# Mistral Large 4's checkpoint names (Mistral's own layout, as transformers saves it) -> the model's
+_MISTRAL_LARGE4_TOP = {"tok_embeddings.": "model.embed_tokens.", "norm.": "model.norm.", "output.": "lm_head.",
+                       "lerope.alpha": "model.rotary_emb.alpha"}
+_MISTRAL_LARGE4_PARTS = (
+    (".attention.", ".self_attn."), (".wq.", ".q_proj."), (".wkv_a_with_mqa.", ".kv_a_proj_with_mqa."),
+    (".wkv_b.", ".kv_b_proj."), (".wo.", ".o_proj."), (".attention_norm.", ".input_layernorm."),
+    (".ffn_norm.", ".post_attention_layernorm."), (".kv_a_norm.", ".kv_a_layernorm."),
+    (".ssmax_scaling.s", ".softmax_scaling.scale"), (".ssmax_scaling.b", ".softmax_scaling.bias"))
+_MISTRAL_LARGE4_MLP = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+_MISTRAL_LARGE4_DROPPED = ("vision_encoder.", "pre_mm_projector_norm.", "patch_merger.", "vision_language_adapter.",
+                           "mtp_dspark.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def _mistral_large4_name(name: str) -> str | None:
+    """A Mistral Large 4 tensor's name in the text model, or None for the vision tower's, the projector's and the
+    MTP head's. Reads Mistral's layout (``layers.{i}.attention.wq``, ``experts.{e}.w1``, ``lerope.alpha``, ...) and
+    transformers' in-memory one (``model.language_model.*``); a name already the model's stays."""
+    if name.startswith(_MISTRAL_LARGE4_DROPPED):
+        return None
+    for old, new in (("model.language_model.", "model."), ("language_model.model.", "model."),
+                     ("language_model.lm_head.", "lm_head.")):
+        if name.startswith(old):
+            return new + name[len(old):]
+    if name.startswith(("model.", "lm_head.")):
+        return name
+    for old, new in _MISTRAL_LARGE4_TOP.items():
+        if name.startswith(old):
+            return new + name[len(old):]
+    if not name.startswith("layers."):
+        return name  # reported as unexpected by the loader
+    name = "model." + name
+    for old, new in _MISTRAL_LARGE4_PARTS:
+        name = name.replace(old, new)
+    parts = name.split(".")  # model.layers.{i}.<rest>
+    rest = parts[3:]
+    if rest[:1] == ["feed_forward"] and len(rest) == 3:  # a dense MLP: feed_forward.w1.weight
+        rest = ["mlp", _MISTRAL_LARGE4_MLP.get(rest[1], rest[1]), rest[2]]
+    elif rest[:1] == ["shared_experts"] and len(rest) == 3:
+        rest = ["mlp", "shared_experts", _MISTRAL_LARGE4_MLP.get(rest[1], rest[1]), rest[2]]
+    elif rest[:1] == ["experts"] and len(rest) == 4:  # experts.{e}.w1.weight
+        rest = ["mlp", "experts", rest[1], _MISTRAL_LARGE4_MLP.get(rest[2], rest[2]), rest[3]]
+    elif rest[:1] == ["gate"]:
+        rest = ["mlp", *rest]
+    return ".".join(parts[:3] + rest)
 
 
 # -- LongCat-Flash: two attention blocks a layer and a shortcut MoE with zero-computation experts --------------------
@@ -397,6 +514,10 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("deepseek_v32", "deepseek_v3", "deepseek-ai/DeepSeek-V3.2", _deepseek_v32),
     Family("glm_moe_dsa", "deepseek_v3", "zai-org/GLM-5", _glm_moe_dsa),
     Family("axk2", "deepseek_v3", "skt/A.X-K2-Light", _axk2),
+    Family("mistral_large4", "deepseek_v3", "mistralai/Mistral-Large-4-1T-A52B", _mistral_large4,
+           _mistral_large4_name),
+    Family("mistral_large4_text", "deepseek_v3", "mistralai/Mistral-Large-4-1T-A52B", _mistral_large4,
+           _mistral_large4_name),
     Family("longcat_flash", "deepseek_v3", "meituan-longcat/LongCat-Flash-Chat", _longcat_flash, _longcat_flash_name),
 )}
 # checkpoints that name only their architecture

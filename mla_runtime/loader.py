@@ -17,6 +17,9 @@
 - LongCat-Flash's layers hold two attention blocks, two dense MLPs (``self_attn.{b}``, ``mlps.{b}``) and a MoE whose
   zero experts have no weights (gate/up tensors stored for them are skipped); its MLA scales are folded into
   ``q_a_layernorm`` and ``kv_a_layernorm`` once loaded (``_fold_lora_scales``).
+- Mistral Large 4 is stored in Mistral's own names (``layers.{i}.attention.wq``, ``lerope.alpha``, ...), which its
+  adapter renames; its per-head query scalings (``softmax_scaling``) load each rank's heads, its indexer's and its
+  LeRoPE ``alpha`` whole.
 - A.X-K2's fused query and gate projection is stored as ``q_b_proj`` and loads into ``q_gate_proj`` (each rank its
   heads' rows); its gated norms' gates (``W_down``, ``W_up``) load into ``gate_down``/``gate_up``.
 - Every missing, unexpected or mis-shaped tensor is reported by name in one ``CheckpointError``.
@@ -111,13 +114,16 @@ class _Layout:
         vocab_shard = (0, v0, v1, self.cfg.vocab_size) if self.n > 1 else None
         self.table["model.embed_tokens.weight"] = Slot("model.embed_tokens.weight", vocab, vocab_shard)
         self.whole("model.norm.weight")
+        if self.cfg.rope.learned_frequency_scale:  # Mistral Large 4's LeRoPE: replicated
+            self.whole("model.rotary_emb.alpha")
         if not self.cfg.tie_word_embeddings:
             self.table["lm_head.weight"] = Slot("lm_head", vocab, vocab_shard)
 
     def attention(self, p: str) -> None:
         cfg, h = self.cfg, self.cfg.num_attention_heads
+        layer = int(p.rsplit(".", 1)[1])
         shards = {"q_proj": self.part(0, h * cfg.qk_head_dim), "q_b_proj": self.part(0, h * cfg.qk_head_dim),
-                  "kv_b_proj": self.part(0, h * (cfg.qk_nope_head_dim + cfg.v_head_dim)),
+                  "kv_b_proj": self.part(0, h * (cfg.layer_nope_dim(layer) + cfg.v_head_dim)),  # NoPE: d_n + d_r
                   "o_proj": self.part(1, h * cfg.v_head_dim)}
         projections = (["q_proj"] if cfg.q_lora_rank is None else ["q_a_proj", "q_b_proj"]) + \
             ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
@@ -130,9 +136,16 @@ class _Layout:
         if cfg.query_gate:  # A.X-K2: its q_b_proj is q_gate_proj, each head's query rows then its gate rows
             self.table[f"{p}.self_attn.q_b_proj.weight"] = Slot(
                 f"{p}.self_attn.q_gate_proj.weight", (), self.part(0, h * (cfg.qk_head_dim + cfg.v_head_dim)))
-        layer = int(p.rsplit(".", 1)[1])
-        if cfg.indexer is not None and not cfg.indexer.is_shared(layer):  # replicated on every rank
-            for name in ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight"):
+        if cfg.query_log_scaling:  # Mistral Large 4: per head, each rank its heads'
+            for name in ("scale", "bias"):
+                self.table[f"{p}.self_attn.softmax_scaling.{name}"] = Slot(f"{p}.self_attn.softmax_scaling.{name}",
+                                                                           (), self.part(0, h))
+        idx = cfg.indexer
+        if idx is not None and not idx.is_shared(layer):  # replicated on every rank
+            names = ["wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight"]
+            names += ["q_input_norm.weight", "q_input_norm.bias"] if idx.query_source == "hidden" else []
+            names += ["softmax_scaling.scale", "softmax_scaling.bias"] if idx.query_log_scaling else []
+            for name in names:
                 self.whole(f"{p}.self_attn.indexer.{name}")
 
     def norm(self, prefix: str, gated: bool) -> None:

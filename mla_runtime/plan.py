@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from mla_runtime.cache.disk_tier import HEADER_ESTIMATE_BYTES
-from mla_runtime.config import PRESET_DIR, ModelConfig
+from mla_runtime.config import PRESET_DIR, ModelConfig, MoEConfig
 from mla_runtime.dtypes import (
     CACHE_DTYPES,
     MODEL_DTYPES,
@@ -131,13 +131,20 @@ def parameter_breakdown(config: ModelConfig, tensor_parallel_size: int = 1) -> d
     q_in = d if config.q_lora_rank is None else config.q_lora_rank
     q_rows = config.qk_head_dim + (config.v_head_dim if config.query_gate else 0)  # A.X-K2: a gate per head too
     attn += q_in * (2 if config.query_gate else 1) * heads * q_rows              # q_proj | q_b_proj | q_gate_proj
-    attn += (d + bias) * config.latent_dim                                       # kv_a_proj_with_mqa
-    attn += config.kv_lora_rank * heads * (config.qk_nope_head_dim + config.v_head_dim)  # kv_b_proj
     attn += heads * config.v_head_dim * d + bias * d                             # o_proj
+    attn += 2 * heads * int(config.query_log_scaling)                            # Mistral Large 4: softmax_scaling
+
+    def latent(layer: int) -> int:  # kv_a_proj_with_mqa (a NoPE layer's gives no k_r) and kv_b_proj
+        rope = config.qk_rope_head_dim * config.uses_rope(layer)
+        return (d + bias) * (config.kv_lora_rank + rope) + config.kv_lora_rank * heads * (
+            config.layer_nope_dim(layer) + config.v_head_dim)
+
     attn_norms = config.kv_lora_rank + (config.q_lora_rank or 0)                 # kv_a / q_a layernorm
     idx = config.indexer  # sparse attention's indexer, replicated: wq_b, wk, k_norm (weight and bias), weights_proj
-    indexer = 0 if idx is None else (idx.n_heads * idx.head_dim * (config.q_lora_rank or 0) + d * idx.head_dim
+    indexer = 0 if idx is None else (idx.n_heads * idx.head_dim * _indexer_query_input(config) + d * idx.head_dim
                                      + 2 * idx.head_dim + d * idx.n_heads)
+    if idx is not None:  # Mistral Large 4: q_input_norm (weight and bias) and the queries' softmax_scaling
+        indexer += 2 * d * (idx.query_source == "hidden") + 2 * idx.n_heads * idx.query_log_scaling
 
     def mlp(intermediate: int) -> int:  # gate, up, down (+ biases when mlp_bias)
         inter = shard(intermediate)
@@ -147,18 +154,34 @@ def parameter_breakdown(config: ModelConfig, tensor_parallel_size: int = 1) -> d
     counts["embedding"] = shard(config.vocab_size) * d
     counts["lm_head"] = 0 if config.tie_word_embeddings else shard(config.vocab_size) * d
     counts["norms"] = d  # final norm
+    counts["attention"] = config.qk_rope_head_dim // 2 * config.rope.learned_frequency_scale  # LeRoPE's alpha
     blocks = config.attention_blocks_per_layer  # LongCat: attention blocks (with their two norms) of a layer
     for layer in range(config.num_hidden_layers):
-        counts["attention"] += blocks * attn + (0 if idx is None or idx.is_shared(layer) else indexer)
+        counts["attention"] += blocks * (attn + latent(layer)) + (0 if idx is None or idx.is_shared(layer)
+                                                                  else indexer)
         counts["norms"] += blocks * (2 * d + attn_norms) + 2 * d * config.gated_norm_rank * _gated_norms(config, layer)
         m = config.moe
         if m is not None and config.is_moe_layer(layer):
-            router = m.router_experts * d + (m.router_experts if m.topk_method == "noaux_tc" else 0)
+            router = m.router_experts * d + (m.router_experts if _correction_bias(m) else 0)
             routed = m.n_routed_experts * 3 * d * shard(m.moe_intermediate_size)
             shared = mlp(m.n_shared_experts * m.moe_intermediate_size) if m.n_shared_experts else 0
             counts["moe"] += router + routed + shared
         counts["dense_mlp"] += config.dense_mlps(layer) * mlp(config.intermediate_size)
     return counts
+
+
+def _correction_bias(moe: MoEConfig) -> bool:
+    """Whether the router holds ``e_score_correction_bias`` (``noaux_tc``, unless the family has none)."""
+    return moe.topk_method == "noaux_tc" and moe.correction_bias != "none"
+
+
+def _indexer_query_input(config: ModelConfig) -> int:
+    """The width the indexer's ``wq_b`` reads: ``q_lora_rank``, or ``hidden_size`` where its queries come from the
+    hidden state (Mistral Large 4)."""
+    idx = config.indexer
+    if idx is not None and idx.query_source == "hidden":
+        return config.hidden_size
+    return config.q_lora_rank or 0
 
 
 def _gated_norms(config: ModelConfig, layer: int) -> int:
@@ -234,10 +257,13 @@ def _matrices(config: ModelConfig, tp: int, num_mtp_layers: int = 0) -> list[_Ma
     layers = range(config.num_hidden_layers + num_mtp_layers)
     n = config.num_attention_layers + num_mtp_layers  # attention blocks (a LongCat layer has two)
     found: list[_Matrix] = []
+    nope = sum(not config.uses_rope(i) for i in layers) * config.attention_blocks_per_layer  # Mistral Large 4
     if config.q_lora_rank is None:
         found.append(_Matrix("q_proj", n, (heads * qk,), d, True, whole(heads * qk, bn), heads * qk * d,
                              big_heads * qk * d))
-        found.append(_Matrix("kv_a_proj_with_mqa", n, (latent,), d, True, fp8, latent * d, latent * d))
+        found.append(_Matrix("kv_a_proj_with_mqa", n - nope, (latent,), d, True, fp8, latent * d, latent * d))
+        if nope:  # a NoPE layer's: the latent only
+            found.append(_Matrix("kv_a_proj_with_mqa (NoPE)", nope, (d_c,), d, True, fp8, d_c * d, d_c * d))
     else:
         q_lora = config.q_lora_rank
         a = max(q_lora, latent) * d
@@ -249,13 +275,15 @@ def _matrices(config: ModelConfig, tp: int, num_mtp_layers: int = 0) -> list[_Ma
         else:
             found.append(_Matrix("q_b_proj", n, (heads * qk,), q_lora, True, whole(heads * qk, bn),
                                  heads * qk * q_lora, big_heads * qk * q_lora))
-    kv_b_rows = config.qk_nope_head_dim + config.v_head_dim
-    found.append(_Matrix("kv_b_proj", n, (heads * kv_b_rows,), d_c, False, False, heads * kv_b_rows * d_c,
-                         big_heads * kv_b_rows * d_c))
+    for count, kv_b_rows in ((n - nope, config.qk_nope_head_dim + config.v_head_dim),
+                             (nope, config.qk_head_dim + config.v_head_dim)):  # a NoPE layer's keys: d_n + d_r
+        if count:
+            found.append(_Matrix("kv_b_proj", count, (heads * kv_b_rows,), d_c, False, False,
+                                 heads * kv_b_rows * d_c, big_heads * kv_b_rows * d_c))
     idx = config.indexer
-    if idx is not None and config.q_lora_rank is not None:  # the indexer's projections: replicated, never quantised
+    if idx is not None and _indexer_query_input(config):  # the indexer's projections: replicated, never quantised
         own = sum(not idx.is_shared(i) for i in layers)
-        q_rows, q_lora = idx.n_heads * idx.head_dim, config.q_lora_rank
+        q_rows, q_lora = idx.n_heads * idx.head_dim, _indexer_query_input(config)
         found.append(_Matrix("indexer wq_b", own, (q_rows,), q_lora, False, False, q_rows * q_lora, q_rows * q_lora))
         found.append(_Matrix("indexer wk+weights_proj", own, (idx.head_dim, idx.n_heads), d, False, False,
                              idx.head_dim * d, idx.head_dim * d))
@@ -406,25 +434,33 @@ def weight_footprint(config: ModelConfig, dtype: str | torch.dtype = "auto", ten
             per_layer += q_lora + config.latent_dim
     blocks = config.num_attention_layers + num_mtp_layers  # per_layer: of each attention block
     rest = vocab_rows * d + d + blocks * per_layer + num_mtp_layers * 3 * d  # + MTP enorm, hnorm, head norm
+    nope = sum(not config.uses_rope(i) for i in layers) * config.attention_blocks_per_layer
+    rest -= nope * config.qk_rope_head_dim * int(config.attention_bias)  # a NoPE layer's kv_a bias: d_c only
+    heads = config.num_attention_heads // tp
+    rest += blocks * 2 * heads * int(config.query_log_scaling)  # Mistral Large 4: the queries' softmax_scaling
     idx = config.indexer  # the sparse-attention indexer's key LayerNorm (weight and bias) on the layers that have one
-    rest += 0 if idx is None else 2 * idx.head_dim * sum(not idx.is_shared(i) for i in layers)
-    router = 0
+    if idx is not None:  # ... and Mistral Large 4's q_input_norm (weight and bias) and softmax_scaling
+        own = sum(not idx.is_shared(i) for i in layers)
+        rest += own * (2 * idx.head_dim + 2 * d * (idx.query_source == "hidden")
+                       + 2 * idx.n_heads * idx.query_log_scaling)
+    router = config.qk_rope_head_dim // 2 * int(config.rope.learned_frequency_scale)  # LeRoPE's alpha: float32
     m = config.moe
     for i in layers:
         moe_layer = m is not None and config.is_moe_layer(i)
         if moe_layer and m is not None:
-            router += m.router_experts * d + (m.router_experts if m.topk_method == "noaux_tc" else 0)
+            router += m.router_experts * d + (m.router_experts if _correction_bias(m) else 0)
             if config.mlp_bias and m.n_shared_experts:  # the shared experts' biases (routed experts have none)
                 rest += 2 * (m.n_shared_experts * m.moe_intermediate_size // tp) + d
         if config.mlp_bias:  # the dense MLPs' biases
             rest += config.dense_mlps(i) * (2 * (config.intermediate_size // tp) + d)
     float_bytes += rest * element + 4 * router
 
-    heads = config.num_attention_heads // tp
     absorbed_element = 2 if scheme is not None and decode_kernel else element
-    # w_uk is a view of kv_b_proj where a rank has one head and keeps its dtype (already contiguous); w_uv_t a copy
-    w_uk = 0 if heads == 1 and absorbed_element == element else heads * config.qk_nope_head_dim
-    absorbed = blocks * (w_uk + heads * config.v_head_dim) * config.kv_lora_rank * absorbed_element
+    # w_uk is a view of kv_b_proj where a rank has one head and keeps its dtype (already contiguous); w_uv_t a copy;
+    # a NoPE layer's w_uk has d_n + d_r rows a head
+    view = heads == 1 and absorbed_element == element
+    w_uk = 0 if view else heads * (blocks * config.qk_nope_head_dim + nope * config.qk_rope_head_dim)
+    absorbed = (w_uk + blocks * heads * config.v_head_dim) * config.kv_lora_rank * absorbed_element
     return WeightFootprint(model_dtype, fmt_name, float_bytes, quantized, absorbed, packed, largest)
 
 

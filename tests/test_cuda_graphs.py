@@ -16,6 +16,7 @@ from mla_runtime.engine import cuda_graphs
 from mla_runtime.engine.cuda_graphs import DecodeGraphs, count_host_syncs, default_sizes
 from mla_runtime.engine.worker import StepInput
 from mla_runtime.forward_batch import ForwardBatch
+from mla_runtime.layers.moe import Experts
 from mla_runtime.serving.config import resolve
 from tests.checkpoints import VOCAB, YARN, _v3_config, save_checkpoint
 
@@ -191,11 +192,21 @@ def test_no_host_sync_inside_the_step(dense_checkpoint, v3):
         graphs.runs.clear()
         llm.generate(make_prompts(batch, seed=batch), SamplingParams(max_tokens=3, temperature=0.0))
         assert graphs.runs and graphs.last_syncs == []
-    # with routed experts, the only host reads are the experts' host-side grouping (layers/moe.py): on CUDA those
-    # buckets are not captured (their steps run eagerly) unless the experts take the FP8 grouped kernel
+    # routed experts: on a CPU they group their pairs on the host (layers/moe.py); on CUDA they group on the device
+    # and run as grouped Triton products (mla_kernels.grouped_gemm), which a CPU runs through the interpreter here
     moe = new_llm(v3[0], attention_backend="triton", cuda_graph_mode="stand-in", cuda_graph_sizes=[4])
     assert moe.engine.runner.graphs is not None
     assert moe.engine.runner.graphs.syncs[4] and all("layers/moe.py" in s for s in moe.engine.runner.graphs.syncs[4])
+    prompts = make_prompts(3, seed=5)
+    want = tokens(moe.generate(prompts, GREEDY))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Experts, "device_grouping", True)
+        grouped = new_llm(v3[0], attention_backend="triton", cuda_graph_mode="stand-in", cuda_graph_sizes=[4])
+        graphs = graphs_of(grouped)
+        assert graphs.syncs == {}
+        graphs.check_syncs = True
+        assert tokens(grouped.generate(prompts, GREEDY)) == want
+        assert graphs.runs[4] and graphs.last_syncs == []
 
 
 def test_a_capture_failure_logs_and_falls_back_to_eager(pair, v3, monkeypatch, caplog):

@@ -94,6 +94,8 @@ def layer_weights(norms: tuple[nn.Module, nn.Module], attn: MLAttention, mlp: nn
         return None
     if attn.indexer is not None or attn.shares_selection:  # sparse attention: the indexer runs call by call
         return None
+    if attn.softmax_scaling is not None or not attn.rope:  # Mistral Large 4's log-scaled queries, NoPE layers
+        return None
     q_lora = attn.q_proj is None
     scaled_residual = residual_scale != 1.0
     if (scaled_residual or not attn.decode_kernel or attn.par.world_size != 1 or attn.latent_down is not None

@@ -8,6 +8,12 @@ Per layer, beside MLA's projections (``d_I = head_dim``, ``n_I = n_heads``, ``d_
     RoPE on the first d_r dims of q_I and k_I (halves: DeepSeek-V3.2; interleaved pairs: GLM-5)
     score[t, j] = sum_h w[t, h] relu(q_I[t, h] . k_I[j])      for the keys j that token t sees (causal)
 
+Mistral Large 4 (``IndexerConfig.query_source`` ``"hidden"``: its attention has no Q-LoRA) takes the queries from the
+hidden state, ``q_I = wq_b(LayerNorm(h))`` (``q_input_norm``, with a bias), and scales each head's by
+``scale_h ln(1 + p) + bias_h`` before RoPE (``query_log_scaling``; a per-head factor of a token commutes with the
+rotation, but not with the relu when it is negative: it is applied to ``q_I``, not folded into ``w``). Its NoPE layers
+(``ModelConfig.rope_layers``) rotate neither queries nor keys.
+
 Each query keeps the ``topk`` keys of highest score (the backend's ``select``: ``mla_kernels.indexer_topk``) and
 attends only to those;
 while a query sees at most ``topk`` keys it attends to all of them, and when no query of a step sees more, the step
@@ -25,7 +31,7 @@ global top-k (``attention/sharded.py``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -43,15 +49,48 @@ if TYPE_CHECKING:
 INDEXER_NORM_EPS = 1e-6  # the eps of the reference's key LayerNorm, whatever the model's norms use
 
 
+class LogPositionScaling(nn.Module):
+    """Mistral Large 4's per-head query scaling: head ``i``'s query at position ``p`` times
+    ``scale_i ln(1 + p) + bias_i`` (``scale``, ``bias``: ``[heads]``, learned; the checkpoint's ``softmax_scaling``).
+    Computed in the queries' dtype, as the reference does."""
+
+    def __init__(self, heads: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.zeros(heads, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.ones(heads, dtype=dtype), requires_grad=False)
+
+    def forward(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``q [T, heads, ...]`` (or ``[T, heads * width]``) scaled per token and head."""
+        log_pos = torch.log((positions[: q.shape[0]] + 1).to(torch.float32)).to(q.dtype)
+        factor = self.scale.to(q.dtype)[None, :] * log_pos[:, None] + self.bias.to(q.dtype)[None, :]  # [T, heads]
+        heads = self.scale.shape[0]
+        return (q.view(q.shape[0], heads, -1) * factor.unsqueeze(-1)).view(q.shape)
+
+
+def log_position_scaled(q: torch.Tensor, positions: torch.Tensor, scaling: LogPositionScaling | None
+                        ) -> torch.Tensor:
+    """``q`` through ``scaling`` (None: as it is)."""
+    return q if scaling is None else scaling(q, positions)
+
+
 class Indexer(nn.Module):
-    def __init__(self, rc: ResolvedConfig) -> None:
+    def __init__(self, rc: ResolvedConfig, layer: int = 0) -> None:
         super().__init__()
         cfg, dtype = rc.model, rc.dtype
         idx = cfg.indexer
-        assert idx is not None and cfg.q_lora_rank is not None
+        assert idx is not None
         self.n_heads, self.head_dim, self.topk = idx.n_heads, idx.head_dim, idx.topk
         self.d_r, self.interleave = cfg.qk_rope_head_dim, idx.rope_interleave
-        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype)
+        self.rope = cfg.uses_rope(layer)  # a NoPE layer's indexer rotates nothing
+        self.q_input_norm: nn.LayerNorm | None = None  # query_source "hidden": LayerNorm of h before wq_b
+        if idx.query_source == "hidden":
+            self.q_input_norm = nn.LayerNorm(cfg.hidden_size, eps=INDEXER_NORM_EPS, dtype=dtype)
+            self.q_input_norm.requires_grad_(False)
+        else:
+            assert cfg.q_lora_rank is not None
+        q_in = cfg.hidden_size if self.q_input_norm is not None else cast(int, cfg.q_lora_rank)
+        self.softmax_scaling = LogPositionScaling(self.n_heads, dtype) if idx.query_log_scaling else None
+        self.wq_b = Linear(q_in, self.n_heads * self.head_dim, dtype)
         self.wk = Linear(cfg.hidden_size, self.head_dim, dtype)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=INDEXER_NORM_EPS, dtype=dtype)
         self.k_norm.requires_grad_(False)
@@ -65,11 +104,14 @@ class Indexer(nn.Module):
         idx = rc.model.indexer
         if idx is None:
             return None, False
-        return (None, True) if idx.is_shared(layer) else (cls(rc), False)
+        return (None, True) if idx.is_shared(layer) else (cls(rc, layer), False)
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """RoPE on the first ``d_r`` dims of ``x [T, ..., d_I]`` (the rest pass through). An interleaved layout's
-        rotated dims come out de-interleaved, in queries and keys alike: their dot products are unchanged."""
+        rotated dims come out de-interleaved, in queries and keys alike: their dot products are unchanged. A NoPE
+        layer's ``x`` as it is."""
+        if not self.rope:
+            return x
         rot, rest = x[..., :self.d_r], x[..., self.d_r:]
         shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
         cos, sin = cos.view(shape).to(x.dtype), sin.view(shape).to(x.dtype)
@@ -79,7 +121,7 @@ class Indexer(nn.Module):
             x1, x2 = rot[..., :self.d_r // 2], rot[..., self.d_r // 2:]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
 
-    def forward(self, h: torch.Tensor, q_resid: torch.Tensor, meta: AttentionMetadata, cache: LayerCache
+    def forward(self, h: torch.Tensor, q_resid: torch.Tensor | None, meta: AttentionMetadata, cache: LayerCache
                 ) -> torch.Tensor | None:
         """Store the new tokens' indexer keys; return each query's selected token positions ``[T, topk]`` int32
         (``-1``: none), or None when no query of the step sees more than ``topk`` keys (attend to all of them)."""
@@ -91,9 +133,19 @@ class Indexer(nn.Module):
         batch = meta.batch
         if max(c + q for c, q in zip(batch.context_lens_list, batch.query_lens)) <= self.topk:
             return None
-        q = self.rotate(self.wq_b(q_resid).view(-1, self.n_heads, self.head_dim), cos, sin)
+        q = self.rotate(self.queries(h, q_resid, meta.batch.positions), cos, sin)
         w = self.weights_proj(h).float() * self.weight_scale
         return meta.backend.select(q, w, meta, cache, self.topk)
+
+    def queries(self, h: torch.Tensor, q_resid: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
+        """The queries ``[T, n_I, d_I]`` before RoPE: ``wq_b`` of ``q_resid``, or of ``LayerNorm(h)``
+        (``query_source`` ``"hidden"``), scaled by position where the layer has ``softmax_scaling``."""
+        norm = self.q_input_norm
+        if norm is not None:
+            q_resid = F.layer_norm(h, (h.shape[-1],), norm.weight, norm.bias, INDEXER_NORM_EPS)
+        assert q_resid is not None
+        q = self.wq_b(q_resid).view(-1, self.n_heads, self.head_dim)
+        return log_position_scaled(q, positions, self.softmax_scaling)
 
 
 def sparse_selection(attn: MLAttention, h: torch.Tensor, q_resid: torch.Tensor | None, meta: AttentionMetadata,
@@ -102,7 +154,6 @@ def sparse_selection(attn: MLAttention, h: torch.Tensor, q_resid: torch.Tensor |
     layer that shares it the previous layer's (kept in ``meta.selections``); None: every query attends to all its
     keys (no sparse attention, or no query sees more than ``topk``)."""
     if attn.indexer is not None:
-        assert q_resid is not None
         selected = attn.indexer(h, q_resid, meta, cache)
     elif attn.shares_selection:
         selected = meta.selections.get(attn.layer - 1)

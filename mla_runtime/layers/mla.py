@@ -21,6 +21,10 @@ The layer computes its projections and hands them to the step's attention backen
 tables and any CPU decode plan are decided once per step by the backend's ``prepare``; every layer only reads them.
 The first layer checks the kernels' arguments; the others run the same shapes unchecked.
 
+Mistral Large 4: no Q-LoRA (``q_proj`` from ``h``); each head's queries times a learned ``scale ln(1 + p) + bias``
+(``query_log_scaling``: ``softmax_scaling``); NoPE layers (``ModelConfig.rope_layers``) whose queries and latent are
+padded with zeros as ``q_r`` and ``k_r`` (``nope_padded``), so every layer's cache row is ``d_c + d_r`` wide.
+
 A.X-K2 (``ModelConfig.query_gate``) has no ``q_b_proj``: ``q_gate_proj`` maps ``[q_resid ; q_a_proj(h)]`` to each
 head's query and a gate ``g`` (``d_n + d_r`` then ``d_v`` rows per head), and ``o_i`` becomes ``o_i * sigmoid(g_i)``
 before ``o_proj``.
@@ -38,13 +42,13 @@ from mla_runtime.attention.metadata import AttentionDims, AttentionMetadata
 from mla_runtime.cache.latent_cache import LayerCache
 from mla_runtime.config import ModelConfig
 from mla_runtime.layers.cpu_gemm import PackedWeight, linear
-from mla_runtime.layers.indexer import Indexer, sparse_selection
+from mla_runtime.layers.indexer import Indexer, LogPositionScaling, log_position_scaled, sparse_selection
 from mla_runtime.layers.linear import Linear
 from mla_runtime.layers.norm import RMSNorm
 from mla_runtime.layers.rotary import RotaryEmbedding
 from mla_runtime.resolved_config import ATTENTION_PATHS, ResolvedConfig
 
-__all__ = ["ATTENTION_PATHS", "MLAttention", "stack_input_projections"]
+__all__ = ["ATTENTION_PATHS", "MLAttention", "nope_padded", "stack_input_projections"]
 
 
 class MLAttention(nn.Module):
@@ -53,14 +57,13 @@ class MLAttention(nn.Module):
         cfg, dtype, self.par = rc.model, rc.dtype, rc.par
         self.validate = layer == 0  # kernel arguments are checked once per step, by the first layer
         self.n_h = cfg.num_attention_heads // self.par.world_size  # heads on this rank
-        self.d_c, self.d_r, self.d_n, self.d_v = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, \
-            cfg.v_head_dim
+        self.d_c, self.d_r, self.d_n, self.d_v = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.layer_nope_dim(layer), \
+            cfg.v_head_dim  # a NoPE layer's d_n: the model's d_n + d_r (nope_padded)
         self.scale = cfg.softmax_scale
-        self.query_scale = (cfg.query_scale_beta, cfg.rope.original_max_position_embeddings or 1)  # position_scaled
-        hidden, qk, bias = cfg.hidden_size, cfg.qk_head_dim, cfg.attention_bias
-        self.kv_a_proj_with_mqa = Linear(hidden, self.d_c + self.d_r, dtype, bias=bias)
-        self.q_proj = Linear(hidden, self.n_h * qk, dtype) if cfg.q_lora_rank is None else None
-        self.q_b_proj, self.q_gate_proj = query_up_projections(cfg, self.n_h, dtype)
+        self.query_scale, self.softmax_scaling = query_scalings(cfg, self.n_h, dtype)  # position_scaled
+        hidden, bias = cfg.hidden_size, cfg.attention_bias
+        self.kv_a_proj_with_mqa = Linear(hidden, self.d_c + self.d_r * cfg.uses_rope(layer), dtype, bias=bias)
+        self.q_proj, self.q_b_proj, self.q_gate_proj = query_projections(cfg, self.n_h, dtype)
         if cfg.q_lora_rank is not None:
             self.q_a_proj = Linear(hidden, cfg.q_lora_rank, dtype, bias=bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.latent_eps, dtype)
@@ -69,7 +72,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = Linear(self.d_c, self.n_h * (self.d_n + self.d_v), dtype)
         self.o_proj = Linear(self.n_h * self.d_v, hidden, dtype, bias=bias)
         self.rotary = RotaryEmbedding(cfg.rope, self.d_r)
-        self.d_c_in = self.d_c  # width of the latent kv_a_proj_with_mqa produces
+        self.d_c_in, self.rope = self.d_c, cfg.uses_rope(layer)  # the latent's width kv_a_proj_with_mqa gives; RoPE
         self.latent_down: nn.Parameter | None = None  # [r, d_c_in] when the latent rank is truncated (latent_rank)
         # contiguous W_UK [n_h, d_n, d_c] and W_UVᵀ [n_h, d_c, d_v] (prepare_inference): one batched GEMM each
         self.w_uk: torch.Tensor | None = None
@@ -96,7 +99,7 @@ class MLAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: LayerCache) -> torch.Tensor:
         q, latent, q_resid, gate = self.project(x)
-        q = position_scaled(q, meta.batch.positions, *self.query_scale)
+        q, latent = scaled_and_padded(self, q, latent, meta.batch.positions)
         q_n, q_r = meta.backend.write(self, q, latent, meta, cache)
         selected = sparse_selection(self, x, q_resid, meta, cache)  # sparse attention: the keys each query reads
         o = (meta.backend.forward(q_n, q_r, self, meta, cache) if selected is None  # [T, n_h, d_v]
@@ -128,14 +131,43 @@ class MLAttention(nn.Module):
         return q_n, q_r, c, k_r
 
 
-def query_up_projections(cfg: ModelConfig, n_h: int, dtype: torch.dtype) -> tuple[Linear | None, Linear | None]:
-    """The Q-LoRA's up-projection for ``n_h`` heads: ``q_b_proj [n_h (d_n + d_r), q_lora_rank]``, or with
-    ``query_gate`` ``q_gate_proj [n_h (d_n + d_r + d_v), 2 q_lora_rank]`` in its place (None, None: no Q-LoRA)."""
+def query_projections(cfg: ModelConfig, n_h: int, dtype: torch.dtype
+                      ) -> tuple[Linear | None, Linear | None, Linear | None]:
+    """The queries' projections for ``n_h`` heads: without a Q-LoRA ``q_proj [n_h (d_n + d_r), d]``; else the
+    up-projection ``q_b_proj [n_h (d_n + d_r), q_lora_rank]``, or with ``query_gate`` ``q_gate_proj
+    [n_h (d_n + d_r + d_v), 2 q_lora_rank]`` in its place. (q_proj, q_b_proj, q_gate_proj), None where absent."""
     if cfg.q_lora_rank is None:
-        return None, None
+        return Linear(cfg.hidden_size, n_h * cfg.qk_head_dim, dtype), None, None
     if not cfg.query_gate:
-        return Linear(cfg.q_lora_rank, n_h * cfg.qk_head_dim, dtype), None
-    return None, Linear(2 * cfg.q_lora_rank, n_h * (cfg.qk_head_dim + cfg.v_head_dim), dtype)
+        return None, Linear(cfg.q_lora_rank, n_h * cfg.qk_head_dim, dtype), None
+    return None, None, Linear(2 * cfg.q_lora_rank, n_h * (cfg.qk_head_dim + cfg.v_head_dim), dtype)
+
+
+def query_scalings(cfg: ModelConfig, n_h: int, dtype: torch.dtype
+                   ) -> tuple[tuple[float, int], LogPositionScaling | None]:
+    """The queries' position scalings: Mistral 4's ``(beta, length)`` (``position_scaled``) and Mistral Large 4's
+    learned per-head log scaling of this rank's ``n_h`` heads (``query_log_scaling``; None without)."""
+    beta = (cfg.query_scale_beta, cfg.rope.original_max_position_embeddings or 1)
+    return beta, LogPositionScaling(n_h, dtype) if cfg.query_log_scaling else None
+
+
+def scaled_and_padded(attn: MLAttention, q: torch.Tensor, latent: torch.Tensor, positions: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``project``'s queries scaled by position (``position_scaled``, ``query_log_scaling``: both linear in ``q``,
+    so the same before RoPE as after it), and on a NoPE layer both padded (``nope_padded``)."""
+    q = log_position_scaled(position_scaled(q, positions, *attn.query_scale), positions, attn.softmax_scaling)
+    return (q, latent) if attn.rope else nope_padded(q, latent, attn.n_h, attn.d_r)
+
+
+def nope_padded(q: torch.Tensor, latent: torch.Tensor, n_h: int, d_r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A NoPE layer's queries ``[T, n_h (d_n + d_r)]`` (all without position: the layer's ``d_n``) and latent
+    ``[T, d_c]`` as a RoPE layer's: each head's query and the latent followed by ``d_r`` zeros, its ``q_r`` and
+    ``k_r``. The cache keeps one row width, ``d_c + d_r``, for every layer; the zeros rotate to zeros, so the score is
+    exactly ``q_n . W_UK c`` with the softmax scale of ``(d_n + d_r)`` dims, as the reference's NoPE layer computes;
+    the cost is ``d_r`` of ``d_c + d_r`` values a token that a per-layer width would save."""
+    t = q.shape[0]
+    q = torch.cat([q.view(t, n_h, -1), q.new_zeros(t, n_h, d_r)], dim=-1).view(t, -1)
+    return q, torch.cat([latent, latent.new_zeros(t, d_r)], dim=-1)
 
 
 def queries(attn: MLAttention, q_lat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -21,7 +21,10 @@ weights on CPU); the loop is over experts, never over tokens. A float32 token al
 kernels build (``mla_kernels.cpu_gemv``) takes the whole layer in one call instead: router logits, the same routing,
 its routed experts and the shared experts (``GatedMLPTable.moe_row``). On a GPU, experts whose weights are all
 block-FP8 (``Fp8Weight``) run as two grouped Triton launches (``mla_kernels.fp8_gemm.fp8_grouped_gemm``: gate/up,
-then down) over the pairs sorted by expert on the device, with no host synchronisation.
+then down) over the pairs sorted by expert on the device, with no host synchronisation; float experts (none
+quantised) run the same way through ``mla_kernels.grouped_gemm``. Either way a decode step's MoE never reads the
+routing back to the host, so it can be captured in a CUDA graph (``engine/cuda_graphs.py``); int8 and int4 experts
+take the loop over experts.
 """
 
 from __future__ import annotations
@@ -135,6 +138,10 @@ class Experts(nn.Module):
     of the (token, expert) pairs it owns.
     """
 
+    # group (token, expert) pairs on the device and run the experts as grouped Triton products (``forward``): always
+    # on CUDA; set on a CPU to run that path through the Triton interpreter (tests)
+    device_grouping = False
+
     def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
                  par: ParallelContext = SINGLE_RANK) -> None:
         super().__init__()
@@ -215,23 +222,49 @@ class Experts(nn.Module):
         ``offsets[e]:offsets[e + 1]``."""
         from mla_kernels.fp8_gemm import fp8_grouped_gemm  # Triton: imported where it runs
 
-        top_k = expert_ids.shape[1]
-        local = expert_ids.reshape(-1) - self.first
-        mine = (local >= 0) & (local < self.num_experts)
-        key, order = torch.sort(torch.where(mine, local, self.num_experts), stable=True)
-        offsets = torch.searchsorted(key, torch.arange(self.num_experts + 1, device=key.device, dtype=key.dtype))
-        tokens = order // top_k
+        order, offsets = self._sorted_pairs(expert_ids)
+        tokens = order // expert_ids.shape[1]
         gate, up = fp8_grouped_gemm(x.index_select(0, tokens), stacks.gate_up, stacks.gate_up_scale, offsets,
                                     stacks.gate_up_block).chunk(2, dim=-1)
         h = fp8_grouped_gemm(F.silu(gate) * up, stacks.down, stacks.down_scale, offsets, stacks.down_block)
         h = h.float() * weights.reshape(-1).index_select(0, order).unsqueeze(-1)
         return torch.zeros_like(x).index_add_(0, tokens, h.to(x.dtype))
 
+    def float_stacks(self) -> bool:
+        """Whether the experts run as float matrices read from the stacks ``gate_up_proj``/``down_proj`` (none of them
+        quantised, the stacks not released): what ``mla_kernels.grouped_gemm`` reads."""
+        packed = [*self.gate_up_packed, *self.down_packed]
+        return (bool(packed) and not any(p is not None and p.quantized for p in packed)
+                and self.gate_up_proj.stride(0) != 0 and self.gate_up_proj.dtype in (torch.float32, torch.bfloat16,
+                                                                                       torch.float16))
+
+    def _sorted_pairs(self, expert_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's (token, slot) pairs sorted by local expert on the device (other ranks' pairs after them) and
+        each expert's rows ``offsets[e]:offsets[e + 1]`` of that order: no host synchronisation."""
+        local = expert_ids.reshape(-1) - self.first
+        mine = (local >= 0) & (local < self.num_experts)
+        key, order = torch.sort(torch.where(mine, local, self.num_experts), stable=True)
+        return order, torch.searchsorted(key, torch.arange(self.num_experts + 1, device=key.device, dtype=key.dtype))
+
+    def _device_grouped(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Every pair of this rank's float experts in two grouped launches (``mla_kernels.grouped_gemm``), sorted on
+        the device: a step that never reads the routing back to the host, so it can run inside a CUDA graph."""
+        from mla_kernels.grouped_gemm import grouped_gemm  # Triton: imported where it runs
+
+        order, offsets = self._sorted_pairs(expert_ids)
+        tokens = order // expert_ids.shape[1]
+        gate, up = grouped_gemm(x.index_select(0, tokens), self.gate_up_proj, offsets).chunk(2, dim=-1)
+        h = grouped_gemm(F.silu(gate) * up, self.down_proj, offsets)
+        h = h.float() * weights.reshape(-1).index_select(0, order).unsqueeze(-1)
+        return torch.zeros_like(x).index_add_(0, tokens, h.to(x.dtype))
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and self.gate_up_packed:
+        if (x.is_cuda or self.device_grouping) and self.gate_up_packed:
             stacks = self.fp8_stacks()
             if stacks is not None:
                 return self._fp8_grouped(x, weights, expert_ids, stacks)
+            if self.float_stacks():
+                return self._device_grouped(x, weights, expert_ids)
         top_k = expert_ids.shape[1]
         if x.shape[0] == 1:  # one token: no gathering or scattering; the weights as Python floats (exact)
             out: torch.Tensor | None = None

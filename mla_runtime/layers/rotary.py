@@ -117,12 +117,22 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         self.register_buffer("slots", slots.to(device), persistent=False)
         self._tables: dict[torch.dtype, torch.Tensor] = {}  # dtype -> [positions, d_r]: cos ; sin of each position
+        self.frequency_scale: torch.Tensor | None = None  # LeRoPE's exp(alpha) [d_r / 2] (scale_frequencies)
 
     def materialize(self, device: torch.device | str) -> None:
         """Compute the buffers on ``device`` (a model built on the meta device has none)."""
-        self.inv_freq = rope_inv_freq(self.rope, self.dim).to(device)
+        inv_freq = rope_inv_freq(self.rope, self.dim)
+        if self.frequency_scale is not None:
+            inv_freq = inv_freq * self.frequency_scale.to(inv_freq.device)
+        self.inv_freq = inv_freq.to(device)
         self.slots = rotation_slots(self.dim, self.rope.interleave).to(device)
         self._tables = {}
+
+    def scale_frequencies(self, scale: torch.Tensor | None) -> None:
+        """Multiply each inverse frequency by ``scale [d_r / 2]`` (float32; Mistral Large 4's learned ``exp(alpha)``,
+        ``RopeConfig.learned_frequency_scale``); None: the config's frequencies. Recomputes the tables."""
+        self.frequency_scale = None if scale is None else scale.detach().to("cpu", torch.float32)
+        self.materialize(self.inv_freq.device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, max_position: int | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:

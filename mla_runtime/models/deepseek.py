@@ -165,12 +165,22 @@ class MTPLayer(DecoderLayer):
         return self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden.to(embedded.dtype))], dim=-1))
 
 
+class LearnedFrequencies(nn.Module):
+    """Mistral Large 4's LeRoPE: ``alpha [d_r / 2]`` (float32, replicated), each RoPE inverse frequency times
+    ``exp(alpha)`` in every layer and indexer (``RotaryEmbedding.scale_frequencies``, at ``prepare_inference``)."""
+
+    def __init__(self, d_r: int) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.zeros(d_r // 2, dtype=torch.float32), requires_grad=False)
+
+
 class DeepseekModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, par: ParallelContext) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, par)
         self.layers = nn.ModuleList()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.rotary_emb = LearnedFrequencies(cfg.qk_rope_head_dim) if cfg.rope.learned_frequency_scale else None
 
 
 class DeepseekForCausalLM(nn.Module):
@@ -207,7 +217,10 @@ class DeepseekForCausalLM(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "prepare_inference"):
                 cast(Any, module).prepare_inference()
+        learned = self.model.rotary_emb
         for attn in self.attention_layers():
+            if learned is not None:  # LeRoPE: the learned frequencies, folded into every layer's tables
+                attn.rotary.scale_frequencies(learned.alpha.float().exp())
             self.attention.prepare_layer(attn)
         if self.lm_head_packed is None or not self.lm_head_packed.quantized:
             self.lm_head_packed = PackedWeight.make(self.lm_head_weight)
@@ -317,8 +330,15 @@ class DeepseekForCausalLM(nn.Module):
         """fp32 logits ``[R, V]`` (under tensor parallelism: on rank 0, None elsewhere)."""
         if self.config.lm_head_divisor != 1.0:  # µP
             hidden = hidden / self.config.lm_head_divisor
-        logits = linear(hidden, self.lm_head_weight, None, self.lm_head_packed).float()
+        logits = softcapped(linear(hidden, self.lm_head_weight, None, self.lm_head_packed).float(),
+                            self.config.logit_softcap)
         if not self.par.enabled:
             return logits
         full = self.par.gather_to_first(logits, dim=-1)
         return None if full is None else full[:, : self.config.vocab_size]
+
+
+def softcapped(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """Mistral Large 4's final logits ``cap tanh(logits / cap)`` (``ModelConfig.logit_softcap``; 0: as they are).
+    Monotonic: greedy choices (the MTP drafts' too) are unchanged."""
+    return logits if not cap else torch.tanh(logits / cap) * cap
