@@ -30,7 +30,7 @@ echo "| step | exit | time |" >"$LOG/status.md"
 echo "|---|---:|---:|" >>"$LOG/status.md"
 step kernel_tests 150 python -m pytest -q -p no:cacheprovider tests/test_kernels_decode.py tests/test_kernels_prefill.py \
     tests/test_kernels_store.py tests/test_kernels_compile.py tests/test_fp8_gemm.py tests/test_host_tier.py \
-    tests/test_paged_model.py tests/test_kernels_sparse.py tests/test_kernels_grouped.py
+    tests/test_paged_model.py tests/test_kernels_sparse.py tests/test_kernels_grouped.py tests/test_tensor_parallel_cuda.py
 step bench_kernels 90 python bench/bench_kernels.py --batch 1 8 32 64 --ctx 1024 4096 16384 32768
 step e2e_v2_lite 240 python bench/gpu_e2e.py --layers 27 --batch 1 32
 {

@@ -11,6 +11,8 @@ HF_HUB_OFFLINE       off             hub.py                 1/on/yes/true: repo 
 TORCHELASTIC_RUN_ID  unset           engine/tp_workers.py   set by torchrun: this process is one of its ranks
 WORLD_SIZE           1               engine/tp_workers.py   set by torchrun: the number of ranks
 RANK                 0               engine/tp_workers.py   set by torchrun: this process's rank
+LOCAL_RANK           the rank        engine/worker.py       set by torchrun: this process's rank on its machine
+                                                            (its GPU, cuda:LOCAL_RANK)
 MLA_FAULT_INJECTION  unset: none     serving/runtime.py     test hook: stream:K, step:K or slow_step:K faults
 
 Read by others (documented in docs/configuration.md, not read here): ``mla_kernels.cpu_gemv`` reads ``CC``,
@@ -87,6 +89,13 @@ def torchrun_world_size() -> int | None:
 
 def torchrun_rank() -> int:
     return int(_get("RANK") or "0")
+
+
+def torchrun_local_rank() -> int | None:
+    """This process's rank on its machine when torchrun started it (it picks the GPU); else None."""
+    if os.environ.get("TORCHELASTIC_RUN_ID") is None:
+        return None
+    return int(_get("LOCAL_RANK") or "0")
 
 
 def fault_injection() -> str | None:

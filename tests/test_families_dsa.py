@@ -282,3 +282,26 @@ def test_quantised_and_bf16_caches_stay_close(checkpoint, cache_dtype, agree):
     got = torch.cat(runner.prefill(ps))
     assert rel_err(got, ref) > 0
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= agree
+
+
+@pytest.mark.parametrize("layout", ["replicated", "sharded"])
+def test_two_ranks_restart_from_disk(checkpoint, tmp_path, layout):
+    """Blocks read back from the disk tier carry their indexer keys to every rank: rank 0 broadcasts them (replicated)
+    or each rank reads its own shard's (sharded)."""
+    path, hf = checkpoint("deepseek_v32")
+    p = prompts((100,), seed=12)[0]
+    kw: dict[str, Any] = dict(dtype="float32", max_model_len=128, block_size=32, kv_cache_memory="4MiB",
+                              kv_cache_dir=str(tmp_path), tensor_parallel_size=2, latent_cache_layout=layout)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    first = LLM(str(path), **kw)
+    try:
+        cold = first.generate([{"prompt_token_ids": p}], params)[0]
+    finally:
+        first.shutdown()
+    again = LLM(str(path), **kw)
+    try:
+        out = again.generate([{"prompt_token_ids": p}], params)[0]
+    finally:
+        again.shutdown()
+    assert out.num_cached_tokens == 96 and out.outputs[0].token_ids == cold.outputs[0].token_ids
+    assert list(cold.outputs[0].token_ids) == hf_greedy(hf, p, 6)

@@ -464,10 +464,11 @@ def _unlink(path: str) -> bool:
 
 # -- tensor parallelism --------------------------------------------------------------------------
 def broadcast_blocks(cache: LatentCache, blocks: Sequence[int], par: ParallelContext) -> None:
-    """Rank 0's rows of ``blocks`` (every layer, scales too) into every rank's cache (replicated layout)."""
+    """Rank 0's rows of ``blocks`` (every layer, scales and indexer keys too) into every rank's cache (replicated
+    layout)."""
     idx = torch.tensor(list(blocks), dtype=torch.long, device=cache.layers[0].kv.device)
     for layer in cache.layers:
-        for t in (layer.kv, layer.scales):
+        for t in (layer.kv, layer.scales, layer.index, layer.index_scales):
             if t is None:
                 continue
             rows = t.index_select(0, idx).contiguous()

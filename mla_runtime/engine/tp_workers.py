@@ -33,10 +33,11 @@ import torch.distributed as dist
 from mla_runtime import env
 from mla_runtime.cache.disk_tier import agree_min, broadcast_blocks
 from mla_runtime.engine.config import EngineConfig
-from mla_runtime.engine.worker import StepInput, Worker
+from mla_runtime.engine.worker import StepInput, Worker, local_rank, rank_device
 from mla_runtime.parallel import ParallelContext
 
 logger = logging.getLogger("mla_runtime")
+CPU = torch.device("cpu")  # the step messages travel as pickled objects on the CPU (gloo), whatever the devices
 
 
 class RankDiedError(RuntimeError):
@@ -66,15 +67,24 @@ def is_torchrun_worker(config: EngineConfig) -> bool:
     return config.tensor_parallel_size > 1 and launched_by_torchrun() and torchrun_rank() != 0
 
 
-def _init(rank: int, world: int, init_method: str, timeout_s: float) -> None:
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+def collective_backend(config: EngineConfig, world: int) -> str:
+    """``gloo`` for ranks on CPUs; with a GPU per rank, NCCL for the tensors on the GPUs and gloo for the step
+    messages (pickled objects on the CPU)."""
+    on_gpus = rank_device(config.device, world, 0).type == "cuda"
+    return "cpu:gloo,cuda:nccl" if on_gpus else "gloo"
+
+
+def _init(rank: int, world: int, init_method: str, timeout_s: float, backend: str = "gloo") -> None:
+    if "nccl" in backend:
+        torch.cuda.set_device(local_rank(rank))
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
 
 
 def worker_main(rank: int, world: int, init_method: str, config: EngineConfig, timeout_s: float) -> None:
     """Entry point of a spawned worker rank."""
     torch.set_num_threads(_threads_per_rank(world))
-    _init(rank, world, init_method, timeout_s)
+    _init(rank, world, init_method, timeout_s, collective_backend(config, world))
     serve_worker(rank, world, config)
 
 
@@ -85,13 +95,13 @@ def run_torchrun_worker(config: EngineConfig, timeout_s: float = 60.0) -> None:
         raise RuntimeError("run_torchrun_worker needs a process started by torchrun")
     if world != config.tensor_parallel_size:
         raise ValueError(f"torchrun started {world} ranks but tensor_parallel_size is {config.tensor_parallel_size}")
-    _init(torchrun_rank(), world, "env://", timeout_s)
+    _init(torchrun_rank(), world, "env://", timeout_s, collective_backend(config, world))
     serve_worker(torchrun_rank(), world, config)
 
 
 def _receive() -> tuple:
     box: list = [None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, device=CPU)
     return box[0]
 
 
@@ -152,20 +162,21 @@ class TensorParallelGroup:
             for p in self.procs:
                 p.start()
             torch.set_num_threads(_threads_per_rank(world))
+        self.backend = collective_backend(config, world)
         try:
-            _init(0, world, init_method, timeout_s)
+            _init(0, world, init_method, timeout_s, self.backend)
         except Exception as e:
             self.check_alive()
             raise RankDiedError(f"tensor-parallel ranks did not join within {timeout_s:.0f} s: {e}") from e
         self.par = ParallelContext(0, world, config.latent_cache_layout)
         self.closed = False
-        logger.info("tensor parallel: %d ranks (gloo), %s latent cache", world, config.latent_cache_layout)
+        logger.info("tensor parallel: %d ranks (%s), %s latent cache", world, self.backend, config.latent_cache_layout)
 
     def send(self, kind: str, arg: object) -> None:
         """Broadcast one command (``truncate``, ``allocate``, ``step`` or ``draft``) to every worker rank."""
         self.check_alive()
         try:
-            dist.broadcast_object_list([(kind, arg)], src=0)
+            dist.broadcast_object_list([(kind, arg)], src=0, device=CPU)
         except RuntimeError as e:
             raise RankDiedError(f"tensor-parallel broadcast failed ({e}); a worker rank is gone") from e
 
@@ -189,7 +200,7 @@ class TensorParallelGroup:
         self.closed = True
         try:
             if all(p.is_alive() for p in self.procs):
-                dist.broadcast_object_list([("stop",)], src=0)
+                dist.broadcast_object_list([("stop",)], src=0, device=CPU)
         except RuntimeError:
             pass
         for p in self.procs:

@@ -40,7 +40,7 @@ from typing import Protocol
 
 import torch
 
-from mla_runtime import attention, checksums
+from mla_runtime import attention, checksums, env
 from mla_runtime.attention import AttentionMetadata
 from mla_runtime.cache.disk_tier import DiskTier, file_sha256, model_fingerprint
 from mla_runtime.cache.host_tier import HostTier
@@ -135,7 +135,7 @@ class Worker:
                                f"{cfg.num_nextn_predict_layers}: use speculative_method 'prompt_lookup'")
         tp = config.tensor_parallel_size
         check_tensor_parallel(cfg, tp, config.block_size, config.latent_cache_layout)
-        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() and tp == 1 else "cpu"))
+        self.device = rank_device(config.device, tp, par.rank)
         self.dtype = resolve_model_dtype(config.dtype, cfg)
         # a CPU's probes, once, under the cpu_gemm mode every preparation of the weights runs under (``prepared``):
         # the dtype "auto" keeps there, and what its product paths hold (the planner's facts)
@@ -380,3 +380,22 @@ class Worker:
                                        [d.block_tables[b] for b in active], bs, self.device)
             ends = [ends[i] for i in keep]
             out = model.mtp_forward(batch, cache, out)
+
+
+def rank_device(device: str | None, world: int, rank: int) -> torch.device:
+    """The device a rank runs on: the configured one (``cuda`` under tensor parallelism: this rank's own GPU,
+    ``cuda:<local rank>``), else a GPU where one is (one per rank: tensor parallelism takes the GPUs only when there
+    are as many as ranks), else the CPU."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device is None:
+        device = "cuda" if gpus and (world == 1 or gpus >= world) else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and world > 1 and dev.index is None:
+        return torch.device("cuda", local_rank(rank))
+    return dev
+
+
+def local_rank(rank: int) -> int:
+    """A rank's index on its machine: torchrun's ``LOCAL_RANK``, or the rank itself (ranks spawned on one machine)."""
+    local = env.torchrun_local_rank()
+    return rank if local is None else local
