@@ -8,6 +8,7 @@
     mla-runtime warm --kv-cache-dir DIR --prompts prompts.txt      # precompute prefixes into the disk tier
     mla-runtime token-map --model PATH --out MAP.json corpus.txt   # the draft vocabulary of MTP speculation
     mla-runtime quantize --model SRC --quantization int4 --out DIR # a pre-quantised (compressed-tensors) copy
+    mla-runtime rollout status|set-weight W|promote|rollback --url URL  # a running deployment's model versions
 
 Each subcommand owns its flags (``mla-runtime SUBCOMMAND --help``); its module is imported only when it
 runs, so ``plan`` does not import the server, and ``serve --help`` imports neither the server nor torch.
@@ -31,6 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "warm": ("mla_runtime.warm", "precompute the prefixes of common prompts into the disk tier (--kv-cache-dir)"),
     "token-map": ("mla_runtime.token_map", "count a corpus's tokens into the draft vocabulary of MTP speculation"),
     "quantize": ("mla_runtime.compressed", "write a checkpoint pre-quantised to int8/int4 (compressed-tensors)"),
+    "rollout": ("mla_runtime.serving.rollout", "canary weight, promote, rollback of a running replicated server"),
 }
 
 

@@ -73,6 +73,7 @@ def test_serve_help_lists_every_server_flag_with_its_default(capsys):
     ("token-map", "--size SIZE tokens in the map (the special tokens come on top) (default: 32768)"),
     ("warm", "--kv-cache-write-through write every full block to the disk tier as soon as it is complete "
              "(default: False)"),
+    ("rollout", "--url URL the deployment (default: http://127.0.0.1:8000)"),
 ])
 def test_every_subcommand_help_shows_defaults(command, expected, capsys):
     flat = " ".join(_help(command, capsys).split())
@@ -85,7 +86,8 @@ def test_top_level_help_names_the_subcommands(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert all(name in out for name in COMMANDS)
-    assert set(COMMANDS) == {"serve", "plan", "sweep", "bench", "hash", "warm", "token-map", "quantize"}
+    assert set(COMMANDS) == {"serve", "plan", "sweep", "bench", "hash", "warm", "token-map", "quantize",
+                             "rollout"}
     with pytest.raises(SystemExit) as done:
         main(["warp"])
     assert done.value.code == 2

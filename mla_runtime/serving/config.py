@@ -2,7 +2,7 @@
 
 Every option is a field of ``EngineConfig``, ``ServerConfig`` or ``ReplicaConfig``; its metadata
 (``options.opt``) gives its place in the YAML file (sections model / kv_cache / speculative / engine / serving /
-replicas), its flag and its help, and the parser, the YAML loader and ``where`` are built from those, so an
+replicas / rollout), its flag and its help, and the parser, the YAML loader and ``where`` are built from those, so an
 error can always say where the bad value came from. Unknown YAML keys are an error that names the key; the
 values are validated by the config classes themselves. Nothing here imports torch: ``--help`` stays fast.
 """
@@ -10,8 +10,9 @@ values are validated by the config classes themselves. Nothing here imports torc
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +119,44 @@ class ReplicaConfig:
                                              "for the least loaded (default: max-num-seqs)"))
     replica_cpus: float = field(default=1.0, metadata=opt(
         "replicas.cpus_per_replica", "Ray CPUs each replica reserves (its torch threads follow them)"))
+    target_cache_usage: float = field(default=0.8, metadata=opt(
+        "replicas.target_cache_usage", "autoscaling: latent-cache usage (blocks in use / total, mean over a "
+                                       "version's replicas) above which replicas are added"))
+    upscale_delay: float = field(default=30.0, metadata=opt(
+        "replicas.upscale_delay", "autoscaling: seconds a signal stays above its target before replicas are added"))
+    downscale_delay: float = field(default=300.0, metadata=opt(
+        "replicas.downscale_delay", "autoscaling: seconds of quiet (every signal below its target) before "
+                                    "replicas are removed"))
+    # -- rollout: a second model version behind the same endpoint (serving/rollout.py)
+    canary_model: str | None = field(default=None, metadata=opt(
+        "rollout.canary_model", "a second version behind the same endpoint, given a share of new traffic: "
+                                "checkpoint directory or hub repo id (default: no canary; with --canary-revision "
+                                "or --canary-engine alone: --model)"))
+    canary_revision: str | None = field(default=None, metadata=opt(
+        "rollout.canary_revision", "hub branch, tag or commit of the canary (default: --revision)"))
+    canary_engine: dict[str, Any] | str | None = field(default=None, metadata=opt(
+        "rollout.canary_engine", "engine settings of the canary that differ from the stable's: "
+                                 "'max_num_seqs=8,dtype=float32' (serve.yaml: a mapping of engine fields) "
+                                 "(default: the stable's)"))
+    canary_weight: float = field(default=0.05, metadata=opt(
+        "rollout.canary_weight", "share of new sessions sent to the canary, 0..1"))
+    canary_replicas: int | None = field(default=None, metadata=opt(
+        "rollout.canary_replicas", "replicas of the canary (default: as many as the stable version)"))
+    stable_name: str = field(default="stable", metadata=opt(
+        "rollout.stable_name", "the stable version's name (X-Model-Version, the version label of /metrics)"))
+    canary_name: str = field(default="canary", metadata=opt(
+        "rollout.canary_name", "the canary version's name"))
+    auto_rollback: bool = field(default=False, metadata=opt(
+        "rollout.auto_rollback", "roll back by itself when the canary's error rate or p99 latency over "
+                                 "--rollback-window exceeds the stable's by the bounds below"))
+    rollback_window: float = field(default=120.0, metadata=opt(
+        "rollout.rollback_window", "seconds of requests the automatic rollback compares"))
+    rollback_error_margin: float = field(default=0.02, metadata=opt(
+        "rollout.rollback_error_margin", "automatic rollback: the canary's error rate may exceed the stable's by "
+                                         "this much (0.02: 2 points)"))
+    rollback_latency_factor: float = field(default=2.0, metadata=opt(
+        "rollout.rollback_latency_factor", "automatic rollback: the canary's p99 latency may be this many times "
+                                           "the stable's"))
 
     def __post_init__(self) -> None:
         _count("replicas", self.replicas, 1)
@@ -139,10 +178,43 @@ class ReplicaConfig:
             raise ValueError(f"replica_cpus must be a number >= 0, got {self.replica_cpus!r}")
         if not self.enabled and (self.ray_address is not None or self.target_ongoing_requests is not None):
             raise ValueError("ray_address and target_ongoing_requests need --replicas N (or --min/--max-replicas)")
+        for name in ("target_cache_usage", "canary_weight", "rollback_error_margin"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 1:
+                raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+        for name in ("upscale_delay", "downscale_delay", "rollback_window", "rollback_latency_factor"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        _count("canary_replicas", self.canary_replicas, 1)
+        for name in ("stable_name", "canary_name"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not _VERSION_NAME.fullmatch(value):
+                raise ValueError(f"{name} must be 1-32 characters of A-Z a-z 0-9 . _ -, got {value!r}")
+        if self.stable_name == self.canary_name:
+            raise ValueError(f"canary_name must differ from stable_name ({self.stable_name!r})")
+        object.__setattr__(self, "canary_engine", canary_overrides(self.canary_engine))
+        if self.rollout and not self.enabled:
+            raise ValueError("canary_model (a canary version) needs --replicas N (or --min/--max-replicas)")
 
     @property
     def enabled(self) -> bool:
         return self.replicas is not None or self.min_replicas is not None or self.max_replicas is not None
+
+    @property
+    def rollout(self) -> bool:
+        """A canary version is deployed next to the stable one."""
+        return self.canary_model is not None or self.canary_revision is not None or bool(self.canary_engine)
+
+    @property
+    def canary_initial(self) -> int:
+        """Canary replicas started first."""
+        if self.canary_replicas is None:
+            return self.initial
+        if self.autoscaling:
+            low, high = self.bounds
+            return min(max(self.canary_replicas, low), high)
+        return self.canary_replicas
 
     @property
     def autoscaling(self) -> bool:
@@ -160,8 +232,62 @@ class ReplicaConfig:
         return low, self.max_replicas or max(low, self.initial)
 
 
+_VERSION_NAME = re.compile(r"[A-Za-z0-9._-]{1,32}")
+_NOT_OVERRIDDEN = ("model", "revision")  # --canary-model and --canary-revision set these
+
+
+def canary_overrides(value: object) -> dict[str, Any]:
+    """``--canary-engine`` ('max_num_seqs=8,dtype=float32') or its serve.yaml mapping → engine fields and values
+    (each flag-style text parsed as that field's flag parses it); an unknown field is an error naming it."""
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        pairs: dict[str, Any] = {}
+        for part in value.split(","):
+            name, eq, text = part.strip().partition("=")
+            if not eq or not name.strip():
+                raise ValueError(f"canary_engine: expected FIELD=VALUE pairs separated by commas, got {part!r}")
+            pairs[name.strip().replace("-", "_")] = text.strip()
+        value = pairs
+    if not isinstance(value, dict):
+        raise ValueError(f"canary_engine must be a mapping of engine fields, got {value!r}")
+    out: dict[str, Any] = {}
+    for name, v in value.items():
+        o = _ENGINE.get(name)
+        if o is None or name in _NOT_OVERRIDDEN:
+            hint = " (use canary_model / canary_revision)" if name in _NOT_OVERRIDDEN else ""
+            raise ValueError(f"canary_engine: {name!r} is not an engine setting{hint}")
+        if isinstance(v, str) and o.kinds == (bool,):
+            v = v.lower() in ("1", "true", "yes", "on")
+        elif isinstance(v, str) and str not in o.kinds:
+            try:
+                v = flag_type(o)(v)
+            except ValueError as e:
+                raise ValueError(f"canary_engine: {name}: {e}") from e
+        out[name] = v
+    return out
+
+
+def canary_engine_config(engine: EngineConfig, rc: ReplicaConfig) -> EngineConfig | None:
+    """The canary's engine configuration: the stable's, with the canary's model, revision and settings."""
+    if not rc.rollout:
+        return None
+    overrides = dict(rc.canary_engine) if isinstance(rc.canary_engine, dict) else {}
+    if rc.canary_model is not None:
+        overrides["model"] = rc.canary_model
+        overrides["revision"] = rc.canary_revision if rc.canary_revision is not None else \
+            EngineConfig.__dataclass_fields__["revision"].default
+    elif rc.canary_revision is not None:
+        overrides["revision"] = rc.canary_revision
+    try:
+        return replace(engine, **overrides)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"invalid configuration: canary: {e} (set with rollout.canary_engine / "
+                         f"--canary-engine)") from e
+
+
 # the serve.yaml sections, in --help's order
-SECTIONS = ("model", "kv_cache", "speculative", "engine", "serving", "replicas")
+SECTIONS = ("model", "kv_cache", "speculative", "engine", "serving", "replicas", "rollout")
 _ENGINE, _SERVER, _REPLICA = options_of(EngineConfig), options_of(ServerConfig), options_of(ReplicaConfig)
 OPTIONS: dict[str, Option] = {**_ENGINE, **_SERVER, **_REPLICA}
 ENGINE_FIELDS, SERVER_FIELDS, REPLICA_FIELDS = set(_ENGINE), set(_SERVER), set(_REPLICA)
@@ -222,7 +348,7 @@ def build_parser(prog: str = "server.py") -> argparse.ArgumentParser:
         epilog=f"Every switch --FLAG also has --no-FLAG. Precedence: flags > --config file > ${API_KEY} > "
                "defaults.")
     parser.add_argument("--config", help="serve.yaml (sections model / kv_cache / speculative / engine / serving / "
-                                         "replicas; see mla_runtime/serving/serve.example.yaml)")
+                                         "replicas / rollout; see mla_runtime/serving/serve.example.yaml)")
     groups = {s: parser.add_argument_group(f"{s} (serve.yaml section {s})") for s in SECTIONS}
     for name, o in OPTIONS.items():
         group = groups[o.yaml.split(".")[0]]
@@ -278,17 +404,21 @@ def resolve_all(argv: Sequence[str] | None = None, env: Mapping[str, str] | None
     server_kw = {k: v for k, v in values.items() if k in SERVER_FIELDS}
     server_kw.setdefault("served_model_name", model if is_repo_id(model) else Path(model).name)
     replica_kw = {k: v for k, v in values.items() if k in REPLICA_FIELDS}
-    return _build(EngineConfig, engine_kw), _build(ServerConfig, server_kw), _build(ReplicaConfig, replica_kw)
+    if replica_kw.get("canary_model") is not None:
+        replica_kw["canary_model"] = _check_model(str(replica_kw["canary_model"]), "canary_model")
+    engine_config, replicas = _build(EngineConfig, engine_kw), _build(ReplicaConfig, replica_kw)
+    canary_engine_config(engine_config, replicas)  # the canary's settings are checked before anything starts
+    return engine_config, _build(ServerConfig, server_kw), replicas
 
 
-def _check_model(model: str) -> str:
+def _check_model(model: str, name: str = "model") -> str:
     """A local checkpoint folder (with config.json), or a hub repo id (downloaded when the engine starts)."""
     if is_repo_id(model):
         return model
     path = Path(model).expanduser()
     if not (path / "config.json").is_file():
         also = "" if path.is_dir() else " nor a hub repo id (org/name)"
-        raise ValueError(f"model ({where('model')}): {path} is not a checkpoint directory (no config.json){also}")
+        raise ValueError(f"{name} ({where(name)}): {path} is not a checkpoint directory (no config.json){also}")
     return str(path)
 
 
