@@ -164,22 +164,29 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.mla_gemm_fp8.restype = None
     # q_n, its two strides, q_r, its two strides, w_uk, w_uv_t, cache, slots, slot stride, lens, scale, out, scratch,
     # scratch stride, rows, heads, d_n, d_r, d_c, d_v, threads
-    lib.mla_absorbed_decode_f32.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + \
-        [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_float] + \
+    lib.mla_absorbed_decode_f32.argtypes = (
+        [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] +  # type: ignore[assignment]
+        [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_float] +
         [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 8
+    )
     lib.mla_absorbed_decode_bf16w.argtypes = lib.mla_absorbed_decode_f32.argtypes
-    lib.mla_rms_norm_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 2 + \
+    lib.mla_rms_norm_f32.argtypes = (
+        [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 2 +  # type: ignore[assignment]
         [ctypes.c_int64] * 2 + [ctypes.c_float]  # x, row stride, weight, y, m, k, eps
+    )
     lib.mla_gated_mlps.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + \
         [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]  # x, y, d, table, ids, weights, n, scratch, threads
     # x, y, d, router, route, bias, scaling, table, first, count, shared, scratch, max_inter, threads
-    lib.mla_moe_row.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + \
+    lib.mla_moe_row.argtypes = (
+        [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 +  # type: ignore[assignment]
         [ctypes.c_float, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 2
+    )
     # latent, its row stride, norm, eps, q, its two strides, heads, d_n, cos, sin, their row stride, cache, slots,
     # rows, d_c, d_r, interleave
-    lib.mla_rope_store_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float,
-                                       ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2 + \
-        [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 4
+    lib.mla_rope_store_f32.argtypes = (
+        [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p] +  # type: ignore[assignment]
+        [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 4
+    )
     lib.mla_rope_store_f32.restype = None
     lib.mla_decoder_layer.argtypes = [ctypes.c_void_p] * 5  # layer table, step table, x, cache, scratch
     lib.mla_decoder_layer.restype = ctypes.c_int64

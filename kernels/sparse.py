@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import cpu_ops
 from .common import (
     check_cache,
     check_int_tensor,
@@ -391,11 +392,48 @@ def _torch_score_chunks(q: torch.Tensor, weights: torch.Tensor, cache: torch.Ten
         r0 = r1
 
 
+def _op_score_chunks(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None,
+                     block_tables: torch.Tensor, req_indices: torch.Tensor,
+                     key_lens: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The compiled CPU operator over chunks of query rows whose score rows stay within _TORCH_LOGIT_BYTES. It
+    reads each key where the block table puts it, widening it on the fly: no gathered copy of the keys."""
+    n_rows = q.shape[0]
+    lens = key_lens.long()
+    host_lens = lens.tolist()
+    q, weights = q.float().contiguous(), weights.float().contiguous()
+    tables = block_tables.to(torch.int32)
+    t0 = 0
+    while t0 < n_rows:
+        t1, longest = t0, 0
+        while t1 < n_rows and (t1 == t0 or 4 * (t1 - t0 + 1) * max(longest, host_lens[t1]) <= _TORCH_LOGIT_BYTES):
+            longest = max(longest, host_lens[t1])
+            t1 += 1
+        scores = torch.ops.mla_kernels.indexer_scores(q[t0:t1], weights[t0:t1], cache, scales, tables,
+                                                      req_indices[t0:t1], lens[t0:t1], longest)
+        yield torch.arange(t0, t1, device=q.device), scores
+        t0 = t1
+
+
+def cpu_operator_enabled() -> bool:
+    """Whether the CPU paths score with the compiled operator (``mla_kernels.cpu_ops``); tests switch it off
+    through ``use_cpu_operator`` to run the torch path on the same machine."""
+    return _USE_CPU_OPERATOR[0] and cpu_ops.available()
+
+
+_USE_CPU_OPERATOR = [True]
+
+
+def use_cpu_operator(enabled: bool) -> None:
+    _USE_CPU_OPERATOR[0] = bool(enabled)
+
+
 def _score_chunks(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None,
                   block_tables: torch.Tensor, req_indices: torch.Tensor, key_lens: torch.Tensor, max_len: int,
                   backend: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     if backend == "triton":
         return _triton_score_chunks(q, weights, cache, scales, block_tables, req_indices, key_lens, max_len)
+    if q.device.type == "cpu" and cpu_operator_enabled():
+        return _op_score_chunks(q, weights, cache, scales, block_tables, req_indices, key_lens)
     return _torch_score_chunks(q, weights, cache, scales, block_tables, req_indices, key_lens)
 
 

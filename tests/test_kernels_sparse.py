@@ -115,6 +115,32 @@ def make_index_case(seq_lens: list[int], rows: list[tuple[int, int]], heads: int
     return IndexCase(cache, scales, tables, keys.to(DEVICE), q.to(DEVICE), weights.to(DEVICE), req, lens)
 
 
+# the indexer's paths: Triton (interpreted off CUDA), torch (on CPU: the compiled operator of mla_kernels.cpu_ops
+# where it builds) and torch with that operator switched off ("aten")
+INDEXER_PATHS = [*BACKENDS, "aten"]
+
+
+@pytest.fixture
+def indexer_path(request: pytest.FixtureRequest):
+    """The backend argument of a path of INDEXER_PATHS, with the CPU operator switched as the path says."""
+    path = request.param
+    sparse_mod.use_cpu_operator(path != "aten")
+    try:
+        yield "torch" if path == "aten" else path
+    finally:
+        sparse_mod.use_cpu_operator(True)
+
+
+def test_the_cpu_indexer_operator_builds_on_this_machine() -> None:
+    """The compiled operator is what CPUs run; where it cannot build the test names why."""
+    from mla_kernels import cpu_ops
+
+    if cpu_ops._compiler() is None:
+        pytest.skip("no C++ compiler on this machine: the indexer runs its torch path")
+    assert cpu_ops.failure() is None
+    assert "indexer_scores" in str(torch.ops.mla_kernels.indexer_scores.default._schema)
+
+
 def _scores(case: IndexCase, backend: str | None = None, reference: bool = False) -> torch.Tensor:
     fn = ref_indexer_scores if reference else indexer_scores
     kwargs = {} if reference else {"backend": backend}
@@ -176,10 +202,11 @@ SEQ_LENS = [47, 16, 70]
 ROWS = [(0, 47), (1, 16), (2, 68), (2, 70), (2, 1), (2, 69), (0, 17), (0, 15)]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("indexer_path", INDEXER_PATHS, indirect=True)
 @pytest.mark.parametrize("dtype,heads,d_index", [(torch.float32, 3, 32), (torch.bfloat16, 5, 128), (FP8, 17, 200),
                                                  (FP8, 1, 128)], ids=str)
-def test_indexer_scores_match_reference(backend: str, dtype: torch.dtype, heads: int, d_index: int) -> None:
+def test_indexer_scores_match_reference(indexer_path: str, dtype: torch.dtype, heads: int, d_index: int) -> None:
+    backend = indexer_path
     case = make_index_case(SEQ_LENS, ROWS, heads, d_index, dtype, seed=heads)
     scores = _scores(case, backend)
     ref = _scores(case, reference=True)
@@ -193,9 +220,10 @@ def test_indexer_scores_match_reference(backend: str, dtype: torch.dtype, heads:
         assert cosine(scores[finite], _scores(exact, reference=True)[finite]) > 0.995
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("indexer_path", INDEXER_PATHS, indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_indexer_topk_selects_the_reference_set(backend: str, dtype: torch.dtype) -> None:
+def test_indexer_topk_selects_the_reference_set(indexer_path: str, dtype: torch.dtype) -> None:
+    backend = indexer_path
     topk = 16
     case = make_index_case(SEQ_LENS, ROWS, 3, 32, dtype, seed=3)
     got = _topk(case, topk, backend)
@@ -219,9 +247,10 @@ def test_indexer_topk_selects_the_reference_set(backend: str, dtype: torch.dtype
             assert set(row) == set(ref[t].tolist())
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("indexer_path", INDEXER_PATHS, indirect=True)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=str)
-def test_indexer_topk_well_separated_selection_survives_quantisation(backend: str, dtype: torch.dtype) -> None:
+def test_indexer_topk_well_separated_selection_survives_quantisation(indexer_path: str, dtype: torch.dtype) -> None:
+    backend = indexer_path
     """Keys k_j = s_j u with distinct s_j: every head's score is proportional to s_j, so the selection (and its
     order) is that of s_j in every cache dtype."""
     d_index, heads, topk = 128, 5, 8
@@ -240,8 +269,9 @@ def test_indexer_topk_well_separated_selection_survives_quantisation(backend: st
         assert got[t].tolist() == expect
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_indexer_topk_larger_than_every_sequence_skips_scoring(backend: str) -> None:
+@pytest.mark.parametrize("indexer_path", INDEXER_PATHS, indirect=True)
+def test_indexer_topk_larger_than_every_sequence_skips_scoring(indexer_path: str) -> None:
+    backend = indexer_path
     """No row sees more than topk keys: all of them, then -1, without reading a key (the cache is all NaN)."""
     gen = torch.Generator().manual_seed(0)
     tables, num_blocks = shuffled_tables([5, 20], 16, gen)
@@ -255,8 +285,9 @@ def test_indexer_topk_larger_than_every_sequence_skips_scoring(backend: str) -> 
     assert got[2].tolist() == list(range(19)) + [-1]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_indexer_chunking_gives_the_same_answer(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("indexer_path", INDEXER_PATHS, indirect=True)
+def test_indexer_chunking_gives_the_same_answer(indexer_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = indexer_path
     """Byte budgets small enough to split the rows into many groups and chunks change nothing."""
     case = make_index_case(SEQ_LENS, ROWS, 3, 32, torch.float32, seed=5)
     scores, top = _scores(case, backend), _topk(case, 10, backend)

@@ -9,10 +9,12 @@ way and 420 planned); longer chunks (prefills, verifications over long contexts)
 (``StepPlan`` puts the shortest first) and take the reference paths as a batch of their own (``rest``), which gather a
 sequence's latent once. A quantised cache, or a forced ``naive`` path, takes the reference paths throughout.
 
-Where the compiled kernels (``mla_kernels.cpu_gemv``) build and a layer's weights are float32 (``prepare_layer``), a
-step whose every row is planned (``compiled_rows``: float32 cache and RoPE tables) runs each layer's latent side
-(norm, RoPE, cache write, the queries' RoPE) and its absorbed attention as two compiled calls after the projections;
-``models/deepseek.py`` may then run the whole decoder layer as one call (``layers/decoder_kernel.py``).
+A sparse-attention layer's indexer scores with the typed operator of ``mla_kernels.cpu_ops`` where it builds (built
+while the model loads). Where the compiled kernels (``mla_kernels.cpu_gemv``) build and a layer's weights are float32
+(``prepare_layer``), a step whose every row is planned (``compiled_rows``: float32 cache and RoPE tables) runs each
+layer's latent side (norm, RoPE, cache write, the queries' RoPE) and its absorbed attention as two compiled calls
+after the projections; ``models/deepseek.py`` may then run the whole decoder layer as one call
+(``layers/decoder_kernel.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from mla_kernels import (
     DecodePlan,
     cpu_gemv,
+    cpu_ops,
     mla_decode_planned,
     plan_decode,
     plan_decode_lists,
@@ -56,6 +59,8 @@ class CpuBackend(PagedBackend):
         """A layer whose absorbed weights are float32 takes the compiled decode kernels where they build."""
         attn.decode_kernel = (attn.w_uk is not None and attn.w_uk.dtype == torch.float32
                               and attn.w_uk.device.type == "cpu" and row_kernel_failure() is None)
+        if attn.indexer is not None:
+            cpu_ops.available()  # the indexer's operator is built (or found built) while the model loads
 
     def prepare(self, batch: ForwardBatch, rope: RopeTables, dims: AttentionDims, cache: LatentCache
                 ) -> AttentionMetadata:

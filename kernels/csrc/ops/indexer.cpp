@@ -1,0 +1,260 @@
+// The lightning indexer's scores over the paged indexer-key cache, as a typed torch operator:
+//
+//   mla_kernels::indexer_scores(q [T, H, D] f32, weights [T, H] f32, cache [N, B, D], scales [N, B, G]?,
+//                               block_tables [R, M] i32, req_indices [T], key_lens [T], max_len) -> [T, max_len] f32
+//
+//   score[t, j] = sum_h weights[t, h] * relu(q[t, h] . k_j)   for j < key_lens[t], -inf past it
+//
+// k_j is read where the block table puts it (block_tables[req_indices[t], j / B], slot j % B) and widened to
+// float32 on the fly: float32, bfloat16 and float16 keys, or float8_e4m3fn keys times their per-128 scale. Only
+// positions below a row's key_len are read, so unused slots and pages may hold anything.
+//
+// Work is split into (row, tile of positions) pieces over torch's thread pool. A piece copies its tile of keys
+// into a transposed float32 block [D][tile] and accumulates four heads at a time against it: for each of the D values,
+// one tile-wide load and four multiply-adds with broadcast query values. The tile function is compiled for
+// x86-64-v4 (AVX-512, tiles of 32 positions), x86-64-v3 (AVX2 + FMA, tiles of 16) and the baseline; "auto" runs
+// the widest the CPU executes, and mla_kernels::cpu_variants() lists them (tests run each one the CPU executes).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t SCALE_GROUP = 128;  // fp8 keys: values sharing one scale
+constexpr int64_t MAX_D = 1024;
+
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) {
+  uint16_t bits;
+  std::memcpy(&bits, &x, 2);
+  uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline float widen(c10::Half x) { return static_cast<float>(x); }
+inline float widen(c10::Float8_e4m3fn x) { return static_cast<float>(x); }
+
+// acc[j] = sum_h w[h] relu(q[h] . kt[:, j]) for one tile: q [H, D] row-major, kt [D, TILE]. Four heads at a time:
+// with TILE a multiple of the vector width that is 4 * TILE / width independent accumulators (8 on AVX-512 with
+// TILE 32, 8 on AVX2 with TILE 16), enough to keep two FMA pipes busy.
+template <int64_t TILE>
+inline __attribute__((always_inline)) void score_tile(const float* __restrict q, const float* __restrict w,
+                                                      const float* __restrict kt, int64_t heads, int64_t d,
+                                                      float* __restrict acc) {
+  for (int64_t j = 0; j < TILE; ++j) acc[j] = 0.0f;
+  int64_t h = 0;
+  for (; h + 4 <= heads; h += 4) {
+    const float* q0 = q + h * d;
+    const float* q1 = q0 + d;
+    const float* q2 = q1 + d;
+    const float* q3 = q2 + d;
+    float l0[TILE] = {}, l1[TILE] = {}, l2[TILE] = {}, l3[TILE] = {};
+    for (int64_t i = 0; i < d; ++i) {
+      const float* k = kt + i * TILE;
+      const float a0 = q0[i], a1 = q1[i], a2 = q2[i], a3 = q3[i];
+      for (int64_t j = 0; j < TILE; ++j) {
+        l0[j] += a0 * k[j];
+        l1[j] += a1 * k[j];
+        l2[j] += a2 * k[j];
+        l3[j] += a3 * k[j];
+      }
+    }
+    const float w0 = w[h], w1 = w[h + 1], w2 = w[h + 2], w3 = w[h + 3];
+    for (int64_t j = 0; j < TILE; ++j) {
+      acc[j] += w0 * (l0[j] > 0.0f ? l0[j] : 0.0f) + w1 * (l1[j] > 0.0f ? l1[j] : 0.0f) +
+                w2 * (l2[j] > 0.0f ? l2[j] : 0.0f) + w3 * (l3[j] > 0.0f ? l3[j] : 0.0f);
+    }
+  }
+  for (; h < heads; ++h) {
+    const float* qh = q + h * d;
+    float l[TILE] = {};
+    for (int64_t i = 0; i < d; ++i) {
+      const float* k = kt + i * TILE;
+      const float a = qh[i];
+      for (int64_t j = 0; j < TILE; ++j) l[j] += a * k[j];
+    }
+    for (int64_t j = 0; j < TILE; ++j) acc[j] += w[h] * (l[j] > 0.0f ? l[j] : 0.0f);
+  }
+}
+
+using TileFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, float*);
+
+struct Variant {
+  const char* name;
+  int64_t tile;
+  TileFn fn;
+  bool runs;  // the CPU executes it
+};
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define MLA_TARGET(isa) __attribute__((target(isa)))
+MLA_TARGET("arch=x86-64-v4")
+void tile_avx512(const float* q, const float* w, const float* kt, int64_t heads, int64_t d, float* acc) {
+  score_tile<32>(q, w, kt, heads, d, acc);
+}
+MLA_TARGET("arch=x86-64-v3")
+void tile_avx2(const float* q, const float* w, const float* kt, int64_t heads, int64_t d, float* acc) {
+  score_tile<16>(q, w, kt, heads, d, acc);
+}
+#endif
+void tile_generic(const float* q, const float* w, const float* kt, int64_t heads, int64_t d, float* acc) {
+  score_tile<16>(q, w, kt, heads, d, acc);
+}
+
+// The variants, widest first: AVX-512 (x86-64-v4: F, BW, CD, DQ, VL), AVX2 + FMA (x86-64-v3), and the compiler's
+// baseline for the build machine (SSE2 on x86-64, NEON on aarch64).
+const std::vector<Variant>& variants() {
+  static const std::vector<Variant> all = [] {
+    std::vector<Variant> v;
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_cpu_init();
+    const bool v4 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                    __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                    __builtin_cpu_supports("avx512cd");
+    const bool v3 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2");
+    v.push_back({"avx512", 32, &tile_avx512, v4});
+    v.push_back({"avx2", 16, &tile_avx2, v3});
+#endif
+    v.push_back({"generic", 16, &tile_generic, true});
+    return v;
+  }();
+  return all;
+}
+
+const Variant& pick(const std::string& name) {
+  for (const Variant& v : variants()) {
+    if (name == "auto" ? v.runs : name == v.name) {
+      TORCH_CHECK(v.runs, "indexer_scores: this CPU cannot run the ", v.name, " variant");
+      return v;
+    }
+  }
+  TORCH_CHECK(false, "indexer_scores: unknown variant '", name, "' (see mla_kernels::cpu_variants)");
+}
+
+// The variants this library holds, each "name:runs" or "name:cannot run here".
+std::vector<std::string> cpu_variants() {
+  std::vector<std::string> out;
+  for (const Variant& v : variants()) out.push_back(std::string(v.name) + (v.runs ? ":runs" : ":cannot run here"));
+  return out;
+}
+
+template <typename K>
+void score_rows(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& cache,
+                const c10::optional<at::Tensor>& scales, const at::Tensor& block_tables, const int64_t* req,
+                const int64_t* lens, at::Tensor& out, const Variant& variant) {
+  const int64_t TILE = variant.tile;
+  const int64_t rows = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t num_blocks = cache.size(0), block_size = cache.size(1);
+  const int64_t max_len = out.size(1), tiles = (max_len + TILE - 1) / TILE;
+  const int64_t groups = scales.has_value() ? scales->size(2) : 0;
+  const float* qp = q.data_ptr<float>();
+  const float* wp = weights.data_ptr<float>();
+  const K* cp = cache.data_ptr<K>();
+  const float* sp = scales.has_value() ? scales->data_ptr<float>() : nullptr;
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int64_t bt_stride = block_tables.stride(0), bt_width = block_tables.size(1);
+  float* op = out.data_ptr<float>();
+
+  at::parallel_for(0, rows * tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> kt(static_cast<size_t>(d * TILE));
+    std::vector<float> acc(static_cast<size_t>(TILE));
+    for (int64_t piece = begin; piece < end; ++piece) {
+      const int64_t t = piece / tiles, p0 = (piece % tiles) * TILE;
+      const int64_t n = std::min(TILE, lens[t] - p0);
+      if (n <= 0) continue;
+      const int32_t* table = bt + req[t] * bt_stride;
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t pos = p0 + j;
+        const int64_t col = pos / block_size;
+        TORCH_CHECK(col < bt_width, "indexer_scores: key_len ", lens[t], " is beyond the block table's ", bt_width,
+                    " blocks");
+        const int64_t blk = table[col];
+        TORCH_CHECK(blk >= 0 && blk < num_blocks, "indexer_scores: block id ", blk, " of block-table row ", req[t],
+                    " is outside the cache's ", num_blocks, " blocks");
+        const int64_t slot = blk * block_size + pos % block_size;
+        const K* key = cp + slot * d;
+        if (sp != nullptr) {
+          const float* s = sp + slot * groups;
+          for (int64_t i = 0; i < d; ++i) kt[i * TILE + j] = widen(key[i]) * s[i / SCALE_GROUP];
+        } else {
+          for (int64_t i = 0; i < d; ++i) kt[i * TILE + j] = widen(key[i]);
+        }
+      }
+      for (int64_t j = n; j < TILE; ++j)
+        for (int64_t i = 0; i < d; ++i) kt[i * TILE + j] = 0.0f;
+      variant.fn(qp + t * heads * d, wp + t * heads, kt.data(), heads, d, acc.data());
+      std::memcpy(op + t * max_len + p0, acc.data(), static_cast<size_t>(n) * sizeof(float));
+    }
+  });
+}
+
+at::Tensor indexer_scores(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& cache,
+                          const c10::optional<at::Tensor>& scales, const at::Tensor& block_tables,
+                          const at::Tensor& req_indices, const at::Tensor& key_lens, int64_t max_len,
+                          c10::string_view variant) {
+  const Variant& v = pick(std::string(variant));
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "indexer_scores: q must be float32 [T, H, D]");
+  const int64_t rows = q.size(0), heads = q.size(1), d = q.size(2);
+  TORCH_CHECK(d >= 1 && d <= MAX_D, "indexer_scores: key width ", d, " outside 1..", MAX_D);
+  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.dim() == 2 && weights.size(0) == rows &&
+                  weights.size(1) == heads,
+              "indexer_scores: weights must be float32 [T, H]");
+  TORCH_CHECK(cache.dim() == 3 && cache.size(2) == d, "indexer_scores: cache must be [N, B, D] with D = q's");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt,
+              "indexer_scores: block_tables must be int32 [R, M]");
+  TORCH_CHECK(req_indices.numel() == rows && key_lens.numel() == rows,
+              "indexer_scores: req_indices and key_lens need one value per query row");
+  TORCH_CHECK(max_len >= 0, "indexer_scores: max_len must be >= 0");
+  const bool fp8 = cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(fp8 == scales.has_value(), "indexer_scores: scales go with a float8_e4m3fn cache, and only with it");
+  if (fp8) {
+    TORCH_CHECK(scales->scalar_type() == at::kFloat && scales->dim() == 3 && scales->size(0) == cache.size(0) &&
+                    scales->size(1) == cache.size(1) && scales->size(2) == (d + SCALE_GROUP - 1) / SCALE_GROUP,
+                "indexer_scores: scales must be float32 [N, B, ceil(D / 128)]");
+  }
+  for (const at::Tensor* t : {&q, &weights, &cache, &block_tables, &req_indices, &key_lens})
+    TORCH_CHECK(t->device().is_cpu(), "indexer_scores: CPU tensors only (CUDA takes the Triton kernel)");
+
+  const at::Tensor qc = q.contiguous(), wc = weights.contiguous(), cc = cache.contiguous();
+  const at::Tensor bt = block_tables.contiguous();
+  const at::Tensor req = req_indices.to(at::kLong).contiguous(), lens = key_lens.to(at::kLong).contiguous();
+  const int64_t* rp = req.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t t = 0; t < rows; ++t) {
+    TORCH_CHECK(rp[t] >= 0 && rp[t] < bt.size(0), "indexer_scores: req_indices[", t, "] = ", rp[t],
+                " is not a block-table row");
+    TORCH_CHECK(lp[t] >= 0 && lp[t] <= max_len, "indexer_scores: key_lens[", t, "] = ", lp[t], " outside 0..",
+                max_len);
+  }
+  at::Tensor out = at::full({rows, max_len}, -std::numeric_limits<float>::infinity(), q.options());
+  if (rows == 0 || max_len == 0) return out;
+  const c10::optional<at::Tensor> sc = fp8 ? c10::optional<at::Tensor>(scales->contiguous()) : c10::nullopt;
+  switch (cache.scalar_type()) {
+    case at::kFloat: score_rows<float>(qc, wc, cc, sc, bt, rp, lp, out, v); break;
+    case at::kBFloat16: score_rows<c10::BFloat16>(qc, wc, cc, sc, bt, rp, lp, out, v); break;
+    case at::kHalf: score_rows<c10::Half>(qc, wc, cc, sc, bt, rp, lp, out, v); break;
+    case at::kFloat8_e4m3fn: score_rows<c10::Float8_e4m3fn>(qc, wc, cc, sc, bt, rp, lp, out, v); break;
+    default: TORCH_CHECK(false, "indexer_scores: unsupported cache dtype ", cache.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(mla_kernels, m) {
+  m.def("indexer_scores(Tensor q, Tensor weights, Tensor cache, Tensor? scales, Tensor block_tables, "
+        "Tensor req_indices, Tensor key_lens, int max_len, str variant=\"auto\") -> Tensor");
+  m.def("cpu_variants() -> str[]", &cpu_variants);
+}
+
+TORCH_LIBRARY_IMPL(mla_kernels, CPU, m) { m.impl("indexer_scores", &indexer_scores); }
