@@ -141,6 +141,53 @@ def test_the_cpu_indexer_operator_builds_on_this_machine() -> None:
     assert "indexer_scores" in str(torch.ops.mla_kernels.indexer_scores.default._schema)
 
 
+@pytest.mark.parametrize("variant", ["avx512", "avx2", "generic"])
+@pytest.mark.parametrize("dtype,heads,d_index", [(torch.bfloat16, 64, 128), (FP8, 7, 200), (torch.float16, 4, 32)],
+                         ids=str)
+def test_every_cpu_indexer_variant_matches_reference(variant: str, dtype: torch.dtype, heads: int,
+                                                      d_index: int) -> None:
+    """Each variant of the operator's inner loop that this CPU executes; the others are named as skipped."""
+    from mla_kernels import cpu_ops
+
+    if cpu_ops._compiler() is None:
+        pytest.skip("no C++ compiler on this machine: the indexer runs its torch path")
+    assert cpu_ops.failure() is None
+    held = dict(v.split(":", 1) for v in torch.ops.mla_kernels.cpu_variants())
+    if variant not in held:
+        pytest.skip(f"the {variant} variant is not built for this architecture")
+    if held[variant] != "runs":
+        pytest.skip(f"this CPU cannot run the {variant} variant")
+    case = make_index_case(SEQ_LENS, ROWS, heads, d_index, dtype, seed=heads)
+    got = torch.ops.mla_kernels.indexer_scores(case.q, case.weights, case.cache, case.scales, case.block_tables,
+                                               case.req_indices, case.key_lens, max(SEQ_LENS), variant)
+    ref = _scores(case, reference=True)
+    finite = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(got), finite)
+    torch.testing.assert_close(got[finite], ref[finite], rtol=1e-4, atol=1e-4)
+
+
+def test_the_cpu_indexer_operator_names_bad_arguments() -> None:
+    from mla_kernels import cpu_ops
+
+    if cpu_ops._compiler() is None:
+        pytest.skip("no C++ compiler on this machine: the indexer runs its torch path")
+    assert cpu_ops.failure() is None
+    case = make_index_case(SEQ_LENS, ROWS, 3, 32, torch.float32)
+    op = torch.ops.mla_kernels.indexer_scores
+    args = (case.q, case.weights, case.cache, None, case.block_tables, case.req_indices)
+    with pytest.raises(RuntimeError, match="key_lens"):
+        op(*args, case.key_lens, 10)  # a key_len beyond max_len
+    bad = case.block_tables.clone()
+    bad[0, 0] = 10_000
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        op(case.q, case.weights, case.cache, None, bad, case.req_indices, case.key_lens, max(SEQ_LENS))
+    with pytest.raises(RuntimeError, match="unknown variant"):
+        op(*args, case.key_lens, max(SEQ_LENS), "sse9")
+    meta = op(case.q.to("meta"), case.weights.to("meta"), case.cache.to("meta"), None,
+              case.block_tables.to("meta"), case.req_indices.to("meta"), case.key_lens.to("meta"), 70)
+    assert meta.shape == (len(ROWS), 70)  # the shape function: the operator traces
+
+
 def _scores(case: IndexCase, backend: str | None = None, reference: bool = False) -> torch.Tensor:
     fn = ref_indexer_scores if reference else indexer_scores
     kwargs = {} if reference else {"backend": backend}
