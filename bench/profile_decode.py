@@ -104,8 +104,9 @@ def start_decoding(llm: LLM, batch: int, prompt_len: int, steps: int, warmup: in
 
 
 def as_ops(module: Any, names: tuple[str, ...]) -> dict[str, Callable]:
-    """Wrap the compiled kernels' entry points in ``record_function`` so that torch.profiler counts them as ops
-    (they are ctypes calls, invisible to it otherwise); returns the originals to restore."""
+    """Wrap the compiled kernels' Python entry points in ``record_function`` so that torch.profiler counts each with
+    its argument checks (the operators themselves show too, as ``mla_kernels::<name>``); returns the originals to
+    restore."""
     originals = {name: getattr(module, name) for name in names}
     for name, fn in originals.items():
         def op(*args: Any, _fn: Callable = fn, _name: str = f"mla_kernels::{name}", **kwargs: Any) -> Any:

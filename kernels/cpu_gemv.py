@@ -24,14 +24,12 @@ rows stay in L1. The step's small operations cost more in dispatch than in arith
 row: about 35 µs; a MoE router in torch ops: about 120 µs), which is why the norm, the attention and the MoE layer
 are whole calls of their own, and then each decoder layer (bench/RESULTS.md has the measurements).
 
-It is C, not a PyTorch extension, so that building it takes the system C compiler a few seconds and no PyTorch
-headers. ``failure()`` (once per process) checks the CPU (``torch.cpu.get_capabilities``: avx2 and fma3 on x86-64),
-finds a compiler (``$CC``, ``cc``, ``gcc``), compiles the sources with ``-O3 -mavx2 -mfma -fopenmp`` (code for wider
-ISAs is compiled per function with target attributes and chosen at run time), linking the OpenMP runtime PyTorch
-ships (so the kernels' threads are PyTorch's pool, not a second one competing for the cores), loads them with
-``ctypes`` and checks each kernel against torch on small inputs. The built library is kept in ``cache_dir()``, named
-by a digest of the sources, the command line and the compiler's version, so a machine builds it once, not once per
-process.
+The kernels are C (``csrc/*.c``, their entry points declared in ``csrc/mla_cpu.h``) compiled as C++ into the
+library of typed torch operators that ``mla_kernels.cpu_ops`` builds once per machine (``-O3 -mavx2 -mfma -fopenmp``;
+code for wider instruction sets is compiled per function with target attributes and chosen at run time), on the
+OpenMP runtime PyTorch ships, so the kernels' threads are PyTorch's pool. Each is called as
+``torch.ops.mla_kernels.<name>`` with its buffers as tensors. ``failure()`` (once per process) checks the CPU
+(x86-64 with avx2 and fma3), that the operators built, and each kernel against torch on small inputs.
 Anything that fails makes them unavailable, with the reason, and callers keep their torch paths
 (``mla_runtime.layers.cpu_gemm``). Results equal torch's to float rounding (another summation order), except the
 int8 products' int16 rounding of their rows and the int4 products' int8 rounding.
@@ -39,164 +37,25 @@ int8 products' int16 rounding of their rows and the int4 products' int8 rounding
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import os
 import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Any
 
 import torch
 
-CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "gemv_f32.c", CSRC / "mla_decode_f32.c", CSRC / "mla_layer_f32.c",
-           CSRC / "gemv_fp8.c", CSRC / "gemv_int4.c")  # one library (csrc/simd.h)
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
-COMPILE_TIMEOUT_S = 120
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
-def _torch_openmp() -> list[str]:
-    """Linker flags that bind the kernel to the OpenMP runtime PyTorch loaded (its bundled libgomp), if any."""
-    lib = Path(torch.__file__).resolve().parent / "lib"
-    if any(lib.glob("libgomp*.so*")):
-        return ["-L", str(lib), f"-Wl,-rpath,{lib}"]
-    return []
-
-
-def cache_dir() -> Path:
-    """Where built kernel libraries are kept, one per source, flags and compiler: ``$MLA_KERNEL_CACHE``, else
-    ``$XDG_CACHE_HOME/mla-runtime/kernels`` (``~/.cache`` without it)."""
-    if os.environ.get("MLA_KERNEL_CACHE"):
-        return Path(os.environ["MLA_KERNEL_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mla-runtime" / "kernels"
-
-
-def _build_key(cc: str, command: list[str]) -> str:
-    """A digest of everything the built library depends on: the sources, the command line and the compiler."""
-    h = hashlib.sha256()
-    for source in (*SOURCES, CSRC / "simd.h"):
-        h.update(source.read_bytes())
-    h.update("\0".join(command).encode())
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
-    h.update(version.stdout.encode())
-    return h.hexdigest()[:20]
-
-
-def _build(cc: str) -> tuple[str | None, str | None]:
-    """The built library's path (from the cache where it was built before), or None and why not."""
-    command = [*FLAGS, *map(str, SOURCES), *_torch_openmp()]
-    try:
-        name = f"libmla_gemv-{_build_key(cc, command)}.so"
-        folder = cache_dir()
-        if (folder / name).is_file():
-            return str(folder / name), None
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            staging = tempfile.mkdtemp(prefix=".build-", dir=folder)
-        except OSError:  # a read-only home: build for this process alone
-            folder, staging = Path(tempfile.mkdtemp(prefix="mla_gemv_")), ""
-        out = os.path.join(staging or folder, name)
-        done = subprocess.run([cc, *command, "-o", out], capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
-        if done.returncode != 0:
-            said = (done.stderr.strip() or done.stdout.strip() or f"exit status {done.returncode}").splitlines()
-            names = ", ".join(source.name for source in SOURCES)
-            return None, f"compiling {names} with {cc} failed: {said[-1][:200]}"
-        if staging:
-            os.replace(out, folder / name)  # atomic: a concurrent build of the same key writes the same bytes
-            shutil.rmtree(staging, ignore_errors=True)
-        return str(folder / name), None
-    except (OSError, subprocess.SubprocessError) as e:
-        return None, f"building the kernel failed: {e}"
+from . import cpu_ops
 
 
 @functools.cache
-def _load() -> tuple[ctypes.CDLL | None, str | None]:
-    if platform.machine().lower() not in ("x86_64", "amd64"):
+def _load() -> tuple[Any, str | None]:
+    """The kernels' operators (``torch.ops.mla_kernels``), or None and why they are unavailable."""
+    if not cpu_ops.x86():
         return None, f"the kernels are written for x86-64 (this CPU: {platform.machine()})"
-    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
-    missing = [c for c in ("avx2", "fma3") if not caps.get(c)]
-    if missing:
-        return None, f"the CPU lacks {', '.join(missing)}"
-    cc = _compiler()
-    if cc is None:
-        return None, "no C compiler found ($CC, cc, gcc, clang)"
-    path, why = _build(cc)
-    if path is None:
+    why = cpu_ops.failure()
+    if why is not None:
         return None, why
-    try:
-        lib = ctypes.CDLL(path)
-    except OSError as e:
-        return None, f"loading the built kernel failed: {e}"
-    finally:
-        if Path(path).parent != cache_dir():  # a private build: the mapping stays valid after the file is removed
-            shutil.rmtree(Path(path).parent, ignore_errors=True)
-    lib.mla_gemv_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3  # w, x, y, n, k, threads
-    lib.mla_gemv_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3  # w, scale, x, y, n, k, threads
-    lib.mla_gemm_few_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4  # w, x, y, m, n, k, threads
-    lib.mla_gemm_few_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4  # w, scale, x, y, m, n, k, threads
-    lib.mla_gemm_few_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4  # w, x, y, m, n, k, threads
-    lib.mla_gemv_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3  # w, x, y, n, k, threads
-    # packed int4 nibbles, float16 scales, x, y, m, n, k, threads, variant
-    lib.mla_gemm_i4.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5
-    lib.mla_gemm_i4.restype = None
-    lib.mla_i4_variants.argtypes = []
-    lib.mla_i4_variants.restype = ctypes.c_int64
-    lib.mla_i4_from_stored.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2  # src, dst, groups, threads
-    lib.mla_i4_from_stored.restype = None
-    lib.mla_i8_variants.argtypes = []
-    lib.mla_i8_variants.restype = ctypes.c_int64
-    lib.mla_i8_select.argtypes = [ctypes.c_int64]
-    lib.mla_i8_select.restype = None
-    # w (float8_e4m3fn bytes), scale, block rows, block columns, x, y, m, n, k, threads
-    lib.mla_gemm_fp8.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + \
-        [ctypes.c_int64] * 4
-    lib.mla_gemm_fp8.restype = None
-    # q_n, its two strides, q_r, its two strides, w_uk, w_uv_t, cache, slots, slot stride, lens, scale, out, scratch,
-    # scratch stride, rows, heads, d_n, d_r, d_c, d_v, threads
-    lib.mla_absorbed_decode_f32.argtypes = (
-        [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] +  # type: ignore[assignment]
-        [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_float] +
-        [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 8
-    )
-    lib.mla_absorbed_decode_bf16w.argtypes = lib.mla_absorbed_decode_f32.argtypes
-    lib.mla_rms_norm_f32.argtypes = (
-        [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 2 +  # type: ignore[assignment]
-        [ctypes.c_int64] * 2 + [ctypes.c_float]  # x, row stride, weight, y, m, k, eps
-    )
-    lib.mla_gated_mlps.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + \
-        [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]  # x, y, d, table, ids, weights, n, scratch, threads
-    # x, y, d, router, route, bias, scaling, table, first, count, shared, scratch, max_inter, threads
-    lib.mla_moe_row.argtypes = (
-        [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 +  # type: ignore[assignment]
-        [ctypes.c_float, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 2
-    )
-    # latent, its row stride, norm, eps, q, its two strides, heads, d_n, cos, sin, their row stride, cache, slots,
-    # rows, d_c, d_r, interleave
-    lib.mla_rope_store_f32.argtypes = (
-        [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p] +  # type: ignore[assignment]
-        [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 4
-    )
-    lib.mla_rope_store_f32.restype = None
-    lib.mla_decoder_layer.argtypes = [ctypes.c_void_p] * 5  # layer table, step table, x, cache, scratch
-    lib.mla_decoder_layer.restype = ctypes.c_int64
-    lib.mla_decoder_layer_scratch.argtypes = [ctypes.c_void_p] * 2
-    lib.mla_decoder_layer_scratch.restype = ctypes.c_int64
-    for fn in (lib.mla_gemv_f32, lib.mla_gemv_i8, lib.mla_gemm_few_f32, lib.mla_gemm_few_i8, lib.mla_gemm_few_bf16,
-               lib.mla_gemv_bf16, lib.mla_absorbed_decode_f32, lib.mla_absorbed_decode_bf16w, lib.mla_rms_norm_f32,
-               lib.mla_gated_mlps, lib.mla_moe_row):
-        fn.restype = None
-    return lib, None
+    return torch.ops.mla_kernels, None
 
 
 @functools.cache
@@ -261,7 +120,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                          f"{tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} {weight.dtype}")
     row = x.contiguous()
     y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
-    lib.mla_gemv_f32(weight.data_ptr(), row.data_ptr(), y.data_ptr(), n, k, torch.get_num_threads())
+    lib.gemv_f32(weight, row, y, n, k, torch.get_num_threads())
     return y if bias is None else y.add_(bias)
 
 
@@ -281,7 +140,7 @@ def gemm_few(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
                          f"weight, got x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} {weight.dtype}")
     xs = x.contiguous()
     y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
-    lib.mla_gemm_few_f32(weight.data_ptr(), xs.data_ptr(), y.data_ptr(), rows, n, k, torch.get_num_threads())
+    lib.gemm_few_f32(weight, xs, y, rows, n, k, torch.get_num_threads())
     return y if bias is None else y.add_(bias)
 
 
@@ -300,9 +159,9 @@ def gemm_few_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     xs = x.to(torch.float32).contiguous()
     y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
     if rows == 1:  # each thread's rows as two sequential streams (as gemv)
-        lib.mla_gemv_bf16(weight.data_ptr(), xs.data_ptr(), y.data_ptr(), n, k, torch.get_num_threads())
+        lib.gemv_bf16(weight, xs, y, n, k, torch.get_num_threads())
     else:
-        lib.mla_gemm_few_bf16(weight.data_ptr(), xs.data_ptr(), y.data_ptr(), rows, n, k, torch.get_num_threads())
+        lib.gemm_few_bf16(weight, xs, y, rows, n, k, torch.get_num_threads())
     return y if bias is None else y.add_(bias)
 
 
@@ -336,7 +195,7 @@ def gemv_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> t
                          f"{scales.dtype}")
     row = x.to(torch.float32).contiguous()
     y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
-    lib.mla_gemv_i8(qweight.data_ptr(), scales.data_ptr(), row.data_ptr(), y.data_ptr(), n, k, torch.get_num_threads())
+    lib.gemv_i8(qweight, scales, row, y, n, k, torch.get_num_threads())
     return y
 
 
@@ -360,8 +219,7 @@ def gemm_few_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) 
                          f"{tuple(scales.shape)} {scales.dtype}")
     xs = x.to(torch.float32).contiguous()
     y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
-    lib.mla_gemm_few_i8(qweight.data_ptr(), scales.data_ptr(), xs.data_ptr(), y.data_ptr(), rows, n, k,
-                        torch.get_num_threads())
+    lib.gemm_few_i8(qweight, scales, xs, y, rows, n, k, torch.get_num_threads())
     return y
 
 
@@ -374,7 +232,7 @@ def int8_variants() -> tuple[str, ...]:
     lib, _ = _load()
     if lib is None:
         return ()
-    mask = int(lib.mla_i8_variants())
+    mask = int(lib.i8_variants())
     return tuple(name for i, name in enumerate(INT8_VARIANTS) if mask >> i & 1)
 
 
@@ -384,7 +242,7 @@ def select_int8_variant(variant: str | None) -> None:
     assert lib is not None, "select_int8_variant needs the kernel: check failure() first"
     if variant is not None and variant not in int8_variants():
         raise ValueError(f"this CPU runs the int8 variants {list(int8_variants())}, not {variant!r}")
-    lib.mla_i8_select(-1 if variant is None else INT8_VARIANTS.index(variant))
+    lib.i8_select(-1 if variant is None else INT8_VARIANTS.index(variant))
 
 
 FP8_ROWS_MAX = 64  # block-FP8 products of up to this many rows take the kernel
@@ -444,8 +302,7 @@ def gemm_fp8(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, blo
                          f"{scale_inv.dtype} and block {tuple(block)}")
     xs = x.to(torch.float32).contiguous()
     y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
-    lib.mla_gemm_fp8(weight.data_ptr(), scale_inv.data_ptr(), bn, bk, xs.data_ptr(), y.data_ptr(), rows, n, k,
-                     torch.get_num_threads())
+    lib.gemm_fp8(weight, scale_inv, bn, bk, xs, y, rows, n, k, torch.get_num_threads())
     return y
 
 
@@ -482,7 +339,7 @@ def int4_variants() -> tuple[str, ...]:
     lib, _ = _load()
     if lib is None:
         return ()
-    mask = int(lib.mla_i4_variants())
+    mask = int(lib.i4_variants())
     return tuple(name for i, name in enumerate(INT4_VARIANTS) if mask >> i & 1)
 
 
@@ -497,7 +354,7 @@ def int4_from_stored(stored: torch.Tensor) -> torch.Tensor:
                          f"{stored.dtype} {tuple(stored.shape)}")
     src = stored.contiguous()
     out = torch.empty_like(src)
-    lib.mla_i4_from_stored(src.data_ptr(), out.data_ptr(), src.numel() // (INT4_GROUP // 2), torch.get_num_threads())
+    lib.i4_from_stored(src, out, src.numel() // (INT4_GROUP // 2), torch.get_num_threads())
     return out
 
 
@@ -594,8 +451,7 @@ def gemm_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, varia
         raise ValueError(f"gemm_int4: this CPU runs the int4 variants {list(int4_variants())}, not {variant!r}")
     xs = x.to(torch.float32).contiguous()
     y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
-    lib.mla_gemm_i4(packed.data_ptr(), scales.data_ptr(), xs.data_ptr(), y.data_ptr(), rows, n, k,
-                    torch.get_num_threads(), INT4_VARIANTS.index(variant))
+    lib.gemm_i4(packed, scales, xs, y, rows, n, k, torch.get_num_threads(), INT4_VARIANTS.index(variant))
     return y
 
 
@@ -636,16 +492,13 @@ def absorbed_decode(q_n: torch.Tensor, q_r: torch.Tensor, w_uk: torch.Tensor, w_
     per_row = -(-heads // threads) * 2 * d_c  # scratch floats a row takes per thread (q~ and o_lat of its heads)
     step = max(1, DECODE_SCRATCH_BYTES // (4 * threads * per_row))  # rows per call: bounds the scratch
     out = torch.empty(rows, heads, d_v, dtype=torch.float32)
-    kernel = lib.mla_absorbed_decode_bf16w if w_uk.dtype == torch.bfloat16 else lib.mla_absorbed_decode_f32
     for r0 in range(0, rows, step):
         n = min(step, rows - r0)
         stride = n * per_row + -(-heads // threads) * slots.shape[1]  # per thread: see the C source
         scratch = torch.empty(threads, stride, dtype=torch.float32)
-        kernel(q_n[r0].data_ptr(), q_n.stride(0), q_n.stride(1), q_r[r0].data_ptr(),
-                                    q_r.stride(0), q_r.stride(1), w_uk.data_ptr(), w_uv_t.data_ptr(), cache.data_ptr(),
-                                    slots[r0].data_ptr(), slots.stride(0), lens[r0].data_ptr(), scale,
-                                    out[r0].data_ptr(), scratch.data_ptr(), stride, n, heads, d_n, d_r, d_c, d_v,
-                                    threads)
+        lib.absorbed_decode(q_n[r0:], q_n.stride(0), q_n.stride(1), q_r[r0:], q_r.stride(0), q_r.stride(1), w_uk,
+                            w_uv_t, cache, slots[r0:], slots.stride(0), lens[r0:], scale, out[r0:], scratch, stride,
+                            n, heads, d_n, d_r, d_c, d_v, threads)
     return out
 
 
@@ -670,9 +523,8 @@ def rope_store(latent: torch.Tensor, norm: torch.Tensor, eps: float, q: torch.Te
         raise ValueError(f"rope_store: latent {tuple(latent.shape)}, q {tuple(q.shape)}, cos {tuple(cos.shape)}, cache "
                          f"{tuple(cache.shape)} and slots {tuple(slots.shape)} {slots.dtype} do not fit one float32 "
                          "decode step")
-    lib.mla_rope_store_f32(latent.data_ptr(), latent.stride(0), norm.data_ptr(), eps, q.data_ptr(), q.stride(0),
-                           q.stride(1), q.shape[1], d_n, cos.data_ptr(), sin.data_ptr(), cos.stride(0),
-                           cache.data_ptr(), slots.data_ptr(), rows, d_c, d_r, int(interleave))
+    lib.rope_store(latent, latent.stride(0), norm, eps, q, q.stride(0), q.stride(1), q.shape[1], d_n, cos, sin,
+                   cos.stride(0), cache, slots, rows, d_c, d_r, int(interleave))
 
 
 DECODE_MAX_GROUP = 256  # heads one thread of the decode kernel takes (MAX_GROUP in csrc/mla_decode_f32.c)
@@ -695,7 +547,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         raise ValueError(f"rms_norm takes float32 rows of {k} values and a contiguous float32 weight, got x "
                          f"{tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} {weight.dtype}")
     y = torch.empty(x.shape, dtype=torch.float32)
-    lib.mla_rms_norm_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), y.data_ptr(), x.shape[0], k, eps)
+    lib.rms_norm_f32(x, x.stride(0), weight, y, x.shape[0], k, eps)
     return y.view(shape)
 
 
@@ -788,9 +640,8 @@ class GatedMLPTable:
         row = x.contiguous()
         y = torch.empty(x.shape, dtype=torch.float32)
         scratch = torch.empty(3 * self.max_inter, dtype=torch.float32)
-        n = len(ids)
-        lib.mla_gated_mlps(row.data_ptr(), y.data_ptr(), self.hidden, self.table.data_ptr(), (ctypes.c_int64 * n)(*ids),
-                           (ctypes.c_float * n)(*weights), n, scratch.data_ptr(), torch.get_num_threads())
+        lib.gated_mlps(row, y, self.hidden, self.table, list(ids), [float(w) for w in weights], scratch,
+                       torch.get_num_threads())
         return y
 
     def moe_row(self, x: torch.Tensor, router: torch.Tensor, route: torch.Tensor, bias: torch.Tensor | None,
@@ -812,9 +663,8 @@ class GatedMLPTable:
         row = x.contiguous()
         y = torch.empty(x.shape, dtype=torch.float32)
         scratch = torch.empty(3 * self.max_inter + 5 * n_experts + n_group + MOE_MAX_TOPK + 1, dtype=torch.float32)
-        lib.mla_moe_row(row.data_ptr(), y.data_ptr(), self.hidden, router.data_ptr(), route.data_ptr(),
-                        None if bias is None else bias.data_ptr(), scaling, self.table.data_ptr(), first, count, shared,
-                        scratch.data_ptr(), self.max_inter, torch.get_num_threads())
+        lib.moe_row(row, y, self.hidden, router, route, bias, scaling, self.table, first, count, shared, scratch,
+                    self.max_inter, torch.get_num_threads())
         return y
 
 
@@ -888,7 +738,6 @@ class DecoderLayerTable:
         self.heads, self.hidden, self.d_c = heads, d, d_c
         self.runs_mlp = w.mlp is not None
         self.table = torch.tensor([fields.get(name, 0) for name in LAYER_FIELDS], dtype=torch.int64)
-        self.ptr = self.table.data_ptr()
 
     def _mlp(self, w: LayerWeights, fields: dict[str, int]) -> float:
         mlp = w.mlp
@@ -944,10 +793,9 @@ class DecodeStep:
                       decode_threads=decode_threads, decode_stride=rows * group * 2 * d_c + group * keys.shape[1])
         self.rows, self.heads, self.d_c = rows, heads, d_c
         self.table = torch.tensor([values[name] for name in STEP_FIELDS], dtype=torch.int64)
-        self.ptr = self.table.data_ptr()
         lib, _ = _load()
         assert lib is not None, "DecodeStep needs the kernels: check failure() first"
-        self.scratch = torch.empty(lib.mla_decoder_layer_scratch(table.ptr, self.ptr), dtype=torch.float32)
+        self.scratch = torch.empty(lib.decoder_layer_scratch(table.table, self.table), dtype=torch.float32)
 
     def fits(self, table: DecoderLayerTable) -> bool:
         """Whether this step serves ``table``'s layer (the same heads and latent width); the scratch grows to what the
@@ -956,7 +804,7 @@ class DecodeStep:
             return False
         lib, _ = _load()
         assert lib is not None
-        need = lib.mla_decoder_layer_scratch(table.ptr, self.ptr)
+        need = lib.decoder_layer_scratch(table.table, self.table)
         if need > self.scratch.numel():
             self.scratch = torch.empty(need, dtype=torch.float32)
         return True
@@ -975,6 +823,6 @@ def decoder_layer(table: DecoderLayerTable, step: DecodeStep, x: torch.Tensor, c
             or cache.dtype != torch.float32 or not cache.is_contiguous() or not step.fits(table)):
         raise ValueError(f"decoder_layer: x {tuple(x.shape)} {x.dtype} and cache {tuple(cache.shape)} {cache.dtype} do "
                          f"not fit a layer of width {table.hidden} over {step.rows} rows")
-    if lib.mla_decoder_layer(table.ptr, step.ptr, x.data_ptr(), cache.data_ptr(), step.scratch.data_ptr()):
+    if lib.decoder_layer(table.table, step.table, x, cache, step.scratch):
         return None
     return step.scratch[:x.numel()].view(x.shape)

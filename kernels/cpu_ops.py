@@ -27,19 +27,51 @@ import os
 import platform
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import torch
 
-from .cpu_gemv import _torch_openmp, cache_dir
-
 logger = logging.getLogger("mla_runtime")
 
-CSRC = Path(__file__).resolve().parent / "csrc" / "ops"
-SOURCES = (CSRC / "indexer.cpp",)
-CFLAGS = ("-O3", "-std=c++17", "-fopenmp")  # OpenMP: at::parallel_for runs on torch's thread pool
+CSRC = Path(__file__).resolve().parent / "csrc"
+# every architecture: the indexer; x86-64 adds the AVX2 kernels of csrc/*.c (mla_cpu.h), compiled as C++ into the
+# same library and registered by ops/cpu_kernels.cpp
+PORTABLE_SOURCES = (CSRC / "ops" / "indexer.cpp",)
+X86_SOURCES = (CSRC / "gemv_f32.c", CSRC / "mla_decode_f32.c", CSRC / "mla_layer_f32.c", CSRC / "gemv_fp8.c",
+               CSRC / "gemv_int4.c", CSRC / "ops" / "cpu_kernels.cpp")
+HEADERS = (CSRC / "mla_cpu.h", CSRC / "simd.h")
+CFLAGS = ("-O3", "-std=c++17", "-fopenmp")  # OpenMP: the kernels' threads are torch's pool
+X86_CFLAGS = ("-mavx2", "-mfma")  # the x86 baseline: wider instruction sets are chosen per function at run time
 NAME = "mla_kernels_ops"
-BUILD_TIMEOUT_HINT_S = 120  # a first build takes about 20-40 s on two cores
+
+
+def x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def sources() -> tuple[Path, ...]:
+    return PORTABLE_SOURCES + (X86_SOURCES if x86() else ())
+
+
+def cflags() -> list[str]:
+    return [*CFLAGS, *(X86_CFLAGS if x86() else ())]
+
+
+def cache_dir() -> Path:
+    """Where built kernel libraries are kept, one per source, flags and compiler: ``$MLA_KERNEL_CACHE``, else
+    ``$XDG_CACHE_HOME/mla-runtime/kernels`` (``~/.cache`` without it)."""
+    if os.environ.get("MLA_KERNEL_CACHE"):
+        return Path(os.environ["MLA_KERNEL_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mla-runtime" / "kernels"
+
+
+def _torch_openmp() -> list[str]:
+    """Linker flags that bind the library to the OpenMP runtime PyTorch loaded (its bundled libgomp), if any."""
+    lib = Path(torch.__file__).resolve().parent / "lib"
+    if any(lib.glob("libgomp*.so*")):
+        return ["-L", str(lib), f"-Wl,-rpath,{lib}"]
+    return []
 
 
 def _compiler() -> str | None:
@@ -50,42 +82,62 @@ def _compiler() -> str | None:
 
 
 def _ldflags() -> list[str]:
-    """Link the OpenMP runtime torch loaded (its bundled libgomp), so the kernels' threads are torch's pool."""
     return ["-fopenmp", *_torch_openmp()]
 
 
 def build_key(cxx: str) -> str:
     """A digest of what the built library depends on: the sources, the flags, the compiler and torch."""
     h = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*sources(), *HEADERS):
         h.update(source.read_bytes())
-    h.update("\0".join((*CFLAGS, *_ldflags())).encode())
+    h.update("\0".join((*cflags(), *_ldflags())).encode())
     h.update(torch.__version__.encode())
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60)
     h.update(version.stdout.encode())
     return h.hexdigest()[:16]
 
 
+def _build_folder(key: str) -> tuple[Path, bool]:
+    """The cache folder of this build, or a private one for this process where the cache cannot be written
+    (True: private, removed once the library is loaded)."""
+    folder = cache_dir() / f"ops-{key}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder, False
+    except OSError:
+        return Path(tempfile.mkdtemp(prefix="mla_kernels_")), True
+
+
 @functools.cache
 def failure() -> str | None:
     """None where the operators are built (or found built) and loaded, else why not."""
-    if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
+    if not x86() and platform.machine().lower() not in ("aarch64", "arm64"):
         return f"the typed CPU operators are built for x86-64 and aarch64 (this CPU: {platform.machine()})"
+    if x86():
+        caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+        missing = [c for c in ("avx2", "fma3") if not caps.get(c)]
+        if missing:
+            return f"the CPU lacks {', '.join(missing)}"
     cxx = _compiler()
     if cxx is None:
         return "no C++ compiler found ($CXX, c++, g++, clang++)"
+    private = False
     try:
         from torch.utils import cpp_extension
 
-        folder = cache_dir() / f"ops-{build_key(cxx)}"
-        folder.mkdir(parents=True, exist_ok=True)
-        os.environ.setdefault("CXX", cxx)
-        cpp_extension.load(name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
-                           extra_ldflags=_ldflags(),
-                           build_directory=str(folder), is_python_module=False, verbose=False)
+        key = build_key(cxx)
+        folder, private = _build_folder(key)
+        os.environ["CXX"] = cxx  # the compiler the extension builder runs
+        # named by its key: a process that loads a build again (the same file) never registers the operators twice
+        cpp_extension.load(name=f"{NAME}_{key}", sources=[str(s) for s in sources()], extra_cflags=cflags(),
+                           extra_ldflags=_ldflags(), build_directory=str(folder), is_python_module=False,
+                           verbose=False)
     except Exception as e:  # noqa: BLE001 - a failed build leaves the torch paths, with the reason
-        said = str(e).strip().splitlines()
-        return f"building the typed CPU operators failed: {said[-1][:300] if said else type(e).__name__}"
+        said = [line for line in str(e).strip().splitlines() if "error" in line.lower()] or str(e).splitlines()
+        return f"building the typed CPU operators with {cxx} failed: {said[0][:300] if said else type(e).__name__}"
+    finally:
+        if private:  # the mapping stays valid after the files are removed
+            shutil.rmtree(folder, ignore_errors=True)
     _register_fakes()
     return None
 
@@ -103,8 +155,14 @@ def _log_once(why: str) -> None:
     logger.info("typed CPU operators unavailable, the torch paths run instead: %s", why)
 
 
+_FAKES: list[str] = []  # the operators given a shape function (once per process)
+
+
 def _register_fakes() -> None:
     """Shape functions, so the operators trace (``torch.compile``, ``torch.export``) without running."""
+    if _FAKES:
+        return
+    _FAKES.append("indexer_scores")
 
     @torch.library.register_fake("mla_kernels::indexer_scores")
     def _(q, weights, cache, scales, block_tables, req_indices, key_lens, max_len):  # type: ignore[no-untyped-def]

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ from torch import nn
 if not torch.cuda.is_available():  # kernels: interpret Triton on CPU (must precede the first triton import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from mla_kernels import cpu_gemv, mla_decode_planned, plan_decode, plan_decode_lists, write_latent  # noqa: E402
+from mla_kernels import cpu_gemv, cpu_ops, mla_decode_planned, plan_decode, plan_decode_lists, write_latent  # noqa: E402
 from mla_kernels.reference import ref_mla_decode  # noqa: E402
 
 from mla_runtime import LLM, SamplingParams  # noqa: E402
@@ -574,72 +576,63 @@ def test_one_row_products_with_and_without_the_kernel(monkeypatch):
         torch.testing.assert_close(linear(x.repeat(3, 1), w, None, packed), F.linear(x.repeat(3, 1), w))
 
 
-def test_the_row_kernel_is_left_out_with_a_reason_where_it_cannot_build(monkeypatch):
-    """No C compiler, or one that fails: the kernel is unavailable, says why, and weights keep oneDNN."""
+def _clear_kernel_caches() -> None:
+    cpu_ops.failure.cache_clear()
+    cpu_gemv._load.cache_clear()
+    cpu_gemv.failure.cache_clear()
+
+
+def test_the_row_kernel_is_left_out_with_a_reason_where_it_cannot_build(monkeypatch, tmp_path):
+    """No C++ compiler, or one that fails: the kernels are unavailable, say why, and weights keep oneDNN."""
     builds_here = cpu_gemv.failure() is None  # else it stops earlier (architecture, instruction set)
     monkeypatch.setenv(cpu_gemm.GEMM_ENV, "auto")
+    monkeypatch.setenv("MLA_KERNEL_CACHE", str(tmp_path / "kernels"))  # a fresh cache: nothing built there yet
+    monkeypatch.setenv("CXX", os.environ.get("CXX", "c++"))  # restored afterwards
     try:
-        failed = f"compiling {', '.join(s.name for s in cpu_gemv.SOURCES)} with false failed"
-        for compiler, said in ((None, "no C compiler found"), ("false", failed)):
-            monkeypatch.setattr(cpu_gemv, "_compiler", lambda c=compiler: c)
-            cpu_gemv._load.cache_clear()
-            cpu_gemv.failure.cache_clear()
+        for compiler, said in ((None, "no C++ compiler found"), ("false", "building the typed CPU operators with "
+                                                                           "false failed")):
+            monkeypatch.setattr(cpu_ops, "_compiler", lambda c=compiler: c)
+            _clear_kernel_caches()
             why = cpu_gemv.failure()
-            assert why is not None and (said in why or not builds_here)
+            assert why is not None and (said in why or not builds_here), why
             packed = PackedWeight.make(torch.randn(16, 32))
             assert packed is None or not packed.row_kernel
     finally:
-        cpu_gemv._load.cache_clear()
-        cpu_gemv.failure.cache_clear()
+        _clear_kernel_caches()
 
 
 def test_the_kernel_library_is_built_once_per_machine(tmp_path, monkeypatch):
-    """The built library is kept in the cache folder under a digest of what it is built from: a second process (here:
-    a cleared cache) loads it without compiling; other flags build another."""
+    """The library lives in the cache folder under a digest of what it is built from (sources, headers, flags,
+    compiler, torch): every process with the same inputs loads that build, and a change of any makes another."""
     if cpu_gemv.failure() is not None:
         pytest.skip(f"the kernels do not build here: {cpu_gemv.failure()}")
-    monkeypatch.setenv("MLA_KERNEL_CACHE", str(tmp_path / "kernels"))
-    real_run = cpu_gemv.subprocess.run
-    compiles: list[list[str]] = []
-    monkeypatch.setattr(cpu_gemv.subprocess, "run",
-                        lambda cmd, **kw: (compiles.append(cmd) if "-o" in cmd else None) or real_run(cmd, **kw))
-    try:
-        for _ in range(2):
-            cpu_gemv._load.cache_clear()
-            cpu_gemv.failure.cache_clear()
-            assert cpu_gemv.failure() is None
-        built = list((tmp_path / "kernels").glob("libmla_gemv-*.so"))
-        assert len(compiles) == 1 and len(built) == 1
-        monkeypatch.setattr(cpu_gemv, "FLAGS", (*cpu_gemv.FLAGS, "-DMLA_OTHER_BUILD"))
-        cpu_gemv._load.cache_clear()
-        cpu_gemv.failure.cache_clear()
-        assert cpu_gemv.failure() is None
-        assert len(compiles) == 2 and len(list((tmp_path / "kernels").glob("libmla_gemv-*.so"))) == 2
-    finally:
-        cpu_gemv._load.cache_clear()
-        cpu_gemv.failure.cache_clear()
+    cxx = cpu_ops._compiler()
+    assert cxx is not None
+    key = cpu_ops.build_key(cxx)
+    assert cpu_ops.build_key(cxx) == key
+    built = cpu_ops.cache_dir() / f"ops-{key}"
+    assert list(built.glob(f"{cpu_ops.NAME}*.so")), f"the library this process loaded is kept in {built}"
+    monkeypatch.setattr(cpu_ops, "CFLAGS", (*cpu_ops.CFLAGS, "-DMLA_OTHER_BUILD"))
+    assert cpu_ops.build_key(cxx) != key
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu_ops, "HEADERS", (*cpu_ops.HEADERS, Path(cpu_ops.__file__)))
+    assert cpu_ops.build_key(cxx) != key
 
 
 def test_an_unwritable_kernel_cache_builds_for_the_process(tmp_path, monkeypatch):
-    """A cache folder that cannot be made (here: under a regular file) leaves the kernels available, built into a
-    private folder for this process and removed once loaded."""
-    import tempfile
-    from pathlib import Path
-    if cpu_gemv.failure() is not None:
-        pytest.skip(f"the kernels do not build here: {cpu_gemv.failure()}")
+    """A cache folder that cannot be made (here: under a regular file) gives a private build folder for the process
+    (removed once the library is loaded), and the regular file is left as it was."""
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     monkeypatch.setenv("MLA_KERNEL_CACHE", str(blocker / "kernels"))
+    folder, private = cpu_ops._build_folder("somekey")
     try:
-        cpu_gemv._load.cache_clear()
-        cpu_gemv.failure.cache_clear()
-        before = set(Path(tempfile.gettempdir()).glob("mla_gemv_*"))
-        assert cpu_gemv.failure() is None
+        assert private and folder.is_dir() and not str(folder).startswith(str(blocker))
         assert blocker.read_text() == "not a folder"
-        assert set(Path(tempfile.gettempdir()).glob("mla_gemv_*")) == before
     finally:
-        cpu_gemv._load.cache_clear()
-        cpu_gemv.failure.cache_clear()
+        shutil.rmtree(folder, ignore_errors=True)
+    monkeypatch.setenv("MLA_KERNEL_CACHE", str(tmp_path / "ok"))
+    assert cpu_ops._build_folder("somekey") == (tmp_path / "ok" / "ops-somekey", False)
 
 
 def test_with_the_row_kernels_no_product_takes_aten():
@@ -987,7 +980,7 @@ def test_decoder_layer_tables_and_steps_reject_what_they_cannot_compute(tiny_che
     for other in model.model.layers:  # dense and MoE layers need different scratch: the step's grows to each
         other_table = other.kernel_table()
         assert step.fits(other_table)
-        assert step.scratch.numel() >= lib.mla_decoder_layer_scratch(other_table.ptr, step.ptr)
+        assert step.scratch.numel() >= lib.decoder_layer_scratch(other_table.table, step.table)
     cache = torch.zeros(8, table.d_c + d_r)
     with pytest.raises(ValueError, match="do not fit a layer"):
         cpu_gemv.decoder_layer(table, step, torch.zeros(3, table.hidden), cache)

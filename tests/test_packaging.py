@@ -70,8 +70,8 @@ def test_the_wheel_carries_presets_demo_model_and_example(installed):
             "print(sorted(p.name for p in (r / 'model_configs').iterdir())); "
             "print(sorted(p.name for p in (r / 'demo_model').iterdir())); "
             "print((r / 'serving' / 'serve.example.yaml').is_file()); "
-            "from mla_kernels import cpu_gemv; "
-            "print(all(p.is_file() for p in (*cpu_gemv.SOURCES, cpu_gemv.CSRC / 'simd.h'))); "
+            "from mla_kernels import cpu_gemv, cpu_ops; "
+            "print(all(p.is_file() for p in (*cpu_ops.sources(), *cpu_ops.HEADERS))); "
             f"print(cpu_gemv.failure() == {cpu_gemv.failure()!r})")
     lines = _run([str(bin_dir / "python"), "-c", code], cwd=work, env=env).stdout.splitlines()
     venv = str(bin_dir.parent)

@@ -12,6 +12,7 @@
 #include <omp.h>
 #include <stdlib.h>
 
+#include "mla_cpu.h"
 #include "simd.h"
 
 #define MOE_MAX_TOPK 64  /* experts per token mla_moe_row routes to (mla_kernels.cpu_gemv checks) */
@@ -127,9 +128,6 @@ typedef struct {
     float sx;
     const uint8_t *x8;
 } Row;
-
-void mla_i4_share(int64_t variant, const uint8_t *w, const uint16_t *scales, const uint8_t *xp, float *y, int64_t n,
-                  int64_t k, float alpha, int add);
 
 /* Inside a parallel region: this thread's share of rows [0, n) of y = alpha * (W x) (+ y when add), W the operand
  * op; float32 and int8 rows read as two streams. No barrier. */
@@ -380,8 +378,8 @@ void mla_gemm_few_bf16(const uint16_t *w, const float *x, float *y, int64_t m, i
  * come out as the same rows decoded one by one would). */
 void mla_gemm_few_i8(const int8_t *w, const float *scale, const float *x, float *y, int64_t rows, int64_t n, int64_t k,
                      int64_t threads) {
-    int16_t *xq = malloc((size_t)(rows * k) * sizeof(int16_t));
-    float *sx = malloc((size_t)rows * sizeof(float));
+    int16_t *xq = (int16_t *)malloc((size_t)(rows * k) * sizeof(int16_t));
+    float *sx = (float *)malloc((size_t)rows * sizeof(float));
     if (!xq || !sx) abort();  /* a few hundred kilobytes: mla_kernels.cpu_gemv bounds the rows */
     for (int64_t j = 0; j < rows; j++) sx[j] = quantize16(x + j * k, xq + j * k, k);
     for (int64_t c = 0; c < rows; c += 8) {
@@ -438,9 +436,6 @@ typedef struct {
     uint8_t *x8;
     float sx;
 } QBuf;
-
-int64_t mla_q8_row_bytes(int64_t k);
-void mla_q8_prepare(const float *x, int64_t rows, int64_t k, uint8_t *out);
 
 /* (one thread) the forms of x [k] that operands of these kinds read */
 static Row prepare_row(const float *x, int64_t k, int kinds, QBuf *q) {

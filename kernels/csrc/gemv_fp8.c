@@ -18,6 +18,7 @@
 #include <omp.h>
 #include <stdlib.h>
 
+#include "mla_cpu.h"
 #include "simd.h"
 
 #define FP8_TARGET __attribute__((target("avx2,fma,f16c")))
@@ -112,14 +113,14 @@ static inline __attribute__((always_inline)) FP8_TARGET void fused_rows(const ui
 }
 
 /* Y [m, n] = X [m, k] W^T, W the block-FP8 matrix (w bytes [n, k], scale [ceil(n / bn), ceil(k / bk)] float32). */
-FP8_TARGET void mla_gemm_fp8(const uint8_t *w, const float *scale, int64_t bn, int64_t bk, const float *x, float *y,
-                             int64_t m, int64_t n, int64_t k, int64_t threads) {
+static FP8_TARGET void gemm_fp8(const uint8_t *w, const float *scale, int64_t bn, int64_t bk, const float *x,
+                                float *y, int64_t m, int64_t n, int64_t k, int64_t threads) {
     const int64_t kb = (k + bk - 1) / bk;
     const int fused = m <= FP8_CHUNK && bk % 16 == 0;  /* one pass, no buffer */
     #pragma omp parallel num_threads((int)threads)
     {
         float *wf = NULL;  /* a widened weight row: k floats */
-        if (!fused && !(wf = aligned_alloc(32, (size_t)((k + 8) / 8 * 8) * sizeof(float)))) abort();
+        if (!fused && !(wf = (float *)aligned_alloc(32, (size_t)((k + 8) / 8 * 8) * sizeof(float)))) abort();
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < n; r++) {
             const uint8_t *wr = w + r * k;
@@ -147,4 +148,9 @@ FP8_TARGET void mla_gemm_fp8(const uint8_t *w, const float *scale, int64_t bn, i
         }
         free(wf);
     }
+}
+
+void mla_gemm_fp8(const uint8_t *w, const float *scale, int64_t bn, int64_t bk, const float *x, float *y, int64_t m,
+                  int64_t n, int64_t k, int64_t threads) {
+    gemm_fp8(w, scale, bn, bk, x, y, m, n, k, threads);
 }

@@ -35,6 +35,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "mla_cpu.h"
 #include "simd.h"
 
 #define I4_GROUP 32             /* values per scale */
@@ -414,7 +415,7 @@ void mla_gemm_i4(const uint8_t *w, const uint16_t *scales, const float *x, float
     block = block < balanced ? block : balanced;
     block = block < 1 ? 1 : block;
     const int64_t blocks = (n + block - 1) / block;
-    uint8_t *xp = malloc((size_t)(rows * xs));
+    uint8_t *xp = (uint8_t *)malloc((size_t)(rows * xs));
     if (!xp) abort();  /* mla_kernels.cpu_gemv bounds the rows */
     if (rows == 1) {
         q8_prepare_row(x, k, xp);

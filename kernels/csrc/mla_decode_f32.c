@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "mla_cpu.h"
 #include "simd.h"
 
 #define MAX_GROUP 256  /* heads per thread */

@@ -21,40 +21,7 @@
 #include <stdint.h>
 #include <string.h>
 
-/* the entry points of gemv_f32.c and mla_decode_f32.c */
-void mla_gemv_f32(const float *w, const float *x, float *y, int64_t n, int64_t k, int64_t threads);
-void mla_gemv_i8(const int8_t *w, const float *scale, const float *x, float *y, int64_t n, int64_t k,
-                 int64_t threads);
-void mla_gemm_few_f32(const float *w, const float *x, float *y, int64_t m, int64_t n, int64_t k, int64_t threads);
-void mla_gemm_few_i8(const int8_t *w, const float *scale, const float *x, float *y, int64_t m, int64_t n, int64_t k,
-                     int64_t threads);
-void mla_gemm_few_bf16(const uint16_t *w, const float *x, float *y, int64_t m, int64_t n, int64_t k,
-                       int64_t threads);
-void mla_gemv_bf16(const uint16_t *w, const float *x, float *y, int64_t n, int64_t k, int64_t threads);
-void mla_gemm_i4(const uint8_t *w, const uint16_t *scales, const float *x, float *y, int64_t rows, int64_t n,
-                 int64_t k, int64_t threads, int64_t variant);
-void mla_rms_norm_f32(const float *x, int64_t ld, const float *weight, float *y, int64_t m, int64_t k, float eps);
-void mla_absorbed_decode_f32(const float *q_n, int64_t qn_t, int64_t qn_h, const float *q_r, int64_t qr_t,
-                             int64_t qr_h, const void *w_uk, const void *w_uv_t, const float *cache,
-                             const int64_t *slots, int64_t slot_stride, const int64_t *lens, float scale, float *out,
-                             float *scratch, int64_t scratch_stride, int64_t rows, int64_t heads, int64_t d_n,
-                             int64_t d_r, int64_t d_c, int64_t d_v, int64_t threads);
-void mla_absorbed_decode_bf16w(const float *q_n, int64_t qn_t, int64_t qn_h, const float *q_r, int64_t qr_t,
-                               int64_t qr_h, const void *w_uk, const void *w_uv_t, const float *cache,
-                               const int64_t *slots, int64_t slot_stride, const int64_t *lens, float scale, float *out,
-                               float *scratch, int64_t scratch_stride, int64_t rows, int64_t heads, int64_t d_n,
-                               int64_t d_r, int64_t d_c, int64_t d_v, int64_t threads);
-void mla_rope_store_f32(const float *latent, int64_t lat_ld, const float *norm, float eps, float *q, int64_t q_t,
-                        int64_t q_h, int64_t heads, int64_t d_n, const float *cos, const float *sin, int64_t cs_ld,
-                        float *cache, const int64_t *slots, int64_t rows, int64_t d_c, int64_t d_r,
-                        int64_t interleave);
-void mla_gated_mlps(const float *x, float *y, int64_t d, const int64_t *table, const int64_t *ids, const float *w,
-                    int64_t n, float *scratch, int64_t threads);
-int64_t mla_route_row(const float *logits, const int64_t *cfg, const float *bias, float scaling, int64_t *ids,
-                      float *w, float *scratch);
-void mla_moe_row(const float *x, float *y, int64_t d, const float *router, const int64_t *cfg, const float *bias,
-                 float scaling, const int64_t *table, int64_t first, int64_t count, int64_t shared, float *scratch,
-                 int64_t max_inter, int64_t threads);
+#include "mla_cpu.h"
 
 /* The layer table (mla_kernels.cpu_gemv.LAYER_FIELDS names the same entries in the same order). Products: a weight
  * pointer, its scales and its kind (WeightKind: float32, int8 with row scales, int4 with group scales and the

@@ -1,7 +1,7 @@
 """A decode step's decoder layer as one compiled call (``mla_kernels.cpu_gemv.decoder_layer``).
 
 A float32 CPU decode step of one to eight rows runs, per layer, two norms, three or four products, the latent side,
-the absorbed attention, a third norm and the MLP: about fifteen torch or ctypes calls, each some microseconds of
+the absorbed attention, a third norm and the MLP: about fifteen torch and kernel calls, each some microseconds of
 Python and dispatch, where the products of a small model take tens. Where the compiled kernels build and every
 product of the layer takes them (float32 weights, or int8 ones: ``layers.quantization``), the layer is one call
 instead: the same kernels in the same order, so its attention equals the call-by-call path's bit for bit. A layer's
