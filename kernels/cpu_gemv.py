@@ -567,41 +567,40 @@ def route_config(scoring: str, method: str, n_experts: int, n_group: int, topk_g
                          int(norm_topk_prob), n_experts, 0], dtype=torch.int64)
 
 
-WEIGHT_KINDS = {"float32": 0, "int8": 1, "int4": 2, "bfloat16": 64}  # enum WeightKind in csrc/gemv_f32.c (int4: + its
-# variant)
-MLP_FIELDS = 7  # a GatedMLPTable row: gate_up weight, scales, kind; down weight, scales, kind; I (csrc/gemv_f32.c)
-
-
-def operand_fields(operand: Operand, shape: tuple[int, int], name: str, keep: list[object]) -> tuple[int, int, int]:
-    """A weight operand of a table as (weight pointer, scales pointer, kind), checked against the ``[N, K]`` matrix it
-    stands for: a contiguous float32 or bfloat16 tensor, an int8 ``(qweight, float32 row scales)`` pair or an int4
-    ``(packed uint8 [N, Kp / 2], float16 scales [N, Kp / 32])`` pair (run by ``int4_variant()``). ``keep`` holds the
-    tensors."""
+def operand_tensors(operand: Operand, shape: tuple[int, int], name: str, keep: list[object]
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A weight operand of a table as (weight, scales or None), checked against the ``[N, K]`` matrix it stands for: a
+    contiguous float32 or bfloat16 tensor, an int8 ``(qweight, float32 row scales)`` pair or an int4 ``(packed uint8
+    [N, Kp / 2], float16 scales [N, Kp / 32])`` pair (run by ``int4_variant()``). ``keep`` holds the tensors (the
+    tables point into them)."""
     n, k = shape
     kp = -(-k // INT4_GROUP) * INT4_GROUP
     want: tuple[tuple[torch.dtype, tuple[int, ...]], ...]
     if isinstance(operand, tuple):
         weight, scales = operand
         if weight.dtype == torch.uint8:
-            kind, want = WEIGHT_KINDS["int4"], ((torch.uint8, (n, kp // 2)), (torch.float16, (n, kp // INT4_GROUP)))
+            want = ((torch.uint8, (n, kp // 2)), (torch.float16, (n, kp // INT4_GROUP)))
         else:
-            kind, want = WEIGHT_KINDS["int8"], ((torch.int8, (n, k)), (torch.float32, (n,)))
+            want = ((torch.int8, (n, k)), (torch.float32, (n,)))
     elif operand.dtype == torch.bfloat16:
-        weight, scales, kind, want = operand, None, WEIGHT_KINDS["bfloat16"], ((torch.bfloat16, (n, k)),)
+        weight, scales, want = operand, None, ((torch.bfloat16, (n, k)),)
     else:
-        weight, scales, kind, want = operand, None, WEIGHT_KINDS["float32"], ((torch.float32, (n, k)),)
+        weight, scales, want = operand, None, ((torch.float32, (n, k)),)
     for t, (dtype, dims) in zip((weight, scales), want):
         assert t is not None
         if t.dtype != dtype or tuple(t.shape) != dims or not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError(f"{name}: a weight [{n}, {k}] is a contiguous float32 or bfloat16 tensor, int8 with "
                              f"float32 row scales, or int4 nibbles with float16 group scales; got {t.dtype} "
                              f"{list(t.shape)} where {dtype} {list(dims)} was expected")
-    if kind == WEIGHT_KINDS["int4"]:
-        if int4_failure() is not None:
-            raise ValueError(f"{name}: the int4 kernel does not run here: {int4_failure()}")
-        kind += INT4_VARIANTS.index(int4_variant())
+    if weight.dtype == torch.uint8 and int4_failure() is not None:
+        raise ValueError(f"{name}: the int4 kernel does not run here: {int4_failure()}")
     keep += [weight, scales]
-    return weight.data_ptr(), 0 if scales is None else scales.data_ptr(), kind
+    return weight, scales
+
+
+def _i4_variant() -> int:
+    """The int4 variant the tables' int4 operands run (0 where none runs: the tables then hold no int4 operand)."""
+    return INT4_VARIANTS.index(int4_variant()) if int4_failure() is None else 0
 
 
 def operand_rows(operand: Operand) -> int:
@@ -611,22 +610,28 @@ def operand_rows(operand: Operand) -> int:
 
 class GatedMLPTable:
     """The weights of gated MLPs (a MoE layer's experts and shared experts, or one dense MLP) as the one-row kernel
-    reads them: ``mlps`` lists each MLP's ``(gate_up [2I, d], down [d, I])`` operands (``operand_fields``). Holds
+    reads them: ``mlps`` lists each MLP's ``(gate_up [2I, d], down [d, I])`` operands (``operand_tensors``). Holds
     them alive while it exists."""
 
     def __init__(self, mlps: list[tuple[Operand, Operand]]) -> None:
-        rows: list[list[int]] = []
+        lib, why = _load()
+        if lib is None:
+            raise ValueError(f"GatedMLPTable needs the kernels: {why}")
         self.keep: list[object] = []
         self.hidden = operand_rows(mlps[0][1])
+        parts: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        inters = []
         for gate_up, down in mlps:
             inter = operand_rows(gate_up) // 2
             if operand_rows(down) != self.hidden:
                 raise ValueError(f"GatedMLPTable: a down projection of {operand_rows(down)} rows in MLPs of width "
                                  f"{self.hidden}")
-            rows.append([*operand_fields(gate_up, (2 * inter, self.hidden), "GatedMLPTable", self.keep),
-                         *operand_fields(down, (self.hidden, inter), "GatedMLPTable", self.keep), inter])
-        self.table = torch.tensor(rows, dtype=torch.int64)
-        self.max_inter = int(self.table[:, MLP_FIELDS - 1].max())
+            parts += [operand_tensors(gate_up, (2 * inter, self.hidden), "GatedMLPTable", self.keep),
+                      operand_tensors(down, (self.hidden, inter), "GatedMLPTable", self.keep)]
+            inters.append(inter)
+        self.table = lib.mlp_table([w for w, _ in parts[0::2]], [s for _, s in parts[0::2]],
+                                   [w for w, _ in parts[1::2]], [s for _, s in parts[1::2]], _i4_variant())
+        self.max_inter = max(inters)
 
     def __call__(self, x: torch.Tensor, ids: list[int], weights: list[float]) -> torch.Tensor:
         """``sum_i weights[i] * mlp_{ids[i]}(x)`` for one float32 row ``x [..., d]``; where ``failure()`` is None."""
@@ -669,13 +674,6 @@ class GatedMLPTable:
 
 
 
-# the entries of a decoder layer's table and of a step's (enum LayerField and StepField in csrc/mla_layer_f32.c)
-LAYER_FIELDS = ("in_norm", "post_norm", "q_norm", "kv_norm", "qa_w", "qa_s", "qa_k", "kva_w", "kva_s", "kva_k", "qb_w",
-                "qb_s", "qb_k", "w_uk", "w_uv_t", "w_bf16", "o_w", "o_s", "o_k", "mlp_table", "router", "route",
-                "route_bias", "first", "count", "shared", "max_inter", "d", "q_lora", "heads", "d_n", "d_r", "d_c",
-                "d_v", "interleave", "floats")
-STEP_FIELDS = ("rows", "cos", "sin", "cs_ld", "slots", "keys", "key_stride", "lens", "threads", "decode_threads",
-               "decode_stride")
 LAYER_DIMS = ("d", "q_lora", "heads", "d_n", "d_r", "d_c", "d_v")
 
 
@@ -710,61 +708,65 @@ class DecoderLayerTable:
     trust them. Holds the tensors alive."""
 
     def __init__(self, w: LayerWeights) -> None:
+        lib, why = _load()
+        if lib is None:
+            raise ValueError(f"DecoderLayerTable needs the kernels: {why}")
         self.keep: list[object] = []
         d, q_lora, heads, d_n, d_r, d_c, d_v = (w.dims[k] for k in LAYER_DIMS)
         qk = d_n + d_r
         if (w.kva is None) != bool(q_lora) or (w.qb is None) != (not q_lora) or (w.norms[2] is None) != (not q_lora):
             raise ValueError("DecoderLayerTable: with q_lora the stacked q_a/kv_a, q_b and the q_a norm; without, "
                              "q_proj and kv_a")
-        fields: dict[str, int] = {k: w.dims[k] for k in LAYER_DIMS}
-        fields["interleave"] = int(w.interleave)
-        for name, norm, width in zip(("in_norm", "post_norm", "q_norm", "kv_norm"), w.norms, (d, d, q_lora, d_c)):
-            if norm is not None:
-                fields[name] = self._tensor(name, norm, torch.float32, (width,))
+        norms = [None if norm is None else self._tensor(name, norm, torch.float32, (width,)) for name, norm, width in
+                 zip(("in_norm", "post_norm", "q_norm", "kv_norm"), w.norms, (d, d, q_lora, d_c))]
         q_out = q_lora + d_c + d_r if q_lora else heads * qk
+        operands: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
         for name, operand, shape in (("qa", w.qa, (q_out, d)), ("kva", w.kva, (d_c + d_r, d)),
                                      ("qb", w.qb, (heads * qk, q_lora)), ("o", w.o, (d, heads * d_v))):
-            if operand is not None:
-                fields[name + "_w"], fields[name + "_s"], fields[name + "_k"] = operand_fields(
-                    operand, shape, f"DecoderLayerTable: {name}", self.keep)
+            operands[name] = (None, None) if operand is None else operand_tensors(
+                operand, shape, f"DecoderLayerTable: {name}", self.keep)
         w_dtype = torch.bfloat16 if w.w_uk.dtype == torch.bfloat16 else torch.float32
-        fields["w_uk"] = self._tensor("w_uk", w.w_uk, w_dtype, (heads, d_n, d_c))
-        fields["w_uv_t"] = self._tensor("w_uv_t", w.w_uv_t, w_dtype, (heads, d_c, d_v))
-        fields["w_bf16"] = int(w_dtype == torch.bfloat16)
-        scaling = self._mlp(w, fields) if w.mlp is not None else 0.0
+        w_uk = self._tensor("w_uk", w.w_uk, w_dtype, (heads, d_n, d_c))
+        w_uv_t = self._tensor("w_uv_t", w.w_uv_t, w_dtype, (heads, d_c, d_v))
+        mlp, scaling, max_inter, moe = self._mlp(w)
+        router, route, bias, first, count, shared = moe
         floats = torch.tensor([*w.eps, w.scale, scaling], dtype=torch.float32)
         self.keep.append(floats)
-        fields["floats"] = floats.data_ptr()
         self.heads, self.hidden, self.d_c = heads, d, d_c
         self.runs_mlp = w.mlp is not None
-        self.table = torch.tensor([fields.get(name, 0) for name in LAYER_FIELDS], dtype=torch.int64)
+        self.table = lib.layer_table(norms[0], norms[1], norms[2], norms[3], *operands["qa"], *operands["kva"],
+                                     *operands["qb"], w_uk, w_uv_t, *operands["o"], mlp, max_inter, router, route,
+                                     bias, first, count, shared, [w.dims[k] for k in LAYER_DIMS], w.interleave,
+                                     floats, _i4_variant())
 
-    def _mlp(self, w: LayerWeights, fields: dict[str, int]) -> float:
+    def _mlp(self, w: LayerWeights) -> tuple[torch.Tensor | None, float, int, tuple[Any, ...]]:
+        """(the MLP table or None, the routed scaling factor, the largest intermediate width, (router, route, bias,
+        first, count, shared) of a MoE layer)."""
         mlp = w.mlp
-        assert mlp is not None
+        none = (None, None, None, 0, 0, -1)
+        if mlp is None:
+            return None, 0.0, 0, none
         if mlp.hidden != w.dims["d"]:
             raise ValueError(f"DecoderLayerTable: the MLP table's width {mlp.hidden} is not the layer's {w.dims['d']}")
-        fields["mlp_table"], fields["max_inter"] = mlp.table.data_ptr(), mlp.max_inter
         self.keep.append(mlp)
         if w.moe is None:
-            return 0.0
+            return mlp.table, 0.0, mlp.max_inter, none
         router, route, bias, scaling, first, count, shared = w.moe
         n_experts = int(route[6])
-        fields["router"] = self._tensor("router", router, torch.float32, (n_experts, w.dims["d"]))
-        fields["route"] = self._tensor("route", route, torch.int64, (8,))
+        router = self._tensor("router", router, torch.float32, (n_experts, w.dims["d"]))
+        route = self._tensor("route", route, torch.int64, (8,))
         if bias is not None:
-            fields["route_bias"] = self._tensor("route_bias", bias, torch.float32, (n_experts,))
+            bias = self._tensor("route_bias", bias, torch.float32, (n_experts,))
         if not (0 <= count <= len(mlp.table) and -1 <= shared < len(mlp.table)):
             raise ValueError(f"DecoderLayerTable: experts {count} and shared row {shared} do not fit the MLP table")
-        fields.update(first=first, count=count, shared=shared)
-        return scaling
+        return mlp.table, scaling, mlp.max_inter, (router, route, bias, first, count, shared)
 
-    def _tensor(self, name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    def _tensor(self, name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError(f"DecoderLayerTable: {name} must be a contiguous {dtype} CPU tensor {list(shape)}, got "
                              f"{t.dtype} {list(t.shape)}")
         self.keep.append(t)
-        return t.data_ptr()
+        return t
 
 
 class DecodeStep:
@@ -788,13 +790,11 @@ class DecodeStep:
         threads = torch.get_num_threads()
         decode_threads = max(threads, -(-heads // DECODE_MAX_GROUP))  # as absorbed_decode
         group = -(-heads // decode_threads)
-        values = dict(rows=rows, cos=cos.data_ptr(), sin=sin.data_ptr(), cs_ld=cos.stride(0), slots=slots.data_ptr(),
-                      keys=keys.data_ptr(), key_stride=keys.stride(0), lens=lens.data_ptr(), threads=threads,
-                      decode_threads=decode_threads, decode_stride=rows * group * 2 * d_c + group * keys.shape[1])
-        self.rows, self.heads, self.d_c = rows, heads, d_c
-        self.table = torch.tensor([values[name] for name in STEP_FIELDS], dtype=torch.int64)
         lib, _ = _load()
         assert lib is not None, "DecodeStep needs the kernels: check failure() first"
+        self.rows, self.heads, self.d_c = rows, heads, d_c
+        self.table = lib.step_table(cos, sin, slots, keys, lens, threads, decode_threads,
+                                    rows * group * 2 * d_c + group * keys.shape[1])
         self.scratch = torch.empty(lib.decoder_layer_scratch(table.table, self.table), dtype=torch.float32)
 
     def fits(self, table: DecoderLayerTable) -> bool:

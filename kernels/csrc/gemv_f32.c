@@ -85,10 +85,7 @@ static inline void dot2_i16(const int8_t *wa, const int8_t *wb, const int16_t *x
     *yb = sb;
 }
 
-/* A weight operand, as the tables hold it: op[0] the weight, op[1] its scales, op[2] its kind: W_F32 (float32, no
- * scales), W_I8 (int8 with a float32 scale per row), W_I4 + v (group-wise int4 with float16 scales, gemv_int4.c,
- * run by its variant v) or W_BF16 (bfloat16, no scales: read at two bytes, widened by a shift). */
-enum WeightKind { W_F32 = 0, W_I8 = 1, W_I4 = 2, W_BF16 = 64 };
+/* A weight operand, as the tables hold it (mla_cpu.h): op[0] the weight, op[1] its scales, op[2] its kind. */
 
 static inline __m256 widen_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
@@ -429,7 +426,6 @@ void mla_rms_norm_f32(const float *x, int64_t ld, const float *weight, float *y,
  * weights. Inside a parallel region: each product's rows are split over the threads, with a barrier between the
  * products. scratch: 3 max(I) floats; xs and as: the input rows' int16 and int4-prepared forms (d and max(I)
  * values: QBuf), shared by the team. */
-#define MLP_FIELDS 7  /* gate_up weight, scales, kind; down weight, scales, kind; I */
 
 typedef struct {
     int16_t *xq;

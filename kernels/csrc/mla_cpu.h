@@ -6,6 +6,40 @@
 #define MLA_CPU_H
 #include <stdint.h>
 
+/* A weight operand of the tables: its weight pointer, its scales pointer and its kind: W_F32 (float32, no scales),
+ * W_I8 (int8 with a float32 scale per row), W_I4 + v (group-wise int4 with float16 scales, gemv_int4.c, run by its
+ * variant v) or W_BF16 (bfloat16, no scales: read at two bytes, widened by a shift). ops/cpu_kernels.cpp builds the
+ * tables (mla_kernels::mlp_table, layer_table, step_table) from typed arguments. */
+enum WeightKind { W_F32 = 0, W_I8 = 1, W_I4 = 2, W_BF16 = 64 };
+
+/* A gated MLP's row of an MLP table: gate_up [2 I, d] weight, scales, kind; down [d, I] weight, scales, kind; I. */
+#define MLP_FIELDS 7
+
+/* The layer table of mla_decoder_layer. */
+enum LayerField {
+    L_IN_NORM, L_POST_NORM, L_Q_NORM, L_KV_NORM,  /* RMSNorm weights (L_Q_NORM: 0 without q_lora_rank) */
+    L_QA_W, L_QA_S, L_QA_K,  /* [q_lora + d_c + d_r, d] stacked q_a/kv_a; without q_lora_rank: q_proj [H (d_n + d_r), d] */
+    L_KVA_W, L_KVA_S, L_KVA_K,  /* kv_a [d_c + d_r, d] without q_lora_rank, else 0 */
+    L_QB_W, L_QB_S, L_QB_K,  /* q_b [H (d_n + d_r), q_lora] (0 without q_lora_rank) */
+    L_W_UK, L_W_UV_T, L_W_BF16,  /* [H, d_n, d_c], [H, d_c, d_v]: float32, or bfloat16 where L_W_BF16 is 1 */
+    L_O_W, L_O_S, L_O_K,  /* o_proj [d, H d_v] */
+    L_MLP_TABLE,  /* an MLP table: the dense MLP (row 0) or the experts and shared experts; 0: none */
+    L_ROUTER, L_ROUTE, L_ROUTE_BIAS,  /* a MoE layer's router [E, d], route config and correction bias; else 0 */
+    L_FIRST, L_COUNT, L_SHARED, L_MAX_INTER,  /* its experts in the table (mla_moe_row), the largest I */
+    L_D, L_Q_LORA, L_HEADS, L_D_N, L_D_R, L_D_C, L_D_V, L_INTERLEAVE,
+    L_FLOATS,  /* float32 [6]: the four norms' eps, the softmax scale, the routed scaling factor */
+    L_FIELDS
+};
+
+/* The step table of mla_decoder_layer: the rows and where their metadata lies. */
+enum StepField {
+    S_ROWS, S_COS, S_SIN, S_CS_LD,  /* T; the RoPE tables [T, d_r / 2] (row stride) */
+    S_SLOTS,  /* [T] int64: each row's own cache slot */
+    S_KEYS, S_KEY_STRIDE, S_LENS,  /* [T, stride] int64 cache rows of each row's keys, [T] int64 their counts */
+    S_THREADS, S_DECODE_THREADS, S_DECODE_STRIDE,  /* threads; the attention's threads and scratch per thread */
+    S_FIELDS
+};
+
 void mla_gemv_f32(const float *w, const float *x, float *y, int64_t n, int64_t k, int64_t threads);
 void mla_gemv_bf16(const uint16_t *w, const float *x, float *y, int64_t n, int64_t k, int64_t threads);
 void mla_gemv_i8(const int8_t *w, const float *scale, const float *x, float *y, int64_t n, int64_t k,

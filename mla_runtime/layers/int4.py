@@ -177,7 +177,7 @@ class Int4Weight(QuantizedWeight):
         return self.packed.numel() + self.scales.numel() * self.scales.element_size()
 
     def row_operand(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The matrix as the compiled layer and MLP kernels read it (``cpu_gemv.operand_fields``), where they run."""
+        """The matrix as the compiled layer and MLP kernels read it (``cpu_gemv.operand_tensors``), where they run."""
         return (self.packed, self.scales) if self.kernel else None
 
     def _dequantize_rows(self, r0: int, r1: int) -> torch.Tensor:

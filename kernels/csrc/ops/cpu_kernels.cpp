@@ -1,8 +1,10 @@
 // The compiled CPU kernels (../mla_cpu.h) as typed torch operators, mla_kernels::<name>. Each operator takes the
 // kernel's arguments with its buffers as tensors (mutated ones marked in the schema) and calls it on torch's thread
-// pool; mla_kernels.cpu_gemv checks the shapes and dtypes before calling, and builds the layer and MLP tables (int64
-// tensors of pointers and sizes) that the table-driven kernels read. Registered operators show under their names in
-// the profiler and are checked by the dispatcher.
+// pool; mla_kernels.cpu_gemv checks the shapes and dtypes before calling. The table-driven kernels (gated MLPs, the
+// MoE row, the whole decoder layer) read int64 tables of pointers and sizes whose layout ../mla_cpu.h defines; the
+// builders here (mlp_table, layer_table, step_table) fill them from typed arguments, so no other file knows the
+// layout. The tables point into the tensors they were built from: the caller keeps those alive. Registered
+// operators show under their names in the profiler and are checked by the dispatcher.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -119,6 +121,108 @@ int64_t decoder_layer(const at::Tensor& layer, const at::Tensor& step, const at:
                            ptr<float>(scratch));
 }
 
+// -- the tables of the table-driven kernels, built from typed arguments (their layouts: ../mla_cpu.h) ------------
+
+int64_t address(const at::Tensor& t) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(t.data_ptr())); }
+
+int64_t address(const c10::optional<at::Tensor>& t) { return t.has_value() ? address(*t) : 0; }
+
+// A weight operand's three fields: its weight, its scales and its kind, from the weight's dtype.
+void operand(int64_t* out, const at::Tensor& w, const c10::optional<at::Tensor>& scales, int64_t i4_variant,
+             const char* name) {
+  int64_t kind = 0;
+  switch (w.scalar_type()) {
+    case at::kFloat: kind = W_F32; break;
+    case at::kBFloat16: kind = W_BF16; break;
+    case at::kChar: kind = W_I8; break;
+    case at::kByte: kind = W_I4 + i4_variant; break;
+    default: TORCH_CHECK(false, name, ": weights are float32, bfloat16, int8 or packed int4, got ", w.scalar_type());
+  }
+  const bool scaled = kind == W_I8 || (kind >= W_I4 && kind != W_BF16);
+  TORCH_CHECK(scaled == scales.has_value(), name, ": int8 and int4 weights come with their scales, the others without");
+  out[0] = address(w);
+  out[1] = address(scales);
+  out[2] = kind;
+}
+
+// [n, MLP_FIELDS]: each gated MLP's gate_up [2 I, d] and down [d, I] operands and I.
+at::Tensor mlp_table(at::TensorList gate_up, const c10::List<c10::optional<at::Tensor>>& gate_up_scales,
+                     at::TensorList down, const c10::List<c10::optional<at::Tensor>>& down_scales, int64_t i4_variant) {
+  const int64_t n = static_cast<int64_t>(gate_up.size());
+  TORCH_CHECK(n >= 1 && down.size() == gate_up.size() && gate_up_scales.size() == gate_up.size() &&
+                  down_scales.size() == gate_up.size(),
+              "mlp_table: one gate_up, down and scales (or None) per MLP");
+  at::Tensor table = at::zeros({n, MLP_FIELDS}, at::kLong);
+  int64_t* row = table.data_ptr<int64_t>();
+  for (int64_t e = 0; e < n; ++e, row += MLP_FIELDS) {
+    operand(row, gate_up[e], gate_up_scales.get(e), i4_variant, "mlp_table: gate_up");
+    operand(row + 3, down[e], down_scales.get(e), i4_variant, "mlp_table: down");
+    row[6] = gate_up[e].size(0) / 2;
+  }
+  return table;
+}
+
+// [L_FIELDS]: a decoder layer's weights (../mla_cpu.h, enum LayerField); dims: d, q_lora, heads, d_n, d_r, d_c, d_v.
+at::Tensor layer_table(const at::Tensor& in_norm, const at::Tensor& post_norm, const c10::optional<at::Tensor>& q_norm,
+                       const at::Tensor& kv_norm, const at::Tensor& qa, const c10::optional<at::Tensor>& qa_scales,
+                       const c10::optional<at::Tensor>& kva, const c10::optional<at::Tensor>& kva_scales,
+                       const c10::optional<at::Tensor>& qb, const c10::optional<at::Tensor>& qb_scales,
+                       const at::Tensor& w_uk, const at::Tensor& w_uv_t, const at::Tensor& o,
+                       const c10::optional<at::Tensor>& o_scales, const c10::optional<at::Tensor>& mlp,
+                       int64_t max_inter, const c10::optional<at::Tensor>& router,
+                       const c10::optional<at::Tensor>& route, const c10::optional<at::Tensor>& route_bias,
+                       int64_t first, int64_t count, int64_t shared, at::IntArrayRef dims, bool interleave,
+                       const at::Tensor& floats, int64_t i4_variant) {
+  TORCH_CHECK(dims.size() == 7, "layer_table: dims are d, q_lora, heads, d_n, d_r, d_c, d_v");
+  TORCH_CHECK(floats.scalar_type() == at::kFloat && floats.numel() == 6 && floats.is_contiguous(),
+              "layer_table: floats are the four norms' eps, the softmax scale and the routed scaling factor");
+  at::Tensor table = at::zeros({L_FIELDS}, at::kLong);
+  int64_t* L = table.data_ptr<int64_t>();
+  L[L_IN_NORM] = address(in_norm);
+  L[L_POST_NORM] = address(post_norm);
+  L[L_Q_NORM] = address(q_norm);
+  L[L_KV_NORM] = address(kv_norm);
+  operand(L + L_QA_W, qa, qa_scales, i4_variant, "layer_table: qa");
+  if (kva.has_value()) operand(L + L_KVA_W, *kva, kva_scales, i4_variant, "layer_table: kva");
+  if (qb.has_value()) operand(L + L_QB_W, *qb, qb_scales, i4_variant, "layer_table: qb");
+  L[L_W_UK] = address(w_uk);
+  L[L_W_UV_T] = address(w_uv_t);
+  L[L_W_BF16] = w_uk.scalar_type() == at::kBFloat16;
+  operand(L + L_O_W, o, o_scales, i4_variant, "layer_table: o");
+  L[L_MLP_TABLE] = address(mlp);
+  L[L_MAX_INTER] = max_inter;
+  L[L_ROUTER] = address(router);
+  L[L_ROUTE] = address(route);
+  L[L_ROUTE_BIAS] = address(route_bias);
+  L[L_FIRST] = first;
+  L[L_COUNT] = count;
+  L[L_SHARED] = shared;
+  const int fields[7] = {L_D, L_Q_LORA, L_HEADS, L_D_N, L_D_R, L_D_C, L_D_V};
+  for (int i = 0; i < 7; ++i) L[fields[i]] = dims[i];
+  L[L_INTERLEAVE] = interleave;
+  L[L_FLOATS] = address(floats);
+  return table;
+}
+
+// [S_FIELDS]: a decode step's rows (../mla_cpu.h, enum StepField).
+at::Tensor step_table(const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& keys,
+                      const at::Tensor& lens, int64_t threads, int64_t decode_threads, int64_t decode_stride) {
+  at::Tensor table = at::zeros({S_FIELDS}, at::kLong);
+  int64_t* S = table.data_ptr<int64_t>();
+  S[S_ROWS] = slots.size(0);
+  S[S_COS] = address(cos);
+  S[S_SIN] = address(sin);
+  S[S_CS_LD] = cos.stride(0);
+  S[S_SLOTS] = address(slots);
+  S[S_KEYS] = address(keys);
+  S[S_KEY_STRIDE] = keys.stride(0);
+  S[S_LENS] = address(lens);
+  S[S_THREADS] = threads;
+  S[S_DECODE_THREADS] = decode_threads;
+  S[S_DECODE_STRIDE] = decode_stride;
+  return table;
+}
+
 int64_t i8_variants() { return mla_i8_variants(); }
 void i8_select(int64_t variant) { mla_i8_select(variant); }
 int64_t i4_variants() { return mla_i4_variants(); }
@@ -151,6 +255,15 @@ TORCH_LIBRARY_FRAGMENT(mla_kernels, m) {
         "Tensor table, int first, int count, int shared, Tensor(b!) scratch, int max_inter, int threads) -> ()");
   m.def("decoder_layer_scratch(Tensor layer, Tensor step) -> int");
   m.def("decoder_layer(Tensor layer, Tensor step, Tensor(a!) x, Tensor(b!) cache, Tensor(c!) scratch) -> int");
+  m.def("mlp_table(Tensor[] gate_up, Tensor?[] gate_up_scales, Tensor[] down, Tensor?[] down_scales, "
+        "int i4_variant) -> Tensor");
+  m.def("layer_table(Tensor in_norm, Tensor post_norm, Tensor? q_norm, Tensor kv_norm, Tensor qa, "
+        "Tensor? qa_scales, Tensor? kva, Tensor? kva_scales, Tensor? qb, Tensor? qb_scales, Tensor w_uk, "
+        "Tensor w_uv_t, Tensor o, Tensor? o_scales, Tensor? mlp, int max_inter, Tensor? router, Tensor? route, "
+        "Tensor? route_bias, int first, int count, int shared, int[] dims, bool interleave, Tensor floats, "
+        "int i4_variant) -> Tensor");
+  m.def("step_table(Tensor cos, Tensor sin, Tensor slots, Tensor keys, Tensor lens, int threads, "
+        "int decode_threads, int decode_stride) -> Tensor");
   m.def("i8_variants() -> int", &i8_variants);
   m.def("i8_select(int variant) -> ()", &i8_select);
   m.def("i4_variants() -> int", &i4_variants);
@@ -173,4 +286,7 @@ TORCH_LIBRARY_IMPL(mla_kernels, CPU, m) {
   m.impl("moe_row", &moe_row);
   m.impl("decoder_layer_scratch", &decoder_layer_scratch);
   m.impl("decoder_layer", &decoder_layer);
+  m.impl("mlp_table", &mlp_table);
+  m.impl("layer_table", &layer_table);
+  m.impl("step_table", &step_table);
 }
