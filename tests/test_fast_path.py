@@ -1091,3 +1091,26 @@ def test_auto_keeps_a_bf16_checkpoints_products_bf16_in_a_float32_model(tiny_che
     assert worker.dtype == torch.float32 and worker.quantization == "bf16"
     assert isinstance(worker.model.lm_head_packed, Bf16Weight)
     llm.shutdown()
+
+
+def test_the_product_operators_refuse_sizes_their_tensors_do_not_hold():
+    """Called directly (``torch.ops.mla_kernels``), a product or the norm given sizes beyond its tensors, or tensors
+    of the wrong dtype, raises a ValueError that names the operator and the buffer; nothing is read past a tensor."""
+    if cpu_gemv.failure() is not None:
+        pytest.skip(f"the kernels do not build here: {cpu_gemv.failure()}")
+    ops = torch.ops.mla_kernels
+    w, x, y = torch.randn(4, 8), torch.randn(8), torch.empty(4)
+    ops.gemv_f32(w, x, y, 4, 8, 1)
+    torch.testing.assert_close(y, w @ x)
+    with pytest.raises(ValueError, match="gemv_f32: x must be"):
+        ops.gemv_f32(w, x, y, 4, 1000, 1)
+    with pytest.raises(ValueError, match="gemm_few_f32: y must be"):
+        ops.gemm_few_f32(w, torch.randn(3, 8), torch.empty(4), 3, 4, 8, 1)
+    with pytest.raises(ValueError, match="gemv_i8: w must be .*Char"):
+        ops.gemv_i8(w, torch.ones(4), x, y, 4, 8, 1)
+    with pytest.raises(ValueError, match="gemm_fp8: scale must be"):
+        ops.gemm_fp8(w.to(torch.float8_e4m3fn), torch.ones(1), 1, 1, x, y, 1, 4, 8, 1)
+    with pytest.raises(ValueError, match="gemm_i4: variant 9"):
+        ops.gemm_i4(torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.half), x, y, 1, 4, 8, 1, 9)
+    with pytest.raises(ValueError, match="rms_norm_f32: x must be"):
+        ops.rms_norm_f32(torch.randn(2, 8), 8, torch.ones(8), torch.empty(2, 8), 3, 8, 1e-6)

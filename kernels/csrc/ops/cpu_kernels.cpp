@@ -1,6 +1,7 @@
 // The compiled CPU kernels (../mla_cpu.h) as typed torch operators, mla_kernels::<name>. Each operator takes the
 // kernel's arguments with its buffers as tensors (mutated ones marked in the schema) and calls it on torch's thread
-// pool; mla_kernels.cpu_gemv checks the shapes and dtypes before calling. The table-driven kernels (gated MLPs, the
+// pool. The products and the norm refuse sizes their tensors do not hold; the attention, the latent side and the
+// table-driven kernels trust mla_kernels.cpu_gemv, which checks every shape before calling them. The table-driven kernels (gated MLPs, the
 // MoE row, the whole decoder layer) read int64 tables of pointers and sizes whose layout ../mla_cpu.h defines; the
 // builders here (mlp_table, layer_table, step_table) fill them from typed arguments, so no other file knows the
 // layout. The tables point into the tensors they were built from: the caller keeps those alive. Registered
@@ -25,52 +26,100 @@ T* ptr(const c10::optional<at::Tensor>& t) {
   return t.has_value() ? reinterpret_cast<T*>(t->data_ptr()) : nullptr;
 }
 
+// A product's buffers hold what its sizes say: a contiguous CPU tensor of the dtype with at least that many elements
+// (a call with sizes beyond its tensors is refused, never read past them).
+void check(const at::Tensor& t, at::ScalarType dtype, int64_t elements, const char* op, const char* name) {
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == dtype && t.is_contiguous() && t.numel() >= elements,
+                    op, ": ", name, " must be a contiguous CPU ", dtype, " tensor of at least ", elements,
+                    " values, got ", t.scalar_type(), " ", t.sizes());
+}
+
+void check_product(const char* op, const at::Tensor& x, const at::Tensor& y, int64_t m, int64_t n, int64_t k) {
+  TORCH_CHECK_VALUE(m >= 1 && n >= 0 && k >= 0, op, ": sizes m ", m, ", n ", n, ", k ", k);
+  check(x, at::kFloat, m * k, op, "x");
+  check(y, at::kFloat, m * n, op, "y");
+}
+
+int64_t i4_padded(int64_t k) { return (k + 31) / 32 * 32; }
+
 void gemv_f32(const at::Tensor& w, const at::Tensor& x, const at::Tensor& y, int64_t n, int64_t k, int64_t threads) {
+  check_product("gemv_f32", x, y, 1, n, k);
+  check(w, at::kFloat, n * k, "gemv_f32", "w");
   mla_gemv_f32(ptr<const float>(w), ptr<const float>(x), ptr<float>(y), n, k, threads);
 }
 
 void gemv_bf16(const at::Tensor& w, const at::Tensor& x, const at::Tensor& y, int64_t n, int64_t k, int64_t threads) {
+  check_product("gemv_bf16", x, y, 1, n, k);
+  check(w, at::kBFloat16, n * k, "gemv_bf16", "w");
   mla_gemv_bf16(ptr<const uint16_t>(w), ptr<const float>(x), ptr<float>(y), n, k, threads);
 }
 
 void gemv_i8(const at::Tensor& w, const at::Tensor& scale, const at::Tensor& x, const at::Tensor& y, int64_t n,
              int64_t k, int64_t threads) {
+  check_product("gemv_i8", x, y, 1, n, k);
+  check(w, at::kChar, n * k, "gemv_i8", "w");
+  check(scale, at::kFloat, n, "gemv_i8", "scale");
   mla_gemv_i8(ptr<const int8_t>(w), ptr<const float>(scale), ptr<const float>(x), ptr<float>(y), n, k, threads);
 }
 
 void gemm_few_f32(const at::Tensor& w, const at::Tensor& x, const at::Tensor& y, int64_t m, int64_t n, int64_t k,
                   int64_t threads) {
+  check_product("gemm_few_f32", x, y, m, n, k);
+  check(w, at::kFloat, n * k, "gemm_few_f32", "w");
   mla_gemm_few_f32(ptr<const float>(w), ptr<const float>(x), ptr<float>(y), m, n, k, threads);
 }
 
 void gemm_few_bf16(const at::Tensor& w, const at::Tensor& x, const at::Tensor& y, int64_t m, int64_t n, int64_t k,
                    int64_t threads) {
+  check_product("gemm_few_bf16", x, y, m, n, k);
+  check(w, at::kBFloat16, n * k, "gemm_few_bf16", "w");
   mla_gemm_few_bf16(ptr<const uint16_t>(w), ptr<const float>(x), ptr<float>(y), m, n, k, threads);
 }
 
 void gemm_few_i8(const at::Tensor& w, const at::Tensor& scale, const at::Tensor& x, const at::Tensor& y, int64_t m,
                  int64_t n, int64_t k, int64_t threads) {
+  check_product("gemm_few_i8", x, y, m, n, k);
+  check(w, at::kChar, n * k, "gemm_few_i8", "w");
+  check(scale, at::kFloat, n, "gemm_few_i8", "scale");
   mla_gemm_few_i8(ptr<const int8_t>(w), ptr<const float>(scale), ptr<const float>(x), ptr<float>(y), m, n, k, threads);
 }
 
 void gemm_fp8(const at::Tensor& w, const at::Tensor& scale, int64_t bn, int64_t bk, const at::Tensor& x,
               const at::Tensor& y, int64_t m, int64_t n, int64_t k, int64_t threads) {
+  check_product("gemm_fp8", x, y, m, n, k);
+  TORCH_CHECK_VALUE(bn >= 1 && bk >= 1, "gemm_fp8: blocks of ", bn, " x ", bk);
+  check(w, at::kFloat8_e4m3fn, n * k, "gemm_fp8", "w");
+  check(scale, at::kFloat, ((n + bn - 1) / bn) * ((k + bk - 1) / bk), "gemm_fp8", "scale");
   mla_gemm_fp8(ptr<const uint8_t>(w), ptr<const float>(scale), bn, bk, ptr<const float>(x), ptr<float>(y), m, n, k,
                threads);
 }
 
 void gemm_i4(const at::Tensor& w, const at::Tensor& scales, const at::Tensor& x, const at::Tensor& y, int64_t rows,
              int64_t n, int64_t k, int64_t threads, int64_t variant) {
+  check_product("gemm_i4", x, y, rows, n, k);
+  check(w, at::kByte, n * i4_padded(k) / 2, "gemm_i4", "w");
+  check(scales, at::kHalf, n * i4_padded(k) / 32, "gemm_i4", "scales");
+  TORCH_CHECK_VALUE(variant >= 0 && (mla_i4_variants() >> variant & 1), "gemm_i4: variant ", variant,
+                    " does not run on this CPU");
   mla_gemm_i4(ptr<const uint8_t>(w), ptr<const uint16_t>(scales), ptr<const float>(x), ptr<float>(y), rows, n, k,
               threads, variant);
 }
 
 void i4_from_stored(const at::Tensor& src, const at::Tensor& dst, int64_t groups, int64_t threads) {
+  check(src, at::kByte, 16 * groups, "i4_from_stored", "src");
+  check(dst, at::kByte, 16 * groups, "i4_from_stored", "dst");
   mla_i4_from_stored(ptr<const uint8_t>(src), ptr<uint8_t>(dst), groups, threads);
 }
 
 void rms_norm_f32(const at::Tensor& x, int64_t ld, const at::Tensor& weight, const at::Tensor& y, int64_t m,
                   int64_t k, double eps) {
+  TORCH_CHECK_VALUE(m >= 0 && k >= 0 && ld >= k, "rms_norm_f32: sizes m ", m, ", k ", k, ", row stride ", ld);
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(0) == m &&
+                        x.size(1) == k && (m <= 1 || x.stride(0) == ld) && (k <= 1 || x.stride(1) == 1),
+                    "rms_norm_f32: x must be float32 CPU rows [", m, ", ", k, "] ", ld, " apart, got ", x.sizes(),
+                    " with strides ", x.strides());
+  check(weight, at::kFloat, k, "rms_norm_f32", "weight");
+  check(y, at::kFloat, m * k, "rms_norm_f32", "y");
   mla_rms_norm_f32(ptr<const float>(x), ld, ptr<const float>(weight), ptr<float>(y), m, k, static_cast<float>(eps));
 }
 
