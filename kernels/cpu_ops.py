@@ -142,6 +142,16 @@ def failure() -> str | None:
     return None
 
 
+def summary() -> str:
+    """One line for logs and metrics: the operators loaded (with the indexer's variant that runs), or why not."""
+    why = failure()
+    if why is not None:
+        return f"unavailable: {why}"
+    runs = [v.split(":", 1)[0] for v in torch.ops.mla_kernels.cpu_variants() if v.endswith(":runs")]
+    kernels = "the decode kernels and the indexer" if x86() else "the indexer"
+    return f"torch.ops.mla_kernels ({kernels}; indexer variant {runs[0] if runs else 'none'})"
+
+
 def available() -> bool:
     """The operators are loaded (logs why not, once)."""
     why = failure()

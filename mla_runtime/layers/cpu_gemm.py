@@ -64,7 +64,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from mla_kernels import cpu_gemv
+from mla_kernels import cpu_gemv, cpu_ops
 
 from mla_runtime import env
 from mla_runtime.options import CPU_GEMM_MODES
@@ -118,7 +118,8 @@ class GemmChoice:
     def info(self) -> dict[str, str]:
         return {"dtype": _name(self.dtype), "mode": self.mode, "path": self.path,
                 "compute_dtype": _name(self.compute_dtype),
-                "extra_bytes_per_weight": str(self.extra_bytes_per_element), "reason": self.reason}
+                "extra_bytes_per_weight": str(self.extra_bytes_per_element), "reason": self.reason,
+                "operators": cpu_ops.summary()}
 
 
 _forced: list[str] = []  # the modes of the forced_gemm_mode blocks being run, innermost last
@@ -185,9 +186,9 @@ def _probe(dtype: torch.dtype, mode: str) -> GemmChoice:
         choice = GemmChoice(dtype, mode, "onednn", dtype, reason)
     else:
         choice = _fallback(dtype, mode, failure)
-    logger.info("CPU GEMM for %s weights: %s, computing in %s (+%d B per weight element): %s [probe %.0f ms]",
-                _name(dtype), choice.path, _name(choice.compute_dtype), choice.extra_bytes_per_element,
-                choice.reason, 1e3 * (time.perf_counter() - t0))
+    logger.info("CPU GEMM for %s weights: %s, computing in %s (+%d B per weight element): %s [probe %.0f ms]; CPU "
+                "operators: %s", _name(dtype), choice.path, _name(choice.compute_dtype), choice.extra_bytes_per_element,
+                choice.reason, 1e3 * (time.perf_counter() - t0), cpu_ops.summary())
     return choice
 
 
