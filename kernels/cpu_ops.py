@@ -28,6 +28,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -44,6 +45,9 @@ HEADERS = (CSRC / "mla_cpu.h", CSRC / "simd.h")
 CFLAGS = ("-O3", "-std=c++17", "-fopenmp")  # OpenMP: the kernels' threads are torch's pool
 X86_CFLAGS = ("-mavx2", "-mfma")  # the x86 baseline: wider instruction sets are chosen per function at run time
 NAME = "mla_kernels_ops"
+# The extension builder holds a lock file in the build folder while it builds, and every other process waits for it
+# to go; a builder that was killed leaves it behind. No build takes this long: an older lock is a dead one.
+STALE_LOCK_S = 600.0
 
 
 def x86() -> bool:
@@ -97,6 +101,21 @@ def build_key(cxx: str) -> str:
     return h.hexdigest()[:16]
 
 
+def clear_stale_lock(folder: Path, now: float | None = None) -> bool:
+    """Remove the build folder's lock when a killed build left it (older than ``STALE_LOCK_S``): else every later
+    process would wait for it forever. True when one was removed."""
+    lock = folder / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except OSError:
+        return False
+    if age <= STALE_LOCK_S:
+        return False
+    logger.warning("removing %s, left %.0f s ago by a kernel build that did not finish", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
+
+
 def _build_folder(key: str) -> tuple[Path, bool]:
     """The cache folder of this build, or a private one for this process where the cache cannot be written
     (True: private, removed once the library is loaded)."""
@@ -127,6 +146,7 @@ def failure() -> str | None:
 
         key = build_key(cxx)
         folder, private = _build_folder(key)
+        clear_stale_lock(folder)
         os.environ["CXX"] = cxx  # the compiler the extension builder runs
         # named by its key: a process that loads a build again (the same file) never registers the operators twice
         cpp_extension.load(name=f"{NAME}_{key}", sources=[str(s) for s in sources()], extra_cflags=cflags(),
