@@ -189,11 +189,37 @@ _FAKES: list[str] = []  # the operators given a shape function (once per process
 
 
 def _register_fakes() -> None:
-    """Shape functions, so the operators trace (``torch.compile``, ``torch.export``) without running."""
+    """Shape functions, so the operators trace (``torch.compile``, ``torch.export``) without running: the products,
+    norms, attention and layer kernels write into tensors they are given (nothing to make), the table builders make
+    int64 tables of a fixed width."""
     if _FAKES:
         return
-    _FAKES.append("indexer_scores")
+    lib = torch.library
 
-    @torch.library.register_fake("mla_kernels::indexer_scores")
-    def _(q, weights, cache, scales, block_tables, req_indices, key_lens, max_len):  # type: ignore[no-untyped-def]
+    @lib.register_fake("mla_kernels::indexer_scores")
+    def _(q, weights, cache, scales, block_tables, req_indices, key_lens, max_len, variant="auto"):  # type: ignore[no-untyped-def]
         return q.new_empty((q.shape[0], max_len), dtype=torch.float32)
+
+    _FAKES.append("indexer_scores")
+    if not x86():
+        return
+    mlp_fields, layer_fields, step_fields = torch.ops.mla_kernels.table_widths()  # csrc/mla_cpu.h's
+    writes_only = ("gemv_f32", "gemv_bf16", "gemv_i8", "gemm_few_f32", "gemm_few_bf16", "gemm_few_i8", "gemm_fp8",
+                   "gemm_i4", "i4_from_stored", "rms_norm_f32", "absorbed_decode", "rope_store", "gated_mlps",
+                   "moe_row")
+    for name in writes_only:
+        lib.register_fake(f"mla_kernels::{name}", lambda *args, **kwargs: None)
+
+    @lib.register_fake("mla_kernels::mlp_table")
+    def _(gate_up, gate_up_scales, down, down_scales, i4_variant):  # type: ignore[no-untyped-def]
+        return gate_up[0].new_empty((len(gate_up), mlp_fields), dtype=torch.int64)
+
+    @lib.register_fake("mla_kernels::layer_table")
+    def _(in_norm, *args):  # type: ignore[no-untyped-def]
+        return in_norm.new_empty((layer_fields,), dtype=torch.int64)
+
+    @lib.register_fake("mla_kernels::step_table")
+    def _(cos, *args):  # type: ignore[no-untyped-def]
+        return cos.new_empty((step_fields,), dtype=torch.int64)
+
+    _FAKES.extend(writes_only)

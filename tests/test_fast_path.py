@@ -1126,3 +1126,29 @@ def test_the_product_operators_refuse_sizes_their_tensors_do_not_hold():
         ops.gemm_i4(torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.half), x, y, 1, 4, 8, 1, 9)
     with pytest.raises(ValueError, match="rms_norm_f32: x must be"):
         ops.rms_norm_f32(torch.randn(2, 8), 8, torch.ones(8), torch.empty(2, 8), 3, 8, 1e-6)
+
+
+def test_every_cpu_operator_has_a_shape_function():
+    """Each operator of torch.ops.mla_kernels runs under fake tensors (what torch.compile and torch.export trace
+    with): the kernels that write into given tensors return nothing, the table builders make their tables' shapes."""
+    if cpu_gemv.failure() is not None:
+        pytest.skip(f"the kernels do not build here: {cpu_gemv.failure()}")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    ops = torch.ops.mla_kernels
+    names = {str(s.name).removeprefix("mla_kernels::") for s in torch._C._jit_get_all_schemas()
+             if str(s.name).startswith("mla_kernels::")}
+    assert {"indexer_scores", "gemv_f32", "absorbed_decode", "layer_table", "decoder_layer"} <= names
+    # no tensor arguments: nothing to trace; the whole-layer call answers from its tables' contents (whether it ran
+    # the MLP, the scratch it needs), so it runs eagerly, as the decode step that calls it does
+    untraced = {"cpu_variants", "i8_variants", "i4_variants", "i8_select", "table_widths", "decoder_layer",
+                "decoder_layer_scratch"}
+    for name in names - untraced:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"mla_kernels::{name}", "Meta"), name
+    mlp_fields, layer_fields, step_fields = ops.table_widths()
+    with FakeTensorMode():
+        assert ops.gemv_f32(torch.empty(4, 8), torch.empty(8), torch.empty(4), 4, 8, 1) is None
+        assert ops.step_table(torch.empty(2, 4), torch.empty(2, 4), torch.empty(2, dtype=torch.long),
+                              torch.empty(2, 8, dtype=torch.long), torch.empty(2, dtype=torch.long), 1, 1, 1
+                              ).shape == (step_fields,)
+        assert ops.mlp_table([torch.empty(8, 4)], [None], [torch.empty(4, 4)], [None], 0).shape == (1, mlp_fields)

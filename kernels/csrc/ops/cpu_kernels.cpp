@@ -272,6 +272,8 @@ at::Tensor step_table(const at::Tensor& cos, const at::Tensor& sin, const at::Te
   return table;
 }
 
+std::vector<int64_t> table_widths() { return {MLP_FIELDS, L_FIELDS, S_FIELDS}; }
+
 int64_t i8_variants() { return mla_i8_variants(); }
 void i8_select(int64_t variant) { mla_i8_select(variant); }
 int64_t i4_variants() { return mla_i4_variants(); }
@@ -313,6 +315,7 @@ TORCH_LIBRARY_FRAGMENT(mla_kernels, m) {
         "int i4_variant) -> Tensor");
   m.def("step_table(Tensor cos, Tensor sin, Tensor slots, Tensor keys, Tensor lens, int threads, "
         "int decode_threads, int decode_stride) -> Tensor");
+  m.def("table_widths() -> int[]", &table_widths);  // the builders' table widths (shape functions read them)
   m.def("i8_variants() -> int", &i8_variants);
   m.def("i8_select(int variant) -> ()", &i8_select);
   m.def("i4_variants() -> int", &i4_variants);
