@@ -1,21 +1,21 @@
 """CPU kernels as typed torch operators (``torch.ops.mla_kernels.*``), built once per machine.
 
-The sources in ``csrc/ops/*.cpp`` register their operators with ``TORCH_LIBRARY`` (a schema each, a CPU
-implementation), so they show under their own names in the profiler, are checked by the dispatcher, and trace
-(``torch.library.register_fake`` below gives each a shape function). The first process that needs them builds them
-with ``torch.utils.cpp_extension`` into a folder of ``cache_dir()`` named by a digest of the sources, the flags,
-the compiler and torch's version; every later process, and every tensor-parallel rank, loads that build (the
-extension builder locks the folder while one process builds). Within the library each kernel's hot function is
-compiled for several x86 levels (``target_clones``: AVX-512, AVX2 + FMA, the baseline) and the loader runs the
-widest the CPU supports.
+The sources register their operators with ``TORCH_LIBRARY``: ``csrc/ops/indexer.cpp`` (the sparse-attention
+indexer's scores, every architecture) and, on x86-64, ``csrc/ops/cpu_kernels.cpp`` over the C decode kernels of
+``csrc/*.c`` (products, absorbed attention, norms, MoE rows, the whole decoder layer; entry points and table layouts
+declared once in ``csrc/mla_cpu.h``), compiled as C++ into the same library. Each operator has a schema and a CPU
+implementation, so it shows under its own name in the profiler and is checked by the dispatcher, and those that take
+tensors have a shape function (``_register_fakes``), so they trace.
 
-Operators:
-
-- ``indexer_scores(q, weights, cache, scales, block_tables, req_indices, key_lens, max_len)``: the lightning
-  indexer's scores over the paged indexer-key cache (``mla_kernels.sparse``: the same contract as its torch path).
+The first process that needs them builds them with ``torch.utils.cpp_extension`` into a folder of ``cache_dir()``
+named by a digest of the sources, headers, flags, compiler and torch's version; every later process, and every
+tensor-parallel rank, loads that build (the extension builder locks the folder while one process builds; a lock
+left by a killed build is cleared). Hot functions are compiled for several x86 levels with target attributes
+(AVX-512 with or without BF16 dot products, AVX-512 VNNI, AVX2 + FMA) and chosen at run time by probing the CPU.
 
 ``failure()`` is None when the operators are loaded on this machine, else why not (no C++ compiler, a build error,
-a CPU that is not x86-64 or aarch64 ...): callers keep their torch paths, and the reason is logged once.
+an x86-64 CPU without AVX2 and FMA, another architecture than x86-64 and aarch64): callers keep their torch paths,
+and the reason is logged once (``summary()`` says which are loaded, for the start-up log and ``/metrics``).
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@
 // one tile-wide load and four multiply-adds with broadcast query values. The tile function is compiled for
 // x86-64-v4 (AVX-512, tiles of 32 positions), x86-64-v3 (AVX2 + FMA, tiles of 16) and the baseline; "auto" runs
 // the widest the CPU executes, and mla_kernels::cpu_variants() lists them (tests run each one the CPU executes).
+// With AVX512-BF16, bfloat16 keys meet a row's queries in VDPBF16PS dot products when every query value of the row
+// is a bfloat16 value (a bfloat16 model's are): each product is then exact in float32, as on the float32 path.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -23,8 +25,14 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
+#include <algorithm>
 #include <limits>
 #include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -87,12 +95,16 @@ inline __attribute__((always_inline)) void score_tile(const float* __restrict q,
 }
 
 using TileFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, float*);
+// bfloat16 keys against bfloat16-exact queries: qp [H, D / 2] and kt [D / 2, 32] pairs of bfloat16 (one uint32 each)
+using PairTileFn = void (*)(const uint32_t*, const float*, const uint32_t*, int64_t, int64_t, float*);
+constexpr int64_t PAIR_TILE = 32;
 
 struct Variant {
   const char* name;
   int64_t tile;
   TileFn fn;
   bool runs;  // the CPU executes it
+  PairTileFn pairs = nullptr;  // bfloat16 dot products (AVX512-BF16), for bfloat16 keys and bfloat16-exact queries
 };
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -101,6 +113,37 @@ MLA_TARGET("arch=x86-64-v4")
 void tile_avx512(const float* q, const float* w, const float* kt, int64_t heads, int64_t d, float* acc) {
   score_tile<32>(q, w, kt, heads, d, acc);
 }
+// 32 positions of bfloat16 keys with VDPBF16PS: each instruction adds, for 16 keys, the products of one pair of
+// dimensions. A bfloat16 value times a bfloat16 value is exact in float32, so with queries that are bfloat16 values
+// (a bfloat16 model's always are) this differs from the float32 path only in the order of the sums.
+MLA_TARGET("arch=x86-64-v4,avx512bf16")
+void tile_avx512_bf16(const uint32_t* qp, const float* w, const uint32_t* kt, int64_t heads, int64_t d2, float* acc) {
+  for (int64_t j = 0; j < PAIR_TILE; ++j) acc[j] = 0.0f;
+  const __m512 zero = _mm512_setzero_ps();
+  int64_t h = 0;
+  for (; h < heads; h += 4) {
+    const int64_t nh = std::min<int64_t>(4, heads - h);
+    __m512 lo[4] = {zero, zero, zero, zero}, hi[4] = {zero, zero, zero, zero};
+    for (int64_t p = 0; p < d2; ++p) {
+      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + p * PAIR_TILE);
+      const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + p * PAIR_TILE + 16);
+      for (int64_t i = 0; i < nh; ++i) {
+        const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[(h + i) * d2 + p]));
+        lo[i] = _mm512_dpbf16_ps(lo[i], k0, qb);
+        hi[i] = _mm512_dpbf16_ps(hi[i], k1, qb);
+      }
+    }
+    __m512 a0 = _mm512_loadu_ps(acc), a1 = _mm512_loadu_ps(acc + 16);
+    for (int64_t i = 0; i < nh; ++i) {
+      const __m512 wi = _mm512_set1_ps(w[h + i]);
+      a0 = _mm512_fmadd_ps(wi, _mm512_max_ps(lo[i], zero), a0);
+      a1 = _mm512_fmadd_ps(wi, _mm512_max_ps(hi[i], zero), a1);
+    }
+    _mm512_storeu_ps(acc, a0);
+    _mm512_storeu_ps(acc + 16, a1);
+  }
+}
+
 MLA_TARGET("arch=x86-64-v3")
 void tile_avx2(const float* q, const float* w, const float* kt, int64_t heads, int64_t d, float* acc) {
   score_tile<16>(q, w, kt, heads, d, acc);
@@ -110,8 +153,8 @@ void tile_generic(const float* q, const float* w, const float* kt, int64_t heads
   score_tile<16>(q, w, kt, heads, d, acc);
 }
 
-// The variants, widest first: AVX-512 (x86-64-v4: F, BW, CD, DQ, VL), AVX2 + FMA (x86-64-v3), and the compiler's
-// baseline for the build machine (SSE2 on x86-64, NEON on aarch64).
+// The variants, widest first: AVX-512 with BF16 dot products for bfloat16 keys (the rest as AVX-512), AVX-512
+// (x86-64-v4: F, BW, CD, DQ, VL), AVX2 + FMA (x86-64-v3), and the build's baseline (AVX2 on x86-64, NEON on aarch64).
 const std::vector<Variant>& variants() {
   static const std::vector<Variant> all = [] {
     std::vector<Variant> v;
@@ -122,6 +165,8 @@ const std::vector<Variant>& variants() {
                     __builtin_cpu_supports("avx512cd");
     const bool v3 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                     __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2");
+    const bool bf16 = v4 && __builtin_cpu_supports("avx512bf16");
+    v.push_back({"avx512_bf16", 32, &tile_avx512, bf16, &tile_avx512_bf16});
     v.push_back({"avx512", 32, &tile_avx512, v4});
     v.push_back({"avx2", 16, &tile_avx2, v3});
 #endif
@@ -165,7 +210,32 @@ void score_rows(const at::Tensor& q, const at::Tensor& weights, const at::Tensor
   const int64_t bt_stride = block_tables.stride(0), bt_width = block_tables.size(1);
   float* op = out.data_ptr<float>();
 
+  // rows whose queries are all bfloat16 values take the variant's bfloat16 dot products (bfloat16 keys only)
+  std::vector<uint32_t> qpairs;
+  std::vector<char> paired(static_cast<size_t>(rows), 0);
+  const int64_t d2 = (d + 1) / 2;
+  if (std::is_same<K, c10::BFloat16>::value && variant.pairs != nullptr && TILE == PAIR_TILE) {
+    qpairs.assign(static_cast<size_t>(rows * heads * d2), 0);
+    for (int64_t t = 0; t < rows; ++t) {
+      bool exact = true;
+      for (int64_t i = 0; i < heads * d && exact; ++i) {
+        uint32_t bits;
+        std::memcpy(&bits, qp + t * heads * d + i, 4);
+        exact = (bits & 0xffffu) == 0;
+      }
+      if (!exact) continue;
+      paired[t] = 1;
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t i = 0; i < d; ++i) {
+          uint32_t bits;
+          std::memcpy(&bits, qp + (t * heads + h) * d + i, 4);
+          qpairs[(t * heads + h) * d2 + i / 2] |= (bits >> 16) << (16 * (i % 2));
+        }
+    }
+  }
+
   at::parallel_for(0, rows * tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> ktp(static_cast<size_t>(d2 * PAIR_TILE));
     std::vector<float> kt(static_cast<size_t>(d * TILE));
     std::vector<float> acc(static_cast<size_t>(TILE));
     for (int64_t piece = begin; piece < end; ++piece) {
@@ -173,6 +243,22 @@ void score_rows(const at::Tensor& q, const at::Tensor& weights, const at::Tensor
       const int64_t n = std::min(TILE, lens[t] - p0);
       if (n <= 0) continue;
       const int32_t* table = bt + req[t] * bt_stride;
+      if (paired[t]) {  // bfloat16 keys copied as pairs along the dimension, [D / 2][32]
+        std::fill(ktp.begin(), ktp.end(), 0u);
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t pos = p0 + j, col = pos / block_size;
+          TORCH_CHECK(col < bt_width, "indexer_scores: key_len ", lens[t], " is beyond the block table's ", bt_width,
+                      " blocks");
+          const int64_t blk = table[col];
+          TORCH_CHECK(blk >= 0 && blk < num_blocks, "indexer_scores: block id ", blk, " of block-table row ", req[t],
+                      " is outside the cache's ", num_blocks, " blocks");
+          const uint16_t* key = reinterpret_cast<const uint16_t*>(cp + (blk * block_size + pos % block_size) * d);
+          for (int64_t i = 0; i < d; ++i) ktp[(i / 2) * PAIR_TILE + j] |= static_cast<uint32_t>(key[i]) << (16 * (i % 2));
+        }
+        variant.pairs(qpairs.data() + t * heads * d2, wp + t * heads, ktp.data(), heads, d2, acc.data());
+        std::memcpy(op + t * max_len + p0, acc.data(), static_cast<size_t>(n) * sizeof(float));
+        continue;
+      }
       for (int64_t j = 0; j < n; ++j) {
         const int64_t pos = p0 + j;
         const int64_t col = pos / block_size;
