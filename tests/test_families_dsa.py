@@ -305,3 +305,51 @@ def test_two_ranks_restart_from_disk(checkpoint, tmp_path, layout):
         again.shutdown()
     assert out.num_cached_tokens == 96 and out.outputs[0].token_ids == cold.outputs[0].token_ids
     assert list(cold.outputs[0].token_ids) == hf_greedy(hf, p, 6)
+
+
+def test_latent_rank_truncates_the_latent_and_keeps_the_indexer_width(checkpoint):
+    """The sweep's latent rank applies to the latent alone: a truncated sparse model caches ``r + d_r`` latent values
+    and the indexer's full-width keys per token, and at full rank it reproduces the model (sparse selections
+    included: the prompts are longer than the top-k)."""
+    from mla_runtime.latent_rank import truncate_latent_rank
+
+    path, _ = checkpoint("deepseek_v32")
+    ps = prompts((40, 25), seed=3)
+    ref = prefill(load_model(path, dtype="float32"), ps, chunk=16)
+    full = truncate_latent_rank(load_model(path, dtype="float32"), TEXT["kv_lora_rank"], "svd", calibration=ps)
+    for got, want in zip(prefill(full, ps, chunk=16), ref):
+        assert rel_err(got, want) <= 1e-4
+    llm = LLM(str(path), dtype="float32", max_model_len=128, block_size=16, kv_cache_memory="1MiB", latent_rank=12)
+    worker = llm.engine.worker
+    layer = worker.cache.layers[0]
+    assert layer.kv.shape[-1] == 12 + TEXT["qk_rope_head_dim"]
+    assert layer.index is not None and layer.index.shape[-1] == TEXT["index_head_dim"]
+    assert worker.bytes_per_token == worker.cache.bytes_per_token() == 3 * 4 * (12 + 16 + TEXT["index_head_dim"])
+    out = llm.generate([{"prompt_token_ids": ps[0]}], GREEDY)
+    assert len(out[0].outputs[0].token_ids) == GREEDY.max_tokens
+    llm.engine.pool.check_whole()
+
+
+def test_structured_outputs_constrain_a_sparse_model(checkpoint):
+    """A JSON schema constrains a sparse model's output as any other's: the grammar masks the logits whatever keys
+    the indexer selected (the prompt is longer than the top-k)."""
+    import shutil
+    from pathlib import Path
+
+    import jsonschema
+
+    from mla_runtime import StructuredOutputs
+
+    demo = Path(__file__).resolve().parent.parent / "mla_runtime" / "demo_model"
+    path, _ = checkpoint("deepseek_v32", vocab_size=8192)  # the demo tokenizer's vocabulary
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo / name, path / name)
+    schema = {"type": "object", "required": ["mode", "level"], "additionalProperties": False,
+              "properties": {"mode": {"enum": ["read", "write", "append"]}, "level": {"enum": ["low", "high"]}}}
+    with LLM(str(path), dtype="float32", max_model_len=256, kv_cache_memory="4MiB") as llm:
+        prompt = "def load(path):\n    return open(path).read()\n" * 3
+        assert len(llm.engine.tokenizer.encode(prompt)) > TOPK
+        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=48,
+                                                    structured_outputs=StructuredOutputs(json=schema)))
+        llm.engine.pool.check_whole()
+    jsonschema.validate(json.loads(out[0].outputs[0].text), schema)
