@@ -44,7 +44,7 @@ def level(module: str) -> int:
 
 def modules() -> list[tuple[str, Path]]:
     found = []
-    for package, folder in (("mla_runtime", ROOT / "mla_runtime"), ("mla_kernels", ROOT / "kernels")):
+    for package, folder in (("mla_runtime", ROOT / "mla_runtime"), ("mla_kernels", ROOT / "mla_kernels")):
         for path in sorted(folder.rglob("*.py")):
             parts = [package, *path.relative_to(folder).with_suffix("").parts]
             if parts[-1] == "__init__":

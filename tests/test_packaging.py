@@ -24,10 +24,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
 from mla_kernels import cpu_gemv
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ("pyproject.toml", "README.md", "mla_runtime", "kernels")
+SOURCES = ("pyproject.toml", "README.md", "mla_runtime", "mla_kernels")
 
 
 def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:

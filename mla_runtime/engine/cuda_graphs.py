@@ -124,7 +124,7 @@ def _caller() -> str | None:
     path = frame.f_code.co_filename.replace("\\", "/")
     if "/triton/" in path:
         return None
-    for root in ("/mla_runtime/", "/kernels/", "/site-packages/"):
+    for root in ("/mla_runtime/", "/mla_kernels/", "/site-packages/"):
         if root in path:
             path = root.strip("/") + "/" + path.split(root, 1)[1]
             break
