@@ -40,9 +40,9 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from mla_kernels import cpu_gemv
 from roofline import stream_bandwidth
 
+from mla_kernels import cpu_gemv
 from mla_runtime.layers.cpu_gemm import PackedWeight, _reorder, linear
 
 # the benchmark checkpoint's products: lm_head, dense gate_up, o_proj / expert gate_up, expert down

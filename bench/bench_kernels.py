@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 
 import torch
+
 from mla_kernels import mla_decode, store_latent
 from mla_kernels.reference import ref_mla_decode
 

@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from mla_kernels import cpu_gemv
 from peer_checkpoint import build_checkpoint, make_prompts
 
+from mla_kernels import cpu_gemv
 from mla_runtime import LLM, SamplingParams
 
 OUT = Path(__file__).resolve().parent / "out" / "peer_ckpt"

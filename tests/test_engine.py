@@ -63,7 +63,6 @@ def test_each_cpu_gemm_setting_is_applied_at_load_and_keeps_the_tokens(v3, mode)
     """The engine setting cpu_gemm picks the CPU products' paths while the weights are prepared (and is reported); the
     process's own mode is left as it was, and every setting gives transformers' greedy tokens."""
     from mla_kernels import cpu_ops
-
     from mla_runtime.layers import cpu_gemm
 
     path, hf = v3

@@ -20,7 +20,6 @@ if not torch.cuda.is_available():  # kernels: interpret Triton on CPU (must prec
 
 from mla_kernels import cpu_gemv, cpu_ops, mla_decode_planned, plan_decode, plan_decode_lists, write_latent  # noqa: E402
 from mla_kernels.reference import ref_mla_decode  # noqa: E402
-
 from mla_runtime import LLM, SamplingParams  # noqa: E402
 from mla_runtime.config import MoEConfig, RopeConfig  # noqa: E402
 from mla_runtime.forward_batch import ForwardBatch  # noqa: E402

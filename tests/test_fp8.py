@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from mla_kernels import cpu_gemv
 
+from mla_kernels import cpu_gemv
 from mla_runtime.layers import qweight
 from mla_runtime.layers.fp8 import Fp8Weight, quantize_fp8_block
 from mla_runtime.loader import dequantize_fp8_block

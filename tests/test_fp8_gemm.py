@@ -14,7 +14,6 @@ if not torch.cuda.is_available():  # kernels: interpret Triton on CPU (must prec
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from mla_kernels.fp8_gemm import act_quant_fp8, fp8_gemm, fp8_grouped_gemm  # noqa: E402
-
 from tests.kernel_utils import DEVICE  # noqa: E402
 
 FP8 = torch.float8_e4m3fn

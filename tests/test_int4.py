@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from mla_kernels import cpu_gemv
 
+from mla_kernels import cpu_gemv
 from mla_runtime.layers import int4, qweight
 from mla_runtime.layers.int4 import Int4Weight, int4_kernel_failure
 

@@ -15,7 +15,6 @@ if not torch.cuda.is_available():  # kernels: interpret Triton on CPU (must prec
 from mla_kernels import gather_latent, mla_decode, prefill_attention  # noqa: E402
 from mla_kernels.dtypes import is_quantized  # noqa: E402
 from mla_kernels.reference import ref_mla_decode  # noqa: E402
-
 from tests.kernel_utils import (  # noqa: E402
     BACKENDS,
     DEVICE,

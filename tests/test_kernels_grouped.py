@@ -12,7 +12,6 @@ if not torch.cuda.is_available():  # kernels: interpret Triton on CPU (must prec
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from mla_kernels.grouped_gemm import grouped_gemm  # noqa: E402
-
 from mla_runtime.layers.moe import Experts  # noqa: E402
 from tests.kernel_utils import DEVICE  # noqa: E402
 

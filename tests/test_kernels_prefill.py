@@ -13,7 +13,6 @@ if not torch.cuda.is_available():  # kernels: interpret Triton on CPU (must prec
 
 from mla_kernels import prefill_attention  # noqa: E402
 from mla_kernels.reference import ref_prefill_attention  # noqa: E402
-
 from tests.kernel_utils import BACKENDS, DEVICE, assert_close_dtype, assert_lse_close  # noqa: E402
 
 

@@ -30,7 +30,6 @@ from mla_kernels.reference import (  # noqa: E402
     ref_sparse_mla_decode,
     ref_store_index_keys,
 )
-
 from tests.kernel_utils import (  # noqa: E402
     BACKENDS,
     DEVICE,

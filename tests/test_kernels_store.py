@@ -13,7 +13,6 @@ if not torch.cuda.is_available():  # kernels: interpret Triton on CPU (must prec
 from mla_kernels import gather_latent, store_latent  # noqa: E402
 from mla_kernels.dtypes import is_quantized  # noqa: E402
 from mla_kernels.reference import ref_gather_latent, ref_store_latent  # noqa: E402
-
 from tests.kernel_utils import BACKENDS, DEVICE, assert_close_dtype, make_paged_case, poisoned_cache  # noqa: E402
 
 CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int8]

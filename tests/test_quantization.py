@@ -7,8 +7,8 @@ import random
 
 import pytest
 import torch
-from mla_kernels import cpu_gemv
 
+from mla_kernels import cpu_gemv
 from mla_runtime import LLM, SamplingParams
 from mla_runtime.config import ModelConfig
 from mla_runtime.engine.config import EngineConfig

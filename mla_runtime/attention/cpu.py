@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+
 from mla_kernels import (
     DecodePlan,
     cpu_gemv,
@@ -32,7 +33,6 @@ from mla_kernels import (
     sparse_plan,
     write_latent,
 )
-
 from mla_runtime.attention.metadata import AttentionDims, AttentionMetadata, choose_path, host_cu_seqlens
 from mla_runtime.attention.paged import PagedBackend, absorb, unabsorb
 from mla_runtime.cache.latent_cache import LatentCache, LayerCache

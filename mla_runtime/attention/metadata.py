@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-from mla_kernels import DecodePlan
 
+from mla_kernels import DecodePlan
 from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.layers.rotary import RopeTables
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from mla_kernels import gather_latent, indexer_topk, mla_decode, prefill_attention, sparse_mla_decode, store_latent
 
+from mla_kernels import gather_latent, indexer_topk, mla_decode, prefill_attention, sparse_mla_decode, store_latent
 from mla_runtime.attention.metadata import AttentionDims, AttentionMetadata, choose_path, host_cu_seqlens
 from mla_runtime.cache.latent_cache import LatentCache, LayerCache
 from mla_runtime.forward_batch import ForwardBatch

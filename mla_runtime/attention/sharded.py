@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from mla_kernels import indexer_scores, mla_decode, sparse_mla_decode
 
+from mla_kernels import indexer_scores, mla_decode, sparse_mla_decode
 from mla_runtime.attention.metadata import AttentionDims, AttentionMetadata, host_cu_seqlens
 from mla_runtime.attention.paged import PagedBackend, absorb, unabsorb
 from mla_runtime.cache.latent_cache import LatentCache, LayerCache

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from typing import cast
 
 import torch
-from mla_kernels import cpu_gemv
 
+from mla_kernels import cpu_gemv
 from mla_runtime.layers.cpu_gemm import PackedWeight, gemm_choice, gemm_mode, linear
 from mla_runtime.layers.qweight import QuantizedWeight, stack_rows
 

@@ -64,8 +64,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from mla_kernels import cpu_gemv, cpu_ops
 
+from mla_kernels import cpu_gemv, cpu_ops
 from mla_runtime import env
 from mla_runtime.options import CPU_GEMM_MODES
 from mla_runtime.resolved_config import CpuLayouts

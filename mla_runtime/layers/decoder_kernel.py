@@ -22,9 +22,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import cast
 
-from mla_kernels import cpu_gemv
 from torch import nn
 
+from mla_kernels import cpu_gemv
 from mla_runtime.attention.metadata import AttentionMetadata
 from mla_runtime.layers.cpu_gemm import PackedWeight
 from mla_runtime.layers.linear import Linear

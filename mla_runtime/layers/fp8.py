@@ -24,9 +24,9 @@ from typing import cast
 
 import torch
 import torch.nn.functional as F
+
 from mla_kernels import cpu_gemv
 from mla_kernels.fp8_gemm import fp8_gemm, fp8_gemm_failure
-
 from mla_runtime.layers.cpu_gemm import gemm_mode
 from mla_runtime.layers.qweight import QuantizedWeight, stack_rows
 

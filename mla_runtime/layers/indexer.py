@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
-from mla_kernels import store_index_keys
 from torch import nn
 
+from mla_kernels import store_index_keys
 from mla_runtime.attention.metadata import AttentionMetadata
 from mla_runtime.cache.latent_cache import LayerCache
 from mla_runtime.layers.linear import Linear

@@ -39,8 +39,8 @@ from typing import cast
 
 import torch
 import torch.nn.functional as F
-from mla_kernels import cpu_gemv
 
+from mla_kernels import cpu_gemv
 from mla_runtime.layers.cpu_gemm import gemm_mode
 from mla_runtime.layers.qweight import QuantizedWeight
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from mla_kernels import cpu_gemv
 from torch import nn
 
+from mla_kernels import cpu_gemv
 from mla_runtime.layers.cpu_gemm import PackedWeight, linear
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 

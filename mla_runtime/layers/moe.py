@@ -33,9 +33,9 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from mla_kernels import cpu_gemv
 from torch import nn
 
+from mla_kernels import cpu_gemv
 from mla_runtime.config import MoEConfig
 from mla_runtime.layers.cpu_gemm import PackedWeight, linear
 from mla_runtime.layers.fp8 import Fp8Weight

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from mla_kernels import cpu_gemv
 from torch import nn
 
+from mla_kernels import cpu_gemv
 from mla_runtime.layers.cpu_gemm import row_kernel_failure
 from mla_runtime.layers.linear import Linear
 

@@ -46,9 +46,9 @@ from typing import cast
 
 import torch
 import torch.nn.functional as F
-from mla_kernels import cpu_gemv
 from torch import nn
 
+from mla_kernels import cpu_gemv
 from mla_runtime.layers.bf16 import Bf16Weight
 from mla_runtime.layers.cpu_gemm import PackedWeight, gemm_mode, row_kernel_failure
 from mla_runtime.layers.fp8 import Fp8Weight

@@ -15,9 +15,9 @@ from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
-from mla_kernels import cpu_gemv
 from torch import nn
 
+from mla_kernels import cpu_gemv
 from mla_runtime.attention import AttentionMetadata, make_backend
 from mla_runtime.cache.latent_cache import LatentCache, LayerCache
 from mla_runtime.config import ModelConfig
