@@ -11,7 +11,7 @@ from .common import default_backend, dequantize_rows, quantize_per_token
 from .decode import mla_decode
 from .decode_cpu import DecodePlan, mla_decode_planned, plan_decode, plan_decode_lists, write_latent
 from .latent_store import gather_latent, store_latent
-from .prefill import prefill_attention
+from .prefill import prefill_attention, selected_prefill_attention
 from .sparse import (
     index_key_rows,
     indexer_scores,
@@ -34,6 +34,7 @@ __all__ = [
     "plan_decode",
     "plan_decode_lists",
     "prefill_attention",
+    "selected_prefill_attention",
     "quantize_per_token",
     "sparse_mla_decode",
     "sparse_plan",

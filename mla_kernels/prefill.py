@@ -186,6 +186,7 @@ def _prefill_torch(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch.Ten
 
 
 _SDPA_CPU_DTYPES = (torch.float32, torch.bfloat16)
+_SELECTED_BLOCK_ROWS = 256  # selected_prefill_attention: query rows per masked block
 
 
 def _prefill_cpu_flash(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor,
@@ -307,3 +308,47 @@ def prefill_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch.
         return _prefill_cpu_flash(q_nope, q_rope, k_nope, k_rope, v, cu_q, cu_k, float(sm_scale))
     return _prefill_torch(q_nope, q_rope, k_nope, k_rope, v, cu_seqlens_q, cu_seqlens_k, float(sm_scale),
                           max_q_len, max_k_len)
+
+
+def selected_prefill_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch.Tensor,
+                               k_rope: torch.Tensor, v: torch.Tensor, cu_q: list[int], cu_k: list[int],
+                               sm_scale: float, selected: torch.Tensor) -> torch.Tensor:
+    """Attention of prefill rows over only their selected keys, on the CPU: sparse attention in its up-projected
+    form, the reference model's own (its indexer's choice as a mask over the dense scores).
+
+    Arguments as ``prefill_attention`` (host ``cu_q`` / ``cu_k`` lists), plus ``selected [T, K]``: row t's key
+    positions within its sequence (``-1``: none; at least one valid per row). Returns out ``[T, H, d_v]`` in
+    q_nope.dtype. Each row attends to exactly its selected keys: the same result as ``sparse_mla_decode`` over the
+    latents the keys and values were built from, at the cost of dense attention (torch's CPU flash kernel, an
+    additive mask per block of rows within ``_TORCH_SCORE_BYTES``) instead of a gather per row.
+    """
+    n_tokens, n_heads, d_n = q_nope.shape
+    d_r, d_v = q_rope.shape[2], v.shape[2]
+    if selected.dim() != 2 or selected.shape[0] != n_tokens:
+        raise ValueError(f"selected must be [T, K] with T = {n_tokens} query rows, got {tuple(selected.shape)}")
+    width = max(d_n + d_r, d_v)
+    q = torch.cat([q_nope, q_rope], dim=-1)
+    k = torch.cat([k_nope, k_rope.unsqueeze(1).expand(-1, n_heads, -1)], dim=-1)
+    if d_n + d_r < width:
+        q, k = (torch.nn.functional.pad(t, (0, width - d_n - d_r)) for t in (q, k))
+    if d_v < width:
+        v = torch.nn.functional.pad(v, (0, width - d_v))
+    sel = selected.long()
+    # an invalid entry (-1) points at the row's first selection (always valid: a row sees at least one key)
+    sel = torch.where(sel >= 0, sel, sel[:, :1])
+    out = torch.empty(n_tokens, n_heads, d_v, dtype=q_nope.dtype)
+    for q0, q1, k0, k1 in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]):
+        q_len, k_len = q1 - q0, k1 - k0
+        # blocks of rows: each attends up to its own last selected key (a staircase, as a causal kernel skips the
+        # upper triangle), its mask within the byte budget
+        rows = max(1, min(_SELECTED_BLOCK_ROWS, _TORCH_SCORE_BYTES // (max(k_len, 1) * q.element_size())))
+        for r0 in range(0, q_len, rows):
+            r1 = min(r0 + rows, q_len)
+            part = sel[q0 + r0:q0 + r1]
+            keys = int(part.max()) + 1  # the block's last selectable key
+            mask = torch.full((r1 - r0, keys), float("-inf"), dtype=q.dtype).scatter_(1, part, 0.0)
+            o, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q[q0 + r0:q0 + r1].transpose(0, 1).unsqueeze(0), k[k0:k0 + keys].transpose(0, 1).unsqueeze(0),
+                v[k0:k0 + keys].transpose(0, 1).unsqueeze(0), 0.0, False, attn_mask=mask, scale=sm_scale)
+            out[q0 + r0:q0 + r1] = o[0, :, :, :d_v].transpose(0, 1)
+    return out

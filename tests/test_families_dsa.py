@@ -115,6 +115,31 @@ def test_prefill_logits_match_transformers(checkpoint, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("gather_cost", [0, 1 << 30], ids=["gathered", "masked-dense"])
+def test_both_cpu_prefill_forms_match_transformers(checkpoint, family, gather_cost, monkeypatch):
+    """The CPU backend's two forms of sparse prefill, forced: each row's selection gathered and attended absorbed,
+    or keys and values rebuilt for the whole sequence and dense attention masked to the selection."""
+    from mla_runtime.attention import cpu
+
+    monkeypatch.setattr(cpu, "GATHER_COST", gather_cost)
+    dense_calls = []
+    real = cpu.selected_prefill_attention
+    monkeypatch.setattr(cpu, "selected_prefill_attention", lambda *a: dense_calls.append(1) or real(*a))
+    path, hf = checkpoint(family)
+    ps = prompts()
+    llm = LLM(str(path), dtype="float32", max_model_len=128, kv_cache_memory="4MiB", block_size=16,
+              max_num_batched_tokens=16)  # chunks: later ones select among cached keys
+    try:
+        assert llm.engine.info().attention_backend == "cpu"
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)
+    finally:
+        llm.shutdown()
+    assert bool(dense_calls) == bool(gather_cost)
+    for p, out in zip(ps, outs):
+        assert list(out.outputs[0].token_ids) == hf_greedy(hf, p, GREEDY.max_tokens)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_tokens_equal_transformers(checkpoint, family):
     path, hf = checkpoint(family)
     ps = prompts()

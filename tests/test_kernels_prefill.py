@@ -122,3 +122,37 @@ def test_cpu_flash_path_blocks_query_rows_after_context(monkeypatch, budget) -> 
     ref_out, ref_lse = ref_prefill_attention(q_n, q_r, k_n, k_r, v, cu_q, cu_k, 0.25)
     assert_close_dtype(out, ref_out, torch.float32)
     assert_lse_close(lse, ref_lse, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_selected_prefill_attends_exactly_the_selection(dtype):
+    """Sparse prefill's masked dense form: each row's softmax over only its selected keys (``-1`` padding ignored,
+    selections in any order), equal to attention over the gathered selection computed in float64."""
+    from mla_kernels import selected_prefill_attention
+
+    g = torch.Generator().manual_seed(7)
+    heads, d_n, d_r, d_v, topk = 3, 16, 8, 12, 5
+    seqs = [(6, 9), (300, 300)]  # (query rows, keys): a chunk after cached context, and a whole long prompt
+    cu_q, cu_k = [0], [0]
+    for q_len, k_len in seqs:
+        cu_q.append(cu_q[-1] + q_len)
+        cu_k.append(cu_k[-1] + k_len)
+    q_n, q_r = torch.randn(cu_q[-1], heads, d_n, generator=g), torch.randn(cu_q[-1], heads, d_r, generator=g)
+    k_n, k_r = torch.randn(cu_k[-1], heads, d_n, generator=g), torch.randn(cu_k[-1], d_r, generator=g)
+    v = torch.randn(cu_k[-1], heads, d_v, generator=g)
+    selected = torch.full((cu_q[-1], topk), -1, dtype=torch.int32)
+    for (q_len, k_len), q0 in zip(seqs, cu_q):
+        for i in range(q_len):
+            sees = k_len - q_len + i + 1
+            pick = torch.randperm(sees, generator=g)[:min(topk, sees)]
+            selected[q0 + i, :len(pick)] = pick.int()
+    got = selected_prefill_attention(*(t.to(dtype) for t in (q_n, q_r, k_n, k_r, v)), cu_q, cu_k, 0.3, selected)
+    assert got.dtype == dtype and got.shape == (cu_q[-1], heads, d_v)
+    for (q_len, _), q0, k0 in zip(seqs, cu_q, cu_k):
+        for i in range(q_len):
+            sel = selected[q0 + i][selected[q0 + i] >= 0].long() + k0
+            scores = 0.3 * (torch.einsum("hd,khd->hk", q_n[q0 + i].double(), k_n[sel].double())
+                            + torch.einsum("hd,kd->hk", q_r[q0 + i].double(), k_r[sel].double()))
+            want = torch.einsum("hk,khd->hd", torch.softmax(scores, -1), v[sel].double())
+            tol = 1e-5 if dtype == torch.float32 else 3e-2
+            torch.testing.assert_close(got[q0 + i].double(), want, rtol=tol, atol=tol)

@@ -27,9 +27,11 @@ from mla_kernels import (
     DecodePlan,
     cpu_gemv,
     cpu_ops,
+    gather_latent,
     mla_decode_planned,
     plan_decode,
     plan_decode_lists,
+    selected_prefill_attention,
     sparse_plan,
     write_latent,
 )
@@ -44,6 +46,10 @@ if TYPE_CHECKING:
     from mla_runtime.layers.mla import MLAttention
 
 PLANNED_MAX_QUERY_LEN = 8
+# a sparse step's gathered rows cost about this many times their multiply-adds against dense attention's (the
+# prefill of a 4,096-token prompt on a 128-head model: 217 s all gathered, 88 s with the masked dense form where this
+# ratio chooses it, 51 s dense; bench/RESULTS.md, "Sparse attention")
+GATHER_COST = 3
 PLANNED_EXTRA_KEY_BYTES = 2 << 20
 # A plan of at most this many (query row, key) entries is built on the host from the batch's block-table lists
 # (``plan_decode_lists``: two tensors made, instead of a dozen tensor ops); larger ones by tensor ops.
@@ -124,9 +130,50 @@ class CpuBackend(PagedBackend):
         planned decode (a compiled call where the layer takes the compiled kernels)."""
         if cache.scales is not None:
             return super().sparse_forward(q_n, q_r, attn, meta, cache, selected)
+        d = meta.num_planned if meta.decode_plan is not None else 0
+        rest = meta.rest if d else meta
+        if d == q_n.shape[0] or rest is None or not self._dense_cheaper(rest, attn, selected.shape[1]) \
+                or q_n.dtype not in (torch.float32, torch.bfloat16):
+            batch = meta.batch
+            plan = sparse_plan(selected, batch.block_tables, batch.token_req_idx, batch.block_size)
+            return self._attend_plan(q_n, q_r, attn, plan, cache)
+        # prefill chunks: dense up-projected attention masked to each row's selection (a gather of its selected
+        # keys per row costs several times more there); the planned short rows before them as above
+        out = self._selected_prefill(q_n[d:], q_r[d:], attn, rest, cache, selected[d:])
+        if not d:
+            return out
         batch = meta.batch
-        plan = sparse_plan(selected, batch.block_tables, batch.token_req_idx, batch.block_size)
-        return self._attend_plan(q_n, q_r, attn, plan, cache)
+        plan = sparse_plan(selected[:d], batch.block_tables, batch.token_req_idx[:d], batch.block_size)
+        return torch.cat([self._attend_plan(q_n[:d], q_r[:d], attn, plan, cache), out])
+
+    @staticmethod
+    def _dense_cheaper(meta: AttentionMetadata, attn: MLAttention, topk: int) -> bool:
+        """Whether the rows of ``meta`` take masked dense attention: rebuilding every key and value of their
+        sequences (``L d_c H (d_n + d_v)``) and attending densely (``T L H (d_n + d_r + d_v)``) against gathering
+        each row's selection (``T topk H (2 d_c + d_r)``, times ``GATHER_COST``: the gathered path's measured
+        overhead)."""
+        batch = meta.batch
+        h, d_c, d_r = attn.n_h, attn.d_c, attn.d_r
+        dense = sparse = 0
+        for q, c in zip(batch.query_lens, batch.context_lens_list):
+            keys = q + c
+            dense += keys * d_c * h * (attn.d_n + attn.d_v) + q * keys * h * (attn.d_n + d_r + attn.d_v)
+            sparse += q * min(topk, keys) * h * (2 * d_c + d_r)
+        return dense < GATHER_COST * sparse
+
+    def _selected_prefill(self, q_n: torch.Tensor, q_r: torch.Tensor, attn: MLAttention, meta: AttentionMetadata | None,
+                          cache: LayerCache, selected: torch.Tensor) -> torch.Tensor:
+        """Rows of prefill chunks over their selected keys: keys and values rebuilt from the sequences' gathered
+        latents (as the naive path), then attention masked to each row's selection."""
+        assert meta is not None
+        batch = meta.batch
+        key_lens = [c + q for q, c in zip(batch.query_lens, batch.context_lens_list)]
+        latent = gather_latent(cache.kv, None, batch.block_tables, batch.seq_lens, q_n.dtype, attn.d_c,
+                               backend=self.kernels, host_lens=key_lens)
+        c_all, k_r_all = latent.split([attn.d_c, attn.d_r], dim=-1)
+        k_n, v = attn.kv_b_proj(c_all).view(-1, attn.n_h, attn.d_n + attn.d_v).split([attn.d_n, attn.d_v], dim=-1)
+        cu_q, cu_k = meta.host_cu_seqlens or (batch.query_start_loc.tolist(), batch.seq_start_loc.tolist())
+        return selected_prefill_attention(q_n, q_r, k_n, k_r_all, v, cu_q, cu_k, attn.scale, selected)
 
     def _planned(self, q_n: torch.Tensor, q_r: torch.Tensor, attn: MLAttention, meta: AttentionMetadata,
                  cache: LayerCache) -> torch.Tensor:
