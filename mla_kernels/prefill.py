@@ -189,6 +189,23 @@ _SDPA_CPU_DTYPES = (torch.float32, torch.bfloat16)
 _SELECTED_BLOCK_ROWS = 256  # selected_prefill_attention: query rows per masked block
 
 
+def _flash_operands(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor,
+                    v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q ``[T, H, w]``, k and v ``[S, H, w]`` for torch's CPU flash kernel, which wants one head size: the queries
+    ``[q_n ; q_r]``, the keys ``[k_n ; k_r]`` with the shared RoPE key repeated per head, and the narrower of
+    (q·k, v) zero-padded to ``w`` (zeros change neither a dot product nor the kept part of the output)."""
+    n_heads, d_n = q_nope.shape[1:]
+    d_r, d_v = q_rope.shape[2], v.shape[2]
+    width = max(d_n + d_r, d_v)
+    q = torch.cat([q_nope, q_rope], dim=-1)
+    k = torch.cat([k_nope, k_rope.unsqueeze(1).expand(-1, n_heads, -1)], dim=-1)
+    if d_n + d_r < width:
+        q, k = (torch.nn.functional.pad(t, (0, width - d_n - d_r)) for t in (q, k))
+    if d_v < width:
+        v = torch.nn.functional.pad(v, (0, width - d_v))
+    return q, k, v
+
+
 def _prefill_cpu_flash(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor,
                        v: torch.Tensor, cu_q: list[int], cu_k: list[int], sm_scale: float
                        ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,15 +218,9 @@ def _prefill_cpu_flash(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch
     no mask exceeds ``_TORCH_SCORE_BYTES``; a whole prompt uses the kernel's own causal mask. Scores,
     softmax and accumulation are fp32 (bf16 GEMM inputs for bf16 tensors).
     """
-    n_tokens, n_heads, d_n = q_nope.shape
-    d_r, d_v = q_rope.shape[2], v.shape[2]
-    width = max(d_n + d_r, d_v)
-    q = torch.cat([q_nope, q_rope], dim=-1)  # [T, H, d_n + d_r]
-    k = torch.cat([k_nope, k_rope.unsqueeze(1).expand(-1, n_heads, -1)], dim=-1)  # [S, H, d_n + d_r]
-    if d_n + d_r < width:
-        q, k = (torch.nn.functional.pad(t, (0, width - d_n - d_r)) for t in (q, k))
-    if d_v < width:
-        v = torch.nn.functional.pad(v, (0, width - d_v))
+    n_tokens, n_heads, _ = q_nope.shape
+    d_v = v.shape[2]
+    q, k, v = _flash_operands(q_nope, q_rope, k_nope, k_rope, v)
     out = torch.empty(n_tokens, n_heads, d_v, dtype=q_nope.dtype)
     lse = torch.empty(n_tokens, n_heads, dtype=torch.float32)
     for q0, q1, k0, k1 in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]):
@@ -322,17 +333,11 @@ def selected_prefill_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nop
     latents the keys and values were built from, at the cost of dense attention (torch's CPU flash kernel, an
     additive mask per block of rows within ``_TORCH_SCORE_BYTES``) instead of a gather per row.
     """
-    n_tokens, n_heads, d_n = q_nope.shape
-    d_r, d_v = q_rope.shape[2], v.shape[2]
+    n_tokens, n_heads, _ = q_nope.shape
+    d_v = v.shape[2]
     if selected.dim() != 2 or selected.shape[0] != n_tokens:
         raise ValueError(f"selected must be [T, K] with T = {n_tokens} query rows, got {tuple(selected.shape)}")
-    width = max(d_n + d_r, d_v)
-    q = torch.cat([q_nope, q_rope], dim=-1)
-    k = torch.cat([k_nope, k_rope.unsqueeze(1).expand(-1, n_heads, -1)], dim=-1)
-    if d_n + d_r < width:
-        q, k = (torch.nn.functional.pad(t, (0, width - d_n - d_r)) for t in (q, k))
-    if d_v < width:
-        v = torch.nn.functional.pad(v, (0, width - d_v))
+    q, k, v = _flash_operands(q_nope, q_rope, k_nope, k_rope, v)
     sel = selected.long()
     # an invalid entry (-1) points at the row's first selection (always valid: a row sees at least one key)
     sel = torch.where(sel >= 0, sel, sel[:, :1])

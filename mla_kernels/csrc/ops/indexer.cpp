@@ -234,6 +234,17 @@ void score_rows(const at::Tensor& q, const at::Tensor& weights, const at::Tensor
     }
   }
 
+  // the cache row holding position pos of block-table row r (checked: never read outside the cache)
+  auto key_of = [&](int64_t t, int64_t pos) -> const K* {
+    const int64_t col = pos / block_size;
+    TORCH_CHECK(col < bt_width, "indexer_scores: key_len ", lens[t], " is beyond the block table's ", bt_width,
+                " blocks");
+    const int64_t blk = bt[req[t] * bt_stride + col];
+    TORCH_CHECK(blk >= 0 && blk < num_blocks, "indexer_scores: block id ", blk, " of block-table row ", req[t],
+                " is outside the cache's ", num_blocks, " blocks");
+    return cp + (blk * block_size + pos % block_size) * d;
+  };
+
   at::parallel_for(0, rows * tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint32_t> ktp(static_cast<size_t>(d2 * PAIR_TILE));
     std::vector<float> kt(static_cast<size_t>(d * TILE));
@@ -242,17 +253,10 @@ void score_rows(const at::Tensor& q, const at::Tensor& weights, const at::Tensor
       const int64_t t = piece / tiles, p0 = (piece % tiles) * TILE;
       const int64_t n = std::min(TILE, lens[t] - p0);
       if (n <= 0) continue;
-      const int32_t* table = bt + req[t] * bt_stride;
       if (paired[t]) {  // bfloat16 keys copied as pairs along the dimension, [D / 2][32]
         std::fill(ktp.begin(), ktp.end(), 0u);
         for (int64_t j = 0; j < n; ++j) {
-          const int64_t pos = p0 + j, col = pos / block_size;
-          TORCH_CHECK(col < bt_width, "indexer_scores: key_len ", lens[t], " is beyond the block table's ", bt_width,
-                      " blocks");
-          const int64_t blk = table[col];
-          TORCH_CHECK(blk >= 0 && blk < num_blocks, "indexer_scores: block id ", blk, " of block-table row ", req[t],
-                      " is outside the cache's ", num_blocks, " blocks");
-          const uint16_t* key = reinterpret_cast<const uint16_t*>(cp + (blk * block_size + pos % block_size) * d);
+          const uint16_t* key = reinterpret_cast<const uint16_t*>(key_of(t, p0 + j));
           for (int64_t i = 0; i < d; ++i) ktp[(i / 2) * PAIR_TILE + j] |= static_cast<uint32_t>(key[i]) << (16 * (i % 2));
         }
         variant.pairs(qpairs.data() + t * heads * d2, wp + t * heads, ktp.data(), heads, d2, acc.data());
@@ -260,15 +264,8 @@ void score_rows(const at::Tensor& q, const at::Tensor& weights, const at::Tensor
         continue;
       }
       for (int64_t j = 0; j < n; ++j) {
-        const int64_t pos = p0 + j;
-        const int64_t col = pos / block_size;
-        TORCH_CHECK(col < bt_width, "indexer_scores: key_len ", lens[t], " is beyond the block table's ", bt_width,
-                    " blocks");
-        const int64_t blk = table[col];
-        TORCH_CHECK(blk >= 0 && blk < num_blocks, "indexer_scores: block id ", blk, " of block-table row ", req[t],
-                    " is outside the cache's ", num_blocks, " blocks");
-        const int64_t slot = blk * block_size + pos % block_size;
-        const K* key = cp + slot * d;
+        const K* key = key_of(t, p0 + j);
+        const int64_t slot = (key - cp) / d;
         if (sp != nullptr) {
           const float* s = sp + slot * groups;
           for (int64_t i = 0; i < d; ++i) kt[i * TILE + j] = widen(key[i]) * s[i / SCALE_GROUP];
