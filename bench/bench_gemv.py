@@ -16,15 +16,14 @@ Candidates (a candidate the CPU or torch build cannot run is listed as unsupport
 
 - ``fp32 F.linear`` — ATen (MKL sgemm/sgemv); ``fp32 onednn-plain`` / ``fp32 onednn-blocked`` — oneDNN's
   ``_linear_pointwise`` on the plain weight and on the layout ``_reorder_linear_weight`` makes; ``fp32 row-kernel``
-  (one to eight rows) — ``mla_kernels.cpu_gemv.gemv`` / ``gemm_few``, the AVX2 kernels compiled at run time;
+  (one to eight rows) — ``mla_kernels.cpu_kernels.linear``, the compiled kernels;
   ``fp32 cpu_gemm`` — what ``mla_runtime.layers.cpu_gemm.linear`` picks for that weight;
 - ``bf16 F.linear``, ``bf16 onednn-blocked``, ``bf16 cpu_gemm`` — the same in bfloat16; ``bf16 row-kernel`` (one to
-  eight rows) — ``mla_kernels.cpu_gemv.gemm_few_bf16``: the weight read at two bytes, widened by a shift (AVX2, no
+  eight rows) — ``cpu_kernels.linear``: the weight read at two bytes, widened by a shift (AVX2, no
   AVX512-BF16 needed); ``bf16 upcast`` — the float32 copy a CPU without oneDNN's bfloat16 path computes with;
 - ``int8 pack-mm fp32x`` / ``int8 pack-mm bf16x`` — ``torch.ops.aten._weight_int8pack_mm``: int8 weight,
   one scale per output channel, the input in float32 / bfloat16 (the weight-only int8 path); ``int8 row-kernel``
-  (one to eight rows) — ``mla_kernels.cpu_gemv.gemv_int8`` (the row rounded to int16, integer multiply-adds) /
-  ``gemm_few_int8`` (float32 rows, each weight widened to float32 in registers);
+  (one to eight rows) — ``cpu_kernels.linear`` (the rows rounded to int16, integer multiply-adds);
 - ``int4 pack-mm g32 fp32x`` / ``bf16x`` — ``torch.ops.aten._weight_int4pack_mm_for_cpu``: 4-bit weight,
   scale and zero per 32-element group;
 - ``torchao int8wo`` — ``torchao.quantization.Int8WeightOnlyConfig`` where torchao is importable (optional).
@@ -42,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from roofline import stream_bandwidth
 
-from mla_kernels import cpu_gemv
+from mla_kernels import cpu_kernels
 from mla_runtime.layers.cpu_gemm import PackedWeight, _reorder, linear
 
 # the benchmark checkpoint's products: lm_head, dense gate_up, o_proj / expert gate_up, expert down
@@ -64,10 +63,9 @@ def float_candidates(n: int, k: int, rows: int, dtype: torch.dtype, cold_mib: in
     pw = torch.ops.mkldnn._linear_pointwise
     if dtype == torch.float32:
         out[f"{name} onednn-plain"] = (lambda: [pw(x, w, None, "none", [None], "") for w in ws], nbytes)
-        if rows <= cpu_gemv.FEW_ROWS_MAX:
-            why = cpu_gemv.failure()
-            kernel = cpu_gemv.gemv if rows == 1 else cpu_gemv.gemm_few
-            out[f"{name} row-kernel"] = ((lambda: [kernel(x, w) for w in ws], nbytes) if why is None else
+        if rows <= cpu_kernels.max_rows(torch.float32):
+            why = cpu_kernels.failure()
+            out[f"{name} row-kernel"] = ((lambda: [cpu_kernels.linear(x, w) for w in ws], nbytes) if why is None else
                                         (None, f"unsupported: {why}"))  # type: ignore[assignment]
     try:
         blocked = [_reorder(w) for w in ws]
@@ -75,9 +73,9 @@ def float_candidates(n: int, k: int, rows: int, dtype: torch.dtype, cold_mib: in
         out[f"{name} onednn-blocked"] = (lambda: [pw(x, b, None, "none", [None], "") for b in blocked], nbytes)
     except Exception as e:  # this CPU / build cannot pack the dtype
         out[f"{name} onednn-blocked"] = (None, f"unsupported: {str(e).splitlines()[0][:80]}")  # type: ignore[assignment]
-    if dtype == torch.bfloat16 and rows <= cpu_gemv.FEW_ROWS_MAX:
-        why = cpu_gemv.bf16_failure()
-        out[f"{name} row-kernel"] = ((lambda: [cpu_gemv.gemm_few_bf16(x, w).to(dtype) for w in ws], nbytes)
+    if dtype == torch.bfloat16 and rows <= cpu_kernels.max_rows(torch.float32):
+        why = cpu_kernels.failure("bf16")
+        out[f"{name} row-kernel"] = ((lambda: [cpu_kernels.linear(x, w).to(dtype) for w in ws], nbytes)
                                     if why is None else (None, f"unsupported: {why}"))  # type: ignore[assignment]
         wide = [PackedWeight(w, "upcast") for w in ws]  # what a CPU without oneDNN's bf16 path runs: float32 copies
         out[f"{name} upcast"] = (lambda: [linear(x, w, None, p) for w, p in zip(ws, wide)], nbytes)
@@ -96,10 +94,9 @@ def int8_candidates(n: int, k: int, rows: int, cold_mib: int) -> dict[str, tuple
     mm = torch.ops.aten._weight_int8pack_mm
     out = {"int8 pack-mm fp32x": (lambda: [mm(x, w, scales) for w in ws], nbytes),
            "int8 pack-mm bf16x": (lambda: [mm(xb, w, sb) for w in ws], n * k + n * 2)}
-    if rows <= cpu_gemv.FEW_ROWS_MAX:
-        why = cpu_gemv.failure()
-        kernel = cpu_gemv.gemv_int8 if rows == 1 else cpu_gemv.gemm_few_int8
-        out["int8 row-kernel"] = ((lambda: [kernel(x, w, scales) for w in ws], nbytes) if why is None
+    if rows <= cpu_kernels.max_rows(torch.float32):
+        why = cpu_kernels.failure()
+        out["int8 row-kernel"] = ((lambda: [cpu_kernels.linear(x, w, scales) for w in ws], nbytes) if why is None
                                   else (None, f"unsupported: {why}"))  # type: ignore[assignment]
     return out
 

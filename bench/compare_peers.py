@@ -64,7 +64,12 @@ class MlaSystem:
 
         self.sp = SamplingParams
         threads = "auto" if args.mla_threads == "auto" else int(args.mla_threads or args.threads)
-        self.llm = LLM(str(args.checkpoint), dtype=args.dtype, max_model_len=args.prompt_len + args.max_tokens + 16,
+        # bfloat16: as dtype="auto" runs a bfloat16 checkpoint where the compiled kernels read bfloat16 weights (a
+        # float32 model with bfloat16 products), unless --mla-bf16 model asks for a bfloat16 model
+        dtype, quantization = ("float32", "bf16") if args.dtype == "bfloat16" and args.mla_bf16 == "weights" \
+            else (args.dtype, None)
+        self.llm = LLM(str(args.checkpoint), dtype=dtype, quantization=quantization,
+                       max_model_len=args.prompt_len + args.max_tokens + 16,
                        kv_cache_memory="1GiB", max_num_seqs=args.max_batch, num_threads=threads,
                        enable_prefix_caching=False)  # repeats reuse the prompts: no peer may reuse their prefill
 
@@ -185,8 +190,8 @@ class Worker:
                "--reply-fd", str(write_fd), "--checkpoint", str(args.checkpoint), "--max-batch",
                str(max(args.batches + [args.quality_prompts])), "--prompt-len", str(args.prompt_len),
                "--max-tokens", str(args.max_tokens), "--quality-prompts", str(args.quality_prompts),
-               "--threads", str(args.threads), "--mla-threads", str(args.mla_threads), "--hf-threads",
-               str(args.hf_threads or args.threads), "--seed", str(args.seed)]
+               "--threads", str(args.threads), "--mla-threads", str(args.mla_threads), "--mla-bf16", args.mla_bf16,
+               "--hf-threads", str(args.hf_threads or args.threads), "--seed", str(args.seed)]
         threads = (args.hf_threads or args.threads) if system == "transformers" else args.threads
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=self.log_path.open("w"),
@@ -347,6 +352,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--mla-threads", default="auto",
                     help="mla-runtime's num_threads: 'auto' (its thread tuner, at most --threads) or a count")
+    ap.add_argument("--mla-bf16", choices=("weights", "model"), default="weights",
+                    help="mla-runtime's bfloat16 row: a float32 model with bfloat16 weights (what dtype='auto' runs "
+                         "a bfloat16 checkpoint as on a CPU where the compiled kernels read them) or a bfloat16 model")
     ap.add_argument("--hf-threads", type=int, default=None, help="transformers' threads (default: --threads)")
     ap.add_argument("--hf-batches", type=int, nargs="+", default=None,
                     help="batches timed for transformers (default: --batches; its batch 32 takes minutes)")
@@ -360,11 +368,17 @@ def main() -> None:
     ap.add_argument("--decode-table", action="store_true",
                     help="decode/prefill tok/s against llama.cpp instead (bench/llama_peer.py)")
     ap.add_argument("--rounds", type=int, default=6, help="--decode-table: interleaved rounds")
-    ap.add_argument("--decode-batch", type=int, default=8, help="--decode-table: the batched decode's size")
+    ap.add_argument("--decode-batch", type=int, default=8,
+                    help="--decode-table: the batched decode's size (0: none, as for long contexts)")
+    ap.add_argument("--prefill-repeats", type=int, default=3,
+                    help="--decode-table: prefills timed per round at batch 1 (the median is reported)")
     ap.add_argument("--decode-steps", type=int, default=32, help="--decode-table: decode steps timed per round")
-    ap.add_argument("--formats", nargs="+", default=["f32", "bf16", "q8_0"], help="--decode-table: GGUF formats")
-    ap.add_argument("--mla-formats", nargs="+", default=["fp32", "int8", "bf16"],
-                    help="--decode-table: mla-runtime weights (fp32, bf16, int8 = fp32 + quantization='int8')")
+    ap.add_argument("--formats", nargs="+", default=["f32", "bf16", "q8_0", "q4_0"],
+                    help="--decode-table: GGUF formats")
+    ap.add_argument("--mla-formats", nargs="+", default=["fp32", "bf16w", "int8", "int4"],
+                    help="--decode-table: mla-runtime weights (fp32; bf16: a bfloat16 model; bf16w / int8 / int4: "
+                         "fp32 + quantization='bf16' / 'int8' / 'int4', bf16w being what dtype='auto' runs a "
+                         "bfloat16 checkpoint as)")
     ap.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     ap.add_argument("--dtype", help=argparse.SUPPRESS)
     ap.add_argument("--reply-fd", type=int, help=argparse.SUPPRESS)
@@ -390,8 +404,8 @@ def main() -> None:
     print(f"checkpoint: {args.checkpoint} (bench/peer_checkpoint.py, seed={args.seed}); {args.prompt_len} tokens in, "
           f"{args.max_tokens} out, greedy, median of {args.repeats} "
           f"{'sequential' if args.sequential else 'interleaved'} runs, {args.threads} threads per "
-          f"worker (mla-runtime: num_threads={args.mla_threads}; transformers: {args.hf_threads or args.threads} "
-          f"threads, batches {args.hf_batches or args.batches})", flush=True)
+          f"worker (mla-runtime: num_threads={args.mla_threads}, bfloat16 {args.mla_bf16}; transformers: "
+          f"{args.hf_threads or args.threads} threads, batches {args.hf_batches or args.batches})", flush=True)
     results: dict[tuple[str, str], dict] = {}
     # transformers float32 (the quality reference) first
     for dtype in sorted(args.dtypes, key=lambda d: d != "float32"):

@@ -21,19 +21,30 @@ LLAMA = HERE / "llama.cpp"
 BIN = LLAMA / "build" / "bin"
 CONVERTER_PYTHON = LLAMA / "venv" / "bin" / "python"
 GGUF_DIR = HERE / "out" / "gguf"
-# bytes per weight of each format (q8_0: 32 int8 + one float16 scale per block); mla-runtime int8 adds a float32
-# scale per output row (negligible) and keeps kv_b_proj in float32
-BYTES = {"f32": 4.0, "fp32": 4.0, "bf16": 2.0, "q8_0": 34 / 32, "int8": 1.0}
+# bytes per weight of each format (q8_0: 32 int8 + one float16 scale per block; q4_0 / int4: 16 bytes of nibbles +
+# one float16 scale per 32); mla-runtime int8 adds a float32 scale per output row (negligible) and keeps kv_b_proj in
+# float32
+BYTES = {"f32": 4.0, "fp32": 4.0, "bf16": 2.0, "bf16w": 2.0, "q8_0": 34 / 32, "int8": 1.0, "q4_0": 18 / 32,
+         "int4": 18 / 32}
 PREFILL_REPEATS = 3  # prefill tok/s: the median of this many prompts per round, for both systems (one is noisy)
-PEER_OF = {"fp32": "f32", "bf16": "bf16", "int8": "q8_0"}
+PEER_OF = {"fp32": "f32", "bf16": "bf16", "bf16w": "bf16", "int8": "q8_0", "int4": "q4_0"}
+# mla-runtime's formats: (dtype, quantization); bf16w is a float32 model with bfloat16 weights, what dtype="auto"
+# runs a bfloat16 checkpoint as where the compiled kernels read bfloat16 weights
+MLA_FORMATS = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "bf16w": ("float32", "bf16"),
+               "int8": ("float32", "int8"), "int4": ("float32", "int4")}
 
 
 def convert(checkpoint: Path, fmt: str) -> Path:
-    """The checkpoint as a GGUF file of ``fmt`` (f32, bf16, q8_0), converted by llama.cpp's own converter."""
+    """The checkpoint as a GGUF file of ``fmt`` (f32, bf16, q8_0: llama.cpp's converter; q4_0: its ``llama-quantize``
+    from the f32 file, as llama.cpp's users make Q4_0 files)."""
     out = GGUF_DIR / f"{checkpoint.name}-{fmt}.gguf"
     if out.exists() and out.stat().st_mtime >= (checkpoint / "model.safetensors").stat().st_mtime:
         return out
     GGUF_DIR.mkdir(parents=True, exist_ok=True)
+    if fmt == "q4_0":
+        subprocess.run([str(BIN / "llama-quantize"), str(convert(checkpoint, "f32")), str(out), "q4_0"], check=True,
+                       capture_output=True)
+        return out
     subprocess.run([str(CONVERTER_PYTHON), str(HERE / "llama_convert.py"), str(checkpoint), "--outtype", fmt,
                     "--outfile", str(out)], check=True, capture_output=True)
     return out
@@ -52,66 +63,93 @@ def step_bytes(fmt: str, batch: int) -> float:
     experts = expected_experts(c["n_routed_experts"], c["num_experts_per_tok"], batch) + c["n_shared_experts"]
     matrices = (c["num_hidden_layers"] * attn + c["first_k_dense_replace"] * 3 * d * c["intermediate_size"]
                 + moe_layers * experts * expert + c["vocab_size"] * d)
-    factors = 2.0 if fmt == "int8" else BYTES[fmt]  # kv_b_proj: the decode kernel's bfloat16 copies under int8
+    factors = 2.0 if fmt in ("int8", "int4") else BYTES[fmt]  # kv_b_proj: the decode kernel's bfloat16 copies
     return matrices * BYTES[fmt] + c["num_hidden_layers"] * kv_b * factors
 
 
-def llama_bench(gguf: Path, threads: int, prompt_len: int, steps: int) -> tuple[float, float]:
-    """(decode tok/s at batch 1 with ``prompt_len`` tokens in context, prefill tok/s of ``prompt_len`` tokens)."""
+def long_checkpoint(checkpoint: Path, positions: int) -> Path:
+    """``checkpoint`` itself where its ``max_position_embeddings`` holds ``positions``; else a copy (its weights linked)
+    whose config holds them: the benchmark's RoPE has no scaling, so the weights serve any length (the values at
+    long positions are as random as the weights)."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    if config.get("max_position_embeddings", 0) >= positions:
+        return checkpoint
+    out = checkpoint.parent / f"{checkpoint.name}_{positions}"
+    out.mkdir(exist_ok=True)
+    for f in checkpoint.iterdir():
+        target = out / f.name
+        if f.name != "config.json" and not target.exists():
+            target.symlink_to(f.resolve())
+    (out / "config.json").write_text(json.dumps({**config, "max_position_embeddings": positions}, indent=1))
+    return out
+
+
+def llama_bench(gguf: Path, threads: int, prompt_len: int, steps: int, prefill_repeats: int = PREFILL_REPEATS
+                ) -> tuple[float, float]:
+    """(decode tok/s at batch 1 with ``prompt_len`` tokens in context, prefill tok/s of ``prompt_len`` tokens), with
+    flash attention (``-fa on``: llama.cpp's MLA path with flash attention, its fastest on a CPU)."""
     def run(reps: int, *extra: str) -> float:
         out = subprocess.run([str(BIN / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-r", str(reps), "-o",
-                              "json", *extra], check=True, capture_output=True, text=True).stdout
+                              "json", "-fa", "on", *extra], check=True, capture_output=True, text=True).stdout
         row = json.loads(out)[0]
         return float(statistics.median(row["samples_ts"]) if row.get("samples_ts") else row["avg_ts"])
 
     return (run(1, "-p", "0", "-n", str(steps), "-d", str(prompt_len)),
-            run(PREFILL_REPEATS, "-p", str(prompt_len), "-n", "0"))
+            run(prefill_repeats, "-p", str(prompt_len), "-n", "0"))
 
 
 def llama_batched(gguf: Path, threads: int, prompt_len: int, steps: int, batch: int) -> float:
     """Decode tok/s of ``batch`` sequences after ``prompt_len`` tokens each (``llama-batched-bench``)."""
     out = subprocess.run([str(BIN / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
                           "-c", str(batch * (prompt_len + steps) + 64), "-npp", str(prompt_len), "-ntg", str(steps),
-                          "-npl", str(batch), "--output-format", "jsonl"],
+                          "-npl", str(batch), "-fa", "on", "--output-format", "jsonl"],
                          check=True, capture_output=True, text=True)
     rows = [json.loads(line) for line in (out.stdout + out.stderr).splitlines() if line.startswith("{")]
     return float(rows[-1]["speed_tg"])
 
 
 class MlaPeer:
-    """One mla-runtime engine (``fmt``: fp32, bf16, int8 = fp32 weights quantised at load)."""
+    """One mla-runtime engine (``fmt``: ``MLA_FORMATS``; int8 / int4 / bf16w: fp32 weights quantised at load)."""
 
     def __init__(self, checkpoint: Path, fmt: str, threads: int, prompt_len: int, steps: int, batch: int) -> None:
         from mla_runtime import LLM, SamplingParams
 
-        dtype = {"fp32": "float32", "int8": "float32", "bf16": "bfloat16"}[fmt]
-        self.llm = LLM(str(checkpoint), dtype=dtype, quantization="int8" if fmt == "int8" else None,
-                       max_model_len=prompt_len + steps + 32, max_num_seqs=batch, kv_cache_memory="512MiB",
+        dtype, quantization = MLA_FORMATS[fmt]
+        length = prompt_len + steps + 32
+        c = CONFIG  # the latent cache of every sequence at full length (float32 or bfloat16), with room to spare
+        latent = 4 * c["num_hidden_layers"] * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * length * max(batch, 1)
+        self.llm = LLM(str(long_checkpoint(checkpoint, length)), dtype=dtype, quantization=quantization,
+                       max_model_len=length, max_num_seqs=max(batch, 1), kv_cache_memory=max(512 << 20, 2 * latent),
                        enable_prefix_caching=False, num_threads=threads)
         self.params = SamplingParams(max_tokens=steps + 3, temperature=0, ignore_eos=True)
         self.once = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-        self.prompts = make_prompts(batch, prompt_len, CONFIG["vocab_size"], seed=0)
+        self.prompts = make_prompts(max(batch, 1), prompt_len, CONFIG["vocab_size"], seed=0)
         self.steps, self.ids = steps, 0
 
-    def run(self, batch: int) -> tuple[float, float]:
-        """(decode tok/s: ``batch`` / median step after the prompt, prefill tok/s of the prompts' one step; at batch
-        1, the median of ``PREFILL_REPEATS`` prefills)."""
+    def _prefill(self, prompts: list[list[int]], params) -> float:  # type: ignore[no-untyped-def]
+        """Seconds until every prompt has its first token (a long prompt takes several chunked steps)."""
         engine = self.llm.engine
-        prefills = []
-        for _ in range(PREFILL_REPEATS - 1 if batch == 1 else 0):  # prefill only: the request ends after its step
-            engine.add_request(f"peer-{self.ids}", {"prompt_token_ids": self.prompts[0]}, self.once)
-            self.ids += 1
-            t0 = time.perf_counter()
-            engine.step()
-            prefills.append(len(self.prompts[0]) / (time.perf_counter() - t0))
-            while engine.has_unfinished_requests():
-                engine.step()
-        for p in self.prompts[:batch]:
-            engine.add_request(f"peer-{self.ids}", {"prompt_token_ids": p}, self.params)
+        waiting = set()
+        for p in prompts:
+            engine.add_request(f"peer-{self.ids}", {"prompt_token_ids": p}, params)
+            waiting.add(f"peer-{self.ids}")
             self.ids += 1
         t0 = time.perf_counter()
-        engine.step()
-        prefills.append(batch * len(self.prompts[0]) / (time.perf_counter() - t0))
+        while waiting:
+            waiting -= {o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids}
+        return time.perf_counter() - t0
+
+    def run(self, batch: int, prefill_repeats: int = PREFILL_REPEATS) -> tuple[float, float]:
+        """(decode tok/s: ``batch`` / median step after the prompt, prefill tok/s of the prompts; at batch 1, the
+        median of ``prefill_repeats`` prefills)."""
+        engine = self.llm.engine
+        prompts = self.prompts[:batch]
+        prefills = []
+        for _ in range(prefill_repeats - 1 if batch == 1 else 0):  # prefill only: the request ends after its token
+            prefills.append(len(prompts[0]) / self._prefill(prompts, self.once))
+            while engine.has_unfinished_requests():
+                engine.step()
+        prefills.append(batch * len(prompts[0]) / self._prefill(prompts, self.params))
         engine.step()  # warm-up decode
         times = []
         for _ in range(self.steps):
@@ -125,15 +163,18 @@ class MlaPeer:
 
 
 def _measure(args, systems: dict[str, object], batch: int) -> dict[str, dict[str, list[float]]]:
+    """Interleaved rounds; ``batch`` 0 leaves the batched decode out (long contexts: its prefill alone is minutes)."""
     got: dict[str, dict[str, list[float]]] = {name: {"b1": [], "bn": [], "prefill": []} for name in systems}
     for r in range(args.rounds):
         for name, system in systems.items():
             if isinstance(system, MlaPeer):
-                b1, prefill = system.run(1)
-                bn = system.run(batch)[0]
+                b1, prefill = system.run(1, args.prefill_repeats)
+                bn = system.run(batch)[0] if batch else float("nan")
             else:
-                b1, prefill = llama_bench(system, args.threads, args.prompt_len, args.decode_steps)  # type: ignore[arg-type]
-                bn = llama_batched(system, args.threads, args.prompt_len, args.decode_steps, batch)  # type: ignore[arg-type]
+                b1, prefill = llama_bench(system, args.threads, args.prompt_len, args.decode_steps,  # type: ignore[arg-type]
+                                          args.prefill_repeats)
+                bn = llama_batched(system, args.threads, args.prompt_len, args.decode_steps,  # type: ignore[arg-type]
+                                   batch) if batch else float("nan")
             for key, value in (("b1", b1), ("bn", bn), ("prefill", prefill)):
                 got[name][key].append(value)
         print(f"round {r + 1}/{args.rounds} done", flush=True)
@@ -164,17 +205,18 @@ def decode_table(args) -> str:
     med = {name: {k: statistics.median(v) for k, v in m.items()} for name, m in got.items()}
     lines = [f"streaming bandwidth {bw / 1e9:.1f} GB/s (torch.sum over 1 GiB, {args.threads} threads; before "
              f"{bw_before / 1e9:.1f}); {args.threads} threads; decode after {args.prompt_len} prompt tokens, "
-             f"{args.decode_steps} steps; medians of {args.rounds} interleaved rounds", "",
+             f"{args.decode_steps} steps; medians of {args.rounds} interleaved rounds (llama.cpp with -fa on)", "",
              f"| system | decode b1 tok/s | decode b{batch} tok/s | prefill b1 tok/s | weights/step b1 | "
-             f"b1 fraction of bandwidth | b{batch} fraction | ×llama.cpp b1 | ×llama.cpp b{batch} |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"b1 fraction of bandwidth | b{batch} fraction | ×llama.cpp b1 | ×llama.cpp b{batch} | "
+             "×llama.cpp prefill |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, m in med.items():
         fmt = name.split()[-1]
-        b1_bytes, bn_bytes = step_bytes(fmt, 1), step_bytes(fmt, batch)
+        b1_bytes, bn_bytes = step_bytes(fmt, 1), step_bytes(fmt, max(batch, 1))
         peer = med.get(f"llama.cpp {PEER_OF.get(fmt, '')}")
-        ratio = [f"{m[k] / peer[k]:.2f}" if peer else "–" for k in ("b1", "bn")] if name.startswith("mla") \
-            else ["", ""]
+        ratio = [f"{m[k] / peer[k]:.2f}" if peer else "–" for k in ("b1", "bn", "prefill")] \
+            if name.startswith("mla") else ["", "", ""]
         lines.append(f"| {name} | {m['b1']:.1f} | {m['bn']:.1f} | {m['prefill']:.0f} | {b1_bytes / 1e6:.0f} MB | "
-                     f"{m['b1'] * b1_bytes / bw:.2f} | {m['bn'] / batch * bn_bytes / bw:.2f} | "
+                     f"{m['b1'] * b1_bytes / bw:.2f} | {m['bn'] / max(batch, 1) * bn_bytes / bw:.2f} | "
                      + " | ".join(ratio) + " |")
     return "\n".join(lines + [""] + notes)

@@ -14,7 +14,7 @@ left by a killed build is cleared). Hot functions are compiled for several x86 l
 (AVX-512 with or without BF16 dot products, AVX-512 VNNI, AVX2 + FMA) and chosen at run time by probing the CPU.
 
 ``failure()`` is None when the operators are loaded on this machine, else why not (no C++ compiler, a build error,
-an x86-64 CPU without AVX2 and FMA, another architecture than x86-64 and aarch64): callers keep their torch paths,
+an x86-64 CPU without AVX2, FMA and F16C, another architecture than x86-64 and aarch64): callers keep their torch paths,
 and the reason is logged once (``summary()`` says which are loaded, for the start-up log and ``/metrics``).
 """
 
@@ -43,7 +43,8 @@ X86_SOURCES = (CSRC / "gemv_f32.c", CSRC / "mla_decode_f32.c", CSRC / "mla_layer
                CSRC / "gemv_int4.c", CSRC / "ops" / "cpu_kernels.cpp")
 HEADERS = (CSRC / "mla_cpu.h", CSRC / "simd.h")
 CFLAGS = ("-O3", "-std=c++17", "-fopenmp")  # OpenMP: the kernels' threads are torch's pool
-X86_CFLAGS = ("-mavx2", "-mfma")  # the x86 baseline: wider instruction sets are chosen per function at run time
+# the x86 baseline (every AVX2 CPU has FMA and F16C): wider instruction sets are chosen per function at run time
+X86_CFLAGS = ("-mavx2", "-mfma", "-mf16c")
 NAME = "mla_kernels_ops"
 # The extension builder holds a lock file in the build folder while it builds, and every other process waits for it
 # to go; a builder that was killed leaves it behind. No build takes this long: an older lock is a dead one.
@@ -134,7 +135,7 @@ def failure() -> str | None:
         return f"the typed CPU operators are built for x86-64 and aarch64 (this CPU: {platform.machine()})"
     if x86():
         caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
-        missing = [c for c in ("avx2", "fma3") if not caps.get(c)]
+        missing = [c for c in ("avx2", "fma3", "f16c") if not caps.get(c)]
         if missing:
             return f"the CPU lacks {', '.join(missing)}"
     cxx = _compiler()
@@ -189,9 +190,9 @@ _FAKES: list[str] = []  # the operators given a shape function (once per process
 
 
 def _register_fakes() -> None:
-    """Shape functions, so the operators trace (``torch.compile``, ``torch.export``) without running: the products,
-    norms, attention and layer kernels write into tensors they are given (nothing to make), the table builders make
-    int64 tables of a fixed width."""
+    """Shape functions, so the operators that take and give tensors trace (``torch.compile``, ``torch.export``)
+    without running. The operators over the custom-class tables (``gated_mlps``, ``moe_row``, ``decoder_layer``) run
+    eagerly only: the tables hold raw addresses, which tracing cannot stand in for."""
     if _FAKES:
         return
     lib = torch.library
@@ -203,23 +204,22 @@ def _register_fakes() -> None:
     _FAKES.append("indexer_scores")
     if not x86():
         return
-    mlp_fields, layer_fields, step_fields = torch.ops.mla_kernels.table_widths()  # csrc/mla_cpu.h's
-    writes_only = ("gemv_f32", "gemv_bf16", "gemv_i8", "gemm_few_f32", "gemm_few_bf16", "gemm_few_i8", "gemm_fp8",
-                   "gemm_i4", "i4_from_stored", "rms_norm_f32", "absorbed_decode", "rope_store", "gated_mlps",
-                   "moe_row")
-    for name in writes_only:
-        lib.register_fake(f"mla_kernels::{name}", lambda *args, **kwargs: None)
 
-    @lib.register_fake("mla_kernels::mlp_table")
-    def _(gate_up, gate_up_scales, down, down_scales, i4_variant):  # type: ignore[no-untyped-def]
-        return gate_up[0].new_empty((len(gate_up), mlp_fields), dtype=torch.int64)
+    @lib.register_fake("mla_kernels::linear")
+    def _(x, w, scales=None, block=(), variant="auto"):  # type: ignore[no-untyped-def]
+        return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=torch.float32)
 
-    @lib.register_fake("mla_kernels::layer_table")
-    def _(in_norm, *args):  # type: ignore[no-untyped-def]
-        return in_norm.new_empty((layer_fields,), dtype=torch.int64)
+    @lib.register_fake("mla_kernels::int4_from_stored")
+    def _(stored):  # type: ignore[no-untyped-def]
+        return torch.empty_like(stored)
 
-    @lib.register_fake("mla_kernels::step_table")
-    def _(cos, *args):  # type: ignore[no-untyped-def]
-        return cos.new_empty((step_fields,), dtype=torch.int64)
+    @lib.register_fake("mla_kernels::rms_norm")
+    def _(x, weight, eps):  # type: ignore[no-untyped-def]
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
 
-    _FAKES.extend(writes_only)
+    @lib.register_fake("mla_kernels::absorbed_decode")
+    def _(q_n, q_r, w_uk, w_uv_t, cache, slots, lens, scale):  # type: ignore[no-untyped-def]
+        return cache.new_empty((q_n.shape[0], q_n.shape[1], w_uv_t.shape[2]))
+
+    lib.register_fake("mla_kernels::rope_store", lambda *args, **kwargs: None)
+    _FAKES.extend(["linear", "int4_from_stored", "rms_norm", "absorbed_decode", "rope_store"])

@@ -323,7 +323,7 @@ def _matrices(config: ModelConfig, tp: int, num_mtp_layers: int = 0) -> list[_Ma
 
 def _stored_bytes(matrix: _Matrix, fmt: str, element: int, fp8_block: tuple[int, int]) -> int:
     """Bytes of one matrix in ``fmt``: ``float`` (``element`` bytes a value), ``int8`` (a byte a value, a bfloat16
-    scale per row), ``bf16`` (two bytes a value), ``int4`` (half a byte a value and a float16 scale per 32 values of a
+    scale per row), ``bf16`` / ``fp16`` (two bytes a value), ``int4`` (half a byte a value and a float16 scale per 32 values of a
     row, ``K`` padded to a whole group) or ``fp8`` (a byte a value, a float32 scale per ``fp8_block``, each checkpoint
     part with its own blocks)."""
     rows, k = sum(matrix.rows), matrix.k
@@ -331,7 +331,7 @@ def _stored_bytes(matrix: _Matrix, fmt: str, element: int, fp8_block: tuple[int,
         return rows * k * element
     if fmt == "int8":
         return rows * k + 2 * rows
-    if fmt == "bf16":
+    if fmt in ("bf16", "fp16"):
         return rows * k * 2
     if fmt == "int4":
         groups = -(-k // INT4_GROUP)
@@ -676,8 +676,8 @@ def _smaller_formats(config: ModelConfig, quantization: str | None) -> list[str]
     pre-quantised checkpoint, which loads as stored."""
     if config.stored_quantization is not None:
         return []
-    order = [None, "bf16", "fp8", "int8", "int4"] if config.fp8_block_size is None else \
-        ["fp8", None, "bf16", "int8", "int4"]
+    order = [None, "bf16", "fp16", "fp8", "int8", "int4"] if config.fp8_block_size is None else \
+        ["fp8", None, "bf16", "fp16", "int8", "int4"]
     return [q for q in order[order.index(quantization) + 1:] if q in ("int8", "int4")]
 
 

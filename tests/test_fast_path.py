@@ -18,13 +18,22 @@ from torch import nn
 if not torch.cuda.is_available():  # kernels: interpret Triton on CPU (must precede the first triton import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from mla_kernels import cpu_gemv, cpu_ops, mla_decode_planned, plan_decode, plan_decode_lists, write_latent  # noqa: E402
+from mla_kernels import (  # noqa: E402
+    cpu_kernels,
+    cpu_ops,
+    cpu_tables,
+    mla_decode_planned,
+    plan_decode,
+    plan_decode_lists,
+    write_latent,
+)
 from mla_kernels.reference import ref_mla_decode  # noqa: E402
 from mla_runtime import LLM, SamplingParams  # noqa: E402
 from mla_runtime.config import MoEConfig, RopeConfig  # noqa: E402
 from mla_runtime.forward_batch import ForwardBatch  # noqa: E402
 from mla_runtime.layers import cpu_gemm  # noqa: E402
 from mla_runtime.layers import moe as moe_module  # noqa: E402
+from mla_runtime.layers import norm as norm_module  # noqa: E402
 from mla_runtime.layers import rotary as rotary_module  # noqa: E402
 from mla_runtime.layers.cpu_gemm import PackedWeight, linear  # noqa: E402
 from mla_runtime.layers.norm import RMSNorm  # noqa: E402
@@ -33,6 +42,26 @@ from mla_runtime.loader import load_model  # noqa: E402
 from tests.kernel_utils import assert_close_dtype, make_paged_case  # noqa: E402
 from tests.model_utils import PagedRunner  # noqa: E402
 from tests.test_model_parity import prompts, rel_err  # noqa: E402
+
+
+class _OpSpy:
+    """``torch.ops.mla_kernels`` with the named operators' calls recorded (``calls[name]``: each call's arguments)."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.calls: dict[str, list[tuple]] = {name: [] for name in names}
+
+    def __getattr__(self, name: str):
+        op = getattr(torch.ops.mla_kernels, name)
+        if name not in self.calls:
+            return op
+        return lambda *a, **k: self.calls[name].append(a) or op(*a, **k)
+
+
+def spy_ops(monkeypatch, *names: str) -> dict[str, list[tuple]]:
+    """Record the calls of these compiled operators (through ``cpu_kernels.ops()``, as every caller reaches them)."""
+    spy = _OpSpy(names)
+    monkeypatch.setattr(cpu_kernels, "ops", lambda: spy)
+    return spy.calls
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
@@ -402,10 +431,17 @@ def _spy_planned_rows(monkeypatch) -> list[int]:
     from mla_runtime.attention import cpu as mla_module
 
     rows: list[int] = []
-    real, real_kernel, real_layer = mla_module.mla_decode_planned, cpu_gemv.absorbed_decode, cpu_gemv.decoder_layer
+    real, real_layer = mla_module.mla_decode_planned, cpu_tables.decoder_layer
     monkeypatch.setattr(mla_module, "mla_decode_planned", lambda q, *a: rows.append(q.shape[0]) or real(q, *a))
-    monkeypatch.setattr(cpu_gemv, "absorbed_decode", lambda q_n, *a: rows.append(q_n.shape[0]) or real_kernel(q_n, *a))
-    monkeypatch.setattr(cpu_gemv, "decoder_layer", lambda t, s, *a: rows.append(s.rows) or real_layer(t, s, *a))
+    real_ops = cpu_kernels.ops
+
+    class Ops:
+        def __getattr__(self, name: str):
+            op = getattr(real_ops(), name)
+            return (lambda q_n, *a: rows.append(q_n.shape[0]) or op(q_n, *a)) if name == "absorbed_decode" else op
+
+    monkeypatch.setattr(cpu_kernels, "ops", Ops)
+    monkeypatch.setattr(cpu_tables, "decoder_layer", lambda t, s, *a: rows.append(s.rows) or real_layer(t, s, *a))
     return rows
 
 
@@ -507,8 +543,8 @@ def test_num_threads_validation():
 
 
 # -- the one-row AVX2 kernel ----------------------------------------------------------------------------------
-needs_row_kernel = pytest.mark.skipif(cpu_gemv.failure() is not None,
-                                      reason=f"the one-row kernel does not build here: {cpu_gemv.failure()}")
+needs_row_kernel = pytest.mark.skipif(cpu_kernels.failure() is not None,
+                                      reason=f"the one-row kernel does not build here: {cpu_kernels.failure()}")
 
 
 @needs_row_kernel
@@ -516,25 +552,29 @@ needs_row_kernel = pytest.mark.skipif(cpu_gemv.failure() is not None,
 def test_row_kernel_matches_f_linear(n, k):
     g = torch.Generator().manual_seed(n)
     w, x, b = torch.randn(n, k, generator=g), torch.randn(1, 1, k, generator=g), torch.randn(n, generator=g)
-    out = cpu_gemv.gemv(x, w, b)
+    out = cpu_kernels.linear(x, w, bias=b)
     assert out.shape == (1, 1, n)
     torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
 @needs_row_kernel
-@pytest.mark.parametrize("rows", range(1, cpu_gemv.FEW_ROWS_MAX + 1))
+@pytest.mark.parametrize("rows", range(1, 9))
 def test_few_row_kernels_match_f_linear(rows):
-    """Every row count has its own compiled instance; a column tail (77 = 9 * 8 + 5) included."""
+    """Every row count up to the kernels' eight has its own compiled instance; a column tail (77 = 9 * 8 + 5)
+    included. More rows are refused, by name."""
+    assert cpu_kernels.max_rows(torch.float32) == 8 and cpu_kernels.max_rows(torch.int8) == 64
     g = torch.Generator().manual_seed(rows)
     w, x, b = torch.randn(37, 77, generator=g), torch.randn(rows, 77, generator=g), torch.randn(37, generator=g)
-    torch.testing.assert_close(cpu_gemv.gemm_few(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cpu_kernels.linear(x, w, bias=b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     q, scales = torch.randint(-127, 128, (37, 77), generator=g, dtype=torch.int8), torch.rand(37, generator=g)
     want = F.linear(x, q.float() * scales[:, None])  # the rows rounded to int16: within 2^-14 of their largest value
-    torch.testing.assert_close(cpu_gemv.gemm_few_int8(x, q, scales), want, rtol=3e-4, atol=3e-4 * want.abs().max())
-    with pytest.raises(ValueError, match="float32 rows"):
-        cpu_gemv.gemm_few(torch.randn(9, 77), w)
-    with pytest.raises(ValueError, match="float32 scales"):
-        cpu_gemv.gemm_few_int8(torch.randn(cpu_gemv.INT8_ROWS_MAX + 1, 77), q, scales)
+    torch.testing.assert_close(cpu_kernels.linear(x, q, scales), want, rtol=3e-4, atol=3e-4 * want.abs().max())
+    with pytest.raises(ValueError, match="1 to 8 rows with a Float weight"):
+        cpu_kernels.linear(torch.randn(9, 77), w)
+    with pytest.raises(ValueError, match="1 to 64 rows with a Char weight"):
+        cpu_kernels.linear(torch.randn(65, 77), q, scales)
+    with pytest.raises(ValueError, match="the row scales must be a contiguous CPU Float tensor"):
+        cpu_kernels.linear(x, q, scales[:-1])
 
 
 @needs_row_kernel
@@ -543,18 +583,28 @@ def test_int8_products_of_many_rows_equal_their_rows_one_at_a_time():
     alone (a speculative verification's rows equal the same tokens decoded one by one)."""
     g = torch.Generator().manual_seed(3)
     q, scales = torch.randint(-127, 128, (37, 77), generator=g, dtype=torch.int8), torch.rand(37, generator=g)
-    x = torch.randn(cpu_gemv.INT8_ROWS_MAX, 77, generator=g)
-    for rows in (9, 23, cpu_gemv.INT8_ROWS_MAX):
-        together = cpu_gemv.gemm_few_int8(x[:rows], q, scales)
-        assert torch.equal(together, torch.cat([cpu_gemv.gemm_few_int8(x[i:i + 1], q, scales) for i in range(rows)]))
+    x = torch.randn(cpu_kernels.max_rows(torch.int8), 77, generator=g)
+    for rows in (9, 23, cpu_kernels.max_rows(torch.int8)):
+        together = cpu_kernels.linear(x[:rows], q, scales)
+        assert torch.equal(together, torch.cat([cpu_kernels.linear(x[i:i + 1], q, scales) for i in range(rows)]))
 
 
 @needs_row_kernel
 def test_row_kernel_rejects_what_it_cannot_compute():
     w = torch.randn(8, 16)
-    for x, weight in ((torch.randn(2, 16), w), (torch.randn(1, 16).double(), w), (torch.randn(1, 8), w.t())):
-        with pytest.raises(ValueError, match="one float32 row"):
-            cpu_gemv.gemv(x, weight)
+    cases = ((torch.randn(1, 15), w, "rows of 15 values do not fit"), (torch.randn(1, 8), w.t(), "contiguous CPU"),
+             (torch.randn(1, 16), w.double(), "weights are float32, bfloat16, float16"),
+             (torch.ones(1, 16, dtype=torch.int64), w, "floating-point CPU rows"),
+             (torch.randn(1, 16), w.view(2, 4, 16), "contiguous CPU matrix"),
+             (torch.randn(0, 16), w, "1 to 8 rows"))
+    for x, weight, said in cases:
+        with pytest.raises(ValueError, match=said):
+            cpu_kernels.linear(x, weight)
+    for scales, block, said in ((None, [], "come with scales"), (torch.ones(8), [4, 4], "FP8 weights"),
+                                (torch.ones(8), [], "the others without")):
+        with pytest.raises(ValueError, match=said):
+            cpu_kernels.linear(torch.randn(1, 16), w.to(torch.int8) if block or scales is None else w, scales,
+                               block=tuple(block))
 
 
 def test_one_row_products_with_and_without_the_kernel(monkeypatch):
@@ -569,7 +619,7 @@ def test_one_row_products_with_and_without_the_kernel(monkeypatch):
             assert cpu_gemm.gemm_choice(torch.float32).path == "plain"
             torch.testing.assert_close(linear(x, w, None, packed), F.linear(x, w))
             continue
-        assert packed.row_kernel == (mode == "auto" and cpu_gemv.failure() is None)
+        assert packed.row_kernel == (mode == "auto" and cpu_kernels.failure() is None)
         assert (cpu_gemm.row_kernel_failure() is None) == packed.row_kernel
         torch.testing.assert_close(linear(x, w, None, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(linear(x.repeat(3, 1), w, None, packed), F.linear(x.repeat(3, 1), w))
@@ -577,13 +627,12 @@ def test_one_row_products_with_and_without_the_kernel(monkeypatch):
 
 def _clear_kernel_caches() -> None:
     cpu_ops.failure.cache_clear()
-    cpu_gemv._load.cache_clear()
-    cpu_gemv.failure.cache_clear()
+    cpu_kernels.failure.cache_clear()
 
 
 def test_the_row_kernel_is_left_out_with_a_reason_where_it_cannot_build(monkeypatch, tmp_path):
     """No C++ compiler, or one that fails: the kernels are unavailable, say why, and weights keep oneDNN."""
-    builds_here = cpu_gemv.failure() is None  # else it stops earlier (architecture, instruction set)
+    builds_here = cpu_kernels.failure() is None  # else it stops earlier (architecture, instruction set)
     monkeypatch.setenv(cpu_gemm.GEMM_ENV, "auto")
     monkeypatch.setenv("MLA_KERNEL_CACHE", str(tmp_path / "kernels"))  # a fresh cache: nothing built there yet
     monkeypatch.setenv("CXX", os.environ.get("CXX", "c++"))  # restored afterwards
@@ -592,7 +641,7 @@ def test_the_row_kernel_is_left_out_with_a_reason_where_it_cannot_build(monkeypa
                                                                            "false failed")):
             monkeypatch.setattr(cpu_ops, "_compiler", lambda c=compiler: c)
             _clear_kernel_caches()
-            why = cpu_gemv.failure()
+            why = cpu_kernels.failure()
             assert why is not None and (said in why or not builds_here), why
             packed = PackedWeight.make(torch.randn(16, 32))
             assert packed is None or not packed.row_kernel
@@ -603,8 +652,8 @@ def test_the_row_kernel_is_left_out_with_a_reason_where_it_cannot_build(monkeypa
 def test_the_kernel_library_is_built_once_per_machine(tmp_path, monkeypatch):
     """The library lives in the cache folder under a digest of what it is built from (sources, headers, flags,
     compiler, torch): every process with the same inputs loads that build, and a change of any makes another."""
-    if cpu_gemv.failure() is not None:
-        pytest.skip(f"the kernels do not build here: {cpu_gemv.failure()}")
+    if cpu_kernels.failure() is not None:
+        pytest.skip(f"the kernels do not build here: {cpu_kernels.failure()}")
     cxx = cpu_ops._compiler()
     assert cxx is not None
     key = cpu_ops.build_key(cxx)
@@ -698,7 +747,7 @@ def test_absorbed_decode_kernel_matches_the_planned_torch_path(rows, heads, dims
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = cpu_gemv.absorbed_decode(q_n, q_r, *stored, flat, plan.slots, plan.lens, 0.1)
+        got = cpu_kernels.ops().absorbed_decode(q_n, q_r, *stored, flat, plan.slots, plan.lens, 0.1)
     finally:
         torch.set_num_threads(before)
     q_abs = torch.bmm(q_n.transpose(0, 1), w_uk).transpose(0, 1)
@@ -713,12 +762,17 @@ def test_absorbed_decode_kernel_rejects_what_it_cannot_compute():
     q = torch.randn(1, 2, 16)
     slots, lens = torch.zeros(1, 4, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
     w_uk, w_uv_t, cache = torch.randn(2, 8, 16), torch.randn(2, 16, 8), torch.randn(4, 24)
-    for bad in (dict(cache=cache.double()), dict(lens=lens.int()), dict(w_uk=torch.randn(2, 8, 15)),
-                dict(cache=torch.randn(4, 20))):
+    for bad, said in ((dict(cache=cache.double()), "cache must be a contiguous CPU Float tensor"),
+                      (dict(lens=lens.int()), "lens must be a contiguous CPU Long tensor"),
+                      (dict(w_uk=torch.randn(2, 8, 15)), "w_uv_t must be"), (dict(cache=torch.randn(4, 20)), "cache"),
+                      (dict(slots=torch.full((1, 4), 4)), "reads cache slot 4, the cache holds 4"),
+                      (dict(slots=torch.full((1, 4), -1)), "reads cache slot -1"),
+                      (dict(lens=torch.tensor([5])), "row 0 reads 5 keys of 4 slots"),
+                      (dict(lens=torch.tensor([0])), "row 0 reads 0 keys")):
         args = dict(q_n=q[..., :8], q_r=q[..., 8:], w_uk=w_uk, w_uv_t=w_uv_t, cache=cache, slots=slots, lens=lens)
         args.update(bad)
-        with pytest.raises(ValueError, match="do not fit one float32 layer"):
-            cpu_gemv.absorbed_decode(scale=1.0, **args)
+        with pytest.raises(ValueError, match=said):
+            cpu_kernels.ops().absorbed_decode(scale=1.0, **args)
 
 
 @needs_row_kernel
@@ -726,10 +780,10 @@ def test_absorbed_decode_kernel_rejects_what_it_cannot_compute():
 def test_rms_norm_kernel_matches_torch(shape):
     g = torch.Generator().manual_seed(len(shape))
     x, w = torch.randn(*shape, generator=g) * 3, torch.randn(shape[-1], generator=g)
-    torch.testing.assert_close(cpu_gemv.rms_norm(x, w, 1e-6), F.rms_norm(x, (shape[-1],), w, 1e-6))
+    torch.testing.assert_close(cpu_kernels.rms_norm(x, w, 1e-6), F.rms_norm(x, (shape[-1],), w, 1e-6))
     wide = torch.randn(shape[0], 2 * shape[-1], generator=g)  # rows with a stride: a split's first part
     part = wide[:, : shape[-1]]
-    torch.testing.assert_close(cpu_gemv.rms_norm(part, w, 1e-6), F.rms_norm(part, (shape[-1],), w, 1e-6))
+    torch.testing.assert_close(cpu_kernels.rms_norm(part, w, 1e-6), F.rms_norm(part, (shape[-1],), w, 1e-6))
 
 
 def test_rms_norm_module_with_and_without_the_kernel(monkeypatch):
@@ -740,8 +794,8 @@ def test_rms_norm_module_with_and_without_the_kernel(monkeypatch):
         norm = RMSNorm(64, 1e-6)
         norm.weight.data.normal_()
         norm.prepare_inference()
-        assert norm.kernel == (mode == "auto" and cpu_gemv.failure() is None)
-        for rows in (x, torch.randn(cpu_gemv.NORM_MAX_ROWS + 1, 64)):
+        assert norm.kernel == (mode == "auto" and cpu_kernels.failure() is None)
+        for rows in (x, torch.randn(norm_module.KERNEL_MAX_ROWS + 1, 64)):
             torch.testing.assert_close(norm(rows), F.rms_norm(rows, (64,), norm.weight, 1e-6))
 
 
@@ -762,7 +816,7 @@ def test_gated_mlp_table_matches_torch_for_float32_and_int8_weights():
     q = [torch.randint(-127, 128, (2 * inters[2], d), generator=g, dtype=torch.int8),
          torch.randint(-127, 128, (d, inters[2]), generator=g, dtype=torch.int8)]
     scales = [torch.rand(2 * inters[2], generator=g) / 64, torch.rand(d, generator=g) / 64]
-    table = cpu_gemv.GatedMLPTable([mlps[0], mlps[1], ((q[0], scales[0]), (q[1], scales[1]))])
+    table = cpu_tables.GatedMLPTable([mlps[0], mlps[1], ((q[0], scales[0]), (q[1], scales[1]))])
     dense = [mlps[0], mlps[1], (q[0].float() * scales[0][:, None], q[1].float() * scales[1][:, None])]
 
     def mlp(x, gate_up, down):
@@ -775,10 +829,13 @@ def test_gated_mlp_table_matches_torch_for_float32_and_int8_weights():
         torch.testing.assert_close(table(x, ids, weights), want, rtol=1e-4, atol=1e-4)
     for ids, weights, bad in (([3], [1.0], torch.randn(1, d)), ([0], [], torch.randn(1, d)),
                               ([0], [1.0], torch.randn(2, d)), ([0], [1.0], torch.randn(1, d).double())):
-        with pytest.raises(ValueError, match="one float32 row"):
+        with pytest.raises(ValueError, match="gated_mlps: (MLP 3 of 3|one weight per MLP|one float32 CPU row of 40)"):
             table(bad, ids, weights)
-    with pytest.raises(ValueError, match="is a contiguous float32 or bfloat16 tensor, int8"):
-        cpu_gemv.GatedMLPTable([(mlps[0][0].t(), mlps[0][1])])
+    with pytest.raises(ValueError, match="MlpTable: gate_up: the weight must be a contiguous CPU Float tensor"):
+        cpu_tables.GatedMLPTable([(mlps[0][0].t().contiguous(), mlps[0][1])])
+    with pytest.raises(ValueError, match="MlpTable: down: the row scales must be"):
+        cpu_tables.GatedMLPTable([((q[0], scales[0]), (q[1], scales[0]))])
+    assert table.table.kinds() == ["float32", "float32", "float32", "float32", "int8", "int8"]
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])
@@ -808,12 +865,11 @@ def test_one_token_moe_and_mlp_with_and_without_the_kernel(quantization, monkeyp
             layer.lm_head_weight = torch.randn(8, 64)  # what quantize_model expects of a model
             quantize_model(layer, quantization)  # ... and made again from the int8 ones
         outs[mode] = (layer["moe"](x), layer["mlp"](x))
-        kernel = mode == "auto" and cpu_gemv.failure() is None
+        kernel = mode == "auto" and cpu_kernels.failure() is None
         tables = (layer["moe"].experts.row_table, layer["mlp"].row_table)
-        assert all(isinstance(t, cpu_gemv.GatedMLPTable) == kernel for t in tables)
-        if kernel and quantization:
-            assert all(k.dtype in (torch.int8, torch.float32) for k in tables[0].keep if k is not None)
-            assert any(k.dtype == torch.int8 for k in tables[0].keep if k is not None)
+        assert all(isinstance(t, cpu_tables.GatedMLPTable) == kernel for t in tables)
+        if kernel:
+            assert set(tables[0].table.kinds()) == {"int8" if quantization else "float32"}
         assert first.shape == x.shape
     tol = 1e-5 if quantization is None else 3e-2  # int8 on onednn: ATen's kernel rounds the rows to bfloat16
     for a, b in zip(outs["auto"], outs["onednn"]):
@@ -843,28 +899,35 @@ def test_one_token_moe_kernel_routes_as_the_router(router, monkeypatch):
                 m.prepare_inference()
         xs = torch.randn(12, 1, 48, generator=torch.Generator().manual_seed(9))
         outs[mode] = torch.cat([moe(x) for x in xs])
-        kernel = mode == "auto" and cpu_gemv.failure() is None
-        assert isinstance(moe.experts.row_table, cpu_gemv.GatedMLPTable) == kernel
+        kernel = mode == "auto" and cpu_kernels.failure() is None
+        assert isinstance(moe.experts.row_table, cpu_tables.GatedMLPTable) == kernel
     torch.testing.assert_close(outs["auto"], outs["onednn"], rtol=1e-5, atol=1e-5)
     routes = {tuple(moe.gate(x)[1].sort().values.tolist()[0]) for x in xs}
     assert len(routes) > 1  # the tokens exercise more than one route
 
 
 @needs_row_kernel
-def test_absorbed_decode_kernel_splits_rows_and_heads_it_cannot_hold_at_once(monkeypatch):
-    """Rows beyond the scratch bound go in several calls, and heads beyond a thread's group take more threads: the
-    result is the same."""
+def test_absorbed_decode_kernel_splits_rows_and_heads_it_cannot_hold_at_once():
+    """Heads beyond a thread's group (256) take more threads than torch's, and rows beyond the scratch bound (64 MiB
+    a call) go in several calls: on one thread, 300 heads of a 512-wide latent run as two groups of 150, and 60 rows
+    as calls of 54 and 6. The result is still the torch path's."""
     g = torch.Generator().manual_seed(4)
-    rows, heads, d_n, d_r, d_c, d_v = 5, 7, 8, 8, 40, 16
+    rows, heads, d_n, d_r, d_c, d_v = 60, 300, 8, 8, 512, 8
     cache = torch.randn(24, 4, d_c + d_r, generator=g)
-    plan = plan_decode_lists([list(range(i, i + 5)) for i in range(rows)], [3, 9, 1, 17, 5], 4)
+    lens = [1 + (5 * i) % 17 for i in range(rows)]
+    plan = plan_decode_lists([list(range(i % 19, i % 19 + 5)) for i in range(rows)], lens, 4)
     q_n, q_r = torch.randn(rows, heads, d_n + d_r, generator=g).split([d_n, d_r], dim=-1)
-    w_uk, w_uv_t = torch.randn(heads, d_n, d_c, generator=g), torch.randn(heads, d_c, d_v, generator=g)
-    args = (q_n, q_r, w_uk, w_uv_t, cache.view(-1, d_c + d_r), plan.slots, plan.lens, 0.2)
-    whole = cpu_gemv.absorbed_decode(*args)
-    monkeypatch.setattr(cpu_gemv, "DECODE_SCRATCH_BYTES", 1)  # one row a call
-    monkeypatch.setattr(cpu_gemv, "DECODE_MAX_GROUP", 2)  # seven heads: four threads
-    torch.testing.assert_close(cpu_gemv.absorbed_decode(*args), whole, rtol=1e-5, atol=1e-5)  # other head tiles
+    w_uk, w_uv_t = torch.randn(heads, d_n, d_c, generator=g), torch.randn(heads, d_c, d_v, generator=g) / d_c ** 0.5
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        got = cpu_kernels.ops().absorbed_decode(q_n, q_r, w_uk, w_uv_t, cache.view(-1, d_c + d_r), plan.slots,
+                                                plan.lens, 0.2)
+    finally:
+        torch.set_num_threads(before)
+    q_abs = torch.bmm(q_n.transpose(0, 1), w_uk).transpose(0, 1)
+    o_lat = mla_decode_planned(torch.cat([q_abs, q_r], dim=-1), cache, plan, 0.2, d_c)
+    torch.testing.assert_close(got, torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1), rtol=1e-4, atol=1e-4)
 
 
 @needs_row_kernel
@@ -886,7 +949,7 @@ def test_rope_store_kernel_matches_the_torch_latent_side(interleave):
     q_r, k_r = rope(positions, q[..., d_n:], latent[:, d_c:], tables)
     write_latent(want_cache, F.rms_norm(latent[:, :d_c], (d_c,), norm.weight, 1e-6), k_r, slots)
     want_q = torch.cat([q[..., :d_n], q_r], dim=-1)
-    cpu_gemv.rope_store(latent, norm.weight, 1e-6, q, d_n, tables.cos, tables.sin, cache, slots, interleave)
+    cpu_kernels.ops().rope_store(latent, norm.weight, 1e-6, q, d_n, tables.cos, tables.sin, cache, slots, interleave)
     assert tables.cos.stride(0) != tables.cos.shape[1]  # the table's rows, with a stride
     torch.testing.assert_close(cache, want_cache[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-6)
@@ -902,9 +965,7 @@ def test_float32_decode_steps_take_the_compiled_attention_and_match_torch(tiny_c
     monkeypatch.setattr(DeepseekForCausalLM, "_decode_step", lambda *a: None)
     ckpt, _ = tiny_checkpoint("v3")
     ps = prompts([30, 12, 7], seed=12)
-    calls = []
-    real = cpu_gemv.rope_store
-    monkeypatch.setattr(cpu_gemv, "rope_store", lambda *a: calls.append(1) or real(*a))
+    calls = spy_ops(monkeypatch, "rope_store")["rope_store"]
     logits = []
     for compiled in (True, False):
         if not compiled:
@@ -921,7 +982,7 @@ def test_float32_decode_steps_take_the_compiled_attention_and_match_torch(tiny_c
 
 
 @pytest.mark.parametrize("variant", ["v3", "v3_noq_halfsplit", "v2_group", "v2_greedy_qlora"])
-@pytest.mark.parametrize("quantization", [None, "int8", "int4", "bf16"])
+@pytest.mark.parametrize("quantization", [None, "int8", "int4", "bf16", "fp16"])
 def test_decode_steps_run_each_layer_as_one_compiled_call_with_the_same_logits(tiny_checkpoint, variant,
                                                                                 quantization, monkeypatch):
     """Where the kernels build, a decode step of one to eight rows runs each decoder layer as one compiled call
@@ -935,8 +996,8 @@ def test_decode_steps_run_each_layer_as_one_compiled_call_with_the_same_logits(t
     ckpt, _ = tiny_checkpoint(variant)
     ps = prompts([30, 12, 7], seed=5)
     calls = []
-    real = cpu_gemv.decoder_layer
-    monkeypatch.setattr(deepseek.cpu_gemv, "decoder_layer", lambda *a: calls.append(a[0]) or real(*a))
+    real = cpu_tables.decoder_layer
+    monkeypatch.setattr(deepseek.cpu_tables, "decoder_layer", lambda *a: calls.append(a[0]) or real(*a))
     model = load_model(ckpt, dtype="float32")
     if quantization:
         runner = PagedRunner(model, 1, 48)
@@ -958,8 +1019,8 @@ def test_decode_steps_run_each_layer_as_one_compiled_call_with_the_same_logits(t
     # from the MLP can come out of the next product 2^-14 larger
     assert rel_err(logits[0], logits[1]) <= (1e-5 if quantization is None else 5e-4)
     if calls and quantization:
-        stored = {"int8": torch.int8, "int4": torch.uint8, "bf16": torch.bfloat16}[quantization]
-        assert any(isinstance(k, torch.Tensor) and k.dtype == stored for k in calls[0].keep)
+        stored = {"int8": "int8", "int4": "int4", "bf16": "bfloat16", "fp16": "float16"}[quantization]
+        assert stored in calls[0].table.kinds()
 
 
 @needs_row_kernel
@@ -974,29 +1035,36 @@ def test_decoder_layer_tables_and_steps_reject_what_they_cannot_compute(tiny_che
     layer = model.model.layers[1]
     weights = layer_weights((layer.input_layernorm, layer.post_attention_layernorm), layer.self_attn, layer.mlp)
     assert weights is not None
-    table = cpu_gemv.DecoderLayerTable(weights)
+    table = cpu_tables.DecoderLayerTable(weights)
     bad = dataclasses.replace(weights, w_uk=weights.w_uk.transpose(1, 2))
-    with pytest.raises(ValueError, match="w_uk must be a contiguous"):
-        cpu_gemv.DecoderLayerTable(bad)
-    with pytest.raises(ValueError, match="o: a weight .* got torch.float32"):
-        cpu_gemv.DecoderLayerTable(dataclasses.replace(weights, o=(weights.o, weights.o[:, 0])))
+    with pytest.raises(ValueError, match="LayerTable: w_uk must be a contiguous CPU Float tensor"):
+        cpu_tables.DecoderLayerTable(bad)
+    with pytest.raises(ValueError, match=r"LayerTable: o: int8 weights \(only\) come with row scales"):
+        cpu_tables.DecoderLayerTable(dataclasses.replace(weights, o=(weights.o, weights.o[:, 0])))
+    with pytest.raises(ValueError, match="LayerTable: kv_norm must be a contiguous CPU Float tensor"):
+        cpu_tables.DecoderLayerTable(dataclasses.replace(weights, norms=(*weights.norms[:3], weights.norms[0])))
     d_r = weights.dims["d_r"]
     rope = torch.zeros(9, d_r // 2)
     keys, lens = torch.zeros(9, 4, dtype=torch.long), torch.ones(9, dtype=torch.long)
-    with pytest.raises(ValueError, match="1 to 8 decode rows"):
-        cpu_gemv.DecodeStep(rope, rope, torch.zeros(9, dtype=torch.long), keys, lens, table.heads, table.d_c, table)
-    step = cpu_gemv.DecodeStep(rope[:2], rope[:2], torch.zeros(2, dtype=torch.long), keys[:2], lens[:2], table.heads,
-                               table.d_c, table)
-    lib, _ = cpu_gemv._load()
-    for other in model.model.layers:  # dense and MoE layers need different scratch: the step's grows to each
-        other_table = other.kernel_table()
-        assert step.fits(other_table)
-        assert step.scratch.numel() >= lib.decoder_layer_scratch(other_table.table, step.table)
+    with pytest.raises(ValueError, match="DecodeStep: 1 to 8 rows, got 9"):
+        cpu_tables.DecodeStep(rope, rope, torch.zeros(9, dtype=torch.long), keys, lens, table.heads, table.d_c)
+    with pytest.raises(ValueError, match="DecodeStep: row 1 reads 5 keys of 4 slots"):
+        cpu_tables.DecodeStep(rope[:2], rope[:2], torch.zeros(2, dtype=torch.long), keys[:2], torch.tensor([1, 5]),
+                              table.heads, table.d_c)
+    step = cpu_tables.DecodeStep(rope[:2], rope[:2], torch.tensor([0, 7]), keys[:2], lens[:2], table.heads, table.d_c)
     cache = torch.zeros(8, table.d_c + d_r)
-    with pytest.raises(ValueError, match="do not fit a layer"):
-        cpu_gemv.decoder_layer(table, step, torch.zeros(3, table.hidden), cache)
-    with pytest.raises(ValueError, match="do not fit a layer"):
-        cpu_gemv.decoder_layer(table, step, torch.zeros(2, table.hidden), cache.double())
+    x = torch.randn(2, table.hidden)
+    for other in model.model.layers:  # dense and MoE layers need different scratch: the step's grows to each
+        assert step.fits(other.kernel_table())
+        out = x.clone()
+        hidden = cpu_tables.decoder_layer(other.kernel_table(), step, out, cache)
+        assert hidden is None and torch.isfinite(out).all() and not torch.equal(out, x)
+    with pytest.raises(ValueError, match=r"decoder_layer: x must be a contiguous CPU Float tensor \[2, "):
+        cpu_tables.decoder_layer(table, step, torch.zeros(3, table.hidden), cache)
+    with pytest.raises(ValueError, match="decoder_layer: cache must be a contiguous CPU Float tensor"):
+        cpu_tables.decoder_layer(table, step, torch.zeros(2, table.hidden), cache.double())
+    with pytest.raises(ValueError, match="the step reads cache slot 7, the cache holds 4"):
+        cpu_tables.decoder_layer(table, step, torch.zeros(2, table.hidden), cache[:4])
 
 
 def test_compiled_layers_follow_weights_replaced_before_prepare_inference(tiny_checkpoint, monkeypatch):
@@ -1024,60 +1092,91 @@ def test_compiled_layers_follow_weights_replaced_before_prepare_inference(tiny_c
     assert rel_err(logits[0], logits[1]) <= 1e-5
 
 
-@pytest.mark.parametrize("variant", cpu_gemv.INT8_VARIANTS)
+@pytest.mark.parametrize("variant", ["avx2", "avx512_vnni"])
 def test_each_int8_variant_gives_the_same_bits(variant):
     """The few-row int8 product's variants compute the same integer sums and round them alike: every variant equals
     the exact product on integers and gives the default's bits on random rows (tails of 16 and of 1 to 15 values,
-    and the int32 chunks' boundary at 4096 included). A variant this CPU cannot execute is skipped by name."""
-    if cpu_gemv.failure() is not None:
-        pytest.skip(f"the kernels do not build here: {cpu_gemv.failure()}")
-    if variant not in cpu_gemv.int8_variants():
+    and the int32 chunks' boundary at 4096 included). A variant this CPU cannot execute is skipped by name, and
+    asking for it is refused."""
+    if cpu_kernels.failure() is not None:
+        pytest.skip(f"the kernels do not build here: {cpu_kernels.failure()}")
+    assert cpu_kernels.variants("int8", runs_only=False) == ("avx2", "avx512_vnni")
+    if variant not in cpu_kernels.variants("int8"):
+        with pytest.raises(ValueError, match=f"cannot run the {variant} variant"):
+            cpu_kernels.linear(torch.randn(2, 8), torch.ones(4, 8, dtype=torch.int8), torch.ones(4), variant=variant)
         pytest.skip(f"this CPU does not execute the int8 product's {variant} variant (it runs "
-                    f"{list(cpu_gemv.int8_variants())})")
+                    f"{list(cpu_kernels.variants('int8'))})")
     g = torch.Generator().manual_seed(7)
-    try:
-        for n, k, rows in ((37, 77, 3), (16, 48, 8), (9, 4200, 5), (40, 2048, 13)):
-            w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
-            scale = torch.rand(n, generator=g)
-            ints = torch.randint(-2, 3, (rows, k), generator=g).float()
-            x = torch.randn(rows, k, generator=g)
-            cpu_gemv.select_int8_variant(None)
-            default = cpu_gemv.gemm_few_int8(x, w, scale)
-            cpu_gemv.select_int8_variant(variant)
-            unit = torch.ones(n)
-            assert torch.equal(cpu_gemv.gemm_few_int8(ints, w, unit).double(), ints.double() @ w.double().T)
-            assert torch.equal(cpu_gemv.gemm_few_int8(x, w, scale), default)
-    finally:
-        cpu_gemv.select_int8_variant(None)
+    for n, k, rows in ((37, 77, 3), (16, 48, 8), (9, 4200, 5), (40, 2048, 13)):
+        w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        scale = torch.rand(n, generator=g)
+        ints = torch.randint(-2, 3, (rows, k), generator=g).float()
+        x = torch.randn(rows, k, generator=g)
+        default = cpu_kernels.linear(x, w, scale)
+        unit = torch.ones(n)
+        exact = ints.double() @ w.double().T
+        assert torch.equal(cpu_kernels.linear(ints, w, unit, variant=variant).double(), exact)
+        assert torch.equal(cpu_kernels.linear(x, w, scale, variant=variant), default)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("path", ["onednn", "upcast"])
-def test_bf16_weights_take_the_two_byte_kernel_for_few_rows(path, monkeypatch):
-    """A bfloat16 weight's products of up to ``BF16_KERNEL_ROWS[path]`` rows run the kernel that reads it at two bytes
-    (float32 arithmetic on the exactly widened weight); more rows, or ``cpu_gemm=onednn``, take the weight's path."""
-    if cpu_gemv.bf16_failure() is not None:
-        pytest.skip(f"the bfloat16-weight kernel does not run here: {cpu_gemv.bf16_failure()}")
+def test_half_weights_take_the_two_byte_kernel_for_few_rows(path, dtype, monkeypatch):
+    """A bfloat16 or float16 weight's products of up to ``BF16_KERNEL_ROWS[path]`` rows run the kernel that reads it
+    at two bytes (float32 arithmetic on the exactly widened weight); more rows, or ``cpu_gemm=onednn``, take the
+    weight's path."""
+    kind = cpu_gemm.HALF_KINDS[dtype]
+    if cpu_kernels.failure(kind) is not None:
+        pytest.skip(f"the {dtype}-weight kernel does not run here: {cpu_kernels.failure(kind)}")
     g = torch.Generator().manual_seed(3)
-    w, b = torch.randn(70, 96, generator=g).bfloat16(), torch.randn(70, generator=g).bfloat16()
-    if path == "onednn" and cpu_gemm.fast_path_failure(torch.bfloat16) is not None:
-        pytest.skip("oneDNN has no bfloat16 path on this CPU")
-    calls = []
-    real = cpu_gemv.gemm_few_bf16
-    monkeypatch.setattr(cpu_gemv, "gemm_few_bf16", lambda *a: calls.append(1) or real(*a))
+    w, b = torch.randn(70, 96, generator=g).to(dtype), torch.randn(70, generator=g).to(dtype)
+    if path == "onednn" and cpu_gemm.fast_path_failure(dtype) is not None:
+        pytest.skip(f"oneDNN has no {dtype} path on this CPU: {cpu_gemm.fast_path_failure(dtype)}")
+    calls = spy_ops(monkeypatch, "linear")["linear"]
     limit = cpu_gemm.BF16_KERNEL_ROWS[path]
     for mode, expect in (("auto", limit), ("onednn", 0)):
         with cpu_gemm.forced_gemm_mode(mode):
             packed = PackedWeight(w, path)
         assert packed.bf16_rows == expect
         for rows in (1, limit, limit + 1):
-            x = torch.randn(rows, 96, generator=g).bfloat16()
+            x = torch.randn(rows, 96, generator=g).to(dtype)
             calls.clear()
             got = linear(x, w, b, packed)
-            assert bool(calls) == (rows <= expect) and got.dtype == torch.bfloat16
+            assert bool(calls) == (rows <= expect) and got.dtype == dtype
             want = (x.float() @ w.float().T + b.float())
             torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=5e-2)
-            if calls:  # the kernel's float32 sum, rounded once to bfloat16
-                torch.testing.assert_close(got, want.bfloat16(), rtol=1e-2, atol=1e-2)
+            if calls:  # the kernel's float32 sum, rounded once
+                torch.testing.assert_close(got, want.to(dtype), rtol=1e-2, atol=1e-2)
+
+
+def test_auto_keeps_a_float16_checkpoints_products_float16_and_gives_transformers_tokens(tiny_checkpoint, tmp_path):
+    """A float16 checkpoint under ``dtype="auto"``, where the compiled kernels read float16 weights: a float32 model
+    with float16 products (``quantization="fp16"``), whose greedy tokens are transformers' on the same float16
+    values computed in float32."""
+    import copy
+
+    from mla_runtime import LLM
+    from mla_runtime.layers.bf16 import F16Weight
+    from tests.checkpoints import save_checkpoint
+
+    if cpu_kernels.failure("f16") is not None or cpu_gemm.gemm_mode() != "auto":
+        pytest.skip(f"the float16-weight kernel does not run here: {cpu_kernels.failure('f16')}")
+    _, hf = tiny_checkpoint("v3")
+    half = copy.deepcopy(hf).half()
+    path = save_checkpoint(half, tmp_path / "fp16")
+    reference = half.float().eval()
+    llm = LLM(str(path), kv_cache_memory="8MiB", max_model_len=96)
+    worker = llm.engine.worker
+    try:
+        assert worker.dtype == torch.float32 and worker.quantization == "fp16"
+        assert isinstance(worker.model.lm_head_packed, F16Weight)
+        for ids in prompts([9, 23], seed=4):
+            got = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=6, temperature=0))
+            with torch.no_grad():
+                want = reference.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, pad_token_id=0)
+            assert list(got[0].outputs[0].token_ids) == want[0, len(ids):].tolist()
+    finally:
+        llm.shutdown()
 
 
 def test_auto_keeps_a_bf16_checkpoints_products_bf16_in_a_float32_model(tiny_checkpoint):
@@ -1087,9 +1186,11 @@ def test_auto_keeps_a_bf16_checkpoints_products_bf16_in_a_float32_model(tiny_che
     from mla_runtime import LLM
     from mla_runtime.layers.bf16 import Bf16Weight
 
-    runs = cpu_gemv.bf16_failure() is None and cpu_gemm.gemm_mode() == "auto"
-    auto = cpu_gemm.resolve_cpu_format("auto", torch.bfloat16, None)
-    assert auto == ((torch.float32, "bf16") if runs else (cpu_gemm.resolve_cpu_dtype("auto", torch.bfloat16), None))
+    for half, scheme in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+        runs = cpu_kernels.failure(cpu_gemm.HALF_KINDS[half]) is None and cpu_gemm.gemm_mode() == "auto"
+        auto = cpu_gemm.resolve_cpu_format("auto", half, None)
+        assert auto == ((torch.float32, scheme) if runs else (cpu_gemm.resolve_cpu_dtype("auto", half), None))
+    runs = cpu_kernels.failure("bf16") is None and cpu_gemm.gemm_mode() == "auto"
     assert cpu_gemm.resolve_cpu_format("bfloat16", torch.bfloat16, None) == (torch.bfloat16, None)
     assert cpu_gemm.resolve_cpu_format("auto", torch.bfloat16, "int8")[1] == "int8"
     assert cpu_gemm.resolve_cpu_format("auto", torch.float32, None) == (torch.float32, None)
@@ -1104,50 +1205,55 @@ def test_auto_keeps_a_bf16_checkpoints_products_bf16_in_a_float32_model(tiny_che
     llm.shutdown()
 
 
-def test_the_product_operators_refuse_sizes_their_tensors_do_not_hold():
-    """Called directly (``torch.ops.mla_kernels``), a product or the norm given sizes beyond its tensors, or tensors
-    of the wrong dtype, raises a ValueError that names the operator and the buffer; nothing is read past a tensor."""
-    if cpu_gemv.failure() is not None:
-        pytest.skip(f"the kernels do not build here: {cpu_gemv.failure()}")
+def test_the_latent_and_norm_operators_refuse_what_their_tensors_do_not_hold():
+    """Called directly (``torch.ops.mla_kernels``), the latent side refuses a slot past its cache and tensors of the
+    wrong shape, and the norm rows of the wrong width, with a ValueError that names the operator and the tensor;
+    nothing is written past a tensor."""
+    if cpu_kernels.failure() is not None:
+        pytest.skip(f"the kernels do not build here: {cpu_kernels.failure()}")
     ops = torch.ops.mla_kernels
-    w, x, y = torch.randn(4, 8), torch.randn(8), torch.empty(4)
-    ops.gemv_f32(w, x, y, 4, 8, 1)
-    torch.testing.assert_close(y, w @ x)
-    with pytest.raises(ValueError, match="gemv_f32: x must be"):
-        ops.gemv_f32(w, x, y, 4, 1000, 1)
-    with pytest.raises(ValueError, match="gemm_few_f32: y must be"):
-        ops.gemm_few_f32(w, torch.randn(3, 8), torch.empty(4), 3, 4, 8, 1)
-    with pytest.raises(ValueError, match="gemv_i8: w must be .*Char"):
-        ops.gemv_i8(w, torch.ones(4), x, y, 4, 8, 1)
-    with pytest.raises(ValueError, match="gemm_fp8: scale must be"):
-        ops.gemm_fp8(w.to(torch.float8_e4m3fn), torch.ones(1), 1, 1, x, y, 1, 4, 8, 1)
-    with pytest.raises(ValueError, match="gemm_i4: variant 9"):
-        ops.gemm_i4(torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.half), x, y, 1, 4, 8, 1, 9)
-    with pytest.raises(ValueError, match="rms_norm_f32: x must be"):
-        ops.rms_norm_f32(torch.randn(2, 8), 8, torch.ones(8), torch.empty(2, 8), 3, 8, 1e-6)
+    rows, heads, d_n, d_r, d_c = 2, 3, 8, 8, 16
+    latent, q = torch.randn(rows, d_c + d_r), torch.randn(rows, heads, d_n + d_r)
+    norm, cos, sin = torch.ones(d_c), torch.ones(rows, d_r // 2), torch.zeros(rows, d_r // 2)
+    cache = torch.zeros(6, d_c + d_r)
+    ops.rope_store(latent, norm, 1e-6, q, d_n, cos, sin, cache, torch.tensor([5, 0]), False)
+    assert cache[[0, 5]].abs().sum(-1).gt(0).all() and cache[1:5].eq(0).all()
+    for args, said in (((cache, torch.tensor([6, 0])), "rope_store: slot 6 of a cache of 6"),
+                       ((cache, torch.tensor([-1, 0])), "rope_store: slot -1"),
+                       ((cache, torch.tensor([0])), "slots must be a contiguous CPU Long tensor \\[2\\]"),
+                       ((cache[:, :-1], torch.tensor([0, 1])), "rope_store: cache must be"),
+                       ((cache.double(), torch.tensor([0, 1])), "rope_store: cache must be")):
+        with pytest.raises(ValueError, match=said):
+            ops.rope_store(latent, norm, 1e-6, q, d_n, cos, sin, *args, False)
+    with pytest.raises(ValueError, match="rope_store: norm must be"):
+        ops.rope_store(latent, torch.ones(d_c + 1), 1e-6, q, d_n, cos, sin, cache, torch.tensor([0, 1]), False)
+    with pytest.raises(ValueError, match="rms_norm: x must be rows of 8 values"):
+        ops.rms_norm(torch.randn(2, 7), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="rms_norm: x must be float32 CPU rows"):
+        ops.rms_norm(torch.randn(2, 8).double(), torch.ones(8), 1e-6)
 
 
 def test_every_cpu_operator_has_a_shape_function():
-    """Each operator of torch.ops.mla_kernels runs under fake tensors (what torch.compile and torch.export trace
-    with): the kernels that write into given tensors return nothing, the table builders make their tables' shapes."""
-    if cpu_gemv.failure() is not None:
-        pytest.skip(f"the kernels do not build here: {cpu_gemv.failure()}")
+    """Each operator of torch.ops.mla_kernels that takes and gives tensors runs under fake tensors (what
+    torch.compile and torch.export trace with) and gives the shape it computes."""
+    if cpu_kernels.failure() is not None:
+        pytest.skip(f"the kernels do not build here: {cpu_kernels.failure()}")
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     ops = torch.ops.mla_kernels
     names = {str(s.name).removeprefix("mla_kernels::") for s in torch._C._jit_get_all_schemas()
              if str(s.name).startswith("mla_kernels::")}
-    assert {"indexer_scores", "gemv_f32", "absorbed_decode", "layer_table", "decoder_layer"} <= names
-    # no tensor arguments: nothing to trace; the whole-layer call answers from its tables' contents (whether it ran
-    # the MLP, the scratch it needs), so it runs eagerly, as the decode step that calls it does
-    untraced = {"cpu_variants", "i8_variants", "i4_variants", "i8_select", "table_widths", "decoder_layer",
-                "decoder_layer_scratch"}
+    assert {"indexer_scores", "linear", "absorbed_decode", "layer_table", "decoder_layer"} <= names
+    # no tensors, or the custom-class tables (raw addresses, which tracing cannot stand in for): eager only, as the
+    # decode step that calls them
+    untraced = {"cpu_variants", "product_variants", "limits", "mlp_table", "layer_table", "decode_step", "gated_mlps",
+                "moe_row", "decoder_layer", "decoder_layer_hidden"}
     for name in names - untraced:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"mla_kernels::{name}", "Meta"), name
-    mlp_fields, layer_fields, step_fields = ops.table_widths()
     with FakeTensorMode():
-        assert ops.gemv_f32(torch.empty(4, 8), torch.empty(8), torch.empty(4), 4, 8, 1) is None
-        assert ops.step_table(torch.empty(2, 4), torch.empty(2, 4), torch.empty(2, dtype=torch.long),
-                              torch.empty(2, 8, dtype=torch.long), torch.empty(2, dtype=torch.long), 1, 1, 1
-                              ).shape == (step_fields,)
-        assert ops.mlp_table([torch.empty(8, 4)], [None], [torch.empty(4, 4)], [None], 0).shape == (1, mlp_fields)
+        assert ops.linear(torch.empty(3, 5, 8), torch.empty(4, 8), None, [], "auto").shape == (3, 5, 4)
+        assert ops.rms_norm(torch.empty(2, 8), torch.empty(8), 1e-6).shape == (2, 8)
+        assert ops.absorbed_decode(torch.empty(2, 3, 4), torch.empty(2, 3, 2), torch.empty(3, 4, 16),
+                                   torch.empty(3, 16, 5), torch.empty(9, 18), torch.empty(2, 4, dtype=torch.long),
+                                   torch.empty(2, dtype=torch.long), 1.0).shape == (2, 3, 5)
+        assert ops.int4_from_stored(torch.empty(4, 16, dtype=torch.uint8)).shape == (4, 16)

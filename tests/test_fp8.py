@@ -7,14 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mla_kernels import cpu_gemv
+from mla_kernels import cpu_kernels
 from mla_runtime.layers import qweight
 from mla_runtime.layers.fp8 import Fp8Weight, quantize_fp8_block
 from mla_runtime.loader import dequantize_fp8_block
 
 FP8 = torch.float8_e4m3fn
-needs_kernel = pytest.mark.skipif(cpu_gemv.fp8_failure() is not None,
-                                  reason=f"the FP8 CPU kernel does not run here: {cpu_gemv.fp8_failure()}")
+needs_kernel = pytest.mark.skipif(cpu_kernels.failure("fp8") is not None,
+                                  reason=f"the FP8 CPU kernel does not run here: {cpu_kernels.failure('fp8')}")
 
 
 def stored(n: int, k: int, block: tuple[int, int], seed: int) -> Fp8Weight:
@@ -95,7 +95,7 @@ def test_cpu_kernel_against_the_float64_product(n, k, block):
         for t in (1, 2):
             torch.set_num_threads(t)
             for rows in (1, 3, 8, 64):
-                got = cpu_gemv.gemm_fp8(x[:rows], q.weight, q.scale_inv, block)
+                got = cpu_kernels.linear(x[:rows], q.weight, q.scale_inv, block=block)
                 assert got.shape == (rows, n) and got.dtype == torch.float32
                 assert_product(got, x[:rows], wide)
                 results[t, rows] = got
@@ -107,7 +107,7 @@ def test_cpu_kernel_against_the_float64_product(n, k, block):
 
 def test_matmul_paths(gemm_mode):
     q = stored(200, 320, (128, 128), 4)
-    assert q.kernel == (gemm_mode == "auto" and cpu_gemv.fp8_failure() is None)
+    assert q.kernel == (gemm_mode == "auto" and cpu_kernels.failure("fp8") is None)
     wide = q.dequantize()
     g = torch.Generator().manual_seed(5)
     bias = torch.randn(200, generator=g)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from mla_kernels import cpu_gemv
+from mla_kernels import cpu_kernels, int4_format
 from mla_runtime.layers import int4, qweight
 from mla_runtime.layers.int4 import Int4Weight, int4_kernel_failure
 
@@ -148,18 +148,18 @@ def _tolerance(dq: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def _variants() -> list[str]:
     """Every int4 kernel variant; one this CPU cannot execute is skipped by name."""
-    return list(cpu_gemv.INT4_VARIANTS)
+    return ["avx2", "avx512_vnni"]
 
 
 def _variant_or_skip(variant: str) -> None:
     _kernel_or_skip()
-    if variant not in cpu_gemv.int4_variants():
+    if variant not in cpu_kernels.variants("int4"):
         pytest.skip(f"this CPU does not execute the int4 kernel's {variant} variant (it runs "
-                    f"{list(cpu_gemv.int4_variants())})")
+                    f"{list(cpu_kernels.variants('int4'))})")
 
 
 def _kernel_or_skip() -> None:
-    why = cpu_gemv.int4_failure()
+    why = cpu_kernels.failure("int4")
     if why is not None:
         pytest.skip(f"the int4 kernel is unavailable here: {why}")
 
@@ -175,8 +175,8 @@ def test_kernel_is_the_dequantised_product(n, k, rows, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = cpu_gemv.gemm_int4(x, w.packed, w.scales)
-        alone = torch.cat([cpu_gemv.gemm_int4(x[i:i + 1], w.packed, w.scales) for i in range(rows)])
+        got = cpu_kernels.linear(x, w.packed, w.scales)
+        alone = torch.cat([cpu_kernels.linear(x[i:i + 1], w.packed, w.scales) for i in range(rows)])
     finally:
         torch.set_num_threads(before)
     dq = w.dequantize()
@@ -197,7 +197,7 @@ def test_kernel_row_and_thread_independence():
         outs = []
         for threads in (1, 2, 4):
             torch.set_num_threads(threads)
-            outs += [cpu_gemv.gemm_int4(x, w.packed, w.scales), cpu_gemv.gemm_int4(x[5:18], w.packed, w.scales)]
+            outs += [cpu_kernels.linear(x, w.packed, w.scales), cpu_kernels.linear(x[5:18], w.packed, w.scales)]
     finally:
         torch.set_num_threads(before)
     for full, part in zip(outs[::2], outs[1::2], strict=True):
@@ -213,25 +213,24 @@ def test_kernel_is_its_rounded_rows_times_the_weight(variant, n, k, rows):
     g = torch.Generator().manual_seed(n * k + rows)
     w = Int4Weight.quantize(torch.randn(n, k, generator=g))
     x = torch.randn(rows, k, generator=g) * torch.logspace(-3, 3, k)[torch.randperm(k, generator=g)]
-    q, scale = cpu_gemv.quantize_q8_groups(x)
+    q, scale = int4_format.quantize_q8_groups(x)
     xr = (q.double().unflatten(-1, (-1, 32)) * scale.double().unsqueeze(-1)).flatten(-2)[:, :k]
     assert ((xr - x.double()).abs() <= _tolerance(torch.eye(k), x)).all()  # at most half a step per value
     dq = w.dequantize().double()
-    got = cpu_gemv.gemm_int4(x, w.packed, w.scales, variant)
+    got = cpu_kernels.linear(x, w.packed, w.scales, variant=variant)
     want = xr @ dq.T
     assert ((got.double() - want).abs() <= 2e-6 * (xr.abs() @ dq.abs().T) + 1e-30).all()
-    assert torch.equal(got, cpu_gemv.gemm_int4(x, w.packed, w.scales, cpu_gemv.INT4_VARIANTS[0])
-                       if cpu_gemv.INT4_VARIANTS[0] in cpu_gemv.int4_variants() else got)
+    assert torch.equal(got, cpu_kernels.linear(x, w.packed, w.scales))  # the default: the fastest variant
 
 
 def test_variants_named():
     """The variants this CPU executes are a subset of those built, the fastest chosen; an unknown one is refused."""
     _kernel_or_skip()
-    assert set(cpu_gemv.int4_variants()) <= set(cpu_gemv.INT4_VARIANTS)
-    assert cpu_gemv.int4_variant() == cpu_gemv.int4_variants()[-1]
+    assert set(cpu_kernels.variants("int4")) <= set(cpu_kernels.variants("int4", runs_only=False)) == set(_variants())
+    assert "avx2" in cpu_kernels.variants("int4")
     w = Int4Weight.quantize(torch.randn(8, 64))
-    with pytest.raises(ValueError, match="int4 variants"):
-        cpu_gemv.gemm_int4(torch.randn(1, 64), w.packed, w.scales, "sse2")
+    with pytest.raises(ValueError, match="unknown variant 'sse2'"):
+        cpu_kernels.linear(torch.randn(1, 64), w.packed, w.scales, variant="sse2")
 
 
 def test_kernel_non_finite_rows():
@@ -239,19 +238,19 @@ def test_kernel_non_finite_rows():
     w = Int4Weight.quantize(torch.randn(8, 64))
     x = torch.randn(3, 64)
     x[1, 7] = float("nan")
-    y = cpu_gemv.gemm_int4(x, w.packed, w.scales)
+    y = cpu_kernels.linear(x, w.packed, w.scales)
     assert y[1].isnan().all() and y[[0, 2]].isfinite().all()
 
 
 def test_kernel_rejects_bad_operands():
     _kernel_or_skip()
     w = Int4Weight.quantize(torch.randn(8, 64))
-    with pytest.raises(ValueError, match="gemm_int4"):
-        cpu_gemv.gemm_int4(torch.randn(2, 96), w.packed, w.scales)
-    with pytest.raises(ValueError, match="gemm_int4"):
-        cpu_gemv.gemm_int4(torch.randn(65, 64), w.packed, w.scales)
-    with pytest.raises(ValueError, match="gemm_int4"):
-        cpu_gemv.gemm_int4(torch.randn(2, 64), w.packed, w.scales.float())
+    with pytest.raises(ValueError, match="rows of 96 values do not fit a Byte weight"):
+        cpu_kernels.linear(torch.randn(2, 96), w.packed, w.scales)
+    with pytest.raises(ValueError, match="1 to 64 rows with a Byte weight"):
+        cpu_kernels.linear(torch.randn(65, 64), w.packed, w.scales)
+    with pytest.raises(ValueError, match="the int4 group scales must be a contiguous CPU Half tensor"):
+        cpu_kernels.linear(torch.randn(2, 64), w.packed, w.scales.float())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -262,7 +261,7 @@ def test_matmul_in_both_modes(gemm_mode, dtype, shape, monkeypatch):
     n, k = shape
     g = torch.Generator().manual_seed(n + k)
     w = Int4Weight.quantize(torch.randn(n, k, generator=g).to(dtype))
-    assert w.kernel == (gemm_mode == "auto" and cpu_gemv.int4_failure() is None)
+    assert w.kernel == (gemm_mode == "auto" and cpu_kernels.failure("int4") is None)
     dq = w.dequantize()
     bias = torch.randn(n, generator=g).to(dtype)
     monkeypatch.setattr(qweight, "WIDEN_CHUNK_ELEMENTS", 1000)  # the fallback dequantises a few rows at a time

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from mla_kernels import cpu_gemv
+from mla_kernels import cpu_kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("pyproject.toml", "README.md", "mla_runtime", "mla_kernels")
@@ -71,9 +71,9 @@ def test_the_wheel_carries_presets_demo_model_and_example(installed):
             "print(sorted(p.name for p in (r / 'model_configs').iterdir())); "
             "print(sorted(p.name for p in (r / 'demo_model').iterdir())); "
             "print((r / 'serving' / 'serve.example.yaml').is_file()); "
-            "from mla_kernels import cpu_gemv, cpu_ops; "
+            "from mla_kernels import cpu_kernels, cpu_ops; "
             "print(all(p.is_file() for p in (*cpu_ops.sources(), *cpu_ops.HEADERS))); "
-            f"print(cpu_gemv.failure() == {cpu_gemv.failure()!r})")
+            f"print(cpu_kernels.failure() == {cpu_kernels.failure()!r})")
     lines = _run([str(bin_dir / "python"), "-c", code], cwd=work, env=env).stdout.splitlines()
     venv = str(bin_dir.parent)
     assert lines[0].startswith(venv) and lines[1].startswith(venv), lines  # not the checkout

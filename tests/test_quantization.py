@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from mla_kernels import cpu_gemv
+from mla_kernels import cpu_kernels
 from mla_runtime import LLM, SamplingParams
 from mla_runtime.config import ModelConfig
 from mla_runtime.engine.config import EngineConfig
@@ -68,16 +68,16 @@ def test_few_row_int8_products_with_and_without_the_row_kernels(mode, rows, monk
     g = torch.Generator().manual_seed(1)
     w = torch.randn(96, 128, generator=g)
     q = Int8Weight.quantize(w)
-    assert (q.row_scales is not None) == (mode == "auto" and cpu_gemv.failure() is None)
+    assert (q.row_scales is not None) == (mode == "auto" and cpu_kernels.failure() is None)
     x, bias = torch.randn(rows, 128, generator=g), torch.randn(96, generator=g)
     ref = torch.nn.functional.linear(x, q.dequantize(), bias)
     kernels = q.row_scales is not None and rows <= KERNEL_MAX_ROWS
     tol = 3e-4 if kernels else 2e-2  # the kernels: rows rounded to int16; ATen's: bfloat16
     torch.testing.assert_close(q.matmul(x, bias), ref, rtol=tol, atol=tol * ref.abs().max().item())
     if kernels and q.row_scales is not None:
-        few = cpu_gemv.gemv_int8 if rows == 1 else cpu_gemv.gemm_few_int8
         want = x @ q.dequantize().T
-        torch.testing.assert_close(few(x, q.qweight, q.row_scales), want, rtol=tol, atol=tol * want.abs().max().item())
+        torch.testing.assert_close(cpu_kernels.linear(x, q.qweight, q.row_scales), want, rtol=tol,
+                                   atol=tol * want.abs().max().item())
 
 
 def test_int8_kernel_probe_in_both_states(gemm_mode):
@@ -204,7 +204,8 @@ def test_sweep_has_a_weight_precision_axis(tiny_checkpoint):
         SweepConfig(weights=("int2",))
 
 
-@pytest.mark.skipif(cpu_gemv.failure() is not None, reason=f"the AVX2 kernels do not build here: {cpu_gemv.failure()}")
+@pytest.mark.skipif(cpu_kernels.failure() is not None,
+                    reason=f"the compiled kernels do not build here: {cpu_kernels.failure()}")
 def test_one_row_int8_kernel_rounds_the_row_to_int16():
     """One row is rounded to int16 with a power-of-two step (the largest value maps to at most 16383): each product
     is off by at most half a step per weight, and rows of small integers lose nothing but float rounding."""
@@ -215,9 +216,9 @@ def test_one_row_int8_kernel_rounds_the_row_to_int16():
     step = 2.0 ** math.ceil(math.log2(x.abs().max().item() / 16383))
     exact = (x.double() @ q.double().T) * scales.double()
     bound = 0.5 * step * (q.double().abs().sum(1) * scales.double()) + 1e-5 * exact.abs().max()
-    assert ((cpu_gemv.gemv_int8(x, q, scales).double() - exact).abs() <= bound).all()
+    assert ((cpu_kernels.linear(x, q, scales).double() - exact).abs() <= bound).all()
     ints = torch.randint(-300, 301, (1, q.shape[1]), generator=g).float()  # exact in int16: only float rounding
-    torch.testing.assert_close(cpu_gemv.gemv_int8(ints, q, scales).double(), ints.double() @ q.double().T
+    torch.testing.assert_close(cpu_kernels.linear(ints, q, scales).double(), ints.double() @ q.double().T
                                * scales.double(), rtol=1e-6, atol=0)
 
 

@@ -3,8 +3,8 @@
  * multiplied with integer multiply-adds). Also the one-thread RMSNorm, and a dense MLP or a MoE layer of one row
  * (router, routing, experts) in one call.
  *
- * Built at run time by mla_kernels.cpu_gemv with the system C compiler and linked against the OpenMP runtime
- * PyTorch already loaded, so its threads are PyTorch's. One-row products: each thread takes a contiguous range of
+ * Compiled into the typed torch operators (ops/cpu_kernels.cpp) and linked against the OpenMP runtime PyTorch
+ * loaded, so its threads are PyTorch's. One-row products: each thread takes a contiguous range of
  * rows and reads it as two sequential streams, the range's two halves side by side (one stream per thread reached
  * about 8.5 GB/s a core on a 2-core EPYC, two 10-20 % more; four rows interleaved were up to 2x slower on int8 rows
  * of 1 KB). x stays in L1. */
@@ -15,7 +15,7 @@
 #include "mla_cpu.h"
 #include "simd.h"
 
-#define MOE_MAX_TOPK 64  /* experts per token mla_moe_row routes to (mla_kernels.cpu_gemv checks) */
+#define MOE_MAX_TOPK MLA_MOE_MAX_TOPK
 
 static inline __m256 widen8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
@@ -96,26 +96,35 @@ static inline float bf16_value(uint16_t v) {
     return bits.f;
 }
 
-/* dot2_f32 with bfloat16 rows. */
-static inline void dot2_bf16(const uint16_t *wa, const uint16_t *wb, const float *x, int64_t k, float *ya, float *yb) {
-    const int64_t k16 = k - k % 16;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
-    int64_t i = 0;
-    for (; i < k16; i += 16) {
-        const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
-        a0 = _mm256_fmadd_ps(widen_bf16(wa + i), x0, a0);
-        a1 = _mm256_fmadd_ps(widen_bf16(wa + i + 8), x1, a1);
-        b0 = _mm256_fmadd_ps(widen_bf16(wb + i), x0, b0);
-        b1 = _mm256_fmadd_ps(widen_bf16(wb + i + 8), x1, b1);
+/* float16 weights, widened exactly by the F16C conversion (every AVX2 CPU has it). */
+static inline __m256 widen_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+static inline float f16_value(uint16_t v) { return _cvtsh_ss(v); }
+
+/* dot2_f32 with half-precision rows (bfloat16 or float16: WIDEN and VALUE). */
+#define DOT2_HALF(NAME, WIDEN, VALUE)                                                                                \
+    static inline void NAME(const uint16_t *wa, const uint16_t *wb, const float *x, int64_t k, float *ya,            \
+                            float *yb) {                                                                             \
+        const int64_t k16 = k - k % 16;                                                                              \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;                                                  \
+        int64_t i = 0;                                                                                               \
+        for (; i < k16; i += 16) {                                                                                   \
+            const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);                              \
+            a0 = _mm256_fmadd_ps(WIDEN(wa + i), x0, a0);                                                             \
+            a1 = _mm256_fmadd_ps(WIDEN(wa + i + 8), x1, a1);                                                         \
+            b0 = _mm256_fmadd_ps(WIDEN(wb + i), x0, b0);                                                             \
+            b1 = _mm256_fmadd_ps(WIDEN(wb + i + 8), x1, b1);                                                         \
+        }                                                                                                            \
+        float sa = hsum(_mm256_add_ps(a0, a1)), sb = hsum(_mm256_add_ps(b0, b1));                                    \
+        for (; i < k; i++) {                                                                                         \
+            sa += VALUE(wa[i]) * x[i];                                                                               \
+            sb += VALUE(wb[i]) * x[i];                                                                               \
+        }                                                                                                            \
+        *ya = sa;                                                                                                    \
+        *yb = sb;                                                                                                    \
     }
-    float sa = hsum(_mm256_add_ps(a0, a1)), sb = hsum(_mm256_add_ps(b0, b1));
-    for (; i < k; i++) {
-        sa += bf16_value(wa[i]) * x[i];
-        sb += bf16_value(wb[i]) * x[i];
-    }
-    *ya = sa;
-    *yb = sb;
-}
+DOT2_HALF(dot2_bf16, widen_bf16, bf16_value)
+DOT2_HALF(dot2_f16, widen_f16, f16_value)
 
 /* One input row in the forms the operands read: x (float32), xq (int16, scale sx: int8 weights), x8 (prepared for
  * int4 weights: mla_q8_prepare); a form no operand reads may be absent. */
@@ -129,12 +138,12 @@ typedef struct {
 /* Inside a parallel region: this thread's share of rows [0, n) of y = alpha * (W x) (+ y when add), W the operand
  * op; float32 and int8 rows read as two streams. No barrier. */
 static void product_rows(const int64_t *op, const Row *in, int64_t n, int64_t k, float alpha, int add, float *y) {
-    if (op[2] >= W_I4 && op[2] != W_BF16) {
+    if (op[2] >= W_I4) {
         mla_i4_share(op[2] - W_I4, (const uint8_t *)op[0], (const uint16_t *)op[1], in->x8, y, n, k, alpha, add);
         return;
     }
     const int8_t *wq = op[2] == W_I8 ? (const int8_t *)op[0] : NULL;
-    const uint16_t *wh = op[2] == W_BF16 ? (const uint16_t *)op[0] : NULL;
+    const uint16_t *wh = op[2] == W_BF16 || op[2] == W_F16 ? (const uint16_t *)op[0] : NULL;
     const float *wf = (const float *)op[0], *scale = (const float *)op[1];
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
     const int64_t r0 = n * t / nt, r1 = n * (t + 1) / nt, half = (r1 - r0 + 1) / 2;
@@ -145,8 +154,10 @@ static void product_rows(const int64_t *op, const Row *in, int64_t n, int64_t k,
             dot2_i16(wq + ra * k, wq + rb * k, in->xq, k, &va, &vb);
             va *= in->sx * scale[ra];
             vb *= in->sx * scale[rb];
-        } else if (wh) {
+        } else if (wh && op[2] == W_BF16) {
             dot2_bf16(wh + ra * k, wh + rb * k, in->x, k, &va, &vb);
+        } else if (wh) {
+            dot2_f16(wh + ra * k, wh + rb * k, in->x, k, &va, &vb);
         } else {
             dot2_f32(wf + ra * k, wf + rb * k, in->x, k, &va, &vb);
         }
@@ -162,8 +173,9 @@ void mla_gemv_f32(const float *w, const float *x, float *y, int64_t n, int64_t k
     product_rows(op, &in, n, k, 1.0f, 0, y);
 }
 
-void mla_gemv_bf16(const uint16_t *w, const float *x, float *y, int64_t n, int64_t k, int64_t threads) {
-    const int64_t op[3] = {(int64_t)(intptr_t)w, 0, W_BF16};
+void mla_gemv_half(const uint16_t *w, int64_t kind, const float *x, float *y, int64_t n, int64_t k,
+                   int64_t threads) {
+    const int64_t op[3] = {(int64_t)(intptr_t)w, 0, kind};
     const Row in = {x, NULL, 0.0f, NULL};
     #pragma omp parallel num_threads((int)threads)
     product_rows(op, &in, n, k, 1.0f, 0, y);
@@ -324,13 +336,9 @@ static int has_vnni(void) {
     return known;
 }
 
-/* The few-row int8 products' variant: -1 the fastest this CPU runs (the default), 0 few_i8, 1 few_i8_vnni
- * (mla_i8_select: tests force each). */
-static int use_vnni = -1;
-
+/* The few-row int8 products' variants this CPU runs (bit 0 few_i8, bit 1 few_i8_vnni); a call names one, or -1 for
+ * the fastest. */
 int64_t mla_i8_variants(void) { return 1 | (has_vnni() << 1); }
-
-void mla_i8_select(int64_t variant) { use_vnni = variant < 0 ? has_vnni() : (int)(variant == 1 && has_vnni()); }
 
 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"))) static void few_i8_rows_vnni(
     const int8_t *w, const float *scale, const int16_t *xc, const float *sx, float *yc, int64_t m, int64_t n,
@@ -346,45 +354,55 @@ void mla_gemm_few_f32(const float *w, const float *x, float *y, int64_t m, int64
     for (int64_t r = 0; r < n; r++) ROWS_CASES(F32_ROW)
 }
 
-/* bfloat16 W (read at two bytes per weight, widened to float32 by a shift: exact, and no AVX512-BF16 needed) against
- * m float32 rows, as few_f32: each weight row read once, front to back, for all m rows (which stay in L1). */
-static inline __attribute__((always_inline)) void few_bf16(const uint16_t *wr, const float *x, float *y, int64_t r,
-                                                           const int m, int64_t n, int64_t k) {
-    const int64_t k8 = k - k % 8;
-    __m256 acc[8];
-    for (int j = 0; j < m; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < k8; i += 8) {
-        const __m256 wv = widen_bf16(wr + i);
-        for (int j = 0; j < m; j++) acc[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + j * k + i), acc[j]);
+/* bfloat16 or float16 W (read at two bytes per weight, widened to float32 exactly: a shift, or F16C's conversion; no
+ * AVX512-BF16 or AVX512-FP16 needed) against m float32 rows, as few_f32: each weight row read once, front to back,
+ * for all m rows (which stay in L1). */
+#define FEW_HALF(NAME, WIDEN, VALUE)                                                                                 \
+    static inline __attribute__((always_inline)) void NAME(const uint16_t *wr, const float *x, float *y, int64_t r, \
+                                                           const int m, int64_t n, int64_t k) {                      \
+        const int64_t k8 = k - k % 8;                                                                                \
+        __m256 acc[8];                                                                                               \
+        for (int j = 0; j < m; j++) acc[j] = _mm256_setzero_ps();                                                    \
+        for (int64_t i = 0; i < k8; i += 8) {                                                                        \
+            const __m256 wv = WIDEN(wr + i);                                                                         \
+            for (int j = 0; j < m; j++) acc[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + j * k + i), acc[j]);        \
+        }                                                                                                            \
+        for (int j = 0; j < m; j++) {                                                                                \
+            float s = hsum(acc[j]);                                                                                  \
+            for (int64_t i = k8; i < k; i++) s += VALUE(wr[i]) * x[j * k + i];                                       \
+            y[j * n + r] = s;                                                                                        \
+        }                                                                                                            \
     }
-    for (int j = 0; j < m; j++) {
-        float s = hsum(acc[j]);
-        for (int64_t i = k8; i < k; i++) s += bf16_value(wr[i]) * x[j * k + i];
-        y[j * n + r] = s;
-    }
-}
+FEW_HALF(few_bf16, widen_bf16, bf16_value)
+FEW_HALF(few_f16, widen_f16, f16_value)
 
-void mla_gemm_few_bf16(const uint16_t *w, const float *x, float *y, int64_t m, int64_t n, int64_t k,
+void mla_gemm_few_half(const uint16_t *w, int64_t kind, const float *x, float *y, int64_t m, int64_t n, int64_t k,
                        int64_t threads) {
 #define BF16_ROW(M) few_bf16(w + r * k, x, y, r, M, n, k)
-    #pragma omp parallel for schedule(static) num_threads((int)threads)
-    for (int64_t r = 0; r < n; r++) ROWS_CASES(BF16_ROW)
+#define F16_ROW(M) few_f16(w + r * k, x, y, r, M, n, k)
+    if (kind == W_BF16) {
+        #pragma omp parallel for schedule(static) num_threads((int)threads)
+        for (int64_t r = 0; r < n; r++) ROWS_CASES(BF16_ROW)
+    } else {
+        #pragma omp parallel for schedule(static) num_threads((int)threads)
+        for (int64_t r = 0; r < n; r++) ROWS_CASES(F16_ROW)
+    }
 }
 
 /* Any number of rows, eight at a time (each row's result does not depend on the others: a verification step's rows
  * come out as the same rows decoded one by one would). */
 void mla_gemm_few_i8(const int8_t *w, const float *scale, const float *x, float *y, int64_t rows, int64_t n, int64_t k,
-                     int64_t threads) {
+                     int64_t threads, int64_t variant) {
+    const int vnni = variant < 0 ? has_vnni() : variant == 1;
     int16_t *xq = (int16_t *)malloc((size_t)(rows * k) * sizeof(int16_t));
     float *sx = (float *)malloc((size_t)rows * sizeof(float));
-    if (!xq || !sx) abort();  /* a few hundred kilobytes: mla_kernels.cpu_gemv bounds the rows */
+    if (!xq || !sx) abort();  /* a few hundred kilobytes: ops/cpu_kernels.cpp bounds the rows */
     for (int64_t j = 0; j < rows; j++) sx[j] = quantize16(x + j * k, xq + j * k, k);
     for (int64_t c = 0; c < rows; c += 8) {
         const int64_t m = rows - c < 8 ? rows - c : 8;
         const int16_t *xc = xq + c * k;
         float *yc = y + c * n;
-        if (use_vnni < 0) use_vnni = has_vnni();
-        if (use_vnni) {
+        if (vnni) {
             few_i8_rows_vnni(w, scale, xc, sx + c, yc, m, n, k, threads);
             continue;
         }
@@ -448,8 +466,8 @@ static Row prepare_row(const float *x, int64_t k, int kinds, QBuf *q) {
     return in;
 }
 
-static int kind_bit(int64_t kind) {  /* the input form a kind reads: float32 rows for float32 and bfloat16 weights */
-    return kind == W_BF16 ? 1 << W_F32 : 1 << (kind >= W_I4 ? W_I4 : (int)kind);
+static int kind_bit(int64_t kind) {  /* the input form a kind reads: float32 rows for float32 and half weights */
+    return kind == W_BF16 || kind == W_F16 ? 1 << W_F32 : 1 << (kind >= W_I4 ? W_I4 : (int)kind);
 }
 
 static void gated_mlps(const float *x, float *y, int64_t d, const int64_t *table, const int64_t *ids, const float *w,

@@ -13,8 +13,8 @@
  * registers and multiplied straight into them. More rows: a thread widens a weight row into a float32 buffer of k
  * values, then multiplies it into the input rows four at a time. Both ways every (output, input) pair is summed in
  * the same order (two accumulators, the even and odd eight-value groups, then the tail), so a row's result does not
- * depend on the rows beside it nor on the thread count. Built at run time by mla_kernels.cpu_gemv with the other
- * sources. */
+ * depend on the rows beside it nor on the thread count. Compiled with the other
+ * sources into the typed operators (ops/cpu_kernels.cpp). */
 #include <omp.h>
 #include <stdlib.h>
 

@@ -6,11 +6,17 @@
 #define MLA_CPU_H
 #include <stdint.h>
 
+/* The kernels' limits (ops/cpu_kernels.cpp refuses larger calls and reports them as mla_kernels::limits()). */
+#define MLA_FEW_ROWS 8            /* rows of a product with float32 / bfloat16 / float16 weights, and of a layer call */
+#define MLA_QUANT_ROWS 64         /* rows of a product with int8, FP8 or int4 weights */
+#define MLA_MOE_MAX_TOPK 64       /* experts a row is routed to */
+#define MLA_DECODE_MAX_GROUP 256  /* heads one thread of the absorbed decode takes */
+
 /* A weight operand of the tables: its weight pointer, its scales pointer and its kind: W_F32 (float32, no scales),
- * W_I8 (int8 with a float32 scale per row), W_I4 + v (group-wise int4 with float16 scales, gemv_int4.c, run by its
- * variant v) or W_BF16 (bfloat16, no scales: read at two bytes, widened by a shift). ops/cpu_kernels.cpp builds the
- * tables (mla_kernels::mlp_table, layer_table, step_table) from typed arguments. */
-enum WeightKind { W_F32 = 0, W_I8 = 1, W_I4 = 2, W_BF16 = 64 };
+ * W_I8 (int8 with a float32 scale per row), W_BF16 / W_F16 (bfloat16 / float16, no scales: read at two bytes,
+ * widened exactly) or W_I4 + v (group-wise int4 with float16 scales, gemv_int4.c, run by its variant v).
+ * ops/cpu_kernels.cpp builds the tables (mla_kernels::mlp_table, layer_table, step_table) from typed arguments. */
+enum WeightKind { W_F32 = 0, W_I8 = 1, W_BF16 = 2, W_F16 = 3, W_I4 = 4 };
 
 /* A gated MLP's row of an MLP table: gate_up [2 I, d] weight, scales, kind; down [d, I] weight, scales, kind; I. */
 #define MLP_FIELDS 7
@@ -41,16 +47,16 @@ enum StepField {
 };
 
 void mla_gemv_f32(const float *w, const float *x, float *y, int64_t n, int64_t k, int64_t threads);
-void mla_gemv_bf16(const uint16_t *w, const float *x, float *y, int64_t n, int64_t k, int64_t threads);
+void mla_gemv_half(const uint16_t *w, int64_t kind, const float *x, float *y, int64_t n, int64_t k,
+                   int64_t threads);
 void mla_gemv_i8(const int8_t *w, const float *scale, const float *x, float *y, int64_t n, int64_t k,
                  int64_t threads);
 void mla_gemm_few_f32(const float *w, const float *x, float *y, int64_t m, int64_t n, int64_t k, int64_t threads);
-void mla_gemm_few_bf16(const uint16_t *w, const float *x, float *y, int64_t m, int64_t n, int64_t k,
+void mla_gemm_few_half(const uint16_t *w, int64_t kind, const float *x, float *y, int64_t m, int64_t n, int64_t k,
                        int64_t threads);
 void mla_gemm_few_i8(const int8_t *w, const float *scale, const float *x, float *y, int64_t m, int64_t n, int64_t k,
-                     int64_t threads);
+                     int64_t threads, int64_t variant);
 int64_t mla_i8_variants(void);
-void mla_i8_select(int64_t variant);
 void mla_gemm_fp8(const uint8_t *w, const float *scale, int64_t bn, int64_t bk, const float *x, float *y,
                   int64_t m, int64_t n, int64_t k, int64_t threads);
 void mla_gemm_i4(const uint8_t *w, const uint16_t *scales, const float *x, float *y, int64_t rows, int64_t n,

@@ -12,7 +12,7 @@
  * weights from memory once and again from its cache for the head's other rows. The caller provides each thread's
  * scratch (q~, o_lat and the scores: 2 * d_c + max(lens) floats).
  *
- * Built with gemv_f32.c into one library by mla_kernels.cpu_gemv. */
+ * Compiled with gemv_f32.c into the typed operators (ops/cpu_kernels.cpp). */
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
@@ -21,7 +21,7 @@
 #include "mla_cpu.h"
 #include "simd.h"
 
-#define MAX_GROUP 256  /* heads per thread */
+#define MAX_GROUP MLA_DECODE_MAX_GROUP  /* heads per thread */
 
 /* Ask for n bytes at p in cache, front to back: one sequential stream the memory system can run ahead on (the
  * products below read their weights by column blocks, which the hardware prefetchers follow poorly from memory). */
@@ -267,7 +267,7 @@ static inline __attribute__((always_inline)) void absorbed_decode(
         int64_t d_r, int64_t d_c, int64_t d_v, int64_t threads, const int bf16) {
     const int64_t esize = bf16 ? 2 : 4;
     const int64_t width = d_c + d_r, group = (heads + threads - 1) / threads;
-    if (group > MAX_GROUP) abort();  /* mla_kernels.cpu_gemv runs enough threads that this cannot happen */
+    if (group > MAX_GROUP) abort();  /* ops/cpu_kernels.cpp runs enough threads that this cannot happen */
     #pragma omp parallel num_threads((int)threads)
     {
         const int64_t h0 = omp_get_thread_num() * group, h1 = h0 + group < heads ? h0 + group : heads;

@@ -12,10 +12,10 @@
  *     x += MLP(h)   the dense MLP or the MoE layer (router, routing, routed and shared experts); without an MLP
  *                   table the caller runs it, and finds h at the start of the scratch buffer
  *
- * Weights are float32, int8 with a float32 scale per row, or group-wise int4 (gemv_int4.c); the absorbed factors
- * float32 or bfloat16 (quantised models). The layer's weights
- * and sizes are a table of 64-bit integers (LayerField), the step's rows another (StepField), both built by
- * mla_kernels.cpu_gemv, which also checks every shape once when it builds them. The Python side costs one call a
+ * Weights are float32, bfloat16, float16, int8 with a float32 scale per row, or group-wise int4 (gemv_int4.c); the
+ * absorbed factors float32 or bfloat16 (quantised models). The layer's weights and sizes are a table of 64-bit
+ * integers (LayerField), the step's rows another (StepField), both built by ops/cpu_kernels.cpp, which checks every
+ * shape once when it builds them. The Python side costs one call a
  * layer instead of about fifteen (each some microseconds of dispatch: bench/RESULTS.md). */
 #include <math.h>
 #include <stdint.h>
@@ -32,21 +32,21 @@ static void product(const int64_t *L, int w_field, const float *x, float *y, int
     const void *w = PTR(const void *, L, w_field);
     const void *scale = PTR(const void *, L, w_field + 1);
     const int64_t kind = L[w_field + 2];
-    if (kind == W_BF16)
-        (m == 1 ? mla_gemv_bf16((const uint16_t *)w, x, y, n, k, threads)
-                : mla_gemm_few_bf16((const uint16_t *)w, x, y, m, n, k, threads));
+    if (kind == W_BF16 || kind == W_F16)
+        (m == 1 ? mla_gemv_half((const uint16_t *)w, kind, x, y, n, k, threads)
+                : mla_gemm_few_half((const uint16_t *)w, kind, x, y, m, n, k, threads));
     else if (kind >= W_I4)
         mla_gemm_i4((const uint8_t *)w, (const uint16_t *)scale, x, y, m, n, k, threads, kind - W_I4);
     else if (kind == W_I8)
         (m == 1 ? mla_gemv_i8((const int8_t *)w, (const float *)scale, x, y, n, k, threads)
-                : mla_gemm_few_i8((const int8_t *)w, (const float *)scale, x, y, m, n, k, threads));
+                : mla_gemm_few_i8((const int8_t *)w, (const float *)scale, x, y, m, n, k, threads, -1));
     else
         (m == 1 ? mla_gemv_f32((const float *)w, x, y, n, k, threads)
                 : mla_gemm_few_f32((const float *)w, x, y, m, n, k, threads));
 }
 
-#define MAX_ROWS 8     /* rows a call takes (mla_kernels.cpu_gemv.FEW_ROWS_MAX) */
-#define MAX_TOPK 64    /* experts a row is routed to (MOE_MAX_TOPK in gemv_f32.c) */
+#define MAX_ROWS MLA_FEW_ROWS  /* rows a call takes */
+#define MAX_TOPK MLA_MOE_MAX_TOPK
 
 /* The MLP's scratch floats for t rows: one row, mla_moe_row's (3 max(I) + 5 E + n_group + MAX_TOPK + 1; dense: 3 I);
  * more, mlp_rows' (logits [t, E], the routing's 4 E + n_group, the rows of one expert [t, d], its gate_up [t, 2 I],

@@ -10,7 +10,7 @@ way and 420 planned); longer chunks (prefills, verifications over long contexts)
 sequence's latent once. A quantised cache, or a forced ``naive`` path, takes the reference paths throughout.
 
 A sparse-attention layer's indexer scores with the typed operator of ``mla_kernels.cpu_ops`` where it builds (built
-while the model loads). Where the compiled kernels (``mla_kernels.cpu_gemv``) build and a layer's weights are float32
+while the model loads). Where the compiled kernels (``mla_kernels.cpu_kernels``) build and a layer's weights are float32
 (``prepare_layer``), a step whose every row is planned (``compiled_rows``: float32 cache and RoPE tables) runs each
 layer's latent side (norm, RoPE, cache write, the queries' RoPE) and its absorbed attention as two compiled calls
 after the projections; ``models/deepseek.py`` may then run the whole decoder layer as one call
@@ -25,7 +25,7 @@ import torch
 
 from mla_kernels import (
     DecodePlan,
-    cpu_gemv,
+    cpu_kernels,
     cpu_ops,
     gather_latent,
     mla_decode_planned,
@@ -103,8 +103,8 @@ class CpuBackend(PagedBackend):
             return super().write(attn, q, latent, meta, cache)
         q3 = q.view(q.shape[0], attn.n_h, attn.d_n + attn.d_r)
         norm = attn.kv_a_layernorm
-        cpu_gemv.rope_store(latent, norm.weight, norm.eps, q3, attn.d_n, meta.rope.cos, meta.rope.sin,
-                            cache.kv.view(-1, cache.kv.shape[-1]), meta.slot_mapping, attn.rotary.interleave)
+        cpu_kernels.ops().rope_store(latent, norm.weight, norm.eps, q3, attn.d_n, meta.rope.cos, meta.rope.sin,
+                                     cache.kv.view(-1, cache.kv.shape[-1]), meta.slot_mapping, attn.rotary.interleave)
         q_n, q_r = q3.split([attn.d_n, attn.d_r], dim=-1)
         return q_n, q_r
 
@@ -187,8 +187,9 @@ class CpuBackend(PagedBackend):
         """Absorbed attention of the plan's rows over the keys it gathers for each -> ``[N, n_h, d_v]``."""
         if attn.decode_kernel and attn.w_uk is not None and attn.w_uv_t is not None \
                 and cache.kv.dtype == torch.float32:
-            return cpu_gemv.absorbed_decode(q_n, q_r, attn.w_uk, attn.w_uv_t, cache.kv.view(-1, cache.kv.shape[-1]),
-                                            plan.slots, plan.lens, attn.scale)
+            return cpu_kernels.ops().absorbed_decode(q_n, q_r, attn.w_uk, attn.w_uv_t,  # type: ignore[no-any-return]
+                                                     cache.kv.view(-1, cache.kv.shape[-1]), plan.slots, plan.lens,
+                                                     attn.scale)
         o_lat = mla_decode_planned(absorb(q_n, q_r, attn), cache.kv, plan, attn.scale, attn.d_c)
         return unabsorb(o_lat, attn)
 

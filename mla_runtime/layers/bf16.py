@@ -1,16 +1,17 @@
-"""Weight-only bfloat16: the products' weights held at two bytes in a float32 model (``quantization="bf16"``).
+"""Weight-only half precision: the products' weights held at two bytes in a float32 model (``quantization="bf16"``
+or ``"fp16"``).
 
-A bfloat16 checkpoint loaded with ``dtype="float32"`` keeps float32 activations, norms and attention (and on a CPU the
-compiled decode path, which computes in float32) while its products' weights stay bfloat16: half the bytes a decode
-step streams, exactly the checkpoint's values. (A float32 checkpoint's weights are rounded to bfloat16.)
+A bfloat16 (float16) checkpoint loaded with ``dtype="float32"`` keeps float32 activations, norms and attention (and on
+a CPU the compiled decode path, which computes in float32) while its products' weights stay bfloat16 (float16): half
+the bytes a decode step streams, exactly the checkpoint's values. (A float32 checkpoint's weights are rounded.)
 
-Products of up to ``cpu_gemv.FEW_ROWS_MAX`` rows on a CPU where the compiled kernels build (and ``cpu_gemm`` is
-``auto``) run ``cpu_gemv.gemm_few_bf16``, which widens each weight to float32 by a shift (exact; AVX2 alone) and
-computes in float32; the compiled layer and MLP kernels read the same matrix (``row_operand``). Larger products (a
-prefill) run oneDNN's bfloat16 products on a blocked copy where the CPU has them (``cpu_gemm``'s ``onednn`` path for
-bfloat16: the rows rounded to bfloat16, as a bfloat16 model's are; 1.5x the float32 products' speed on an AMD EPYC
-with AVX512-BF16), else widen the weight to float32 a block of rows at a time (``widened_product``), as every device
-does.
+Products of up to ``cpu_kernels.max_rows`` rows on a CPU where the compiled kernels build (and ``cpu_gemm`` is
+``auto``) run ``cpu_kernels.linear``, which widens each weight to float32 exactly (a shift for bfloat16, F16C's
+conversion for float16; AVX2 alone) and computes in float32; the compiled layer and MLP kernels read the same matrix
+(``row_operand``). Larger bfloat16 products (a prefill) run oneDNN's bfloat16 products on a blocked copy where the CPU
+has them (``cpu_gemm``'s ``onednn`` path for bfloat16: the rows rounded to bfloat16, as a bfloat16 model's are; 1.5x
+the float32 products' speed on an AMD EPYC with AVX512-BF16); otherwise, and for float16, the weight is widened to
+float32 a block of rows at a time (``widened_product``), as every device does.
 """
 
 from __future__ import annotations
@@ -20,15 +21,15 @@ from typing import cast
 
 import torch
 
-from mla_kernels import cpu_gemv
-from mla_runtime.layers.cpu_gemm import PackedWeight, gemm_choice, gemm_mode, linear
+from mla_kernels import cpu_kernels
+from mla_runtime.layers.cpu_gemm import HALF_KINDS, PackedWeight, gemm_choice, gemm_mode, linear
 from mla_runtime.layers.qweight import QuantizedWeight, stack_rows
 
 
-def bf16_kernel(weight: torch.Tensor) -> bool:
-    """Whether products of a few rows with this bfloat16 ``weight`` run the compiled kernel here."""
+def half_kernel(weight: torch.Tensor) -> bool:
+    """Whether products of a few rows with this bfloat16 or float16 ``weight`` run the compiled kernel here."""
     return (weight.device.type == "cpu" and weight.is_contiguous() and gemm_mode() == "auto"
-            and cpu_gemv.bf16_failure() is None)
+            and cpu_kernels.failure(HALF_KINDS[weight.dtype]) is None)
 
 
 class Bf16Weight(QuantizedWeight):
@@ -36,18 +37,21 @@ class Bf16Weight(QuantizedWeight):
 
     __slots__ = ("weight", "kernel", "native")
     scheme = "bf16"
+    half = torch.bfloat16
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+        if weight.dtype != self.half:
+            raise ValueError(f"{type(self).__name__}: a {self.half} matrix, got {weight.dtype}")
         self._release_float(weight.shape, dtype, weight.device)
         self.weight = weight
-        self.kernel = bf16_kernel(weight)
-        # many-row products: oneDNN's bfloat16 products on their blocked layout where this CPU has them
-        self.native = PackedWeight.make(weight) if weight.device.type == "cpu" and \
-            gemm_choice(torch.bfloat16).path == "onednn" else None
+        self.kernel = half_kernel(weight)
+        # many-row bfloat16 products: oneDNN's on their blocked layout where this CPU has them
+        self.native = PackedWeight.make(weight) if weight.device.type == "cpu" and self.half == torch.bfloat16 \
+            and gemm_choice(torch.bfloat16).path == "onednn" else None
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Bf16Weight:
-        return cls(weight.detach().to(torch.bfloat16).contiguous(), weight.dtype)
+        return cls(weight.detach().to(cls.half).contiguous(), weight.dtype)
 
     @classmethod
     def cat(cls, parts: Sequence[QuantizedWeight]) -> Bf16Weight:
@@ -55,7 +59,7 @@ class Bf16Weight(QuantizedWeight):
         return cls(stack_rows([m.weight for m in mats]), mats[0].plain.dtype)
 
     def select_rows(self, index: torch.Tensor) -> Bf16Weight:
-        return Bf16Weight(self.weight[index].contiguous(), self.plain.dtype)
+        return type(self)(self.weight[index].contiguous(), self.plain.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -75,10 +79,18 @@ class Bf16Weight(QuantizedWeight):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [..., K]`` (any float dtype) -> ``x · Wᵀ (+ bias)`` in ``x``'s dtype."""
         k = self.weight.shape[1]
-        if self.kernel and 0 < x.numel() <= cpu_gemv.FEW_ROWS_MAX * k:
-            few = cpu_gemv.gemm_few_bf16(x, self.weight)
-            return (few if bias is None else few.add_(bias.float())).to(x.dtype)
+        if self.kernel and 0 < x.numel() <= cpu_kernels.max_rows(self.half) * k:
+            bias = None if bias is None else bias.float()
+            return cpu_kernels.linear(x, self.weight, bias=bias).to(x.dtype)
         if self.native is not None and x.numel():
             y = linear(x.to(torch.bfloat16), self.weight, None, self.native).float()
             return (y if bias is None else y.add_(bias.float())).to(x.dtype)
         return self.widened_product(x, bias)
+
+
+class F16Weight(Bf16Weight):
+    """A float16 ``[N, K]`` matrix standing for a weight of another dtype (float32)."""
+
+    __slots__ = ()
+    scheme = "fp16"
+    half = torch.float16

@@ -27,14 +27,15 @@ in a process runs ``probe`` on a tiny weight. Paths (``GemmChoice.path``):
   half-precision ones of up to 4 Ki elements for one row. (Measured with the weights streamed, 2 threads: on an
   AMD EPYC with AVX-512 float32 ``F.linear`` won at 8 rows up to ``[64, 512]`` and lost from ``[256, 256]``;
   bfloat16 won at one row for ``[4, 1024]`` only.)
-  Where ``mla_kernels.cpu_gemv`` builds on this machine (x86-64 with AVX2 and FMA, a C compiler; its probe
-  passed), float32 products of up to ``KERNEL_MAX_ROWS`` rows (batch-1 decoding, a speculative verification, a
+  Where ``mla_kernels.cpu_kernels`` builds on this machine (x86-64 with AVX2, FMA and F16C, a C++ compiler; its
+  check passed), float32 products of up to ``KERNEL_MAX_ROWS`` rows (batch-1 decoding, a speculative verification, a
   small batch) run its kernels on the plain weight instead, reading each weight row once for all input rows: they
   stream small and middling weights 1.1–2.6× faster than oneDNN at one to six rows and 1.1–1.6× at eight
   (``bench/bench_gemv.py``). ``cpu_gemm=onednn`` leaves them out.
-  A bfloat16 weight's products of up to two rows (on the ``onednn`` path) or eight (on the ``upcast`` path of a
-  CPU without oneDNN's bfloat16 products) run ``cpu_gemv.gemm_few_bf16`` on the plain weight: it reads the weight at
-  two bytes, widened to float32 by a shift (exact; AVX2 alone), and computes in float32. Measured with the weights
+  A bfloat16 (or float16) weight's products of up to two rows (on the ``onednn`` path) or eight (on the ``upcast``
+  path of a CPU without oneDNN's half-precision products) run ``cpu_kernels.linear`` on the plain weight: it reads
+  the weight at two bytes, widened to float32 exactly (a shift, or F16C's conversion; AVX2 alone), and computes in
+  float32. Measured with the weights
   streamed, 2 threads, on an AMD EPYC with AVX-512 (``bench/bench_gemv.py``): one row of ``[4096, 1024]`` 0.29 ms
   against oneDNN's native bfloat16 0.41 ms and the float32 kernel's 0.57 ms; two rows 0.43 ms against oneDNN's 0.56;
   from four rows oneDNN's native products win (eight: 0.67 against 1.6 ms), and the kernel is about even with the
@@ -65,7 +66,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mla_kernels import cpu_gemv, cpu_ops
+from mla_kernels import cpu_kernels, cpu_ops
 from mla_runtime import env
 from mla_runtime.options import CPU_GEMM_MODES
 from mla_runtime.resolved_config import CpuLayouts
@@ -84,6 +85,7 @@ BF16_KERNEL_ROWS = {"onednn": 2, "upcast": 8}
 # products of up to ROWS rows with a weight of at most ELEMENTS elements take F.linear (module docstring)
 ATEN_ROWS: dict[torch.dtype, tuple[int, int]] = {torch.float32: (32 << 10, FEW_ROWS), torch.bfloat16: (4 << 10, 1),
                                                  torch.float16: (4 << 10, 1)}
+HALF_KINDS = {torch.bfloat16: "bf16", torch.float16: "f16"}  # cpu_kernels' kinds of the half-precision products
 KERNEL_MAX_ROWS = 8  # products of up to this many rows take the AVX2 kernels where they build (bench/RESULTS.md)
 # torch.cpu.get_capabilities() keys meaning native arithmetic in a dtype (x86, AMX, aarch64 NEON/SVE)
 NATIVE_CAPABILITIES: dict[torch.dtype, tuple[str, ...]] = {
@@ -181,7 +183,7 @@ def _probe(dtype: torch.dtype, mode: str) -> GemmChoice:
         reason = "oneDNN pre-packed weights passed the probe"
         if dtype == torch.float32:
             why_not = row_kernel_failure(mode)
-            reason += "; one-row products: " + ("the AVX2 kernel (mla_kernels.cpu_gemv)" if why_not is None else
+            reason += "; one-row products: " + ("the compiled kernel (mla_kernels.cpu_kernels)" if why_not is None else
                                                  f"oneDNN ({why_not})")
         choice = GemmChoice(dtype, mode, "onednn", dtype, reason)
     else:
@@ -217,12 +219,12 @@ def fast_path_failure(dtype: torch.dtype) -> str | None:
 
 
 def row_kernel_failure(mode: str | None = None) -> str | None:
-    """None where float32 one-row products take the compiled AVX2 kernel (``mla_kernels.cpu_gemv``) under ``mode``
+    """None where float32 one-row products take the compiled kernel (``mla_kernels.cpu_kernels``) under ``mode``
     (default: the current ``gemm_mode()``), else why not."""
     mode = gemm_mode() if mode is None else mode
     if mode != "auto":
         return f"cpu_gemm={mode} leaves it out"
-    return cpu_gemv.failure()
+    return cpu_kernels.failure()
 
 
 def native_arithmetic(dtype: torch.dtype, capabilities: Mapping[str, Any] | None = None) -> list[str]:
@@ -280,17 +282,20 @@ def resolve_cpu_dtype(requested: str | torch.dtype, checkpoint: torch.dtype) -> 
     return chosen
 
 
+HALF_SCHEMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # the weight-only formats keeping a half checkpoint
+
+
 def resolve_cpu_format(requested: str | torch.dtype, checkpoint: torch.dtype, quantization: str | None
                        ) -> tuple[torch.dtype, str | None]:
-    """The model dtype and the products' weight format on this CPU. ``requested`` "auto" with a bfloat16
-    ``checkpoint`` whose products are not otherwise quantised keeps them bfloat16 in a float32 model where the compiled
-    kernels read bfloat16 weights (``quantization="bf16"``: the float32 decode path at half the bytes, the checkpoint's
-    own values); otherwise ``resolve_cpu_dtype``, with ``quantization`` as it is."""
-    if (requested == "auto" and quantization is None and checkpoint == torch.bfloat16 and gemm_mode() == "auto"
-            and cpu_gemv.bf16_failure() is None):
-        logger.info('dtype "auto" on this CPU: float32 with bfloat16 weights (checkpoint torch_dtype bfloat16): the '
-                    "compiled kernels read them at two bytes")
-        return torch.float32, "bf16"
+    """The model dtype and the products' weight format on this CPU. ``requested`` "auto" with a bfloat16 or float16
+    ``checkpoint`` whose products are not otherwise quantised keeps them in that dtype in a float32 model where the
+    compiled kernels read such weights (``quantization="bf16"`` / ``"fp16"``: the float32 decode path at half the
+    bytes, the checkpoint's own values); otherwise ``resolve_cpu_dtype``, with ``quantization`` as it is."""
+    if (requested == "auto" and quantization is None and checkpoint in HALF_SCHEMES and gemm_mode() == "auto"
+            and cpu_kernels.failure(HALF_KINDS[checkpoint]) is None):
+        logger.info('dtype "auto" on this CPU: float32 with %s weights (checkpoint torch_dtype %s): the compiled '
+                    "kernels read them at two bytes", _name(checkpoint), _name(checkpoint))
+        return torch.float32, HALF_SCHEMES[checkpoint]
     return resolve_cpu_dtype(requested, checkpoint), quantization
 
 
@@ -335,7 +340,7 @@ class PackedWeight:
         return None if path == "plain" else PackedWeight(weight, path)
 
     def row_operand(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
-        """The weight as the compiled one-row kernels read it (``mla_kernels.cpu_gemv.GatedMLPTable``), or None where
+        """The weight as the compiled one-row kernels read it (``mla_kernels.cpu_tables.GatedMLPTable``), or None where
         its products do not take them."""
         return self.plain if self.row_kernel else None
 
@@ -345,11 +350,12 @@ class PackedWeight:
 
 
 def bf16_kernel_rows(weight: torch.Tensor, path: str) -> int:
-    """Up to how many rows products with a bfloat16 ``weight`` prepared for ``path`` take the compiled kernel that
-    reads it at two bytes per weight (``cpu_gemv.gemm_few_bf16``; ``BF16_KERNEL_ROWS``), 0 where they do not."""
-    if weight.dtype != torch.bfloat16 or not weight.is_contiguous() or gemm_mode() != "auto":
+    """Up to how many rows products with a bfloat16 or float16 ``weight`` prepared for ``path`` take the compiled
+    kernel that reads it at two bytes per weight (``cpu_kernels.linear``; ``BF16_KERNEL_ROWS``), 0 where they do
+    not."""
+    if weight.dtype not in HALF_KINDS or not weight.is_contiguous() or gemm_mode() != "auto":
         return 0
-    return BF16_KERNEL_ROWS.get(path, 0) if cpu_gemv.bf16_failure() is None else 0
+    return BF16_KERNEL_ROWS.get(path, 0) if cpu_kernels.failure(HALF_KINDS[weight.dtype]) is None else 0
 
 
 def aten_max_rows(n: int, k: int, dtype: torch.dtype) -> int:
@@ -368,10 +374,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if packed is None or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
     if packed.row_kernel and 0 < x.numel() <= KERNEL_MAX_ROWS * x.shape[-1]:  # the AVX2 kernels (module docstring)
-        one = x.numel() == x.shape[-1]
-        return cpu_gemv.gemv(x, packed.plain, bias) if one else cpu_gemv.gemm_few(x, packed.plain, bias)
-    if 0 < x.numel() <= packed.bf16_rows * x.shape[-1]:  # bfloat16 weights read at two bytes (module docstring)
-        return cpu_gemv.gemm_few_bf16(x, packed.plain, bias).to(x.dtype)
+        return cpu_kernels.linear(x, packed.plain, bias=bias)
+    if 0 < x.numel() <= packed.bf16_rows * x.shape[-1]:  # half weights read at two bytes (module docstring)
+        return cpu_kernels.linear(x, packed.plain, bias=bias).to(x.dtype)
     if x.numel() <= packed.aten_max_rows * x.shape[-1]:
         return F.linear(x, weight, bias)
     if packed.upcast:

@@ -1,4 +1,4 @@
-"""A decode step's decoder layer as one compiled call (``mla_kernels.cpu_gemv.decoder_layer``).
+"""A decode step's decoder layer as one compiled call (``mla_kernels.cpu_tables.decoder_layer``).
 
 A float32 CPU decode step of one to eight rows runs, per layer, two norms, three or four products, the latent side,
 the absorbed attention, a third norm and the MLP: about fifteen torch and kernel calls, each some microseconds of
@@ -22,9 +22,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import cast
 
+import torch
 from torch import nn
 
-from mla_kernels import cpu_gemv
+from mla_kernels import cpu_kernels, cpu_tables
 from mla_runtime.attention.metadata import AttentionMetadata
 from mla_runtime.layers.cpu_gemm import PackedWeight
 from mla_runtime.layers.linear import Linear
@@ -34,7 +35,7 @@ from mla_runtime.layers.moe import MoE
 from mla_runtime.layers.norm import RMSNorm
 
 
-def _operand(packed: PackedWeight | None) -> cpu_gemv.Operand | None:
+def _operand(packed: PackedWeight | None) -> cpu_tables.Operand | None:
     return None if packed is None else packed.row_operand()
 
 
@@ -67,14 +68,14 @@ def _watched(norms: tuple[nn.Module, nn.Module], attn: MLAttention, mlp: nn.Modu
     return pairs
 
 
-def _mlp_table(mlp: nn.Module) -> tuple[cpu_gemv.GatedMLPTable | None, tuple | None]:
+def _mlp_table(mlp: nn.Module) -> tuple[cpu_tables.GatedMLPTable | None, tuple | None]:
     """The MLP's one-row table and, for a MoE layer, what ``moe_row`` takes beside it (None: the caller runs it)."""
     if isinstance(mlp, GatedMLP) and mlp.par.world_size == 1:
         table = mlp.one_row_table()
-        return (table, None) if isinstance(table, cpu_gemv.GatedMLPTable) else (None, None)
+        return (table, None) if isinstance(table, cpu_tables.GatedMLPTable) else (None, None)
     if isinstance(mlp, MoE) and mlp.par.world_size == 1 and mlp.post_mlp_layernorm is None:  # else: the caller's
         table, route = mlp.experts.one_row_table(mlp.shared_experts), mlp.gate.kernel_route()
-        if not isinstance(table, cpu_gemv.GatedMLPTable) or route is None:
+        if not isinstance(table, cpu_tables.GatedMLPTable) or route is None:
             return None, None
         shared = mlp.experts.num_experts if mlp.shared_experts is not None else -1
         return table, (mlp.gate.weight, route, mlp.gate.e_score_correction_bias, mlp.gate.cfg.routed_scaling_factor,
@@ -83,7 +84,7 @@ def _mlp_table(mlp: nn.Module) -> tuple[cpu_gemv.GatedMLPTable | None, tuple | N
 
 
 def layer_weights(norms: tuple[nn.Module, nn.Module], attn: MLAttention, mlp: nn.Module,
-                  residual_scale: float = 1.0) -> cpu_gemv.LayerWeights | None:
+                  residual_scale: float = 1.0) -> cpu_tables.LayerWeights | None:
     """The layer (input and post-attention norms, attention, MLP) as the compiled call reads it, or None where any
     part of its attention does not take the compiled kernels, or its residual branches are scaled, or it has
     A.X-K2's variations (``_call_by_call``)."""
@@ -120,7 +121,7 @@ def layer_weights(norms: tuple[nn.Module, nn.Module], attn: MLAttention, mlp: nn
     dims = dict(d=attn.o_proj.out_features, q_lora=attn.q_a_proj.out_features if q_lora else 0, heads=attn.n_h,
                 d_n=attn.d_n, d_r=attn.d_r, d_c=attn.d_c, d_v=attn.d_v)
     eps = (first.eps, second.eps, q_norm.eps if q_norm is not None else 0.0, attn.kv_a_layernorm.eps)
-    return cpu_gemv.LayerWeights(
+    return cpu_tables.LayerWeights(
         dims=dims, norms=(first.weight, second.weight, None if q_norm is None else q_norm.weight,
                           attn.kv_a_layernorm.weight),
         eps=eps, scale=attn.scale, interleave=attn.rotary.interleave, qa=qa, kva=kva, qb=qb, w_uk=attn.w_uk,
@@ -134,27 +135,27 @@ class DecoderKernel:
         self.residual_scale = residual_scale  # the layer's µP branch scale (``layer_weights``)
         self.watched: list[tuple[object, str]] = []
         self.seen: list[object] = []
-        self.made: cpu_gemv.DecoderLayerTable | None = None
+        self.made: cpu_tables.DecoderLayerTable | None = None
 
     def table(self, parts: Callable[[], tuple[tuple[nn.Module, nn.Module], MLAttention, nn.Module]]
-              ) -> cpu_gemv.DecoderLayerTable | None:
+              ) -> cpu_tables.DecoderLayerTable | None:
         """The layer's table, or None where it does not take the compiled call; ``parts()``: the layer's input and
         post-attention norms, attention and MLP (asked for only when the table is made)."""
         if not self.watched or any(getattr(h, a) is not v for (h, a), v in zip(self.watched, self.seen)):
             norms, attn, mlp = parts()
             weights = layer_weights(norms, attn, mlp, self.residual_scale)
-            self.made = None if weights is None else cpu_gemv.DecoderLayerTable(weights)
+            self.made = None if weights is None else cpu_tables.DecoderLayerTable(weights)
             self.watched = _watched(norms, attn, mlp)  # after: making the MLP's table sets it
             self.seen = [getattr(h, a) for h, a in self.watched]
         return self.made
 
 
-def decode_step(meta: AttentionMetadata, first: cpu_gemv.DecoderLayerTable | None) -> cpu_gemv.DecodeStep | None:
+def decode_step(meta: AttentionMetadata, first: cpu_tables.DecoderLayerTable | None) -> cpu_tables.DecodeStep | None:
     """The rows of a step that takes the compiled kernels (the backend's ``compiled_rows``) for the compiled layers
     (``first``: the first layer's table), or None where the layers run call by call: no table, or more rows than
-    ``FEW_ROWS_MAX``."""
+    ``cpu_kernels.max_rows``."""
     plan, rows = meta.decode_plan, meta.slot_mapping.shape[0]
-    if first is None or plan is None or not 1 <= rows <= cpu_gemv.FEW_ROWS_MAX:
+    if first is None or plan is None or not 1 <= rows <= cpu_kernels.max_rows(torch.float32):
         return None
-    return cpu_gemv.DecodeStep(meta.rope.cos, meta.rope.sin, meta.slot_mapping.contiguous(), plan.slots, plan.lens,
-                               first.heads, first.d_c, first)
+    return cpu_tables.DecodeStep(meta.rope.cos, meta.rope.sin, meta.slot_mapping.contiguous(), plan.slots,
+                                 plan.lens, first.heads, first.d_c)

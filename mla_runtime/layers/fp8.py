@@ -7,8 +7,8 @@ ceil(K / bk)]`` float32, one scale per ``bn × bk`` block (128 × 128 in those c
 
 The runtime multiplies the stored bytes; nothing is re-quantised. On CUDA ``matmul`` runs the Triton block-FP8 GEMM
 (``mla_kernels.fp8_gemm``: the activations quantised per token in groups of ``bk`` values to float8_e4m3fn, both
-scales applied per K block, float32 accumulation). On a CPU, products of one to ``cpu_gemv.FP8_ROWS_MAX`` rows run the
-AVX2 kernel ``csrc/gemv_fp8.c`` where it builds and passes its probe (``cpu_gemm=auto``): float32 activations, the
+scales applied per K block, float32 accumulation). On a CPU, products of one to ``cpu_kernels.max_rows`` rows run
+the AVX2 kernel ``csrc/gemv_fp8.c`` where it builds and passes its probe (``cpu_gemm=auto``): float32 activations, the
 weight read at one byte per value and widened in the kernel, the dequantised values exactly ``float(weight) *
 scale``; each row's result does not depend on the rows beside it. More rows, a CPU without the kernel, or
 ``cpu_gemm=plain``: the matrix is dequantised to float32 (a bounded number of output rows at a time) and multiplied
@@ -25,7 +25,7 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
-from mla_kernels import cpu_gemv
+from mla_kernels import cpu_kernels
 from mla_kernels.fp8_gemm import fp8_gemm, fp8_gemm_failure
 from mla_runtime.layers.cpu_gemm import gemm_mode
 from mla_runtime.layers.qweight import QuantizedWeight, stack_rows
@@ -86,7 +86,7 @@ class Fp8Weight(QuantizedWeight):
         self.scale_inv = scale_inv.to(torch.float32).contiguous()
         self.block = (bn, bk)
         # products of a few rows on a CPU: the AVX2 kernel where it builds, passes its probe and cpu_gemm allows it
-        self.kernel = weight.device.type == "cpu" and gemm_mode() == "auto" and cpu_gemv.fp8_failure() is None
+        self.kernel = weight.device.type == "cpu" and gemm_mode() == "auto" and cpu_kernels.failure("fp8") is None
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Fp8Weight:
@@ -151,7 +151,7 @@ class Fp8Weight(QuantizedWeight):
         k = self.weight.shape[1]
         if self.weight.is_cuda and self.block[1] in TRITON_BLOCK_K and fp8_gemm_failure(self.weight.device) is None:
             return cast(torch.Tensor, fp8_gemm(x, self.weight, self.scale_inv, self.block, bias))
-        if self.kernel and 0 < x.numel() <= cpu_gemv.FP8_ROWS_MAX * k:  # the AVX2 kernel
-            few = cpu_gemv.gemm_fp8(x, self.weight, self.scale_inv, self.block)
-            return (few if bias is None else few.add_(bias.float())).to(x.dtype)
+        if self.kernel and 0 < x.numel() <= cpu_kernels.max_rows(self.weight.dtype) * k:  # the AVX2 kernel
+            bias = None if bias is None else bias.float()
+            return cpu_kernels.linear(x, self.weight, self.scale_inv, block=self.block, bias=bias).to(x.dtype)
         return self.widened_product(x, bias)

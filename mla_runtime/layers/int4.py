@@ -19,12 +19,13 @@ Storage: ``packed [N, Kp / 2]`` uint8 (``Kp``: ``K`` rounded up to a multiple of
 byte ``j`` holding ``q[j] + 8`` in its low nibble and ``q[j + 16] + 8`` in its high one (Q4_0's block order), and
 ``scales [N, Kp / 32]`` float16: 0.5625 bytes per weight (18 bytes per 32 values, as Q4_0).
 
-Products: on the CPU, one to ``cpu_gemv.INT4_ROWS_MAX`` rows (decoding, a speculative verification, a small batch)
-run the compiled kernel of ``mla_kernels.cpu_gemv`` (``gemm_int4``, ``csrc/gemv_int4.c``; AVX2, or AVX-512 VNNI where
-the CPU has it, with the same bits) where it builds and its probe passes (``int4_kernel_failure``): it reads half a
-byte per weight, once for all the rows, rounds each input row to int8 with a scale per group of 32 as ggml's Q8_0
-does (``cpu_gemv.quantize_q8_groups``), and sums each group's exact integer dot product in float32 with the two
-scales: the arithmetic of llama.cpp's Q4_0 × Q8_0 products. A row's result does not depend on the rows beside it.
+Products: on the CPU, one to ``cpu_kernels.max_rows(uint8)`` rows (decoding, a speculative verification, a small
+batch) run the compiled kernel of ``mla_kernels.cpu_kernels`` (``linear``, ``csrc/gemv_int4.c``; AVX2, or AVX-512
+VNNI where the CPU has it, with the same bits) where it builds and its check passes (``int4_kernel_failure``): it
+reads half a byte per weight, once for all the rows, rounds each input row to int8 with a scale per group of 32 as
+ggml's Q8_0 does (``int4_format.quantize_q8_groups``), and sums each group's exact integer dot product in float32
+with the two scales: the arithmetic of llama.cpp's Q4_0 × Q8_0 products. A row's result does not depend on the rows
+beside it.
 The compiled decode step reads the same matrices (``row_operand``). Everywhere else (other devices, more rows,
 ``cpu_gemm=plain``) the matrix is dequantised to float32, a block of output rows at a time, and multiplied with
 ``F.linear`` in float32 (float32 activations).
@@ -40,13 +41,14 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
-from mla_kernels import cpu_gemv
+from mla_kernels import cpu_kernels
+from mla_kernels.int4_format import INT4_GROUP, pack_int4, unpack_int4
 from mla_runtime.layers.cpu_gemm import gemm_mode
 from mla_runtime.layers.qweight import QuantizedWeight
 
 logger = logging.getLogger("mla_runtime")
 
-GROUP = cpu_gemv.INT4_GROUP  # values per float16 scale along K
+GROUP = INT4_GROUP  # values per float16 scale along K
 QMIN, QMAX = -8, 7
 CHUNK_ELEMENTS = 1 << 22  # quantisation works on blocks of rows of about this many values
 
@@ -88,7 +90,7 @@ def int4_kernel_failure(mode: str) -> str | None:
     why they are dequantised instead (``plain`` forces that; ``onednn`` keeps the kernel: oneDNN has no int4 path)."""
     if mode == "plain":
         return f"cpu_gemm={mode} forces the fallback"
-    failure = cpu_gemv.int4_failure()
+    failure = cpu_kernels.failure("int4")
     if failure is not None:
         logger.warning("int4 weights: dequantised to float32 per product: %s", failure)
     return failure
@@ -102,7 +104,7 @@ class Int4Weight(QuantizedWeight):
     scheme = "int4"
 
     def __init__(self, packed: torch.Tensor, scales: torch.Tensor, k: int, dtype: torch.dtype) -> None:
-        """``packed [N, Kp / 2]`` uint8 nibbles (``cpu_gemv.pack_int4``) and ``scales [N, Kp / 32]`` float16, for a
+        """``packed [N, Kp / 2]`` uint8 nibbles (``int4_format.pack_int4``) and ``scales [N, Kp / 32]`` float16, for a
         weight ``[N, k]`` of ``dtype`` (``Kp``: ``k`` rounded up to a multiple of 32)."""
         n = packed.shape[0]
         kp = padded(k)
@@ -118,7 +120,7 @@ class Int4Weight(QuantizedWeight):
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int4Weight:
         q, scales = quantize_q4_0(weight)
-        return cls(cpu_gemv.pack_int4(q), scales, weight.shape[1], weight.dtype)
+        return cls(pack_int4(q), scales, weight.shape[1], weight.dtype)
 
     @classmethod
     def from_int(cls, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> Int4Weight:
@@ -133,7 +135,7 @@ class Int4Weight(QuantizedWeight):
             raise ValueError(f"Int4Weight.from_int: values must lie in [{QMIN}, {QMAX}], got [{int(q.min())}, "
                              f"{int(q.max())}]")
         wide = F.pad(q.to(torch.int8), (0, kp - k))
-        return cls(cpu_gemv.pack_int4(wide), scales.to(torch.float16), k, dtype)
+        return cls(pack_int4(wide), scales.to(torch.float16), k, dtype)
 
     @classmethod
     def from_words(cls, words: torch.Tensor, scales: torch.Tensor, k: int, dtype: torch.dtype) -> Int4Weight:
@@ -148,8 +150,8 @@ class Int4Weight(QuantizedWeight):
                              f"matrix whose K ({k}) is a multiple of {GROUP}, got {words.dtype} "
                              f"{tuple(words.shape)} and {tuple(scales.shape)}")
         stored = words.contiguous().view(torch.uint8)
-        if stored.device.type == "cpu" and cpu_gemv.failure() is None:
-            packed = cpu_gemv.int4_from_stored(stored)
+        if stored.device.type == "cpu" and cpu_kernels.failure() is None:
+            packed = cpu_kernels.ops().int4_from_stored(stored)
         else:
             halves = stored.view(n, k // GROUP, 2, GROUP // 4)  # values 0..15, 16..31
             values = torch.stack((halves & 0x0F, halves >> 4), dim=-1).view(n, k // GROUP, 2, GROUP // 2)
@@ -158,7 +160,7 @@ class Int4Weight(QuantizedWeight):
 
     def to_int(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(``q [N, K]`` int8 in [-8, 7], ``scales [N, ceil(K / 32)]`` float16): what ``from_int`` takes."""
-        return cpu_gemv.unpack_int4(self.packed)[:, :self.k].contiguous(), self.scales
+        return unpack_int4(self.packed)[:, :self.k].contiguous(), self.scales
 
     @classmethod
     def cat(cls, parts: Sequence[QuantizedWeight]) -> Int4Weight:
@@ -177,11 +179,11 @@ class Int4Weight(QuantizedWeight):
         return self.packed.numel() + self.scales.numel() * self.scales.element_size()
 
     def row_operand(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The matrix as the compiled layer and MLP kernels read it (``cpu_gemv.operand_tensors``), where they run."""
+        """The matrix as the compiled layer and MLP kernels read it (``cpu_tables.Operand``), where they run."""
         return (self.packed, self.scales) if self.kernel else None
 
     def _dequantize_rows(self, r0: int, r1: int) -> torch.Tensor:
-        q = cpu_gemv.unpack_int4(self.packed[r0:r1]).float().view(r1 - r0, -1, GROUP)
+        q = unpack_int4(self.packed[r0:r1]).float().view(r1 - r0, -1, GROUP)
         return (q * self.scales[r0:r1].float().unsqueeze(-1)).view(r1 - r0, -1)[:, :self.k]
 
     def dequantize(self) -> torch.Tensor:
@@ -191,7 +193,7 @@ class Int4Weight(QuantizedWeight):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [..., K]`` (any float dtype) -> ``x · Wᵀ (+ bias)`` in ``x``'s dtype."""
         k = self.k
-        if self.kernel and 0 < x.numel() <= cpu_gemv.INT4_ROWS_MAX * k:  # the AVX2 kernel (module docstring)
-            few: torch.Tensor = cpu_gemv.gemm_int4(x, self.packed, self.scales)
-            return (few if bias is None else few.add_(bias.float())).to(x.dtype)
+        if self.kernel and 0 < x.numel() <= cpu_kernels.max_rows(torch.uint8) * k:  # the kernel (module docstring)
+            bias = None if bias is None else bias.float()
+            return cpu_kernels.linear(x, self.packed, self.scales, bias=bias).to(x.dtype)
         return self.widened_product(x, bias)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mla_kernels import cpu_gemv
+from mla_kernels import cpu_tables
 from mla_runtime.layers.cpu_gemm import PackedWeight, linear
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 
@@ -33,7 +33,7 @@ class GatedMLP(nn.Module):
         self.down_bias = nn.Parameter(torch.zeros(hidden, dtype=dtype), requires_grad=False) if bias else None
         self.gate_up_packed: PackedWeight | None = None
         self.down_packed: PackedWeight | None = None
-        self.row_table: cpu_gemv.GatedMLPTable | bool | None = None  # one-row kernel (row_table); None: not made yet
+        self.row_table: cpu_tables.GatedMLPTable | bool | None = None  # one-row kernel (row_table); None: not made yet
 
     def prepare_inference(self) -> None:
         """Pack the float weights (a quantised one is final as it is)."""
@@ -47,7 +47,7 @@ class GatedMLP(nn.Module):
     def biased(self) -> bool:
         return self.gate_up_bias is not None or self.down_bias is not None
 
-    def one_row_table(self) -> cpu_gemv.GatedMLPTable | bool:
+    def one_row_table(self) -> cpu_tables.GatedMLPTable | bool:
         """The compiled one-row kernel's table of this MLP (row 0), or False where it does not take it."""
         if self.row_table is None:
             self.row_table = False if self.biased else row_table([(self.gate_up_packed, self.down_packed)])
@@ -56,7 +56,7 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == x.shape[-1] and x.dtype == torch.float32:  # one row: one kernel call
             table = self.one_row_table()
-            if isinstance(table, cpu_gemv.GatedMLPTable):
+            if isinstance(table, cpu_tables.GatedMLPTable):
                 out = table(x, [0], [1.0])
                 return self.par.all_reduce(out) if self.reduce else out
         gate, up = linear(x, self.gate_up_proj, self.gate_up_bias, self.gate_up_packed).chunk(2, dim=-1)
@@ -69,7 +69,7 @@ def _quantized(packed: PackedWeight | None) -> bool:
     return packed is not None and packed.quantized
 
 
-def row_table(mlps: list[tuple[PackedWeight | None, PackedWeight | None]]) -> cpu_gemv.GatedMLPTable | bool:
+def row_table(mlps: list[tuple[PackedWeight | None, PackedWeight | None]]) -> cpu_tables.GatedMLPTable | bool:
     """The compiled one-row kernel's table of these gated MLPs' ``(gate_up, down)`` weights, or False where any of
     them does not take the compiled kernels (no kernel on this CPU, another dtype or mode)."""
     operands = []
@@ -79,4 +79,4 @@ def row_table(mlps: list[tuple[PackedWeight | None, PackedWeight | None]]) -> cp
         if a is None or b is None:
             return False
         operands.append((a, b))
-    return cpu_gemv.GatedMLPTable(operands) if operands else False
+    return cpu_tables.GatedMLPTable(operands) if operands else False

@@ -18,7 +18,7 @@ runs the torch path.
 Execution groups the (token, expert) pairs by expert — in Python for a decode step's few pairs, by a
 stable sort for a prefill's many — and runs one matmul pair per expert that has tokens (oneDNN-packed
 weights on CPU); the loop is over experts, never over tokens. A float32 token alone on a CPU where the compiled
-kernels build (``mla_kernels.cpu_gemv``) takes the whole layer in one call instead: router logits, the same routing,
+kernels build (``mla_kernels.cpu_tables``) takes the whole layer in one call instead: router logits, the same routing,
 its routed experts and the shared experts (``GatedMLPTable.moe_row``). On a GPU, experts whose weights are all
 block-FP8 (``Fp8Weight``) run as two grouped Triton launches (``mla_kernels.fp8_gemm.fp8_grouped_gemm``: gate/up,
 then down) over the pairs sorted by expert on the device, with no host synchronisation; float experts (none
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mla_kernels import cpu_gemv
+from mla_kernels import cpu_tables
 from mla_runtime.config import MoEConfig
 from mla_runtime.layers.cpu_gemm import PackedWeight, linear
 from mla_runtime.layers.fp8 import Fp8Weight
@@ -57,11 +57,11 @@ class Router(nn.Module):
             if cfg.topk_method == "noaux_tc" and cfg.correction_bias != "none" else None)
 
     def kernel_route(self) -> torch.Tensor | None:
-        """This router's settings for the compiled one-row MoE kernel (``cpu_gemv.route_config``), or None: also
+        """This router's settings for the compiled one-row MoE kernel (``cpu_tables.route_config``), or None: also
         with zero experts, which the compiled kernel does not add (``MoE.forward`` then takes the torch path)."""
         if "route" not in self.__dict__:
             cfg = self.cfg
-            self.__dict__["route"] = None if cfg.zero_experts else cpu_gemv.route_config(
+            self.__dict__["route"] = None if cfg.zero_experts else cpu_tables.route_config(
                 cfg.scoring_func, cfg.topk_method, cfg.n_routed_experts, cfg.n_group, cfg.topk_group,
                 cfg.num_experts_per_tok, cfg.norm_topk_prob)
         route: torch.Tensor | None = self.__dict__["route"]
@@ -157,7 +157,7 @@ class Experts(nn.Module):
         self.gate_up_list: list[torch.Tensor] = []  # per-expert views, made once (indexing the stack is an op)
         self.down_list: list[torch.Tensor] = []
         # one-row kernel over these experts and the layer's shared experts (one_row_table); None: not made yet
-        self.row_table: cpu_gemv.GatedMLPTable | bool | None = None
+        self.row_table: cpu_tables.GatedMLPTable | bool | None = None
         # block-FP8 experts on a GPU: their matrices stacked for the grouped kernel (fp8_stacks), with the lists they
         # were made from; None: not made yet (or the lists changed)
         self._fp8: tuple[list, list, Fp8Stacks | None] | None = None
@@ -171,7 +171,7 @@ class Experts(nn.Module):
             self.down_packed = [PackedWeight.make(w) for w in self.down_list]
         self.row_table = None
 
-    def one_row_table(self, shared: GatedMLP | None) -> cpu_gemv.GatedMLPTable | bool:
+    def one_row_table(self, shared: GatedMLP | None) -> cpu_tables.GatedMLPTable | bool:
         """The compiled kernel's table of this rank's experts (ids ``0..num_experts-1``), then the shared experts
         (id ``num_experts``), or False where they do not all take the compiled kernels."""
         if self.row_table is None:
@@ -332,7 +332,7 @@ class MoE(nn.Module):
         if x.shape[0] == 1 and x.dtype == torch.float32:  # one token: the whole layer in one kernel call
             table = self.experts.one_row_table(self.shared_experts)
             route = self.gate.kernel_route()
-            if isinstance(table, cpu_gemv.GatedMLPTable) and route is not None:
+            if isinstance(table, cpu_tables.GatedMLPTable) and route is not None:
                 shared = self.experts.num_experts if self.shared_experts is not None else -1
                 out = table.moe_row(x, self.gate.weight, route, self.gate.e_score_correction_bias,
                                     self.gate.cfg.routed_scaling_factor, self.experts.first, self.experts.num_experts,

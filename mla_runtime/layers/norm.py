@@ -2,7 +2,7 @@
 
 A decode step normalises a few rows dozens of times; ``F.rms_norm`` costs about 35 µs a call on one row there
 (measured on a 2-core EPYC, torch 2.13), so once the model is prepared, float32 CPU rows up to
-``NORM_MAX_ROWS`` take the compiled one-thread kernel of ``mla_kernels.cpu_gemv`` where it builds (the same
+``KERNEL_MAX_ROWS`` take the compiled one-thread kernel of ``mla_kernels.cpu_kernels`` where it builds (the same
 formula, another summation order).
 """
 
@@ -12,9 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mla_kernels import cpu_gemv
+from mla_kernels import cpu_kernels
 from mla_runtime.layers.cpu_gemm import row_kernel_failure
 from mla_runtime.layers.linear import Linear
+
+KERNEL_MAX_ROWS = 64  # more rows: torch's norm, on every thread, beats the one-thread kernel
 
 
 class RMSNorm(nn.Module):
@@ -31,8 +33,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = (x.shape[-1],)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # one fused op
-            if self.kernel and x.numel() <= cpu_gemv.NORM_MAX_ROWS * x.shape[-1] and x.stride(-1) == 1:
-                return cpu_gemv.rms_norm(x, self.weight, self.eps)
+            if self.kernel and x.numel() <= KERNEL_MAX_ROWS * x.shape[-1] and x.stride(-1) == 1:
+                return cpu_kernels.rms_norm(x, self.weight, self.eps)
             return F.rms_norm(x, shape, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), shape, None, self.eps).to(x.dtype)  # round, then scale
 

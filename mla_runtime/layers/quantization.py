@@ -17,8 +17,8 @@ variant mishandles a tail: on AVX2 it returns wrong values, or crashes, when ``K
 MLA checkpoint's dimensions are multiples of 64) and once a probe has found it exact on this CPU
 (``int8_kernel_failure``). Elsewhere, or under ``cpu_gemm=plain``, the int8 weight is widened per call and
 multiplied in float32 with ``F.linear`` (float32 activations, another summation order). Products of one to
-``cpu_gemv.INT8_ROWS_MAX`` rows (decoding, a speculative verification, a small batch or prompt) run the AVX2 kernels
-of ``mla_kernels.cpu_gemv`` where they build (``cpu_gemm=auto``), reading one byte per weight: each row is
+``cpu_kernels.max_rows(int8)`` rows (decoding, a speculative verification, a small batch or prompt) run the compiled
+kernels of ``mla_kernels.cpu_kernels`` where they build (``cpu_gemm=auto``), reading one byte per weight: each row is
 rounded to int16 with a power-of-two scale (within 2^-14 of its largest value, far finer than bfloat16) and
 multiplied with integer multiply-adds, eight rows at a time. They are 1.5-1.8x faster than ATen's kernel from 8 to 64
 rows on AVX2 (``[4096, 1024]``: 1.24 / 2.05 / 3.88 / 7.39 ms at 8 / 16 / 32 / 64 rows, against 1.86 / 3.45 / 6.76 /
@@ -48,8 +48,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mla_kernels import cpu_gemv
-from mla_runtime.layers.bf16 import Bf16Weight
+from mla_kernels import cpu_kernels
+from mla_runtime.layers.bf16 import Bf16Weight, F16Weight
 from mla_runtime.layers.cpu_gemm import PackedWeight, gemm_mode, row_kernel_failure
 from mla_runtime.layers.fp8 import Fp8Weight
 from mla_runtime.layers.int4 import Int4Weight
@@ -159,12 +159,9 @@ class Int8Weight(QuantizedWeight):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [..., K]`` (any float dtype) -> ``x · Wᵀ (+ bias)`` in ``x``'s dtype."""
         k = self.qweight.shape[1]
-        if self.row_scales is not None and 0 < x.numel() <= cpu_gemv.INT8_ROWS_MAX * k:  # the AVX2 kernels
-            if x.numel() == k:
-                few: torch.Tensor = cpu_gemv.gemv_int8(x, self.qweight, self.row_scales)
-            else:
-                few = cpu_gemv.gemm_few_int8(x, self.qweight, self.row_scales)
-            return (few if bias is None else few.add_(bias.float())).to(x.dtype)
+        if self.row_scales is not None and 0 < x.numel() <= cpu_kernels.max_rows(torch.int8) * k:  # the kernels
+            wide_bias = None if bias is None else bias.float()
+            return cpu_kernels.linear(x, self.qweight, self.row_scales, bias=wide_bias).to(x.dtype)
         rows = x.reshape(-1, k)
         if self.kernel and rows.shape[0]:
             # ATen's kernel loads the weight 16 bytes at a time from aligned addresses; a matrix served from its
@@ -181,9 +178,9 @@ class Int8Weight(QuantizedWeight):
 
 # the ``quantization`` values and the formats they make: int8 (above), int4 (``layers.int4``: groups of 32 with
 # llama.cpp Q4_0's rounding), fp8 (``layers.fp8``: DeepSeek's 128 x 128 FP8 blocks, which FP8 checkpoints keep) and
-# bf16 (``layers.bf16``: bfloat16 weights in a float32 model)
+# bf16 / fp16 (``layers.bf16``: bfloat16 / float16 weights in a float32 model)
 WEIGHT_FORMATS: dict[str, type[QuantizedWeight]] = {"int8": Int8Weight, "int4": Int4Weight, "fp8": Fp8Weight,
-                                                    "bf16": Bf16Weight}
+                                                    "bf16": Bf16Weight, "fp16": F16Weight}
 
 
 def release(module: nn.Module, name: str, device: torch.device) -> None:

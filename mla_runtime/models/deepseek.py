@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mla_kernels import cpu_gemv
+from mla_kernels import cpu_tables
 from mla_runtime.attention import AttentionMetadata, make_backend
 from mla_runtime.cache.latent_cache import LatentCache, LayerCache
 from mla_runtime.config import ModelConfig
@@ -73,7 +73,7 @@ class DecoderLayer(nn.Module):
         """Forget the compiled table: it is made again, from the prepared weights, at the next decode step."""
         self.kernel = DecoderKernel(self.residual_scale)
 
-    def kernel_table(self) -> cpu_gemv.DecoderLayerTable | None:
+    def kernel_table(self) -> cpu_tables.DecoderLayerTable | None:
         """The layer's compiled table (``layers.decoder_kernel``), or None where it runs call by call."""
         return self.kernel.table(self._parts)
 
@@ -81,12 +81,12 @@ class DecoderLayer(nn.Module):
         return (self.input_layernorm, self.post_attention_layernorm), self.self_attn, self.mlp
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: LayerCache,
-                step: cpu_gemv.DecodeStep | None = None) -> torch.Tensor:
+                step: cpu_tables.DecodeStep | None = None) -> torch.Tensor:
         """``x [T, d]`` through the layer; ``step`` (``decode_step``): the layer runs as one compiled call where it
         can, and then ``x`` is updated in place."""
         table = self.kernel_table() if step is not None else None
         if step is not None and table is not None:
-            h = cpu_gemv.decoder_layer(table, step, x, cache.kv.view(-1, cache.kv.shape[-1]))
+            h = cpu_tables.decoder_layer(table, step, x, cache.kv.view(-1, cache.kv.shape[-1]))
             return x if h is None else x + self.mlp(h)
         s = self.residual_scale
         if s != 1.0:
@@ -124,7 +124,7 @@ class LongcatDecoderLayer(nn.Module):
         return None
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, caches: list[LayerCache],
-                step: cpu_gemv.DecodeStep | None = None) -> torch.Tensor:
+                step: cpu_tables.DecodeStep | None = None) -> torch.Tensor:
         shortcut: torch.Tensor | None = None
         for b, (attn, mlp) in enumerate(zip(self.self_attn, self.mlps)):
             x = x + attn(self.input_layernorm[b](x), meta, caches[b])
@@ -262,7 +262,7 @@ class DeepseekForCausalLM(nn.Module):
             x = layer(x, meta, cache.layers[i] if k == 1 else cache.layers[i * k:(i + 1) * k], step)
         return self.model.norm(x)
 
-    def _decode_step(self, meta: AttentionMetadata, cache: LatentCache) -> cpu_gemv.DecodeStep | None:
+    def _decode_step(self, meta: AttentionMetadata, cache: LatentCache) -> cpu_tables.DecodeStep | None:
         """The step's rows for the compiled decoder layers, where the step and the first layer take them."""
         if not self.model.layers or self.par.enabled or not meta.backend.compiled_rows(meta, cache.layers[0]):
             return None

@@ -1,344 +1,645 @@
-// The compiled CPU kernels (../mla_cpu.h) as typed torch operators, mla_kernels::<name>. Each operator takes the
-// kernel's arguments with its buffers as tensors (mutated ones marked in the schema) and calls it on torch's thread
-// pool. The products and the norm refuse sizes their tensors do not hold; the attention, the latent side and the
-// table-driven kernels trust mla_kernels.cpu_gemv, which checks every shape before calling them. The table-driven kernels (gated MLPs, the
-// MoE row, the whole decoder layer) read int64 tables of pointers and sizes whose layout ../mla_cpu.h defines; the
-// builders here (mlp_table, layer_table, step_table) fill them from typed arguments, so no other file knows the
-// layout. The tables point into the tensors they were built from: the caller keeps those alive. Registered
-// operators show under their names in the profiler and are checked by the dispatcher.
+// The compiled CPU kernels (../mla_cpu.h) as typed torch operators, mla_kernels::<name>.
+//
+// Each operator takes tensors, reads every size from them, refuses (ValueError) what its tensors do not hold (a
+// dtype, a shape, a cache slot past the cache's rows), allocates its output and scratch, and runs the kernel on
+// torch's thread pool. Callers hand over tensors and get tensors back; nothing is trusted.
+//
+// The table-driven kernels (a gated MLP or MoE row, the whole decoder layer) read int64 tables of pointers and sizes
+// whose layout ../mla_cpu.h defines. They are held by custom classes (MlpTable, LayerTable, DecodeStep) built here
+// from typed arguments, checked once when built; each keeps the tensors it points into alive, so a table can never
+// outlive its weights, and no other file knows a layout.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <string>
 #include <vector>
 
 #include "../mla_cpu.h"
 
 namespace {
 
+using at::Tensor;
+using OptTensor = c10::optional<Tensor>;
+
 template <typename T>
-T* ptr(const at::Tensor& t) {
+T* ptr(const Tensor& t) {
   return reinterpret_cast<T*>(t.data_ptr());
 }
 
 template <typename T>
-T* ptr(const c10::optional<at::Tensor>& t) {
-  return t.has_value() ? reinterpret_cast<T*>(t->data_ptr()) : nullptr;
+T* ptr(const OptTensor& t) {
+  return t.has_value() ? ptr<T>(*t) : nullptr;
 }
 
-// A product's buffers hold what its sizes say: a contiguous CPU tensor of the dtype with at least that many elements
-// (a call with sizes beyond its tensors is refused, never read past them).
-void check(const at::Tensor& t, at::ScalarType dtype, int64_t elements, const char* op, const char* name) {
-  TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == dtype && t.is_contiguous() && t.numel() >= elements,
-                    op, ": ", name, " must be a contiguous CPU ", dtype, " tensor of at least ", elements,
-                    " values, got ", t.scalar_type(), " ", t.sizes());
+int64_t address(const Tensor& t) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(t.data_ptr())); }
+int64_t address(const OptTensor& t) { return t.has_value() ? address(*t) : 0; }
+int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t threads() { return at::get_num_threads(); }
+
+// t is a contiguous CPU tensor of this dtype and shape.
+void expect(const Tensor& t, at::ScalarType dtype, at::IntArrayRef shape, const char* op, const char* name) {
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == dtype && t.sizes() == shape && t.is_contiguous(), op,
+                    ": ", name, " must be a contiguous CPU ", dtype, " tensor ", shape, ", got ", t.scalar_type(),
+                    " ", t.sizes(), t.is_contiguous() ? "" : " (not contiguous)");
 }
 
-void check_product(const char* op, const at::Tensor& x, const at::Tensor& y, int64_t m, int64_t n, int64_t k) {
-  TORCH_CHECK_VALUE(m >= 1 && n >= 0 && k >= 0, op, ": sizes m ", m, ", n ", n, ", k ", k);
-  check(x, at::kFloat, m * k, op, "x");
-  check(y, at::kFloat, m * n, op, "y");
+// t is a CPU float32 tensor of these sizes whose last dimension is contiguous (other strides free).
+void expect_rows(const Tensor& t, at::IntArrayRef shape, const char* op, const char* name) {
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.sizes() == shape &&
+                        (t.size(-1) <= 1 || t.stride(-1) == 1),
+                    op, ": ", name, " must be float32 CPU rows ", shape, " (last dimension contiguous), got ",
+                    t.scalar_type(), " ", t.sizes(), " with strides ", t.strides());
 }
 
-int64_t i4_padded(int64_t k) { return (k + 31) / 32 * 32; }
-
-void gemv_f32(const at::Tensor& w, const at::Tensor& x, const at::Tensor& y, int64_t n, int64_t k, int64_t threads) {
-  check_product("gemv_f32", x, y, 1, n, k);
-  check(w, at::kFloat, n * k, "gemv_f32", "w");
-  mla_gemv_f32(ptr<const float>(w), ptr<const float>(x), ptr<float>(y), n, k, threads);
-}
-
-void gemv_bf16(const at::Tensor& w, const at::Tensor& x, const at::Tensor& y, int64_t n, int64_t k, int64_t threads) {
-  check_product("gemv_bf16", x, y, 1, n, k);
-  check(w, at::kBFloat16, n * k, "gemv_bf16", "w");
-  mla_gemv_bf16(ptr<const uint16_t>(w), ptr<const float>(x), ptr<float>(y), n, k, threads);
-}
-
-void gemv_i8(const at::Tensor& w, const at::Tensor& scale, const at::Tensor& x, const at::Tensor& y, int64_t n,
-             int64_t k, int64_t threads) {
-  check_product("gemv_i8", x, y, 1, n, k);
-  check(w, at::kChar, n * k, "gemv_i8", "w");
-  check(scale, at::kFloat, n, "gemv_i8", "scale");
-  mla_gemv_i8(ptr<const int8_t>(w), ptr<const float>(scale), ptr<const float>(x), ptr<float>(y), n, k, threads);
-}
-
-void gemm_few_f32(const at::Tensor& w, const at::Tensor& x, const at::Tensor& y, int64_t m, int64_t n, int64_t k,
-                  int64_t threads) {
-  check_product("gemm_few_f32", x, y, m, n, k);
-  check(w, at::kFloat, n * k, "gemm_few_f32", "w");
-  mla_gemm_few_f32(ptr<const float>(w), ptr<const float>(x), ptr<float>(y), m, n, k, threads);
-}
-
-void gemm_few_bf16(const at::Tensor& w, const at::Tensor& x, const at::Tensor& y, int64_t m, int64_t n, int64_t k,
-                   int64_t threads) {
-  check_product("gemm_few_bf16", x, y, m, n, k);
-  check(w, at::kBFloat16, n * k, "gemm_few_bf16", "w");
-  mla_gemm_few_bf16(ptr<const uint16_t>(w), ptr<const float>(x), ptr<float>(y), m, n, k, threads);
-}
-
-void gemm_few_i8(const at::Tensor& w, const at::Tensor& scale, const at::Tensor& x, const at::Tensor& y, int64_t m,
-                 int64_t n, int64_t k, int64_t threads) {
-  check_product("gemm_few_i8", x, y, m, n, k);
-  check(w, at::kChar, n * k, "gemm_few_i8", "w");
-  check(scale, at::kFloat, n, "gemm_few_i8", "scale");
-  mla_gemm_few_i8(ptr<const int8_t>(w), ptr<const float>(scale), ptr<const float>(x), ptr<float>(y), m, n, k, threads);
-}
-
-void gemm_fp8(const at::Tensor& w, const at::Tensor& scale, int64_t bn, int64_t bk, const at::Tensor& x,
-              const at::Tensor& y, int64_t m, int64_t n, int64_t k, int64_t threads) {
-  check_product("gemm_fp8", x, y, m, n, k);
-  TORCH_CHECK_VALUE(bn >= 1 && bk >= 1, "gemm_fp8: blocks of ", bn, " x ", bk);
-  check(w, at::kFloat8_e4m3fn, n * k, "gemm_fp8", "w");
-  check(scale, at::kFloat, ((n + bn - 1) / bn) * ((k + bk - 1) / bk), "gemm_fp8", "scale");
-  mla_gemm_fp8(ptr<const uint8_t>(w), ptr<const float>(scale), bn, bk, ptr<const float>(x), ptr<float>(y), m, n, k,
-               threads);
-}
-
-void gemm_i4(const at::Tensor& w, const at::Tensor& scales, const at::Tensor& x, const at::Tensor& y, int64_t rows,
-             int64_t n, int64_t k, int64_t threads, int64_t variant) {
-  check_product("gemm_i4", x, y, rows, n, k);
-  check(w, at::kByte, n * i4_padded(k) / 2, "gemm_i4", "w");
-  check(scales, at::kHalf, n * i4_padded(k) / 32, "gemm_i4", "scales");
-  TORCH_CHECK_VALUE(variant >= 0 && (mla_i4_variants() >> variant & 1), "gemm_i4: variant ", variant,
-                    " does not run on this CPU");
-  mla_gemm_i4(ptr<const uint8_t>(w), ptr<const uint16_t>(scales), ptr<const float>(x), ptr<float>(y), rows, n, k,
-              threads, variant);
-}
-
-void i4_from_stored(const at::Tensor& src, const at::Tensor& dst, int64_t groups, int64_t threads) {
-  check(src, at::kByte, 16 * groups, "i4_from_stored", "src");
-  check(dst, at::kByte, 16 * groups, "i4_from_stored", "dst");
-  mla_i4_from_stored(ptr<const uint8_t>(src), ptr<uint8_t>(dst), groups, threads);
-}
-
-void rms_norm_f32(const at::Tensor& x, int64_t ld, const at::Tensor& weight, const at::Tensor& y, int64_t m,
-                  int64_t k, double eps) {
-  TORCH_CHECK_VALUE(m >= 0 && k >= 0 && ld >= k, "rms_norm_f32: sizes m ", m, ", k ", k, ", row stride ", ld);
-  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(0) == m &&
-                        x.size(1) == k && (m <= 1 || x.stride(0) == ld) && (k <= 1 || x.stride(1) == 1),
-                    "rms_norm_f32: x must be float32 CPU rows [", m, ", ", k, "] ", ld, " apart, got ", x.sizes(),
-                    " with strides ", x.strides());
-  check(weight, at::kFloat, k, "rms_norm_f32", "weight");
-  check(y, at::kFloat, m * k, "rms_norm_f32", "y");
-  mla_rms_norm_f32(ptr<const float>(x), ld, ptr<const float>(weight), ptr<float>(y), m, k, static_cast<float>(eps));
-}
-
-void absorbed_decode(const at::Tensor& q_n, int64_t qn_t, int64_t qn_h, const at::Tensor& q_r, int64_t qr_t,
-                     int64_t qr_h, const at::Tensor& w_uk, const at::Tensor& w_uv_t, const at::Tensor& cache,
-                     const at::Tensor& slots, int64_t slot_stride, const at::Tensor& lens, double scale,
-                     const at::Tensor& out, const at::Tensor& scratch, int64_t scratch_stride, int64_t rows,
-                     int64_t heads, int64_t d_n, int64_t d_r, int64_t d_c, int64_t d_v, int64_t threads) {
-  auto kernel = w_uk.scalar_type() == at::kBFloat16 ? &mla_absorbed_decode_bf16w : &mla_absorbed_decode_f32;
-  kernel(ptr<const float>(q_n), qn_t, qn_h, ptr<const float>(q_r), qr_t, qr_h, w_uk.data_ptr(), w_uv_t.data_ptr(),
-         ptr<const float>(cache), ptr<const int64_t>(slots), slot_stride, ptr<const int64_t>(lens),
-         static_cast<float>(scale), ptr<float>(out), ptr<float>(scratch), scratch_stride, rows, heads, d_n, d_r, d_c,
-         d_v, threads);
-}
-
-void rope_store(const at::Tensor& latent, int64_t lat_ld, const at::Tensor& norm, double eps, const at::Tensor& q,
-                int64_t q_t, int64_t q_h, int64_t heads, int64_t d_n, const at::Tensor& cos, const at::Tensor& sin,
-                int64_t cs_ld, const at::Tensor& cache, const at::Tensor& slots, int64_t rows, int64_t d_c,
-                int64_t d_r, int64_t interleave) {
-  mla_rope_store_f32(ptr<const float>(latent), lat_ld, ptr<const float>(norm), static_cast<float>(eps), ptr<float>(q),
-                     q_t, q_h, heads, d_n, ptr<const float>(cos), ptr<const float>(sin), cs_ld, ptr<float>(cache),
-                     ptr<const int64_t>(slots), rows, d_c, d_r, interleave);
-}
-
-void gated_mlps(const at::Tensor& x, const at::Tensor& y, int64_t d, const at::Tensor& table, at::IntArrayRef ids,
-                at::ArrayRef<double> weights, const at::Tensor& scratch, int64_t threads) {
-  TORCH_CHECK(ids.size() == weights.size(), "gated_mlps: one weight per MLP id");
-  const std::vector<float> w(weights.begin(), weights.end());
-  mla_gated_mlps(ptr<const float>(x), ptr<float>(y), d, ptr<const int64_t>(table), ids.data(), w.data(),
-                 static_cast<int64_t>(ids.size()), ptr<float>(scratch), threads);
-}
-
-void moe_row(const at::Tensor& x, const at::Tensor& y, int64_t d, const at::Tensor& router, const at::Tensor& route,
-             const c10::optional<at::Tensor>& bias, double scaling, const at::Tensor& table, int64_t first,
-             int64_t count, int64_t shared, const at::Tensor& scratch, int64_t max_inter, int64_t threads) {
-  mla_moe_row(ptr<const float>(x), ptr<float>(y), d, ptr<const float>(router), ptr<const int64_t>(route),
-              ptr<const float>(bias), static_cast<float>(scaling), ptr<const int64_t>(table), first, count, shared,
-              ptr<float>(scratch), max_inter, threads);
-}
-
-int64_t decoder_layer_scratch(const at::Tensor& layer, const at::Tensor& step) {
-  return mla_decoder_layer_scratch(ptr<const int64_t>(layer), ptr<const int64_t>(step));
-}
-
-int64_t decoder_layer(const at::Tensor& layer, const at::Tensor& step, const at::Tensor& x, const at::Tensor& cache,
-                      const at::Tensor& scratch) {
-  return mla_decoder_layer(ptr<const int64_t>(layer), ptr<const int64_t>(step), ptr<float>(x), ptr<float>(cache),
-                           ptr<float>(scratch));
-}
-
-// -- the tables of the table-driven kernels, built from typed arguments (their layouts: ../mla_cpu.h) ------------
-
-int64_t address(const at::Tensor& t) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(t.data_ptr())); }
-
-int64_t address(const c10::optional<at::Tensor>& t) { return t.has_value() ? address(*t) : 0; }
-
-// A weight operand's three fields: its weight, its scales and its kind, from the weight's dtype.
-void operand(int64_t* out, const at::Tensor& w, const c10::optional<at::Tensor>& scales, int64_t i4_variant,
-             const char* name) {
-  int64_t kind = 0;
-  switch (w.scalar_type()) {
-    case at::kFloat: kind = W_F32; break;
-    case at::kBFloat16: kind = W_BF16; break;
-    case at::kChar: kind = W_I8; break;
-    case at::kByte: kind = W_I4 + i4_variant; break;
-    default: TORCH_CHECK(false, name, ": weights are float32, bfloat16, int8 or packed int4, got ", w.scalar_type());
+// Every key slot a row reads (slots[t, :lens[t]], lens[t] in [1, slots.size(1)]) is a row of a cache of `rows`.
+void expect_keys(const Tensor& slots, const Tensor& lens, int64_t t, int64_t cache_rows, const char* op) {
+  TORCH_CHECK_VALUE(slots.device().is_cpu() && slots.scalar_type() == at::kLong && slots.dim() == 2 &&
+                        slots.size(0) == t && (slots.size(1) <= 1 || slots.stride(1) == 1),
+                    op, ": slots must be int64 CPU rows [", t, ", L], got ", slots.scalar_type(), " ", slots.sizes());
+  expect(lens, at::kLong, {t}, op, "lens");
+  const int64_t width = slots.size(1), stride = slots.stride(0);
+  const int64_t* s = ptr<const int64_t>(slots);
+  const int64_t* n = ptr<const int64_t>(lens);
+  for (int64_t r = 0; r < t; ++r) {
+    TORCH_CHECK_VALUE(n[r] >= 1 && n[r] <= width, op, ": row ", r, " reads ", n[r], " keys of ", width, " slots");
+    const auto [lo, hi] = std::minmax_element(s + r * stride, s + r * stride + n[r]);
+    TORCH_CHECK_VALUE(*lo >= 0 && *hi < cache_rows, op, ": row ", r, " reads cache slot ",
+                      *lo < 0 ? *lo : *hi, ", the cache holds ", cache_rows);
   }
-  const bool scaled = kind == W_I8 || (kind >= W_I4 && kind != W_BF16);
-  TORCH_CHECK(scaled == scales.has_value(), name, ": int8 and int4 weights come with their scales, the others without");
+}
+
+// -- products ------------------------------------------------------------------------------------------------------
+
+// The int8 and int4 products' variants, slowest first (bit i of mla_i8_variants() / mla_i4_variants()).
+const char* const VARIANTS[] = {"avx2", "avx512_vnni"};
+
+// "auto" (-1: the fastest this CPU runs) or the index of a variant the CPU runs.
+int64_t variant_index(c10::string_view name, int64_t runs, const char* op) {
+  if (name == "auto") return -1;
+  for (int64_t i = 0; i < 2; ++i) {
+    if (name == VARIANTS[i]) {
+      TORCH_CHECK_VALUE(runs >> i & 1, op, ": this CPU cannot run the ", VARIANTS[i], " variant");
+      return i;
+    }
+  }
+  TORCH_CHECK_VALUE(false, op, ": unknown variant '", name, "' (auto, avx2, avx512_vnni)");
+  return -1;
+}
+
+int64_t fastest(int64_t runs) { return runs >> 1 & 1 ? 1 : 0; }
+
+bool quantized(at::ScalarType w) { return w == at::kChar || w == at::kByte || w == at::kFloat8_e4m3fn; }
+
+// x [..., K] (any float dtype, computed in float32) times W [N, K]ᵀ -> float32 [..., N], for every weight format:
+// float32, bfloat16 or float16 (1 to MLA_FEW_ROWS rows; half weights read at two bytes and widened exactly); int8
+// with float32 row scales [N] (rows rounded to int16); float8_e4m3fn with float32 block scales [ceil(N / bn),
+// ceil(K / bk)] and block = [bn, bk]; group-wise int4: uint8 nibbles [N, Kp / 2] with float16 scales [N, Kp / 32]
+// (Kp: K rounded up to 32; rows rounded to int8 per group of 32). Quantized formats take 1 to MLA_QUANT_ROWS rows.
+// A row's result does not depend on the other rows, nor on the variant.
+Tensor linear(const Tensor& x, const Tensor& w, const OptTensor& scales, at::IntArrayRef block,
+              c10::string_view variant) {
+  const char* op = "linear";
+  const at::ScalarType dtype = w.scalar_type();
+  TORCH_CHECK_VALUE(w.device().is_cpu() && w.dim() == 2 && w.is_contiguous(),
+                    "linear: the weight must be a contiguous CPU matrix, got ", w.sizes());
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() >= 1 && at::isFloatingType(x.scalar_type()),
+                    "linear: x must be floating-point CPU rows, got ", x.scalar_type(), " ", x.sizes());
+  const int64_t n = w.size(0), k = x.size(-1), rows = k ? x.numel() / k : 0;
+  const int64_t max_rows = quantized(dtype) ? MLA_QUANT_ROWS : MLA_FEW_ROWS;
+  TORCH_CHECK_VALUE(k >= 1 && rows >= 1 && rows <= max_rows, "linear: 1 to ", max_rows, " rows with a ", dtype,
+                    " weight, got x ", x.sizes());
+  TORCH_CHECK_VALUE(scales.has_value() == quantized(dtype), "linear: int8, FP8 and int4 weights come with scales, ",
+                    "the others without (weight ", dtype, ")");
+  TORCH_CHECK_VALUE(block.empty() == (dtype != at::kFloat8_e4m3fn), "linear: FP8 weights (and only they) take their ",
+                    "block [bn, bk]");
+  const int64_t width = dtype == at::kByte ? cdiv(k, 32) * 16 : k;  // int4: two values a byte, K padded to 32
+  TORCH_CHECK_VALUE(w.size(1) == width, "linear: rows of ", k, " values do not fit a ", dtype, " weight ", w.sizes());
+  const Tensor xs = x.to(at::kFloat).contiguous();
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = n;
+  Tensor y = at::empty(shape, xs.options());
+  const float* xp = ptr<const float>(xs);
+  float* yp = ptr<float>(y);
+  switch (dtype) {
+    case at::kFloat:
+      expect(w, dtype, {n, k}, op, "the weight");
+      rows == 1 ? mla_gemv_f32(ptr<const float>(w), xp, yp, n, k, threads())
+                : mla_gemm_few_f32(ptr<const float>(w), xp, yp, rows, n, k, threads());
+      break;
+    case at::kBFloat16:
+    case at::kHalf: {
+      expect(w, dtype, {n, k}, op, "the weight");
+      const int64_t kind = dtype == at::kBFloat16 ? W_BF16 : W_F16;
+      rows == 1 ? mla_gemv_half(ptr<const uint16_t>(w), kind, xp, yp, n, k, threads())
+                : mla_gemm_few_half(ptr<const uint16_t>(w), kind, xp, yp, rows, n, k, threads());
+      break;
+    }
+    case at::kChar: {
+      expect(w, dtype, {n, k}, op, "the weight");
+      expect(*scales, at::kFloat, {n}, op, "the row scales");
+      const int64_t v = variant_index(variant, mla_i8_variants(), op);
+      rows == 1 && v < 0 ? mla_gemv_i8(ptr<const int8_t>(w), ptr<const float>(scales), xp, yp, n, k, threads())
+                         : mla_gemm_few_i8(ptr<const int8_t>(w), ptr<const float>(scales), xp, yp, rows, n, k,
+                                           threads(), v);
+      break;
+    }
+    case at::kFloat8_e4m3fn: {
+      TORCH_CHECK_VALUE(block.size() == 2 && block[0] >= 1 && block[1] >= 1, "linear: an FP8 block is [bn, bk], got ",
+                        block);
+      expect(w, dtype, {n, k}, op, "the weight");
+      expect(*scales, at::kFloat, {cdiv(n, block[0]), cdiv(k, block[1])}, op, "the block scales");
+      mla_gemm_fp8(ptr<const uint8_t>(w), ptr<const float>(scales), block[0], block[1], xp, yp, rows, n, k,
+                   threads());
+      break;
+    }
+    case at::kByte: {
+      const int64_t kp = cdiv(k, 32) * 32;
+      expect(w, dtype, {n, kp / 2}, op, "the int4 nibbles");
+      expect(*scales, at::kHalf, {n, kp / 32}, op, "the int4 group scales");
+      const int64_t runs = mla_i4_variants();
+      TORCH_CHECK_VALUE(runs != 0, "linear: no int4 variant runs on this CPU");
+      const int64_t v = variant_index(variant, runs, op);
+      mla_gemm_i4(ptr<const uint8_t>(w), ptr<const uint16_t>(scales), xp, yp, rows, n, k, threads(),
+                  v < 0 ? fastest(runs) : v);
+      break;
+    }
+    default:
+      TORCH_CHECK_VALUE(false, "linear: weights are float32, bfloat16, float16, int8, float8_e4m3fn or packed int4 ",
+                        "(uint8), got ", dtype);
+  }
+  return y;
+}
+
+// compressed-tensors' pack-quantized int4 bytes [N, K / 2] (low nibble first) -> the nibble order linear reads.
+Tensor int4_from_stored(const Tensor& stored) {
+  TORCH_CHECK_VALUE(stored.device().is_cpu() && stored.scalar_type() == at::kByte && stored.dim() == 2 &&
+                        stored.size(1) % 16 == 0,
+                    "int4_from_stored: uint8 CPU bytes [N, K / 2] with K a multiple of 32, got ",
+                    stored.scalar_type(), " ", stored.sizes());
+  const Tensor src = stored.contiguous();
+  Tensor out = at::empty_like(src);
+  mla_i4_from_stored(ptr<const uint8_t>(src), ptr<uint8_t>(out), src.numel() / 16, threads());
+  return out;
+}
+
+// F.rms_norm(x, (K,), weight, eps) for float32 rows x [..., K] (last dimension contiguous) on one thread.
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  const int64_t k = weight.numel();
+  expect(weight, at::kFloat, {k}, "rms_norm", "weight");
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == k, "rms_norm: x must be rows of ", k, " values, got ", x.sizes());
+  const Tensor rows = x.dim() == 2 ? x : x.reshape({-1, k});
+  expect_rows(rows, {rows.size(0), k}, "rms_norm", "x");
+  Tensor y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t ld = rows.size(0) > 1 ? rows.stride(0) : k;
+  mla_rms_norm_f32(ptr<const float>(rows), ld, ptr<const float>(weight), ptr<float>(y), rows.size(0), k,
+                   static_cast<float>(eps));
+  return y;
+}
+
+// -- attention -----------------------------------------------------------------------------------------------------
+
+constexpr int64_t DECODE_SCRATCH_BYTES = 64 << 20;  // the absorbed decode's scratch per call; more rows: more calls
+
+// Threads for the absorbed decode of `heads` heads: torch's, or more so that no thread takes over MAX_GROUP heads.
+int64_t decode_threads(int64_t heads) { return std::max(threads(), cdiv(heads, MLA_DECODE_MAX_GROUP)); }
+
+// A layer's absorbed decode attention: q_n [T, H, d_n], rotated q_r [T, H, d_r] (float32; row and head strides free),
+// w_uk [H, d_n, d_c], w_uv_t [H, d_c, d_v] (float32, or both bfloat16), cache [S, d_c + d_r] float32 latent rows,
+// slots [T, L] int64 (row t reads cache[slots[t, :lens[t]]]), lens [T] int64 -> out [T, H, d_v] float32.
+Tensor absorbed_decode(const Tensor& q_n, const Tensor& q_r, const Tensor& w_uk, const Tensor& w_uv_t,
+                       const Tensor& cache, const Tensor& slots, const Tensor& lens, double scale) {
+  const char* op = "absorbed_decode";
+  TORCH_CHECK_VALUE(q_n.dim() == 3 && q_r.dim() == 3 && w_uk.dim() == 3 && w_uv_t.dim() == 3 && cache.dim() == 2,
+                    "absorbed_decode: q_n, q_r [T, H, d], w_uk, w_uv_t [H, *, *] and cache [S, d_c + d_r]");
+  const int64_t rows = q_n.size(0), heads = q_n.size(1), d_n = q_n.size(2), d_r = q_r.size(2);
+  const int64_t d_c = w_uk.size(2), d_v = w_uv_t.size(2);
+  expect_rows(q_n, {rows, heads, d_n}, op, "q_n");
+  expect_rows(q_r, {rows, heads, d_r}, op, "q_r");
+  const at::ScalarType wt = w_uk.scalar_type();
+  TORCH_CHECK_VALUE(wt == at::kFloat || wt == at::kBFloat16, "absorbed_decode: w_uk is float32 or bfloat16, got ", wt);
+  expect(w_uk, wt, {heads, d_n, d_c}, op, "w_uk");
+  expect(w_uv_t, wt, {heads, d_c, d_v}, op, "w_uv_t");
+  expect(cache, at::kFloat, {cache.size(0), d_c + d_r}, op, "cache");
+  expect_keys(slots, lens, rows, cache.size(0), op);
+  const int64_t nt = decode_threads(heads), group = cdiv(heads, nt), per_row = group * 2 * d_c;
+  const int64_t step = std::max<int64_t>(1, DECODE_SCRATCH_BYTES / (4 * nt * std::max<int64_t>(per_row, 1)));
+  Tensor out = at::empty({rows, heads, d_v}, cache.options());
+  auto kernel = wt == at::kBFloat16 ? &mla_absorbed_decode_bf16w : &mla_absorbed_decode_f32;
+  for (int64_t r0 = 0; r0 < rows; r0 += step) {
+    const int64_t m = std::min(step, rows - r0), stride = m * per_row + group * slots.size(1);
+    Tensor scratch = at::empty({nt, stride}, cache.options());
+    kernel(ptr<const float>(q_n) + r0 * q_n.stride(0), q_n.stride(0), q_n.stride(1),
+           ptr<const float>(q_r) + r0 * q_r.stride(0), q_r.stride(0), q_r.stride(1), w_uk.data_ptr(),
+           w_uv_t.data_ptr(), ptr<const float>(cache), ptr<const int64_t>(slots) + r0 * slots.stride(0),
+           slots.stride(0), ptr<const int64_t>(lens) + r0, static_cast<float>(scale),
+           ptr<float>(out) + r0 * heads * d_v, ptr<float>(scratch), stride, m, heads, d_n, d_r, d_c, d_v, nt);
+  }
+  return out;
+}
+
+// The latent side of a float32 decode step, one thread: for each row t of latent [T, d_c + d_r] ([c ; k_r]),
+// cache[slots[t]] = [RMSNorm(c) * norm ; RoPE(k_r)], and the RoPE part of each head of q [T, H, d_n + d_r] rotated
+// in place. cos / sin [T, d_r / 2] (rows with a stride).
+void rope_store(const Tensor& latent, const Tensor& norm, double eps, const Tensor& q, int64_t d_n, const Tensor& cos,
+                const Tensor& sin, const Tensor& cache, const Tensor& slots, bool interleave) {
+  const char* op = "rope_store";
+  TORCH_CHECK_VALUE(latent.dim() == 2 && q.dim() == 3 && cache.dim() == 2, "rope_store: latent [T, d_c + d_r], ",
+                    "q [T, H, d_n + d_r] and cache [S, d_c + d_r]");
+  const int64_t rows = latent.size(0), width = latent.size(1), d_r = q.size(2) - d_n, d_c = width - d_r;
+  TORCH_CHECK_VALUE(d_n >= 0 && d_r >= 2 && d_r % 2 == 0 && d_c >= 1, "rope_store: d_n ", d_n, " and q ", q.sizes(),
+                    " against latent ", latent.sizes());
+  expect_rows(latent, {rows, width}, op, "latent");
+  expect_rows(q, {rows, q.size(1), d_n + d_r}, op, "q");
+  expect(norm, at::kFloat, {d_c}, op, "norm");
+  expect_rows(cos, {rows, d_r / 2}, op, "cos");
+  expect_rows(sin, {rows, d_r / 2}, op, "sin");
+  TORCH_CHECK_VALUE(rows <= 1 || sin.stride(0) == cos.stride(0), "rope_store: cos and sin rows lie alike");
+  expect(cache, at::kFloat, {cache.size(0), width}, op, "cache");
+  expect(slots, at::kLong, {rows}, op, "slots");
+  const int64_t* s = ptr<const int64_t>(slots);
+  for (int64_t t = 0; t < rows; ++t)
+    TORCH_CHECK_VALUE(s[t] >= 0 && s[t] < cache.size(0), "rope_store: slot ", s[t], " of a cache of ", cache.size(0));
+  mla_rope_store_f32(ptr<const float>(latent), latent.stride(0), ptr<const float>(norm), static_cast<float>(eps),
+                     ptr<float>(q), q.stride(0), q.stride(1), q.size(1), d_n, ptr<const float>(cos),
+                     ptr<const float>(sin), cos.stride(0), ptr<float>(cache), s, rows, d_c, d_r, interleave);
+}
+
+// -- the table-driven kernels ------------------------------------------------------------------------------------
+
+const char* kind_name(int64_t kind) {
+  return kind >= W_I4 ? "int4" : kind == W_I8 ? "int8" : kind == W_BF16 ? "bfloat16" : kind == W_F16 ? "float16"
+                                                                                                    : "float32";
+}
+
+// A weight operand [n, k] of a table: its three fields (weight, scales, kind), from the weight's dtype, checked.
+void operand(int64_t* out, const Tensor& w, const OptTensor& scales, int64_t n, int64_t k, const char* name) {
+  const at::ScalarType dtype = w.scalar_type();
+  int64_t kind = W_F32;
+  if (dtype == at::kByte) {  // int4
+    const int64_t kp = cdiv(k, 32) * 32, runs = mla_i4_variants();
+    TORCH_CHECK_VALUE(runs != 0, name, ": no int4 variant runs on this CPU");
+    expect(w, dtype, {n, kp / 2}, name, "the int4 nibbles");
+    TORCH_CHECK_VALUE(scales.has_value(), name, ": int4 weights come with their scales");
+    expect(*scales, at::kHalf, {n, kp / 32}, name, "the int4 group scales");
+    kind = W_I4 + fastest(runs);
+  } else {
+    TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kChar, name,
+                      ": a table's weights are float32, bfloat16, float16, int8 or packed int4, got ", dtype);
+    expect(w, dtype, {n, k}, name, "the weight");
+    TORCH_CHECK_VALUE(scales.has_value() == (dtype == at::kChar), name, ": int8 weights (only) come with row scales");
+    if (dtype == at::kChar) expect(*scales, at::kFloat, {n}, name, "the row scales");
+    kind = dtype == at::kChar ? W_I8 : dtype == at::kBFloat16 ? W_BF16 : dtype == at::kHalf ? W_F16 : W_F32;
+  }
   out[0] = address(w);
   out[1] = address(scales);
   out[2] = kind;
 }
 
-// [n, MLP_FIELDS]: each gated MLP's gate_up [2 I, d] and down [d, I] operands and I.
-at::Tensor mlp_table(at::TensorList gate_up, const c10::List<c10::optional<at::Tensor>>& gate_up_scales,
-                     at::TensorList down, const c10::List<c10::optional<at::Tensor>>& down_scales, int64_t i4_variant) {
-  const int64_t n = static_cast<int64_t>(gate_up.size());
-  TORCH_CHECK(n >= 1 && down.size() == gate_up.size() && gate_up_scales.size() == gate_up.size() &&
-                  down_scales.size() == gate_up.size(),
-              "mlp_table: one gate_up, down and scales (or None) per MLP");
-  at::Tensor table = at::zeros({n, MLP_FIELDS}, at::kLong);
-  int64_t* row = table.data_ptr<int64_t>();
-  for (int64_t e = 0; e < n; ++e, row += MLP_FIELDS) {
-    operand(row, gate_up[e], gate_up_scales.get(e), i4_variant, "mlp_table: gate_up");
-    operand(row + 3, down[e], down_scales.get(e), i4_variant, "mlp_table: down");
-    row[6] = gate_up[e].size(0) / 2;
+// Gated MLPs of width d (a MoE layer's experts and shared experts, or one dense MLP): row e of `table` holds MLP
+// e's gate_up [2 I_e, d] and down [d, I_e] operands and I_e.
+struct MlpTable : torch::CustomClassHolder {
+  Tensor table;
+  std::vector<Tensor> keep;
+  int64_t hidden = 0, max_inter = 0;
+
+  MlpTable(at::TensorList gate_up, const c10::List<OptTensor>& gate_up_scales, at::TensorList down,
+           const c10::List<OptTensor>& down_scales) {
+    const int64_t n = static_cast<int64_t>(gate_up.size());
+    TORCH_CHECK_VALUE(n >= 1 && down.size() == gate_up.size() && gate_up_scales.size() == gate_up.size() &&
+                          down_scales.size() == gate_up.size(),
+                      "MlpTable: one gate_up, down and scales (or None) per MLP");
+    hidden = down[0].size(0);
+    table = at::zeros({n, MLP_FIELDS}, at::kLong);
+    int64_t* row = table.data_ptr<int64_t>();
+    for (int64_t e = 0; e < n; ++e, row += MLP_FIELDS) {
+      TORCH_CHECK_VALUE(gate_up[e].dim() == 2 && gate_up[e].size(0) % 2 == 0 && down[e].dim() == 2,
+                        "MlpTable: MLP ", e, " has gate_up ", gate_up[e].sizes(), " and down ", down[e].sizes());
+      const int64_t inter = gate_up[e].size(0) / 2;
+      operand(row, gate_up[e], gate_up_scales.get(e), 2 * inter, hidden, "MlpTable: gate_up");
+      operand(row + 3, down[e], down_scales.get(e), hidden, inter, "MlpTable: down");
+      row[6] = inter;
+      max_inter = std::max(max_inter, inter);
+      keep.insert(keep.end(), {gate_up[e], down[e]});
+      for (const OptTensor& s : {gate_up_scales.get(e), down_scales.get(e)})
+        if (s.has_value()) keep.push_back(*s);
+    }
   }
-  return table;
+  int64_t size() const { return table.size(0); }
+
+  // Each MLP's gate_up and down weight formats, in order.
+  std::vector<std::string> kinds() const {
+    std::vector<std::string> out;
+    const int64_t* row = table.data_ptr<int64_t>();
+    for (int64_t e = 0; e < size(); ++e, row += MLP_FIELDS)
+      for (int64_t kind : {row[2], row[5]}) out.push_back(kind_name(kind));
+    return out;
+  }
+};
+
+using MlpRef = c10::intrusive_ptr<MlpTable>;
+
+// One float32 row x [..., d] as a contiguous row, checked against the table's width.
+Tensor table_row(const Tensor& x, const MlpTable& t, const char* op) {
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.numel() == t.hidden, op,
+                    ": one float32 CPU row of ", t.hidden, " values, got ", x.scalar_type(), " ", x.sizes());
+  return x.contiguous();
 }
 
-// [L_FIELDS]: a decoder layer's weights (../mla_cpu.h, enum LayerField); dims: d, q_lora, heads, d_n, d_r, d_c, d_v.
-at::Tensor layer_table(const at::Tensor& in_norm, const at::Tensor& post_norm, const c10::optional<at::Tensor>& q_norm,
-                       const at::Tensor& kv_norm, const at::Tensor& qa, const c10::optional<at::Tensor>& qa_scales,
-                       const c10::optional<at::Tensor>& kva, const c10::optional<at::Tensor>& kva_scales,
-                       const c10::optional<at::Tensor>& qb, const c10::optional<at::Tensor>& qb_scales,
-                       const at::Tensor& w_uk, const at::Tensor& w_uv_t, const at::Tensor& o,
-                       const c10::optional<at::Tensor>& o_scales, const c10::optional<at::Tensor>& mlp,
-                       int64_t max_inter, const c10::optional<at::Tensor>& router,
-                       const c10::optional<at::Tensor>& route, const c10::optional<at::Tensor>& route_bias,
-                       int64_t first, int64_t count, int64_t shared, at::IntArrayRef dims, bool interleave,
-                       const at::Tensor& floats, int64_t i4_variant) {
-  TORCH_CHECK(dims.size() == 7, "layer_table: dims are d, q_lora, heads, d_n, d_r, d_c, d_v");
-  TORCH_CHECK(floats.scalar_type() == at::kFloat && floats.numel() == 6 && floats.is_contiguous(),
-              "layer_table: floats are the four norms' eps, the softmax scale and the routed scaling factor");
-  at::Tensor table = at::zeros({L_FIELDS}, at::kLong);
-  int64_t* L = table.data_ptr<int64_t>();
-  L[L_IN_NORM] = address(in_norm);
-  L[L_POST_NORM] = address(post_norm);
-  L[L_Q_NORM] = address(q_norm);
-  L[L_KV_NORM] = address(kv_norm);
-  operand(L + L_QA_W, qa, qa_scales, i4_variant, "layer_table: qa");
-  if (kva.has_value()) operand(L + L_KVA_W, *kva, kva_scales, i4_variant, "layer_table: kva");
-  if (qb.has_value()) operand(L + L_QB_W, *qb, qb_scales, i4_variant, "layer_table: qb");
-  L[L_W_UK] = address(w_uk);
-  L[L_W_UV_T] = address(w_uv_t);
-  L[L_W_BF16] = w_uk.scalar_type() == at::kBFloat16;
-  operand(L + L_O_W, o, o_scales, i4_variant, "layer_table: o");
-  L[L_MLP_TABLE] = address(mlp);
-  L[L_MAX_INTER] = max_inter;
-  L[L_ROUTER] = address(router);
-  L[L_ROUTE] = address(route);
-  L[L_ROUTE_BIAS] = address(route_bias);
-  L[L_FIRST] = first;
-  L[L_COUNT] = count;
-  L[L_SHARED] = shared;
-  const int fields[7] = {L_D, L_Q_LORA, L_HEADS, L_D_N, L_D_R, L_D_C, L_D_V};
-  for (int i = 0; i < 7; ++i) L[fields[i]] = dims[i];
-  L[L_INTERLEAVE] = interleave;
-  L[L_FLOATS] = address(floats);
-  return table;
+// sum_i weights[i] * mlp_{ids[i]}(x) for one float32 row x [..., d].
+Tensor gated_mlps(const Tensor& x, const MlpRef& table, at::IntArrayRef ids, at::ArrayRef<double> weights) {
+  const Tensor row = table_row(x, *table, "gated_mlps");
+  TORCH_CHECK_VALUE(!ids.empty() && ids.size() == weights.size(), "gated_mlps: one weight per MLP id");
+  for (int64_t id : ids)
+    TORCH_CHECK_VALUE(id >= 0 && id < table->size(), "gated_mlps: MLP ", id, " of ", table->size());
+  const std::vector<float> w(weights.begin(), weights.end());
+  Tensor y = at::empty(x.sizes(), row.options());
+  Tensor scratch = at::empty({3 * table->max_inter}, row.options());
+  mla_gated_mlps(ptr<const float>(row), ptr<float>(y), table->hidden, ptr<const int64_t>(table->table), ids.data(),
+                 w.data(), static_cast<int64_t>(ids.size()), ptr<float>(scratch), threads());
+  return y;
 }
 
-// [S_FIELDS]: a decode step's rows (../mla_cpu.h, enum StepField).
-at::Tensor step_table(const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& keys,
-                      const at::Tensor& lens, int64_t threads, int64_t decode_threads, int64_t decode_stride) {
-  at::Tensor table = at::zeros({S_FIELDS}, at::kLong);
-  int64_t* S = table.data_ptr<int64_t>();
-  S[S_ROWS] = slots.size(0);
-  S[S_COS] = address(cos);
-  S[S_SIN] = address(sin);
-  S[S_CS_LD] = cos.stride(0);
-  S[S_SLOTS] = address(slots);
-  S[S_KEYS] = address(keys);
-  S[S_KEY_STRIDE] = keys.stride(0);
-  S[S_LENS] = address(lens);
-  S[S_THREADS] = threads;
-  S[S_DECODE_THREADS] = decode_threads;
-  S[S_DECODE_STRIDE] = decode_stride;
-  return table;
+// The routing settings of a MoE row: [scoring, method, n_group, topk_group, top_k, norm_topk_prob, n_experts, 0]
+// (mla_kernels.cpu_tables.route_config builds them); the router [E, d] float32 and its correction bias [E] or None.
+void expect_route(const Tensor& router, const Tensor& route, const OptTensor& bias, int64_t d, const char* op) {
+  expect(route, at::kLong, {8}, op, "route");
+  const int64_t* r = ptr<const int64_t>(route);
+  const int64_t experts = r[6];
+  TORCH_CHECK_VALUE(experts >= 1 && r[2] >= 1 && experts % r[2] == 0 && r[3] >= 1 && r[3] <= r[2] && r[4] >= 1 &&
+                        r[4] <= std::min<int64_t>(experts, MLA_MOE_MAX_TOPK) && r[0] >= 0 && r[0] <= 1 && r[1] >= 0 &&
+                        r[1] <= 2,
+                    op, ": a routing the kernel does not run (", route, ")");
+  expect(router, at::kFloat, {experts, d}, op, "router");
+  if (bias.has_value()) expect(*bias, at::kFloat, {experts}, op, "route bias");
 }
 
-std::vector<int64_t> table_widths() { return {MLP_FIELDS, L_FIELDS, S_FIELDS}; }
+// A MoE layer for one float32 row x [..., d]: router logits, routing, then the chosen experts this table holds
+// (global ids first .. first + count - 1 are its rows 0 .. count - 1) and the shared experts (row `shared`, or -1).
+Tensor moe_row(const Tensor& x, const MlpRef& table, const Tensor& router, const Tensor& route, const OptTensor& bias,
+               double scaling, int64_t first, int64_t count, int64_t shared) {
+  const Tensor row = table_row(x, *table, "moe_row");
+  expect_route(router, route, bias, table->hidden, "moe_row");
+  TORCH_CHECK_VALUE(count >= 0 && count <= table->size() && shared >= -1 && shared < table->size() && first >= 0,
+                    "moe_row: experts ", first, " + ", count, " and shared row ", shared, " of a table of ",
+                    table->size());
+  const int64_t experts = ptr<const int64_t>(route)[6], groups = ptr<const int64_t>(route)[2];
+  Tensor y = at::empty(x.sizes(), row.options());
+  Tensor scratch =
+      at::empty({3 * table->max_inter + 5 * experts + groups + MLA_MOE_MAX_TOPK + 1}, row.options());
+  mla_moe_row(ptr<const float>(row), ptr<float>(y), table->hidden, ptr<const float>(router), ptr<const int64_t>(route),
+              ptr<const float>(bias), static_cast<float>(scaling), ptr<const int64_t>(table->table), first, count,
+              shared, ptr<float>(scratch), table->max_inter, threads());
+  return y;
+}
 
-int64_t i8_variants() { return mla_i8_variants(); }
-void i8_select(int64_t variant) { mla_i8_select(variant); }
-int64_t i4_variants() { return mla_i4_variants(); }
+// A decoder layer's weights (../mla_cpu.h, enum LayerField), checked against dims = [d, q_lora, heads, d_n, d_r, d_c,
+// d_v]: with q_lora, qa is the stacked [q_a ; kv_a] projection, qb q_b and q_norm the q_a norm; without, qa is
+// q_proj and kva kv_a. floats: the four norms' eps, the softmax scale and the routed scaling factor. mlp (or None:
+// the caller runs the MLP) is the dense MLP (its row 0) or, with a router, the MoE layer's experts.
+struct LayerTable : torch::CustomClassHolder {
+  Tensor table;
+  std::vector<Tensor> keep;
+  MlpRef mlp;
+  int64_t hidden = 0, heads = 0, d_c = 0;
+
+  LayerTable(const Tensor& in_norm, const Tensor& post_norm, const OptTensor& q_norm, const Tensor& kv_norm,
+             const Tensor& qa, const OptTensor& qa_scales, const OptTensor& kva, const OptTensor& kva_scales,
+             const OptTensor& qb, const OptTensor& qb_scales, const Tensor& w_uk, const Tensor& w_uv_t,
+             const Tensor& o, const OptTensor& o_scales, c10::optional<MlpRef> mlp_table,
+             const OptTensor& router, const OptTensor& route, const OptTensor& route_bias, int64_t first,
+             int64_t count, int64_t shared, at::IntArrayRef dims, bool interleave, at::ArrayRef<double> floats) {
+    const char* op = "LayerTable";
+    TORCH_CHECK_VALUE(dims.size() == 7 && floats.size() == 6, "LayerTable: dims are d, q_lora, heads, d_n, d_r, d_c, ",
+                      "d_v; floats the four norms' eps, the softmax scale and the routed scaling factor");
+    const int64_t d = dims[0], q_lora = dims[1], d_n = dims[3], d_r = dims[4], d_v = dims[6];
+    hidden = d, heads = dims[2], d_c = dims[5];
+    const int64_t qk = d_n + d_r;
+    TORCH_CHECK_VALUE(kva.has_value() != (q_lora > 0) && qb.has_value() == (q_lora > 0) &&
+                          q_norm.has_value() == (q_lora > 0),
+                      "LayerTable: with q_lora the stacked q_a/kv_a, q_b and the q_a norm; without, q_proj and kv_a");
+    table = at::zeros({L_FIELDS}, at::kLong);
+    int64_t* L = table.data_ptr<int64_t>();
+    auto norm = [&](int field, const Tensor& t, int64_t width, const char* name) {
+      expect(t, at::kFloat, {width}, op, name);
+      keep.push_back(t);
+      L[field] = address(t);
+    };
+    norm(L_IN_NORM, in_norm, d, "in_norm");
+    norm(L_POST_NORM, post_norm, d, "post_norm");
+    if (q_norm.has_value()) norm(L_Q_NORM, *q_norm, q_lora, "q_norm");
+    norm(L_KV_NORM, kv_norm, d_c, "kv_norm");
+    auto weights = [&](int field, const Tensor& w, const OptTensor& s, int64_t n, int64_t k, const char* name) {
+      operand(L + field, w, s, n, k, name);
+      keep.push_back(w);
+      if (s.has_value()) keep.push_back(*s);
+    };
+    weights(L_QA_W, qa, qa_scales, q_lora ? q_lora + d_c + d_r : heads * qk, d, "LayerTable: qa");
+    if (kva.has_value()) weights(L_KVA_W, *kva, kva_scales, d_c + d_r, d, "LayerTable: kva");
+    if (qb.has_value()) weights(L_QB_W, *qb, qb_scales, heads * qk, q_lora, "LayerTable: qb");
+    weights(L_O_W, o, o_scales, d, heads * d_v, "LayerTable: o");
+    const at::ScalarType wt = w_uk.scalar_type() == at::kBFloat16 ? at::kBFloat16 : at::kFloat;
+    expect(w_uk, wt, {heads, d_n, d_c}, op, "w_uk");
+    expect(w_uv_t, wt, {heads, d_c, d_v}, op, "w_uv_t");
+    keep.insert(keep.end(), {w_uk, w_uv_t});
+    L[L_W_UK] = address(w_uk);
+    L[L_W_UV_T] = address(w_uv_t);
+    L[L_W_BF16] = wt == at::kBFloat16;
+    if (mlp_table.has_value()) {
+      mlp = *mlp_table;
+      TORCH_CHECK_VALUE(mlp->hidden == d, "LayerTable: the MLP table's width ", mlp->hidden, " is not the layer's ", d);
+      L[L_MLP_TABLE] = address(mlp->table);
+      L[L_MAX_INTER] = mlp->max_inter;
+    }
+    L[L_SHARED] = -1;
+    if (router.has_value()) {
+      TORCH_CHECK_VALUE(mlp && route.has_value(), "LayerTable: a router comes with its routing and experts' table");
+      expect_route(*router, *route, route_bias, d, op);
+      TORCH_CHECK_VALUE(count >= 0 && count <= mlp->size() && shared >= -1 && shared < mlp->size() && first >= 0,
+                        "LayerTable: experts ", count, " and shared row ", shared, " do not fit the MLP table");
+      keep.insert(keep.end(), {*router, *route});
+      if (route_bias.has_value()) keep.push_back(*route_bias);
+      L[L_ROUTER] = address(router);
+      L[L_ROUTE] = address(route);
+      L[L_ROUTE_BIAS] = address(route_bias);
+      L[L_FIRST] = first;
+      L[L_COUNT] = count;
+      L[L_SHARED] = shared;
+    }
+    const int fields[7] = {L_D, L_Q_LORA, L_HEADS, L_D_N, L_D_R, L_D_C, L_D_V};
+    for (int i = 0; i < 7; ++i) L[fields[i]] = dims[i];
+    L[L_INTERLEAVE] = interleave;
+    Tensor f = at::empty({6}, at::kFloat);
+    for (int i = 0; i < 6; ++i) f.data_ptr<float>()[i] = static_cast<float>(floats[i]);
+    keep.push_back(f);
+    L[L_FLOATS] = address(f);
+  }
+  bool runs_mlp() const { return static_cast<bool>(mlp); }
+
+  // The weight formats of the layer's products (q_a / q_proj, kv_a, q_b, o_proj, where present), then its MLPs'.
+  std::vector<std::string> kinds() const {
+    std::vector<std::string> out;
+    const int64_t* L = table.data_ptr<int64_t>();
+    for (int field : {L_QA_W, L_KVA_W, L_QB_W, L_O_W})
+      if (L[field] != 0) out.push_back(kind_name(L[field + 2]));
+    if (mlp)
+      for (const std::string& k : mlp->kinds()) out.push_back(k);
+    return out;
+  }
+};
+
+// A decode step's rows (../mla_cpu.h, enum StepField) for layers of `heads` heads and latent width d_c: RoPE tables
+// cos / sin [T, d_r / 2] (rows with a stride), each row's cache slot slots [T] and its keys' slots keys [T, L] with
+// their counts lens [T] (int64). One scratch buffer serves every layer of the step.
+struct DecodeStep : torch::CustomClassHolder {
+  Tensor table, scratch;
+  std::vector<Tensor> keep;
+  int64_t rows = 0, heads = 0, d_c = 0, max_slot = -1;
+
+  DecodeStep(const Tensor& cos, const Tensor& sin, const Tensor& slots, const Tensor& keys, const Tensor& lens,
+             int64_t heads_, int64_t d_c_) {
+    const char* op = "DecodeStep";
+    rows = slots.numel(), heads = heads_, d_c = d_c_;
+    TORCH_CHECK_VALUE(rows >= 1 && rows <= MLA_FEW_ROWS && heads >= 1 && d_c >= 1 && cos.dim() == 2, op, ": 1 to ",
+                      MLA_FEW_ROWS, " rows, got ", rows);
+    expect_rows(cos, {rows, cos.size(1)}, op, "cos");
+    expect_rows(sin, cos.sizes(), op, "sin");
+    TORCH_CHECK_VALUE(rows == 1 || sin.stride(0) == cos.stride(0), op, ": cos and sin rows lie alike");
+    expect(slots, at::kLong, {rows}, op, "slots");
+    expect_keys(keys, lens, rows, INT64_MAX, op);
+    const int64_t* s = ptr<const int64_t>(slots);
+    for (int64_t t = 0; t < rows; ++t) {
+      TORCH_CHECK_VALUE(s[t] >= 0, op, ": slot ", s[t]);
+      const int64_t* k = ptr<const int64_t>(keys) + t * keys.stride(0);
+      max_slot = std::max({max_slot, s[t], *std::max_element(k, k + ptr<const int64_t>(lens)[t])});
+    }
+    keep = {cos, sin, slots, keys, lens};
+    const int64_t nt = decode_threads(heads), group = cdiv(heads, nt);
+    table = at::zeros({S_FIELDS}, at::kLong);
+    int64_t* S = table.data_ptr<int64_t>();
+    S[S_ROWS] = rows;
+    S[S_COS] = address(cos);
+    S[S_SIN] = address(sin);
+    S[S_CS_LD] = cos.stride(0);
+    S[S_SLOTS] = address(slots);
+    S[S_KEYS] = address(keys);
+    S[S_KEY_STRIDE] = keys.stride(0);
+    S[S_LENS] = address(lens);
+    S[S_THREADS] = threads();
+    S[S_DECODE_THREADS] = nt;
+    S[S_DECODE_STRIDE] = rows * group * 2 * d_c + group * keys.size(1);
+    scratch = at::empty({0}, at::kFloat);
+  }
+};
+
+using LayerRef = c10::intrusive_ptr<LayerTable>;
+using StepRef = c10::intrusive_ptr<DecodeStep>;
+
+// One decoder layer over the step's rows: x [T, d] (contiguous float32) updated in place, the new latents written
+// into cache (the layer's [S, d_c + d_r] float32 rows). Returns True when the layer's MLP ran too, else the caller
+// runs it on post_norm(x), left at the start of the step's scratch (decoder_layer_hidden).
+bool decoder_layer(const LayerRef& layer, const StepRef& step, const Tensor& x, const Tensor& cache) {
+  const char* op = "decoder_layer";
+  TORCH_CHECK_VALUE(layer->heads == step->heads && layer->d_c == step->d_c, op, ": a step of ", step->heads,
+                    " heads and latent ", step->d_c, " for a layer of ", layer->heads, " and ", layer->d_c);
+  expect(x, at::kFloat, {step->rows, layer->hidden}, op, "x");
+  const int64_t width = layer->table.data_ptr<int64_t>()[L_D_C] + layer->table.data_ptr<int64_t>()[L_D_R];
+  expect(cache, at::kFloat, {cache.size(0), width}, op, "cache");
+  TORCH_CHECK_VALUE(step->max_slot < cache.size(0), op, ": the step reads cache slot ", step->max_slot,
+                    ", the cache holds ", cache.size(0));
+  const int64_t need = mla_decoder_layer_scratch(ptr<const int64_t>(layer->table), ptr<const int64_t>(step->table));
+  if (step->scratch.numel() < need) step->scratch = at::empty({need}, at::kFloat);
+  return mla_decoder_layer(ptr<const int64_t>(layer->table), ptr<const int64_t>(step->table), ptr<float>(x),
+                           ptr<float>(cache), ptr<float>(step->scratch)) != 0;
+}
+
+// After a decoder_layer call that left the MLP to the caller: RMSNorm(x) (post-attention), a view of the step's
+// scratch [T, d], valid until the step's next call.
+Tensor decoder_layer_hidden(const StepRef& step, int64_t d) {
+  TORCH_CHECK_VALUE(step->scratch.numel() >= step->rows * d, "decoder_layer_hidden: no layer ran on this step");
+  return step->scratch.narrow(0, 0, step->rows * d).view({step->rows, d});
+}
+
+// -- what this library holds -----------------------------------------------------------------------------------
+
+// The products' variants, each "int8.<name>:runs" or "...:cannot run here" (int8, then int4).
+std::vector<std::string> product_variants() {
+  std::vector<std::string> out;
+  const int64_t masks[2] = {mla_i8_variants(), mla_i4_variants()};
+  const char* kinds[2] = {"int8", "int4"};
+  for (int f = 0; f < 2; ++f)
+    for (int64_t i = 0; i < 2; ++i)
+      out.push_back(std::string(kinds[f]) + "." + VARIANTS[i] + (masks[f] >> i & 1 ? ":runs" : ":cannot run here"));
+  return out;
+}
+
+c10::Dict<std::string, int64_t> limits() {
+  c10::Dict<std::string, int64_t> out;
+  out.insert("few_rows", MLA_FEW_ROWS);
+  out.insert("quant_rows", MLA_QUANT_ROWS);
+  out.insert("moe_max_topk", MLA_MOE_MAX_TOPK);
+  return out;
+}
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mla_kernels, m) {
-  m.def("gemv_f32(Tensor w, Tensor x, Tensor(a!) y, int n, int k, int threads) -> ()");
-  m.def("gemv_bf16(Tensor w, Tensor x, Tensor(a!) y, int n, int k, int threads) -> ()");
-  m.def("gemv_i8(Tensor w, Tensor scale, Tensor x, Tensor(a!) y, int n, int k, int threads) -> ()");
-  m.def("gemm_few_f32(Tensor w, Tensor x, Tensor(a!) y, int m, int n, int k, int threads) -> ()");
-  m.def("gemm_few_bf16(Tensor w, Tensor x, Tensor(a!) y, int m, int n, int k, int threads) -> ()");
-  m.def("gemm_few_i8(Tensor w, Tensor scale, Tensor x, Tensor(a!) y, int m, int n, int k, int threads) -> ()");
-  m.def("gemm_fp8(Tensor w, Tensor scale, int bn, int bk, Tensor x, Tensor(a!) y, int m, int n, int k, "
-        "int threads) -> ()");
-  m.def("gemm_i4(Tensor w, Tensor scales, Tensor x, Tensor(a!) y, int rows, int n, int k, int threads, "
-        "int variant) -> ()");
-  m.def("i4_from_stored(Tensor src, Tensor(a!) dst, int groups, int threads) -> ()");
-  m.def("rms_norm_f32(Tensor x, int ld, Tensor weight, Tensor(a!) y, int m, int k, float eps) -> ()");
-  m.def("absorbed_decode(Tensor q_n, int qn_t, int qn_h, Tensor q_r, int qr_t, int qr_h, Tensor w_uk, "
-        "Tensor w_uv_t, Tensor cache, Tensor slots, int slot_stride, Tensor lens, float scale, Tensor(a!) out, "
-        "Tensor(b!) scratch, int scratch_stride, int rows, int heads, int d_n, int d_r, int d_c, int d_v, "
-        "int threads) -> ()");
-  m.def("rope_store(Tensor latent, int lat_ld, Tensor norm, float eps, Tensor(a!) q, int q_t, int q_h, int heads, "
-        "int d_n, Tensor cos, Tensor sin, int cs_ld, Tensor(b!) cache, Tensor slots, int rows, int d_c, int d_r, "
-        "int interleave) -> ()");
-  m.def("gated_mlps(Tensor x, Tensor(a!) y, int d, Tensor table, int[] ids, float[] weights, Tensor(b!) scratch, "
-        "int threads) -> ()");
-  m.def("moe_row(Tensor x, Tensor(a!) y, int d, Tensor router, Tensor route, Tensor? bias, float scaling, "
-        "Tensor table, int first, int count, int shared, Tensor(b!) scratch, int max_inter, int threads) -> ()");
-  m.def("decoder_layer_scratch(Tensor layer, Tensor step) -> int");
-  m.def("decoder_layer(Tensor layer, Tensor step, Tensor(a!) x, Tensor(b!) cache, Tensor(c!) scratch) -> int");
-  m.def("mlp_table(Tensor[] gate_up, Tensor?[] gate_up_scales, Tensor[] down, Tensor?[] down_scales, "
-        "int i4_variant) -> Tensor");
-  m.def("layer_table(Tensor in_norm, Tensor post_norm, Tensor? q_norm, Tensor kv_norm, Tensor qa, "
-        "Tensor? qa_scales, Tensor? kva, Tensor? kva_scales, Tensor? qb, Tensor? qb_scales, Tensor w_uk, "
-        "Tensor w_uv_t, Tensor o, Tensor? o_scales, Tensor? mlp, int max_inter, Tensor? router, Tensor? route, "
-        "Tensor? route_bias, int first, int count, int shared, int[] dims, bool interleave, Tensor floats, "
-        "int i4_variant) -> Tensor");
-  m.def("step_table(Tensor cos, Tensor sin, Tensor slots, Tensor keys, Tensor lens, int threads, "
-        "int decode_threads, int decode_stride) -> Tensor");
-  m.def("table_widths() -> int[]", &table_widths);  // the builders' table widths (shape functions read them)
-  m.def("i8_variants() -> int", &i8_variants);
-  m.def("i8_select(int variant) -> ()", &i8_select);
-  m.def("i4_variants() -> int", &i4_variants);
+  m.class_<MlpTable>("MlpTable").def("size", &MlpTable::size).def("kinds", &MlpTable::kinds);
+  m.class_<LayerTable>("LayerTable").def("runs_mlp", &LayerTable::runs_mlp).def("kinds", &LayerTable::kinds);
+  m.class_<DecodeStep>("DecodeStep");
+  m.def("linear(Tensor x, Tensor w, Tensor? scales=None, int[] block=[], str variant=\"auto\") -> Tensor");
+  m.def("int4_from_stored(Tensor stored) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("absorbed_decode(Tensor q_n, Tensor q_r, Tensor w_uk, Tensor w_uv_t, Tensor cache, Tensor slots, "
+        "Tensor lens, float scale) -> Tensor");
+  m.def("rope_store(Tensor latent, Tensor norm, float eps, Tensor(a!) q, int d_n, Tensor cos, Tensor sin, "
+        "Tensor(b!) cache, Tensor slots, bool interleave) -> ()");
+  m.def("mlp_table(Tensor[] gate_up, Tensor?[] gate_up_scales, Tensor[] down, Tensor?[] down_scales) -> "
+        "__torch__.torch.classes.mla_kernels.MlpTable",
+        [](at::TensorList gu, const c10::List<OptTensor>& gus, at::TensorList dn, const c10::List<OptTensor>& dns) {
+          return c10::make_intrusive<MlpTable>(gu, gus, dn, dns);
+        });
+  m.def("gated_mlps(Tensor x, __torch__.torch.classes.mla_kernels.MlpTable table, int[] ids, float[] weights) -> "
+        "Tensor",
+        &gated_mlps);
+  m.def("moe_row(Tensor x, __torch__.torch.classes.mla_kernels.MlpTable table, Tensor router, Tensor route, "
+        "Tensor? bias, float scaling, int first, int count, int shared) -> Tensor",
+        &moe_row);
+  m.def("layer_table(Tensor in_norm, Tensor post_norm, Tensor? q_norm, Tensor kv_norm, Tensor qa, Tensor? qa_scales, "
+        "Tensor? kva, Tensor? kva_scales, Tensor? qb, Tensor? qb_scales, Tensor w_uk, Tensor w_uv_t, Tensor o, "
+        "Tensor? o_scales, __torch__.torch.classes.mla_kernels.MlpTable? mlp, Tensor? router, Tensor? route, "
+        "Tensor? route_bias, int first, int count, int shared, int[] dims, bool interleave, float[] floats) -> "
+        "__torch__.torch.classes.mla_kernels.LayerTable",
+        [](const Tensor& in_norm, const Tensor& post_norm, const OptTensor& q_norm, const Tensor& kv_norm,
+           const Tensor& qa, const OptTensor& qa_s, const OptTensor& kva, const OptTensor& kva_s, const OptTensor& qb,
+           const OptTensor& qb_s, const Tensor& w_uk, const Tensor& w_uv_t, const Tensor& o, const OptTensor& o_s,
+           c10::optional<MlpRef> mlp, const OptTensor& router, const OptTensor& route, const OptTensor& bias,
+           int64_t first, int64_t count, int64_t shared, at::IntArrayRef dims, bool interleave,
+           at::ArrayRef<double> floats) {
+          return c10::make_intrusive<LayerTable>(in_norm, post_norm, q_norm, kv_norm, qa, qa_s, kva, kva_s, qb, qb_s,
+                                                 w_uk, w_uv_t, o, o_s, std::move(mlp), router, route, bias, first,
+                                                 count, shared, dims, interleave, floats);
+        });
+  m.def("decode_step(Tensor cos, Tensor sin, Tensor slots, Tensor keys, Tensor lens, int heads, int d_c) -> "
+        "__torch__.torch.classes.mla_kernels.DecodeStep",
+        [](const Tensor& cos, const Tensor& sin, const Tensor& slots, const Tensor& keys, const Tensor& lens,
+           int64_t heads, int64_t d_c) { return c10::make_intrusive<DecodeStep>(cos, sin, slots, keys, lens, heads, d_c); });
+  m.def("decoder_layer(__torch__.torch.classes.mla_kernels.LayerTable layer, "
+        "__torch__.torch.classes.mla_kernels.DecodeStep step, Tensor(a!) x, Tensor(b!) cache) -> bool",
+        &decoder_layer);
+  m.def("decoder_layer_hidden(__torch__.torch.classes.mla_kernels.DecodeStep step, int d) -> Tensor",
+        &decoder_layer_hidden);
+  m.def("product_variants() -> str[]", &product_variants);
+  m.def("limits() -> Dict(str, int)", &limits);
 }
 
 TORCH_LIBRARY_IMPL(mla_kernels, CPU, m) {
-  m.impl("gemv_f32", &gemv_f32);
-  m.impl("gemv_bf16", &gemv_bf16);
-  m.impl("gemv_i8", &gemv_i8);
-  m.impl("gemm_few_f32", &gemm_few_f32);
-  m.impl("gemm_few_bf16", &gemm_few_bf16);
-  m.impl("gemm_few_i8", &gemm_few_i8);
-  m.impl("gemm_fp8", &gemm_fp8);
-  m.impl("gemm_i4", &gemm_i4);
-  m.impl("i4_from_stored", &i4_from_stored);
-  m.impl("rms_norm_f32", &rms_norm_f32);
+  m.impl("linear", &linear);
+  m.impl("int4_from_stored", &int4_from_stored);
+  m.impl("rms_norm", &rms_norm);
   m.impl("absorbed_decode", &absorbed_decode);
   m.impl("rope_store", &rope_store);
-  m.impl("gated_mlps", &gated_mlps);
-  m.impl("moe_row", &moe_row);
-  m.impl("decoder_layer_scratch", &decoder_layer_scratch);
-  m.impl("decoder_layer", &decoder_layer);
-  m.impl("mlp_table", &mlp_table);
-  m.impl("layer_table", &layer_table);
-  m.impl("step_table", &step_table);
 }

@@ -1,0 +1,148 @@
+"""The compiled CPU kernels checked on this machine, once per process, before any layer takes them: products of small
+integers (exact in float32) with row and column tails against float64, the widening of every FP8 byte and every
+float16 scale, the norm and the absorbed attention against torch. A kind that fails is not used (``failure(kind)``
+says why) and its callers keep their torch paths; a wrong result never reaches a model."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .int4_format import INT4_GROUP, pack_int4
+
+
+def _ops():  # type: ignore[no-untyped-def]
+    return torch.ops.mla_kernels
+
+
+def _exact(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return torch.equal(got.double(), want)
+
+
+@functools.cache
+def failure(kind: str) -> str | None:
+    """None where the kernels of ``kind`` ("core", "bf16", "f16", "fp8", "int4") are exact here, else why not. Only
+    where the operators are loaded (``cpu_ops.failure()`` is None)."""
+    g = torch.Generator().manual_seed(0)
+    return {"core": _core, "bf16": _half, "f16": _half, "fp8": _fp8, "int4": _int4}[kind](g, kind)
+
+
+def _core(g: torch.Generator, kind: str) -> str | None:
+    ops = _ops()
+    for n, k in ((37, 77), (8, 64), (1, 3)):  # row and column tails included
+        w = torch.randint(-2, 3, (n, k), generator=g).float()
+        for rows in (1, 3):
+            x = torch.randint(-2, 3, (rows, k), generator=g).float()
+            exact = x.double() @ w.double().T
+            if not _exact(ops.linear(x, w), exact):
+                return f"the float32 products of {rows} rows differ from the exact result on this CPU"
+            if not _exact(ops.linear(x, w.to(torch.int8), torch.full((n,), 0.5)), exact * 0.5):
+                return f"the int8 products of {rows} rows differ from the exact result on this CPU"
+    xs, weight = torch.randn(3, 40, generator=g), torch.randn(40, generator=g)
+    if not torch.allclose(ops.rms_norm(xs, weight, 1e-6), torch.nn.functional.rms_norm(xs, (40,), weight, 1e-6),
+                          rtol=1e-5, atol=1e-6):
+        return "the RMSNorm kernel differs from torch's on this CPU"
+    return _decode(g)
+
+
+def _decode(g: torch.Generator) -> str | None:
+    """The absorbed decode kernel against the same attention in torch (float64) on a small random layer."""
+    rows, heads, d_n, d_r, d_c, d_v, blocks = 3, 5, 16, 8, 72, 24, 40
+    q_n, q_r = torch.randn(rows, heads, d_n + d_r, generator=g).split([d_n, d_r], dim=-1)
+    w_uk, w_uv_t = torch.randn(heads, d_n, d_c, generator=g), torch.randn(heads, d_c, d_v, generator=g)
+    cache = torch.randn(blocks, d_c + d_r, generator=g)
+    lens = torch.tensor([1, 7, 33])
+    slots = torch.randperm(blocks, generator=g)[:33].repeat(rows, 1)
+    for weights in ((w_uk, w_uv_t), (w_uk.bfloat16(), w_uv_t.bfloat16())):
+        got = _ops().absorbed_decode(q_n, q_r, *weights, cache, slots, lens, 0.3)
+        uk, uv_t = (w.double() for w in weights)
+        for t in range(rows):
+            keys = cache[slots[t, :lens[t]]].double()
+            q_abs = torch.einsum("hn,hnc->hc", q_n[t].double(), uk)
+            p = torch.softmax(0.3 * (torch.cat([q_abs, q_r[t].double()], -1) @ keys.T), dim=-1)
+            want = torch.einsum("hc,hcv->hv", p @ keys[:, :d_c], uv_t)
+            if not torch.allclose(got[t].double(), want, rtol=1e-4, atol=1e-4):
+                return f"the absorbed decode kernel ({weights[0].dtype} weights) differs from torch's attention here"
+    return None
+
+
+def _half(g: torch.Generator, kind: str) -> str | None:
+    dtype = torch.bfloat16 if kind == "bf16" else torch.float16
+    for n, k, rows in ((37, 77, 1), (8, 64, 5), (3, 5, 8)):
+        w = torch.randint(-3, 4, (n, k), generator=g).to(dtype)
+        w[0, -1] = 0.375  # a fraction: the widening keeps the mantissa
+        x = torch.randint(-3, 4, (rows, k), generator=g).float()
+        if not _exact(_ops().linear(x, w), x.double() @ w.double().T):
+            return f"the {dtype}-weight products differ from the exact result on this CPU"
+    return None
+
+
+def _fp8(g: torch.Generator, kind: str) -> str | None:
+    ops = _ops()
+    every = torch.zeros(512, 17, dtype=torch.uint8)
+    every[:256, 5] = every[256:, 16] = torch.arange(256, dtype=torch.uint8)  # each byte, in a vector and in the tail
+    weight = every.view(torch.float8_e4m3fn)
+    want = weight[:, 5].float().add(weight[:, 16].float()) * 0.5
+    for rows in (1, 5):  # straight from the bytes, and through a widened row
+        x = torch.zeros(rows, 17)
+        x[:, 5] = x[:, 16] = 1.0
+        got = ops.linear(x, weight, torch.full((4, 2), 0.5), [128, 16])
+        if not torch.equal(torch.isnan(got), torch.isnan(want).expand(rows, -1)) or not torch.equal(
+                torch.nan_to_num(got), torch.nan_to_num(want).expand(rows, -1)):
+            return "the FP8 kernel widens e4m3 bytes wrongly on this CPU"
+    for n, k, block, rows in ((37, 77, (16, 32), 1), (37, 77, (16, 32), 9), (8, 64, (128, 128), 3), (3, 5, (1, 2), 2)):
+        weight = torch.randint(-2, 3, (n, k), generator=g).float().to(torch.float8_e4m3fn)
+        shape = (-(-n // block[0]), -(-k // block[1]))
+        scale = torch.tensor([0.25, 0.5, 2.0])[torch.randint(0, 3, shape, generator=g)]
+        x = torch.randint(-2, 3, (rows, k), generator=g).float()
+        wide = weight.double() * scale.double().repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+        if not _exact(ops.linear(x, weight, scale, list(block)), x.double() @ wide.T):
+            return "the FP8 kernel's products differ from the exact result on this CPU"
+    return None
+
+
+def _int4(g: torch.Generator, kind: str) -> str | None:
+    """Every variant the CPU executes: the widening of every finite float16 scale, then products with row and group
+    tails whose activations round to themselves (each group's largest magnitude 127: scale 1) and whose sums are
+    exact in float32."""
+    runs = [v.split(":")[0].split(".")[1] for v in _ops().product_variants() if v.startswith("int4.")
+            and v.endswith(":runs")]
+    if not runs:
+        return "no int4 variant runs on this CPU"
+    for variant in runs:
+        why = _int4_variant(g, variant)
+        if why is not None:
+            return why
+    return None
+
+
+def _int4_variant(g: torch.Generator, variant: str) -> str | None:
+    ops = _ops()
+    # every finite float16 bit pattern as a scale: row j of x picks group j of each weight row, times 127
+    bits = torch.arange(1 << 16, dtype=torch.int32)
+    finite = bits[(bits & 0x7C00) != 0x7C00].to(torch.int16).view(torch.float16)
+    groups = 32
+    n = finite.numel() // groups
+    scales = finite[:n * groups].reshape(n, groups)
+    q = torch.zeros(n, groups * INT4_GROUP, dtype=torch.int8)
+    q[:, ::INT4_GROUP] = 1
+    x = torch.zeros(groups, groups * INT4_GROUP)
+    x[torch.arange(groups), torch.arange(groups) * INT4_GROUP] = 127.0
+    if not torch.equal(ops.linear(x, pack_int4(q), scales, variant=variant), scales.float().T * 127):
+        return f"the int4 kernel ({variant}) widens float16 scales wrongly on this CPU"
+    for n, k, rows in ((37, 64, 1), (37, 96, 3), (9, 40, 9), (70, 512, 13), (5, 32, 64), (6, 200, 5)):
+        kp = -(-k // INT4_GROUP) * INT4_GROUP
+        q = torch.randint(-8, 8, (n, kp), generator=g, dtype=torch.int8)
+        q[:, k:] = 0
+        x = torch.randint(-3, 4, (rows, k), generator=g).float()
+        x[:, ::INT4_GROUP] = 127.0 * (torch.randint(0, 2, x[:, ::INT4_GROUP].shape, generator=g) * 2 - 1)
+        one = torch.randint(-(1 << 15), 1 << 15, (n, 1), generator=g, dtype=torch.int32)  # one scale a row: any value
+        one = torch.where((one & 0x7C00) == 0x7C00, one & ~0x4000, one).to(torch.int16).view(torch.float16)
+        one = torch.where(one.float().abs() > 1e3, one / 256, one)  # sums of products stay exact in float32
+        per_group = torch.tensor([0.25, 0.5, 1.0, 2.0])[torch.randint(0, 4, (n, kp // INT4_GROUP), generator=g)]
+        for scales in (one.expand(n, kp // INT4_GROUP).contiguous(), per_group.half()):
+            wide = (q.double().view(n, -1, INT4_GROUP) * scales.double().unsqueeze(2)).view(n, kp)[:, :k]
+            if not _exact(ops.linear(x, pack_int4(q), scales, variant=variant), x.double() @ wide.T):
+                return f"the int4 kernel's ({variant}) products differ from the exact result on this CPU"
+    return None

@@ -1,0 +1,99 @@
+"""The decode step's compiled CPU kernels, as typed torch operators (``torch.ops.mla_kernels``, built by ``cpu_ops``;
+their sources are ``csrc/*.c`` and ``csrc/ops/cpu_kernels.cpp``):
+
+- ``linear(x, w, scales=None, block=[], variant="auto")``: ``x · Wᵀ`` in float32 for a few rows and every weight
+  format: float32, bfloat16 and float16 (1 to ``max_rows`` rows; half weights read at two bytes and widened
+  exactly), int8 with float32 row scales (rows rounded to int16), block-FP8 with its block scales, and group-wise
+  int4 (ggml's Q4_0 numbers: ``mla_kernels.int4_format``; rows rounded to int8 per group of 32). int8 and int4 run
+  an AVX2 or an AVX-512 VNNI variant with the same bits (``variants``);
+- ``rms_norm``, ``absorbed_decode`` (absorption into the latent, attention over the paged latent cache,
+  up-projection), ``rope_store`` (the latent side of a step: norm, RoPE, cache write);
+- ``mlp_table`` / ``gated_mlps`` / ``moe_row``: gated MLPs of one row, or a MoE layer's router, routing, routed and
+  shared experts in one call; ``layer_table`` / ``decode_step`` / ``decoder_layer``: a whole decoder layer of one to
+  ``max_rows`` rows (``mla_kernels.cpu_tables`` builds the tables).
+
+Every operator reads its sizes from its tensors and refuses (``ValueError``) what they do not hold.
+
+Why they exist: a decode step at batch 1 multiplies one row by every weight matrix, streaming each from memory once.
+oneDNN and MKL reach the memory bandwidth only on large matrices: on a 2-core AMD EPYC (Zen 3, AVX2) with the
+weights out of cache (``bench/bench_gemv.py``) oneDNN streams a ``[512, 256]`` weight at 4.2 GB/s, ``[1024, 512]``
+at 7.6 and ``[4096, 1024]`` at 15.1 GB/s, where the machine streams 16–25 GB/s; the kernels read each thread's rows
+front to back as two streams with the input rows in L1. A step's small operations cost more in dispatch than in
+arithmetic (``F.rms_norm`` of one row: about 35 µs; a MoE router in torch ops: about 120 µs), hence the norm, the
+attention, the MoE layer and then the whole decoder layer as single calls (bench/RESULTS.md).
+
+``failure(kind)`` (once per process) is None where the operators loaded and ``cpu_check`` found the kind's kernels
+exact on this CPU; else the reason, and callers keep their torch paths (``mla_runtime.layers.cpu_gemm``). Results
+equal torch's to float rounding (another summation order), except the int8 and int4 products' rounding of their rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+
+import torch
+
+from . import cpu_check, cpu_ops
+
+KINDS = ("core", "bf16", "f16", "fp8", "int4")  # the kernels' families, as cpu_check checks them
+
+
+@functools.cache
+def failure(kind: str = "core") -> str | None:
+    """None where the kernels of ``kind`` (``KINDS``; "core": float32 and int8 products, the norm, the attention and
+    the tables) are built and exact on this machine, else why not. Every kind needs "core"."""
+    if not cpu_ops.x86():
+        return f"the kernels are written for x86-64 (this CPU: {platform.machine()})"
+    why = cpu_ops.failure()
+    if why is not None:
+        return why
+    return cpu_check.failure("core") if kind == "core" else failure("core") or cpu_check.failure(kind)
+
+
+def ops():  # type: ignore[no-untyped-def]
+    """``torch.ops.mla_kernels``; only where ``failure()`` is None."""
+    assert failure() is None, f"the CPU kernels are not loaded: {failure()}"
+    return torch.ops.mla_kernels
+
+
+@functools.cache
+def _limits() -> dict[str, int]:
+    return dict(torch.ops.mla_kernels.limits()) if failure() is None else {}
+
+
+def max_rows(weight: torch.dtype) -> int:
+    """How many rows one ``linear`` call takes with weights of this dtype (0 where the kernels do not run)."""
+    quantized = weight in (torch.int8, torch.uint8, torch.float8_e4m3fn)
+    return _limits().get("quant_rows" if quantized else "few_rows", 0)
+
+
+def max_topk() -> int:
+    """The most experts ``moe_row`` routes a row to."""
+    return _limits().get("moe_max_topk", 0)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None, *,
+           block: tuple[int, ...] = (), variant: str = "auto", bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x · Wᵀ (+ bias)`` in float32 for 1 to ``max_rows(weight.dtype)`` rows ``x [..., K]`` (module docstring)."""
+    y = ops().linear(x, weight, scales, list(block), variant)
+    return y if bias is None else y.add_(bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``F.rms_norm(x, (K,), weight, eps)`` for float32 rows ``x [..., K]``, on one thread."""
+    return ops().rms_norm(x, weight, eps)  # type: ignore[no-any-return]
+
+
+@functools.cache
+def _variants() -> tuple[tuple[str, bool], ...]:
+    if cpu_ops.failure() is not None or not cpu_ops.x86():
+        return ()
+    return tuple((v.split(":")[0], v.endswith(":runs")) for v in torch.ops.mla_kernels.product_variants())
+
+
+def variants(kind: str, runs_only: bool = True) -> tuple[str, ...]:
+    """The variants of the ``kind`` ("int8" or "int4") products, slowest first: those this CPU executes, or all that
+    are built (``runs_only=False``). They give identical results; ``linear`` takes the fastest unless told."""
+    return tuple(name.split(".", 1)[1] for name, runs in _variants()
+                 if name.startswith(kind + ".") and (runs or not runs_only))
