@@ -323,9 +323,9 @@ def _matrices(config: ModelConfig, tp: int, num_mtp_layers: int = 0) -> list[_Ma
 
 def _stored_bytes(matrix: _Matrix, fmt: str, element: int, fp8_block: tuple[int, int]) -> int:
     """Bytes of one matrix in ``fmt``: ``float`` (``element`` bytes a value), ``int8`` (a byte a value, a bfloat16
-    scale per row), ``bf16`` / ``fp16`` (two bytes a value), ``int4`` (half a byte a value and a float16 scale per 32 values of a
-    row, ``K`` padded to a whole group) or ``fp8`` (a byte a value, a float32 scale per ``fp8_block``, each checkpoint
-    part with its own blocks)."""
+    scale per row), ``bf16`` / ``fp16`` (two bytes a value), ``int4`` (half a byte a value and a float16 scale per 32
+    values of a row, ``K`` padded to a whole group) or ``fp8`` (a byte a value, a float32 scale per ``fp8_block``,
+    each checkpoint part with its own blocks)."""
     rows, k = sum(matrix.rows), matrix.k
     if fmt == "float":
         return rows * k * element

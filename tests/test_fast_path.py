@@ -1119,6 +1119,33 @@ def test_each_int8_variant_gives_the_same_bits(variant):
         assert torch.equal(cpu_kernels.linear(x, w, scale, variant=variant), default)
 
 
+@pytest.mark.parametrize("variant", ["avx2", "avx512"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_each_few_row_float_variant_is_the_product(variant, dtype):
+    """Each variant of the few-row float products (float32, bfloat16 and float16 weights) is exact on small integers
+    and within float rounding of the float64 product on random rows (column tails of 1 to 15 values included); within
+    a variant a row's result does not depend on the rows beside it. A variant this CPU cannot execute is skipped by
+    name, and asking for it is refused."""
+    if cpu_kernels.failure() is not None:
+        pytest.skip(f"the kernels do not build here: {cpu_kernels.failure()}")
+    assert cpu_kernels.variants("float", runs_only=False) == ("avx2", "avx512")
+    if variant not in cpu_kernels.variants("float"):
+        with pytest.raises(ValueError, match=f"cannot run the {variant} variant"):
+            cpu_kernels.linear(torch.randn(2, 8), torch.ones(4, 8), variant=variant)
+        pytest.skip(f"this CPU does not execute the float products' {variant} variant (it runs "
+                    f"{list(cpu_kernels.variants('float'))})")
+    g = torch.Generator().manual_seed(11)
+    for n, k, rows in ((37, 77, 3), (16, 48, 8), (9, 1030, 5), (1, 16, 2), (40, 2048, 8)):
+        w = torch.randn(n, k, generator=g).to(dtype)
+        ints, x = torch.randint(-3, 4, (rows, k), generator=g).float(), torch.randn(rows, k, generator=g)
+        exact = cpu_kernels.linear(ints, torch.randint(-3, 4, (n, k), generator=g).to(dtype), variant=variant)
+        assert exact.dtype == torch.float32 and torch.equal(exact, exact.round())
+        got = cpu_kernels.linear(x, w, variant=variant)
+        torch.testing.assert_close(got.double(), x.double() @ w.double().T, rtol=1e-5, atol=1e-5 * k ** 0.5)
+        alone = torch.cat([cpu_kernels.linear(x[i:i + 2], w, variant=variant)[:1] for i in range(rows)])
+        assert torch.equal(got, alone)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("path", ["onednn", "upcast"])
 def test_half_weights_take_the_two_byte_kernel_for_few_rows(path, dtype, monkeypatch):

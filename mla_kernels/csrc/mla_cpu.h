@@ -51,9 +51,11 @@ void mla_gemv_half(const uint16_t *w, int64_t kind, const float *x, float *y, in
                    int64_t threads);
 void mla_gemv_i8(const int8_t *w, const float *scale, const float *x, float *y, int64_t n, int64_t k,
                  int64_t threads);
-void mla_gemm_few_f32(const float *w, const float *x, float *y, int64_t m, int64_t n, int64_t k, int64_t threads);
+void mla_gemm_few_f32(const float *w, const float *x, float *y, int64_t m, int64_t n, int64_t k, int64_t threads,
+                      int64_t variant);
+int64_t mla_float_variants(void);
 void mla_gemm_few_half(const uint16_t *w, int64_t kind, const float *x, float *y, int64_t m, int64_t n, int64_t k,
-                       int64_t threads);
+                       int64_t threads, int64_t variant);
 void mla_gemm_few_i8(const int8_t *w, const float *scale, const float *x, float *y, int64_t m, int64_t n, int64_t k,
                      int64_t threads, int64_t variant);
 int64_t mla_i8_variants(void);

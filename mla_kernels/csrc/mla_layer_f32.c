@@ -34,7 +34,7 @@ static void product(const int64_t *L, int w_field, const float *x, float *y, int
     const int64_t kind = L[w_field + 2];
     if (kind == W_BF16 || kind == W_F16)
         (m == 1 ? mla_gemv_half((const uint16_t *)w, kind, x, y, n, k, threads)
-                : mla_gemm_few_half((const uint16_t *)w, kind, x, y, m, n, k, threads));
+                : mla_gemm_few_half((const uint16_t *)w, kind, x, y, m, n, k, threads, -1));
     else if (kind >= W_I4)
         mla_gemm_i4((const uint8_t *)w, (const uint16_t *)scale, x, y, m, n, k, threads, kind - W_I4);
     else if (kind == W_I8)
@@ -42,7 +42,7 @@ static void product(const int64_t *L, int w_field, const float *x, float *y, int
                 : mla_gemm_few_i8((const int8_t *)w, (const float *)scale, x, y, m, n, k, threads, -1));
     else
         (m == 1 ? mla_gemv_f32((const float *)w, x, y, n, k, threads)
-                : mla_gemm_few_f32((const float *)w, x, y, m, n, k, threads));
+                : mla_gemm_few_f32((const float *)w, x, y, m, n, k, threads, -1));
 }
 
 #define MAX_ROWS MLA_FEW_ROWS  /* rows a call takes */

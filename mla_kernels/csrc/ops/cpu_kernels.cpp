@@ -74,19 +74,21 @@ void expect_keys(const Tensor& slots, const Tensor& lens, int64_t t, int64_t cac
 
 // -- products ------------------------------------------------------------------------------------------------------
 
-// The int8 and int4 products' variants, slowest first (bit i of mla_i8_variants() / mla_i4_variants()).
-const char* const VARIANTS[] = {"avx2", "avx512_vnni"};
+// The products' variants, slowest first (bit i of mla_float_variants() / mla_i8_variants() / mla_i4_variants()):
+// the few-row float products (float32, bfloat16, float16 weights), and the int8 and int4 ones.
+const char* const FLOAT_VARIANTS[] = {"avx2", "avx512"};
+const char* const QUANT_VARIANTS[] = {"avx2", "avx512_vnni"};
 
 // "auto" (-1: the fastest this CPU runs) or the index of a variant the CPU runs.
-int64_t variant_index(c10::string_view name, int64_t runs, const char* op) {
+int64_t variant_index(c10::string_view name, int64_t runs, const char* const* names, const char* op) {
   if (name == "auto") return -1;
   for (int64_t i = 0; i < 2; ++i) {
-    if (name == VARIANTS[i]) {
-      TORCH_CHECK_VALUE(runs >> i & 1, op, ": this CPU cannot run the ", VARIANTS[i], " variant");
+    if (name == names[i]) {
+      TORCH_CHECK_VALUE(runs >> i & 1, op, ": this CPU cannot run the ", names[i], " variant");
       return i;
     }
   }
-  TORCH_CHECK_VALUE(false, op, ": unknown variant '", name, "' (auto, avx2, avx512_vnni)");
+  TORCH_CHECK_VALUE(false, op, ": unknown variant '", name, "' (auto, ", names[0], ", ", names[1], ")");
   return -1;
 }
 
@@ -125,23 +127,26 @@ Tensor linear(const Tensor& x, const Tensor& w, const OptTensor& scales, at::Int
   const float* xp = ptr<const float>(xs);
   float* yp = ptr<float>(y);
   switch (dtype) {
-    case at::kFloat:
+    case at::kFloat: {
       expect(w, dtype, {n, k}, op, "the weight");
-      rows == 1 ? mla_gemv_f32(ptr<const float>(w), xp, yp, n, k, threads())
-                : mla_gemm_few_f32(ptr<const float>(w), xp, yp, rows, n, k, threads());
+      const int64_t v = variant_index(variant, mla_float_variants(), FLOAT_VARIANTS, op);
+      rows == 1 && v < 0 ? mla_gemv_f32(ptr<const float>(w), xp, yp, n, k, threads())
+                         : mla_gemm_few_f32(ptr<const float>(w), xp, yp, rows, n, k, threads(), v);
       break;
+    }
     case at::kBFloat16:
     case at::kHalf: {
       expect(w, dtype, {n, k}, op, "the weight");
       const int64_t kind = dtype == at::kBFloat16 ? W_BF16 : W_F16;
-      rows == 1 ? mla_gemv_half(ptr<const uint16_t>(w), kind, xp, yp, n, k, threads())
-                : mla_gemm_few_half(ptr<const uint16_t>(w), kind, xp, yp, rows, n, k, threads());
+      const int64_t v = variant_index(variant, mla_float_variants(), FLOAT_VARIANTS, op);
+      rows == 1 && v < 0 ? mla_gemv_half(ptr<const uint16_t>(w), kind, xp, yp, n, k, threads())
+                         : mla_gemm_few_half(ptr<const uint16_t>(w), kind, xp, yp, rows, n, k, threads(), v);
       break;
     }
     case at::kChar: {
       expect(w, dtype, {n, k}, op, "the weight");
       expect(*scales, at::kFloat, {n}, op, "the row scales");
-      const int64_t v = variant_index(variant, mla_i8_variants(), op);
+      const int64_t v = variant_index(variant, mla_i8_variants(), QUANT_VARIANTS, op);
       rows == 1 && v < 0 ? mla_gemv_i8(ptr<const int8_t>(w), ptr<const float>(scales), xp, yp, n, k, threads())
                          : mla_gemm_few_i8(ptr<const int8_t>(w), ptr<const float>(scales), xp, yp, rows, n, k,
                                            threads(), v);
@@ -162,7 +167,7 @@ Tensor linear(const Tensor& x, const Tensor& w, const OptTensor& scales, at::Int
       expect(*scales, at::kHalf, {n, kp / 32}, op, "the int4 group scales");
       const int64_t runs = mla_i4_variants();
       TORCH_CHECK_VALUE(runs != 0, "linear: no int4 variant runs on this CPU");
-      const int64_t v = variant_index(variant, runs, op);
+      const int64_t v = variant_index(variant, runs, QUANT_VARIANTS, op);
       mla_gemm_i4(ptr<const uint8_t>(w), ptr<const uint16_t>(scales), xp, yp, rows, n, k, threads(),
                   v < 0 ? fastest(runs) : v);
       break;
@@ -565,14 +570,15 @@ Tensor decoder_layer_hidden(const StepRef& step, int64_t d) {
 
 // -- what this library holds -----------------------------------------------------------------------------------
 
-// The products' variants, each "int8.<name>:runs" or "...:cannot run here" (int8, then int4).
+// The products' variants, each "<family>.<name>:runs" or "...:cannot run here" (float, int8, int4).
 std::vector<std::string> product_variants() {
   std::vector<std::string> out;
-  const int64_t masks[2] = {mla_i8_variants(), mla_i4_variants()};
-  const char* kinds[2] = {"int8", "int4"};
-  for (int f = 0; f < 2; ++f)
+  const int64_t masks[3] = {mla_float_variants(), mla_i8_variants(), mla_i4_variants()};
+  const char* families[3] = {"float", "int8", "int4"};
+  const char* const* names[3] = {FLOAT_VARIANTS, QUANT_VARIANTS, QUANT_VARIANTS};
+  for (int f = 0; f < 3; ++f)
     for (int64_t i = 0; i < 2; ++i)
-      out.push_back(std::string(kinds[f]) + "." + VARIANTS[i] + (masks[f] >> i & 1 ? ":runs" : ":cannot run here"));
+      out.push_back(std::string(families[f]) + "." + names[f][i] + (masks[f] >> i & 1 ? ":runs" : ":cannot run here"));
   return out;
 }
 
