@@ -371,7 +371,8 @@ def main() -> None:
     ap.add_argument("--decode-batch", type=int, default=8,
                     help="--decode-table: the batched decode's size (0: none, as for long contexts)")
     ap.add_argument("--prefill-repeats", type=int, default=3,
-                    help="--decode-table: prefills timed per round at batch 1 (the median is reported)")
+                    help="--decode-table: prefills timed per round at batch 1 (the median is reported; 0: none, "
+                         "as for long contexts, where llama.cpp's prefill alone takes many minutes)")
     ap.add_argument("--decode-steps", type=int, default=32, help="--decode-table: decode steps timed per round")
     ap.add_argument("--formats", nargs="+", default=["f32", "bf16", "q8_0", "q4_0"],
                     help="--decode-table: GGUF formats")

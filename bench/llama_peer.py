@@ -94,8 +94,8 @@ def llama_bench(gguf: Path, threads: int, prompt_len: int, steps: int, prefill_r
         row = json.loads(out)[0]
         return float(statistics.median(row["samples_ts"]) if row.get("samples_ts") else row["avg_ts"])
 
-    return (run(1, "-p", "0", "-n", str(steps), "-d", str(prompt_len)),
-            run(prefill_repeats, "-p", str(prompt_len), "-n", "0"))
+    decode = run(1, "-p", "0", "-n", str(steps), "-d", str(prompt_len))
+    return decode, run(prefill_repeats, "-p", str(prompt_len), "-n", "0") if prefill_repeats else float("nan")
 
 
 def llama_batched(gguf: Path, threads: int, prompt_len: int, steps: int, batch: int) -> float:
@@ -145,11 +145,13 @@ class MlaPeer:
         engine = self.llm.engine
         prompts = self.prompts[:batch]
         prefills = []
-        for _ in range(prefill_repeats - 1 if batch == 1 else 0):  # prefill only: the request ends after its token
+        # prefill only: the request ends after its token
+        for _ in range(prefill_repeats - 1 if batch == 1 and prefill_repeats else 0):
             prefills.append(len(prompts[0]) / self._prefill(prompts, self.once))
             while engine.has_unfinished_requests():
                 engine.step()
-        prefills.append(batch * len(prompts[0]) / self._prefill(prompts, self.params))
+        prefill = batch * len(prompts[0]) / self._prefill(prompts, self.params)
+        prefills.append(prefill if prefill_repeats or batch > 1 else float("nan"))
         engine.step()  # warm-up decode
         times = []
         for _ in range(self.steps):

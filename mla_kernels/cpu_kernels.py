@@ -1,11 +1,11 @@
 """The decode step's compiled CPU kernels, as typed torch operators (``torch.ops.mla_kernels``, built by ``cpu_ops``;
 their sources are ``csrc/*.c`` and ``csrc/ops/cpu_kernels.cpp``):
 
-- ``linear(x, w, scales=None, block=[], variant="auto")``: ``x · Wᵀ`` in float32 for a few rows and every weight
-  format: float32, bfloat16 and float16 (1 to ``max_rows`` rows; half weights read at two bytes and widened
-  exactly), int8 with float32 row scales (rows rounded to int16), block-FP8 with its block scales, and group-wise
-  int4 (ggml's Q4_0 numbers: ``mla_kernels.int4_format``; rows rounded to int8 per group of 32). Each runs an AVX2
-  or an AVX-512 variant, chosen at run time (``variants``; int8 and int4 with the same bits);
+- ``linear(x, w, scales=None, block=[], variant="auto")``: ``x · Wᵀ`` in float32 for every weight format: float32,
+  bfloat16 and float16 (1 to ``max_rows`` rows; half weights read at two bytes and widened exactly); int8 with
+  float32 row scales (rows rounded to int16), block-FP8 with its block scales and group-wise int4 (ggml's Q4_0
+  numbers: ``mla_kernels.int4_format``; rows rounded to int8 per group of 32), any number of rows, ``max_rows`` a
+  pass. Each runs an AVX2 or an AVX-512 variant, chosen at run time (``variants``; int8 and int4 with the same bits);
 - ``rms_norm``, ``absorbed_decode`` (absorption into the latent, attention over the paged latent cache,
   up-projection), ``rope_store`` (the latent side of a step: norm, RoPE, cache write);
 - ``mlp_table`` / ``gated_mlps`` / ``moe_row``: gated MLPs of one row, or a MoE layer's router, routing, routed and
@@ -63,7 +63,8 @@ def _limits() -> dict[str, int]:
 
 
 def max_rows(weight: torch.dtype) -> int:
-    """How many rows one ``linear`` call takes with weights of this dtype (0 where the kernels do not run)."""
+    """How many rows the kernels take in one pass over weights of this dtype (0 where they do not run): a ``linear``
+    call takes at most that many with float weights, and any number with quantised ones, in passes of that many."""
     quantized = weight in (torch.int8, torch.uint8, torch.float8_e4m3fn)
     return _limits().get("quant_rows" if quantized else "few_rows", 0)
 

@@ -100,7 +100,8 @@ bool quantized(at::ScalarType w) { return w == at::kChar || w == at::kByte || w 
 // float32, bfloat16 or float16 (1 to MLA_FEW_ROWS rows; half weights read at two bytes and widened exactly); int8
 // with float32 row scales [N] (rows rounded to int16); float8_e4m3fn with float32 block scales [ceil(N / bn),
 // ceil(K / bk)] and block = [bn, bk]; group-wise int4: uint8 nibbles [N, Kp / 2] with float16 scales [N, Kp / 32]
-// (Kp: K rounded up to 32; rows rounded to int8 per group of 32). Quantized formats take 1 to MLA_QUANT_ROWS rows.
+// (Kp: K rounded up to 32; rows rounded to int8 per group of 32). Quantized formats take any number of rows,
+// MLA_QUANT_ROWS a kernel call.
 // A row's result does not depend on the other rows, nor on the variant.
 Tensor linear(const Tensor& x, const Tensor& w, const OptTensor& scales, at::IntArrayRef block,
               c10::string_view variant) {
@@ -111,9 +112,8 @@ Tensor linear(const Tensor& x, const Tensor& w, const OptTensor& scales, at::Int
   TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() >= 1 && at::isFloatingType(x.scalar_type()),
                     "linear: x must be floating-point CPU rows, got ", x.scalar_type(), " ", x.sizes());
   const int64_t n = w.size(0), k = x.size(-1), rows = k ? x.numel() / k : 0;
-  const int64_t max_rows = quantized(dtype) ? MLA_QUANT_ROWS : MLA_FEW_ROWS;
-  TORCH_CHECK_VALUE(k >= 1 && rows >= 1 && rows <= max_rows, "linear: 1 to ", max_rows, " rows with a ", dtype,
-                    " weight, got x ", x.sizes());
+  TORCH_CHECK_VALUE(k >= 1 && rows >= 1 && (quantized(dtype) || rows <= MLA_FEW_ROWS), "linear: 1 to ",
+                    MLA_FEW_ROWS, " rows with a ", dtype, " weight, got x ", x.sizes());
   TORCH_CHECK_VALUE(scales.has_value() == quantized(dtype), "linear: int8, FP8 and int4 weights come with scales, ",
                     "the others without (weight ", dtype, ")");
   TORCH_CHECK_VALUE(block.empty() == (dtype != at::kFloat8_e4m3fn), "linear: FP8 weights (and only they) take their ",
@@ -126,6 +126,11 @@ Tensor linear(const Tensor& x, const Tensor& w, const OptTensor& scales, at::Int
   Tensor y = at::empty(shape, xs.options());
   const float* xp = ptr<const float>(xs);
   float* yp = ptr<float>(y);
+  // quantized weights: MLA_QUANT_ROWS rows a call (each row's result is the same in any call)
+  auto chunks = [&](auto&& call) {
+    for (int64_t r0 = 0; r0 < rows; r0 += MLA_QUANT_ROWS)
+      call(xp + r0 * k, yp + r0 * n, std::min<int64_t>(MLA_QUANT_ROWS, rows - r0));
+  };
   switch (dtype) {
     case at::kFloat: {
       expect(w, dtype, {n, k}, op, "the weight");
@@ -147,9 +152,13 @@ Tensor linear(const Tensor& x, const Tensor& w, const OptTensor& scales, at::Int
       expect(w, dtype, {n, k}, op, "the weight");
       expect(*scales, at::kFloat, {n}, op, "the row scales");
       const int64_t v = variant_index(variant, mla_i8_variants(), QUANT_VARIANTS, op);
-      rows == 1 && v < 0 ? mla_gemv_i8(ptr<const int8_t>(w), ptr<const float>(scales), xp, yp, n, k, threads())
-                         : mla_gemm_few_i8(ptr<const int8_t>(w), ptr<const float>(scales), xp, yp, rows, n, k,
-                                           threads(), v);
+      if (rows == 1 && v < 0) {
+        mla_gemv_i8(ptr<const int8_t>(w), ptr<const float>(scales), xp, yp, n, k, threads());
+        break;
+      }
+      chunks([&](const float* xc, float* yc, int64_t m) {
+        mla_gemm_few_i8(ptr<const int8_t>(w), ptr<const float>(scales), xc, yc, m, n, k, threads(), v);
+      });
       break;
     }
     case at::kFloat8_e4m3fn: {
@@ -157,8 +166,9 @@ Tensor linear(const Tensor& x, const Tensor& w, const OptTensor& scales, at::Int
                         block);
       expect(w, dtype, {n, k}, op, "the weight");
       expect(*scales, at::kFloat, {cdiv(n, block[0]), cdiv(k, block[1])}, op, "the block scales");
-      mla_gemm_fp8(ptr<const uint8_t>(w), ptr<const float>(scales), block[0], block[1], xp, yp, rows, n, k,
-                   threads());
+      chunks([&](const float* xc, float* yc, int64_t m) {
+        mla_gemm_fp8(ptr<const uint8_t>(w), ptr<const float>(scales), block[0], block[1], xc, yc, m, n, k, threads());
+      });
       break;
     }
     case at::kByte: {
@@ -168,8 +178,10 @@ Tensor linear(const Tensor& x, const Tensor& w, const OptTensor& scales, at::Int
       const int64_t runs = mla_i4_variants();
       TORCH_CHECK_VALUE(runs != 0, "linear: no int4 variant runs on this CPU");
       const int64_t v = variant_index(variant, runs, QUANT_VARIANTS, op);
-      mla_gemm_i4(ptr<const uint8_t>(w), ptr<const uint16_t>(scales), xp, yp, rows, n, k, threads(),
-                  v < 0 ? fastest(runs) : v);
+      chunks([&](const float* xc, float* yc, int64_t m) {
+        mla_gemm_i4(ptr<const uint8_t>(w), ptr<const uint16_t>(scales), xc, yc, m, n, k, threads(),
+                    v < 0 ? fastest(runs) : v);
+      });
       break;
     }
     default:
