@@ -579,14 +579,16 @@ def test_few_row_kernels_match_f_linear(rows):
 
 @needs_row_kernel
 def test_int8_products_of_many_rows_equal_their_rows_one_at_a_time():
-    """int8 products of up to INT8_ROWS_MAX rows go eight rows at a time, and each row's result is the one it gets
-    alone (a speculative verification's rows equal the same tokens decoded one by one)."""
+    """int8 products go eight rows at a time (64 a pass), and each row's result is the one it gets alone through the
+    one-row kernel (a speculative verification's rows equal the same tokens decoded one by one), also past the int32
+    chunk of 4096 values (DeepSeek-V3's hidden size is 7168)."""
     g = torch.Generator().manual_seed(3)
-    q, scales = torch.randint(-127, 128, (37, 77), generator=g, dtype=torch.int8), torch.rand(37, generator=g)
-    x = torch.randn(cpu_kernels.max_rows(torch.int8), 77, generator=g)
-    for rows in (9, 23, cpu_kernels.max_rows(torch.int8)):
-        together = cpu_kernels.linear(x[:rows], q, scales)
-        assert torch.equal(together, torch.cat([cpu_kernels.linear(x[i:i + 1], q, scales) for i in range(rows)]))
+    for n, k in ((37, 77), (11, 7168)):
+        q, scales = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), torch.rand(n, generator=g)
+        x = torch.randn(70, k, generator=g)
+        for rows in (9, 23, 70):
+            together = cpu_kernels.linear(x[:rows], q, scales)
+            assert torch.equal(together, torch.cat([cpu_kernels.linear(x[i:i + 1], q, scales) for i in range(rows)]))
 
 
 @needs_row_kernel

@@ -61,11 +61,12 @@ static inline __m256i madd8(const int8_t *w, const int16_t *x) {  /* 16 int8 x i
 
 /* Two int8 rows' dot products with the int16 row xq: integer multiply-adds (one instruction per 16 weights where
  * widening to float takes three per 8), int32 sums moved to float every I16_CHUNK values, before they could
- * overflow (127 * 16383 * 2 per pair and step). */
+ * overflow (127 * 16383 * 2 per pair and step). Each chunk's sum is added in the order few_i8 adds it, so a row
+ * decoded alone gets the bits it gets among others (a speculative verification's rows). */
 #define I16_CHUNK 4096
 static inline void dot2_i16(const int8_t *wa, const int8_t *wb, const int16_t *xq, int64_t k, float *ya, float *yb) {
     const int64_t k16 = k - k % 16;
-    __m256 fa = _mm256_setzero_ps(), fb = fa;
+    float sa = 0.0f, sb = 0.0f;
     for (int64_t c = 0; c < k16; c += I16_CHUNK) {
         const int64_t end = c + I16_CHUNK < k16 ? c + I16_CHUNK : k16;
         __m256i a = _mm256_setzero_si256(), b = a;
@@ -73,10 +74,9 @@ static inline void dot2_i16(const int8_t *wa, const int8_t *wb, const int16_t *x
             a = _mm256_add_epi32(a, madd8(wa + i, xq + i));
             b = _mm256_add_epi32(b, madd8(wb + i, xq + i));
         }
-        fa = _mm256_add_ps(fa, _mm256_cvtepi32_ps(a));
-        fb = _mm256_add_ps(fb, _mm256_cvtepi32_ps(b));
+        sa += hsum(_mm256_cvtepi32_ps(a));
+        sb += hsum(_mm256_cvtepi32_ps(b));
     }
-    float sa = hsum(fa), sb = hsum(fb);
     for (int64_t i = k16; i < k; i++) {
         sa += (float)wa[i] * xq[i];
         sb += (float)wb[i] * xq[i];
@@ -152,8 +152,8 @@ static void product_rows(const int64_t *op, const Row *in, int64_t n, int64_t k,
         float va, vb;
         if (wq) {
             dot2_i16(wq + ra * k, wq + rb * k, in->xq, k, &va, &vb);
-            va *= in->sx * scale[ra];
-            vb *= in->sx * scale[rb];
+            va = va * in->sx * scale[ra];  /* as few_i8 rounds it */
+            vb = vb * in->sx * scale[rb];
         } else if (wh && op[2] == W_BF16) {
             dot2_bf16(wh + ra * k, wh + rb * k, in->x, k, &va, &vb);
         } else if (wh) {
