@@ -101,8 +101,9 @@ bool quantized(at::ScalarType w) { return w == at::kChar || w == at::kByte || w 
 // with float32 row scales [N] (rows rounded to int16); float8_e4m3fn with float32 block scales [ceil(N / bn),
 // ceil(K / bk)] and block = [bn, bk]; group-wise int4: uint8 nibbles [N, Kp / 2] with float16 scales [N, Kp / 32]
 // (Kp: K rounded up to 32; rows rounded to int8 per group of 32). Quantized formats take any number of rows,
-// MLA_QUANT_ROWS a kernel call.
-// A row's result does not depend on the other rows, nor on the variant.
+// MLA_QUANT_ROWS a kernel call. Within a variant a row's result does not depend on the other rows; the int8 and int4
+// variants give the same bits, the float ones each sum in their own order ("auto": AVX-512 for float32 weights from
+// four rows on, where the CPU has it).
 Tensor linear(const Tensor& x, const Tensor& w, const OptTensor& scales, at::IntArrayRef block,
               c10::string_view variant) {
   const char* op = "linear";
