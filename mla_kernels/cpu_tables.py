@@ -50,9 +50,6 @@ class GatedMLPTable:
                                    [s for _, s in down])
         self.hidden = operand_rows(mlps[0][1])
 
-    def __len__(self) -> int:
-        return int(self.table.size())
-
     def __call__(self, x: torch.Tensor, ids: list[int], weights: list[float]) -> torch.Tensor:
         """``sum_i weights[i] * mlp_{ids[i]}(x)`` for one float32 row ``x [..., d]``."""
         return cpu_kernels.ops().gated_mlps(x, self.table, list(ids), [float(w) for w in weights])  # type: ignore[no-any-return]
@@ -116,10 +113,6 @@ class DecodeStep:
                  lens: torch.Tensor, heads: int, d_c: int) -> None:
         self.step = cpu_kernels.ops().decode_step(cos, sin, slots, keys, lens, heads, d_c)
         self.rows, self.heads, self.d_c = slots.shape[0], heads, d_c
-
-    def fits(self, table: DecoderLayerTable) -> bool:
-        """Whether this step serves ``table``'s layer (the same heads and latent width)."""
-        return table.heads == self.heads and table.d_c == self.d_c
 
 
 def decoder_layer(table: DecoderLayerTable, step: DecodeStep, x: torch.Tensor, cache: torch.Tensor

@@ -22,14 +22,8 @@ from typing import cast
 import torch
 
 from mla_kernels import cpu_kernels
-from mla_runtime.layers.cpu_gemm import HALF_KINDS, PackedWeight, gemm_choice, gemm_mode, linear
+from mla_runtime.layers.cpu_gemm import PackedWeight, gemm_choice, half_kernel, linear
 from mla_runtime.layers.qweight import QuantizedWeight, stack_rows
-
-
-def half_kernel(weight: torch.Tensor) -> bool:
-    """Whether products of a few rows with this bfloat16 or float16 ``weight`` run the compiled kernel here."""
-    return (weight.device.type == "cpu" and weight.is_contiguous() and gemm_mode() == "auto"
-            and cpu_kernels.failure(HALF_KINDS[weight.dtype]) is None)
 
 
 class Bf16Weight(QuantizedWeight):

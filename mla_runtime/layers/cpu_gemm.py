@@ -291,8 +291,7 @@ def resolve_cpu_format(requested: str | torch.dtype, checkpoint: torch.dtype, qu
     ``checkpoint`` whose products are not otherwise quantised keeps them in that dtype in a float32 model where the
     compiled kernels read such weights (``quantization="bf16"`` / ``"fp16"``: the float32 decode path at half the
     bytes, the checkpoint's own values); otherwise ``resolve_cpu_dtype``, with ``quantization`` as it is."""
-    if (requested == "auto" and quantization is None and checkpoint in HALF_SCHEMES and gemm_mode() == "auto"
-            and cpu_kernels.failure(HALF_KINDS[checkpoint]) is None):
+    if requested == "auto" and quantization is None and half_kernel_runs(checkpoint):
         logger.info('dtype "auto" on this CPU: float32 with %s weights (checkpoint torch_dtype %s): the compiled '
                     "kernels read them at two bytes", _name(checkpoint), _name(checkpoint))
         return torch.float32, HALF_SCHEMES[checkpoint]
@@ -349,13 +348,21 @@ class PackedWeight:
         raise NotImplementedError("a float PackedWeight runs through cpu_gemm.linear")
 
 
+def half_kernel_runs(dtype: torch.dtype) -> bool:
+    """Whether few-row products with ``dtype`` (bfloat16 or float16) weights take the compiled kernel that reads
+    them at two bytes per weight here, under the current ``cpu_gemm`` mode."""
+    return dtype in HALF_KINDS and gemm_mode() == "auto" and cpu_kernels.failure(HALF_KINDS[dtype]) is None
+
+
+def half_kernel(weight: torch.Tensor) -> bool:
+    """``half_kernel_runs`` for this weight: a contiguous CPU matrix of a half dtype."""
+    return weight.device.type == "cpu" and weight.is_contiguous() and half_kernel_runs(weight.dtype)
+
+
 def bf16_kernel_rows(weight: torch.Tensor, path: str) -> int:
     """Up to how many rows products with a bfloat16 or float16 ``weight`` prepared for ``path`` take the compiled
-    kernel that reads it at two bytes per weight (``cpu_kernels.linear``; ``BF16_KERNEL_ROWS``), 0 where they do
-    not."""
-    if weight.dtype not in HALF_KINDS or not weight.is_contiguous() or gemm_mode() != "auto":
-        return 0
-    return BF16_KERNEL_ROWS.get(path, 0) if cpu_kernels.failure(HALF_KINDS[weight.dtype]) is None else 0
+    kernel (``cpu_kernels.linear``; ``BF16_KERNEL_ROWS``), 0 where they do not."""
+    return BF16_KERNEL_ROWS.get(path, 0) if half_kernel(weight) else 0
 
 
 def aten_max_rows(n: int, k: int, dtype: torch.dtype) -> int:

@@ -55,8 +55,9 @@ void expect_rows(const Tensor& t, at::IntArrayRef shape, const char* op, const c
                     t.scalar_type(), " ", t.sizes(), " with strides ", t.strides());
 }
 
-// Every key slot a row reads (slots[t, :lens[t]], lens[t] in [1, slots.size(1)]) is a row of a cache of `rows`.
-void expect_keys(const Tensor& slots, const Tensor& lens, int64_t t, int64_t cache_rows, const char* op) {
+// Every key slot a row reads (slots[t, :lens[t]], lens[t] in [1, slots.size(1)]) is a row of a cache of
+// `cache_rows`; returns the largest.
+int64_t expect_keys(const Tensor& slots, const Tensor& lens, int64_t t, int64_t cache_rows, const char* op) {
   TORCH_CHECK_VALUE(slots.device().is_cpu() && slots.scalar_type() == at::kLong && slots.dim() == 2 &&
                         slots.size(0) == t && (slots.size(1) <= 1 || slots.stride(1) == 1),
                     op, ": slots must be int64 CPU rows [", t, ", L], got ", slots.scalar_type(), " ", slots.sizes());
@@ -64,12 +65,15 @@ void expect_keys(const Tensor& slots, const Tensor& lens, int64_t t, int64_t cac
   const int64_t width = slots.size(1), stride = slots.stride(0);
   const int64_t* s = ptr<const int64_t>(slots);
   const int64_t* n = ptr<const int64_t>(lens);
+  int64_t largest = -1;
   for (int64_t r = 0; r < t; ++r) {
     TORCH_CHECK_VALUE(n[r] >= 1 && n[r] <= width, op, ": row ", r, " reads ", n[r], " keys of ", width, " slots");
     const auto [lo, hi] = std::minmax_element(s + r * stride, s + r * stride + n[r]);
     TORCH_CHECK_VALUE(*lo >= 0 && *hi < cache_rows, op, ": row ", r, " reads cache slot ",
                       *lo < 0 ? *lo : *hi, ", the cache holds ", cache_rows);
+    largest = std::max(largest, *hi);
   }
+  return largest;
 }
 
 // -- products ------------------------------------------------------------------------------------------------------
@@ -527,12 +531,11 @@ struct DecodeStep : torch::CustomClassHolder {
     expect_rows(sin, cos.sizes(), op, "sin");
     TORCH_CHECK_VALUE(rows == 1 || sin.stride(0) == cos.stride(0), op, ": cos and sin rows lie alike");
     expect(slots, at::kLong, {rows}, op, "slots");
-    expect_keys(keys, lens, rows, INT64_MAX, op);
+    max_slot = expect_keys(keys, lens, rows, INT64_MAX, op);
     const int64_t* s = ptr<const int64_t>(slots);
     for (int64_t t = 0; t < rows; ++t) {
       TORCH_CHECK_VALUE(s[t] >= 0, op, ": slot ", s[t]);
-      const int64_t* k = ptr<const int64_t>(keys) + t * keys.stride(0);
-      max_slot = std::max({max_slot, s[t], *std::max_element(k, k + ptr<const int64_t>(lens)[t])});
+      max_slot = std::max(max_slot, s[t]);
     }
     keep = {cos, sin, slots, keys, lens};
     const int64_t nt = decode_threads(heads), group = cdiv(heads, nt);
