@@ -53,6 +53,16 @@ def copies_for(nbytes: int, cold_mib: int) -> int:
     return max(1, -(-(cold_mib << 20) // nbytes))
 
 
+def row_kernels(name: str, family: str, kind: str, run: Callable[[str], object],
+                nbytes: int) -> dict[str, tuple[Call, int]]:
+    """The compiled kernels' candidates: what ``linear`` picks ("auto") and each variant this CPU runs."""
+    why = cpu_kernels.failure(kind)
+    if why is not None:
+        return {f"{name} row-kernel": (None, f"unsupported: {why}")}  # type: ignore[dict-item]
+    return {f"{name} row-kernel {v}": (functools.partial(run, v), nbytes)
+            for v in ("auto", *cpu_kernels.variants(family))}
+
+
 def float_candidates(n: int, k: int, rows: int, dtype: torch.dtype, cold_mib: int) -> dict[str, tuple[Call, int]]:
     name = "fp32" if dtype == torch.float32 else "bf16"
     g = torch.Generator().manual_seed(0)
@@ -64,9 +74,8 @@ def float_candidates(n: int, k: int, rows: int, dtype: torch.dtype, cold_mib: in
     if dtype == torch.float32:
         out[f"{name} onednn-plain"] = (lambda: [pw(x, w, None, "none", [None], "") for w in ws], nbytes)
         if rows <= cpu_kernels.max_rows(torch.float32):
-            why = cpu_kernels.failure()
-            out[f"{name} row-kernel"] = ((lambda: [cpu_kernels.linear(x, w) for w in ws], nbytes) if why is None else
-                                        (None, f"unsupported: {why}"))  # type: ignore[assignment]
+            out.update(row_kernels(name, "float", "core", lambda v: [cpu_kernels.linear(x, w, variant=v) for w in ws],
+                                   nbytes))
     try:
         blocked = [_reorder(w) for w in ws]
         pw(x, blocked[0], None, "none", [None], "")
@@ -74,9 +83,8 @@ def float_candidates(n: int, k: int, rows: int, dtype: torch.dtype, cold_mib: in
     except Exception as e:  # this CPU / build cannot pack the dtype
         out[f"{name} onednn-blocked"] = (None, f"unsupported: {str(e).splitlines()[0][:80]}")  # type: ignore[assignment]
     if dtype == torch.bfloat16 and rows <= cpu_kernels.max_rows(torch.float32):
-        why = cpu_kernels.failure("bf16")
-        out[f"{name} row-kernel"] = ((lambda: [cpu_kernels.linear(x, w).to(dtype) for w in ws], nbytes)
-                                    if why is None else (None, f"unsupported: {why}"))  # type: ignore[assignment]
+        out.update(row_kernels(name, "float", "bf16",
+                               lambda v: [cpu_kernels.linear(x, w, variant=v).to(dtype) for w in ws], nbytes))
         wide = [PackedWeight(w, "upcast") for w in ws]  # what a CPU without oneDNN's bf16 path runs: float32 copies
         out[f"{name} upcast"] = (lambda: [linear(x, w, None, p) for w, p in zip(ws, wide)], nbytes)
     packs = [PackedWeight.make(w) for w in ws]
@@ -95,9 +103,8 @@ def int8_candidates(n: int, k: int, rows: int, cold_mib: int) -> dict[str, tuple
     out = {"int8 pack-mm fp32x": (lambda: [mm(x, w, scales) for w in ws], nbytes),
            "int8 pack-mm bf16x": (lambda: [mm(xb, w, sb) for w in ws], n * k + n * 2)}
     if rows <= cpu_kernels.max_rows(torch.float32):
-        why = cpu_kernels.failure()
-        out["int8 row-kernel"] = ((lambda: [cpu_kernels.linear(x, w, scales) for w in ws], nbytes) if why is None
-                                  else (None, f"unsupported: {why}"))  # type: ignore[assignment]
+        out.update(row_kernels("int8", "int8", "core", lambda v: [cpu_kernels.linear(x, w, scales, variant=v)
+                                                                  for w in ws], nbytes))
     return out
 
 

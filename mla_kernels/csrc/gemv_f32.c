@@ -375,61 +375,80 @@ int64_t mla_float_variants(void) { return 1 | (has_avx512() << 1); }
 #define FULL_F32(p) _mm512_loadu_ps(p)
 #define FULL_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #define FULL_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
-#define FEW512_STEP(VA, VB, XV)                                                                                      \
-    for (int j = 0; j < m; j++) {                                                                                    \
-        const __m512 xv = XV;                                                                                        \
-        a[j] = _mm512_fmadd_ps(VA, xv, a[j]);                                                                        \
-        b[j] = _mm512_fmadd_ps(VB, xv, b[j]);                                                                        \
-    }
+/* NAME(w, rows, R, ...): the R weight rows rows[0..R) against m rows of x; R * m accumulators (R = 4 up to six rows,
+ * 3 for seven and eight: at most 24 of the 32 registers). */
+#ifndef PF_BYTES
+#define PF_BYTES(T) (sizeof(T) == 4 ? 2048 : 1024)
+#endif
 #define FEW512(NAME, T, FULL, LOAD)                                                                                  \
-    AVX512 static inline __attribute__((always_inline)) void NAME(const T *wa, const T *wb, const float *x, float *y, \
-                                                                  int64_t ra, int64_t rb, const int m, int64_t n,     \
+    AVX512 static inline __attribute__((always_inline)) void NAME(const T *w, const int64_t *rows, const int R, \
+                                                                  const float *x, float *y, const int m, int64_t n,   \
                                                                   int64_t k) {                                        \
         const int64_t k16 = k - k % 16;                                                                              \
-        __m512 a[8], b[8];                                                                                           \
-        for (int j = 0; j < m; j++) a[j] = b[j] = _mm512_setzero_ps();                                               \
+        const T *wr[4];                                                                                              \
+        for (int q = 0; q < R; q++) wr[q] = w + rows[q] * k;                                                         \
+        __m512 acc[4][8];                                                                                            \
+        for (int q = 0; q < R; q++)                                                                                  \
+            for (int j = 0; j < m; j++) acc[q][j] = _mm512_setzero_ps();                                             \
         for (int64_t i = 0; i < k16; i += 16) {                                                                      \
-            const __m512 va = FULL(wa + i), vb = FULL(wb + i);                                                       \
-            FEW512_STEP(va, vb, _mm512_loadu_ps(x + j * k + i))                                                      \
+            __m512 wv[4];                                                                                            \
+            for (int q = 0; q < R; q++) {                                                                            \
+                _mm_prefetch((const char *)(wr[q] + i) + PF_BYTES(T), _MM_HINT_T0);                                     \
+                wv[q] = FULL(wr[q] + i);                                                                             \
+            }                                                                                                        \
+            for (int j = 0; j < m; j++) {                                                                            \
+                const __m512 xv = _mm512_loadu_ps(x + j * k + i);                                                    \
+                for (int q = 0; q < R; q++) acc[q][j] = _mm512_fmadd_ps(wv[q], xv, acc[q][j]);                       \
+            }                                                                                                        \
         }                                                                                                            \
         if (k16 < k) {  /* the tail under a mask: zeros past k add nothing */                                        \
             const __mmask16 mask = (__mmask16)((1u << (k - k16)) - 1);                                               \
-            const __m512 va = LOAD(wa + k16, mask), vb = LOAD(wb + k16, mask);                                       \
-            FEW512_STEP(va, vb, _mm512_maskz_loadu_ps(mask, x + j * k + k16))                                        \
+            __m512 wv[4];                                                                                            \
+            for (int q = 0; q < R; q++) wv[q] = LOAD(wr[q] + k16, mask);                                             \
+            for (int j = 0; j < m; j++) {                                                                            \
+                const __m512 xv = _mm512_maskz_loadu_ps(mask, x + j * k + k16);                                      \
+                for (int q = 0; q < R; q++) acc[q][j] = _mm512_fmadd_ps(wv[q], xv, acc[q][j]);                       \
+            }                                                                                                        \
         }                                                                                                            \
-        for (int j = 0; j < m; j++) {                                                                                \
-            y[j * n + ra] = _mm512_reduce_add_ps(a[j]);                                                              \
-            y[j * n + rb] = _mm512_reduce_add_ps(b[j]);                                                              \
-        }                                                                                                            \
+        for (int q = 0; q < R; q++)                                                                                  \
+            for (int j = 0; j < m; j++) y[j * n + rows[q]] = _mm512_reduce_add_ps(acc[q][j]);                        \
     }
 FEW512(few512_f32, float, FULL_F32, LOAD_F32)
 FEW512(few512_bf16, uint16_t, FULL_BF16, LOAD_BF16)
 FEW512(few512_f16, uint16_t, FULL_F16, LOAD_F16)
 
-/* Y [m, n] = X [m, k] W^T with the AVX-512 kernel for the weight kind: threads take pairs of rows (an odd n's last
- * row is its own pair). */
+/* Y [m, n] = X [m, k] W^T with the AVX-512 kernel for the weight kind. Each thread splits its range of rows into R
+ * parts and steps through them side by side, so that it reads R long sequential streams (weight rows shorter than a
+ * page, taken a few at a time, kept the prefetchers starting over). */
 AVX512 static void few512(const void *w, int64_t kind, const float *x, float *y, int64_t m, int64_t n, int64_t k,
                           int64_t threads) {
     const float *wf = (const float *)w;
     const uint16_t *wh = (const uint16_t *)w;
-#define PAIR(FN, W, M) FN(W + r * k, W + rb * k, x, y, r, rb, M, n, k)
-#define F32_PAIR(M) PAIR(few512_f32, wf, M)
-#define BF16_PAIR(M) PAIR(few512_bf16, wh, M)
-#define F16_PAIR(M) PAIR(few512_f16, wh, M)
-    #pragma omp parallel for schedule(static) num_threads((int)threads)
-    for (int64_t r = 0; r < n; r += 2) {
-        const int64_t rb = r + 1 < n ? r + 1 : r;
-        if (kind == W_F32) ROWS_CASES(F32_PAIR)
-        else if (kind == W_BF16) ROWS_CASES(BF16_PAIR)
-        else ROWS_CASES(F16_PAIR)
+    const int R = m > 6 ? 3 : 4;
+#define GROUP(FN, W, M) FN(W, rows, M > 6 ? 3 : 4, x, y, M, n, k)
+#define F32_PAIR(M) GROUP(few512_f32, wf, M)
+#define BF16_PAIR(M) GROUP(few512_bf16, wh, M)
+#define F16_PAIR(M) GROUP(few512_f16, wh, M)
+    #pragma omp parallel num_threads((int)threads)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t r0 = n * t / nt, r1 = n * (t + 1) / nt, len = (r1 - r0 + R - 1) / R;
+        for (int64_t i = 0; i < len; i++) {
+            int64_t rows[4];
+            for (int q = 0; q < R; q++) rows[q] = r0 + q * len + i < r1 ? r0 + q * len + i : r1 - 1;
+            if (kind == W_F32) ROWS_CASES(F32_PAIR)
+            else if (kind == W_BF16) ROWS_CASES(BF16_PAIR)
+            else ROWS_CASES(F16_PAIR)
+        }
     }
 }
 
-/* The variant a call runs: the one named, else (-1) the AVX-512 one for float32 weights from four rows on, where it
- * measured 1.15-1.4x the AVX2 one on 2-core AVX-512 EPYC (bench/RESULTS.md); fewer rows, and half weights, stream
- * their weights faster through the AVX2 one (one sequential stream a thread). */
+/* The variant a call runs: the one named, else (-1) the AVX-512 one for float32 weights from four rows on and for half
+ * weights from two, where it measured faster than the AVX2 one with the weights streamed (bench/bench_gemv.py on a
+ * 2-core AVX-512 EPYC: eight rows of [4096, 1024] float32 0.79 against 1.68 ms, bfloat16 0.58 against 1.13 ms);
+ * fewer rows stream their weights as fast or faster through the AVX2 one. */
 static int use_avx512(int64_t variant, int64_t kind, int64_t m) {
-    return variant < 0 ? has_avx512() && kind == W_F32 && m >= 4 : variant == 1;
+    return variant < 0 ? has_avx512() && m >= (kind == W_F32 ? 4 : 2) : variant == 1;
 }
 
 void mla_gemm_few_f32(const float *w, const float *x, float *y, int64_t m, int64_t n, int64_t k, int64_t threads,
