@@ -157,7 +157,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    ap.add_argument("--quantization", default=None, choices=["int8"], help="weight-only quantisation")
+    ap.add_argument("--quantization", default=None, choices=["int8", "int4", "bf16", "fp16"],
+                    help="weight-only quantisation")
     args = ap.parse_args()
     build_checkpoint(OUT)
     timer = CategoryTimer()

@@ -235,94 +235,71 @@ static inline __attribute__((always_inline)) void few_i8(const int8_t *wr, float
     }
 }
 
-/* few_i8 with AVX-512 VNNI: 32 weights a step, one vpdpwssd per row (16 lanes, each the sum of two AVX2 lanes'
- * products: lane l holds AVX2 lane l's even steps, lane l + 8 its odd ones), a 16-weight step with AVX2 where one is
- * left; lanes l and l + 8 are added as integers before the float conversion, so every sum is few_i8's exactly. */
-__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"), always_inline)) static inline void few_i8_vnni(
-    const int8_t *wr, float scale, const int16_t *xq, const float *sx, float *y, int64_t r, const int m, int64_t n,
-    int64_t k) {
-    const int64_t k16 = k - k % 16;
-    float sums[8] = {0.0f};
-    for (int64_t c = 0; c < k16; c += I16_CHUNK) {
-        const int64_t end = c + I16_CHUNK < k16 ? c + I16_CHUNK : k16;
-        __m512i a[8];
-        __m256i t[8];
-        for (int j = 0; j < m; j++) {
-            a[j] = _mm512_setzero_si512();
-            t[j] = _mm256_setzero_si256();
-        }
-        int64_t i = c;
-        for (; i + 32 <= end; i += 32) {
-            const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wr + i)));
-            for (int j = 0; j < m; j++)
-                a[j] = _mm512_dpwssd_epi32(a[j], wv, _mm512_loadu_si512((const void *)(xq + j * k + i)));
-        }
-        if (i < end) {  /* one 16-weight step */
-            const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + i)));
-            for (int j = 0; j < m; j++)
-                t[j] = _mm256_madd_epi16(wv, _mm256_loadu_si256((const __m256i *)(xq + j * k + i)));
-        }
-        for (int j = 0; j < m; j++) {
-            const __m256i lanes = _mm256_add_epi32(
-                _mm256_add_epi32(_mm512_castsi512_si256(a[j]), _mm512_extracti64x4_epi64(a[j], 1)), t[j]);
-            sums[j] += hsum(_mm256_cvtepi32_ps(lanes));
-        }
-    }
-    for (int j = 0; j < m; j++) {
-        float s = sums[j];
-        for (int64_t i = k16; i < k; i++) s += (float)wr[i] * xq[j * k + i];
-        y[j * n + r] = s * sx[j] * scale;
-    }
+/* Inside a parallel region: this thread's rows of [0, n), read as R streams side by side (R parts of len rows from
+ * r0). Weight rows shorter than a page taken a few at a time kept the prefetchers starting over; long streams (and a
+ * software prefetch) read them 1.4-1.7x faster at eight rows (bench/bench_gemv.py, 2-core AVX-512 EPYC). */
+static inline void stream_split(int64_t n, int R, int64_t *r0, int64_t *len) {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    *r0 = n * t / nt;
+    *len = (n * (t + 1) / nt - *r0 + R - 1) / R;
 }
 
-/* few_i8_vnni for two weight rows ra, rb (wa, wb; scales sa, sb) at once: each input block loaded once for both (the
- * m input rows, 32 KB for 8 rows of 2048 values, are what the product reads most). Each row's integer sums are
- * few_i8_vnni's (a 16-weight step's sums are added into the low lanes: integer sums in any order are the same), so
- * its results are too. */
-__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"), always_inline)) static inline void few_i8_vnni2(
-    const int8_t *wa, const int8_t *wb, float sa, float sb, const int16_t *xq, const float *sx, float *y, int64_t ra,
-    int64_t rb, const int m, int64_t n, int64_t k) {
+/* Step i's rows: one from each stream (a short last stream repeats the range's last row, which gives the same
+ * value again). */
+static inline void stream_rows(int64_t r0, int64_t len, int R, int64_t n, int64_t i, int64_t *rows) {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads(), r1 = n * (t + 1) / nt;
+    for (int q = 0; q < R; q++) rows[q] = r0 + q * len + i < r1 ? r0 + q * len + i : r1 - 1;
+}
+
+/* few_i8 with AVX-512 VNNI for R weight rows (rows[0..R), at most 4) at once: 32 weights a step, one vpdpwssd per
+ * weight row and input row (16 lanes, each the sum of two AVX2 lanes' products: lane l holds AVX2 lane l's even
+ * steps, lane l + 8 its odd ones), a 16-weight step with AVX2 where one is left (added into the low lanes); lanes l
+ * and l + 8 are added as integers before the float conversion. Integer sums in any order are the same, so every
+ * result is few_i8's exactly, whatever R. Each input block is loaded once for the R weight rows (the m input rows,
+ * 32 KB for 8 rows of 2048 values, are what the product reads most); the weight rows are prefetched ahead. */
+__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"), always_inline)) static inline void few_i8_vnni(
+    const int8_t *w, const float *scale, const int64_t *rows, const int R, const int16_t *xq, const float *sx,
+    float *y, const int m, int64_t n, int64_t k) {
     const int64_t k16 = k - k % 16;
-    float sums_a[8] = {0.0f}, sums_b[8] = {0.0f};
+    const int8_t *wr[4];
+    for (int q = 0; q < R; q++) wr[q] = w + rows[q] * k;
+    float sums[4][8] = {{0.0f}};
     for (int64_t c = 0; c < k16; c += I16_CHUNK) {
         const int64_t end = c + I16_CHUNK < k16 ? c + I16_CHUNK : k16;
-        __m512i a[8], b[8];
-        for (int j = 0; j < m; j++) a[j] = b[j] = _mm512_setzero_si512();
+        __m512i a[4][8];
+        for (int q = 0; q < R; q++)
+            for (int j = 0; j < m; j++) a[q][j] = _mm512_setzero_si512();
         int64_t i = c;
         for (; i + 32 <= end; i += 32) {
-            const __m512i va = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wa + i)));
-            const __m512i vb = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wb + i)));
+            __m512i wv[4];
+            for (int q = 0; q < R; q++) {
+                _mm_prefetch((const char *)(wr[q] + i) + 1024, _MM_HINT_T0);
+                wv[q] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wr[q] + i)));
+            }
             for (int j = 0; j < m; j++) {
                 const __m512i xv = _mm512_loadu_si512((const void *)(xq + j * k + i));
-                a[j] = _mm512_dpwssd_epi32(a[j], va, xv);
-                b[j] = _mm512_dpwssd_epi32(b[j], vb, xv);
+                for (int q = 0; q < R; q++) a[q][j] = _mm512_dpwssd_epi32(a[q][j], wv[q], xv);
             }
         }
         if (i < end) {  /* one 16-weight step */
-            const __m256i va = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wa + i)));
-            const __m256i vb = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + i)));
-            for (int j = 0; j < m; j++) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + j * k + i));
-                a[j] = _mm512_add_epi32(a[j], _mm512_zextsi256_si512(_mm256_madd_epi16(va, xv)));
-                b[j] = _mm512_add_epi32(b[j], _mm512_zextsi256_si512(_mm256_madd_epi16(vb, xv)));
+            for (int q = 0; q < R; q++) {
+                const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr[q] + i)));
+                for (int j = 0; j < m; j++)
+                    a[q][j] = _mm512_add_epi32(a[q][j], _mm512_zextsi256_si512(_mm256_madd_epi16(
+                        wv, _mm256_loadu_si256((const __m256i *)(xq + j * k + i)))));
             }
         }
+        for (int q = 0; q < R; q++)
+            for (int j = 0; j < m; j++)
+                sums[q][j] += hsum(_mm256_cvtepi32_ps(
+                    _mm256_add_epi32(_mm512_castsi512_si256(a[q][j]), _mm512_extracti64x4_epi64(a[q][j], 1))));
+    }
+    for (int q = 0; q < R; q++)
         for (int j = 0; j < m; j++) {
-            sums_a[j] += hsum(_mm256_cvtepi32_ps(
-                _mm256_add_epi32(_mm512_castsi512_si256(a[j]), _mm512_extracti64x4_epi64(a[j], 1))));
-            sums_b[j] += hsum(_mm256_cvtepi32_ps(
-                _mm256_add_epi32(_mm512_castsi512_si256(b[j]), _mm512_extracti64x4_epi64(b[j], 1))));
+            float s = sums[q][j];
+            for (int64_t i = k16; i < k; i++) s += (float)wr[q][i] * xq[j * k + i];
+            y[j * n + rows[q]] = s * sx[j] * scale[rows[q]];
         }
-    }
-    for (int j = 0; j < m; j++) {
-        float s = sums_a[j], t = sums_b[j];
-        for (int64_t i = k16; i < k; i++) {
-            s += (float)wa[i] * xq[j * k + i];
-            t += (float)wb[i] * xq[j * k + i];
-        }
-        y[j * n + ra] = s * sx[j] * sa;
-        y[j * n + rb] = t * sx[j] * sb;
-    }
 }
 
 /* Whether this CPU runs few_i8_vnni (checked once). */
@@ -417,25 +394,25 @@ FEW512(few512_f32, float, FULL_F32, LOAD_F32)
 FEW512(few512_bf16, uint16_t, FULL_BF16, LOAD_BF16)
 FEW512(few512_f16, uint16_t, FULL_F16, LOAD_F16)
 
-/* Y [m, n] = X [m, k] W^T with the AVX-512 kernel for the weight kind. Each thread splits its range of rows into R
- * parts and steps through them side by side, so that it reads R long sequential streams (weight rows shorter than a
- * page, taken a few at a time, kept the prefetchers starting over). */
+/* Y [m, n] = X [m, k] W^T with the AVX-512 kernel for the weight kind, each thread's rows as R streams
+ * (stream_split): four up to six input rows, three for seven and eight (24 accumulators). */
+#define FLOAT_STREAMS(M) ((M) > 6 ? 3 : 4)
 AVX512 static void few512(const void *w, int64_t kind, const float *x, float *y, int64_t m, int64_t n, int64_t k,
                           int64_t threads) {
     const float *wf = (const float *)w;
     const uint16_t *wh = (const uint16_t *)w;
-    const int R = m > 6 ? 3 : 4;
-#define GROUP(FN, W, M) FN(W, rows, M > 6 ? 3 : 4, x, y, M, n, k)
+    const int R = FLOAT_STREAMS(m);
+#define GROUP(FN, W, M) FN(W, rows, FLOAT_STREAMS(M), x, y, M, n, k)
 #define F32_PAIR(M) GROUP(few512_f32, wf, M)
 #define BF16_PAIR(M) GROUP(few512_bf16, wh, M)
 #define F16_PAIR(M) GROUP(few512_f16, wh, M)
     #pragma omp parallel num_threads((int)threads)
     {
-        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t r0 = n * t / nt, r1 = n * (t + 1) / nt, len = (r1 - r0 + R - 1) / R;
+        int64_t r0, len;
+        stream_split(n, R, &r0, &len);
         for (int64_t i = 0; i < len; i++) {
             int64_t rows[4];
-            for (int q = 0; q < R; q++) rows[q] = r0 + q * len + i < r1 ? r0 + q * len + i : r1 - 1;
+            stream_rows(r0, len, R, n, i, rows);
             if (kind == W_F32) ROWS_CASES(F32_PAIR)
             else if (kind == W_BF16) ROWS_CASES(BF16_PAIR)
             else ROWS_CASES(F16_PAIR)
@@ -526,13 +503,23 @@ void mla_gemm_few_i8(const int8_t *w, const float *scale, const float *x, float 
     free(sx);
 }
 
+/* few_i8_vnni's weight rows a step by input rows: measured fastest (bench/bench_gemv.py shapes, 2-core AVX-512 EPYC);
+ * three rows at eight input rows took 1.3-1.4x as long as two. */
+#define I8_STREAMS(M) ((M) > 6 ? 2 : (M) > 4 ? 3 : 4)
 static void few_i8_rows_vnni(const int8_t *w, const float *scale, const int16_t *xc, const float *sx, float *yc,
                              int64_t m, int64_t n, int64_t k, int64_t threads) {
-#define I8_VNNI_ROW(M) \
-    (r + 1 < n ? few_i8_vnni2(w + r * k, w + (r + 1) * k, scale[r], scale[r + 1], xc, sx, yc, r, r + 1, M, n, k) \
-               : few_i8_vnni(w + r * k, scale[r], xc, sx, yc, r, M, n, k))
-    #pragma omp parallel for schedule(static) num_threads((int)threads)
-    for (int64_t r = 0; r < n; r += 2) ROWS_CASES(I8_VNNI_ROW)
+    const int R = I8_STREAMS(m);
+#define I8_VNNI_ROW(M) few_i8_vnni(w, scale, rows, I8_STREAMS(M), xc, sx, yc, M, n, k)
+    #pragma omp parallel num_threads((int)threads)
+    {
+        int64_t r0, len;
+        stream_split(n, R, &r0, &len);
+        for (int64_t i = 0; i < len; i++) {
+            int64_t rows[4];
+            stream_rows(r0, len, R, n, i, rows);
+            ROWS_CASES(I8_VNNI_ROW)
+        }
+    }
 }
 
 /* RMSNorm of m rows of x [m, k] (row stride ld) into y [m, k]: y = x / sqrt(mean(x^2) + eps) * weight, in float32.
