@@ -191,48 +191,83 @@ void mla_gemv_i8(const int8_t *w, const float *scale, const float *x, float *y, 
     product_rows(op, &in, n, k, 1.0f, 0, y);
 }
 
-/* A few rows at once (1 <= m <= 8, a speculative verification or a small batch): Y [m, n] = X [m, k] W^T. Each
- * weight row is read once, front to back, and multiplied into all m input rows (which stay in L1). The row count
- * is a compile-time constant in each instance (the switches below), so the m accumulators live in registers. */
-static inline __attribute__((always_inline)) void few_f32(const float *wr, const float *x, float *y, int64_t r,
-                                                          const int m, int64_t n, int64_t k) {
-    const int64_t k8 = k - k % 8;
-    __m256 acc[8];
-    for (int j = 0; j < m; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < k8; i += 8) {
-        const __m256 wv = _mm256_loadu_ps(wr + i);
-        for (int j = 0; j < m; j++) acc[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + j * k + i), acc[j]);
-    }
-    for (int j = 0; j < m; j++) {
-        float s = hsum(acc[j]);
-        for (int64_t i = k8; i < k; i++) s += wr[i] * x[j * k + i];
-        y[j * n + r] = s;
-    }
-}
+/* Bytes ahead of the weight row being read that the few-row kernels prefetch (float32; half weights, read at half
+ * the rate, half as far): measured best of 1, 2 and 4 KB. */
+#define PF_BYTES(T) (sizeof(T) == 4 ? 2048 : 1024)
 
-/* Int8 weights against m rows already rounded to int16 (xq, m rows of k, one scale per row in sx): integer
- * multiply-adds, the int32 sums moved to float every I16_CHUNK values. */
-static inline __attribute__((always_inline)) void few_i8(const int8_t *wr, float scale, const int16_t *xq,
-                                                         const float *sx, float *y, int64_t r, const int m, int64_t n,
-                                                         int64_t k) {
+static inline __m256 load_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline float f32_value(float v) { return v; }
+
+/* A few rows at once with AVX2 (1 <= m <= 8: a speculative verification or a small batch): Y [m, n] = X [m, k] W^T
+ * for float32, bfloat16 or float16 W (half weights read at two bytes, widened exactly: a shift, or F16C's
+ * conversion). NAME(w, rows, x, y, m ...): the three weight rows rows[0..3) against up to four input rows (12 of the
+ * 16 registers accumulate), so that each input vector loaded feeds three multiply-adds; more input rows are taken
+ * four at a time, the three weight rows then read again from cache. Each output is its own accumulator's sum in the
+ * same order whatever the rows beside it. */
+#define AVX2_STREAMS 3
+#define AVX2_BLOCK 4
+#define FEW_AVX2(NAME, T, WIDEN, VALUE)                                                                              \
+    static inline __attribute__((always_inline)) void NAME(const T *w, const int64_t *rows, const float *x, float *y, \
+                                                           const int m, int64_t n, int64_t k) {                      \
+        const int64_t k8 = k - k % 8;                                                                                \
+        const T *wr[AVX2_STREAMS];                                                                                   \
+        for (int q = 0; q < AVX2_STREAMS; q++) wr[q] = w + rows[q] * k;                                              \
+        __m256 acc[AVX2_STREAMS][AVX2_BLOCK];                                                                        \
+        for (int q = 0; q < AVX2_STREAMS; q++)                                                                       \
+            for (int j = 0; j < m; j++) acc[q][j] = _mm256_setzero_ps();                                             \
+        for (int64_t i = 0; i < k8; i += 8) {                                                                        \
+            __m256 wv[AVX2_STREAMS];                                                                                 \
+            for (int q = 0; q < AVX2_STREAMS; q++) {                                                                 \
+                _mm_prefetch((const char *)(wr[q] + i) + PF_BYTES(T), _MM_HINT_T0);                                  \
+                wv[q] = WIDEN(wr[q] + i);                                                                            \
+            }                                                                                                        \
+            for (int j = 0; j < m; j++) {                                                                            \
+                const __m256 xv = _mm256_loadu_ps(x + j * k + i);                                                    \
+                for (int q = 0; q < AVX2_STREAMS; q++) acc[q][j] = _mm256_fmadd_ps(wv[q], xv, acc[q][j]);            \
+            }                                                                                                        \
+        }                                                                                                            \
+        for (int q = 0; q < AVX2_STREAMS; q++)                                                                       \
+            for (int j = 0; j < m; j++) {                                                                            \
+                float s = hsum(acc[q][j]);                                                                           \
+                for (int64_t i = k8; i < k; i++) s += VALUE(wr[q][i]) * x[j * k + i];                                \
+                y[j * n + rows[q]] = s;                                                                              \
+            }                                                                                                        \
+    }
+
+/* Int8 weights against m <= AVX2_BLOCK rows already rounded to int16 (xq, m rows of k, one scale per row in sx), three
+ * weight rows rows[0..3) at once: integer multiply-adds, the int32 sums moved to float every I16_CHUNK values. */
+static inline __attribute__((always_inline)) void few_i8(const int8_t *w, const float *scale, const int64_t *rows,
+                                                         const int16_t *xq, const float *sx, float *y, const int m,
+                                                         int64_t n, int64_t k) {
     const int64_t k16 = k - k % 16;
-    float sums[8] = {0.0f};  /* in memory: only the m integer accumulators stay in registers through the loop */
+    const int8_t *wr[3];
+    for (int q = 0; q < 3; q++) wr[q] = w + rows[q] * k;
+    float sums[3][4] = {{0.0f}};  /* in memory: only the integer accumulators stay in registers through the loop */
     for (int64_t c = 0; c < k16; c += I16_CHUNK) {
         const int64_t end = c + I16_CHUNK < k16 ? c + I16_CHUNK : k16;
-        __m256i a[8];
-        for (int j = 0; j < m; j++) a[j] = _mm256_setzero_si256();
+        __m256i a[3][4];
+        for (int q = 0; q < 3; q++)
+            for (int j = 0; j < m; j++) a[q][j] = _mm256_setzero_si256();
         for (int64_t i = c; i < end; i += 16) {
-            const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + i)));
-            for (int j = 0; j < m; j++)
-                a[j] = _mm256_add_epi32(a[j], _mm256_madd_epi16(wv, _mm256_loadu_si256((const __m256i *)(xq + j * k + i))));
+            __m256i wv[3];
+            for (int q = 0; q < 3; q++) {
+                if (!(i & 63)) _mm_prefetch((const char *)(wr[q] + i) + 1024, _MM_HINT_T0);
+                wv[q] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr[q] + i)));
+            }
+            for (int j = 0; j < m; j++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + j * k + i));
+                for (int q = 0; q < 3; q++) a[q][j] = _mm256_add_epi32(a[q][j], _mm256_madd_epi16(wv[q], xv));
+            }
         }
-        for (int j = 0; j < m; j++) sums[j] += hsum(_mm256_cvtepi32_ps(a[j]));
+        for (int q = 0; q < 3; q++)
+            for (int j = 0; j < m; j++) sums[q][j] += hsum(_mm256_cvtepi32_ps(a[q][j]));
     }
-    for (int j = 0; j < m; j++) {
-        float s = sums[j];
-        for (int64_t i = k16; i < k; i++) s += (float)wr[i] * xq[j * k + i];
-        y[j * n + r] = s * sx[j] * scale;
-    }
+    for (int q = 0; q < 3; q++)
+        for (int j = 0; j < m; j++) {
+            float s = sums[q][j];
+            for (int64_t i = k16; i < k; i++) s += (float)wr[q][i] * xq[j * k + i];
+            y[j * n + rows[q]] = s * sx[j] * scale[rows[q]];
+        }
 }
 
 /* Inside a parallel region: this thread's rows of [0, n), read as R streams side by side (R parts of len rows from
@@ -318,8 +353,10 @@ static int has_vnni(void) {
 int64_t mla_i8_variants(void) { return 1 | (has_vnni() << 1); }
 
 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"))) static void few_i8_rows_vnni(
-    const int8_t *w, const float *scale, const int16_t *xc, const float *sx, float *yc, int64_t m, int64_t n,
+    const int8_t *w, const float *scale, const int16_t *xq, const float *sx, float *y, int64_t rows_in, int64_t n,
     int64_t k, int64_t threads);
+static void few_i8_rows(const int8_t *w, const float *scale, const int16_t *xq, const float *sx, float *y,
+                        int64_t rows_in, int64_t n, int64_t k, int64_t threads);
 
 #define ROWS_CASES(CALL) \
     switch (m) { case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; case 5: CALL(5); break; \
@@ -340,10 +377,10 @@ static int has_avx512(void) {
  * the AVX-512 one (few512 below); a call names one, or -1 for the fastest. */
 int64_t mla_float_variants(void) { return 1 | (has_avx512() << 1); }
 
-/* The AVX-512 few-row products: two weight rows at a time against m <= 8 rows, 16 lanes a step and the tail under a
- * mask, so each input row loaded from L1 feeds two multiply-adds (batch-8 decoding is compute-bound on 2 cores: the
- * AVX2 kernel's one load per multiply-add left it at a quarter of the machine's rate). Each output is its own
- * accumulator's sum in the same order whatever the rows beside it, so a row's result does not depend on m. */
+/* The AVX-512 few-row products: three or four weight rows at a time against m <= 8 rows, 16 lanes a step and the tail
+ * under a mask, so each input vector loaded feeds three or four multiply-adds (eight input rows of a long weight row
+ * do not stay in L1). Each output is its own accumulator's sum in the same order whatever the rows beside it, so a
+ * row's result does not depend on m. */
 #define AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl")))
 #define LOAD_F32(p, mask) _mm512_maskz_loadu_ps(mask, p)
 #define LOAD_BF16(p, mask) \
@@ -354,9 +391,6 @@ int64_t mla_float_variants(void) { return 1 | (has_avx512() << 1); }
 #define FULL_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 /* NAME(w, rows, R, ...): the R weight rows rows[0..R) against m rows of x; R * m accumulators (R = 4 up to six rows,
  * 3 for seven and eight: at most 24 of the 32 registers). */
-#ifndef PF_BYTES
-#define PF_BYTES(T) (sizeof(T) == 4 ? 2048 : 1024)
-#endif
 #define FEW512(NAME, T, FULL, LOAD)                                                                                  \
     AVX512 static inline __attribute__((always_inline)) void NAME(const T *w, const int64_t *rows, const int R, \
                                                                   const float *x, float *y, const int m, int64_t n,   \
@@ -420,6 +454,40 @@ AVX512 static void few512(const void *w, int64_t kind, const float *x, float *y,
     }
 }
 
+FEW_AVX2(few_f32, float, load_f32, f32_value)
+FEW_AVX2(few_bf16, uint16_t, widen_bf16, bf16_value)
+FEW_AVX2(few_f16, uint16_t, widen_f16, f16_value)
+
+#define BLOCK_CASES(CALL) \
+    switch (mb) { case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; default: CALL(4); break; }
+
+/* Y [m, n] = X [m, k] W^T with the AVX2 kernel for the weight kind, each thread's rows as three streams
+ * (stream_split). */
+static void few_avx2(const void *w, int64_t kind, const float *x, float *y, int64_t m, int64_t n, int64_t k,
+                     int64_t threads) {
+    const float *wf = (const float *)w;
+    const uint16_t *wh = (const uint16_t *)w;
+#define AVX2_CALL(FN, W, M) FN(W, rows, x + c * k, y + c * n, M, n, k)
+#define F32_BLOCK(M) AVX2_CALL(few_f32, wf, M)
+#define BF16_BLOCK(M) AVX2_CALL(few_bf16, wh, M)
+#define F16_BLOCK(M) AVX2_CALL(few_f16, wh, M)
+    #pragma omp parallel num_threads((int)threads)
+    {
+        int64_t r0, len;
+        stream_split(n, AVX2_STREAMS, &r0, &len);
+        for (int64_t i = 0; i < len; i++) {
+            int64_t rows[AVX2_STREAMS];
+            stream_rows(r0, len, AVX2_STREAMS, n, i, rows);
+            for (int64_t c = 0; c < m; c += AVX2_BLOCK) {
+                const int64_t mb = m - c < AVX2_BLOCK ? m - c : AVX2_BLOCK;
+                if (kind == W_F32) BLOCK_CASES(F32_BLOCK)
+                else if (kind == W_BF16) BLOCK_CASES(BF16_BLOCK)
+                else BLOCK_CASES(F16_BLOCK)
+            }
+        }
+    }
+}
+
 /* The variant a call runs: the one named, else (-1) the AVX-512 one for float32 weights from four rows on and for half
  * weights from two, where it measured faster than the AVX2 one with the weights streamed (bench/bench_gemv.py on a
  * 2-core AVX-512 EPYC: eight rows of [4096, 1024] float32 0.79 against 1.68 ms, bfloat16 0.58 against 1.13 ms);
@@ -430,56 +498,18 @@ static int use_avx512(int64_t variant, int64_t kind, int64_t m) {
 
 void mla_gemm_few_f32(const float *w, const float *x, float *y, int64_t m, int64_t n, int64_t k, int64_t threads,
                       int64_t variant) {
-    if (use_avx512(variant, W_F32, m)) {
-        few512(w, W_F32, x, y, m, n, k, threads);
-        return;
-    }
-#define F32_ROW(M) few_f32(w + r * k, x, y, r, M, n, k)
-    #pragma omp parallel for schedule(static) num_threads((int)threads)
-    for (int64_t r = 0; r < n; r++) ROWS_CASES(F32_ROW)
+    (use_avx512(variant, W_F32, m) ? few512 : few_avx2)(w, W_F32, x, y, m, n, k, threads);
 }
-
-/* bfloat16 or float16 W (read at two bytes per weight, widened to float32 exactly: a shift, or F16C's conversion; no
- * AVX512-BF16 or AVX512-FP16 needed) against m float32 rows, as few_f32: each weight row read once, front to back,
- * for all m rows (which stay in L1). */
-#define FEW_HALF(NAME, WIDEN, VALUE)                                                                                 \
-    static inline __attribute__((always_inline)) void NAME(const uint16_t *wr, const float *x, float *y, int64_t r, \
-                                                           const int m, int64_t n, int64_t k) {                      \
-        const int64_t k8 = k - k % 8;                                                                                \
-        __m256 acc[8];                                                                                               \
-        for (int j = 0; j < m; j++) acc[j] = _mm256_setzero_ps();                                                    \
-        for (int64_t i = 0; i < k8; i += 8) {                                                                        \
-            const __m256 wv = WIDEN(wr + i);                                                                         \
-            for (int j = 0; j < m; j++) acc[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + j * k + i), acc[j]);        \
-        }                                                                                                            \
-        for (int j = 0; j < m; j++) {                                                                                \
-            float s = hsum(acc[j]);                                                                                  \
-            for (int64_t i = k8; i < k; i++) s += VALUE(wr[i]) * x[j * k + i];                                       \
-            y[j * n + r] = s;                                                                                        \
-        }                                                                                                            \
-    }
-FEW_HALF(few_bf16, widen_bf16, bf16_value)
-FEW_HALF(few_f16, widen_f16, f16_value)
 
 void mla_gemm_few_half(const uint16_t *w, int64_t kind, const float *x, float *y, int64_t m, int64_t n, int64_t k,
                        int64_t threads, int64_t variant) {
-    if (use_avx512(variant, kind, m)) {
-        few512(w, kind, x, y, m, n, k, threads);
-        return;
-    }
-#define BF16_ROW(M) few_bf16(w + r * k, x, y, r, M, n, k)
-#define F16_ROW(M) few_f16(w + r * k, x, y, r, M, n, k)
-    if (kind == W_BF16) {
-        #pragma omp parallel for schedule(static) num_threads((int)threads)
-        for (int64_t r = 0; r < n; r++) ROWS_CASES(BF16_ROW)
-    } else {
-        #pragma omp parallel for schedule(static) num_threads((int)threads)
-        for (int64_t r = 0; r < n; r++) ROWS_CASES(F16_ROW)
-    }
+    (use_avx512(variant, kind, m) ? few512 : few_avx2)(w, kind, x, y, m, n, k, threads);
 }
 
-/* Any number of rows, eight at a time (each row's result does not depend on the others: a verification step's rows
- * come out as the same rows decoded one by one would). */
+/* Any number of rows (each row's result does not depend on the others: a verification step's rows come out as the
+ * same rows decoded one by one would). Each thread's weight rows are read as streams (stream_split), and each step's
+ * weight rows are multiplied into every input row, eight (VNNI) or four (AVX2) at a time, while they are in cache:
+ * a prefill's rows read the weight once. */
 void mla_gemm_few_i8(const int8_t *w, const float *scale, const float *x, float *y, int64_t rows, int64_t n, int64_t k,
                      int64_t threads, int64_t variant) {
     const int vnni = variant < 0 ? has_vnni() : variant == 1;
@@ -487,29 +517,37 @@ void mla_gemm_few_i8(const int8_t *w, const float *scale, const float *x, float 
     float *sx = (float *)malloc((size_t)rows * sizeof(float));
     if (!xq || !sx) abort();  /* a few hundred kilobytes: ops/cpu_kernels.cpp bounds the rows */
     for (int64_t j = 0; j < rows; j++) sx[j] = quantize16(x + j * k, xq + j * k, k);
-    for (int64_t c = 0; c < rows; c += 8) {
-        const int64_t m = rows - c < 8 ? rows - c : 8;
-        const int16_t *xc = xq + c * k;
-        float *yc = y + c * n;
-        if (vnni) {
-            few_i8_rows_vnni(w, scale, xc, sx + c, yc, m, n, k, threads);
-            continue;
-        }
-#define I8_ROW(M) few_i8(w + r * k, scale[r], xc, sx + c, yc, r, M, n, k)
-        #pragma omp parallel for schedule(static) num_threads((int)threads)
-        for (int64_t r = 0; r < n; r++) ROWS_CASES(I8_ROW)
-    }
+    (vnni ? few_i8_rows_vnni : few_i8_rows)(w, scale, xq, sx, y, rows, n, k, threads);
     free(xq);
     free(sx);
+}
+
+static void few_i8_rows(const int8_t *w, const float *scale, const int16_t *xq, const float *sx, float *y,
+                        int64_t rows_in, int64_t n, int64_t k, int64_t threads) {
+#define I8_BLOCK(M) few_i8(w, scale, rows, xq + c * k, sx + c, y + c * n, M, n, k)
+    #pragma omp parallel num_threads((int)threads)
+    {
+        int64_t r0, len;
+        stream_split(n, 3, &r0, &len);
+        for (int64_t i = 0; i < len; i++) {
+            int64_t rows[3];
+            stream_rows(r0, len, 3, n, i, rows);
+            for (int64_t c = 0; c < rows_in; c += AVX2_BLOCK) {
+                const int64_t mb = rows_in - c < AVX2_BLOCK ? rows_in - c : AVX2_BLOCK;
+                BLOCK_CASES(I8_BLOCK)
+            }
+        }
+    }
 }
 
 /* few_i8_vnni's weight rows a step by input rows: measured fastest (bench/bench_gemv.py shapes, 2-core AVX-512 EPYC);
  * three rows at eight input rows took 1.3-1.4x as long as two. */
 #define I8_STREAMS(M) ((M) > 6 ? 2 : (M) > 4 ? 3 : 4)
-static void few_i8_rows_vnni(const int8_t *w, const float *scale, const int16_t *xc, const float *sx, float *yc,
-                             int64_t m, int64_t n, int64_t k, int64_t threads) {
-    const int R = I8_STREAMS(m);
-#define I8_VNNI_ROW(M) few_i8_vnni(w, scale, rows, I8_STREAMS(M), xc, sx, yc, M, n, k)
+static void few_i8_rows_vnni(const int8_t *w, const float *scale, const int16_t *xq, const float *sx, float *y,
+                             int64_t rows_in, int64_t n, int64_t k, int64_t threads) {
+    const int R = I8_STREAMS(rows_in < 8 ? rows_in : 8);
+#define I8_VNNI_R(M, RR) few_i8_vnni(w, scale, rows, RR, xq + c * k, sx + c, y + c * n, M, n, k)
+#define I8_VNNI_ROW(M) (R == 2 ? I8_VNNI_R(M, 2) : R == 3 ? I8_VNNI_R(M, 3) : I8_VNNI_R(M, 4))
     #pragma omp parallel num_threads((int)threads)
     {
         int64_t r0, len;
@@ -517,7 +555,10 @@ static void few_i8_rows_vnni(const int8_t *w, const float *scale, const int16_t 
         for (int64_t i = 0; i < len; i++) {
             int64_t rows[4];
             stream_rows(r0, len, R, n, i, rows);
-            ROWS_CASES(I8_VNNI_ROW)
+            for (int64_t c = 0; c < rows_in; c += 8) {
+                const int64_t m = rows_in - c < 8 ? rows_in - c : 8;
+                ROWS_CASES(I8_VNNI_ROW)
+            }
         }
     }
 }
