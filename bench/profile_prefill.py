@@ -37,6 +37,8 @@ def main() -> None:
     ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--quantization", default=None, choices=["int8", "int4", "bf16", "fp16"],
+                    help="weight-only quantisation")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -46,7 +48,8 @@ def main() -> None:
     for dtype in args.dtype:
         for batch in args.batch:
             llm = LLM(str(OUT), dtype=dtype, max_model_len=args.prompt_len + 64, kv_cache_memory="512MiB",
-                      max_num_seqs=max(batch, 1), enable_prefix_caching=False)
+                      max_num_seqs=max(batch, 1), enable_prefix_caching=False,
+                      quantization=args.quantization)
             prefill_once(llm, batch, args.prompt_len, "warm")
             secs, steps = prefill_once(llm, batch, args.prompt_len, "plain")
             timer.exclusive.clear()
@@ -56,7 +59,8 @@ def main() -> None:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 prefill_once(llm, batch, args.prompt_len, "prof")
             tokens = batch * args.prompt_len
-            print(f"\n## {dtype}, {batch} × {args.prompt_len} tokens: {secs * 1e3:.0f} ms in {steps} step(s), "
+            label = dtype if args.quantization is None else f"{dtype}, {args.quantization} weights"
+            print(f"\n## {label}, {batch} × {args.prompt_len} tokens: {secs * 1e3:.0f} ms in {steps} step(s), "
                   f"{tokens / secs:.0f} tok/s")
             print("| category | ms |\n|---|---:|")
             for cat, s in sorted(timer.exclusive.items(), key=lambda kv: -kv[1]):
