@@ -1098,7 +1098,8 @@ def test_compiled_layers_follow_weights_replaced_before_prepare_inference(tiny_c
 def test_each_int8_variant_gives_the_same_bits(variant):
     """The few-row int8 product's variants compute the same integer sums and round them alike: every variant equals
     the exact product on integers and gives the default's bits on random rows (tails of 16 and of 1 to 15 values,
-    and the int32 chunks' boundary at 4096 included). A variant this CPU cannot execute is skipped by name, and
+    the int32 chunks' boundary at 4096, fewer weight rows than the threads' streams and more input rows than one
+    pass takes included). A variant this CPU cannot execute is skipped by name, and
     asking for it is refused."""
     if cpu_kernels.failure() is not None:
         pytest.skip(f"the kernels do not build here: {cpu_kernels.failure()}")
@@ -1109,7 +1110,7 @@ def test_each_int8_variant_gives_the_same_bits(variant):
         pytest.skip(f"this CPU does not execute the int8 product's {variant} variant (it runs "
                     f"{list(cpu_kernels.variants('int8'))})")
     g = torch.Generator().manual_seed(7)
-    for n, k, rows in ((37, 77, 3), (16, 48, 8), (9, 4200, 5), (40, 2048, 13)):
+    for n, k, rows in ((37, 77, 3), (16, 48, 8), (9, 4200, 5), (40, 2048, 13), (5, 130, 70)):
         w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
         scale = torch.rand(n, generator=g)
         ints = torch.randint(-2, 3, (rows, k), generator=g).float()

@@ -38,8 +38,8 @@ in a process runs ``probe`` on a tiny weight. Paths (``GemmChoice.path``):
   float32. Measured with the weights
   streamed, 2 threads, on an AMD EPYC with AVX-512 (``bench/bench_gemv.py``): one row of ``[4096, 1024]`` 0.29 ms
   against oneDNN's native bfloat16 0.41 ms and the float32 kernel's 0.57 ms; two rows 0.43 ms against oneDNN's 0.56;
-  from four rows oneDNN's native products win (eight: 0.67 against 1.6 ms), and the kernel is about even with the
-  float32 copy a CPU without them computes with, while reading half its bytes.
+  from three rows oneDNN's native products, which round the rows to bfloat16, win (eight: 0.45 against the kernel's
+  0.58 ms), and the kernel is faster than the float32 copy a CPU without them computes with, reading half its bytes.
 - ``plain``: ``F.linear`` in the weight's dtype; no extra memory.
 - ``upcast``: a float32 copy of the weight (computed through the float32 path: blocked where oneDNN
   packs float32, else plain), the input cast to float32 and the result back. Memory: +4 bytes per
