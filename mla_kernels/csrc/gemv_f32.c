@@ -195,6 +195,22 @@ void mla_gemv_i8(const int8_t *w, const float *scale, const float *x, float *y, 
  * the rate, half as far): measured best of 1, 2 and 4 KB. */
 #define PF_BYTES(T) (sizeof(T) == 4 ? 2048 : 1024)
 
+/* The register tile of the few-row float products (AVX2 and AVX-512 alike): the weight rows wr[0..R) against the m
+ * input rows x (stride k), LANES values a step from i = 0 to end, into the accumulators acc[R][m] of type VEC; each
+ * weight vector is prefetched PF_BYTES ahead and widened (WIDE) once, each input vector loaded once for the R rows. */
+#define TILE_STEPS(T, VEC, LANES, WIDE, LOADX, FMA, end)                                                            \
+    for (int64_t i = 0; i < (end); i += (LANES)) {                                                                   \
+        VEC wv[4];                                                                                                   \
+        for (int q = 0; q < R; q++) {                                                                                \
+            _mm_prefetch((const char *)(wr[q] + i) + PF_BYTES(T), _MM_HINT_T0);                                      \
+            wv[q] = WIDE(wr[q] + i);                                                                                 \
+        }                                                                                                            \
+        for (int j = 0; j < m; j++) {                                                                                \
+            const VEC xv = LOADX(x + j * k + i);                                                                     \
+            for (int q = 0; q < R; q++) acc[q][j] = FMA(wv[q], xv, acc[q][j]);                                       \
+        }                                                                                                            \
+    }
+
 static inline __m256 load_f32(const float *p) { return _mm256_loadu_ps(p); }
 static inline float f32_value(float v) { return v; }
 
@@ -210,23 +226,14 @@ static inline float f32_value(float v) { return v; }
     static inline __attribute__((always_inline)) void NAME(const T *w, const int64_t *rows, const float *x, float *y, \
                                                            const int m, int64_t n, int64_t k) {                      \
         const int64_t k8 = k - k % 8;                                                                                \
+        const int R = AVX2_STREAMS;                                                                                  \
         const T *wr[AVX2_STREAMS];                                                                                   \
-        for (int q = 0; q < AVX2_STREAMS; q++) wr[q] = w + rows[q] * k;                                              \
+        for (int q = 0; q < R; q++) wr[q] = w + rows[q] * k;                                                         \
         __m256 acc[AVX2_STREAMS][AVX2_BLOCK];                                                                        \
-        for (int q = 0; q < AVX2_STREAMS; q++)                                                                       \
+        for (int q = 0; q < R; q++)                                                                                  \
             for (int j = 0; j < m; j++) acc[q][j] = _mm256_setzero_ps();                                             \
-        for (int64_t i = 0; i < k8; i += 8) {                                                                        \
-            __m256 wv[AVX2_STREAMS];                                                                                 \
-            for (int q = 0; q < AVX2_STREAMS; q++) {                                                                 \
-                _mm_prefetch((const char *)(wr[q] + i) + PF_BYTES(T), _MM_HINT_T0);                                  \
-                wv[q] = WIDEN(wr[q] + i);                                                                            \
-            }                                                                                                        \
-            for (int j = 0; j < m; j++) {                                                                            \
-                const __m256 xv = _mm256_loadu_ps(x + j * k + i);                                                    \
-                for (int q = 0; q < AVX2_STREAMS; q++) acc[q][j] = _mm256_fmadd_ps(wv[q], xv, acc[q][j]);            \
-            }                                                                                                        \
-        }                                                                                                            \
-        for (int q = 0; q < AVX2_STREAMS; q++)                                                                       \
+        TILE_STEPS(T, __m256, 8, WIDEN, _mm256_loadu_ps, _mm256_fmadd_ps, k8)                                        \
+        for (int q = 0; q < R; q++)                                                                                  \
             for (int j = 0; j < m; j++) {                                                                            \
                 float s = hsum(acc[q][j]);                                                                           \
                 for (int64_t i = k8; i < k; i++) s += VALUE(wr[q][i]) * x[j * k + i];                                \
@@ -401,17 +408,7 @@ int64_t mla_float_variants(void) { return 1 | (has_avx512() << 1); }
         __m512 acc[4][8];                                                                                            \
         for (int q = 0; q < R; q++)                                                                                  \
             for (int j = 0; j < m; j++) acc[q][j] = _mm512_setzero_ps();                                             \
-        for (int64_t i = 0; i < k16; i += 16) {                                                                      \
-            __m512 wv[4];                                                                                            \
-            for (int q = 0; q < R; q++) {                                                                            \
-                _mm_prefetch((const char *)(wr[q] + i) + PF_BYTES(T), _MM_HINT_T0);                                     \
-                wv[q] = FULL(wr[q] + i);                                                                             \
-            }                                                                                                        \
-            for (int j = 0; j < m; j++) {                                                                            \
-                const __m512 xv = _mm512_loadu_ps(x + j * k + i);                                                    \
-                for (int q = 0; q < R; q++) acc[q][j] = _mm512_fmadd_ps(wv[q], xv, acc[q][j]);                       \
-            }                                                                                                        \
-        }                                                                                                            \
+        TILE_STEPS(T, __m512, 16, FULL, _mm512_loadu_ps, _mm512_fmadd_ps, k16)                                      \
         if (k16 < k) {  /* the tail under a mask: zeros past k add nothing */                                        \
             const __mmask16 mask = (__mmask16)((1u << (k - k16)) - 1);                                               \
             __m512 wv[4];                                                                                            \
