@@ -293,6 +293,20 @@ static inline void stream_rows(int64_t r0, int64_t len, int R, int64_t n, int64_
     for (int q = 0; q < R; q++) rows[q] = r0 + q * len + i < r1 ? r0 + q * len + i : r1 - 1;
 }
 
+/* Runs the statements that follow (the macro's arguments) once per step of this thread's streams, in a parallel region
+ * of the caller's `threads` threads, with rows[0..R) the step's weight rows (stream_split, stream_rows). */
+#define FOR_STREAM_ROWS(n, R, ...)                                                                                   \
+    _Pragma("omp parallel num_threads((int)threads)")                                                                \
+    {                                                                                                                \
+        int64_t r0_, len_;                                                                                           \
+        stream_split(n, R, &r0_, &len_);                                                                             \
+        for (int64_t i_ = 0; i_ < len_; i_++) {                                                                      \
+            int64_t rows[4];                                                                                         \
+            stream_rows(r0_, len_, R, n, i_, rows);                                                                  \
+            __VA_ARGS__                                                                                              \
+        }                                                                                                            \
+    }
+
 /* few_i8 with AVX-512 VNNI for R weight rows (rows[0..R), at most 4) at once: 32 weights a step, one vpdpwssd per
  * weight row and input row (16 lanes, each the sum of two AVX2 lanes' products: lane l holds AVX2 lane l's even
  * steps, lane l + 8 its odd ones), a 16-weight step with AVX2 where one is left (added into the low lanes); lanes l
@@ -437,18 +451,10 @@ AVX512 static void few512(const void *w, int64_t kind, const float *x, float *y,
 #define F32_PAIR(M) GROUP(few512_f32, wf, M)
 #define BF16_PAIR(M) GROUP(few512_bf16, wh, M)
 #define F16_PAIR(M) GROUP(few512_f16, wh, M)
-    #pragma omp parallel num_threads((int)threads)
-    {
-        int64_t r0, len;
-        stream_split(n, R, &r0, &len);
-        for (int64_t i = 0; i < len; i++) {
-            int64_t rows[4];
-            stream_rows(r0, len, R, n, i, rows);
-            if (kind == W_F32) ROWS_CASES(F32_PAIR)
-            else if (kind == W_BF16) ROWS_CASES(BF16_PAIR)
-            else ROWS_CASES(F16_PAIR)
-        }
-    }
+    FOR_STREAM_ROWS(n, R,
+        if (kind == W_F32) ROWS_CASES(F32_PAIR)
+        else if (kind == W_BF16) ROWS_CASES(BF16_PAIR)
+        else ROWS_CASES(F16_PAIR))
 }
 
 FEW_AVX2(few_f32, float, load_f32, f32_value)
@@ -468,21 +474,13 @@ static void few_avx2(const void *w, int64_t kind, const float *x, float *y, int6
 #define F32_BLOCK(M) AVX2_CALL(few_f32, wf, M)
 #define BF16_BLOCK(M) AVX2_CALL(few_bf16, wh, M)
 #define F16_BLOCK(M) AVX2_CALL(few_f16, wh, M)
-    #pragma omp parallel num_threads((int)threads)
-    {
-        int64_t r0, len;
-        stream_split(n, AVX2_STREAMS, &r0, &len);
-        for (int64_t i = 0; i < len; i++) {
-            int64_t rows[AVX2_STREAMS];
-            stream_rows(r0, len, AVX2_STREAMS, n, i, rows);
-            for (int64_t c = 0; c < m; c += AVX2_BLOCK) {
-                const int64_t mb = m - c < AVX2_BLOCK ? m - c : AVX2_BLOCK;
-                if (kind == W_F32) BLOCK_CASES(F32_BLOCK)
-                else if (kind == W_BF16) BLOCK_CASES(BF16_BLOCK)
-                else BLOCK_CASES(F16_BLOCK)
-            }
-        }
-    }
+    FOR_STREAM_ROWS(n, AVX2_STREAMS,
+        for (int64_t c = 0; c < m; c += AVX2_BLOCK) {
+            const int64_t mb = m - c < AVX2_BLOCK ? m - c : AVX2_BLOCK;
+            if (kind == W_F32) BLOCK_CASES(F32_BLOCK)
+            else if (kind == W_BF16) BLOCK_CASES(BF16_BLOCK)
+            else BLOCK_CASES(F16_BLOCK)
+        })
 }
 
 /* The variant a call runs: the one named, else (-1) the AVX-512 one for float32 weights from four rows on and for half
@@ -522,19 +520,11 @@ void mla_gemm_few_i8(const int8_t *w, const float *scale, const float *x, float 
 static void few_i8_rows(const int8_t *w, const float *scale, const int16_t *xq, const float *sx, float *y,
                         int64_t rows_in, int64_t n, int64_t k, int64_t threads) {
 #define I8_BLOCK(M) few_i8(w, scale, rows, xq + c * k, sx + c, y + c * n, M, n, k)
-    #pragma omp parallel num_threads((int)threads)
-    {
-        int64_t r0, len;
-        stream_split(n, 3, &r0, &len);
-        for (int64_t i = 0; i < len; i++) {
-            int64_t rows[3];
-            stream_rows(r0, len, 3, n, i, rows);
-            for (int64_t c = 0; c < rows_in; c += AVX2_BLOCK) {
-                const int64_t mb = rows_in - c < AVX2_BLOCK ? rows_in - c : AVX2_BLOCK;
-                BLOCK_CASES(I8_BLOCK)
-            }
-        }
-    }
+    FOR_STREAM_ROWS(n, 3,
+        for (int64_t c = 0; c < rows_in; c += AVX2_BLOCK) {
+            const int64_t mb = rows_in - c < AVX2_BLOCK ? rows_in - c : AVX2_BLOCK;
+            BLOCK_CASES(I8_BLOCK)
+        })
 }
 
 /* few_i8_vnni's weight rows a step by input rows: measured fastest (bench/bench_gemv.py shapes, 2-core AVX-512 EPYC);
@@ -545,19 +535,11 @@ static void few_i8_rows_vnni(const int8_t *w, const float *scale, const int16_t 
     const int R = I8_STREAMS(rows_in < 8 ? rows_in : 8);
 #define I8_VNNI_R(M, RR) few_i8_vnni(w, scale, rows, RR, xq + c * k, sx + c, y + c * n, M, n, k)
 #define I8_VNNI_ROW(M) (R == 2 ? I8_VNNI_R(M, 2) : R == 3 ? I8_VNNI_R(M, 3) : I8_VNNI_R(M, 4))
-    #pragma omp parallel num_threads((int)threads)
-    {
-        int64_t r0, len;
-        stream_split(n, R, &r0, &len);
-        for (int64_t i = 0; i < len; i++) {
-            int64_t rows[4];
-            stream_rows(r0, len, R, n, i, rows);
-            for (int64_t c = 0; c < rows_in; c += 8) {
-                const int64_t m = rows_in - c < 8 ? rows_in - c : 8;
-                ROWS_CASES(I8_VNNI_ROW)
-            }
-        }
-    }
+    FOR_STREAM_ROWS(n, R,
+        for (int64_t c = 0; c < rows_in; c += 8) {
+            const int64_t m = rows_in - c < 8 ? rows_in - c : 8;
+            ROWS_CASES(I8_VNNI_ROW)
+        })
 }
 
 /* RMSNorm of m rows of x [m, k] (row stride ld) into y [m, k]: y = x / sqrt(mean(x^2) + eps) * weight, in float32.
