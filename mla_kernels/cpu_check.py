@@ -47,15 +47,18 @@ def _core(g: torch.Generator, kind: str) -> str | None:
 
 
 def _decode(g: torch.Generator) -> str | None:
-    """The absorbed decode kernel against the same attention in torch (float64) on a small random layer."""
+    """The absorbed decode kernel, each variant the CPU runs, against the same attention in torch (float64) on a small
+    random layer."""
     rows, heads, d_n, d_r, d_c, d_v, blocks = 3, 5, 16, 8, 72, 24, 40
     q_n, q_r = torch.randn(rows, heads, d_n + d_r, generator=g).split([d_n, d_r], dim=-1)
     w_uk, w_uv_t = torch.randn(heads, d_n, d_c, generator=g), torch.randn(heads, d_c, d_v, generator=g)
     cache = torch.randn(blocks, d_c + d_r, generator=g)
     lens = torch.tensor([1, 7, 33])
     slots = torch.randperm(blocks, generator=g)[:33].repeat(rows, 1)
-    for weights in ((w_uk, w_uv_t), (w_uk.bfloat16(), w_uv_t.bfloat16())):
-        got = _ops().absorbed_decode(q_n, q_r, *weights, cache, slots, lens, 0.3)
+    runs = [v.split(":")[0].split(".")[1] for v in _ops().product_variants() if v.startswith("float.")
+            and v.endswith(":runs")]  # the attention's variants are the float products' (AVX2, AVX-512)
+    for variant, weights in ((v, w) for v in runs for w in ((w_uk, w_uv_t), (w_uk.bfloat16(), w_uv_t.bfloat16()))):
+        got = _ops().absorbed_decode(q_n, q_r, *weights, cache, slots, lens, 0.3, variant)
         uk, uv_t = (w.double() for w in weights)
         for t in range(rows):
             keys = cache[slots[t, :lens[t]]].double()
@@ -63,7 +66,8 @@ def _decode(g: torch.Generator) -> str | None:
             p = torch.softmax(0.3 * (torch.cat([q_abs, q_r[t].double()], -1) @ keys.T), dim=-1)
             want = torch.einsum("hc,hcv->hv", p @ keys[:, :d_c], uv_t)
             if not torch.allclose(got[t].double(), want, rtol=1e-4, atol=1e-4):
-                return f"the absorbed decode kernel ({weights[0].dtype} weights) differs from torch's attention here"
+                return (f"the absorbed decode kernel ({variant}, {weights[0].dtype} weights) differs from torch's "
+                        "attention here")
     return None
 
 

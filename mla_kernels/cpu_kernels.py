@@ -6,8 +6,9 @@ their sources are ``csrc/*.c`` and ``csrc/ops/cpu_kernels.cpp``):
   float32 row scales (rows rounded to int16), block-FP8 with its block scales and group-wise int4 (ggml's Q4_0
   numbers: ``mla_kernels.int4_format``; rows rounded to int8 per group of 32), any number of rows, ``max_rows`` a
   pass. Each runs an AVX2 or an AVX-512 variant, chosen at run time (``variants``; int8 and int4 with the same bits);
-- ``rms_norm``, ``absorbed_decode`` (absorption into the latent, attention over the paged latent cache,
-  up-projection), ``rope_store`` (the latent side of a step: norm, RoPE, cache write);
+- ``rms_norm``, ``absorbed_decode(..., variant="auto")`` (absorption into the latent, attention over the paged latent
+  cache, up-projection; one source compiled for AVX2 and for AVX-512, the "float" variants), ``rope_store`` (the
+  latent side of a step: norm, RoPE, cache write);
 - ``mlp_table`` / ``gated_mlps`` / ``moe_row``: gated MLPs of one row, or a MoE layer's router, routing, routed and
   shared experts in one call; ``layer_table`` / ``decode_step`` / ``decoder_layer``: a whole decoder layer of one to
   ``max_rows`` rows (``mla_kernels.cpu_tables`` builds the tables).
@@ -94,10 +95,10 @@ def _variants() -> tuple[tuple[str, bool], ...]:
 
 
 def variants(kind: str, runs_only: bool = True) -> tuple[str, ...]:
-    """The variants of the ``kind`` products, slowest first: "float" (float32, bfloat16 and float16 weights: "avx2",
-    "avx512"), "int8" or "int4" ("avx2", "avx512_vnni"); those this CPU executes, or all that are built
-    (``runs_only=False``). ``linear`` takes the fastest unless told (float: AVX-512 for float32 weights from four
-    rows on, for half weights from two). The int8 and int4 ones give identical results; the float ones each sum in
-    their own order, and within one a row's result does not depend on the rows beside it."""
+    """The variants of the ``kind`` products, slowest first: "float" (float32, bfloat16 and float16 weights, and the
+    absorbed attention: "avx2", "avx512"), "int8" or "int4" ("avx2", "avx512_vnni"); those this CPU executes, or all
+    that are built (``runs_only=False``). ``linear`` takes the fastest unless told (float: AVX-512 for float32
+    weights from four rows on, for half weights from two). The int8 and int4 ones give identical results; the float
+    ones each sum in their own order, and within one a row's result does not depend on the rows beside it."""
     return tuple(name.split(".", 1)[1] for name, runs in _variants()
                  if name.startswith(kind + ".") and (runs or not runs_only))

@@ -41,7 +41,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 PORTABLE_SOURCES = (CSRC / "ops" / "indexer.cpp",)
 X86_SOURCES = (CSRC / "gemv_f32.c", CSRC / "mla_decode_f32.c", CSRC / "mla_layer_f32.c", CSRC / "gemv_fp8.c",
                CSRC / "gemv_int4.c", CSRC / "ops" / "cpu_kernels.cpp")
-HEADERS = (CSRC / "mla_cpu.h", CSRC / "simd.h")
+HEADERS = (CSRC / "mla_cpu.h", CSRC / "simd.h", CSRC / "decode_attention.h")
 CFLAGS = ("-O3", "-std=c++17", "-fopenmp")  # OpenMP: the kernels' threads are torch's pool
 # the x86 baseline (every AVX2 CPU has FMA and F16C): wider instruction sets are chosen per function at run time
 X86_CFLAGS = ("-mavx2", "-mfma", "-mf16c")
@@ -218,7 +218,7 @@ def _register_fakes() -> None:
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
     @lib.register_fake("mla_kernels::absorbed_decode")
-    def _(q_n, q_r, w_uk, w_uv_t, cache, slots, lens, scale):  # type: ignore[no-untyped-def]
+    def _(q_n, q_r, w_uk, w_uv_t, cache, slots, lens, scale, variant="auto"):  # type: ignore[no-untyped-def]
         return cache.new_empty((q_n.shape[0], q_n.shape[1], w_uv_t.shape[2]))
 
     lib.register_fake("mla_kernels::rope_store", lambda *args, **kwargs: None)

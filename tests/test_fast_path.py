@@ -726,12 +726,18 @@ def test_a_failed_half_precision_fast_path_falls_back_by_a_rule(monkeypatch):
     (3, 5, (16, 8, 72, 24), 2),      # an odd head count (groups of 3 and 2) and column tails
     (2, 6, (8, 8, 40, 8), 4),        # more threads than a group needs; d_c not a multiple of 32
     (5, 3, (16, 16, 64, 16), 1),
+    (2, 4, (16, 16, 96, 40), 2),     # a column block and a tail of 32 with 16 lanes
 ])
 @pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
-def test_absorbed_decode_kernel_matches_the_planned_torch_path(rows, heads, dims, threads, weights):
+@pytest.mark.parametrize("variant", ["avx2", "avx512"])
+def test_absorbed_decode_kernel_matches_the_planned_torch_path(rows, heads, dims, threads, weights, variant):
     """One call equals absorption + ``mla_decode_planned`` + up-projection (the torch path it replaces) for rows of
     different lengths, with a cache whose unused rows hold NaN (never read); with bfloat16 absorbed factors (int8
-    models), it equals the torch path over the same bfloat16 values."""
+    models), it equals the torch path over the same bfloat16 values. Each variant (AVX2, AVX-512: one source compiled
+    for each); a variant this CPU cannot execute is skipped by name."""
+    if variant not in cpu_kernels.variants("float"):
+        pytest.skip(f"this CPU does not execute the attention's {variant} variant (it runs "
+                    f"{list(cpu_kernels.variants('float'))})")
     d_n, d_r, d_c, d_v = dims
     g = torch.Generator().manual_seed(rows * heads)
     block, blocks = 4, 24
@@ -749,7 +755,7 @@ def test_absorbed_decode_kernel_matches_the_planned_torch_path(rows, heads, dims
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = cpu_kernels.ops().absorbed_decode(q_n, q_r, *stored, flat, plan.slots, plan.lens, 0.1)
+        got = cpu_kernels.ops().absorbed_decode(q_n, q_r, *stored, flat, plan.slots, plan.lens, 0.1, variant)
     finally:
         torch.set_num_threads(before)
     q_abs = torch.bmm(q_n.transpose(0, 1), w_uk).transpose(0, 1)

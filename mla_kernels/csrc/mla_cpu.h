@@ -74,12 +74,12 @@ void mla_absorbed_decode_f32(const float *q_n, int64_t qn_t, int64_t qn_h, const
                              int64_t qr_h, const void *w_uk, const void *w_uv_t, const float *cache,
                              const int64_t *slots, int64_t slot_stride, const int64_t *lens, float scale, float *out,
                              float *scratch, int64_t scratch_stride, int64_t rows, int64_t heads, int64_t d_n,
-                             int64_t d_r, int64_t d_c, int64_t d_v, int64_t threads);
+                             int64_t d_r, int64_t d_c, int64_t d_v, int64_t threads, int64_t variant);
 void mla_absorbed_decode_bf16w(const float *q_n, int64_t qn_t, int64_t qn_h, const float *q_r, int64_t qr_t,
                                int64_t qr_h, const void *w_uk, const void *w_uv_t, const float *cache,
                                const int64_t *slots, int64_t slot_stride, const int64_t *lens, float scale, float *out,
                                float *scratch, int64_t scratch_stride, int64_t rows, int64_t heads, int64_t d_n,
-                               int64_t d_r, int64_t d_c, int64_t d_v, int64_t threads);
+                               int64_t d_r, int64_t d_c, int64_t d_v, int64_t threads, int64_t variant);
 void mla_rope_store_f32(const float *latent, int64_t lat_ld, const float *norm, float eps, float *q, int64_t q_t,
                         int64_t q_h, int64_t heads, int64_t d_n, const float *cos, const float *sin, int64_t cs_ld,
                         float *cache, const int64_t *slots, int64_t rows, int64_t d_c, int64_t d_r,

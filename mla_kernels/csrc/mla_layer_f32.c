@@ -149,7 +149,7 @@ int64_t mla_decoder_layer(const int64_t *L, const int64_t *S, float *x, float *c
     (L[L_W_BF16] ? mla_absorbed_decode_bf16w : mla_absorbed_decode_f32)(
         q, heads * qk, qk, q + d_n, heads * qk, qk, PTR(const void *, L, L_W_UK), PTR(const void *, L, L_W_UV_T), cache,
         PTR(const int64_t *, S, S_KEYS), S[S_KEY_STRIDE], PTR(const int64_t *, S, S_LENS), f[4], o, att,
-        S[S_DECODE_STRIDE], t, heads, d_n, d_r, d_c, d_v, S[S_DECODE_THREADS]);
+        S[S_DECODE_STRIDE], t, heads, d_n, d_r, d_c, d_v, S[S_DECODE_THREADS], -1);
     product(L, L_O_W, o, out, t, d, heads * d_v, threads);
     residual(x, out, t * d);
     mla_rms_norm_f32(x, d, PTR(const float *, L, L_POST_NORM), h, t, d, f[1]);

@@ -233,8 +233,10 @@ int64_t decode_threads(int64_t heads) { return std::max(threads(), cdiv(heads, M
 // w_uk [H, d_n, d_c], w_uv_t [H, d_c, d_v] (float32, or both bfloat16), cache [S, d_c + d_r] float32 latent rows,
 // slots [T, L] int64 (row t reads cache[slots[t, :lens[t]]]), lens [T] int64 -> out [T, H, d_v] float32.
 Tensor absorbed_decode(const Tensor& q_n, const Tensor& q_r, const Tensor& w_uk, const Tensor& w_uv_t,
-                       const Tensor& cache, const Tensor& slots, const Tensor& lens, double scale) {
+                       const Tensor& cache, const Tensor& slots, const Tensor& lens, double scale,
+                       c10::string_view variant) {
   const char* op = "absorbed_decode";
+  const int64_t v = variant_index(variant, mla_float_variants(), FLOAT_VARIANTS, op);
   TORCH_CHECK_VALUE(q_n.dim() == 3 && q_r.dim() == 3 && w_uk.dim() == 3 && w_uv_t.dim() == 3 && cache.dim() == 2,
                     "absorbed_decode: q_n, q_r [T, H, d], w_uk, w_uv_t [H, *, *] and cache [S, d_c + d_r]");
   const int64_t rows = q_n.size(0), heads = q_n.size(1), d_n = q_n.size(2), d_r = q_r.size(2);
@@ -258,7 +260,7 @@ Tensor absorbed_decode(const Tensor& q_n, const Tensor& q_r, const Tensor& w_uk,
            ptr<const float>(q_r) + r0 * q_r.stride(0), q_r.stride(0), q_r.stride(1), w_uk.data_ptr(),
            w_uv_t.data_ptr(), ptr<const float>(cache), ptr<const int64_t>(slots) + r0 * slots.stride(0),
            slots.stride(0), ptr<const int64_t>(lens) + r0, static_cast<float>(scale),
-           ptr<float>(out) + r0 * heads * d_v, ptr<float>(scratch), stride, m, heads, d_n, d_r, d_c, d_v, nt);
+           ptr<float>(out) + r0 * heads * d_v, ptr<float>(scratch), stride, m, heads, d_n, d_r, d_c, d_v, nt, v);
   }
   return out;
 }
@@ -616,7 +618,7 @@ TORCH_LIBRARY_FRAGMENT(mla_kernels, m) {
   m.def("int4_from_stored(Tensor stored) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("absorbed_decode(Tensor q_n, Tensor q_r, Tensor w_uk, Tensor w_uv_t, Tensor cache, Tensor slots, "
-        "Tensor lens, float scale) -> Tensor");
+        "Tensor lens, float scale, str variant=\"auto\") -> Tensor");
   m.def("rope_store(Tensor latent, Tensor norm, float eps, Tensor(a!) q, int d_n, Tensor cos, Tensor sin, "
         "Tensor(b!) cache, Tensor slots, bool interleave) -> ()");
   m.def("mlp_table(Tensor[] gate_up, Tensor?[] gate_up_scales, Tensor[] down, Tensor?[] down_scales) -> "

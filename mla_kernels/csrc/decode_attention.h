@@ -1,0 +1,240 @@
+/* The absorbed decode attention (mla_decode_f32.c), written once over a vector of VL floats and included once per
+ * instruction set: mla_decode_f32.c defines, before each inclusion,
+ *
+ *     V, VL                       the vector type and its lanes (__m256 and 8 for AVX2, __m512 and 16 for AVX-512)
+ *     V_LOAD, V_STORE, V_ZERO, V_SET1, V_FMA, V_MUL, V_ADD, V_SUB, V_MAX   the usual operations
+ *     V_BF16(p)                   VL bfloat16 values from p, widened to float32 (exactly: a shift)
+ *     V_HSUM(v), V_HMAX(v)        the sum and the largest of the lanes
+ *     V_EXP(v)                    e^v lane by lane (for v <= 0; below -87 gives 0)
+ *     SFX(name)                   name with the instruction set's suffix
+ *
+ * Column blocks are four vectors wide (32 floats with AVX2, 64 with AVX-512). */
+
+/* VL weights from b + i as floats: float32, or bfloat16. The weight format is a compile-time constant wherever this is
+ * inlined, so each format gets its own loops. */
+static inline __attribute__((always_inline)) V SFX(load_w)(const void *b, int64_t i, const int bf16) {
+    return bf16 ? V_BF16((const uint16_t *)b + i) : V_LOAD((const float *)b + i);
+}
+
+/* y[0:n] = sum_i x[i] b[i][0:n] for one row x and a row-major b [k, n], reading b front to back as two sequential
+ * streams (its two halves side by side, each summed into its own accumulator in L1; one stream was 10-17 % slower
+ * from memory). The one-row case of small_gemm, whose column blocks stream a cold matrix more slowly. */
+static inline __attribute__((always_inline)) void SFX(vec_mat)(const float *x, const void *b, int64_t k, int64_t n,
+                                                               float *y, const int bf16) {
+    const int64_t nv = n - n % VL, half = k / 2;
+    float y2[n];
+    for (int64_t j = 0; j < n; j++) y[j] = y2[j] = 0.0f;
+    for (int64_t i = 0; i < half; i++) {
+        const int64_t ra = i * n, rb = (i + half) * n;
+        const V pa = V_SET1(x[i]), pb = V_SET1(x[i + half]);
+        for (int64_t j = 0; j < nv; j += VL) {
+            V_STORE(y + j, V_FMA(pa, SFX(load_w)(b, ra + j, bf16), V_LOAD(y + j)));
+            V_STORE(y2 + j, V_FMA(pb, SFX(load_w)(b, rb + j, bf16), V_LOAD(y2 + j)));
+        }
+        for (int64_t j = nv; j < n; j++) {
+            y[j] += x[i] * load1(b, ra + j, bf16);
+            y2[j] += x[i + half] * load1(b, rb + j, bf16);
+        }
+    }
+    for (int64_t i = 2 * half; i < k; i++)  /* an odd k's last row */
+        for (int64_t j = 0; j < n; j++) y[j] += x[i] * load1(b, i * n + j, bf16);
+    for (int64_t j = 0; j < n; j++) y[j] += y2[j];
+}
+
+/* c[t][0:n] = sum_k a[t][k] b[k][0:n] for t < m: rows of a (row stride lda) times the row-major b [k, n] (float32 or
+ * bfloat16) into rows of c (row stride ldc), two rows of a by a column block of b in eight registers (one load of b
+ * serves two rows). */
+static inline __attribute__((always_inline)) void SFX(small_gemm)(const float *a, int64_t lda, const void *b,
+                                                                  int64_t k, int64_t n, float *c, int64_t ldc,
+                                                                  int64_t m, const int bf16) {
+    if (m == 1) {
+        SFX(vec_mat)(a, b, k, n, c, bf16);
+        return;
+    }
+    prefetch(b, k * n * (bf16 ? 2 : 4));
+    for (int64_t t = 0; t < m; t += 2) {
+        const float *a0 = a + t * lda, *a1 = t + 1 < m ? a0 + lda : a0;  /* an odd last row: computed twice */
+        float *c0 = c + t * ldc, *c1 = t + 1 < m ? c0 + ldc : c0;
+        int64_t j = 0;
+        for (; j + 4 * VL <= n; j += 4 * VL) {
+            V x[4], y[4];
+            for (int u = 0; u < 4; u++) x[u] = y[u] = V_ZERO();
+            for (int64_t i = 0; i < k; i++) {
+                const V p = V_SET1(a0[i]), q = V_SET1(a1[i]);
+                for (int u = 0; u < 4; u++) {
+                    const V bv = SFX(load_w)(b, i * n + j + VL * u, bf16);
+                    x[u] = V_FMA(p, bv, x[u]);
+                    y[u] = V_FMA(q, bv, y[u]);
+                }
+            }
+            for (int u = 0; u < 4; u++) {
+                V_STORE(c1 + j + VL * u, y[u]);
+                V_STORE(c0 + j + VL * u, x[u]);
+            }
+        }
+        for (; j < n; j++) {
+            float x0 = 0.0f, y0 = 0.0f;
+            for (int64_t i = 0; i < k; i++) {
+                x0 += a0[i] * load1(b, i * n + j, bf16);
+                y0 += a1[i] * load1(b, i * n + j, bf16);
+            }
+            c1[j] = y0;
+            c0[j] = x0;
+        }
+    }
+}
+
+/* softmax of s[0:n] in place */
+static void SFX(softmax)(float *s, int64_t n) {
+    const int64_t nv = n - n % VL;
+    V mv = V_SET1(-INFINITY);
+    for (int64_t j = 0; j < nv; j += VL) mv = V_MAX(mv, V_LOAD(s + j));
+    float mx = V_HMAX(mv);
+    for (int64_t j = nv; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+    const V mb = V_SET1(mx);
+    V sv = V_ZERO();
+    for (int64_t j = 0; j < nv; j += VL) {
+        const V e = V_EXP(V_SUB(V_LOAD(s + j), mb));
+        V_STORE(s + j, e);
+        sv = V_ADD(sv, e);
+    }
+    float sum = V_HSUM(sv);
+    for (int64_t j = nv; j < n; j++) sum += (s[j] = expf(s[j] - mx));
+    const float inv = 1.0f / sum;
+    const V iv = V_SET1(inv);
+    for (int64_t j = 0; j < nv; j += VL) V_STORE(s + j, V_MUL(V_LOAD(s + j), iv));
+    for (int64_t j = nv; j < n; j++) s[j] *= inv;
+}
+
+/* Accumulate four heads' queries q[0..3][0:n] against two keys ka, kb (four heads by two keys in eight registers:
+ * each load of a key serves four heads, each load of a query two keys). */
+static inline void SFX(tile4x2)(const float *const *q, const float *ka, const float *kb, int64_t n, V *acc) {
+    for (int64_t i = 0; i + VL <= n; i += VL) {
+        const V a = V_LOAD(ka + i), b = V_LOAD(kb + i);
+        for (int u = 0; u < 4; u++) {
+            const V qv = V_LOAD(q[u] + i);
+            acc[2 * u] = V_FMA(qv, a, acc[2 * u]);
+            acc[2 * u + 1] = V_FMA(qv, b, acc[2 * u + 1]);
+        }
+    }
+}
+
+/* s[h * ld + j] = scale * (q[h] . key_j[:d_c] + qr[h] . key_j[d_c:]) for nh heads and the keys j0 and j0 + 1
+ * (key_j = cache + slot[j] * width; with one = 1 only j0). Four heads by two keys at a time when d_c and d_r are
+ * multiples of VL, else one dot product at a time. */
+static void SFX(scores)(const float *const *q, const float *const *qr, const float *cache, int64_t width,
+                        const int64_t *slot, int64_t j0, int one, int64_t nh, int64_t d_c, int64_t d_r, float scale,
+                        float *s, int64_t ld) {
+    const float *ka = cache + slot[j0] * width, *kb = one ? ka : cache + slot[j0 + 1] * width;
+    int64_t h = 0;
+    if (d_c % VL == 0 && d_r % VL == 0) {
+        for (; h + 4 <= nh; h += 4) {
+            V acc[8];
+            for (int u = 0; u < 8; u++) acc[u] = V_ZERO();
+            SFX(tile4x2)(q + h, ka, kb, d_c, acc);
+            SFX(tile4x2)(qr + h, ka + d_c, kb + d_c, d_r, acc);
+            for (int u = 0; u < 4; u++) {
+                s[(h + u) * ld + j0] = scale * V_HSUM(acc[2 * u]);
+                if (!one) s[(h + u) * ld + j0 + 1] = scale * V_HSUM(acc[2 * u + 1]);
+            }
+        }
+    }
+    for (; h < nh; h++)
+        for (int k = 0; k < 2 - one; k++) {
+            const float *key = k ? kb : ka;
+            s[h * ld + j0 + k] = scale * (dot_f32(q[h], key, d_c) + dot_f32(qr[h], key + d_c, d_r));
+        }
+}
+
+/* o[h][c0:c0 + 4 VL] (+)= sum_{j0 <= j < j1} p[h * ld + j] key_j[c0:c0 + 4 VL] for the heads h0 and h1 (h1 == h0:
+ * one head), in eight registers: each key block is loaded once for both heads. */
+static inline void SFX(weigh_block)(const float *p, int64_t ld, const float *cache, int64_t width,
+                                    const int64_t *slot, int64_t j0, int64_t j1, int64_t h0, int64_t h1, int64_t c0,
+                                    float *const *o) {
+    V a[4], b[4];
+    for (int u = 0; u < 4; u++) {
+        a[u] = j0 ? V_LOAD(o[h0] + c0 + VL * u) : V_ZERO();
+        b[u] = j0 ? V_LOAD(o[h1] + c0 + VL * u) : V_ZERO();
+    }
+    for (int64_t j = j0; j < j1; j++) {
+        const float *k = cache + slot[j] * width + c0;
+        const V pa = V_SET1(p[h0 * ld + j]), pb = V_SET1(p[h1 * ld + j]);
+        for (int u = 0; u < 4; u++) {
+            const V kv = V_LOAD(k + VL * u);
+            a[u] = V_FMA(pa, kv, a[u]);
+            b[u] = V_FMA(pb, kv, b[u]);
+        }
+    }
+    for (int u = 0; u < 4; u++) {
+        V_STORE(o[h1] + c0 + VL * u, b[u]);
+        V_STORE(o[h0] + c0 + VL * u, a[u]);  /* last: the one head's result when h1 == h0 */
+    }
+}
+
+/* o[h][0:d_c] = sum_j p[h * ld + j] key_j[0:d_c] for nh heads, keys key_j = cache + slot[j] * width. The keys go in
+ * chunks of WEIGH_KEYS (a chunk's latents fit in L2; a row's whole context may not), and within a chunk a column block
+ * of them at a time (in L1) serves every pair of heads. */
+static void SFX(weighted_keys)(const float *p, int64_t ld, const float *cache, int64_t width, const int64_t *slot,
+                               int64_t len, int64_t nh, int64_t d_c, float *const *o) {
+    const int64_t cb = d_c - d_c % (4 * VL);
+    for (int64_t j0 = 0; j0 < len; j0 += WEIGH_KEYS) {
+        const int64_t j1 = j0 + WEIGH_KEYS < len ? j0 + WEIGH_KEYS : len;
+        for (int64_t c = 0; c < cb; c += 4 * VL)
+            for (int64_t h = 0; h < nh; h += 2)
+                SFX(weigh_block)(p, ld, cache, width, slot, j0, j1, h, h + 1 < nh ? h + 1 : h, c, o);
+        for (int64_t h = 0; h < nh; h++)  /* columns past the last block */
+            for (int64_t c = cb; c < d_c; c++) {
+                float acc = j0 ? o[h][c] : 0.0f;
+                for (int64_t j = j0; j < j1; j++) acc += p[h * ld + j] * cache[slot[j] * width + c];
+                o[h][c] = acc;
+            }
+    }
+}
+
+/* q_n [T, H, d_n] and q_r [T, H, d_r] (strides per row and per head, elements contiguous), w_uk [H, d_n, d_c],
+ * w_uv_t [H, d_c, d_v], cache [*, d_c + d_r], slots [T, slot_stride] (the cache row of each row's keys), lens [T]
+ * (>= 1; at most slot_stride are read), out [T, H, d_v], scratch [threads, scratch_stride] with scratch_stride >=
+ * G (2 T d_c + slot_stride), G = ceil(H / threads) heads per thread. */
+static inline __attribute__((always_inline)) void SFX(absorbed_decode)(
+        const float *q_n, int64_t qn_t, int64_t qn_h, const float *q_r, int64_t qr_t, int64_t qr_h, const void *w_uk, const void *w_uv_t, const float *cache,
+                                 const int64_t *slots, int64_t slot_stride, const int64_t *lens, float scale,
+                                 float *out, float *scratch, int64_t scratch_stride, int64_t rows, int64_t heads,
+                                 int64_t d_n, int64_t d_r, int64_t d_c, int64_t d_v, int64_t threads, const int bf16) {
+    const int64_t esize = bf16 ? 2 : 4;
+    const int64_t width = d_c + d_r, group = (heads + threads - 1) / threads;
+    if (group > MAX_GROUP) abort();  /* ops/cpu_kernels.cpp runs enough threads that this cannot happen */
+    #pragma omp parallel num_threads((int)threads)
+    {
+        const int64_t h0 = omp_get_thread_num() * group, h1 = h0 + group < heads ? h0 + group : heads;
+        float *q_abs = scratch + omp_get_thread_num() * scratch_stride;  /* [T][G][d_c] */
+        float *o_lat = q_abs + rows * group * d_c;                          /* [T][G][d_c] */
+        float *s = o_lat + rows * group * d_c;                              /* [G][slot_stride] */
+        /* absorb: q~[t] = q_n[t, h] W_UK[h], every row of a head at once */
+        for (int64_t h = h0; h < h1; h++)
+            SFX(small_gemm)(q_n + h * qn_h, qn_t, (const char *)w_uk + h * d_n * d_c * esize, d_n, d_c,
+                            q_abs + (h - h0) * d_c, group * d_c, rows, bf16);
+        /* attend: keys outer and this thread's heads inner for the scores, heads outer for the weighted sum */
+        const float *qa[MAX_GROUP], *qr[MAX_GROUP];
+        float *ol[MAX_GROUP];
+        for (int64_t t = 0; t < rows; t++) {
+            const int64_t *slot = slots + t * slot_stride;
+            const int64_t len = lens[t] < slot_stride ? lens[t] : slot_stride;
+            for (int64_t h = h0; h < h1; h++) {
+                qa[h - h0] = q_abs + (t * group + h - h0) * d_c;
+                qr[h - h0] = q_r + t * qr_t + h * qr_h;
+                ol[h - h0] = o_lat + (t * group + h - h0) * d_c;
+            }
+            for (int64_t j = 0; j < len; j += 2) {
+                for (int64_t u = j + KEYS_AHEAD; u < j + KEYS_AHEAD + 2 && u < len; u++)
+                    fetch_key(cache + slot[u] * width, width);
+                SFX(scores)(qa, qr, cache, width, slot, j, j + 1 == len, h1 - h0, d_c, d_r, scale, s, slot_stride);
+            }
+            for (int64_t h = h0; h < h1; h++) SFX(softmax)(s + (h - h0) * slot_stride, len);
+            SFX(weighted_keys)(s, slot_stride, cache, width, slot, len, h1 - h0, d_c, ol);
+        }
+        /* up-project: out[t, h] = o_lat[t] W_UV^T[h], every row of a head at once */
+        for (int64_t h = h0; h < h1; h++)
+            SFX(small_gemm)(o_lat + (h - h0) * d_c, group * d_c, (const char *)w_uv_t + h * d_c * d_v * esize, d_c,
+                            d_v, out + h * d_v, heads * d_v, rows, bf16);
+    }
+}
