@@ -8,6 +8,7 @@
  *     V_EXP(v)                    e^v lane by lane (for v <= 0; below -87 gives 0)
  *     SFX(name)                   name with the instruction set's suffix
  *
+ * and finds them undefined again after it.
  * Column blocks are four vectors wide (32 floats with AVX2, 64 with AVX-512). */
 
 /* VL weights from b + i as floats: float32, or bfloat16. The weight format is a compile-time constant wherever this is
@@ -238,3 +239,20 @@ static inline __attribute__((always_inline)) void SFX(absorbed_decode)(
                             d_v, out + h * d_v, heads * d_v, rows, bf16);
     }
 }
+
+#undef V
+#undef VL
+#undef V_LOAD
+#undef V_STORE
+#undef V_ZERO
+#undef V_SET1
+#undef V_FMA
+#undef V_MUL
+#undef V_ADD
+#undef V_SUB
+#undef V_MAX
+#undef V_BF16
+#undef V_HSUM
+#undef V_HMAX
+#undef V_EXP
+#undef SFX

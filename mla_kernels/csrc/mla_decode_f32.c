@@ -109,23 +109,7 @@ static inline float hmax8(__m256 v) {
 #define V_HMAX hmax8
 #define V_EXP exp8
 #define SFX(name) name##_avx2
-#include "decode_attention.h"
-#undef V
-#undef VL
-#undef V_LOAD
-#undef V_STORE
-#undef V_ZERO
-#undef V_SET1
-#undef V_FMA
-#undef V_MUL
-#undef V_ADD
-#undef V_SUB
-#undef V_MAX
-#undef V_BF16
-#undef V_HSUM
-#undef V_HMAX
-#undef V_EXP
-#undef SFX
+#include "decode_attention.h"  /* which undefines the names above */
 
 /* The attention for AVX-512 (16 lanes; F, BW, VL, DQ), the same source */
 #pragma GCC push_options
@@ -157,23 +141,7 @@ static inline __m512 exp16(__m512 x) {
 #define V_HMAX _mm512_reduce_max_ps
 #define V_EXP exp16
 #define SFX(name) name##_avx512
-#include "decode_attention.h"
-#undef V
-#undef VL
-#undef V_LOAD
-#undef V_STORE
-#undef V_ZERO
-#undef V_SET1
-#undef V_FMA
-#undef V_MUL
-#undef V_ADD
-#undef V_SUB
-#undef V_MAX
-#undef V_BF16
-#undef V_HSUM
-#undef V_HMAX
-#undef V_EXP
-#undef SFX
+#include "decode_attention.h"  /* which undefines the names above */
 
 static void decode_avx512_f32(DECODE_PARAMS) { absorbed_decode_avx512(DECODE_ARGS, 0); }
 static void decode_avx512_bf16w(DECODE_PARAMS) { absorbed_decode_avx512(DECODE_ARGS, 1); }
