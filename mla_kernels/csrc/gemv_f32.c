@@ -448,13 +448,13 @@ AVX512 static void few512(const void *w, int64_t kind, const float *x, float *y,
     const uint16_t *wh = (const uint16_t *)w;
     const int R = FLOAT_STREAMS(m);
 #define GROUP(FN, W, M) FN(W, rows, FLOAT_STREAMS(M), x, y, M, n, k)
-#define F32_PAIR(M) GROUP(few512_f32, wf, M)
-#define BF16_PAIR(M) GROUP(few512_bf16, wh, M)
-#define F16_PAIR(M) GROUP(few512_f16, wh, M)
+#define F32_GROUP(M) GROUP(few512_f32, wf, M)
+#define BF16_GROUP(M) GROUP(few512_bf16, wh, M)
+#define F16_GROUP(M) GROUP(few512_f16, wh, M)
     FOR_STREAM_ROWS(n, R,
-        if (kind == W_F32) ROWS_CASES(F32_PAIR)
-        else if (kind == W_BF16) ROWS_CASES(BF16_PAIR)
-        else ROWS_CASES(F16_PAIR))
+        if (kind == W_F32) ROWS_CASES(F32_GROUP)
+        else if (kind == W_BF16) ROWS_CASES(BF16_GROUP)
+        else ROWS_CASES(F16_GROUP))
 }
 
 FEW_AVX2(few_f32, float, load_f32, f32_value)
