@@ -9,6 +9,7 @@ import functools
 
 import torch
 
+from . import cpu_kernels  # its variants(); it imports this module, which reads it only inside calls
 from .int4_format import INT4_GROUP, pack_int4
 
 
@@ -55,8 +56,7 @@ def _decode(g: torch.Generator) -> str | None:
     cache = torch.randn(blocks, d_c + d_r, generator=g)
     lens = torch.tensor([1, 7, 33])
     slots = torch.randperm(blocks, generator=g)[:33].repeat(rows, 1)
-    runs = [v.split(":")[0].split(".")[1] for v in _ops().product_variants() if v.startswith("float.")
-            and v.endswith(":runs")]  # the attention's variants are the float products' (AVX2, AVX-512)
+    runs = cpu_kernels.variants("float")  # the attention's variants are the float products' (AVX2, AVX-512)
     for variant, weights in ((v, w) for v in runs for w in ((w_uk, w_uv_t), (w_uk.bfloat16(), w_uv_t.bfloat16()))):
         got = _ops().absorbed_decode(q_n, q_r, *weights, cache, slots, lens, 0.3, variant)
         uk, uv_t = (w.double() for w in weights)
@@ -110,8 +110,7 @@ def _int4(g: torch.Generator, kind: str) -> str | None:
     """Every variant the CPU executes: the widening of every finite float16 scale, then products with row and group
     tails whose activations round to themselves (each group's largest magnitude 127: scale 1) and whose sums are
     exact in float32."""
-    runs = [v.split(":")[0].split(".")[1] for v in _ops().product_variants() if v.startswith("int4.")
-            and v.endswith(":runs")]
+    runs = cpu_kernels.variants("int4")
     if not runs:
         return "no int4 variant runs on this CPU"
     for variant in runs:

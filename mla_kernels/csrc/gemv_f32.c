@@ -242,34 +242,34 @@ static inline float f32_value(float v) { return v; }
     }
 
 /* Int8 weights against m <= AVX2_BLOCK rows already rounded to int16 (xq, m rows of k, one scale per row in sx), three
- * weight rows rows[0..3) at once: integer multiply-adds, the int32 sums moved to float every I16_CHUNK values. */
+ * weight rows rows[0..AVX2_STREAMS) at once: integer multiply-adds, the int32 sums moved to float every I16_CHUNK values. */
 static inline __attribute__((always_inline)) void few_i8(const int8_t *w, const float *scale, const int64_t *rows,
                                                          const int16_t *xq, const float *sx, float *y, const int m,
                                                          int64_t n, int64_t k) {
     const int64_t k16 = k - k % 16;
-    const int8_t *wr[3];
-    for (int q = 0; q < 3; q++) wr[q] = w + rows[q] * k;
-    float sums[3][4] = {{0.0f}};  /* in memory: only the integer accumulators stay in registers through the loop */
+    const int8_t *wr[AVX2_STREAMS];
+    for (int q = 0; q < AVX2_STREAMS; q++) wr[q] = w + rows[q] * k;
+    float sums[AVX2_STREAMS][AVX2_BLOCK] = {{0.0f}};  /* in memory: only the integer accumulators stay in registers through the loop */
     for (int64_t c = 0; c < k16; c += I16_CHUNK) {
         const int64_t end = c + I16_CHUNK < k16 ? c + I16_CHUNK : k16;
-        __m256i a[3][4];
-        for (int q = 0; q < 3; q++)
+        __m256i a[AVX2_STREAMS][AVX2_BLOCK];
+        for (int q = 0; q < AVX2_STREAMS; q++)
             for (int j = 0; j < m; j++) a[q][j] = _mm256_setzero_si256();
         for (int64_t i = c; i < end; i += 16) {
-            __m256i wv[3];
-            for (int q = 0; q < 3; q++) {
+            __m256i wv[AVX2_STREAMS];
+            for (int q = 0; q < AVX2_STREAMS; q++) {
                 if (!(i & 63)) _mm_prefetch((const char *)(wr[q] + i) + 1024, _MM_HINT_T0);
                 wv[q] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr[q] + i)));
             }
             for (int j = 0; j < m; j++) {
                 const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + j * k + i));
-                for (int q = 0; q < 3; q++) a[q][j] = _mm256_add_epi32(a[q][j], _mm256_madd_epi16(wv[q], xv));
+                for (int q = 0; q < AVX2_STREAMS; q++) a[q][j] = _mm256_add_epi32(a[q][j], _mm256_madd_epi16(wv[q], xv));
             }
         }
-        for (int q = 0; q < 3; q++)
+        for (int q = 0; q < AVX2_STREAMS; q++)
             for (int j = 0; j < m; j++) sums[q][j] += hsum(_mm256_cvtepi32_ps(a[q][j]));
     }
-    for (int q = 0; q < 3; q++)
+    for (int q = 0; q < AVX2_STREAMS; q++)
         for (int j = 0; j < m; j++) {
             float s = sums[q][j];
             for (int64_t i = k16; i < k; i++) s += (float)wr[q][i] * xq[j * k + i];
@@ -280,16 +280,16 @@ static inline __attribute__((always_inline)) void few_i8(const int8_t *w, const 
 /* Inside a parallel region: this thread's rows of [0, n), read as R streams side by side (R parts of len rows from
  * r0). Weight rows shorter than a page taken a few at a time kept the prefetchers starting over; long streams (and a
  * software prefetch) read them 1.4-1.7x faster at eight rows (bench/bench_gemv.py, 2-core AVX-512 EPYC). */
-static inline void stream_split(int64_t n, int R, int64_t *r0, int64_t *len) {
+static inline void stream_split(int64_t n, int R, int64_t *r0, int64_t *r1, int64_t *len) {
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
     *r0 = n * t / nt;
-    *len = (n * (t + 1) / nt - *r0 + R - 1) / R;
+    *r1 = n * (t + 1) / nt;
+    *len = (*r1 - *r0 + R - 1) / R;
 }
 
-/* Step i's rows: one from each stream (a short last stream repeats the range's last row, which gives the same
- * value again). */
-static inline void stream_rows(int64_t r0, int64_t len, int R, int64_t n, int64_t i, int64_t *rows) {
-    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads(), r1 = n * (t + 1) / nt;
+/* Step i's rows of the range [r0, r1): one from each stream (a short last stream repeats the range's last row, which
+ * gives the same value again). */
+static inline void stream_rows(int64_t r0, int64_t r1, int64_t len, int R, int64_t i, int64_t *rows) {
     for (int q = 0; q < R; q++) rows[q] = r0 + q * len + i < r1 ? r0 + q * len + i : r1 - 1;
 }
 
@@ -298,11 +298,11 @@ static inline void stream_rows(int64_t r0, int64_t len, int R, int64_t n, int64_
 #define FOR_STREAM_ROWS(n, R, ...)                                                                                   \
     _Pragma("omp parallel num_threads((int)threads)")                                                                \
     {                                                                                                                \
-        int64_t r0_, len_;                                                                                           \
-        stream_split(n, R, &r0_, &len_);                                                                             \
+        int64_t r0_, r1_, len_;                                                                                      \
+        stream_split(n, R, &r0_, &r1_, &len_);                                                                       \
         for (int64_t i_ = 0; i_ < len_; i_++) {                                                                      \
             int64_t rows[4];                                                                                         \
-            stream_rows(r0_, len_, R, n, i_, rows);                                                                  \
+            stream_rows(r0_, r1_, len_, R, i_, rows);                                                                \
             __VA_ARGS__                                                                                              \
         }                                                                                                            \
     }
@@ -520,7 +520,7 @@ void mla_gemm_few_i8(const int8_t *w, const float *scale, const float *x, float 
 static void few_i8_rows(const int8_t *w, const float *scale, const int16_t *xq, const float *sx, float *y,
                         int64_t rows_in, int64_t n, int64_t k, int64_t threads) {
 #define I8_BLOCK(M) few_i8(w, scale, rows, xq + c * k, sx + c, y + c * n, M, n, k)
-    FOR_STREAM_ROWS(n, 3,
+    FOR_STREAM_ROWS(n, AVX2_STREAMS,
         for (int64_t c = 0; c < rows_in; c += AVX2_BLOCK) {
             const int64_t mb = rows_in - c < AVX2_BLOCK ? rows_in - c : AVX2_BLOCK;
             BLOCK_CASES(I8_BLOCK)
