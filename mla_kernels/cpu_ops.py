@@ -222,4 +222,5 @@ def _register_fakes() -> None:
         return cache.new_empty((q_n.shape[0], q_n.shape[1], w_uv_t.shape[2]))
 
     lib.register_fake("mla_kernels::rope_store", lambda *args, **kwargs: None)
-    _FAKES.extend(["linear", "int4_from_stored", "rms_norm", "absorbed_decode", "rope_store"])
+    lib.register_fake("mla_kernels::int4_to_bf16", lambda *args, **kwargs: None)
+    _FAKES.extend(["linear", "int4_from_stored", "int4_to_bf16", "rms_norm", "absorbed_decode", "rope_store"])

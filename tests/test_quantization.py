@@ -13,9 +13,16 @@ from mla_runtime import LLM, SamplingParams
 from mla_runtime.config import ModelConfig
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.errors import InvalidParam
-from mla_runtime.layers.cpu_gemm import row_kernel_failure
-from mla_runtime.layers.quantization import Int8Weight, int8_kernel_failure, quantize_model, quantized_weights
-from mla_runtime.layers.qweight import stack_rows
+from mla_runtime.layers import cpu_gemm, qweight
+from mla_runtime.layers.cpu_gemm import gemm_choice, native_arithmetic, quantized_bf16_rows, row_kernel_failure
+from mla_runtime.layers.quantization import (
+    WEIGHT_FORMATS,
+    Int8Weight,
+    int8_kernel_failure,
+    quantize_model,
+    quantized_weights,
+)
+from mla_runtime.layers.qweight import QuantizedWeight, stack_rows
 from mla_runtime.loader import load_model
 from mla_runtime.plan import parameter_count, quantized_parameters, weight_bytes
 from mla_runtime.serving.config import resolve
@@ -71,12 +78,55 @@ def test_int8_products_with_and_without_the_row_kernels(mode, rows, monkeypatch)
     x, bias = torch.randn(rows, 128, generator=g), torch.randn(96, generator=g)
     ref = torch.nn.functional.linear(x, q.dequantize(), bias)
     kernels = q.row_scales is not None
-    tol = 3e-4 if kernels else 2e-2  # the kernels: rows rounded to int16; ATen's: bfloat16
+    assert q.bf16_from == quantized_bf16_rows(mode)
+    # the kernels: rows rounded to int16; ATen's and oneDNN's bfloat16 products of many rows: bfloat16
+    tol = 3e-4 if kernels and not 0 < q.bf16_from <= rows else 2e-2
     torch.testing.assert_close(q.matmul(x, bias), ref, rtol=tol, atol=tol * ref.abs().max().item())
     if kernels and q.row_scales is not None:
         want = x @ q.dequantize().T
         torch.testing.assert_close(cpu_kernels.linear(x, q.qweight, q.row_scales), want, rtol=tol,
                                    atol=tol * want.abs().max().item())
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_row_products_take_bfloat16_where_the_cpu_has_it(scheme, dtype, monkeypatch):
+    """int8 and int4 products of ``quantized_bf16_rows`` rows or more take oneDNN's bfloat16 products where the CPU
+    computes in bfloat16 natively: the weight dequantised to bfloat16 a block at a time (exact for int8), the rows
+    rounded to bfloat16, each block's product rounded to bfloat16 once. Fewer rows keep the format's kernel."""
+    monkeypatch.setattr(qweight, "BF16_CHUNK_ELEMENTS", 3000)  # several blocks, the last one short
+    fmt = WEIGHT_FORMATS[scheme]
+    g = torch.Generator().manual_seed(2)
+    w = fmt.quantize(torch.randn(70, 96, generator=g))
+    many = quantized_bf16_rows()
+    native = bool(native_arithmetic(torch.bfloat16)) and gemm_choice(torch.bfloat16).path == "onednn"
+    assert many == (cpu_gemm.QUANT_BF16_ROWS if native else 0)
+    assert w.bf16_from == (many if cpu_kernels.failure(scheme if scheme == "int4" else "core") is None else 0)
+    if not w.bf16_from:
+        pytest.skip("the many-row bfloat16 products do not run on this CPU (no native bfloat16 arithmetic or no "
+                    "compiled kernels): the format's own path, tested elsewhere, runs every product")
+    calls = []
+    original = QuantizedWeight.bf16_product
+    monkeypatch.setattr(fmt, "bf16_product", lambda self, x, b: calls.append(len(x)) or original(self, x, b))
+    dq = w.dequantize()
+    bias = torch.randn(70, generator=g).to(dtype)
+    for rows in (many - 1, many, 130):
+        x = (torch.randn(rows, 96, generator=g) * 4).to(dtype)
+        got = w.matmul(x, bias)
+        assert got.dtype == dtype and got.shape == (rows, 70)
+        if rows < many:
+            assert not calls  # the format's kernel
+            continue
+        assert calls[-1] == rows
+        # the exact product of the bfloat16 rows with the bfloat16 weights, rounded once to bfloat16
+        rounded = dq if scheme == "int8" else dq.to(torch.bfloat16)
+        product = x.to(torch.bfloat16).double() @ rounded.double().T
+        unit = 2.0 ** -8 if dtype == torch.float32 else 2.0 ** -7  # plus the result's own rounding to bfloat16
+        bound = unit * (product.abs() + bias.double().abs()) + 1e-3
+        assert ((got.double() - product - bias.double()).abs() <= bound).all()
+    monkeypatch.setattr(cpu_gemm, "native_arithmetic", lambda dtype, capabilities=None: [])
+    assert quantized_bf16_rows() == 0  # oneDNN would emulate bfloat16: slower than the integer kernels
+    assert quantized_bf16_rows("plain") == 0
 
 
 def test_int8_kernel_probe_in_both_states(gemm_mode):

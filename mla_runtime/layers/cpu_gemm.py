@@ -87,6 +87,10 @@ ATEN_ROWS: dict[torch.dtype, tuple[int, int]] = {torch.float32: (32 << 10, FEW_R
                                                  torch.float16: (4 << 10, 1)}
 HALF_KINDS = {torch.bfloat16: "bf16", torch.float16: "f16"}  # cpu_kernels' kinds of the half-precision products
 KERNEL_MAX_ROWS = 8  # products of up to this many rows take the AVX2 kernels where they build (bench/RESULTS.md)
+# int8 and int4 products of at least this many rows take oneDNN's bfloat16 products where the CPU computes in bfloat16
+# natively (``quantized_bf16_rows``; ``QuantizedWeight.bf16_product``): measured on an AMD EPYC with AVX512-BF16,
+# 2 threads, they are about even with the compiled integer kernels at 32 rows and 1.4-1.9x faster from 64
+QUANT_BF16_ROWS = 48
 # torch.cpu.get_capabilities() keys meaning native arithmetic in a dtype (x86, AMX, aarch64 NEON/SVE)
 NATIVE_CAPABILITIES: dict[torch.dtype, tuple[str, ...]] = {
     torch.bfloat16: ("avx512_bf16", "amx_bf16", "bf16", "sve_bf16"),
@@ -118,10 +122,12 @@ class GemmChoice:
         return {"onednn": self.dtype.itemsize, "upcast": 4}.get(self.path, 0)
 
     def info(self) -> dict[str, str]:
+        many = quantized_bf16_rows(self.mode)
         return {"dtype": _name(self.dtype), "mode": self.mode, "path": self.path,
                 "compute_dtype": _name(self.compute_dtype),
                 "extra_bytes_per_weight": str(self.extra_bytes_per_element), "reason": self.reason,
-                "operators": cpu_ops.summary()}
+                "operators": cpu_ops.summary(),
+                "quantized_many_rows": f"oneDNN bfloat16 from {many} rows" if many else "the format's own path"}
 
 
 _forced: list[str] = []  # the modes of the forced_gemm_mode blocks being run, innermost last
@@ -225,6 +231,17 @@ def row_kernel_failure(mode: str | None = None) -> str | None:
     if mode != "auto":
         return f"cpu_gemm={mode} leaves it out"
     return cpu_kernels.failure()
+
+
+def quantized_bf16_rows(mode: str | None = None) -> int:
+    """From how many rows weight-only int8 and int4 products take oneDNN's bfloat16 products (``QUANT_BF16_ROWS``)
+    under ``mode`` (default: the current ``gemm_mode()``), or 0 where they never do: where ``cpu_gemm`` is ``plain``,
+    the bfloat16 products failed their probe or the CPU has no native bfloat16 arithmetic (oneDNN would emulate it,
+    slower than the integer kernels)."""
+    mode = gemm_mode() if mode is None else mode
+    if mode == "plain" or _probe(torch.bfloat16, mode).path != "onednn" or not native_arithmetic(torch.bfloat16):
+        return 0
+    return QUANT_BF16_ROWS
 
 
 def native_arithmetic(dtype: torch.dtype, capabilities: Mapping[str, Any] | None = None) -> list[str]:
