@@ -138,52 +138,6 @@ void mla_i4_from_stored(const uint8_t *src, uint8_t *dst, int64_t groups, int64_
     }
 }
 
-/* 8 float32 values -> their nearest bfloat16 values, ties to even (finite values), stored at dst. */
-static inline void store_bf16x8(uint16_t *dst, __m256 f) {
-    const __m256i bits = _mm256_castps_si256(f);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    const __m256i h = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
-    _mm_storeu_si128((__m128i *)dst, _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
-}
-
-/* 8 nibbles (bytes of v, values 0..15) -> (nibble - 8) * d as bfloat16 at dst. */
-static inline void nibbles_bf16x8(uint16_t *dst, __m128i v, __m256 d) {
-    const __m256i q = _mm256_sub_epi32(_mm256_cvtepu8_epi32(v), _mm256_set1_epi32(8));
-    store_bf16x8(dst, _mm256_mul_ps(_mm256_cvtepi32_ps(q), d));
-}
-
-/* The n rows of W as bfloat16 values, out [n, k]: W[r, c] = (q - 8) * scale (exact in float32: 4 bits times a float16)
- * rounded to the nearest bfloat16, ties to even, what torch's conversion gives for finite values. */
-void mla_i4_to_bf16(const uint8_t *w, const uint16_t *scales, int64_t n, int64_t k, uint16_t *out, int64_t threads) {
-    const int64_t g_n = i4_groups(k), full = k / I4_GROUP;
-    const __m128i low = _mm_set1_epi8(0x0f);
-    #pragma omp parallel for schedule(static) num_threads((int)threads)
-    for (int64_t r = 0; r < n; r++) {
-        const uint8_t *wr = w + r * g_n * 16;
-        const uint16_t *sr = scales + r * g_n;
-        uint16_t *o = out + r * k;
-        for (int64_t g = 0; g < full; g++, o += I4_GROUP) {
-            const __m128i b = _mm_loadu_si128((const __m128i *)(wr + 16 * g));
-            const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
-            const __m256 d = _mm256_set1_ps(_cvtsh_ss(sr[g]));
-            nibbles_bf16x8(o, lo, d);
-            nibbles_bf16x8(o + 8, _mm_srli_si128(lo, 8), d);
-            nibbles_bf16x8(o + 16, hi, d);
-            nibbles_bf16x8(o + 24, _mm_srli_si128(hi, 8), d);
-        }
-        if (full < g_n) {  /* the last group's values before k */
-            const float d = _cvtsh_ss(sr[full]);
-            for (int64_t j = 0; j < k - full * I4_GROUP; j++) {
-                const uint8_t byte = wr[16 * full + j % 16];
-                const float v = (float)((j < 16 ? byte & 0x0f : byte >> 4) - 8) * d;
-                uint32_t bits;
-                memcpy(&bits, &v, 4);
-                o[j] = (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
-            }
-        }
-    }
-}
-
 /* rows of x [rows, k] -> out (rows * mla_q8_row_bytes(k) bytes). */
 void mla_q8_prepare(const float *x, int64_t rows, int64_t k, uint8_t *out) {
     for (int64_t j = 0; j < rows; j++) q8_prepare_row(x + j * k, k, out + j * mla_q8_row_bytes(k));
@@ -202,6 +156,85 @@ static void i4_tail(const uint8_t *wr, const uint16_t *sr, int64_t g_n, uint8_t 
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c"), always_inline)) static inline
 #define AVX512_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"), always_inline)) \
     static inline
+
+/* -- dequantising to bfloat16 (the many-row products run oneDNN's bfloat16 products on the result) -------------------
+ * Each weight (q - 8) * scale is exact in float32 (4 bits times a float16) and is rounded to the nearest bfloat16,
+ * ties to even, as torch rounds finite values: bits + 0x7fff + (bit 16 of bits), shifted down 16. Both variants
+ * compute exactly that, 8 or 16 values at a time. */
+
+/* A row's last, partial group: its n values (before k) one at a time. */
+static void i4_bf16_tail(const uint8_t *wg, uint16_t scale, int64_t n, uint16_t *o) {
+    const float d = _cvtsh_ss(scale);
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t byte = wg[j % 16];
+        const float v = (float)((j < 16 ? byte & 0x0f : byte >> 4) - 8) * d;
+        uint32_t bits;
+        memcpy(&bits, &v, 4);
+        o[j] = (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+    }
+}
+
+/* 8 nibbles (the low bytes of v, values 0..15) -> (nibble - 8) * d as bfloat16 at dst. */
+AVX2_TARGET void i4_bf16x8(uint16_t *dst, __m128i v, __m256 d) {
+    const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(v), _mm256_set1_epi32(8))),
+                                   d);
+    const __m256i bits = _mm256_castps_si256(f);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i h = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+    _mm_storeu_si128((__m128i *)dst, _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+}
+
+/* 16 nibbles (the bytes of v) -> (nibble - 8) * d as bfloat16 at dst. */
+AVX512_TARGET void i4_bf16x16(uint16_t *dst, __m128i v, __m512 d) {
+    const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(v), _mm512_set1_epi32(8))),
+                                   d);
+    const __m512i bits = _mm512_castps_si512(f);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i h = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+    _mm256_storeu_si256((__m256i *)dst, _mm512_cvtepi32_epi16(h));
+}
+
+__attribute__((target("avx2,fma,f16c"))) static void i4_bf16_row_avx2(const uint8_t *wr, const uint16_t *sr,
+                                                                       int64_t groups, uint16_t *o) {
+    const __m128i low = _mm_set1_epi8(0x0f);
+    for (int64_t g = 0; g < groups; g++, o += I4_GROUP) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)(wr + 16 * g));
+        const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+        const __m256 d = _mm256_set1_ps(_cvtsh_ss(sr[g]));
+        i4_bf16x8(o, lo, d);
+        i4_bf16x8(o + 8, _mm_srli_si128(lo, 8), d);
+        i4_bf16x8(o + 16, hi, d);
+        i4_bf16x8(o + 24, _mm_srli_si128(hi, 8), d);
+    }
+}
+
+__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"))) static void i4_bf16_row_avx512(
+    const uint8_t *wr, const uint16_t *sr, int64_t groups, uint16_t *o) {
+    const __m128i low = _mm_set1_epi8(0x0f);
+    for (int64_t g = 0; g < groups; g++, o += I4_GROUP) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)(wr + 16 * g));
+        const __m512 d = _mm512_set1_ps(_cvtsh_ss(sr[g]));
+        i4_bf16x16(o, _mm_and_si128(b, low), d);
+        i4_bf16x16(o + 16, _mm_and_si128(_mm_srli_epi16(b, 4), low), d);
+    }
+}
+
+/* The n rows of W as bfloat16 values, out [n, k] (see above), by the named variant. */
+void mla_i4_to_bf16(const uint8_t *w, const uint16_t *scales, int64_t n, int64_t k, uint16_t *out, int64_t threads,
+                    int64_t variant) {
+    const int64_t g_n = i4_groups(k), full = k / I4_GROUP;
+    #pragma omp parallel for schedule(static) num_threads((int)threads)
+    for (int64_t r = 0; r < n; r++) {
+        const uint8_t *wr = w + r * g_n * 16;
+        const uint16_t *sr = scales + r * g_n;
+        uint16_t *o = out + r * k;
+        if (variant == I4_AVX512_VNNI)
+            i4_bf16_row_avx512(wr, sr, full, o);
+        else
+            i4_bf16_row_avx2(wr, sr, full, o);
+        if (full < g_n) i4_bf16_tail(wr + 16 * full, sr[full], k - full * I4_GROUP, o + full * I4_GROUP);
+    }
+}
 
 /* One chunk (weight bytes wc, scales sc) into the m rows' accumulators, AVX2: the chunk as two halves of 8 lanes.
  * xc: the first row's chunk c (row stride xs bytes). */
