@@ -14,6 +14,7 @@ from mla_runtime.config import ModelConfig
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.errors import InvalidParam
 from mla_runtime.layers import cpu_gemm, qweight
+from mla_runtime.layers.bf16 import Bf16Weight
 from mla_runtime.layers.cpu_gemm import gemm_choice, native_arithmetic, quantized_bf16_rows, row_kernel_failure
 from mla_runtime.layers.quantization import (
     WEIGHT_FORMATS,
@@ -166,6 +167,8 @@ def test_int8_model_close_to_float32(tiny_checkpoint, variant):
     bf16_factors = row_kernel_failure() is None  # the compiled decode kernel reads bfloat16 copies
     for attn in model.attention_layers():
         assert attn.w_uk.dtype == attn.w_uv_t.dtype == (torch.bfloat16 if bf16_factors else torch.float32)
+        # the prefill's up-projection: oneDNN's bfloat16 products where the CPU has them natively
+        assert isinstance(attn.kv_b_proj.packed, Bf16Weight) == (quantized_bf16_rows() > 0)
         assert attn.kv_b_proj.weight.dtype == torch.float32  # the prefill's up-projection stays exact
     cfg = ModelConfig.from_pretrained(path)
     weights = quantized_weights(model)

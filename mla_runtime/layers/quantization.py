@@ -38,11 +38,12 @@ included), the dense MLPs, the shared and routed experts, and the lm_head. ``kv_
 ``W_UK``/``W_UV``) keeps its dtype but its values are rounded to bfloat16 (8 significant bits, finer than the int8
 matrices), on every CPU, so that the prefill's up-projection and the decode's absorbed attention read the same factors;
 where the compiled decode kernel runs, its copies of them are stored in bfloat16, which halves the bytes a decode step
-reads there (``bench/int8_quality.py`` and the sweep's perplexity measure the whole). The embedding, norms and router
-stay in the model dtype, and so do the small low-rank gates of A.X-K2's gated norms. A quantised float weight is
-released: its parameter keeps its shape and dtype but no storage (a broadcast single element), so the resident weights
-are the int8 copies; nothing may re-derive a layout from it afterwards (``MLAttention.prepare_inference`` or a
-latent-rank truncation must come first).
+reads there, and where the CPU has native bfloat16 products the prefill's up-projection runs them on a bfloat16 copy
+(``round_absorbed_factors``; ``bench/int8_quality.py`` and the sweep's perplexity measure the whole). The embedding,
+norms and router stay in the model dtype, and so do the small low-rank gates of A.X-K2's gated norms. A quantised
+float weight is released: its parameter keeps its shape and dtype but no storage (a broadcast single element), so the
+resident weights are the int8 copies; nothing may re-derive a layout from it afterwards
+(``MLAttention.prepare_inference`` or a latent-rank truncation must come first).
 """
 
 from __future__ import annotations
@@ -276,11 +277,21 @@ def install_quantized(model: nn.Module, weights: dict[str, QuantizedMatrices]) -
 def round_absorbed_factors(attn: MLAttention) -> None:
     """``kv_b_proj`` (the absorbed factors ``W_UK``/``W_UV``) keeps its dtype with its values rounded to bfloat16, so
     that every path (the prefill's up-projection, the absorbed copies) reads the same factors; where the compiled
-    decode kernel runs, its copies of them are stored in bfloat16 (half the bytes a decode step reads there). Done
-    after any latent-rank truncation, which folds its basis into ``kv_b_proj`` at full precision."""
+    decode kernel runs, its copies of them are stored in bfloat16 (half the bytes a decode step reads there), and where
+    the CPU has native bfloat16 products (``quantized_bf16_rows``) the up-projection's products run on a bfloat16 copy
+    (a ``Bf16Weight``) in place of the float32 blocked one. Done after any latent-rank truncation, which folds its
+    basis into ``kv_b_proj`` at full precision."""
     kv_b = attn.kv_b_proj
     kv_b.weight.data.copy_(kv_b.weight.data.to(torch.bfloat16))
-    kv_b.prepare_inference()
+    if kv_b.weight.device.type == "cpu" and quantized_bf16_rows():
+        # its values are bfloat16 ones: the prefill's key and value rebuild runs oneDNN's bfloat16 products (the rows
+        # rounded to bfloat16, as the quantised products of many rows round theirs; 1.9x the float32 products at 128
+        # rows), a few rows the kernel reading them at two bytes. The same bytes as the float32 blocked copy it
+        # replaces; the float weight stays, for the views w_uk_uv gives.
+        kv_b.packed = Bf16Weight(kv_b.weight.detach().to(torch.bfloat16), kv_b.weight.dtype)
+    else:
+        kv_b.packed = None
+        kv_b.prepare_inference()
     w_uk, w_uv = attn.w_uk_uv()
     dtype = torch.bfloat16 if attn.decode_kernel else w_uk.dtype
     attn.w_uk, attn.w_uv_t = w_uk.to(dtype).contiguous(), w_uv.transpose(1, 2).to(dtype).contiguous()
@@ -324,9 +335,13 @@ def quantize_model(model: nn.Module, quantization: str | None) -> int:
 
 
 def quantized_weights(model: nn.Module) -> list[QuantizedWeight]:
-    """Every quantised matrix the model's modules hold."""
+    """Every quantised matrix the model's modules hold. (``kv_b_proj``'s bfloat16 copy, which ``round_absorbed_factors``
+    may give it, is a second layout of a float weight, as a float matrix's blocked copy is: not one of them.)"""
     found: list[QuantizedWeight] = []
+    kv_b = {id(m.kv_b_proj) for m in model.modules() if isinstance(m, MLAttention)}
     for module in model.modules():
+        if id(module) in kv_b:
+            continue
         for value in vars(module).values():
             items = value if isinstance(value, list) else [value]
             found += [v for v in items if isinstance(v, QuantizedWeight)]
