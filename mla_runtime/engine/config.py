@@ -14,6 +14,7 @@ from mla_runtime.options import (
     ATTENTION_PATHS,
     CACHE_DTYPE_NAMES,
     CPU_GEMM_MODES,
+    CPU_HEAP_MODES,
     CUDA_GRAPH_MODES,
     LATENT_CACHE_LAYOUTS,
     WEIGHT_QUANTIZATIONS,
@@ -118,6 +119,11 @@ class EngineConfig:
         "engine.cpu_gemm", "CPU products: auto (the fast paths where their probes pass), onednn (oneDNN without the "
                            "compiled kernels) or plain (the fallbacks) (default: auto, or the deprecated "
                            "$MLA_CPU_GEMM)", choices=CPU_GEMM_MODES))
+    # a CPU engine's heap (engine/host_heap.py): retain, freed activations stay mapped for the next step (glibc);
+    # system, the C library's defaults
+    cpu_heap: str = field(default="retain", metadata=opt(
+        "engine.cpu_heap", "CPU heap: retain (freed activations stay mapped for the next step, up to the activation "
+                           "reserve; glibc) or system (the C library's defaults)", choices=CPU_HEAP_MODES))
     # speculative decoding: up to this many draft tokens per step (0: off), by prompt lookup (engine/speculative.py:
     # copied after the latest earlier occurrence of the sequence's last prompt_lookup_max .. prompt_lookup_min
     # tokens) or by the checkpoint's multi-token-prediction layer ("mtp", engine/mtp.py; 1 draft when
@@ -217,6 +223,9 @@ class EngineConfig:
             raise ValueError(f"verify_weights must be true or false, got {self.verify_weights!r}")
         self._check_disk_tier()
         self._check_host_tier()
+        if self.cpu_heap not in CPU_HEAP_MODES:
+            raise InvalidParam("cpu_heap", f"cpu_heap must be one of {', '.join(CPU_HEAP_MODES)}, "
+                               f"got {self.cpu_heap!r}")
         if self.cpu_gemm is not None and self.cpu_gemm not in CPU_GEMM_MODES:
             raise InvalidParam("cpu_gemm", f"cpu_gemm must be one of {', '.join(CPU_GEMM_MODES)} or None, "
                                f"got {self.cpu_gemm!r}")

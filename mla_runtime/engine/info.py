@@ -91,6 +91,7 @@ class EngineInfo:
     host_capacity_tokens: int = 0
     attention_backend: str = ""  # the model's attention backend (mla_runtime.attention): triton, torch, cpu, sharded
     cpu_gemm: dict[str, str] = field(default_factory=dict)  # on a CPU: the matrix-product path chosen and why
+    cpu_heap: str = ""  # on a CPU: what its heap keeps between steps (engine/host_heap.py)
 
     @classmethod
     def of(cls, worker: Worker, num_blocks: int, num_threads: int) -> EngineInfo:
@@ -109,7 +110,7 @@ class EngineInfo:
             max_num_batched_tokens=worker.max_num_batched_tokens, device=str(worker.device), num_threads=num_threads,
             weights_fingerprint=worker.weights_fingerprint, weights_verified=c.verify_weights,
             attention_backend=worker.model.attention.name,
-            cpu_gemm=worker.gemm_info)
+            cpu_gemm=worker.gemm_info, cpu_heap=worker.heap)
         host, disk = worker.host_tier, worker.disk_tier
         if host is not None:
             info = replace(info, host_capacity_bytes=host.capacity_bytes, host_capacity_tokens=host.capacity_tokens())

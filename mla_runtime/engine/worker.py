@@ -47,6 +47,7 @@ from mla_runtime.cache.host_tier import HostTier
 from mla_runtime.cache.latent_cache import LatentCache
 from mla_runtime.config import ModelConfig
 from mla_runtime.dtypes import CacheDtype, index_cache_dtype, resolve_cache_dtype
+from mla_runtime.engine import host_heap
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.errors import InvalidParam
 from mla_runtime.forward_batch import ForwardBatch
@@ -142,6 +143,7 @@ class Worker:
         self.cpu: CpuLayouts | None = None
         self.gemm_mode = config.cpu_gemm or gemm_mode()
         self.gemm_info: dict[str, str] = {}  # the product path the load chose, for EngineInfo (CPU only)
+        self.heap = ""  # what the CPU heap keeps between steps (engine/host_heap.py), for EngineInfo (CPU only)
         if self.device.type == "cpu":
             with self.prepared():
                 self.dtype, self.quantization = resolve_cpu_format(config.dtype, self.dtype, self.quantization)
@@ -271,6 +273,8 @@ class Worker:
         dtype = cache_dtype or self.cache_dtype.dtype
         self.cache = LatentCache(self.model.num_cache_layers, num_blocks, block, cfg.latent_dim, dtype, self.device,
                                  cfg.index_dim, index_cache_dtype(dtype, self.dtype))
+        if self.device.type == "cpu":  # the load's transient buffers are gone: from here on, steps allocate
+            self.heap = host_heap.retain(self.activation_bytes, self.config.cpu_heap)
         return self.cache
 
     def cache_fingerprint(self) -> str:
