@@ -1,4 +1,5 @@
-"""A CPU engine's heap between steps (engine/host_heap.py): freed activations stay mapped where glibc is the C library."""
+"""A CPU engine's heap between steps (engine/host_heap.py): freed activations stay mapped where glibc is the C
+library."""
 
 from __future__ import annotations
 

@@ -185,6 +185,37 @@ def test_int8_model_close_to_float32(tiny_checkpoint, variant):
     assert weight_bytes(cfg, "float32", 1, "int8") < weight_bytes(cfg, "float32") / 2 + rows_tied * 4
 
 
+@pytest.mark.parametrize("scheme", ["bf16", "int8"])
+def test_a_long_prefill_chunk_attends_in_bfloat16_where_the_key_rebuild_does(tiny_checkpoint, scheme, monkeypatch):
+    """A float32 model with bfloat16 (what ``dtype="auto"`` runs a bfloat16 checkpoint as) or int8 weights rebuilds
+    its keys and values with oneDNN's bfloat16 products where the CPU has them natively, the rows rounded to bfloat16;
+    a prefill chunk of more rows than the few-row kernels take then attends in bfloat16 (``attention.cpu.half_prefill``)
+    and a shorter one in float32. The log-probabilities stay within the quantisation bounds of the float32 model's."""
+    from mla_runtime.attention import cpu, paged
+
+    path, _ = tiny_checkpoint("v3")
+    rng = random.Random(7)
+    prompts = [[rng.randrange(2, 256) for _ in range(n)] for n in (21, 40)]
+    ref = _logprobs(load_model(path, dtype="float32"), prompts, decodes=2)
+    model = load_model(path, dtype="float32")
+    quantize_model(model, scheme)
+    attn = model.attention_layers()[0]
+    native = quantized_bf16_rows() > 0
+    assert (isinstance(attn.kv_b_proj.packed, Bf16Weight) and attn.kv_b_proj.packed.native is not None) == native
+    few = cpu_kernels.max_rows(torch.bfloat16) or 8
+    for rows, half in ((few + 1, native), (few, False)):
+        assert cpu.half_prefill(attn, torch.zeros(rows, attn.n_h, attn.d_n)) == (torch.bfloat16 if half else None)
+    seen: list[torch.dtype] = []
+    original = paged.prefill_attention
+    monkeypatch.setattr(paged, "prefill_attention", lambda q_n, *a, **kw: seen.append(q_n.dtype) or original(q_n, *a,
+                                                                                                             **kw))
+    got = _logprobs(model, prompts, decodes=2)
+    assert seen and set(seen) == {torch.bfloat16 if native else torch.float32}  # every layer's prefill attention
+    err = (got - ref).abs()
+    assert 0 < err.median().item() <= MEDIAN_LOGPROB_ERROR and err.max().item() <= MAX_LOGPROB_ERROR
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.85
+
+
 def _generate(path, quantization: str | None, tensor_parallel_size: int = 1) -> list:
     sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0)
     prompts = [{"prompt_token_ids": [random.Random(i).randrange(2, 256) for _ in range(12 + 5 * i)]}

@@ -39,6 +39,7 @@ from mla_runtime.attention.metadata import AttentionDims, AttentionMetadata, cho
 from mla_runtime.attention.paged import PagedBackend, absorb, unabsorb
 from mla_runtime.cache.latent_cache import LatentCache, LayerCache
 from mla_runtime.forward_batch import ForwardBatch
+from mla_runtime.layers.bf16 import Bf16Weight
 from mla_runtime.layers.cpu_gemm import row_kernel_failure
 from mla_runtime.layers.rotary import RopeTables
 
@@ -124,6 +125,15 @@ class CpuBackend(PagedBackend):
             return planned
         return torch.cat([planned, super().forward(q_n[d:], q_r[d:], attn, meta.rest, cache)])
 
+    def naive(self, q_n: torch.Tensor, q_r: torch.Tensor, attn: MLAttention, meta: AttentionMetadata,
+              cache: LayerCache) -> torch.Tensor:
+        """The up-projected path; in bfloat16 for a chunk of many rows of a float32 model whose key and value rebuild
+        rounds its rows to bfloat16 (``half_prefill``)."""
+        half = half_prefill(attn, q_n)
+        if half is None:
+            return super().naive(q_n, q_r, attn, meta, cache)
+        return super().naive(q_n.to(half), q_r.to(half), attn, meta, cache).to(q_n.dtype)
+
     def sparse_forward(self, q_n: torch.Tensor, q_r: torch.Tensor, attn: MLAttention, meta: AttentionMetadata,
                        cache: LayerCache, selected: torch.Tensor) -> torch.Tensor:
         """Sparse attention on a float cache: the selection as a gather plan (``sparse_plan``), attended like a
@@ -205,3 +215,17 @@ def _plan(batch: ForwardBatch, seqs: int, rows: int, device: torch.device) -> De
                                  device)
     return plan_decode(batch.block_tables[:seqs], batch.token_seq_lens[:rows], batch.block_size,
                        batch.token_req_idx[:rows], len_range)
+
+
+def half_prefill(attn: MLAttention, q_n: torch.Tensor) -> torch.dtype | None:
+    """bfloat16 where a float32 layer's up-projected attention of the chunk ``q_n [T, n_h, d_n]`` runs in bfloat16, else
+    None: where ``kv_b_proj`` holds a bfloat16 copy for oneDNN's bfloat16 products (bfloat16 weights, or quantised
+    ones, on a CPU with native bfloat16 products: ``layers.quantization.round_absorbed_factors``) and the chunk has
+    more rows than the few-row kernels take. Those products round their rows to bfloat16, as the model's other products
+    of many rows do; the queries, keys and values they meet are then rounded likewise, and the attention runs as a
+    bfloat16 model's does (torch's flash kernel in bfloat16, fp32 accumulation). The latents are cached in float32
+    all the same."""
+    packed = attn.kv_b_proj.packed
+    if q_n.dtype != torch.float32 or not isinstance(packed, Bf16Weight) or packed.native is None:
+        return None
+    return torch.bfloat16 if q_n.shape[0] > cpu_kernels.max_rows(torch.bfloat16) else None

@@ -77,7 +77,10 @@ class Bf16Weight(QuantizedWeight):
             bias = None if bias is None else bias.float()
             return cpu_kernels.linear(x, self.weight, bias=bias).to(x.dtype)
         if self.native is not None and x.numel():
-            y = linear(x.to(torch.bfloat16), self.weight, None, self.native).float()
+            y = linear(x.to(torch.bfloat16), self.weight, None, self.native)
+            if x.dtype == torch.bfloat16:  # a bfloat16 chunk (attention.cpu.half_prefill): no float32 detour
+                return y if bias is None else y.add_(bias.to(y.dtype))
+            y = y.float()
             return (y if bias is None else y.add_(bias.float())).to(x.dtype)
         return self.widened_product(x, bias)
 
