@@ -43,8 +43,11 @@ static inline __attribute__((always_inline)) void SFX(vec_mat)(const float *x, c
 }
 
 /* c[t][0:n] = sum_k a[t][k] b[k][0:n] for t < m: rows of a (row stride lda) times the row-major b [k, n] (float32 or
- * bfloat16) into rows of c (row stride ldc), two rows of a by a column block of b in eight registers (one load of b
- * serves two rows). */
+ * bfloat16) into rows of c (row stride ldc), GEMM_ROWS rows of a by a column block of b in a register tile (one load
+ * of b serves every row of the tile; the last tile repeats the last row where m is not a multiple). b is taken
+ * GEMM_KC of its rows at a time, and each column block of those (at most 32 KB of float32) serves every row of a
+ * while it is in L1. A chunk's sums continue from the last one's, so each sum runs over k in order, as one pass
+ * would: a row's result does not depend on the tile it is in. */
 static inline __attribute__((always_inline)) void SFX(small_gemm)(const float *a, int64_t lda, const void *b,
                                                                   int64_t k, int64_t n, float *c, int64_t ldc,
                                                                   int64_t m, const int bf16) {
@@ -53,34 +56,38 @@ static inline __attribute__((always_inline)) void SFX(small_gemm)(const float *a
         return;
     }
     prefetch(b, k * n * (bf16 ? 2 : 4));
-    for (int64_t t = 0; t < m; t += 2) {
-        const float *a0 = a + t * lda, *a1 = t + 1 < m ? a0 + lda : a0;  /* an odd last row: computed twice */
-        float *c0 = c + t * ldc, *c1 = t + 1 < m ? c0 + ldc : c0;
-        int64_t j = 0;
-        for (; j + 4 * VL <= n; j += 4 * VL) {
-            V x[4], y[4];
-            for (int u = 0; u < 4; u++) x[u] = y[u] = V_ZERO();
-            for (int64_t i = 0; i < k; i++) {
-                const V p = V_SET1(a0[i]), q = V_SET1(a1[i]);
-                for (int u = 0; u < 4; u++) {
-                    const V bv = SFX(load_w)(b, i * n + j + VL * u, bf16);
-                    x[u] = V_FMA(p, bv, x[u]);
-                    y[u] = V_FMA(q, bv, y[u]);
+    const int64_t nb = n - n % (4 * VL);
+    for (int64_t k0 = 0; k0 < k; k0 += GEMM_KC) {
+        const int64_t k1 = k0 + GEMM_KC < k ? k0 + GEMM_KC : k;
+        for (int64_t t = 0; t < m; t += GEMM_ROWS) {
+            const float *ar[GEMM_ROWS];
+            float *cr[GEMM_ROWS];
+            for (int r = 0; r < GEMM_ROWS; r++) {
+                const int64_t row = t + r < m ? t + r : m - 1;
+                ar[r] = a + row * lda;
+                cr[r] = c + row * ldc;
+            }
+            for (int64_t j = 0; j < nb; j += 4 * VL) {
+                V acc[GEMM_ROWS][4];
+                for (int r = 0; r < GEMM_ROWS; r++)
+                    for (int u = 0; u < 4; u++) acc[r][u] = k0 ? V_LOAD(cr[r] + j + VL * u) : V_ZERO();
+                for (int64_t i = k0; i < k1; i++) {
+                    V bv[4];
+                    for (int u = 0; u < 4; u++) bv[u] = SFX(load_w)(b, i * n + j + VL * u, bf16);
+                    for (int r = 0; r < GEMM_ROWS; r++) {
+                        const V p = V_SET1(ar[r][i]);
+                        for (int u = 0; u < 4; u++) acc[r][u] = V_FMA(p, bv[u], acc[r][u]);
+                    }
                 }
+                for (int r = GEMM_ROWS - 1; r >= 0; r--)  /* a repeated row's copies hold the same sums */
+                    for (int u = 0; u < 4; u++) V_STORE(cr[r] + j + VL * u, acc[r][u]);
             }
-            for (int u = 0; u < 4; u++) {
-                V_STORE(c1 + j + VL * u, y[u]);
-                V_STORE(c0 + j + VL * u, x[u]);
-            }
-        }
-        for (; j < n; j++) {
-            float x0 = 0.0f, y0 = 0.0f;
-            for (int64_t i = 0; i < k; i++) {
-                x0 += a0[i] * load1(b, i * n + j, bf16);
-                y0 += a1[i] * load1(b, i * n + j, bf16);
-            }
-            c1[j] = y0;
-            c0[j] = x0;
+            for (int r = 0; r < GEMM_ROWS && t + r < m; r++)  /* columns past the last block */
+                for (int64_t j = nb; j < n; j++) {
+                    float x0 = k0 ? cr[r][j] : 0.0f;
+                    for (int64_t i = k0; i < k1; i++) x0 += ar[r][i] * load1(b, i * n + j, bf16);
+                    cr[r][j] = x0;
+                }
         }
     }
 }
@@ -195,35 +202,40 @@ static void SFX(weighted_keys)(const float *p, int64_t ld, const float *cache, i
 /* q_n [T, H, d_n] and q_r [T, H, d_r] (strides per row and per head, elements contiguous), w_uk [H, d_n, d_c],
  * w_uv_t [H, d_c, d_v], cache [*, d_c + d_r], slots [T, slot_stride] (the cache row of each row's keys), lens [T]
  * (>= 1; at most slot_stride are read), out [T, H, d_v], scratch [threads, scratch_stride] with scratch_stride >=
- * G (2 T d_c + slot_stride), G = ceil(H / threads) heads per thread. */
+ * mla_decode_scratch(T, H, d_c, slot_stride, threads). */
 static inline __attribute__((always_inline)) void SFX(absorbed_decode)(
         const float *q_n, int64_t qn_t, int64_t qn_h, const float *q_r, int64_t qr_t, int64_t qr_h, const void *w_uk, const void *w_uv_t, const float *cache,
                                  const int64_t *slots, int64_t slot_stride, const int64_t *lens, float scale,
                                  float *out, float *scratch, int64_t scratch_stride, int64_t rows, int64_t heads,
                                  int64_t d_n, int64_t d_r, int64_t d_c, int64_t d_v, int64_t threads, const int bf16) {
-    const int64_t esize = bf16 ? 2 : 4;
-    const int64_t width = d_c + d_r, group = (heads + threads - 1) / threads;
+    const int64_t esize = bf16 ? 2 : 4, width = d_c + d_r, by_rows = mla_decode_by_rows(rows, heads, threads);
+    const int64_t group = by_rows ? heads : (heads + threads - 1) / threads;
     if (group > MAX_GROUP) abort();  /* ops/cpu_kernels.cpp runs enough threads that this cannot happen */
     #pragma omp parallel num_threads((int)threads)
     {
-        const int64_t h0 = omp_get_thread_num() * group, h1 = h0 + group < heads ? h0 + group : heads;
-        float *q_abs = scratch + omp_get_thread_num() * scratch_stride;  /* [T][G][d_c] */
-        float *o_lat = q_abs + rows * group * d_c;                          /* [T][G][d_c] */
-        float *s = o_lat + rows * group * d_c;                              /* [G][slot_stride] */
+        /* this thread's heads [h0, h1) of its rows [t0, t1) (mla_decode_by_rows): a group of heads of every row, or
+         * every head of a run of rows (at least two each) */
+        const int64_t id = omp_get_thread_num();
+        const int64_t h0 = by_rows ? 0 : id * group, h1 = by_rows ? heads : (h0 + group < heads ? h0 + group : heads);
+        const int64_t t0 = by_rows ? id * rows / threads : 0, t1 = by_rows ? (id + 1) * rows / threads : rows;
+        const int64_t m = t1 - t0;
+        float *q_abs = scratch + id * scratch_stride;  /* [m][group][d_c] */
+        float *o_lat = q_abs + m * group * d_c;          /* [m][group][d_c] */
+        float *s = o_lat + m * group * d_c;              /* [group][slot_stride] */
         /* absorb: q~[t] = q_n[t, h] W_UK[h], every row of a head at once */
-        for (int64_t h = h0; h < h1; h++)
-            SFX(small_gemm)(q_n + h * qn_h, qn_t, (const char *)w_uk + h * d_n * d_c * esize, d_n, d_c,
-                            q_abs + (h - h0) * d_c, group * d_c, rows, bf16);
+        for (int64_t h = h0; h < h1 && m; h++)
+            SFX(small_gemm)(q_n + t0 * qn_t + h * qn_h, qn_t, (const char *)w_uk + h * d_n * d_c * esize, d_n, d_c,
+                            q_abs + (h - h0) * d_c, group * d_c, m, bf16);
         /* attend: keys outer and this thread's heads inner for the scores, heads outer for the weighted sum */
         const float *qa[MAX_GROUP], *qr[MAX_GROUP];
         float *ol[MAX_GROUP];
-        for (int64_t t = 0; t < rows; t++) {
+        for (int64_t t = t0; t < t1; t++) {
             const int64_t *slot = slots + t * slot_stride;
             const int64_t len = lens[t] < slot_stride ? lens[t] : slot_stride;
             for (int64_t h = h0; h < h1; h++) {
-                qa[h - h0] = q_abs + (t * group + h - h0) * d_c;
+                qa[h - h0] = q_abs + ((t - t0) * group + h - h0) * d_c;
                 qr[h - h0] = q_r + t * qr_t + h * qr_h;
-                ol[h - h0] = o_lat + (t * group + h - h0) * d_c;
+                ol[h - h0] = o_lat + ((t - t0) * group + h - h0) * d_c;
             }
             for (int64_t j = 0; j < len; j += 2) {
                 for (int64_t u = j + KEYS_AHEAD; u < j + KEYS_AHEAD + 2 && u < len; u++)
@@ -234,14 +246,15 @@ static inline __attribute__((always_inline)) void SFX(absorbed_decode)(
             SFX(weighted_keys)(s, slot_stride, cache, width, slot, len, h1 - h0, d_c, ol);
         }
         /* up-project: out[t, h] = o_lat[t] W_UV^T[h], every row of a head at once */
-        for (int64_t h = h0; h < h1; h++)
+        for (int64_t h = h0; h < h1 && m; h++)
             SFX(small_gemm)(o_lat + (h - h0) * d_c, group * d_c, (const char *)w_uv_t + h * d_c * d_v * esize, d_c,
-                            d_v, out + h * d_v, heads * d_v, rows, bf16);
+                            d_v, out + t0 * heads * d_v + h * d_v, heads * d_v, m, bf16);
     }
 }
 
 #undef V
 #undef VL
+#undef GEMM_ROWS
 #undef V_LOAD
 #undef V_STORE
 #undef V_ZERO

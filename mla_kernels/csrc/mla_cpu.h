@@ -72,6 +72,8 @@ void mla_q8_prepare(const float *x, int64_t rows, int64_t k, uint8_t *out);
 void mla_i4_share(int64_t variant, const uint8_t *w, const uint16_t *scales, const uint8_t *xp, float *y, int64_t n,
                   int64_t k, float alpha, int add);
 void mla_rms_norm_f32(const float *x, int64_t ld, const float *weight, float *y, int64_t m, int64_t k, float eps);
+int64_t mla_decode_by_rows(int64_t rows, int64_t heads, int64_t threads);
+int64_t mla_decode_scratch(int64_t rows, int64_t heads, int64_t d_c, int64_t slot_stride, int64_t threads);
 void mla_absorbed_decode_f32(const float *q_n, int64_t qn_t, int64_t qn_h, const float *q_r, int64_t qr_t,
                              int64_t qr_h, const void *w_uk, const void *w_uv_t, const float *cache,
                              const int64_t *slots, int64_t slot_stride, const int64_t *lens, float scale, float *out,

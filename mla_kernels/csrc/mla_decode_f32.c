@@ -57,7 +57,23 @@ static inline void fetch_key(const float *key, int64_t width) {
     for (int64_t b = 0; b < width; b += 16) _mm_prefetch((const char *)(key + b), _MM_HINT_T0);
 }
 
+/* How a call's threads share the work: a group of heads of every row each (a few rows: every thread reads every
+ * row's keys), or from two rows a thread on, every head of a run of rows each (each key read by one thread, once for
+ * all heads; measured on a 2-core Xeon, 32 rows of 192 keys: see bench/RESULTS.md). */
+int64_t mla_decode_by_rows(int64_t rows, int64_t heads, int64_t threads) {
+    return threads > 1 && rows >= 2 * threads && heads <= MAX_GROUP;
+}
+
+/* Scratch floats each thread of a call needs: q~ and o_lat of its rows and heads, and its heads' scores. */
+int64_t mla_decode_scratch(int64_t rows, int64_t heads, int64_t d_c, int64_t slot_stride, int64_t threads) {
+    if (mla_decode_by_rows(rows, heads, threads))
+        return (rows + threads - 1) / threads * heads * 2 * d_c + heads * slot_stride;
+    const int64_t group = (heads + threads - 1) / threads;
+    return rows * group * 2 * d_c + group * slot_stride;
+}
+
 #define WEIGH_KEYS 32  /* keys a chunk of the weighted sum (decode_attention.h) */
+#define GEMM_KC 128    /* rows of the absorbed factors a pass of small_gemm (decode_attention.h) */
 
 /* e^x for eight floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^7 (relative error below
  * 2e-7 on that range), times 2^n built in the exponent bits. Inputs below -87 give 0 (softmax only feeds x <= 0). */
@@ -95,6 +111,7 @@ static inline float hmax8(__m256 v) {
 /* The attention for AVX2 (8 lanes) */
 #define V __m256
 #define VL 8
+#define GEMM_ROWS 2  /* rows of a a register tile of small_gemm: 2 x 4 vectors of sums in AVX2's 16 registers */
 #define V_LOAD _mm256_loadu_ps
 #define V_STORE _mm256_storeu_ps
 #define V_ZERO _mm256_setzero_ps
@@ -127,6 +144,7 @@ static inline __m512 exp16(__m512 x) {
 
 #define V __m512
 #define VL 16
+#define GEMM_ROWS 4  /* 4 x 4 vectors of sums in AVX-512's 32 registers */
 #define V_LOAD _mm512_loadu_ps
 #define V_STORE _mm512_storeu_ps
 #define V_ZERO _mm512_setzero_ps

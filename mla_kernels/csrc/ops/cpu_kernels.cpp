@@ -266,12 +266,12 @@ Tensor absorbed_decode(const Tensor& q_n, const Tensor& q_r, const Tensor& w_uk,
   expect(w_uv_t, wt, {heads, d_c, d_v}, op, "w_uv_t");
   expect(cache, at::kFloat, {cache.size(0), d_c + d_r}, op, "cache");
   expect_keys(slots, lens, rows, cache.size(0), op);
-  const int64_t nt = decode_threads(heads), group = cdiv(heads, nt), per_row = group * 2 * d_c;
+  const int64_t nt = decode_threads(heads), per_row = cdiv(heads, nt) * 2 * d_c;
   const int64_t step = std::max<int64_t>(1, DECODE_SCRATCH_BYTES / (4 * nt * std::max<int64_t>(per_row, 1)));
   Tensor out = at::empty({rows, heads, d_v}, cache.options());
   auto kernel = wt == at::kBFloat16 ? &mla_absorbed_decode_bf16w : &mla_absorbed_decode_f32;
   for (int64_t r0 = 0; r0 < rows; r0 += step) {
-    const int64_t m = std::min(step, rows - r0), stride = m * per_row + group * slots.size(1);
+    const int64_t m = std::min(step, rows - r0), stride = mla_decode_scratch(m, heads, d_c, slots.size(1), nt);
     Tensor scratch = at::empty({nt, stride}, cache.options());
     kernel(ptr<const float>(q_n) + r0 * q_n.stride(0), q_n.stride(0), q_n.stride(1),
            ptr<const float>(q_r) + r0 * q_r.stride(0), q_r.stride(0), q_r.stride(1), w_uk.data_ptr(),
@@ -557,7 +557,7 @@ struct DecodeStep : torch::CustomClassHolder {
       max_slot = std::max(max_slot, s[t]);
     }
     keep = {cos, sin, slots, keys, lens};
-    const int64_t nt = decode_threads(heads), group = cdiv(heads, nt);
+    const int64_t nt = decode_threads(heads);
     table = at::zeros({S_FIELDS}, at::kLong);
     int64_t* S = table.data_ptr<int64_t>();
     S[S_ROWS] = rows;
@@ -570,7 +570,7 @@ struct DecodeStep : torch::CustomClassHolder {
     S[S_LENS] = address(lens);
     S[S_THREADS] = threads();
     S[S_DECODE_THREADS] = nt;
-    S[S_DECODE_STRIDE] = rows * group * 2 * d_c + group * keys.size(1);
+    S[S_DECODE_STRIDE] = mla_decode_scratch(rows, heads, d_c, keys.size(1), nt);
     scratch = at::empty({0}, at::kFloat);
   }
 };
