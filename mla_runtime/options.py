@@ -23,7 +23,7 @@ LATENT_CACHE_LAYOUTS = ("replicated", "sharded")
 # the CPU products (layers/cpu_gemm.py): auto, the fast paths where their probes pass; onednn, oneDNN without the
 # compiled kernels; plain, the fallbacks only
 CPU_GEMM_MODES = ("auto", "onednn", "plain")
-# a CPU engine's heap (engine/host_heap.py): retain, freed activations stay mapped for the next step; system, the C
+# a CPU engine's heap (host_heap.py): retain, freed activations stay mapped for the next step; system, the C
 # library's defaults
 CPU_HEAP_MODES = ("retain", "system")
 WEIGHT_QUANTIZATIONS = ("int8", "int4", "fp8", "bf16", "fp16")  # the formats of layers.quantization.WEIGHT_FORMATS

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # level of each top-level name under mla_runtime (engine.worker/engine.config: see LEVEL_OF_SUBMODULE)
 LEVELS = {
     "config": 1, "dtypes": 1, "errors": 1, "parallel": 1, "forward_batch": 1, "sampling_params": 1, "outputs": 1,
-    "env": 1, "options": 1,
+    "env": 1, "options": 1, "host_heap": 1,
     "hub": 1, "tokenizer": 1, "cache": 1, "help_format": 1, "checksums": 1, "resolved_config": 1, "families": 1,
     "layers": 2, "attention": 2,
     "models": 3,

@@ -1,4 +1,4 @@
-"""A CPU engine's heap between steps (engine/host_heap.py): freed activations stay mapped where glibc is the C
+"""A CPU engine's heap between steps (host_heap.py): freed activations stay mapped where glibc is the C
 library."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import platform
 
 import pytest
 
-from mla_runtime.engine import host_heap
+from mla_runtime import host_heap
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.errors import InvalidParam
 

@@ -119,7 +119,7 @@ class EngineConfig:
         "engine.cpu_gemm", "CPU products: auto (the fast paths where their probes pass), onednn (oneDNN without the "
                            "compiled kernels) or plain (the fallbacks) (default: auto, or the deprecated "
                            "$MLA_CPU_GEMM)", choices=CPU_GEMM_MODES))
-    # a CPU engine's heap (engine/host_heap.py): retain, freed activations stay mapped for the next step (glibc);
+    # a CPU engine's heap (host_heap.py): retain, freed activations stay mapped for the next step (glibc);
     # system, the C library's defaults
     cpu_heap: str = field(default="retain", metadata=opt(
         "engine.cpu_heap", "CPU heap: retain (freed activations stay mapped for the next step, up to the activation "

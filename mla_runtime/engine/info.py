@@ -91,7 +91,7 @@ class EngineInfo:
     host_capacity_tokens: int = 0
     attention_backend: str = ""  # the model's attention backend (mla_runtime.attention): triton, torch, cpu, sharded
     cpu_gemm: dict[str, str] = field(default_factory=dict)  # on a CPU: the matrix-product path chosen and why
-    cpu_heap: str = ""  # on a CPU: what its heap keeps between steps (engine/host_heap.py)
+    cpu_heap: str = ""  # on a CPU: what its heap keeps between steps (host_heap.py)
 
     @classmethod
     def of(cls, worker: Worker, num_blocks: int, num_threads: int) -> EngineInfo:

@@ -40,14 +40,13 @@ from typing import Protocol
 
 import torch
 
-from mla_runtime import attention, checksums, env
+from mla_runtime import attention, checksums, env, host_heap
 from mla_runtime.attention import AttentionMetadata
 from mla_runtime.cache.disk_tier import DiskTier, file_sha256, model_fingerprint
 from mla_runtime.cache.host_tier import HostTier
 from mla_runtime.cache.latent_cache import LatentCache
 from mla_runtime.config import ModelConfig
 from mla_runtime.dtypes import CacheDtype, index_cache_dtype, resolve_cache_dtype
-from mla_runtime.engine import host_heap
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.errors import InvalidParam
 from mla_runtime.forward_batch import ForwardBatch
@@ -143,7 +142,7 @@ class Worker:
         self.cpu: CpuLayouts | None = None
         self.gemm_mode = config.cpu_gemm or gemm_mode()
         self.gemm_info: dict[str, str] = {}  # the product path the load chose, for EngineInfo (CPU only)
-        self.heap = ""  # what the CPU heap keeps between steps (engine/host_heap.py), for EngineInfo (CPU only)
+        self.heap = ""  # what the CPU heap keeps between steps (host_heap.py), for EngineInfo (CPU only)
         if self.device.type == "cpu":
             with self.prepared():
                 self.dtype, self.quantization = resolve_cpu_format(config.dtype, self.dtype, self.quantization)
