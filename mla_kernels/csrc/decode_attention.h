@@ -154,42 +154,41 @@ static void SFX(scores)(const float *const *q, const float *const *qr, const flo
         }
 }
 
-/* o[h][c0:c0 + 4 VL] (+)= sum_{j0 <= j < j1} p[h * ld + j] key_j[c0:c0 + 4 VL] for the heads h0 and h1 (h1 == h0:
- * one head), in eight registers: each key block is loaded once for both heads. */
+/* o[h][c0:c0 + 4 VL] (+)= sum_{j0 <= j < j1} p[h * ld + j] key_j[c0:c0 + 4 VL] for WEIGH_HEADS heads hs[0..] (a
+ * repeated head computes its sums twice), in a register tile: each key block is loaded once for all of them. */
 static inline void SFX(weigh_block)(const float *p, int64_t ld, const float *cache, int64_t width,
-                                    const int64_t *slot, int64_t j0, int64_t j1, int64_t h0, int64_t h1, int64_t c0,
+                                    const int64_t *slot, int64_t j0, int64_t j1, const int64_t *hs, int64_t c0,
                                     float *const *o) {
-    V a[4], b[4];
-    for (int u = 0; u < 4; u++) {
-        a[u] = j0 ? V_LOAD(o[h0] + c0 + VL * u) : V_ZERO();
-        b[u] = j0 ? V_LOAD(o[h1] + c0 + VL * u) : V_ZERO();
-    }
+    V acc[WEIGH_HEADS][4];
+    for (int r = 0; r < WEIGH_HEADS; r++)
+        for (int u = 0; u < 4; u++) acc[r][u] = j0 ? V_LOAD(o[hs[r]] + c0 + VL * u) : V_ZERO();
     for (int64_t j = j0; j < j1; j++) {
         const float *k = cache + slot[j] * width + c0;
-        const V pa = V_SET1(p[h0 * ld + j]), pb = V_SET1(p[h1 * ld + j]);
-        for (int u = 0; u < 4; u++) {
-            const V kv = V_LOAD(k + VL * u);
-            a[u] = V_FMA(pa, kv, a[u]);
-            b[u] = V_FMA(pb, kv, b[u]);
+        V kv[4];
+        for (int u = 0; u < 4; u++) kv[u] = V_LOAD(k + VL * u);
+        for (int r = 0; r < WEIGH_HEADS; r++) {
+            const V pr = V_SET1(p[hs[r] * ld + j]);
+            for (int u = 0; u < 4; u++) acc[r][u] = V_FMA(pr, kv[u], acc[r][u]);
         }
     }
-    for (int u = 0; u < 4; u++) {
-        V_STORE(o[h1] + c0 + VL * u, b[u]);
-        V_STORE(o[h0] + c0 + VL * u, a[u]);  /* last: the one head's result when h1 == h0 */
-    }
+    for (int r = WEIGH_HEADS - 1; r >= 0; r--)  /* a repeated head's copies hold the same sums */
+        for (int u = 0; u < 4; u++) V_STORE(o[hs[r]] + c0 + VL * u, acc[r][u]);
 }
 
 /* o[h][0:d_c] = sum_j p[h * ld + j] key_j[0:d_c] for nh heads, keys key_j = cache + slot[j] * width. The keys go in
  * chunks of WEIGH_KEYS (a chunk's latents fit in L2; a row's whole context may not), and within a chunk a column block
- * of them at a time (in L1) serves every pair of heads. */
+ * of them at a time (in L1) serves every WEIGH_HEADS heads. */
 static void SFX(weighted_keys)(const float *p, int64_t ld, const float *cache, int64_t width, const int64_t *slot,
                                int64_t len, int64_t nh, int64_t d_c, float *const *o) {
     const int64_t cb = d_c - d_c % (4 * VL);
     for (int64_t j0 = 0; j0 < len; j0 += WEIGH_KEYS) {
         const int64_t j1 = j0 + WEIGH_KEYS < len ? j0 + WEIGH_KEYS : len;
         for (int64_t c = 0; c < cb; c += 4 * VL)
-            for (int64_t h = 0; h < nh; h += 2)
-                SFX(weigh_block)(p, ld, cache, width, slot, j0, j1, h, h + 1 < nh ? h + 1 : h, c, o);
+            for (int64_t h = 0; h < nh; h += WEIGH_HEADS) {
+                int64_t hs[WEIGH_HEADS];
+                for (int r = 0; r < WEIGH_HEADS; r++) hs[r] = h + r < nh ? h + r : nh - 1;
+                SFX(weigh_block)(p, ld, cache, width, slot, j0, j1, hs, c, o);
+            }
         for (int64_t h = 0; h < nh; h++)  /* columns past the last block */
             for (int64_t c = cb; c < d_c; c++) {
                 float acc = j0 ? o[h][c] : 0.0f;
@@ -255,6 +254,7 @@ static inline __attribute__((always_inline)) void SFX(absorbed_decode)(
 #undef V
 #undef VL
 #undef GEMM_ROWS
+#undef WEIGH_HEADS
 #undef V_LOAD
 #undef V_STORE
 #undef V_ZERO

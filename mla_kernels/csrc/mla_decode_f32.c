@@ -111,6 +111,7 @@ static inline float hmax8(__m256 v) {
 /* The attention for AVX2 (8 lanes) */
 #define V __m256
 #define VL 8
+#define WEIGH_HEADS 2  /* heads of a tile of the weighted sum: 2 x 4 vectors of sums */
 #define GEMM_ROWS 2  /* rows of a a register tile of small_gemm: 2 x 4 vectors of sums in AVX2's 16 registers */
 #define V_LOAD _mm256_loadu_ps
 #define V_STORE _mm256_storeu_ps
@@ -144,6 +145,7 @@ static inline __m512 exp16(__m512 x) {
 
 #define V __m512
 #define VL 16
+#define WEIGH_HEADS 4  /* 4 x 4 vectors of sums */
 #define GEMM_ROWS 4  /* 4 x 4 vectors of sums in AVX-512's 32 registers */
 #define V_LOAD _mm512_loadu_ps
 #define V_STORE _mm512_storeu_ps
