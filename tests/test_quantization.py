@@ -216,6 +216,37 @@ def test_a_long_prefill_chunk_attends_in_bfloat16_where_the_key_rebuild_does(tin
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.85
 
 
+def test_a_bf16_weight_mlp_computes_many_rows_in_bfloat16_where_its_products_round_them(monkeypatch):
+    """A float32 gated MLP with bfloat16 weights: where its products round a prefill's rows to bfloat16 (oneDNN's
+    native bfloat16 products), the activation and the down product take the bfloat16 output as it is, and the MLP
+    gives float32; a few rows (the compiled kernels' float32 products) stay float32 throughout."""
+    from mla_runtime.layers.bf16 import half_mlp
+    from mla_runtime.layers.mlp import GatedMLP
+
+    torch.manual_seed(0)
+    mlp = GatedMLP(64, 96, torch.float32)
+    mlp.gate_up_proj.data.normal_(0, 0.1)
+    mlp.down_proj.data.normal_(0, 0.1)
+    mlp.gate_up_packed, mlp.down_packed = Bf16Weight.quantize(mlp.gate_up_proj), Bf16Weight.quantize(mlp.down_proj)
+    native = gemm_choice(torch.bfloat16).path == "onednn"
+    few = cpu_kernels.max_rows(torch.bfloat16)
+    seen: list[torch.dtype] = []
+    original = Bf16Weight.matmul
+    monkeypatch.setattr(Bf16Weight, "matmul", lambda self, x, b: seen.append(x.dtype) or original(self, x, b))
+    x = torch.randn(few + 5, 64)
+    assert half_mlp(mlp.gate_up_packed, x) == native
+    out = mlp(x)
+    assert out.dtype == torch.float32 and seen == [torch.bfloat16 if native else torch.float32] * 2
+    w_gu, w_d = mlp.gate_up_proj.bfloat16(), mlp.down_proj.bfloat16()
+    gate, up = torch.nn.functional.linear(x.bfloat16(), w_gu).chunk(2, dim=-1)
+    ref = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w_d).float()
+    assert torch.allclose(out, ref, rtol=2e-2, atol=2e-3)
+    if few:  # the few-row products: the compiled kernels, in float32
+        seen.clear()
+        assert not half_mlp(mlp.gate_up_packed, x[:few]) and mlp(x[:few]).dtype == torch.float32
+        assert seen == [torch.float32] * 2
+
+
 def _generate(path, quantization: str | None, tensor_parallel_size: int = 1) -> list:
     sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0)
     prompts = [{"prompt_token_ids": [random.Random(i).randrange(2, 256) for _ in range(12 + 5 * i)]}

@@ -70,6 +70,12 @@ class Bf16Weight(QuantizedWeight):
     def _dequantize_rows(self, r0: int, r1: int) -> torch.Tensor:
         return self.weight[r0:r1].float()
 
+    def rounds_rows(self, x: torch.Tensor) -> bool:
+        """Whether the product with ``x [..., K]`` runs oneDNN's bfloat16 product, ``x``'s rows rounded to bfloat16
+        (``matmul``): where the caller may as well compute in bfloat16 around it, as a bfloat16 model does."""
+        few = self.kernel and x.numel() <= cpu_kernels.max_rows(self.half) * self.weight.shape[1]
+        return self.native is not None and x.numel() > 0 and not few
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [..., K]`` (any float dtype) -> ``x · Wᵀ (+ bias)`` in ``x``'s dtype."""
         k = self.weight.shape[1]
@@ -91,3 +97,11 @@ class F16Weight(Bf16Weight):
     __slots__ = ()
     scheme = "fp16"
     half = torch.float16
+
+
+def half_mlp(gate_up: PackedWeight | None, x: torch.Tensor) -> bool:
+    """Whether a float32 gated MLP whose fused gate and up weight is ``gate_up`` computes ``x``'s rows in bfloat16:
+    where that product rounds them to bfloat16 anyway (``Bf16Weight.rounds_rows``: a prefill's rows, on a CPU with
+    native bfloat16 products), the activation and the down product take its bfloat16 output as a bfloat16 model's do,
+    instead of widening it to float32 and rounding it again."""
+    return x.dtype == torch.float32 and isinstance(gate_up, Bf16Weight) and gate_up.rounds_rows(x)

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mla_kernels import cpu_tables
+from mla_runtime.layers.bf16 import half_mlp
 from mla_runtime.layers.cpu_gemm import PackedWeight, linear
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 
@@ -59,6 +60,8 @@ class GatedMLP(nn.Module):
             if isinstance(table, cpu_tables.GatedMLPTable):
                 out = table(x, [0], [1.0])
                 return self.par.all_reduce(out) if self.reduce else out
+        if self.par.world_size == 1 and half_mlp(self.gate_up_packed, x):
+            return self.forward(x.to(torch.bfloat16)).float()
         gate, up = linear(x, self.gate_up_proj, self.gate_up_bias, self.gate_up_packed).chunk(2, dim=-1)
         bias = self.down_bias if self.par.rank == 0 else None
         out = linear(F.silu(gate) * up, self.down_proj, bias, self.down_packed)

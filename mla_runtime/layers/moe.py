@@ -37,6 +37,7 @@ from torch import nn
 
 from mla_kernels import cpu_tables
 from mla_runtime.config import MoEConfig
+from mla_runtime.layers.bf16 import half_mlp
 from mla_runtime.layers.cpu_gemm import PackedWeight, linear
 from mla_runtime.layers.fp8 import Fp8Weight
 from mla_runtime.layers.mlp import GatedMLP, row_table
@@ -202,6 +203,8 @@ class Experts(nn.Module):
         if not self.gate_up_packed:  # not prepared
             gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
             return F.linear(F.silu(gate) * up, self.down_proj[e])
+        if half_mlp(self.gate_up_packed[e], x):
+            return self._expert(e, x.to(torch.bfloat16)).float()
         gate, up = linear(x, self.gate_up_list[e], None, self.gate_up_packed[e]).chunk(2, dim=-1)
         return linear(F.silu(gate) * up, self.down_list[e], None, self.down_packed[e])
 
