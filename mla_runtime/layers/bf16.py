@@ -12,6 +12,11 @@ conversion for float16; AVX2 alone) and computes in float32; the compiled layer 
 has them (``cpu_gemm``'s ``onednn`` path for bfloat16: the rows rounded to bfloat16, as a bfloat16 model's are; 1.5x
 the float32 products' speed on an AMD EPYC with AVX512-BF16); otherwise, and for float16, the weight is widened to
 float32 a block of rows at a time (``widened_product``), as every device does.
+
+Where those many-row products round their rows to bfloat16 (``Bf16Weight.rounds_rows``), what sits between them
+computes in bfloat16 too, as in a bfloat16 model, instead of widening each product's output to float32 and rounding
+it again for the next: a gated MLP's activation and down product (``half_mlp``), and a prefill chunk's attention
+(``attention.cpu.half_prefill``). Decode steps of a few rows, and the latent cache, stay float32.
 """
 
 from __future__ import annotations
