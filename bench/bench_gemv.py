@@ -18,7 +18,8 @@ Candidates (a candidate the CPU or torch build cannot run is listed as unsupport
   ``_linear_pointwise`` on the plain weight and on the layout ``_reorder_linear_weight`` makes; ``fp32 row-kernel``
   (one to eight rows) — ``mla_kernels.cpu_kernels.linear``, the compiled kernels;
   ``fp32 cpu_gemm`` — what ``mla_runtime.layers.cpu_gemm.linear`` picks for that weight;
-- ``bf16 F.linear``, ``bf16 onednn-blocked``, ``bf16 cpu_gemm`` — the same in bfloat16; ``bf16 row-kernel`` (one to
+- ``bf16 F.linear``, ``bf16 onednn-blocked``, ``bf16 cpu_gemm`` — the same in bfloat16; ``bf16 amx`` — the AMX
+  tile products (``cpu_kernels.amx_linear``, CPUs with AMX-BF16 only); ``bf16 row-kernel`` (one to
   eight rows) — ``cpu_kernels.linear``: the weight read at two bytes, widened by a shift (AVX2, no
   AVX512-BF16 needed); ``bf16 upcast`` — the float32 copy a CPU without oneDNN's bfloat16 path computes with;
 - ``int8 pack-mm fp32x`` / ``int8 pack-mm bf16x`` — ``torch.ops.aten._weight_int8pack_mm``: int8 weight,
@@ -82,6 +83,13 @@ def float_candidates(n: int, k: int, rows: int, dtype: torch.dtype, cold_mib: in
         out[f"{name} onednn-blocked"] = (lambda: [pw(x, b, None, "none", [None], "") for b in blocked], nbytes)
     except Exception as e:  # this CPU / build cannot pack the dtype
         out[f"{name} onednn-blocked"] = (None, f"unsupported: {str(e).splitlines()[0][:80]}")  # type: ignore[assignment]
+    if dtype == torch.bfloat16:  # AMX tiles (the runtime takes them from 9 to cpu_gemm.AMX_MAX_ROWS rows)
+        why = cpu_kernels.failure("amx") or (None if n % 16 == 0 and k % 32 == 0 else "N % 16 or K % 32 is not 0")
+        if why is None:
+            tiled = [cpu_kernels.amx_pack(w) for w in ws]
+            out[f"{name} amx"] = (lambda: [cpu_kernels.amx_linear(x, t) for t in tiled], nbytes)
+        else:
+            out[f"{name} amx"] = (None, f"unsupported: {why}")  # type: ignore[assignment]
     if dtype == torch.bfloat16 and rows <= cpu_kernels.max_rows(torch.float32):
         out.update(row_kernels(name, "float", "bf16",
                                lambda v: [cpu_kernels.linear(x, w, variant=v).to(dtype) for w in ws], nbytes))

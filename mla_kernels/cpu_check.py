@@ -23,10 +23,10 @@ def _exact(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 @functools.cache
 def failure(kind: str) -> str | None:
-    """None where the kernels of ``kind`` ("core", "bf16", "f16", "fp8", "int4") are exact here, else why not. Only
-    where the operators are loaded (``cpu_ops.failure()`` is None)."""
+    """None where the kernels of ``kind`` ("core", "bf16", "f16", "fp8", "int4", "amx") are exact here, else why not.
+    Only where the operators are loaded (``cpu_ops.failure()`` is None)."""
     g = torch.Generator().manual_seed(0)
-    return {"core": _core, "bf16": _half, "f16": _half, "fp8": _fp8, "int4": _int4}[kind](g, kind)
+    return {"core": _core, "bf16": _half, "f16": _half, "fp8": _fp8, "int4": _int4, "amx": _amx}[kind](g, kind)
 
 
 def _core(g: torch.Generator, kind: str) -> str | None:
@@ -79,6 +79,23 @@ def _half(g: torch.Generator, kind: str) -> str | None:
         x = torch.randint(-3, 4, (rows, k), generator=g).float()
         if not _exact(_ops().linear(x, w), x.double() @ w.double().T):
             return f"the {dtype}-weight products differ from the exact result on this CPU"
+    return None
+
+
+def _amx(g: torch.Generator, kind: str) -> str | None:
+    """The AMX bfloat16 products: small integers and a fraction (exact in bfloat16 and in their float32 sums), with
+    an odd count of column blocks, a partial row tile and rows past 32; float32 rows rounded as torch rounds them."""
+    if not dict(_ops().limits()).get("amx_bf16"):
+        return "the CPU has no AMX bfloat16 tiles (amx-tile, amx-bf16 with AVX512-BF16), or its kernel does not let " \
+               "a process use them"
+    for n, k, rows in ((48, 64, 1), (16, 96, 17), (32, 32, 40)):
+        w = torch.randint(-3, 4, (n, k), generator=g).to(torch.bfloat16)
+        w[0, -1] = 0.375
+        x = torch.randint(-3, 4, (rows, k), generator=g).float()
+        x[-1, 0] = 1.0 + 2.0 ** -9  # rounds to 1 in bfloat16 (to nearest even)
+        got = _ops().amx_linear(x, _ops().amx_pack(w))
+        if not _exact(got, x.bfloat16().double() @ w.double().T):
+            return f"the AMX bfloat16 products of {rows} rows differ from the exact result on this CPU"
     return None
 
 

@@ -6,6 +6,9 @@ their sources are ``csrc/*.c`` and ``csrc/ops/cpu_kernels.cpp``):
   float32 row scales (rows rounded to int16), block-FP8 with its block scales and group-wise int4 (ggml's Q4_0
   numbers: ``mla_kernels.int4_format``; rows rounded to int8 per group of 32), any number of rows, ``max_rows`` a
   pass. Each runs an AVX2 or an AVX-512 variant, chosen at run time (``variants``; int8 and int4 with the same bits);
+- ``amx_pack(w)`` / ``amx_linear(x, packed)``: bfloat16 products of a few dozen rows on AMX tiles (``csrc/amx_bf16.c``;
+  ``failure("amx")`` is None only on a CPU with AMX-BF16 whose kernel lets the process use the tiles), the weight
+  repacked once into the tiles' layout;
 - ``rms_norm``, ``absorbed_decode(..., variant="auto")`` (absorption into the latent, attention over the paged latent
   cache, up-projection; one source compiled for AVX2 and for AVX-512, the "float" variants), ``rope_store`` (the
   latent side of a step: norm, RoPE, cache write);
@@ -37,7 +40,7 @@ import torch
 
 from . import cpu_check, cpu_ops
 
-KINDS = ("core", "bf16", "f16", "fp8", "int4")  # the kernels' families, as cpu_check checks them
+KINDS = ("core", "bf16", "f16", "fp8", "int4", "amx")  # the kernels' families, as cpu_check checks them
 
 
 @functools.cache
@@ -80,6 +83,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = 
     """``x · Wᵀ (+ bias)`` in float32 for 1 to ``max_rows(weight.dtype)`` rows ``x [..., K]`` (module docstring)."""
     y = ops().linear(x, weight, scales, list(block), variant)
     return y if bias is None else y.add_(bias)
+
+
+def amx_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 ``[N, K]`` weight (``N`` a multiple of 16, ``K`` of 32) repacked for ``amx_linear``; only where
+    ``failure("amx")`` is None."""
+    return ops().amx_pack(weight)  # type: ignore[no-any-return]
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """``x · Wᵀ`` in float32 on AMX tiles for float32 (rounded to bfloat16) or bfloat16 rows ``x [..., K]`` and a
+    weight packed by ``amx_pack``."""
+    return ops().amx_linear(x, packed)  # type: ignore[no-any-return]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -40,7 +40,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 # same library and registered by ops/cpu_kernels.cpp
 PORTABLE_SOURCES = (CSRC / "ops" / "indexer.cpp",)
 X86_SOURCES = (CSRC / "gemv_f32.c", CSRC / "mla_decode_f32.c", CSRC / "mla_layer_f32.c", CSRC / "gemv_fp8.c",
-               CSRC / "gemv_int4.c", CSRC / "ops" / "cpu_kernels.cpp")
+               CSRC / "gemv_int4.c", CSRC / "amx_bf16.c", CSRC / "ops" / "cpu_kernels.cpp")
 HEADERS = (CSRC / "mla_cpu.h", CSRC / "simd.h", CSRC / "decode_attention.h")
 CFLAGS = ("-O3", "-std=c++17", "-fopenmp")  # OpenMP: the kernels' threads are torch's pool
 # the x86 baseline (every AVX2 CPU has FMA and F16C): wider instruction sets are chosen per function at run time
@@ -213,6 +213,14 @@ def _register_fakes() -> None:
     def _(stored):  # type: ignore[no-untyped-def]
         return torch.empty_like(stored)
 
+    @lib.register_fake("mla_kernels::amx_pack")
+    def _(w):  # type: ignore[no-untyped-def]
+        return w.new_empty((w.shape[0] // 16, w.shape[1] // 32, 16, 32))
+
+    @lib.register_fake("mla_kernels::amx_linear")
+    def _(x, packed):  # type: ignore[no-untyped-def]
+        return x.new_empty((*x.shape[:-1], packed.shape[0] * 16), dtype=torch.float32)
+
     @lib.register_fake("mla_kernels::rms_norm")
     def _(x, weight, eps):  # type: ignore[no-untyped-def]
         return torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -223,4 +231,5 @@ def _register_fakes() -> None:
 
     lib.register_fake("mla_kernels::rope_store", lambda *args, **kwargs: None)
     lib.register_fake("mla_kernels::int4_to_bf16", lambda *args, **kwargs: None)
-    _FAKES.extend(["linear", "int4_from_stored", "int4_to_bf16", "rms_norm", "absorbed_decode", "rope_store"])
+    _FAKES.extend(["linear", "amx_pack", "amx_linear", "int4_from_stored", "int4_to_bf16", "rms_norm",
+                   "absorbed_decode", "rope_store"])

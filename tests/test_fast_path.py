@@ -1155,6 +1155,49 @@ def test_each_few_row_float_variant_is_the_product(variant, dtype):
         assert torch.equal(got, alone)
 
 
+def test_amx_products_are_the_bfloat16_product_where_the_cpu_has_tiles():
+    """Where the CPU has AMX bfloat16 tiles, a bfloat16 weight's products of more rows than the few-row kernels take,
+    up to ``AMX_MAX_ROWS``, run on them: the product of the rows rounded to bfloat16, within float32 summation of the
+    float64 one (partial row tiles, an odd count of column blocks, a bias, float32 and bfloat16 rows), and a row's
+    result does not depend on the rows beside it. Elsewhere the operators refuse, naming why, and the weight keeps
+    oneDNN's layout; the test is then skipped by name."""
+    if cpu_kernels.failure() is not None:
+        pytest.skip(f"the kernels do not build here: {cpu_kernels.failure()}")
+    why = cpu_kernels.failure("amx")
+    w = torch.randn(80, 96, generator=torch.Generator().manual_seed(5)).bfloat16()
+    if why is not None:
+        assert "AMX" in why
+        with pytest.raises(ValueError, match="amx_pack: this CPU .* runs no AMX"):
+            cpu_kernels.amx_pack(w)
+        with cpu_gemm.forced_gemm_mode("auto"):
+            assert cpu_gemm.amx_failure() == why
+            if cpu_gemm.gemm_choice(torch.bfloat16).path == "onednn":
+                assert PackedWeight(w, "onednn").amx is None
+        pytest.skip(f"this CPU does not execute the AMX bfloat16 products: {why}")
+    g = torch.Generator().manual_seed(6)
+    packed = cpu_kernels.amx_pack(w)
+    assert packed.shape == (5, 3, 16, 32)
+    for rows in (9, 16, 17, 33, 70):
+        x = torch.randn(rows, 96, generator=g)
+        want = x.bfloat16().double() @ w.double().T
+        for operand in (x, x.bfloat16()):
+            got = cpu_kernels.amx_linear(operand, packed)
+            assert got.dtype == torch.float32
+            torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * 96 ** 0.5)
+        alone = torch.cat([cpu_kernels.amx_linear(x[i:i + 1], packed) for i in range(rows)])
+        assert torch.equal(cpu_kernels.amx_linear(x, packed), alone)
+    with cpu_gemm.forced_gemm_mode("auto"):
+        made = PackedWeight(w, "onednn")
+        assert made.amx is not None and made.blocked is None
+        b = torch.randn(80, generator=g).bfloat16()
+        x = torch.randn(2, 20, 96, generator=g).bfloat16()  # 40 rows: past the few-row kernels, within the tiles
+        torch.testing.assert_close(linear(x, w, b, made).double(), (x.double() @ w.double().T + b.double()),
+                                   rtol=2e-2, atol=2e-2)
+    with cpu_gemm.forced_gemm_mode("onednn"):
+        assert cpu_gemm.amx_failure() == "cpu_gemm=onednn leaves them out"
+        assert PackedWeight(w, "onednn").amx is None
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("path", ["onednn", "upcast"])
 def test_half_weights_take_the_two_byte_kernel_for_few_rows(path, dtype, monkeypatch):

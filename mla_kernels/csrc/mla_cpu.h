@@ -1,4 +1,4 @@
-/* The entry points of the compiled CPU kernels (gemv_f32.c, gemv_fp8.c, gemv_int4.c, mla_decode_f32.c,
+/* The entry points of the compiled CPU kernels (gemv_f32.c, gemv_fp8.c, gemv_int4.c, amx_bf16.c, mla_decode_f32.c,
  * mla_layer_f32.c). Every source includes this header, so a definition that drifts from its declaration fails the
  * build; ops/cpu_kernels.cpp registers each as a typed torch operator (mla_kernels::*). Pointers are row-major
  * buffers, sizes are element counts, "threads" the OpenMP threads a call may use. */
@@ -72,6 +72,12 @@ void mla_q8_prepare(const float *x, int64_t rows, int64_t k, uint8_t *out);
 void mla_i4_share(int64_t variant, const uint8_t *w, const uint16_t *scales, const uint8_t *xp, float *y, int64_t n,
                   int64_t k, float alpha, int add);
 void mla_rms_norm_f32(const float *x, int64_t ld, const float *weight, float *y, int64_t m, int64_t k, float eps);
+/* AMX bfloat16 products (amx_bf16.c): 1 where this CPU and kernel run them; W [n, k] repacked into tiles (n a multiple
+ * of 16, k of 32); y [m, n] = x . W^T for float32 rows xf or bfloat16 rows xb (the other NULL), row stride ld. */
+int64_t mla_amx_bf16(void);
+void mla_amx_pack_bf16(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k);
+void mla_amx_linear_bf16(const float *xf, const uint16_t *xb, int64_t ld, const uint16_t *packed, float *y,
+                         int64_t m, int64_t n, int64_t k, int64_t threads);
 int64_t mla_decode_by_rows(int64_t rows, int64_t heads, int64_t threads);
 int64_t mla_decode_scratch(int64_t rows, int64_t heads, int64_t d_c, int64_t slot_stride, int64_t threads);
 void mla_absorbed_decode_f32(const float *q_n, int64_t qn_t, int64_t qn_h, const float *q_r, int64_t qr_t,

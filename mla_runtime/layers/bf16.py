@@ -27,7 +27,7 @@ from typing import cast
 import torch
 
 from mla_kernels import cpu_kernels
-from mla_runtime.layers.cpu_gemm import PackedWeight, gemm_choice, half_kernel, linear
+from mla_runtime.layers.cpu_gemm import AMX_MAX_ROWS, PackedWeight, amx_product, gemm_choice, half_kernel, linear
 from mla_runtime.layers.qweight import QuantizedWeight, stack_rows
 
 
@@ -62,9 +62,10 @@ class Bf16Weight(QuantizedWeight):
 
     @property
     def nbytes(self) -> int:
-        """The matrix, and oneDNN's blocked copy of it where it keeps one."""
-        blocked = 0 if self.native is None or self.native.blocked is None else self.native.blocked.nbytes
-        return self.weight.numel() * 2 + blocked
+        """The matrix, and its second layout where it keeps one: oneDNN's blocked copy, or AMX's tiles."""
+        second = None if self.native is None else self.native.amx if self.native.amx is not None else \
+            self.native.blocked
+        return self.weight.numel() * 2 + (0 if second is None else second.nbytes)
 
     def row_operand(self) -> torch.Tensor | None:
         return self.weight if self.kernel else None
@@ -87,6 +88,8 @@ class Bf16Weight(QuantizedWeight):
         if self.kernel and 0 < x.numel() <= cpu_kernels.max_rows(self.half) * k:
             bias = None if bias is None else bias.float()
             return cpu_kernels.linear(x, self.weight, bias=bias).to(x.dtype)
+        if self.native is not None and self.native.amx is not None and 0 < x.numel() <= AMX_MAX_ROWS * k:
+            return amx_product(x, self.native.amx, bias).to(x.dtype)  # float32 rows rounded by the kernel
         if self.native is not None and x.numel():
             y = linear(x.to(torch.bfloat16), self.weight, None, self.native)
             if x.dtype == torch.bfloat16:  # a bfloat16 chunk (attention.cpu.half_prefill): no float32 detour

@@ -91,6 +91,10 @@ KERNEL_MAX_ROWS = 8  # products of up to this many rows take the AVX2 kernels wh
 # natively (``quantized_bf16_rows``; ``QuantizedWeight.bf16_product``): measured on an AMD EPYC with AVX512-BF16,
 # 2 threads, they are about even with the compiled integer kernels at 32 rows and 1.4-1.9x faster from 64
 QUANT_BF16_ROWS = 48
+# bfloat16 products of more rows than the few-row kernels take, up to this many, run on AMX tiles where the CPU has
+# them (``amx_failure``; ``mla_kernels.cpu_kernels.amx_linear``): on a 2-core Xeon with AMX, 2 threads, weights
+# streamed, they take 0.55x oneDNN's time at 8 to 32 rows and 0.62x at 128, even at 512 and 1.2x at 1,024
+AMX_MAX_ROWS = 128
 # torch.cpu.get_capabilities() keys meaning native arithmetic in a dtype (x86, AMX, aarch64 NEON/SVE)
 NATIVE_CAPABILITIES: dict[torch.dtype, tuple[str, ...]] = {
     torch.bfloat16: ("avx512_bf16", "amx_bf16", "bf16", "sve_bf16"),
@@ -127,7 +131,14 @@ class GemmChoice:
                 "compute_dtype": _name(self.compute_dtype),
                 "extra_bytes_per_weight": str(self.extra_bytes_per_element), "reason": self.reason,
                 "operators": cpu_ops.summary(),
-                "quantized_many_rows": f"oneDNN bfloat16 from {many} rows" if many else "the format's own path"}
+                "quantized_many_rows": f"oneDNN bfloat16 from {many} rows" if many else "the format's own path",
+                **({"amx_tiles": _amx_label(self.mode)} if self.dtype == torch.bfloat16 else {})}
+
+
+def _amx_label(mode: str) -> str:
+    onednn = _probe(torch.bfloat16, mode).path == "onednn"
+    why = amx_failure(mode) if onednn else "oneDNN's bfloat16 products do not run"
+    return f"bfloat16 products of up to {AMX_MAX_ROWS} rows" if why is None else f"none: {why}"
 
 
 _forced: list[str] = []  # the modes of the forced_gemm_mode blocks being run, innermost last
@@ -213,7 +224,7 @@ def fast_path_failure(dtype: torch.dtype) -> str | None:
     w = torch.randint(-1, 2, (48, 64), generator=g).to(dtype)  # [N, K]
     b = torch.randint(-4, 5, (48,), generator=g).to(dtype)
     try:
-        packed = PackedWeight(w, "onednn")
+        packed = PackedWeight(w, "onednn", tiles=False)
         for rows in (1, 5):  # the matrix-vector and the blocked layouts
             x = torch.randint(-1, 2, (rows, 64), generator=g).to(dtype)
             got = linear(x, w, b, packed)
@@ -231,6 +242,22 @@ def row_kernel_failure(mode: str | None = None) -> str | None:
     if mode != "auto":
         return f"cpu_gemm={mode} leaves it out"
     return cpu_kernels.failure()
+
+
+def amx_failure(mode: str | None = None) -> str | None:
+    """None where bfloat16 products of up to ``AMX_MAX_ROWS`` rows run on AMX tiles under ``mode`` (default: the
+    current ``gemm_mode()``), else why not."""
+    mode = gemm_mode() if mode is None else mode
+    if mode != "auto":
+        return f"cpu_gemm={mode} leaves them out"
+    return cpu_kernels.failure("amx")
+
+
+def amx_fits(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is a matrix the AMX tiles take: a contiguous bfloat16 CPU ``[N, K]`` with ``N`` a multiple
+    of 16 and ``K`` of 32 (every projection of the MLA models; a row-split shard may not be)."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+            and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0 and weight.numel() > 0)
 
 
 def quantized_bf16_rows(mode: str | None = None) -> int:
@@ -322,15 +349,20 @@ def _reorder(weight: torch.Tensor) -> torch.Tensor:
 class PackedWeight:
     """One ``[N, K]`` weight prepared for its ``onednn`` or ``upcast`` path (see the module docstring)."""
 
-    __slots__ = ("plain", "blocked", "wide", "plain_gemv", "row_kernel", "upcast", "aten_max_rows", "bf16_rows")
+    __slots__ = ("plain", "blocked", "wide", "amx", "plain_gemv", "row_kernel", "upcast", "aten_max_rows", "bf16_rows")
     quantized = False  # True: a weight-only quantised matrix (``layers.quantization``) that runs its own ``matmul``
 
-    def __init__(self, weight: torch.Tensor, path: str) -> None:
+    def __init__(self, weight: torch.Tensor, path: str, *, tiles: bool = True) -> None:
         self.plain = weight.detach()
         self.upcast = path == "upcast"
         self.wide: torch.Tensor | None = None  # the float32 copy, where it is computed with F.linear
         self.blocked: torch.Tensor | None = None
-        if path == "onednn":
+        # a bfloat16 weight in AMX's tile layout, where the CPU has them (``tiles``: the probe of oneDNN leaves them
+        # out): it takes the blocked copy's place, and products of more rows run oneDNN on the plain weight
+        self.amx: torch.Tensor | None = None
+        if path == "onednn" and tiles and amx_fits(self.plain) and amx_failure() is None:
+            self.amx = cpu_kernels.amx_pack(self.plain.contiguous())
+        elif path == "onednn":
             self.blocked = _reorder(self.plain)
         elif self.upcast and gemm_choice(torch.float32).path == "onednn":
             self.blocked = _reorder(self.plain.float())  # the only float32 layout kept
@@ -403,13 +435,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return cpu_kernels.linear(x, packed.plain, bias=bias).to(x.dtype)
     if x.numel() <= packed.aten_max_rows * x.shape[-1]:
         return F.linear(x, weight, bias)
+    if packed.amx is not None and x.numel() <= AMX_MAX_ROWS * x.shape[-1]:
+        return amx_product(x, packed.amx, bias).to(x.dtype)
     if packed.upcast:
         wide_bias = None if bias is None else bias.float()
         return _product(x.float(), packed, wide_bias).to(x.dtype)
     return _product(x, packed, bias)
 
 
+def amx_product(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x · Wᵀ (+ bias)`` in float32 on AMX tiles (``PackedWeight.amx``), ``x``'s rows rounded to bfloat16."""
+    y = cpu_kernels.amx_linear(x, tiles)
+    return y if bias is None else y.add_(bias)
+
+
 def _product(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    if packed.amx is not None:  # more rows than the tiles take: oneDNN on the plain weight (as fast from 256 rows)
+        return F.linear(x, packed.plain, bias)
     if packed.blocked is None:
         assert packed.wide is not None  # the upcast layout keeps a float32 copy
         return F.linear(x, packed.wide, bias)

@@ -79,7 +79,7 @@ class QuantizedWeight(PackedWeight):
     def _release_float(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> None:
         """Set the fields every ``PackedWeight`` has: no float layout is kept."""
         self.plain = released_like(shape, dtype, device)
-        self.blocked = self.wide = None
+        self.blocked = self.wide = self.amx = None
         self.upcast = self.plain_gemv = self.row_kernel = False
         self.aten_max_rows = self.bf16_rows = self.bf16_from = 0
 

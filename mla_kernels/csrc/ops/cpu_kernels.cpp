@@ -225,6 +225,45 @@ void int4_to_bf16(const Tensor& packed, const Tensor& scales, int64_t k, const T
                  v < 0 ? fastest(runs) : v);
 }
 
+// A bfloat16 weight [N, K] (N a multiple of 16, K of 32) repacked for amx_linear: [N / 16, K / 32, 16, 32].
+Tensor amx_pack(const Tensor& w) {
+  const char* op = "amx_pack";
+  TORCH_CHECK_VALUE(mla_amx_bf16(), op, ": this CPU (or its kernel) runs no AMX bfloat16 products");
+  TORCH_CHECK_VALUE(w.device().is_cpu() && w.dim() == 2 && w.size(0) % 16 == 0 && w.size(1) % 32 == 0 &&
+                        w.size(0) > 0 && w.size(1) > 0,
+                    op, ": a CPU matrix [N, K] with N a multiple of 16 and K of 32, got ", w.sizes());
+  const int64_t n = w.size(0), k = w.size(1);
+  expect(w, at::kBFloat16, {n, k}, op, "the weight");
+  Tensor packed = at::empty({n / 16, k / 32, 16, 32}, w.options());
+  mla_amx_pack_bf16(ptr<const uint16_t>(w), ptr<uint16_t>(packed), n, k);
+  return packed;
+}
+
+// x · Wᵀ in float32 for rows x [..., K] (float32, rounded to bfloat16, or bfloat16; the last dimension contiguous)
+// and W packed by amx_pack.
+Tensor amx_linear(const Tensor& x, const Tensor& packed) {
+  const char* op = "amx_linear";
+  TORCH_CHECK_VALUE(mla_amx_bf16(), op, ": this CPU (or its kernel) runs no AMX bfloat16 products");
+  TORCH_CHECK_VALUE(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 32, op,
+                    ": the weight as amx_pack gives it, [N / 16, K / 32, 16, 32], got ", packed.sizes());
+  const int64_t n = packed.size(0) * 16, k = packed.size(1) * 32;
+  expect(packed, at::kBFloat16, {n / 16, k / 32, 16, 32}, op, "the packed weight");
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == k &&
+                        (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+                    op, ": float32 or bfloat16 CPU rows of ", k, " values, got ", x.scalar_type(), " ", x.sizes());
+  const Tensor rows = x.reshape({-1, k});
+  const Tensor xs = rows.stride(1) == 1 && (rows.size(0) == 1 || rows.stride(0) >= k) ? rows : rows.contiguous();
+  const int64_t m = xs.size(0), ld = m > 1 ? xs.stride(0) : k;
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = n;
+  Tensor y = at::empty(shape, x.options().dtype(at::kFloat));
+  if (m == 0) return y;
+  const bool f32 = xs.scalar_type() == at::kFloat;
+  mla_amx_linear_bf16(f32 ? ptr<const float>(xs) : nullptr, f32 ? nullptr : ptr<const uint16_t>(xs), ld,
+                      ptr<const uint16_t>(packed), ptr<float>(y), m, n, k, threads());
+  return y;
+}
+
 // F.rms_norm(x, (K,), weight, eps) for float32 rows x [..., K] (last dimension contiguous) on one thread.
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   const int64_t k = weight.numel();
@@ -622,6 +661,7 @@ c10::Dict<std::string, int64_t> limits() {
   out.insert("few_rows", MLA_FEW_ROWS);
   out.insert("quant_rows", MLA_QUANT_ROWS);
   out.insert("moe_max_topk", MLA_MOE_MAX_TOPK);
+  out.insert("amx_bf16", mla_amx_bf16());
   return out;
 }
 
@@ -634,6 +674,8 @@ TORCH_LIBRARY_FRAGMENT(mla_kernels, m) {
   m.def("linear(Tensor x, Tensor w, Tensor? scales=None, int[] block=[], str variant=\"auto\") -> Tensor");
   m.def("int4_from_stored(Tensor stored) -> Tensor");
   m.def("int4_to_bf16(Tensor packed, Tensor scales, int k, Tensor(a!) out, str variant=\"auto\") -> ()");
+  m.def("amx_pack(Tensor w) -> Tensor");
+  m.def("amx_linear(Tensor x, Tensor packed) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("absorbed_decode(Tensor q_n, Tensor q_r, Tensor w_uk, Tensor w_uv_t, Tensor cache, Tensor slots, "
         "Tensor lens, float scale, str variant=\"auto\") -> Tensor");
@@ -682,6 +724,8 @@ TORCH_LIBRARY_IMPL(mla_kernels, CPU, m) {
   m.impl("linear", &linear);
   m.impl("int4_from_stored", &int4_from_stored);
   m.impl("int4_to_bf16", &int4_to_bf16);
+  m.impl("amx_pack", &amx_pack);
+  m.impl("amx_linear", &amx_linear);
   m.impl("rms_norm", &rms_norm);
   m.impl("absorbed_decode", &absorbed_decode);
   m.impl("rope_store", &rope_store);
