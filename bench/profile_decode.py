@@ -102,11 +102,11 @@ def start_decoding(llm: LLM, batch: int, prompt_len: int, steps: int, warmup: in
 
 
 def run(dtype: str, batch: int, steps: int, prompt_len: int, timer: CategoryTimer, threads: int | None,
-        quantization: str | None = None) -> None:
+        quantization: str | None = None, kv_cache_dtype: str = "auto") -> None:
     if threads:
         torch.set_num_threads(threads)
     llm = LLM(str(OUT), dtype=dtype, max_model_len=prompt_len + steps * 3 + 64, kv_cache_memory="512MiB",
-              max_num_seqs=batch, quantization=quantization)
+              max_num_seqs=batch, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     start_decoding(llm, batch, prompt_len, steps, warmup=8)
     engine = llm.engine
 
@@ -134,6 +134,7 @@ def run(dtype: str, batch: int, steps: int, prompt_len: int, timer: CategoryTime
     python_share = max(0.0, 1 - top_level_ops / profiled)
 
     label = dtype if quantization is None else f"{dtype}, {quantization} weights"
+    label += "" if kv_cache_dtype == "auto" else f", {kv_cache_dtype} latent cache"
     print(f"\n## {label}, batch {batch}: decode step {plain * 1e3:.2f} ms plain "
           f"({batch / plain:.1f} tok/s), {timed * 1e3:.2f} ms with timers; context {prompt_len}+")
     print(f"Python/dispatch overhead (wall not inside any aten op or compiled kernel, torch.profiler): "
@@ -159,13 +160,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--quantization", default=None, choices=["int8", "int4", "bf16", "fp16"],
                     help="weight-only quantisation")
+    ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], help="latent-cache element types, each run")
     args = ap.parse_args()
     build_checkpoint(OUT)
     timer = CategoryTimer()
     timer.install()
     for dtype in args.dtype:
         for batch in args.batch:
-            run(dtype, batch, args.steps, args.prompt_len, timer, args.threads, args.quantization)
+            for cache in args.kv_cache_dtype:
+                run(dtype, batch, args.steps, args.prompt_len, timer, args.threads, args.quantization, cache)
 
 
 if __name__ == "__main__":
