@@ -49,7 +49,7 @@ def _core(g: torch.Generator, kind: str) -> str | None:
 
 def _decode(g: torch.Generator) -> str | None:
     """The absorbed decode kernel, each variant the CPU runs, against the same attention in torch (float64) on a small
-    random layer."""
+    random layer; over a bfloat16 or float16 cache, equal to the float32 cache of the same values."""
     rows, heads, d_n, d_r, d_c, d_v, blocks = 3, 5, 16, 8, 72, 24, 40
     q_n, q_r = torch.randn(rows, heads, d_n + d_r, generator=g).split([d_n, d_r], dim=-1)
     w_uk, w_uv_t = torch.randn(heads, d_n, d_c, generator=g), torch.randn(heads, d_c, d_v, generator=g)
@@ -68,6 +68,12 @@ def _decode(g: torch.Generator) -> str | None:
             if not torch.allclose(got[t].double(), want, rtol=1e-4, atol=1e-4):
                 return (f"the absorbed decode kernel ({variant}, {weights[0].dtype} weights) differs from torch's "
                         "attention here")
+    for variant, dtype in ((v, d) for v in runs for d in (torch.bfloat16, torch.float16)):
+        compact = cache.to(dtype)  # read as the float32 cache of the same values, bit for bit
+        got = _ops().absorbed_decode(q_n, q_r, w_uk, w_uv_t, compact, slots, lens, 0.3, variant)
+        if not torch.equal(got, _ops().absorbed_decode(q_n, q_r, w_uk, w_uv_t, compact.float(), slots, lens, 0.3,
+                                                       variant)):
+            return f"the absorbed decode kernel ({variant}) reads a {dtype} cache unlike its float32 values here"
     return None
 
 

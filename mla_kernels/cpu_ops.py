@@ -227,7 +227,7 @@ def _register_fakes() -> None:
 
     @lib.register_fake("mla_kernels::absorbed_decode")
     def _(q_n, q_r, w_uk, w_uv_t, cache, slots, lens, scale, variant="auto"):  # type: ignore[no-untyped-def]
-        return cache.new_empty((q_n.shape[0], q_n.shape[1], w_uv_t.shape[2]))
+        return q_n.new_empty((q_n.shape[0], q_n.shape[1], w_uv_t.shape[2]), dtype=torch.float32)
 
     lib.register_fake("mla_kernels::rope_store", lambda *args, **kwargs: None)
     lib.register_fake("mla_kernels::int4_to_bf16", lambda *args, **kwargs: None)

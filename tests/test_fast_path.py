@@ -730,11 +730,14 @@ def test_a_failed_half_precision_fast_path_falls_back_by_a_rule(monkeypatch):
 ])
 @pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("variant", ["avx2", "avx512"])
-def test_absorbed_decode_kernel_matches_the_planned_torch_path(rows, heads, dims, threads, weights, variant):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_absorbed_decode_kernel_matches_the_planned_torch_path(rows, heads, dims, threads, weights, variant,
+                                                               cache_dtype):
     """One call equals absorption + ``mla_decode_planned`` + up-projection (the torch path it replaces) for rows of
     different lengths, with a cache whose unused rows hold NaN (never read); with bfloat16 absorbed factors (int8
-    models), it equals the torch path over the same bfloat16 values. Each variant (AVX2, AVX-512: one source compiled
-    for each); a variant this CPU cannot execute is skipped by name."""
+    models), it equals the torch path over the same bfloat16 values; over a bfloat16 or float16 cache, it gives the
+    float32 cache's bits for the same values. Each variant (AVX2, AVX-512: one source compiled for each); a variant
+    this CPU cannot execute is skipped by name."""
     if variant not in cpu_kernels.variants("float"):
         pytest.skip(f"this CPU does not execute the attention's {variant} variant (it runs "
                     f"{list(cpu_kernels.variants('float'))})")
@@ -763,6 +766,19 @@ def test_absorbed_decode_kernel_matches_the_planned_torch_path(rows, heads, dims
     want = torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)
     assert got.shape == (rows, heads, d_v) and torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    if cache_dtype != torch.float32:
+        compact = flat.to(cache_dtype)
+        torch.set_num_threads(threads)
+        try:
+            got = cpu_kernels.ops().absorbed_decode(q_n, q_r, *stored, compact, plan.slots, plan.lens, 0.1, variant)
+            same = cpu_kernels.ops().absorbed_decode(q_n, q_r, *stored, compact.float(), plan.slots, plan.lens, 0.1,
+                                                     variant)
+        finally:
+            torch.set_num_threads(before)
+        assert torch.equal(got, same)
+        o_lat = mla_decode_planned(torch.cat([q_abs, q_r], dim=-1), compact.view_as(cache), plan, 0.1, d_c)
+        want = torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 @needs_row_kernel
@@ -770,7 +786,8 @@ def test_absorbed_decode_kernel_rejects_what_it_cannot_compute():
     q = torch.randn(1, 2, 16)
     slots, lens = torch.zeros(1, 4, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
     w_uk, w_uv_t, cache = torch.randn(2, 8, 16), torch.randn(2, 16, 8), torch.randn(4, 24)
-    for bad, said in ((dict(cache=cache.double()), "cache must be a contiguous CPU Float tensor"),
+    for bad, said in ((dict(cache=cache.double()), "cache must be a float32, bfloat16 or float16 tensor, got Double"),
+                      (dict(cache=cache.t().contiguous().t()), "cache must be a contiguous CPU Float tensor"),
                       (dict(lens=lens.int()), "lens must be a contiguous CPU Long tensor"),
                       (dict(w_uk=torch.randn(2, 8, 15)), "w_uv_t must be"), (dict(cache=torch.randn(4, 20)), "cache"),
                       (dict(slots=torch.full((1, 4), 4)), "reads cache slot 4, the cache holds 4"),
@@ -940,9 +957,10 @@ def test_absorbed_decode_kernel_splits_rows_and_heads_it_cannot_hold_at_once():
 
 @needs_row_kernel
 @pytest.mark.parametrize("interleave", [True, False])
-def test_rope_store_kernel_matches_the_torch_latent_side(interleave):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rope_store_kernel_matches_the_torch_latent_side(interleave, cache_dtype):
     """Norm, RoPE and cache write of the latent and the queries' RoPE in one call equal RMSNorm + RotaryEmbedding +
-    write_latent."""
+    write_latent; into a bfloat16 or float16 cache, the float32 rows rounded as torch rounds them."""
     g = torch.Generator().manual_seed(int(interleave))
     rows, heads, d_n, d_r, d_c = 3, 5, 8, 16, 40
     rope = RotaryEmbedding(RopeConfig(theta=10000.0, interleave=interleave), d_r)
@@ -957,10 +975,17 @@ def test_rope_store_kernel_matches_the_torch_latent_side(interleave):
     q_r, k_r = rope(positions, q[..., d_n:], latent[:, d_c:], tables)
     write_latent(want_cache, F.rms_norm(latent[:, :d_c], (d_c,), norm.weight, 1e-6), k_r, slots)
     want_q = torch.cat([q[..., :d_n], q_r], dim=-1)
+    q_in = q.clone()
     cpu_kernels.ops().rope_store(latent, norm.weight, 1e-6, q, d_n, tables.cos, tables.sin, cache, slots, interleave)
     assert tables.cos.stride(0) != tables.cos.shape[1]  # the table's rows, with a stride
     torch.testing.assert_close(cache, want_cache[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-6)
+    if cache_dtype != torch.float32:
+        compact = torch.zeros(12, d_c + d_r, dtype=cache_dtype)
+        cpu_kernels.ops().rope_store(latent, norm.weight, 1e-6, q_in, d_n, tables.cos, tables.sin, compact, slots,
+                                     interleave)
+        assert torch.equal(compact, cache.to(cache_dtype))  # the kernel's own float32 rows, rounded as torch does
+        assert torch.equal(q_in, q)
 
 
 def test_float32_decode_steps_take_the_compiled_attention_and_match_torch(tiny_checkpoint, monkeypatch):
@@ -1031,6 +1056,38 @@ def test_decode_steps_run_each_layer_as_one_compiled_call_with_the_same_logits(t
         assert stored in calls[0].table.kinds()
 
 
+@pytest.mark.parametrize("variant", ["v3", "v2_greedy_qlora"])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_compact_latent_caches_take_the_compiled_decode_with_the_torch_logits(tiny_checkpoint, variant, cache_dtype,
+                                                                              monkeypatch):
+    """A float32 model over a bfloat16 or float16 latent cache (``kv_cache_dtype``) decodes through the compiled
+    decoder layer, as over a float32 one, with the logits of the torch path over the same cache dtype (its rows
+    rounded alike: a value on a rounding boundary may round the other way from the kernel's float32 row, hence the
+    tolerance)."""
+    from mla_runtime.attention import CpuBackend
+    from mla_runtime.models import deepseek
+
+    ckpt, _ = tiny_checkpoint(variant)
+    ps = prompts([30, 12, 7], seed=5)
+    calls = []
+    real = cpu_tables.decoder_layer
+    monkeypatch.setattr(deepseek.cpu_tables, "decoder_layer", lambda *a: calls.append(a[0]) or real(*a))
+    model = load_model(ckpt, dtype="float32")
+    logits = []
+    for compiled in (True, False):
+        if not compiled:
+            monkeypatch.setattr(deepseek.DeepseekForCausalLM, "_decode_step", lambda *a: None)
+            monkeypatch.setattr(CpuBackend, "_compiled", lambda *a: False)
+        runner = PagedRunner(model, len(ps), 48, cache_dtype=cache_dtype)
+        runner.step({i: p[:-2] for i, p in enumerate(ps)})
+        steps = [runner.step({i: [p[-2]] for i, p in enumerate(ps)}), runner.step({0: [ps[0][-1]]})]
+        logits.append(torch.cat([torch.cat(list(s.values())) for s in steps]))
+        assert runner.cache.layers[0].kv.dtype == cache_dtype
+    assert len(calls) == (2 * model.config.num_hidden_layers if cpu_gemm.row_kernel_failure() is None else 0)
+    assert torch.isfinite(logits[0]).all()
+    assert rel_err(logits[0], logits[1]) <= 1e-4
+
+
 @needs_row_kernel
 def test_decoder_layer_tables_and_steps_reject_what_they_cannot_compute(tiny_checkpoint, monkeypatch):
     """A layer table checks every weight's dtype and shape when it is made, naming the one that does not fit; a step
@@ -1069,8 +1126,10 @@ def test_decoder_layer_tables_and_steps_reject_what_they_cannot_compute(tiny_che
         assert hidden is None and torch.isfinite(out).all() and not torch.equal(out, x)
     with pytest.raises(ValueError, match=r"decoder_layer: x must be a contiguous CPU Float tensor \[2, "):
         cpu_tables.decoder_layer(table, step, torch.zeros(3, table.hidden), cache)
-    with pytest.raises(ValueError, match="decoder_layer: cache must be a contiguous CPU Float tensor"):
+    with pytest.raises(ValueError, match="decoder_layer: cache must be a float32, bfloat16 or float16 tensor"):
         cpu_tables.decoder_layer(table, step, torch.zeros(2, table.hidden), cache.double())
+    with pytest.raises(ValueError, match=r"decoder_layer: cache must be a contiguous CPU BFloat16 tensor \[8, "):
+        cpu_tables.decoder_layer(table, step, torch.zeros(2, table.hidden), cache.bfloat16()[:, :-1])
     with pytest.raises(ValueError, match="the step reads cache slot 7, the cache holds 4"):
         cpu_tables.decoder_layer(table, step, torch.zeros(2, table.hidden), cache[:4])
 
@@ -1339,7 +1398,9 @@ def test_every_cpu_operator_has_a_shape_function():
     with FakeTensorMode():
         assert ops.linear(torch.empty(3, 5, 8), torch.empty(4, 8), None, [], "auto").shape == (3, 5, 4)
         assert ops.rms_norm(torch.empty(2, 8), torch.empty(8), 1e-6).shape == (2, 8)
-        assert ops.absorbed_decode(torch.empty(2, 3, 4), torch.empty(2, 3, 2), torch.empty(3, 4, 16),
-                                   torch.empty(3, 16, 5), torch.empty(9, 18), torch.empty(2, 4, dtype=torch.long),
-                                   torch.empty(2, dtype=torch.long), 1.0).shape == (2, 3, 5)
+        for cache in (torch.empty(9, 18), torch.empty(9, 18, dtype=torch.bfloat16)):
+            out = ops.absorbed_decode(torch.empty(2, 3, 4), torch.empty(2, 3, 2), torch.empty(3, 4, 16),
+                                      torch.empty(3, 16, 5), cache, torch.empty(2, 4, dtype=torch.long),
+                                      torch.empty(2, dtype=torch.long), 1.0)
+            assert out.shape == (2, 3, 5) and out.dtype == torch.float32
         assert ops.int4_from_stored(torch.empty(4, 16, dtype=torch.uint8)).shape == (4, 16)

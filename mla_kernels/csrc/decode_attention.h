@@ -3,13 +3,22 @@
  *
  *     V, VL                       the vector type and its lanes (__m256 and 8 for AVX2, __m512 and 16 for AVX-512)
  *     V_LOAD, V_STORE, V_ZERO, V_SET1, V_FMA, V_MUL, V_ADD, V_SUB, V_MAX   the usual operations
- *     V_BF16(p)                   VL bfloat16 values from p, widened to float32 (exactly: a shift)
+ *     V_BF16(p), V_F16(p)         VL bfloat16 / float16 values from p, widened to float32 (exactly)
  *     V_HSUM(v), V_HMAX(v)        the sum and the largest of the lanes
  *     V_EXP(v)                    e^v lane by lane (for v <= 0; below -87 gives 0)
  *     SFX(name)                   name with the instruction set's suffix
  *
  * and finds them undefined again after it.
- * Column blocks are four vectors wide (32 floats with AVX2, 64 with AVX-512). */
+ * Column blocks are four vectors wide (32 floats with AVX2, 64 with AVX-512).
+ *
+ * The latent cache holds float32, bfloat16 or float16 rows (ck: C_F32, C_BF16, C_F16); a compact row is widened
+ * exactly as it is read, so every sum is the one a float32 cache of the same values gives. */
+
+/* VL cached values from c + i as floats (ck, as load_w's bf16, a constant wherever this is inlined). */
+static inline __attribute__((always_inline)) V SFX(load_c)(const void *c, int64_t i, const int ck) {
+    return ck == C_BF16 ? V_BF16((const uint16_t *)c + i) : ck == C_F16 ? V_F16((const uint16_t *)c + i)
+                                                          : V_LOAD((const float *)c + i);
+}
 
 /* VL weights from b + i as floats: float32, or bfloat16. The weight format is a compile-time constant wherever this is
  * inlined, so each format gets its own loops. */
@@ -116,9 +125,10 @@ static void SFX(softmax)(float *s, int64_t n) {
 
 /* Accumulate four heads' queries q[0..3][0:n] against two keys ka, kb (four heads by two keys in eight registers:
  * each load of a key serves four heads, each load of a query two keys). */
-static inline void SFX(tile4x2)(const float *const *q, const float *ka, const float *kb, int64_t n, V *acc) {
+static inline __attribute__((always_inline)) void SFX(tile4x2)(const float *const *q, const void *ka, const void *kb,
+                                                               int64_t n, V *acc, const int ck) {
     for (int64_t i = 0; i + VL <= n; i += VL) {
-        const V a = V_LOAD(ka + i), b = V_LOAD(kb + i);
+        const V a = SFX(load_c)(ka, i, ck), b = SFX(load_c)(kb, i, ck);
         for (int u = 0; u < 4; u++) {
             const V qv = V_LOAD(q[u] + i);
             acc[2 * u] = V_FMA(qv, a, acc[2 * u]);
@@ -128,19 +138,23 @@ static inline void SFX(tile4x2)(const float *const *q, const float *ka, const fl
 }
 
 /* s[h * ld + j] = scale * (q[h] . key_j[:d_c] + qr[h] . key_j[d_c:]) for nh heads and the keys j0 and j0 + 1
- * (key_j = cache + slot[j] * width; with one = 1 only j0). Four heads by two keys at a time when d_c and d_r are
- * multiples of VL, else one dot product at a time. */
-static void SFX(scores)(const float *const *q, const float *const *qr, const float *cache, int64_t width,
-                        const int64_t *slot, int64_t j0, int one, int64_t nh, int64_t d_c, int64_t d_r, float scale,
-                        float *s, int64_t ld) {
-    const float *ka = cache + slot[j0] * width, *kb = one ? ka : cache + slot[j0 + 1] * width;
+ * (key_j = row slot[j] of the cache, width values; with one = 1 only j0). Four heads by two keys at a time when d_c
+ * and d_r are multiples of VL, else one dot product at a time. */
+static inline __attribute__((always_inline)) void SFX(scores)(const float *const *q, const float *const *qr,
+                                                              const void *cache, int64_t width, const int64_t *slot,
+                                                              int64_t j0, int one, int64_t nh, int64_t d_c,
+                                                              int64_t d_r, float scale, float *s, int64_t ld,
+                                                              const int ck) {
+    const int64_t es = cache_bytes(ck);
+    const char *ka = (const char *)cache + slot[j0] * width * es;
+    const char *kb = one ? ka : (const char *)cache + slot[j0 + 1] * width * es;
     int64_t h = 0;
     if (d_c % VL == 0 && d_r % VL == 0) {
         for (; h + 4 <= nh; h += 4) {
             V acc[8];
             for (int u = 0; u < 8; u++) acc[u] = V_ZERO();
-            SFX(tile4x2)(q + h, ka, kb, d_c, acc);
-            SFX(tile4x2)(qr + h, ka + d_c, kb + d_c, d_r, acc);
+            SFX(tile4x2)(q + h, ka, kb, d_c, acc, ck);
+            SFX(tile4x2)(qr + h, ka + d_c * es, kb + d_c * es, d_r, acc, ck);
             for (int u = 0; u < 4; u++) {
                 s[(h + u) * ld + j0] = scale * V_HSUM(acc[2 * u]);
                 if (!one) s[(h + u) * ld + j0 + 1] = scale * V_HSUM(acc[2 * u + 1]);
@@ -149,23 +163,24 @@ static void SFX(scores)(const float *const *q, const float *const *qr, const flo
     }
     for (; h < nh; h++)
         for (int k = 0; k < 2 - one; k++) {
-            const float *key = k ? kb : ka;
-            s[h * ld + j0 + k] = scale * (dot_f32(q[h], key, d_c) + dot_f32(qr[h], key + d_c, d_r));
+            const char *key = k ? kb : ka;
+            s[h * ld + j0 + k] = scale * (dot_c(q[h], key, d_c, ck) + dot_c(qr[h], key + d_c * es, d_r, ck));
         }
 }
 
 /* o[h][c0:c0 + 4 VL] (+)= sum_{j0 <= j < j1} p[h * ld + j] key_j[c0:c0 + 4 VL] for WEIGH_HEADS heads hs[0..] (a
  * repeated head computes its sums twice), in a register tile: each key block is loaded once for all of them. */
-static inline void SFX(weigh_block)(const float *p, int64_t ld, const float *cache, int64_t width,
-                                    const int64_t *slot, int64_t j0, int64_t j1, const int64_t *hs, int64_t c0,
-                                    float *const *o) {
+static inline __attribute__((always_inline)) void SFX(weigh_block)(const float *p, int64_t ld, const void *cache,
+                                                                   int64_t width, const int64_t *slot, int64_t j0,
+                                                                   int64_t j1, const int64_t *hs, int64_t c0,
+                                                                   float *const *o, const int ck) {
     V acc[WEIGH_HEADS][4];
     for (int r = 0; r < WEIGH_HEADS; r++)
         for (int u = 0; u < 4; u++) acc[r][u] = j0 ? V_LOAD(o[hs[r]] + c0 + VL * u) : V_ZERO();
     for (int64_t j = j0; j < j1; j++) {
-        const float *k = cache + slot[j] * width + c0;
+        const int64_t k = slot[j] * width + c0;
         V kv[4];
-        for (int u = 0; u < 4; u++) kv[u] = V_LOAD(k + VL * u);
+        for (int u = 0; u < 4; u++) kv[u] = SFX(load_c)(cache, k + VL * u, ck);
         for (int r = 0; r < WEIGH_HEADS; r++) {
             const V pr = V_SET1(p[hs[r] * ld + j]);
             for (int u = 0; u < 4; u++) acc[r][u] = V_FMA(pr, kv[u], acc[r][u]);
@@ -178,8 +193,10 @@ static inline void SFX(weigh_block)(const float *p, int64_t ld, const float *cac
 /* o[h][0:d_c] = sum_j p[h * ld + j] key_j[0:d_c] for nh heads, keys key_j = cache + slot[j] * width. The keys go in
  * chunks of WEIGH_KEYS (a chunk's latents fit in L2; a row's whole context may not), and within a chunk a column block
  * of them at a time (in L1) serves every WEIGH_HEADS heads. */
-static void SFX(weighted_keys)(const float *p, int64_t ld, const float *cache, int64_t width, const int64_t *slot,
-                               int64_t len, int64_t nh, int64_t d_c, float *const *o) {
+static inline __attribute__((always_inline)) void SFX(weighted_keys)(const float *p, int64_t ld, const void *cache,
+                                                                     int64_t width, const int64_t *slot, int64_t len,
+                                                                     int64_t nh, int64_t d_c, float *const *o,
+                                                                     const int ck) {
     const int64_t cb = d_c - d_c % (4 * VL);
     for (int64_t j0 = 0; j0 < len; j0 += WEIGH_KEYS) {
         const int64_t j1 = j0 + WEIGH_KEYS < len ? j0 + WEIGH_KEYS : len;
@@ -187,12 +204,12 @@ static void SFX(weighted_keys)(const float *p, int64_t ld, const float *cache, i
             for (int64_t h = 0; h < nh; h += WEIGH_HEADS) {
                 int64_t hs[WEIGH_HEADS];
                 for (int r = 0; r < WEIGH_HEADS; r++) hs[r] = h + r < nh ? h + r : nh - 1;
-                SFX(weigh_block)(p, ld, cache, width, slot, j0, j1, hs, c, o);
+                SFX(weigh_block)(p, ld, cache, width, slot, j0, j1, hs, c, o, ck);
             }
         for (int64_t h = 0; h < nh; h++)  /* columns past the last block */
             for (int64_t c = cb; c < d_c; c++) {
                 float acc = j0 ? o[h][c] : 0.0f;
-                for (int64_t j = j0; j < j1; j++) acc += p[h * ld + j] * cache[slot[j] * width + c];
+                for (int64_t j = j0; j < j1; j++) acc += p[h * ld + j] * load1c(cache, slot[j] * width + c, ck);
                 o[h][c] = acc;
             }
     }
@@ -203,10 +220,12 @@ static void SFX(weighted_keys)(const float *p, int64_t ld, const float *cache, i
  * (>= 1; at most slot_stride are read), out [T, H, d_v], scratch [threads, scratch_stride] with scratch_stride >=
  * mla_decode_scratch(T, H, d_c, slot_stride, threads). */
 static inline __attribute__((always_inline)) void SFX(absorbed_decode)(
-        const float *q_n, int64_t qn_t, int64_t qn_h, const float *q_r, int64_t qr_t, int64_t qr_h, const void *w_uk, const void *w_uv_t, const float *cache,
+        const float *q_n, int64_t qn_t, int64_t qn_h, const float *q_r, int64_t qr_t, int64_t qr_h, const void *w_uk,
+                                 const void *w_uv_t, const void *cache,
                                  const int64_t *slots, int64_t slot_stride, const int64_t *lens, float scale,
                                  float *out, float *scratch, int64_t scratch_stride, int64_t rows, int64_t heads,
-                                 int64_t d_n, int64_t d_r, int64_t d_c, int64_t d_v, int64_t threads, const int bf16) {
+                                 int64_t d_n, int64_t d_r, int64_t d_c, int64_t d_v, int64_t threads, const int bf16,
+                                 const int ck) {
     const int64_t esize = bf16 ? 2 : 4, width = d_c + d_r, by_rows = mla_decode_by_rows(rows, heads, threads);
     const int64_t group = by_rows ? heads : (heads + threads - 1) / threads;
     if (group > MAX_GROUP) abort();  /* ops/cpu_kernels.cpp runs enough threads that this cannot happen */
@@ -238,11 +257,11 @@ static inline __attribute__((always_inline)) void SFX(absorbed_decode)(
             }
             for (int64_t j = 0; j < len; j += 2) {
                 for (int64_t u = j + KEYS_AHEAD; u < j + KEYS_AHEAD + 2 && u < len; u++)
-                    fetch_key(cache + slot[u] * width, width);
-                SFX(scores)(qa, qr, cache, width, slot, j, j + 1 == len, h1 - h0, d_c, d_r, scale, s, slot_stride);
+                    fetch_key((const char *)cache + slot[u] * width * cache_bytes(ck), width * cache_bytes(ck));
+                SFX(scores)(qa, qr, cache, width, slot, j, j + 1 == len, h1 - h0, d_c, d_r, scale, s, slot_stride, ck);
             }
             for (int64_t h = h0; h < h1; h++) SFX(softmax)(s + (h - h0) * slot_stride, len);
-            SFX(weighted_keys)(s, slot_stride, cache, width, slot, len, h1 - h0, d_c, ol);
+            SFX(weighted_keys)(s, slot_stride, cache, width, slot, len, h1 - h0, d_c, ol, ck);
         }
         /* up-project: out[t, h] = o_lat[t] W_UV^T[h], every row of a head at once */
         for (int64_t h = h0; h < h1 && m; h++)
@@ -265,6 +284,7 @@ static inline __attribute__((always_inline)) void SFX(absorbed_decode)(
 #undef V_SUB
 #undef V_MAX
 #undef V_BF16
+#undef V_F16
 #undef V_HSUM
 #undef V_HMAX
 #undef V_EXP

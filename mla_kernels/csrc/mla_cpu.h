@@ -18,6 +18,10 @@
  * ops/cpu_kernels.cpp builds the tables (mla_kernels::mlp_table, layer_table, step_table) from typed arguments. */
 enum WeightKind { W_F32 = 0, W_I8 = 1, W_BF16 = 2, W_F16 = 3, W_I4 = 4 };
 
+/* The element type of a latent cache the attention reads and rope_store writes: float32, or bfloat16 / float16 rows
+ * (written rounded to nearest even, as torch rounds; read widened exactly). */
+enum CacheKind { C_F32 = 0, C_BF16 = 1, C_F16 = 2 };
+
 /* A gated MLP's row of an MLP table: gate_up [2 I, d] weight, scales, kind; down [d, I] weight, scales, kind; I. */
 #define MLP_FIELDS 7
 
@@ -81,19 +85,21 @@ void mla_amx_linear_bf16(const float *xf, const uint16_t *xb, int64_t ld, const 
 int64_t mla_decode_by_rows(int64_t rows, int64_t heads, int64_t threads);
 int64_t mla_decode_scratch(int64_t rows, int64_t heads, int64_t d_c, int64_t slot_stride, int64_t threads);
 void mla_absorbed_decode_f32(const float *q_n, int64_t qn_t, int64_t qn_h, const float *q_r, int64_t qr_t,
-                             int64_t qr_h, const void *w_uk, const void *w_uv_t, const float *cache,
+                             int64_t qr_h, const void *w_uk, const void *w_uv_t, const void *cache,
                              const int64_t *slots, int64_t slot_stride, const int64_t *lens, float scale, float *out,
                              float *scratch, int64_t scratch_stride, int64_t rows, int64_t heads, int64_t d_n,
-                             int64_t d_r, int64_t d_c, int64_t d_v, int64_t threads, int64_t variant);
+                             int64_t d_r, int64_t d_c, int64_t d_v, int64_t threads, int64_t cache_kind,
+                             int64_t variant);
 void mla_absorbed_decode_bf16w(const float *q_n, int64_t qn_t, int64_t qn_h, const float *q_r, int64_t qr_t,
-                               int64_t qr_h, const void *w_uk, const void *w_uv_t, const float *cache,
+                               int64_t qr_h, const void *w_uk, const void *w_uv_t, const void *cache,
                                const int64_t *slots, int64_t slot_stride, const int64_t *lens, float scale, float *out,
                                float *scratch, int64_t scratch_stride, int64_t rows, int64_t heads, int64_t d_n,
-                               int64_t d_r, int64_t d_c, int64_t d_v, int64_t threads, int64_t variant);
+                               int64_t d_r, int64_t d_c, int64_t d_v, int64_t threads, int64_t cache_kind,
+                               int64_t variant);
 void mla_rope_store_f32(const float *latent, int64_t lat_ld, const float *norm, float eps, float *q, int64_t q_t,
                         int64_t q_h, int64_t heads, int64_t d_n, const float *cos, const float *sin, int64_t cs_ld,
-                        float *cache, const int64_t *slots, int64_t rows, int64_t d_c, int64_t d_r,
-                        int64_t interleave);
+                        void *cache, int64_t cache_kind, const int64_t *slots, int64_t rows, int64_t d_c,
+                        int64_t d_r, int64_t interleave);
 void mla_gated_mlps(const float *x, float *y, int64_t d, const int64_t *table, const int64_t *ids, const float *w,
                     int64_t n, float *scratch, int64_t threads);
 int64_t mla_route_row(const float *logits, const int64_t *cfg, const float *bias, float scaling, int64_t *ids,
@@ -102,6 +108,7 @@ void mla_moe_row(const float *x, float *y, int64_t d, const float *router, const
                  float scaling, const int64_t *table, int64_t first, int64_t count, int64_t shared, float *scratch,
                  int64_t max_inter, int64_t threads);
 int64_t mla_decoder_layer_scratch(const int64_t *L, const int64_t *S);
-int64_t mla_decoder_layer(const int64_t *L, const int64_t *S, float *x, float *cache, float *scratch);
+int64_t mla_decoder_layer(const int64_t *L, const int64_t *S, float *x, void *cache, int64_t cache_kind,
+                          float *scratch);
 
 #endif

@@ -1,4 +1,5 @@
-/* Absorbed MLA decode for x86-64 with AVX2 and FMA (AVX-512 where the CPU has it): float32 queries, weights and latent cache. For query row t
+/* Absorbed MLA decode for x86-64 with AVX2 and FMA (AVX-512 where the CPU has it): float32 queries, float32 or
+ * bfloat16 absorbed factors, a float32, bfloat16 or float16 latent cache (CacheKind). For query row t
  * and head h, with c_j / k_r_j the latent and RoPE key of the row's j-th cached token:
  *
  *     q~ = W_UK[h]^T q_n[t, h]                                   (d_c values)
@@ -27,7 +28,7 @@
 
 #define DECODE_PARAMS                                                                                                \
     const float *q_n, int64_t qn_t, int64_t qn_h, const float *q_r, int64_t qr_t, int64_t qr_h, const void *w_uk,    \
-        const void *w_uv_t, const float *cache, const int64_t *slots, int64_t slot_stride, const int64_t *lens,       \
+        const void *w_uv_t, const void *cache, const int64_t *slots, int64_t slot_stride, const int64_t *lens,       \
         float scale, float *out, float *scratch, int64_t scratch_stride, int64_t rows, int64_t heads, int64_t d_n,   \
         int64_t d_r, int64_t d_c, int64_t d_v, int64_t threads
 #define DECODE_ARGS q_n, qn_t, qn_h, q_r, qr_t, qr_h, w_uk, w_uv_t, cache, slots, slot_stride, lens, scale, out, scratch, \
@@ -49,12 +50,29 @@ static inline __attribute__((always_inline)) float load1(const void *b, int64_t 
     return ((const float *)b)[i];
 }
 
-/* Ask for a cached key row (width floats) in L1. A row of DeepSeek's latent is 2304 bytes, so consecutive keys cross a
- * 4 KB page every other row, where the hardware prefetchers stop; the scores ask for the pair of keys KEYS_AHEAD
- * ahead (bench/RESULTS.md: 10-20 % off the attention over 224 keys). */
+/* Bytes of a cached value. */
+static inline __attribute__((always_inline)) int64_t cache_bytes(const int ck) { return ck == C_F32 ? 4 : 2; }
+
+/* Cached value i from c, widened (ck a constant wherever this is inlined). */
+static inline __attribute__((always_inline)) float load1c(const void *c, int64_t i, const int ck) {
+    if (ck == C_F16) return _cvtsh_ss(((const uint16_t *)c)[i]);
+    return load1(c, i, ck == C_BF16);
+}
+
+/* x . key[0:n] for a cached key row of any kind: dot_f32 over its values widened (the same sums as a float32 row). */
+static inline __attribute__((always_inline)) float dot_c(const float *x, const void *key, int64_t n, const int ck) {
+    if (ck == C_F32) return dot_f32(x, (const float *)key, n);
+    float wide[n];
+    for (int64_t i = 0; i < n; i++) wide[i] = load1c(key, i, ck);
+    return dot_f32(x, wide, n);
+}
+
+/* Ask for a cached key row (bytes long) in L1. A row of DeepSeek's latent is 2304 bytes in float32, so consecutive
+ * keys cross a 4 KB page every other row, where the hardware prefetchers stop; the scores ask for the pair of keys
+ * KEYS_AHEAD ahead (bench/RESULTS.md: 10-20 % off the attention over 224 keys). */
 #define KEYS_AHEAD 4
-static inline void fetch_key(const float *key, int64_t width) {
-    for (int64_t b = 0; b < width; b += 16) _mm_prefetch((const char *)(key + b), _MM_HINT_T0);
+static inline void fetch_key(const void *key, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)key + b, _MM_HINT_T0);
 }
 
 /* How a call's threads share the work: a group of heads of every row each (a few rows: every thread reads every
@@ -123,6 +141,7 @@ static inline float hmax8(__m256 v) {
 #define V_SUB _mm256_sub_ps
 #define V_MAX _mm256_max_ps
 #define V_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define V_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define V_HSUM hsum
 #define V_HMAX hmax8
 #define V_EXP exp8
@@ -157,31 +176,45 @@ static inline __m512 exp16(__m512 x) {
 #define V_SUB _mm512_sub_ps
 #define V_MAX _mm512_max_ps
 #define V_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define V_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #define V_HSUM _mm512_reduce_add_ps
 #define V_HMAX _mm512_reduce_max_ps
 #define V_EXP exp16
 #define SFX(name) name##_avx512
 #include "decode_attention.h"  /* which undefines the names above */
 
-static void decode_avx512_f32(DECODE_PARAMS) { absorbed_decode_avx512(DECODE_ARGS, 0); }
-static void decode_avx512_bf16w(DECODE_PARAMS) { absorbed_decode_avx512(DECODE_ARGS, 1); }
+/* One function per instruction set, factor format (f32, bf16w) and cache kind, each with its own loops. */
+#define DECODE_FORMS(ISA)                                                                                            \
+    static void decode_##ISA##_f32_c32(DECODE_PARAMS) { absorbed_decode_##ISA(DECODE_ARGS, 0, C_F32); }            \
+    static void decode_##ISA##_f32_cbf16(DECODE_PARAMS) { absorbed_decode_##ISA(DECODE_ARGS, 0, C_BF16); }         \
+    static void decode_##ISA##_f32_cf16(DECODE_PARAMS) { absorbed_decode_##ISA(DECODE_ARGS, 0, C_F16); }           \
+    static void decode_##ISA##_bf16w_c32(DECODE_PARAMS) { absorbed_decode_##ISA(DECODE_ARGS, 1, C_F32); }          \
+    static void decode_##ISA##_bf16w_cbf16(DECODE_PARAMS) { absorbed_decode_##ISA(DECODE_ARGS, 1, C_BF16); }       \
+    static void decode_##ISA##_bf16w_cf16(DECODE_PARAMS) { absorbed_decode_##ISA(DECODE_ARGS, 1, C_F16); }
+DECODE_FORMS(avx512)
 #pragma GCC pop_options
+DECODE_FORMS(avx2)
 
-static void decode_avx2_f32(DECODE_PARAMS) { absorbed_decode_avx2(DECODE_ARGS, 0); }
-static void decode_avx2_bf16w(DECODE_PARAMS) { absorbed_decode_avx2(DECODE_ARGS, 1); }
+typedef void (*DecodeFn)(DECODE_PARAMS);
+/* [AVX-512][bfloat16 factors][cache kind] */
+static const DecodeFn DECODE[2][2][3] = {
+    {{decode_avx2_f32_c32, decode_avx2_f32_cbf16, decode_avx2_f32_cf16},
+     {decode_avx2_bf16w_c32, decode_avx2_bf16w_cbf16, decode_avx2_bf16w_cf16}},
+    {{decode_avx512_f32_c32, decode_avx512_f32_cbf16, decode_avx512_f32_cf16},
+     {decode_avx512_bf16w_c32, decode_avx512_bf16w_cbf16, decode_avx512_bf16w_cf16}}};
 
 /* The variant a call runs: the one named (0 AVX2, 1 AVX-512), else (-1) AVX-512 where the CPU runs it (the same
  * probe as the few-row float products: mla_float_variants). */
 static int attention_avx512(int64_t variant) { return variant < 0 ? (mla_float_variants() >> 1 & 1) : variant == 1; }
 
 /* float32 W_UK and W_UV^T */
-void mla_absorbed_decode_f32(DECODE_PARAMS, int64_t variant) {
-    (attention_avx512(variant) ? decode_avx512_f32 : decode_avx2_f32)(DECODE_ARGS);
+void mla_absorbed_decode_f32(DECODE_PARAMS, int64_t cache_kind, int64_t variant) {
+    DECODE[attention_avx512(variant)][0][cache_kind](DECODE_ARGS);
 }
 
 /* bfloat16 W_UK and W_UV^T (read at half the bytes; everything else float32) */
-void mla_absorbed_decode_bf16w(DECODE_PARAMS, int64_t variant) {
-    (attention_avx512(variant) ? decode_avx512_bf16w : decode_avx2_bf16w)(DECODE_ARGS);
+void mla_absorbed_decode_bf16w(DECODE_PARAMS, int64_t cache_kind, int64_t variant) {
+    DECODE[attention_avx512(variant)][1][cache_kind](DECODE_ARGS);
 }
 
 /* RoPE of one d_r vector x into y (y may be x): pair i is (x[2i], x[2i + 1]) when interleaved, else (x[i],
@@ -198,19 +231,35 @@ static void rope(const float *x, float *y, const float *cos, const float *sin, i
     for (int64_t i = 0; i < d_r; i++) y[i] = t[i];
 }
 
+/* float32 to bfloat16 as torch rounds: to nearest even, a NaN kept a NaN. */
+static inline uint16_t to_bf16(float v) {
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    if (isnan(v)) return 0x7fc0;
+    return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
 /* The latent side of a decode step's rows, on one thread: for row t, cache[slots[t]] = [RMSNorm(c_t) * norm ;
  * RoPE(k_r_t)] from latent_t = [c_t ; k_r_t] (row stride lat_ld), and each head's RoPE part of q (q + t q_t + h q_h
- * + d_n, d_r values) rotated in place. cos, sin: [T, d_r / 2] with row stride cs_ld. */
+ * + d_n, d_r values) rotated in place. cos, sin: [T, d_r / 2] with row stride cs_ld. A bfloat16 or float16 cache
+ * (cache_kind) gets the float32 row rounded to nearest even. */
 void mla_rope_store_f32(const float *latent, int64_t lat_ld, const float *norm, float eps, float *q, int64_t q_t,
                         int64_t q_h, int64_t heads, int64_t d_n, const float *cos, const float *sin, int64_t cs_ld,
-                        float *cache, const int64_t *slots, int64_t rows, int64_t d_c, int64_t d_r,
-                        int64_t interleave) {
+                        void *cache, int64_t cache_kind, const int64_t *slots, int64_t rows, int64_t d_c,
+                        int64_t d_r, int64_t interleave) {
+    const int64_t width = d_c + d_r;
+    float wide[width];
     for (int64_t t = 0; t < rows; t++) {
         const float *c = latent + t * lat_ld, *ct = cos + t * cs_ld, *st = sin + t * cs_ld;
-        float *row = cache + slots[t] * (d_c + d_r);
+        float *row = cache_kind == C_F32 ? (float *)cache + slots[t] * width : wide;
         const float r = 1.0f / sqrtf(dot_f32(c, c, d_c) / (float)d_c + eps);
         for (int64_t i = 0; i < d_c; i++) row[i] = c[i] * r * norm[i];
         rope(c + d_c, row + d_c, ct, st, d_r, (int)interleave);
+        uint16_t *half = (uint16_t *)cache + slots[t] * width;
+        if (cache_kind == C_BF16)
+            for (int64_t i = 0; i < width; i++) half[i] = to_bf16(wide[i]);
+        else if (cache_kind == C_F16)
+            for (int64_t i = 0; i < width; i++) half[i] = _cvtss_sh(wide[i], _MM_FROUND_TO_NEAREST_INT);
         for (int64_t h = 0; h < heads; h++) {
             float *qr = q + t * q_t + h * q_h + d_n;
             rope(qr, qr, ct, st, d_r, (int)interleave);

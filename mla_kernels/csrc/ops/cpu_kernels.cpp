@@ -47,6 +47,15 @@ void expect(const Tensor& t, at::ScalarType dtype, at::IntArrayRef shape, const 
                     " ", t.sizes(), t.is_contiguous() ? "" : " (not contiguous)");
 }
 
+// A latent cache [S, width]: a contiguous CPU float32, bfloat16 or float16 matrix; returns its CacheKind.
+int64_t expect_cache(const Tensor& cache, int64_t width, const char* op) {
+  const at::ScalarType t = cache.scalar_type();
+  TORCH_CHECK_VALUE(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf, op,
+                    ": cache must be a float32, bfloat16 or float16 tensor, got ", t);
+  expect(cache, t, {cache.size(0), width}, op, "cache");
+  return t == at::kFloat ? C_F32 : t == at::kBFloat16 ? C_BF16 : C_F16;
+}
+
 // t is a CPU float32 tensor of these sizes whose last dimension is contiguous (other strides free).
 void expect_rows(const Tensor& t, at::IntArrayRef shape, const char* op, const char* name) {
   TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.sizes() == shape &&
@@ -286,7 +295,8 @@ constexpr int64_t DECODE_SCRATCH_BYTES = 64 << 20;  // the absorbed decode's scr
 int64_t decode_threads(int64_t heads) { return std::max(threads(), cdiv(heads, MLA_DECODE_MAX_GROUP)); }
 
 // A layer's absorbed decode attention: q_n [T, H, d_n], rotated q_r [T, H, d_r] (float32; row and head strides free),
-// w_uk [H, d_n, d_c], w_uv_t [H, d_c, d_v] (float32, or both bfloat16), cache [S, d_c + d_r] float32 latent rows,
+// w_uk [H, d_n, d_c], w_uv_t [H, d_c, d_v] (float32, or both bfloat16), cache [S, d_c + d_r] latent rows (float32,
+// bfloat16 or float16),
 // slots [T, L] int64 (row t reads cache[slots[t, :lens[t]]]), lens [T] int64 -> out [T, H, d_v] float32.
 Tensor absorbed_decode(const Tensor& q_n, const Tensor& q_r, const Tensor& w_uk, const Tensor& w_uv_t,
                        const Tensor& cache, const Tensor& slots, const Tensor& lens, double scale,
@@ -303,27 +313,29 @@ Tensor absorbed_decode(const Tensor& q_n, const Tensor& q_r, const Tensor& w_uk,
   TORCH_CHECK_VALUE(wt == at::kFloat || wt == at::kBFloat16, "absorbed_decode: w_uk is float32 or bfloat16, got ", wt);
   expect(w_uk, wt, {heads, d_n, d_c}, op, "w_uk");
   expect(w_uv_t, wt, {heads, d_c, d_v}, op, "w_uv_t");
-  expect(cache, at::kFloat, {cache.size(0), d_c + d_r}, op, "cache");
+  const int64_t kind = expect_cache(cache, d_c + d_r, op);
   expect_keys(slots, lens, rows, cache.size(0), op);
   const int64_t nt = decode_threads(heads), per_row = cdiv(heads, nt) * 2 * d_c;
   const int64_t step = std::max<int64_t>(1, DECODE_SCRATCH_BYTES / (4 * nt * std::max<int64_t>(per_row, 1)));
-  Tensor out = at::empty({rows, heads, d_v}, cache.options());
+  const auto floats = q_n.options().dtype(at::kFloat);
+  Tensor out = at::empty({rows, heads, d_v}, floats);
   auto kernel = wt == at::kBFloat16 ? &mla_absorbed_decode_bf16w : &mla_absorbed_decode_f32;
   for (int64_t r0 = 0; r0 < rows; r0 += step) {
     const int64_t m = std::min(step, rows - r0), stride = mla_decode_scratch(m, heads, d_c, slots.size(1), nt);
-    Tensor scratch = at::empty({nt, stride}, cache.options());
+    Tensor scratch = at::empty({nt, stride}, floats);
     kernel(ptr<const float>(q_n) + r0 * q_n.stride(0), q_n.stride(0), q_n.stride(1),
            ptr<const float>(q_r) + r0 * q_r.stride(0), q_r.stride(0), q_r.stride(1), w_uk.data_ptr(),
-           w_uv_t.data_ptr(), ptr<const float>(cache), ptr<const int64_t>(slots) + r0 * slots.stride(0),
+           w_uv_t.data_ptr(), cache.data_ptr(), ptr<const int64_t>(slots) + r0 * slots.stride(0),
            slots.stride(0), ptr<const int64_t>(lens) + r0, static_cast<float>(scale),
-           ptr<float>(out) + r0 * heads * d_v, ptr<float>(scratch), stride, m, heads, d_n, d_r, d_c, d_v, nt, v);
+           ptr<float>(out) + r0 * heads * d_v, ptr<float>(scratch), stride, m, heads, d_n, d_r, d_c, d_v, nt, kind, v);
   }
   return out;
 }
 
 // The latent side of a float32 decode step, one thread: for each row t of latent [T, d_c + d_r] ([c ; k_r]),
 // cache[slots[t]] = [RMSNorm(c) * norm ; RoPE(k_r)], and the RoPE part of each head of q [T, H, d_n + d_r] rotated
-// in place. cos / sin [T, d_r / 2] (rows with a stride).
+// in place. cos / sin [T, d_r / 2] (rows with a stride). A bfloat16 or float16 cache gets the rows rounded to nearest
+// even, as torch rounds them.
 void rope_store(const Tensor& latent, const Tensor& norm, double eps, const Tensor& q, int64_t d_n, const Tensor& cos,
                 const Tensor& sin, const Tensor& cache, const Tensor& slots, bool interleave) {
   const char* op = "rope_store";
@@ -338,14 +350,14 @@ void rope_store(const Tensor& latent, const Tensor& norm, double eps, const Tens
   expect_rows(cos, {rows, d_r / 2}, op, "cos");
   expect_rows(sin, {rows, d_r / 2}, op, "sin");
   TORCH_CHECK_VALUE(rows <= 1 || sin.stride(0) == cos.stride(0), "rope_store: cos and sin rows lie alike");
-  expect(cache, at::kFloat, {cache.size(0), width}, op, "cache");
+  const int64_t kind = expect_cache(cache, width, op);
   expect(slots, at::kLong, {rows}, op, "slots");
   const int64_t* s = ptr<const int64_t>(slots);
   for (int64_t t = 0; t < rows; ++t)
     TORCH_CHECK_VALUE(s[t] >= 0 && s[t] < cache.size(0), "rope_store: slot ", s[t], " of a cache of ", cache.size(0));
   mla_rope_store_f32(ptr<const float>(latent), latent.stride(0), ptr<const float>(norm), static_cast<float>(eps),
                      ptr<float>(q), q.stride(0), q.stride(1), q.size(1), d_n, ptr<const float>(cos),
-                     ptr<const float>(sin), cos.stride(0), ptr<float>(cache), s, rows, d_c, d_r, interleave);
+                     ptr<const float>(sin), cos.stride(0), cache.data_ptr(), kind, s, rows, d_c, d_r, interleave);
 }
 
 // -- the table-driven kernels ------------------------------------------------------------------------------------
@@ -618,7 +630,7 @@ using LayerRef = c10::intrusive_ptr<LayerTable>;
 using StepRef = c10::intrusive_ptr<DecodeStep>;
 
 // One decoder layer over the step's rows: x [T, d] (contiguous float32) updated in place, the new latents written
-// into cache (the layer's [S, d_c + d_r] float32 rows). Returns True when the layer's MLP ran too, else the caller
+// into cache (the layer's [S, d_c + d_r] rows: float32, bfloat16 or float16). Returns True when the layer's MLP ran too, else the caller
 // runs it on post_norm(x), left at the start of the step's scratch (decoder_layer_hidden).
 bool decoder_layer(const LayerRef& layer, const StepRef& step, const Tensor& x, const Tensor& cache) {
   const char* op = "decoder_layer";
@@ -626,13 +638,13 @@ bool decoder_layer(const LayerRef& layer, const StepRef& step, const Tensor& x, 
                     " heads and latent ", step->d_c, " for a layer of ", layer->heads, " and ", layer->d_c);
   expect(x, at::kFloat, {step->rows, layer->hidden}, op, "x");
   const int64_t width = layer->table.data_ptr<int64_t>()[L_D_C] + layer->table.data_ptr<int64_t>()[L_D_R];
-  expect(cache, at::kFloat, {cache.size(0), width}, op, "cache");
+  const int64_t kind = expect_cache(cache, width, op);
   TORCH_CHECK_VALUE(step->max_slot < cache.size(0), op, ": the step reads cache slot ", step->max_slot,
                     ", the cache holds ", cache.size(0));
   const int64_t need = mla_decoder_layer_scratch(ptr<const int64_t>(layer->table), ptr<const int64_t>(step->table));
   if (step->scratch.numel() < need) step->scratch = at::empty({need}, at::kFloat);
   return mla_decoder_layer(ptr<const int64_t>(layer->table), ptr<const int64_t>(step->table), ptr<float>(x),
-                           ptr<float>(cache), ptr<float>(step->scratch)) != 0;
+                           cache.data_ptr(), kind, ptr<float>(step->scratch)) != 0;
 }
 
 // After a decoder_layer call that left the MLP to the caller: RMSNorm(x) (post-attention), a view of the step's
