@@ -65,10 +65,11 @@ class MlaSystem:
         self.sp = SamplingParams
         threads = "auto" if args.mla_threads == "auto" else int(args.mla_threads or args.threads)
         # bfloat16: as dtype="auto" runs a bfloat16 checkpoint where the compiled kernels read bfloat16 weights (a
-        # float32 model with bfloat16 products), unless --mla-bf16 model asks for a bfloat16 model
-        dtype, quantization = ("float32", "bf16") if args.dtype == "bfloat16" and args.mla_bf16 == "weights" \
-            else (args.dtype, None)
-        self.llm = LLM(str(args.checkpoint), dtype=dtype, quantization=quantization,
+        # float32 model with bfloat16 products over a bfloat16 latent cache), unless --mla-bf16 model asks for a
+        # bfloat16 model
+        dtype, quantization, cache = ("float32", "bf16", "bfloat16") \
+            if args.dtype == "bfloat16" and args.mla_bf16 == "weights" else (args.dtype, None, "auto")
+        self.llm = LLM(str(args.checkpoint), dtype=dtype, quantization=quantization, kv_cache_dtype=cache,
                        max_model_len=args.prompt_len + args.max_tokens + 16,
                        kv_cache_memory="1GiB", max_num_seqs=args.max_batch, num_threads=threads,
                        enable_prefix_caching=False)  # repeats reuse the prompts: no peer may reuse their prefill

@@ -28,10 +28,11 @@ BYTES = {"f32": 4.0, "fp32": 4.0, "bf16": 2.0, "bf16w": 2.0, "q8_0": 34 / 32, "i
          "int4": 18 / 32}
 PREFILL_REPEATS = 3  # prefill tok/s: the median of this many prompts per round, for both systems (one is noisy)
 PEER_OF = {"fp32": "f32", "bf16": "bf16", "bf16w": "bf16", "int8": "q8_0", "int4": "q4_0"}
-# mla-runtime's formats: (dtype, quantization); bf16w is a float32 model with bfloat16 weights, what dtype="auto"
-# runs a bfloat16 checkpoint as where the compiled kernels read bfloat16 weights
-MLA_FORMATS = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "bf16w": ("float32", "bf16"),
-               "int8": ("float32", "int8"), "int4": ("float32", "int4")}
+# mla-runtime's formats: (dtype, quantization, kv_cache_dtype); bf16w is a float32 model with bfloat16 weights over
+# a bfloat16 latent cache, what dtype="auto" runs a bfloat16 checkpoint as where the compiled kernels read such weights
+MLA_FORMATS = {"fp32": ("float32", None, "auto"), "bf16": ("bfloat16", None, "auto"),
+               "bf16w": ("float32", "bf16", "bfloat16"), "int8": ("float32", "int8", "auto"),
+               "int4": ("float32", "int4", "auto")}
 
 
 def convert(checkpoint: Path, fmt: str) -> Path:
@@ -134,13 +135,13 @@ class MlaPeer:
     def __init__(self, checkpoint: Path, fmt: str, threads: int, prompt_len: int, steps: int, batch: int) -> None:
         from mla_runtime import LLM, SamplingParams
 
-        dtype, quantization = MLA_FORMATS[fmt]
+        dtype, quantization, cache_dtype = MLA_FORMATS[fmt]
         length = prompt_len + steps + 32
         c = CONFIG  # the latent cache of every sequence at full length (float32 or bfloat16), with room to spare
         latent = 4 * c["num_hidden_layers"] * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * length * max(batch, 1)
         self.llm = LLM(str(long_checkpoint(checkpoint, length)), dtype=dtype, quantization=quantization,
-                       max_model_len=length, max_num_seqs=max(batch, 1), kv_cache_memory=max(512 << 20, 2 * latent),
-                       enable_prefix_caching=False, num_threads=threads)
+                       kv_cache_dtype=cache_dtype, max_model_len=length, max_num_seqs=max(batch, 1),
+                       kv_cache_memory=max(512 << 20, 2 * latent), enable_prefix_caching=False, num_threads=threads)
         self.params = SamplingParams(max_tokens=steps + 3, temperature=0, ignore_eos=True)
         self.once = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
         self.prompts = make_prompts(max(batch, 1), prompt_len, CONFIG["vocab_size"], seed=0)

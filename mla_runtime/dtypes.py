@@ -14,14 +14,14 @@ from mla_kernels.dtypes import FLOAT_CACHE_DTYPES, QUANTIZED_CACHE_DTYPES, is_qu
 from mla_kernels.sparse import index_scale_groups
 
 __all__ = ["CACHE_DTYPES", "FLOAT_CACHE_DTYPES", "MODEL_DTYPES", "QUANTIZED_CACHE_DTYPES", "CacheDtype",
-           "dtype_name", "index_bytes_per_token", "index_cache_dtype", "resolve_cache_dtype"]
+           "auto_cache_dtype", "dtype_name", "index_bytes_per_token", "index_cache_dtype", "resolve_cache_dtype"]
 
 MODEL_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "fp32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
-# None = "auto": the cache uses the model dtype.
+# None = "auto": the cache uses the model dtype (``auto_cache_dtype``).
 CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "auto": None,
     "float32": torch.float32, "fp32": torch.float32,
@@ -57,6 +57,23 @@ class CacheDtype:
     def scale_bytes(self) -> int:
         """Scale bytes per token per layer (0 for unquantised caches)."""
         return CACHE_SCALES_PER_TOKEN * CACHE_SCALE_DTYPE.itemsize if self.quantized else 0
+
+
+# the weight formats that hold a half-precision checkpoint's own values in a float32 model (layers.bf16)
+_HALF_WEIGHTS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def auto_cache_dtype(requested: str | torch.dtype, checkpoint: torch.dtype, model: torch.dtype,
+                     quantization: str | None) -> torch.dtype:
+    """What a ``kv_cache_dtype`` of "auto" stands for: the model's dtype, except where ``dtype`` "auto"
+    (``requested``) runs a bfloat16 or float16 ``checkpoint`` as a float32 ``model`` over its own half-precision
+    weights (``quantization`` "bf16" / "fp16": a CPU's compiled decode path, which reads a cache of that dtype as fast
+    as a float32 one). There the cache keeps the checkpoint's precision too, at half the bytes, as the checkpoint's
+    own model would."""
+    if requested == "auto" and model == torch.float32 and quantization is not None \
+            and _HALF_WEIGHTS.get(checkpoint) == quantization:
+        return checkpoint
+    return model
 
 
 def resolve_cache_dtype(cache_dtype: str | torch.dtype, model_dtype: torch.dtype) -> CacheDtype:

@@ -54,6 +54,7 @@ from mla_runtime.dtypes import (
     CACHE_DTYPES,
     MODEL_DTYPES,
     CacheDtype,
+    auto_cache_dtype,
     dtype_name,
     index_bytes_per_token,
     index_cache_dtype,
@@ -726,8 +727,9 @@ def plan_memory(config: ModelConfig, *, dtype: str | torch.dtype, cache_dtype: s
     reserve) do not fit, saying by how much and what to change. ``disk_bytes``: the disk tier's bound, and
     ``host_bytes``: the host-RAM tier's size per rank, whose capacities in tokens the plan then reports.
     """
-    model_dtype = resolve_model_dtype(dtype, config) if cpu is None else cpu.dtype
-    cache = resolve_cache_dtype(cache_dtype, model_dtype)
+    checkpoint_dtype = resolve_model_dtype(dtype, config)
+    model_dtype = checkpoint_dtype if cpu is None else cpu.dtype
+    cache = resolve_cache_dtype(cache_dtype, auto_cache_dtype(dtype, checkpoint_dtype, model_dtype, quantization))
     quantization = check_weight_quantization(quantization)
     _check_plan_args(config, memory_utilization, latent_cache_layout, tensor_parallel_size,
                      device_memory_bytes=device_memory_bytes, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,

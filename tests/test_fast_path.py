@@ -1347,7 +1347,20 @@ def test_auto_keeps_a_bf16_checkpoints_products_bf16_in_a_float32_model(tiny_che
     worker = llm.engine.worker
     assert worker.dtype == torch.float32 and worker.quantization == "bf16"
     assert isinstance(worker.model.lm_head_packed, Bf16Weight)
+    # its latent cache keeps the checkpoint's precision too (the compiled decode reads it), at half the bytes
+    assert worker.cache_dtype.dtype == torch.bfloat16 and worker.cache.layers[0].kv.dtype == torch.bfloat16
+    cfg = worker.model_config
+    assert worker.bytes_per_token == cfg.latent_dim * 2 * cfg.num_hidden_layers
+    ids = llm.generate(["def f(x):"], SamplingParams(max_tokens=8, temperature=0))[0].outputs[0].token_ids
     llm.shutdown()
+    for kw, cache in ((dict(dtype="float32", quantization="bf16"), torch.float32),  # asked for: the model's dtype
+                      (dict(kv_cache_dtype="float32"), torch.float32)):
+        llm = LLM(str(DEMO_MODEL), kv_cache_memory="8MiB", max_model_len=128, **kw)
+        assert llm.engine.worker.cache_dtype.dtype == cache
+        if "kv_cache_dtype" in kw:  # the demo model's greedy text does not move with the cache's rounding
+            assert llm.generate(["def f(x):"], SamplingParams(max_tokens=8, temperature=0))[0].outputs[0].token_ids \
+                == ids
+        llm.shutdown()
 
 
 def test_the_latent_and_norm_operators_refuse_what_their_tensors_do_not_hold():

@@ -529,6 +529,24 @@ def test_cpu_device_counts_the_packed_copies():
         assert cpu.packed_bytes > extra * (parameter_count(V2_LITE) - 2 * V2_LITE.vocab_size * V2_LITE.hidden_size)
 
 
+def test_a_cpu_plan_counts_the_latent_cache_a_cpu_load_keeps(tiny_checkpoint):
+    """``--device cpu`` plans the cache dtype a load on this CPU keeps for ``kv_cache_dtype`` "auto": a bfloat16
+    checkpoint that ``dtype`` "auto" runs over its own bfloat16 weights in a float32 model caches bfloat16 latents (the
+    compiled decode reads them), else the model's dtype; the engine's bytes per token are the plan's."""
+    from mla_runtime.plan import _probed_cpu
+
+    cpu, quantization = _probed_cpu("auto", V2_LITE, None)
+    plan = plan_memory(V2_LITE, dtype="auto", device_memory_bytes=parse_bytes("256GiB"), max_seq_len=4096,
+                       max_num_seqs=4, quantization=quantization, cpu=cpu)
+    assert V2_LITE.torch_dtype == "bfloat16"
+    want = torch.bfloat16 if quantization == "bf16" else cpu.dtype
+    assert plan.cache_dtype.dtype == want
+    assert plan.latent_bytes_per_token == V2_LITE.latent_dim * want.itemsize * V2_LITE.num_hidden_layers
+    explicit = plan_memory(V2_LITE, dtype="float32", device_memory_bytes=parse_bytes("256GiB"), max_seq_len=4096,
+                           max_num_seqs=4, quantization="bf16", cpu=CPU())
+    assert explicit.cache_dtype.dtype == torch.float32  # an explicit dtype: the model's
+
+
 # -- the load's memory check -----------------------------------------------------------------------------------
 def test_load_requirement_parts(tiny_checkpoint):
     from mla_runtime.plan import LOAD_MARGIN_CPU_BYTES, load_requirement

@@ -67,7 +67,8 @@ class EngineConfig:
     block_size: int = field(default=64, metadata=opt(
         "kv_cache.block_size", "tokens per cache block (multiple of 16)"))
     kv_cache_dtype: str = field(default="auto", metadata=opt(
-        "kv_cache.dtype", "latent-cache element type (auto: the model's dtype)", choices=CACHE_DTYPE_NAMES))
+        "kv_cache.dtype", "latent-cache element type (auto: the model's dtype; a half-precision checkpoint's own "
+                          "where dtype auto computes it in float32 over its half weights)", choices=CACHE_DTYPE_NAMES))
     kv_cache_memory: int | str | None = field(default=None, metadata=opt(
         "kv_cache.memory", "latent-cache bytes, e.g. 8GiB (default: on CPU a quarter of the available RAM, at most "
                            "max-num-seqs full sequences; on GPU 90% of free memory less weights and activations)"))

@@ -46,7 +46,7 @@ from mla_runtime.cache.disk_tier import DiskTier, file_sha256, model_fingerprint
 from mla_runtime.cache.host_tier import HostTier
 from mla_runtime.cache.latent_cache import LatentCache
 from mla_runtime.config import ModelConfig
-from mla_runtime.dtypes import CacheDtype, index_cache_dtype, resolve_cache_dtype
+from mla_runtime.dtypes import CacheDtype, auto_cache_dtype, index_cache_dtype, resolve_cache_dtype
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.errors import InvalidParam
 from mla_runtime.forward_batch import ForwardBatch
@@ -143,11 +143,13 @@ class Worker:
         self.gemm_mode = config.cpu_gemm or gemm_mode()
         self.gemm_info: dict[str, str] = {}  # the product path the load chose, for EngineInfo (CPU only)
         self.heap = ""  # what the CPU heap keeps between steps (host_heap.py), for EngineInfo (CPU only)
+        checkpoint_dtype = self.dtype
         if self.device.type == "cpu":
             with self.prepared():
                 self.dtype, self.quantization = resolve_cpu_format(config.dtype, self.dtype, self.quantization)
                 self.cpu = cpu_layouts(self.dtype)
-        self.cache_dtype: CacheDtype = resolve_cache_dtype(config.kv_cache_dtype, self.dtype)
+        self.cache_dtype: CacheDtype = resolve_cache_dtype(
+            config.kv_cache_dtype, auto_cache_dtype(config.dtype, checkpoint_dtype, self.dtype, self.quantization))
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's max_position_embeddings "
