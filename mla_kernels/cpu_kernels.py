@@ -12,7 +12,9 @@ their sources are ``csrc/*.c`` and ``csrc/ops/cpu_kernels.cpp``):
 - ``rms_norm``, ``absorbed_decode(..., variant="auto")`` (absorption into the latent, attention over the paged latent
   cache, up-projection; one source compiled for AVX2 and for AVX-512, the "float" variants), ``rope_store`` (the
   latent side of a step: norm, RoPE, cache write); the cache holds float32, bfloat16 or float16 rows (a compact row
-  is written rounded as torch rounds and read widened exactly: the float32 cache's sums over the same values);
+  is written rounded as torch rounds and read widened exactly: the float32 cache's sums over the same values), or
+  int8 / float8_e4m3fn rows with their per-token ``scales [S, 2]`` (quantised as ``common.quantize_per_token``,
+  read as ``common.dequantize_rows``);
 - ``mlp_table`` / ``gated_mlps`` / ``moe_row``: gated MLPs of one row, or a MoE layer's router, routing, routed and
   shared experts in one call; ``layer_table`` / ``decode_step`` / ``decoder_layer``: a whole decoder layer of one to
   ``max_rows`` rows (``mla_kernels.cpu_tables`` builds the tables).

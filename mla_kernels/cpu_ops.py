@@ -226,7 +226,7 @@ def _register_fakes() -> None:
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
     @lib.register_fake("mla_kernels::absorbed_decode")
-    def _(q_n, q_r, w_uk, w_uv_t, cache, slots, lens, scale, variant="auto"):  # type: ignore[no-untyped-def]
+    def _(q_n, q_r, w_uk, w_uv_t, cache, slots, lens, scale, variant="auto", scales=None):  # type: ignore[no-untyped-def]
         return q_n.new_empty((q_n.shape[0], q_n.shape[1], w_uv_t.shape[2]), dtype=torch.float32)
 
     lib.register_fake("mla_kernels::rope_store", lambda *args, **kwargs: None)

@@ -115,13 +115,13 @@ class DecodeStep:
         self.rows, self.heads, self.d_c = slots.shape[0], heads, d_c
 
 
-def decoder_layer(table: DecoderLayerTable, step: DecodeStep, x: torch.Tensor, cache: torch.Tensor
-                  ) -> torch.Tensor | None:
+def decoder_layer(table: DecoderLayerTable, step: DecodeStep, x: torch.Tensor, cache: torch.Tensor,
+                  scales: torch.Tensor | None = None) -> torch.Tensor | None:
     """One decoder layer over ``step``'s rows: ``x [T, d]`` (contiguous float32) updated in place, the new latents
-    written into ``cache`` (the layer's ``[S, d_c + d_r]`` float32 rows). Returns None when the layer's MLP ran too
-    (the table has one), else ``RMSNorm(x)`` (post-attention, a view of the step's scratch, valid until the next call)
-    for the caller's MLP."""
+    written into ``cache`` (the layer's ``[S, d_c + d_r]`` rows: float32, bfloat16, float16, or int8 / float8_e4m3fn
+    with their ``scales [S, 2]``). Returns None when the layer's MLP ran too (the table has one), else ``RMSNorm(x)``
+    (post-attention, a view of the step's scratch, valid until the next call) for the caller's MLP."""
     ops = cpu_kernels.ops()
-    if ops.decoder_layer(table.table, step.step, x, cache):
+    if ops.decoder_layer(table.table, step.step, x, cache, scales):
         return None
     return ops.decoder_layer_hidden(step.step, table.hidden)  # type: ignore[no-any-return]

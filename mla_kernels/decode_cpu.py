@@ -24,8 +24,8 @@ take 80 µs at a fixed length and 1.5 ms when the length changes (fp32: 70 vs 15
 Semantics are those of ``mla_decode`` (``reference.ref_mla_decode``) for float caches and of its torch path
 in bf16: with bf16 queries and cache the two GEMMs take bf16 inputs (fp32 accumulation, the dot products
 rounded to bf16, as in transformers' bf16 attention) and the scale, mask and softmax run in fp32; every other
-combination computes in fp32.
-fp8/int8 caches (per-token scales) and CUDA tensors use ``mla_decode``.
+combination computes in fp32. An fp8/int8 cache comes with its per-token scales: each gathered row is dequantised
+(``common.dequantize_rows``) and attended in fp32. CUDA tensors use ``mla_decode``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .common import check_int_tensor
+from .common import check_int_tensor, dequantize_rows
 from .dtypes import FLOAT_CACHE_DTYPES
 
 PLAN_LEN_MULTIPLE = 32
@@ -98,35 +98,42 @@ def plan_decode_lists(block_tables: Sequence[Sequence[int]], seq_lens: Sequence[
 
 
 def mla_decode_planned(q: torch.Tensor, cache: torch.Tensor, plan: DecodePlan, sm_scale: float,
-                       d_c: int) -> torch.Tensor:
+                       d_c: int, scales: torch.Tensor | None = None) -> torch.Tensor:
     """q ``[N, H, d_c + d_r]`` (absorbed no-RoPE query, then rotated RoPE query), cache ``[num_blocks,
-    block_size, d_c + d_r]`` float -> out ``[N, H, d_c]`` in q.dtype (see the module docstring)."""
-    if cache.dtype not in FLOAT_CACHE_DTYPES:
-        raise ValueError(f"mla_decode_planned reads float caches; use mla_decode for {cache.dtype}")
+    block_size, d_c + d_r]`` float, or int8 / fp8 with its ``scales [num_blocks, block_size, 2]`` (each gathered row
+    dequantised) -> out ``[N, H, d_c]`` in q.dtype (see the module docstring)."""
+    if (cache.dtype not in FLOAT_CACHE_DTYPES) != (scales is not None):
+        raise ValueError(f"mla_decode_planned reads float caches, or quantised ones with their scales: a "
+                         f"{cache.dtype} cache {'with' if scales is not None else 'without'} scales")
     n_rows, _, width = q.shape
     if width != cache.shape[2] or plan.slots.shape[0] != n_rows:
         raise ValueError(f"q {tuple(q.shape)} does not match the cache width {cache.shape[2]} or the plan's "
                          f"{plan.slots.shape[0]} rows")
     compute = torch.bfloat16 if q.dtype == cache.dtype == torch.bfloat16 else torch.float32
     flat = cache.view(-1, width)
+    flat_scales = None if scales is None else scales.view(-1, scales.shape[-1])
     # rows in groups whose gathered keys stay within PLANNED_KV_BYTES (one group for usual decode steps)
     group = max(1, PLANNED_KV_BYTES // (plan.max_len * width * compute.itemsize))
     if group >= n_rows:  # the usual step: no slicing
-        return _attend_planned(q, flat, plan.slots.view(-1), plan.mask, sm_scale, d_c, compute)
+        return _attend_planned(q, flat, plan.slots.view(-1), plan.mask, sm_scale, d_c, compute, flat_scales)
     outs = []
     for r0 in range(0, n_rows, group):
         r1 = min(r0 + group, n_rows)
         outs.append(_attend_planned(q[r0:r1], flat, plan.slots[r0:r1].reshape(-1), plan.mask[r0:r1], sm_scale,
-                                    d_c, compute))
+                                    d_c, compute, flat_scales))
     return torch.cat(outs)
 
 
 def _attend_planned(q: torch.Tensor, flat: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, sm_scale: float,
-                    d_c: int, compute: torch.dtype) -> torch.Tensor:
-    """One group of query rows ``q [n, H, D]`` over their gathered keys ``flat[slots]`` -> ``[n, H, d_c]``.
-    Every cast here is skipped where it would be a no-op: a decode step calls this once per layer."""
+                    d_c: int, compute: torch.dtype, flat_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """One group of query rows ``q [n, H, D]`` over their gathered keys ``flat[slots]`` (dequantised with
+    ``flat_scales [S, 2]`` where given) -> ``[n, H, d_c]``. Every cast here is skipped where it would be a no-op: a
+    decode step calls this once per layer."""
     n_rows, width = q.shape[0], flat.shape[1]
-    kv = flat.index_select(0, slots).view(n_rows, -1, width)
+    kv = flat.index_select(0, slots)
+    if flat_scales is not None:
+        kv = dequantize_rows(kv, flat_scales.index_select(0, slots), d_c)
+    kv = kv.view(n_rows, -1, width)
     if kv.dtype != compute:
         kv = kv.to(compute)
     if compute == torch.float32:

@@ -27,6 +27,7 @@ from mla_kernels import (  # noqa: E402
     plan_decode_lists,
     write_latent,
 )
+from mla_kernels.common import dequantize_rows, quantize_per_token  # noqa: E402
 from mla_kernels.reference import ref_mla_decode  # noqa: E402
 from mla_runtime import LLM, SamplingParams  # noqa: E402
 from mla_runtime.config import MoEConfig, RopeConfig  # noqa: E402
@@ -438,7 +439,8 @@ def _spy_planned_rows(monkeypatch) -> list[int]:
     class Ops:
         def __getattr__(self, name: str):
             op = getattr(real_ops(), name)
-            return (lambda q_n, *a: rows.append(q_n.shape[0]) or op(q_n, *a)) if name == "absorbed_decode" else op
+            return (lambda q_n, *a, **k: rows.append(q_n.shape[0]) or op(q_n, *a, **k)) if name == "absorbed_decode" \
+                else op
 
     monkeypatch.setattr(cpu_kernels, "ops", Ops)
     monkeypatch.setattr(cpu_tables, "decoder_layer", lambda t, s, *a: rows.append(s.rows) or real_layer(t, s, *a))
@@ -730,13 +732,15 @@ def test_a_failed_half_precision_fast_path_falls_back_by_a_rule(monkeypatch):
 ])
 @pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("variant", ["avx2", "avx512"])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8,
+                                         torch.float8_e4m3fn])
 def test_absorbed_decode_kernel_matches_the_planned_torch_path(rows, heads, dims, threads, weights, variant,
                                                                cache_dtype):
     """One call equals absorption + ``mla_decode_planned`` + up-projection (the torch path it replaces) for rows of
     different lengths, with a cache whose unused rows hold NaN (never read); with bfloat16 absorbed factors (int8
-    models), it equals the torch path over the same bfloat16 values; over a bfloat16 or float16 cache, it gives the
-    float32 cache's bits for the same values. Each variant (AVX2, AVX-512: one source compiled for each); a variant
+    models), it equals the torch path over the same bfloat16 values; over a bfloat16, float16, int8 or float8_e4m3fn
+    cache (the last two with their per-token scales), it gives the float32 cache's bits for the same (dequantised)
+    values. Each variant (AVX2, AVX-512: one source compiled for each); a variant
     this CPU cannot execute is skipped by name."""
     if variant not in cpu_kernels.variants("float"):
         pytest.skip(f"this CPU does not execute the attention's {variant} variant (it runs "
@@ -767,16 +771,23 @@ def test_absorbed_decode_kernel_matches_the_planned_torch_path(rows, heads, dims
     assert got.shape == (rows, heads, d_v) and torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     if cache_dtype != torch.float32:
-        compact = flat.to(cache_dtype)
+        scales = None
+        if cache_dtype in (torch.int8, torch.float8_e4m3fn):  # each part with its scale, as the latent store keeps it
+            (qc, sc), (qr, sr) = (quantize_per_token(part, cache_dtype) for part in flat.split([d_c, d_r], dim=-1))
+            compact, scales = torch.cat([qc, qr], dim=-1), torch.stack([sc, sr], dim=-1)
+            values = dequantize_rows(compact, scales, d_c)
+        else:
+            compact = flat.to(cache_dtype)
+            values = compact.float()
         torch.set_num_threads(threads)
         try:
-            got = cpu_kernels.ops().absorbed_decode(q_n, q_r, *stored, compact, plan.slots, plan.lens, 0.1, variant)
-            same = cpu_kernels.ops().absorbed_decode(q_n, q_r, *stored, compact.float(), plan.slots, plan.lens, 0.1,
-                                                     variant)
+            got = cpu_kernels.ops().absorbed_decode(q_n, q_r, *stored, compact, plan.slots, plan.lens, 0.1, variant,
+                                                    scales)
+            same = cpu_kernels.ops().absorbed_decode(q_n, q_r, *stored, values, plan.slots, plan.lens, 0.1, variant)
         finally:
             torch.set_num_threads(before)
         assert torch.equal(got, same)
-        o_lat = mla_decode_planned(torch.cat([q_abs, q_r], dim=-1), compact.view_as(cache), plan, 0.1, d_c)
+        o_lat = mla_decode_planned(torch.cat([q_abs, q_r], dim=-1), values.view_as(cache), plan, 0.1, d_c)
         want = torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
@@ -786,8 +797,13 @@ def test_absorbed_decode_kernel_rejects_what_it_cannot_compute():
     q = torch.randn(1, 2, 16)
     slots, lens = torch.zeros(1, 4, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
     w_uk, w_uv_t, cache = torch.randn(2, 8, 16), torch.randn(2, 16, 8), torch.randn(4, 24)
-    for bad, said in ((dict(cache=cache.double()), "cache must be a float32, bfloat16 or float16 tensor, got Double"),
+    for bad, said in ((dict(cache=cache.double()), "cache must be a float32, bfloat16, float16, int8 or "
+                                                   "float8_e4m3fn tensor, got Double"),
                       (dict(cache=cache.t().contiguous().t()), "cache must be a contiguous CPU Float tensor"),
+                      (dict(cache=cache.to(torch.int8)), "an int8 or float8_e4m3fn cache comes with its scales"),
+                      (dict(scales=torch.ones(4, 2)), "a float cache has no scales"),
+                      (dict(cache=cache.to(torch.int8), scales=torch.ones(4, 3)), "scales must be a contiguous CPU "
+                                                                                  r"Float tensor \[4, 2\]"),
                       (dict(lens=lens.int()), "lens must be a contiguous CPU Long tensor"),
                       (dict(w_uk=torch.randn(2, 8, 15)), "w_uv_t must be"), (dict(cache=torch.randn(4, 20)), "cache"),
                       (dict(slots=torch.full((1, 4), 4)), "reads cache slot 4, the cache holds 4"),
@@ -988,6 +1004,46 @@ def test_rope_store_kernel_matches_the_torch_latent_side(interleave, cache_dtype
         assert torch.equal(q_in, q)
 
 
+@needs_row_kernel
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_rope_store_kernel_quantises_like_torch(cache_dtype):
+    """Into an int8 or float8_e4m3fn cache, the latent side stores each part of its float32 row quantised as
+    ``quantize_per_token`` does (the same bytes, the same scales): on random rows, and on a RoPE key of every value
+    on the grid and every midpoint between two (ties round to even), with the identity rotation and a scale of 1."""
+    from mla_kernels.common import quantize_per_token
+
+    ops = cpu_kernels.ops()
+    g = torch.Generator().manual_seed(9)
+    rows, heads, d_n, d_c = 3, 2, 8, 40
+    grid = torch.arange(-127, 128).float() if cache_dtype == torch.int8 else \
+        torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[grid.isfinite()].unique()
+    values = torch.cat([grid, (grid[1:] + grid[:-1]) / 2])  # the grid, and each tie between neighbours
+    d_r = values.numel() + values.numel() % 2
+    latent = torch.randn(rows, d_c + d_r, generator=g)
+    latent[0, d_c:d_c + values.numel()] = values  # |values| <= 127 / 448, the largest on the grid: scale 1
+    norm = torch.randn(d_c, generator=g)
+    cos, sin = torch.randn(rows, d_r // 2, generator=g), torch.randn(rows, d_r // 2, generator=g)
+    cos[0], sin[0] = 1.0, 0.0  # row 0's rotation is the identity
+    slots = torch.tensor([4, 0, 2])
+    wide = torch.zeros(6, d_c + d_r)
+    ops.rope_store(latent, norm, 1e-6, torch.randn(rows, heads, d_n + d_r), d_n, cos, sin, wide, slots, False)
+    assert torch.equal(wide[4, d_c:], latent[0, d_c:])
+    cache, scales = torch.zeros(6, d_c + d_r, dtype=cache_dtype), torch.zeros(6, 2)
+    ops.rope_store(latent, norm, 1e-6, torch.randn(rows, heads, d_n + d_r), d_n, cos, sin, cache, slots, False,
+                   scales)
+    for part, cols in enumerate((slice(0, d_c), slice(d_c, d_c + d_r))):
+        want, want_scales = quantize_per_token(wide[slots, cols], cache_dtype)
+        assert torch.equal(cache[slots, cols].view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(scales[slots, part], want_scales)
+    assert scales[4, 1] == 1.0
+    with pytest.raises(ValueError, match="rope_store: an int8 or float8_e4m3fn cache comes with its scales"):
+        ops.rope_store(latent, norm, 1e-6, torch.randn(rows, heads, d_n + d_r), d_n, cos, sin, cache, slots, False)
+    with pytest.raises(ValueError, match="rope_store: a float cache has no scales"):
+        ops.rope_store(latent, norm, 1e-6, torch.randn(rows, heads, d_n + d_r), d_n, cos, sin, wide, slots, False,
+                       scales)
+
+
 def test_float32_decode_steps_take_the_compiled_attention_and_match_torch(tiny_checkpoint, monkeypatch):
     """Where the kernels build, every layer of a float32 decode step runs the latent side and the attention as
     compiled calls, with the logits of the torch path (the kernels left out). (The whole layer as one call is left
@@ -1057,13 +1113,12 @@ def test_decode_steps_run_each_layer_as_one_compiled_call_with_the_same_logits(t
 
 
 @pytest.mark.parametrize("variant", ["v3", "v2_greedy_qlora"])
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn])
 def test_compact_latent_caches_take_the_compiled_decode_with_the_torch_logits(tiny_checkpoint, variant, cache_dtype,
                                                                               monkeypatch):
-    """A float32 model over a bfloat16 or float16 latent cache (``kv_cache_dtype``) decodes through the compiled
-    decoder layer, as over a float32 one, with the logits of the torch path over the same cache dtype (its rows
-    rounded alike: a value on a rounding boundary may round the other way from the kernel's float32 row, hence the
-    tolerance)."""
+    """A float32 model over a bfloat16, float16, int8 or float8_e4m3fn latent cache (``kv_cache_dtype``) decodes
+    through the compiled decoder layer, as over a float32 one, with the logits of the torch path over the same cache
+    dtype (its rows rounded or quantised alike from the torch path's own float32 rows)."""
     from mla_runtime.attention import CpuBackend
     from mla_runtime.models import deepseek
 
@@ -1085,7 +1140,9 @@ def test_compact_latent_caches_take_the_compiled_decode_with_the_torch_logits(ti
         assert runner.cache.layers[0].kv.dtype == cache_dtype
     assert len(calls) == (2 * model.config.num_hidden_layers if cpu_gemm.row_kernel_failure() is None else 0)
     assert torch.isfinite(logits[0]).all()
-    assert rel_err(logits[0], logits[1]) <= 1e-4
+    # a value on a rounding boundary may round the other way: a half step of bfloat16 / float16, or a whole quantum of
+    # an int8 / fp8 part (a larger change, hence the looser bound; measured: under 6e-7 for every dtype here)
+    assert rel_err(logits[0], logits[1]) <= (1e-4 if cache_dtype in (torch.bfloat16, torch.float16) else 1e-3)
 
 
 @needs_row_kernel
@@ -1126,7 +1183,7 @@ def test_decoder_layer_tables_and_steps_reject_what_they_cannot_compute(tiny_che
         assert hidden is None and torch.isfinite(out).all() and not torch.equal(out, x)
     with pytest.raises(ValueError, match=r"decoder_layer: x must be a contiguous CPU Float tensor \[2, "):
         cpu_tables.decoder_layer(table, step, torch.zeros(3, table.hidden), cache)
-    with pytest.raises(ValueError, match="decoder_layer: cache must be a float32, bfloat16 or float16 tensor"):
+    with pytest.raises(ValueError, match="decoder_layer: cache must be a float32, bfloat16, float16, int8 or "):
         cpu_tables.decoder_layer(table, step, torch.zeros(2, table.hidden), cache.double())
     with pytest.raises(ValueError, match=r"decoder_layer: cache must be a contiguous CPU BFloat16 tensor \[8, "):
         cpu_tables.decoder_layer(table, step, torch.zeros(2, table.hidden), cache.bfloat16()[:, :-1])

@@ -600,8 +600,9 @@ def test_subprocess_logs_the_plan_and_sigterm_exits_0(text_checkpoint, tmp_path)
     cmd = [sys.executable, str(ROOT / "server.py"), "--model", str(text_checkpoint), "--port", str(port),
            "--dtype", "float32", "--max-model-len", "512", "--block-size", "16", "--kv-cache-memory", "8MiB",
            "--shutdown-timeout", "1"]
-    # every step 3 ms longer: 500 tokens outlive the 1 s grace period on any machine (>= 1.5 s), 60 tokens do not
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MLA_FAULT_INJECTION": "slow_step:3"}
+    # every step 8 ms longer: 500 tokens (>= 4 s) outlive the 1 s grace period and the second uvicorn is given after it
+    # to close connections (Server.on_tick) on any machine, 60 tokens (about 0.5 s) do not
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MLA_FAULT_INJECTION": "slow_step:8"}
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path, env=env)
     base = f"http://127.0.0.1:{port}"

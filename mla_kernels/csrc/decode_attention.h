@@ -4,6 +4,7 @@
  *     V, VL                       the vector type and its lanes (__m256 and 8 for AVX2, __m512 and 16 for AVX-512)
  *     V_LOAD, V_STORE, V_ZERO, V_SET1, V_FMA, V_MUL, V_ADD, V_SUB, V_MAX   the usual operations
  *     V_BF16(p), V_F16(p)         VL bfloat16 / float16 values from p, widened to float32 (exactly)
+ *     V_I8(p), V_FP8(p)           VL int8 values from p as floats; VL float8_e4m3fn values as floats / 2^8 (exactly)
  *     V_HSUM(v), V_HMAX(v)        the sum and the largest of the lanes
  *     V_EXP(v)                    e^v lane by lane (for v <= 0; below -87 gives 0)
  *     SFX(name)                   name with the instruction set's suffix
@@ -11,11 +12,15 @@
  * and finds them undefined again after it.
  * Column blocks are four vectors wide (32 floats with AVX2, 64 with AVX-512).
  *
- * The latent cache holds float32, bfloat16 or float16 rows (ck: C_F32, C_BF16, C_F16); a compact row is widened
- * exactly as it is read, so every sum is the one a float32 cache of the same values gives. */
+ * The latent cache holds float32, bfloat16 or float16 rows, or int8 / float8_e4m3fn rows with a scale per token
+ * and part (ck: CacheKind). A row is widened exactly as it is read, and a quantised value multiplied by its scale
+ * (one rounding, as dequantize_rows), so every sum is the one a float32 cache of the dequantised values gives. */
 
-/* VL cached values from c + i as floats (ck, as load_w's bf16, a constant wherever this is inlined). */
-static inline __attribute__((always_inline)) V SFX(load_c)(const void *c, int64_t i, const int ck) {
+/* VL cached values from c + i as floats, times sv (quantised caches: the part's scale, kscale); ck, as load_w's bf16,
+ * a constant wherever this is inlined. */
+static inline __attribute__((always_inline)) V SFX(load_c)(const void *c, int64_t i, const int ck, const V sv) {
+    if (ck == C_I8) return V_MUL(V_I8((const int8_t *)c + i), sv);
+    if (ck == C_FP8) return V_MUL(V_FP8((const uint8_t *)c + i), sv);
     return ck == C_BF16 ? V_BF16((const uint16_t *)c + i) : ck == C_F16 ? V_F16((const uint16_t *)c + i)
                                                           : V_LOAD((const float *)c + i);
 }
@@ -126,9 +131,10 @@ static void SFX(softmax)(float *s, int64_t n) {
 /* Accumulate four heads' queries q[0..3][0:n] against two keys ka, kb (four heads by two keys in eight registers:
  * each load of a key serves four heads, each load of a query two keys). */
 static inline __attribute__((always_inline)) void SFX(tile4x2)(const float *const *q, const void *ka, const void *kb,
-                                                               int64_t n, V *acc, const int ck) {
+                                                               int64_t n, V *acc, const int ck, const V sa,
+                                                               const V sb) {
     for (int64_t i = 0; i + VL <= n; i += VL) {
-        const V a = SFX(load_c)(ka, i, ck), b = SFX(load_c)(kb, i, ck);
+        const V a = SFX(load_c)(ka, i, ck, sa), b = SFX(load_c)(kb, i, ck, sb);
         for (int u = 0; u < 4; u++) {
             const V qv = V_LOAD(q[u] + i);
             acc[2 * u] = V_FMA(qv, a, acc[2 * u]);
@@ -144,17 +150,18 @@ static inline __attribute__((always_inline)) void SFX(scores)(const float *const
                                                               const void *cache, int64_t width, const int64_t *slot,
                                                               int64_t j0, int one, int64_t nh, int64_t d_c,
                                                               int64_t d_r, float scale, float *s, int64_t ld,
-                                                              const int ck) {
-    const int64_t es = cache_bytes(ck);
-    const char *ka = (const char *)cache + slot[j0] * width * es;
-    const char *kb = one ? ka : (const char *)cache + slot[j0 + 1] * width * es;
+                                                              const float *cs, const int ck) {
+    const int64_t es = cache_bytes(ck), sa = slot[j0], sb = one ? sa : slot[j0 + 1];
+    const char *ka = (const char *)cache + sa * width * es, *kb = (const char *)cache + sb * width * es;
+    const float ca = kscale(cs, sa, 0, ck), ra = kscale(cs, sa, 1, ck);
+    const float cb = kscale(cs, sb, 0, ck), rb = kscale(cs, sb, 1, ck);
     int64_t h = 0;
     if (d_c % VL == 0 && d_r % VL == 0) {
         for (; h + 4 <= nh; h += 4) {
             V acc[8];
             for (int u = 0; u < 8; u++) acc[u] = V_ZERO();
-            SFX(tile4x2)(q + h, ka, kb, d_c, acc, ck);
-            SFX(tile4x2)(qr + h, ka + d_c * es, kb + d_c * es, d_r, acc, ck);
+            SFX(tile4x2)(q + h, ka, kb, d_c, acc, ck, V_SET1(ca), V_SET1(cb));
+            SFX(tile4x2)(qr + h, ka + d_c * es, kb + d_c * es, d_r, acc, ck, V_SET1(ra), V_SET1(rb));
             for (int u = 0; u < 4; u++) {
                 s[(h + u) * ld + j0] = scale * V_HSUM(acc[2 * u]);
                 if (!one) s[(h + u) * ld + j0 + 1] = scale * V_HSUM(acc[2 * u + 1]);
@@ -164,7 +171,8 @@ static inline __attribute__((always_inline)) void SFX(scores)(const float *const
     for (; h < nh; h++)
         for (int k = 0; k < 2 - one; k++) {
             const char *key = k ? kb : ka;
-            s[h * ld + j0 + k] = scale * (dot_c(q[h], key, d_c, ck) + dot_c(qr[h], key + d_c * es, d_r, ck));
+            s[h * ld + j0 + k] = scale * (dot_c(q[h], key, d_c, ck, k ? cb : ca) +
+                                          dot_c(qr[h], key + d_c * es, d_r, ck, k ? rb : ra));
         }
 }
 
@@ -173,14 +181,15 @@ static inline __attribute__((always_inline)) void SFX(scores)(const float *const
 static inline __attribute__((always_inline)) void SFX(weigh_block)(const float *p, int64_t ld, const void *cache,
                                                                    int64_t width, const int64_t *slot, int64_t j0,
                                                                    int64_t j1, const int64_t *hs, int64_t c0,
-                                                                   float *const *o, const int ck) {
+                                                                   float *const *o, const float *cs, const int ck) {
     V acc[WEIGH_HEADS][4];
     for (int r = 0; r < WEIGH_HEADS; r++)
         for (int u = 0; u < 4; u++) acc[r][u] = j0 ? V_LOAD(o[hs[r]] + c0 + VL * u) : V_ZERO();
     for (int64_t j = j0; j < j1; j++) {
         const int64_t k = slot[j] * width + c0;
+        const V sk = V_SET1(kscale(cs, slot[j], 0, ck));
         V kv[4];
-        for (int u = 0; u < 4; u++) kv[u] = SFX(load_c)(cache, k + VL * u, ck);
+        for (int u = 0; u < 4; u++) kv[u] = SFX(load_c)(cache, k + VL * u, ck, sk);
         for (int r = 0; r < WEIGH_HEADS; r++) {
             const V pr = V_SET1(p[hs[r] * ld + j]);
             for (int u = 0; u < 4; u++) acc[r][u] = V_FMA(pr, kv[u], acc[r][u]);
@@ -196,7 +205,7 @@ static inline __attribute__((always_inline)) void SFX(weigh_block)(const float *
 static inline __attribute__((always_inline)) void SFX(weighted_keys)(const float *p, int64_t ld, const void *cache,
                                                                      int64_t width, const int64_t *slot, int64_t len,
                                                                      int64_t nh, int64_t d_c, float *const *o,
-                                                                     const int ck) {
+                                                                     const float *cs, const int ck) {
     const int64_t cb = d_c - d_c % (4 * VL);
     for (int64_t j0 = 0; j0 < len; j0 += WEIGH_KEYS) {
         const int64_t j1 = j0 + WEIGH_KEYS < len ? j0 + WEIGH_KEYS : len;
@@ -204,12 +213,13 @@ static inline __attribute__((always_inline)) void SFX(weighted_keys)(const float
             for (int64_t h = 0; h < nh; h += WEIGH_HEADS) {
                 int64_t hs[WEIGH_HEADS];
                 for (int r = 0; r < WEIGH_HEADS; r++) hs[r] = h + r < nh ? h + r : nh - 1;
-                SFX(weigh_block)(p, ld, cache, width, slot, j0, j1, hs, c, o, ck);
+                SFX(weigh_block)(p, ld, cache, width, slot, j0, j1, hs, c, o, cs, ck);
             }
         for (int64_t h = 0; h < nh; h++)  /* columns past the last block */
             for (int64_t c = cb; c < d_c; c++) {
                 float acc = j0 ? o[h][c] : 0.0f;
-                for (int64_t j = j0; j < j1; j++) acc += p[h * ld + j] * load1c(cache, slot[j] * width + c, ck);
+                for (int64_t j = j0; j < j1; j++)
+                    acc += p[h * ld + j] * value_c(cache, slot[j] * width + c, ck, cs, slot[j], 0);
                 o[h][c] = acc;
             }
     }
@@ -221,7 +231,7 @@ static inline __attribute__((always_inline)) void SFX(weighted_keys)(const float
  * mla_decode_scratch(T, H, d_c, slot_stride, threads). */
 static inline __attribute__((always_inline)) void SFX(absorbed_decode)(
         const float *q_n, int64_t qn_t, int64_t qn_h, const float *q_r, int64_t qr_t, int64_t qr_h, const void *w_uk,
-                                 const void *w_uv_t, const void *cache,
+                                 const void *w_uv_t, const void *cache, const float *cs,
                                  const int64_t *slots, int64_t slot_stride, const int64_t *lens, float scale,
                                  float *out, float *scratch, int64_t scratch_stride, int64_t rows, int64_t heads,
                                  int64_t d_n, int64_t d_r, int64_t d_c, int64_t d_v, int64_t threads, const int bf16,
@@ -258,10 +268,11 @@ static inline __attribute__((always_inline)) void SFX(absorbed_decode)(
             for (int64_t j = 0; j < len; j += 2) {
                 for (int64_t u = j + KEYS_AHEAD; u < j + KEYS_AHEAD + 2 && u < len; u++)
                     fetch_key((const char *)cache + slot[u] * width * cache_bytes(ck), width * cache_bytes(ck));
-                SFX(scores)(qa, qr, cache, width, slot, j, j + 1 == len, h1 - h0, d_c, d_r, scale, s, slot_stride, ck);
+                SFX(scores)(qa, qr, cache, width, slot, j, j + 1 == len, h1 - h0, d_c, d_r, scale, s, slot_stride, cs,
+                            ck);
             }
             for (int64_t h = h0; h < h1; h++) SFX(softmax)(s + (h - h0) * slot_stride, len);
-            SFX(weighted_keys)(s, slot_stride, cache, width, slot, len, h1 - h0, d_c, ol, ck);
+            SFX(weighted_keys)(s, slot_stride, cache, width, slot, len, h1 - h0, d_c, ol, cs, ck);
         }
         /* up-project: out[t, h] = o_lat[t] W_UV^T[h], every row of a head at once */
         for (int64_t h = h0; h < h1 && m; h++)
@@ -285,6 +296,8 @@ static inline __attribute__((always_inline)) void SFX(absorbed_decode)(
 #undef V_MAX
 #undef V_BF16
 #undef V_F16
+#undef V_I8
+#undef V_FP8
 #undef V_HSUM
 #undef V_HMAX
 #undef V_EXP

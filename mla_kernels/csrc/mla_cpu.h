@@ -19,8 +19,10 @@
 enum WeightKind { W_F32 = 0, W_I8 = 1, W_BF16 = 2, W_F16 = 3, W_I4 = 4 };
 
 /* The element type of a latent cache the attention reads and rope_store writes: float32, or bfloat16 / float16 rows
- * (written rounded to nearest even, as torch rounds; read widened exactly). */
-enum CacheKind { C_F32 = 0, C_BF16 = 1, C_F16 = 2 };
+ * (written rounded to nearest even, as torch rounds; read widened exactly), or int8 / float8_e4m3fn rows with two
+ * float32 scales per token, scales [S, 2] (the latent's and the RoPE key's: each part absmax-quantised, value =
+ * stored * scale, as mla_kernels.common.quantize_per_token / dequantize_rows). */
+enum CacheKind { C_F32 = 0, C_BF16 = 1, C_F16 = 2, C_I8 = 3, C_FP8 = 4 };
 
 /* A gated MLP's row of an MLP table: gate_up [2 I, d] weight, scales, kind; down [d, I] weight, scales, kind; I. */
 #define MLP_FIELDS 7
@@ -86,20 +88,20 @@ int64_t mla_decode_by_rows(int64_t rows, int64_t heads, int64_t threads);
 int64_t mla_decode_scratch(int64_t rows, int64_t heads, int64_t d_c, int64_t slot_stride, int64_t threads);
 void mla_absorbed_decode_f32(const float *q_n, int64_t qn_t, int64_t qn_h, const float *q_r, int64_t qr_t,
                              int64_t qr_h, const void *w_uk, const void *w_uv_t, const void *cache,
-                             const int64_t *slots, int64_t slot_stride, const int64_t *lens, float scale, float *out,
-                             float *scratch, int64_t scratch_stride, int64_t rows, int64_t heads, int64_t d_n,
-                             int64_t d_r, int64_t d_c, int64_t d_v, int64_t threads, int64_t cache_kind,
-                             int64_t variant);
+                             const float *cache_scales, const int64_t *slots, int64_t slot_stride,
+                             const int64_t *lens, float scale, float *out, float *scratch, int64_t scratch_stride,
+                             int64_t rows, int64_t heads, int64_t d_n, int64_t d_r, int64_t d_c, int64_t d_v,
+                             int64_t threads, int64_t cache_kind, int64_t variant);
 void mla_absorbed_decode_bf16w(const float *q_n, int64_t qn_t, int64_t qn_h, const float *q_r, int64_t qr_t,
                                int64_t qr_h, const void *w_uk, const void *w_uv_t, const void *cache,
-                               const int64_t *slots, int64_t slot_stride, const int64_t *lens, float scale, float *out,
-                               float *scratch, int64_t scratch_stride, int64_t rows, int64_t heads, int64_t d_n,
-                               int64_t d_r, int64_t d_c, int64_t d_v, int64_t threads, int64_t cache_kind,
-                               int64_t variant);
+                               const float *cache_scales, const int64_t *slots, int64_t slot_stride,
+                               const int64_t *lens, float scale, float *out, float *scratch, int64_t scratch_stride,
+                               int64_t rows, int64_t heads, int64_t d_n, int64_t d_r, int64_t d_c, int64_t d_v,
+                               int64_t threads, int64_t cache_kind, int64_t variant);
 void mla_rope_store_f32(const float *latent, int64_t lat_ld, const float *norm, float eps, float *q, int64_t q_t,
                         int64_t q_h, int64_t heads, int64_t d_n, const float *cos, const float *sin, int64_t cs_ld,
-                        void *cache, int64_t cache_kind, const int64_t *slots, int64_t rows, int64_t d_c,
-                        int64_t d_r, int64_t interleave);
+                        void *cache, int64_t cache_kind, float *cache_scales, const int64_t *slots, int64_t rows,
+                        int64_t d_c, int64_t d_r, int64_t interleave);
 void mla_gated_mlps(const float *x, float *y, int64_t d, const int64_t *table, const int64_t *ids, const float *w,
                     int64_t n, float *scratch, int64_t threads);
 int64_t mla_route_row(const float *logits, const int64_t *cfg, const float *bias, float scaling, int64_t *ids,
@@ -109,6 +111,6 @@ void mla_moe_row(const float *x, float *y, int64_t d, const float *router, const
                  int64_t max_inter, int64_t threads);
 int64_t mla_decoder_layer_scratch(const int64_t *L, const int64_t *S);
 int64_t mla_decoder_layer(const int64_t *L, const int64_t *S, float *x, void *cache, int64_t cache_kind,
-                          float *scratch);
+                          float *cache_scales, float *scratch);
 
 #endif

@@ -1,5 +1,6 @@
 /* Absorbed MLA decode for x86-64 with AVX2 and FMA (AVX-512 where the CPU has it): float32 queries, float32 or
- * bfloat16 absorbed factors, a float32, bfloat16 or float16 latent cache (CacheKind). For query row t
+ * bfloat16 absorbed factors, a float32, bfloat16, float16, int8 or float8_e4m3fn latent cache (CacheKind; the last
+ * two with a scale per token and part). For query row t
  * and head h, with c_j / k_r_j the latent and RoPE key of the row's j-th cached token:
  *
  *     q~ = W_UK[h]^T q_n[t, h]                                   (d_c values)
@@ -28,11 +29,11 @@
 
 #define DECODE_PARAMS                                                                                                \
     const float *q_n, int64_t qn_t, int64_t qn_h, const float *q_r, int64_t qr_t, int64_t qr_h, const void *w_uk,    \
-        const void *w_uv_t, const void *cache, const int64_t *slots, int64_t slot_stride, const int64_t *lens,       \
+        const void *w_uv_t, const void *cache, const float *cache_scales, const int64_t *slots, int64_t slot_stride, const int64_t *lens,       \
         float scale, float *out, float *scratch, int64_t scratch_stride, int64_t rows, int64_t heads, int64_t d_n,   \
         int64_t d_r, int64_t d_c, int64_t d_v, int64_t threads
-#define DECODE_ARGS q_n, qn_t, qn_h, q_r, qr_t, qr_h, w_uk, w_uv_t, cache, slots, slot_stride, lens, scale, out, scratch, \
-                    scratch_stride, rows, heads, d_n, d_r, d_c, d_v, threads
+#define DECODE_ARGS q_n, qn_t, qn_h, q_r, qr_t, qr_h, w_uk, w_uv_t, cache, cache_scales, slots, slot_stride, lens, scale, \
+                    out, scratch, scratch_stride, rows, heads, d_n, d_r, d_c, d_v, threads
 
 /* Ask for n bytes at p in cache, front to back: one sequential stream the memory system can run ahead on (the
  * products below read their weights by column blocks, which the hardware prefetchers follow poorly from memory). */
@@ -51,19 +52,47 @@ static inline __attribute__((always_inline)) float load1(const void *b, int64_t 
 }
 
 /* Bytes of a cached value. */
-static inline __attribute__((always_inline)) int64_t cache_bytes(const int ck) { return ck == C_F32 ? 4 : 2; }
+static inline __attribute__((always_inline)) int64_t cache_bytes(const int ck) {
+    return ck == C_F32 ? 4 : ck == C_BF16 || ck == C_F16 ? 2 : 1;
+}
 
-/* Cached value i from c, widened (ck a constant wherever this is inlined). */
+static inline __attribute__((always_inline)) int quantised(const int ck) { return ck == C_I8 || ck == C_FP8; }
+
+/* An e4m3 byte s.eeee.mmm as the float16 s.0eeee.mmm0000000, whose value is the e4m3 value / 2^8 exactly (exponent
+ * biases 7 and 15; subnormals map to subnormals); the NaN bytes 0x7f / 0xff to a float16 NaN (gemv_fp8.c widens
+ * sixteen at a time the same way). */
+static inline uint16_t e4m3_half_bits(uint8_t b) {
+    const uint16_t mag = b & 0x7F;
+    return (uint16_t)(((b & 0x80) << 8) | (mag << 7) | (mag == 0x7F ? 0x7C00 : 0));
+}
+
+/* Cached value i from c, widened (ck a constant wherever this is inlined); an e4m3 value / 2^8 (kscale has the 2^8). */
 static inline __attribute__((always_inline)) float load1c(const void *c, int64_t i, const int ck) {
     if (ck == C_F16) return _cvtsh_ss(((const uint16_t *)c)[i]);
+    if (ck == C_I8) return (float)((const int8_t *)c)[i];
+    if (ck == C_FP8) return _cvtsh_ss(e4m3_half_bits(((const uint8_t *)c)[i]));
     return load1(c, i, ck == C_BF16);
 }
 
-/* x . key[0:n] for a cached key row of any kind: dot_f32 over its values widened (the same sums as a float32 row). */
-static inline __attribute__((always_inline)) float dot_c(const float *x, const void *key, int64_t n, const int ck) {
+/* The factor a quantised cache row's part (0: the latent, 1: the RoPE key) is widened by: its scale (times 2^8 for
+ * e4m3, which load1c / V_FP8 give divided by 2^8: exact); 1 for a float cache. */
+static inline __attribute__((always_inline)) float kscale(const float *cs, int64_t slot, int part, const int ck) {
+    return ck == C_I8 ? cs[2 * slot + part] : ck == C_FP8 ? cs[2 * slot + part] * 256.0f : 1.0f;
+}
+
+/* Cached value i (of the row at slot, part) dequantised: one rounding, as dequantize_rows. */
+static inline __attribute__((always_inline)) float value_c(const void *c, int64_t i, const int ck, const float *cs,
+                                                           int64_t slot, int part) {
+    return quantised(ck) ? load1c(c, i, ck) * kscale(cs, slot, part, ck) : load1c(c, i, ck);
+}
+
+/* x . key[0:n] for a cached key row (part) of any kind, times its factor s: dot_f32 over its values dequantised (the
+ * same sums as a float32 row of those values). */
+static inline __attribute__((always_inline)) float dot_c(const float *x, const void *key, int64_t n, const int ck,
+                                                         float s) {
     if (ck == C_F32) return dot_f32(x, (const float *)key, n);
     float wide[n];
-    for (int64_t i = 0; i < n; i++) wide[i] = load1c(key, i, ck);
+    for (int64_t i = 0; i < n; i++) wide[i] = quantised(ck) ? load1c(key, i, ck) * s : load1c(key, i, ck);
     return dot_f32(x, wide, n);
 }
 
@@ -126,6 +155,22 @@ static inline float hmax8(__m256 v) {
     return _mm_cvtss_f32(m4);
 }
 
+/* Eight e4m3 bytes as float16 bits (e4m3_half_bits, eight lanes): the sign extended into bits 7-15, the magnitude
+ * shifted to bits 7-13, bit 14 cleared, then set again for the NaN magnitude 0x7f (its + 0x80 carries into it). */
+static inline __m128i e4m3_half8(const uint8_t *p) {
+    const __m128i v = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    const __m128i h = _mm_and_si128(_mm_slli_epi16(v, 7), _mm_set1_epi16((short)0xBF80));
+    return _mm_or_si128(h, _mm_and_si128(_mm_add_epi16(h, _mm_set1_epi16(0x80)), _mm_set1_epi16(0x4000)));
+}
+
+/* Sixteen e4m3 bytes as float16 bits (the same, sixteen lanes). */
+static inline __m256i e4m3_half16(const uint8_t *p) {
+    const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(v, 7), _mm256_set1_epi16((short)0xBF80));
+    return _mm256_or_si256(h, _mm256_and_si256(_mm256_add_epi16(h, _mm256_set1_epi16(0x80)),
+                                               _mm256_set1_epi16(0x4000)));
+}
+
 /* The attention for AVX2 (8 lanes) */
 #define V __m256
 #define VL 8
@@ -142,6 +187,8 @@ static inline float hmax8(__m256 v) {
 #define V_MAX _mm256_max_ps
 #define V_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #define V_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define V_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define V_FP8(p) _mm256_cvtph_ps(e4m3_half8(p))
 #define V_HSUM hsum
 #define V_HMAX hmax8
 #define V_EXP exp8
@@ -177,6 +224,8 @@ static inline __m512 exp16(__m512 x) {
 #define V_MAX _mm512_max_ps
 #define V_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #define V_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define V_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define V_FP8(p) _mm512_cvtph_ps(e4m3_half16(p))
 #define V_HSUM _mm512_reduce_add_ps
 #define V_HMAX _mm512_reduce_max_ps
 #define V_EXP exp16
@@ -184,24 +233,23 @@ static inline __m512 exp16(__m512 x) {
 #include "decode_attention.h"  /* which undefines the names above */
 
 /* One function per instruction set, factor format (f32, bf16w) and cache kind, each with its own loops. */
-#define DECODE_FORMS(ISA)                                                                                            \
-    static void decode_##ISA##_f32_c32(DECODE_PARAMS) { absorbed_decode_##ISA(DECODE_ARGS, 0, C_F32); }            \
-    static void decode_##ISA##_f32_cbf16(DECODE_PARAMS) { absorbed_decode_##ISA(DECODE_ARGS, 0, C_BF16); }         \
-    static void decode_##ISA##_f32_cf16(DECODE_PARAMS) { absorbed_decode_##ISA(DECODE_ARGS, 0, C_F16); }           \
-    static void decode_##ISA##_bf16w_c32(DECODE_PARAMS) { absorbed_decode_##ISA(DECODE_ARGS, 1, C_F32); }          \
-    static void decode_##ISA##_bf16w_cbf16(DECODE_PARAMS) { absorbed_decode_##ISA(DECODE_ARGS, 1, C_BF16); }       \
-    static void decode_##ISA##_bf16w_cf16(DECODE_PARAMS) { absorbed_decode_##ISA(DECODE_ARGS, 1, C_F16); }
-DECODE_FORMS(avx512)
+#define DECODE_FORM(ISA, W, WB, C, CK) \
+    static void decode_##ISA##_##W##_##C(DECODE_PARAMS) { absorbed_decode_##ISA(DECODE_ARGS, WB, CK); }
+#define DECODE_FORMS(ISA, W, WB)                                                                                     \
+    DECODE_FORM(ISA, W, WB, c32, C_F32) DECODE_FORM(ISA, W, WB, cbf16, C_BF16) DECODE_FORM(ISA, W, WB, cf16, C_F16) \
+    DECODE_FORM(ISA, W, WB, ci8, C_I8) DECODE_FORM(ISA, W, WB, cfp8, C_FP8)
+DECODE_FORMS(avx512, f32, 0)
+DECODE_FORMS(avx512, bf16w, 1)
 #pragma GCC pop_options
-DECODE_FORMS(avx2)
+DECODE_FORMS(avx2, f32, 0)
+DECODE_FORMS(avx2, bf16w, 1)
 
 typedef void (*DecodeFn)(DECODE_PARAMS);
 /* [AVX-512][bfloat16 factors][cache kind] */
-static const DecodeFn DECODE[2][2][3] = {
-    {{decode_avx2_f32_c32, decode_avx2_f32_cbf16, decode_avx2_f32_cf16},
-     {decode_avx2_bf16w_c32, decode_avx2_bf16w_cbf16, decode_avx2_bf16w_cf16}},
-    {{decode_avx512_f32_c32, decode_avx512_f32_cbf16, decode_avx512_f32_cf16},
-     {decode_avx512_bf16w_c32, decode_avx512_bf16w_cbf16, decode_avx512_bf16w_cf16}}};
+#define DECODE_ROW(ISA, W) {decode_##ISA##_##W##_c32, decode_##ISA##_##W##_cbf16, decode_##ISA##_##W##_cf16, \
+                            decode_##ISA##_##W##_ci8, decode_##ISA##_##W##_cfp8}
+static const DecodeFn DECODE[2][2][5] = {{DECODE_ROW(avx2, f32), DECODE_ROW(avx2, bf16w)},
+                                         {DECODE_ROW(avx512, f32), DECODE_ROW(avx512, bf16w)}};
 
 /* The variant a call runs: the one named (0 AVX2, 1 AVX-512), else (-1) AVX-512 where the CPU runs it (the same
  * probe as the few-row float products: mla_float_variants). */
@@ -239,14 +287,45 @@ static inline uint16_t to_bf16(float v) {
     return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
 }
 
+/* float32 (|v| <= 448, or NaN) to float8_e4m3fn as torch rounds: to nearest even; subnormals are multiples of 2^-9,
+ * and a normal value keeps three of float32's 23 mantissa bits, its exponent rebiased from 127 to 7. */
+static inline uint8_t to_e4m3(float v) {
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    const uint8_t sign = (uint8_t)((bits >> 24) & 0x80);
+    if (isnan(v)) return sign | 0x7F;
+    const float a = fabsf(v);
+    if (a < 0.015625f) return sign | (uint8_t)nearbyintf(a * 512.0f);  /* 2^-6, the smallest normal: 8 -> 0x08 */
+    uint32_t m = bits & 0x7FFFFFFF;
+    m += 0x7FFFF + ((m >> 20) & 1);  /* to nearest even on the 20 bits dropped (a carry moves the exponent) */
+    return sign | (uint8_t)((m >> 20) - ((127 - 7) << 3));
+}
+
+/* values [n] absmax-quantised into out (int8 or e4m3 bytes) with the returned scale, as quantize_per_token: scale
+ * amax / qmax (1 for a zero row), each value divided by it, then int8 rounded to nearest even and clamped to
+ * +-127, or e4m3 clamped to +-448 and rounded. */
+static float quantise_part(const float *values, int64_t n, int ck, uint8_t *out) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < n; i++) amax = fmaxf(amax, fabsf(values[i]));
+    const float qmax = ck == C_I8 ? 127.0f : 448.0f;
+    const float scale = amax > 0.0f ? amax / qmax : 1.0f;
+    for (int64_t i = 0; i < n; i++) {
+        const float y = values[i] / scale;
+        out[i] = ck == C_I8 ? (uint8_t)(int8_t)fminf(fmaxf(nearbyintf(y), -qmax), qmax)
+                            : to_e4m3(fminf(fmaxf(y, -qmax), qmax));
+    }
+    return scale;
+}
+
 /* The latent side of a decode step's rows, on one thread: for row t, cache[slots[t]] = [RMSNorm(c_t) * norm ;
  * RoPE(k_r_t)] from latent_t = [c_t ; k_r_t] (row stride lat_ld), and each head's RoPE part of q (q + t q_t + h q_h
  * + d_n, d_r values) rotated in place. cos, sin: [T, d_r / 2] with row stride cs_ld. A bfloat16 or float16 cache
- * (cache_kind) gets the float32 row rounded to nearest even. */
+ * (cache_kind) gets the float32 row rounded to nearest even; an int8 or e4m3 one each part quantised with its scale
+ * in cache_scales [S, 2]. */
 void mla_rope_store_f32(const float *latent, int64_t lat_ld, const float *norm, float eps, float *q, int64_t q_t,
                         int64_t q_h, int64_t heads, int64_t d_n, const float *cos, const float *sin, int64_t cs_ld,
-                        void *cache, int64_t cache_kind, const int64_t *slots, int64_t rows, int64_t d_c,
-                        int64_t d_r, int64_t interleave) {
+                        void *cache, int64_t cache_kind, float *cache_scales, const int64_t *slots, int64_t rows,
+                        int64_t d_c, int64_t d_r, int64_t interleave) {
     const int64_t width = d_c + d_r;
     float wide[width];
     for (int64_t t = 0; t < rows; t++) {
@@ -260,6 +339,11 @@ void mla_rope_store_f32(const float *latent, int64_t lat_ld, const float *norm, 
             for (int64_t i = 0; i < width; i++) half[i] = to_bf16(wide[i]);
         else if (cache_kind == C_F16)
             for (int64_t i = 0; i < width; i++) half[i] = _cvtss_sh(wide[i], _MM_FROUND_TO_NEAREST_INT);
+        if (cache_kind == C_I8 || cache_kind == C_FP8) {
+            uint8_t *bytes = (uint8_t *)cache + slots[t] * width;
+            cache_scales[2 * slots[t]] = quantise_part(wide, d_c, (int)cache_kind, bytes);
+            cache_scales[2 * slots[t] + 1] = quantise_part(wide + d_c, d_r, (int)cache_kind, bytes + d_c);
+        }
         for (int64_t h = 0; h < heads; h++) {
             float *qr = q + t * q_t + h * q_h + d_n;
             rope(qr, qr, ct, st, d_r, (int)interleave);

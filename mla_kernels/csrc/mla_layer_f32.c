@@ -126,10 +126,10 @@ static void residual(float *x, const float *y, int64_t n) {
 }
 
 /* x [T, d] in place through one decoder layer (the file's comment); cache: the layer's flat latent rows, of
- * cache_kind (float32, bfloat16 or float16: CacheKind). Returns 1
+ * cache_kind (CacheKind), with cache_scales [S, 2] for an int8 or e4m3 cache. Returns 1
  * when it also ran the MLP (one row and a table), else 0: then h = RMSNorm(x) is at scratch[0 : T d]. */
 int64_t mla_decoder_layer(const int64_t *L, const int64_t *S, float *x, void *cache, int64_t cache_kind,
-                          float *scratch) {
+                          float *cache_scales, float *scratch) {
     const float *f = PTR(const float *, L, L_FLOATS);
     const int64_t t = S[S_ROWS], threads = S[S_THREADS], d = L[L_D], heads = L[L_HEADS], q_lora = L[L_Q_LORA];
     const int64_t d_n = L[L_D_N], d_r = L[L_D_R], d_c = L[L_D_C], d_v = L[L_D_V], qk = d_n + d_r;
@@ -147,10 +147,10 @@ int64_t mla_decoder_layer(const int64_t *L, const int64_t *S, float *x, void *ca
     }
     mla_rope_store_f32(qa + q_lora, lat_w, PTR(const float *, L, L_KV_NORM), f[3], q, heads * qk, qk, heads, d_n,
                        PTR(const float *, S, S_COS), PTR(const float *, S, S_SIN), S[S_CS_LD], cache, cache_kind,
-                       PTR(const int64_t *, S, S_SLOTS), t, d_c, d_r, L[L_INTERLEAVE]);
+                       cache_scales, PTR(const int64_t *, S, S_SLOTS), t, d_c, d_r, L[L_INTERLEAVE]);
     (L[L_W_BF16] ? mla_absorbed_decode_bf16w : mla_absorbed_decode_f32)(
         q, heads * qk, qk, q + d_n, heads * qk, qk, PTR(const void *, L, L_W_UK), PTR(const void *, L, L_W_UV_T), cache,
-        PTR(const int64_t *, S, S_KEYS), S[S_KEY_STRIDE], PTR(const int64_t *, S, S_LENS), f[4], o, att,
+        cache_scales, PTR(const int64_t *, S, S_KEYS), S[S_KEY_STRIDE], PTR(const int64_t *, S, S_LENS), f[4], o, att,
         S[S_DECODE_STRIDE], t, heads, d_n, d_r, d_c, d_v, S[S_DECODE_THREADS], cache_kind, -1);
     product(L, L_O_W, o, out, t, d, heads * d_v, threads);
     residual(x, out, t * d);

@@ -47,8 +47,9 @@ if TYPE_CHECKING:
     from mla_runtime.layers.mla import MLAttention
 
 PLANNED_MAX_QUERY_LEN = 8
-# the latent caches the compiled decode reads and writes (a compact row is widened exactly as it is read)
-COMPILED_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# the latent caches the compiled decode reads and writes (a compact row is widened exactly as it is read, a quantised
+# one times its per-token scale)
+COMPILED_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn)
 # a sparse step's gathered rows cost about this many times their multiply-adds against dense attention's (the
 # prefill of a 4,096-token prompt on a 128-head model: 217 s all gathered, 88 s with the masked dense form where this
 # ratio chooses it, 51 s dense; bench/RESULTS.md, "Sparse attention")
@@ -75,7 +76,7 @@ class CpuBackend(PagedBackend):
                 ) -> AttentionMetadata:
         meta = super().prepare(batch, rope, dims, cache)
         kv = cache.layers[0].kv
-        if cache.quantised or self.path == "naive":
+        if self.path == "naive":
             return meta
         key_bytes = kv.shape[-1] * kv.element_size()
         seqs, d = batch.leading_short(PLANNED_MAX_QUERY_LEN, PLANNED_EXTRA_KEY_BYTES // key_bytes)
@@ -90,9 +91,9 @@ class CpuBackend(PagedBackend):
                                  meta.host_cu_seqlens, _plan(batch, seqs, d, kv.device), d, rest)
 
     def compiled_rows(self, meta: AttentionMetadata, cache: LayerCache) -> bool:
-        """A step whose every row is a planned decode, over a float32, bfloat16 or float16 cache with float32 RoPE
-        tables: the one place that decides whether a step takes the compiled kernels (on the layers that
-        ``prepare_layer`` found take them: whether the kernels run here was decided once, when the weights were
+        """A step whose every row is a planned decode, over a float32, bfloat16, float16, int8 or float8_e4m3fn cache
+        with float32 RoPE tables: the one place that decides whether a step takes the compiled kernels (on the layers
+        that ``prepare_layer`` found take them: whether the kernels run here was decided once, when the weights were
         prepared)."""
         return meta.all_planned and cache.kv.dtype in COMPILED_CACHE_DTYPES and meta.rope.cos.dtype == torch.float32
 
@@ -108,13 +109,14 @@ class CpuBackend(PagedBackend):
         q3 = q.view(q.shape[0], attn.n_h, attn.d_n + attn.d_r)
         norm = attn.kv_a_layernorm
         cpu_kernels.ops().rope_store(latent, norm.weight, norm.eps, q3, attn.d_n, meta.rope.cos, meta.rope.sin,
-                                     cache.kv.view(-1, cache.kv.shape[-1]), meta.slot_mapping, attn.rotary.interleave)
+                                     cache.kv.view(-1, cache.kv.shape[-1]), meta.slot_mapping, attn.rotary.interleave,
+                                     cache.flat_scales)
         q_n, q_r = q3.split([attn.d_n, attn.d_r], dim=-1)
         return q_n, q_r
 
     def store(self, attn: MLAttention, c: torch.Tensor, k_r: torch.Tensor, meta: AttentionMetadata,
               cache: LayerCache) -> None:
-        if meta.decode_plan is None:
+        if meta.decode_plan is None or cache.scales is not None:
             return super().store(attn, c, k_r, meta, cache)
         write_latent(cache.kv, c, k_r, meta.slot_mapping)  # a planned step: float cache, every slot valid
 
@@ -139,10 +141,8 @@ class CpuBackend(PagedBackend):
 
     def sparse_forward(self, q_n: torch.Tensor, q_r: torch.Tensor, attn: MLAttention, meta: AttentionMetadata,
                        cache: LayerCache, selected: torch.Tensor) -> torch.Tensor:
-        """Sparse attention on a float cache: the selection as a gather plan (``sparse_plan``), attended like a
-        planned decode (a compiled call where the layer takes the compiled kernels)."""
-        if cache.scales is not None:
-            return super().sparse_forward(q_n, q_r, attn, meta, cache, selected)
+        """Sparse attention: the selection as a gather plan (``sparse_plan``), attended like a planned decode (a
+        compiled call where the layer takes the compiled kernels; an int8 / fp8 cache's rows dequantised)."""
         d = meta.num_planned if meta.decode_plan is not None else 0
         rest = meta.rest if d else meta
         if d == q_n.shape[0] or rest is None or not self._dense_cheaper(rest, attn, selected.shape[1]) \
@@ -181,7 +181,7 @@ class CpuBackend(PagedBackend):
         assert meta is not None
         batch = meta.batch
         key_lens = [c + q for q, c in zip(batch.query_lens, batch.context_lens_list)]
-        latent = gather_latent(cache.kv, None, batch.block_tables, batch.seq_lens, q_n.dtype, attn.d_c,
+        latent = gather_latent(cache.kv, cache.scales, batch.block_tables, batch.seq_lens, q_n.dtype, attn.d_c,
                                backend=self.kernels, host_lens=key_lens)
         c_all, k_r_all = latent.split([attn.d_c, attn.d_r], dim=-1)
         k_n, v = attn.kv_b_proj(c_all).view(-1, attn.n_h, attn.d_n + attn.d_v).split([attn.d_n, attn.d_v], dim=-1)
@@ -202,8 +202,8 @@ class CpuBackend(PagedBackend):
                 and cache.kv.dtype in COMPILED_CACHE_DTYPES and q_n.dtype == torch.float32:
             return cpu_kernels.ops().absorbed_decode(q_n, q_r, attn.w_uk, attn.w_uv_t,  # type: ignore[no-any-return]
                                                      cache.kv.view(-1, cache.kv.shape[-1]), plan.slots, plan.lens,
-                                                     attn.scale)
-        o_lat = mla_decode_planned(absorb(q_n, q_r, attn), cache.kv, plan, attn.scale, attn.d_c)
+                                                     attn.scale, scales=cache.flat_scales)
+        o_lat = mla_decode_planned(absorb(q_n, q_r, attn), cache.kv, plan, attn.scale, attn.d_c, cache.scales)
         return unabsorb(o_lat, attn)
 
 

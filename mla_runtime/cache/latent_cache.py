@@ -28,6 +28,11 @@ class LayerCache:
     index: torch.Tensor | None = None  # [num_blocks, block_size, d_I]: the sparse-attention indexer's keys
     index_scales: torch.Tensor | None = None  # [num_blocks, block_size, ceil(d_I / 128)] fp32 for an fp8 index
 
+    @property
+    def flat_scales(self) -> torch.Tensor | None:
+        """The scales as ``[num_slots, 2]`` (a view), as the compiled CPU kernels take them; None for a float cache."""
+        return None if self.scales is None else self.scales.view(-1, self.scales.shape[-1])
+
 
 class LatentCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, latent_dim: int,

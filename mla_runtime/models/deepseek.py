@@ -86,7 +86,7 @@ class DecoderLayer(nn.Module):
         can, and then ``x`` is updated in place."""
         table = self.kernel_table() if step is not None else None
         if step is not None and table is not None:
-            h = cpu_tables.decoder_layer(table, step, x, cache.kv.view(-1, cache.kv.shape[-1]))
+            h = cpu_tables.decoder_layer(table, step, x, cache.kv.view(-1, cache.kv.shape[-1]), cache.flat_scales)
             return x if h is None else x + self.mlp(h)
         s = self.residual_scale
         if s != 1.0:

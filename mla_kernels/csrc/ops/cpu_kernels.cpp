@@ -47,13 +47,19 @@ void expect(const Tensor& t, at::ScalarType dtype, at::IntArrayRef shape, const 
                     " ", t.sizes(), t.is_contiguous() ? "" : " (not contiguous)");
 }
 
-// A latent cache [S, width]: a contiguous CPU float32, bfloat16 or float16 matrix; returns its CacheKind.
-int64_t expect_cache(const Tensor& cache, int64_t width, const char* op) {
+// A latent cache [S, width]: a contiguous CPU float32, bfloat16, float16, int8 or float8_e4m3fn matrix, the last two
+// with their scales [S, 2] float32 (and only they); returns its CacheKind.
+int64_t expect_cache(const Tensor& cache, const OptTensor& scales, int64_t width, const char* op) {
   const at::ScalarType t = cache.scalar_type();
-  TORCH_CHECK_VALUE(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf, op,
-                    ": cache must be a float32, bfloat16 or float16 tensor, got ", t);
+  TORCH_CHECK_VALUE(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf || t == at::kChar ||
+                        t == at::kFloat8_e4m3fn,
+                    op, ": cache must be a float32, bfloat16, float16, int8 or float8_e4m3fn tensor, got ", t);
   expect(cache, t, {cache.size(0), width}, op, "cache");
-  return t == at::kFloat ? C_F32 : t == at::kBFloat16 ? C_BF16 : C_F16;
+  const bool quantised = t == at::kChar || t == at::kFloat8_e4m3fn;
+  TORCH_CHECK_VALUE(quantised == scales.has_value(), op, ": ", quantised ? "an int8 or float8_e4m3fn cache comes "
+                    "with its scales [S, 2]" : "a float cache has no scales");
+  if (scales) expect(*scales, at::kFloat, {cache.size(0), 2}, op, "scales");
+  return t == at::kFloat ? C_F32 : t == at::kBFloat16 ? C_BF16 : t == at::kHalf ? C_F16 : t == at::kChar ? C_I8 : C_FP8;
 }
 
 // t is a CPU float32 tensor of these sizes whose last dimension is contiguous (other strides free).
@@ -300,7 +306,7 @@ int64_t decode_threads(int64_t heads) { return std::max(threads(), cdiv(heads, M
 // slots [T, L] int64 (row t reads cache[slots[t, :lens[t]]]), lens [T] int64 -> out [T, H, d_v] float32.
 Tensor absorbed_decode(const Tensor& q_n, const Tensor& q_r, const Tensor& w_uk, const Tensor& w_uv_t,
                        const Tensor& cache, const Tensor& slots, const Tensor& lens, double scale,
-                       c10::string_view variant) {
+                       c10::string_view variant, const OptTensor& scales) {
   const char* op = "absorbed_decode";
   const int64_t v = variant_index(variant, mla_float_variants(), FLOAT_VARIANTS, op);
   TORCH_CHECK_VALUE(q_n.dim() == 3 && q_r.dim() == 3 && w_uk.dim() == 3 && w_uv_t.dim() == 3 && cache.dim() == 2,
@@ -313,7 +319,7 @@ Tensor absorbed_decode(const Tensor& q_n, const Tensor& q_r, const Tensor& w_uk,
   TORCH_CHECK_VALUE(wt == at::kFloat || wt == at::kBFloat16, "absorbed_decode: w_uk is float32 or bfloat16, got ", wt);
   expect(w_uk, wt, {heads, d_n, d_c}, op, "w_uk");
   expect(w_uv_t, wt, {heads, d_c, d_v}, op, "w_uv_t");
-  const int64_t kind = expect_cache(cache, d_c + d_r, op);
+  const int64_t kind = expect_cache(cache, scales, d_c + d_r, op);
   expect_keys(slots, lens, rows, cache.size(0), op);
   const int64_t nt = decode_threads(heads), per_row = cdiv(heads, nt) * 2 * d_c;
   const int64_t step = std::max<int64_t>(1, DECODE_SCRATCH_BYTES / (4 * nt * std::max<int64_t>(per_row, 1)));
@@ -325,7 +331,8 @@ Tensor absorbed_decode(const Tensor& q_n, const Tensor& q_r, const Tensor& w_uk,
     Tensor scratch = at::empty({nt, stride}, floats);
     kernel(ptr<const float>(q_n) + r0 * q_n.stride(0), q_n.stride(0), q_n.stride(1),
            ptr<const float>(q_r) + r0 * q_r.stride(0), q_r.stride(0), q_r.stride(1), w_uk.data_ptr(),
-           w_uv_t.data_ptr(), cache.data_ptr(), ptr<const int64_t>(slots) + r0 * slots.stride(0),
+           w_uv_t.data_ptr(), cache.data_ptr(), ptr<const float>(scales),
+           ptr<const int64_t>(slots) + r0 * slots.stride(0),
            slots.stride(0), ptr<const int64_t>(lens) + r0, static_cast<float>(scale),
            ptr<float>(out) + r0 * heads * d_v, ptr<float>(scratch), stride, m, heads, d_n, d_r, d_c, d_v, nt, kind, v);
   }
@@ -337,7 +344,7 @@ Tensor absorbed_decode(const Tensor& q_n, const Tensor& q_r, const Tensor& w_uk,
 // in place. cos / sin [T, d_r / 2] (rows with a stride). A bfloat16 or float16 cache gets the rows rounded to nearest
 // even, as torch rounds them.
 void rope_store(const Tensor& latent, const Tensor& norm, double eps, const Tensor& q, int64_t d_n, const Tensor& cos,
-                const Tensor& sin, const Tensor& cache, const Tensor& slots, bool interleave) {
+                const Tensor& sin, const Tensor& cache, const Tensor& slots, bool interleave, const OptTensor& scales) {
   const char* op = "rope_store";
   TORCH_CHECK_VALUE(latent.dim() == 2 && q.dim() == 3 && cache.dim() == 2, "rope_store: latent [T, d_c + d_r], ",
                     "q [T, H, d_n + d_r] and cache [S, d_c + d_r]");
@@ -350,14 +357,15 @@ void rope_store(const Tensor& latent, const Tensor& norm, double eps, const Tens
   expect_rows(cos, {rows, d_r / 2}, op, "cos");
   expect_rows(sin, {rows, d_r / 2}, op, "sin");
   TORCH_CHECK_VALUE(rows <= 1 || sin.stride(0) == cos.stride(0), "rope_store: cos and sin rows lie alike");
-  const int64_t kind = expect_cache(cache, width, op);
+  const int64_t kind = expect_cache(cache, scales, width, op);
   expect(slots, at::kLong, {rows}, op, "slots");
   const int64_t* s = ptr<const int64_t>(slots);
   for (int64_t t = 0; t < rows; ++t)
     TORCH_CHECK_VALUE(s[t] >= 0 && s[t] < cache.size(0), "rope_store: slot ", s[t], " of a cache of ", cache.size(0));
   mla_rope_store_f32(ptr<const float>(latent), latent.stride(0), ptr<const float>(norm), static_cast<float>(eps),
                      ptr<float>(q), q.stride(0), q.stride(1), q.size(1), d_n, ptr<const float>(cos),
-                     ptr<const float>(sin), cos.stride(0), cache.data_ptr(), kind, s, rows, d_c, d_r, interleave);
+                     ptr<const float>(sin), cos.stride(0), cache.data_ptr(), kind, ptr<float>(scales), s, rows, d_c, d_r,
+                     interleave);
 }
 
 // -- the table-driven kernels ------------------------------------------------------------------------------------
@@ -632,19 +640,20 @@ using StepRef = c10::intrusive_ptr<DecodeStep>;
 // One decoder layer over the step's rows: x [T, d] (contiguous float32) updated in place, the new latents written
 // into cache (the layer's [S, d_c + d_r] rows: float32, bfloat16 or float16). Returns True when the layer's MLP ran too, else the caller
 // runs it on post_norm(x), left at the start of the step's scratch (decoder_layer_hidden).
-bool decoder_layer(const LayerRef& layer, const StepRef& step, const Tensor& x, const Tensor& cache) {
+bool decoder_layer(const LayerRef& layer, const StepRef& step, const Tensor& x, const Tensor& cache,
+                   const OptTensor& scales) {
   const char* op = "decoder_layer";
   TORCH_CHECK_VALUE(layer->heads == step->heads && layer->d_c == step->d_c, op, ": a step of ", step->heads,
                     " heads and latent ", step->d_c, " for a layer of ", layer->heads, " and ", layer->d_c);
   expect(x, at::kFloat, {step->rows, layer->hidden}, op, "x");
   const int64_t width = layer->table.data_ptr<int64_t>()[L_D_C] + layer->table.data_ptr<int64_t>()[L_D_R];
-  const int64_t kind = expect_cache(cache, width, op);
+  const int64_t kind = expect_cache(cache, scales, width, op);
   TORCH_CHECK_VALUE(step->max_slot < cache.size(0), op, ": the step reads cache slot ", step->max_slot,
                     ", the cache holds ", cache.size(0));
   const int64_t need = mla_decoder_layer_scratch(ptr<const int64_t>(layer->table), ptr<const int64_t>(step->table));
   if (step->scratch.numel() < need) step->scratch = at::empty({need}, at::kFloat);
   return mla_decoder_layer(ptr<const int64_t>(layer->table), ptr<const int64_t>(step->table), ptr<float>(x),
-                           cache.data_ptr(), kind, ptr<float>(step->scratch)) != 0;
+                           cache.data_ptr(), kind, ptr<float>(scales), ptr<float>(step->scratch)) != 0;
 }
 
 // After a decoder_layer call that left the MLP to the caller: RMSNorm(x) (post-attention), a view of the step's
@@ -690,9 +699,9 @@ TORCH_LIBRARY_FRAGMENT(mla_kernels, m) {
   m.def("amx_linear(Tensor x, Tensor packed) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("absorbed_decode(Tensor q_n, Tensor q_r, Tensor w_uk, Tensor w_uv_t, Tensor cache, Tensor slots, "
-        "Tensor lens, float scale, str variant=\"auto\") -> Tensor");
+        "Tensor lens, float scale, str variant=\"auto\", Tensor? scales=None) -> Tensor");
   m.def("rope_store(Tensor latent, Tensor norm, float eps, Tensor(a!) q, int d_n, Tensor cos, Tensor sin, "
-        "Tensor(b!) cache, Tensor slots, bool interleave) -> ()");
+        "Tensor(b!) cache, Tensor slots, bool interleave, Tensor(c!)? scales=None) -> ()");
   m.def("mlp_table(Tensor[] gate_up, Tensor?[] gate_up_scales, Tensor[] down, Tensor?[] down_scales) -> "
         "__torch__.torch.classes.mla_kernels.MlpTable",
         [](at::TensorList gu, const c10::List<OptTensor>& gus, at::TensorList dn, const c10::List<OptTensor>& dns) {
@@ -724,7 +733,8 @@ TORCH_LIBRARY_FRAGMENT(mla_kernels, m) {
         [](const Tensor& cos, const Tensor& sin, const Tensor& slots, const Tensor& keys, const Tensor& lens,
            int64_t heads, int64_t d_c) { return c10::make_intrusive<DecodeStep>(cos, sin, slots, keys, lens, heads, d_c); });
   m.def("decoder_layer(__torch__.torch.classes.mla_kernels.LayerTable layer, "
-        "__torch__.torch.classes.mla_kernels.DecodeStep step, Tensor(a!) x, Tensor(b!) cache) -> bool",
+        "__torch__.torch.classes.mla_kernels.DecodeStep step, Tensor(a!) x, Tensor(b!) cache, "
+        "Tensor(c!)? scales=None) -> bool",
         &decoder_layer);
   m.def("decoder_layer_hidden(__torch__.torch.classes.mla_kernels.DecodeStep step, int d) -> Tensor",
         &decoder_layer_hidden);
