@@ -10,6 +10,7 @@ import functools
 import torch
 
 from . import cpu_kernels  # its variants(); it imports this module, which reads it only inside calls
+from .common import dequantize_rows, quantize_per_token
 from .int4_format import INT4_GROUP, pack_int4
 
 
@@ -49,7 +50,8 @@ def _core(g: torch.Generator, kind: str) -> str | None:
 
 def _decode(g: torch.Generator) -> str | None:
     """The absorbed decode kernel, each variant the CPU runs, against the same attention in torch (float64) on a small
-    random layer; over a bfloat16 or float16 cache, equal to the float32 cache of the same values."""
+    random layer; over a bfloat16, float16, int8 or float8_e4m3fn cache, equal to the float32 cache of the same
+    (dequantised) values."""
     rows, heads, d_n, d_r, d_c, d_v, blocks = 3, 5, 16, 8, 72, 24, 40
     q_n, q_r = torch.randn(rows, heads, d_n + d_r, generator=g).split([d_n, d_r], dim=-1)
     w_uk, w_uv_t = torch.randn(heads, d_n, d_c, generator=g), torch.randn(heads, d_c, d_v, generator=g)
@@ -68,11 +70,18 @@ def _decode(g: torch.Generator) -> str | None:
             if not torch.allclose(got[t].double(), want, rtol=1e-4, atol=1e-4):
                 return (f"the absorbed decode kernel ({variant}, {weights[0].dtype} weights) differs from torch's "
                         "attention here")
-    for variant, dtype in ((v, d) for v in runs for d in (torch.bfloat16, torch.float16)):
-        compact = cache.to(dtype)  # read as the float32 cache of the same values, bit for bit
-        got = _ops().absorbed_decode(q_n, q_r, w_uk, w_uv_t, compact, slots, lens, 0.3, variant)
-        if not torch.equal(got, _ops().absorbed_decode(q_n, q_r, w_uk, w_uv_t, compact.float(), slots, lens, 0.3,
-                                                       variant)):
+    for variant, dtype in ((v, d) for v in runs for d in (torch.bfloat16, torch.float16, torch.int8,
+                                                          torch.float8_e4m3fn)):
+        scales = None  # read as the float32 cache of the same (dequantised) values, bit for bit
+        if dtype in (torch.bfloat16, torch.float16):
+            compact = cache.to(dtype)
+            values = compact.float()
+        else:
+            (qc, sc), (qr, sr) = (quantize_per_token(part, dtype) for part in cache.split([d_c, d_r], dim=-1))
+            compact, scales = torch.cat([qc, qr], dim=-1), torch.stack([sc, sr], dim=-1)
+            values = dequantize_rows(compact, scales, d_c)
+        got = _ops().absorbed_decode(q_n, q_r, w_uk, w_uv_t, compact, slots, lens, 0.3, variant, scales)
+        if not torch.equal(got, _ops().absorbed_decode(q_n, q_r, w_uk, w_uv_t, values, slots, lens, 0.3, variant)):
             return f"the absorbed decode kernel ({variant}) reads a {dtype} cache unlike its float32 values here"
     return None
 

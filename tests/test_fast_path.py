@@ -1070,6 +1070,16 @@ def test_float32_decode_steps_take_the_compiled_attention_and_match_torch(tiny_c
     assert rel_err(logits[0], logits[1]) <= 1e-5
 
 
+def _spy_layer_calls(monkeypatch) -> list:
+    """The table of every compiled decoder-layer call the model makes."""
+    from mla_runtime.models import deepseek
+
+    calls: list = []
+    real = cpu_tables.decoder_layer
+    monkeypatch.setattr(deepseek.cpu_tables, "decoder_layer", lambda *a: calls.append(a[0]) or real(*a))
+    return calls
+
+
 @pytest.mark.parametrize("variant", ["v3", "v3_noq_halfsplit", "v2_group", "v2_greedy_qlora"])
 @pytest.mark.parametrize("quantization", [None, "int8", "int4", "bf16", "fp16"])
 def test_decode_steps_run_each_layer_as_one_compiled_call_with_the_same_logits(tiny_checkpoint, variant,
@@ -1084,9 +1094,7 @@ def test_decode_steps_run_each_layer_as_one_compiled_call_with_the_same_logits(t
 
     ckpt, _ = tiny_checkpoint(variant)
     ps = prompts([30, 12, 7], seed=5)
-    calls = []
-    real = cpu_tables.decoder_layer
-    monkeypatch.setattr(deepseek.cpu_tables, "decoder_layer", lambda *a: calls.append(a[0]) or real(*a))
+    calls = _spy_layer_calls(monkeypatch)
     model = load_model(ckpt, dtype="float32")
     if quantization:
         runner = PagedRunner(model, 1, 48)
@@ -1124,9 +1132,7 @@ def test_compact_latent_caches_take_the_compiled_decode_with_the_torch_logits(ti
 
     ckpt, _ = tiny_checkpoint(variant)
     ps = prompts([30, 12, 7], seed=5)
-    calls = []
-    real = cpu_tables.decoder_layer
-    monkeypatch.setattr(deepseek.cpu_tables, "decoder_layer", lambda *a: calls.append(a[0]) or real(*a))
+    calls = _spy_layer_calls(monkeypatch)
     model = load_model(ckpt, dtype="float32")
     logits = []
     for compiled in (True, False):
