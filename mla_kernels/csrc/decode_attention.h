@@ -226,7 +226,8 @@ static inline __attribute__((always_inline)) void SFX(weighted_keys)(const float
 }
 
 /* q_n [T, H, d_n] and q_r [T, H, d_r] (strides per row and per head, elements contiguous), w_uk [H, d_n, d_c],
- * w_uv_t [H, d_c, d_v], cache [*, d_c + d_r], slots [T, slot_stride] (the cache row of each row's keys), lens [T]
+ * w_uv_t [H, d_c, d_v], cache [*, d_c + d_r] of kind ck (cs [*, 2]: its scales where quantised, else unread),
+ * slots [T, slot_stride] (the cache row of each row's keys), lens [T]
  * (>= 1; at most slot_stride are read), out [T, H, d_v], scratch [threads, scratch_stride] with scratch_stride >=
  * mla_decode_scratch(T, H, d_c, slot_stride, threads). */
 static inline __attribute__((always_inline)) void SFX(absorbed_decode)(
