@@ -1,19 +1,20 @@
 """The CPU backend: decodes through one shared gather plan, and as compiled calls where the kernels build.
 
-On a float latent cache, the leading sequences of a step attend through one gather plan
+The leading sequences of a step attend through one gather plan
 (``mla_kernels.plan_decode``) in which each query row gathers its own keys: every one-token decode, and a short
 chunk (a speculative verification: at most ``PLANNED_MAX_QUERY_LEN`` tokens) while the keys its rows read beyond
 one row's stay under ``PLANNED_EXTRA_KEY_BYTES``. Reading a few more keys costs less than the per-sequence path's two
 dozen more operator calls per layer (on the demo model a one-draft verification step ran 730 operator calls that
 way and 420 planned); longer chunks (prefills, verifications over long contexts) come after them in the step
 (``StepPlan`` puts the shortest first) and take the reference paths as a batch of their own (``rest``), which gather a
-sequence's latent once. A quantised cache, or a forced ``naive`` path, takes the reference paths throughout.
+sequence's latent once. An int8 / fp8 cache's gathered rows are dequantised (their per-token scales); a forced
+``naive`` path takes the reference paths throughout.
 
 A sparse-attention layer's indexer scores with the typed operator of ``mla_kernels.cpu_ops`` where it builds (built
 while the model loads). Where the compiled kernels (``mla_kernels.cpu_kernels``) build and a layer's weights are float32
-(``prepare_layer``), a step whose every row is planned (``compiled_rows``: float32 cache and RoPE tables) runs each
-layer's latent side (norm, RoPE, cache write, the queries' RoPE) and its absorbed attention as two compiled calls
-after the projections; ``models/deepseek.py`` may then run the whole decoder layer as one call
+(``prepare_layer``), a step whose every row is planned (``compiled_rows``: any cache format, float32 RoPE tables)
+runs each layer's latent side (norm, RoPE, cache write, the queries' RoPE) and its absorbed attention as two compiled
+calls after the projections; ``models/deepseek.py`` may then run the whole decoder layer as one call
 (``layers/decoder_kernel.py``).
 """
 
