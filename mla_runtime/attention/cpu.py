@@ -67,9 +67,12 @@ class CpuBackend(PagedBackend):
         self.name = "cpu"
 
     def prepare_layer(self, attn: MLAttention) -> None:
-        """A layer whose absorbed weights are float32 takes the compiled decode kernels where they build."""
-        attn.decode_kernel = (attn.w_uk is not None and attn.w_uk.dtype == torch.float32
-                              and attn.w_uk.device.type == "cpu" and row_kernel_failure() is None)
+        """A layer whose absorbed weights are float32 takes the compiled decode kernels where they build; a bfloat16
+        model's layer their attention alone (its planned rows: float32 sums over its bfloat16 factors and cache, as its
+        few-row products already sum)."""
+        runs = attn.w_uk is not None and attn.w_uk.device.type == "cpu" and row_kernel_failure() is None
+        attn.decode_kernel = runs and attn.w_uk is not None and attn.w_uk.dtype == torch.float32
+        attn.attention_kernel = runs and attn.w_uk is not None and attn.w_uk.dtype in (torch.float32, torch.bfloat16)
         if attn.indexer is not None:
             cpu_ops.available()  # the indexer's operator is built (or found built) while the model loads
 
@@ -199,11 +202,13 @@ class CpuBackend(PagedBackend):
     def _attend_plan(self, q_n: torch.Tensor, q_r: torch.Tensor, attn: MLAttention, plan: DecodePlan,
                      cache: LayerCache) -> torch.Tensor:
         """Absorbed attention of the plan's rows over the keys it gathers for each -> ``[N, n_h, d_v]``."""
-        if attn.decode_kernel and attn.w_uk is not None and attn.w_uv_t is not None \
-                and cache.kv.dtype in COMPILED_CACHE_DTYPES and q_n.dtype == torch.float32:
-            return cpu_kernels.ops().absorbed_decode(q_n, q_r, attn.w_uk, attn.w_uv_t,  # type: ignore[no-any-return]
-                                                     cache.kv.view(-1, cache.kv.shape[-1]), plan.slots, plan.lens,
-                                                     attn.scale, scales=cache.flat_scales)
+        if attn.attention_kernel and attn.w_uk is not None and attn.w_uv_t is not None \
+                and attn.w_uk.dtype == attn.w_uv_t.dtype and cache.kv.dtype in COMPILED_CACHE_DTYPES \
+                and q_n.dtype in (torch.float32, torch.bfloat16):
+            out = cpu_kernels.ops().absorbed_decode(q_n.float(), q_r.float(), attn.w_uk, attn.w_uv_t,
+                                                    cache.kv.view(-1, cache.kv.shape[-1]), plan.slots, plan.lens,
+                                                    attn.scale, scales=cache.flat_scales)
+            return out if out.dtype == q_n.dtype else out.to(q_n.dtype)  # type: ignore[no-any-return]
         o_lat = mla_decode_planned(absorb(q_n, q_r, attn), cache.kv, plan, attn.scale, attn.d_c, cache.scales)
         return unabsorb(o_lat, attn)
 

@@ -80,6 +80,7 @@ class MLAttention(nn.Module):
         self.qkv_a: PackedWeight | None = None  # q_a_proj and kv_a_proj_with_mqa stacked: one GEMM
         self.qkv_a_bias: torch.Tensor | None = None
         self.decode_kernel = False  # the backend's prepare_layer: the compiled CPU decode kernels read this layer
+        self.attention_kernel = False  # the backend's prepare_layer: its planned rows take the compiled attention
         self.layer, (self.indexer, self.shares_selection) = layer, Indexer.of_layer(rc, layer)  # sparse attention
 
     def prepare_inference(self) -> None:
