@@ -1044,6 +1044,31 @@ def test_rope_store_kernel_quantises_like_torch(cache_dtype):
                        scales)
 
 
+def test_a_bfloat16_models_decode_rows_take_the_compiled_attention(tiny_checkpoint, monkeypatch):
+    """Where the kernels build, a bfloat16 model's planned decode rows attend through the compiled attention (float32
+    sums over its bfloat16 factors and cache; the rest of the layer call by call), with the logits of its torch path
+    to bfloat16 rounding (that path rounds the scores and the weights to bfloat16)."""
+    ckpt, _ = tiny_checkpoint("v3")
+    ps = prompts([30, 12, 7], seed=8)
+    calls = spy_ops(monkeypatch, "absorbed_decode")["absorbed_decode"]
+    logits = []
+    for kernel in (True, False):
+        model = load_model(ckpt, dtype="bfloat16")
+        runs = cpu_gemm.row_kernel_failure() is None
+        assert all(layer.self_attn.attention_kernel == runs and not layer.self_attn.decode_kernel
+                   for layer in model.model.layers)
+        for layer in model.model.layers:
+            layer.self_attn.attention_kernel = kernel and runs
+        runner = PagedRunner(model, len(ps), 48)
+        runner.step({i: p[:-1] for i, p in enumerate(ps)})
+        calls.clear()
+        out = runner.step({i: p[-1:] for i, p in enumerate(ps)})
+        assert len(calls) == (model.config.num_hidden_layers if kernel and runs else 0)
+        assert all(c[0].dtype == torch.float32 and c[4].dtype == torch.bfloat16 for c in calls)
+        logits.append(torch.cat([out[i] for i in range(len(ps))]).float())
+    assert rel_err(logits[0], logits[1]) <= 3e-2  # measured 7.6e-3: bfloat16 rounding
+
+
 def test_float32_decode_steps_take_the_compiled_attention_and_match_torch(tiny_checkpoint, monkeypatch):
     """Where the kernels build, every layer of a float32 decode step runs the latent side and the attention as
     compiled calls, with the logits of the torch path (the kernels left out). (The whole layer as one call is left
