@@ -13,8 +13,9 @@ import torch
 from mla_kernels.dtypes import FLOAT_CACHE_DTYPES, QUANTIZED_CACHE_DTYPES, is_quantized
 from mla_kernels.sparse import index_scale_groups
 
-__all__ = ["CACHE_DTYPES", "FLOAT_CACHE_DTYPES", "MODEL_DTYPES", "QUANTIZED_CACHE_DTYPES", "CacheDtype",
-           "auto_cache_dtype", "dtype_name", "index_bytes_per_token", "index_cache_dtype", "resolve_cache_dtype"]
+__all__ = ["CACHE_DTYPES", "FLOAT_CACHE_DTYPES", "HALF_WEIGHT_SCHEMES", "MODEL_DTYPES", "QUANTIZED_CACHE_DTYPES",
+           "CacheDtype", "auto_cache_dtype", "dtype_name", "index_bytes_per_token", "index_cache_dtype",
+           "resolve_cache_dtype"]
 
 MODEL_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -59,8 +60,8 @@ class CacheDtype:
         return CACHE_SCALES_PER_TOKEN * CACHE_SCALE_DTYPE.itemsize if self.quantized else 0
 
 
-# the weight formats that hold a half-precision checkpoint's own values in a float32 model (layers.bf16)
-_HALF_WEIGHTS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+# the weight-only formats that hold a half-precision checkpoint's own values in a float32 model (layers.bf16)
+HALF_WEIGHT_SCHEMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def auto_cache_dtype(requested: str | torch.dtype, checkpoint: torch.dtype, model: torch.dtype,
@@ -71,7 +72,7 @@ def auto_cache_dtype(requested: str | torch.dtype, checkpoint: torch.dtype, mode
     as a float32 one). There the cache keeps the checkpoint's precision too, at half the bytes, as the checkpoint's
     own model would."""
     if requested == "auto" and model == torch.float32 and quantization is not None \
-            and _HALF_WEIGHTS.get(checkpoint) == quantization:
+            and HALF_WEIGHT_SCHEMES.get(checkpoint) == quantization:
         return checkpoint
     return model
 

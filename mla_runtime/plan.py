@@ -729,8 +729,8 @@ def plan_memory(config: ModelConfig, *, dtype: str | torch.dtype, cache_dtype: s
     """
     checkpoint_dtype = resolve_model_dtype(dtype, config)
     model_dtype = checkpoint_dtype if cpu is None else cpu.dtype
-    cache = resolve_cache_dtype(cache_dtype, auto_cache_dtype(dtype, checkpoint_dtype, model_dtype, quantization))
     quantization = check_weight_quantization(quantization)
+    cache = resolve_cache_dtype(cache_dtype, auto_cache_dtype(dtype, checkpoint_dtype, model_dtype, quantization))
     _check_plan_args(config, memory_utilization, latent_cache_layout, tensor_parallel_size,
                      device_memory_bytes=device_memory_bytes, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
                      block_size=block_size)

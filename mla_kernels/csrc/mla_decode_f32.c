@@ -29,11 +29,12 @@
 
 #define DECODE_PARAMS                                                                                                \
     const float *q_n, int64_t qn_t, int64_t qn_h, const float *q_r, int64_t qr_t, int64_t qr_h, const void *w_uk,    \
-        const void *w_uv_t, const void *cache, const float *cache_scales, const int64_t *slots, int64_t slot_stride, const int64_t *lens,       \
-        float scale, float *out, float *scratch, int64_t scratch_stride, int64_t rows, int64_t heads, int64_t d_n,   \
-        int64_t d_r, int64_t d_c, int64_t d_v, int64_t threads
-#define DECODE_ARGS q_n, qn_t, qn_h, q_r, qr_t, qr_h, w_uk, w_uv_t, cache, cache_scales, slots, slot_stride, lens, scale, \
-                    out, scratch, scratch_stride, rows, heads, d_n, d_r, d_c, d_v, threads
+        const void *w_uv_t, const void *cache, const float *cache_scales, const int64_t *slots, int64_t slot_stride, \
+        const int64_t *lens, float scale, float *out, float *scratch, int64_t scratch_stride, int64_t rows,          \
+        int64_t heads, int64_t d_n, int64_t d_r, int64_t d_c, int64_t d_v, int64_t threads
+#define DECODE_ARGS                                                                                                  \
+    q_n, qn_t, qn_h, q_r, qr_t, qr_h, w_uk, w_uv_t, cache, cache_scales, slots, slot_stride, lens, scale, out,       \
+        scratch, scratch_stride, rows, heads, d_n, d_r, d_c, d_v, threads
 
 /* Ask for n bytes at p in cache, front to back: one sequential stream the memory system can run ahead on (the
  * products below read their weights by column blocks, which the hardware prefetchers follow poorly from memory). */

@@ -48,9 +48,6 @@ if TYPE_CHECKING:
     from mla_runtime.layers.mla import MLAttention
 
 PLANNED_MAX_QUERY_LEN = 8
-# the latent caches the compiled decode reads and writes (a compact row is widened exactly as it is read, a quantised
-# one times its per-token scale)
-COMPILED_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn)
 # a sparse step's gathered rows cost about this many times their multiply-adds against dense attention's (the
 # prefill of a 4,096-token prompt on a 128-head model: 217 s all gathered, 88 s with the masked dense form where this
 # ratio chooses it, 51 s dense; bench/RESULTS.md, "Sparse attention")
@@ -95,11 +92,11 @@ class CpuBackend(PagedBackend):
                                  meta.host_cu_seqlens, _plan(batch, seqs, d, kv.device), d, rest)
 
     def compiled_rows(self, meta: AttentionMetadata, cache: LayerCache) -> bool:
-        """A step whose every row is a planned decode, over a float32, bfloat16, float16, int8 or float8_e4m3fn cache
-        with float32 RoPE tables: the one place that decides whether a step takes the compiled kernels (on the layers
-        that ``prepare_layer`` found take them: whether the kernels run here was decided once, when the weights were
-        prepared)."""
-        return meta.all_planned and cache.kv.dtype in COMPILED_CACHE_DTYPES and meta.rope.cos.dtype == torch.float32
+        """A step whose every row is a planned decode, with float32 RoPE tables (the kernels read and write every cache
+        format: float32, bfloat16, float16, int8 and float8_e4m3fn): the one place that decides whether a step takes
+        the compiled kernels (on the layers that ``prepare_layer`` found take them: whether the kernels run here was
+        decided once, when the weights were prepared)."""
+        return meta.all_planned and meta.rope.cos.dtype == torch.float32
 
     def _compiled(self, attn: MLAttention, meta: AttentionMetadata, cache: LayerCache) -> bool:
         """The layer's latent side and attention run compiled: a compiled step, on the layer's prepared float32
@@ -203,7 +200,6 @@ class CpuBackend(PagedBackend):
                      cache: LayerCache) -> torch.Tensor:
         """Absorbed attention of the plan's rows over the keys it gathers for each -> ``[N, n_h, d_v]``."""
         if attn.attention_kernel and attn.w_uk is not None and attn.w_uv_t is not None \
-                and attn.w_uk.dtype == attn.w_uv_t.dtype and cache.kv.dtype in COMPILED_CACHE_DTYPES \
                 and q_n.dtype in (torch.float32, torch.bfloat16):
             out = cpu_kernels.ops().absorbed_decode(q_n.float(), q_r.float(), attn.w_uk, attn.w_uv_t,
                                                     cache.kv.view(-1, cache.kv.shape[-1]), plan.slots, plan.lens,

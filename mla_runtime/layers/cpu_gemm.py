@@ -68,6 +68,7 @@ import torch.nn.functional as F
 
 from mla_kernels import cpu_kernels, cpu_ops
 from mla_runtime import env
+from mla_runtime.dtypes import HALF_WEIGHT_SCHEMES
 from mla_runtime.options import CPU_GEMM_MODES
 from mla_runtime.resolved_config import CpuLayouts
 
@@ -326,7 +327,6 @@ def resolve_cpu_dtype(requested: str | torch.dtype, checkpoint: torch.dtype) -> 
     return chosen
 
 
-HALF_SCHEMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # the weight-only formats keeping a half checkpoint
 
 
 def resolve_cpu_format(requested: str | torch.dtype, checkpoint: torch.dtype, quantization: str | None
@@ -338,7 +338,7 @@ def resolve_cpu_format(requested: str | torch.dtype, checkpoint: torch.dtype, qu
     if requested == "auto" and quantization is None and half_kernel_runs(checkpoint):
         logger.info('dtype "auto" on this CPU: float32 with %s weights (checkpoint torch_dtype %s): the compiled '
                     "kernels read them at two bytes", _name(checkpoint), _name(checkpoint))
-        return torch.float32, HALF_SCHEMES[checkpoint]
+        return torch.float32, HALF_WEIGHT_SCHEMES[checkpoint]
     return resolve_cpu_dtype(requested, checkpoint), quantization
 
 

@@ -302,8 +302,7 @@ int64_t decode_threads(int64_t heads) { return std::max(threads(), cdiv(heads, M
 
 // A layer's absorbed decode attention: q_n [T, H, d_n], rotated q_r [T, H, d_r] (float32; row and head strides free),
 // w_uk [H, d_n, d_c], w_uv_t [H, d_c, d_v] (float32, or both bfloat16), cache [S, d_c + d_r] latent rows (float32,
-// bfloat16 or float16),
-// slots [T, L] int64 (row t reads cache[slots[t, :lens[t]]]), lens [T] int64 -> out [T, H, d_v] float32.
+// bfloat16, float16, or int8 / float8_e4m3fn with their scales [S, 2]), slots [T, L] int64 (row t reads cache[slots[t, :lens[t]]]), lens [T] int64 -> out [T, H, d_v] float32.
 Tensor absorbed_decode(const Tensor& q_n, const Tensor& q_r, const Tensor& w_uk, const Tensor& w_uv_t,
                        const Tensor& cache, const Tensor& slots, const Tensor& lens, double scale,
                        c10::string_view variant, const OptTensor& scales) {
@@ -342,7 +341,7 @@ Tensor absorbed_decode(const Tensor& q_n, const Tensor& q_r, const Tensor& w_uk,
 // The latent side of a float32 decode step, one thread: for each row t of latent [T, d_c + d_r] ([c ; k_r]),
 // cache[slots[t]] = [RMSNorm(c) * norm ; RoPE(k_r)], and the RoPE part of each head of q [T, H, d_n + d_r] rotated
 // in place. cos / sin [T, d_r / 2] (rows with a stride). A bfloat16 or float16 cache gets the rows rounded to nearest
-// even, as torch rounds them.
+// even, as torch rounds them; an int8 or float8_e4m3fn one each part quantised, its scale into scales [S, 2].
 void rope_store(const Tensor& latent, const Tensor& norm, double eps, const Tensor& q, int64_t d_n, const Tensor& cos,
                 const Tensor& sin, const Tensor& cache, const Tensor& slots, bool interleave, const OptTensor& scales) {
   const char* op = "rope_store";
@@ -364,8 +363,8 @@ void rope_store(const Tensor& latent, const Tensor& norm, double eps, const Tens
     TORCH_CHECK_VALUE(s[t] >= 0 && s[t] < cache.size(0), "rope_store: slot ", s[t], " of a cache of ", cache.size(0));
   mla_rope_store_f32(ptr<const float>(latent), latent.stride(0), ptr<const float>(norm), static_cast<float>(eps),
                      ptr<float>(q), q.stride(0), q.stride(1), q.size(1), d_n, ptr<const float>(cos),
-                     ptr<const float>(sin), cos.stride(0), cache.data_ptr(), kind, ptr<float>(scales), s, rows, d_c, d_r,
-                     interleave);
+                     ptr<const float>(sin), cos.stride(0), cache.data_ptr(), kind, ptr<float>(scales), s, rows, d_c,
+                     d_r, interleave);
 }
 
 // -- the table-driven kernels ------------------------------------------------------------------------------------
@@ -638,8 +637,9 @@ using LayerRef = c10::intrusive_ptr<LayerTable>;
 using StepRef = c10::intrusive_ptr<DecodeStep>;
 
 // One decoder layer over the step's rows: x [T, d] (contiguous float32) updated in place, the new latents written
-// into cache (the layer's [S, d_c + d_r] rows: float32, bfloat16 or float16). Returns True when the layer's MLP ran too, else the caller
-// runs it on post_norm(x), left at the start of the step's scratch (decoder_layer_hidden).
+// into cache (the layer's [S, d_c + d_r] rows of any CacheKind, with their scales where quantised). Returns True when
+// the layer's MLP ran too, else the caller runs it on post_norm(x), left at the start of the step's scratch
+// (decoder_layer_hidden).
 bool decoder_layer(const LayerRef& layer, const StepRef& step, const Tensor& x, const Tensor& cache,
                    const OptTensor& scales) {
   const char* op = "decoder_layer";
