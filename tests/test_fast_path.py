@@ -1302,6 +1302,76 @@ def test_each_few_row_float_variant_is_the_product(variant, dtype):
         assert torch.equal(got, alone)
 
 
+# What the capped process computes: the products of each weight format, the absorbed attention and the indexer's
+# scores on seeded inputs, with its variant lists and what it says of AMX and of native bfloat16 arithmetic.
+_CAPPED = """
+import json, sys, torch
+from mla_kernels import cpu_kernels, cpu_ops
+from mla_runtime.layers import cpu_gemm
+g = torch.Generator().manual_seed(3)
+x, w = torch.randn(5, 300, generator=g), torch.randn(70, 300, generator=g)
+w8, s8 = torch.randint(-127, 128, (70, 300), generator=g, dtype=torch.int8), torch.rand(70, generator=g)
+q, wi, keys = torch.randn(2, 4, 64, generator=g), torch.rand(2, 4, generator=g), torch.randn(3, 16, 64, generator=g)
+table = torch.tensor([[0, 2], [1, 0]], dtype=torch.int32)
+a = [torch.randn(3, 16, 64, generator=g), torch.randn(3, 16, 32, generator=g), torch.randn(16, 64, 256, generator=g),
+     torch.randn(16, 256, 64, generator=g) / 16, torch.randn(64, 288, generator=g), torch.tensor([[0, 5, 9], [3, 7, 1],
+     [60, 2, 4]]), torch.tensor([3, 2, 1])]
+ops = cpu_kernels.ops()
+torch.save({"f32": ops.linear(x, w), "bf16": ops.linear(x[:3], w.bfloat16()), "int8": ops.linear(x, w8, s8),
+            "attention": ops.absorbed_decode(*a, 0.125), "indexer": ops.indexer_scores(
+                q, wi, keys, None, table, torch.tensor([0, 1]),
+                torch.tensor([20, 9]), 20)}, sys.argv[1])
+print(json.dumps({"products": list(ops.product_variants()), "indexer": list(ops.cpu_variants()),
+                  "cap": ops.max_isa(), "summary": cpu_ops.summary(), "amx": cpu_kernels.failure("amx"),
+                  "native_bf16": cpu_gemm.native_arithmetic(torch.bfloat16)}))
+"""
+
+
+@needs_row_kernel
+def test_a_process_capped_at_avx2_computes_the_avx2_variants_bits(tmp_path):
+    """``MLA_CPU_ISA=avx2`` makes a process on any x86 CPU take the variants an AVX2 machine takes: its products
+    (float32, bfloat16, int8 weights), absorbed attention and indexer scores equal, bit for bit, the AVX2 variants
+    asked for by name here; it lists the wider variants as above the cap, names the cap in its summary and in why it
+    has no AMX tiles, and counts no AVX-512 bfloat16 arithmetic. A value it does not know is refused by name."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "capped.pt"
+    env = {**os.environ, cpu_ops.ISA_ENV: "avx2"}
+    done = subprocess.run([sys.executable, "-c", _CAPPED, str(out)], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = json.loads(done.stdout.strip().splitlines()[-1])
+    got = torch.load(out)
+    assert said["cap"] == "avx2" and "capped at avx2 by $MLA_CPU_ISA" in said["summary"]
+    assert [v for v in said["products"] if v.endswith(":runs")] == ["float.avx2:runs", "int8.avx2:runs",
+                                                                    "int4.avx2:runs"]
+    assert [v for v in said["indexer"] if v.endswith(":runs")] == ["avx2:runs", "generic:runs"]
+    assert said["amx"] == "$MLA_CPU_ISA caps this process at avx2" and said["native_bf16"] == []
+    if "avx512" in cpu_kernels.variants("float"):  # what it left out, this CPU runs
+        assert "float.avx512:above the ISA cap" in said["products"]
+    g = torch.Generator().manual_seed(3)  # the script's inputs, drawn in its order
+    x, w = torch.randn(5, 300, generator=g), torch.randn(70, 300, generator=g)
+    w8, s8 = torch.randint(-127, 128, (70, 300), generator=g, dtype=torch.int8), torch.rand(70, generator=g)
+    q, wi, keys = torch.randn(2, 4, 64, generator=g), torch.rand(2, 4, generator=g), torch.randn(3, 16, 64, generator=g)
+    table = torch.tensor([[0, 2], [1, 0]], dtype=torch.int32)
+    a = [torch.randn(3, 16, 64, generator=g), torch.randn(3, 16, 32, generator=g),
+         torch.randn(16, 64, 256, generator=g), torch.randn(16, 256, 64, generator=g) / 16,
+         torch.randn(64, 288, generator=g), torch.tensor([[0, 5, 9], [3, 7, 1], [60, 2, 4]]), torch.tensor([3, 2, 1])]
+    ops = cpu_kernels.ops()
+    assert torch.equal(got["f32"], ops.linear(x, w, variant="avx2"))
+    assert torch.equal(got["bf16"], ops.linear(x[:3], w.bfloat16(), variant="avx2"))
+    assert torch.equal(got["int8"], ops.linear(x, w8, s8, variant="avx2"))
+    assert torch.equal(got["attention"], ops.absorbed_decode(*a, 0.125, "avx2"))
+    assert torch.equal(got["indexer"], ops.indexer_scores(q, wi, keys, None, table, torch.tensor([0, 1]),
+                                                          torch.tensor([20, 9]), 20, "avx2"))
+    bad = subprocess.run([sys.executable, "-c", "from mla_kernels import cpu_ops; cpu_ops.failure()"],
+                         env={**os.environ, cpu_ops.ISA_ENV: "avx1024"}, capture_output=True, text=True, timeout=120,
+                         check=False)
+    assert bad.returncode != 0 and "$MLA_CPU_ISA='avx1024' is not an instruction set" in bad.stderr
+
+
 def test_amx_products_are_the_bfloat16_product_where_the_cpu_has_tiles():
     """Where the CPU has AMX bfloat16 tiles, a bfloat16 weight's products of more rows than the few-row kernels take,
     up to ``AMX_MAX_ROWS``, run on them: the product of the rows rounded to bfloat16, within float32 summation of the
@@ -1492,8 +1562,8 @@ def test_every_cpu_operator_has_a_shape_function():
     assert {"indexer_scores", "linear", "absorbed_decode", "layer_table", "decoder_layer"} <= names
     # no tensors, or the custom-class tables (raw addresses, which tracing cannot stand in for): eager only, as the
     # decode step that calls them
-    untraced = {"cpu_variants", "product_variants", "limits", "mlp_table", "layer_table", "decode_step", "gated_mlps",
-                "moe_row", "decoder_layer", "decoder_layer_hidden"}
+    untraced = {"cpu_variants", "product_variants", "limits", "set_max_isa", "max_isa", "mlp_table", "layer_table",
+                "decode_step", "gated_mlps", "moe_row", "decoder_layer", "decoder_layer_hidden"}
     for name in names - untraced:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"mla_kernels::{name}", "Meta"), name
     with FakeTensorMode():

@@ -13,7 +13,8 @@
  * products are as fast or faster, and the callers take them there.
  *
  * AMX needs the kernel's permission to use the tile state (Linux 5.16 and later: arch_prctl ARCH_REQ_XCOMP_PERM);
- * mla_amx_bf16() asks for it once and answers 0 where the CPU, the kernel or the compiler cannot run these. */
+ * mla_amx_bf16() asks for it once and answers 0 where the CPU, the kernel or the compiler cannot run these, or the
+ * process is capped below AMX (isa_cap.h). */
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
@@ -41,7 +42,7 @@ int64_t mla_amx_bf16(void) {
                 __builtin_cpu_supports("avx512vl") &&
                 syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
     }
-    return known;
+    return known && mla_isa_allows(MLA_ISA_AMX);
 }
 
 void mla_amx_pack_bf16(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k) {

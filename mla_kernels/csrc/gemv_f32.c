@@ -358,7 +358,7 @@ __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"), always_i
         }
 }
 
-/* Whether this CPU runs few_i8_vnni (checked once). */
+/* Whether this CPU runs few_i8_vnni (checked once) and the ISA cap lets it. */
 static int has_vnni(void) {
     static int known = -1;
     if (known < 0) {
@@ -366,7 +366,7 @@ static int has_vnni(void) {
         known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
     }
-    return known;
+    return known && mla_isa_allows(MLA_ISA_AVX512);
 }
 
 /* The few-row int8 products' variants this CPU runs (bit 0 few_i8, bit 1 few_i8_vnni); a call names one, or -1 for
@@ -383,7 +383,7 @@ static void few_i8_rows(const int8_t *w, const float *scale, const int16_t *xq, 
     switch (m) { case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; case 5: CALL(5); break; \
                  case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(8); break; }
 
-/* Whether this CPU runs the AVX-512 few-row float products (checked once). */
+/* Whether this CPU runs the AVX-512 few-row float products (checked once) and the ISA cap lets it. */
 static int has_avx512(void) {
     static int known = -1;
     if (known < 0) {
@@ -391,7 +391,7 @@ static int has_avx512(void) {
         known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                 __builtin_cpu_supports("avx512vl");
     }
-    return known;
+    return known && mla_isa_allows(MLA_ISA_AVX512);
 }
 
 /* The few-row float (float32, bfloat16, float16 weights) products' variants this CPU runs: bit 0 the AVX2 one, bit 1

@@ -55,14 +55,14 @@ static inline int64_t i4_chunks(int64_t k) { return (i4_groups(k) + I4_CHUNK_GRO
 /* Bytes of one prepared activation row of k values. */
 int64_t mla_q8_row_bytes(int64_t k) { return i4_chunks(k) * I4_CHUNK_XBYTES; }
 
-/* Which variants this CPU runs: bit I4_AVX2, bit I4_AVX512_VNNI. */
+/* Which variants this CPU runs under the ISA cap: bit I4_AVX2, bit I4_AVX512_VNNI. */
 int64_t mla_i4_variants(void) {
     __builtin_cpu_init();
     int64_t v = 0;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
         v |= 1 << I4_AVX2;
-    if ((v & 1) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+    if ((v & 1) && mla_isa_allows(MLA_ISA_AVX512) && __builtin_cpu_supports("avx512f") &&
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
         v |= 1 << I4_AVX512_VNNI;
     return v;
 }

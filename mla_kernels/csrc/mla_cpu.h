@@ -6,6 +6,8 @@
 #define MLA_CPU_H
 #include <stdint.h>
 
+#include "isa_cap.h"
+
 /* The kernels' limits (ops/cpu_kernels.cpp refuses larger calls and reports them as mla_kernels::limits()). */
 #define MLA_FEW_ROWS 8            /* rows of a product with float32 / bfloat16 / float16 weights, and of a layer call */
 #define MLA_QUANT_ROWS 64         /* rows of a product with int8, FP8 or int4 weights */

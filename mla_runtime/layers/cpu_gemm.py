@@ -101,6 +101,8 @@ NATIVE_CAPABILITIES: dict[torch.dtype, tuple[str, ...]] = {
     torch.bfloat16: ("avx512_bf16", "amx_bf16", "bf16", "sve_bf16"),
     torch.float16: ("avx512_fp16", "amx_fp16", "fp16_arith"),
 }
+# the instruction-set level (mla_kernels.cpu_ops.ISA_LEVELS) of the x86 ones: $MLA_CPU_ISA below it leaves them out
+CAPABILITY_ISA = {"avx512_bf16": "avx512", "avx512_fp16": "avx512", "amx_bf16": "amx", "amx_fp16": "amx"}
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -276,7 +278,9 @@ def native_arithmetic(dtype: torch.dtype, capabilities: Mapping[str, Any] | None
     """The capabilities (``torch.cpu.get_capabilities()`` keys) that give this CPU native ``dtype`` arithmetic."""
     if capabilities is None:
         capabilities = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
-    return [k for k in NATIVE_CAPABILITIES.get(dtype, ()) if capabilities.get(k)]
+    allowed = cpu_ops.ISA_LEVELS.index(cpu_ops.isa_cap())  # a process capped below AVX-512 (AMX) acts as such a CPU
+    return [k for k in NATIVE_CAPABILITIES.get(dtype, ()) if capabilities.get(k)
+            and cpu_ops.ISA_LEVELS.index(CAPABILITY_ISA.get(k, "avx2")) <= allowed]
 
 
 def _fallback(dtype: torch.dtype, mode: str, why: str) -> GemmChoice:

@@ -98,12 +98,16 @@ int64_t expect_keys(const Tensor& slots, const Tensor& lens, int64_t t, int64_t 
 const char* const FLOAT_VARIANTS[] = {"avx2", "avx512"};
 const char* const QUANT_VARIANTS[] = {"avx2", "avx512_vnni"};
 
+// Variant 1 of each family is AVX-512: above a process capped at AVX2 (isa_cap.h).
+bool above_cap(int64_t i) { return i == 1 && !mla_isa_allows(MLA_ISA_AVX512); }
+
 // "auto" (-1: the fastest this CPU runs) or the index of a variant the CPU runs.
 int64_t variant_index(c10::string_view name, int64_t runs, const char* const* names, const char* op) {
   if (name == "auto") return -1;
   for (int64_t i = 0; i < 2; ++i) {
     if (name == names[i]) {
-      TORCH_CHECK_VALUE(runs >> i & 1, op, ": this CPU cannot run the ", names[i], " variant");
+      TORCH_CHECK_VALUE(runs >> i & 1, op, ": ", above_cap(i) ? "this process's instruction-set cap is below the "
+                                                              : "this CPU cannot run the ", names[i], " variant");
       return i;
     }
   }
@@ -665,7 +669,8 @@ Tensor decoder_layer_hidden(const StepRef& step, int64_t d) {
 
 // -- what this library holds -----------------------------------------------------------------------------------
 
-// The products' variants, each "<family>.<name>:runs" or "...:cannot run here" (float, int8, int4).
+// The products' variants, each "<family>.<name>:runs", "...:cannot run here" or "...:above the ISA cap" (float,
+// int8, int4).
 std::vector<std::string> product_variants() {
   std::vector<std::string> out;
   const int64_t masks[3] = {mla_float_variants(), mla_i8_variants(), mla_i4_variants()};
@@ -673,7 +678,8 @@ std::vector<std::string> product_variants() {
   const char* const* names[3] = {FLOAT_VARIANTS, QUANT_VARIANTS, QUANT_VARIANTS};
   for (int f = 0; f < 3; ++f)
     for (int64_t i = 0; i < 2; ++i)
-      out.push_back(std::string(families[f]) + "." + names[f][i] + (masks[f] >> i & 1 ? ":runs" : ":cannot run here"));
+      out.push_back(std::string(families[f]) + "." + names[f][i] +
+                    (masks[f] >> i & 1 ? ":runs" : above_cap(i) ? ":above the ISA cap" : ":cannot run here"));
   return out;
 }
 

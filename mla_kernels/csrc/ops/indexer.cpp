@@ -30,6 +30,8 @@
 #include <limits>
 #include <vector>
 
+#include "../isa_cap.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -104,7 +106,10 @@ struct Variant {
   int64_t tile;
   TileFn fn;
   bool runs;  // the CPU executes it
+  int64_t level;  // its instruction-set level (isa_cap.h): it runs only where the process's cap allows it
   PairTileFn pairs = nullptr;  // bfloat16 dot products (AVX512-BF16), for bfloat16 keys and bfloat16-exact queries
+
+  bool allowed() const { return runs && mla_isa_allows(level); }
 };
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -166,11 +171,11 @@ const std::vector<Variant>& variants() {
     const bool v3 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                     __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2");
     const bool bf16 = v4 && __builtin_cpu_supports("avx512bf16");
-    v.push_back({"avx512_bf16", 32, &tile_avx512, bf16, &tile_avx512_bf16});
-    v.push_back({"avx512", 32, &tile_avx512, v4});
-    v.push_back({"avx2", 16, &tile_avx2, v3});
+    v.push_back({"avx512_bf16", 32, &tile_avx512, bf16, MLA_ISA_AVX512, &tile_avx512_bf16});
+    v.push_back({"avx512", 32, &tile_avx512, v4, MLA_ISA_AVX512});
+    v.push_back({"avx2", 16, &tile_avx2, v3, MLA_ISA_AVX2});
 #endif
-    v.push_back({"generic", 16, &tile_generic, true});
+    v.push_back({"generic", 16, &tile_generic, true, MLA_ISA_BASE});
     return v;
   }();
   return all;
@@ -178,18 +183,20 @@ const std::vector<Variant>& variants() {
 
 const Variant& pick(const std::string& name) {
   for (const Variant& v : variants()) {
-    if (name == "auto" ? v.runs : name == v.name) {
+    if (name == "auto" ? v.allowed() : name == v.name) {
       TORCH_CHECK(v.runs, "indexer_scores: this CPU cannot run the ", v.name, " variant");
+      TORCH_CHECK(v.allowed(), "indexer_scores: the ", v.name, " variant is above this process's instruction-set cap");
       return v;
     }
   }
   TORCH_CHECK(false, "indexer_scores: unknown variant '", name, "' (see mla_kernels::cpu_variants)");
 }
 
-// The variants this library holds, each "name:runs" or "name:cannot run here".
+// The variants this library holds, each "name:runs", "name:cannot run here" or "name:above the ISA cap".
 std::vector<std::string> cpu_variants() {
   std::vector<std::string> out;
-  for (const Variant& v : variants()) out.push_back(std::string(v.name) + (v.runs ? ":runs" : ":cannot run here"));
+  for (const Variant& v : variants())
+    out.push_back(std::string(v.name) + (v.allowed() ? ":runs" : v.runs ? ":above the ISA cap" : ":cannot run here"));
   return out;
 }
 
