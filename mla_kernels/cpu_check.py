@@ -104,7 +104,7 @@ def _amx(g: torch.Generator, kind: str) -> str | None:
     """The AMX bfloat16 products: small integers and a fraction (exact in bfloat16 and in their float32 sums), with
     an odd count of column blocks, a partial row tile and rows past 32; float32 rows rounded as torch rounds them."""
     if cpu_ops.isa_cap() != "amx":
-        return f"${cpu_ops.ISA_ENV} caps this process at {cpu_ops.isa_cap()}"
+        return f"${cpu_ops.ISA_ENV} caps this process at {cpu_ops.isa_cap()}, below the AMX tiles"
     if not dict(_ops().limits()).get("amx_bf16"):
         return "the CPU has no AMX bfloat16 tiles (amx-tile, amx-bf16 with AVX512-BF16), or its kernel does not let " \
                "a process use them"

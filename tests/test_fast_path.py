@@ -714,6 +714,7 @@ def test_with_the_row_kernels_no_product_takes_aten():
 def test_a_failed_half_precision_fast_path_falls_back_by_a_rule(monkeypatch):
     """Without oneDNN's half-precision path: F.linear in that dtype where the CPU computes in it natively, a float32
     copy where it does not; decided from the CPU's capabilities, never by a timing."""
+    monkeypatch.setattr(cpu_ops, "isa_cap", lambda: "amx")  # what the CPU has decides, under no $MLA_CPU_ISA
     for caps, path in (({"avx512_bf16": True}, "plain"), ({}, "upcast")):
         monkeypatch.setattr(torch.cpu, "get_capabilities", lambda caps=caps: caps)
         choice = cpu_gemm._fallback(torch.bfloat16, "plain", "forced")
@@ -1348,7 +1349,7 @@ def test_a_process_capped_at_avx2_computes_the_avx2_variants_bits(tmp_path):
     assert [v for v in said["products"] if v.endswith(":runs")] == ["float.avx2:runs", "int8.avx2:runs",
                                                                     "int4.avx2:runs"]
     assert [v for v in said["indexer"] if v.endswith(":runs")] == ["avx2:runs", "generic:runs"]
-    assert said["amx"] == "$MLA_CPU_ISA caps this process at avx2" and said["native_bf16"] == []
+    assert said["amx"] == "$MLA_CPU_ISA caps this process at avx2, below the AMX tiles" and said["native_bf16"] == []
     if "avx512" in cpu_kernels.variants("float"):  # what it left out, this CPU runs
         assert "float.avx512:above the ISA cap" in said["products"]
     g = torch.Generator().manual_seed(3)  # the script's inputs, drawn in its order

@@ -106,8 +106,8 @@ int64_t variant_index(c10::string_view name, int64_t runs, const char* const* na
   if (name == "auto") return -1;
   for (int64_t i = 0; i < 2; ++i) {
     if (name == names[i]) {
-      TORCH_CHECK_VALUE(runs >> i & 1, op, ": ", above_cap(i) ? "this process's instruction-set cap is below the "
-                                                              : "this CPU cannot run the ", names[i], " variant");
+      TORCH_CHECK_VALUE(runs >> i & 1, op, ": this ", above_cap(i) ? "process (capped at AVX2 by MLA_CPU_ISA)" : "CPU",
+                        " cannot run the ", names[i], " variant");
       return i;
     }
   }

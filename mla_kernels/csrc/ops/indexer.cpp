@@ -185,7 +185,8 @@ const Variant& pick(const std::string& name) {
   for (const Variant& v : variants()) {
     if (name == "auto" ? v.allowed() : name == v.name) {
       TORCH_CHECK(v.runs, "indexer_scores: this CPU cannot run the ", v.name, " variant");
-      TORCH_CHECK(v.allowed(), "indexer_scores: the ", v.name, " variant is above this process's instruction-set cap");
+      TORCH_CHECK(v.allowed(), "indexer_scores: this process (capped by MLA_CPU_ISA) cannot run the ", v.name,
+                  " variant");
       return v;
     }
   }
