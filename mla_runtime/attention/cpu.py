@@ -92,11 +92,12 @@ class CpuBackend(PagedBackend):
                                  meta.host_cu_seqlens, _plan(batch, seqs, d, kv.device), d, rest)
 
     def compiled_rows(self, meta: AttentionMetadata, cache: LayerCache) -> bool:
-        """A step whose every row is a planned decode, with float32 RoPE tables (the kernels read and write every cache
-        format: float32, bfloat16, float16, int8 and float8_e4m3fn): the one place that decides whether a step takes
-        the compiled kernels (on the layers that ``prepare_layer`` found take them: whether the kernels run here was
-        decided once, when the weights were prepared)."""
-        return meta.all_planned and meta.rope.cos.dtype == torch.float32
+        """A step whose every row is a planned decode, of a float32 or bfloat16 model (the kernels read and write every
+        cache format: float32, bfloat16, float16, int8 and float8_e4m3fn): the one place that decides whether a step
+        takes the compiled kernels (on the layers that ``prepare_layer`` found take them: whether the kernels run here
+        was decided once, when the weights were prepared). A bfloat16 model's compiled layers compute the step in
+        float32, with float32 RoPE tables made for it (``DeepseekForCausalLM._decode_step``)."""
+        return meta.all_planned and meta.rope.cos.dtype in (torch.float32, torch.bfloat16)
 
     def _compiled(self, attn: MLAttention, meta: AttentionMetadata, cache: LayerCache) -> bool:
         """The layer's latent side and attention run compiled: a compiled step, on the layer's prepared float32

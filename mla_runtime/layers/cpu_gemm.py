@@ -395,8 +395,9 @@ class PackedWeight:
 
     def row_operand(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
         """The weight as the compiled one-row kernels read it (``mla_kernels.cpu_tables.GatedMLPTable``), or None where
-        its products do not take them."""
-        return self.plain if self.row_kernel else None
+        its products do not take them: a float32 weight's few-row products (``row_kernel``), or a half-precision one
+        read at two bytes (``bf16_rows``)."""
+        return self.plain if self.row_kernel or self.bf16_rows else None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The product of a quantised weight (subclasses); a float weight runs through ``linear``."""

@@ -33,10 +33,28 @@ from mla_runtime.layers.mla import MLAttention
 from mla_runtime.layers.mlp import GatedMLP
 from mla_runtime.layers.moe import MoE
 from mla_runtime.layers.norm import RMSNorm
+from mla_runtime.layers.rotary import RopeTables
 
 
 def _operand(packed: PackedWeight | None) -> cpu_tables.Operand | None:
     return None if packed is None else packed.row_operand()
+
+
+def _half(norms: tuple[nn.Module, nn.Module]) -> bool:
+    """A bfloat16 model's layer (its norms hold the model dtype): its compiled call computes the step in float32 over
+    the bfloat16 weights and cache, as ``dtype="auto"``'s float32 model with bfloat16 weights does."""
+    weight = getattr(norms[0], "weight", None)
+    return isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16
+
+
+def _norm_weight(norm: RMSNorm, half: bool) -> torch.Tensor | None:
+    """A norm's weight as the compiled call reads it: float32 (its own where its kernel runs, a bfloat16 model's
+    widened), or None where the call does not take it."""
+    if norm.kernel:
+        return norm.weight
+    if half and norm.weight.dtype == torch.bfloat16 and norm.weight.device.type == "cpu":
+        return norm.weight.float()
+    return None
 
 
 def _unbiased(*linears: Linear | None) -> bool:
@@ -61,6 +79,8 @@ def _watched(norms: tuple[nn.Module, nn.Module], attn: MLAttention, mlp: nn.Modu
     else:
         pairs = [(attn.q_proj, "packed"), (attn.kv_a_proj_with_mqa, "packed")]
     pairs += [(attn.o_proj, "packed"), (attn, "w_uk"), (attn, "w_uv_t"), (norms[0], "kernel"), (norms[1], "kernel")]
+    if _half(norms):  # the table holds float32 copies of these
+        pairs += [(n, "weight") for n in (*norms, attn.kv_a_layernorm, attn.q_a_layernorm) if n is not None]
     if isinstance(mlp, MoE):
         pairs.append((mlp.experts, "row_table"))
     elif isinstance(mlp, GatedMLP):
@@ -99,9 +119,15 @@ def layer_weights(norms: tuple[nn.Module, nn.Module], attn: MLAttention, mlp: nn
         return None
     q_lora = attn.q_proj is None
     scaled_residual = residual_scale != 1.0
-    if (scaled_residual or not attn.decode_kernel or attn.par.world_size != 1 or attn.latent_down is not None
-            or attn.w_uk is None or attn.w_uv_t is None or not (first.kernel and second.kernel)
-            or not attn.kv_a_layernorm.kernel or (q_lora and not attn.q_a_layernorm.kernel)):
+    half = _half(norms)
+    ready = attn.attention_kernel and attn.w_uk is not None and attn.w_uk.dtype == torch.bfloat16 if half \
+        else attn.decode_kernel
+    in_norm, post_norm, kv_norm = (_norm_weight(n, half) for n in (first, second, attn.kv_a_layernorm))
+    q_norm = attn.q_a_layernorm if q_lora else None
+    q_norm_weight = None if q_norm is None else _norm_weight(q_norm, half)
+    if (scaled_residual or not ready or attn.par.world_size != 1 or attn.latent_down is not None
+            or attn.w_uk is None or attn.w_uv_t is None or in_norm is None or post_norm is None or kv_norm is None
+            or (q_lora and q_norm_weight is None)):
         return None
     if q_lora:
         assert attn.q_b_proj is not None  # a Q-LoRA without query_gate
@@ -117,13 +143,13 @@ def layer_weights(norms: tuple[nn.Module, nn.Module], attn: MLAttention, mlp: nn
     if qa is None or o is None or not _unbiased(attn.o_proj) or (kva is None) == (qb is None):
         return None
     table, moe = _mlp_table(mlp)
-    q_norm = attn.q_a_layernorm if q_lora else None
+    if half and table is None:  # the caller's MLP would take float32 rows to bfloat16 weights
+        return None
     dims = dict(d=attn.o_proj.out_features, q_lora=attn.q_a_proj.out_features if q_lora else 0, heads=attn.n_h,
                 d_n=attn.d_n, d_r=attn.d_r, d_c=attn.d_c, d_v=attn.d_v)
     eps = (first.eps, second.eps, q_norm.eps if q_norm is not None else 0.0, attn.kv_a_layernorm.eps)
     return cpu_tables.LayerWeights(
-        dims=dims, norms=(first.weight, second.weight, None if q_norm is None else q_norm.weight,
-                          attn.kv_a_layernorm.weight),
+        dims=dims, norms=(in_norm, post_norm, q_norm_weight, kv_norm),
         eps=eps, scale=attn.scale, interleave=attn.rotary.interleave, qa=qa, kva=kva, qb=qb, w_uk=attn.w_uk,
         w_uv_t=attn.w_uv_t, o=o, mlp=table, moe=cast(tuple, moe) if moe is not None else None)
 
@@ -150,12 +176,14 @@ class DecoderKernel:
         return self.made
 
 
-def decode_step(meta: AttentionMetadata, first: cpu_tables.DecoderLayerTable | None) -> cpu_tables.DecodeStep | None:
+def decode_step(meta: AttentionMetadata, first: cpu_tables.DecoderLayerTable | None,
+                rope: RopeTables | None = None) -> cpu_tables.DecodeStep | None:
     """The rows of a step that takes the compiled kernels (the backend's ``compiled_rows``) for the compiled layers
     (``first``: the first layer's table), or None where the layers run call by call: no table, or more rows than
-    ``cpu_kernels.max_rows``."""
+    ``cpu_kernels.max_rows``. ``rope``: the step's float32 RoPE tables (default: the step's own, a float32 model's)."""
     plan, rows = meta.decode_plan, meta.slot_mapping.shape[0]
     if first is None or plan is None or not 1 <= rows <= cpu_kernels.max_rows(torch.float32):
         return None
-    return cpu_tables.DecodeStep(meta.rope.cos, meta.rope.sin, meta.slot_mapping.contiguous(), plan.slots,
-                                 plan.lens, first.heads, first.d_c)
+    rope = meta.rope if rope is None else rope
+    return cpu_tables.DecodeStep(rope.cos, rope.sin, meta.slot_mapping.contiguous(), plan.slots, plan.lens,
+                                 first.heads, first.d_c)

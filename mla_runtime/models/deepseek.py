@@ -256,17 +256,25 @@ class DeepseekForCausalLM(nn.Module):
             x = x * self.config.embedding_scale
         step = self._decode_step(meta, cache)
         if step is not None:
-            x = x.contiguous()  # updated in place by the compiled layers
+            x = x.float().contiguous()  # updated in place by the compiled layers (a bfloat16 model's: in float32)
         k = self.config.attention_blocks_per_layer  # cache layers of a decoder layer (LongcatDecoderLayer: each)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, meta, cache.layers[i] if k == 1 else cache.layers[i * k:(i + 1) * k], step)
-        return self.model.norm(x)
+        return self.model.norm(x if step is None else x.to(self.dtype))
 
     def _decode_step(self, meta: AttentionMetadata, cache: LatentCache) -> cpu_tables.DecodeStep | None:
-        """The step's rows for the compiled decoder layers, where the step and the first layer take them."""
+        """The step's rows for the compiled decoder layers, where the step and the first layer take them. A bfloat16
+        model's layers compute such a step in float32 (float32 RoPE tables, its bfloat16 weights and cache read as
+        they are), so every layer must take the compiled call: its hidden state never meets a bfloat16 product."""
         if not self.model.layers or self.par.enabled or not meta.backend.compiled_rows(meta, cache.layers[0]):
             return None
-        return decode_step(meta, cast(DecoderLayer, self.model.layers[0]).kernel_table())
+        layers = [cast(DecoderLayer, layer) for layer in self.model.layers]
+        first = layers[0].kernel_table()
+        if self.dtype == torch.float32:
+            return decode_step(meta, first)
+        if first is None or any(layer.kernel_table() is None for layer in layers[1:]):
+            return None
+        return decode_step(meta, first, self.attention_layers()[0].rotary.tables(meta.batch.positions, torch.float32))
 
     def mtp_forward(self, batch: ForwardBatch, cache: LatentCache, hidden: torch.Tensor,
                     meta: AttentionMetadata | None = None, input_ids: torch.Tensor | None = None) -> torch.Tensor:
