@@ -12,10 +12,10 @@ sequence's latent once. An int8 / fp8 cache's gathered rows are dequantised (the
 
 A sparse-attention layer's indexer scores with the typed operator of ``mla_kernels.cpu_ops`` where it builds (built
 while the model loads). Where the compiled kernels (``mla_kernels.cpu_kernels``) build and a layer's weights are float32
-(``prepare_layer``), a step whose every row is planned (``compiled_rows``: any cache format, float32 RoPE tables)
-runs each layer's latent side (norm, RoPE, cache write, the queries' RoPE) and its absorbed attention as two compiled
-calls after the projections; ``models/deepseek.py`` may then run the whole decoder layer as one call
-(``layers/decoder_kernel.py``).
+(``prepare_layer``), a step whose every row is planned (``compiled_rows``: any cache format) runs each layer's latent
+side (norm, RoPE, cache write, the queries' RoPE) and its absorbed attention as two compiled calls after the
+projections; ``models/deepseek.py`` may then run the whole decoder layer as one call (``layers/decoder_kernel.py``),
+a bfloat16 model's too (in float32).
 """
 
 from __future__ import annotations

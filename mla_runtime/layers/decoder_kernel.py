@@ -8,6 +8,13 @@ instead: the same kernels in the same order, so its attention equals the call-by
 table (``DecoderKernel``) is made at its first step and made again whenever a weight it reads was replaced
 (``prepare_inference``, quantisation, a truncated latent); the step's rows (``decode_step``) once per step.
 
+A bfloat16 model's layers take the call too (``_half``), computing the step in float32 over their bfloat16 weights and
+cache, as a float32 model with bfloat16 weights (``quantization="bf16"``) does: the norms' weights widened into the
+table, the step's RoPE tables made in float32, the hidden state widened before the first layer and rounded back to
+bfloat16 after the last (``DeepseekForCausalLM._decode_step``). Such a step needs every layer and its MLP to take it,
+so that the float32 hidden state never meets a bfloat16 product; its logits are within bfloat16 rounding of the
+call-by-call path's, which rounds every intermediate to bfloat16.
+
 The MLP is part of the call where its weights take the compiled kernels: a dense MLP, or a MoE layer (router,
 DeepSeek's routing, then expert by expert the rows that chose it, each expert's weights read once for all of them,
 then the shared experts); the routing's float32 arithmetic is the kernel's own, so a MoE layer's output equals the
