@@ -10,6 +10,7 @@ on a CPU, its kernel plan (the ``cpu_gemm`` mode and the probes' ``CpuLayouts``)
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,16 @@ class CpuLayouts:
     extra_bytes_per_element: int  # each float matrix's second layout (oneDNN's blocked copy, or a float32 copy)
     row_kernels: bool  # the compiled few-row kernels run (they read float32 copies of int8 scales)
     bf16_blocked: bool = False  # bf16 weights keep oneDNN's blocked bfloat16 copy for many-row products (layers.bf16)
+    # each matrix in one layout: oneDNN's blocked copies and AMX's tiles left out (``cpu_gemm.one_layout``), where the
+    # load would not fit the machine with them
+    one_layout: bool = False
+
+    def with_one_layout(self) -> CpuLayouts:
+        """These facts with the second layouts of the ``onednn`` path left out (an ``upcast`` path's float32 copy, which
+        the products need, stays)."""
+        onednn = self.extra_bytes_per_element == self.dtype.itemsize
+        return dataclasses.replace(self, extra_bytes_per_element=0 if onednn else self.extra_bytes_per_element,
+                                   bf16_blocked=False, one_layout=True)
 
 
 @dataclass(frozen=True)

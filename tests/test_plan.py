@@ -618,3 +618,40 @@ def test_worker_refuses_a_model_too_large_before_reading_a_weight(tiny_checkpoin
     monkeypatch.setattr(worker_module, "available_host_memory", lambda: 64 * 2**30)
     with pytest.raises(AssertionError, match="a weight was read"):
         worker_module.Worker(EngineConfig(model=str(path), dtype="float32", max_model_len=256, device="cpu")).load()
+
+
+def test_a_load_that_fits_only_without_second_layouts_goes_ahead_without_them(tiny_checkpoint, monkeypatch, caplog):
+    """Where a CPU load would not fit with the products' second layouts (oneDNN's blocked copies) but fits without
+    them, the engine loads every matrix in its one plain layout, says so in its log and ``EngineInfo``, counts the
+    weights' bytes as they are, and gives the tokens it gives with the copies."""
+    from mla_runtime import LLM, SamplingParams
+    from mla_runtime.engine import worker as worker_module
+    from mla_runtime.engine.config import EngineConfig
+    from mla_runtime.errors import InsufficientMemory
+    from mla_runtime.layers.cpu_gemm import PackedWeight
+
+    path, _ = tiny_checkpoint("v3")
+    settings = dict(model=str(path), dtype="float32", max_model_len=256, kv_cache_memory="4MiB", device="cpu")
+    worker = worker_module.Worker(EngineConfig(**settings))
+    assert worker.cpu is not None and not worker.cpu.one_layout
+    if worker.cpu.extra_bytes_per_element == 0:
+        pytest.skip("this CPU's float32 products keep no second layout (oneDNN's float32 path is not taken)")
+    lean = worker.cpu.with_one_layout()
+    saved = worker.weight_bytes - weight_bytes(worker.checkpoint_config, torch.float32, cpu=lean)
+    assert saved > 0 and lean.extra_bytes_per_element == 0 and lean.one_layout
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 9, 2, 7, 11, 3]}, {"prompt_token_ids": [4, 8, 15, 16]}]
+    with_copies = [o.outputs[0].token_ids for o in LLM(**settings).generate(prompts, params)]
+    monkeypatch.setattr(worker_module, "available_host_memory", lambda: 1)
+    with pytest.raises(InsufficientMemory) as err:
+        worker.check_memory()
+    between = err.value.needed - saved // 2  # fits without the copies, not with them
+    monkeypatch.setattr(worker_module, "available_host_memory", lambda: between)
+    caplog.set_level("WARNING", logger="mla_runtime")
+    llm = LLM(**settings)
+    assert "the weights keep one layout each" in caplog.text
+    packed = [m for m in llm.engine.worker.model.modules() for m in vars(m).values() if isinstance(m, PackedWeight)]
+    assert packed and all(p.blocked is None and p.amx is None for p in packed)
+    assert llm.engine.worker.gemm_info["layouts"].startswith("one per weight")
+    assert llm.engine.worker.weight_bytes == weight_bytes(worker.checkpoint_config, torch.float32, cpu=lean)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == with_copies

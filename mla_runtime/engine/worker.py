@@ -30,13 +30,14 @@ rank per step.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
-from collections.abc import Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -48,11 +49,18 @@ from mla_runtime.cache.latent_cache import LatentCache
 from mla_runtime.config import ModelConfig
 from mla_runtime.dtypes import CacheDtype, auto_cache_dtype, index_cache_dtype, resolve_cache_dtype
 from mla_runtime.engine.config import EngineConfig
-from mla_runtime.errors import InvalidParam
+from mla_runtime.errors import InsufficientMemory, InvalidParam
 from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.hub import resolve_model
 from mla_runtime.latent_rank import check_latent_rank, truncate_latent_rank
-from mla_runtime.layers.cpu_gemm import cpu_layouts, forced_gemm_mode, gemm_info, gemm_mode, resolve_cpu_format
+from mla_runtime.layers.cpu_gemm import (
+    cpu_layouts,
+    forced_gemm_mode,
+    gemm_info,
+    gemm_mode,
+    one_layout,
+    resolve_cpu_format,
+)
 from mla_runtime.layers.quantization import finish_quantization
 from mla_runtime.loader import load_resolved
 from mla_runtime.models.deepseek import DeepseekForCausalLM
@@ -64,6 +72,7 @@ from mla_runtime.plan import (
     check_load_memory,
     default_max_num_batched_tokens,
     latent_bytes_per_token,
+    load_requirement,
     resolve_model_dtype,
     weight_bytes,
 )
@@ -182,10 +191,13 @@ class Worker:
         self.graphs: DecodeGraphRunner | None = None  # set at start-up where decode steps run as CUDA graphs
 
     # -- set-up ----------------------------------------------------------------------------------
-    def prepared(self) -> AbstractContextManager[None]:
-        """A block that prepares weights (load, truncation, quantisation) under this engine's ``cpu_gemm`` mode: the
-        paths it picks are frozen into the prepared weights; no step reads the mode again."""
-        return forced_gemm_mode(self.gemm_mode)
+    @contextmanager
+    def prepared(self) -> Iterator[None]:
+        """A block that prepares weights (load, truncation, quantisation) under this engine's ``cpu_gemm`` mode, each
+        matrix in one layout where ``check_memory`` found the second ones do not fit: the paths it picks are frozen
+        into the prepared weights; no step reads the mode again."""
+        with forced_gemm_mode(self.gemm_mode), one_layout(self.cpu is not None and self.cpu.one_layout):
+            yield
 
     def check_memory(self) -> None:
         """Refuse a load this rank's memory cannot hold, before any weight is read: ``plan.check_load_memory``
@@ -195,14 +207,38 @@ class Worker:
         on_gpu = self.device.type == "cuda"
         available = torch.cuda.mem_get_info(self.device)[0] if on_gpu else available_host_memory()
         where = f"{self.device} (free device memory)" if on_gpu else "this host (its available RAM)"
-        check_load_memory(self.checkpoint_config, available, dict(
+        settings: dict[str, Any] = dict(
             dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
             tensor_parallel_size=c.tensor_parallel_size, quantization=self.quantization,
             num_mtp_layers=self.num_mtp_layers, latent_cache_layout=c.latent_cache_layout,
             cache_dtype=self.cache_dtype.dtype, block_size=c.block_size, max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             kv_cache_memory=None if c.kv_cache_memory is None else int(c.kv_cache_memory),
-            latent_rank=c.latent_rank, cpu=self.cpu), where)
+            latent_rank=c.latent_rank, cpu=self.cpu)
+        try:
+            check_load_memory(self.checkpoint_config, available, settings, where)
+        except InsufficientMemory as e:
+            # a CPU's second layouts (oneDNN's blocked copies, AMX's tiles) speed up products of many rows a little;
+            # where the load fits without them, it goes ahead without them
+            lean = None if self.cpu is None or self.cpu.one_layout else self.cpu.with_one_layout()
+            if lean is None or lean == self.cpu:
+                raise
+            need = load_requirement(self.checkpoint_config, **{**settings, "cpu": lean}).total
+            if need > available:
+                raise
+            logger.warning("the weights keep one layout each (no oneDNN blocked copies or AMX tiles): with them the "
+                           "load needs %.2f GiB, without %.2f GiB, and %.2f GiB are available", e.needed / 2**30,
+                           need / 2**30, available / 2**30)
+            self.use_cpu_layouts(lean)
+
+    def use_cpu_layouts(self, cpu: CpuLayouts) -> None:
+        """Prepare the weights with ``cpu``'s layouts (before the load): the resolved configuration and the weights'
+        bytes follow."""
+        self.cpu = cpu
+        self.resolved = dataclasses.replace(self.resolved, cpu=cpu)
+        self.weight_bytes = weight_bytes(self.checkpoint_config, self.dtype, self.config.tensor_parallel_size,
+                                         self.quantization, cpu=cpu, num_mtp_layers=self.num_mtp_layers,
+                                         latent_cache_layout=self.config.latent_cache_layout)
 
     def load(self) -> DeepseekForCausalLM:
         """Load the weights (checked against the checkpoint's sha256 manifest first with ``verify_weights``), once
@@ -219,6 +255,8 @@ class Worker:
             self.model = load_resolved(self.model_path, self.resolved)
             if self.device.type == "cpu":
                 self.gemm_info = gemm_info(self.dtype)
+                if self.cpu is not None and self.cpu.one_layout:
+                    self.gemm_info["layouts"] = "one per weight: oneDNN's blocked copies and AMX tiles left out to fit"
         if self.num_mtp_layers:
             ids, source = resolve_token_map(c.speculative_token_map, self.model_path, self.model_config.vocab_size)
             self.model.set_draft_vocab(ids)
