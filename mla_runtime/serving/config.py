@@ -40,7 +40,8 @@ class ServerConfig:
     served_model_name: str | None = field(default=None, metadata=opt(
         "serving.served_model_name", "model id in /v1/models (default: the checkpoint folder's name)"))
     shutdown_timeout: float = field(default=30.0, metadata=opt(
-        "serving.shutdown_timeout", "seconds SIGTERM waits for in-flight requests before aborting them"))
+        "serving.shutdown_timeout", "seconds SIGTERM waits for in-flight requests before aborting them (those "
+                                    "then get up to 1 s more to send their error)"))
     header_timeout: float = field(default=10.0, metadata=opt(
         "serving.header_timeout", "seconds for a request's headers and body to arrive; then the connection "
                                   "closes"))
