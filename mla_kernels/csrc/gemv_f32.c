@@ -441,6 +441,16 @@ FEW512(few512_f16, uint16_t, FULL_F16, LOAD_F16)
 
 #define BLOCK_CASES(CALL) \
     switch (mb) { case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; default: CALL(4); break; }
+/* The few-row drivers' loop: each thread's weight rows as R streams (stream_split), the m input rows BLOCK (at most
+ * four) at a time, each block of M rows at row c through the weight kind's kernel: F32(M), BF16(M) or F16(M). */
+#define KIND_BLOCKS(R, BLOCK, F32, BF16, F16)                                                                        \
+    FOR_STREAM_ROWS(n, R,                                                                                            \
+        for (int64_t c = 0; c < m; c += (BLOCK)) {                                                                   \
+            const int64_t mb = m - c < (BLOCK) ? m - c : (BLOCK);                                                    \
+            if (kind == W_F32) BLOCK_CASES(F32)                                                                      \
+            else if (kind == W_BF16) BLOCK_CASES(BF16)                                                               \
+            else BLOCK_CASES(F16)                                                                                    \
+        })
 
 /* Y [m, n] = X [m, k] W^T with the AVX-512 kernel for the weight kind, each thread's rows as four streams
  * (stream_split), the input rows four at a time (16 accumulators): the four weight rows are read from memory for the
@@ -457,13 +467,7 @@ AVX512 static void few512(const void *w, int64_t kind, const float *x, float *y,
 #define F32_GROUP(M) GROUP(few512_f32, wf, M)
 #define BF16_GROUP(M) GROUP(few512_bf16, wh, M)
 #define F16_GROUP(M) GROUP(few512_f16, wh, M)
-    FOR_STREAM_ROWS(n, FLOAT_STREAMS,
-        for (int64_t c = 0; c < m; c += FLOAT_BLOCK) {
-            const int64_t mb = m - c < FLOAT_BLOCK ? m - c : FLOAT_BLOCK;
-            if (kind == W_F32) BLOCK_CASES(F32_GROUP)
-            else if (kind == W_BF16) BLOCK_CASES(BF16_GROUP)
-            else BLOCK_CASES(F16_GROUP)
-        })
+    KIND_BLOCKS(FLOAT_STREAMS, FLOAT_BLOCK, F32_GROUP, BF16_GROUP, F16_GROUP)
 }
 
 FEW_AVX2(few_f32, float, load_f32, f32_value)
@@ -480,13 +484,7 @@ static void few_avx2(const void *w, int64_t kind, const float *x, float *y, int6
 #define F32_BLOCK(M) AVX2_CALL(few_f32, wf, M)
 #define BF16_BLOCK(M) AVX2_CALL(few_bf16, wh, M)
 #define F16_BLOCK(M) AVX2_CALL(few_f16, wh, M)
-    FOR_STREAM_ROWS(n, AVX2_STREAMS,
-        for (int64_t c = 0; c < m; c += AVX2_BLOCK) {
-            const int64_t mb = m - c < AVX2_BLOCK ? m - c : AVX2_BLOCK;
-            if (kind == W_F32) BLOCK_CASES(F32_BLOCK)
-            else if (kind == W_BF16) BLOCK_CASES(BF16_BLOCK)
-            else BLOCK_CASES(F16_BLOCK)
-        })
+    KIND_BLOCKS(AVX2_STREAMS, AVX2_BLOCK, F32_BLOCK, BF16_BLOCK, F16_BLOCK)
 }
 
 /* The variant a call runs: the one named, else (-1) the AVX-512 one for float32 weights from four rows on and for half
