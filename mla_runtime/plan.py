@@ -1041,17 +1041,30 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m mla_runtime.p
     except ValueError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    note = ""
     try:
         cpu, quantization = _probed_cpu(args.dtype, config, check_weight_quantization(args.quantization)) \
             if args.device is not None and torch.device(args.device).type == "cpu" else (None, args.quantization)
-        plan = plan_memory(
-            config, dtype=args.dtype, cache_dtype=args.cache_dtype, device_memory_bytes=args.device_memory,
-            memory_utilization=args.memory_utilization,
-            max_seq_len=args.max_seq_len or config.max_position_embeddings, max_num_seqs=args.max_num_seqs,
-            block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
-            tensor_parallel_size=args.tensor_parallel_size, latent_cache_layout=args.latent_cache_layout,
-            disk_bytes=args.kv_cache_disk_bytes, quantization=quantization, host_bytes=args.kv_cache_host_bytes,
-            cpu=cpu)
+
+        def planned(layouts: CpuLayouts | None) -> MemoryPlan:
+            return plan_memory(
+                config, dtype=args.dtype, cache_dtype=args.cache_dtype, device_memory_bytes=args.device_memory,
+                memory_utilization=args.memory_utilization,
+                max_seq_len=args.max_seq_len or config.max_position_embeddings, max_num_seqs=args.max_num_seqs,
+                block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+                tensor_parallel_size=args.tensor_parallel_size, latent_cache_layout=args.latent_cache_layout,
+                disk_bytes=args.kv_cache_disk_bytes, quantization=quantization, host_bytes=args.kv_cache_host_bytes,
+                cpu=layouts)
+
+        try:
+            plan = planned(cpu)
+        except ValueError:
+            # as the engine does: where the weights fit only without their second layouts, it loads them so
+            if cpu is None or cpu.one_layout or cpu.with_one_layout() == cpu:
+                raise
+            plan = planned(cpu.with_one_layout())
+            note = ("  (each weight in one layout: with oneDNN's blocked copies or AMX tiles the weights do not "
+                    "fit, and the engine leaves them out)")
     except ValueError as e:
         try:  # the per-token cost does not depend on memory: still worth showing
             cache = resolve_cache_dtype(args.cache_dtype, resolve_model_dtype(args.dtype, config))
@@ -1062,7 +1075,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m mla_runtime.p
             pass
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    print(format_report(plan, config, args.model))
+    print(format_report(plan, config, args.model) + (f"\n{note}" if note else ""))
     return 0 if plan.fits else 1
 
 

@@ -655,3 +655,21 @@ def test_a_load_that_fits_only_without_second_layouts_goes_ahead_without_them(ti
     assert llm.engine.worker.gemm_info["layouts"].startswith("one per weight")
     assert llm.engine.worker.weight_bytes == weight_bytes(worker.checkpoint_config, torch.float32, cpu=lean)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == with_copies
+
+
+def test_the_cpu_plan_leaves_out_second_layouts_where_only_that_fits(monkeypatch, capsys):
+    """``plan --device cpu`` plans as the engine loads: where the weights fit only without their second layouts
+    (a bfloat16 DeepSeek-V2-Lite under ``auto``: 58.8 GiB with oneDNN's blocked copies, 29.9 GiB without), it plans
+    them without and says so; where neither fits, it refuses."""
+    from mla_runtime import plan as plan_module
+    from mla_runtime.resolved_config import CpuLayouts
+
+    bf16w = CpuLayouts(torch.float32, 4, True, True)  # a float32 model with bfloat16 weights on an AVX512-BF16 CPU
+    monkeypatch.setattr(plan_module, "_probed_cpu", lambda *a: (bf16w, "bf16"))
+    args = ["--model", "deepseek-v2-lite", "--device", "cpu", "--max-num-seqs", "4", "--max-seq-len", "4096"]
+    assert plan_module.main([*args, "--device-memory", "80GiB"]) == 0
+    assert "one layout" not in capsys.readouterr().out
+    assert plan_module.main([*args, "--device-memory", "48GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "each weight in one layout" in out and "29.86 GiB" in out
+    assert plan_module.main([*args, "--device-memory", "24GiB"]) == 2
