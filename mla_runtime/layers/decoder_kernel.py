@@ -87,7 +87,8 @@ def _watched(norms: tuple[nn.Module, nn.Module], attn: MLAttention, mlp: nn.Modu
         pairs = [(attn.q_proj, "packed"), (attn.kv_a_proj_with_mqa, "packed")]
     pairs += [(attn.o_proj, "packed"), (attn, "w_uk"), (attn, "w_uv_t"), (norms[0], "kernel"), (norms[1], "kernel")]
     if _half(norms):  # the table holds float32 copies of these
-        pairs += [(n, "weight") for n in (*norms, attn.kv_a_layernorm, attn.q_a_layernorm) if n is not None]
+        q_norm = getattr(attn, "q_a_layernorm", None)  # without q_lora_rank: none
+        pairs += [(n, "weight") for n in (*norms, attn.kv_a_layernorm, q_norm) if n is not None]
     if isinstance(mlp, MoE):
         pairs.append((mlp.experts, "row_table"))
     elif isinstance(mlp, GatedMLP):
