@@ -171,3 +171,17 @@ def test_family_fields():
 def test_missing_features_are_refused_by_name(model_type, changes, message):
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_dict(_config(model_type, **changes))
+
+
+def test_bfloat16_decode_steps_stay_near_float32(family):
+    """A bfloat16 model's decode step (the compiled layers in float32 over its bfloat16 weights where the layer takes
+    them, call by call where it does not) gives the float32 model's logits to bfloat16 rounding."""
+    _, path, _ = family
+    ps = prompts([9, 20, 4], seed=3)
+    logits = []
+    for dtype in ("bfloat16", "float32"):
+        runner = PagedRunner(load_model(path, dtype=dtype), len(ps), 40)
+        runner.step({i: p[:-1] for i, p in enumerate(ps)})
+        out = runner.step({i: p[-1:] for i, p in enumerate(ps)})
+        logits.append(torch.cat([out[i] for i in range(len(ps))]).float())
+    assert rel_err(logits[0], logits[1]) <= 3e-2
