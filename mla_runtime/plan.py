@@ -1060,9 +1060,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m mla_runtime.p
             plan = planned(cpu)
         except ValueError:
             # as the engine does: where the weights fit only without their second layouts, it loads them so
-            if cpu is None or cpu.one_layout or cpu.with_one_layout() == cpu:
+            lean = None if cpu is None else cpu.with_one_layout()
+            if lean is None:
                 raise
-            plan = planned(cpu.with_one_layout())
+            plan = planned(lean)
             note = ("  (each weight in one layout: with oneDNN's blocked copies or AMX tiles the weights do not "
                     "fit, and the engine leaves them out)")
     except ValueError as e:

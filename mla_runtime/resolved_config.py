@@ -34,10 +34,13 @@ class CpuLayouts:
     # load would not fit the machine with them
     one_layout: bool = False
 
-    def with_one_layout(self) -> CpuLayouts:
+    def with_one_layout(self) -> CpuLayouts | None:
         """These facts with the second layouts of the ``onednn`` path left out (an ``upcast`` path's float32 copy, which
-        the products need, stays)."""
+        the products need, stays), or None where that leaves nothing out: the one place that says whether a load can
+        shed them (the engine's load check and the planner ask it)."""
         onednn = self.extra_bytes_per_element == self.dtype.itemsize
+        if self.one_layout or not (onednn or self.bf16_blocked):
+            return None
         return dataclasses.replace(self, extra_bytes_per_element=0 if onednn else self.extra_bytes_per_element,
                                    bf16_blocked=False, one_layout=True)
 

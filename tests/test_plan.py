@@ -637,6 +637,7 @@ def test_a_load_that_fits_only_without_second_layouts_goes_ahead_without_them(ti
     if worker.cpu.extra_bytes_per_element == 0:
         pytest.skip("this CPU's float32 products keep no second layout (oneDNN's float32 path is not taken)")
     lean = worker.cpu.with_one_layout()
+    assert lean is not None
     saved = worker.weight_bytes - weight_bytes(worker.checkpoint_config, torch.float32, cpu=lean)
     assert saved > 0 and lean.extra_bytes_per_element == 0 and lean.one_layout
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

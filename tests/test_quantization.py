@@ -112,8 +112,9 @@ def test_many_row_products_take_bfloat16_where_the_cpu_has_it(scheme, dtype, mon
     # dequantised to float32 for every product)
     assert w.bf16_from == (many if scheme == "int8" or cpu_kernels.failure("int4") is None else 0)
     if not w.bf16_from:
-        pytest.skip("the many-row bfloat16 products do not run on this CPU (no native bfloat16 arithmetic, or no "
-                    "compiled int4 kernels): the format's own path, tested elsewhere, runs every product")
+        pytest.skip(f"the many-row bfloat16 products do not run here (cpu_gemm={cpu_gemm.gemm_mode()}; no native "
+                    "bfloat16 arithmetic, or no compiled int4 kernels): the format's own path, tested elsewhere, runs "
+                    "every product")
     calls = []
     original = QuantizedWeight.bf16_product
     monkeypatch.setattr(fmt, "bf16_product", lambda self, x, b: calls.append(len(x)) or original(self, x, b))

@@ -220,8 +220,8 @@ class Worker:
         except InsufficientMemory as e:
             # a CPU's second layouts (oneDNN's blocked copies, AMX's tiles) speed up products of many rows a little;
             # where the load fits without them, it goes ahead without them
-            lean = None if self.cpu is None or self.cpu.one_layout else self.cpu.with_one_layout()
-            if lean is None or lean == self.cpu:
+            lean = None if self.cpu is None else self.cpu.with_one_layout()
+            if lean is None:
                 raise
             need = load_requirement(self.checkpoint_config, **{**settings, "cpu": lean}).total
             if need > available:

@@ -485,7 +485,6 @@ def _product(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -
         return F.linear(x, packed.plain, bias)
     if packed.wide is not None:  # the upcast layout's float32 copy
         return F.linear(x, packed.wide, bias)
-    if packed.blocked is None:  # one layout (``one_layout``): oneDNN on the plain weight
-        return torch.ops.mkldnn._linear_pointwise(x, packed.plain, bias, "none", [None], "")
-    w = packed.plain if packed.plain_gemv and x.numel() == x.shape[-1] else packed.blocked
-    return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [None], "")
+    # the plain weight: one layout (``one_layout``), or one float32 row (``plain_gemv``)
+    plain = packed.blocked is None or (packed.plain_gemv and x.numel() == x.shape[-1])
+    return torch.ops.mkldnn._linear_pointwise(x, packed.plain if plain else packed.blocked, bias, "none", [None], "")
