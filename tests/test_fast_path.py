@@ -585,12 +585,37 @@ def test_int8_products_of_many_rows_equal_their_rows_one_at_a_time():
     one-row kernel (a speculative verification's rows equal the same tokens decoded one by one), also past the int32
     chunk of 4096 values (DeepSeek-V3's hidden size is 7168)."""
     g = torch.Generator().manual_seed(3)
-    for n, k in ((37, 77), (11, 7168)):
+    for n, k in ((37, 77), (11, 7168), (2, 4117)):
         q, scales = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), torch.rand(n, generator=g)
         x = torch.randn(70, k, generator=g)
         for rows in (9, 23, 70):
             together = cpu_kernels.linear(x[:rows], q, scales)
             assert torch.equal(together, torch.cat([cpu_kernels.linear(x[i:i + 1], q, scales) for i in range(rows)]))
+
+
+@needs_row_kernel
+@pytest.mark.parametrize("variant", ["avx2", "avx512_vnni"])
+def test_an_int8_product_of_a_row_holding_infinity_or_nan_is_nan(variant):
+    """A row holding infinity or NaN has no int16 form: its products come out NaN (as int4's groups do), one row or
+    many, and the rows beside it keep their values."""
+    if variant not in cpu_kernels.variants("int8"):
+        pytest.skip(f"this CPU does not execute the int8 product's {variant} variant")
+    g = torch.Generator().manual_seed(5)
+    q, scales = torch.randint(-127, 128, (24, 100), generator=g, dtype=torch.int8), torch.rand(24, generator=g)
+    for rows in (1, 3, 12):
+        x = torch.randn(rows, 100, generator=g)
+        clean = cpu_kernels.linear(x, q, scales, variant=variant)
+        for bad in (float("inf"), float("-inf"), float("nan")):
+            y = x.clone()
+            y[rows // 2, 97] = bad  # in the scalar tail past the vectors
+            y[0, 3] = bad
+            out = cpu_kernels.linear(y, q, scales, variant=variant)
+            hit = {0, rows // 2}
+            for r in range(rows):
+                if r in hit:
+                    assert out[r].isnan().all()
+                else:
+                    assert torch.equal(out[r], clean[r])
 
 
 @needs_row_kernel
@@ -1285,7 +1310,8 @@ def test_each_int8_variant_gives_the_same_bits(variant):
     """The few-row int8 product's variants compute the same integer sums and round them alike: every variant equals
     the exact product on integers and gives the default's bits on random rows (tails of 16 and of 1 to 15 values,
     the int32 chunks' boundary at 4096, fewer weight rows than the threads' streams and more input rows than one
-    pass takes included). A variant this CPU cannot execute is skipped by name, and
+    pass takes included; past eight rows the products run by blocks of weight rows, and a last chunk of one 16-value
+    step). A variant this CPU cannot execute is skipped by name, and
     asking for it is refused."""
     if cpu_kernels.failure() is not None:
         pytest.skip(f"the kernels do not build here: {cpu_kernels.failure()}")
@@ -1296,7 +1322,7 @@ def test_each_int8_variant_gives_the_same_bits(variant):
         pytest.skip(f"this CPU does not execute the int8 product's {variant} variant (it runs "
                     f"{list(cpu_kernels.variants('int8'))})")
     g = torch.Generator().manual_seed(7)
-    for n, k, rows in ((37, 77, 3), (16, 48, 8), (9, 4200, 5), (40, 2048, 13), (5, 130, 70)):
+    for n, k, rows in ((37, 77, 3), (16, 48, 8), (9, 4200, 5), (40, 2048, 13), (5, 130, 70), (7, 4117, 21), (3, 8, 9)):
         w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
         scale = torch.rand(n, generator=g)
         ints = torch.randint(-2, 3, (rows, k), generator=g).float()
