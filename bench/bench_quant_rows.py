@@ -1,0 +1,84 @@
+"""Quantised products of many rows (a prefill chunk's, a large batch's) on the CPU: each compiled variant alone.
+
+    python bench/bench_quant_rows.py                                  # 2 threads, 16 64 128 rows, the model's shapes
+    python bench/bench_quant_rows.py --rows 64 --shapes 4096x1024 --formats int8
+
+A prefill's products multiply many input rows into each weight row while it is in cache, so these are timed with the
+weight hot (the same matrix every call), unlike ``bench_gemv.py``'s decode products, which stream it from memory. For
+each format, shape ``[N, K]`` (``N`` outputs, ``K`` inputs) and row count it prints the best of ``--repeats`` calls
+of every variant of ``cpu_kernels.linear`` this CPU runs (``avx2``, ``avx512_vnni``), in milliseconds and in
+multiply-adds a second, and where the CPU has native bfloat16 products, ``Int8Weight.bf16_product`` / ``Int4Weight
+.bf16_product`` (the weight dequantised to bfloat16 a block at a time, oneDNN's bfloat16 products), which the layers
+take from ``cpu_gemm.quantized_bf16_rows()`` rows on. Set ``MLA_CPU_ISA=avx2`` to see what an AVX2 CPU runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+from mla_kernels import cpu_kernels, cpu_ops
+from mla_runtime.layers.cpu_gemm import quantized_bf16_rows
+from mla_runtime.layers.int4 import Int4Weight
+from mla_runtime.layers.qweight import QuantizedWeight
+from mla_runtime.layers.quantization import Int8Weight
+
+# the benchmark model's products (bench/peer_checkpoint.py): q_b, the stacked q_a / kv_a, o_proj, an expert's
+# gate_up and down, the dense MLP's, and the lm_head
+SHAPES = ("2048x384", "960x1024", "1024x1024", "1024x512", "4096x1024", "1024x2048", "32000x1024")
+
+
+def best_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def candidates(fmt: str, weight: QuantizedWeight, x: torch.Tensor) -> dict[str, Callable[[], object]]:
+    if isinstance(weight, Int8Weight):
+        operand: tuple[torch.Tensor, torch.Tensor] = (weight.qweight, weight.row_scales)
+    else:
+        operand = (weight.packed, weight.scales)
+    out: dict[str, Callable[[], object]] = {
+        f"{fmt} {v}": (lambda v=v: cpu_kernels.linear(x, *operand, variant=v)) for v in cpu_kernels.variants(fmt)}
+    if quantized_bf16_rows():
+        out[f"{fmt} bf16 oneDNN"] = lambda: weight.bf16_product(x, None)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="+", default=[16, 64, 128])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), help="NxK: N outputs, K inputs")
+    ap.add_argument("--formats", nargs="+", default=["int8", "int4"], choices=["int8", "int4"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if cpu_kernels.failure() is not None:
+        raise SystemExit(f"the compiled kernels do not run here: {cpu_kernels.failure()}")
+    print(f"{args.threads} threads; {cpu_ops.summary()}; bfloat16 products from "
+          f"{quantized_bf16_rows() or 'never'} rows; best of {args.repeats} calls, the weight hot\n")
+    print("| format, path | shape | rows | ms | G multiply-adds/s |\n|---|---|---:|---:|---:|")
+    g = torch.Generator().manual_seed(0)
+    for fmt in args.formats:
+        kind = Int8Weight if fmt == "int8" else Int4Weight
+        for shape in args.shapes:
+            n, k = (int(v) for v in shape.split("x"))
+            weight = kind.quantize(torch.randn(n, k, generator=g) / k ** 0.5)
+            for rows in args.rows:
+                x = torch.randn(rows, k, generator=g)
+                for name, fn in candidates(fmt, weight, x).items():
+                    ms = best_ms(fn, args.repeats)
+                    print(f"| {name} | [{n}, {k}] | {rows} | {ms:.3f} | {n * k * rows / ms / 1e6:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
