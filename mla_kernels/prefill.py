@@ -189,24 +189,11 @@ _SDPA_CPU_DTYPES = (torch.float32, torch.bfloat16)
 _SELECTED_BLOCK_ROWS = 256  # selected_prefill_attention: query rows per masked block
 
 
-def _widened_in_place(v: torch.Tensor, width: int) -> torch.Tensor | None:
-    """``v [S, H, d_v]`` seen ``width`` wide, ending where it ends, without a copy: each row read together with the
-    ``width - d_v`` values before it in memory (in ``kv_b_proj``'s output ``[k_n ; v]``, the end of its ``k_n``).
-    The kernel only reads them, and each column of its output is a sum over its own column of v, so they only fill
-    output columns that are dropped. None where v's rows are not dense or its storage does not reach back."""
-    extra = width - v.shape[2]
-    if v.dim() != 3 or v.stride(2) != 1 or v.numel() == 0 or v.storage_offset() < extra:
-        return None
-    return v.as_strided((v.shape[0], v.shape[1], width), v.stride(), v.storage_offset() - extra)
-
-
 def _flash_operands(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor,
-                    v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """q ``[T, H, w]``, k and v ``[S, H, w]`` for torch's CPU flash kernel, which wants one head size, and the column
-    of its output where the values' start: the queries ``[q_n ; q_r]``, the keys ``[k_n ; k_r]`` with the shared RoPE
-    key repeated per head. The narrower of (q·k, v) is widened to ``w``: q·k zero-padded (zeros change no dot
-    product); v read in place with the columns before it where its rows end wider rows in memory (each output column
-    is its own weighted sum, so those only add columns that are dropped), else zero-padded after it."""
+                    v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q ``[T, H, w]``, k and v ``[S, H, w]`` for torch's CPU flash kernel, which wants one head size: the queries
+    ``[q_n ; q_r]``, the keys ``[k_n ; k_r]`` with the shared RoPE key repeated per head, and the narrower of
+    (q·k, v) zero-padded to ``w`` (zeros change neither a dot product nor the kept part of the output)."""
     n_heads, d_n = q_nope.shape[1:]
     d_r, d_v = q_rope.shape[2], v.shape[2]
     width = max(d_n + d_r, d_v)
@@ -214,12 +201,9 @@ def _flash_operands(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch.Te
     k = torch.cat([k_nope, k_rope.unsqueeze(1).expand(-1, n_heads, -1)], dim=-1)
     if d_n + d_r < width:
         q, k = (torch.nn.functional.pad(t, (0, width - d_n - d_r)) for t in (q, k))
-    if d_v == width:
-        return q, k, v, 0
-    wide = _widened_in_place(v, width)
-    if wide is not None:
-        return q, k, wide, width - d_v
-    return q, k, torch.nn.functional.pad(v, (0, width - d_v)), 0
+    if d_v < width:
+        v = torch.nn.functional.pad(v, (0, width - d_v))
+    return q, k, v
 
 
 def _prefill_cpu_flash(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor,
@@ -236,7 +220,7 @@ def _prefill_cpu_flash(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch
     """
     n_tokens, n_heads, _ = q_nope.shape
     d_v = v.shape[2]
-    q, k, v, v0 = _flash_operands(q_nope, q_rope, k_nope, k_rope, v)
+    q, k, v = _flash_operands(q_nope, q_rope, k_nope, k_rope, v)
     out = torch.empty(n_tokens, n_heads, d_v, dtype=q_nope.dtype)
     lse = torch.empty(n_tokens, n_heads, dtype=torch.float32)
     for q0, q1, k0, k1 in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]):
@@ -255,7 +239,7 @@ def _prefill_cpu_flash(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch
             o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q[q0 + r0:q0 + r1].transpose(0, 1).unsqueeze(0), k[k0:k0 + keys].transpose(0, 1).unsqueeze(0),
                 v[k0:k0 + keys].transpose(0, 1).unsqueeze(0), 0.0, mask is None, attn_mask=mask, scale=sm_scale)
-            out[q0 + r0:q0 + r1] = o[0, :, :, v0:v0 + d_v].transpose(0, 1)
+            out[q0 + r0:q0 + r1] = o[0, :, :, :d_v].transpose(0, 1)
             lse[q0 + r0:q0 + r1] = l[0].transpose(0, 1)
     return out, lse
 
@@ -353,7 +337,7 @@ def selected_prefill_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nop
     d_v = v.shape[2]
     if selected.dim() != 2 or selected.shape[0] != n_tokens:
         raise ValueError(f"selected must be [T, K] with T = {n_tokens} query rows, got {tuple(selected.shape)}")
-    q, k, v, v0 = _flash_operands(q_nope, q_rope, k_nope, k_rope, v)
+    q, k, v = _flash_operands(q_nope, q_rope, k_nope, k_rope, v)
     sel = selected.long()
     # an invalid entry (-1) points at the row's first selection (always valid: a row sees at least one key)
     sel = torch.where(sel >= 0, sel, sel[:, :1])
@@ -371,5 +355,5 @@ def selected_prefill_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nop
             o, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q[q0 + r0:q0 + r1].transpose(0, 1).unsqueeze(0), k[k0:k0 + keys].transpose(0, 1).unsqueeze(0),
                 v[k0:k0 + keys].transpose(0, 1).unsqueeze(0), 0.0, False, attn_mask=mask, scale=sm_scale)
-            out[q0 + r0:q0 + r1] = o[0, :, :, v0:v0 + d_v].transpose(0, 1)
+            out[q0 + r0:q0 + r1] = o[0, :, :, :d_v].transpose(0, 1)
     return out

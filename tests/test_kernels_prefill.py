@@ -125,33 +125,6 @@ def test_cpu_flash_path_blocks_query_rows_after_context(monkeypatch, budget) -> 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_cpu_flash_path_reads_values_in_place_at_the_end_of_wider_rows(dtype) -> None:
-    """Values narrower than q·k that end rows of ``[k_n ; v]`` (the up-projection's output) go to the flash kernel
-    in place, read with the values before them: whatever those hold (NaN here), the result is the one of the values
-    alone. The same for the selected-keys path."""
-    from mla_kernels import selected_prefill_attention
-    from mla_kernels.prefill import _flash_operands
-
-    case = PrefillCase((7, 30), (19, 30), 3, 32, 32, 32, dtype)
-    q_n, q_r, k_n, k_r, v, cu_q, cu_k = (t.cpu() for t in _inputs(case))
-    rows = torch.full((v.shape[0], case.heads, case.d_n + case.d_v), float("nan"), dtype=dtype)
-    rows[..., case.d_n:] = v
-    in_place = rows[..., case.d_n:]
-    assert _flash_operands(q_n, q_r, k_n, k_r, in_place)[3] == case.d_n + case.d_r - case.d_v
-    assert _flash_operands(q_n, q_r, k_n, k_r, v)[3] == 0  # a tensor of its own: padded after it
-    out, lse = prefill_attention(q_n, q_r, k_n, k_r, in_place, cu_q, cu_k, 0.2, backend="torch")
-    want_out, want_lse = prefill_attention(q_n, q_r, k_n, k_r, v, cu_q, cu_k, 0.2, backend="torch")
-    assert not out.isnan().any()
-    torch.testing.assert_close(out, want_out, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(lse, want_lse)
-    selected = torch.arange(30).repeat(37, 1)[:, :11]
-    hosts = [0, 7, 37], [0, 19, 49]
-    torch.testing.assert_close(selected_prefill_attention(q_n, q_r, k_n, k_r, in_place, *hosts, 0.2, selected),
-                               selected_prefill_attention(q_n, q_r, k_n, k_r, v, *hosts, 0.2, selected),
-                               rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_selected_prefill_attends_exactly_the_selection(dtype):
     """Sparse prefill's masked dense form: each row's softmax over only its selected keys (``-1`` padding ignored,
     selections in any order), equal to attention over the gathered selection computed in float64."""
