@@ -23,8 +23,8 @@ import torch
 from mla_kernels import cpu_kernels, cpu_ops
 from mla_runtime.layers.cpu_gemm import quantized_bf16_rows
 from mla_runtime.layers.int4 import Int4Weight
-from mla_runtime.layers.qweight import QuantizedWeight
 from mla_runtime.layers.quantization import Int8Weight
+from mla_runtime.layers.qweight import QuantizedWeight
 
 # the benchmark model's products (bench/peer_checkpoint.py): q_b, the stacked q_a / kv_a, o_proj, an expert's
 # gate_up and down, the dense MLP's, and the lm_head

@@ -344,7 +344,9 @@ static inline void stream_rows(int64_t r0, int64_t r1, int64_t len, int R, int64
  * steps, lane l + 8 its odd ones), a 16-weight step with AVX2 where one is left (added into the low lanes); lanes l
  * and l + 8 are added as integers before the float conversion. Integer sums in any order are the same, so every
  * result is few_i8's exactly, whatever R. Each input block is loaded once for the R weight rows (the m input rows,
- * 32 KB for 8 rows of 2048 values, are what the product reads most); the weight rows are prefetched ahead. */
+ * 32 KB for 8 rows of 2048 values, are what the product reads most); the weight rows are prefetched ahead. With
+ * first_sets, a chunk's first step sets the sums instead of adding to zeros set before: faster at four weight rows by
+ * four input rows (many_i8_rows_vnni), slower in the streaming driver's tiles (ten-odd percent at eight rows). */
 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"), always_inline)) static inline void few_i8_vnni(
     const int8_t *w, const float *scale, const int64_t *rows, const int R, const int16_t *xq, const float *sx,
     float *y, const int m, int64_t n, int64_t k, const int first_sets) {
@@ -556,7 +558,7 @@ void mla_gemm_few_i8(const int8_t *w, const float *scale, const float *x, float 
     int16_t *xq = (int16_t *)malloc((size_t)(rows * k) * sizeof(int16_t));
     float *sx = (float *)malloc((size_t)rows * sizeof(float));
     if (!xq || !sx) abort();  /* a few hundred kilobytes: ops/cpu_kernels.cpp bounds the rows */
-    #pragma omp parallel for num_threads((int)(rows > 1 ? threads : 1))
+    #pragma omp parallel for num_threads((int)(rows > I8_STREAM_ROWS ? threads : 1))  /* a decode step's: no fork */
     for (int64_t j = 0; j < rows; j++) sx[j] = quantize16(x + j * k, xq + j * k, k);
     if (rows > I8_STREAM_ROWS)
         (vnni ? many_i8_rows_vnni : many_i8_rows)(w, scale, xq, sx, y, rows, n, k, threads);
@@ -613,7 +615,7 @@ static void few_i8_rows_vnni(const int8_t *w, const float *scale, const int16_t 
                 const int64_t mb = rows_in - c < I8_TILE_ROWS ? rows_in - c : I8_TILE_ROWS;                          \
                 for (int64_t s0 = b; s0 < be; s0 += (R)) {                                                           \
                     const int64_t last = be - 1, rows[4] = {s0, s0 + 1 < be ? s0 + 1 : last,                         \
-                                                            s0 + 2 < be ? s0 + 2 : last, s0 + 3 < be ? s0 + 3 : last};       \
+                                                            s0 + 2 < be ? s0 + 2 : last, s0 + 3 < be ? s0 + 3 : last}; \
                     BLOCK_CASES(CALL)                                                                                \
                 }                                                                                                    \
             }                                                                                                        \
