@@ -15,7 +15,7 @@ A decode step reads every weight it uses at least once, so for each (dtype, batc
 4. **mla-runtime** — its measured decode step (``LLMEngine.step``, median of ``--steps`` steps after a
    128-token prefill);
 5. **transformers** — its end-to-end tokens/s (``generate``, ``--prompt-len`` in, ``--max-tokens`` out,
-   the prefill included), measured in the same run, and 8× that: the issue's target.
+   the prefill included), measured in the same run, and 8× that: the project's target.
 
 Both ceilings leave out the prefill and every non-GEMM operation, so a real system is below them; when the
 bandwidth ceiling is under 8× transformers — whose figure here *includes* its prefill, which makes the

@@ -597,10 +597,10 @@ static void few_i8_rows_vnni(const int8_t *w, const float *scale, const int16_t 
  * rows in blocks of about I8_BLOCK_BYTES (they stay in L2), and each block passes over the input rows four at a time,
  * the block's weight rows R at a time (AVX2: 2; VNNI: 4) against the four while their int16 rows stay in L1. The
  * streaming drivers above pass every input row over each step's weight rows instead: 128 KB of int16 rows from L2 a
- * step for 64 rows of 1024. Measured at 64 rows on a 2-core Zen 5 EPYC, [4096, 1024] / [1024, 4096] / [32000, 1024]:
- * AVX2 96 / 79 / 91 -> 162 / 135 / 156 G multiply-adds a second, VNNI 136 / 128 / 148 -> 257 / 222 / 287. The same
- * kernels on the same chunks, so the same bits as the streaming drivers; where a block's rows run out, a step repeats
- * the block's last row (the same value written again). */
+ * step for 64 rows of 1024. 64 rows of [4096, 1024] / [1024, 2048] / [32000, 1024] on a 2-core Zen 5 EPYC
+ * (bench/bench_quant_rows.py), before -> after: AVX2 2.68 / 1.38 / 21.9 -> 1.50 / 0.73 / 12.8 ms, VNNI 1.84 / 0.82 /
+ * 14.9 -> 0.83 / 0.35 / 7.4 ms. The same kernels on the same chunks, so the same bits as the streaming drivers;
+ * where a block's rows run out, a step repeats the block's last row (the same value written again). */
 #define I8_BLOCK_BYTES (256 << 10)
 #define I8_TILE_ROWS 4
 #define MANY_I8_ROWS(R, CALL)                                                                                        \

@@ -20,18 +20,17 @@ multiplied in float32 with ``F.linear`` (float32 activations, another summation 
 a speculative verification, a batch, a prefill; 64 rows a pass) runs the compiled kernels of
 ``mla_kernels.cpu_kernels`` where they build (``cpu_gemm=auto``), reading one byte per weight: each row is rounded
 to int16 with a power-of-two scale (within 2^-14 of its largest value, far finer than bfloat16) and multiplied with
-integer multiply-adds, eight rows at a time. They are 1.5-1.8x faster than ATen's kernel from 8 to 64 rows on AVX2
-(``[4096, 1024]``: 1.24 / 2.05 / 3.88 / 7.39 ms at 8 / 16 / 32 / 64 rows, against 1.86 / 3.45 / 6.76 / 11.6) and
-1.3-1.8x on a prefill's rows on an AVX-512 EPYC (``[4096, 1024]``, 128 / 512 rows: 5.3 / 23.7 ms against 9.0 / 30.8;
-``[32000, 1024]``: 65 / 261 against 107 / 461), and a row's result does not depend on the rows beside it, so a
-speculative verification computes what decoding the same tokens one by one would. Products of many rows (a prefill;
-from ``cpu_gemm.QUANT_BF16_ROWS``) on a CPU with native bfloat16 arithmetic (AVX512-BF16, AMX) run oneDNN's bfloat16
-products instead (``QuantizedWeight.bf16_product``): the int8 matrix is widened to bfloat16 a block at a time (exact:
-every int8 value is a bfloat16 value), the rows are rounded to bfloat16, and each block's product is rounded to
-bfloat16 before the scales multiply it in float32. That adds a relative error of about 2^-9 to each row and each result,
-small against the int8 weights' own (about 1 %), and measured 1.4-1.9x faster than the integer kernels from 64 rows
-(``[1024, 4096]``, 128 rows: 4.2 against 10.1 ms) and 1.45x on a whole 128-token prefill (AMD EPYC with AVX512-BF16, 2
-threads; bench/RESULTS.md).
+integer multiply-adds: up to eight rows streaming the weight from memory, more by blocks of weight rows held in cache,
+four input rows at a time. On a 2-core Zen 5 EPYC, 128 rows of ``[4096, 1024]`` take 3.0 ms with the AVX2 variant and
+1.6 ms with the VNNI one (``bench/bench_quant_rows.py``), and a row's result does not depend on the rows beside it, so
+a speculative verification computes what decoding the same tokens one by one would. Products of many rows (a prefill,
+a large batch; from ``cpu_gemm.quantized_bf16_rows``: 48 rows, or 96 where the kernel runs and the CPU's bfloat16
+products have no AMX) on a CPU with native bfloat16 arithmetic (AVX512-BF16, AMX) run oneDNN's bfloat16 products
+instead (``QuantizedWeight.bf16_product``): the int8 matrix is widened to bfloat16 a block at a time (exact: every int8
+value is a bfloat16 value), the rows are rounded to bfloat16, and each block's product is rounded to bfloat16 before the
+scales multiply it in float32. That adds a relative error of about 2^-9 to each row and each result, small against the
+int8 weights' own (about 1 %). Without AMX they overtake the VNNI kernel from about 128 rows of DeepSeek-V3's matrices
+and 64 of the benchmark model's (128 rows of ``[4096, 1024]``: 1.5 against 1.6 ms; bench/RESULTS.md).
 
 What is quantised (``quantize_model``): every projection of the attention except ``kv_b_proj`` (A.X-K2's ``q_gate_proj``
 included), the dense MLPs, the shared and routed experts, and the lm_head. ``kv_b_proj`` (the absorbed factors
