@@ -160,7 +160,10 @@ def failure() -> str | None:
                            extra_ldflags=_ldflags(), build_directory=str(folder), is_python_module=False,
                            verbose=False)
     except Exception as e:  # noqa: BLE001 - a failed build leaves the torch paths, with the reason
-        said = [line for line in str(e).strip().splitlines() if "error" in line.lower()] or str(e).splitlines()
+        lines = str(e).strip().splitlines()
+        # the compiler's own diagnostic ("file:line:col: error: ...") where there is one, not the builder's summary
+        said = [line for line in lines if ": error:" in line] or [line for line in lines if "error" in line.lower()] \
+            or lines
         return f"building the typed CPU operators with {cxx} failed: {said[0][:300] if said else type(e).__name__}"
     finally:
         if private:  # the mapping stays valid after the files are removed

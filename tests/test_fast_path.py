@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -677,6 +679,23 @@ def test_the_row_kernel_is_left_out_with_a_reason_where_it_cannot_build(monkeypa
             assert packed is None or not packed.row_kernel
     finally:
         _clear_kernel_caches()
+
+
+def test_a_failed_build_names_the_compilers_error(tmp_path):
+    """Where the compiler rejects a source, the reason given is its own diagnostic line, not the builder's summary.
+    (In a process of its own: this one has the operators loaded.)"""
+    if cpu_kernels.failure() is not None:
+        pytest.skip(f"the kernels do not build here: {cpu_kernels.failure()}")
+    real = cpu_ops._compiler()
+    fake = tmp_path / "cxx"  # answers the builder's questions as the real one, and rejects every source
+    said = "gemv_f32.c:1:1: error: no such intrinsic"
+    fake.write_text(f'#!/bin/sh\ncase " $* " in *" -c "*) echo "{said}" >&2; exit 1;; esac\nexec {real} "$@"\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "MLA_KERNEL_CACHE": str(tmp_path / "kernels"), "CXX": str(fake)}
+    out = subprocess.run([sys.executable, "-c", "from mla_kernels import cpu_ops; print(cpu_ops.failure())"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"building the typed CPU operators with {fake} failed: {said}" in out.stdout, out.stdout
 
 
 def test_the_kernel_library_is_built_once_per_machine(tmp_path, monkeypatch):
