@@ -555,7 +555,7 @@ void mla_gemm_few_half(const uint16_t *w, int64_t kind, const float *x, float *y
 void mla_gemm_few_i8(const int8_t *w, const float *scale, const float *x, float *y, int64_t rows, int64_t n, int64_t k,
                      int64_t threads, int64_t variant) {
     const int vnni = variant < 0 ? has_vnni() : variant == 1;
-    int16_t *xq = (int16_t *)malloc((size_t)(rows * k) * sizeof(int16_t));
+    int16_t *xq = (int16_t *)alloc_lines((size_t)(rows * k) * sizeof(int16_t));
     float *sx = (float *)malloc((size_t)rows * sizeof(float));
     if (!xq || !sx) abort();  /* a few hundred kilobytes: ops/cpu_kernels.cpp bounds the rows */
     #pragma omp parallel for num_threads((int)(rows > I8_STREAM_ROWS ? threads : 1))  /* a decode step's: no fork */

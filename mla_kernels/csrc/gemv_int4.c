@@ -494,7 +494,7 @@ void mla_gemm_i4(const uint8_t *w, const uint16_t *scales, const float *x, float
     block = block < balanced ? block : balanced;
     block = block < 1 ? 1 : block;
     const int64_t blocks = (n + block - 1) / block;
-    uint8_t *xp = (uint8_t *)malloc((size_t)(rows * xs));
+    uint8_t *xp = (uint8_t *)alloc_lines((size_t)(rows * xs));
     if (!xp) abort();  /* ops/cpu_kernels.cpp bounds the rows */
     if (rows == 1) {
         q8_prepare_row(x, k, xp);
