@@ -86,7 +86,7 @@ def test_int8_products_with_and_without_the_row_kernels(mode, rows, monkeypatch)
     x, bias = torch.randn(rows, 128, generator=g), torch.randn(96, generator=g)
     ref = torch.nn.functional.linear(x, q.dequantize(), bias)
     kernels = q.row_scales is not None
-    assert q.bf16_from == quantized_bf16_rows(mode, int8_kernel=kernels)
+    assert q.bf16_from == quantized_bf16_rows(mode, kernel=kernels)
     # the kernels: rows rounded to int16; ATen's and oneDNN's bfloat16 products of many rows: bfloat16
     tol = 3e-4 if kernels and not 0 < q.bf16_from <= rows else 2e-2
     torch.testing.assert_close(q.matmul(x, bias), ref, rtol=tol, atol=tol * ref.abs().max().item())
@@ -109,17 +109,17 @@ def test_many_row_products_take_bfloat16_where_the_cpu_has_it(scheme, dtype, mon
     many = quantized_bf16_rows()
     native = bool(native_arithmetic(torch.bfloat16)) and gemm_choice(torch.bfloat16).path == "onednn"
     assert many == (cpu_gemm.QUANT_BF16_ROWS if native else 0)
-    # int8: wherever oneDNN's bfloat16 products run natively, from more rows where its own kernel runs and the CPU's
-    # bfloat16 products have no AMX; int4: where its own kernel is built too (elsewhere it is dequantised to float32
-    # for every product)
+    # int8: wherever oneDNN's bfloat16 products run natively; int4: where its own kernel is built too (elsewhere it is
+    # dequantised to float32 for every product); both from more rows where their own kernel runs and the CPU's
+    # bfloat16 products have no AMX
+    kernel_rows = quantized_bf16_rows(kernel=True)
+    without_amx = native_arithmetic(torch.bfloat16) == ["avx512_bf16"]
+    assert kernel_rows == (cpu_gemm.KERNEL_BF16_ROWS if native and without_amx else many)
     if scheme == "int8":
-        kernel_rows = quantized_bf16_rows(int8_kernel=True)
         assert w.bf16_from == (kernel_rows if cast(Int8Weight, w).row_scales is not None else many)
-        without_amx = native_arithmetic(torch.bfloat16) == ["avx512_bf16"]
-        assert kernel_rows == (cpu_gemm.INT8_BF16_ROWS if native and without_amx else many)
-        many = w.bf16_from
     else:
-        assert w.bf16_from == (many if cpu_kernels.failure("int4") is None else 0)
+        assert w.bf16_from == (kernel_rows if cpu_kernels.failure("int4") is None else 0)
+    many = w.bf16_from
     if not w.bf16_from:
         pytest.skip(f"the many-row bfloat16 products do not run here (cpu_gemm={cpu_gemm.gemm_mode()}; no native "
                     "bfloat16 arithmetic, or no compiled int4 kernels): the format's own path, tested elsewhere, runs "
@@ -143,10 +143,10 @@ def test_many_row_products_take_bfloat16_where_the_cpu_has_it(scheme, dtype, mon
         unit = 2.0 ** -8 if dtype == torch.float32 else 2.0 ** -7  # plus the result's own rounding to bfloat16
         bound = unit * (product.abs() + bias.double().abs()) + 1e-3
         assert ((got.double() - product - bias.double()).abs() <= bound).all()
-    for caps, int8_rows in ((["avx512_bf16"], cpu_gemm.INT8_BF16_ROWS),
-                            (["avx512_bf16", "amx_bf16"], cpu_gemm.QUANT_BF16_ROWS)):
+    for caps, kernel_rows in ((["avx512_bf16"], cpu_gemm.KERNEL_BF16_ROWS),
+                              (["avx512_bf16", "amx_bf16"], cpu_gemm.QUANT_BF16_ROWS)):
         monkeypatch.setattr(cpu_gemm, "native_arithmetic", lambda dtype, capabilities=None, caps=caps: caps)
-        assert quantized_bf16_rows(int8_kernel=True) == int8_rows
+        assert quantized_bf16_rows(kernel=True) == kernel_rows
         assert quantized_bf16_rows() == cpu_gemm.QUANT_BF16_ROWS
     monkeypatch.setattr(cpu_gemm, "native_arithmetic", lambda dtype, capabilities=None: [])
     assert quantized_bf16_rows() == 0  # oneDNN would emulate bfloat16: slower than the integer kernels

@@ -89,14 +89,13 @@ ATEN_ROWS: dict[torch.dtype, tuple[int, int]] = {torch.float32: (32 << 10, FEW_R
 HALF_KINDS = {torch.bfloat16: "bf16", torch.float16: "f16"}  # cpu_kernels' kinds of the half-precision products
 KERNEL_MAX_ROWS = 8  # products of up to this many rows take the AVX2 kernels where they build (bench/RESULTS.md)
 # int8 and int4 products of at least this many rows take oneDNN's bfloat16 products where the CPU computes in bfloat16
-# natively (``quantized_bf16_rows``; ``QuantizedWeight.bf16_product``): measured on an AMD EPYC with AVX512-BF16,
-# 2 threads, they are about even with the compiled int4 kernel at 32 rows and 1.4-1.9x faster from 64
+# natively (``quantized_bf16_rows``; ``QuantizedWeight.bf16_product``): where those products run on AMX, or where
+# the format's own compiled kernel does not run
 QUANT_BF16_ROWS = 48
-# ... and int8 products, against the compiled int8 kernel (int16 rows, finer than bfloat16 ones), from this many where
-# those bfloat16 products have no AMX: on a 2-core Zen 5 EPYC (bench/bench_quant_rows.py) the kernel's VNNI variant
-# takes DeepSeek-V3's matrices ([1536, 7168] ... [7168, 16384]) 1.15-1.33x faster at 64 rows, evenly at 128 and
-# 0.8-0.9x at 256; the benchmark model's small ones 0.6-1.3x at 64
-INT8_BF16_ROWS = 96
+# ... and from this many where the format's compiled kernel runs and those bfloat16 products have no AMX: on a 2-core
+# Zen 5 EPYC (bench/bench_quant_rows.py) the kernels' VNNI variants take DeepSeek-V3's matrices ([1536, 7168] ...
+# [24576, 1536]) 1.2-1.6x faster than them at 48 rows, 1.0-1.3x at 64, 0.8-1.1x at 128
+KERNEL_BF16_ROWS = 96
 # bfloat16 products of more rows than the few-row kernels take, up to this many, run on AMX tiles where the CPU has
 # them (``amx_failure``; ``mla_kernels.cpu_kernels.amx_linear``): on a 2-core Xeon with AMX, 2 threads, weights
 # streamed, they take 0.55x oneDNN's time at 8 to 32 rows and 0.62x at 128, even at 512 and 1.2x at 1,024
@@ -289,17 +288,17 @@ def amx_fits(weight: torch.Tensor) -> bool:
             and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0 and weight.numel() > 0)
 
 
-def quantized_bf16_rows(mode: str | None = None, *, int8_kernel: bool = False) -> int:
+def quantized_bf16_rows(mode: str | None = None, *, kernel: bool = False) -> int:
     """From how many rows weight-only int8 and int4 products take oneDNN's bfloat16 products (``QUANT_BF16_ROWS``)
     under ``mode`` (default: the current ``gemm_mode()``), or 0 where they never do: where ``cpu_gemm`` is ``plain``,
     the bfloat16 products failed their probe or the CPU has no native bfloat16 arithmetic (oneDNN would emulate it,
-    slower than the integer kernels). ``int8_kernel``: the products are int8 ones that the compiled int8 kernel runs
-    otherwise, which keeps up with bfloat16 products without AMX to more rows (``INT8_BF16_ROWS``)."""
+    slower than the integer kernels). ``kernel``: the format's compiled kernel runs the products otherwise, and it
+    keeps up with bfloat16 products without AMX to more rows (``KERNEL_BF16_ROWS``)."""
     mode = gemm_mode() if mode is None else mode
     native = native_arithmetic(torch.bfloat16)
     if mode == "plain" or _probe(torch.bfloat16, mode).path != "onednn" or not native:
         return 0
-    return INT8_BF16_ROWS if int8_kernel and native == ["avx512_bf16"] else QUANT_BF16_ROWS
+    return KERNEL_BF16_ROWS if kernel and native == ["avx512_bf16"] else QUANT_BF16_ROWS
 
 
 def native_arithmetic(dtype: torch.dtype, capabilities: Mapping[str, Any] | None = None) -> list[str]:

@@ -27,7 +27,8 @@ ggml's Q8_0 does (``int4_format.quantize_q8_groups``), and sums each group's exa
 with the two scales: the arithmetic of llama.cpp's Q4_0 × Q8_0 products. A row's result does not depend on the rows
 beside it. A prefill's products take 0.4–0.5x the time of widening the weight to float32 and multiplying
 (``[4096, 1024]``, 128 rows: 5.5 against 23 ms; 512 rows: 20 against 40 ms; 2 threads, AVX-512 EPYC). From
-``cpu_gemm.QUANT_BF16_ROWS`` rows on a CPU with native bfloat16 arithmetic (AVX512-BF16, AMX), oneDNN's bfloat16
+``cpu_gemm.quantized_bf16_rows(kernel=True)`` rows (96 where the CPU's bfloat16 products have no AMX, 48 where they
+do) on a CPU with native bfloat16 arithmetic (AVX512-BF16, AMX), oneDNN's bfloat16
 products run instead (``QuantizedWeight.bf16_product``): the matrix is dequantised to bfloat16 a block at a time by
 the compiled ``int4_to_bf16`` (each weight rounded once, to the nearest bfloat16), the rows rounded to bfloat16, the
 result to bfloat16 (1.1x a whole 128-token prefill's speed, measured alternately; bench/RESULTS.md). The compiled
@@ -122,7 +123,7 @@ class Int4Weight(QuantizedWeight):
         self.packed, self.scales, self.k = packed.contiguous(), scales.contiguous(), k
         self.kernel = packed.device.type == "cpu" and int4_kernel_failure(gemm_mode()) is None
         # products of many rows: oneDNN's bfloat16 ones where the CPU has them (quantized_bf16_rows)
-        self.bf16_from = quantized_bf16_rows() if self.kernel else 0
+        self.bf16_from = quantized_bf16_rows(kernel=True) if self.kernel else 0
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int4Weight:

@@ -140,7 +140,7 @@ class Int8Weight(QuantizedWeight):
         cpu = qweight.device.type == "cpu"
         self.row_scales = self.scales.float() if cpu and row_kernel_failure() is None else None
         # products of many rows: oneDNN's bfloat16 ones where the CPU has them (quantized_bf16_rows)
-        self.bf16_from = quantized_bf16_rows(int8_kernel=self.row_scales is not None) if cpu else 0
+        self.bf16_from = quantized_bf16_rows(kernel=self.row_scales is not None) if cpu else 0
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int8Weight:
