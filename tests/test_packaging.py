@@ -112,9 +112,10 @@ def _get(url: str) -> int:
 def test_installed_cli_serves_the_demo_model(installed):
     bin_dir, env, work = installed
     port = _free_port()
+    # a short drain: this is the installed package's test; shutdown's own timing is tested in test_server.py
     server = subprocess.Popen([str(bin_dir / "mla-runtime"), "serve", "--port", str(port), "--dtype", "float32",
-                               "--max-model-len", "256", "--kv-cache-memory", "16MiB"], cwd=work, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               "--max-model-len", "256", "--kv-cache-memory", "16MiB", "--shutdown-timeout", "5"],
+                              cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 90
         while _get(f"http://127.0.0.1:{port}/ready") != 200:
@@ -129,6 +130,11 @@ def test_installed_cli_serves_the_demo_model(installed):
         assert len(answer["token_ids"]) == 8 and answer["text"]
     finally:
         server.send_signal(signal.SIGTERM)
-        out, _ = server.communicate(timeout=60)
+        try:
+            out, _ = server.communicate(timeout=120)
+        except subprocess.TimeoutExpired:  # fail with what the server said, not a bare timeout
+            server.kill()
+            out, _ = server.communicate()
+            pytest.fail(f"the server did not exit within 120 s of SIGTERM; its output ended:\n{out[-6000:]}")
     assert server.returncode == 0, out
     assert "demo_model" in out and str(bin_dir.parent) in out  # the installed copy of the demo model served
