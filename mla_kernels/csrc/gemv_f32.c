@@ -55,10 +55,7 @@ static float quantize16(const float *x, int16_t *q, int64_t k) {
         mv = _mm256_max_ps(mv, a);
         bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ));  /* infinity or NaN */
     }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-    float amax = _mm_cvtss_f32(m4);
+    float amax = hmax8(mv);
     int finite = _mm256_movemask_ps(bad) == 0;
     for (; i < k; i++) {
         finite &= isfinite(x[i]) != 0;
@@ -602,7 +599,7 @@ static void few_i8_rows_vnni(const int8_t *w, const float *scale, const int16_t 
  * 14.9 -> 0.83 / 0.35 / 7.4 ms. The same kernels on the same chunks, so the same bits as the streaming drivers;
  * where a block's rows run out, a step repeats the block's last row (the same value written again). */
 #define I8_BLOCK_BYTES (256 << 10)
-#define I8_TILE_ROWS 4
+#define I8_TILE_ROWS AVX2_BLOCK  /* input rows a step: BLOCK_CASES' largest block */
 #define MANY_I8_ROWS(R, CALL)                                                                                        \
     _Pragma("omp parallel num_threads((int)threads)")                                                                \
     {                                                                                                                \

@@ -77,9 +77,7 @@ static inline void q8_group(const float *v, int8_t *lo, int8_t *hi, int32_t *bia
         mv = _mm256_max_ps(mv, a);
         bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ));  /* infinity or NaN */
     }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+    const float amax = hmax8(mv);
     float d = 0.0f;
     __m256i q[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
     if (_mm256_movemask_ps(bad)) {

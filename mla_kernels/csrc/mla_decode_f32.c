@@ -149,13 +149,6 @@ static inline __m256 exp8(__m256 x) {
 }
 #undef ROUND
 
-static inline float hmax8(__m256 v) {
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-    return _mm_cvtss_f32(m4);
-}
-
 /* Eight e4m3 bytes as float16 bits (e4m3_half_bits, eight lanes): the sign extended into bits 7-15, the magnitude
  * shifted to bits 7-13, bit 14 cleared, then set again for the NaN magnitude 0x7f (its + 0x80 carries into it). */
 static inline __m128i e4m3_half8(const uint8_t *p) {

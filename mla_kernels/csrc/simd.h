@@ -18,6 +18,14 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* the largest of the eight lanes */
+static inline float hmax8(__m256 v) {
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    return _mm_cvtss_f32(m4);
+}
+
 /* sum_i w[i] x[i], four independent accumulators along the row */
 static inline float dot_f32(const float *w, const float *x, int64_t k) {
     const int64_t k32 = k - k % 32, k8 = k - k % 8;
