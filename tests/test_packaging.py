@@ -132,9 +132,11 @@ def test_installed_cli_serves_the_demo_model(installed):
         server.send_signal(signal.SIGTERM)
         try:
             out, _ = server.communicate(timeout=120)
-        except subprocess.TimeoutExpired:  # fail with what the server said, not a bare timeout
+        except subprocess.TimeoutExpired:  # fail with what the server said and where its threads were
+            server.send_signal(signal.SIGUSR1)  # the server dumps every thread's stack to stderr
+            time.sleep(2)
             server.kill()
             out, _ = server.communicate()
-            pytest.fail(f"the server did not exit within 120 s of SIGTERM; its output ended:\n{out[-6000:]}")
+            pytest.fail(f"the server did not exit within 120 s of SIGTERM; its output ended:\n{out[-12000:]}")
     assert server.returncode == 0, out
     assert "demo_model" in out and str(bin_dir.parent) in out  # the installed copy of the demo model served

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -32,7 +33,7 @@ from mla_runtime.engine.config import EngineConfig
 from mla_runtime.serving.app import build_app
 from mla_runtime.serving.config import ServerConfig
 from mla_runtime.serving.protocol import ERROR_CODES
-from mla_runtime.serving.server import uvicorn_config
+from mla_runtime.serving.server import Server, uvicorn_config
 from tests.checkpoints import build_hf_model, save_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -612,6 +613,12 @@ def test_subprocess_logs_the_plan_and_sigterm_exits_0(text_checkpoint, tmp_path)
         for fact in ("3 layers", "4 heads", "d_c=32", "d_r=16", "block size 16", "max concurrent tokens",
                      "weights", "latent cache", "activations"):
             assert fact in text, fact
+        proc.send_signal(signal.SIGUSR1)  # every thread's stack to the log; the server goes on
+        deadline = time.monotonic() + 10
+        while "most recent call first" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "(most recent call first)" in log.read_text() and proc.poll() is None
+        assert httpx.get(base + "/ready").status_code == 200
         lines: dict[int, list[str]] = {}
         started = threading.Barrier(3)
 
@@ -644,6 +651,40 @@ def test_subprocess_logs_the_plan_and_sigterm_exits_0(text_checkpoint, tmp_path)
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_signal_only_sets_flags_and_the_drain_begins_on_the_loop():
+    """SIGTERM's handler runs between two bytecodes of whatever the main thread was doing, a log write or a metric
+    update under its lock: it must neither log nor take a lock. It refuses new requests at once; the drain's log
+    line and deadline follow at the next tick, and a second signal ends the drain."""
+    refused: list[bool] = []
+    in_flight = [1]
+    server = Server(uvicorn_config(object(), ServerConfig(shutdown_timeout=30.0)), on_exit=lambda: refused.append(True),
+                    in_flight=lambda: in_flight[0])
+    records: list[logging.LogRecord] = []
+
+    class Record(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    log = logging.getLogger("mla_runtime.serving")
+    handler, level = Record(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        server.handle_exit(signal.SIGTERM, None)
+        assert refused == [True] and records == [] and server.drain_until is None and not server.should_exit
+        assert asyncio.run(server.on_tick(1)) is False  # one sequence still in flight: the drain goes on
+        assert "received SIGTERM: finishing in-flight requests (up to 30.0 s)" in records[0].getMessage()
+        assert server.drain_until is not None
+        in_flight[0] = 0
+        assert asyncio.run(server.on_tick(2)) is True  # nothing in flight: uvicorn's shutdown begins
+        assert server.config.timeout_graceful_shutdown > 29
+        server.handle_exit(signal.SIGTERM, None)
+        assert server.should_exit and refused == [True] and len(records) == 1
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
 
 
 def test_subprocess_exits_1_when_the_engine_dies(text_checkpoint, tmp_path):

@@ -98,6 +98,7 @@ class ServingRuntime:
         self.status = "loading weights"
         self.shutting_down = False
         self.in_flight = 0  # sequences of admitted requests
+        metrics.ready.set_function(lambda: float(self.ready))  # read at each scrape, never set under a signal
         self.info: EngineInfo | None = None
         self.created = int(time.time())  # the model's "created" on /v1/models: when this server started
         self.max_chars_per_token = 0  # 0: no tokenizer, no character bound
@@ -126,7 +127,6 @@ class ServingRuntime:
             return
         self.ready = True
         self.status = "ready"
-        self.metrics.ready.set(1)
         self._watchdog = asyncio.create_task(self._watch())
         if (after := fault_injection("step")) is not None:
             self.llm.step_hooks.append(_failing_step(after))
@@ -302,10 +302,10 @@ class ServingRuntime:
                 m.tpot.observe(out.metrics.time_per_output_token)
 
     def begin_shutdown(self) -> None:
-        """SIGTERM: refuse new requests (503) and turn /ready off so balancers drain; in-flight ones go on."""
+        """SIGTERM: refuse new requests (503) and turn /ready off so balancers drain; in-flight ones go on. Only
+        sets flags: the server's signal handler calls it."""
         self.shutting_down = True
         self.ready = False
-        self.metrics.ready.set(0)
 
     def stop(self) -> None:
         self.begin_shutdown()

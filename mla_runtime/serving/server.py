@@ -15,6 +15,7 @@ generation) exits 1 with the reason.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import signal
 import socket
@@ -58,18 +59,20 @@ class Server(uvicorn.Server):
         super().__init__(config)
         self.on_exit = on_exit
         self.in_flight = in_flight
+        self.drain_why: str | None = None
         self.drain_until: float | None = None
 
     def begin_drain(self, why: str) -> None:
-        if self.drain_until is not None or self.should_exit:
+        """Refuse new requests from now on. This only sets flags (``on_exit`` must too), since a signal handler
+        calls it between two bytecodes of whatever the main thread was doing: a log write, a metric update under
+        its lock. The drain's log line and deadline come at the next tick, on the event loop."""
+        if self.drain_why is not None or self.should_exit:
             return
-        logger.info("%s: finishing in-flight requests (up to %s s), refusing new ones", why,
-                    self.config.timeout_graceful_shutdown)
         self.on_exit()
-        self.drain_until = time.monotonic() + float(self.config.timeout_graceful_shutdown or 0)
+        self.drain_why = why
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.drain_until is None and not self.should_exit:
+        if self.drain_why is None and not self.should_exit:
             self.begin_drain(f"received {signal.Signals(sig).name}")
             return
         super().handle_exit(sig, frame)  # a second signal ends the drain
@@ -77,8 +80,12 @@ class Server(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         if await super().on_tick(counter):
             return True
-        if self.drain_until is None:
+        if self.drain_why is None:
             return False
+        if self.drain_until is None:
+            grace = float(self.config.timeout_graceful_shutdown or 0)
+            logger.info("%s: finishing in-flight requests (up to %s s), refusing new ones", self.drain_why, grace)
+            self.drain_until = time.monotonic() + grace
         left = self.drain_until - time.monotonic()
         if self.in_flight() > 0 and left > 0:
             return False
@@ -135,6 +142,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "server.py") -> int:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     configure_logging(config.log_format)
+    # `kill -USR1 <pid>` writes every thread's stack to stderr: what a server that does not stop is doing
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if replicas.enabled:
         return serve_replicas(engine_config, config, replicas, prog)
     if is_torchrun_worker(engine_config):
