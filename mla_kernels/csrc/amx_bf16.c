@@ -25,6 +25,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "simd.h"
+
 #define AMX_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
 
 /* The tile configuration of ldtilecfg (palette 1): bytes per row and rows of each of the eight tiles. */
@@ -139,12 +141,13 @@ void mla_amx_linear_bf16(const float *xf, const uint16_t *xb, int64_t ld, const 
         tiles(xb, packed, y, m, n, k, threads);
         return;
     }
-    /* the rows rounded (float32) or gathered (bfloat16 rows with another stride) into this thread's buffer */
+    /* the rows rounded (float32) or gathered (bfloat16 rows with another stride) into this thread's buffer, on cache
+     * line boundaries: a tile row of 32 bfloat16 values is then one line */
     static thread_local uint16_t *buffer = NULL;
     static thread_local int64_t capacity = 0;
     if (capacity < m * k) {
         free(buffer);
-        buffer = (uint16_t *)malloc((size_t)(m * k) * 2);
+        buffer = (uint16_t *)alloc_lines((size_t)(m * k) * 2);
         capacity = buffer ? m * k : 0;
         if (!buffer) abort();
     }
