@@ -191,7 +191,7 @@ def summary() -> str:
     if why is not None:
         return f"unavailable: {why}"
     runs = [v.split(":", 1)[0] for v in torch.ops.mla_kernels.cpu_variants() if v.endswith(":runs")]
-    kernels = "the decode kernels and the indexer" if x86() else "the indexer"
+    kernels = "the decode kernels, the prefill attention and the indexer" if x86() else "the indexer"
     capped = f"; capped at {isa_cap()} by ${ISA_ENV}" if isa_cap() != ISA_LEVELS[-1] else ""
     return f"torch.ops.mla_kernels ({kernels}; indexer variant {runs[0] if runs else 'none'}{capped})"
 
@@ -231,6 +231,12 @@ def _register_fakes() -> None:
     @lib.register_fake("mla_kernels::linear")
     def _(x, w, scales=None, block=(), variant="auto"):  # type: ignore[no-untyped-def]
         return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=torch.float32)
+
+    @lib.register_fake("mla_kernels::prefill_attention")
+    def _(q_n, q_r, k_n, k_r, v, cu_q, cu_k, scale, variant="auto"):  # type: ignore[no-untyped-def]
+        rows, heads = q_n.shape[:2]
+        return (q_n.new_empty((rows, heads, v.shape[2]), dtype=torch.float32),
+                q_n.new_empty((rows, heads), dtype=torch.float32))
 
     @lib.register_fake("mla_kernels::int4_from_stored")
     def _(stored):  # type: ignore[no-untyped-def]

@@ -32,6 +32,7 @@ from mla_kernels import (  # noqa: E402
 from mla_kernels.common import dequantize_rows, quantize_per_token  # noqa: E402
 from mla_kernels.reference import ref_mla_decode  # noqa: E402
 from mla_runtime import LLM, SamplingParams  # noqa: E402
+from mla_runtime.attention.paged import PagedBackend  # noqa: E402
 from mla_runtime.config import MoEConfig, RopeConfig  # noqa: E402
 from mla_runtime.forward_batch import ForwardBatch  # noqa: E402
 from mla_runtime.layers import cpu_gemm  # noqa: E402
@@ -862,6 +863,96 @@ def test_absorbed_decode_kernel_rejects_what_it_cannot_compute():
             cpu_kernels.ops().absorbed_decode(scale=1.0, **args)
 
 
+# -- the compiled prefill attention -------------------------------------------------------------------------------
+def _prefill_case(q_lens: list[int], k_lens: list[int], heads: int, dims: tuple[int, int, int], seed: int):
+    """Queries, keys and values laid out as the model makes them: q_n / q_r views of one projection, k_n / v views of
+    the up-projection, k_r a view of the gathered latent rows."""
+    d_n, d_r, d_v = dims
+    g = torch.Generator().manual_seed(seed)
+    q_n, q_r = torch.randn(sum(q_lens), heads, d_n + d_r, generator=g).split([d_n, d_r], dim=-1)
+    k_n, v = torch.randn(sum(k_lens), heads, d_n + d_v, generator=g).split([d_n, d_v], dim=-1)
+    k_r = torch.randn(sum(k_lens), 40 + d_r, generator=g)[:, 40:]
+    cu_q, cu_k = [0], [0]
+    for q_len, k_len in zip(q_lens, k_lens):
+        cu_q.append(cu_q[-1] + q_len)
+        cu_k.append(cu_k[-1] + k_len)
+    return (q_n, q_r, k_n, k_r, v), cu_q, cu_k
+
+
+@needs_row_kernel
+@pytest.mark.parametrize("q_lens, k_lens, heads, dims", [
+    ([128], [128], 16, (64, 64, 64)),                    # the benchmark checkpoint's layer, a 128-token prompt
+    ([37, 5, 1, 64], [37, 20, 9, 100], 3, (16, 8, 24)),  # chunks after cached context, a one-row chunk, tails of 4 rows
+    ([7, 33], [7, 90], 5, (12, 6, 10)),                  # widths no vector divides: the scalar scores and values
+    ([0, 3, 40], [4, 3, 40], 2, (128, 64, 128)),         # an empty chunk; DeepSeek-V3's head widths
+])
+@pytest.mark.parametrize("variant", ["avx2", "avx512"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_attention_kernel_matches_the_reference(q_lens, k_lens, heads, dims, variant, threads):
+    """The compiled prefill attention equals the reference causal attention (bottom-right aligned, float64) and its
+    log-sum-exp, for each variant (AVX2, AVX-512: one source compiled for each); a variant this CPU cannot execute is
+    skipped by name."""
+    if variant not in cpu_kernels.variants("float"):
+        pytest.skip(f"this CPU does not execute the attention's {variant} variant (it runs "
+                    f"{list(cpu_kernels.variants('float'))})")
+    (q_n, q_r, k_n, k_r, v), cu_q, cu_k = _prefill_case(q_lens, k_lens, heads, dims, sum(q_lens))
+    scale = (dims[0] + dims[1]) ** -0.5
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, lse = cpu_kernels.ops().prefill_attention(q_n, q_r, k_n, k_r, v, cu_q, cu_k, scale, variant)
+    finally:
+        torch.set_num_threads(before)
+    want_out, want_lse = [], []
+    for b, (q_len, k_len) in enumerate(zip(q_lens, k_lens)):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        s = (torch.einsum("thd,shd->hts", q_n[rows].double(), k_n[keys].double())
+             + torch.einsum("thd,sd->hts", q_r[rows].double(), k_r[keys].double())) * scale
+        s = s.masked_fill(torch.ones(q_len, k_len, dtype=torch.bool).triu(k_len - q_len + 1), float("-inf"))
+        want_lse.append(torch.logsumexp(s, -1).transpose(0, 1))
+        want_out.append(torch.einsum("hts,shd->thd", torch.softmax(s, -1), v[keys].double()))
+    assert out.shape == (sum(q_lens), heads, dims[2]) and lse.shape == (sum(q_lens), heads)
+    torch.testing.assert_close(out.double(), torch.cat(want_out), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), torch.cat(want_lse), rtol=1e-5, atol=1e-5)
+
+
+@needs_row_kernel
+def test_prefill_attention_kernel_rejects_what_it_cannot_compute():
+    (q_n, q_r, k_n, k_r, v), cu_q, cu_k = _prefill_case([3], [5], 2, (8, 4, 6), 0)
+    for bad, said in ((dict(q_n=q_n.double()), "q_n must be float32 CPU rows"),
+                      (dict(k_r=k_r[:4]), r"k_r must be float32 CPU rows \[5, 4\]"),
+                      (dict(v=v.transpose(0, 2)), "v must be"),
+                      (dict(cu_q=[0, 4], cu_k=[0, 5]), "cu_q and cu_k are"),
+                      (dict(cu_q=[0, 3, 3], cu_k=[0, 2, 5]), "sequence 0 has 3 rows and 2 keys")):
+        args = dict(q_n=q_n, q_r=q_r, k_n=k_n, k_r=k_r, v=v, cu_q=cu_q, cu_k=cu_k)
+        args.update(bad)
+        with pytest.raises(ValueError, match=said):
+            cpu_kernels.ops().prefill_attention(scale=1.0, **args)
+
+
+def test_float32_prefills_take_the_compiled_attention_with_the_torch_logits(tiny_checkpoint, monkeypatch):
+    """Where the kernels build, each layer of a float32 prefill (a whole prompt, then a chunk after cached context:
+    the up-projected path forced, which short chunks would otherwise leave for the decode plan) attends by the
+    compiled prefill attention, with the logits of torch's flash kernel (the kernel left out)."""
+    from mla_runtime.attention import CpuBackend
+
+    ckpt, _ = tiny_checkpoint("v3")
+    ps = prompts([30, 12, 7], seed=5)
+    calls = spy_ops(monkeypatch, "prefill_attention")["prefill_attention"]
+    logits = []
+    for compiled in (True, False):
+        if not compiled:
+            monkeypatch.setattr(CpuBackend, "up_projected", PagedBackend.up_projected)
+        model = load_model(ckpt, dtype="float32", attention_path="naive")
+        runner = PagedRunner(model, len(ps), 48)
+        calls.clear()
+        steps = [runner.step({i: p[:-4] for i, p in enumerate(ps)}), runner.step({i: p[-4:] for i, p in enumerate(ps)})]
+        expected = 2 * model.config.num_hidden_layers if compiled and cpu_gemm.row_kernel_failure() is None else 0
+        assert len(calls) == expected
+        logits.append(torch.cat([torch.cat([s[i] for i in range(len(ps))]) for s in steps]))
+    assert rel_err(logits[0], logits[1]) <= 1e-5
+
+
 @needs_row_kernel
 @pytest.mark.parametrize("shape", [(1, 1024), (3, 77), (2, 4, 40)])
 def test_rms_norm_kernel_matches_torch(shape):
@@ -1653,4 +1744,7 @@ def test_every_cpu_operator_has_a_shape_function():
                                       torch.empty(3, 16, 5), cache, torch.empty(2, 4, dtype=torch.long),
                                       torch.empty(2, dtype=torch.long), 1.0)
             assert out.shape == (2, 3, 5) and out.dtype == torch.float32
+        out, lse = ops.prefill_attention(torch.empty(5, 3, 4), torch.empty(5, 3, 2), torch.empty(7, 3, 4),
+                                         torch.empty(7, 2), torch.empty(7, 3, 6), [0, 5], [0, 7], 1.0)
+        assert out.shape == (5, 3, 6) and lse.shape == (5, 3)
         assert ops.int4_from_stored(torch.empty(4, 16, dtype=torch.uint8)).shape == (4, 16)

@@ -106,8 +106,8 @@ static inline __attribute__((always_inline)) void SFX(small_gemm)(const float *a
     }
 }
 
-/* softmax of s[0:n] in place */
-static void SFX(softmax)(float *s, int64_t n) {
+/* softmax of s[0:n] in place; returns log(sum_j e^s[j]) (the max plus the log of the shifted sum) */
+static float SFX(softmax)(float *s, int64_t n) {
     const int64_t nv = n - n % VL;
     V mv = V_SET1(-INFINITY);
     for (int64_t j = 0; j < nv; j += VL) mv = V_MAX(mv, V_LOAD(s + j));
@@ -126,6 +126,7 @@ static void SFX(softmax)(float *s, int64_t n) {
     const V iv = V_SET1(inv);
     for (int64_t j = 0; j < nv; j += VL) V_STORE(s + j, V_MUL(V_LOAD(s + j), iv));
     for (int64_t j = nv; j < n; j++) s[j] *= inv;
+    return mx + logf(sum);
 }
 
 /* Accumulate four heads' queries q[0..3][0:n] against two keys ka, kb (four heads by two keys in eight registers:
@@ -279,6 +280,132 @@ static inline __attribute__((always_inline)) void SFX(absorbed_decode)(
         for (int64_t h = h0; h < h1 && m; h++)
             SFX(small_gemm)(o_lat + (h - h0) * d_c, group * d_c, (const char *)w_uv_t + h * d_c * d_v * esize, d_c,
                             d_v, out + t0 * heads * d_v + h * d_v, heads * d_v, m, bf16);
+    }
+}
+
+/* o[r][c0:c0 + 4 VL] = sum_{j < n} p[r * ld + j] val_j[c0:c0 + 4 VL] for WEIGH_HEADS rows rs[0..] (a repeated row
+ * computes its sums twice), values val_j = v + j * v_t: a register tile, each block of a value read once for them. */
+static inline __attribute__((always_inline)) void SFX(weigh_rows)(const float *p, int64_t ld, const float *v,
+                                                                  int64_t v_t, int64_t n, const int64_t *rs,
+                                                                  int64_t c0, float *const *o) {
+    V acc[WEIGH_HEADS][4];
+    for (int r = 0; r < WEIGH_HEADS; r++)
+        for (int u = 0; u < 4; u++) acc[r][u] = V_ZERO();
+    for (int64_t j = 0; j < n; j++) {
+        V kv[4];
+        for (int u = 0; u < 4; u++) kv[u] = V_LOAD(v + j * v_t + c0 + VL * u);
+        for (int r = 0; r < WEIGH_HEADS; r++) {
+            const V pr = V_SET1(p[rs[r] * ld + j]);
+            for (int u = 0; u < 4; u++) acc[r][u] = V_FMA(pr, kv[u], acc[r][u]);
+        }
+    }
+    for (int r = WEIGH_HEADS - 1; r >= 0; r--)
+        for (int u = 0; u < 4; u++) V_STORE(o[rs[r]] + c0 + VL * u, acc[r][u]);
+}
+
+/* out[u] = the sum of acc[u]'s lanes, u < 8: with AVX2 by one tree of horizontal adds for the eight (nine
+ * instructions instead of forty) */
+static inline __attribute__((always_inline)) void SFX(sums8)(const V *acc, float *out) {
+#if VL == 8
+    const __m256 t0 = _mm256_hadd_ps(acc[0], acc[1]), t1 = _mm256_hadd_ps(acc[2], acc[3]);
+    const __m256 t2 = _mm256_hadd_ps(acc[4], acc[5]), t3 = _mm256_hadd_ps(acc[6], acc[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  /* lane halves: acc 0-3, acc 4-7 */
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+#else
+    for (int u = 0; u < 8; u++) out[u] = V_HSUM(acc[u]);
+#endif
+}
+
+/* The up-projected (naive) attention of prompt rows, causal and bottom-right aligned, for the sequences b < nseq:
+ * rows cu_q[b] .. cu_q[b + 1] of q_n [T, H, d_n] and q_r [T, H, d_r] over keys cu_k[b] .. cu_k[b + 1] of k_n [S, H, d_n],
+ * k_r [S, d_r] (one RoPE key per token, shared by the heads) and v [S, H, d_v]; row i of a sequence of q_len rows and
+ * k_len keys sees keys j <= k_len - q_len + i. Strides per row (key) and per head are free, elements contiguous.
+ * out [T, H, d_v] and lse [T, H] (log of the softmax's sum of exponentials) are contiguous.
+ *
+ * A task is PREFILL_ROWS rows of one head, the later rows (more keys) first; its scores [PREFILL_ROWS][k_len] sit in
+ * scratch + thread * scratch_stride. The scores go four rows by two keys in registers (tile4x2), PREFILL_KEYS keys
+ * at a time for every four rows (a block of keys stays in L1), each row only to its own last key but for the other
+ * three rows of its four; then each row's softmax, then its weighted values, WEIGH_HEADS rows at a time. */
+static void SFX(prefill_attention)(const float *q_n, int64_t qn_t, int64_t qn_h, const float *q_r, int64_t qr_t,
+                                   int64_t qr_h, const float *k_n, int64_t kn_t, int64_t kn_h, const float *k_r,
+                                   int64_t kr_t, const float *v, int64_t v_t, int64_t v_h, const int64_t *cu_q,
+                                   const int64_t *cu_k, int64_t nseq, float scale, float *out, float *lse,
+                                   float *scratch, int64_t scratch_stride, int64_t heads, int64_t d_n, int64_t d_r,
+                                   int64_t d_v, int64_t threads) {
+    int64_t first[nseq + 1];  /* the first task of each sequence */
+    first[0] = 0;
+    for (int64_t b = 0; b < nseq; b++)
+        first[b + 1] = first[b] + heads * ((cu_q[b + 1] - cu_q[b] + PREFILL_ROWS - 1) / PREFILL_ROWS);
+    const int tiled = d_n % VL == 0 && d_r % VL == 0;
+    const int64_t cb = d_v - d_v % (4 * VL);
+    #pragma omp parallel for schedule(dynamic, 1) num_threads((int)threads)
+    for (int64_t task = 0; task < first[nseq]; task++) {
+        int64_t b = 0;
+        while (task >= first[b + 1]) b++;
+        const int64_t q_len = cu_q[b + 1] - cu_q[b], k_len = cu_k[b + 1] - cu_k[b], ctx = k_len - q_len;
+        const int64_t blocks = (q_len + PREFILL_ROWS - 1) / PREFILL_ROWS, local = task - first[b];
+        const int64_t h = local % heads, i0 = (blocks - 1 - local / heads) * PREFILL_ROWS;
+        const int64_t i1 = i0 + PREFILL_ROWS < q_len ? i0 + PREFILL_ROWS : q_len, m = i1 - i0;
+        float *s = scratch + (int64_t)omp_get_thread_num() * scratch_stride;  /* [m][k_len] */
+        const float *kn = k_n + cu_k[b] * kn_t + h * kn_h, *kr = k_r + cu_k[b] * kr_t, *vh = v + cu_k[b] * v_t + h * v_h;
+        /* scores */
+        const int64_t last = ctx + i1;  /* keys the task's last row sees */
+        for (int64_t j0 = 0; j0 < last; j0 += PREFILL_KEYS) {
+            for (int64_t i = i0; i < i1; i += 4) {
+                const int64_t top = i + 4 < i1 ? i + 4 : i1;  /* rows [i, top) */
+                const int64_t end = ctx + top < j0 + PREFILL_KEYS ? ctx + top : j0 + PREFILL_KEYS;
+                const float *qa[4], *qb[4];
+                for (int u = 0; u < 4; u++) {
+                    const int64_t t = cu_q[b] + (i + u < top ? i + u : top - 1);
+                    qa[u] = q_n + t * qn_t + h * qn_h;
+                    qb[u] = q_r + t * qr_t + h * qr_h;
+                }
+                for (int64_t j = j0; j < end; j += 2) {
+                    const int64_t j2 = j + 1 < end ? j + 1 : j;
+                    float sum[8];
+                    if (tiled) {
+                        V acc[8];
+                        for (int u = 0; u < 8; u++) acc[u] = V_ZERO();
+                        SFX(tile4x2)(qa, kn + j * kn_t, kn + j2 * kn_t, d_n, acc, C_F32, V_ZERO(), V_ZERO());
+                        SFX(tile4x2)(qb, kr + j * kr_t, kr + j2 * kr_t, d_r, acc, C_F32, V_ZERO(), V_ZERO());
+                        SFX(sums8)(acc, sum);
+                    } else {
+                        for (int u = 0; u < 8; u++) {
+                            const int64_t key = u & 1 ? j2 : j;
+                            sum[u] = dot_c(qa[u / 2], kn + key * kn_t, d_n, C_F32, 1.0f) +
+                                     dot_c(qb[u / 2], kr + key * kr_t, d_r, C_F32, 1.0f);
+                        }
+                    }
+                    for (int u = 0; u < 4 && i + u < top; u++) {
+                        s[(i + u - i0) * k_len + j] = scale * sum[2 * u];
+                        if (j2 > j) s[(i + u - i0) * k_len + j2] = scale * sum[2 * u + 1];
+                    }
+                }
+            }
+        }
+        /* softmax over each row's own keys; zeros up to the last key its four rows computed */
+        for (int64_t i = i0; i < i1; i++) {
+            float *row = s + (i - i0) * k_len;
+            const int64_t sub = i - (i - i0) % 4, top = sub + 4 < i1 ? sub + 4 : i1;  /* its four rows [sub, top) */
+            const int64_t n = ctx + i + 1, upto = ctx + top;
+            lse[(cu_q[b] + i) * heads + h] = SFX(softmax)(row, n);
+            for (int64_t j = n; j < upto; j++) row[j] = 0.0f;
+        }
+        /* weighted values: row i's output over keys up to its own last, WEIGH_HEADS rows at a time */
+        float *o[PREFILL_ROWS];
+        for (int64_t i = i0; i < i1; i++) o[i - i0] = out + ((cu_q[b] + i) * heads + h) * d_v;
+        for (int64_t r = 0; r < m; r += WEIGH_HEADS) {
+            int64_t rs[WEIGH_HEADS];
+            for (int u = 0; u < WEIGH_HEADS; u++) rs[u] = r + u < m ? r + u : m - 1;
+            const int64_t n = ctx + i0 + rs[WEIGH_HEADS - 1] + 1;  /* the tile's last row's keys (p is 0 past a row's) */
+            for (int64_t c = 0; c < cb; c += 4 * VL) SFX(weigh_rows)(s, k_len, vh, v_t, n, rs, c, o);
+            for (int u = 0; u < WEIGH_HEADS && r + u < m; u++)  /* columns past the last block */
+                for (int64_t c = cb; c < d_v; c++) {
+                    float acc = 0.0f;
+                    for (int64_t j = 0; j < n; j++) acc += s[(r + u) * k_len + j] * vh[j * v_t + c];
+                    o[r + u][c] = acc;
+                }
+        }
     }
 }
 

@@ -121,6 +121,8 @@ int64_t mla_decode_scratch(int64_t rows, int64_t heads, int64_t d_c, int64_t slo
 }
 
 #define WEIGH_KEYS 32  /* keys a chunk of the weighted sum (decode_attention.h) */
+#define PREFILL_ROWS MLA_PREFILL_ROWS  /* rows of one head a task of the prefill attention (decode_attention.h) */
+#define PREFILL_KEYS 32  /* keys a block of the prefill attention's scores: 24 KB of DeepSeek's keys, in L1 */
 #define GEMM_KC 128    /* rows of the absorbed factors a pass of small_gemm (decode_attention.h) */
 
 /* e^x for eight floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^7 (relative error below
@@ -257,6 +259,18 @@ void mla_absorbed_decode_f32(DECODE_PARAMS, int64_t cache_kind, int64_t variant)
 /* bfloat16 W_UK and W_UV^T (read at half the bytes; everything else float32) */
 void mla_absorbed_decode_bf16w(DECODE_PARAMS, int64_t cache_kind, int64_t variant) {
     DECODE[attention_avx512(variant)][1][cache_kind](DECODE_ARGS);
+}
+
+/* The prefill's up-projected attention (float32), by the variant a call runs. */
+void mla_prefill_attention_f32(const float *q_n, int64_t qn_t, int64_t qn_h, const float *q_r, int64_t qr_t,
+                               int64_t qr_h, const float *k_n, int64_t kn_t, int64_t kn_h, const float *k_r,
+                               int64_t kr_t, const float *v, int64_t v_t, int64_t v_h, const int64_t *cu_q,
+                               const int64_t *cu_k, int64_t nseq, float scale, float *out, float *lse, float *scratch,
+                               int64_t scratch_stride, int64_t heads, int64_t d_n, int64_t d_r, int64_t d_v,
+                               int64_t threads, int64_t variant) {
+    (attention_avx512(variant) ? prefill_attention_avx512 : prefill_attention_avx2)(
+        q_n, qn_t, qn_h, q_r, qr_t, qr_h, k_n, kn_t, kn_h, k_r, kr_t, v, v_t, v_h, cu_q, cu_k, nseq, scale, out, lse,
+        scratch, scratch_stride, heads, d_n, d_r, d_v, threads);
 }
 
 /* RoPE of one d_r vector x into y (y may be x): pair i is (x[2i], x[2i + 1]) when interleaved, else (x[i],

@@ -68,6 +68,7 @@ class CpuBackend(PagedBackend):
         model's layer their attention alone (its planned rows: float32 sums over its bfloat16 factors and cache, as its
         few-row products already sum)."""
         runs = attn.w_uk is not None and attn.w_uk.device.type == "cpu" and row_kernel_failure() is None
+        attn.prefill_kernel = runs
         attn.decode_kernel = runs and attn.w_uk is not None and attn.w_uk.dtype == torch.float32
         attn.attention_kernel = runs and attn.w_uk is not None and attn.w_uk.dtype in (torch.float32, torch.bfloat16)
         if attn.indexer is not None:
@@ -140,6 +141,18 @@ class CpuBackend(PagedBackend):
         if half is None:
             return super().naive(q_n, q_r, attn, meta, cache)
         return super().naive(q_n.to(half), q_r.to(half), attn, meta, cache).to(q_n.dtype)
+
+    def up_projected(self, q_n: torch.Tensor, q_r: torch.Tensor, k_n: torch.Tensor, k_r: torch.Tensor,
+                     v: torch.Tensor, attn: MLAttention, meta: AttentionMetadata) -> torch.Tensor:
+        """A float32 chunk of a layer that takes the compiled kernels: the compiled prefill attention, which reads the
+        rebuilt keys and values where they lie (torch's flash kernel wants them concatenated and zero-padded to one
+        head size, copies that cost about as much as its attention). Else torch's flash kernel."""
+        if not attn.prefill_kernel or q_n.dtype != torch.float32:
+            return super().up_projected(q_n, q_r, k_n, k_r, v, attn, meta)
+        batch = meta.batch
+        cu_q, cu_k = meta.host_cu_seqlens or (batch.query_start_loc.tolist(), batch.seq_start_loc.tolist())
+        out, _ = cpu_kernels.ops().prefill_attention(q_n, q_r, k_n, k_r, v, cu_q, cu_k, attn.scale)
+        return out  # type: ignore[no-any-return]
 
     def sparse_forward(self, q_n: torch.Tensor, q_r: torch.Tensor, attn: MLAttention, meta: AttentionMetadata,
                        cache: LayerCache, selected: torch.Tensor) -> torch.Tensor:

@@ -111,7 +111,14 @@ class PagedBackend:
         c_all, k_r_all = latent.split([attn.d_c, attn.d_r], dim=-1)
         kv = attn.kv_b_proj(c_all).view(-1, attn.n_h, attn.d_n + attn.d_v)
         k_n, v = kv.split([attn.d_n, attn.d_v], dim=-1)  # [S, n_h, d_n], [S, n_h, d_v]
-        o, _ = prefill_attention(q_n, q_r, k_n, k_r_all, v, batch.query_start_loc, batch.seq_start_loc, attn.scale,
+        return self.up_projected(q_n, q_r, k_n, k_r_all, v, attn, meta)
+
+    def up_projected(self, q_n: torch.Tensor, q_r: torch.Tensor, k_n: torch.Tensor, k_r: torch.Tensor,
+                     v: torch.Tensor, attn: MLAttention, meta: AttentionMetadata) -> torch.Tensor:
+        """Causal attention of the batch's queries over its sequences' rebuilt keys ``k_n [S, n_h, d_n]``, RoPE keys
+        ``k_r [S, d_r]`` and values ``v [S, n_h, d_v]`` -> ``[T, n_h, d_v]``."""
+        batch = meta.batch
+        o, _ = prefill_attention(q_n, q_r, k_n, k_r, v, batch.query_start_loc, batch.seq_start_loc, attn.scale,
                                  backend=self.kernels, host_cu_seqlens=meta.host_cu_seqlens, validate=attn.validate)
         return o
 

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "../mla_cpu.h"
@@ -340,6 +341,50 @@ Tensor absorbed_decode(const Tensor& q_n, const Tensor& q_r, const Tensor& w_uk,
            ptr<float>(out) + r0 * heads * d_v, ptr<float>(scratch), stride, m, heads, d_n, d_r, d_c, d_v, nt, kind, v);
   }
   return out;
+}
+
+// The prefill's up-projected attention, causal and bottom-right aligned, of the sequences cu_q / cu_k delimit (host
+// lists, [B + 1], q_len <= k_len each): q_n [T, H, d_n], q_r [T, H, d_r], k_n [S, H, d_n], k_r [S, d_r] (one RoPE key
+// per token), v [S, H, d_v], float32 with row and head strides free -> (out [T, H, d_v], lse [T, H]) float32.
+std::tuple<Tensor, Tensor> prefill_attention(const Tensor& q_n, const Tensor& q_r, const Tensor& k_n,
+                                             const Tensor& k_r, const Tensor& v, at::IntArrayRef cu_q,
+                                             at::IntArrayRef cu_k, double scale, c10::string_view variant) {
+  const char* op = "prefill_attention";
+  const int64_t var = variant_index(variant, mla_float_variants(), FLOAT_VARIANTS, op);
+  TORCH_CHECK_VALUE(q_n.dim() == 3 && q_r.dim() == 3 && k_n.dim() == 3 && k_r.dim() == 2 && v.dim() == 3,
+                    "prefill_attention: q_n, q_r [T, H, d], k_n, v [S, H, d] and k_r [S, d_r]");
+  const int64_t rows = q_n.size(0), heads = q_n.size(1), d_n = q_n.size(2), d_r = q_r.size(2);
+  const int64_t keys = k_n.size(0), d_v = v.size(2), nseq = static_cast<int64_t>(cu_q.size()) - 1;
+  expect_rows(q_n, {rows, heads, d_n}, op, "q_n");
+  expect_rows(q_r, {rows, heads, d_r}, op, "q_r");
+  expect_rows(k_n, {keys, heads, d_n}, op, "k_n");
+  expect_rows(k_r, {keys, d_r}, op, "k_r");
+  expect_rows(v, {keys, heads, d_v}, op, "v");
+  TORCH_CHECK_VALUE(nseq >= 0 && cu_k.size() == cu_q.size() && cu_q[0] == 0 && cu_k[0] == 0 &&
+                        cu_q[nseq] == rows && cu_k[nseq] == keys,
+                    "prefill_attention: cu_q and cu_k are [B + 1] from 0 to the ", rows, " rows and ", keys,
+                    " keys, got ", cu_q, " and ", cu_k);
+  int64_t longest = 0;
+  for (int64_t b = 0; b < nseq; b++) {
+    const int64_t q_len = cu_q[b + 1] - cu_q[b], k_len = cu_k[b + 1] - cu_k[b];
+    TORCH_CHECK_VALUE(q_len >= 0 && q_len <= k_len, "prefill_attention: sequence ", b, " has ", q_len,
+                      " rows and ", k_len, " keys (rows are the newest keys: 0 <= rows <= keys)");
+    longest = std::max(longest, k_len);
+  }
+  const auto floats = q_n.options().dtype(at::kFloat);
+  Tensor out = at::empty({rows, heads, d_v}, floats), lse = at::empty({rows, heads}, floats);
+  const int64_t nt = threads(), stride = MLA_PREFILL_ROWS * longest;
+  Tensor scratch = at::empty({nt, std::max<int64_t>(stride, 1)}, floats);
+  std::vector<int64_t> cq(cu_q.begin(), cu_q.end()), ck(cu_k.begin(), cu_k.end());
+  // each head's keys and values one after another: a task then reads its head's in sequence, where the keys of the
+  // up-projection's layout lie a page apart each (2,048 keys of 16 heads: 1.6x faster, for a copy of 1-2 % of that)
+  const Tensor kh = k_n.transpose(0, 1).contiguous(), vh = v.transpose(0, 1).contiguous(), kr = k_r.contiguous();
+  mla_prefill_attention_f32(ptr<const float>(q_n), q_n.stride(0), q_n.stride(1), ptr<const float>(q_r), q_r.stride(0),
+                            q_r.stride(1), ptr<const float>(kh), kh.stride(1), kh.stride(0), ptr<const float>(kr),
+                            kr.stride(0), ptr<const float>(vh), vh.stride(1), vh.stride(0), cq.data(), ck.data(), nseq,
+                            static_cast<float>(scale), ptr<float>(out), ptr<float>(lse), ptr<float>(scratch), stride,
+                            heads, d_n, d_r, d_v, nt, var);
+  return {out, lse};
 }
 
 // The latent side of a float32 decode step, one thread: for each row t of latent [T, d_c + d_r] ([c ; k_r]),
@@ -706,6 +751,8 @@ TORCH_LIBRARY_FRAGMENT(mla_kernels, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("absorbed_decode(Tensor q_n, Tensor q_r, Tensor w_uk, Tensor w_uv_t, Tensor cache, Tensor slots, "
         "Tensor lens, float scale, str variant=\"auto\", Tensor? scales=None) -> Tensor");
+  m.def("prefill_attention(Tensor q_n, Tensor q_r, Tensor k_n, Tensor k_r, Tensor v, int[] cu_q, int[] cu_k, "
+        "float scale, str variant=\"auto\") -> (Tensor, Tensor)");
   m.def("rope_store(Tensor latent, Tensor norm, float eps, Tensor(a!) q, int d_n, Tensor cos, Tensor sin, "
         "Tensor(b!) cache, Tensor slots, bool interleave, Tensor(c!)? scales=None) -> ()");
   m.def("mlp_table(Tensor[] gate_up, Tensor?[] gate_up_scales, Tensor[] down, Tensor?[] down_scales) -> "
@@ -756,5 +803,6 @@ TORCH_LIBRARY_IMPL(mla_kernels, CPU, m) {
   m.impl("amx_linear", &amx_linear);
   m.impl("rms_norm", &rms_norm);
   m.impl("absorbed_decode", &absorbed_decode);
+  m.impl("prefill_attention", &prefill_attention);
   m.impl("rope_store", &rope_store);
 }
