@@ -144,15 +144,16 @@ class CpuBackend(PagedBackend):
 
     def up_projected(self, q_n: torch.Tensor, q_r: torch.Tensor, k_n: torch.Tensor, k_r: torch.Tensor,
                      v: torch.Tensor, attn: MLAttention, meta: AttentionMetadata) -> torch.Tensor:
-        """A float32 chunk of a layer that takes the compiled kernels: the compiled prefill attention, which reads the
-        rebuilt keys and values where they lie (torch's flash kernel wants them concatenated and zero-padded to one
-        head size, copies that cost about as much as its attention). Else torch's flash kernel."""
-        if not attn.prefill_kernel or q_n.dtype != torch.float32:
+        """A chunk of a layer that takes the compiled kernels: the compiled prefill attention, which reads the rebuilt
+        keys and values where they lie (torch's flash kernel wants them concatenated and zero-padded to one head size,
+        copies that cost about as much as its attention), a half-precision chunk's widened exactly and summed in
+        float32. Else torch's flash kernel."""
+        if not attn.prefill_kernel or q_n.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return super().up_projected(q_n, q_r, k_n, k_r, v, attn, meta)
         batch = meta.batch
         cu_q, cu_k = meta.host_cu_seqlens or (batch.query_start_loc.tolist(), batch.seq_start_loc.tolist())
         out, _ = cpu_kernels.ops().prefill_attention(q_n, q_r, k_n, k_r, v, cu_q, cu_k, attn.scale)
-        return out  # type: ignore[no-any-return]
+        return out if out.dtype == q_n.dtype else out.to(q_n.dtype)  # type: ignore[no-any-return]
 
     def sparse_forward(self, q_n: torch.Tensor, q_r: torch.Tensor, attn: MLAttention, meta: AttentionMetadata,
                        cache: LayerCache, selected: torch.Tensor) -> torch.Tensor:
@@ -242,8 +243,8 @@ def half_prefill(attn: MLAttention, q_n: torch.Tensor) -> torch.dtype | None:
     ones, on a CPU with native bfloat16 products: ``layers.quantization.round_absorbed_factors``) and the chunk has
     more rows than the few-row kernels take. Those products round their rows to bfloat16, as the model's other products
     of many rows do; the queries, keys and values they meet are then rounded likewise, and the attention runs as a
-    bfloat16 model's does (torch's flash kernel in bfloat16, fp32 accumulation). The latents are cached in float32
-    all the same."""
+    bfloat16 model's does (over those bfloat16 values, summed in float32). The latents are cached in float32 all the
+    same."""
     packed = attn.kv_b_proj.packed
     if q_n.dtype != torch.float32 or not isinstance(packed, Bf16Weight) or packed.native is None:
         return None

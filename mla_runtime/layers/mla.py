@@ -81,7 +81,7 @@ class MLAttention(nn.Module):
         self.qkv_a_bias: torch.Tensor | None = None
         self.decode_kernel = False  # the backend's prepare_layer: the compiled CPU decode kernels read this layer
         self.attention_kernel = False  # the backend's prepare_layer: its planned rows take the compiled attention
-        self.prefill_kernel = False  # the backend's prepare_layer: its float32 chunks attend by the compiled kernel
+        self.prefill_kernel = False  # the backend's prepare_layer: its prefill chunks attend by the compiled kernel
         self.layer, (self.indexer, self.shares_selection) = layer, Indexer.of_layer(rc, layer)  # sparse attention
 
     def prepare_inference(self) -> None:

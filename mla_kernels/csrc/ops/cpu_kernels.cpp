@@ -345,7 +345,8 @@ Tensor absorbed_decode(const Tensor& q_n, const Tensor& q_r, const Tensor& w_uk,
 
 // The prefill's up-projected attention, causal and bottom-right aligned, of the sequences cu_q / cu_k delimit (host
 // lists, [B + 1], q_len <= k_len each): q_n [T, H, d_n], q_r [T, H, d_r], k_n [S, H, d_n], k_r [S, d_r] (one RoPE key
-// per token), v [S, H, d_v], float32 with row and head strides free -> (out [T, H, d_v], lse [T, H]) float32.
+// per token), v [S, H, d_v], all float32, bfloat16 or float16 (widened exactly; the sums are float32), row and head
+// strides free -> (out [T, H, d_v], lse [T, H]) float32.
 std::tuple<Tensor, Tensor> prefill_attention(const Tensor& q_n, const Tensor& q_r, const Tensor& k_n,
                                              const Tensor& k_r, const Tensor& v, at::IntArrayRef cu_q,
                                              at::IntArrayRef cu_k, double scale, c10::string_view variant) {
@@ -353,13 +354,24 @@ std::tuple<Tensor, Tensor> prefill_attention(const Tensor& q_n, const Tensor& q_
   const int64_t var = variant_index(variant, mla_float_variants(), FLOAT_VARIANTS, op);
   TORCH_CHECK_VALUE(q_n.dim() == 3 && q_r.dim() == 3 && k_n.dim() == 3 && k_r.dim() == 2 && v.dim() == 3,
                     "prefill_attention: q_n, q_r [T, H, d], k_n, v [S, H, d] and k_r [S, d_r]");
+  const at::ScalarType dt = q_n.scalar_type();
+  TORCH_CHECK_VALUE((dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf) && q_r.scalar_type() == dt &&
+                        k_n.scalar_type() == dt && k_r.scalar_type() == dt && v.scalar_type() == dt,
+                    "prefill_attention: q_n, q_r, k_n, k_r and v are all float32, bfloat16 or float16, got ", dt, ", ",
+                    q_r.scalar_type(), ", ", k_n.scalar_type(), ", ", k_r.scalar_type(), " and ", v.scalar_type());
   const int64_t rows = q_n.size(0), heads = q_n.size(1), d_n = q_n.size(2), d_r = q_r.size(2);
   const int64_t keys = k_n.size(0), d_v = v.size(2), nseq = static_cast<int64_t>(cu_q.size()) - 1;
-  expect_rows(q_n, {rows, heads, d_n}, op, "q_n");
-  expect_rows(q_r, {rows, heads, d_r}, op, "q_r");
-  expect_rows(k_n, {keys, heads, d_n}, op, "k_n");
-  expect_rows(k_r, {keys, d_r}, op, "k_r");
-  expect_rows(v, {keys, heads, d_v}, op, "v");
+  // float32 rows where they are half precision; each head's keys and values one after another: a task then reads
+  // its head's in sequence, where the keys of the up-projection's layout lie a page apart each (2,048 keys of 16
+  // heads: 1.6x faster, for a copy of 1-2 % of that)
+  const auto floats = q_n.options().dtype(at::kFloat);
+  const Tensor qn = q_n.to(at::kFloat), qr = q_r.to(at::kFloat), kr = k_r.to(at::kFloat).contiguous();
+  expect_rows(qn, {rows, heads, d_n}, op, "q_n");
+  expect_rows(qr, {rows, heads, d_r}, op, "q_r");
+  expect_rows(kr, {keys, d_r}, op, "k_r");
+  TORCH_CHECK_VALUE(k_n.sizes() == at::IntArrayRef({keys, heads, d_n}) && v.sizes() == at::IntArrayRef({keys, heads, d_v}),
+                    "prefill_attention: k_n and v must be [S, ", heads, ", *] for the ", heads, " heads of q_n, got ",
+                    k_n.sizes(), " and ", v.sizes());
   TORCH_CHECK_VALUE(nseq >= 0 && cu_k.size() == cu_q.size() && cu_q[0] == 0 && cu_k[0] == 0 &&
                         cu_q[nseq] == rows && cu_k[nseq] == keys,
                     "prefill_attention: cu_q and cu_k are [B + 1] from 0 to the ", rows, " rows and ", keys,
@@ -371,16 +383,15 @@ std::tuple<Tensor, Tensor> prefill_attention(const Tensor& q_n, const Tensor& q_
                       " rows and ", k_len, " keys (rows are the newest keys: 0 <= rows <= keys)");
     longest = std::max(longest, k_len);
   }
-  const auto floats = q_n.options().dtype(at::kFloat);
+  Tensor kh = at::empty({heads, keys, d_n}, floats), vh = at::empty({heads, keys, d_v}, floats);
+  kh.copy_(k_n.transpose(0, 1));
+  vh.copy_(v.transpose(0, 1));
   Tensor out = at::empty({rows, heads, d_v}, floats), lse = at::empty({rows, heads}, floats);
   const int64_t nt = threads(), stride = MLA_PREFILL_ROWS * longest;
   Tensor scratch = at::empty({nt, std::max<int64_t>(stride, 1)}, floats);
   std::vector<int64_t> cq(cu_q.begin(), cu_q.end()), ck(cu_k.begin(), cu_k.end());
-  // each head's keys and values one after another: a task then reads its head's in sequence, where the keys of the
-  // up-projection's layout lie a page apart each (2,048 keys of 16 heads: 1.6x faster, for a copy of 1-2 % of that)
-  const Tensor kh = k_n.transpose(0, 1).contiguous(), vh = v.transpose(0, 1).contiguous(), kr = k_r.contiguous();
-  mla_prefill_attention_f32(ptr<const float>(q_n), q_n.stride(0), q_n.stride(1), ptr<const float>(q_r), q_r.stride(0),
-                            q_r.stride(1), ptr<const float>(kh), kh.stride(1), kh.stride(0), ptr<const float>(kr),
+  mla_prefill_attention_f32(ptr<const float>(qn), qn.stride(0), qn.stride(1), ptr<const float>(qr), qr.stride(0),
+                            qr.stride(1), ptr<const float>(kh), kh.stride(1), kh.stride(0), ptr<const float>(kr),
                             kr.stride(0), ptr<const float>(vh), vh.stride(1), vh.stride(0), cq.data(), ck.data(), nseq,
                             static_cast<float>(scale), ptr<float>(out), ptr<float>(lse), ptr<float>(scratch), stride,
                             heads, d_n, d_r, d_v, nt, var);
