@@ -56,6 +56,42 @@ ISA_LEVELS = ("avx2", "avx512", "amx")
 STALE_LOCK_S = 600.0
 
 
+# /proc/cpuinfo's names of capabilities that torch.cpu.get_capabilities() names otherwise (x86's "avx512bw" is its
+# "avx512_bw": see capabilities_from_cpuinfo)
+_CPUINFO_NAMES = {"fma": "fma3", "asimd": "neon", "asimdhp": "fp16_arith", "svebf16": "sve_bf16"}
+
+
+def capabilities_from_cpuinfo(text: str) -> dict[str, bool]:
+    """The capabilities a ``/proc/cpuinfo`` lists (x86's ``flags``, aarch64's ``Features``), under the names of
+    ``torch.cpu.get_capabilities()``."""
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in ("flags", "Features"):
+            flags = value.split()
+            break
+    else:
+        return {}
+    caps = {}
+    for flag in flags:
+        if flag.startswith("avx512") and not flag.startswith("avx512_"):  # avx512bw -> avx512_bw
+            flag = "avx512_" + flag.removeprefix("avx512")
+        caps[_CPUINFO_NAMES.get(flag, flag)] = True
+    return caps
+
+
+@functools.cache
+def cpu_capabilities() -> dict[str, bool]:
+    """This CPU's capabilities as ``torch.cpu.get_capabilities()`` names them (``avx2``, ``fma3``, ``avx512_bf16``,
+    ``amx_bf16``; aarch64's ``bf16``...). torch before 2.11 has no such call (and aarch64's CPU-only wheels on PyPI end
+    at 2.10): then Linux's ``/proc/cpuinfo``, else none."""
+    if hasattr(torch.cpu, "get_capabilities"):
+        return {k: bool(v) for k, v in torch.cpu.get_capabilities().items() if isinstance(v, bool)}
+    try:
+        return capabilities_from_cpuinfo(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return {}
+
+
 def x86() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64")
 
@@ -82,6 +118,19 @@ def _torch_openmp() -> list[str]:
     if any(lib.glob("libgomp*.so*")):
         return ["-L", str(lib), f"-Wl,-rpath,{lib}"]
     return []
+
+
+def _put_ninja_on_path() -> None:
+    """The extension builder runs ``ninja`` from ``$PATH``. The ``ninja`` package (a dependency) installs it beside
+    the interpreter's scripts, which are not on ``$PATH`` when a program runs from a virtual environment that was not
+    activated (``.venv/bin/mla-runtime serve``, a service unit): put its folder there, once, if no ninja is found."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja  # type: ignore[import-untyped]
+    except ImportError:
+        return
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
 def _compiler() -> str | None:
@@ -139,7 +188,7 @@ def failure() -> str | None:
     if not x86() and platform.machine().lower() not in ("aarch64", "arm64"):
         return f"the typed CPU operators are built for x86-64 and aarch64 (this CPU: {platform.machine()})"
     if x86():
-        caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+        caps = cpu_capabilities()
         missing = [c for c in ("avx2", "fma3", "f16c") if not caps.get(c)]
         if missing:
             return f"the CPU lacks {', '.join(missing)}"
@@ -155,6 +204,7 @@ def failure() -> str | None:
         folder, private = _build_folder(key)
         clear_stale_lock(folder)
         os.environ["CXX"] = cxx  # the compiler the extension builder runs
+        _put_ninja_on_path()
         # named by its key: a process that loads a build again (the same file) never registers the operators twice
         cpp_extension.load(name=f"{NAME}_{key}", sources=[str(s) for s in sources()], extra_cflags=cflags(),
                            extra_ldflags=_ldflags(), build_directory=str(folder), is_python_module=False,

@@ -323,7 +323,7 @@ def test_auto_dtype_on_this_cpu(tiny_checkpoint, caplog, monkeypatch):
 
     monkeypatch.setenv(cpu_gemm.GEMM_ENV, "auto")
     cfg = ModelConfig.from_pretrained(tiny_checkpoint("v3")[0]).with_overrides(torch_dtype="bfloat16")
-    caps = torch.cpu.get_capabilities()
+    caps = cpu_ops.cpu_capabilities()
     # a process capped at AVX2 ($MLA_CPU_ISA) decides as a CPU without AVX512-BF16 or AMX
     native = cpu_ops.isa_cap() != "avx2" and any(caps.get(k) for k in cpu_gemm.NATIVE_CAPABILITIES[torch.bfloat16])
     probe_ok = cpu_gemm.gemm_choice(torch.bfloat16).path == "onednn"
@@ -699,6 +699,24 @@ def test_a_failed_build_names_the_compilers_error(tmp_path):
     assert f"building the typed CPU operators with {fake} failed: {said}" in out.stdout, out.stdout
 
 
+def test_the_build_finds_ninja_from_its_package_off_path(tmp_path):
+    """A program run from a virtual environment that was not activated has no ninja on ``$PATH``: the build takes the
+    one the ``ninja`` package installed. (A child process with an empty ``$PATH``, a fresh cache and the compiler that
+    rejects every source of the test above: the compiler's own error shows that ninja ran it.)"""
+    if cpu_kernels.failure() is not None:
+        pytest.skip(f"the kernels do not build here: {cpu_kernels.failure()}")
+    real = shutil.which(cpu_ops._compiler() or "c++")
+    fake = tmp_path / "cxx"
+    said = "gemv_f32.c:1:1: error: no such intrinsic"
+    fake.write_text(f'#!/bin/sh\ncase " $* " in *" -c "*) echo "{said}" >&2; exit 1;; esac\nexec {real} "$@"\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "MLA_KERNEL_CACHE": str(tmp_path / "kernels"), "CXX": str(fake), "PATH": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", "from mla_kernels import cpu_ops; print(cpu_ops.failure())"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"building the typed CPU operators with {fake} failed: {said}" in out.stdout, out.stdout
+
+
 def test_the_kernel_library_is_built_once_per_machine(tmp_path, monkeypatch):
     """The library lives in the cache folder under a digest of what it is built from (sources, headers, flags,
     compiler, torch): every process with the same inputs loads that build, and a change of any makes another."""
@@ -757,12 +775,38 @@ def test_with_the_row_kernels_no_product_takes_aten():
         assert packed.aten_max_rows == (0 if packed.row_kernel else cpu_gemm.FEW_ROWS)
 
 
+def test_capabilities_without_torchs_call_come_from_cpuinfo(monkeypatch):
+    """torch before 2.11 has no ``torch.cpu.get_capabilities`` (aarch64's CPU-only wheels on PyPI end at 2.10): the
+    capabilities then come from ``/proc/cpuinfo`` under torch's names, so that the compiled kernels and the native
+    bfloat16 path are still found."""
+    x86 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 fma f16c avx512f avx512bw avx512vl avx512_bf16 amx_bf16\n"
+    arm = "processor\t: 0\nFeatures\t: fp asimd asimdhp sve bf16 svebf16\nCPU implementer\t: 0x41\n"
+    assert cpu_ops.capabilities_from_cpuinfo(x86) == dict.fromkeys(
+        ["fpu", "sse2", "avx2", "fma3", "f16c", "avx512_f", "avx512_bw", "avx512_vl", "avx512_bf16", "amx_bf16"], True)
+    assert cpu_ops.capabilities_from_cpuinfo(arm) == dict.fromkeys(
+        ["fp", "neon", "fp16_arith", "sve", "bf16", "sve_bf16"], True)
+    assert cpu_gemm.native_arithmetic(torch.bfloat16, cpu_ops.capabilities_from_cpuinfo(arm)) == ["bf16", "sve_bf16"]
+    if Path("/proc/cpuinfo").exists() and hasattr(torch.cpu, "get_capabilities"):  # this CPU: both agree
+        ours = cpu_ops.capabilities_from_cpuinfo(Path("/proc/cpuinfo").read_text())
+        theirs = torch.cpu.get_capabilities()
+        for key in ("avx2", "fma3", "f16c", "avx512_f", "avx512_bw", "avx512_vl", "avx512_bf16", "amx_bf16",
+                    "avx512_vnni", "neon", "bf16", "sve"):
+            assert bool(ours.get(key)) == bool(theirs.get(key)), key
+    cpu_ops.cpu_capabilities.cache_clear()
+    monkeypatch.delattr(torch.cpu, "get_capabilities", raising=False)
+    try:
+        assert cpu_ops.cpu_capabilities() == (cpu_ops.capabilities_from_cpuinfo(Path("/proc/cpuinfo").read_text())
+                                              if Path("/proc/cpuinfo").exists() else {})
+    finally:
+        cpu_ops.cpu_capabilities.cache_clear()
+
+
 def test_a_failed_half_precision_fast_path_falls_back_by_a_rule(monkeypatch):
     """Without oneDNN's half-precision path: F.linear in that dtype where the CPU computes in it natively, a float32
     copy where it does not; decided from the CPU's capabilities, never by a timing."""
     monkeypatch.setattr(cpu_ops, "isa_cap", lambda: "amx")  # what the CPU has decides, under no $MLA_CPU_ISA
     for caps, path in (({"avx512_bf16": True}, "plain"), ({}, "upcast")):
-        monkeypatch.setattr(torch.cpu, "get_capabilities", lambda caps=caps: caps)
+        monkeypatch.setattr(cpu_ops, "cpu_capabilities", lambda caps=caps: caps)
         choice = cpu_gemm._fallback(torch.bfloat16, "plain", "forced")
         assert choice.path == path and choice.compute_dtype == (torch.bfloat16 if path == "plain" else torch.float32)
 

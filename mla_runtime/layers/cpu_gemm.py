@@ -306,7 +306,7 @@ def native_arithmetic(dtype: torch.dtype, capabilities: Mapping[str, Any] | None
     one, under ``$MLA_CPU_ISA``'s cap) native ``dtype`` arithmetic."""
     allowed = len(cpu_ops.ISA_LEVELS)
     if capabilities is None:  # this CPU's: a process capped below AVX-512 (AMX) acts as a CPU of that level
-        capabilities = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+        capabilities = cpu_ops.cpu_capabilities()
         allowed = cpu_ops.ISA_LEVELS.index(cpu_ops.isa_cap())
     return [k for k in NATIVE_CAPABILITIES.get(dtype, ()) if capabilities.get(k)
             and cpu_ops.ISA_LEVELS.index(CAPABILITY_ISA.get(k, "avx2")) <= allowed]
