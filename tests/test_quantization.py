@@ -212,7 +212,7 @@ def test_a_long_prefill_chunk_attends_in_bfloat16_where_the_key_rebuild_does(tin
     its keys and values with oneDNN's bfloat16 products where the CPU has them natively, the rows rounded to bfloat16;
     a prefill chunk of more rows than the few-row kernels take then attends in bfloat16 (``attention.cpu.half_prefill``)
     and a shorter one in float32. The log-probabilities stay within the quantisation bounds of the float32 model's."""
-    from mla_runtime.attention import cpu, paged
+    from mla_runtime.attention import cpu
 
     path, _ = tiny_checkpoint("v3")
     rng = random.Random(7)
@@ -227,9 +227,9 @@ def test_a_long_prefill_chunk_attends_in_bfloat16_where_the_key_rebuild_does(tin
     for rows, half in ((few + 1, native), (few, False)):
         assert cpu.half_prefill(attn, torch.zeros(rows, attn.n_h, attn.d_n)) == (torch.bfloat16 if half else None)
     seen: list[torch.dtype] = []
-    original = paged.prefill_attention
-    monkeypatch.setattr(paged, "prefill_attention", lambda q_n, *a, **kw: seen.append(q_n.dtype) or original(q_n, *a,
-                                                                                                             **kw))
+    original = cpu.CpuBackend.up_projected
+    monkeypatch.setattr(cpu.CpuBackend, "up_projected",
+                        lambda self, q_n, *a: seen.append(q_n.dtype) or original(self, q_n, *a))
     got = _logprobs(model, prompts, decodes=2)
     assert seen and set(seen) == {torch.bfloat16 if native else torch.float32}  # every layer's prefill attention
     err = (got - ref).abs()
