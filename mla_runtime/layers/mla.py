@@ -79,9 +79,8 @@ class MLAttention(nn.Module):
         self.w_uv_t: torch.Tensor | None = None
         self.qkv_a: PackedWeight | None = None  # q_a_proj and kv_a_proj_with_mqa stacked: one GEMM
         self.qkv_a_bias: torch.Tensor | None = None
-        self.decode_kernel = False  # the backend's prepare_layer: the compiled CPU decode kernels read this layer
-        self.attention_kernel = False  # the backend's prepare_layer: its planned rows take the compiled attention
-        self.prefill_kernel = False  # the backend's prepare_layer: its prefill chunks attend by the compiled kernel
+        # the compiled CPU kernels that run this layer's decode, planned rows' and prefill attention (prepare_layer)
+        self.decode_kernel = self.attention_kernel = self.prefill_kernel = False
         self.layer, (self.indexer, self.shares_selection) = layer, Indexer.of_layer(rc, layer)  # sparse attention
 
     def prepare_inference(self) -> None:

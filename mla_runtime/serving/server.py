@@ -142,8 +142,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "server.py") -> int:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     configure_logging(config.log_format)
-    # `kill -USR1 <pid>` writes every thread's stack to stderr: what a server that does not stop is doing
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # `kill -USR1 <pid>` writes every thread's stack to stderr: what a server that does not stop is doing (where
+    # stderr is a file: not under an embedding program's or a test's capture)
+    with contextlib.suppress(AttributeError, ValueError, OSError):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     if replicas.enabled:
         return serve_replicas(engine_config, config, replicas, prog)
     if is_torchrun_worker(engine_config):
