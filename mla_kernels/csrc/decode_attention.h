@@ -1,5 +1,5 @@
-/* The absorbed decode attention (mla_decode_f32.c), written once over a vector of VL floats and included once per
- * instruction set: mla_decode_f32.c defines, before each inclusion,
+/* The absorbed decode attention and the prefill's up-projected attention (mla_decode_f32.c), written once over a
+ * vector of VL floats and included once per instruction set: mla_decode_f32.c defines, before each inclusion,
  *
  *     V, VL                       the vector type and its lanes (__m256 and 8 for AVX2, __m512 and 16 for AVX-512)
  *     V_LOAD, V_STORE, V_ZERO, V_SET1, V_FMA, V_MUL, V_ADD, V_SUB, V_MAX   the usual operations

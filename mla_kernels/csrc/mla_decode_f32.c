@@ -14,6 +14,9 @@
  * weights from memory once and again from its cache for the head's other rows. The caller provides each thread's
  * scratch (q~, o_lat and the scores: 2 * d_c + max(lens) floats).
  *
+ * The same source holds the prefill's attention over the keys and values the up-projection rebuilt (causal, one
+ * RoPE key per token shared by the heads): mla_prefill_attention_f32.
+ *
  * The attention's source (decode_attention.h) is written over a vector of VL floats and compiled twice here, for
  * AVX2 (8 lanes) and AVX-512 (16), chosen at run time. Compiled with gemv_f32.c into the typed operators
  * (ops/cpu_kernels.cpp). */
