@@ -148,10 +148,9 @@ class CpuBackend(PagedBackend):
         keys and values where they lie (torch's flash kernel wants them concatenated and zero-padded to one head size,
         copies that cost about as much as its attention), a half-precision chunk's widened exactly and summed in
         float32. Else torch's flash kernel."""
-        if not attn.prefill_kernel or q_n.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        if not attn.prefill_kernel:
             return super().up_projected(q_n, q_r, k_n, k_r, v, attn, meta)
-        batch = meta.batch
-        cu_q, cu_k = meta.host_cu_seqlens or (batch.query_start_loc.tolist(), batch.seq_start_loc.tolist())
+        cu_q, cu_k = meta.host_cu_seqlens
         out, _ = cpu_kernels.ops().prefill_attention(q_n, q_r, k_n, k_r, v, cu_q, cu_k, attn.scale)
         return out if out.dtype == q_n.dtype else out.to(q_n.dtype)  # type: ignore[no-any-return]
 
@@ -201,7 +200,7 @@ class CpuBackend(PagedBackend):
                                backend=self.kernels, host_lens=key_lens)
         c_all, k_r_all = latent.split([attn.d_c, attn.d_r], dim=-1)
         k_n, v = attn.kv_b_proj(c_all).view(-1, attn.n_h, attn.d_n + attn.d_v).split([attn.d_n, attn.d_v], dim=-1)
-        cu_q, cu_k = meta.host_cu_seqlens or (batch.query_start_loc.tolist(), batch.seq_start_loc.tolist())
+        cu_q, cu_k = meta.host_cu_seqlens
         return selected_prefill_attention(q_n, q_r, k_n, k_r_all, v, cu_q, cu_k, attn.scale, selected)
 
     def _planned(self, q_n: torch.Tensor, q_r: torch.Tensor, attn: MLAttention, meta: AttentionMetadata,
