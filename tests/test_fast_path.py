@@ -938,7 +938,7 @@ def _prefill_case(q_lens: list[int], k_lens: list[int], heads: int, dims: tuple[
 @pytest.mark.parametrize("q_lens, k_lens, heads, dims", [
     ([128], [128], 16, (64, 64, 64)),                    # the benchmark checkpoint's layer, a 128-token prompt
     ([37, 5, 1, 64], [37, 20, 9, 100], 3, (16, 8, 24)),  # chunks after cached context, a one-row chunk, tails of 4 rows
-    ([7, 33], [7, 90], 5, (12, 6, 10)),                  # widths no vector divides: the scalar scores and values
+    ([7, 33], [7, 90], 5, (12, 6, 10)),                  # widths no vector divides: the scalar values
     ([0, 3, 40], [4, 3, 40], 2, (128, 64, 128)),         # an empty chunk; DeepSeek-V3's head widths
 ])
 @pytest.mark.parametrize("variant", ["avx2", "avx512"])
@@ -979,8 +979,9 @@ def test_prefill_attention_kernel_rejects_what_it_cannot_compute():
     for bad, said in ((dict(q_n=q_n.double()), "are all float32, bfloat16 or float16, got Double"),
                       (dict(v=v.bfloat16()), "are all float32, bfloat16 or float16, got Float, Float, Float, Float "
                                              "and BFloat16"),
-                      (dict(k_r=k_r[:4]), r"k_r must be float32 CPU rows \[5, 4\]"),
-                      (dict(v=v.transpose(0, 2)), r"k_n and v must be \[S, 2, \*\]"),
+                      (dict(k_r=k_r[:4]), r"k_n, k_r and v must be \[S, 2, 8\], \[S, 4\] and \[S, 2, \*\] .*got "
+                                          r"\[5, 2, 8\], \[4, 4\] and \[5, 2, 6\]"),
+                      (dict(v=v.transpose(0, 2)), r"got \[5, 2, 8\], \[5, 4\] and \[6, 2, 5\]"),
                       (dict(cu_q=[0, 4], cu_k=[0, 5]), "cu_q and cu_k are"),
                       (dict(cu_q=[0, 3, 3], cu_k=[0, 2, 5]), "sequence 0 has 3 rows and 2 keys")):
         args = dict(q_n=q_n, q_r=q_r, k_n=k_n, k_r=k_r, v=v, cu_q=cu_q, cu_k=cu_k)

@@ -303,32 +303,38 @@ static inline __attribute__((always_inline)) void SFX(weigh_rows)(const float *p
         for (int u = 0; u < 4; u++) V_STORE(o[rs[r]] + c0 + VL * u, acc[r][u]);
 }
 
-/* out[u] = the sum of acc[u]'s lanes, u < 8: with AVX2 by one tree of horizontal adds for the eight (nine
- * instructions instead of forty) */
-static inline __attribute__((always_inline)) void SFX(sums8)(const V *acc, float *out) {
-#if VL == 8
-    const __m256 t0 = _mm256_hadd_ps(acc[0], acc[1]), t1 = _mm256_hadd_ps(acc[2], acc[3]);
-    const __m256 t2 = _mm256_hadd_ps(acc[4], acc[5]), t3 = _mm256_hadd_ps(acc[6], acc[7]);
-    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  /* lane halves: acc 0-3, acc 4-7 */
-    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
-#else
-    for (int u = 0; u < 8; u++) out[u] = V_HSUM(acc[u]);
-#endif
+/* acc[r][u] += sum_{i < d} q[r][i] kt[i * kt_d + u VL .. + VL) for four rows q[0..3] and PREFILL_TILE vectors of keys
+ * stored across the lanes (kt: d rows of keys, row stride kt_d): each score is one chain of multiply-adds in the
+ * order of i, and no lane is ever summed across. */
+static inline __attribute__((always_inline)) void SFX(keys_tile)(const float *const *q, const float *kt, int64_t kt_d,
+                                                                 int64_t d, V acc[4][PREFILL_TILE]) {
+    for (int64_t i = 0; i < d; i++) {
+        V k[PREFILL_TILE];
+        for (int u = 0; u < PREFILL_TILE; u++) k[u] = V_LOAD(kt + i * kt_d + u * VL);
+        for (int r = 0; r < 4; r++) {
+            const V qv = V_SET1(q[r][i]);
+            for (int u = 0; u < PREFILL_TILE; u++) acc[r][u] = V_FMA(qv, k[u], acc[r][u]);
+        }
+    }
 }
 
 /* The up-projected (naive) attention of prompt rows, causal and bottom-right aligned, for the sequences b < nseq:
- * rows cu_q[b] .. cu_q[b + 1] of q_n [T, H, d_n] and q_r [T, H, d_r] over keys cu_k[b] .. cu_k[b + 1] of k_n [S, H, d_n],
- * k_r [S, d_r] (one RoPE key per token, shared by the heads) and v [S, H, d_v]; row i of a sequence of q_len rows and
- * k_len keys sees keys j <= k_len - q_len + i. Strides per row (key) and per head are free, elements contiguous.
- * out [T, H, d_v] and lse [T, H] (log of the softmax's sum of exponentials) are contiguous.
+ * rows cu_q[b] .. cu_q[b + 1] of q_n [T, H, d_n] and q_r [T, H, d_r] over keys cu_k[b] .. cu_k[b + 1] of k_n, k_r and
+ * v [S, H, d_v]; row i of a sequence of q_len rows and k_len keys sees keys j <= k_len - q_len + i. The keys are
+ * stored transposed, keys along the rows: kt [H][d_n][.] (head stride kt_h, row stride kt_d) and krt [d_r][.] (row
+ * stride krt_d; one RoPE key per token, shared by the heads), key j of the sequence in column cu_k[b] + j, with
+ * MLA_PREFILL_KEY_PAD readable columns past the last key (their scores are never used). Strides per row and head of
+ * q_n, q_r and v are free, elements contiguous. out [T, H, d_v] and lse [T, H] (log of the softmax's sum of
+ * exponentials) are contiguous.
  *
- * A task is PREFILL_ROWS rows of one head, the later rows (more keys) first; its scores [PREFILL_ROWS][k_len] sit in
- * scratch + thread * scratch_stride. The scores go four rows by two keys in registers (tile4x2), PREFILL_KEYS keys
- * at a time for every four rows (a block of keys stays in L1), each row only to its own last key but for the other
- * three rows of its four; then each row's softmax, then its weighted values, WEIGH_HEADS rows at a time. */
+ * A task is PREFILL_ROWS rows of one head, the later rows (more keys) first; its scores [PREFILL_ROWS][k_len +
+ * MLA_PREFILL_KEY_PAD] sit in scratch + thread * scratch_stride. They go four rows by PREFILL_TILE vectors of keys
+ * in registers (keys_tile), each tile of keys for every four rows that see any of it (the tile stays in L1), each
+ * row to its own last key but for the other three rows of its four and the tile's end; then each row's softmax,
+ * then its weighted values, WEIGH_HEADS rows at a time. */
 static void SFX(prefill_attention)(const float *q_n, int64_t qn_t, int64_t qn_h, const float *q_r, int64_t qr_t,
-                                   int64_t qr_h, const float *k_n, int64_t kn_t, int64_t kn_h, const float *k_r,
-                                   int64_t kr_t, const float *v, int64_t v_t, int64_t v_h, const int64_t *cu_q,
+                                   int64_t qr_h, const float *kt, int64_t kt_h, int64_t kt_d, const float *krt,
+                                   int64_t krt_d, const float *v, int64_t v_t, int64_t v_h, const int64_t *cu_q,
                                    const int64_t *cu_k, int64_t nseq, float scale, float *out, float *lse,
                                    float *scratch, int64_t scratch_stride, int64_t heads, int64_t d_n, int64_t d_r,
                                    int64_t d_v, int64_t threads) {
@@ -336,8 +342,8 @@ static void SFX(prefill_attention)(const float *q_n, int64_t qn_t, int64_t qn_h,
     first[0] = 0;
     for (int64_t b = 0; b < nseq; b++)
         first[b + 1] = first[b] + heads * ((cu_q[b + 1] - cu_q[b] + PREFILL_ROWS - 1) / PREFILL_ROWS);
-    const int tiled = d_n % VL == 0 && d_r % VL == 0;
-    const int64_t cb = d_v - d_v % (4 * VL);
+    const int64_t cb = d_v - d_v % (4 * VL), tile = PREFILL_TILE * VL;
+    const V vscale = V_SET1(scale);
     #pragma omp parallel for schedule(dynamic, 1) num_threads((int)threads)
     for (int64_t task = 0; task < first[nseq]; task++) {
         int64_t b = 0;
@@ -346,46 +352,32 @@ static void SFX(prefill_attention)(const float *q_n, int64_t qn_t, int64_t qn_h,
         const int64_t blocks = (q_len + PREFILL_ROWS - 1) / PREFILL_ROWS, local = task - first[b];
         const int64_t h = local % heads, i0 = (blocks - 1 - local / heads) * PREFILL_ROWS;
         const int64_t i1 = i0 + PREFILL_ROWS < q_len ? i0 + PREFILL_ROWS : q_len, m = i1 - i0;
-        float *s = scratch + (int64_t)omp_get_thread_num() * scratch_stride;  /* [m][k_len] */
-        const float *kn = k_n + cu_k[b] * kn_t + h * kn_h, *kr = k_r + cu_k[b] * kr_t, *vh = v + cu_k[b] * v_t + h * v_h;
+        const int64_t ld = k_len + MLA_PREFILL_KEY_PAD;  /* a row of scores, room for the last tile's end */
+        float *s = scratch + (int64_t)omp_get_thread_num() * scratch_stride;  /* [m][ld] */
+        const float *kth = kt + h * kt_h + cu_k[b], *krb = krt + cu_k[b], *vh = v + cu_k[b] * v_t + h * v_h;
         /* scores */
-        const int64_t last = ctx + i1;  /* keys the task's last row sees */
-        for (int64_t j0 = 0; j0 < last; j0 += PREFILL_KEYS) {
+        for (int64_t j = 0; j < ctx + i1; j += tile)
             for (int64_t i = i0; i < i1; i += 4) {
                 const int64_t top = i + 4 < i1 ? i + 4 : i1;  /* rows [i, top) */
-                const int64_t end = ctx + top < j0 + PREFILL_KEYS ? ctx + top : j0 + PREFILL_KEYS;
+                if (j >= ctx + top) continue;                 /* no key of the tile is theirs */
                 const float *qa[4], *qb[4];
                 for (int u = 0; u < 4; u++) {
                     const int64_t t = cu_q[b] + (i + u < top ? i + u : top - 1);
                     qa[u] = q_n + t * qn_t + h * qn_h;
                     qb[u] = q_r + t * qr_t + h * qr_h;
                 }
-                for (int64_t j = j0; j < end; j += 2) {
-                    const int64_t j2 = j + 1 < end ? j + 1 : j;
-                    float sum[8];
-                    if (tiled) {
-                        V acc[8];
-                        for (int u = 0; u < 8; u++) acc[u] = V_ZERO();
-                        SFX(tile4x2)(qa, kn + j * kn_t, kn + j2 * kn_t, d_n, acc, C_F32, V_ZERO(), V_ZERO());
-                        SFX(tile4x2)(qb, kr + j * kr_t, kr + j2 * kr_t, d_r, acc, C_F32, V_ZERO(), V_ZERO());
-                        SFX(sums8)(acc, sum);
-                    } else {
-                        for (int u = 0; u < 8; u++) {
-                            const int64_t key = u & 1 ? j2 : j;
-                            sum[u] = dot_c(qa[u / 2], kn + key * kn_t, d_n, C_F32, 1.0f) +
-                                     dot_c(qb[u / 2], kr + key * kr_t, d_r, C_F32, 1.0f);
-                        }
-                    }
-                    for (int u = 0; u < 4 && i + u < top; u++) {
-                        s[(i + u - i0) * k_len + j] = scale * sum[2 * u];
-                        if (j2 > j) s[(i + u - i0) * k_len + j2] = scale * sum[2 * u + 1];
-                    }
-                }
+                V acc[4][PREFILL_TILE];
+                for (int r = 0; r < 4; r++)
+                    for (int u = 0; u < PREFILL_TILE; u++) acc[r][u] = V_ZERO();
+                SFX(keys_tile)(qa, kth + j, kt_d, d_n, acc);
+                SFX(keys_tile)(qb, krb + j, krt_d, d_r, acc);
+                for (int r = 0; r < top - i; r++)
+                    for (int u = 0; u < PREFILL_TILE; u++)
+                        V_STORE(s + (i + r - i0) * ld + j + u * VL, V_MUL(vscale, acc[r][u]));
             }
-        }
         /* softmax over each row's own keys; zeros up to the last key its four rows computed */
         for (int64_t i = i0; i < i1; i++) {
-            float *row = s + (i - i0) * k_len;
+            float *row = s + (i - i0) * ld;
             const int64_t sub = i - (i - i0) % 4, top = sub + 4 < i1 ? sub + 4 : i1;  /* its four rows [sub, top) */
             const int64_t n = ctx + i + 1, upto = ctx + top;
             lse[(cu_q[b] + i) * heads + h] = SFX(softmax)(row, n);
@@ -398,11 +390,11 @@ static void SFX(prefill_attention)(const float *q_n, int64_t qn_t, int64_t qn_h,
             int64_t rs[WEIGH_HEADS];
             for (int u = 0; u < WEIGH_HEADS; u++) rs[u] = r + u < m ? r + u : m - 1;
             const int64_t n = ctx + i0 + rs[WEIGH_HEADS - 1] + 1;  /* the tile's last row's keys (p is 0 past a row's) */
-            for (int64_t c = 0; c < cb; c += 4 * VL) SFX(weigh_rows)(s, k_len, vh, v_t, n, rs, c, o);
+            for (int64_t c = 0; c < cb; c += 4 * VL) SFX(weigh_rows)(s, ld, vh, v_t, n, rs, c, o);
             for (int u = 0; u < WEIGH_HEADS && r + u < m; u++)  /* columns past the last block */
                 for (int64_t c = cb; c < d_v; c++) {
                     float acc = 0.0f;
-                    for (int64_t j = 0; j < n; j++) acc += s[(r + u) * k_len + j] * vh[j * v_t + c];
+                    for (int64_t j = 0; j < n; j++) acc += s[(r + u) * ld + j] * vh[j * v_t + c];
                     o[r + u][c] = acc;
                 }
         }
@@ -413,6 +405,7 @@ static void SFX(prefill_attention)(const float *q_n, int64_t qn_t, int64_t qn_h,
 #undef VL
 #undef GEMM_ROWS
 #undef WEIGH_HEADS
+#undef PREFILL_TILE
 #undef V_LOAD
 #undef V_STORE
 #undef V_ZERO

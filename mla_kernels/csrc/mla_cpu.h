@@ -14,6 +14,7 @@
 #define MLA_MOE_MAX_TOPK 64       /* experts a row is routed to */
 #define MLA_DECODE_MAX_GROUP 256  /* heads one thread of the absorbed decode takes */
 #define MLA_PREFILL_ROWS 32       /* rows of one head a task of the prefill attention takes (its scores' rows) */
+#define MLA_PREFILL_KEY_PAD 64    /* columns the prefill attention may read past the last key, and its scores hold */
 
 /* A weight operand of the tables: its weight pointer, its scales pointer and its kind: W_F32 (float32, no scales),
  * W_I8 (int8 with a float32 scale per row), W_BF16 / W_F16 (bfloat16 / float16, no scales: read at two bytes,
@@ -96,11 +97,13 @@ void mla_absorbed_decode_f32(const float *q_n, int64_t qn_t, int64_t qn_h, const
                              int64_t rows, int64_t heads, int64_t d_n, int64_t d_r, int64_t d_c, int64_t d_v,
                              int64_t threads, int64_t cache_kind, int64_t variant);
 /* The prefill's up-projected attention, causal and bottom-right aligned, for nseq sequences (cu_q, cu_k [nseq + 1]):
- * q_n [T, H, d_n], q_r [T, H, d_r], k_n [S, H, d_n], k_r [S, d_r], v [S, H, d_v] float32 (strides per row and per
- * head) -> out [T, H, d_v], lse [T, H]; scratch [threads, scratch_stride >= MLA_PREFILL_ROWS * the longest k_len]. */
+ * q_n [T, H, d_n], q_r [T, H, d_r], v [S, H, d_v] float32 (strides per row and per head), the keys transposed: kt
+ * [H, d_n, S + MLA_PREFILL_KEY_PAD] and krt [d_r, S + MLA_PREFILL_KEY_PAD] (strides per head and per row) -> out
+ * [T, H, d_v], lse [T, H]; scratch [threads, scratch_stride >= MLA_PREFILL_ROWS * (the longest k_len +
+ * MLA_PREFILL_KEY_PAD)]. */
 void mla_prefill_attention_f32(const float *q_n, int64_t qn_t, int64_t qn_h, const float *q_r, int64_t qr_t,
-                               int64_t qr_h, const float *k_n, int64_t kn_t, int64_t kn_h, const float *k_r,
-                               int64_t kr_t, const float *v, int64_t v_t, int64_t v_h, const int64_t *cu_q,
+                               int64_t qr_h, const float *kt, int64_t kt_h, int64_t kt_d, const float *krt,
+                               int64_t krt_d, const float *v, int64_t v_t, int64_t v_h, const int64_t *cu_q,
                                const int64_t *cu_k, int64_t nseq, float scale, float *out, float *lse, float *scratch,
                                int64_t scratch_stride, int64_t heads, int64_t d_n, int64_t d_r, int64_t d_v,
                                int64_t threads, int64_t variant);
