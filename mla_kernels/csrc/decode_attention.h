@@ -306,6 +306,7 @@ static inline __attribute__((always_inline)) void SFX(weigh_rows)(const float *p
 /* acc[r][u] += sum_{i < d} q[r][i] kt[i * kt_d + u VL .. + VL) for four rows q[0..3] and PREFILL_TILE vectors of keys
  * stored across the lanes (kt: d rows of keys, row stride kt_d): each score is one chain of multiply-adds in the
  * order of i, and no lane is ever summed across. */
+static_assert(PREFILL_TILE * VL <= MLA_PREFILL_KEY_PAD, "a tile of keys reads and writes past the last key");
 static inline __attribute__((always_inline)) void SFX(keys_tile)(const float *const *q, const float *kt, int64_t kt_d,
                                                                  int64_t d, V acc[4][PREFILL_TILE]) {
     for (int64_t i = 0; i < d; i++) {
