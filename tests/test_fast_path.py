@@ -1651,6 +1651,37 @@ def test_amx_products_are_the_bfloat16_product_where_the_cpu_has_tiles():
         assert PackedWeight(w, "onednn").amx is None
 
 
+def test_the_amx_products_compute_the_bfloat16_product_on_emulated_tiles(tmp_path):
+    """The AMX kernel's own source (``csrc/amx_bf16.c``: weight packing, tile configurations, partial row tiles, a
+    second pass past 32 rows, an odd count of column blocks, float32 rows rounded into its buffer, bfloat16 rows read
+    in place or gathered) computes the float64 product of the bfloat16 values within float32 summation, one row's
+    result the same bits alone as among others, with the tile instructions emulated in software
+    (``tests/csrc/amx_emulate.h``, which also faults where the hardware would: shapes that do not match, a tile used
+    unconfigured). This runs the kernel's logic on CPUs without AMX; the tiles themselves only run where the CPU has
+    them (the test above)."""
+    if not cpu_ops.x86() or sys.platform != "linux":
+        pytest.skip("the AMX kernel is x86-64 Linux code")
+    compiler = cpu_ops._compiler()
+    if compiler is None:
+        pytest.skip("no C++ compiler on this machine")
+    caps = cpu_ops.cpu_capabilities()
+    if not all(caps.get(k) for k in ("avx512_bf16", "avx512_bw", "avx512_vl")):
+        pytest.skip("this CPU does not execute the kernel's AVX512-BF16 rounding of float32 rows (no avx512_bf16, "
+                    "avx512bw and avx512vl), which runs beside the emulated tiles")
+    root = Path(__file__).resolve().parent
+    exe = tmp_path / "amx_emulated"
+    subprocess.run([compiler, "-O2", "-std=c++17", "-fopenmp", "-I", str(root.parent / "mla_kernels" / "csrc"),
+                    "-include", str(root / "csrc" / "amx_emulate.h"), str(root.parent / "mla_kernels" / "csrc" /
+                                                                          "amx_bf16.c"),
+                    str(root / "csrc" / "amx_emulated.cpp"), "-o", str(exe)], check=True, capture_output=True,
+                   timeout=300)
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300, check=False)
+    if run.returncode == 3:
+        pytest.skip(run.stdout.strip())
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("ok m=") == 8 and "m=128 n=96 k=256" in run.stdout
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("path", ["onednn", "upcast"])
 def test_half_weights_take_the_two_byte_kernel_for_few_rows(path, dtype, monkeypatch):
