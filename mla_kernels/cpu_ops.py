@@ -41,7 +41,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 PORTABLE_SOURCES = (CSRC / "ops" / "indexer.cpp", CSRC / "ops" / "isa.cpp")
 X86_SOURCES = (CSRC / "gemv_f32.c", CSRC / "mla_decode_f32.c", CSRC / "mla_layer_f32.c", CSRC / "gemv_fp8.c",
                CSRC / "gemv_int4.c", CSRC / "amx_bf16.c", CSRC / "ops" / "cpu_kernels.cpp")
-HEADERS = (CSRC / "mla_cpu.h", CSRC / "simd.h", CSRC / "decode_attention.h", CSRC / "isa_cap.h")
+HEADERS = (CSRC / "mla_cpu.h", CSRC / "simd.h", CSRC / "decode_attention.h", CSRC / "isa_cap.h", CSRC / "amx_emulate.h")
 CFLAGS = ("-O3", "-std=c++17", "-fopenmp")  # OpenMP: the kernels' threads are torch's pool
 # the x86 baseline (every AVX2 CPU has FMA and F16C): wider instruction sets are chosen per function at run time
 X86_CFLAGS = ("-mavx2", "-mfma", "-mf16c")
@@ -100,8 +100,17 @@ def sources() -> tuple[Path, ...]:
     return PORTABLE_SOURCES + (X86_SOURCES if x86() else ())
 
 
+# For tests on CPUs without AMX: 1 builds the AMX kernel over tiles emulated in software (csrc/amx_emulate.h), taken
+# wherever the CPU has AVX512-BF16; a build of its own (the flag is part of the build's key). Never for serving.
+EMULATE_AMX_ENV = "MLA_CPU_EMULATE_AMX"
+
+
+def emulated_amx() -> bool:
+    return x86() and os.environ.get(EMULATE_AMX_ENV) == "1"
+
+
 def cflags() -> list[str]:
-    return [*CFLAGS, *(X86_CFLAGS if x86() else ())]
+    return [*CFLAGS, *(X86_CFLAGS if x86() else ()), *(["-DMLA_AMX_EMULATE"] if emulated_amx() else [])]
 
 
 def cache_dir() -> Path:
@@ -243,7 +252,8 @@ def summary() -> str:
     runs = [v.split(":", 1)[0] for v in torch.ops.mla_kernels.cpu_variants() if v.endswith(":runs")]
     kernels = "the decode kernels, the prefill attention and the indexer" if x86() else "the indexer"
     capped = f"; capped at {isa_cap()} by ${ISA_ENV}" if isa_cap() != ISA_LEVELS[-1] else ""
-    return f"torch.ops.mla_kernels ({kernels}; indexer variant {runs[0] if runs else 'none'}{capped})"
+    emulated = f"; AMX tiles emulated in software by ${EMULATE_AMX_ENV}" if emulated_amx() else ""
+    return f"torch.ops.mla_kernels ({kernels}; indexer variant {runs[0] if runs else 'none'}{capped}{emulated})"
 
 
 def available() -> bool:

@@ -1608,6 +1608,11 @@ def test_a_process_capped_at_avx2_computes_the_avx2_variants_bits(tmp_path):
     assert bad.returncode != 0 and "$MLA_CPU_ISA='avx1024' is not an instruction set" in bad.stderr
 
 
+# where the AMX tests run when the CPU has no tiles
+AMX_ELSEWHERE = "test_the_amx_route_runs_on_emulated_tiles_where_the_cpu_has_none runs it over tiles emulated in " \
+                "software, on CPUs with AVX512-BF16"
+
+
 def test_amx_products_are_the_bfloat16_product_where_the_cpu_has_tiles():
     """Where the CPU has AMX bfloat16 tiles, a bfloat16 weight's products of more rows than the few-row kernels take,
     up to ``AMX_MAX_ROWS``, run on them: the product of the rows rounded to bfloat16, within float32 summation of the
@@ -1626,7 +1631,7 @@ def test_amx_products_are_the_bfloat16_product_where_the_cpu_has_tiles():
             assert cpu_gemm.amx_failure() == why
             if cpu_gemm.gemm_choice(torch.bfloat16).path == "onednn":
                 assert PackedWeight(w, "onednn").amx is None
-        pytest.skip(f"this CPU does not execute the AMX bfloat16 products: {why}")
+        pytest.skip(f"this CPU does not execute the AMX bfloat16 products: {why} ({AMX_ELSEWHERE})")
     g = torch.Generator().manual_seed(6)
     packed = cpu_kernels.amx_pack(w)
     assert packed.shape == (5, 3, 16, 32)
@@ -1651,12 +1656,60 @@ def test_amx_products_are_the_bfloat16_product_where_the_cpu_has_tiles():
         assert PackedWeight(w, "onednn").amx is None
 
 
+def test_a_prefill_takes_the_amx_tiles_as_near_the_float32_logits_as_onednn(tiny_checkpoint, monkeypatch):
+    """Where the CPU runs AMX bfloat16 products (or the operators are built over emulated tiles, as the test after
+    next does), a float32 model with bfloat16 weights prefills its chunks of more rows than the few-row kernels take
+    through the tiles (``mla_kernels::amx_linear``). Its logits are within bfloat16 rounding of the float32 model's
+    (the rows are rounded to bfloat16, as oneDNN's bfloat16 products round them), and no farther from them than
+    those of oneDNN's products (``cpu_gemm=onednn``, which leaves the tiles out and computes the attention between
+    them in bfloat16)."""
+    why = cpu_kernels.failure("amx")
+    if why is not None:
+        pytest.skip(f"this CPU does not execute the AMX bfloat16 products: {why} ({AMX_ELSEWHERE})")
+    ckpt, _ = tiny_checkpoint("v3")
+    ps = prompts([30, 12, 20], seed=5)
+    want = torch.cat(PagedRunner(load_model(ckpt, dtype="float32"), len(ps), 32).prefill(ps))
+    calls = spy_ops(monkeypatch, "amx_linear")["amx_linear"]
+    err = {}
+    for mode in ("auto", "onednn"):
+        with cpu_gemm.forced_gemm_mode(mode):
+            model = load_model(ckpt, dtype="float32", quantization="bf16")
+            calls.clear()
+            got = torch.cat(PagedRunner(model, len(ps), 32).prefill(ps))
+        assert bool(calls) == (mode == "auto"), f"cpu_gemm={mode}: {len(calls)} AMX products"
+        err[mode] = rel_err(got, want)
+    assert err["auto"] <= 2e-2 and err["auto"] <= 1.5 * err["onednn"], err
+
+
+def test_the_amx_route_runs_on_emulated_tiles_where_the_cpu_has_none(tmp_path):
+    """On a CPU with AVX512-BF16 and no AMX, a process whose operators are built over tiles emulated in software
+    (``$MLA_CPU_EMULATE_AMX=1``: a build of its own) takes the whole AMX route, and the AMX tests pass in it: the
+    operators' packing and products, a weight's layout and dispatch (``PackedWeight``, ``linear``), and a model's
+    prefill with oneDNN's logits. Where the CPU has AMX the tests ran natively; without AVX512-BF16 the kernel cannot
+    round its rows."""
+    if not cpu_ops.x86() or cpu_ops._compiler() is None or cpu_kernels.failure() is not None:
+        pytest.skip(f"the kernels do not build here: {cpu_kernels.failure() or 'no x86-64 C++ toolchain'}")
+    if cpu_kernels.failure("amx") is None and not cpu_ops.emulated_amx():
+        pytest.skip("this CPU runs the AMX tiles themselves: the AMX tests ran on them")
+    caps = cpu_ops.cpu_capabilities()
+    if not all(caps.get(k) for k in ("avx512_bf16", "avx512_bw", "avx512_vl")):
+        pytest.skip("this CPU does not execute the kernel's AVX512-BF16 rounding of float32 rows, which runs beside "
+                    "the emulated tiles")
+    env = {**os.environ, cpu_ops.EMULATE_AMX_ENV: "1"}
+    env.pop(cpu_ops.ISA_ENV, None)  # a cap below AMX would leave the tiles out
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs", __file__, "-k",
+                          "amx_products_are_the_bfloat16_product or prefill_takes_the_amx_tiles"],
+                         env=env, cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True,
+                         timeout=900, check=False)
+    assert run.returncode == 0 and "2 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+
+
 def test_the_amx_products_compute_the_bfloat16_product_on_emulated_tiles(tmp_path):
     """The AMX kernel's own source (``csrc/amx_bf16.c``: weight packing, tile configurations, partial row tiles, a
     second pass past 32 rows, an odd count of column blocks, float32 rows rounded into its buffer, bfloat16 rows read
     in place or gathered) computes the float64 product of the bfloat16 values within float32 summation, one row's
     result the same bits alone as among others, with the tile instructions emulated in software
-    (``tests/csrc/amx_emulate.h``, which also faults where the hardware would: shapes that do not match, a tile used
+    (``csrc/amx_emulate.h``, which also faults where the hardware would: shapes that do not match, a tile used
     unconfigured). This runs the kernel's logic on CPUs without AMX; the tiles themselves only run where the CPU has
     them (the test above)."""
     if not cpu_ops.x86() or sys.platform != "linux":
@@ -1668,13 +1721,11 @@ def test_the_amx_products_compute_the_bfloat16_product_on_emulated_tiles(tmp_pat
     if not all(caps.get(k) for k in ("avx512_bf16", "avx512_bw", "avx512_vl")):
         pytest.skip("this CPU does not execute the kernel's AVX512-BF16 rounding of float32 rows (no avx512_bf16, "
                     "avx512bw and avx512vl), which runs beside the emulated tiles")
-    root = Path(__file__).resolve().parent
+    csrc = Path(cpu_ops.CSRC)
     exe = tmp_path / "amx_emulated"
-    subprocess.run([compiler, "-O2", "-std=c++17", "-fopenmp", "-I", str(root.parent / "mla_kernels" / "csrc"),
-                    "-include", str(root / "csrc" / "amx_emulate.h"), str(root.parent / "mla_kernels" / "csrc" /
-                                                                          "amx_bf16.c"),
-                    str(root / "csrc" / "amx_emulated.cpp"), "-o", str(exe)], check=True, capture_output=True,
-                   timeout=300)
+    subprocess.run([compiler, "-O2", "-std=c++17", "-fopenmp", "-I", str(csrc), "-include", str(csrc / "amx_emulate.h"),
+                    str(csrc / "amx_bf16.c"), str(Path(__file__).resolve().parent / "csrc" / "amx_emulated.cpp"),
+                    "-o", str(exe)], check=True, capture_output=True, timeout=300)
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300, check=False)
     if run.returncode == 3:
         pytest.skip(run.stdout.strip())

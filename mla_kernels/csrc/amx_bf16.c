@@ -26,6 +26,9 @@
 #include <unistd.h>
 
 #include "simd.h"
+#ifdef MLA_AMX_EMULATE
+#include "amx_emulate.h"  /* the tile instructions in software: tests on CPUs without AMX */
+#endif
 
 #define AMX_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
 
@@ -39,10 +42,15 @@ struct TileConfig {
 int64_t mla_amx_bf16(void) {
     static int known = -1;
     if (known < 0) {
+#ifdef MLA_AMX_EMULATE  /* emulated tiles; the rows are still rounded by AVX512-BF16 */
+        known = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512vl");
+#else
         known = __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
                 __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
                 __builtin_cpu_supports("avx512vl") &&
                 syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+#endif
     }
     return known && mla_isa_allows(MLA_ISA_AMX);
 }

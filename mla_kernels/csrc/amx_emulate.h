@@ -1,7 +1,9 @@
-/* The AMX tile instructions that csrc/amx_bf16.c uses, in software, so that its products run on a CPU without AMX
- * (tests/test_fast_path.py compiles amx_bf16.c with -include of this header). Force-included first, it takes
- * <immintrin.h> itself, then replaces the tile intrinsics by functions over eight 1 KB tiles per thread; amx_bf16.c's
- * own #include <immintrin.h> is then a no-op.
+/* The AMX tile instructions that amx_bf16.c uses, in software, so that its products run on a CPU without AMX: for
+ * tests only. Two ways in: the typed operators built with MLA_AMX_EMULATE defined (amx_bf16.c includes this header
+ * then, and mla_amx_bf16() answers from the CPU's AVX512-BF16 alone: mla_kernels.cpu_ops does so when
+ * $MLA_CPU_EMULATE_AMX is 1), or a test program that compiles amx_bf16.c with -include of this header (it takes
+ * <immintrin.h> itself first, so amx_bf16.c's own inclusion is a no-op). Either way the tile intrinsics become
+ * functions over eight 1 KB tiles per thread.
  *
  * Each instruction checks what the hardware faults on (a tile used before a configuration, a configuration other
  * than palette 1, a tile wider than 64 bytes or taller than 16 rows, the shapes of TDPBF16PS's operands) and aborts
