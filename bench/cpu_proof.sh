@@ -24,24 +24,11 @@ SLUG=$(echo "$CPU" | tr -cs 'A-Za-z0-9' '-' | sed 's/-*$//' | tr 'A-Z' 'a-z')
 mkdir -p bench/out
 OUT=bench/out/cpu_proof-${SLUG:-cpu}.md
 FLAGS=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | tr ' ' '\n' | grep -E '^(avx2|fma|f16c|avx512.*|avx_vnni|amx.*)$' | tr '\n' ' ')
-LOG=$(mktemp -d)
-step() {  # step NAME SECONDS COMMAND...: run it under a limit, keep its output, record its status
-    local name=$1 limit=$2
-    shift 2
-    local t0=$SECONDS
-    timeout "$limit" "$@" >"$LOG/$name.txt" 2>&1
-    local rc=$?
-    echo "| $name | $rc | $((SECONDS - t0)) s |" >>"$LOG/status.md"
-    echo "cpu_proof: $name: exit $rc in $((SECONDS - t0)) s"
-}
-skip() {  # skip NAME WHY: a step not run, and why
-    echo "| $1 | not run | $2 |" >>"$LOG/status.md"
-    echo "cpu_proof: $1: not run: $2"
-}
+CHECK=cpu_proof
+# shellcheck source=bench/check_steps.sh
+. bench/check_steps.sh
 has_flag() { [[ " $FLAGS " == *" $1 "* ]]; }
 CAP=(env MLA_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2)
-echo "| step | exit | time |" >"$LOG/status.md"
-echo "|---|---:|---:|" >>"$LOG/status.md"
 
 step machine 300 python - <<'EOF'
 import torch

@@ -16,18 +16,9 @@ if ! python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 
     exit 2
 fi
 unset TRITON_INTERPRET  # compile the Triton kernels for the device
-LOG=$(mktemp -d)
-step() {  # step NAME SECONDS COMMAND...: run it under a limit, keep its output, record its status
-    local name=$1 limit=$2
-    shift 2
-    local t0=$SECONDS
-    timeout "$limit" "$@" >"$LOG/$name.txt" 2>&1
-    local rc=$?
-    echo "| $name | $rc | $((SECONDS - t0)) s |" >>"$LOG/status.md"
-    echo "gpu_check: $name: exit $rc in $((SECONDS - t0)) s"
-}
-echo "| step | exit | time |" >"$LOG/status.md"
-echo "|---|---:|---:|" >>"$LOG/status.md"
+CHECK=gpu_check
+# shellcheck source=bench/check_steps.sh
+. bench/check_steps.sh
 step kernel_tests 150 python -m pytest -q -p no:cacheprovider tests/test_kernels_decode.py tests/test_kernels_prefill.py \
     tests/test_kernels_store.py tests/test_kernels_compile.py tests/test_fp8_gemm.py tests/test_host_tier.py \
     tests/test_paged_model.py tests/test_kernels_sparse.py tests/test_kernels_grouped.py tests/test_tensor_parallel_cuda.py
