@@ -385,13 +385,14 @@ std::tuple<Tensor, Tensor> prefill_attention(const Tensor& q_n, const Tensor& q_
     longest = std::max(longest, k_len);
   }
   Tensor kt = at::empty({heads, d_n, keys + MLA_PREFILL_KEY_PAD}, floats);
-  Tensor krt = at::empty({d_r, keys + MLA_PREFILL_KEY_PAD}, floats), vh = at::empty({heads, keys, d_v}, floats);
-  {  // by way of each head's keys in a run: one permuting copy took 10x as long (5.7 against 0.6 ms for 2,048 keys)
+  {  // by way of each head's keys in a run: one permuting copy took 10x as long (5.7 against 0.6 ms for 2,048 keys);
+     // that run is gone before the values' copy is made (at long contexts each is gigabytes)
     Tensor kh = at::empty({heads, keys, d_n}, floats);
     kh.copy_(k_n.transpose(0, 1));
     kt.narrow(2, 0, keys).copy_(kh.transpose(1, 2));
   }
   kt.narrow(2, keys, MLA_PREFILL_KEY_PAD).zero_();
+  Tensor krt = at::empty({d_r, keys + MLA_PREFILL_KEY_PAD}, floats), vh = at::empty({heads, keys, d_v}, floats);
   krt.narrow(1, 0, keys).copy_(k_r.t());
   krt.narrow(1, keys, MLA_PREFILL_KEY_PAD).zero_();
   vh.copy_(v.transpose(0, 1));
