@@ -974,6 +974,20 @@ def test_prefill_attention_kernel_matches_the_reference(q_lens, k_lens, heads, d
 
 
 @needs_row_kernel
+def test_prefill_attention_kernel_takes_keys_and_values_of_any_strides():
+    """Keys and values whose elements are not contiguous (a transposed view) give the bits of their contiguous
+    copies: the operator copies each head's into its own layout, whatever the input's."""
+    (q_n, q_r, k_n, k_r, v), cu_q, cu_k = _prefill_case([21, 9], [40, 9], 3, (16, 8, 24), 0)
+    k_t = k_n.permute(0, 2, 1).contiguous().permute(0, 2, 1)  # [S, H, d_n] with the heads innermost
+    v_t = v.permute(0, 2, 1).contiguous().permute(0, 2, 1)
+    assert k_t.stride(2) != 1 and v_t.stride(2) != 1
+    want = cpu_kernels.ops().prefill_attention(q_n, q_r, k_n.contiguous(), k_r.contiguous(), v.contiguous(), cu_q,
+                                               cu_k, 0.3)
+    got = cpu_kernels.ops().prefill_attention(q_n, q_r, k_t, k_r, v_t, cu_q, cu_k, 0.3)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@needs_row_kernel
 def test_prefill_attention_kernel_rejects_what_it_cannot_compute():
     (q_n, q_r, k_n, k_r, v), cu_q, cu_k = _prefill_case([3], [5], 2, (8, 4, 6), 0)
     for bad, said in ((dict(q_n=q_n.double()), "are all float32, bfloat16 or float16, got Double"),
