@@ -3,7 +3,7 @@
 # step under its own time limit, and writes bench/out/cpu_proof-<cpu>.md (printed at the end) with the CPU model and
 # its vector flags beside every table.
 #
-#   bash bench/cpu_proof.sh          # all of it: about an hour on 2 cores, with the peers built
+#   bash bench/cpu_proof.sh          # all of it: about 20 min on 2 cores, with the peers built
 #   bash bench/cpu_proof.sh quick    # the tests and the kernels alone: about 3 min once the kernels are built
 #
 # Steps: the machine (lscpu, the kernels' variants, AMX's status); tests/test_fast_path.py with the skips' reasons

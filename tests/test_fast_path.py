@@ -1622,9 +1622,12 @@ def test_a_process_capped_at_avx2_computes_the_avx2_variants_bits(tmp_path):
     assert bad.returncode != 0 and "$MLA_CPU_ISA='avx1024' is not an instruction set" in bad.stderr
 
 
-# where the AMX tests run when the CPU has no tiles
-AMX_ELSEWHERE = "test_the_amx_route_runs_on_emulated_tiles_where_the_cpu_has_none runs it over tiles emulated in " \
-                "software, on CPUs with AVX512-BF16"
+def amx_skip(why: str) -> str:
+    """Why an AMX test skips here, and where it runs instead when the CPU merely has no tiles."""
+    elsewhere = "" if cpu_ops.isa_cap() != "amx" else (
+        " (test_the_amx_route_runs_on_emulated_tiles_where_the_cpu_has_none runs it over tiles emulated in software, "
+        "on CPUs with AVX512-BF16)")
+    return f"this CPU does not execute the AMX bfloat16 products: {why}{elsewhere}"
 
 
 def test_amx_products_are_the_bfloat16_product_where_the_cpu_has_tiles():
@@ -1645,7 +1648,7 @@ def test_amx_products_are_the_bfloat16_product_where_the_cpu_has_tiles():
             assert cpu_gemm.amx_failure() == why
             if cpu_gemm.gemm_choice(torch.bfloat16).path == "onednn":
                 assert PackedWeight(w, "onednn").amx is None
-        pytest.skip(f"this CPU does not execute the AMX bfloat16 products: {why} ({AMX_ELSEWHERE})")
+        pytest.skip(amx_skip(why))
     g = torch.Generator().manual_seed(6)
     packed = cpu_kernels.amx_pack(w)
     assert packed.shape == (5, 3, 16, 32)
@@ -1679,7 +1682,7 @@ def test_a_prefill_takes_the_amx_tiles_as_near_the_float32_logits_as_onednn(tiny
     them in bfloat16)."""
     why = cpu_kernels.failure("amx")
     if why is not None:
-        pytest.skip(f"this CPU does not execute the AMX bfloat16 products: {why} ({AMX_ELSEWHERE})")
+        pytest.skip(amx_skip(why))
     ckpt, _ = tiny_checkpoint("v3")
     ps = prompts([30, 12, 20], seed=5)
     want = torch.cat(PagedRunner(load_model(ckpt, dtype="float32"), len(ps), 32).prefill(ps))
@@ -1705,12 +1708,14 @@ def test_the_amx_route_runs_on_emulated_tiles_where_the_cpu_has_none(tmp_path):
         pytest.skip(f"the kernels do not build here: {cpu_kernels.failure() or 'no x86-64 C++ toolchain'}")
     if cpu_kernels.failure("amx") is None and not cpu_ops.emulated_amx():
         pytest.skip("this CPU runs the AMX tiles themselves: the AMX tests ran on them")
+    if cpu_ops.isa_cap() != "amx":
+        pytest.skip(f"${cpu_ops.ISA_ENV} caps this process at {cpu_ops.isa_cap()}, below the AMX tiles: it computes "
+                    "as a CPU without them")
     caps = cpu_ops.cpu_capabilities()
     if not all(caps.get(k) for k in ("avx512_bf16", "avx512_bw", "avx512_vl")):
         pytest.skip("this CPU does not execute the kernel's AVX512-BF16 rounding of float32 rows, which runs beside "
                     "the emulated tiles")
     env = {**os.environ, cpu_ops.EMULATE_AMX_ENV: "1"}
-    env.pop(cpu_ops.ISA_ENV, None)  # a cap below AMX would leave the tiles out
     run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs", __file__, "-k",
                           "amx_products_are_the_bfloat16_product or prefill_takes_the_amx_tiles"],
                          env=env, cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True,
