@@ -1622,6 +1622,20 @@ def test_a_process_capped_at_avx2_computes_the_avx2_variants_bits(tmp_path):
     assert bad.returncode != 0 and "$MLA_CPU_ISA='avx1024' is not an instruction set" in bad.stderr
 
 
+def emulated_tiles_unrunnable() -> str | None:
+    """Why this machine cannot run the AMX kernel over emulated tiles (``csrc/amx_emulate.h``), or None: they need
+    x86-64 Linux, a C++ compiler and AVX512-BF16, whose rounding of float32 rows runs beside the emulated tiles."""
+    if not cpu_ops.x86() or sys.platform != "linux":
+        return "the AMX kernel is x86-64 Linux code"
+    if cpu_ops._compiler() is None:
+        return "no C++ compiler on this machine"
+    caps = cpu_ops.cpu_capabilities()
+    if not all(caps.get(k) for k in ("avx512_bf16", "avx512_bw", "avx512_vl")):
+        return ("this CPU does not execute the kernel's AVX512-BF16 rounding of float32 rows (no avx512_bf16, "
+                "avx512bw and avx512vl), which runs beside the emulated tiles")
+    return None
+
+
 def amx_skip(why: str) -> str:
     """Why an AMX test skips here, and where it runs instead when the CPU merely has no tiles."""
     elsewhere = "" if cpu_ops.isa_cap() != "amx" else (
@@ -1698,23 +1712,20 @@ def test_a_prefill_takes_the_amx_tiles_as_near_the_float32_logits_as_onednn(tiny
     assert err["auto"] <= 2e-2 and err["auto"] <= 1.5 * err["onednn"], err
 
 
-def test_the_amx_route_runs_on_emulated_tiles_where_the_cpu_has_none(tmp_path):
+def test_the_amx_route_runs_on_emulated_tiles_where_the_cpu_has_none():
     """On a CPU with AVX512-BF16 and no AMX, a process whose operators are built over tiles emulated in software
     (``$MLA_CPU_EMULATE_AMX=1``: a build of its own) takes the whole AMX route, and the AMX tests pass in it: the
     operators' packing and products, a weight's layout and dispatch (``PackedWeight``, ``linear``), and a model's
-    prefill with oneDNN's logits. Where the CPU has AMX the tests ran natively; without AVX512-BF16 the kernel cannot
-    round its rows."""
-    if not cpu_ops.x86() or cpu_ops._compiler() is None or cpu_kernels.failure() is not None:
-        pytest.skip(f"the kernels do not build here: {cpu_kernels.failure() or 'no x86-64 C++ toolchain'}")
+    prefill as near the float32 logits as oneDNN's. Where the CPU has AMX the tests ran natively."""
+    if cpu_kernels.failure() is not None:
+        pytest.skip(f"the kernels do not build here: {cpu_kernels.failure()}")
     if cpu_kernels.failure("amx") is None and not cpu_ops.emulated_amx():
         pytest.skip("this CPU runs the AMX tiles themselves: the AMX tests ran on them")
     if cpu_ops.isa_cap() != "amx":
         pytest.skip(f"${cpu_ops.ISA_ENV} caps this process at {cpu_ops.isa_cap()}, below the AMX tiles: it computes "
                     "as a CPU without them")
-    caps = cpu_ops.cpu_capabilities()
-    if not all(caps.get(k) for k in ("avx512_bf16", "avx512_bw", "avx512_vl")):
-        pytest.skip("this CPU does not execute the kernel's AVX512-BF16 rounding of float32 rows, which runs beside "
-                    "the emulated tiles")
+    if (why := emulated_tiles_unrunnable()) is not None:
+        pytest.skip(why)
     env = {**os.environ, cpu_ops.EMULATE_AMX_ENV: "1"}
     run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs", __file__, "-k",
                           "amx_products_are_the_bfloat16_product or prefill_takes_the_amx_tiles"],
@@ -1731,20 +1742,14 @@ def test_the_amx_products_compute_the_bfloat16_product_on_emulated_tiles(tmp_pat
     (``csrc/amx_emulate.h``, which also faults where the hardware would: shapes that do not match, a tile used
     unconfigured). This runs the kernel's logic on CPUs without AMX; the tiles themselves only run where the CPU has
     them (the test above)."""
-    if not cpu_ops.x86() or sys.platform != "linux":
-        pytest.skip("the AMX kernel is x86-64 Linux code")
-    compiler = cpu_ops._compiler()
-    if compiler is None:
-        pytest.skip("no C++ compiler on this machine")
-    caps = cpu_ops.cpu_capabilities()
-    if not all(caps.get(k) for k in ("avx512_bf16", "avx512_bw", "avx512_vl")):
-        pytest.skip("this CPU does not execute the kernel's AVX512-BF16 rounding of float32 rows (no avx512_bf16, "
-                    "avx512bw and avx512vl), which runs beside the emulated tiles")
+    if (why := emulated_tiles_unrunnable()) is not None:
+        pytest.skip(why)
     csrc = Path(cpu_ops.CSRC)
     exe = tmp_path / "amx_emulated"
-    subprocess.run([compiler, "-O2", "-std=c++17", "-fopenmp", "-I", str(csrc), "-include", str(csrc / "amx_emulate.h"),
-                    str(csrc / "amx_bf16.c"), str(Path(__file__).resolve().parent / "csrc" / "amx_emulated.cpp"),
-                    "-o", str(exe)], check=True, capture_output=True, timeout=300)
+    subprocess.run([str(cpu_ops._compiler()), "-O2", "-std=c++17", "-fopenmp", "-I", str(csrc), "-include",
+                    str(csrc / "amx_emulate.h"), str(csrc / "amx_bf16.c"),
+                    str(Path(__file__).resolve().parent / "csrc" / "amx_emulated.cpp"), "-o", str(exe)],
+                   check=True, capture_output=True, timeout=300)
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300, check=False)
     if run.returncode == 3:
         pytest.skip(run.stdout.strip())

@@ -144,10 +144,10 @@ class CpuBackend(PagedBackend):
 
     def up_projected(self, q_n: torch.Tensor, q_r: torch.Tensor, k_n: torch.Tensor, k_r: torch.Tensor,
                      v: torch.Tensor, attn: MLAttention, meta: AttentionMetadata) -> torch.Tensor:
-        """A chunk of a layer that takes the compiled kernels: the compiled prefill attention, which reads the rebuilt
-        keys and values where they lie (torch's flash kernel wants them concatenated and zero-padded to one head size,
-        copies that cost about as much as its attention), a half-precision chunk's widened exactly and summed in
-        float32. Else torch's flash kernel."""
+        """A chunk of a layer that takes the compiled kernels: the compiled prefill attention, which lays out each
+        head's rebuilt keys (transposed) and values itself in one pass (torch's flash kernel wants them concatenated
+        and zero-padded to one head size, copies that cost about as much as its attention), a half-precision chunk's
+        widened exactly and summed in float32. Else torch's flash kernel."""
         if not attn.prefill_kernel:
             return super().up_projected(q_n, q_r, k_n, k_r, v, attn, meta)
         cu_q, cu_k = meta.host_cu_seqlens
