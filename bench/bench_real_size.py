@@ -4,19 +4,22 @@ bfloat16), random weights, loaded with int8 and int4 from the bfloat16 checkpoin
 
     python bench/bench_real_size.py --work /tmp/real_size               # everything (about an hour on 2 cores)
     python bench/bench_real_size.py --work /tmp/real_size --only mla     # mla-runtime only
-    python bench/bench_real_size.py --work /tmp/real_size --layers 4    # a shorter model, same layer shapes
+    python bench/bench_real_size.py --work /tmp/real_size --layers 4 --only mla  # a shorter model, same shapes
+
+(llama.cpp tells DeepSeek-V2-Lite, whose queries have no low-rank projection, from the larger models by its layer
+count: it loads the config at 26 or 27 layers only.)
 
 For each mla-runtime mode a fresh process loads the model and reports its peak resident memory (sampled every few
 milliseconds, and the kernel's own high-water mark ``VmHWM``), the load's seconds (importing torch and the runtime
-included) and decode tokens/s at batch 1 and 8 (the median step after the prompt). The process guards its own
-memory: past ``--rss-limit`` it stops itself with a message instead of letting the OOM killer pick a victim.
+included), decode tokens/s at batch 1 and 8 (the median step after the prompt) and prefill tokens/s of one prompt
+of 128 and of 512 tokens (batch 1, to the first token's logits; the median of the rounds). The process guards its
+own memory: past ``--rss-limit`` it stops itself with a message instead of letting the OOM killer pick a victim.
 llama.cpp (``bash bench/setup_peers.sh llama.cpp``) runs its own converter (q8_0) and ``llama-quantize`` (q4_0 from
-the q8_0 file, ``--allow-requantize``: the timing does not depend on the values), then ``llama-bench`` (batch 1) and
-``llama-batched-bench`` (batch 8); its load time is the wall time of a process that loads the file and generates one
-token (llama.cpp maps the file and reads the weights as the first token touches them; it repacks q4_0 for its AVX2
-kernels). The two systems run one after
-the other (their weights do not fit this machine's memory together), each over the same files on the same warm
-page cache.
+the q8_0 file, ``--allow-requantize``: the timing does not depend on the values), then ``llama-bench`` (batch 1;
+its prefill with ``-p``, flash attention on) and ``llama-batched-bench`` (batch 8); its load time is the wall time
+of a process that loads the file and generates one token (llama.cpp maps the file and reads the weights as the
+first token touches them; it repacks q4_0 for its AVX2 kernels). The two systems run one after the other (their
+weights do not fit this machine's memory together), each over the same files on the same warm page cache.
 
 The "fraction of bandwidth" is the weight bytes one decode token reads (every matrix of a step once: attention,
 the dense MLP, the shared experts, the routed experts a batch is expected to touch, the lm_head; in each system's
@@ -43,6 +46,7 @@ sys.path.insert(0, str(HERE))
 PRESET = HERE.parent / "mla_runtime" / "model_configs" / "deepseek-v2-lite.json"
 PROMPT_LEN, STEPS = 64, 16
 BATCHES = (1, 8)
+PREFILL_LENS = (128, 512)  # prompts whose prefill (batch 1, one step, the first token's logits) is timed
 # bytes per weight of each format, scales included (q8_0/q4_0: a float16 scale per 32 weights; int8: a bfloat16 scale
 # per row, negligible; int4: a float16 scale per 32)
 BYTES = {"int8": 1.0, "int4": 18 / 32, "q8_0": 34 / 32, "q4_0": 18 / 32}
@@ -114,7 +118,8 @@ def worker(path: str, quantization: str, rounds: int, threads: int, limit: int) 
     torch.set_num_threads(threads)
     base = rss()
     guard = MemoryGuard(limit)
-    llm = LLM(path, dtype="float32", quantization=quantization, max_model_len=PROMPT_LEN + STEPS + 64,
+    llm = LLM(path, dtype="float32", quantization=quantization,
+              max_model_len=max(PROMPT_LEN + STEPS, *PREFILL_LENS) + 64,
               max_num_seqs=max(BATCHES), kv_cache_memory="256MiB", enable_prefix_caching=False, num_threads=threads)
     load_s = time.perf_counter() - t0
     loaded = rss()
@@ -124,6 +129,7 @@ def worker(path: str, quantization: str, rounds: int, threads: int, limit: int) 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, min(vocab, 30000), (PROMPT_LEN,), generator=g).tolist() for _ in range(max(BATCHES))]
     tok_s: dict[int, list[float]] = {b: [] for b in BATCHES}
+    prefill: dict[int, list[float]] = {k: [] for k in PREFILL_LENS}
     n = 0
     for _ in range(rounds):
         for batch in BATCHES:
@@ -140,10 +146,20 @@ def worker(path: str, quantization: str, rounds: int, threads: int, limit: int) 
             while engine.has_unfinished_requests():
                 engine.step()
             tok_s[batch].append(batch / statistics.median(times))
+        for length in PREFILL_LENS:  # a fresh prompt each time: no prefix is cached
+            prompt = torch.randint(100, min(vocab, 30000), (length,), generator=g).tolist()
+            engine.add_request(f"r{n}", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, ignore_eos=True))
+            n += 1
+            t = time.perf_counter()
+            while engine.has_unfinished_requests():
+                engine.step()
+            prefill[length].append(length / (time.perf_counter() - t))
     peak = guard.stop()
     print(json.dumps({"load_s": load_s, "peak_rss": peak, "loaded_rss": loaded, "base_rss": base,
                       "tok_s": {str(b): statistics.median(v) for b, v in tok_s.items()},
-                      "tok_s_rounds": {str(b): v for b, v in tok_s.items()}}), flush=True)
+                      "tok_s_rounds": {str(b): v for b, v in tok_s.items()},
+                      "prefill": {str(k): statistics.median(v) for k, v in prefill.items()},
+                      "prefill_rounds": {str(k): v for k, v in prefill.items()}}), flush=True)
 
 
 def run_worker(path: Path, quantization: str, args) -> dict:
@@ -183,15 +199,28 @@ def llama_measure(gguf: Path, args) -> dict:
                        capture_output=True, text=True, check=True)
         return time.perf_counter() - t0
 
+    def prefill(length: int) -> float:
+        """Prompt tokens/s of one ``length``-token prompt (``llama-bench -p``, flash attention on: llama.cpp's
+        fastest MLA path)."""
+        out = subprocess.run([str(BIN / "llama-bench"), "-m", str(gguf), "-t", str(args.threads), "-r", "1",
+                              "-o", "json", "-fa", "on", "-p", str(length), "-n", "0"],
+                             capture_output=True, text=True, check=True)
+        return float(json.loads(out.stdout)[0]["avg_ts"])
+
     tok_s: dict[int, list[float]] = {b: [] for b in BATCHES}
+    prefills: dict[int, list[float]] = {k: [] for k in PREFILL_LENS}
     loads = []
     for _ in range(args.rounds):
         loads.append(start())
         for batch in BATCHES:
             tok_s[batch].append(bench(batch)[0])
+        for length in PREFILL_LENS:
+            prefills[length].append(prefill(length))
     return {"load_s": statistics.median(loads),
             "tok_s": {str(b): statistics.median(v) for b, v in tok_s.items()},
-            "tok_s_rounds": {str(b): v for b, v in tok_s.items()}}
+            "tok_s_rounds": {str(b): v for b, v in tok_s.items()},
+            "prefill": {str(k): statistics.median(v) for k, v in prefills.items()},
+            "prefill_rounds": {str(k): v for k, v in prefills.items()}}
 
 
 def llama_files(src: Path, work: Path, formats: list[str]) -> dict[str, Path]:
@@ -230,29 +259,34 @@ def machine() -> str:
 
 def report(results: dict, cfg: dict, bandwidth: float, args) -> str:
     gib = 2**30
+    lens = " | ".join(f"prefill {k} tok/s" for k in PREFILL_LENS)
     lines = [f"Machine: {machine()}; streaming bandwidth {bandwidth / 1e9:.1f} GB/s (roofline.stream_bandwidth).",
              f"Model: DeepSeek-V2-Lite's config ({cfg['num_hidden_layers']} layers), random bfloat16 weights; "
-             f"{args.threads} threads, {args.rounds} rounds, prompt {PROMPT_LEN} tokens, {STEPS} decode steps.",
+             f"{args.threads} threads, {args.rounds} rounds, prompt {PROMPT_LEN} tokens, {STEPS} decode steps; "
+             f"prefill: one prompt of each length at batch 1.",
              "",
-             "| system | weights from | peak RSS | load s | b1 tok/s | b8 tok/s | b1 bandwidth fraction |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+             f"| system | weights from | peak RSS | load s | b1 tok/s | b8 tok/s | b1 bandwidth fraction | {lens} |",
+             "|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(PREFILL_LENS)]
     for name, r in results.items():
         if "error" in r:
-            lines.append(f"| {name} | | {r['error']} | | | | |")
+            lines.append(f"| {name} | | {r['error']} | | | | |" + " |" * len(PREFILL_LENS))
             continue
         fmt = name.split()[-1]
         t1, t8 = r["tok_s"]["1"], r["tok_s"]["8"]
         frac = step_bytes(cfg, fmt, 1) * t1 / bandwidth
         peak = f"{r['peak_rss'] / gib:.2f} GiB" if "peak_rss" in r else "–"
         load = f"{r['load_s']:.1f}" if r.get("load_s") is not None else "–"
-        lines.append(f"| {name} | {r.get('source', '')} | {peak} | {load} | {t1:.2f} | {t8:.2f} | {frac:.2f} |")
+        pre = " | ".join(f"{r['prefill'][str(k)]:.1f}" for k in PREFILL_LENS)
+        lines.append(f"| {name} | {r.get('source', '')} | {peak} | {load} | {t1:.2f} | {t8:.2f} | {frac:.2f} | {pre} |")
     ratios = []
     for ours, peer in (("int8", "q8_0"), ("int4", "q4_0")):
         for source in ("bf16", "pre"):
             a, b = results.get(f"mla-runtime {source} {ours}"), results.get(f"llama.cpp {peer}")
             if a and b and "error" not in a and "error" not in b:
+                pre = ", ".join(f"prefill {k} {a['prefill'][str(k)] / b['prefill'][str(k)]:.2f}×"
+                                for k in PREFILL_LENS)
                 ratios.append(f"- {ours} ({source}) ÷ {peer}: batch 1 {a['tok_s']['1'] / b['tok_s']['1']:.2f}×, "
-                              f"batch 8 {a['tok_s']['8'] / b['tok_s']['8']:.2f}×"
+                              f"batch 8 {a['tok_s']['8'] / b['tok_s']['8']:.2f}×, {pre}"
                               + (f"; load {a['load_s'] / b['load_s']:.2f}× llama.cpp's" if b.get("load_s") else ""))
     return "\n".join(lines + [""] + ratios) + "\n"
 
