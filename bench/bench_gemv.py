@@ -129,8 +129,16 @@ def int4_candidates(n: int, k: int, rows: int, cold_mib: int, group: int = 32) -
     x = torch.randn(rows, k, generator=g)
     xb, szb = x.bfloat16(), sz.bfloat16()
     mm = torch.ops.aten._weight_int4pack_mm_for_cpu
-    return {"int4 pack-mm g32 fp32x": (lambda: [mm(x, w, group, sz) for w in ws], nbytes),
-            "int4 pack-mm g32 bf16x": (lambda: [mm(xb, w, group, szb) for w in ws], nbytes // 2 + n * k // 4)}
+    out = {"int4 pack-mm g32 fp32x": (lambda: [mm(x, w, group, sz) for w in ws], nbytes),
+           "int4 pack-mm g32 bf16x": (lambda: [mm(xb, w, group, szb) for w in ws], nbytes // 2 + n * k // 4)}
+    if rows <= cpu_kernels.max_rows(torch.int8) and k % group == 0:  # the int4 format's own kernels
+        from mla_runtime.layers.int4 import Int4Weight
+
+        own = n * k // 2 + n * (k // group) * 2  # nibbles and float16 scales
+        mats = [Int4Weight.quantize(torch.randn(n, k, generator=g)) for _ in range(copies_for(own, cold_mib))]
+        out.update(row_kernels("int4", "int4", "int4", lambda v: [cpu_kernels.linear(x, m.packed, m.scales,
+                                                                                     variant=v) for m in mats], own))
+    return out
 
 
 def torchao_candidates(n: int, k: int, rows: int, cold_mib: int) -> dict[str, tuple[Call, int]]:

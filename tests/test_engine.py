@@ -248,6 +248,79 @@ def test_repetition_penalty_logit_bias_and_min_tokens_in_the_sampler():
     assert result.logprobs[0][1] == pytest.approx(float(logits[0].log_softmax(-1)[1]))  # the model's own
 
 
+def _reference_filter(logits, top_k, top_p, min_p):
+    """Top-k / top-p / min-p by their definitions over each whole row, sorted: what the sampler must keep."""
+    out = logits.clone()
+    for r in range(logits.shape[0]):
+        values, order = logits[r].sort(descending=True)
+        probs = values.softmax(dim=-1).double()
+        before = probs.cumsum(dim=-1) - probs
+        keep = torch.arange(len(values)) < top_k[r]
+        if top_p[r] < 1:
+            keep &= before < top_p[r]
+        keep &= probs >= min_p[r] * probs[0]
+        keep[0] = True
+        out[r, order[~keep]] = float("-inf")
+    return out
+
+
+def test_top_k_top_p_and_min_p_keep_what_their_definitions_keep_at_a_large_vocabulary():
+    """At DeepSeek's vocabulary size the sampler looks for each row's cut among its largest logits first and sorts
+    the whole row only where the cut may lie beyond them; every way a row keeps exactly the tokens the definitions
+    keep, and a row that filters nothing is left as it is."""
+    from mla_runtime.engine.sampler import FILTER_CANDIDATES, _filter
+
+    vocab = 102_400
+    g = torch.Generator().manual_seed(0)
+    peaked = torch.randn(vocab, generator=g) * 4.0  # a model's: most of the mass in a few hundred tokens
+    flat = torch.randn(vocab, generator=g) * 0.1  # a random model's: top-p's cut far past the candidates
+    middle = torch.randn(vocab, generator=g) * 1.5  # top_p 0.5's cut among 16 times as many candidates
+    rows = [  # (logits, top_k, top_p, min_p)
+        (peaked, vocab, 1.0, 0.0),  # nothing filtered
+        (peaked, 40, 1.0, 0.0),
+        (peaked, vocab, 0.9, 0.0),  # the cut among the candidates
+        (flat, vocab, 0.9, 0.0),  # the cut beyond them: the whole row sorted
+        (flat, 3 * FILTER_CANDIDATES, 1.0, 0.0),  # a top_k beyond the candidates
+        (peaked, vocab, 1.0, 0.05),
+        (flat, vocab, 1.0, 0.5),  # min_p's cut beyond the candidates
+        (peaked, 200, 0.95, 0.01),
+        (middle, vocab, 0.5, 0.0),
+    ]
+    logits = torch.stack([r[0] for r in rows])
+    top_k = torch.tensor([r[1] for r in rows])
+    top_p = torch.tensor([r[2] for r in rows])
+    min_p = torch.tensor([r[3] for r in rows])
+    got = _filter(logits, top_k, top_p, min_p)
+    want = _reference_filter(logits, top_k, top_p, min_p)
+    kept = got.isfinite()
+    assert torch.equal(kept, want.isfinite())
+    assert torch.equal(got[kept], logits[kept])  # the kept logits themselves are untouched
+    counts = kept.sum(dim=-1).tolist()
+    assert counts[0] == vocab and counts[1] == 40 and counts[4] == 3 * FILTER_CANDIDATES
+    # each way of finding the cut was taken: among the candidates, among 16 times as many, over the whole row
+    assert 1 < counts[2] < FILTER_CANDIDATES < counts[8] < 16 * FILTER_CANDIDATES < counts[3]
+    assert torch.equal(_filter(logits[:1], top_k[:1], top_p[:1], min_p[:1]), logits[:1])
+
+
+def test_random_draws_follow_the_filtered_distribution():
+    """Each random row draws from its own distribution after temperature and filtering: 20,000 rows at once, the
+    frequencies within 0.015 of the probabilities, and a token top-k removes never drawn."""
+    from mla_runtime.engine.sampler import sample
+
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.0, -2.0])
+    rows = 20_000
+    for params, probs in (
+        (SamplingParams(temperature=1.0), logits.softmax(-1)),
+        (SamplingParams(temperature=0.5), (logits / 0.5).softmax(-1)),
+        (SamplingParams(temperature=1.0, top_k=2), torch.cat([logits[:2].softmax(-1), torch.zeros(4)])),
+    ):
+        result = sample(logits.expand(rows, -1).contiguous(), [params] * rows, [None] * rows,
+                        torch.Generator().manual_seed(1))
+        freq = torch.bincount(torch.tensor(result.token_ids), minlength=6).double() / rows
+        assert torch.allclose(freq, probs.double(), atol=0.015), (params, freq, probs)
+        assert all(freq[i] == 0 for i in range(6) if probs[i] == 0)
+
+
 def test_min_tokens_and_logit_bias_in_a_run(v3):
     path, _ = v3
     llm = new_llm(path)

@@ -19,8 +19,14 @@ Returned log-probabilities are those of the model's own logits (unprocessed, unt
 by default.
 
 A seeded sequence draws from its own ``torch.Generator``, so its tokens do not depend on what else is
-in the batch. Draws use the exponential-race form of categorical sampling
-(``argmax(p / E)``, ``E ~ Exp(1)``), which needs one random number per vocabulary entry.
+in the batch. A draw inverts the row's cumulative distribution (summed in float64, by blocks of tokens and then
+within one) at one uniform number: one random number a row, where drawing one per vocabulary entry (the
+exponential race, ``argmax(p / E)``) cost 1.5 ms a row at DeepSeek's 102,400 tokens on a 2-core EPYC.
+
+Top-k, top-p and min-p each keep a row's most likely tokens down to a cut. The cut is looked for among the row's
+largest logits: its top_k where it sets one, else the ``FILTER_CANDIDATES`` largest, then 16 times as many where
+the cut lies beyond them, and the whole row is sorted only where it lies beyond those too; rows that filter nothing
+are not touched. (Sorting 102,400 logits takes 6.6 ms a row there, against 0.4 ms for the 1,024 largest.)
 
 ``Sampler`` is a step's sampling on rank 0: one row per logit row (a speculative decode with k drafts has k + 1,
 row j sampled as if its first j drafts were already generated), and the state sampling keeps between steps: the
@@ -58,18 +64,89 @@ class SampleResult:
     logprobs: list[dict[int, float] | None]
 
 
+FILTER_CANDIDATES = 1024  # the largest logits of a row a cut of top-k / top-p / min-p is looked for among first
+
+
 def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) what top-k / top-p / min-p exclude. ``logits [B, V]`` already temperature-scaled."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    rank = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
+    """Mask (to -inf) what top-k / top-p / min-p exclude. ``logits [B, V]`` already temperature-scaled; ``top_k``
+    (``V`` for none), ``top_p`` and ``min_p`` ``[B]``. A row keeps its tokens by decreasing logit while fewer than
+    top_k come before, the probability mass before is below top_p, and the probability is at least min_p times the
+    largest (the first always); rows that set none of them come back as they are (see the module docstring)."""
+    vocab = logits.shape[-1]
+    rows = ((top_k < vocab) | (top_p < 1) | (min_p > 0)).nonzero().squeeze(1)
+    if not rows.numel():
+        return logits
+    every = rows.numel() == logits.shape[0]
+    x = logits if every else logits[rows]
+    top_k, top_p, min_p = top_k[rows], top_p[rows], min_p[rows]
+    # probabilities over the whole row, whatever part of it is sorted (top-k alone needs none)
+    probs = x.softmax(dim=-1) if bool(((top_p < 1) | (min_p > 0)).any()) else None
+    kept = torch.full_like(x, float("-inf"))
+    # a row with a top_k needs no more candidates than that; the others FILTER_CANDIDATES, then 16 times as many
+    need = torch.where(top_k < vocab, top_k, FILTER_CANDIDATES)
+    counts = [min(int(need.max()), vocab)]
+    counts += [c for c in (16 * FILTER_CANDIDATES, vocab) if counts[-1] < c <= vocab]
+    left = torch.arange(x.shape[0], device=x.device)
+    for count in counts:
+        whole = left.numel() == x.shape[0]
+        sub = x if whole else x[left]
+        order = sub.topk(count, dim=-1).indices if count < vocab else sub.sort(dim=-1, descending=True).indices
+        first = None if probs is None else (probs if whole else probs[left]).gather(1, order)
+        k, p, m = top_k[left], top_p[left], min_p[left]
+        # the cut falls among the candidates where a row's top_k, its mass or its min_p is reached there
+        inside = k <= count
+        if first is not None and count < vocab:
+            inside |= ((p < 1) & (first.sum(dim=-1) >= p)) | (first[:, -1] < m * first[:, 0])
+        if count == vocab:
+            inside = torch.ones_like(inside)
+        done = inside.nonzero().squeeze(1)
+        _keep(kept, x, left[done], order[done], None if first is None else first[done], k[done], p[done], m[done])
+        left = left[~inside]
+        if not left.numel():
+            break
+    if every:
+        return kept
+    out = logits.clone()
+    out[rows] = kept
+    return out
+
+
+def _keep(kept: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, order: torch.Tensor, probs: torch.Tensor | None,
+          top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> None:
+    """``_filter``'s cut of ``rows`` from their largest logits (token ids ``order [n, c]``, by decreasing logit, and
+    their probabilities over the whole row ``probs``, None where no row has a top_p or a min_p): the logits ``x`` of
+    the tokens kept, copied into ``kept``."""
+    rank = torch.arange(order.shape[-1], device=order.device).unsqueeze(0)
     drop = rank >= top_k.unsqueeze(1)
-    probs = sorted_logits.softmax(dim=-1)
-    before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
-    drop |= before >= top_p.unsqueeze(1)
-    drop |= probs < min_p.unsqueeze(1) * probs[:, :1]
+    if probs is not None:
+        drop |= (probs.cumsum(dim=-1) - probs >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)  # mass before it
+        drop |= probs < min_p.unsqueeze(1) * probs[:, :1]
     drop[:, 0] = False  # the most likely token always survives
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    keep = ~drop
+    r, t = rows.unsqueeze(1).expand_as(order)[keep], order[keep]
+    kept[r, t] = x[r, t]
+
+
+DRAW_BLOCK = 256  # a draw finds its block of tokens by the blocks' summed mass, then its token within the block
+
+
+def _inverse_cdf(probs: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """The token of each row of ``probs [R, V]`` (non-negative, any total) where its cumulative mass passes ``at
+    [R, 1]`` (float64 in [0, 1)) times the total -> ``[R]``; never a token of probability 0. In two levels: the
+    blocks of ``DRAW_BLOCK`` tokens by their sums, then the tokens of the one block, each cumulative sum in float64
+    (a whole row's cumulative sum costs 40x more at 8 rows of 102,400)."""
+    rows, vocab = probs.shape
+    pad = (-vocab) % DRAW_BLOCK
+    blocks = (torch.nn.functional.pad(probs, (0, pad)) if pad else probs).view(rows, -1, DRAW_BLOCK)
+    mass = blocks.sum(dim=-1).double().cumsum(dim=-1)  # [R, blocks]
+    zero = torch.zeros_like(at)
+    # a target below the total, so the first block (then token) whose cumulative sum passes it adds mass
+    target = torch.minimum(at * mass[:, -1:], torch.nextafter(mass[:, -1:], zero))
+    block = torch.searchsorted(mass, target, right=True)
+    before = torch.where(block > 0, mass.gather(1, (block - 1).clamp(min=0)), zero)
+    inner = blocks[torch.arange(rows, device=probs.device), block.squeeze(1)].double().cumsum(dim=-1)
+    within = torch.minimum(target - before, torch.nextafter(inner[:, -1:], zero))
+    return (block * DRAW_BLOCK + torch.searchsorted(inner, within, right=True)).squeeze(1)
 
 
 @dataclass
@@ -143,23 +220,24 @@ def _draw(logits: torch.Tensor, params: list[SamplingParams], generators: list[t
     dev = logits.device
     idx = torch.tensor(random_rows, device=dev)
     top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in random_rows], device=dev)
-    scaled = _filter(logits[idx] / _column(params, random_rows, "temperature", dev), top_k,
+    rows = logits if len(random_rows) == logits.shape[0] else logits[idx]
+    scaled = _filter(rows / _column(params, random_rows, "temperature", dev), top_k,
                      _column(params, random_rows, "top_p", dev)[:, 0], _column(params, random_rows, "min_p", dev)[:, 0])
     probs = scaled.softmax(dim=-1)
-    noise = torch.empty_like(probs)
     draft_rows = [r for r, i in enumerate(random_rows) if drafts is not None and drafts[i] is not None]
     uniform = torch.empty(len(draft_rows), device=dev)
     for k, r in enumerate(draft_rows):  # one draw per row, from the row's own generator (seeded requests)
         uniform[k:k + 1].uniform_(generator=generators[random_rows[r]] or default_generator)
-    for r, i in enumerate(random_rows):
-        noise[r].exponential_(generator=generators[i] or default_generator)
     if draft_rows:
         assert drafts is not None
         rows_t = torch.tensor(draft_rows, device=dev)
         draft_t = torch.tensor([drafts[random_rows[r]] for r in draft_rows], device=dev)
         accept = uniform < probs[rows_t, draft_t]  # accept the draft x with probability p(x)
-        probs[rows_t, draft_t] = 0.0  # rejected: a draw from the rest of p (the race renormalises)
-    tokens[idx] = (probs / noise).argmax(dim=-1)
+        probs[rows_t, draft_t] = 0.0  # rejected: a draw from the rest of p, renormalised
+    at = torch.empty(len(random_rows), 1, dtype=torch.float64, device=dev)
+    for r, i in enumerate(random_rows):
+        at[r].uniform_(generator=generators[i] or default_generator)
+    tokens[idx] = _inverse_cdf(probs, at)
     if draft_rows:
         tokens[idx[rows_t]] = torch.where(accept, draft_t, tokens[idx[rows_t]])
 
