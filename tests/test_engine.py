@@ -319,6 +319,12 @@ def test_random_draws_follow_the_filtered_distribution():
         freq = torch.bincount(torch.tensor(result.token_ids), minlength=6).double() / rows
         assert torch.allclose(freq, probs.double(), atol=0.015), (params, freq, probs)
         assert all(freq[i] == 0 for i in range(6) if probs[i] == 0)
+    # a row that is no distribution (a NaN or infinite logit from a broken checkpoint) still gives a token in range
+    broken = torch.randn(2, 1000)
+    broken[0, 5], broken[1, 7] = float("nan"), float("inf")
+    for params in (SamplingParams(), SamplingParams(top_p=0.9), SamplingParams(top_k=5)):
+        drawn = sample(broken, [params] * 2, [None] * 2, torch.Generator().manual_seed(0)).token_ids
+        assert all(0 <= t < 1000 for t in drawn)
 
 
 def test_min_tokens_and_logit_bias_in_a_run(v3):

@@ -142,11 +142,13 @@ def _inverse_cdf(probs: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
     zero = torch.zeros_like(at)
     # a target below the total, so the first block (then token) whose cumulative sum passes it adds mass
     target = torch.minimum(at * mass[:, -1:], torch.nextafter(mass[:, -1:], zero))
-    block = torch.searchsorted(mass, target, right=True)
+    # (the clamps only act on a row that is not a distribution: a NaN or infinite logit gives some token, no error)
+    block = torch.searchsorted(mass, target, right=True).clamp_(max=mass.shape[1] - 1)
     before = torch.where(block > 0, mass.gather(1, (block - 1).clamp(min=0)), zero)
     inner = blocks[torch.arange(rows, device=probs.device), block.squeeze(1)].double().cumsum(dim=-1)
     within = torch.minimum(target - before, torch.nextafter(inner[:, -1:], zero))
-    return (block * DRAW_BLOCK + torch.searchsorted(inner, within, right=True)).squeeze(1)
+    token = block * DRAW_BLOCK + torch.searchsorted(inner, within, right=True).clamp_(max=DRAW_BLOCK - 1)
+    return token.squeeze(1).clamp_(max=vocab - 1)
 
 
 @dataclass
