@@ -86,8 +86,14 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_
     need = torch.where(top_k < vocab, top_k, FILTER_CANDIDATES)
     counts = [min(int(need.max()), vocab)]
     counts += [c for c in (16 * FILTER_CANDIDATES, vocab) if counts[-1] < c <= vocab]
+    # a pass cannot find a row's cut where count tokens of at most its largest probability hold less than top_p
+    most = None if probs is None else probs.max(dim=-1).values
     left = torch.arange(x.shape[0], device=x.device)
     for count in counts:
+        if count < vocab and most is not None:
+            k, p, m = top_k[left], top_p[left], min_p[left]
+            if bool(((k > count) & (m <= 0) & ((p >= 1) | (count * most[left] < p))).all()):
+                continue  # hopeless for every row left: on to the next
         whole = left.numel() == x.shape[0]
         sub = x if whole else x[left]
         order = sub.topk(count, dim=-1).indices if count < vocab else sub.sort(dim=-1, descending=True).indices
