@@ -249,19 +249,24 @@ def test_repetition_penalty_logit_bias_and_min_tokens_in_the_sampler():
 
 
 def _reference_filter(logits, top_k, top_p, min_p):
-    """Top-k / top-p / min-p by their definitions over each whole row, sorted: what the sampler must keep."""
-    out = logits.clone()
+    """Top-k / top-p / min-p by their definitions over each whole row, sorted: what the sampler must keep, and the
+    tokens whose fate rests on rounding (their mass before within 1e-6 of top_p, or their probability within 1e-6
+    of min_p times the largest): the sampler sums in another order and may keep or drop those either way."""
+    out, close = logits.clone(), torch.zeros_like(logits, dtype=torch.bool)
     for r in range(logits.shape[0]):
         values, order = logits[r].sort(descending=True)
-        probs = values.softmax(dim=-1).double()
+        probs = values.double().softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs
         keep = torch.arange(len(values)) < top_k[r]
         if top_p[r] < 1:
             keep &= before < top_p[r]
+            close[r, order[(before - top_p[r]).abs() < 1e-6]] = True
         keep &= probs >= min_p[r] * probs[0]
+        if min_p[r] > 0:
+            close[r, order[(probs - min_p[r] * probs[0]).abs() < 1e-6 * probs[0]]] = True
         keep[0] = True
         out[r, order[~keep]] = float("-inf")
-    return out
+    return out, close
 
 
 def test_top_k_top_p_and_min_p_keep_what_their_definitions_keep_at_a_large_vocabulary():
@@ -291,9 +296,10 @@ def test_top_k_top_p_and_min_p_keep_what_their_definitions_keep_at_a_large_vocab
     top_p = torch.tensor([r[2] for r in rows])
     min_p = torch.tensor([r[3] for r in rows])
     got = _filter(logits, top_k, top_p, min_p)
-    want = _reference_filter(logits, top_k, top_p, min_p)
+    want, close = _reference_filter(logits, top_k, top_p, min_p)
     kept = got.isfinite()
-    assert torch.equal(kept, want.isfinite())
+    assert torch.equal(kept | close, want.isfinite() | close)
+    assert int(close.sum()) <= 2  # a boundary at the edge of rounding is rare
     assert torch.equal(got[kept], logits[kept])  # the kept logits themselves are untouched
     counts = kept.sum(dim=-1).tolist()
     assert counts[0] == vocab and counts[1] == 40 and counts[4] == 3 * FILTER_CANDIDATES

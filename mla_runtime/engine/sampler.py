@@ -125,7 +125,8 @@ def _keep(kept: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, order: torch.
     rank = torch.arange(order.shape[-1], device=order.device).unsqueeze(0)
     drop = rank >= top_k.unsqueeze(1)
     if probs is not None:
-        drop |= (probs.cumsum(dim=-1) - probs >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)  # mass before it
+        before = probs.double().cumsum(dim=-1) - probs  # the mass before each token, summed in float64
+        drop |= (before >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
         drop |= probs < min_p.unsqueeze(1) * probs[:, :1]
     drop[:, 0] = False  # the most likely token always survives
     keep = ~drop
