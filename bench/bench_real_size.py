@@ -109,7 +109,7 @@ def step_bytes(cfg: dict, fmt: str, batch: int) -> float:
 
 
 # -- one mla-runtime measurement, in its own process -------------------------------------------------------------
-def worker(path: str, quantization: str, rounds: int, threads: int, limit: int) -> None:
+def worker(path: str, quantization: str, rounds: int, threads: int, limit: int, temperature: float) -> None:
     t0 = time.perf_counter()  # the load's seconds include importing torch and the runtime, as llama.cpp's its start
     import torch
 
@@ -124,7 +124,7 @@ def worker(path: str, quantization: str, rounds: int, threads: int, limit: int) 
     load_s = time.perf_counter() - t0
     loaded = rss()
     engine = llm.engine
-    params = SamplingParams(max_tokens=STEPS + 2, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=STEPS + 2, temperature=temperature, ignore_eos=True)
     vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, min(vocab, 30000), (PROMPT_LEN,), generator=g).tolist() for _ in range(max(BATCHES))]
@@ -164,7 +164,8 @@ def worker(path: str, quantization: str, rounds: int, threads: int, limit: int) 
 
 def run_worker(path: Path, quantization: str, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", str(path), "--quantization", quantization,
-           "--rounds", str(args.rounds), "--threads", str(args.threads), "--rss-limit", str(args.rss_limit)]
+           "--rounds", str(args.rounds), "--threads", str(args.threads), "--rss-limit", str(args.rss_limit),
+           "--temperature", str(args.temperature)]
     print(f"  mla-runtime {quantization} from {path.name} ...", flush=True)
     done = subprocess.run(cmd, capture_output=True, text=True)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
@@ -262,7 +263,8 @@ def report(results: dict, cfg: dict, bandwidth: float, args) -> str:
     lens = " | ".join(f"prefill {k} tok/s" for k in PREFILL_LENS)
     lines = [f"Machine: {machine()}; streaming bandwidth {bandwidth / 1e9:.1f} GB/s (roofline.stream_bandwidth).",
              f"Model: DeepSeek-V2-Lite's config ({cfg['num_hidden_layers']} layers), random bfloat16 weights; "
-             f"{args.threads} threads, {args.rounds} rounds, prompt {PROMPT_LEN} tokens, {STEPS} decode steps; "
+             f"{args.threads} threads, {args.rounds} rounds, prompt {PROMPT_LEN} tokens, {STEPS} decode steps "
+             f"({'greedy' if args.temperature == 0 else f'temperature {args.temperature}'} in mla-runtime); "
              f"prefill: one prompt of each length at batch 1.",
              "",
              f"| system | weights from | peak RSS | load s | b1 tok/s | b8 tok/s | b1 bandwidth fraction | {lens} |",
@@ -305,11 +307,13 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the pre-quantised copies")
     ap.add_argument("--llama-formats", default="q8_0,q4_0", help="llama.cpp's formats to measure (q8_0, q4_0)")
     ap.add_argument("--out", type=Path, default=None, help="write the report here too")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="mla-runtime's decode sampling (0: greedy, as llama-bench's; 1.0: the API's default)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--quantization", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker(args.worker, args.quantization, args.rounds, args.threads, args.rss_limit)
+        worker(args.worker, args.quantization, args.rounds, args.threads, args.rss_limit, args.temperature)
         return
 
     from roofline import stream_bandwidth
