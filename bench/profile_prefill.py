@@ -3,8 +3,8 @@
     python bench/profile_prefill.py --batch 8 --dtype float32 bfloat16 --threads 2
 
 Loads the benchmark checkpoint, prefills the prompts (prefix caching off, one warm-up round), and
-prints the step's wall time, the same exclusive-time categories as ``profile_decode.py`` and the top aten
-ops under ``torch.profiler``.
+prints the step's wall time (the fastest of ``--repeats``), the same exclusive-time categories as
+``profile_decode.py`` and the top aten ops under ``torch.profiler``.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--quantization", default=None, choices=["int8", "int4", "bf16", "fp16"],
                     help="weight-only quantisation")
+    ap.add_argument("--repeats", type=int, default=1, help="timed prefills (untraced); the fastest is reported")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -51,7 +52,7 @@ def main() -> None:
                       max_num_seqs=max(batch, 1), enable_prefix_caching=False,
                       quantization=args.quantization)
             prefill_once(llm, batch, args.prompt_len, "warm")
-            secs, steps = prefill_once(llm, batch, args.prompt_len, "plain")
+            secs, steps = min(prefill_once(llm, batch, args.prompt_len, f"plain{r}") for r in range(args.repeats))
             timer.exclusive.clear()
             timer.enabled = True
             prefill_once(llm, batch, args.prompt_len, "timed")

@@ -1318,6 +1318,35 @@ def test_a_bfloat16_models_decode_steps_run_compiled_layers_in_float32(tiny_chec
         assert rel_err(logits["layers"], logits["float32"]) <= 3e-2
 
 
+@pytest.mark.parametrize("cache_dtype", [None, torch.bfloat16, torch.int8])
+def test_a_float32_prompt_writes_its_latents_through_the_compiled_norm_and_rope(tiny_checkpoint, monkeypatch,
+                                                                               cache_dtype):
+    """Where the kernels build, a float32 model's prompt rows (chunks of prompts, not decodes) take the compiled
+    norm, RoPE and cache write (``rope_store``, one call a layer) too: the latents it caches and the logits equal the
+    torch path's to float rounding, in a float32, bfloat16 or int8 cache."""
+    from mla_runtime.attention import CpuBackend
+
+    ckpt, _ = tiny_checkpoint("v3")
+    ps = prompts([30, 12, 7], seed=13)
+    calls = spy_ops(monkeypatch, "rope_store")["rope_store"]
+    runs = cpu_gemm.row_kernel_failure() is None
+    results = []
+    for compiled in (True, False):
+        if not compiled:
+            monkeypatch.setattr(CpuBackend, "_compiled", lambda *a: False)
+        model = load_model(ckpt, dtype="float32")
+        runner = PagedRunner(model, len(ps), 48, cache_dtype=cache_dtype)
+        calls.clear()
+        out = runner.step({i: p for i, p in enumerate(ps)})
+        assert len(calls) == (model.config.num_hidden_layers if compiled and runs else 0)
+        written = torch.cat([layer.kv.float().flatten() for layer in runner.cache.layers])
+        results.append((torch.cat([out[i] for i in range(len(ps))]), written[written.isfinite()]))
+    (logits, cached), (want_logits, want_cached) = results
+    assert rel_err(logits, want_logits) <= 1e-5
+    bound = 1e-5 if cache_dtype is None else 1e-2  # a bfloat16 / int8 cache may round a value the other way
+    assert rel_err(cached, want_cached) <= bound
+
+
 def test_float32_decode_steps_take_the_compiled_attention_and_match_torch(tiny_checkpoint, monkeypatch):
     """Where the kernels build, every layer of a float32 decode step runs the latent side and the attention as
     compiled calls, with the logits of the torch path (the kernels left out). (The whole layer as one call is left
