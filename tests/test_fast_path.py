@@ -1342,9 +1342,10 @@ def test_a_float32_prompt_writes_its_latents_through_the_compiled_norm_and_rope(
         written = torch.cat([layer.kv.float().flatten() for layer in runner.cache.layers])
         results.append((torch.cat([out[i] for i in range(len(ps))]), written[written.isfinite()]))
     (logits, cached), (want_logits, want_cached) = results
-    assert rel_err(logits, want_logits) <= 1e-5
-    bound = 1e-5 if cache_dtype is None else 1e-2  # a bfloat16 / int8 cache may round a value the other way
-    assert rel_err(cached, want_cached) <= bound
+    # a bfloat16 or int8 cache may round a value the other way (seen capped at AVX2: 3.1e-4 for int8's logits)
+    exact = cache_dtype is None
+    assert rel_err(logits, want_logits) <= (1e-5 if exact else 2e-3)
+    assert rel_err(cached, want_cached) <= (1e-5 if exact else 1e-2)
 
 
 def test_float32_decode_steps_take_the_compiled_attention_and_match_torch(tiny_checkpoint, monkeypatch):
