@@ -290,6 +290,7 @@ def test_top_k_top_p_and_min_p_keep_what_their_definitions_keep_at_a_large_vocab
         (flat, vocab, 1.0, 0.5),  # min_p's cut beyond the candidates
         (peaked, 200, 0.95, 0.01),
         (middle, vocab, 0.5, 0.0),
+        (flat, 3 * vocab, 0.9, 0.0),  # a top_k beyond the vocabulary: the top-p cut, over the whole row
     ]
     logits = torch.stack([r[0] for r in rows])
     top_k = torch.tensor([r[1] for r in rows])

@@ -100,21 +100,17 @@ class CpuBackend(PagedBackend):
         float32, with float32 RoPE tables made for it (``DeepseekForCausalLM._decode_step``)."""
         return meta.all_planned and meta.rope.cos.dtype in (torch.float32, torch.bfloat16)
 
-    def _compiled(self, attn: MLAttention, meta: AttentionMetadata, cache: LayerCache) -> bool:
-        """The layer's latent side (its norm, RoPE and cache write: ``rope_store``) runs compiled, with the full latent
-        rank (the compiled latent side has no truncation): a compiled step's rows, on the layer's prepared float32
-        weights, and a float32 model's rows of any step on a layer that takes the kernels (a prompt's 1,024 rows in
-        0.25 ms, where torch's norm, complex product and copies take 1.6)."""
-        if attn.latent_down is not None:
-            return False
-        if attn.decode_kernel and self.compiled_rows(meta, cache):
-            return True
-        return (attn.prefill_kernel and attn.kv_a_layernorm.weight.dtype == torch.float32
+    def _compiled(self, attn: MLAttention, meta: AttentionMetadata) -> bool:
+        """The layer's latent side (its norm, RoPE and cache write: ``rope_store``) runs compiled: a float32 model's
+        rows of any step, decodes and prompts alike, on a layer that takes the kernels, with the full latent rank (the
+        compiled latent side has no truncation). A prompt's 1,024 rows take 0.25 ms there, where torch's norm, complex
+        product and copies take 1.6."""
+        return (attn.prefill_kernel and attn.latent_down is None and attn.kv_a_layernorm.weight.dtype == torch.float32
                 and meta.rope.cos.dtype == torch.float32)
 
     def write(self, attn: MLAttention, q: torch.Tensor, latent: torch.Tensor, meta: AttentionMetadata,
               cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self._compiled(attn, meta, cache):
+        if not self._compiled(attn, meta):
             return super().write(attn, q, latent, meta, cache)
         q3 = q.view(q.shape[0], attn.n_h, attn.d_n + attn.d_r)
         norm = attn.kv_a_layernorm

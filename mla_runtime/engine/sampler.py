@@ -90,21 +90,21 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_
     most = None if probs is None else probs.max(dim=-1).values
     left = torch.arange(x.shape[0], device=x.device)
     for count in counts:
-        if count < vocab and most is not None:
-            k, p, m = top_k[left], top_p[left], min_p[left]
-            if bool(((k > count) & (m <= 0) & ((p >= 1) | (count * most[left] < p))).all()):
-                continue  # hopeless for every row left: on to the next
+        k, p, m = top_k[left], top_p[left], min_p[left]
+        partial = count < vocab
+        if partial and most is not None:
+            hopeless = (k > count) & (m <= 0) & ((p >= 1) | (count * most[left] < p))
+            if bool(hopeless.all()):
+                continue  # no row left can find its cut here: on to the next
         whole = left.numel() == x.shape[0]
         sub = x if whole else x[left]
-        order = sub.topk(count, dim=-1).indices if count < vocab else sub.sort(dim=-1, descending=True).indices
+        order = sub.topk(count, dim=-1).indices if partial else sub.sort(dim=-1, descending=True).indices
         first = None if probs is None else (probs if whole else probs[left]).gather(1, order)
-        k, p, m = top_k[left], top_p[left], min_p[left]
-        # the cut falls among the candidates where a row's top_k, its mass or its min_p is reached there
-        inside = k <= count
-        if first is not None and count < vocab:
+        # the cut falls among the candidates where a row's top_k, its mass or its min_p is reached there; the whole
+        # row holds every cut (a top_k beyond the vocabulary included)
+        inside = k <= count if partial else torch.ones_like(k, dtype=torch.bool)
+        if first is not None and partial:
             inside |= ((p < 1) & (first.sum(dim=-1) >= p)) | (first[:, -1] < m * first[:, 0])
-        if count == vocab:
-            inside = torch.ones_like(inside)
         done = inside.nonzero().squeeze(1)
         _keep(kept, x, left[done], order[done], None if first is None else first[done], k[done], p[done], m[done])
         left = left[~inside]
