@@ -19,6 +19,7 @@ from .sparse import (
     sparse_mla_decode,
     sparse_plan,
     store_index_keys,
+    topk_lowest_first,
 )
 
 __all__ = [
@@ -40,5 +41,6 @@ __all__ = [
     "sparse_plan",
     "store_index_keys",
     "store_latent",
+    "topk_lowest_first",
     "write_latent",
 ]

@@ -9,9 +9,10 @@ tensors have a shape function (``_register_fakes``), so they trace.
 
 The first process that needs them builds them with ``torch.utils.cpp_extension`` into a folder of ``cache_dir()``
 named by a digest of the sources, headers, flags, compiler and torch's version; every later process, and every
-tensor-parallel rank, loads that build (the extension builder locks the folder while one process builds; a lock
-left by a killed build is cleared). Hot functions are compiled for several x86 levels with target attributes
-(AVX-512 with or without BF16 dot products, AVX-512 VNNI, AVX2 + FMA) and chosen at run time by probing the CPU.
+tensor-parallel rank, loads that build (one process builds at a time, under an OS lock that dies with it: a killed
+build never blocks a later start, and a wait for a live one has a deadline). Hot functions are compiled for several
+x86 levels with target attributes (AVX-512 with or without BF16 dot products, AVX-512 VNNI, AVX2 + FMA) and chosen at
+run time by probing the CPU.
 
 ``failure()`` is None when the operators are loaded on this machine, else why not (no C++ compiler, a build error,
 an x86-64 CPU without AVX2, FMA and F16C, another architecture than x86-64 and aarch64): callers keep their torch paths,
@@ -20,6 +21,8 @@ and the reason is logged once (``summary()`` says which are loaded, for the star
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -29,6 +32,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -51,9 +55,17 @@ NAME = "mla_kernels_ops"
 # "auto" (or unset) takes every level the CPU has. A capped process computes the bits a CPU of that level computes.
 ISA_ENV = "MLA_CPU_ISA"
 ISA_LEVELS = ("avx2", "avx512", "amx")
-# The extension builder holds a lock file in the build folder while it builds, and every other process waits for it
-# to go; a builder that was killed leaves it behind. No build takes this long: an older lock is a dead one.
-STALE_LOCK_S = 600.0
+# The extension builder holds a lock file ("lock") in the build folder while it builds, and every other process waits
+# for it to go, with no deadline; a builder that was killed leaves it behind. So every process first takes an OS lock
+# of its own on "build.lock" (flock: it dies with its holder), and the one holding it removes any "lock" it finds:
+# under that lock no live process of ours is building. A process waits for the OS lock at most
+# $MLA_KERNEL_BUILD_WAIT_S seconds (BUILD_WAIT_S by default; two cores build in 17 to 30 s), logging what it waits
+# for every WAIT_LOG_S, and then runs the torch paths, with the reason in the log, EngineInfo and /metrics.
+BUILD_LOCK = "build.lock"
+TORCH_LOCK = "lock"
+BUILD_WAIT_ENV = "MLA_KERNEL_BUILD_WAIT_S"
+BUILD_WAIT_S = 300.0
+WAIT_LOG_S = 10.0
 
 
 # /proc/cpuinfo's names of capabilities that torch.cpu.get_capabilities() names otherwise (x86's "avx512bw" is its
@@ -165,19 +177,69 @@ def build_key(cxx: str) -> str:
     return h.hexdigest()[:16]
 
 
-def clear_stale_lock(folder: Path, now: float | None = None) -> bool:
-    """Remove the build folder's lock when a killed build left it (older than ``STALE_LOCK_S``): else every later
-    process would wait for it forever. True when one was removed."""
-    lock = folder / "lock"
+def build_wait_s() -> float:
+    """How long a process waits for another's kernel build (``$MLA_KERNEL_BUILD_WAIT_S``, else ``BUILD_WAIT_S``)."""
+    raw = os.environ.get(BUILD_WAIT_ENV, "").strip()
+    if not raw:
+        return BUILD_WAIT_S
     try:
-        age = (time.time() if now is None else now) - lock.stat().st_mtime
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"${BUILD_WAIT_ENV}={raw!r} is not a number of seconds") from None
+    if value < 0:
+        raise ValueError(f"${BUILD_WAIT_ENV} must be >= 0 seconds, got {raw}")
+    return value
+
+
+class BuildWaitTimeout(RuntimeError):
+    """Another process held the build lock past the deadline."""
+
+
+def _holder(fd: int) -> str:
+    """What the lock file says of its holder ("pid N since TIME"), or "another process"."""
+    try:
+        said = os.pread(fd, 200, 0).decode(errors="replace").strip()
     except OSError:
-        return False
-    if age <= STALE_LOCK_S:
-        return False
-    logger.warning("removing %s, left %.0f s ago by a kernel build that did not finish", lock, age)
-    lock.unlink(missing_ok=True)
-    return True
+        said = ""
+    return said or "another process"
+
+
+@contextlib.contextmanager
+def build_lock(folder: Path, wait_s: float | None = None) -> Iterator[None]:
+    """Hold the build folder's OS lock (``BUILD_LOCK``) for a block: wait for it at most ``wait_s`` seconds
+    (``build_wait_s()``), logging what is awaited and since when every ``WAIT_LOG_S``; raise ``BuildWaitTimeout``
+    after. Once held, a ``TORCH_LOCK`` left in the folder is a dead build's (every live builder holds this lock while
+    it builds), and is removed with a log line naming it."""
+    wait_s = build_wait_s() if wait_s is None else wait_s
+    path = folder / BUILD_LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        start = time.monotonic()
+        logged = start
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                now = time.monotonic()
+                if now - start >= wait_s:
+                    raise BuildWaitTimeout(f"waited {now - start:.0f} s for {path}, held by {_holder(fd)}: another "
+                                           f"process is still building the kernels (${BUILD_WAIT_ENV} sets the "
+                                           f"wait)") from None
+                if now - logged >= WAIT_LOG_S or logged == start:
+                    logger.warning("waiting %.0f s so far (at most %.0f) for %s, held by %s: another process is "
+                                   "building the kernels", now - start, wait_s, path, _holder(fd))
+                    logged = now
+                time.sleep(0.1)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0)
+        left = folder / TORCH_LOCK
+        if left.exists():
+            logger.warning("removing %s, left by a kernel build that did not finish (no process holds %s)", left, path)
+            left.unlink(missing_ok=True)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _build_folder(key: str) -> tuple[Path, bool]:
@@ -211,13 +273,16 @@ def failure() -> str | None:
 
         key = build_key(cxx)
         folder, private = _build_folder(key)
-        clear_stale_lock(folder)
         os.environ["CXX"] = cxx  # the compiler the extension builder runs
         _put_ninja_on_path()
-        # named by its key: a process that loads a build again (the same file) never registers the operators twice
-        cpp_extension.load(name=f"{NAME}_{key}", sources=[str(s) for s in sources()], extra_cflags=cflags(),
-                           extra_ldflags=_ldflags(), build_directory=str(folder), is_python_module=False,
-                           verbose=False)
+        with contextlib.nullcontext() if private else build_lock(folder):
+            # named by its key: a process that loads a build again (the same file) never registers the operators
+            # twice
+            cpp_extension.load(name=f"{NAME}_{key}", sources=[str(s) for s in sources()], extra_cflags=cflags(),
+                               extra_ldflags=_ldflags(), build_directory=str(folder), is_python_module=False,
+                               verbose=False)
+    except BuildWaitTimeout as e:
+        return str(e)
     except Exception as e:  # noqa: BLE001 - a failed build leaves the torch paths, with the reason
         lines = str(e).strip().splitlines()
         # the compiler's own diagnostic ("file:line:col: error: ...") where there is one, not the builder's summary

@@ -156,15 +156,17 @@ def ref_indexer_scores(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tens
 def ref_indexer_topk(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None,
                      block_tables: torch.Tensor, req_indices: torch.Tensor, key_lens: torch.Tensor,
                      topk: int) -> torch.Tensor:
-    """The topk positions of highest indexer score per row, descending: int32 [T, topk]; a row seeing at most
-    topk keys keeps 0 .. key_len - 1, then -1."""
+    """The topk positions of highest indexer score per row, descending, equal scores lowest position first: int32
+    [T, topk]; a row seeing at most topk keys keeps 0 .. key_len - 1, then -1."""
     scores = ref_indexer_scores(q, weights, cache, scales, block_tables, req_indices, key_lens)
     out = torch.full((q.shape[0], topk), -1, dtype=torch.int32, device=q.device)
     for t, n in enumerate(key_lens.tolist()):
         if n <= topk:
             out[t, :n] = torch.arange(n, dtype=torch.int32)
         else:
-            out[t] = torch.topk(scores[t, :n], topk).indices.to(torch.int32)
+            row = scores[t, :n]  # ties: the lower position first
+            best = sorted(range(n), key=lambda j: (-float(row[j]), j))[:topk]
+            out[t] = torch.tensor(best, dtype=torch.int32)
     return out
 
 

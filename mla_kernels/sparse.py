@@ -493,8 +493,29 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, sc
             continue
         long_rows = lens[ids] > topk  # more than topk finite scores: every pick is a real key
         ids, scores = ids[long_rows], scores[long_rows]
-        out[ids] = torch.topk(scores, topk, dim=1, sorted=True).indices.to(torch.int32)
+        out[ids] = topk_lowest_first(scores, topk).to(torch.int32)
     return out
+
+
+def topk_lowest_first(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The columns of each row's ``k`` highest scores ``[n, k]`` int64, in descending score order, equal scores
+    taken lowest column first (NaN counts as -inf); every row needs at least ``k`` columns.
+
+    The indexer's scores tie exactly and often: ``relu`` makes every key that no head scores positively worth
+    exactly 0, so the ``k``-th place is often shared. ``torch.topk`` settles a tie by the course of its selection
+    algorithm over the whole row, padding included, so a query's choice would depend on how long the other rows of
+    its batch are. Lowest position first makes each query's choice a function of its own scores alone: the same in
+    every batch, chunking, cache hit and tensor-parallel layout.
+    """
+    scores = torch.nan_to_num(scores, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    kth = torch.topk(scores, k, dim=1, sorted=False).values.amin(dim=1, keepdim=True)  # [n, 1]
+    above = scores > kth
+    tied = scores == kth
+    room = k - above.sum(dim=1, keepdim=True, dtype=torch.int32)  # places left for the tied columns
+    keep = above | (tied & (tied.cumsum(dim=1, dtype=torch.int32) <= room))
+    cols = keep.nonzero()[:, 1].view(-1, k)  # exactly k per row, ascending
+    order = torch.sort(scores.gather(1, cols), dim=1, descending=True, stable=True).indices
+    return cols.gather(1, order)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -746,18 +746,6 @@ def test_the_kernel_library_is_built_once_per_machine(tmp_path, monkeypatch):
     assert cpu_ops.build_key(cxx) != key
 
 
-def test_a_lock_left_by_a_killed_build_is_removed(tmp_path):
-    """A build killed half-way leaves the extension builder's lock file, which would make every later process wait
-    forever: one older than any build is removed (and a fresh one, a build under way, is left alone)."""
-    import time
-
-    lock = tmp_path / "lock"
-    lock.write_text("")
-    assert not cpu_ops.clear_stale_lock(tmp_path) and lock.exists()  # a build under way
-    assert cpu_ops.clear_stale_lock(tmp_path, now=time.time() + cpu_ops.STALE_LOCK_S + 1) and not lock.exists()
-    assert not cpu_ops.clear_stale_lock(tmp_path)  # no lock at all
-
-
 def test_an_unwritable_kernel_cache_builds_for_the_process(tmp_path, monkeypatch):
     """A cache folder that cannot be made (here: under a regular file) gives a private build folder for the process
     (removed once the library is loaded), and the regular file is left as it was."""

@@ -286,13 +286,43 @@ def test_indexer_topk_selects_the_reference_set(indexer_path: str, dtype: torch.
         assert min(row) >= 0 and max(row) < n and len(set(row)) == topk
         picked = ref_scores[t, got[t].long()]
         assert (picked[:-1] >= picked[1:] - 1e-5).all(), "descending score order"
-        # the reference's set; where scores tie at the boundary (relu makes many exactly 0) any of them will do
+        # the reference's set, exact ties (relu makes many scores exactly 0) taken lowest position first; only a
+        # near-tie at the boundary, two different scores within rounding, may go either way
         kth = float(ref_scores[t, ref[t].long()].min())
         assert (picked >= kth - 1e-5).all()
         sure = {j for j in ref[t].tolist() if float(ref_scores[t, j]) > kth + 1e-5}
         assert sure <= set(row)
-        if float(ref_scores[t, :n].topk(topk + 1).values[-1]) < kth - 1e-5:  # no tie at the boundary
+        near = ((ref_scores[t, :n] - kth).abs() <= 1e-5) & (ref_scores[t, :n] != kth)
+        if not near.any():
             assert set(row) == set(ref[t].tolist())
+
+
+@pytest.mark.parametrize("indexer_path", INDEXER_PATHS, indirect=True)
+def test_indexer_topk_breaks_exact_ties_by_position_whatever_the_batch(indexer_path: str) -> None:
+    """Keys that no head scores positively are all worth exactly 0; where the k-th place falls among them, each
+    query takes the lowest positions, alone or beside rows of other lengths (a row's choice must not depend on the
+    padding its batch gives it: it did, and changed the tokens of concurrent requests)."""
+    backend = indexer_path
+    d_index, heads = 32, 2
+    gen = torch.Generator().manual_seed(11)
+    lens = [40, 300, 7]
+    keys = torch.randn(sum(lens), d_index, generator=gen)
+    q = torch.randn(1, heads, d_index, generator=gen)
+    scores = (torch.relu(q[0] @ keys[:40].T)).sum(0)  # [40] (weights are positive: score 0 iff every relu is 0)
+    positive = int((scores > 0).sum())
+    zeros = (scores == 0).nonzero().flatten().tolist()
+    assert len(zeros) >= 4, "the case needs a tie of several exact zeros"
+    topk = positive + 2  # the last two places go to two of the zeros
+    expect = sorted(scores.topk(positive).indices.tolist() + zeros[:2])
+    rows = [(0, 40), (1, 300), (1, 299), (2, 7)]
+    both = make_index_case(lens, rows, heads, d_index, torch.float32, seed=11, keys=keys,
+                           q=torch.cat([q, torch.randn(3, heads, d_index, generator=gen)]))
+    both.weights[0] = 1.0
+    alone = IndexCase(both.cache, None, both.block_tables, both.keys, both.q[:1], both.weights[:1],
+                      both.req_indices[:1], both.key_lens[:1])
+    got_alone, got_batched = _topk(alone, topk, backend)[0], _topk(both, topk, backend)[0]
+    assert sorted(got_alone.tolist()) == expect
+    assert got_batched.tolist() == got_alone.tolist()
 
 
 @pytest.mark.parametrize("indexer_path", INDEXER_PATHS, indirect=True)

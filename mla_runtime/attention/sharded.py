@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mla_kernels import indexer_scores, mla_decode, sparse_mla_decode
+from mla_kernels import indexer_scores, mla_decode, sparse_mla_decode, topk_lowest_first
 from mla_runtime.attention.metadata import AttentionDims, AttentionMetadata, host_cu_seqlens
 from mla_runtime.attention.paged import PagedBackend, absorb, unabsorb
 from mla_runtime.cache.latent_cache import LatentCache, LayerCache
@@ -67,13 +67,18 @@ class ShardedBackend(PagedBackend):
         local = torch.arange(scores.shape[1], device=scores.device)
         scores = scores.masked_fill(local >= lens.unsqueeze(1), float("-inf"))  # ... that it then ignores
         k = min(topk, scores.shape[1])
-        values, idx = scores.topk(k, dim=-1)
+        idx = topk_lowest_first(scores, k)  # ties: the lower local, hence global, position first
+        values = scores.gather(1, idx)
         positions = torch.where(values > float("-inf"), idx * n + par.rank, -1)
         if k < topk:
             values = torch.cat([values, values.new_full((values.shape[0], topk - k), float("-inf"))], dim=1)
             positions = torch.cat([positions, positions.new_full((positions.shape[0], topk - k), -1)], dim=1)
         values, positions = par.all_gather(values, dim=1), par.all_gather(positions, dim=1)  # [T, N topk]
-        best, pick = values.topk(topk, dim=-1)
+        # candidates in ascending global position (none last), so that equal scores go to the lower position
+        by_pos = torch.argsort(torch.where(positions >= 0, positions, positions.new_tensor(2 ** 62)), dim=1)
+        values, positions = values.gather(1, by_pos), positions.gather(1, by_pos)
+        pick = topk_lowest_first(values, topk)
+        best = values.gather(1, pick)
         return torch.where(best > float("-inf"), positions.gather(1, pick), -1).to(torch.int32)
 
     def sparse_forward(self, q_n: torch.Tensor, q_r: torch.Tensor, attn: MLAttention, meta: AttentionMetadata,
