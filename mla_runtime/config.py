@@ -484,7 +484,8 @@ def _parse_moe(raw: dict[str, Any], family: str) -> MoEConfig | None:
         topk_method=raw.get("topk_method") or ("noaux_tc" if v3 else "greedy"),
         scoring_func=raw.get("scoring_func") or ("sigmoid" if v3 else "softmax"),
         routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
-        norm_topk_prob=bool(raw.get("norm_topk_prob", v3)),
+        # DeepSeek-V2 normalises only a choice of several experts; the V3 families also a single expert's weight
+        norm_topk_prob=bool(raw.get("norm_topk_prob", v3)) and (v3 or int(raw["num_experts_per_tok"]) > 1),
         first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
         moe_layer_freq=int(raw.get("moe_layer_freq") or 1),
         moe_layers=None if raw.get("moe_layers") is None else tuple(bool(b) for b in raw["moe_layers"]),

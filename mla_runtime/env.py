@@ -16,9 +16,11 @@ LOCAL_RANK           the rank        engine/worker.py       set by torchrun: thi
 MLA_FAULT_INJECTION  unset: none     serving/runtime.py     test hook: stream:K, step:K or slow_step:K faults
 
 Read by others (documented in docs/configuration.md, not read here): ``mla_kernels.cpu_ops`` reads ``CXX``,
-``MLA_KERNEL_CACHE``, ``XDG_CACHE_HOME``, ``MLA_CPU_ISA`` and ``MLA_CPU_EMULATE_AMX`` (a test hook) itself (the kernels
+``MLA_KERNEL_CACHE``, ``XDG_CACHE_HOME``, ``MLA_KERNEL_BUILD_WAIT_S``, ``MLA_CPU_ISA`` and ``MLA_CPU_EMULATE_AMX``
+(a test hook) itself (the kernels
 package never imports ``mla_runtime``);
-huggingface_hub reads ``HF_TOKEN``; the tests read ``MLA_REQUIRE_PROMTOOL`` and ``CI`` and set
+huggingface_hub reads ``HF_TOKEN``; the tests read ``MLA_REQUIRE_PROMTOOL``, ``MLA_CONFORMANCE_SEED``,
+``MLA_CONFORMANCE_DRAWS`` and ``CI`` and set
 ``TRITON_INTERPRET``.
 
 Every function reads the environment when called (a value set after import takes effect); ``environ`` replaces

@@ -369,9 +369,6 @@ def _mistral_large4(raw: Raw) -> Raw:
         rope = [int((i + 1) % every != 0) for i in range(layers)]
     if len(rope) < layers:
         raise ValueError(f"mistral_large4: no_rope_layers lists {len(rope)} layers, the model has {layers}")
-    if int(out.get("num_experts_per_tok") or 0) == 1:
-        raise ValueError("mistral_large4: num_experts_per_tok 1 is not supported: the reference renormalises a single "
-                         "expert's weight to 1, the runtime's router keeps its score")
     grouped = int(out.get("n_group") or 1) > 1
     softcap = out.get("final_logit_softcapping")
     return {**out, "q_lora_rank": None, "moe_layers": _mlp_layer_kinds(out, "mistral_large4", 1),

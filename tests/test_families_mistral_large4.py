@@ -146,8 +146,8 @@ def test_adapter_defaults_and_refusals():
     with pytest.raises(ValueError, match="kv_source_layers.*cross-layer KV sharing is not supported"):
         ModelConfig.from_dict({"model_type": "mistral_large4_text", "num_hidden_layers": 3,
                                "kv_source_layers": [0, 0, 2]})
-    with pytest.raises(ValueError, match="num_experts_per_tok 1"):
-        ModelConfig.from_dict({"model_type": "mistral_large4_text", "num_experts_per_tok": 1})
+    single = ModelConfig.from_dict({"model_type": "mistral_large4_text", "num_experts_per_tok": 1})
+    assert single.moe is not None and single.moe.norm_topk_prob  # one expert's weight renormalised to 1
     with pytest.raises(ValueError, match="text_config"):
         ModelConfig.from_dict({"model_type": "mistral_large4"})
     with pytest.raises(ValueError, match="partial_rotary_factor"):

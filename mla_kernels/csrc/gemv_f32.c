@@ -781,7 +781,7 @@ static int64_t route(const float *logits, const int64_t *cfg, const float *bias,
             ids[n] = e;
             w[n++] = score[e];
         }
-    for (int64_t i = 0; i < n; i++) w[i] = (cfg[5] && top_k > 1 ? w[i] / (total + 1e-20f) : w[i]) * scaling;
+    for (int64_t i = 0; i < n; i++) w[i] = (cfg[5] ? w[i] / (total + 1e-20f) : w[i]) * scaling;
     return n;
 }
 

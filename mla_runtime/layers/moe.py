@@ -92,7 +92,7 @@ class Router(nn.Module):
             choice = choice.masked_fill(~keep, fill)
         expert_ids = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False).indices
         weights = scores.gather(1, expert_ids)
-        if cfg.norm_topk_prob and cfg.num_experts_per_tok > 1:
+        if cfg.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * cfg.routed_scaling_factor, expert_ids
 

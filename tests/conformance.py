@@ -1,0 +1,419 @@
+"""The conformance matrix: every supported ``model_type`` against transformers, in every way the engine batches.
+
+For each family a tiny checkpoint is built by transformers' own class, with ordinary initialisation (every matrix at
+1/sqrt(fan_in), norms near 1, small biases: nothing widened to keep choices apart), from a fixed configuration or
+from one drawn from a seed (head counts, ranks, RoPE and indexer widths, top-k, expert counts and layer patterns).
+A batch of prompts of mixed lengths (1 token, odd lengths, across block boundaries, past the indexer's top-k several
+times) runs greedily through ``LLM.generate`` under each cell of ``CELLS``, and every prompt's tokens must equal
+transformers run on that prompt alone. A divergence passes only where the reference itself was at a near-tie: its
+two best logits at the first differing token within ``LOGIT_TIE`` of each other, or an indexer selection decided
+by two different scores within ``SCORE_TIE`` at or before that token; the report names it.
+
+The reference breaks exact ties of the indexer's scores (``relu`` makes every key that no head scores positively
+worth exactly 0) as the runtime does, lowest position first (``mla_kernels.topk_lowest_first``): transformers' own
+``torch.topk`` settles them by the course of its selection algorithm over the row, which no other implementation
+reproduces.
+
+``bench/conformance.py`` runs the whole matrix; ``tests/test_conformance.py`` a fixed core and cells drawn from a
+printed seed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mla_kernels import topk_lowest_first
+
+VOCAB = 256
+PROMPT_LENS = (1, 5, 16, 17, 63, 64, 65, 130, 200, 3, 33, 97)
+NEW_TOKENS = 24
+LOGIT_TIE = 1e-4  # relative to the row's largest |logit|
+SCORE_TIE = 1e-5  # relative to the row's largest |score|
+SPARSE = ("deepseek_v32", "glm_moe_dsa", "axk2", "mistral_large4")
+DENSE = ("deepseek_v2", "deepseek_v3", "kimi_k25", "sarvam_mla", "axk1", "mistral4", "glm4_moe_lite", "minicpm3",
+         "youtu", "longcat_flash")
+MODEL_TYPES = DENSE + SPARSE
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# checkpoints
+
+
+def _pick(rng: random.Random | None, fixed: Any, *choices: Any) -> Any:
+    return fixed if rng is None else rng.choice(choices)
+
+
+def text_config(model_type: str, rng: random.Random | None) -> dict[str, Any]:
+    """The family's text configuration: the fixed one (rng None) or one drawn from ``rng``."""
+    heads = _pick(rng, 6, 2, 3, 4, 6)  # the hidden sizes below are multiples of every head count
+    rope = _pick(rng, 16, 8, 16, 32)
+    cfg: dict[str, Any] = dict(
+        vocab_size=VOCAB, hidden_size=_pick(rng, 96, 48, 96, 144), intermediate_size=_pick(rng, 160, 96, 160),
+        moe_intermediate_size=_pick(rng, 32, 16, 32, 48), num_hidden_layers=_pick(rng, 3, 2, 3, 4),
+        num_attention_heads=heads, num_key_value_heads=heads, n_routed_experts=8,
+        n_shared_experts=_pick(rng, 1, 1, 2), num_experts_per_tok=_pick(rng, 2, 1, 2, 3),
+        n_group=_pick(rng, 4, 1, 2, 4), topk_group=None,
+        kv_lora_rank=_pick(rng, 32, 16, 32, 48, 64), q_lora_rank=_pick(rng, 48, 24, 48, 64),
+        qk_rope_head_dim=rope, qk_nope_head_dim=_pick(rng, 16, 8, 16, 24, 32), v_head_dim=_pick(rng, 24, 8, 16, 24, 40),
+        max_position_embeddings=512, routed_scaling_factor=_pick(rng, 2.5, 1.0, 1.5, 2.5),
+        first_k_dense_replace=_pick(rng, 1, 0, 1), rope_interleave=_pick(rng, True, True, False),
+        tie_word_embeddings=False, bos_token_id=0, eos_token_id=None, pad_token_id=None)
+    cfg["topk_group"] = max(1, cfg["n_group"] // 2)
+    layers = cfg["num_hidden_layers"]
+    if model_type in SPARSE:
+        cfg.update(index_topk=_pick(rng, 8, 4, 8, 12, 16), index_n_heads=_pick(rng, 4, 2, 4, 8),
+                   # the indexer's width: at least the RoPE width, sometimes equal to it, sometimes twice it
+                   index_head_dim=_pick(rng, 32, rope, 2 * rope, 32, 64) if rope <= 32 else 64)
+        cfg["index_head_dim"] = max(cfg["index_head_dim"], rope)
+    if model_type == "deepseek_v2":
+        cfg.update(topk_method=_pick(rng, "group_limited_greedy", "group_limited_greedy", "greedy"),
+                   q_lora_rank=_pick(rng, None, None, 48))
+        cfg.pop("rope_interleave")
+        if cfg["topk_method"] == "greedy":
+            cfg.update(n_group=1, topk_group=1)
+    if model_type == "sarvam_mla":
+        cfg.update(q_lora_rank=None, rope_interleave=False, num_experts=8, num_shared_experts=cfg["n_shared_experts"])
+    if model_type == "axk1":
+        cfg["mlp_layer_types"] = ["dense"] + ["sparse"] * (layers - 1)
+    if model_type == "mistral4":  # YaRN over the rotary part of the head, Llama-4 query scaling from position 16
+        cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                  "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
+                                  "mscale": 0.9, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.3,
+                                  "partial_rotary_factor": rope / (rope + cfg["qk_nope_head_dim"])}
+        cfg.update(rope_interleave=True, first_k_dense_replace=1, n_group=2, topk_group=1)
+    if model_type == "glm4_moe_lite":
+        cfg["mlp_layer_types"] = [_pick(rng, t, "sparse", "dense") for t in ["sparse", "dense", "sparse", "sparse"]][
+            :layers]
+    if model_type == "minicpm3":  # LongRoPE (d_r / 2 divisors), µP scaling; dense
+        half = rope // 2
+        cfg["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0,
+                                  "short_factor": [1.0 + 0.15 * i for i in range(half)], "long_factor": [4.0] * half,
+                                  "factor": 1.0, "original_max_position_embeddings": 512}
+    if model_type == "glm_moe_dsa":  # layer 1 reuses layer 0's selection
+        cfg["indexer_types"] = (["full", "shared"] + ["full"] * layers)[:layers]
+    if model_type == "axk2":
+        cfg.update(mlp_layer_types=["dense"] + ["sparse"] * (layers - 1), gated_norm_rank=8, n_group=1, topk_group=1)
+    if model_type == "mistral_large4":
+        cfg.update(q_lora_rank=None, no_rope_layers=([1, 0] + [1] * layers)[:layers],
+                   indexer_types=(["full", "full", "shared"] + ["full"] * layers)[:layers],
+                   final_logit_softcapping=3.0, n_group=1, topk_group=1)
+    return cfg
+
+
+def ordinary_init(model: torch.nn.Module, seed: int) -> None:
+    """Every matrix at 1/sqrt(fan_in), norms 1 + 0.1 N(0, 1), biases 0.02 N(0, 1), the router's correction bias
+    0.1 N(0, 1); the other vectors (learned scalings) as transformers initialises them."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+            elif name.endswith("norm.weight") or "layernorm" in name or name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("bias"):
+                p.copy_(0.02 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+
+
+def build(model_type: str, seed: int | None = None) -> torch.nn.Module:
+    """transformers' model of ``model_type``: the fixed configuration (seed None) or one drawn from ``seed``."""
+    import transformers as tf
+
+    rng = None if seed is None else random.Random(seed)
+    cfg = text_config(model_type, rng)
+    torch.manual_seed(0 if seed is None else seed)
+    if model_type == "longcat_flash":
+        lc = dict(vocab_size=VOCAB, hidden_size=cfg["hidden_size"], num_layers=_pick(rng, 2, 1, 2),
+                  num_attention_heads=cfg["num_attention_heads"], ffn_hidden_size=cfg["intermediate_size"],
+                  q_lora_rank=cfg["q_lora_rank"], kv_lora_rank=cfg["kv_lora_rank"],
+                  qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
+                  head_dim=cfg["qk_rope_head_dim"], v_head_dim=cfg["v_head_dim"], moe_topk=_pick(rng, 3, 2, 3),
+                  n_routed_experts=4, zero_expert_num=2, expert_ffn_hidden_size=cfg["moe_intermediate_size"],
+                  routed_scaling_factor=2.0, max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=0,
+                  eos_token_id=None, pad_token_id=None)
+        model = tf.LongcatFlashForCausalLM(tf.LongcatFlashConfig(**lc))
+    elif model_type == "kimi_k25":
+        vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                      pos_emb_height=4, pos_emb_width=4)
+        model = tf.Kimi_K25ForConditionalGeneration(tf.Kimi_K25Config(
+            text_config={**cfg, "model_type": "deepseek_v3"}, vision_config=vision, projection_hidden_size=32))
+    elif model_type == "mistral_large4":
+        vision = dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, head_dim=8, patch_size=4, image_size=16)
+        model = tf.MistralLarge4ForConditionalGeneration(tf.MistralLarge4Config(text_config=cfg,
+                                                                                vision_config=vision))
+    else:
+        prefix = {"deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3", "sarvam_mla": "SarvamMLA", "axk1": "AXK1",
+                  "mistral4": "Mistral4", "glm4_moe_lite": "Glm4MoeLite", "minicpm3": "MiniCPM3", "youtu": "Youtu",
+                  "deepseek_v32": "DeepseekV32", "glm_moe_dsa": "GlmMoeDsa", "axk2": "AXK2"}[model_type]
+        config = getattr(tf, f"{prefix}Config")(**cfg)
+        model = getattr(tf, f"{prefix}ForCausalLM", None)
+        model = tf.AutoModelForCausalLM.from_config(config) if model is None else model(config)
+    ordinary_init(model, 1 if seed is None else seed + 1)
+    return model.float().eval()
+
+
+def prompts(lens: tuple[int, ...] = PROMPT_LENS, shared_prefix: int = 0, seed: int = 0) -> list[list[int]]:
+    """One prompt per length; with ``shared_prefix``, every prompt longer than it starts with the same tokens."""
+    rng = random.Random(seed)
+    head = [rng.randrange(2, VOCAB) for _ in range(shared_prefix)]
+    out = []
+    for n in lens:
+        own = [rng.randrange(2, VOCAB) for _ in range(n)]
+        out.append(head + own[shared_prefix:] if n > shared_prefix else own)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# the reference
+
+
+@dataclass
+class Reference:
+    tokens: list[int]
+    logit_gaps: list[float]  # per generated token: the two best logits' gap, relative to the row's largest |logit|
+    score_gaps: list[float]  # per forward (0: the prompt): the smallest non-zero gap at an indexer's boundary
+
+
+@contextlib.contextmanager
+def _recorded_selections(gaps: list[float]) -> Iterator[None]:
+    """``Tensor.topk`` with exact ties lowest index first, and the boundary gaps of the indexer's selections (3-D
+    score tensors ``[B, S, T]``) recorded; every other top-k (the routers') as torch's."""
+    original = torch.Tensor.topk
+
+    def topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):  # noqa: A002
+        if self.dim() != 3 or not largest or dim not in (-1, 2) or not self.is_floating_point():
+            return original(self, k, dim=dim, largest=largest, sorted=sorted)
+        flat = self.reshape(-1, self.shape[-1]).float()
+        idx = topk_lowest_first(flat, k)
+        if flat.shape[1] > k:
+            top = original(flat, k + 1, dim=1).values
+            finite = torch.isfinite(top[:, k]) & (top[:, k] > -1e30)
+            gap = (top[:, k - 1] - top[:, k]) / flat.masked_fill(flat < -1e30, 0).abs().amax(1).clamp(min=1e-30)
+            real = finite & (gap > 0)
+            if real.any():
+                gaps[-1] = min(gaps[-1], float(gap[real].min()))
+        values = self.reshape(-1, self.shape[-1]).gather(1, idx)
+        shape = (*self.shape[:-1], k)
+        return torch.return_types.topk((values.view(shape), idx.view(shape)))
+
+    torch.Tensor.topk = topk  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.topk = original  # type: ignore[method-assign]
+
+
+@torch.no_grad()
+def reference(hf: torch.nn.Module, ids: list[int], n: int = NEW_TOKENS) -> Reference:
+    """transformers' greedy continuation of ``ids`` (``n`` tokens, no stop), with its ties measured."""
+    logit_gaps: list[float] = []
+    score_gaps: list[float] = []
+    tokens: list[int] = []
+    past = None
+    step = torch.tensor([ids])
+    with _recorded_selections(score_gaps):
+        for _ in range(n):
+            score_gaps.append(float("inf"))
+            out = hf(input_ids=step, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            row = out.logits[0, -1].float()
+            top = row.topk(2).values
+            logit_gaps.append(float((top[0] - top[1]) / row.abs().max().clamp(min=1e-30)))
+            tok = int(row.argmax())
+            tokens.append(tok)
+            step = torch.tensor([[tok]])
+    return Reference(tokens, logit_gaps, score_gaps)
+
+
+def explain(ref: Reference, got: list[int]) -> tuple[bool, str]:
+    """(equal or accepted, what happened) for ``got`` against the reference."""
+    if got == ref.tokens:
+        return True, "equal"
+    i = next((j for j, (a, b) in enumerate(zip(got, ref.tokens)) if a != b), min(len(got), len(ref.tokens)))
+    if i >= len(ref.tokens) or i >= len(got):
+        return False, f"{len(got)} tokens where the reference has {len(ref.tokens)}"
+    logit_gap = ref.logit_gaps[i]
+    score_gap = min(ref.score_gaps[: i + 1])
+    said = (f"first differs at token {i} (got {got[i]}, reference {ref.tokens[i]}); the reference's top-2 logit gap "
+            f"there {logit_gap:.2e}, its smallest indexer boundary gap up to there {score_gap:.2e}")
+    if logit_gap <= LOGIT_TIE:
+        return True, "near-tie of the logits: " + said
+    if score_gap <= SCORE_TIE:
+        return True, "near-tie of an indexer selection: " + said
+    return False, said
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# the cells
+
+
+@dataclass(frozen=True)
+class Cell:
+    name: str
+    llm: dict[str, Any] = field(default_factory=dict)
+    one_at_a_time: bool = False  # the prompts sent one by one
+    shared_prefix: int = 0  # prompts sharing a prefix; the batch runs twice, the second on the cached prefixes
+    against_self: bool = False  # compared with the same engine settings run one prompt at a time (int8 weights)
+    checkpoint: str = ""  # "mtp": a random MTP layer added
+    must_preempt: bool = False  # the cache is small enough that sequences are preempted (checked)
+    families: tuple[str, ...] = MODEL_TYPES
+
+
+CELLS: dict[str, Cell] = {c.name: c for c in (
+    Cell("batched"),
+    Cell("one-at-a-time", {"max_num_seqs": 1}, one_at_a_time=True),
+    Cell("chunked", {"max_num_batched_tokens": 24}),
+    Cell("prefix-cache", shared_prefix=40),
+    Cell("preemption", {"kv_cache_tokens": 320, "max_num_seqs": 12}, must_preempt=True),
+    Cell("torch-backend", {"attention_backend": "torch"}),
+    Cell("triton-interpreted", {"attention_backend": "triton"}),
+    Cell("tp2-replicated", {"tensor_parallel_size": 2}),
+    Cell("tp2-sharded", {"tensor_parallel_size": 2, "latent_cache_layout": "sharded", "block_size": 32}),
+    Cell("int8", {"quantization": "int8", "cpu_gemm": "plain"}, against_self=True),
+    Cell("prompt-lookup", {"num_speculative_tokens": 3}),
+    Cell("mtp", {"speculative_method": "mtp", "num_speculative_tokens": 1}, checkpoint="mtp",
+         families=("deepseek_v3",)),
+)}
+
+
+@dataclass
+class Result:
+    model_type: str
+    seed: int | None
+    cell: str
+    equal: int
+    accepted: list[str]
+    failed: list[str]
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    def line(self) -> str:
+        config = "fixed" if self.seed is None else f"seed {self.seed}"
+        total = self.equal + len(self.accepted) + len(self.failed)
+        head = f"{self.model_type} ({config}) {self.cell}: {self.equal}/{total} equal"
+        notes = [f"accepted: {a}" for a in self.accepted] + [f"FAILED: {f}" for f in self.failed]
+        return "; ".join([head, *notes]) + f" [{self.seconds:.1f} s]"
+
+
+class Family:
+    """One checkpoint (a family, a fixed or seeded configuration) and its references, built once."""
+
+    def __init__(self, model_type: str, seed: int | None, root: Path) -> None:
+        self.model_type, self.seed = model_type, seed
+        self.hf = build(model_type, seed)
+        self.path = root / f"{model_type}-{'fixed' if seed is None else seed}"
+        self.hf.save_pretrained(self.path)
+        self._refs: dict[int, list[Reference]] = {}
+        self._mtp: Path | None = None
+
+    def references(self, ps: list[list[int]], shared_prefix: int) -> list[Reference]:
+        if shared_prefix not in self._refs:
+            self._refs[shared_prefix] = [reference(self.hf, p) for p in ps]
+        return self._refs[shared_prefix]
+
+    def checkpoint(self, kind: str) -> Path:
+        if kind != "mtp":
+            return self.path
+        if self._mtp is None:
+            from tests.checkpoints import add_mtp_layer
+
+            self._mtp = self.path.with_name(self.path.name + "-mtp")
+            add_mtp_layer(self.path, self._mtp, self.hf)
+        return self._mtp
+
+
+def _generate(path: Path, settings: dict[str, Any], ps: list[list[int]], one_at_a_time: bool,
+              repeat: bool = False, must_preempt: bool = False) -> list[list[int]]:
+    from mla_runtime import LLM, SamplingParams
+
+    kw: dict[str, Any] = dict(dtype="float32", max_model_len=256, block_size=16)
+    kw.update(settings)
+    if "kv_cache_tokens" in kw:  # a cache of about this many tokens (in this model's latent bytes)
+        from mla_runtime.config import ModelConfig
+        from mla_runtime.plan import latent_bytes_per_token
+
+        per_token = latent_bytes_per_token(ModelConfig.from_pretrained(path), "auto", "float32")
+        kw["kv_cache_memory"] = per_token * kw.pop("kv_cache_tokens")
+    llm = LLM(str(path), **kw)
+    try:
+        greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        reqs = [{"prompt_token_ids": p} for p in ps]
+
+        def run() -> list[list[int]]:
+            if one_at_a_time:
+                return [list(llm.generate([r], greedy)[0].outputs[0].token_ids) for r in reqs]
+            return [list(o.outputs[0].token_ids) for o in llm.generate(reqs, greedy)]
+
+        out = run()
+        if must_preempt and not llm.engine.scheduler.num_preemptions:
+            raise AssertionError("the cell is meant to preempt sequences, and none was preempted")
+        if repeat:  # the same batch again, on the cached prefixes: must give the same tokens
+            again = run()
+            if again != out:
+                bad = [i for i, (a, b) in enumerate(zip(out, again)) if a != b]
+                raise AssertionError(f"the re-run on the prefix cache changed the tokens of prompts {bad}")
+        return out
+    finally:
+        llm.shutdown()
+
+
+def run_cell(family: Family, cell: Cell, lens: tuple[int, ...] = PROMPT_LENS) -> Result:
+    start = time.perf_counter()
+    ps = prompts(lens, cell.shared_prefix)
+    path = family.checkpoint(cell.checkpoint)
+    got = _generate(path, cell.llm, ps, cell.one_at_a_time, repeat=cell.shared_prefix > 0,
+                    must_preempt=cell.must_preempt)
+    equal, accepted, failed = 0, [], []
+    if cell.against_self:
+        alone = _generate(path, {**cell.llm, "max_num_seqs": 1}, ps, True)
+        for n, a, b in zip(lens, got, alone):
+            if a == b:
+                equal += 1
+            else:
+                failed.append(f"prompt of {n} tokens: batched {a} against one at a time {b}")
+    else:
+        for n, ref, tokens in zip(lens, family.references(ps, cell.shared_prefix), got):
+            ok, why = explain(ref, tokens)
+            if why == "equal":
+                equal += 1
+            elif ok:
+                accepted.append(f"prompt of {n} tokens: {why}")
+            else:
+                failed.append(f"prompt of {n} tokens: {why}")
+    return Result(family.model_type, family.seed, cell.name, equal, accepted, failed, time.perf_counter() - start)
+
+
+def applicable(model_type: str, cell: Cell) -> bool:
+    return model_type in cell.families
+
+
+def sample(rng: random.Random, count: int) -> list[tuple[str, int, str]]:
+    """``count`` cells drawn from ``rng``: (model_type, config seed, cell name)."""
+    cheap = [c for c in CELLS if not c.startswith(("tp2", "triton", "mtp"))]  # the others start processes or interpret
+    out = []
+    for _ in range(count):
+        model_type = rng.choice(MODEL_TYPES)
+        out.append((model_type, rng.randrange(10_000), rng.choice(cheap)))
+    return out
+
+
+def cleanup(root: Path) -> None:
+    shutil.rmtree(root, ignore_errors=True)
+
+
+Runner = Callable[[Family, Cell], Result]
