@@ -24,7 +24,7 @@ import contextlib
 import random
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,7 +117,7 @@ def ordinary_init(model: torch.nn.Module, seed: int) -> None:
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
-            elif name.endswith("norm.weight") or "layernorm" in name or name.endswith("norm.weight"):
+            elif name.endswith("norm.weight") or "layernorm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
             elif name.endswith("bias"):
                 p.copy_(0.02 * torch.randn(p.shape, generator=g))
@@ -415,5 +415,3 @@ def sample(rng: random.Random, count: int) -> list[tuple[str, int, str]]:
 def cleanup(root: Path) -> None:
     shutil.rmtree(root, ignore_errors=True)
 
-
-Runner = Callable[[Family, Cell], Result]
