@@ -103,6 +103,21 @@ def test_dead_rank_fails_fast(tiny_checkpoint):
         llm.shutdown()
 
 
+def test_an_idle_engine_outlives_the_collective_timeout(tiny_checkpoint, monkeypatch):
+    """Workers wait for rank 0's next command on a group without the collectives' deadline: an engine left idle for
+    longer than that timeout still serves (its workers used to give up after it, a minute by default, and the next
+    request failed with a dead rank)."""
+    from mla_runtime.engine import tp_workers
+
+    monkeypatch.setattr(tp_workers, "COLLECTIVE_TIMEOUT_S", 3.0)  # passed to the spawned ranks
+    path, _ = tiny_checkpoint("v3")
+    with LLM(str(path), dtype="float32", max_model_len=256, block_size=BLOCK, tensor_parallel_size=2,
+             kv_cache_memory="4MiB") as llm:
+        first = tokens(llm.generate(make_prompts(2, seed=30), PARAMS))
+        time.sleep(5.0)  # idle past the timeout
+        assert tokens(llm.generate(make_prompts(2, seed=30), PARAMS)) == first
+
+
 TORCHRUN_SCRIPT = """
 import json, sys
 from mla_runtime import LLM, SamplingParams

@@ -16,6 +16,11 @@ the sharded layout ``kv_store``, ``kv_load`` and ``kv_close`` (each rank keeps i
 owns every decision (scheduler, block pool, sampling); the lm_head's vocabulary slices are gathered back on
 rank 0. A rank that dies is noticed before the next broadcast (process liveness) or by the collective itself
 (gloo reports the closed connection), and the step fails with ``RankDiedError`` instead of hanging.
+
+The commands travel on a process group of their own whose timeout is ``COMMAND_TIMEOUT``: a worker waits for rank
+0's next command as long as rank 0 lives, however long the engine idles or rank 0 takes to load (the collectives of
+a step keep the group timeout, ``COLLECTIVE_TIMEOUT_S``, under which an idle engine's workers used to give up after
+a minute and take the engine down with them).
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ from mla_runtime.parallel import ParallelContext
 
 logger = logging.getLogger("mla_runtime")
 CPU = torch.device("cpu")  # the step messages travel as pickled objects on the CPU (gloo), whatever the devices
+COLLECTIVE_TIMEOUT_S = 60.0  # the ranks' rendezvous and a step's collectives
+COMMAND_TIMEOUT = timedelta(days=365)  # a worker waiting for rank 0's next command: idle time is not a fault
+_commands: list[Any] = [None]  # this process's command group (``_init``)
 
 
 class RankDiedError(RuntimeError):
@@ -79,6 +87,7 @@ def _init(rank: int, world: int, init_method: str, timeout_s: float, backend: st
         torch.cuda.set_device(local_rank(rank))
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
+    _commands[0] = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)  # every rank, in the same order
 
 
 def worker_main(rank: int, world: int, init_method: str, config: EngineConfig, timeout_s: float) -> None:
@@ -88,8 +97,9 @@ def worker_main(rank: int, world: int, init_method: str, config: EngineConfig, t
     serve_worker(rank, world, config)
 
 
-def run_torchrun_worker(config: EngineConfig, timeout_s: float = 60.0) -> None:
+def run_torchrun_worker(config: EngineConfig, timeout_s: float | None = None) -> None:
     """On a torchrun rank other than 0: serve rank 0's steps; returns when rank 0 stops."""
+    timeout_s = COLLECTIVE_TIMEOUT_S if timeout_s is None else timeout_s
     world = env.torchrun_world_size()
     if world is None:
         raise RuntimeError("run_torchrun_worker needs a process started by torchrun")
@@ -101,7 +111,7 @@ def run_torchrun_worker(config: EngineConfig, timeout_s: float = 60.0) -> None:
 
 def _receive() -> tuple:
     box: list = [None]
-    dist.broadcast_object_list(box, src=0, device=CPU)
+    dist.broadcast_object_list(box, src=0, group=_commands[0], device=CPU)
     return box[0]
 
 
@@ -149,7 +159,8 @@ def _lower_tier_command(worker: Worker, kind: str, arg: Any) -> None:
 class TensorParallelGroup:
     """Rank 0's side: starts the worker ranks and broadcasts each command to them."""
 
-    def __init__(self, config: EngineConfig, timeout_s: float = 60.0) -> None:
+    def __init__(self, config: EngineConfig, timeout_s: float | None = None) -> None:
+        timeout_s = COLLECTIVE_TIMEOUT_S if timeout_s is None else timeout_s
         world = config.tensor_parallel_size
         self.procs: list = []
         if launched_by_torchrun():  # the other ranks exist already, maybe on other machines
@@ -176,7 +187,7 @@ class TensorParallelGroup:
         """Broadcast one command (``truncate``, ``allocate``, ``step`` or ``draft``) to every worker rank."""
         self.check_alive()
         try:
-            dist.broadcast_object_list([(kind, arg)], src=0, device=CPU)
+            dist.broadcast_object_list([(kind, arg)], src=0, group=_commands[0], device=CPU)
         except RuntimeError as e:
             raise RankDiedError(f"tensor-parallel broadcast failed ({e}); a worker rank is gone") from e
 
@@ -200,7 +211,7 @@ class TensorParallelGroup:
         self.closed = True
         try:
             if all(p.is_alive() for p in self.procs):
-                dist.broadcast_object_list([("stop",)], src=0, device=CPU)
+                dist.broadcast_object_list([("stop",)], src=0, group=_commands[0], device=CPU)
         except RuntimeError:
             pass
         for p in self.procs:

@@ -50,6 +50,9 @@ class ServerConfig:
     step_timeout: float = field(default=120.0, metadata=opt(
         "serving.step_timeout", "seconds one engine step may run; then /health is 503 and the server exits 1 "
                                 "after draining (so that its supervisor restarts it)"))
+    startup_timeout: float = field(default=1800.0, metadata=opt(
+        "serving.startup_timeout", "seconds a replica may take to load its model and pass the probe generation "
+                                   "(the log says what it waits for every 30 s); then its start fails"))
     max_connections: int = field(default=1000, metadata=opt(
         "serving.max_connections", "open connections; beyond, new ones are closed at once"))
     metrics_auth: bool = field(default=False, metadata=opt("serving.metrics_auth", "/metrics requires the API key"))
@@ -62,7 +65,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
             raise ValueError(f"port must be an integer in [0, 65535], got {self.port!r}")
-        for name in ("request_timeout", "shutdown_timeout", "header_timeout", "stream_stall_timeout", "step_timeout"):
+        for name in ("request_timeout", "shutdown_timeout", "header_timeout", "stream_stall_timeout", "step_timeout",
+                     "startup_timeout"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")

@@ -159,10 +159,7 @@ class EngineReplica:
         self.rt = self.app.state.runtime
         self.lifespan = self.app.router.lifespan_context(self.app)
         await self.lifespan.__aenter__()  # loads the weights and runs the probe generation in the background
-        while not self.rt.ready:
-            if self.failures or self.rt.status.startswith("start-up failed"):
-                raise RuntimeError(f"replica {self.replica_id}: {self.rt.status}")
-            await asyncio.sleep(0.05)
+        await self.rt.wait_ready(config.startup_timeout, f"replica {self.replica_id}", self.failures)
         self.load_s = time.monotonic() - started  # the cold start: what the autoscaler starts replicas ahead by
         logger.info("replica %s ready (pid %d) in %.1f s", self.replica_id, os.getpid(), self.load_s)
 
@@ -239,7 +236,13 @@ class Ingress:
             self.slots[CANARY_DEPLOYMENT] = Slot(CANARY_DEPLOYMENT, canary, canary.options(stream=True), canary_config)
         versions = {}
         for slot in self.slots.values():  # creates each handle's router, shared below
-            d = await slot.handle.describe.remote(HttpRequest("GET", "/describe"))
+            logger.info("ingress: waiting for a %s replica to describe its model", slot.name)
+            try:
+                d = await asyncio.wait_for(slot.handle.describe.remote(HttpRequest("GET", "/describe")),
+                                           config.startup_timeout)
+            except TimeoutError:
+                raise RuntimeError(f"ingress: no {slot.name} replica described its model within startup_timeout "
+                                   f"({config.startup_timeout:g} s)") from None
             versions[slot.name] = Version(slot.name, d["model"], d["revision"], d["fingerprint"], d["engine"])
         self.rollout = Rollout(versions[ENGINE_DEPLOYMENT], versions.get(CANARY_DEPLOYMENT),
                                self.rc.canary_weight if canary is not None else 0.0, self.rc.stable_name,
@@ -644,13 +647,22 @@ def deploy(engine_config: EngineConfig, config: ServerConfig, rc: ReplicaConfig)
     serve.run(application(engine_config, config, rc), name=APP_NAME, route_prefix="/", blocking=False)
 
 
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(engine_config: EngineConfig, config: ServerConfig, rc: ReplicaConfig, prog: str) -> int:
     """``mla-runtime serve --replicas N``: serve until SIGTERM or Ctrl-C, then shut Serve (and a local Ray) down."""
     started = start_ray(rc)
     stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # Ctrl-C or SIGTERM while the replicas load interrupts the start (then Serve and a local Ray are shut down)
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
+        logger.info("starting %d replica(s) of %s on Ray Serve (each has up to startup_timeout %g s)",
+                    rc.bounds[0] if rc.autoscaling else rc.initial, engine_config.model, config.startup_timeout)
         deploy(engine_config, config, rc)
+        for sig in previous:
+            signal.signal(sig, lambda *_: stop.set())
         scale = f"{rc.bounds[0]}..{rc.bounds[1]} (autoscaling)" if rc.autoscaling else str(rc.initial)
         logger.info("serving http://%s:%d with %s replica(s) on Ray Serve, router %s", config.host, config.port,
                     scale, rc.router)
@@ -664,6 +676,9 @@ def main(engine_config: EngineConfig, config: ServerConfig, rc: ReplicaConfig, p
     except (RayServeException, RuntimeError) as e:
         print(f"{prog}: start-up failed: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: start-up interrupted", file=sys.stderr)
+        return 130
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

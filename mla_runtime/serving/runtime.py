@@ -37,6 +37,7 @@ logger = logging.getLogger("mla_runtime.serving")
 STATUS_OUTCOMES = {400: "invalid", 401: "unauthorized", 404: "invalid", 413: "too_large", 422: "invalid",
                    429: "rejected", 499: "client_disconnect", 503: "error", 504: "timeout"}
 WATCH_PERIOD = 0.25  # s between the watchdog's checks
+STARTUP_LOG_S = 30.0  # s between a waiting replica's log lines of what it waits for
 FAULT_ENV = env.FAULT_INJECTION
 
 
@@ -118,7 +119,11 @@ class ServingRuntime:
                 self.max_chars_per_token = await asyncio.to_thread(max_token_chars, self.llm.tokenizer)
             self._log_summary(self.info, engine.load_seconds)
             self.status = "running the probe generation"
-            probe_s = await self._probe()
+            try:
+                probe_s = await asyncio.wait_for(self._probe(), self.config.step_timeout)
+            except TimeoutError:
+                raise RuntimeError(f"the probe generation did not finish within step_timeout "
+                                   f"({self.config.step_timeout:g} s)") from None
         except Exception as e:  # noqa: BLE001 - any start-up failure is fatal and must be reported
             self.status = f"start-up failed: {e}"
             logger.error("start-up failed: %s", e, exc_info=not isinstance(e, ValueError))
@@ -147,6 +152,24 @@ class ServingRuntime:
         if last is None or len(last.outputs[0].token_ids) != 1:
             raise RuntimeError("the probe generation returned no token")
         return time.monotonic() - t0
+
+    async def wait_ready(self, deadline_s: float, name: str, failures: list[BaseException] | None = None,
+                         log_every_s: float = STARTUP_LOG_S) -> None:
+        """Wait until ``start`` has made the runtime ready, logging what it is doing every ``log_every_s``; raise
+        ``RuntimeError`` naming ``name`` and the stage when start-up fails (or ``failures`` gets one) or has not
+        finished after ``deadline_s`` (``startup_timeout``)."""
+        t0 = logged = time.monotonic()
+        while not self.ready:
+            if failures or self.status.startswith("start-up failed"):
+                raise RuntimeError(f"{name}: {self.status}")
+            now = time.monotonic()
+            if now - t0 >= deadline_s:
+                raise RuntimeError(f"{name}: not ready after {now - t0:.0f} s (startup_timeout {deadline_s:g} s), "
+                                   f"still {self.status}")
+            if now - logged >= log_every_s:
+                logger.info("%s still starting after %.0f s: %s", name, now - t0, self.status)
+                logged = now
+            await asyncio.sleep(0.05)
 
     def _log_summary(self, d: EngineInfo, load_seconds: float) -> None:
         c = self.config
