@@ -138,6 +138,7 @@ class DiskTier:
     def __init__(self, directory: str | Path, fingerprint: str, cache: LatentCache, block_size: int,
                  capacity_bytes: int | None = None, shard: int | None = None,
                  queue_bytes: int = DEFAULT_QUEUE_BYTES, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+        started = time.monotonic()
         self.root = Path(directory)
         self.folder = self.root / fingerprint[:16]
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -159,7 +160,10 @@ class DiskTier:
         self._wanted: set[str] = set()  # keys asked for by prefetch and not loaded yet
         self._counts = dict.fromkeys(("bytes_read", "bytes_written", "blocks_written", "write_drops", "evictions",
                                       "corrupt_files"), 0)
+        logger.info("disk tier: reading the usage of %s", self.root)
         self._usage, self._last_scan = self._scan_usage(), time.monotonic()
+        logger.info("disk tier: %.1f MiB of blocks in %s, read in %.1f s", self._usage / 2**20, self.root,
+                    self._last_scan - started)
         self.capacity_bytes = capacity_bytes if capacity_bytes is not None else (
             self._usage + int(LOW_WATERMARK * shutil.disk_usage(self.root).free))
         self._writes: queue.Queue[_Write | None] = queue.Queue()
