@@ -71,7 +71,7 @@ def main() -> int:
                 continue
             for name in cells:
                 cell = C.CELLS[name]
-                if not C.applicable(model_type, cell):
+                if not C.applicable(family, cell):
                     skipped += 1
                     continue
                 try:

@@ -398,8 +398,12 @@ def run_cell(family: Family, cell: Cell, lens: tuple[int, ...] = PROMPT_LENS) ->
     return Result(family.model_type, family.seed, cell.name, equal, accepted, failed, time.perf_counter() - start)
 
 
-def applicable(model_type: str, cell: Cell) -> bool:
-    return model_type in cell.families
+def applicable(family: Family, cell: Cell) -> bool:
+    """The cell runs on the family's checkpoint: its family has what the cell needs, and its ranks split the heads
+    (a drawn configuration with an odd head count has no two-rank layout, and says so at start)."""
+    ranks = int(cell.llm.get("tensor_parallel_size", 1))
+    heads = int(family.hf.config.get_text_config().num_attention_heads)
+    return family.model_type in cell.families and heads % ranks == 0
 
 
 def sample(rng: random.Random, count: int) -> list[tuple[str, int, str]]:
