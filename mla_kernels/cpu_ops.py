@@ -384,6 +384,5 @@ def _register_fakes() -> None:
         return q_n.new_empty((q_n.shape[0], q_n.shape[1], w_uv_t.shape[2]), dtype=torch.float32)
 
     lib.register_fake("mla_kernels::rope_store", lambda *args, **kwargs: None)
-    lib.register_fake("mla_kernels::int4_to_bf16", lambda *args, **kwargs: None)
-    _FAKES.extend(["linear", "amx_pack", "amx_linear", "int4_from_stored", "int4_to_bf16", "rms_norm",
+    _FAKES.extend(["linear", "amx_pack", "amx_linear", "int4_from_stored", "rms_norm",
                    "absorbed_decode", "rope_store"])

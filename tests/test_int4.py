@@ -186,21 +186,6 @@ def test_kernel_is_the_dequantised_product(n, k, rows, threads):
     assert torch.equal(got, alone)  # a row's result does not depend on the rows beside it
 
 
-@pytest.mark.parametrize("variant", _variants())
-@pytest.mark.parametrize("n,k", [(9, 64), (5, 40), (3, 32 * 9 + 7), (70, 1024)])
-def test_bfloat16_rows_are_the_dequantised_matrix_rounded(variant, n, k):
-    """``int4_to_bf16`` (the many-row products' dequantisation), every variant: each weight (q - 8) * scale rounded
-    to the nearest bfloat16, as torch rounds the float32 matrix, for any K and any block of rows."""
-    _variant_or_skip(variant)
-    w = Int4Weight.quantize(_awkward(n, k) * 1e3)
-    want = w.dequantize().to(torch.bfloat16)
-    out = torch.empty(n - 1, k, dtype=torch.bfloat16)
-    cpu_kernels.ops().int4_to_bf16(w.packed[1:], w.scales[1:], k, out, variant)
-    assert torch.equal(out.view(torch.int16), want[1:].view(torch.int16))
-    with pytest.raises(ValueError, match="out"):
-        cpu_kernels.ops().int4_to_bf16(w.packed, w.scales, k, torch.empty(n, k))
-
-
 def test_kernel_row_and_thread_independence():
     """The same row gives the same bits whatever tile, batch or thread count it runs in."""
     _kernel_or_skip()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import random
-from typing import cast
 
 import pytest
 import torch
@@ -96,37 +95,32 @@ def test_int8_products_with_and_without_the_row_kernels(mode, rows, monkeypatch)
                                    atol=tol * want.abs().max().item())
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_many_row_products_take_bfloat16_where_the_cpu_has_it(scheme, dtype, monkeypatch):
-    """int8 and int4 products of ``quantized_bf16_rows`` rows or more take oneDNN's bfloat16 products where the CPU
-    computes in bfloat16 natively: the weight dequantised to bfloat16 a block at a time (exact for int8), the rows
-    rounded to bfloat16, each block's product rounded to bfloat16 once. Fewer rows keep the format's kernel."""
+def test_many_row_products_take_bfloat16_where_the_cpu_has_it_and_the_kernels_do_not_run(dtype, monkeypatch):
+    """int8 products of ``quantized_bf16_rows`` rows or more take oneDNN's bfloat16 products where the CPU computes in
+    bfloat16 natively and the compiled int8 kernels do not run (``cpu_gemm=onednn`` here; an aarch64 CPU with BF16):
+    the weight widened to bfloat16 a block at a time (exact), the rows rounded to bfloat16, each block's product rounded
+    to bfloat16 once. Fewer rows keep ATen's int8 kernel. Where the compiled kernels run (int8 and int4), every
+    product takes them: a row's result is then the same bits whatever rows share its product."""
     monkeypatch.setattr(qweight, "BF16_CHUNK_ELEMENTS", 3000)  # several blocks, the last one short
-    fmt = WEIGHT_FORMATS[scheme]
     g = torch.Generator().manual_seed(2)
-    w = fmt.quantize(torch.randn(70, 96, generator=g))
-    many = quantized_bf16_rows()
+    weight = torch.randn(70, 96, generator=g)
+    assert quantized_bf16_rows(kernel=True) == 0
+    assert WEIGHT_FORMATS["int4"].quantize(weight).bf16_from == 0
+    if Int8Weight.quantize(weight).row_scales is not None:
+        assert Int8Weight.quantize(weight).bf16_from == 0
     native = bool(native_arithmetic(torch.bfloat16)) and gemm_choice(torch.bfloat16).path == "onednn"
-    assert many == (cpu_gemm.QUANT_BF16_ROWS if native else 0)
-    # int8: wherever oneDNN's bfloat16 products run natively; int4: where its own kernel is built too (elsewhere it is
-    # dequantised to float32 for every product); both from more rows where their own kernel runs and the CPU's
-    # bfloat16 products have no AMX
-    kernel_rows = quantized_bf16_rows(kernel=True)
-    without_amx = native_arithmetic(torch.bfloat16) == ["avx512_bf16"]
-    assert kernel_rows == (cpu_gemm.KERNEL_BF16_ROWS if native and without_amx else many)
-    if scheme == "int8":
-        assert w.bf16_from == (kernel_rows if cast(Int8Weight, w).row_scales is not None else many)
-    else:
-        assert w.bf16_from == (kernel_rows if cpu_kernels.failure("int4") is None else 0)
-    many = w.bf16_from
-    if not w.bf16_from:
-        pytest.skip(f"the many-row bfloat16 products do not run here (cpu_gemm={cpu_gemm.gemm_mode()}; no native "
-                    "bfloat16 arithmetic, or no compiled int4 kernels): the format's own path, tested elsewhere, runs "
-                    "every product")
+    assert quantized_bf16_rows() == (cpu_gemm.QUANT_BF16_ROWS if native else 0)
+    with cpu_gemm.forced_gemm_mode("onednn"):
+        w = Int8Weight.quantize(weight)
+        many = quantized_bf16_rows()
+    assert w.row_scales is None and w.bf16_from == many
+    if not many:
+        pytest.skip("this CPU has no native bfloat16 products (or they failed their probe): int8 products of any "
+                    "size run ATen's int8 kernel here, tested above")
     calls = []
     original = QuantizedWeight.bf16_product
-    monkeypatch.setattr(fmt, "bf16_product", lambda self, x, b: calls.append(len(x)) or original(self, x, b))
+    monkeypatch.setattr(Int8Weight, "bf16_product", lambda self, x, b: calls.append(len(x)) or original(self, x, b))
     dq = w.dequantize()
     bias = torch.randn(70, generator=g).to(dtype)
     for rows in (many - 1, many, 130):
@@ -138,19 +132,39 @@ def test_many_row_products_take_bfloat16_where_the_cpu_has_it(scheme, dtype, mon
             continue
         assert calls[-1] == rows
         # the exact product of the bfloat16 rows with the bfloat16 weights, rounded once to bfloat16
-        rounded = dq if scheme == "int8" else dq.to(torch.bfloat16)
-        product = x.to(torch.bfloat16).double() @ rounded.double().T
+        product = x.to(torch.bfloat16).double() @ dq.double().T
         unit = 2.0 ** -8 if dtype == torch.float32 else 2.0 ** -7  # plus the result's own rounding to bfloat16
         bound = unit * (product.abs() + bias.double().abs()) + 1e-3
         assert ((got.double() - product - bias.double()).abs() <= bound).all()
-    for caps, kernel_rows in ((["avx512_bf16"], cpu_gemm.KERNEL_BF16_ROWS),
-                              (["avx512_bf16", "amx_bf16"], cpu_gemm.QUANT_BF16_ROWS)):
+    for caps in (["avx512_bf16"], ["avx512_bf16", "amx_bf16"]):
         monkeypatch.setattr(cpu_gemm, "native_arithmetic", lambda dtype, capabilities=None, caps=caps: caps)
-        assert quantized_bf16_rows(kernel=True) == kernel_rows
+        assert quantized_bf16_rows(kernel=True) == 0
         assert quantized_bf16_rows() == cpu_gemm.QUANT_BF16_ROWS
     monkeypatch.setattr(cpu_gemm, "native_arithmetic", lambda dtype, capabilities=None: [])
     assert quantized_bf16_rows() == 0  # oneDNN would emulate bfloat16: slower than the integer kernels
     assert quantized_bf16_rows("plain") == 0
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_rows_product_is_the_same_bits_whatever_rows_share_it(scheme, gemm_mode):
+    """Batch invariance of the quantised products: where the compiled kernels run, a row's result alone, in a decode
+    batch of a few rows or in a long prefill (more rows than any threshold) is the same bits: their integer sums make
+    it so. The fallbacks (a float32 product of the widened weight) agree to float rounding."""
+    g = torch.Generator().manual_seed(3)
+    with cpu_gemm.forced_gemm_mode(gemm_mode):
+        w = WEIGHT_FORMATS[scheme].quantize(torch.randn(80, 128, generator=g))
+        if w.bf16_from:
+            pytest.skip(f"cpu_gemm={gemm_mode}: products of {w.bf16_from} rows or more round their rows to bfloat16 "
+                        "here (oneDNN's bfloat16 products: no compiled int8 kernel), a documented exception")
+        x = torch.randn(200, 128, generator=g)
+        many = w.matmul(x, None)
+        exact = gemm_mode == "auto" and cpu_kernels.failure("int4" if scheme == "int4" else "core") is None
+        for rows in (slice(7, 8), slice(3, 9), slice(0, 130)):
+            got = w.matmul(x[rows].clone(), None)
+            if exact:
+                assert torch.equal(got, many[rows])
+            else:
+                torch.testing.assert_close(got, many[rows], rtol=1e-5, atol=1e-5 * many.abs().max().item())
 
 
 def test_int8_kernel_probe_in_both_states(gemm_mode):
@@ -191,7 +205,7 @@ def test_int8_model_close_to_float32(tiny_checkpoint, variant):
     for attn in model.attention_layers():
         assert attn.w_uk.dtype == attn.w_uv_t.dtype == (torch.bfloat16 if bf16_factors else torch.float32)
         # the prefill's up-projection: oneDNN's bfloat16 products where the CPU has them natively
-        assert isinstance(attn.kv_b_proj.packed, Bf16Weight) == (quantized_bf16_rows() > 0)
+        assert isinstance(attn.kv_b_proj.packed, Bf16Weight) == (quantized_bf16_rows(kernel=bf16_factors) > 0)
         assert attn.kv_b_proj.weight.dtype == torch.float32  # the prefill's up-projection stays exact
     cfg = ModelConfig.from_pretrained(path)
     weights = quantized_weights(model)
@@ -208,8 +222,9 @@ def test_int8_model_close_to_float32(tiny_checkpoint, variant):
 
 @pytest.mark.parametrize("scheme", ["bf16", "int8"])
 def test_a_long_prefill_chunk_attends_in_bfloat16_where_the_key_rebuild_does(tiny_checkpoint, scheme, monkeypatch):
-    """A float32 model with bfloat16 (what ``dtype="auto"`` runs a bfloat16 checkpoint as) or int8 weights rebuilds
-    its keys and values with oneDNN's bfloat16 products where the CPU has them natively, the rows rounded to bfloat16;
+    """A float32 model with bfloat16 (what ``dtype="auto"`` runs a bfloat16 checkpoint as) weights, or int8 ones where
+    the int8 kernels do not run, rebuilds its keys and values with oneDNN's bfloat16 products where the CPU has them
+    natively, the rows rounded to bfloat16;
     a prefill chunk of more rows than the few-row kernels take then attends in bfloat16 (``attention.cpu.half_prefill``)
     and a shorter one in float32. The log-probabilities stay within the quantisation bounds of the float32 model's."""
     from mla_runtime.attention import cpu
@@ -221,7 +236,7 @@ def test_a_long_prefill_chunk_attends_in_bfloat16_where_the_key_rebuild_does(tin
     model = load_model(path, dtype="float32")
     quantize_model(model, scheme)
     attn = model.attention_layers()[0]
-    native = quantized_bf16_rows() > 0
+    native = quantized_bf16_rows(kernel=scheme == "int8" and row_kernel_failure() is None) > 0
     assert (isinstance(attn.kv_b_proj.packed, Bf16Weight) and attn.kv_b_proj.packed.native is not None) == native
     few = cpu_kernels.max_rows(torch.bfloat16) or 8
     for rows, half in ((few + 1, native), (few, False)):

@@ -75,8 +75,6 @@ void mla_gemm_i4(const uint8_t *w, const uint16_t *scales, const float *x, float
                  int64_t k, int64_t threads, int64_t variant);
 int64_t mla_i4_variants(void);
 void mla_i4_from_stored(const uint8_t *src, uint8_t *dst, int64_t groups, int64_t threads);
-void mla_i4_to_bf16(const uint8_t *w, const uint16_t *scales, int64_t n, int64_t k, uint16_t *out, int64_t threads,
-                    int64_t variant);
 int64_t mla_q8_row_bytes(int64_t k);
 void mla_q8_prepare(const float *x, int64_t rows, int64_t k, uint8_t *out);
 void mla_i4_share(int64_t variant, const uint8_t *w, const uint16_t *scales, const uint8_t *xp, float *y, int64_t n,

@@ -89,13 +89,8 @@ ATEN_ROWS: dict[torch.dtype, tuple[int, int]] = {torch.float32: (32 << 10, FEW_R
 HALF_KINDS = {torch.bfloat16: "bf16", torch.float16: "f16"}  # cpu_kernels' kinds of the half-precision products
 KERNEL_MAX_ROWS = 8  # products of up to this many rows take the AVX2 kernels where they build (bench/RESULTS.md)
 # int8 and int4 products of at least this many rows take oneDNN's bfloat16 products where the CPU computes in bfloat16
-# natively (``quantized_bf16_rows``; ``QuantizedWeight.bf16_product``): where those products run on AMX, or where
-# the format's own compiled kernel does not run
+# natively and the format's own compiled kernel does not run (``quantized_bf16_rows``; ``QuantizedWeight.bf16_product``)
 QUANT_BF16_ROWS = 48
-# ... and from this many where the format's compiled kernel runs and those bfloat16 products have no AMX: on a 2-core
-# Zen 5 EPYC (bench/bench_quant_rows.py) the kernels' VNNI variants take DeepSeek-V3's matrices ([1536, 7168] ...
-# [24576, 1536]) 1.2-1.6x faster than them at 48 rows, 1.0-1.3x at 64, 0.8-1.1x at 128
-KERNEL_BF16_ROWS = 96
 # bfloat16 products of more rows than the few-row kernels take, up to this many, run on AMX tiles where the CPU has
 # them (``amx_failure``; ``mla_kernels.cpu_kernels.amx_linear``): on a 2-core Xeon with AMX, 2 threads, weights
 # streamed, they take 0.55x oneDNN's time at 8 to 32 rows and 0.62x at 128, even at 512 and 1.2x at 1,024
@@ -133,7 +128,7 @@ class GemmChoice:
         return {"onednn": self.dtype.itemsize, "upcast": 4}.get(self.path, 0)
 
     def info(self) -> dict[str, str]:
-        many = quantized_bf16_rows(self.mode)
+        many = quantized_bf16_rows(self.mode, kernel=row_kernel_failure(self.mode) is None)
         return {"dtype": _name(self.dtype), "mode": self.mode, "path": self.path,
                 "compute_dtype": _name(self.compute_dtype),
                 "extra_bytes_per_weight": str(self.extra_bytes_per_element), "reason": self.reason,
@@ -290,15 +285,19 @@ def amx_fits(weight: torch.Tensor) -> bool:
 
 def quantized_bf16_rows(mode: str | None = None, *, kernel: bool = False) -> int:
     """From how many rows weight-only int8 and int4 products take oneDNN's bfloat16 products (``QUANT_BF16_ROWS``)
-    under ``mode`` (default: the current ``gemm_mode()``), or 0 where they never do: where ``cpu_gemm`` is ``plain``,
-    the bfloat16 products failed their probe or the CPU has no native bfloat16 arithmetic (oneDNN would emulate it,
-    slower than the integer kernels). ``kernel``: the format's compiled kernel runs the products otherwise, and it
-    keeps up with bfloat16 products without AMX to more rows (``KERNEL_BF16_ROWS``)."""
+    under ``mode`` (default: the current ``gemm_mode()``), or 0 where they never do.
+
+    Never where the format's compiled kernel runs (``kernel``): its products are exact integer sums over rows rounded
+    finer than bfloat16, so a row's result is the same bits whatever rows share its product, and a request's answer
+    does not depend on the batch it was scheduled in. The bfloat16 products round every row to bfloat16 (2^-9), so a
+    threshold on the row count would make a prompt's tokens depend on how many other tokens shared its step (seen:
+    5/12 prompts of a DeepSeek-V3.2 model equal batched and alone), for 1.0-1.1x a prefill's speed without AMX. Nor
+    where ``cpu_gemm`` is ``plain``, the bfloat16 products failed their probe or the CPU has no native bfloat16
+    arithmetic (oneDNN would emulate it, slower than the integer products)."""
     mode = gemm_mode() if mode is None else mode
-    native = native_arithmetic(torch.bfloat16)
-    if mode == "plain" or _probe(torch.bfloat16, mode).path != "onednn" or not native:
+    if kernel or mode == "plain" or _probe(torch.bfloat16, mode).path != "onednn":
         return 0
-    return KERNEL_BF16_ROWS if kernel and native == ["avx512_bf16"] else QUANT_BF16_ROWS
+    return QUANT_BF16_ROWS if native_arithmetic(torch.bfloat16) else 0
 
 
 def native_arithmetic(dtype: torch.dtype, capabilities: Mapping[str, Any] | None = None) -> list[str]:

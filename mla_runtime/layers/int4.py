@@ -25,13 +25,10 @@ VNNI where the CPU has it, with the same bits) where it builds and its check pas
 reads half a byte per weight, once for all the rows, rounds each input row to int8 with a scale per group of 32 as
 ggml's Q8_0 does (``int4_format.quantize_q8_groups``), and sums each group's exact integer dot product in float32
 with the two scales: the arithmetic of llama.cpp's Q4_0 × Q8_0 products. A row's result does not depend on the rows
-beside it. A prefill's products take 0.4–0.5x the time of widening the weight to float32 and multiplying
-(``[4096, 1024]``, 128 rows: 5.5 against 23 ms; 512 rows: 20 against 40 ms; 2 threads, AVX-512 EPYC). From
-``cpu_gemm.quantized_bf16_rows(kernel=True)`` rows (96 where the CPU's bfloat16 products have no AMX, 48 where they
-do) on a CPU with native bfloat16 arithmetic (AVX512-BF16, AMX), oneDNN's bfloat16
-products run instead (``QuantizedWeight.bf16_product``): the matrix is dequantised to bfloat16 a block at a time by
-the compiled ``int4_to_bf16`` (each weight rounded once, to the nearest bfloat16), the rows rounded to bfloat16, the
-result to bfloat16 (1.1x a whole 128-token prefill's speed, measured alternately; bench/RESULTS.md). The compiled
+beside it, whatever the batch: a prefill's products take this kernel too, 0.4–0.5x the time of widening the
+weight to float32 and multiplying (``[4096, 1024]``, 128 rows: 5.5 against 23 ms; 512 rows: 20 against 40 ms; 2
+threads, AVX-512 EPYC), where oneDNN's bfloat16 products of a dequantised copy, 1.1x faster on a 128-token prefill,
+would round the rows to bfloat16 and make a prompt's answer depend on what shares its step. The compiled
 decode step reads the same matrices (``row_operand``). Everywhere else (other devices, ``cpu_gemm=plain``) the
 matrix is dequantised to float32, a block of output rows at a time, and multiplied with ``F.linear`` in float32
 (float32 activations).
@@ -49,7 +46,7 @@ import torch.nn.functional as F
 
 from mla_kernels import cpu_kernels
 from mla_kernels.int4_format import INT4_GROUP, pack_int4, unpack_int4
-from mla_runtime.layers.cpu_gemm import gemm_mode, quantized_bf16_rows
+from mla_runtime.layers.cpu_gemm import gemm_mode
 from mla_runtime.layers.qweight import QuantizedWeight
 
 logger = logging.getLogger("mla_runtime")
@@ -122,8 +119,6 @@ class Int4Weight(QuantizedWeight):
         self._release_float((n, k), dtype, packed.device)
         self.packed, self.scales, self.k = packed.contiguous(), scales.contiguous(), k
         self.kernel = packed.device.type == "cpu" and int4_kernel_failure(gemm_mode()) is None
-        # products of many rows: oneDNN's bfloat16 ones where the CPU has them (quantized_bf16_rows)
-        self.bf16_from = quantized_bf16_rows(kernel=True) if self.kernel else 0
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int4Weight:
@@ -198,13 +193,8 @@ class Int4Weight(QuantizedWeight):
         """The float32 matrix this one stands for."""
         return self._dequantize_rows(0, self.packed.shape[0]).contiguous()
 
-    def _bf16_rows(self, r0: int, r1: int, out: torch.Tensor) -> None:
-        cpu_kernels.ops().int4_to_bf16(self.packed[r0:r1], self.scales[r0:r1], self.k, out)
-
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [..., K]`` (any float dtype) -> ``x · Wᵀ (+ bias)`` in ``x``'s dtype."""
-        if self.takes_bf16_product(x):
-            return self.bf16_product(x, bias)
         if self.kernel and x.numel():  # the kernel (module docstring), 64 rows a pass
             bias = None if bias is None else bias.float()
             return cpu_kernels.linear(x, self.packed, self.scales, bias=bias).to(x.dtype)

@@ -23,14 +23,16 @@ to int16 with a power-of-two scale (within 2^-14 of its largest value, far finer
 integer multiply-adds: up to eight rows streaming the weight from memory, more by blocks of weight rows held in cache,
 four input rows at a time. On a 2-core Zen 5 EPYC, 128 rows of ``[4096, 1024]`` take 3.0 ms with the AVX2 variant and
 1.6 ms with the VNNI one (``bench/bench_quant_rows.py``), and a row's result does not depend on the rows beside it, so
-a speculative verification computes what decoding the same tokens one by one would. Products of many rows (a prefill,
-a large batch; from ``cpu_gemm.quantized_bf16_rows``: 48 rows, or 96 where the kernel runs and the CPU's bfloat16
-products have no AMX) on a CPU with native bfloat16 arithmetic (AVX512-BF16, AMX) run oneDNN's bfloat16 products
-instead (``QuantizedWeight.bf16_product``): the int8 matrix is widened to bfloat16 a block at a time (exact: every int8
-value is a bfloat16 value), the rows are rounded to bfloat16, and each block's product is rounded to bfloat16 before the
-scales multiply it in float32. That adds a relative error of about 2^-9 to each row and each result, small against the
-int8 weights' own (about 1 %). Without AMX they overtake the VNNI kernel from about 128 rows of DeepSeek-V3's matrices
-and 64 of the benchmark model's (128 rows of ``[4096, 1024]``: 1.5 against 1.6 ms; bench/RESULTS.md).
+a speculative verification computes what decoding the same tokens one by one would, and a prompt's answer does not
+depend on what shares its step (a prefill or a decode batch of any size: the conformance matrix's int8 cell). Where
+the kernels do not run (another CPU architecture, ``cpu_gemm=onednn``) and the CPU has native bfloat16 arithmetic
+(AVX512-BF16, AMX, aarch64's BF16), products of ``cpu_gemm.QUANT_BF16_ROWS`` rows or more run oneDNN's bfloat16
+products instead of ATen's int8 kernel (``QuantizedWeight.bf16_product``): the int8 matrix is widened to bfloat16 a
+block at a time (exact: every int8 value is a bfloat16 value), the rows are rounded to bfloat16, and each block's
+product is rounded to bfloat16 before the scales multiply it in float32. That adds a relative error of about 2^-9 to
+each row and each result, small against the int8 weights' own (about 1 %), but it depends on how many rows share the
+product. Beside the kernels it would buy little: without AMX, 128 rows of ``[4096, 1024]`` take 1.5 ms there against
+the VNNI kernel's 1.6 (bench/RESULTS.md).
 
 What is quantised (``quantize_model``): every projection of the attention except ``kv_b_proj`` (A.X-K2's ``q_gate_proj``
 included), the dense MLPs, the shared and routed experts, and the lm_head. ``kv_b_proj`` (the absorbed factors
@@ -139,7 +141,7 @@ class Int8Weight(QuantizedWeight):
         # one-row products: the compiled AVX2 kernel where it builds (float32 rows and these float32 scales)
         cpu = qweight.device.type == "cpu"
         self.row_scales = self.scales.float() if cpu and row_kernel_failure() is None else None
-        # products of many rows: oneDNN's bfloat16 ones where the CPU has them (quantized_bf16_rows)
+        # products of many rows: oneDNN's bfloat16 ones where the CPU has them and the kernels do not run
         self.bf16_from = quantized_bf16_rows(kernel=self.row_scales is not None) if cpu else 0
 
     @classmethod
@@ -273,16 +275,17 @@ def install_quantized(model: nn.Module, weights: dict[str, QuantizedMatrices]) -
             module.qkv_a_bias = None if a_bias is None or kv_bias is None else torch.cat([a_bias, kv_bias])
 
 
-def round_absorbed_factors(attn: MLAttention) -> None:
+def round_absorbed_factors(attn: MLAttention, integer_products: bool = False) -> None:
     """``kv_b_proj`` (the absorbed factors ``W_UK``/``W_UV``) keeps its dtype with its values rounded to bfloat16, so
     that every path (the prefill's up-projection, the absorbed copies) reads the same factors; where the compiled
     decode kernel runs, its copies of them are stored in bfloat16 (half the bytes a decode step reads there), and where
-    the CPU has native bfloat16 products (``quantized_bf16_rows``) the up-projection's products run on a bfloat16 copy
-    (a ``Bf16Weight``) in place of the float32 blocked one. Done after any latent-rank truncation, which folds its
-    basis into ``kv_b_proj`` at full precision."""
+    the products of many rows take bfloat16 ones (``quantized_bf16_rows``; never beside ``integer_products``, the int8
+    and int4 kernels, whose results do not depend on the rows beside them) the up-projection's products run on a
+    bfloat16 copy (a ``Bf16Weight``) in place of the float32 blocked one. Done after any latent-rank truncation, which
+    folds its basis into ``kv_b_proj`` at full precision."""
     kv_b = attn.kv_b_proj
     kv_b.weight.data.copy_(kv_b.weight.data.to(torch.bfloat16))
-    if kv_b.weight.device.type == "cpu" and quantized_bf16_rows():
+    if kv_b.weight.device.type == "cpu" and quantized_bf16_rows(kernel=integer_products):
         # its values are bfloat16 ones: the prefill's key and value rebuild runs oneDNN's bfloat16 products (the rows
         # rounded to bfloat16, as the quantised products of many rows round theirs; 1.9x the float32 products at 128
         # rows), a few rows the kernel reading them at two bytes. The same bytes as the float32 blocked copy it
@@ -302,9 +305,10 @@ def finish_quantization(model: nn.Module, quantization: str) -> None:
     if asked): the absorbed factors (``round_absorbed_factors``), a tied lm_head's quantised copy, and the MTP
     drafts' head."""
     fmt = WEIGHT_FORMATS[quantization]
+    integer = quantization in ("int8", "int4") and row_kernel_failure() is None
     for module in model.modules():
         if isinstance(module, MLAttention):
-            round_absorbed_factors(module)
+            round_absorbed_factors(module, integer)
     head = cast(PackedWeight | None, getattr(model, "lm_head_packed", None))
     if head is None or not head.quantized:  # tied: the embedding stays, the head is a quantised copy of it
         model.__dict__["lm_head_packed"] = fmt.quantize(cast(torch.Tensor, model.lm_head_weight))

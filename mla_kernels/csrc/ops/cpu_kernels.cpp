@@ -228,23 +228,6 @@ Tensor int4_from_stored(const Tensor& stored) {
   return out;
 }
 
-// Group-wise int4 rows (packed [N, Kp / 2] nibbles, scales [N, Kp / 32] float16) -> out [N, k] bfloat16 values.
-void int4_to_bf16(const Tensor& packed, const Tensor& scales, int64_t k, const Tensor& out,
-                  c10::string_view variant) {
-  const int64_t n = packed.size(0), kp = cdiv(k, 32) * 32;
-  const char* op = "int4_to_bf16";
-  TORCH_CHECK_VALUE(packed.dim() == 2 && k >= 1, op, ": packed int4 rows [N, Kp / 2] and k >= 1, got ", packed.sizes(),
-                    " and k ", k);
-  expect(packed, at::kByte, {n, kp / 2}, op, "the int4 nibbles");
-  expect(scales, at::kHalf, {n, kp / 32}, op, "the int4 group scales");
-  expect(out, at::kBFloat16, {n, k}, op, "out");
-  const int64_t runs = mla_i4_variants();
-  TORCH_CHECK_VALUE(runs != 0, op, ": no int4 variant runs on this CPU");
-  const int64_t v = variant_index(variant, runs, QUANT_VARIANTS, op);
-  mla_i4_to_bf16(ptr<const uint8_t>(packed), ptr<const uint16_t>(scales), n, k, ptr<uint16_t>(out), threads(),
-                 v < 0 ? fastest(runs) : v);
-}
-
 // A bfloat16 weight [N, K] (N a multiple of 16, K of 32) repacked for amx_linear: [N / 16, K / 32, 16, 32].
 Tensor amx_pack(const Tensor& w) {
   const char* op = "amx_pack";
@@ -803,7 +786,6 @@ TORCH_LIBRARY_FRAGMENT(mla_kernels, m) {
   m.class_<DecodeStep>("DecodeStep");
   m.def("linear(Tensor x, Tensor w, Tensor? scales=None, int[] block=[], str variant=\"auto\") -> Tensor");
   m.def("int4_from_stored(Tensor stored) -> Tensor");
-  m.def("int4_to_bf16(Tensor packed, Tensor scales, int k, Tensor(a!) out, str variant=\"auto\") -> ()");
   m.def("amx_pack(Tensor w) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor packed) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -856,7 +838,6 @@ TORCH_LIBRARY_FRAGMENT(mla_kernels, m) {
 TORCH_LIBRARY_IMPL(mla_kernels, CPU, m) {
   m.impl("linear", &linear);
   m.impl("int4_from_stored", &int4_from_stored);
-  m.impl("int4_to_bf16", &int4_to_bf16);
   m.impl("amx_pack", &amx_pack);
   m.impl("amx_linear", &amx_linear);
   m.impl("rms_norm", &rms_norm);
