@@ -13,7 +13,11 @@ WORLD_SIZE           1               engine/tp_workers.py   set by torchrun: the
 RANK                 0               engine/tp_workers.py   set by torchrun: this process's rank
 LOCAL_RANK           the rank        engine/worker.py       set by torchrun: this process's rank on its machine
                                                             (its GPU, cuda:LOCAL_RANK)
-MLA_FAULT_INJECTION  unset: none     serving/runtime.py     test hook: stream:K, step:K or slow_step:K faults
+MLA_TP_WAIT_S        900             engine/tp_workers.py   how long rank 0 waits for the tensor-parallel ranks to
+                                                            join, and then to load their shards and allocate their
+                                                            caches (logged every 10 s); past it the start fails
+MLA_FAULT_INJECTION  unset: none     serving/runtime.py     test hook: stream:K, step:K or slow_step:K faults;
+                     engine/tp_workers.py                   slow_load:K, a worker rank's load K s longer
 
 Read by others (documented in docs/configuration.md, not read here): ``mla_kernels.cpu_ops`` reads ``CXX``,
 ``MLA_KERNEL_CACHE``, ``XDG_CACHE_HOME``, ``MLA_KERNEL_BUILD_WAIT_S``, ``MLA_CPU_ISA`` and ``MLA_CPU_EMULATE_AMX``
@@ -36,6 +40,8 @@ from contextlib import contextmanager
 API_KEY = "MLA_API_KEY"
 CPU_GEMM = "MLA_CPU_GEMM"
 FAULT_INJECTION = "MLA_FAULT_INJECTION"
+TP_WAIT = "MLA_TP_WAIT_S"
+TP_WAIT_DEFAULT_S = 900.0
 HF_HUB_CACHE = "HF_HUB_CACHE"
 HF_HOME = "HF_HOME"
 HF_HUB_OFFLINE = "HF_HUB_OFFLINE"
@@ -99,6 +105,20 @@ def torchrun_local_rank() -> int | None:
     if os.environ.get("TORCHELASTIC_RUN_ID") is None:
         return None
     return int(_get("LOCAL_RANK") or "0")
+
+
+def tp_wait_s() -> float:
+    """``MLA_TP_WAIT_S``: seconds rank 0 waits for the other tensor-parallel ranks at start-up (a positive number)."""
+    raw = _get(TP_WAIT)
+    if raw is None:
+        return TP_WAIT_DEFAULT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{TP_WAIT}={raw!r}: a positive number of seconds")
+    return value
 
 
 def fault_injection() -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -223,3 +224,38 @@ def test_speculative_decoding_under_two_ranks(tiny_checkpoint, reference):
 def run_single_plain(path, prompt) -> list[list[int]]:
     with LLM(str(path), dtype="float32", max_model_len=256, block_size=BLOCK, kv_cache_memory="4MiB") as llm:
         return tokens(llm.generate([prompt], PARAMS))
+
+
+def test_a_rank_slower_to_load_than_the_collective_timeout_still_starts(tiny_checkpoint, monkeypatch, caplog):
+    """Rank 0 waits for the other ranks to load their shards up to ``MLA_TP_WAIT_S``, not the collectives' timeout, and
+    logs the wait: a worker rank loading 6 s longer than rank 0 under a 3 s collective timeout still starts (the wait
+    was a barrier under that timeout, a minute by default: a real-size shard on a slower disk failed the start)."""
+    from mla_runtime.engine import tp_workers
+
+    monkeypatch.setattr(tp_workers, "COLLECTIVE_TIMEOUT_S", 3.0)  # passed to the spawned ranks
+    monkeypatch.setattr(tp_workers, "WAIT_LOG_S", 1.0)
+    monkeypatch.setenv("MLA_FAULT_INJECTION", "slow_load:6")
+    path, _ = tiny_checkpoint("v3")
+    with caplog.at_level(logging.INFO, logger="mla_runtime"):
+        with LLM(str(path), dtype="float32", max_model_len=256, block_size=BLOCK, tensor_parallel_size=2,
+                 kv_cache_memory="4MiB") as llm:
+            assert len(tokens(llm.generate(make_prompts(2, seed=31), PARAMS))[0]) == PARAMS.max_tokens
+    waits = [r.getMessage() for r in caplog.records if "to load their shards" in r.getMessage()]
+    assert waits and "MLA_TP_WAIT_S" in waits[0]
+
+
+def test_a_start_that_outwaits_MLA_TP_WAIT_S_fails_naming_it(tiny_checkpoint, monkeypatch):
+    """Past ``MLA_TP_WAIT_S`` the start fails, saying what it waited for and which variable bounds it, and the ranks
+    are stopped."""
+    monkeypatch.setenv("MLA_TP_WAIT_S", "1")
+    monkeypatch.setenv("MLA_FAULT_INJECTION", "slow_load:5")
+    path, _ = tiny_checkpoint("v3")
+    start = time.monotonic()
+    with pytest.raises(RankDiedError, match="did not load their shards within 1 s.*MLA_TP_WAIT_S"):
+        LLM(str(path), dtype="float32", max_model_len=256, block_size=BLOCK, tensor_parallel_size=2,
+            kv_cache_memory="4MiB")
+    assert time.monotonic() - start < 30
+    monkeypatch.setenv("MLA_TP_WAIT_S", "soon")
+    with pytest.raises(ValueError, match="MLA_TP_WAIT_S='soon'"):
+        LLM(str(path), dtype="float32", max_model_len=256, block_size=BLOCK, tensor_parallel_size=2,
+            kv_cache_memory="4MiB")

@@ -91,12 +91,12 @@ class LLMEngine:
             calibration = calibration_from_file(c.latent_projection, c.latent_calibration,
                                                 self.tokenizer.encode if self.tokenizer is not None else None)
             if tp:
-                tp.send("truncate", calibration)
+                tp.send("truncate", calibration, awaiting="load their shards")
             w.truncate_latent(calibration)
             logger.info("latent rank truncated to %d (%s)", self.config.latent_rank, self.config.latent_projection)
         num_blocks = w.num_blocks()
         if tp:
-            tp.send("allocate", num_blocks)
+            tp.send("allocate", num_blocks, awaiting="load their shards")
         w.allocate(num_blocks)
         w.open_lower_tier()
         if tp:

@@ -21,6 +21,12 @@ The commands travel on a process group of their own whose timeout is ``COMMAND_T
 0's next command as long as rank 0 lives, however long the engine idles or rank 0 takes to load (the collectives of
 a step keep the group timeout, ``COLLECTIVE_TIMEOUT_S``, under which an idle engine's workers used to give up after
 a minute and take the engine down with them).
+
+Start-up has two waits, both on rank 0, both bounded by ``MLA_TP_WAIT_S`` (900 s by default: a rank on another machine
+may start minutes later, and a real-size shard may load minutes slower than rank 0's) and logged every
+``WAIT_LOG_S`` with what is awaited and for how long: the ranks joining (the rendezvous, ``_join``), and, once rank 0
+has sized the cache, every rank loaded and holding its cache (``ready``, a barrier on the command group). A spawned
+rank that dies meanwhile fails the start at once, with its exit code.
 """
 
 from __future__ import annotations
@@ -28,7 +34,10 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import socket
+import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -43,7 +52,9 @@ from mla_runtime.parallel import ParallelContext
 
 logger = logging.getLogger("mla_runtime")
 CPU = torch.device("cpu")  # the step messages travel as pickled objects on the CPU (gloo), whatever the devices
-COLLECTIVE_TIMEOUT_S = 60.0  # the ranks' rendezvous and a step's collectives
+COLLECTIVE_TIMEOUT_S = 60.0  # a step's collectives
+WAIT_LOG_S = 10.0  # s between rank 0's log lines while it waits for the other ranks at start-up
+STOP_WAIT_S = 10.0  # s rank 0 waits at shutdown for the ranks to take the stop command, then for them to exit
 COMMAND_TIMEOUT = timedelta(days=365)  # a worker waiting for rank 0's next command: idle time is not a fault
 _commands: list[Any] = [None]  # this process's command group (``_init``)
 
@@ -83,11 +94,20 @@ def collective_backend(config: EngineConfig, world: int) -> str:
 
 
 def _init(rank: int, world: int, init_method: str, timeout_s: float, backend: str = "gloo") -> None:
+    """Join the ranks: a rendezvous that waits up to ``MLA_TP_WAIT_S`` for all of them, then the process group, whose
+    collectives time out after ``timeout_s``, and the command group."""
     if "nccl" in backend:
         torch.cuda.set_device(local_rank(rank))
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+    store, rank, world = next(dist.rendezvous(init_method, rank, world, timeout=timedelta(seconds=env.tp_wait_s())))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
     _commands[0] = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)  # every rank, in the same order
+
+
+def _slow_load() -> None:
+    """The test hook ``MLA_FAULT_INJECTION=slow_load:K``: a worker rank's load takes K s longer."""
+    name, _, seconds = (env.fault_injection() or "").partition(":")
+    if name == "slow_load" and seconds.isdigit():
+        time.sleep(int(seconds))
 
 
 def worker_main(rank: int, world: int, init_method: str, config: EngineConfig, timeout_s: float) -> None:
@@ -109,15 +129,29 @@ def run_torchrun_worker(config: EngineConfig, timeout_s: float | None = None) ->
     serve_worker(torchrun_rank(), world, config)
 
 
+def _post(command: tuple) -> list[Any]:
+    """Rank 0: broadcast one command (pickled: its length, then its bytes) on the command group, without waiting for
+    the other ranks to take it; the two ``Work`` handles. (``broadcast_object_list`` blocks rank 0 until every rank
+    has taken it, however long a rank still loading takes, with nothing to say meanwhile.)"""
+    data = torch.frombuffer(bytearray(pickle.dumps(command)), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.long)
+    return [dist.broadcast(t, src=0, group=_commands[0], async_op=True) for t in (size, data)]
+
+
 def _receive() -> tuple:
-    box: list = [None]
-    dist.broadcast_object_list(box, src=0, group=_commands[0], device=CPU)
-    return box[0]
+    """A worker rank: the next command of rank 0's ``_post``."""
+    size = torch.zeros(1, dtype=torch.long)
+    dist.broadcast(size, src=0, group=_commands[0])
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(data, src=0, group=_commands[0])
+    command: tuple = pickle.loads(data.numpy().tobytes())
+    return command
 
 
 def serve_worker(rank: int, world: int, config: EngineConfig) -> None:
     """Load this rank's shard and run rank 0's commands until it says stop."""
     worker = Worker(config, ParallelContext(rank, world, config.latent_cache_layout))
+    _slow_load()
     worker.load()
     while (command := _receive())[0] != "stop":
         kind, arg = command
@@ -130,7 +164,7 @@ def serve_worker(rank: int, world: int, config: EngineConfig) -> None:
         elif kind == "allocate":
             worker.allocate(arg)
             worker.open_lower_tier()
-            dist.barrier()  # rank 0's ready(): every rank has its cache
+            dist.barrier(group=_commands[0])  # rank 0's ready(): every rank has its cache
         elif kind.startswith("kv_"):
             _lower_tier_command(worker, kind, arg)
     if worker.lower_tier is not None:
@@ -161,6 +195,7 @@ class TensorParallelGroup:
 
     def __init__(self, config: EngineConfig, timeout_s: float | None = None) -> None:
         timeout_s = COLLECTIVE_TIMEOUT_S if timeout_s is None else timeout_s
+        env.tp_wait_s()  # a bad MLA_TP_WAIT_S fails here, before any rank starts
         world = config.tensor_parallel_size
         self.procs: list = []
         if launched_by_torchrun():  # the other ranks exist already, maybe on other machines
@@ -174,30 +209,76 @@ class TensorParallelGroup:
                 p.start()
             torch.set_num_threads(_threads_per_rank(world))
         self.backend = collective_backend(config, world)
-        try:
-            _init(0, world, init_method, timeout_s, self.backend)
-        except Exception as e:
-            self.check_alive()
-            raise RankDiedError(f"tensor-parallel ranks did not join within {timeout_s:.0f} s: {e}") from e
+        self._join(world, init_method, timeout_s)
         self.par = ParallelContext(0, world, config.latent_cache_layout)
         self.closed = False
         logger.info("tensor parallel: %d ranks (%s), %s latent cache", world, self.backend, config.latent_cache_layout)
 
-    def send(self, kind: str, arg: object) -> None:
-        """Broadcast one command (``truncate``, ``allocate``, ``step`` or ``draft``) to every worker rank."""
+    def _join(self, world: int, init_method: str, timeout_s: float) -> None:
+        """Rank 0's rendezvous, run beside a loop that logs the wait and notices a spawned rank that died."""
+        failed: list[BaseException] = []
+
+        def init() -> None:
+            try:
+                _init(0, world, init_method, timeout_s, self.backend)
+            except BaseException as e:  # noqa: BLE001 - reported by the waiting thread
+                failed.append(e)
+
+        joining = threading.Thread(target=init, name="mla-tp-join", daemon=True)
+        joining.start()
+        start = time.monotonic()
+        while joining.is_alive():
+            joining.join(WAIT_LOG_S)
+            if joining.is_alive():
+                self.check_alive()
+                logger.info("tensor parallel: waiting %.0f s (up to %.0f s, %s) for %d more ranks to join at %s",
+                            time.monotonic() - start, env.tp_wait_s(), env.TP_WAIT, world - 1, init_method)
+        if failed:
+            self.check_alive()
+            raise RankDiedError(f"tensor-parallel ranks did not join within {env.tp_wait_s():.0f} s "
+                                f"({env.TP_WAIT}): {failed[0]}") from failed[0]
+        logger.info("tensor parallel: %d ranks joined in %.1f s", world, time.monotonic() - start)
+
+    def send(self, kind: str, arg: object, awaiting: str | None = None) -> None:
+        """Broadcast one command (``truncate``, ``allocate``, ``step``, ``draft`` or a lower tier's) to every worker
+        rank. ``awaiting``: a start-up command, which a rank takes once it has loaded its shard (what it is waited
+        for, in the log lines): waited for up to ``MLA_TP_WAIT_S`` (``_await``)."""
         self.check_alive()
         try:
-            dist.broadcast_object_list([(kind, arg)], src=0, group=_commands[0], device=CPU)
+            works = _post((kind, arg))
+            if awaiting is not None:
+                self._await(works, awaiting)
+            for work in works:
+                work.wait()
         except RuntimeError as e:
             raise RankDiedError(f"tensor-parallel broadcast failed ({e}); a worker rank is gone") from e
+
+    def _await(self, works: list[Any], what: str) -> None:
+        """Wait for start-up ``works`` up to ``MLA_TP_WAIT_S``, logging the wait every ``WAIT_LOG_S`` and failing at
+        once where a spawned rank died."""
+        deadline = env.tp_wait_s()
+        start = last = time.monotonic()
+        while not all(w.is_completed() for w in works):
+            self.check_alive()
+            now = time.monotonic()
+            if now - start > deadline:
+                raise RankDiedError(f"tensor-parallel ranks did not {what} within {deadline:.0f} s ({env.TP_WAIT})")
+            if now - last >= WAIT_LOG_S:
+                last = now
+                logger.info("tensor parallel: waiting %.0f s (up to %.0f s, %s) for the other ranks to %s",
+                            now - start, deadline, env.TP_WAIT, what)
+            time.sleep(0.01)
 
     def broadcast_step(self, step: StepInput) -> None:
         self.send("step", step)
 
     def ready(self) -> None:
-        """Wait until every rank has allocated its cache (after ``send("allocate", n)``)."""
+        """Wait until every rank has loaded its shard and allocated its cache (after ``send("allocate", n)``), up to
+        ``MLA_TP_WAIT_S``, logging the wait every ``WAIT_LOG_S``."""
         self.check_alive()
-        dist.barrier()
+        work = dist.barrier(group=_commands[0], async_op=True)
+        self._await([work], "allocate their caches")
+        work.wait()
 
     def check_alive(self) -> None:
         for rank, p in enumerate(self.procs, start=1):
@@ -209,14 +290,22 @@ class TensorParallelGroup:
         if self.closed:
             return
         self.closed = True
-        try:
-            if all(p.is_alive() for p in self.procs):
-                dist.broadcast_object_list([("stop",)], src=0, group=_commands[0], device=CPU)
-        except RuntimeError:
-            pass
+
+        def stop() -> None:
+            try:
+                for work in _post(("stop",)):
+                    work.wait()
+            except RuntimeError:
+                pass
+
+        # a rank still loading (a start that failed on MLA_TP_WAIT_S) takes the command later, or never: bounded
+        stopping = threading.Thread(target=stop, name="mla-tp-stop", daemon=True)
+        if all(p.is_alive() for p in self.procs):
+            stopping.start()
+            stopping.join(STOP_WAIT_S)
         for p in self.procs:
-            p.join(timeout=10)
+            p.join(timeout=STOP_WAIT_S)
             if p.is_alive():
                 p.terminate()
-        if dist.is_initialized():
+        if dist.is_initialized() and not stopping.is_alive():
             dist.destroy_process_group()
