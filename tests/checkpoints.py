@@ -6,6 +6,7 @@ router's correction bias matters: a test that passes must have used every tensor
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -173,13 +174,20 @@ def _randomise(module, seed: int) -> None:
                 b.copy_(0.1 * torch.randn(b.shape, generator=g))
 
 
-def build_mtp_layer(config, seed: int = 7):
-    """A random DeepSeek-V3 multi-token-prediction layer for ``config`` (transformers' decoder block plus
-    ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``), whose parameter names are the checkpoint's."""
+def build_mtp_layer(hf_model, seed: int = 7):
+    """A random DeepSeek-V3-style multi-token-prediction layer for ``hf_model``: its own decoder block (with the
+    family's attention: a DSA family's carries its indexer) plus ``enorm``, ``hnorm``, ``eh_proj`` and
+    ``shared_head.norm``, whose parameter names are the checkpoint's."""
     from torch import nn
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
 
-    layer = DeepseekV3DecoderLayer(config, config.num_hidden_layers)
+    decoder = hf_model.get_decoder()
+    config = copy.deepcopy(decoder.config)
+    n = config.num_hidden_layers
+    for key, value in list(vars(config).items()):  # per-layer lists (layer kinds): one more entry, the MTP layer's
+        if isinstance(value, list) and len(value) == n:
+            setattr(config, key, [*value, "full" if key == "indexer_types" else value[-1]])
+    layer = type(decoder.layers[-1])(config, n)
     h = config.hidden_size
     layer.enorm = DeepseekV3RMSNorm(h, eps=config.rms_norm_eps)
     layer.hnorm = DeepseekV3RMSNorm(h, eps=config.rms_norm_eps)
@@ -191,22 +199,26 @@ def build_mtp_layer(config, seed: int = 7):
 
 
 def add_mtp_layer(src: Path, dst: Path, hf_model, seed: int = 7):
-    """Copy the checkpoint at ``src`` to ``dst`` with one random MTP layer stored as DeepSeek-V3 stores it:
-    ``model.layers.{num_hidden_layers}.*`` in the same file, with its own copies of the embedding and head.
-    Returns the MTP layer (transformers modules, for the reference)."""
+    """Copy the checkpoint at ``src`` to ``dst`` with one random MTP layer stored as DeepSeek-V3 stores it: the layer
+    after the last (named as the checkpoint names its layers) in the same file, with its own copies of the embedding
+    and head. Returns the MTP layer (transformers modules, for the reference)."""
     import shutil
 
     shutil.copytree(src, dst, dirs_exist_ok=True)
     tensors = load_file(str(src / "model.safetensors"))
-    layer = build_mtp_layer(hf_model.config, seed)
-    prefix = f"model.layers.{hf_model.config.num_hidden_layers}."
+    layer = build_mtp_layer(hf_model, seed)
+    first = next(k for k in tensors if k.endswith(("layers.0.input_layernorm.weight",
+                                                   "blocks.0.input_layernorm.weight")))
+    layers = first[: -len("0.input_layernorm.weight")]  # model.layers., or Kimi-K2.5's language_model.model.blocks.
+    text = hf_model.get_decoder().config
+    prefix = f"{layers}{text.num_hidden_layers}."
     state = dict(layer.state_dict())
-    state["embed_tokens.weight"] = hf_model.model.embed_tokens.weight.detach()
-    state["shared_head.head.weight"] = hf_model.lm_head.weight.detach()
+    state["embed_tokens.weight"] = hf_model.get_input_embeddings().weight.detach()
+    state["shared_head.head.weight"] = hf_model.get_output_embeddings().weight.detach()
     tensors.update({prefix + name: t.detach().clone().contiguous() for name, t in state.items()})
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((src / "config.json").read_text())
-    cfg["num_nextn_predict_layers"] = 1
+    (cfg.get("text_config") or cfg)["num_nextn_predict_layers"] = 1
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     return layer
 

@@ -58,6 +58,9 @@ SPARSE = ("deepseek_v32", "glm_moe_dsa", "axk2", "mistral_large4")
 DENSE = ("deepseek_v2", "deepseek_v3", "kimi_k25", "sarvam_mla", "axk1", "mistral4", "glm4_moe_lite", "minicpm3",
          "youtu", "longcat_flash")
 MODEL_TYPES = DENSE + SPARSE
+# the families whose checkpoints' MTP layers the runtime serves (A.X-K1/K2, LongCat-Flash and Mistral Large 4 drop
+# theirs, as transformers does); the MTP cell adds one to the checkpoint, built by the family's own decoder layer
+MTP_FAMILIES = tuple(t for t in MODEL_TYPES if t not in ("axk1", "axk2", "longcat_flash", "mistral_large4"))
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -331,7 +334,7 @@ CELLS: dict[str, Cell] = {c.name: c for c in (
     Cell("int8", {"quantization": "int8"}, weights="int8"),
     Cell("prompt-lookup", {"num_speculative_tokens": 3}),
     Cell("mtp", {"speculative_method": "mtp", "num_speculative_tokens": 1}, checkpoint="mtp",
-         families=("deepseek_v3",)),
+         families=MTP_FAMILIES),
 )}
 
 
@@ -414,6 +417,8 @@ def _generate(path: Path, settings: dict[str, Any], ps: list[list[int]], one_at_
         out = run()
         if must_preempt and not llm.engine.scheduler.num_preemptions:
             raise AssertionError("the cell is meant to preempt sequences, and none was preempted")
+        if kw.get("num_speculative_tokens") and not llm.engine.counts.draft:
+            raise AssertionError("the cell is meant to verify drafts, and none was proposed")
         if repeat:  # the same batch again, on the cached prefixes: must give the same tokens
             again = run()
             if again != out:

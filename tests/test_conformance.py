@@ -1,7 +1,9 @@
 """The conformance matrix (``tests/conformance.py``) within the suite's budget: a fixed core (every sparse family and
-two dense ones, batched, on their fixed configurations, which the batched sparse case failed before exact ties of the
-indexer were broken by position), plus cells drawn from a seed that the run prints (``$MLA_CONFORMANCE_SEED`` replays
-one; ``$MLA_CONFORMANCE_DRAWS`` sets how many). ``python bench/conformance.py`` runs the whole matrix."""
+a dense one, batched, on their fixed configurations, which the batched sparse case failed before exact ties of the
+indexer were broken by position; int8 weights batched and alone, which differed while many-row products rounded
+their rows to bfloat16; MTP verification on a sparse family), plus cells drawn from a seed that the run prints
+(``$MLA_CONFORMANCE_SEED`` replays one; ``$MLA_CONFORMANCE_DRAWS`` sets how many). ``python bench/conformance.py``
+runs the whole matrix."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import pytest
 from tests import conformance as C
 
 CORE = [("deepseek_v32", "batched"), ("glm_moe_dsa", "batched"), ("axk2", "batched"),
-        ("mistral_large4", "batched"), ("deepseek_v3", "batched"), ("deepseek_v32", "chunked")]
+        ("mistral_large4", "batched"), ("deepseek_v3", "batched"), ("deepseek_v32", "chunked"),
+        ("deepseek_v32", "int8"), ("glm_moe_dsa", "mtp")]
 SEED = int(os.environ.get("MLA_CONFORMANCE_SEED") or time.time_ns() % 1_000_000)
 DRAWS = C.sample(random.Random(SEED), int(os.environ.get("MLA_CONFORMANCE_DRAWS") or 3))
 
@@ -62,6 +65,7 @@ def test_a_divergence_is_accepted_only_at_a_named_near_tie():
     ok, why = C.explain(tied, [5, 6, 8])
     assert ok and why.startswith("near-tie of an indexer selection")
     assert not C.explain(ref, [5, 6])[0]
+    assert not C.explain(tied, [5, 6, 8], score_tie=1e-6)[0]  # bounds of the caller's (the int8 cell's)
 
 
 def test_drawn_configurations_vary_the_shapes():

@@ -10,7 +10,7 @@ from mla_runtime import env
 from mla_runtime.engine import tp_workers
 
 VARIABLES = ("MLA_API_KEY", "MLA_CPU_GEMM", "MLA_FAULT_INJECTION", "HF_HUB_CACHE", "HF_HOME", "HF_HUB_OFFLINE",
-             "TORCHELASTIC_RUN_ID", "WORLD_SIZE", "RANK")
+             "TORCHELASTIC_RUN_ID", "WORLD_SIZE", "RANK", "MLA_TP_WAIT_S")
 
 
 @pytest.fixture(autouse=True)
