@@ -158,6 +158,7 @@ def truncate_latent_rank(model: DeepseekForCausalLM, rank: int, method: str = "s
     for attn, basis in zip(_attn_layers(model), bases):
         fold_latent_basis(attn, basis)
     model.config = model.config.with_overrides(kv_lora_rank=rank)
+    model.prepare_attention()  # the backend holds the truncated layers
     return model
 
 

@@ -1,4 +1,4 @@
-"""The one-way import rule: server → engine → worker → model → layers → kernels (docs/structures.md).
+"""The one-way import rule: server → engine → worker → model → layers → attention → kernels (docs/structures.md).
 
 Every module of ``mla_runtime`` and ``mla_kernels`` has a level; a module may import its own level and the
 levels below, never one above (imports inside functions count too). Tools (the CLI, the sweep, the benchmark)
@@ -19,14 +19,15 @@ LEVELS = {
     "config": 1, "dtypes": 1, "errors": 1, "parallel": 1, "forward_batch": 1, "sampling_params": 1, "outputs": 1,
     "env": 1, "options": 1, "host_heap": 1,
     "hub": 1, "tokenizer": 1, "cache": 1, "help_format": 1, "checksums": 1, "resolved_config": 1, "families": 1,
-    "layers": 2, "attention": 2,
-    "models": 3,
-    "loader": 4, "latent_rank": 4, "plan": 4, "token_map": 4, "compressed": 4, "random_checkpoint": 4,
-    "engine": 6, "llm": 6,
-    "serving": 8,
-    "cli": 9, "sweep": 9, "benchmark": 9, "warm": 9,
+    "attention": 2,  # the backends take tensors and a layer id: they never import the layer modules above them
+    "layers": 3,
+    "models": 4,
+    "loader": 5, "latent_rank": 5, "plan": 5, "token_map": 5, "compressed": 5, "random_checkpoint": 5,
+    "engine": 7, "llm": 7,
+    "serving": 9,
+    "cli": 10, "sweep": 10, "benchmark": 10, "warm": 10,
 }
-LEVEL_OF_SUBMODULE = {"engine.config": 5, "engine.worker": 5}  # the worker and its config sit below the engine
+LEVEL_OF_SUBMODULE = {"engine.config": 6, "engine.worker": 6}  # the worker and its config sit below the engine
 KERNELS = 0
 
 
@@ -35,7 +36,7 @@ def level(module: str) -> int:
         return KERNELS
     name = module.removeprefix("mla_runtime.")
     if module == "mla_runtime":
-        return 9  # the package's public API re-exports the top
+        return 10  # the package's public API re-exports the top
     for prefix, lvl in LEVEL_OF_SUBMODULE.items():
         if name == prefix or name.startswith(prefix + "."):
             return lvl

@@ -72,7 +72,7 @@ def test_each_cpu_gemm_setting_is_applied_at_load_and_keeps_the_tokens(v3, mode)
     assert info.cpu_gemm["mode"] == mode and info.attention_backend == "cpu"
     assert info.cpu_gemm["operators"] == cpu_ops.summary()  # the typed operators, or why they are not there
     assert info.cpu_gemm["operators"].startswith("torch.ops.mla_kernels") == (cpu_ops.failure() is None)
-    compiled = {attn.decode_kernel for attn in llm.engine.worker.model.attention_layers()}
+    compiled = {attn.kernels.decode for attn in llm.engine.worker.model.attention_layers()}
     assert compiled == {mode == "auto" and cpu_gemm.row_kernel_failure("auto") is None}  # the compiled decode
     prompts = make_prompts(3, seed=4)
     for p, got in zip(prompts, tokens(llm.generate(prompts, GREEDY))):

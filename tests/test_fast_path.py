@@ -1274,10 +1274,12 @@ def test_a_bfloat16_models_decode_steps_run_compiled_layers_in_float32(tiny_chec
         if quantization:
             quantize_model(model, quantization)
         if path != "float32":
-            assert all(layer.self_attn.attention_kernel == runs and not layer.self_attn.decode_kernel
+            assert all(layer.self_attn.kernels.attention == runs and not layer.self_attn.kernels.decode
                        for layer in model.model.layers)
-        for layer in model.model.layers:
-            layer.self_attn.attention_kernel = layer.self_attn.attention_kernel and path != "torch"
+        for layer in model.model.layers:  # the torch path: the backend's decision for the layer, overruled
+            attn = layer.self_attn
+            attn.kernels = dataclasses.replace(attn.kernels, attention=attn.kernels.attention and path != "torch")
+            model.attention.kernels_of[attn.layer] = attn.kernels
         monkeypatch.setattr(deepseek.DeepseekForCausalLM, "_decode_step",
                             whole_layers if path in ("layers", "float32") else lambda *a: None)
         runner = PagedRunner(model, len(ps), 48)

@@ -22,6 +22,7 @@ from mla_runtime.layers.cpu_gemm import (
     quantized_bf16_rows,
     row_kernel_failure,
 )
+from mla_runtime.layers.mla import attention_layer
 from mla_runtime.layers.quantization import (
     WEIGHT_FORMATS,
     Int8Weight,
@@ -240,7 +241,8 @@ def test_a_long_prefill_chunk_attends_in_bfloat16_where_the_key_rebuild_does(tin
     assert (isinstance(attn.kv_b_proj.packed, Bf16Weight) and attn.kv_b_proj.packed.native is not None) == native
     few = cpu_kernels.max_rows(torch.bfloat16) or 8
     for rows, half in ((few + 1, native), (few, False)):
-        assert cpu.half_prefill(attn, torch.zeros(rows, attn.n_h, attn.d_n)) == (torch.bfloat16 if half else None)
+        assert cpu.half_prefill(attention_layer(attn), torch.zeros(rows, attn.n_h, attn.d_n)) == (
+            torch.bfloat16 if half else None)
     seen: list[torch.dtype] = []
     original = cpu.CpuBackend.up_projected
     monkeypatch.setattr(cpu.CpuBackend, "up_projected",

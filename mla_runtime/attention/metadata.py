@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from mla_kernels import DecodePlan
+from mla_runtime.attention.rope_tables import RopeTables
 from mla_runtime.forward_batch import ForwardBatch
-from mla_runtime.layers.rotary import RopeTables
 
 if TYPE_CHECKING:
     from mla_runtime.attention.paged import PagedBackend

@@ -7,20 +7,16 @@ log-sum-exp before each rank keeps its heads. The latent is written where this r
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from mla_kernels import indexer_scores, mla_decode, sparse_mla_decode, topk_lowest_first
+from mla_runtime.attention.layer import AttentionLayer
 from mla_runtime.attention.metadata import AttentionDims, AttentionMetadata, host_cu_seqlens
 from mla_runtime.attention.paged import PagedBackend, absorb, unabsorb
+from mla_runtime.attention.rope_tables import RopeTables
 from mla_runtime.cache.latent_cache import LatentCache, LayerCache
 from mla_runtime.forward_batch import ForwardBatch
-from mla_runtime.layers.rotary import RopeTables
 from mla_runtime.parallel import ParallelContext, local_latent_view
-
-if TYPE_CHECKING:
-    from mla_runtime.layers.mla import MLAttention
 
 
 class ShardedBackend(PagedBackend):
@@ -35,24 +31,25 @@ class ShardedBackend(PagedBackend):
                                             batch.block_size, self.par)
         return AttentionMetadata(self, batch, rope, slots, seq_lens, "absorbed", host_cu_seqlens(batch))
 
-    def latent_attention(self, q_cat: torch.Tensor, attn: MLAttention, meta: AttentionMetadata, cache: LayerCache
-                         ) -> torch.Tensor:
+    def latent_attention(self, q_cat: torch.Tensor, layer: AttentionLayer, meta: AttentionMetadata,
+                         cache: LayerCache) -> torch.Tensor:
         """This rank's tokens attended by every head's query, merged across ranks by LSE -> this rank's heads."""
         q_all = self.par.all_gather(q_cat, dim=1)  # [T, n_h_total, d_c + d_r]
         o_part, lse = mla_decode(q_all, cache.kv, cache.scales, meta.batch.block_tables, meta.token_seq_lens,
-                                 attn.scale, attn.d_c, req_indices=meta.batch.token_req_idx, backend=self.kernels,
-                                 validate=attn.validate)
-        return self._merge(o_part, lse, attn, q_cat.dtype)
+                                 layer.scale, layer.d_c, req_indices=meta.batch.token_req_idx, backend=self.kernels,
+                                 validate=layer.validate)
+        return self._merge(o_part, lse, layer, q_cat.dtype)
 
-    def _merge(self, o_part: torch.Tensor, lse: torch.Tensor, attn: MLAttention, dtype: torch.dtype) -> torch.Tensor:
+    def _merge(self, o_part: torch.Tensor, lse: torch.Tensor, layer: AttentionLayer, dtype: torch.dtype
+               ) -> torch.Tensor:
         """Every rank's partial attention (``o_part [T, n_h_total, d_c]`` over its tokens, with their ``lse``) merged
         by log-sum-exp -> this rank's heads ``[T, n_h, d_c]``."""
         par = self.par
         lse_all = par.all_gather(lse.unsqueeze(0), dim=0)  # [N, T, n_h_total]
         weight = torch.exp(lse - torch.logsumexp(lse_all, dim=0))  # 0 where this rank saw no token
         merged = par.all_reduce(o_part.float() * weight.unsqueeze(-1))  # [T, n_h_total, d_c]
-        first = par.rank * attn.n_h
-        return merged[:, first:first + attn.n_h].to(dtype)
+        first = par.rank * layer.n_h
+        return merged[:, first:first + layer.n_h].to(dtype)
 
     def select(self, q: torch.Tensor, w: torch.Tensor, meta: AttentionMetadata, cache: LayerCache, topk: int
                ) -> torch.Tensor:
@@ -81,13 +78,13 @@ class ShardedBackend(PagedBackend):
         best = values.gather(1, pick)
         return torch.where(best > float("-inf"), positions.gather(1, pick), -1).to(torch.int32)
 
-    def sparse_forward(self, q_n: torch.Tensor, q_r: torch.Tensor, attn: MLAttention, meta: AttentionMetadata,
+    def sparse_forward(self, layer_id: int, q_n: torch.Tensor, q_r: torch.Tensor, meta: AttentionMetadata,
                        cache: LayerCache, selected: torch.Tensor) -> torch.Tensor:
         """Sparse attention: every head's query over the selected tokens this rank keeps, merged by LSE."""
-        n, rank, batch = self.par.world_size, self.par.rank, meta.batch
+        layer, n, rank, batch = self.layers[layer_id], self.par.world_size, self.par.rank, meta.batch
         local = torch.where((selected >= 0) & (selected % n == rank), selected // n, -1)
-        q_cat = absorb(q_n, q_r, attn)
+        q_cat = absorb(q_n, q_r, layer)
         q_all = self.par.all_gather(q_cat, dim=1)
         o_part, lse = sparse_mla_decode(q_all, cache.kv, cache.scales, batch.block_tables, batch.token_req_idx,
-                                        local, attn.scale, attn.d_c, backend=self.kernels)
-        return unabsorb(self._merge(o_part, lse, attn, q_cat.dtype), attn)
+                                        local, layer.scale, layer.d_c, backend=self.kernels)
+        return unabsorb(self._merge(o_part, lse, layer, q_cat.dtype), layer)

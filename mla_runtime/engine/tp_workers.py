@@ -307,5 +307,10 @@ class TensorParallelGroup:
             p.join(timeout=STOP_WAIT_S)
             if p.is_alive():
                 p.terminate()
+                p.join(timeout=STOP_WAIT_S)
+        if stopping.is_alive():  # a stop still posted to a rank that never took it: its connection is closed now
+            stopping.join(STOP_WAIT_S)
         if dist.is_initialized() and not stopping.is_alive():
             dist.destroy_process_group()
+        elif dist.is_initialized():
+            logger.warning("tensor parallel: the stop command is still in flight; the process group is left open")

@@ -34,13 +34,13 @@ from torch import nn
 
 from mla_kernels import cpu_kernels, cpu_tables
 from mla_runtime.attention.metadata import AttentionMetadata
+from mla_runtime.attention.rope_tables import RopeTables
 from mla_runtime.layers.cpu_gemm import PackedWeight
 from mla_runtime.layers.linear import Linear
 from mla_runtime.layers.mla import MLAttention
 from mla_runtime.layers.mlp import GatedMLP
 from mla_runtime.layers.moe import MoE
 from mla_runtime.layers.norm import RMSNorm
-from mla_runtime.layers.rotary import RopeTables
 
 
 def _operand(packed: PackedWeight | None) -> cpu_tables.Operand | None:
@@ -128,8 +128,8 @@ def layer_weights(norms: tuple[nn.Module, nn.Module], attn: MLAttention, mlp: nn
     q_lora = attn.q_proj is None
     scaled_residual = residual_scale != 1.0
     half = _half(norms)
-    ready = attn.attention_kernel and attn.w_uk is not None and attn.w_uk.dtype == torch.bfloat16 if half \
-        else attn.decode_kernel
+    ready = attn.kernels.attention and attn.w_uk is not None and attn.w_uk.dtype == torch.bfloat16 if half \
+        else attn.kernels.decode
     in_norm, post_norm, kv_norm = (_norm_weight(n, half) for n in (first, second, attn.kv_a_layernorm))
     q_norm = attn.q_a_layernorm if q_lora else None
     q_norm_weight = None if q_norm is None else _norm_weight(q_norm, half)

@@ -38,17 +38,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mla_runtime.attention.layer import AttentionLayer, LayerKernels
 from mla_runtime.attention.metadata import AttentionDims, AttentionMetadata
 from mla_runtime.cache.latent_cache import LayerCache
 from mla_runtime.config import ModelConfig
-from mla_runtime.layers.cpu_gemm import PackedWeight, linear
+from mla_runtime.layers.bf16 import Bf16Weight
+from mla_runtime.layers.cpu_gemm import PackedWeight, linear, row_kernel_failure
 from mla_runtime.layers.indexer import Indexer, LogPositionScaling, log_position_scaled, sparse_selection
 from mla_runtime.layers.linear import Linear
 from mla_runtime.layers.norm import RMSNorm
 from mla_runtime.layers.rotary import RotaryEmbedding
 from mla_runtime.resolved_config import ATTENTION_PATHS, ResolvedConfig
 
-__all__ = ["ATTENTION_PATHS", "MLAttention", "nope_padded", "stack_input_projections"]
+__all__ = ["ATTENTION_PATHS", "MLAttention", "attention_layer", "nope_padded", "stack_input_projections"]
 
 
 class MLAttention(nn.Module):
@@ -79,8 +81,8 @@ class MLAttention(nn.Module):
         self.w_uv_t: torch.Tensor | None = None
         self.qkv_a: PackedWeight | None = None  # q_a_proj and kv_a_proj_with_mqa stacked: one GEMM
         self.qkv_a_bias: torch.Tensor | None = None
-        # the compiled CPU kernels that run this layer's decode, planned rows' and prefill attention (prepare_layer)
-        self.decode_kernel = self.attention_kernel = self.prefill_kernel = False
+        # the compiled CPU kernels that run this layer, as its backend decided (``attention_layer``)
+        self.kernels = LayerKernels()
         self.layer, (self.indexer, self.shares_selection) = layer, Indexer.of_layer(rc, layer)  # sparse attention
 
     def prepare_inference(self) -> None:
@@ -101,10 +103,10 @@ class MLAttention(nn.Module):
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: LayerCache) -> torch.Tensor:
         q, latent, q_resid, gate = self.project(x)
         q, latent = scaled_and_padded(self, q, latent, meta.batch.positions)
-        q_n, q_r = meta.backend.write(self, q, latent, meta, cache)
+        q_n, q_r = meta.backend.write(self.layer, q, latent, meta, cache)
         selected = sparse_selection(self, x, q_resid, meta, cache)  # sparse attention: the keys each query reads
-        o = (meta.backend.forward(q_n, q_r, self, meta, cache) if selected is None  # [T, n_h, d_v]
-             else meta.backend.sparse_forward(q_n, q_r, self, meta, cache, selected))
+        o = (meta.backend.forward(self.layer, q_n, q_r, meta, cache) if selected is None  # [T, n_h, d_v]
+             else meta.backend.sparse_forward(self.layer, q_n, q_r, meta, cache, selected))
         out = self.o_proj(gated(o, gate).reshape(x.shape[0], self.n_h * self.d_v), bias=self.par.rank == 0)  # bias once
         return self.par.all_reduce(out)
 
@@ -130,6 +132,22 @@ class MLAttention(nn.Module):
         if self.latent_down is not None:
             c = torch.nn.functional.linear(c, self.latent_down)  # [T, r]: the truncated latent
         return q_n, q_r, c, k_r
+
+
+def attention_layer(attn: MLAttention) -> AttentionLayer:
+    """What the attention backend holds of ``attn`` once its weights are final (``attention/layer.py``)."""
+    w_uk, w_uv_t = attn.w_uk, attn.w_uv_t
+    if w_uk is None or w_uv_t is None:
+        w_uk, w_uv = attn.w_uk_uv()
+        w_uv_t = w_uv.transpose(1, 2)
+    norm, packed = attn.kv_a_layernorm, attn.kv_b_proj.packed
+    return AttentionLayer(
+        layer_id=attn.layer, dtype=attn.kv_b_proj.weight.dtype, n_h=attn.n_h, d_c=attn.d_c, d_r=attn.d_r,
+        d_n=attn.d_n, d_v=attn.d_v, scale=attn.scale, validate=attn.validate, w_uk=w_uk, w_uv_t=w_uv_t,
+        rebuild=attn.kv_b_proj, rebuild_in_bfloat16=isinstance(packed, Bf16Weight) and packed.native is not None,
+        split=attn.split, rotate=attn.rotary, interleave=attn.rotary.interleave,
+        latent_norm=(norm.weight, norm.eps) if attn.latent_down is None else None,
+        kernels_allowed=row_kernel_failure() is None, sparse=attn.indexer is not None)
 
 
 def query_projections(cfg: ModelConfig, n_h: int, dtype: torch.dtype

@@ -295,7 +295,7 @@ def round_absorbed_factors(attn: MLAttention, integer_products: bool = False) ->
         kv_b.packed = None
         kv_b.prepare_inference()
     w_uk, w_uv = attn.w_uk_uv()
-    dtype = torch.bfloat16 if attn.decode_kernel else w_uk.dtype
+    dtype = torch.bfloat16 if attn.kernels.decode else w_uk.dtype
     attn.w_uk, attn.w_uv_t = w_uk.to(dtype).contiguous(), w_uv.transpose(1, 2).to(dtype).contiguous()
 
 
@@ -309,6 +309,9 @@ def finish_quantization(model: nn.Module, quantization: str) -> None:
     for module in model.modules():
         if isinstance(module, MLAttention):
             round_absorbed_factors(module, integer)
+    prepare_attention = getattr(model, "prepare_attention", None)
+    if prepare_attention is not None:  # the backend holds the rounded factors (a model; a bare test module has none)
+        prepare_attention()
     head = cast(PackedWeight | None, getattr(model, "lm_head_packed", None))
     if head is None or not head.quantized:  # tied: the embedding stays, the head is a quantised copy of it
         model.__dict__["lm_head_packed"] = fmt.quantize(cast(torch.Tensor, model.lm_head_weight))

@@ -25,7 +25,7 @@ from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.layers.cpu_gemm import PackedWeight, linear
 from mla_runtime.layers.decoder_kernel import DecoderKernel, decode_step
 from mla_runtime.layers.linear import Linear
-from mla_runtime.layers.mla import MLAttention
+from mla_runtime.layers.mla import MLAttention, attention_layer
 from mla_runtime.layers.mlp import GatedMLP
 from mla_runtime.layers.moe import MoE
 from mla_runtime.layers.norm import RMSNorm, decoder_norm
@@ -221,10 +221,17 @@ class DeepseekForCausalLM(nn.Module):
         for attn in self.attention_layers():
             if learned is not None:  # LeRoPE: the learned frequencies, folded into every layer's tables
                 attn.rotary.scale_frequencies(learned.alpha.float().exp())
-            self.attention.prepare_layer(attn)
+        self.prepare_attention()
         if self.lm_head_packed is None or not self.lm_head_packed.quantized:
             self.lm_head_packed = PackedWeight.make(self.lm_head_weight)
         return self
+
+    def prepare_attention(self) -> None:
+        """Hand every attention layer to the backend as it is now (``attention/layer.py``), and record which compiled
+        kernels run it: after loading, and again whenever the attention weights change (a latent-rank truncation,
+        quantisation's rounding of the absorbed factors)."""
+        for attn in self.attention_layers():
+            attn.kernels = self.attention.prepare_layer(attention_layer(attn))
 
     def attention_layers(self) -> list[MLAttention]:
         """Every layer that attends over the latent cache, in cache order: the decoder's (a LongCat layer's blocks in
