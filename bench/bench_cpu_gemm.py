@@ -1,4 +1,4 @@
-"""Decode speed on the probed CPU GEMM path (``MLA_CPU_GEMM=auto``) next to the forced fallbacks (``plain``).
+"""Decode speed on the probed CPU GEMM path (``cpu_gemm=auto``) next to the forced fallbacks (``plain``).
 
     python bench/bench_cpu_gemm.py --batch 1 8 --dtype float32 bfloat16 --steps 24 --threads 2
 
@@ -72,7 +72,7 @@ def main() -> None:
     isa = [k for k in ("avx2", "avx512_f", "avx512_bf16", "amx_bf16", "neon", "bf16", "sve") if caps.get(k)]
     print(f"cpu: {caps.get('cpu_name', '?')} ({caps.get('architecture')}; {', '.join(isa)}), "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}")
-    print("| dtype | MLA_CPU_GEMM | path ran (compute dtype) | batch | decode step ms | tok/s | vs auto |")
+    print("| dtype | cpu_gemm | path ran (compute dtype) | batch | decode step ms | tok/s | vs auto |")
     print("|---|---|---|---:|---:|---:|---:|")
     notes = {}
     for dtype in args.dtype:

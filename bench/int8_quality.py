@@ -8,7 +8,7 @@ The protocol of ``bench/bf16_quality.py``: on the benchmark checkpoint, transfor
 
 - **mla-runtime int8**: ``quantize_model(model, "int8")`` — what ``LLM(..., quantization="int8")`` runs: int8
   weights with one bfloat16 scale per output channel, activations rounded to bfloat16 into each int8 product
-  (the CPU kernel's input; ``MLA_CPU_GEMM=plain`` keeps them float32) — through its real paths (one prefill
+  (the CPU kernel's input; ``cpu_gemm=plain`` keeps them float32) — through its real paths (one prefill
   step through the paged latent cache, then one decode step per token).
 - **Q8_0 (ggml's numerics)**: transformers float32 with ggml's Q8_0 applied as llama.cpp's CPU backend
   applies it to a ``--outtype q8_0`` GGUF: every matrix but the router (embedding, attention projections

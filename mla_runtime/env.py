@@ -4,7 +4,6 @@ Variable             Default         Read by                What it does
 -------------------  --------------  ---------------------  -------------------------------------------------------
 MLA_API_KEY          unset: no key   serving/config.py      the API key the server requires (--api-key and
                                                             serving.api_key override it)
-MLA_CPU_GEMM         auto            layers/cpu_gemm.py     deprecated: the engine setting cpu_gemm (its default)
 HF_HUB_CACHE         the hub's       hub.py                 hub cache directory for repo ids
 HF_HOME              the hub's       hub.py                 hub cache at $HF_HOME/hub when HF_HUB_CACHE is unset
 HF_HUB_OFFLINE       off             hub.py                 1/on/yes/true: repo ids only from the local cache
@@ -38,7 +37,6 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 API_KEY = "MLA_API_KEY"
-CPU_GEMM = "MLA_CPU_GEMM"
 FAULT_INJECTION = "MLA_FAULT_INJECTION"
 TP_WAIT = "MLA_TP_WAIT_S"
 TP_WAIT_DEFAULT_S = 900.0
@@ -55,11 +53,6 @@ def _get(name: str, environ: Mapping[str, str] | None = None) -> str | None:
 
 def api_key(environ: Mapping[str, str] | None = None) -> str | None:
     return _get(API_KEY, environ)
-
-
-def cpu_gemm_mode() -> str | None:
-    """``MLA_CPU_GEMM`` as set (``cpu_gemm.gemm_mode`` validates it); None when unset."""
-    return _get(CPU_GEMM)
 
 
 @contextmanager

@@ -10,16 +10,18 @@ import torch
 if not torch.cuda.is_available():  # kernels: interpret Triton on CPU (must precede the first triton import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from mla_runtime.layers.cpu_gemm import GEMM_ENV, GEMM_MODES  # noqa: E402
+from mla_runtime.layers import cpu_gemm  # noqa: E402
+from mla_runtime.layers.cpu_gemm import GEMM_MODES  # noqa: E402
 from tests.checkpoints import VARIANTS, build_hf_model, quantize_fp8_checkpoint, save_checkpoint  # noqa: E402
 
 
 @pytest.fixture(params=[m for m in GEMM_MODES if m != "onednn"])
 def gemm_mode(request, monkeypatch) -> str:
-    """Run a test under each CPU product mode (``MLA_CPU_GEMM``): ``auto`` takes the fast paths that pass
-    their probe on this CPU, ``plain`` forces the fallbacks, so every machine also tests what a CPU
-    without the fast paths runs. The probe's cache is keyed by mode: nothing carries over between tests."""
-    monkeypatch.setenv(GEMM_ENV, request.param)
+    """Run a test under each CPU product mode (the engine setting ``cpu_gemm``, as the engine prepares its weights
+    under it: ``cpu_gemm.forced_gemm_mode``): ``auto`` takes the fast paths that pass their probe on this CPU,
+    ``plain`` forces the fallbacks, so every machine also tests what a CPU without the fast paths runs. The probe's
+    cache is keyed by mode: nothing carries over between tests."""
+    monkeypatch.setattr(cpu_gemm, "_forced", [request.param])
     return request.param
 
 

@@ -262,7 +262,7 @@ def prompt(seed):
 mine = [prompt(int(me) * 10 + i) for i in range(3)] + [prompt(99)]  # the last one both write at once
 theirs = [prompt(int(other) * 10 + i) for i in range(3)]
 llm = LLM(ckpt, dtype="float32", max_model_len=256, block_size=16, kv_cache_memory="8MiB", kv_cache_dir=d,
-          kv_cache_write_through=True)
+          kv_cache_write_through=True, cpu_gemm="plain")
 p = SamplingParams(max_tokens=4, temperature=0.0)
 own = llm.generate(mine, p)
 assert llm.engine.worker.disk_tier.flush(60)
@@ -280,7 +280,7 @@ print(json.dumps({"own": [o.outputs[0].token_ids for o in own], "theirs": [o.out
 
 
 def test_two_processes_sharing_a_directory_both_hit(v3, tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MLA_CPU_GEMM": "plain"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = [subprocess.Popen([sys.executable, "-c", SHARER, str(v3), str(tmp_path), me, other], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
              for me, other in (("1", "2"), ("2", "1"))]

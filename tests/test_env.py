@@ -9,7 +9,7 @@ import pytest
 from mla_runtime import env
 from mla_runtime.engine import tp_workers
 
-VARIABLES = ("MLA_API_KEY", "MLA_CPU_GEMM", "MLA_FAULT_INJECTION", "HF_HUB_CACHE", "HF_HOME", "HF_HUB_OFFLINE",
+VARIABLES = ("MLA_API_KEY", "MLA_FAULT_INJECTION", "HF_HUB_CACHE", "HF_HOME", "HF_HUB_OFFLINE",
              "TORCHELASTIC_RUN_ID", "WORLD_SIZE", "RANK", "MLA_TP_WAIT_S")
 
 
@@ -25,7 +25,8 @@ def test_every_variable_is_in_the_table():
 
 
 def test_unset_and_empty_read_as_none(monkeypatch):
-    assert (env.api_key(), env.cpu_gemm_mode(), env.fault_injection(), env.hf_hub_cache()) == (None,) * 4
+    assert (env.api_key(), env.fault_injection(), env.hf_hub_cache()) == (None,) * 3
+    assert env.tp_wait_s() == env.TP_WAIT_DEFAULT_S
     monkeypatch.setenv("MLA_API_KEY", "")
     assert env.api_key() is None
     assert env.api_key({"MLA_API_KEY": "k"}) == "k" and env.api_key({}) is None  # a given mapping, not os.environ
@@ -52,10 +53,19 @@ def test_torchrun_ranks(monkeypatch):
 
 
 def test_overriding_restores_the_previous_value(monkeypatch):
-    with env.overriding("MLA_CPU_GEMM", "plain"):
-        assert env.cpu_gemm_mode() == "plain"
-    assert "MLA_CPU_GEMM" not in os.environ
-    monkeypatch.setenv("MLA_CPU_GEMM", "auto")
-    with pytest.raises(RuntimeError), env.overriding("MLA_CPU_GEMM", "onednn"):
+    with env.overriding("MLA_FAULT_INJECTION", "step:3"):
+        assert env.fault_injection() == "step:3"
+    assert "MLA_FAULT_INJECTION" not in os.environ
+    monkeypatch.setenv("MLA_FAULT_INJECTION", "stream:1")
+    with pytest.raises(RuntimeError), env.overriding("MLA_FAULT_INJECTION", "step:2"):
         raise RuntimeError
-    assert env.cpu_gemm_mode() == "auto"
+    assert env.fault_injection() == "stream:1"
+
+
+def test_a_bad_tp_wait_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("MLA_TP_WAIT_S", "12.5")
+    assert env.tp_wait_s() == 12.5
+    for bad in ("0", "-1", "inf", "nan", "soon"):
+        monkeypatch.setenv("MLA_TP_WAIT_S", bad)
+        with pytest.raises(ValueError, match="MLA_TP_WAIT_S"):
+            env.tp_wait_s()

@@ -193,7 +193,7 @@ def test_upcast_path_matches_f_linear(gemm_mode, dtype):
 @pytest.mark.parametrize("dtype", GEMM_DTYPES)
 def test_probe_decision_matches_what_works(dtype, monkeypatch):
     """The fast path is chosen exactly where oneDNN packs this dtype here and its products equal F.linear."""
-    monkeypatch.setenv(cpu_gemm.GEMM_ENV, "auto")
+    monkeypatch.setattr(cpu_gemm, "_forced", ["auto"])
     g = torch.Generator().manual_seed(2)
     w, x = torch.randn(130, 96, generator=g).to(dtype), torch.randn(5, 96, generator=g).to(dtype)
     try:
@@ -210,7 +210,7 @@ def test_probe_decision_matches_what_works(dtype, monkeypatch):
 
 
 def test_forced_plain_takes_no_fast_path(monkeypatch):
-    monkeypatch.setenv(cpu_gemm.GEMM_ENV, "plain")
+    monkeypatch.setattr(cpu_gemm, "_forced", ["plain"])
     for dtype in GEMM_DTYPES:
         choice = cpu_gemm.gemm_choice(dtype)
         assert choice.mode == "plain" and choice.path in ("plain", "upcast") and "cpu_gemm=plain" in choice.reason
@@ -219,19 +219,13 @@ def test_forced_plain_takes_no_fast_path(monkeypatch):
     assert info["mode"] == "plain" and info["extra_bytes_per_weight"] == ("4" if info["path"] == "upcast" else "0")
 
 
-def test_gemm_switch_rejects_unknown_values(monkeypatch):
-    monkeypatch.setenv(cpu_gemm.GEMM_ENV, "fast")
-    with pytest.raises(ValueError, match="MLA_CPU_GEMM"):
-        PackedWeight.make(torch.randn(8, 4))
+def test_gemm_switch_rejects_unknown_values():
     with pytest.raises(ValueError, match="cpu_gemm: unknown value 'avx512'"), cpu_gemm.forced_gemm_mode("avx512"):
         pass
-    with cpu_gemm.forced_gemm_mode("onednn"):  # the engine's setting wins over the deprecated variable
-        assert cpu_gemm.gemm_mode() == "onednn"
-    assert os.environ[cpu_gemm.GEMM_ENV] == "fast"  # the variable itself is never written
-    monkeypatch.delenv(cpu_gemm.GEMM_ENV)
-    with cpu_gemm.forced_gemm_mode("plain"):
+    assert cpu_gemm.gemm_mode() == "auto"  # outside every block: the default (no environment variable sets it)
+    with cpu_gemm.forced_gemm_mode("onednn"), cpu_gemm.forced_gemm_mode("plain"):  # blocks nest
         assert cpu_gemm.gemm_choice(torch.float32).path == "plain"
-    assert cpu_gemm.GEMM_ENV not in os.environ and cpu_gemm.gemm_mode() == "auto"
+    assert cpu_gemm.gemm_mode() == "auto"
 
 
 def test_packed_linear_matrix_vector_layouts(gemm_mode):
@@ -254,7 +248,7 @@ def test_small_products_take_the_chosen_path(mode, aten_rows, monkeypatch):
     """A weight's products of up to ``aten_max_rows`` rows take F.linear exactly as the size rule chose
     (bit-identical to F.linear then); oneDNN otherwise, equal to rounding; larger batches always take oneDNN. One
     to ``KERNEL_MAX_ROWS`` rows take the AVX2 kernels wherever they build (no ``_product`` call, and no timing)."""
-    monkeypatch.setenv(cpu_gemm.GEMM_ENV, mode)
+    monkeypatch.setattr(cpu_gemm, "_forced", [mode])
     monkeypatch.setattr(cpu_gemm, "aten_max_rows", lambda *shape: aten_rows)
     g = torch.Generator().manual_seed(1)
     w = torch.randn(96, 64, generator=g)
@@ -321,7 +315,7 @@ def test_auto_dtype_on_this_cpu(tiny_checkpoint, caplog, monkeypatch):
     from mla_runtime.config import ModelConfig
     from mla_runtime.plan import resolve_model_dtype
 
-    monkeypatch.setenv(cpu_gemm.GEMM_ENV, "auto")
+    monkeypatch.setattr(cpu_gemm, "_forced", ["auto"])
     cfg = ModelConfig.from_pretrained(tiny_checkpoint("v3")[0]).with_overrides(torch_dtype="bfloat16")
     caps = cpu_ops.cpu_capabilities()
     # a process capped at AVX2 ($MLA_CPU_ISA) decides as a CPU without AVX512-BF16 or AMX
@@ -333,7 +327,7 @@ def test_auto_dtype_on_this_cpu(tiny_checkpoint, caplog, monkeypatch):
     assert f'dtype "auto" on this CPU: {str(got).removeprefix("torch.")}' in caplog.text
     assert resolve_model_dtype("auto", cfg) == torch.bfloat16
     assert cpu_gemm.resolve_cpu_dtype("bfloat16", torch.bfloat16) == torch.bfloat16  # explicit: always honoured
-    monkeypatch.setenv(cpu_gemm.GEMM_ENV, "plain")  # no fast path: float32
+    monkeypatch.setattr(cpu_gemm, "_forced", ["plain"])  # no fast path: float32
     assert cpu_gemm.resolve_cpu_dtype("auto", torch.bfloat16) == torch.float32
 
 
@@ -657,7 +651,7 @@ def test_one_row_products_with_and_without_the_kernel(monkeypatch):
     w = torch.randn(96, 64)
     x = torch.randn(1, 64)
     for mode in ("auto", "onednn"):
-        monkeypatch.setenv(cpu_gemm.GEMM_ENV, mode)
+        monkeypatch.setattr(cpu_gemm, "_forced", [mode])
         packed = PackedWeight.make(w)
         if packed is None:  # oneDNN cannot pack float32 on this CPU: F.linear, and no kernel either
             assert cpu_gemm.gemm_choice(torch.float32).path == "plain"
@@ -677,7 +671,7 @@ def _clear_kernel_caches() -> None:
 def test_the_row_kernel_is_left_out_with_a_reason_where_it_cannot_build(monkeypatch, tmp_path):
     """No C++ compiler, or one that fails: the kernels are unavailable, say why, and weights keep oneDNN."""
     builds_here = cpu_kernels.failure() is None  # else it stops earlier (architecture, instruction set)
-    monkeypatch.setenv(cpu_gemm.GEMM_ENV, "auto")
+    monkeypatch.setattr(cpu_gemm, "_forced", ["auto"])
     monkeypatch.setenv("MLA_KERNEL_CACHE", str(tmp_path / "kernels"))  # a fresh cache: nothing built there yet
     monkeypatch.setenv("CXX", os.environ.get("CXX", "c++"))  # restored afterwards
     try:
@@ -1036,7 +1030,7 @@ def test_rms_norm_module_with_and_without_the_kernel(monkeypatch):
     """Prepared float32 norms take the kernel under auto where it builds (a few rows only), F.rms_norm otherwise."""
     x = torch.randn(5, 64)
     for mode in ("auto", "onednn"):
-        monkeypatch.setenv(cpu_gemm.GEMM_ENV, mode)
+        monkeypatch.setattr(cpu_gemm, "_forced", [mode])
         norm = RMSNorm(64, 1e-6)
         norm.weight.data.normal_()
         norm.prepare_inference()
@@ -1097,7 +1091,7 @@ def test_one_token_moe_and_mlp_with_and_without_the_kernel(quantization, monkeyp
     x = torch.randn(1, 64, generator=torch.Generator().manual_seed(1))
     outs = {}
     for mode in ("auto", "onednn"):
-        monkeypatch.setenv(cpu_gemm.GEMM_ENV, mode)
+        monkeypatch.setattr(cpu_gemm, "_forced", [mode])
         g = torch.Generator().manual_seed(0)
         layer = nn.ModuleDict({"moe": moe_module.MoE(cfg, 64, torch.float32), "mlp": GatedMLP(64, 128, torch.float32)})
         with torch.no_grad():
@@ -1135,7 +1129,7 @@ def test_one_token_moe_kernel_routes_as_the_router(router, monkeypatch):
     cfg = MoEConfig(n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32, **router)
     outs = {}
     for mode in ("auto", "onednn"):
-        monkeypatch.setenv(cpu_gemm.GEMM_ENV, mode)
+        monkeypatch.setattr(cpu_gemm, "_forced", [mode])
         moe = moe_module.MoE(cfg, 48, torch.float32)
         with torch.no_grad():
             for p in moe.parameters():
@@ -1451,7 +1445,7 @@ def test_decoder_layer_tables_and_steps_reject_what_they_cannot_compute(tiny_che
     takes one to eight rows; a call checks the hidden rows and the cache."""
     from mla_runtime.layers.decoder_kernel import layer_weights
 
-    monkeypatch.setenv(cpu_gemm.GEMM_ENV, "auto")  # the kernels themselves, whatever the suite's mode
+    monkeypatch.setattr(cpu_gemm, "_forced", ["auto"])  # the kernels themselves, whatever the suite's mode
     ckpt, _ = tiny_checkpoint("v3")
     model = load_model(ckpt, dtype="float32")
     layer = model.model.layers[1]

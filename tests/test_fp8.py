@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from mla_kernels import cpu_kernels
-from mla_runtime.layers import qweight
+from mla_runtime.layers import cpu_gemm, qweight
 from mla_runtime.layers.fp8 import Fp8Weight, quantize_fp8_block
 from mla_runtime.loader import dequantize_fp8_block
 
@@ -131,7 +131,7 @@ def test_matmul_in_bfloat16_with_a_bias(gemm_mode):
 
 
 def test_fallback_dequantises_a_bounded_number_of_rows(monkeypatch):
-    monkeypatch.setenv("MLA_CPU_GEMM", "plain")
+    monkeypatch.setattr(cpu_gemm, "_forced", ["plain"])
     q = stored(200, 320, (128, 128), 8)
     x = torch.randn(5, 320)
     whole = q.matmul(x, None)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mla_kernels import cpu_kernels, int4_format
-from mla_runtime.layers import int4, qweight
+from mla_runtime.layers import cpu_gemm, int4, qweight
 from mla_runtime.layers.int4 import Int4Weight, int4_kernel_failure
 
 
@@ -256,7 +256,7 @@ def test_kernel_rejects_bad_operands():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(7, 64), (100, 96), (33, 40)])
 def test_matmul_in_both_modes(gemm_mode, dtype, shape, monkeypatch):
-    """``MLA_CPU_GEMM=auto`` takes the kernel for up to 64 rows, ``plain`` the dequantised fallback: both are the
+    """``cpu_gemm=auto`` takes the kernel for up to 64 rows, ``plain`` the dequantised fallback: both are the
     dequantised product within the kernel's tolerance."""
     n, k = shape
     g = torch.Generator().manual_seed(n + k)
@@ -281,9 +281,9 @@ def test_kernel_and_fallback_agree(monkeypatch):
     g = torch.Generator().manual_seed(5)
     w = torch.randn(50, 1024, generator=g)
     x = torch.randn(4, 1024, generator=g)
-    monkeypatch.setenv("MLA_CPU_GEMM", "auto")
+    monkeypatch.setattr(cpu_gemm, "_forced", ["auto"])
     fast = Int4Weight.quantize(w)
-    monkeypatch.setenv("MLA_CPU_GEMM", "plain")
+    monkeypatch.setattr(cpu_gemm, "_forced", ["plain"])
     slow = Int4Weight.quantize(w)
     assert fast.kernel and not slow.kernel
     gap = (fast.matmul(x, None).double() - slow.matmul(x, None).double()).abs()

@@ -328,7 +328,7 @@ def _resident_bytes(model: torch.nn.Module) -> int:
 @pytest.mark.parametrize("quantization", [None, "int8", "int4", "bf16"])
 @pytest.mark.parametrize("variant", ["v3", "v2_group", "v3_noq_halfsplit"])
 def test_weight_bytes_equal_what_a_loaded_model_holds(tiny_checkpoint, variant, quantization, gemm_mode):
-    """The planner's per-part bytes against a model loaded in each format: exact. Under MLA_CPU_GEMM=plain the CPU
+    """The planner's per-part bytes against a model loaded in each format: exact. Under cpu_gemm=plain the CPU
     keeps no second layout, so the count for no particular machine (``cpu=None``) must match; under auto, the
     count for this CPU (its probes: oneDNN's blocked copies, int8's float32 row scales, bfloat16 absorbed copies)."""
     from mla_runtime.layers.quantization import finish_quantization, quantized_weights

@@ -78,7 +78,7 @@ def test_int8_product_equals_its_dequantised_matrix(gemm_mode, dtype, shape):
 def test_int8_products_with_and_without_the_row_kernels(mode, rows, monkeypatch):
     """Where the compiled kernels build, auto runs every int8 product through them, 64 rows a pass (each row rounded
     to int16 with a power-of-two scale); onednn (and a CPU without the kernels) keep ATen's kernel (bfloat16 rows)."""
-    monkeypatch.setenv("MLA_CPU_GEMM", mode)
+    monkeypatch.setattr(cpu_gemm, "_forced", [mode])
     g = torch.Generator().manual_seed(1)
     w = torch.randn(96, 128, generator=g)
     q = Int8Weight.quantize(w)

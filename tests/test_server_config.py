@@ -192,7 +192,7 @@ def test_the_docs_list_every_option_and_environment_variable():
     text = (ROOT / "docs" / "configuration.md").read_text()
     for o in cfg.OPTIONS.values():
         assert f"`{o.flag}`" in text and f"`{o.yaml}`" in text, o.name
-    for name in ("MLA_API_KEY", "MLA_CPU_GEMM", "HF_HUB_CACHE", "HF_HOME", "HF_HUB_OFFLINE", "TORCHELASTIC_RUN_ID",
+    for name in ("MLA_API_KEY", "MLA_TP_WAIT_S", "HF_HUB_CACHE", "HF_HOME", "HF_HUB_OFFLINE", "TORCHELASTIC_RUN_ID",
                  "WORLD_SIZE", "RANK", "MLA_FAULT_INJECTION", "CXX", "MLA_KERNEL_CACHE", "XDG_CACHE_HOME",
                  "MLA_CPU_ISA", "MLA_CPU_EMULATE_AMX", "MLA_REQUIRE_PROMTOOL"):
         assert f"`{name}`" in text and name in env.__doc__, name

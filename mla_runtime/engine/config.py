@@ -118,8 +118,7 @@ class EngineConfig:
     # their probes pass; onednn, oneDNN without the compiled kernels; plain, the fallbacks only
     cpu_gemm: str | None = field(default=None, metadata=opt(
         "engine.cpu_gemm", "CPU products: auto (the fast paths where their probes pass), onednn (oneDNN without the "
-                           "compiled kernels) or plain (the fallbacks) (default: auto, or the deprecated "
-                           "$MLA_CPU_GEMM)", choices=CPU_GEMM_MODES))
+                           "compiled kernels) or plain (the fallbacks) (default: auto)", choices=CPU_GEMM_MODES))
     # a CPU engine's heap (host_heap.py): retain, freed activations stay mapped for the next step (glibc);
     # system, the C library's defaults
     cpu_heap: str = field(default="retain", metadata=opt(

@@ -67,14 +67,12 @@ import torch
 import torch.nn.functional as F
 
 from mla_kernels import cpu_kernels, cpu_ops
-from mla_runtime import env
 from mla_runtime.dtypes import HALF_WEIGHT_SCHEMES
 from mla_runtime.options import CPU_GEMM_MODES
 from mla_runtime.resolved_config import CpuLayouts
 
 logger = logging.getLogger("mla_runtime")
 
-GEMM_ENV = env.CPU_GEMM  # the deprecated way to set the mode: the engine setting cpu_gemm replaces it
 GEMM_MODES = CPU_GEMM_MODES
 PACK_BATCH_HINT = 16  # oneDNN chooses the blocked layout for about this many rows
 PROBED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -148,22 +146,9 @@ _forced: list[str] = []  # the modes of the forced_gemm_mode blocks being run, i
 
 def gemm_mode() -> str:
     """The mode a load takes its products' paths under: the innermost ``forced_gemm_mode`` block's (the engine runs
-    its load in one, with its ``cpu_gemm`` setting), else the deprecated ``MLA_CPU_GEMM`` variable, else ``auto``.
-    Read while a model is prepared, never per step: the paths are frozen into the prepared weights."""
-    if _forced:
-        return _forced[-1]
-    raw = env.cpu_gemm_mode()
-    mode = (raw or "auto").strip().lower() or "auto"
-    if mode not in GEMM_MODES:
-        raise ValueError(f"{GEMM_ENV}: unknown value {raw!r} (use one of {', '.join(GEMM_MODES)})")
-    if raw:
-        _warn_deprecated()
-    return mode
-
-
-@functools.cache
-def _warn_deprecated() -> None:
-    logger.warning("%s is deprecated: set the engine's cpu_gemm (--cpu-gemm, engine.cpu_gemm) instead", GEMM_ENV)
+    its load in one, with its ``cpu_gemm`` setting), else ``auto``. Read while a model is prepared, never per step: the
+    paths are frozen into the prepared weights."""
+    return _forced[-1] if _forced else "auto"
 
 
 @contextmanager
