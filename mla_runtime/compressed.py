@@ -143,14 +143,8 @@ def write_quantized_checkpoint(src: str | Path, out: str | Path, quantization: s
     from safetensors.torch import save_file
 
     from mla_runtime.config import ModelConfig
-    from mla_runtime.layers.quantization import WEIGHT_FORMATS, quantized_parameter_names
-    from mla_runtime.loader import (
-        _dequantized,
-        _Reader,
-        _row_chunks,
-        checkpoint_files,
-        checkpoint_layout,
-    )
+    from mla_runtime.layers.quantization import quantized_parameter_names
+    from mla_runtime.loader import _Reader, checkpoint_files, checkpoint_layout
     from mla_runtime.models.deepseek import DeepseekForCausalLM
     from mla_runtime.resolved_config import ResolvedConfig
 
@@ -167,7 +161,6 @@ def write_quantized_checkpoint(src: str | Path, out: str | Path, quantization: s
         model = DeepseekForCausalLM(ResolvedConfig(cfg, torch.float32, num_mtp_layers=cfg.num_nextn_predict_layers))
     products = set(quantized_parameter_names(model))
     table = checkpoint_layout(cfg, num_mtp_layers=cfg.num_nextn_predict_layers)
-    fmt = WEIGHT_FORMATS[quantization]
     reader = _Reader(files)
     block = cfg.fp8_block_size
     scales = {n for n in files if n.endswith(".weight_scale_inv")}
@@ -182,22 +175,8 @@ def write_quantized_checkpoint(src: str | Path, out: str | Path, quantization: s
         tensors: dict[str, torch.Tensor] = {}
         for name in names:
             slot = table.get(name)
-            scale_name = name[: -len("weight")] + "weight_scale_inv" if name.endswith(".weight") else None
-            fp8 = scale_name if scale_name in scales else None
-            k = reader.shape(name)[-1]
-            if (slot is not None and slot.param in products and name.endswith(".weight")
-                    and (quantization != "int4" or k % INT4_GROUP == 0)):  # the format's groups span whole rows
-                parts = [fmt.quantize(chunk.float()) for _, chunk in _row_chunks(reader, name, None, fp8, block)]
-                matrix = parts[0] if len(parts) == 1 else type(parts[0]).cat(parts)
-                base = name[: -len("weight")]
-                tensors.update({base + k: v.contiguous() for k, v in compress(matrix).items()})
-            else:
-                tensor = reader.get(name) if fp8 is None else _dequantized(reader, name, fp8, block, None)
-                if fp8 is not None:
-                    tensor = tensor.to(torch.bfloat16)
-                tensors[name] = tensor.contiguous()
-                if name.endswith(".weight") and tensor.dim() == 2:
-                    ignore.add(name[: -len(".weight")])
+            _convert(name, tensors, ignore, reader, slot is not None and slot.param in products, quantization,
+                     scales, block)
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, fname))
         del tensors
@@ -212,6 +191,32 @@ def write_quantized_checkpoint(src: str | Path, out: str | Path, quantization: s
         if (src / extra).is_file():
             shutil.copy2(src / extra, out / extra)
     return out
+
+
+def _convert(name: str, tensors: dict[str, torch.Tensor], ignore: set[str], reader: Any, product: bool,
+             quantization: str, scales: set[str], block: tuple[int, int] | None) -> None:
+    """One checkpoint tensor into ``tensors``: a product's matrix (``product``) quantised and compressed, anything
+    else as it is (an FP8 one dequantised to bfloat16, its module named in ``ignore``)."""
+    from mla_runtime.layers.quantization import WEIGHT_FORMATS
+    from mla_runtime.loader import _dequantized, _row_chunks
+
+    scale_name = name[: -len("weight")] + "weight_scale_inv" if name.endswith(".weight") else None
+    fp8 = scale_name if scale_name in scales else None
+    k = reader.shape(name)[-1]
+    if product and name.endswith(".weight") and (quantization != "int4" or k % INT4_GROUP == 0):
+        # the format's groups span whole rows
+        fmt = WEIGHT_FORMATS[quantization]
+        parts = [fmt.quantize(chunk.float()) for _, chunk in _row_chunks(reader, name, None, fp8, block)]
+        matrix = parts[0] if len(parts) == 1 else type(parts[0]).cat(parts)
+        base = name[: -len("weight")]
+        tensors.update({base + key: v.contiguous() for key, v in compress(matrix).items()})
+        return
+    tensor = reader.get(name) if fp8 is None else _dequantized(reader, name, fp8, block, None)
+    if fp8 is not None:
+        tensor = tensor.to(torch.bfloat16)
+    tensors[name] = tensor.contiguous()
+    if name.endswith(".weight") and tensor.dim() == 2:
+        ignore.add(name[: -len(".weight")])
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:

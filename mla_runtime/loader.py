@@ -585,7 +585,6 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
         device = next((t.device for t in [*model.parameters(), *model.buffers()] if not t.is_meta),
                       torch.device("cpu"))
     reader = _Reader(files, device, file_names)
-
     stored = cfg.stored_quantization  # a pre-quantised checkpoint: its matrices load as stored
     if stored is not None:
         if quantization not in (None, stored):
@@ -594,6 +593,27 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
         quantization = stored
     compressed = {n for n in table if stored is not None and is_stored_compressed(n, files.keys(), stored)}
     scale_names = {n for n in files if n.endswith(".weight_scale_inv")}
+    _check_checkpoint(path, cfg, table, params, reader, compressed, scale_names)
+    kinds = _weight_kinds(cfg, table, params, quantization, scale_names, quantized_parameter_names(model))
+    _allocate_float_parameters(model, table, kinds, device)
+    matrices = _QuantizedMatrices({n: params[n].shape for n in kinds})
+    _fill(model, table, kinds, reader, matrices, _Sources(quantization, compressed, scale_names, device))
+    _fold_lora_scales(model)
+    install_quantized(model, matrices.result())
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.materialize(device)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise CheckpointError(f"{path}: nothing loaded into {', '.join(left[:5])}")
+
+
+def _check_checkpoint(path: Path, cfg: ModelConfig, table: dict[str, Any], params: dict[str, nn.Parameter],
+                      reader: _Reader, compressed: set[str], scale_names: set[str]) -> None:
+    """Every problem of the checkpoint against the model's layout (``table``) in one ``CheckpointError``: tensors
+    missing, unexpected or of another shape, FP8 scales without a block size."""
+    stored = cfg.stored_quantization
+    files = reader.files
     companions = {c for n in compressed for c in stored_names(n, cast(str, stored))}
     missing = sorted(n for n in table if n not in files and n not in compressed)
     unexpected = sorted(n for n in files if n not in table and n not in scale_names and n not in companions
@@ -620,23 +640,39 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
         raise CheckpointError(f"{min(scale_names)}: FP8 scales found but config.json has no "
                               f"quantization_config with weight_block_size")
 
-    kinds = _weight_kinds(cfg, table, params, quantization, scale_names, quantized_parameter_names(model))
-    fmt = None if quantization is None else WEIGHT_FORMATS[quantization]
-    matrices = _QuantizedMatrices({n: params[n].shape for n in kinds})
+
+def _allocate_float_parameters(model: DeepseekForCausalLM, table: dict[str, Any], kinds: dict[str, str],
+                               device: torch.device) -> None:
+    """The float parameters (those not quantised: ``kinds``), allocated now: one checkpoint tensor fills a whole one;
+    others (stacked, or with vocabulary padding rows) start from zeros."""
     modules = dict(model.named_modules())
-    # the float parameters, allocated now: one checkpoint tensor fills a whole one; others (stacked, or with
-    # vocabulary padding rows) start from zeros
     whole = {slot.param for slot in table.values() if slot is not None and slot.index == ()}
-    for name, param in params.items():
+    for name, param in dict(model.named_parameters()).items():
         if name not in kinds and param.is_meta:
             owner, _, attr = name.rpartition(".")
             alloc = torch.empty if name in whole else torch.zeros
             setattr(modules[owner] if owner else model, attr,
                     nn.Parameter(alloc(param.shape, dtype=param.dtype, device=device), requires_grad=False))
-    params = dict(model.named_parameters())
 
+
+@dataclass(frozen=True)
+class _Sources:
+    """How the checkpoint's tensors become the model's: the products' format, the names stored compressed, the FP8
+    scales, the device."""
+
+    quantization: str | None
+    compressed: set[str]
+    scale_names: set[str]
+    device: torch.device
+
+
+def _fill(model: DeepseekForCausalLM, table: dict[str, Any], kinds: dict[str, str], reader: _Reader,
+          matrices: _QuantizedMatrices, src: _Sources) -> None:
+    """Read every tensor of ``table`` into its parameter (float ones in place; quantised ones into ``matrices``),
+    handing freed pages back to the system every ``TRIM_BYTES`` converted."""
     from tqdm import tqdm
 
+    params = dict(model.named_parameters())
     # on a terminal only (disable=None), and on one rank only
     bar = tqdm(total=sum(slot is not None for slot in table.values()), desc="loading weights", unit="tensor",
                disable=None if model.par.rank == 0 else True, leave=False)
@@ -645,50 +681,48 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
         if slot is None:
             continue
         bar.update(1)
-        param = params[slot.param]
-        kind = kinds.get(slot.param)
-        scale_name = name[: -len("weight")] + "weight_scale_inv" if name.endswith(".weight") else None
-        if name in compressed:
-            expert, first = _piece_position(param, slot.index)
-            for row, piece in read_stored(reader, name, cast(str, stored), slot.shard, param.dtype, device):
-                matrices.add(slot.param, expert, first + row, piece)
-            continue
-        if kind == STORED_FP8:
-
-            block = cast(tuple[int, int], cfg.fp8_block_size)
-            weight = reader.stored(name, slot.shard).to(device)
-            scale = reader.get(cast(str, scale_name), _scale_shard(slot.shard, block)).to(device)
-            expert, first = _piece_position(param, slot.index)
-            matrices.add(slot.param, expert, first, Fp8Weight(weight, scale.float(), block, param.dtype))
-            continue
-        fp8_scale = scale_name if scale_name in scale_names else None
-        expert, first = _piece_position(param, slot.index)
-        for row, chunk in _row_chunks(reader, name, slot.shard, fp8_scale, cfg.fp8_block_size):
-            chunk = chunk.to(device=device, dtype=param.dtype)
-            if kind is None:
-                with torch.no_grad():
-                    target = param[slot.index]
-                    (target if target.dim() == 3 else target[row: row + chunk.shape[0]]).copy_(chunk)
-            elif expert is None and param.dim() == 3:  # every expert at once (transformers' fused layout)
-                for e, rows in enumerate(chunk):
-                    matrices.add(slot.param, e, first, cast(Any, fmt).quantize(rows))
-            else:
-                matrices.add(slot.param, expert, first + row, cast(Any, fmt).quantize(chunk))
-            converted += chunk.numel() * chunk.element_size()
-            del chunk
+        converted += _fill_one(model.config, name, slot, params[slot.param], kinds.get(slot.param), reader, matrices,
+                               src)
         if converted > TRIM_BYTES:
             _release_free_memory()
             converted = 0
     bar.close()
     _release_free_memory()
-    _fold_lora_scales(model)
-    install_quantized(model, matrices.result())
-    for module in model.modules():
-        if isinstance(module, RotaryEmbedding):
-            module.materialize(device)
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if left:
-        raise CheckpointError(f"{path}: nothing loaded into {', '.join(left[:5])}")
+
+
+def _fill_one(cfg: ModelConfig, name: str, slot: Any, param: nn.Parameter, kind: str | None, reader: _Reader,
+              matrices: _QuantizedMatrices, src: _Sources) -> int:
+    """One checkpoint tensor into its parameter or its quantised matrices; the bytes it converted."""
+    device, stored = src.device, cfg.stored_quantization
+    scale_name = name[: -len("weight")] + "weight_scale_inv" if name.endswith(".weight") else None
+    expert, first = _piece_position(param, slot.index)
+    if name in src.compressed:
+        for row, piece in read_stored(reader, name, cast(str, stored), slot.shard, param.dtype, device):
+            matrices.add(slot.param, expert, first + row, piece)
+        return 0
+    if kind == STORED_FP8:
+        block = cast(tuple[int, int], cfg.fp8_block_size)
+        weight = reader.stored(name, slot.shard).to(device)
+        scale = reader.get(cast(str, scale_name), _scale_shard(slot.shard, block)).to(device)
+        matrices.add(slot.param, expert, first, Fp8Weight(weight, scale.float(), block, param.dtype))
+        return 0
+    fmt = None if src.quantization is None else WEIGHT_FORMATS[src.quantization]
+    fp8_scale = scale_name if scale_name in src.scale_names else None
+    converted = 0
+    for row, chunk in _row_chunks(reader, name, slot.shard, fp8_scale, cfg.fp8_block_size):
+        chunk = chunk.to(device=device, dtype=param.dtype)
+        if kind is None:
+            with torch.no_grad():
+                target = param[slot.index]
+                (target if target.dim() == 3 else target[row: row + chunk.shape[0]]).copy_(chunk)
+        elif expert is None and param.dim() == 3:  # every expert at once (transformers' fused layout)
+            for e, rows in enumerate(chunk):
+                matrices.add(slot.param, e, first, cast(Any, fmt).quantize(rows))
+        else:
+            matrices.add(slot.param, expert, first + row, cast(Any, fmt).quantize(chunk))
+        converted += chunk.numel() * chunk.element_size()
+        del chunk
+    return converted
 
 
 def _fold_lora_scales(model: DeepseekForCausalLM) -> None:

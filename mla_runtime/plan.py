@@ -42,7 +42,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -247,14 +247,34 @@ def _matrices(config: ModelConfig, tp: int, num_mtp_layers: int = 0) -> list[_Ma
     an FP8 checkpoint's products stay FP8 where every part a rank takes, and every part stacked with another, starts
     and ends on a block; the lm_head is not stored in FP8 and ``kv_b_proj`` is dequantised."""
     _check_tp(config, tp)
+    d, layers = config.hidden_size, range(config.num_hidden_layers + num_mtp_layers)
+    found = _attention_matrices(config, tp, num_mtp_layers) + _mlp_matrices(config, tp, num_mtp_layers)
+    gates = sum(_gated_norms(config, i) for i in layers)
+    if gates:  # A.X-K2's gated norms: their low-rank gates, replicated, never quantised, not stored in FP8
+        r = config.gated_norm_rank
+        found.append(_Matrix("gated norm W_down", gates, (r,), d, False, False, r * d, r * d, False))
+        found.append(_Matrix("gated norm W_up", gates, (d,), r, False, False, d * r, d * r, False))
+    if num_mtp_layers:
+        found.append(_Matrix("eh_proj", num_mtp_layers, (d,), 2 * d, False, False, 2 * d * d, 2 * d * d, False))
+    if not config.tie_word_embeddings:
+        vocab_rows = -(-config.vocab_size // tp)
+        found.append(_Matrix("lm_head", 1, (vocab_rows,), d, True, False, vocab_rows * d, config.vocab_size * d,
+                             False))
+    return found
+
+
+def _fp8_whole(config: ModelConfig, tp: int) -> Callable[[int, int], bool]:
+    """Whether a dimension split across ranks, ``local`` of it on each, stays whole FP8 blocks of ``block``."""
+    fp8 = config.fp8_block_size is not None
+    return lambda local, block: fp8 and (tp == 1 or local % block == 0)
+
+
+def _attention_matrices(config: ModelConfig, tp: int, num_mtp_layers: int) -> list[_Matrix]:
+    """The attention blocks' matrices of one rank (``_matrices``): projections, ``kv_b_proj``, the indexer's."""
     d, heads, big_heads = config.hidden_size, config.num_attention_heads // tp, config.num_attention_heads
     qk, d_c, latent = config.qk_head_dim, config.kv_lora_rank, config.latent_dim
-    fp8 = config.fp8_block_size is not None
+    fp8, whole = config.fp8_block_size is not None, _fp8_whole(config, tp)
     bn, bk = config.fp8_block_size or (1, 1)
-
-    def whole(local: int, block: int) -> bool:  # a dimension split across ranks
-        return fp8 and (tp == 1 or local % block == 0)
-
     layers = range(config.num_hidden_layers + num_mtp_layers)
     n = config.num_attention_layers + num_mtp_layers  # attention blocks (a LongCat layer has two)
     found: list[_Matrix] = []
@@ -291,6 +311,15 @@ def _matrices(config: ModelConfig, tp: int, num_mtp_layers: int = 0) -> list[_Ma
     d_v = config.v_head_dim
     found.append(_Matrix("o_proj", n, (d,), heads * d_v, True, whole(heads * d_v, bk), d * heads * d_v,
                          d * big_heads * d_v))
+    return found
+
+
+def _mlp_matrices(config: ModelConfig, tp: int, num_mtp_layers: int) -> list[_Matrix]:
+    """The MLPs' matrices of one rank (``_matrices``): dense MLPs, shared and routed experts."""
+    d, fp8, whole = config.hidden_size, config.fp8_block_size is not None, _fp8_whole(config, tp)
+    bn, bk = config.fp8_block_size or (1, 1)
+    layers = range(config.num_hidden_layers + num_mtp_layers)
+    found: list[_Matrix] = []
 
     def gated(name: str, count: int, inter: int, split: bool) -> list[_Matrix]:
         local = inter // tp if split else inter
@@ -308,17 +337,6 @@ def _matrices(config: ModelConfig, tp: int, num_mtp_layers: int = 0) -> list[_Ma
         if m.n_shared_experts:
             found += gated("shared experts", moe_layers, m.n_shared_experts * m.moe_intermediate_size, True)
         found += gated("routed experts", moe_layers * (m.n_routed_experts // tp), m.moe_intermediate_size, False)
-    gates = sum(_gated_norms(config, i) for i in layers)
-    if gates:  # A.X-K2's gated norms: their low-rank gates, replicated, never quantised, not stored in FP8
-        r = config.gated_norm_rank
-        found.append(_Matrix("gated norm W_down", gates, (r,), d, False, False, r * d, r * d, False))
-        found.append(_Matrix("gated norm W_up", gates, (d,), r, False, False, d * r, d * r, False))
-    if num_mtp_layers:
-        found.append(_Matrix("eh_proj", num_mtp_layers, (d,), 2 * d, False, False, 2 * d * d, 2 * d * d, False))
-    if not config.tie_word_embeddings:
-        vocab_rows = -(-config.vocab_size // tp)
-        found.append(_Matrix("lm_head", 1, (vocab_rows,), d, True, False, vocab_rows * d, config.vocab_size * d,
-                             False))
     return found
 
 
@@ -356,6 +374,85 @@ class WeightFootprint:
     @property
     def total(self) -> int:
         return self.float_bytes + self.quantized_bytes + self.absorbed_bytes + self.packed_bytes
+
+
+def _small_parameters(config: ModelConfig, tp: int, num_mtp_layers: int, stacked_bias: bool) -> tuple[int, int]:
+    """The elements of one rank's parameters outside the matrices: the embedding, norms and biases (model dtype;
+    ``stacked_bias``: the stacked input projection's bias too), and the routers' (float32)."""
+    d, vocab_rows = config.hidden_size, -(-config.vocab_size // tp)
+    layers = range(config.num_hidden_layers + num_mtp_layers)
+    q_lora = config.q_lora_rank or 0
+    per_layer = 2 * d + config.kv_lora_rank + q_lora
+    if config.attention_bias:
+        per_layer += q_lora + config.latent_dim + d
+        if q_lora and stacked_bias:  # the stacked input projection's bias
+            per_layer += q_lora + config.latent_dim
+    blocks = config.num_attention_layers + num_mtp_layers  # per_layer: of each attention block
+    rest = vocab_rows * d + d + blocks * per_layer + num_mtp_layers * 3 * d  # + MTP enorm, hnorm, head norm
+    nope = sum(not config.uses_rope(i) for i in layers) * config.attention_blocks_per_layer
+    rest -= nope * config.qk_rope_head_dim * int(config.attention_bias)  # a NoPE layer's kv_a bias: d_c only
+    heads = config.num_attention_heads // tp
+    rest += blocks * 2 * heads * int(config.query_log_scaling)  # Mistral Large 4: the queries' softmax_scaling
+    idx = config.indexer  # the sparse-attention indexer's key LayerNorm (weight and bias) on the layers that have one
+    if idx is not None:  # ... and Mistral Large 4's q_input_norm (weight and bias) and softmax_scaling
+        own = sum(not idx.is_shared(i) for i in layers)
+        rest += own * (2 * idx.head_dim + 2 * d * (idx.query_source == "hidden")
+                       + 2 * idx.n_heads * idx.query_log_scaling)
+    router = config.qk_rope_head_dim // 2 * int(config.rope.learned_frequency_scale)  # LeRoPE's alpha: float32
+    m = config.moe
+    for i in layers:
+        moe_layer = m is not None and config.is_moe_layer(i)
+        if moe_layer and m is not None:
+            router += m.router_experts * d + (m.router_experts if _correction_bias(m) else 0)
+            if config.mlp_bias and m.n_shared_experts:  # the shared experts' biases (routed experts have none)
+                rest += 2 * (m.n_shared_experts * m.moe_intermediate_size // tp) + d
+        if config.mlp_bias:  # the dense MLPs' biases
+            rest += config.dense_mlps(i) * (2 * (config.intermediate_size // tp) + d)
+    return rest, router
+
+
+@dataclass(frozen=True)
+class _Extras:
+    """What a format adds to its matrices' bytes (``weight_footprint``)."""
+
+    row_scales: bool  # int8 matrices keep a float32 copy of their scales for the compiled row kernels
+    bf16_blocked: bool  # bf16 matrices keep oneDNN's blocked copy
+    checkpoint_fp8: bool  # an FP8 checkpoint's products stay in its blocks
+    fp8_block: tuple[int, int]
+
+
+def _matrix_bytes(config: ModelConfig, tp: int, num_mtp_layers: int, scheme: str | None, element: int, extra: int,
+                  extras: _Extras) -> tuple[int, int, int, int]:
+    """One rank's matrices (and a tied head's quantised copy): bytes in float, bytes quantised, bytes of second
+    layouts, and the largest float piece a load converts at once (elements)."""
+    row_scales, bf16_blocked, checkpoint_fp8 = extras.row_scales, extras.bf16_blocked, extras.checkpoint_fp8
+    fp8_block = extras.fp8_block
+    float_bytes = quantized = packed = largest = 0
+    for matrix in _matrices(config, tp, num_mtp_layers):
+        fmt = scheme if scheme is not None and matrix.product else \
+            "fp8" if checkpoint_fp8 and matrix.product and matrix.fp8_whole else "float"
+        if not (checkpoint_fp8 and fmt == "fp8"):  # FP8 blocks kept as stored are never widened
+            dequantised = config.fp8_block_size is not None and matrix.fp8_stored  # read whole, then sliced
+            largest = max(largest, matrix.full if dequantised else matrix.piece)
+        size = matrix.count * _stored_bytes(matrix, fmt, element, fp8_block)
+        if fmt == "float":
+            float_bytes += size
+            if extra:
+                packed += matrix.count * matrix.elements * (extra + (element if matrix.pack == "fused" else 0))
+        else:
+            quantized += size
+            packed += 4 * matrix.count * sum(matrix.rows) if row_scales else 0
+            quantized += size if bf16_blocked else 0
+    d, vocab_rows = config.hidden_size, -(-config.vocab_size // tp)
+    largest = max(largest, vocab_rows * d)
+    head = _Matrix("lm_head", 1, (vocab_rows,), d, True, False, vocab_rows * d, config.vocab_size * d, False)
+    if config.tie_word_embeddings and scheme is not None:  # the quantised copy of the embedding
+        quantized += _stored_bytes(head, scheme, element, fp8_block)
+        packed += 4 * vocab_rows if row_scales else 0
+        quantized += _stored_bytes(head, scheme, element, fp8_block) if bf16_blocked else 0
+    elif config.tie_word_embeddings and extra:  # the embedding is the head: packed for its products
+        packed += head.elements * extra
+    return float_bytes, quantized, packed, largest
 
 
 def weight_footprint(config: ModelConfig, dtype: str | torch.dtype = "auto", tensor_parallel_size: int = 1,
@@ -398,71 +495,28 @@ def weight_footprint(config: ModelConfig, dtype: str | torch.dtype = "auto", ten
     fmt_name = (scheme or ("fp8 (checkpoint blocks)" if checkpoint_fp8 else dtype_name(model_dtype)))
     fp8_block = config.fp8_block_size if checkpoint_fp8 and config.fp8_block_size else FP8_QUANTIZE_BLOCK
 
-    float_bytes = quantized = packed = 0
-    largest = 0
-    for matrix in _matrices(config, tp, num_mtp_layers):
-        fmt = scheme if scheme is not None and matrix.product else \
-            "fp8" if checkpoint_fp8 and matrix.product and matrix.fp8_whole else "float"
-        if not (checkpoint_fp8 and fmt == "fp8"):  # FP8 blocks kept as stored are never widened
-            dequantised = config.fp8_block_size is not None and matrix.fp8_stored  # read whole, then sliced
-            largest = max(largest, matrix.full if dequantised else matrix.piece)
-        size = matrix.count * _stored_bytes(matrix, fmt, element, fp8_block)
-        if fmt == "float":
-            float_bytes += size
-            if extra:
-                packed += matrix.count * matrix.elements * (extra + (element if matrix.pack == "fused" else 0))
-        else:
-            quantized += size
-            packed += 4 * matrix.count * sum(matrix.rows) if row_scales else 0
-            quantized += size if bf16_blocked else 0
-    d, vocab_rows = config.hidden_size, -(-config.vocab_size // tp)
-    largest = max(largest, vocab_rows * d)
-    head = _Matrix("lm_head", 1, (vocab_rows,), d, True, False, vocab_rows * d, config.vocab_size * d, False)
-    if config.tie_word_embeddings and scheme is not None:  # the quantised copy of the embedding
-        quantized += _stored_bytes(head, scheme, element, fp8_block)
-        packed += 4 * vocab_rows if row_scales else 0
-        quantized += _stored_bytes(head, scheme, element, fp8_block) if bf16_blocked else 0
-    elif config.tie_word_embeddings and extra:  # the embedding is the head: packed for its products
-        packed += head.elements * extra
+    extras = _Extras(row_scales, bf16_blocked, checkpoint_fp8, fp8_block)
+    float_bytes, quantized, packed, largest = _matrix_bytes(config, tp, num_mtp_layers, scheme, element, extra, extras)
 
-    # the rest: embedding, norms, biases (model dtype), routers (float32)
-    layers = range(config.num_hidden_layers + num_mtp_layers)
-    q_lora = config.q_lora_rank or 0
-    per_layer = 2 * d + config.kv_lora_rank + q_lora
-    if config.attention_bias:
-        per_layer += q_lora + config.latent_dim + d
-        if q_lora and (extra or scheme is not None or checkpoint_fp8):  # the stacked input projection's bias
-            per_layer += q_lora + config.latent_dim
-    blocks = config.num_attention_layers + num_mtp_layers  # per_layer: of each attention block
-    rest = vocab_rows * d + d + blocks * per_layer + num_mtp_layers * 3 * d  # + MTP enorm, hnorm, head norm
-    nope = sum(not config.uses_rope(i) for i in layers) * config.attention_blocks_per_layer
-    rest -= nope * config.qk_rope_head_dim * int(config.attention_bias)  # a NoPE layer's kv_a bias: d_c only
-    heads = config.num_attention_heads // tp
-    rest += blocks * 2 * heads * int(config.query_log_scaling)  # Mistral Large 4: the queries' softmax_scaling
-    idx = config.indexer  # the sparse-attention indexer's key LayerNorm (weight and bias) on the layers that have one
-    if idx is not None:  # ... and Mistral Large 4's q_input_norm (weight and bias) and softmax_scaling
-        own = sum(not idx.is_shared(i) for i in layers)
-        rest += own * (2 * idx.head_dim + 2 * d * (idx.query_source == "hidden")
-                       + 2 * idx.n_heads * idx.query_log_scaling)
-    router = config.qk_rope_head_dim // 2 * int(config.rope.learned_frequency_scale)  # LeRoPE's alpha: float32
-    m = config.moe
-    for i in layers:
-        moe_layer = m is not None and config.is_moe_layer(i)
-        if moe_layer and m is not None:
-            router += m.router_experts * d + (m.router_experts if _correction_bias(m) else 0)
-            if config.mlp_bias and m.n_shared_experts:  # the shared experts' biases (routed experts have none)
-                rest += 2 * (m.n_shared_experts * m.moe_intermediate_size // tp) + d
-        if config.mlp_bias:  # the dense MLPs' biases
-            rest += config.dense_mlps(i) * (2 * (config.intermediate_size // tp) + d)
+    rest, router = _small_parameters(config, tp, num_mtp_layers, stacked_bias=bool(extra or scheme is not None
+                                                                                  or checkpoint_fp8))
     float_bytes += rest * element + 4 * router
 
-    absorbed_element = 2 if scheme is not None and decode_kernel else element
-    # w_uk is a view of kv_b_proj where a rank has one head and keeps its dtype (already contiguous); w_uv_t a copy;
-    # a NoPE layer's w_uk has d_n + d_r rows a head
+    absorbed = _absorbed_bytes(config, tp, num_mtp_layers, 2 if scheme is not None and decode_kernel else element,
+                               element)
+    return WeightFootprint(model_dtype, fmt_name, float_bytes, quantized, absorbed, packed, largest)
+
+
+def _absorbed_bytes(config: ModelConfig, tp: int, num_mtp_layers: int, absorbed_element: int, element: int) -> int:
+    """The absorbed factors' copies of one rank, ``absorbed_element`` bytes a value. ``w_uk`` is a view of
+    ``kv_b_proj`` where a rank has one head and keeps its dtype (already contiguous); ``w_uv_t`` a copy; a NoPE
+    layer's ``w_uk`` has ``d_n + d_r`` rows a head."""
+    blocks, heads = config.num_attention_layers + num_mtp_layers, config.num_attention_heads // tp
+    nope = sum(not config.uses_rope(i) for i in range(config.num_hidden_layers + num_mtp_layers)) \
+        * config.attention_blocks_per_layer
     view = heads == 1 and absorbed_element == element
     w_uk = 0 if view else heads * (blocks * config.qk_nope_head_dim + nope * config.qk_rope_head_dim)
-    absorbed = (w_uk + blocks * heads * config.v_head_dim) * config.kv_lora_rank * absorbed_element
-    return WeightFootprint(model_dtype, fmt_name, float_bytes, quantized, absorbed, packed, largest)
+    return (w_uk + blocks * heads * config.v_head_dim) * config.kv_lora_rank * absorbed_element
 
 
 def weight_bytes(config: ModelConfig, dtype: str | torch.dtype = "auto", tensor_parallel_size: int = 1,
@@ -711,6 +765,20 @@ def _weights_do_not_fit(config: ModelConfig, model_dtype: torch.dtype, tp: int, 
             f"Use more device memory, or what fits: {fits}")
 
 
+def _activations_that_fit(config: ModelConfig, dtype: torch.dtype, max_num_batched_tokens: int, max_num_seqs: int,
+                          tp: int, weights: int, usable: int) -> int:
+    """The activation reserve, or a ``ValueError`` saying by how much it and the weights exceed ``usable``."""
+    activations = activation_reserve_bytes(config, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
+                                           max_num_seqs=max_num_seqs, tensor_parallel_size=tp)
+    if weights + activations > usable:
+        raise ValueError(
+            f"weights ({weights:,} B) plus the activation reserve ({activations:,} B for "
+            f"max_num_batched_tokens={max_num_batched_tokens}) exceed the {usable:,} B usable per rank by "
+            f"{weights + activations - usable:,} B: lower max_num_batched_tokens or max_num_seqs, or add "
+            f"memory / tensor parallelism")
+    return activations
+
+
 def plan_memory(config: ModelConfig, *, dtype: str | torch.dtype, cache_dtype: str | torch.dtype = "auto",
                 device_memory_bytes: int, memory_utilization: float = 0.92, max_seq_len: int,
                 max_num_seqs: int, block_size: int = 64, max_num_batched_tokens: int | None = None,
@@ -744,15 +812,8 @@ def plan_memory(config: ModelConfig, *, dtype: str | torch.dtype, cache_dtype: s
     if weights > usable:
         raise ValueError(_weights_do_not_fit(config, model_dtype, tp, weights, usable, device_memory_bytes,
                                              memory_utilization, quantization, cpu))
-    activations = activation_reserve_bytes(
-        config, dtype=model_dtype, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-        tensor_parallel_size=tp)
-    if weights + activations > usable:
-        raise ValueError(
-            f"weights ({weights:,} B) plus the activation reserve ({activations:,} B for "
-            f"max_num_batched_tokens={max_num_batched_tokens}) exceed the {usable:,} B usable per rank by "
-            f"{weights + activations - usable:,} B: lower max_num_batched_tokens or max_num_seqs, or add "
-            f"memory / tensor parallelism")
+    activations = _activations_that_fit(config, model_dtype, max_num_batched_tokens, max_num_seqs, tp, weights,
+                                        usable)
     budget = usable - weights - activations
     latent = latent_bytes_per_token(config, cache.dtype, model_dtype)
     holders = tp if latent_cache_layout == "sharded" else 1  # ranks that split the tokens between them

@@ -138,3 +138,27 @@ def test_the_attention_layer_leaves_paths_to_its_backend():
              and any(isinstance(x, ast.Attribute) and x.attr in ("dtype", "device", "type")
                      for side in (n.left, *n.comparators) for x in ast.walk(side))]
     assert not tests, f"MLAttention tests a dtype or device on lines {tests}"
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def test_no_function_is_longer_than_a_screen():
+    """Every function and method of ``mla_runtime`` fits in ``MAX_FUNCTION_LINES`` lines, docstring included."""
+    long = []
+    for module, path in modules():
+        if not module.startswith("mla_runtime"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno is not None:
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{module}.{node.name}: {lines} lines")
+    assert not long, long
+
+
+def test_the_front_door_and_the_engine_stay_short():
+    """The README reads in a few minutes, and the engine's step loop in one file of under 200 lines (scheduling,
+    running and request processing live in their own modules)."""
+    assert len((ROOT / "README.md").read_text().splitlines()) < 150
+    assert len((ROOT / "mla_runtime" / "engine" / "llm_engine.py").read_text().splitlines()) < 200

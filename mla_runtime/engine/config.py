@@ -195,23 +195,7 @@ class EngineConfig:
         if self.latent_cache_layout not in LATENT_CACHE_LAYOUTS:
             raise ValueError(f"latent_cache_layout must be one of {LATENT_CACHE_LAYOUTS}, "
                              f"got {self.latent_cache_layout!r}")
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        if self.speculative_method not in SPECULATIVE_METHODS:
-            raise InvalidParam("speculative_method", f"speculative_method must be one of {SPECULATIVE_METHODS}, "
-                               f"got {self.speculative_method!r}")
-        if self.speculative_method == "mtp" and self.num_speculative_tokens == 0:
-            object.__setattr__(self, "num_speculative_tokens", 1)
-        if isinstance(self.speculative_token_map, os.PathLike):
-            object.__setattr__(self, "speculative_token_map", os.fspath(self.speculative_token_map))
-        if self.speculative_token_map is not None and not isinstance(self.speculative_token_map, str):
-            raise InvalidParam("speculative_token_map", "speculative_token_map must be a path, 'none' or None, "
-                               f"got {self.speculative_token_map!r}")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) and prompt_lookup_max "
-                             f"({self.prompt_lookup_max}) must satisfy 1 <= min <= max")
+        self._check_speculation()
         if self.latent_projection not in LATENT_PROJECTIONS:
             raise ValueError(f"latent_projection must be 'svd' or 'pca', got {self.latent_projection!r}")
         if self.latent_projection == "pca" and self.latent_rank is not None and not self.latent_calibration:
@@ -233,6 +217,26 @@ class EngineConfig:
         if self.num_threads is not None and self.num_threads != "auto" and (
                 not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"num_threads must be a positive int, 'auto' or None, got {self.num_threads!r}")
+
+    def _check_speculation(self) -> None:
+        """The speculative decoding settings (``mtp`` drafts at least one token)."""
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise InvalidParam("speculative_method", f"speculative_method must be one of {SPECULATIVE_METHODS}, "
+                               f"got {self.speculative_method!r}")
+        if self.speculative_method == "mtp" and self.num_speculative_tokens == 0:
+            object.__setattr__(self, "num_speculative_tokens", 1)
+        if isinstance(self.speculative_token_map, os.PathLike):
+            object.__setattr__(self, "speculative_token_map", os.fspath(self.speculative_token_map))
+        if self.speculative_token_map is not None and not isinstance(self.speculative_token_map, str):
+            raise InvalidParam("speculative_token_map", "speculative_token_map must be a path, 'none' or None, "
+                               f"got {self.speculative_token_map!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) and prompt_lookup_max "
+                             f"({self.prompt_lookup_max}) must satisfy 1 <= min <= max")
 
     def _check_cuda_graphs(self) -> None:
         if not isinstance(self.enforce_eager, bool):

@@ -31,10 +31,10 @@ from mla_runtime.engine.proposer import make_proposer
 from mla_runtime.engine.requests import (
     PromptType,
     RequestState,
-    append_token,
     check_request,
     make_output,
     new_request,
+    record_sampled,
     tokenize,
 )
 from mla_runtime.engine.scheduler import Scheduler
@@ -163,26 +163,10 @@ class LLMEngine:
         self.proposer.observe(plan, sampled)  # before the bookkeeping: it reads the state the step started from
         self.counts.count_drafts(plan.seqs, plan.extra_token_ids, accepted)
         self.scheduler.on_step_done(plan, accepted)
-        now = time.monotonic()
-        touched: dict[str, RequestState] = {}
-        for new in sampled:
-            state = self.requests.get(new.seq.request_id)
-            if state is None:  # aborted meanwhile
-                continue
-            for token, lp in zip(new.token_ids, new.logprobs):
-                if new.seq.is_finished:  # a stop among a speculative step's tokens drops the rest
-                    break
-                append_token(state, new.seq, token, lp, now, self.worker.model_config, self.worker.max_model_len,
-                             self.scheduler.finish)
-                self.counts.generation += 1
-                touched[state.request_id] = state
-        for state in touched.values():
-            if all(s.is_finished for s in state.seqs):
-                state.finished = True
-                state.metrics.finished_time = now
-                del self.requests[state.request_id]
+        touched = record_sampled(self.requests, sampled, self.worker.model_config, self.worker.max_model_len,
+                                 self.scheduler.finish, self.counts)
         self.scheduler.relieve_cache_pressure()  # finished sequences' blocks are back: free idle ones now
-        return [make_output(state) for state in touched.values()]
+        return [make_output(state) for state in touched]
 
     def shutdown(self, flush_timeout: float = 30.0) -> None:
         """Write the resident full blocks that are not on disk yet (with a disk tier, up to ``flush_timeout`` s; the

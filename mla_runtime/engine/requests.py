@@ -7,7 +7,7 @@ Both sides are plain functions over a ``RequestState``; the engine calls them, t
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,6 +136,30 @@ def _stop(seq: Sequence, text: str, token: int, cfg: ModelConfig) -> tuple[str, 
         if cut >= 0:
             return text[:cut], "stop"
     return text, None
+
+
+def record_sampled(requests: dict[str, RequestState], sampled: Iterable[Any], cfg: ModelConfig, max_model_len: int,
+                   finish: Callable[[Sequence, str], None], counts: Any) -> list[RequestState]:
+    """A step's sampled tokens (each with its sequence, tokens and log-probs) appended to their requests; a request
+    whose every sequence finished is done and leaves ``requests``. The requests the step touched, in order."""
+    now = time.monotonic()
+    touched: dict[str, RequestState] = {}
+    for new in sampled:
+        state = requests.get(new.seq.request_id)
+        if state is None:  # aborted meanwhile
+            continue
+        for token, lp in zip(new.token_ids, new.logprobs):
+            if new.seq.is_finished:  # a stop among a speculative step's tokens drops the rest
+                break
+            append_token(state, new.seq, token, lp, now, cfg, max_model_len, finish)
+            counts.generation += 1
+            touched[state.request_id] = state
+    for state in touched.values():
+        if all(s.is_finished for s in state.seqs):
+            state.finished = True
+            state.metrics.finished_time = now
+            del requests[state.request_id]
+    return list(touched.values())
 
 
 def make_output(state: RequestState) -> RequestOutput:

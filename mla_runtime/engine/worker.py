@@ -171,15 +171,7 @@ class Worker:
                                                                                      self.device),
             config.attention_path, self.num_mtp_layers, self.quantization, self.cache_dtype, config.block_size,
             self.max_model_len, self.max_num_batched_tokens, config.max_num_seqs, self.gemm_mode, self.cpu)
-        self.bytes_per_token = latent_bytes_per_token(cfg, self.cache_dtype.dtype, self.dtype, self.num_mtp_layers)
-        sharded = tp > 1 and config.latent_cache_layout == "sharded"
-        self.bytes_per_token_per_rank = self.bytes_per_token // tp if sharded else self.bytes_per_token
-        self.weight_bytes = weight_bytes(self.checkpoint_config, self.dtype, tp, self.quantization,
-                                         cpu=self.cpu, num_mtp_layers=self.num_mtp_layers,
-                                         latent_cache_layout=config.latent_cache_layout)
-        self.activation_bytes = activation_reserve_bytes(
-            cfg, dtype=self.dtype, max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs, tensor_parallel_size=tp)
+        self._size()
         self.model: DeepseekForCausalLM | None = None
         self.cache: LatentCache | None = None
         # the last step's batch, attention metadata and hidden states, for the MTP layer's pass over the same rows
@@ -189,6 +181,19 @@ class Worker:
         self.disk_tier: DiskTier | None = None
         self.host_tier: HostTier | None = None
         self.graphs: DecodeGraphRunner | None = None  # set at start-up where decode steps run as CUDA graphs
+
+    def _size(self) -> None:
+        """The planner's byte counts of this rank: a token's latent, the weights, the activations' reserve."""
+        config, cfg, tp = self.config, self.model_config, self.config.tensor_parallel_size
+        self.bytes_per_token = latent_bytes_per_token(cfg, self.cache_dtype.dtype, self.dtype, self.num_mtp_layers)
+        sharded = tp > 1 and config.latent_cache_layout == "sharded"
+        self.bytes_per_token_per_rank = self.bytes_per_token // tp if sharded else self.bytes_per_token
+        self.weight_bytes = weight_bytes(self.checkpoint_config, self.dtype, tp, self.quantization,
+                                         cpu=self.cpu, num_mtp_layers=self.num_mtp_layers,
+                                         latent_cache_layout=config.latent_cache_layout)
+        self.activation_bytes = activation_reserve_bytes(
+            cfg, dtype=self.dtype, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs, tensor_parallel_size=tp)
 
     # -- set-up ----------------------------------------------------------------------------------
     @contextmanager
