@@ -11,6 +11,7 @@ decided once per step in ``attention_metadata.AttentionMetadata``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,6 +47,12 @@ class ForwardBatch:
     @property
     def is_decode(self) -> bool:
         return max(self.query_lens, default=0) == 1
+
+    @functools.cached_property
+    def key_lens(self) -> list[int]:
+        """The keys each sequence attends over in this step (``context + new`` tokens), on the host: made once per
+        batch, read by every layer."""
+        return [c + q for q, c in zip(self.query_lens, self.context_lens_list)]
 
     def leading_short(self, max_query_len: int, max_extra_keys: int | None = None) -> tuple[int, int]:
         """``(sequences, tokens)`` of the leading run of sequences with at most ``max_query_len`` new tokens each

@@ -73,21 +73,22 @@ class CpuBackend(PagedBackend):
 
     def prepare(self, batch: ForwardBatch, rope: RopeTables, dims: AttentionDims, cache: LatentCache
                 ) -> AttentionMetadata:
-        meta = super().prepare(batch, rope, dims, cache)
+        """The step's metadata: with a gather plan of its leading short rows, and the sequences after them as a
+        batch of their own (``rest``), where it has such rows."""
         kv = cache.layers[0].kv
-        if self.path == "naive":
-            return meta
         key_bytes = kv.shape[-1] * kv.element_size()
-        seqs, d = batch.leading_short(PLANNED_MAX_QUERY_LEN, PLANNED_EXTRA_KEY_BYTES // key_bytes)
+        seqs, d = (0, 0) if self.path == "naive" else batch.leading_short(PLANNED_MAX_QUERY_LEN,
+                                                                          PLANNED_EXTRA_KEY_BYTES // key_bytes)
         if not d:
-            return meta
+            return super().prepare(batch, rope, dims, cache)
         rest = None
         if seqs < batch.num_seqs:
             tail = batch.tail(seqs)
             rest = AttentionMetadata(self, tail, rope.tail(d), tail.slot_mapping, tail.token_seq_lens,
                                      choose_path(tail, dims, self.path), host_cu_seqlens(tail))
-        return AttentionMetadata(self, batch, rope, meta.slot_mapping, meta.token_seq_lens, meta.path,
-                                 meta.host_cu_seqlens, _plan(batch, seqs, d, kv.device), d, rest)
+        return AttentionMetadata(self, batch, rope, batch.slot_mapping, batch.token_seq_lens,
+                                 choose_path(batch, dims, self.path), host_cu_seqlens(batch),
+                                 _plan(batch, seqs, d, kv.device), d, rest)
 
     def compiled_rows(self, meta: AttentionMetadata, cache: LayerCache) -> bool:
         """A step whose every row is a planned decode, of a float32 or bfloat16 model (the kernels read and write every
@@ -188,8 +189,7 @@ class CpuBackend(PagedBackend):
         batch = meta.batch
         h, d_c, d_r = layer.n_h, layer.d_c, layer.d_r
         dense = sparse = 0
-        for q, c in zip(batch.query_lens, batch.context_lens_list):
-            keys = q + c
+        for q, keys in zip(batch.query_lens, batch.key_lens):
             dense += keys * d_c * h * (layer.d_n + layer.d_v) + q * keys * h * (layer.d_n + d_r + layer.d_v)
             sparse += q * min(topk, keys) * h * (2 * d_c + d_r)
         return dense < GATHER_COST * sparse

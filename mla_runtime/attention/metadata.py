@@ -69,8 +69,8 @@ def choose_path(batch: ForwardBatch, dims: AttentionDims, forced: str) -> str:
         return forced
     if batch.is_decode:
         return "absorbed"
-    pairs = sum(q * (c + q) for q, c in zip(batch.query_lens, batch.context_lens_list))
-    keys = sum(c + q for q, c in zip(batch.query_lens, batch.context_lens_list))
+    pairs = sum(q * k for q, k in zip(batch.query_lens, batch.key_lens))
+    keys = sum(batch.key_lens)
     absorbed = pairs * (2 * dims.d_c + dims.d_r) + batch.num_tokens * dims.d_c * (dims.d_n + dims.d_v)
     naive = keys * dims.d_c * (dims.d_n + dims.d_v) + pairs * (dims.d_n + dims.d_r + dims.d_v)
     return "absorbed" if absorbed <= naive else "naive"
@@ -79,7 +79,7 @@ def choose_path(batch: ForwardBatch, dims: AttentionDims, forced: str) -> str:
 def host_cu_seqlens(batch: ForwardBatch) -> tuple[list[int], list[int]]:
     """``cu_seqlens`` of the new tokens and of all keys, as host lists (from the batch's own host lists)."""
     cu_q, cu_k = [0], [0]
-    for q, c in zip(batch.query_lens, batch.context_lens_list):
+    for q, k in zip(batch.query_lens, batch.key_lens):
         cu_q.append(cu_q[-1] + q)
-        cu_k.append(cu_k[-1] + c + q)
+        cu_k.append(cu_k[-1] + k)
     return cu_q, cu_k

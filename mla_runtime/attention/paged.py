@@ -128,9 +128,8 @@ def rebuilt(layer: AttentionLayer, meta: AttentionMetadata, cache: LayerCache, d
     """The keys ``k_n [S, n_h, d_n]``, RoPE keys ``k_r [S, d_r]`` and values ``v [S, n_h, d_v]`` of the batch's
     sequences, rebuilt from their gathered latents (``kv_b_proj``)."""
     batch = meta.batch
-    key_lens = [c + q for q, c in zip(batch.query_lens, batch.context_lens_list)]  # host lists: no device sync
     latent = gather_latent(cache.kv, cache.scales, batch.block_tables, batch.seq_lens, dtype, layer.d_c,
-                           backend=kernels, host_lens=key_lens)  # [S, d_c + d_r]
+                           backend=kernels, host_lens=batch.key_lens)  # [S, d_c + d_r]; host lengths: no sync
     c_all, k_r_all = latent.split([layer.d_c, layer.d_r], dim=-1)
     kv = layer.rebuild(c_all).view(-1, layer.n_h, layer.d_n + layer.d_v)
     k_n, v = kv.split([layer.d_n, layer.d_v], dim=-1)

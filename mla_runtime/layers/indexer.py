@@ -131,7 +131,7 @@ class Indexer(nn.Module):
                                      INDEXER_NORM_EPS), cos, sin)
         store_index_keys(cache.index, cache.index_scales, k, meta.slot_mapping)
         batch = meta.batch
-        if max(c + q for c, q in zip(batch.context_lens_list, batch.query_lens)) <= self.topk:
+        if max(batch.key_lens) <= self.topk:
             return None
         q = self.rotate(self.queries(h, q_resid, meta.batch.positions), cos, sin)
         w = self.weights_proj(h).float() * self.weight_scale

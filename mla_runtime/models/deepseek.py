@@ -249,7 +249,7 @@ class DeepseekForCausalLM(nn.Module):
     def attention_metadata(self, batch: ForwardBatch, cache: LatentCache) -> AttentionMetadata:
         """How every layer attends over ``batch`` this step (one object per step; see ``attention_metadata``)."""
         attn = self.attention_layers()[0]
-        top = max((c + q - 1 for c, q in zip(batch.context_lens_list, batch.query_lens)), default=None)
+        top = max(batch.key_lens) - 1 if batch.key_lens else None
         rope = attn.rotary.tables(batch.positions, self.dtype, top)  # every layer's RoPE is the same
         return self.attention.prepare(batch, rope, attn.dims, cache)
 
