@@ -103,15 +103,13 @@ def test_scaled_residual_layers_run_call_by_call(family):
     their residual branches are scaled."""
     name, path, _ = family
     model = load_model(path, dtype="float32")
-    runner = PagedRunner(model, 1, 8)
-    runner.prefill([[3, 4, 5]])
-    runner.step({0: [6]})  # a decode step makes the tables
     scaled = model.config.residual_scale != 1.0
     assert scaled == (name == "minicpm3")
     for layer in model.model.layers:
         assert (layer.kernel_table() is None) == scaled or row_kernel_failure() is not None
         if row_kernel_failure() is None:
-            assert layer_weights(*layer._parts()) is not None  # unscaled, these widths take the kernel
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            assert layer_weights(norms, layer.self_attn, layer.mlp) is not None  # unscaled, these widths take it
 
 
 def test_two_ranks_equal_transformers(family):

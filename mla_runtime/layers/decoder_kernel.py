@@ -5,8 +5,9 @@ the absorbed attention, a third norm and the MLP: about fifteen torch and kernel
 Python and dispatch, where the products of a small model take tens. Where the compiled kernels build and every
 product of the layer takes them (float32 weights, or int8 ones: ``layers.quantization``), the layer is one call
 instead: the same kernels in the same order, so its attention equals the call-by-call path's bit for bit. A layer's
-table (``DecoderKernel``) is made at its first step and made again whenever a weight it reads was replaced
-(``prepare_inference``, quantisation, a truncated latent); the step's rows (``decode_step``) once per step.
+table (``layer_weights``, kept by ``DecoderLayer.prepare_kernel``) is made when the model's weights are prepared, and
+again whenever they change (``DeepseekForCausalLM.prepare_attention``: quantisation, a truncated latent); the step's
+rows (``decode_step``) once per step.
 
 A bfloat16 model's layers take the call too (``_half``), computing the step in float32 over their bfloat16 weights and
 cache, as a float32 model with bfloat16 weights (``quantization="bf16"``) does: the norms' weights widened into the
@@ -26,7 +27,6 @@ layers whose residual branches are scaled (µP: the compiled call adds them as t
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -72,28 +72,6 @@ def _call_by_call(norms: tuple[nn.Module, nn.Module], attn: MLAttention) -> bool
     """Whether the layer has a variation the compiled call does not implement, whatever its weights: A.X-K2's
     gated query projection (``query_gate``) or gated norms (``gated_norm_rank``)."""
     return attn.q_gate_proj is not None or not all(isinstance(n, RMSNorm) for n in norms)
-
-
-def _watched(norms: tuple[nn.Module, nn.Module], attn: MLAttention, mlp: nn.Module) -> list[tuple[object, str]]:
-    """What a layer's table is made from, as (holder, attribute) pairs: the table stays valid while each attribute
-    holds the same object (plain attributes: reading them costs no module lookup). A layer that never takes the
-    compiled call watches one attribute that never changes (its None table stays)."""
-    pairs: list[tuple[object, str]]
-    if _call_by_call(norms, attn):
-        return [(attn, "q_gate_proj")]
-    if attn.q_proj is None:
-        pairs = [(attn, "qkv_a"), (attn.q_b_proj, "packed")]
-    else:
-        pairs = [(attn.q_proj, "packed"), (attn.kv_a_proj_with_mqa, "packed")]
-    pairs += [(attn.o_proj, "packed"), (attn, "w_uk"), (attn, "w_uv_t"), (norms[0], "kernel"), (norms[1], "kernel")]
-    if _half(norms):  # the table holds float32 copies of these
-        q_norm = getattr(attn, "q_a_layernorm", None)  # without q_lora_rank: none
-        pairs += [(n, "weight") for n in (*norms, attn.kv_a_layernorm, q_norm) if n is not None]
-    if isinstance(mlp, MoE):
-        pairs.append((mlp.experts, "row_table"))
-    elif isinstance(mlp, GatedMLP):
-        pairs.append((mlp, "row_table"))
-    return pairs
 
 
 def _mlp_table(mlp: nn.Module) -> tuple[cpu_tables.GatedMLPTable | None, tuple | None]:
@@ -160,28 +138,6 @@ def layer_weights(norms: tuple[nn.Module, nn.Module], attn: MLAttention, mlp: nn
         dims=dims, norms=(in_norm, post_norm, q_norm_weight, kv_norm),
         eps=eps, scale=attn.scale, interleave=attn.rotary.interleave, qa=qa, kva=kva, qb=qb, w_uk=attn.w_uk,
         w_uv_t=attn.w_uv_t, o=o, mlp=table, moe=cast(tuple, moe) if moe is not None else None)
-
-
-class DecoderKernel:
-    """A decoder layer's compiled table, kept while the weights it was made from stay (``table``)."""
-
-    def __init__(self, residual_scale: float = 1.0) -> None:
-        self.residual_scale = residual_scale  # the layer's µP branch scale (``layer_weights``)
-        self.watched: list[tuple[object, str]] = []
-        self.seen: list[object] = []
-        self.made: cpu_tables.DecoderLayerTable | None = None
-
-    def table(self, parts: Callable[[], tuple[tuple[nn.Module, nn.Module], MLAttention, nn.Module]]
-              ) -> cpu_tables.DecoderLayerTable | None:
-        """The layer's table, or None where it does not take the compiled call; ``parts()``: the layer's input and
-        post-attention norms, attention and MLP (asked for only when the table is made)."""
-        if not self.watched or any(getattr(h, a) is not v for (h, a), v in zip(self.watched, self.seen)):
-            norms, attn, mlp = parts()
-            weights = layer_weights(norms, attn, mlp, self.residual_scale)
-            self.made = None if weights is None else cpu_tables.DecoderLayerTable(weights)
-            self.watched = _watched(norms, attn, mlp)  # after: making the MLP's table sets it
-            self.seen = [getattr(h, a) for h, a in self.watched]
-        return self.made
 
 
 def decode_step(meta: AttentionMetadata, first: cpu_tables.DecoderLayerTable | None,

@@ -23,7 +23,7 @@ from mla_runtime.cache.latent_cache import LatentCache, LayerCache
 from mla_runtime.config import ModelConfig
 from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.layers.cpu_gemm import PackedWeight, linear
-from mla_runtime.layers.decoder_kernel import DecoderKernel, decode_step
+from mla_runtime.layers.decoder_kernel import decode_step, layer_weights
 from mla_runtime.layers.linear import Linear
 from mla_runtime.layers.mla import MLAttention, attention_layer
 from mla_runtime.layers.mlp import GatedMLP
@@ -67,18 +67,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = decoder_norm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
                                                      gate if cfg.is_moe_layer(layer) else 0)
         self.residual_scale = cfg.residual_scale  # µP: on each branch before it is added
-        self.kernel = DecoderKernel(self.residual_scale)  # the layer as one compiled call, on decode steps that take it
+        # the layer as one compiled call on the decode steps that take it (prepare_kernel), or None: call by call
+        self.kernel: cpu_tables.DecoderLayerTable | None = None
 
-    def prepare_inference(self) -> None:
-        """Forget the compiled table: it is made again, from the prepared weights, at the next decode step."""
-        self.kernel = DecoderKernel(self.residual_scale)
+    def prepare_kernel(self) -> None:
+        """Decide whether the layer's decode steps run as one compiled call (``layers.decoder_kernel``), from its
+        weights as they are now and the kernels its attention backend chose (``prepare_attention``), and keep the
+        table they read."""
+        weights = layer_weights((self.input_layernorm, self.post_attention_layernorm), self.self_attn, self.mlp,
+                                self.residual_scale)
+        self.kernel = None if weights is None else cpu_tables.DecoderLayerTable(weights)
 
     def kernel_table(self) -> cpu_tables.DecoderLayerTable | None:
-        """The layer's compiled table (``layers.decoder_kernel``), or None where it runs call by call."""
-        return self.kernel.table(self._parts)
-
-    def _parts(self) -> tuple[tuple[nn.Module, nn.Module], MLAttention, nn.Module]:
-        return (self.input_layernorm, self.post_attention_layernorm), self.self_attn, self.mlp
+        """The layer's compiled table (``prepare_kernel``), or None where it runs call by call."""
+        return self.kernel
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: LayerCache,
                 step: cpu_tables.DecodeStep | None = None) -> torch.Tensor:
@@ -104,7 +106,7 @@ class LongcatDecoderLayer(nn.Module):
         h = x + attn0(ln0(x));  n = post_ln0(h);  s = moe(n);  h = h + mlp0(n)
         h = h + attn1(ln1(h));  h = h + mlp1(post_ln1(h));  out = h + s
 
-    It runs call by call: the compiled whole-layer kernel (``DecoderKernel``) does not take it."""
+    It runs call by call: the compiled whole-layer kernel (``DecoderLayer.prepare_kernel``) does not take it."""
 
     def __init__(self, rc: ResolvedConfig, layer: int) -> None:
         super().__init__()
@@ -119,8 +121,10 @@ class LongcatDecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.ModuleList(RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
                                                       for _ in range(blocks))
 
-    def kernel_table(self) -> None:
+    def prepare_kernel(self) -> None:
         """No compiled table: the layer runs call by call."""
+
+    def kernel_table(self) -> None:
         return None
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, caches: list[LayerCache],
@@ -227,11 +231,13 @@ class DeepseekForCausalLM(nn.Module):
         return self
 
     def prepare_attention(self) -> None:
-        """Hand every attention layer to the backend as it is now (``attention/layer.py``), and record which compiled
-        kernels run it: after loading, and again whenever the attention weights change (a latent-rank truncation,
-        quantisation's rounding of the absorbed factors)."""
+        """Hand every attention layer to the backend as it is now (``attention/layer.py``), record which compiled
+        kernels run it, and decide which decoder layers' decode steps run as one compiled call: after loading, and
+        again whenever the weights change (a latent-rank truncation, quantisation)."""
         for attn in self.attention_layers():
             attn.kernels = self.attention.prepare_layer(attention_layer(attn))
+        for layer in self.model.layers:
+            cast(DecoderLayer, layer).prepare_kernel()
 
     def attention_layers(self) -> list[MLAttention]:
         """Every layer that attends over the latent cache, in cache order: the decoder's (a LongCat layer's blocks in
