@@ -144,30 +144,40 @@ class AsyncLLM:
             self._deliver(rid, EngineDeadError(f"engine failed: {e}"))
 
     # -- public API ----------------------------------------------------------------------------
-    def _check_usable(self, request_id: str) -> None:
+    def _reserve(self, request_id: str) -> Stream:
+        """The request's stream, registered under its id: the one check that the id is free (the engine applies
+        queued aborts before queued additions, so an id freed here is free there too)."""
         if self.error is not None:
             raise EngineDeadError(f"engine failed earlier: {self.error}")
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        stream = self._streams[request_id] = Stream(asyncio.get_running_loop())
+        return stream
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> Stream:
         """Validate and tokenize in the caller's thread, then queue; see ``generate`` for the asyncio way."""
-        self._check_usable(request_id)
-        return self._submit(self.engine.prepare_request(request_id, prompt, params))  # bad input raises here
+        stream = self._reserve(request_id)
+        try:
+            state = self.engine.prepare_request(request_id, prompt, params)  # bad input raises here
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        self._queue(state)
+        return stream
 
-    def _submit(self, state: RequestState) -> Stream:
-        self._check_usable(state.request_id)
-        stream = Stream(asyncio.get_running_loop())
-        self._streams[state.request_id] = stream
+    def _queue(self, state: RequestState) -> None:
         self._ops.append(("add", state))
         self._wake.set()
-        return stream
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str
                        ) -> AsyncIterator[RequestOutput]:
-        self._check_usable(request_id)
-        state = await asyncio.to_thread(self.engine.prepare_request, request_id, prompt, params)
-        stream = self._submit(state)
+        stream = self._reserve(request_id)
+        try:
+            state = await asyncio.to_thread(self.engine.prepare_request, request_id, prompt, params)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        self._queue(state)
         finished = False
         try:
             while not finished:
