@@ -282,8 +282,9 @@ def test_planner_bytes_equal_what_the_cache_allocates(cache_dtype):
 def _resident_bytes(model: torch.nn.Module) -> int:
     """Bytes a loaded model's tensors hold: every tensor its modules keep (parameters, buffers, absorbed copies,
     packed layouts, quantised matrices and their scales), each storage once. Left out: RoPE buffers, the
-    1-element stand-ins of released weights and the routers' settings for the compiled MoE call (``route``: a few
-    integers, made with the layers' compiled tables when the weights are prepared), which the planner does not count. oneDNN's blocked copies are opaque
+    1-element stand-ins of released weights and the routers' settings for the compiled MoE call (``route``: a
+    few integers, made with the layers' compiled tables when the weights are prepared): the planner does not count
+    them. oneDNN's blocked copies are opaque
     tensors: counted at their logical size (numel x element size; any padding of the blocked layout is not
     visible). A storage the runtime did not allocate (a mapped checkpoint file, whose matrices run as stored)
     counts the bytes its views cover: the pages nothing reads never become resident."""
