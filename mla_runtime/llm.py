@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.engine.llm_engine import LLMEngine, PromptType
+from mla_runtime.engine.requests import Tokenized
 from mla_runtime.engine.tp_workers import is_torchrun_worker, run_torchrun_worker
 from mla_runtime.outputs import RequestOutput
 from mla_runtime.sampling_params import SamplingParams
@@ -54,7 +55,7 @@ class LLM:
                  use_tqdm: bool | None = None) -> list[RequestOutput]:
         """Run every prompt to completion, batched; outputs come back in prompt order. ``use_tqdm``: a
         progress bar of finished requests (None: when stderr is a terminal)."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+        if isinstance(prompts, (str, dict, Tokenized)) or (isinstance(prompts, list) and prompts
                                                  and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)

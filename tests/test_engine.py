@@ -439,3 +439,28 @@ def test_the_step_plan_puts_decodes_first_and_budgets_extra_tokens():
     assert cut.seqs == (a,) and cut.num_new_tokens == (40,) and cut.extra_token_ids == ((1,) * 39,)
     with pytest.raises(ValueError):
         StepPlan((a, b), (3, 1))
+
+
+def test_prompt_ids_are_range_checked_once(v3, monkeypatch):
+    """Token ids a caller has checked (the server's ``Tokenized`` prompt, checked against this vocabulary) are not
+    checked again by the engine; any other prompt's are, and an id outside the vocabulary is refused by name."""
+    from mla_runtime.engine import requests
+    from mla_runtime.engine.requests import Tokenized
+    from mla_runtime.errors import InvalidParam
+
+    path, _ = v3
+    llm = new_llm(path)
+    vocab = llm.engine.model_config.vocab_size
+    checks: list[int] = []
+    original = requests.check_token_ids
+    monkeypatch.setattr(requests, "check_token_ids", lambda ids, v: checks.append(len(ids)) or original(ids, v))
+    ids = [3, 4, 5]
+    llm.engine.prepare_request("checked", Tokenized(None, ids, vocab), GREEDY)
+    assert checks == []
+    llm.engine.prepare_request("plain", {"prompt_token_ids": ids}, GREEDY)
+    llm.engine.prepare_request("other-vocabulary", Tokenized(None, ids, vocab + 1), GREEDY)
+    assert checks == [3, 3]
+    with pytest.raises(InvalidParam, match=rf"\[0, {vocab}\)") as e:
+        llm.engine.prepare_request("bad", [3, vocab], GREEDY)
+    assert e.value.param == "prompt_token_ids"
+    llm.shutdown()

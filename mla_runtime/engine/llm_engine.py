@@ -31,6 +31,7 @@ from mla_runtime.engine.proposer import make_proposer
 from mla_runtime.engine.requests import (
     PromptType,
     RequestState,
+    Tokenized,
     check_request,
     make_output,
     new_request,
@@ -120,7 +121,8 @@ class LLMEngine:
         then queues it. Bad input raises ``InvalidParam`` (a ValueError naming the field)."""
         params, w = params or SamplingParams(), self.worker
         text, ids = tokenize(self.tokenizer, prompt)
-        check_request(ids, params, w.model_config.vocab_size, w.max_model_len)
+        vocab = w.model_config.vocab_size
+        check_request(ids, params, vocab, w.max_model_len, isinstance(prompt, Tokenized) and prompt.vocab == vocab)
         return new_request(request_id, text, ids, params, self.tokenizer, self._seq_ids, w.device, arrival_time,
                            self.grammars)
 

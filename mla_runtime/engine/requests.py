@@ -21,7 +21,19 @@ from mla_runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mla_runtime.sampling_params import SamplingParams
 from mla_runtime.tokenizer import IncrementalDetokenizer
 
-PromptType = str | dict[str, Any] | list[int]
+
+@dataclass(frozen=True)
+class Tokenized:
+    """A prompt its caller (the server) tokenized already: its text (None: given as token ids) and its ids. ``vocab``:
+    the vocabulary size the ids were checked against (``check_token_ids``; 0: not checked), so that the engine does
+    not check them a second time."""
+
+    text: str | None
+    ids: list[int]
+    vocab: int = 0
+
+
+PromptType = str | dict[str, Any] | list[int] | Tokenized
 
 
 @dataclass
@@ -39,7 +51,10 @@ class RequestState:
 
 # -- input ---------------------------------------------------------------------------------------
 def tokenize(tokenizer: Any, prompt: PromptType) -> tuple[str | None, list[int]]:
-    """``(text, token ids)`` of a prompt given as text, token ids, or ``{"prompt" | "prompt_token_ids": ...}``."""
+    """``(text, token ids)`` of a prompt given as text, token ids, ``{"prompt" | "prompt_token_ids": ...}`` or
+    ``Tokenized``."""
+    if isinstance(prompt, Tokenized):
+        return prompt.text, prompt.ids
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
@@ -55,12 +70,20 @@ def tokenize(tokenizer: Any, prompt: PromptType) -> tuple[str | None, list[int]]
     return prompt, tokenizer.encode(prompt)
 
 
-def check_request(ids: list[int], params: SamplingParams, vocab: int, max_model_len: int) -> None:
-    """Reject what the model cannot run: an empty or too long prompt, token ids outside the vocabulary."""
-    if not ids:
-        raise InvalidParam("prompt", "prompt is empty")
+def check_token_ids(ids: list[int], vocab: int) -> None:
+    """Token ids outside the vocabulary ``[0, vocab)`` are refused, naming the field."""
     if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
         raise InvalidParam("prompt_token_ids", f"prompt_token_ids must be integers in [0, {vocab})")
+
+
+def check_request(ids: list[int], params: SamplingParams, vocab: int, max_model_len: int,
+                  ids_checked: bool = False) -> None:
+    """Reject what the model cannot run: an empty or too long prompt, token ids outside the vocabulary (unless the
+    caller checked them: ``ids_checked``)."""
+    if not ids:
+        raise InvalidParam("prompt", "prompt is empty")
+    if not ids_checked:
+        check_token_ids(ids, vocab)
     bad_bias = [t for t in params.logit_bias or {} if t >= vocab]
     if bad_bias:
         raise InvalidParam("logit_bias", f"logit_bias names token {bad_bias[0]}, outside the vocabulary [0, {vocab})")

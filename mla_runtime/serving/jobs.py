@@ -13,8 +13,7 @@ refused: generation also stops at ``max_model_len`` (``finish_reason: "length"``
 from __future__ import annotations
 
 from mla_runtime.engine.config import EngineConfig
-from mla_runtime.engine.llm_engine import PromptType
-from mla_runtime.engine.requests import tokenize
+from mla_runtime.engine.requests import Tokenized, check_token_ids, tokenize
 from mla_runtime.errors import InvalidParam
 from mla_runtime.serving.config import ServerConfig
 from mla_runtime.serving.protocol import ApiError, ChatRequest, CompletionRequest, GenerateRequest
@@ -62,16 +61,17 @@ class JobBuilder:
             self._tool_marker = (deepseek_begin_token(self.rt.tokenizer),)
         return self._tool_marker[0]
 
-    def tokenized(self, prompt: str | list[int]) -> tuple[PromptType, int]:
-        """The prompt as the engine takes it (text and token ids: it is not tokenised twice), and its length."""
+    def tokenized(self, prompt: str | list[int]) -> tuple[Tokenized, int]:
+        """The prompt as the engine takes it (text and token ids: it is not tokenised twice; token ids given by the
+        client checked against the vocabulary here, before anything decodes them, and not again), and its length."""
+        vocab = self.rt.llm.engine.model_config.vocab_size if self.rt.llm is not None else 0
         try:
             text, ids = tokenize(self.rt.tokenizer, prompt)
+            if text is None and vocab:
+                check_token_ids(ids, vocab)
         except InvalidParam as e:
             raise ApiError(400, str(e), param=e.param) from e
-        vocab = self.rt.llm.engine.model_config.vocab_size if self.rt.llm is not None else 0
-        if text is None and vocab and any(t < 0 or t >= vocab for t in ids):  # before anything decodes them
-            raise ApiError(400, f"prompt_token_ids must be integers in [0, {vocab})", param="prompt_token_ids")
-        return ({"prompt": text, "prompt_token_ids": ids} if text is not None else {"prompt_token_ids": ids}), len(ids)
+        return Tokenized(text, ids, vocab if text is None else 0), len(ids)
 
     def output_limit(self, lengths: list[int], requested: int | None, param: str, default: int | None,
                      max_length: int | None = None, prompt_param: str = "prompt") -> int:
@@ -137,6 +137,6 @@ class JobBuilder:
             raise ApiError(400, f"messages: {e}", param="messages") from e
         requested, param = req.requested_max_tokens()
         max_tokens = self.output_limit([len(ids)], requested, param, None, prompt_param="messages")
-        return Job("chat", [{"prompt_token_ids": ids}], req.sampling_params(max_tokens), self.model,
+        return Job("chat", [Tokenized(None, ids)], req.sampling_params(max_tokens), self.model,
                    stream=req.stream, include_usage=bool(req.stream_options and req.stream_options.include_usage),
                    logprobs=req.logprobs_count(), token_text=self.token_text, tools=tools, raw_text=self.raw_text)

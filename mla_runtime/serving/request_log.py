@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from mla_runtime.engine.requests import Tokenized
 from mla_runtime.outputs import RequestOutput
 from mla_runtime.serving.responses import Job
 
@@ -105,6 +106,8 @@ class RequestRecord:
 
 def _prompt_text(prompt: Any) -> Any:
     """A prompt as the client gave it: its text when it had one (the engine's form also holds its token ids)."""
+    if isinstance(prompt, Tokenized):
+        return prompt.text if prompt.text is not None else prompt.ids
     if isinstance(prompt, dict):
         return prompt.get("prompt") if prompt.get("prompt") is not None else prompt.get("prompt_token_ids")
     return prompt
