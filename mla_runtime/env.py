@@ -115,6 +115,14 @@ def tp_wait_s() -> float:
 
 
 def fault_injection() -> str | None:
-    """Test hook, never set in production: ``MLA_FAULT_INJECTION`` (``serving/runtime.py`` parses it); None
+    """Test hook, never set in production: ``MLA_FAULT_INJECTION`` as set (``injected_fault`` parses it); None
     when unset."""
     return _get(FAULT_INJECTION)
+
+
+def injected_fault(kind: str) -> int | None:
+    """``K`` where ``MLA_FAULT_INJECTION`` is ``kind:K`` (a positive integer); None when unset or of another kind.
+    The kinds: ``stream``, ``step`` and ``slow_step`` (``serving/runtime.fault_injection``), ``slow_load``
+    (``engine/tp_workers.py``)."""
+    name, _, count = (fault_injection() or "").partition(":")
+    return int(count) if name == kind and count.isdigit() and int(count) > 0 else None

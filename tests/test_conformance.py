@@ -1,9 +1,9 @@
 """The conformance matrix (``tests/conformance.py``) within the suite's budget: a fixed core (every sparse family and
-a dense one, batched, on their fixed configurations, which the batched sparse case failed before exact ties of the
-indexer were broken by position; int8 weights batched and alone, which differed while many-row products rounded
-their rows to bfloat16; MTP verification on a sparse family), plus cells drawn from a seed that the run prints
-(``$MLA_CONFORMANCE_SEED`` replays one; ``$MLA_CONFORMANCE_DRAWS`` sets how many). ``python bench/conformance.py``
-runs the whole matrix."""
+a dense one, batched, on their fixed configurations: the sparse ones meet exact ties of the indexer's scores, which
+must go to the lowest position whatever the batch; int8 weights batched and alone, equal only where no product's
+rounding depends on the rows beside it; MTP verification on a sparse family), plus cells drawn from a seed that the
+run prints (``$MLA_CONFORMANCE_SEED`` replays one; ``$MLA_CONFORMANCE_DRAWS`` sets how many).
+``python bench/conformance.py`` runs the whole matrix."""
 
 from __future__ import annotations
 

@@ -1317,7 +1317,7 @@ def test_a_float32_prompt_writes_its_latents_through_the_compiled_norm_and_rope(
     results = []
     for compiled in (True, False):
         if not compiled:
-            monkeypatch.setattr(CpuBackend, "_compiled", lambda *a: False)
+            monkeypatch.setattr(CpuBackend, "_compiled_norm", lambda *a: None)
         model = load_model(ckpt, dtype="float32")
         runner = PagedRunner(model, len(ps), 48, cache_dtype=cache_dtype)
         calls.clear()
@@ -1346,7 +1346,7 @@ def test_float32_decode_steps_take_the_compiled_attention_and_match_torch(tiny_c
     logits = []
     for compiled in (True, False):
         if not compiled:
-            monkeypatch.setattr(CpuBackend, "_compiled", lambda *a: False)
+            monkeypatch.setattr(CpuBackend, "_compiled_norm", lambda *a: None)
         model = load_model(ckpt, dtype="float32")
         runner = PagedRunner(model, len(ps), 48)
         runner.step({i: p[:-2] for i, p in enumerate(ps)})
@@ -1426,7 +1426,7 @@ def test_compact_latent_caches_take_the_compiled_decode_with_the_torch_logits(ti
     for compiled in (True, False):
         if not compiled:
             monkeypatch.setattr(deepseek.DeepseekForCausalLM, "_decode_step", lambda *a: None)
-            monkeypatch.setattr(CpuBackend, "_compiled", lambda *a: False)
+            monkeypatch.setattr(CpuBackend, "_compiled_norm", lambda *a: None)
         runner = PagedRunner(model, len(ps), 48, cache_dtype=cache_dtype)
         runner.step({i: p[:-2] for i, p in enumerate(ps)})
         steps = [runner.step({i: [p[-2]] for i, p in enumerate(ps)}), runner.step({0: [ps[0][-1]]})]

@@ -98,21 +98,24 @@ class CpuBackend(PagedBackend):
         float32, with float32 RoPE tables made for it (``DeepseekForCausalLM._decode_step``)."""
         return meta.all_planned and meta.rope.cos.dtype in (torch.float32, torch.bfloat16)
 
-    def _compiled(self, layer: AttentionLayer, meta: AttentionMetadata) -> bool:
+    def _compiled_norm(self, layer: AttentionLayer, meta: AttentionMetadata) -> tuple[torch.Tensor, float] | None:
         """The layer's latent side (its norm, RoPE and cache write: ``rope_store``) runs compiled: a float32 model's
         rows of any step, decodes and prompts alike, on a layer that takes the kernels, with the full latent rank (the
         compiled latent side has no truncation). A prompt's 1,024 rows take 0.25 ms there, where torch's norm, complex
-        product and copies take 1.6."""
-        return self.kernels_of[layer.layer_id].prefill and layer.latent_norm is not None \
-            and layer.latent_norm[0].dtype == torch.float32 and meta.rope.cos.dtype == torch.float32
+        product and copies take 1.6. The latent norm's weight and eps where it does, else None."""
+        norm = layer.latent_norm
+        compiled = self.kernels_of[layer.layer_id].prefill and norm is not None and norm[0].dtype == torch.float32 \
+            and meta.rope.cos.dtype == torch.float32
+        return norm if compiled else None
 
     def write(self, layer_id: int, q: torch.Tensor, latent: torch.Tensor, meta: AttentionMetadata,
               cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self.layers[layer_id]
-        if not self._compiled(layer, meta) or layer.latent_norm is None:
+        norm = self._compiled_norm(layer, meta)
+        if norm is None:
             return super().write(layer_id, q, latent, meta, cache)
         q3 = q.view(q.shape[0], layer.n_h, layer.d_n + layer.d_r)
-        weight, eps = layer.latent_norm
+        weight, eps = norm
         cpu_kernels.ops().rope_store(latent, weight, eps, q3, layer.d_n, meta.rope.cos, meta.rope.sin,
                                      cache.kv.view(-1, cache.kv.shape[-1]), meta.slot_mapping, layer.interleave,
                                      cache.flat_scales)

@@ -18,9 +18,8 @@ rank 0. A rank that dies is noticed before the next broadcast (process liveness)
 (gloo reports the closed connection), and the step fails with ``RankDiedError`` instead of hanging.
 
 The commands travel on a process group of their own whose timeout is ``COMMAND_TIMEOUT``: a worker waits for rank
-0's next command as long as rank 0 lives, however long the engine idles or rank 0 takes to load (the collectives of
-a step keep the group timeout, ``COLLECTIVE_TIMEOUT_S``, under which an idle engine's workers used to give up after
-a minute and take the engine down with them).
+0's next command as long as rank 0 lives, however long the engine idles or rank 0 takes to load. Only the
+collectives of a step keep the group timeout, ``COLLECTIVE_TIMEOUT_S``: idle time is not a fault.
 
 Start-up has two waits, both on rank 0, both bounded by ``MLA_TP_WAIT_S`` (900 s by default: a rank on another machine
 may start minutes later, and a real-size shard may load minutes slower than rank 0's) and logged every
@@ -105,9 +104,9 @@ def _init(rank: int, world: int, init_method: str, timeout_s: float, backend: st
 
 def _slow_load() -> None:
     """The test hook ``MLA_FAULT_INJECTION=slow_load:K``: a worker rank's load takes K s longer."""
-    name, _, seconds = (env.fault_injection() or "").partition(":")
-    if name == "slow_load" and seconds.isdigit():
-        time.sleep(int(seconds))
+    seconds = env.injected_fault("slow_load")
+    if seconds is not None:
+        time.sleep(seconds)
 
 
 def worker_main(rank: int, world: int, init_method: str, config: EngineConfig, timeout_s: float) -> None:

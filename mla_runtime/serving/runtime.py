@@ -46,8 +46,7 @@ def fault_injection(kind: str) -> int | None:
     after its K-th engine output, ``step:K`` makes the K-th engine step after start-up raise (the engine
     thread dies), ``slow_step:K`` makes every engine step take K ms longer (a slow machine, whatever this one's
     speed). None when unset or of another kind."""
-    name, _, count = (env.fault_injection() or "").partition(":")
-    return int(count) if name == kind and count.isdigit() and int(count) > 0 else None
+    return env.injected_fault(kind)
 
 
 def _failing_step(after: int) -> Callable[[Any, Any], None]:
