@@ -64,8 +64,8 @@ def no_stacking(model):
     saved = [(a, a.qkv_a) for a in attns]
     for a in attns:
         a.qkv_a = None
-        a.q_a_proj.packed = PackedWeight.make(a.q_a_proj.weight)
-        a.kv_a_proj_with_mqa.packed = PackedWeight.make(a.kv_a_proj_with_mqa.weight)
+        a.q_a_proj.packed = PackedWeight.make(a.q_a_proj.weight, model.plan)
+        a.kv_a_proj_with_mqa.packed = PackedWeight.make(a.kv_a_proj_with_mqa.weight, model.plan)
     try:
         yield
     finally:

@@ -6,7 +6,7 @@ Loads the benchmark checkpoint (``bench/peer_checkpoint.py``, built on first use
 prefills ``batch`` prompts of ``--prompt-len`` tokens in both engines, runs a few warm-up decode steps,
 then times ``--steps`` decode steps per engine in alternating rounds (so a shared machine's load falls on
 both) and prints the median step time and tokens/s, with the path each row actually ran
-(``cpu_gemm.gemm_info``: on a CPU whose fast path fails its probe, ``auto`` is itself a fallback).
+(``KernelPlan.info``: on a CPU whose fast path fails its probe, ``auto`` is itself a fallback).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from peer_checkpoint import build_checkpoint, make_prompts
 
 from mla_runtime import LLM, SamplingParams
-from mla_runtime.layers.cpu_gemm import GEMM_MODES, forced_gemm_mode, gemm_info
+from mla_runtime.options import CPU_GEMM_MODES as GEMM_MODES
 
 OUT = Path(__file__).resolve().parent / "out" / "peer_ckpt"
 WARMUP = 4
@@ -78,10 +78,9 @@ def main() -> None:
     for dtype in args.dtype:
         llms, info = {}, {}
         for mode in GEMM_MODES:
-            with forced_gemm_mode(mode):
-                llms[mode] = LLM(str(OUT), dtype=dtype, max_model_len=args.prompt_len + args.steps + 64,
-                                 kv_cache_memory="256MiB", max_num_seqs=max(args.batch))
-                info[mode] = gemm_info(dtype)
+            llms[mode] = LLM(str(OUT), dtype=dtype, max_model_len=args.prompt_len + args.steps + 64,
+                             kv_cache_memory="256MiB", max_num_seqs=max(args.batch), cpu_gemm=mode)
+            info[mode] = llms[mode].engine.worker.gemm_info
         for batch in args.batch:
             step = race(llms, batch, args.prompt_len, args.steps)
             for mode in GEMM_MODES:

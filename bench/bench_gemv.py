@@ -33,6 +33,7 @@ Candidates (a candidate the CPU or torch build cannot run is listed as unsupport
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import statistics
 import time
@@ -43,7 +44,9 @@ import torch.nn.functional as F
 from roofline import stream_bandwidth
 
 from mla_kernels import cpu_kernels
-from mla_runtime.layers.cpu_gemm import PackedWeight, _reorder, linear
+from mla_runtime.kernel_plan import GemmChoice, kernel_plan
+from mla_runtime.kernel_plan import reorder as _reorder
+from mla_runtime.layers.cpu_gemm import PackedWeight, linear
 
 # the benchmark checkpoint's products: lm_head, dense gate_up, o_proj / expert gate_up, expert down
 SHAPES = ("32000x1024", "4096x1024", "1024x1024", "1024x512")
@@ -83,7 +86,7 @@ def float_candidates(n: int, k: int, rows: int, dtype: torch.dtype, cold_mib: in
         out[f"{name} onednn-blocked"] = (lambda: [pw(x, b, None, "none", [None], "") for b in blocked], nbytes)
     except Exception as e:  # this CPU / build cannot pack the dtype
         out[f"{name} onednn-blocked"] = (None, f"unsupported: {str(e).splitlines()[0][:80]}")  # type: ignore[assignment]
-    if dtype == torch.bfloat16:  # AMX tiles (the runtime takes them from 9 to cpu_gemm.AMX_MAX_ROWS rows)
+    if dtype == torch.bfloat16:  # AMX tiles (the runtime takes them from 9 to kernel_plan.AMX_MAX_ROWS rows)
         why = cpu_kernels.failure("amx") or (None if n % 16 == 0 and k % 32 == 0 else "N % 16 or K % 32 is not 0")
         if why is None:
             tiled = [cpu_kernels.amx_pack(w) for w in ws]
@@ -93,9 +96,12 @@ def float_candidates(n: int, k: int, rows: int, dtype: torch.dtype, cold_mib: in
     if dtype == torch.bfloat16 and rows <= cpu_kernels.max_rows(torch.float32):
         out.update(row_kernels(name, "float", "bf16",
                                lambda v: [cpu_kernels.linear(x, w, variant=v).to(dtype) for w in ws], nbytes))
-        wide = [PackedWeight(w, "upcast") for w in ws]  # what a CPU without oneDNN's bf16 path runs: float32 copies
+        plan = kernel_plan()
+        upcast = dataclasses.replace(plan, gemm=tuple(GemmChoice(c.dtype, "upcast", torch.float32, "bench")
+                                                      if c.dtype == dtype else c for c in plan.gemm))
+        wide = [PackedWeight(w, upcast) for w in ws]  # what a CPU without oneDNN's bf16 path runs: float32 copies
         out[f"{name} upcast"] = (lambda: [linear(x, w, None, p) for w, p in zip(ws, wide)], nbytes)
-    packs = [PackedWeight.make(w) for w in ws]
+    packs = [PackedWeight.make(w, kernel_plan()) for w in ws]
     out[f"{name} cpu_gemm"] = (lambda: [linear(x, w, None, p) for w, p in zip(ws, packs)], nbytes)
     return out
 

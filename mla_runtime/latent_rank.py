@@ -29,6 +29,7 @@ import torch
 
 from mla_runtime.cache.latent_cache import LatentCache
 from mla_runtime.forward_batch import ForwardBatch
+from mla_runtime.kernel_plan import KernelPlan
 from mla_runtime.layers.linear import Linear
 from mla_runtime.layers.mla import MLAttention
 from mla_runtime.models.deepseek import DeepseekForCausalLM
@@ -156,15 +157,15 @@ def truncate_latent_rank(model: DeepseekForCausalLM, rank: int, method: str = "s
     else:
         bases = svd_bases(model, rank)
     for attn, basis in zip(_attn_layers(model), bases):
-        fold_latent_basis(attn, basis)
+        fold_latent_basis(attn, basis, model.plan)
     model.config = model.config.with_overrides(kv_lora_rank=rank)
     model.prepare_attention()  # the backend holds the truncated layers
     return model
 
 
-def fold_latent_basis(attn: MLAttention, basis: torch.Tensor) -> None:
+def fold_latent_basis(attn: MLAttention, basis: torch.Tensor, plan: KernelPlan) -> None:
     """Cache ``r`` values per token instead of ``d_c``: ``c' = basisᵀ norm(c)`` with ``basis [d_c, r]``
-    orthonormal, and ``kv_b_proj`` folded to ``W · basis`` so that ``W c ≈ (W basis) c'``."""
+    orthonormal, and ``kv_b_proj`` folded to ``W · basis`` so that ``W c ≈ (W basis) c'`` (prepared for ``plan``)."""
     basis = basis.to(attn.kv_b_proj.weight.device, attn.kv_b_proj.weight.dtype)
     down = basis.T.contiguous() if attn.latent_down is None else (attn.latent_down.T @ basis).T.contiguous()
     folded = attn.kv_b_proj.weight @ basis  # [n_h (d_n + d_v), r]
@@ -173,5 +174,5 @@ def fold_latent_basis(attn: MLAttention, basis: torch.Tensor) -> None:
     attn.latent_down = torch.nn.Parameter(down, requires_grad=False)
     attn.d_c = basis.shape[1]
     if attn.w_uk is not None:
-        attn.kv_b_proj.prepare_inference()
-        attn.prepare_inference()
+        attn.kv_b_proj.prepare_inference(plan)
+        attn.prepare_inference(plan)

@@ -50,7 +50,7 @@ from mla_runtime.compressed import is_stored_compressed, read_stored, stored_nam
 from mla_runtime.config import ModelConfig
 from mla_runtime.errors import InvalidParam
 from mla_runtime.families import FAMILIES
-from mla_runtime.layers.cpu_gemm import resolve_cpu_format
+from mla_runtime.kernel_plan import OFF_CPU, kernel_plan, resolve_cpu_format
 from mla_runtime.layers.fp8 import Fp8Weight
 from mla_runtime.layers.quantization import (
     WEIGHT_FORMATS,
@@ -741,20 +741,20 @@ def _fold_lora_scales(model: DeepseekForCausalLM) -> None:
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto", attention_path: str = "auto",
                backend: str | None = None, device: str | torch.device = "cpu",
                par: ParallelContext = SINGLE_RANK, num_mtp_layers: int = 0,
-               quantization: str | None = None) -> DeepseekForCausalLM:
+               quantization: str | None = None, cpu_gemm: str = "auto") -> DeepseekForCausalLM:
     """Build the model (this rank's shard, with ``num_mtp_layers`` MTP layers) from ``<path>/config.json`` and
     load its safetensors weights straight into their final form (``load_resolved``): the settings resolved here the
-    way the engine's ``Worker`` resolves them (``dtype="auto"``: the checkpoint's, or on a CPU
-    ``cpu_gemm.resolve_cpu_format``; ``backend`` None:
-    the device's attention backend)."""
+    way the engine's ``Worker`` resolves them (on a CPU the kernel plan of ``cpu_gemm``; ``dtype="auto"``: the
+    checkpoint's, or on a CPU ``kernel_plan.resolve_cpu_format``; ``backend`` None: the device's attention backend)."""
     cfg = ModelConfig.from_pretrained(path)
     dev = torch.device(device)
     model_dtype, scheme = resolve_model_dtype(dtype, cfg), check_quantization(quantization)
+    plan = kernel_plan(cpu_gemm) if dev.type == "cpu" else OFF_CPU
     if dev.type == "cpu":  # "auto" may keep a bfloat16 checkpoint's products bfloat16 in a float32 model
-        model_dtype, chosen = resolve_cpu_format(dtype, model_dtype, scheme or cfg.stored_quantization)
+        model_dtype, chosen = resolve_cpu_format(dtype, model_dtype, scheme or cfg.stored_quantization, plan)
         scheme = scheme if chosen == (scheme or cfg.stored_quantization) else chosen
     rc = ResolvedConfig(cfg, model_dtype, dev, par, attention.resolve(backend, dev),
-                        attention_path, num_mtp_layers, scheme)
+                        attention_path, num_mtp_layers, scheme, plan=plan)
     return load_resolved(path, rc)
 
 

@@ -61,8 +61,8 @@ from mla_runtime.dtypes import (
     resolve_cache_dtype,
 )
 from mla_runtime.help_format import DefaultsHelpFormatter
+from mla_runtime.kernel_plan import CpuLayouts
 from mla_runtime.options import LATENT_CACHE_LAYOUTS, WEIGHT_QUANTIZATIONS, parse_bytes  # defined without torch
-from mla_runtime.resolved_config import CpuLayouts
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 MIN_DEFAULT_BATCHED_TOKENS = 2048
@@ -71,7 +71,7 @@ ACTIVATION_OVERHEAD_BYTES = 256 * 2**20
 
 def resolve_model_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
     """``"auto"`` → the checkpoint's ``torch_dtype``; FP8 checkpoints load (dequantised) at that dtype. (On a CPU, the
-    loader and the Worker then ask ``layers.cpu_gemm.resolve_cpu_dtype`` whether this CPU keeps half precision.)"""
+    loader and the Worker then ask ``kernel_plan.resolve_cpu_format`` whether this CPU keeps half precision.)"""
     if isinstance(dtype, torch.dtype):
         if dtype not in MODEL_DTYPES.values():
             raise ValueError(f"dtype: weights load as float32/bfloat16/float16, got {dtype}")
@@ -471,7 +471,7 @@ def weight_footprint(config: ModelConfig, dtype: str | torch.dtype = "auto", ten
       (``n_h·(d_n + d_v)·d_c`` values): bfloat16 with ``quantization`` where the compiled CPU decode kernel runs
       (a float32 model on a CPU that builds it, replicated cache), else the model dtype.
     - Embedding, norms (and biases) in the model dtype; the MoE router and its correction bias in float32.
-    - ``cpu`` (a CPU's probed layouts, ``layers.cpu_gemm.cpu_layouts``) only: each float matrix's second layout,
+    - ``cpu`` (a CPU's probed layouts, ``KernelPlan.layouts``) only: each float matrix's second layout,
       ``extra_bytes_per_element`` (oneDNN's blocked copy, or a float32 copy; 0 on the ``plain`` path), and where
       ``q_a_proj`` and ``kv_a_proj_with_mqa`` run stacked, their stacked copy; where the compiled one-row kernels
       run, int8 matrices' float32 copy of their scales (4 bytes a row). (A ``bf16`` matrix counts, where oneDNN has
@@ -789,7 +789,7 @@ def plan_memory(config: ModelConfig, *, dtype: str | torch.dtype, cache_dtype: s
 
     The weights are what the rank holds once loaded (``weight_footprint``): ``quantization`` ``int8``/``int4``/``fp8``
     for weight-only quantised products, an FP8 checkpoint's products in its FP8 blocks without it. ``cpu``: a CPU's
-    probed layouts (``layers.cpu_gemm.cpu_layouts``) add the float weights' second layout; None (a GPU): none.
+    probed layouts (``KernelPlan.layouts``) add the float weights' second layout; None (a GPU): none.
 
     Raises ``ValueError`` naming the argument for bad input, and when weights (plus the activation
     reserve) do not fit, saying by how much and what to change. ``disk_bytes``: the disk tier's bound, and
@@ -1087,11 +1087,11 @@ def build_parser(prog: str = "python -m mla_runtime.plan") -> argparse.ArgumentP
 def _probed_cpu(dtype: str, config: ModelConfig, quantization: str | None) -> tuple[CpuLayouts, str | None]:
     """``--device cpu``: this CPU's probes and the products' format, as a model loaded here would run them (the
     planner's facts)."""
-    from mla_runtime.layers.cpu_gemm import cpu_layouts, resolve_cpu_format
+    from mla_runtime.kernel_plan import kernel_plan, resolve_cpu_format
 
-    stored = quantization or config.stored_quantization
-    model_dtype, chosen = resolve_cpu_format(dtype, resolve_model_dtype(dtype, config), stored)
-    return cpu_layouts(model_dtype), quantization if chosen == stored else chosen
+    stored, plan = quantization or config.stored_quantization, kernel_plan()
+    model_dtype, chosen = resolve_cpu_format(dtype, resolve_model_dtype(dtype, config), stored, plan)
+    return plan.layouts(model_dtype), quantization if chosen == stored else chosen
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m mla_runtime.plan") -> int:

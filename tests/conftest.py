@@ -10,19 +10,24 @@ import torch
 if not torch.cuda.is_available():  # kernels: interpret Triton on CPU (must precede the first triton import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from mla_runtime.layers import cpu_gemm  # noqa: E402
-from mla_runtime.layers.cpu_gemm import GEMM_MODES  # noqa: E402
+from mla_runtime.kernel_plan import KernelPlan, kernel_plan  # noqa: E402
+from mla_runtime.options import CPU_GEMM_MODES  # noqa: E402
 from tests.checkpoints import VARIANTS, build_hf_model, quantize_fp8_checkpoint, save_checkpoint  # noqa: E402
 
 
-@pytest.fixture(params=[m for m in GEMM_MODES if m != "onednn"])
-def gemm_mode(request, monkeypatch) -> str:
-    """Run a test under each CPU product mode (the engine setting ``cpu_gemm``, as the engine prepares its weights
-    under it: ``cpu_gemm.forced_gemm_mode``): ``auto`` takes the fast paths that pass their probe on this CPU,
-    ``plain`` forces the fallbacks, so every machine also tests what a CPU without the fast paths runs. The probe's
-    cache is keyed by mode: nothing carries over between tests."""
-    monkeypatch.setattr(cpu_gemm, "_forced", [request.param])
+@pytest.fixture(params=[m for m in CPU_GEMM_MODES if m != "onednn"])
+def gemm_mode(request) -> str:
+    """Run a test under each CPU product mode (the engine setting ``cpu_gemm``): ``auto`` takes the fast paths that
+    pass their probe on this CPU, ``plain`` forces the fallbacks, so every machine also tests what a CPU without the
+    fast paths runs. The test hands it to what it builds (``load_model(cpu_gemm=...)``, or the ``plan`` fixture)."""
     return request.param
+
+
+@pytest.fixture
+def plan(gemm_mode) -> KernelPlan:
+    """The kernel plan of ``gemm_mode`` on this CPU, which weights made by a test are prepared for (``bind``,
+    ``PackedWeight.make``)."""
+    return kernel_plan(gemm_mode)
 
 
 @pytest.fixture(scope="session")

@@ -60,20 +60,20 @@ def test_batched_greedy_equals_one_by_one_and_transformers(v3):
 
 @pytest.mark.parametrize("mode", ["auto", "onednn", "plain"])
 def test_each_cpu_gemm_setting_is_applied_at_load_and_keeps_the_tokens(v3, mode):
-    """The engine setting cpu_gemm picks the CPU products' paths while the weights are prepared (and is reported); the
-    process's own mode is left as it was, and every setting gives transformers' greedy tokens."""
+    """The engine setting cpu_gemm resolves the kernel plan the weights are prepared for (and is reported), and every
+    setting gives transformers' greedy tokens."""
     from mla_kernels import cpu_ops
-    from mla_runtime.layers import cpu_gemm
+    from mla_runtime.kernel_plan import kernel_plan
 
     path, hf = v3
     llm = new_llm(path, cpu_gemm=mode)
-    assert cpu_gemm.gemm_mode() == "auto"  # applied to the load alone
+    assert llm.engine.worker.plan == kernel_plan(mode) and llm.engine.worker.model.plan == kernel_plan(mode)
     info = llm.engine.info()
     assert info.cpu_gemm["mode"] == mode and info.attention_backend == "cpu"
     assert info.cpu_gemm["operators"] == cpu_ops.summary()  # the typed operators, or why they are not there
     assert info.cpu_gemm["operators"].startswith("torch.ops.mla_kernels") == (cpu_ops.failure() is None)
     compiled = {attn.kernels.decode for attn in llm.engine.worker.model.attention_layers()}
-    assert compiled == {mode == "auto" and cpu_gemm.row_kernel_failure("auto") is None}  # the compiled decode
+    assert compiled == {mode == "auto" and kernel_plan().row_kernels}  # the compiled decode
     prompts = make_prompts(3, seed=4)
     for p, got in zip(prompts, tokens(llm.generate(prompts, GREEDY))):
         assert got == hf_greedy(hf, p["prompt_token_ids"], GREEDY.max_tokens)

@@ -14,7 +14,7 @@ import torch
 from mla_runtime import LLM, SamplingParams
 from mla_runtime.config import ModelConfig
 from mla_runtime.families import FAMILIES
-from mla_runtime.layers.cpu_gemm import cpu_layouts
+from mla_runtime.kernel_plan import kernel_plan
 from mla_runtime.layers.norm import GatedRMSNorm, RMSNorm
 from mla_runtime.layers.quantization import finish_quantization, quantized_parameter_names
 from mla_runtime.loader import load_model
@@ -103,7 +103,7 @@ def test_config_and_layout(checkpoint):
     expected = sum(p.numel() for p in hf.parameters()) + sum(
         b.numel() for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias"))
     assert parameter_count(cfg) == expected
-    assert weight_footprint(cfg, "float32", cpu=cpu_layouts(torch.float32)).total == _resident_bytes(model)
+    assert weight_footprint(cfg, "float32", cpu=kernel_plan().layouts(torch.float32)).total == _resident_bytes(model)
 
 
 def test_adapter_derives_the_layer_kinds_and_refuses_grouped_routing():

@@ -13,7 +13,7 @@ import torch
 
 from mla_runtime import LLM, SamplingParams
 from mla_runtime.config import ModelConfig
-from mla_runtime.layers.cpu_gemm import row_kernel_failure
+from mla_runtime.kernel_plan import kernel_plan
 from mla_runtime.layers.decoder_kernel import layer_weights
 from mla_runtime.layers.quantization import quantize_model
 from mla_runtime.loader import load_model
@@ -106,8 +106,8 @@ def test_scaled_residual_layers_run_call_by_call(family):
     scaled = model.config.residual_scale != 1.0
     assert scaled == (name == "minicpm3")
     for layer in model.model.layers:
-        assert (layer.kernel_table() is None) == scaled or row_kernel_failure() is not None
-        if row_kernel_failure() is None:
+        assert (layer.kernel_table() is None) == scaled or not kernel_plan().row_kernels
+        if kernel_plan().row_kernels:
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             assert layer_weights(norms, layer.self_attn, layer.mlp) is not None  # unscaled, these widths take it
 

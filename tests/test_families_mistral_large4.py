@@ -17,7 +17,7 @@ import torch
 from mla_runtime import LLM, SamplingParams
 from mla_runtime.config import ModelConfig
 from mla_runtime.families import FAMILIES
-from mla_runtime.layers.cpu_gemm import cpu_layouts
+from mla_runtime.kernel_plan import kernel_plan
 from mla_runtime.layers.quantization import finish_quantization
 from mla_runtime.loader import load_model
 from mla_runtime.plan import latent_bytes_per_token, parameter_count, weight_footprint
@@ -114,7 +114,7 @@ def test_config_and_layout(checkpoint):
     assert layers[0].self_attn.rope and layers[0].self_attn.d_n == 16
     assert all(layer.kernel_table() is None for layer in layers)  # the variations run call by call
     assert parameter_count(cfg) == text_parameters(hf)
-    assert weight_footprint(cfg, "float32", cpu=cpu_layouts(torch.float32)).total == _resident_bytes(model)
+    assert weight_footprint(cfg, "float32", cpu=kernel_plan().layouts(torch.float32)).total == _resident_bytes(model)
 
 
 def test_tensor_names_map_to_the_text_model():

@@ -32,9 +32,21 @@ from mla_kernels import (  # noqa: E402
 from mla_kernels.common import dequantize_rows, quantize_per_token  # noqa: E402
 from mla_kernels.reference import ref_mla_decode  # noqa: E402
 from mla_runtime import LLM, SamplingParams  # noqa: E402
+from mla_runtime import kernel_plan as kernel_plan_module  # noqa: E402
 from mla_runtime.attention.paged import PagedBackend  # noqa: E402
 from mla_runtime.config import MoEConfig, RopeConfig  # noqa: E402
 from mla_runtime.forward_batch import ForwardBatch  # noqa: E402
+from mla_runtime.kernel_plan import (  # noqa: E402
+    HALF_KINDS,
+    NATIVE_CAPABILITIES,
+    GemmChoice,
+    KernelPlan,
+    cpu_auto_dtype,
+    fast_path_failure,
+    kernel_plan,
+    native_arithmetic,
+    resolve_cpu_format,
+)
 from mla_runtime.layers import cpu_gemm  # noqa: E402
 from mla_runtime.layers import moe as moe_module  # noqa: E402
 from mla_runtime.layers import norm as norm_module  # noqa: E402
@@ -153,6 +165,13 @@ def test_planned_decode_rejects_quantised_caches():
 GEMM_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
+def with_path(plan: KernelPlan, dtype: torch.dtype, path: str, reason: str = "set by the test") -> KernelPlan:
+    """``plan`` with ``dtype`` weights on ``path`` (a CPU whose probes found otherwise)."""
+    compute = torch.float32 if path == "upcast" else dtype
+    gemm = tuple(GemmChoice(dtype, path, compute, reason) if c.dtype == dtype else c for c in plan.gemm)
+    return dataclasses.replace(plan, gemm=gemm)
+
+
 def gemm_tol(dtype: torch.dtype) -> dict[str, float]:
     """fp32: rounding of 96-long dot products; half precision: one rounding of the output (8 / 11 bits)."""
     return {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2**-7, atol=2**-6),
@@ -162,14 +181,14 @@ def gemm_tol(dtype: torch.dtype) -> dict[str, float]:
 @pytest.mark.parametrize("dtype", GEMM_DTYPES)
 @pytest.mark.parametrize("shape", [(0, 96), (1, 96), (3, 96), (8, 96), (33, 96), (2, 5, 96)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_f_linear(gemm_mode, dtype, shape, bias):
+def test_packed_linear_matches_f_linear(gemm_mode, plan, dtype, shape, bias):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(130, 96, generator=g).to(dtype)
     b = torch.randn(130, generator=g).to(dtype) if bias else None
     x = torch.randn(*shape, generator=g).to(dtype)
-    choice = cpu_gemm.gemm_choice(dtype)
-    packed = PackedWeight.make(w)
-    assert choice.mode == gemm_mode and (packed is None) == (choice.path == "plain")
+    choice = plan.choice(dtype)
+    packed = PackedWeight.make(w, plan)
+    assert plan.mode == gemm_mode and (packed is None) == (choice.path == "plain")
     assert packed is None or packed.upcast == (choice.path == "upcast")
     got, want = linear(x, w, b, packed), F.linear(x, w, b)
     assert got.shape == want.shape and got.dtype == dtype
@@ -177,12 +196,12 @@ def test_packed_linear_matches_f_linear(gemm_mode, dtype, shape, bias):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_upcast_path_matches_f_linear(gemm_mode, dtype):
+def test_upcast_path_matches_f_linear(plan, dtype):
     """The float32 path of a half-precision weight (whichever float32 path this mode takes) equals F.linear."""
     g = torch.Generator().manual_seed(1)
     w, b = torch.randn(130, 96, generator=g).to(dtype), torch.randn(130, generator=g).to(dtype)
-    packed = PackedWeight(w, "upcast")
-    assert packed.upcast and (packed.blocked is None) == (cpu_gemm.gemm_choice(torch.float32).path == "plain")
+    packed = PackedWeight(w, with_path(plan, dtype, "upcast"))
+    assert packed.upcast and (packed.blocked is None) == (plan.choice(torch.float32).path == "plain")
     for rows in (1, 7):
         x = torch.randn(rows, 96, generator=g).to(dtype)
         got = linear(x, w, b, packed)
@@ -191,49 +210,54 @@ def test_upcast_path_matches_f_linear(gemm_mode, dtype):
 
 
 @pytest.mark.parametrize("dtype", GEMM_DTYPES)
-def test_probe_decision_matches_what_works(dtype, monkeypatch):
+def test_probe_decision_matches_what_works(dtype):
     """The fast path is chosen exactly where oneDNN packs this dtype here and its products equal F.linear."""
-    monkeypatch.setattr(cpu_gemm, "_forced", ["auto"])
+    plan = kernel_plan()
     g = torch.Generator().manual_seed(2)
     w, x = torch.randn(130, 96, generator=g).to(dtype), torch.randn(5, 96, generator=g).to(dtype)
     try:
-        got = linear(x, w, None, PackedWeight(w, "onednn"))
+        got = linear(x, w, None, PackedWeight(w, with_path(plan, dtype, "onednn")))
         works = bool(torch.allclose(got.float(), F.linear(x, w).float(), **gemm_tol(dtype)))
     except Exception:  # anything the fast path raises here means it does not work
         works = False
-    choice = cpu_gemm.gemm_choice(dtype)
-    assert (choice.path == "onednn") == works == (cpu_gemm.fast_path_failure(dtype) is None)
+    choice = plan.choice(dtype)
+    assert (choice.path == "onednn") == works == (fast_path_failure(dtype) is None)
     assert choice.compute_dtype == (dtype if choice.path != "upcast" else torch.float32)
-    assert choice.reason and cpu_gemm.gemm_info(dtype)["path"] == choice.path
+    assert choice.reason and plan.info(dtype)["path"] == choice.path
     if dtype == torch.float32:  # float32 has no float32 fallback to time: F.linear where oneDNN fails
         assert choice.path in ("onednn", "plain")
 
 
-def test_forced_plain_takes_no_fast_path(monkeypatch):
-    monkeypatch.setattr(cpu_gemm, "_forced", ["plain"])
+def test_forced_plain_takes_no_fast_path():
+    plan = kernel_plan("plain")
     for dtype in GEMM_DTYPES:
-        choice = cpu_gemm.gemm_choice(dtype)
-        assert choice.mode == "plain" and choice.path in ("plain", "upcast") and "cpu_gemm=plain" in choice.reason
-    assert PackedWeight.make(torch.randn(8, 4)) is None  # float32: F.linear
-    info = cpu_gemm.gemm_info("bfloat16")
+        choice = plan.choice(dtype)
+        assert plan.mode == "plain" and choice.path in ("plain", "upcast") and "cpu_gemm=plain" in choice.reason
+    assert PackedWeight.make(torch.randn(8, 4), plan) is None  # float32: F.linear
+    info = plan.info(torch.bfloat16)
     assert info["mode"] == "plain" and info["extra_bytes_per_weight"] == ("4" if info["path"] == "upcast" else "0")
+    assert not (plan.row_kernels or plan.half_kernel(torch.bfloat16) or plan.tiles)
 
 
-def test_gemm_switch_rejects_unknown_values():
-    with pytest.raises(ValueError, match="cpu_gemm: unknown value 'avx512'"), cpu_gemm.forced_gemm_mode("avx512"):
-        pass
-    assert cpu_gemm.gemm_mode() == "auto"  # outside every block: the default (no environment variable sets it)
-    with cpu_gemm.forced_gemm_mode("onednn"), cpu_gemm.forced_gemm_mode("plain"):  # blocks nest
-        assert cpu_gemm.gemm_choice(torch.float32).path == "plain"
-    assert cpu_gemm.gemm_mode() == "auto"
+def test_the_kernel_plan_is_one_frozen_value_per_mode():
+    """A plan is resolved once per mode and cannot change afterwards; an unknown mode is refused by name."""
+    with pytest.raises(ValueError, match="cpu_gemm: unknown value 'avx512'"):
+        kernel_plan("avx512")
+    plan = kernel_plan()
+    assert plan is kernel_plan("auto") and plan.mode == "auto" and kernel_plan("onednn").choice(torch.float32)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.mode = "plain"  # type: ignore[misc]
+    assert not kernel_plan("onednn").row_kernels  # onednn leaves the compiled kernels out
+    lean = plan.with_one_layout()
+    assert lean.one_layout and not lean.tiles and lean.layouts(torch.float32).one_layout
 
 
-def test_packed_linear_matrix_vector_layouts(gemm_mode):
+def test_packed_linear_matrix_vector_layouts(plan):
     """float32 on oneDNN takes the plain layout for one row, the blocked one for more; both equal F.linear."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(2048, 1024, generator=g)
-    packed = PackedWeight.make(w)
-    if cpu_gemm.gemm_choice(torch.float32).path == "onednn":
+    packed = PackedWeight.make(w, plan)
+    if plan.choice(torch.float32).path == "onednn":
         assert packed is not None and packed.plain_gemv
     else:
         assert packed is None
@@ -248,12 +272,12 @@ def test_small_products_take_the_chosen_path(mode, aten_rows, monkeypatch):
     """A weight's products of up to ``aten_max_rows`` rows take F.linear exactly as the size rule chose
     (bit-identical to F.linear then); oneDNN otherwise, equal to rounding; larger batches always take oneDNN. One
     to ``KERNEL_MAX_ROWS`` rows take the AVX2 kernels wherever they build (no ``_product`` call, and no timing)."""
-    monkeypatch.setattr(cpu_gemm, "_forced", [mode])
+    plan = kernel_plan(mode)
     monkeypatch.setattr(cpu_gemm, "aten_max_rows", lambda *shape: aten_rows)
     g = torch.Generator().manual_seed(1)
     w = torch.randn(96, 64, generator=g)
-    packed = PackedWeight.make(w)
-    if cpu_gemm.gemm_choice(torch.float32).path != "onednn":
+    packed = PackedWeight.make(w, plan)
+    if plan.choice(torch.float32).path != "onednn":
         assert packed is None
         return
     assert packed is not None and packed.aten_max_rows == (0 if packed.row_kernel else aten_rows)
@@ -284,8 +308,8 @@ def test_small_weights_take_aten_by_a_size_rule_never_a_timing():
 
 
 def test_packed_weight_only_where_onednn_applies():
-    assert PackedWeight.make(torch.randn(4, 4, dtype=torch.float64)) is None
-    assert PackedWeight.make(torch.randn(2, 4, 4)) is None
+    assert PackedWeight.make(torch.randn(4, 4, dtype=torch.float64), kernel_plan()) is None
+    assert PackedWeight.make(torch.randn(2, 4, 4), kernel_plan()) is None
 
 
 BF16_CPU = {"x86 AVX-512 BF16": {"avx512_f": True, "avx512_bf16": True}, "x86 AMX": {"amx_bf16": True},
@@ -296,17 +320,19 @@ NO_BF16_CPU = {"x86 AVX2": {"avx2": True, "fma3": True}, "x86 AVX-512 without BF
 
 def test_auto_dtype_on_cpu_decision():
     """``dtype="auto"`` keeps bf16 only with native bf16 and a passing probe; the reason says which failed."""
-    fast = cpu_gemm.GemmChoice(torch.bfloat16, "auto", "onednn", torch.bfloat16, "passed")
-    slow = cpu_gemm.GemmChoice(torch.bfloat16, "auto", "upcast", torch.float32, "packing unsupported: X")
+    plan = kernel_plan()
+    fast = with_path(plan, torch.bfloat16, "onednn")
+    slow = with_path(plan, torch.bfloat16, "upcast", "packing unsupported: X")
     for caps in BF16_CPU.values():
-        assert cpu_gemm.cpu_auto_dtype(torch.bfloat16, caps, fast)[0] == torch.bfloat16
-        dtype, why = cpu_gemm.cpu_auto_dtype(torch.bfloat16, caps, slow)
+        assert cpu_auto_dtype(torch.bfloat16, fast, caps)[0] == torch.bfloat16
+        dtype, why = cpu_auto_dtype(torch.bfloat16, slow, caps)
         assert dtype == torch.float32 and "packing unsupported: X" in why
     for caps in NO_BF16_CPU.values():
-        dtype, why = cpu_gemm.cpu_auto_dtype(torch.bfloat16, caps, fast)
+        dtype, why = cpu_auto_dtype(torch.bfloat16, fast, caps)
         assert dtype == torch.float32 and "no native bfloat16" in why
-    assert cpu_gemm.cpu_auto_dtype(torch.float32, {}, slow)[0] == torch.float32
-    assert cpu_gemm.cpu_auto_dtype(torch.float16, {"avx512_fp16": True}, slow)[0] == torch.float32
+    assert cpu_auto_dtype(torch.float32, slow, {})[0] == torch.float32
+    assert cpu_auto_dtype(torch.float16, with_path(plan, torch.float16, "upcast"), {"avx512_fp16": True})[0] \
+        == torch.float32
 
 
 def test_auto_dtype_on_this_cpu(tiny_checkpoint, caplog, monkeypatch):
@@ -315,20 +341,20 @@ def test_auto_dtype_on_this_cpu(tiny_checkpoint, caplog, monkeypatch):
     from mla_runtime.config import ModelConfig
     from mla_runtime.plan import resolve_model_dtype
 
-    monkeypatch.setattr(cpu_gemm, "_forced", ["auto"])
+    plan = kernel_plan()
     cfg = ModelConfig.from_pretrained(tiny_checkpoint("v3")[0]).with_overrides(torch_dtype="bfloat16")
     caps = cpu_ops.cpu_capabilities()
     # a process capped at AVX2 ($MLA_CPU_ISA) decides as a CPU without AVX512-BF16 or AMX
-    native = cpu_ops.isa_cap() != "avx2" and any(caps.get(k) for k in cpu_gemm.NATIVE_CAPABILITIES[torch.bfloat16])
-    probe_ok = cpu_gemm.gemm_choice(torch.bfloat16).path == "onednn"
-    with caplog.at_level("INFO", logger="mla_runtime"):
-        got = cpu_gemm.resolve_cpu_dtype("auto", resolve_model_dtype("auto", cfg))
+    native = cpu_ops.isa_cap() != "avx2" and any(caps.get(k) for k in NATIVE_CAPABILITIES[torch.bfloat16])
+    probe_ok = plan.choice(torch.bfloat16).path == "onednn"
+    with caplog.at_level("INFO", logger="mla_runtime"):  # int8 products: the model dtype alone is decided
+        got, _ = resolve_cpu_format("auto", resolve_model_dtype("auto", cfg), "int8", plan)
     assert got == (torch.bfloat16 if native and probe_ok else torch.float32)
     assert f'dtype "auto" on this CPU: {str(got).removeprefix("torch.")}' in caplog.text
     assert resolve_model_dtype("auto", cfg) == torch.bfloat16
-    assert cpu_gemm.resolve_cpu_dtype("bfloat16", torch.bfloat16) == torch.bfloat16  # explicit: always honoured
-    monkeypatch.setattr(cpu_gemm, "_forced", ["plain"])  # no fast path: float32
-    assert cpu_gemm.resolve_cpu_dtype("auto", torch.bfloat16) == torch.float32
+    assert resolve_cpu_format("bfloat16", torch.bfloat16, None, plan) == (torch.bfloat16, None)  # explicit: honoured
+    # no fast path: float32
+    assert resolve_cpu_format("auto", torch.bfloat16, "int8", kernel_plan("plain")) == (torch.float32, "int8")
 
 
 # -- layers ----------------------------------------------------------------------------------------------
@@ -375,7 +401,7 @@ def test_host_grouped_experts_equal_sorted(monkeypatch):
     with torch.no_grad():
         for p in moe.parameters():
             p.copy_(0.2 * torch.randn(p.shape, generator=g))
-    moe.experts.prepare_inference()
+    moe.experts.prepare_inference(kernel_plan())
     x = torch.randn(9, 24, generator=g)
     host = moe(x)
     one_by_one = torch.cat([moe(x[i:i + 1]) for i in range(9)])  # the single-token path
@@ -651,14 +677,14 @@ def test_one_row_products_with_and_without_the_kernel(monkeypatch):
     w = torch.randn(96, 64)
     x = torch.randn(1, 64)
     for mode in ("auto", "onednn"):
-        monkeypatch.setattr(cpu_gemm, "_forced", [mode])
-        packed = PackedWeight.make(w)
+        plan = kernel_plan(mode)
+        packed = PackedWeight.make(w, plan)
         if packed is None:  # oneDNN cannot pack float32 on this CPU: F.linear, and no kernel either
-            assert cpu_gemm.gemm_choice(torch.float32).path == "plain"
+            assert plan.choice(torch.float32).path == "plain"
             torch.testing.assert_close(linear(x, w, None, packed), F.linear(x, w))
             continue
         assert packed.row_kernel == (mode == "auto" and cpu_kernels.failure() is None)
-        assert (cpu_gemm.row_kernel_failure() is None) == packed.row_kernel
+        assert plan.row_kernels == packed.row_kernel
         torch.testing.assert_close(linear(x, w, None, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(linear(x.repeat(3, 1), w, None, packed), F.linear(x.repeat(3, 1), w))
 
@@ -666,12 +692,12 @@ def test_one_row_products_with_and_without_the_kernel(monkeypatch):
 def _clear_kernel_caches() -> None:
     cpu_ops.failure.cache_clear()
     cpu_kernels.failure.cache_clear()
+    kernel_plan_module._resolve.cache_clear()  # the plans resolved from them
 
 
 def test_the_row_kernel_is_left_out_with_a_reason_where_it_cannot_build(monkeypatch, tmp_path):
     """No C++ compiler, or one that fails: the kernels are unavailable, say why, and weights keep oneDNN."""
     builds_here = cpu_kernels.failure() is None  # else it stops earlier (architecture, instruction set)
-    monkeypatch.setattr(cpu_gemm, "_forced", ["auto"])
     monkeypatch.setenv("MLA_KERNEL_CACHE", str(tmp_path / "kernels"))  # a fresh cache: nothing built there yet
     monkeypatch.setenv("CXX", os.environ.get("CXX", "c++"))  # restored afterwards
     try:
@@ -681,7 +707,9 @@ def test_the_row_kernel_is_left_out_with_a_reason_where_it_cannot_build(monkeypa
             _clear_kernel_caches()
             why = cpu_kernels.failure()
             assert why is not None and (said in why or not builds_here), why
-            packed = PackedWeight.make(torch.randn(16, 32))
+            plan = kernel_plan()
+            assert not plan.row_kernels and why in plan.info(torch.float32)["reason"] + plan.float_failure
+            packed = PackedWeight.make(torch.randn(16, 32), plan)
             assert packed is None or not packed.row_kernel
     finally:
         _clear_kernel_caches()
@@ -761,8 +789,7 @@ def test_with_the_row_kernels_no_product_takes_aten():
     never takes F.linear; without them (``onednn``) a small one's few-row products do."""
     assert cpu_gemm.KERNEL_MAX_ROWS >= cpu_gemm.FEW_ROWS
     for mode in ("auto", "onednn"):
-        with cpu_gemm.forced_gemm_mode(mode):
-            packed = PackedWeight.make(torch.randn(96, 64))
+        packed = PackedWeight.make(torch.randn(96, 64), kernel_plan(mode))
         if packed is None:  # oneDNN cannot pack float32 on this CPU
             continue
         assert packed.aten_max_rows == (0 if packed.row_kernel else cpu_gemm.FEW_ROWS)
@@ -778,7 +805,7 @@ def test_capabilities_without_torchs_call_come_from_cpuinfo(monkeypatch):
         ["fpu", "sse2", "avx2", "fma3", "f16c", "avx512_f", "avx512_bw", "avx512_vl", "avx512_bf16", "amx_bf16"], True)
     assert cpu_ops.capabilities_from_cpuinfo(arm) == dict.fromkeys(
         ["fp", "neon", "fp16_arith", "sve", "bf16", "sve_bf16"], True)
-    assert cpu_gemm.native_arithmetic(torch.bfloat16, cpu_ops.capabilities_from_cpuinfo(arm)) == ["bf16", "sve_bf16"]
+    assert native_arithmetic(torch.bfloat16, cpu_ops.capabilities_from_cpuinfo(arm)) == ["bf16", "sve_bf16"]
     if Path("/proc/cpuinfo").exists() and hasattr(torch.cpu, "get_capabilities"):  # this CPU: both agree
         ours = cpu_ops.capabilities_from_cpuinfo(Path("/proc/cpuinfo").read_text())
         theirs = torch.cpu.get_capabilities()
@@ -800,7 +827,7 @@ def test_a_failed_half_precision_fast_path_falls_back_by_a_rule(monkeypatch):
     monkeypatch.setattr(cpu_ops, "isa_cap", lambda: "amx")  # what the CPU has decides, under no $MLA_CPU_ISA
     for caps, path in (({"avx512_bf16": True}, "plain"), ({}, "upcast")):
         monkeypatch.setattr(cpu_ops, "cpu_capabilities", lambda caps=caps: caps)
-        choice = cpu_gemm._fallback(torch.bfloat16, "plain", "forced")
+        choice = kernel_plan_module._choice(torch.bfloat16, "plain")  # plain: the probe's failure
         assert choice.path == path and choice.compute_dtype == (torch.bfloat16 if path == "plain" else torch.float32)
 
 
@@ -1007,7 +1034,7 @@ def test_prefills_take_the_compiled_attention_with_the_torch_logits(tiny_checkpo
         runner = PagedRunner(model, len(ps), 48)
         calls.clear()
         steps = [runner.step({i: p[:-4] for i, p in enumerate(ps)}), runner.step({i: p[-4:] for i, p in enumerate(ps)})]
-        expected = 2 * model.config.num_hidden_layers if compiled and cpu_gemm.row_kernel_failure() is None else 0
+        expected = 2 * model.config.num_hidden_layers if compiled and kernel_plan().row_kernels else 0
         assert len(calls) == expected
         logits.append(torch.cat([torch.cat([s[i] for i in range(len(ps))]) for s in steps]).float())
     assert all(torch.isfinite(x).all() for x in logits)
@@ -1030,10 +1057,9 @@ def test_rms_norm_module_with_and_without_the_kernel(monkeypatch):
     """Prepared float32 norms take the kernel under auto where it builds (a few rows only), F.rms_norm otherwise."""
     x = torch.randn(5, 64)
     for mode in ("auto", "onednn"):
-        monkeypatch.setattr(cpu_gemm, "_forced", [mode])
         norm = RMSNorm(64, 1e-6)
         norm.weight.data.normal_()
-        norm.prepare_inference()
+        norm.prepare_inference(kernel_plan(mode))
         assert norm.kernel == (mode == "auto" and cpu_kernels.failure() is None)
         for rows in (x, torch.randn(norm_module.KERNEL_MAX_ROWS + 1, 64)):
             torch.testing.assert_close(norm(rows), F.rms_norm(rows, (64,), norm.weight, 1e-6))
@@ -1091,7 +1117,7 @@ def test_one_token_moe_and_mlp_with_and_without_the_kernel(quantization, monkeyp
     x = torch.randn(1, 64, generator=torch.Generator().manual_seed(1))
     outs = {}
     for mode in ("auto", "onednn"):
-        monkeypatch.setattr(cpu_gemm, "_forced", [mode])
+        plan = kernel_plan(mode)
         g = torch.Generator().manual_seed(0)
         layer = nn.ModuleDict({"moe": moe_module.MoE(cfg, 64, torch.float32), "mlp": GatedMLP(64, 128, torch.float32)})
         with torch.no_grad():
@@ -1099,11 +1125,11 @@ def test_one_token_moe_and_mlp_with_and_without_the_kernel(quantization, monkeyp
                 p.copy_(0.2 * torch.randn(p.shape, generator=g))
         for m in layer.modules():
             if m is not layer and hasattr(m, "prepare_inference"):
-                m.prepare_inference()
+                m.prepare_inference(plan)
         first = layer["moe"](x)  # made with the float weights ...
         if quantization:
             layer.lm_head_weight = torch.randn(8, 64)  # what quantize_model expects of a model
-            quantize_model(layer, quantization)  # ... and made again from the int8 ones
+            quantize_model(layer, quantization, plan)  # ... and made again from the int8 ones
         outs[mode] = (layer["moe"](x), layer["mlp"](x))
         kernel = mode == "auto" and cpu_kernels.failure() is None
         tables = (layer["moe"].experts.row_table, layer["mlp"].row_table)
@@ -1129,14 +1155,13 @@ def test_one_token_moe_kernel_routes_as_the_router(router, monkeypatch):
     cfg = MoEConfig(n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32, **router)
     outs = {}
     for mode in ("auto", "onednn"):
-        monkeypatch.setattr(cpu_gemm, "_forced", [mode])
         moe = moe_module.MoE(cfg, 48, torch.float32)
         with torch.no_grad():
             for p in moe.parameters():
                 p.copy_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
         for m in moe.modules():
             if hasattr(m, "prepare_inference"):
-                m.prepare_inference()
+                m.prepare_inference(kernel_plan(mode))
         xs = torch.randn(12, 1, 48, generator=torch.Generator().manual_seed(9))
         outs[mode] = torch.cat([moe(x) for x in xs])
         kernel = mode == "auto" and cpu_kernels.failure() is None
@@ -1260,7 +1285,7 @@ def test_a_bfloat16_models_decode_steps_run_compiled_layers_in_float32(tiny_chec
     ps = prompts([30, 12, 7], seed=8)
     attention = spy_ops(monkeypatch, "absorbed_decode")["absorbed_decode"]
     layers = _spy_layer_calls(monkeypatch)
-    runs = cpu_gemm.row_kernel_failure() is None
+    runs = kernel_plan().row_kernels
     whole_layers = deepseek.DeepseekForCausalLM._decode_step
     logits = {}
     for path in ("layers", "attention", "torch", "float32"):
@@ -1313,7 +1338,7 @@ def test_a_float32_prompt_writes_its_latents_through_the_compiled_norm_and_rope(
     ckpt, _ = tiny_checkpoint("v3")
     ps = prompts([30, 12, 7], seed=13)
     calls = spy_ops(monkeypatch, "rope_store")["rope_store"]
-    runs = cpu_gemm.row_kernel_failure() is None
+    runs = kernel_plan().row_kernels
     results = []
     for compiled in (True, False):
         if not compiled:
@@ -1352,7 +1377,7 @@ def test_float32_decode_steps_take_the_compiled_attention_and_match_torch(tiny_c
         runner.step({i: p[:-2] for i, p in enumerate(ps)})
         calls.clear()
         steps = [runner.step({i: [p[-t]] for i, p in enumerate(ps)}) for t in (2, 1)]
-        expected = 2 * model.config.num_hidden_layers if compiled and cpu_gemm.row_kernel_failure() is None else 0
+        expected = 2 * model.config.num_hidden_layers if compiled and kernel_plan().row_kernels else 0
         assert len(calls) == expected
         logits.append(torch.cat([torch.cat([s[i] for i in range(len(ps))]) for s in steps]))
     assert rel_err(logits[0], logits[1]) <= 1e-5
@@ -1399,7 +1424,7 @@ def test_decode_steps_run_each_layer_as_one_compiled_call_with_the_same_logits(t
         steps = [runner.step({i: [p[-2]] for i, p in enumerate(ps)}), runner.step({0: [ps[0][-1]]})]
         logits.append(torch.cat([torch.cat(list(s.values())) for s in steps]))
     layers = model.config.num_hidden_layers
-    assert len(calls) == (2 * layers if cpu_gemm.row_kernel_failure() is None else 0)
+    assert len(calls) == (2 * layers if kernel_plan().row_kernels else 0)
     # int8: each product rounds its input row to int16 (2^-14 of the row's largest value), so a last-bit difference
     # from the MLP can come out of the next product 2^-14 larger
     assert rel_err(logits[0], logits[1]) <= (1e-5 if quantization is None else 5e-4)
@@ -1432,7 +1457,7 @@ def test_compact_latent_caches_take_the_compiled_decode_with_the_torch_logits(ti
         steps = [runner.step({i: [p[-2]] for i, p in enumerate(ps)}), runner.step({0: [ps[0][-1]]})]
         logits.append(torch.cat([torch.cat(list(s.values())) for s in steps]))
         assert runner.cache.layers[0].kv.dtype == cache_dtype
-    assert len(calls) == (2 * model.config.num_hidden_layers if cpu_gemm.row_kernel_failure() is None else 0)
+    assert len(calls) == (2 * model.config.num_hidden_layers if kernel_plan().row_kernels else 0)
     assert torch.isfinite(logits[0]).all()
     # a value on a rounding boundary may round the other way: a half step of bfloat16 / float16, or a whole quantum of
     # an int8 / fp8 part (a larger change, hence the looser bound; measured: under 6e-7 for every dtype here)
@@ -1445,9 +1470,8 @@ def test_decoder_layer_tables_and_steps_reject_what_they_cannot_compute(tiny_che
     takes one to eight rows; a call checks the hidden rows and the cache."""
     from mla_runtime.layers.decoder_kernel import layer_weights
 
-    monkeypatch.setattr(cpu_gemm, "_forced", ["auto"])  # the kernels themselves, whatever the suite's mode
     ckpt, _ = tiny_checkpoint("v3")
-    model = load_model(ckpt, dtype="float32")
+    model = load_model(ckpt, dtype="float32")  # cpu_gemm=auto: the kernels themselves
     layer = model.model.layers[1]
     weights = layer_weights((layer.input_layernorm, layer.post_attention_layernorm), layer.self_attn, layer.mlp)
     assert weights is not None
@@ -1571,7 +1595,7 @@ def test_each_few_row_float_variant_is_the_product(variant, dtype):
 _CAPPED = """
 import json, sys, torch
 from mla_kernels import cpu_kernels, cpu_ops
-from mla_runtime.layers import cpu_gemm
+from mla_runtime import kernel_plan
 g = torch.Generator().manual_seed(3)
 x, w = torch.randn(5, 300, generator=g), torch.randn(70, 300, generator=g)
 w8, s8 = torch.randint(-127, 128, (70, 300), generator=g, dtype=torch.int8), torch.rand(70, generator=g)
@@ -1587,7 +1611,7 @@ torch.save({"f32": ops.linear(x, w), "bf16": ops.linear(x[:3], w.bfloat16()), "i
                 torch.tensor([20, 9]), 20)}, sys.argv[1])
 print(json.dumps({"products": list(ops.product_variants()), "indexer": list(ops.cpu_variants()),
                   "cap": ops.max_isa(), "summary": cpu_ops.summary(), "amx": cpu_kernels.failure("amx"),
-                  "native_bf16": cpu_gemm.native_arithmetic(torch.bfloat16)}))
+                  "native_bf16": kernel_plan.native_arithmetic(torch.bfloat16)}))
 """
 
 
@@ -1672,10 +1696,8 @@ def test_amx_products_are_the_bfloat16_product_where_the_cpu_has_tiles():
         assert "AMX" in why
         with pytest.raises(ValueError, match="amx_pack: this CPU .* runs no AMX"):
             cpu_kernels.amx_pack(w)
-        with cpu_gemm.forced_gemm_mode("auto"):
-            assert cpu_gemm.amx_failure() == why
-            if cpu_gemm.gemm_choice(torch.bfloat16).path == "onednn":
-                assert PackedWeight(w, "onednn").amx is None
+        assert kernel_plan().amx_failure == why
+        assert PackedWeight(w, with_path(kernel_plan(), torch.bfloat16, "onednn")).amx is None
         pytest.skip(amx_skip(why))
     g = torch.Generator().manual_seed(6)
     packed = cpu_kernels.amx_pack(w)
@@ -1689,16 +1711,15 @@ def test_amx_products_are_the_bfloat16_product_where_the_cpu_has_tiles():
             torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * 96 ** 0.5)
         alone = torch.cat([cpu_kernels.amx_linear(x[i:i + 1], packed) for i in range(rows)])
         assert torch.equal(cpu_kernels.amx_linear(x, packed), alone)
-    with cpu_gemm.forced_gemm_mode("auto"):
-        made = PackedWeight(w, "onednn")
-        assert made.amx is not None and made.blocked is None
-        b = torch.randn(80, generator=g).bfloat16()
-        x = torch.randn(2, 20, 96, generator=g).bfloat16()  # 40 rows: past the few-row kernels, within the tiles
-        torch.testing.assert_close(linear(x, w, b, made).double(), (x.double() @ w.double().T + b.double()),
-                                   rtol=2e-2, atol=2e-2)
-    with cpu_gemm.forced_gemm_mode("onednn"):
-        assert cpu_gemm.amx_failure() == "cpu_gemm=onednn leaves them out"
-        assert PackedWeight(w, "onednn").amx is None
+    made = PackedWeight(w, with_path(kernel_plan(), torch.bfloat16, "onednn"))
+    assert made.amx is not None and made.blocked is None
+    b = torch.randn(80, generator=g).bfloat16()
+    x = torch.randn(2, 20, 96, generator=g).bfloat16()  # 40 rows: past the few-row kernels, within the tiles
+    torch.testing.assert_close(linear(x, w, b, made).double(), (x.double() @ w.double().T + b.double()),
+                               rtol=2e-2, atol=2e-2)
+    onednn = kernel_plan("onednn")
+    assert onednn.amx_failure == "cpu_gemm=onednn leaves them out"
+    assert PackedWeight(w, with_path(onednn, torch.bfloat16, "onednn")).amx is None
 
 
 def test_a_prefill_takes_the_amx_tiles_as_near_the_float32_logits_as_onednn(tiny_checkpoint, monkeypatch):
@@ -1717,10 +1738,9 @@ def test_a_prefill_takes_the_amx_tiles_as_near_the_float32_logits_as_onednn(tiny
     calls = spy_ops(monkeypatch, "amx_linear")["amx_linear"]
     err = {}
     for mode in ("auto", "onednn"):
-        with cpu_gemm.forced_gemm_mode(mode):
-            model = load_model(ckpt, dtype="float32", quantization="bf16")
-            calls.clear()
-            got = torch.cat(PagedRunner(model, len(ps), 32).prefill(ps))
+        model = load_model(ckpt, dtype="float32", quantization="bf16", cpu_gemm=mode)
+        calls.clear()
+        got = torch.cat(PagedRunner(model, len(ps), 32).prefill(ps))
         assert bool(calls) == (mode == "auto"), f"cpu_gemm={mode}: {len(calls)} AMX products"
         err[mode] = rel_err(got, want)
     assert err["auto"] <= 2e-2 and err["auto"] <= 1.5 * err["onednn"], err
@@ -1777,24 +1797,22 @@ def test_half_weights_take_the_two_byte_kernel_for_few_rows(path, dtype, monkeyp
     """A bfloat16 or float16 weight's products of up to ``BF16_KERNEL_ROWS[path]`` rows run the kernel that reads it
     at two bytes (float32 arithmetic on the exactly widened weight); more rows, or ``cpu_gemm=onednn``, take the
     weight's path."""
-    kind = cpu_gemm.HALF_KINDS[dtype]
+    kind = HALF_KINDS[dtype]
     if cpu_kernels.failure(kind) is not None:
         pytest.skip(f"the {dtype}-weight kernel does not run here: {cpu_kernels.failure(kind)}")
     g = torch.Generator().manual_seed(3)
     w, b = torch.randn(70, 96, generator=g).to(dtype), torch.randn(70, generator=g).to(dtype)
-    if path == "onednn" and cpu_gemm.fast_path_failure(dtype) is not None:
+    if path == "onednn" and fast_path_failure(dtype) is not None:
         # no oneDNN path for the dtype on this CPU: its weights take the fallback the capability rule picks
-        with cpu_gemm.forced_gemm_mode("auto"):
-            path = cpu_gemm.gemm_choice(dtype).path
-            made = PackedWeight.make(w)
+        path = kernel_plan().choice(dtype).path
+        made = PackedWeight.make(w, kernel_plan())
         assert path in ("upcast", "plain") and (made is None) == (path == "plain")
         if path == "plain":  # F.linear in the dtype, no packed weight and no kernel
             return
     calls = spy_ops(monkeypatch, "linear")["linear"]
     limit = cpu_gemm.BF16_KERNEL_ROWS[path]
     for mode, expect in (("auto", limit), ("onednn", 0)):
-        with cpu_gemm.forced_gemm_mode(mode):
-            packed = PackedWeight(w, path)
+        packed = PackedWeight(w, with_path(kernel_plan(mode), dtype, path))
         assert packed.bf16_rows == expect
         for rows in (1, limit, limit + 1):
             x = torch.randn(rows, 96, generator=g).to(dtype)
@@ -1817,8 +1835,8 @@ def test_auto_keeps_a_float16_checkpoints_products_float16_and_gives_transformer
     from mla_runtime.layers.bf16 import F16Weight
     from tests.checkpoints import save_checkpoint
 
-    if not cpu_gemm.half_kernel_runs(torch.float16):  # no kernel on this CPU, or cpu_gemm leaves it out
-        assert cpu_gemm.resolve_cpu_format("auto", torch.float16, None)[1] is None  # float16 stays as it is
+    if not kernel_plan().half_kernel(torch.float16):  # no kernel on this CPU
+        assert resolve_cpu_format("auto", torch.float16, None, kernel_plan())[1] is None  # float16 stays as it is
         return
     _, hf = tiny_checkpoint("v3")
     half = copy.deepcopy(hf).half()
@@ -1846,13 +1864,15 @@ def test_auto_keeps_a_bf16_checkpoints_products_bf16_in_a_float32_model(tiny_che
     from mla_runtime.layers.bf16 import Bf16Weight
 
     for half, scheme in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
-        runs = cpu_kernels.failure(cpu_gemm.HALF_KINDS[half]) is None and cpu_gemm.gemm_mode() == "auto"
-        auto = cpu_gemm.resolve_cpu_format("auto", half, None)
-        assert auto == ((torch.float32, scheme) if runs else (cpu_gemm.resolve_cpu_dtype("auto", half), None))
-    runs = cpu_kernels.failure("bf16") is None and cpu_gemm.gemm_mode() == "auto"
-    assert cpu_gemm.resolve_cpu_format("bfloat16", torch.bfloat16, None) == (torch.bfloat16, None)
-    assert cpu_gemm.resolve_cpu_format("auto", torch.bfloat16, "int8")[1] == "int8"
-    assert cpu_gemm.resolve_cpu_format("auto", torch.float32, None) == (torch.float32, None)
+        for plan in (kernel_plan(), kernel_plan("onednn")):
+            runs = cpu_kernels.failure(HALF_KINDS[half]) is None and plan.mode == "auto"
+            auto = resolve_cpu_format("auto", half, None, plan)
+            assert auto == ((torch.float32, scheme) if runs else (cpu_auto_dtype(half, plan)[0], None))
+    plan = kernel_plan()
+    runs = cpu_kernels.failure("bf16") is None
+    assert resolve_cpu_format("bfloat16", torch.bfloat16, None, plan) == (torch.bfloat16, None)
+    assert resolve_cpu_format("auto", torch.bfloat16, "int8", plan)[1] == "int8"
+    assert resolve_cpu_format("auto", torch.float32, None, plan) == (torch.float32, None)
     if not runs:
         return
     from mla_runtime.serving.config import DEMO_MODEL

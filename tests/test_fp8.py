@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from mla_kernels import cpu_kernels
-from mla_runtime.layers import cpu_gemm, qweight
+from mla_runtime.kernel_plan import kernel_plan
+from mla_runtime.layers import qweight
 from mla_runtime.layers.fp8 import Fp8Weight, quantize_fp8_block
 from mla_runtime.loader import dequantize_fp8_block
 
@@ -105,8 +106,8 @@ def test_cpu_kernel_against_the_float64_product(n, k, block):
         assert torch.equal(got, results[1, 64][:rows]), (t, rows)
 
 
-def test_matmul_paths(gemm_mode):
-    q = stored(200, 320, (128, 128), 4)
+def test_matmul_paths(gemm_mode, plan):
+    q = stored(200, 320, (128, 128), 4).bind(plan)
     assert q.kernel == (gemm_mode == "auto" and cpu_kernels.failure("fp8") is None)
     wide = q.dequantize()
     g = torch.Generator().manual_seed(5)
@@ -119,9 +120,9 @@ def test_matmul_paths(gemm_mode):
         assert_product(got.reshape(-1, 200) - bias, rows, wide, rel=2e-6)
 
 
-def test_matmul_in_bfloat16_with_a_bias(gemm_mode):
+def test_matmul_in_bfloat16_with_a_bias(plan):
     q = stored(96, 160, (32, 32), 6)
-    q = Fp8Weight(q.weight, q.scale_inv, q.block, torch.bfloat16)
+    q = Fp8Weight(q.weight, q.scale_inv, q.block, torch.bfloat16).bind(plan)
     g = torch.Generator().manual_seed(7)
     x, bias = torch.randn(4, 160, generator=g).bfloat16(), torch.randn(96, generator=g).bfloat16()
     got = q.matmul(x, bias)
@@ -131,8 +132,7 @@ def test_matmul_in_bfloat16_with_a_bias(gemm_mode):
 
 
 def test_fallback_dequantises_a_bounded_number_of_rows(monkeypatch):
-    monkeypatch.setattr(cpu_gemm, "_forced", ["plain"])
-    q = stored(200, 320, (128, 128), 8)
+    q = stored(200, 320, (128, 128), 8).bind(kernel_plan("plain"))
     x = torch.randn(5, 320)
     whole = q.matmul(x, None)
     monkeypatch.setattr(qweight, "WIDEN_CHUNK_ELEMENTS", 320 * 48)  # 48 rows at a time: 5 chunks

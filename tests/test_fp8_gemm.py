@@ -14,6 +14,7 @@ if not torch.cuda.is_available():  # kernels: interpret Triton on CPU (must prec
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from mla_kernels.fp8_gemm import act_quant_fp8, fp8_gemm, fp8_grouped_gemm  # noqa: E402
+from mla_runtime.kernel_plan import OFF_CPU, kernel_plan  # noqa: E402
 from tests.kernel_utils import DEVICE  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -167,7 +168,7 @@ def test_moe_experts_run_as_two_grouped_launches(monkeypatch):
     experts.first = 1
     experts.gate_up_packed = [fp8(2 * inter, hidden) for _ in range(n_experts)]
     experts.down_packed = [fp8(hidden, inter) for _ in range(n_experts)]
-    experts.prepare_inference()
+    experts.prepare_inference(OFF_CPU if DEVICE != "cpu" else kernel_plan())
     stacks = experts.fp8_stacks()
     assert stacks is not None and stacks.gate_up.shape == (n_experts, 2 * inter, hidden)
     assert experts.fp8_stacks() is stacks  # made once

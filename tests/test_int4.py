@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from mla_kernels import cpu_kernels, int4_format
-from mla_runtime.layers import cpu_gemm, int4, qweight
-from mla_runtime.layers.int4 import Int4Weight, int4_kernel_failure
+from mla_runtime.kernel_plan import kernel_plan
+from mla_runtime.layers import int4, qweight
+from mla_runtime.layers.int4 import Int4Weight
 
 
 def q4_0_reference(w: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -255,12 +256,12 @@ def test_kernel_rejects_bad_operands():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(7, 64), (100, 96), (33, 40)])
-def test_matmul_in_both_modes(gemm_mode, dtype, shape, monkeypatch):
+def test_matmul_in_both_modes(gemm_mode, plan, dtype, shape, monkeypatch):
     """``cpu_gemm=auto`` takes the kernel for up to 64 rows, ``plain`` the dequantised fallback: both are the
     dequantised product within the kernel's tolerance."""
     n, k = shape
     g = torch.Generator().manual_seed(n + k)
-    w = Int4Weight.quantize(torch.randn(n, k, generator=g).to(dtype))
+    w = Int4Weight.quantize(torch.randn(n, k, generator=g).to(dtype)).bind(plan)
     assert w.kernel == (gemm_mode == "auto" and cpu_kernels.failure("int4") is None)
     dq = w.dequantize()
     bias = torch.randn(n, generator=g).to(dtype)
@@ -281,17 +282,15 @@ def test_kernel_and_fallback_agree(monkeypatch):
     g = torch.Generator().manual_seed(5)
     w = torch.randn(50, 1024, generator=g)
     x = torch.randn(4, 1024, generator=g)
-    monkeypatch.setattr(cpu_gemm, "_forced", ["auto"])
-    fast = Int4Weight.quantize(w)
-    monkeypatch.setattr(cpu_gemm, "_forced", ["plain"])
-    slow = Int4Weight.quantize(w)
+    fast = Int4Weight.quantize(w).bind(kernel_plan("auto"))
+    slow = Int4Weight.quantize(w).bind(kernel_plan("plain"))
     assert fast.kernel and not slow.kernel
     gap = (fast.matmul(x, None).double() - slow.matmul(x, None).double()).abs()
     assert (gap <= _tolerance(fast.dequantize(), x)).all()  # the kernel's int8 groups: the only difference
 
 
 def test_fallback_reason():
-    assert int4_kernel_failure("plain") == "cpu_gemm=plain forces the fallback"
+    assert kernel_plan("plain").int4_failure == "cpu_gemm=plain forces the fallback"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -12,6 +12,7 @@ if not torch.cuda.is_available():  # kernels: interpret Triton on CPU (must prec
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from mla_kernels.grouped_gemm import grouped_gemm  # noqa: E402
+from mla_runtime.kernel_plan import kernel_plan  # noqa: E402
 from mla_runtime.layers.moe import Experts  # noqa: E402
 from tests.kernel_utils import DEVICE  # noqa: E402
 
@@ -49,7 +50,7 @@ def test_moe_experts_grouped_on_the_device_equal_the_loop(monkeypatch, tokens):
     with torch.no_grad():
         experts.gate_up_proj.normal_(0, 0.2)
         experts.down_proj.normal_(0, 0.2)
-    experts.prepare_inference()
+    experts.prepare_inference(kernel_plan())
     x = torch.randn(tokens, 32)
     ids = torch.stack([torch.randperm(6)[:2] for _ in range(tokens)])
     weights = torch.rand(tokens, 2)

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mla_runtime.config import ModelConfig
-from mla_runtime.layers.cpu_gemm import gemm_choice
+from mla_runtime.kernel_plan import kernel_plan
 from mla_runtime.layers.fp8 import Fp8Weight
 from mla_runtime.layers.quantization import quantized_weights
 from mla_runtime.loader import CheckpointError, load_model
@@ -34,7 +34,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("path", ["naive", "absorbed"])
 def test_prefill_logits_match_transformers(tiny_checkpoint, variant, path, gemm_mode):
     ckpt, hf = tiny_checkpoint(variant)
-    model = load_model(ckpt, dtype="float32", attention_path=path)
+    model = load_model(ckpt, dtype="float32", attention_path=path, cpu_gemm=gemm_mode)
     ps = prompts()
     ours = PagedRunner(model, len(ps), max(PROMPT_LENS)).prefill(ps)
     for p, got in zip(ps, ours):
@@ -54,7 +54,7 @@ def test_absorbed_equals_naive(tiny_checkpoint, variant):
 
 def test_token_by_token_decode_equals_full_forward(tiny_checkpoint, variant, gemm_mode):
     ckpt, hf = tiny_checkpoint(variant)
-    model = load_model(ckpt, dtype="float32")
+    model = load_model(ckpt, dtype="float32", cpu_gemm=gemm_mode)
     ps = prompts([9, 23, 14], seed=2)
     runner = PagedRunner(model, len(ps), max(len(p) for p in ps))
     first = runner.step({i: p[:3] for i, p in enumerate(ps)})  # a short prefill, then one token at a time
@@ -120,10 +120,10 @@ def test_bfloat16_close_to_float32(tiny_checkpoint, gemm_mode):
     """An explicit bf16 load works on every CPU: on the probed fast path, or on the fallback it chose."""
     ckpt, hf = tiny_checkpoint("v3")
     p = prompts([30])[0]
-    model = load_model(ckpt, dtype="bfloat16")
+    model = load_model(ckpt, dtype="bfloat16", cpu_gemm=gemm_mode)
     o_proj = model.model.layers[0].self_attn.o_proj
     assert o_proj.weight.dtype == torch.bfloat16
-    path = gemm_choice(torch.bfloat16).path  # the layers were prepared for the path chosen for bf16
+    path = kernel_plan(gemm_mode).choice(torch.bfloat16).path  # the layers were prepared for the path chosen for bf16
     assert (o_proj.packed is None) == (path == "plain")
     assert (path == "upcast") == bool(o_proj.packed and o_proj.packed.upcast)
     (got,) = PagedRunner(model, 1, len(p)).prefill([p])

@@ -28,7 +28,6 @@ from mla_runtime.checksums import main as hash_main
 from mla_runtime.engine.block_pool import BlockPool
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.engine.worker import Worker
-from mla_runtime.layers import cpu_gemm
 from mla_runtime.serving.request_log import JsonFormatter
 from tests.test_engine import new_llm, tokens
 from tests.test_server import Live, text_checkpoint, wait_idle  # noqa: F401 - text_checkpoint is a fixture
@@ -40,14 +39,6 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "mla-runtime.json"
 LOG_FIELDS = {"request_id", "endpoint", "arrival", "queue_time_s", "ttft_s", "duration_s", "prompt_tokens",
               "cached_tokens", "generated_tokens", "finish_reason", "status", "cache_blocks_used",
               "cache_blocks_total", "rss_bytes"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def plain_cpu_products() -> Iterator[None]:
-    """These tests are about operations, not speed: skip the load-time probe of the CPU fast paths."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cpu_gemm, "_forced", ["plain"])
-        yield
 
 
 # -- alert rules and dashboard ------------------------------------------------------------------

@@ -339,7 +339,7 @@ def test_weight_bytes_equal_what_a_loaded_model_holds(tiny_checkpoint, variant, 
 
     path, _ = tiny_checkpoint(variant)
     cfg = ModelConfig.from_pretrained(path)
-    model = load_model(path, dtype="float32", quantization=quantization)
+    model = load_model(path, dtype="float32", quantization=quantization, cpu_gemm=gemm_mode)
     if quantization is not None:
         finish_quantization(model, quantization)
     planned = weight_footprint(cfg, "float32", 1, quantization, cpu=CPU() if gemm_mode == "auto" else None)
@@ -434,7 +434,7 @@ def test_fp8_checkpoint_weight_bytes_equal_what_the_model_holds(tmp_path, gemm_m
     hf = DeepseekV3ForCausalLM(_v3_config(intermediate_size=128, moe_intermediate_size=128, q_lora_rank=128))
     path = _deepseek_fp8_checkpoint(save_checkpoint(hf, tmp_path / "bf16"), tmp_path / "fp8")
     cfg = ModelConfig.from_pretrained(path)
-    model = load_model(path, dtype="float32")
+    model = load_model(path, dtype="float32", cpu_gemm=gemm_mode)
     planned = weight_footprint(cfg, "float32", cpu=CPU() if gemm_mode == "auto" else None)
     assert planned.format == "fp8 (checkpoint blocks)"
     weights = quantized_weights(model)
@@ -509,15 +509,15 @@ def test_cli_deepseek_v3_fp8_on_eight_ranks_and_quantization_choices(capsys):
 
 def CPU(dtype: torch.dtype = torch.float32):  # noqa: N802
     """This machine's probed layouts for ``dtype`` weights, as the Worker passes them to the planner."""
-    from mla_runtime.layers.cpu_gemm import cpu_layouts
+    from mla_runtime.kernel_plan import kernel_plan
 
-    return cpu_layouts(dtype)
+    return kernel_plan().layouts(dtype)
 
 
 def test_cpu_device_counts_the_packed_copies():
     """Without a CPU's probed layouts the planner counts no CPU-only copy; with them, those this machine's probes
     choose."""
-    from mla_runtime.layers.cpu_gemm import gemm_choice
+    from mla_runtime.kernel_plan import kernel_plan
     from mla_runtime.plan import weight_footprint
 
     plain = weight_footprint(V2_LITE, "float32")
@@ -525,7 +525,7 @@ def test_cpu_device_counts_the_packed_copies():
     assert plain.packed_bytes == 0
     with pytest.raises(ValueError, match="layouts probed for torch.float32"):
         weight_footprint(V2_LITE, "bfloat16", cpu=CPU())
-    extra = gemm_choice(torch.float32).extra_bytes_per_element
+    extra = kernel_plan().choice(torch.float32).extra_bytes_per_element
     assert (cpu.packed_bytes > 0) == (extra > 0)
     if extra:  # every float matrix (not the embedding, norms or routers) once more, q_a/kv_a stacked: twice more
         assert cpu.packed_bytes > extra * (parameter_count(V2_LITE) - 2 * V2_LITE.vocab_size * V2_LITE.hidden_size)
@@ -665,7 +665,7 @@ def test_the_cpu_plan_leaves_out_second_layouts_where_only_that_fits(monkeypatch
     (a bfloat16 DeepSeek-V2-Lite under ``auto``: 58.8 GiB with oneDNN's blocked copies, 29.9 GiB without), it plans
     them without and says so; where neither fits, it refuses."""
     from mla_runtime import plan as plan_module
-    from mla_runtime.resolved_config import CpuLayouts
+    from mla_runtime.kernel_plan import CpuLayouts
 
     bf16w = CpuLayouts(torch.float32, 4, True, True)  # a float32 model with bfloat16 weights on an AVX512-BF16 CPU
     monkeypatch.setattr(plan_module, "_probed_cpu", lambda *a: (bf16w, "bf16"))

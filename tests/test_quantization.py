@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -13,23 +14,11 @@ from mla_runtime import LLM, SamplingParams
 from mla_runtime.config import ModelConfig
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.errors import InvalidParam
-from mla_runtime.layers import cpu_gemm, qweight
+from mla_runtime.kernel_plan import QUANT_BF16_ROWS, kernel_plan
+from mla_runtime.layers import qweight
 from mla_runtime.layers.bf16 import Bf16Weight
-from mla_runtime.layers.cpu_gemm import (
-    gemm_choice,
-    half_kernel_runs,
-    native_arithmetic,
-    quantized_bf16_rows,
-    row_kernel_failure,
-)
 from mla_runtime.layers.mla import attention_layer
-from mla_runtime.layers.quantization import (
-    WEIGHT_FORMATS,
-    Int8Weight,
-    int8_kernel_failure,
-    quantize_model,
-    quantized_weights,
-)
+from mla_runtime.layers.quantization import WEIGHT_FORMATS, Int8Weight, quantize_model, quantized_weights
 from mla_runtime.layers.qweight import QuantizedWeight, stack_rows
 from mla_runtime.loader import load_model
 from mla_runtime.plan import parameter_count, quantized_parameters, weight_bytes
@@ -47,13 +36,13 @@ MAX_LOGPROB_ERROR = 1.5
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(96, 64), (7, 100)])
-def test_int8_product_equals_its_dequantised_matrix(gemm_mode, dtype, shape):
+def test_int8_product_equals_its_dequantised_matrix(gemm_mode, plan, dtype, shape):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(*shape, generator=g)
     w[3, 5] = 40.0  # an outlier: only its own row's scale grows
-    q = Int8Weight.quantize(w.to(dtype))
+    q = Int8Weight.quantize(w.to(dtype)).bind(plan)
     # the kernel mishandles inner dimensions that are not a multiple of 8 (wrong values or a crash on AVX2)
-    assert q.kernel == (gemm_mode == "auto" and shape[1] % 64 == 0 and int8_kernel_failure("auto") is None)
+    assert q.kernel == (gemm_mode == "auto" and shape[1] % 64 == 0 and kernel_plan().int8_aten_failure is None)
     dq = q.dequantize()
     step = q.scales.unsqueeze(1)
     assert q.qweight.dtype == torch.int8 and q.qweight.abs().max() <= 127
@@ -75,18 +64,17 @@ def test_int8_product_equals_its_dequantised_matrix(gemm_mode, dtype, shape):
 
 @pytest.mark.parametrize("mode", ["auto", "onednn"])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 130])
-def test_int8_products_with_and_without_the_row_kernels(mode, rows, monkeypatch):
+def test_int8_products_with_and_without_the_row_kernels(mode, rows):
     """Where the compiled kernels build, auto runs every int8 product through them, 64 rows a pass (each row rounded
     to int16 with a power-of-two scale); onednn (and a CPU without the kernels) keep ATen's kernel (bfloat16 rows)."""
-    monkeypatch.setattr(cpu_gemm, "_forced", [mode])
     g = torch.Generator().manual_seed(1)
     w = torch.randn(96, 128, generator=g)
-    q = Int8Weight.quantize(w)
+    q = Int8Weight.quantize(w).bind(kernel_plan(mode))
     assert (q.row_scales is not None) == (mode == "auto" and cpu_kernels.failure() is None)
     x, bias = torch.randn(rows, 128, generator=g), torch.randn(96, generator=g)
     ref = torch.nn.functional.linear(x, q.dequantize(), bias)
     kernels = q.row_scales is not None
-    assert q.bf16_from == quantized_bf16_rows(mode, kernel=kernels)
+    assert q.bf16_from == kernel_plan(mode).quantized_bf16_rows(kernel=kernels)
     # the kernels: rows rounded to int16; ATen's and oneDNN's bfloat16 products of many rows: bfloat16
     tol = 3e-4 if kernels and not 0 < q.bf16_from <= rows else 2e-2
     torch.testing.assert_close(q.matmul(x, bias), ref, rtol=tol, atol=tol * ref.abs().max().item())
@@ -98,23 +86,23 @@ def test_int8_products_with_and_without_the_row_kernels(mode, rows, monkeypatch)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_many_row_products_take_bfloat16_where_the_cpu_has_it_and_the_kernels_do_not_run(dtype, monkeypatch):
-    """int8 products of ``quantized_bf16_rows`` rows or more take oneDNN's bfloat16 products where the CPU computes in
-    bfloat16 natively and the compiled int8 kernels do not run (``cpu_gemm=onednn`` here; an aarch64 CPU with BF16):
-    the weight widened to bfloat16 a block at a time (exact), the rows rounded to bfloat16, each block's product rounded
-    to bfloat16 once. Fewer rows keep ATen's int8 kernel. Where the compiled kernels run (int8 and int4), every
-    product takes them: a row's result is then the same bits whatever rows share its product."""
+    """int8 products of ``KernelPlan.quantized_bf16_rows`` rows or more take oneDNN's bfloat16 products where the CPU
+    computes in bfloat16 natively and the compiled int8 kernels do not run (``cpu_gemm=onednn`` here; an aarch64 CPU
+    with BF16): the weight widened to bfloat16 a block at a time (exact), the rows rounded to bfloat16, each block's
+    product rounded to bfloat16 once. Fewer rows keep ATen's int8 kernel. Where the compiled kernels run (int8 and
+    int4), every product takes them: a row's result is then the same bits whatever rows share its product."""
     monkeypatch.setattr(qweight, "BF16_CHUNK_ELEMENTS", 3000)  # several blocks, the last one short
     g = torch.Generator().manual_seed(2)
     weight = torch.randn(70, 96, generator=g)
-    assert quantized_bf16_rows(kernel=True) == 0
+    auto, onednn = kernel_plan(), kernel_plan("onednn")
+    assert auto.quantized_bf16_rows(kernel=True) == 0
     assert WEIGHT_FORMATS["int4"].quantize(weight).bf16_from == 0
     if Int8Weight.quantize(weight).row_scales is not None:
         assert Int8Weight.quantize(weight).bf16_from == 0
-    native = bool(native_arithmetic(torch.bfloat16)) and gemm_choice(torch.bfloat16).path == "onednn"
-    assert quantized_bf16_rows() == (cpu_gemm.QUANT_BF16_ROWS if native else 0)
-    with cpu_gemm.forced_gemm_mode("onednn"):
-        w = Int8Weight.quantize(weight)
-        many = quantized_bf16_rows()
+    native = bool(auto.native_bf16) and auto.choice(torch.bfloat16).path == "onednn"
+    assert auto.quantized_bf16_rows(kernel=False) == (QUANT_BF16_ROWS if native else 0)
+    w = Int8Weight.quantize(weight).bind(onednn)
+    many = onednn.quantized_bf16_rows(kernel=False)
     assert w.row_scales is None and w.bf16_from == many
     if not many:
         pytest.skip("this CPU has no native bfloat16 products (or they failed their probe): int8 products of any "
@@ -137,42 +125,41 @@ def test_many_row_products_take_bfloat16_where_the_cpu_has_it_and_the_kernels_do
         unit = 2.0 ** -8 if dtype == torch.float32 else 2.0 ** -7  # plus the result's own rounding to bfloat16
         bound = unit * (product.abs() + bias.double().abs()) + 1e-3
         assert ((got.double() - product - bias.double()).abs() <= bound).all()
-    for caps in (["avx512_bf16"], ["avx512_bf16", "amx_bf16"]):
-        monkeypatch.setattr(cpu_gemm, "native_arithmetic", lambda dtype, capabilities=None, caps=caps: caps)
-        assert quantized_bf16_rows(kernel=True) == 0
-        assert quantized_bf16_rows() == cpu_gemm.QUANT_BF16_ROWS
-    monkeypatch.setattr(cpu_gemm, "native_arithmetic", lambda dtype, capabilities=None: [])
-    assert quantized_bf16_rows() == 0  # oneDNN would emulate bfloat16: slower than the integer kernels
-    assert quantized_bf16_rows("plain") == 0
+    for caps in (("avx512_bf16",), ("avx512_bf16", "amx_bf16")):
+        plan = dataclasses.replace(onednn, native_bf16=caps)
+        assert plan.quantized_bf16_rows(kernel=True) == 0
+        assert plan.quantized_bf16_rows(kernel=False) == QUANT_BF16_ROWS
+    plan = dataclasses.replace(onednn, native_bf16=())
+    assert plan.quantized_bf16_rows(kernel=False) == 0  # oneDNN would emulate bfloat16: slower than the integer kernels
+    assert kernel_plan("plain").quantized_bf16_rows(kernel=False) == 0
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_a_rows_product_is_the_same_bits_whatever_rows_share_it(scheme, gemm_mode):
+def test_a_rows_product_is_the_same_bits_whatever_rows_share_it(scheme, gemm_mode, plan):
     """Batch invariance of the quantised products: where the compiled kernels run, a row's result alone, in a decode
     batch of a few rows or in a long prefill (more rows than any threshold) is the same bits: their integer sums make
     it so. The fallbacks (a float32 product of the widened weight) agree to float rounding."""
     g = torch.Generator().manual_seed(3)
-    with cpu_gemm.forced_gemm_mode(gemm_mode):
-        w = WEIGHT_FORMATS[scheme].quantize(torch.randn(80, 128, generator=g))
-        if w.bf16_from:
-            pytest.skip(f"cpu_gemm={gemm_mode}: products of {w.bf16_from} rows or more round their rows to bfloat16 "
-                        "here (oneDNN's bfloat16 products: no compiled int8 kernel), a documented exception")
-        x = torch.randn(200, 128, generator=g)
-        many = w.matmul(x, None)
-        exact = gemm_mode == "auto" and cpu_kernels.failure("int4" if scheme == "int4" else "core") is None
-        for rows in (slice(7, 8), slice(3, 9), slice(0, 130)):
-            got = w.matmul(x[rows].clone(), None)
-            if exact:
-                assert torch.equal(got, many[rows])
-            else:
-                torch.testing.assert_close(got, many[rows], rtol=1e-5, atol=1e-5 * many.abs().max().item())
+    w = WEIGHT_FORMATS[scheme].quantize(torch.randn(80, 128, generator=g)).bind(plan)
+    if w.bf16_from:
+        pytest.skip(f"cpu_gemm={gemm_mode}: products of {w.bf16_from} rows or more round their rows to bfloat16 "
+                    "here (oneDNN's bfloat16 products: no compiled int8 kernel), a documented exception")
+    x = torch.randn(200, 128, generator=g)
+    many = w.matmul(x, None)
+    exact = gemm_mode == "auto" and cpu_kernels.failure("int4" if scheme == "int4" else "core") is None
+    for rows in (slice(7, 8), slice(3, 9), slice(0, 130)):
+        got = w.matmul(x[rows].clone(), None)
+        if exact:
+            assert torch.equal(got, many[rows])
+        else:
+            torch.testing.assert_close(got, many[rows], rtol=1e-5, atol=1e-5 * many.abs().max().item())
 
 
-def test_int8_kernel_probe_in_both_states(gemm_mode):
-    failure = int8_kernel_failure(gemm_mode)
+def test_int8_kernel_probe_in_both_states(gemm_mode, plan):
+    failure = plan.int8_aten_failure
     if gemm_mode == "plain":
         assert failure == "cpu_gemm=plain forces the fallback"
-    assert Int8Weight.quantize(torch.randn(8, 128)).kernel == (failure is None)  # a failed probe falls back cleanly
+    assert Int8Weight.quantize(torch.randn(8, 128)).bind(plan).kernel == (failure is None)  # falls back cleanly
 
 
 def _logprobs(model, prompts: list[list[int]], decodes: int) -> torch.Tensor:
@@ -202,11 +189,12 @@ def test_int8_model_close_to_float32(tiny_checkpoint, variant):
     assert 0 < err.median().item() <= MEDIAN_LOGPROB_ERROR  # quantised (not exact), and close
     assert err.max().item() <= MAX_LOGPROB_ERROR
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.85
-    bf16_factors = row_kernel_failure() is None  # the compiled decode kernel reads bfloat16 copies
+    bf16_factors = kernel_plan().row_kernels  # the compiled decode kernel reads bfloat16 copies
     for attn in model.attention_layers():
         assert attn.w_uk.dtype == attn.w_uv_t.dtype == (torch.bfloat16 if bf16_factors else torch.float32)
         # the prefill's up-projection: oneDNN's bfloat16 products where the CPU has them natively
-        assert isinstance(attn.kv_b_proj.packed, Bf16Weight) == (quantized_bf16_rows(kernel=bf16_factors) > 0)
+        many = kernel_plan().quantized_bf16_rows(kernel=bf16_factors)
+        assert isinstance(attn.kv_b_proj.packed, Bf16Weight) == (many > 0)
         assert attn.kv_b_proj.weight.dtype == torch.float32  # the prefill's up-projection stays exact
     cfg = ModelConfig.from_pretrained(path)
     weights = quantized_weights(model)
@@ -237,11 +225,11 @@ def test_a_long_prefill_chunk_attends_in_bfloat16_where_the_key_rebuild_does(tin
     model = load_model(path, dtype="float32")
     quantize_model(model, scheme)
     attn = model.attention_layers()[0]
-    native = quantized_bf16_rows(kernel=scheme == "int8" and row_kernel_failure() is None) > 0
+    native = kernel_plan().quantized_bf16_rows(kernel=scheme == "int8" and kernel_plan().row_kernels) > 0
     assert (isinstance(attn.kv_b_proj.packed, Bf16Weight) and attn.kv_b_proj.packed.native is not None) == native
     few = cpu_kernels.max_rows(torch.bfloat16) or 8
     for rows, half in ((few + 1, native), (few, False)):
-        assert cpu.half_prefill(attention_layer(attn), torch.zeros(rows, attn.n_h, attn.d_n)) == (
+        assert cpu.half_prefill(attention_layer(attn, model.plan), torch.zeros(rows, attn.n_h, attn.d_n)) == (
             torch.bfloat16 if half else None)
     seen: list[torch.dtype] = []
     original = cpu.CpuBackend.up_projected
@@ -266,9 +254,9 @@ def test_a_bf16_weight_mlp_computes_many_rows_in_bfloat16_where_its_products_rou
     mlp.gate_up_proj.data.normal_(0, 0.1)
     mlp.down_proj.data.normal_(0, 0.1)
     mlp.gate_up_packed, mlp.down_packed = Bf16Weight.quantize(mlp.gate_up_proj), Bf16Weight.quantize(mlp.down_proj)
-    native = gemm_choice(torch.bfloat16).path == "onednn"
+    native = kernel_plan().choice(torch.bfloat16).path == "onednn"
     # the rows the compiled kernels take (none where the cpu_gemm plan leaves them out)
-    few = cpu_kernels.max_rows(torch.bfloat16) if half_kernel_runs(torch.bfloat16) else 0
+    few = cpu_kernels.max_rows(torch.bfloat16) if kernel_plan().half_kernel(torch.bfloat16) else 0
     seen: list[torch.dtype] = []
     original = Bf16Weight.matmul
     monkeypatch.setattr(Bf16Weight, "matmul", lambda self, x, b: seen.append(x.dtype) or original(self, x, b))

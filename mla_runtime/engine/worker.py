@@ -34,8 +34,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -52,15 +51,8 @@ from mla_runtime.engine.config import EngineConfig
 from mla_runtime.errors import InsufficientMemory, InvalidParam
 from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.hub import resolve_model
+from mla_runtime.kernel_plan import OFF_CPU, CpuLayouts, KernelPlan, kernel_plan, resolve_cpu_format
 from mla_runtime.latent_rank import check_latent_rank, truncate_latent_rank
-from mla_runtime.layers.cpu_gemm import (
-    cpu_layouts,
-    forced_gemm_mode,
-    gemm_info,
-    gemm_mode,
-    one_layout,
-    resolve_cpu_format,
-)
 from mla_runtime.layers.quantization import finish_quantization
 from mla_runtime.loader import load_resolved
 from mla_runtime.models.deepseek import DeepseekForCausalLM
@@ -76,7 +68,7 @@ from mla_runtime.plan import (
     resolve_model_dtype,
     weight_bytes,
 )
-from mla_runtime.resolved_config import CpuLayouts, ResolvedConfig
+from mla_runtime.resolved_config import ResolvedConfig
 from mla_runtime.token_map import resolve_token_map
 
 logger = logging.getLogger("mla_runtime")
@@ -146,17 +138,13 @@ class Worker:
         check_tensor_parallel(cfg, tp, config.block_size, config.latent_cache_layout)
         self.device = rank_device(config.device, tp, par.rank)
         self.dtype = resolve_model_dtype(config.dtype, cfg)
-        # a CPU's probes, once, under the cpu_gemm mode every preparation of the weights runs under (``prepared``):
-        # the dtype "auto" keeps there, and what its product paths hold (the planner's facts)
-        self.cpu: CpuLayouts | None = None
-        self.gemm_mode = config.cpu_gemm or gemm_mode()
-        self.gemm_info: dict[str, str] = {}  # the product path the load chose, for EngineInfo (CPU only)
+        # what computes the products (``kernel_plan``): on a CPU its probes under the cpu_gemm setting, resolved once;
+        # the dtype "auto" keeps there follows from it, and every weight is prepared against it
+        self.plan: KernelPlan = kernel_plan(config.cpu_gemm or "auto") if self.device.type == "cpu" else OFF_CPU
         self.heap = ""  # what the CPU heap keeps between steps (host_heap.py), for EngineInfo (CPU only)
         checkpoint_dtype = self.dtype
         if self.device.type == "cpu":
-            with self.prepared():
-                self.dtype, self.quantization = resolve_cpu_format(config.dtype, self.dtype, self.quantization)
-                self.cpu = cpu_layouts(self.dtype)
+            self.dtype, self.quantization = resolve_cpu_format(config.dtype, self.dtype, self.quantization, self.plan)
         self.cache_dtype: CacheDtype = resolve_cache_dtype(
             config.kv_cache_dtype, auto_cache_dtype(config.dtype, checkpoint_dtype, self.dtype, self.quantization))
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
@@ -170,7 +158,7 @@ class Worker:
             self.checkpoint_config, self.dtype, self.device, par, attention.resolve(config.attention_backend,
                                                                                      self.device),
             config.attention_path, self.num_mtp_layers, self.quantization, self.cache_dtype, config.block_size,
-            self.max_model_len, self.max_num_batched_tokens, config.max_num_seqs, self.gemm_mode, self.cpu)
+            self.max_model_len, self.max_num_batched_tokens, config.max_num_seqs, self.plan)
         self._size()
         self.model: DeepseekForCausalLM | None = None
         self.cache: LatentCache | None = None
@@ -195,15 +183,17 @@ class Worker:
             cfg, dtype=self.dtype, max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, tensor_parallel_size=tp)
 
-    # -- set-up ----------------------------------------------------------------------------------
-    @contextmanager
-    def prepared(self) -> Iterator[None]:
-        """A block that prepares weights (load, truncation, quantisation) under this engine's ``cpu_gemm`` mode, each
-        matrix in one layout where ``check_memory`` found the second ones do not fit: the paths it picks are frozen
-        into the prepared weights; no step reads the mode again."""
-        with forced_gemm_mode(self.gemm_mode), one_layout(self.cpu is not None and self.cpu.one_layout):
-            yield
+    @property
+    def cpu(self) -> CpuLayouts | None:
+        """The planner's facts about the plan's layouts for this model's weights (None off a CPU)."""
+        return self.resolved.cpu
 
+    @property
+    def gemm_info(self) -> dict[str, str]:
+        """The product paths of the model's weights under the plan, for ``EngineInfo`` (empty off a CPU)."""
+        return {} if self.plan is OFF_CPU else self.plan.info(self.dtype)
+
+    # -- set-up ----------------------------------------------------------------------------------
     def check_memory(self) -> None:
         """Refuse a load this rank's memory cannot hold, before any weight is read: ``plan.check_load_memory``
         against the RAM available (``available_host_memory``) on a CPU, the free device memory on CUDA. Raises
@@ -234,15 +224,15 @@ class Worker:
             logger.warning("the weights keep one layout each (no oneDNN blocked copies or AMX tiles): with them the "
                            "load needs %.2f GiB, without %.2f GiB, and %.2f GiB are available", e.needed / 2**30,
                            need / 2**30, available / 2**30)
-            self.use_cpu_layouts(lean)
+            self.use_plan(self.plan.with_one_layout())
 
-    def use_cpu_layouts(self, cpu: CpuLayouts) -> None:
-        """Prepare the weights with ``cpu``'s layouts (before the load): the resolved configuration and the weights'
-        bytes follow."""
-        self.cpu = cpu
-        self.resolved = dataclasses.replace(self.resolved, cpu=cpu)
+    def use_plan(self, plan: KernelPlan) -> None:
+        """Prepare the weights for ``plan`` (before the load): the resolved configuration and the weights' bytes
+        follow."""
+        self.plan = plan
+        self.resolved = dataclasses.replace(self.resolved, plan=plan)
         self.weight_bytes = weight_bytes(self.checkpoint_config, self.dtype, self.config.tensor_parallel_size,
-                                         self.quantization, cpu=cpu, num_mtp_layers=self.num_mtp_layers,
+                                         self.quantization, cpu=self.cpu, num_mtp_layers=self.num_mtp_layers,
                                          latent_cache_layout=self.config.latent_cache_layout)
 
     def load(self) -> DeepseekForCausalLM:
@@ -256,12 +246,7 @@ class Worker:
             logger.info("weights verified against their sha256 manifest in %.1f s", time.monotonic() - t0)
         else:
             self.weights_fingerprint = checksums.manifest_fingerprint(self.model_path)
-        with self.prepared():
-            self.model = load_resolved(self.model_path, self.resolved)
-            if self.device.type == "cpu":
-                self.gemm_info = gemm_info(self.dtype)
-                if self.cpu is not None and self.cpu.one_layout:
-                    self.gemm_info["layouts"] = "one per weight: oneDNN's blocked copies and AMX tiles left out to fit"
+        self.model = load_resolved(self.model_path, self.resolved)
         if self.num_mtp_layers:
             ids, source = resolve_token_map(c.speculative_token_map, self.model_path, self.model_config.vocab_size)
             self.model.set_draft_vocab(ids)
@@ -278,8 +263,7 @@ class Worker:
         if self.quantized:
             raise RuntimeError("truncate_latent: the absorbed factors are already rounded; truncate before sizing "
                                "the cache")
-        with self.prepared():
-            truncate_latent_rank(self.model, rank, method or self.config.latent_projection, calibration)
+        truncate_latent_rank(self.model, rank, method or self.config.latent_projection, calibration)
 
     def quantize(self) -> None:
         """Finish the quantisation of the weights (``config.quantization``), once they are final: the products were
@@ -288,8 +272,7 @@ class Worker:
         if self.quantized or self.quantization is None:
             return
         assert self.model is not None
-        with self.prepared():
-            finish_quantization(self.model, self.quantization)
+        finish_quantization(self.model, self.quantization, self.plan)
         self.quantized = True
 
     def num_blocks(self) -> int:

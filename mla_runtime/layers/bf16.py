@@ -27,8 +27,9 @@ from typing import cast
 import torch
 
 from mla_kernels import cpu_kernels
-from mla_runtime.layers.cpu_gemm import AMX_MAX_ROWS, PackedWeight, amx_product, gemm_choice, half_kernel, linear
-from mla_runtime.layers.qweight import QuantizedWeight, stack_rows
+from mla_runtime.kernel_plan import AMX_MAX_ROWS, KernelPlan
+from mla_runtime.layers.cpu_gemm import PackedWeight, amx_product, linear
+from mla_runtime.layers.qweight import QuantizedWeight, default_plan, stack_rows
 
 
 class Bf16Weight(QuantizedWeight):
@@ -43,10 +44,15 @@ class Bf16Weight(QuantizedWeight):
             raise ValueError(f"{type(self).__name__}: a {self.half} matrix, got {weight.dtype}")
         self._release_float(weight.shape, dtype, weight.device)
         self.weight = weight
-        self.kernel = half_kernel(weight)
+        self.bind(default_plan(weight.device))
+
+    def bind(self, plan: KernelPlan) -> Bf16Weight:
+        super().bind(plan)
+        self.kernel = self.on_cpu and self.weight.is_contiguous() and plan.half_kernel(self.half)
         # many-row bfloat16 products: oneDNN's on their blocked layout where this CPU has them
-        self.native = PackedWeight.make(weight) if weight.device.type == "cpu" and self.half == torch.bfloat16 \
-            and gemm_choice(torch.bfloat16).path == "onednn" else None
+        onednn = self.on_cpu and self.half == torch.bfloat16 and plan.choice(torch.bfloat16).path == "onednn"
+        self.native = PackedWeight.make(self.weight, plan) if onednn else None
+        return self
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Bf16Weight:

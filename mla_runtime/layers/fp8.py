@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 from mla_kernels import cpu_kernels
 from mla_kernels.fp8_gemm import fp8_gemm, fp8_gemm_failure
-from mla_runtime.layers.cpu_gemm import gemm_mode
-from mla_runtime.layers.qweight import QuantizedWeight, stack_rows
+from mla_runtime.kernel_plan import KernelPlan
+from mla_runtime.layers.qweight import QuantizedWeight, default_plan, stack_rows
 
 FP8_MAX = 448.0  # the largest float8_e4m3fn magnitude
 DEFAULT_BLOCK = (128, 128)
@@ -85,8 +85,13 @@ class Fp8Weight(QuantizedWeight):
         self.weight = weight.contiguous()
         self.scale_inv = scale_inv.to(torch.float32).contiguous()
         self.block = (bn, bk)
-        # products of a few rows on a CPU: the AVX2 kernel where it builds, passes its probe and cpu_gemm allows it
-        self.kernel = weight.device.type == "cpu" and gemm_mode() == "auto" and cpu_kernels.failure("fp8") is None
+        self.bind(default_plan(weight.device))
+
+    def bind(self, plan: KernelPlan) -> Fp8Weight:
+        super().bind(plan)
+        # products of a few rows on a CPU: the AVX2 kernel where the plan runs it
+        self.kernel = self.on_cpu and plan.fp8_failure is None
+        return self
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Fp8Weight:

@@ -21,7 +21,7 @@ byte ``j`` holding ``q[j] + 8`` in its low nibble and ``q[j + 16] + 8`` in its h
 
 Products: on the CPU, every product (decoding, a speculative verification, a batch, a prefill; 64 rows a pass) runs
 the compiled kernel of ``mla_kernels.cpu_kernels`` (``linear``, ``csrc/gemv_int4.c``; AVX2, or AVX-512
-VNNI where the CPU has it, with the same bits) where it builds and its check passes (``int4_kernel_failure``): it
+VNNI where the CPU has it, with the same bits) where it builds and its check passes (``KernelPlan.int4_failure``): it
 reads half a byte per weight, once for all the rows, rounds each input row to int8 with a scale per group of 32 as
 ggml's Q8_0 does (``int4_format.quantize_q8_groups``), and sums each group's exact integer dot product in float32
 with the two scales: the arithmetic of llama.cpp's Q4_0 × Q8_0 products. A row's result does not depend on the rows
@@ -36,8 +36,6 @@ matrix is dequantised to float32, a block of output rows at a time, and multipli
 
 from __future__ import annotations
 
-import functools
-import logging
 from collections.abc import Sequence
 from typing import cast
 
@@ -46,10 +44,8 @@ import torch.nn.functional as F
 
 from mla_kernels import cpu_kernels
 from mla_kernels.int4_format import INT4_GROUP, pack_int4, unpack_int4
-from mla_runtime.layers.cpu_gemm import gemm_mode
-from mla_runtime.layers.qweight import QuantizedWeight
-
-logger = logging.getLogger("mla_runtime")
+from mla_runtime.kernel_plan import KernelPlan
+from mla_runtime.layers.qweight import QuantizedWeight, default_plan
 
 GROUP = INT4_GROUP  # values per float16 scale along K
 QMIN, QMAX = -8, 7
@@ -87,18 +83,6 @@ def quantize_q4_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales
 
 
-@functools.cache
-def int4_kernel_failure(mode: str) -> str | None:
-    """None where int4 products of a few rows take the compiled kernel on this CPU under ``cpu_gemm=mode``, else
-    why they are dequantised instead (``plain`` forces that; ``onednn`` keeps the kernel: oneDNN has no int4 path)."""
-    if mode == "plain":
-        return f"cpu_gemm={mode} forces the fallback"
-    failure = cpu_kernels.failure("int4")
-    if failure is not None:
-        logger.warning("int4 weights: dequantised to float32 per product: %s", failure)
-    return failure
-
-
 class Int4Weight(QuantizedWeight):
     """A group-wise int4 ``[N, K]`` matrix (module docstring): what ``cpu_gemm.linear`` runs in place of the float
     weight."""
@@ -118,7 +102,12 @@ class Int4Weight(QuantizedWeight):
                              f"{tuple(scales.shape)}")
         self._release_float((n, k), dtype, packed.device)
         self.packed, self.scales, self.k = packed.contiguous(), scales.contiguous(), k
-        self.kernel = packed.device.type == "cpu" and int4_kernel_failure(gemm_mode()) is None
+        self.bind(default_plan(packed.device))
+
+    def bind(self, plan: KernelPlan) -> Int4Weight:
+        super().bind(plan)
+        self.kernel = self.on_cpu and plan.int4_failure is None  # else dequantised per product
+        return self
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int4Weight:

@@ -1,7 +1,7 @@
 """A bias-optional linear layer whose weight is allocated empty: checkpoints fill it, nothing initialises it.
 
-``prepare_inference()`` (called once the weights are final) packs the weight for oneDNN on CPU
-(``cpu_gemm``); a layer that was never prepared computes plain ``F.linear``.
+``prepare_inference(plan)`` (called once the weights are final) prepares the weight for the kernel plan's path on
+CPU (``cpu_gemm``); a layer that was never prepared computes plain ``F.linear``.
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mla_runtime.layers.cpu_gemm import PackedWeight, linear
+from mla_runtime.kernel_plan import KernelPlan
+from mla_runtime.layers.cpu_gemm import PackedWeight, linear, prepared
 
 
 class Linear(nn.Module):
@@ -22,10 +23,9 @@ class Linear(nn.Module):
         self.packed: PackedWeight | None = None
         self.fused = False  # True: its owner runs it stacked with another layer, so it keeps no packed copy
 
-    def prepare_inference(self) -> None:
-        if self.packed is not None and self.packed.quantized:  # a quantised weight is final as it is
-            return
-        self.packed = None if self.fused else PackedWeight.make(self.weight)
+    def prepare_inference(self, plan: KernelPlan) -> None:
+        fused = self.fused and not (self.packed is not None and self.packed.quantized)
+        self.packed = None if fused else prepared(self.weight, self.packed, plan)
 
     def forward(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
         return linear(x, self.weight, self.bias if bias else None, self.packed)

@@ -42,8 +42,9 @@ from mla_runtime.attention.layer import AttentionLayer, LayerKernels
 from mla_runtime.attention.metadata import AttentionDims, AttentionMetadata
 from mla_runtime.cache.latent_cache import LayerCache
 from mla_runtime.config import ModelConfig
+from mla_runtime.kernel_plan import KernelPlan
 from mla_runtime.layers.bf16 import Bf16Weight
-from mla_runtime.layers.cpu_gemm import PackedWeight, linear, row_kernel_failure
+from mla_runtime.layers.cpu_gemm import PackedWeight, linear
 from mla_runtime.layers.indexer import Indexer, LogPositionScaling, log_position_scaled, sparse_selection
 from mla_runtime.layers.linear import Linear
 from mla_runtime.layers.norm import RMSNorm
@@ -85,11 +86,11 @@ class MLAttention(nn.Module):
         self.kernels = LayerKernels()
         self.layer, (self.indexer, self.shares_selection) = layer, Indexer.of_layer(rc, layer)  # sparse attention
 
-    def prepare_inference(self) -> None:
+    def prepare_inference(self, plan: KernelPlan) -> None:
         """Cache the absorbed weights and the stacked input projection (call again when the weights change)."""
         w_uk, w_uv = self.w_uk_uv()
         self.w_uk, self.w_uv_t = w_uk.contiguous(), w_uv.transpose(1, 2).contiguous()
-        stack_input_projections(self)
+        stack_input_projections(self, plan)
 
     def w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``W_UK [n_h, d_n, d_c]`` and ``W_UV [n_h, d_v, d_c]`` (views of ``kv_b_proj``)."""
@@ -134,8 +135,9 @@ class MLAttention(nn.Module):
         return q_n, q_r, c, k_r
 
 
-def attention_layer(attn: MLAttention) -> AttentionLayer:
-    """What the attention backend holds of ``attn`` once its weights are final (``attention/layer.py``)."""
+def attention_layer(attn: MLAttention, plan: KernelPlan) -> AttentionLayer:
+    """What the attention backend holds of ``attn`` once its weights are final (``attention/layer.py``), under the
+    load's kernel ``plan``."""
     w_uk, w_uv_t = attn.w_uk, attn.w_uv_t
     if w_uk is None or w_uv_t is None:
         w_uk, w_uv = attn.w_uk_uv()
@@ -147,7 +149,7 @@ def attention_layer(attn: MLAttention) -> AttentionLayer:
         rebuild=attn.kv_b_proj, rebuild_in_bfloat16=isinstance(packed, Bf16Weight) and packed.native is not None,
         split=attn.split, rotate=attn.rotary, interleave=attn.rotary.interleave,
         latent_norm=(norm.weight, norm.eps) if attn.latent_down is None else None,
-        kernels_allowed=row_kernel_failure() is None, sparse=attn.indexer is not None)
+        kernels_allowed=plan.row_kernels, sparse=attn.indexer is not None)
 
 
 def query_projections(cfg: ModelConfig, n_h: int, dtype: torch.dtype
@@ -217,10 +219,11 @@ def position_scaled(q: torch.Tensor, positions: torch.Tensor, beta: float, lengt
     return q * scale.to(q.dtype).unsqueeze(-1)
 
 
-def stack_input_projections(attn: MLAttention) -> None:
+def stack_input_projections(attn: MLAttention, plan: KernelPlan) -> None:
     """``q_a_proj`` and ``kv_a_proj_with_mqa`` read the same input: one product over their stacked weights, unless
     one of them is quantised alone (then they run apart); a quantised stack is final as it is."""
     if attn.qkv_a is not None and attn.qkv_a.quantized:
+        attn.qkv_a.bind(plan)
         return
     attn.qkv_a, attn.qkv_a_bias = None, None
     if attn.q_proj is not None:
@@ -229,9 +232,9 @@ def stack_input_projections(attn: MLAttention) -> None:
     if any(lin.packed is not None and lin.packed.quantized for lin in pair):
         for lin in pair:
             lin.fused = False
-            lin.prepare_inference()
+            lin.prepare_inference(plan)
         return
-    attn.qkv_a = PackedWeight.make(torch.cat([lin.weight for lin in pair]))
+    attn.qkv_a = PackedWeight.make(torch.cat([lin.weight for lin in pair]), plan)
     a_bias, kv_bias = attn.q_a_proj.bias, attn.kv_a_proj_with_mqa.bias
     if attn.qkv_a is not None and a_bias is not None and kv_bias is not None:  # both or neither
         attn.qkv_a_bias = torch.cat([a_bias, kv_bias])

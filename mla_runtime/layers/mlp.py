@@ -7,8 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mla_kernels import cpu_tables
+from mla_runtime.kernel_plan import KernelPlan
 from mla_runtime.layers.bf16 import half_mlp
-from mla_runtime.layers.cpu_gemm import PackedWeight, linear
+from mla_runtime.layers.cpu_gemm import PackedWeight, linear, prepared
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 
 
@@ -36,12 +37,10 @@ class GatedMLP(nn.Module):
         self.down_packed: PackedWeight | None = None
         self.row_table: cpu_tables.GatedMLPTable | bool | None = None  # one-row kernel (row_table); None: not made yet
 
-    def prepare_inference(self) -> None:
-        """Pack the float weights (a quantised one is final as it is)."""
-        if not _quantized(self.gate_up_packed):
-            self.gate_up_packed = PackedWeight.make(self.gate_up_proj)
-        if not _quantized(self.down_packed):
-            self.down_packed = PackedWeight.make(self.down_proj)
+    def prepare_inference(self, plan: KernelPlan) -> None:
+        """Prepare the weights for ``plan`` (pack the float ones, bind the quantised ones)."""
+        self.gate_up_packed = prepared(self.gate_up_proj, self.gate_up_packed, plan)
+        self.down_packed = prepared(self.down_proj, self.down_packed, plan)
         self.row_table = None
 
     @property
@@ -66,10 +65,6 @@ class GatedMLP(nn.Module):
         bias = self.down_bias if self.par.rank == 0 else None
         out = linear(F.silu(gate) * up, self.down_proj, bias, self.down_packed)
         return self.par.all_reduce(out) if self.reduce else out
-
-
-def _quantized(packed: PackedWeight | None) -> bool:
-    return packed is not None and packed.quantized
 
 
 def row_table(mlps: list[tuple[PackedWeight | None, PackedWeight | None]]) -> cpu_tables.GatedMLPTable | bool:

@@ -37,8 +37,9 @@ from torch import nn
 
 from mla_kernels import cpu_tables
 from mla_runtime.config import MoEConfig
+from mla_runtime.kernel_plan import KernelPlan
 from mla_runtime.layers.bf16 import half_mlp
-from mla_runtime.layers.cpu_gemm import PackedWeight, linear
+from mla_runtime.layers.cpu_gemm import PackedWeight, linear, prepared
 from mla_runtime.layers.fp8 import Fp8Weight
 from mla_runtime.layers.mlp import GatedMLP, row_table
 from mla_runtime.layers.norm import RMSNorm
@@ -108,6 +109,11 @@ class Fp8Stacks(NamedTuple):
     down_block: tuple[int, int]
 
 
+def _aligned(packed: list[PackedWeight | None], n: int) -> list[PackedWeight | None]:
+    """``packed`` for ``n`` experts: None for each one not prepared yet."""
+    return packed if len(packed) == n else [None] * n
+
+
 def _stack_fp8(gate_up: list[PackedWeight | None], down: list[PackedWeight | None]) -> Fp8Stacks | None:
     """``Experts.fp8_stacks``: the stacks, each expert's ``Fp8Weight`` then viewing its slice, or None."""
     from mla_kernels.fp8_gemm import fp8_gemm_failure
@@ -163,13 +169,13 @@ class Experts(nn.Module):
         # were made from; None: not made yet (or the lists changed)
         self._fp8: tuple[list, list, Fp8Stacks | None] | None = None
 
-    def prepare_inference(self) -> None:
+    def prepare_inference(self, plan: KernelPlan) -> None:
+        """Prepare every expert's weights for ``plan`` (pack the float ones, bind the quantised ones)."""
         self.gate_up_list, self.down_list = list(self.gate_up_proj.unbind(0)), list(self.down_proj.unbind(0))
-        # pack the float weights (a quantised one is final as it is)
-        if not (self.gate_up_packed and all(p is not None and p.quantized for p in self.gate_up_packed)):
-            self.gate_up_packed = [PackedWeight.make(w) for w in self.gate_up_list]
-        if not (self.down_packed and all(p is not None and p.quantized for p in self.down_packed)):
-            self.down_packed = [PackedWeight.make(w) for w in self.down_list]
+        self.gate_up_packed = [prepared(w, p, plan) for w, p in zip(self.gate_up_list, _aligned(self.gate_up_packed,
+                                                                                                  self.num_experts))]
+        self.down_packed = [prepared(w, p, plan) for w, p in zip(self.down_list, _aligned(self.down_packed,
+                                                                                           self.num_experts))]
         self.row_table = None
 
     def one_row_table(self, shared: GatedMLP | None) -> cpu_tables.GatedMLPTable | bool:

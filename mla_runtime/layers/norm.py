@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mla_kernels import cpu_kernels
-from mla_runtime.layers.cpu_gemm import row_kernel_failure
+from mla_runtime.kernel_plan import KernelPlan
 from mla_runtime.layers.linear import Linear
 
 KERNEL_MAX_ROWS = 64  # more rows: torch's norm, on every thread, beats the one-thread kernel
@@ -26,9 +26,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
         self.kernel = False  # prepare_inference(): whether few float32 CPU rows take the compiled kernel
 
-    def prepare_inference(self) -> None:
+    def prepare_inference(self, plan: KernelPlan) -> None:
         w = self.weight
-        self.kernel = w.device.type == "cpu" and w.dtype == torch.float32 and row_kernel_failure() is None
+        self.kernel = w.device.type == "cpu" and w.dtype == torch.float32 and plan.row_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = (x.shape[-1],)

@@ -15,7 +15,7 @@ unvectorised one (3-12x slower on AVX2 in that benchmark), so the bfloat16 varia
 CPU computes the same values. The kernel is used for inner dimensions that are a multiple of 64 (its bfloat16
 variant mishandles a tail: on AVX2 it returns wrong values, or crashes, when ``K`` is not a multiple of 8; every
 MLA checkpoint's dimensions are multiples of 64) and once a probe has found it exact on this CPU
-(``int8_kernel_failure``). Elsewhere, or under ``cpu_gemm=plain``, the int8 weight is widened per call and
+(``kernel_plan.int8_aten_failure``). Elsewhere, or under ``cpu_gemm=plain``, the int8 weight is widened per call and
 multiplied in float32 with ``F.linear`` (float32 activations, another summation order). Every product (decoding,
 a speculative verification, a batch, a prefill; 64 rows a pass) runs the compiled kernels of
 ``mla_kernels.cpu_kernels`` where they build (``cpu_gemm=auto``), reading one byte per weight: each row is rounded
@@ -26,7 +26,7 @@ four input rows at a time. On a 2-core Zen 5 EPYC, 128 rows of ``[4096, 1024]`` 
 a speculative verification computes what decoding the same tokens one by one would, and a prompt's answer does not
 depend on what shares its step (a prefill or a decode batch of any size: the conformance matrix's int8 cell). Where
 the kernels do not run (another CPU architecture, ``cpu_gemm=onednn``) and the CPU has native bfloat16 arithmetic
-(AVX512-BF16, AMX, aarch64's BF16), products of ``cpu_gemm.QUANT_BF16_ROWS`` rows or more run oneDNN's bfloat16
+(AVX512-BF16, AMX, aarch64's BF16), products of ``kernel_plan.QUANT_BF16_ROWS`` rows or more run oneDNN's bfloat16
 products instead of ATen's int8 kernel (``QuantizedWeight.bf16_product``): the int8 matrix is widened to bfloat16 a
 block at a time (exact: every int8 value is a bfloat16 value), the rows are rounded to bfloat16, and each block's
 product is rounded to bfloat16 before the scales multiply it in float32. That adds a relative error of about 2^-9 to
@@ -49,7 +49,6 @@ resident weights are the int8 copies; nothing may re-derive a layout from it aft
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Sequence
 from typing import cast
@@ -59,15 +58,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from mla_kernels import cpu_kernels
+from mla_runtime.kernel_plan import KernelPlan
 from mla_runtime.layers.bf16 import Bf16Weight, F16Weight
-from mla_runtime.layers.cpu_gemm import PackedWeight, gemm_mode, quantized_bf16_rows, row_kernel_failure
+from mla_runtime.layers.cpu_gemm import PackedWeight
 from mla_runtime.layers.fp8 import Fp8Weight
 from mla_runtime.layers.int4 import Int4Weight
 from mla_runtime.layers.linear import Linear
 from mla_runtime.layers.mla import MLAttention
 from mla_runtime.layers.mlp import GatedMLP
 from mla_runtime.layers.moe import Experts
-from mla_runtime.layers.qweight import QuantizedWeight, released, released_like, stack_rows
+from mla_runtime.layers.qweight import QuantizedWeight, default_plan, released, released_like, stack_rows
 from mla_runtime.options import check_quantization  # noqa: F401
 
 logger = logging.getLogger("mla_runtime")
@@ -96,37 +96,6 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales.to(torch.bfloat16)  # exact: the scales are bfloat16 values
 
 
-@functools.cache
-def int8_kernel_failure(mode: str) -> str | None:
-    """None where ``_weight_int8pack_mm`` with bfloat16 rows is exact on this CPU (under ``cpu_gemm=mode``),
-    else why the widening fallback runs. Small integers make every product and sum exact in bfloat16."""
-    if mode == "plain":
-        return f"cpu_gemm={mode} forces the fallback"
-    g = torch.Generator().manual_seed(0)
-    try:
-        for n, k, rows in ((48, 64, 1), (48, 128, 5)):
-            q = torch.randint(-2, 3, (n, k), generator=g, dtype=torch.int8)
-            scales = torch.randint(1, 3, (n,), generator=g).to(torch.bfloat16)
-            x = torch.randint(-1, 2, (rows, k), generator=g).to(torch.bfloat16)
-            got = torch.ops.aten._weight_int8pack_mm(x, q, scales)
-            if not torch.equal(got.double(), (x.double() @ q.double().T) * scales.double()):
-                return "int8 products with bfloat16 rows differ from the exact result on this CPU"
-    except Exception as e:  # whatever the kernel raises on this CPU or build, the fallback takes over
-        return f"the int8 kernel is unsupported here: {(str(e).strip() or repr(e)).splitlines()[0][:200]}"
-    return None
-
-
-def uses_int8_kernel(weight: torch.Tensor) -> bool:
-    """Whether an int8 ``weight [N, K]`` runs ATen's int8 kernel (else it is widened per call)."""
-    if weight.device.type != "cpu" or weight.shape[1] % KERNEL_K_MULTIPLE:
-        return False
-    mode = gemm_mode()
-    failure = int8_kernel_failure(mode)
-    if failure is not None and mode == "auto":
-        logger.warning("int8 weights: widened to float32 per product: %s", failure)
-    return failure is None
-
-
 class Int8Weight(QuantizedWeight):
     """A weight-only int8 ``[N, K]`` matrix: what ``cpu_gemm.linear`` runs in place of the float weight."""
 
@@ -137,12 +106,18 @@ class Int8Weight(QuantizedWeight):
         """``qweight [N, K]`` int8 and ``scales [N]`` bfloat16, standing for a weight of ``dtype``."""
         self._release_float(qweight.shape, dtype, qweight.device)
         self.qweight, self.scales = qweight, scales
-        self.kernel = uses_int8_kernel(qweight)
-        # one-row products: the compiled AVX2 kernel where it builds (float32 rows and these float32 scales)
-        cpu = qweight.device.type == "cpu"
-        self.row_scales = self.scales.float() if cpu and row_kernel_failure() is None else None
+        self.bind(default_plan(qweight.device))
+
+    def bind(self, plan: KernelPlan) -> Int8Weight:
+        super().bind(plan)
+        cpu = self.on_cpu
+        # ATen's int8 products with bfloat16 rows, where exact here (else the matrix is widened per product)
+        self.kernel = cpu and self.qweight.shape[1] % KERNEL_K_MULTIPLE == 0 and plan.int8_aten_failure is None
+        # products of a few rows: the compiled kernels where they run (float32 rows and these float32 scales)
+        self.row_scales = self.scales.float() if cpu and plan.row_kernels else None
         # products of many rows: oneDNN's bfloat16 ones where the CPU has them and the kernels do not run
-        self.bf16_from = quantized_bf16_rows(kernel=self.row_scales is not None) if cpu else 0
+        self.bf16_from = plan.quantized_bf16_rows(kernel=self.row_scales is not None) if cpu else 0
+        return self
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int8Weight:
@@ -275,57 +250,69 @@ def install_quantized(model: nn.Module, weights: dict[str, QuantizedMatrices]) -
             module.qkv_a_bias = None if a_bias is None or kv_bias is None else torch.cat([a_bias, kv_bias])
 
 
-def round_absorbed_factors(attn: MLAttention, integer_products: bool = False) -> None:
+def round_absorbed_factors(attn: MLAttention, plan: KernelPlan, integer_products: bool = False) -> None:
     """``kv_b_proj`` (the absorbed factors ``W_UK``/``W_UV``) keeps its dtype with its values rounded to bfloat16, so
     that every path (the prefill's up-projection, the absorbed copies) reads the same factors; where the compiled
     decode kernel runs, its copies of them are stored in bfloat16 (half the bytes a decode step reads there), and where
-    the products of many rows take bfloat16 ones (``quantized_bf16_rows``; never beside ``integer_products``, the int8
-    and int4 kernels, whose results do not depend on the rows beside them) the up-projection's products run on a
-    bfloat16 copy (a ``Bf16Weight``) in place of the float32 blocked one. Done after any latent-rank truncation, which
-    folds its basis into ``kv_b_proj`` at full precision."""
+    the products of many rows take bfloat16 ones under ``plan`` (``KernelPlan.quantized_bf16_rows``; never beside
+    ``integer_products``, the int8 and int4 kernels, whose results do not depend on the rows beside them) the
+    up-projection's products run on a bfloat16 copy (a ``Bf16Weight``) in place of the float32 blocked one. Done after
+    any latent-rank truncation, which folds its basis into ``kv_b_proj`` at full precision."""
     kv_b = attn.kv_b_proj
     kv_b.weight.data.copy_(kv_b.weight.data.to(torch.bfloat16))
-    if kv_b.weight.device.type == "cpu" and quantized_bf16_rows(kernel=integer_products):
+    if kv_b.weight.device.type == "cpu" and plan.quantized_bf16_rows(kernel=integer_products):
         # its values are bfloat16 ones: the prefill's key and value rebuild runs oneDNN's bfloat16 products (the rows
         # rounded to bfloat16, as the quantised products of many rows round theirs; 1.9x the float32 products at 128
         # rows), a few rows the kernel reading them at two bytes. The same bytes as the float32 blocked copy it
         # replaces; the float weight stays, for the views w_uk_uv gives.
-        kv_b.packed = Bf16Weight(kv_b.weight.detach().to(torch.bfloat16), kv_b.weight.dtype)
+        kv_b.packed = Bf16Weight(kv_b.weight.detach().to(torch.bfloat16), kv_b.weight.dtype).bind(plan)
     else:
         kv_b.packed = None
-        kv_b.prepare_inference()
+        kv_b.prepare_inference(plan)
     w_uk, w_uv = attn.w_uk_uv()
     dtype = torch.bfloat16 if attn.kernels.decode else w_uk.dtype
     attn.w_uk, attn.w_uv_t = w_uk.to(dtype).contiguous(), w_uv.transpose(1, 2).to(dtype).contiguous()
 
 
+def plan_of(model: nn.Module) -> KernelPlan:
+    """The kernel plan ``model`` was prepared for (a ``DeepseekForCausalLM``'s resolved one), else the default plan
+    of its device (a bare module, in tests)."""
+    plan = getattr(model, "plan", None)
+    if isinstance(plan, KernelPlan):
+        return plan
+    first = next(iter(model.parameters()), None)
+    return default_plan("cpu" if first is None else first.device)
+
+
 @torch.no_grad()
-def finish_quantization(model: nn.Module, quantization: str) -> None:
+def finish_quantization(model: nn.Module, quantization: str, plan: KernelPlan | None = None) -> None:
     """What follows the products' quantisation once the weights are final (loaded, and truncated to a latent rank
     if asked): the absorbed factors (``round_absorbed_factors``), a tied lm_head's quantised copy, and the MTP
-    drafts' head."""
+    drafts' head, each prepared for ``plan`` (default: the model's, ``plan_of``)."""
     fmt = WEIGHT_FORMATS[quantization]
-    integer = quantization in ("int8", "int4") and row_kernel_failure() is None
+    plan = plan_of(model) if plan is None else plan
+    integer = quantization in ("int8", "int4") and plan.row_kernels
     for module in model.modules():
         if isinstance(module, MLAttention):
-            round_absorbed_factors(module, integer)
+            round_absorbed_factors(module, plan, integer)
     prepare_attention = getattr(model, "prepare_attention", None)
     if prepare_attention is not None:  # the backend holds the rounded factors (a model; a bare test module has none)
         prepare_attention()
     head = cast(PackedWeight | None, getattr(model, "lm_head_packed", None))
     if head is None or not head.quantized:  # tied: the embedding stays, the head is a quantised copy of it
-        model.__dict__["lm_head_packed"] = fmt.quantize(cast(torch.Tensor, model.lm_head_weight))
+        model.__dict__["lm_head_packed"] = fmt.quantize(cast(torch.Tensor, model.lm_head_weight)).bind(plan)
     draft_head = getattr(model, "draft_head", None)  # the MTP drafts' rows of it (set_draft_vocab)
     if draft_head is not None and draft_head.numel() and draft_head.untyped_storage().nbytes() > 4:
-        model.__dict__["draft_head_packed"] = fmt.quantize(draft_head)
+        model.__dict__["draft_head_packed"] = fmt.quantize(draft_head).bind(plan)
         model.__dict__["draft_head"] = released(draft_head)
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, quantization: str | None) -> int:
+def quantize_model(model: nn.Module, quantization: str | None, plan: KernelPlan | None = None) -> int:
     """Quantise a loaded model's products in place (``quantized_parameter_names``) and finish
-    (``finish_quantization``); returns the bytes of quantised matrices it holds. (Loading with ``quantization``
-    quantises while the checkpoint streams in instead: ``loader.load_model``.)"""
+    (``finish_quantization``), for ``plan`` (default: the model's, ``plan_of``); returns the bytes of quantised
+    matrices it holds. (Loading with ``quantization`` quantises while the checkpoint streams in instead:
+    ``loader.load_model``.)"""
     scheme = check_quantization(quantization)
     if scheme is None:
         return 0
@@ -336,7 +323,10 @@ def quantize_model(model: nn.Module, quantization: str | None) -> int:
         param = params[name]
         weights[name] = [fmt.quantize(w) for w in param] if param.dim() == 3 else fmt.quantize(param)
     install_quantized(model, weights)
-    finish_quantization(model, scheme)
+    plan = plan_of(model) if plan is None else plan
+    for weight in quantized_weights(model):
+        weight.bind(plan)
+    finish_quantization(model, scheme, plan)
     return sum(w.nbytes for w in quantized_weights(model))
 
 

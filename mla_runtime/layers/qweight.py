@@ -20,7 +20,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from mla_runtime.layers.cpu_gemm import PackedWeight, gemm_choice
+from mla_runtime.kernel_plan import OFF_CPU, KernelPlan, kernel_plan
+from mla_runtime.layers.cpu_gemm import PackedWeight
 
 WIDEN_CHUNK_ELEMENTS = 4 << 20  # a widened product converts about this many weights to float32 at a time
 BF16_CHUNK_ELEMENTS = 2 << 20  # a bfloat16 product dequantises about this many weights at a time (4 MB)
@@ -51,6 +52,11 @@ def stack_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.cat(list(tensors))
     rows = sum(t.shape[0] for t in tensors)
     return first.as_strided((rows, *first.shape[1:]), first.stride())
+
+
+def default_plan(device: torch.device | str) -> KernelPlan:
+    """The plan a new matrix on ``device`` is bound to until a model binds its own: ``cpu_gemm=auto``'s on a CPU."""
+    return kernel_plan() if torch.device(device).type == "cpu" else OFF_CPU
 
 
 def _onednn_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -89,7 +95,18 @@ class QuantizedWeight(PackedWeight):
         self.blocked = self.wide = self.amx = None
         self.upcast = self.plain_gemv = self.row_kernel = False
         self.aten_max_rows = self.bf16_rows = self.bf16_from = 0
-        self.widened_onednn = torch.device(device).type == "cpu" and gemm_choice(torch.float32).path == "onednn"
+        self.widened_onednn = False
+
+    def bind(self, plan: KernelPlan) -> QuantizedWeight:
+        """Take ``plan``'s paths for this matrix: its format's compiled kernel where the plan runs it (subclasses),
+        and oneDNN's float32 products for the blocks a widened product multiplies. A new matrix is bound to the
+        default plan of its device (``default_plan``); a model binds its own plan's at ``prepare_inference``."""
+        self.widened_onednn = self.on_cpu and plan.choice(torch.float32).path == "onednn"
+        return self
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.plain.device.type == "cpu"
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> QuantizedWeight:
@@ -133,12 +150,12 @@ class QuantizedWeight(PackedWeight):
 
     def takes_bf16_product(self, x: torch.Tensor) -> bool:
         """Whether the product with ``x [..., K]`` runs ``bf16_product``: from ``bf16_from`` rows on, where the format
-        sets it (``cpu_gemm.quantized_bf16_rows``; 0: never)."""
+        sets it (``KernelPlan.quantized_bf16_rows``; 0: never)."""
         return self.bf16_from > 0 and x.numel() >= self.bf16_from * self.shape[1]
 
     def bf16_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [..., K] · Wᵀ (+ bias)`` in ``x``'s dtype with oneDNN's bfloat16 products: the products of many rows (a
-        prefill) where the CPU computes in bfloat16 (``cpu_gemm.quantized_bf16_rows``). A block of about
+        prefill) where the CPU computes in bfloat16 (``KernelPlan.quantized_bf16_rows``). A block of about
         ``BF16_CHUNK_ELEMENTS`` weights at a time is dequantised to bfloat16 into one buffer (``_bf16_rows``; it
         stays in cache for the product), the rows are rounded to bfloat16 as a bfloat16 model's are, each block's
         product is rounded to bfloat16 and then scaled in float32 (``_column_scales``)."""

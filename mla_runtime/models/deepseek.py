@@ -22,7 +22,8 @@ from mla_runtime.attention import AttentionMetadata, make_backend
 from mla_runtime.cache.latent_cache import LatentCache, LayerCache
 from mla_runtime.config import ModelConfig
 from mla_runtime.forward_batch import ForwardBatch
-from mla_runtime.layers.cpu_gemm import PackedWeight, linear
+from mla_runtime.kernel_plan import KernelPlan
+from mla_runtime.layers.cpu_gemm import PackedWeight, linear, prepared
 from mla_runtime.layers.decoder_kernel import decode_step, layer_weights
 from mla_runtime.layers.linear import Linear
 from mla_runtime.layers.mla import MLAttention, attention_layer
@@ -215,19 +216,26 @@ class DeepseekForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head
 
+    @property
+    def plan(self) -> KernelPlan:
+        """What computes the products (``kernel_plan``): every weight is prepared against it."""
+        return self.resolved.plan
+
     def prepare_inference(self) -> DeepseekForCausalLM:
-        """Derive the inference layouts of the final weights (oneDNN-packed GEMM weights on CPU, contiguous
-        absorbed attention weights). Call once the weights are loaded, and again after changing any."""
+        """Derive the inference layouts of the final weights for the kernel plan (packed GEMM weights on CPU, the
+        quantised formats' kernels, contiguous absorbed attention weights). Call once the weights are loaded, and
+        again after changing any."""
         for module in self.modules():
             if module is not self and hasattr(module, "prepare_inference"):
-                cast(Any, module).prepare_inference()
+                cast(Any, module).prepare_inference(self.plan)
         learned = self.model.rotary_emb
         for attn in self.attention_layers():
             if learned is not None:  # LeRoPE: the learned frequencies, folded into every layer's tables
                 attn.rotary.scale_frequencies(learned.alpha.float().exp())
         self.prepare_attention()
-        if self.lm_head_packed is None or not self.lm_head_packed.quantized:
-            self.lm_head_packed = PackedWeight.make(self.lm_head_weight)
+        self.lm_head_packed = prepared(self.lm_head_weight, self.lm_head_packed, self.plan)
+        if self.draft_head is not None and self.draft_head_packed is not None:
+            self.draft_head_packed = prepared(self.draft_head, self.draft_head_packed, self.plan)
         return self
 
     def prepare_attention(self) -> None:
@@ -235,7 +243,7 @@ class DeepseekForCausalLM(nn.Module):
         kernels run it, and decide which decoder layers' decode steps run as one compiled call: after loading, and
         again whenever the weights change (a latent-rank truncation, quantisation)."""
         for attn in self.attention_layers():
-            attn.kernels = self.attention.prepare_layer(attention_layer(attn))
+            attn.kernels = self.attention.prepare_layer(attention_layer(attn, self.plan))
         for layer in self.model.layers:
             cast(DecoderLayer, layer).prepare_kernel()
 
@@ -313,11 +321,11 @@ class DeepseekForCausalLM(nn.Module):
         weight, packed = self.lm_head_weight, self.lm_head_packed
         self.draft_ids = ids.to(weight.device)
         if isinstance(packed, QuantizedWeight):  # loaded quantised: the float head was never materialised
-            self.draft_head_packed = packed.select_rows(self.draft_ids - start) if len(ids) else None
+            self.draft_head_packed = packed.select_rows(self.draft_ids - start).bind(self.plan) if len(ids) else None
             self.draft_head = released_like((len(ids), weight.shape[1]), weight.dtype, weight.device)
             return
         self.draft_head = weight[self.draft_ids - start].contiguous()
-        self.draft_head_packed = PackedWeight.make(self.draft_head) if len(ids) else None  # none: nothing to pack
+        self.draft_head_packed = PackedWeight.make(self.draft_head, self.plan) if len(ids) else None  # none: none
 
     def mtp_greedy(self, out: torch.Tensor) -> torch.Tensor:
         """The MTP layer's greedy tokens ``[R]`` for its outputs ``out [R, d]`` (within the draft vocabulary), on
