@@ -142,6 +142,11 @@ class KernelPlan:
         kernels."""
         return self.float_failure is None
 
+    def integer_kernels(self, scheme: str) -> bool:
+        """Whether ``scheme``'s (``int8``, ``int4``) products take the compiled integer kernels: a row's result is then
+        the same bits whatever rows share its product."""
+        return {"int8": self.row_kernels, "int4": self.int4_failure is None}.get(scheme, False)
+
     def half_kernel(self, dtype: torch.dtype) -> bool:
         """Whether few-row products with ``dtype`` (bfloat16 or float16) weights take the compiled kernel that reads
         them at two bytes."""
@@ -177,7 +182,7 @@ class KernelPlan:
     def info(self, dtype: torch.dtype) -> dict[str, str]:
         """What runs for ``dtype`` weights, as string labels for logs, ``EngineInfo`` and ``/metrics``."""
         choice = self.choice(dtype)
-        many = self.quantized_bf16_rows(kernel=self.row_kernels)
+        many = self.quantized_bf16_rows(kernel=self.integer_kernels("int8"))
         reason = choice.reason
         if dtype == torch.float32 and choice.path == "onednn":
             reason += "; few-row products: " + ("the compiled kernels (mla_kernels.cpu_kernels)"

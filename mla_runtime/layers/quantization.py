@@ -114,7 +114,7 @@ class Int8Weight(QuantizedWeight):
         # ATen's int8 products with bfloat16 rows, where exact here (else the matrix is widened per product)
         self.kernel = cpu and self.qweight.shape[1] % KERNEL_K_MULTIPLE == 0 and plan.int8_aten_failure is None
         # products of a few rows: the compiled kernels where they run (float32 rows and these float32 scales)
-        self.row_scales = self.scales.float() if cpu and plan.row_kernels else None
+        self.row_scales = self.scales.float() if cpu and plan.integer_kernels("int8") else None
         # products of many rows: oneDNN's bfloat16 ones where the CPU has them and the kernels do not run
         self.bf16_from = plan.quantized_bf16_rows(kernel=self.row_scales is not None) if cpu else 0
         return self
@@ -291,7 +291,7 @@ def finish_quantization(model: nn.Module, quantization: str, plan: KernelPlan | 
     drafts' head, each prepared for ``plan`` (default: the model's, ``plan_of``)."""
     fmt = WEIGHT_FORMATS[quantization]
     plan = plan_of(model) if plan is None else plan
-    integer = quantization in ("int8", "int4") and plan.row_kernels
+    integer = plan.integer_kernels(quantization)
     for module in model.modules():
         if isinstance(module, MLAttention):
             round_absorbed_factors(module, plan, integer)
