@@ -13,6 +13,7 @@ layout from it afterwards.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 from typing import ClassVar
@@ -55,8 +56,16 @@ def stack_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def default_plan(device: torch.device | str) -> KernelPlan:
-    """The plan a new matrix on ``device`` is bound to until a model binds its own: ``cpu_gemm=auto``'s on a CPU."""
-    return kernel_plan() if torch.device(device).type == "cpu" else OFF_CPU
+    """The plan a new matrix on ``device`` is bound to until a model binds its own: on a CPU ``cpu_gemm=auto``'s with
+    one layout per weight, so that a matrix made while a checkpoint streams in allocates no second layout (oneDNN's
+    blocked copy, AMX tiles) that the model's plan may leave out to fit; binding that plan adds them where it keeps
+    them."""
+    return _lean_auto() if torch.device(device).type == "cpu" else OFF_CPU
+
+
+@functools.cache
+def _lean_auto() -> KernelPlan:
+    return kernel_plan().with_one_layout()
 
 
 def _onednn_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
