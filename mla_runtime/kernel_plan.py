@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from mla_kernels import cpu_kernels, cpu_ops
-from mla_runtime.dtypes import HALF_WEIGHT_SCHEMES
+from mla_runtime.dtypes import HALF_WEIGHT_SCHEMES, dtype_name
 from mla_runtime.options import CPU_GEMM_MODES
 
 logger = logging.getLogger("mla_runtime")
@@ -55,10 +55,6 @@ NATIVE_CAPABILITIES: dict[torch.dtype, tuple[str, ...]] = {
 }
 # the instruction-set level (mla_kernels.cpu_ops.ISA_LEVELS) of the x86 ones: $MLA_CPU_ISA below it leaves them out
 CAPABILITY_ISA = {"avx512_bf16": "avx512", "avx512_fp16": "avx512", "amx_bf16": "amx", "amx_fp16": "amx"}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def onednn_available() -> bool:
@@ -170,11 +166,10 @@ class KernelPlan:
     def layouts(self, dtype: torch.dtype) -> CpuLayouts:
         """The planner's facts about this plan for a model of ``dtype``: what the products hold beside its weights."""
         extra = self.choice(dtype).extra_bytes_per_element if dtype in PROBED_DTYPES else 0
-        onednn = dtype in PROBED_DTYPES and self.choice(dtype).path == "onednn"
-        if self.one_layout and onednn:
-            extra = 0
-        bf16_blocked = self.choice(torch.bfloat16).path == "onednn" and not self.one_layout
-        return CpuLayouts(dtype, extra, self.row_kernels, bf16_blocked, self.one_layout)
+        full = CpuLayouts(dtype, extra, self.row_kernels, self.choice(torch.bfloat16).path == "onednn")
+        if not self.one_layout:
+            return full
+        return full.with_one_layout() or dataclasses.replace(full, one_layout=True)
 
     def with_one_layout(self) -> KernelPlan:
         return dataclasses.replace(self, one_layout=True)
