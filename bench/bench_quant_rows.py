@@ -7,10 +7,8 @@ A prefill's products multiply many input rows into each weight row while it is i
 weight hot (the same matrix every call), unlike ``bench_gemv.py``'s decode products, which stream it from memory. For
 each format, shape ``[N, K]`` (``N`` outputs, ``K`` inputs) and row count it prints the best of ``--repeats`` calls
 of every variant of ``cpu_kernels.linear`` this CPU runs (``avx2``, ``avx512_vnni``), in milliseconds and in
-multiply-adds a second, and where the CPU has native bfloat16 products, ``Int8Weight.bf16_product``
-(the weight dequantised to bfloat16 a block at a time, oneDNN's bfloat16 products): what the layers
-take from ``kernel_plan.QUANT_BF16_ROWS`` rows on where the compiled kernels do not run, and the speed the kernels'
-batch invariance gives up where they do. Set ``MLA_CPU_ISA=avx2`` to see what an AVX2 CPU runs.
+multiply-adds a second, beside oneDNN's float32 product of the dequantised weight in its blocked layout (what a
+float32 model of the same shape computes). Set ``MLA_CPU_ISA=avx2`` to see what an AVX2 CPU runs.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from mla_kernels import cpu_kernels, cpu_ops
-from mla_runtime.kernel_plan import kernel_plan
+from mla_runtime.kernel_plan import kernel_plan, onednn_linear, reorder
 from mla_runtime.layers.int4 import Int4Weight
 from mla_runtime.layers.quantization import Int8Weight
 from mla_runtime.layers.qweight import QuantizedWeight
@@ -49,8 +47,9 @@ def candidates(fmt: str, weight: QuantizedWeight, x: torch.Tensor) -> dict[str, 
         operand = (weight.packed, weight.scales)
     out: dict[str, Callable[[], object]] = {
         f"{fmt} {v}": (lambda v=v: cpu_kernels.linear(x, *operand, variant=v)) for v in cpu_kernels.variants(fmt)}
-    if isinstance(weight, Int8Weight) and kernel_plan().quantized_bf16_rows(kernel=False):
-        out[f"{fmt} bf16 oneDNN"] = lambda: weight.bf16_product(x, None)
+    if kernel_plan().choice(torch.float32).path == "onednn":
+        blocked = reorder(weight.dequantize())
+        out["float32 oneDNN"] = lambda: onednn_linear(x, blocked)
     return out
 
 
@@ -65,9 +64,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if cpu_kernels.failure() is not None:
         raise SystemExit(f"the compiled kernels do not run here: {cpu_kernels.failure()}")
-    many = kernel_plan().quantized_bf16_rows(kernel=False)
-    print(f"{args.threads} threads; {cpu_ops.summary()}; int8's bfloat16 products (where the kernels do not run) "
-          f"from {many or 'never'} rows; best of {args.repeats} calls, the weight hot\n")
+    print(f"{args.threads} threads; {cpu_ops.summary()}; best of {args.repeats} calls, the weight hot\n")
     print("| format, path | shape | rows | ms | G multiply-adds/s |\n|---|---|---:|---:|---:|")
     g = torch.Generator().manual_seed(0)
     for fmt in args.formats:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 # the functions one linear call can pass through, by file: cpu_gemm's dispatch and each format's product
 LINEAR_FUNCTIONS = {
-    "mla_runtime/layers/cpu_gemm.py": ("linear", "_product"),
+    "mla_runtime/layers/cpu_gemm.py": ("linear", "matmul", "torch_product"),
     "mla_runtime/layers/quantization.py": ("matmul",),
     "mla_runtime/layers/int4.py": ("matmul",),
     "mla_runtime/layers/fp8.py": ("matmul",),

@@ -6,6 +6,9 @@ their sources are ``csrc/*.c`` and ``csrc/ops/cpu_kernels.cpp``):
   float32 row scales (rows rounded to int16), block-FP8 with its block scales and group-wise int4 (ggml's Q4_0
   numbers: ``mla_kernels.int4_format``; rows rounded to int8 per group of 32), any number of rows, ``max_rows`` a
   pass. Each runs an AVX2 or an AVX-512 variant, chosen at run time (``variants``; int8 and int4 with the same bits);
+- ``dense_linear(x, plain, operand, tiles, bias, rows, onednn)``: the one product of a float weight prepared once
+  (``mla_runtime.layers.cpu_gemm.PackedWeight``), choosing by the count of rows between ``linear``, ATen's, AMX
+  tiles and oneDNN's (called through the dispatcher) on the weight's prepared layouts;
 - ``amx_pack(w)`` / ``amx_linear(x, packed)``: bfloat16 products of a few dozen rows on AMX tiles (``csrc/amx_bf16.c``;
   ``failure("amx")`` is None only on a CPU with AMX-BF16 whose kernel lets the process use the tiles), the weight
   repacked once into the tiles' layout;
@@ -49,11 +52,12 @@ KINDS = ("core", "bf16", "f16", "fp8", "int4", "amx")  # the kernels' families, 
 @functools.cache
 def failure(kind: str = "core") -> str | None:
     """None where the kernels of ``kind`` (``KINDS``; "core": float32 and int8 products, the norm, the attention and
-    the tables) are built and exact on this machine, else why not. Every kind needs "core"."""
+    the tables) are built and exact on this machine, else why not. Every kind needs "core". "ops": the operators are
+    built and loaded (``dense_linear`` calls a kernel only where its caller's plan found that kernel exact)."""
     if not cpu_ops.x86():
         return f"the kernels are written for x86-64 (this CPU: {platform.machine()})"
     why = cpu_ops.failure()
-    if why is not None:
+    if why is not None or kind == "ops":
         return why
     return cpu_check.failure("core") if kind == "core" else failure("core") or cpu_check.failure(kind)
 
@@ -86,6 +90,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = 
     """``x · Wᵀ (+ bias)`` in float32 for 1 to ``max_rows(weight.dtype)`` rows ``x [..., K]`` (module docstring)."""
     y = ops().linear(x, weight, scales, list(block), variant)
     return y if bias is None else y.add_(bias)
+
+
+def dense_linear(x: torch.Tensor, plain: torch.Tensor, operand: torch.Tensor | None, tiles: torch.Tensor | None,
+                 bias: torch.Tensor | None, rows: tuple[int, int, int], onednn: bool) -> torch.Tensor:
+    """``x · Wᵀ (+ bias)`` in ``x``'s dtype for a float weight prepared once (``layers.cpu_gemm.PackedWeight``), the
+    product chosen inside the operator by the count of rows: up to ``rows[0]`` the few-row kernels, up to ``rows[1]``
+    ATen's, up to ``rows[2]`` AMX ``tiles``, more oneDNN's (ATen's where ``onednn`` is false) on ``operand``."""
+    return torch.ops.mla_kernels.dense_linear(x, plain, operand, tiles, bias, list(rows), onednn)  # type: ignore[no-any-return]
 
 
 def amx_pack(weight: torch.Tensor) -> torch.Tensor:

@@ -357,6 +357,10 @@ def _register_fakes() -> None:
     def _(x, w, scales=None, block=(), variant="auto"):  # type: ignore[no-untyped-def]
         return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=torch.float32)
 
+    @lib.register_fake("mla_kernels::dense_linear")
+    def _(x, plain, operand, tiles, bias, rows, onednn):  # type: ignore[no-untyped-def]
+        return x.new_empty((*x.shape[:-1], plain.shape[0]))
+
     @lib.register_fake("mla_kernels::prefill_attention")
     def _(q_n, q_r, k_n, k_r, v, cu_q, cu_k, scale, variant="auto"):  # type: ignore[no-untyped-def]
         rows, heads = q_n.shape[:2]
@@ -384,5 +388,5 @@ def _register_fakes() -> None:
         return q_n.new_empty((q_n.shape[0], q_n.shape[1], w_uv_t.shape[2]), dtype=torch.float32)
 
     lib.register_fake("mla_kernels::rope_store", lambda *args, **kwargs: None)
-    _FAKES.extend(["linear", "amx_pack", "amx_linear", "int4_from_stored", "rms_norm",
+    _FAKES.extend(["linear", "dense_linear", "amx_pack", "amx_linear", "int4_from_stored", "rms_norm",
                    "absorbed_decode", "rope_store"])

@@ -41,9 +41,6 @@ logger = logging.getLogger("mla_runtime")
 PACK_BATCH_HINT = 16  # oneDNN chooses the blocked layout for about this many rows
 PROBED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 HALF_KINDS = {torch.bfloat16: "bf16", torch.float16: "f16"}  # cpu_kernels' kinds of the half-precision products
-# int8 and int4 products of at least this many rows take oneDNN's bfloat16 products where the CPU computes in bfloat16
-# natively and the format's own compiled kernel does not run (``KernelPlan.quantized_bf16_rows``)
-QUANT_BF16_ROWS = 48
 # bfloat16 products of more rows than the few-row kernels take, up to this many, run on AMX tiles where the CPU has
 # them (``mla_kernels.cpu_kernels.amx_linear``): on a 2-core Xeon with AMX, 2 threads, weights streamed, they take
 # 0.55x oneDNN's time at 8 to 32 rows and 0.62x at 128, even at 512 and 1.2x at 1,024
@@ -122,6 +119,9 @@ class KernelPlan:
     int4_failure: str | None  # the compiled int4 kernel (else: dequantised per product)
     fp8_failure: str | None  # the compiled block-FP8 kernel (else: dequantised per product)
     native_bf16: tuple[str, ...]  # the capabilities giving native bfloat16 arithmetic (empty: none)
+    # the compiled operators (a float weight's products chosen by rows inside ``dense_linear``); else each format's
+    # one torch fallback
+    ops_failure: str | None = None
     # each matrix in one layout: oneDNN's blocked copies and AMX's tiles left out, where the load would not fit the
     # machine with them (the Worker's memory check); products of many rows run oneDNN on the plain weight
     one_layout: bool = False
@@ -153,15 +153,12 @@ class KernelPlan:
         """Whether bfloat16 weights on the oneDNN path keep AMX tiles in place of the blocked copy."""
         return self.amx_failure is None and not self.one_layout
 
-    def quantized_bf16_rows(self, kernel: bool) -> int:
-        """From how many rows weight-only int8 and int4 products take oneDNN's bfloat16 products, or 0 where they never
-        do: never where the format's compiled kernel runs (``kernel``), whose exact integer sums give a row the same
-        bits whatever rows share its product (the bfloat16 products round every row to bfloat16, so a request's answer
-        would depend on its batch), nor under ``plain``, nor where the bfloat16 products failed their probe or the CPU
-        has no native bfloat16 arithmetic (oneDNN would emulate it, slower than the integer products)."""
-        if kernel or self.mode == "plain" or self.choice(torch.bfloat16).path != "onednn":
-            return 0
-        return QUANT_BF16_ROWS if self.native_bf16 else 0
+    @property
+    def bf16_products(self) -> bool:
+        """Whether oneDNN's bfloat16 products run natively here (not emulated), so a float32 model's products of many
+        rows over bfloat16 values (``layers.bf16``'s weights, the absorbed factors beside a non-integer format) take
+        them."""
+        return self.mode != "plain" and self.choice(torch.bfloat16).path == "onednn" and bool(self.native_bf16)
 
     def layouts(self, dtype: torch.dtype) -> CpuLayouts:
         """The planner's facts about this plan for a model of ``dtype``: what the products hold beside its weights."""
@@ -177,7 +174,6 @@ class KernelPlan:
     def info(self, dtype: torch.dtype) -> dict[str, str]:
         """What runs for ``dtype`` weights, as string labels for logs, ``EngineInfo`` and ``/metrics``."""
         choice = self.choice(dtype)
-        many = self.quantized_bf16_rows(kernel=self.integer_kernels("int8"))
         reason = choice.reason
         if dtype == torch.float32 and choice.path == "onednn":
             reason += "; few-row products: " + ("the compiled kernels (mla_kernels.cpu_kernels)"
@@ -185,8 +181,7 @@ class KernelPlan:
         labels = {"dtype": dtype_name(dtype), "mode": self.mode, "path": choice.path,
                   "compute_dtype": dtype_name(choice.compute_dtype),
                   "extra_bytes_per_weight": str(self.layouts(dtype).extra_bytes_per_element), "reason": reason,
-                  "operators": cpu_ops.summary(),
-                  "quantized_many_rows": f"oneDNN bfloat16 from {many} rows" if many else "the format's own path"}
+                  "operators": cpu_ops.summary()}
         if dtype == torch.bfloat16:
             why = self.amx_failure if self.choice(torch.bfloat16).path == "onednn" else \
                 "oneDNN's bfloat16 products do not run"
@@ -200,7 +195,8 @@ NOT_CPU = "not a CPU model"
 # the plan of a model on another device: no CPU path is prepared (its weights are not CPU tensors), no probe runs
 OFF_CPU = KernelPlan(mode="plain", gemm=tuple(GemmChoice(d, "plain", d, NOT_CPU) for d in PROBED_DTYPES),
                      float_failure=NOT_CPU, half_failures=(NOT_CPU, NOT_CPU), amx_failure=NOT_CPU,
-                     int8_aten_failure=NOT_CPU, int4_failure=NOT_CPU, fp8_failure=NOT_CPU, native_bf16=())
+                     int8_aten_failure=NOT_CPU, int4_failure=NOT_CPU, fp8_failure=NOT_CPU, native_bf16=(),
+                     ops_failure=NOT_CPU)
 
 
 def kernel_plan(mode: str = "auto") -> KernelPlan:
@@ -222,7 +218,8 @@ def _resolve(mode: str) -> KernelPlan:
         int8_aten_failure="cpu_gemm=plain forces the fallback" if mode == "plain" else int8_aten_failure(),
         int4_failure="cpu_gemm=plain forces the fallback" if mode == "plain" else cpu_kernels.failure("int4"),
         fp8_failure=compiled or cpu_kernels.failure("fp8"),
-        native_bf16=tuple(native_arithmetic(torch.bfloat16)))
+        native_bf16=tuple(native_arithmetic(torch.bfloat16)),
+        ops_failure="cpu_gemm=plain forces the fallbacks" if mode == "plain" else cpu_kernels.failure("ops"))
     for dtype in PROBED_DTYPES:
         choice = plan.choice(dtype)
         logger.debug("CPU products of %s weights under cpu_gemm=%s: %s, computing in %s: %s", dtype_name(dtype), mode,

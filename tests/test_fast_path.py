@@ -45,6 +45,7 @@ from mla_runtime.kernel_plan import (  # noqa: E402
     fast_path_failure,
     kernel_plan,
     native_arithmetic,
+    onednn_linear,
     resolve_cpu_format,
 )
 from mla_runtime.layers import cpu_gemm  # noqa: E402
@@ -268,11 +269,19 @@ def test_packed_linear_matrix_vector_layouts(plan):
 
 @pytest.mark.parametrize("mode", ["auto", "onednn", "plain"])
 @pytest.mark.parametrize("aten_rows", [0, 1, 8])
-def test_small_products_take_the_chosen_path(mode, aten_rows, monkeypatch):
-    """A weight's products of up to ``aten_max_rows`` rows take F.linear exactly as the size rule chose
-    (bit-identical to F.linear then); oneDNN otherwise, equal to rounding; larger batches always take oneDNN. One
-    to ``KERNEL_MAX_ROWS`` rows take the AVX2 kernels wherever they build (no ``_product`` call, and no timing)."""
+@pytest.mark.parametrize("compiled", [True, False])
+def test_small_products_take_the_chosen_path(mode, aten_rows, compiled, monkeypatch):
+    """The route of each product, chosen inside ``dense_linear`` by the count of rows, gives exactly the bits of that
+    route called alone: one to ``KERNEL_MAX_ROWS`` rows the compiled kernels wherever they run, up to
+    ``aten_max_rows`` F.linear as the size rule chose, more oneDNN (one float32 row on the plain weight). Where the
+    operators do not load (``compiled`` False), the torch fallback: F.linear throughout for a weight the size rule
+    gives ATen, else oneDNN."""
     plan = kernel_plan(mode)
+    if not compiled:
+        out = "the test leaves the operators out"
+        plan = dataclasses.replace(plan, ops_failure=out, float_failure=plan.float_failure or out)
+    elif plan.ops_failure is not None:
+        pytest.skip(f"the compiled operators do not load here: {plan.ops_failure}")
     monkeypatch.setattr(cpu_gemm, "aten_max_rows", lambda *shape: aten_rows)
     g = torch.Generator().manual_seed(1)
     w = torch.randn(96, 64, generator=g)
@@ -280,19 +289,18 @@ def test_small_products_take_the_chosen_path(mode, aten_rows, monkeypatch):
     if plan.choice(torch.float32).path != "onednn":
         assert packed is None
         return
-    assert packed is not None and packed.aten_max_rows == (0 if packed.row_kernel else aten_rows)
-    calls = []
-    real_product = cpu_gemm._product
-    monkeypatch.setattr(cpu_gemm, "_product", lambda *a: calls.append(1) or real_product(*a))
+    assert packed is not None and packed.compiled == compiled
+    assert packed.aten_max_rows == (0 if packed.row_kernel else aten_rows)
     for rows in (1, 4, 8, 16):
         x = torch.randn(rows, 64, generator=g)
-        before = len(calls)
         got = linear(x, w, None, packed)
-        kernel = rows <= cpu_gemm.KERNEL_MAX_ROWS and packed.row_kernel  # the AVX2 kernels, whatever the rule
-        took_aten = len(calls) == before and not kernel
-        assert took_aten is (rows <= packed.aten_max_rows and not kernel)  # F.linear, not oneDNN, exactly when chosen
-        if took_aten:
-            assert torch.equal(got, F.linear(x, w))
+        if compiled and packed.row_kernel and rows <= cpu_gemm.KERNEL_MAX_ROWS:
+            want = cpu_kernels.linear(x, w)
+        elif rows <= packed.aten_max_rows or (not compiled and packed.aten_max_rows):
+            want = F.linear(x, w)
+        else:
+            want = onednn_linear(x, w if packed.blocked is None or rows == 1 else packed.blocked)
+        assert torch.equal(got, want), rows
         torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
@@ -1725,17 +1733,25 @@ def test_amx_products_are_the_bfloat16_product_where_the_cpu_has_tiles():
 def test_a_prefill_takes_the_amx_tiles_as_near_the_float32_logits_as_onednn(tiny_checkpoint, monkeypatch):
     """Where the CPU runs AMX bfloat16 products (or the operators are built over emulated tiles, as the test after
     next does), a float32 model with bfloat16 weights prefills its chunks of more rows than the few-row kernels take
-    through the tiles (``mla_kernels::amx_linear``). Its logits are within bfloat16 rounding of the float32 model's
-    (the rows are rounded to bfloat16, as oneDNN's bfloat16 products round them), and no farther from them than
-    those of oneDNN's products (``cpu_gemm=onednn``, which leaves the tiles out and computes the attention between
-    them in bfloat16)."""
+    through the tiles (``dense_linear``'s ``amx_linear`` route). Its logits are within bfloat16 rounding of the
+    float32 model's (the rows are rounded to bfloat16, as oneDNN's bfloat16 products round them), and no farther from
+    them than those of oneDNN's products (``cpu_gemm=onednn``, which leaves the tiles out and computes the attention
+    between them in bfloat16)."""
     why = cpu_kernels.failure("amx")
     if why is not None:
         pytest.skip(amx_skip(why))
     ckpt, _ = tiny_checkpoint("v3")
     ps = prompts([30, 12, 20], seed=5)
     want = torch.cat(PagedRunner(load_model(ckpt, dtype="float32"), len(ps), 32).prefill(ps))
-    calls = spy_ops(monkeypatch, "amx_linear")["amx_linear"]
+    calls: list[int] = []
+    dense = cpu_kernels.dense_linear
+
+    def spy(x, plain, operand, tiles, bias, rows, onednn):  # the products dense_linear runs on the tiles
+        if tiles is not None and rows[0] < x.numel() // x.shape[-1] <= rows[2]:
+            calls.append(x.numel() // x.shape[-1])
+        return dense(x, plain, operand, tiles, bias, rows, onednn)
+
+    monkeypatch.setattr(cpu_kernels, "dense_linear", spy)
     err = {}
     for mode in ("auto", "onednn"):
         model = load_model(ckpt, dtype="float32", quantization="bf16", cpu_gemm=mode)
@@ -1809,20 +1825,18 @@ def test_half_weights_take_the_two_byte_kernel_for_few_rows(path, dtype, monkeyp
         assert path in ("upcast", "plain") and (made is None) == (path == "plain")
         if path == "plain":  # F.linear in the dtype, no packed weight and no kernel
             return
-    calls = spy_ops(monkeypatch, "linear")["linear"]
     limit = cpu_gemm.BF16_KERNEL_ROWS[path]
     for mode, expect in (("auto", limit), ("onednn", 0)):
         packed = PackedWeight(w, with_path(kernel_plan(mode), dtype, path))
-        assert packed.bf16_rows == expect
+        assert packed.bf16_rows == expect and packed.rows[0] == expect
         for rows in (1, limit, limit + 1):
             x = torch.randn(rows, 96, generator=g).to(dtype)
-            calls.clear()
             got = linear(x, w, b, packed)
-            assert bool(calls) == (rows <= expect) and got.dtype == dtype
+            assert got.dtype == dtype
+            if rows <= expect:  # the kernel's float32 sum, rounded once (more rows: bfloat16 sums may round alike)
+                assert torch.equal(got, cpu_kernels.linear(x, w, bias=b).to(dtype))
             want = (x.float() @ w.float().T + b.float())
             torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=5e-2)
-            if calls:  # the kernel's float32 sum, rounded once
-                torch.testing.assert_close(got, want.to(dtype), rtol=1e-2, atol=1e-2)
 
 
 def test_auto_keeps_a_float16_checkpoints_products_float16_and_gives_transformers_tokens(tiny_checkpoint, tmp_path):
@@ -1954,3 +1968,6 @@ def test_every_cpu_operator_has_a_shape_function():
                                          torch.empty(7, 2), torch.empty(7, 3, 6), [0, 5], [0, 7], 1.0)
         assert out.shape == (5, 3, 6) and lse.shape == (5, 3)
         assert ops.int4_from_stored(torch.empty(4, 16, dtype=torch.uint8)).shape == (4, 16)
+        out = ops.dense_linear(torch.empty(2, 3, 8, dtype=torch.bfloat16), torch.empty(4, 8), None, None, None,
+                               [8, 0, 0], True)
+        assert out.shape == (2, 3, 4) and out.dtype == torch.bfloat16

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 
@@ -14,12 +13,11 @@ from mla_runtime import LLM, SamplingParams
 from mla_runtime.config import ModelConfig
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.errors import InvalidParam
-from mla_runtime.kernel_plan import QUANT_BF16_ROWS, kernel_plan
-from mla_runtime.layers import qweight
+from mla_runtime.kernel_plan import kernel_plan
 from mla_runtime.layers.bf16 import Bf16Weight
 from mla_runtime.layers.mla import attention_layer
 from mla_runtime.layers.quantization import WEIGHT_FORMATS, Int8Weight, quantize_model, quantized_weights
-from mla_runtime.layers.qweight import QuantizedWeight, stack_rows
+from mla_runtime.layers.qweight import stack_rows
 from mla_runtime.loader import load_model
 from mla_runtime.plan import parameter_count, quantized_parameters, weight_bytes
 from mla_runtime.serving.config import resolve
@@ -74,9 +72,7 @@ def test_int8_products_with_and_without_the_row_kernels(mode, rows):
     x, bias = torch.randn(rows, 128, generator=g), torch.randn(96, generator=g)
     ref = torch.nn.functional.linear(x, q.dequantize(), bias)
     kernels = q.row_scales is not None
-    assert q.bf16_from == kernel_plan(mode).quantized_bf16_rows(kernel=kernels)
-    # the kernels: rows rounded to int16; ATen's and oneDNN's bfloat16 products of many rows: bfloat16
-    tol = 3e-4 if kernels and not 0 < q.bf16_from <= rows else 2e-2
+    tol = 3e-4 if kernels else 2e-2  # the kernels: rows rounded to int16; ATen's kernel: to bfloat16
     torch.testing.assert_close(q.matmul(x, bias), ref, rtol=tol, atol=tol * ref.abs().max().item())
     if kernels and q.row_scales is not None:
         want = x @ q.dequantize().T
@@ -84,69 +80,18 @@ def test_int8_products_with_and_without_the_row_kernels(mode, rows):
                                    atol=tol * want.abs().max().item())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_many_row_products_take_bfloat16_where_the_cpu_has_it_and_the_kernels_do_not_run(dtype, monkeypatch):
-    """int8 products of ``KernelPlan.quantized_bf16_rows`` rows or more take oneDNN's bfloat16 products where the CPU
-    computes in bfloat16 natively and the compiled int8 kernels do not run (``cpu_gemm=onednn`` here; an aarch64 CPU
-    with BF16): the weight widened to bfloat16 a block at a time (exact), the rows rounded to bfloat16, each block's
-    product rounded to bfloat16 once. Fewer rows keep ATen's int8 kernel. Where the compiled kernels run (int8 and
-    int4), every product takes them: a row's result is then the same bits whatever rows share its product."""
-    monkeypatch.setattr(qweight, "BF16_CHUNK_ELEMENTS", 3000)  # several blocks, the last one short
-    g = torch.Generator().manual_seed(2)
-    weight = torch.randn(70, 96, generator=g)
-    auto, onednn = kernel_plan(), kernel_plan("onednn")
-    assert auto.quantized_bf16_rows(kernel=True) == 0
-    assert WEIGHT_FORMATS["int4"].quantize(weight).bf16_from == 0
-    if Int8Weight.quantize(weight).row_scales is not None:
-        assert Int8Weight.quantize(weight).bf16_from == 0
-    native = bool(auto.native_bf16) and auto.choice(torch.bfloat16).path == "onednn"
-    assert auto.quantized_bf16_rows(kernel=False) == (QUANT_BF16_ROWS if native else 0)
-    w = Int8Weight.quantize(weight).bind(onednn)
-    many = onednn.quantized_bf16_rows(kernel=False)
-    assert w.row_scales is None and w.bf16_from == many
-    if not many:
-        pytest.skip("this CPU has no native bfloat16 products (or they failed their probe): int8 products of any "
-                    "size run ATen's int8 kernel here, tested above")
-    calls = []
-    original = QuantizedWeight.bf16_product
-    monkeypatch.setattr(Int8Weight, "bf16_product", lambda self, x, b: calls.append(len(x)) or original(self, x, b))
-    dq = w.dequantize()
-    bias = torch.randn(70, generator=g).to(dtype)
-    for rows in (many - 1, many, 130):
-        x = (torch.randn(rows, 96, generator=g) * 4).to(dtype)
-        got = w.matmul(x, bias)
-        assert got.dtype == dtype and got.shape == (rows, 70)
-        if rows < many:
-            assert not calls  # the format's kernel
-            continue
-        assert calls[-1] == rows
-        # the exact product of the bfloat16 rows with the bfloat16 weights, rounded once to bfloat16
-        product = x.to(torch.bfloat16).double() @ dq.double().T
-        unit = 2.0 ** -8 if dtype == torch.float32 else 2.0 ** -7  # plus the result's own rounding to bfloat16
-        bound = unit * (product.abs() + bias.double().abs()) + 1e-3
-        assert ((got.double() - product - bias.double()).abs() <= bound).all()
-    for caps in (("avx512_bf16",), ("avx512_bf16", "amx_bf16")):
-        plan = dataclasses.replace(onednn, native_bf16=caps)
-        assert plan.quantized_bf16_rows(kernel=True) == 0
-        assert plan.quantized_bf16_rows(kernel=False) == QUANT_BF16_ROWS
-    plan = dataclasses.replace(onednn, native_bf16=())
-    assert plan.quantized_bf16_rows(kernel=False) == 0  # oneDNN would emulate bfloat16: slower than the integer kernels
-    assert kernel_plan("plain").quantized_bf16_rows(kernel=False) == 0
-
-
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_a_rows_product_is_the_same_bits_whatever_rows_share_it(scheme, gemm_mode, plan):
-    """Batch invariance of the quantised products: where the compiled kernels run, a row's result alone, in a decode
-    batch of a few rows or in a long prefill (more rows than any threshold) is the same bits: their integer sums make
-    it so. The fallbacks (a float32 product of the widened weight) agree to float rounding."""
+    """Batch invariance of the quantised products: each format takes one route whatever the rows, so where that is
+    the compiled kernels (their integer sums) or, for int8, ATen's int8 kernel, a row's result alone, in a decode batch
+    of a few rows or in a long prefill (more rows than any threshold) is the same bits. The widened fallback (a
+    float32 product, ``cpu_gemm=plain``) agrees to float rounding."""
     g = torch.Generator().manual_seed(3)
     w = WEIGHT_FORMATS[scheme].quantize(torch.randn(80, 128, generator=g)).bind(plan)
-    if w.bf16_from:
-        pytest.skip(f"cpu_gemm={gemm_mode}: products of {w.bf16_from} rows or more round their rows to bfloat16 "
-                    "here (oneDNN's bfloat16 products: no compiled int8 kernel), a documented exception")
     x = torch.randn(200, 128, generator=g)
     many = w.matmul(x, None)
-    exact = gemm_mode == "auto" and cpu_kernels.failure("int4" if scheme == "int4" else "core") is None
+    exact = w.kernel or getattr(w, "row_scales", None) is not None
+    assert exact == (gemm_mode != "plain" and (plan.integer_kernels(scheme) or scheme == "int8"))
     for rows in (slice(7, 8), slice(3, 9), slice(0, 130)):
         got = w.matmul(x[rows].clone(), None)
         if exact:
@@ -192,9 +137,8 @@ def test_int8_model_close_to_float32(tiny_checkpoint, variant):
     bf16_factors = kernel_plan().row_kernels  # the compiled decode kernel reads bfloat16 copies
     for attn in model.attention_layers():
         assert attn.w_uk.dtype == attn.w_uv_t.dtype == (torch.bfloat16 if bf16_factors else torch.float32)
-        # the prefill's up-projection: oneDNN's bfloat16 products where the CPU has them natively
-        many = kernel_plan().quantized_bf16_rows(kernel=bf16_factors)
-        assert isinstance(attn.kv_b_proj.packed, Bf16Weight) == (many > 0)
+        # the prefill's up-projection: the float32 factors' own products, whatever the CPU
+        assert not isinstance(attn.kv_b_proj.packed, Bf16Weight)
         assert attn.kv_b_proj.weight.dtype == torch.float32  # the prefill's up-projection stays exact
     cfg = ModelConfig.from_pretrained(path)
     weights = quantized_weights(model)
@@ -211,11 +155,11 @@ def test_int8_model_close_to_float32(tiny_checkpoint, variant):
 
 @pytest.mark.parametrize("scheme", ["bf16", "int8"])
 def test_a_long_prefill_chunk_attends_in_bfloat16_where_the_key_rebuild_does(tiny_checkpoint, scheme, monkeypatch):
-    """A float32 model with bfloat16 (what ``dtype="auto"`` runs a bfloat16 checkpoint as) weights, or int8 ones where
-    the int8 kernels do not run, rebuilds its keys and values with oneDNN's bfloat16 products where the CPU has them
-    natively, the rows rounded to bfloat16;
-    a prefill chunk of more rows than the few-row kernels take then attends in bfloat16 (``attention.cpu.half_prefill``)
-    and a shorter one in float32. The log-probabilities stay within the quantisation bounds of the float32 model's."""
+    """A float32 model with bfloat16 weights (what ``dtype="auto"`` runs a bfloat16 checkpoint as) rebuilds its keys
+    and values with oneDNN's bfloat16 products where the CPU has them, the rows rounded to bfloat16; a prefill chunk of
+    more rows than the few-row kernels take then attends in bfloat16 (``attention.cpu.half_prefill``) and a shorter one
+    in float32. An int8 model's factors stay float32, and its chunks attend in float32. The log-probabilities stay
+    within the quantisation bounds of the float32 model's."""
     from mla_runtime.attention import cpu
 
     path, _ = tiny_checkpoint("v3")
@@ -225,7 +169,7 @@ def test_a_long_prefill_chunk_attends_in_bfloat16_where_the_key_rebuild_does(tin
     model = load_model(path, dtype="float32")
     quantize_model(model, scheme)
     attn = model.attention_layers()[0]
-    native = kernel_plan().quantized_bf16_rows(kernel=scheme == "int8" and kernel_plan().row_kernels) > 0
+    native = scheme == "bf16" and kernel_plan().bf16_products
     assert (isinstance(attn.kv_b_proj.packed, Bf16Weight) and attn.kv_b_proj.packed.native is not None) == native
     few = cpu_kernels.max_rows(torch.bfloat16) or 8
     for rows, half in ((few + 1, native), (few, False)):

@@ -28,7 +28,7 @@ import torch
 
 from mla_kernels import cpu_kernels
 from mla_runtime.kernel_plan import AMX_MAX_ROWS, KernelPlan
-from mla_runtime.layers.cpu_gemm import PackedWeight, amx_product, linear
+from mla_runtime.layers.cpu_gemm import PackedWeight, torch_product
 from mla_runtime.layers.qweight import QuantizedWeight, default_plan, stack_rows
 
 
@@ -48,6 +48,7 @@ class Bf16Weight(QuantizedWeight):
 
     def bind(self, plan: KernelPlan) -> Bf16Weight:
         super().bind(plan)
+        self.compiled = plan.ops_failure is None
         self.kernel = self.on_cpu and self.weight.is_contiguous() and plan.half_kernel(self.half)
         # many-row bfloat16 products: oneDNN's on their blocked layout where this CPU has them
         onednn = self.on_cpu and self.half == torch.bfloat16 and plan.choice(torch.bfloat16).path == "onednn"
@@ -89,19 +90,18 @@ class Bf16Weight(QuantizedWeight):
         return self.native is not None and x.numel() > 0 and not few
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x [..., K]`` (any float dtype) -> ``x · Wᵀ (+ bias)`` in ``x``'s dtype."""
-        k = self.weight.shape[1]
-        if self.kernel and 0 < x.numel() <= cpu_kernels.max_rows(self.half) * k:
-            bias = None if bias is None else bias.float()
-            return cpu_kernels.linear(x, self.weight, bias=bias).to(x.dtype)
-        if self.native is not None and self.native.amx is not None and 0 < x.numel() <= AMX_MAX_ROWS * k:
-            return amx_product(x, self.native.amx, bias).to(x.dtype)  # float32 rows rounded by the kernel
-        if self.native is not None and x.numel():
-            y = linear(x.to(torch.bfloat16), self.weight, None, self.native)
-            if x.dtype == torch.bfloat16:  # a bfloat16 chunk (attention.cpu.half_prefill): no float32 detour
-                return y if bias is None else y.add_(bias.to(y.dtype))
-            y = y.float()
-            return (y if bias is None else y.add_(bias.float())).to(x.dtype)
+        """``x [..., K]`` (any float dtype) -> ``x · Wᵀ (+ bias)`` in ``x``'s dtype: ``dense_linear`` where the
+        operators load (the few-row kernel reading two bytes a weight, AMX tiles, then the bfloat16 products on
+        ``native``'s layout or the weight widened a block at a time), else the torch fallback."""
+        native = self.native
+        operand = None if native is None else native.blocked if native.blocked is not None else native.plain
+        if self.compiled and self.on_cpu:
+            rows = (cpu_kernels.max_rows(self.half) if self.kernel else 0, 0,
+                    AMX_MAX_ROWS if native is not None and native.amx is not None else 0)
+            return cpu_kernels.dense_linear(x, self.weight, operand, None if native is None else native.amx, bias,
+                                            rows, native is not None or self.widened_onednn)
+        if operand is not None:
+            return torch_product(x, operand, bias, onednn=True)
         return self.widened_product(x, bias)
 
 

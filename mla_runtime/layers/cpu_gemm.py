@@ -81,10 +81,12 @@ def amx_fits(weight: torch.Tensor) -> bool:
 
 
 class PackedWeight:
-    """One ``[N, K]`` weight prepared for its dtype's path under a ``KernelPlan`` (see the module docstring)."""
+    """One ``[N, K]`` weight prepared for its dtype's path under a ``KernelPlan`` (see the module docstring): its
+    layouts, and the row limits with which ``dense_linear`` picks each product's route."""
 
-    __slots__ = ("plain", "blocked", "wide", "amx", "plain_gemv", "row_kernel", "upcast", "aten_max_rows", "bf16_rows")
-    quantized = False  # True: a weight-only quantised matrix (``layers.quantization``) that runs its own ``matmul``
+    __slots__ = ("plain", "blocked", "wide", "amx", "plain_gemv", "row_kernel", "upcast", "aten_max_rows", "bf16_rows",
+                 "onednn", "compiled")
+    quantized = False  # True: a weight-only quantised matrix (``layers.quantization``)
 
     def __init__(self, weight: torch.Tensor, plan: KernelPlan) -> None:
         self.plain = weight.detach()
@@ -107,12 +109,16 @@ class PackedWeight:
             self.wide = self.plain.float()
         else:
             raise ValueError(f"path: a packed weight is 'onednn' or 'upcast', got {path!r}")
+        self.onednn = path == "onednn" or self.blocked is not None  # many rows: oneDNN's products, else ATen's
+        self.compiled = plan.ops_failure is None  # the products chosen inside ``dense_linear``
         self.plain_gemv = path == "onednn" and weight.dtype == torch.float32  # one row: oneDNN on the plain weight
         self.row_kernel = self.plain_gemv and self.plain.is_contiguous() and plan.row_kernels  # ... or the kernel on it
         # products of at most this many rows take F.linear (small weights: oneDNN's per-call set-up dominates)
         # (the AVX2 kernels, where they run, take every product F.linear could win: up to FEW_ROWS rows)
         n, k = weight.shape
         self.aten_max_rows = aten_max_rows(n, k, weight.dtype) if path == "onednn" and not self.row_kernel else 0
+        if self.aten_max_rows and not self.compiled:  # the torch fallback: a small weight takes F.linear throughout
+            self.blocked, self.onednn = None, False
         half = self.plain.is_contiguous() and plan.half_kernel(weight.dtype)
         self.bf16_rows = BF16_KERNEL_ROWS.get(path, 0) if half else 0
 
@@ -127,6 +133,12 @@ class PackedWeight:
         """Take ``plan``'s paths (a quantised format: its kernels; a float weight is packed anew by ``prepared``)."""
         return self
 
+    @property
+    def rows(self) -> tuple[int, int, int]:
+        """``dense_linear``'s row limits: the few-row kernels, ATen's products, AMX tiles."""
+        return (KERNEL_MAX_ROWS if self.row_kernel else self.bf16_rows, self.aten_max_rows,
+                AMX_MAX_ROWS if self.amx is not None else 0)
+
     def row_operand(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
         """The weight as the compiled one-row kernels read it (``mla_kernels.cpu_tables.GatedMLPTable``), or None where
         its products do not take them: a float32 weight's few-row products (``row_kernel``), or a half-precision one
@@ -134,9 +146,13 @@ class PackedWeight:
         return self.plain if self.row_kernel or self.bf16_rows else None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """The product of a quantised weight (subclasses); a float weight runs through ``linear``."""
-        raise NotImplementedError("a float PackedWeight runs through cpu_gemm.linear")
-
+        """``x [..., K] · Wᵀ (+ bias)`` in ``x``'s dtype: the compiled ``dense_linear``, which picks the route by the
+        count of rows, or where it does not load the torch fallback on the layout kept for many rows."""
+        operand = self.blocked if self.blocked is not None else self.wide
+        if self.compiled:
+            return cpu_kernels.dense_linear(x, self.plain, operand, self.amx, bias, self.rows, self.onednn)
+        one_row = self.plain_gemv and x.numel() == x.shape[-1]  # oneDNN streams the plain weight faster for one row
+        return torch_product(x, self.plain if operand is None or one_row else operand, bias, self.onednn)
 
 
 def prepared(weight: torch.Tensor, packed: PackedWeight | None, plan: KernelPlan) -> PackedWeight | None:
@@ -157,39 +173,18 @@ def aten_max_rows(n: int, k: int, dtype: torch.dtype) -> int:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: PackedWeight | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, on the path ``packed`` (made from ``weight``) was prepared for; a quantised
-    ``packed`` computes its own product (``weight`` then only stands for its shape)."""
-    if packed is not None and packed.quantized:
-        return packed.matmul(x, bias)
-    if packed is None or x.dtype != weight.dtype:
+    """``F.linear(x, weight, bias)``, by the product ``packed`` (made from ``weight``) was prepared for: its format's
+    one operator (or that format's torch fallback), else ATen's (an unprepared weight, another device)."""
+    if packed is None:
         return F.linear(x, weight, bias)
-    if packed.row_kernel and 0 < x.numel() <= KERNEL_MAX_ROWS * x.shape[-1]:  # the AVX2 kernels (module docstring)
-        return cpu_kernels.linear(x, packed.plain, bias=bias)
-    if 0 < x.numel() <= packed.bf16_rows * x.shape[-1]:  # half weights read at two bytes (module docstring)
-        return cpu_kernels.linear(x, packed.plain, bias=bias).to(x.dtype)
-    if x.numel() <= packed.aten_max_rows * x.shape[-1]:
-        return F.linear(x, weight, bias)
-    if packed.amx is not None and x.numel() <= AMX_MAX_ROWS * x.shape[-1]:
-        return amx_product(x, packed.amx, bias).to(x.dtype)
-    if packed.upcast:
-        wide_bias = None if bias is None else bias.float()
-        return _product(x.float(), packed, wide_bias).to(x.dtype)
-    return _product(x, packed, bias)
+    return packed.matmul(x, bias)
 
 
-def amx_product(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x · Wᵀ (+ bias)`` in float32 on AMX tiles (``PackedWeight.amx``), ``x``'s rows rounded to bfloat16."""
-    y = cpu_kernels.amx_linear(x, tiles)
-    return y if bias is None else y.add_(bias)
-
-
-def _product(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    if packed.amx is not None:  # more rows than the tiles take: oneDNN on the plain weight (as fast from 256 rows)
-        return F.linear(x, packed.plain, bias)
-    if packed.wide is not None:  # the upcast layout's float32 copy
-        return F.linear(x, packed.wide, bias)
-    # the plain weight: one layout (``KernelPlan.one_layout``), or one float32 row (``plain_gemv``)
-    blocked = packed.blocked
-    if blocked is None or (packed.plain_gemv and x.numel() == x.shape[-1]):
-        return onednn_linear(x, packed.plain, bias)
-    return onednn_linear(x, blocked, bias)
+def torch_product(x: torch.Tensor, operand: torch.Tensor, bias: torch.Tensor | None, onednn: bool) -> torch.Tensor:
+    """A prepared float weight's product where the compiled operators do not load: oneDNN's (ATen's where ``onednn``
+    is false) on ``operand``, the rows computed in its dtype and the bias added in the wider dtype."""
+    product = onednn_linear if onednn else F.linear
+    if x.dtype == operand.dtype:
+        return product(x, operand, bias)
+    y = product(x.to(operand.dtype), operand).to(torch.promote_types(x.dtype, operand.dtype))
+    return (y if bias is None else y.add_(bias)).to(x.dtype)

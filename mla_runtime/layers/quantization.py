@@ -25,26 +25,21 @@ four input rows at a time. On a 2-core Zen 5 EPYC, 128 rows of ``[4096, 1024]`` 
 1.6 ms with the VNNI one (``bench/bench_quant_rows.py``), and a row's result does not depend on the rows beside it, so
 a speculative verification computes what decoding the same tokens one by one would, and a prompt's answer does not
 depend on what shares its step (a prefill or a decode batch of any size: the conformance matrix's int8 cell). Where
-the kernels do not run (another CPU architecture, ``cpu_gemm=onednn``) and the CPU has native bfloat16 arithmetic
-(AVX512-BF16, AMX, aarch64's BF16), products of ``kernel_plan.QUANT_BF16_ROWS`` rows or more run oneDNN's bfloat16
-products instead of ATen's int8 kernel (``QuantizedWeight.bf16_product``): the int8 matrix is widened to bfloat16 a
-block at a time (exact: every int8 value is a bfloat16 value), the rows are rounded to bfloat16, and each block's
-product is rounded to bfloat16 before the scales multiply it in float32. That adds a relative error of about 2^-9 to
-each row and each result, small against the int8 weights' own (about 1 %), but it depends on how many rows share the
-product. Beside the kernels it would buy little: without AMX, 128 rows of ``[4096, 1024]`` take 1.5 ms there against
-the VNNI kernel's 1.6 (bench/RESULTS.md).
+the kernels do not run (another CPU architecture, ``cpu_gemm=onednn``) every product takes ATen's kernel above, whose
+rows are independent too.
 
-What is quantised (``quantize_model``): every projection of the attention except ``kv_b_proj`` (A.X-K2's ``q_gate_proj``
-included), the dense MLPs, the shared and routed experts, and the lm_head. ``kv_b_proj`` (the absorbed factors
-``W_UK``/``W_UV``) keeps its dtype but its values are rounded to bfloat16 (8 significant bits, finer than the int8
-matrices), on every CPU, so that the prefill's up-projection and the decode's absorbed attention read the same factors;
-where the compiled decode kernel runs, its copies of them are stored in bfloat16, which halves the bytes a decode step
-reads there, and where the CPU has native bfloat16 products the prefill's up-projection runs them on a bfloat16 copy
-(``round_absorbed_factors``; ``bench/int8_quality.py`` and the sweep's perplexity measure the whole). The embedding,
-norms and router stay in the model dtype, and so do the small low-rank gates of A.X-K2's gated norms. A quantised
-float weight is released: its parameter keeps its shape and dtype but no storage (a broadcast single element), so the
-resident weights are the int8 copies; nothing may re-derive a layout from it afterwards
-(``MLAttention.prepare_inference`` or a latent-rank truncation must come first).
+What is quantised (``quantize_model``): every projection of the attention except ``kv_b_proj`` (A.X-K2's
+``q_gate_proj`` included), the dense MLPs, the shared and routed experts, and the lm_head. ``kv_b_proj`` (the absorbed
+factors ``W_UK``/``W_UV``) keeps its dtype but its values are rounded to bfloat16 (8 significant bits, finer than the
+int8 matrices), on every CPU, so that the prefill's up-projection and the decode's absorbed attention read the same
+factors; where the compiled decode kernel runs, its copies of them are stored in bfloat16, which halves the bytes a
+decode step reads there, and where the CPU has native bfloat16 products and the int8 products are not integer ones
+(the widened fallback) the prefill's up-projection runs them on a bfloat16 copy (``round_absorbed_factors``;
+``bench/int8_quality.py`` and the sweep's perplexity measure the whole). The embedding, norms and router stay in the
+model dtype, and so do the small low-rank gates of A.X-K2's gated norms. A quantised float weight is released: its
+parameter keeps its shape and dtype but no storage (a broadcast single element), so the resident weights are the int8
+copies; nothing may re-derive a layout from it afterwards (``MLAttention.prepare_inference`` or a latent-rank
+truncation must come first).
 """
 
 from __future__ import annotations
@@ -113,10 +108,8 @@ class Int8Weight(QuantizedWeight):
         cpu = self.on_cpu
         # ATen's int8 products with bfloat16 rows, where exact here (else the matrix is widened per product)
         self.kernel = cpu and self.qweight.shape[1] % KERNEL_K_MULTIPLE == 0 and plan.int8_aten_failure is None
-        # products of a few rows: the compiled kernels where they run (float32 rows and these float32 scales)
+        # every product: the compiled kernels where they run (float32 rows and these float32 scales)
         self.row_scales = self.scales.float() if cpu and plan.integer_kernels("int8") else None
-        # products of many rows: oneDNN's bfloat16 ones where the CPU has them and the kernels do not run
-        self.bf16_from = plan.quantized_bf16_rows(kernel=self.row_scales is not None) if cpu else 0
         return self
 
     @classmethod
@@ -143,17 +136,9 @@ class Int8Weight(QuantizedWeight):
         """The float32 matrix the int8 one stands for."""
         return self.qweight.float() * self.scales.float().unsqueeze(1)
 
-    def _bf16_rows(self, r0: int, r1: int, out: torch.Tensor) -> None:
-        out.copy_(self.qweight[r0:r1])  # exact: every int8 value is a bfloat16 one
-
-    def _column_scales(self) -> torch.Tensor:
-        return self.scales.float() if self.row_scales is None else self.row_scales
-
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [..., K]`` (any float dtype) -> ``x · Wᵀ (+ bias)`` in ``x``'s dtype."""
         k = self.qweight.shape[1]
-        if self.takes_bf16_product(x):
-            return self.bf16_product(x, bias)
         if self.row_scales is not None and x.numel():  # the kernels, 64 rows a pass
             wide_bias = None if bias is None else bias.float()
             return cpu_kernels.linear(x, self.qweight, self.row_scales, bias=wide_bias).to(x.dtype)
@@ -254,17 +239,16 @@ def round_absorbed_factors(attn: MLAttention, plan: KernelPlan, integer_products
     """``kv_b_proj`` (the absorbed factors ``W_UK``/``W_UV``) keeps its dtype with its values rounded to bfloat16, so
     that every path (the prefill's up-projection, the absorbed copies) reads the same factors; where the compiled
     decode kernel runs, its copies of them are stored in bfloat16 (half the bytes a decode step reads there), and where
-    the products of many rows take bfloat16 ones under ``plan`` (``KernelPlan.quantized_bf16_rows``; never beside
-    ``integer_products``, the int8 and int4 kernels, whose results do not depend on the rows beside them) the
-    up-projection's products run on a bfloat16 copy (a ``Bf16Weight``) in place of the float32 blocked one. Done after
-    any latent-rank truncation, which folds its basis into ``kv_b_proj`` at full precision."""
+    the CPU has native bfloat16 products (``KernelPlan.bf16_products``) the up-projection's products run on a bfloat16
+    copy (a ``Bf16Weight``) in place of the float32 blocked one, except beside ``integer_products`` (the int8 and int4
+    kernels, whose results do not depend on the rows beside them). Done after any latent-rank truncation, which folds
+    its basis into ``kv_b_proj`` at full precision."""
     kv_b = attn.kv_b_proj
     kv_b.weight.data.copy_(kv_b.weight.data.to(torch.bfloat16))
-    if kv_b.weight.device.type == "cpu" and plan.quantized_bf16_rows(kernel=integer_products):
-        # its values are bfloat16 ones: the prefill's key and value rebuild runs oneDNN's bfloat16 products (the rows
-        # rounded to bfloat16, as the quantised products of many rows round theirs; 1.9x the float32 products at 128
-        # rows), a few rows the kernel reading them at two bytes. The same bytes as the float32 blocked copy it
-        # replaces; the float weight stays, for the views w_uk_uv gives.
+    if kv_b.weight.device.type == "cpu" and plan.bf16_products and not integer_products:
+        # its values are bfloat16 ones: the prefill's key and value rebuild runs oneDNN's bfloat16 products (1.9x the
+        # float32 products at 128 rows), a few rows the kernel reading them at two bytes. The same bytes as the float32
+        # blocked copy it replaces; the float weight stays, for the views w_uk_uv gives.
         kv_b.packed = Bf16Weight(kv_b.weight.detach().to(torch.bfloat16), kv_b.weight.dtype).bind(plan)
     else:
         kv_b.packed = None
@@ -291,7 +275,7 @@ def finish_quantization(model: nn.Module, quantization: str, plan: KernelPlan | 
     drafts' head, each prepared for ``plan`` (default: the model's, ``plan_of``)."""
     fmt = WEIGHT_FORMATS[quantization]
     plan = plan_of(model) if plan is None else plan
-    integer = plan.integer_kernels(quantization)
+    integer = plan.integer_kernels(quantization) or (quantization == "int8" and plan.int8_aten_failure is None)
     for module in model.modules():
         if isinstance(module, MLAttention):
             round_absorbed_factors(module, plan, integer)

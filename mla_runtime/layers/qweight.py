@@ -14,7 +14,6 @@ layout from it afterwards.
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -25,7 +24,6 @@ from mla_runtime.kernel_plan import OFF_CPU, KernelPlan, kernel_plan
 from mla_runtime.layers.cpu_gemm import PackedWeight
 
 WIDEN_CHUNK_ELEMENTS = 4 << 20  # a widened product converts about this many weights to float32 at a time
-BF16_CHUNK_ELEMENTS = 2 << 20  # a bfloat16 product dequantises about this many weights at a time (4 MB)
 
 
 def released(weight: torch.Tensor) -> torch.Tensor:
@@ -73,28 +71,13 @@ def _onednn_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(rows, weight, None, "none", [None], "")
 
 
-_scratch = threading.local()
-
-
-def _bf16_scratch(numel: int, device: torch.device) -> torch.Tensor:
-    """A bfloat16 buffer of ``numel`` values for ``bf16_product``'s dequantised blocks, kept per thread and device: a
-    fresh 4 MB allocation each product is mapped anew and page-faulted in, which measured slower than the
-    dequantisation itself."""
-    key = str(device)
-    buf = getattr(_scratch, "buffers", {}).get(key)
-    if buf is None or buf.numel() < numel:
-        buf = torch.empty(max(numel, BF16_CHUNK_ELEMENTS), dtype=torch.bfloat16, device=device)
-        _scratch.__dict__.setdefault("buffers", {})[key] = buf
-    return buf[:numel]
-
-
 class QuantizedWeight(PackedWeight):
     """Base of the weight-only formats. ``plain`` is the released float weight (shape and dtype only: callers pass it
     as the "weight" argument of ``cpu_gemm.linear``, which hands the product to ``matmul``)."""
 
-    # bf16_from: products of this many rows or more run bf16_product (0: none do); widened_onednn: widened_product's
-    # blocks run oneDNN's float32 product (where its probe passed on this CPU, at load) rather than F.linear
-    __slots__ = ("bf16_from", "widened_onednn")
+    # widened_onednn: widened_product's blocks run oneDNN's float32 product (where its probe passed on this CPU, at
+    # load) rather than F.linear
+    __slots__ = ("widened_onednn",)
     quantized = True
     scheme: ClassVar[str]  # the ``quantization`` value that makes this format ("int8", "int4", "fp8")
 
@@ -102,8 +85,8 @@ class QuantizedWeight(PackedWeight):
         """Set the fields every ``PackedWeight`` has: no float layout is kept."""
         self.plain = released_like(shape, dtype, device)
         self.blocked = self.wide = self.amx = None
-        self.upcast = self.plain_gemv = self.row_kernel = False
-        self.aten_max_rows = self.bf16_rows = self.bf16_from = 0
+        self.upcast = self.plain_gemv = self.row_kernel = self.onednn = self.compiled = False
+        self.aten_max_rows = self.bf16_rows = 0
         self.widened_onednn = False
 
     def bind(self, plan: KernelPlan) -> QuantizedWeight:
@@ -148,42 +131,6 @@ class QuantizedWeight(PackedWeight):
     def _dequantize_rows(self, r0: int, r1: int) -> torch.Tensor:
         """Float32 rows ``[r0, r1)`` of the matrix."""
         raise NotImplementedError
-
-    def _bf16_rows(self, r0: int, r1: int, out: torch.Tensor) -> None:
-        """Rows ``[r0, r1)`` of the matrix as bfloat16 values into ``out [r1 - r0, K]``, before ``_column_scales``."""
-        raise NotImplementedError
-
-    def _column_scales(self) -> torch.Tensor | None:
-        """Float32 scales ``[N]`` of the product's output columns that ``_bf16_rows`` leaves out, or None."""
-        return None
-
-    def takes_bf16_product(self, x: torch.Tensor) -> bool:
-        """Whether the product with ``x [..., K]`` runs ``bf16_product``: from ``bf16_from`` rows on, where the format
-        sets it (``KernelPlan.quantized_bf16_rows``; 0: never)."""
-        return self.bf16_from > 0 and x.numel() >= self.bf16_from * self.shape[1]
-
-    def bf16_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x [..., K] · Wᵀ (+ bias)`` in ``x``'s dtype with oneDNN's bfloat16 products: the products of many rows (a
-        prefill) where the CPU computes in bfloat16 (``KernelPlan.quantized_bf16_rows``). A block of about
-        ``BF16_CHUNK_ELEMENTS`` weights at a time is dequantised to bfloat16 into one buffer (``_bf16_rows``; it
-        stays in cache for the product), the rows are rounded to bfloat16 as a bfloat16 model's are, each block's
-        product is rounded to bfloat16 and then scaled in float32 (``_column_scales``)."""
-        n, k = self.shape
-        rows = x.reshape(-1, k).to(torch.bfloat16)
-        step = max(1, BF16_CHUNK_ELEMENTS // max(k, 1))
-        y = torch.empty(rows.shape[0], n, dtype=torch.float32, device=x.device)
-        buf = _bf16_scratch(min(step, n) * k, x.device).view(-1, k)
-        for r0 in range(0, n, step):
-            r1 = min(n, r0 + step)
-            block = buf[:r1 - r0]
-            self._bf16_rows(r0, r1, block)
-            y[:, r0:r1] = F.linear(rows, block)
-        scales = self._column_scales()
-        if scales is not None:
-            y.mul_(scales)
-        if bias is not None:
-            y.add_(bias.float())
-        return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
     def widened_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [..., K] · Wᵀ (+ bias)`` in ``x``'s dtype by widening the weight to float32 a block of output rows at a

@@ -267,6 +267,60 @@ Tensor amx_linear(const Tensor& x, const Tensor& packed) {
   return y;
 }
 
+// oneDNN's product of rows x and a weight, plain or in its blocked layout (torch's mkldnn::_linear_pointwise).
+Tensor onednn_linear(const Tensor& x, const Tensor& w, const OptTensor& bias) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "").typed<
+      Tensor(const Tensor&, const Tensor&, const OptTensor&, c10::string_view, c10::List<c10::optional<at::Scalar>>,
+             c10::optional<c10::string_view>)>();
+  return op.call(x, w, bias, "none", c10::List<c10::optional<at::Scalar>>({c10::nullopt}), "");
+}
+
+constexpr int64_t WIDEN_ELEMENTS = 4 << 20;  // a widened product converts about this many weights at a time
+
+// x [..., K] · Wᵀ (+ bias) in x's dtype for a float32, bfloat16 or float16 weight prepared once
+// (mla_runtime.layers.cpu_gemm.PackedWeight): the count of rows m picks the product. m <= rows[0]: linear above on
+// the plain weight; m <= rows[1]: ATen's; m <= rows[2]: amx_linear on `tiles`; more: oneDNN's (ATen's where `onednn`
+// is false) on `operand`, the weight prepared for many rows (its blocked layout, or a float32 copy), the rows
+// computed in its dtype, one float32 row on the plain weight; with no operand, on the plain weight in x's dtype,
+// widened a block of rows at a time where its dtype differs. Bias is added in the wider of the two dtypes.
+Tensor dense_linear(const Tensor& x, const Tensor& plain, const OptTensor& operand, const OptTensor& tiles,
+                    const OptTensor& bias, at::IntArrayRef rows, bool onednn) {
+  TORCH_CHECK_VALUE(rows.size() == 3, "dense_linear: rows are [kernel, aten, tiles], got ", rows);
+  TORCH_CHECK_VALUE(plain.dim() == 2 && x.dim() >= 1 && x.size(-1) == plain.size(1) && at::isFloatingType(
+                        x.scalar_type()), "dense_linear: rows [..., ", plain.size(-1), "] for a weight ",
+                    plain.sizes(), ", got ", x.scalar_type(), " ", x.sizes());
+  const int64_t k = x.size(-1), m = k ? x.numel() / k : 0;
+  const at::ScalarType out = x.scalar_type();
+  auto wide = [&](Tensor y) { return (bias ? y.add_(*bias) : y).to(out); };  // a float32 result
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = plain.size(0);
+  if (m == 0) return at::empty(shape, x.options());
+  if (m <= rows[0]) return wide(linear(x, plain, c10::nullopt, {}, "auto"));
+  if (m <= rows[1]) return at::linear(x, plain, bias);
+  if (tiles && m <= rows[2]) return wide(amx_linear(x, *tiles));
+  const bool one_row = m == 1 && plain.scalar_type() == at::kFloat && out == at::kFloat;
+  const Tensor& w = operand && !one_row ? *operand : plain;
+  const at::ScalarType c = operand ? w.scalar_type() : out, sum = at::promote_types(c, out);
+  auto product = [&](const Tensor& a, const Tensor& b, const OptTensor& bb) {
+    return onednn ? onednn_linear(a, b, bb) : at::linear(a, b, bb);
+  };
+  if (c == w.scalar_type() && c == out) return product(x, w, bias);
+  const Tensor xs = x.to(c);
+  Tensor y;
+  if (c == w.scalar_type()) {
+    y = product(xs, w, c10::nullopt);
+  } else {  // the plain weight widened a block of output rows at a time: bounded temporaries
+    y = at::empty(shape, xs.options());
+    const int64_t step = std::max<int64_t>(1, WIDEN_ELEMENTS / k);
+    for (int64_t r0 = 0; r0 < w.size(0); r0 += step) {
+      const int64_t len = std::min(step, w.size(0) - r0);
+      y.narrow(-1, r0, len).copy_(product(xs, w.narrow(0, r0, len).to(c), c10::nullopt));
+    }
+  }
+  y = y.to(sum);
+  return (bias ? y.add_(bias->to(sum)) : y).to(out);
+}
+
 // F.rms_norm(x, (K,), weight, eps) for float32 rows x [..., K] (last dimension contiguous) on one thread.
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   const int64_t k = weight.numel();
@@ -785,6 +839,8 @@ TORCH_LIBRARY_FRAGMENT(mla_kernels, m) {
   m.class_<LayerTable>("LayerTable").def("runs_mlp", &LayerTable::runs_mlp).def("kinds", &LayerTable::kinds);
   m.class_<DecodeStep>("DecodeStep");
   m.def("linear(Tensor x, Tensor w, Tensor? scales=None, int[] block=[], str variant=\"auto\") -> Tensor");
+  m.def("dense_linear(Tensor x, Tensor plain, Tensor? operand, Tensor? tiles, Tensor? bias, int[] rows, bool onednn) "
+        "-> Tensor");
   m.def("int4_from_stored(Tensor stored) -> Tensor");
   m.def("amx_pack(Tensor w) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor packed) -> Tensor");
@@ -837,6 +893,7 @@ TORCH_LIBRARY_FRAGMENT(mla_kernels, m) {
 
 TORCH_LIBRARY_IMPL(mla_kernels, CPU, m) {
   m.impl("linear", &linear);
+  m.impl("dense_linear", &dense_linear);
   m.impl("int4_from_stored", &int4_from_stored);
   m.impl("amx_pack", &amx_pack);
   m.impl("amx_linear", &amx_linear);
@@ -845,3 +902,6 @@ TORCH_LIBRARY_IMPL(mla_kernels, CPU, m) {
   m.impl("prefill_attention", &prefill_attention);
   m.impl("rope_store", &rope_store);
 }
+
+// oneDNN's blocked layout of a weight (dense_linear's operand) is an MkldnnCPU tensor.
+TORCH_LIBRARY_IMPL(mla_kernels, MkldnnCPU, m) { m.impl("dense_linear", &dense_linear); }
