@@ -384,6 +384,24 @@ def test_bad_prompts_name_the_problem(v3):
     assert_clean(llm)
 
 
+def test_a_request_id_in_use_is_refused_before_its_prompt_is_read(v3, monkeypatch):
+    """A caller that steps the engine itself is refused an id in use, by name, before the prompt is tokenized or
+    checked (the one id check of that path); the request holding the id runs on untouched."""
+    path, _ = v3
+    llm = new_llm(path)
+    engine = llm.engine
+    engine.add_request("r", {"prompt_token_ids": [5, 6, 7]}, GREEDY)
+    prepared = []
+    monkeypatch.setattr(engine, "prepare_request", lambda *a, **k: prepared.append(a))
+    with pytest.raises(ValueError, match="request_id 'r' is already in use"):
+        engine.add_request("r", {"prompt_token_ids": [9]}, GREEDY)
+    assert not prepared and engine.requests["r"].prompt_token_ids == [5, 6, 7]
+    monkeypatch.undo()
+    while engine.requests:
+        engine.step()
+    assert_clean(llm)
+
+
 def test_cache_too_small_for_one_sequence(v3):
     path, _ = v3
     with pytest.raises(ValueError, match="kv_cache_memory"):

@@ -280,7 +280,7 @@ def test_small_products_take_the_chosen_path(mode, aten_rows, compiled, monkeypa
     if not compiled:
         out = "the test leaves the operators out"
         plan = dataclasses.replace(plan, ops_failure=out, float_failure=plan.float_failure or out)
-    elif plan.ops_failure is not None:
+    elif plan.ops_failure is not None and mode != "plain":  # plain: float32 weights take F.linear, checked below
         pytest.skip(f"the compiled operators do not load here: {plan.ops_failure}")
     monkeypatch.setattr(cpu_gemm, "aten_max_rows", lambda *shape: aten_rows)
     g = torch.Generator().manual_seed(1)

@@ -122,10 +122,7 @@ class AsyncLLM:
             op, arg = self._ops.popleft()
             if op == "add":
                 assert isinstance(arg, RequestState)
-                try:
-                    self.engine.submit(arg)
-                except ValueError as e:
-                    self._deliver(arg.request_id, e)
+                self.engine.submit(arg)
             else:
                 assert isinstance(arg, str)
                 self.engine.abort(arg)
@@ -145,8 +142,8 @@ class AsyncLLM:
 
     # -- public API ----------------------------------------------------------------------------
     def _reserve(self, request_id: str) -> Stream:
-        """The request's stream, registered under its id: the one check that the id is free (the engine applies
-        queued aborts before queued additions, so an id freed here is free there too)."""
+        """The request's stream, registered under its id: the one check that the id is free (the engine applies the
+        queued aborts and additions in the order they were made, so an id freed here is free there too)."""
         if self.error is not None:
             raise EngineDeadError(f"engine failed earlier: {self.error}")
         if request_id in self._streams:

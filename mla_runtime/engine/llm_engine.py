@@ -112,6 +112,9 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> RequestState:
+        """Validate, tokenize and queue a request: the id check of a caller that steps the engine itself."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         return self.submit(self.prepare_request(request_id, prompt, params, arrival_time))
 
     def prepare_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
@@ -127,9 +130,8 @@ class LLMEngine:
                            self.grammars)
 
     def submit(self, state: RequestState) -> RequestState:
-        """Queue a prepared request for scheduling (in the thread that steps the engine)."""
-        if state.request_id in self.requests:
-            raise ValueError(f"request_id {state.request_id!r} is already in use")
+        """Queue a prepared request for scheduling (in the thread that steps the engine). Its id was checked once, by
+        ``add_request`` or by ``AsyncLLM``'s stream registry."""
         self.requests[state.request_id] = state
         for s in state.seqs:
             self.scheduler.add(s)
