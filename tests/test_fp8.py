@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from mla_kernels import cpu_kernels
-from mla_runtime.kernel_plan import kernel_plan
+from mla_runtime.kernel_plan import kernel_plan, onednn_linear
 from mla_runtime.layers import qweight
 from mla_runtime.layers.fp8 import Fp8Weight, quantize_fp8_block
 from mla_runtime.loader import dequantize_fp8_block
@@ -118,6 +118,20 @@ def test_matmul_paths(gemm_mode, plan):
         assert got.shape == (*shape[:-1], 200) and got.dtype == torch.float32
         rows = x.reshape(-1, 320)
         assert_product(got.reshape(-1, 200) - bias, rows, wide, rel=2e-6)
+
+
+def test_many_rows_take_onednn_on_the_widened_weight_inside_the_operator():
+    """Past the kernel's 64 rows the operator itself widens the weight a block of rows at a time and takes oneDNN's
+    float32 product (a prefill's route): the bits of oneDNN on the dequantised weight, and a row's result the same
+    whatever shares it."""
+    plan = kernel_plan()
+    q = stored(300, 256, (128, 128), 7).bind(plan)
+    if not q.kernel:
+        pytest.skip(f"the FP8 kernel does not run on this CPU: {plan.fp8_failure}")
+    x = torch.randn(150, 256, generator=torch.Generator().manual_seed(8))
+    got = q.matmul(x, None)
+    assert torch.equal(got, onednn_linear(x, q.dequantize()))
+    assert torch.equal(q.matmul(x[40:120], None), got[40:120])
 
 
 def test_matmul_in_bfloat16_with_a_bias(plan):

@@ -7,12 +7,13 @@ ceil(K / bk)]`` float32, one scale per ``bn × bk`` block (128 × 128 in those c
 
 The runtime multiplies the stored bytes; nothing is re-quantised. On CUDA ``matmul`` runs the Triton block-FP8 GEMM
 (``mla_kernels.fp8_gemm``: the activations quantised per token in groups of ``bk`` values to float8_e4m3fn, both
-scales applied per K block, float32 accumulation). On a CPU, products of one to ``cpu_kernels.max_rows`` rows run
-the AVX2 kernel ``csrc/gemv_fp8.c`` where it builds and passes its probe (``cpu_gemm=auto``): float32 activations, the
-weight read at one byte per value and widened in the kernel, the dequantised values exactly ``float(weight) *
-scale``; each row's result does not depend on the rows beside it. More rows, a CPU without the kernel, or
-``cpu_gemm=plain``: the matrix is dequantised to float32 (a bounded number of output rows at a time) and multiplied
-with ``F.linear``; so is it on a GPU the Triton kernel does not run on (before sm_89, ROCm).
+scales applied per K block, float32 accumulation). On a CPU every product runs the operator ``cpu_kernels.linear``
+where its kernel builds and passes its probe (``cpu_gemm=auto``): up to ``cpu_kernels.max_rows`` rows the AVX2 kernel
+``csrc/gemv_fp8.c`` (float32 activations, the weight read at one byte per value and widened in the kernel, the
+dequantised values exactly ``float(weight) * scale``; each row's result does not depend on the rows beside it), more
+rows oneDNN's float32 product of the weight widened a block of rows at a time, the choice made inside the operator. A
+CPU without the kernel, or ``cpu_gemm=plain``: the matrix is dequantised to float32 (a bounded number of output rows
+at a time) and multiplied with ``F.linear``; so is it on a GPU the Triton kernel does not run on (before sm_89, ROCm).
 
 ``quantize`` makes the format from a float matrix (128 × 128 blocks, scale = the block's largest magnitude / 448).
 """
@@ -89,8 +90,8 @@ class Fp8Weight(QuantizedWeight):
 
     def bind(self, plan: KernelPlan) -> Fp8Weight:
         super().bind(plan)
-        # products of a few rows on a CPU: the AVX2 kernel where the plan runs it
-        self.kernel = self.on_cpu and plan.fp8_failure is None
+        # every product on a CPU: the operator where the plan runs its AVX2 kernel and oneDNN's float32 products
+        self.kernel = self.on_cpu and plan.fp8_failure is None and plan.choice(torch.float32).path == "onednn"
         return self
 
     @classmethod
@@ -153,10 +154,9 @@ class Fp8Weight(QuantizedWeight):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [..., K]`` (any float dtype) -> ``x · Wᵀ (+ bias)`` in ``x``'s dtype."""
-        k = self.weight.shape[1]
         if self.weight.is_cuda and self.block[1] in TRITON_BLOCK_K and fp8_gemm_failure(self.weight.device) is None:
             return cast(torch.Tensor, fp8_gemm(x, self.weight, self.scale_inv, self.block, bias))
-        if self.kernel and 0 < x.numel() <= cpu_kernels.max_rows(self.weight.dtype) * k:  # the AVX2 kernel
+        if self.kernel and x.numel():  # the operator: the AVX2 kernel, or past 64 rows oneDNN on the widened weight
             bias = None if bias is None else bias.float()
             return cpu_kernels.linear(x, self.weight, self.scale_inv, block=self.block, bias=bias).to(x.dtype)
         return self.widened_product(x, bias)

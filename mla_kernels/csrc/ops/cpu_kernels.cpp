@@ -120,10 +120,21 @@ int64_t fastest(int64_t runs) { return runs >> 1 & 1 ? 1 : 0; }
 
 bool quantized(at::ScalarType w) { return w == at::kChar || w == at::kByte || w == at::kFloat8_e4m3fn; }
 
+// oneDNN's product of rows x and a weight, plain or in its blocked layout (torch's mkldnn::_linear_pointwise).
+Tensor onednn_linear(const Tensor& x, const Tensor& w, const OptTensor& bias) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "").typed<
+      Tensor(const Tensor&, const Tensor&, const OptTensor&, c10::string_view, c10::List<c10::optional<at::Scalar>>,
+             c10::optional<c10::string_view>)>();
+  return op.call(x, w, bias, "none", c10::List<c10::optional<at::Scalar>>({c10::nullopt}), "");
+}
+
+constexpr int64_t WIDEN_ELEMENTS = 4 << 20;  // a widened product converts about this many weights at a time
+
 // x [..., K] (any float dtype, computed in float32) times W [N, K]ᵀ -> float32 [..., N], for every weight format:
 // float32, bfloat16 or float16 (1 to MLA_FEW_ROWS rows; half weights read at two bytes and widened exactly); int8
 // with float32 row scales [N] (rows rounded to int16); float8_e4m3fn with float32 block scales [ceil(N / bn),
-// ceil(K / bk)] and block = [bn, bk]; group-wise int4: uint8 nibbles [N, Kp / 2] with float16 scales [N, Kp / 32]
+// ceil(K / bk)] and block = [bn, bk] (past MLA_QUANT_ROWS rows oneDNN's float32 product of the weight widened a
+// block of rows at a time); group-wise int4: uint8 nibbles [N, Kp / 2] with float16 scales [N, Kp / 32]
 // (Kp: K rounded up to 32; rows rounded to int8 per group of 32). Quantized formats take any number of rows,
 // MLA_QUANT_ROWS a kernel call. Within a variant a row's result does not depend on the other rows; the int8 and int4
 // variants give the same bits, the float ones each sum in their own order ("auto": AVX-512 for float32 weights from
@@ -191,6 +202,17 @@ Tensor linear(const Tensor& x, const Tensor& w, const OptTensor& scales, at::Int
                         block);
       expect(w, dtype, {n, k}, op, "the weight");
       expect(*scales, at::kFloat, {cdiv(n, block[0]), cdiv(k, block[1])}, op, "the block scales");
+      if (rows > MLA_QUANT_ROWS) {  // many rows: the weight widened a block of rows at a time, oneDNN's product
+        const int64_t bn = block[0], bk = block[1], step = std::max<int64_t>(1, WIDEN_ELEMENTS / k / bn) * bn;
+        const Tensor x2 = xs.reshape({rows, k});
+        for (int64_t r0 = 0; r0 < n; r0 += step) {
+          const int64_t len = std::min(step, n - r0);
+          const Tensor s = scales->narrow(0, r0 / bn, cdiv(len, bn)).repeat_interleave(bn, 0).narrow(0, 0, len);
+          const Tensor wf = w.narrow(0, r0, len).to(at::kFloat).mul_(s.repeat_interleave(bk, 1).narrow(1, 0, k));
+          y.view({rows, n}).narrow(1, r0, len).copy_(onednn_linear(x2, wf, c10::nullopt));
+        }
+        break;
+      }
       chunks([&](const float* xc, float* yc, int64_t m) {
         mla_gemm_fp8(ptr<const uint8_t>(w), ptr<const float>(scales), block[0], block[1], xc, yc, m, n, k, threads());
       });
@@ -266,16 +288,6 @@ Tensor amx_linear(const Tensor& x, const Tensor& packed) {
                       ptr<const uint16_t>(packed), ptr<float>(y), m, n, k, threads());
   return y;
 }
-
-// oneDNN's product of rows x and a weight, plain or in its blocked layout (torch's mkldnn::_linear_pointwise).
-Tensor onednn_linear(const Tensor& x, const Tensor& w, const OptTensor& bias) {
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "").typed<
-      Tensor(const Tensor&, const Tensor&, const OptTensor&, c10::string_view, c10::List<c10::optional<at::Scalar>>,
-             c10::optional<c10::string_view>)>();
-  return op.call(x, w, bias, "none", c10::List<c10::optional<at::Scalar>>({c10::nullopt}), "");
-}
-
-constexpr int64_t WIDEN_ELEMENTS = 4 << 20;  // a widened product converts about this many weights at a time
 
 // x [..., K] · Wᵀ (+ bias) in x's dtype for a float32, bfloat16 or float16 weight prepared once
 // (mla_runtime.layers.cpu_gemm.PackedWeight): the count of rows m picks the product. m <= rows[0]: linear above on
