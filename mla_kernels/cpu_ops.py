@@ -42,7 +42,7 @@ logger = logging.getLogger("mla_runtime")
 CSRC = Path(__file__).resolve().parent / "csrc"
 # every architecture: the indexer; x86-64 adds the AVX2 kernels of csrc/*.c (mla_cpu.h), compiled as C++ into the
 # same library and registered by ops/cpu_kernels.cpp
-PORTABLE_SOURCES = (CSRC / "ops" / "indexer.cpp", CSRC / "ops" / "isa.cpp")
+PORTABLE_SOURCES = (CSRC / "ops" / "indexer.cpp", CSRC / "ops" / "isa.cpp", CSRC / "cpu_features.c")
 X86_SOURCES = (CSRC / "gemv_f32.c", CSRC / "mla_decode_f32.c", CSRC / "mla_layer_f32.c", CSRC / "gemv_fp8.c",
                CSRC / "gemv_int4.c", CSRC / "amx_bf16.c", CSRC / "ops" / "cpu_kernels.cpp")
 HEADERS = (CSRC / "mla_cpu.h", CSRC / "simd.h", CSRC / "decode_attention.h", CSRC / "isa_cap.h", CSRC / "amx_emulate.h")

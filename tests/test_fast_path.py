@@ -1797,7 +1797,7 @@ def test_the_amx_products_compute_the_bfloat16_product_on_emulated_tiles(tmp_pat
     csrc = Path(cpu_ops.CSRC)
     exe = tmp_path / "amx_emulated"
     subprocess.run([str(cpu_ops._compiler()), "-O2", "-std=c++17", "-fopenmp", "-I", str(csrc), "-include",
-                    str(csrc / "amx_emulate.h"), str(csrc / "amx_bf16.c"),
+                    str(csrc / "amx_emulate.h"), str(csrc / "amx_bf16.c"), str(csrc / "cpu_features.c"),
                     str(Path(__file__).resolve().parent / "csrc" / "amx_emulated.cpp"), "-o", str(exe)],
                    check=True, capture_output=True, timeout=300)
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300, check=False)

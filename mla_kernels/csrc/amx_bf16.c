@@ -43,12 +43,9 @@ int64_t mla_amx_bf16(void) {
     static int known = -1;
     if (known < 0) {
 #ifdef MLA_AMX_EMULATE  /* emulated tiles; the rows are still rounded by AVX512-BF16 */
-        known = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
-                __builtin_cpu_supports("avx512vl");
-#else
-        known = __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
-                __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
-                __builtin_cpu_supports("avx512vl") &&
+        known = (int)mla_cpu_has(MLA_CPU_AVX512 | MLA_CPU_BF16);
+#else  /* the tiles, and the kernel's leave to use their state */
+        known = mla_cpu_has(MLA_CPU_AVX512 | MLA_CPU_BF16 | MLA_CPU_AMX) &&
                 syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
 #endif
     }

@@ -393,20 +393,9 @@ __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"), always_i
         }
 }
 
-/* Whether this CPU runs few_i8_vnni (checked once) and the ISA cap lets it. */
-static int has_vnni(void) {
-    static int known = -1;
-    if (known < 0) {
-        __builtin_cpu_init();
-        known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-    }
-    return known && mla_isa_allows(MLA_ISA_AVX512);
-}
-
 /* The few-row int8 products' variants this CPU runs (bit 0 few_i8, bit 1 few_i8_vnni); a call names one, or -1 for
  * the fastest. */
-int64_t mla_i8_variants(void) { return 1 | (has_vnni() << 1); }
+int64_t mla_i8_variants(void) { return 1 | (mla_isa_runs(MLA_CPU_AVX512 | MLA_CPU_VNNI, MLA_ISA_AVX512) << 1); }
 
 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"))) static void few_i8_rows_vnni(
     const int8_t *w, const float *scale, const int16_t *xq, const float *sx, float *y, int64_t rows_in, int64_t n,
@@ -423,20 +412,9 @@ static void many_i8_rows(const int8_t *w, const float *scale, const int16_t *xq,
     switch (m) { case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; case 5: CALL(5); break; \
                  case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(8); break; }
 
-/* Whether this CPU runs the AVX-512 few-row float products (checked once) and the ISA cap lets it. */
-static int has_avx512(void) {
-    static int known = -1;
-    if (known < 0) {
-        __builtin_cpu_init();
-        known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                __builtin_cpu_supports("avx512vl");
-    }
-    return known && mla_isa_allows(MLA_ISA_AVX512);
-}
-
 /* The few-row float (float32, bfloat16, float16 weights) products' variants this CPU runs: bit 0 the AVX2 one, bit 1
  * the AVX-512 one (few512 below); a call names one, or -1 for the fastest. */
-int64_t mla_float_variants(void) { return 1 | (has_avx512() << 1); }
+int64_t mla_float_variants(void) { return 1 | (mla_isa_runs(MLA_CPU_AVX512, MLA_ISA_AVX512) << 1); }
 
 /* The AVX-512 few-row products: three or four weight rows at a time against m <= 8 rows, 16 lanes a step and the tail
  * under a mask, so each input vector loaded feeds three or four multiply-adds (eight input rows of a long weight row
@@ -532,7 +510,7 @@ static void few_avx2(const void *w, int64_t kind, const float *x, float *y, int6
  * 2-core AVX-512 EPYC: eight rows of [4096, 1024] float32 0.79 against 1.68 ms, bfloat16 0.58 against 1.13 ms);
  * fewer rows stream their weights as fast or faster through the AVX2 one. */
 static int use_avx512(int64_t variant, int64_t kind, int64_t m) {
-    return variant < 0 ? has_avx512() && m >= (kind == W_F32 ? 4 : 2) : variant == 1;
+    return variant < 0 ? (mla_float_variants() >> 1 & 1) && m >= (kind == W_F32 ? 4 : 2) : variant == 1;
 }
 
 void mla_gemm_few_f32(const float *w, const float *x, float *y, int64_t m, int64_t n, int64_t k, int64_t threads,
@@ -551,7 +529,7 @@ void mla_gemm_few_half(const uint16_t *w, int64_t kind, const float *x, float *y
  * a prefill's rows read the weight once. */
 void mla_gemm_few_i8(const int8_t *w, const float *scale, const float *x, float *y, int64_t rows, int64_t n, int64_t k,
                      int64_t threads, int64_t variant) {
-    const int vnni = variant < 0 ? has_vnni() : variant == 1;
+    const int vnni = variant < 0 ? (int)(mla_i8_variants() >> 1 & 1) : variant == 1;
     int16_t *xq = (int16_t *)alloc_lines((size_t)(rows * k) * sizeof(int16_t));
     float *sx = (float *)malloc((size_t)rows * sizeof(float));
     if (!xq || !sx) abort();  /* a few hundred kilobytes: ops/cpu_kernels.cpp bounds the rows */

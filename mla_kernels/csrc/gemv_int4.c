@@ -57,14 +57,8 @@ int64_t mla_q8_row_bytes(int64_t k) { return i4_chunks(k) * I4_CHUNK_XBYTES; }
 
 /* Which variants this CPU runs under the ISA cap: bit I4_AVX2, bit I4_AVX512_VNNI. */
 int64_t mla_i4_variants(void) {
-    __builtin_cpu_init();
-    int64_t v = 0;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-        v |= 1 << I4_AVX2;
-    if ((v & 1) && mla_isa_allows(MLA_ISA_AVX512) && __builtin_cpu_supports("avx512f") &&
-        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
-        v |= 1 << I4_AVX512_VNNI;
-    return v;
+    return (mla_isa_runs(MLA_CPU_AVX2, MLA_ISA_AVX2) << I4_AVX2) |
+           (mla_isa_runs(MLA_CPU_AVX2 | MLA_CPU_AVX512 | MLA_CPU_VNNI, MLA_ISA_AVX512) << I4_AVX512_VNNI);
 }
 
 /* One group of 32 values v -> its 16 lo and 16 hi values, the 4 lanes' biases and scales (the file's comment). */

@@ -164,13 +164,8 @@ const std::vector<Variant>& variants() {
   static const std::vector<Variant> all = [] {
     std::vector<Variant> v;
 #if defined(__x86_64__) && defined(__GNUC__)
-    __builtin_cpu_init();
-    const bool v4 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                    __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                    __builtin_cpu_supports("avx512cd");
-    const bool v3 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2");
-    const bool bf16 = v4 && __builtin_cpu_supports("avx512bf16");
+    const bool v4 = mla_cpu_has(MLA_CPU_AVX512), v3 = mla_cpu_has(MLA_CPU_AVX2);
+    const bool bf16 = mla_cpu_has(MLA_CPU_AVX512 | MLA_CPU_BF16);
     v.push_back({"avx512_bf16", 32, &tile_avx512, bf16, MLA_ISA_AVX512, &tile_avx512_bf16});
     v.push_back({"avx512", 32, &tile_avx512, v4, MLA_ISA_AVX512});
     v.push_back({"avx2", 16, &tile_avx2, v3, MLA_ISA_AVX2});

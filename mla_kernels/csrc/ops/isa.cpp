@@ -5,8 +5,9 @@
 //                                      kernel runs (mla_kernels.cpu_ops reads $MLA_CPU_ISA)
 //   mla_kernels::max_isa() -> str      the cap in force
 //
-// Every variant probe (the products', the attention's, the AMX tiles', the indexer's) asks mla_isa_allows, so a
-// capped process takes, on any CPU, the variants a CPU of that level takes, and computes the same bits.
+// Every variant (the products', the attention's, the AMX tiles', the indexer's) runs where mla_isa_runs says so
+// (../cpu_features.c: the one probe of the CPU, and this cap), so a capped process takes, on any CPU, the variants a
+// CPU of that level takes, and computes the same bits.
 
 #include <torch/library.h>
 
