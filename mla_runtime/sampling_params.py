@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +82,9 @@ class SamplingParams:
         def bad(name: str, why: str) -> InvalidParam:
             return InvalidParam(name, f"{name} {why}, got {getattr(self, name)!r}")
 
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if isinstance(getattr(self, name), float) and not math.isfinite(getattr(self, name)):
+                raise bad(name, "must be a finite number")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:

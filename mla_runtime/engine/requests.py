@@ -70,10 +70,10 @@ def tokenize(tokenizer: Any, prompt: PromptType) -> tuple[str | None, list[int]]
     return prompt, tokenizer.encode(prompt)
 
 
-def check_token_ids(ids: list[int], vocab: int) -> None:
-    """Token ids outside the vocabulary ``[0, vocab)`` are refused, naming the field."""
+def check_token_ids(ids: list[int], vocab: int, field: str = "prompt_token_ids") -> None:
+    """Token ids outside the vocabulary ``[0, vocab)`` are refused, naming ``field``, the field that carried them."""
     if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
-        raise InvalidParam("prompt_token_ids", f"prompt_token_ids must be integers in [0, {vocab})")
+        raise InvalidParam(field, f"{field}: token ids must be integers in [0, {vocab})")
 
 
 def check_request(ids: list[int], params: SamplingParams, vocab: int, max_model_len: int,

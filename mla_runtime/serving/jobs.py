@@ -63,12 +63,13 @@ class JobBuilder:
 
     def tokenized(self, prompt: str | list[int]) -> tuple[Tokenized, int]:
         """The prompt as the engine takes it (text and token ids: it is not tokenised twice; token ids given by the
-        client checked against the vocabulary here, before anything decodes them, and not again), and its length."""
+        client checked against the vocabulary here, before anything decodes them, and not again), and its length.
+        Token ids outside the vocabulary are a 400 naming ``prompt``, the field of every route that takes them."""
         vocab = self.rt.llm.engine.model_config.vocab_size if self.rt.llm is not None else 0
         try:
             text, ids = tokenize(self.rt.tokenizer, prompt)
             if text is None and vocab:
-                check_token_ids(ids, vocab)
+                check_token_ids(ids, vocab, field="prompt")
         except InvalidParam as e:
             raise ApiError(400, str(e), param=e.param) from e
         return Tokenized(text, ids, vocab if text is None else 0), len(ids)

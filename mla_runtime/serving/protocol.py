@@ -74,6 +74,8 @@ def validation_error(e: ValidationError) -> ApiError:
         msg = UNION_MESSAGES[names[-1]]
     elif err["type"] == "model_type" and not names:
         msg = "the request body must be a JSON object"
+    elif err["type"] == "finite_number":
+        msg = f"must be a finite number, got {err['input']!r}"
     return ApiError(400, f"{loc}: {msg}", param=loc)
 
 
@@ -82,7 +84,7 @@ Stop = str | list[str] | None
 
 
 class SamplingFields(BaseModel):
-    model_config = ConfigDict(strict=True)
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)  # NaN and infinities: "not a finite number"
 
     max_tokens: int | None = Field(default=None, ge=1, description=(
         "Most tokens to generate; prompt + max_tokens must fit max_model_len (else 400)"))
