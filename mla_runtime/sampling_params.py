@@ -20,7 +20,9 @@ TOP_K_ALL = 2**31 - 1  # a top_k above it keeps every token, as -1 does
 class StructuredOutputs:
     """A constraint on the output, vLLM's ``StructuredOutputsParams``: exactly one of ``json`` (a JSON schema, as a
     dict or its text), ``json_object`` (any JSON object), ``regex``, ``choice`` (one of these strings) or
-    ``grammar`` (Lark, or llama.cpp's GBNF). ``param`` names the request field it came from, for errors."""
+    ``grammar`` (Lark, or llama.cpp's GBNF). ``param`` names the request field it came from, for errors.
+    ``after_token``: the constraint holds from the token after this one (a reasoning model's end-of-thinking token:
+    the thinking before it is free); None: from the first token."""
 
     json: dict[str, Any] | str | None = None
     json_object: bool = False
@@ -28,8 +30,11 @@ class StructuredOutputs:
     choice: list[str] | None = None
     grammar: str | None = None
     param: str = field(default="structured_outputs", compare=False)
+    after_token: int | None = None
 
     def __post_init__(self) -> None:
+        if self.after_token is not None and (not isinstance(self.after_token, int) or self.after_token < 0):
+            raise InvalidParam(self.param, f"{self.param}: after_token must be a token id, got {self.after_token!r}")
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:

@@ -312,6 +312,8 @@ class ChatRequest(OpenAIFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, description=(
+        "Variables for the chat template besides the messages, e.g. {\"thinking\": true}"))
 
     def plain_messages(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
