@@ -172,17 +172,18 @@ class JobBuilder:
         return self._reasoning_parser[0]
 
     def constrained_after_thinking(self, params: SamplingParams, reasoning: Reasoning
-                                   ) -> tuple[SamplingParams, Reasoning | None]:
+                                   ) -> tuple[SamplingParams, Reasoning]:
         """A constrained chat under a reasoning parser: where its output begins inside the thinking and ``</think>``
         is one token, the constraint (structured output, forced tool call) holds from the token after it, the
-        thinking before it free; elsewhere it holds from the first token, and the whole output is the answer."""
+        thinking before it free; elsewhere it holds from the first token, and the output is read as one that does not
+        begin inside the thinking (the answer, unless the constraint itself lets it open with ``<think>``)."""
         if self._end_token is None:
             tok = self.rt.tokenizer
             ids = tok.encode(END, add_special_tokens=False) if tok is not None else []
             self._end_token = (ids[0] if len(ids) == 1 else None,)
         end, spec = self._end_token[0], params.structured_outputs
         if not reasoning.inside or end is None or spec is None:
-            return params, None
+            return params, Reasoning(inside=False)
         return replace(params, structured_outputs=replace(spec, after_token=end)), reasoning
 
     def reasoning(self, prompt_ids: list[int]) -> Reasoning | None:

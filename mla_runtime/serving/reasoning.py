@@ -24,8 +24,9 @@ from typing import Any
 
 START, END = "<think>", "</think>"
 REASONING_PARSERS = ("auto", "deepseek_r1", "none")
-# model types whose released checkpoints think in <think> blocks (when their template does not already say so)
-THINKING_MODEL_TYPES = frozenset({"deepseek_r1"})
+# model types whose released checkpoints all think in <think> blocks by default (GLM-4.7-Flash, GLM-5): the parser is
+# on for them even where the checkpoint ships no chat template that says so
+THINKING_MODEL_TYPES = frozenset({"glm4_moe_lite", "glm_moe_dsa"})
 
 
 def choose_parser(setting: str, model_type: str | None, chat_template: Any) -> str | None:
