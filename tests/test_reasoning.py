@@ -4,6 +4,7 @@ the closing one; and the parser chosen from the model or the server's setting.""
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Iterator
 
@@ -297,3 +298,11 @@ def test_without_the_thinking_a_constraint_holds_from_the_first_token(thinking_s
     assert r.status_code == 200, r.text
     message = r.json()["choices"][0]["message"]
     assert message["content"] in ("four", "five") and message["reasoning_content"] is None
+
+
+def test_a_template_that_fails_to_render_is_a_value_error(thinking_server):
+    tokenizer = copy.copy(thinking_server.app.state.runtime.tokenizer)
+    tokenizer.chat_template = "{% if thinking %}{{ raise_exception('thinking is not offered') }}{% endif %}x"
+    assert apply_chat_template(tokenizer, [{"role": "user", "content": "hi"}])
+    with pytest.raises(ValueError, match="^the chat template failed: thinking is not offered$"):
+        apply_chat_template(tokenizer, [{"role": "user", "content": "hi"}], None, {"thinking": True})
