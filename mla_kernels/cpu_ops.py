@@ -253,6 +253,21 @@ def _build_folder(key: str) -> tuple[Path, bool]:
         return Path(tempfile.mkdtemp(prefix="mla_kernels_")), True
 
 
+@contextlib.contextmanager
+def build_logged(folder: Path, name: str) -> Iterator[None]:
+    """Log at INFO, around a block that builds or loads the library ``name`` in ``folder``, that the operators are
+    being built and where, then how long the build took; nothing where the folder already holds the library (a load).
+    """
+    if (folder / f"{name}.so").exists():
+        yield
+        return
+    logger.info("building the typed CPU operators in %s: once per cache folder for these sources, flags, compiler "
+                "and torch installation (17-30 s on two cores)", folder)
+    start = time.monotonic()
+    yield
+    logger.info("built the typed CPU operators in %s in %.1f s", folder, time.monotonic() - start)
+
+
 @functools.cache
 def failure() -> str | None:
     """None where the operators are built (or found built) and loaded, else why not."""
@@ -275,7 +290,7 @@ def failure() -> str | None:
         folder, private = _build_folder(key)
         os.environ["CXX"] = cxx  # the compiler the extension builder runs
         _put_ninja_on_path()
-        with contextlib.nullcontext() if private else build_lock(folder):
+        with contextlib.nullcontext() if private else build_lock(folder), build_logged(folder, f"{NAME}_{key}"):
             # named by its key: a process that loads a build again (the same file) never registers the operators
             # twice
             cpp_extension.load(name=f"{NAME}_{key}", sources=[str(s) for s in sources()], extra_cflags=cflags(),

@@ -18,13 +18,15 @@ unquantised (its ``ignore`` list) are quantised by the runtime while loading, as
 ``mla-runtime quantize --model SRC --quantization int8|int4 --out DIR`` writes one from any checkpoint the runtime
 loads (bfloat16, float32, FP8 blocks): the matrices it quantises (every attention projection except ``kv_b_proj``,
 the MLPs and experts, an untied lm_head) in the scheme above, everything else as stored (FP8 ones dequantised to
-bfloat16), one shard per decoder layer, and the tokenizer and generation files copied.
+bfloat16), one shard per decoder layer, with the permissions ``open`` gives a new file (0o644 under umask 022), and
+the tokenizer, chat-template, generation and MTP draft-vocabulary (``speculative_token_map.json``) files copied.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from collections.abc import Collection, Iterator, Sequence
@@ -37,6 +39,7 @@ from mla_runtime.config import INT4_GROUP, SCHEMES
 from mla_runtime.layers.int4 import Int4Weight
 from mla_runtime.layers.quantization import Int8Weight
 from mla_runtime.layers.qweight import QuantizedWeight
+from mla_runtime.token_map import MAP_FILE
 
 
 def stored_names(name: str, quantization: str) -> list[str]:
@@ -132,8 +135,18 @@ def read_stored(reader: Any, name: str, quantization: str, shard: tuple[int, int
 
 
 # -- writing ------------------------------------------------------------------------------------------------------
+# the source's small files a copy needs beside its weights: the tokenizer, the chat template, the generation defaults
+# and the draft vocabulary of MTP speculation
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                "generation_config.json", "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt")
+                "added_tokens.json", "generation_config.json", "chat_template.jinja", "chat_template.json",
+                "vocab.json", "merges.txt", MAP_FILE)
+
+
+def new_file_mode() -> int:
+    """The permission bits ``open`` gives a new file in this process: 0o666 less the umask (0o644 under 022)."""
+    mask = os.umask(0o077)  # reading the umask sets it: the strictest value while the old one is put back
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def write_quantized_checkpoint(src: str | Path, out: str | Path, quantization: str) -> Path:
@@ -178,6 +191,7 @@ def write_quantized_checkpoint(src: str | Path, out: str | Path, quantization: s
             _convert(name, tensors, ignore, reader, slot is not None and slot.param in products, quantization,
                      scales, block)
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        os.chmod(out / fname, new_file_mode())  # safetensors renames a private (0o600) temporary file into place
         weight_map.update(dict.fromkeys(tensors, fname))
         del tensors
     index = {"metadata": {"total_size": sum((out / f).stat().st_size for f in set(weight_map.values()))},
@@ -189,7 +203,7 @@ def write_quantized_checkpoint(src: str | Path, out: str | Path, quantization: s
     (out / "config.json").write_text(json.dumps(raw, indent=2))
     for extra in COPIED_FILES:
         if (src / extra).is_file():
-            shutil.copy2(src / extra, out / extra)
+            shutil.copyfile(src / extra, out / extra)  # the content: the permissions are the umask's
     return out
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +20,9 @@ TOP_K_ALL = 2**31 - 1  # a top_k above it keeps every token, as -1 does
 class StructuredOutputs:
     """A constraint on the output, vLLM's ``StructuredOutputsParams``: exactly one of ``json`` (a JSON schema, as a
     dict or its text), ``json_object`` (any JSON object), ``regex``, ``choice`` (one of these strings) or
-    ``grammar`` (Lark, or llama.cpp's GBNF). ``param`` names the request field it came from, for errors."""
+    ``grammar`` (Lark, or llama.cpp's GBNF). ``param`` names the request field it came from, for errors.
+    ``after_token``: the constraint holds from the token after this one (a reasoning model's end-of-thinking token:
+    the thinking before it is free); None: from the first token."""
 
     json: dict[str, Any] | str | None = None
     json_object: bool = False
@@ -27,8 +30,11 @@ class StructuredOutputs:
     choice: list[str] | None = None
     grammar: str | None = None
     param: str = field(default="structured_outputs", compare=False)
+    after_token: int | None = None
 
     def __post_init__(self) -> None:
+        if self.after_token is not None and (not isinstance(self.after_token, int) or self.after_token < 0):
+            raise InvalidParam(self.param, f"{self.param}: after_token must be a token id, got {self.after_token!r}")
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
@@ -81,6 +87,9 @@ class SamplingParams:
         def bad(name: str, why: str) -> InvalidParam:
             return InvalidParam(name, f"{name} {why}, got {getattr(self, name)!r}")
 
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if isinstance(getattr(self, name), float) and not math.isfinite(getattr(self, name)):
+                raise bad(name, "must be a finite number")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:

@@ -6,6 +6,7 @@ longer ends in U+FFFD, so a multi-byte character split across tokens is never em
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +24,30 @@ def load_tokenizer(path: str | Path) -> Any | None:
 
 
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
-                        tools: list[dict[str, Any]] | None = None) -> list[int]:
+                        tools: list[dict[str, Any]] | None = None,
+                        template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids of a chat, using the tokenizer's template (or a plain ``role: content`` layout); ``tools``:
-    OpenAI tool definitions, for a template that shows them to the model."""
+    OpenAI tool definitions, for a template that shows them to the model; ``template_kwargs``: variables the template
+    reads besides the messages (``{"thinking": True}``). A key that names one of ``apply_chat_template``'s own
+    arguments is refused (``ValueError``): the runtime sets those; so is a template that fails to render (jinja's
+    errors, ``raise_exception`` included)."""
     if tokenizer is None:
         raise ValueError("chat requests need a tokenizer, and this checkpoint has none")
+    template_kwargs = template_kwargs or {}
+    if template_kwargs:
+        params = inspect.signature(tokenizer.apply_chat_template).parameters.items()
+        own = {name for name, p in params if p.kind is not p.VAR_KEYWORD} | {"messages", "conversation"}
+        taken = sorted(own & set(template_kwargs))
+        if taken:
+            raise ValueError(f"{taken[0]!r} is an argument of apply_chat_template, not a template variable")
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+        try:
+            ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                                **template_kwargs)
+        except Exception as e:
+            if not any(cls.__module__.startswith("jinja2") for cls in type(e).__mro__):
+                raise
+            raise ValueError(f"the chat template failed: {e}") from e
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)

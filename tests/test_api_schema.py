@@ -133,7 +133,7 @@ def test_what_the_fuzzer_found_stays_fixed(live):
     # token ids outside the vocabulary once reached the tokenizer's decoder (echo) and answered 500
     for prompt in ([5, -3], [[2**70]]):
         r = post(live, "/v1/completions", {"prompt": prompt, "echo": True, "max_tokens": 1})
-        assert_error(r, 400, "prompt_token_ids must be integers in [0, ")
+        assert_error(r, 400, "prompt: token ids must be integers in [0, ")
     assert httpx.get(live.base + "/health").status_code == 200
 
 

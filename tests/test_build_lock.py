@@ -85,6 +85,32 @@ def test_the_wait_setting_is_checked(monkeypatch):
     assert cpu_ops.build_wait_s() == cpu_ops.BUILD_WAIT_S
 
 
+def test_a_build_logs_where_it_builds_and_how_long_it_took(tmp_path, caplog):
+    """A folder without the library: one line before the build naming the folder, one after with the seconds."""
+    with caplog.at_level(logging.INFO, logger="mla_runtime"), cpu_ops.build_logged(tmp_path, "ops_key"):
+        assert [r.getMessage() for r in caplog.records] == [
+            f"building the typed CPU operators in {tmp_path}: once per cache folder for these sources, flags, "
+            "compiler and torch installation (17-30 s on two cores)"]
+        (tmp_path / "ops_key.so").write_bytes(b"")
+    done = caplog.records[-1]
+    assert done.levelno == logging.INFO and done.getMessage().endswith(" s")
+    assert done.getMessage().startswith(f"built the typed CPU operators in {tmp_path} in ")
+
+
+def test_a_load_of_a_built_library_logs_no_build(tmp_path, caplog):
+    (tmp_path / "ops_key.so").write_bytes(b"")
+    with caplog.at_level(logging.INFO, logger="mla_runtime"), cpu_ops.build_logged(tmp_path, "ops_key"):
+        pass
+    assert not [r for r in caplog.records if "built" in r.getMessage() or "building" in r.getMessage()]
+
+
+def test_a_failed_build_logs_no_duration(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="mla_runtime"), pytest.raises(RuntimeError, match="compiler"):
+        with cpu_ops.build_logged(tmp_path, "ops_key"):
+            raise RuntimeError("compiler error")
+    assert [r.getMessage().split(" in ")[0] for r in caplog.records] == ["building the typed CPU operators"]
+
+
 BUILD = "from mla_kernels import cpu_ops; print(cpu_ops.failure(), flush=True)"
 
 
@@ -125,6 +151,8 @@ def test_a_server_starts_after_a_kernel_build_is_killed_midway(tmp_path):
     metrics = serve(tmp_path / "first.log", {})
     text = (tmp_path / "first.log").read_text()
     assert f"removing {lock}" in text and "did not finish" in text
+    assert f"building the typed CPU operators in {lock.parent}" in text
+    assert f"built the typed CPU operators in {lock.parent} in " in text
     assert "torch.ops.mla_kernels" in metrics and "unavailable" not in metrics
 
     holder = hold_lock(lock.parent)  # a live builder that never finishes

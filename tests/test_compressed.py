@@ -4,6 +4,9 @@ unsupported scheme is refused by name."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import stat
 
 import pytest
 import torch
@@ -23,6 +26,7 @@ from mla_runtime.config import ModelConfig, UnsupportedScheme, parse_quantizatio
 from mla_runtime.layers.int4 import Int4Weight
 from mla_runtime.layers.quantization import Int8Weight, finish_quantization, quantized_weights
 from mla_runtime.loader import load_model
+from mla_runtime.token_map import MAP_FILE, resolve_token_map
 from tests.checkpoints import build_hf_model
 
 SCHEMES = ("int8", "int4")
@@ -168,3 +172,26 @@ def test_stored_int8_matrices_are_served_from_the_mapped_file_without_a_copy(wri
     before = (path / shard).read_bytes()
     gate_up.qweight.zero_()
     assert (path / shard).read_bytes() == before
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600)])
+def test_a_written_checkpoint_takes_the_umask_and_keeps_the_token_map(tiny_checkpoint, tmp_path, umask, mode):
+    """Every file of the copy has the permissions ``open`` gives under the umask (the weights included), and the
+    source's MTP draft vocabulary travels with it, so drafting on the copy keeps it."""
+    src, _ = tiny_checkpoint("v3")
+    source = tmp_path / "src"
+    shutil.copytree(src, source)
+    (source / MAP_FILE).write_text("[5, 1, 3]", encoding="utf-8")
+    (source / "chat_template.jinja").write_text("{{ messages }}", encoding="utf-8")
+    (source / "chat_template.jinja").chmod(0o600)  # a copied file takes the umask too, not its source's mode
+    out = tmp_path / "out"
+    old = os.umask(umask)
+    try:
+        assert main(["--model", str(source), "--quantization", "int8", "--out", str(out)]) == 0
+    finally:
+        os.umask(old)
+    written = {f.name: stat.S_IMODE(f.stat().st_mode) for f in out.iterdir()}
+    assert any(name.endswith(".safetensors") for name in written) and "chat_template.jinja" in written
+    assert written == dict.fromkeys(written, mode)
+    assert (out / MAP_FILE).read_text(encoding="utf-8") == "[5, 1, 3]"
+    assert resolve_token_map(None, out, 10)[0] == [1, 3, 5]

@@ -201,6 +201,14 @@ def test_bad_sampling_params_name_the_field(kwargs, field):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                                   "repetition_penalty"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_sampling_param_that_is_not_a_finite_number_is_refused_as_such(field, value):
+    with pytest.raises(ValueError, match=f"^{field} must be a finite number, got {value!r}$"):
+        SamplingParams(**{field: value})
+
+
 def test_a_top_k_beyond_any_vocabulary_keeps_every_token(v3):
     """A top_k too large for the kernels' indices (>= 2**31) means what -1 means, and the engine keeps running."""
     path, _ = v3

@@ -381,13 +381,18 @@ BAD = [  # (path, body, status, what the message must name)
     ("/generate", {}, 400, "prompt"),
     ("/generate", {"prompt": ""}, 400, "prompt"),
     ("/generate", {"prompt": "fox " * 300}, 400, "max_model_len"),
-    ("/generate", {"prompt": [1, 2, 99999]}, 400, "prompt_token_ids"),
+    ("/generate", {"prompt": [1, 2, 99999]}, 400, "prompt: token ids must be integers in [0, "),
     ("/generate", {"prompt": 5}, 400, "prompt"),
     ("/generate", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("/generate", {"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
     ("/generate", {"prompt": "x", "max_tokens": 2.5}, 400, "max_tokens"),
     ("/generate", {"prompt": "x", "temperature": -1}, 400, "temperature"),
     ("/generate", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("/generate", {"prompt": "x", "temperature": float("nan")}, 400, "temperature: must be a finite number, got nan"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "top_p": float("inf")}, 400,
+     "top_p: must be a finite number, got inf"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "logit_bias": {"5": float("nan")}}, 400,
+     "logit_bias.5: must be a finite number"),
     ("/generate", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
     ("/generate", {"prompt": "x", "top_k": 0}, 400, "top_k"),
     ("/generate", {"prompt": "x", "seed": "s"}, 400, "seed"),
@@ -418,6 +423,20 @@ BAD = [  # (path, body, status, what the message must name)
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages.0.content"),
 ]
+
+
+def test_the_error_names_the_field_the_client_sent(server):
+    """Token ids outside the vocabulary came in ``prompt`` (the engine's own name for them is prompt_token_ids), and a
+    NaN temperature is not a number, whatever its range: the error's ``param`` says so."""
+    for path, body, param, message in [
+            ("/generate", {"prompt": [1, 2, 99999]}, "prompt", "prompt: token ids must be integers in [0, 301)"),
+            ("/v1/completions", {"model": "tiny", "prompt": [[3], [-1]]}, "prompt",
+             "prompt: token ids must be integers in [0, 301)"),
+            ("/generate", {"prompt": "x", "temperature": float("nan")}, "temperature",
+             "temperature: must be a finite number, got nan")]:
+        r = httpx.post(server.base + path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert (r.json()["error"]["param"], r.json()["error"]["message"]) == (param, message)
 
 
 def test_every_bad_input_gets_a_json_error_naming_it_and_the_server_stays_ready(server):

@@ -70,10 +70,10 @@ def tokenize(tokenizer: Any, prompt: PromptType) -> tuple[str | None, list[int]]
     return prompt, tokenizer.encode(prompt)
 
 
-def check_token_ids(ids: list[int], vocab: int) -> None:
-    """Token ids outside the vocabulary ``[0, vocab)`` are refused, naming the field."""
+def check_token_ids(ids: list[int], vocab: int, field: str = "prompt_token_ids") -> None:
+    """Token ids outside the vocabulary ``[0, vocab)`` are refused, naming ``field``, the field that carried them."""
     if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
-        raise InvalidParam("prompt_token_ids", f"prompt_token_ids must be integers in [0, {vocab})")
+        raise InvalidParam(field, f"{field}: token ids must be integers in [0, {vocab})")
 
 
 def check_request(ids: list[int], params: SamplingParams, vocab: int, max_model_len: int,
@@ -98,16 +98,19 @@ def new_request(request_id: str, text: str | None, ids: list[int], params: Sampl
                 seq_ids: Iterator[int], device: torch.device, arrival_time: float | None,
                 compiler: GrammarCompiler | None = None) -> RequestState:
     """The state of a checked request: one ``Sequence`` per sample (samples 2..n share sample 1's prefix);
-    ``compiler`` gives each sample its grammar state when the request has a structured-outputs constraint."""
+    ``compiler`` gives each sample its grammar state when the request has a structured-outputs constraint (held
+    back until its ``after_token`` where it has one)."""
     now = arrival_time if arrival_time is not None else time.monotonic()
     spec = params.structured_outputs
     grammars = [compiler.new_state(spec) for _ in range(params.n)] if spec is not None and compiler else None
+    later = spec is not None and spec.after_token is not None
     seqs = []
     for i in range(params.n):
         gen = None if params.seed is None else torch.Generator(device=device).manual_seed(params.seed + i)
+        grammar = grammars[i] if grammars else None
         seqs.append(Sequence(seq_id=next(seq_ids), request_id=request_id, index=i, prompt_token_ids=ids,
-                             params=params, arrival_time=now, generator=gen,
-                             grammar=grammars[i] if grammars else None))
+                             params=params, arrival_time=now, generator=gen, grammar=None if later else grammar,
+                             pending_grammar=grammar if later else None))
     for s in seqs[1:]:
         s.share_prefix_with = seqs[0]
     return RequestState(request_id, text, ids, params, seqs, [IncrementalDetokenizer(tokenizer, ids) for _ in seqs],
@@ -123,6 +126,9 @@ def append_token(state: RequestState, seq: Sequence, token: int, logprobs: dict[
     seq.append_token(token)
     if seq.grammar is not None:
         seq.grammar.accept(token)
+    elif seq.pending_grammar is not None and params.structured_outputs is not None and \
+            token == params.structured_outputs.after_token:  # the constraint holds from the next token
+        seq.grammar, seq.pending_grammar = seq.pending_grammar, None
     if logprobs is not None:
         seq.output_logprobs.append(logprobs)
     seq.token_times.append(now)

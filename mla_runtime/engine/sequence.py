@@ -43,6 +43,8 @@ class Sequence:
     num_preemptions: int = 0
     share_prefix_with: Sequence | None = None  # sample 1 of the same request (n > 1)
     grammar: GrammarState | None = None  # structured outputs: the output's position in its grammar
+    # a grammar that starts after the constraint's after_token (the thinking before it is free); then it is grammar
+    pending_grammar: GrammarState | None = None
     # the MTP layer's drafts for the next step (engine/proposer.py: written after every step that samples it)
     mtp_draft_ids: list[int] = field(default_factory=list)
     stop_text_from: int = 0  # stop strings count from here in the output text (set when min_tokens is reached)

@@ -75,10 +75,11 @@ def prompt_units(path: str, body: Mapping[str, Any], tokenizer: Any, block_size:
         from mla_runtime.tokenizer import apply_chat_template
 
         try:
-            messages = ChatRequest.model_validate(body).plain_messages()
+            req = ChatRequest.model_validate(body)
+            messages = req.plain_messages()
             if tokenizer is None:
                 return list(json.dumps(messages).encode()[:text_limit]), byte_block
-            return apply_chat_template(tokenizer, messages), block_size
+            return apply_chat_template(tokenizer, messages, None, req.chat_template_kwargs), block_size
         except Exception:  # noqa: BLE001 - an invalid body routes anywhere; its replica answers the error
             return None
     prompt = body.get("prompt")

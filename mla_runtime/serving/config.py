@@ -20,6 +20,7 @@ from mla_runtime.engine.config import EngineConfig
 from mla_runtime.env import API_KEY, api_key
 from mla_runtime.hub import is_repo_id
 from mla_runtime.options import Option, flag_type, opt, options_of, parse_bytes, yaml_kinds
+from mla_runtime.serving.reasoning import REASONING_PARSERS
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo_model"
 LOG_FORMATS = ("text", "json")
@@ -61,6 +62,10 @@ class ServerConfig:
                               "request)", choices=LOG_FORMATS))
     log_prompts: bool = field(default=False, metadata=opt(
         "serving.log_prompts", "the request log carries the prompt's text (never logged otherwise)"))
+    reasoning_parser: str = field(default="auto", metadata=opt(
+        "serving.reasoning_parser", "how chat answers split <think>...</think> into reasoning_content: auto (the "
+                                    "model's chat template or model_type decides), deepseek_r1, or none",
+        choices=REASONING_PARSERS))
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
@@ -81,6 +86,9 @@ class ServerConfig:
             raise ValueError(f"log_format must be 'text' or 'json', got {self.log_format!r}")
         if not isinstance(self.log_prompts, bool):
             raise ValueError(f"log_prompts must be true or false, got {self.log_prompts!r}")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got "
+                             f"{self.reasoning_parser!r}")
         if self.metrics_auth and self.api_key is None:
             raise ValueError("metrics_auth needs an API key (--api-key or $MLA_API_KEY)")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):

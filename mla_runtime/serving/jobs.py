@@ -12,15 +12,22 @@ refused: generation also stops at ``max_model_len`` (``finish_reason: "length"``
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.engine.requests import Tokenized, check_token_ids, tokenize
 from mla_runtime.errors import InvalidParam
+from mla_runtime.sampling_params import SamplingParams
 from mla_runtime.serving.config import ServerConfig
 from mla_runtime.serving.protocol import ApiError, ChatRequest, CompletionRequest, GenerateRequest
+from mla_runtime.serving.reasoning import END, Reasoning, choose_parser, starts_inside
 from mla_runtime.serving.responses import Job
 from mla_runtime.serving.runtime import ServingRuntime
 from mla_runtime.serving.tools import deepseek_begin_token
 from mla_runtime.tokenizer import apply_chat_template
+
+PROMPT_TAIL_TOKENS = 32  # the prompt's last tokens, read for an open <think> (the template's generation prompt)
 
 
 class JobBuilder:
@@ -31,6 +38,8 @@ class JobBuilder:
         self.rt, self.engine_config, self.config = rt, engine_config, config
         self.model = config.served_model_name or ""
         self._tool_marker: tuple[int | None] | None = None  # the chat template's tool-call marker, looked up once
+        self._reasoning_parser: tuple[str | None] | None = None  # the reasoning parser, resolved once
+        self._end_token: tuple[int | None] | None = None  # the id of </think> where it is one token, looked up once
 
     def check_model(self, name: str | None) -> None:
         if name not in (None, self.config.served_model_name, self.engine_config.model):
@@ -63,12 +72,13 @@ class JobBuilder:
 
     def tokenized(self, prompt: str | list[int]) -> tuple[Tokenized, int]:
         """The prompt as the engine takes it (text and token ids: it is not tokenised twice; token ids given by the
-        client checked against the vocabulary here, before anything decodes them, and not again), and its length."""
+        client checked against the vocabulary here, before anything decodes them, and not again), and its length.
+        Token ids outside the vocabulary are a 400 naming ``prompt``, the field of every route that takes them."""
         vocab = self.rt.llm.engine.model_config.vocab_size if self.rt.llm is not None else 0
         try:
             text, ids = tokenize(self.rt.tokenizer, prompt)
             if text is None and vocab:
-                check_token_ids(ids, vocab)
+                check_token_ids(ids, vocab, field="prompt")
         except InvalidParam as e:
             raise ApiError(400, str(e), param=e.param) from e
         return Tokenized(text, ids, vocab if text is None else 0), len(ids)
@@ -131,12 +141,54 @@ class JobBuilder:
         tools = req.tool_mode(self.tool_marker())
         messages = req.plain_messages()
         self.check_text("".join(m["content"] for m in messages), "messages")
-        try:
-            ids = apply_chat_template(self.rt.tokenizer, messages, req.tool_dicts() if tools else None)
-        except ValueError as e:
-            raise ApiError(400, f"messages: {e}", param="messages") from e
+        ids = self.chat_prompt(messages, req.tool_dicts() if tools else None, req.chat_template_kwargs)
         requested, param = req.requested_max_tokens()
         max_tokens = self.output_limit([len(ids)], requested, param, None, prompt_param="messages")
-        return Job("chat", [Tokenized(None, ids)], req.sampling_params(max_tokens), self.model,
+        params, reasoning = req.sampling_params(max_tokens), self.reasoning(ids)
+        if params.structured_outputs is not None and reasoning is not None:
+            params, reasoning = self.constrained_after_thinking(params, reasoning)
+        return Job("chat", [Tokenized(None, ids)], params, self.model,
                    stream=req.stream, include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                   logprobs=req.logprobs_count(), token_text=self.token_text, tools=tools, raw_text=self.raw_text)
+                   logprobs=req.logprobs_count(), token_text=self.token_text, tools=tools, raw_text=self.raw_text,
+                   reasoning=reasoning)
+
+    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                    template_kwargs: dict[str, Any] | None) -> list[int]:
+        """The chat's prompt token ids; a template that fails on the request's messages or
+        ``chat_template_kwargs`` is a 400 naming the field."""
+        try:
+            return apply_chat_template(self.rt.tokenizer, messages, tools, template_kwargs)
+        except ValueError as e:
+            param = "chat_template_kwargs" if template_kwargs and "template" in str(e) else "messages"
+            raise ApiError(400, f"{param}: {e}", param=param) from e
+
+    def reasoning_parser(self) -> str | None:
+        """The server's reasoning parser (``reasoning.py``), resolved against the model once."""
+        if self._reasoning_parser is None:
+            llm = self.rt.llm
+            model_type = llm.engine.model_config.model_type if llm is not None else None
+            template = getattr(self.rt.tokenizer, "chat_template", None)
+            self._reasoning_parser = (choose_parser(self.config.reasoning_parser, model_type, template),)
+        return self._reasoning_parser[0]
+
+    def constrained_after_thinking(self, params: SamplingParams, reasoning: Reasoning
+                                   ) -> tuple[SamplingParams, Reasoning]:
+        """A constrained chat under a reasoning parser: where its output begins inside the thinking and ``</think>``
+        is one token, the constraint (structured output, forced tool call) holds from the token after it, the
+        thinking before it free; elsewhere it holds from the first token, and the output is read as one that does not
+        begin inside the thinking (the answer, unless the constraint itself lets it open with ``<think>``)."""
+        if self._end_token is None:
+            tok = self.rt.tokenizer
+            ids = tok.encode(END, add_special_tokens=False) if tok is not None else []
+            self._end_token = (ids[0] if len(ids) == 1 else None,)
+        end, spec = self._end_token[0], params.structured_outputs
+        if not reasoning.inside or end is None or spec is None:
+            return params, Reasoning(inside=False)
+        return replace(params, structured_outputs=replace(spec, after_token=end)), reasoning
+
+    def reasoning(self, prompt_ids: list[int]) -> Reasoning | None:
+        """How a chat answer's thinking part is split off (None: no reasoning parser): its output begins inside the
+        thinking where the rendered prompt ends in an open ``<think>``."""
+        if self.reasoning_parser() is None:
+            return None
+        return Reasoning(inside=starts_inside(self.raw_text(prompt_ids[-PROMPT_TAIL_TOKENS:])))

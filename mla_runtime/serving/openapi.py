@@ -116,6 +116,8 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None
     refusal: None
+    reasoning_content: str | None = Field(default=None, description=(
+        "The thinking part (<think>...</think>), under a reasoning parser; then always present, null without one"))
     tool_calls: list[ToolCall] | None = None
 
 
@@ -138,6 +140,7 @@ class ChatCompletion(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = Field(default=None, description="A piece of the thinking part")
     tool_calls: list[ToolCall] | None = None
 
 

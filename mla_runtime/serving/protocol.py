@@ -74,6 +74,8 @@ def validation_error(e: ValidationError) -> ApiError:
         msg = UNION_MESSAGES[names[-1]]
     elif err["type"] == "model_type" and not names:
         msg = "the request body must be a JSON object"
+    elif err["type"] == "finite_number":
+        msg = f"must be a finite number, got {err['input']!r}"
     return ApiError(400, f"{loc}: {msg}", param=loc)
 
 
@@ -82,7 +84,7 @@ Stop = str | list[str] | None
 
 
 class SamplingFields(BaseModel):
-    model_config = ConfigDict(strict=True)
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)  # NaN and infinities: "not a finite number"
 
     max_tokens: int | None = Field(default=None, ge=1, description=(
         "Most tokens to generate; prompt + max_tokens must fit max_model_len (else 400)"))
@@ -310,6 +312,8 @@ class ChatRequest(OpenAIFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, description=(
+        "Variables for the chat template besides the messages, e.g. {\"thinking\": true}"))
 
     def plain_messages(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []

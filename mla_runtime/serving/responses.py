@@ -10,6 +10,9 @@ A chat answer with tool calls (``tools.py``) carries them as ``message.tool_call
 ``delta.tool_calls`` event when the choice ends, and an ``auto`` answer's text streams as content until the
 model's tool-call marker. A call cut short by ``max_tokens`` keeps ``finish_reason: "length"`` and comes back the
 same way, with the arguments written so far (``tools.py``).
+
+Under a reasoning parser (``reasoning.py``) a chat answer's thinking part is ``message.reasoning_content`` (streamed:
+``delta.reasoning_content``) and only the answer after it is content and is searched for tool calls.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from mla_runtime.engine.llm_engine import PromptType
 from mla_runtime.outputs import CompletionOutput, RequestOutput
 from mla_runtime.sampling_params import SamplingParams
 from mla_runtime.serving.protocol import usage
+from mla_runtime.serving.reasoning import Reasoning, ReasoningSplitter
 from mla_runtime.serving.tools import CALLS_END, ToolMode, calls_of_output, parse_deepseek
 
 OBJECTS = {"completions": ("text_completion", "text_completion"),
@@ -47,6 +51,7 @@ class Job:
     token_text: Callable[[int], str] = str  # a token id's text, for log-probability entries
     tools: ToolMode | None = None  # how the answer carries tool calls (chat with tools)
     raw_text: Callable[[list[int]], str] = lambda ids: ""  # tokens' text with special tokens (tool-call markers)
+    reasoning: Reasoning | None = None  # how a chat answer's thinking part is split off (None: it is not)
     request_id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     arrival: float = field(default_factory=time.monotonic)
@@ -90,23 +95,34 @@ def finish_reason(reason: str | None) -> str | None:
     return None if reason is None else ("length" if reason == "length" else "stop")
 
 
+def split_reasoning(job: Job, c: CompletionOutput) -> tuple[str | None, str | None]:
+    """A finished chat choice's ``(reasoning_content, answer)``: without a reasoning parser, no reasoning and the
+    whole text; an answer of None: the thinking never closed."""
+    if job.reasoning is None:
+        return None, c.text
+    return job.reasoning.split(c.text)
+
+
 def tool_answer(job: Job, c: CompletionOutput) -> tuple[str | None, list[dict[str, Any]], str | None]:
-    """A finished chat choice's ``(content, tool_calls, finish_reason)``: ``"tool_calls"`` only for complete
-    calls; a cut output keeps its reason (``"length"``) and its partial calls, and is never content when
-    constrained."""
+    """A finished chat choice's ``(content, tool_calls, finish_reason)``, of the answer after any thinking part:
+    ``"tool_calls"`` only for complete calls; a cut output keeps its reason (``"length"``) and its partial calls, and
+    is never content when constrained."""
     reason = finish_reason(c.finish_reason)
-    if job.tools is None:
-        return c.text, [], reason
+    answer = split_reasoning(job, c)[1]
+    if job.tools is None or answer is None:
+        return answer, [], reason
     if job.tools.kind == "auto":
         if job.tools.begin_token not in c.token_ids:
-            return c.text, [], reason
+            return answer, [], reason
         raw = job.raw_text(c.token_ids)
+        if job.reasoning is not None:  # the markers are text in the raw decoding too: the answer's part
+            raw = job.reasoning.split(raw)[1] or ""
         cut = reason == "length" or CALLS_END not in raw  # max_tokens, or a stop string, ended it inside the calls
         content, calls = parse_deepseek(raw, cut=cut)
         complete = not cut
     else:
         content = None
-        calls, complete = calls_of_output(job.tools, c.text)
+        calls, complete = calls_of_output(job.tools, answer)
     if calls and complete and reason == "stop":
         reason = "tool_calls"
     return content, calls, reason
@@ -116,6 +132,8 @@ def chat_message(job: Job, c: CompletionOutput) -> tuple[dict[str, Any], str | N
     """A finished chat choice's ``message`` and ``finish_reason``."""
     content, calls, reason = tool_answer(job, c)
     message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+    if job.reasoning is not None:
+        message["reasoning_content"] = split_reasoning(job, c)[0]
     if calls:
         message["tool_calls"] = calls
     return message, reason
@@ -208,6 +226,9 @@ class StreamState:
         self.job = job
         n = job.num_choices
         self.sent_chars = [0] * n
+        self.content_chars = [0] * n  # content sent (the text past the thinking part, and before any tool call)
+        self.splitters: list[ReasoningSplitter] | None = (
+            None if job.reasoning is None else [job.reasoning.splitter() for _ in range(n)])
         self.sent_tokens = [0] * n
         self.token_chars = [len(job.echo_of(i)) for i in range(n)]  # text offset of the next token (logprobs)
         self.done = [False] * n
@@ -230,18 +251,23 @@ class StreamState:
             tokens = c.token_ids[self.sent_tokens[i]:]
             entries = None if c.logprobs is None else c.logprobs[self.sent_tokens[i]:]
             reason = finish_reason(c.finish_reason)
+            thought = ""
+            if self.splitters is not None:
+                thought, text = self._split(i, text, finished)
             calls: list[dict[str, Any]] = []
             if self.job.tools is not None:
                 text, calls, reason = self._tool_delta(c, text)
-                end = self.sent_chars[i] + len(text)  # count only the content sent
+                if self.splitters is None:
+                    end = self.sent_chars[i] + len(text)  # count only the content sent
+            self.content_chars[i] += len(text)
             self.sent_chars[i], self.sent_tokens[i] = end, len(c.token_ids)
             self.done[i] = finished
             per_token = self.job.endpoint == "generate" or self.job.logprobs is not None  # never drop a token's data
-            if text or (tokens and per_token) or finished:
+            if text or thought or (tokens and per_token) or finished:
                 lp = _choice_logprobs(self.job, tokens, entries, self.token_chars[i]) if tokens else None
                 if lp is not None and self.job.endpoint == "completions":
                     self.token_chars[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-                event = self._delta(i, text, tokens, reason, out if out.finished else None, lp)
+                event = self._delta(i, text, tokens, reason, out if out.finished else None, lp, thought)
                 if calls:
                     event["choices"][0]["delta"]["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
                 events.append(sse(event))
@@ -250,6 +276,15 @@ class StreamState:
                 events.append(sse({**self._head(), "choices": [], "usage": _usage(out)}))
             events.append(sse("[DONE]"))
         return events
+
+    def _split(self, i: int, text: str, finished: bool) -> tuple[str, str]:
+        """Choice ``i``'s ``(reasoning, content)`` delta of a text delta, under the reasoning parser."""
+        assert self.splitters is not None
+        thought, content = self.splitters[i].feed(text)
+        if finished:
+            more_thought, more_content = self.splitters[i].finish()
+            thought, content = thought + more_thought, content + more_content
+        return thought, content
 
     def _tool_delta(self, c: CompletionOutput, text: str) -> tuple[str, list[dict[str, Any]], str | None]:
         """A tool-call choice's ``(content delta, tool calls, finish_reason)``: a constrained output is never sent
@@ -261,7 +296,7 @@ class StreamState:
             return (text if free else ""), [], None
         content, calls, reason = tool_answer(self.job, c)
         if tools.kind == "auto":  # the content not yet sent (the text before the marker)
-            return (content or "")[self.sent_chars[c.index]:], calls, reason
+            return (content or "")[self.content_chars[c.index]:], calls, reason
         return "", calls, reason
 
     def _head(self) -> dict[str, Any]:
@@ -279,8 +314,8 @@ class StreamState:
                                                       "finish_reason": None}]}) for i in range(job.num_choices)]
         return []
 
-    def _delta(self, i: int, text: str, tokens: list[int], reason: str | None,
-               final: RequestOutput | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _delta(self, i: int, text: str, tokens: list[int], reason: str | None, final: RequestOutput | None,
+               logprobs: dict[str, Any] | None = None, thought: str = "") -> dict[str, Any]:
         if self.job.endpoint == "generate":
             event: dict[str, Any] = {"id": self.job.request_id, "index": i, "text": text, "token_ids": tokens,
                                      "finish_reason": reason}
@@ -290,6 +325,8 @@ class StreamState:
         if self.job.endpoint == "completions":
             choice: dict[str, Any] = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
         else:
-            choice = {"index": i, "delta": {"content": text} if text else {}, "logprobs": logprobs,
-                      "finish_reason": reason}
+            delta = {"reasoning_content": thought} if thought else {}
+            if text:
+                delta["content"] = text
+            choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         return {**self._head(), "choices": [choice]}
