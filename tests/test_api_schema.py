@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from fastapi.routing import APIRoute
 
 from mla_runtime.serving.app import router
 from mla_runtime.serving.config import ServerConfig
-from mla_runtime.serving.openapi import openapi_schema
+from mla_runtime.serving.openapi import DOCS_ASSETS, docs_asset, openapi_schema
 from tests.test_server import Live, assert_error, wait_idle, wait_ready
 
 DEMO = Path(__file__).resolve().parent.parent / "mla_runtime" / "demo_model"
@@ -69,6 +70,17 @@ def test_openapi_lists_every_route_with_its_schemas_behind_the_key(live):
     page = httpx.get(live.base + "/docs", headers=AUTH)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "SwaggerUIBundle" in page.text and '"/v1/chat/completions"' in page.text  # the document is inline
+    # offline: every script and stylesheet comes from this server (the installed package), none from a CDN, and
+    # they load without the key (library code: a browser sends none)
+    linked = re.findall(r'(?:src|href)="([^"]+)"', page.text)
+    assert sorted(linked) == ["/docs/swagger-ui-bundle.js", "/docs/swagger-ui.css"]
+    for path in linked:
+        got = httpx.get(live.base + path)
+        name = path.rsplit("/", 1)[1]
+        assert got.status_code == 200 and got.headers["content-type"] == DOCS_ASSETS[name]
+        assert got.content == docs_asset(name) and len(got.content) > 10_000
+    assert b"SwaggerUIBundle" in httpx.get(live.base + "/docs/swagger-ui-bundle.js").content
+    assert_error(httpx.get(live.base + "/docs/openapi.json"), 404, "no asset 'openapi.json'")
 
 
 def test_without_a_key_the_document_declares_no_security():

@@ -41,7 +41,7 @@ from mla_runtime.errors import InvalidParam
 from mla_runtime.serving.config import ServerConfig
 from mla_runtime.serving.jobs import JobBuilder
 from mla_runtime.serving.metrics import ServerMetrics
-from mla_runtime.serving.openapi import docs_page, openapi_schema
+from mla_runtime.serving.openapi import DOCS_ASSETS, docs_asset, docs_page, openapi_schema
 from mla_runtime.serving.protocol import ApiError, ChatRequest, CompletionRequest, GenerateRequest, validation_error
 from mla_runtime.serving.request_log import REQUEST_ID_HEADER, RequestIdMiddleware, RequestLog, RequestRecord
 from mla_runtime.serving.responses import Job, full_body
@@ -349,3 +349,12 @@ async def docs(request: Request) -> Response:
     except ApiError as e:
         return error_response(e)
     return HTMLResponse(docs_page(srv.openapi))
+
+
+@router.get("/docs/{name}")
+async def docs_assets(name: str) -> Response:
+    """Swagger UI's script and stylesheet, from the installed package (no CDN); public, as the library code they are."""
+    if name not in DOCS_ASSETS:
+        return error_response(ApiError(404, f"docs: no asset {name!r} (swagger-ui-bundle.js, swagger-ui.css)", "name"))
+    body = await asyncio.to_thread(docs_asset, name)
+    return Response(body, media_type=DOCS_ASSETS[name], headers={"Cache-Control": "public, max-age=86400"})

@@ -11,6 +11,7 @@ bearer scheme on the routes that require the API key when one is set.
 from __future__ import annotations
 
 import json
+from importlib import resources
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -262,6 +263,11 @@ def _paths(config: ServerConfig) -> dict[str, Any]:
                               (401,), keyed),
         "/docs": _get("Docs", {"description": "Swagger UI over this document",
                                "content": {"text/html": {"schema": {"type": "string"}}}}, (401,), keyed),
+        "/docs/{name}": _get("Docs assets", {"description": "Swagger UI's script or stylesheet (swagger-ui-bundle.js, "
+                                                           "swagger-ui.css), public: library code, no data",
+                                             "content": {"text/javascript": {"schema": {"type": "string"}},
+                                                         "text/css": {"schema": {"type": "string"}}}},
+                             (404,), False),
     }
 
 
@@ -299,12 +305,23 @@ def _version() -> str:
         return "0"
 
 
+# Swagger UI's files, served by /docs/{name} from the installed fastapi-swagger package: /docs needs no network
+DOCS_ASSETS = {"swagger-ui-bundle.js": "text/javascript; charset=utf-8", "swagger-ui.css": "text/css; charset=utf-8"}
+
+
+def docs_asset(name: str) -> bytes:
+    """One of Swagger UI's files (``DOCS_ASSETS``) as the installed package holds it."""
+    if name not in DOCS_ASSETS:
+        raise KeyError(name)
+    return (resources.files("fastapi_swagger") / "resources" / name).read_bytes()
+
+
 def docs_page(schema: dict[str, Any]) -> str:
     """Swagger UI with the document inline: a browser cannot send the API key when the page fetches
-    ``/openapi.json`` itself, so ``/docs`` needs no second request."""
+    ``/openapi.json`` itself, so ``/docs`` needs no second request. Its script and stylesheet come from this server
+    (``docs_asset``), so the page works where no network reaches a CDN."""
     spec = json.dumps(schema).replace("</", "<\\/")  # never ends the <script> element
-    dist = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5"
     return (f'<!doctype html><html><head><meta charset="utf-8"><title>mla-runtime API</title>'
-            f'<link rel="stylesheet" href="{dist}/swagger-ui.css"></head><body><div id="swagger-ui"></div>'
-            f'<script src="{dist}/swagger-ui-bundle.js"></script>'
+            f'<link rel="stylesheet" href="/docs/swagger-ui.css"></head><body><div id="swagger-ui"></div>'
+            f'<script src="/docs/swagger-ui-bundle.js"></script>'
             f'<script>SwaggerUIBundle({{spec: {spec}, dom_id: "#swagger-ui"}})</script></body></html>')
