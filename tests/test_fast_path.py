@@ -1911,6 +1911,27 @@ def test_auto_keeps_a_bf16_checkpoints_products_bf16_in_a_float32_model(tiny_che
         llm.shutdown()
 
 
+def test_dense_linear_refuses_what_its_tensors_do_not_hold():
+    """A float weight's operator names what is wrong: rows of the wrong width, a row-limit list of another length, a
+    weight that is not a matrix; an empty batch gives an empty result of the weight's output width."""
+    if cpu_kernels.failure("ops") is not None:
+        pytest.skip(f"the operators do not load here: {cpu_kernels.failure('ops')}")
+    w = torch.randn(6, 8)
+    ops = torch.ops.mla_kernels
+    with pytest.raises(ValueError, match=r"dense_linear: rows \[\.\.\., 8\] for a weight \[6, 8\]"):
+        ops.dense_linear(torch.randn(2, 7), w, None, None, None, [0, 0, 0], False)
+    with pytest.raises(ValueError, match="dense_linear: rows are \\[kernel, aten, tiles\\]"):
+        ops.dense_linear(torch.randn(2, 8), w, None, None, None, [0, 0], False)
+    with pytest.raises(ValueError, match="dense_linear: rows"):
+        ops.dense_linear(torch.randn(2, 8), torch.randn(48), None, None, None, [0, 0, 0], False)
+    empty = ops.dense_linear(torch.randn(0, 8), w, None, None, None, [8, 0, 0], True)
+    assert empty.shape == (0, 6) and empty.dtype == torch.float32
+    x = torch.randn(3, 8).bfloat16()  # rows of another dtype than the weight, no operand: computed in x's dtype
+    got = ops.dense_linear(x, w, None, None, None, [0, 0, 0], False)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, F.linear(x, w.bfloat16()), rtol=0, atol=0)
+
+
 def test_the_latent_and_norm_operators_refuse_what_their_tensors_do_not_hold():
     """Called directly (``torch.ops.mla_kernels``), the latent side refuses a slot past its cache and tensors of the
     wrong shape, and the norm rows of the wrong width, with a ValueError that names the operator and the tensor;
