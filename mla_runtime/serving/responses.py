@@ -7,9 +7,10 @@ concatenated deltas always equal the non-streamed text.
 
 A chat answer with tool calls (``tools.py``) carries them as ``message.tool_calls`` with
 ``finish_reason: "tool_calls"``; streamed, the constrained output is not sent as content but as one
-``delta.tool_calls`` event when the choice ends, and an ``auto`` answer's text streams as content until the
-model's tool-call marker. A call cut short by ``max_tokens`` keeps ``finish_reason: "length"`` and comes back the
-same way, with the arguments written so far (``tools.py``).
+``delta.tool_calls`` event when the choice ends; an ``auto`` answer is read from its text decoded with the tool-call
+markers (``raw_text``) by the model's syntax (``tool_parsers.py``): the text before the first call streams as content,
+then each call as OpenAI streams it (an entry with its id and name, then pieces of its arguments). A call cut short
+by ``max_tokens`` keeps ``finish_reason: "length"`` and comes back the same way, with the arguments written so far.
 
 Under a reasoning parser (``reasoning.py``) a chat answer's thinking part is ``message.reasoning_content`` (streamed:
 ``delta.reasoning_content``) and only the answer after it is content and is searched for tool calls.
