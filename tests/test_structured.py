@@ -16,7 +16,8 @@ from mla_runtime import LLM, SamplingParams, StructuredOutputs
 from mla_runtime.errors import InvalidParam
 from mla_runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mla_runtime.serving.responses import Job, StreamState, chat_message
-from mla_runtime.serving.tools import ToolMode, calls_of_output, parse_deepseek
+from mla_runtime.serving.tool_parsers import make_parser
+from mla_runtime.serving.tools import ToolMode, calls_of_output
 from tests.test_server import Live, wait_ready
 
 DEMO = Path(__file__).resolve().parent.parent / "mla_runtime" / "demo_model"
@@ -243,18 +244,19 @@ def test_cut_tool_calls_keep_every_named_call():
     assert not complete and calls[0]["function"] == {"name": "f", "arguments": '{"x": '}
     v3 = ("Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
           '{"city": "Par')
-    assert parse_deepseek(v3, cut=True)[0] == "Checking."
-    assert parse_deepseek(v3, cut=True)[1][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Par'}
+    parsed = make_parser("deepseek_v3").parse(v3, False)
+    assert parsed.content == "Checking."
+    assert [(c.name, c.arguments, c.complete) for c in parsed.calls] == [("get_weather", '{"city": "Par', False)]
     unnamed = "Hi<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_wea"
-    assert parse_deepseek(unnamed, cut=True) == ("Hi", [])
+    assert make_parser("deepseek_v3").parse(unnamed, False).calls == []
     v31 = '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>lookup<｜tool▁sep｜>{"ok": tr'
-    assert parse_deepseek(v31, cut=True)[1][0]["function"] == {"name": "lookup", "arguments": '{"ok": tr'}
+    assert make_parser("deepseek_v31").parse(v31, False).calls[0].arguments == '{"ok": tr'
 
 
 def test_an_auto_answer_cut_short_keeps_its_text_as_content_and_its_call():
     raw = "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>lookup<｜tool▁sep｜>{\"ok\": tr"
     job = Job("chat", [{"prompt_token_ids": [1]}], SamplingParams(max_tokens=9), "m",
-              tools=ToolMode("auto", begin_token=7), raw_text=lambda ids: raw)
+              tools=ToolMode("auto", syntax="deepseek_v31"), raw_text=lambda ids: raw)
     cut = CompletionOutput(0, "Checking.lookup{\"ok\": tr", [1, 7, 2], "length")
     message, reason = chat_message(job, cut)
     assert reason == "length" and message["content"] == "Checking."
@@ -305,14 +307,14 @@ def test_assistant_tool_call_history_is_accepted(client):
 def test_deepseek_tool_calls_parse_in_both_layouts():
     v3 = ("Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
           '{"city": "Paris"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>lookup\n```json\n'
-          '{"ok": true}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>')
-    content, calls = parse_deepseek(v3)
-    assert content == "Let me check."
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
-        [("get_weather", {"city": "Paris"}), ("lookup", {"ok": True})]
+          '{"ok": true}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+    parsed = make_parser("deepseek_v3").parse(v3, True)
+    assert parsed.content == "Let me check."
+    assert [(c.name, json.loads(c.arguments), c.complete) for c in parsed.calls] == \
+        [("get_weather", {"city": "Paris"}, True), ("lookup", {"ok": True}, True)]
     v31 = '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo"}<｜tool▁call▁end｜>'
-    content, calls = parse_deepseek(v31)
-    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
-    assert parse_deepseek("plain text") == ("plain text", [])
+    parsed = make_parser("deepseek_v31").parse(v31, True)
+    assert parsed.content == "" and json.loads(parsed.calls[0].arguments) == {"city": "Oslo"}
+    assert make_parser("deepseek_v31").parse("plain text", True).content == "plain text"
     broken = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{not json<｜tool▁call▁end｜>"
-    assert parse_deepseek(broken) == (broken, [])
+    assert make_parser("deepseek_v31").parse(broken, True).calls[0].arguments == "{not json"  # as written

@@ -21,6 +21,7 @@ from mla_runtime.env import API_KEY, api_key
 from mla_runtime.hub import is_repo_id
 from mla_runtime.options import Option, flag_type, opt, options_of, parse_bytes, yaml_kinds
 from mla_runtime.serving.reasoning import REASONING_PARSERS
+from mla_runtime.serving.tool_parsers import TOOL_CALL_PARSERS
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo_model"
 LOG_FORMATS = ("text", "json")
@@ -66,6 +67,10 @@ class ServerConfig:
         "serving.reasoning_parser", "how chat answers split <think>...</think> into reasoning_content: auto (the "
                                     "model's chat template or model_type decides), deepseek_r1, or none",
         choices=REASONING_PARSERS))
+    tool_call_parser: str = field(default="auto", metadata=opt(
+        "serving.tool_call_parser", "the tool-call syntax tool_choice \"auto\" parses: auto (the model's chat "
+                                    "template or model_type decides; hermes where neither does), a syntax, or none "
+                                    "(\"auto\" refused)", choices=TOOL_CALL_PARSERS))
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
@@ -89,6 +94,9 @@ class ServerConfig:
         if self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got "
                              f"{self.reasoning_parser!r}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
+                             f"{self.tool_call_parser!r}")
         if self.metrics_auth and self.api_key is None:
             raise ValueError("metrics_auth needs an API key (--api-key or $MLA_API_KEY)")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):

@@ -24,7 +24,8 @@ from mla_runtime.serving.protocol import ApiError, ChatRequest, CompletionReques
 from mla_runtime.serving.reasoning import END, Reasoning, choose_parser, starts_inside
 from mla_runtime.serving.responses import Job
 from mla_runtime.serving.runtime import ServingRuntime
-from mla_runtime.serving.tools import deepseek_begin_token
+from mla_runtime.serving.tool_parsers import choose_tool_parser, every_marker
+from mla_runtime.serving.tools import renders_tools
 from mla_runtime.tokenizer import apply_chat_template
 
 PROMPT_TAIL_TOKENS = 32  # the prompt's last tokens, read for an open <think> (the template's generation prompt)
@@ -37,7 +38,8 @@ class JobBuilder:
     def __init__(self, rt: ServingRuntime, engine_config: EngineConfig, config: ServerConfig) -> None:
         self.rt, self.engine_config, self.config = rt, engine_config, config
         self.model = config.served_model_name or ""
-        self._tool_marker: tuple[int | None] | None = None  # the chat template's tool-call marker, looked up once
+        self._tool_syntax: tuple[str | None] | None = None  # the model's tool-call syntax, resolved once
+        self._hidden: frozenset[int] | None = None  # special tokens raw_text leaves out, looked up once
         self._reasoning_parser: tuple[str | None] | None = None  # the reasoning parser, resolved once
         self._end_token: tuple[int | None] | None = None  # the id of </think> where it is one token, looked up once
 
@@ -61,14 +63,27 @@ class JobBuilder:
         return tok.decode([token]) if tok is not None else ""
 
     def raw_text(self, tokens: list[int]) -> str:
-        """Tokens' text with the special tokens kept (tool-call markers)."""
+        """Tokens' text with the tool-call and thinking markers kept, the other special tokens (end of sequence, ...)
+        left out as the engine's text leaves them out."""
         tok = self.rt.tokenizer
-        return tok.decode(tokens, skip_special_tokens=False) if tok is not None else ""
+        if tok is None:
+            return ""
+        if self._hidden is None:
+            vocab = tok.get_vocab()
+            kept = {vocab[m] for m in every_marker() | {"<think>", "</think>"} if m in vocab}
+            self._hidden = frozenset(set(getattr(tok, "all_special_ids", [])) - kept)
+        return tok.decode([t for t in tokens if t not in self._hidden], skip_special_tokens=False)
 
-    def tool_marker(self) -> int | None:
-        if self._tool_marker is None:
-            self._tool_marker = (deepseek_begin_token(self.rt.tokenizer),)
-        return self._tool_marker[0]
+    def tool_syntax(self) -> str | None:
+        """The syntax ``tool_choice: "auto"`` parses (``tool_parsers.py``), resolved against the model once; None
+        where the server parses none or the chat template does not show the model the tools."""
+        if self._tool_syntax is None:
+            llm = self.rt.llm
+            model_type = llm.engine.model_config.model_type if llm is not None else None
+            template = getattr(self.rt.tokenizer, "chat_template", None)
+            syntax = choose_tool_parser(self.config.tool_call_parser, model_type, template)
+            self._tool_syntax = (syntax if renders_tools(template) else None,)
+        return self._tool_syntax[0]
 
     def tokenized(self, prompt: str | list[int]) -> tuple[Tokenized, int]:
         """The prompt as the engine takes it (text and token ids: it is not tokenised twice; token ids given by the
@@ -138,7 +153,7 @@ class JobBuilder:
     def chat(self, req: ChatRequest) -> Job:
         self.check_model(req.model)
         req.check_unsupported()
-        tools = req.tool_mode(self.tool_marker())
+        tools = req.tool_mode(self.tool_syntax())
         messages = req.plain_messages()
         self.check_text("".join(m["content"] for m in messages), "messages")
         ids = self.chat_prompt(messages, req.tool_dicts() if tools else None, req.chat_template_kwargs)

@@ -107,10 +107,21 @@ class FunctionCall(BaseModel):
 
 
 class ToolCall(BaseModel):
-    index: int | None = Field(default=None, description="Streamed only")
     id: str
     type: Literal["function"]
     function: FunctionCall
+
+
+class FunctionCallDelta(BaseModel):
+    name: str | None = Field(default=None, description="In a call's first entry")
+    arguments: str = Field(description="A piece of the JSON text (\"\" in a call's first entry)")
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = Field(default=None, description="In a call's first entry, with type and function.name")
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
 
 
 class AssistantMessage(BaseModel):
@@ -142,7 +153,7 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = Field(default=None, description="A piece of the thinking part")
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

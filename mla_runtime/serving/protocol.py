@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mla_runtime.errors import InvalidParam
 from mla_runtime.sampling_params import SamplingParams, StructuredOutputs
-from mla_runtime.serving.tools import ToolMode, required_schema
+from mla_runtime.serving.tools import ToolMode, required_schema, string_parameters
 
 MAX_LOGPROBS = 20  # most alternatives per generated token a request may ask for
 # a top_k this large keeps every token (no vocabulary is larger), as -1 does; the sampler holds top_k in an int64
@@ -329,9 +329,9 @@ class ChatRequest(OpenAIFields):
     def tool_dicts(self) -> list[dict[str, Any]]:
         return [t.model_dump(exclude_none=True) for t in self.tools or []]
 
-    def tool_mode(self, auto_begin_token: int | None) -> ToolMode | None:
-        """How the answer carries tool calls (None: it does not); ``auto_begin_token``: the chat template's
-        tool-call marker, None when it has no format this server parses."""
+    def tool_mode(self, auto_syntax: str | None) -> ToolMode | None:
+        """How the answer carries tool calls (None: it does not); ``auto_syntax``: the model's tool-call syntax
+        (``tool_parsers.py``), None when the server parses none or the chat template does not show the tools."""
         choice = self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")
         if not self.tools:
             if choice != "none":
@@ -340,11 +340,11 @@ class ChatRequest(OpenAIFields):
         if choice == "none":
             return None
         if choice == "auto":
-            if auto_begin_token is None:
-                raise ApiError(400, "tool_choice: \"auto\" needs a chat template with a tool-call format this "
-                                    "server parses (DeepSeek-V3's); this model has none: use \"required\", a named "
-                                    "function or \"none\"", param="tool_choice")
-            return ToolMode("auto", begin_token=auto_begin_token)
+            if auto_syntax is None:
+                raise ApiError(400, "tool_choice: \"auto\" needs a chat template that shows the model the tools and "
+                                    "a tool-call syntax this server parses (--tool-call-parser); this model has none: "
+                                    "use \"required\", a named function or \"none\"", param="tool_choice")
+            return ToolMode("auto", syntax=auto_syntax, strings=string_parameters(self.tool_dicts()))
         if choice == "required":
             return ToolMode("required")
         name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None

@@ -7,9 +7,10 @@ concatenated deltas always equal the non-streamed text.
 
 A chat answer with tool calls (``tools.py``) carries them as ``message.tool_calls`` with
 ``finish_reason: "tool_calls"``; streamed, the constrained output is not sent as content but as one
-``delta.tool_calls`` event when the choice ends, and an ``auto`` answer's text streams as content until the
-model's tool-call marker. A call cut short by ``max_tokens`` keeps ``finish_reason: "length"`` and comes back the
-same way, with the arguments written so far (``tools.py``).
+``delta.tool_calls`` event when the choice ends; an ``auto`` answer is read from its text decoded with the tool-call
+markers (``raw_text``) by the model's syntax (``tool_parsers.py``): the text before the first call streams as content,
+then each call as OpenAI streams it (an entry with its id and name, then pieces of its arguments). A call cut short
+by ``max_tokens`` keeps ``finish_reason: "length"`` and comes back the same way, with the arguments written so far.
 
 Under a reasoning parser (``reasoning.py``) a chat answer's thinking part is ``message.reasoning_content`` (streamed:
 ``delta.reasoning_content``) and only the answer after it is content and is searched for tool calls.
@@ -29,7 +30,8 @@ from mla_runtime.outputs import CompletionOutput, RequestOutput
 from mla_runtime.sampling_params import SamplingParams
 from mla_runtime.serving.protocol import usage
 from mla_runtime.serving.reasoning import Reasoning, ReasoningSplitter
-from mla_runtime.serving.tools import CALLS_END, ToolMode, calls_of_output, parse_deepseek
+from mla_runtime.serving.tool_parsers import Parsed, ToolParser, ToolStream, make_parser
+from mla_runtime.serving.tools import ToolMode, calls_of_output
 
 OBJECTS = {"completions": ("text_completion", "text_completion"),
            "chat": ("chat.completion", "chat.completion.chunk")}
@@ -103,6 +105,33 @@ def split_reasoning(job: Job, c: CompletionOutput) -> tuple[str | None, str | No
     return job.reasoning.split(c.text)
 
 
+def tool_text(job: Job, c: CompletionOutput, final: bool) -> str | None:
+    """The answer part of a choice's text decoded with its tool-call markers (``raw_text``), as far as it is settled:
+    finished, a stop string cut as the engine cut it from the text; still running, without a partly decoded
+    character at its end or the text that may start a stop string. None: the thinking never closed."""
+    raw = job.raw_text(c.token_ids)
+    stops = job.params.stop_strings
+    if final:
+        cuts = [i for i in (raw.find(s) for s in stops) if i >= 0] if c.finish_reason == "stop" else []
+        raw = raw[:min(cuts)] if cuts else raw
+        return raw if job.reasoning is None else job.reasoning.split(raw)[1]
+    raw = raw.rstrip("\ufffd")
+    raw = raw[:len(raw) - (max((len(s) for s in stops), default=1) - 1)]
+    return raw if job.reasoning is None else job.reasoning.splitter().feed(raw)[1]
+
+
+def parse_auto(job: Job, c: CompletionOutput, final: bool, parser: ToolParser) -> Parsed | None:
+    """An ``auto`` choice's answer parsed in the model's tool-call syntax (``tool_parsers.py``), whole when
+    ``final``, else as far as it is settled; None: the thinking never closed."""
+    answer = tool_text(job, c, final)
+    return None if answer is None else parser.parse(answer, final and c.finish_reason == "stop")
+
+
+def auto_parser(job: Job) -> ToolParser:
+    assert job.tools is not None and job.tools.syntax is not None
+    return make_parser(job.tools.syntax, job.tools.strings)
+
+
 def tool_answer(job: Job, c: CompletionOutput) -> tuple[str | None, list[dict[str, Any]], str | None]:
     """A finished chat choice's ``(content, tool_calls, finish_reason)``, of the answer after any thinking part:
     ``"tool_calls"`` only for complete calls; a cut output keeps its reason (``"length"``) and its partial calls, and
@@ -112,14 +141,14 @@ def tool_answer(job: Job, c: CompletionOutput) -> tuple[str | None, list[dict[st
     if job.tools is None or answer is None:
         return answer, [], reason
     if job.tools.kind == "auto":
-        if job.tools.begin_token not in c.token_ids:
-            return answer, [], reason
-        raw = job.raw_text(c.token_ids)
-        if job.reasoning is not None:  # the markers are text in the raw decoding too: the answer's part
-            raw = job.reasoning.split(raw)[1] or ""
-        cut = reason == "length" or CALLS_END not in raw  # max_tokens, or a stop string, ended it inside the calls
-        content, calls = parse_deepseek(raw, cut=cut)
-        complete = not cut
+        parser = auto_parser(job)
+        parsed = parse_auto(job, c, True, parser)
+        if parsed is None:
+            return None, [], reason
+        content = (parsed.content or None) if parsed.started else parsed.content
+        calls = [{"id": t.id or parser.new_id(), "type": "function",
+                  "function": {"name": t.name, "arguments": t.arguments}} for t in parsed.calls]
+        complete = all(t.complete for t in parsed.calls)
     else:
         content = None
         calls, complete = calls_of_output(job.tools, answer)
@@ -226,7 +255,9 @@ class StreamState:
         self.job = job
         n = job.num_choices
         self.sent_chars = [0] * n
-        self.content_chars = [0] * n  # content sent (the text past the thinking part, and before any tool call)
+        self.tool_streams: list[ToolStream] | None = (  # an auto tool choice's calls, streamed as they are written
+            [ToolStream(auto_parser(job)) for _ in range(n)] if job.tools is not None and job.tools.kind == "auto"
+            else None)
         self.splitters: list[ReasoningSplitter] | None = (
             None if job.reasoning is None else [job.reasoning.splitter() for _ in range(n)])
         self.sent_tokens = [0] * n
@@ -257,19 +288,16 @@ class StreamState:
             calls: list[dict[str, Any]] = []
             if self.job.tools is not None:
                 text, calls, reason = self._tool_delta(c, text)
-                if self.splitters is None:
-                    end = self.sent_chars[i] + len(text)  # count only the content sent
-            self.content_chars[i] += len(text)
             self.sent_chars[i], self.sent_tokens[i] = end, len(c.token_ids)
             self.done[i] = finished
             per_token = self.job.endpoint == "generate" or self.job.logprobs is not None  # never drop a token's data
-            if text or thought or (tokens and per_token) or finished:
+            if text or thought or calls or (tokens and per_token) or finished:
                 lp = _choice_logprobs(self.job, tokens, entries, self.token_chars[i]) if tokens else None
                 if lp is not None and self.job.endpoint == "completions":
                     self.token_chars[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
                 event = self._delta(i, text, tokens, reason, out if out.finished else None, lp, thought)
                 if calls:
-                    event["choices"][0]["delta"]["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+                    event["choices"][0]["delta"]["tool_calls"] = calls
                 events.append(sse(event))
         if out.finished:
             if self.job.include_usage and self.job.endpoint != "generate":
@@ -287,17 +315,26 @@ class StreamState:
         return thought, content
 
     def _tool_delta(self, c: CompletionOutput, text: str) -> tuple[str, list[dict[str, Any]], str | None]:
-        """A tool-call choice's ``(content delta, tool calls, finish_reason)``: a constrained output is never sent
-        as content; an ``auto`` output's text is, until the model's tool-call marker."""
+        """A tool-call choice's ``(content delta, delta.tool_calls entries, finish_reason)``: a constrained output is
+        never sent as content, its calls come whole when it ends; an ``auto`` output's content and calls stream as
+        the model writes them (``tool_parsers.ToolStream``)."""
         tools = self.job.tools
         assert tools is not None
-        if c.finish_reason is None:
-            free = tools.kind == "auto" and tools.begin_token not in c.token_ids
-            return (text if free else ""), [], None
-        content, calls, reason = tool_answer(self.job, c)
-        if tools.kind == "auto":  # the content not yet sent (the text before the marker)
-            return (content or "")[self.content_chars[c.index]:], calls, reason
-        return "", calls, reason
+        finished = c.finish_reason is not None
+        if self.tool_streams is not None:
+            stream = self.tool_streams[c.index]
+            parsed = parse_auto(self.job, c, finished, stream.parser)
+            content, entries = stream.update(parsed) if parsed is not None else ("", [])
+            if not finished:
+                return content, entries, None
+            reason = finish_reason(c.finish_reason)
+            if parsed is not None and parsed.calls and all(t.complete for t in parsed.calls) and reason == "stop":
+                reason = "tool_calls"
+            return content, entries, reason
+        if not finished:
+            return "", [], None
+        _, calls, reason = tool_answer(self.job, c)
+        return "", [{"index": k, **call} for k, call in enumerate(calls)], reason
 
     def _head(self) -> dict[str, Any]:
         obj = OBJECTS[self.job.endpoint][1]

@@ -1,0 +1,426 @@
+"""The models' own tool-call syntaxes (``tool_choice: "auto"``): one parser per syntax, chosen from the model.
+
+Each parser reads the answer's text, decoded with the tool-call markers kept (``JobBuilder.raw_text``), into
+``Parsed``: the content (the text before the first call) and the calls so far. ``parse(text, end)`` is written so
+that it can be called on every prefix of an output while it streams: the content, each call's name and each call's
+``arguments`` only ever grow (text that may be the start of a marker, or a value not yet closed, is held back), so
+the stream's deltas always add up to the parse of the whole output. ``end``: the output ended by itself (a stop
+token or string), which closes a call whose syntax has no end marker (Mistral's); an output cut by ``max_tokens``
+is parsed as a prefix, its last call incomplete.
+
+``arguments`` is the JSON text the model wrote (for the syntaxes that write JSON) or the JSON object built from the
+named parameters it wrote (DSML, GLM); it is not checked against the tool's schema, as OpenAI's is not. Text after
+the first call's marker is never content.
+
+The syntaxes (``TOOL_CALL_PARSERS``), as the families' published chat templates and encoders write them:
+
+- ``deepseek_v3`` (DeepSeek-V3, V2.5): a block between ``<｜tool▁calls▁begin｜>`` and ``<｜tool▁calls▁end｜>``;
+  each call is ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME``, a newline, the arguments in a fenced
+  ```` ```json ```` block, then ``<｜tool▁call▁end｜>``.
+- ``deepseek_v31`` (DeepSeek-V3.1): the same block, each call ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS
+  <｜tool▁call▁end｜>`` with the JSON arguments written bare.
+- ``deepseek_v32`` (DeepSeek-V3.2's DSML; the ``｜`` are full-width bars): a ``<｜DSML｜function_calls>`` element
+  holding one ``<｜DSML｜invoke name="NAME">`` element per call, each holding one
+  ``<｜DSML｜parameter name="P" string="true|false">VALUE</｜DSML｜parameter>`` per argument; ``string="true"``
+  marks a value written as plain text, ``false`` one written as JSON.
+- ``kimi_k2`` (Kimi-K2): ``<|tool_calls_section_begin|>``, then per call ``<|tool_call_begin|>functions.NAME:IDX
+  <|tool_call_argument_begin|>ARGS<|tool_call_end|>``, then ``<|tool_calls_section_end|>``; the call's id is
+  ``functions.NAME:IDX`` (IDX counts the conversation's calls), and it is returned as the call's ``id``.
+- ``glm45`` (GLM-4.5, 4.6, 4.7, 5): per call ``<tool_call>NAME`` then ``<arg_key>K</arg_key><arg_value>V
+  </arg_value>`` pairs (GLM-4.5 puts newlines between them) and ``</tool_call>``; the templates write a string
+  value as it is and any other value as JSON, so a value is JSON-decoded where it parses, except for a parameter
+  the tool's schema types as ``string``, which stays text.
+- ``mistral`` (Mistral's tokenizers): ``[TOOL_CALLS]NAME[ARGS]{...}`` per call (newer templates; an optional
+  ``[CALL_ID]ID`` before ``[ARGS]`` gives the call's id), or ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``
+  (older ones). The newer layout has no end marker: a call ends at the next ``[TOOL_CALLS]`` or at the end of the
+  output. Ids are nine letters and digits, the form Mistral's templates require of earlier calls.
+- ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` per call, ``name`` written first; the
+  fallback for families whose syntax is not one of the above. ``longcat`` is the same with
+  ``<longcat_tool_call>`` tags (LongCat-Flash).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import string
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+TOOL_CALL_PARSERS = ("auto", "deepseek_v3", "deepseek_v31", "deepseek_v32", "kimi_k2", "glm45", "mistral", "hermes",
+                     "longcat", "none")
+# model types whose chat template may not say which syntax they write; any other falls back to hermes
+MODEL_TYPE_PARSERS = {"deepseek_v2": "deepseek_v3", "deepseek_v3": "deepseek_v3", "deepseek_v32": "deepseek_v32",
+                      "kimi_k2": "kimi_k2", "kimi_k25": "kimi_k2", "glm4_moe_lite": "glm45", "glm_moe_dsa": "glm45",
+                      "mistral4": "mistral", "mistral_large4": "mistral", "mistral_large4_text": "mistral",
+                      "longcat_flash": "longcat"}
+FALLBACK = "hermes"
+
+DS_CALLS, DS_CALL, DS_SEP = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>"
+DS_CALL_END, DS_CALLS_END = "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"
+DSML_TAG = "｜DSML｜"
+KIMI_SECTION, KIMI_CALL = "<|tool_calls_section_begin|>", "<|tool_call_begin|>"
+KIMI_ARGS, KIMI_CALL_END = "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+KIMI_SECTION_END = "<|tool_calls_section_end|>"
+MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+
+
+@dataclass(frozen=True)
+class Call:
+    """A call as written so far: ``arguments`` grows until ``complete``; ``id``: the syntax's own id, if any."""
+
+    name: str
+    arguments: str
+    complete: bool
+    id: str | None = None
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """An answer's ``content`` (the text before the calls), its ``calls``, and whether a call marker was seen."""
+
+    content: str
+    calls: list[Call] = field(default_factory=list)
+    started: bool = False
+
+
+def held(text: str, marker: str) -> int:
+    """How many characters at the end of ``text`` may be the start of ``marker``."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def open_args(text: str, closer: str) -> str:
+    """The arguments of a call still being written: the text without a possible start of ``closer`` at its end and
+    without surrounding white space (trailing space may yet be inside the value)."""
+    return text[:len(text) - held(text, closer)].strip()
+
+
+def json_value(text: str, start: int) -> int | None:
+    """The end of the JSON value at ``start`` once it is surely whole (a number may still grow): None until then."""
+    try:
+        value, end = json.JSONDecoder().raw_decode(text, start)
+    except json.JSONDecodeError:
+        return None
+    return end if isinstance(value, (dict, list, str)) or end < len(text) else None
+
+
+def json_object(pairs: list[tuple[str, str]], closed: bool) -> str:
+    """The JSON object text of ``(key, JSON value text)`` pairs; without its ``}`` while more may come."""
+    body = ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {v}" for k, v in pairs)
+    return "{" + body + ("}" if closed else "")
+
+
+def as_json(value: str) -> str:
+    """A value written as JSON, re-encoded; as a string where it does not parse."""
+    try:
+        return json.dumps(json.loads(value), ensure_ascii=False)
+    except json.JSONDecodeError:
+        return json.dumps(value, ensure_ascii=False)
+
+
+class ToolParser:
+    """One syntax: ``begin`` opens the calls, ``markers`` are the texts the raw decoding must keep."""
+
+    name = ""
+    begin = ""
+    markers: tuple[str, ...] = ()
+
+    def __init__(self, strings: frozenset[tuple[str, str]] = frozenset()) -> None:
+        self.strings = strings  # (tool, parameter) pairs the tools' schemas type as string
+
+    def parse(self, text: str, end: bool) -> Parsed:
+        i = text.find(self.begin)
+        if i < 0:
+            return Parsed(text if end else text[:len(text) - held(text, self.begin)])
+        return Parsed(text[:i], self.calls(text, i, end), True)
+
+    def calls(self, text: str, start: int, end: bool) -> list[Call]:
+        raise NotImplementedError
+
+    def new_id(self) -> str:
+        return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class Delimited(ToolParser):
+    """Calls between ``call_begin`` and ``closer``: a header (the name) up to ``opener``, then the arguments."""
+
+    def __init__(self, name: str, begin: str, call_begin: str, opener: str, closer: str, markers: tuple[str, ...],
+                 header: Callable[[str], tuple[str, str | None] | None],
+                 strings: frozenset[tuple[str, str]] = frozenset()) -> None:
+        super().__init__(strings)
+        self.name, self.begin, self.call_begin, self.opener, self.closer = name, begin, call_begin, opener, closer
+        self.markers, self.header = markers, header
+
+    def calls(self, text: str, start: int, end: bool) -> list[Call]:
+        found: list[Call] = []
+        pos = start + len(self.begin)
+        while (j := text.find(self.call_begin, pos)) >= 0:
+            k = text.find(self.opener, j + len(self.call_begin))
+            head = self.header(text[j + len(self.call_begin):k]) if k >= 0 else None
+            if head is None:
+                break
+            a = k + len(self.opener)
+            e = text.find(self.closer, a)
+            if e < 0:
+                found.append(Call(head[0], open_args(text[a:], self.closer), False, head[1]))
+                break
+            found.append(Call(head[0], text[a:e].strip(), True, head[1]))
+            pos = e + len(self.closer)
+        return found
+
+
+def _v3_header(head: str) -> tuple[str, str | None] | None:
+    kind, sep, name = head.partition(DS_SEP)
+    return (name.strip(), None) if sep and kind.strip() == "function" and name.strip() else None
+
+
+def _plain_header(head: str) -> tuple[str, str | None] | None:
+    return (head.strip(), None) if head.strip() else None
+
+
+def _kimi_header(head: str) -> tuple[str, str | None] | None:
+    """``functions.NAME:IDX`` → NAME, with the whole header as the call's id."""
+    ident = head.strip()
+    name = ident.removeprefix("functions.")
+    base, colon, index = name.rpartition(":")
+    if colon and index.isdigit():
+        name = base
+    return (name, ident) if name else None
+
+
+_DS_MARKERS = (DS_CALLS, DS_CALL, DS_SEP, DS_CALL_END, DS_CALLS_END)
+_KIMI_MARKERS = (KIMI_SECTION, KIMI_CALL, KIMI_ARGS, KIMI_CALL_END, KIMI_SECTION_END)
+
+
+class Dsml(ToolParser):
+    """DeepSeek-V3.2's DSML elements (module docstring)."""
+
+    name = "deepseek_v32"
+    begin = f"<{DSML_TAG}function_calls>"
+    markers = (begin,)
+    INVOKE = re.compile(f'<{DSML_TAG}invoke\\s+name="([^"]*)"\\s*>')
+    PARAM = re.compile(f'\\s*<{DSML_TAG}parameter\\s+name="([^"]*)"\\s+string="(true|false)"\\s*>'
+                       f'(.*?)</{DSML_TAG}parameter>', re.S)
+    INVOKE_END = f"</{DSML_TAG}invoke>"
+
+    def calls(self, text: str, start: int, end: bool) -> list[Call]:
+        found: list[Call] = []
+        pos = start
+        while (m := self.INVOKE.search(text, pos)) is not None:
+            close = text.find(self.INVOKE_END, m.end())
+            body = text[m.end():close] if close >= 0 else text[m.end():]
+            pairs, q = [], 0
+            while (p := self.PARAM.match(body, q)) is not None:
+                value = json.dumps(p[3], ensure_ascii=False) if p[2] == "true" else as_json(p[3])
+                pairs.append((p[1], value))
+                q = p.end()
+            found.append(Call(m[1], json_object(pairs, close >= 0), close >= 0))
+            if close < 0:
+                break
+            pos = close + len(self.INVOKE_END)
+        return found
+
+
+class GLM(ToolParser):
+    """GLM-4.5 to 5's ``<tool_call>NAME<arg_key>…`` (module docstring)."""
+
+    name = "glm45"
+    begin = "<tool_call>"
+    END = "</tool_call>"
+    markers = (begin, END, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
+    NAME = re.compile(r"\s*([^\s<]+)(?=[\s<])")
+    PAIR = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+    def calls(self, text: str, start: int, end: bool) -> list[Call]:
+        found: list[Call] = []
+        pos = start
+        while (j := text.find(self.begin, pos)) >= 0:
+            m = self.NAME.match(text, j + len(self.begin))
+            if m is None:
+                break
+            close = text.find(self.END, m.end())
+            body = text[m.end():close] if close >= 0 else text[m.end():]
+            pairs, q = [], 0
+            while (p := self.PAIR.match(body, q)) is not None:
+                key = p[1].strip()
+                value = json.dumps(p[2], ensure_ascii=False) if (m[1], key) in self.strings else as_json(p[2])
+                pairs.append((key, value))
+                q = p.end()
+            found.append(Call(m[1], json_object(pairs, close >= 0), close >= 0))
+            if close < 0:
+                break
+            pos = close + len(self.END)
+        return found
+
+
+_NAME_THEN_ARGS = r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*'
+
+
+class Hermes(ToolParser):
+    """``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` (module docstring); ``tag`` names the element."""
+
+    HEAD = re.compile(_NAME_THEN_ARGS)
+
+    def __init__(self, name: str = "hermes", tag: str = "tool_call",
+                 strings: frozenset[tuple[str, str]] = frozenset()) -> None:
+        super().__init__(strings)
+        self.name, self.begin, self.end = name, f"<{tag}>", f"</{tag}>"
+        self.markers = (self.begin, self.end)
+
+    def calls(self, text: str, start: int, end: bool) -> list[Call]:
+        found: list[Call] = []
+        pos = start
+        while (j := text.find(self.begin, pos)) >= 0:
+            b = j + len(self.begin)
+            close = text.find(self.end, b)
+            body = text[:close] if close >= 0 else text
+            h = self.HEAD.match(body, b)
+            if h is None:  # not name-first: a whole element may still be read once closed
+                call = _whole_object(body[b:]) if close >= 0 else None
+                if call is None:
+                    break
+                found.append(call)
+            else:
+                stop = json_value(body, h.end())
+                if stop is None:
+                    found.append(Call(json.loads(f'"{h[1]}"'), body[h.end():].strip(), False))
+                    break
+                found.append(Call(json.loads(f'"{h[1]}"'), body[h.end():stop], close >= 0 or end))
+            if close < 0:
+                break
+            pos = close + len(self.end)
+        return found
+
+
+def _whole_object(text: str) -> Call | None:
+    try:
+        item = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+        return None
+    args = item.get("arguments", item.get("parameters", {}))
+    return Call(item["name"], json.dumps(args, ensure_ascii=False), True)
+
+
+class Mistral(ToolParser):
+    """Mistral's ``[TOOL_CALLS]`` layouts (module docstring)."""
+
+    name = "mistral"
+    begin = MISTRAL_CALLS
+    markers = (MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_ID)
+    ITEM = re.compile(r"\s*[\[,]?" + _NAME_THEN_ARGS)
+    ITEM_END = re.compile(r'\s*(?:,\s*"id"\s*:\s*"[^"]*"\s*)?\}')
+
+    def calls(self, text: str, start: int, end: bool) -> list[Call]:
+        rest = text[start + len(self.begin):]
+        if rest.lstrip().startswith("["):
+            return self._array(rest, end)
+        found: list[Call] = []
+        parts = rest.split(MISTRAL_CALLS)
+        for k, part in enumerate(parts):
+            head, found_args, args = part.partition(MISTRAL_ARGS)
+            name, _, ident = head.partition(MISTRAL_ID)
+            if not found_args or not name.strip():
+                break
+            last = k == len(parts) - 1
+            whole = not last or end
+            found.append(Call(name.strip(), args.strip() if whole else open_args(args, MISTRAL_CALLS), whole,
+                              ident.strip() or None))
+        return found
+
+    def _array(self, text: str, end: bool) -> list[Call]:
+        found: list[Call] = []
+        pos = 0
+        while (m := self.ITEM.match(text, pos)) is not None:
+            name = json.loads(f'"{m[1]}"')
+            stop = json_value(text, m.end())
+            if stop is None:
+                found.append(Call(name, text[m.end():].strip(), False))
+                break
+            found.append(Call(name, text[m.end():stop], True))
+            tail = self.ITEM_END.match(text, stop)
+            if tail is None:
+                break
+            pos = tail.end()
+        return found
+
+    def new_id(self) -> str:
+        return "".join(random.choices(string.ascii_letters + string.digits, k=9))
+
+
+def make_parser(name: str, strings: frozenset[tuple[str, str]] = frozenset()) -> ToolParser:
+    """The parser of syntax ``name`` (one of ``TOOL_CALL_PARSERS`` but auto and none)."""
+    if name == "deepseek_v3":
+        return Delimited(name, DS_CALLS, DS_CALL, "\n```json\n", "\n```", _DS_MARKERS, _v3_header, strings)
+    if name == "deepseek_v31":
+        return Delimited(name, DS_CALLS, DS_CALL, DS_SEP, DS_CALL_END, _DS_MARKERS, _plain_header, strings)
+    if name == "kimi_k2":
+        return Delimited(name, KIMI_SECTION, KIMI_CALL, KIMI_ARGS, KIMI_CALL_END, _KIMI_MARKERS, _kimi_header,
+                         strings)
+    simple: dict[str, Callable[[frozenset[tuple[str, str]]], ToolParser]] = {
+        "deepseek_v32": Dsml, "glm45": GLM, "mistral": Mistral, "hermes": lambda s: Hermes(strings=s),
+        "longcat": lambda s: Hermes("longcat", "longcat_tool_call", s)}
+    if name not in simple:
+        raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {name!r}")
+    return simple[name](strings)
+
+
+def every_marker() -> set[str]:
+    """The markers of every syntax (the texts a raw decoding keeps)."""
+    return {m for n in TOOL_CALL_PARSERS if n not in ("auto", "none") for m in make_parser(n).markers}
+
+
+# the template text that tells each syntax apart, most specific first
+_TEMPLATE_SIGNS = ((DSML_TAG, "deepseek_v32"), (KIMI_SECTION, "kimi_k2"), ("<arg_key>", "glm45"),
+                   (MISTRAL_CALLS, "mistral"), ("<longcat_tool_call>", "longcat"), ("<tool_call>", "hermes"))
+
+
+def choose_tool_parser(setting: str, model_type: str | None, chat_template: Any) -> str | None:
+    """The tool-call syntax of a server: ``setting`` (``TOOL_CALL_PARSERS``) resolved against the model (None: no
+    parser, ``tool_choice: "auto"`` refused). ``auto`` reads the chat template's text, then the ``model_type``, and
+    falls back to ``hermes``."""
+    if setting not in TOOL_CALL_PARSERS:
+        raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {setting!r}")
+    if setting != "auto":
+        return None if setting == "none" else setting
+    templates = chat_template.values() if isinstance(chat_template, dict) else [chat_template]
+    text = "".join(t for t in templates if isinstance(t, str))
+    if DS_CALLS in text:
+        return "deepseek_v3" if "```json" in text else "deepseek_v31"
+    for sign, name in _TEMPLATE_SIGNS:
+        if sign in text:
+            return name
+    return MODEL_TYPE_PARSERS.get(model_type or "", FALLBACK)
+
+
+class ToolStream:
+    """A streamed answer's tool-call deltas: ``update`` takes the parse of the answer so far and returns the content
+    and the ``delta.tool_calls`` entries it adds (OpenAI's shape: an entry with the call's index, id, type and name
+    and empty ``arguments`` first, then entries with pieces of ``arguments``)."""
+
+    def __init__(self, parser: ToolParser) -> None:
+        self.parser = parser
+        self.content = 0  # characters of content sent
+        self.sent: list[int] = []  # characters of each call's arguments sent
+
+    def update(self, parsed: Parsed) -> tuple[str, list[dict[str, Any]]]:
+        content = parsed.content[self.content:]
+        self.content = max(self.content, len(parsed.content))
+        entries: list[dict[str, Any]] = []
+        for k, call in enumerate(parsed.calls):
+            if k == len(self.sent):
+                entries.append({"index": k, "id": call.id or self.parser.new_id(), "type": "function",
+                                "function": {"name": call.name, "arguments": ""}})
+                self.sent.append(0)
+            piece = call.arguments[self.sent[k]:]
+            if piece:
+                entries.append({"index": k, "function": {"arguments": piece}})
+                self.sent[k] = len(call.arguments)
+        return content, entries
