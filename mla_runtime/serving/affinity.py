@@ -36,7 +36,7 @@ POLICIES = ("affinity", "round_robin")
 REASONS = ("session", "affinity_hit", "load_fallback", "least_loaded", "round_robin")
 MAX_KEY_BLOCKS = 256  # leading blocks hashed per request (bounds the ingress's tokenization work)
 MAX_SESSIONS = 100_000
-GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 
 
 @dataclass(frozen=True)

@@ -38,15 +38,19 @@ from starlette.requests import ClientDisconnect
 from mla_runtime.engine.async_llm import AsyncLLM, EngineDeadError
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.errors import InvalidParam
+from mla_runtime.serving.anthropic_messages import MESSAGES, MessagesRequest, messages_job
 from mla_runtime.serving.config import ServerConfig
 from mla_runtime.serving.jobs import JobBuilder
 from mla_runtime.serving.metrics import ServerMetrics
+from mla_runtime.serving.openai_responses import RESPONSES, ResponsesRequest, ResponseStore, responses_job
 from mla_runtime.serving.openapi import DOCS_ASSETS, docs_asset, docs_page, openapi_schema
 from mla_runtime.serving.protocol import ApiError, ChatRequest, CompletionRequest, GenerateRequest, validation_error
 from mla_runtime.serving.request_log import REQUEST_ID_HEADER, RequestIdMiddleware, RequestLog, RequestRecord
-from mla_runtime.serving.responses import Job, full_body
+from mla_runtime.serving.responses import Job
 from mla_runtime.serving.runtime import ServingRuntime, fault_injection
 from mla_runtime.serving.streaming import (
+    OPENAI,
+    ApiShape,
     ClientDisconnected,
     RequestTimedOut,
     SSEResponse,
@@ -64,8 +68,8 @@ router = APIRouter()
 THREAD_PARSE_BYTES = 64 * 1024  # JSON bodies above this size are parsed in a worker thread
 
 
-def error_response(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+def error_response(e: ApiError, shape: ApiShape = OPENAI) -> JSONResponse:
+    return JSONResponse(shape.error(e), status_code=e.status, headers=e.headers)
 
 
 def parse_json(body: bytes | bytearray) -> Any:
@@ -108,6 +112,7 @@ class ServerState:
     parse_slot: asyncio.Semaphore  # large JSON bodies are parsed one at a time
     fault_after: int | None  # MLA_FAULT_INJECTION=stream:K (tests only)
     openapi: dict[str, Any]  # the OpenAPI document, built once
+    responses: ResponseStore  # /v1/responses kept for previous_response_id
 
 
 def _server(request: Request) -> ServerState:
@@ -137,7 +142,8 @@ def build_app(engine_config: EngineConfig, config: ServerConfig,
     app = FastAPI(title="mla-runtime", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.runtime = rt
     app.state.server = ServerState(rt, engine_config, config, metrics, JobBuilder(rt, engine_config, config),
-                                   asyncio.Semaphore(1), fault_injection("stream"), openapi_schema(config))
+                                   asyncio.Semaphore(1), fault_injection("stream"), openapi_schema(config),
+                                   ResponseStore(config.responses_store))
     app.openapi_schema = app.state.server.openapi  # app.openapi() answers the same document
     app.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, internal_error)
@@ -166,12 +172,17 @@ async def internal_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 def check_auth(request: Request, config: ServerConfig) -> None:
+    """The API key as ``Authorization: Bearer <key>`` (OpenAI's clients) or ``x-api-key: <key>`` (Anthropic's)."""
     if config.api_key is None:
         return
+    key = config.api_key.encode()
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
-        raise ApiError(401, "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
-                       headers={"WWW-Authenticate": "Bearer"})
+    if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key):
+        return
+    if hmac.compare_digest(request.headers.get("x-api-key", "").strip().encode(), key):
+        return
+    raise ApiError(401, "missing or invalid API key: send the header 'Authorization: Bearer <key>' (or "
+                        "'x-api-key: <key>')", headers={"WWW-Authenticate": "Bearer"})
 
 
 async def read_json(request: Request, limit: int, parse_slot: asyncio.Semaphore) -> Any:
@@ -197,8 +208,9 @@ async def read_json(request: Request, limit: int, parse_slot: asyncio.Semaphore)
 
 
 async def run_job(request: Request, rt: ServingRuntime, config: ServerConfig, llm: AsyncLLM, job: Job,
-                  fault_after: int | None) -> Response:
-    """Submit an admitted job and answer it: a JSON body, or an SSE stream once the first output exists."""
+                  fault_after: int | None, shape: ApiShape = OPENAI) -> Response:
+    """Submit an admitted job and answer it in its API's ``shape``: a JSON body, or an SSE stream once the first
+    output exists."""
     gen = generate_job_outputs(llm, job)
     deadline = rt.deadline(job)
     outcome, out, error = "error", None, None
@@ -206,9 +218,9 @@ async def run_job(request: Request, rt: ServingRuntime, config: ServerConfig, ll
         out = await guarded(request, anext(gen), deadline)
         if job.stream:
             outcome = "streaming"
-            return stream_job(rt, config, job, gen, StreamEnd(out), deadline, fault_after)
+            return stream_job(rt, config, job, gen, StreamEnd(out), deadline, fault_after, shape)
         out = await guarded(request, last_output(gen, out), deadline)
-        body = await asyncio.to_thread(full_body, job, out)
+        body = await asyncio.to_thread(shape.body, job, out)
         outcome = "success"
         return JSONResponse(body)
     except ValueError as e:  # the engine's validation of the prompt: names the problem
@@ -229,12 +241,12 @@ async def run_job(request: Request, rt: ServingRuntime, config: ServerConfig, ll
         if outcome != "streaming":
             rt.finish(job, outcome, out)
             await gen.aclose()
-    return error_response(error)
+    return error_response(error, shape)
 
 
 def stream_job(rt: ServingRuntime, config: ServerConfig, job: Job, gen: AsyncGenerator[Any, None], end: StreamEnd,
-               deadline: float, fault_after: int | None) -> Response:
-    body = job_events(job, gen, end, deadline, config.request_timeout, fault_after)
+               deadline: float, fault_after: int | None, shape: ApiShape = OPENAI) -> Response:
+    body = job_events(job, gen, end, deadline, config.request_timeout, fault_after, shape)
 
     async def close(reason: str) -> None:  # runs however the response ended, even if never iterated
         with contextlib.suppress(Exception):
@@ -243,12 +255,12 @@ def stream_job(rt: ServingRuntime, config: ServerConfig, job: Job, gen: AsyncGen
         with contextlib.suppress(Exception):
             await gen.aclose()
 
-    return SSEResponse(body, close, lambda: rt.shutting_down, deadline, config.stream_stall_timeout,
+    return SSEResponse(body, close, lambda: rt.shutting_down, deadline, config.stream_stall_timeout, shape.stream_error,
                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 async def _generation(request: Request, endpoint: str, schema: type[BaseModel],
-                      make_job: Callable[[JobBuilder, Any], Job]) -> Response:
+                      make_job: Callable[[JobBuilder, Any], Job], shape: ApiShape = OPENAI) -> Response:
     srv = _server(request)
     rt, config = srv.rt, srv.config
     record: RequestRecord | None = getattr(request.state, "request_record", None)
@@ -263,7 +275,7 @@ async def _generation(request: Request, endpoint: str, schema: type[BaseModel],
         outcome = rt.reject(endpoint, e.status)
         if record is not None:
             record.outcome = outcome
-        return error_response(e)
+        return error_response(e, shape)
     except ClientDisconnected:
         outcome = rt.reject(endpoint, 499)
         if record is not None:
@@ -271,7 +283,7 @@ async def _generation(request: Request, endpoint: str, schema: type[BaseModel],
         return Response(status_code=499)
     if record is not None:
         record.job = job
-    return await run_job(request, rt, config, llm, job, srv.fault_after)
+    return await run_job(request, rt, config, llm, job, srv.fault_after, shape)
 
 
 @router.post("/generate")
@@ -287,6 +299,18 @@ async def completions(request: Request) -> Response:
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     return await _generation(request, "chat", ChatRequest, JobBuilder.chat)
+
+
+@router.post("/v1/responses")
+async def responses(request: Request) -> Response:
+    store = _server(request).responses
+    return await _generation(request, "responses", ResponsesRequest,
+                             lambda jobs, req: responses_job(jobs, store, req), RESPONSES)
+
+
+@router.post("/v1/messages")
+async def messages(request: Request) -> Response:
+    return await _generation(request, "messages", MessagesRequest, messages_job, MESSAGES)
 
 
 @router.get("/v1/models")

@@ -71,6 +71,9 @@ class ServerConfig:
         "serving.tool_call_parser", "the tool-call syntax tool_choice \"auto\" parses: auto (the model's chat "
                                     "template or model_type decides; hermes where neither does), a syntax, or none "
                                     "(\"auto\" refused)", choices=TOOL_CALL_PARSERS))
+    responses_store: int = field(default=1000, metadata=opt(
+        "serving.responses_store", "responses of /v1/responses kept in memory for previous_response_id (the least "
+                                   "recently used are dropped first; 0: none)"))
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
@@ -82,6 +85,9 @@ class ServerConfig:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
         if not isinstance(self.max_queue, int) or isinstance(self.max_queue, bool) or self.max_queue < 0:
             raise ValueError(f"max_queue must be an integer >= 0, got {self.max_queue!r}")
+        if not isinstance(self.responses_store, int) or isinstance(self.responses_store, bool) or \
+                self.responses_store < 0:
+            raise ValueError(f"responses_store must be an integer >= 0, got {self.responses_store!r}")
         if not isinstance(self.max_connections, int) or isinstance(self.max_connections, bool) or \
                 self.max_connections < 1:
             raise ValueError(f"max_connections must be an integer >= 1, got {self.max_connections!r}")

@@ -47,7 +47,7 @@ class ServerMetrics:
         self.generation_tokens = Counter("mla_generation_tokens", "Tokens generated for requests", registry=r)
         self.cached_prompt_tokens = Counter("mla_cached_prompt_tokens", "Prompt tokens served from the prefix cache",
                                             registry=r)
-        for endpoint in ("generate", "completions", "chat"):
+        for endpoint in ("generate", "completions", "chat", "responses", "messages"):
             for outcome in OUTCOMES:
                 self.requests.labels(endpoint, outcome)
 

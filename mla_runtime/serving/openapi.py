@@ -17,7 +17,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
+from mla_runtime.serving.anthropic_messages import ERROR_TYPES as ANTHROPIC_ERROR_TYPES
+from mla_runtime.serving.anthropic_messages import MessagesRequest
 from mla_runtime.serving.config import ServerConfig
+from mla_runtime.serving.openai_responses import ResponsesRequest
 from mla_runtime.serving.protocol import ERROR_TYPES, ChatRequest, CompletionRequest, GenerateRequest
 
 REF = "#/components/schemas/{model}"
@@ -172,6 +175,73 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = None
 
 
+class ResponsesUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+
+class ResponseObject(BaseModel):
+    """``/v1/responses``'s answer (``docs/serving.md``); its request fields are repeated as OpenAI repeats them."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress"]
+    error: None
+    incomplete_details: dict[str, str] | None
+    model: str
+    output: list[dict[str, Any]] = Field(description="reasoning, message and function_call items")
+    usage: ResponsesUsage | None
+
+
+class ResponseEvent(BaseModel):
+    """One event of a streamed ``/v1/responses`` (``event: <type>``); ``error`` events carry code, message, param."""
+
+    type: str
+    sequence_number: int
+
+
+class AnthropicUsage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+    cache_read_input_tokens: int
+    cache_creation_input_tokens: int
+
+
+class AnthropicMessageObject(BaseModel):
+    """``/v1/messages``'s answer."""
+
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[dict[str, Any]] = Field(description="thinking, text and tool_use blocks")
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+    stop_sequence: str | None
+    usage: AnthropicUsage
+
+
+class AnthropicEvent(BaseModel):
+    """One event of a streamed ``/v1/messages`` (``event: <type>``)."""
+
+    type: str
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str = Field(description=f"One of {sorted(set(ANTHROPIC_ERROR_TYPES.values()) | {'api_error'})}")
+    message: str = Field(description="Starts with the request field at fault, where one is")
+
+
+class AnthropicError(BaseModel):
+    """Every error answer's body on ``/v1/messages``."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
 class Model(BaseModel):
     id: str
     object: Literal["model"]
@@ -197,9 +267,10 @@ class Ready(BaseModel):
 
 MODELS: list[type[BaseModel]] = [GenerateRequest, CompletionRequest, ChatRequest, Error, GenerateResponse,
                                  GenerateEvent, Completion, ChatCompletion, ChatCompletionChunk, ModelList, Health,
-                                 Ready]
+                                 Ready, ResponsesRequest, ResponseObject, ResponseEvent, MessagesRequest,
+                                 AnthropicMessageObject, AnthropicEvent, AnthropicError]
 ERRORS = {400: "Invalid request: the message and param name the field", 401: "Missing or wrong API key",
-          404: "Unknown model", 413: "Body above max_body_bytes",
+          404: "Unknown model (or, on /v1/responses, previous_response_id)", 413: "Body above max_body_bytes",
           429: "At capacity (max_num_seqs + max_queue sequences in flight); see Retry-After",
           500: "Server fault (details in the server log only)",
           503: "Not ready, draining, or after a fault", 504: "Exceeded request_timeout; aborted"}
@@ -210,10 +281,10 @@ def _json(model: str) -> dict[str, Any]:
     return {"schema": {"$ref": REF.format(model=model)}}
 
 
-def _errors(codes: tuple[int, ...]) -> dict[str, Any]:
+def _errors(codes: tuple[int, ...], error: str = "Error") -> dict[str, Any]:
     out = {}
     for code in codes:
-        response: dict[str, Any] = {"description": ERRORS[code], "content": {"application/json": _json("Error")}}
+        response: dict[str, Any] = {"description": ERRORS[code], "content": {"application/json": _json(error)}}
         if code in (429, 503):
             response["headers"] = {"Retry-After": {"schema": {"type": "string"}, "description": "Seconds"}}
         out[str(code)] = response
@@ -221,30 +292,34 @@ def _errors(codes: tuple[int, ...]) -> dict[str, Any]:
 
 
 def _operation(summary: str, ok: dict[str, Any], errors: tuple[int, ...], secured: bool,
-               body: str | None = None) -> dict[str, Any]:
+               body: str | None = None, error: str = "Error") -> dict[str, Any]:
     op: dict[str, Any] = {"summary": summary, "operationId": summary.lower().replace(" ", "_").replace("/", "_"),
-                          "responses": {"200": ok, **_errors(tuple(c for c in errors if c != 401 or secured))}}
+                          "responses": {"200": ok, **_errors(tuple(c for c in errors if c != 401 or secured), error)}}
     if body is not None:
         op["requestBody"] = {"required": True, "content": {"application/json": _json(body)}}
     if secured:
-        op["security"] = [{"bearer": []}]
+        op["security"] = [{"bearer": []}, {"api_key": []}] if error == "AnthropicError" else [{"bearer": []}]
     return op
 
 
-def _event(event: str) -> dict[str, Any]:
+def _event(event: str, error: str = "Error", named: bool = False) -> dict[str, Any]:
     """One server-sent event (the schema of ``text/event-stream`` describes each event before OpenAPI 3.2): its
-    ``data`` is the JSON of ``event``, or of an Error, or ``[DONE]`` (the last)."""
+    ``data`` is the JSON of ``event``, or of an error, or ``[DONE]`` (the last, where events are not ``named``:
+    ``event: <type>`` lines name them, and the last is the API's own closing event)."""
+    last = "its `event:` line names the event's type" if named else "the last event's data is [DONE]"
     data = {"type": "string", "contentMediaType": "application/json",
-            "contentSchema": {"anyOf": [_json(event)["schema"], _json("Error")["schema"]]},
-            "description": f"JSON: a {event}, or an Error; the last event's data is [DONE]"}
+            "contentSchema": {"anyOf": [_json(event)["schema"], _json(error)["schema"]]},
+            "description": f"JSON: a {event}, or an {error}; {last}"}
     return {"schema": {"type": "object", "required": ["data"], "properties": {"data": data}}}
 
 
-def _generation(summary: str, body: str, answer: str, event: str, secured: bool, model_errors: bool) -> dict[str, Any]:
-    ok = {"description": f"The answer; {SSE_NOTE}",
-          "content": {"application/json": _json(answer), "text/event-stream": _event(event)}}
+def _generation(summary: str, body: str, answer: str, event: str, secured: bool, model_errors: bool,
+                error: str = "Error", named: bool = False) -> dict[str, Any]:
+    note = SSE_NOTE if not named else "with \"stream\": true, server-sent events, each named by an `event:` line"
+    ok = {"description": f"The answer; {note}",
+          "content": {"application/json": _json(answer), "text/event-stream": _event(event, error, named)}}
     errors = GENERATION_ERRORS + ((404,) if model_errors else ())
-    return {"post": _operation(summary, ok, tuple(sorted(errors)), secured, body)}
+    return {"post": _operation(summary, ok, tuple(sorted(errors)), secured, body, error)}
 
 
 def _get(summary: str, ok: dict[str, Any], errors: tuple[int, ...], secured: bool) -> dict[str, Any]:
@@ -262,6 +337,10 @@ def _paths(config: ServerConfig) -> dict[str, Any]:
         "/v1/completions": _generation("Completions", "CompletionRequest", "Completion", "Completion", keyed, True),
         "/v1/chat/completions": _generation("Chat completions", "ChatRequest", "ChatCompletion",
                                             "ChatCompletionChunk", keyed, True),
+        "/v1/responses": _generation("Responses", "ResponsesRequest", "ResponseObject", "ResponseEvent", keyed, True,
+                                     named=True),
+        "/v1/messages": _generation("Messages", "MessagesRequest", "AnthropicMessageObject", "AnthropicEvent", keyed,
+                                    True, "AnthropicError", named=True),
         "/v1/models": _get("Models", _json_ok("ModelList", "The served model"), (401,), keyed),
         "/health": _get("Health", _json_ok("Health", "Liveness: the engine thread is alive and no step hangs"),
                         (503,), False),
@@ -298,12 +377,17 @@ def openapi_schema(config: ServerConfig) -> dict[str, Any]:
     components: dict[str, Any] = {"schemas": top["$defs"]}
     if config.api_key is not None:
         components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer",
-                                                    "description": "The server's --api-key"}}
+                                                    "description": "The server's --api-key"},
+                                         "api_key": {"type": "apiKey", "in": "header", "name": "x-api-key",
+                                                     "description": "The server's --api-key, as Anthropic's clients "
+                                                                    "send it"}}
     return {"openapi": "3.1.0",
             "info": {"title": "mla-runtime", "version": _version(),
-                     "description": "Inference for multi-head latent attention models: our /generate and "
-                                    "OpenAI-compatible routes. Every error is {\"error\": {message, type, code, "
-                                    "param}}."},
+                     "description": "Inference for multi-head latent attention models: our /generate, "
+                                    "OpenAI-compatible routes (completions, chat, responses) and Anthropic's "
+                                    "/v1/messages. Every error is {\"error\": {message, type, code, param}}, but "
+                                    "on /v1/messages Anthropic's {\"type\": \"error\", \"error\": {type, "
+                                    "message}}."},
             "paths": _with_request_id(_paths(config)), "components": components}
 
 

@@ -31,7 +31,8 @@ from mla_runtime.serving.responses import Job
 
 LOG_FORMATS = ("text", "json")
 REQUEST_ID_HEADER = b"x-request-id"
-GENERATION_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
+GENERATION_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses",
+                              "/v1/messages"})
 _USABLE_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")  # a client's id is echoed back only when it looks like one
 
 logger = logging.getLogger("mla_runtime.requests")

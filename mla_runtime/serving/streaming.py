@@ -17,7 +17,7 @@ import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -25,11 +25,41 @@ from fastapi.responses import StreamingResponse
 from mla_runtime.engine.async_llm import AsyncLLM, EngineDeadError
 from mla_runtime.outputs import RequestOutput
 from mla_runtime.serving.protocol import ApiError
-from mla_runtime.serving.responses import Job, StreamState, merge_outputs, sse
+from mla_runtime.serving.responses import Job, StreamState, full_body, merge_outputs, sse
 
 logger = logging.getLogger("mla_runtime.serving")
 
 LARGE_DELTA_TOKENS = 256  # SSE chunks for more new tokens than this are built in a worker thread
+
+
+class EventState(Protocol):
+    """A job's stream in progress: ``chunks`` turns each engine output into the SSE bytes it adds."""
+
+    job: Job
+
+    @property
+    def sent_tokens(self) -> list[int]: ...
+
+    def chunks(self, out: RequestOutput) -> list[bytes]: ...
+
+
+def openai_stream_error(e: ApiError) -> list[bytes]:
+    """The last events of a stream that failed after it started, in OpenAI's shape (a 500 is followed by [DONE])."""
+    return [sse(e.body())] + ([sse("[DONE]")] if e.status == 500 else [])
+
+
+@dataclass(frozen=True)
+class ApiShape:
+    """How one API answers a job: its body, its stream's events, its error body and its stream's error events.
+    The default is OpenAI's (``/generate`` and the ``/v1/*completions`` routes)."""
+
+    body: Callable[[Job, RequestOutput], dict[str, Any]] = full_body
+    stream: Callable[[Job], EventState] = StreamState
+    error: Callable[[ApiError], dict[str, Any]] = ApiError.body
+    stream_error: Callable[[ApiError], list[bytes]] = openai_stream_error
+
+
+OPENAI = ApiShape()
 
 
 class ClientDisconnected(Exception):
@@ -116,7 +146,7 @@ async def last_output(gen: AsyncIterator[RequestOutput], first: RequestOutput) -
     return out
 
 
-async def render(state: StreamState, out: RequestOutput) -> list[bytes]:
+async def render(state: EventState, out: RequestOutput) -> list[bytes]:
     """``state.chunks(out)``; in a worker thread when it decodes many tokens (log-probabilities, a long delta)."""
     new_tokens = sum(len(c.token_ids) for c in out.outputs) - sum(state.sent_tokens)
     if state.job.logprobs is not None or new_tokens > LARGE_DELTA_TOKENS:
@@ -138,10 +168,11 @@ def timeout_error(seconds: float) -> ApiError:
 
 
 async def job_events(job: Job, gen: AsyncIterator[RequestOutput], end: StreamEnd, deadline: float,
-                     request_timeout: float, fault_after: int | None = None) -> AsyncGenerator[bytes, None]:
-    """SSE chunks of ``job`` from its first output (``end.last``) to the end; ``fault_after``: raise after
-    that many engine outputs (fault injection, see ``MLA_FAULT_INJECTION``)."""
-    state = StreamState(job)
+                     request_timeout: float, fault_after: int | None = None,
+                     shape: ApiShape = OPENAI) -> AsyncGenerator[bytes, None]:
+    """SSE chunks of ``job`` from its first output (``end.last``) to the end, in the API's ``shape``;
+    ``fault_after``: raise after that many engine outputs (fault injection, see ``MLA_FAULT_INJECTION``)."""
+    state = shape.stream(job)
     seen = 1
     try:
         for chunk in await render(state, end.last):
@@ -157,15 +188,17 @@ async def job_events(job: Job, gen: AsyncIterator[RequestOutput], end: StreamEnd
         end.outcome = "success"
     except TimeoutError:
         end.outcome = "timeout"
-        yield sse(timeout_error(request_timeout).body())
+        for chunk in shape.stream_error(timeout_error(request_timeout)):
+            yield chunk
     except EngineDeadError:
         end.outcome = "error"
-        yield sse(ApiError(503, "the engine failed; see the server log").body())
+        for chunk in shape.stream_error(ApiError(503, "the engine failed; see the server log")):
+            yield chunk
     except Exception:  # noqa: BLE001 - a server-side fault: logged with its traceback, told to the client
         logger.exception("%s %s: the stream failed", job.endpoint, job.request_id)
         end.outcome = "error"
-        yield sse(ApiError(500, "internal error: the stream failed; see the server log").body())
-        yield sse("[DONE]")
+        for chunk in shape.stream_error(ApiError(500, "internal error: the stream failed; see the server log")):
+            yield chunk
 
 
 class SSEResponse(StreamingResponse):
@@ -173,8 +206,10 @@ class SSEResponse(StreamingResponse):
     response ends, and that ends with an error event when the server cancels it at shutdown."""
 
     def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[str], Awaitable[None]],
-                 shutting_down: Callable[[], bool], deadline: float, stall_timeout: float, **kwargs: Any) -> None:
+                 shutting_down: Callable[[], bool], deadline: float, stall_timeout: float,
+                 stream_error: Callable[[ApiError], list[bytes]] = openai_stream_error, **kwargs: Any) -> None:
         super().__init__(content, media_type="text/event-stream", **kwargs)
+        self.stream_error = stream_error
         self.on_close = on_close
         self.shutting_down = shutting_down
         self.deadline = deadline
@@ -201,7 +236,8 @@ class SSEResponse(StreamingResponse):
             reason = "aborted"
             if not self.shutting_down():
                 raise
-            end = sse(ApiError(503, "aborted: the server shut down before the request finished").body())
+            end = b"".join(self.stream_error(ApiError(503, "aborted: the server shut down before the request "
+                                                              "finished")))
             with contextlib.suppress(Exception):
                 await send({"type": "http.response.body", "body": end, "more_body": False})
         except Exception:  # noqa: BLE001 - e.g. a transport error: logged, counted as an error
