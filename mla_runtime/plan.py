@@ -1046,7 +1046,17 @@ def format_report(plan: MemoryPlan, config: ModelConfig, model: str = "") -> str
     lines += ["", f"  requested {plan.max_num_seqs:,} x {plan.max_seq_len:,} tokens: {verdict} "
               f"(needs {needed:,} blocks of {plan.block_size} tokens, the cache holds "
               f"{plan.max_tokens // plan.block_size:,})"]
+    if not plan.fits:
+        lines.append(f"  to fit: --max-num-seqs {plan.max_sequences:,} at {plan.max_seq_len:,} tokens, or "
+                     f"--max-seq-len {_fitting_len(plan):,} for {plan.max_num_seqs:,} sequences; or more memory "
+                     "(--device-memory, --tensor-parallel-size), a smaller --cache-dtype or --quantization")
     return "\n".join(lines)
+
+
+def _fitting_len(plan: MemoryPlan) -> int:
+    """A sequence length (whole blocks) of which ``plan.max_num_seqs`` fit this plan's cache; a shorter length also
+    shrinks the activation reserve, so it fits with room to spare."""
+    return plan.max_tokens // plan.block_size // plan.max_num_seqs * plan.block_size
 
 
 def build_parser(prog: str = "python -m mla_runtime.plan") -> argparse.ArgumentParser:

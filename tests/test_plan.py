@@ -1,6 +1,7 @@
 """The memory planner: bytes per token, parameter counts, capacity arithmetic, the CLI."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -256,6 +257,19 @@ def test_cli_report_deepseek_v3(capsys):
     assert "4,997,120" in out and "71.11x" in out and "FITS" in out
     assert "weights fp8 (checkpoint blocks)" in out  # the preset is DeepSeek-V3's FP8 checkpoint
     assert f"(total {weight_bytes(V3, 'bfloat16'):,} B)" in out
+
+
+def test_cli_says_what_to_change_when_the_sequences_do_not_fit(capsys):
+    """With no sequence flags the planner asks for 256 sequences of the whole context, which a DeepSeek-V3 node does
+    not hold: the report then names the settings that fit, and each of them, followed, fits."""
+    base = ["--model", "deepseek-v3", "--device-memory", "141GiB", "--tensor-parallel-size", "8"]
+    assert main(base) == 1
+    hint = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("to fit:"))
+    seqs = re.search(r"--max-num-seqs ([\d,]+)", hint).group(1).replace(",", "")
+    length = re.search(r"--max-seq-len ([\d,]+)", hint).group(1).replace(",", "")
+    assert int(seqs) >= 1 and int(length) >= 64
+    assert main([*base, "--max-num-seqs", seqs]) == 0
+    assert main([*base, "--max-seq-len", length]) == 0
 
 
 def test_cli_weights_too_big_still_reports_per_token_cost(capsys):
