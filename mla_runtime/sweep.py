@@ -369,8 +369,9 @@ def markdown_table(result: SweepResult) -> str:
 
 
 def plot(result: SweepResult, path: Path) -> bool:
-    """Perplexity, KL and top-1 agreement against bytes per token, one line per (method, cache dtype).
-    Returns False (and writes nothing) when matplotlib is missing (``pip install mla-runtime[bench]``)."""
+    """Perplexity, KL, top-1 agreement, the tokens that fit the memory budget and decode tokens/s against bytes per
+    token, one line per (method, cache dtype). Returns False (and writes nothing) when matplotlib is missing
+    (``pip install mla-runtime[bench]``)."""
     try:
         import matplotlib
 
@@ -379,10 +380,12 @@ def plot(result: SweepResult, path: Path) -> bool:
         from matplotlib.ticker import FuncFormatter
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    fig, axes = plt.subplots(1, 5, figsize=(27, 4.8))
     panels = (("perplexity", "perplexity (lower is better; dotted: full model)"),
               ("kl_div", f"KL(full ‖ point), nats/token (floor {KL_PLOT_FLOOR:g})"),
-              ("top1_agreement", "top-1 agreement with full"))
+              ("top1_agreement", "top-1 agreement with full"),
+              ("max_concurrent_tokens", f"tokens that fit the {result.memory_budget:,} B cache budget"),
+              ("decode_tokens_per_s", "decode tokens/s (where measured)"))
     colours = {"svd": "tab:blue", "pca": "tab:orange", "full": "black"}
     markers = {"fp32": "D", "bf16": "o", "fp16": "v", "fp8": "s", "int8": "^"}
     styles = {"fp32": "-", "bf16": "-", "fp16": "-", "fp8": "--", "int8": ":"}
@@ -395,8 +398,7 @@ def plot(result: SweepResult, path: Path) -> bool:
         for (method, dtype), rows in series.items():
             rows = sorted(rows, key=lambda r: r.bytes_per_token)
             xs = [r.bytes_per_token for r in rows]
-            ys = [max(getattr(r, column), KL_PLOT_FLOOR) if column == "kl_div" else getattr(r, column)
-                  for r in rows]
+            ys = [_plotted(r, column) for r in rows]
             full = method.endswith("full")  # the untruncated model: one point per cache dtype
             colour = colours.get(method, "tab:green" if full else "gray")
             ax.plot(xs, ys, linestyle="none" if full else styles.get(dtype, "-"), marker=markers.get(dtype, "o"),
@@ -424,6 +426,14 @@ def plot(result: SweepResult, path: Path) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def _plotted(row: SweepRow, column: str) -> float:
+    """A row's value in a panel: KL floored at ``KL_PLOT_FLOOR`` (a log axis), an unmeasured speed left out (NaN)."""
+    value = getattr(row, column)
+    if value is None:
+        return math.nan
+    return max(value, KL_PLOT_FLOOR) if column == "kl_div" else float(value)
 
 
 def write_reports(result: SweepResult, out_dir: str | Path) -> list[Path]:

@@ -130,6 +130,29 @@ def test_cli_writes_documented_columns(tiny_checkpoint, tmp_path, capsys):
     assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_plot_has_a_panel_for_quality_capacity_and_speed(swept, tmp_path, monkeypatch):
+    """The PNG shows what docs/latent-rank.md promises: perplexity, KL and top-1 agreement, the tokens that fit the
+    memory budget and decode tokens/s, each against bytes per token, with a line per (method, cache dtype)."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from mla_runtime.sweep import plot
+
+    _, result = swept
+    seen: list[Figure] = []
+    real = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: seen.append(fig) or real(fig, *a, **k))
+    assert plot(result, tmp_path / "sweep.png")
+    titles = [ax.get_title() for ax in seen[0].axes]
+    for what in ("perplexity", "KL", "top-1 agreement", "tokens that fit", "decode tokens/s"):
+        assert sum(what in t for t in titles) == 1, (what, titles)
+    capacity = seen[0].axes[3]
+    assert {tuple(line.get_ydata()) for line in capacity.get_lines()} >= {
+        tuple(r.max_concurrent_tokens for r in sorted(rows, key=lambda r: r.bytes_per_token))
+        for rows in [[r for r in result.rows if (r.method, r.cache_dtype, r.weights) == key]
+                     for key in {(r.method, r.cache_dtype, r.weights) for r in result.rows}]}
+
+
 def test_bad_input_names_the_flag(tiny_checkpoint, tmp_path, capsys):
     ckpt, _ = tiny_checkpoint("v3")
     with pytest.raises(ValueError, match="calibration"):
