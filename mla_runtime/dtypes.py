@@ -7,15 +7,19 @@ are defined once in ``mla_kernels.dtypes``; this module gives them their user-fa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from mla_kernels.dtypes import FLOAT_CACHE_DTYPES, QUANTIZED_CACHE_DTYPES, is_quantized
 from mla_kernels.sparse import index_scale_groups
 
+if TYPE_CHECKING:
+    from mla_runtime.config import ModelConfig
+
 __all__ = ["CACHE_DTYPES", "FLOAT_CACHE_DTYPES", "HALF_WEIGHT_SCHEMES", "MODEL_DTYPES", "QUANTIZED_CACHE_DTYPES",
            "CacheDtype", "auto_cache_dtype", "dtype_name", "index_bytes_per_token", "index_cache_dtype",
-           "resolve_cache_dtype"]
+           "resolve_cache_dtype", "resolve_model_dtype"]
 
 MODEL_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -37,6 +41,20 @@ CACHE_SCALE_DTYPE = torch.float32
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def resolve_model_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
+    """``"auto"`` → the checkpoint's ``torch_dtype``; FP8 checkpoints load (dequantised) at that dtype. (On a CPU, the
+    loader and the Worker then ask ``kernel_plan.resolve_cpu_format`` whether this CPU keeps half precision.)"""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in MODEL_DTYPES.values():
+            raise ValueError(f"dtype: weights load as float32/bfloat16/float16, got {dtype}")
+        return dtype
+    name = config.torch_dtype if dtype == "auto" else dtype
+    if name not in MODEL_DTYPES:
+        field = "config torch_dtype" if dtype == "auto" else "dtype"
+        raise ValueError(f"{field}: unsupported model dtype {name!r} (use one of {', '.join(MODEL_DTYPES)})")
+    return MODEL_DTYPES[name]
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ from torch import nn
 from mla_runtime import attention
 from mla_runtime.compressed import is_stored_compressed, read_stored, stored_names
 from mla_runtime.config import ModelConfig
+from mla_runtime.dtypes import resolve_model_dtype
 from mla_runtime.errors import InvalidParam
 from mla_runtime.families import FAMILIES
 from mla_runtime.kernel_plan import OFF_CPU, kernel_plan, resolve_cpu_format
@@ -63,7 +64,6 @@ from mla_runtime.layers.qweight import QuantizedWeight
 from mla_runtime.layers.rotary import RotaryEmbedding
 from mla_runtime.models.deepseek import DeepseekForCausalLM
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
-from mla_runtime.plan import resolve_model_dtype
 from mla_runtime.resolved_config import ResolvedConfig
 
 logger = logging.getLogger("mla_runtime")

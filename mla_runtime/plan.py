@@ -18,7 +18,8 @@ n_h × (d_n + d_r + d_v) × 61 × 2 = 4,997,120 B/token (71×).
 
 The weights are what a rank holds once loaded (``weight_footprint``): the products in the model dtype, int8, int4 or
 FP8 blocks (``quantization``; an FP8 checkpoint keeps its own blocks without it: DeepSeek-V3 on 8 ranks holds about
-86 GB each), ``kv_b_proj`` and its absorbed factors' copies, and on a CPU the second layouts its products keep.
+86 GB each), ``kv_b_proj`` and its absorbed factors' copies, and on a CPU the second layouts its products keep. They
+are counted over the model the loader builds, made on the meta device (``mla_runtime.footprint``).
 A load needs more than that while it runs (``load_requirement``); the worker refuses one that cannot fit before it
 reads a weight (``check_load_memory``).
 
@@ -42,14 +43,14 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from mla_runtime.cache.disk_tier import HEADER_ESTIMATE_BYTES
-from mla_runtime.config import PRESET_DIR, ModelConfig, MoEConfig
+from mla_runtime.config import PRESET_DIR, ModelConfig
 from mla_runtime.dtypes import (
     CACHE_DTYPES,
     MODEL_DTYPES,
@@ -59,7 +60,18 @@ from mla_runtime.dtypes import (
     index_bytes_per_token,
     index_cache_dtype,
     resolve_cache_dtype,
+    resolve_model_dtype,
 )
+from mla_runtime.footprint import (  # the weights' bytes and parameters, counted over the model the loader builds
+    WeightFootprint,
+    check_tp,
+    check_weight_quantization,
+    parameter_count,
+    weight_bytes,
+    weight_footprint,
+)
+from mla_runtime.footprint import parameter_breakdown as parameter_breakdown
+from mla_runtime.footprint import quantized_parameters as quantized_parameters
 from mla_runtime.help_format import DefaultsHelpFormatter
 from mla_runtime.kernel_plan import CpuLayouts
 from mla_runtime.options import LATENT_CACHE_LAYOUTS, WEIGHT_QUANTIZATIONS, parse_bytes  # defined without torch
@@ -67,20 +79,6 @@ from mla_runtime.options import LATENT_CACHE_LAYOUTS, WEIGHT_QUANTIZATIONS, pars
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 MIN_DEFAULT_BATCHED_TOKENS = 2048
 ACTIVATION_OVERHEAD_BYTES = 256 * 2**20
-
-
-def resolve_model_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
-    """``"auto"`` → the checkpoint's ``torch_dtype``; FP8 checkpoints load (dequantised) at that dtype. (On a CPU, the
-    loader and the Worker then ask ``kernel_plan.resolve_cpu_format`` whether this CPU keeps half precision.)"""
-    if isinstance(dtype, torch.dtype):
-        if dtype not in MODEL_DTYPES.values():
-            raise ValueError(f"dtype: weights load as float32/bfloat16/float16, got {dtype}")
-        return dtype
-    name = config.torch_dtype if dtype == "auto" else dtype
-    if name not in MODEL_DTYPES:
-        field = "config torch_dtype" if dtype == "auto" else "dtype"
-        raise ValueError(f"{field}: unsupported model dtype {name!r} (use one of {', '.join(MODEL_DTYPES)})")
-    return MODEL_DTYPES[name]
 
 
 # -- bytes per token -----------------------------------------------------------------------------
@@ -104,132 +102,6 @@ def mha_bytes_per_token(config: ModelConfig, dtype: str | torch.dtype = "auto") 
 
 
 # -- weights ---------------------------------------------------------------------------------------
-def _check_tp(config: ModelConfig, tensor_parallel_size: int) -> None:
-    if tensor_parallel_size < 1:
-        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
-    if config.num_attention_heads % tensor_parallel_size:
-        raise ValueError(f"tensor_parallel_size ({tensor_parallel_size}) must divide num_attention_heads "
-                         f"({config.num_attention_heads})")
-
-
-def parameter_breakdown(config: ModelConfig, tensor_parallel_size: int = 1) -> dict[str, int]:
-    """Parameters per rank by component (exact for ``tensor_parallel_size=1``; the MTP layer is skipped).
-
-    Counts what the checkpoint holds, so the ``noaux_tc`` router's ``e_score_correction_bias`` is
-    included (transformers keeps it as a buffer). Components: embedding, attention, dense_mlp, moe
-    (router + routed + shared experts), norms (all RMSNorm weights, and the low-rank gates of A.X-K2's gated
-    norms), lm_head (0 when tied).
-    """
-    _check_tp(config, tensor_parallel_size)
-    tp = tensor_parallel_size
-
-    def shard(n: int) -> int:
-        return -(-n // tp)
-
-    d, heads = config.hidden_size, config.num_attention_heads // tp
-    bias = int(config.attention_bias)
-    attn = 0 if config.q_lora_rank is None else (d + bias) * config.q_lora_rank          # q_a_proj
-    q_in = d if config.q_lora_rank is None else config.q_lora_rank
-    q_rows = config.qk_head_dim + (config.v_head_dim if config.query_gate else 0)  # A.X-K2: a gate per head too
-    attn += q_in * (2 if config.query_gate else 1) * heads * q_rows              # q_proj | q_b_proj | q_gate_proj
-    attn += heads * config.v_head_dim * d + bias * d                             # o_proj
-    attn += 2 * heads * int(config.query_log_scaling)                            # Mistral Large 4: softmax_scaling
-
-    def latent(layer: int) -> int:  # kv_a_proj_with_mqa (a NoPE layer's gives no k_r) and kv_b_proj
-        rope = config.qk_rope_head_dim * config.uses_rope(layer)
-        return (d + bias) * (config.kv_lora_rank + rope) + config.kv_lora_rank * heads * (
-            config.layer_nope_dim(layer) + config.v_head_dim)
-
-    attn_norms = config.kv_lora_rank + (config.q_lora_rank or 0)                 # kv_a / q_a layernorm
-    idx = config.indexer  # sparse attention's indexer, replicated: wq_b, wk, k_norm (weight and bias), weights_proj
-    indexer = 0 if idx is None else (idx.n_heads * idx.head_dim * _indexer_query_input(config) + d * idx.head_dim
-                                     + 2 * idx.head_dim + d * idx.n_heads)
-    if idx is not None:  # Mistral Large 4: q_input_norm (weight and bias) and the queries' softmax_scaling
-        indexer += 2 * d * (idx.query_source == "hidden") + 2 * idx.n_heads * idx.query_log_scaling
-
-    def mlp(intermediate: int) -> int:  # gate, up, down (+ biases when mlp_bias)
-        inter = shard(intermediate)
-        return 3 * d * inter + int(config.mlp_bias) * (2 * inter + d)
-
-    counts = dict.fromkeys(("embedding", "attention", "dense_mlp", "moe", "norms", "lm_head"), 0)
-    counts["embedding"] = shard(config.vocab_size) * d
-    counts["lm_head"] = 0 if config.tie_word_embeddings else shard(config.vocab_size) * d
-    counts["norms"] = d  # final norm
-    counts["attention"] = config.qk_rope_head_dim // 2 * config.rope.learned_frequency_scale  # LeRoPE's alpha
-    blocks = config.attention_blocks_per_layer  # LongCat: attention blocks (with their two norms) of a layer
-    for layer in range(config.num_hidden_layers):
-        counts["attention"] += blocks * (attn + latent(layer)) + (0 if idx is None or idx.is_shared(layer)
-                                                                  else indexer)
-        counts["norms"] += blocks * (2 * d + attn_norms) + 2 * d * config.gated_norm_rank * _gated_norms(config, layer)
-        m = config.moe
-        if m is not None and config.is_moe_layer(layer):
-            router = m.router_experts * d + (m.router_experts if _correction_bias(m) else 0)
-            routed = m.n_routed_experts * 3 * d * shard(m.moe_intermediate_size)
-            shared = mlp(m.n_shared_experts * m.moe_intermediate_size) if m.n_shared_experts else 0
-            counts["moe"] += router + routed + shared
-        counts["dense_mlp"] += config.dense_mlps(layer) * mlp(config.intermediate_size)
-    return counts
-
-
-def _correction_bias(moe: MoEConfig) -> bool:
-    """Whether the router holds ``e_score_correction_bias`` (``noaux_tc``, unless the family has none)."""
-    return moe.topk_method == "noaux_tc" and moe.correction_bias != "none"
-
-
-def _indexer_query_input(config: ModelConfig) -> int:
-    """The width the indexer's ``wq_b`` reads: ``q_lora_rank``, or ``hidden_size`` where its queries come from the
-    hidden state (Mistral Large 4)."""
-    idx = config.indexer
-    if idx is not None and idx.query_source == "hidden":
-        return config.hidden_size
-    return config.q_lora_rank or 0
-
-
-def _gated_norms(config: ModelConfig, layer: int) -> int:
-    """A.X-K2's gated norms in ``layer`` (each with a low-rank gate ``[r, d]`` and ``[d, r]``): the input norm, and the
-    post-attention norm of a MoE layer."""
-    return 0 if not config.gated_norm_rank else 1 + int(config.is_moe_layer(layer))
-
-
-def parameter_count(config: ModelConfig, tensor_parallel_size: int = 1) -> int:
-    """Parameters of the main model (no MTP layer), per rank when ``tensor_parallel_size > 1``."""
-    return sum(parameter_breakdown(config, tensor_parallel_size).values())
-
-
-INT4_GROUP = 32  # int4: weights per float16 scale along K (layers.int4.GROUP)
-FP8_QUANTIZE_BLOCK = (128, 128)  # quantization="fp8" of float weights: rows x columns per scale (layers.fp8)
-
-
-def check_weight_quantization(quantization: str | None) -> str | None:
-    """``None``/``"none"`` → None; ``int8``/``int4``/``fp8`` as they are; anything else a ``ValueError`` naming it."""
-    if quantization in (None, "none"):
-        return None
-    if quantization not in WEIGHT_QUANTIZATIONS:
-        raise ValueError(f"quantization: none, {', '.join(WEIGHT_QUANTIZATIONS)}, got {quantization!r}")
-    return quantization
-
-
-@dataclass(frozen=True)
-class _Matrix:
-    """``count`` weight matrices of one kind on a rank, each ``sum(rows) × k``: stacked from the checkpoint tensors
-    of ``rows`` output rows each (this rank's part of them)."""
-
-    name: str
-    count: int
-    rows: tuple[int, ...]
-    k: int
-    product: bool  # quantised with ``quantization`` (``layers.quantization.quantized_parameter_names``)
-    fp8_whole: bool  # an FP8 checkpoint stores it in blocks that this rank's part keeps whole (``loader``)
-    piece: int  # elements of the largest checkpoint tensor behind one of them: this rank's part of it ...
-    full: int  # ... and the whole tensor (an FP8 one loaded dequantised is read whole, then sliced)
-    fp8_stored: bool = True  # an FP8 checkpoint stores it in FP8 blocks (not the lm_head, nor eh_proj)
-    pack: str = "linear"  # on a CPU, a float one is packed on its own ("linear") or stacked with its partner ("fused")
-
-    @property
-    def elements(self) -> int:
-        return sum(self.rows) * self.k
-
-
 def _tp_splits(config: ModelConfig, tp: int) -> bool:
     """Whether the model splits ``tp`` ways (``parallel.check_tensor_parallel``, without the cache layout's rule)."""
     m = config.moe
@@ -239,306 +111,6 @@ def _tp_splits(config: ModelConfig, tp: int) -> bool:
         return False
     dense = any(config.dense_mlps(i) for i in range(config.num_hidden_layers))
     return not (dense and config.intermediate_size % tp)
-
-
-def _matrices(config: ModelConfig, tp: int, num_mtp_layers: int = 0) -> list[_Matrix]:
-    """Every weight matrix of one rank (the model's own layout: ``models/deepseek.py``): the products, ``kv_b_proj``,
-    the MTP layers' ``eh_proj`` and an untied lm_head. ``fp8_whole`` follows the loader's rule (``_weight_kinds``):
-    an FP8 checkpoint's products stay FP8 where every part a rank takes, and every part stacked with another, starts
-    and ends on a block; the lm_head is not stored in FP8 and ``kv_b_proj`` is dequantised."""
-    _check_tp(config, tp)
-    d, layers = config.hidden_size, range(config.num_hidden_layers + num_mtp_layers)
-    found = _attention_matrices(config, tp, num_mtp_layers) + _mlp_matrices(config, tp, num_mtp_layers)
-    gates = sum(_gated_norms(config, i) for i in layers)
-    if gates:  # A.X-K2's gated norms: their low-rank gates, replicated, never quantised, not stored in FP8
-        r = config.gated_norm_rank
-        found.append(_Matrix("gated norm W_down", gates, (r,), d, False, False, r * d, r * d, False))
-        found.append(_Matrix("gated norm W_up", gates, (d,), r, False, False, d * r, d * r, False))
-    if num_mtp_layers:
-        found.append(_Matrix("eh_proj", num_mtp_layers, (d,), 2 * d, False, False, 2 * d * d, 2 * d * d, False))
-    if not config.tie_word_embeddings:
-        vocab_rows = -(-config.vocab_size // tp)
-        found.append(_Matrix("lm_head", 1, (vocab_rows,), d, True, False, vocab_rows * d, config.vocab_size * d,
-                             False))
-    return found
-
-
-def _fp8_whole(config: ModelConfig, tp: int) -> Callable[[int, int], bool]:
-    """Whether a dimension split across ranks, ``local`` of it on each, stays whole FP8 blocks of ``block``."""
-    fp8 = config.fp8_block_size is not None
-    return lambda local, block: fp8 and (tp == 1 or local % block == 0)
-
-
-def _attention_matrices(config: ModelConfig, tp: int, num_mtp_layers: int) -> list[_Matrix]:
-    """The attention blocks' matrices of one rank (``_matrices``): projections, ``kv_b_proj``, the indexer's."""
-    d, heads, big_heads = config.hidden_size, config.num_attention_heads // tp, config.num_attention_heads
-    qk, d_c, latent = config.qk_head_dim, config.kv_lora_rank, config.latent_dim
-    fp8, whole = config.fp8_block_size is not None, _fp8_whole(config, tp)
-    bn, bk = config.fp8_block_size or (1, 1)
-    layers = range(config.num_hidden_layers + num_mtp_layers)
-    n = config.num_attention_layers + num_mtp_layers  # attention blocks (a LongCat layer has two)
-    found: list[_Matrix] = []
-    nope = sum(not config.uses_rope(i) for i in layers) * config.attention_blocks_per_layer  # Mistral Large 4
-    if config.q_lora_rank is None:
-        found.append(_Matrix("q_proj", n, (heads * qk,), d, True, whole(heads * qk, bn), heads * qk * d,
-                             big_heads * qk * d))
-        found.append(_Matrix("kv_a_proj_with_mqa", n - nope, (latent,), d, True, fp8, latent * d, latent * d))
-        if nope:  # a NoPE layer's: the latent only
-            found.append(_Matrix("kv_a_proj_with_mqa (NoPE)", nope, (d_c,), d, True, fp8, d_c * d, d_c * d))
-    else:
-        q_lora = config.q_lora_rank
-        a = max(q_lora, latent) * d
-        found.append(_Matrix("q_a_proj+kv_a_proj_with_mqa", n, (q_lora, latent), d, True, fp8, a, a, pack="fused"))
-        if config.query_gate:  # A.X-K2: each head's query and gate rows from [q_resid ; q_a_proj(h)]
-            rows = qk + config.v_head_dim
-            found.append(_Matrix("q_gate_proj", n, (heads * rows,), 2 * q_lora, True, whole(heads * rows, bn),
-                                 heads * rows * 2 * q_lora, big_heads * rows * 2 * q_lora))
-        else:
-            found.append(_Matrix("q_b_proj", n, (heads * qk,), q_lora, True, whole(heads * qk, bn),
-                                 heads * qk * q_lora, big_heads * qk * q_lora))
-    for count, kv_b_rows in ((n - nope, config.qk_nope_head_dim + config.v_head_dim),
-                             (nope, config.qk_head_dim + config.v_head_dim)):  # a NoPE layer's keys: d_n + d_r
-        if count:
-            found.append(_Matrix("kv_b_proj", count, (heads * kv_b_rows,), d_c, False, False,
-                                 heads * kv_b_rows * d_c, big_heads * kv_b_rows * d_c))
-    idx = config.indexer
-    if idx is not None and _indexer_query_input(config):  # the indexer's projections: replicated, never quantised
-        own = sum(not idx.is_shared(i) for i in layers)
-        q_rows, q_lora = idx.n_heads * idx.head_dim, _indexer_query_input(config)
-        found.append(_Matrix("indexer wq_b", own, (q_rows,), q_lora, False, False, q_rows * q_lora, q_rows * q_lora))
-        found.append(_Matrix("indexer wk+weights_proj", own, (idx.head_dim, idx.n_heads), d, False, False,
-                             idx.head_dim * d, idx.head_dim * d))
-    d_v = config.v_head_dim
-    found.append(_Matrix("o_proj", n, (d,), heads * d_v, True, whole(heads * d_v, bk), d * heads * d_v,
-                         d * big_heads * d_v))
-    return found
-
-
-def _mlp_matrices(config: ModelConfig, tp: int, num_mtp_layers: int) -> list[_Matrix]:
-    """The MLPs' matrices of one rank (``_matrices``): dense MLPs, shared and routed experts."""
-    d, fp8, whole = config.hidden_size, config.fp8_block_size is not None, _fp8_whole(config, tp)
-    bn, bk = config.fp8_block_size or (1, 1)
-    layers = range(config.num_hidden_layers + num_mtp_layers)
-    found: list[_Matrix] = []
-
-    def gated(name: str, count: int, inter: int, split: bool) -> list[_Matrix]:
-        local = inter // tp if split else inter
-        stacked_whole = fp8 and local % bn == 0  # gate and up stacked: each must end on a block
-        down_whole = whole(local, bk) if split else fp8
-        return [_Matrix(f"{name} gate_up", count, (local, local), d, True, stacked_whole, local * d, inter * d),
-                _Matrix(f"{name} down", count, (d,), local, True, down_whole, d * local, d * inter)]
-
-    dense = sum(config.dense_mlps(i) for i in layers)
-    if dense:
-        found += gated("dense mlp", dense, config.intermediate_size, True)
-    m = config.moe
-    moe_layers = sum(config.is_moe_layer(i) for i in layers)
-    if m is not None and moe_layers:
-        if m.n_shared_experts:
-            found += gated("shared experts", moe_layers, m.n_shared_experts * m.moe_intermediate_size, True)
-        found += gated("routed experts", moe_layers * (m.n_routed_experts // tp), m.moe_intermediate_size, False)
-    return found
-
-
-def _stored_bytes(matrix: _Matrix, fmt: str, element: int, fp8_block: tuple[int, int]) -> int:
-    """Bytes of one matrix in ``fmt``: ``float`` (``element`` bytes a value), ``int8`` (a byte a value, a bfloat16
-    scale per row), ``bf16`` / ``fp16`` (two bytes a value), ``int4`` (half a byte a value and a float16 scale per 32
-    values of a row, ``K`` padded to a whole group) or ``fp8`` (a byte a value, a float32 scale per ``fp8_block``,
-    each checkpoint part with its own blocks)."""
-    rows, k = sum(matrix.rows), matrix.k
-    if fmt == "float":
-        return rows * k * element
-    if fmt == "int8":
-        return rows * k + 2 * rows
-    if fmt in ("bf16", "fp16"):
-        return rows * k * 2
-    if fmt == "int4":
-        groups = -(-k // INT4_GROUP)
-        return rows * groups * INT4_GROUP // 2 + 2 * rows * groups
-    bn, bk = fp8_block
-    return rows * k + 4 * sum(-(-r // bn) for r in matrix.rows) * -(-k // bk)
-
-
-@dataclass(frozen=True)
-class WeightFootprint:
-    """The bytes one rank's weights hold once loaded, by part (``weight_footprint``)."""
-
-    dtype: torch.dtype  # the model dtype
-    format: str  # the products' format: the model dtype's name, int8, int4, fp8, or "fp8 (checkpoint blocks)"
-    float_bytes: int  # weights in the model dtype: embedding, norms, kv_b_proj, matrices left unquantised; router fp32
-    quantized_bytes: int  # quantised matrices with their scales
-    absorbed_bytes: int  # the attention's copies of its absorbed factors (w_uk, w_uv_t)
-    packed_bytes: int  # CPU only: float matrices' second layout, the stacked q_a+kv_a copy, int8 float32 row scales
-    largest_read_elements: int  # the largest tensor a load converts to a float one (this rank's part)
-
-    @property
-    def total(self) -> int:
-        return self.float_bytes + self.quantized_bytes + self.absorbed_bytes + self.packed_bytes
-
-
-def _small_parameters(config: ModelConfig, tp: int, num_mtp_layers: int, stacked_bias: bool) -> tuple[int, int]:
-    """The elements of one rank's parameters outside the matrices: the embedding, norms and biases (model dtype;
-    ``stacked_bias``: the stacked input projection's bias too), and the routers' (float32)."""
-    d, vocab_rows = config.hidden_size, -(-config.vocab_size // tp)
-    layers = range(config.num_hidden_layers + num_mtp_layers)
-    q_lora = config.q_lora_rank or 0
-    per_layer = 2 * d + config.kv_lora_rank + q_lora
-    if config.attention_bias:
-        per_layer += q_lora + config.latent_dim + d
-        if q_lora and stacked_bias:  # the stacked input projection's bias
-            per_layer += q_lora + config.latent_dim
-    blocks = config.num_attention_layers + num_mtp_layers  # per_layer: of each attention block
-    rest = vocab_rows * d + d + blocks * per_layer + num_mtp_layers * 3 * d  # + MTP enorm, hnorm, head norm
-    nope = sum(not config.uses_rope(i) for i in layers) * config.attention_blocks_per_layer
-    rest -= nope * config.qk_rope_head_dim * int(config.attention_bias)  # a NoPE layer's kv_a bias: d_c only
-    heads = config.num_attention_heads // tp
-    rest += blocks * 2 * heads * int(config.query_log_scaling)  # Mistral Large 4: the queries' softmax_scaling
-    idx = config.indexer  # the sparse-attention indexer's key LayerNorm (weight and bias) on the layers that have one
-    if idx is not None:  # ... and Mistral Large 4's q_input_norm (weight and bias) and softmax_scaling
-        own = sum(not idx.is_shared(i) for i in layers)
-        rest += own * (2 * idx.head_dim + 2 * d * (idx.query_source == "hidden")
-                       + 2 * idx.n_heads * idx.query_log_scaling)
-    router = config.qk_rope_head_dim // 2 * int(config.rope.learned_frequency_scale)  # LeRoPE's alpha: float32
-    m = config.moe
-    for i in layers:
-        moe_layer = m is not None and config.is_moe_layer(i)
-        if moe_layer and m is not None:
-            router += m.router_experts * d + (m.router_experts if _correction_bias(m) else 0)
-            if config.mlp_bias and m.n_shared_experts:  # the shared experts' biases (routed experts have none)
-                rest += 2 * (m.n_shared_experts * m.moe_intermediate_size // tp) + d
-        if config.mlp_bias:  # the dense MLPs' biases
-            rest += config.dense_mlps(i) * (2 * (config.intermediate_size // tp) + d)
-    return rest, router
-
-
-@dataclass(frozen=True)
-class _Extras:
-    """What a format adds to its matrices' bytes (``weight_footprint``)."""
-
-    row_scales: bool  # int8 matrices keep a float32 copy of their scales for the compiled row kernels
-    bf16_blocked: bool  # bf16 matrices keep oneDNN's blocked copy
-    checkpoint_fp8: bool  # an FP8 checkpoint's products stay in its blocks
-    fp8_block: tuple[int, int]
-
-
-def _matrix_bytes(config: ModelConfig, tp: int, num_mtp_layers: int, scheme: str | None, element: int, extra: int,
-                  extras: _Extras) -> tuple[int, int, int, int]:
-    """One rank's matrices (and a tied head's quantised copy): bytes in float, bytes quantised, bytes of second
-    layouts, and the largest float piece a load converts at once (elements)."""
-    row_scales, bf16_blocked, checkpoint_fp8 = extras.row_scales, extras.bf16_blocked, extras.checkpoint_fp8
-    fp8_block = extras.fp8_block
-    float_bytes = quantized = packed = largest = 0
-    for matrix in _matrices(config, tp, num_mtp_layers):
-        fmt = scheme if scheme is not None and matrix.product else \
-            "fp8" if checkpoint_fp8 and matrix.product and matrix.fp8_whole else "float"
-        if not (checkpoint_fp8 and fmt == "fp8"):  # FP8 blocks kept as stored are never widened
-            dequantised = config.fp8_block_size is not None and matrix.fp8_stored  # read whole, then sliced
-            largest = max(largest, matrix.full if dequantised else matrix.piece)
-        size = matrix.count * _stored_bytes(matrix, fmt, element, fp8_block)
-        if fmt == "float":
-            float_bytes += size
-            if extra:
-                packed += matrix.count * matrix.elements * (extra + (element if matrix.pack == "fused" else 0))
-        else:
-            quantized += size
-            packed += 4 * matrix.count * sum(matrix.rows) if row_scales else 0
-            quantized += size if bf16_blocked else 0
-    d, vocab_rows = config.hidden_size, -(-config.vocab_size // tp)
-    largest = max(largest, vocab_rows * d)
-    head = _Matrix("lm_head", 1, (vocab_rows,), d, True, False, vocab_rows * d, config.vocab_size * d, False)
-    if config.tie_word_embeddings and scheme is not None:  # the quantised copy of the embedding
-        quantized += _stored_bytes(head, scheme, element, fp8_block)
-        packed += 4 * vocab_rows if row_scales else 0
-        quantized += _stored_bytes(head, scheme, element, fp8_block) if bf16_blocked else 0
-    elif config.tie_word_embeddings and extra:  # the embedding is the head: packed for its products
-        packed += head.elements * extra
-    return float_bytes, quantized, packed, largest
-
-
-def weight_footprint(config: ModelConfig, dtype: str | torch.dtype = "auto", tensor_parallel_size: int = 1,
-                     quantization: str | None = None, *, cpu: CpuLayouts | None = None,
-                     num_mtp_layers: int = 0, latent_cache_layout: str = "replicated") -> WeightFootprint:
-    """What one rank's weights hold once loaded (``loader.load_model``, then ``finish_quantization``), by part.
-
-    - Products (every attention projection but ``kv_b_proj``, the dense MLPs, shared and routed experts, an untied
-      lm_head): in the model dtype; or with ``quantization`` ``int8`` (``N·K + 2·N`` bytes: a bfloat16 scale per
-      row), ``int4`` (``N·Kp/2 + 2·N·Kp/32``, ``Kp`` = ``K`` rounded up to 32) or ``fp8`` (``N·K`` + a float32 scale
-      per 128×128 block). An FP8 checkpoint (``config.fp8_block_size``) without ``quantization`` keeps its products
-      as stored: ``N·K`` + a float32 scale per block of this rank's part, where that part is whole blocks (else they
-      load dequantised); its lm_head and ``kv_b_proj`` are in the model dtype. A tied lm_head gets a quantised copy
-      (the embedding stays). A pre-quantised checkpoint (``config.stored_quantization``) counts in its format.
-    - ``kv_b_proj`` in the model dtype, and per attention layer its absorbed factors' copies ``w_uk``/``w_uv_t``
-      (``n_h·(d_n + d_v)·d_c`` values): bfloat16 with ``quantization`` where the compiled CPU decode kernel runs
-      (a float32 model on a CPU that builds it, replicated cache), else the model dtype.
-    - Embedding, norms (and biases) in the model dtype; the MoE router and its correction bias in float32.
-    - ``cpu`` (a CPU's probed layouts, ``KernelPlan.layouts``) only: each float matrix's second layout,
-      ``extra_bytes_per_element`` (oneDNN's blocked copy, or a float32 copy; 0 on the ``plain`` path), and where
-      ``q_a_proj`` and ``kv_a_proj_with_mqa`` run stacked, their stacked copy; where the compiled one-row kernels
-      run, int8 matrices' float32 copy of their scales (4 bytes a row). (A ``bf16`` matrix counts, where oneDNN has
-      bfloat16 products, its blocked copy for them among its own bytes: 2 more a weight.) On a GPU, or without
-      ``cpu`` (a plan for no particular machine), none of these is counted.
-    - ``num_mtp_layers``: the MTP layers' decoder blocks, ``eh_proj`` and norms (the embedding and head are shared).
-
-    Not counted: RoPE tables and the MTP drafts' head rows (small), and the 1-element stand-ins of released weights.
-    """
-    tp = tensor_parallel_size
-    scheme = check_weight_quantization(quantization) or config.stored_quantization  # a pre-quantised checkpoint's
-    model_dtype = resolve_model_dtype(dtype, config)
-    element = model_dtype.itemsize
-    if cpu is not None and cpu.dtype != model_dtype:
-        raise ValueError(f"cpu: layouts probed for {cpu.dtype} weights, not {model_dtype}")
-    extra, row_kernels = (cpu.extra_bytes_per_element, cpu.row_kernels) if cpu is not None else (0, False)
-    decode_kernel = row_kernels and model_dtype == torch.float32 and not (latent_cache_layout == "sharded" and tp > 1)
-    row_scales = row_kernels and scheme == "int8"  # Int8Weight.row_scales: float32 scales for the row kernels
-    bf16_blocked = cpu is not None and cpu.bf16_blocked and scheme == "bf16"  # Bf16Weight.native: a second copy
-    checkpoint_fp8 = scheme is None and config.fp8_block_size is not None
-    fmt_name = (scheme or ("fp8 (checkpoint blocks)" if checkpoint_fp8 else dtype_name(model_dtype)))
-    fp8_block = config.fp8_block_size if checkpoint_fp8 and config.fp8_block_size else FP8_QUANTIZE_BLOCK
-
-    extras = _Extras(row_scales, bf16_blocked, checkpoint_fp8, fp8_block)
-    float_bytes, quantized, packed, largest = _matrix_bytes(config, tp, num_mtp_layers, scheme, element, extra, extras)
-
-    rest, router = _small_parameters(config, tp, num_mtp_layers, stacked_bias=bool(extra or scheme is not None
-                                                                                  or checkpoint_fp8))
-    float_bytes += rest * element + 4 * router
-
-    absorbed = _absorbed_bytes(config, tp, num_mtp_layers, 2 if scheme is not None and decode_kernel else element,
-                               element)
-    return WeightFootprint(model_dtype, fmt_name, float_bytes, quantized, absorbed, packed, largest)
-
-
-def _absorbed_bytes(config: ModelConfig, tp: int, num_mtp_layers: int, absorbed_element: int, element: int) -> int:
-    """The absorbed factors' copies of one rank, ``absorbed_element`` bytes a value. ``w_uk`` is a view of
-    ``kv_b_proj`` where a rank has one head and keeps its dtype (already contiguous); ``w_uv_t`` a copy; a NoPE
-    layer's ``w_uk`` has ``d_n + d_r`` rows a head."""
-    blocks, heads = config.num_attention_layers + num_mtp_layers, config.num_attention_heads // tp
-    nope = sum(not config.uses_rope(i) for i in range(config.num_hidden_layers + num_mtp_layers)) \
-        * config.attention_blocks_per_layer
-    view = heads == 1 and absorbed_element == element
-    w_uk = 0 if view else heads * (blocks * config.qk_nope_head_dim + nope * config.qk_rope_head_dim)
-    return (w_uk + blocks * heads * config.v_head_dim) * config.kv_lora_rank * absorbed_element
-
-
-def weight_bytes(config: ModelConfig, dtype: str | torch.dtype = "auto", tensor_parallel_size: int = 1,
-                 quantization: str | None = None, *, cpu: CpuLayouts | None = None,
-                 num_mtp_layers: int = 0, latent_cache_layout: str = "replicated") -> int:
-    """Bytes one rank's weights hold once loaded: ``weight_footprint(...).total`` (its docstring says what counts;
-    ``cpu`` adds the float matrices' second layout as probed on this machine)."""
-    return weight_footprint(config, dtype, tensor_parallel_size, quantization, cpu=cpu,
-                            num_mtp_layers=num_mtp_layers, latent_cache_layout=latent_cache_layout).total
-
-
-def quantized_parameters(config: ModelConfig, tensor_parallel_size: int = 1) -> tuple[int, tuple[int, int]]:
-    """The matrices ``quantization`` stores quantised, per rank: (elements, (output rows, lm_head rows)).
-
-    Every attention projection except ``kv_b_proj`` (biases stay), the dense MLPs, the routed and shared experts
-    (not the router) and the lm_head, tied or not (``layers.quantization``): what ``_matrices`` marks ``product``.
-    """
-    products = [m for m in _matrices(config, tensor_parallel_size) if m.product and m.name != "lm_head"]
-    vocab_rows = -(-config.vocab_size // tensor_parallel_size)
-    elements = sum(m.count * m.elements for m in products) + vocab_rows * config.hidden_size
-    rows = sum(m.count * sum(m.rows) for m in products) + vocab_rows
-    return elements, (rows, vocab_rows)
 
 
 # -- activations -------------------------------------------------------------------------------
@@ -574,7 +146,7 @@ def activation_reserve_bytes(config: ModelConfig, *, dtype: str | torch.dtype = 
     (split-KV partial outputs), sampler buffers and allocator slack. Each term is an upper bound
     of what lives at once; nothing is assumed to be freed early.
     """
-    _check_tp(config, tensor_parallel_size)
+    check_tp(config, tensor_parallel_size)
     if max_num_batched_tokens < 1:
         raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
     if max_num_seqs < 1:
@@ -715,7 +287,7 @@ def _min_tp_that_fits(config: ModelConfig, dtype: torch.dtype, usable: int, quan
 
 def _check_plan_args(config: ModelConfig, memory_utilization: float, latent_cache_layout: str,
                      tensor_parallel_size: int, **positive: int) -> None:
-    _check_tp(config, tensor_parallel_size)
+    check_tp(config, tensor_parallel_size)
     if not 0 < memory_utilization <= 1:
         raise ValueError(f"memory_utilization must be in (0, 1], got {memory_utilization}")
     for name, value in positive.items():

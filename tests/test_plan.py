@@ -463,25 +463,31 @@ def test_fp8_checkpoint_weight_bytes_equal_what_the_model_holds(tmp_path, gemm_m
 
 def test_int4_and_fp8_byte_formulas():
     """int4: half a byte a value and a float16 scale per 32 values of a row (``K`` padded to whole groups); fp8: a byte
-    a value and a float32 scale per 128 x 128 block of each checkpoint part. Checked against the formats' own
-    ``nbytes`` where they are importable."""
-    from mla_runtime.plan import _Matrix, _stored_bytes
+    a value and a float32 scale per 128 x 128 block of each checkpoint part. The formats' ``stored_bytes`` (what the
+    planner counts) checked against their own ``nbytes``."""
+    from mla_runtime.footprint import inventory
+    from mla_runtime.layers.fp8 import DEFAULT_BLOCK, Fp8Weight
+    from mla_runtime.layers.int4 import GROUP, Int4Weight
+    from mla_runtime.layers.quantization import Int8Weight
 
     for n, k in ((96, 64), (40, 100), (256, 7168)):
-        m = _Matrix("m", 1, (n,), k, True, True, n * k, n * k)
         kp = -(-k // 32) * 32
-        assert _stored_bytes(m, "int4", 4, (128, 128)) == n * kp // 2 + 2 * n * kp // 32
-        assert _stored_bytes(m, "int8", 4, (128, 128)) == n * k + 2 * n
-        assert _stored_bytes(m, "fp8", 4, (128, 128)) == n * k + 4 * -(-n // 128) * -(-k // 128)
+        assert Int4Weight.stored_bytes(n, k) == n * kp // 2 + 2 * n * kp // 32
+        assert Int8Weight.stored_bytes(n, k) == n * k + 2 * n
+        assert Fp8Weight.stored_bytes(n, k) == n * k + 4 * -(-n // 128) * -(-k // 128)
         w = torch.randn(n, k)
-        int4 = pytest.importorskip("mla_runtime.layers.int4")
-        assert int4.GROUP == 32 and int4.Int4Weight.quantize(w).nbytes == _stored_bytes(m, "int4", 4, (128, 128))
-        fp8 = pytest.importorskip("mla_runtime.layers.fp8")
-        assert fp8.DEFAULT_BLOCK == (128, 128)
-        assert fp8.Fp8Weight.quantize(w).nbytes == _stored_bytes(m, "fp8", 4, (128, 128))
+        assert GROUP == 32 and Int4Weight.quantize(w).nbytes == Int4Weight.stored_bytes(n, k)
+        assert Int8Weight.quantize(w).nbytes == Int8Weight.stored_bytes(n, k)
+        assert DEFAULT_BLOCK == (128, 128)
+        assert Fp8Weight.quantize(w).nbytes == Fp8Weight.stored_bytes(n, k)
     # two checkpoint parts stacked (gate and up): each has its own scale rows
-    stacked = _Matrix("gate_up", 1, (64, 64), 256, True, True, 64 * 256, 64 * 256)
-    assert _stored_bytes(stacked, "fp8", 4, (128, 128)) == 128 * 256 + 4 * 2 * 2
+    assert sum(Fp8Weight.stored_bytes(rows, 256) for rows in (64, 64)) == 128 * 256 + 4 * 2 * 2
+    parts = {p.name.rsplit(".", 2)[-2]: p.parts for p in inventory(TINY_V3).params if p.name.endswith("gate_up_proj")}
+    moe = TINY_V3.moe
+    assert moe is not None
+    shared = moe.n_shared_experts * moe.moe_intermediate_size
+    assert parts == {"mlp": (TINY_V3.intermediate_size,) * 2, "shared_experts": (shared,) * 2,
+                     "experts": (moe.moe_intermediate_size,) * 2}
 
 
 def test_deepseek_v3_fp8_fits_eight_h200():

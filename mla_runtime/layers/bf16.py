@@ -74,6 +74,11 @@ class Bf16Weight(QuantizedWeight):
             self.native.blocked
         return self.weight.numel() * 2 + (0 if second is None else second.nbytes)
 
+    @classmethod
+    def stored_bytes(cls, rows: int, k: int, block: tuple[int, int] | None = None) -> int:
+        """Two bytes a value (a second layout, where ``native`` keeps one, adds as many)."""
+        return rows * k * cls.half.itemsize
+
     def row_operand(self) -> torch.Tensor | None:
         return self.weight if self.kernel else None
 

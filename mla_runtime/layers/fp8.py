@@ -131,6 +131,12 @@ class Fp8Weight(QuantizedWeight):
     def nbytes(self) -> int:
         return self.weight.numel() + self.scale_inv.numel() * self.scale_inv.element_size()
 
+    @classmethod
+    def stored_bytes(cls, rows: int, k: int, block: tuple[int, int] | None = None) -> int:
+        """A byte a value and a float32 scale per block (``block``, default ``DEFAULT_BLOCK``)."""
+        nb, kb = _blocks(rows, k, block or DEFAULT_BLOCK)
+        return rows * k + 4 * nb * kb
+
     def row_operand(self) -> None:
         return None  # the one-row MLP and decoder-layer kernels read float32 or int8 matrices
 

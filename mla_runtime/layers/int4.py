@@ -170,6 +170,12 @@ class Int4Weight(QuantizedWeight):
     def nbytes(self) -> int:
         return self.packed.numel() + self.scales.numel() * self.scales.element_size()
 
+    @classmethod
+    def stored_bytes(cls, rows: int, k: int, block: tuple[int, int] | None = None) -> int:
+        """Half a byte a value and a float16 scale per ``GROUP`` values of a row, ``K`` padded to whole groups."""
+        kp = padded(k)
+        return rows * kp // 2 + 2 * rows * (kp // GROUP)
+
     def row_operand(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The matrix as the compiled layer and MLP kernels read it (``cpu_tables.Operand``), where they run."""
         return (self.packed, self.scales) if self.kernel else None

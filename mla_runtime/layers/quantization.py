@@ -129,6 +129,11 @@ class Int8Weight(QuantizedWeight):
     def nbytes(self) -> int:
         return self.qweight.numel() + self.scales.numel() * self.scales.element_size()
 
+    @classmethod
+    def stored_bytes(cls, rows: int, k: int, block: tuple[int, int] | None = None) -> int:
+        """A byte a value and a bfloat16 scale a row."""
+        return rows * k + 2 * rows
+
     def row_operand(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None if self.row_scales is None else (self.qweight, self.row_scales)
 

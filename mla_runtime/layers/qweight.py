@@ -124,6 +124,12 @@ class QuantizedWeight(PackedWeight):
         """Resident bytes: the stored matrix and its scales."""
         raise NotImplementedError
 
+    @classmethod
+    def stored_bytes(cls, rows: int, k: int, block: tuple[int, int] | None = None) -> int:
+        """The ``nbytes`` of a ``[rows, k]`` matrix in this format, its scales included and no second layout; ``block``:
+        the FP8 blocks it keeps (default: the format's own)."""
+        raise NotImplementedError
+
     def dequantize(self) -> torch.Tensor:
         """The float32 matrix this one stands for."""
         raise NotImplementedError
