@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from mla_runtime import LLM, SamplingParams
-from mla_runtime.plan import parse_bytes
+from mla_runtime.options import parse_bytes
 
 OUT = Path(__file__).resolve().parent / "out" / "tp_model"
 

@@ -25,7 +25,7 @@ from importlib.metadata import PackageNotFoundError, version
 # subcommand → (module with main(argv, prog), one-line summary)
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("mla_runtime.serving.server", "serve a checkpoint over HTTP (/generate, /v1/*, /metrics)"),
-    "plan": ("mla_runtime.plan", "split one device's memory into weights, activations and latent cache"),
+    "plan": ("mla_runtime.plan_cli", "split one device's memory into weights, activations and latent cache"),
     "sweep": ("mla_runtime.sweep", "latent rank × cache dtype: quality, bytes per token, capacity, speed"),
     "bench": ("mla_runtime.benchmark", "offline throughput of LLM.generate on a checkpoint"),
     "hash": ("mla_runtime.checksums", "write a checkpoint's sha256 manifest (SHA256SUMS) for --verify-weights"),

@@ -75,7 +75,8 @@ from mla_runtime.help_format import DefaultsHelpFormatter
 from mla_runtime.hub import resolve_model
 from mla_runtime.latent_rank import CALIBRATION_TOKENS, METHODS, calibration_chunks
 from mla_runtime.layers.quantization import check_quantization
-from mla_runtime.plan import cache_capacity_tokens, parse_bytes
+from mla_runtime.options import parse_bytes
+from mla_runtime.plan import cache_capacity_tokens
 
 COLUMNS = ("method", "rank", "cache_dtype", "weights", "bytes_per_token", "bytes_vs_full", "max_concurrent_tokens",
            "perplexity", "kl_div", "top1_agreement", "decode_tokens_per_s")

@@ -23,7 +23,8 @@ LEVELS = {
     "attention": 2,  # the backends take tensors and a layer id: they never import the layer modules above them
     "layers": 3,
     "models": 4,
-    "loader": 5, "latent_rank": 5, "plan": 5, "footprint": 5, "token_map": 5, "compressed": 5, "random_checkpoint": 5,
+    "loader": 5, "latent_rank": 5, "plan": 5, "footprint": 5, "load_check": 5, "plan_cli": 5, "token_map": 5,
+    "compressed": 5, "random_checkpoint": 5,
     "engine": 7, "llm": 7,
     "serving": 9,
     "cli": 10, "sweep": 10, "benchmark": 10, "warm": 10,

@@ -7,21 +7,21 @@ import pytest
 import torch
 
 from mla_runtime.config import PRESET_DIR, ModelConfig
+from mla_runtime.options import parse_bytes
 from mla_runtime.plan import (
     ACTIVATION_OVERHEAD_BYTES,
     activation_reserve_bytes,
     default_max_num_batched_tokens,
     latent_bytes_per_token,
-    main,
     mha_bytes_per_token,
     parameter_breakdown,
     parameter_count,
-    parse_bytes,
     plan_memory,
     quantized_parameters,
     resolve_cache_dtype,
     weight_bytes,
 )
+from mla_runtime.plan_cli import main
 
 V3 = ModelConfig.from_pretrained("deepseek-v3")  # the FP8 checkpoint: its products load as FP8 blocks
 V3_BF16 = V3.with_overrides(fp8_block_size=None)  # the same model from a bfloat16 checkpoint
@@ -373,7 +373,7 @@ def test_pre_quantised_checkpoint_counts_in_its_stored_format(tiny_checkpoint, t
     from mla_runtime.compressed import main as quantize_main
     from mla_runtime.layers.quantization import finish_quantization
     from mla_runtime.loader import load_model
-    from mla_runtime.plan import _smaller_formats, weight_footprint
+    from mla_runtime.plan import smaller_formats, weight_footprint
 
     src, _ = tiny_checkpoint("v3")
     assert quantize_main(["--model", str(src), "--quantization", scheme, "--out", str(tmp_path / scheme)]) == 0
@@ -383,7 +383,7 @@ def test_pre_quantised_checkpoint_counts_in_its_stored_format(tiny_checkpoint, t
     planned = weight_footprint(cfg, "float32", cpu=CPU())
     assert planned.format == scheme and planned == weight_footprint(cfg, "float32", 1, scheme, cpu=CPU())
     assert planned.total == _resident_bytes(model)
-    assert _smaller_formats(cfg, None) == []
+    assert smaller_formats(cfg, None) == []
 
 
 @pytest.mark.parametrize("tp,layout", [(2, "replicated"), (4, "sharded")])
@@ -555,7 +555,7 @@ def test_a_cpu_plan_counts_the_latent_cache_a_cpu_load_keeps(tiny_checkpoint):
     """``--device cpu`` plans the cache dtype a load on this CPU keeps for ``kv_cache_dtype`` "auto": a bfloat16
     checkpoint that ``dtype`` "auto" runs over its own bfloat16 weights in a float32 model caches bfloat16 latents (the
     compiled decode reads them), else the model's dtype; the engine's bytes per token are the plan's."""
-    from mla_runtime.plan import _probed_cpu
+    from mla_runtime.plan_cli import _probed_cpu
 
     cpu, quantization = _probed_cpu("auto", V2_LITE, None)
     plan = plan_memory(V2_LITE, dtype="auto", device_memory_bytes=parse_bytes("256GiB"), max_seq_len=4096,
@@ -571,7 +571,7 @@ def test_a_cpu_plan_counts_the_latent_cache_a_cpu_load_keeps(tiny_checkpoint):
 
 # -- the load's memory check -----------------------------------------------------------------------------------
 def test_load_requirement_parts(tiny_checkpoint):
-    from mla_runtime.plan import LOAD_MARGIN_CPU_BYTES, load_requirement
+    from mla_runtime.load_check import LOAD_MARGIN_CPU_BYTES, load_requirement
 
     cfg = ModelConfig.from_pretrained(tiny_checkpoint("v3")[0])
     need = load_requirement(cfg, dtype="float32", device="cpu", max_model_len=100, block_size=16, max_num_seqs=4,
@@ -592,7 +592,7 @@ def test_load_requirement_parts(tiny_checkpoint):
 
 def test_load_check_names_the_settings_that_fit():
     from mla_runtime.errors import InsufficientMemory
-    from mla_runtime.plan import check_load_memory
+    from mla_runtime.load_check import check_load_memory
 
     settings = dict(dtype="bfloat16", device="cuda", max_model_len=4096, max_num_seqs=4)
     with pytest.raises(InsufficientMemory) as err:
@@ -684,7 +684,7 @@ def test_the_cpu_plan_leaves_out_second_layouts_where_only_that_fits(monkeypatch
     """``plan --device cpu`` plans as the engine loads: where the weights fit only without their second layouts
     (a bfloat16 DeepSeek-V2-Lite under ``auto``: 58.8 GiB with oneDNN's blocked copies, 29.9 GiB without), it plans
     them without and says so; where neither fits, it refuses."""
-    from mla_runtime import plan as plan_module
+    from mla_runtime import plan_cli as plan_module
     from mla_runtime.kernel_plan import CpuLayouts
 
     bf16w = CpuLayouts(torch.float32, 4, True, True)  # a float32 model with bfloat16 weights on an AVX512-BF16 CPU

@@ -54,6 +54,7 @@ from mla_runtime.hub import resolve_model
 from mla_runtime.kernel_plan import OFF_CPU, CpuLayouts, KernelPlan, kernel_plan, resolve_cpu_format
 from mla_runtime.latent_rank import check_latent_rank, truncate_latent_rank
 from mla_runtime.layers.quantization import finish_quantization
+from mla_runtime.load_check import check_load_memory, load_requirement
 from mla_runtime.loader import load_resolved
 from mla_runtime.models.deepseek import DeepseekForCausalLM
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext, check_tensor_parallel
@@ -61,10 +62,8 @@ from mla_runtime.plan import (
     activation_reserve_bytes,
     cache_budget_bytes,
     cache_num_blocks,
-    check_load_memory,
     default_max_num_batched_tokens,
     latent_bytes_per_token,
-    load_requirement,
     resolve_model_dtype,
     weight_bytes,
 )
@@ -195,7 +194,7 @@ class Worker:
 
     # -- set-up ----------------------------------------------------------------------------------
     def check_memory(self) -> None:
-        """Refuse a load this rank's memory cannot hold, before any weight is read: ``plan.check_load_memory``
+        """Refuse a load this rank's memory cannot hold, before any weight is read: ``load_check.check_load_memory``
         against the RAM available (``available_host_memory``) on a CPU, the free device memory on CUDA. Raises
         ``errors.InsufficientMemory`` (a ``ValueError``) with the sizes and the settings that would fit."""
         c = self.config
