@@ -97,7 +97,7 @@ def dense_linear(x: torch.Tensor, plain: torch.Tensor, operand: torch.Tensor | N
     """``x · Wᵀ (+ bias)`` in ``x``'s dtype for a float weight prepared once (``layers.cpu_gemm.PackedWeight``), the
     product chosen inside the operator by the count of rows: up to ``rows[0]`` the few-row kernels, up to ``rows[1]``
     ATen's, up to ``rows[2]`` AMX ``tiles``, more oneDNN's (ATen's where ``onednn`` is false) on ``operand``."""
-    return torch.ops.mla_kernels.dense_linear(x, plain, operand, tiles, bias, list(rows), onednn)  # type: ignore[no-any-return]
+    return torch.ops.mla_kernels.dense_linear(x, plain, operand, tiles, bias, rows, onednn)  # type: ignore[no-any-return]
 
 
 def amx_pack(weight: torch.Tensor) -> torch.Tensor:

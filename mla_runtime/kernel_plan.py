@@ -143,6 +143,11 @@ class KernelPlan:
         the same bits whatever rows share its product."""
         return {"int8": self.row_kernels, "int4": self.int4_failure is None}.get(scheme, False)
 
+    def rows_independent(self, scheme: str) -> bool:
+        """Whether every product of ``scheme``'s weights gives a row the same bits whatever rows share it: the integer
+        kernels, or for int8 ATen's int8 kernel (``layers.quantization``)."""
+        return self.integer_kernels(scheme) or (scheme == "int8" and self.int8_aten_failure is None)
+
     def half_kernel(self, dtype: torch.dtype) -> bool:
         """Whether few-row products with ``dtype`` (bfloat16 or float16) weights take the compiled kernel that reads
         them at two bytes."""

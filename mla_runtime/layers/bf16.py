@@ -53,6 +53,10 @@ class Bf16Weight(QuantizedWeight):
         # many-row bfloat16 products: oneDNN's on their blocked layout where this CPU has them
         onednn = self.on_cpu and self.half == torch.bfloat16 and plan.choice(torch.bfloat16).path == "onednn"
         self.native = PackedWeight.make(self.weight, plan) if onednn else None
+        native = self.native  # dense_linear's operand and row limits (PackedWeight)
+        self.operand = None if native is None else native.blocked if native.blocked is not None else native.plain
+        self.rows = (cpu_kernels.max_rows(self.half) if self.kernel else 0, 0,
+                     AMX_MAX_ROWS if native is not None and native.amx is not None else 0)
         return self
 
     @classmethod
@@ -98,13 +102,11 @@ class Bf16Weight(QuantizedWeight):
         """``x [..., K]`` (any float dtype) -> ``x · Wᵀ (+ bias)`` in ``x``'s dtype: ``dense_linear`` where the
         operators load (the few-row kernel reading two bytes a weight, AMX tiles, then the bfloat16 products on
         ``native``'s layout or the weight widened a block at a time), else the torch fallback."""
-        native = self.native
-        operand = None if native is None else native.blocked if native.blocked is not None else native.plain
         if self.compiled and self.on_cpu:
-            rows = (cpu_kernels.max_rows(self.half) if self.kernel else 0, 0,
-                    AMX_MAX_ROWS if native is not None and native.amx is not None else 0)
-            return cpu_kernels.dense_linear(x, self.weight, operand, None if native is None else native.amx, bias,
-                                            rows, native is not None or self.widened_onednn)
+            native = self.native
+            return cpu_kernels.dense_linear(x, self.weight, self.operand, None if native is None else native.amx, bias,
+                                            self.rows, native is not None or self.widened_onednn)
+        operand = self.operand
         if operand is not None:
             return torch_product(x, operand, bias, onednn=True)
         return self.widened_product(x, bias)

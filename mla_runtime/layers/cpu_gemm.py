@@ -85,7 +85,7 @@ class PackedWeight:
     layouts, and the row limits with which ``dense_linear`` picks each product's route."""
 
     __slots__ = ("plain", "blocked", "wide", "amx", "plain_gemv", "row_kernel", "upcast", "aten_max_rows", "bf16_rows",
-                 "onednn", "compiled")
+                 "onednn", "compiled", "operand", "rows")
     quantized = False  # True: a weight-only quantised matrix (``layers.quantization``)
 
     def __init__(self, weight: torch.Tensor, plan: KernelPlan) -> None:
@@ -121,6 +121,11 @@ class PackedWeight:
             self.blocked, self.onednn = None, False
         half = self.plain.is_contiguous() and plan.half_kernel(weight.dtype)
         self.bf16_rows = BF16_KERNEL_ROWS.get(path, 0) if half else 0
+        # what every product reads, fixed here: the layout kept for many rows, and dense_linear's row limits (the
+        # few-row kernels, ATen's products, AMX tiles)
+        self.operand: torch.Tensor | None = self.blocked if self.blocked is not None else self.wide
+        self.rows = (KERNEL_MAX_ROWS if self.row_kernel else self.bf16_rows, self.aten_max_rows,
+                     AMX_MAX_ROWS if self.amx is not None else 0)
 
     @staticmethod
     def make(weight: torch.Tensor, plan: KernelPlan) -> PackedWeight | None:
@@ -133,12 +138,6 @@ class PackedWeight:
         """Take ``plan``'s paths (a quantised format: its kernels; a float weight is packed anew by ``prepared``)."""
         return self
 
-    @property
-    def rows(self) -> tuple[int, int, int]:
-        """``dense_linear``'s row limits: the few-row kernels, ATen's products, AMX tiles."""
-        return (KERNEL_MAX_ROWS if self.row_kernel else self.bf16_rows, self.aten_max_rows,
-                AMX_MAX_ROWS if self.amx is not None else 0)
-
     def row_operand(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
         """The weight as the compiled one-row kernels read it (``mla_kernels.cpu_tables.GatedMLPTable``), or None where
         its products do not take them: a float32 weight's few-row products (``row_kernel``), or a half-precision one
@@ -148,11 +147,10 @@ class PackedWeight:
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [..., K] · Wᵀ (+ bias)`` in ``x``'s dtype: the compiled ``dense_linear``, which picks the route by the
         count of rows, or where it does not load the torch fallback on the layout kept for many rows."""
-        operand = self.blocked if self.blocked is not None else self.wide
         if self.compiled:
-            return cpu_kernels.dense_linear(x, self.plain, operand, self.amx, bias, self.rows, self.onednn)
+            return cpu_kernels.dense_linear(x, self.plain, self.operand, self.amx, bias, self.rows, self.onednn)
         one_row = self.plain_gemv and x.numel() == x.shape[-1]  # oneDNN streams the plain weight faster for one row
-        return torch_product(x, self.plain if operand is None or one_row else operand, bias, self.onednn)
+        return torch_product(x, self.plain if self.operand is None or one_row else self.operand, bias, self.onednn)
 
 
 def prepared(weight: torch.Tensor, packed: PackedWeight | None, plan: KernelPlan) -> PackedWeight | None:

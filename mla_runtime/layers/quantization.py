@@ -240,17 +240,17 @@ def install_quantized(model: nn.Module, weights: dict[str, QuantizedMatrices]) -
             module.qkv_a_bias = None if a_bias is None or kv_bias is None else torch.cat([a_bias, kv_bias])
 
 
-def round_absorbed_factors(attn: MLAttention, plan: KernelPlan, integer_products: bool = False) -> None:
+def round_absorbed_factors(attn: MLAttention, plan: KernelPlan, rows_independent: bool = False) -> None:
     """``kv_b_proj`` (the absorbed factors ``W_UK``/``W_UV``) keeps its dtype with its values rounded to bfloat16, so
     that every path (the prefill's up-projection, the absorbed copies) reads the same factors; where the compiled
     decode kernel runs, its copies of them are stored in bfloat16 (half the bytes a decode step reads there), and where
     the CPU has native bfloat16 products (``KernelPlan.bf16_products``) the up-projection's products run on a bfloat16
-    copy (a ``Bf16Weight``) in place of the float32 blocked one, except beside ``integer_products`` (the int8 and int4
-    kernels, whose results do not depend on the rows beside them). Done after any latent-rank truncation, which folds
-    its basis into ``kv_b_proj`` at full precision."""
+    copy (a ``Bf16Weight``) in place of the float32 blocked one, except beside products whose results do not depend on
+    the rows beside them (``rows_independent``: ``KernelPlan.rows_independent``). Done after any latent-rank
+    truncation, which folds its basis into ``kv_b_proj`` at full precision."""
     kv_b = attn.kv_b_proj
     kv_b.weight.data.copy_(kv_b.weight.data.to(torch.bfloat16))
-    if kv_b.weight.device.type == "cpu" and plan.bf16_products and not integer_products:
+    if kv_b.weight.device.type == "cpu" and plan.bf16_products and not rows_independent:
         # its values are bfloat16 ones: the prefill's key and value rebuild runs oneDNN's bfloat16 products (1.9x the
         # float32 products at 128 rows), a few rows the kernel reading them at two bytes. The same bytes as the float32
         # blocked copy it replaces; the float weight stays, for the views w_uk_uv gives.
@@ -280,10 +280,10 @@ def finish_quantization(model: nn.Module, quantization: str, plan: KernelPlan | 
     drafts' head, each prepared for ``plan`` (default: the model's, ``plan_of``)."""
     fmt = WEIGHT_FORMATS[quantization]
     plan = plan_of(model) if plan is None else plan
-    integer = plan.integer_kernels(quantization) or (quantization == "int8" and plan.int8_aten_failure is None)
+    rows_independent = plan.rows_independent(quantization)
     for module in model.modules():
         if isinstance(module, MLAttention):
-            round_absorbed_factors(module, plan, integer)
+            round_absorbed_factors(module, plan, rows_independent)
     prepare_attention = getattr(model, "prepare_attention", None)
     if prepare_attention is not None:  # the backend holds the rounded factors (a model; a bare test module has none)
         prepare_attention()

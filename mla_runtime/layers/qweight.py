@@ -84,7 +84,8 @@ class QuantizedWeight(PackedWeight):
     def _release_float(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> None:
         """Set the fields every ``PackedWeight`` has: no float layout is kept."""
         self.plain = released_like(shape, dtype, device)
-        self.blocked = self.wide = self.amx = None
+        self.blocked = self.wide = self.amx = self.operand = None
+        self.rows = (0, 0, 0)
         self.upcast = self.plain_gemv = self.row_kernel = self.onednn = self.compiled = False
         self.aten_max_rows = self.bf16_rows = 0
         self.widened_onednn = False
