@@ -10,9 +10,10 @@ tensors have a shape function (``_register_fakes``), so they trace.
 The first process that needs them builds them with ``torch.utils.cpp_extension`` into a folder of ``cache_dir()``
 named by a digest of the sources, headers, flags, compiler and torch's version; every later process, and every
 tensor-parallel rank, loads that build (one process builds at a time, under an OS lock that dies with it: a killed
-build never blocks a later start, and a wait for a live one has a deadline). Hot functions are compiled for several
-x86 levels with target attributes (AVX-512 with or without BF16 dot products, AVX-512 VNNI, AVX2 + FMA) and chosen at
-run time by probing the CPU.
+build never blocks a later start, and a wait for a live one has a deadline). Hot kernels are written once over a
+vector vocabulary (``csrc/vec_avx2.h``, ``csrc/vec_avx512.h``) and compiled once per x86 level (AVX2 + FMA, AVX-512,
+with VNNI or BF16 dot products where a kernel uses them), chosen at run time by one probe of the CPU
+(``csrc/cpu_features.c``) under the ``MLA_CPU_ISA`` cap.
 
 ``failure()`` is None when the operators are loaded on this machine, else why not (no C++ compiler, a build error,
 an x86-64 CPU without AVX2, FMA and F16C, another architecture than x86-64 and aarch64): callers keep their torch paths,
@@ -45,7 +46,8 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 PORTABLE_SOURCES = (CSRC / "ops" / "indexer.cpp", CSRC / "ops" / "isa.cpp", CSRC / "cpu_features.c")
 X86_SOURCES = (CSRC / "gemv_f32.c", CSRC / "mla_decode_f32.c", CSRC / "mla_layer_f32.c", CSRC / "gemv_fp8.c",
                CSRC / "gemv_int4.c", CSRC / "amx_bf16.c", CSRC / "ops" / "cpu_kernels.cpp")
-HEADERS = (CSRC / "mla_cpu.h", CSRC / "simd.h", CSRC / "decode_attention.h", CSRC / "isa_cap.h", CSRC / "amx_emulate.h")
+HEADERS = (CSRC / "mla_cpu.h", CSRC / "simd.h", CSRC / "isa_cap.h", CSRC / "amx_emulate.h", CSRC / "vec_avx2.h",
+           CSRC / "vec_avx512.h", CSRC / "vec_end.h", CSRC / "decode_attention.h", CSRC / "few_rows.h")
 CFLAGS = ("-O3", "-std=c++17", "-fopenmp")  # OpenMP: the kernels' threads are torch's pool
 # the x86 baseline (every AVX2 CPU has FMA and F16C): wider instruction sets are chosen per function at run time
 X86_CFLAGS = ("-mavx2", "-mfma", "-mf16c")

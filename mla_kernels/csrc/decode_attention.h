@@ -1,20 +1,21 @@
-/* The absorbed decode attention and the prefill's up-projected attention (mla_decode_f32.c), written once over a
- * vector of VL floats and included once per instruction set: mla_decode_f32.c defines, before each inclusion,
- *
- *     V, VL                       the vector type and its lanes (__m256 and 8 for AVX2, __m512 and 16 for AVX-512)
- *     V_LOAD, V_STORE, V_ZERO, V_SET1, V_FMA, V_MUL, V_ADD, V_SUB, V_MAX   the usual operations
- *     V_BF16(p), V_F16(p)         VL bfloat16 / float16 values from p, widened to float32 (exactly)
- *     V_I8(p), V_FP8(p)           VL int8 values from p as floats; VL float8_e4m3fn values as floats / 2^8 (exactly)
- *     V_HSUM(v), V_HMAX(v)        the sum and the largest of the lanes
- *     V_EXP(v)                    e^v lane by lane (for v <= 0; below -87 gives 0)
- *     SFX(name)                   name with the instruction set's suffix
- *
- * and finds them undefined again after it.
+/* The absorbed decode attention and the prefill's up-projected attention (mla_decode_f32.c), written once over the
+ * vector vocabulary of vec_avx2.h / vec_avx512.h and included once per instruction set, between that header and
+ * vec_end.h.
  * Column blocks are four vectors wide (32 floats with AVX2, 64 with AVX-512).
  *
  * The latent cache holds float32, bfloat16 or float16 rows, or int8 / float8_e4m3fn rows with a scale per token
  * and part (ck: CacheKind). A row is widened exactly as it is read, and a quantised value multiplied by its scale
  * (one rounding, as dequantize_rows), so every sum is the one a float32 cache of the dequantised values gives. */
+
+#if VL == 8
+#define WEIGH_HEADS 2   /* heads of a tile of the weighted sum: 2 x 4 vectors of sums */
+#define PREFILL_TILE 3  /* vectors of keys a tile of the prefill's scores: 4 rows x 3 vectors of sums */
+#define GEMM_ROWS 2     /* rows of a a register tile of small_gemm: 2 x 4 vectors of sums in AVX2's 16 registers */
+#else
+#define WEIGH_HEADS 4   /* 4 x 4 vectors of sums */
+#define PREFILL_TILE 3  /* 4 x 3 vectors of sums (4 x 4 measured the same, with 32 KB of keys a tile) */
+#define GEMM_ROWS 4     /* 4 x 4 vectors of sums in AVX-512's 32 registers */
+#endif
 
 /* VL cached values from c + i as floats, times sv (quantised caches: the part's scale, kscale); ck, as load_w's bf16,
  * a constant wherever this is inlined. */
@@ -402,25 +403,6 @@ static void SFX(prefill_attention)(const float *q_n, int64_t qn_t, int64_t qn_h,
     }
 }
 
-#undef V
-#undef VL
 #undef GEMM_ROWS
 #undef WEIGH_HEADS
 #undef PREFILL_TILE
-#undef V_LOAD
-#undef V_STORE
-#undef V_ZERO
-#undef V_SET1
-#undef V_FMA
-#undef V_MUL
-#undef V_ADD
-#undef V_SUB
-#undef V_MAX
-#undef V_BF16
-#undef V_F16
-#undef V_I8
-#undef V_FP8
-#undef V_HSUM
-#undef V_HMAX
-#undef V_EXP
-#undef SFX

@@ -220,92 +220,6 @@ void mla_gemv_i8(const int8_t *w, const float *scale, const float *x, float *y, 
  * the rate, half as far): measured best of 1, 2 and 4 KB. */
 #define PF_BYTES(T) (sizeof(T) == 4 ? 2048 : 1024)
 
-/* The register tile of the few-row float products (AVX2 and AVX-512 alike): the weight rows wr[0..R) against the m
- * input rows x (stride k), LANES values a step from i = 0 to end, into the accumulators acc[R][m] of type VEC; each
- * weight vector is prefetched PF_BYTES ahead and widened (WIDE) once, each input vector loaded once for the R rows. */
-#define TILE_STEPS(T, VEC, LANES, WIDE, LOADX, FMA, end)                                                            \
-    for (int64_t i = 0; i < (end); i += (LANES)) {                                                                   \
-        VEC wv[4];                                                                                                   \
-        for (int q = 0; q < R; q++) {                                                                                \
-            _mm_prefetch((const char *)(wr[q] + i) + PF_BYTES(T), _MM_HINT_T0);                                      \
-            wv[q] = WIDE(wr[q] + i);                                                                                 \
-        }                                                                                                            \
-        for (int j = 0; j < m; j++) {                                                                                \
-            const VEC xv = LOADX(x + j * k + i);                                                                     \
-            for (int q = 0; q < R; q++) acc[q][j] = FMA(wv[q], xv, acc[q][j]);                                       \
-        }                                                                                                            \
-    }
-
-static inline __m256 load_f32(const float *p) { return _mm256_loadu_ps(p); }
-static inline float f32_value(float v) { return v; }
-
-/* A few rows at once with AVX2 (1 <= m <= 8: a speculative verification or a small batch): Y [m, n] = X [m, k] W^T
- * for float32, bfloat16 or float16 W (half weights read at two bytes, widened exactly: a shift, or F16C's
- * conversion). NAME(w, rows, x, y, m ...): the three weight rows rows[0..3) against up to four input rows (12 of the
- * 16 registers accumulate), so that each input vector loaded feeds three multiply-adds; more input rows are taken
- * four at a time, the three weight rows then read again from cache. Each output is its own accumulator's sum in the
- * same order whatever the rows beside it. */
-#define AVX2_STREAMS 3
-#define AVX2_BLOCK 4
-#define FEW_AVX2(NAME, T, WIDEN, VALUE)                                                                              \
-    static inline __attribute__((always_inline)) void NAME(const T *w, const int64_t *rows, const float *x, float *y, \
-                                                           const int m, int64_t n, int64_t k) {                      \
-        const int64_t k8 = k - k % 8;                                                                                \
-        const int R = AVX2_STREAMS;                                                                                  \
-        const T *wr[AVX2_STREAMS];                                                                                   \
-        for (int q = 0; q < R; q++) wr[q] = w + rows[q] * k;                                                         \
-        __m256 acc[AVX2_STREAMS][AVX2_BLOCK];                                                                        \
-        for (int q = 0; q < R; q++)                                                                                  \
-            for (int j = 0; j < m; j++) acc[q][j] = _mm256_setzero_ps();                                             \
-        TILE_STEPS(T, __m256, 8, WIDEN, _mm256_loadu_ps, _mm256_fmadd_ps, k8)                                        \
-        for (int q = 0; q < R; q++)                                                                                  \
-            for (int j = 0; j < m; j++) {                                                                            \
-                float s = hsum(acc[q][j]);                                                                           \
-                for (int64_t i = k8; i < k; i++) s += VALUE(wr[q][i]) * x[j * k + i];                                \
-                y[j * n + rows[q]] = s;                                                                              \
-            }                                                                                                        \
-    }
-
-/* Int8 weights against m <= AVX2_BLOCK rows already rounded to int16 (xq, m rows of k, one scale per row in sx), R
- * (at most AVX2_STREAMS) weight rows rows[0..R) at once: integer multiply-adds, the int32 sums moved to float every
- * I16_CHUNK values. */
-static inline __attribute__((always_inline)) void few_i8(const int8_t *w, const float *scale, const int64_t *rows,
-                                                         const int R, const int16_t *xq, const float *sx, float *y,
-                                                         const int m, int64_t n, int64_t k) {
-    const int64_t k16 = k - k % 16;
-    const int8_t *wr[AVX2_STREAMS];
-    for (int q = 0; q < R; q++) wr[q] = w + rows[q] * k;
-    float sums[AVX2_STREAMS][AVX2_BLOCK] = {{0.0f}};  /* in memory: only the integer accumulators stay in registers through the loop */
-    for (int64_t c = 0; c < k16; c += I16_CHUNK) {
-        const int64_t end = c + I16_CHUNK < k16 ? c + I16_CHUNK : k16;
-        __m256i a[AVX2_STREAMS][AVX2_BLOCK];
-        for (int64_t i = c; i < end; i += 16) {
-            __m256i wv[AVX2_STREAMS];
-            for (int q = 0; q < R; q++) {
-                if (!(i & 63)) _mm_prefetch((const char *)(wr[q] + i) + 1024, _MM_HINT_T0);
-                wv[q] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr[q] + i)));
-            }
-            for (int j = 0; j < m; j++) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + j * k + i));
-                for (int q = 0; q < R; q++) {
-                    /* the chunk's first step sets the sums: a zero vector held through the loop made GCC spill an
-                     * accumulator at two weight rows by four input rows, and ran at half the rate */
-                    const __m256i p = _mm256_madd_epi16(wv[q], xv);
-                    a[q][j] = i == c ? p : _mm256_add_epi32(a[q][j], p);
-                }
-            }
-        }
-        for (int q = 0; q < R; q++)
-            for (int j = 0; j < m; j++) sums[q][j] += hsum(_mm256_cvtepi32_ps(a[q][j]));
-    }
-    for (int q = 0; q < R; q++)
-        for (int j = 0; j < m; j++) {
-            float s = sums[q][j];
-            for (int64_t i = k16; i < k; i++) s += (float)wr[q][i] * xq[j * k + i];
-            y[j * n + rows[q]] = s * sx[j] * scale[rows[q]];
-        }
-}
-
 /* Inside a parallel region: this thread's rows of [0, n), read as R streams side by side (R parts of len rows from
  * r0). Weight rows shorter than a page taken a few at a time kept the prefetchers starting over; long streams (and a
  * software prefetch) read them 1.4-1.7x faster at eight rows (bench/bench_gemv.py, 2-core AVX-512 EPYC). */
@@ -336,174 +250,66 @@ static inline void stream_rows(int64_t r0, int64_t r1, int64_t len, int R, int64
         }                                                                                                            \
     }
 
-/* few_i8 with AVX-512 VNNI for R weight rows (rows[0..R), at most 4) at once: 32 weights a step, one vpdpwssd per
- * weight row and input row (16 lanes, each the sum of two AVX2 lanes' products: lane l holds AVX2 lane l's even
- * steps, lane l + 8 its odd ones), a 16-weight step with AVX2 where one is left (added into the low lanes); lanes l
- * and l + 8 are added as integers before the float conversion. Integer sums in any order are the same, so every
- * result is few_i8's exactly, whatever R. Each input block is loaded once for the R weight rows (the m input rows,
- * 32 KB for 8 rows of 2048 values, are what the product reads most); the weight rows are prefetched ahead. With
- * first_sets, a chunk's first step sets the sums instead of adding to zeros set before: faster at four weight rows by
- * four input rows (many_i8_rows_vnni), slower in the streaming driver's tiles (ten-odd percent at eight rows). */
-__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"), always_inline)) static inline void few_i8_vnni(
-    const int8_t *w, const float *scale, const int64_t *rows, const int R, const int16_t *xq, const float *sx,
-    float *y, const int m, int64_t n, int64_t k, const int first_sets) {
-    const int64_t k16 = k - k % 16;
-    const int8_t *wr[4];
-    for (int q = 0; q < R; q++) wr[q] = w + rows[q] * k;
-    float sums[4][8] = {{0.0f}};
-    for (int64_t c = 0; c < k16; c += I16_CHUNK) {
-        const int64_t end = c + I16_CHUNK < k16 ? c + I16_CHUNK : k16;
-        __m512i a[4][8];
-        if (!first_sets)
-            for (int q = 0; q < R; q++)
-                for (int j = 0; j < m; j++) a[q][j] = _mm512_setzero_si512();
-        int64_t i = c;
-        for (; i + 32 <= end; i += 32) {
-            __m512i wv[4];
-            for (int q = 0; q < R; q++) {
-                _mm_prefetch((const char *)(wr[q] + i) + 1024, _MM_HINT_T0);
-                wv[q] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wr[q] + i)));
-            }
-            for (int j = 0; j < m; j++) {
-                const __m512i xv = _mm512_loadu_si512((const void *)(xq + j * k + i));
-                for (int q = 0; q < R; q++)
-                    a[q][j] = _mm512_dpwssd_epi32(first_sets && i == c ? _mm512_setzero_si512() : a[q][j], wv[q], xv);
-            }
-        }
-        if (i < end) {  /* one 16-weight step */
-            for (int q = 0; q < R; q++) {
-                const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr[q] + i)));
-                for (int j = 0; j < m; j++) {
-                    const __m512i p = _mm512_zextsi256_si512(
-                        _mm256_madd_epi16(wv, _mm256_loadu_si256((const __m256i *)(xq + j * k + i))));
-                    a[q][j] = first_sets && i == c ? p : _mm512_add_epi32(a[q][j], p);
-                }
-            }
-        }
-        for (int q = 0; q < R; q++)
-            for (int j = 0; j < m; j++)
-                sums[q][j] += hsum(_mm256_cvtepi32_ps(
-                    _mm256_add_epi32(_mm512_castsi512_si256(a[q][j]), _mm512_extracti64x4_epi64(a[q][j], 1))));
-    }
-    for (int q = 0; q < R; q++)
-        for (int j = 0; j < m; j++) {
-            float s = sums[q][j];
-            for (int64_t i = k16; i < k; i++) s += (float)wr[q][i] * xq[j * k + i];
-            y[j * n + rows[q]] = s * sx[j] * scale[rows[q]];
-        }
-}
-
-/* The few-row int8 products' variants this CPU runs (bit 0 few_i8, bit 1 few_i8_vnni); a call names one, or -1 for
- * the fastest. */
-int64_t mla_i8_variants(void) { return 1 | (mla_isa_runs(MLA_CPU_AVX512 | MLA_CPU_VNNI, MLA_ISA_AVX512) << 1); }
-
-__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"))) static void few_i8_rows_vnni(
-    const int8_t *w, const float *scale, const int16_t *xq, const float *sx, float *y, int64_t rows_in, int64_t n,
-    int64_t k, int64_t threads);
-static void few_i8_rows(const int8_t *w, const float *scale, const int16_t *xq, const float *sx, float *y,
-                        int64_t rows_in, int64_t n, int64_t k, int64_t threads);
-__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"))) static void many_i8_rows_vnni(
-    const int8_t *w, const float *scale, const int16_t *xq, const float *sx, float *y, int64_t rows_in, int64_t n,
-    int64_t k, int64_t threads);
-static void many_i8_rows(const int8_t *w, const float *scale, const int16_t *xq, const float *sx, float *y,
-                         int64_t rows_in, int64_t n, int64_t k, int64_t threads);
-
-#define ROWS_CASES(CALL) \
-    switch (m) { case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; case 5: CALL(5); break; \
+/* CALL(M) with M the value of v, a constant in each case: 1 to 4, or 1 to 8. */
+#define CASES4(v, CALL) \
+    switch (v) { case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; default: CALL(4); break; }
+#define CASES8(v, CALL) \
+    switch (v) { case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; case 5: CALL(5); break; \
                  case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(8); break; }
 
-/* The few-row float (float32, bfloat16, float16 weights) products' variants this CPU runs: bit 0 the AVX2 one, bit 1
- * the AVX-512 one (few512 below); a call names one, or -1 for the fastest. */
-int64_t mla_float_variants(void) { return 1 | (mla_isa_runs(MLA_CPU_AVX512, MLA_ISA_AVX512) << 1); }
-
-/* The AVX-512 few-row products: three or four weight rows at a time against m <= 8 rows, 16 lanes a step and the tail
- * under a mask, so each input vector loaded feeds three or four multiply-adds (eight input rows of a long weight row
- * do not stay in L1). Each output is its own accumulator's sum in the same order whatever the rows beside it, so a
- * row's result does not depend on m. */
-#define AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl")))
-#define LOAD_F32(p, mask) _mm512_maskz_loadu_ps(mask, p)
-#define LOAD_BF16(p, mask) \
-    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16))
-#define LOAD_F16(p, mask) _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p))
-#define FULL_F32(p) _mm512_loadu_ps(p)
-#define FULL_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
-#define FULL_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
-/* NAME(w, rows, R, ...): the R weight rows rows[0..R) against m rows of x; R * m accumulators (few512 calls it with
- * four of each: 16 of the 32 registers). */
-#define FEW512(NAME, T, FULL, LOAD)                                                                                  \
-    AVX512 static inline __attribute__((always_inline)) void NAME(const T *w, const int64_t *rows, const int R, \
-                                                                  const float *x, float *y, const int m, int64_t n,   \
-                                                                  int64_t k) {                                        \
-        const int64_t k16 = k - k % 16;                                                                              \
-        const T *wr[4];                                                                                              \
-        for (int q = 0; q < R; q++) wr[q] = w + rows[q] * k;                                                         \
-        __m512 acc[4][8];                                                                                            \
-        for (int q = 0; q < R; q++)                                                                                  \
-            for (int j = 0; j < m; j++) acc[q][j] = _mm512_setzero_ps();                                             \
-        TILE_STEPS(T, __m512, 16, FULL, _mm512_loadu_ps, _mm512_fmadd_ps, k16)                                      \
-        if (k16 < k) {  /* the tail under a mask: zeros past k add nothing */                                        \
-            const __mmask16 mask = (__mmask16)((1u << (k - k16)) - 1);                                               \
-            __m512 wv[4];                                                                                            \
-            for (int q = 0; q < R; q++) wv[q] = LOAD(wr[q] + k16, mask);                                             \
-            for (int j = 0; j < m; j++) {                                                                            \
-                const __m512 xv = _mm512_maskz_loadu_ps(mask, x + j * k + k16);                                      \
-                for (int q = 0; q < R; q++) acc[q][j] = _mm512_fmadd_ps(wv[q], xv, acc[q][j]);                       \
-            }                                                                                                        \
-        }                                                                                                            \
-        for (int q = 0; q < R; q++)                                                                                  \
-            for (int j = 0; j < m; j++) y[j * n + rows[q]] = _mm512_reduce_add_ps(acc[q][j]);                        \
-    }
-FEW512(few512_f32, float, FULL_F32, LOAD_F32)
-FEW512(few512_bf16, uint16_t, FULL_BF16, LOAD_BF16)
-FEW512(few512_f16, uint16_t, FULL_F16, LOAD_F16)
-
-#define BLOCK_CASES(CALL) \
-    switch (mb) { case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; default: CALL(4); break; }
-/* The few-row drivers' loop: each thread's weight rows as R streams (stream_split), the m input rows BLOCK (at most
- * four) at a time, each block of M rows at row c through the weight kind's kernel: F32(M), BF16(M) or F16(M). */
+/* The few-row float drivers' loop: each thread's weight rows as R streams (stream_split), the m input rows BLOCK (at
+ * most four) at a time, each block of M rows at row c through the weight kind's kernel: F32(M), BF16(M) or F16(M). */
 #define KIND_BLOCKS(R, BLOCK, F32, BF16, F16)                                                                        \
     FOR_STREAM_ROWS(n, R,                                                                                            \
         for (int64_t c = 0; c < m; c += (BLOCK)) {                                                                   \
             const int64_t mb = m - c < (BLOCK) ? m - c : (BLOCK);                                                    \
-            if (kind == W_F32) BLOCK_CASES(F32)                                                                      \
-            else if (kind == W_BF16) BLOCK_CASES(BF16)                                                               \
-            else BLOCK_CASES(F16)                                                                                    \
+            if (kind == W_F32) CASES4(mb, F32)                                                                       \
+            else if (kind == W_BF16) CASES4(mb, BF16)                                                                \
+            else CASES4(mb, F16)                                                                                     \
         })
 
-/* Y [m, n] = X [m, k] W^T with the AVX-512 kernel for the weight kind, each thread's rows as four streams
- * (stream_split), the input rows four at a time (16 accumulators): the four weight rows are read from memory for the
- * first four and again from cache for the next. Eight input rows at once (three weight rows, 24 accumulators) kept
- * 32 KB of input rows in a 48 KB L1 beside the streams, and ran eight rows of [32000, 1024] 1.45x slower (bench_gemv
- * on a 2-core Zen 5 EPYC: 5.6 against 3.9 ms). */
-#define FLOAT_STREAMS 4
-#define FLOAT_BLOCK 4
-AVX512 static void few512(const void *w, int64_t kind, const float *x, float *y, int64_t m, int64_t n, int64_t k,
-                          int64_t threads) {
-    const float *wf = (const float *)w;
-    const uint16_t *wh = (const uint16_t *)w;
-#define GROUP(FN, W, M) FN(W, rows, FLOAT_STREAMS, x + c * k, y + c * n, M, n, k)
-#define F32_GROUP(M) GROUP(few512_f32, wf, M)
-#define BF16_GROUP(M) GROUP(few512_bf16, wh, M)
-#define F16_GROUP(M) GROUP(few512_f16, wh, M)
-    KIND_BLOCKS(FLOAT_STREAMS, FLOAT_BLOCK, F32_GROUP, BF16_GROUP, F16_GROUP)
-}
+/* Products of more rows than a decode step's (a prefill chunk's): each thread takes a contiguous part of the weight
+ * rows in blocks of about I8_BLOCK_BYTES (they stay in L2), and each block passes over the input rows four at a time,
+ * the block's weight rows R at a time against the four while their int16 rows stay in L1. The streaming drivers pass
+ * every input row over each step's weight rows instead: 128 KB of int16 rows from L2 a step for 64 rows of 1024. 64
+ * rows of [4096, 1024] / [1024, 2048] / [32000, 1024] on a 2-core Zen 5 EPYC (bench/bench_quant_rows.py), streaming
+ * -> blocks: AVX2 2.68 / 1.38 / 21.9 -> 1.50 / 0.73 / 12.8 ms, VNNI 1.84 / 0.82 / 14.9 -> 0.83 / 0.35 / 7.4 ms. The
+ * same kernels on the same chunks, so the same bits as the streaming drivers; where a block's rows run out, a step
+ * repeats the block's last row (the same value written again). */
+#define I8_BLOCK_BYTES (256 << 10)
+#define I8_TILE_ROWS 4  /* input rows a step */
+#define MANY_I8_ROWS(R, CALL)                                                                                        \
+    _Pragma("omp parallel num_threads((int)threads)")                                                                \
+    {                                                                                                                \
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();                                          \
+        const int64_t r0 = n * t / nt, r1 = n * (t + 1) / nt;                                                        \
+        const int64_t block = I8_BLOCK_BYTES / k > (R) ? I8_BLOCK_BYTES / k / (R) * (R) : (R);                       \
+        for (int64_t b = r0; b < r1; b += block) {                                                                   \
+            const int64_t be = b + block < r1 ? b + block : r1;                                                      \
+            for (int64_t c = 0; c < rows_in; c += I8_TILE_ROWS) {                                                    \
+                const int64_t mb = rows_in - c < I8_TILE_ROWS ? rows_in - c : I8_TILE_ROWS;                          \
+                for (int64_t s0 = b; s0 < be; s0 += (R)) {                                                           \
+                    const int64_t last = be - 1, rows[4] = {s0, s0 + 1 < be ? s0 + 1 : last,                         \
+                                                            s0 + 2 < be ? s0 + 2 : last, s0 + 3 < be ? s0 + 3 : last}; \
+                    CASES4(mb, CALL)                                                                                 \
+                }                                                                                                    \
+            }                                                                                                        \
+        }                                                                                                            \
+    }
 
-FEW_AVX2(few_f32, float, load_f32, f32_value)
-FEW_AVX2(few_bf16, uint16_t, widen_bf16, bf16_value)
-FEW_AVX2(few_f16, uint16_t, widen_f16, f16_value)
+/* The few-row kernels, once per instruction set (few_rows.h): few_float, few_i8_rows and many_i8_rows, suffixed _avx2
+ * and _avx512 (the integer ones with VNNI). */
+#include "vec_avx2.h"
+#include "few_rows.h"
+#include "vec_end.h"
+#include "vec_avx512.h"
+#include "few_rows.h"
+#include "vec_end.h"
 
-/* Y [m, n] = X [m, k] W^T with the AVX2 kernel for the weight kind, each thread's rows as three streams
- * (stream_split). */
-static void few_avx2(const void *w, int64_t kind, const float *x, float *y, int64_t m, int64_t n, int64_t k,
-                     int64_t threads) {
-    const float *wf = (const float *)w;
-    const uint16_t *wh = (const uint16_t *)w;
-#define AVX2_CALL(FN, W, M) FN(W, rows, x + c * k, y + c * n, M, n, k)
-#define F32_BLOCK(M) AVX2_CALL(few_f32, wf, M)
-#define BF16_BLOCK(M) AVX2_CALL(few_bf16, wh, M)
-#define F16_BLOCK(M) AVX2_CALL(few_f16, wh, M)
-    KIND_BLOCKS(AVX2_STREAMS, AVX2_BLOCK, F32_BLOCK, BF16_BLOCK, F16_BLOCK)
-}
+/* The few-row products' variants this CPU runs, bit i for variant i (0: AVX2; 1: AVX-512, with VNNI for int8); a call
+ * names one, or -1 for the fastest. */
+int64_t mla_float_variants(void) { return 1 | (mla_isa_runs(MLA_CPU_AVX512, MLA_ISA_AVX512) << 1); }
+int64_t mla_i8_variants(void) { return 1 | (mla_isa_runs(MLA_CPU_AVX512 | MLA_CPU_VNNI, MLA_ISA_AVX512) << 1); }
 
 /* The variant a call runs: the one named, else (-1) the AVX-512 one for float32 weights from four rows on and for half
  * weights from two, where it measured faster than the AVX2 one with the weights streamed (bench/bench_gemv.py on a
@@ -515,12 +321,12 @@ static int use_avx512(int64_t variant, int64_t kind, int64_t m) {
 
 void mla_gemm_few_f32(const float *w, const float *x, float *y, int64_t m, int64_t n, int64_t k, int64_t threads,
                       int64_t variant) {
-    (use_avx512(variant, W_F32, m) ? few512 : few_avx2)(w, W_F32, x, y, m, n, k, threads);
+    (use_avx512(variant, W_F32, m) ? few_float_avx512 : few_float_avx2)(w, W_F32, x, y, m, n, k, threads);
 }
 
 void mla_gemm_few_half(const uint16_t *w, int64_t kind, const float *x, float *y, int64_t m, int64_t n, int64_t k,
                        int64_t threads, int64_t variant) {
-    (use_avx512(variant, kind, m) ? few512 : few_avx2)(w, kind, x, y, m, n, k, threads);
+    (use_avx512(variant, kind, m) ? few_float_avx512 : few_float_avx2)(w, kind, x, y, m, n, k, threads);
 }
 
 /* Any number of rows (each row's result does not depend on the others: a verification step's rows come out as the
@@ -536,78 +342,11 @@ void mla_gemm_few_i8(const int8_t *w, const float *scale, const float *x, float 
     #pragma omp parallel for num_threads((int)(rows > I8_STREAM_ROWS ? threads : 1))  /* a decode step's: no fork */
     for (int64_t j = 0; j < rows; j++) sx[j] = quantize16(x + j * k, xq + j * k, k);
     if (rows > I8_STREAM_ROWS)
-        (vnni ? many_i8_rows_vnni : many_i8_rows)(w, scale, xq, sx, y, rows, n, k, threads);
+        (vnni ? many_i8_rows_avx512 : many_i8_rows_avx2)(w, scale, xq, sx, y, rows, n, k, threads);
     else
-        (vnni ? few_i8_rows_vnni : few_i8_rows)(w, scale, xq, sx, y, rows, n, k, threads);
+        (vnni ? few_i8_rows_avx512 : few_i8_rows_avx2)(w, scale, xq, sx, y, rows, n, k, threads);
     free(xq);
     free(sx);
-}
-
-static void few_i8_rows(const int8_t *w, const float *scale, const int16_t *xq, const float *sx, float *y,
-                        int64_t rows_in, int64_t n, int64_t k, int64_t threads) {
-#define I8_BLOCK(M) few_i8(w, scale, rows, AVX2_STREAMS, xq + c * k, sx + c, y + c * n, M, n, k)
-    FOR_STREAM_ROWS(n, AVX2_STREAMS,
-        for (int64_t c = 0; c < rows_in; c += AVX2_BLOCK) {
-            const int64_t mb = rows_in - c < AVX2_BLOCK ? rows_in - c : AVX2_BLOCK;
-            BLOCK_CASES(I8_BLOCK)
-        })
-}
-
-/* few_i8_vnni's weight rows a step by input rows: measured fastest (bench/bench_gemv.py shapes, 2-core AVX-512 EPYC);
- * three rows at eight input rows took 1.3-1.4x as long as two. */
-#define I8_STREAMS(M) ((M) > 6 ? 2 : (M) > 4 ? 3 : 4)
-static void few_i8_rows_vnni(const int8_t *w, const float *scale, const int16_t *xq, const float *sx, float *y,
-                             int64_t rows_in, int64_t n, int64_t k, int64_t threads) {
-    const int R = I8_STREAMS(rows_in < 8 ? rows_in : 8);
-#define I8_VNNI_R(M, RR) few_i8_vnni(w, scale, rows, RR, xq + c * k, sx + c, y + c * n, M, n, k, 0)
-#define I8_VNNI_ROW(M) (R == 2 ? I8_VNNI_R(M, 2) : R == 3 ? I8_VNNI_R(M, 3) : I8_VNNI_R(M, 4))
-    FOR_STREAM_ROWS(n, R,
-        for (int64_t c = 0; c < rows_in; c += 8) {
-            const int64_t m = rows_in - c < 8 ? rows_in - c : 8;
-            ROWS_CASES(I8_VNNI_ROW)
-        })
-}
-
-/* Products of more rows than a decode step's (a prefill chunk's): each thread takes a contiguous part of the weight
- * rows in blocks of about I8_BLOCK_BYTES (they stay in L2), and each block passes over the input rows four at a time,
- * the block's weight rows R at a time (AVX2: 2; VNNI: 4) against the four while their int16 rows stay in L1. The
- * streaming drivers above pass every input row over each step's weight rows instead: 128 KB of int16 rows from L2 a
- * step for 64 rows of 1024. 64 rows of [4096, 1024] / [1024, 2048] / [32000, 1024] on a 2-core Zen 5 EPYC
- * (bench/bench_quant_rows.py), before -> after: AVX2 2.68 / 1.38 / 21.9 -> 1.50 / 0.73 / 12.8 ms, VNNI 1.84 / 0.82 /
- * 14.9 -> 0.83 / 0.35 / 7.4 ms. The same kernels on the same chunks, so the same bits as the streaming drivers;
- * where a block's rows run out, a step repeats the block's last row (the same value written again). */
-#define I8_BLOCK_BYTES (256 << 10)
-#define I8_TILE_ROWS AVX2_BLOCK  /* input rows a step: BLOCK_CASES' largest block */
-#define MANY_I8_ROWS(R, CALL)                                                                                        \
-    _Pragma("omp parallel num_threads((int)threads)")                                                                \
-    {                                                                                                                \
-        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();                                          \
-        const int64_t r0 = n * t / nt, r1 = n * (t + 1) / nt;                                                        \
-        const int64_t block = I8_BLOCK_BYTES / k > (R) ? I8_BLOCK_BYTES / k / (R) * (R) : (R);                       \
-        for (int64_t b = r0; b < r1; b += block) {                                                                   \
-            const int64_t be = b + block < r1 ? b + block : r1;                                                      \
-            for (int64_t c = 0; c < rows_in; c += I8_TILE_ROWS) {                                                    \
-                const int64_t mb = rows_in - c < I8_TILE_ROWS ? rows_in - c : I8_TILE_ROWS;                          \
-                for (int64_t s0 = b; s0 < be; s0 += (R)) {                                                           \
-                    const int64_t last = be - 1, rows[4] = {s0, s0 + 1 < be ? s0 + 1 : last,                         \
-                                                            s0 + 2 < be ? s0 + 2 : last, s0 + 3 < be ? s0 + 3 : last}; \
-                    BLOCK_CASES(CALL)                                                                                \
-                }                                                                                                    \
-            }                                                                                                        \
-        }                                                                                                            \
-    }
-
-static void many_i8_rows(const int8_t *w, const float *scale, const int16_t *xq, const float *sx, float *y,
-                         int64_t rows_in, int64_t n, int64_t k, int64_t threads) {
-#define I8_TILE(M) few_i8(w, scale, rows, 2, xq + c * k, sx + c, y + c * n, M, n, k)
-    MANY_I8_ROWS(2, I8_TILE)
-}
-
-__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"))) static void many_i8_rows_vnni(
-    const int8_t *w, const float *scale, const int16_t *xq, const float *sx, float *y, int64_t rows_in, int64_t n,
-    int64_t k, int64_t threads) {
-#define I8_VNNI_TILE(M) few_i8_vnni(w, scale, rows, 4, xq + c * k, sx + c, y + c * n, M, n, k, 1)
-    MANY_I8_ROWS(4, I8_VNNI_TILE)
 }
 
 /* RMSNorm of m rows of x [m, k] (row stride ld) into y [m, k]: y = x / sqrt(mean(x^2) + eps) * weight, in float32.

@@ -170,29 +170,9 @@ static inline __m256i e4m3_half16(const uint8_t *p) {
 }
 
 /* The attention for AVX2 (8 lanes) */
-#define V __m256
-#define VL 8
-#define WEIGH_HEADS 2  /* heads of a tile of the weighted sum: 2 x 4 vectors of sums */
-#define PREFILL_TILE 3  /* vectors of keys a tile of the prefill's scores: 4 rows x 3 vectors of sums */
-#define GEMM_ROWS 2  /* rows of a a register tile of small_gemm: 2 x 4 vectors of sums in AVX2's 16 registers */
-#define V_LOAD _mm256_loadu_ps
-#define V_STORE _mm256_storeu_ps
-#define V_ZERO _mm256_setzero_ps
-#define V_SET1 _mm256_set1_ps
-#define V_FMA _mm256_fmadd_ps
-#define V_MUL _mm256_mul_ps
-#define V_ADD _mm256_add_ps
-#define V_SUB _mm256_sub_ps
-#define V_MAX _mm256_max_ps
-#define V_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
-#define V_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
-#define V_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
-#define V_FP8(p) _mm256_cvtph_ps(e4m3_half8(p))
-#define V_HSUM hsum
-#define V_HMAX hmax8
-#define V_EXP exp8
-#define SFX(name) name##_avx2
-#include "decode_attention.h"  /* which undefines the names above */
+#include "vec_avx2.h"
+#include "decode_attention.h"
+#include "vec_end.h"
 
 /* The attention for AVX-512 (16 lanes; F, BW, VL, DQ), the same source */
 #pragma GCC push_options
@@ -208,29 +188,9 @@ static inline __m512 exp16(__m512 x) {
 }
 #undef ROUND
 
-#define V __m512
-#define VL 16
-#define WEIGH_HEADS 4  /* 4 x 4 vectors of sums */
-#define PREFILL_TILE 3  /* 4 x 3 vectors of sums (4 x 4 measured the same, with 32 KB of keys a tile) */
-#define GEMM_ROWS 4  /* 4 x 4 vectors of sums in AVX-512's 32 registers */
-#define V_LOAD _mm512_loadu_ps
-#define V_STORE _mm512_storeu_ps
-#define V_ZERO _mm512_setzero_ps
-#define V_SET1 _mm512_set1_ps
-#define V_FMA _mm512_fmadd_ps
-#define V_MUL _mm512_mul_ps
-#define V_ADD _mm512_add_ps
-#define V_SUB _mm512_sub_ps
-#define V_MAX _mm512_max_ps
-#define V_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
-#define V_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
-#define V_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
-#define V_FP8(p) _mm512_cvtph_ps(e4m3_half16(p))
-#define V_HSUM _mm512_reduce_add_ps
-#define V_HMAX _mm512_reduce_max_ps
-#define V_EXP exp16
-#define SFX(name) name##_avx512
-#include "decode_attention.h"  /* which undefines the names above */
+#include "vec_avx512.h"
+#include "decode_attention.h"
+#include "vec_end.h"
 
 /* One function per instruction set, factor format (f32, bf16w) and cache kind, each with its own loops. */
 #define DECODE_FORM(ISA, W, WB, C, CK) \

@@ -1,0 +1,45 @@
+/* The vector vocabulary of AVX2 (with FMA and F16C: the build's baseline). A kernel is written once over these names
+ * (decode_attention.h, few_rows.h) and included once per instruction set, after this header or vec_avx512.h, and
+ * before vec_end.h, which undefines them again:
+ *
+ *     V, VL                        the float vector and its lanes
+ *     V_LOAD, V_STORE, V_ZERO, V_SET1, V_FMA, V_MUL, V_ADD, V_SUB, V_MAX   the usual operations
+ *     V_BF16(p), V_F16(p)          VL bfloat16 / float16 values from p, widened to float32 (exactly)
+ *     V_I8(p), V_FP8(p)            VL int8 values as floats; VL float8_e4m3fn values as floats / 2^8 (exactly; the
+ *                                  including file defines e4m3_half8/16)
+ *     V_HSUM(v), V_HMAX(v)         the sum and the largest of the lanes
+ *     V_EXP(v)                     e^v lane by lane (for v <= 0; the including file defines exp8/exp16)
+ *     VI, VI_STEP                  the integer vector, and the int16 values one step of a dot product takes
+ *     VI_W8(p), VI_X16(p)          VI_STEP int8 values from p as int16; VI_STEP int16 values from p
+ *     VI_DOT(a, w, x)              a plus the products w x summed in pairs (int32 lanes)
+ *     VI_ZERO(), VI_SUM(a)         a zero vector; the sum of a's int32 lanes as a float
+ *     V_TARGET, VI_TARGET          the function attribute of a float / an integer kernel at this instruction set
+ *     SFX(name)                    name with the instruction set's suffix */
+#define V __m256
+#define VL 8
+#define V_LOAD _mm256_loadu_ps
+#define V_STORE _mm256_storeu_ps
+#define V_ZERO _mm256_setzero_ps
+#define V_SET1 _mm256_set1_ps
+#define V_FMA _mm256_fmadd_ps
+#define V_MUL _mm256_mul_ps
+#define V_ADD _mm256_add_ps
+#define V_SUB _mm256_sub_ps
+#define V_MAX _mm256_max_ps
+#define V_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define V_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define V_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define V_FP8(p) _mm256_cvtph_ps(e4m3_half8(p))
+#define V_HSUM hsum
+#define V_HMAX hmax8
+#define V_EXP exp8
+#define VI __m256i
+#define VI_STEP 16
+#define VI_W8(p) _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p)))
+#define VI_X16(p) _mm256_loadu_si256((const __m256i *)(p))
+#define VI_DOT(a, w, x) _mm256_add_epi32(a, _mm256_madd_epi16(w, x))
+#define VI_ZERO _mm256_setzero_si256
+#define VI_SUM(a) hsum(_mm256_cvtepi32_ps(a))
+#define V_TARGET
+#define VI_TARGET
+#define SFX(name) name##_avx2
