@@ -408,6 +408,12 @@ def resolve_model_path(path: str | Path) -> Path:
 
 
 def load_config_dict(path: str | Path) -> dict[str, Any]:
+    """The ``config.json`` of a checkpoint folder (or the file, or a preset), or the one a GGUF model's metadata
+    describes (``gguf_meta.config_dict``)."""
+    from mla_runtime.gguf_meta import config_dict, gguf_files
+
+    if gguf_files(path) is not None:
+        return config_dict(path)
     cfg_file = resolve_model_path(path)
     try:
         return json.loads(cfg_file.read_text())

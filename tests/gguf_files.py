@@ -1,0 +1,240 @@
+"""GGUF files written at test time from tiny transformers models, in llama.cpp's ``deepseek2`` layout, with the ``gguf``
+package's writer: names from the package's own tensor-name map (so the runtime's name table is checked against it),
+routed experts stacked ``[E, N, K]``, ``kv_b_proj`` whole or split into ``attn_k_b`` (each head's ``W_UK``
+transposed) and ``attn_v_b``, the router's correction bias as ``exp_probs_b.bias``; each tensor in the type ``types``
+picks, quantised with ``gguf.quants.quantize`` or, for the K-quants the package cannot quantise, made by
+``kquant_bytes``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+TypePick = Callable[[str, tuple[int, ...]], str]  # (GGUF tensor name, torch shape) -> ggml type name
+
+
+def products_in(type_name: str, others: str = "F32") -> TypePick:
+    """Every matrix ``type_name`` (where its rows are whole blocks), norms, router and anything else ``others``."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][0]
+
+    def pick(name: str, shape: tuple[int, ...]) -> str:
+        matrix = len(shape) >= 2 and "ffn_gate_inp" not in name
+        return type_name if matrix and shape[-1] % block == 0 else others
+    return pick
+
+
+# the byte offsets of each K-quant block's float16 super-block scale d (and dmin), and the values given them here:
+# small enough that a value (scale x sub-block scale x quant) stays near the transformers model's 0.08
+KQUANT_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+KQUANT_VALUES = {"Q2_K": (2e-3, 2e-3), "Q3_K": (5e-4,), "Q4_K": (1e-4, 1e-4), "Q5_K": (5e-5, 5e-5), "Q6_K": (2e-5,)}
+
+
+def kquant_bytes(type_name: str, rows: int, k: int, seed: int) -> np.ndarray:
+    """Rows of a K-quant type (``rows x k`` values) with random quants and small positive super-block scales: valid
+    blocks of the published layout (the ``gguf`` package cannot quantise to these types), whose values the tests
+    take from ``gguf.quants.dequantize``."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, size=(rows, k // block, size), dtype=np.uint8)
+    for offset, value in zip(KQUANT_SCALES[type_name], KQUANT_VALUES[type_name]):  # d (and dmin): small, fixed
+        data[..., offset:offset + 2] = np.frombuffer(np.float16(value).tobytes(), np.uint8)
+    return data.reshape(rows, -1)
+
+
+def _quantized(name: str, values: np.ndarray, type_name: str, seed: int) -> tuple[np.ndarray, Any]:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    qtype = GGMLQuantizationType[type_name]
+    if type_name in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"):
+        flat = values.reshape(-1, values.shape[-1])
+        data = kquant_bytes(type_name, flat.shape[0], flat.shape[1], seed)
+        return data.reshape(*values.shape[:-1], -1), qtype
+    if type_name == "F32":
+        return values.astype(np.float32), None
+    if type_name == "F16":
+        return values.astype(np.float16), None
+    return quantize(values.astype(np.float32), qtype), qtype
+
+
+def hf_tensors(model: Any, split_kv_b: bool) -> list[tuple[str, torch.Tensor]]:
+    """The model's tensors under the names llama.cpp's converter gives them, in its layout."""
+    import gguf
+
+    cfg = model.config
+    n = cfg.num_hidden_layers
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, n)
+    state = {k: v.detach().float() for k, v in model.state_dict().items()}
+    out: list[tuple[str, torch.Tensor]] = []
+    experts: dict[tuple[int, str], list[torch.Tensor]] = {}
+    for key, value in state.items():
+        if key.endswith("rotary_emb.inv_freq"):
+            continue
+        if ".mlp.experts." in key and key.split(".")[5].isdigit():  # model.layers.i.mlp.experts.e.w.weight
+            parts = key.split(".")
+            experts.setdefault((int(parts[2]), parts[6]), []).append(value)
+            continue
+        if ".mlp.experts." in key:  # transformers' fused layout [E, 2I, d] / [E, d, I]
+            layer = int(key.split(".")[2])
+            if key.endswith("gate_up_proj"):
+                half = value.shape[1] // 2
+                experts[(layer, "gate_proj")] = list(value[:, :half])
+                experts[(layer, "up_proj")] = list(value[:, half:])
+            else:
+                experts[(layer, "down_proj")] = list(value)
+            continue
+        if key.endswith("e_score_correction_bias"):
+            key = key.replace("e_score_correction_bias", "e_score_correction.bias")
+        if split_kv_b and key.endswith("kv_b_proj.weight"):
+            heads, nope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+            kv_b = value.view(heads, nope + v, -1)
+            k_b, v_b = kv_b[:, :nope].transpose(1, 2), kv_b[:, nope:]
+            layer = key.split(".")[2]
+            out += [(f"blk.{layer}.attn_k_b.weight", k_b), (f"blk.{layer}.attn_v_b.weight", v_b)]
+            continue
+        new = names.get_name(key, try_suffixes=(".weight", ".bias"))
+        assert new is not None, key
+        out.append((new, value))
+    for (layer, w), values in sorted(experts.items()):
+        new = names.get_name(f"model.layers.{layer}.mlp.experts.{w}", try_suffixes=(".weight",))
+        out.append((f"{new}.weight", torch.stack(values)))
+    return out
+
+
+def dequantized(type_name: str, data: np.ndarray) -> torch.Tensor:
+    """The float32 values of a stored tensor, by the ``gguf`` package's dequantiser (the reference)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    if type_name in ("F32", "F16"):
+        return torch.from_numpy(data.astype(np.float32))
+    return torch.from_numpy(dequantize(data, GGMLQuantizationType[type_name]).copy())
+
+
+def reference_model(model: Any, stored: dict[str, Any]) -> Any:
+    """A copy of the transformers ``model`` holding the weights the GGUF file stores, dequantised to float32."""
+    import copy
+
+    ref = copy.deepcopy(model).float()
+    values = {name: dequantized(*stored[name]) for name in stored}
+    state = ref.state_dict()
+    new: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        new[key] = _stored_value(key, value, values, ref.config)
+    ref.load_state_dict(new)
+    return ref.eval()
+
+
+def _stored_value(key: str, like: torch.Tensor, values: dict[str, torch.Tensor], cfg: Any) -> torch.Tensor:
+    import gguf
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, cfg.num_hidden_layers)
+    parts = key.split(".")
+    if key.endswith("rotary_emb.inv_freq"):
+        return like
+    if ".mlp.experts." in key:
+        layer = int(parts[2])
+
+        def stack(w: str) -> torch.Tensor:
+            return values[f"{names.get_name(f'model.layers.{layer}.mlp.experts.{w}', try_suffixes=('.weight',))}"
+                          f".weight"]
+        if parts[5].isdigit():
+            return stack(parts[6])[int(parts[5])]
+        if key.endswith("gate_up_proj"):
+            return torch.cat([stack("gate_proj"), stack("up_proj")], dim=1)
+        return stack("down_proj")
+    if key.endswith("kv_b_proj.weight") and f"blk.{parts[2]}.attn_k_b.weight" in values:
+        k_b, v_b = values[f"blk.{parts[2]}.attn_k_b.weight"], values[f"blk.{parts[2]}.attn_v_b.weight"]
+        return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(like.shape)
+    if key.endswith("e_score_correction_bias"):
+        key = key.replace("e_score_correction_bias", "e_score_correction.bias")
+    return values[names.get_name(key, try_suffixes=(".weight", ".bias"))].reshape(like.shape)
+
+
+def write_gguf(model: Any, out: Path, pick: TypePick | None = None, split_kv_b: bool = False,
+               tokenizer: dict[str, Any] | None = None, split_tensors: int = 0) -> tuple[Path, dict[str, Any]]:
+    """Write ``model`` (a transformers DeepSeek-V2/V3) to ``out``; returns the path to load and the stored tensors
+    as the file holds them (name -> (type, numpy data))."""
+    import gguf
+
+    cfg = model.config
+    pick = pick or products_in("F32")
+    w = gguf.GGUFWriter(str(out), "deepseek2", split_max_tensors=split_tensors)
+    _metadata(w, cfg)
+    if tokenizer is not None:
+        _tokenizer(w, tokenizer)
+    stored: dict[str, Any] = {}
+    for i, (name, value) in enumerate(hf_tensors(model, split_kv_b)):
+        type_name = pick(name, tuple(value.shape))
+        data, qtype = _quantized(name, value.numpy(), type_name, seed=i)
+        w.add_tensor(name, data, raw_dtype=qtype)
+        stored[name] = (type_name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    first = out if not split_tensors else out.with_name(f"{out.stem}-00001-of-{len(w.tensors):05d}.gguf")
+    return first, stored
+
+
+def _metadata(w: Any, cfg: Any) -> None:
+    import gguf
+
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    if cfg.q_lora_rank is not None:
+        w.add_q_lora_rank(cfg.q_lora_rank)
+    w.add_kv_lora_rank(cfg.kv_lora_rank)
+    w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    w.add_value_length(cfg.kv_lora_rank)
+    w.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    w.add_value_length_mla(cfg.v_head_dim)
+    w.add_rope_dimension_count(cfg.qk_rope_head_dim)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_count(cfg.n_routed_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_shared_count(cfg.n_shared_experts)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    if getattr(cfg, "norm_topk_prob", False):
+        w.add_expert_weights_norm(True)
+    w.add_expert_group_count(cfg.n_group)
+    w.add_expert_group_used_count(cfg.topk_group)
+    v3 = cfg.model_type == "deepseek_v3"
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX)
+    rope = cfg.rope_parameters
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+
+
+def _tokenizer(w: Any, tok: dict[str, Any]) -> None:
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(tok.get("pre", "deepseek-v3"))
+    w.add_token_list(tok["tokens"])
+    w.add_token_types(tok["types"])
+    w.add_token_merges(tok["merges"])
+    w.add_bos_token_id(tok["bos"])
+    w.add_eos_token_id(tok["eos"])
+    w.add_add_bos_token(True)
+    if tok.get("chat_template"):
+        w.add_chat_template(tok["chat_template"])
