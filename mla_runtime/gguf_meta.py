@@ -12,8 +12,11 @@ reader maps the file (``np.memmap``): nothing here reads a weight.
   (how llama.cpp stores it for this architecture), with ``mscale`` equal to it (llama.cpp's rotary tables carry no
   magnitude of their own). The lm_head is tied where the file has no ``output.weight``. Multi-token-prediction
   layers are not read (llama.cpp's converter leaves them out).
-- **Tokenizer** (``load_gguf_tokenizer``): transformers' GGUF tokenizer (``tokenizer.ggml.*``, the chat template),
-  with the pre-tokenizer of DeepSeek-V3's vocabulary where the file names it (``tokenizer.ggml.pre`` ``deepseek-v3``).
+- **Tokenizer** (``load_gguf_tokenizer``): a byte-level BPE (``tokenizer.ggml.model`` ``gpt2``, what llama.cpp writes
+  for these models) built with ``tokenizers`` from ``tokenizer.ggml.tokens``/``merges``/``token_type``, the special
+  tokens as the file spells them (``<｜begin▁of▁sentence｜>``), BOS/EOS and whether to add them, and
+  ``tokenizer.chat_template``; the pre-tokenizer of DeepSeek-V3's vocabulary where ``tokenizer.ggml.pre`` is
+  ``deepseek-v3``, else GPT-2's.
 - **Names** (``hf_names``): llama.cpp's tensor names mapped back (``BLOCK_NAMES``); ``attn_kv_b``, or where the file
   splits it the pair ``attn_k_b`` (each head's ``W_UK`` transposed) and ``attn_v_b``, is ``kv_b_proj``; each expert of
   a stacked ``ffn_*_exps`` tensor is one ``experts.{e}.*_proj.weight``.
@@ -322,20 +325,53 @@ def check_types(g: GgufModel, names: dict[str, Source]) -> None:
 
 # -- tokenizer -------------------------------------------------------------------------------------------------
 def load_gguf_tokenizer(path: str | Path) -> Any | None:
-    """The tokenizer of the GGUF model at ``path`` (transformers' GGUF tokenizer, with DeepSeek-V3's pre-tokenizer
-    where the file names it), or None where the file has no vocabulary."""
+    """The tokenizer of the GGUF model at ``path`` (module docstring), or None where the file has no vocabulary."""
     g = open_gguf(path)
-    if g.value("tokenizer.ggml.tokens") is None:
+    tokens = g.value("tokenizer.ggml.tokens")
+    if tokens is None:
         return None
-    from tokenizers import Regex, pre_tokenizers
+    kind = g.value("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise GgufError(f"{g.files[0]}: tokenizer.ggml.model {kind!r} is not supported (byte-level BPE, 'gpt2', is)")
     from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
 
-    architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(g.files[0]))
-    backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
-    if tokenizer_dict.get("pre_tokenizer_type") == "deepseek-v3":
-        backend.pre_tokenizer = pre_tokenizers.Sequence(
+    backend = _byte_level_bpe(g, tokens)
+    named = {}
+    for role in ("bos", "eos", "padding", "unknown"):
+        index = g.value(f"tokenizer.ggml.{role}_token_id")
+        if index is not None and 0 <= int(index) < len(tokens):
+            named[{"padding": "pad", "unknown": "unk"}.get(role, role) + "_token"] = tokens[int(index)]
+    template = g.value("tokenizer.chat_template")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=template, **named)
+
+
+def _byte_level_bpe(g: GgufModel, tokens: list[str]) -> Any:
+    """The ``tokenizers`` BPE of the vocabulary and merges: the tokens the file marks as control (3) special and
+    user-defined (4) added, both matched whole; BOS (EOS) prepended (appended) where the file asks for it."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    merges = [tuple(m.split(" ", 1)) for m in g.value("tokenizer.ggml.merges") or []]
+    tokenizer = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
+    pre = g.value("tokenizer.ggml.pre")
+    if pre == "deepseek-v3":
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in DEEPSEEK_V3_SPLITS]
             + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    config = {k: v for k, v in {**tokenizer_config, **extra}.items() if v is not None}
-    return PreTrainedTokenizerFast(tokenizer_object=backend, **config)
+    else:  # GPT-2's splits
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    types = g.value("tokenizer.ggml.token_type") or []
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                  for t, kind in zip(tokens, types) if kind == 3])
+    tokenizer.add_tokens([AddedToken(t, normalized=False) for t, kind in zip(tokens, types) if kind == 4])
+    ends = []
+    for role, add in (("bos", "tokenizer.ggml.add_bos_token"), ("eos", "tokenizer.ggml.add_eos_token")):
+        index = g.value(f"tokenizer.ggml.{role}_token_id")
+        if g.value(add) and index is not None:
+            ends.append((role, tokens[int(index)], int(index)))
+    if ends:
+        single = " ".join([f"{t}:0" for r, t, _ in ends if r == "bos"] + ["$A:0"]
+                          + [f"{t}:0" for r, t, _ in ends if r == "eos"])
+        tokenizer.post_processor = processors.TemplateProcessing(single=single, special_tokens=[
+            (t, i) for _, t, i in ends])
+    return tokenizer

@@ -110,6 +110,8 @@ class GgufTensors:
         """This rank's part of the matrix ``name`` as stored (``kind``: ``STORED_Q4_0`` or ``STORED_GGUF``), for a
         weight of ``dtype``: its rows, or its columns where they start and end on the type's blocks."""
         source = self.sources[name]
+        if len(source.tensors) != 1:
+            raise ValueError(f"{name}: rebuilt from {', '.join(source.tensors)}, it loads widened (get), not as stored")
         tensor = source.tensors[0]
         type_name = self.model.tensors[tensor].type_name
         n, k = self._shape(source)

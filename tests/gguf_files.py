@@ -35,16 +35,20 @@ KQUANT_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2
 KQUANT_VALUES = {"Q2_K": (2e-3, 2e-3), "Q3_K": (5e-4,), "Q4_K": (1e-4, 1e-4), "Q5_K": (5e-5, 5e-5), "Q6_K": (2e-5,)}
 
 
+QUANTISABLE = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # by gguf.quants.quantize
+
+
 def kquant_bytes(type_name: str, rows: int, k: int, seed: int) -> np.ndarray:
     """Rows of a K-quant type (``rows x k`` values) with random quants and small positive super-block scales: valid
     blocks of the published layout (the ``gguf`` package cannot quantise to these types), whose values the tests
-    take from ``gguf.quants.dequantize``."""
+    take from ``gguf.quants.dequantize``. Another type the package cannot quantise (IQ...): random blocks."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
     rng = np.random.default_rng(seed)
     data = rng.integers(0, 256, size=(rows, k // block, size), dtype=np.uint8)
-    for offset, value in zip(KQUANT_SCALES[type_name], KQUANT_VALUES[type_name]):  # d (and dmin): small, fixed
+    # d (and dmin): small, fixed
+    for offset, value in zip(KQUANT_SCALES.get(type_name, ()), KQUANT_VALUES.get(type_name, ())):
         data[..., offset:offset + 2] = np.frombuffer(np.float16(value).tobytes(), np.uint8)
     return data.reshape(rows, -1)
 
@@ -54,7 +58,7 @@ def _quantized(name: str, values: np.ndarray, type_name: str, seed: int) -> tupl
     from gguf.quants import quantize
 
     qtype = GGMLQuantizationType[type_name]
-    if type_name in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"):
+    if type_name in KQUANT_SCALES or type_name not in QUANTISABLE:
         flat = values.reshape(-1, values.shape[-1])
         data = kquant_bytes(type_name, flat.shape[0], flat.shape[1], seed)
         return data.reshape(*values.shape[:-1], -1), qtype
@@ -76,8 +80,8 @@ def hf_tensors(model: Any, split_kv_b: bool) -> list[tuple[str, torch.Tensor]]:
     out: list[tuple[str, torch.Tensor]] = []
     experts: dict[tuple[int, str], list[torch.Tensor]] = {}
     for key, value in state.items():
-        if key.endswith("rotary_emb.inv_freq"):
-            continue
+        if key.endswith("rotary_emb.inv_freq") or (key == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue  # a tied head is the embedding: llama.cpp's converter leaves it out
         if ".mlp.experts." in key and key.split(".")[5].isdigit():  # model.layers.i.mlp.experts.e.w.weight
             parts = key.split(".")
             experts.setdefault((int(parts[2]), parts[6]), []).append(value)
@@ -156,18 +160,21 @@ def _stored_value(key: str, like: torch.Tensor, values: dict[str, torch.Tensor],
         return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(like.shape)
     if key.endswith("e_score_correction_bias"):
         key = key.replace("e_score_correction_bias", "e_score_correction.bias")
+    if key == "lm_head.weight" and "output.weight" not in values:
+        return values["token_embd.weight"]
     return values[names.get_name(key, try_suffixes=(".weight", ".bias"))].reshape(like.shape)
 
 
 def write_gguf(model: Any, out: Path, pick: TypePick | None = None, split_kv_b: bool = False,
-               tokenizer: dict[str, Any] | None = None, split_tensors: int = 0) -> tuple[Path, dict[str, Any]]:
+               tokenizer: dict[str, Any] | None = None, split_tensors: int = 0,
+               arch: str = "deepseek2") -> tuple[Path, dict[str, Any]]:
     """Write ``model`` (a transformers DeepSeek-V2/V3) to ``out``; returns the path to load and the stored tensors
     as the file holds them (name -> (type, numpy data))."""
     import gguf
 
     cfg = model.config
     pick = pick or products_in("F32")
-    w = gguf.GGUFWriter(str(out), "deepseek2", split_max_tensors=split_tensors)
+    w = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_tensors)
     _metadata(w, cfg)
     if tokenizer is not None:
         _tokenizer(w, tokenizer)

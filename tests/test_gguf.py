@@ -1,0 +1,289 @@
+"""GGUF files (llama.cpp's format), written at test time from tiny transformers models with the ``gguf`` package: the
+config and tokenizer read back, every weight as the package dequantises it, greedy tokens equal to transformers on
+the dequantised weights, split files, and the refusals (unsupported types, a missing or non-GGUF file)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mla_runtime import LLM, SamplingParams
+from mla_runtime.config import ModelConfig
+from mla_runtime.gguf_meta import BLOCK_NAMES, GgufError, open_gguf
+from mla_runtime.gguf_reader import STORED_Q4_0, GgufTensors
+from mla_runtime.hub import ModelNotFoundError, resolve_model
+from mla_runtime.layers.gguf_weight import GgufWeight, dequantize_rows, int4_from_q4_0
+from mla_runtime.layers.int4 import Int4Weight
+from mla_runtime.layers.quantization import quantized_weights
+from mla_runtime.loader import load_model
+from mla_runtime.tokenizer import load_tokenizer
+from tests.checkpoints import YARN, _randomise, _v2_config, _v3_config
+from tests.gguf_files import TypePick, dequantized, products_in, reference_model, write_gguf
+
+# llama.cpp stores only YaRN's mscale_all_dim for this architecture and applies no magnitude of its own to the rotary
+# tables: a GGUF stands for DeepSeek's configs, whose mscale equals it
+YARN_GGUF = {**YARN, "mscale": 0.707, "mscale_all_dim": 0.707}
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+PROMPTS = [[5, 9, 2, 7, 11, 3], list(range(3, 40))]
+
+
+def tiny(family: str, seed: int = 0, **overrides):
+    from transformers import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    overrides.setdefault("rope_parameters", YARN_GGUF)
+    if family == "v3":
+        model = DeepseekV3ForCausalLM(_v3_config(**overrides))
+    else:
+        model = DeepseekV2ForCausalLM(_v2_config(**overrides))
+    _randomise(model, seed + 1)
+    return model.eval()
+
+
+def by_kind(types: dict[str, str], default: str = "F32") -> TypePick:
+    """Each tensor the type ``types`` gives its llama.cpp kind (``attn_q_a``, ``token_embd``...), where its rows are
+    whole blocks of it; else ``default``, and F32 for vectors."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    def pick(name: str, shape: tuple[int, ...]) -> str:
+        parts = name.split(".")
+        kind = parts[2] if parts[0] == "blk" else parts[0]
+        chosen = types.get(kind, default)
+        block = GGML_QUANT_SIZES[GGMLQuantizationType[chosen]][0]
+        return chosen if len(shape) >= 2 and shape[-1] % block == 0 else "F32"
+    return pick
+
+
+MIXED = {"token_embd": "Q6_K", "output": "Q6_K", "attn_q_a": "Q4_K", "attn_kv_a_mqa": "Q5_K",
+         "ffn_gate_exps": "Q2_K", "ffn_up_exps": "Q3_K", "ffn_down_exps": "Q4_0", "ffn_gate": "Q5_0", "ffn_up": "Q4_1",
+         "ffn_gate_shexp": "Q5_1", "ffn_up_shexp": "F16", "ffn_gate_inp": "F32"}
+
+# name -> (model, the type of each tensor, kv_b_proj split into attn_k_b / attn_v_b)
+CASES = {
+    "v2_f32": (lambda: tiny("v2"), products_in("F32"), False),
+    "v3_f16_split_kv_b": (lambda: tiny("v3"), products_in("F16"), True),
+    "v2_q8_0_split_kv_b": (lambda: tiny("v2", topk_method="greedy", n_group=1, topk_group=1, q_lora_rank=64,
+                                        v_head_dim=24), products_in("Q8_0"), True),
+    "v3_q4_0_tied": (lambda: tiny("v3", q_lora_rank=None, tie_word_embeddings=True), products_in("Q4_0"), False),
+    "v3_mixed_kquants": (lambda: tiny("v3", hidden_size=256, q_lora_rank=64), by_kind(MIXED, "Q8_0"), True),
+}
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """Each case written once: (transformers model, GGUF path, stored tensors)."""
+    cache: dict[str, tuple] = {}
+
+    def get(case: str):
+        if case not in cache:
+            make, pick, split = CASES[case]
+            model = make()
+            path, stored = write_gguf(model, tmp_path_factory.mktemp(case) / "model.gguf", pick, split)
+            cache[case] = (model, path, stored)
+        return cache[case]
+    return get
+
+
+def test_the_name_table_is_the_gguf_packages():
+    import gguf
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, 4)
+    for kind, hf in BLOCK_NAMES.items():
+        assert names.get_name(f"model.layers.2.{hf}.weight", try_suffixes=(".weight",)) == f"blk.2.{kind}.weight"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_config_reads_back(written, case):
+    model, path, _ = written(case)
+    source = ModelConfig.from_dict(model.config.to_dict())
+    got = ModelConfig.from_pretrained(path)
+    for field in ("family", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                  "v_head_dim", "max_position_embeddings", "tie_word_embeddings", "moe", "rope"):
+        assert getattr(got, field) == getattr(source, field), field
+    assert got.rms_norm_eps == pytest.approx(source.rms_norm_eps)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_tensor_is_what_the_package_dequantises(written, case):
+    """Each Hugging Face tensor read from the file equals the reference model's (the ``gguf`` package's
+    dequantisation); each product matrix kept as stored dequantises to it too."""
+    model, path, stored = written(case)
+    ref = reference_model(model, stored).state_dict()
+    reader = GgufTensors(open_gguf(path))
+    for name in reader.files:
+        if ".mlp.experts." in name and name.split(".")[5].isdigit():
+            e, w = int(name.split(".")[5]), name.split(".")[6]
+            layer = name.split(".")[2]
+            key = f"model.layers.{layer}.mlp.experts.{'down_proj' if w == 'down_proj' else 'gate_up_proj'}"
+            half = ref[key].shape[1] // 2
+            want = ref[key][e] if w == "down_proj" else ref[key][e][:half] if w == "gate_proj" else ref[key][e][half:]
+        else:
+            want = ref[name]
+        assert torch.equal(reader.get(name).float(), want.float()), name
+        kind = reader.stored_kind([name])
+        if kind is not None and want.dim() == 2 and "kv_b_proj" not in name:  # kv_b_proj loads widened
+            matrix = reader.matrix(name, None, torch.float32, torch.device("cpu"), kind)
+            assert isinstance(matrix, Int4Weight if kind == STORED_Q4_0 else GgufWeight)
+            assert torch.equal(matrix.dequantize(), want.float()), name
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_greedy_tokens_equal_transformers_on_the_dequantised_weights(written, case):
+    model, path, stored = written(case)
+    ref = reference_model(model, stored)
+    want = [ref.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):].tolist()
+            for p in PROMPTS]
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB")
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS)]
+    assert got == want
+
+
+def test_stored_types_load_as_stored(written):
+    """Q4_0 matrices become int4 ones (the bytes moved), the other block types stay in them; a matrix stacked from
+    tensors of two types (an expert's gate Q2_K and up Q3_K) keeps both."""
+    _, path, _ = written("v3_mixed_kquants")
+    model = load_model(path, dtype="float32")
+    weights = quantized_weights(model)
+    types = {t for w in weights if isinstance(w, GgufWeight) for t in w.types}
+    assert {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q5_0", "Q5_1", "Q8_0"} <= types
+    assert any(isinstance(w, GgufWeight) and w.types == ["Q2_K", "Q3_K"] for w in weights)
+    assert any(isinstance(w, Int4Weight) for w in weights)
+    assert model.model.embed_tokens.weight.dtype == torch.float32  # Q6_K embedding, widened at load
+
+
+def test_q4_0_is_the_int4_format(written):
+    """A Q4_0 matrix moved into the int4 format holds the bytes ``quantization="int4"`` makes from the same float32
+    matrix (both are ggml's Q4_0 rule)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    torch.manual_seed(3)
+    w = torch.randn(24, 96) * 0.1
+    stored = torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType.Q4_0))
+    moved = int4_from_q4_0(stored, 96, torch.float32)
+    ours = Int4Weight.quantize(w)
+    assert torch.equal(moved.packed, ours.packed) and torch.equal(moved.scales, ours.scales)
+    assert torch.equal(moved.dequantize(), dequantized("Q4_0", stored.numpy()))
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_1", "Q5_0", "F16"])
+def test_a_gguf_weight_multiplies_as_its_dequantised_matrix(type_name):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    torch.manual_seed(0)
+    w = torch.randn(40, 64)
+    data = quantize(w.numpy(), GGMLQuantizationType[type_name])
+    raw = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).reshape(40, -1))
+    weight = GgufWeight([(type_name, raw[:16]), (type_name, raw[16:])], 64, torch.float32)
+    full = dequantized(type_name, data)
+    assert torch.equal(dequantize_rows(type_name, raw, 64), full)
+    assert torch.equal(weight.dequantize(), full)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(weight.matmul(x, None), x @ full.T)
+    picked = weight.select_rows(torch.tensor([30, 2, 17]))
+    assert torch.equal(picked.dequantize(), full[[30, 2, 17]])
+    assert weight.nbytes == raw.numel()
+    with pytest.raises(ValueError, match="uint8"):
+        GgufWeight([(type_name, raw[:, :-2])], 64, torch.float32)
+
+
+def test_split_files_load_from_the_first_part_or_the_folder(written, tmp_path):
+    model, single, _ = written("v2_f32")
+    first, _ = write_gguf(model, tmp_path / "split.gguf", products_in("F32"), split_tensors=12)
+    parts = sorted(tmp_path.glob("split-*-of-*.gguf"))
+    assert len(parts) > 2 and first == parts[0]
+    want = [o.outputs[0].token_ids for o in LLM(str(single), dtype="float32", kv_cache_memory="8MiB")
+            .generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS)]
+    for path in (first, tmp_path):
+        got = [o.outputs[0].token_ids for o in LLM(str(path), dtype="float32", kv_cache_memory="8MiB")
+               .generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS)]
+        assert got == want
+    with pytest.raises(GgufError, match="pass its first part"):
+        ModelConfig.from_pretrained(parts[1])
+    parts[-1].unlink()
+    with pytest.raises(GgufError, match=f"missing {parts[-1].name}"):
+        ModelConfig.from_pretrained(first)
+
+
+def _train_tokenizer():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from mla_runtime.gguf_meta import DEEPSEEK_V3_SPLITS
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in DEEPSEEK_V3_SPLITS]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"]
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = ["The quick brown fox jumps over the lazy dog. 12345 hello world!",
+            "Multi-head latent attention caches one latent per token, 漢字 and かな too."] * 40
+    tok.train_from_iterator(text, trainer)
+    return tok
+
+
+def test_the_tokenizer_and_chat_template_come_from_the_metadata(tmp_path):
+    source = _train_tokenizer()
+    model = json.loads(source.to_str())["model"]
+    tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+    meta = {"tokens": tokens, "types": [3, 3] + [1] * (len(tokens) - 2), "bos": 0, "eos": 1,
+            "merges": [" ".join(m) for m in model["merges"]], "chat_template": template}
+    path, _ = write_gguf(tiny("v3", vocab_size=len(tokens), bos_token_id=0, eos_token_id=1), tmp_path / "t.gguf",
+                         tokenizer=meta)
+    tokenizer = load_tokenizer(path)
+    for text in ("The quick brown fox, 12345!", "latent attention 漢字かな", "  spaces\nand lines"):
+        assert tokenizer.encode(text, add_special_tokens=False) == source.encode(text).ids
+        assert tokenizer.decode(source.encode(text).ids) == text
+    assert tokenizer.bos_token_id == 0 and tokenizer.eos_token_id == 1
+    assert tokenizer.encode("hello") == [0, *source.encode("hello").ids]  # tokenizer.ggml.add_bos_token
+    assert tokenizer.encode("<｜end▁of▁sentence｜>", add_special_tokens=False) == [1]  # a control token, whole
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=True,
+                                        add_generation_prompt=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
+    assert tokenizer.decode(ids, skip_special_tokens=True).endswith("<user>hello<assistant>")
+    out = LLM(str(path), dtype="float32", kv_cache_memory="8MiB").generate(["hello world"], PARAMS)[0]
+    assert len(out.outputs[0].token_ids) == 8 and isinstance(out.outputs[0].text, str)
+
+
+def _one_tensor_file(path: Path, type_name: str, arch: str = "deepseek2") -> Path:
+    """A GGUF of the tiny V2 whose ``blk.1.attn_output`` is of ``type_name`` (random blocks), the rest F32."""
+    def pick(name: str, shape: tuple[int, ...]) -> str:
+        return type_name if name == "blk.1.attn_output.weight" else "F32"
+    return write_gguf(tiny("v2"), path, pick, arch=arch)[0]
+
+
+@pytest.mark.parametrize("type_name", ["IQ4_NL", "IQ2_XXS", "TQ2_0"])
+def test_an_unsupported_type_is_refused_naming_the_tensor(tmp_path, type_name):
+    path = _one_tensor_file(tmp_path / "m.gguf", type_name)
+    with pytest.raises(GgufError, match=f"blk.1.attn_output.weight is {type_name}.*Q8_0"):
+        load_model(path, dtype="float32")
+    with pytest.raises(GgufError, match=f"blk.1.attn_output.weight is {type_name}"):
+        LLM(str(path), dtype="float32", kv_cache_memory="8MiB")
+
+
+def test_another_architecture_is_refused(tmp_path):
+    path = _one_tensor_file(tmp_path / "m.gguf", "F32", arch="llama")
+    with pytest.raises(GgufError, match="architecture 'llama' is not supported"):
+        ModelConfig.from_pretrained(path)
+
+
+def test_a_missing_or_foreign_file_is_refused(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        resolve_model(str(tmp_path / "absent.gguf"))
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"not a gguf file at all")
+    with pytest.raises(GgufError, match="not a GGUF file"):
+        LLM(str(fake), kv_cache_memory="8MiB")
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"GGUF-less")
+    with pytest.raises(ModelNotFoundError, match="not a .gguf file"):
+        resolve_model(str(other))
