@@ -205,6 +205,7 @@ def config_dict(path: str | Path) -> dict[str, Any]:
         "hidden_act": "silu", "attention_bias": False, "num_nextn_predict_layers": 0,
     }
     raw.update(_moe(g, layers))
+    raw["gguf_stored_bits"] = stored_bits(g)
     scaling = _rope_scaling(g)
     if scaling is not None:
         raw["rope_scaling"] = scaling
@@ -263,6 +264,49 @@ def _float_dtype(g: GgufModel) -> str:
             counts[t.type_name] += 1
     best = max(counts, key=lambda k: (counts[k], k == "F32"))
     return {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}[best] if counts[best] else "float32"
+
+
+# the model's product parameters each llama.cpp kind fills (``{i}``: the layer)
+PRODUCT_PARAMS = {
+    "attn_q": "model.layers.{i}.self_attn.q_proj.weight", "attn_q_a": "model.layers.{i}.self_attn.q_a_proj.weight",
+    "attn_q_b": "model.layers.{i}.self_attn.q_b_proj.weight",
+    "attn_kv_a_mqa": "model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight",
+    "attn_output": "model.layers.{i}.self_attn.o_proj.weight",
+    "ffn_gate": "model.layers.{i}.mlp.gate_up_proj", "ffn_up": "model.layers.{i}.mlp.gate_up_proj",
+    "ffn_down": "model.layers.{i}.mlp.down_proj",
+    "ffn_gate_shexp": "model.layers.{i}.mlp.shared_experts.gate_up_proj",
+    "ffn_up_shexp": "model.layers.{i}.mlp.shared_experts.gate_up_proj",
+    "ffn_down_shexp": "model.layers.{i}.mlp.shared_experts.down_proj",
+    "ffn_gate_exps": "model.layers.{i}.mlp.experts.gate_up_proj",
+    "ffn_up_exps": "model.layers.{i}.mlp.experts.gate_up_proj",
+    "ffn_down_exps": "model.layers.{i}.mlp.experts.down_proj",
+}
+
+
+def stored_bits(g: GgufModel) -> dict[str, float]:
+    """The bits per weight of each product parameter the file stores quantised: its tensors' bytes over their values
+    (a float tensor stacked with a quantised one stays in its type too); one stored in float types alone is left out,
+    as it loads in the model's format."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    sizes: dict[str, list[int]] = {}
+    quantised: set[str] = set()
+    for name, t in g.tensors.items():
+        m = _BLOCK_RE.match(name)
+        template = "lm_head" if name == "output.weight" else PRODUCT_PARAMS.get(m[2]) if m else None
+        if template is None or t.type_name not in SUPPORTED_TYPES:
+            continue
+        param = template.format(i=m[1] if m else "")
+        if t.type_name not in FLOAT_TYPES:
+            quantised.add(param)
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[t.type_name]]
+        values = 1
+        for d in t.shape:
+            values *= d
+        total = sizes.setdefault(param, [0, 0])
+        total[0] += values // block * size
+        total[1] += values
+    return {p: 8 * b / n for p, (b, n) in sizes.items() if p in quantised and n}
 
 
 # -- names ----------------------------------------------------------------------------------------------------

@@ -287,3 +287,38 @@ def test_a_missing_or_foreign_file_is_refused(tmp_path):
     other.write_bytes(b"GGUF-less")
     with pytest.raises(ModelNotFoundError, match="not a .gguf file"):
         resolve_model(str(other))
+
+
+def test_the_planner_counts_the_stored_blocks(written):
+    """The planner's bytes of a GGUF model's products are the file's blocks: what the loaded model holds."""
+    from mla_runtime.footprint import weight_footprint
+
+    _, path, _ = written("v3_mixed_kquants")
+    cfg = ModelConfig.from_pretrained(path)
+    planned = weight_footprint(cfg, "float32")
+    loaded = load_model(path, dtype="float32")
+    assert planned.format == "gguf (file blocks)"
+    assert planned.quantized_bytes == sum(w.nbytes for w in quantized_weights(loaded))
+    float_products = weight_footprint(cfg.with_overrides(stored_bits=()), "float32")
+    assert planned.total < float_products.total
+
+
+def test_hash_and_verify_a_gguf_file(written, tmp_path):
+    import shutil
+
+    from mla_runtime import checksums
+
+    _, source, _ = written("v2_f32")
+    path = tmp_path / "model.gguf"
+    shutil.copyfile(source, path)
+    assert checksums.main([str(path)]) == 0
+    assert (tmp_path / checksums.MANIFEST).read_text().endswith("  model.gguf\n")
+    fingerprint = checksums.verify(path)
+    assert checksums.manifest_fingerprint(path) == fingerprint
+    with open(path, "r+b") as f:  # a flipped byte in the last tensor
+        f.seek(-3, 2)
+        byte = f.read(1)
+        f.seek(-3, 2)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(checksums.WeightsMismatch, match="model.gguf does not match"):
+        checksums.verify(path)
