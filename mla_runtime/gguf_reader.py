@@ -9,16 +9,18 @@ part of a matrix, an expert of a stacked tensor being its run of rows. Q4_0 matr
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from mla_runtime.gguf_meta import FLOAT_TYPES, GgufError, GgufModel, Source, check_types, hf_names
+from mla_runtime.gguf_meta import FLOAT_TYPES, GgufModel, Source, check_types, hf_names
 from mla_runtime.layers.gguf_weight import GgufWeight, block_shape, dequantize_rows, int4_from_q4_0, row_bytes
 from mla_runtime.layers.qweight import QuantizedWeight
 
+logger = logging.getLogger("mla_runtime")
 STORED_GGUF = "stored gguf"  # a product matrix kept in the ggml types the file stores it in
 STORED_Q4_0 = "stored q4_0"  # ... all of it Q4_0: moved into the int4 format
 
@@ -108,7 +110,8 @@ class GgufTensors:
     def matrix(self, name: str, shard: tuple[int, int, int, int] | None, dtype: torch.dtype,
                device: torch.device, kind: str) -> QuantizedWeight:
         """This rank's part of the matrix ``name`` as stored (``kind``: ``STORED_Q4_0`` or ``STORED_GGUF``), for a
-        weight of ``dtype``: its rows, or its columns where they start and end on the type's blocks."""
+        weight of ``dtype``: its rows, or its columns where they start and end on the type's blocks (else those
+        columns widened to float32, the one case a product does not keep the file's bytes)."""
         source = self.sources[name]
         if len(source.tensors) != 1:
             raise ValueError(f"{name}: rebuilt from {', '.join(source.tensors)}, it loads widened (get), not as stored")
@@ -120,9 +123,11 @@ class GgufTensors:
         if shard is not None and shard[0] == 1:
             block, size = block_shape(type_name)
             a, b = shard[1], shard[2]
-            if a % block or b % block:
-                raise GgufError(f"{tensor}: this rank's columns [{a}, {b}) do not start and end on {type_name}'s "
-                                f"blocks of {block}: run it on fewer ranks")
+            if a % block or b % block:  # this rank's columns cut the blocks: they load widened, in float32
+                logger.info("%s: this rank's columns [%d, %d) cut %s's blocks of %d: widened to float32", tensor, a,
+                            b, type_name, block)
+                wide = dequantize_rows(type_name, data, k)[:, a:b].contiguous()
+                return GgufWeight([("F32", wide.view(torch.uint8).to(device))], b - a, dtype)
             data, k = data[:, a // block * size: b // block * size], b - a
         data = data.to(device)
         if kind == STORED_Q4_0:
