@@ -136,9 +136,12 @@ class GgufModel:
             if not is_gguf_file(f):
                 raise GgufError(f"{f}: not a GGUF file (it does not start with the bytes 'GGUF')")
             try:
-                self.readers.append(GGUFReader(f, "c"))
+                reader = GGUFReader(f, "c")
             except (ValueError, IndexError, OSError) as e:
                 raise GgufError(f"{f}: unreadable GGUF ({e})") from e
+            if reader.byte_order != "I":
+                raise GgufError(f"{f}: its byte order is not this machine's (a big-endian GGUF); convert it")
+            self.readers.append(reader)
         self.tensors: dict[str, GgufTensor] = {}
         for reader in self.readers:
             for t in reader.tensors:

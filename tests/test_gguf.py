@@ -339,3 +339,23 @@ def test_two_ranks_read_their_slices_and_equal_one_rank(tmp_path):
     finally:
         llm.shutdown()
     assert got == want
+
+
+def test_serve_takes_a_gguf_file(written):
+    from mla_runtime.serving.config import resolve
+
+    _, path, _ = written("v2_f32")
+    engine, _ = resolve(["--model", str(path)], env={})
+    assert engine.model == str(path)
+    with pytest.raises(ValueError, match="not a checkpoint directory"):
+        resolve(["--model", str(path.with_name("absent.gguf"))], env={})
+
+
+@pytest.mark.parametrize("case", ["v3_f16_split_kv_b", "v2_q8_0_split_kv_b"])
+def test_dtype_auto_serves(written, case):
+    """``dtype="auto"``: the file's float type (float16 here, float32 where every matrix is quantised), or what this
+    CPU prefers for it."""
+    _, path, _ = written(case)
+    assert ModelConfig.from_pretrained(path).torch_dtype == ("float16" if "f16" in case else "float32")
+    out = LLM(str(path), kv_cache_memory="8MiB").generate([{"prompt_token_ids": PROMPTS[0]}], PARAMS)
+    assert len(out[0].outputs[0].token_ids) == 8
