@@ -2,8 +2,8 @@
 package's writer: names from the package's own tensor-name map (so the runtime's name table is checked against it),
 routed experts stacked ``[E, N, K]``, ``kv_b_proj`` whole or split into ``attn_k_b`` (each head's ``W_UK``
 transposed) and ``attn_v_b``, the router's correction bias as ``exp_probs_b.bias``; each tensor in the type ``types``
-picks, quantised with ``gguf.quants.quantize`` or, for the K-quants the package cannot quantise, made by
-``kquant_bytes``."""
+picks, quantised with ``gguf.quants.quantize``, or for the K-quants the package cannot quantise with the plain
+rounding quantisers here (Q4_K, Q6_K) or as random valid blocks (``kquant_bytes``: Q2_K, Q3_K, Q5_K)."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def products_in(type_name: str, others: str = "F32") -> TypePick:
 
 # the byte offsets of each K-quant block's float16 super-block scale d (and dmin), and the values given them here:
 # small enough that a value (scale x sub-block scale x quant) stays near the transformers model's 0.08
-KQUANT_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-KQUANT_VALUES = {"Q2_K": (2e-3, 2e-3), "Q3_K": (5e-4,), "Q4_K": (1e-4, 1e-4), "Q5_K": (5e-5, 5e-5), "Q6_K": (2e-5,)}
+KQUANT_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q5_K": (0, 2)}
+KQUANT_VALUES = {"Q2_K": (2e-3, 2e-3), "Q3_K": (5e-4,), "Q5_K": (5e-5, 5e-5)}
 
 
 QUANTISABLE = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # by gguf.quants.quantize
@@ -40,8 +40,8 @@ QUANTISABLE = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # 
 
 def kquant_bytes(type_name: str, rows: int, k: int, seed: int) -> np.ndarray:
     """Rows of a K-quant type (``rows x k`` values) with random quants and small positive super-block scales: valid
-    blocks of the published layout (the ``gguf`` package cannot quantise to these types), whose values the tests
-    take from ``gguf.quants.dequantize``. Another type the package cannot quantise (IQ...): random blocks."""
+    blocks of the published layout, whose values the tests take from ``gguf.quants.dequantize``. Another type
+    nothing here quantises (IQ...): random blocks."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
@@ -53,11 +53,68 @@ def kquant_bytes(type_name: str, rows: int, k: int, seed: int) -> np.ndarray:
     return data.reshape(rows, -1)
 
 
+def _f16_bytes(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16).view(np.uint8).reshape(*values.shape[:-1], -1)
+
+
+def quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """Rows ``[n, k]`` (``k`` a multiple of 256) to Q6_K by plain rounding, in the published block layout: per
+    super-block of 256 values ``ql`` (128 bytes: the low 4 bits), ``qh`` (64 bytes: the high 2 bits), 16 int8
+    sub-block scales and a float16 ``d``; a value is ``d * scale[j] * (q - 32)``, ``q`` in [0, 63], ``j`` its
+    sub-block of 16. Value ``f`` of a super-block has its low bits in byte ``64 (f // 128) + f % 64`` of ``ql``
+    (high nibble when ``f % 128 >= 64``) and its high bits at bit ``2 ((f % 128) // 32)`` of byte
+    ``32 (f // 128) + f % 32`` of ``qh``."""
+    blocks = x.astype(np.float32).reshape(-1, 16, 16)  # [super-blocks, sub-block, value]
+    sub = np.abs(blocks).max(axis=-1) / 31  # each sub-block's scale in float
+    d = (sub.max(axis=-1, keepdims=True) / 127).astype(np.float16).astype(np.float32)
+    sc = np.where(d > 0, np.round(sub / np.where(d > 0, d, 1)), 0).clip(-128, 127).astype(np.int8)
+    step = d[:, :, None] * sc[:, :, None].astype(np.float32)
+    q = np.where(step != 0, np.round(blocks / np.where(step != 0, step, 1)), 0).clip(-32, 31).astype(np.int16) + 32
+    q = q.reshape(-1, 256).astype(np.uint8)
+    low, high = q & 0x0F, q >> 4
+    half = low.reshape(-1, 2, 2, 64)  # [.., f // 128, (f % 128) // 64, f % 64]
+    ql = (half[:, :, 0] | (half[:, :, 1] << 4)).reshape(-1, 128)
+    hi = high.reshape(-1, 2, 4, 32)  # [.., f // 128, (f % 128) // 32, f % 32]
+    qh = (hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)).reshape(-1, 64)
+    out = np.concatenate([ql, qh, sc.view(np.uint8), _f16_bytes(d)], axis=-1)
+    return out.reshape(x.shape[0], -1)
+
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """Rows ``[n, k]`` to Q4_K by plain rounding, in the published block layout: per super-block of 256 values a
+    float16 ``d`` and ``dmin``, 12 bytes of eight 6-bit sub-block scales and mins, 128 bytes of 4-bit quants; a value
+    is ``d * sc[j] * q - dmin * m[j]``, ``q`` in [0, 15], ``j`` its sub-block of 32. Scales and mins ``j < 4`` are the
+    low 6 bits of bytes ``j`` and ``4 + j``, whose top 2 bits hold the high bits of ``j + 4``'s, whose low 4 bits are
+    byte ``8 + j``'s low (scale) and high (min) nibble. Value ``f`` is nibble ``(f % 64) // 32`` of byte
+    ``32 (f // 64) + f % 32``."""
+    blocks = x.astype(np.float32).reshape(-1, 8, 32)
+    lo = np.minimum(blocks.min(axis=-1), 0)
+    scale, low = (blocks.max(axis=-1) - lo) / 15, -lo
+    d = (scale.max(axis=-1, keepdims=True) / 63).astype(np.float16).astype(np.float32)
+    dmin = (low.max(axis=-1, keepdims=True) / 63).astype(np.float16).astype(np.float32)
+    sc = np.where(d > 0, np.round(scale / np.where(d > 0, d, 1)), 0).clip(0, 63).astype(np.uint8)
+    m = np.where(dmin > 0, np.round(low / np.where(dmin > 0, dmin, 1)), 0).clip(0, 63).astype(np.uint8)
+    step, offset = (d * sc)[..., None], (dmin * m)[..., None]
+    q = np.where(step > 0, np.round((blocks + offset) / np.where(step > 0, step, 1)), 0)
+    q = q.clip(0, 15).astype(np.uint8).reshape(-1, 4, 2, 32)  # [.., f // 64, (f % 64) // 32, f % 32]
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+    scales = np.concatenate([sc[:, :4] | ((sc[:, 4:] >> 4) << 6), m[:, :4] | ((m[:, 4:] >> 4) << 6),
+                             (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)], axis=-1)
+    out = np.concatenate([_f16_bytes(d), _f16_bytes(dmin), scales, qs], axis=-1)
+    return out.reshape(x.shape[0], -1)
+
+
+OWN_QUANTISERS = {"Q6_K": quantize_q6_k, "Q4_K": quantize_q4_k}
+
+
 def _quantized(name: str, values: np.ndarray, type_name: str, seed: int) -> tuple[np.ndarray, Any]:
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
     qtype = GGMLQuantizationType[type_name]
+    if type_name in OWN_QUANTISERS:
+        flat = values.reshape(-1, values.shape[-1])
+        return OWN_QUANTISERS[type_name](flat).reshape(*values.shape[:-1], -1), qtype
     if type_name in KQUANT_SCALES or type_name not in QUANTISABLE:
         flat = values.reshape(-1, values.shape[-1])
         data = kquant_bytes(type_name, flat.shape[0], flat.shape[1], seed)

@@ -22,7 +22,7 @@ from mla_runtime.layers.quantization import quantized_weights
 from mla_runtime.loader import load_model
 from mla_runtime.tokenizer import load_tokenizer
 from tests.checkpoints import YARN, _randomise, _v2_config, _v3_config
-from tests.gguf_files import TypePick, dequantized, products_in, reference_model, write_gguf
+from tests.gguf_files import OWN_QUANTISERS, TypePick, dequantized, products_in, reference_model, write_gguf
 
 # llama.cpp stores only YaRN's mscale_all_dim for this architecture and applies no magnitude of its own to the rotary
 # tables: a GGUF stands for DeepSeek's configs, whose mscale equals it
@@ -169,6 +169,19 @@ def test_q4_0_is_the_int4_format(written):
     ours = Int4Weight.quantize(w)
     assert torch.equal(moved.packed, ours.packed) and torch.equal(moved.scales, ours.scales)
     assert torch.equal(moved.dequantize(), dequantized("Q4_0", stored.numpy()))
+
+
+@pytest.mark.parametrize("type_name, tolerance", [("Q6_K", 0.03), ("Q4_K", 0.12)])
+def test_the_test_k_quantisers_follow_the_block_layout(type_name, tolerance):
+    """The tests' Q4_K / Q6_K quantisers, read back by the ``gguf`` package's dequantiser, give the float values to
+    within their rounding (a byte out of place would give noise as large as the values)."""
+    x = (np.random.default_rng(0).standard_normal((6, 512)) * 0.08).astype(np.float32)
+    x[0, :256] = 0.0  # an all-zero super-block
+    data = OWN_QUANTISERS[type_name](x)
+    assert data.shape == (6, 512 // 256 * {"Q6_K": 210, "Q4_K": 144}[type_name])
+    back = dequantized(type_name, data).numpy().reshape(x.shape)
+    assert np.all(back[0, :256] == 0)
+    assert np.sqrt(np.mean((back - x) ** 2)) < tolerance * np.sqrt(np.mean(x ** 2))
 
 
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_1", "Q5_0", "F16"])
