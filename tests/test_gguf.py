@@ -16,7 +16,7 @@ from mla_runtime.config import ModelConfig
 from mla_runtime.gguf_meta import BLOCK_NAMES, GgufError, open_gguf
 from mla_runtime.gguf_reader import STORED_Q4_0, GgufTensors
 from mla_runtime.hub import ModelNotFoundError, resolve_model
-from mla_runtime.layers.gguf_weight import GgufWeight, dequantize_rows, int4_from_q4_0
+from mla_runtime.layers.gguf_weight import TORCH_BLOCKS, GgufWeight, dequantize_rows, int4_from_q4_0
 from mla_runtime.layers.int4 import Int4Weight
 from mla_runtime.layers.quantization import quantized_weights
 from mla_runtime.loader import load_model
@@ -182,6 +182,26 @@ def test_the_test_k_quantisers_follow_the_block_layout(type_name, tolerance):
     back = dequantized(type_name, data).numpy().reshape(x.shape)
     assert np.all(back[0, :256] == 0)
     assert np.sqrt(np.mean((back - x) ** 2)) < tolerance * np.sqrt(np.mean(x ** 2))
+
+
+@pytest.mark.parametrize("type_name", sorted(TORCH_BLOCKS))
+def test_the_torch_dequantisers_equal_the_packages(type_name):
+    """The torch dequantisers another device takes give the ``gguf`` package's values, on quantised weights and on
+    random bytes (every bit of every field read where the package reads it)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quantize
+
+    x = (np.random.default_rng(0).standard_normal((16, 512)) * 0.08).astype(np.float32)
+    quantised = OWN_QUANTISERS[type_name](x) if type_name in OWN_QUANTISERS else \
+        quantize(x, GGMLQuantizationType[type_name])
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    noise = np.random.default_rng(1).integers(0, 256, (16, 512 // block, size), dtype=np.uint8)
+    for d in (0, 2) if type_name == "Q4_K" else (0,) if type_name == "Q8_0" else (208,):
+        noise[..., d:d + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)  # finite scales
+    for data in (quantised, noise.reshape(16, -1)):
+        size_bytes, widen = TORCH_BLOCKS[type_name]
+        got = widen(torch.from_numpy(np.ascontiguousarray(data)).reshape(-1, size_bytes)).reshape(16, 512)
+        assert torch.equal(got, dequantized(type_name, data).reshape(16, 512))
 
 
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_1", "Q5_0", "F16"])

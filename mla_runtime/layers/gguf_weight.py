@@ -8,8 +8,9 @@ those bytes, ``[rows, K / block * type_size]`` uint8 per part, and a matrix stac
 (``gate_proj`` Q4_K beside ``up_proj`` Q6_K) keeps one part per type: the type is data, not a class.
 
 Products widen the weight to float32 a block of output rows at a time (``QuantizedWeight.widened_product``: about
-``WIDEN_CHUNK_ELEMENTS`` values, never the whole matrix) and multiply in float32. Q8_0 and the float types are
-widened by torch on the weight's device; the other types by the ``gguf`` package's dequantisers (numpy, on the CPU).
+``WIDEN_CHUNK_ELEMENTS`` values, never the whole matrix) and multiply in float32. On a CPU the block types are
+widened by the ``gguf`` package's dequantisers (numpy); on another device Q8_0, Q4_K and Q6_K (a Q4_K_M or Q5_K_M
+file's most common types) by torch there, the others through the CPU.
 
 Q4_0 is the runtime's int4 number format exactly (``layers.int4``: groups of 32 along ``K``, one float16 scale,
 ``q[j] + 8`` in the low nibble of byte ``j`` and ``q[j + 16] + 8`` in its high nibble), so a Q4_0 matrix becomes an
@@ -45,16 +46,62 @@ def row_bytes(type_name: str, k: int) -> int:
     return k // block * size
 
 
+def _half(b: torch.Tensor) -> torch.Tensor:
+    """Float32 of float16 values stored as byte pairs (``b [..., 2]``)."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    """Q8_0 blocks ``[..., 34]``: a float16 scale, 32 int8 values."""
+    return blocks[..., 2:].contiguous().view(torch.int8).float() * _half(blocks[..., :2])
+
+
+def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's eight 6-bit sub-block scales and mins from their 12 bytes (``[..., 12]``): ``j < 4`` the low 6
+    bits of bytes ``j`` and ``4 + j``; ``j >= 4`` byte ``8 + j - 4``'s low (scale) and high (min) nibble, over the
+    top 2 bits of bytes ``j - 4`` and ``j``."""
+    d, m, both = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = torch.cat([d & 63, (both & 15) | ((d >> 6) << 4)], dim=-1)
+    mins = torch.cat([m & 63, (both >> 4) | ((m >> 6) << 4)], dim=-1)
+    return scales.float(), mins.float()
+
+
+def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_K super-blocks ``[n, 144]``: float16 ``d`` and ``dmin``, 12 bytes of scales and mins, 128 bytes of nibbles
+    (value ``f``: nibble ``(f % 64) // 32`` of byte ``32 (f // 64) + f % 32``); ``d sc q - dmin m``."""
+    n = blocks.shape[0]
+    sc, mn = _k_scales(blocks[:, 4:16])
+    qs = blocks[:, 16:].reshape(n, 4, 1, 32)
+    q = torch.cat([qs & 15, qs >> 4], dim=2).reshape(n, 8, 32).float()
+    return (_half(blocks[:, 0:2]) * sc)[..., None] * q - (_half(blocks[:, 2:4]) * mn)[..., None]
+
+
+def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    """Q6_K super-blocks ``[n, 210]``: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, a float16
+    ``d``; ``d scale[f // 16] (q - 32)`` (the layout of ``tests/gguf_files.quantize_q6_k``)."""
+    n = blocks.shape[0]
+    ql, qh = blocks[:, :128].reshape(n, 2, 1, 64), blocks[:, 128:192].reshape(n, 2, 1, 32)
+    low = torch.cat([ql & 15, ql >> 4], dim=2).reshape(n, 2, 128)
+    high = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=2).reshape(n, 2, 128)
+    q = (low | (high << 4)).reshape(n, 16, 16).float() - 32
+    scale = blocks[:, 192:208].contiguous().view(torch.int8).float() * _half(blocks[:, 208:210])
+    return scale[..., None] * q
+
+
+TORCH_BLOCKS = {"Q8_0": (34, _q8_0), "Q4_K": (144, _q4_k), "Q6_K": (210, _q6_k)}  # bytes a block, its dequantiser
+
+
 def dequantize_rows(type_name: str, data: torch.Tensor, k: int) -> torch.Tensor:
     """Float32 ``[rows, k]`` of rows stored as ``type_name`` (``data``: uint8 ``[rows, row_bytes]``), on ``data``'s
-    device: torch for the float types and Q8_0, the ``gguf`` package's dequantiser for the others."""
+    device: on a CPU the ``gguf`` package's dequantisers (numpy: 2-6x torch's time on these byte operations); on
+    another device torch for Q8_0, Q4_K and Q6_K (checked against the package by the tests), the package's for the
+    others through the CPU."""
     rows = data.shape[0]
     if type_name in FLOAT_DTYPES:
         return data.contiguous().view(FLOAT_DTYPES[type_name]).float().reshape(rows, k)
-    if type_name == "Q8_0":
-        blocks = data.reshape(rows, k // 32, 34)
-        scale = blocks[..., :2].contiguous().view(torch.float16).float()
-        return (blocks[..., 2:].contiguous().view(torch.int8).float() * scale).reshape(rows, k)
+    if type_name in TORCH_BLOCKS and data.device.type != "cpu":
+        size, widen = TORCH_BLOCKS[type_name]
+        return widen(data.reshape(-1, size)).reshape(rows, k)
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
