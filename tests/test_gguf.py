@@ -392,3 +392,47 @@ def test_dtype_auto_serves(written, case):
     assert ModelConfig.from_pretrained(path).torch_dtype == ("float16" if "f16" in case else "float32")
     out = LLM(str(path), kv_cache_memory="8MiB").generate([{"prompt_token_ids": PROMPTS[0]}], PARAMS)
     assert len(out[0].outputs[0].token_ids) == 8
+
+
+DEMO = Path(__file__).resolve().parent.parent / "mla_runtime" / "demo_model"
+
+
+def _demo_tokenizer_metadata() -> dict:
+    """The demo model's tokenizer as llama.cpp's converter stores a byte-level BPE: tokens by id, merges as
+    ``"a b"``, its added tokens marked control, the chat template."""
+    spec = json.loads((DEMO / "tokenizer.json").read_text())
+    vocab = dict(spec["model"]["vocab"])
+    vocab.update({t["content"]: t["id"] for t in spec["added_tokens"]})
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    special = {t["id"] for t in spec["added_tokens"] if t["special"]}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    return {"tokens": tokens, "types": [3 if i in special else 1 for i in range(len(tokens))], "merges": merges,
+            "bos": 0, "eos": 1, "pre": "gpt-2", "chat_template": (DEMO / "chat_template.jinja").read_text()}
+
+
+@pytest.fixture(scope="module")
+def demo_gguf(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(DEMO, dtype=torch.float32).eval()
+    out = tmp_path_factory.mktemp("demo") / "demo-BF16.gguf"
+    return write_gguf(model, out, products_in("BF16", "F32"), split_kv_b=True, tokenizer=_demo_tokenizer_metadata())[0]
+
+
+def test_the_demo_model_as_a_gguf_file_answers_as_its_checkpoint(demo_gguf):
+    """The demo checkpoint written as llama.cpp would (bfloat16 matrices, its tokenizer and chat template in the
+    metadata) tokenises, templates and answers exactly as the checkpoint folder does."""
+    from mla_runtime.tokenizer import apply_chat_template
+
+    want_tok, got_tok = load_tokenizer(DEMO), load_tokenizer(demo_gguf)
+    for text in ("def fibonacci(n):\n    return n", "  indented\tand <|eos|> special", "ünïcödé 漢字 123456"):
+        assert got_tok.encode(text) == want_tok.encode(text)
+        ids = want_tok.encode(text)
+        assert got_tok.decode(ids, skip_special_tokens=True) == want_tok.decode(ids, skip_special_tokens=True)
+    chat = [{"role": "user", "content": "Write a loop."}]
+    assert apply_chat_template(got_tok, chat) == apply_chat_template(want_tok, chat)
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    want = LLM(str(DEMO), dtype="float32", kv_cache_memory="16MiB").generate(["def fibonacci(n):"], params)
+    got = LLM(str(demo_gguf), dtype="float32", kv_cache_memory="16MiB").generate(["def fibonacci(n):"], params)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert got[0].outputs[0].text == want[0].outputs[0].text
