@@ -15,8 +15,8 @@ reader maps the file (``np.memmap``): nothing here reads a weight.
 - **Tokenizer** (``load_gguf_tokenizer``): a byte-level BPE (``tokenizer.ggml.model`` ``gpt2``, what llama.cpp writes
   for these models) built with ``tokenizers`` from ``tokenizer.ggml.tokens``/``merges``/``token_type``, the special
   tokens as the file spells them (``<｜begin▁of▁sentence｜>``), BOS/EOS and whether to add them, and
-  ``tokenizer.chat_template``; the pre-tokenizer of DeepSeek-V3's vocabulary where ``tokenizer.ggml.pre`` is
-  ``deepseek-v3``, else GPT-2's.
+  ``tokenizer.chat_template``; the splits of the DeepSeek vocabulary ``tokenizer.ggml.pre`` names (``deepseek-v3``,
+  ``deepseek-llm``: V2's, ``deepseek-coder``), else GPT-2's.
 - **Names** (``hf_names``): llama.cpp's tensor names mapped back (``BLOCK_NAMES``); ``attn_kv_b``, or where the file
   splits it the pair ``attn_k_b`` (each head's ``W_UK`` transposed) and ``attn_v_b``, is ``kv_b_proj``; each expert of
   a stacked ``ffn_*_exps`` tensor is one ``experts.{e}.*_proj.weight``.
@@ -63,6 +63,22 @@ DEEPSEEK_V3_SPLITS = (
     r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+",
 )
+# DeepSeek-LLM's and DeepSeek-V2's (llama.cpp's "deepseek-llm"), and DeepSeek-Coder's ("deepseek-coder")
+DEEPSEEK_LLM_SPLITS = (
+    r"[\r\n]",
+    # letters: the code points are spelled out where Unicode normalisation would turn one into another
+    # (U+1F7D, U+1FBE, U+1FD3, U+1FDB, U+2126, U+212A)
+    "\\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝ"
+    "Ὗ-\u1f7dᾀ-ᾴᾶ-ᾼ\u1fbeῂ-ῄῆ-ῌῐ-\u1fd3ῖ-\u1fdbῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤ\u2126ℨ\u212a-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭ"
+    "Ꚁ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+",
+    r"\s?[!-/:-~！-／：-～‘-‟　-。]+",
+    r"\s+$",
+    r"[一-龥ࠀ-一가-퟿]+",
+    r"\p{N}+",
+)
+DEEPSEEK_CODER_SPLITS = (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}")
+PRE_TOKENIZER_SPLITS = {"deepseek-v3": DEEPSEEK_V3_SPLITS, "deepseek-llm": DEEPSEEK_LLM_SPLITS,
+                        "deepseek-coder": DEEPSEEK_CODER_SPLITS}
 
 
 class GgufError(ValueError):
@@ -399,10 +415,10 @@ def _byte_level_bpe(g: GgufModel, tokens: list[str]) -> Any:
 
     merges = [tuple(m.split(" ", 1)) for m in g.value("tokenizer.ggml.merges") or []]
     tokenizer = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
-    pre = g.value("tokenizer.ggml.pre")
-    if pre == "deepseek-v3":
+    splits = PRE_TOKENIZER_SPLITS.get(str(g.value("tokenizer.ggml.pre")))
+    if splits is not None:
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in DEEPSEEK_V3_SPLITS]
+            [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
             + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     else:  # GPT-2's splits
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)

@@ -436,3 +436,23 @@ def test_the_demo_model_as_a_gguf_file_answers_as_its_checkpoint(demo_gguf):
     got = LLM(str(demo_gguf), dtype="float32", kv_cache_memory="16MiB").generate(["def fibonacci(n):"], params)
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
     assert got[0].outputs[0].text == want[0].outputs[0].text
+
+
+@pytest.mark.parametrize("pre, pieces", [
+    # DeepSeek-V2's splits run in turn: its ASCII-punctuation one (whose ":-~" takes in the Latin letters) cuts "mega"
+    # from a run of letters it did not start
+    ("deepseek-llm", ["Hello", ",", "Ġworld", "!", "Ċ", "12345", "Ġ", "æ¼¢åŃĹ", "ĠÎ©", "mega"]),
+    ("deepseek-coder", ["Hello", ",", "Ġworld", "!", "Ċ", "1", "2", "3", "4", "5", "Ġ", "æ¼¢åŃĹ", "ĠÎ©mega"]),
+    ("gpt-2", ["Hello", ",", "Ġworld", "!", "Ċ", "12345", "Ġæ¼¢åŃĹ", "ĠÎ©mega"]),
+])
+def test_the_pre_tokenizer_is_the_one_the_file_names(tmp_path, pre, pieces):
+    """``tokenizer.ggml.pre`` picks the splits of DeepSeek-V2's (``deepseek-llm``) or DeepSeek-Coder's vocabulary,
+    GPT-2's otherwise (``deepseek-v3``'s: the tokenizer test above)."""
+    source = _train_tokenizer()
+    model = json.loads(source.to_str())["model"]
+    tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
+    meta = {"tokens": tokens, "types": [3, 3] + [1] * (len(tokens) - 2), "bos": 0, "eos": 1, "pre": pre,
+            "merges": [" ".join(m) for m in model["merges"]]}
+    path, _ = write_gguf(tiny("v2", vocab_size=len(tokens)), tmp_path / "t.gguf", tokenizer=meta)
+    split = load_tokenizer(path).backend_tokenizer.pre_tokenizer.pre_tokenize_str
+    assert [w for w, _ in split("Hello, world!\n12345 漢字 Ωmega")] == pieces
