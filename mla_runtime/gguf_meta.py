@@ -5,7 +5,8 @@ reader maps the file (``np.memmap``): nothing here reads a weight.
 - **Files**: ``PATH.gguf``; the first part of a split model (``NAME-00001-of-0000N.gguf``, the others beside it); or
   a folder with no ``config.json`` that holds one GGUF or the parts of one split model.
 - **Config** (``config_dict``): architecture ``deepseek2`` (DeepSeek-V2/V3, Kimi-K2 and the other llama.cpp files of
-  that layout), turned into a ``config.json``-style dict: ``deepseek_v3`` where the router is a sigmoid or has a
+  that layout) or ``minicpm3`` (``_minicpm3``: the µP scales llama.cpp fixes for it, LongRoPE from its factor
+  tensors), turned into a ``config.json``-style dict: ``deepseek_v3`` where the router is a sigmoid or has a
   correction bias (``exp_probs_b``), else ``deepseek_v2``. The attention's widths come from ``attention.key_length_mla``
   / ``value_length_mla`` where present (files written since llama.cpp stores the MQA form's widths in ``key_length``),
   else ``key_length`` / ``value_length``; YaRN's ``mscale_all_dim`` from ``rope.scaling.yarn_log_multiplier`` / 0.1
@@ -13,7 +14,8 @@ reader maps the file (``np.memmap``): nothing here reads a weight.
   magnitude of their own). The lm_head is tied where the file has no ``output.weight``. Multi-token-prediction
   layers are not read (llama.cpp's converter leaves them out).
 - **Tokenizer** (``load_gguf_tokenizer``): a byte-level BPE (``tokenizer.ggml.model`` ``gpt2``, what llama.cpp writes
-  for these models) built with ``tokenizers`` from ``tokenizer.ggml.tokens``/``merges``/``token_type``, the special
+  for DeepSeek's models; another model, MiniCPM3's SentencePiece ``llama``, goes to transformers' GGUF tokenizer) built
+  with ``tokenizers`` from ``tokenizer.ggml.tokens``/``merges``/``token_type``, the special
   tokens as the file spells them (``<｜begin▁of▁sentence｜>``), BOS/EOS and whether to add them, and
   ``tokenizer.chat_template``; the splits of the DeepSeek vocabulary ``tokenizer.ggml.pre`` names (``deepseek-v3``,
   ``deepseek-llm``: V2's, ``deepseek-coder``), else GPT-2's.
@@ -32,9 +34,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 GGUF_MAGIC = b"GGUF"
 SPLIT_RE = re.compile(r"^(?P<stem>.+)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$")
-ARCHITECTURES = ("deepseek2",)
+ARCHITECTURES = ("deepseek2", "minicpm3")
+# MiniCPM3's µP scales: its GGUF stores none, llama.cpp's graph for the architecture fixes these (MiniCPM3-4B's)
+MINICPM3_SCALES = {"scale_emb": 12.0, "scale_depth": 1.4, "dim_model_base": 256}
+ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # MiniCPM3's LongRoPE: config, not weights
 # the ggml types the loader reads: float ones as they are, Q4_0 into the int4 format, the others as stored
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                    "Q6_K")
@@ -206,7 +213,9 @@ def config_dict(path: str | Path) -> dict[str, Any]:
     layers, heads = int(_required(g, "block_count")), int(_required(g, "attention.head_count"))
     rope_dim = int(_required(g, "rope.dimension_count"))
     key_len = int(g.arch_value("attention.key_length_mla") or _required(g, "attention.key_length"))
-    value_len = int(g.arch_value("attention.value_length_mla") or _required(g, "attention.value_length"))
+    # MiniCPM3's files store no value length: llama.cpp's default, hidden size / heads (as MiniCPM3's own default)
+    value_len = int(g.arch_value("attention.value_length_mla") or g.arch_value("attention.value_length")
+                    or int(_required(g, "embedding_length")) // heads)
     vocab = g.arch_value("vocab_size") or len(g.value("tokenizer.ggml.tokens") or []) or \
         g.tensors["token_embd.weight"].shape[0]
     q_lora = g.arch_value("attention.q_lora_rank")
@@ -223,12 +232,26 @@ def config_dict(path: str | Path) -> dict[str, Any]:
         "bos_token_id": g.value("tokenizer.ggml.bos_token_id"), "eos_token_id": g.value("tokenizer.ggml.eos_token_id"),
         "hidden_act": "silu", "attention_bias": False, "num_nextn_predict_layers": 0,
     }
-    raw.update(_moe(g, layers))
     raw["gguf_stored_bits"] = stored_bits(g)
+    if g.architecture == "minicpm3":
+        return {**raw, **_minicpm3(g, raw)}
+    raw.update(_moe(g, layers))
     scaling = _rope_scaling(g)
     if scaling is not None:
         raw["rope_scaling"] = scaling
     return raw
+
+
+def _minicpm3(g: GgufModel, raw: dict[str, Any]) -> dict[str, Any]:
+    """MiniCPM3's fields: dense, its µP scales (``MINICPM3_SCALES``), and LongRoPE from ``rope_factors_short`` /
+    ``_long`` within the file's context length (where llama.cpp uses the short factors)."""
+    out: dict[str, Any] = {"model_type": "minicpm3", "architectures": ["MiniCPM3ForCausalLM"], **MINICPM3_SCALES}
+    if all(n in g.tensors for n in ROPE_FACTORS):
+        long, short = (np.asarray(g.tensors[n].entry.data, dtype=np.float32).reshape(-1).tolist()
+                       for n in ROPE_FACTORS)
+        out["rope_scaling"] = {"rope_type": "longrope", "type": "longrope", "long_factor": long, "short_factor": short,
+                               "original_max_position_embeddings": raw["max_position_embeddings"]}
+    return out
 
 
 def _moe(g: GgufModel, layers: int) -> dict[str, Any]:
@@ -348,6 +371,8 @@ def hf_names(g: GgufModel) -> dict[str, Source]:
         if name in TOP_NAMES:
             out[TOP_NAMES[name]] = Source((name,))
             continue
+        if name in ROPE_FACTORS:  # read into the config
+            continue
         m = _BLOCK_RE.match(name)
         if m is None:
             out[name] = Source((name,))  # unknown: the loader reports it as unexpected
@@ -393,10 +418,16 @@ def load_gguf_tokenizer(path: str | Path) -> Any | None:
     tokens = g.value("tokenizer.ggml.tokens")
     if tokens is None:
         return None
-    kind = g.value("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise GgufError(f"{g.files[0]}: tokenizer.ggml.model {kind!r} is not supported (byte-level BPE, 'gpt2', is)")
     from transformers import PreTrainedTokenizerFast
+
+    kind = g.value("tokenizer.ggml.model")
+    if kind != "gpt2":  # a SentencePiece vocabulary (MiniCPM3's "llama"...): transformers' own GGUF tokenizer
+        try:
+            return PreTrainedTokenizerFast.from_pretrained(str(g.files[0].parent), gguf_file=g.files[0].name,
+                                                           local_files_only=True)
+        except (ValueError, KeyError, OSError) as e:
+            raise GgufError(f"{g.files[0]}: its tokenizer (tokenizer.ggml.model {kind!r}) could not be built: "
+                            f"{e}") from e
 
     backend = _byte_level_bpe(g, tokens)
     named = {}

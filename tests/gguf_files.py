@@ -126,13 +126,19 @@ def _quantized(name: str, values: np.ndarray, type_name: str, seed: int) -> tupl
     return quantize(values.astype(np.float32), qtype), qtype
 
 
+def _arch(cfg: Any) -> Any:
+    import gguf
+
+    return gguf.MODEL_ARCH.MINICPM3 if cfg.model_type == "minicpm3" else gguf.MODEL_ARCH.DEEPSEEK2
+
+
 def hf_tensors(model: Any, split_kv_b: bool) -> list[tuple[str, torch.Tensor]]:
     """The model's tensors under the names llama.cpp's converter gives them, in its layout."""
     import gguf
 
     cfg = model.config
     n = cfg.num_hidden_layers
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, n)
+    names = gguf.get_tensor_name_map(_arch(cfg), n)
     state = {k: v.detach().float() for k, v in model.state_dict().items()}
     out: list[tuple[str, torch.Tensor]] = []
     experts: dict[tuple[int, str], list[torch.Tensor]] = {}
@@ -167,6 +173,10 @@ def hf_tensors(model: Any, split_kv_b: bool) -> list[tuple[str, torch.Tensor]]:
     for (layer, w), values in sorted(experts.items()):
         new = names.get_name(f"model.layers.{layer}.mlp.experts.{w}", try_suffixes=(".weight",))
         out.append((f"{new}.weight", torch.stack(values)))
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "longrope":  # MiniCPM3: its LongRoPE factors as tensors
+        out += [("rope_factors_long.weight", torch.tensor(rope["long_factor"], dtype=torch.float32)),
+                ("rope_factors_short.weight", torch.tensor(rope["short_factor"], dtype=torch.float32))]
     return out
 
 
@@ -197,7 +207,7 @@ def reference_model(model: Any, stored: dict[str, Any]) -> Any:
 def _stored_value(key: str, like: torch.Tensor, values: dict[str, torch.Tensor], cfg: Any) -> torch.Tensor:
     import gguf
 
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, cfg.num_hidden_layers)
+    names = gguf.get_tensor_name_map(_arch(cfg), cfg.num_hidden_layers)
     parts = key.split(".")
     if key.endswith("rotary_emb.inv_freq"):
         return like
@@ -231,8 +241,10 @@ def write_gguf(model: Any, out: Path, pick: TypePick | None = None, split_kv_b: 
 
     cfg = model.config
     pick = pick or products_in("F32")
+    if cfg.model_type == "minicpm3":
+        arch = "minicpm3"
     w = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_tensors)
-    _metadata(w, cfg)
+    (_metadata_minicpm3 if arch == "minicpm3" else _metadata)(w, cfg)
     if tokenizer is not None:
         _tokenizer(w, tokenizer)
     stored: dict[str, Any] = {}
@@ -291,12 +303,32 @@ def _metadata(w: Any, cfg: Any) -> None:
         w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
 
 
+def _metadata_minicpm3(w: Any, cfg: Any) -> None:
+    """What llama.cpp's converter writes for MiniCPM3 (no value length, rope base, µP scales or LongRoPE lengths)."""
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    if cfg.q_lora_rank is not None:
+        w.add_q_lora_rank(cfg.q_lora_rank)
+    w.add_kv_lora_rank(cfg.kv_lora_rank)
+    w.add_key_length(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    w.add_rope_dimension_count(cfg.qk_rope_head_dim)
+
+
 def _tokenizer(w: Any, tok: dict[str, Any]) -> None:
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(tok.get("pre", "deepseek-v3"))
+    w.add_tokenizer_model(tok.get("model", "gpt2"))
+    if "merges" in tok:
+        w.add_tokenizer_pre(tok.get("pre", "deepseek-v3"))
+        w.add_token_merges(tok["merges"])
+    else:
+        w.add_token_scores(tok["scores"])
     w.add_token_list(tok["tokens"])
     w.add_token_types(tok["types"])
-    w.add_token_merges(tok["merges"])
     w.add_bos_token_id(tok["bos"])
     w.add_eos_token_id(tok["eos"])
     w.add_add_bos_token(True)

@@ -31,10 +31,25 @@ PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 9, 2, 7, 11, 3], list(range(3, 40))]
 
 
+SHORT_FACTOR = [1.0 + 0.125 * i for i in range(8)]  # float32 values, as the file stores them
+
+
 def tiny(family: str, seed: int = 0, **overrides):
-    from transformers import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+    from transformers import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, MiniCPM3Config, MiniCPM3ForCausalLM
 
     torch.manual_seed(seed)
+    if family == "minicpm3":  # the µP scales llama.cpp fixes for the architecture; LongRoPE within its length
+        kw: dict = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512, kv_lora_rank=64,
+                        q_lora_rank=48, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, scale_emb=12,
+                        scale_depth=1.4, dim_model_base=256, tie_word_embeddings=True, bos_token_id=0,
+                        eos_token_id=None, pad_token_id=None,
+                        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": SHORT_FACTOR,
+                                         "long_factor": [4.0] * 8, "factor": 1.0,
+                                         "original_max_position_embeddings": 512})
+        model = MiniCPM3ForCausalLM(MiniCPM3Config(**{**kw, **overrides}))
+        _randomise(model, seed + 1)
+        return model.eval()
     overrides.setdefault("rope_parameters", YARN_GGUF)
     if family == "v3":
         model = DeepseekV3ForCausalLM(_v3_config(**overrides))
@@ -70,6 +85,7 @@ CASES = {
                                         v_head_dim=24), products_in("Q8_0"), True),
     "v3_q4_0_tied": (lambda: tiny("v3", q_lora_rank=None, tie_word_embeddings=True), products_in("Q4_0"), False),
     "v3_mixed_kquants": (lambda: tiny("v3", hidden_size=256, q_lora_rank=64), by_kind(MIXED, "Q8_0"), True),
+    "minicpm3_q8_0": (lambda: tiny("minicpm3"), products_in("Q8_0"), False),
 }
 
 
@@ -456,3 +472,19 @@ def test_the_pre_tokenizer_is_the_one_the_file_names(tmp_path, pre, pieces):
     path, _ = write_gguf(tiny("v2", vocab_size=len(tokens)), tmp_path / "t.gguf", tokenizer=meta)
     split = load_tokenizer(path).backend_tokenizer.pre_tokenizer.pre_tokenize_str
     assert [w for w, _ in split("Hello, world!\n12345 漢字 Ωmega")] == pieces
+
+
+def test_a_sentencepiece_vocabulary_takes_transformers_gguf_tokenizer(tmp_path):
+    """MiniCPM3's files carry a SentencePiece vocabulary (``tokenizer.ggml.model`` ``llama``): pieces by score, byte
+    fallback tokens, BOS added."""
+    pieces = ["▁", "h", "e", "l", "o", "w", "r", "d", "▁h", "he", "ll", "llo", "▁hello", "▁w", "or", "▁world"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)] + pieces
+    meta = {"model": "llama", "tokens": tokens, "types": [2, 3, 3] + [6] * 256 + [1] * len(pieces), "bos": 1,
+            "eos": 2, "scores": [0.0] * 259 + [-float(i) for i in range(len(pieces))]}
+    path, _ = write_gguf(tiny("minicpm3", vocab_size=len(tokens)), tmp_path / "spm.gguf", tokenizer=meta)
+    tokenizer = load_tokenizer(path)
+    ids = tokenizer.encode("hello world")
+    assert ids[0] == 1 and tokenizer.convert_ids_to_tokens(ids[1:2]) == ["▁h"]
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "hello world"
+    out = LLM(str(path), dtype="float32", kv_cache_memory="8MiB").generate(["hello world"], PARAMS)[0]
+    assert len(out.outputs[0].token_ids) == 8
