@@ -488,3 +488,40 @@ def test_a_sentencepiece_vocabulary_takes_transformers_gguf_tokenizer(tmp_path):
     assert tokenizer.decode(ids, skip_special_tokens=True) == "hello world"
     out = LLM(str(path), dtype="float32", kv_cache_memory="8MiB").generate(["hello world"], PARAMS)[0]
     assert len(out.outputs[0].token_ids) == 8
+
+
+def test_bad_files_are_refused_by_name(written, tmp_path):
+    """Two models in one folder, missing metadata, and metadata that does not match the tensors each get an error
+    naming the problem."""
+    import shutil
+
+    import gguf
+
+    from mla_runtime.gguf_meta import config_dict
+    from mla_runtime.loader import CheckpointError, load_weights
+    from mla_runtime.models.deepseek import DeepseekForCausalLM
+    from mla_runtime.resolved_config import ResolvedConfig
+
+    _, path, _ = written("v2_f32")
+    folder = tmp_path / "two"
+    folder.mkdir()
+    shutil.copyfile(path, folder / "a.gguf")
+    shutil.copyfile(path, folder / "b.gguf")
+    with pytest.raises(GgufError, match="holds 2 GGUF models"):
+        ModelConfig.from_pretrained(folder)
+    bare = gguf.GGUFWriter(str(tmp_path / "bare.gguf"), "deepseek2")
+    bare.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    bare.write_header_to_file()
+    bare.write_kv_data_to_file()
+    bare.write_tensors_to_file()
+    bare.close()
+    with pytest.raises(GgufError, match="metadata deepseek2.block_count is missing"):
+        ModelConfig.from_pretrained(tmp_path / "bare.gguf")
+    wrong, _ = write_gguf(tiny("v2", num_attention_heads=8), tmp_path / "wrong.gguf")  # tensors of 8 heads ...
+    config = config_dict(wrong)
+    config["num_attention_heads"] = 4  # ... read as 4: every attention tensor is named, with both shapes
+    with torch.device("meta"):
+        model = DeepseekForCausalLM(ResolvedConfig(ModelConfig.from_dict(config), torch.float32))
+    with pytest.raises(CheckpointError, match=r"shape mismatch: model\.layers\.0\.self_attn\.q_proj\.weight: "
+                                              r"checkpoint \[256, 64\], config expects \[128, 64\]"):
+        load_weights(model, wrong, device=torch.device("cpu"))
