@@ -57,7 +57,9 @@ def resolve_model(model: str, revision: str | None = None) -> str:
     if path.is_dir():
         return str(model)
     if path.is_file():
-        if path.suffix != ".gguf":
+        from mla_runtime.gguf_meta import gguf_files
+
+        if gguf_files(path) is None:
             raise ModelNotFoundError(f"model: {model!r} is a file but not a .gguf file (expected a checkpoint folder "
                                      f"with config.json and *.safetensors, a GGUF file, or a hub repo id org/name)")
         return str(model)

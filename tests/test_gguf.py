@@ -333,7 +333,7 @@ def test_a_missing_or_foreign_file_is_refused(tmp_path):
     with pytest.raises(GgufError, match="not a GGUF file"):
         LLM(str(fake), kv_cache_memory="8MiB")
     other = tmp_path / "weights.bin"
-    other.write_bytes(b"GGUF-less")
+    other.write_bytes(b"safetensors-ish bytes")
     with pytest.raises(ModelNotFoundError, match="not a .gguf file"):
         resolve_model(str(other))
 
