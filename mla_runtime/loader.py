@@ -1,4 +1,4 @@
-"""Load a Hugging Face MLA checkpoint (``config.json`` + safetensors) into ``DeepseekForCausalLM``.
+"""Load a Hugging Face MLA checkpoint (``config.json`` + safetensors), or a GGUF file, into ``DeepseekForCausalLM``.
 
 - Single-file (``model.safetensors``) and sharded (``model.safetensors.index.json``) checkpoints.
 - Streamed: tensors are read one at a time into their final form (cast, quantised, sliced for this rank), so peak
@@ -22,6 +22,10 @@
   LeRoPE ``alpha`` whole.
 - A.X-K2's fused query and gate projection is stored as ``q_b_proj`` and loads into ``q_gate_proj`` (each rank its
   heads' rows); its gated norms' gates (``W_down``, ``W_up``) load into ``gate_down``/``gate_up``.
+- A GGUF model (llama.cpp's format: ``gguf_meta.gguf_files``) is read through ``gguf_reader.GgufTensors`` under the
+  same names: its float tensors as any checkpoint's, the products it stores quantised kept in its block types
+  (``STORED_GGUF``; ``STORED_Q4_0``: moved into the int4 format), the unsupported types refused before any weight is
+  read.
 - Every missing, unexpected or mis-shaped tensor is reported by name in one ``CheckpointError``.
 """
 
