@@ -253,6 +253,9 @@ class ModelConfig:
     query_log_scaling: bool = False
     # Mistral Large 4: the final logits are ``cap tanh(logits / cap)``; 0: as they are
     logit_softcap: float = 0.0
+    # a GGUF file: the bits per weight of each product parameter (by model name) it stores quantised, which load as
+    # stored (``gguf_meta.stored_bits``); the planner counts them so
+    stored_bits: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
@@ -408,6 +411,12 @@ def resolve_model_path(path: str | Path) -> Path:
 
 
 def load_config_dict(path: str | Path) -> dict[str, Any]:
+    """The ``config.json`` of a checkpoint folder (or the file, or a preset), or the one a GGUF model's metadata
+    describes (``gguf_meta.config_dict``)."""
+    from mla_runtime.gguf_meta import config_dict, gguf_files
+
+    if gguf_files(path) is not None:
+        return config_dict(path)
     cfg_file = resolve_model_path(path)
     try:
         return json.loads(cfg_file.read_text())
@@ -619,6 +628,7 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         rope_layers=None if raw.get("rope_layers") is None else tuple(bool(b) for b in raw["rope_layers"]),
         query_log_scaling=bool(raw.get("query_log_scaling", False)),
         logit_softcap=float(raw.get("logit_softcap") or 0.0),
+        stored_bits=tuple(sorted((str(k), float(v)) for k, v in (raw.get("gguf_stored_bits") or {}).items())),
     )
 
 

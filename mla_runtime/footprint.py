@@ -261,6 +261,7 @@ class _Formats:
     extra: int  # a CPU's second layout of a float matrix, bytes a value
     row_scales: bool  # int8 matrices keep a float32 copy of their scales for the compiled row kernels
     bf16_blocked: bool  # bf16 matrices keep oneDNN's blocked copy
+    stored_bits: dict[str, float]  # a GGUF file's products kept as stored: bits per weight, by parameter
 
     def of(self, param: Param) -> tuple[type[QuantizedWeight] | None, tuple[int, int] | None]:
         """The format ``param`` is held in (None: a float tensor) and its FP8 blocks."""
@@ -276,6 +277,9 @@ def _parameter_bytes(inv: Inventory, f: _Formats) -> tuple[int, int, int]:
     layouts."""
     float_bytes = quantized = packed = 0
     for p in inv.params:
+        if p.name in f.stored_bits:  # a GGUF file's blocks: its bytes, this rank's part of them
+            quantized += math.ceil(p.numel * f.stored_bits[p.name] / 8)
+            continue
         fmt, block = f.of(p)
         if fmt is None:
             float_bytes += p.numel * (4 if p.float32 else f.element)
@@ -332,13 +336,15 @@ def weight_footprint(config: ModelConfig, dtype: str | torch.dtype = "auto", ten
     keeps = config.fp8_block_size is not None and scheme in (None, "fp8")
     formats = _Formats(scheme, keeps, config.fp8_block_size, model_dtype.itemsize, extra,
                        row_kernels and scheme == "int8",  # Int8Weight.row_scales: float32 scales for the row kernels
-                       cpu is not None and cpu.bf16_blocked and scheme == "bf16")  # Bf16Weight.native: a second copy
+                       cpu is not None and cpu.bf16_blocked and scheme == "bf16",  # Bf16Weight.native: a second copy
+                       dict(config.stored_bits))
     inv = inventory(config, tp, num_mtp_layers)
     float_bytes, quantized, packed = _parameter_bytes(inv, formats)
     decode_kernel = row_kernels and model_dtype == torch.float32 and not (latent_cache_layout == "sharded" and tp > 1)
     absorbed_element = 2 if scheme is not None and decode_kernel else model_dtype.itemsize
     w_uk = 0 if inv.single_head and absorbed_element == model_dtype.itemsize else inv.w_uk
-    name = scheme or ("fp8 (checkpoint blocks)" if keeps else dtype_name(model_dtype))
+    name = scheme or ("fp8 (checkpoint blocks)" if keeps else "gguf (file blocks)" if config.stored_bits else
+                      dtype_name(model_dtype))
     return WeightFootprint(model_dtype, name, float_bytes, quantized, (w_uk + inv.w_uv) * absorbed_element, packed,
                            inv.largest_read_unkept if keeps else inv.largest_read)
 

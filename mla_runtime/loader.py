@@ -1,4 +1,4 @@
-"""Load a Hugging Face MLA checkpoint (``config.json`` + safetensors) into ``DeepseekForCausalLM``.
+"""Load a Hugging Face MLA checkpoint (``config.json`` + safetensors), or a GGUF file, into ``DeepseekForCausalLM``.
 
 - Single-file (``model.safetensors``) and sharded (``model.safetensors.index.json``) checkpoints.
 - Streamed: tensors are read one at a time into their final form (cast, quantised, sliced for this rank), so peak
@@ -22,6 +22,10 @@
   LeRoPE ``alpha`` whole.
 - A.X-K2's fused query and gate projection is stored as ``q_b_proj`` and loads into ``q_gate_proj`` (each rank its
   heads' rows); its gated norms' gates (``W_down``, ``W_up``) load into ``gate_down``/``gate_up``.
+- A GGUF model (llama.cpp's format: ``gguf_meta.gguf_files``) is read through ``gguf_reader.GgufTensors`` under the
+  same names: its float tensors as any checkpoint's, the products it stores quantised kept in its block types
+  (``STORED_GGUF``; ``STORED_Q4_0``: moved into the int4 format), the unsupported types refused before any weight is
+  read.
 - Every missing, unexpected or mis-shaped tensor is reported by name in one ``CheckpointError``.
 """
 
@@ -51,6 +55,8 @@ from mla_runtime.config import ModelConfig
 from mla_runtime.dtypes import resolve_model_dtype
 from mla_runtime.errors import InvalidParam
 from mla_runtime.families import FAMILIES
+from mla_runtime.gguf_meta import gguf_files, open_gguf
+from mla_runtime.gguf_reader import STORED_GGUF, STORED_Q4_0, GgufTensors
 from mla_runtime.kernel_plan import OFF_CPU, kernel_plan, resolve_cpu_format
 from mla_runtime.layers.fp8 import Fp8Weight
 from mla_runtime.layers.quantization import (
@@ -463,14 +469,15 @@ CHUNK_ELEMENTS = 8 << 20  # a tensor is converted in row blocks of about this ma
 CHUNK_ROW_MULTIPLE = 128  # ... of a multiple of this many rows
 
 
-def _row_chunks(reader: _Reader, name: str, shard: tuple[int, int, int, int] | None, scale_name: str | None,
-                block: tuple[int, int] | None) -> Iterator[tuple[int, torch.Tensor]]:
+def _row_chunks(reader: _Reader | GgufTensors, name: str, shard: tuple[int, int, int, int] | None,
+                scale_name: str | None, block: tuple[int, int] | None) -> Iterator[tuple[int, torch.Tensor]]:
     """(first row, rows) of this rank's part of a checkpoint tensor, in blocks of about ``CHUNK_ELEMENTS`` values,
     each read (and FP8 blocks dequantised) on its own: converting a large tensor (an embedding, a head) never holds
     more than one block of it in a wider dtype. Tensors of more than two dimensions come whole."""
     shape = reader.shape(name)
     if len(shape) != 2 or (shard is not None and shard[0] != 0):
-        tensor = reader.get(name, shard) if scale_name is None else _dequantized(reader, name, scale_name, block, shard)
+        tensor = reader.get(name, shard) if scale_name is None else \
+            _dequantized(cast(_Reader, reader), name, scale_name, block, shard)
         yield 0, tensor
         return
     start, stop = (0, shape[0]) if shard is None else shard[1:3]
@@ -482,7 +489,7 @@ def _row_chunks(reader: _Reader, name: str, shard: tuple[int, int, int, int] | N
         b = min(stop, a + step)
         part = (0, a, b, shape[0])
         yield a - start, (reader.get(name, part) if scale_name is None
-                          else _dequantized(reader, name, scale_name, block, part))
+                          else _dequantized(cast(_Reader, reader), name, scale_name, block, part))
 
 
 def _dequantized(reader: _Reader, name: str, scale_name: str, block: tuple[int, int] | None,
@@ -557,6 +564,17 @@ def _weight_kinds(cfg: ModelConfig, table: dict[str, Slot | None], params: Mappi
     return kinds
 
 
+def _gguf_kinds(table: dict[str, Slot | None], reader: GgufTensors, product_names: list[str]) -> dict[str, str]:
+    """The products a GGUF file stores quantised, kept as stored (``gguf_reader.GgufTensors.stored_kind``); the ones
+    it stores in a float type load as any checkpoint's do."""
+    sources: dict[str, list[str]] = {n: [] for n in product_names}
+    for name, slot in table.items():
+        if slot is not None and slot.param in sources and name in reader.files:
+            sources[slot.param].append(name)
+    kinds = {param: reader.stored_kind(names) for param, names in sources.items() if names}
+    return {param: kind for param, kind in kinds.items() if kind is not None}
+
+
 def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str | None = None,
                  device: torch.device | None = None) -> None:
     """Fill ``model`` (this rank's shard of it, with its ``mtp`` layers) from the checkpoint at ``path``; raises
@@ -570,10 +588,20 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
     quantising the stacked matrix) and its row blocks stacked once complete."""
     path = Path(path)
     cfg = model.config
-    family = FAMILIES.get(cfg.model_type)
-    files, file_names = checkpoint_files(path), dict[str, str]()
-    if family is not None:
-        files, file_names = renamed_files(files, family.rename)
+    if device is None:
+        device = next((t.device for t in [*model.parameters(), *model.buffers()] if not t.is_meta),
+                      torch.device("cpu"))
+    gguf = gguf_files(path)
+    reader: _Reader | GgufTensors
+    if gguf is not None:  # llama.cpp's format: its own names, types checked before any weight is read
+        reader = GgufTensors(open_gguf(path), device)
+        files = reader.files
+    else:
+        family = FAMILIES.get(cfg.model_type)
+        files, file_names = checkpoint_files(path), dict[str, str]()
+        if family is not None:
+            files, file_names = renamed_files(files, family.rename)
+        reader = _Reader(files, device, file_names)
     if len(model.mtp):
         check_mtp_weights(cfg, files, path)
     fused = {int(m.group(1)) for n in files if (m := _FUSED_EXPERTS_RE.match(n))}
@@ -581,10 +609,6 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
     if cfg.moe is not None and cfg.moe.correction_bias == "optional":  # absent: the router's zeros stay
         table = {n: s for n, s in table.items() if n in files or not n.endswith(".e_score_correction_bias")}
     params = dict(model.named_parameters())
-    if device is None:
-        device = next((t.device for t in [*model.parameters(), *model.buffers()] if not t.is_meta),
-                      torch.device("cpu"))
-    reader = _Reader(files, device, file_names)
     stored = cfg.stored_quantization  # a pre-quantised checkpoint: its matrices load as stored
     if stored is not None:
         if quantization not in (None, stored):
@@ -595,6 +619,8 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
     scale_names = {n for n in files if n.endswith(".weight_scale_inv")}
     _check_checkpoint(path, cfg, table, params, reader, compressed, scale_names)
     kinds = _weight_kinds(cfg, table, params, quantization, scale_names, quantized_parameter_names(model))
+    if isinstance(reader, GgufTensors):
+        kinds.update(_gguf_kinds(table, reader, quantized_parameter_names(model)))
     _allocate_float_parameters(model, table, kinds, device)
     matrices = _QuantizedMatrices({n: params[n].shape for n in kinds})
     _fill(model, table, kinds, reader, matrices, _Sources(quantization, compressed, scale_names, device))
@@ -609,7 +635,7 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
 
 
 def _check_checkpoint(path: Path, cfg: ModelConfig, table: dict[str, Any], params: dict[str, nn.Parameter],
-                      reader: _Reader, compressed: set[str], scale_names: set[str]) -> None:
+                      reader: _Reader | GgufTensors, compressed: set[str], scale_names: set[str]) -> None:
     """Every problem of the checkpoint against the model's layout (``table``) in one ``CheckpointError``: tensors
     missing, unexpected or of another shape, FP8 scales without a block size."""
     stored = cfg.stored_quantization
@@ -666,7 +692,7 @@ class _Sources:
     device: torch.device
 
 
-def _fill(model: DeepseekForCausalLM, table: dict[str, Any], kinds: dict[str, str], reader: _Reader,
+def _fill(model: DeepseekForCausalLM, table: dict[str, Any], kinds: dict[str, str], reader: _Reader | GgufTensors,
           matrices: _QuantizedMatrices, src: _Sources) -> None:
     """Read every tensor of ``table`` into its parameter (float ones in place; quantised ones into ``matrices``),
     handing freed pages back to the system every ``TRIM_BYTES`` converted."""
@@ -690,8 +716,8 @@ def _fill(model: DeepseekForCausalLM, table: dict[str, Any], kinds: dict[str, st
     _release_free_memory()
 
 
-def _fill_one(cfg: ModelConfig, name: str, slot: Any, param: nn.Parameter, kind: str | None, reader: _Reader,
-              matrices: _QuantizedMatrices, src: _Sources) -> int:
+def _fill_one(cfg: ModelConfig, name: str, slot: Any, param: nn.Parameter, kind: str | None,
+              reader: _Reader | GgufTensors, matrices: _QuantizedMatrices, src: _Sources) -> int:
     """One checkpoint tensor into its parameter or its quantised matrices; the bytes it converted."""
     device, stored = src.device, cfg.stored_quantization
     scale_name = name[: -len("weight")] + "weight_scale_inv" if name.endswith(".weight") else None
@@ -700,9 +726,13 @@ def _fill_one(cfg: ModelConfig, name: str, slot: Any, param: nn.Parameter, kind:
         for row, piece in read_stored(reader, name, cast(str, stored), slot.shard, param.dtype, device):
             matrices.add(slot.param, expert, first + row, piece)
         return 0
+    if kind in (STORED_GGUF, STORED_Q4_0):
+        matrix = cast(GgufTensors, reader).matrix(name, slot.shard, param.dtype, device, kind)
+        matrices.add(slot.param, expert, first, matrix)
+        return 0
     if kind == STORED_FP8:
         block = cast(tuple[int, int], cfg.fp8_block_size)
-        weight = reader.stored(name, slot.shard).to(device)
+        weight = cast(_Reader, reader).stored(name, slot.shard).to(device)
         scale = reader.get(cast(str, scale_name), _scale_shard(slot.shard, block)).to(device)
         matrices.add(slot.param, expert, first, Fp8Weight(weight, scale.float(), block, param.dtype))
         return 0

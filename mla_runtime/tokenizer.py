@@ -14,7 +14,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def load_tokenizer(path: str | Path) -> Any | None:
-    """The checkpoint's tokenizer, or None when the directory has no tokenizer files."""
+    """The checkpoint's tokenizer, or None when the directory has no tokenizer files; a GGUF model's from its
+    metadata (``gguf_meta.load_gguf_tokenizer``)."""
+    from mla_runtime.gguf_meta import gguf_files, load_gguf_tokenizer
+
+    if gguf_files(path) is not None:
+        return load_gguf_tokenizer(path)
     p = Path(path)
     if not p.is_dir() or not any((p / f).is_file() for f in TOKENIZER_FILES):
         return None

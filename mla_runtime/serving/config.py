@@ -439,13 +439,17 @@ def resolve_all(argv: Sequence[str] | None = None, env: Mapping[str, str] | None
 
 
 def _check_model(model: str, name: str = "model") -> str:
-    """A local checkpoint folder (with config.json), or a hub repo id (downloaded when the engine starts)."""
+    """A local checkpoint folder (with config.json), a GGUF model (a ``.gguf`` file, its first split part, or a folder
+    holding one), or a hub repo id (downloaded when the engine starts)."""
+    from mla_runtime.gguf_meta import gguf_files
+
     if is_repo_id(model):
         return model
     path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
+    if not (path / "config.json").is_file() and gguf_files(path) is None:
         also = "" if path.is_dir() else " nor a hub repo id (org/name)"
-        raise ValueError(f"{name} ({where(name)}): {path} is not a checkpoint directory (no config.json){also}")
+        raise ValueError(f"{name} ({where(name)}): {path} is not a checkpoint directory (no config.json) or a GGUF "
+                         f"file{also}")
     return str(path)
 
 
