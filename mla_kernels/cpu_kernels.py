@@ -92,6 +92,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = 
     return y if bias is None else y.add_(bias)
 
 
+def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
+                group: int = 32, *, variant: str = "auto", bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x · Wᵀ (+ bias)`` in float32 for any number of rows ``x [..., K]`` and a group-wise int4 weight: the nibbles
+    of ``int4_format.pack_int4``, a float16 scale per ``group`` (32, 64, 128) values of a row and, for asymmetric
+    groups, uint8 ``zeros`` in [0, 15] (``W = scale * (nibble - zero)``; none: 8, the symmetric format)."""
+    y = ops().linear_int4(x, packed, scales, zeros, group, variant)
+    return y if bias is None else y.add_(bias)
+
+
 def dense_linear(x: torch.Tensor, plain: torch.Tensor, operand: torch.Tensor | None, tiles: torch.Tensor | None,
                  bias: torch.Tensor | None, rows: tuple[int, int, int], onednn: bool) -> torch.Tensor:
     """``x · Wᵀ (+ bias)`` in ``x``'s dtype for a float weight prepared once (``layers.cpu_gemm.PackedWeight``), the
