@@ -96,7 +96,7 @@ def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
                 group: int = 32, *, variant: str = "auto", bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x · Wᵀ (+ bias)`` in float32 for any number of rows ``x [..., K]`` and a group-wise int4 weight: the nibbles
     of ``int4_format.pack_int4``, a float16 scale per ``group`` (32, 64, 128) values of a row and, for asymmetric
-    groups, uint8 ``zeros`` in [0, 15] (``W = scale * (nibble - zero)``; none: 8, the symmetric format)."""
+    groups, uint8 ``zeros`` in [0, 16] (``W = scale * (nibble - zero)``; none: 8, the symmetric format)."""
     y = ops().linear_int4(x, packed, scales, zeros, group, variant)
     return y if bias is None else y.add_(bias)
 

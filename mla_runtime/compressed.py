@@ -35,24 +35,40 @@ from typing import Any
 
 import torch
 
-from mla_runtime.config import INT4_GROUP, SCHEMES
+from mla_runtime.config import INT4_GROUP, SCHEMES, Int4Layout
 from mla_runtime.layers.int4 import Int4Weight
 from mla_runtime.layers.quantization import Int8Weight
 from mla_runtime.layers.qweight import QuantizedWeight
+from mla_runtime.stored_int4 import int4_names, int4_shape, read_int4
 from mla_runtime.token_map import MAP_FILE
 
 
-def stored_names(name: str, quantization: str) -> list[str]:
-    """The tensors a compressed matrix ``<base>.weight`` is stored as."""
+CT_INT4 = Int4Layout("compressed-tensors", INT4_GROUP, True)  # the int4 layout ``mla-runtime quantize`` writes
+
+
+def stored_names(name: str, quantization: str, layout: Int4Layout | None = None) -> list[str]:
+    """The tensors a stored matrix ``<base>.weight`` may be stored as (``layout``: an int4 checkpoint's)."""
     base = name[: -len("weight")]
     if quantization == "int4":
-        return [base + "weight_packed", base + "weight_scale", base + "weight_shape"]
+        return int4_names(base, layout or CT_INT4)[1]
     return [name, base + "weight_scale"]
 
 
-def is_stored_compressed(name: str, files: Collection[str], quantization: str) -> bool:
-    """Whether ``<base>.weight`` is stored compressed in a checkpoint holding ``files`` (else as a float tensor)."""
-    return name.endswith(".weight") and stored_names(name, quantization)[1] in files
+def is_stored_compressed(name: str, files: Collection[str], quantization: str,
+                         layout: Int4Layout | None = None) -> bool:
+    """Whether ``<base>.weight`` is stored quantised in a checkpoint holding ``files`` (else as a float tensor)."""
+    if not name.endswith(".weight"):
+        return False
+    base = name[: -len("weight")]
+    marker = int4_names(base, layout or CT_INT4)[0] if quantization == "int4" else base + "weight_scale"
+    return marker in files
+
+
+def stored_shape(reader: Any, name: str, quantization: str, layout: Int4Layout | None = None) -> list[int]:
+    """``[N, K]`` of a stored matrix ``<base>.weight``."""
+    if quantization == "int4":
+        return int4_shape(reader, name[: -len("weight")], layout or CT_INT4)
+    return list(reader.shape(name))
 
 
 def quantization_config(quantization: str, ignore: list[str]) -> dict[str, Any]:
@@ -92,46 +108,19 @@ def compress(weight: QuantizedWeight) -> dict[str, torch.Tensor]:
     return dict(compressor.compress(state, QuantizationScheme(targets=["Linear"], weights=args)))
 
 
-STORED_CHUNK_ROWS = 4096  # a stored int4 matrix is unpacked this many rows at a time (the library widens to int32)
-
-
 def read_stored(reader: Any, name: str, quantization: str, shard: tuple[int, int, int, int] | None,
-                dtype: torch.dtype, device: torch.device) -> Iterator[tuple[int, QuantizedWeight]]:
+                dtype: torch.dtype, device: torch.device,
+                layout: Int4Layout | None = None) -> Iterator[tuple[int, QuantizedWeight]]:
     """(first row, rows) of the matrix ``<base>.weight`` as stored (this rank's part of it: ``shard`` on the rows, or
     on the columns at group boundaries), made into the runtime's format without re-quantising; an int4 matrix in
-    blocks of ``STORED_CHUNK_ROWS`` rows, read and unpacked one at a time."""
+    blocks of rows (``stored_int4.read_int4``), read and converted one at a time."""
     base = name[: -len("weight")]
     if quantization == "int8":
         q = reader.stored(name, shard)
         scale = reader.get(base + "weight_scale", shard if shard is not None and shard[0] == 0 else None)
         yield 0, Int8Weight(q.to(device).contiguous(), scale.reshape(-1).to(device, torch.bfloat16), dtype)
         return
-    n, k = (int(v) for v in reader.get(base + "weight_shape").tolist())
-    rows = (0, n) if shard is None or shard[0] != 0 else (shard[1], shard[2])
-    cols = (0, k) if shard is None or shard[0] == 0 else (shard[1], shard[2])
-    if cols[0] % INT4_GROUP or (cols[1] % INT4_GROUP and cols[1] != k):
-        raise ValueError(f"{base}weight_packed: this rank's columns {cols} do not start and end on groups of "
-                         f"{INT4_GROUP}")
-    for a in range(rows[0], rows[1], STORED_CHUNK_ROWS):
-        b = min(rows[1], a + STORED_CHUNK_ROWS)
-        packed = reader.get(base + "weight_packed", (0, a, b, n))
-        scale = reader.get(base + "weight_scale", (0, a, b, n))
-        if k % INT4_GROUP == 0 and sys.byteorder == "little":  # the nibbles moved as bytes, no widening
-            lo, hi = cols[0] // 8, cols[1] // 8
-            words = packed if (lo, hi) == (0, k // 8) else packed[:, lo:hi]
-            scale = scale[:, cols[0] // INT4_GROUP: cols[1] // INT4_GROUP]
-            yield a - rows[0], Int4Weight.from_words(words.to(device), scale.to(device).contiguous(),
-                                                     cols[1] - cols[0], dtype)
-            continue
-        # elsewhere the library unpacks (imported only here: importing it takes seconds)
-        from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-
-        q = unpack_from_int32(packed, 4, torch.Size((b - a, k)))
-        if cols != (0, k):
-            q = q[:, cols[0]:cols[1]]
-            scale = scale[:, cols[0] // INT4_GROUP: -(-cols[1] // INT4_GROUP)]
-        yield a - rows[0], Int4Weight.from_int(q.to(device).contiguous(), scale.to(device).contiguous(), dtype)
-        del q, packed
+    yield from read_int4(reader, name, layout or CT_INT4, shard, dtype, device)
 
 
 # -- writing ------------------------------------------------------------------------------------------------------

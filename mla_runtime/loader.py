@@ -46,7 +46,7 @@ from safetensors import safe_open
 from torch import nn
 
 from mla_runtime import attention
-from mla_runtime.compressed import is_stored_compressed, read_stored, stored_names
+from mla_runtime.compressed import is_stored_compressed, read_stored, stored_names, stored_shape
 from mla_runtime.config import ModelConfig
 from mla_runtime.dtypes import resolve_model_dtype
 from mla_runtime.errors import InvalidParam
@@ -591,7 +591,8 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
             raise InvalidParam("quantization", f"{path} is stored quantised to {stored}; quantization={quantization!r} "
                                f"would quantise it again: load it as stored, or quantise the original checkpoint")
         quantization = stored
-    compressed = {n for n in table if stored is not None and is_stored_compressed(n, files.keys(), stored)}
+    layout = cfg.stored_layout
+    compressed = {n for n in table if stored is not None and is_stored_compressed(n, files.keys(), stored, layout)}
     scale_names = {n for n in files if n.endswith(".weight_scale_inv")}
     _check_checkpoint(path, cfg, table, params, reader, compressed, scale_names)
     kinds = _weight_kinds(cfg, table, params, quantization, scale_names, quantized_parameter_names(model))
@@ -614,7 +615,7 @@ def _check_checkpoint(path: Path, cfg: ModelConfig, table: dict[str, Any], param
     missing, unexpected or of another shape, FP8 scales without a block size."""
     stored = cfg.stored_quantization
     files = reader.files
-    companions = {c for n in compressed for c in stored_names(n, cast(str, stored))}
+    companions = {c for n in compressed for c in stored_names(n, cast(str, stored), cfg.stored_layout)}
     missing = sorted(n for n in table if n not in files and n not in compressed)
     unexpected = sorted(n for n in files if n not in table and n not in scale_names and n not in companions
                         and not _mtp_or_ignored(n, cfg))
@@ -625,8 +626,8 @@ def _check_checkpoint(path: Path, cfg: ModelConfig, table: dict[str, Any], param
         want = list(params[slot.param][slot.index].shape)
         if slot.shard is not None:
             want[slot.shard[0]] = slot.shard[3]
-        if name in compressed and stored == "int4":
-            got = [int(v) for v in reader.get(stored_names(name, stored)[2]).tolist()]
+        if name in compressed:
+            got = stored_shape(reader, name, cast(str, stored), cfg.stored_layout)
         else:
             got = reader.shape(name)
         if got != want:
@@ -697,8 +698,13 @@ def _fill_one(cfg: ModelConfig, name: str, slot: Any, param: nn.Parameter, kind:
     scale_name = name[: -len("weight")] + "weight_scale_inv" if name.endswith(".weight") else None
     expert, first = _piece_position(param, slot.index)
     if name in src.compressed:
-        for row, piece in read_stored(reader, name, cast(str, stored), slot.shard, param.dtype, device):
-            matrices.add(slot.param, expert, first + row, piece)
+        for row, piece in read_stored(reader, name, cast(str, stored), slot.shard, param.dtype, device,
+                                      cfg.stored_layout):
+            if kind is None:  # stored quantised, kept in the model dtype (kv_b_proj): its dequantised values
+                with torch.no_grad():
+                    param[slot.index][row: row + piece.shape[0]].copy_(piece.dequantize())
+            else:
+                matrices.add(slot.param, expert, first + row, piece)
         return 0
     if kind == STORED_FP8:
         block = cast(tuple[int, int], cfg.fp8_block_size)

@@ -9,7 +9,7 @@
  * ggml's Q4_0 blocks). W[r, c] = (q[r, c] - 8) * scale[r, c / 32].
  *
  * The same nibbles also carry asymmetric groups and wider ones (mla_gemm_i4_groups): a float16 scale per group of
- * G = 32, 64 or 128 values along k ([n, kp / G]) and optionally a zero point z in [0, 15] per group ([n, kp / G]
+ * G = 32, 64 or 128 values along k ([n, kp / G]) and optionally a zero point z in [0, 16] per group ([n, kp / G]
  * uint8), W[r, c] = (q'[r, c] - z[r, c / G]) * scale[r, c / G] with q' the stored nibble (the symmetric format is
  * z = 8). A group of 64 or 128 spans 2 or 4 of the activations' groups of 32: each 32-value part takes its group's
  * scale and zero.
@@ -143,7 +143,7 @@ void mla_q8_prepare(const float *x, int64_t rows, int64_t k, uint8_t *out) {
 }
 
 /* A weight's rows: nibbles w [n, g_n * 16], float16 scales s [n, g_n >> gshift] (a scale per group of 32 << gshift
- * values) and, for asymmetric groups, zeros z [n, g_n >> gshift] in [0, 15] (NULL: symmetric, every zero 8). */
+ * values) and, for asymmetric groups, zeros z [n, g_n >> gshift] in [0, 16] (NULL: symmetric, every zero 8). */
 typedef struct { const uint8_t *w; const uint16_t *s; const uint8_t *z; int64_t g_n; int gshift; } i4_mat;
 typedef struct { const uint8_t *w; const uint16_t *s; const uint8_t *z; } i4_row_ptr;
 
@@ -446,7 +446,7 @@ void mla_i4_share(int64_t variant, const uint8_t *w, const uint16_t *scales, con
 }
 
 /* Y [rows, n] = X [rows, k] W^T in float32, W as above with a float16 scale (bit patterns) per group of `group`
- * values (32, 64 or 128; k a multiple of it where it is over 32) and zeros [n, groups] in [0, 15] (NULL: 8). */
+ * values (32, 64 or 128; k a multiple of it where it is over 32) and zeros [n, groups] in [0, 16] (NULL: 8). */
 void mla_gemm_i4_groups(const uint8_t *w, const uint16_t *scales, const uint8_t *zeros, int64_t group, const float *x,
                         float *y, int64_t rows, int64_t n, int64_t k, int64_t threads, int64_t variant) {
     const int64_t g_n = i4_groups(k), xs = mla_q8_row_bytes(k);

@@ -136,7 +136,7 @@ class Int4Weight(QuantizedWeight):
         """``packed [N, Kp / 2]`` uint8 nibbles (``int4_format.pack_int4``) and ``scales [N, Kp / group]`` float16, for
         a weight ``[N, k]`` of ``dtype`` (``Kp``: ``k`` rounded up to a multiple of 32): ``W = scale * (q + 8 - zero)``
         per group of ``group`` values (32, 64 or 128; ``k`` a multiple of it where it is over 32), ``zeros
-        [N, Kp / group]`` uint8 in [0, 15] for asymmetric groups (None: 8, symmetric). ``orders``: the inputs each
+        [N, Kp / group]`` uint8 in [0, 16] for asymmetric groups (None: 8, symmetric). ``orders``: the inputs each
         block of rows reads in place of ``x`` (``Orders``; None: ``x`` as it is)."""
         n = packed.shape[0]
         _check_layout(n, k, packed, scales, group, zeros)
@@ -183,14 +183,14 @@ class Int4Weight(QuantizedWeight):
                       dtype: torch.dtype, order: torch.Tensor | None = None) -> Int4Weight:
         """From a stored asymmetric (or wider-grouped) matrix: ``q [N, K]`` integers in [0, 15], ``scales
         [N, K / group]`` (rounded to float16; float16 and bfloat16 scales of float16's range exactly) and ``zeros``
-        (integers in [0, 15] of the same shape; None: 8), ``W = scale * (q - zero)`` per group of ``group`` values
+        (integers in [0, 16] of the same shape; None: 8), ``W = scale * (q - zero)`` per group of ``group`` values
         along ``K``; ``order``: the inputs the columns multiply (``x[..., order]``; None: ``x``)."""
         n, k = q.shape
         if q.dtype.is_floating_point or q.dtype == torch.bool:
             raise ValueError(f"Int4Weight.from_unsigned: integer q [N, K], got {q.dtype}")
-        for name, t in (("values", q), ("zero points", zeros)):
-            if t is not None and t.numel() and (int(t.min()) < 0 or int(t.max()) > 15):
-                raise ValueError(f"Int4Weight.from_unsigned: {name} must lie in [0, 15], got [{int(t.min())}, "
+        for name, t, top in (("values", q, 15), ("zero points", zeros, 16)):
+            if t is not None and t.numel() and (int(t.min()) < 0 or int(t.max()) > top):
+                raise ValueError(f"Int4Weight.from_unsigned: {name} must lie in [0, {top}], got [{int(t.min())}, "
                                  f"{int(t.max())}]")
         wide = F.pad(q.to(torch.int16) - 8, (0, padded(k) - k)).to(torch.int8)
         z = None if zeros is None else zeros.to(torch.uint8)

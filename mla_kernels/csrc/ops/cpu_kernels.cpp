@@ -240,7 +240,7 @@ Tensor linear(const Tensor& x, const Tensor& w, const OptTensor& scales, at::Int
 
 // x [..., K] (any float dtype, computed in float32) times a group-wise int4 W [N, K]ᵀ -> float32 [..., N]: uint8 nibbles
 // [N, Kp / 2] (Kp: K rounded up to 32), float16 scales [N, Kp / group] for group 32, 64 or 128 (K a multiple of the
-// group where it is over 32) and, for asymmetric groups, uint8 zero points [N, Kp / group] in [0, 15] (none: 8).
+// group where it is over 32) and, for asymmetric groups, uint8 zero points [N, Kp / group] in [0, 16] (none: 8).
 // linear's int4 product with these layouts; the same bits as linear where group is 32 and the zeros are 8.
 Tensor linear_int4(const Tensor& x, const Tensor& w, const Tensor& scales, const OptTensor& zeros, int64_t group,
                    c10::string_view variant) {
