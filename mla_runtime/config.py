@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -220,6 +221,7 @@ class ModelConfig:
     fp8_block_size: tuple[int, int] | None = None  # set for FP8 block-quantised checkpoints
     stored_quantization: str | None = None  # "int8"/"int4": a pre-quantised checkpoint (``stored_layout``: int4's)
     stored_layout: Int4Layout | None = None  # how a pre-quantised int4 checkpoint stores its matrices
+    stored_float_head: bool = False  # a pre-quantised checkpoint whose (untied) lm_head is stored unquantised
     num_nextn_predict_layers: int = 0
     # µP (MiniCPM3): the embeddings are multiplied by ``embedding_scale``, each residual branch (attention, MLP) by
     # ``residual_scale`` before it is added, and the final hidden state divided by ``lm_head_divisor`` before lm_head
@@ -510,14 +512,13 @@ class UnsupportedScheme(ValueError):
 class Int4Layout:
     """How a pre-quantised int4 checkpoint stores a matrix: ``method`` (``compressed-tensors``' pack-quantized, AWQ's
     GEMM layout, GPTQ's), a scale per ``group`` values of a row, zero points unless ``symmetric``, GPTQ's
-    ``zero_offset`` (1 in its original ``gptq`` format, whose stored zeros are one less than they mean) and the
-    modules the checkpoint left unquantised by name (AWQ's ``modules_to_not_convert``)."""
+    ``zero_offset`` (1 in its original ``gptq`` format, whose stored zeros are one less than they mean). A matrix
+    stored as a float weight (AWQ's ``modules_to_not_convert``, an ``ignore`` list, lm_head) loads as it is."""
 
     method: str
     group: int
     symmetric: bool
     zero_offset: int = 0
-    unconverted: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -528,6 +529,7 @@ class StoredScheme:
     quantization: str
     format: str
     layout: Int4Layout | None = None
+    float_head: bool = False  # the checkpoint leaves lm_head unquantised
 
 
 def _int4_group(where: str, group: Any) -> int:
@@ -574,7 +576,9 @@ def parse_quantization_config(q: dict[str, Any]) -> StoredScheme:
     if fmt not in (SCHEMES[quantization][0], "naive-quantized" if quantization == "int8" else None):
         raise UnsupportedScheme(f"quantization_config.format {fmt!r} is not supported for {quantization} weights "
                                 f"(use {SCHEMES[quantization][0]!r})")
-    return StoredScheme(quantization, str(fmt), layout)
+    ignored = [str(i) for i in q.get("ignore") or ()]
+    head = any(i == "lm_head" or (i.startswith("re:") and re.fullmatch(i[3:], "lm_head")) for i in ignored)
+    return StoredScheme(quantization, str(fmt), layout, head)
 
 
 def _first(q: dict[str, Any], *keys: str) -> Any:
@@ -596,15 +600,15 @@ def parse_awq_gptq_config(q: dict[str, Any]) -> StoredScheme:
             raise UnsupportedScheme(f"{where}: version={version!r} is not supported (AWQ's 'gemm' layout is)")
         if not q.get("zero_point", True):
             raise UnsupportedScheme(f"{where}: zero_point=false is not supported (AWQ with zero points is)")
-        unconverted = tuple(q.get("modules_to_not_convert") or ())
-        return StoredScheme("int4", "awq", Int4Layout("awq", group, False, 0, unconverted))
+        return StoredScheme("int4", "awq", Int4Layout("awq", group, False), True)
     fmt = str(q.get("checkpoint_format") or "gptq")
     if fmt not in ("gptq", "gptq_v2"):
         raise UnsupportedScheme(f"{where}: checkpoint_format={fmt!r} is not supported ('gptq' and 'gptq_v2' are)")
     pack = q.get("pack_dtype", "int32")
     if str(pack).removeprefix("torch.") != "int32":
         raise UnsupportedScheme(f"{where}: pack_dtype={pack!r} is not supported (int32 is)")
-    return StoredScheme("int4", fmt, Int4Layout("gptq", group, bool(q.get("sym", True)), 1 if fmt == "gptq" else 0))
+    layout = Int4Layout("gptq", group, bool(q.get("sym", True)), 1 if fmt == "gptq" else 0)
+    return StoredScheme("int4", fmt, layout, not q.get("lm_head", False))
 
 
 def _stored_scheme(raw: dict[str, Any]) -> StoredScheme | None:
@@ -672,6 +676,7 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         fp8_block_size=_parse_fp8(raw),
         stored_quantization=None if stored is None else stored.quantization,
         stored_layout=None if stored is None else stored.layout,
+        stored_float_head=stored is not None and stored.float_head,
         num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
         embedding_scale=float(raw.get("embedding_scale", 1.0)),
         residual_scale=float(raw.get("residual_scale", 1.0)),

@@ -595,7 +595,11 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
     compressed = {n for n in table if stored is not None and is_stored_compressed(n, files.keys(), stored, layout)}
     scale_names = {n for n in files if n.endswith(".weight_scale_inv")}
     _check_checkpoint(path, cfg, table, params, reader, compressed, scale_names)
-    kinds = _weight_kinds(cfg, table, params, quantization, scale_names, quantized_parameter_names(model))
+    products = quantized_parameter_names(model)
+    if stored is not None:  # a matrix the checkpoint left unquantised loads as it is stored
+        stored_params = {slot.param for n, slot in table.items() if slot is not None and n in compressed}
+        products = [p for p in products if p in stored_params]
+    kinds = _weight_kinds(cfg, table, params, quantization, scale_names, products)
     _allocate_float_parameters(model, table, kinds, device)
     matrices = _QuantizedMatrices({n: params[n].shape for n in kinds})
     _fill(model, table, kinds, reader, matrices, _Sources(quantization, compressed, scale_names, device))

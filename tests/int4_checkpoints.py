@@ -38,7 +38,7 @@ def build_wide_model(family: str, seed: int = 0):
 
 
 def quantized_names(tensors: dict[str, torch.Tensor]) -> list[str]:
-    return sorted(n for n, t in tensors.items() if t.dim() == 2 and ".layers." in n and n.endswith("_proj.weight"))
+    return sorted(n for n, t in tensors.items() if t.dim() == 2 and ".layers." in n and n.endswith(("_proj.weight", "_proj_with_mqa.weight")))
 
 
 def quantize_groups(w: torch.Tensor, group: int, symmetric: bool,
