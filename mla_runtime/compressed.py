@@ -5,19 +5,23 @@ Two weight-only schemes map onto the runtime's formats; their tensors load as st
 
 - ``int8``: format ``int-quantized``; weights int, 8 bits, symmetric, strategy ``channel``. A matrix ``X`` is
   ``X.weight`` (int8 ``[N, K]``) and ``X.weight_scale`` (``[N, 1]``).
-- ``int4``: format ``pack-quantized``; weights int, 4 bits, symmetric, strategy ``group`` of 32. A matrix ``X`` is
-  ``X.weight_packed`` (int32 ``[N, K/8]``), ``X.weight_scale`` (``[N, K/32]``) and ``X.weight_shape``.
+- ``int4``: format ``pack-quantized``; weights int, 4 bits, strategy ``group`` of 32, 64 or 128, symmetric or with
+  zero points. A matrix ``X`` is ``X.weight_packed`` (int32 ``[N, K/8]``), ``X.weight_scale`` (``[N, K/g]``) and
+  ``X.weight_shape`` (with ``X.weight_zero_point`` and ``X.weight_g_idx`` where it has them): ``stored_int4``
+  reads it, as it reads AWQ's and GPTQ's int4 layouts.
 
 The int8 scales are held in bfloat16 (the type the int8 kernels take), so a float32 scale is rounded to 8 significant
-bits; every other stored value is used as it is.
+bits; int4 scales in float16; every other stored value is used as it is.
 
-Anything else in a checkpoint's ``quantization_config`` (activation quantisation, asymmetric weights, other group
-sizes or bit widths, float formats) is refused at load with an error naming it. Matrices the checkpoint leaves
-unquantised (its ``ignore`` list) are quantised by the runtime while loading, as it does for any checkpoint.
+Anything else in a checkpoint's ``quantization_config`` (activation quantisation, other group sizes or bit widths,
+asymmetric int8, float formats) is refused at load with an error naming it. An lm_head the checkpoint leaves
+unquantised loads as stored; other matrices its ``ignore`` list leaves unquantised are quantised by the runtime while
+loading, as it does for any checkpoint.
 
 ``mla-runtime quantize --model SRC --quantization int8|int4 --out DIR`` writes one from any checkpoint the runtime
 loads (bfloat16, float32, FP8 blocks): the matrices it quantises (every attention projection except ``kv_b_proj``,
-the MLPs and experts, an untied lm_head) in the scheme above, everything else as stored (FP8 ones dequantised to
+the MLPs and experts, an untied lm_head) in the runtime's own scheme (int4: symmetric groups of 32), everything
+else as stored (FP8 ones dequantised to
 bfloat16), one shard per decoder layer, with the permissions ``open`` gives a new file (0o644 under umask 022), and
 the tokenizer, chat-template, generation and MTP draft-vocabulary (``speculative_token_map.json``) files copied.
 """

@@ -512,8 +512,7 @@ class UnsupportedScheme(ValueError):
 class Int4Layout:
     """How a pre-quantised int4 checkpoint stores a matrix: ``method`` (``compressed-tensors``' pack-quantized, AWQ's
     GEMM layout, GPTQ's), a scale per ``group`` values of a row, zero points unless ``symmetric``, GPTQ's
-    ``zero_offset`` (1 in its original ``gptq`` format, whose stored zeros are one less than they mean). A matrix
-    stored as a float weight (AWQ's ``modules_to_not_convert``, an ``ignore`` list, lm_head) loads as it is."""
+    ``zero_offset`` (1 in its original ``gptq`` format, whose stored zeros are one less than they mean)."""
 
     method: str
     group: int

@@ -316,9 +316,9 @@ def weight_footprint(config: ModelConfig, dtype: str | torch.dtype = "auto", ten
       rank's part of them is whole blocks (``loader._weight_kinds``), each checkpoint tensor with its own blocks; the
       rest load dequantised. A tied
       lm_head gets a quantised copy (the embedding stays). A pre-quantised checkpoint (``config.stored_quantization``)
-      counts in its format (an int4 one with its groups and zero points, ``config.stored_layout``; an lm_head it
-      stores unquantised in the model dtype; other matrices such a checkpoint leaves unquantised, and the input
-      order of act-order matrices, are not told apart).
+      counts in its format (an int4 one with its groups and zero points, ``config.stored_layout``, and an lm_head
+      it stores unquantised in the model dtype; not counted: an act-order matrix's input order, 8 bytes an input,
+      and the runtime's own int4 of products such a checkpoint leaves unquantised, counted in its layout).
     - Every other parameter as the model holds it: ``kv_b_proj``, the embedding, norms and biases in the model dtype,
       the MoE routers in float32; and per attention layer its absorbed factors' copies ``w_uk``/``w_uv_t``: bfloat16
       with ``quantization`` where the compiled CPU decode kernel runs (a float32 model on a CPU that builds it,

@@ -596,9 +596,9 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
     scale_names = {n for n in files if n.endswith(".weight_scale_inv")}
     _check_checkpoint(path, cfg, table, params, reader, compressed, scale_names)
     products = quantized_parameter_names(model)
-    if stored is not None:  # a matrix the checkpoint left unquantised loads as it is stored
+    if stored is not None:  # an lm_head the checkpoint left unquantised loads as stored (ModelConfig.stored_float_head)
         stored_params = {slot.param for n, slot in table.items() if slot is not None and n in compressed}
-        products = [p for p in products if p in stored_params]
+        products = [p for p in products if p != "lm_head" or p in stored_params]
     kinds = _weight_kinds(cfg, table, params, quantization, scale_names, products)
     _allocate_float_parameters(model, table, kinds, device)
     matrices = _QuantizedMatrices({n: params[n].shape for n in kinds})

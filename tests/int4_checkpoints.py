@@ -4,7 +4,8 @@ The AWQ and GPTQ writers follow each published layout (``mla_runtime.stored_int4
 compressed-tensors checkpoints are written by the library's own compressor. Each writer quantises every linear
 weight of the decoder layers (``kv_b_proj`` included, as these tools do; the router and lm_head stay float) with
 min/max scales and zero points (or absmax scales where symmetric), float16 scales, and returns the weights its
-checkpoint stands for: ``scale * (q - zero)`` in float32, the reference the loaded matrices must equal.
+checkpoint stands for: ``scale * (q - zero)`` in float32, the reference the loaded matrices must equal (and, for a
+product the checkpoint leaves float other than the lm_head, the runtime's own int4 of it, which loading makes).
 """
 
 from __future__ import annotations
@@ -16,20 +17,25 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from mla_runtime.layers.int4 import Int4Weight
 from tests.checkpoints import _randomise, _v2_config, _v3_config, save_checkpoint
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's packing: nibble i of a word holds column AWQ_ORDER[i] of its 8
 
 
 def build_wide_model(family: str, seed: int = 0):
-    """A tiny random DeepSeek-V2/V3 whose every projection's inputs are whole groups of 128 and outputs whole words
-    of 8."""
+    """A tiny random DeepSeek-V2/V3 (``family`` "v2", "v3"; with "_all", every token routed to every expert, so that
+    its output moves continuously with its input) whose every projection's inputs are whole groups of 128 and
+    outputs whole words of 8."""
     from transformers import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 
     dims: dict[str, Any] = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=128, kv_lora_rank=128,
                                 qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=32, num_hidden_layers=2)
+    if family.endswith("_all"):
+        dims.update(num_experts_per_tok=8, n_group=1, topk_group=1)
+        dims.update({"topk_method": "greedy"} if family.startswith("v2") else {})
     torch.manual_seed(seed)
-    if family == "v3":
+    if family.startswith("v3"):
         model = DeepseekV3ForCausalLM(_v3_config(q_lora_rank=128, **dims))
     else:
         model = DeepseekV2ForCausalLM(_v2_config(**dims))
@@ -38,7 +44,8 @@ def build_wide_model(family: str, seed: int = 0):
 
 
 def quantized_names(tensors: dict[str, torch.Tensor]) -> list[str]:
-    return sorted(n for n, t in tensors.items() if t.dim() == 2 and ".layers." in n and n.endswith(("_proj.weight", "_proj_with_mqa.weight")))
+    return sorted(n for n, t in tensors.items()
+                  if t.dim() == 2 and ".layers." in n and n.endswith(("_proj.weight", "_proj_with_mqa.weight")))
 
 
 def quantize_groups(w: torch.Tensor, group: int, symmetric: bool,
@@ -164,6 +171,9 @@ def write_compressed_tensors(dst: Path, family: str, group: int, symmetric: bool
     for name in [n for n in stored if n.endswith(".weight_packed")]:
         base = name[: -len("weight_packed")]
         ref[base + "weight"] = _library_dequantized(stored, base, group)
+    for name, t in ref.items():  # the routed experts (not Linear modules) stay float: the runtime's int4 at load
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            ref[name] = Int4Weight.quantize(t.reshape(-1, t.shape[-1])).dequantize().view(t.shape)
     return ref
 
 

@@ -253,9 +253,12 @@ def _assert_loaded_as_written(model, ref: dict[str, torch.Tensor]) -> int:
                 same(m.down_packed if m.down_packed is not None else m.down_proj, ref[f"{owner}.down_proj.weight"],
                      owner)
         experts = getattr(mlp, "experts", None)
-        for e, gate_up in enumerate(getattr(experts, "gate_up_packed", None) or []):
-            if isinstance(gate_up, Int4Weight):
-                same(gate_up, _expected(ref, f"{p}.mlp.experts.{e}", "gate_proj", "up_proj"), f"expert {e}")
+        fused = f"{p}.mlp.experts.gate_up_proj" in ref  # the reference's experts in transformers' stacked form
+        for e, (gate_up, down) in enumerate(zip(experts.gate_up_packed, experts.down_packed) if experts else ()):
+            x = f"{p}.mlp.experts.{e}"
+            same(gate_up, ref[f"{p}.mlp.experts.gate_up_proj"][e] if fused else _expected(ref, x, "gate_proj",
+                                                                                           "up_proj"), x)
+            same(down, ref[f"{p}.mlp.experts.down_proj"][e] if fused else ref[f"{x}.down_proj.weight"], x)
     assert torch.equal(model.lm_head.detach().float(), ref["lm_head.weight"])  # stored float, loaded as it is
     return count
 
@@ -271,10 +274,12 @@ def test_the_loaded_weights_are_the_writers_dequantised_weights(written, layout)
     assert not model.lm_head_packed.quantized if model.lm_head_packed is not None else True
     int4 = [w for w in quantized_weights(model) if isinstance(w, Int4Weight)]
     want_group = {"gptq_act_order": 32, "gptq_v2_sym_g64": 64, "ct_asym_g64": 64}.get(layout, 128)
-    assert {w.group for w in int4} == {want_group}
+    assert want_group in {w.group for w in int4}
     assert any(w.orders is not None for w in int4) == (layout == "gptq_act_order")
-    assert all(w.zeros is None for w in int4) == layout.startswith(("ct_sym", "gptq_v2_sym"))
+    stored = [w for w in int4 if w.group == want_group]
+    assert all(w.zeros is None for w in stored) == layout.startswith(("ct_sym", "gptq_v2_sym"))
     if layout in ("awq", "gptq", "gptq_v2_sym_g64"):  # every product stored quantised: the planner's bytes are exact
+        assert {w.group for w in int4} == {want_group}
         assert weight_footprint(cfg, "float32").quantized_bytes == sum(w.nbytes for w in int4)
 
 
@@ -302,7 +307,11 @@ def test_greedy_tokens_follow_transformers_on_the_dequantised_weights(written, l
     """The stored checkpoint through ``LLM`` decodes as transformers does on the weights it stands for: with the
     widened products (``cpu_gemm=plain``: float32 activations) the same greedy tokens; with the int4 kernels
     (``auto``, which round their input rows to int8 per group of 32) every token transformers' best but for that
-    rounding (its logit within 0.1 of the best, teacher-forced on the tokens decoded)."""
+    rounding (its logit within 0.25 of the best, teacher-forced on the tokens decoded; about 0.1 moves a logit here).
+    The kernels' run routes every token to every expert: a top-k choice near a tie flips with any rounding, and one
+    flipped expert moves a logit by whole units, whatever computes the products."""
+    if cpu_gemm == "auto":
+        family += "_all"
     path, ref = written(layout, family)
     prompt = [5, 9, 2, 7, 11, 3, 40, 17]
     llm = LLM(str(path), dtype="float32", cpu_gemm=cpu_gemm, kv_cache_memory="8MiB")
@@ -315,7 +324,7 @@ def test_greedy_tokens_follow_transformers_on_the_dequantised_weights(written, l
         assert list(got) == steps.argmax(-1).tolist()
     else:
         chosen = steps.gather(-1, torch.tensor(got).unsqueeze(-1)).squeeze(-1)
-        assert ((steps.amax(-1) - chosen) <= 0.1).all(), (steps.amax(-1) - chosen)
+        assert ((steps.amax(-1) - chosen) <= 0.25).all(), (steps.amax(-1) - chosen)
 
 
 # -- slices and refusals --------------------------------------------------------------------------------------------
