@@ -46,7 +46,6 @@ from mla_runtime.layers.qweight import QuantizedWeight
 from mla_runtime.stored_int4 import int4_names, int4_shape, read_int4
 from mla_runtime.token_map import MAP_FILE
 
-
 CT_INT4 = Int4Layout("compressed-tensors", INT4_GROUP, True)  # the int4 layout ``mla-runtime quantize`` writes
 
 

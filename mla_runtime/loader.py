@@ -46,7 +46,7 @@ from safetensors import safe_open
 from torch import nn
 
 from mla_runtime import attention
-from mla_runtime.compressed import is_stored_compressed, read_stored, stored_names, stored_shape
+from mla_runtime.compressed import CT_INT4, is_stored_compressed, read_stored, stored_names, stored_shape
 from mla_runtime.config import ModelConfig
 from mla_runtime.dtypes import resolve_model_dtype
 from mla_runtime.errors import InvalidParam
@@ -65,6 +65,7 @@ from mla_runtime.layers.rotary import RotaryEmbedding
 from mla_runtime.models.deepseek import DeepseekForCausalLM
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 from mla_runtime.resolved_config import ResolvedConfig
+from mla_runtime.stored_int4 import shard_problem
 
 logger = logging.getLogger("mla_runtime")
 STORED_FP8 = "stored fp8"  # a product matrix kept in the FP8 blocks the checkpoint stores
@@ -595,6 +596,8 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
     compressed = {n for n in table if stored is not None and is_stored_compressed(n, files.keys(), stored, layout)}
     scale_names = {n for n in files if n.endswith(".weight_scale_inv")}
     _check_checkpoint(path, cfg, table, params, reader, compressed, scale_names)
+    if stored == "int4":
+        _check_int4_shards(path, cfg, table, compressed)
     products = quantized_parameter_names(model)
     if stored is not None:  # an lm_head the checkpoint left unquantised loads as stored (ModelConfig.stored_float_head)
         stored_params = {slot.param for n, slot in table.items() if slot is not None and n in compressed}
@@ -611,6 +614,16 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise CheckpointError(f"{path}: nothing loaded into {', '.join(left[:5])}")
+
+
+def _check_int4_shards(path: Path, cfg: ModelConfig, table: dict[str, Any], compressed: set[str]) -> None:
+    """Before any weight is read: this rank's part of each stored int4 matrix is whole groups (and whole packed
+    words), else a ``CheckpointError`` naming every matrix a ``tensor_parallel_size`` would split."""
+    layout = cfg.stored_layout or CT_INT4
+    problems = [p for n in sorted(compressed)
+                if table[n] is not None and (p := shard_problem(n, layout, table[n].shard)) is not None]
+    if problems:
+        raise CheckpointError(f"{path}: tensor parallelism would split stored int4 groups:\n  " + "\n  ".join(problems))
 
 
 def _check_checkpoint(path: Path, cfg: ModelConfig, table: dict[str, Any], params: dict[str, nn.Parameter],

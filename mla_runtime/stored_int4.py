@@ -127,15 +127,28 @@ class _Source:
         return q.contiguous(), r.get(base + "scales", (1, a, b, self.n)).T.contiguous(), zeros + layout.zero_offset
 
 
+def shard_problem(name: str, layout: Int4Layout, shard: tuple[int, int, int, int] | None) -> str | None:
+    """Why a rank cannot take ``shard`` (``(dim, start, end, size)`` of the ``[N, K]`` matrix ``name``) of a matrix
+    stored in ``layout``, or None: a column slice must be whole groups, a row slice of AWQ's and GPTQ's whole words of
+    8 output columns."""
+    if shard is None:
+        return None
+    dim, a, b, size = shard
+    if dim == 1 and (a % layout.group or (b % layout.group and b != size)):
+        return (f"{name}: this rank's columns [{a}, {b}) of {size} split groups of {layout.group}: choose a "
+                f"tensor_parallel_size that divides the inputs into whole groups")
+    if dim == 0 and layout.method != "compressed-tensors" and (a % 8 or (b % 8 and b != size)):
+        return (f"{name}: this rank's rows [{a}, {b}) of {size} split the 8 output columns of a packed word: choose "
+                f"a tensor_parallel_size that divides the outputs into whole words")
+    return None
+
+
 def _check_shard(base: str, layout: Int4Layout, n: int, k: int, rows: tuple[int, int], cols: tuple[int, int],
                  order: torch.Tensor | None) -> None:
-    g = layout.group
-    if layout.method != "compressed-tensors" and (rows[0] % 8 or (rows[1] % 8 and rows[1] != n) or n % 8):
-        raise ValueError(f"{base}weight: this rank's rows {rows} of {n} do not start and end on the 8 output columns "
-                         f"of a packed word")
-    if cols != (0, k) and (cols[0] % g or (cols[1] % g and cols[1] != k)):
-        raise ValueError(f"{base}weight: this rank's columns {cols} of {k} split groups of {g}: choose a "
-                         f"tensor_parallel_size that divides the inputs into whole groups")
+    for shard in ((0, *rows, n), (1, *cols, k)):
+        problem = shard_problem(base + "weight", layout, shard)
+        if problem is not None:
+            raise ValueError(problem)
     if cols != (0, k) and order is not None:
         raise ValueError(f"{base}weight: its inputs are reordered (act-order g_idx), so a rank cannot take a column "
                          f"slice of it: load it with tensor_parallel_size=1")
@@ -175,5 +188,6 @@ def read_int4(reader: Any, name: str, layout: Int4Layout, shard: tuple[int, int,
         values = values[:, cols[0]:cols[1]]
         z = None if zeros is None else zeros[:, cols[0] // g: -(-cols[1] // g)]
         yield a - rows[0], Int4Weight.from_unsigned(values.to(device), scales[:, cols[0] // g: -(-cols[1] // g)]
-                                                    .to(device), None if z is None else z.to(device), g, dtype, order)
+                                                    .to(device), None if z is None else z.to(device), g, dtype,
+                                                    None if order is None else order.to(device))
 

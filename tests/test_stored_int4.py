@@ -21,9 +21,9 @@ from mla_runtime.footprint import weight_footprint
 from mla_runtime.layers.int4 import Int4Weight
 from mla_runtime.layers.quantization import finish_quantization, quantized_weights
 from mla_runtime.loader import CheckpointError, _Reader, checkpoint_files, load_model
+from mla_runtime.parallel import ParallelContext
 from mla_runtime.stored_int4 import read_int4
 from tests.int4_checkpoints import (
-    build_wide_model,
     float_source,
     write_awq,
     write_compressed_tensors,
@@ -119,7 +119,7 @@ def test_an_input_order_is_applied_to_the_rows():
     g = torch.Generator().manual_seed(5)
     k, group = 256, 64
     parts = []
-    for i in range(2):
+    for _ in range(2):
         q = torch.randint(0, 16, (16, k), generator=g)
         s = (torch.rand(16, k // group, generator=g) * 0.05).half()
         z = torch.randint(0, 16, (16, k // group), generator=g)
@@ -347,6 +347,21 @@ def test_a_ranks_slice_cuts_at_group_boundaries(written):
     with pytest.raises(ValueError, match="act-order"):
         list(read_int4(_Reader(checkpoint_files(act)), "model.layers.1.self_attn.o_proj.weight", act_layout,
                        (1, 0, 64, 128), torch.float32, torch.device("cpu")))
+
+
+def test_tensor_parallel_ranks_take_whole_groups(written):
+    """A rank loads its part of each stored matrix (a row-parallel ``o_proj``: its columns, whole groups of 64) as
+    stored; a ``tensor_parallel_size`` whose slices would split groups of 128 is refused, naming the matrices, before
+    any weight is read."""
+    path, ref = written("gptq_v2_sym_g64", "v2")
+    model = load_model(path, dtype="float32", par=ParallelContext(1, 2, "replicated"))
+    o_proj = model.model.layers[0].self_attn.o_proj.packed
+    assert isinstance(o_proj, Int4Weight) and o_proj.group == 64
+    assert torch.equal(o_proj.dequantize(), ref["model.layers.0.self_attn.o_proj.weight"][:, 64:])
+    awq, _ = written("awq")
+    with pytest.raises(CheckpointError, match="o_proj.weight: this rank's columns \\[64, 128\\) of 128 split "
+                                              "groups of 128"):
+        load_model(awq, dtype="float32", par=ParallelContext(1, 2, "replicated"))
 
 
 @pytest.mark.parametrize("config, says", [
