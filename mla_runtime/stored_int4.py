@@ -145,6 +145,8 @@ def shard_problem(name: str, layout: Int4Layout, shard: tuple[int, int, int, int
 
 def _check_shard(base: str, layout: Int4Layout, n: int, k: int, rows: tuple[int, int], cols: tuple[int, int],
                  order: torch.Tensor | None) -> None:
+    if layout.method != "compressed-tensors" and n % 8:
+        raise ValueError(f"{base}qweight: {n} outputs are not whole words of 8")
     for shard in ((0, *rows, n), (1, *cols, k)):
         problem = shard_problem(base + "weight", layout, shard)
         if problem is not None:

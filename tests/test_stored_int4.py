@@ -143,6 +143,19 @@ def test_an_input_order_is_applied_to_the_rows():
         both.to_int()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda():
+    """Off the CPU the matrix is widened a block of rows at a time: asymmetric groups of 128 and an input order."""
+    w = _random_weight(40, 256, 128, True, seed=9)
+    order = torch.randperm(256, generator=torch.Generator().manual_seed(9))
+    cpu = Int4Weight(w.packed, w.scales, 256, torch.float32, group=128, zeros=w.zeros, orders=((40, order),))
+    cuda = Int4Weight(w.packed.cuda(), w.scales.cuda(), 256, torch.float32, group=128, zeros=w.zeros.cuda(),
+                      orders=((40, order.cuda()),))
+    x = torch.randn(3, 256)
+    assert not cuda.kernel and torch.equal(cuda.dequantize().cpu(), cpu.dequantize())
+    torch.testing.assert_close(cuda.matmul(x.cuda(), None).cpu(), x @ cpu.dequantize().T, rtol=1e-4, atol=1e-5)
+
+
 def test_bad_layouts_are_refused_by_name():
     q = torch.randint(0, 16, (4, 128))
     s = torch.ones(4, 1, dtype=torch.float16)

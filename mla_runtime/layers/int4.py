@@ -19,6 +19,13 @@ Storage: ``packed [N, Kp / 2]`` uint8 (``Kp``: ``K`` rounded up to a multiple of
 byte ``j`` holding ``q[j] + 8`` in its low nibble and ``q[j + 16] + 8`` in its high one (Q4_0's block order), and
 ``scales [N, Kp / 32]`` float16: 0.5625 bytes per weight (18 bytes per 32 values, as Q4_0).
 
+Stored checkpoints (AWQ, GPTQ, compressed-tensors W4A16: ``stored_int4``) keep their own groups in the same
+nibbles: a float16 scale per ``group`` of 32, 64 or 128 values and, where asymmetric, a byte zero point ``z`` per
+group (0 to 16), ``W ≈ scale * (nibble - z)`` (the format above is ``z = 8``); act-order ones their inputs' order
+(``orders``). Their products take the same kernel (``cpu_kernels.linear_int4``: each group of 64 or 128 spans 2 or 4
+of the input rows' groups of 32; the zero's term is ``-z`` times the rounded inputs' integer sum, exact) or the same
+widening; only Q4_0's form (``q4_0``) takes the fused one-row decode kernels.
+
 Products: on the CPU, every product (decoding, a speculative verification, a batch, a prefill; 64 rows a pass) runs
 the compiled kernel of ``mla_kernels.cpu_kernels`` (``linear``, ``csrc/gemv_int4.c``; AVX2, or AVX-512
 VNNI where the CPU has it, with the same bits) where it builds and its check passes (``KernelPlan.int4_failure``): it
@@ -283,7 +290,7 @@ class Int4Weight(QuantizedWeight):
         return self._dequantize_rows(0, self.packed.shape[0]).contiguous()
 
     def _kernel_product(self, x: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
-        if self.q4_0 or (self.group == GROUP and self.zeros is None):
+        if self.group == GROUP and self.zeros is None:  # Q4_0's numbers (its rows' inputs possibly reordered)
             return cpu_kernels.linear(x, self.packed[r0:r1], self.scales[r0:r1])
         zeros = None if self.zeros is None else self.zeros[r0:r1]
         return cpu_kernels.linear_int4(x, self.packed[r0:r1], self.scales[r0:r1], zeros, self.group)
