@@ -105,6 +105,13 @@ class _Source:
             self.g_idx = reader.get(base + "g_idx")
         if not layout.symmetric and self.zeros_all is None and method == "compressed-tensors":
             raise ValueError(f"{base}weight_zero_point: missing from an asymmetric checkpoint")
+        self.whole: dict[str, torch.Tensor] = {}  # AWQ's and GPTQ's tensors, read once (their outputs are columns)
+
+    def _columns(self, name: str, a: int, b: int) -> torch.Tensor:
+        """Columns ``[a, b)`` of the stored ``<base>.name``, the tensor read once for all the blocks."""
+        if name not in self.whole:
+            self.whole[name] = self.reader.get(self.base + name)
+        return self.whole[name][:, a:b]
 
     def block(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Output rows ``[a, b)``: (nibbles ``[b - a, K / 2]`` in ``Int4Weight``'s order, or values ``[b - a, K]``
@@ -117,14 +124,14 @@ class _Source:
             if self.k % 32 == 0 and sys.byteorder == "little":
                 return nibbles_from_words(words, self.k), scales, zeros
             return unpack_words(words)[:, :self.k], scales, zeros
+        scales = self._columns("scales", a, b).T.contiguous()
         if layout.method == "awq":
-            full = self.n // 8
-            q = _awq_columns(r.get(base + "qweight", (1, a // 8, b // 8, full))).T
-            zeros = _awq_columns(r.get(base + "qzeros", (1, a // 8, b // 8, full))).T
-            return q.contiguous(), r.get(base + "scales", (1, a, b, self.n)).T.contiguous(), zeros.contiguous()
-        q = unpack_words(r.get(base + "qweight", (1, a, b, self.n)).T.contiguous())[:, :self.k]
-        zeros = unpack_words(r.get(base + "qzeros", (1, a // 8, b // 8, self.n // 8))).T
-        return q.contiguous(), r.get(base + "scales", (1, a, b, self.n)).T.contiguous(), zeros + layout.zero_offset
+            q = _awq_columns(self._columns("qweight", a // 8, b // 8).contiguous()).T
+            zeros = _awq_columns(self._columns("qzeros", a // 8, b // 8).contiguous()).T
+            return q.contiguous(), scales, zeros.contiguous()
+        q = unpack_words(self._columns("qweight", a, b).T.contiguous())[:, :self.k]
+        zeros = unpack_words(self._columns("qzeros", a // 8, b // 8).contiguous()).T
+        return q.contiguous(), scales, zeros + layout.zero_offset
 
 
 def shard_problem(name: str, layout: Int4Layout, shard: tuple[int, int, int, int] | None) -> str | None:

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mla_kernels import cpu_kernels, cpu_ops, int4_format
-from mla_runtime import LLM, SamplingParams
+from mla_runtime import LLM, SamplingParams, stored_int4
 from mla_runtime.config import ModelConfig, UnsupportedScheme, parse_awq_gptq_config
 from mla_runtime.footprint import weight_footprint
 from mla_runtime.layers.int4 import Int4Weight
@@ -294,6 +294,14 @@ def test_the_loaded_weights_are_the_writers_dequantised_weights(written, layout)
     if layout in ("awq", "gptq", "gptq_v2_sym_g64"):  # every product stored quantised: the planner's bytes are exact
         assert {w.group for w in int4} == {want_group}
         assert weight_footprint(cfg, "float32").quantized_bytes == sum(w.nbytes for w in int4)
+
+
+@pytest.mark.parametrize("layout", ["awq", "gptq_act_order", "ct_asym_g64"])
+def test_a_matrix_read_in_blocks_of_rows_is_the_same(written, layout, monkeypatch):
+    """Large matrices are converted a block of output rows at a time: blocks of 16 give the writer's weights too."""
+    monkeypatch.setattr(stored_int4, "STORED_CHUNK_ROWS", 16)
+    path, ref = written(layout)
+    assert _assert_loaded_as_written(load_model(path, dtype="float32"), ref) > 0
 
 
 def _reference(ref: dict[str, torch.Tensor], path: Path, out: Path):
