@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from mla_kernels import cpu_kernels, cpu_ops, int4_format
 from mla_runtime import LLM, SamplingParams, stored_int4
-from mla_runtime.config import ModelConfig, UnsupportedScheme, parse_awq_gptq_config
+from mla_runtime.config import Int4Layout, ModelConfig, UnsupportedScheme, parse_awq_gptq_config
 from mla_runtime.footprint import weight_footprint
 from mla_runtime.layers.int4 import Int4Weight
 from mla_runtime.layers.quantization import finish_quantization, quantized_weights
@@ -302,6 +302,22 @@ def test_a_matrix_read_in_blocks_of_rows_is_the_same(written, layout, monkeypatc
     monkeypatch.setattr(stored_int4, "STORED_CHUNK_ROWS", 16)
     path, ref = written(layout)
     assert _assert_loaded_as_written(load_model(path, dtype="float32"), ref) > 0
+
+
+def test_groups_of_32_may_end_in_a_partial_group(tmp_path):
+    """compressed-tensors' groups of 32 over inputs that are not a multiple of 32: the last group is partial (and
+    padded in the int4 format), its values and scale kept."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    q = torch.randint(-8, 8, (6, 40), dtype=torch.int8, generator=torch.Generator().manual_seed(2))
+    scales = torch.rand(6, 2, generator=torch.Generator().manual_seed(3)).half()
+    tensors = {"m.weight_packed": pack_to_int32(q, 4), "m.weight_scale": scales,
+               "m.weight_shape": torch.tensor([6, 40])}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    reader = _Reader(dict.fromkeys(tensors, tmp_path / "model.safetensors"))
+    [(_, w)] = read_int4(reader, "m.weight", Int4Layout("compressed-tensors", 32, True), None, torch.float32,
+                         torch.device("cpu"))
+    assert w.q4_0 and torch.equal(w.dequantize(), q.float() * scales.float().repeat_interleave(32, 1)[:, :40])
 
 
 def _reference(ref: dict[str, torch.Tensor], path: Path, out: Path):
