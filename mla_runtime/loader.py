@@ -50,7 +50,7 @@ from safetensors import safe_open
 from torch import nn
 
 from mla_runtime import attention
-from mla_runtime.compressed import is_stored_compressed, read_stored, stored_names
+from mla_runtime.compressed import CT_INT4, is_stored_compressed, read_stored, stored_names, stored_shape
 from mla_runtime.config import ModelConfig
 from mla_runtime.dtypes import resolve_model_dtype
 from mla_runtime.errors import InvalidParam
@@ -71,6 +71,7 @@ from mla_runtime.layers.rotary import RotaryEmbedding
 from mla_runtime.models.deepseek import DeepseekForCausalLM
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 from mla_runtime.resolved_config import ResolvedConfig
+from mla_runtime.stored_int4 import shard_problem
 
 logger = logging.getLogger("mla_runtime")
 STORED_FP8 = "stored fp8"  # a product matrix kept in the FP8 blocks the checkpoint stores
@@ -591,17 +592,8 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
     if device is None:
         device = next((t.device for t in [*model.parameters(), *model.buffers()] if not t.is_meta),
                       torch.device("cpu"))
-    gguf = gguf_files(path)
-    reader: _Reader | GgufTensors
-    if gguf is not None:  # llama.cpp's format: its own names, types checked before any weight is read
-        reader = GgufTensors(open_gguf(path), device)
-        files = reader.files
-    else:
-        family = FAMILIES.get(cfg.model_type)
-        files, file_names = checkpoint_files(path), dict[str, str]()
-        if family is not None:
-            files, file_names = renamed_files(files, family.rename)
-        reader = _Reader(files, device, file_names)
+    reader = _open_reader(path, cfg, device)
+    files = reader.files
     if len(model.mtp):
         check_mtp_weights(cfg, files, path)
     fused = {int(m.group(1)) for n in files if (m := _FUSED_EXPERTS_RE.match(n))}
@@ -615,12 +607,19 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
             raise InvalidParam("quantization", f"{path} is stored quantised to {stored}; quantization={quantization!r} "
                                f"would quantise it again: load it as stored, or quantise the original checkpoint")
         quantization = stored
-    compressed = {n for n in table if stored is not None and is_stored_compressed(n, files.keys(), stored)}
+    layout = cfg.stored_layout
+    compressed = {n for n in table if stored is not None and is_stored_compressed(n, files.keys(), stored, layout)}
     scale_names = {n for n in files if n.endswith(".weight_scale_inv")}
     _check_checkpoint(path, cfg, table, params, reader, compressed, scale_names)
-    kinds = _weight_kinds(cfg, table, params, quantization, scale_names, quantized_parameter_names(model))
+    if stored == "int4":
+        _check_int4_shards(path, cfg, table, compressed)
+    products = quantized_parameter_names(model)
+    if stored is not None:  # an lm_head the checkpoint left unquantised loads as stored (ModelConfig.stored_float_head)
+        stored_params = {slot.param for n, slot in table.items() if slot is not None and n in compressed}
+        products = [p for p in products if p != "lm_head" or p in stored_params]
+    kinds = _weight_kinds(cfg, table, params, quantization, scale_names, products)
     if isinstance(reader, GgufTensors):
-        kinds.update(_gguf_kinds(table, reader, quantized_parameter_names(model)))
+        kinds.update(_gguf_kinds(table, reader, products))
     _allocate_float_parameters(model, table, kinds, device)
     matrices = _QuantizedMatrices({n: params[n].shape for n in kinds})
     _fill(model, table, kinds, reader, matrices, _Sources(quantization, compressed, scale_names, device))
@@ -634,13 +633,35 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
         raise CheckpointError(f"{path}: nothing loaded into {', '.join(left[:5])}")
 
 
+def _open_reader(path: Path, cfg: ModelConfig, device: torch.device) -> _Reader | GgufTensors:
+    """The checkpoint's tensors by name: a GGUF file through llama.cpp's names (its types checked before any weight is
+    read), else the safetensors files, renamed by the model's family."""
+    if gguf_files(path) is not None:
+        return GgufTensors(open_gguf(path), device)
+    family = FAMILIES.get(cfg.model_type)
+    files, file_names = checkpoint_files(path), dict[str, str]()
+    if family is not None:
+        files, file_names = renamed_files(files, family.rename)
+    return _Reader(files, device, file_names)
+
+
+def _check_int4_shards(path: Path, cfg: ModelConfig, table: dict[str, Any], compressed: set[str]) -> None:
+    """Before any weight is read: this rank's part of each stored int4 matrix is whole groups (and whole packed
+    words), else a ``CheckpointError`` naming every matrix a ``tensor_parallel_size`` would split."""
+    layout = cfg.stored_layout or CT_INT4
+    problems = [p for n in sorted(compressed)
+                if table[n] is not None and (p := shard_problem(n, layout, table[n].shard)) is not None]
+    if problems:
+        raise CheckpointError(f"{path}: tensor parallelism would split stored int4 groups:\n  " + "\n  ".join(problems))
+
+
 def _check_checkpoint(path: Path, cfg: ModelConfig, table: dict[str, Any], params: dict[str, nn.Parameter],
                       reader: _Reader | GgufTensors, compressed: set[str], scale_names: set[str]) -> None:
     """Every problem of the checkpoint against the model's layout (``table``) in one ``CheckpointError``: tensors
     missing, unexpected or of another shape, FP8 scales without a block size."""
     stored = cfg.stored_quantization
     files = reader.files
-    companions = {c for n in compressed for c in stored_names(n, cast(str, stored))}
+    companions = {c for n in compressed for c in stored_names(n, cast(str, stored), cfg.stored_layout)}
     missing = sorted(n for n in table if n not in files and n not in compressed)
     unexpected = sorted(n for n in files if n not in table and n not in scale_names and n not in companions
                         and not _mtp_or_ignored(n, cfg))
@@ -651,8 +672,8 @@ def _check_checkpoint(path: Path, cfg: ModelConfig, table: dict[str, Any], param
         want = list(params[slot.param][slot.index].shape)
         if slot.shard is not None:
             want[slot.shard[0]] = slot.shard[3]
-        if name in compressed and stored == "int4":
-            got = [int(v) for v in reader.get(stored_names(name, stored)[2]).tolist()]
+        if name in compressed:
+            got = stored_shape(reader, name, cast(str, stored), cfg.stored_layout)
         else:
             got = reader.shape(name)
         if got != want:
@@ -723,8 +744,13 @@ def _fill_one(cfg: ModelConfig, name: str, slot: Any, param: nn.Parameter, kind:
     scale_name = name[: -len("weight")] + "weight_scale_inv" if name.endswith(".weight") else None
     expert, first = _piece_position(param, slot.index)
     if name in src.compressed:
-        for row, piece in read_stored(reader, name, cast(str, stored), slot.shard, param.dtype, device):
-            matrices.add(slot.param, expert, first + row, piece)
+        for row, piece in read_stored(reader, name, cast(str, stored), slot.shard, param.dtype, device,
+                                      cfg.stored_layout):
+            if kind is None:  # stored quantised, kept in the model dtype (kv_b_proj): its dequantised values
+                with torch.no_grad():
+                    param[slot.index][row: row + piece.shape[0]].copy_(piece.dequantize())
+            else:
+                matrices.add(slot.param, expert, first + row, piece)
         return 0
     if kind in (STORED_GGUF, STORED_Q4_0):
         matrix = cast(GgufTensors, reader).matrix(name, slot.shard, param.dtype, device, kind)
