@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from mla_runtime.serving.tool_parsers import TOOL_CALL_PARSERS, ToolStream, choose_tool_parser, make_parser
+from tests.checkpoints import byte_tokenizer, chat_checkpoint
 from tests.test_server import Live
 
 WEATHER = ("get_weather", {"city": "Paris", "days": 3})
@@ -50,6 +51,12 @@ def mistral(name: str, args: dict) -> str:
     return f"[TOOL_CALLS]{name}[ARGS]{json.dumps(args)}"
 
 
+def minicpm3(calls: list[tuple[str, dict]]) -> str:
+    """MiniCPM3's block, as its template writes earlier calls: keyword arguments whose values are JSON."""
+    lines = "".join(f"{n}({','.join(f'{k}={json.dumps(v)}' for k, v in a.items())})\n" for n, a in calls)
+    return "<|tool_call_start|>\n```python\n" + lines + "```\n<|tool_call_end|>\n"
+
+
 def hermes(name: str, args: dict) -> str:
     return f'<tool_call>\n{json.dumps({"name": name, "arguments": args})}\n</tool_call>\n'
 
@@ -65,6 +72,8 @@ def wrap(syntax: str, calls: list[tuple[str, dict]]) -> str:
     if syntax == "kimi_k2":
         body = "".join(kimi(i)(*c) for i, c in enumerate(calls))
         return "<|tool_calls_section_begin|>" + body + "<|tool_calls_section_end|>"
+    if syntax == "minicpm3":
+        return minicpm3(calls)
     if syntax == "mistral_old":
         return "[TOOL_CALLS][" + ", ".join(json.dumps({"name": n, "arguments": a}) for n, a in calls) + "]"
     one = {"glm45": glm, "mistral": mistral, "hermes": hermes,
@@ -72,8 +81,8 @@ def wrap(syntax: str, calls: list[tuple[str, dict]]) -> str:
     return "\n".join(one(*c) for c in calls)
 
 
-SYNTAXES = ["deepseek_v3", "deepseek_v31", "deepseek_v32", "kimi_k2", "glm45", "mistral", "mistral_old", "hermes",
-            "longcat"]
+SYNTAXES = ["deepseek_v3", "deepseek_v31", "deepseek_v32", "kimi_k2", "glm45", "mistral", "mistral_old", "minicpm3",
+            "hermes", "longcat"]
 
 
 def parser(syntax: str):
@@ -193,6 +202,27 @@ def test_a_mistral_call_ends_with_the_output_or_the_next_call():
     assert not make_parser("mistral").parse(text, False).calls[0].complete  # cut by max_tokens: may go on
 
 
+def test_minicpm3_thought_is_content_without_its_markers_and_python_literals_are_read():
+    """The thought the template asks for before the calls streams as content, its markers never; values written as
+    Python literals (quotes, ``True``, ``None``) or JSON read the same, commas and brackets inside a value are not
+    separators, and a positional argument (no name) is left out."""
+    calls = ("get_weather(city='Paris, (FR)', days=3, [1, 2], flags={'a': [True, None]})\n"
+             'lookup(q="a < b", ok=true)\n')
+    text = ("<|thought_start|>\nI need the weather.\n<|thought_end|>\n<|tool_call_start|>\n```python\n" + calls
+            + "```\n<|tool_call_end|>\nI will report back.")
+    content, found = whole("minicpm3", text)
+    assert content == "I need the weather.\n"
+    assert [(n, json.loads(a), done) for n, a, done in found] == [
+        ("get_weather", {"city": "Paris, (FR)", "days": 3, "flags": {"a": [True, None]}}, True),
+        ("lookup", {"q": "a < b", "ok": True}, True)]
+    for kind in ("chars", "random"):
+        got_content, entries = streamed("minicpm3", text, sizes_of(kind, 5))
+        assert got_content == content and joined(entries) == [(n, a) for n, a, _ in found]
+    assert whole("minicpm3", "<|thought_start|>\nNo call needed.\n<|thought_end|>\nIt is 4.") == \
+        ("No call needed.\nIt is 4.", [])
+    assert whole("minicpm3", "<|thought_start|>\nthinking so far <|thought", end=False)[0] == "thinking so far "
+
+
 @pytest.mark.parametrize("model_type, template, syntax", [
     ("deepseek_v3", "{% if tools %}<｜tool▁calls▁begin｜>function<｜tool▁sep｜>```json{% endif %}", "deepseek_v3"),
     ("deepseek_v3", "{% if tools %}<｜tool▁calls▁begin｜>{{ name }}<｜tool▁sep｜>{% endif %}", "deepseek_v31"),
@@ -205,7 +235,8 @@ def test_a_mistral_call_ends_with_the_output_or_the_next_call():
     ("mistral_large4_text", None, "mistral"),
     ("longcat_flash", None, "longcat"),
     ("minicpm3", "<tool_call>", "hermes"),
-    ("minicpm3", None, "hermes"),
+    ("minicpm3", None, "minicpm3"),
+    ("minicpm3", "<|tool_call_start|>\n```python\n", "minicpm3"),
     ("youtu", {"default": "x", "tool_use": "<tool_call>"}, "hermes"),
 ])
 def test_the_syntax_is_chosen_from_the_template_then_the_model_type(model_type, template, syntax):
@@ -242,24 +273,8 @@ OUTPUTS = {
 @pytest.fixture(scope="module")
 def tool_checkpoint(tmp_path_factory):
     """A tiny V3 model with a byte-level tokenizer (any text can be written) and ``TOOL_TEMPLATE``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from tests.checkpoints import build_hf_model, save_checkpoint
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|bos|>", "<|eos|>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(list(OUTPUTS.values()) * 20, trainer)
-    hf = build_hf_model("v3")
-    hf.resize_token_embeddings(tok.get_vocab_size(), mean_resizing=False)
-    path = save_checkpoint(hf, tmp_path_factory.mktemp("tool_ckpt"))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>")
-    fast.chat_template = TOOL_TEMPLATE
-    fast.save_pretrained(path)
-    return path
+    tok = byte_tokenizer(list(OUTPUTS.values()) * 20, 400, template=TOOL_TEMPLATE)
+    return chat_checkpoint(tmp_path_factory.mktemp("tool_ckpt"), tok)
 
 
 @pytest.fixture(scope="module", params=["glm45", "kimi_k2"])

@@ -34,6 +34,12 @@ The syntaxes (``TOOL_CALL_PARSERS``), as the families' published chat templates 
   ``[CALL_ID]ID`` before ``[ARGS]`` gives the call's id), or ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``
   (older ones). The newer layout has no end marker: a call ends at the next ``[TOOL_CALLS]`` or at the end of the
   output. Ids are nine letters and digits, the form Mistral's templates require of earlier calls.
+- ``minicpm3`` (MiniCPM3): ``<|tool_call_start|>``, a fenced ```` ```python ```` block of Python calls
+  ``NAME(KEY=VALUE, ...)``, one a line, then ``<|tool_call_end|>``; the template writes each value as JSON, and a
+  value written as a Python literal (``'text'``, ``True``, ``None``) is read too (positional arguments, which have no
+  name, are left out). The ``<|thought_start|>`` … ``<|thought_end|>`` explanation the template asks for before the
+  calls is content, without its markers. A call's arguments grow an argument at a time: each once the comma or
+  parenthesis after it is written.
 - ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` per call, ``name`` written first; the
   fallback for families whose syntax is not one of the above. ``longcat`` is the same with
   ``<longcat_tool_call>`` tags (LongCat-Flash).
@@ -41,6 +47,7 @@ The syntaxes (``TOOL_CALL_PARSERS``), as the families' published chat templates 
 
 from __future__ import annotations
 
+import ast
 import json
 import random
 import re
@@ -50,13 +57,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-TOOL_CALL_PARSERS = ("auto", "deepseek_v3", "deepseek_v31", "deepseek_v32", "kimi_k2", "glm45", "mistral", "hermes",
-                     "longcat", "none")
+TOOL_CALL_PARSERS = ("auto", "deepseek_v3", "deepseek_v31", "deepseek_v32", "kimi_k2", "glm45", "mistral", "minicpm3",
+                     "hermes", "longcat", "none")
 # model types whose chat template may not say which syntax they write; any other falls back to hermes
 MODEL_TYPE_PARSERS = {"deepseek_v2": "deepseek_v3", "deepseek_v3": "deepseek_v3", "deepseek_v32": "deepseek_v32",
                       "kimi_k2": "kimi_k2", "kimi_k25": "kimi_k2", "glm4_moe_lite": "glm45", "glm_moe_dsa": "glm45",
                       "mistral4": "mistral", "mistral_large4": "mistral", "mistral_large4_text": "mistral",
-                      "longcat_flash": "longcat"}
+                      "longcat_flash": "longcat", "minicpm3": "minicpm3"}
 FALLBACK = "hermes"
 
 DS_CALLS, DS_CALL, DS_SEP = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>"
@@ -66,6 +73,8 @@ KIMI_SECTION, KIMI_CALL = "<|tool_calls_section_begin|>", "<|tool_call_begin|>"
 KIMI_ARGS, KIMI_CALL_END = "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 KIMI_SECTION_END = "<|tool_calls_section_end|>"
 MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+CPM_CALLS, CPM_CALLS_END = "<|tool_call_start|>", "<|tool_call_end|>"
+CPM_THOUGHT, CPM_THOUGHT_END = "<|thought_start|>", "<|thought_end|>"
 
 
 @dataclass(frozen=True)
@@ -355,6 +364,82 @@ class Mistral(ToolParser):
         return "".join(random.choices(string.ascii_letters + string.digits, k=9))
 
 
+class Pythonic(ToolParser):
+    """MiniCPM3's Python calls (module docstring)."""
+
+    name = "minicpm3"
+    begin = CPM_CALLS
+    markers = (CPM_CALLS, CPM_CALLS_END, CPM_THOUGHT, CPM_THOUGHT_END)
+    THOUGHT = re.compile(re.escape(CPM_THOUGHT) + r"\n?|" + re.escape(CPM_THOUGHT_END) + r"\n?")
+    BETWEEN = re.compile(r"(?:\s|,|\[|\]|```(?:python)?)*")  # fences, blank lines, a list's brackets and commas
+    HEAD = re.compile(r"([A-Za-z_][\w.]*)\(")
+
+    def parse(self, text: str, end: bool) -> Parsed:
+        i = text.find(self.begin)
+        head = text if i < 0 else text[:i]
+        if i < 0 and not end:
+            head = head[:len(head) - max(held(head, m) for m in self.markers)]
+        content = self.THOUGHT.sub("", head)
+        return Parsed(content, self.calls(text, i, end), True) if i >= 0 else Parsed(content)
+
+    def calls(self, text: str, start: int, end: bool) -> list[Call]:
+        stop = text.find(CPM_CALLS_END, start)
+        body = text[start + len(self.begin):stop if stop >= 0 else len(text)]
+        found: list[Call] = []
+        pos = 0
+        while (m := self.HEAD.match(body, self.BETWEEN.match(body, pos).end())) is not None:  # type: ignore[union-attr]
+            pairs, pos, closed = python_arguments(body, m.end())
+            found.append(Call(m[1], json_object(pairs, closed), closed))
+            if not closed:
+                break
+        return found
+
+
+def python_arguments(text: str, start: int) -> tuple[list[tuple[str, str]], int, bool]:
+    """The keyword arguments of the Python call whose ``(`` ends at ``start``, as ``(name, JSON value text)`` pairs
+    (those whose value is settled), where the call's text ends, and whether its ``)`` was written."""
+    pairs: list[tuple[str, str]] = []
+    piece, depth, quote, k = start, 0, "", start
+    while k < len(text):
+        ch = text[k]
+        if quote:
+            if ch == "\\":
+                k += 1
+            elif ch == quote:
+                quote = ""
+        elif ch in "\"'":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}" and depth:
+            depth -= 1
+        elif ch in ",)" and not depth:
+            named = keyword_argument(text[piece:k])
+            if named is not None:
+                pairs.append(named)
+            if ch == ")":
+                return pairs, k + 1, True
+            piece = k + 1
+        k += 1
+    return pairs, len(text), False
+
+
+def keyword_argument(text: str) -> tuple[str, str] | None:
+    """``KEY=VALUE`` → ``(KEY, VALUE as JSON text)``; the value written as JSON or as a Python literal. None: not a
+    keyword argument with a literal value."""
+    key, eq, value = text.partition("=")
+    if not eq or not key.strip().isidentifier():
+        return None
+    try:
+        return key.strip(), json.dumps(json.loads(value), ensure_ascii=False)
+    except json.JSONDecodeError:
+        pass
+    try:
+        return key.strip(), json.dumps(ast.literal_eval(value.strip()), ensure_ascii=False)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return None
+
+
 def make_parser(name: str, strings: frozenset[tuple[str, str]] = frozenset()) -> ToolParser:
     """The parser of syntax ``name`` (one of ``TOOL_CALL_PARSERS`` but auto and none)."""
     if name == "deepseek_v3":
@@ -365,7 +450,8 @@ def make_parser(name: str, strings: frozenset[tuple[str, str]] = frozenset()) ->
         return Delimited(name, KIMI_SECTION, KIMI_CALL, KIMI_ARGS, KIMI_CALL_END, _KIMI_MARKERS, _kimi_header,
                          strings)
     simple: dict[str, Callable[[frozenset[tuple[str, str]]], ToolParser]] = {
-        "deepseek_v32": Dsml, "glm45": GLM, "mistral": Mistral, "hermes": lambda s: Hermes(strings=s),
+        "deepseek_v32": Dsml, "glm45": GLM, "mistral": Mistral, "minicpm3": Pythonic,
+        "hermes": lambda s: Hermes(strings=s),
         "longcat": lambda s: Hermes("longcat", "longcat_tool_call", s)}
     if name not in simple:
         raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {name!r}")
@@ -379,7 +465,8 @@ def every_marker() -> set[str]:
 
 # the template text that tells each syntax apart, most specific first
 _TEMPLATE_SIGNS = ((DSML_TAG, "deepseek_v32"), (KIMI_SECTION, "kimi_k2"), ("<arg_key>", "glm45"),
-                   (MISTRAL_CALLS, "mistral"), ("<longcat_tool_call>", "longcat"), ("<tool_call>", "hermes"))
+                   (MISTRAL_CALLS, "mistral"), (CPM_CALLS, "minicpm3"), ("<longcat_tool_call>", "longcat"),
+                   ("<tool_call>", "hermes"))
 
 
 def choose_tool_parser(setting: str, model_type: str | None, chat_template: Any) -> str | None:
