@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections.abc import Iterator
 
 import httpx
@@ -77,16 +78,19 @@ def wrap(syntax: str, calls: list[tuple[str, dict]]) -> str:
     if syntax == "mistral_old":
         return "[TOOL_CALLS][" + ", ".join(json.dumps({"name": n, "arguments": a}) for n, a in calls) + "]"
     one = {"glm45": glm, "mistral": mistral, "hermes": hermes,
-           "longcat": lambda n, a: hermes(n, a).replace("tool_call>", "longcat_tool_call>")}[syntax]
+           "longcat": lambda n, a: hermes(n, a).replace("tool_call>", "longcat_tool_call>"),
+           "longcat_tags": lambda n, a: re.sub(r"<(/?)(tool_call|arg_key|arg_value)>", r"<\1longcat_\2>",
+                                               glm(n, a))}[syntax]
     return "\n".join(one(*c) for c in calls)
 
 
 SYNTAXES = ["deepseek_v3", "deepseek_v31", "deepseek_v32", "kimi_k2", "glm45", "mistral", "mistral_old", "minicpm3",
-            "hermes", "longcat"]
+            "hermes", "longcat", "longcat_tags"]
+PARSER_OF = {"mistral_old": "mistral", "longcat_tags": "longcat"}  # a syntax's second layout, read by the same parser
 
 
 def parser(syntax: str):
-    return make_parser("mistral" if syntax == "mistral_old" else syntax)
+    return make_parser(PARSER_OF.get(syntax, syntax))
 
 
 def whole(syntax: str, text: str, end: bool = True) -> tuple[str, list[tuple[str, str, bool]]]:
@@ -234,6 +238,7 @@ def test_minicpm3_thought_is_content_without_its_markers_and_python_literals_are
     ("mistral4", "[TOOL_CALLS]", "mistral"),
     ("mistral_large4_text", None, "mistral"),
     ("longcat_flash", None, "longcat"),
+    (None, "<longcat_tool_call>{{ name }}<longcat_arg_key>{{ k }}</longcat_arg_key>", "longcat"),
     ("minicpm3", "<tool_call>", "hermes"),
     ("minicpm3", None, "minicpm3"),
     ("minicpm3", "<|tool_call_start|>\n```python\n", "minicpm3"),

@@ -41,8 +41,10 @@ The syntaxes (``TOOL_CALL_PARSERS``), as the families' published chat templates 
   calls is content, without its markers. A call's arguments grow an argument at a time: each once the comma or
   parenthesis after it is written.
 - ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` per call, ``name`` written first; the
-  fallback for families whose syntax is not one of the above. ``longcat`` is the same with
-  ``<longcat_tool_call>`` tags (LongCat-Flash).
+  fallback for families whose syntax is not one of the above. ``longcat`` (LongCat-Flash) is the same with
+  ``<longcat_tool_call>`` tags, or, as LongCat's later models write it, GLM's layout with ``longcat_`` before every
+  tag name (``<longcat_tool_call>NAME<longcat_arg_key>K</longcat_arg_key><longcat_arg_value>V
+  </longcat_arg_value></longcat_tool_call>``).
 """
 
 from __future__ import annotations
@@ -237,14 +239,17 @@ class Dsml(ToolParser):
 
 
 class GLM(ToolParser):
-    """GLM-4.5 to 5's ``<tool_call>NAME<arg_key>…`` (module docstring)."""
+    """GLM-4.5 to 5's ``<tool_call>NAME<arg_key>…`` (module docstring); ``prefix`` starts every tag's name
+    (``longcat_`` for LongCat's)."""
 
-    name = "glm45"
-    begin = "<tool_call>"
-    END = "</tool_call>"
-    markers = (begin, END, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
     NAME = re.compile(r"\s*([^\s<]+)(?=[\s<])")
-    PAIR = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+    def __init__(self, strings: frozenset[tuple[str, str]] = frozenset(), prefix: str = "") -> None:
+        super().__init__(strings)
+        self.name, self.begin, self.end = "glm45", f"<{prefix}tool_call>", f"</{prefix}tool_call>"
+        key, value = f"{prefix}arg_key", f"{prefix}arg_value"
+        self.markers = (self.begin, self.end, f"<{key}>", f"</{key}>", f"<{value}>", f"</{value}>")
+        self.pair = re.compile(f"\\s*<{key}>(.*?)</{key}>\\s*<{value}>(.*?)</{value}>", re.S)
 
     def calls(self, text: str, start: int, end: bool) -> list[Call]:
         found: list[Call] = []
@@ -253,10 +258,10 @@ class GLM(ToolParser):
             m = self.NAME.match(text, j + len(self.begin))
             if m is None:
                 break
-            close = text.find(self.END, m.end())
+            close = text.find(self.end, m.end())
             body = text[m.end():close] if close >= 0 else text[m.end():]
             pairs, q = [], 0
-            while (p := self.PAIR.match(body, q)) is not None:
+            while (p := self.pair.match(body, q)) is not None:
                 key = p[1].strip()
                 value = json.dumps(p[2], ensure_ascii=False) if (m[1], key) in self.strings else as_json(p[2])
                 pairs.append((key, value))
@@ -264,8 +269,27 @@ class GLM(ToolParser):
             found.append(Call(m[1], json_object(pairs, close >= 0), close >= 0))
             if close < 0:
                 break
-            pos = close + len(self.END)
+            pos = close + len(self.end)
         return found
+
+
+class Longcat(ToolParser):
+    """LongCat's ``<longcat_tool_call>`` elements, holding JSON (Hermes' layout) or GLM's key and value tags (module
+    docstring); the first call's first character decides."""
+
+    name = "longcat"
+    begin = "<longcat_tool_call>"
+
+    def __init__(self, strings: frozenset[tuple[str, str]] = frozenset()) -> None:
+        super().__init__(strings)
+        self.json, self.tags = Hermes("longcat", "longcat_tool_call", strings), GLM(strings, "longcat_")
+        self.markers = self.tags.markers
+
+    def calls(self, text: str, start: int, end: bool) -> list[Call]:
+        first = text[start + len(self.begin):].lstrip()[:1]
+        if not first:
+            return []
+        return (self.json if first == "{" else self.tags).calls(text, start, end)
 
 
 _NAME_THEN_ARGS = r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*'
@@ -451,8 +475,7 @@ def make_parser(name: str, strings: frozenset[tuple[str, str]] = frozenset()) ->
                          strings)
     simple: dict[str, Callable[[frozenset[tuple[str, str]]], ToolParser]] = {
         "deepseek_v32": Dsml, "glm45": GLM, "mistral": Mistral, "minicpm3": Pythonic,
-        "hermes": lambda s: Hermes(strings=s),
-        "longcat": lambda s: Hermes("longcat", "longcat_tool_call", s)}
+        "hermes": lambda s: Hermes(strings=s), "longcat": Longcat}
     if name not in simple:
         raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {name!r}")
     return simple[name](strings)
