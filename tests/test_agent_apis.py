@@ -16,7 +16,12 @@ import jsonschema
 import openai
 import pytest
 
+from mla_runtime import SamplingParams
+from mla_runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from mla_runtime.serving.anthropic_messages import MessagesStream
+from mla_runtime.serving.openai_responses import ResponsesJob, ResponsesStream
 from mla_runtime.serving.reasoning import Reasoning
+from mla_runtime.serving.responses import Job
 from mla_runtime.tokenizer import apply_chat_template
 from tests.test_reasoning import thinking_server  # noqa: F401 - a fixture
 from tests.test_server import Live, requests_total, wait_idle, wait_ready
@@ -54,6 +59,30 @@ def claude(live) -> anthropic.Anthropic:
 def chat_text(oai: openai.OpenAI, messages: list[dict], max_tokens: int = 12) -> str | None:
     r = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=max_tokens, temperature=0)
     return r.choices[0].message.content
+
+
+@pytest.mark.parametrize("api", ["responses", "messages"])
+def test_an_agent_stream_reads_the_chat_stream_without_decoding_json(api, monkeypatch):
+    """Each API's stream takes the chat stream's deltas as data, not as the JSON text the chat route sends: no JSON
+    is decoded, and each event's JSON is encoded once."""
+    kind, stream = (ResponsesJob, ResponsesStream) if api == "responses" else (Job, MessagesStream)
+    job = kind(api, [{"prompt_token_ids": [1]}], SamplingParams(max_tokens=64), "m", request_id=f"{api}_1",
+               reasoning=Reasoning(inside=True))
+    decoded, encoded, real_loads, real_dumps = [], [], json.loads, json.dumps
+    monkeypatch.setattr(json, "loads", lambda *a, **k: decoded.append(a) or real_loads(*a, **k))
+    monkeypatch.setattr(json, "dumps", lambda *a, **k: encoded.append(a) or real_dumps(*a, **k))
+    state, text, events = stream(job), "", []
+    pieces = ["Two and", " two.", "</think>", "Four", " it is."]
+    for k, piece in enumerate(pieces):
+        text += piece
+        last = k == len(pieces) - 1
+        c = CompletionOutput(0, text, list(range(k + 1)), "stop" if last else None)
+        events += state.chunks(RequestOutput("r", None, [1], [c], last, RequestMetrics(0.0)))
+    assert decoded == [] and len(encoded) == len(events)
+    deltas = [real_loads(e.split(b"data: ", 1)[1]) for e in events]
+    said = "".join(d.get("delta", "") if isinstance(d.get("delta"), str) else d.get("delta", {}).get("text", "")
+                   for d in deltas)
+    assert said.endswith("Four it is.")
 
 
 # -- /v1/responses -------------------------------------------------------------------------------------

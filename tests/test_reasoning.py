@@ -160,7 +160,7 @@ def test_tool_calls_are_parsed_from_the_answer_after_the_thinking():
              '<｜tool▁calls▁end｜>')
     pieces = ["I should call lookup.", "</think>", "Checking.", calls]
     job = scripted_job(True, tools=ToolMode("auto", syntax="deepseek_v31"),
-                       raw_text=lambda ids: "".join(pieces[:len(ids)]))
+                       raw_text=lambda ids: "".join(dict(zip([1, 2, 3, 7], pieces))[t] for t in ids))
     c = CompletionOutput(0, 'I should call lookup.</think>Checking.lookup{"ok": true}', [1, 2, 3, 7], "stop")
     message, reason = chat_message(job, c)
     assert (message["reasoning_content"], message["content"], reason) == \

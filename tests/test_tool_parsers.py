@@ -13,7 +13,12 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from mla_runtime import SamplingParams
+from mla_runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from mla_runtime.serving.reasoning import Reasoning
+from mla_runtime.serving.responses import Job, StreamState, chat_message
 from mla_runtime.serving.tool_parsers import TOOL_CALL_PARSERS, ToolStream, choose_tool_parser, make_parser
+from mla_runtime.serving.tools import ToolMode
 from tests.checkpoints import byte_tokenizer, chat_checkpoint
 from tests.test_server import Live
 
@@ -99,15 +104,18 @@ def whole(syntax: str, text: str, end: bool = True) -> tuple[str, list[tuple[str
 
 
 def streamed(syntax: str, text: str, sizes: Iterator[int], end: bool = True) -> tuple[str, list[dict]]:
-    """The content and the ``delta.tool_calls`` entries of ``text`` growing by ``sizes``; the last parse is whole."""
+    """The content and the ``delta.tool_calls`` entries of ``text`` growing by ``sizes`` (each piece fed as the
+    server feeds it), then the parse of the whole text at its end."""
     p, pos = parser(syntax), 0
     stream = ToolStream(p)
     content, entries = "", []
     while pos < len(text):
-        pos += next(sizes)
-        c, e = stream.update(p.parse(text[:pos], False))
-        content, entries = content + c, entries + e
+        step = next(sizes)
+        c, e = stream.feed(text[pos:pos + step])
+        content, entries, pos = content + c, entries + e, pos + step
+    named = [n for n, _ in joined(entries)]
     c, e = stream.update(p.parse(text, end))
+    assert named == [n for n, _ in joined(entries + e)]  # every call was announced while it streamed
     return content + c, entries + e
 
 
@@ -225,6 +233,49 @@ def test_minicpm3_thought_is_content_without_its_markers_and_python_literals_are
     assert whole("minicpm3", "<|thought_start|>\nNo call needed.\n<|thought_end|>\nIt is 4.") == \
         ("No call needed.\nIt is 4.", [])
     assert whole("minicpm3", "<|thought_start|>\nthinking so far <|thought", end=False)[0] == "thinking so far "
+
+
+def stream_tokens(job: Job, pieces: list[str], reason: str = "stop") -> list[dict]:
+    """The chat chunks of an output of ``pieces`` (token ``i`` is ``pieces[i]``) growing a token at a time."""
+    state, events, text = StreamState(job), [], ""
+    for k, piece in enumerate(pieces):
+        text += piece
+        last = k == len(pieces) - 1
+        c = CompletionOutput(0, text, list(range(k + 1)), reason if last else None)
+        events += state.payloads(RequestOutput("r", None, [1], [c], last, RequestMetrics(0.0)))
+    job.last_state = state  # type: ignore[attr-defined]
+    return [e["choices"][0] for e in events if isinstance(e, dict) and e["choices"]]
+
+
+@pytest.mark.parametrize("syntax", ["deepseek_v31", "hermes", "glm45", "minicpm3", "mistral"])
+def test_a_streamed_auto_answer_is_decoded_and_parsed_in_linear_work(syntax):
+    """Streamed a token at a time, a long answer (thinking, text, then many calls) has each token decoded a bounded
+    number of times, and its text handed to the tool-call parser once, but for the call being written, which is read
+    again with each token until it is complete: the work grows with the answer's length (times the longest call's),
+    not with its square. The streamed answer is the non-streamed one."""
+    calls = [(f"tool_{k}", {"k": k, "s": "x" * (k % 7)}) for k in range(60)]
+    text = "I should look.</think>" + "Some words before the calls. " * 150 + wrap(syntax, calls)
+    pieces = [text[i:i + 4] for i in range(0, len(text), 4)]
+    decoded = [0]
+
+    def raw_text(ids: list[int]) -> str:
+        decoded[0] += len(ids)
+        return "".join(pieces[i] for i in ids)
+
+    job = Job("chat", [{"prompt_token_ids": [1]}], SamplingParams(max_tokens=len(pieces)), "m", raw_text=raw_text,
+              tools=ToolMode("auto", syntax=PARSER_OF.get(syntax, syntax)), reasoning=Reasoning(inside=True))
+    deltas = stream_tokens(job, pieces)
+    whole_message, reason = chat_message(job, CompletionOutput(0, text, list(range(len(pieces))), "stop"))
+    entries = [t for d in deltas for t in d["delta"].get("tool_calls") or []]
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == whole_message["content"]
+    assert joined(entries) == [(t["function"]["name"], t["function"]["arguments"])
+                               for t in whole_message["tool_calls"]]
+    assert deltas[-1]["finish_reason"] == reason == "tool_calls"
+    tokens, chars = len(pieces), len(text)
+    assert decoded[0] <= 6 * tokens  # each token in about three windows, and the whole once at the end (twice here)
+    longest_call, call_tokens = max(len(wrap(syntax, [c])) for c in calls), len(wrap(syntax, calls)) // 4 + 1
+    read = job.last_state.tool_streams[0].read  # type: ignore[attr-defined]
+    assert read <= 2 * chars + call_tokens * longest_call < tokens * chars // 50  # the square's fiftieth
 
 
 @pytest.mark.parametrize("model_type, template, syntax", [

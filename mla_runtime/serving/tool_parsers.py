@@ -98,6 +98,16 @@ class Parsed:
     started: bool = False
 
 
+@dataclass(frozen=True)
+class Scan:
+    """The calls read from a position on; the first ``kept`` are complete and end before ``resume``, where a later
+    read of a longer text may start again (the calls before it cannot change)."""
+
+    calls: list[Call]
+    resume: int
+    kept: int
+
+
 def held(text: str, marker: str) -> int:
     """How many characters at the end of ``text`` may be the start of ``marker``."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
@@ -148,10 +158,17 @@ class ToolParser:
     def parse(self, text: str, end: bool) -> Parsed:
         i = text.find(self.begin)
         if i < 0:
-            return Parsed(text if end else text[:len(text) - held(text, self.begin)])
-        return Parsed(text[:i], self.calls(text, i, end), True)
+            return Parsed(self.content_of(text, end)[0])
+        return Parsed(self.content_of(text[:i], True)[0], self.scan(text, i, end).calls, True)
 
-    def calls(self, text: str, start: int, end: bool) -> list[Call]:
+    def content_of(self, head: str, end: bool) -> tuple[str, int]:
+        """The content of ``head`` (text with no call marker), and how many of its characters that settles: all at the
+        end, else all but what may start a marker."""
+        used = len(head) if end else len(head) - held(head, self.begin)
+        return head[:used], used
+
+    def scan(self, text: str, pos: int, end: bool) -> Scan:
+        """The calls from ``pos``: the opening marker's position, or a ``Scan.resume`` of a shorter text."""
         raise NotImplementedError
 
     def new_id(self) -> str:
@@ -168,9 +185,9 @@ class Delimited(ToolParser):
         self.name, self.begin, self.call_begin, self.opener, self.closer = name, begin, call_begin, opener, closer
         self.markers, self.header = markers, header
 
-    def calls(self, text: str, start: int, end: bool) -> list[Call]:
+    def scan(self, text: str, pos: int, end: bool) -> Scan:
         found: list[Call] = []
-        pos = start + len(self.begin)
+        resume = pos
         while (j := text.find(self.call_begin, pos)) >= 0:
             k = text.find(self.opener, j + len(self.call_begin))
             head = self.header(text[j + len(self.call_begin):k]) if k >= 0 else None
@@ -182,8 +199,8 @@ class Delimited(ToolParser):
                 found.append(Call(head[0], open_args(text[a:], self.closer), False, head[1]))
                 break
             found.append(Call(head[0], text[a:e].strip(), True, head[1]))
-            pos = e + len(self.closer)
-        return found
+            pos = resume = e + len(self.closer)
+        return Scan(found, resume, len(found) - (bool(found) and not found[-1].complete))
 
 
 def _v3_header(head: str) -> tuple[str, str | None] | None:
@@ -220,9 +237,9 @@ class Dsml(ToolParser):
                        f'(.*?)</{DSML_TAG}parameter>', re.S)
     INVOKE_END = f"</{DSML_TAG}invoke>"
 
-    def calls(self, text: str, start: int, end: bool) -> list[Call]:
+    def scan(self, text: str, pos: int, end: bool) -> Scan:
         found: list[Call] = []
-        pos = start
+        resume = pos
         while (m := self.INVOKE.search(text, pos)) is not None:
             close = text.find(self.INVOKE_END, m.end())
             body = text[m.end():close] if close >= 0 else text[m.end():]
@@ -234,8 +251,8 @@ class Dsml(ToolParser):
             found.append(Call(m[1], json_object(pairs, close >= 0), close >= 0))
             if close < 0:
                 break
-            pos = close + len(self.INVOKE_END)
-        return found
+            pos = resume = close + len(self.INVOKE_END)
+        return Scan(found, resume, len(found) - (bool(found) and not found[-1].complete))
 
 
 class GLM(ToolParser):
@@ -251,9 +268,9 @@ class GLM(ToolParser):
         self.markers = (self.begin, self.end, f"<{key}>", f"</{key}>", f"<{value}>", f"</{value}>")
         self.pair = re.compile(f"\\s*<{key}>(.*?)</{key}>\\s*<{value}>(.*?)</{value}>", re.S)
 
-    def calls(self, text: str, start: int, end: bool) -> list[Call]:
+    def scan(self, text: str, pos: int, end: bool) -> Scan:
         found: list[Call] = []
-        pos = start
+        resume = pos
         while (j := text.find(self.begin, pos)) >= 0:
             m = self.NAME.match(text, j + len(self.begin))
             if m is None:
@@ -269,8 +286,8 @@ class GLM(ToolParser):
             found.append(Call(m[1], json_object(pairs, close >= 0), close >= 0))
             if close < 0:
                 break
-            pos = close + len(self.end)
-        return found
+            pos = resume = close + len(self.end)
+        return Scan(found, resume, len(found) - (bool(found) and not found[-1].complete))
 
 
 class Longcat(ToolParser):
@@ -285,11 +302,14 @@ class Longcat(ToolParser):
         self.json, self.tags = Hermes("longcat", "longcat_tool_call", strings), GLM(strings, "longcat_")
         self.markers = self.tags.markers
 
-    def calls(self, text: str, start: int, end: bool) -> list[Call]:
-        first = text[start + len(self.begin):].lstrip()[:1]
-        if not first:
-            return []
-        return (self.json if first == "{" else self.tags).calls(text, start, end)
+    FIRST = re.compile(r"\s*(\S)")
+
+    def scan(self, text: str, pos: int, end: bool) -> Scan:
+        j = text.find(self.begin, pos)
+        first = self.FIRST.match(text, j + len(self.begin)) if j >= 0 else None
+        if first is None:
+            return Scan([], pos, 0)
+        return (self.json if first[1] == "{" else self.tags).scan(text, pos, end)
 
 
 _NAME_THEN_ARGS = r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*'
@@ -306,16 +326,16 @@ class Hermes(ToolParser):
         self.name, self.begin, self.end = name, f"<{tag}>", f"</{tag}>"
         self.markers = (self.begin, self.end)
 
-    def calls(self, text: str, start: int, end: bool) -> list[Call]:
+    def scan(self, text: str, pos: int, end: bool) -> Scan:
         found: list[Call] = []
-        pos = start
+        resume, kept = pos, 0
         while (j := text.find(self.begin, pos)) >= 0:
             b = j + len(self.begin)
             close = text.find(self.end, b)
-            body = text[:close] if close >= 0 else text
-            h = self.HEAD.match(body, b)
+            body = text[b:close] if close >= 0 else text[b:]
+            h = self.HEAD.match(body)
             if h is None:  # not name-first: a whole element may still be read once closed
-                call = _whole_object(body[b:]) if close >= 0 else None
+                call = _whole_object(body) if close >= 0 else None
                 if call is None:
                     break
                 found.append(call)
@@ -327,8 +347,9 @@ class Hermes(ToolParser):
                 found.append(Call(json.loads(f'"{h[1]}"'), body[h.end():stop], close >= 0 or end))
             if close < 0:
                 break
-            pos = close + len(self.end)
-        return found
+            pos = resume = close + len(self.end)
+            kept = len(found)
+        return Scan(found, resume, kept)
 
 
 def _whole_object(text: str) -> Call | None:
@@ -351,26 +372,32 @@ class Mistral(ToolParser):
     ITEM = re.compile(r"\s*[\[,]?" + _NAME_THEN_ARGS)
     ITEM_END = re.compile(r'\s*(?:,\s*"id"\s*:\s*"[^"]*"\s*)?\}')
 
-    def calls(self, text: str, start: int, end: bool) -> list[Call]:
-        rest = text[start + len(self.begin):]
-        if rest.lstrip().startswith("["):
-            return self._array(rest, end)
+    ARRAY = re.compile(r"\s*[\[,{\]]")  # a list's opening, or a resumed read inside it
+
+    def scan(self, text: str, pos: int, end: bool) -> Scan:
+        k = pos + len(MISTRAL_CALLS) if text.startswith(MISTRAL_CALLS, pos) else pos
+        if self.ARRAY.match(text, k):
+            return self._array(text, k)
         found: list[Call] = []
-        parts = rest.split(MISTRAL_CALLS)
-        for k, part in enumerate(parts):
-            head, found_args, args = part.partition(MISTRAL_ARGS)
+        resume = pos
+        while text.startswith(MISTRAL_CALLS, pos):
+            a = pos + len(MISTRAL_CALLS)
+            after = text.find(MISTRAL_CALLS, a)
+            head, found_args, args = (text[a:after] if after >= 0 else text[a:]).partition(MISTRAL_ARGS)
             name, _, ident = head.partition(MISTRAL_ID)
             if not found_args or not name.strip():
                 break
-            last = k == len(parts) - 1
-            whole = not last or end
+            whole = after >= 0 or end
             found.append(Call(name.strip(), args.strip() if whole else open_args(args, MISTRAL_CALLS), whole,
                               ident.strip() or None))
-        return found
+            if after < 0:
+                break
+            pos = resume = after
+        return Scan(found, resume, len(found) - (bool(found) and not found[-1].complete))
 
-    def _array(self, text: str, end: bool) -> list[Call]:
+    def _array(self, text: str, pos: int) -> Scan:
         found: list[Call] = []
-        pos = 0
+        resume, kept = pos, 0
         while (m := self.ITEM.match(text, pos)) is not None:
             name = json.loads(f'"{m[1]}"')
             stop = json_value(text, m.end())
@@ -381,8 +408,9 @@ class Mistral(ToolParser):
             tail = self.ITEM_END.match(text, stop)
             if tail is None:
                 break
-            pos = tail.end()
-        return found
+            pos = resume = tail.end()
+            kept = len(found)
+        return Scan(found, resume, kept)
 
     def new_id(self) -> str:
         return "".join(random.choices(string.ascii_letters + string.digits, k=9))
@@ -398,33 +426,41 @@ class Pythonic(ToolParser):
     BETWEEN = re.compile(r"(?:\s|,|\[|\]|```(?:python)?)*")  # fences, blank lines, a list's brackets and commas
     HEAD = re.compile(r"([A-Za-z_][\w.]*)\(")
 
-    def parse(self, text: str, end: bool) -> Parsed:
-        i = text.find(self.begin)
-        head = text if i < 0 else text[:i]
-        if i < 0 and not end:
-            head = head[:len(head) - max(held(head, m) for m in self.markers)]
-        content = self.THOUGHT.sub("", head)
-        return Parsed(content, self.calls(text, i, end), True) if i >= 0 else Parsed(content)
+    MARKER_AT_END = re.compile("(?:" + re.escape(CPM_THOUGHT) + "|" + re.escape(CPM_THOUGHT_END) + r")\Z")
 
-    def calls(self, text: str, start: int, end: bool) -> list[Call]:
-        stop = text.find(CPM_CALLS_END, start)
-        body = text[start + len(self.begin):stop if stop >= 0 else len(text)]
+    def content_of(self, head: str, end: bool) -> tuple[str, int]:
+        """The text without the thought's markers (each with the newline after it): a marker at the end, or what may
+        start one, is held until the next character decides."""
+        used = len(head)
+        if not end:
+            used -= max(held(head, m) for m in self.markers)
+            at_end = self.MARKER_AT_END.search(head, 0, used)
+            used = at_end.start() if at_end is not None else used
+        return self.THOUGHT.sub("", head[:used]), used
+
+    def scan(self, text: str, pos: int, end: bool) -> Scan:
+        if text.startswith(self.begin, pos):
+            pos += len(self.begin)
+        stop = text.find(CPM_CALLS_END, pos)
+        limit = stop if stop >= 0 else len(text)
         found: list[Call] = []
-        pos = 0
-        while (m := self.HEAD.match(body, self.BETWEEN.match(body, pos).end())) is not None:  # type: ignore[union-attr]
-            pairs, pos, closed = python_arguments(body, m.end())
+        resume = pos
+        while (m := self.HEAD.match(text, self.BETWEEN.match(text, pos, limit).end(), limit)) is not None:  # type: ignore[union-attr]
+            pairs, pos, closed = python_arguments(text, m.end(), limit)
             found.append(Call(m[1], json_object(pairs, closed), closed))
             if not closed:
                 break
-        return found
+            resume = pos
+        return Scan(found, resume, len(found) - (bool(found) and not found[-1].complete))
 
 
-def python_arguments(text: str, start: int) -> tuple[list[tuple[str, str]], int, bool]:
-    """The keyword arguments of the Python call whose ``(`` ends at ``start``, as ``(name, JSON value text)`` pairs
-    (those whose value is settled), where the call's text ends, and whether its ``)`` was written."""
+def python_arguments(text: str, start: int, limit: int) -> tuple[list[tuple[str, str]], int, bool]:
+    """The keyword arguments of the Python call whose ``(`` ends at ``start`` (read up to ``limit``), as ``(name,
+    JSON value text)`` pairs (those whose value is settled), where the call's text ends, and whether its ``)`` was
+    written."""
     pairs: list[tuple[str, str]] = []
     piece, depth, quote, k = start, 0, "", start
-    while k < len(text):
+    while k < limit:
         ch = text[k]
         if quote:
             if ch == "\\":
@@ -445,7 +481,7 @@ def python_arguments(text: str, start: int) -> tuple[list[tuple[str, str]], int,
                 return pairs, k + 1, True
             piece = k + 1
         k += 1
-    return pairs, len(text), False
+    return pairs, limit, False
 
 
 def keyword_argument(text: str) -> tuple[str, str] | None:
@@ -511,20 +547,51 @@ def choose_tool_parser(setting: str, model_type: str | None, chat_template: Any)
 
 
 class ToolStream:
-    """A streamed answer's tool-call deltas: ``update`` takes the parse of the answer so far and returns the content
-    and the ``delta.tool_calls`` entries it adds (OpenAI's shape: an entry with the call's index, id, type and name
-    and empty ``arguments`` first, then entries with pieces of ``arguments``)."""
+    """A streamed answer's tool-call deltas (OpenAI's shape: an entry with the call's index, id, type and name and
+    empty ``arguments`` first, then entries with pieces of ``arguments``) and content.
+
+    ``feed`` takes the answer's new text and reads only what is not settled: the content that may start a marker,
+    or, once the calls began, the text from the first call that may still change (complete calls are read once).
+    ``update`` takes the parse of the whole answer (at its end) and returns what it adds to what was sent.
+    ``read``: the characters handed to the parser so far."""
 
     def __init__(self, parser: ToolParser) -> None:
         self.parser = parser
         self.content = 0  # characters of content sent
         self.sent: list[int] = []  # characters of each call's arguments sent
+        self.pending = ""  # the answer's text not settled yet
+        self.started = False  # the calls' opening marker was read
+        self.kept = 0  # calls complete and read for the last time
+        self.read = 0
+
+    def feed(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
+        """The content and entries that ``delta`` (the answer's next text, not its end) adds."""
+        text, content = self.pending + delta, ""
+        self.read += len(text)
+        if not self.started:
+            i = text.find(self.parser.begin)
+            if i < 0:
+                content, used = self.parser.content_of(text, False)
+                self.pending = text[used:]
+                self.content += len(content)
+                return content, []
+            content = self.parser.content_of(text[:i], True)[0]
+            self.content += len(content)
+            self.started, text = True, text[i:]
+        found = self.parser.scan(text, 0, False)
+        entries = self._entries(found.calls, self.kept)
+        self.pending, self.kept = text[found.resume:], self.kept + found.kept
+        return content, entries
 
     def update(self, parsed: Parsed) -> tuple[str, list[dict[str, Any]]]:
         content = parsed.content[self.content:]
         self.content = max(self.content, len(parsed.content))
+        return content, self._entries(parsed.calls, 0)
+
+    def _entries(self, calls: list[Call], first: int) -> list[dict[str, Any]]:
+        """The entries of ``calls`` (the calls from index ``first`` on) beyond what was sent."""
         entries: list[dict[str, Any]] = []
-        for k, call in enumerate(parsed.calls):
+        for k, call in enumerate(calls, first):
             if k == len(self.sent):
                 entries.append({"index": k, "id": call.id or self.parser.new_id(), "type": "function",
                                 "function": {"name": call.name, "arguments": ""}})
@@ -533,4 +600,4 @@ class ToolStream:
             if piece:
                 entries.append({"index": k, "function": {"arguments": piece}})
                 self.sent[k] = len(call.arguments)
-        return content, entries
+        return entries
