@@ -454,33 +454,33 @@ class Pythonic(ToolParser):
         return Scan(found, resume, len(found) - (bool(found) and not found[-1].complete))
 
 
+# a whole quoted string (skipped in one match), a quote that opens one not yet closed, or a bracket or comma
+PY_TOKEN = re.compile(r""""(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*'|["'()\[\]{},]""", re.S)
+
+
 def python_arguments(text: str, start: int, limit: int) -> tuple[list[tuple[str, str]], int, bool]:
     """The keyword arguments of the Python call whose ``(`` ends at ``start`` (read up to ``limit``), as ``(name,
     JSON value text)`` pairs (those whose value is settled), where the call's text ends, and whether its ``)`` was
     written."""
     pairs: list[tuple[str, str]] = []
-    piece, depth, quote, k = start, 0, "", start
-    while k < limit:
-        ch = text[k]
-        if quote:
-            if ch == "\\":
-                k += 1
-            elif ch == quote:
-                quote = ""
-        elif ch in "\"'":
-            quote = ch
-        elif ch in "([{":
+    piece, depth = start, 0
+    for m in PY_TOKEN.finditer(text, start, limit):
+        token = m[0]
+        if token in ("\"", "'"):  # a string still being written
+            break
+        if len(token) > 1:
+            continue
+        if token in "([{":
             depth += 1
-        elif ch in ")]}" and depth:
+        elif token in ")]}" and depth:
             depth -= 1
-        elif ch in ",)" and not depth:
-            named = keyword_argument(text[piece:k])
+        elif token in ",)" and not depth:
+            named = keyword_argument(text[piece:m.start()])
             if named is not None:
                 pairs.append(named)
-            if ch == ")":
-                return pairs, k + 1, True
-            piece = k + 1
-        k += 1
+            if token == ")":
+                return pairs, m.end(), True
+            piece = m.end()
     return pairs, limit, False
 
 
