@@ -566,6 +566,8 @@ class ToolStream:
 
     def feed(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
         """The content and entries that ``delta`` (the answer's next text, not its end) adds."""
+        if not delta:
+            return "", []
         text, content = self.pending + delta, ""
         self.read += len(text)
         if not self.started:
