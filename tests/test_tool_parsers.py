@@ -1,7 +1,7 @@
 """The models' tool-call syntaxes (``serving/tool_parsers.py``): each parsed whole, streamed a character at a time and
 in random pieces (the deltas add up to the whole parse, no marker leaks into content), cut short, several calls, text
-before and after; the parser chosen from the model; and ``tool_choice: "auto"`` end to end through the server for
-GLM's and Kimi-K2's syntaxes."""
+before and after; the work of streaming them counted; the parser chosen from the model; and ``tool_choice: "auto"``
+end to end through the server for GLM's, Kimi-K2's and MiniCPM3's syntaxes."""
 
 from __future__ import annotations
 
@@ -309,7 +309,7 @@ def test_the_setting_overrides_the_model_and_unknown_names_are_refused():
             assert make_parser(name).name == name
 
 
-# -- end to end: tool_choice "auto" through the server, in GLM's and Kimi-K2's syntaxes ------------------------------
+# -- end to end: tool_choice "auto" through the server, in GLM's, Kimi-K2's and MiniCPM3's syntaxes ---------------
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
 # a template that shows the tools and says how GLM writes calls (so that auto picks glm45)
@@ -323,6 +323,7 @@ OUTPUTS = {
              "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>",
     "kimi_k2": "Checking. <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
                '<|tool_call_argument_begin|>{"city": "Paris", "days": 3}<|tool_call_end|><|tool_calls_section_end|>',
+    "minicpm3": 'Checking. <|tool_call_start|>\n```python\nget_weather(city="Paris",days=3)\n```\n<|tool_call_end|>\n',
 }
 
 
@@ -333,9 +334,9 @@ def tool_checkpoint(tmp_path_factory):
     return chat_checkpoint(tmp_path_factory.mktemp("tool_ckpt"), tok)
 
 
-@pytest.fixture(scope="module", params=["glm45", "kimi_k2"])
+@pytest.fixture(scope="module", params=["glm45", "kimi_k2", "minicpm3"])
 def tool_server(request, tool_checkpoint) -> Iterator[tuple[str, Live]]:
-    """GLM's syntax chosen from the template (``auto``), Kimi-K2's set by ``--tool-call-parser``."""
+    """GLM's syntax chosen from the template (``auto``), Kimi-K2's and MiniCPM3's set by ``--tool-call-parser``."""
     setting = "auto" if request.param == "glm45" else request.param
     live = Live(tool_checkpoint, engine={"max_model_len": 512}, tool_call_parser=setting)
     yield request.param, live
