@@ -32,7 +32,8 @@ TEMPLATES = {
     "minicpm3": ("minicpm3", "minicpm3", None),
     "mistral": ("mistral4", "mistral", None),
 }
-HIDES_TOOLS = {"deepseek_v31_published"}  # templates that do not show the model the tools: "auto" is refused
+HIDES_TOOLS = {"deepseek_v31_published"}
+ENCODINGS = {"deepseek_v32_dsml"}  # templates used for the turns they write, not as a server's chat template  # templates that do not show the model the tools: "auto" is refused
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Forecast for a city", "parameters": {
         "type": "object", "required": ["city"],
@@ -100,8 +101,8 @@ def answer_of(tok, name: str, text: str, prompt: str) -> str:
 
 def test_every_template_file_is_listed_with_its_source():
     listed = (HERE / "SOURCES.md").read_text()
-    assert sorted(p.stem for p in HERE.glob("*.jinja")) == sorted(TEMPLATES)
-    assert all(f"`{name}.jinja`" in listed for name in TEMPLATES)
+    assert sorted(p.stem for p in HERE.glob("*.jinja")) == sorted([*TEMPLATES, *ENCODINGS])
+    assert all(f"`{name}.jinja`" in listed for name in [*TEMPLATES, *ENCODINGS])
 
 
 @pytest.mark.parametrize("name", TEMPLATES)
@@ -174,6 +175,25 @@ def test_the_thinking_opens_where_the_template_opens_it(base_tokenizer, name, kw
     assert reasoning == ("I should look it up." if thought else None)
     parsed = parser.parse(answer or "", True)
     assert [c.name for c in parsed.calls] == ["get_weather", "lookup"] and parsed.content == ("\n" if thought else "")
+
+
+def test_the_dsml_deepseek_v32_writes_is_read_back(base_tokenizer):
+    """DeepSeek-V3.2 publishes a Python encoder for its DSML calls, not a chat template; a template reproducing it
+    (``deepseek_v32_dsml.jinja``) shows the tools and writes an assistant turn's calls with each parameter marked as
+    a string or not: the parsers chosen from it read them back, after the thinking the prompt opens."""
+    tok = tokenizer_for(base_tokenizer, "deepseek_v32_dsml")
+    template = tok.chat_template
+    assert renders_tools(template) and choose_tool_parser("auto", None, template) == "deepseek_v32"
+    assert choose_parser("auto", None, template) == "deepseek_r1"
+    text = tok.apply_chat_template(template_messages(ASKED + [called("deepseek_v32")]), tools=TOOLS, tokenize=False,
+                                   add_generation_prompt=False)
+    asked, turn = text.split("Weather in Paris?<｜Assistant｜>", 1)
+    assert all(t["function"]["description"] in asked for t in TOOLS) and starts_inside(turn[:len("<think>")])
+    reasoning, answer = Reasoning(inside=True).split(turn[len("<think>"):])
+    assert reasoning == "" and answer is not None and 'string="false">3<' in answer
+    parsed = make_parser("deepseek_v32").parse(answer, True)
+    assert [(c.name, json.loads(c.arguments), c.complete) for c in parsed.calls] == \
+        [(n, a, True) for _, n, a in CALLS]
 
 
 def test_arguments_reach_a_template_as_an_object_or_as_the_text_it_needs(base_tokenizer):
