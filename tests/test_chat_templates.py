@@ -32,8 +32,8 @@ TEMPLATES = {
     "minicpm3": ("minicpm3", "minicpm3", None),
     "mistral": ("mistral4", "mistral", None),
 }
-HIDES_TOOLS = {"deepseek_v31_published"}
-ENCODINGS = {"deepseek_v32_dsml"}  # templates used for the turns they write, not as a server's chat template  # templates that do not show the model the tools: "auto" is refused
+HIDES_TOOLS = {"deepseek_v31_published"}  # templates that do not show the model the tools: "auto" is refused
+ENCODINGS = {"deepseek_v32_dsml"}  # templates used for the turns they write, not as a server's chat template
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Forecast for a city", "parameters": {
         "type": "object", "required": ["city"],
