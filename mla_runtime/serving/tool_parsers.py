@@ -8,6 +8,10 @@ the stream's deltas always add up to the parse of the whole output. ``end``: the
 token or string), which closes a call whose syntax has no end marker (Mistral's); an output cut by ``max_tokens``
 is parsed as a prefix, its last call incomplete.
 
+Streamed, the answer is not parsed again from its start with each piece: ``ToolStream.feed`` hands the parser the
+content that may still start a marker, or, once the calls began, the text from the first call that may still change
+(``scan`` returns where that is: after the last complete call), so that each complete call is read once.
+
 ``arguments`` is the JSON text the model wrote (for the syntaxes that write JSON) or the JSON object built from the
 named parameters it wrote (DSML, GLM); it is not checked against the tool's schema, as OpenAI's is not. Text after
 the first call's marker is never content.
