@@ -247,7 +247,7 @@ def stream_tokens(job: Job, pieces: list[str], reason: str = "stop") -> list[dic
     return [e["choices"][0] for e in events if isinstance(e, dict) and e["choices"]]
 
 
-@pytest.mark.parametrize("syntax", ["deepseek_v31", "hermes", "glm45", "minicpm3", "mistral"])
+@pytest.mark.parametrize("syntax", SYNTAXES)
 def test_a_streamed_auto_answer_is_decoded_and_parsed_in_linear_work(syntax):
     """Streamed a token at a time, a long answer (thinking, text, then many calls) has each token decoded a bounded
     number of times, and its text handed to the tool-call parser once, but for the call being written, which is read
