@@ -249,12 +249,13 @@ def stream_tokens(job: Job, pieces: list[str], reason: str = "stop") -> list[dic
 
 @pytest.mark.parametrize("syntax", SYNTAXES)
 def test_a_streamed_auto_answer_is_decoded_and_parsed_in_linear_work(syntax):
-    """Streamed a token at a time, a long answer (thinking, text, then many calls) has each token decoded a bounded
-    number of times, and its text handed to the tool-call parser once, but for the call being written, which is read
-    again with each token until it is complete: the work grows with the answer's length (times the longest call's),
-    not with its square. The streamed answer is the non-streamed one."""
+    """Streamed a token at a time, a long answer (thinking, text, many calls, text after them) has each token decoded
+    a bounded number of times, and its text handed to the tool-call parser once, but for the call being written,
+    which is read again with each token until it is complete: the work grows with the answer's length (times the
+    longest call's), not with its square. The streamed answer is the non-streamed one."""
     calls = [(f"tool_{k}", {"k": k, "s": "x" * (k % 7)}) for k in range(60)]
-    text = "I should look.</think>" + "Some words before the calls. " * 150 + wrap(syntax, calls)
+    after = "" if syntax == "mistral" else " And words after them." * 150  # a Mistral call runs to the end
+    text = "I should look.</think>" + "Some words before the calls. " * 150 + wrap(syntax, calls) + after
     pieces = [text[i:i + 4] for i in range(0, len(text), 4)]
     decoded = [0]
 

@@ -105,11 +105,13 @@ class Parsed:
 @dataclass(frozen=True)
 class Scan:
     """The calls read from a position on; the first ``kept`` are complete and end before ``resume``, where a later
-    read of a longer text may start again (the calls before it cannot change)."""
+    read of a longer text may start again (the calls before it cannot change, and no call starts between them and
+    it); ``closed``: the calls' block ended, and no later text is read."""
 
     calls: list[Call]
     resume: int
     kept: int
+    closed: bool = False
 
 
 def held(text: str, marker: str) -> int:
@@ -204,6 +206,8 @@ class Delimited(ToolParser):
                 break
             found.append(Call(head[0], text[a:e].strip(), True, head[1]))
             pos = resume = e + len(self.closer)
+        else:
+            resume = max(resume, len(text) - held(text, self.call_begin))
         return Scan(found, resume, len(found) - (bool(found) and not found[-1].complete))
 
 
@@ -239,7 +243,7 @@ class Dsml(ToolParser):
     INVOKE = re.compile(f'<{DSML_TAG}invoke\\s+name="([^"]*)"\\s*>')
     PARAM = re.compile(f'\\s*<{DSML_TAG}parameter\\s+name="([^"]*)"\\s+string="(true|false)"\\s*>'
                        f'(.*?)</{DSML_TAG}parameter>', re.S)
-    INVOKE_END = f"</{DSML_TAG}invoke>"
+    INVOKE_START, INVOKE_END = f"<{DSML_TAG}invoke", f"</{DSML_TAG}invoke>"
 
     def scan(self, text: str, pos: int, end: bool) -> Scan:
         found: list[Call] = []
@@ -256,6 +260,9 @@ class Dsml(ToolParser):
             if close < 0:
                 break
             pos = resume = close + len(self.INVOKE_END)
+        else:
+            start = text.find(self.INVOKE_START, pos)
+            resume = start if start >= 0 else max(resume, len(text) - held(text, self.INVOKE_START))
         return Scan(found, resume, len(found) - (bool(found) and not found[-1].complete))
 
 
@@ -291,6 +298,8 @@ class GLM(ToolParser):
             if close < 0:
                 break
             pos = resume = close + len(self.end)
+        else:
+            resume = max(resume, len(text) - held(text, self.begin))
         return Scan(found, resume, len(found) - (bool(found) and not found[-1].complete))
 
 
@@ -312,7 +321,7 @@ class Longcat(ToolParser):
         j = text.find(self.begin, pos)
         first = self.FIRST.match(text, j + len(self.begin)) if j >= 0 else None
         if first is None:
-            return Scan([], pos, 0)
+            return Scan([], pos if j >= 0 else max(pos, len(text) - held(text, self.begin)), 0)
         return (self.json if first[1] == "{" else self.tags).scan(text, pos, end)
 
 
@@ -353,6 +362,8 @@ class Hermes(ToolParser):
                 break
             pos = resume = close + len(self.end)
             kept = len(found)
+        else:
+            resume = max(resume, len(text) - held(text, self.begin))
         return Scan(found, resume, kept)
 
 
@@ -377,6 +388,7 @@ class Mistral(ToolParser):
     ITEM_END = re.compile(r'\s*(?:,\s*"id"\s*:\s*"[^"]*"\s*)?\}')
 
     ARRAY = re.compile(r"\s*[\[,{\]]")  # a list's opening, or a resumed read inside it
+    ARRAY_END = re.compile(r"\s*\]")
 
     def scan(self, text: str, pos: int, end: bool) -> Scan:
         k = pos + len(MISTRAL_CALLS) if text.startswith(MISTRAL_CALLS, pos) else pos
@@ -414,7 +426,7 @@ class Mistral(ToolParser):
                 break
             pos = resume = tail.end()
             kept = len(found)
-        return Scan(found, resume, kept)
+        return Scan(found, resume, kept, self.ARRAY_END.match(text, pos) is not None)
 
     def new_id(self) -> str:
         return "".join(random.choices(string.ascii_letters + string.digits, k=9))
@@ -455,7 +467,7 @@ class Pythonic(ToolParser):
             if not closed:
                 break
             resume = pos
-        return Scan(found, resume, len(found) - (bool(found) and not found[-1].complete))
+        return Scan(found, resume, len(found) - (bool(found) and not found[-1].complete), stop >= 0)
 
 
 # a whole quoted string (skipped in one match), a quote that opens one not yet closed, or a bracket or comma
@@ -566,11 +578,12 @@ class ToolStream:
         self.pending = ""  # the answer's text not settled yet
         self.started = False  # the calls' opening marker was read
         self.kept = 0  # calls complete and read for the last time
+        self.closed = False  # the calls' block ended: no later text can add to them
         self.read = 0
 
     def feed(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
         """The content and entries that ``delta`` (the answer's next text, not its end) adds."""
-        if not delta:
+        if not delta or self.closed:
             return "", []
         text, content = self.pending + delta, ""
         self.read += len(text)
@@ -586,7 +599,7 @@ class ToolStream:
             self.started, text = True, text[i:]
         found = self.parser.scan(text, 0, False)
         entries = self._entries(found.calls, self.kept)
-        self.pending, self.kept = text[found.resume:], self.kept + found.kept
+        self.pending, self.kept, self.closed = text[found.resume:], self.kept + found.kept, found.closed
         return content, entries
 
     def update(self, parsed: Parsed) -> tuple[str, list[dict[str, Any]]]:
