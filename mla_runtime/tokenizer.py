@@ -136,14 +136,12 @@ class IncrementalDetokenizer:
 class DecodeWindow:
     """The text of a growing list of token ids through ``decode`` (any ids → text function), a window at a time:
     each ``update`` decodes only the tokens since the last released text (and the few before them that give it its
-    context), and releases text once it no longer ends in a partly decoded character. ``decoded``: the tokens
-    handed to ``decode`` so far."""
+    context), and releases text once it no longer ends in a partly decoded character."""
 
     def __init__(self, decode: Callable[[list[int]], str]) -> None:
         self.decode = decode
         self._prefix = 0  # window start (tokens)
         self._read = 0  # tokens whose text is released
-        self.decoded = 0
 
     def update(self, ids: list[int]) -> str:
         """The text that ``ids`` (the whole list so far) adds to what was released."""
@@ -151,7 +149,6 @@ class DecodeWindow:
             return ""
         prev = self.decode(ids[self._prefix:self._read]) if self._read > self._prefix else ""
         full = self.decode(ids[self._prefix:])
-        self.decoded += len(ids) - self._prefix + self._read - self._prefix
         if full.endswith("\ufffd") or len(full) <= len(prev):
             return ""
         self._prefix, self._read = self._read, len(ids)
