@@ -208,6 +208,21 @@ def test_dsml_string_flag_decides_how_a_value_is_read():
     assert json.loads(make_parser("deepseek_v32").parse(text, True).calls[0].arguments) == {"a": "42", "b": 42}
 
 
+@pytest.mark.parametrize("syntax, text", [
+    ("hermes", '<tool_call>not a call</tool_call><tool_call>{"name": "f", "arguments": {}}</tool_call>' + "x" * 200),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>not_function<｜tool▁sep｜>f\n```json\n{}\n```"
+                    "<｜tool▁call▁end｜>" + "x" * 200),
+])
+def test_no_call_is_read_after_one_that_is_no_call_and_the_stream_stops_reading(syntax, text):
+    assert whole(syntax, text) == ("", [])
+    stream = ToolStream(parser(syntax))
+    element = len(text) - 200
+    assert [stream.feed(ch) for ch in text[:element]] == [("", [])] * element
+    read = stream.read
+    assert [stream.feed(ch) for ch in text[element:]] == [("", [])] * 200
+    assert stream.read == read  # the text after the element that is no call is not read
+
+
 def test_a_mistral_call_ends_with_the_output_or_the_next_call():
     text = '[TOOL_CALLS]f[ARGS]{"a": 1}'
     assert make_parser("mistral").parse(text, True).calls[0].complete

@@ -197,8 +197,8 @@ class Delimited(ToolParser):
         while (j := text.find(self.call_begin, pos)) >= 0:
             k = text.find(self.opener, j + len(self.call_begin))
             head = self.header(text[j + len(self.call_begin):k]) if k >= 0 else None
-            if head is None:
-                break
+            if head is None:  # a header not written yet, or one that is no call's: no call is read after it
+                return Scan(found, resume, len(found), k >= 0)
             a = k + len(self.opener)
             e = text.find(self.closer, a)
             if e < 0:
@@ -349,8 +349,8 @@ class Hermes(ToolParser):
             h = self.HEAD.match(body)
             if h is None:  # not name-first: a whole element may still be read once closed
                 call = _whole_object(body) if close >= 0 else None
-                if call is None:
-                    break
+                if call is None:  # not closed yet, or no call's: no call is read after it
+                    return Scan(found, resume, kept, close >= 0)
                 found.append(call)
             else:
                 stop = json_value(body, h.end())
