@@ -72,8 +72,8 @@ class ServerConfig:
                                     "template or model_type decides; hermes where neither does), a syntax, or none "
                                     "(\"auto\" refused)", choices=TOOL_CALL_PARSERS))
     responses_store: int = field(default=1000, metadata=opt(
-        "serving.responses_store", "responses of /v1/responses kept in memory for previous_response_id (the least "
-                                   "recently used are dropped first; 0: none)"))
+        "serving.responses_store", "responses of /v1/responses kept in memory for previous_response_id and GET "
+                                   "/v1/responses/{id} (the least recently used are dropped first; 0: none)"))
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
