@@ -13,6 +13,11 @@
  *     VI_W8(p), VI_X16(p)          VI_STEP int8 values from p as int16; VI_STEP int16 values from p
  *     VI_DOT(a, w, x)              a plus the products w x summed in pairs (int32 lanes)
  *     VI_ZERO(), VI_SUM(a)         a zero vector; the sum of a's int32 lanes as a float
+ *     VI_LOAD(p)                   VL int32 lanes (4 VL bytes) from p
+ *     VI_DOT_U8(a, u, s)           a plus, in each int32 lane, its four unsigned bytes of u times the signed bytes of s
+ *                                  (AVX2 sums pairs in int16 first: the kernels keep u <= 128)
+ *     VI_DOT_S8(a, w, s)           the same with signed bytes w (w = -128 included)
+ *     VI_SUB32(a, b), VI_SLLI32(a, n), VI_FLOAT(a)   int32 lanes: a - b, a << n, a as floats
  *     V_TARGET, VI_TARGET          the function attribute of a float / an integer kernel at this instruction set
  *     SFX(name)                    name with the instruction set's suffix */
 #define V __m256
@@ -40,6 +45,12 @@
 #define VI_DOT(a, w, x) _mm256_add_epi32(a, _mm256_madd_epi16(w, x))
 #define VI_ZERO _mm256_setzero_si256
 #define VI_SUM(a) hsum(_mm256_cvtepi32_ps(a))
+#define VI_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define VI_DOT_U8(a, u, s) _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
+#define VI_DOT_S8(a, w, s) VI_DOT_U8(a, _mm256_sign_epi8(w, w), _mm256_sign_epi8(s, w))
+#define VI_SUB32 _mm256_sub_epi32
+#define VI_SLLI32 _mm256_slli_epi32
+#define VI_FLOAT _mm256_cvtepi32_ps
 #define V_TARGET
 #define VI_TARGET
 #define SFX(name) name##_avx2

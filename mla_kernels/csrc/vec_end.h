@@ -24,6 +24,12 @@
 #undef VI_DOT
 #undef VI_ZERO
 #undef VI_SUM
+#undef VI_LOAD
+#undef VI_DOT_U8
+#undef VI_DOT_S8
+#undef VI_SUB32
+#undef VI_SLLI32
+#undef VI_FLOAT
 #undef V_TARGET
 #undef VI_TARGET
 #undef SFX
