@@ -1,7 +1,7 @@
 """GGUF block types on the CPU: the compiled kernels that read the stored blocks against the product that widens the
 weight per call (the fallback), one matrix per type.
 
-    python bench/bench_ggml.py                                  # [4096, 4096], 1 and 8 rows, every type the kernels read
+    python bench/bench_ggml.py                      # [4096, 4096], 1 and 8 rows, every type the kernels read
     python bench/bench_ggml.py --shape 4096x1024 --rows 1 64 --types Q4_K Q6_K
 
 For each type, row count and variant it prints the best of ``--repeats`` calls in milliseconds, beside the widened
@@ -68,11 +68,12 @@ def main() -> None:
         widened = GgufWeight([(type_name, data)], k, torch.float32).bind(kernel_plan("plain"))
         for rows in args.rows:
             x = torch.randn(rows, k)
-            slow = best_ms(lambda: widened.matmul(x, None), max(1, args.repeats // 2))
+            slow = best_ms(lambda w=widened, x=x: w.matmul(x, None), max(1, args.repeats // 2))
             cells = []
+            number = int(GGMLQuantizationType[type_name])
             for variant in cpu_kernels.variants("ggml"):
-                t = best_ms(lambda: cpu_kernels.ggml_linear(x, data, int(GGMLQuantizationType[type_name]),
-                                                            variant=variant), args.repeats)
+                t = best_ms(lambda x=x, d=data, v=variant, t=number: cpu_kernels.ggml_linear(x, d, t, variant=v),
+                            args.repeats)
                 cells.append(f"{variant} {t:7.3f} ({slow / t:5.0f}x)")
             print(f"{type_name:5} {rows:3} rows: widened {slow:8.2f}   " + "   ".join(cells))
 

@@ -92,6 +92,9 @@ static inline float gg_f16(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
+static inline __m256i gg_load32(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline void gg_store32(uint8_t *p, __m256i v) { _mm256_storeu_si256((__m256i *)p, v); }
+
 /* lanes [l, l + count) of a unit's ws or wm: v */
 static inline __attribute__((always_inline)) void gg_fill(float *lanes, int count, float v) {
     for (int i = 0; i < count; i++) lanes[i] = v;
@@ -102,18 +105,19 @@ static inline __attribute__((always_inline)) __m256i gg_bits(__m256i b, int shif
     return _mm256_and_si256(_mm256_srl_epi16(b, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8((char)mask));
 }
 
-static inline __m256i gg_load32(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
-static inline void gg_store32(uint8_t *p, __m256i v) { _mm256_storeu_si256((__m256i *)p, v); }
-
 /* 16 nibble bytes (value j low, j + 16 high) plus a fifth bit from qh (bit j of the 32-bit word) where five: u[0..32) */
 static inline __attribute__((always_inline)) void gg_nibbles32(const uint8_t *qs, const uint8_t *qh, uint8_t *u) {
     const __m128i b = _mm_loadu_si128((const __m128i *)qs), low = _mm_set1_epi8(0x0f);
     _mm_storeu_si128((__m128i *)u, _mm_and_si128(b, low));
     _mm_storeu_si128((__m128i *)(u + 16), _mm_and_si128(_mm_srli_epi16(b, 4), low));
-    if (qh) {
-        uint32_t h;
+    if (qh) {  /* byte j takes byte j / 8 of the word, keeps bit j % 8, and becomes 16 where it is set */
+        int32_t h;
         memcpy(&h, qh, 4);
-        for (int j = 0; j < 32; j++) u[j] |= (uint8_t)(((h >> j) & 1) << 4);
+        const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(h), _mm256_setr_epi64x(0, 0x0101010101010101LL,
+                                                   0x0202020202020202LL, 0x0303030303030303LL));
+        const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+        gg_store32(u, _mm256_or_si256(gg_load32(u), _mm256_and_si256(set, _mm256_set1_epi8(16))));
     }
 }
 
