@@ -121,10 +121,23 @@ def test_bad_operands_are_refused():
         cpu_kernels.ggml_linear(torch.randn(2, 128), w, _type_number("Q6_K"))
     with pytest.raises(ValueError, match="no kernel reads ggml type 2 in rows"):  # Q4_0: the int4 format's
         cpu_kernels.ggml_linear(torch.randn(2, 256), w, _type_number("Q4_0"))
-    with pytest.raises(ValueError, match=r"the weight's blocks must be a contiguous CPU Byte tensor \[4, 210\]"):
+    with pytest.raises(ValueError, match=r"the weight's blocks must be CPU uint8 rows \[N, 210\]"):
         cpu_kernels.ggml_linear(torch.randn(2, 256), w[:, :-1], _type_number("Q6_K"))
+    with pytest.raises(ValueError, match=r"the weight's blocks must be CPU uint8 rows \[N, 210\]"):
+        cpu_kernels.ggml_linear(torch.randn(2, 256), w.t().contiguous().t(), _type_number("Q6_K"))
     with pytest.raises(ValueError, match="unknown variant 'sse2'"):
         cpu_kernels.ggml_linear(torch.randn(2, 256), w, _type_number("Q6_K"), variant="sse2")
+
+
+def test_rows_apart_read_as_rows_back_to_back():
+    """A weight whose rows lie apart (a rank's columns of a mapped file) gives what its contiguous copy gives."""
+    _kernel_or_skip()
+    w, _ = _operands("Q4_K", 9, 1024, seed=4)
+    columns = w[:, 144:432]  # super-blocks 1 and 2 of each row: K = 512
+    assert not columns.is_contiguous()
+    x = torch.randn(3, 512)
+    got = cpu_kernels.ggml_linear(x, columns, _type_number("Q4_K"))
+    assert torch.equal(got, cpu_kernels.ggml_linear(x, columns.contiguous(), _type_number("Q4_K")))
 
 
 _CAPPED = """

@@ -83,7 +83,7 @@ typedef struct {
 typedef struct {
     const uint8_t *w, *xp;
     float *y;
-    int64_t type, row_bytes, xstride, m, n, k, kp;
+    int64_t type, row_stride, xstride, m, n, k, kp;
 } GgCall;
 
 static inline float gg_f16(const uint8_t *p) {
@@ -290,14 +290,15 @@ static void gg_prepare_row(const float *x, int64_t k, uint8_t *out) {
     }
 }
 
-/* Y [rows, n] = X [rows, k] W^T in float32, W [n, row_bytes] in ggml type `type` (the file's comment). */
-void mla_gemm_ggml(int64_t type, const uint8_t *w, const float *x, float *y, int64_t rows, int64_t n, int64_t k,
-                   int64_t threads, int64_t variant) {
+/* Y [rows, n] = X [rows, k] W^T in float32, W [n, row_bytes] in ggml type `type` (the file's comment), row r at
+ * w + r w_stride. */
+void mla_gemm_ggml(int64_t type, const uint8_t *w, int64_t w_stride, const float *x, float *y, int64_t rows,
+                   int64_t n, int64_t k, int64_t threads, int64_t variant) {
     const int64_t row_bytes = mla_ggml_row_bytes(type, k), xs = mla_gg_prepared_bytes(k);
     if (!row_bytes) abort();  /* ops/cpu_kernels.cpp checks the type and the row */
     uint8_t *xp = (uint8_t *)alloc_lines((size_t)(rows * xs));
     if (!xp) abort();  /* ops/cpu_kernels.cpp bounds the rows */
-    const GgCall c = {w, xp, y, type, row_bytes, xs, rows, n, k, gg_padded(k)};
+    const GgCall c = {w, xp, y, type, w_stride, xs, rows, n, k, gg_padded(k)};
     int64_t block = GG_BLOCK_BYTES / row_bytes;
     const int64_t balanced = n / (4 * threads);  /* at least about four blocks a thread */
     block = block < balanced ? block : balanced;

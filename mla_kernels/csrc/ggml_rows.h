@@ -48,7 +48,7 @@ VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_rows_t)(const
     for (int64_t t = 0; t < c->m; t += GG_TILE) {
         const int mb = c->m - t < GG_TILE ? (int)(c->m - t) : GG_TILE;
         for (int64_t r = r0; r < r1; r++) {
-            const uint8_t *wr = c->w + r * c->row_bytes;
+            const uint8_t *wr = c->w + r * c->row_stride;
             V acc[GG_TILE][GG_ACCS];
             for (int j = 0; j < mb; j++)
                 for (int q = 0; q < GG_ACCS; q++) acc[j][q] = V_ZERO();

@@ -81,8 +81,8 @@ void mla_i4_share(int64_t variant, const uint8_t *w, const uint16_t *scales, con
                   int64_t k, float alpha, int add);
 /* Products with weights in ggml's block types as stored (gemv_ggml.c; type: ggml's number): mla_ggml_row_bytes is 0
  * for a type or k the kernels do not take. */
-void mla_gemm_ggml(int64_t type, const uint8_t *w, const float *x, float *y, int64_t rows, int64_t n, int64_t k,
-                   int64_t threads, int64_t variant);
+void mla_gemm_ggml(int64_t type, const uint8_t *w, int64_t w_stride, const float *x, float *y, int64_t rows,
+                   int64_t n, int64_t k, int64_t threads, int64_t variant);
 int64_t mla_ggml_row_bytes(int64_t type, int64_t k);
 int64_t mla_ggml_variants(void);
 int64_t mla_gg_prepared_bytes(int64_t k);

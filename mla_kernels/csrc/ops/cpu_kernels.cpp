@@ -239,7 +239,7 @@ Tensor linear(const Tensor& x, const Tensor& w, const OptTensor& scales, at::Int
 }
 
 // x [..., K] (any float dtype, computed in float32) times W [N, K]ᵀ -> float32 [..., N], W in a ggml block type as a
-// GGUF file stores it: uint8 [N, K / B x size] for type (ggml's number) Q8_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K,
+// GGUF file stores it: uint8 [N, K / B x size] (rows may lie apart) for type (ggml's number) Q8_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K,
 // Q5_K or Q6_K (../gemv_ggml.c); rows rounded to int8 per group of 32. Any number of rows, MLA_QUANT_ROWS a kernel
 // call; the variants give the same bits, and a row's result does not depend on the other rows.
 Tensor ggml_linear(const Tensor& x, const Tensor& w, int64_t type, c10::string_view variant) {
@@ -249,7 +249,11 @@ Tensor ggml_linear(const Tensor& x, const Tensor& w, int64_t type, c10::string_v
   const int64_t n = w.dim() == 2 ? w.size(0) : 0, k = x.size(-1), rows = k ? x.numel() / k : 0;
   const int64_t row_bytes = mla_ggml_row_bytes(type, k);
   TORCH_CHECK_VALUE(row_bytes > 0, op, ": no kernel reads ggml type ", type, " in rows of ", k, " values");
-  expect(w, at::kByte, {n, row_bytes}, op, "the weight's blocks");
+  // rows back to back or apart (a rank's columns of a mapped file: each row's bytes contiguous)
+  TORCH_CHECK_VALUE(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.size(1) == row_bytes &&
+                        w.stride(1) == 1 && w.stride(0) >= row_bytes,
+                    op, ": the weight's blocks must be CPU uint8 rows [N, ", row_bytes, "] (each row contiguous), got ",
+                    w.scalar_type(), " ", w.sizes(), " with strides ", w.strides());
   TORCH_CHECK_VALUE(n >= 1 && rows >= 1, op, ": empty operands, x ", x.sizes(), " and weight ", w.sizes());
   const int64_t runs = mla_ggml_variants();
   TORCH_CHECK_VALUE(runs != 0, op, ": no variant runs on this CPU");
@@ -259,7 +263,7 @@ Tensor ggml_linear(const Tensor& x, const Tensor& w, int64_t type, c10::string_v
   shape.back() = n;
   Tensor y = at::empty(shape, xs.options());
   for (int64_t r0 = 0; r0 < rows; r0 += MLA_QUANT_ROWS)
-    mla_gemm_ggml(type, ptr<const uint8_t>(w), ptr<const float>(xs) + r0 * k, ptr<float>(y) + r0 * n,
+    mla_gemm_ggml(type, ptr<const uint8_t>(w), w.stride(0), ptr<const float>(xs) + r0 * k, ptr<float>(y) + r0 * n,
                   std::min<int64_t>(MLA_QUANT_ROWS, rows - r0), n, k, threads(), v < 0 ? fastest(runs) : v);
   return y;
 }
