@@ -110,8 +110,12 @@ def test_a_non_finite_group_makes_its_row_nan():
     w, _ = _operands("Q8_0", 8, 64, seed=2)
     x = torch.randn(3, 64)
     x[1, 40] = float("inf")
+    x[2, :32] = 0.0
+    x[2, 3] = 1e-40  # a subnormal group: 127 / amax is infinite, its zeros stay zeros
     y = cpu_kernels.ggml_linear(x, w, _type_number("Q8_0"))
     assert y[1].isnan().all() and y[[0, 2]].isfinite().all()
+    x[2, 3] = 0.0
+    assert torch.equal(y[2], cpu_kernels.ggml_linear(x[2:], w, _type_number("Q8_0"))[0])
 
 
 def test_bad_operands_are_refused():

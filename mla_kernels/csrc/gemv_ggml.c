@@ -279,8 +279,8 @@ static void gg_prepare_row(const float *x, int64_t k, uint8_t *out) {
         }
         const float scale = !finite ? NAN : amax / 127.0f, inv = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
         for (int i = 0; i < GG_GROUP; i++) {  /* to nearest even (the default rounding mode) */
-            const float q = finite ? nearbyintf(v[i] * inv) : 0.0f;
-            a[g + i] = (int8_t)(q > 127.0f ? 127 : q < -127.0f ? -127 : q);
+            const float q = finite ? nearbyintf(v[i] * inv) : 0.0f;  /* NaN only for 0 x an infinite inv: 0 */
+            a[g + i] = (int8_t)(q > 127.0f ? 127 : q < -127.0f ? -127 : q == q ? q : 0);
         }
         for (int l = 0; l < GG_GROUP / 4; l++) {
             const int8_t *p = a + g + 4 * l;
