@@ -18,13 +18,14 @@
  *     Q5_K   5       32       0       -dmin m_sub
  *     Q6_K   6       16       32      -
  *
- * The weight is decoded a unit at a time (64 values of the 32-value types, a super-block of the K-quants) into u
+ * The weight is decoded a unit at a time (256 values: eight blocks of the 32-value types, a super-block of the
+ * K-quants) into u
  * bytes in value order with each 4-value lane's ws and wm as floats (gg_decode), and the unit's exact integer dot
  * products with the input rows are scaled in float32 (ggml_rows.h).
  *
  * Activations are rounded once per call to int8 with one float32 scale per group of 32 values, as ggml's Q8_0 rounds
  * them: a = round(x 127 / amax) to nearest even, scale amax / 127 (a group holding infinity or NaN gets a NaN scale,
- * so its products come out NaN). A prepared row of kp values (k rounded up to 64, the padding zero) holds
+ * so its products come out NaN). A prepared row of kp values (k rounded up to 256, the padding zero) holds
  *
  *     a  [kp] int8       the rounded values
  *     s  [kp / 4] int32  each lane's sum of its four values (the offsets' and minimums' terms)
@@ -60,10 +61,10 @@ static inline __attribute__((always_inline)) GgFormat gg_fmt(int block, int byte
 
 static inline __attribute__((always_inline)) GgFormat gg_format(const int t) {
     switch (t) {
-        case GG_Q8_0: return gg_fmt(32, 34, 64, 1, 0, 0);
-        case GG_Q4_1: return gg_fmt(32, 20, 64, 0, 0, 1);
-        case GG_Q5_0: return gg_fmt(32, 22, 64, 0, 4, 0);
-        case GG_Q5_1: return gg_fmt(32, 24, 64, 0, 0, 1);
+        case GG_Q8_0: return gg_fmt(32, 34, 256, 1, 0, 0);
+        case GG_Q4_1: return gg_fmt(32, 20, 256, 0, 0, 1);
+        case GG_Q5_0: return gg_fmt(32, 22, 256, 0, 4, 0);
+        case GG_Q5_1: return gg_fmt(32, 24, 256, 0, 0, 1);
         case GG_Q2_K: return gg_fmt(256, 84, 256, 0, 0, 1);
         case GG_Q3_K: return gg_fmt(256, 110, 256, 0, 2, 0);
         case GG_Q4_K: return gg_fmt(256, 144, 256, 0, 0, 1);
@@ -105,11 +106,11 @@ static inline __attribute__((always_inline)) __m256i gg_bits(__m256i b, int shif
     return _mm256_and_si256(_mm256_srl_epi16(b, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8((char)mask));
 }
 
-/* 16 nibble bytes (value j low, j + 16 high) plus a fifth bit from qh (bit j of the 32-bit word) where five: u[0..32) */
+/* 16 nibble bytes (value j low, j + 16 high) plus a fifth bit from qh (bit j of the 32-bit word) where five: u[0..32),
+ * built in a register and stored once */
 static inline __attribute__((always_inline)) void gg_nibbles32(const uint8_t *qs, const uint8_t *qh, uint8_t *u) {
     const __m128i b = _mm_loadu_si128((const __m128i *)qs), low = _mm_set1_epi8(0x0f);
-    _mm_storeu_si128((__m128i *)u, _mm_and_si128(b, low));
-    _mm_storeu_si128((__m128i *)(u + 16), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+    __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
     if (qh) {  /* byte j takes byte j / 8 of the word, keeps bit j % 8, and becomes 16 where it is set */
         int32_t h;
         memcpy(&h, qh, 4);
@@ -117,8 +118,9 @@ static inline __attribute__((always_inline)) void gg_nibbles32(const uint8_t *qs
                                                    0x0202020202020202LL, 0x0303030303030303LL));
         const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
         const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-        gg_store32(u, _mm256_or_si256(gg_load32(u), _mm256_and_si256(set, _mm256_set1_epi8(16))));
+        v = _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi8(16)));
     }
+    gg_store32(u, v);
 }
 
 /* One 32-value block of Q8_0, Q4_1, Q5_0 or Q5_1 at p into the unit's values [32 i, 32 i + 32). */
@@ -215,8 +217,8 @@ static inline __attribute__((always_inline)) void gg_q3_k(const uint8_t *p, GgUn
     }
 }
 
-/* The unit of type t at p (`blocks` blocks of it present: a row of an odd count of 32-value blocks ends in a half
- * unit, its missing values zero) into o. */
+/* The unit of type t at p (`blocks` blocks of it present: a row of the 32-value types whose count of blocks is not a
+ * multiple of 8 ends in a partial unit, its missing values zero) into o. */
 static inline __attribute__((always_inline)) void gg_decode(const int t, const uint8_t *p, int64_t blocks, GgUnit *o) {
     switch (t) {
         case GG_Q2_K: gg_q2_k(p, o); return;
@@ -226,13 +228,18 @@ static inline __attribute__((always_inline)) void gg_decode(const int t, const u
         case GG_Q6_K: gg_q6_k(p, o); return;
         default: {
             const GgFormat f = gg_format(t);
-            gg_small(t, p, o, 0);
-            if (blocks > 1) {
-                gg_small(t, p + f.bytes, o, 1);
-            } else {
-                memset(o->u + 32, 0, 32);
-                gg_fill(o->ws + 8, 8, 0.0f);
-                gg_fill(o->wm + 8, 8, 0.0f);
+            if (blocks >= 8) {
+                for (int i = 0; i < 8; i++) gg_small(t, p + i * f.bytes, o, i);
+                return;
+            }
+            for (int i = 0; i < 8; i++) {
+                if (i < blocks) {
+                    gg_small(t, p + i * f.bytes, o, i);
+                } else {
+                    memset(o->u + 32 * i, 0, 32);
+                    gg_fill(o->ws + 8 * i, 8, 0.0f);
+                    gg_fill(o->wm + 8 * i, 8, 0.0f);
+                }
             }
         }
     }
@@ -258,7 +265,7 @@ int64_t mla_ggml_row_bytes(int64_t type, int64_t k) {
     return f.block && k > 0 && k % f.block == 0 ? k / f.block * f.bytes : 0;
 }
 
-static int64_t gg_padded(int64_t k) { return (k + 63) / 64 * 64; }
+static int64_t gg_padded(int64_t k) { return (k + 255) / 256 * 256; }  /* a whole number of units */
 
 /* Bytes of one prepared row of k values. */
 int64_t mla_gg_prepared_bytes(int64_t k) { return 3 * gg_padded(k); }
