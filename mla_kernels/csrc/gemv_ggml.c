@@ -23,7 +23,7 @@
  * bytes in value order with each 4-value lane's ws and wm as floats (gg_decode), and the unit's exact integer dot
  * products with the input rows are scaled in float32 (ggml_rows.h).
  *
- * Activations are rounded once per call to int8 with one float32 scale per group of 32 values, as ggml's Q8_0 rounds
+ * Activations are rounded once per call to int8 with one float32 scale per group of 32 values, as gemv_int4.c rounds
  * them: a = round(x 127 / amax) to nearest even, scale amax / 127 (a group holding infinity or NaN gets a NaN scale,
  * so its products come out NaN). A prepared row of kp values (k rounded up to 256, the padding zero) holds
  *
