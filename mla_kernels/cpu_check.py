@@ -27,10 +27,11 @@ def _exact(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 @functools.cache
 def failure(kind: str) -> str | None:
-    """None where the kernels of ``kind`` ("core", "bf16", "f16", "fp8", "int4", "amx") are exact here, else why not.
-    Only where the operators are loaded (``cpu_ops.failure()`` is None)."""
+    """None where the kernels of ``kind`` ("core", "bf16", "f16", "fp8", "int4", "ggml", "amx") are exact here, else
+    why not. Only where the operators are loaded (``cpu_ops.failure()`` is None)."""
     g = torch.Generator().manual_seed(0)
-    return {"core": _core, "bf16": _half, "f16": _half, "fp8": _fp8, "int4": _int4, "amx": _amx}[kind](g, kind)
+    return {"core": _core, "bf16": _half, "f16": _half, "fp8": _fp8, "int4": _int4, "ggml": _ggml,
+            "amx": _amx}[kind](g, kind)
 
 
 def _core(g: torch.Generator, kind: str) -> str | None:
@@ -185,4 +186,38 @@ def _int4_variant(g: torch.Generator, variant: str) -> str | None:
             wide = (q.double().view(n, -1, INT4_GROUP) * scales.double().unsqueeze(2)).view(n, kp)[:, :k]
             if not _exact(ops.linear(x, pack_int4(q), scales, variant=variant), x.double() @ wide.T):
                 return f"the int4 kernel's ({variant}) products differ from the exact result on this CPU"
+    return None
+
+
+# ggml block types the compiled kernels read as stored (ggml_linear), each with the byte offsets of its float16
+# fields (scales and minimums), which the check sets to powers of two
+GGML_TYPES = {"Q8_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,),
+              "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def _ggml(g: torch.Generator, kind: str) -> str | None:
+    """Every variant the CPU executes, every type: random blocks with power-of-two float16 fields (sums of products
+    exact in float32) against the ``gguf`` package's dequantised rows, times activations that round to themselves
+    (integers, each group of 32 holding a magnitude 127: scale 1); a row of an odd count of 32-value blocks
+    included."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    runs = cpu_kernels.variants("ggml")
+    if not runs:
+        return "no ggml-type variant runs on this CPU"
+    for type_name, fields in GGML_TYPES.items():
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+        for n, k, rows in ((5, 2 * block, 1), (3, 3 * block, 9)):
+            w = torch.randint(0, 256, (n, k // block, size), generator=g, dtype=torch.uint8)
+            for offset, value in zip(fields, (0.5, 0.25)):
+                w[..., offset:offset + 2] = torch.tensor([value], dtype=torch.float16).view(torch.uint8)
+            w = w.reshape(n, -1)
+            wide = torch.from_numpy(dequantize(w.numpy(), GGMLQuantizationType[type_name])).double().reshape(n, k)
+            x = torch.randint(-3, 4, (rows, k), generator=g).float()
+            x[:, ::32] = 127.0 * (torch.randint(0, 2, x[:, ::32].shape, generator=g) * 2 - 1)
+            for variant in runs:
+                got = _ops().ggml_linear(x, w, int(GGMLQuantizationType[type_name]), variant)
+                if not _exact(got, x.double() @ wide.T):
+                    return f"the {type_name} kernel's ({variant}) products differ from the exact result on this CPU"
     return None

@@ -9,6 +9,9 @@ their sources are ``csrc/*.c`` and ``csrc/ops/cpu_kernels.cpp``):
 - ``linear_int4(x, w, scales, zeros=None, group=32, variant="auto")``: the int4 product with a stored checkpoint's
   layout: a float16 scale per group of 32, 64 or 128 values and, for asymmetric groups, a byte zero point per group
   (``csrc/gemv_int4.c``; the same variants, the same bits as ``linear`` for symmetric groups of 32);
+- ``ggml_linear(x, w, type, variant="auto")``: ``x · Wᵀ`` in float32 for a weight in a ggml block type as a GGUF file
+  stores it (Q8_0, Q4_1, Q5_0, Q5_1, Q2_K to Q6_K: ``csrc/gemv_ggml.c``), read block by block, rows rounded to int8
+  per group of 32, any number of rows; AVX2 and AVX-512 VNNI variants with the same bits;
 - ``dense_linear(x, plain, operand, tiles, bias, rows, onednn)``: the one product of a float weight prepared once
   (``mla_runtime.layers.cpu_gemm.PackedWeight``), choosing by the count of rows between ``linear``, ATen's, AMX
   tiles and oneDNN's (called through the dispatcher) on the weight's prepared layouts;
@@ -49,7 +52,7 @@ import torch
 
 from . import cpu_check, cpu_ops
 
-KINDS = ("core", "bf16", "f16", "fp8", "int4", "amx")  # the kernels' families, as cpu_check checks them
+KINDS = ("core", "bf16", "f16", "fp8", "int4", "ggml", "amx")  # the kernels' families, as cpu_check checks them
 
 
 @functools.cache
@@ -104,6 +107,15 @@ def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
     return y if bias is None else y.add_(bias)
 
 
+def ggml_linear(x: torch.Tensor, weight: torch.Tensor, type_number: int, *, variant: str = "auto",
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x · Wᵀ (+ bias)`` in float32 for any number of rows ``x [..., K]`` and a weight in a ggml block type as a GGUF
+    file stores it (uint8 ``[N, K / B · size]``, ``type_number``: ggml's number; ``cpu_check.GGML_TYPES`` names those
+    read); only where ``failure("ggml")`` is None."""
+    y = ops().ggml_linear(x, weight, type_number, variant)
+    return y if bias is None else y.add_(bias)
+
+
 def dense_linear(x: torch.Tensor, plain: torch.Tensor, operand: torch.Tensor | None, tiles: torch.Tensor | None,
                  bias: torch.Tensor | None, rows: tuple[int, int, int], onednn: bool) -> torch.Tensor:
     """``x · Wᵀ (+ bias)`` in ``x``'s dtype for a float weight prepared once (``layers.cpu_gemm.PackedWeight``), the
@@ -138,9 +150,10 @@ def _variants() -> tuple[tuple[str, bool], ...]:
 
 def variants(kind: str, runs_only: bool = True) -> tuple[str, ...]:
     """The variants of the ``kind`` products, slowest first: "float" (float32, bfloat16 and float16 weights, and the
-    absorbed attention: "avx2", "avx512"), "int8" or "int4" ("avx2", "avx512_vnni"); those this CPU executes, or all
-    that are built (``runs_only=False``). ``linear`` takes the fastest unless told (float: AVX-512 for float32
-    weights from four rows on, for half weights from two). The int8 and int4 ones give identical results; the float
-    ones each sum in their own order, and within one a row's result does not depend on the rows beside it."""
+    absorbed attention: "avx2", "avx512"), "int8", "int4" or "ggml" ("avx2", "avx512_vnni"); those this CPU
+    executes, or all that are built (``runs_only=False``). ``linear`` takes the fastest unless told (float: AVX-512
+    for float32 weights from four rows on, for half weights from two). The int8, int4 and ggml ones give identical
+    results; the float ones each sum in their own order, and within one a row's result does not depend on the rows
+    beside it."""
     return tuple(name.split(".", 1)[1] for name, runs in _variants()
                  if name.startswith(kind + ".") and (runs or not runs_only))

@@ -45,10 +45,10 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 # same library and registered by ops/cpu_kernels.cpp
 PORTABLE_SOURCES = (CSRC / "ops" / "indexer.cpp", CSRC / "ops" / "isa.cpp", CSRC / "cpu_features.c")
 X86_SOURCES = (CSRC / "gemv_f32.c", CSRC / "mla_decode_f32.c", CSRC / "mla_layer_f32.c", CSRC / "gemv_fp8.c",
-               CSRC / "gemv_int4.c", CSRC / "amx_bf16.c", CSRC / "ops" / "cpu_kernels.cpp")
+               CSRC / "gemv_int4.c", CSRC / "gemv_ggml.c", CSRC / "amx_bf16.c", CSRC / "ops" / "cpu_kernels.cpp")
 HEADERS = (CSRC / "mla_cpu.h", CSRC / "simd.h", CSRC / "isa_cap.h", CSRC / "amx_emulate.h", CSRC / "vec_avx2.h",
            CSRC / "vec_avx512.h", CSRC / "vec_end.h", CSRC / "decode_attention.h", CSRC / "few_rows.h",
-           CSRC / "int4_rows.h")
+           CSRC / "int4_rows.h", CSRC / "ggml_rows.h")
 CFLAGS = ("-O3", "-std=c++17", "-fopenmp")  # OpenMP: the kernels' threads are torch's pool
 # the x86 baseline (every AVX2 CPU has FMA and F16C): wider instruction sets are chosen per function at run time
 X86_CFLAGS = ("-mavx2", "-mfma", "-mf16c")
@@ -389,6 +389,10 @@ def _register_fakes() -> None:
     def _(stored):  # type: ignore[no-untyped-def]
         return torch.empty_like(stored)
 
+    @lib.register_fake("mla_kernels::ggml_linear")
+    def _(x, w, type, variant="auto"):  # type: ignore[no-untyped-def]
+        return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=torch.float32)
+
     @lib.register_fake("mla_kernels::amx_pack")
     def _(w):  # type: ignore[no-untyped-def]
         return w.new_empty((w.shape[0] // 16, w.shape[1] // 32, 16, 32))
@@ -406,5 +410,5 @@ def _register_fakes() -> None:
         return q_n.new_empty((q_n.shape[0], q_n.shape[1], w_uv_t.shape[2]), dtype=torch.float32)
 
     lib.register_fake("mla_kernels::rope_store", lambda *args, **kwargs: None)
-    _FAKES.extend(["linear", "dense_linear", "amx_pack", "amx_linear", "int4_from_stored", "rms_norm",
+    _FAKES.extend(["linear", "dense_linear", "amx_pack", "amx_linear", "int4_from_stored", "ggml_linear", "rms_norm",
                    "absorbed_decode", "rope_store"])

@@ -118,6 +118,7 @@ class KernelPlan:
     int8_aten_failure: str | None  # ATen's int8 products with bfloat16 rows
     int4_failure: str | None  # the compiled int4 kernel (else: dequantised per product)
     fp8_failure: str | None  # the compiled block-FP8 kernel (else: dequantised per product)
+    ggml_failure: str | None  # the compiled kernels of GGUF block types (else: dequantised per product)
     native_bf16: tuple[str, ...]  # the capabilities giving native bfloat16 arithmetic (empty: none)
     # the compiled operators (a float weight's products chosen by rows inside ``dense_linear``); else each format's
     # one torch fallback
@@ -200,7 +201,8 @@ NOT_CPU = "not a CPU model"
 # the plan of a model on another device: no CPU path is prepared (its weights are not CPU tensors), no probe runs
 OFF_CPU = KernelPlan(mode="plain", gemm=tuple(GemmChoice(d, "plain", d, NOT_CPU) for d in PROBED_DTYPES),
                      float_failure=NOT_CPU, half_failures=(NOT_CPU, NOT_CPU), amx_failure=NOT_CPU,
-                     int8_aten_failure=NOT_CPU, int4_failure=NOT_CPU, fp8_failure=NOT_CPU, native_bf16=(),
+                     int8_aten_failure=NOT_CPU, int4_failure=NOT_CPU, fp8_failure=NOT_CPU, ggml_failure=NOT_CPU,
+                     native_bf16=(),
                      ops_failure=NOT_CPU)
 
 
@@ -223,6 +225,7 @@ def _resolve(mode: str) -> KernelPlan:
         int8_aten_failure="cpu_gemm=plain forces the fallback" if mode == "plain" else int8_aten_failure(),
         int4_failure="cpu_gemm=plain forces the fallback" if mode == "plain" else cpu_kernels.failure("int4"),
         fp8_failure=compiled or cpu_kernels.failure("fp8"),
+        ggml_failure="cpu_gemm=plain forces the fallback" if mode == "plain" else cpu_kernels.failure("ggml"),
         native_bf16=tuple(native_arithmetic(torch.bfloat16)),
         ops_failure="cpu_gemm=plain forces the fallbacks" if mode == "plain" else cpu_kernels.failure("ops"))
     for dtype in PROBED_DTYPES:

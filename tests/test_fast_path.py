@@ -1642,7 +1642,7 @@ def test_a_process_capped_at_avx2_computes_the_avx2_variants_bits(tmp_path):
     got = torch.load(out)
     assert said["cap"] == "avx2" and "capped at avx2 by $MLA_CPU_ISA" in said["summary"]
     assert [v for v in said["products"] if v.endswith(":runs")] == ["float.avx2:runs", "int8.avx2:runs",
-                                                                    "int4.avx2:runs"]
+                                                                    "int4.avx2:runs", "ggml.avx2:runs"]
     assert [v for v in said["indexer"] if v.endswith(":runs")] == ["avx2:runs", "generic:runs"]
     assert said["amx"] == "$MLA_CPU_ISA caps this process at avx2, below the AMX tiles" and said["native_bf16"] == []
     if "avx512" in cpu_kernels.variants("float"):  # what it left out, this CPU runs
@@ -1989,6 +1989,8 @@ def test_every_cpu_operator_has_a_shape_function():
                                          torch.empty(7, 2), torch.empty(7, 3, 6), [0, 5], [0, 7], 1.0)
         assert out.shape == (5, 3, 6) and lse.shape == (5, 3)
         assert ops.int4_from_stored(torch.empty(4, 16, dtype=torch.uint8)).shape == (4, 16)
+        out = ops.ggml_linear(torch.empty(2, 3, 256), torch.empty(4, 144, dtype=torch.uint8), 12)
+        assert out.shape == (2, 3, 4) and out.dtype == torch.float32
         out = ops.dense_linear(torch.empty(2, 3, 8, dtype=torch.bfloat16), torch.empty(4, 8), None, None, None,
                                [8, 0, 0], True)
         assert out.shape == (2, 3, 4) and out.dtype == torch.bfloat16

@@ -31,8 +31,8 @@ VI_TARGET static inline __attribute__((always_inline)) void SFX(i4_part)(const u
         const uint8_t *x = xc + j * xs + 4 * VL * h;
         VI bias = VI_LOAD(x + 128);
         if (zeros) bias = VI_SRAI32(VI_MULLO32(bias, zl), 3);
-        const VI s = VI_DOT_U8(bias, lo, VI_LOAD(x), hi, VI_LOAD(x + 64));
-        acc[j][h] = V_FMA(V_FROM_I32(s), V_MUL(dw, V_LOAD((const float *)(x + 192))), acc[j][h]);
+        const VI s = VI_DOT_U8X2(bias, lo, VI_LOAD(x), hi, VI_LOAD(x + 64));
+        acc[j][h] = V_FMA(VI_FLOAT(s), V_MUL(dw, V_LOAD((const float *)(x + 192))), acc[j][h]);
     }
 }
 
@@ -108,8 +108,8 @@ VI_TARGET static inline __attribute__((always_inline)) void SFX(i4_rows2)(i4_row
                 const VI bias_a = za ? VI_SRAI32(VI_MULLO32(bias, zla), 3) : bias;
                 const VI bias_b = zb ? VI_SRAI32(VI_MULLO32(bias, zlb), 3) : bias;
                 const V sx = V_LOAD((const float *)(x + 192));
-                acc_a[j][h] = V_FMA(V_FROM_I32(VI_DOT_U8(bias_a, lo_a, x0, hi_a, x1)), V_MUL(dwa, sx), acc_a[j][h]);
-                acc_b[j][h] = V_FMA(V_FROM_I32(VI_DOT_U8(bias_b, lo_b, x0, hi_b, x1)), V_MUL(dwb, sx), acc_b[j][h]);
+                acc_a[j][h] = V_FMA(VI_FLOAT(VI_DOT_U8X2(bias_a, lo_a, x0, hi_a, x1)), V_MUL(dwa, sx), acc_a[j][h]);
+                acc_b[j][h] = V_FMA(VI_FLOAT(VI_DOT_U8X2(bias_b, lo_b, x0, hi_b, x1)), V_MUL(dwb, sx), acc_b[j][h]);
             }
         }
     }

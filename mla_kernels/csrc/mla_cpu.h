@@ -1,5 +1,5 @@
-/* The entry points of the compiled CPU kernels (gemv_f32.c, gemv_fp8.c, gemv_int4.c, amx_bf16.c, mla_decode_f32.c,
- * mla_layer_f32.c). Every source includes this header, so a definition that drifts from its declaration fails the
+/* The entry points of the compiled CPU kernels (gemv_f32.c, gemv_fp8.c, gemv_int4.c, gemv_ggml.c, amx_bf16.c,
+ * mla_decode_f32.c, mla_layer_f32.c). Every source includes this header, so a definition that drifts from its declaration fails the
  * build; ops/cpu_kernels.cpp registers each as a typed torch operator (mla_kernels::*). Pointers are row-major
  * buffers, sizes are element counts, "threads" the OpenMP threads a call may use. */
 #ifndef MLA_CPU_H
@@ -81,6 +81,13 @@ int64_t mla_q8_row_bytes(int64_t k);
 void mla_q8_prepare(const float *x, int64_t rows, int64_t k, uint8_t *out);
 void mla_i4_share(int64_t variant, const uint8_t *w, const uint16_t *scales, const uint8_t *xp, float *y, int64_t n,
                   int64_t k, float alpha, int add);
+/* Products with weights in ggml's block types as stored (gemv_ggml.c; type: ggml's number): mla_ggml_row_bytes is 0
+ * for a type or k the kernels do not take. */
+void mla_gemm_ggml(int64_t type, const uint8_t *w, int64_t w_stride, const float *x, float *y, int64_t rows,
+                   int64_t n, int64_t k, int64_t threads, int64_t variant);
+int64_t mla_ggml_row_bytes(int64_t type, int64_t k);
+int64_t mla_ggml_variants(void);
+int64_t mla_gg_prepared_bytes(int64_t k);
 void mla_rms_norm_f32(const float *x, int64_t ld, const float *weight, float *y, int64_t m, int64_t k, float eps);
 /* AMX bfloat16 products (amx_bf16.c): 1 where this CPU and kernel run them; W [n, k] repacked into tiles (n a multiple
  * of 16, k of 32); y [m, n] = x . W^T for float32 rows xf or bfloat16 rows xb (the other NULL), row stride ld. */

@@ -13,9 +13,14 @@
  *     VI_W8(p), VI_X16(p)          VI_STEP int8 values from p as int16; VI_STEP int16 values from p
  *     VI_DOT(a, w, x)              a plus the products w x summed in pairs (int32 lanes)
  *     VI_ZERO(), VI_SUM(a)         a zero vector; the sum of a's int32 lanes as a float
- *     VI_LOAD(p), VI_AND, VI_SRLI16, VI_SET1_8, VI_MULLO32, VI_SRAI32, V_FROM_I32   bytes and int32 lanes
- *     VI_DOT_U8(a, u0, s0, u1, s1) a plus, in each int32 lane, its four unsigned bytes of u0 times the signed bytes of
- *                                  s0 and the same of u1 and s1 (exact where the int16 pair sums of u0 s0 + u1 s1 fit)
+ *     VI_LOAD(p)                   VL int32 lanes (4 VL bytes) from p
+ *     VI_AND, VI_SRLI16, VI_SET1_8, VI_MULLO32, VI_SRAI32, VI_SUB32, VI_SLLI32   bytes and int32 lanes
+ *     VI_FLOAT(a)                  int32 lanes as floats
+ *     VI_DOT_U8(a, u, s)           a plus, in each int32 lane, its four unsigned bytes of u times the signed bytes of s
+ *                                  (AVX2 sums pairs in int16 first: the kernels keep u <= 128)
+ *     VI_DOT_U8X2(a, u0, s0, u1, s1)   the same for two pairs (AVX2: their int16 pair sums added before widening, exact
+ *                                  where u0 s0 + u1 s1 fits in int16, as 4-bit u does)
+ *     VI_DOT_S8(a, w, s)           the same with signed bytes w (w = -128 included)
  *     V_QUARTERS(f4, h), VI_QUARTERS(i4, h)   the vector whose lane l holds value h VL / 4 + l / 4 of four floats
  *                                  (__m128) or four int32 (__m128i): a value per four lanes, part h of a 16-lane run
  *     V_HSUM8(v)                   the lanes' sum folded to eight lanes first (lane l plus lane l + 8), then in hsum's
@@ -53,10 +58,14 @@
 #define VI_SET1_8 _mm256_set1_epi8
 #define VI_MULLO32 _mm256_mullo_epi32
 #define VI_SRAI32 _mm256_srai_epi32
-#define V_FROM_I32 _mm256_cvtepi32_ps
-#define VI_DOT_U8(a, u0, s0, u1, s1)                                                                                 \
+#define VI_SUB32 _mm256_sub_epi32
+#define VI_SLLI32 _mm256_slli_epi32
+#define VI_FLOAT _mm256_cvtepi32_ps
+#define VI_DOT_U8(a, u, s) _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
+#define VI_DOT_U8X2(a, u0, s0, u1, s1)                                                                               \
     _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1)), \
                                           _mm256_set1_epi16(1)))
+#define VI_DOT_S8(a, w, s) VI_DOT_U8(a, _mm256_sign_epi8(w, w), _mm256_sign_epi8(s, w))
 #define QUARTER_LANES(h) _mm256_setr_epi32(2 * (h), 2 * (h), 2 * (h), 2 * (h), 2 * (h) + 1, 2 * (h) + 1, 2 * (h) + 1, 2 * (h) + 1)
 #define V_QUARTERS(f4, h) _mm256_permutevar8x32_ps(_mm256_castps128_ps256(f4), QUARTER_LANES(h))
 #define VI_QUARTERS(i4, h) _mm256_permutevar8x32_epi32(_mm256_castsi128_si256(i4), QUARTER_LANES(h))

@@ -1,6 +1,7 @@
 /* The vector vocabulary of AVX-512 (F, BW, VL, DQ; the integer kernels also VNNI): the names of vec_avx2.h, with 16
  * float lanes. An integer step is 32 int16 values, one vpdpwssd; VI_SUM adds lane l and lane l + 8 as integers (the
- * even and odd steps of AVX2's lane l) before the float conversion, so integer sums equal AVX2's. */
+ * even and odd steps of AVX2's lane l) before the float conversion, so integer sums equal AVX2's. The byte dot
+ * products are VNNI's vpdpbusd (VI_DOT_S8: |w| as unsigned bytes, s negated where w is negative). */
 #define V __m512
 #define VL 16
 #define V_LOAD _mm512_loadu_ps
@@ -25,15 +26,20 @@
 #define VI_X16(p) _mm512_loadu_si512((const void *)(p))
 #define VI_DOT(a, w, x) _mm512_dpwssd_epi32(a, w, x)
 #define VI_ZERO _mm512_setzero_si512
-#define VI_SUM(a) hsum(_mm256_cvtepi32_ps(_mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1))))
 #define VI_LOAD(p) _mm512_loadu_si512((const void *)(p))
+#define VI_DOT_U8(a, u, s) _mm512_dpbusd_epi32(a, u, s)
+#define VI_DOT_S8(a, w, s) \
+    _mm512_dpbusd_epi32(a, _mm512_abs_epi8(w), _mm512_mask_sub_epi8(s, _mm512_movepi8_mask(w), _mm512_setzero_si512(), s))
+#define VI_SUB32 _mm512_sub_epi32
+#define VI_SLLI32 _mm512_slli_epi32
+#define VI_FLOAT _mm512_cvtepi32_ps
+#define VI_SUM(a) hsum(_mm256_cvtepi32_ps(_mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1))))
 #define VI_AND _mm512_and_si512
 #define VI_SRLI16 _mm512_srli_epi16
 #define VI_SET1_8 _mm512_set1_epi8
 #define VI_MULLO32 _mm512_mullo_epi32
 #define VI_SRAI32 _mm512_srai_epi32
-#define V_FROM_I32 _mm512_cvtepi32_ps
-#define VI_DOT_U8(a, u0, s0, u1, s1) _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a, u0, s0), u1, s1)
+#define VI_DOT_U8X2(a, u0, s0, u1, s1) _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a, u0, s0), u1, s1)
 #define QUARTER_LANES(h) _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)  /* h: 0, the only part */
 #define V_QUARTERS(f4, h) _mm512_permutexvar_ps(QUARTER_LANES(h), _mm512_castps128_ps512(f4))
 #define VI_QUARTERS(i4, h) _mm512_permutexvar_epi32(QUARTER_LANES(h), _mm512_castsi128_si512(i4))

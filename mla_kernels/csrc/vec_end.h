@@ -30,12 +30,16 @@
 #undef VI_SET1_8
 #undef VI_MULLO32
 #undef VI_SRAI32
-#undef V_FROM_I32
 #undef VI_DOT_U8
 #undef QUARTER_LANES
 #undef V_QUARTERS
 #undef VI_QUARTERS
 #undef V_HSUM8
+#undef VI_DOT_S8
+#undef VI_SUB32
+#undef VI_SLLI32
+#undef VI_FLOAT
+#undef VI_DOT_U8X2
 #undef V_TARGET
 #undef VI_TARGET
 #undef SFX

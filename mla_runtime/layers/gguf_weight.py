@@ -7,10 +7,14 @@ values in super-blocks with their own scales (Q2_K 84 bytes ... Q6_K 210). A ``G
 those bytes, ``[rows, K / block * type_size]`` uint8 per part, and a matrix stacked from tensors of different types
 (``gate_proj`` Q4_K beside ``up_proj`` Q6_K) keeps one part per type: the type is data, not a class.
 
-Products widen the weight to float32 a block of output rows at a time (``QuantizedWeight.widened_product``: about
-``WIDEN_CHUNK_ELEMENTS`` values, never the whole matrix) and multiply in float32. On a CPU the block types are
-widened by the ``gguf`` package's dequantisers (numpy); on another device Q8_0, Q4_K and Q6_K (a Q4_K_M or Q5_K_M
-file's most common types) by torch there, the others through the CPU.
+On a CPU whose compiled kernels passed their check (``KernelPlan.ggml_failure``), a part in a type they read
+(``KERNEL_TYPES``: Q8_0, Q4_1, Q5_0, Q5_1, Q2_K to Q6_K) multiplies straight from its stored blocks
+(``mla_kernels.cpu_kernels.ggml_linear``: the rows rounded to int8 per group of 32, each block's integer dot products
+scaled in float32; a row's result the same bits whatever rows share the product). Other parts, and every part off a
+CPU or under ``cpu_gemm=plain``, widen the weight to float32 a block of output rows at a time
+(``QuantizedWeight.widened_product``: about ``WIDEN_CHUNK_ELEMENTS`` values, never the whole matrix) and multiply in
+float32: on a CPU through the ``gguf`` package's dequantisers (numpy); on another device Q8_0, Q4_K and Q6_K (a
+Q4_K_M or Q5_K_M file's most common types) by torch there, the others through the CPU.
 
 Q4_0 is the runtime's int4 number format exactly (``layers.int4``: groups of 32 along ``K``, one float16 scale,
 ``q[j] + 8`` in the low nibble of byte ``j`` and ``q[j + 16] + 8`` in its high nibble), so a Q4_0 matrix becomes an
@@ -24,11 +28,16 @@ from collections.abc import Sequence
 from typing import cast
 
 import torch
+import torch.nn.functional as F
 
+from mla_kernels import cpu_kernels
+from mla_kernels.cpu_check import GGML_TYPES
+from mla_runtime.kernel_plan import KernelPlan
 from mla_runtime.layers.int4 import Int4Weight
-from mla_runtime.layers.qweight import QuantizedWeight, default_plan
+from mla_runtime.layers.qweight import WIDEN_CHUNK_ELEMENTS, QuantizedWeight, default_plan
 
 FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+KERNEL_TYPES = frozenset(GGML_TYPES)  # the types the compiled CPU kernels multiply as stored
 
 
 def block_shape(type_name: str) -> tuple[int, int]:
@@ -113,7 +122,7 @@ class GgufWeight(QuantizedWeight):
     """A ``[N, K]`` matrix in ggml block types (module docstring): ``parts`` is a list of (type name, uint8
     ``[rows, row_bytes]``), stacked in row order."""
 
-    __slots__ = ("parts", "k")
+    __slots__ = ("parts", "k", "kernel")
     scheme = "gguf"
 
     def __init__(self, parts: Sequence[tuple[str, torch.Tensor]], k: int, dtype: torch.dtype) -> None:
@@ -128,6 +137,11 @@ class GgufWeight(QuantizedWeight):
         self._release_float((sum(d.shape[0] for _, d in parts), k), dtype, device)
         self.parts, self.k = [(t, d) for t, d in parts], k
         self.bind(default_plan(device))
+
+    def bind(self, plan: KernelPlan) -> GgufWeight:
+        super().bind(plan)
+        self.kernel = self.on_cpu and plan.ggml_failure is None  # else every part widened per product
+        return self
 
     @property
     def types(self) -> list[str]:
@@ -186,9 +200,31 @@ class GgufWeight(QuantizedWeight):
         return self._dequantize_rows(0, self.shape[0])
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x [..., K]`` (any float dtype) -> ``x · Wᵀ (+ bias)`` in ``x``'s dtype, the weight widened a block of
-        rows at a time."""
-        return self.widened_product(x, bias)
+        """``x [..., K]`` (any float dtype) -> ``x · Wᵀ (+ bias)`` in ``x``'s dtype: each part of a type the compiled
+        kernels read from its blocks, the others widened a block of rows at a time (module docstring)."""
+        if not self.kernel or not x.numel() or not any(t in KERNEL_TYPES for t in self.types):
+            return self.widened_product(x, bias)
+        from gguf import GGMLQuantizationType
+
+        rows = x.reshape(-1, self.k)
+        outputs, first = [], 0
+        for type_name, data in self.parts:
+            if type_name in KERNEL_TYPES:
+                outputs.append(cpu_kernels.ggml_linear(rows, data, int(GGMLQuantizationType[type_name])))
+            else:
+                outputs.append(self._part_widened(rows, first, first + data.shape[0]))
+            first += data.shape[0]
+        y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.shape[0])
+
+    def _part_widened(self, rows: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+        """Float32 ``rows · W[r0:r1]ᵀ``, the weight rows widened ``WIDEN_CHUNK_ELEMENTS`` at a time."""
+        step = max(1, WIDEN_CHUNK_ELEMENTS // max(self.k, 1))
+        x = rows.float()
+        return torch.cat([F.linear(x, self._dequantize_rows(a, min(r1, a + step))) for a in range(r0, r1, step)],
+                         dim=-1)
 
 
 def int4_from_q4_0(data: torch.Tensor, k: int, dtype: torch.dtype) -> Int4Weight:

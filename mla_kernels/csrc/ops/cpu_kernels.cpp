@@ -270,6 +270,36 @@ Tensor linear_int4(const Tensor& x, const Tensor& w, const Tensor& scales, const
   return y;
 }
 
+// x [..., K] (any float dtype, computed in float32) times W [N, K]ᵀ -> float32 [..., N], W in a ggml block type as a
+// GGUF file stores it: uint8 [N, K / B x size] (rows may lie apart) for type (ggml's number) Q8_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K,
+// Q5_K or Q6_K (../gemv_ggml.c); rows rounded to int8 per group of 32. Any number of rows, MLA_QUANT_ROWS a kernel
+// call; the variants give the same bits, and a row's result does not depend on the other rows.
+Tensor ggml_linear(const Tensor& x, const Tensor& w, int64_t type, c10::string_view variant) {
+  const char* op = "ggml_linear";
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() >= 1 && at::isFloatingType(x.scalar_type()),
+                    op, ": x must be floating-point CPU rows, got ", x.scalar_type(), " ", x.sizes());
+  const int64_t n = w.dim() == 2 ? w.size(0) : 0, k = x.size(-1), rows = k ? x.numel() / k : 0;
+  const int64_t row_bytes = mla_ggml_row_bytes(type, k);
+  TORCH_CHECK_VALUE(row_bytes > 0, op, ": no kernel reads ggml type ", type, " in rows of ", k, " values");
+  // rows back to back or apart (a rank's columns of a mapped file: each row's bytes contiguous)
+  TORCH_CHECK_VALUE(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.size(1) == row_bytes &&
+                        w.stride(1) == 1 && w.stride(0) >= row_bytes,
+                    op, ": the weight's blocks must be CPU uint8 rows [N, ", row_bytes, "] (each row contiguous), got ",
+                    w.scalar_type(), " ", w.sizes(), " with strides ", w.strides());
+  TORCH_CHECK_VALUE(n >= 1 && rows >= 1, op, ": empty operands, x ", x.sizes(), " and weight ", w.sizes());
+  const int64_t runs = mla_ggml_variants();
+  TORCH_CHECK_VALUE(runs != 0, op, ": no variant runs on this CPU");
+  const int64_t v = variant_index(variant, runs, QUANT_VARIANTS, op);
+  const Tensor xs = x.to(at::kFloat).contiguous();
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = n;
+  Tensor y = at::empty(shape, xs.options());
+  for (int64_t r0 = 0; r0 < rows; r0 += MLA_QUANT_ROWS)
+    mla_gemm_ggml(type, ptr<const uint8_t>(w), w.stride(0), ptr<const float>(xs) + r0 * k, ptr<float>(y) + r0 * n,
+                  std::min<int64_t>(MLA_QUANT_ROWS, rows - r0), n, k, threads(), v < 0 ? fastest(runs) : v);
+  return y;
+}
+
 // compressed-tensors' pack-quantized int4 bytes [N, K / 2] (low nibble first) -> the nibble order linear reads.
 Tensor int4_from_stored(const Tensor& stored) {
   TORCH_CHECK_VALUE(stored.device().is_cpu() && stored.scalar_type() == at::kByte && stored.dim() == 2 &&
@@ -854,13 +884,13 @@ Tensor decoder_layer_hidden(const StepRef& step, int64_t d) {
 // -- what this library holds -----------------------------------------------------------------------------------
 
 // The products' variants, each "<family>.<name>:runs", "...:cannot run here" or "...:above the ISA cap" (float,
-// int8, int4).
+// int8, int4, ggml).
 std::vector<std::string> product_variants() {
   std::vector<std::string> out;
-  const int64_t masks[3] = {mla_float_variants(), mla_i8_variants(), mla_i4_variants()};
-  const char* families[3] = {"float", "int8", "int4"};
-  const char* const* names[3] = {FLOAT_VARIANTS, QUANT_VARIANTS, QUANT_VARIANTS};
-  for (int f = 0; f < 3; ++f)
+  const int64_t masks[4] = {mla_float_variants(), mla_i8_variants(), mla_i4_variants(), mla_ggml_variants()};
+  const char* families[4] = {"float", "int8", "int4", "ggml"};
+  const char* const* names[4] = {FLOAT_VARIANTS, QUANT_VARIANTS, QUANT_VARIANTS, QUANT_VARIANTS};
+  for (int f = 0; f < 4; ++f)
     for (int64_t i = 0; i < 2; ++i)
       out.push_back(std::string(families[f]) + "." + names[f][i] +
                     (masks[f] >> i & 1 ? ":runs" : above_cap(i) ? ":above the ISA cap" : ":cannot run here"));
@@ -888,6 +918,7 @@ TORCH_LIBRARY_FRAGMENT(mla_kernels, m) {
   m.def("linear_int4(Tensor x, Tensor w, Tensor scales, Tensor? zeros=None, int group=32, str variant=\"auto\") -> "
         "Tensor");
   m.def("int4_from_stored(Tensor stored) -> Tensor");
+  m.def("ggml_linear(Tensor x, Tensor w, int type, str variant=\"auto\") -> Tensor");
   m.def("amx_pack(Tensor w) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor packed) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -942,6 +973,7 @@ TORCH_LIBRARY_IMPL(mla_kernels, CPU, m) {
   m.impl("dense_linear", &dense_linear);
   m.impl("linear_int4", &linear_int4);
   m.impl("int4_from_stored", &int4_from_stored);
+  m.impl("ggml_linear", &ggml_linear);
   m.impl("amx_pack", &amx_pack);
   m.impl("amx_linear", &amx_linear);
   m.impl("rms_norm", &rms_norm);

@@ -1,0 +1,192 @@
+"""The compiled CPU products with weights in ggml's block types as a GGUF file stores them (``ggml_linear``), and
+``GgufWeight``'s use of them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from mla_kernels import cpu_kernels, cpu_ops
+from mla_kernels.cpu_check import GGML_TYPES
+from mla_runtime.kernel_plan import kernel_plan
+from mla_runtime.layers.gguf_weight import KERNEL_TYPES, GgufWeight
+from tests.gguf_files import dequantized, kquant_bytes, q8_rounded, quantize_q4_k, quantize_q6_k
+
+VARIANTS = ("avx2", "avx512_vnni")
+
+
+def _kernel_or_skip() -> None:
+    why = cpu_kernels.failure("ggml")
+    if why is not None:
+        pytest.skip(f"the ggml-type kernels are unavailable here: {why}")
+
+
+def _variant_or_skip(variant: str) -> None:
+    _kernel_or_skip()
+    if variant not in cpu_kernels.variants("ggml"):
+        pytest.skip(f"this CPU does not execute the ggml-type kernels' {variant} variant (it runs "
+                    f"{list(cpu_kernels.variants('ggml'))})")
+
+
+def _type_number(type_name: str) -> int:
+    from gguf import GGMLQuantizationType
+
+    return int(GGMLQuantizationType[type_name])
+
+
+def blocks(type_name: str, n: int, k: int, seed: int) -> np.ndarray:
+    """``[n, k]`` in ``type_name``: a random matrix quantised (the package's quantisers, the test ones for Q4_K and
+    Q6_K), or random valid blocks for the K-quants nothing here quantises."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+    if type_name == "Q4_K":
+        return quantize_q4_k(w)
+    if type_name == "Q6_K":
+        return quantize_q6_k(w)
+    if type_name in ("Q2_K", "Q3_K", "Q5_K"):
+        return kquant_bytes(type_name, n, k, seed)
+    return np.asarray(quantize(w, GGMLQuantizationType[type_name]))
+
+
+def _operands(type_name: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the stored bytes [n, row bytes], the package's dequantised float32 matrix)."""
+    data = np.ascontiguousarray(blocks(type_name, n, k, seed)).view(np.uint8).reshape(n, -1)
+    return torch.from_numpy(data.copy()), dequantized(type_name, data).reshape(n, k)
+
+
+def _shapes(type_name: str) -> list[tuple[int, int]]:
+    """(n, k): several blocks a row, an odd count of 32-value blocks, and a thread's block of rows left short."""
+    return [(37, 1024), (9, 768)] if type_name.endswith("_K") else [(37, 256), (9, 96), (130, 160)]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("type_name", sorted(GGML_TYPES))
+def test_each_kernel_is_its_rounded_rows_times_the_dequantised_weight(type_name, variant):
+    """Within float32 summation order of the exact product of the rounded rows (``q8_rounded``) and the weight the
+    ``gguf`` package dequantises; a row's bits the same alone and among 5 and 64 rows, and in every variant."""
+    _variant_or_skip(variant)
+    for n, k in _shapes(type_name):
+        w, wide = _operands(type_name, n, k, seed=n + k)
+        g = torch.Generator().manual_seed(n * k)
+        x = torch.randn(64, k, generator=g) * torch.logspace(-2, 2, k)[torch.randperm(k, generator=g)]
+        xr = q8_rounded(x).double()
+        got = cpu_kernels.ggml_linear(x, w, _type_number(type_name), variant=variant)
+        want = xr @ wide.double().T
+        assert got.dtype == torch.float32 and got.shape == (64, n)
+        assert ((got.double() - want).abs() <= 2e-6 * (xr.abs() @ wide.double().abs().T) + 1e-30).all()
+        for rows in (1, 5):
+            for first in (0, 64 - rows):
+                part = cpu_kernels.ggml_linear(x[first:first + rows], w, _type_number(type_name), variant=variant)
+                assert torch.equal(part, got[first:first + rows])
+        assert torch.equal(got, cpu_kernels.ggml_linear(x, w, _type_number(type_name)))  # "auto": the same bits
+
+
+def test_rows_past_one_call_and_threads():
+    """More rows than one kernel call takes, and any thread count: each row the bits it has alone."""
+    _kernel_or_skip()
+    w, _ = _operands("Q4_K", 70, 512, seed=1)
+    x = torch.randn(150, 512)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(cpu_kernels.ggml_linear(x, w, _type_number("Q4_K")))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    assert torch.equal(outs[0][149:], cpu_kernels.ggml_linear(x[149:], w, _type_number("Q4_K")))
+
+
+def test_a_non_finite_group_makes_its_row_nan():
+    _kernel_or_skip()
+    w, _ = _operands("Q8_0", 8, 64, seed=2)
+    x = torch.randn(3, 64)
+    x[1, 40] = float("inf")
+    x[2, :32] = 0.0
+    x[2, 3] = 1e-40  # a subnormal group: 127 / amax is infinite, its zeros stay zeros
+    y = cpu_kernels.ggml_linear(x, w, _type_number("Q8_0"))
+    assert y[1].isnan().all() and y[[0, 2]].isfinite().all()
+    x[2, 3] = 0.0
+    assert torch.equal(y[2], cpu_kernels.ggml_linear(x[2:], w, _type_number("Q8_0"))[0])
+
+
+def test_bad_operands_are_refused():
+    _kernel_or_skip()
+    w, _ = _operands("Q6_K", 4, 256, seed=3)
+    with pytest.raises(ValueError, match="no kernel reads ggml type 14 in rows of 128 values"):
+        cpu_kernels.ggml_linear(torch.randn(2, 128), w, _type_number("Q6_K"))
+    with pytest.raises(ValueError, match="no kernel reads ggml type 2 in rows"):  # Q4_0: the int4 format's
+        cpu_kernels.ggml_linear(torch.randn(2, 256), w, _type_number("Q4_0"))
+    with pytest.raises(ValueError, match=r"the weight's blocks must be CPU uint8 rows \[N, 210\]"):
+        cpu_kernels.ggml_linear(torch.randn(2, 256), w[:, :-1], _type_number("Q6_K"))
+    with pytest.raises(ValueError, match=r"the weight's blocks must be CPU uint8 rows \[N, 210\]"):
+        cpu_kernels.ggml_linear(torch.randn(2, 256), w.t().contiguous().t(), _type_number("Q6_K"))
+    with pytest.raises(ValueError, match="unknown variant 'sse2'"):
+        cpu_kernels.ggml_linear(torch.randn(2, 256), w, _type_number("Q6_K"), variant="sse2")
+
+
+def test_rows_apart_read_as_rows_back_to_back():
+    """A weight whose rows lie apart (a rank's columns of a mapped file) gives what its contiguous copy gives."""
+    _kernel_or_skip()
+    w, _ = _operands("Q4_K", 9, 1024, seed=4)
+    columns = w[:, 144:432]  # super-blocks 1 and 2 of each row: K = 512
+    assert not columns.is_contiguous()
+    x = torch.randn(3, 512)
+    got = cpu_kernels.ggml_linear(x, columns, _type_number("Q4_K"))
+    assert torch.equal(got, cpu_kernels.ggml_linear(x, columns.contiguous(), _type_number("Q4_K")))
+
+
+_CAPPED = """
+import sys, torch
+from mla_kernels import cpu_kernels
+data = torch.load(sys.argv[1])
+print(",".join(cpu_kernels.variants("ggml")))
+torch.save([cpu_kernels.ggml_linear(data["x"], w, t) for t, w in data["weights"]], sys.argv[2])
+"""
+
+
+def test_a_process_capped_at_avx2_computes_the_same_bits(tmp_path):
+    """``MLA_CPU_ISA=avx2`` runs the AVX2 variant only, and its products are this process's bit for bit (the
+    variants compute the same operations)."""
+    _kernel_or_skip()
+    weights = [(_type_number(t), _operands(t, 19, 512, seed=5)[0]) for t in sorted(GGML_TYPES)]
+    x = torch.randn(9, 512)
+    torch.save({"x": x, "weights": weights}, tmp_path / "in.pt")
+    env = {**os.environ, cpu_ops.ISA_ENV: "avx2"}
+    done = subprocess.run([sys.executable, "-c", _CAPPED, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+                          env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "avx2"
+    for (t, w), got in zip(weights, torch.load(tmp_path / "out.pt"), strict=True):
+        assert torch.equal(got, cpu_kernels.ggml_linear(x, w, t)), t
+        assert torch.equal(got, cpu_kernels.ggml_linear(x, w, t, variant="avx2")), t
+
+
+def test_a_gguf_weight_takes_the_kernels_for_their_parts_and_widens_the_others():
+    """A matrix stacked from a Q4_K, an F16 and a Q6_K part: the block parts' rows are the kernel's, the F16 part's
+    the widened product; under ``cpu_gemm=plain`` every part is widened."""
+    _kernel_or_skip()
+    (q4, q4_wide), (q6, q6_wide) = _operands("Q4_K", 12, 256, seed=6), _operands("Q6_K", 7, 256, seed=7)
+    f16 = torch.randn(5, 256).half()
+    weight = GgufWeight([("Q4_K", q4), ("F16", f16.view(torch.uint8)), ("Q6_K", q6)], 256, torch.float32)
+    assert weight.kernel and {"Q4_K", "Q6_K"} <= KERNEL_TYPES and "F16" not in KERNEL_TYPES
+    x = torch.randn(2, 3, 256)
+    got = weight.matmul(x, torch.ones(24))
+    rows = x.reshape(6, 256)
+    assert torch.equal(got[..., :12].reshape(6, 12), cpu_kernels.ggml_linear(rows, q4, _type_number("Q4_K")) + 1)
+    assert torch.equal(got[..., 17:].reshape(6, 7), cpu_kernels.ggml_linear(rows, q6, _type_number("Q6_K")) + 1)
+    torch.testing.assert_close(got[..., 12:17], x @ f16.float().T + 1)
+    torch.testing.assert_close(got[..., :12], q8_rounded(rows).reshape(2, 3, 256) @ q4_wide.T + 1)
+    weight.bind(kernel_plan("plain"))
+    assert not weight.kernel
+    want = x @ torch.cat([q4_wide, f16.float(), q6_wide]).T + 1
+    torch.testing.assert_close(weight.matmul(x, torch.ones(24)), want)
+    assert kernel_plan("plain").ggml_failure == "cpu_gemm=plain forces the fallback"
