@@ -389,6 +389,10 @@ def _register_fakes() -> None:
     def _(stored):  # type: ignore[no-untyped-def]
         return torch.empty_like(stored)
 
+    @lib.register_fake("mla_kernels::linear_int4")
+    def _(x, w, scales, zeros=None, group=32, variant="auto"):  # type: ignore[no-untyped-def]
+        return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=torch.float32)
+
     @lib.register_fake("mla_kernels::ggml_linear")
     def _(x, w, type, variant="auto"):  # type: ignore[no-untyped-def]
         return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=torch.float32)
@@ -410,5 +414,6 @@ def _register_fakes() -> None:
         return q_n.new_empty((q_n.shape[0], q_n.shape[1], w_uv_t.shape[2]), dtype=torch.float32)
 
     lib.register_fake("mla_kernels::rope_store", lambda *args, **kwargs: None)
-    _FAKES.extend(["linear", "dense_linear", "amx_pack", "amx_linear", "int4_from_stored", "ggml_linear", "rms_norm",
+    _FAKES.extend(["linear", "dense_linear", "amx_pack", "amx_linear", "int4_from_stored", "linear_int4", "ggml_linear",
+                   "rms_norm",
                    "absorbed_decode", "rope_store"])
