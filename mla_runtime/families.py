@@ -497,6 +497,84 @@ def _longcat_flash_name(name: str) -> str | None:
     return name.replace(".mlp.router.classifier.", ".mlp.gate.").replace(".mlp.router.", ".mlp.gate.")
 
 
+# -- hybrids: MLA layers between linear-attention (Kimi Delta Attention) layers ----------------------------------------
+_KIMI_LINEAR_ALIASES = (("n_group", "num_expert_group"), ("n_routed_experts", "num_experts"),
+                        ("n_routed_experts", "num_local_experts"), ("num_experts_per_tok", "num_experts_per_token"),
+                        ("n_shared_experts", "num_shared_experts"), ("norm_topk_prob", "moe_renormalize"),
+                        ("max_position_embeddings", "model_max_length"))
+
+
+def _kimi_linear_layer_kinds(out: Raw, layers: int) -> list[bool]:
+    """Which layers are linear-attention ones: ``layer_types``, else the original config's 1-indexed
+    ``linear_attn_config`` lists, else transformers' default (full attention at every fourth layer but the first)."""
+    lin = out.get("linear_attn_config") or {}
+    kinds = out.get("layer_types")
+    if kinds is None and "full_attn_layers" in lin and "kda_layers" in lin:
+        kinds = [None] * layers
+        for i in lin["full_attn_layers"]:
+            kinds[int(i) - 1] = "full_attention"
+        for i in lin["kda_layers"]:
+            kinds[int(i) - 1] = "linear_attention"
+    if kinds is None:
+        kinds = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(layers)]
+    if len(kinds) != layers:
+        raise ValueError(f"kimi_linear: layer_types lists {len(kinds)} layers, the model has {layers}")
+    unknown = sorted({str(k) for k in kinds} - {"full_attention", "linear_attention"})
+    if unknown:
+        raise ValueError(f"kimi_linear: layer_types {unknown} are not supported (use 'full_attention' or "
+                         f"'linear_attention')")
+    return [k == "linear_attention" for k in kinds]
+
+
+def _kimi_linear(raw: Raw) -> Raw:
+    """Kimi Linear (``kimi_linear``): DeepSeek-V3's decoder (its router: sigmoid scores, correction bias, grouped
+    top-k) whose attention is MLA without RoPE (the shared ``d_r`` key dims carry no position: RoPE kind ``none``;
+    no Q-LoRA by default) in the ``full_attention`` layers and Kimi Delta Attention (``layers.kda``) in the
+    ``linear_attention`` ones; dense MLP or MoE per ``mlp_layer_types`` (default: the first
+    ``first_k_dense_replace`` = 1 dense)."""
+    out = dict(raw)
+    for name, alias in _KIMI_LINEAR_ALIASES:
+        _alias(out, name, alias)
+    lin = out.get("linear_attn_config") or {}
+    out = _with_defaults(out, vocab_size=163840, hidden_size=2304, intermediate_size=9216, moe_intermediate_size=1024,
+                         num_hidden_layers=27, num_attention_heads=32, n_shared_experts=1, routed_scaling_factor=2.446,
+                         kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=128,
+                         qk_nope_head_dim=128, n_group=1, topk_group=1, num_experts_per_tok=8, norm_topk_prob=True,
+                         max_position_embeddings=1048576, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                         n_routed_experts=256, bos_token_id=163584, eos_token_id=163586,
+                         linear_head_dim=lin.get("head_dim", 128), linear_num_heads=lin.get("num_heads", 32),
+                         linear_conv_kernel_dim=lin.get("short_conv_kernel_size", 4))
+    layers = int(out["num_hidden_layers"])
+    mlp_kinds = out.get("mlp_layer_types") or [
+        "dense" if i < int(out.get("first_k_dense_replace") or 1) else "sparse" for i in range(layers)]
+    unknown = sorted(set(mlp_kinds) - {"dense", "sparse"})
+    if unknown:
+        raise ValueError(f"kimi_linear: mlp_layer_types {unknown} are not supported (use 'dense' or 'sparse')")
+    return {**out, **V3_ROUTER, "moe_layers": [k == "sparse" for k in mlp_kinds], "first_k_dense_replace": 0,
+            "rope_parameters": {"rope_type": "none"}, "rope_scaling": None, "rope_interleave": False,
+            "latent_norm_eps": REFERENCE_NORM_EPS, "num_nextn_predict_layers": 0,
+            "linear_layers": _kimi_linear_layer_kinds(out, layers), "linear_num_heads": out["linear_num_heads"],
+            "linear_head_dim": out["linear_head_dim"], "linear_conv_kernel": out["linear_conv_kernel_dim"]}
+
+
+_KIMI_LINEAR_EXPERT = {".w1.": ".gate_proj.", ".w2.": ".down_proj.", ".w3.": ".up_proj."}
+_KIMI_LINEAR_GATE = ("A_log", "dt_bias", "f_a_proj.", "f_b_proj.")
+
+
+def _kimi_linear_name(name: str) -> str | None:
+    """Kimi Linear's stored names (its original layout, which transformers saves too) -> the model's:
+    ``block_sparse_moe`` is the MLP or MoE (experts' ``w1``/``w2``/``w3``: gate, down, up), and the forget gate's
+    tensors (``self_attn.A_log``, ``dt_bias``, ``f_a_proj``, ``f_b_proj``) live in ``self_attn.forget_gate``."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    if ".mlp.experts." in name:
+        for old, new in _KIMI_LINEAR_EXPERT.items():
+            name = name.replace(old, new)
+    head, sep, tail = name.partition(".self_attn.")
+    if sep and tail.startswith(_KIMI_LINEAR_GATE):
+        return f"{head}.self_attn.forget_gate.{tail}"
+    return name
+
+
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("deepseek_v2", "deepseek_v2", "deepseek-ai/DeepSeek-V2-Lite"),
     Family("deepseek_v3", "deepseek_v3", "deepseek-ai/DeepSeek-V3"),
@@ -516,6 +594,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("mistral_large4_text", "deepseek_v3", "mistralai/Mistral-Large-4-1T-A52B", _mistral_large4,
            _mistral_large4_name),
     Family("longcat_flash", "deepseek_v3", "meituan-longcat/LongCat-Flash-Chat", _longcat_flash, _longcat_flash_name),
+    Family("kimi_linear", "deepseek_v3", "moonshotai/Kimi-Linear-48B-A3B-Instruct", _kimi_linear,
+           _kimi_linear_name),
 )}
 # checkpoints that name only their architecture
 ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}

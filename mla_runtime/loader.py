@@ -63,6 +63,7 @@ from mla_runtime.layers.quantization import (
 from mla_runtime.layers.qweight import QuantizedWeight
 from mla_runtime.layers.rotary import RotaryEmbedding
 from mla_runtime.models.deepseek import DeepseekForCausalLM
+from mla_runtime.models.hybrid import causal_lm
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 from mla_runtime.resolved_config import ResolvedConfig
 
@@ -148,6 +149,21 @@ class _Layout:
             for name in names:
                 self.whole(f"{p}.self_attn.indexer.{name}")
 
+    def linear_attention(self, p: str) -> None:
+        """A hybrid's linear-attention layer (``layers.kda``), replicated (hybrids run on one rank)."""
+        lin = self.cfg.linear_attention
+        assert lin is not None
+        width = lin.num_heads * lin.head_dim
+        names = ["q_proj", "k_proj", "v_proj", "b_proj", "g_a_proj", "g_b_proj", "o_proj", "o_norm",
+                 "forget_gate.f_a_proj", "forget_gate.f_b_proj"]
+        for name in names:
+            self.whole(f"{p}.self_attn.{name}.weight")
+        for name in ("dt_bias", "A_log"):
+            self.whole(f"{p}.self_attn.forget_gate.{name}")
+        for j, part in enumerate("qkv"):  # the queries', keys' and values' taps, stacked in that order
+            self.table[f"{p}.self_attn.{part}_conv1d.weight"] = Slot(f"{p}.self_attn.conv1d.weight",
+                                                                      (slice(j * width, (j + 1) * width),))
+
     def norm(self, prefix: str, gated: bool) -> None:
         """A decoder norm, replicated: an RMSNorm, or A.X-K2's gated one (``layers.norm.GatedRMSNorm``: its norm and
         the gate's ``W_down``/``W_up``)."""
@@ -208,7 +224,10 @@ def _decoder_layer(layout: _Layout, cfg: ModelConfig, i: int, fused_expert_layer
         return
     layout.norm(f"{p}.input_layernorm", cfg.gated_norm_rank > 0)
     layout.norm(f"{p}.post_attention_layernorm", cfg.gated_norm_rank > 0 and cfg.is_moe_layer(i))
-    layout.attention(p)
+    if cfg.is_linear_layer(i):
+        layout.linear_attention(p)
+    else:
+        layout.attention(p)
     if cfg.is_moe_layer(i):
         layout.moe(p, i in fused_expert_layers)
     else:
@@ -766,6 +785,6 @@ def load_resolved(path: str | Path, rc: ResolvedConfig) -> DeepseekForCausalLM:
     if rc.num_mtp_layers > rc.model.num_nextn_predict_layers:
         check_mtp_weights(rc.model, {}, Path(path))
     with torch.device("meta"):  # parameters that take no memory: load_weights allocates each in its final form
-        model = DeepseekForCausalLM(rc)
+        model = causal_lm(rc)
     load_weights(model, path, rc.quantization, rc.device)
     return model.eval().prepare_inference()
