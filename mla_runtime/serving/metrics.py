@@ -130,12 +130,17 @@ class EngineCollector(Collector):
         mem = GaugeMetricFamily("mla_memory_bytes", "Memory by part: weights, latent cache, planned activation "
                                 "reserve, other (measured process/device memory beyond weights and cache)",
                                 labels=["part"])
-        weights, cache = d.weight_bytes, d.cache_bytes
+        weights, cache = d.weight_bytes, d.cache_bytes + d.state_bytes
         mem.add_metric(["weights"], weights)
-        mem.add_metric(["latent_cache"], cache)
+        mem.add_metric(["latent_cache"], d.cache_bytes)
+        mem.add_metric(["state_cache"], d.state_bytes)
         mem.add_metric(["activations_reserve"], d.activation_bytes)
         mem.add_metric(["other"], max(0, _process_memory_bytes(d.device) - weights - cache))
         yield mem
+        yield gauge("mla_latent_cache_bytes_per_token", "Latent-cache bytes of one token (all MLA layers)",
+                    d.cache_bytes_per_token)
+        yield gauge("mla_state_cache_bytes_per_sequence", "A hybrid model's linear-attention state bytes of one "
+                    "running sequence (0: no linear-attention layers)", d.state_bytes_per_sequence)
         yield gauge("mla_memory_limit_bytes", "Memory this process may use: its cgroup limit, else the host's RAM "
                     "(compare with process_resident_memory_bytes)", self.memory_limit)
         info = GaugeMetricFamily("mla_model_info", "Served model, cache layout and the weights' sha256 fingerprint "
