@@ -32,6 +32,7 @@ from mla_runtime.layers.moe import Experts
 from mla_runtime.layers.quantization import WEIGHT_FORMATS, quantized_parameter_names
 from mla_runtime.layers.qweight import QuantizedWeight
 from mla_runtime.loader import STORED_FP8, Slot, _weight_kinds, checkpoint_layout
+from mla_runtime.models.deepseek import DeepseekForCausalLM
 from mla_runtime.models.hybrid import causal_lm
 from mla_runtime.options import WEIGHT_QUANTIZATIONS
 from mla_runtime.parallel import ParallelContext
