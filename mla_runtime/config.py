@@ -198,17 +198,24 @@ class LinearAttentionConfig:
     (the others are MLA layers). Each has ``num_heads`` heads of ``head_dim`` (keys and values alike) and a short
     causal convolution of ``conv_kernel`` taps over its queries, keys and values. It caches no token: each sequence
     carries, per such layer, a recurrent state ``[num_heads, head_dim, head_dim]`` and the convolution's last
-    ``conv_kernel - 1`` inputs (``cache/state_cache.py``)."""
+    ``conv_kernel - 1`` inputs (``cache/state_cache.py``). Variations: the forget gate's and the output gate's
+    projections low-rank (``low_rank_gates``: Kimi Linear's ``f_a``/``f_b`` and ``g_a``/``g_b``) or full (Ling's
+    ``f_proj``, ``g_proj``); the forget gate ``-exp(A) softplus(x)`` (``gate_lower_bound`` None) or bounded,
+    ``lower_bound * sigmoid(exp(A) x)`` (Ling's safe gate)."""
 
     layers: tuple[bool, ...]
     num_heads: int
     head_dim: int
     conv_kernel: int
+    low_rank_gates: bool = True
+    gate_lower_bound: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "head_dim", "conv_kernel"):
             if getattr(self, name) < 1:
                 raise ValueError(f"linear attention: {name} must be >= 1, got {getattr(self, name)}")
+        if self.gate_lower_bound is not None and self.gate_lower_bound >= 0:
+            raise ValueError(f"kda_lower_bound must be negative (a log forget gate), got {self.gate_lower_bound}")
         if all(self.layers):
             raise ValueError("layer_types: every layer is a linear-attention layer; mla-runtime serves hybrids with at "
                              "least one full-attention (MLA) layer")
@@ -293,6 +300,9 @@ class ModelConfig:
     logit_softcap: float = 0.0
     # a hybrid model's linear-attention layers (Kimi Linear); None: every layer is an MLA layer
     linear_attention: LinearAttentionConfig | None = None
+    # Ling's MLA: each head's attention output times ``sigmoid(g_proj(x))`` (one gate per head, from the layer's
+    # input) before o_proj
+    attention_head_gate: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
@@ -344,6 +354,8 @@ class ModelConfig:
             raise ValueError("query_lora_scale needs a q_lora_rank (it scales q_a_layernorm)")
         if self.query_gate and self.q_lora_rank is None:
             raise ValueError("query_gate needs a q_lora_rank (its projection reads the query's low-rank state)")
+        if self.attention_head_gate and self.query_gate:
+            raise ValueError("attention_head_gate and query_gate: an attention has one output gate")
         if self.gated_norm_rank < 0:
             raise ValueError(f"gated_norm_rank must be >= 0, got {self.gated_norm_rank}")
         if self.rope_layers is not None and len(self.rope_layers) != self.num_hidden_layers:
@@ -677,6 +689,7 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         query_log_scaling=bool(raw.get("query_log_scaling", False)),
         logit_softcap=float(raw.get("logit_softcap") or 0.0),
         linear_attention=_parse_linear_attention(raw),
+        attention_head_gate=bool(raw.get("attention_head_gate", False)),
     )
 
 
@@ -688,7 +701,10 @@ def _parse_linear_attention(raw: dict[str, Any]) -> LinearAttentionConfig | None
     return LinearAttentionConfig(layers=tuple(bool(b) for b in layers),
                                  num_heads=int(_required(raw, "linear_num_heads")),
                                  head_dim=int(_required(raw, "linear_head_dim")),
-                                 conv_kernel=int(_required(raw, "linear_conv_kernel")))
+                                 conv_kernel=int(_required(raw, "linear_conv_kernel")),
+                                 low_rank_gates=bool(raw.get("linear_low_rank_gates", True)),
+                                 gate_lower_bound=None if raw.get("linear_gate_lower_bound") is None
+                                 else float(raw["linear_gate_lower_bound"]))
 
 
 def _parse_indexer(raw: dict[str, Any]) -> IndexerConfig | None:

@@ -137,6 +137,8 @@ class _Layout:
         if cfg.query_gate:  # A.X-K2: its q_b_proj is q_gate_proj, each head's query rows then its gate rows
             self.table[f"{p}.self_attn.q_b_proj.weight"] = Slot(
                 f"{p}.self_attn.q_gate_proj.weight", (), self.part(0, h * (cfg.qk_head_dim + cfg.v_head_dim)))
+        if cfg.attention_head_gate:  # Ling: one gate row per head, each rank its heads'
+            self.table[f"{p}.self_attn.g_proj.weight"] = Slot(f"{p}.self_attn.g_proj.weight", (), self.part(0, h))
         if cfg.query_log_scaling:  # Mistral Large 4: per head, each rank its heads'
             for name in ("scale", "bias"):
                 self.table[f"{p}.self_attn.softmax_scaling.{name}"] = Slot(f"{p}.self_attn.softmax_scaling.{name}",
@@ -154,8 +156,9 @@ class _Layout:
         lin = self.cfg.linear_attention
         assert lin is not None
         width = lin.num_heads * lin.head_dim
-        names = ["q_proj", "k_proj", "v_proj", "b_proj", "g_a_proj", "g_b_proj", "o_proj", "o_norm",
-                 "forget_gate.f_a_proj", "forget_gate.f_b_proj"]
+        gates = ["g_a_proj", "g_b_proj", "forget_gate.f_a_proj", "forget_gate.f_b_proj"] if lin.low_rank_gates \
+            else ["g_proj", "forget_gate.f_proj"]
+        names = ["q_proj", "k_proj", "v_proj", "b_proj", "o_proj", "o_norm", *gates]
         for name in names:
             self.whole(f"{p}.self_attn.{name}.weight")
         for name in ("dt_bias", "A_log"):

@@ -57,7 +57,7 @@ INT8_TIE = 1e-3
 SPARSE = ("deepseek_v32", "glm_moe_dsa", "axk2", "mistral_large4")
 DENSE = ("deepseek_v2", "deepseek_v3", "kimi_k25", "sarvam_mla", "axk1", "mistral4", "glm4_moe_lite", "minicpm3",
          "youtu", "longcat_flash")
-HYBRID = ("kimi_linear",)  # MLA layers between linear-attention layers
+HYBRID = ("kimi_linear", "bailing_hybrid")  # MLA layers between linear-attention layers
 MODEL_TYPES = DENSE + SPARSE + HYBRID
 # hybrids run on one rank without speculative decoding (their linear layers' states advance with every token)
 ONE_RANK_NO_DRAFTS = DENSE + SPARSE
@@ -134,6 +134,14 @@ def text_config(model_type: str, rng: random.Random | None) -> dict[str, Any]:
                                     for i in range(max(layers, 2))])
         for name in ("n_routed_experts", "first_k_dense_replace", "rope_interleave"):
             cfg.pop(name)
+    if model_type == "bailing_hybrid":  # the last layer of every group is MLA
+        group = _pick(rng, 2, 2, 3)
+        cfg.update(num_hidden_layers=max(layers, group), layer_group_size=group, q_lora_rank=_pick(rng, None, None, 48),
+                   num_local_experts=8, head_dim=_pick(rng, 16, 8, 16, 32), short_conv_kernel_size=_pick(rng, 4, 2, 4),
+                   kda_safe_gate=_pick(rng, True, True, False),
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        for name in ("n_routed_experts", "rope_interleave"):
+            cfg.pop(name)
     if model_type == "mistral_large4":
         cfg.update(q_lora_rank=None, no_rope_layers=([1, 0] + [1] * layers)[:layers],
                    indexer_types=(["full", "full", "shared"] + ["full"] * layers)[:layers],
@@ -189,7 +197,7 @@ def build(model_type: str, seed: int | None = None) -> torch.nn.Module:
         prefix = {"deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3", "sarvam_mla": "SarvamMLA", "axk1": "AXK1",
                   "mistral4": "Mistral4", "glm4_moe_lite": "Glm4MoeLite", "minicpm3": "MiniCPM3", "youtu": "Youtu",
                   "deepseek_v32": "DeepseekV32", "glm_moe_dsa": "GlmMoeDsa", "axk2": "AXK2",
-                  "kimi_linear": "KimiLinear"}[model_type]
+                  "kimi_linear": "KimiLinear", "bailing_hybrid": "BailingHybrid"}[model_type]
         config = getattr(tf, f"{prefix}Config")(**cfg)
         model = getattr(tf, f"{prefix}ForCausalLM", None)
         model = tf.AutoModelForCausalLM.from_config(config) if model is None else model(config)

@@ -1,8 +1,8 @@
-"""Hybrid models (``kimi_linear``): MLA layers between Kimi Delta Attention layers, against transformers' own class on
-a tiny random checkpoint. The gated delta rule's chunked and recurrent forms against a per-token float32 reference;
-prefill logits whole and chunked; greedy tokens through ``LLM`` (mixed lengths together, chunked prefill,
-preemption: ``tests/test_conformance.py`` runs those cells); every state slot free after many requests with aborts;
-the settings a hybrid does not run with refused by name; the state bytes shown beside the latent bytes."""
+"""Hybrid models (``kimi_linear``, ``bailing_hybrid``): MLA layers between Kimi Delta Attention layers, against
+transformers' own classes on tiny random checkpoints. The gated delta rule's chunked and recurrent forms against a
+per-token reference; prefill logits whole and chunked; greedy tokens through ``LLM`` (mixed lengths together, chunked
+prefill, preemption: ``tests/test_conformance.py`` runs those cells); every state slot free after many requests with
+aborts; the settings a hybrid does not run with refused by name; the state bytes shown beside the latent bytes."""
 
 from __future__ import annotations
 
@@ -289,3 +289,77 @@ def test_state_slots_and_state_batches_refuse_misuse():
     cfg = ModelConfig.from_dict(_config())
     assert cfg.linear_attention is not None
     assert StateCache(cfg.linear_attention, 5).bytes_per_slot == cfg.state_bytes_per_sequence
+
+
+# -- Ling's hybrid (bailing_hybrid) ---------------------------------------------------------------------------------
+BAILING: dict[str, Any] = dict(
+    vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+    kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, head_dim=16, num_local_experts=8,
+    num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=32, intermediate_size=96,
+    layer_group_size=2, first_k_dense_replace=1, bos_token_id=0, eos_token_id=1, pad_token_id=None,
+    max_position_embeddings=512, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+def build_bailing(**changes: Any):
+    """transformers' Ling hybrid (tiny): every matrix at 1/sqrt(fan_in), norms near 1, spread forget rates."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.BailingHybridForCausalLM(tf.BailingHybridConfig(**{**BAILING, **changes}))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+            elif "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith(("A_log", "dt_bias")):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+    return model.eval()
+
+
+@pytest.mark.parametrize("safe_gate", [True, False])
+def test_bailing_hybrid_logits_and_greedy_tokens_match_transformers(tmp_path, safe_gate):
+    hf = build_bailing(kda_safe_gate=safe_gate)
+    hf.save_pretrained(tmp_path)  # Ling's layout: word_embeddings, attention.dense, gate.expert_bias
+    model = load_model(tmp_path, dtype="float32")
+    assert isinstance(model, HybridForCausalLM) and model.num_cache_layers == 2
+    assert all(a.g_proj is not None for a in model.attention_layers())  # the per-head output gate
+    ps = prompts((5, 17, 40, 1), seed=2)
+    runner = PagedRunner(model, len(ps), max(map(len, ps)))
+    for p, got in zip(ps, runner.prefill(ps, 7)):
+        ref = hf_logits(hf, p)
+        assert float((got - ref).abs().max() / ref.abs().max()) <= 1e-4
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=128, kv_cache_memory="1MiB", block_size=16)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)
+    finally:
+        llm.shutdown()
+    for p, out in zip(ps, outs):
+        assert list(out.outputs[0].token_ids) == hf_greedy(hf, p, GREEDY.max_tokens)
+
+
+def test_bailing_hybrid_config_and_names():
+    import transformers
+
+    raw = transformers.BailingHybridConfig(**BAILING).to_dict()
+    cfg = ModelConfig.from_dict(raw)
+    lin = cfg.linear_attention
+    assert lin is not None and lin.layers == (True, False, True, False) and not lin.low_rank_gates
+    assert (lin.num_heads, lin.head_dim, lin.gate_lower_bound) == (4, 16, -5.0)
+    assert cfg.attention_head_gate and cfg.rope.kind == "default" and cfg.rope.interleave
+    assert cfg.moe is not None and cfg.moe.moe_layers == (False, True, True, True) and cfg.moe.n_group == 2
+    assert ModelConfig.from_dict({**raw, "kda_safe_gate": False}).linear_attention.gate_lower_bound is None
+    default = {k: v for k, v in raw.items() if k != "layer_types"}
+    assert ModelConfig.from_dict({**default, "layer_group_size": 4}).linear_attention.layers == (True,) * 3 + (False,)
+    rename = FAMILIES["bailing_hybrid"].rename
+    assert rename("model.word_embeddings.weight") == "model.embed_tokens.weight"
+    assert rename("model.layers.1.attention.dense.weight") == "model.layers.1.self_attn.o_proj.weight"
+    assert rename("model.layers.1.mlp.gate.expert_bias") == "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert rename("model.layers.0.attention.f_proj.weight") == "model.layers.0.self_attn.forget_gate.f_proj.weight"
+    assert rename("model.layers.0.attention.g_proj.weight") == "model.layers.0.self_attn.g_proj.weight"
+    with pytest.raises(ValueError, match="kda_lower_bound"):
+        ModelConfig.from_dict({**raw, "kda_lower_bound": 1.0})

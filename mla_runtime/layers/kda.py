@@ -3,10 +3,14 @@
 For the new tokens ``x [T, d]`` of a step (several sequences, each contiguous)::
 
     [q ; k ; v] = silu(conv(x W_q ; x W_k ; x W_v))     a causal depthwise convolution of conv_kernel taps
-    g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)  per head and key channel: the log forget gate
+    g = -exp(A_log) * softplus(f(x) + dt_bias)          per head and key channel: the log forget gate
     beta = sigmoid(b_proj(x))                            per head
     o = gated delta rule (layers.delta_rule) over (q, k, v, g, beta)
-    out = o_proj(rmsnorm(o) * sigmoid(g_b(g_a(x))))      per head: a norm over d_v, then an output gate
+    out = o_proj(rmsnorm(o) * sigmoid(g(x)))             per head: a norm over d_v, then an output gate
+
+Kimi Linear's ``f`` and ``g`` are low-rank (``f_b(f_a(x))``, ``g_b(g_a(x))``), Ling's full (``f_proj``, ``g_proj``);
+Ling's forget gate is bounded: ``g = lower_bound * sigmoid(exp(A_log) * (f(x) + dt_bias))``
+(``LinearAttentionConfig``).
 
 The layer keeps no per-token cache. A sequence's state lives in its slot of the step's ``LayerState``: the
 convolution's last ``conv_kernel - 1`` inputs and the recurrent ``[H, d_k, d_v]`` state, both float32. A sequence
@@ -17,40 +21,51 @@ form of the rule from the slot's state. Each sequence reads and writes its own s
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mla_runtime.cache.state_cache import LayerState
-from mla_runtime.config import ModelConfig
+from mla_runtime.config import LinearAttentionConfig, ModelConfig
 from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.layers import delta_rule
 from mla_runtime.layers.linear import Linear
 
 
 class ShortConv(nn.Module):
-    """The depthwise causal convolution's taps, ``weight [channels, 1, kernel]`` (the checkpoint's layout)."""
+    """The depthwise causal convolution's taps, ``weight [channels, 1, kernel]`` (the checkpoint's layout), kept in
+    float32 whatever the model's dtype: the convolution runs in float32."""
 
-    def __init__(self, channels: int, kernel: int, dtype: torch.dtype) -> None:
+    def __init__(self, channels: int, kernel: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(channels, 1, kernel, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel, dtype=torch.float32), requires_grad=False)
 
 
 class ForgetGate(nn.Module):
-    """``g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)``: a low-rank projection to every head's key channels."""
+    """The log forget gate ``[T, H, d_k]`` from ``f(x) + dt_bias``: ``-exp(A_log) softplus(.)``, or
+    ``lower_bound sigmoid(exp(A_log) .)`` with a lower bound. ``f`` low-rank (``f_b(f_a(x))``, Kimi Linear: ``A_log
+    [1, 1, H, 1]``) or full (``f_proj``, Ling: ``A_log [H]``)."""
 
-    def __init__(self, hidden: int, heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    def __init__(self, hidden: int, lin: LinearAttentionConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        self.heads, self.head_dim = heads, head_dim
-        self.f_a_proj = Linear(hidden, head_dim, dtype)
-        self.f_b_proj = Linear(head_dim, heads * head_dim, dtype)
+        heads, head_dim = lin.num_heads, lin.head_dim
+        self.heads, self.head_dim, self.lower_bound = heads, head_dim, lin.gate_lower_bound
+        self.f_proj = None if lin.low_rank_gates else Linear(hidden, heads * head_dim, dtype)
+        self.f_a_proj = Linear(hidden, head_dim, dtype) if lin.low_rank_gates else None
+        self.f_b_proj = Linear(head_dim, heads * head_dim, dtype) if lin.low_rank_gates else None
         self.dt_bias = nn.Parameter(torch.empty(heads * head_dim, dtype=torch.float32), requires_grad=False)
-        self.A_log = nn.Parameter(torch.empty(1, 1, heads, 1, dtype=torch.float32), requires_grad=False)
+        shape = (1, 1, heads, 1) if lin.low_rank_gates else (heads,)
+        self.A_log = nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        raw = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+        f = self.f_proj(x) if self.f_proj is not None else cast(Linear, self.f_b_proj)(cast(Linear, self.f_a_proj)(x))
+        raw = (f.float() + self.dt_bias.float()).view(-1, self.heads, self.head_dim)
         rate = self.A_log.float().exp().view(self.heads, 1)
-        return -rate * F.softplus(raw, threshold=20.0).view(-1, self.heads, self.head_dim)  # [T, H, d_k]
+        if self.lower_bound is not None:
+            return self.lower_bound * torch.sigmoid(rate * raw)
+        return -rate * F.softplus(raw, threshold=20.0)
 
 
 class GatedHeadNorm(nn.Module):
@@ -75,11 +90,12 @@ class KimiDeltaAttention(nn.Module):
         self.heads, self.head_dim, self.kernel = lin.num_heads, lin.head_dim, lin.conv_kernel
         width, hidden = lin.num_heads * lin.head_dim, cfg.hidden_size
         self.q_proj, self.k_proj, self.v_proj = (Linear(hidden, width, dtype) for _ in range(3))
-        self.conv1d = ShortConv(3 * width, lin.conv_kernel, dtype)
-        self.forget_gate = ForgetGate(hidden, lin.num_heads, lin.head_dim, dtype)
+        self.conv1d = ShortConv(3 * width, lin.conv_kernel)
+        self.forget_gate = ForgetGate(hidden, lin, dtype)
         self.b_proj = Linear(hidden, lin.num_heads, dtype)
-        self.g_a_proj = Linear(hidden, lin.head_dim, dtype)
-        self.g_b_proj = Linear(lin.head_dim, width, dtype)
+        self.g_proj = None if lin.low_rank_gates else Linear(hidden, width, dtype)
+        self.g_a_proj = Linear(hidden, lin.head_dim, dtype) if lin.low_rank_gates else None
+        self.g_b_proj = Linear(lin.head_dim, width, dtype) if lin.low_rank_gates else None
         self.o_norm = GatedHeadNorm(lin.head_dim, cfg.rms_norm_eps, dtype)
         self.o_proj = Linear(width, hidden, dtype)
 
@@ -102,7 +118,8 @@ class KimiDeltaAttention(nn.Module):
             out[rows] = self._sequence(mixed[rows], g[rows], beta[rows], batch.state_slots[b],
                                        batch.context_lens_list[b] == 0, state)
             start += n
-        gate = self.g_b_proj(self.g_a_proj(x)).view(t, h, dk)
+        gate = (self.g_proj(x) if self.g_proj is not None
+                else cast(Linear, self.g_b_proj)(cast(Linear, self.g_a_proj)(x))).view(t, h, dk)
         return self.o_proj(self.o_norm(out, gate, x.dtype).reshape(t, h * dk))
 
     @staticmethod

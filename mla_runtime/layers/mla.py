@@ -74,6 +74,8 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.d_c, cfg.latent_eps, dtype)
         self.kv_b_proj = Linear(self.d_c, self.n_h * (self.d_n + self.d_v), dtype)
         self.o_proj = Linear(self.n_h * self.d_v, hidden, dtype, bias=bias)
+        # Ling (``attention_head_gate``): each head's output times sigmoid of its gate, projected from the input
+        self.g_proj = Linear(hidden, self.n_h, dtype) if cfg.attention_head_gate else None
         self.rotary = RotaryEmbedding(cfg.rope, self.d_r)
         self.d_c_in, self.rope = self.d_c, cfg.uses_rope(layer)  # the latent's width kv_a_proj_with_mqa gives; RoPE
         self.latent_down: nn.Parameter | None = None  # [r, d_c_in] when the latent rank is truncated (latent_rank)
@@ -108,6 +110,8 @@ class MLAttention(nn.Module):
         selected = sparse_selection(self, x, q_resid, meta, cache)  # sparse attention: the keys each query reads
         o = (meta.backend.forward(self.layer, q_n, q_r, meta, cache) if selected is None  # [T, n_h, d_v]
              else meta.backend.sparse_forward(self.layer, q_n, q_r, meta, cache, selected))
+        if self.g_proj is not None:
+            gate = self.g_proj(x).unsqueeze(-1)  # [T, n_h, 1]
         out = self.o_proj(gated(o, gate).reshape(x.shape[0], self.n_h * self.d_v), bias=self.par.rank == 0)  # bias once
         return self.par.all_reduce(out)
 
