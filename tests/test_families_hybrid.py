@@ -230,6 +230,8 @@ def test_engine_info_and_prefix_caching(checkpoint):
     ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
     ({"num_speculative_tokens": 2}, "num_speculative_tokens"),
     ({"latent_rank": 16}, "latent_rank"),
+    ({"kv_cache_dir": "unused-dir"}, "kv_cache_dir"),
+    ({"kv_cache_host_bytes": "1MiB"}, "kv_cache_host_bytes"),
 ])
 def test_settings_a_hybrid_does_not_run_with_are_refused_by_name(checkpoint, settings, name):
     path, _ = checkpoint
