@@ -150,7 +150,7 @@ def write_quantized_checkpoint(src: str | Path, out: str | Path, quantization: s
     from mla_runtime.config import ModelConfig
     from mla_runtime.layers.quantization import quantized_parameter_names
     from mla_runtime.loader import _Reader, checkpoint_files, checkpoint_layout
-    from mla_runtime.models.deepseek import DeepseekForCausalLM
+    from mla_runtime.models.hybrid import causal_lm
     from mla_runtime.resolved_config import ResolvedConfig
 
     if quantization not in SCHEMES:
@@ -163,7 +163,7 @@ def write_quantized_checkpoint(src: str | Path, out: str | Path, quantization: s
     out.mkdir(parents=True, exist_ok=True)
     files = checkpoint_files(src)
     with torch.device("meta"):
-        model = DeepseekForCausalLM(ResolvedConfig(cfg, torch.float32, num_mtp_layers=cfg.num_nextn_predict_layers))
+        model = causal_lm(ResolvedConfig(cfg, torch.float32, num_mtp_layers=cfg.num_nextn_predict_layers))
     products = set(quantized_parameter_names(model))
     table = checkpoint_layout(cfg, num_mtp_layers=cfg.num_nextn_predict_layers)
     reader = _Reader(files)

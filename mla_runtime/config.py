@@ -34,7 +34,9 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 @dataclass(frozen=True)
 class RopeConfig:
     """Rotary embedding of the ``d_r`` decoupled dims. ``kind`` is ``"default"``, ``"yarn"`` or ``"longrope"`` (its
-    ``short_factor`` divides each frequency; within ``original_max_position_embeddings`` only: ``_parse_longrope``)."""
+    ``short_factor`` divides each frequency; within ``original_max_position_embeddings`` only: ``_parse_longrope``),
+    or ``"none"``: no rotation (every frequency 0, so cos 1 and sin 0), for MLA whose shared ``d_r`` key dims carry
+    no position (Kimi Linear)."""
 
     theta: float = 10000.0
     kind: str = "default"
@@ -53,9 +55,9 @@ class RopeConfig:
     learned_frequency_scale: bool = False
 
     def __post_init__(self) -> None:
-        if self.kind not in ("default", "yarn", "longrope"):
-            raise ValueError(f"rope_scaling.type: unsupported RoPE type {self.kind!r} (use 'default', 'yarn' or "
-                             f"'longrope')")
+        if self.kind not in ("default", "yarn", "longrope", "none"):
+            raise ValueError(f"rope_scaling.type: unsupported RoPE type {self.kind!r} (use 'default', 'yarn', "
+                             f"'longrope' or 'none')")
         if self.kind == "longrope" and not self.short_factor:
             raise ValueError("rope_scaling.short_factor is required for longrope")
         if self.theta <= 0:
@@ -192,6 +194,49 @@ class IndexerConfig:
 
 
 @dataclass(frozen=True)
+class LinearAttentionConfig:
+    """The linear-attention (Kimi Delta Attention) layers of a hybrid model: ``layers[i]`` True: layer ``i`` is one
+    (the others are MLA layers). Each has ``num_heads`` heads of ``head_dim`` (keys and values alike) and a short
+    causal convolution of ``conv_kernel`` taps over its queries, keys and values. It caches no token: each sequence
+    carries, per such layer, a recurrent state ``[num_heads, head_dim, head_dim]`` and the convolution's last
+    ``conv_kernel - 1`` inputs (``cache/state_cache.py``). Variations: the forget gate's and the output gate's
+    projections low-rank (``low_rank_gates``: Kimi Linear's ``f_a``/``f_b`` and ``g_a``/``g_b``) or full (Ling's
+    ``f_proj``, ``g_proj``); the forget gate ``-exp(A) softplus(x)`` (``gate_lower_bound`` None) or bounded,
+    ``lower_bound * sigmoid(exp(A) x)`` (Ling's safe gate)."""
+
+    layers: tuple[bool, ...]
+    num_heads: int
+    head_dim: int
+    conv_kernel: int
+    low_rank_gates: bool = True
+    gate_lower_bound: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "head_dim", "conv_kernel"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"linear attention: {name} must be >= 1, got {getattr(self, name)}")
+        if self.gate_lower_bound is not None and self.gate_lower_bound >= 0:
+            raise ValueError(f"kda_lower_bound must be negative (a log forget gate), got {self.gate_lower_bound}")
+        if all(self.layers):
+            raise ValueError("layer_types: every layer is a linear-attention layer; mla-runtime serves hybrids with at "
+                             "least one full-attention (MLA) layer")
+
+    @property
+    def num_layers(self) -> int:
+        return sum(self.layers)
+
+    @property
+    def conv_channels(self) -> int:
+        """Channels of the short convolution: the queries', keys' and values' ``num_heads * head_dim`` each."""
+        return 3 * self.num_heads * self.head_dim
+
+    def state_bytes(self) -> int:
+        """Bytes of one sequence's state over every linear layer (float32 recurrent and convolution states)."""
+        per_layer = self.num_heads * self.head_dim * self.head_dim + self.conv_channels * (self.conv_kernel - 1)
+        return 4 * per_layer * self.num_layers
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Everything the runtime needs to know about an MLA checkpoint."""
 
@@ -256,6 +301,11 @@ class ModelConfig:
     query_log_scaling: bool = False
     # Mistral Large 4: the final logits are ``cap tanh(logits / cap)``; 0: as they are
     logit_softcap: float = 0.0
+    # a hybrid model's linear-attention layers (Kimi Linear); None: every layer is an MLA layer
+    linear_attention: LinearAttentionConfig | None = None
+    # Ling's MLA: each head's attention output times ``sigmoid(g_proj(x))`` (one gate per head, from the layer's
+    # input) before o_proj
+    attention_head_gate: bool = False
     # a GGUF file: the bits per weight of each product parameter (by model name) it stores quantised, which load as
     # stored (``gguf_meta.stored_bits``); the planner counts them so
     stored_bits: tuple[tuple[str, float], ...] = ()
@@ -317,6 +367,15 @@ class ModelConfig:
                              f"{self.num_hidden_layers}")
         if self.logit_softcap < 0:
             raise ValueError(f"final_logit_softcapping must be >= 0, got {self.logit_softcap}")
+        self._check_hybrid()
+
+    def _check_hybrid(self) -> None:
+        """A hybrid's layer schedule covers the model; an attention has one output gate."""
+        lin = self.linear_attention
+        if lin is not None and len(lin.layers) != self.num_hidden_layers:
+            raise ValueError(f"layer_types lists {len(lin.layers)} layers, the model has {self.num_hidden_layers}")
+        if self.attention_head_gate and self.query_gate:
+            raise ValueError("attention_head_gate and query_gate: an attention has one output gate")
 
     # -- the notation of the MLA math ----------------------------------------------------------
     @property
@@ -339,8 +398,20 @@ class ModelConfig:
 
     @property
     def num_attention_layers(self) -> int:
-        """Attention blocks of the decoder, each a layer of the latent cache: ``attention_blocks_per_layer`` a layer."""
-        return self.num_hidden_layers * self.attention_blocks_per_layer
+        """Attention blocks of the decoder, each a layer of the latent cache: ``attention_blocks_per_layer`` a layer;
+        a hybrid's MLA layers only (its linear-attention layers cache no token)."""
+        linear = 0 if self.linear_attention is None else self.linear_attention.num_layers
+        return (self.num_hidden_layers - linear) * self.attention_blocks_per_layer
+
+    def is_linear_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` is a linear-attention layer of a hybrid model."""
+        lin = self.linear_attention
+        return lin is not None and layer < len(lin.layers) and lin.layers[layer]
+
+    @property
+    def state_bytes_per_sequence(self) -> int:
+        """Bytes of a running sequence's recurrent and convolution states (0 without linear-attention layers)."""
+        return 0 if self.linear_attention is None else self.linear_attention.state_bytes()
 
     def dense_mlps(self, layer: int) -> int:
         """Dense MLPs of ``layer``: one per attention block in a LongCat layer, else one where it is not a MoE."""
@@ -445,6 +516,8 @@ def _parse_rope(raw: dict[str, Any], family: str) -> RopeConfig:
     if kind == "deepseek_yarn":
         kind = "yarn"
     interleave = True if family == "deepseek_v2" else bool(raw.get("rope_interleave", True))
+    if kind == "none":
+        return RopeConfig(kind="none", interleave=False)
     if kind == "default":
         return RopeConfig(theta=float(theta), interleave=interleave,
                           learned_frequency_scale=bool(raw.get("rope_learned_frequency_scale", False)))
@@ -701,8 +774,24 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         rope_layers=None if raw.get("rope_layers") is None else tuple(bool(b) for b in raw["rope_layers"]),
         query_log_scaling=bool(raw.get("query_log_scaling", False)),
         logit_softcap=float(raw.get("logit_softcap") or 0.0),
+        linear_attention=_parse_linear_attention(raw),
+        attention_head_gate=bool(raw.get("attention_head_gate", False)),
         stored_bits=tuple(sorted((str(k), float(v)) for k, v in (raw.get("gguf_stored_bits") or {}).items())),
     )
+
+
+def _parse_linear_attention(raw: dict[str, Any]) -> LinearAttentionConfig | None:
+    """A hybrid's linear-attention layers, from a normalised config's ``linear_layers`` (None: not a hybrid)."""
+    layers = raw.get("linear_layers")
+    if layers is None:
+        return None
+    return LinearAttentionConfig(layers=tuple(bool(b) for b in layers),
+                                 num_heads=int(_required(raw, "linear_num_heads")),
+                                 head_dim=int(_required(raw, "linear_head_dim")),
+                                 conv_kernel=int(_required(raw, "linear_conv_kernel")),
+                                 low_rank_gates=bool(raw.get("linear_low_rank_gates", True)),
+                                 gate_lower_bound=None if raw.get("linear_gate_lower_bound") is None
+                                 else float(raw["linear_gate_lower_bound"]))
 
 
 def _parse_indexer(raw: dict[str, Any]) -> IndexerConfig | None:

@@ -497,6 +497,144 @@ def _longcat_flash_name(name: str) -> str | None:
     return name.replace(".mlp.router.classifier.", ".mlp.gate.").replace(".mlp.router.", ".mlp.gate.")
 
 
+# -- hybrids: MLA layers between linear-attention (Kimi Delta Attention) layers ----------------------------------------
+_KIMI_LINEAR_ALIASES = (("n_group", "num_expert_group"), ("n_routed_experts", "num_experts"),
+                        ("n_routed_experts", "num_local_experts"), ("num_experts_per_tok", "num_experts_per_token"),
+                        ("n_shared_experts", "num_shared_experts"), ("norm_topk_prob", "moe_renormalize"),
+                        ("max_position_embeddings", "model_max_length"))
+
+
+def _hybrid_layer_kinds(model_type: str, kinds: list[Any], layers: int) -> list[bool]:
+    """``layer_types`` checked (one per layer, each ``full_attention`` or ``linear_attention``) -> True for the
+    linear-attention layers."""
+    if len(kinds) != layers:
+        raise ValueError(f"{model_type}: layer_types lists {len(kinds)} layers, the model has {layers}")
+    unknown = sorted({str(k) for k in kinds} - {"full_attention", "linear_attention"})
+    if unknown:
+        raise ValueError(f"{model_type}: layer_types {unknown} are not supported (use 'full_attention' or "
+                         f"'linear_attention')")
+    return [k == "linear_attention" for k in kinds]
+
+
+def _hybrid_mlp_kinds(model_type: str, out: Raw, layers: int, dense_first: int) -> list[bool]:
+    """``mlp_layer_types`` (else the first ``first_k_dense_replace`` layers dense) -> True for the MoE layers."""
+    kinds = out.get("mlp_layer_types") or [
+        "dense" if i < int(out.get("first_k_dense_replace") or dense_first) else "sparse" for i in range(layers)]
+    unknown = sorted(set(kinds) - {"dense", "sparse"})
+    if unknown:
+        raise ValueError(f"{model_type}: mlp_layer_types {unknown} are not supported (use 'dense' or 'sparse')")
+    return [k == "sparse" for k in kinds]
+
+
+def _kimi_linear_layer_kinds(out: Raw, layers: int) -> list[bool]:
+    """Which layers are linear-attention ones: ``layer_types``, else the original config's 1-indexed
+    ``linear_attn_config`` lists, else transformers' default (full attention at every fourth layer but the first)."""
+    lin = out.get("linear_attn_config") or {}
+    kinds = out.get("layer_types")
+    if kinds is None and "full_attn_layers" in lin and "kda_layers" in lin:
+        kinds = [None] * layers
+        for i in lin["full_attn_layers"]:
+            kinds[int(i) - 1] = "full_attention"
+        for i in lin["kda_layers"]:
+            kinds[int(i) - 1] = "linear_attention"
+    if kinds is None:
+        kinds = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(layers)]
+    return _hybrid_layer_kinds("kimi_linear", kinds, layers)
+
+
+def _kimi_linear(raw: Raw) -> Raw:
+    """Kimi Linear (``kimi_linear``): DeepSeek-V3's decoder (its router: sigmoid scores, correction bias, grouped
+    top-k) whose attention is MLA without RoPE (the shared ``d_r`` key dims carry no position: RoPE kind ``none``;
+    no Q-LoRA by default) in the ``full_attention`` layers and Kimi Delta Attention (``layers.kda``) in the
+    ``linear_attention`` ones; dense MLP or MoE per ``mlp_layer_types`` (default: the first
+    ``first_k_dense_replace`` = 1 dense)."""
+    out = dict(raw)
+    for name, alias in _KIMI_LINEAR_ALIASES:
+        _alias(out, name, alias)
+    lin = out.get("linear_attn_config") or {}
+    out = _with_defaults(out, vocab_size=163840, hidden_size=2304, intermediate_size=9216, moe_intermediate_size=1024,
+                         num_hidden_layers=27, num_attention_heads=32, n_shared_experts=1, routed_scaling_factor=2.446,
+                         kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=128,
+                         qk_nope_head_dim=128, n_group=1, topk_group=1, num_experts_per_tok=8, norm_topk_prob=True,
+                         max_position_embeddings=1048576, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                         n_routed_experts=256, bos_token_id=163584, eos_token_id=163586,
+                         linear_head_dim=lin.get("head_dim", 128), linear_num_heads=lin.get("num_heads", 32),
+                         linear_conv_kernel_dim=lin.get("short_conv_kernel_size", 4))
+    layers = int(out["num_hidden_layers"])
+    return {**out, **V3_ROUTER, "moe_layers": _hybrid_mlp_kinds("kimi_linear", out, layers, 1),
+            "first_k_dense_replace": 0,
+            "rope_parameters": {"rope_type": "none"}, "rope_scaling": None, "rope_interleave": False,
+            "latent_norm_eps": REFERENCE_NORM_EPS, "num_nextn_predict_layers": 0,
+            "linear_layers": _kimi_linear_layer_kinds(out, layers), "linear_num_heads": out["linear_num_heads"],
+            "linear_head_dim": out["linear_head_dim"], "linear_conv_kernel": out["linear_conv_kernel_dim"]}
+
+
+_KIMI_LINEAR_EXPERT = {".w1.": ".gate_proj.", ".w2.": ".down_proj.", ".w3.": ".up_proj."}
+_KIMI_LINEAR_GATE = ("A_log", "dt_bias", "f_a_proj.", "f_b_proj.")
+
+
+def _kimi_linear_name(name: str) -> str | None:
+    """Kimi Linear's stored names (its original layout, which transformers saves too) -> the model's:
+    ``block_sparse_moe`` is the MLP or MoE (experts' ``w1``/``w2``/``w3``: gate, down, up), and the forget gate's
+    tensors (``self_attn.A_log``, ``dt_bias``, ``f_a_proj``, ``f_b_proj``) live in ``self_attn.forget_gate``."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    if ".mlp.experts." in name:
+        for old, new in _KIMI_LINEAR_EXPERT.items():
+            name = name.replace(old, new)
+    head, sep, tail = name.partition(".self_attn.")
+    if sep and tail.startswith(_KIMI_LINEAR_GATE):
+        return f"{head}.self_attn.forget_gate.{tail}"
+    return name
+
+
+def _bailing_hybrid(raw: Raw) -> Raw:
+    """Ling's hybrid (``bailing_hybrid``): Kimi Linear's plan with these variations: the MLA layers rotate (RoPE,
+    interleaved pairs) and gate each head's output by ``sigmoid(g_proj(x))`` (``attention_head_gate``); the KDA
+    layers' forget and output gates are full projections (``f_proj``, ``g_proj``) and the forget gate is bounded
+    (``kda_safe_gate``: ``kda_lower_bound * sigmoid(exp(A_log) x)``), with ``num_attention_heads`` heads of
+    ``head_dim``; the last layer of every ``layer_group_size`` is MLA by default. The checkpoint's MTP layers are not
+    read, as transformers does not."""
+    out = dict(raw)
+    for name, alias in (*_KIMI_LINEAR_ALIASES, ("num_nextn_predict_layers", "num_mtp_layers")):
+        _alias(out, name, alias)
+    out = _with_defaults(out, vocab_size=157184, hidden_size=2560, intermediate_size=6144, moe_intermediate_size=768,
+                         num_hidden_layers=42, num_attention_heads=32, n_routed_experts=512, num_experts_per_tok=8,
+                         n_shared_experts=1, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True,
+                         first_k_dense_replace=2, max_position_embeddings=262144, rms_norm_eps=1e-6,
+                         eos_token_id=156895, tie_word_embeddings=False, kv_lora_rank=512, q_lora_rank=None,
+                         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rope_theta=6000000.0,
+                         head_dim=128, short_conv_kernel_size=4, layer_group_size=6, kda_safe_gate=True,
+                         kda_lower_bound=-5.0)
+    _full_rotary(out)
+    layers, group = int(out["num_hidden_layers"]), int(out["layer_group_size"])
+    kinds = out.get("layer_types") or ["full_attention" if (i + 1) % group == 0 else "linear_attention"
+                                       for i in range(layers)]
+    if not any(out.get(k) for k in ("rope_parameters", "rope_scaling")):
+        out["rope_parameters"] = {"rope_type": "default", "rope_theta": out["rope_theta"]}
+    return {**out, **V3_ROUTER, "moe_layers": _hybrid_mlp_kinds("bailing_hybrid", out, layers, 2),
+            "first_k_dense_replace": 0, "rope_interleave": True, "latent_norm_eps": REFERENCE_NORM_EPS,
+            "num_nextn_predict_layers": 0, "attention_head_gate": True,
+            "linear_layers": _hybrid_layer_kinds("bailing_hybrid", kinds, layers),
+            "linear_num_heads": out.get("linear_num_heads") or out["num_attention_heads"],
+            "linear_head_dim": out.get("linear_head_dim") or out["head_dim"],
+            "linear_conv_kernel": out.get("linear_conv_kernel_dim") or out["short_conv_kernel_size"],
+            "linear_low_rank_gates": False,
+            "linear_gate_lower_bound": float(out["kda_lower_bound"]) if out["kda_safe_gate"] else None}
+
+
+def _bailing_hybrid_name(name: str) -> str | None:
+    """Ling's stored names -> the model's: ``word_embeddings``, ``attention`` (its output ``dense``), the router's
+    ``expert_bias``; the KDA forget gate's ``A_log``, ``dt_bias``, ``f_proj`` live in ``self_attn.forget_gate``."""
+    if name.startswith("model.word_embeddings."):
+        return "model.embed_tokens." + name[len("model.word_embeddings."):]
+    name = name.replace(".attention.", ".self_attn.").replace(".self_attn.dense.", ".self_attn.o_proj.")
+    name = name.replace(".mlp.gate.expert_bias", ".mlp.gate.e_score_correction_bias")
+    head, sep, tail = name.partition(".self_attn.")
+    if sep and tail.startswith(("A_log", "dt_bias", "f_proj.")):
+        return f"{head}.self_attn.forget_gate.{tail}"
+    return name
+
+
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("deepseek_v2", "deepseek_v2", "deepseek-ai/DeepSeek-V2-Lite"),
     Family("deepseek_v3", "deepseek_v3", "deepseek-ai/DeepSeek-V3"),
@@ -516,6 +654,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("mistral_large4_text", "deepseek_v3", "mistralai/Mistral-Large-4-1T-A52B", _mistral_large4,
            _mistral_large4_name),
     Family("longcat_flash", "deepseek_v3", "meituan-longcat/LongCat-Flash-Chat", _longcat_flash, _longcat_flash_name),
+    Family("kimi_linear", "deepseek_v3", "moonshotai/Kimi-Linear-48B-A3B-Instruct", _kimi_linear,
+           _kimi_linear_name),
+    Family("bailing_hybrid", "deepseek_v3", "inclusionAI/Ling-3.0-Flash", _bailing_hybrid, _bailing_hybrid_name),
 )}
 # checkpoints that name only their architecture
 ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}

@@ -34,6 +34,7 @@ from mla_runtime.layers.quantization import WEIGHT_FORMATS, quantized_parameter_
 from mla_runtime.layers.qweight import QuantizedWeight
 from mla_runtime.loader import STORED_FP8, Slot, _weight_kinds, checkpoint_layout
 from mla_runtime.models.deepseek import DeepseekForCausalLM
+from mla_runtime.models.hybrid import causal_lm
 from mla_runtime.options import WEIGHT_QUANTIZATIONS
 from mla_runtime.parallel import ParallelContext
 from mla_runtime.resolved_config import ResolvedConfig
@@ -138,7 +139,7 @@ def _count(cfg: ModelConfig, tp: int, num_mtp_layers: int) -> Inventory:
     # bfloat16: the parameters a model keeps in float32 whatever its dtype stand out
     rc = ResolvedConfig(cfg, torch.bfloat16, torch.device("cpu"), ParallelContext(0, tp), num_mtp_layers=num_mtp_layers)
     with torch.device("meta"):
-        model = DeepseekForCausalLM(rc)
+        model = causal_lm(rc)
     table = checkpoint_layout(cfg, model.par, frozenset(), num_mtp_layers)
     products = quantized_parameter_names(model)
     kept = _kept(model, table, products)

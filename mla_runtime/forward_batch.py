@@ -35,6 +35,8 @@ class ForwardBatch:
     context_lens_list: list[int]
     block_size: int
     host_block_tables: Sequence[Sequence[int]] | None = None  # the block ids of each sequence, as given to build
+    # a hybrid model's state slot of each sequence (``cache/state_cache.py``); None: a model without linear layers
+    state_slots: tuple[int, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -81,15 +83,20 @@ class ForwardBatch:
             token_seq_lens=self.token_seq_lens[t0:], token_req_idx=self.token_req_idx[t0:] - first,
             logits_indices=self.logits_indices[first:] - t0, query_lens=self.query_lens[first:],
             context_lens_list=self.context_lens_list[first:], block_size=self.block_size,
-            host_block_tables=None if self.host_block_tables is None else self.host_block_tables[first:])
+            host_block_tables=None if self.host_block_tables is None else self.host_block_tables[first:],
+            state_slots=None if self.state_slots is None else self.state_slots[first:])
 
     @classmethod
     def build(cls, token_chunks: Sequence[Sequence[int]], context_lens: Sequence[int],
               block_tables: Sequence[Sequence[int]], block_size: int,
-              device: torch.device | str = "cpu") -> ForwardBatch:
-        """Build from plain lists: the new token ids, cached length and block ids of each sequence."""
+              device: torch.device | str = "cpu", state_slots: Sequence[int] | None = None) -> ForwardBatch:
+        """Build from plain lists: the new token ids, cached length and block ids of each sequence (and, for a hybrid
+        model, its state slot)."""
         if not (len(token_chunks) == len(context_lens) == len(block_tables)):
             raise ValueError("token_chunks, context_lens and block_tables must have one entry per sequence")
+        if state_slots is not None and (len(state_slots) != len(token_chunks)
+                                        or len(set(state_slots)) != len(state_slots)):
+            raise ValueError(f"state_slots {list(state_slots)}: one distinct slot per sequence expected")
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -129,4 +136,5 @@ class ForwardBatch:
             input_ids=input_ids, positions=pos_t, slot_mapping=slot_t, query_start_loc=qsl, seq_lens=sl,
             seq_start_loc=ssl, context_lens=cl, block_tables=tables.view(num_seqs, width), token_seq_lens=tsl,
             token_req_idx=tri, logits_indices=logits_t, query_lens=qlens, context_lens_list=list(context_lens),
-            block_size=block_size, host_block_tables=block_tables)
+            block_size=block_size, host_block_tables=block_tables,
+            state_slots=None if state_slots is None else tuple(state_slots))

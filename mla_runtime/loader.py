@@ -69,6 +69,7 @@ from mla_runtime.layers.quantization import (
 from mla_runtime.layers.qweight import QuantizedWeight
 from mla_runtime.layers.rotary import RotaryEmbedding
 from mla_runtime.models.deepseek import DeepseekForCausalLM
+from mla_runtime.models.hybrid import causal_lm
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 from mla_runtime.resolved_config import ResolvedConfig
 from mla_runtime.stored_int4 import shard_problem
@@ -143,6 +144,8 @@ class _Layout:
         if cfg.query_gate:  # A.X-K2: its q_b_proj is q_gate_proj, each head's query rows then its gate rows
             self.table[f"{p}.self_attn.q_b_proj.weight"] = Slot(
                 f"{p}.self_attn.q_gate_proj.weight", (), self.part(0, h * (cfg.qk_head_dim + cfg.v_head_dim)))
+        if cfg.attention_head_gate:  # Ling: one gate row per head, each rank its heads'
+            self.table[f"{p}.self_attn.g_proj.weight"] = Slot(f"{p}.self_attn.g_proj.weight", (), self.part(0, h))
         if cfg.query_log_scaling:  # Mistral Large 4: per head, each rank its heads'
             for name in ("scale", "bias"):
                 self.table[f"{p}.self_attn.softmax_scaling.{name}"] = Slot(f"{p}.self_attn.softmax_scaling.{name}",
@@ -154,6 +157,22 @@ class _Layout:
             names += ["softmax_scaling.scale", "softmax_scaling.bias"] if idx.query_log_scaling else []
             for name in names:
                 self.whole(f"{p}.self_attn.indexer.{name}")
+
+    def linear_attention(self, p: str) -> None:
+        """A hybrid's linear-attention layer (``layers.kda``), replicated (hybrids run on one rank)."""
+        lin = self.cfg.linear_attention
+        assert lin is not None
+        width = lin.num_heads * lin.head_dim
+        gates = ["g_a_proj", "g_b_proj", "forget_gate.f_a_proj", "forget_gate.f_b_proj"] if lin.low_rank_gates \
+            else ["g_proj", "forget_gate.f_proj"]
+        names = ["q_proj", "k_proj", "v_proj", "b_proj", "o_proj", "o_norm", *gates]
+        for name in names:
+            self.whole(f"{p}.self_attn.{name}.weight")
+        for name in ("dt_bias", "A_log"):
+            self.whole(f"{p}.self_attn.forget_gate.{name}")
+        for j, part in enumerate("qkv"):  # the queries', keys' and values' taps, stacked in that order
+            self.table[f"{p}.self_attn.{part}_conv1d.weight"] = Slot(f"{p}.self_attn.conv1d.weight",
+                                                                      (slice(j * width, (j + 1) * width),))
 
     def norm(self, prefix: str, gated: bool) -> None:
         """A decoder norm, replicated: an RMSNorm, or A.X-K2's gated one (``layers.norm.GatedRMSNorm``: its norm and
@@ -215,7 +234,10 @@ def _decoder_layer(layout: _Layout, cfg: ModelConfig, i: int, fused_expert_layer
         return
     layout.norm(f"{p}.input_layernorm", cfg.gated_norm_rank > 0)
     layout.norm(f"{p}.post_attention_layernorm", cfg.gated_norm_rank > 0 and cfg.is_moe_layer(i))
-    layout.attention(p)
+    if cfg.is_linear_layer(i):
+        layout.linear_attention(p)
+    else:
+        layout.attention(p)
     if cfg.is_moe_layer(i):
         layout.moe(p, i in fused_expert_layers)
     else:
@@ -822,6 +844,6 @@ def load_resolved(path: str | Path, rc: ResolvedConfig) -> DeepseekForCausalLM:
     if rc.num_mtp_layers > rc.model.num_nextn_predict_layers:
         check_mtp_weights(rc.model, {}, Path(path))
     with torch.device("meta"):  # parameters that take no memory: load_weights allocates each in its final form
-        model = DeepseekForCausalLM(rc)
+        model = causal_lm(rc)
     load_weights(model, path, rc.quantization, rc.device)
     return model.eval().prepare_inference()

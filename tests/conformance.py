@@ -57,10 +57,13 @@ INT8_TIE = 1e-3
 SPARSE = ("deepseek_v32", "glm_moe_dsa", "axk2", "mistral_large4")
 DENSE = ("deepseek_v2", "deepseek_v3", "kimi_k25", "sarvam_mla", "axk1", "mistral4", "glm4_moe_lite", "minicpm3",
          "youtu", "longcat_flash")
-MODEL_TYPES = DENSE + SPARSE
+HYBRID = ("kimi_linear", "bailing_hybrid")  # MLA layers between linear-attention layers
+MODEL_TYPES = DENSE + SPARSE + HYBRID
+# hybrids run on one rank without speculative decoding (their linear layers' states advance with every token)
+ONE_RANK_NO_DRAFTS = DENSE + SPARSE
 # the families whose checkpoints' MTP layers the runtime serves (A.X-K1/K2, LongCat-Flash and Mistral Large 4 drop
 # theirs, as transformers does); the MTP cell adds one to the checkpoint, built by the family's own decoder layer
-MTP_FAMILIES = tuple(t for t in MODEL_TYPES if t not in ("axk1", "axk2", "longcat_flash", "mistral_large4"))
+MTP_FAMILIES = tuple(t for t in ONE_RANK_NO_DRAFTS if t not in ("axk1", "axk2", "longcat_flash", "mistral_large4"))
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -121,6 +124,24 @@ def text_config(model_type: str, rng: random.Random | None) -> dict[str, Any]:
         cfg["indexer_types"] = (["full", "shared"] + ["full"] * layers)[:layers]
     if model_type == "axk2":
         cfg.update(mlp_layer_types=["dense"] + ["sparse"] * (layers - 1), gated_norm_rank=8, n_group=1, topk_group=1)
+    if model_type == "kimi_linear":  # at least one MLA layer, one linear-attention layer
+        kinds = ["linear_attention", "full_attention"] + [_pick(rng, "linear_attention", "linear_attention",
+                                                                 "full_attention") for _ in range(layers)]
+        cfg.update(q_lora_rank=_pick(rng, None, None, 48), linear_num_heads=_pick(rng, 2, 1, 2, 4),
+                   linear_head_dim=_pick(rng, 16, 8, 16, 32), linear_conv_kernel_dim=_pick(rng, 4, 2, 3, 4),
+                   layer_types=kinds[:max(layers, 2)], num_hidden_layers=max(layers, 2), num_local_experts=8,
+                   mlp_layer_types=["dense" if i < cfg["first_k_dense_replace"] else "sparse"
+                                    for i in range(max(layers, 2))])
+        for name in ("n_routed_experts", "first_k_dense_replace", "rope_interleave"):
+            cfg.pop(name)
+    if model_type == "bailing_hybrid":  # the last layer of every group is MLA
+        group = _pick(rng, 2, 2, 3)
+        cfg.update(num_hidden_layers=max(layers, group), layer_group_size=group, q_lora_rank=_pick(rng, None, None, 48),
+                   num_local_experts=8, head_dim=_pick(rng, 16, 8, 16, 32), short_conv_kernel_size=_pick(rng, 4, 2, 4),
+                   kda_safe_gate=_pick(rng, True, True, False),
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        for name in ("n_routed_experts", "rope_interleave"):
+            cfg.pop(name)
     if model_type == "mistral_large4":
         cfg.update(q_lora_rank=None, no_rope_layers=([1, 0] + [1] * layers)[:layers],
                    indexer_types=(["full", "full", "shared"] + ["full"] * layers)[:layers],
@@ -175,7 +196,8 @@ def build(model_type: str, seed: int | None = None) -> torch.nn.Module:
     else:
         prefix = {"deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3", "sarvam_mla": "SarvamMLA", "axk1": "AXK1",
                   "mistral4": "Mistral4", "glm4_moe_lite": "Glm4MoeLite", "minicpm3": "MiniCPM3", "youtu": "Youtu",
-                  "deepseek_v32": "DeepseekV32", "glm_moe_dsa": "GlmMoeDsa", "axk2": "AXK2"}[model_type]
+                  "deepseek_v32": "DeepseekV32", "glm_moe_dsa": "GlmMoeDsa", "axk2": "AXK2",
+                  "kimi_linear": "KimiLinear", "bailing_hybrid": "BailingHybrid"}[model_type]
         config = getattr(tf, f"{prefix}Config")(**cfg)
         model = getattr(tf, f"{prefix}ForCausalLM", None)
         model = tf.AutoModelForCausalLM.from_config(config) if model is None else model(config)
@@ -206,15 +228,18 @@ INT8_MATRICES = ("q_proj", "q_a_proj", "q_b_proj", "q_gate_proj", "kv_a_proj_wit
 def int8_weights(hf: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``hf`` with the values ``quantization="int8"`` computes with: each matrix the engine quantises (the
     attention's projections but ``kv_b_proj`` and the indexer's, the MLPs and experts, the lm_head) as its int8
-    values times their per-row scales, ``kv_b_proj`` rounded to bfloat16; embeddings, norms, routers and the indexer
-    as they are."""
+    values times their per-row scales, ``kv_b_proj`` rounded to bfloat16; embeddings, norms, routers, the indexer and
+    a hybrid's linear-attention layers as they are."""
     from mla_runtime.layers.quantization import quantize_int8
 
     out = copy.deepcopy(hf)
+    kinds = getattr(hf.config.get_text_config(), "layer_types", None) or []
     for name, param in out.named_parameters():
         parts = name.split(".")
         owner = parts[-2] if parts[-1] == "weight" else parts[-1]
-        if "indexer" in parts or param.dim() < 2:
+        layer = int(parts[parts.index("layers") + 1]) if "layers" in parts else len(kinds)
+        linear = layer < len(kinds) and kinds[layer] == "linear_attention" and "self_attn" in parts
+        if "indexer" in parts or param.dim() < 2 or linear:
             continue
         if owner == "kv_b_proj":
             param.copy_(param.to(torch.bfloat16))
@@ -329,10 +354,11 @@ CELLS: dict[str, Cell] = {c.name: c for c in (
     Cell("preemption", {"kv_cache_tokens": 320, "max_num_seqs": 12}, must_preempt=True),
     Cell("torch-backend", {"attention_backend": "torch"}),
     Cell("triton-interpreted", {"attention_backend": "triton"}),
-    Cell("tp2-replicated", {"tensor_parallel_size": 2}),
-    Cell("tp2-sharded", {"tensor_parallel_size": 2, "latent_cache_layout": "sharded", "block_size": 32}),
+    Cell("tp2-replicated", {"tensor_parallel_size": 2}, families=ONE_RANK_NO_DRAFTS),
+    Cell("tp2-sharded", {"tensor_parallel_size": 2, "latent_cache_layout": "sharded", "block_size": 32},
+         families=ONE_RANK_NO_DRAFTS),
     Cell("int8", {"quantization": "int8"}, weights="int8"),
-    Cell("prompt-lookup", {"num_speculative_tokens": 3}),
+    Cell("prompt-lookup", {"num_speculative_tokens": 3}, families=ONE_RANK_NO_DRAFTS),
     Cell("mtp", {"speculative_method": "mtp", "num_speculative_tokens": 1}, checkpoint="mtp",
          families=MTP_FAMILIES),
 )}
@@ -466,7 +492,8 @@ def sample(rng: random.Random, count: int) -> list[tuple[str, int, str]]:
     out = []
     for _ in range(count):
         model_type = rng.choice(MODEL_TYPES)
-        out.append((model_type, rng.randrange(10_000), rng.choice(cheap)))
+        out.append((model_type, rng.randrange(10_000),
+                    rng.choice([c for c in cheap if model_type in CELLS[c].families])))
     return out
 
 

@@ -7,6 +7,7 @@ import random
 import torch
 
 from mla_runtime.cache.latent_cache import LatentCache
+from mla_runtime.cache.state_cache import StateCache
 from mla_runtime.dtypes import index_cache_dtype
 from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.models.deepseek import DeepseekForCausalLM
@@ -34,6 +35,11 @@ class PagedRunner:
             for t in (layer.kv, layer.index):
                 if t is not None and t.is_floating_point():
                     t.fill_(float("nan"))
+        if cfg.linear_attention is not None:  # a hybrid: sequence i keeps its linear layers' states in slot i
+            self.cache.states = StateCache(cfg.linear_attention, num_seqs)
+            for state in self.cache.states.layers:  # poison: a first step must not read its slot
+                state.recurrent.fill_(float("nan"))
+                state.conv.fill_(float("nan"))
         ids = list(range(num_blocks))
         random.Random(seed).shuffle(ids)
         self.tables = [ids[i * per_seq:(i + 1) * per_seq] for i in range(num_seqs)]
@@ -44,7 +50,8 @@ class PagedRunner:
         """Run new tokens for some sequences; returns the logits of every new token, per sequence."""
         seqs = sorted(chunks)
         batch = ForwardBatch.build([chunks[s] for s in seqs], [self.lens[s] for s in seqs],
-                                   [self.tables[s] for s in seqs], self.block_size)
+                                   [self.tables[s] for s in seqs], self.block_size,
+                                   state_slots=seqs if self.cache.states is not None else None)
         logits = self.model.compute_logits(self.model(batch, self.cache))
         out = {}
         start = 0

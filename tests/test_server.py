@@ -198,6 +198,9 @@ def test_health_ready_models_and_metrics_names(server):
     assert m[("mla_memory_bytes", ("part", "weights"))] == info.weight_bytes > 0
     assert m[("mla_memory_bytes", ("part", "latent_cache"))] == info.cache_bytes > 0
     assert m[("mla_memory_bytes", ("part", "activations_reserve"))] > 0
+    assert m[("mla_memory_bytes", ("part", "state_cache"))] == 0  # no linear-attention layers
+    assert m[("mla_latent_cache_bytes_per_token",)] == info.cache_bytes_per_token > 0
+    assert m[("mla_state_cache_bytes_per_sequence",)] == 0
     assert m[("mla_latent_cache_blocks_total",)] == info.num_blocks
     assert m[("mla_latent_cache_capacity_tokens",)] == info.max_concurrent_tokens
     assert m[("process_resident_memory_bytes",)] > 0 and m[("mla_ready",)] == 1

@@ -19,6 +19,7 @@ import torch
 
 from mla_kernels.dtypes import FLOAT_CACHE_DTYPES, is_quantized
 from mla_kernels.sparse import index_scale_groups
+from mla_runtime.cache.state_cache import StateCache
 
 
 @dataclass
@@ -62,6 +63,8 @@ class LatentCache:
                                          device=device)
                               if index_dim and self.index_dtype == torch.float8_e4m3fn else None))
             for _ in range(num_layers)]
+        # a hybrid model's per-sequence states (its linear-attention layers'), allocated beside this cache by its owner
+        self.states: StateCache | None = None
 
     @property
     def quantised(self) -> bool:

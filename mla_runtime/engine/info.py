@@ -92,6 +92,10 @@ class EngineInfo:
     attention_backend: str = ""  # the model's attention backend (mla_runtime.attention): triton, torch, cpu, sharded
     cpu_gemm: dict[str, str] = field(default_factory=dict)  # on a CPU: the matrix-product path chosen and why
     cpu_heap: str = ""  # on a CPU: what its heap keeps between steps (host_heap.py)
+    # a hybrid model's linear-attention states: bytes of one sequence's, and of every slot (0: no linear layers)
+    state_bytes_per_sequence: int = 0
+    state_bytes: int = 0
+    prefix_caching: bool = True  # whether prefixes are cached (off for hybrid models)
 
     @classmethod
     def of(cls, worker: Worker, num_blocks: int, num_threads: int) -> EngineInfo:
@@ -110,7 +114,10 @@ class EngineInfo:
             max_num_batched_tokens=worker.max_num_batched_tokens, device=str(worker.device), num_threads=num_threads,
             weights_fingerprint=worker.weights_fingerprint, weights_verified=c.verify_weights,
             attention_backend=worker.model.attention.name,
-            cpu_gemm=worker.gemm_info, cpu_heap=worker.heap)
+            cpu_gemm=worker.gemm_info, cpu_heap=worker.heap,
+            state_bytes_per_sequence=worker.state_bytes_per_sequence,
+            state_bytes=0 if worker.cache.states is None else worker.cache.states.nbytes(),
+            prefix_caching=worker.prefix_caching)
         host, disk = worker.host_tier, worker.disk_tier
         if host is not None:
             info = replace(info, host_capacity_bytes=host.capacity_bytes, host_capacity_tokens=host.capacity_tokens())

@@ -16,6 +16,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -80,7 +81,10 @@ class ModelRunner:
                 seqs.append(seq)
                 drafts.append(more)
                 rows.extend(range(end - 1 - k, end))
-        return PreparedStep(StepInput(chunks, contexts, tables, rows), seqs, drafts, self.masks.start(seqs, drafts))
+        slots = [cast(int, s.state_slot) for s in plan.seqs] if plan.seqs and plan.seqs[0].state_slot is not None \
+            else None
+        return PreparedStep(StepInput(chunks, contexts, tables, rows, slots), seqs, drafts,
+                            self.masks.start(seqs, drafts))
 
     def execute(self, prepared: PreparedStep) -> torch.Tensor | None:
         """Run the step on every rank; the logits of its rows (None: no row needs any)."""

@@ -22,7 +22,12 @@ past the sequence's end and are overwritten by the tokens that really come there
 for that many slots past the end of each sequence that reaches its end in a step, taken only while free, for
 what runs after the step and writes there.
 
-The scheduler deals only in sequences, token counts and block ids, and hands the step on as a ``StepPlan``.
+A hybrid model's linear-attention layers keep a state per running sequence in a slot of the state cache
+(``states``): a sequence takes a slot when it is admitted (it waits while none is free) and gives it back wherever
+its blocks go back — finish, abort, preemption (a preempted sequence recomputes its state from its first token).
+
+The scheduler deals only in sequences, token counts, block ids and slot ids, and hands the step on as a
+``StepPlan``.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from mla_runtime.cache.state_cache import StateSlots
 from mla_runtime.engine.block_pool import BlockPool, block_hash
 from mla_runtime.engine.sequence import Sequence, SequenceStatus
 
@@ -76,8 +82,9 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
-                 trailing_slots: int = 0) -> None:
+                 trailing_slots: int = 0, states: StateSlots | None = None) -> None:
         self.pool = pool
+        self.states = states  # a hybrid model's state slots (None: no linear-attention layers)
         self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -115,6 +122,10 @@ class Scheduler:
         return -(-num_tokens // self.block_size)
 
     def _release(self, seq: Sequence) -> None:
+        if seq.state_slot is not None:
+            assert self.states is not None
+            self.states.give_back(seq.state_slot)
+            seq.state_slot = None
         self.pool.free(seq.block_table)
         seq.block_table = []
         seq.block_hashes = []
@@ -231,9 +242,11 @@ class Scheduler:
             self._admit_prefix(seq)
         n = min(seq.num_uncomputed, budget)
         need = self._blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
-        if need > self.pool.num_free_blocks:
+        if need > self.pool.num_free_blocks or (self.states is not None and not self.states.num_free):
             self._release(seq)  # give the prefix hits back; retry next step
             return 0
+        if self.states is not None:
+            seq.state_slot = self.states.take()
         seq.block_table += self.pool.allocate(need)
         self.waiting.popleft()
         seq.status = SequenceStatus.RUNNING

@@ -35,6 +35,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # hashes of the full, computed blocks
     num_computed_tokens: int = 0  # tokens whose latent is in the cache
+    state_slot: int | None = None  # a hybrid model's state slot while running (cache/state_cache.py)
     num_cached_prompt_tokens: int = 0  # tokens served by the prefix cache at (re)admission
     finish_reason: str | None = None
     generator: torch.Generator | None = None

@@ -45,6 +45,7 @@ from mla_runtime.attention import AttentionMetadata
 from mla_runtime.cache.disk_tier import DiskTier, file_sha256, model_fingerprint
 from mla_runtime.cache.host_tier import HostTier
 from mla_runtime.cache.latent_cache import LatentCache
+from mla_runtime.cache.state_cache import StateCache, StateSlots
 from mla_runtime.config import ModelConfig
 from mla_runtime.dtypes import CacheDtype, auto_cache_dtype, index_cache_dtype, resolve_cache_dtype
 from mla_runtime.engine.config import EngineConfig
@@ -81,6 +82,7 @@ class StepInput:
     context_lens: list[int]  # tokens of each sequence already in the cache
     block_tables: list[list[int]]  # block ids of each sequence
     logit_rows: list[int]  # rows of the step's new tokens whose logits are needed
+    state_slots: list[int] | None = None  # a hybrid model's state slot of each sequence (None: no linear layers)
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,7 @@ class Worker:
             check_latent_rank(config.latent_rank, cfg.kv_lora_rank)
             cfg = cfg.with_overrides(kv_lora_rank=config.latent_rank)  # the cache's d_c
         self.model_config = cfg
+        check_hybrid_settings(config, cfg)
         # the weights' format: the one asked for, or the one a pre-quantised checkpoint is stored in
         self.quantization = config.quantization or cfg.stored_quantization
         self.num_mtp_layers = 1 if config.speculative_method == "mtp" else 0
@@ -175,6 +178,9 @@ class Worker:
         self.bytes_per_token = latent_bytes_per_token(cfg, self.cache_dtype.dtype, self.dtype, self.num_mtp_layers)
         sharded = tp > 1 and config.latent_cache_layout == "sharded"
         self.bytes_per_token_per_rank = self.bytes_per_token // tp if sharded else self.bytes_per_token
+        # a hybrid's linear layers: a fixed state per running sequence, one slot for each of max_num_seqs
+        self.state_bytes_per_sequence = cfg.state_bytes_per_sequence
+        self.state_bytes = self.state_bytes_per_sequence * config.max_num_seqs
         self.weight_bytes = weight_bytes(self.checkpoint_config, self.dtype, tp, self.quantization,
                                          cpu=self.cpu, num_mtp_layers=self.num_mtp_layers,
                                          latent_cache_layout=config.latent_cache_layout)
@@ -283,6 +289,7 @@ class Worker:
         else:
             on_gpu = self.device.type == "cuda"
             free = torch.cuda.mem_get_info(self.device)[0] if on_gpu else available_host_memory()
+            free = max(0, free - self.state_bytes)  # the state slots are allocated beside the latent cache
             budget = cache_budget_bytes(on_gpu=on_gpu, free_bytes=free, activation_bytes=self.activation_bytes,
                                         bytes_per_token=self.bytes_per_token_per_rank, block_size=c.block_size,
                                         max_model_len=self.max_model_len, max_num_seqs=c.max_num_seqs)
@@ -299,9 +306,25 @@ class Worker:
         dtype = cache_dtype or self.cache_dtype.dtype
         self.cache = LatentCache(self.model.num_cache_layers, num_blocks, block, cfg.latent_dim, dtype, self.device,
                                  cfg.index_dim, index_cache_dtype(dtype, self.dtype))
+        if cfg.linear_attention is not None:
+            self.cache.states = StateCache(cfg.linear_attention, self.config.max_num_seqs, self.device)
+            logger.info("hybrid model: %d linear-attention layers keep %.1f KiB of state per sequence (%d slots, "
+                        "%.1f MiB); prefix caching is off (a cached prefix would need the recurrent state at its end)",
+                        cfg.linear_attention.num_layers, self.state_bytes_per_sequence / 2**10,
+                        self.config.max_num_seqs, self.state_bytes / 2**20)
         if self.device.type == "cpu":  # the load's transient buffers are gone: from here on, steps allocate
             self.heap = host_heap.retain(self.activation_bytes, self.config.cpu_heap)
         return self.cache
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether the block pool indexes prefixes: as configured, but never for a hybrid model (its linear layers'
+        state at a prefix's end is not kept, so a cached prefix cannot be resumed)."""
+        return self.config.enable_prefix_caching and self.model_config.linear_attention is None
+
+    def state_slots(self) -> StateSlots | None:
+        """The scheduler's allocator of the state cache's slots (None: the model has no linear layers)."""
+        return None if self.model_config.linear_attention is None else StateSlots(self.config.max_num_seqs)
 
     def cache_fingerprint(self) -> str:
         """What decides the bytes of a cached latent (``cache/disk_tier.model_fingerprint``): a disk tier written
@@ -326,7 +349,7 @@ class Worker:
         alone under the replicated layout; every rank, for its shard, under the sharded one): the disk tier when
         ``kv_cache_dir`` is set, the host tier over it when ``host_tier_bytes()`` is not 0. Returns the top one."""
         c, par = self.config, self.par
-        if par.rank != 0 and not par.sharded_cache:
+        if (par.rank != 0 and not par.sharded_cache) or not self.prefix_caching:
             return None
         assert self.cache is not None
         if c.kv_cache_dir is not None:
@@ -365,7 +388,7 @@ class Worker:
         hidden = self.graphs.run(step) if self.graphs is not None else None
         if hidden is None:
             batch = ForwardBatch.build(step.token_chunks, step.context_lens, step.block_tables,
-                                       self.config.block_size, self.device)
+                                       self.config.block_size, self.device, step.state_slots)
             hidden = self.forward(batch)
         if not step.logit_rows:
             return None
@@ -410,6 +433,24 @@ class Worker:
                                        [d.block_tables[b] for b in active], bs, self.device)
             ends = [ends[i] for i in keep]
             out = model.mtp_forward(batch, cache, out)
+
+
+def check_hybrid_settings(config: EngineConfig, cfg: ModelConfig) -> None:
+    """Refuse, by name, the settings a hybrid model (linear-attention layers) does not run with: its layers' states
+    are advanced by every token a step computes, so drafts to verify are not possible; a cached prefix cannot resume
+    them, so it has no prefix-cache tiers; it runs on one rank, and its latent rank is not truncated."""
+    if cfg.linear_attention is None:
+        return
+    refused = {"tensor_parallel_size": config.tensor_parallel_size > 1,
+               "num_speculative_tokens": config.num_speculative_tokens > 0,
+               "speculative_method": config.speculative_method == "mtp", "latent_rank": config.latent_rank is not None,
+               "kv_cache_dir": config.kv_cache_dir is not None, "kv_cache_host_bytes": bool(config.kv_cache_host_bytes)}
+    for name, bad in refused.items():
+        if bad:
+            raise InvalidParam(name, f"{name}={getattr(config, name)!r}: {cfg.model_type} is a hybrid model "
+                               f"(linear-attention layers) and runs with tensor_parallel_size 1, no speculative "
+                               f"decoding, its full latent rank and no prefix-cache tiers (kv_cache_dir, "
+                               f"kv_cache_host_bytes)")
 
 
 def rank_device(device: str | None, world: int, rank: int) -> torch.device:

@@ -35,6 +35,8 @@ def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
     """Inverse frequencies ``[dim / 2]`` (fp32)."""
     exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
     pos_freqs = rope.theta ** exponents
+    if rope.kind == "none":  # no rotation: cos 1, sin 0 at every position
+        return torch.zeros(dim // 2, dtype=torch.float32)
     if rope.kind == "default":
         return 1.0 / pos_freqs
     if rope.kind == "longrope":

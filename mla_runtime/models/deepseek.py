@@ -199,8 +199,7 @@ class DeepseekForCausalLM(nn.Module):
         self.attention = make_backend(rc)  # how every layer attends (mla_runtime.attention)
         self.model = DeepseekModel(cfg, dtype, rc.par)
         for i in range(cfg.num_hidden_layers):
-            self.model.layers.append(DecoderLayer(rc, i) if cfg.attention_blocks_per_layer == 1
-                                     else LongcatDecoderLayer(rc, i))
+            self.model.layers.append(self.decoder_layer(rc, i))
         self.mtp = nn.ModuleList(MTPLayer(rc, cfg.num_hidden_layers + j) for j in range(rc.num_mtp_layers))
         rows = self.model.embed_tokens.weight.shape[0]
         self.lm_head = (None if cfg.tie_word_embeddings else
@@ -211,6 +210,10 @@ class DeepseekForCausalLM(nn.Module):
         self.draft_ids: torch.Tensor | None = None  # their token ids, ascending (None: the whole head)
         self.draft_head: torch.Tensor | None = None
         self.draft_head_packed: PackedWeight | None = None
+
+    def decoder_layer(self, rc: ResolvedConfig, i: int) -> nn.Module:
+        """Decoder layer ``i`` (a subclass with other layer kinds overrides this)."""
+        return DecoderLayer(rc, i) if rc.model.attention_blocks_per_layer == 1 else LongcatDecoderLayer(rc, i)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

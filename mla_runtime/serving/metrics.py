@@ -129,15 +129,7 @@ class EngineCollector(Collector):
         yield counter("mla_cache_pressure_seconds", "Seconds the latent-cache blocks in use or cached stayed above "
                       "the watermark", s.seconds_above_watermark)
         yield from _speculative(s)
-        mem = GaugeMetricFamily("mla_memory_bytes", "Memory by part: weights, latent cache, planned activation "
-                                "reserve, other (measured process/device memory beyond weights and cache)",
-                                labels=["part"])
-        weights, cache = d.weight_bytes, d.cache_bytes
-        mem.add_metric(["weights"], weights)
-        mem.add_metric(["latent_cache"], cache)
-        mem.add_metric(["activations_reserve"], d.activation_bytes)
-        mem.add_metric(["other"], max(0, _process_memory_bytes(d.device) - weights - cache))
-        yield mem
+        yield from _memory_metrics(d)
         yield gauge("mla_memory_limit_bytes", "Memory this process may use: its cgroup limit, else the host's RAM "
                     "(compare with process_resident_memory_bytes)", self.memory_limit)
         info = GaugeMetricFamily("mla_model_info", "Served model, cache layout and the weights' sha256 fingerprint "
@@ -154,6 +146,25 @@ class EngineCollector(Collector):
                                        labels=list(gemm))
             family.add_metric(list(gemm.values()), 1)
             yield family
+
+
+def _memory_metrics(d: EngineInfo) -> Iterator[GaugeMetricFamily]:
+    """Memory by part, and the caches' sizes: the latent cache's bytes per token, a hybrid's state bytes per
+    sequence."""
+    mem = GaugeMetricFamily("mla_memory_bytes", "Memory by part: weights, latent cache, a hybrid model's state cache, "
+                            "planned activation reserve, other (measured process/device memory beyond weights and "
+                            "caches)", labels=["part"])
+    weights, caches = d.weight_bytes, d.cache_bytes + d.state_bytes
+    mem.add_metric(["weights"], weights)
+    mem.add_metric(["latent_cache"], d.cache_bytes)
+    mem.add_metric(["state_cache"], d.state_bytes)
+    mem.add_metric(["activations_reserve"], d.activation_bytes)
+    mem.add_metric(["other"], max(0, _process_memory_bytes(d.device) - weights - caches))
+    yield mem
+    yield GaugeMetricFamily("mla_latent_cache_bytes_per_token", "Latent-cache bytes of one token (all MLA layers)",
+                            value=d.cache_bytes_per_token)
+    yield GaugeMetricFamily("mla_state_cache_bytes_per_sequence", "A hybrid model's linear-attention state bytes "
+                            "of one running sequence (0: no linear-attention layers)", value=d.state_bytes_per_sequence)
 
 
 def _speculative(s: EngineStats) -> Iterator[CounterMetricFamily]:
