@@ -15,6 +15,7 @@ from . import (
 )
 from .common import dequantize_rows, quantize_per_token
 from .int4_format import INT4_GROUP, pack_int4
+from .w8a8_format import w8a8_product
 
 
 def _ops():  # type: ignore[no-untyped-def]
@@ -27,10 +28,11 @@ def _exact(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 @functools.cache
 def failure(kind: str) -> str | None:
-    """None where the kernels of ``kind`` ("core", "bf16", "f16", "fp8", "int4", "amx") are exact here, else why not.
-    Only where the operators are loaded (``cpu_ops.failure()`` is None)."""
+    """None where the kernels of ``kind`` ("core", "bf16", "f16", "fp8", "int4", "w8a8", "amx") are exact here, else
+    why not. Only where the operators are loaded (``cpu_ops.failure()`` is None)."""
     g = torch.Generator().manual_seed(0)
-    return {"core": _core, "bf16": _half, "f16": _half, "fp8": _fp8, "int4": _int4, "amx": _amx}[kind](g, kind)
+    checks = {"core": _core, "bf16": _half, "f16": _half, "fp8": _fp8, "int4": _int4, "w8a8": _w8a8, "amx": _amx}
+    return checks[kind](g, kind)
 
 
 def _core(g: torch.Generator, kind: str) -> str | None:
@@ -185,4 +187,27 @@ def _int4_variant(g: torch.Generator, variant: str) -> str | None:
             wide = (q.double().view(n, -1, INT4_GROUP) * scales.double().unsqueeze(2)).view(n, kp)[:, :k]
             if not _exact(ops.linear(x, pack_int4(q), scales, variant=variant), x.double() @ wide.T):
                 return f"the int4 kernel's ({variant}) products differ from the exact result on this CPU"
+    return None
+
+
+def _w8a8(g: torch.Generator, kind: str) -> str | None:
+    """Every int8 variant the CPU executes against ``w8a8_format.w8a8_product`` (its exact int32 sums), bit for bit:
+    row and column tails, rows that round to themselves (largest magnitude 127), random float rows, a zero row, and
+    sums past float32's exact integers (2^24)."""
+    ops = _ops()
+    cases = []
+    for n, k, rows in ((37, 77, 1), (9, 64, 5), (70, 512, 13), (5, 33, 70)):
+        w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+        sw = torch.rand(n, generator=g) + 0.5
+        x = torch.randn(rows, k, generator=g) * 3
+        x[0] = 0.0
+        cases.append((x, w, sw))
+    ints = torch.randint(-127, 128, (3, 96), generator=g).float()
+    ints[:, 0] = 127.0
+    cases.append((ints, torch.randint(-128, 128, (7, 96), generator=g, dtype=torch.int8), torch.full((7,), 0.5)))
+    cases.append((torch.full((2, 2048), 1.5), torch.full((3, 2048), 127, dtype=torch.int8), torch.ones(3)))
+    for variant in cpu_kernels.variants("int8"):
+        for x, w, sw in cases:
+            if not torch.equal(ops.w8a8_linear(x, w, sw, variant), w8a8_product(x, w, sw)):
+                return f"the W8A8 kernel ({variant}) differs from its exact integer products on this CPU"
     return None

@@ -46,7 +46,7 @@ import torch
 
 from . import cpu_check, cpu_ops
 
-KINDS = ("core", "bf16", "f16", "fp8", "int4", "amx")  # the kernels' families, as cpu_check checks them
+KINDS = ("core", "bf16", "f16", "fp8", "int4", "w8a8", "amx")  # the kernels' families, as cpu_check checks them
 
 
 @functools.cache
@@ -89,6 +89,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = 
            block: tuple[int, ...] = (), variant: str = "auto", bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x · Wᵀ (+ bias)`` in float32 for 1 to ``max_rows(weight.dtype)`` rows ``x [..., K]`` (module docstring)."""
     y = ops().linear(x, weight, scales, list(block), variant)
+    return y if bias is None else y.add_(bias)
+
+
+def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, *, variant: str = "auto",
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x · Wᵀ (+ bias)`` in float32 for any number of rows ``x [..., K]``, each rounded to int8 on the fly, and an int8
+    weight ``[N, K]`` with float32 row scales ``[N]`` (``mla_kernels.w8a8_format``: the same values); only where
+    ``failure("w8a8")`` is None."""
+    y = ops().w8a8_linear(x, weight, scales, variant)
     return y if bias is None else y.add_(bias)
 
 

@@ -69,6 +69,8 @@ void mla_gemm_few_half(const uint16_t *w, int64_t kind, const float *x, float *y
 void mla_gemm_few_i8(const int8_t *w, const float *scale, const float *x, float *y, int64_t m, int64_t n, int64_t k,
                      int64_t threads, int64_t variant);
 int64_t mla_i8_variants(void);
+void mla_gemm_w8a8(const int8_t *w, const float *scale, const float *x, float *y, int64_t rows, int64_t n, int64_t k,
+                   int64_t threads, int64_t variant);
 void mla_gemm_fp8(const uint8_t *w, const float *scale, int64_t bn, int64_t bk, const float *x, float *y,
                   int64_t m, int64_t n, int64_t k, int64_t threads);
 void mla_gemm_i4(const uint8_t *w, const uint16_t *scales, const float *x, float *y, int64_t rows, int64_t n,

@@ -13,6 +13,7 @@
  *     VI_W8(p), VI_X16(p)          VI_STEP int8 values from p as int16; VI_STEP int16 values from p
  *     VI_DOT(a, w, x)              a plus the products w x summed in pairs (int32 lanes)
  *     VI_ZERO(), VI_SUM(a)         a zero vector; the sum of a's int32 lanes as a float
+ *     VI_ISUM(a)                   the sum of a's int32 lanes as an int32 (exact where it fits)
  *     V_TARGET, VI_TARGET          the function attribute of a float / an integer kernel at this instruction set
  *     SFX(name)                    name with the instruction set's suffix */
 #define V __m256
@@ -40,6 +41,7 @@
 #define VI_DOT(a, w, x) _mm256_add_epi32(a, _mm256_madd_epi16(w, x))
 #define VI_ZERO _mm256_setzero_si256
 #define VI_SUM(a) hsum(_mm256_cvtepi32_ps(a))
+#define VI_ISUM(a) hsum_i32(a)
 #define V_TARGET
 #define VI_TARGET
 #define SFX(name) name##_avx2

@@ -26,6 +26,7 @@
 #define VI_DOT(a, w, x) _mm512_dpwssd_epi32(a, w, x)
 #define VI_ZERO _mm512_setzero_si512
 #define VI_SUM(a) hsum(_mm256_cvtepi32_ps(_mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1))))
+#define VI_ISUM(a) _mm512_reduce_add_epi32(a)
 #define V_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")))
 #define VI_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 #define SFX(name) name##_avx512

@@ -24,6 +24,7 @@
 #undef VI_DOT
 #undef VI_ZERO
 #undef VI_SUM
+#undef VI_ISUM
 #undef V_TARGET
 #undef VI_TARGET
 #undef SFX

@@ -819,6 +819,29 @@ Tensor decoder_layer_hidden(const StepRef& step, int64_t d) {
   return step->scratch.narrow(0, 0, step->rows * d).view({step->rows, d});
 }
 
+// W8A8: x [..., K] rows rounded to int8 per row on the fly (../gemm_w8a8.c), int8 weight w [N, K] with float32 row
+// scales [N]; any number of rows, MLA_QUANT_ROWS a pass; "auto" or a variant of the int8 family.
+Tensor w8a8_linear(const Tensor& x, const Tensor& w, const Tensor& scales, c10::string_view variant) {
+  const char* op = "w8a8_linear";
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() >= 1 && at::isFloatingType(x.scalar_type()),
+                    op, ": x must be floating-point CPU rows, got ", x.scalar_type(), " ", x.sizes());
+  const int64_t n = w.dim() == 2 ? w.size(0) : 0, k = x.size(-1), rows = k ? x.numel() / k : 0;
+  expect(w, at::kChar, {n, k}, op, "the weight");
+  expect(scales, at::kFloat, {n}, op, "the row scales");
+  TORCH_CHECK_VALUE(k >= 1, op, ": rows of at least one value, got x ", x.sizes());
+  const int64_t v = variant_index(variant, mla_i8_variants(), QUANT_VARIANTS, op);
+  const Tensor xs = x.to(at::kFloat).contiguous();
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = n;
+  Tensor y = at::empty(shape, xs.options());
+  const float* xp = ptr<const float>(xs);
+  float* yp = ptr<float>(y);
+  for (int64_t r0 = 0; r0 < rows; r0 += MLA_QUANT_ROWS)
+    mla_gemm_w8a8(ptr<const int8_t>(w), ptr<const float>(scales), xp + r0 * k, yp + r0 * n,
+                  std::min<int64_t>(MLA_QUANT_ROWS, rows - r0), n, k, threads(), v);
+  return y;
+}
+
 // -- what this library holds -----------------------------------------------------------------------------------
 
 // The products' variants, each "<family>.<name>:runs", "...:cannot run here" or "...:above the ISA cap" (float,
@@ -853,6 +876,7 @@ TORCH_LIBRARY_FRAGMENT(mla_kernels, m) {
   m.def("linear(Tensor x, Tensor w, Tensor? scales=None, int[] block=[], str variant=\"auto\") -> Tensor");
   m.def("dense_linear(Tensor x, Tensor plain, Tensor? operand, Tensor? tiles, Tensor? bias, int[] rows, bool onednn) "
         "-> Tensor");
+  m.def("w8a8_linear(Tensor x, Tensor w, Tensor scales, str variant=\"auto\") -> Tensor");
   m.def("int4_from_stored(Tensor stored) -> Tensor");
   m.def("amx_pack(Tensor w) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor packed) -> Tensor");
@@ -906,6 +930,7 @@ TORCH_LIBRARY_FRAGMENT(mla_kernels, m) {
 TORCH_LIBRARY_IMPL(mla_kernels, CPU, m) {
   m.impl("linear", &linear);
   m.impl("dense_linear", &dense_linear);
+  m.impl("w8a8_linear", &w8a8_linear);
   m.impl("int4_from_stored", &int4_from_stored);
   m.impl("amx_pack", &amx_pack);
   m.impl("amx_linear", &amx_linear);
