@@ -25,10 +25,12 @@ def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int_products(xq: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """``xq [M, K] · qᵀ`` (int8 ``q [N, K]``) as exact int32 sums: ``torch._int_mm`` where the device has it, else
-    products summed in float64 (exact: every partial sum is an integer below 2^53)."""
-    if xq.device.type in ("cpu", "cuda"):
-        return torch._int_mm(xq, q.t())
+    """``xq [M, K] · qᵀ`` (int8 ``q [N, K]``) as exact int32 sums: ``torch._int_mm`` on a CPU (and on CUDA for the
+    shapes its kernel takes: more than 16 rows, sizes multiples of 8), else products summed in float64 (exact: every
+    partial sum is an integer below 2^53)."""
+    m, k = xq.shape
+    if xq.device.type == "cpu" or (xq.device.type == "cuda" and m > 16 and k % 8 == 0 and q.shape[0] % 8 == 0):
+        return torch._int_mm(xq.contiguous(), q.t())
     return (xq.double() @ q.double().t()).to(torch.int32)
 
 

@@ -1,21 +1,24 @@
 """Pre-quantised checkpoints in the compressed-tensors format (the one vLLM, transformers and llm-compressor read and
 write), through the ``compressed-tensors`` library.
 
-Two weight-only schemes map onto the runtime's formats; their tensors load as stored, with no re-quantisation:
+Three schemes map onto the runtime's formats; their tensors load as stored, with no re-quantisation:
 
 - ``int8``: format ``int-quantized``; weights int, 8 bits, symmetric, strategy ``channel``. A matrix ``X`` is
   ``X.weight`` (int8 ``[N, K]``) and ``X.weight_scale`` (``[N, 1]``).
+- ``w8a8``: the ``int8`` weights above with input activations quantised dynamically, int8, symmetric, strategy
+  ``token`` (``config.W8A8_ACTIVATIONS``); also SGLang's ``quant_method: w8a8_int8`` (the same two tensors). The
+  scales are held in float32 (``layers.w8a8``).
 - ``int4``: format ``pack-quantized``; weights int, 4 bits, symmetric, strategy ``group`` of 32. A matrix ``X`` is
   ``X.weight_packed`` (int32 ``[N, K/8]``), ``X.weight_scale`` (``[N, K/32]``) and ``X.weight_shape``.
 
 The int8 scales are held in bfloat16 (the type the int8 kernels take), so a float32 scale is rounded to 8 significant
 bits; every other stored value is used as it is.
 
-Anything else in a checkpoint's ``quantization_config`` (activation quantisation, asymmetric weights, other group
+Anything else in a checkpoint's ``quantization_config`` (other activation quantisation, asymmetric weights, other group
 sizes or bit widths, float formats) is refused at load with an error naming it. Matrices the checkpoint leaves
 unquantised (its ``ignore`` list) are quantised by the runtime while loading, as it does for any checkpoint.
 
-``mla-runtime quantize --model SRC --quantization int8|int4 --out DIR`` writes one from any checkpoint the runtime
+``mla-runtime quantize --model SRC --quantization int8|int4|w8a8 --out DIR`` writes one from any checkpoint the runtime
 loads (bfloat16, float32, FP8 blocks): the matrices it quantises (every attention projection except ``kv_b_proj``,
 the MLPs and experts, an untied lm_head) in the scheme above, everything else as stored (FP8 ones dequantised to
 bfloat16), one shard per decoder layer, with the permissions ``open`` gives a new file (0o644 under umask 022), and
@@ -35,10 +38,11 @@ from typing import Any
 
 import torch
 
-from mla_runtime.config import INT4_GROUP, SCHEMES
+from mla_runtime.config import INT4_GROUP, STORED_FORMATS, W8A8_ACTIVATIONS
 from mla_runtime.layers.int4 import Int4Weight
 from mla_runtime.layers.quantization import Int8Weight
 from mla_runtime.layers.qweight import QuantizedWeight
+from mla_runtime.layers.w8a8 import W8A8Weight
 from mla_runtime.token_map import MAP_FILE
 
 
@@ -64,9 +68,11 @@ def quantization_config(quantization: str, ignore: list[str]) -> dict[str, Any]:
         QuantizationStatus,
     )
 
-    fmt, bits, strategy, group = SCHEMES[quantization]
+    fmt, bits, strategy, group = STORED_FORMATS[quantization]
     args = QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy=strategy, group_size=group)
-    config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
+    acts = QuantizationArgs(**W8A8_ACTIVATIONS) if quantization == "w8a8" else None
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, input_activations=acts)
+    config = QuantizationConfig(config_groups={"group_0": scheme},
                                 format=fmt, quantization_status=QuantizationStatus.COMPRESSED, ignore=ignore)
     return config.model_dump(exclude_none=True, mode="json")
 
@@ -76,7 +82,7 @@ def compress(weight: QuantizedWeight) -> dict[str, torch.Tensor]:
     from compressed_tensors.compressors import IntQuantizationCompressor, PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-    if isinstance(weight, Int8Weight):
+    if isinstance(weight, Int8Weight | W8A8Weight):
         scale = weight.scales.unsqueeze(1)
         args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
         compressor: Any = IntQuantizationCompressor
@@ -85,7 +91,7 @@ def compress(weight: QuantizedWeight) -> dict[str, torch.Tensor]:
         args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=INT4_GROUP)
         compressor = PackedQuantizationCompressor
     else:
-        raise TypeError(f"compress: int8 or int4 matrices, got {type(weight).__name__}")
+        raise TypeError(f"compress: int8, W8A8 or int4 matrices, got {type(weight).__name__}")
     # exact: every value is an integer times its scale, so the library's division gives the integers back
     dense = weight.dequantize()
     state = {"weight": dense, "weight_scale": scale}
@@ -101,6 +107,9 @@ def read_stored(reader: Any, name: str, quantization: str, shard: tuple[int, int
     on the columns at group boundaries), made into the runtime's format without re-quantising; an int4 matrix in
     blocks of ``STORED_CHUNK_ROWS`` rows, read and unpacked one at a time."""
     base = name[: -len("weight")]
+    if quantization == "w8a8":
+        yield 0, read_w8a8(reader, name, shard, dtype, device)
+        return
     if quantization == "int8":
         q = reader.stored(name, shard)
         scale = reader.get(base + "weight_scale", shard if shard is not None and shard[0] == 0 else None)
@@ -134,6 +143,19 @@ def read_stored(reader: Any, name: str, quantization: str, shard: tuple[int, int
         del q, packed
 
 
+def read_w8a8(reader: Any, name: str, shard: tuple[int, int, int, int] | None, dtype: torch.dtype,
+              device: torch.device) -> W8A8Weight:
+    """The W8A8 matrix ``<base>.weight`` (int8 ``[N, K]``, a view of the mapped file on a CPU where it is whole) with
+    its ``<base>.weight_scale`` (``[N, 1]``, any float dtype, held in float32): this rank's rows, or its columns (the
+    scales are per row, so a column shard keeps them all)."""
+    base = name[: -len("weight")]
+    q = reader.stored(name, shard)
+    if q.dtype != torch.int8:
+        raise ValueError(f"{name}: a W8A8 weight is stored as int8, got {q.dtype}")
+    scale = reader.get(base + "weight_scale", shard if shard is not None and shard[0] == 0 else None)
+    return W8A8Weight(q.to(device).contiguous(), scale.reshape(-1).to(device, torch.float32), dtype)
+
+
 # -- writing ------------------------------------------------------------------------------------------------------
 # the source's small files a copy needs beside its weights: the tokenizer, the chat template, the generation defaults
 # and the draft vocabulary of MTP speculation
@@ -161,8 +183,8 @@ def write_quantized_checkpoint(src: str | Path, out: str | Path, quantization: s
     from mla_runtime.models.deepseek import DeepseekForCausalLM
     from mla_runtime.resolved_config import ResolvedConfig
 
-    if quantization not in SCHEMES:
-        raise ValueError(f"quantization: int8 or int4, got {quantization!r}")
+    if quantization not in STORED_FORMATS:
+        raise ValueError(f"quantization: {', '.join(STORED_FORMATS)}, got {quantization!r}")
     src, out = Path(src), Path(out)
     raw = json.loads((src / "config.json").read_text())
     cfg = ModelConfig.from_pretrained(src)
@@ -234,7 +256,7 @@ def _convert(name: str, tensors: dict[str, torch.Tensor], ignore: set[str], read
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
-    """``mla-runtime quantize --model SRC --quantization int8|int4 --out DIR``."""
+    """``mla-runtime quantize --model SRC --quantization int8|int4|w8a8 --out DIR``."""
     import time
 
     from mla_runtime.help_format import DefaultsHelpFormatter
@@ -245,7 +267,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
                                              "format: loading it then reads the quantised weights as stored.")
     ap.add_argument("--model", required=True, help="checkpoint folder or hub repo id")
     ap.add_argument("--revision", default=None, help="hub revision (with a repo id)")
-    ap.add_argument("--quantization", required=True, choices=sorted(SCHEMES))
+    ap.add_argument("--quantization", required=True, choices=sorted(STORED_FORMATS))
     ap.add_argument("--out", required=True, help="folder to write (created; must not hold a checkpoint already)")
     args = ap.parse_args(argv)
     out = Path(args.out)

@@ -218,7 +218,7 @@ class ModelConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     moe: MoEConfig | None = None
     fp8_block_size: tuple[int, int] | None = None  # set for FP8 block-quantised checkpoints
-    stored_quantization: str | None = None  # "int8"/"int4": a pre-quantised (compressed-tensors) checkpoint
+    stored_quantization: str | None = None  # "int8"/"int4"/"w8a8": a pre-quantised checkpoint (compressed-tensors)
     num_nextn_predict_layers: int = 0
     # µP (MiniCPM3): the embeddings are multiplied by ``embedding_scale``, each residual branch (attention, MLP) by
     # ``residual_scale`` before it is added, and the final hidden state divided by ``lm_head_divisor`` before lm_head
@@ -497,6 +497,8 @@ def _parse_moe(raw: dict[str, Any], family: str) -> MoEConfig | None:
 # -- pre-quantised (compressed-tensors) checkpoints: the schemes the runtime runs as stored (``compressed``) -------
 INT4_GROUP = 32
 SCHEMES = {"int8": ("int-quantized", 8, "channel", None), "int4": ("pack-quantized", 4, "group", INT4_GROUP)}
+# w8a8: int8 weights as "int8" stores them, with input activations (W8A8_ACTIVATIONS); written as "int8" is
+STORED_FORMATS = {**SCHEMES, "w8a8": SCHEMES["int8"]}
 
 
 class UnsupportedScheme(ValueError):
@@ -522,10 +524,9 @@ def parse_quantization_config(q: dict[str, Any]) -> StoredScheme:
     for name, group in groups.items():
         if not isinstance(group, dict):
             raise UnsupportedScheme(f"quantization_config.config_groups.{name}: a scheme object expected")
-        for part in ("input_activations", "output_activations"):
-            if group.get(part):
-                raise UnsupportedScheme(f"quantization_config.config_groups.{name}.{part}: activation quantisation "
-                                        f"is not supported (weight-only int8 and int4 checkpoints are)")
+        if group.get("output_activations"):
+            raise UnsupportedScheme(f"quantization_config.config_groups.{name}.output_activations: output "
+                                    f"quantisation is not supported")
         w = group.get("weights") or {}
         kind = (w.get("type"), w.get("num_bits"), w.get("strategy"), w.get("group_size"), w.get("symmetric", True))
         match = [k for k, (_, bits, strategy, size) in SCHEMES.items()
@@ -535,19 +536,42 @@ def parse_quantization_config(q: dict[str, Any]) -> StoredScheme:
                 f"quantization_config.config_groups.{name}.weights: type={kind[0]} num_bits={kind[1]} "
                 f"strategy={kind[2]} group_size={kind[3]} symmetric={kind[4]} is not supported (supported: "
                 f"int 8-bit symmetric channel, or int 4-bit symmetric group of {INT4_GROUP})")
-        found.add(match[0])
+        found.add(_with_activations(name, group.get("input_activations"), match[0]))
     if len(found) != 1:
         raise UnsupportedScheme(f"quantization_config: config_groups mix {sorted(found)}; one scheme is supported")
     quantization = found.pop()
-    if fmt not in (SCHEMES[quantization][0], "naive-quantized" if quantization == "int8" else None):
+    stored = STORED_FORMATS[quantization][0]
+    if fmt not in (stored, "naive-quantized" if stored == "int-quantized" else None):
         raise UnsupportedScheme(f"quantization_config.format {fmt!r} is not supported for {quantization} weights "
-                                f"(use {SCHEMES[quantization][0]!r})")
+                                f"(use {stored!r})")
     return StoredScheme(quantization, str(fmt))
 
 
+# the input activations a W8A8 int8 scheme quantises: int8, symmetric, one scale per token computed when it runs
+W8A8_ACTIVATIONS = {"type": "int", "num_bits": 8, "strategy": "token", "dynamic": True, "symmetric": True}
+W8A8_METHOD = "w8a8_int8"  # SGLang's quant_method for int8 weights [N, K] with scales [N, 1] and W8A8_ACTIVATIONS
+
+
+def _with_activations(name: str, acts: dict[str, Any] | None, quantization: str) -> str:
+    """``quantization`` of a config group whose weights it names, given its ``input_activations``: none keeps it,
+    W8A8_ACTIVATIONS with int8 per-channel weights makes it ``w8a8``, anything else is ``UnsupportedScheme``."""
+    if not acts:
+        return quantization
+    got = {key: acts.get(key, True if key == "symmetric" else None) for key in W8A8_ACTIVATIONS}
+    if quantization != "int8" or got != W8A8_ACTIVATIONS:
+        raise UnsupportedScheme(
+            f"quantization_config.config_groups.{name}.input_activations: {got} with {quantization} weights is not "
+            f"supported (activations are run quantised only as dynamic int8 per token, symmetric, beside int8 "
+            f"per-channel weights: W8A8 int8)")
+    return "w8a8"
+
+
 def _parse_stored_quantization(raw: dict[str, Any]) -> str | None:
-    """``int8``/``int4`` for a compressed-tensors checkpoint (``compressed``), None for any other."""
+    """``int8``/``int4``/``w8a8`` for a compressed-tensors checkpoint (``compressed``), ``w8a8`` for SGLang's
+    ``w8a8_int8``, None for any other."""
     q = raw.get("quantization_config")
+    if q and q.get("quant_method") == W8A8_METHOD:
+        return "w8a8"
     if not q or q.get("quant_method") != "compressed-tensors":
         return None
     return parse_quantization_config(q).quantization
@@ -555,12 +579,12 @@ def _parse_stored_quantization(raw: dict[str, Any]) -> str | None:
 
 def _parse_fp8(raw: dict[str, Any]) -> tuple[int, int] | None:
     q = raw.get("quantization_config")
-    if not q or q.get("quant_method") == "compressed-tensors":
+    if not q or q.get("quant_method") in ("compressed-tensors", W8A8_METHOD):
         return None
     method = q.get("quant_method")
     if method != "fp8":
-        raise ValueError(f"quantization_config.quant_method: block 'fp8' and 'compressed-tensors' (int8, int4) are "
-                         f"supported, got {method!r}")
+        raise ValueError(f"quantization_config.quant_method: block 'fp8', 'compressed-tensors' (int8, int4, W8A8 "
+                         f"int8) and {W8A8_METHOD!r} are supported, got {method!r}")
     block = q.get("weight_block_size") or [128, 128]
     if len(block) != 2 or min(block) < 1:
         raise ValueError(f"quantization_config.weight_block_size must be two positive ints, got {block}")
