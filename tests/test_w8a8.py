@@ -301,3 +301,35 @@ def test_the_planner_counts_the_bytes_a_w8a8_model_holds(written):
         assert planned.format == "w8a8"
         assert planned.quantized_bytes == sum(w.nbytes for w in weights)
         assert planned.quantized_bytes == sum(w.shape.numel() + 4 * w.shape[0] for w in weights)
+
+
+def test_a_checkpoint_written_through_the_librarys_model_api_loads_as_stored(tmp_path):
+    """compressed-tensors' own W8A8 scheme applied to a transformers model (as llm-compressor saves one: per-channel
+    absmax scales, the model compressed and saved): its config reads as ``w8a8`` and its matrices are the stored
+    integers times the stored scales."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
+
+    model = build_hf_model("v3")
+    scheme = preset_name_to_scheme("W8A8", ["Linear"])
+    config = QuantizationConfig(config_groups={"group_0": scheme},
+                                ignore=["lm_head", "re:.*kv_b_proj$", "re:.*mlp\\.gate$"])
+    apply_quantization_config(model, config)
+    for module in model.modules():
+        if hasattr(module, "weight_scale"):
+            w = module.weight.detach().float()
+            module.weight_scale.data.copy_((w.abs().amax(1, keepdim=True) / 127).to(module.weight_scale.dtype))
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="int-quantized")
+    compressor.compress_model(model)
+    model.save_pretrained(tmp_path)
+    compressor.update_config(tmp_path)
+    acts = json.loads((tmp_path / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    assert acts["input_activations"]["dynamic"] is True and acts["input_activations"]["strategy"] == "token"
+    assert ModelConfig.from_pretrained(tmp_path).stored_quantization == "w8a8"
+    loaded = load_model(tmp_path, dtype="float32")
+    stored = _stored_matrices(tmp_path)
+    assert len(stored) > 10
+    o_proj = loaded.model.layers[1].self_attn.o_proj.packed
+    assert isinstance(o_proj, W8A8Weight)
+    assert torch.equal(o_proj.dequantize(), stored["model.layers.1.self_attn.o_proj.weight"])
+    assert isinstance(loaded.model.layers[1].mlp.experts.down_packed[0], W8A8Weight)  # left float: quantised at load
