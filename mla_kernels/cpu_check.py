@@ -14,6 +14,7 @@ from . import (
     cpu_ops,
 )
 from .common import dequantize_rows, quantize_per_token
+from .fp4_format import dequantize_fp4
 from .int4_format import INT4_GROUP, pack_int4
 from .w8a8_format import w8a8_product
 
@@ -28,10 +29,11 @@ def _exact(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 @functools.cache
 def failure(kind: str) -> str | None:
-    """None where the kernels of ``kind`` ("core", "bf16", "f16", "fp8", "int4", "w8a8", "amx") are exact here, else
-    why not. Only where the operators are loaded (``cpu_ops.failure()`` is None)."""
+    """None where the kernels of ``kind`` ("core", "bf16", "f16", "fp8", "int4", "w8a8", "fp4", "amx") are exact here,
+    else why not. Only where the operators are loaded (``cpu_ops.failure()`` is None)."""
     g = torch.Generator().manual_seed(0)
-    checks = {"core": _core, "bf16": _half, "f16": _half, "fp8": _fp8, "int4": _int4, "w8a8": _w8a8, "amx": _amx}
+    checks = {"core": _core, "bf16": _half, "f16": _half, "fp8": _fp8, "int4": _int4, "w8a8": _w8a8, "fp4": _fp4,
+              "amx": _amx}
     return checks[kind](g, kind)
 
 
@@ -210,4 +212,40 @@ def _w8a8(g: torch.Generator, kind: str) -> str | None:
         for x, w, sw in cases:
             if not torch.equal(ops.w8a8_linear(x, w, sw, variant), w8a8_product(x, w, sw)):
                 return f"the W8A8 kernel ({variant}) differs from its exact integer products on this CPU"
+    return None
+
+
+def _fp4_cases(g: torch.Generator) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """FP4 weights whose scales take the stored values: UE8M0 exponents up to 252 (a larger one overflows 6 * 2^e - 127
+    to infinity, and the identity's zeros make it NaN) for MXFP4, every finite
+    E4M3 byte over global scales of 1 and 3 (NVFP4); random nibbles."""
+    mx = torch.arange(253, dtype=torch.uint8)[torch.randperm(253, generator=g)][:252].reshape(6, 42)  # 6 * 2^125 finite
+    e4m3 = torch.arange(256, dtype=torch.uint8)
+    finite = e4m3[(e4m3 & 0x7F) != 0x7F]
+    nv = finite[torch.randperm(finite.numel(), generator=g)][:252].reshape(6, 42).view(torch.float8_e4m3fn)
+    out = []
+    for variant, scales, group, glob in (("mxfp4", mx, 32, None), ("nvfp4", nv, 16, torch.tensor([1.0, 3.0] * 3))):
+        packed = torch.randint(0, 256, (6, scales.shape[1] * group // 2), generator=g, dtype=torch.uint8)
+        out.append((variant, packed, scales, glob))
+    return out
+
+
+def _fp4(g: torch.Generator, kind: str) -> str | None:
+    """Each float variant the CPU executes: the rows of the identity give each weight's value alone (every scale and
+    nibble widened exactly, as ``fp4_format.dequantize_fp4``); products of small integers with unit scales (exact
+    sums) against float64, with 1 to 9 rows."""
+    ops = _ops()
+    for variant in cpu_kernels.variants("float"):
+        for fmt, packed, scales, glob in _fp4_cases(g):
+            k = packed.shape[1] * 2
+            if not torch.equal(ops.fp4_linear(torch.eye(k), packed, scales, glob, variant),
+                               dequantize_fp4(fmt, packed, scales, glob).T):
+                return f"the {fmt} kernel ({variant}) widens its weights wrongly on this CPU"
+            ones = torch.full_like(scales, 127) if fmt == "mxfp4" else torch.ones(scales.shape).to(scales.dtype)
+            one = None if glob is None else torch.ones_like(glob)
+            for rows in (1, 4, 9):
+                x = torch.randint(-2, 3, (rows, k), generator=g).float()
+                want = x.double() @ dequantize_fp4(fmt, packed, ones, one).double().T
+                if not _exact(ops.fp4_linear(x, packed, ones, one, variant), want):
+                    return f"the {fmt} kernel's ({variant}) products differ from the exact result on this CPU"
     return None

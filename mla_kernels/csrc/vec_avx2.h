@@ -7,6 +7,9 @@
  *     V_BF16(p), V_F16(p)          VL bfloat16 / float16 values from p, widened to float32 (exactly)
  *     V_I8(p), V_FP8(p)            VL int8 values as floats; VL float8_e4m3fn values as floats / 2^8 (exactly; the
  *                                  including file defines e4m3_half8/16)
+ *     V_E2M1(p, t)                 VL FP4 E2M1 values from the VL / 2 bytes at p (value 2i in byte i's low nibble),
+ *                                  doubled, as floats (exactly; t: the 16 doubled values as int8 in an __m128i; the
+ *                                  including file defines e2m1_8/16)
  *     V_HSUM(v), V_HMAX(v)         the sum and the largest of the lanes
  *     V_EXP(v)                     e^v lane by lane (for v <= 0; the including file defines exp8/exp16)
  *     VI, VI_STEP                  the integer vector, and the int16 values one step of a dot product takes
@@ -31,6 +34,7 @@
 #define V_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define V_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define V_FP8(p) _mm256_cvtph_ps(e4m3_half8(p))
+#define V_E2M1 e2m1_8
 #define V_HSUM hsum
 #define V_HMAX hmax8
 #define V_EXP exp8

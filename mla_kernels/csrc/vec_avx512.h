@@ -16,6 +16,7 @@
 #define V_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #define V_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define V_FP8(p) _mm512_cvtph_ps(e4m3_half16(p))
+#define V_E2M1 e2m1_16
 #define V_HSUM _mm512_reduce_add_ps
 #define V_HMAX _mm512_reduce_max_ps
 #define V_EXP exp16

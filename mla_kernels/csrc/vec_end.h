@@ -14,6 +14,7 @@
 #undef V_F16
 #undef V_I8
 #undef V_FP8
+#undef V_E2M1
 #undef V_HSUM
 #undef V_HMAX
 #undef V_EXP

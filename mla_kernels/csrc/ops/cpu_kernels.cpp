@@ -819,6 +819,37 @@ Tensor decoder_layer_hidden(const StepRef& step, int64_t d) {
   return step->scratch.narrow(0, 0, step->rows * d).view({step->rows, d});
 }
 
+// FP4 E2M1 weights w [N, K / 2] uint8 (../gemm_fp4.c): MXFP4 with uint8 UE8M0 scales [N, K / 32], or NVFP4 with
+// float8_e4m3fn scales [N, K / 16] and float32 global scales [N] (one per row); float32 rows, any number of them,
+// MLA_QUANT_ROWS a pass; "auto" or a variant of the float family.
+Tensor fp4_linear(const Tensor& x, const Tensor& w, const Tensor& scales, const OptTensor& global,
+                  c10::string_view variant) {
+  const char* op = "fp4_linear";
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() >= 1 && at::isFloatingType(x.scalar_type()),
+                    op, ": x must be floating-point CPU rows, got ", x.scalar_type(), " ", x.sizes());
+  const bool mx = scales.scalar_type() == at::kByte;
+  TORCH_CHECK_VALUE(mx || scales.scalar_type() == at::kFloat8_e4m3fn, op, ": scales are uint8 (MXFP4) or ",
+                    "float8_e4m3fn (NVFP4), got ", scales.scalar_type());
+  TORCH_CHECK_VALUE(mx != global.has_value(), op, ": NVFP4 scales (and only they) come with global scales [N]");
+  const int64_t group = mx ? 32 : 16, n = w.dim() == 2 ? w.size(0) : 0, k = x.size(-1);
+  const int64_t rows = k ? x.numel() / k : 0;
+  TORCH_CHECK_VALUE(k >= group && k % group == 0, op, ": rows of a multiple of ", group, " values, got x ", x.sizes());
+  expect(w, at::kByte, {n, k / 2}, op, "the packed weight");
+  expect(scales, scales.scalar_type(), {n, k / group}, op, "the group scales");
+  if (global) expect(*global, at::kFloat, {n}, op, "the global scales");
+  const int64_t v = variant_index(variant, mla_float_variants(), FLOAT_VARIANTS, op);
+  const Tensor xs = x.to(at::kFloat).contiguous();
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = n;
+  Tensor y = at::empty(shape, xs.options());
+  const float* xp = ptr<const float>(xs);
+  float* yp = ptr<float>(y);
+  for (int64_t r0 = 0; r0 < rows; r0 += MLA_QUANT_ROWS)
+    mla_gemm_fp4(mx ? FP4_MX : FP4_NV, ptr<const uint8_t>(w), ptr<const uint8_t>(scales), ptr<const float>(global),
+                 xp + r0 * k, yp + r0 * n, std::min<int64_t>(MLA_QUANT_ROWS, rows - r0), n, k, threads(), v);
+  return y;
+}
+
 // W8A8: x [..., K] rows rounded to int8 per row on the fly (../gemm_w8a8.c), int8 weight w [N, K] with float32 row
 // scales [N]; any number of rows, MLA_QUANT_ROWS a pass; "auto" or a variant of the int8 family.
 Tensor w8a8_linear(const Tensor& x, const Tensor& w, const Tensor& scales, c10::string_view variant) {
@@ -876,6 +907,7 @@ TORCH_LIBRARY_FRAGMENT(mla_kernels, m) {
   m.def("linear(Tensor x, Tensor w, Tensor? scales=None, int[] block=[], str variant=\"auto\") -> Tensor");
   m.def("dense_linear(Tensor x, Tensor plain, Tensor? operand, Tensor? tiles, Tensor? bias, int[] rows, bool onednn) "
         "-> Tensor");
+  m.def("fp4_linear(Tensor x, Tensor w, Tensor scales, Tensor? global_scales=None, str variant=\"auto\") -> Tensor");
   m.def("w8a8_linear(Tensor x, Tensor w, Tensor scales, str variant=\"auto\") -> Tensor");
   m.def("int4_from_stored(Tensor stored) -> Tensor");
   m.def("amx_pack(Tensor w) -> Tensor");
@@ -931,6 +963,7 @@ TORCH_LIBRARY_IMPL(mla_kernels, CPU, m) {
   m.impl("linear", &linear);
   m.impl("dense_linear", &dense_linear);
   m.impl("w8a8_linear", &w8a8_linear);
+  m.impl("fp4_linear", &fp4_linear);
   m.impl("int4_from_stored", &int4_from_stored);
   m.impl("amx_pack", &amx_pack);
   m.impl("amx_linear", &amx_linear);
