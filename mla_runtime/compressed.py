@@ -18,7 +18,7 @@ Anything else in a checkpoint's ``quantization_config`` (other activation quanti
 sizes or bit widths, float formats) is refused at load with an error naming it. Matrices the checkpoint leaves
 unquantised (its ``ignore`` list) are quantised by the runtime while loading, as it does for any checkpoint.
 
-``mla-runtime quantize --model SRC --quantization int8|int4|w8a8 --out DIR`` writes one from any checkpoint the runtime
+``mla-runtime quantize --model SRC --quantization int8|int4|w8a8|mxfp4|nvfp4 --out DIR`` writes one from any checkpoint the runtime
 loads (bfloat16, float32, FP8 blocks): the matrices it quantises (every attention projection except ``kv_b_proj``,
 the MLPs and experts, an untied lm_head) in the scheme above, everything else as stored (FP8 ones dequantised to
 bfloat16), one shard per decoder layer, with the permissions ``open`` gives a new file (0o644 under umask 022), and
@@ -39,11 +39,15 @@ from typing import Any
 import torch
 
 from mla_runtime.config import INT4_GROUP, STORED_FORMATS, W8A8_ACTIVATIONS
+from mla_kernels.fp4_format import GROUPS
+from mla_runtime.layers.fp4 import Fp4Weight, Mxfp4Weight, Nvfp4Weight
 from mla_runtime.layers.int4 import Int4Weight
 from mla_runtime.layers.quantization import Int8Weight
 from mla_runtime.layers.qweight import QuantizedWeight
 from mla_runtime.layers.w8a8 import W8A8Weight
 from mla_runtime.token_map import MAP_FILE
+
+FP4_FORMATS: dict[str, type[Fp4Weight]] = {"mxfp4": Mxfp4Weight, "nvfp4": Nvfp4Weight}
 
 
 def stored_names(name: str, quantization: str) -> list[str]:
@@ -51,7 +55,21 @@ def stored_names(name: str, quantization: str) -> list[str]:
     base = name[: -len("weight")]
     if quantization == "int4":
         return [base + "weight_packed", base + "weight_scale", base + "weight_shape"]
+    if quantization in FP4_FORMATS:
+        return [base + "weight_packed", base + "weight_scale"] + \
+            ([base + "weight_global_scale"] if quantization == "nvfp4" else [])
     return [name, base + "weight_scale"]
+
+
+def stored_shape(reader: Any, name: str, quantization: str) -> list[int]:
+    """The ``[N, K]`` of the matrix ``<base>.weight`` stored compressed in ``quantization``."""
+    names = stored_names(name, quantization)
+    if quantization == "int4":
+        return [int(v) for v in reader.get(names[2]).tolist()]
+    if quantization in FP4_FORMATS:
+        n, half = reader.shape(names[0])
+        return [n, 2 * half]
+    return list(reader.shape(name))
 
 
 def is_stored_compressed(name: str, files: Collection[str], quantization: str) -> bool:
@@ -69,7 +87,7 @@ def quantization_config(quantization: str, ignore: list[str]) -> dict[str, Any]:
     )
 
     fmt, bits, strategy, group = STORED_FORMATS[quantization]
-    args = QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy=strategy, group_size=group)
+    args = _weight_args(quantization)
     acts = QuantizationArgs(**W8A8_ACTIVATIONS) if quantization == "w8a8" else None
     scheme = QuantizationScheme(targets=["Linear"], weights=args, input_activations=acts)
     config = QuantizationConfig(config_groups={"group_0": scheme},
@@ -77,11 +95,48 @@ def quantization_config(quantization: str, ignore: list[str]) -> dict[str, Any]:
     return config.model_dump(exclude_none=True, mode="json")
 
 
+def _weight_args(quantization: str) -> Any:
+    """compressed-tensors' ``QuantizationArgs`` of ``quantization``'s weights."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    _, bits, strategy, group = STORED_FORMATS[quantization]
+    if quantization in FP4_FORMATS:
+        scale_dtype = torch.uint8 if quantization == "mxfp4" else torch.float8_e4m3fn
+        return QuantizationArgs(num_bits=bits, type="float", symmetric=True, strategy=strategy, group_size=group,
+                                scale_dtype=scale_dtype)
+    return QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy=strategy, group_size=group)
+
+
+def _compress_fp4(weight: Fp4Weight) -> dict[str, torch.Tensor]:
+    """An FP4 matrix through the library's MXFP4 / NVFP4 compressor: its float group scales (NVFP4: the E4M3 values
+    and the global scale, which the library divides) and its dequantised values, which the library's rounding gives
+    back exactly."""
+    from compressed_tensors.compressors import MXFP4PackedCompressor, NVFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    from mla_kernels.fp4_format import mx_scales
+
+    state = {"weight": weight.dequantize()}
+    if weight.variant == "mxfp4":
+        state["weight_scale"] = mx_scales(weight.scales)
+        compressor: Any = MXFP4PackedCompressor
+    else:
+        glob = weight.global_scales
+        if glob is None or not bool((glob == glob[0]).all()):
+            raise ValueError("compress: an NVFP4 matrix written as one tensor holds one global scale")
+        state["weight_scale"], state["weight_global_scale"] = weight.scales.float(), glob[:1].clone()
+        compressor = NVFP4PackedCompressor
+    scheme = QuantizationScheme(targets=["Linear"], weights=_weight_args(weight.variant))
+    return dict(compressor.compress(state, scheme))
+
+
 def compress(weight: QuantizedWeight) -> dict[str, torch.Tensor]:
     """The stored tensors (names after ``<base>.``) of a runtime matrix, through the library's compressors."""
     from compressed_tensors.compressors import IntQuantizationCompressor, PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
+    if isinstance(weight, Fp4Weight):
+        return _compress_fp4(weight)
     if isinstance(weight, Int8Weight | W8A8Weight):
         scale = weight.scales.unsqueeze(1)
         args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
@@ -91,7 +146,7 @@ def compress(weight: QuantizedWeight) -> dict[str, torch.Tensor]:
         args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=INT4_GROUP)
         compressor = PackedQuantizationCompressor
     else:
-        raise TypeError(f"compress: int8, W8A8 or int4 matrices, got {type(weight).__name__}")
+        raise TypeError(f"compress: int8, W8A8, int4 or FP4 matrices, got {type(weight).__name__}")
     # exact: every value is an integer times its scale, so the library's division gives the integers back
     dense = weight.dequantize()
     state = {"weight": dense, "weight_scale": scale}
@@ -107,6 +162,9 @@ def read_stored(reader: Any, name: str, quantization: str, shard: tuple[int, int
     on the columns at group boundaries), made into the runtime's format without re-quantising; an int4 matrix in
     blocks of ``STORED_CHUNK_ROWS`` rows, read and unpacked one at a time."""
     base = name[: -len("weight")]
+    if quantization in FP4_FORMATS:
+        yield 0, read_fp4(reader, name, quantization, shard, dtype, device)
+        return
     if quantization == "w8a8":
         yield 0, read_w8a8(reader, name, shard, dtype, device)
         return
@@ -154,6 +212,36 @@ def read_w8a8(reader: Any, name: str, shard: tuple[int, int, int, int] | None, d
         raise ValueError(f"{name}: a W8A8 weight is stored as int8, got {q.dtype}")
     scale = reader.get(base + "weight_scale", shard if shard is not None and shard[0] == 0 else None)
     return W8A8Weight(q.to(device).contiguous(), scale.reshape(-1).to(device, torch.float32), dtype)
+
+
+def read_fp4(reader: Any, name: str, quantization: str, shard: tuple[int, int, int, int] | None, dtype: torch.dtype,
+             device: torch.device) -> QuantizedWeight:
+    """The MXFP4 / NVFP4 matrix ``<base>.weight`` as compressed-tensors stores it (``weight_packed [N, K / 2]`` uint8,
+    ``weight_scale [N, K / group]`` uint8 exponents or float8_e4m3fn, NVFP4's ``weight_global_scale [1]``): this
+    rank's rows, or its columns, which must start and end on the groups of the scales."""
+    fmt = FP4_FORMATS[quantization]
+    group = GROUPS[quantization]
+    names = stored_names(name, quantization)
+    n, k = stored_shape(reader, name, quantization)
+    if shard is not None and shard[0] != 0:
+        a, b = shard[1], shard[2]
+        if a % group or b % group:
+            raise ValueError(f"{names[0]}: this rank's columns [{a}, {b}) do not start and end on the {quantization} "
+                             f"scale groups of {group} values (K = {k}): choose a tensor_parallel_size that cuts "
+                             f"whole groups")
+        packed = reader.get(names[0], (1, a // 2, b // 2, k // 2))
+        scale = reader.get(names[1], (1, a // group, b // group, k // group))
+    else:
+        packed, scale = reader.get(names[0], shard), reader.get(names[1], shard)
+    if quantization == "mxfp4" and scale.dtype != torch.uint8:
+        raise ValueError(f"{names[1]}: MXFP4 scales are uint8 exponents (UE8M0), got {scale.dtype}")
+    glob = None
+    if quantization == "nvfp4":
+        stored = reader.get(names[2]).float().reshape(-1)
+        if stored.numel() != 1:
+            raise ValueError(f"{names[2]}: one global scale per tensor expected, got {stored.numel()}")
+        glob = stored.to(device).expand(packed.shape[0]).contiguous()
+    return fmt(packed.to(device).contiguous(), scale.to(device).contiguous(), glob, dtype)
 
 
 # -- writing ------------------------------------------------------------------------------------------------------
@@ -239,7 +327,8 @@ def _convert(name: str, tensors: dict[str, torch.Tensor], ignore: set[str], read
     scale_name = name[: -len("weight")] + "weight_scale_inv" if name.endswith(".weight") else None
     fp8 = scale_name if scale_name in scales else None
     k = reader.shape(name)[-1]
-    if product and name.endswith(".weight") and (quantization != "int4" or k % INT4_GROUP == 0):
+    group = INT4_GROUP if quantization == "int4" else GROUPS.get(quantization, 1)
+    if product and name.endswith(".weight") and k % group == 0:
         # the format's groups span whole rows
         fmt = WEIGHT_FORMATS[quantization]
         parts = [fmt.quantize(chunk.float()) for _, chunk in _row_chunks(reader, name, None, fp8, block)]
@@ -256,7 +345,7 @@ def _convert(name: str, tensors: dict[str, torch.Tensor], ignore: set[str], read
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
-    """``mla-runtime quantize --model SRC --quantization int8|int4|w8a8 --out DIR``."""
+    """``mla-runtime quantize --model SRC --quantization int8|int4|w8a8|mxfp4|nvfp4 --out DIR``."""
     import time
 
     from mla_runtime.help_format import DefaultsHelpFormatter

@@ -497,8 +497,17 @@ def _parse_moe(raw: dict[str, Any], family: str) -> MoEConfig | None:
 # -- pre-quantised (compressed-tensors) checkpoints: the schemes the runtime runs as stored (``compressed``) -------
 INT4_GROUP = 32
 SCHEMES = {"int8": ("int-quantized", 8, "channel", None), "int4": ("pack-quantized", 4, "group", INT4_GROUP)}
-# w8a8: int8 weights as "int8" stores them, with input activations (W8A8_ACTIVATIONS); written as "int8" is
-STORED_FORMATS = {**SCHEMES, "w8a8": SCHEMES["int8"]}
+# w8a8: int8 weights as "int8" stores them, with input activations (W8A8_ACTIVATIONS); written as "int8" is.
+# mxfp4 / nvfp4: E2M1 values, two a byte, with UE8M0 scales per 32 / E4M3 scales per 16 and a global scale
+FP4_SCHEMES = {"mxfp4": ("mxfp4-pack-quantized", 4, "group", 32),
+               "nvfp4": ("nvfp4-pack-quantized", 4, "tensor_group", 16)}
+STORED_FORMATS = {**SCHEMES, "w8a8": SCHEMES["int8"], **FP4_SCHEMES}
+
+
+def _fp4_match(kind: tuple[Any, ...]) -> list[str]:
+    """The FP4 scheme of a config group's weights ``(type, num_bits, strategy, group_size, symmetric)``, if any."""
+    return [k for k, (_, bits, strategy, size) in FP4_SCHEMES.items()
+            if kind[:4] == ("float", bits, strategy, size) and kind[4]]
 
 
 class UnsupportedScheme(ValueError):
@@ -530,12 +539,14 @@ def parse_quantization_config(q: dict[str, Any]) -> StoredScheme:
         w = group.get("weights") or {}
         kind = (w.get("type"), w.get("num_bits"), w.get("strategy"), w.get("group_size"), w.get("symmetric", True))
         match = [k for k, (_, bits, strategy, size) in SCHEMES.items()
-                 if kind[:3] == ("int", bits, strategy) and (size is None or kind[3] == size) and kind[4]]
+                 if kind[:3] == ("int", bits, strategy) and (size is None or kind[3] == size) and kind[4]] \
+            or _fp4_match(kind)
         if not match:
             raise UnsupportedScheme(
                 f"quantization_config.config_groups.{name}.weights: type={kind[0]} num_bits={kind[1]} "
                 f"strategy={kind[2]} group_size={kind[3]} symmetric={kind[4]} is not supported (supported: "
-                f"int 8-bit symmetric channel, or int 4-bit symmetric group of {INT4_GROUP})")
+                f"int 8-bit symmetric channel, int 4-bit symmetric group of {INT4_GROUP}, or float 4-bit symmetric "
+                f"groups of 32 (MXFP4) or 16 (NVFP4))")
         found.add(_with_activations(name, group.get("input_activations"), match[0]))
     if len(found) != 1:
         raise UnsupportedScheme(f"quantization_config: config_groups mix {sorted(found)}; one scheme is supported")
@@ -557,6 +568,8 @@ def _with_activations(name: str, acts: dict[str, Any] | None, quantization: str)
     W8A8_ACTIVATIONS with int8 per-channel weights makes it ``w8a8``, anything else is ``UnsupportedScheme``."""
     if not acts:
         return quantization
+    if quantization in FP4_SCHEMES and acts.get("type") == "float" and acts.get("num_bits") == 4:
+        return quantization  # FP4 activations: the products run on the model dtype's rows (weight-only)
     got = {key: acts.get(key, True if key == "symmetric" else None) for key in W8A8_ACTIVATIONS}
     if quantization != "int8" or got != W8A8_ACTIVATIONS:
         raise UnsupportedScheme(

@@ -127,6 +127,8 @@ class KernelPlan:
     ops_failure: str | None = None
     # the compiled W8A8 kernel (int8 weights against rows rounded to int8 per token; else torch's int8 products)
     w8a8_failure: str | None = NOT_CPU
+    # the compiled FP4 kernel (MXFP4, NVFP4; else the weight widened a block of rows at a time)
+    fp4_failure: str | None = NOT_CPU
     # each matrix in one layout: oneDNN's blocked copies and AMX's tiles left out, where the load would not fit the
     # machine with them (the Worker's memory check); products of many rows run oneDNN on the plain weight
     one_layout: bool = False
@@ -229,6 +231,7 @@ def _resolve(mode: str) -> KernelPlan:
         int4_failure="cpu_gemm=plain forces the fallback" if mode == "plain" else cpu_kernels.failure("int4"),
         fp8_failure=compiled or cpu_kernels.failure("fp8"),
         w8a8_failure="cpu_gemm=plain forces the fallback" if mode == "plain" else cpu_kernels.failure("w8a8"),
+        fp4_failure="cpu_gemm=plain forces the fallback" if mode == "plain" else cpu_kernels.failure("fp4"),
         native_bf16=tuple(native_arithmetic(torch.bfloat16)),
         ops_failure="cpu_gemm=plain forces the fallbacks" if mode == "plain" else cpu_kernels.failure("ops"))
     for dtype in PROBED_DTYPES:

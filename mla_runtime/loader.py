@@ -46,7 +46,7 @@ from safetensors import safe_open
 from torch import nn
 
 from mla_runtime import attention
-from mla_runtime.compressed import is_stored_compressed, read_stored, stored_names
+from mla_runtime.compressed import is_stored_compressed, read_stored, stored_names, stored_shape
 from mla_runtime.config import ModelConfig
 from mla_runtime.dtypes import resolve_model_dtype
 from mla_runtime.errors import InvalidParam
@@ -625,8 +625,8 @@ def _check_checkpoint(path: Path, cfg: ModelConfig, table: dict[str, Any], param
         want = list(params[slot.param][slot.index].shape)
         if slot.shard is not None:
             want[slot.shard[0]] = slot.shard[3]
-        if name in compressed and stored == "int4":
-            got = [int(v) for v in reader.get(stored_names(name, stored)[2]).tolist()]
+        if name in compressed:
+            got = stored_shape(reader, name, cast(str, stored))
         else:
             got = reader.shape(name)
         if got != want:
