@@ -94,8 +94,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = 
 
 def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, *, variant: str = "auto",
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x · Wᵀ (+ bias)`` in float32 for any number of rows ``x [..., K]``, each rounded to int8 on the fly, and an int8
-    weight ``[N, K]`` with float32 row scales ``[N]`` (``mla_kernels.w8a8_format``: the same values); only where
+    """``x · Wᵀ (+ bias)`` in float32 for any number of rows ``x [..., K]``, each rounded to int8 on the fly, and an
+    int8 weight ``[N, K]`` with float32 row scales ``[N]`` (``mla_kernels.w8a8_format``: the same values); only where
     ``failure("w8a8")`` is None."""
     y = ops().w8a8_linear(x, weight, scales, variant)
     return y if bias is None else y.add_(bias)

@@ -1,13 +1,18 @@
 """Pre-quantised checkpoints in the compressed-tensors format (the one vLLM, transformers and llm-compressor read and
 write), through the ``compressed-tensors`` library.
 
-Three schemes map onto the runtime's formats; their tensors load as stored, with no re-quantisation:
+Five schemes map onto the runtime's formats; their tensors load as stored, with no re-quantisation:
 
 - ``int8``: format ``int-quantized``; weights int, 8 bits, symmetric, strategy ``channel``. A matrix ``X`` is
   ``X.weight`` (int8 ``[N, K]``) and ``X.weight_scale`` (``[N, 1]``).
 - ``w8a8``: the ``int8`` weights above with input activations quantised dynamically, int8, symmetric, strategy
   ``token`` (``config.W8A8_ACTIVATIONS``); also SGLang's ``quant_method: w8a8_int8`` (the same two tensors). The
   scales are held in float32 (``layers.w8a8``).
+- ``mxfp4`` / ``nvfp4``: formats ``mxfp4-pack-quantized`` / ``nvfp4-pack-quantized``; weights float, 4 bits (E2M1),
+  symmetric, strategy ``group`` of 32 / ``tensor_group`` of 16. A matrix ``X`` is ``X.weight_packed`` (uint8
+  ``[N, K/2]``, two values a byte, the even one in the low nibble), ``X.weight_scale`` (uint8 UE8M0 exponents
+  ``[N, K/32]`` / float8_e4m3fn ``[N, K/16]``) and, for NVFP4, ``X.weight_global_scale`` (float32 ``[1]``, which
+  divides). FP4 input activations (NVFP4's W4A4 scheme) are not applied: the products take the model dtype's rows.
 - ``int4``: format ``pack-quantized``; weights int, 4 bits, symmetric, strategy ``group`` of 32. A matrix ``X`` is
   ``X.weight_packed`` (int32 ``[N, K/8]``), ``X.weight_scale`` (``[N, K/32]``) and ``X.weight_shape``.
 
@@ -15,14 +20,15 @@ The int8 scales are held in bfloat16 (the type the int8 kernels take), so a floa
 bits; every other stored value is used as it is.
 
 Anything else in a checkpoint's ``quantization_config`` (other activation quantisation, asymmetric weights, other group
-sizes or bit widths, float formats) is refused at load with an error naming it. Matrices the checkpoint leaves
+sizes or bit widths, other float formats) is refused at load with an error naming it. Matrices the checkpoint leaves
 unquantised (its ``ignore`` list) are quantised by the runtime while loading, as it does for any checkpoint.
 
-``mla-runtime quantize --model SRC --quantization int8|int4|w8a8|mxfp4|nvfp4 --out DIR`` writes one from any checkpoint the runtime
-loads (bfloat16, float32, FP8 blocks): the matrices it quantises (every attention projection except ``kv_b_proj``,
-the MLPs and experts, an untied lm_head) in the scheme above, everything else as stored (FP8 ones dequantised to
-bfloat16), one shard per decoder layer, with the permissions ``open`` gives a new file (0o644 under umask 022), and
-the tokenizer, chat-template, generation and MTP draft-vocabulary (``speculative_token_map.json``) files copied.
+``mla-runtime quantize --model SRC --quantization int8|int4|w8a8|mxfp4|nvfp4 --out DIR`` writes one from any
+checkpoint the runtime loads (bfloat16, float32, FP8 blocks): the matrices it quantises (every attention projection
+except ``kv_b_proj``, the MLPs and experts, an untied lm_head) in the scheme above, everything else as stored (FP8
+ones dequantised to bfloat16), one shard per decoder layer, with the permissions ``open`` gives a new file (0o644
+under umask 022), and the tokenizer, chat-template, generation and MTP draft-vocabulary
+(``speculative_token_map.json``) files copied.
 """
 
 from __future__ import annotations
@@ -38,8 +44,8 @@ from typing import Any
 
 import torch
 
-from mla_runtime.config import INT4_GROUP, STORED_FORMATS, W8A8_ACTIVATIONS
 from mla_kernels.fp4_format import GROUPS
+from mla_runtime.config import INT4_GROUP, STORED_FORMATS, W8A8_ACTIVATIONS
 from mla_runtime.layers.fp4 import Fp4Weight, Mxfp4Weight, Nvfp4Weight
 from mla_runtime.layers.int4 import Int4Weight
 from mla_runtime.layers.quantization import Int8Weight

@@ -95,7 +95,7 @@ class W8A8Weight(QuantizedWeight):
         return self._dequantize_rows(0, self.qweight.shape[0])
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x [..., K]`` (any float dtype) -> ``x · Wᵀ (+ bias)`` in ``x``'s dtype, the rows rounded to int8 per row."""
+        """``x [..., K]`` (any float dtype) -> ``x · Wᵀ (+ bias)`` in ``x``'s dtype, rows rounded to int8 per row."""
         n, k = self.qweight.shape
         wide_bias = None if bias is None else bias.float()
         if self.kernel and x.numel():
