@@ -334,10 +334,11 @@ def _convert(name: str, tensors: dict[str, torch.Tensor], ignore: set[str], read
     fp8 = scale_name if scale_name in scales else None
     k = reader.shape(name)[-1]
     group = INT4_GROUP if quantization == "int4" else GROUPS.get(quantization, 1)
-    if product and name.endswith(".weight") and k % group == 0:
+    if product and name.endswith(".weight") and k % group == 0:  # the library's layouts hold whole groups
         # the format's groups span whole rows
         fmt = WEIGHT_FORMATS[quantization]
-        parts = [fmt.quantize(chunk.float()) for _, chunk in _row_chunks(reader, name, None, fp8, block)]
+        quantize = getattr(fmt, "quantize_tensor", fmt.quantize)  # NVFP4: one global scale per stored tensor
+        parts = [quantize(chunk.float()) for _, chunk in _row_chunks(reader, name, None, fp8, block)]
         matrix = parts[0] if len(parts) == 1 else type(parts[0]).cat(parts)
         base = name[: -len("weight")]
         tensors.update({base + key: v.contiguous() for key, v in compress(matrix).items()})

@@ -36,27 +36,30 @@ E4M3_MAX, E2M1_MAX = 448.0, 6.0
 class Fp4Weight(QuantizedWeight):
     """An FP4 ``[N, K]`` matrix (module docstring); ``Mxfp4Weight`` and ``Nvfp4Weight`` are its two variants."""
 
-    __slots__ = ("packed", "scales", "global_scales", "kernel")
+    __slots__ = ("packed", "scales", "global_scales", "k", "kernel")
     variant: ClassVar[str]
     scale_dtype: ClassVar[torch.dtype]
 
     def __init__(self, packed: torch.Tensor, scales: torch.Tensor, global_scales: torch.Tensor | None,
-                 dtype: torch.dtype) -> None:
-        """``packed [N, K / 2]`` uint8 nibbles, ``scales [N, K / group]`` as stored (MXFP4 uint8 exponents, NVFP4
-        float8_e4m3fn) and, for NVFP4, float32 ``global_scales [N]``; for a weight of ``dtype``."""
+                 dtype: torch.dtype, k: int | None = None) -> None:
+        """``packed [N, Kp / 2]`` uint8 nibbles, ``scales [N, Kp / group]`` as stored (MXFP4 uint8 exponents, NVFP4
+        float8_e4m3fn) and, for NVFP4, float32 ``global_scales [N]``; for a weight ``[N, k]`` of ``dtype`` (``k``,
+        default ``Kp``: ``Kp`` is ``k`` rounded up to whole groups, the values past ``k`` zero)."""
         group = GROUPS[self.variant]
-        n, k = packed.shape[0], 2 * packed.shape[1] if packed.dim() == 2 else 0
+        n, kp = packed.shape[0], 2 * packed.shape[1] if packed.dim() == 2 else 0
+        k = kp if k is None else k
         nv = self.variant == "nvfp4"
-        if (packed.dtype != torch.uint8 or packed.dim() != 2 or k == 0 or k % group
-                or scales.dtype != self.scale_dtype or scales.shape != (n, k // group)
+        if (packed.dtype != torch.uint8 or packed.dim() != 2 or kp == 0 or kp % group or not kp - group < k <= kp
+                or scales.dtype != self.scale_dtype or scales.shape != (n, kp // group)
                 or (global_scales is None) == nv or (nv and cast(torch.Tensor, global_scales).shape != (n,))):
             raise ValueError(
-                f"{type(self).__name__}: uint8 nibbles [N, K / 2] (K a multiple of {group}), {self.scale_dtype} "
-                f"scales [N, K / {group}]{' and float32 global scales [N]' if nv else ''}; got {packed.dtype} "
+                f"{type(self).__name__}: uint8 nibbles [N, Kp / 2] ({k} values a row, Kp a multiple of {group}), "
+                f"{self.scale_dtype} scales [N, Kp / {group}]{' and float32 global scales [N]' if nv else ''}; got "
+                f"{packed.dtype} "
                 f"{tuple(packed.shape)}, {scales.dtype} {tuple(scales.shape)} and "
                 f"{None if global_scales is None else tuple(global_scales.shape)}")
         self._release_float((n, k), dtype, packed.device)
-        self.packed, self.scales = packed, scales.contiguous()
+        self.packed, self.scales, self.k = packed, scales.contiguous(), k
         self.global_scales = None if global_scales is None else global_scales.float().contiguous()
         self.bind(default_plan(packed.device))
 
@@ -71,12 +74,13 @@ class Fp4Weight(QuantizedWeight):
         if not fp4 or any(type(p) is not cls or p.shape[1] != fp4[0].shape[1] for p in fp4):
             raise ValueError(f"{cls.__name__}.cat: {cls.variant} matrices of one K")
         glob = None if fp4[0].global_scales is None else torch.cat([cast(torch.Tensor, p.global_scales) for p in fp4])
-        return cls(stack_rows([p.packed for p in fp4]), torch.cat([p.scales for p in fp4]), glob, fp4[0].plain.dtype)
+        return cls(stack_rows([p.packed for p in fp4]), torch.cat([p.scales for p in fp4]), glob, fp4[0].plain.dtype,
+                   fp4[0].k)
 
     def select_rows(self, index: torch.Tensor) -> Fp4Weight:
         index = index.to(self.packed.device)
         glob = None if self.global_scales is None else self.global_scales[index]
-        return type(self)(self.packed[index].contiguous(), self.scales[index], glob, self.plain.dtype)
+        return type(self)(self.packed[index].contiguous(), self.scales[index], glob, self.plain.dtype, self.k)
 
     @property
     def nbytes(self) -> int:
@@ -85,8 +89,10 @@ class Fp4Weight(QuantizedWeight):
 
     @classmethod
     def stored_bytes(cls, rows: int, k: int, block: tuple[int, int] | None = None) -> int:
-        """Half a byte a value, a byte a group's scale, and for NVFP4 a float32 global scale a row."""
-        return rows * k // 2 + rows * (k // GROUPS[cls.variant]) + (4 * rows if cls.variant == "nvfp4" else 0)
+        """Half a byte a value, a byte a group's scale (``K`` padded to whole groups), and for NVFP4 a float32 global
+        scale a row."""
+        groups = -(-k // GROUPS[cls.variant])
+        return rows * groups * GROUPS[cls.variant] // 2 + rows * groups + (4 * rows if cls.variant == "nvfp4" else 0)
 
     def row_operand(self) -> None:
         """None: the compiled decode step's tables do not read FP4 matrices (their layers run call by call)."""
@@ -94,7 +100,7 @@ class Fp4Weight(QuantizedWeight):
 
     def _dequantize_rows(self, r0: int, r1: int) -> torch.Tensor:
         glob = None if self.global_scales is None else self.global_scales[r0:r1]
-        return dequantize_fp4(self.variant, self.packed[r0:r1], self.scales[r0:r1], glob)
+        return dequantize_fp4(self.variant, self.packed[r0:r1], self.scales[r0:r1], glob)[:, :self.k]
 
     def dequantize(self) -> torch.Tensor:
         """The float32 matrix this one stands for."""
@@ -109,16 +115,20 @@ class Fp4Weight(QuantizedWeight):
         if self.packed.is_cuda:
             from mla_kernels.fp4_gemm import fp4_gemm  # imports Triton: only where a CUDA product runs
 
-            y = fp4_gemm(x, self.packed, self.scales, self.global_scales, self.variant)
+            kp = 2 * self.packed.shape[1]
+            wide = x if kp == self.k else torch.nn.functional.pad(x, (0, kp - self.k))
+            y = fp4_gemm(wide, self.packed, self.scales, self.global_scales, self.variant)
             return (y if bias is None else y + bias.float()).to(x.dtype)
         return self.widened_product(x, bias)
 
 
-def _check_k(name: str, weight: torch.Tensor, group: int) -> torch.Tensor:
+def _groups(name: str, weight: torch.Tensor, group: int) -> torch.Tensor:
+    """``weight [N, K]`` in float32 as ``[N, Kp / group, group]``, padded with zeros to whole groups."""
     w = weight.detach().float()
-    if w.dim() != 2 or w.shape[1] % group:
-        raise ValueError(f"{name}: a matrix [N, K] with K a multiple of {group}, got {tuple(w.shape)}")
-    return w.reshape(w.shape[0], -1, group)
+    if w.dim() != 2 or w.shape[1] < 1:
+        raise ValueError(f"{name}: a matrix [N, K] expected, got {tuple(w.shape)}")
+    pad = -w.shape[1] % group
+    return (torch.nn.functional.pad(w, (0, pad)) if pad else w).reshape(w.shape[0], -1, group)
 
 
 class Mxfp4Weight(Fp4Weight):
@@ -130,13 +140,13 @@ class Mxfp4Weight(Fp4Weight):
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Mxfp4Weight:
-        groups = _check_k("mxfp4", weight, GROUPS["mxfp4"])
+        groups = _groups("mxfp4", weight, GROUPS["mxfp4"])
         amax = groups.abs().amax(-1)
         _, exp = torch.frexp(amax)  # amax = m * 2^exp, m in [0.5, 1): floor(log2(amax)) = exp - 1
         shared = torch.where(amax > 0, exp - 1 - 2, torch.zeros_like(exp)).clamp(-127, 127)
         exponents = (shared + 127).to(torch.uint8)
         codes = round_to_e2m1(groups / group_scales("mxfp4", exponents, None).unsqueeze(-1))
-        return cls(pack_nibbles(codes.reshape(weight.shape)), exponents, None, weight.dtype)
+        return cls(pack_nibbles(codes.reshape(weight.shape[0], -1)), exponents, None, weight.dtype, weight.shape[1])
 
 
 class Nvfp4Weight(Fp4Weight):
@@ -148,11 +158,26 @@ class Nvfp4Weight(Fp4Weight):
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Nvfp4Weight:
-        groups = _check_k("nvfp4", weight, GROUPS["nvfp4"])
+        """Each row with its own global scale, ``448 × 6 / amax`` of the row: quantising row blocks one at a time and
+        stacking them gives what quantising the stacked matrix gives."""
+        groups = _groups("nvfp4", weight, GROUPS["nvfp4"])
+        amax = groups.abs().amax(dim=(1, 2))
+        return cls._with_global(weight, groups, torch.where(amax > 0, E4M3_MAX * E2M1_MAX / amax, 1.0))
+
+    @classmethod
+    def quantize_tensor(cls, weight: torch.Tensor) -> Nvfp4Weight:
+        """One global scale for the whole matrix (``448 × 6 / amax``), as a compressed-tensors checkpoint stores it."""
+        groups = _groups("nvfp4", weight, GROUPS["nvfp4"])
         amax = groups.abs().amax()
         glob = E4M3_MAX * E2M1_MAX / amax if amax > 0 else torch.ones((), device=amax.device)
-        scales = (groups.abs().amax(-1) / E2M1_MAX * glob).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
-        per_row = glob.float().expand(weight.shape[0]).contiguous()
-        step = group_scales("nvfp4", scales, per_row).unsqueeze(-1)
+        return cls._with_global(weight, groups, glob.float().expand(weight.shape[0]))
+
+    @classmethod
+    def _with_global(cls, weight: torch.Tensor, groups: torch.Tensor, glob: torch.Tensor) -> Nvfp4Weight:
+        """``groups [N, Kp / 16, 16]`` of ``weight`` quantised under the rows' global scales ``glob [N]``: the group
+        scales ``amax / 6 × global`` rounded to E4M3, each value to the nearest E2M1 step of its group."""
+        glob = glob.float().contiguous()
+        scales = (groups.abs().amax(-1) / E2M1_MAX * glob[:, None]).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+        step = group_scales("nvfp4", scales, glob).unsqueeze(-1)
         codes = round_to_e2m1(torch.where(step > 0, groups / step, torch.zeros((), device=step.device)))
-        return cls(pack_nibbles(codes.reshape(weight.shape)), scales, per_row, weight.dtype)
+        return cls(pack_nibbles(codes.reshape(weight.shape[0], -1)), scales, glob, weight.dtype, weight.shape[1])

@@ -819,9 +819,9 @@ Tensor decoder_layer_hidden(const StepRef& step, int64_t d) {
   return step->scratch.narrow(0, 0, step->rows * d).view({step->rows, d});
 }
 
-// FP4 E2M1 weights w [N, K / 2] uint8 (../gemm_fp4.c): MXFP4 with uint8 UE8M0 scales [N, K / 32], or NVFP4 with
-// float8_e4m3fn scales [N, K / 16] and float32 global scales [N] (one per row); float32 rows, any number of them,
-// MLA_QUANT_ROWS a pass; "auto" or a variant of the float family.
+// FP4 E2M1 weights w [N, Kp / 2] uint8 (../gemm_fp4.c; Kp: K rounded up to whole groups, the padding zeros): MXFP4
+// with uint8 UE8M0 scales [N, Kp / 32], or NVFP4 with float8_e4m3fn scales [N, Kp / 16] and float32 global scales
+// [N] (one per row); float32 rows [..., K], any number of them, MLA_QUANT_ROWS a pass; "auto" or a float variant.
 Tensor fp4_linear(const Tensor& x, const Tensor& w, const Tensor& scales, const OptTensor& global,
                   c10::string_view variant) {
   const char* op = "fp4_linear";
@@ -831,14 +831,15 @@ Tensor fp4_linear(const Tensor& x, const Tensor& w, const Tensor& scales, const 
   TORCH_CHECK_VALUE(mx || scales.scalar_type() == at::kFloat8_e4m3fn, op, ": scales are uint8 (MXFP4) or ",
                     "float8_e4m3fn (NVFP4), got ", scales.scalar_type());
   TORCH_CHECK_VALUE(mx != global.has_value(), op, ": NVFP4 scales (and only they) come with global scales [N]");
-  const int64_t group = mx ? 32 : 16, n = w.dim() == 2 ? w.size(0) : 0, k = x.size(-1);
-  const int64_t rows = k ? x.numel() / k : 0;
-  TORCH_CHECK_VALUE(k >= group && k % group == 0, op, ": rows of a multiple of ", group, " values, got x ", x.sizes());
+  const int64_t group = mx ? 32 : 16, n = w.dim() == 2 ? w.size(0) : 0, width = x.size(-1);
+  const int64_t rows = width ? x.numel() / width : 0, k = cdiv(width, group) * group;  // K padded to whole groups
+  TORCH_CHECK_VALUE(width >= 1, op, ": rows of at least one value, got x ", x.sizes());
   expect(w, at::kByte, {n, k / 2}, op, "the packed weight");
   expect(scales, scales.scalar_type(), {n, k / group}, op, "the group scales");
   if (global) expect(*global, at::kFloat, {n}, op, "the global scales");
   const int64_t v = variant_index(variant, mla_float_variants(), FLOAT_VARIANTS, op);
-  const Tensor xs = x.to(at::kFloat).contiguous();
+  Tensor xs = x.to(at::kFloat).reshape({rows, width});
+  xs = (k == width ? xs : at::constant_pad_nd(xs, {0, k - width}, 0.0)).contiguous();  // zeros meet the padding
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = n;
   Tensor y = at::empty(shape, xs.options());
