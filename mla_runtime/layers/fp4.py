@@ -14,8 +14,10 @@ row's result does not depend on the rows beside it.
 
 ``quantize`` makes the format from float weights (the matrices a checkpoint leaves unquantised, a tied lm_head's
 copy): MXFP4 by the OCP MX rule (the group's shared exponent ``floor(log2(amax)) - 2``, each value rounded to the
-nearest E2M1 value, ties to even, beyond 6 to 6); NVFP4 with the global scale ``448 × 6 / amax`` of the matrix (of each
-checkpoint tensor) and group scales ``amax / 6 × global`` rounded to E4M3. ``K`` must be a multiple of the group.
+nearest E2M1 value, ties to even, beyond 6 to 6); NVFP4 with the global scale ``448 × 6 / amax`` of each row (so that
+row blocks quantise as the stacked matrix does; ``quantize_tensor``: one for the matrix, as a checkpoint stores it)
+and group scales ``amax / 6 × global`` rounded to E4M3. A ``K`` that is not a whole number of groups is padded with
+zeros to one (stored checkpoints' never are); the products pad their rows to match.
 """
 
 from __future__ import annotations
