@@ -68,8 +68,10 @@ def dequantize_fp4(variant: str, packed: torch.Tensor, scales: torch.Tensor,
 
 def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
     """The nibble of the E2M1 value nearest each float32 ``x`` (ties to the even mantissa; beyond 6: 6)."""
-    mag = x.abs().clamp(max=6.0)
+    mag = x.abs()
     # the midpoints between neighbours; at a tie the even code (0, 1.0, 2.0, 4.0) wins: >= / > alternate
-    idx = ((mag > 0.25).int() + (mag >= 0.75).int() + (mag > 1.25).int() + (mag >= 1.75).int() + (mag > 2.5).int()
-           + (mag >= 3.5).int() + (mag > 5.0).int())
-    return (idx | (torch.signbit(x).int() << 3)).to(torch.uint8)
+    idx = torch.signbit(x).to(torch.uint8) << 3
+    for bound, inclusive in ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True),
+                             (5.0, False)):
+        idx += mag >= bound if inclusive else mag > bound
+    return idx

@@ -22,7 +22,7 @@ zeros to one (stored checkpoints' never are); the products pad their rows to mat
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar, cast
 
 import torch
@@ -33,6 +33,16 @@ from mla_runtime.kernel_plan import KernelPlan
 from mla_runtime.layers.qweight import QuantizedWeight, default_plan, stack_rows
 
 E4M3_MAX, E2M1_MAX = 448.0, 6.0
+CHUNK_ELEMENTS = 1 << 22  # quantisation works on blocks of rows of about this many values (bounded temporaries)
+
+
+def _by_row_blocks(weight: torch.Tensor, quantize: Callable[[torch.Tensor], Fp4Weight]) -> Fp4Weight:
+    """``quantize`` (row-local) applied to blocks of rows of ``weight``, stacked."""
+    step = max(1, CHUNK_ELEMENTS // max(1, weight.shape[-1]))
+    if weight.dim() != 2 or weight.shape[0] <= step:
+        return quantize(weight)
+    parts = [quantize(weight[r0:r0 + step]) for r0 in range(0, weight.shape[0], step)]
+    return type(parts[0]).cat(parts)
 
 
 class Fp4Weight(QuantizedWeight):
@@ -142,6 +152,10 @@ class Mxfp4Weight(Fp4Weight):
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Mxfp4Weight:
+        return cast(Mxfp4Weight, _by_row_blocks(weight, cls._quantize))
+
+    @classmethod
+    def _quantize(cls, weight: torch.Tensor) -> Mxfp4Weight:
         groups = _groups("mxfp4", weight, GROUPS["mxfp4"])
         amax = groups.abs().amax(-1)
         _, exp = torch.frexp(amax)  # amax = m * 2^exp, m in [0.5, 1): floor(log2(amax)) = exp - 1
@@ -162,6 +176,10 @@ class Nvfp4Weight(Fp4Weight):
     def quantize(cls, weight: torch.Tensor) -> Nvfp4Weight:
         """Each row with its own global scale, ``448 × 6 / amax`` of the row: quantising row blocks one at a time and
         stacking them gives what quantising the stacked matrix gives."""
+        return cast(Nvfp4Weight, _by_row_blocks(weight, cls._quantize))
+
+    @classmethod
+    def _quantize(cls, weight: torch.Tensor) -> Nvfp4Weight:
         groups = _groups("nvfp4", weight, GROUPS["nvfp4"])
         amax = groups.abs().amax(dim=(1, 2))
         return cls._with_global(weight, groups, torch.where(amax > 0, E4M3_MAX * E2M1_MAX / amax, 1.0))
