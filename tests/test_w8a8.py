@@ -184,11 +184,11 @@ def _fake_quantized(x: torch.Tensor) -> torch.Tensor:
     return (xq * sx).reshape(x.shape).to(x.dtype)
 
 
-def reference_tokens(path: Path) -> list[list[int]]:
+def reference_tokens(path: Path, variant: str = "v3") -> list[list[int]]:
     """transformers' greedy tokens with every matrix the checkpoint stores as W8A8 set to its dequantised values, the
     inputs of those products rounded per token (through ``F.linear``, which both its ``nn.Linear`` layers and its
     fused experts call), and ``kv_b_proj`` rounded to bfloat16 as the runtime holds it."""
-    hf = build_hf_model("v3")
+    hf = build_hf_model(variant)
     hf.set_experts_implementation("eager")  # expert by expert through F.linear (the default: grouped products)
     stored = _stored_matrices(path)
     params = dict(hf.named_parameters())
@@ -260,6 +260,13 @@ def test_greedy_tokens_equal_transformers_on_the_dequantised_model_with_rows_rou
     assert runtime_tokens(ct) == want
     assert runtime_tokens(sglang) == want
     assert runtime_tokens(ct, cpu_gemm="plain") == want  # torch's int8 products: the same bits
+
+
+def test_a_v2_checkpoint_gives_the_reference_tokens(tiny_checkpoint, tmp_path):
+    """DeepSeek-V2 (group-limited routing, a Q-LoRA-less attention) written as W8A8 and served as stored."""
+    src, _ = tiny_checkpoint("v2_group")
+    assert quantize_main(["--model", str(src), "--quantization", "w8a8", "--out", str(tmp_path / "v2")]) == 0
+    assert runtime_tokens(tmp_path / "v2") == reference_tokens(tmp_path / "v2", "v2_group")
 
 
 _CAPPED = """
