@@ -14,7 +14,9 @@ from . import (
     cpu_ops,
 )
 from .common import dequantize_rows, quantize_per_token
+from .fp4_format import dequantize_fp4
 from .int4_format import INT4_GROUP, pack_int4
+from .w8a8_format import w8a8_product
 
 
 def _ops():  # type: ignore[no-untyped-def]
@@ -27,11 +29,12 @@ def _exact(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 @functools.cache
 def failure(kind: str) -> str | None:
-    """None where the kernels of ``kind`` ("core", "bf16", "f16", "fp8", "int4", "ggml", "amx") are exact here, else
-    why not. Only where the operators are loaded (``cpu_ops.failure()`` is None)."""
+    """None where the kernels of ``kind`` ("core", "bf16", "f16", "fp8", "int4", "ggml", "w8a8", "fp4", "amx") are
+    exact here, else why not. Only where the operators are loaded (``cpu_ops.failure()`` is None)."""
     g = torch.Generator().manual_seed(0)
-    return {"core": _core, "bf16": _half, "f16": _half, "fp8": _fp8, "int4": _int4, "ggml": _ggml,
-            "amx": _amx}[kind](g, kind)
+    checks = {"core": _core, "bf16": _half, "f16": _half, "fp8": _fp8, "int4": _int4, "ggml": _ggml, "w8a8": _w8a8,
+              "fp4": _fp4, "amx": _amx}
+    return checks[kind](g, kind)
 
 
 def _core(g: torch.Generator, kind: str) -> str | None:
@@ -220,4 +223,63 @@ def _ggml(g: torch.Generator, kind: str) -> str | None:
                 got = _ops().ggml_linear(x, w, int(GGMLQuantizationType[type_name]), variant)
                 if not _exact(got, x.double() @ wide.T):
                     return f"the {type_name} kernel's ({variant}) products differ from the exact result on this CPU"
+    return None
+
+
+def _w8a8(g: torch.Generator, kind: str) -> str | None:
+    """Every int8 variant the CPU executes against ``w8a8_format.w8a8_product`` (its exact int32 sums), bit for bit:
+    row and column tails, rows that round to themselves (largest magnitude 127), random float rows, a zero row, and
+    sums past float32's exact integers (2^24)."""
+    ops = _ops()
+    cases = []
+    for n, k, rows in ((37, 77, 1), (9, 64, 5), (70, 512, 13), (5, 33, 70)):
+        w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+        sw = torch.rand(n, generator=g) + 0.5
+        x = torch.randn(rows, k, generator=g) * 3
+        x[0] = 0.0
+        cases.append((x, w, sw))
+    ints = torch.randint(-127, 128, (3, 96), generator=g).float()
+    ints[:, 0] = 127.0
+    cases.append((ints, torch.randint(-128, 128, (7, 96), generator=g, dtype=torch.int8), torch.full((7,), 0.5)))
+    cases.append((torch.full((2, 2048), 1.5), torch.full((3, 2048), 127, dtype=torch.int8), torch.ones(3)))
+    for variant in cpu_kernels.variants("int8"):
+        for x, w, sw in cases:
+            if not torch.equal(ops.w8a8_linear(x, w, sw, variant), w8a8_product(x, w, sw)):
+                return f"the W8A8 kernel ({variant}) differs from its exact integer products on this CPU"
+    return None
+
+
+def _fp4_cases(g: torch.Generator) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """FP4 weights whose scales take the stored values: UE8M0 exponents up to 252 (a larger one overflows 6 * 2^e - 127
+    to infinity, and the identity's zeros make it NaN) for MXFP4, every finite
+    E4M3 byte over global scales of 1 and 3 (NVFP4); random nibbles."""
+    mx = torch.arange(253, dtype=torch.uint8)[torch.randperm(253, generator=g)][:252].reshape(6, 42)  # 6 * 2^125 finite
+    e4m3 = torch.arange(256, dtype=torch.uint8)
+    finite = e4m3[(e4m3 & 0x7F) != 0x7F]
+    nv = finite[torch.randperm(finite.numel(), generator=g)][:252].reshape(6, 42).view(torch.float8_e4m3fn)
+    out = []
+    for variant, scales, group, glob in (("mxfp4", mx, 32, None), ("nvfp4", nv, 16, torch.tensor([1.0, 3.0] * 3))):
+        packed = torch.randint(0, 256, (6, scales.shape[1] * group // 2), generator=g, dtype=torch.uint8)
+        out.append((variant, packed, scales, glob))
+    return out
+
+
+def _fp4(g: torch.Generator, kind: str) -> str | None:
+    """Each float variant the CPU executes: the rows of the identity give each weight's value alone (every scale and
+    nibble widened exactly, as ``fp4_format.dequantize_fp4``); products of small integers with unit scales (exact
+    sums) against float64, with 1 to 9 rows."""
+    ops = _ops()
+    for variant in cpu_kernels.variants("float"):
+        for fmt, packed, scales, glob in _fp4_cases(g):
+            k = packed.shape[1] * 2
+            if not torch.equal(ops.fp4_linear(torch.eye(k), packed, scales, glob, variant),
+                               dequantize_fp4(fmt, packed, scales, glob).T):
+                return f"the {fmt} kernel ({variant}) widens its weights wrongly on this CPU"
+            ones = torch.full_like(scales, 127) if fmt == "mxfp4" else torch.ones(scales.shape).to(scales.dtype)
+            one = None if glob is None else torch.ones_like(glob)
+            for rows in (1, 4, 9):
+                x = torch.randint(-2, 3, (rows, k), generator=g).float()
+                want = x.double() @ dequantize_fp4(fmt, packed, ones, one).double().T
+                if not _exact(ops.fp4_linear(x, packed, ones, one, variant), want):
+                    return f"the {fmt} kernel's ({variant}) products differ from the exact result on this CPU"
     return None

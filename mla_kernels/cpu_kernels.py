@@ -52,7 +52,8 @@ import torch
 
 from . import cpu_check, cpu_ops
 
-KINDS = ("core", "bf16", "f16", "fp8", "int4", "ggml", "amx")  # the kernels' families, as cpu_check checks them
+# the kernels' families, as cpu_check checks them
+KINDS = ("core", "bf16", "f16", "fp8", "int4", "ggml", "w8a8", "fp4", "amx")
 
 
 @functools.cache
@@ -113,6 +114,24 @@ def ggml_linear(x: torch.Tensor, weight: torch.Tensor, type_number: int, *, vari
     file stores it (uint8 ``[N, K / B · size]``, ``type_number``: ggml's number; ``cpu_check.GGML_TYPES`` names those
     read); only where ``failure("ggml")`` is None."""
     y = ops().ggml_linear(x, weight, type_number, variant)
+    return y if bias is None else y.add_(bias)
+
+
+def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, *, variant: str = "auto",
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x · Wᵀ (+ bias)`` in float32 for any number of rows ``x [..., K]``, each rounded to int8 on the fly, and an
+    int8 weight ``[N, K]`` with float32 row scales ``[N]`` (``mla_kernels.w8a8_format``: the same values); only where
+    ``failure("w8a8")`` is None."""
+    y = ops().w8a8_linear(x, weight, scales, variant)
+    return y if bias is None else y.add_(bias)
+
+
+def fp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, global_scales: torch.Tensor | None = None,
+               *, variant: str = "auto", bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x · Wᵀ (+ bias)`` in float32 for any number of rows ``x [..., K]`` and FP4 E2M1 weights (``fp4_format``):
+    ``packed [N, K / 2]`` with MXFP4 uint8 scales ``[N, K / 32]``, or NVFP4 float8_e4m3fn scales ``[N, K / 16]`` and
+    float32 ``global_scales [N]``; only where ``failure("fp4")`` is None."""
+    y = ops().fp4_linear(x, packed, scales, global_scales, variant)
     return y if bias is None else y.add_(bias)
 
 

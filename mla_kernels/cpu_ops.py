@@ -45,10 +45,11 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 # same library and registered by ops/cpu_kernels.cpp
 PORTABLE_SOURCES = (CSRC / "ops" / "indexer.cpp", CSRC / "ops" / "isa.cpp", CSRC / "cpu_features.c")
 X86_SOURCES = (CSRC / "gemv_f32.c", CSRC / "mla_decode_f32.c", CSRC / "mla_layer_f32.c", CSRC / "gemv_fp8.c",
-               CSRC / "gemv_int4.c", CSRC / "gemv_ggml.c", CSRC / "amx_bf16.c", CSRC / "ops" / "cpu_kernels.cpp")
+               CSRC / "gemv_int4.c", CSRC / "gemv_ggml.c", CSRC / "gemm_w8a8.c", CSRC / "gemm_fp4.c",
+               CSRC / "amx_bf16.c", CSRC / "ops" / "cpu_kernels.cpp")
 HEADERS = (CSRC / "mla_cpu.h", CSRC / "simd.h", CSRC / "isa_cap.h", CSRC / "amx_emulate.h", CSRC / "vec_avx2.h",
            CSRC / "vec_avx512.h", CSRC / "vec_end.h", CSRC / "decode_attention.h", CSRC / "few_rows.h",
-           CSRC / "int4_rows.h", CSRC / "ggml_rows.h")
+           CSRC / "int4_rows.h", CSRC / "ggml_rows.h", CSRC / "w8a8_rows.h", CSRC / "fp4_rows.h")
 CFLAGS = ("-O3", "-std=c++17", "-fopenmp")  # OpenMP: the kernels' threads are torch's pool
 # the x86 baseline (every AVX2 CPU has FMA and F16C): wider instruction sets are chosen per function at run time
 X86_CFLAGS = ("-mavx2", "-mfma", "-mf16c")
@@ -373,6 +374,14 @@ def _register_fakes() -> None:
 
     @lib.register_fake("mla_kernels::linear")
     def _(x, w, scales=None, block=(), variant="auto"):  # type: ignore[no-untyped-def]
+        return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=torch.float32)
+
+    @lib.register_fake("mla_kernels::w8a8_linear")
+    def _(x, w, scales, variant="auto"):  # type: ignore[no-untyped-def]
+        return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=torch.float32)
+
+    @lib.register_fake("mla_kernels::fp4_linear")
+    def _(x, w, scales, global_scales=None, variant="auto"):  # type: ignore[no-untyped-def]
         return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=torch.float32)
 
     @lib.register_fake("mla_kernels::dense_linear")

@@ -1,7 +1,7 @@
 """Pre-quantised checkpoints in the compressed-tensors format (the one vLLM, transformers and llm-compressor read and
 write), through the ``compressed-tensors`` library.
 
-Two weight-only schemes map onto the runtime's formats; their tensors load as stored, with no re-quantisation:
+Five schemes map onto the runtime's formats; their tensors load as stored, with no re-quantisation:
 
 - ``int8``: format ``int-quantized``; weights int, 8 bits, symmetric, strategy ``channel``. A matrix ``X`` is
   ``X.weight`` (int8 ``[N, K]``) and ``X.weight_scale`` (``[N, 1]``).
@@ -9,21 +9,29 @@ Two weight-only schemes map onto the runtime's formats; their tensors load as st
   zero points. A matrix ``X`` is ``X.weight_packed`` (int32 ``[N, K/8]``), ``X.weight_scale`` (``[N, K/g]``) and
   ``X.weight_shape`` (with ``X.weight_zero_point`` and ``X.weight_g_idx`` where it has them): ``stored_int4``
   reads it, as it reads AWQ's and GPTQ's int4 layouts.
+- ``w8a8``: the ``int8`` weights above with input activations quantised dynamically, int8, symmetric, strategy
+  ``token`` (``config.W8A8_ACTIVATIONS``); also SGLang's ``quant_method: w8a8_int8`` (the same two tensors). The
+  scales are held in float32 (``layers.w8a8``).
+- ``mxfp4`` / ``nvfp4``: formats ``mxfp4-pack-quantized`` / ``nvfp4-pack-quantized``; weights float, 4 bits (E2M1),
+  symmetric, strategy ``group`` of 32 / ``tensor_group`` of 16. A matrix ``X`` is ``X.weight_packed`` (uint8
+  ``[N, K/2]``, two values a byte, the even one in the low nibble), ``X.weight_scale`` (uint8 UE8M0 exponents
+  ``[N, K/32]`` / float8_e4m3fn ``[N, K/16]``) and, for NVFP4, ``X.weight_global_scale`` (float32 ``[1]``, which
+  divides). FP4 input activations (NVFP4's W4A4 scheme) are not applied: the products take the model dtype's rows.
 
 The int8 scales are held in bfloat16 (the type the int8 kernels take), so a float32 scale is rounded to 8 significant
 bits; int4 scales in float16; every other stored value is used as it is.
 
-Anything else in a checkpoint's ``quantization_config`` (activation quantisation, other group sizes or bit widths,
-asymmetric int8, float formats) is refused at load with an error naming it. An lm_head the checkpoint leaves
-unquantised loads as stored; other matrices its ``ignore`` list leaves unquantised are quantised by the runtime while
-loading, as it does for any checkpoint.
+Anything else in a checkpoint's ``quantization_config`` (other activation quantisation, other group sizes or bit
+widths, asymmetric int8, other float formats) is refused at load with an error naming it. An lm_head the checkpoint
+leaves unquantised loads as stored; other matrices its ``ignore`` list leaves unquantised are quantised by the runtime
+while loading, as it does for any checkpoint.
 
-``mla-runtime quantize --model SRC --quantization int8|int4 --out DIR`` writes one from any checkpoint the runtime
-loads (bfloat16, float32, FP8 blocks): the matrices it quantises (every attention projection except ``kv_b_proj``,
-the MLPs and experts, an untied lm_head) in the runtime's own scheme (int4: symmetric groups of 32), everything
-else as stored (FP8 ones dequantised to
-bfloat16), one shard per decoder layer, with the permissions ``open`` gives a new file (0o644 under umask 022), and
-the tokenizer, chat-template, generation and MTP draft-vocabulary (``speculative_token_map.json``) files copied.
+``mla-runtime quantize --model SRC --quantization int8|int4|w8a8|mxfp4|nvfp4 --out DIR`` writes one from any
+checkpoint the runtime loads (bfloat16, float32, FP8 blocks): the matrices it quantises (every attention projection
+except ``kv_b_proj``, the MLPs and experts, an untied lm_head) in the runtime's own scheme (int4: symmetric groups of
+32), everything else as stored (FP8 ones dequantised to bfloat16), one shard per decoder layer, with the permissions
+``open`` gives a new file (0o644 under umask 022), and the tokenizer, chat-template, generation and MTP
+draft-vocabulary (``speculative_token_map.json``) files copied.
 """
 
 from __future__ import annotations
@@ -39,14 +47,18 @@ from typing import Any
 
 import torch
 
-from mla_runtime.config import INT4_GROUP, SCHEMES, Int4Layout
+from mla_kernels.fp4_format import GROUPS
+from mla_runtime.config import INT4_GROUP, STORED_FORMATS, W8A8_ACTIVATIONS, Int4Layout
+from mla_runtime.layers.fp4 import Fp4Weight, Mxfp4Weight, Nvfp4Weight
 from mla_runtime.layers.int4 import Int4Weight
 from mla_runtime.layers.quantization import Int8Weight
 from mla_runtime.layers.qweight import QuantizedWeight
+from mla_runtime.layers.w8a8 import W8A8Weight
 from mla_runtime.stored_int4 import int4_names, int4_shape, read_int4
 from mla_runtime.token_map import MAP_FILE
 
 CT_INT4 = Int4Layout("compressed-tensors", INT4_GROUP, True)  # the int4 layout ``mla-runtime quantize`` writes
+FP4_FORMATS: dict[str, type[Fp4Weight]] = {"mxfp4": Mxfp4Weight, "nvfp4": Nvfp4Weight}
 
 
 def stored_names(name: str, quantization: str, layout: Int4Layout | None = None) -> list[str]:
@@ -54,6 +66,9 @@ def stored_names(name: str, quantization: str, layout: Int4Layout | None = None)
     base = name[: -len("weight")]
     if quantization == "int4":
         return int4_names(base, layout or CT_INT4)[1]
+    if quantization in FP4_FORMATS:
+        return [base + "weight_packed", base + "weight_scale"] + \
+            ([base + "weight_global_scale"] if quantization == "nvfp4" else [])
     return [name, base + "weight_scale"]
 
 
@@ -71,6 +86,9 @@ def stored_shape(reader: Any, name: str, quantization: str, layout: Int4Layout |
     """``[N, K]`` of a stored matrix ``<base>.weight``."""
     if quantization == "int4":
         return int4_shape(reader, name[: -len("weight")], layout or CT_INT4)
+    if quantization in FP4_FORMATS:
+        n, half = reader.shape(name[: -len("weight")] + "weight_packed")
+        return [n, 2 * half]
     return list(reader.shape(name))
 
 
@@ -83,11 +101,48 @@ def quantization_config(quantization: str, ignore: list[str]) -> dict[str, Any]:
         QuantizationStatus,
     )
 
-    fmt, bits, strategy, group = SCHEMES[quantization]
-    args = QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy=strategy, group_size=group)
-    config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
+    fmt, bits, strategy, group = STORED_FORMATS[quantization]
+    args = _weight_args(quantization)
+    acts = QuantizationArgs(**W8A8_ACTIVATIONS) if quantization == "w8a8" else None
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, input_activations=acts)
+    config = QuantizationConfig(config_groups={"group_0": scheme},
                                 format=fmt, quantization_status=QuantizationStatus.COMPRESSED, ignore=ignore)
     return config.model_dump(exclude_none=True, mode="json")
+
+
+def _weight_args(quantization: str) -> Any:
+    """compressed-tensors' ``QuantizationArgs`` of ``quantization``'s weights."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    _, bits, strategy, group = STORED_FORMATS[quantization]
+    if quantization in FP4_FORMATS:
+        scale_dtype = torch.uint8 if quantization == "mxfp4" else torch.float8_e4m3fn
+        return QuantizationArgs(num_bits=bits, type="float", symmetric=True, strategy=strategy, group_size=group,
+                                scale_dtype=scale_dtype)
+    return QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy=strategy, group_size=group)
+
+
+def _compress_fp4(weight: Fp4Weight) -> dict[str, torch.Tensor]:
+    """An FP4 matrix through the library's MXFP4 / NVFP4 compressor: its float group scales (NVFP4: the E4M3 values
+    and the global scale, which the library divides) and its dequantised values, which the library's rounding gives
+    back exactly."""
+    from compressed_tensors.compressors import MXFP4PackedCompressor, NVFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    from mla_kernels.fp4_format import mx_scales
+
+    state = {"weight": weight.dequantize()}
+    if weight.variant == "mxfp4":
+        state["weight_scale"] = mx_scales(weight.scales)
+        compressor: Any = MXFP4PackedCompressor
+    else:
+        glob = weight.global_scales
+        if glob is None or not bool((glob == glob[0]).all()):
+            raise ValueError("compress: an NVFP4 matrix written as one tensor holds one global scale")
+        state["weight_scale"], state["weight_global_scale"] = weight.scales.float(), glob[:1].clone()
+        compressor = NVFP4PackedCompressor
+    scheme = QuantizationScheme(targets=["Linear"], weights=_weight_args(weight.variant))
+    return dict(compressor.compress(state, scheme))
 
 
 def compress(weight: QuantizedWeight) -> dict[str, torch.Tensor]:
@@ -95,7 +150,9 @@ def compress(weight: QuantizedWeight) -> dict[str, torch.Tensor]:
     from compressed_tensors.compressors import IntQuantizationCompressor, PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-    if isinstance(weight, Int8Weight):
+    if isinstance(weight, Fp4Weight):
+        return _compress_fp4(weight)
+    if isinstance(weight, Int8Weight | W8A8Weight):
         scale = weight.scales.unsqueeze(1)
         args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
         compressor: Any = IntQuantizationCompressor
@@ -104,7 +161,7 @@ def compress(weight: QuantizedWeight) -> dict[str, torch.Tensor]:
         args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=INT4_GROUP)
         compressor = PackedQuantizationCompressor
     else:
-        raise TypeError(f"compress: int8 or int4 matrices, got {type(weight).__name__}")
+        raise TypeError(f"compress: int8, W8A8, int4 or FP4 matrices, got {type(weight).__name__}")
     # exact: every value is an integer times its scale, so the library's division gives the integers back
     dense = weight.dequantize()
     state = {"weight": dense, "weight_scale": scale}
@@ -118,12 +175,61 @@ def read_stored(reader: Any, name: str, quantization: str, shard: tuple[int, int
     on the columns at group boundaries), made into the runtime's format without re-quantising; an int4 matrix in
     blocks of rows (``stored_int4.read_int4``), read and converted one at a time."""
     base = name[: -len("weight")]
+    if quantization in FP4_FORMATS:
+        yield 0, read_fp4(reader, name, quantization, shard, dtype, device)
+        return
+    if quantization == "w8a8":
+        yield 0, read_w8a8(reader, name, shard, dtype, device)
+        return
     if quantization == "int8":
         q = reader.stored(name, shard)
         scale = reader.get(base + "weight_scale", shard if shard is not None and shard[0] == 0 else None)
         yield 0, Int8Weight(q.to(device).contiguous(), scale.reshape(-1).to(device, torch.bfloat16), dtype)
         return
     yield from read_int4(reader, name, layout or CT_INT4, shard, dtype, device)
+
+
+def read_w8a8(reader: Any, name: str, shard: tuple[int, int, int, int] | None, dtype: torch.dtype,
+              device: torch.device) -> W8A8Weight:
+    """The W8A8 matrix ``<base>.weight`` (int8 ``[N, K]``, a view of the mapped file on a CPU where it is whole) with
+    its ``<base>.weight_scale`` (``[N, 1]``, any float dtype, held in float32): this rank's rows, or its columns (the
+    scales are per row, so a column shard keeps them all)."""
+    base = name[: -len("weight")]
+    q = reader.stored(name, shard)
+    if q.dtype != torch.int8:
+        raise ValueError(f"{name}: a W8A8 weight is stored as int8, got {q.dtype}")
+    scale = reader.get(base + "weight_scale", shard if shard is not None and shard[0] == 0 else None)
+    return W8A8Weight(q.to(device).contiguous(), scale.reshape(-1).to(device, torch.float32), dtype)
+
+
+def read_fp4(reader: Any, name: str, quantization: str, shard: tuple[int, int, int, int] | None, dtype: torch.dtype,
+             device: torch.device) -> QuantizedWeight:
+    """The MXFP4 / NVFP4 matrix ``<base>.weight`` as compressed-tensors stores it (``weight_packed [N, K / 2]`` uint8,
+    ``weight_scale [N, K / group]`` uint8 exponents or float8_e4m3fn, NVFP4's ``weight_global_scale [1]``): this
+    rank's rows, or its columns, which must start and end on the groups of the scales."""
+    fmt = FP4_FORMATS[quantization]
+    group = GROUPS[quantization]
+    names = stored_names(name, quantization)
+    n, k = stored_shape(reader, name, quantization)
+    if shard is not None and shard[0] != 0:
+        a, b = shard[1], shard[2]
+        if a % group or b % group:
+            raise ValueError(f"{names[0]}: this rank's columns [{a}, {b}) do not start and end on the {quantization} "
+                             f"scale groups of {group} values (K = {k}): choose a tensor_parallel_size that cuts "
+                             f"whole groups")
+        packed = reader.get(names[0], (1, a // 2, b // 2, k // 2))
+        scale = reader.get(names[1], (1, a // group, b // group, k // group))
+    else:
+        packed, scale = reader.get(names[0], shard), reader.get(names[1], shard)
+    if quantization == "mxfp4" and scale.dtype != torch.uint8:
+        raise ValueError(f"{names[1]}: MXFP4 scales are uint8 exponents (UE8M0), got {scale.dtype}")
+    glob = None
+    if quantization == "nvfp4":
+        stored = reader.get(names[2]).float().reshape(-1)
+        if stored.numel() != 1:
+            raise ValueError(f"{names[2]}: one global scale per tensor expected, got {stored.numel()}")
+        glob = stored.to(device).expand(packed.shape[0]).contiguous()
+    return fmt(packed.to(device).contiguous(), scale.to(device).contiguous(), glob, dtype)
 
 
 # -- writing ------------------------------------------------------------------------------------------------------
@@ -153,8 +259,8 @@ def write_quantized_checkpoint(src: str | Path, out: str | Path, quantization: s
     from mla_runtime.models.hybrid import causal_lm
     from mla_runtime.resolved_config import ResolvedConfig
 
-    if quantization not in SCHEMES:
-        raise ValueError(f"quantization: int8 or int4, got {quantization!r}")
+    if quantization not in STORED_FORMATS:
+        raise ValueError(f"quantization: {', '.join(STORED_FORMATS)}, got {quantization!r}")
     src, out = Path(src), Path(out)
     raw = json.loads((src / "config.json").read_text())
     cfg = ModelConfig.from_pretrained(src)
@@ -209,10 +315,12 @@ def _convert(name: str, tensors: dict[str, torch.Tensor], ignore: set[str], read
     scale_name = name[: -len("weight")] + "weight_scale_inv" if name.endswith(".weight") else None
     fp8 = scale_name if scale_name in scales else None
     k = reader.shape(name)[-1]
-    if product and name.endswith(".weight") and (quantization != "int4" or k % INT4_GROUP == 0):
+    group = INT4_GROUP if quantization == "int4" else GROUPS.get(quantization, 1)
+    if product and name.endswith(".weight") and k % group == 0:  # the library's layouts hold whole groups
         # the format's groups span whole rows
         fmt = WEIGHT_FORMATS[quantization]
-        parts = [fmt.quantize(chunk.float()) for _, chunk in _row_chunks(reader, name, None, fp8, block)]
+        quantize = getattr(fmt, "quantize_tensor", fmt.quantize)  # NVFP4: one global scale per stored tensor
+        parts = [quantize(chunk.float()) for _, chunk in _row_chunks(reader, name, None, fp8, block)]
         matrix = parts[0] if len(parts) == 1 else type(parts[0]).cat(parts)
         base = name[: -len("weight")]
         tensors.update({base + key: v.contiguous() for key, v in compress(matrix).items()})
@@ -226,7 +334,7 @@ def _convert(name: str, tensors: dict[str, torch.Tensor], ignore: set[str], read
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
-    """``mla-runtime quantize --model SRC --quantization int8|int4 --out DIR``."""
+    """``mla-runtime quantize --model SRC --quantization int8|int4|w8a8|mxfp4|nvfp4 --out DIR``."""
     import time
 
     from mla_runtime.help_format import DefaultsHelpFormatter
@@ -237,7 +345,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
                                              "format: loading it then reads the quantised weights as stored.")
     ap.add_argument("--model", required=True, help="checkpoint folder or hub repo id")
     ap.add_argument("--revision", default=None, help="hub revision (with a repo id)")
-    ap.add_argument("--quantization", required=True, choices=sorted(SCHEMES))
+    ap.add_argument("--quantization", required=True, choices=sorted(STORED_FORMATS))
     ap.add_argument("--out", required=True, help="folder to write (created; must not hold a checkpoint already)")
     args = ap.parse_args(argv)
     out = Path(args.out)

@@ -264,7 +264,7 @@ class ModelConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     moe: MoEConfig | None = None
     fp8_block_size: tuple[int, int] | None = None  # set for FP8 block-quantised checkpoints
-    stored_quantization: str | None = None  # "int8"/"int4": a pre-quantised checkpoint (``stored_layout``: int4's)
+    stored_quantization: str | None = None  # "int8"/"int4"/"w8a8"/"mxfp4"/"nvfp4": a pre-quantised checkpoint
     stored_layout: Int4Layout | None = None  # how a pre-quantised int4 checkpoint stores its matrices
     stored_float_head: bool = False  # a pre-quantised checkpoint whose (untied) lm_head is stored unquantised
     num_nextn_predict_layers: int = 0
@@ -583,6 +583,14 @@ def _parse_moe(raw: dict[str, Any], family: str) -> MoEConfig | None:
 INT4_GROUP = 32
 INT4_GROUPS = (32, 64, 128)  # the int4 group widths a checkpoint may store
 SCHEMES = {"int8": ("int-quantized", 8, "channel", None), "int4": ("pack-quantized", 4, "group", INT4_GROUP)}
+# w8a8: int8 weights as "int8" stores them, with input activations (W8A8_ACTIVATIONS); written as "int8" is.
+# mxfp4 / nvfp4: E2M1 values, two a byte, with UE8M0 scales per 32 / E4M3 scales per 16 and a global scale
+FP4_SCHEMES = {"mxfp4": ("mxfp4-pack-quantized", 4, "group", 32),
+               "nvfp4": ("nvfp4-pack-quantized", 4, "tensor_group", 16)}
+STORED_FORMATS = {**SCHEMES, "w8a8": SCHEMES["int8"], **FP4_SCHEMES}
+# the input activations a W8A8 int8 scheme quantises: int8, symmetric, one scale per token computed when it runs
+W8A8_ACTIVATIONS = {"type": "int", "num_bits": 8, "strategy": "token", "dynamic": True, "symmetric": True}
+W8A8_METHOD = "w8a8_int8"  # SGLang's quant_method for int8 weights [N, K] with scales [N, 1] and W8A8_ACTIVATIONS
 INT4_METHODS = ("compressed-tensors", "awq", "gptq")  # the quant_method values of int4 checkpoints loaded as stored
 
 
@@ -628,10 +636,31 @@ def _weights_scheme(name: str, w: dict[str, Any]) -> tuple[str, Int4Layout | Non
         return "int8", None
     if kind[:3] == ("int", 4, "group"):
         return "int4", Int4Layout("compressed-tensors", _int4_group(where, kind[3]), bool(kind[4]))
+    for fp4, (_, bits, strategy, size) in FP4_SCHEMES.items():
+        if kind[:4] == ("float", bits, strategy, size) and kind[4]:
+            return fp4, None
     raise UnsupportedScheme(
         f"{where}: type={kind[0]} num_bits={kind[1]} strategy={kind[2]} group_size={kind[3]} symmetric={kind[4]} is "
-        f"not supported (supported: int 8-bit symmetric channel, or int 4-bit group of "
-        f"{', '.join(map(str, INT4_GROUPS))}, symmetric or with zero points)")
+        f"not supported (supported: int 8-bit symmetric channel, int 4-bit group of "
+        f"{', '.join(map(str, INT4_GROUPS))}, symmetric or with zero points, or float 4-bit symmetric groups of 32 "
+        f"(MXFP4) or 16 (NVFP4))")
+
+
+def _with_activations(name: str, acts: dict[str, Any] | None, quantization: str) -> str:
+    """``quantization`` of a config group whose weights it names, given its ``input_activations``: none keeps it,
+    W8A8_ACTIVATIONS with int8 per-channel weights makes it ``w8a8``, FP4 activations beside FP4 weights are not
+    applied (the products take the model dtype's rows), anything else is ``UnsupportedScheme``."""
+    if not acts:
+        return quantization
+    if quantization in FP4_SCHEMES and acts.get("type") == "float" and acts.get("num_bits") == 4:
+        return quantization
+    got = {key: acts.get(key, True if key == "symmetric" else None) for key in W8A8_ACTIVATIONS}
+    if quantization != "int8" or got != W8A8_ACTIVATIONS:
+        raise UnsupportedScheme(
+            f"quantization_config.config_groups.{name}.input_activations: {got} with {quantization} weights is not "
+            f"supported (activations are run quantised only as dynamic int8 per token, symmetric, beside int8 "
+            f"per-channel weights: W8A8 int8)")
+    return "w8a8"
 
 
 def parse_quantization_config(q: dict[str, Any]) -> StoredScheme:
@@ -645,18 +674,19 @@ def parse_quantization_config(q: dict[str, Any]) -> StoredScheme:
     for name, group in groups.items():
         if not isinstance(group, dict):
             raise UnsupportedScheme(f"quantization_config.config_groups.{name}: a scheme object expected")
-        for part in ("input_activations", "output_activations"):
-            if group.get(part):
-                raise UnsupportedScheme(f"quantization_config.config_groups.{name}.{part}: activation quantisation "
-                                        f"is not supported (weight-only int8 and int4 checkpoints are)")
-        found.add(_weights_scheme(name, group.get("weights") or {}))
+        if group.get("output_activations"):
+            raise UnsupportedScheme(f"quantization_config.config_groups.{name}.output_activations: output "
+                                    f"quantisation is not supported")
+        scheme, layout = _weights_scheme(name, group.get("weights") or {})
+        found.add((_with_activations(name, group.get("input_activations"), scheme), layout))
     if len(found) != 1:
         raise UnsupportedScheme(f"quantization_config: config_groups mix {sorted(map(str, found))}; one scheme is "
                                 f"supported")
     quantization, layout = found.pop()
-    if fmt not in (SCHEMES[quantization][0], "naive-quantized" if quantization == "int8" else None):
+    stored = STORED_FORMATS[quantization][0]
+    if fmt not in (stored, "naive-quantized" if stored == "int-quantized" else None):
         raise UnsupportedScheme(f"quantization_config.format {fmt!r} is not supported for {quantization} weights "
-                                f"(use {SCHEMES[quantization][0]!r})")
+                                f"(use {stored!r})")
     ignored = [str(i) for i in q.get("ignore") or ()]
     head = any(i == "lm_head" or (i.startswith("re:") and re.fullmatch(i[3:], "lm_head")) for i in ignored)
     return StoredScheme(quantization, str(fmt), layout, head)
@@ -702,17 +732,19 @@ def _stored_scheme(raw: dict[str, Any]) -> StoredScheme | None:
         return parse_quantization_config(q)
     if method in ("awq", "gptq"):
         return parse_awq_gptq_config(q)
+    if method == W8A8_METHOD:  # SGLang's W8A8 int8: every matrix it stores carries its weight_scale
+        return StoredScheme("w8a8", W8A8_METHOD)
     return None
 
 
 def _parse_fp8(raw: dict[str, Any]) -> tuple[int, int] | None:
     q = raw.get("quantization_config")
-    if not q or q.get("quant_method") in INT4_METHODS:
+    if not q or q.get("quant_method") in (*INT4_METHODS, W8A8_METHOD):
         return None
     method = q.get("quant_method")
     if method != "fp8":
-        raise ValueError(f"quantization_config.quant_method: block 'fp8', 'compressed-tensors' (int8, int4), 'awq' "
-                         f"and 'gptq' (int4) are supported, got {method!r}")
+        raise ValueError(f"quantization_config.quant_method: block 'fp8', 'compressed-tensors' (int8, int4, W8A8, "
+                         f"MXFP4, NVFP4), 'awq' and 'gptq' (int4) and {W8A8_METHOD!r} are supported, got {method!r}")
     block = q.get("weight_block_size") or [128, 128]
     if len(block) != 2 or min(block) < 1:
         raise ValueError(f"quantization_config.weight_block_size must be two positive ints, got {block}")

@@ -105,6 +105,9 @@ class CpuLayouts:
                                    bf16_blocked=False, one_layout=True)
 
 
+NOT_CPU = "not a CPU model"
+
+
 @dataclass(frozen=True)
 class KernelPlan:
     """Every product path a CPU model takes on this machine under one ``cpu_gemm`` mode. A ``*_failure`` field is None
@@ -123,6 +126,10 @@ class KernelPlan:
     # the compiled operators (a float weight's products chosen by rows inside ``dense_linear``); else each format's
     # one torch fallback
     ops_failure: str | None = None
+    # the compiled W8A8 kernel (int8 weights against rows rounded to int8 per token; else torch's int8 products)
+    w8a8_failure: str | None = NOT_CPU
+    # the compiled FP4 kernel (MXFP4, NVFP4; else the weight widened a block of rows at a time)
+    fp4_failure: str | None = NOT_CPU
     # each matrix in one layout: oneDNN's blocked copies and AMX's tiles left out, where the load would not fit the
     # machine with them (the Worker's memory check); products of many rows run oneDNN on the plain weight
     one_layout: bool = False
@@ -142,7 +149,8 @@ class KernelPlan:
     def integer_kernels(self, scheme: str) -> bool:
         """Whether ``scheme``'s (``int8``, ``int4``) products take the compiled integer kernels: a row's result is then
         the same bits whatever rows share its product."""
-        return {"int8": self.row_kernels, "int4": self.int4_failure is None}.get(scheme, False)
+        return {"int8": self.row_kernels, "int4": self.int4_failure is None,
+                "w8a8": self.w8a8_failure is None}.get(scheme, False)
 
     def rows_independent(self, scheme: str) -> bool:
         """Whether every product of ``scheme``'s weights gives a row the same bits whatever rows share it: the integer
@@ -197,7 +205,6 @@ class KernelPlan:
         return labels
 
 
-NOT_CPU = "not a CPU model"
 # the plan of a model on another device: no CPU path is prepared (its weights are not CPU tensors), no probe runs
 OFF_CPU = KernelPlan(mode="plain", gemm=tuple(GemmChoice(d, "plain", d, NOT_CPU) for d in PROBED_DTYPES),
                      float_failure=NOT_CPU, half_failures=(NOT_CPU, NOT_CPU), amx_failure=NOT_CPU,
@@ -226,6 +233,8 @@ def _resolve(mode: str) -> KernelPlan:
         int4_failure="cpu_gemm=plain forces the fallback" if mode == "plain" else cpu_kernels.failure("int4"),
         fp8_failure=compiled or cpu_kernels.failure("fp8"),
         ggml_failure="cpu_gemm=plain forces the fallback" if mode == "plain" else cpu_kernels.failure("ggml"),
+        w8a8_failure="cpu_gemm=plain forces the fallback" if mode == "plain" else cpu_kernels.failure("w8a8"),
+        fp4_failure="cpu_gemm=plain forces the fallback" if mode == "plain" else cpu_kernels.failure("fp4"),
         native_bf16=tuple(native_arithmetic(torch.bfloat16)),
         ops_failure="cpu_gemm=plain forces the fallbacks" if mode == "plain" else cpu_kernels.failure("ops"))
     for dtype in PROBED_DTYPES:

@@ -7,6 +7,9 @@
  *     V_BF16(p), V_F16(p)          VL bfloat16 / float16 values from p, widened to float32 (exactly)
  *     V_I8(p), V_FP8(p)            VL int8 values as floats; VL float8_e4m3fn values as floats / 2^8 (exactly; the
  *                                  including file defines e4m3_half8/16)
+ *     V_E2M1(p, t)                 VL FP4 E2M1 values from the VL / 2 bytes at p (value 2i in byte i's low nibble),
+ *                                  doubled, as floats (exactly; t: the 16 doubled values as int8 in an __m128i; the
+ *                                  including file defines e2m1_8/16)
  *     V_HSUM(v), V_HMAX(v)         the sum and the largest of the lanes
  *     V_EXP(v)                     e^v lane by lane (for v <= 0; the including file defines exp8/exp16)
  *     VI, VI_STEP                  the integer vector, and the int16 values one step of a dot product takes
@@ -25,6 +28,7 @@
  *                                  (__m128) or four int32 (__m128i): a value per four lanes, part h of a 16-lane run
  *     V_HSUM8(v)                   the lanes' sum folded to eight lanes first (lane l plus lane l + 8), then in hsum's
  *                                  order: the same bits at either width for sums laid out as 16 lanes
+ *     VI_ISUM(a)                   the sum of a's int32 lanes as an int32 (exact where it fits)
  *     V_TARGET, VI_TARGET          the function attribute of a float / an integer kernel at this instruction set
  *     SFX(name)                    name with the instruction set's suffix */
 #define V __m256
@@ -42,6 +46,7 @@
 #define V_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define V_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define V_FP8(p) _mm256_cvtph_ps(e4m3_half8(p))
+#define V_E2M1 e2m1_8
 #define V_HSUM hsum
 #define V_HMAX hmax8
 #define V_EXP exp8
@@ -70,6 +75,7 @@
 #define V_QUARTERS(f4, h) _mm256_permutevar8x32_ps(_mm256_castps128_ps256(f4), QUARTER_LANES(h))
 #define VI_QUARTERS(i4, h) _mm256_permutevar8x32_epi32(_mm256_castsi128_si256(i4), QUARTER_LANES(h))
 #define V_HSUM8 hsum
+#define VI_ISUM(a) hsum_i32(a)
 #define V_TARGET
 #define VI_TARGET
 #define SFX(name) name##_avx2

@@ -17,6 +17,7 @@
 #define V_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #define V_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define V_FP8(p) _mm512_cvtph_ps(e4m3_half16(p))
+#define V_E2M1 e2m1_16
 #define V_HSUM _mm512_reduce_add_ps
 #define V_HMAX _mm512_reduce_max_ps
 #define V_EXP exp16
@@ -44,6 +45,7 @@
 #define V_QUARTERS(f4, h) _mm512_permutexvar_ps(QUARTER_LANES(h), _mm512_castps128_ps512(f4))
 #define VI_QUARTERS(i4, h) _mm512_permutexvar_epi32(QUARTER_LANES(h), _mm512_castsi128_si512(i4))
 #define V_HSUM8(v) hsum(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))))
+#define VI_ISUM(a) _mm512_reduce_add_epi32(a)
 #define V_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")))
 #define VI_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 #define SFX(name) name##_avx512

@@ -14,6 +14,7 @@
 #undef V_F16
 #undef V_I8
 #undef V_FP8
+#undef V_E2M1
 #undef V_HSUM
 #undef V_HMAX
 #undef V_EXP
@@ -40,6 +41,7 @@
 #undef VI_SLLI32
 #undef VI_FLOAT
 #undef VI_DOT_U8X2
+#undef VI_ISUM
 #undef V_TARGET
 #undef VI_TARGET
 #undef SFX

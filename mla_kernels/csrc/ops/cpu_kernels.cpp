@@ -881,6 +881,61 @@ Tensor decoder_layer_hidden(const StepRef& step, int64_t d) {
   return step->scratch.narrow(0, 0, step->rows * d).view({step->rows, d});
 }
 
+// FP4 E2M1 weights w [N, Kp / 2] uint8 (../gemm_fp4.c; Kp: K rounded up to whole groups, the padding zeros): MXFP4
+// with uint8 UE8M0 scales [N, Kp / 32], or NVFP4 with float8_e4m3fn scales [N, Kp / 16] and float32 global scales
+// [N] (one per row); float32 rows [..., K], any number of them, MLA_QUANT_ROWS a pass; "auto" or a float variant.
+Tensor fp4_linear(const Tensor& x, const Tensor& w, const Tensor& scales, const OptTensor& global,
+                  c10::string_view variant) {
+  const char* op = "fp4_linear";
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() >= 1 && at::isFloatingType(x.scalar_type()),
+                    op, ": x must be floating-point CPU rows, got ", x.scalar_type(), " ", x.sizes());
+  const bool mx = scales.scalar_type() == at::kByte;
+  TORCH_CHECK_VALUE(mx || scales.scalar_type() == at::kFloat8_e4m3fn, op, ": scales are uint8 (MXFP4) or ",
+                    "float8_e4m3fn (NVFP4), got ", scales.scalar_type());
+  TORCH_CHECK_VALUE(mx != global.has_value(), op, ": NVFP4 scales (and only they) come with global scales [N]");
+  const int64_t group = mx ? 32 : 16, n = w.dim() == 2 ? w.size(0) : 0, width = x.size(-1);
+  const int64_t rows = width ? x.numel() / width : 0, k = cdiv(width, group) * group;  // K padded to whole groups
+  TORCH_CHECK_VALUE(width >= 1, op, ": rows of at least one value, got x ", x.sizes());
+  expect(w, at::kByte, {n, k / 2}, op, "the packed weight");
+  expect(scales, scales.scalar_type(), {n, k / group}, op, "the group scales");
+  if (global) expect(*global, at::kFloat, {n}, op, "the global scales");
+  const int64_t v = variant_index(variant, mla_float_variants(), FLOAT_VARIANTS, op);
+  Tensor xs = x.to(at::kFloat).reshape({rows, width});
+  xs = (k == width ? xs : at::constant_pad_nd(xs, {0, k - width}, 0.0)).contiguous();  // zeros meet the padding
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = n;
+  Tensor y = at::empty(shape, xs.options());
+  const float* xp = ptr<const float>(xs);
+  float* yp = ptr<float>(y);
+  for (int64_t r0 = 0; r0 < rows; r0 += MLA_QUANT_ROWS)
+    mla_gemm_fp4(mx ? FP4_MX : FP4_NV, ptr<const uint8_t>(w), ptr<const uint8_t>(scales), ptr<const float>(global),
+                 xp + r0 * k, yp + r0 * n, std::min<int64_t>(MLA_QUANT_ROWS, rows - r0), n, k, threads(), v);
+  return y;
+}
+
+// W8A8: x [..., K] rows rounded to int8 per row on the fly (../gemm_w8a8.c), int8 weight w [N, K] with float32 row
+// scales [N]; any number of rows, MLA_QUANT_ROWS a pass; "auto" or a variant of the int8 family.
+Tensor w8a8_linear(const Tensor& x, const Tensor& w, const Tensor& scales, c10::string_view variant) {
+  const char* op = "w8a8_linear";
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() >= 1 && at::isFloatingType(x.scalar_type()),
+                    op, ": x must be floating-point CPU rows, got ", x.scalar_type(), " ", x.sizes());
+  const int64_t n = w.dim() == 2 ? w.size(0) : 0, k = x.size(-1), rows = k ? x.numel() / k : 0;
+  expect(w, at::kChar, {n, k}, op, "the weight");
+  expect(scales, at::kFloat, {n}, op, "the row scales");
+  TORCH_CHECK_VALUE(k >= 1, op, ": rows of at least one value, got x ", x.sizes());
+  const int64_t v = variant_index(variant, mla_i8_variants(), QUANT_VARIANTS, op);
+  const Tensor xs = x.to(at::kFloat).contiguous();
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = n;
+  Tensor y = at::empty(shape, xs.options());
+  const float* xp = ptr<const float>(xs);
+  float* yp = ptr<float>(y);
+  for (int64_t r0 = 0; r0 < rows; r0 += MLA_QUANT_ROWS)
+    mla_gemm_w8a8(ptr<const int8_t>(w), ptr<const float>(scales), xp + r0 * k, yp + r0 * n,
+                  std::min<int64_t>(MLA_QUANT_ROWS, rows - r0), n, k, threads(), v);
+  return y;
+}
+
 // -- what this library holds -----------------------------------------------------------------------------------
 
 // The products' variants, each "<family>.<name>:runs", "...:cannot run here" or "...:above the ISA cap" (float,
@@ -917,6 +972,8 @@ TORCH_LIBRARY_FRAGMENT(mla_kernels, m) {
         "-> Tensor");
   m.def("linear_int4(Tensor x, Tensor w, Tensor scales, Tensor? zeros=None, int group=32, str variant=\"auto\") -> "
         "Tensor");
+  m.def("fp4_linear(Tensor x, Tensor w, Tensor scales, Tensor? global_scales=None, str variant=\"auto\") -> Tensor");
+  m.def("w8a8_linear(Tensor x, Tensor w, Tensor scales, str variant=\"auto\") -> Tensor");
   m.def("int4_from_stored(Tensor stored) -> Tensor");
   m.def("ggml_linear(Tensor x, Tensor w, int type, str variant=\"auto\") -> Tensor");
   m.def("amx_pack(Tensor w) -> Tensor");
@@ -972,6 +1029,8 @@ TORCH_LIBRARY_IMPL(mla_kernels, CPU, m) {
   m.impl("linear", &linear);
   m.impl("dense_linear", &dense_linear);
   m.impl("linear_int4", &linear_int4);
+  m.impl("w8a8_linear", &w8a8_linear);
+  m.impl("fp4_linear", &fp4_linear);
   m.impl("int4_from_stored", &int4_from_stored);
   m.impl("ggml_linear", &ggml_linear);
   m.impl("amx_pack", &amx_pack);

@@ -1,0 +1,78 @@
+/* The W8A8 product of gemm_w8a8.c (int8 weights against int8 rows, both held as exact int32 sums), written once over
+ * the vector vocabulary (vec_avx2.h, vec_avx512.h) and included once per instruction set. Every output's integer sum
+ * is exact (where it fits in int32), so its value does not depend on the instruction set, on the order of the steps
+ * or on the rows beside it: each row's result is the same bits however many rows share the call. */
+
+#if VL == 8
+#define W8_STREAMS 3 /* AVX2's 16 registers: three weight rows by four input rows of int32 sums */
+#else
+#define W8_STREAMS 4 /* AVX-512's 32: four by four */
+#endif
+#define W8_BLOCK 4 /* input rows a step */
+
+/* Weight rows c0 .. c0 + R of w [n, k] against m <= W8_BLOCK input rows xq [m, k] (int8 values held as int16,
+ * sign-extended once by the caller), VI_STEP values a step, each weight vector widened once for all the rows and
+ * each input vector loaded once for all the weight rows; the tail (k not a multiple of VI_STEP) in scalar integers.
+ * y[j, c] = float(sum) * sx[j] * sw[c]. Called with constant R and m, so the sums live in registers. */
+VI_TARGET static inline __attribute__((always_inline)) void SFX(w8a8_tile)(const int8_t *w, const float *sw,
+                                                                          const int16_t *xq, const float *sx,
+                                                                          float *y, const int64_t c0, const int R,
+                                                                          const int m, int64_t n, int64_t k) {
+    const int64_t kv = k - k % VI_STEP;
+    VI a[W8_STREAMS][W8_BLOCK];
+    for (int q = 0; q < R; q++)
+        for (int j = 0; j < m; j++) a[q][j] = VI_ZERO();
+    for (int64_t i = 0; i < kv; i += VI_STEP) {
+        VI wv[W8_STREAMS];
+        for (int q = 0; q < R; q++) {
+            if (!(i & 63)) _mm_prefetch((const char *)(w + (c0 + q) * k + i) + 1024, _MM_HINT_T0);
+            wv[q] = VI_W8(w + (c0 + q) * k + i);
+        }
+        for (int j = 0; j < m; j++) {
+            const VI xv = VI_X16(xq + j * k + i);
+            for (int q = 0; q < R; q++) a[q][j] = VI_DOT(a[q][j], wv[q], xv);
+        }
+    }
+    for (int q = 0; q < R; q++) {
+        const int8_t *wr = w + (c0 + q) * k;
+        for (int j = 0; j < m; j++) {
+            int32_t s = VI_ISUM(a[q][j]);
+            for (int64_t i = kv; i < k; i++) s += (int32_t)wr[i] * xq[j * k + i];
+            y[j * n + c0 + q] = (float)s * sx[j] * sw[c0 + q];
+        }
+    }
+}
+
+/* The whole product: each thread takes a contiguous range of W8_STREAMS-row tiles of the weight (read as that many
+ * streams) and passes every input row over each tile, W8_BLOCK at a time, while the tile is in cache. */
+VI_TARGET static void SFX(w8a8_rows)(const int8_t *w, const float *sw, const int16_t *xq, const float *sx, float *y,
+                                     int64_t m, int64_t n, int64_t k, int64_t threads) {
+    const int64_t tiles = (n + W8_STREAMS - 1) / W8_STREAMS;
+#define W8_TILE(R, M) SFX(w8a8_tile)(w, sw, xq + j * k, sx + j, y + j * n, c0, R, M, n, k)
+#define W8_ROWS(R)                                                                                                   \
+    switch (mb) {                                                                                                    \
+        case 1: W8_TILE(R, 1); break;                                                                                \
+        case 2: W8_TILE(R, 2); break;                                                                                \
+        case 3: W8_TILE(R, 3); break;                                                                                \
+        default: W8_TILE(R, 4); break;                                                                               \
+    }
+    #pragma omp parallel for num_threads((int)(tiles > 1 ? threads : 1)) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t first = t * W8_STREAMS;
+        const int r = n - first < W8_STREAMS ? (int)(n - first) : W8_STREAMS;
+        for (int64_t j = 0; j < m; j += W8_BLOCK) {
+            const int mb = m - j < W8_BLOCK ? (int)(m - j) : W8_BLOCK;
+            if (r == W8_STREAMS) {
+                const int64_t c0 = first;
+                W8_ROWS(W8_STREAMS)
+            } else {
+                for (int64_t c0 = first; c0 < n; c0++) W8_ROWS(1)
+            }
+        }
+    }
+#undef W8_ROWS
+#undef W8_TILE
+}
+
+#undef W8_STREAMS
+#undef W8_BLOCK

@@ -1,0 +1,106 @@
+"""W8A8 int8 (``quantization="w8a8"``): int8 weights with one float32 scale per output channel, and the input rows
+of every product rounded to int8 per row (per token) when it runs: the scheme of W8A8 int8 checkpoints
+(compressed-tensors ``int-quantized`` with dynamic per-token int8 activations; SGLang's ``w8a8_int8``), which load
+as stored. From a float checkpoint, the weights are quantised per channel at load (``quantize``)::
+
+    s_n = absmax(W[n, :]) / 127 (float32)        q[n, k] = round(W[n, k] / s_n) ∈ [-127, 127]
+
+A product (``mla_kernels.w8a8_format``) rounds each input row to int8 with one scale (``amax / 127``, to nearest even),
+sums the int8 × int8 products exactly in int32 and scales the sums, ``float32(sum) * sx * s``: on a CPU the compiled
+kernel (``csrc/gemm_w8a8.c``; AVX2 ``vpmaddwd`` or AVX-512 VNNI ``vpdpwssd`` on values sign-extended to int16, any
+number of rows, 64 a pass) where it builds and its check passes (``KernelPlan.w8a8_failure``), elsewhere
+``torch._int_mm``: the same integers and the same two multiplications, so the same bits on every path, and a row's
+result does not depend on the rows beside it. A matrix stored as a checkpoint's int8 tensor on a CPU is a view of
+the mapped file, as ``int8``'s are. The weight reads one byte per value plus four bytes per row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import cast
+
+import torch
+
+from mla_kernels import cpu_kernels
+from mla_kernels.w8a8_format import W8A8_QMAX, w8a8_product
+from mla_runtime.kernel_plan import KernelPlan
+from mla_runtime.layers.qweight import QuantizedWeight, default_plan, stack_rows
+
+
+def quantize_w8a8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [N, K]`` -> (``q [N, K]`` int8, ``scales [N]`` float32): symmetric, per output channel (a zero row
+    gets the scale 1)."""
+    w = weight.detach().float()
+    absmax = torch.linalg.vector_norm(w, float("inf"), dim=1)
+    scales = torch.where(absmax > 0, absmax / W8A8_QMAX, torch.ones_like(absmax))
+    q = torch.div(w, scales.unsqueeze(1)).round_().clamp_(-W8A8_QMAX, W8A8_QMAX).to(torch.int8)
+    return q, scales
+
+
+class W8A8Weight(QuantizedWeight):
+    """A W8A8 int8 ``[N, K]`` matrix (module docstring): what ``cpu_gemm.linear`` runs in place of the float weight."""
+
+    __slots__ = ("qweight", "scales", "kernel")
+    scheme = "w8a8"
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
+        """``qweight [N, K]`` int8 and ``scales [N]`` (any float dtype, held in float32), standing for a weight of
+        ``dtype``."""
+        if (qweight.dtype != torch.int8 or qweight.dim() != 2 or not scales.dtype.is_floating_point
+                or scales.shape != (qweight.shape[0],)):
+            raise ValueError(f"W8A8Weight: an int8 matrix [N, K] and float scales [N], got {qweight.dtype} "
+                             f"{tuple(qweight.shape)} and {scales.dtype} {tuple(scales.shape)}")
+        self._release_float(qweight.shape, dtype, qweight.device)
+        self.qweight, self.scales = qweight, scales.float().contiguous()
+        self.bind(default_plan(qweight.device))
+
+    def bind(self, plan: KernelPlan) -> W8A8Weight:
+        super().bind(plan)
+        self.kernel = self.on_cpu and plan.w8a8_failure is None  # else torch's int8 products
+        return self
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> W8A8Weight:
+        return cls(*quantize_w8a8(weight), weight.dtype)
+
+    @classmethod
+    def cat(cls, parts: Sequence[QuantizedWeight]) -> W8A8Weight:
+        w8 = [cast(W8A8Weight, p) for p in parts]
+        if not w8 or any(not isinstance(p, W8A8Weight) or p.shape[1] != w8[0].shape[1] for p in w8):
+            raise ValueError("W8A8Weight.cat: W8A8 matrices of one K")
+        return cls(stack_rows([p.qweight for p in w8]), torch.cat([p.scales for p in w8]), w8[0].plain.dtype)
+
+    def select_rows(self, index: torch.Tensor) -> W8A8Weight:
+        index = index.to(self.qweight.device)
+        return W8A8Weight(self.qweight[index].contiguous(), self.scales[index], self.plain.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.qweight.numel() + self.scales.numel() * self.scales.element_size()
+
+    @classmethod
+    def stored_bytes(cls, rows: int, k: int, block: tuple[int, int] | None = None) -> int:
+        """A byte a value and a float32 scale a row."""
+        return rows * k + 4 * rows
+
+    def row_operand(self) -> None:
+        """None: the compiled decode step's tables do not read W8A8 matrices (their layers run call by call)."""
+        return None
+
+    def _dequantize_rows(self, r0: int, r1: int) -> torch.Tensor:
+        return self.qweight[r0:r1].float() * self.scales[r0:r1].unsqueeze(1)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 matrix this one stands for."""
+        return self._dequantize_rows(0, self.qweight.shape[0])
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x [..., K]`` (any float dtype) -> ``x · Wᵀ (+ bias)`` in ``x``'s dtype, rows rounded to int8 per row."""
+        n, k = self.qweight.shape
+        wide_bias = None if bias is None else bias.float()
+        if self.kernel and x.numel():
+            return cpu_kernels.w8a8_linear(x, self.qweight, self.scales, bias=wide_bias).to(x.dtype)
+        y = w8a8_product(x.reshape(-1, k), self.qweight, self.scales)
+        if wide_bias is not None:
+            y = y + wide_bias
+        return y.to(x.dtype).reshape(*x.shape[:-1], n)

@@ -1,0 +1,342 @@
+"""W8A8 int8 (``layers.w8a8``): int8 weights with a float32 scale per output row, the input rows rounded to int8 per
+token when each product runs. The compiled kernel against its exact integer reference, in every variant this CPU
+runs and in a process capped at AVX2; checkpoints in compressed-tensors' W8A8 layout (written through the library's
+compressor, and through its own model API) and in SGLang's ``w8a8_int8`` layout, loaded as stored; greedy tokens
+against transformers run on the dequantised weights with its activations rounded per token the same way."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from mla_kernels import cpu_kernels, cpu_ops
+from mla_kernels.w8a8_format import quantize_rows_int8, w8a8_product
+from mla_runtime import LLM, SamplingParams
+from mla_runtime.compressed import main as quantize_main
+from mla_runtime.config import ModelConfig, UnsupportedScheme, parse_quantization_config
+from mla_runtime.footprint import weight_footprint
+from mla_runtime.kernel_plan import kernel_plan
+from mla_runtime.layers.quantization import finish_quantization, quantized_weights
+from mla_runtime.layers.w8a8 import W8A8Weight, quantize_w8a8
+from mla_runtime.loader import load_model
+from tests.checkpoints import build_hf_model
+
+needs_kernel = pytest.mark.skipif(cpu_kernels.failure("w8a8") is not None,
+                                  reason=f"the W8A8 kernel does not run here: {cpu_kernels.failure('w8a8')}")
+PROMPTS = [[5, 9, 2, 7, 11], list(range(3, 40)), [17, 4]]
+NEW_TOKENS = 8
+
+
+def exact_reference(x: torch.Tensor, q: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
+    """The product written out: rows rounded per row to int8 (amax / 127, half to even), int64 sums (exact), then
+    float32(sum) * sx * sw."""
+    rows = x.float()
+    sx = rows.abs().amax(1) / 127
+    xq = torch.where(sx[:, None] > 0, rows / sx[:, None], torch.zeros(())).round().long()
+    sums = xq @ q.long().T
+    assert sums.abs().max() < 2**31  # the sums fit int32, where the kernel's are exact
+    return sums.to(torch.int32).float() * sx[:, None] * sw[None, :]
+
+
+def test_the_torch_product_equals_the_exact_integer_reference():
+    g = torch.Generator().manual_seed(0)
+    for m, n, k in ((1, 7, 3), (5, 33, 130), (70, 9, 1024), (3, 4, 4096)):
+        x = torch.randn(m, k, generator=g) * 4
+        x[0, : k // 2] = 0.0
+        q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+        sw = torch.rand(n, generator=g)
+        assert torch.equal(w8a8_product(x, q, sw), exact_reference(x, q, sw))
+    # half-way values round to even, as torch.round does: rows scaled to amax 127 hold x.5 values
+    x = torch.tensor([[127.0, 0.5, 1.5, 2.5, -0.5, -1.5]])
+    xq, sx = quantize_rows_int8(x)
+    assert sx.tolist() == [1.0] and xq.tolist() == [[127, 0, 2, 2, 0, -2]]
+    xq, sx = quantize_rows_int8(torch.zeros(2, 5))  # a zero row: zeros, scale 0, and a product of zeros
+    assert not xq.any() and not sx.any()
+
+
+@needs_kernel
+@pytest.mark.parametrize("variant", cpu_kernels.variants("int8") if cpu_kernels.failure("w8a8") is None else ())
+def test_the_kernel_equals_the_exact_reference_bit_for_bit_in_every_variant(variant):
+    """Row and column tails, 1 to 150 rows (past one pass of 64), sums past 2^24, a zero row; and a row's result is
+    the same bits alone as beside any other rows."""
+    g = torch.Generator().manual_seed(1)
+    for m, n, k in ((1, 37, 77), (4, 64, 64), (9, 70, 513), (150, 11, 96), (2, 5, 3000)):
+        x = torch.randn(m, k, generator=g) * 2
+        x[-1] = 0.0
+        q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+        sw = torch.rand(n, generator=g) + 0.1
+        got = cpu_kernels.ops().w8a8_linear(x, q, sw, variant)
+        assert torch.equal(got, exact_reference(x, q, sw)), (m, n, k)
+        for i in (0, m // 2):
+            assert torch.equal(cpu_kernels.ops().w8a8_linear(x[i:i + 1], q, sw, variant), got[i:i + 1])
+    big = torch.full((3, 2048), 127, dtype=torch.int8)  # 2048 * 127 * 127 > 2^24: float32 sums would round
+    x = torch.full((2, 2048), 0.75)
+    assert torch.equal(cpu_kernels.ops().w8a8_linear(x, big, torch.ones(3), variant),
+                       exact_reference(x, big, torch.ones(3)))
+
+
+@needs_kernel
+def test_the_operator_refuses_what_its_tensors_do_not_hold():
+    ops = cpu_kernels.ops()
+    q, sw = torch.zeros(4, 8, dtype=torch.int8), torch.ones(4)
+    with pytest.raises(ValueError, match="the weight must be a contiguous CPU Char tensor"):
+        ops.w8a8_linear(torch.ones(2, 9), q, sw)
+    with pytest.raises(ValueError, match="the row scales"):
+        ops.w8a8_linear(torch.ones(2, 8), q, sw.double())
+    with pytest.raises(ValueError, match="unknown variant 'sse'"):
+        ops.w8a8_linear(torch.ones(2, 8), q, sw, "sse")
+
+
+def test_the_weight_takes_the_kernel_or_torch_with_the_same_bits():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(40, 200, generator=g)
+    weight = W8A8Weight.quantize(w)
+    q, s = quantize_w8a8(w)
+    assert torch.equal(weight.dequantize(), q.float() * s[:, None])
+    assert ((weight.dequantize() - w).abs() <= s[:, None] / 2 + 1e-6).all()
+    x, bias = torch.randn(3, 6, 200, generator=g), torch.randn(40, generator=g)
+    want = (exact_reference(x.reshape(-1, 200), q, s) + bias).reshape(3, 6, 40)
+    for mode in ("auto", "plain"):
+        weight.bind(kernel_plan(mode))
+        assert weight.kernel == (mode == "auto" and cpu_kernels.failure("w8a8") is None)
+        assert torch.equal(weight.matmul(x, bias), want)
+    both = W8A8Weight.cat([weight, weight.select_rows(torch.tensor([3, 1]))])
+    assert torch.equal(both.dequantize(), torch.cat([weight.dequantize(), weight.dequantize()[[3, 1]]]))
+    assert weight.nbytes == W8A8Weight.stored_bytes(40, 200) == 40 * 200 + 4 * 40
+    with pytest.raises(ValueError, match="an int8 matrix"):
+        W8A8Weight(q.float(), s, torch.float32)
+    with pytest.raises(ValueError, match="float scales"):
+        W8A8Weight(q, s[:3], torch.float32)
+
+
+# -- configurations ---------------------------------------------------------------------------------------------
+
+def _ct_config(acts):
+    weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+    return {"quant_method": "compressed-tensors", "format": "int-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}}}
+
+
+def test_a_w8a8_config_is_recognised_and_other_activation_schemes_are_refused_by_name():
+    w8a8 = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+    assert parse_quantization_config(_ct_config(w8a8)).quantization == "w8a8"
+    for change, says in (({"dynamic": False}, "'dynamic': False"), ({"strategy": "tensor"}, "'strategy': 'tensor'"),
+                         ({"symmetric": False}, "'symmetric': False"), ({"num_bits": 4}, "'num_bits': 4")):
+        with pytest.raises(UnsupportedScheme, match=f"input_activations: .*{says}.*dynamic int8 per token"):
+            parse_quantization_config(_ct_config({**w8a8, **change}))
+    q = _ct_config(w8a8)
+    q["config_groups"]["group_0"]["weights"].update(num_bits=4, strategy="group", group_size=32)
+    q["format"] = "pack-quantized"
+    with pytest.raises(UnsupportedScheme, match="with int4 weights is not supported"):
+        parse_quantization_config(q)
+
+
+# -- checkpoints --------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def written(tiny_checkpoint, tmp_path_factory):
+    """The tiny V3 checkpoint, its W8A8 copy written through compressed-tensors' compressor (``mla-runtime
+    quantize``), and the same tensors in SGLang's ``w8a8_int8`` layout."""
+    src, _ = tiny_checkpoint("v3")
+    out = tmp_path_factory.mktemp("w8a8_ct")
+    assert quantize_main(["--model", str(src), "--quantization", "w8a8", "--out", str(out)]) == 0
+    sglang = tmp_path_factory.mktemp("w8a8_sglang")
+    for f in out.iterdir():
+        if f.suffix == ".safetensors":  # the same tensors, the scales in float32 as SGLang's checkpoints hold them
+            with safe_open(str(f), "pt") as r:
+                tensors = {k: r.get_tensor(k) for k in r.keys()}
+            save_file({k: v.float() if k.endswith("weight_scale") else v for k, v in tensors.items()},
+                      str(sglang / f.name), metadata={"format": "pt"})
+        else:
+            (sglang / f.name).write_bytes(f.read_bytes())
+    raw = json.loads((out / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "w8a8_int8", "activation_scheme": "dynamic"}
+    (sglang / "config.json").write_text(json.dumps(raw))
+    return src, out, sglang
+
+
+def _stored_matrices(path: Path) -> dict[str, torch.Tensor]:
+    """Every matrix stored as W8A8, dequantised: ``q * scale``, by checkpoint name."""
+    found = {}
+    for f in path.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as r:
+            names = set(r.keys())
+            for name in names:
+                scale = name[: -len("weight")] + "weight_scale"
+                if name.endswith(".weight") and scale in names:
+                    found[name] = r.get_tensor(name).float() * r.get_tensor(scale).float()
+    return found
+
+
+def _fake_quantized(x: torch.Tensor) -> torch.Tensor:
+    """A product's input as W8A8 sees it: each row rounded to int8 with its own scale, in float again."""
+    rows = x.float().reshape(-1, x.shape[-1])
+    sx = rows.abs().amax(1, keepdim=True) / 127
+    xq = torch.where(sx > 0, rows / sx, torch.zeros(())).round()
+    return (xq * sx).reshape(x.shape).to(x.dtype)
+
+
+def reference_tokens(path: Path, variant: str = "v3") -> list[list[int]]:
+    """transformers' greedy tokens with every matrix the checkpoint stores as W8A8 set to its dequantised values, the
+    inputs of those products rounded per token (through ``F.linear``, which both its ``nn.Linear`` layers and its
+    fused experts call), and ``kv_b_proj`` rounded to bfloat16 as the runtime holds it."""
+    hf = build_hf_model(variant)
+    hf.set_experts_implementation("eager")  # expert by expert through F.linear (the default: grouped products)
+    stored = _stored_matrices(path)
+    params = dict(hf.named_parameters())
+    quantized: set[int] = set()
+    with torch.no_grad():
+        for name, w in stored.items():
+            parts = name.split(".")
+            if "experts" in parts and parts[parts.index("experts") + 1].isdigit():
+                i = parts.index("experts")
+                e, proj = int(parts[i + 1]), parts[i + 2]
+                prefix = ".".join(parts[: i + 1])
+                fused = params[f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"]
+                inter = fused.shape[1] // 2
+                target = fused[e] if proj == "down_proj" else fused[e, :inter] if proj == "gate_proj" \
+                    else fused[e, inter:]
+                target.copy_(w)
+                quantized.add(fused[e].data_ptr())
+            else:
+                params[name].copy_(w)
+                quantized.add(params[name].data_ptr())
+        for module_name, module in hf.named_modules():
+            if module_name.endswith("kv_b_proj"):
+                module.weight.copy_(module.weight.to(torch.bfloat16).float())
+    assert len(quantized) > 10
+    linear = torch.nn.functional.linear
+
+    def w8a8_linear(x, weight, bias=None):  # type: ignore[no-untyped-def]
+        return linear(_fake_quantized(x) if weight.data_ptr() in quantized else x, weight, bias)
+
+    out = []
+    torch.nn.functional.linear = w8a8_linear
+    try:
+        for prompt in PROMPTS:
+            ids = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                              min_new_tokens=NEW_TOKENS)
+            out.append(ids[0, len(prompt):].tolist())
+    finally:
+        torch.nn.functional.linear = linear
+    return out
+
+
+def runtime_tokens(path: Path, **kwargs) -> list[list[int]]:
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB", **kwargs)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+
+
+def test_both_layouts_load_as_stored(written):
+    src, ct, sglang = written
+    assert ModelConfig.from_pretrained(ct).stored_quantization == "w8a8"
+    assert ModelConfig.from_pretrained(sglang).stored_quantization == "w8a8"
+    stored = _stored_matrices(ct)
+    for path in (ct, sglang):
+        model = load_model(path, dtype="float32")
+        attn = model.model.layers[0].self_attn
+        o_proj = attn.o_proj.packed
+        assert isinstance(o_proj, W8A8Weight)
+        assert torch.equal(o_proj.dequantize(), stored["model.layers.0.self_attn.o_proj.weight"])
+        experts = model.model.layers[1].mlp.experts
+        assert all(isinstance(w, W8A8Weight) for w in experts.gate_up_packed + experts.down_packed)
+        assert torch.equal(experts.down_packed[2].dequantize(), stored["model.layers.1.mlp.experts.2.down_proj.weight"])
+    with pytest.raises(ValueError, match="stored quantised to w8a8"):
+        LLM(str(ct), dtype="float32", quantization="int8", kv_cache_memory="8MiB")
+
+
+def test_greedy_tokens_equal_transformers_on_the_dequantised_model_with_rows_rounded_per_token(written):
+    src, ct, sglang = written
+    want = reference_tokens(ct)
+    assert runtime_tokens(ct) == want
+    assert runtime_tokens(sglang) == want
+    assert runtime_tokens(ct, cpu_gemm="plain") == want  # torch's int8 products: the same bits
+
+
+def test_a_v2_checkpoint_gives_the_reference_tokens(tiny_checkpoint, tmp_path):
+    """DeepSeek-V2 (group-limited routing, a Q-LoRA-less attention) written as W8A8 and served as stored."""
+    src, _ = tiny_checkpoint("v2_group")
+    assert quantize_main(["--model", str(src), "--quantization", "w8a8", "--out", str(tmp_path / "v2")]) == 0
+    assert runtime_tokens(tmp_path / "v2") == reference_tokens(tmp_path / "v2", "v2_group")
+
+
+_CAPPED = """
+import json, sys, torch
+from mla_kernels import cpu_kernels
+from mla_kernels.w8a8_format import w8a8_product
+from tests.test_w8a8 import runtime_tokens
+g = torch.Generator().manual_seed(5)
+x, q, s = torch.randn(70, 300, generator=g), torch.randint(-128, 128, (33, 300), generator=g, dtype=torch.int8), \\
+    torch.rand(33, generator=g)
+same = torch.equal(cpu_kernels.w8a8_linear(x, q, s), w8a8_product(x, q, s))
+print(json.dumps({"variants": cpu_kernels.variants("int8"), "failure": cpu_kernels.failure("w8a8"), "same": same,
+                  "tokens": runtime_tokens(sys.argv[1])}))
+"""
+
+
+@needs_kernel
+def test_a_process_capped_at_avx2_gives_the_same_tokens(written):
+    src, ct, _ = written
+    env = {**os.environ, cpu_ops.ISA_ENV: "avx2", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", _CAPPED, str(ct)], env=env, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = json.loads(done.stdout.strip().splitlines()[-1])
+    assert said["variants"] == ["avx2"] and said["failure"] is None and said["same"]
+    assert said["tokens"] == runtime_tokens(ct)
+
+
+def test_the_planner_counts_the_bytes_a_w8a8_model_holds(written):
+    """``weight_footprint``'s quantised bytes are the loaded matrices' (a byte a value and a float32 scale a row), for a
+    stored W8A8 checkpoint and for a float one quantised to W8A8 while loading."""
+    src, ct, _ = written
+    for path, quantization in ((ct, None), (src, "w8a8")):
+        model = load_model(path, dtype="float32", quantization=quantization)
+        finish_quantization(model, "w8a8")
+        weights = quantized_weights(model)
+        assert {w.scheme for w in weights} == {"w8a8"}
+        planned = weight_footprint(ModelConfig.from_pretrained(path), "float32", 1, quantization)
+        assert planned.format == "w8a8"
+        assert planned.quantized_bytes == sum(w.nbytes for w in weights)
+        assert planned.quantized_bytes == sum(w.shape.numel() + 4 * w.shape[0] for w in weights)
+
+
+def test_a_checkpoint_written_through_the_librarys_model_api_loads_as_stored(tmp_path):
+    """compressed-tensors' own W8A8 scheme applied to a transformers model (as llm-compressor saves one: per-channel
+    absmax scales, the model compressed and saved): its config reads as ``w8a8`` and its matrices are the stored
+    integers times the stored scales."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
+
+    model = build_hf_model("v3")
+    scheme = preset_name_to_scheme("W8A8", ["Linear"])
+    config = QuantizationConfig(config_groups={"group_0": scheme},
+                                ignore=["lm_head", "re:.*kv_b_proj$", "re:.*mlp\\.gate$"])
+    apply_quantization_config(model, config)
+    for module in model.modules():
+        if hasattr(module, "weight_scale"):
+            w = module.weight.detach().float()
+            module.weight_scale.data.copy_((w.abs().amax(1, keepdim=True) / 127).to(module.weight_scale.dtype))
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="int-quantized")
+    compressor.compress_model(model)
+    model.save_pretrained(tmp_path)
+    compressor.update_config(tmp_path)
+    acts = json.loads((tmp_path / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    assert acts["input_activations"]["dynamic"] is True and acts["input_activations"]["strategy"] == "token"
+    assert ModelConfig.from_pretrained(tmp_path).stored_quantization == "w8a8"
+    loaded = load_model(tmp_path, dtype="float32")
+    stored = _stored_matrices(tmp_path)
+    assert len(stored) > 10
+    o_proj = loaded.model.layers[1].self_attn.o_proj.packed
+    assert isinstance(o_proj, W8A8Weight)
+    assert torch.equal(o_proj.dequantize(), stored["model.layers.1.self_attn.o_proj.weight"])
+    assert isinstance(loaded.model.layers[1].mlp.experts.down_packed[0], W8A8Weight)  # left float: quantised at load
