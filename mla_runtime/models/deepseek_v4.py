@@ -33,12 +33,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mla_kernels import topk_lowest_first
 from mla_runtime.config import RopeConfig
 from mla_runtime.layers.rotary import rope_inv_freq
 
@@ -245,7 +246,7 @@ def _param(*shape: int, dtype: torch.dtype = torch.float32) -> nn.Parameter:
     return nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)
 
 
-# -- per-sequence state -------------------------------------------------------------------------------------------------
+# -- per-sequence state ------------------------------------------------------------------------------------------------
 @dataclass
 class CompressorState:
     """A compressor's part of a sequence: the incomplete window's projections, the previous window's overlapping
@@ -360,6 +361,8 @@ class Indexer(Compressor):
         """The entries each query attends ``[T, n]`` (bool)."""
         keys = self.update(x, st)
         n = keys.shape[0]
+        if not n:
+            return torch.zeros(x.shape[0], 0, dtype=torch.bool, device=x.device)
         q = self.q_b_proj(q_res).view(x.shape[0], self.heads, self.dim)
         q = Rotary.apply(q, *self.rotary.cos_sin(positions))
         scores = F.relu(torch.einsum("thc,nc->thn", q.float(), keys)) * self.dim ** -0.5
@@ -367,7 +370,8 @@ class Indexer(Compressor):
         scores = (scores * weights.unsqueeze(-1)).sum(dim=1)
         visible = (positions + 1) // self.rate
         future = torch.arange(n, device=x.device)[None, :] >= visible[:, None]
-        top = scores.masked_fill(future, float("-inf")).topk(min(self.topk, n), dim=-1).indices
+        # equal scores (relu makes every key no head scores positively worth exactly 0): lowest position first
+        top = topk_lowest_first(scores.masked_fill(future, float("-inf")), min(self.topk, n))
         top = torch.where(top < visible[:, None], top, torch.full_like(top, n))
         chosen = torch.zeros(x.shape[0], n + 1, dtype=torch.bool, device=x.device)
         return chosen.scatter_(1, top, True)[:, :n]
@@ -527,9 +531,10 @@ class Router(nn.Module):
         logits = F.linear(x, self.weight)
         scores = F.softplus(logits).sqrt() if self.scoring == "sqrtsoftplus" else torch.sigmoid(logits)
         if self.hashed:
-            experts = self.tid2eid[input_ids].long()
+            experts = cast(torch.Tensor, self.tid2eid)[input_ids].long()
         else:
-            experts = torch.topk(scores + self.e_score_correction_bias, self.k, dim=-1, sorted=False).indices
+            bias = cast(torch.Tensor, self.e_score_correction_bias)
+            experts = torch.topk(scores + bias, self.k, dim=-1, sorted=False).indices
         weights = scores.gather(1, experts)
         return experts, weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scale
 
@@ -650,7 +655,8 @@ _ATTN_NAMES = {"attn_sink": "sinks", "wq_a.weight": "q_a_proj.weight", "q_norm.w
                "wo_a.weight": "o_a_proj.weight", "wo_b.weight": "o_b_proj.weight"}
 _COMPRESSOR_NAMES = {"wkv.weight": "kv_proj.weight", "wgate.weight": "gate_proj.weight", "ape": "position_bias",
                      "norm.weight": "kv_norm.weight"}
-_MLP_NAMES = {"gate.bias": "gate.e_score_correction_bias", "shared_experts.w1.weight": "shared_experts.gate_proj.weight",
+_MLP_NAMES = {"gate.bias": "gate.e_score_correction_bias",
+              "shared_experts.w1.weight": "shared_experts.gate_proj.weight",
               "shared_experts.w2.weight": "shared_experts.down_proj.weight",
               "shared_experts.w3.weight": "shared_experts.up_proj.weight"}
 _TOP_NAMES = {"embed.weight": "model.embed_tokens.weight", "embed_tokens.weight": "model.embed_tokens.weight",
