@@ -354,8 +354,6 @@ class ModelConfig:
             raise ValueError("query_lora_scale needs a q_lora_rank (it scales q_a_layernorm)")
         if self.query_gate and self.q_lora_rank is None:
             raise ValueError("query_gate needs a q_lora_rank (its projection reads the query's low-rank state)")
-        if self.attention_head_gate and self.query_gate:
-            raise ValueError("attention_head_gate and query_gate: an attention has one output gate")
         if self.gated_norm_rank < 0:
             raise ValueError(f"gated_norm_rank must be >= 0, got {self.gated_norm_rank}")
         if self.rope_layers is not None and len(self.rope_layers) != self.num_hidden_layers:
@@ -363,9 +361,15 @@ class ModelConfig:
                              f"{self.num_hidden_layers}")
         if self.logit_softcap < 0:
             raise ValueError(f"final_logit_softcapping must be >= 0, got {self.logit_softcap}")
+        self._check_hybrid()
+
+    def _check_hybrid(self) -> None:
+        """A hybrid's layer schedule covers the model; an attention has one output gate."""
         lin = self.linear_attention
         if lin is not None and len(lin.layers) != self.num_hidden_layers:
             raise ValueError(f"layer_types lists {len(lin.layers)} layers, the model has {self.num_hidden_layers}")
+        if self.attention_head_gate and self.query_gate:
+            raise ValueError("attention_head_gate and query_gate: an attention has one output gate")
 
     # -- the notation of the MLA math ----------------------------------------------------------
     @property

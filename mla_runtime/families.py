@@ -655,7 +655,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("longcat_flash", "deepseek_v3", "meituan-longcat/LongCat-Flash-Chat", _longcat_flash, _longcat_flash_name),
     Family("kimi_linear", "deepseek_v3", "moonshotai/Kimi-Linear-48B-A3B-Instruct", _kimi_linear,
            _kimi_linear_name),
-    Family("bailing_hybrid", "deepseek_v3", "inclusionAI/Ling-2.5-1T", _bailing_hybrid, _bailing_hybrid_name),
+    Family("bailing_hybrid", "deepseek_v3", "inclusionAI/Ling-3.0-Flash", _bailing_hybrid, _bailing_hybrid_name),
 )}
 # families with a torch model of their own that the engine (LLM, the server) does not serve yet: why, and what runs
 TORCH_ONLY = {"deepseek_v4": (

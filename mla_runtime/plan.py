@@ -238,6 +238,12 @@ class MemoryPlan:
     host_bytes: int | None = None     # the host-RAM tier of one rank (kv_cache_host_bytes)
     host_capacity_tokens: int = 0     # tokens the host tier holds
     weights: WeightFootprint | None = None  # the per-rank weights by part (their total is weight_bytes)
+    state_bytes_per_sequence: int = 0  # a hybrid's linear-attention states of one sequence (0: not a hybrid)
+
+    @property
+    def state_bytes(self) -> int:
+        """A hybrid's state slots, one per sequence of ``max_num_seqs``, beside the latent cache."""
+        return self.state_bytes_per_sequence * self.max_num_seqs
 
     @property
     def fits(self) -> bool:
@@ -380,7 +386,7 @@ def plan_memory(config: ModelConfig, *, dtype: str | torch.dtype, cache_dtype: s
                                              memory_utilization, quantization, cpu))
     activations = _activations_that_fit(config, model_dtype, max_num_batched_tokens, max_num_seqs, tp, weights,
                                         usable)
-    budget = usable - weights - activations
+    budget = usable - weights - activations - config.state_bytes_per_sequence * max_num_seqs  # a hybrid's states
     latent = latent_bytes_per_token(config, cache.dtype, model_dtype)
     holders = tp if latent_cache_layout == "sharded" else 1  # ranks that split the tokens between them
     num_blocks = budget // (latent * block_size)
@@ -401,7 +407,7 @@ def plan_memory(config: ModelConfig, *, dtype: str | torch.dtype, cache_dtype: s
         num_blocks=num_blocks, max_tokens=num_blocks * block_size * holders,
         max_sequences=num_blocks * holders // blocks_per_sequence, blocks_per_sequence=blocks_per_sequence,
         disk_bytes=disk_bytes, disk_file_bytes=disk_file_bytes, disk_capacity_tokens=disk_tokens,
-        host_bytes=host_bytes,
+        host_bytes=host_bytes, state_bytes_per_sequence=config.state_bytes_per_sequence,
         host_capacity_tokens=0 if host_bytes is None else host_tier_capacity(host_bytes, latent / holders, block_size),
         weights=footprint,
     )

@@ -228,15 +228,18 @@ INT8_MATRICES = ("q_proj", "q_a_proj", "q_b_proj", "q_gate_proj", "kv_a_proj_wit
 def int8_weights(hf: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``hf`` with the values ``quantization="int8"`` computes with: each matrix the engine quantises (the
     attention's projections but ``kv_b_proj`` and the indexer's, the MLPs and experts, the lm_head) as its int8
-    values times their per-row scales, ``kv_b_proj`` rounded to bfloat16; embeddings, norms, routers and the indexer
-    as they are."""
+    values times their per-row scales, ``kv_b_proj`` rounded to bfloat16; embeddings, norms, routers, the indexer and
+    a hybrid's linear-attention layers as they are."""
     from mla_runtime.layers.quantization import quantize_int8
 
     out = copy.deepcopy(hf)
+    kinds = getattr(hf.config.get_text_config(), "layer_types", None) or []
     for name, param in out.named_parameters():
         parts = name.split(".")
         owner = parts[-2] if parts[-1] == "weight" else parts[-1]
-        if "indexer" in parts or param.dim() < 2:
+        layer = int(parts[parts.index("layers") + 1]) if "layers" in parts else len(kinds)
+        linear = layer < len(kinds) and kinds[layer] == "linear_attention" and "self_attn" in parts
+        if "indexer" in parts or param.dim() < 2 or linear:
             continue
         if owner == "kv_b_proj":
             param.copy_(param.to(torch.bfloat16))
@@ -354,7 +357,7 @@ CELLS: dict[str, Cell] = {c.name: c for c in (
     Cell("tp2-replicated", {"tensor_parallel_size": 2}, families=ONE_RANK_NO_DRAFTS),
     Cell("tp2-sharded", {"tensor_parallel_size": 2, "latent_cache_layout": "sharded", "block_size": 32},
          families=ONE_RANK_NO_DRAFTS),
-    Cell("int8", {"quantization": "int8"}, weights="int8", families=ONE_RANK_NO_DRAFTS),
+    Cell("int8", {"quantization": "int8"}, weights="int8"),
     Cell("prompt-lookup", {"num_speculative_tokens": 3}, families=ONE_RANK_NO_DRAFTS),
     Cell("mtp", {"speculative_method": "mtp", "num_speculative_tokens": 1}, checkpoint="mtp",
          families=MTP_FAMILIES),

@@ -363,3 +363,22 @@ def test_bailing_hybrid_config_and_names():
     assert rename("model.layers.0.attention.g_proj.weight") == "model.layers.0.self_attn.g_proj.weight"
     with pytest.raises(ValueError, match="kda_lower_bound"):
         ModelConfig.from_dict({**raw, "kda_lower_bound": 1.0})
+
+
+def test_the_planner_counts_the_state_slots_beside_the_latent_cache(checkpoint):
+    from mla_runtime.load_check import load_requirement
+    from mla_runtime.plan import plan_memory
+    from mla_runtime.plan_cli import format_report
+
+    path, _ = checkpoint
+    cfg = ModelConfig.from_pretrained(path)
+    plans = {n: plan_memory(cfg, dtype="float32", device_memory_bytes=2**30, max_seq_len=128, max_num_seqs=n)
+             for n in (1, 9)}
+    assert plans[9].state_bytes == 9 * cfg.state_bytes_per_sequence > 0
+    assert plans[1].weight_bytes == plans[9].weight_bytes > 0
+    budgets = {n: p.cache_budget_bytes + p.activation_bytes for n, p in plans.items()}
+    assert budgets[1] - budgets[9] == 8 * cfg.state_bytes_per_sequence  # the activations reserve moves with seqs too
+    assert "state cache (hybrid)" in format_report(plans[9], cfg)
+    need = {n: load_requirement(cfg, dtype="float32", device="cpu", max_model_len=128, max_num_seqs=n,
+                                kv_cache_memory=2**20).cache_bytes for n in (1, 9)}
+    assert need[9] - need[1] == 8 * cfg.state_bytes_per_sequence

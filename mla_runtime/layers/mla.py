@@ -66,7 +66,7 @@ class MLAttention(nn.Module):
         self.query_scale, self.softmax_scaling = query_scalings(cfg, self.n_h, dtype)  # position_scaled
         hidden, bias = cfg.hidden_size, cfg.attention_bias
         self.kv_a_proj_with_mqa = Linear(hidden, self.d_c + self.d_r * cfg.uses_rope(layer), dtype, bias=bias)
-        self.q_proj, self.q_b_proj, self.q_gate_proj = query_projections(cfg, self.n_h, dtype)
+        self.q_proj, self.q_b_proj, self.q_gate_proj, self.g_proj = query_projections(cfg, self.n_h, dtype)
         if cfg.q_lora_rank is not None:
             self.q_a_proj = Linear(hidden, cfg.q_lora_rank, dtype, bias=bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.latent_eps, dtype)
@@ -74,8 +74,6 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.d_c, cfg.latent_eps, dtype)
         self.kv_b_proj = Linear(self.d_c, self.n_h * (self.d_n + self.d_v), dtype)
         self.o_proj = Linear(self.n_h * self.d_v, hidden, dtype, bias=bias)
-        # Ling (``attention_head_gate``): each head's output times sigmoid of its gate, projected from the input
-        self.g_proj = Linear(hidden, self.n_h, dtype) if cfg.attention_head_gate else None
         self.rotary = RotaryEmbedding(cfg.rope, self.d_r)
         self.d_c_in, self.rope = self.d_c, cfg.uses_rope(layer)  # the latent's width kv_a_proj_with_mqa gives; RoPE
         self.latent_down: nn.Parameter | None = None  # [r, d_c_in] when the latent rank is truncated (latent_rank)
@@ -110,22 +108,20 @@ class MLAttention(nn.Module):
         selected = sparse_selection(self, x, q_resid, meta, cache)  # sparse attention: the keys each query reads
         o = (meta.backend.forward(self.layer, q_n, q_r, meta, cache) if selected is None  # [T, n_h, d_v]
              else meta.backend.sparse_forward(self.layer, q_n, q_r, meta, cache, selected))
-        if self.g_proj is not None:
-            gate = self.g_proj(x).unsqueeze(-1)  # [T, n_h, 1]
         out = self.o_proj(gated(o, gate).reshape(x.shape[0], self.n_h * self.d_v), bias=self.par.rank == 0)  # bias once
         return self.par.all_reduce(out)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``x [T, d]`` -> the queries ``[T, n_h (d_n + d_r)]``, ``[c ; k_r] [T, d_c_in + d_r]`` (neither normed
         nor rotated), the normed low-rank query ``q_resid [T, q_lora_rank]`` (None without a Q-LoRA) and the output
-        gate ``[T, n_h, d_v]`` (None without ``query_gate``)."""
+        gate: ``query_gate``'s ``[T, n_h, d_v]``, ``attention_head_gate``'s ``[T, n_h, 1]`` (``head_gate``), or None."""
         if self.q_proj is not None:
-            return self.q_proj(x), self.kv_a_proj_with_mqa(x), None, None
+            return self.q_proj(x), self.kv_a_proj_with_mqa(x), None, head_gate(self, x)
         widths = [self.q_a_proj.out_features, self.d_c_in + self.d_r]
         q_lat, latent = (self.q_a_proj(x), self.kv_a_proj_with_mqa(x)) if self.qkv_a is None else linear(
             x, self.qkv_a.plain, self.qkv_a_bias, self.qkv_a).split(widths, dim=-1)
         q, q_resid, gate = queries(self, q_lat)
-        return q, latent, q_resid, gate
+        return q, latent, q_resid, head_gate(self, x) if gate is None else gate
 
     def split(self, q: torch.Tensor, latent: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -157,15 +153,22 @@ def attention_layer(attn: MLAttention, plan: KernelPlan) -> AttentionLayer:
 
 
 def query_projections(cfg: ModelConfig, n_h: int, dtype: torch.dtype
-                      ) -> tuple[Linear | None, Linear | None, Linear | None]:
+                      ) -> tuple[Linear | None, Linear | None, Linear | None, Linear | None]:
     """The queries' projections for ``n_h`` heads: without a Q-LoRA ``q_proj [n_h (d_n + d_r), d]``; else the
     up-projection ``q_b_proj [n_h (d_n + d_r), q_lora_rank]``, or with ``query_gate`` ``q_gate_proj
-    [n_h (d_n + d_r + d_v), 2 q_lora_rank]`` in its place. (q_proj, q_b_proj, q_gate_proj), None where absent."""
+    [n_h (d_n + d_r + d_v), 2 q_lora_rank]`` in its place; and with ``attention_head_gate`` (Ling) ``g_proj [n_h, d]``,
+    one output gate per head from the layer's input. (q_proj, q_b_proj, q_gate_proj, g_proj), None where absent."""
+    g_proj = Linear(cfg.hidden_size, n_h, dtype) if cfg.attention_head_gate else None
     if cfg.q_lora_rank is None:
-        return Linear(cfg.hidden_size, n_h * cfg.qk_head_dim, dtype), None, None
+        return Linear(cfg.hidden_size, n_h * cfg.qk_head_dim, dtype), None, None, g_proj
     if not cfg.query_gate:
-        return None, Linear(cfg.q_lora_rank, n_h * cfg.qk_head_dim, dtype), None
-    return None, None, Linear(2 * cfg.q_lora_rank, n_h * (cfg.qk_head_dim + cfg.v_head_dim), dtype)
+        return None, Linear(cfg.q_lora_rank, n_h * cfg.qk_head_dim, dtype), None, g_proj
+    return None, None, Linear(2 * cfg.q_lora_rank, n_h * (cfg.qk_head_dim + cfg.v_head_dim), dtype), g_proj
+
+
+def head_gate(attn: MLAttention, x: torch.Tensor) -> torch.Tensor | None:
+    """Ling's per-head output gate ``[T, n_h, 1]`` from the layer's input ``x [T, d]`` (None without ``g_proj``)."""
+    return None if attn.g_proj is None else attn.g_proj(x).unsqueeze(-1)
 
 
 def query_scalings(cfg: ModelConfig, n_h: int, dtype: torch.dtype
