@@ -164,6 +164,23 @@ def test_mixed_steps_give_each_sequence_its_tokens(pair: tuple[Any, DeepseekV4Fo
     assert run_stream(ours, budget, preempt_at) == reference
 
 
+def test_bfloat16_matches_transformers_bfloat16(tmp_path: Path) -> None:
+    """In bfloat16 the model rounds where the reference does (float32 norms, gates, hyper-connections, sinks and
+    router bias; cos/sin tables in bfloat16): logits and greedy tokens equal transformers' in bfloat16."""
+    import transformers as tf
+
+    build().save_pretrained(tmp_path)
+    hf = tf.DeepseekV4ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    ours = load_deepseek_v4(tmp_path, torch.bfloat16)
+    for p in prompts()[:2]:
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0].float()
+            want = hf.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, min_new_tokens=6)[0, len(p):]
+        mine = ours.compute_logits(ours(torch.tensor(p), ours.new_state()))
+        assert torch.allclose(mine, ref, atol=2e-2), (len(p), (mine - ref).abs().max().item())
+        assert ours.generate_greedy(p, 6, chunk=9) == want.tolist()
+
+
 def test_transformers_names_load(pair: tuple[Any, DeepseekV4ForCausalLM]) -> None:
     """A checkpoint written with transformers' in-memory names (no conversion) loads to the same model."""
     from safetensors.torch import save_file
@@ -185,6 +202,9 @@ def test_state_is_bounded_by_the_window_and_entries(pair: tuple[Any, DeepseekV4F
     assert st.layers[1].compressor.count == PROMPT_LENS[1] // CSA_RATE
     assert st.layers[2].compressor.count == PROMPT_LENS[1] // HCA_RATE
     assert st.nbytes() == state_bytes(ours.config, PROMPT_LENS[1])
+    short = ours.new_state()
+    ours(torch.tensor(prompts()[2]), short)  # shorter than a CSA window: no overlapping half yet
+    assert short.nbytes() == state_bytes(ours.config, PROMPT_LENS[2])
 
 
 @pytest.mark.parametrize("change,named", [

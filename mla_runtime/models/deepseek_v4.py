@@ -214,15 +214,17 @@ class Norm(nn.Module):
 
 
 class Rotary:
-    """Interleaved RoPE of the trailing ``dim`` channels (pairs ``(x0, x1), (x2, x3)...``)."""
+    """Interleaved RoPE of the trailing ``dim`` channels (pairs ``(x0, x1), (x2, x3)...``); cos and sin are rounded
+    to the model's dtype (as the reference's tables are), the rotation computed in float32."""
 
-    def __init__(self, rope: RopeConfig, dim: int) -> None:
-        self.inv_freq = rope_inv_freq(rope, dim)
+    def __init__(self, rope: RopeConfig, dim: int, dtype: torch.dtype) -> None:
+        self.inv_freq, self.dtype = rope_inv_freq(rope, dim), dtype
         self.scale = rope.attention_factor if rope.kind == "yarn" and rope.attention_factor is not None else 1.0
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
-        return freqs.cos() * self.scale, freqs.sin() * self.scale
+        cos, sin = freqs.cos() * self.scale, freqs.sin() * self.scale
+        return cos.to(self.dtype).float(), sin.to(self.dtype).float()
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -295,22 +297,22 @@ class Compressor(nn.Module):
     """Folds every ``rate`` tokens into one ``dim``-wide entry: ``norm(sum_j softmax_j(gate_j + bias_j) kv_j)``,
     rotated at the window's first position. ``overlap`` (CSA): the projections are ``2 dim`` wide, the first half
     pooled into the next window's entry beside the second half of this one's (windows of ``2 rate``, stride
-    ``rate``). Projections and pooling run in float32."""
+    ``rate``). The gates' softmax runs in float32 (the slot bias is float32), the pooled sum in the model's dtype."""
 
     def __init__(self, hidden: int, dim: int, rate: int, overlap: bool, rope: RopeConfig, rope_dim: int,
-                 eps: float) -> None:
+                 eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         width = 2 * dim if overlap else dim
         self.dim, self.rate, self.overlap = dim, rate, overlap
-        self.kv_proj = _linear(width, hidden, torch.float32)
-        self.gate_proj = _linear(width, hidden, torch.float32)
+        self.kv_proj = _linear(width, hidden, dtype)
+        self.gate_proj = _linear(width, hidden, dtype)
         self.position_bias = _param(rate, width)
         self.kv_norm = Norm(dim, eps)
-        self.rotary = Rotary(rope, rope_dim)
+        self.rotary = Rotary(rope, rope_dim, dtype)
 
     def update(self, x: torch.Tensor, st: CompressorState) -> torch.Tensor:
-        """Take the step's tokens ``x [T, hidden]``; every entry of the sequence so far ``[n, dim]`` (float32)."""
-        kv, gate = self.kv_proj(x.float()), self.gate_proj(x.float())
+        """Take the step's tokens ``x [T, hidden]``; every entry of the sequence so far ``[n, dim]``."""
+        kv, gate = self.kv_proj(x), self.gate_proj(x)
         if st.buffer_kv is not None and st.buffer_gate is not None:
             kv, gate = torch.cat([st.buffer_kv, kv]), torch.cat([st.buffer_gate, gate])
         usable = kv.shape[0] // self.rate * self.rate
@@ -332,15 +334,15 @@ class Compressor(nn.Module):
                 wkv[0, :r], wg[0, :r] = st.overlap_kv, st.overlap_gate
             st.overlap_kv, st.overlap_gate = ckv[-1, :, :d].clone(), cg[-1, :, :d].clone()
             ckv, cg = wkv, wg
-        pooled = self.kv_norm((ckv * cg.softmax(dim=1)).sum(dim=1))
+        pooled = self.kv_norm((ckv * cg.softmax(dim=1).to(ckv.dtype)).sum(dim=1))
         cos, sin = self.rotary.cos_sin(first + r * torch.arange(n, device=kv.device))
         return Rotary.apply(pooled, cos, sin)
 
 
 class Scorer(nn.Module):
-    def __init__(self, hidden: int, heads: int) -> None:
+    def __init__(self, hidden: int, heads: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weights_proj = _linear(heads, hidden, torch.float32)
+        self.weights_proj = _linear(heads, hidden, dtype)
 
 
 class Indexer(Compressor):
@@ -351,10 +353,10 @@ class Indexer(Compressor):
     def __init__(self, cfg: V4Config, dtype: torch.dtype) -> None:
         rate = cfg.compress_rates["compressed_sparse_attention"]
         super().__init__(cfg.hidden_size, cfg.index_head_dim, rate, True, cfg.compress_rope, cfg.rope_dim,
-                         cfg.rms_norm_eps)
+                         cfg.rms_norm_eps, dtype)
         self.heads, self.topk = cfg.index_n_heads, cfg.index_topk
         self.q_b_proj = _linear(cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank, dtype)
-        self.scorer = Scorer(cfg.hidden_size, cfg.index_n_heads)
+        self.scorer = Scorer(cfg.hidden_size, cfg.index_n_heads, dtype)
 
     def select(self, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor, st: CompressorState
                ) -> torch.Tensor:
@@ -365,8 +367,8 @@ class Indexer(Compressor):
             return torch.zeros(x.shape[0], 0, dtype=torch.bool, device=x.device)
         q = self.q_b_proj(q_res).view(x.shape[0], self.heads, self.dim)
         q = Rotary.apply(q, *self.rotary.cos_sin(positions))
-        scores = F.relu(torch.einsum("thc,nc->thn", q.float(), keys)) * self.dim ** -0.5
-        weights = self.scorer.weights_proj(x.float()) * self.heads ** -0.5
+        scores = F.relu(torch.einsum("thc,nc->thn", q.float(), keys.float())) * self.dim ** -0.5
+        weights = self.scorer.weights_proj(x).float() * self.heads ** -0.5
         scores = (scores * weights.unsqueeze(-1)).sum(dim=1)
         visible = (positions + 1) // self.rate
         future = torch.arange(n, device=x.device)[None, :] >= visible[:, None]
@@ -380,7 +382,7 @@ class Indexer(Compressor):
 class CSACompressor(Compressor):
     def __init__(self, cfg: V4Config, dtype: torch.dtype) -> None:
         super().__init__(cfg.hidden_size, cfg.head_dim, cfg.compress_rates["compressed_sparse_attention"], True,
-                         cfg.compress_rope, cfg.rope_dim, cfg.rms_norm_eps)
+                         cfg.compress_rope, cfg.rope_dim, cfg.rms_norm_eps, dtype)
         self.indexer = Indexer(cfg, dtype)
 
 
@@ -404,8 +406,9 @@ class V4Attention(nn.Module):
         if self.kind == "compressed_sparse_attention":
             self.compressor = CSACompressor(cfg, dtype)
         elif self.kind == "heavily_compressed_attention":
-            self.compressor = Compressor(cfg.hidden_size, d, self.rate, False, cfg.compress_rope, cfg.rope_dim, eps)
-        self.rotary = Rotary(cfg.main_rope if self.compressor is None else cfg.compress_rope, cfg.rope_dim)
+            self.compressor = Compressor(cfg.hidden_size, d, self.rate, False, cfg.compress_rope, cfg.rope_dim, eps,
+                                         dtype)
+        self.rotary = Rotary(cfg.main_rope if self.compressor is None else cfg.compress_rope, cfg.rope_dim, dtype)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, st: LayerState) -> torch.Tensor:
         t = x.shape[0]
@@ -441,8 +444,8 @@ class V4Attention(nn.Module):
         """Softmax attention of ``q [T, H, D]`` over ``keys [K, D]`` (also the values) with each head's sink."""
         logits = torch.einsum("thd,kd->thk", q, keys) * self.dim ** -0.5
         logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
-        sinks = self.sinks.to(logits.dtype).view(1, -1, 1).expand(q.shape[0], -1, 1)
-        both = torch.cat([logits, sinks], dim=-1)
+        sinks = self.sinks.view(1, -1, 1).expand(q.shape[0], -1, 1)  # float32: the softmax runs in float32
+        both = torch.cat([logits.float(), sinks], dim=-1)
         probs = (both - both.amax(dim=-1, keepdim=True)).softmax(dim=-1)[..., :-1]
         return torch.einsum("thk,kd->thd", probs.to(keys.dtype), keys)
 
@@ -766,8 +769,9 @@ def ceil_div(a: int, b: int) -> int:
 
 
 def state_bytes(cfg: V4Config, tokens: int, dtype_bytes: int = 4) -> int:
-    """Bytes one sequence of ``tokens`` tokens keeps (windows, compressed entries, partial windows), float32
-    compressor state and ``dtype_bytes`` per window value."""
+    """Bytes one sequence of ``tokens`` tokens keeps (``V4SequenceState``): windows, compressed entries, partial
+    windows and CSA's overlapping halves in the model's dtype (``dtype_bytes``), the overlapping halves' gates (their
+    slot bias added) in float32."""
     total = 0
     for kind in cfg.layer_types:
         total += min(tokens, cfg.sliding_window - 1) * cfg.head_dim * dtype_bytes
@@ -777,7 +781,9 @@ def state_bytes(cfg: V4Config, tokens: int, dtype_bytes: int = 4) -> int:
         csa = kind == "compressed_sparse_attention"
         for dim in ((cfg.head_dim, cfg.index_head_dim) if csa else (cfg.head_dim,)):
             width = 2 * dim if csa else dim
-            total += 4 * (tokens // rate * dim + 2 * (tokens % rate) * width + (2 * rate * dim if csa else 0))
+            total += dtype_bytes * (tokens // rate * dim + 2 * (tokens % rate) * width)
+            if csa and tokens >= rate:
+                total += rate * dim * (dtype_bytes + 4)
     return total
 
 
