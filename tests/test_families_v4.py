@@ -220,6 +220,11 @@ def test_config_refusals_name_the_setting(change: dict[str, Any], named: str) ->
         V4Config.from_raw({**CONFIG, "model_type": "deepseek_v4", **change})
 
 
-def test_engine_refuses_deepseek_v4_by_name() -> None:
+def test_engine_refuses_deepseek_v4_by_name(tmp_path: Path) -> None:
+    from mla_runtime import LLM
+
     with pytest.raises(ValueError, match="deepseek_v4.*load_deepseek_v4"):
         family_of({**CONFIG, "model_type": "deepseek_v4"})
+    build().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="deepseek_v4.*not served by the engine"):
+        LLM(str(tmp_path))
