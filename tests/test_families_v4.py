@@ -32,13 +32,13 @@ PROMPT_LENS = (45, 70, 3, 19, 33)  # past the window; past TOPK CSA entries; sev
 NEW_TOKENS = 12
 
 
-def build() -> Any:
-    """transformers' DeepSeek-V4 (tiny), weights re-randomised so that every tensor matters: sinks, window biases,
-    hyper-connection mixes and routing tables spread."""
+def build(**changes: Any) -> Any:
+    """transformers' DeepSeek-V4 (tiny; ``CONFIG`` with ``changes``), weights re-randomised so that every tensor
+    matters: sinks, window biases, hyper-connection mixes and routing tables spread."""
     import transformers as tf
 
     torch.manual_seed(0)
-    model = tf.DeepseekV4ForCausalLM(tf.DeepseekV4Config(**CONFIG))
+    model = tf.DeepseekV4ForCausalLM(tf.DeepseekV4Config(**{**CONFIG, **changes}))
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -179,6 +179,21 @@ def test_bfloat16_matches_transformers_bfloat16(tmp_path: Path) -> None:
         mine = ours.compute_logits(ours(torch.tensor(p), ours.new_state()))
         assert torch.allclose(mine, ref, atol=2e-2), (len(p), (mine - ref).abs().max().item())
         assert ours.generate_greedy(p, 6, chunk=9) == want.tolist()
+
+
+def test_yarn_on_the_compressed_layers(tmp_path: Path) -> None:
+    """A flat YaRN ``rope_parameters`` applies to the compressed layers only (without YaRN's cos/sin factor), past
+    its original context."""
+    yarn = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 32}
+    hf = build(rope_parameters=yarn)
+    hf.save_pretrained(tmp_path)
+    ours = load_deepseek_v4(tmp_path)
+    assert ours.config.compress_rope.kind == "yarn" and ours.config.main_rope.kind == "default"
+    p = prompts()[1]
+    with torch.no_grad():
+        ref = hf(torch.tensor([p])).logits[0].float()
+    mine = ours.compute_logits(ours(torch.tensor(p), ours.new_state()))
+    assert torch.allclose(mine, ref, atol=1e-4, rtol=1e-4), (mine - ref).abs().max().item()
 
 
 def test_transformers_names_load(pair: tuple[Any, DeepseekV4ForCausalLM]) -> None:
