@@ -229,6 +229,9 @@ def test_state_is_bounded_by_the_window_and_entries(pair: tuple[Any, DeepseekV4F
     (dict(mlp_layer_types=["dense"] * 4), "mlp_layer_types"),
     (dict(o_groups=3), "o_groups"),
     (dict(rope_parameters={"rope_type": "longrope"}), "rope_type"),
+    (dict(sliding_window=0), "sliding_window 0"),
+    (dict(compress_rates={"compressed_sparse_attention": 0, "heavily_compressed_attention": 16}),
+     "compressed_sparse_attention"),
 ])
 def test_config_refusals_name_the_setting(change: dict[str, Any], named: str) -> None:
     with pytest.raises(ValueError, match=named):

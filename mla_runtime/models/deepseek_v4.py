@@ -96,6 +96,11 @@ class V4Config:
         rope_dim = (int(g["qk_rope_head_dim"]) if g.get("qk_rope_head_dim") is not None
                     else int(head_dim * float(g.get("partial_rotary_factor") or 64 / 512)))
         _check(g, n, kinds, list(mlp), head_dim, rope_dim)
+        small = [f"{k} {g[k]}" for k in ("sliding_window", "index_topk", "hc_mult", "hc_sinkhorn_iters")
+                 if int(g[k]) < 1] + [f"compress_rates[{k!r}] {rates[k]}" for k in set(kinds) if k in rates
+                                      and int(rates[k]) < 1]
+        if small:
+            raise ValueError("deepseek_v4: must be at least 1: " + ", ".join(small))
         main, compress = _ropes(g)
         return V4Config(
             vocab_size=int(g["vocab_size"]), hidden_size=int(g["hidden_size"]), num_hidden_layers=n,
