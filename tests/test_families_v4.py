@@ -14,8 +14,11 @@ from typing import Any
 import pytest
 import torch
 
+from mla_runtime.cache.state_cache import StateSlots
 from mla_runtime.families import family_of
-from mla_runtime.models.deepseek_v4 import DeepseekV4ForCausalLM, V4Config, load_deepseek_v4, state_bytes
+from mla_runtime.forward_batch import ForwardBatch
+from mla_runtime.models.deepseek_v4 import DeepseekV4ForCausalLM, V4Config, V4StateCache, load_deepseek_v4
+from mla_runtime.models.deepseek_v4 import state_bytes as v4_state_bytes
 from tests.checkpoints import VOCAB
 
 WINDOW, CSA_RATE, HCA_RATE, TOPK = 8, 4, 16, 3
@@ -196,6 +199,67 @@ def test_yarn_on_the_compressed_layers(tmp_path: Path) -> None:
     assert torch.allclose(mine, ref, atol=1e-4, rtol=1e-4), (mine - ref).abs().max().item()
 
 
+def run_engine_steps(model: DeepseekV4ForCausalLM, budget: int, num_slots: int, preempt_at: int) -> list[list[int]]:
+    """As the engine steps: a sequence is admitted only with a free state slot, each step is one ``ForwardBatch``
+    (decodes first, then chunks) carrying every sequence's slot; a slot goes back on finish and on preemption (the
+    second running sequence at step ``preempt_at``, which later recomputes from its first token in whatever slot is
+    free)."""
+    slots, states = StateSlots(num_slots), V4StateCache(model.config, num_slots)
+    waiting, running, outs, step = [Seq(model, p) for p in prompts()], [], {}, 0
+    held: dict[int, int] = {}  # id(seq) -> its slot
+    while waiting or running:
+        while waiting and slots.num_free:
+            s = waiting.pop(0)
+            held[id(s)] = slots.take()
+            running.append(s)
+        if step == preempt_at and len(running) > 1:
+            victim = running.pop(1)
+            slots.give_back(held.pop(id(victim)))
+            victim.fed = 0
+            waiting.insert(0, victim)
+        running.sort(key=lambda s: len(s.tokens) - s.fed)
+        chunks, fed, left = [], [], budget
+        for s in running:
+            n = min(len(s.tokens) - s.fed, left)
+            if n:
+                chunks.append(s.tokens[s.fed:s.fed + n])
+                fed.append(s)
+                left -= n
+        batch = ForwardBatch.build(chunks, [s.fed for s in fed], [[0] * (1 + (s.fed + len(c)) // 16)
+                                                                 for s, c in zip(fed, chunks)], 16,
+                                   state_slots=[held[id(s)] for s in fed])
+        logits = model.compute_logits(model.forward_batch(batch, states)[batch.logits_indices])
+        for s, c, row in zip(fed, chunks, logits):
+            s.fed += len(c)
+            if s.fed == len(s.tokens):
+                s.tokens.append(int(row.argmax()))
+        for s in [s for s in running if len(s.out) == NEW_TOKENS]:
+            slots.give_back(held.pop(id(s)))
+            outs[tuple(s.tokens[:s.prompt_len])] = s.out
+        running = [s for s in running if len(s.out) < NEW_TOKENS]
+        step += 1
+    assert slots.num_free == num_slots and not held
+    return [outs[tuple(p)] for p in prompts()]
+
+
+@pytest.mark.parametrize("budget,num_slots,preempt_at", [(16, 2, 4), (40, 3, 2)])
+def test_engine_steps_over_state_slots(pair: tuple[Any, DeepseekV4ForCausalLM], reference: list[list[int]],
+                                       budget: int, num_slots: int, preempt_at: int) -> None:
+    _, ours = pair
+    assert run_engine_steps(ours, budget, num_slots, preempt_at) == reference
+
+
+def test_a_step_that_does_not_continue_its_slot_is_refused(pair: tuple[Any, DeepseekV4ForCausalLM]) -> None:
+    _, ours = pair
+    states = V4StateCache(ours.config, 2)
+    first = ForwardBatch.build([[5, 6, 7]], [0], [[0]], 16, state_slots=[1])
+    ours.forward_batch(first, states)
+    with pytest.raises(RuntimeError, match="slot 1 holds 3 tokens"):
+        ours.forward_batch(ForwardBatch.build([[8]], [5], [[0]], 16, state_slots=[1]), states)
+    with pytest.raises(ValueError, match="state_slots"):
+        ours.forward_batch(ForwardBatch.build([[8]], [3], [[0]], 16), states)
+
+
 def test_transformers_names_load(pair: tuple[Any, DeepseekV4ForCausalLM]) -> None:
     """A checkpoint written with transformers' in-memory names (no conversion) loads to the same model."""
     from safetensors.torch import save_file
@@ -216,10 +280,10 @@ def test_state_is_bounded_by_the_window_and_entries(pair: tuple[Any, DeepseekV4F
     assert all(layer.window is not None and layer.window.shape[0] == WINDOW - 1 for layer in st.layers)
     assert st.layers[1].compressor.count == PROMPT_LENS[1] // CSA_RATE
     assert st.layers[2].compressor.count == PROMPT_LENS[1] // HCA_RATE
-    assert st.nbytes() == state_bytes(ours.config, PROMPT_LENS[1])
+    assert st.nbytes() == v4_state_bytes(ours.config, PROMPT_LENS[1])
     short = ours.new_state()
     ours(torch.tensor(prompts()[2]), short)  # shorter than a CSA window: no overlapping half yet
-    assert short.nbytes() == state_bytes(ours.config, PROMPT_LENS[2])
+    assert short.nbytes() == v4_state_bytes(ours.config, PROMPT_LENS[2])
 
 
 @pytest.mark.parametrize("change,named", [

@@ -25,7 +25,9 @@ bias. The checkpoint's MTP layers are not read.
 latents and, per compressor (the attention's and the indexer's), the tokens of the window not yet complete, the
 previous window's overlapping half (CSA) and every compressed entry so far. A step may hold any number of the
 sequence's tokens (a prompt, a chunk of one, a decode): the result does not depend on how the tokens are split.
-Parameter names are transformers' (``DeepseekV4ForCausalLM``), so its checkpoints load as saved.
+An engine step (``ForwardBatch`` with each sequence's state slot) runs through ``forward_batch`` over a
+``V4StateCache`` (one state per slot). Parameter names are transformers' in-memory ones; ``load_deepseek_v4`` reads
+the released layout (which transformers saves) and those names.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from torch import nn
 
 from mla_kernels import topk_lowest_first
 from mla_runtime.config import RopeConfig
+from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.layers.rotary import rope_inv_freq
 
 LAYER_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
@@ -606,6 +609,33 @@ class V4Model(nn.Module):
         self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps)
 
 
+class V4StateCache:
+    """The states of the running sequences, one per slot of the engine's state slots (``cache.state_cache.
+    StateSlots`` hands the ids out; the scheduler gives a slot back on finish, abort and preemption). A sequence's
+    first step (no cached tokens) starts its slot afresh, whatever the slot held."""
+
+    def __init__(self, cfg: V4Config, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.cfg = cfg
+        self.slots: list[V4SequenceState | None] = [None] * num_slots
+
+    def state(self, slot: int, context_len: int) -> V4SequenceState:
+        """Slot ``slot``'s state for a step that continues after ``context_len`` tokens."""
+        if not 0 <= slot < len(self.slots):
+            raise ValueError(f"state slot {slot} is out of range (0..{len(self.slots) - 1})")
+        if context_len == 0:
+            self.slots[slot] = V4SequenceState.empty(self.cfg)
+        st = self.slots[slot]
+        if st is None or st.length != context_len:
+            raise RuntimeError(f"state slot {slot} holds {0 if st is None else st.length} tokens; the step continues "
+                               f"after {context_len}")
+        return st
+
+    def nbytes(self) -> int:
+        return sum(st.nbytes() for st in self.slots if st is not None)
+
+
 class DeepseekV4ForCausalLM(nn.Module):
     """DeepSeek-V4 over per-sequence states: ``forward(input_ids, state)`` computes a step of one sequence."""
 
@@ -631,6 +661,16 @@ class DeepseekV4ForCausalLM(nn.Module):
             streams = layer(streams, input_ids, positions, st)
         state.length += int(input_ids.shape[0])
         return self.model.norm(self.model.hc_head(streams))
+
+    def forward_batch(self, batch: ForwardBatch, states: V4StateCache) -> torch.Tensor:
+        """Hidden states ``[T, d]`` of an engine step (``ForwardBatch``: any mix of prompts, chunks and decodes,
+        each sequence with its state slot), each sequence computed over its own slot's state."""
+        if batch.state_slots is None:
+            raise ValueError("a deepseek_v4 step needs each sequence's state slot (ForwardBatch.state_slots)")
+        starts = batch.query_start_loc.tolist()
+        outs = [self(batch.input_ids[starts[b]:starts[b] + q], states.state(slot, ctx))
+                for b, (q, ctx, slot) in enumerate(zip(batch.query_lens, batch.context_lens_list, batch.state_slots))]
+        return torch.cat(outs)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -792,4 +832,4 @@ def state_bytes(cfg: V4Config, tokens: int, dtype_bytes: int = 4) -> int:
     return total
 
 
-__all__ = ["DeepseekV4ForCausalLM", "V4Config", "V4SequenceState", "load_deepseek_v4"]
+__all__ = ["DeepseekV4ForCausalLM", "V4Config", "V4SequenceState", "V4StateCache", "load_deepseek_v4"]
