@@ -18,12 +18,12 @@ import ast
 from pathlib import Path
 
 # the functions one linear call can pass through, by file: cpu_gemm's dispatch and each format's product
+# (every weight format's ``matmul`` under mla_runtime/layers, found by name, so a new format is counted too)
 LINEAR_FUNCTIONS = {
     "mla_runtime/layers/cpu_gemm.py": ("linear", "matmul", "torch_product"),
-    "mla_runtime/layers/quantization.py": ("matmul",),
-    "mla_runtime/layers/int4.py": ("matmul",),
-    "mla_runtime/layers/fp8.py": ("matmul",),
-    "mla_runtime/layers/bf16.py": ("matmul",),
+    **{f"mla_runtime/layers/{p.name}": ("matmul",)
+       for p in sorted((Path(__file__).resolve().parent.parent / "mla_runtime" / "layers").glob("*.py"))
+       if p.name != "cpu_gemm.py" and "def matmul(" in p.read_text()},
 }
 # calls that ask the machine (a probe) or the process's mode
 PROBES = {"failure", "gemm_mode", "row_kernel_failure", "amx_failure", "gemm_choice", "quantized_bf16_rows",

@@ -6,6 +6,9 @@ their sources are ``csrc/*.c`` and ``csrc/ops/cpu_kernels.cpp``):
   float32 row scales (rows rounded to int16), block-FP8 with its block scales and group-wise int4 (ggml's Q4_0
   numbers: ``mla_kernels.int4_format``; rows rounded to int8 per group of 32), any number of rows, ``max_rows`` a
   pass. Each runs an AVX2 or an AVX-512 variant, chosen at run time (``variants``; int8 and int4 with the same bits);
+- ``linear_int4(x, w, scales, zeros=None, group=32, variant="auto")``: the int4 product with a stored checkpoint's
+  layout: a float16 scale per group of 32, 64 or 128 values and, for asymmetric groups, a byte zero point per group
+  (``csrc/gemv_int4.c``; the same variants, the same bits as ``linear`` for symmetric groups of 32);
 - ``dense_linear(x, plain, operand, tiles, bias, rows, onednn)``: the one product of a float weight prepared once
   (``mla_runtime.layers.cpu_gemm.PackedWeight``), choosing by the count of rows between ``linear``, ATen's, AMX
   tiles and oneDNN's (called through the dispatcher) on the weight's prepared layouts;
@@ -89,6 +92,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = 
            block: tuple[int, ...] = (), variant: str = "auto", bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x · Wᵀ (+ bias)`` in float32 for 1 to ``max_rows(weight.dtype)`` rows ``x [..., K]`` (module docstring)."""
     y = ops().linear(x, weight, scales, list(block), variant)
+    return y if bias is None else y.add_(bias)
+
+
+def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
+                group: int = 32, *, variant: str = "auto", bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x · Wᵀ (+ bias)`` in float32 for any number of rows ``x [..., K]`` and a group-wise int4 weight: the nibbles
+    of ``int4_format.pack_int4``, a float16 scale per ``group`` (32, 64, 128) values of a row and, for asymmetric
+    groups, uint8 ``zeros`` in [0, 16] (``W = scale * (nibble - zero)``; none: 8, the symmetric format)."""
+    y = ops().linear_int4(x, packed, scales, zeros, group, variant)
     return y if bias is None else y.add_(bias)
 
 

@@ -6,6 +6,8 @@ The manifest of a checkpoint folder is, in order:
 2. else a ``SHA256SUMS`` file in the folder (``sha256sum`` format: ``<hex>  <name>`` per line), written by
    ``mla-runtime hash PATH``.
 
+A GGUF model's weight files are its ``.gguf`` file or split parts, and its manifest the ``SHA256SUMS`` of their folder.
+
 ``verify`` hashes every ``*.safetensors`` file and raises ``WeightsMismatch`` naming the first file whose
 digest differs from the manifest (or that the manifest lacks). ``fingerprint`` folds the manifest into 16 hex
 digits: two folders with the same fingerprint hold the same weights, so a rollback shows in the start-up log
@@ -39,7 +41,17 @@ def sha256_file(path: Path) -> str:
 
 
 def weight_files(folder: Path) -> list[Path]:
-    return sorted(folder.glob("*.safetensors"))
+    """The ``*.safetensors`` files of a checkpoint folder, or the file(s) of a GGUF model (``gguf_meta.gguf_files``:
+    a ``.gguf`` file, its split parts, or a folder holding one)."""
+    from mla_runtime.gguf_meta import gguf_files
+
+    gguf = gguf_files(folder)
+    return gguf if gguf is not None else sorted(folder.glob("*.safetensors"))
+
+
+def manifest_path(path: Path) -> Path:
+    """Where the manifest of a checkpoint folder (or of a GGUF file: its folder's) lies."""
+    return (path.parent if path.is_file() else path) / MANIFEST
 
 
 def hub_manifest(folder: Path) -> dict[str, str] | None:
@@ -60,7 +72,7 @@ def read_manifest(folder: Path) -> tuple[dict[str, str], str] | None:
     hub = hub_manifest(folder)
     if hub is not None:
         return hub, "the hub's LFS hashes"
-    path = folder / MANIFEST
+    path = manifest_path(folder)
     if not path.is_file():
         return None
     out = {}
@@ -114,25 +126,29 @@ def manifest_fingerprint(folder: str | Path) -> str | None:
 
 
 def write_manifest(folder: str | Path) -> Path:
-    """Hash every ``*.safetensors`` file of ``folder`` into ``folder/SHA256SUMS``."""
+    """Hash every ``*.safetensors`` file of ``folder`` (or the GGUF file(s) it names) into the folder's
+    ``SHA256SUMS``; the lines of other files already there (another GGUF model of the folder) are kept."""
     folder = Path(folder)
     files = weight_files(folder)
     if not files:
         raise ValueError(f"{folder}: no *.safetensors files to hash")
-    path = folder / MANIFEST
-    path.write_text("".join(f"{sha256_file(f)}  {f.name}\n" for f in files))
+    path = manifest_path(folder)
+    old = read_manifest(folder) if path.is_file() else None
+    lines = {} if old is None else dict(old[0])
+    lines.update({f.name: sha256_file(f) for f in files})
+    path.write_text("".join(f"{digest}  {name}\n" for name, digest in sorted(lines.items())))
     return path
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "mla-runtime hash") -> int:
     p = argparse.ArgumentParser(prog=prog, description="Write a checkpoint folder's sha256 manifest (SHA256SUMS), "
                                                        "which `serve --verify-weights` checks before loading.")
-    p.add_argument("path", help="checkpoint folder with *.safetensors files")
+    p.add_argument("path", help="checkpoint folder with *.safetensors files, or a GGUF file")
     p.add_argument("--check", action="store_true", help="verify the files against the existing manifest instead")
     args = p.parse_args(argv)
     folder = Path(args.path).expanduser()
-    if not folder.is_dir():
-        print(f"{prog}: error: {folder} is not a folder", file=sys.stderr)
+    if not folder.is_dir() and not folder.is_file():
+        print(f"{prog}: error: {folder} is not a folder or a file", file=sys.stderr)
         return 2
     try:
         if args.check:

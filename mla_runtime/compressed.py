@@ -5,19 +5,23 @@ Two weight-only schemes map onto the runtime's formats; their tensors load as st
 
 - ``int8``: format ``int-quantized``; weights int, 8 bits, symmetric, strategy ``channel``. A matrix ``X`` is
   ``X.weight`` (int8 ``[N, K]``) and ``X.weight_scale`` (``[N, 1]``).
-- ``int4``: format ``pack-quantized``; weights int, 4 bits, symmetric, strategy ``group`` of 32. A matrix ``X`` is
-  ``X.weight_packed`` (int32 ``[N, K/8]``), ``X.weight_scale`` (``[N, K/32]``) and ``X.weight_shape``.
+- ``int4``: format ``pack-quantized``; weights int, 4 bits, strategy ``group`` of 32, 64 or 128, symmetric or with
+  zero points. A matrix ``X`` is ``X.weight_packed`` (int32 ``[N, K/8]``), ``X.weight_scale`` (``[N, K/g]``) and
+  ``X.weight_shape`` (with ``X.weight_zero_point`` and ``X.weight_g_idx`` where it has them): ``stored_int4``
+  reads it, as it reads AWQ's and GPTQ's int4 layouts.
 
 The int8 scales are held in bfloat16 (the type the int8 kernels take), so a float32 scale is rounded to 8 significant
-bits; every other stored value is used as it is.
+bits; int4 scales in float16; every other stored value is used as it is.
 
-Anything else in a checkpoint's ``quantization_config`` (activation quantisation, asymmetric weights, other group
-sizes or bit widths, float formats) is refused at load with an error naming it. Matrices the checkpoint leaves
-unquantised (its ``ignore`` list) are quantised by the runtime while loading, as it does for any checkpoint.
+Anything else in a checkpoint's ``quantization_config`` (activation quantisation, other group sizes or bit widths,
+asymmetric int8, float formats) is refused at load with an error naming it. An lm_head the checkpoint leaves
+unquantised loads as stored; other matrices its ``ignore`` list leaves unquantised are quantised by the runtime while
+loading, as it does for any checkpoint.
 
 ``mla-runtime quantize --model SRC --quantization int8|int4 --out DIR`` writes one from any checkpoint the runtime
 loads (bfloat16, float32, FP8 blocks): the matrices it quantises (every attention projection except ``kv_b_proj``,
-the MLPs and experts, an untied lm_head) in the scheme above, everything else as stored (FP8 ones dequantised to
+the MLPs and experts, an untied lm_head) in the runtime's own scheme (int4: symmetric groups of 32), everything
+else as stored (FP8 ones dequantised to
 bfloat16), one shard per decoder layer, with the permissions ``open`` gives a new file (0o644 under umask 022), and
 the tokenizer, chat-template, generation and MTP draft-vocabulary (``speculative_token_map.json``) files copied.
 """
@@ -35,24 +39,39 @@ from typing import Any
 
 import torch
 
-from mla_runtime.config import INT4_GROUP, SCHEMES
+from mla_runtime.config import INT4_GROUP, SCHEMES, Int4Layout
 from mla_runtime.layers.int4 import Int4Weight
 from mla_runtime.layers.quantization import Int8Weight
 from mla_runtime.layers.qweight import QuantizedWeight
+from mla_runtime.stored_int4 import int4_names, int4_shape, read_int4
 from mla_runtime.token_map import MAP_FILE
 
+CT_INT4 = Int4Layout("compressed-tensors", INT4_GROUP, True)  # the int4 layout ``mla-runtime quantize`` writes
 
-def stored_names(name: str, quantization: str) -> list[str]:
-    """The tensors a compressed matrix ``<base>.weight`` is stored as."""
+
+def stored_names(name: str, quantization: str, layout: Int4Layout | None = None) -> list[str]:
+    """The tensors a stored matrix ``<base>.weight`` may be stored as (``layout``: an int4 checkpoint's)."""
     base = name[: -len("weight")]
     if quantization == "int4":
-        return [base + "weight_packed", base + "weight_scale", base + "weight_shape"]
+        return int4_names(base, layout or CT_INT4)[1]
     return [name, base + "weight_scale"]
 
 
-def is_stored_compressed(name: str, files: Collection[str], quantization: str) -> bool:
-    """Whether ``<base>.weight`` is stored compressed in a checkpoint holding ``files`` (else as a float tensor)."""
-    return name.endswith(".weight") and stored_names(name, quantization)[1] in files
+def is_stored_compressed(name: str, files: Collection[str], quantization: str,
+                         layout: Int4Layout | None = None) -> bool:
+    """Whether ``<base>.weight`` is stored quantised in a checkpoint holding ``files`` (else as a float tensor)."""
+    if not name.endswith(".weight"):
+        return False
+    base = name[: -len("weight")]
+    marker = int4_names(base, layout or CT_INT4)[0] if quantization == "int4" else base + "weight_scale"
+    return marker in files
+
+
+def stored_shape(reader: Any, name: str, quantization: str, layout: Int4Layout | None = None) -> list[int]:
+    """``[N, K]`` of a stored matrix ``<base>.weight``."""
+    if quantization == "int4":
+        return int4_shape(reader, name[: -len("weight")], layout or CT_INT4)
+    return list(reader.shape(name))
 
 
 def quantization_config(quantization: str, ignore: list[str]) -> dict[str, Any]:
@@ -92,46 +111,19 @@ def compress(weight: QuantizedWeight) -> dict[str, torch.Tensor]:
     return dict(compressor.compress(state, QuantizationScheme(targets=["Linear"], weights=args)))
 
 
-STORED_CHUNK_ROWS = 4096  # a stored int4 matrix is unpacked this many rows at a time (the library widens to int32)
-
-
 def read_stored(reader: Any, name: str, quantization: str, shard: tuple[int, int, int, int] | None,
-                dtype: torch.dtype, device: torch.device) -> Iterator[tuple[int, QuantizedWeight]]:
+                dtype: torch.dtype, device: torch.device,
+                layout: Int4Layout | None = None) -> Iterator[tuple[int, QuantizedWeight]]:
     """(first row, rows) of the matrix ``<base>.weight`` as stored (this rank's part of it: ``shard`` on the rows, or
     on the columns at group boundaries), made into the runtime's format without re-quantising; an int4 matrix in
-    blocks of ``STORED_CHUNK_ROWS`` rows, read and unpacked one at a time."""
+    blocks of rows (``stored_int4.read_int4``), read and converted one at a time."""
     base = name[: -len("weight")]
     if quantization == "int8":
         q = reader.stored(name, shard)
         scale = reader.get(base + "weight_scale", shard if shard is not None and shard[0] == 0 else None)
         yield 0, Int8Weight(q.to(device).contiguous(), scale.reshape(-1).to(device, torch.bfloat16), dtype)
         return
-    n, k = (int(v) for v in reader.get(base + "weight_shape").tolist())
-    rows = (0, n) if shard is None or shard[0] != 0 else (shard[1], shard[2])
-    cols = (0, k) if shard is None or shard[0] == 0 else (shard[1], shard[2])
-    if cols[0] % INT4_GROUP or (cols[1] % INT4_GROUP and cols[1] != k):
-        raise ValueError(f"{base}weight_packed: this rank's columns {cols} do not start and end on groups of "
-                         f"{INT4_GROUP}")
-    for a in range(rows[0], rows[1], STORED_CHUNK_ROWS):
-        b = min(rows[1], a + STORED_CHUNK_ROWS)
-        packed = reader.get(base + "weight_packed", (0, a, b, n))
-        scale = reader.get(base + "weight_scale", (0, a, b, n))
-        if k % INT4_GROUP == 0 and sys.byteorder == "little":  # the nibbles moved as bytes, no widening
-            lo, hi = cols[0] // 8, cols[1] // 8
-            words = packed if (lo, hi) == (0, k // 8) else packed[:, lo:hi]
-            scale = scale[:, cols[0] // INT4_GROUP: cols[1] // INT4_GROUP]
-            yield a - rows[0], Int4Weight.from_words(words.to(device), scale.to(device).contiguous(),
-                                                     cols[1] - cols[0], dtype)
-            continue
-        # elsewhere the library unpacks (imported only here: importing it takes seconds)
-        from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-
-        q = unpack_from_int32(packed, 4, torch.Size((b - a, k)))
-        if cols != (0, k):
-            q = q[:, cols[0]:cols[1]]
-            scale = scale[:, cols[0] // INT4_GROUP: -(-cols[1] // INT4_GROUP)]
-        yield a - rows[0], Int4Weight.from_int(q.to(device).contiguous(), scale.to(device).contiguous(), dtype)
-        del q, packed
+    yield from read_int4(reader, name, layout or CT_INT4, shard, dtype, device)
 
 
 # -- writing ------------------------------------------------------------------------------------------------------
@@ -158,7 +150,7 @@ def write_quantized_checkpoint(src: str | Path, out: str | Path, quantization: s
     from mla_runtime.config import ModelConfig
     from mla_runtime.layers.quantization import quantized_parameter_names
     from mla_runtime.loader import _Reader, checkpoint_files, checkpoint_layout
-    from mla_runtime.models.deepseek import DeepseekForCausalLM
+    from mla_runtime.models.hybrid import causal_lm
     from mla_runtime.resolved_config import ResolvedConfig
 
     if quantization not in SCHEMES:
@@ -171,7 +163,7 @@ def write_quantized_checkpoint(src: str | Path, out: str | Path, quantization: s
     out.mkdir(parents=True, exist_ok=True)
     files = checkpoint_files(src)
     with torch.device("meta"):
-        model = DeepseekForCausalLM(ResolvedConfig(cfg, torch.float32, num_mtp_layers=cfg.num_nextn_predict_layers))
+        model = causal_lm(ResolvedConfig(cfg, torch.float32, num_mtp_layers=cfg.num_nextn_predict_layers))
     products = set(quantized_parameter_names(model))
     table = checkpoint_layout(cfg, num_mtp_layers=cfg.num_nextn_predict_layers)
     reader = _Reader(files)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -263,7 +264,9 @@ class ModelConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     moe: MoEConfig | None = None
     fp8_block_size: tuple[int, int] | None = None  # set for FP8 block-quantised checkpoints
-    stored_quantization: str | None = None  # "int8"/"int4": a pre-quantised (compressed-tensors) checkpoint
+    stored_quantization: str | None = None  # "int8"/"int4": a pre-quantised checkpoint (``stored_layout``: int4's)
+    stored_layout: Int4Layout | None = None  # how a pre-quantised int4 checkpoint stores its matrices
+    stored_float_head: bool = False  # a pre-quantised checkpoint whose (untied) lm_head is stored unquantised
     num_nextn_predict_layers: int = 0
     # µP (MiniCPM3): the embeddings are multiplied by ``embedding_scale``, each residual branch (attention, MLP) by
     # ``residual_scale`` before it is added, and the final hidden state divided by ``lm_head_divisor`` before lm_head
@@ -303,6 +306,9 @@ class ModelConfig:
     # Ling's MLA: each head's attention output times ``sigmoid(g_proj(x))`` (one gate per head, from the layer's
     # input) before o_proj
     attention_head_gate: bool = False
+    # a GGUF file: the bits per weight of each product parameter (by model name) it stores quantised, which load as
+    # stored (``gguf_meta.stored_bits``); the planner counts them so
+    stored_bits: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
@@ -479,6 +485,12 @@ def resolve_model_path(path: str | Path) -> Path:
 
 
 def load_config_dict(path: str | Path) -> dict[str, Any]:
+    """The ``config.json`` of a checkpoint folder (or the file, or a preset), or the one a GGUF model's metadata
+    describes (``gguf_meta.config_dict``)."""
+    from mla_runtime.gguf_meta import config_dict, gguf_files
+
+    if gguf_files(path) is not None:
+        return config_dict(path)
     cfg_file = resolve_model_path(path)
     try:
         return json.loads(cfg_file.read_text())
@@ -567,21 +579,59 @@ def _parse_moe(raw: dict[str, Any], family: str) -> MoEConfig | None:
     )
 
 
-# -- pre-quantised (compressed-tensors) checkpoints: the schemes the runtime runs as stored (``compressed``) -------
+# -- pre-quantised checkpoints: the schemes the runtime runs as stored (``compressed``, ``stored_int4``) -------------
 INT4_GROUP = 32
+INT4_GROUPS = (32, 64, 128)  # the int4 group widths a checkpoint may store
 SCHEMES = {"int8": ("int-quantized", 8, "channel", None), "int4": ("pack-quantized", 4, "group", INT4_GROUP)}
+INT4_METHODS = ("compressed-tensors", "awq", "gptq")  # the quant_method values of int4 checkpoints loaded as stored
 
 
 class UnsupportedScheme(ValueError):
-    """A compressed-tensors checkpoint whose scheme the runtime cannot run as stored."""
+    """A pre-quantised checkpoint whose scheme the runtime cannot run as stored."""
+
+
+@dataclass(frozen=True)
+class Int4Layout:
+    """How a pre-quantised int4 checkpoint stores a matrix: ``method`` (``compressed-tensors``' pack-quantized, AWQ's
+    GEMM layout, GPTQ's), a scale per ``group`` values of a row, zero points unless ``symmetric``, GPTQ's
+    ``zero_offset`` (1 in its original ``gptq`` format, whose stored zeros are one less than they mean)."""
+
+    method: str
+    group: int
+    symmetric: bool
+    zero_offset: int = 0
 
 
 @dataclass(frozen=True)
 class StoredScheme:
-    """What a compressed-tensors checkpoint stores: ``quantization`` (``int8``/``int4``) and its format name."""
+    """What a pre-quantised checkpoint stores: ``quantization`` (``int8``/``int4``), its format name and, for int4,
+    its ``layout``."""
 
     quantization: str
     format: str
+    layout: Int4Layout | None = None
+    float_head: bool = False  # the checkpoint leaves lm_head unquantised
+
+
+def _int4_group(where: str, group: Any) -> int:
+    if group not in INT4_GROUPS:
+        raise UnsupportedScheme(f"{where}: group_size={group} is not supported for 4-bit weights (supported: "
+                                f"{', '.join(map(str, INT4_GROUPS))})")
+    return int(group)
+
+
+def _weights_scheme(name: str, w: dict[str, Any]) -> tuple[str, Int4Layout | None]:
+    """The runtime format of one compressed-tensors weight scheme."""
+    kind = (w.get("type"), w.get("num_bits"), w.get("strategy"), w.get("group_size"), w.get("symmetric", True))
+    where = f"quantization_config.config_groups.{name}.weights"
+    if kind[:3] == ("int", 8, "channel") and kind[4]:
+        return "int8", None
+    if kind[:3] == ("int", 4, "group"):
+        return "int4", Int4Layout("compressed-tensors", _int4_group(where, kind[3]), bool(kind[4]))
+    raise UnsupportedScheme(
+        f"{where}: type={kind[0]} num_bits={kind[1]} strategy={kind[2]} group_size={kind[3]} symmetric={kind[4]} is "
+        f"not supported (supported: int 8-bit symmetric channel, or int 4-bit group of "
+        f"{', '.join(map(str, INT4_GROUPS))}, symmetric or with zero points)")
 
 
 def parse_quantization_config(q: dict[str, Any]) -> StoredScheme:
@@ -599,41 +649,70 @@ def parse_quantization_config(q: dict[str, Any]) -> StoredScheme:
             if group.get(part):
                 raise UnsupportedScheme(f"quantization_config.config_groups.{name}.{part}: activation quantisation "
                                         f"is not supported (weight-only int8 and int4 checkpoints are)")
-        w = group.get("weights") or {}
-        kind = (w.get("type"), w.get("num_bits"), w.get("strategy"), w.get("group_size"), w.get("symmetric", True))
-        match = [k for k, (_, bits, strategy, size) in SCHEMES.items()
-                 if kind[:3] == ("int", bits, strategy) and (size is None or kind[3] == size) and kind[4]]
-        if not match:
-            raise UnsupportedScheme(
-                f"quantization_config.config_groups.{name}.weights: type={kind[0]} num_bits={kind[1]} "
-                f"strategy={kind[2]} group_size={kind[3]} symmetric={kind[4]} is not supported (supported: "
-                f"int 8-bit symmetric channel, or int 4-bit symmetric group of {INT4_GROUP})")
-        found.add(match[0])
+        found.add(_weights_scheme(name, group.get("weights") or {}))
     if len(found) != 1:
-        raise UnsupportedScheme(f"quantization_config: config_groups mix {sorted(found)}; one scheme is supported")
-    quantization = found.pop()
+        raise UnsupportedScheme(f"quantization_config: config_groups mix {sorted(map(str, found))}; one scheme is "
+                                f"supported")
+    quantization, layout = found.pop()
     if fmt not in (SCHEMES[quantization][0], "naive-quantized" if quantization == "int8" else None):
         raise UnsupportedScheme(f"quantization_config.format {fmt!r} is not supported for {quantization} weights "
                                 f"(use {SCHEMES[quantization][0]!r})")
-    return StoredScheme(quantization, str(fmt))
+    ignored = [str(i) for i in q.get("ignore") or ()]
+    head = any(i == "lm_head" or (i.startswith("re:") and re.fullmatch(i[3:], "lm_head")) for i in ignored)
+    return StoredScheme(quantization, str(fmt), layout, head)
 
 
-def _parse_stored_quantization(raw: dict[str, Any]) -> str | None:
-    """``int8``/``int4`` for a compressed-tensors checkpoint (``compressed``), None for any other."""
+def _first(q: dict[str, Any], *keys: str) -> Any:
+    return next((q[k] for k in keys if q.get(k) is not None), None)
+
+
+def parse_awq_gptq_config(q: dict[str, Any]) -> StoredScheme:
+    """The int4 layout of an AWQ (``quant_method: awq``, GEMM version) or GPTQ (``quant_method: gptq``)
+    ``quantization_config``, or ``UnsupportedScheme`` naming the parameter the runtime cannot run as stored."""
+    method = str(q.get("quant_method"))
+    where = f"quantization_config ({method})"
+    bits = _first(q, "bits", "w_bit")
+    if bits != 4:
+        raise UnsupportedScheme(f"{where}: bits={bits} is not supported (4-bit weights are)")
+    group = _int4_group(where, _first(q, "group_size", "q_group_size"))
+    if method == "awq":
+        version = str(q.get("version") or "gemm").lower()
+        if version != "gemm":
+            raise UnsupportedScheme(f"{where}: version={version!r} is not supported (AWQ's 'gemm' layout is)")
+        if not q.get("zero_point", True):
+            raise UnsupportedScheme(f"{where}: zero_point=false is not supported (AWQ with zero points is)")
+        return StoredScheme("int4", "awq", Int4Layout("awq", group, False), True)
+    fmt = str(q.get("checkpoint_format") or "gptq")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise UnsupportedScheme(f"{where}: checkpoint_format={fmt!r} is not supported ('gptq' and 'gptq_v2' are)")
+    pack = q.get("pack_dtype", "int32")
+    if str(pack).removeprefix("torch.") != "int32":
+        raise UnsupportedScheme(f"{where}: pack_dtype={pack!r} is not supported (int32 is)")
+    layout = Int4Layout("gptq", group, bool(q.get("sym", True)), 1 if fmt == "gptq" else 0)
+    return StoredScheme("int4", fmt, layout, not q.get("lm_head", False))
+
+
+def _stored_scheme(raw: dict[str, Any]) -> StoredScheme | None:
+    """The scheme of a pre-quantised checkpoint (compressed-tensors, AWQ, GPTQ), None for any other."""
     q = raw.get("quantization_config")
-    if not q or q.get("quant_method") != "compressed-tensors":
+    if not q:
         return None
-    return parse_quantization_config(q).quantization
+    method = q.get("quant_method")
+    if method == "compressed-tensors":
+        return parse_quantization_config(q)
+    if method in ("awq", "gptq"):
+        return parse_awq_gptq_config(q)
+    return None
 
 
 def _parse_fp8(raw: dict[str, Any]) -> tuple[int, int] | None:
     q = raw.get("quantization_config")
-    if not q or q.get("quant_method") == "compressed-tensors":
+    if not q or q.get("quant_method") in INT4_METHODS:
         return None
     method = q.get("quant_method")
     if method != "fp8":
-        raise ValueError(f"quantization_config.quant_method: block 'fp8' and 'compressed-tensors' (int8, int4) are "
-                         f"supported, got {method!r}")
+        raise ValueError(f"quantization_config.quant_method: block 'fp8', 'compressed-tensors' (int8, int4), 'awq' "
+                         f"and 'gptq' (int4) are supported, got {method!r}")
     block = q.get("weight_block_size") or [128, 128]
     if len(block) != 2 or min(block) < 1:
         raise ValueError(f"quantization_config.weight_block_size must be two positive ints, got {block}")
@@ -650,6 +729,7 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
             and moe.topk_method not in ("noaux_tc", "greedy"):
         raise ValueError(f"topk_method {moe.topk_method!r} is not valid with sigmoid scoring (use 'noaux_tc')")
     dtype = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
+    stored = _stored_scheme(raw)
     return ModelConfig(
         family=family,
         model_type=str(raw.get("model_type", family)),
@@ -675,7 +755,9 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         rope=_parse_rope(raw, family),
         moe=moe,
         fp8_block_size=_parse_fp8(raw),
-        stored_quantization=_parse_stored_quantization(raw),
+        stored_quantization=None if stored is None else stored.quantization,
+        stored_layout=None if stored is None else stored.layout,
+        stored_float_head=stored is not None and stored.float_head,
         num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
         embedding_scale=float(raw.get("embedding_scale", 1.0)),
         residual_scale=float(raw.get("residual_scale", 1.0)),
@@ -694,6 +776,7 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         logit_softcap=float(raw.get("logit_softcap") or 0.0),
         linear_attention=_parse_linear_attention(raw),
         attention_head_gate=bool(raw.get("attention_head_gate", False)),
+        stored_bits=tuple(sorted((str(k), float(v)) for k, v in (raw.get("gguf_stored_bits") or {}).items())),
     )
 
 

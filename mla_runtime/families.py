@@ -613,7 +613,8 @@ def _bailing_hybrid(raw: Raw) -> Raw:
         out["rope_parameters"] = {"rope_type": "default", "rope_theta": out["rope_theta"]}
     return {**out, **V3_ROUTER, "moe_layers": _hybrid_mlp_kinds("bailing_hybrid", out, layers, 2),
             "first_k_dense_replace": 0, "rope_interleave": True, "latent_norm_eps": REFERENCE_NORM_EPS,
-            "attention_head_gate": True, "linear_layers": _hybrid_layer_kinds("bailing_hybrid", kinds, layers),
+            "num_nextn_predict_layers": 0, "attention_head_gate": True,
+            "linear_layers": _hybrid_layer_kinds("bailing_hybrid", kinds, layers),
             "linear_num_heads": out.get("linear_num_heads") or out["num_attention_heads"],
             "linear_head_dim": out.get("linear_head_dim") or out["head_dim"],
             "linear_conv_kernel": out.get("linear_conv_kernel_dim") or out["short_conv_kernel_size"],

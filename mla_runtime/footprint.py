@@ -21,10 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from mla_runtime.config import ModelConfig
+from mla_runtime.config import Int4Layout, ModelConfig
 from mla_runtime.dtypes import dtype_name, resolve_model_dtype
 from mla_runtime.kernel_plan import CpuLayouts
 from mla_runtime.layers.fp8 import Fp8Weight
+from mla_runtime.layers.int4 import Int4Weight, layout_bytes
 from mla_runtime.layers.linear import Linear
 from mla_runtime.layers.mla import MLAttention
 from mla_runtime.layers.mlp import GatedMLP
@@ -262,14 +263,23 @@ class _Formats:
     extra: int  # a CPU's second layout of a float matrix, bytes a value
     row_scales: bool  # int8 matrices keep a float32 copy of their scales for the compiled row kernels
     bf16_blocked: bool  # bf16 matrices keep oneDNN's blocked copy
+    stored_bits: dict[str, float]  # a GGUF file's products kept as stored: bits per weight, by parameter
+    layout: Int4Layout | None = None  # a pre-quantised int4 checkpoint's groups (None: the runtime's own)
+    float_head: bool = False  # a pre-quantised checkpoint's lm_head, stored unquantised, loads so
 
     def of(self, param: Param) -> tuple[type[QuantizedWeight] | None, tuple[int, int] | None]:
         """The format ``param`` is held in (None: a float tensor) and its FP8 blocks."""
         if self.keeps_fp8 and param.kept:
             return Fp8Weight, self.fp8_block
-        if self.scheme is not None and param.product:
+        if self.scheme is not None and param.product and not (self.float_head and param.name == "lm_head"):
             return WEIGHT_FORMATS[self.scheme], None
         return None, None
+
+    def matrix_bytes(self, fmt: type[QuantizedWeight], rows: int, k: int, block: tuple[int, int] | None) -> int:
+        """A ``[rows, k]`` product's bytes in ``fmt`` (a stored int4 checkpoint's: its groups and zero points)."""
+        if fmt is Int4Weight and self.layout is not None:
+            return layout_bytes(rows, k, self.layout.group, not self.layout.symmetric)
+        return fmt.stored_bytes(rows, k, block)
 
 
 def _parameter_bytes(inv: Inventory, f: _Formats) -> tuple[int, int, int]:
@@ -277,13 +287,16 @@ def _parameter_bytes(inv: Inventory, f: _Formats) -> tuple[int, int, int]:
     layouts."""
     float_bytes = quantized = packed = 0
     for p in inv.params:
+        if p.name in f.stored_bits:  # a GGUF file's blocks: its bytes, this rank's part of them
+            quantized += math.ceil(p.numel * f.stored_bits[p.name] / 8)
+            continue
         fmt, block = f.of(p)
         if fmt is None:
             float_bytes += p.numel * (4 if p.float32 else f.element)
             if f.extra and p.pack:
                 packed += p.numel * (f.extra + (f.element if p.pack == "fused" else 0))
             continue
-        size = p.matrices * sum(fmt.stored_bytes(rows, p.shape[-1], block) for rows in p.parts)
+        size = p.matrices * sum(f.matrix_bytes(fmt, rows, p.shape[-1], block) for rows in p.parts)
         quantized += size * (2 if f.bf16_blocked else 1)
         packed += 4 * p.matrices * p.shape[-2] if f.row_scales else 0
     rows, hidden = inv.embedding
@@ -308,7 +321,9 @@ def weight_footprint(config: ModelConfig, dtype: str | torch.dtype = "auto", ten
       rank's part of them is whole blocks (``loader._weight_kinds``), each checkpoint tensor with its own blocks; the
       rest load dequantised. A tied
       lm_head gets a quantised copy (the embedding stays). A pre-quantised checkpoint (``config.stored_quantization``)
-      counts in its format.
+      counts in its format (an int4 one with its groups and zero points, ``config.stored_layout``, and an lm_head
+      it stores unquantised in the model dtype; not counted: an act-order matrix's input order, 8 bytes an input,
+      and the runtime's own int4 of products such a checkpoint leaves unquantised, counted in its layout).
     - Every other parameter as the model holds it: ``kv_b_proj``, the embedding, norms and biases in the model dtype,
       the MoE routers in float32; and per attention layer its absorbed factors' copies ``w_uk``/``w_uv_t``: bfloat16
       with ``quantization`` where the compiled CPU decode kernel runs (a float32 model on a CPU that builds it,
@@ -331,15 +346,19 @@ def weight_footprint(config: ModelConfig, dtype: str | torch.dtype = "auto", ten
         raise ValueError(f"cpu: layouts probed for {cpu.dtype} weights, not {model_dtype}")
     extra, row_kernels = (cpu.extra_bytes_per_element, cpu.row_kernels) if cpu is not None else (0, False)
     keeps = config.fp8_block_size is not None and scheme in (None, "fp8")
+    stored = config.stored_quantization is not None and scheme == config.stored_quantization
     formats = _Formats(scheme, keeps, config.fp8_block_size, model_dtype.itemsize, extra,
                        row_kernels and scheme == "int8",  # Int8Weight.row_scales: float32 scales for the row kernels
-                       cpu is not None and cpu.bf16_blocked and scheme == "bf16")  # Bf16Weight.native: a second copy
+                       cpu is not None and cpu.bf16_blocked and scheme == "bf16",  # Bf16Weight.native: a second copy
+                       dict(config.stored_bits), config.stored_layout if stored else None,
+                       stored and config.stored_float_head)
     inv = inventory(config, tp, num_mtp_layers)
     float_bytes, quantized, packed = _parameter_bytes(inv, formats)
     decode_kernel = row_kernels and model_dtype == torch.float32 and not (latent_cache_layout == "sharded" and tp > 1)
     absorbed_element = 2 if scheme is not None and decode_kernel else model_dtype.itemsize
     w_uk = 0 if inv.single_head and absorbed_element == model_dtype.itemsize else inv.w_uk
-    name = scheme or ("fp8 (checkpoint blocks)" if keeps else dtype_name(model_dtype))
+    name = scheme or ("fp8 (checkpoint blocks)" if keeps else "gguf (file blocks)" if config.stored_bits else
+                      dtype_name(model_dtype))
     return WeightFootprint(model_dtype, name, float_bytes, quantized, (w_uk + inv.w_uv) * absorbed_element, packed,
                            inv.largest_read_unkept if keeps else inv.largest_read)
 

@@ -7,8 +7,8 @@ the environment (``HF_TOKEN``) or ``hf auth login``. The cache location and offl
 environment at call time (``HF_HUB_CACHE``, else ``HF_HOME``/hub; ``HF_HUB_OFFLINE``; through ``env.py``), so
 they take effect even when ``huggingface_hub`` was imported before they were set.
 
-A local folder is returned unchanged. A preset name (``mla_runtime/model_configs/``) is a config without
-weights: an error here, usable only by the planner.
+A local folder, or a GGUF file (``gguf_meta``), is returned unchanged. A preset name (``mla_runtime/model_configs/``)
+is a config without weights: an error here, usable only by the planner.
 """
 
 from __future__ import annotations
@@ -56,13 +56,20 @@ def resolve_model(model: str, revision: str | None = None) -> str:
     path = Path(model).expanduser()
     if path.is_dir():
         return str(model)
+    if path.is_file():
+        from mla_runtime.gguf_meta import gguf_files
+
+        if gguf_files(path) is None:
+            raise ModelNotFoundError(f"model: {model!r} is a file but not a .gguf file (expected a checkpoint folder "
+                                     f"with config.json and *.safetensors, a GGUF file, or a hub repo id org/name)")
+        return str(model)
     if (PRESET_DIR / f"{model}.json").is_file():
         raise ModelNotFoundError(f"model: {model!r} is a preset (a config.json without weights, for "
                                  f"`mla-runtime plan`), not a checkpoint; pass a checkpoint folder or a hub "
                                  f"repo id (org/name)")
     if not is_repo_id(model):
         raise ModelNotFoundError(f"model: {model!r} does not exist (expected a checkpoint folder with config.json "
-                                 f"and *.safetensors, or a hub repo id org/name)")
+                                 f"and *.safetensors, a GGUF file, or a hub repo id org/name)")
     return download(model, revision)
 
 

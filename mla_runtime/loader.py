@@ -1,4 +1,4 @@
-"""Load a Hugging Face MLA checkpoint (``config.json`` + safetensors) into ``DeepseekForCausalLM``.
+"""Load a Hugging Face MLA checkpoint (``config.json`` + safetensors), or a GGUF file, into ``DeepseekForCausalLM``.
 
 - Single-file (``model.safetensors``) and sharded (``model.safetensors.index.json``) checkpoints.
 - Streamed: tensors are read one at a time into their final form (cast, quantised, sliced for this rank), so peak
@@ -22,6 +22,10 @@
   LeRoPE ``alpha`` whole.
 - A.X-K2's fused query and gate projection is stored as ``q_b_proj`` and loads into ``q_gate_proj`` (each rank its
   heads' rows); its gated norms' gates (``W_down``, ``W_up``) load into ``gate_down``/``gate_up``.
+- A GGUF model (llama.cpp's format: ``gguf_meta.gguf_files``) is read through ``gguf_reader.GgufTensors`` under the
+  same names: its float tensors as any checkpoint's, the products it stores quantised kept in its block types
+  (``STORED_GGUF``; ``STORED_Q4_0``: moved into the int4 format), the unsupported types refused before any weight is
+  read.
 - Every missing, unexpected or mis-shaped tensor is reported by name in one ``CheckpointError``.
 """
 
@@ -46,11 +50,13 @@ from safetensors import safe_open
 from torch import nn
 
 from mla_runtime import attention
-from mla_runtime.compressed import is_stored_compressed, read_stored, stored_names
+from mla_runtime.compressed import CT_INT4, is_stored_compressed, read_stored, stored_names, stored_shape
 from mla_runtime.config import ModelConfig
 from mla_runtime.dtypes import resolve_model_dtype
 from mla_runtime.errors import InvalidParam
 from mla_runtime.families import FAMILIES
+from mla_runtime.gguf_meta import gguf_files, open_gguf
+from mla_runtime.gguf_reader import STORED_GGUF, STORED_Q4_0, GgufTensors
 from mla_runtime.kernel_plan import OFF_CPU, kernel_plan, resolve_cpu_format
 from mla_runtime.layers.fp8 import Fp8Weight
 from mla_runtime.layers.quantization import (
@@ -66,6 +72,7 @@ from mla_runtime.models.deepseek import DeepseekForCausalLM
 from mla_runtime.models.hybrid import causal_lm
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 from mla_runtime.resolved_config import ResolvedConfig
+from mla_runtime.stored_int4 import shard_problem
 
 logger = logging.getLogger("mla_runtime")
 STORED_FP8 = "stored fp8"  # a product matrix kept in the FP8 blocks the checkpoint stores
@@ -485,14 +492,15 @@ CHUNK_ELEMENTS = 8 << 20  # a tensor is converted in row blocks of about this ma
 CHUNK_ROW_MULTIPLE = 128  # ... of a multiple of this many rows
 
 
-def _row_chunks(reader: _Reader, name: str, shard: tuple[int, int, int, int] | None, scale_name: str | None,
-                block: tuple[int, int] | None) -> Iterator[tuple[int, torch.Tensor]]:
+def _row_chunks(reader: _Reader | GgufTensors, name: str, shard: tuple[int, int, int, int] | None,
+                scale_name: str | None, block: tuple[int, int] | None) -> Iterator[tuple[int, torch.Tensor]]:
     """(first row, rows) of this rank's part of a checkpoint tensor, in blocks of about ``CHUNK_ELEMENTS`` values,
     each read (and FP8 blocks dequantised) on its own: converting a large tensor (an embedding, a head) never holds
     more than one block of it in a wider dtype. Tensors of more than two dimensions come whole."""
     shape = reader.shape(name)
     if len(shape) != 2 or (shard is not None and shard[0] != 0):
-        tensor = reader.get(name, shard) if scale_name is None else _dequantized(reader, name, scale_name, block, shard)
+        tensor = reader.get(name, shard) if scale_name is None else \
+            _dequantized(cast(_Reader, reader), name, scale_name, block, shard)
         yield 0, tensor
         return
     start, stop = (0, shape[0]) if shard is None else shard[1:3]
@@ -504,7 +512,7 @@ def _row_chunks(reader: _Reader, name: str, shard: tuple[int, int, int, int] | N
         b = min(stop, a + step)
         part = (0, a, b, shape[0])
         yield a - start, (reader.get(name, part) if scale_name is None
-                          else _dequantized(reader, name, scale_name, block, part))
+                          else _dequantized(cast(_Reader, reader), name, scale_name, block, part))
 
 
 def _dequantized(reader: _Reader, name: str, scale_name: str, block: tuple[int, int] | None,
@@ -579,6 +587,17 @@ def _weight_kinds(cfg: ModelConfig, table: dict[str, Slot | None], params: Mappi
     return kinds
 
 
+def _gguf_kinds(table: dict[str, Slot | None], reader: GgufTensors, product_names: list[str]) -> dict[str, str]:
+    """The products a GGUF file stores quantised, kept as stored (``gguf_reader.GgufTensors.stored_kind``); the ones
+    it stores in a float type load as any checkpoint's do."""
+    sources: dict[str, list[str]] = {n: [] for n in product_names}
+    for name, slot in table.items():
+        if slot is not None and slot.param in sources and name in reader.files:
+            sources[slot.param].append(name)
+    kinds = {param: reader.stored_kind(names) for param, names in sources.items() if names}
+    return {param: kind for param, kind in kinds.items() if kind is not None}
+
+
 def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str | None = None,
                  device: torch.device | None = None) -> None:
     """Fill ``model`` (this rank's shard of it, with its ``mtp`` layers) from the checkpoint at ``path``; raises
@@ -592,10 +611,11 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
     quantising the stacked matrix) and its row blocks stacked once complete."""
     path = Path(path)
     cfg = model.config
-    family = FAMILIES.get(cfg.model_type)
-    files, file_names = checkpoint_files(path), dict[str, str]()
-    if family is not None:
-        files, file_names = renamed_files(files, family.rename)
+    if device is None:
+        device = next((t.device for t in [*model.parameters(), *model.buffers()] if not t.is_meta),
+                      torch.device("cpu"))
+    reader = _open_reader(path, cfg, device)
+    files = reader.files
     if len(model.mtp):
         check_mtp_weights(cfg, files, path)
     fused = {int(m.group(1)) for n in files if (m := _FUSED_EXPERTS_RE.match(n))}
@@ -603,20 +623,25 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
     if cfg.moe is not None and cfg.moe.correction_bias == "optional":  # absent: the router's zeros stay
         table = {n: s for n, s in table.items() if n in files or not n.endswith(".e_score_correction_bias")}
     params = dict(model.named_parameters())
-    if device is None:
-        device = next((t.device for t in [*model.parameters(), *model.buffers()] if not t.is_meta),
-                      torch.device("cpu"))
-    reader = _Reader(files, device, file_names)
     stored = cfg.stored_quantization  # a pre-quantised checkpoint: its matrices load as stored
     if stored is not None:
         if quantization not in (None, stored):
             raise InvalidParam("quantization", f"{path} is stored quantised to {stored}; quantization={quantization!r} "
                                f"would quantise it again: load it as stored, or quantise the original checkpoint")
         quantization = stored
-    compressed = {n for n in table if stored is not None and is_stored_compressed(n, files.keys(), stored)}
+    layout = cfg.stored_layout
+    compressed = {n for n in table if stored is not None and is_stored_compressed(n, files.keys(), stored, layout)}
     scale_names = {n for n in files if n.endswith(".weight_scale_inv")}
     _check_checkpoint(path, cfg, table, params, reader, compressed, scale_names)
-    kinds = _weight_kinds(cfg, table, params, quantization, scale_names, quantized_parameter_names(model))
+    if stored == "int4":
+        _check_int4_shards(path, cfg, table, compressed)
+    products = quantized_parameter_names(model)
+    if stored is not None:  # an lm_head the checkpoint left unquantised loads as stored (ModelConfig.stored_float_head)
+        stored_params = {slot.param for n, slot in table.items() if slot is not None and n in compressed}
+        products = [p for p in products if p != "lm_head" or p in stored_params]
+    kinds = _weight_kinds(cfg, table, params, quantization, scale_names, products)
+    if isinstance(reader, GgufTensors):
+        kinds.update(_gguf_kinds(table, reader, products))
     _allocate_float_parameters(model, table, kinds, device)
     matrices = _QuantizedMatrices({n: params[n].shape for n in kinds})
     _fill(model, table, kinds, reader, matrices, _Sources(quantization, compressed, scale_names, device))
@@ -630,13 +655,35 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
         raise CheckpointError(f"{path}: nothing loaded into {', '.join(left[:5])}")
 
 
+def _open_reader(path: Path, cfg: ModelConfig, device: torch.device) -> _Reader | GgufTensors:
+    """The checkpoint's tensors by name: a GGUF file through llama.cpp's names (its types checked before any weight is
+    read), else the safetensors files, renamed by the model's family."""
+    if gguf_files(path) is not None:
+        return GgufTensors(open_gguf(path), device)
+    family = FAMILIES.get(cfg.model_type)
+    files, file_names = checkpoint_files(path), dict[str, str]()
+    if family is not None:
+        files, file_names = renamed_files(files, family.rename)
+    return _Reader(files, device, file_names)
+
+
+def _check_int4_shards(path: Path, cfg: ModelConfig, table: dict[str, Any], compressed: set[str]) -> None:
+    """Before any weight is read: this rank's part of each stored int4 matrix is whole groups (and whole packed
+    words), else a ``CheckpointError`` naming every matrix a ``tensor_parallel_size`` would split."""
+    layout = cfg.stored_layout or CT_INT4
+    problems = [p for n in sorted(compressed)
+                if table[n] is not None and (p := shard_problem(n, layout, table[n].shard)) is not None]
+    if problems:
+        raise CheckpointError(f"{path}: tensor parallelism would split stored int4 groups:\n  " + "\n  ".join(problems))
+
+
 def _check_checkpoint(path: Path, cfg: ModelConfig, table: dict[str, Any], params: dict[str, nn.Parameter],
-                      reader: _Reader, compressed: set[str], scale_names: set[str]) -> None:
+                      reader: _Reader | GgufTensors, compressed: set[str], scale_names: set[str]) -> None:
     """Every problem of the checkpoint against the model's layout (``table``) in one ``CheckpointError``: tensors
     missing, unexpected or of another shape, FP8 scales without a block size."""
     stored = cfg.stored_quantization
     files = reader.files
-    companions = {c for n in compressed for c in stored_names(n, cast(str, stored))}
+    companions = {c for n in compressed for c in stored_names(n, cast(str, stored), cfg.stored_layout)}
     missing = sorted(n for n in table if n not in files and n not in compressed)
     unexpected = sorted(n for n in files if n not in table and n not in scale_names and n not in companions
                         and not _mtp_or_ignored(n, cfg))
@@ -647,8 +694,8 @@ def _check_checkpoint(path: Path, cfg: ModelConfig, table: dict[str, Any], param
         want = list(params[slot.param][slot.index].shape)
         if slot.shard is not None:
             want[slot.shard[0]] = slot.shard[3]
-        if name in compressed and stored == "int4":
-            got = [int(v) for v in reader.get(stored_names(name, stored)[2]).tolist()]
+        if name in compressed:
+            got = stored_shape(reader, name, cast(str, stored), cfg.stored_layout)
         else:
             got = reader.shape(name)
         if got != want:
@@ -688,7 +735,7 @@ class _Sources:
     device: torch.device
 
 
-def _fill(model: DeepseekForCausalLM, table: dict[str, Any], kinds: dict[str, str], reader: _Reader,
+def _fill(model: DeepseekForCausalLM, table: dict[str, Any], kinds: dict[str, str], reader: _Reader | GgufTensors,
           matrices: _QuantizedMatrices, src: _Sources) -> None:
     """Read every tensor of ``table`` into its parameter (float ones in place; quantised ones into ``matrices``),
     handing freed pages back to the system every ``TRIM_BYTES`` converted."""
@@ -712,19 +759,28 @@ def _fill(model: DeepseekForCausalLM, table: dict[str, Any], kinds: dict[str, st
     _release_free_memory()
 
 
-def _fill_one(cfg: ModelConfig, name: str, slot: Any, param: nn.Parameter, kind: str | None, reader: _Reader,
-              matrices: _QuantizedMatrices, src: _Sources) -> int:
+def _fill_one(cfg: ModelConfig, name: str, slot: Any, param: nn.Parameter, kind: str | None,
+              reader: _Reader | GgufTensors, matrices: _QuantizedMatrices, src: _Sources) -> int:
     """One checkpoint tensor into its parameter or its quantised matrices; the bytes it converted."""
     device, stored = src.device, cfg.stored_quantization
     scale_name = name[: -len("weight")] + "weight_scale_inv" if name.endswith(".weight") else None
     expert, first = _piece_position(param, slot.index)
     if name in src.compressed:
-        for row, piece in read_stored(reader, name, cast(str, stored), slot.shard, param.dtype, device):
-            matrices.add(slot.param, expert, first + row, piece)
+        for row, piece in read_stored(reader, name, cast(str, stored), slot.shard, param.dtype, device,
+                                      cfg.stored_layout):
+            if kind is None:  # stored quantised, kept in the model dtype (kv_b_proj): its dequantised values
+                with torch.no_grad():
+                    param[slot.index][row: row + piece.shape[0]].copy_(piece.dequantize())
+            else:
+                matrices.add(slot.param, expert, first + row, piece)
+        return 0
+    if kind in (STORED_GGUF, STORED_Q4_0):
+        matrix = cast(GgufTensors, reader).matrix(name, slot.shard, param.dtype, device, kind)
+        matrices.add(slot.param, expert, first, matrix)
         return 0
     if kind == STORED_FP8:
         block = cast(tuple[int, int], cfg.fp8_block_size)
-        weight = reader.stored(name, slot.shard).to(device)
+        weight = cast(_Reader, reader).stored(name, slot.shard).to(device)
         scale = reader.get(cast(str, scale_name), _scale_shard(slot.shard, block)).to(device)
         matrices.add(slot.param, expert, first, Fp8Weight(weight, scale.float(), block, param.dtype))
         return 0

@@ -33,11 +33,11 @@ STD = 0.02
 def tensor_shapes(cfg: ModelConfig, num_mtp_layers: int = 0) -> dict[str, tuple[int, ...]]:
     """Every tensor of a checkpoint of ``cfg`` (one rank, per-expert tensors) -> its shape, in load order."""
     from mla_runtime.loader import checkpoint_layout
-    from mla_runtime.models.deepseek import DeepseekForCausalLM
+    from mla_runtime.models.hybrid import causal_lm
     from mla_runtime.resolved_config import ResolvedConfig
 
     with torch.device("meta"):
-        model = DeepseekForCausalLM(ResolvedConfig(cfg, torch.bfloat16, num_mtp_layers=num_mtp_layers))
+        model = causal_lm(ResolvedConfig(cfg, torch.bfloat16, num_mtp_layers=num_mtp_layers))
     params = dict(model.named_parameters())
     shapes: dict[str, tuple[int, ...]] = {}
     for name, slot in checkpoint_layout(cfg, num_mtp_layers=num_mtp_layers).items():

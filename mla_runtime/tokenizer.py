@@ -2,11 +2,18 @@
 
 The incremental detokeniser decodes a sliding window of the output and only releases text once it no
 longer ends in U+FFFD, so a multi-byte character split across tokens is never emitted half-done.
+
+Chat templates read an earlier tool call's ``arguments`` in two ways: as an object (GLM's and MiniCPM3's iterate its
+``items()``, others write it with ``tojson``) or as the JSON text itself (DeepSeek-V3.1's joins it to its markers
+with ``+``). OpenAI clients send the text: a template is rendered with the objects (``template_messages``), and
+where that fails, again with the text as the client sent it.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +21,70 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def load_tokenizer(path: str | Path) -> Any | None:
-    """The checkpoint's tokenizer, or None when the directory has no tokenizer files."""
+    """The checkpoint's tokenizer, or None when the directory has no tokenizer files; a GGUF model's from its
+    metadata (``gguf_meta.load_gguf_tokenizer``)."""
+    from mla_runtime.gguf_meta import gguf_files, load_gguf_tokenizer
+
+    if gguf_files(path) is not None:
+        return load_gguf_tokenizer(path)
     p = Path(path)
     if not p.is_dir() or not any((p / f).is_file() for f in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(p), local_files_only=True, trust_remote_code=False)
+
+
+def _template_call(call: Any) -> Any:
+    """A tool call of a message with its ``function.arguments`` text as the object it encodes (kept as it is where
+    the text is not a JSON object)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(text := function.get("arguments"), str):
+        return call
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return call
+    if not isinstance(value, dict):
+        return call
+    return {**call, "function": {**function, "arguments": value}}
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with each tool call's arguments as an object (transformers' convention for chat templates)."""
+    return [{**m, "tool_calls": [_template_call(c) for c in m["tool_calls"]]} if m.get("tool_calls") else m
+            for m in messages]
+
+
+def _in_template(e: BaseException) -> bool:
+    """Whether ``e`` is the template's failure: one of jinja's errors (``raise_exception`` included), or any error
+    raised while the template's own code ran (``"a" + none``)."""
+    if any(cls.__module__.startswith("jinja2") for cls in type(e).__mro__):
+        return True
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _rendered(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+              template_kwargs: dict[str, Any]) -> Any:
+    """The template's token ids, with the calls' arguments as objects, else as text (module docstring); a template
+    that fails either way raises ``ValueError`` with the first failure."""
+    first: Exception | None = None
+    for chat in (template_messages(messages), messages):
+        try:
+            return tokenizer.apply_chat_template(chat, tools=tools, add_generation_prompt=True, tokenize=True,
+                                                 **template_kwargs)
+        except Exception as e:
+            if not _in_template(e):
+                raise
+            first = first or e
+        if chat == messages:
+            break
+    raise ValueError(f"the chat template failed: {first}") from first
 
 
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
@@ -41,13 +105,7 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
         if taken:
             raise ValueError(f"{taken[0]!r} is an argument of apply_chat_template, not a template variable")
     if getattr(tokenizer, "chat_template", None):
-        try:
-            ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
-                                                **template_kwargs)
-        except Exception as e:
-            if not any(cls.__module__.startswith("jinja2") for cls in type(e).__mro__):
-                raise
-            raise ValueError(f"the chat template failed: {e}") from e
+        ids = _rendered(tokenizer, messages, tools, template_kwargs)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
@@ -78,3 +136,25 @@ class IncrementalDetokenizer:
         self._prefix, self._read = self._read, len(self.ids)
         self.text += delta
         return delta
+
+
+class DecodeWindow:
+    """The text of a growing list of token ids through ``decode`` (any ids → text function), a window at a time:
+    each ``update`` decodes only the tokens since the last released text (and the few before them that give it its
+    context), and releases text once it no longer ends in a partly decoded character."""
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.decode = decode
+        self._prefix = 0  # window start (tokens)
+        self._read = 0  # tokens whose text is released
+
+    def update(self, ids: list[int]) -> str:
+        """The text that ``ids`` (the whole list so far) adds to what was released."""
+        if len(ids) <= self._read:
+            return ""
+        prev = self.decode(ids[self._prefix:self._read]) if self._read > self._prefix else ""
+        full = self.decode(ids[self._prefix:])
+        if full.endswith("\ufffd") or len(full) <= len(prev):
+            return ""
+        self._prefix, self._read = self._read, len(ids)
+        return full[len(prev):]

@@ -97,6 +97,33 @@ def save_checkpoint(model, out: Path, max_shard_size: str | None = None) -> Path
     return out
 
 
+def byte_tokenizer(corpus: list[str], vocab_size: int, tokens: tuple[str, ...] = (), template: str | None = None):
+    """A byte-level BPE tokenizer (any text encodes, and decodes back exactly) trained on ``corpus``, with ``<|bos|>``
+    and ``<|eos|>``, ``tokens`` added as ordinary tokens and ``template`` as its chat template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|bos|>", "<|eos|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    tok.add_tokens([AddedToken(t, special=False) for t in tokens])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>")
+    fast.chat_template = template
+    return fast
+
+
+def chat_checkpoint(out: Path, tokenizer) -> Path:
+    """A tiny V3 model whose vocabulary is ``tokenizer``'s, saved with it in ``out``."""
+    hf = build_hf_model("v3")
+    hf.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    path = save_checkpoint(hf, out)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 FP8_MAX = 448.0
 
 

@@ -16,7 +16,12 @@ import jsonschema
 import openai
 import pytest
 
+from mla_runtime import SamplingParams
+from mla_runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from mla_runtime.serving.anthropic_messages import MessagesStream
+from mla_runtime.serving.openai_responses import ResponsesJob, ResponsesStream
 from mla_runtime.serving.reasoning import Reasoning
+from mla_runtime.serving.responses import Job
 from mla_runtime.tokenizer import apply_chat_template
 from tests.test_reasoning import thinking_server  # noqa: F401 - a fixture
 from tests.test_server import Live, requests_total, wait_idle, wait_ready
@@ -54,6 +59,30 @@ def claude(live) -> anthropic.Anthropic:
 def chat_text(oai: openai.OpenAI, messages: list[dict], max_tokens: int = 12) -> str | None:
     r = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=max_tokens, temperature=0)
     return r.choices[0].message.content
+
+
+@pytest.mark.parametrize("api", ["responses", "messages"])
+def test_an_agent_stream_reads_the_chat_stream_without_decoding_json(api, monkeypatch):
+    """Each API's stream takes the chat stream's deltas as data, not as the JSON text the chat route sends: no JSON
+    is decoded, and each event's JSON is encoded once."""
+    kind, stream = (ResponsesJob, ResponsesStream) if api == "responses" else (Job, MessagesStream)
+    job = kind(api, [{"prompt_token_ids": [1]}], SamplingParams(max_tokens=64), "m", request_id=f"{api}_1",
+               reasoning=Reasoning(inside=True))
+    decoded, encoded, real_loads, real_dumps = [], [], json.loads, json.dumps
+    monkeypatch.setattr(json, "loads", lambda *a, **k: decoded.append(a) or real_loads(*a, **k))
+    monkeypatch.setattr(json, "dumps", lambda *a, **k: encoded.append(a) or real_dumps(*a, **k))
+    state, text, events = stream(job), "", []
+    pieces = ["Two and", " two.", "</think>", "Four", " it is."]
+    for k, piece in enumerate(pieces):
+        text += piece
+        last = k == len(pieces) - 1
+        c = CompletionOutput(0, text, list(range(k + 1)), "stop" if last else None)
+        events += state.chunks(RequestOutput("r", None, [1], [c], last, RequestMetrics(0.0)))
+    assert decoded == [] and len(encoded) == len(events)
+    deltas = [real_loads(e.split(b"data: ", 1)[1]) for e in events]
+    said = "".join(d.get("delta", "") if isinstance(d.get("delta"), str) else d.get("delta", {}).get("text", "")
+                   for d in deltas)
+    assert said.endswith("Four it is.")
 
 
 # -- /v1/responses -------------------------------------------------------------------------------------
@@ -240,6 +269,40 @@ def test_both_routes_need_the_key_and_are_counted_and_free_their_blocks(live):
     assert m[("mla_latent_cache_blocks_used",)] == 0
 
 
+def test_a_kept_response_is_retrieved_and_deleted_through_the_client(oai, live):
+    """``client.responses.retrieve`` returns the response as it was answered (streamed or not); ``delete`` forgets it,
+    after which retrieving, deleting or continuing it is a 404 in OpenAI's shape naming ``response_id``; a response
+    made with ``store: false`` was never kept. Both are behind the API key and counted under their own labels."""
+    before = live.metrics()
+    made = oai.responses.create(model="tiny", input="hello", max_output_tokens=4, temperature=0)
+    got = oai.responses.retrieve(made.id)
+    assert got.model_dump() == made.model_dump()
+    events = list(oai.responses.create(model="tiny", input="hi", max_output_tokens=3, temperature=0, stream=True))
+    final = events[-1].response
+    assert oai.responses.retrieve(final.id).model_dump() == final.model_dump()
+    assert oai.responses.delete(made.id) is None
+    unkept = oai.responses.create(model="tiny", input="x", max_output_tokens=2, store=False)
+    for gone in (made.id, unkept.id, "resp_unknown"):
+        with pytest.raises(openai.NotFoundError) as e:
+            oai.responses.retrieve(gone)
+        assert e.value.body["param"] == "response_id" and gone in e.value.body["message"]
+        assert e.value.body["type"] and "code" in e.value.body
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.delete(made.id)
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.responses.create(model="tiny", input="x", previous_response_id=made.id, max_output_tokens=2)
+    assert e.value.body["param"] == "previous_response_id"
+    url = f"{live.base}/v1/responses/{final.id}"
+    assert httpx.get(url, timeout=10).status_code == 401 and httpx.delete(url, timeout=10).status_code == 401
+    r = httpx.get(url, params={"stream": "true"}, headers=AUTH, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+    after = live.metrics()
+    for endpoint, outcome, more in (("responses_retrieve", "success", 2), ("responses_retrieve", "invalid", 4),
+                                    ("responses_retrieve", "unauthorized", 1), ("responses_delete", "success", 1),
+                                    ("responses_delete", "invalid", 1), ("responses_delete", "unauthorized", 1)):
+        assert requests_total(after, outcome, endpoint) - requests_total(before, outcome, endpoint) == more
+
+
 def test_both_routes_are_in_the_openapi_document(live):
     doc = httpx.get(live.base + "/openapi.json", headers=AUTH).json()
     for path, model in (("/v1/responses", "ResponsesRequest"), ("/v1/messages", "MessagesRequest")):
@@ -250,6 +313,11 @@ def test_both_routes_are_in_the_openapi_document(live):
     assert {"api_key": []} in doc["paths"]["/v1/messages"]["post"]["security"]
     assert doc["paths"]["/v1/messages"]["post"]["responses"]["400"]["content"]["application/json"]["schema"][
         "$ref"].endswith("/AnthropicError")
+    kept = doc["paths"]["/v1/responses/{response_id}"]
+    for method, model in (("get", "ResponseObject"), ("delete", "ResponseDeleted")):
+        assert kept[method]["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith(model)
+        assert kept[method]["responses"]["404"]["content"]["application/json"]["schema"]["$ref"].endswith("/Error")
+        assert kept[method]["security"] == [{"bearer": []}] and kept[method]["parameters"][0]["in"] == "path"
 
 
 # -- thinking --------------------------------------------------------------------------------------------

@@ -62,7 +62,8 @@ def test_serve_help_lists_every_server_flag_with_its_default(capsys):
         assert opt.flag in text
     assert "--port PORT port to listen on (0: any free port) (default: 8000)" in flat
     assert "--max-num-seqs MAX_NUM_SEQS sequences running at once (default: 64)" in flat
-    assert "--model MODEL checkpoint directory or hub repo id org/name (default: the embedded demo model)" in flat
+    assert ("--model MODEL checkpoint directory, GGUF file, or hub repo id org/name (default: the embedded demo "
+            "model)") in flat
     assert "(default: none)" not in flat and "(default: None)" not in flat
 
 

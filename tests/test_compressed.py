@@ -136,7 +136,7 @@ def test_a_checkpoint_written_by_the_library_loads_as_stored(tmp_path, scheme):
 
 
 @pytest.mark.parametrize("weights, says", [
-    ({"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}, "group_size=128"),
+    ({"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 256}, "group_size=256"),
     ({"num_bits": 8, "type": "int", "symmetric": False, "strategy": "channel"}, "symmetric=False"),
     ({"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor"}, "type=float"),
 ])

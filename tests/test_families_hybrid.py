@@ -230,6 +230,8 @@ def test_engine_info_and_prefix_caching(checkpoint):
     ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
     ({"num_speculative_tokens": 2}, "num_speculative_tokens"),
     ({"latent_rank": 16}, "latent_rank"),
+    ({"kv_cache_dir": "unused-dir"}, "kv_cache_dir"),
+    ({"kv_cache_host_bytes": "1MiB"}, "kv_cache_host_bytes"),
 ])
 def test_settings_a_hybrid_does_not_run_with_are_refused_by_name(checkpoint, settings, name):
     path, _ = checkpoint
@@ -382,3 +384,27 @@ def test_the_planner_counts_the_state_slots_beside_the_latent_cache(checkpoint):
     need = {n: load_requirement(cfg, dtype="float32", device="cpu", max_model_len=128, max_num_seqs=n,
                                 kv_cache_memory=2**20).cache_bytes for n in (1, 9)}
     assert need[9] - need[1] == 8 * cfg.state_bytes_per_sequence
+
+
+def test_the_scheduler_admits_a_sequence_only_with_a_free_state_slot():
+    from mla_runtime.engine.block_pool import BlockPool
+    from mla_runtime.engine.scheduler import Scheduler
+    from mla_runtime.engine.sequence import Sequence
+
+    slots = StateSlots(2)
+    scheduler = Scheduler(BlockPool(64, 16, False), max_num_seqs=8, max_num_batched_tokens=256, states=slots)
+    seqs = [Sequence(i, f"r{i}", 0, [5] * 10, SamplingParams(max_tokens=4)) for i in range(3)]
+    for s in seqs:
+        scheduler.add(s)
+    plan = scheduler.schedule()
+    assert [s.seq_id for s in plan.seqs] == [0, 1] and slots.num_free == 0  # the third waits for a slot
+    assert {s.state_slot for s in plan.seqs} == {0, 1} and seqs[2].state_slot is None
+    scheduler.on_step_done(plan)
+    seqs[1].append_token(7)  # sampled: sequence 1 decodes next
+    scheduler.finish(seqs[0], "stop")
+    assert seqs[0].state_slot is None and slots.num_free == 1
+    plan = scheduler.schedule()
+    assert [s.seq_id for s in plan.seqs] == [1, 2] and seqs[2].state_slot == 0
+    scheduler.finish(seqs[1], "abort")
+    scheduler.finish(seqs[2], "abort")
+    assert slots.num_free == 2

@@ -17,7 +17,7 @@ from mla_runtime.serving.reasoning import Reasoning, ReasoningSplitter, choose_p
 from mla_runtime.serving.responses import Job, StreamState, chat_message
 from mla_runtime.serving.tools import ToolMode
 from mla_runtime.tokenizer import apply_chat_template
-from tests.checkpoints import build_hf_model, save_checkpoint
+from tests.checkpoints import byte_tokenizer, chat_checkpoint
 from tests.test_server import Live
 
 CASES = [
@@ -160,7 +160,7 @@ def test_tool_calls_are_parsed_from_the_answer_after_the_thinking():
              '<｜tool▁calls▁end｜>')
     pieces = ["I should call lookup.", "</think>", "Checking.", calls]
     job = scripted_job(True, tools=ToolMode("auto", syntax="deepseek_v31"),
-                       raw_text=lambda ids: "".join(pieces[:len(ids)]))
+                       raw_text=lambda ids: "".join(dict(zip([1, 2, 3, 7], pieces))[t] for t in ids))
     c = CompletionOutput(0, 'I should call lookup.</think>Checking.lookup{"ok": true}', [1, 2, 3, 7], "stop")
     message, reason = chat_message(job, c)
     assert (message["reasoning_content"], message["content"], reason) == \
@@ -190,22 +190,9 @@ THINKING_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ '# ' + mess
 def thinking_server(tmp_path_factory) -> Iterator[Live]:
     """A tiny V3 model whose byte-level tokenizer has ``<think>`` and ``</think>`` as tokens (as DeepSeek-R1's has)
     and whose chat template opens the thinking when ``thinking`` is set (as DeepSeek-V3.1's does)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|bos|>", "<|eos|>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["the answer is four because two and two make four\n"] * 20, trainer)
-    tok.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
-    hf = build_hf_model("v3")
-    hf.resize_token_embeddings(tok.get_vocab_size(), mean_resizing=False)
-    path = save_checkpoint(hf, tmp_path_factory.mktemp("thinking_ckpt"))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>")
-    fast.chat_template = THINKING_TEMPLATE
-    fast.save_pretrained(path)
+    tok = byte_tokenizer(["the answer is four because two and two make four\n"] * 20, 300, ("<think>", "</think>"),
+                         THINKING_TEMPLATE)
+    path = chat_checkpoint(tmp_path_factory.mktemp("thinking_ckpt"), tok)
     live = Live(path)
     yield live
     live.stop()

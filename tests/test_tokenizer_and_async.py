@@ -10,7 +10,7 @@ import torch
 from mla_runtime import SamplingParams
 from mla_runtime.engine.async_llm import AsyncLLM
 from mla_runtime.engine.config import EngineConfig
-from mla_runtime.tokenizer import IncrementalDetokenizer, apply_chat_template
+from mla_runtime.tokenizer import DecodeWindow, IncrementalDetokenizer, apply_chat_template
 from tests.test_engine import assert_clean, make_prompts, new_llm
 
 TEXT = "naïve café — 東京 🚀🎉 Ünïcödé ∑ x² ≤ ∞\n\tdef f(): return '✓'"
@@ -189,3 +189,22 @@ def test_a_stream_holds_only_the_latest_output(tiny_checkpoint):
         assert left is None  # nothing else was kept
     finally:
         engine.shutdown()
+
+
+def test_a_decode_window_releases_whole_characters_and_decodes_each_token_a_few_times(byte_tokenizer):
+    """The window releases a character only once all its bytes arrived, the pieces add up to the text, and each token
+    is decoded a bounded number of times however long the text grows."""
+    tok = byte_tokenizer
+    text = TEXT * 20
+    ids = tok.encode(text, add_special_tokens=False)
+    decoded = [0]
+
+    def decode(window: list[int]) -> str:
+        decoded[0] += len(window)
+        return tok.decode(window)
+
+    stream = DecodeWindow(decode)
+    pieces = [stream.update(ids[:k]) for k in range(1, len(ids) + 1)]
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+    assert any(p == "" for p in pieces)  # a character's first bytes wait for the rest
+    assert decoded[0] <= 8 * len(ids)

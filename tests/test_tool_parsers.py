@@ -1,18 +1,25 @@
 """The models' tool-call syntaxes (``serving/tool_parsers.py``): each parsed whole, streamed a character at a time and
 in random pieces (the deltas add up to the whole parse, no marker leaks into content), cut short, several calls, text
-before and after; the parser chosen from the model; and ``tool_choice: "auto"`` end to end through the server for
-GLM's and Kimi-K2's syntaxes."""
+before and after; the work of streaming them counted; the parser chosen from the model; and ``tool_choice: "auto"``
+end to end through the server for GLM's, Kimi-K2's and MiniCPM3's syntaxes."""
 
 from __future__ import annotations
 
 import json
 import random
+import re
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
+from mla_runtime import SamplingParams
+from mla_runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from mla_runtime.serving.reasoning import Reasoning
+from mla_runtime.serving.responses import Job, StreamState, chat_message
 from mla_runtime.serving.tool_parsers import TOOL_CALL_PARSERS, ToolStream, choose_tool_parser, make_parser
+from mla_runtime.serving.tools import ToolMode
+from tests.checkpoints import byte_tokenizer, chat_checkpoint
 from tests.test_server import Live
 
 WEATHER = ("get_weather", {"city": "Paris", "days": 3})
@@ -50,6 +57,12 @@ def mistral(name: str, args: dict) -> str:
     return f"[TOOL_CALLS]{name}[ARGS]{json.dumps(args)}"
 
 
+def minicpm3(calls: list[tuple[str, dict]]) -> str:
+    """MiniCPM3's block, as its template writes earlier calls: keyword arguments whose values are JSON."""
+    lines = "".join(f"{n}({','.join(f'{k}={json.dumps(v)}' for k, v in a.items())})\n" for n, a in calls)
+    return "<|tool_call_start|>\n```python\n" + lines + "```\n<|tool_call_end|>\n"
+
+
 def hermes(name: str, args: dict) -> str:
     return f'<tool_call>\n{json.dumps({"name": name, "arguments": args})}\n</tool_call>\n'
 
@@ -65,19 +78,24 @@ def wrap(syntax: str, calls: list[tuple[str, dict]]) -> str:
     if syntax == "kimi_k2":
         body = "".join(kimi(i)(*c) for i, c in enumerate(calls))
         return "<|tool_calls_section_begin|>" + body + "<|tool_calls_section_end|>"
+    if syntax == "minicpm3":
+        return minicpm3(calls)
     if syntax == "mistral_old":
         return "[TOOL_CALLS][" + ", ".join(json.dumps({"name": n, "arguments": a}) for n, a in calls) + "]"
     one = {"glm45": glm, "mistral": mistral, "hermes": hermes,
-           "longcat": lambda n, a: hermes(n, a).replace("tool_call>", "longcat_tool_call>")}[syntax]
+           "longcat": lambda n, a: hermes(n, a).replace("tool_call>", "longcat_tool_call>"),
+           "longcat_tags": lambda n, a: re.sub(r"<(/?)(tool_call|arg_key|arg_value)>", r"<\1longcat_\2>",
+                                               glm(n, a))}[syntax]
     return "\n".join(one(*c) for c in calls)
 
 
-SYNTAXES = ["deepseek_v3", "deepseek_v31", "deepseek_v32", "kimi_k2", "glm45", "mistral", "mistral_old", "hermes",
-            "longcat"]
+SYNTAXES = ["deepseek_v3", "deepseek_v31", "deepseek_v32", "kimi_k2", "glm45", "mistral", "mistral_old", "minicpm3",
+            "hermes", "longcat", "longcat_tags"]
+PARSER_OF = {"mistral_old": "mistral", "longcat_tags": "longcat"}  # a syntax's second layout, read by the same parser
 
 
 def parser(syntax: str):
-    return make_parser("mistral" if syntax == "mistral_old" else syntax)
+    return make_parser(PARSER_OF.get(syntax, syntax))
 
 
 def whole(syntax: str, text: str, end: bool = True) -> tuple[str, list[tuple[str, str, bool]]]:
@@ -86,15 +104,18 @@ def whole(syntax: str, text: str, end: bool = True) -> tuple[str, list[tuple[str
 
 
 def streamed(syntax: str, text: str, sizes: Iterator[int], end: bool = True) -> tuple[str, list[dict]]:
-    """The content and the ``delta.tool_calls`` entries of ``text`` growing by ``sizes``; the last parse is whole."""
+    """The content and the ``delta.tool_calls`` entries of ``text`` growing by ``sizes`` (each piece fed as the
+    server feeds it), then the parse of the whole text at its end."""
     p, pos = parser(syntax), 0
     stream = ToolStream(p)
     content, entries = "", []
     while pos < len(text):
-        pos += next(sizes)
-        c, e = stream.update(p.parse(text[:pos], False))
-        content, entries = content + c, entries + e
+        step = next(sizes)
+        c, e = stream.feed(text[pos:pos + step])
+        content, entries, pos = content + c, entries + e, pos + step
+    named = [n for n, _ in joined(entries)]
     c, e = stream.update(p.parse(text, end))
+    assert named == [n for n, _ in joined(entries + e)]  # every call was announced while it streamed
     return content + c, entries + e
 
 
@@ -187,10 +208,90 @@ def test_dsml_string_flag_decides_how_a_value_is_read():
     assert json.loads(make_parser("deepseek_v32").parse(text, True).calls[0].arguments) == {"a": "42", "b": 42}
 
 
+@pytest.mark.parametrize("syntax, text", [
+    ("hermes", '<tool_call>not a call</tool_call><tool_call>{"name": "f", "arguments": {}}</tool_call>' + "x" * 200),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>not_function<｜tool▁sep｜>f\n```json\n{}\n```"
+                    "<｜tool▁call▁end｜>" + "x" * 200),
+])
+def test_no_call_is_read_after_one_that_is_no_call_and_the_stream_stops_reading(syntax, text):
+    assert whole(syntax, text) == ("", [])
+    stream = ToolStream(parser(syntax))
+    element = len(text) - 200
+    assert [stream.feed(ch) for ch in text[:element]] == [("", [])] * element
+    read = stream.read
+    assert [stream.feed(ch) for ch in text[element:]] == [("", [])] * 200
+    assert stream.read == read  # the text after the element that is no call is not read
+
+
 def test_a_mistral_call_ends_with_the_output_or_the_next_call():
     text = '[TOOL_CALLS]f[ARGS]{"a": 1}'
     assert make_parser("mistral").parse(text, True).calls[0].complete
     assert not make_parser("mistral").parse(text, False).calls[0].complete  # cut by max_tokens: may go on
+
+
+def test_minicpm3_thought_is_content_without_its_markers_and_python_literals_are_read():
+    """The thought the template asks for before the calls streams as content, its markers never; values written as
+    Python literals (quotes, ``True``, ``None``) or JSON read the same, commas and brackets inside a value are not
+    separators, and a positional argument (no name) is left out."""
+    calls = ("get_weather(city='Paris, (FR)', days=3, [1, 2], flags={'a': [True, None]})\n"
+             'lookup(q="a < b", ok=true)\n')
+    text = ("<|thought_start|>\nI need the weather.\n<|thought_end|>\n<|tool_call_start|>\n```python\n" + calls
+            + "```\n<|tool_call_end|>\nI will report back.")
+    content, found = whole("minicpm3", text)
+    assert content == "I need the weather.\n"
+    assert [(n, json.loads(a), done) for n, a, done in found] == [
+        ("get_weather", {"city": "Paris, (FR)", "days": 3, "flags": {"a": [True, None]}}, True),
+        ("lookup", {"q": "a < b", "ok": True}, True)]
+    for kind in ("chars", "random"):
+        got_content, entries = streamed("minicpm3", text, sizes_of(kind, 5))
+        assert got_content == content and joined(entries) == [(n, a) for n, a, _ in found]
+    assert whole("minicpm3", "<|thought_start|>\nNo call needed.\n<|thought_end|>\nIt is 4.") == \
+        ("No call needed.\nIt is 4.", [])
+    assert whole("minicpm3", "<|thought_start|>\nthinking so far <|thought", end=False)[0] == "thinking so far "
+
+
+def stream_tokens(job: Job, pieces: list[str], reason: str = "stop") -> list[dict]:
+    """The chat chunks of an output of ``pieces`` (token ``i`` is ``pieces[i]``) growing a token at a time."""
+    state, events, text = StreamState(job), [], ""
+    for k, piece in enumerate(pieces):
+        text += piece
+        last = k == len(pieces) - 1
+        c = CompletionOutput(0, text, list(range(k + 1)), reason if last else None)
+        events += state.payloads(RequestOutput("r", None, [1], [c], last, RequestMetrics(0.0)))
+    job.last_state = state  # type: ignore[attr-defined]
+    return [e["choices"][0] for e in events if isinstance(e, dict) and e["choices"]]
+
+
+@pytest.mark.parametrize("syntax", SYNTAXES)
+def test_a_streamed_auto_answer_is_decoded_and_parsed_in_linear_work(syntax):
+    """Streamed a token at a time, a long answer (thinking, text, many calls, text after them) has each token decoded
+    a bounded number of times, and its text handed to the tool-call parser once, but for the call being written,
+    which is read again with each token until it is complete: the work grows with the answer's length (times the
+    longest call's), not with its square. The streamed answer is the non-streamed one."""
+    calls = [(f"tool_{k}", {"k": k, "s": "x" * (k % 7)}) for k in range(60)]
+    after = "" if syntax == "mistral" else " And words after them." * 150  # a Mistral call runs to the end
+    text = "I should look.</think>" + "Some words before the calls. " * 150 + wrap(syntax, calls) + after
+    pieces = [text[i:i + 4] for i in range(0, len(text), 4)]
+    decoded = [0]
+
+    def raw_text(ids: list[int]) -> str:
+        decoded[0] += len(ids)
+        return "".join(pieces[i] for i in ids)
+
+    job = Job("chat", [{"prompt_token_ids": [1]}], SamplingParams(max_tokens=len(pieces)), "m", raw_text=raw_text,
+              tools=ToolMode("auto", syntax=PARSER_OF.get(syntax, syntax)), reasoning=Reasoning(inside=True))
+    deltas = stream_tokens(job, pieces)
+    whole_message, reason = chat_message(job, CompletionOutput(0, text, list(range(len(pieces))), "stop"))
+    entries = [t for d in deltas for t in d["delta"].get("tool_calls") or []]
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == whole_message["content"]
+    assert joined(entries) == [(t["function"]["name"], t["function"]["arguments"])
+                               for t in whole_message["tool_calls"]]
+    assert deltas[-1]["finish_reason"] == reason == "tool_calls"
+    tokens, chars = len(pieces), len(text)
+    assert decoded[0] <= 6 * tokens  # each token in about three windows, and the whole once at the end (twice here)
+    longest_call, call_tokens = max(len(wrap(syntax, [c])) for c in calls), len(wrap(syntax, calls)) // 4 + 1
+    read = job.last_state.tool_streams[0].read  # type: ignore[attr-defined]
+    assert read <= 2 * chars + call_tokens * longest_call < tokens * chars // 50  # the square's fiftieth
 
 
 @pytest.mark.parametrize("model_type, template, syntax", [
@@ -204,8 +305,10 @@ def test_a_mistral_call_ends_with_the_output_or_the_next_call():
     ("mistral4", "[TOOL_CALLS]", "mistral"),
     ("mistral_large4_text", None, "mistral"),
     ("longcat_flash", None, "longcat"),
+    (None, "<longcat_tool_call>{{ name }}<longcat_arg_key>{{ k }}</longcat_arg_key>", "longcat"),
     ("minicpm3", "<tool_call>", "hermes"),
-    ("minicpm3", None, "hermes"),
+    ("minicpm3", None, "minicpm3"),
+    ("minicpm3", "<|tool_call_start|>\n```python\n", "minicpm3"),
     ("youtu", {"default": "x", "tool_use": "<tool_call>"}, "hermes"),
 ])
 def test_the_syntax_is_chosen_from_the_template_then_the_model_type(model_type, template, syntax):
@@ -222,7 +325,7 @@ def test_the_setting_overrides_the_model_and_unknown_names_are_refused():
             assert make_parser(name).name == name
 
 
-# -- end to end: tool_choice "auto" through the server, in GLM's and Kimi-K2's syntaxes ------------------------------
+# -- end to end: tool_choice "auto" through the server, in GLM's, Kimi-K2's and MiniCPM3's syntaxes ---------------
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
 # a template that shows the tools and says how GLM writes calls (so that auto picks glm45)
@@ -236,35 +339,20 @@ OUTPUTS = {
              "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>",
     "kimi_k2": "Checking. <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
                '<|tool_call_argument_begin|>{"city": "Paris", "days": 3}<|tool_call_end|><|tool_calls_section_end|>',
+    "minicpm3": 'Checking. <|tool_call_start|>\n```python\nget_weather(city="Paris",days=3)\n```\n<|tool_call_end|>\n',
 }
 
 
 @pytest.fixture(scope="module")
 def tool_checkpoint(tmp_path_factory):
     """A tiny V3 model with a byte-level tokenizer (any text can be written) and ``TOOL_TEMPLATE``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from tests.checkpoints import build_hf_model, save_checkpoint
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|bos|>", "<|eos|>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(list(OUTPUTS.values()) * 20, trainer)
-    hf = build_hf_model("v3")
-    hf.resize_token_embeddings(tok.get_vocab_size(), mean_resizing=False)
-    path = save_checkpoint(hf, tmp_path_factory.mktemp("tool_ckpt"))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>")
-    fast.chat_template = TOOL_TEMPLATE
-    fast.save_pretrained(path)
-    return path
+    tok = byte_tokenizer(list(OUTPUTS.values()) * 20, 400, template=TOOL_TEMPLATE)
+    return chat_checkpoint(tmp_path_factory.mktemp("tool_ckpt"), tok)
 
 
-@pytest.fixture(scope="module", params=["glm45", "kimi_k2"])
+@pytest.fixture(scope="module", params=["glm45", "kimi_k2", "minicpm3"])
 def tool_server(request, tool_checkpoint) -> Iterator[tuple[str, Live]]:
-    """GLM's syntax chosen from the template (``auto``), Kimi-K2's set by ``--tool-call-parser``."""
+    """GLM's syntax chosen from the template (``auto``), Kimi-K2's and MiniCPM3's set by ``--tool-call-parser``."""
     setting = "auto" if request.param == "glm45" else request.param
     live = Live(tool_checkpoint, engine={"max_model_len": 512}, tool_call_parser=setting)
     yield request.param, live

@@ -8,6 +8,12 @@
  * q in [-8, 7] as q + 8: byte j has value j in its low nibble and value j + 16 in its high nibble (the order of
  * ggml's Q4_0 blocks). W[r, c] = (q[r, c] - 8) * scale[r, c / 32].
  *
+ * The same nibbles also carry asymmetric groups and wider ones (mla_gemm_i4_groups): a float16 scale per group of
+ * G = 32, 64 or 128 values along k ([n, kp / G]) and optionally a zero point z in [0, 16] per group ([n, kp / G]
+ * uint8), W[r, c] = (q'[r, c] - z[r, c / G]) * scale[r, c / G] with q' the stored nibble (the symmetric format is
+ * z = 8). A group of 64 or 128 spans 2 or 4 of the activations' groups of 32: each 32-value part takes its group's
+ * scale and zero.
+ *
  * Activations are rounded to int8 with one float32 scale per group of 32 values, as ggml's Q8_0 rounds them for
  * its Q4_0 products: a = round(x * 127 / amax) to nearest even, scale amax / 127 (amax: the group's largest
  * magnitude; a group holding infinity or NaN gets a NaN scale, so its products come out NaN). A prepared row
@@ -20,7 +26,8 @@
  *
  * Lane l of a chunk is bytes 4l..4l+3 of lo and of hi: the unsigned nibbles times the signed values, summed
  * (AVX-512 VNNI: vpdpbusd; AVX2: vpmaddubsw, whose int16 pair sums cannot saturate at 15 * 127 * 4, then vpmaddwd),
- * start from the lane's bias (which subtracts the nibbles' offset of 8 exactly), and the int32 lane is turned to
+ * start from the lane's bias (which subtracts the nibbles' offset of 8 exactly; for a zero point z the bias is
+ * (bias * z) >> 3 = -z times the lane's activation sum, exact), and the int32 lane is turned to
  * float32 and added into the lane's float accumulator times weight scale * activation scale, one FMA. A row's 16
  * lane accumulators are summed at the end, lanes l and l + 8 first, then the eight in simd.h's hsum order.
  *
@@ -135,202 +142,46 @@ void mla_q8_prepare(const float *x, int64_t rows, int64_t k, uint8_t *out) {
     for (int64_t j = 0; j < rows; j++) q8_prepare_row(x + j * k, k, out + j * mla_q8_row_bytes(k));
 }
 
-/* The last, partial chunk of a row of g_n groups (g_n not a multiple of 4): its weight bytes and scales (float16
- * bits) copied into zero-padded buffers. */
-static void i4_tail(const uint8_t *wr, const uint16_t *sr, int64_t g_n, uint8_t *wbuf, uint16_t *sbuf) {
-    const int64_t g0 = g_n - g_n % I4_CHUNK_GROUPS;
+/* A weight's rows: nibbles w [n, g_n * 16], float16 scales s [n, g_n >> gshift] (a scale per group of 32 << gshift
+ * values) and, for asymmetric groups, zeros z [n, g_n >> gshift] in [0, 16] (NULL: symmetric, every zero 8). */
+typedef struct { const uint8_t *w; const uint16_t *s; const uint8_t *z; int64_t g_n; int gshift; } i4_mat;
+typedef struct { const uint8_t *w; const uint16_t *s; const uint8_t *z; } i4_row_ptr;
+
+static inline i4_row_ptr i4_row_at(const i4_mat *mat, int64_t r) {
+    const int64_t per = mat->g_n >> mat->gshift;
+    i4_row_ptr p = {mat->w + r * mat->g_n * 16, mat->s + r * per, mat->z ? mat->z + r * per : NULL};
+    return p;
+}
+
+/* Chunk c of a row: its weight bytes (a partial last chunk copied, zero-padded, into wbuf), its 4 groups' float16
+ * scales (*s4) and zeros (*z4, NULL where the weight is symmetric), each group of 32 taking its wider group's scale
+ * and zero; past the row's end a scale of 0. */
+static inline const uint8_t *i4_chunk_at(i4_row_ptr rw, int64_t c, int64_t g_n, int gshift, uint8_t *wbuf,
+                                         uint16_t *sbuf, uint8_t *zbuf, const uint16_t **s4, const uint8_t **z4) {
+    const int64_t g0 = c * I4_CHUNK_GROUPS;
+    const int whole = g0 + I4_CHUNK_GROUPS <= g_n;
+    if (whole && gshift == 0) {
+        *s4 = rw.s + g0;
+        *z4 = rw.z ? rw.z + g0 : NULL;
+        return rw.w + c * I4_CHUNK_WBYTES;
+    }
+    for (int i = 0; i < I4_CHUNK_GROUPS; i++) {
+        const int64_t g = g0 + i;
+        sbuf[i] = g < g_n ? rw.s[g >> gshift] : 0;
+        zbuf[i] = g < g_n && rw.z ? rw.z[g >> gshift] : 8;
+    }
+    *s4 = sbuf;
+    *z4 = rw.z ? zbuf : NULL;
+    if (whole) return rw.w + c * I4_CHUNK_WBYTES;
     memset(wbuf, 0, I4_CHUNK_WBYTES);
-    memset(sbuf, 0, I4_CHUNK_GROUPS * sizeof(uint16_t));
-    memcpy(wbuf, wr + g0 * 16, (size_t)(g_n - g0) * 16);
-    memcpy(sbuf, sr + g0, (size_t)(g_n - g0) * sizeof(uint16_t));
+    memcpy(wbuf, rw.w + g0 * 16, (size_t)(g_n - g0) * 16);
+    return wbuf;
 }
 
-#define AVX2_TARGET __attribute__((target("avx2,fma,f16c"), always_inline)) static inline
-#define AVX512_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"), always_inline)) \
-    static inline
-
-/* One chunk (weight bytes wc, scales sc) into the m rows' accumulators, AVX2: the chunk as two halves of 8 lanes.
- * xc: the first row's chunk c (row stride xs bytes). */
-AVX2_TARGET void i4_chunk_avx2(const uint8_t *wc, const uint16_t *sc, const uint8_t *xc, int64_t xs, __m256 acc[][2],
-                               const int m) {
-    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-    const __m256 dw4 = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)sc)));
-    for (int h = 0; h < 2; h++) {
-        const __m256i b = _mm256_loadu_si256((const __m256i *)(wc + 32 * h));
-        const __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
-        const __m256 dw = _mm256_permutevar8x32_ps(dw4, _mm256_setr_epi32(2 * h, 2 * h, 2 * h, 2 * h, 2 * h + 1,
-                                                                          2 * h + 1, 2 * h + 1, 2 * h + 1));
-        for (int j = 0; j < m; j++) {
-            const uint8_t *x = xc + j * xs;
-            const __m256i p = _mm256_add_epi16(
-                _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(x + 32 * h))),
-                _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 64 + 32 * h))));
-            const __m256i s = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(x + 128 + 32 * h)),
-                                               _mm256_madd_epi16(p, ones));
-            const __m256 scale = _mm256_mul_ps(dw, _mm256_loadu_ps((const float *)(x + 192 + 32 * h)));
-            acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[j][h]);
-        }
-    }
-}
-
-/* Weight row r (packed wr, scales sr, g_n groups) times m prepared rows xp (row stride xs bytes):
- * y[j n + r] = the row's dot product (the file's comment). */
-AVX2_TARGET void i4_row_avx2(const uint8_t *wr, const uint16_t *sr, int64_t g_n, const uint8_t *xp, int64_t xs,
-                             float *y, int64_t n, int64_t r, const int m) {
-    const int64_t full = g_n / I4_CHUNK_GROUPS;
-    __m256 acc[4][2];
-    for (int j = 0; j < m; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < full; c++) {
-        _mm_prefetch((const char *)(wr + c * I4_CHUNK_WBYTES) + I4_PREFETCH, _MM_HINT_T0);
-        i4_chunk_avx2(wr + c * I4_CHUNK_WBYTES, sr + c * I4_CHUNK_GROUPS, xp + c * I4_CHUNK_XBYTES, xs, acc, m);
-    }
-    if (full * I4_CHUNK_GROUPS < g_n) {
-        uint8_t wbuf[I4_CHUNK_WBYTES];
-        uint16_t sbuf[I4_CHUNK_GROUPS];
-        i4_tail(wr, sr, g_n, wbuf, sbuf);
-        i4_chunk_avx2(wbuf, sbuf, xp + full * I4_CHUNK_XBYTES, xs, acc, m);
-    }
-    for (int j = 0; j < m; j++) y[j * n + r] = hsum(_mm256_add_ps(acc[j][0], acc[j][1]));
-}
-
-/* A row's 16 lane accumulators summed: lanes l and l + 8 first, then hsum (the AVX2 variant's order). */
-AVX512_TARGET float hsum16(__m512 acc) {
-    return hsum(_mm256_add_ps(_mm512_castps512_ps256(acc),
-                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1))));
-}
-
-/* The same with AVX-512: a chunk's 16 lanes in one register, the products by vpdpbusd. */
-AVX512_TARGET void i4_chunk_avx512(const uint8_t *wc, const uint16_t *sc, const uint8_t *xc, int64_t xs,
-                                   __m512 *acc, const int m) {
-    const __m512i low = _mm512_set1_epi8(0x0f);
-    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    const __m512 dw = _mm512_permutexvar_ps(
-        spread, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)sc))));
-    const __m512i b = _mm512_loadu_si512((const void *)wc);
-    const __m512i lo = _mm512_and_si512(b, low), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
-    for (int j = 0; j < m; j++) {
-        const uint8_t *x = xc + j * xs;
-        __m512i s = _mm512_loadu_si512((const void *)(x + 128));
-        s = _mm512_dpbusd_epi32(s, lo, _mm512_loadu_si512((const void *)x));
-        s = _mm512_dpbusd_epi32(s, hi, _mm512_loadu_si512((const void *)(x + 64)));
-        const __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps((const float *)(x + 192)));
-        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[j]);
-    }
-}
-
-AVX512_TARGET void i4_row_avx512(const uint8_t *wr, const uint16_t *sr, int64_t g_n, const uint8_t *xp, int64_t xs,
-                                 float *y, int64_t n, int64_t r, const int m) {
-    const int64_t full = g_n / I4_CHUNK_GROUPS;
-    __m512 acc[8];
-    for (int j = 0; j < m; j++) acc[j] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < full; c++) {
-        _mm_prefetch((const char *)(wr + c * I4_CHUNK_WBYTES) + I4_PREFETCH, _MM_HINT_T0);
-        i4_chunk_avx512(wr + c * I4_CHUNK_WBYTES, sr + c * I4_CHUNK_GROUPS, xp + c * I4_CHUNK_XBYTES, xs, acc, m);
-    }
-    if (full * I4_CHUNK_GROUPS < g_n) {
-        uint8_t wbuf[I4_CHUNK_WBYTES];
-        uint16_t sbuf[I4_CHUNK_GROUPS];
-        i4_tail(wr, sr, g_n, wbuf, sbuf);
-        i4_chunk_avx512(wbuf, sbuf, xp + full * I4_CHUNK_XBYTES, xs, acc, m);
-    }
-    for (int j = 0; j < m; j++) y[j * n + r] = hsum16(acc[j]);
-}
-
-/* Two weight rows (wa, wb with scales sa, sb) times m prepared rows xp (row stride xs bytes) into y[j n + ra] and
- * y[j n + rb]: every input chunk loaded once for both weight rows (the input rows, 32 KB for 8 rows of 2048 values,
- * are what a tile reads most); each (weight row, input row) pair sees exactly i4_row_avx512's operations. */
-AVX512_TARGET void i4_rows2_avx512(const uint8_t *wa, const uint16_t *sa, const uint8_t *wb, const uint16_t *sb,
-                                   int64_t g_n, const uint8_t *xp, int64_t xs, float *y, int64_t n, int64_t ra,
-                                   int64_t rb, const int m) {
-    const int64_t full = g_n / I4_CHUNK_GROUPS;
-    const __m512i low = _mm512_set1_epi8(0x0f);
-    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    __m512 acc_a[8], acc_b[8];
-    for (int j = 0; j < m; j++) acc_a[j] = acc_b[j] = _mm512_setzero_ps();
-    uint8_t wbuf[2][I4_CHUNK_WBYTES];
-    uint16_t sbuf[2][I4_CHUNK_GROUPS];
-    const int64_t chunks = full + (full * I4_CHUNK_GROUPS < g_n);
-    for (int64_t c = 0; c < chunks; c++) {
-        const uint8_t *ca = wa + c * I4_CHUNK_WBYTES, *cb = wb + c * I4_CHUNK_WBYTES;
-        const uint16_t *qa = sa + c * I4_CHUNK_GROUPS, *qb = sb + c * I4_CHUNK_GROUPS;
-        if (c == full) {  /* the partial last chunk, zero-padded */
-            i4_tail(wa, sa, g_n, wbuf[0], sbuf[0]);
-            i4_tail(wb, sb, g_n, wbuf[1], sbuf[1]);
-            ca = wbuf[0], cb = wbuf[1], qa = sbuf[0], qb = sbuf[1];
-        } else {
-            _mm_prefetch((const char *)ca + I4_PREFETCH, _MM_HINT_T0);
-            _mm_prefetch((const char *)cb + I4_PREFETCH, _MM_HINT_T0);
-        }
-        const __m512 dwa = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_cvtph_ps(
-                               _mm_loadl_epi64((const __m128i *)qa))));
-        const __m512 dwb = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_cvtph_ps(
-                               _mm_loadl_epi64((const __m128i *)qb))));
-        const __m512i ba = _mm512_loadu_si512((const void *)ca), bb = _mm512_loadu_si512((const void *)cb);
-        const __m512i lo_a = _mm512_and_si512(ba, low), hi_a = _mm512_and_si512(_mm512_srli_epi16(ba, 4), low);
-        const __m512i lo_b = _mm512_and_si512(bb, low), hi_b = _mm512_and_si512(_mm512_srli_epi16(bb, 4), low);
-        const uint8_t *xc = xp + c * I4_CHUNK_XBYTES;
-        for (int j = 0; j < m; j++) {
-            const uint8_t *x = xc + j * xs;
-            const __m512i x0 = _mm512_loadu_si512((const void *)x), x1 = _mm512_loadu_si512((const void *)(x + 64));
-            const __m512i bias = _mm512_loadu_si512((const void *)(x + 128));
-            const __m512 sx = _mm512_loadu_ps((const float *)(x + 192));
-            const __m512i s_a = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(bias, lo_a, x0), hi_a, x1);
-            const __m512i s_b = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(bias, lo_b, x0), hi_b, x1);
-            acc_a[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s_a), _mm512_mul_ps(dwa, sx), acc_a[j]);
-            acc_b[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s_b), _mm512_mul_ps(dwb, sx), acc_b[j]);
-        }
-    }
-    for (int j = 0; j < m; j++) {
-        y[j * n + ra] = hsum16(acc_a[j]);
-        y[j * n + rb] = hsum16(acc_b[j]);
-    }
-}
-
-/* Two weight rows (wa, wb with scales sa, sb) times one prepared row xp: ya, yb. The rows' chunks interleaved, two
- * sequential weight streams a thread (one leaves memory bandwidth unused), each activation chunk read once for
- * both; each row sees exactly the operations i4_row_* gives it. */
-AVX2_TARGET void i4_pair_avx2(const uint8_t *wa, const uint16_t *sa, const uint8_t *wb, const uint16_t *sb,
-                              int64_t g_n, const uint8_t *xp, float *ya, float *yb) {
-    const int64_t full = g_n / I4_CHUNK_GROUPS;
-    __m256 acc_a[1][2] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}}, acc_b[1][2] = {{acc_a[0][0], acc_a[0][0]}};
-    for (int64_t c = 0; c < full; c++) {
-        _mm_prefetch((const char *)(wa + c * I4_CHUNK_WBYTES) + I4_PREFETCH, _MM_HINT_T0);
-        _mm_prefetch((const char *)(wb + c * I4_CHUNK_WBYTES) + I4_PREFETCH, _MM_HINT_T0);
-        i4_chunk_avx2(wa + c * I4_CHUNK_WBYTES, sa + c * I4_CHUNK_GROUPS, xp + c * I4_CHUNK_XBYTES, 0, acc_a, 1);
-        i4_chunk_avx2(wb + c * I4_CHUNK_WBYTES, sb + c * I4_CHUNK_GROUPS, xp + c * I4_CHUNK_XBYTES, 0, acc_b, 1);
-    }
-    if (full * I4_CHUNK_GROUPS < g_n) {
-        uint8_t wbuf[I4_CHUNK_WBYTES];
-        uint16_t sbuf[I4_CHUNK_GROUPS];
-        i4_tail(wa, sa, g_n, wbuf, sbuf);
-        i4_chunk_avx2(wbuf, sbuf, xp + full * I4_CHUNK_XBYTES, 0, acc_a, 1);
-        i4_tail(wb, sb, g_n, wbuf, sbuf);
-        i4_chunk_avx2(wbuf, sbuf, xp + full * I4_CHUNK_XBYTES, 0, acc_b, 1);
-    }
-    *ya = hsum(_mm256_add_ps(acc_a[0][0], acc_a[0][1]));
-    *yb = hsum(_mm256_add_ps(acc_b[0][0], acc_b[0][1]));
-}
-
-AVX512_TARGET void i4_pair_avx512(const uint8_t *wa, const uint16_t *sa, const uint8_t *wb, const uint16_t *sb,
-                                  int64_t g_n, const uint8_t *xp, float *ya, float *yb) {
-    const int64_t full = g_n / I4_CHUNK_GROUPS;
-    __m512 acc_a[1] = {_mm512_setzero_ps()}, acc_b[1] = {_mm512_setzero_ps()};
-    for (int64_t c = 0; c < full; c++) {
-        _mm_prefetch((const char *)(wa + c * I4_CHUNK_WBYTES) + I4_PREFETCH, _MM_HINT_T0);
-        _mm_prefetch((const char *)(wb + c * I4_CHUNK_WBYTES) + I4_PREFETCH, _MM_HINT_T0);
-        i4_chunk_avx512(wa + c * I4_CHUNK_WBYTES, sa + c * I4_CHUNK_GROUPS, xp + c * I4_CHUNK_XBYTES, 0, acc_a, 1);
-        i4_chunk_avx512(wb + c * I4_CHUNK_WBYTES, sb + c * I4_CHUNK_GROUPS, xp + c * I4_CHUNK_XBYTES, 0, acc_b, 1);
-    }
-    if (full * I4_CHUNK_GROUPS < g_n) {
-        uint8_t wbuf[I4_CHUNK_WBYTES];
-        uint16_t sbuf[I4_CHUNK_GROUPS];
-        i4_tail(wa, sa, g_n, wbuf, sbuf);
-        i4_chunk_avx512(wbuf, sbuf, xp + full * I4_CHUNK_XBYTES, 0, acc_a, 1);
-        i4_tail(wb, sb, g_n, wbuf, sbuf);
-        i4_chunk_avx512(wbuf, sbuf, xp + full * I4_CHUNK_XBYTES, 0, acc_b, 1);
-    }
-    *ya = hsum16(acc_a[0]);
-    *yb = hsum16(acc_b[0]);
+static inline int32_t i4_load4(const uint8_t *z) {
+    int32_t v;
+    memcpy(&v, z, 4);
+    return v;
 }
 
 #define TILE_CASES4(CALL) \
@@ -339,69 +190,51 @@ AVX512_TARGET void i4_pair_avx512(const uint8_t *wa, const uint16_t *sa, const u
     switch (m) { case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; \
                  case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(8); break; }
 
-/* Weight rows [r0, r1) times rows prepared rows xp (stride xs): y [rows, n]. */
-__attribute__((target("avx2,fma,f16c"))) static void i4_block_avx2(const uint8_t *w, const uint16_t *scales,
-                                                                   int64_t g_n, const uint8_t *xp, int64_t xs,
-                                                                   float *y, int64_t rows, int64_t n, int64_t r0,
-                                                                   int64_t r1) {
-    for (int64_t c = 0; c < rows; c += 4) {
-        const int m = rows - c < 4 ? (int)(rows - c) : 4;
-#define I4_AVX2_CALL(M) \
-    for (int64_t r = r0; r < r1; r++) i4_row_avx2(w + r * g_n * 16, scales + r * g_n, g_n, xp + c * xs, xs, y + c * n, n, r, M)
-        TILE_CASES4(I4_AVX2_CALL)
-    }
-}
+/* The kernels, once per instruction set (int4_rows.h): i4_block, i4_pair and their parts, suffixed _avx2 and _avx512
+ * (with VNNI). */
+#include "vec_avx2.h"
+#include "int4_rows.h"
+#include "vec_end.h"
+#include "vec_avx512.h"
+#include "int4_rows.h"
+#include "vec_end.h"
 
-__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"))) static void i4_block_avx512(
-    const uint8_t *w, const uint16_t *scales, int64_t g_n, const uint8_t *xp, int64_t xs, float *y, int64_t rows,
-    int64_t n, int64_t r0, int64_t r1) {
-    for (int64_t c = 0; c < rows; c += 8) {
-        const int m = rows - c < 8 ? (int)(rows - c) : 8;
-#define I4_AVX512_CALL(M) \
-    for (int64_t r = r0; r < r1; r += 2) \
-        if (r + 1 < r1) \
-            i4_rows2_avx512(w + r * g_n * 16, scales + r * g_n, w + (r + 1) * g_n * 16, scales + (r + 1) * g_n, \
-                            g_n, xp + c * xs, xs, y + c * n, n, r, r + 1, M); \
-        else \
-            i4_row_avx512(w + r * g_n * 16, scales + r * g_n, g_n, xp + c * xs, xs, y + c * n, n, r, M)
-        TILE_CASES8(I4_AVX512_CALL)
-    }
-}
-
-static void i4_block(int64_t variant, const uint8_t *w, const uint16_t *scales, int64_t g_n, const uint8_t *xp,
-                     int64_t xs, float *y, int64_t rows, int64_t n, int64_t r0, int64_t r1) {
-    (variant == I4_AVX512_VNNI ? i4_block_avx512 : i4_block_avx2)(w, scales, g_n, xp, xs, y, rows, n, r0, r1);
+static void i4_block(int64_t variant, const i4_mat *w, const uint8_t *xp, int64_t xs, float *y, int64_t rows,
+                     int64_t n, int64_t r0, int64_t r1) {
+    (variant == I4_AVX512_VNNI ? i4_block_avx512 : i4_block_avx2)(w, xp, xs, y, rows, n, r0, r1);
 }
 
 /* Weight rows [r0, r1) times one prepared row xp into y[r0 .. r1) (= alpha * product (+ y where add)), read as two
  * sequential streams, the range's two halves side by side (as gemv_f32.c's one-row products: one stream a thread
  * leaves memory bandwidth unused). */
-static void i4_one_row(int64_t variant, const uint8_t *w, const uint16_t *scales, int64_t g_n, const uint8_t *xp,
-                       float *y, int64_t r0, int64_t r1, float alpha, int add) {
+static void i4_one_row(int64_t variant, const i4_mat *w, const uint8_t *xp, float *y, int64_t r0, int64_t r1,
+                       float alpha, int add) {
     const int64_t half = (r1 - r0 + 1) / 2;
     for (int64_t i = 0; i < half; i++) {
         const int64_t ra = r0 + i, rb = r0 + half + i < r1 ? r0 + half + i : ra;  /* an odd range's last row: twice */
         float va, vb;
-        (variant == I4_AVX512_VNNI ? i4_pair_avx512 : i4_pair_avx2)(w + ra * g_n * 16, scales + ra * g_n,
-                                                                   w + rb * g_n * 16, scales + rb * g_n, g_n, xp,
-                                                                   &va, &vb);
+        (variant == I4_AVX512_VNNI ? i4_pair_avx512 : i4_pair_avx2)(i4_row_at(w, ra), i4_row_at(w, rb), w->g_n,
+                                                                   w->gshift, xp, &va, &vb);
         y[ra] = alpha * va + (add ? y[ra] : 0.0f);
         if (rb != ra) y[rb] = alpha * vb + (add ? y[rb] : 0.0f);
     }
 }
 
-/* Inside a parallel region: this thread's share of the n weight rows times one prepared row xp, into y [n]
- * (y = alpha * product (+ y where add)). No barrier. */
+/* Inside a parallel region: this thread's share of the n weight rows (symmetric groups of 32) times one prepared row
+ * xp, into y [n] (y = alpha * product (+ y where add)). No barrier. */
 void mla_i4_share(int64_t variant, const uint8_t *w, const uint16_t *scales, const uint8_t *xp, float *y, int64_t n,
                   int64_t k, float alpha, int add) {
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-    i4_one_row(variant, w, scales, i4_groups(k), xp, y, n * t / nt, n * (t + 1) / nt, alpha, add);
+    const i4_mat mat = {w, scales, NULL, i4_groups(k), 0};
+    i4_one_row(variant, &mat, xp, y, n * t / nt, n * (t + 1) / nt, alpha, add);
 }
 
-/* Y [rows, n] = X [rows, k] W^T in float32, W as above (w packed, scales float16 bit patterns). */
-void mla_gemm_i4(const uint8_t *w, const uint16_t *scales, const float *x, float *y, int64_t rows, int64_t n,
-                 int64_t k, int64_t threads, int64_t variant) {
+/* Y [rows, n] = X [rows, k] W^T in float32, W as above with a float16 scale (bit patterns) per group of `group`
+ * values (32, 64 or 128; k a multiple of it where it is over 32) and zeros [n, groups] in [0, 16] (NULL: 8). */
+void mla_gemm_i4_groups(const uint8_t *w, const uint16_t *scales, const uint8_t *zeros, int64_t group, const float *x,
+                        float *y, int64_t rows, int64_t n, int64_t k, int64_t threads, int64_t variant) {
     const int64_t g_n = i4_groups(k), xs = mla_q8_row_bytes(k);
+    const i4_mat mat = {w, scales, zeros, g_n, group == 128 ? 2 : group == 64 ? 1 : 0};
     int64_t block = I4_BLOCK_BYTES / (g_n * 16);
     const int64_t balanced = n / (4 * threads);  /* at least about four blocks a thread */
     block = block < balanced ? block : balanced;
@@ -412,7 +245,10 @@ void mla_gemm_i4(const uint8_t *w, const uint16_t *scales, const float *x, float
     if (rows == 1) {
         q8_prepare_row(x, k, xp);
         #pragma omp parallel num_threads((int)threads)
-        mla_i4_share(variant, w, scales, xp, y, n, k, 1.0f, 0);
+        {
+            const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+            i4_one_row(variant, &mat, xp, y, n * t / nt, n * (t + 1) / nt, 1.0f, 0);
+        }
         free(xp);
         return;
     }
@@ -423,8 +259,14 @@ void mla_gemm_i4(const uint8_t *w, const uint16_t *scales, const float *x, float
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t r0 = b * block, r1 = r0 + block < n ? r0 + block : n;
-            i4_block(variant, w, scales, g_n, xp, xs, y, rows, n, r0, r1);
+            i4_block(variant, &mat, xp, xs, y, rows, n, r0, r1);
         }
     }
     free(xp);
+}
+
+/* mla_gemm_i4_groups for symmetric groups of 32 (ggml's Q4_0 numbers). */
+void mla_gemm_i4(const uint8_t *w, const uint16_t *scales, const float *x, float *y, int64_t rows, int64_t n,
+                 int64_t k, int64_t threads, int64_t variant) {
+    mla_gemm_i4_groups(w, scales, NULL, 32, x, y, rows, n, k, threads, variant);
 }

@@ -73,6 +73,8 @@ void mla_gemm_fp8(const uint8_t *w, const float *scale, int64_t bn, int64_t bk, 
                   int64_t m, int64_t n, int64_t k, int64_t threads);
 void mla_gemm_i4(const uint8_t *w, const uint16_t *scales, const float *x, float *y, int64_t rows, int64_t n,
                  int64_t k, int64_t threads, int64_t variant);
+void mla_gemm_i4_groups(const uint8_t *w, const uint16_t *scales, const uint8_t *zeros, int64_t group, const float *x,
+                        float *y, int64_t rows, int64_t n, int64_t k, int64_t threads, int64_t variant);
 int64_t mla_i4_variants(void);
 void mla_i4_from_stored(const uint8_t *src, uint8_t *dst, int64_t groups, int64_t threads);
 int64_t mla_q8_row_bytes(int64_t k);

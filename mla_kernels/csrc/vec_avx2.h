@@ -13,6 +13,13 @@
  *     VI_W8(p), VI_X16(p)          VI_STEP int8 values from p as int16; VI_STEP int16 values from p
  *     VI_DOT(a, w, x)              a plus the products w x summed in pairs (int32 lanes)
  *     VI_ZERO(), VI_SUM(a)         a zero vector; the sum of a's int32 lanes as a float
+ *     VI_LOAD(p), VI_AND, VI_SRLI16, VI_SET1_8, VI_MULLO32, VI_SRAI32, V_FROM_I32   bytes and int32 lanes
+ *     VI_DOT_U8(a, u0, s0, u1, s1) a plus, in each int32 lane, its four unsigned bytes of u0 times the signed bytes of
+ *                                  s0 and the same of u1 and s1 (exact where the int16 pair sums of u0 s0 + u1 s1 fit)
+ *     V_QUARTERS(f4, h), VI_QUARTERS(i4, h)   the vector whose lane l holds value h VL / 4 + l / 4 of four floats
+ *                                  (__m128) or four int32 (__m128i): a value per four lanes, part h of a 16-lane run
+ *     V_HSUM8(v)                   the lanes' sum folded to eight lanes first (lane l plus lane l + 8), then in hsum's
+ *                                  order: the same bits at either width for sums laid out as 16 lanes
  *     V_TARGET, VI_TARGET          the function attribute of a float / an integer kernel at this instruction set
  *     SFX(name)                    name with the instruction set's suffix */
 #define V __m256
@@ -40,6 +47,20 @@
 #define VI_DOT(a, w, x) _mm256_add_epi32(a, _mm256_madd_epi16(w, x))
 #define VI_ZERO _mm256_setzero_si256
 #define VI_SUM(a) hsum(_mm256_cvtepi32_ps(a))
+#define VI_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define VI_AND _mm256_and_si256
+#define VI_SRLI16 _mm256_srli_epi16
+#define VI_SET1_8 _mm256_set1_epi8
+#define VI_MULLO32 _mm256_mullo_epi32
+#define VI_SRAI32 _mm256_srai_epi32
+#define V_FROM_I32 _mm256_cvtepi32_ps
+#define VI_DOT_U8(a, u0, s0, u1, s1)                                                                                 \
+    _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1)), \
+                                          _mm256_set1_epi16(1)))
+#define QUARTER_LANES(h) _mm256_setr_epi32(2 * (h), 2 * (h), 2 * (h), 2 * (h), 2 * (h) + 1, 2 * (h) + 1, 2 * (h) + 1, 2 * (h) + 1)
+#define V_QUARTERS(f4, h) _mm256_permutevar8x32_ps(_mm256_castps128_ps256(f4), QUARTER_LANES(h))
+#define VI_QUARTERS(i4, h) _mm256_permutevar8x32_epi32(_mm256_castsi128_si256(i4), QUARTER_LANES(h))
+#define V_HSUM8 hsum
 #define V_TARGET
 #define VI_TARGET
 #define SFX(name) name##_avx2

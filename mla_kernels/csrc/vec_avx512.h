@@ -26,6 +26,18 @@
 #define VI_DOT(a, w, x) _mm512_dpwssd_epi32(a, w, x)
 #define VI_ZERO _mm512_setzero_si512
 #define VI_SUM(a) hsum(_mm256_cvtepi32_ps(_mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1))))
+#define VI_LOAD(p) _mm512_loadu_si512((const void *)(p))
+#define VI_AND _mm512_and_si512
+#define VI_SRLI16 _mm512_srli_epi16
+#define VI_SET1_8 _mm512_set1_epi8
+#define VI_MULLO32 _mm512_mullo_epi32
+#define VI_SRAI32 _mm512_srai_epi32
+#define V_FROM_I32 _mm512_cvtepi32_ps
+#define VI_DOT_U8(a, u0, s0, u1, s1) _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a, u0, s0), u1, s1)
+#define QUARTER_LANES(h) _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)  /* h: 0, the only part */
+#define V_QUARTERS(f4, h) _mm512_permutexvar_ps(QUARTER_LANES(h), _mm512_castps128_ps512(f4))
+#define VI_QUARTERS(i4, h) _mm512_permutexvar_epi32(QUARTER_LANES(h), _mm512_castsi128_si512(i4))
+#define V_HSUM8(v) hsum(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))))
 #define V_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")))
 #define VI_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 #define SFX(name) name##_avx512

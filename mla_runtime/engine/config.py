@@ -51,8 +51,8 @@ class EngineConfig:
     """Each field's ``opt`` gives its serve.yaml key, flag and help: ``serving/config.py`` builds the command
     line and the YAML loader from them."""
 
-    # a checkpoint folder or a hub repo id (org/name, resolved by hub.resolve_model)
-    model: str = field(metadata=opt("model.path", "checkpoint directory or hub repo id org/name "
+    # a checkpoint folder, a GGUF model (gguf_meta.gguf_files) or a hub repo id (org/name: hub.resolve_model)
+    model: str = field(metadata=opt("model.path", "checkpoint directory, GGUF file, or hub repo id org/name "
                                                   "(default: the embedded demo model)"))
     revision: str | None = field(default=None, metadata=opt(
         "model.revision", "hub branch, tag or commit of a repo id --model (default: main)"))

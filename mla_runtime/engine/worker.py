@@ -437,18 +437,20 @@ class Worker:
 
 def check_hybrid_settings(config: EngineConfig, cfg: ModelConfig) -> None:
     """Refuse, by name, the settings a hybrid model (linear-attention layers) does not run with: its layers' states
-    are advanced by every token a step computes, so drafts to verify are not possible; it runs on one rank, and its
-    latent rank is not truncated."""
+    are advanced by every token a step computes, so drafts to verify are not possible; a cached prefix cannot resume
+    them, so it has no prefix-cache tiers; it runs on one rank, and its latent rank is not truncated."""
     if cfg.linear_attention is None:
         return
     refused = {"tensor_parallel_size": config.tensor_parallel_size > 1,
                "num_speculative_tokens": config.num_speculative_tokens > 0,
-               "speculative_method": config.speculative_method == "mtp", "latent_rank": config.latent_rank is not None}
+               "speculative_method": config.speculative_method == "mtp", "latent_rank": config.latent_rank is not None,
+               "kv_cache_dir": config.kv_cache_dir is not None, "kv_cache_host_bytes": bool(config.kv_cache_host_bytes)}
     for name, bad in refused.items():
         if bad:
             raise InvalidParam(name, f"{name}={getattr(config, name)!r}: {cfg.model_type} is a hybrid model "
                                f"(linear-attention layers) and runs with tensor_parallel_size 1, no speculative "
-                               f"decoding and its full latent rank")
+                               f"decoding, its full latent rank and no prefix-cache tiers (kv_cache_dir, "
+                               f"kv_cache_host_bytes)")
 
 
 def rank_device(device: str | None, world: int, rank: int) -> torch.device:

@@ -19,6 +19,13 @@ Storage: ``packed [N, Kp / 2]`` uint8 (``Kp``: ``K`` rounded up to a multiple of
 byte ``j`` holding ``q[j] + 8`` in its low nibble and ``q[j + 16] + 8`` in its high one (Q4_0's block order), and
 ``scales [N, Kp / 32]`` float16: 0.5625 bytes per weight (18 bytes per 32 values, as Q4_0).
 
+Stored checkpoints (AWQ, GPTQ, compressed-tensors W4A16: ``stored_int4``) keep their own groups in the same
+nibbles: a float16 scale per ``group`` of 32, 64 or 128 values and, where asymmetric, a byte zero point ``z`` per
+group (0 to 16), ``W ≈ scale * (nibble - z)`` (the format above is ``z = 8``); act-order ones their inputs' order
+(``orders``). Their products take the same kernel (``cpu_kernels.linear_int4``: each group of 64 or 128 spans 2 or 4
+of the input rows' groups of 32; the zero's term is ``-z`` times the rounded inputs' integer sum, exact) or the same
+widening; only Q4_0's form (``q4_0``) takes the fused one-row decode kernels.
+
 Products: on the CPU, every product (decoding, a speculative verification, a batch, a prefill; 64 rows a pass) runs
 the compiled kernel of ``mla_kernels.cpu_kernels`` (``linear``, ``csrc/gemv_int4.c``; AVX2, or AVX-512
 VNNI where the CPU has it, with the same bits) where it builds and its check passes (``KernelPlan.int4_failure``): it
@@ -83,31 +90,80 @@ def quantize_q4_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales
 
 
+GROUPS = (32, 64, 128)  # the group widths the int4 kernels take
+# row segments of a matrix whose inputs are reordered (GPTQ's act-order, made contiguous at load): (end row, the input
+# order of the rows up to it: column j of the stored rows multiplies x[..., order[j]]; None: the identity)
+Orders = tuple[tuple[int, torch.Tensor | None], ...]
+
+
+def _check_layout(n: int, k: int, packed: torch.Tensor, scales: torch.Tensor, group: int,
+                  zeros: torch.Tensor | None) -> None:
+    kp = padded(k)
+    per = -(-kp // group)
+    if group not in GROUPS or (group > GROUP and k % group):
+        raise ValueError(f"Int4Weight: groups of {', '.join(map(str, GROUPS))} values (K a multiple of a group over "
+                         f"{GROUP}), got group {group} for K {k}")
+    if (packed.dtype != torch.uint8 or packed.shape != (n, kp // 2) or scales.dtype != torch.float16
+            or scales.shape != (n, per) or k < 1):
+        raise ValueError(f"Int4Weight: a [N, {k}] matrix takes uint8 nibbles [N, {kp // 2}] and float16 scales "
+                         f"[N, {per}], got {packed.dtype} {tuple(packed.shape)} and {scales.dtype} "
+                         f"{tuple(scales.shape)}")
+    if zeros is not None and (zeros.dtype != torch.uint8 or zeros.shape != (n, per)):
+        raise ValueError(f"Int4Weight: zero points are uint8 [N, {per}], got {zeros.dtype} {tuple(zeros.shape)}")
+
+
+def _cat_orders(parts: Sequence[Int4Weight]) -> Orders | None:
+    """The row segments of ``parts`` stacked; adjacent segments of one order joined."""
+    if all(p.orders is None for p in parts):
+        return None
+    segments: list[tuple[int, torch.Tensor | None]] = []
+    base = 0
+    for p in parts:
+        for end, order in p.orders or ((p.packed.shape[0], None),):
+            last = segments[-1][1] if segments else False
+            same = segments and (last is order or (isinstance(last, torch.Tensor) and order is not None
+                                                   and torch.equal(last, order)))
+            if same:
+                segments[-1] = (base + end, segments[-1][1])
+            else:
+                segments.append((base + end, order))
+        base += p.packed.shape[0]
+    return tuple(segments)
+
+
 class Int4Weight(QuantizedWeight):
     """A group-wise int4 ``[N, K]`` matrix (module docstring): what ``cpu_gemm.linear`` runs in place of the float
     weight."""
 
-    __slots__ = ("packed", "scales", "k", "kernel")
+    __slots__ = ("packed", "scales", "k", "kernel", "group", "zeros", "orders")
     scheme = "int4"
 
-    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, k: int, dtype: torch.dtype) -> None:
-        """``packed [N, Kp / 2]`` uint8 nibbles (``int4_format.pack_int4``) and ``scales [N, Kp / 32]`` float16, for a
-        weight ``[N, k]`` of ``dtype`` (``Kp``: ``k`` rounded up to a multiple of 32)."""
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, k: int, dtype: torch.dtype, *, group: int = GROUP,
+                 zeros: torch.Tensor | None = None, orders: Orders | None = None) -> None:
+        """``packed [N, Kp / 2]`` uint8 nibbles (``int4_format.pack_int4``) and ``scales [N, Kp / group]`` float16, for
+        a weight ``[N, k]`` of ``dtype`` (``Kp``: ``k`` rounded up to a multiple of 32): ``W = scale * (q + 8 - zero)``
+        per group of ``group`` values (32, 64 or 128; ``k`` a multiple of it where it is over 32), ``zeros
+        [N, Kp / group]`` uint8 in [0, 16] for asymmetric groups (None: 8, symmetric). ``orders``: the inputs each
+        block of rows reads in place of ``x`` (``Orders``; None: ``x`` as it is)."""
         n = packed.shape[0]
-        kp = padded(k)
-        if (packed.dtype != torch.uint8 or packed.shape != (n, kp // 2) or scales.dtype != torch.float16
-                or scales.shape != (n, kp // GROUP) or k < 1):
-            raise ValueError(f"Int4Weight: a [N, {k}] matrix takes uint8 nibbles [N, {kp // 2}] and float16 scales "
-                             f"[N, {kp // GROUP}], got {packed.dtype} {tuple(packed.shape)} and {scales.dtype} "
-                             f"{tuple(scales.shape)}")
+        _check_layout(n, k, packed, scales, group, zeros)
+        if orders is not None and (orders[-1][0] != n or any(o is not None and o.shape != (k,) for _, o in orders)):
+            raise ValueError(f"Int4Weight: input orders must cover the {n} rows with [{k}] indices each")
         self._release_float((n, k), dtype, packed.device)
         self.packed, self.scales, self.k = packed.contiguous(), scales.contiguous(), k
+        self.group, self.orders = group, orders
+        self.zeros = None if zeros is None else zeros.contiguous()
         self.bind(default_plan(packed.device))
 
     def bind(self, plan: KernelPlan) -> Int4Weight:
         super().bind(plan)
         self.kernel = self.on_cpu and plan.int4_failure is None  # else dequantised per product
         return self
+
+    @property
+    def q4_0(self) -> bool:
+        """Whether the matrix is in ggml's Q4_0 form: symmetric groups of 32, inputs in their order."""
+        return self.group == GROUP and self.zeros is None and self.orders is None
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int4Weight:
@@ -130,6 +186,25 @@ class Int4Weight(QuantizedWeight):
         return cls(pack_int4(wide), scales.to(torch.float16), k, dtype)
 
     @classmethod
+    def from_unsigned(cls, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group: int,
+                      dtype: torch.dtype, order: torch.Tensor | None = None) -> Int4Weight:
+        """From a stored asymmetric (or wider-grouped) matrix: ``q [N, K]`` integers in [0, 15], ``scales
+        [N, K / group]`` (rounded to float16; float16 and bfloat16 scales of float16's range exactly) and ``zeros``
+        (integers in [0, 16] of the same shape; None: 8), ``W = scale * (q - zero)`` per group of ``group`` values
+        along ``K``; ``order``: the inputs the columns multiply (``x[..., order]``; None: ``x``)."""
+        n, k = q.shape
+        if q.dtype.is_floating_point or q.dtype == torch.bool:
+            raise ValueError(f"Int4Weight.from_unsigned: integer q [N, K], got {q.dtype}")
+        for name, t, top in (("values", q, 15), ("zero points", zeros, 16)):
+            if t is not None and t.numel() and (int(t.min()) < 0 or int(t.max()) > top):
+                raise ValueError(f"Int4Weight.from_unsigned: {name} must lie in [0, {top}], got [{int(t.min())}, "
+                                 f"{int(t.max())}]")
+        wide = F.pad(q.to(torch.int16) - 8, (0, padded(k) - k)).to(torch.int8)
+        z = None if zeros is None else zeros.to(torch.uint8)
+        orders = None if order is None else ((n, order.to(torch.int64).contiguous()),)
+        return cls(pack_int4(wide), scales.to(torch.float16), k, dtype, group=group, zeros=z, orders=orders)
+
+    @classmethod
     def from_words(cls, words: torch.Tensor, scales: torch.Tensor, k: int, dtype: torch.dtype) -> Int4Weight:
         """From compressed-tensors' pack-quantized storage of a ``[N, k]`` matrix whose ``k`` is a multiple of 32:
         ``words [N, k / 8]`` int32 holding value ``i`` of a row at bits ``4i`` of the row's little-endian bytes,
@@ -141,56 +216,121 @@ class Int4Weight(QuantizedWeight):
             raise ValueError(f"Int4Weight.from_words: int32 words [N, {k // 8}] and scales [N, {k // GROUP}] of a "
                              f"matrix whose K ({k}) is a multiple of {GROUP}, got {words.dtype} "
                              f"{tuple(words.shape)} and {tuple(scales.shape)}")
-        stored = words.contiguous().view(torch.uint8)
-        if stored.device.type == "cpu" and cpu_kernels.failure() is None:
-            packed = cpu_kernels.ops().int4_from_stored(stored)
-        else:
-            halves = stored.view(n, k // GROUP, 2, GROUP // 4)  # values 0..15, 16..31
-            values = torch.stack((halves & 0x0F, halves >> 4), dim=-1).view(n, k // GROUP, 2, GROUP // 2)
-            packed = values[:, :, 0] | (values[:, :, 1] << 4)
-        return cls(packed.reshape(n, k // 2), scales.to(torch.float16), k, dtype)
+        return cls(nibbles_from_words(words, k), scales.to(torch.float16), k, dtype)
 
     def to_int(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(``q [N, K]`` int8 in [-8, 7], ``scales [N, ceil(K / 32)]`` float16): what ``from_int`` takes."""
+        """(``q [N, K]`` int8 in [-8, 7], ``scales [N, ceil(K / 32)]`` float16): what ``from_int`` takes, for a matrix
+        in Q4_0's form (``q4_0``)."""
+        if not self.q4_0:
+            raise ValueError(f"Int4Weight.to_int: symmetric groups of {GROUP} in input order only (this matrix has "
+                             f"groups of {self.group}{', zero points' if self.zeros is not None else ''}"
+                             f"{', reordered inputs' if self.orders is not None else ''})")
         return unpack_int4(self.packed)[:, :self.k].contiguous(), self.scales
 
     @classmethod
     def cat(cls, parts: Sequence[QuantizedWeight]) -> Int4Weight:
         int4 = [cast(Int4Weight, p) for p in parts]
-        if not int4 or any(not isinstance(p, Int4Weight) or p.k != int4[0].k for p in int4):
-            raise ValueError("Int4Weight.cat: int4 matrices of one K")
+        if not int4 or any(not isinstance(p, Int4Weight) or (p.k, p.group) != (int4[0].k, int4[0].group)
+                           for p in int4):
+            raise ValueError("Int4Weight.cat: int4 matrices of one K and one group width")
+        zeros = None
+        if any(p.zeros is not None for p in int4):  # a symmetric part's zero points are 8
+            zeros = torch.cat([torch.full_like(p.scales, 8, dtype=torch.uint8) if p.zeros is None else p.zeros
+                               for p in int4])
         return cls(torch.cat([p.packed for p in int4]), torch.cat([p.scales for p in int4]), int4[0].k,
-                   int4[0].plain.dtype)
+                   int4[0].plain.dtype, group=int4[0].group, zeros=zeros, orders=_cat_orders(int4))
 
     def select_rows(self, index: torch.Tensor) -> Int4Weight:
         index = index.to(self.packed.device)
-        return Int4Weight(self.packed[index], self.scales[index], self.k, self.plain.dtype)
+        if self.orders is not None and len(self.orders) > 1:
+            raise ValueError("Int4Weight.select_rows: a matrix whose row blocks reorder their inputs differently")
+        orders = None if self.orders is None else ((len(index), self.orders[0][1]),)
+        return Int4Weight(self.packed[index], self.scales[index], self.k, self.plain.dtype, group=self.group,
+                          zeros=None if self.zeros is None else self.zeros[index], orders=orders)
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() + self.scales.numel() * self.scales.element_size()
+        extra = 0 if self.zeros is None else self.zeros.numel()
+        orders = {id(o): o for _, o in self.orders or () if o is not None}
+        return (self.packed.numel() + self.scales.numel() * self.scales.element_size() + extra
+                + sum(o.numel() * o.element_size() for o in orders.values()))
 
     @classmethod
     def stored_bytes(cls, rows: int, k: int, block: tuple[int, int] | None = None) -> int:
         """Half a byte a value and a float16 scale per ``GROUP`` values of a row, ``K`` padded to whole groups."""
-        kp = padded(k)
-        return rows * kp // 2 + 2 * rows * (kp // GROUP)
+        return layout_bytes(rows, k, GROUP, False)
 
     def row_operand(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The matrix as the compiled layer and MLP kernels read it (``cpu_tables.Operand``), where they run."""
-        return (self.packed, self.scales) if self.kernel else None
+        """The matrix as the compiled layer and MLP kernels read it (``cpu_tables.Operand``), where they run: a matrix
+        in Q4_0's form (``q4_0``); any other runs product by product."""
+        return (self.packed, self.scales) if self.kernel and self.q4_0 else None
 
     def _dequantize_rows(self, r0: int, r1: int) -> torch.Tensor:
-        q = unpack_int4(self.packed[r0:r1]).float().view(r1 - r0, -1, GROUP)
-        return (q * self.scales[r0:r1].float().unsqueeze(-1)).view(r1 - r0, -1)[:, :self.k]
+        q = unpack_int4(self.packed[r0:r1]).float().view(r1 - r0, -1, self.group)
+        scales = self.scales[r0:r1].float().unsqueeze(-1)
+        if self.zeros is not None:  # the nibble is q + 8
+            q = q + (8.0 - self.zeros[r0:r1].float().unsqueeze(-1))
+        w = (q * scales).view(r1 - r0, -1)[:, :self.k]
+        if self.orders is None:
+            return w
+        out = torch.empty_like(w)
+        start = 0
+        for end, order in self.orders:  # column j of a block's rows is input order[j]
+            a, b = max(start, r0), min(end, r1)
+            if a < b:
+                if order is None:
+                    out[a - r0:b - r0] = w[a - r0:b - r0]
+                else:
+                    out[a - r0:b - r0, order] = w[a - r0:b - r0]
+            start = end
+        return out
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 matrix this one stands for."""
+        """The float32 matrix this one stands for (its columns in the inputs' order)."""
         return self._dequantize_rows(0, self.packed.shape[0]).contiguous()
+
+    def _kernel_product(self, x: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+        if self.group == GROUP and self.zeros is None:  # Q4_0's numbers (its rows' inputs possibly reordered)
+            return cpu_kernels.linear(x, self.packed[r0:r1], self.scales[r0:r1])
+        zeros = None if self.zeros is None else self.zeros[r0:r1]
+        return cpu_kernels.linear_int4(x, self.packed[r0:r1], self.scales[r0:r1], zeros, self.group)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [..., K]`` (any float dtype) -> ``x · Wᵀ (+ bias)`` in ``x``'s dtype."""
-        if self.kernel and x.numel():  # the kernel (module docstring), 64 rows a pass
-            bias = None if bias is None else bias.float()
-            return cpu_kernels.linear(x, self.packed, self.scales, bias=bias).to(x.dtype)
-        return self.widened_product(x, bias)
+        if not (self.kernel and x.numel()):
+            return self.widened_product(x, bias)
+        # the kernel (module docstring), 64 rows a pass; a row block whose inputs are reordered reads them so
+        n = self.packed.shape[0]
+        if self.orders is None:
+            y = self._kernel_product(x, 0, n)
+        else:
+            start, blocks = 0, []
+            for end, order in self.orders:
+                blocks.append(self._kernel_product(x if order is None else x.index_select(-1, order), start, end))
+                start = end
+            y = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-1)
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype)
+
+
+def nibbles_from_words(words: torch.Tensor, k: int) -> torch.Tensor:
+    """compressed-tensors' pack-quantized words ``[N, k / 8]`` int32 (value ``i`` of a row at bits ``4i`` of its
+    little-endian bytes; ``k`` a multiple of 32) -> this format's nibbles ``[N, k / 2]``, with byte operations."""
+    n = words.shape[0]
+    stored = words.contiguous().view(torch.uint8)
+    if stored.device.type == "cpu" and cpu_kernels.failure() is None:
+        packed = cpu_kernels.ops().int4_from_stored(stored)
+    else:
+        halves = stored.view(n, k // GROUP, 2, GROUP // 4)  # values 0..15, 16..31
+        values = torch.stack((halves & 0x0F, halves >> 4), dim=-1).view(n, k // GROUP, 2, GROUP // 2)
+        packed = values[:, :, 0] | (values[:, :, 1] << 4)
+    return packed.reshape(n, k // 2)
+
+
+def layout_bytes(rows: int, k: int, group: int, asymmetric: bool) -> int:
+    """Bytes of a ``[rows, k]`` int4 matrix with a float16 scale (and, ``asymmetric``, a byte zero point) per
+    ``group`` values of a row: half a byte a value, ``K`` padded to whole groups of 32."""
+    kp = padded(k)
+    per = -(-kp // group)
+    return rows * kp // 2 + rows * per * (3 if asymmetric else 2)

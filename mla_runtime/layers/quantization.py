@@ -288,10 +288,12 @@ def finish_quantization(model: nn.Module, quantization: str, plan: KernelPlan | 
     if prepare_attention is not None:  # the backend holds the rounded factors (a model; a bare test module has none)
         prepare_attention()
     head = cast(PackedWeight | None, getattr(model, "lm_head_packed", None))
-    if head is None or not head.quantized:  # tied: the embedding stays, the head is a quantised copy of it
-        model.__dict__["lm_head_packed"] = fmt.quantize(cast(torch.Tensor, model.lm_head_weight)).bind(plan)
+    tied = not isinstance(getattr(model, "lm_head", None), nn.Parameter)
+    if tied and (head is None or not head.quantized):  # the embedding stays, the head is a quantised copy of it
+        head = model.__dict__["lm_head_packed"] = fmt.quantize(cast(torch.Tensor, model.lm_head_weight)).bind(plan)
     draft_head = getattr(model, "draft_head", None)  # the MTP drafts' rows of it (set_draft_vocab)
-    if draft_head is not None and draft_head.numel() and draft_head.untyped_storage().nbytes() > 4:
+    quantized_head = head is not None and head.quantized  # an untied head a checkpoint left float stays so
+    if quantized_head and draft_head is not None and draft_head.numel() and draft_head.untyped_storage().nbytes() > 4:
         model.__dict__["draft_head_packed"] = fmt.quantize(draft_head).bind(plan)
         model.__dict__["draft_head"] = released(draft_head)
 

@@ -42,7 +42,7 @@ from mla_runtime.serving.anthropic_messages import MESSAGES, MessagesRequest, me
 from mla_runtime.serving.config import ServerConfig
 from mla_runtime.serving.jobs import JobBuilder
 from mla_runtime.serving.metrics import ServerMetrics
-from mla_runtime.serving.openai_responses import RESPONSES, ResponsesRequest, ResponseStore, responses_job
+from mla_runtime.serving.openai_responses import RESPONSES, ResponsesRequest, ResponseStore, responses_job, stored
 from mla_runtime.serving.openapi import DOCS_ASSETS, docs_asset, docs_page, openapi_schema
 from mla_runtime.serving.protocol import ApiError, ChatRequest, CompletionRequest, GenerateRequest, validation_error
 from mla_runtime.serving.request_log import REQUEST_ID_HEADER, RequestIdMiddleware, RequestLog, RequestRecord
@@ -306,6 +306,33 @@ async def responses(request: Request) -> Response:
     store = _server(request).responses
     return await _generation(request, "responses", ResponsesRequest,
                              lambda jobs, req: responses_job(jobs, store, req), RESPONSES)
+
+
+async def _kept_response(request: Request, response_id: str, delete: bool) -> Response:
+    """``GET`` or ``DELETE /v1/responses/{response_id}`` (``openai_responses.stored``), counted under its own
+    endpoint label."""
+    srv = _server(request)
+    endpoint = "responses_delete" if delete else "responses_retrieve"
+    try:
+        check_auth(request, srv.config)
+        if request.query_params.get("stream", "false").lower() not in ("false", "0"):
+            raise ApiError(400, "stream: a kept response is returned whole, not streamed again", param="stream")
+        found = stored(srv.responses, response_id, delete)
+    except ApiError as e:
+        srv.rt.reject(endpoint, e.status)
+        return error_response(e)
+    srv.rt.metrics.requests.labels(endpoint, "success").inc()
+    return JSONResponse(found)
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(request: Request, response_id: str) -> Response:
+    return await _kept_response(request, response_id, delete=False)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(request: Request, response_id: str) -> Response:
+    return await _kept_response(request, response_id, delete=True)
 
 
 @router.post("/v1/messages")

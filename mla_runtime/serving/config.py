@@ -72,8 +72,8 @@ class ServerConfig:
                                     "template or model_type decides; hermes where neither does), a syntax, or none "
                                     "(\"auto\" refused)", choices=TOOL_CALL_PARSERS))
     responses_store: int = field(default=1000, metadata=opt(
-        "serving.responses_store", "responses of /v1/responses kept in memory for previous_response_id (the least "
-                                   "recently used are dropped first; 0: none)"))
+        "serving.responses_store", "responses of /v1/responses kept in memory for previous_response_id and GET "
+                                   "/v1/responses/{id} (the least recently used are dropped first; 0: none)"))
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
@@ -439,13 +439,17 @@ def resolve_all(argv: Sequence[str] | None = None, env: Mapping[str, str] | None
 
 
 def _check_model(model: str, name: str = "model") -> str:
-    """A local checkpoint folder (with config.json), or a hub repo id (downloaded when the engine starts)."""
+    """A local checkpoint folder (with config.json), a GGUF model (a ``.gguf`` file, its first split part, or a folder
+    holding one), or a hub repo id (downloaded when the engine starts)."""
+    from mla_runtime.gguf_meta import gguf_files
+
     if is_repo_id(model):
         return model
     path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
+    if not (path / "config.json").is_file() and gguf_files(path) is None:
         also = "" if path.is_dir() else " nor a hub repo id (org/name)"
-        raise ValueError(f"{name} ({where(name)}): {path} is not a checkpoint directory (no config.json){also}")
+        raise ValueError(f"{name} ({where(name)}): {path} is not a checkpoint directory (no config.json) or a GGUF "
+                         f"file{also}")
     return str(path)
 
 

@@ -22,6 +22,7 @@ from mla_runtime.engine.info import EngineInfo, EngineStats
 
 OUTCOMES = ("success", "invalid", "unauthorized", "too_large", "rejected", "timeout", "stalled",
             "client_disconnect", "aborted", "error")
+ENDPOINTS = ("generate", "completions", "chat", "responses", "messages", "responses_retrieve", "responses_delete")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -31,7 +32,8 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         ProcessCollector(registry=r)  # process_resident_memory_bytes & co, for leak/drift checks
-        self.requests = Counter("mla_requests", "HTTP generation requests by final outcome",
+        self.requests = Counter("mla_requests", "HTTP API requests by final outcome (the generation routes, and the "
+                                "retrieval and deletion of kept responses)",
                                 ["endpoint", "outcome"], registry=r)
         self.in_flight = Gauge("mla_requests_in_flight", "Requests admitted and not yet answered", registry=r)
         self.ready = Gauge("mla_ready", "1 once the weights are loaded and the probe generation passed", registry=r)
@@ -47,7 +49,7 @@ class ServerMetrics:
         self.generation_tokens = Counter("mla_generation_tokens", "Tokens generated for requests", registry=r)
         self.cached_prompt_tokens = Counter("mla_cached_prompt_tokens", "Prompt tokens served from the prefix cache",
                                             registry=r)
-        for endpoint in ("generate", "completions", "chat", "responses", "messages"):
+        for endpoint in ENDPOINTS:
             for outcome in OUTCOMES:
                 self.requests.labels(endpoint, outcome)
 

@@ -7,6 +7,7 @@ items: messages (roles ``user``, ``system``, ``developer``, ``assistant``; conte
 ``max_output_tokens`` is the output limit, ``tools`` function tools, ``tool_choice`` chat's, ``text.format`` chat's
 ``response_format``, and a ``reasoning.effort`` other than ``none`` sets the chat template variable ``thinking``.
 
+``GET /v1/responses/{id}`` returns a kept response's object as it was answered, ``DELETE`` forgets it (``stored``).
 ``previous_response_id`` continues a conversation: the input and output of the responses kept in memory (the
 ``ResponseStore``, the ``serving.responses_store`` most recently used, ``store: false`` keeps none) come before the
 new input; ``instructions`` are not carried over, as OpenAI does. An unknown id is a 404 naming the field.
@@ -44,29 +45,44 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 class ResponseStore:
-    """The conversations of the latest responses, for ``previous_response_id``: at most ``size``, the least recently
-    used dropped first. Safe across threads (jobs are built in worker threads)."""
+    """The latest responses, each with its conversation (for ``previous_response_id``) and its response object (for
+    ``GET /v1/responses/{id}``): at most ``size``, the least recently used dropped first. Safe across threads (jobs
+    are built in worker threads)."""
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._items: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def get(self, response_id: str) -> list[dict[str, Any]] | None:
+    def _find(self, response_id: str) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
         with self._lock:
             found = self._items.get(response_id)
             if found is not None:
                 self._items.move_to_end(response_id)
-            return None if found is None else list(found)
+            return found
 
-    def put(self, response_id: str, conversation: list[dict[str, Any]]) -> None:
+    def get(self, response_id: str) -> list[dict[str, Any]] | None:
+        """The conversation of a kept response (its input and output, as chat messages)."""
+        found = self._find(response_id)
+        return None if found is None else list(found[0])
+
+    def response(self, response_id: str) -> dict[str, Any] | None:
+        """A kept response's object, as it was answered."""
+        found = self._find(response_id)
+        return None if found is None else found[1]
+
+    def delete(self, response_id: str) -> bool:
+        with self._lock:
+            return self._items.pop(response_id, None) is not None
+
+    def put(self, response_id: str, conversation: list[dict[str, Any]], response: dict[str, Any]) -> None:
         if self.size <= 0:
             return
         with self._lock:
-            self._items[response_id] = conversation
+            self._items[response_id] = (conversation, response)
             self._items.move_to_end(response_id)
             while len(self._items) > self.size:
                 self._items.popitem(last=False)
@@ -275,6 +291,7 @@ def finished(job: ResponsesJob, out: RequestOutput, items: list[dict[str, Any]],
              ) -> dict[str, Any]:
     """The final response object; kept in the store (with this turn's output) unless ``store`` was false."""
     status = "incomplete" if reason == "length" else "completed"
+    response = response_object(job, status, items, _usage(out))
     if job.store is not None:
         text = "".join(p["text"] for i in items if i["type"] == "message" for p in i["content"])
         calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
@@ -282,8 +299,8 @@ def finished(job: ResponsesJob, out: RequestOutput, items: list[dict[str, Any]],
         said: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
         if calls:
             said["tool_calls"] = calls
-        job.store.put(job.request_id, job.conversation + [said])
-    return response_object(job, status, items, _usage(out))
+        job.store.put(job.request_id, job.conversation + [said], response)
+    return response
 
 
 def response_body(job: Job, out: RequestOutput) -> dict[str, Any]:
@@ -370,6 +387,17 @@ class ResponsesStream(PartStream):
         response = finished(self.rjob, out, self.items, self.finish)
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         return [self.event(kind, response=response)]
+
+
+def stored(store: ResponseStore, response_id: str, delete: bool) -> dict[str, Any]:
+    """``GET /v1/responses/{id}``: the kept response's object; ``DELETE``: OpenAI's deletion object. An id not kept
+    (never, no longer, or with ``store: false``) is a 404 naming ``response_id``."""
+    found = ({"id": response_id, "object": "response", "deleted": True} if store.delete(response_id) else None) \
+        if delete else store.response(response_id)
+    if found is None:
+        raise ApiError(404, f"response_id: no response {response_id!r} is kept here (the server keeps the latest "
+                            f"{store.size}, and none made with store: false)", param="response_id")
+    return found
 
 
 def stream_error(e: ApiError) -> list[bytes]:

@@ -197,6 +197,14 @@ class ResponseObject(BaseModel):
     usage: ResponsesUsage | None
 
 
+class ResponseDeleted(BaseModel):
+    """``DELETE /v1/responses/{response_id}``'s answer."""
+
+    id: str
+    object: Literal["response"]
+    deleted: Literal[True]
+
+
 class ResponseEvent(BaseModel):
     """One event of a streamed ``/v1/responses`` (``event: <type>``); ``error`` events carry code, message, param."""
 
@@ -267,8 +275,8 @@ class Ready(BaseModel):
 
 MODELS: list[type[BaseModel]] = [GenerateRequest, CompletionRequest, ChatRequest, Error, GenerateResponse,
                                  GenerateEvent, Completion, ChatCompletion, ChatCompletionChunk, ModelList, Health,
-                                 Ready, ResponsesRequest, ResponseObject, ResponseEvent, MessagesRequest,
-                                 AnthropicMessageObject, AnthropicEvent, AnthropicError]
+                                 Ready, ResponsesRequest, ResponseObject, ResponseDeleted, ResponseEvent,
+                                 MessagesRequest, AnthropicMessageObject, AnthropicEvent, AnthropicError]
 ERRORS = {400: "Invalid request: the message and param name the field", 401: "Missing or wrong API key",
           404: "Unknown model (or, on /v1/responses, previous_response_id)", 413: "Body above max_body_bytes",
           429: "At capacity (max_num_seqs + max_queue sequences in flight); see Retry-After",
@@ -330,6 +338,24 @@ def _json_ok(model: str, what: str) -> dict[str, Any]:
     return {"description": what, "content": {"application/json": _json(model)}}
 
 
+def _kept_response(secured: bool) -> dict[str, Any]:
+    """``GET`` and ``DELETE /v1/responses/{response_id}``: a response kept by the server (``store``)."""
+    path = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"},
+             "description": "The id of a response made with store: true"}]
+    item = {"get": _operation("Retrieve response", _json_ok("ResponseObject", "The kept response, as it was answered"),
+                              (400, 401), secured),
+            "delete": _operation("Delete response", _json_ok("ResponseDeleted", "The response is forgotten"),
+                                 (401,), secured)}
+    for op in item.values():
+        op["parameters"] = path
+        op["responses"]["404"] = {"description": "No response kept with this id",
+                                  "content": {"application/json": _json("Error")}}
+    item["get"]["parameters"] = path + [{"name": "stream", "in": "query", "required": False,
+                                         "schema": {"type": "boolean", "const": False},
+                                         "description": "Only false: a kept response is not streamed again"}]
+    return item
+
+
 def _paths(config: ServerConfig) -> dict[str, Any]:
     keyed = config.api_key is not None
     return {
@@ -339,6 +365,7 @@ def _paths(config: ServerConfig) -> dict[str, Any]:
                                             "ChatCompletionChunk", keyed, True),
         "/v1/responses": _generation("Responses", "ResponsesRequest", "ResponseObject", "ResponseEvent", keyed, True,
                                      named=True),
+        "/v1/responses/{response_id}": _kept_response(keyed),
         "/v1/messages": _generation("Messages", "MessagesRequest", "AnthropicMessageObject", "AnthropicEvent", keyed,
                                     True, "AnthropicError", named=True),
         "/v1/models": _get("Models", _json_ok("ModelList", "The served model"), (401,), keyed),

@@ -32,6 +32,7 @@ from mla_runtime.serving.protocol import usage
 from mla_runtime.serving.reasoning import Reasoning, ReasoningSplitter
 from mla_runtime.serving.tool_parsers import Parsed, ToolParser, ToolStream, make_parser
 from mla_runtime.serving.tools import ToolMode, calls_of_output
+from mla_runtime.tokenizer import DecodeWindow
 
 OBJECTS = {"completions": ("text_completion", "text_completion"),
            "chat": ("chat.completion", "chat.completion.chunk")}
@@ -105,26 +106,39 @@ def split_reasoning(job: Job, c: CompletionOutput) -> tuple[str | None, str | No
     return job.reasoning.split(c.text)
 
 
-def tool_text(job: Job, c: CompletionOutput, final: bool) -> str | None:
-    """The answer part of a choice's text decoded with its tool-call markers (``raw_text``), as far as it is settled:
-    finished, a stop string cut as the engine cut it from the text; still running, without a partly decoded
-    character at its end or the text that may start a stop string. None: the thinking never closed."""
+def tool_text(job: Job, c: CompletionOutput) -> str | None:
+    """The answer part of a finished choice's text decoded with its tool-call markers (``raw_text``), a stop string
+    cut as the engine cut it from the text. None: the thinking never closed."""
     raw = job.raw_text(c.token_ids)
     stops = job.params.stop_strings
-    if final:
-        cuts = [i for i in (raw.find(s) for s in stops) if i >= 0] if c.finish_reason == "stop" else []
-        raw = raw[:min(cuts)] if cuts else raw
-        return raw if job.reasoning is None else job.reasoning.split(raw)[1]
-    raw = raw.rstrip("\ufffd")
-    raw = raw[:len(raw) - (max((len(s) for s in stops), default=1) - 1)]
-    return raw if job.reasoning is None else job.reasoning.splitter().feed(raw)[1]
+    cuts = [i for i in (raw.find(s) for s in stops) if i >= 0] if c.finish_reason == "stop" else []
+    raw = raw[:min(cuts)] if cuts else raw
+    return raw if job.reasoning is None else job.reasoning.split(raw)[1]
 
 
-def parse_auto(job: Job, c: CompletionOutput, final: bool, parser: ToolParser) -> Parsed | None:
-    """An ``auto`` choice's answer parsed in the model's tool-call syntax (``tool_parsers.py``), whole when
-    ``final``, else as far as it is settled; None: the thinking never closed."""
-    answer = tool_text(job, c, final)
-    return None if answer is None else parser.parse(answer, final and c.finish_reason == "stop")
+def parse_auto(job: Job, c: CompletionOutput, parser: ToolParser) -> Parsed | None:
+    """A finished ``auto`` choice's answer parsed in the model's tool-call syntax (``tool_parsers.py``); None: the
+    thinking never closed."""
+    answer = tool_text(job, c)
+    return None if answer is None else parser.parse(answer, c.finish_reason == "stop")
+
+
+class AnswerText:
+    """A running ``auto`` choice's answer as ``tool_text`` reads it, given a piece at a time: each ``update`` decodes
+    only the new tokens (``DecodeWindow``), holds the text that may start a stop string, and passes the rest through
+    the reasoning split, returning the answer's new text (none inside the thinking)."""
+
+    def __init__(self, job: Job) -> None:
+        self.window = DecodeWindow(job.raw_text)
+        self.hold = max((len(s) for s in job.params.stop_strings), default=1) - 1
+        self.held = ""
+        self.splitter = job.reasoning.splitter() if job.reasoning is not None else None
+
+    def update(self, token_ids: list[int]) -> str:
+        text = self.held + self.window.update(token_ids)
+        cut = max(0, len(text) - self.hold)
+        ready, self.held = text[:cut], text[cut:]
+        return ready if self.splitter is None else self.splitter.feed(ready)[1]
 
 
 def auto_parser(job: Job) -> ToolParser:
@@ -142,7 +156,7 @@ def tool_answer(job: Job, c: CompletionOutput) -> tuple[str | None, list[dict[st
         return answer, [], reason
     if job.tools.kind == "auto":
         parser = auto_parser(job)
-        parsed = parse_auto(job, c, True, parser)
+        parsed = parse_auto(job, c, parser)
         if parsed is None:
             return None, [], reason
         content = (parsed.content or None) if parsed.started else parsed.content
@@ -258,6 +272,7 @@ class StreamState:
         self.tool_streams: list[ToolStream] | None = (  # an auto tool choice's calls, streamed as they are written
             [ToolStream(auto_parser(job)) for _ in range(n)] if job.tools is not None and job.tools.kind == "auto"
             else None)
+        self.answers = [AnswerText(job) for _ in range(n)] if self.tool_streams is not None else []
         self.splitters: list[ReasoningSplitter] | None = (
             None if job.reasoning is None else [job.reasoning.splitter() for _ in range(n)])
         self.sent_tokens = [0] * n
@@ -268,7 +283,11 @@ class StreamState:
 
     def chunks(self, out: RequestOutput) -> list[bytes]:
         """SSE events for what ``out`` adds; after the final output also usage and ``[DONE]``."""
-        events = []
+        return [sse(p) for p in self.payloads(out)]
+
+    def payloads(self, out: RequestOutput) -> list[dict[str, Any] | str]:
+        """The data of the SSE events ``chunks`` sends for ``out`` (``"[DONE]"`` last)."""
+        events: list[dict[str, Any] | str] = []
         if not self.started:
             self.started = True
             events += self._opening()
@@ -298,11 +317,11 @@ class StreamState:
                 event = self._delta(i, text, tokens, reason, out if out.finished else None, lp, thought)
                 if calls:
                     event["choices"][0]["delta"]["tool_calls"] = calls
-                events.append(sse(event))
+                events.append(event)
         if out.finished:
             if self.job.include_usage and self.job.endpoint != "generate":
-                events.append(sse({**self._head(), "choices": [], "usage": _usage(out)}))
-            events.append(sse("[DONE]"))
+                events.append({**self._head(), "choices": [], "usage": _usage(out)})
+            events.append("[DONE]")
         return events
 
     def _split(self, i: int, text: str, finished: bool) -> tuple[str, str]:
@@ -323,10 +342,10 @@ class StreamState:
         finished = c.finish_reason is not None
         if self.tool_streams is not None:
             stream = self.tool_streams[c.index]
-            parsed = parse_auto(self.job, c, finished, stream.parser)
-            content, entries = stream.update(parsed) if parsed is not None else ("", [])
             if not finished:
-                return content, entries, None
+                return *stream.feed(self.answers[c.index].update(c.token_ids)), None
+            parsed = parse_auto(self.job, c, stream.parser)
+            content, entries = stream.update(parsed) if parsed is not None else ("", [])
             reason = finish_reason(c.finish_reason)
             if parsed is not None and parsed.calls and all(t.complete for t in parsed.calls) and reason == "stop":
                 reason = "tool_calls"
@@ -340,15 +359,15 @@ class StreamState:
         obj = OBJECTS[self.job.endpoint][1]
         return {"id": self.job.request_id, "object": obj, "created": self.job.created, "model": self.job.model}
 
-    def _opening(self) -> list[bytes]:
+    def _opening(self) -> list[dict[str, Any] | str]:
         job = self.job
         if job.endpoint == "chat":  # OpenAI's first chunk announces the role
-            return [sse({**self._head(), "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                      "logprobs": None, "finish_reason": None}]})
+            return [{**self._head(), "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                  "logprobs": None, "finish_reason": None}]}
                     for i in range(job.num_choices)]
         if job.endpoint == "completions" and job.echo:
-            return [sse({**self._head(), "choices": [{"index": i, "text": job.echo_of(i), "logprobs": None,
-                                                      "finish_reason": None}]}) for i in range(job.num_choices)]
+            return [{**self._head(), "choices": [{"index": i, "text": job.echo_of(i), "logprobs": None,
+                                                  "finish_reason": None}]} for i in range(job.num_choices)]
         return []
 
     def _delta(self, i: int, text: str, tokens: list[int], reason: str | None, final: RequestOutput | None,

@@ -8,6 +8,10 @@ the stream's deltas always add up to the parse of the whole output. ``end``: the
 token or string), which closes a call whose syntax has no end marker (Mistral's); an output cut by ``max_tokens``
 is parsed as a prefix, its last call incomplete.
 
+Streamed, the answer is not parsed again from its start with each piece: ``ToolStream.feed`` hands the parser the
+content that may still start a marker, or, once the calls began, the text from the first call that may still change
+(``scan`` returns where that is: after the last complete call), so that each complete call is read once.
+
 ``arguments`` is the JSON text the model wrote (for the syntaxes that write JSON) or the JSON object built from the
 named parameters it wrote (DSML, GLM); it is not checked against the tool's schema, as OpenAI's is not. Text after
 the first call's marker is never content.
@@ -34,13 +38,22 @@ The syntaxes (``TOOL_CALL_PARSERS``), as the families' published chat templates 
   ``[CALL_ID]ID`` before ``[ARGS]`` gives the call's id), or ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``
   (older ones). The newer layout has no end marker: a call ends at the next ``[TOOL_CALLS]`` or at the end of the
   output. Ids are nine letters and digits, the form Mistral's templates require of earlier calls.
+- ``minicpm3`` (MiniCPM3): ``<|tool_call_start|>``, a fenced ```` ```python ```` block of Python calls
+  ``NAME(KEY=VALUE, ...)``, one a line, then ``<|tool_call_end|>``; the template writes each value as JSON, and a
+  value written as a Python literal (``'text'``, ``True``, ``None``) is read too (positional arguments, which have no
+  name, are left out). The ``<|thought_start|>`` … ``<|thought_end|>`` explanation the template asks for before the
+  calls is content, without its markers. A call's arguments grow an argument at a time: each once the comma or
+  parenthesis after it is written.
 - ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` per call, ``name`` written first; the
-  fallback for families whose syntax is not one of the above. ``longcat`` is the same with
-  ``<longcat_tool_call>`` tags (LongCat-Flash).
+  fallback for families whose syntax is not one of the above. ``longcat`` (LongCat-Flash) is the same with
+  ``<longcat_tool_call>`` tags, or, as LongCat's later models write it, GLM's layout with ``longcat_`` before every
+  tag name (``<longcat_tool_call>NAME<longcat_arg_key>K</longcat_arg_key><longcat_arg_value>V
+  </longcat_arg_value></longcat_tool_call>``).
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import random
 import re
@@ -50,13 +63,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-TOOL_CALL_PARSERS = ("auto", "deepseek_v3", "deepseek_v31", "deepseek_v32", "kimi_k2", "glm45", "mistral", "hermes",
-                     "longcat", "none")
+TOOL_CALL_PARSERS = ("auto", "deepseek_v3", "deepseek_v31", "deepseek_v32", "kimi_k2", "glm45", "mistral", "minicpm3",
+                     "hermes", "longcat", "none")
 # model types whose chat template may not say which syntax they write; any other falls back to hermes
 MODEL_TYPE_PARSERS = {"deepseek_v2": "deepseek_v3", "deepseek_v3": "deepseek_v3", "deepseek_v32": "deepseek_v32",
                       "kimi_k2": "kimi_k2", "kimi_k25": "kimi_k2", "glm4_moe_lite": "glm45", "glm_moe_dsa": "glm45",
                       "mistral4": "mistral", "mistral_large4": "mistral", "mistral_large4_text": "mistral",
-                      "longcat_flash": "longcat"}
+                      "longcat_flash": "longcat", "minicpm3": "minicpm3"}
 FALLBACK = "hermes"
 
 DS_CALLS, DS_CALL, DS_SEP = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>"
@@ -66,6 +79,8 @@ KIMI_SECTION, KIMI_CALL = "<|tool_calls_section_begin|>", "<|tool_call_begin|>"
 KIMI_ARGS, KIMI_CALL_END = "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 KIMI_SECTION_END = "<|tool_calls_section_end|>"
 MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+CPM_CALLS, CPM_CALLS_END = "<|tool_call_start|>", "<|tool_call_end|>"
+CPM_THOUGHT, CPM_THOUGHT_END = "<|thought_start|>", "<|thought_end|>"
 
 
 @dataclass(frozen=True)
@@ -85,6 +100,18 @@ class Parsed:
     content: str
     calls: list[Call] = field(default_factory=list)
     started: bool = False
+
+
+@dataclass(frozen=True)
+class Scan:
+    """The calls read from a position on; the first ``kept`` are complete and end before ``resume``, where a later
+    read of a longer text may start again (the calls before it cannot change, and no call starts between them and
+    it); ``closed``: the calls' block ended, and no later text is read."""
+
+    calls: list[Call]
+    resume: int
+    kept: int
+    closed: bool = False
 
 
 def held(text: str, marker: str) -> int:
@@ -137,10 +164,17 @@ class ToolParser:
     def parse(self, text: str, end: bool) -> Parsed:
         i = text.find(self.begin)
         if i < 0:
-            return Parsed(text if end else text[:len(text) - held(text, self.begin)])
-        return Parsed(text[:i], self.calls(text, i, end), True)
+            return Parsed(self.content_of(text, end)[0])
+        return Parsed(self.content_of(text[:i], True)[0], self.scan(text, i, end).calls, True)
 
-    def calls(self, text: str, start: int, end: bool) -> list[Call]:
+    def content_of(self, head: str, end: bool) -> tuple[str, int]:
+        """The content of ``head`` (text with no call marker), and how many of its characters that settles: all at the
+        end, else all but what may start a marker."""
+        used = len(head) if end else len(head) - held(head, self.begin)
+        return head[:used], used
+
+    def scan(self, text: str, pos: int, end: bool) -> Scan:
+        """The calls from ``pos``: the opening marker's position, or a ``Scan.resume`` of a shorter text."""
         raise NotImplementedError
 
     def new_id(self) -> str:
@@ -157,22 +191,24 @@ class Delimited(ToolParser):
         self.name, self.begin, self.call_begin, self.opener, self.closer = name, begin, call_begin, opener, closer
         self.markers, self.header = markers, header
 
-    def calls(self, text: str, start: int, end: bool) -> list[Call]:
+    def scan(self, text: str, pos: int, end: bool) -> Scan:
         found: list[Call] = []
-        pos = start + len(self.begin)
+        resume = pos
         while (j := text.find(self.call_begin, pos)) >= 0:
             k = text.find(self.opener, j + len(self.call_begin))
             head = self.header(text[j + len(self.call_begin):k]) if k >= 0 else None
-            if head is None:
-                break
+            if head is None:  # a header not written yet, or one that is no call's: no call is read after it
+                return Scan(found, resume, len(found), k >= 0)
             a = k + len(self.opener)
             e = text.find(self.closer, a)
             if e < 0:
                 found.append(Call(head[0], open_args(text[a:], self.closer), False, head[1]))
                 break
             found.append(Call(head[0], text[a:e].strip(), True, head[1]))
-            pos = e + len(self.closer)
-        return found
+            pos = resume = e + len(self.closer)
+        else:
+            resume = max(resume, len(text) - held(text, self.call_begin))
+        return Scan(found, resume, len(found) - (bool(found) and not found[-1].complete))
 
 
 def _v3_header(head: str) -> tuple[str, str | None] | None:
@@ -207,11 +243,11 @@ class Dsml(ToolParser):
     INVOKE = re.compile(f'<{DSML_TAG}invoke\\s+name="([^"]*)"\\s*>')
     PARAM = re.compile(f'\\s*<{DSML_TAG}parameter\\s+name="([^"]*)"\\s+string="(true|false)"\\s*>'
                        f'(.*?)</{DSML_TAG}parameter>', re.S)
-    INVOKE_END = f"</{DSML_TAG}invoke>"
+    INVOKE_START, INVOKE_END = f"<{DSML_TAG}invoke", f"</{DSML_TAG}invoke>"
 
-    def calls(self, text: str, start: int, end: bool) -> list[Call]:
+    def scan(self, text: str, pos: int, end: bool) -> Scan:
         found: list[Call] = []
-        pos = start
+        resume = pos
         while (m := self.INVOKE.search(text, pos)) is not None:
             close = text.find(self.INVOKE_END, m.end())
             body = text[m.end():close] if close >= 0 else text[m.end():]
@@ -223,31 +259,37 @@ class Dsml(ToolParser):
             found.append(Call(m[1], json_object(pairs, close >= 0), close >= 0))
             if close < 0:
                 break
-            pos = close + len(self.INVOKE_END)
-        return found
+            pos = resume = close + len(self.INVOKE_END)
+        else:
+            start = text.find(self.INVOKE_START, pos)
+            resume = start if start >= 0 else max(resume, len(text) - held(text, self.INVOKE_START))
+        return Scan(found, resume, len(found) - (bool(found) and not found[-1].complete))
 
 
 class GLM(ToolParser):
-    """GLM-4.5 to 5's ``<tool_call>NAME<arg_key>…`` (module docstring)."""
+    """GLM-4.5 to 5's ``<tool_call>NAME<arg_key>…`` (module docstring); ``prefix`` starts every tag's name
+    (``longcat_`` for LongCat's)."""
 
-    name = "glm45"
-    begin = "<tool_call>"
-    END = "</tool_call>"
-    markers = (begin, END, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
     NAME = re.compile(r"\s*([^\s<]+)(?=[\s<])")
-    PAIR = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
-    def calls(self, text: str, start: int, end: bool) -> list[Call]:
+    def __init__(self, strings: frozenset[tuple[str, str]] = frozenset(), prefix: str = "") -> None:
+        super().__init__(strings)
+        self.name, self.begin, self.end = "glm45", f"<{prefix}tool_call>", f"</{prefix}tool_call>"
+        key, value = f"{prefix}arg_key", f"{prefix}arg_value"
+        self.markers = (self.begin, self.end, f"<{key}>", f"</{key}>", f"<{value}>", f"</{value}>")
+        self.pair = re.compile(f"\\s*<{key}>(.*?)</{key}>\\s*<{value}>(.*?)</{value}>", re.S)
+
+    def scan(self, text: str, pos: int, end: bool) -> Scan:
         found: list[Call] = []
-        pos = start
+        resume = pos
         while (j := text.find(self.begin, pos)) >= 0:
             m = self.NAME.match(text, j + len(self.begin))
             if m is None:
                 break
-            close = text.find(self.END, m.end())
+            close = text.find(self.end, m.end())
             body = text[m.end():close] if close >= 0 else text[m.end():]
             pairs, q = [], 0
-            while (p := self.PAIR.match(body, q)) is not None:
+            while (p := self.pair.match(body, q)) is not None:
                 key = p[1].strip()
                 value = json.dumps(p[2], ensure_ascii=False) if (m[1], key) in self.strings else as_json(p[2])
                 pairs.append((key, value))
@@ -255,8 +297,32 @@ class GLM(ToolParser):
             found.append(Call(m[1], json_object(pairs, close >= 0), close >= 0))
             if close < 0:
                 break
-            pos = close + len(self.END)
-        return found
+            pos = resume = close + len(self.end)
+        else:
+            resume = max(resume, len(text) - held(text, self.begin))
+        return Scan(found, resume, len(found) - (bool(found) and not found[-1].complete))
+
+
+class Longcat(ToolParser):
+    """LongCat's ``<longcat_tool_call>`` elements, holding JSON (Hermes' layout) or GLM's key and value tags (module
+    docstring); the first call's first character decides."""
+
+    name = "longcat"
+    begin = "<longcat_tool_call>"
+
+    def __init__(self, strings: frozenset[tuple[str, str]] = frozenset()) -> None:
+        super().__init__(strings)
+        self.json, self.tags = Hermes("longcat", "longcat_tool_call", strings), GLM(strings, "longcat_")
+        self.markers = self.tags.markers
+
+    FIRST = re.compile(r"\s*(\S)")
+
+    def scan(self, text: str, pos: int, end: bool) -> Scan:
+        j = text.find(self.begin, pos)
+        first = self.FIRST.match(text, j + len(self.begin)) if j >= 0 else None
+        if first is None:
+            return Scan([], pos if j >= 0 else max(pos, len(text) - held(text, self.begin)), 0)
+        return (self.json if first[1] == "{" else self.tags).scan(text, pos, end)
 
 
 _NAME_THEN_ARGS = r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*'
@@ -273,18 +339,18 @@ class Hermes(ToolParser):
         self.name, self.begin, self.end = name, f"<{tag}>", f"</{tag}>"
         self.markers = (self.begin, self.end)
 
-    def calls(self, text: str, start: int, end: bool) -> list[Call]:
+    def scan(self, text: str, pos: int, end: bool) -> Scan:
         found: list[Call] = []
-        pos = start
+        resume, kept = pos, 0
         while (j := text.find(self.begin, pos)) >= 0:
             b = j + len(self.begin)
             close = text.find(self.end, b)
-            body = text[:close] if close >= 0 else text
-            h = self.HEAD.match(body, b)
+            body = text[b:close] if close >= 0 else text[b:]
+            h = self.HEAD.match(body)
             if h is None:  # not name-first: a whole element may still be read once closed
-                call = _whole_object(body[b:]) if close >= 0 else None
-                if call is None:
-                    break
+                call = _whole_object(body) if close >= 0 else None
+                if call is None:  # not closed yet, or no call's: no call is read after it
+                    return Scan(found, resume, kept, close >= 0)
                 found.append(call)
             else:
                 stop = json_value(body, h.end())
@@ -294,8 +360,11 @@ class Hermes(ToolParser):
                 found.append(Call(json.loads(f'"{h[1]}"'), body[h.end():stop], close >= 0 or end))
             if close < 0:
                 break
-            pos = close + len(self.end)
-        return found
+            pos = resume = close + len(self.end)
+            kept = len(found)
+        else:
+            resume = max(resume, len(text) - held(text, self.begin))
+        return Scan(found, resume, kept)
 
 
 def _whole_object(text: str) -> Call | None:
@@ -318,26 +387,33 @@ class Mistral(ToolParser):
     ITEM = re.compile(r"\s*[\[,]?" + _NAME_THEN_ARGS)
     ITEM_END = re.compile(r'\s*(?:,\s*"id"\s*:\s*"[^"]*"\s*)?\}')
 
-    def calls(self, text: str, start: int, end: bool) -> list[Call]:
-        rest = text[start + len(self.begin):]
-        if rest.lstrip().startswith("["):
-            return self._array(rest, end)
+    ARRAY = re.compile(r"\s*[\[,{\]]")  # a list's opening, or a resumed read inside it
+    ARRAY_END = re.compile(r"\s*\]")
+
+    def scan(self, text: str, pos: int, end: bool) -> Scan:
+        k = pos + len(MISTRAL_CALLS) if text.startswith(MISTRAL_CALLS, pos) else pos
+        if self.ARRAY.match(text, k):
+            return self._array(text, k)
         found: list[Call] = []
-        parts = rest.split(MISTRAL_CALLS)
-        for k, part in enumerate(parts):
-            head, found_args, args = part.partition(MISTRAL_ARGS)
+        resume = pos
+        while text.startswith(MISTRAL_CALLS, pos):
+            a = pos + len(MISTRAL_CALLS)
+            after = text.find(MISTRAL_CALLS, a)
+            head, found_args, args = (text[a:after] if after >= 0 else text[a:]).partition(MISTRAL_ARGS)
             name, _, ident = head.partition(MISTRAL_ID)
             if not found_args or not name.strip():
                 break
-            last = k == len(parts) - 1
-            whole = not last or end
+            whole = after >= 0 or end
             found.append(Call(name.strip(), args.strip() if whole else open_args(args, MISTRAL_CALLS), whole,
                               ident.strip() or None))
-        return found
+            if after < 0:
+                break
+            pos = resume = after
+        return Scan(found, resume, len(found) - (bool(found) and not found[-1].complete))
 
-    def _array(self, text: str, end: bool) -> list[Call]:
+    def _array(self, text: str, pos: int) -> Scan:
         found: list[Call] = []
-        pos = 0
+        resume, kept = pos, 0
         while (m := self.ITEM.match(text, pos)) is not None:
             name = json.loads(f'"{m[1]}"')
             stop = json_value(text, m.end())
@@ -348,11 +424,96 @@ class Mistral(ToolParser):
             tail = self.ITEM_END.match(text, stop)
             if tail is None:
                 break
-            pos = tail.end()
-        return found
+            pos = resume = tail.end()
+            kept = len(found)
+        return Scan(found, resume, kept, self.ARRAY_END.match(text, pos) is not None)
 
     def new_id(self) -> str:
         return "".join(random.choices(string.ascii_letters + string.digits, k=9))
+
+
+class Pythonic(ToolParser):
+    """MiniCPM3's Python calls (module docstring)."""
+
+    name = "minicpm3"
+    begin = CPM_CALLS
+    markers = (CPM_CALLS, CPM_CALLS_END, CPM_THOUGHT, CPM_THOUGHT_END)
+    THOUGHT = re.compile(re.escape(CPM_THOUGHT) + r"\n?|" + re.escape(CPM_THOUGHT_END) + r"\n?")
+    BETWEEN = re.compile(r"(?:\s|,|\[|\]|```(?:python)?)*")  # fences, blank lines, a list's brackets and commas
+    HEAD = re.compile(r"([A-Za-z_][\w.]*)\(")
+
+    MARKER_AT_END = re.compile("(?:" + re.escape(CPM_THOUGHT) + "|" + re.escape(CPM_THOUGHT_END) + r")\Z")
+
+    def content_of(self, head: str, end: bool) -> tuple[str, int]:
+        """The text without the thought's markers (each with the newline after it): a marker at the end, or what may
+        start one, is held until the next character decides."""
+        used = len(head)
+        if not end:
+            used -= max(held(head, m) for m in self.markers)
+            at_end = self.MARKER_AT_END.search(head, 0, used)
+            used = at_end.start() if at_end is not None else used
+        return self.THOUGHT.sub("", head[:used]), used
+
+    def scan(self, text: str, pos: int, end: bool) -> Scan:
+        if text.startswith(self.begin, pos):
+            pos += len(self.begin)
+        stop = text.find(CPM_CALLS_END, pos)
+        limit = stop if stop >= 0 else len(text)
+        found: list[Call] = []
+        resume = pos
+        while (m := self.HEAD.match(text, self.BETWEEN.match(text, pos, limit).end(), limit)) is not None:  # type: ignore[union-attr]
+            pairs, pos, closed = python_arguments(text, m.end(), limit)
+            found.append(Call(m[1], json_object(pairs, closed), closed))
+            if not closed:
+                break
+            resume = pos
+        return Scan(found, resume, len(found) - (bool(found) and not found[-1].complete), stop >= 0)
+
+
+# a whole quoted string (skipped in one match), a quote that opens one not yet closed, or a bracket or comma
+PY_TOKEN = re.compile(r""""(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*'|["'()\[\]{},]""", re.S)
+
+
+def python_arguments(text: str, start: int, limit: int) -> tuple[list[tuple[str, str]], int, bool]:
+    """The keyword arguments of the Python call whose ``(`` ends at ``start`` (read up to ``limit``), as ``(name,
+    JSON value text)`` pairs (those whose value is settled), where the call's text ends, and whether its ``)`` was
+    written."""
+    pairs: list[tuple[str, str]] = []
+    piece, depth = start, 0
+    for m in PY_TOKEN.finditer(text, start, limit):
+        token = m[0]
+        if token in ("\"", "'"):  # a string still being written
+            break
+        if len(token) > 1:
+            continue
+        if token in "([{":
+            depth += 1
+        elif token in ")]}" and depth:
+            depth -= 1
+        elif token in ",)" and not depth:
+            named = keyword_argument(text[piece:m.start()])
+            if named is not None:
+                pairs.append(named)
+            if token == ")":
+                return pairs, m.end(), True
+            piece = m.end()
+    return pairs, limit, False
+
+
+def keyword_argument(text: str) -> tuple[str, str] | None:
+    """``KEY=VALUE`` → ``(KEY, VALUE as JSON text)``; the value written as JSON or as a Python literal. None: not a
+    keyword argument with a literal value."""
+    key, eq, value = text.partition("=")
+    if not eq or not key.strip().isidentifier():
+        return None
+    try:
+        return key.strip(), json.dumps(json.loads(value), ensure_ascii=False)
+    except json.JSONDecodeError:
+        pass
+    try:
+        return key.strip(), json.dumps(ast.literal_eval(value.strip()), ensure_ascii=False)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return None
 
 
 def make_parser(name: str, strings: frozenset[tuple[str, str]] = frozenset()) -> ToolParser:
@@ -365,8 +526,8 @@ def make_parser(name: str, strings: frozenset[tuple[str, str]] = frozenset()) ->
         return Delimited(name, KIMI_SECTION, KIMI_CALL, KIMI_ARGS, KIMI_CALL_END, _KIMI_MARKERS, _kimi_header,
                          strings)
     simple: dict[str, Callable[[frozenset[tuple[str, str]]], ToolParser]] = {
-        "deepseek_v32": Dsml, "glm45": GLM, "mistral": Mistral, "hermes": lambda s: Hermes(strings=s),
-        "longcat": lambda s: Hermes("longcat", "longcat_tool_call", s)}
+        "deepseek_v32": Dsml, "glm45": GLM, "mistral": Mistral, "minicpm3": Pythonic,
+        "hermes": lambda s: Hermes(strings=s), "longcat": Longcat}
     if name not in simple:
         raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {name!r}")
     return simple[name](strings)
@@ -379,7 +540,8 @@ def every_marker() -> set[str]:
 
 # the template text that tells each syntax apart, most specific first
 _TEMPLATE_SIGNS = ((DSML_TAG, "deepseek_v32"), (KIMI_SECTION, "kimi_k2"), ("<arg_key>", "glm45"),
-                   (MISTRAL_CALLS, "mistral"), ("<longcat_tool_call>", "longcat"), ("<tool_call>", "hermes"))
+                   (MISTRAL_CALLS, "mistral"), (CPM_CALLS, "minicpm3"), ("<longcat_tool_call>", "longcat"),
+                   ("<tool_call>", "hermes"))
 
 
 def choose_tool_parser(setting: str, model_type: str | None, chat_template: Any) -> str | None:
@@ -401,20 +563,54 @@ def choose_tool_parser(setting: str, model_type: str | None, chat_template: Any)
 
 
 class ToolStream:
-    """A streamed answer's tool-call deltas: ``update`` takes the parse of the answer so far and returns the content
-    and the ``delta.tool_calls`` entries it adds (OpenAI's shape: an entry with the call's index, id, type and name
-    and empty ``arguments`` first, then entries with pieces of ``arguments``)."""
+    """A streamed answer's tool-call deltas (OpenAI's shape: an entry with the call's index, id, type and name and
+    empty ``arguments`` first, then entries with pieces of ``arguments``) and content.
+
+    ``feed`` takes the answer's new text and reads only what is not settled: the content that may start a marker,
+    or, once the calls began, the text from the first call that may still change (complete calls are read once).
+    ``update`` takes the parse of the whole answer (at its end) and returns what it adds to what was sent.
+    ``read``: the characters handed to the parser so far."""
 
     def __init__(self, parser: ToolParser) -> None:
         self.parser = parser
         self.content = 0  # characters of content sent
         self.sent: list[int] = []  # characters of each call's arguments sent
+        self.pending = ""  # the answer's text not settled yet
+        self.started = False  # the calls' opening marker was read
+        self.kept = 0  # calls complete and read for the last time
+        self.closed = False  # the calls' block ended: no later text can add to them
+        self.read = 0
+
+    def feed(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
+        """The content and entries that ``delta`` (the answer's next text, not its end) adds."""
+        if not delta or self.closed:
+            return "", []
+        text, content = self.pending + delta, ""
+        self.read += len(text)
+        if not self.started:
+            i = text.find(self.parser.begin)
+            if i < 0:
+                content, used = self.parser.content_of(text, False)
+                self.pending = text[used:]
+                self.content += len(content)
+                return content, []
+            content = self.parser.content_of(text[:i], True)[0]
+            self.content += len(content)
+            self.started, text = True, text[i:]
+        found = self.parser.scan(text, 0, False)
+        entries = self._entries(found.calls, self.kept)
+        self.pending, self.kept, self.closed = text[found.resume:], self.kept + found.kept, found.closed
+        return content, entries
 
     def update(self, parsed: Parsed) -> tuple[str, list[dict[str, Any]]]:
         content = parsed.content[self.content:]
         self.content = max(self.content, len(parsed.content))
+        return content, self._entries(parsed.calls, 0)
+
+    def _entries(self, calls: list[Call], first: int) -> list[dict[str, Any]]:
+        """The entries of ``calls`` (the calls from index ``first`` on) beyond what was sent."""
         entries: list[dict[str, Any]] = []
-        for k, call in enumerate(parsed.calls):
+        for k, call in enumerate(calls, first):
             if k == len(self.sent):
                 entries.append({"index": k, "id": call.id or self.parser.new_id(), "type": "function",
                                 "function": {"name": call.name, "arguments": ""}})
@@ -423,4 +619,4 @@ class ToolStream:
             if piece:
                 entries.append({"index": k, "function": {"arguments": piece}})
                 self.sent[k] = len(call.arguments)
-        return content, entries
+        return entries

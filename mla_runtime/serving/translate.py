@@ -103,10 +103,10 @@ class PartStream(ABC):
         if not self.started:
             self.started = True
             events += self.opening(out)
-        for chunk in self.chat.chunks(out):
-            if not chunk.startswith(b"data: {"):
+        for payload in self.chat.payloads(out):
+            if isinstance(payload, str):
                 continue  # [DONE]: the API's own closing events end the stream
-            choice = json.loads(chunk[6:])["choices"][0]
+            choice = payload["choices"][0]
             delta = choice["delta"]
             for kind, key in (("reasoning", "reasoning_content"), ("text", "content")):
                 if delta.get(key):

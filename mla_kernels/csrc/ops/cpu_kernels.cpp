@@ -238,6 +238,38 @@ Tensor linear(const Tensor& x, const Tensor& w, const OptTensor& scales, at::Int
   return y;
 }
 
+// x [..., K] (any float dtype, computed in float32) times a group-wise int4 W [N, K]ᵀ -> float32 [..., N]: uint8 nibbles
+// [N, Kp / 2] (Kp: K rounded up to 32), float16 scales [N, Kp / group] for group 32, 64 or 128 (K a multiple of the
+// group where it is over 32) and, for asymmetric groups, uint8 zero points [N, Kp / group] in [0, 16] (none: 8).
+// linear's int4 product with these layouts; the same bits as linear where group is 32 and the zeros are 8.
+Tensor linear_int4(const Tensor& x, const Tensor& w, const Tensor& scales, const OptTensor& zeros, int64_t group,
+                   c10::string_view variant) {
+  const char* op = "linear_int4";
+  TORCH_CHECK_VALUE(group == 32 || group == 64 || group == 128, op, ": groups of 32, 64 or 128 values, got ", group);
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() >= 1 && at::isFloatingType(x.scalar_type()),
+                    op, ": x must be floating-point CPU rows, got ", x.scalar_type(), " ", x.sizes());
+  const int64_t n = w.dim() == 2 ? w.size(0) : 0, k = x.size(-1), rows = k ? x.numel() / k : 0;
+  TORCH_CHECK_VALUE(k >= 1 && rows >= 1, op, ": x holds no rows, got ", x.sizes());
+  TORCH_CHECK_VALUE(group == 32 || k % group == 0, op, ": rows of ", k, " values are not whole groups of ", group);
+  const int64_t kp = cdiv(k, 32) * 32;
+  expect(w, at::kByte, {n, kp / 2}, op, "the int4 nibbles");
+  expect(scales, at::kHalf, {n, cdiv(kp, group)}, op, "the int4 group scales");
+  if (zeros) expect(*zeros, at::kByte, {n, cdiv(kp, group)}, op, "the int4 zero points");
+  const int64_t runs = mla_i4_variants();
+  TORCH_CHECK_VALUE(runs != 0, op, ": no int4 variant runs on this CPU");
+  const int64_t v = variant_index(variant, runs, QUANT_VARIANTS, op);
+  const Tensor xs = x.to(at::kFloat).contiguous();
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = n;
+  Tensor y = at::empty(shape, xs.options());
+  const uint8_t* zp = zeros ? ptr<const uint8_t>(*zeros) : nullptr;
+  for (int64_t r0 = 0; r0 < rows; r0 += MLA_QUANT_ROWS)
+    mla_gemm_i4_groups(ptr<const uint8_t>(w), ptr<const uint16_t>(scales), zp, group, ptr<const float>(xs) + r0 * k,
+                       ptr<float>(y) + r0 * n, std::min<int64_t>(MLA_QUANT_ROWS, rows - r0), n, k, threads(),
+                       v < 0 ? fastest(runs) : v);
+  return y;
+}
+
 // compressed-tensors' pack-quantized int4 bytes [N, K / 2] (low nibble first) -> the nibble order linear reads.
 Tensor int4_from_stored(const Tensor& stored) {
   TORCH_CHECK_VALUE(stored.device().is_cpu() && stored.scalar_type() == at::kByte && stored.dim() == 2 &&
@@ -853,6 +885,8 @@ TORCH_LIBRARY_FRAGMENT(mla_kernels, m) {
   m.def("linear(Tensor x, Tensor w, Tensor? scales=None, int[] block=[], str variant=\"auto\") -> Tensor");
   m.def("dense_linear(Tensor x, Tensor plain, Tensor? operand, Tensor? tiles, Tensor? bias, int[] rows, bool onednn) "
         "-> Tensor");
+  m.def("linear_int4(Tensor x, Tensor w, Tensor scales, Tensor? zeros=None, int group=32, str variant=\"auto\") -> "
+        "Tensor");
   m.def("int4_from_stored(Tensor stored) -> Tensor");
   m.def("amx_pack(Tensor w) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor packed) -> Tensor");
@@ -906,6 +940,7 @@ TORCH_LIBRARY_FRAGMENT(mla_kernels, m) {
 TORCH_LIBRARY_IMPL(mla_kernels, CPU, m) {
   m.impl("linear", &linear);
   m.impl("dense_linear", &dense_linear);
+  m.impl("linear_int4", &linear_int4);
   m.impl("int4_from_stored", &int4_from_stored);
   m.impl("amx_pack", &amx_pack);
   m.impl("amx_linear", &amx_linear);

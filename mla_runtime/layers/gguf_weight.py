@@ -1,0 +1,203 @@
+"""Matrices kept in the ggml block types a GGUF file stores them in (``GgufWeight``), and Q4_0 moved into the int4
+format (``int4_from_q4_0``).
+
+A ggml type cuts each row of ``K`` values into blocks of ``block`` values stored in ``type_size`` bytes
+(``gguf.GGML_QUANT_SIZES``): Q8_0 32 values in 34 bytes (a float16 scale, 32 int8), Q4_0 32 in 18, the K-quants 256
+values in super-blocks with their own scales (Q2_K 84 bytes ... Q6_K 210). A ``GgufWeight`` holds a matrix's rows as
+those bytes, ``[rows, K / block * type_size]`` uint8 per part, and a matrix stacked from tensors of different types
+(``gate_proj`` Q4_K beside ``up_proj`` Q6_K) keeps one part per type: the type is data, not a class.
+
+Products widen the weight to float32 a block of output rows at a time (``QuantizedWeight.widened_product``: about
+``WIDEN_CHUNK_ELEMENTS`` values, never the whole matrix) and multiply in float32. On a CPU the block types are
+widened by the ``gguf`` package's dequantisers (numpy); on another device Q8_0, Q4_K and Q6_K (a Q4_K_M or Q5_K_M
+file's most common types) by torch there, the others through the CPU.
+
+Q4_0 is the runtime's int4 number format exactly (``layers.int4``: groups of 32 along ``K``, one float16 scale,
+``q[j] + 8`` in the low nibble of byte ``j`` and ``q[j + 16] + 8`` in its high nibble), so a Q4_0 matrix becomes an
+``Int4Weight`` by moving bytes: each block's two scale bytes go to the scales, its 16 nibble bytes to the packed
+matrix, nothing dequantised, and its products take the int4 kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import cast
+
+import torch
+
+from mla_runtime.layers.int4 import Int4Weight
+from mla_runtime.layers.qweight import QuantizedWeight, default_plan
+
+FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def block_shape(type_name: str) -> tuple[int, int]:
+    """(values per block, bytes per block) of a ggml type."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return cast(tuple[int, int], GGML_QUANT_SIZES[GGMLQuantizationType[type_name]])
+
+
+def row_bytes(type_name: str, k: int) -> int:
+    """The bytes one row of ``k`` values takes in ``type_name``."""
+    block, size = block_shape(type_name)
+    if k % block:
+        raise ValueError(f"{type_name}: a row of {k} values is not a whole number of its {block}-value blocks")
+    return k // block * size
+
+
+def _half(b: torch.Tensor) -> torch.Tensor:
+    """Float32 of float16 values stored as byte pairs (``b [..., 2]``)."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    """Q8_0 blocks ``[..., 34]``: a float16 scale, 32 int8 values."""
+    return blocks[..., 2:].contiguous().view(torch.int8).float() * _half(blocks[..., :2])
+
+
+def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's eight 6-bit sub-block scales and mins from their 12 bytes (``[..., 12]``): ``j < 4`` the low 6
+    bits of bytes ``j`` and ``4 + j``; ``j >= 4`` byte ``8 + j - 4``'s low (scale) and high (min) nibble, over the
+    top 2 bits of bytes ``j - 4`` and ``j``."""
+    d, m, both = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = torch.cat([d & 63, (both & 15) | ((d >> 6) << 4)], dim=-1)
+    mins = torch.cat([m & 63, (both >> 4) | ((m >> 6) << 4)], dim=-1)
+    return scales.float(), mins.float()
+
+
+def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_K super-blocks ``[n, 144]``: float16 ``d`` and ``dmin``, 12 bytes of scales and mins, 128 bytes of nibbles
+    (value ``f``: nibble ``(f % 64) // 32`` of byte ``32 (f // 64) + f % 32``); ``d sc q - dmin m``."""
+    n = blocks.shape[0]
+    sc, mn = _k_scales(blocks[:, 4:16])
+    qs = blocks[:, 16:].reshape(n, 4, 1, 32)
+    q = torch.cat([qs & 15, qs >> 4], dim=2).reshape(n, 8, 32).float()
+    return (_half(blocks[:, 0:2]) * sc)[..., None] * q - (_half(blocks[:, 2:4]) * mn)[..., None]
+
+
+def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    """Q6_K super-blocks ``[n, 210]``: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, a float16
+    ``d``; ``d scale[f // 16] (q - 32)`` (the layout of ``tests/gguf_files.quantize_q6_k``)."""
+    n = blocks.shape[0]
+    ql, qh = blocks[:, :128].reshape(n, 2, 1, 64), blocks[:, 128:192].reshape(n, 2, 1, 32)
+    low = torch.cat([ql & 15, ql >> 4], dim=2).reshape(n, 2, 128)
+    high = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=2).reshape(n, 2, 128)
+    q = (low | (high << 4)).reshape(n, 16, 16).float() - 32
+    scale = blocks[:, 192:208].contiguous().view(torch.int8).float() * _half(blocks[:, 208:210])
+    return scale[..., None] * q
+
+
+TORCH_BLOCKS = {"Q8_0": (34, _q8_0), "Q4_K": (144, _q4_k), "Q6_K": (210, _q6_k)}  # bytes a block, its dequantiser
+
+
+def dequantize_rows(type_name: str, data: torch.Tensor, k: int) -> torch.Tensor:
+    """Float32 ``[rows, k]`` of rows stored as ``type_name`` (``data``: uint8 ``[rows, row_bytes]``), on ``data``'s
+    device: on a CPU the ``gguf`` package's dequantisers (numpy: 2-6x torch's time on these byte operations); on
+    another device torch for Q8_0, Q4_K and Q6_K (checked against the package by the tests), the package's for the
+    others through the CPU."""
+    rows = data.shape[0]
+    if type_name in FLOAT_DTYPES:
+        return data.contiguous().view(FLOAT_DTYPES[type_name]).float().reshape(rows, k)
+    if type_name in TORCH_BLOCKS and data.device.type != "cpu":
+        size, widen = TORCH_BLOCKS[type_name]
+        return widen(data.reshape(-1, size)).reshape(rows, k)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    values = dequantize(data.cpu().numpy(), GGMLQuantizationType[type_name])
+    return torch.from_numpy(values.reshape(rows, k)).to(data.device)
+
+
+class GgufWeight(QuantizedWeight):
+    """A ``[N, K]`` matrix in ggml block types (module docstring): ``parts`` is a list of (type name, uint8
+    ``[rows, row_bytes]``), stacked in row order."""
+
+    __slots__ = ("parts", "k")
+    scheme = "gguf"
+
+    def __init__(self, parts: Sequence[tuple[str, torch.Tensor]], k: int, dtype: torch.dtype) -> None:
+        if not parts:
+            raise ValueError("GgufWeight: no parts")
+        for type_name, data in parts:
+            want = row_bytes(type_name, k)
+            if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != want:
+                raise ValueError(f"GgufWeight: {type_name} rows of {k} values take uint8 [rows, {want}], got "
+                                 f"{data.dtype} {tuple(data.shape)}")
+        device = parts[0][1].device
+        self._release_float((sum(d.shape[0] for _, d in parts), k), dtype, device)
+        self.parts, self.k = [(t, d) for t, d in parts], k
+        self.bind(default_plan(device))
+
+    @property
+    def types(self) -> list[str]:
+        """The ggml type of each part."""
+        return [t for t, _ in self.parts]
+
+    @classmethod
+    def cat(cls, parts: Sequence[QuantizedWeight]) -> GgufWeight:
+        ggml = [cast(GgufWeight, p) for p in parts]
+        if not ggml or any(not isinstance(p, GgufWeight) or p.k != ggml[0].k for p in ggml):
+            raise ValueError("GgufWeight.cat: GGUF matrices of one K")
+        return cls([part for p in ggml for part in p.parts], ggml[0].k, ggml[0].plain.dtype)
+
+    def select_rows(self, index: torch.Tensor) -> GgufWeight:
+        """The matrix of the output rows ``index``, each row's bytes as stored."""
+        starts, first = [], 0
+        for _, data in self.parts:
+            starts.append(first)
+            first += data.shape[0]
+        picked: list[tuple[str, torch.Tensor]] = []
+        for row in index.tolist():
+            i = max(j for j, s in enumerate(starts) if s <= row)
+            type_name, data = self.parts[i]
+            picked.append((type_name, data[row - starts[i]: row - starts[i] + 1]))
+        merged: list[tuple[str, torch.Tensor]] = []
+        for type_name, data in picked:  # runs of one type become one part
+            if merged and merged[-1][0] == type_name:
+                merged[-1] = (type_name, torch.cat([merged[-1][1], data]))
+            else:
+                merged.append((type_name, data.clone()))
+        return GgufWeight(merged, self.k, self.plain.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(d.numel() for _, d in self.parts)
+
+    @staticmethod
+    def bytes_of(type_name: str, rows: int, k: int) -> int:
+        """The bytes a ``[rows, k]`` matrix takes in ``type_name``."""
+        return rows * row_bytes(type_name, k)
+
+    def row_operand(self) -> None:
+        return None  # the compiled layer and MLP kernels read float32, int8 or int4 matrices
+
+    def _dequantize_rows(self, r0: int, r1: int) -> torch.Tensor:
+        out, first = [], 0
+        for type_name, data in self.parts:
+            a, b = max(r0, first), min(r1, first + data.shape[0])
+            if a < b:
+                out.append(dequantize_rows(type_name, data[a - first: b - first], self.k))
+            first += data.shape[0]
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 matrix this one stands for."""
+        return self._dequantize_rows(0, self.shape[0])
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x [..., K]`` (any float dtype) -> ``x · Wᵀ (+ bias)`` in ``x``'s dtype, the weight widened a block of
+        rows at a time."""
+        return self.widened_product(x, bias)
+
+
+def int4_from_q4_0(data: torch.Tensor, k: int, dtype: torch.dtype) -> Int4Weight:
+    """The ``Int4Weight`` of Q4_0 rows (``data``: uint8 ``[N, K / 32 * 18]``, each block a float16 scale and 16 nibble
+    bytes) for a weight of ``dtype``: the bytes moved, nothing dequantised (module docstring)."""
+    n = data.shape[0]
+    if data.dtype != torch.uint8 or data.shape[1] != row_bytes("Q4_0", k):
+        raise ValueError(f"int4_from_q4_0: Q4_0 rows of {k} values take uint8 [N, {row_bytes('Q4_0', k)}], got "
+                         f"{data.dtype} {tuple(data.shape)}")
+    blocks = data.reshape(n, k // 32, 18)
+    scales = blocks[..., :2].contiguous().view(torch.float16).reshape(n, k // 32)
+    return Int4Weight(blocks[..., 2:].reshape(n, k // 2), scales, k, dtype)
