@@ -658,6 +658,11 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            _kimi_linear_name),
     Family("bailing_hybrid", "deepseek_v3", "inclusionAI/Ling-3.0-Flash", _bailing_hybrid, _bailing_hybrid_name),
 )}
+# families with a torch model of their own that the engine (LLM, the server) does not serve yet: why, and what runs
+TORCH_ONLY = {"deepseek_v4": (
+    "model_type 'deepseek_v4' is not served by the engine yet (its sliding, CSA and HCA layers keep per-sequence "
+    "windows and compressed entries, not the paged latent cache): run it in torch with "
+    "mla_runtime.models.deepseek_v4.load_deepseek_v4 (docs/deepseek-v4.md)")}
 # checkpoints that name only their architecture
 ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
 
@@ -671,6 +676,8 @@ def family_of(raw: Raw) -> Family:
     for arch in raw.get("architectures") or []:
         if arch in ARCHITECTURES:
             return FAMILIES[ARCHITECTURES[arch]]
+    if model_type in TORCH_ONLY:
+        raise ValueError(TORCH_ONLY[model_type])
     raise ValueError(
         f"model_type {model_type!r} (architectures {raw.get('architectures')}) is not supported: mla-runtime runs the "
         f"multi-head latent attention architectures with model_type one of {sorted(FAMILIES)} (or architectures "
