@@ -130,6 +130,20 @@ Tensor onednn_linear(const Tensor& x, const Tensor& w, const OptTensor& bias) {
 
 constexpr int64_t WIDEN_ELEMENTS = 4 << 20;  // a widened product converts about this many weights at a time
 
+// x [..., K]: rows of any floating-point dtype on the CPU (a product computes them in float32), else a ValueError
+// naming op.
+void check_rows(const Tensor& x, const char* op) {
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() >= 1 && at::isFloatingType(x.scalar_type()),
+                    op, ": x must be floating-point CPU rows, got ", x.scalar_type(), " ", x.sizes());
+}
+
+// A product's float32 output for rows x [..., K]: [..., n].
+Tensor rows_out(const Tensor& x, int64_t n) {
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = n;
+  return at::empty(shape, x.options().dtype(at::kFloat));
+}
+
 // x [..., K] (any float dtype, computed in float32) times W [N, K]ᵀ -> float32 [..., N], for every weight format:
 // float32, bfloat16 or float16 (1 to MLA_FEW_ROWS rows; half weights read at two bytes and widened exactly); int8
 // with float32 row scales [N] (rows rounded to int16); float8_e4m3fn with float32 block scales [ceil(N / bn),
@@ -145,8 +159,7 @@ Tensor linear(const Tensor& x, const Tensor& w, const OptTensor& scales, at::Int
   const at::ScalarType dtype = w.scalar_type();
   TORCH_CHECK_VALUE(w.device().is_cpu() && w.dim() == 2 && w.is_contiguous(),
                     "linear: the weight must be a contiguous CPU matrix, got ", w.sizes());
-  TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() >= 1 && at::isFloatingType(x.scalar_type()),
-                    "linear: x must be floating-point CPU rows, got ", x.scalar_type(), " ", x.sizes());
+  check_rows(x, op);
   const int64_t n = w.size(0), k = x.size(-1), rows = k ? x.numel() / k : 0;
   TORCH_CHECK_VALUE(k >= 1 && rows >= 1 && (quantized(dtype) || rows <= MLA_FEW_ROWS), "linear: 1 to ",
                     MLA_FEW_ROWS, " rows with a ", dtype, " weight, got x ", x.sizes());
@@ -157,9 +170,7 @@ Tensor linear(const Tensor& x, const Tensor& w, const OptTensor& scales, at::Int
   const int64_t width = dtype == at::kByte ? cdiv(k, 32) * 16 : k;  // int4: two values a byte, K padded to 32
   TORCH_CHECK_VALUE(w.size(1) == width, "linear: rows of ", k, " values do not fit a ", dtype, " weight ", w.sizes());
   const Tensor xs = x.to(at::kFloat).contiguous();
-  std::vector<int64_t> shape = x.sizes().vec();
-  shape.back() = n;
-  Tensor y = at::empty(shape, xs.options());
+  Tensor y = rows_out(x, n);
   const float* xp = ptr<const float>(xs);
   float* yp = ptr<float>(y);
   // quantized weights: MLA_QUANT_ROWS rows a call (each row's result is the same in any call)
@@ -246,8 +257,7 @@ Tensor linear_int4(const Tensor& x, const Tensor& w, const Tensor& scales, const
                    c10::string_view variant) {
   const char* op = "linear_int4";
   TORCH_CHECK_VALUE(group == 32 || group == 64 || group == 128, op, ": groups of 32, 64 or 128 values, got ", group);
-  TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() >= 1 && at::isFloatingType(x.scalar_type()),
-                    op, ": x must be floating-point CPU rows, got ", x.scalar_type(), " ", x.sizes());
+  check_rows(x, op);
   const int64_t n = w.dim() == 2 ? w.size(0) : 0, k = x.size(-1), rows = k ? x.numel() / k : 0;
   TORCH_CHECK_VALUE(k >= 1 && rows >= 1, op, ": x holds no rows, got ", x.sizes());
   TORCH_CHECK_VALUE(group == 32 || k % group == 0, op, ": rows of ", k, " values are not whole groups of ", group);
@@ -259,9 +269,7 @@ Tensor linear_int4(const Tensor& x, const Tensor& w, const Tensor& scales, const
   TORCH_CHECK_VALUE(runs != 0, op, ": no int4 variant runs on this CPU");
   const int64_t v = variant_index(variant, runs, QUANT_VARIANTS, op);
   const Tensor xs = x.to(at::kFloat).contiguous();
-  std::vector<int64_t> shape = x.sizes().vec();
-  shape.back() = n;
-  Tensor y = at::empty(shape, xs.options());
+  Tensor y = rows_out(x, n);
   const uint8_t* zp = zeros ? ptr<const uint8_t>(*zeros) : nullptr;
   for (int64_t r0 = 0; r0 < rows; r0 += MLA_QUANT_ROWS)
     mla_gemm_i4_groups(ptr<const uint8_t>(w), ptr<const uint16_t>(scales), zp, group, ptr<const float>(xs) + r0 * k,
@@ -276,8 +284,7 @@ Tensor linear_int4(const Tensor& x, const Tensor& w, const Tensor& scales, const
 // call; the variants give the same bits, and a row's result does not depend on the other rows.
 Tensor ggml_linear(const Tensor& x, const Tensor& w, int64_t type, c10::string_view variant) {
   const char* op = "ggml_linear";
-  TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() >= 1 && at::isFloatingType(x.scalar_type()),
-                    op, ": x must be floating-point CPU rows, got ", x.scalar_type(), " ", x.sizes());
+  check_rows(x, op);
   const int64_t n = w.dim() == 2 ? w.size(0) : 0, k = x.size(-1), rows = k ? x.numel() / k : 0;
   const int64_t row_bytes = mla_ggml_row_bytes(type, k);
   TORCH_CHECK_VALUE(row_bytes > 0, op, ": no kernel reads ggml type ", type, " in rows of ", k, " values");
@@ -291,9 +298,7 @@ Tensor ggml_linear(const Tensor& x, const Tensor& w, int64_t type, c10::string_v
   TORCH_CHECK_VALUE(runs != 0, op, ": no variant runs on this CPU");
   const int64_t v = variant_index(variant, runs, QUANT_VARIANTS, op);
   const Tensor xs = x.to(at::kFloat).contiguous();
-  std::vector<int64_t> shape = x.sizes().vec();
-  shape.back() = n;
-  Tensor y = at::empty(shape, xs.options());
+  Tensor y = rows_out(x, n);
   for (int64_t r0 = 0; r0 < rows; r0 += MLA_QUANT_ROWS)
     mla_gemm_ggml(type, ptr<const uint8_t>(w), w.stride(0), ptr<const float>(xs) + r0 * k, ptr<float>(y) + r0 * n,
                   std::min<int64_t>(MLA_QUANT_ROWS, rows - r0), n, k, threads(), v < 0 ? fastest(runs) : v);
@@ -887,8 +892,7 @@ Tensor decoder_layer_hidden(const StepRef& step, int64_t d) {
 Tensor fp4_linear(const Tensor& x, const Tensor& w, const Tensor& scales, const OptTensor& global,
                   c10::string_view variant) {
   const char* op = "fp4_linear";
-  TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() >= 1 && at::isFloatingType(x.scalar_type()),
-                    op, ": x must be floating-point CPU rows, got ", x.scalar_type(), " ", x.sizes());
+  check_rows(x, op);
   const bool mx = scales.scalar_type() == at::kByte;
   TORCH_CHECK_VALUE(mx || scales.scalar_type() == at::kFloat8_e4m3fn, op, ": scales are uint8 (MXFP4) or ",
                     "float8_e4m3fn (NVFP4), got ", scales.scalar_type());
@@ -902,9 +906,7 @@ Tensor fp4_linear(const Tensor& x, const Tensor& w, const Tensor& scales, const 
   const int64_t v = variant_index(variant, mla_float_variants(), FLOAT_VARIANTS, op);
   Tensor xs = x.to(at::kFloat).reshape({rows, width});
   xs = (k == width ? xs : at::constant_pad_nd(xs, {0, k - width}, 0.0)).contiguous();  // zeros meet the padding
-  std::vector<int64_t> shape = x.sizes().vec();
-  shape.back() = n;
-  Tensor y = at::empty(shape, xs.options());
+  Tensor y = rows_out(x, n);
   const float* xp = ptr<const float>(xs);
   float* yp = ptr<float>(y);
   for (int64_t r0 = 0; r0 < rows; r0 += MLA_QUANT_ROWS)
@@ -917,17 +919,14 @@ Tensor fp4_linear(const Tensor& x, const Tensor& w, const Tensor& scales, const 
 // scales [N]; any number of rows, MLA_QUANT_ROWS a pass; "auto" or a variant of the int8 family.
 Tensor w8a8_linear(const Tensor& x, const Tensor& w, const Tensor& scales, c10::string_view variant) {
   const char* op = "w8a8_linear";
-  TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() >= 1 && at::isFloatingType(x.scalar_type()),
-                    op, ": x must be floating-point CPU rows, got ", x.scalar_type(), " ", x.sizes());
+  check_rows(x, op);
   const int64_t n = w.dim() == 2 ? w.size(0) : 0, k = x.size(-1), rows = k ? x.numel() / k : 0;
   expect(w, at::kChar, {n, k}, op, "the weight");
   expect(scales, at::kFloat, {n}, op, "the row scales");
   TORCH_CHECK_VALUE(k >= 1, op, ": rows of at least one value, got x ", x.sizes());
   const int64_t v = variant_index(variant, mla_i8_variants(), QUANT_VARIANTS, op);
   const Tensor xs = x.to(at::kFloat).contiguous();
-  std::vector<int64_t> shape = x.sizes().vec();
-  shape.back() = n;
-  Tensor y = at::empty(shape, xs.options());
+  Tensor y = rows_out(x, n);
   const float* xp = ptr<const float>(xs);
   float* yp = ptr<float>(y);
   for (int64_t r0 = 0; r0 < rows; r0 += MLA_QUANT_ROWS)
