@@ -66,7 +66,9 @@ VI_TARGET static inline __attribute__((always_inline)) float SFX(i4_total)(const
     return V_HSUM8(t);
 }
 
-/* Weight row rw (g_n groups) times m prepared rows xp (row stride xs bytes): y[j n + r] = the row's dot product. */
+/* Weight row rw (g_n groups) times m prepared rows xp (row stride xs bytes): y[j n + r] = the row's dot product.
+ * The chunks read in place come first, in a loop with no call in it (a call would make every accumulator a caller-
+ * saved register to spill); the rest go through i4_chunk_at's buffers. */
 VI_TARGET static inline __attribute__((always_inline)) void SFX(i4_row)(i4_row_ptr rw, int64_t g_n, int gshift,
                                                                        const int ZP, const uint8_t *xp, int64_t xs,
                                                                        float *y, int64_t n, int64_t r, const int m) {
@@ -76,11 +78,16 @@ VI_TARGET static inline __attribute__((always_inline)) void SFX(i4_row)(i4_row_p
     uint16_t sbuf[I4_CHUNK_GROUPS];
     for (int j = 0; j < m; j++)
         for (int h = 0; h < I4_PARTS; h++) acc[j][h] = V_ZERO();
-    for (int64_t c = 0; c < chunks; c++) {
-        const uint16_t *sc;
-        const uint8_t *zc, *wc;
-        I4_CHUNK_PTRS(rw, c, direct, wbuf, sbuf, zbuf, wc, sc, zc);
+    int64_t c = 0;
+    for (; c < direct; c++) {
         _mm_prefetch((const char *)(rw.w + c * I4_CHUNK_WBYTES) + I4_PREFETCH, _MM_HINT_T0);
+        SFX(i4_chunk)(rw.w + c * I4_CHUNK_WBYTES, rw.s + c * I4_CHUNK_GROUPS, ZP ? rw.z + c * I4_CHUNK_GROUPS : NULL,
+                      ZP, xp + c * I4_CHUNK_XBYTES, xs, acc, m);
+    }
+    for (; c < chunks; c++) {
+        const uint16_t *sc;
+        const uint8_t *zc;
+        const uint8_t *wc = i4_chunk_at(rw, c, g_n, gshift, wbuf, sbuf, zbuf, &sc, &zc);
         SFX(i4_chunk)(wc, sc, zc, ZP, xp + c * I4_CHUNK_XBYTES, xs, acc, m);
     }
     for (int j = 0; j < m; j++) y[j * n + r] = SFX(i4_total)(acc[j]);
