@@ -3,8 +3,8 @@ bfloat16), random weights, loaded with int8 and int4 from the bfloat16 checkpoin
 (compressed-tensors) copies of it, next to llama.cpp running the same weights as q8_0 / q4_0 GGUF.
 
     python bench/bench_real_size.py --work /tmp/real_size               # everything (about an hour on 2 cores)
-    python bench/bench_real_size.py --work /tmp/real_size --only mla     # mla-runtime only
-    python bench/bench_real_size.py --work /tmp/real_size --layers 4 --only mla  # a shorter model, same shapes
+    python bench/bench_real_size.py --work /tmp/real_size --systems mla  # mla-runtime only
+    python bench/bench_real_size.py --work /tmp/real_size --layers 4 --systems mla  # a shorter model, same shapes
 
 (llama.cpp tells DeepSeek-V2-Lite, whose queries have no low-rank projection, from the larger models by its layer
 count: it loads the config at 26 or 27 layers only.)
@@ -38,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -45,7 +46,7 @@ sys.path.insert(0, str(HERE))
 
 PRESET = HERE.parent / "mla_runtime" / "model_configs" / "deepseek-v2-lite.json"
 PROMPT_LEN, STEPS = 64, 16
-BATCHES = (1, 8)
+BATCHES = (1, 4, 8)
 PREFILL_LENS = (128, 512)  # prompts whose prefill (batch 1, one step, the first token's logits) is timed
 # bytes per weight of each format, scales included (q8_0/q4_0: a float16 scale per 32 weights; int8: a bfloat16 scale
 # per row, negligible; int4: a float16 scale per 32)
@@ -174,37 +175,76 @@ def run_worker(path: Path, quantization: str, args) -> dict:
     return json.loads(lines[-1])
 
 
-# -- llama.cpp --------------------------------------------------------------------------------------------------
-def llama_measure(gguf: Path, args) -> dict:
-    from llama_peer import BIN
+# -- the llama.cpp family of peers -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Peer:
+    """A llama.cpp build and the flags it runs with: ``bench`` for llama-bench (decode at batch 1, prefill),
+    ``batched`` for llama-batched-bench (decode at batch 4 and 8)."""
 
-    def bench(batch: int) -> tuple[float, float | None]:
+    name: str
+    bin: Path
+    bench: tuple[str, ...]
+    batched: tuple[str, ...]
+    setup: str
+
+    def version(self) -> str:
+        said = self.bin.parent.parent / "VERSION"
+        return said.read_text().strip() if said.exists() else ""
+
+
+PEERS = {
+    # mainline: flash attention for prefill (its fastest MLA path on a CPU), as llama-bench's users run it
+    "llama.cpp": Peer("llama.cpp", HERE / "llama.cpp" / "build" / "bin", (), (),
+                      "bash bench/setup_peers.sh llama.cpp"),
+    # ik_llama.cpp's best CPU flags for DeepSeek models: MLA with the latent cache (-mla 3), flash attention, the
+    # fused MoE, and the weights repacked into its row-interleaved layouts at load (-rtr; it reads the file instead
+    # of mapping it)
+    "ik_llama.cpp": Peer("ik_llama.cpp", HERE / "ik_llama.cpp" / "build" / "bin",
+                         ("-mla", "3", "-fa", "1", "-fmoe", "1", "-rtr", "1"), ("-mla", "3", "-fa", "on", "-rtr"),
+                         "IK_LLAMA_SRC=DIR bash bench/setup_peers.sh ik_llama.cpp"),
+}
+
+
+def batched_speed(text: str) -> float:
+    """S_TG (decode tokens/s) of llama-batched-bench's last row: its jsonl line, or its table (ik_llama.cpp prints
+    only the table: | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |)."""
+    rows = [json.loads(ln) for ln in text.splitlines() if ln.startswith("{")]
+    if rows:
+        return float(rows[-1]["speed_tg"])
+    table = [ln.strip().strip("|").split("|") for ln in text.splitlines() if ln.strip().startswith("|")]
+    numbers = [cells for cells in table if len(cells) == 10 and cells[0].strip().isdigit()]
+    if not numbers:
+        raise RuntimeError(f"no result row in llama-batched-bench's output: {text[-300:]}")
+    return float(numbers[-1][7])
+
+
+def llama_measure(gguf: Path, args, peer: Peer) -> dict:
+    def bench(batch: int) -> float:
         if batch == 1:
-            out = subprocess.run([str(BIN / "llama-bench"), "-m", str(gguf), "-t", str(args.threads), "-r", "1",
-                                  "-o", "json", "-p", "0", "-n", str(STEPS), "-d", str(PROMPT_LEN)],
+            out = subprocess.run([str(peer.bin / "llama-bench"), "-m", str(gguf), "-t", str(args.threads), "-r", "1",
+                                  "-o", "json", "-p", "0", "-n", str(STEPS), "-d", str(PROMPT_LEN), *peer.bench],
                                  capture_output=True, text=True, check=True)
-            row = json.loads(out.stdout)[0]
-            return float(row["avg_ts"]), None
-        out = subprocess.run([str(BIN / "llama-batched-bench"), "-m", str(gguf), "-t", str(args.threads), "-tb",
+            return float(json.loads(out.stdout)[0]["avg_ts"])
+        out = subprocess.run([str(peer.bin / "llama-batched-bench"), "-m", str(gguf), "-t", str(args.threads), "-tb",
                               str(args.threads), "-c", str(batch * (PROMPT_LEN + STEPS) + 64), "-npp",
-                              str(PROMPT_LEN), "-ntg", str(STEPS), "-npl", str(batch), "--output-format", "jsonl"],
+                              str(PROMPT_LEN), "-ntg", str(STEPS), "-npl", str(batch), *peer.batched,
+                              *(() if peer.name == "ik_llama.cpp" else ("--output-format", "jsonl"))],
                              capture_output=True, text=True, check=True)
-        rows = [json.loads(ln) for ln in (out.stdout + out.stderr).splitlines() if ln.startswith("{")]
-        return float(rows[-1]["speed_tg"]), None
+        return batched_speed(out.stdout + out.stderr)
 
     def start() -> float:
         """Seconds from the process's start to its first generated token (one token of prompt, one generated)."""
         t0 = time.perf_counter()
-        subprocess.run([str(BIN / "llama-batched-bench"), "-m", str(gguf), "-t", str(args.threads), "-tb",
-                        str(args.threads), "-c", "256", "-npp", "1", "-ntg", "1", "-npl", "1"],
+        subprocess.run([str(peer.bin / "llama-batched-bench"), "-m", str(gguf), "-t", str(args.threads), "-tb",
+                        str(args.threads), "-c", "256", "-npp", "1", "-ntg", "1", "-npl", "1", *peer.batched],
                        capture_output=True, text=True, check=True)
         return time.perf_counter() - t0
 
     def prefill(length: int) -> float:
-        """Prompt tokens/s of one ``length``-token prompt (``llama-bench -p``, flash attention on: llama.cpp's
-        fastest MLA path)."""
-        out = subprocess.run([str(BIN / "llama-bench"), "-m", str(gguf), "-t", str(args.threads), "-r", "1",
-                              "-o", "json", "-fa", "on", "-p", str(length), "-n", "0"],
+        """Prompt tokens/s of one ``length``-token prompt (``llama-bench -p``, flash attention on)."""
+        flags = peer.bench if "-fa" in peer.bench else ("-fa", "on")
+        out = subprocess.run([str(peer.bin / "llama-bench"), "-m", str(gguf), "-t", str(args.threads), "-r", "1",
+                              "-o", "json", "-p", str(length), "-n", "0", *flags],
                              capture_output=True, text=True, check=True)
         return float(json.loads(out.stdout)[0]["avg_ts"])
 
@@ -214,14 +254,14 @@ def llama_measure(gguf: Path, args) -> dict:
     for _ in range(args.rounds):
         loads.append(start())
         for batch in BATCHES:
-            tok_s[batch].append(bench(batch)[0])
+            tok_s[batch].append(bench(batch))
         for length in PREFILL_LENS:
             prefills[length].append(prefill(length))
     return {"load_s": statistics.median(loads),
             "tok_s": {str(b): statistics.median(v) for b, v in tok_s.items()},
             "tok_s_rounds": {str(b): v for b, v in tok_s.items()},
             "prefill": {str(k): statistics.median(v) for k, v in prefills.items()},
-            "prefill_rounds": {str(k): v for k, v in prefills.items()}}
+            "prefill_rounds": {str(k): v for k, v in prefills.items()}, "version": peer.version()}
 
 
 def llama_files(src: Path, work: Path, formats: list[str]) -> dict[str, Path]:
@@ -261,36 +301,47 @@ def machine() -> str:
 def report(results: dict, cfg: dict, bandwidth: float, args) -> str:
     gib = 2**30
     lens = " | ".join(f"prefill {k} tok/s" for k in PREFILL_LENS)
+    decodes = " | ".join(f"b{b} tok/s" for b in BATCHES)
+    versions = [f"{n}: {r['version']}" for n, r in results.items() if r.get("version")]
     lines = [f"Machine: {machine()}; streaming bandwidth {bandwidth / 1e9:.1f} GB/s (roofline.stream_bandwidth).",
              f"Model: DeepSeek-V2-Lite's config ({cfg['num_hidden_layers']} layers), random bfloat16 weights; "
              f"{args.threads} threads, {args.rounds} rounds, prompt {PROMPT_LEN} tokens, {STEPS} decode steps "
              f"({'greedy' if args.temperature == 0 else f'temperature {args.temperature}'} in mla-runtime); "
              f"prefill: one prompt of each length at batch 1.",
+             *([f"Peers: {'; '.join(versions)}."] if versions else []),
              "",
-             f"| system | weights from | peak RSS | load s | b1 tok/s | b8 tok/s | b1 bandwidth fraction | {lens} |",
-             "|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(PREFILL_LENS)]
+             f"| system | weights from | peak RSS | load s | {decodes} | b1 bandwidth fraction | {lens} |",
+             "|---|---|---:|---:|" + "---:|" * (len(BATCHES) + 1 + len(PREFILL_LENS))]
     for name, r in results.items():
         if "error" in r:
-            lines.append(f"| {name} | | {r['error']} | | | | |" + " |" * len(PREFILL_LENS))
+            lines.append(f"| {name} | | {r['error']} | |" + " |" * (len(BATCHES) + 1 + len(PREFILL_LENS)))
             continue
         fmt = name.split()[-1]
-        t1, t8 = r["tok_s"]["1"], r["tok_s"]["8"]
-        frac = step_bytes(cfg, fmt, 1) * t1 / bandwidth
+        frac = step_bytes(cfg, fmt, 1) * r["tok_s"]["1"] / bandwidth
         peak = f"{r['peak_rss'] / gib:.2f} GiB" if "peak_rss" in r else "–"
         load = f"{r['load_s']:.1f}" if r.get("load_s") is not None else "–"
+        tok = " | ".join(f"{r['tok_s'][str(b)]:.2f}" for b in BATCHES)
         pre = " | ".join(f"{r['prefill'][str(k)]:.1f}" for k in PREFILL_LENS)
-        lines.append(f"| {name} | {r.get('source', '')} | {peak} | {load} | {t1:.2f} | {t8:.2f} | {frac:.2f} | {pre} |")
-    ratios = []
-    for ours, peer in (("int8", "q8_0"), ("int4", "q4_0")):
+        lines.append(f"| {name} | {r.get('source', '')} | {peak} | {load} | {tok} | {frac:.2f} | {pre} |")
+    return "\n".join(lines + [""] + ratios(results)) + "\n"
+
+
+def ratios(results: dict) -> list[str]:
+    """mla-runtime over each peer's same-size format, by batch and prefill length."""
+    out = []
+    for ours, fmt in (("int8", "q8_0"), ("int4", "q4_0")):
         for source in ("bf16", "pre"):
-            a, b = results.get(f"mla-runtime {source} {ours}"), results.get(f"llama.cpp {peer}")
-            if a and b and "error" not in a and "error" not in b:
+            a = results.get(f"mla-runtime {source} {ours}")
+            for peer in PEERS:
+                b = results.get(f"{peer} {fmt}")
+                if not a or not b or "error" in a or "error" in b:
+                    continue
+                dec = ", ".join(f"batch {k} {a['tok_s'][str(k)] / b['tok_s'][str(k)]:.2f}×" for k in BATCHES)
                 pre = ", ".join(f"prefill {k} {a['prefill'][str(k)] / b['prefill'][str(k)]:.2f}×"
                                 for k in PREFILL_LENS)
-                ratios.append(f"- {ours} ({source}) ÷ {peer}: batch 1 {a['tok_s']['1'] / b['tok_s']['1']:.2f}×, "
-                              f"batch 8 {a['tok_s']['8'] / b['tok_s']['8']:.2f}×, {pre}"
-                              + (f"; load {a['load_s'] / b['load_s']:.2f}× llama.cpp's" if b.get("load_s") else ""))
-    return "\n".join(lines + [""] + ratios) + "\n"
+                out.append(f"- {ours} ({source}) ÷ {peer} {fmt}: {dec}, {pre}"
+                           + (f"; load {a['load_s'] / b['load_s']:.2f}× {peer}'s" if b.get("load_s") else ""))
+    return out
 
 
 def main() -> None:
@@ -299,13 +350,15 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (default: the real 27)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--only", choices=["mla", "llama", "all"], default="all")
+    ap.add_argument("--systems", default="mla,llama.cpp,ik_llama.cpp",
+                    help="what to measure: mla (mla-runtime) and the peers llama.cpp, ik_llama.cpp (a peer that is not "
+                         "built is named in the report with the command that builds it)")
     ap.add_argument("--modes", default="bf16:int8,bf16:int4,pre:int8,pre:int4",
                     help="mla-runtime modes: SOURCE:QUANTIZATION, SOURCE bf16 (quantised while loading) or pre "
                          "(a pre-quantised checkpoint)")
     ap.add_argument("--rss-limit", type=int, default=int(21.5 * 2**30), help="bytes: a worker stops itself past it")
     ap.add_argument("--keep", action="store_true", help="keep the pre-quantised copies")
-    ap.add_argument("--llama-formats", default="q8_0,q4_0", help="llama.cpp's formats to measure (q8_0, q4_0)")
+    ap.add_argument("--llama-formats", default="q8_0,q4_0", help="the peers' formats to measure (q8_0, q4_0)")
     ap.add_argument("--out", type=Path, default=None, help="write the report here too")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="mla-runtime's decode sampling (0: greedy, as llama-bench's; 1.0: the API's default)")
@@ -333,7 +386,8 @@ def main() -> None:
         print(f"  {time.perf_counter() - t0:.0f} s", flush=True)
     bandwidth = stream_bandwidth()
     results: dict[str, dict] = {}
-    if args.only in ("mla", "all"):
+    systems = args.systems.split(",")
+    if "mla" in systems:
         for mode in args.modes.split(","):
             source, quantization = mode.split(":")
             path = src
@@ -350,14 +404,19 @@ def main() -> None:
             print(f"  {json.dumps(r)}", flush=True)
             if source == "pre" and not args.keep:
                 shutil.rmtree(path)
-    if args.only in ("llama", "all"):
+    peers = [PEERS[name] for name in systems if name in PEERS]
+    for peer in [p for p in peers if not (p.bin / "llama-bench").exists()]:
+        for fmt in args.llama_formats.split(","):
+            results[f"{peer.name} {fmt}"] = {"error": f"not built ({peer.setup})"}
+    if any((p.bin / "llama-bench").exists() for p in peers):
         for fmt, gguf in llama_files(src, args.work, args.llama_formats.split(",")).items():
             warm(gguf)
-            print(f"  llama.cpp {fmt} ...", flush=True)
-            r = llama_measure(gguf, args)
-            r["source"] = "GGUF"
-            results[f"llama.cpp {fmt}"] = r
-            print(f"  {json.dumps(r)}", flush=True)
+            for peer in [p for p in peers if (p.bin / "llama-bench").exists()]:
+                print(f"  {peer.name} {fmt} ...", flush=True)
+                r = llama_measure(gguf, args, peer)
+                r["source"] = "GGUF"
+                results[f"{peer.name} {fmt}"] = r
+                print(f"  {json.dumps(r)}", flush=True)
     text = report(results, cfg, bandwidth, args)
     print(text)
     if args.out:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -116,23 +117,30 @@ BUILD = "from mla_kernels import cpu_ops; print(cpu_ops.failure(), flush=True)"
 
 @pytest.mark.skipif(cpu_ops.failure() is not None, reason="the typed CPU operators do not build on this machine")
 def test_a_server_starts_after_a_kernel_build_is_killed_midway(tmp_path):
-    """SIGKILL a first build half-way (its lock file left behind, some objects compiled), then start the server on
-    the same kernel cache: it becomes ready, with the compiled operators, and its log names the lock it removed. A
-    second start, while a live process holds the lock past the deadline, becomes ready on the torch paths and
-    says why."""
+    """SIGKILL a build half-way (its lock file left behind, some objects compiled), then start the server on the same
+    kernel cache: it becomes ready, with the compiled operators, and its log names the lock it removed. A second
+    start, while a live process holds the lock past the deadline, becomes ready on the torch paths and says why.
+
+    The build starts from this process's own build folder less its library and one source's object (what a build
+    killed after compiling the rest leaves), so the test compiles one file, not the whole extension, each time."""
     cache = tmp_path / "kernels"
     env = {**os.environ, "MLA_KERNEL_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
+    built = cpu_ops.cache_dir() / f"ops-{cpu_ops.build_key(cpu_ops._compiler())}"
+    folder = cache / built.name
+    shutil.copytree(built, folder, ignore=shutil.ignore_patterns("*.so", "gemv_f32.o", "*lock"))
     builder = subprocess.Popen([sys.executable, "-c", BUILD], env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
-    while not list(cache.glob(f"ops-*/{cpu_ops.TORCH_LOCK}")):  # the extension builder is under way
+    while not (folder / cpu_ops.TORCH_LOCK).exists():  # the extension builder is under way
         assert builder.poll() is None and time.monotonic() < deadline, "the build did not start"
         time.sleep(0.05)
-    time.sleep(2.0)
+    time.sleep(1.0)
+    assert builder.poll() is None, "the build finished before it could be killed"
     builder.send_signal(signal.SIGKILL)
     builder.wait()
-    (lock,) = cache.glob(f"ops-*/{cpu_ops.TORCH_LOCK}")
+    lock = folder / cpu_ops.TORCH_LOCK
     assert lock.exists(), "the killed build left its lock file"
+    assert not list(folder.glob("*.so")), "the killed build left no library"
 
     def serve(log: Path, extra_env: dict[str, str]) -> str:
         port = free_port()
