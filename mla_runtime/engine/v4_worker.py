@@ -32,7 +32,7 @@ from mla_runtime.cache.disk_tier import DiskTier
 from mla_runtime.cache.host_tier import HostTier
 from mla_runtime.cache.latent_cache import LatentCache
 from mla_runtime.cache.state_cache import StateSlots
-from mla_runtime.config import ModelConfig, load_config_dict
+from mla_runtime.config import load_config_dict
 from mla_runtime.dtypes import resolve_cache_dtype
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.engine.worker import StepInput, Worker, available_host_memory, rank_device
@@ -41,7 +41,7 @@ from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.hub import resolve_model
 from mla_runtime.kernel_plan import OFF_CPU
 from mla_runtime.models.deepseek_v4 import DeepseekV4ForCausalLM, V4Config, V4StateCache, load_deepseek_v4
-from mla_runtime.models.v4_sizes import V4CacheKinds, cache_kinds
+from mla_runtime.models.v4_sizes import V4CacheKinds, cache_kinds, model_config, v4_weights
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 from mla_runtime.plan import (
     activation_reserve_bytes,
@@ -64,25 +64,6 @@ class ReleasingSlots(StateSlots):
     def give_back(self, slot: int) -> None:
         super().give_back(slot)
         self.release(slot)
-
-
-def model_config(cfg: V4Config) -> ModelConfig:
-    """What the engine reads of any model (vocabulary, special tokens, context, the widths ``EngineInfo`` shows), for
-    a V4 checkpoint: its latent is ``head_dim`` wide, ``rope_dim`` of it rotated."""
-    return ModelConfig(
-        family="deepseek_v4", model_type="deepseek_v4", vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.moe_intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads, kv_lora_rank=cfg.head_dim - cfg.rope_dim,
-        q_lora_rank=cfg.q_lora_rank, qk_nope_head_dim=cfg.head_dim - cfg.rope_dim, qk_rope_head_dim=cfg.rope_dim,
-        v_head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
-        tie_word_embeddings=cfg.tie_word_embeddings, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id)
-
-
-def v4_weight_bytes(cfg: V4Config, dtype: torch.dtype) -> int:
-    """The model's weights in bytes: its parameters and buffers, counted on the meta device (nothing allocated)."""
-    with torch.device("meta"):
-        model = DeepseekV4ForCausalLM(cfg, dtype)
-    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
 def check_v4_settings(config: EngineConfig) -> None:
@@ -130,7 +111,7 @@ class V4Worker(Worker):
         self.bytes_per_token = self.bytes_per_token_per_rank = self.kinds.block_bytes_per_token
         self.state_bytes_per_sequence = self.kinds.fixed_bytes
         self.state_bytes = self.state_bytes_per_sequence * config.max_num_seqs
-        self.weight_bytes = v4_weight_bytes(self.v4_config, self.dtype)
+        self.weight_bytes = v4_weights(self.v4_config, self.dtype)[0]
         self.activation_bytes = activation_reserve_bytes(
             cfg, dtype=self.dtype, max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs) + (self.v4_config.hc_mult * cfg.hidden_size * self.dtype.itemsize
@@ -245,4 +226,4 @@ def make_worker(config: EngineConfig, par: ParallelContext = SINGLE_RANK) -> Wor
     return V4Worker(config, par) if is_v4_checkpoint(config) else Worker(config, par)
 
 
-__all__ = ["ReleasingSlots", "V4Worker", "check_v4_settings", "make_worker", "model_config"]
+__all__ = ["ReleasingSlots", "V4Worker", "check_v4_settings", "make_worker"]

@@ -21,7 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mla_runtime.models.deepseek_v4 import V4Config
+import torch
+
+from mla_runtime.config import ModelConfig
+from mla_runtime.models.deepseek_v4 import DeepseekV4ForCausalLM, V4Config
 
 CSA, HCA, SLIDING = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
 
@@ -86,4 +89,25 @@ def cache_kinds(cfg: V4Config, dtype_bytes: int) -> V4CacheKinds:
         partial_bytes=csa * csa_partial + hca * hca_partial)
 
 
-__all__ = ["V4CacheKinds", "cache_kinds"]
+def model_config(cfg: V4Config) -> ModelConfig:
+    """What the engine reads of any model (vocabulary, special tokens, context, the widths ``EngineInfo`` shows), for
+    a V4 checkpoint: its latent is ``head_dim`` wide, ``rope_dim`` of it rotated."""
+    return ModelConfig(
+        family="deepseek_v4", model_type="deepseek_v4", vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.moe_intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads, kv_lora_rank=cfg.head_dim - cfg.rope_dim,
+        q_lora_rank=cfg.q_lora_rank, qk_nope_head_dim=cfg.head_dim - cfg.rope_dim, qk_rope_head_dim=cfg.rope_dim,
+        v_head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=cfg.tie_word_embeddings, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id)
+
+
+def v4_weights(cfg: V4Config, dtype: torch.dtype) -> tuple[int, int]:
+    """The model's weights: (bytes of its parameters and buffers, parameters: the hash-routing tables, buffers, not
+    counted), counted on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(cfg, dtype)
+    params = list(model.parameters())
+    return (sum(t.numel() * t.element_size() for t in (*params, *model.buffers())), sum(p.numel() for p in params))
+
+
+__all__ = ["V4CacheKinds", "cache_kinds", "model_config", "v4_weights"]
