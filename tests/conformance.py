@@ -383,8 +383,9 @@ CELLS: dict[str, Cell] = {c.name: c for c in (
     Cell("chunked", {"max_num_batched_tokens": 24}),
     Cell("prefix-cache", shared_prefix=40),
     Cell("preemption", {"kv_cache_tokens": 320, "max_num_seqs": 12}, must_preempt=True, families=NOT_V4),
-    # V4's fewer prompts: a cache of 16 blocks for their 18, a budget that chunks the longer prompts
-    Cell("chunked-preemption", {"kv_cache_tokens": 256, "max_num_seqs": 5, "max_num_batched_tokens": 24},
+    # V4's fewer prompts: a cache of 10 blocks for their 13, a budget that chunks the longer prompts
+    Cell("chunked-preemption", {"max_model_len": 128, "kv_cache_tokens": 160, "max_num_seqs": 5,
+                                "max_num_batched_tokens": 24},
          must_preempt=True, families=V4),
     Cell("torch-backend", {"attention_backend": "torch"}, families=NOT_V4),
     Cell("triton-interpreted", {"attention_backend": "triton"}, families=NOT_V4),
