@@ -72,13 +72,16 @@ def test_engine_info_is_the_planners_and_prefix_caching_is_off(checkpoint: Path)
         first = llm.generate([{"prompt_token_ids": p}], GREEDY)[0].outputs[0].token_ids
         again = llm.generate([{"prompt_token_ids": p}], GREEDY)[0].outputs[0].token_ids
         assert first == again and llm.engine.stats().prefix_hit_tokens == 0
-        assert llm.engine.worker.state_cache_bytes() == 0  # the slots' states went with their sequences
+        assert info.state_bytes == 2 * kinds.fixed_bytes  # the slots' fixed part, set aside
+        assert llm.engine.worker.states.nbytes() == 0  # the slots' states went with their sequences
     finally:
         llm.shutdown()
 
 
 @pytest.mark.parametrize("settings, name", [
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
     ({"num_speculative_tokens": 2}, "num_speculative_tokens"),
+    ({"kv_cache_dir": "unused-dir"}, "kv_cache_dir"),
     ({"latent_rank": 16}, "latent_rank"),
     ({"quantization": "int8"}, "quantization"),
     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),

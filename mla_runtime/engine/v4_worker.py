@@ -195,7 +195,9 @@ class V4Worker(Worker):
             self.states.release(slot)
 
     def state_cache_bytes(self) -> int:
-        return 0 if self.states is None else self.states.nbytes()
+        """The slots' fixed part set aside (windows, partial windows: ``max_num_seqs`` of them); the entries are the
+        blocks' (``states.nbytes()``: what the running sequences hold now)."""
+        return 0 if self.states is None else self.state_bytes
 
     def open_lower_tier(self) -> None:
         return None
