@@ -10,7 +10,8 @@ Request lifecycle:
 4. ``abort`` finishes a request at any stage and frees its blocks.
 
 The model, its cache and their sizing belong to the ``Worker`` (``engine/worker.py``: read them there,
-``engine.worker.cache``); input and output processing to ``engine/requests.py``.
+``engine.worker.cache``; a ``deepseek_v4`` checkpoint's is ``engine/v4_worker.py``'s ``V4Worker``); input and output
+processing to ``engine/requests.py``.
 """
 
 from __future__ import annotations
