@@ -658,11 +658,12 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            _kimi_linear_name),
     Family("bailing_hybrid", "deepseek_v3", "inclusionAI/Ling-3.0-Flash", _bailing_hybrid, _bailing_hybrid_name),
 )}
-# families with a torch model of their own that the engine (LLM, the server) does not serve yet: why, and what runs
-TORCH_ONLY = {"deepseek_v4": (
-    "model_type 'deepseek_v4' is not served by the engine yet (its sliding, CSA and HCA layers keep per-sequence "
-    "windows and compressed entries, not the paged latent cache): run it in torch with "
-    "mla_runtime.models.deepseek_v4.load_deepseek_v4 (docs/deepseek-v4.md)")}
+# families with a model of their own, not the MLA decoder ``ModelConfig`` describes: the engine builds it
+# (``engine/v4_worker.py``), the planner sizes it (``plan.v4_report``); DeepSeek's MLA loader and its tools do not
+OWN_MODEL = {"deepseek_v4": (
+    "model_type 'deepseek_v4' has its own model (mla_runtime.models.deepseek_v4; docs/deepseek-v4.md): LLM, the "
+    "server and `mla-runtime plan` load and size it; the MLA model's loader and tools (latent rank, sweep, export) "
+    "do not read it")}
 # checkpoints that name only their architecture
 ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
 
@@ -676,8 +677,8 @@ def family_of(raw: Raw) -> Family:
     for arch in raw.get("architectures") or []:
         if arch in ARCHITECTURES:
             return FAMILIES[ARCHITECTURES[arch]]
-    if model_type in TORCH_ONLY:
-        raise ValueError(TORCH_ONLY[model_type])
+    if model_type in OWN_MODEL:
+        raise ValueError(OWN_MODEL[model_type])
     raise ValueError(
         f"model_type {model_type!r} (architectures {raw.get('architectures')}) is not supported: mla-runtime runs the "
         f"multi-head latent attention architectures with model_type one of {sorted(FAMILIES)} (or architectures "

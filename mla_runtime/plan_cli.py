@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mla_runtime.config import PRESET_DIR, ModelConfig
+from mla_runtime.config import PRESET_DIR, ModelConfig, load_config_dict
 from mla_runtime.dtypes import (
     CACHE_DTYPES,
     MODEL_DTYPES,
@@ -30,6 +30,7 @@ from mla_runtime.help_format import DefaultsHelpFormatter
 from mla_runtime.kernel_plan import CpuLayouts, kernel_plan, resolve_cpu_format
 from mla_runtime.options import LATENT_CACHE_LAYOUTS, WEIGHT_QUANTIZATIONS, parse_bytes
 from mla_runtime.plan import MemoryPlan, gib, latent_bytes_per_token, mha_bytes_per_token, plan_memory
+from mla_runtime.v4_plan import format_v4_report, plan_v4
 
 
 def _row(label: str, value: str, note: str = "") -> str:
@@ -174,9 +175,32 @@ def _probed_cpu(dtype: str, config: ModelConfig, quantization: str | None) -> tu
     return plan.layouts(model_dtype), quantization if chosen == stored else chosen
 
 
+def _v4_main(args: argparse.Namespace, prog: str) -> int | None:
+    """A ``deepseek_v4`` model's plan (``v4_plan``), printed; None for any other model."""
+    try:
+        raw = load_config_dict(args.model)
+    except (OSError, ValueError):
+        return None  # the MLA planner reports what is wrong with it
+    if raw.get("model_type") != "deepseek_v4":
+        return None
+    try:
+        plan = plan_v4(raw, dtype=args.dtype, device_memory_bytes=args.device_memory,
+                       memory_utilization=args.memory_utilization, ranks=args.tensor_parallel_size,
+                       max_seq_len=args.max_seq_len, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens)
+    except ValueError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    print(format_v4_report(plan, args.model))
+    return 0 if plan.fits else 1 if plan.weights_fit else 2
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "python -m mla_runtime.plan") -> int:
     """Print the plan; 0 when the requested sequences fit, 1 when they do not, 2 on bad input."""
     args = build_parser(prog).parse_args(argv)
+    v4 = _v4_main(args, prog)
+    if v4 is not None:
+        return v4
     try:
         config = ModelConfig.from_pretrained(args.model)
     except ValueError as e:

@@ -58,9 +58,17 @@ SPARSE = ("deepseek_v32", "glm_moe_dsa", "axk2", "mistral_large4")
 DENSE = ("deepseek_v2", "deepseek_v3", "kimi_k25", "sarvam_mla", "axk1", "mistral4", "glm4_moe_lite", "minicpm3",
          "youtu", "longcat_flash")
 HYBRID = ("kimi_linear", "bailing_hybrid")  # MLA layers between linear-attention layers
-MODEL_TYPES = DENSE + SPARSE + HYBRID
+# DeepSeek-V4: sliding, CSA and HCA layers over per-sequence state slots (runs in torch, one sequence at a time within
+# a step: its prompts are fewer, still past the window, several compressed entries and the indexer's top-k)
+V4 = ("deepseek_v4",)
+V4_PROMPT_LENS = (1, 9, 17, 40, 70)
+V4_NEW_TOKENS = 8
+MODEL_TYPES = DENSE + SPARSE + HYBRID + V4
+DRAWN_TYPES = DENSE + SPARSE + HYBRID  # the drawn cells' families (V4's steps are too slow for the suite's draws)
 # hybrids run on one rank without speculative decoding (their linear layers' states advance with every token)
 ONE_RANK_NO_DRAFTS = DENSE + SPARSE
+# V4 runs in torch in float32 or bfloat16: no quantised weights, no attention backend to choose
+NOT_V4 = DENSE + SPARSE + HYBRID
 # the families whose checkpoints' MTP layers the runtime serves (A.X-K1/K2, LongCat-Flash and Mistral Large 4 drop
 # theirs, as transformers does); the MTP cell adds one to the checkpoint, built by the family's own decoder layer
 MTP_FAMILIES = tuple(t for t in ONE_RANK_NO_DRAFTS if t not in ("axk1", "axk2", "longcat_flash", "mistral_large4"))
@@ -142,11 +150,33 @@ def text_config(model_type: str, rng: random.Random | None) -> dict[str, Any]:
                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
         for name in ("n_routed_experts", "rope_interleave"):
             cfg.pop(name)
+    if model_type == "deepseek_v4":
+        return v4_config(rng)
     if model_type == "mistral_large4":
         cfg.update(q_lora_rank=None, no_rope_layers=([1, 0] + [1] * layers)[:layers],
                    indexer_types=(["full", "full", "shared"] + ["full"] * layers)[:layers],
                    final_logit_softcapping=3.0, n_group=1, topk_group=1)
     return cfg
+
+
+def v4_config(rng: random.Random | None) -> dict[str, Any]:
+    """DeepSeek-V4's text configuration: every layer kind (sliding, CSA, HCA), a window of 8, CSA every 4 tokens
+    with a top-k below the longest prompts' entries, HCA every 16, hash-routed and scored MoE layers."""
+    kinds = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+             _pick(rng, "compressed_sparse_attention", *V4_LAYER_KINDS)]
+    return dict(
+        vocab_size=VOCAB, hidden_size=_pick(rng, 64, 32, 64), num_hidden_layers=4,
+        num_attention_heads=_pick(rng, 4, 2, 4), head_dim=_pick(rng, 32, 16, 32), partial_rotary_factor=0.25,
+        q_lora_rank=_pick(rng, 32, 16, 32), o_groups=2, o_lora_rank=16, sliding_window=_pick(rng, 8, 4, 8, 12),
+        layer_types=kinds, compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+        index_n_heads=_pick(rng, 4, 2, 4), index_head_dim=16, index_topk=_pick(rng, 3, 2, 3, 5), hc_mult=2,
+        hc_sinkhorn_iters=4,
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        mlp_layer_types=["hash_moe", "moe", "moe", "moe"], max_position_embeddings=512, bos_token_id=0,
+        eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+
+
+V4_LAYER_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 
 
 def ordinary_init(model: torch.nn.Module, seed: int) -> None:
@@ -197,7 +227,8 @@ def build(model_type: str, seed: int | None = None) -> torch.nn.Module:
         prefix = {"deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3", "sarvam_mla": "SarvamMLA", "axk1": "AXK1",
                   "mistral4": "Mistral4", "glm4_moe_lite": "Glm4MoeLite", "minicpm3": "MiniCPM3", "youtu": "Youtu",
                   "deepseek_v32": "DeepseekV32", "glm_moe_dsa": "GlmMoeDsa", "axk2": "AXK2",
-                  "kimi_linear": "KimiLinear", "bailing_hybrid": "BailingHybrid"}[model_type]
+                  "kimi_linear": "KimiLinear", "bailing_hybrid": "BailingHybrid",
+                  "deepseek_v4": "DeepseekV4"}[model_type]
         config = getattr(tf, f"{prefix}Config")(**cfg)
         model = getattr(tf, f"{prefix}ForCausalLM", None)
         model = tf.AutoModelForCausalLM.from_config(config) if model is None else model(config)
@@ -264,7 +295,7 @@ def _recorded_selections(gaps: list[float]) -> Iterator[None]:
     original = torch.Tensor.topk
 
     def topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):  # noqa: A002
-        if self.dim() != 3 or not largest or dim not in (-1, 2) or not self.is_floating_point():
+        if self.dim() != 3 or not largest or dim not in (-1, 2) or not self.is_floating_point() or not self.numel():
             return original(self, k, dim=dim, largest=largest, sorted=sorted)
         flat = self.reshape(-1, self.shape[-1]).float()
         idx = topk_lowest_first(flat, k)
@@ -351,13 +382,17 @@ CELLS: dict[str, Cell] = {c.name: c for c in (
     Cell("one-at-a-time", {"max_num_seqs": 1}, one_at_a_time=True),
     Cell("chunked", {"max_num_batched_tokens": 24}),
     Cell("prefix-cache", shared_prefix=40),
-    Cell("preemption", {"kv_cache_tokens": 320, "max_num_seqs": 12}, must_preempt=True),
-    Cell("torch-backend", {"attention_backend": "torch"}),
-    Cell("triton-interpreted", {"attention_backend": "triton"}),
+    Cell("preemption", {"kv_cache_tokens": 320, "max_num_seqs": 12}, must_preempt=True, families=NOT_V4),
+    # V4's fewer prompts: a cache of 10 blocks for their 13, a budget that chunks the longer prompts
+    Cell("chunked-preemption", {"max_model_len": 128, "kv_cache_tokens": 160, "max_num_seqs": 5,
+                                "max_num_batched_tokens": 24},
+         must_preempt=True, families=V4),
+    Cell("torch-backend", {"attention_backend": "torch"}, families=NOT_V4),
+    Cell("triton-interpreted", {"attention_backend": "triton"}, families=NOT_V4),
     Cell("tp2-replicated", {"tensor_parallel_size": 2}, families=ONE_RANK_NO_DRAFTS),
     Cell("tp2-sharded", {"tensor_parallel_size": 2, "latent_cache_layout": "sharded", "block_size": 32},
          families=ONE_RANK_NO_DRAFTS),
-    Cell("int8", {"quantization": "int8"}, weights="int8"),
+    Cell("int8", {"quantization": "int8"}, weights="int8", families=NOT_V4),
     Cell("prompt-lookup", {"num_speculative_tokens": 3}, families=ONE_RANK_NO_DRAFTS),
     Cell("mtp", {"speculative_method": "mtp", "num_speculative_tokens": 1}, checkpoint="mtp",
          families=MTP_FAMILIES),
@@ -399,7 +434,7 @@ class Family:
 
     def references(self, ps: list[list[int]], shared_prefix: int) -> list[Reference]:
         if shared_prefix not in self._refs:
-            self._refs[shared_prefix] = [reference(self.hf, p) for p in ps]
+            self._refs[shared_prefix] = [reference(self.hf, p, new_tokens(self.model_type)) for p in ps]
         return self._refs[shared_prefix]
 
     def forced(self, ps: list[list[int]], tokens: list[list[int]], weights: str) -> list[Reference]:
@@ -419,20 +454,16 @@ class Family:
 
 
 def _generate(path: Path, settings: dict[str, Any], ps: list[list[int]], one_at_a_time: bool,
-              repeat: bool = False, must_preempt: bool = False) -> list[list[int]]:
+              repeat: bool = False, must_preempt: bool = False, n: int = NEW_TOKENS) -> list[list[int]]:
     from mla_runtime import LLM, SamplingParams
 
     kw: dict[str, Any] = dict(dtype="float32", max_model_len=256, block_size=16)
     kw.update(settings)
     if "kv_cache_tokens" in kw:  # a cache of about this many tokens (in this model's latent bytes)
-        from mla_runtime.config import ModelConfig
-        from mla_runtime.plan import latent_bytes_per_token
-
-        per_token = latent_bytes_per_token(ModelConfig.from_pretrained(path), "auto", "float32")
-        kw["kv_cache_memory"] = per_token * kw.pop("kv_cache_tokens")
+        kw["kv_cache_memory"] = _bytes_per_token(path) * kw.pop("kv_cache_tokens")
     llm = LLM(str(path), **kw)
     try:
-        greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        greedy = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         reqs = [{"prompt_token_ids": p} for p in ps]
 
         def run() -> list[list[int]]:
@@ -455,14 +486,40 @@ def _generate(path: Path, settings: dict[str, Any], ps: list[list[int]], one_at_
         llm.shutdown()
 
 
-def run_cell(family: Family, cell: Cell, lens: tuple[int, ...] = PROMPT_LENS) -> Result:
+def _bytes_per_token(path: Path) -> int:
+    """What the engine's cache budget pays per token of a sequence: its latent rows, or for V4 its compressed
+    entries (``models.v4_sizes``), in float32."""
+    from mla_runtime.config import ModelConfig, load_config_dict
+    from mla_runtime.plan import latent_bytes_per_token
+
+    raw = load_config_dict(path)
+    if raw.get("model_type") == "deepseek_v4":
+        from mla_runtime.models.deepseek_v4 import V4Config
+        from mla_runtime.models.v4_sizes import cache_kinds
+
+        return cache_kinds(V4Config.from_raw(raw), 4).block_bytes_per_token
+    return latent_bytes_per_token(ModelConfig.from_pretrained(path), "auto", "float32")
+
+
+def prompt_lens(model_type: str) -> tuple[int, ...]:
+    """The lengths of a family's prompts: ``PROMPT_LENS``, V4's fewer ``V4_PROMPT_LENS``."""
+    return V4_PROMPT_LENS if model_type in V4 else PROMPT_LENS
+
+
+def new_tokens(model_type: str) -> int:
+    """The greedy tokens generated after each prompt: ``NEW_TOKENS``, V4's fewer ``V4_NEW_TOKENS``."""
+    return V4_NEW_TOKENS if model_type in V4 else NEW_TOKENS
+
+
+def run_cell(family: Family, cell: Cell, lens: tuple[int, ...] | None = None) -> Result:
     start = time.perf_counter()
+    lens = lens or prompt_lens(family.model_type)
     ps = prompts(lens, cell.shared_prefix)
     path = family.checkpoint(cell.checkpoint)
     got = _generate(path, cell.llm, ps, cell.one_at_a_time, repeat=cell.shared_prefix > 0,
-                    must_preempt=cell.must_preempt)
+                    must_preempt=cell.must_preempt, n=new_tokens(family.model_type))
     if cell.weights:
-        alone = _generate(path, {**cell.llm, "max_num_seqs": 1}, ps, True)
+        alone = _generate(path, {**cell.llm, "max_num_seqs": 1}, ps, True, n=new_tokens(family.model_type))
         refs = family.forced(ps, alone, cell.weights)
     else:
         refs = family.references(ps, cell.shared_prefix)
@@ -491,7 +548,7 @@ def sample(rng: random.Random, count: int) -> list[tuple[str, int, str]]:
     cheap = [c for c in CELLS if not c.startswith(("tp2", "triton", "mtp"))]  # the others start processes or interpret
     out = []
     for _ in range(count):
-        model_type = rng.choice(MODEL_TYPES)
+        model_type = rng.choice(DRAWN_TYPES)
         out.append((model_type, rng.randrange(10_000),
                     rng.choice([c for c in cheap if model_type in CELLS[c].families])))
     return out

@@ -19,7 +19,8 @@ from tests import conformance as C
 CORE = [("deepseek_v32", "batched"), ("glm_moe_dsa", "batched"), ("axk2", "batched"),
         ("mistral_large4", "batched"), ("deepseek_v3", "batched"), ("deepseek_v32", "chunked"),
         ("deepseek_v32", "int8"), ("glm_moe_dsa", "mtp"), ("kimi_linear", "batched"), ("kimi_linear", "chunked"),
-        ("kimi_linear", "preemption"), ("bailing_hybrid", "chunked")]
+        ("kimi_linear", "preemption"), ("bailing_hybrid", "chunked"),
+        ("deepseek_v4", "chunked-preemption")]
 SEED = int(os.environ.get("MLA_CONFORMANCE_SEED") or time.time_ns() % 1_000_000)
 DRAWS = C.sample(random.Random(SEED), int(os.environ.get("MLA_CONFORMANCE_DRAWS") or 3))
 
@@ -40,7 +41,7 @@ def families(tmp_path_factory):
 def check(result: C.Result, replay: str) -> None:
     print(result.line())
     assert result.ok, f"{result.line()}\nreplay: python bench/conformance.py --replay {replay}"
-    assert result.equal + len(result.accepted) == len(C.PROMPT_LENS)
+    assert result.equal + len(result.accepted) == len(C.prompt_lens(result.model_type))
 
 
 @pytest.mark.parametrize(("model_type", "cell"), CORE, ids=[f"{m}-{c}" for m, c in CORE])

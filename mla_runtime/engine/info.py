@@ -100,11 +100,11 @@ class EngineInfo:
     @classmethod
     def of(cls, worker: Worker, num_blocks: int, num_threads: int) -> EngineInfo:
         c, m = worker.config, worker.model_config
-        assert worker.model is not None and worker.cache is not None
+        assert worker.cache is not None
         info = cls(
             model=c.model, checkpoint=worker.model_path, family=m.family, layers=m.num_hidden_layers,
             heads=m.num_attention_heads,
-            d_c=m.kv_lora_rank, d_r=m.qk_rope_head_dim, dtype=dtype_name(worker.model.dtype),
+            d_c=m.kv_lora_rank, d_r=m.qk_rope_head_dim, dtype=dtype_name(worker.model_dtype),
             cache_dtype=worker.cache_dtype.name, tensor_parallel_size=c.tensor_parallel_size,
             latent_cache_layout=c.latent_cache_layout, cache_bytes_per_token=worker.bytes_per_token,
             cache_bytes_per_token_per_rank=worker.bytes_per_token_per_rank, block_size=c.block_size,
@@ -113,10 +113,10 @@ class EngineInfo:
             max_concurrent_tokens=num_blocks * c.block_size, max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=worker.max_num_batched_tokens, device=str(worker.device), num_threads=num_threads,
             weights_fingerprint=worker.weights_fingerprint, weights_verified=c.verify_weights,
-            attention_backend=worker.model.attention.name,
+            attention_backend=worker.attention_name,
             cpu_gemm=worker.gemm_info, cpu_heap=worker.heap,
             state_bytes_per_sequence=worker.state_bytes_per_sequence,
-            state_bytes=0 if worker.cache.states is None else worker.cache.states.nbytes(),
+            state_bytes=worker.state_cache_bytes(),
             prefix_caching=worker.prefix_caching)
         host, disk = worker.host_tier, worker.disk_tier
         if host is not None:

@@ -10,7 +10,8 @@ Request lifecycle:
 4. ``abort`` finishes a request at any stage and frees its blocks.
 
 The model, its cache and their sizing belong to the ``Worker`` (``engine/worker.py``: read them there,
-``engine.worker.cache``); input and output processing to ``engine/requests.py``.
+``engine.worker.cache``; a ``deepseek_v4`` checkpoint's is ``engine/v4_worker.py``'s ``V4Worker``); input and output
+processing to ``engine/requests.py``.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from mla_runtime.engine.scheduler import Scheduler
 from mla_runtime.engine.structured import GrammarCompiler
 from mla_runtime.engine.thread_tuner import ThreadTuner
 from mla_runtime.engine.tp_workers import TensorParallelGroup
-from mla_runtime.engine.worker import Worker
+from mla_runtime.engine.v4_worker import make_worker
 from mla_runtime.latent_rank import calibration_from_file
 from mla_runtime.outputs import RequestOutput
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
@@ -59,7 +60,7 @@ class LLMEngine:
         t0 = time.monotonic()
         self.config = config
         tp = config.tensor_parallel_size
-        self.worker = Worker(config, ParallelContext(0, tp, config.latent_cache_layout) if tp > 1 else SINGLE_RANK)
+        self.worker = make_worker(config, ParallelContext(0, tp, config.latent_cache_layout) if tp > 1 else SINGLE_RANK)
         self.tp_group = TensorParallelGroup(config) if tp > 1 else None  # bad settings fail before ranks start
         try:
             self._set_up_worker()

@@ -189,6 +189,22 @@ class Worker:
             max_num_seqs=config.max_num_seqs, tensor_parallel_size=tp)
 
     @property
+    def model_dtype(self) -> torch.dtype:
+        """The loaded model's weights and activations dtype."""
+        assert self.model is not None
+        return self.model.dtype
+
+    @property
+    def attention_name(self) -> str:
+        """The loaded model's attention backend (``attention/``)."""
+        assert self.model is not None
+        return self.model.attention.name
+
+    def state_cache_bytes(self) -> int:
+        """Bytes of the per-sequence state slots allocated (0: none)."""
+        return 0 if self.cache is None or self.cache.states is None else self.cache.states.nbytes()
+
+    @property
     def cpu(self) -> CpuLayouts | None:
         """The planner's facts about the plan's layouts for this model's weights (None off a CPU)."""
         return self.resolved.cpu

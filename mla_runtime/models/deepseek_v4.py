@@ -83,6 +83,8 @@ class V4Config:
     rms_norm_eps: float
     tie_word_embeddings: bool
     eos_token_id: int | list[int] | None = None
+    bos_token_id: int | None = None
+    max_position_embeddings: int = 1048576
 
     @staticmethod
     def from_raw(raw: dict[str, Any]) -> V4Config:
@@ -117,7 +119,8 @@ class V4Config:
             num_experts_per_tok=int(g["num_experts_per_tok"]), moe_intermediate_size=int(g["moe_intermediate_size"]),
             scoring_func=str(g["scoring_func"]), routed_scaling_factor=float(g["routed_scaling_factor"]),
             swiglu_limit=float(g["swiglu_limit"]), rms_norm_eps=float(g["rms_norm_eps"]),
-            tie_word_embeddings=bool(g["tie_word_embeddings"]), eos_token_id=g.get("eos_token_id"))
+            tie_word_embeddings=bool(g["tie_word_embeddings"]), eos_token_id=g.get("eos_token_id"),
+            bos_token_id=g.get("bos_token_id"), max_position_embeddings=int(g["max_position_embeddings"]))
 
 
 def _with_v4_defaults(raw: dict[str, Any]) -> dict[str, Any]:
@@ -128,7 +131,8 @@ def _with_v4_defaults(raw: dict[str, Any]) -> dict[str, Any]:
                     routed_scaling_factor=1.5, rope_theta=10000.0, compress_rope_theta=160000.0, hc_mult=4,
                     hc_sinkhorn_iters=20, hc_eps=1e-6, swiglu_limit=10.0, sliding_window=128, o_groups=8,
                     o_lora_rank=1024, index_n_heads=64, index_head_dim=128, index_topk=512, rms_norm_eps=1e-6,
-                    tie_word_embeddings=False, hidden_act="silu", attention_bias=False, mlp_bias=False)
+                    tie_word_embeddings=False, hidden_act="silu", attention_bias=False, mlp_bias=False,
+                    max_position_embeddings=1048576)
     out = {**defaults, **{k: v for k, v in raw.items() if v is not None}}
     for key in ("compress_rate_csa", "compress_rate_hca"):
         if raw.get(key) is not None:
@@ -631,6 +635,10 @@ class V4StateCache:
             raise RuntimeError(f"state slot {slot} holds {0 if st is None else st.length} tokens; the step continues "
                                f"after {context_len}")
         return st
+
+    def release(self, slot: int) -> None:
+        """Drop slot ``slot``'s state (its sequence finished, was aborted or preempted)."""
+        self.slots[slot] = None
 
     def nbytes(self) -> int:
         return sum(st.nbytes() for st in self.slots if st is not None)

@@ -1,0 +1,231 @@
+"""``V4Worker``: the engine's worker for DeepSeek-V4 (``deepseek_v4``, ``models/deepseek_v4.py``).
+
+V4 keeps no paged latent rows: each running sequence owns a state slot (``V4StateCache``: its layers' sliding
+windows, its compressors' partial windows and every compressed entry so far). The engine around it is the one every
+model runs under (scheduler, block pool, sampler, ``LLM``, the server); only what the worker builds differs:
+
+- **slots**: ``max_num_seqs`` of them, handed out by the scheduler's ``StateSlots`` as for a hybrid model, given back
+  on finish, abort and preemption; a slot given back drops its state at once (``ReleasingSlots``), so a finished
+  sequence's entries never outlive it;
+- **blocks**: the block pool counts the part of a sequence that grows, its compressed entries: ``bytes_per_token`` is
+  their bytes per token (``models.v4_sizes``, rounded up), and ``num_blocks`` the blocks ``kv_cache_memory`` (or the
+  memory left after the weights, the slots' fixed part and the activations) holds. A sequence holds blocks for its
+  tokens as under any model, so the scheduler preempts when the entries would outgrow the budget; the latent cache it
+  allocates has no layers (nothing is written to it);
+- **steps**: ``execute`` runs ``DeepseekV4ForCausalLM.forward_batch`` over the slots (any mix of prompts, prefill
+  chunks and decodes), then the logits of the rows asked for.
+
+What V4 does not do here is refused by name at start-up (``check_v4_settings``), and prefix caching is off (a
+cached prefix would need the compressors' partial windows and every layer's window at the prefix's end, which are
+not kept): logged, ``EngineInfo.prefix_caching`` false.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from mla_runtime import checksums
+from mla_runtime.cache.disk_tier import DiskTier
+from mla_runtime.cache.host_tier import HostTier
+from mla_runtime.cache.latent_cache import LatentCache
+from mla_runtime.cache.state_cache import StateSlots
+from mla_runtime.config import load_config_dict
+from mla_runtime.dtypes import resolve_cache_dtype
+from mla_runtime.engine.config import EngineConfig
+from mla_runtime.engine.worker import StepInput, Worker, available_host_memory, rank_device
+from mla_runtime.errors import InsufficientMemory, InvalidParam
+from mla_runtime.forward_batch import ForwardBatch
+from mla_runtime.hub import resolve_model
+from mla_runtime.kernel_plan import OFF_CPU
+from mla_runtime.models.deepseek_v4 import DeepseekV4ForCausalLM, V4Config, V4StateCache, load_deepseek_v4
+from mla_runtime.models.v4_sizes import V4CacheKinds, cache_kinds, model_config, v4_weights
+from mla_runtime.parallel import SINGLE_RANK, ParallelContext
+from mla_runtime.plan import (
+    activation_reserve_bytes,
+    cache_budget_bytes,
+    cache_num_blocks,
+    default_max_num_batched_tokens,
+)
+
+logger = logging.getLogger("mla_runtime")
+V4_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class ReleasingSlots(StateSlots):
+    """``StateSlots`` that also drop a slot's state when the scheduler gives the slot back."""
+
+    def __init__(self, num_slots: int, release: Callable[[int], None]) -> None:
+        super().__init__(num_slots)
+        self.release = release
+
+    def give_back(self, slot: int) -> None:
+        super().give_back(slot)
+        self.release(slot)
+
+
+def check_v4_settings(config: EngineConfig) -> None:
+    """Refuse, by name, the settings a V4 model does not run with: its states advance with every token a step
+    computes (no drafts to verify), a cached prefix cannot resume them (no prefix-cache tiers), it runs in torch on one
+    rank in bfloat16 or float32."""
+    refused = {"tensor_parallel_size": config.tensor_parallel_size > 1,
+               "num_speculative_tokens": config.num_speculative_tokens > 0,
+               "speculative_method": config.speculative_method == "mtp", "latent_rank": config.latent_rank is not None,
+               "kv_cache_dir": config.kv_cache_dir is not None, "kv_cache_host_bytes": bool(config.kv_cache_host_bytes),
+               "quantization": config.quantization is not None,
+               "kv_cache_dtype": config.kv_cache_dtype not in ("auto", None),
+               "dtype": config.dtype not in V4_DTYPES}
+    for name, bad in refused.items():
+        if bad:
+            raise InvalidParam(name, f"{name}={getattr(config, name)!r}: deepseek_v4 runs with "
+                               f"tensor_parallel_size 1, no speculative decoding, its full latent rank, no "
+                               f"prefix-cache tiers (kv_cache_dir, kv_cache_host_bytes), no quantization, "
+                               f"kv_cache_dtype 'auto' and dtype one of "
+                               f"{sorted(V4_DTYPES)} (docs/deepseek-v4.md)")
+
+
+class V4Worker(Worker):
+    """The ``Worker`` of a ``deepseek_v4`` checkpoint (the module's docstring): same start-up calls, same steps."""
+
+    def __init__(self, config: EngineConfig, par: ParallelContext = SINGLE_RANK) -> None:
+        check_v4_settings(config)
+        self.config, self.par = config, par
+        self.model_path = resolve_model(config.model, config.revision)
+        raw = load_config_dict(self.model_path)
+        self.v4_config = V4Config.from_raw(raw)
+        cfg = self.checkpoint_config = self.model_config = model_config(self.v4_config)
+        self.device = rank_device(config.device, 1, par.rank)
+        self.dtype = V4_DTYPES[config.dtype] or V4_DTYPES.get(str(raw.get("dtype") or raw.get("torch_dtype")),
+                                                             None) or torch.float32
+        self.quantization, self.num_mtp_layers, self.plan, self.heap = None, 0, OFF_CPU, ""
+        self.cache_dtype = resolve_cache_dtype("auto", self.dtype)
+        self.max_model_len = config.max_model_len or cfg.max_position_embeddings
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's max_position_embeddings "
+                             f"({cfg.max_position_embeddings})")
+        self.max_num_batched_tokens = config.max_num_batched_tokens or default_max_num_batched_tokens(
+            self.max_model_len, config.max_num_seqs)
+        self.kinds: V4CacheKinds = cache_kinds(self.v4_config, self.dtype.itemsize)
+        self.bytes_per_token = self.bytes_per_token_per_rank = self.kinds.block_bytes_per_token
+        self.state_bytes_per_sequence = self.kinds.fixed_bytes
+        self.state_bytes = self.state_bytes_per_sequence * config.max_num_seqs
+        self.weight_bytes = v4_weights(self.v4_config, self.dtype)[0]
+        self.activation_bytes = activation_reserve_bytes(
+            cfg, dtype=self.dtype, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs) + (self.v4_config.hc_mult * cfg.hidden_size * self.dtype.itemsize
+                                                 * self.max_num_batched_tokens)
+        self.model = None
+        self.v4_model: DeepseekV4ForCausalLM | None = None
+        self.states: V4StateCache | None = None
+        self.cache: LatentCache | None = None
+        self.last_step = None
+        self.quantized = False
+        self.weights_fingerprint: str | None = None
+        self.disk_tier: DiskTier | None = None
+        self.host_tier: HostTier | None = None
+        self.graphs = None
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        return self.dtype
+
+    @property
+    def attention_name(self) -> str:
+        return "torch"
+
+    def check_memory(self) -> None:
+        """Refuse a load whose weights, slots and activations the memory cannot hold, before any weight is read."""
+        on_gpu = self.device.type == "cuda"
+        available = torch.cuda.mem_get_info(self.device)[0] if on_gpu else available_host_memory()
+        needed = self.weight_bytes + self.state_bytes + self.activation_bytes
+        if needed > available:
+            raise InsufficientMemory(
+                f"deepseek_v4: the weights ({self.weight_bytes / 2**30:.2f} GiB), {self.config.max_num_seqs} state "
+                f"slots ({self.state_bytes / 2**30:.2f} GiB) and the activations ({self.activation_bytes / 2**30:.2f} "
+                f"GiB) need {needed / 2**30:.2f} GiB; {available / 2**30:.2f} GiB are available on {self.device}: "
+                f"lower max_num_seqs or max_num_batched_tokens", needed, available)
+
+    def load(self) -> None:  # type: ignore[override]
+        """Load the weights (checked against the sha256 manifest first with ``verify_weights``)."""
+        self.check_memory()
+        if self.config.verify_weights:
+            self.weights_fingerprint = checksums.verify(self.model_path)
+        else:
+            self.weights_fingerprint = checksums.manifest_fingerprint(self.model_path)
+        self.v4_model = load_deepseek_v4(self.model_path, self.dtype).to(self.device)
+
+    def num_blocks(self) -> int:
+        """Blocks of ``block_size`` tokens whose compressed entries fit the budget: ``kv_cache_memory``, else the
+        planner's share of the memory left after the slots' fixed part."""
+        c = self.config
+        if c.kv_cache_memory is not None:
+            budget = int(c.kv_cache_memory)
+        else:
+            on_gpu = self.device.type == "cuda"
+            free = torch.cuda.mem_get_info(self.device)[0] if on_gpu else available_host_memory()
+            budget = cache_budget_bytes(on_gpu=on_gpu, free_bytes=max(0, free - self.state_bytes),
+                                        activation_bytes=self.activation_bytes, bytes_per_token=self.bytes_per_token,
+                                        block_size=c.block_size, max_model_len=self.max_model_len,
+                                        max_num_seqs=c.max_num_seqs)
+        return cache_num_blocks(budget, self.bytes_per_token, c.block_size, self.max_model_len)
+
+    def allocate(self, num_blocks: int, cache_dtype: torch.dtype | None = None) -> LatentCache:
+        """The block pool's bookkeeping cache (no layers) and the ``max_num_seqs`` state slots."""
+        assert self.v4_model is not None
+        self.cache = LatentCache(0, num_blocks, self.config.block_size, self.v4_config.head_dim, self.dtype,
+                                 self.device)
+        self.states = V4StateCache(self.v4_config, self.config.max_num_seqs)
+        logger.info("deepseek_v4: %d state slots of up to %.1f KiB fixed (windows, partial windows) plus %d B of "
+                    "compressed entries per token (%d blocks of %d tokens); prefix caching is off (a cached prefix "
+                    "would need the compressors' partial windows at its end)", self.config.max_num_seqs,
+                    self.state_bytes_per_sequence / 2**10, self.bytes_per_token, num_blocks, self.config.block_size)
+        return self.cache
+
+    @property
+    def prefix_caching(self) -> bool:
+        return False
+
+    def state_slots(self) -> StateSlots:
+        return ReleasingSlots(self.config.max_num_seqs, self._release)
+
+    def _release(self, slot: int) -> None:
+        if self.states is not None:
+            self.states.release(slot)
+
+    def state_cache_bytes(self) -> int:
+        """The slots' fixed part set aside (windows, partial windows: ``max_num_seqs`` of them); the entries are the
+        blocks' (``states.nbytes()``: what the running sequences hold now)."""
+        return 0 if self.states is None else self.state_bytes
+
+    def open_lower_tier(self) -> None:
+        return None
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> torch.Tensor | None:
+        """Run one step over the sequences' slots; fp32 logits ``[len(logit_rows), V]`` (None without rows)."""
+        assert self.v4_model is not None and self.states is not None
+        batch = ForwardBatch.build(step.token_chunks, step.context_lens, step.block_tables, self.config.block_size,
+                                   self.device, step.state_slots)
+        hidden = self.v4_model.forward_batch(batch, self.states)
+        if not step.logit_rows:
+            return None
+        return self.v4_model.compute_logits(hidden[step.logit_rows])
+
+
+def is_v4_checkpoint(config: EngineConfig) -> bool:
+    """Whether ``config.model`` is a ``deepseek_v4`` checkpoint (a folder, or a hub repo id it downloads)."""
+    try:
+        raw = load_config_dict(resolve_model(config.model, config.revision))
+    except (OSError, ValueError):
+        return False  # the ordinary worker reports what is wrong with it
+    return raw.get("model_type") == "deepseek_v4"
+
+
+def make_worker(config: EngineConfig, par: ParallelContext = SINGLE_RANK) -> Worker:
+    """The worker of ``config.model``: ``V4Worker`` for a ``deepseek_v4`` checkpoint, else ``Worker``."""
+    return V4Worker(config, par) if is_v4_checkpoint(config) else Worker(config, par)
+
+
+__all__ = ["ReleasingSlots", "V4Worker", "check_v4_settings", "make_worker"]

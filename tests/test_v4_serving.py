@@ -1,0 +1,114 @@
+"""DeepSeek-V4 through the engine: ``LLM`` and the HTTP server load a tiny ``deepseek_v4`` checkpoint built by
+transformers' classes and serve it over state slots. Requests admitted, chunked, preempted and aborted at every stage
+leave every slot, every slot's state and every block free; the start-up facts (bytes per token of the compressed
+entries, fixed bytes per sequence, prefix caching off) are the planner's; the settings V4 does not run with are
+refused by name. Greedy tokens against transformers: ``tests/test_conformance.py`` (``deepseek_v4`` cells)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mla_runtime import LLM, SamplingParams
+from mla_runtime.errors import InvalidParam
+from mla_runtime.models.deepseek_v4 import V4Config
+from mla_runtime.models.v4_sizes import cache_kinds
+from tests.test_families_v4 import CONFIG, build
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("deepseek_v4_serving")
+    build().save_pretrained(path)
+    return path
+
+
+def test_aborts_preemption_and_chunks_free_every_slot_state_and_block(checkpoint: Path) -> None:
+    per_token = cache_kinds(V4Config.from_raw({**CONFIG, "model_type": "deepseek_v4"}), 4).block_bytes_per_token
+    llm = LLM(str(checkpoint), dtype="float32", max_model_len=64, block_size=16, max_num_seqs=3,
+              max_num_batched_tokens=24, kv_cache_memory=str(per_token * 16 * 5))
+    engine = llm.engine
+    slots, states = engine.scheduler.states, engine.worker.states
+    assert slots is not None and slots.num_slots == 3 and states is not None
+    rng = random.Random(4)
+    try:
+        for i in range(6):
+            p = [rng.randrange(2, CONFIG["vocab_size"]) for _ in range(rng.randint(20, 44))]
+            engine.add_request(f"r{i}", {"prompt_token_ids": p},
+                               SamplingParams(max_tokens=rng.randint(4, 8), ignore_eos=True))
+        step = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            step += 1
+            taken = [s.state_slot for s in engine.scheduler.running]
+            assert None not in taken and len(set(taken)) == len(taken) == slots.num_slots - slots.num_free
+            # a slot holds a state only while its sequence runs
+            assert {i for i, st in enumerate(states.slots) if st is not None} <= set(taken)
+            if step % 5 == 0 and engine.requests:  # abort one at any stage: queued, prefilling, decoding
+                engine.abort(rng.choice(sorted(engine.requests)))
+        assert engine.scheduler.num_preemptions > 0  # the small cache preempted some
+        assert slots.num_free == slots.num_slots and states.nbytes() == 0
+        engine.pool.check_whole()
+    finally:
+        llm.shutdown()
+
+
+def test_engine_info_is_the_planners_and_prefix_caching_is_off(checkpoint: Path) -> None:
+    kinds = cache_kinds(V4Config.from_raw({**CONFIG, "model_type": "deepseek_v4"}), 4)
+    llm = LLM(str(checkpoint), dtype="float32", max_model_len=96, block_size=16, max_num_seqs=2,
+              kv_cache_memory="64KiB")
+    try:
+        info = llm.engine.info()
+        assert info.family == "deepseek_v4" and info.layers == 4 and info.d_c + info.d_r == 32
+        assert info.cache_bytes_per_token == kinds.block_bytes_per_token
+        assert info.state_bytes_per_sequence == kinds.fixed_bytes
+        assert not info.prefix_caching and not llm.engine.pool.enable_prefix_caching
+        p = list(range(2, 50))
+        first = llm.generate([{"prompt_token_ids": p}], GREEDY)[0].outputs[0].token_ids
+        again = llm.generate([{"prompt_token_ids": p}], GREEDY)[0].outputs[0].token_ids
+        assert first == again and llm.engine.stats().prefix_hit_tokens == 0
+        assert info.state_bytes == 2 * kinds.fixed_bytes  # the slots' fixed part, set aside
+        assert llm.engine.worker.states.nbytes() == 0  # the slots' states went with their sequences
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("settings, name", [
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+    ({"num_speculative_tokens": 2}, "num_speculative_tokens"),
+    ({"kv_cache_dir": "unused-dir"}, "kv_cache_dir"),
+    ({"latent_rank": 16}, "latent_rank"),
+    ({"quantization": "int8"}, "quantization"),
+    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+    ({"dtype": "float16"}, "dtype"),
+    ({"kv_cache_host_bytes": "1MiB"}, "kv_cache_host_bytes"),
+])
+def test_settings_v4_does_not_run_with_are_refused_by_name(checkpoint: Path, settings: dict, name: str) -> None:
+    with pytest.raises(InvalidParam, match=name) as e:
+        LLM(str(checkpoint), max_model_len=64, kv_cache_memory="1MiB", **settings)
+    assert e.value.param == name and "deepseek_v4" in str(e.value)
+
+
+def test_the_server_serves_deepseek_v4(checkpoint: Path) -> None:
+    from tests.test_server import Live, wait_idle
+
+    live = Live(checkpoint, engine={"max_model_len": 96, "kv_cache_memory": "64KiB", "max_num_seqs": 2})
+    try:
+        p = list(range(2, 40))
+        r = httpx.post(live.base + "/generate", json={"prompt": p, "max_tokens": 4, "temperature": 0,
+                                                      "ignore_eos": True}, timeout=120)
+        assert r.status_code == 200, r.text
+        ref = LLM(str(checkpoint), dtype="float32", max_model_len=96, kv_cache_memory="64KiB")
+        try:
+            assert r.json()["token_ids"] == ref.generate([{"prompt_token_ids": p}], GREEDY)[0].outputs[0].token_ids
+        finally:
+            ref.shutdown()
+        after = wait_idle(live)
+        assert after[("mla_running_sequences",)] == 0 and after[("mla_latent_cache_blocks_used",)] == 0
+    finally:
+        live.stop()
