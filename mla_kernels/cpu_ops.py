@@ -43,13 +43,15 @@ logger = logging.getLogger("mla_runtime")
 CSRC = Path(__file__).resolve().parent / "csrc"
 # every architecture: the indexer; x86-64 adds the AVX2 kernels of csrc/*.c (mla_cpu.h), compiled as C++ into the
 # same library and registered by ops/cpu_kernels.cpp
-PORTABLE_SOURCES = (CSRC / "ops" / "indexer.cpp", CSRC / "ops" / "isa.cpp", CSRC / "cpu_features.c")
+PORTABLE_SOURCES = (CSRC / "ops" / "indexer.cpp", CSRC / "ops" / "isa.cpp", CSRC / "ops" / "delta_rule.cpp",
+                    CSRC / "cpu_features.c")
 X86_SOURCES = (CSRC / "gemv_f32.c", CSRC / "mla_decode_f32.c", CSRC / "mla_layer_f32.c", CSRC / "gemv_fp8.c",
                CSRC / "gemv_int4.c", CSRC / "gemv_ggml.c", CSRC / "gemm_w8a8.c", CSRC / "gemm_fp4.c",
                CSRC / "amx_bf16.c", CSRC / "ops" / "cpu_kernels.cpp")
 HEADERS = (CSRC / "mla_cpu.h", CSRC / "simd.h", CSRC / "isa_cap.h", CSRC / "amx_emulate.h", CSRC / "vec_avx2.h",
            CSRC / "vec_avx512.h", CSRC / "vec_end.h", CSRC / "decode_attention.h", CSRC / "few_rows.h",
-           CSRC / "int4_rows.h", CSRC / "ggml_rows.h", CSRC / "w8a8_rows.h", CSRC / "fp4_rows.h")
+           CSRC / "int4_rows.h", CSRC / "ggml_rows.h", CSRC / "w8a8_rows.h", CSRC / "fp4_rows.h",
+           CSRC / "vec_scalar.h", CSRC / "delta_rule.h")
 CFLAGS = ("-O3", "-std=c++17", "-fopenmp")  # OpenMP: the kernels' threads are torch's pool
 # the x86 baseline (every AVX2 CPU has FMA and F16C): wider instruction sets are chosen per function at run time
 X86_CFLAGS = ("-mavx2", "-mfma", "-mf16c")
@@ -368,7 +370,15 @@ def _register_fakes() -> None:
     def _(q, weights, cache, scales, block_tables, req_indices, key_lens, max_len, variant="auto"):  # type: ignore[no-untyped-def]
         return q.new_empty((q.shape[0], max_len), dtype=torch.float32)
 
-    _FAKES.append("indexer_scores")
+    @lib.register_fake("mla_kernels::delta_rule_step")
+    def _(q, k, v, g, beta, state, slots, variant="auto"):  # type: ignore[no-untyped-def]
+        return q.new_empty((q.shape[0], q.shape[1], v.shape[2]), dtype=torch.float32)
+
+    @lib.register_fake("mla_kernels::short_conv_step")
+    def _(x, conv, weight, slots):  # type: ignore[no-untyped-def]
+        return x.new_empty(x.shape, dtype=torch.float32)
+
+    _FAKES.extend(["indexer_scores", "delta_rule_step", "short_conv_step"])
     if not x86():
         return
 
