@@ -30,7 +30,8 @@ def _exact(got: torch.Tensor, want: torch.Tensor) -> bool:
 @functools.cache
 def failure(kind: str) -> str | None:
     """None where the kernels of ``kind`` ("core", "bf16", "f16", "fp8", "int4", "ggml", "w8a8", "fp4", "amx",
-    "delta") are exact here (the delta rule's: equal to torch's float32 to rounding), else why not. Only where the operators are loaded (``cpu_ops.failure()`` is None)."""
+    "delta") are exact here (the delta rule's: equal to torch's float32 to rounding), else why not. Only where the
+    operators are loaded (``cpu_ops.failure()`` is None)."""
     g = torch.Generator().manual_seed(0)
     checks = {"core": _core, "bf16": _half, "f16": _half, "fp8": _fp8, "int4": _int4, "ggml": _ggml, "w8a8": _w8a8,
               "fp4": _fp4, "amx": _amx, "delta": _delta}
@@ -303,7 +304,8 @@ def _delta(g: torch.Generator, kind: str) -> str | None:
         if not (torch.allclose(got, want, rtol=1e-5, atol=1e-5) and torch.allclose(got_state[slots], s, rtol=1e-5,
                                                                                     atol=1e-5)):
             return f"the delta rule's {variant} kernel differs from torch's on this CPU"
-    x, conv, taps = torch.randn(rows, 10, generator=g), torch.randn(4, 10, 3, generator=g), torch.randn(10, 4, generator=g)
+    x, conv = torch.randn(rows, 10, generator=g), torch.randn(4, 10, 3, generator=g)
+    taps = torch.randn(10, 4, generator=g)
     window = torch.cat([conv[slots], x.unsqueeze(-1)], dim=-1)
     got_conv = conv.clone()
     got = ops.short_conv_step(x, got_conv, taps, slots)

@@ -1,11 +1,14 @@
 """CPU kernels as typed torch operators (``torch.ops.mla_kernels.*``), built once per machine.
 
 The sources register their operators with ``TORCH_LIBRARY``: ``csrc/ops/indexer.cpp`` (the sparse-attention
-indexer's scores, every architecture) and, on x86-64, ``csrc/ops/cpu_kernels.cpp`` over the C decode kernels of
-``csrc/*.c`` (products, absorbed attention, norms, MoE rows, the whole decoder layer; entry points and table layouts
-declared once in ``csrc/mla_cpu.h``), compiled as C++ into the same library. Each operator has a schema and a CPU
-implementation, so it shows under its own name in the profiler and is checked by the dispatcher, and those that take
-tensors have a shape function (``_register_fakes``), so they trace.
+indexer's scores, every architecture), ``csrc/ops/delta_rule.cpp`` (the linear-attention layers' decode step: the gated
+delta rule's update over the state slots and the short convolution, every architecture: ``csrc/delta_rule.h`` over the
+vector vocabulary per x86 level, and over ``csrc/vec_scalar.h``'s one lane anywhere) and, on x86-64,
+``csrc/ops/cpu_kernels.cpp`` over the C decode kernels of ``csrc/*.c`` (products, absorbed attention, norms, MoE rows,
+the whole decoder layer; entry points and table layouts declared once in ``csrc/mla_cpu.h``), compiled as C++ into
+the same library. Each operator has a schema and a CPU implementation, so it shows under its own name in the profiler
+and is checked by the dispatcher, and those that take tensors have a shape function (``_register_fakes``), so they
+trace.
 
 The first process that needs them builds them with ``torch.utils.cpp_extension`` into a folder of ``cache_dir()``
 named by a digest of the sources, headers, flags, compiler and torch's version; every later process, and every
@@ -336,7 +339,8 @@ def summary() -> str:
     if why is not None:
         return f"unavailable: {why}"
     runs = [v.split(":", 1)[0] for v in torch.ops.mla_kernels.cpu_variants() if v.endswith(":runs")]
-    kernels = "the decode kernels, the prefill attention and the indexer" if x86() else "the indexer"
+    kernels = ("the decode kernels, the prefill attention, the indexer and the linear-attention decode step" if x86()
+               else "the indexer and the linear-attention decode step")
     capped = f"; capped at {isa_cap()} by ${ISA_ENV}" if isa_cap() != ISA_LEVELS[-1] else ""
     emulated = f"; AMX tiles emulated in software by ${EMULATE_AMX_ENV}" if emulated_amx() else ""
     return f"torch.ops.mla_kernels ({kernels}; indexer variant {runs[0] if runs else 'none'}{capped}{emulated})"

@@ -42,7 +42,6 @@ from mla_runtime.kernel_plan import KernelPlan
 from mla_runtime.layers import delta_rule
 from mla_runtime.layers.linear import Linear
 
-
 DECODE_KERNELS = ("compiled", "triton", "torch")
 
 
@@ -54,6 +53,10 @@ class LinearKernels:
 
     decode: str = "torch"
     reason: str = "not prepared"
+
+    def __post_init__(self) -> None:
+        if self.decode not in DECODE_KERNELS:
+            raise ValueError(f"decode kernels: {self.decode!r} is not one of {', '.join(DECODE_KERNELS)}")
 
 
 def linear_kernels(plan: KernelPlan, device: torch.device) -> LinearKernels:
