@@ -304,6 +304,12 @@ def _delta(g: torch.Generator, kind: str) -> str | None:
         if not (torch.allclose(got, want, rtol=1e-5, atol=1e-5) and torch.allclose(got_state[slots], s, rtol=1e-5,
                                                                                     atol=1e-5)):
             return f"the delta rule's {variant} kernel differs from torch's on this CPU"
+        # the same three tokens as one sequence each through the prefill operator (token after token: here one each)
+        got_state = state.clone()
+        got = ops.delta_rule_prefill(q, k, v, gate, beta, got_state, slots, torch.tensor([0, 1, 2, 3]), variant)
+        if not (torch.allclose(got, want, rtol=1e-5, atol=1e-5) and torch.allclose(got_state[slots], s, rtol=1e-5,
+                                                                                    atol=1e-5)):
+            return f"the delta rule's {variant} prefill kernel differs from torch's on this CPU"
     x, conv = torch.randn(rows, 10, generator=g), torch.randn(4, 10, 3, generator=g)
     taps = torch.randn(10, 4, generator=g)
     window = torch.cat([conv[slots], x.unsqueeze(-1)], dim=-1)

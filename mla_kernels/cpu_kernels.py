@@ -61,7 +61,8 @@ def failure(kind: str = "core") -> str | None:
     """None where the kernels of ``kind`` (``KINDS``; "core": float32 and int8 products, the norm, the attention and
     the tables) are built and exact on this machine, else why not. Every kind needs "core". "ops": the operators are
     built and loaded (``dense_linear`` calls a kernel only where its caller's plan found that kernel exact). "delta":
-    the linear-attention decode operators (``delta_rule_step``, ``short_conv_step``), built on every architecture."""
+    the linear-attention operators (``delta_rule_step``, ``delta_rule_prefill``, ``short_conv_step``), built on every
+    architecture."""
     if kind == "delta":
         return cpu_ops.failure() or cpu_check.failure("delta")
     if not cpu_ops.x86():
@@ -170,6 +171,16 @@ def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     d_k, d_v]``, contiguous) updated in place; returns the outputs ``[B, H, d_v]``. Only where ``failure("delta")`` is
     None."""
     return torch.ops.mla_kernels.delta_rule_step(q, k, v, g, beta, state, slots, variant)  # type: ignore[no-any-return]
+
+
+def delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       state: torch.Tensor, slots: torch.Tensor, cu: torch.Tensor, *, variant: str = "auto"
+                       ) -> torch.Tensor:
+    """The tokens ``cu[s] .. cu[s + 1]`` of sequence ``s`` (``[T, H, ...]`` as ``delta_rule_step``'s rows) through the
+    rule token by token from its state ``state[slots[s]]``, updated in place (a fresh sequence's slot zeroed by the
+    caller); returns the outputs ``[T, H, d_v]``. Only where ``failure("delta")`` is None."""
+    return torch.ops.mla_kernels.delta_rule_prefill(  # type: ignore[no-any-return]
+        q, k, v, g, beta, state, slots, cu, variant)
 
 
 def short_conv_step(x: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -378,11 +378,15 @@ def _register_fakes() -> None:
     def _(q, k, v, g, beta, state, slots, variant="auto"):  # type: ignore[no-untyped-def]
         return q.new_empty((q.shape[0], q.shape[1], v.shape[2]), dtype=torch.float32)
 
+    @lib.register_fake("mla_kernels::delta_rule_prefill")
+    def _(q, k, v, g, beta, state, slots, cu, variant="auto"):  # type: ignore[no-untyped-def]
+        return q.new_empty((q.shape[0], q.shape[1], v.shape[2]), dtype=torch.float32)
+
     @lib.register_fake("mla_kernels::short_conv_step")
     def _(x, conv, weight, slots):  # type: ignore[no-untyped-def]
         return x.new_empty(x.shape, dtype=torch.float32)
 
-    _FAKES.extend(["indexer_scores", "delta_rule_step", "short_conv_step"])
+    _FAKES.extend(["indexer_scores", "delta_rule_step", "delta_rule_prefill", "short_conv_step"])
     if not x86():
         return
 

@@ -57,6 +57,29 @@ def test_compiled_delta_rule_step_equals_the_reference_in_every_variant():
 
 
 @needs_ops
+def test_compiled_prefill_equals_the_chunked_form_for_each_sequence_in_every_variant():
+    """Sequences of 5, 40, 0 and 33 tokens in one call, each from its own slot, against ``delta_rule.chunked``."""
+    lens = [5, 40, 0, 33]
+    q, k, v, gate, beta, state = step_inputs(rows=sum(lens), heads=3, slots=4, seed=2)
+    cu, slots = torch.tensor([0, 5, 45, 45, 78]), torch.tensor([2, 0, 3, 1])
+    for variant in cpu_kernels.delta_variants():
+        got_state = state.clone()
+        got = cpu_kernels.delta_rule_prefill(q, k, v, gate, beta, got_state, slots, cu, variant=variant)
+        for s in range(4):
+            a, b = int(cu[s]), int(cu[s + 1])
+            if a == b:
+                assert torch.equal(got_state[slots[s]], state[slots[s]])
+                continue
+            want, want_state = delta_rule.chunked(q[a:b], k[a:b], v[a:b], gate[a:b], beta[a:b], state[slots[s]])
+            torch.testing.assert_close(got[a:b], want, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(got_state[slots[s]], want_state, rtol=1e-4, atol=1e-5)
+    for cu, message in ((torch.tensor([0, 5, 45, 40, 78]), "must not decrease"),
+                        (torch.tensor([0, 5, 45, 45, 77]), "from 0 to the 78 tokens")):
+        with pytest.raises(ValueError, match=message):
+            cpu_kernels.delta_rule_prefill(q, k, v, gate, beta, state, slots, cu)
+
+
+@needs_ops
 def test_compiled_short_conv_step_equals_the_reference():
     g = torch.Generator().manual_seed(3)
     x, conv, taps = torch.randn(3, 37, generator=g), torch.randn(4, 37, 3, generator=g), torch.randn(37, 4, generator=g)
@@ -134,7 +157,7 @@ def test_hybrid_decode_logits_match_transformers_with_the_chosen_kernels(checkpo
     refs = [hf_logits(hf, seqs[i] + nxt[i])[len(seqs[i]):] for i in range(2)]  # causal: each position's logits
     for kernels in sorted(chosen | {"torch"}):
         for layer in model.linear_layers():
-            layer.kernels = LinearKernels(kernels, "the test's choice")
+            layer.kernels = LinearKernels(kernels, "the test's choice", prefill=kernels)
         runner = PagedRunner(model, 2, 32)
         runner.step({i: p for i, p in enumerate(seqs)})
         for j in range(3):

@@ -1999,5 +1999,9 @@ def test_every_cpu_operator_has_a_shape_function():
                                   torch.empty(2, 3, 4), torch.empty(2, 3), torch.empty(6, 3, 4, 5),
                                   torch.empty(2, dtype=torch.long))
         assert out.shape == (2, 3, 5) and out.dtype == torch.float32
+        out = ops.delta_rule_prefill(torch.empty(7, 3, 4), torch.empty(7, 3, 4), torch.empty(7, 3, 5),
+                                     torch.empty(7, 3, 4), torch.empty(7, 3), torch.empty(6, 3, 4, 5),
+                                     torch.empty(2, dtype=torch.long), torch.empty(3, dtype=torch.long))
+        assert out.shape == (7, 3, 5) and out.dtype == torch.float32
         assert ops.short_conv_step(torch.empty(2, 7), torch.empty(6, 7, 3), torch.empty(7, 4),
                                    torch.empty(2, dtype=torch.long)).shape == (2, 7)

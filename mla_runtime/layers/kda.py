@@ -18,11 +18,11 @@ whose step starts at position 0 starts from zeros (whatever its slot held before
 already started updates its state recurrently (all such rows of a step at once); any longer step runs the chunked
 form of the rule from the slot's state. Each sequence reads and writes its own slot only.
 
-The decode rows' kernels are chosen once per layer when the weights are prepared (``prepare_inference``, recorded as
+The kernels are chosen once per layer when the weights are prepared (``prepare_inference``, recorded as
 ``KimiDeltaAttention.kernels``): on CPU tensors the compiled operators where the kernel plan has them
-(``KernelPlan.delta_failure`` None: ``mla_kernels.cpu_kernels.short_conv_step`` and ``delta_rule_step``, which update
-the slots in place), on CUDA tensors the Triton kernel of the rule (``mla_kernels.linear_attention``), else the
-float32 torch reference (``layers.delta_rule``), which also runs every prefill chunk.
+(``KernelPlan.delta_failure`` None: ``mla_kernels.cpu_kernels.short_conv_step`` and ``delta_rule_step`` for the decode
+rows, ``delta_rule_prefill`` for longer steps, all updating the slots in place), on CUDA tensors the Triton kernel of
+the rule's decode update (``mla_kernels.linear_attention``), else the float32 torch reference (``layers.delta_rule``).
 """
 
 from __future__ import annotations
@@ -47,24 +47,29 @@ DECODE_KERNELS = ("compiled", "triton", "torch")
 
 @dataclass(frozen=True)
 class LinearKernels:
-    """What runs a linear-attention layer's decode rows: "compiled" (the CPU operators: the short convolution and the
-    rule's update, in place over the state slots), "triton" (the rule's update on CUDA; the convolution in torch) or
-    "torch" (the float32 reference), and why."""
+    """What runs a linear-attention layer's rule and convolution, and why. ``decode`` (the one-token rows of started
+    sequences): "compiled" (the CPU operators: the short convolution and the rule's update, in place over the state
+    slots), "triton" (the rule's update on CUDA; the convolution in torch) or "torch" (the float32 reference).
+    ``prefill`` (every longer step of a sequence): "compiled" (the CPU operator running the rule token by token from
+    the slot's state) or "torch" (the chunked WY form)."""
 
     decode: str = "torch"
     reason: str = "not prepared"
+    prefill: str = "torch"
 
     def __post_init__(self) -> None:
-        if self.decode not in DECODE_KERNELS:
-            raise ValueError(f"decode kernels: {self.decode!r} is not one of {', '.join(DECODE_KERNELS)}")
+        if self.decode not in DECODE_KERNELS or self.prefill not in ("compiled", "torch"):
+            raise ValueError(f"linear kernels: decode {self.decode!r} (one of {', '.join(DECODE_KERNELS)}) and "
+                             f"prefill {self.prefill!r} (compiled or torch)")
 
 
 def linear_kernels(plan: KernelPlan, device: torch.device) -> LinearKernels:
-    """The decode kernels of a layer whose weights are on ``device``, under the model's kernel ``plan``."""
+    """The kernels of a layer whose weights are on ``device``, under the model's kernel ``plan``."""
     if device.type == "cuda":
         return LinearKernels("triton", "the Triton delta-rule kernel (mla_kernels.linear_attention) on CUDA tensors")
     if device.type == "cpu" and plan.delta_failure is None:
-        return LinearKernels("compiled", "the compiled CPU operators (delta_rule_step, short_conv_step)")
+        return LinearKernels("compiled", "the compiled CPU operators (delta_rule_step, delta_rule_prefill, "
+                             "short_conv_step)", prefill="compiled")
     return LinearKernels("torch", plan.delta_failure or f"no compiled kernel for {device.type} tensors")
 
 
@@ -208,6 +213,11 @@ class KimiDeltaAttention(nn.Module):
         state.conv[slot] = window[:, window.shape[1] - (self.kernel - 1):]
         conv = F.conv1d(window.unsqueeze(0), self.conv1d.weight.float(), groups=window.shape[0])[0]  # [C, L]
         q, k, v = self._split(F.silu(conv).t().to(mixed.dtype))
+        if self.kernels.prefill == "compiled":  # in place in the slot
+            if fresh:
+                state.recurrent[slot].zero_()
+            return cpu_kernels.delta_rule_prefill(q, k, v, g, beta, state.recurrent,
+                                                  torch.tensor([slot]), torch.tensor([0, q.shape[0]]))
         start = torch.zeros_like(state.recurrent[slot]) if fresh else state.recurrent[slot]
         o, state.recurrent[slot] = delta_rule.chunked(q, k, v, g, beta, start)
         return o

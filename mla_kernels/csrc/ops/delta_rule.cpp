@@ -6,6 +6,13 @@
 //       one token of B sequences, sequence b's state in state[slots[b]] (layers/delta_rule.recurrent_step with q, k
 //       prepared and g the log forget gate, <= 0); the state slots are read and written where they lie, so no
 //       gather or scatter of the states
+//   mla_kernels::delta_rule_prefill(q, k, g [T, H, d_k] f32, v [T, H, d_v] f32, beta [T, H] f32,
+//                                   state [N, H, d_k, d_v] f32 (updated in place), slots [S] i64, cu [S + 1] i64,
+//                                   str variant="auto") -> o [T, H, d_v] f32
+//       the tokens cu[s] .. cu[s + 1] of sequence s (a prompt or a prefill chunk), in order, from its state
+//       state[slots[s]] (the caller zeroes a fresh sequence's slot): the rule token by token (the same head update as
+//       delta_rule_step), each (sequence, head) pair a piece of work with its state in cache; the same outputs and
+//       state as the chunked (WY) form of layers/delta_rule.chunked to float32 rounding
 //   mla_kernels::short_conv_step(x [B, C] f32, conv [N, C, K - 1] f32 (updated in place), weight [C, K] f32,
 //                                slots [B] i64) -> [B, C] f32
 //       the causal depthwise convolution of one new input per sequence over its window [conv[slots[b]] ; x[b]],
@@ -154,6 +161,55 @@ at::Tensor delta_rule_step(const at::Tensor& q, const at::Tensor& k, const at::T
   return out;
 }
 
+at::Tensor delta_rule_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                              const at::Tensor& beta, at::Tensor& state, const at::Tensor& slots, const at::Tensor& cu,
+                              c10::string_view variant) {
+  const char* op = "delta_rule_prefill";
+  const Variant& fn = pick(std::string(variant));
+  TORCH_CHECK_VALUE(q.dim() == 3 && v.dim() == 3 && state.dim() == 4, op,
+                    ": q, k, g must be [T, H, d_k], v [T, H, d_v], state [N, H, d_k, d_v]");
+  const int64_t rows = q.size(0), heads = q.size(1), dk = q.size(2), dv = v.size(2), n = state.size(0);
+  TORCH_CHECK_VALUE(dk >= 1 && dk <= MAX_DK && dv >= 1, op, ": d_k must be 1..", MAX_DK, " and d_v >= 1");
+  check_f32(q, op, "q", {rows, heads, dk});
+  check_f32(k, op, "k", {rows, heads, dk});
+  check_f32(g, op, "g", {rows, heads, dk});
+  check_f32(v, op, "v", {rows, heads, dv});
+  check_f32(beta, op, "beta", {rows, heads});
+  check_f32(state, op, "state", {n, heads, dk, dv});
+  TORCH_CHECK_VALUE(state.is_contiguous(), op, ": state must be contiguous (it is updated in place)");
+  TORCH_CHECK_VALUE(cu.device().is_cpu() && cu.scalar_type() == at::kLong && cu.dim() == 1 && cu.size(0) >= 1 &&
+                        cu.is_contiguous(),
+                    op, ": cu must be a contiguous int64 CPU tensor [S + 1]");
+  const int64_t seqs = cu.size(0) - 1;
+  const int64_t* sp = checked_slots(slots, seqs, n, op);
+  const int64_t* cp = cu.data_ptr<int64_t>();
+  TORCH_CHECK_VALUE(cp[0] == 0 && cp[seqs] == rows, op, ": cu must run from 0 to the ", rows, " tokens, got ", cp[0],
+                    " .. ", cp[seqs]);
+  for (int64_t s = 0; s < seqs; ++s)
+    TORCH_CHECK_VALUE(cp[s] <= cp[s + 1], op, ": cu must not decrease (cu[", s, "] = ", cp[s], " > cu[", s + 1,
+                      "] = ", cp[s + 1], ")");
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), gc = g.contiguous(), vc = v.contiguous();
+  const at::Tensor bc = beta.contiguous();
+  at::Tensor out = at::empty({rows, heads, dv}, q.options());
+  const float *qp = qc.data_ptr<float>(), *kp = kc.data_ptr<float>(), *gp = gc.data_ptr<float>();
+  const float *vp = vc.data_ptr<float>(), *bp = bc.data_ptr<float>();
+  float *stp = state.data_ptr<float>(), *op_ = out.data_ptr<float>();
+  at::parallel_for(0, seqs * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(static_cast<size_t>(2 * dv));
+    float decay[MAX_DK];
+    for (int64_t piece = begin; piece < end; ++piece) {
+      const int64_t s = piece / heads, h = piece % heads;
+      float* st = stp + (sp[s] * heads + h) * dk * dv;
+      for (int64_t t = cp[s]; t < cp[s + 1]; ++t) {
+        const int64_t p = t * heads + h;
+        for (int64_t i = 0; i < dk; ++i) decay[i] = std::exp(gp[p * dk + i]);
+        fn.fn(st, qp + p * dk, kp + p * dk, decay, vp + p * dv, bp[p], op_ + p * dv, scratch.data(), dk, dv);
+      }
+    }
+  });
+  return out;
+}
+
 at::Tensor short_conv_step(const at::Tensor& x, at::Tensor& conv, const at::Tensor& weight, const at::Tensor& slots) {
   const char* op = "short_conv_step";
   TORCH_CHECK_VALUE(x.dim() == 2 && conv.dim() == 3 && weight.dim() == 2, op,
@@ -191,11 +247,14 @@ at::Tensor short_conv_step(const at::Tensor& x, at::Tensor& conv, const at::Tens
 TORCH_LIBRARY_FRAGMENT(mla_kernels, m) {
   m.def("delta_rule_step(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, Tensor slots, "
         "str variant=\"auto\") -> Tensor");
+  m.def("delta_rule_prefill(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, Tensor slots, "
+        "Tensor cu, str variant=\"auto\") -> Tensor");
   m.def("short_conv_step(Tensor x, Tensor(a!) conv, Tensor weight, Tensor slots) -> Tensor");
   m.def("delta_rule_variants() -> str[]", &delta_rule_variants);
 }
 
 TORCH_LIBRARY_IMPL(mla_kernels, CPU, m) {
   m.impl("delta_rule_step", &delta_rule_step);
+  m.impl("delta_rule_prefill", &delta_rule_prefill);
   m.impl("short_conv_step", &short_conv_step);
 }
