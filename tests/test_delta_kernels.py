@@ -127,7 +127,7 @@ def test_under_an_avx2_cap_the_operators_run_the_avx2_variant_and_equal_the_refe
         ops.set_max_isa(before)
 
 
-def test_triton_delta_rule_step_equals_the_reference():
+def test_triton_delta_rule_kernels_equal_the_reference():
     if linear_attention.recurrent_failure("cpu") is not None and not torch.cuda.is_available():
         pytest.skip(linear_attention.recurrent_failure("cpu"))
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -139,6 +139,17 @@ def test_triton_delta_rule_step_equals_the_reference():
         return out.cpu()
 
     check_step(on_device)
+    lens = [5, 40, 0, 9]
+    q, k, v, gate, beta, state = step_inputs(rows=sum(lens), heads=3, slots=4, seed=2)
+    cu, slots = torch.tensor([0, 5, 45, 45, 54]), torch.tensor([2, 0, 3, 1])
+    moved = [t.to(device) for t in (q, k, v, gate, beta, state.clone(), slots, cu)]  # the state updated in place
+    got = linear_attention.sequence_steps(*moved).cpu()
+    for s in (0, 1, 3):
+        a, b = int(cu[s]), int(cu[s + 1])
+        want, want_state = delta_rule.chunked(q[a:b], k[a:b], v[a:b], gate[a:b], beta[a:b], state[slots[s]])
+        torch.testing.assert_close(got[a:b], want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(moved[5][slots[s]].cpu(), want_state, rtol=1e-4, atol=1e-5)
+    assert torch.equal(moved[5][slots[2]].cpu(), state[slots[2]])
     q, k, v, gate, beta, state = step_inputs()
     with pytest.raises(ValueError, match="state must be contiguous float32"):
         linear_attention.recurrent_step(q, k, v, gate, beta, state.double(), torch.tensor([0, 1, 2]))
@@ -155,9 +166,11 @@ def test_hybrid_decode_logits_match_transformers_with_the_chosen_kernels(checkpo
     seqs = prompts((6, 11), seed=7)
     nxt = [[(5 * i + 3 * j) % 50 + 2 for j in range(3)] for i in range(2)]
     refs = [hf_logits(hf, seqs[i] + nxt[i])[len(seqs[i]):] for i in range(2)]  # causal: each position's logits
-    for kernels in sorted(chosen | {"torch"}):
+    interpreted = {"triton"} if linear_attention.recurrent_failure("cpu") is None else set()
+    for kernels in sorted(chosen | {"torch"} | interpreted):
         for layer in model.linear_layers():
-            layer.kernels = LinearKernels(kernels, "the test's choice", prefill=kernels)
+            # interpreted Triton for the decode rows only (its prefill kernel: test_triton_delta_rule_kernels_...)
+            layer.kernels = LinearKernels(kernels, "the test's choice", prefill=kernels.replace("triton", "torch"))
         runner = PagedRunner(model, 2, 32)
         runner.step({i: p for i, p in enumerate(seqs)})
         for j in range(3):

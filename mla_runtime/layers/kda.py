@@ -21,8 +21,8 @@ form of the rule from the slot's state. Each sequence reads and writes its own s
 The kernels are chosen once per layer when the weights are prepared (``prepare_inference``, recorded as
 ``KimiDeltaAttention.kernels``): on CPU tensors the compiled operators where the kernel plan has them
 (``KernelPlan.delta_failure`` None: ``mla_kernels.cpu_kernels.short_conv_step`` and ``delta_rule_step`` for the decode
-rows, ``delta_rule_prefill`` for longer steps, all updating the slots in place), on CUDA tensors the Triton kernel of
-the rule's decode update (``mla_kernels.linear_attention``), else the float32 torch reference (``layers.delta_rule``).
+rows, ``delta_rule_prefill`` for longer steps, all updating the slots in place), on CUDA tensors the Triton kernels of
+the rule (``mla_kernels.linear_attention``), else the float32 torch reference (``layers.delta_rule``).
 """
 
 from __future__ import annotations
@@ -51,22 +51,23 @@ class LinearKernels:
     sequences): "compiled" (the CPU operators: the short convolution and the rule's update, in place over the state
     slots), "triton" (the rule's update on CUDA; the convolution in torch) or "torch" (the float32 reference).
     ``prefill`` (every longer step of a sequence): "compiled" (the CPU operator running the rule token by token from
-    the slot's state) or "torch" (the chunked WY form)."""
+    the slot's state), "triton" (the same on CUDA) or "torch" (the chunked WY form)."""
 
     decode: str = "torch"
     reason: str = "not prepared"
     prefill: str = "torch"
 
     def __post_init__(self) -> None:
-        if self.decode not in DECODE_KERNELS or self.prefill not in ("compiled", "torch"):
-            raise ValueError(f"linear kernels: decode {self.decode!r} (one of {', '.join(DECODE_KERNELS)}) and "
-                             f"prefill {self.prefill!r} (compiled or torch)")
+        if self.decode not in DECODE_KERNELS or self.prefill not in DECODE_KERNELS:
+            raise ValueError(f"linear kernels: decode {self.decode!r} and prefill {self.prefill!r} must each be one "
+                             f"of {', '.join(DECODE_KERNELS)}")
 
 
 def linear_kernels(plan: KernelPlan, device: torch.device) -> LinearKernels:
     """The kernels of a layer whose weights are on ``device``, under the model's kernel ``plan``."""
     if device.type == "cuda":
-        return LinearKernels("triton", "the Triton delta-rule kernel (mla_kernels.linear_attention) on CUDA tensors")
+        return LinearKernels("triton", "the Triton delta-rule kernels (mla_kernels.linear_attention) on CUDA tensors",
+                             prefill="triton")
     if device.type == "cpu" and plan.delta_failure is None:
         return LinearKernels("compiled", "the compiled CPU operators (delta_rule_step, delta_rule_prefill, "
                              "short_conv_step)", prefill="compiled")
@@ -213,11 +214,13 @@ class KimiDeltaAttention(nn.Module):
         state.conv[slot] = window[:, window.shape[1] - (self.kernel - 1):]
         conv = F.conv1d(window.unsqueeze(0), self.conv1d.weight.float(), groups=window.shape[0])[0]  # [C, L]
         q, k, v = self._split(F.silu(conv).t().to(mixed.dtype))
-        if self.kernels.prefill == "compiled":  # in place in the slot
+        if self.kernels.prefill != "torch":  # in place in the slot
             if fresh:
                 state.recurrent[slot].zero_()
-            return cpu_kernels.delta_rule_prefill(q, k, v, g, beta, state.recurrent,
-                                                  torch.tensor([slot]), torch.tensor([0, q.shape[0]]))
+            run = (cpu_kernels.delta_rule_prefill if self.kernels.prefill == "compiled"
+                   else linear_attention.sequence_steps)
+            return run(q, k, v, g, beta, state.recurrent, torch.tensor([slot], device=q.device),
+                       torch.tensor([0, q.shape[0]], device=q.device))
         start = torch.zeros_like(state.recurrent[slot]) if fresh else state.recurrent[slot]
         o, state.recurrent[slot] = delta_rule.chunked(q, k, v, g, beta, start)
         return o
