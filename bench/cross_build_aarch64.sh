@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Compile the typed CPU operators that aarch64 builds (mla_kernels.cpu_ops.PORTABLE_SOURCES: the indexer and the
-# instruction-set cap) for aarch64 on an x86-64 machine, against this environment's torch headers: a check that they
-# build there, not that they run. The cross compiler is zig's clang (pip's ziglang, in a throwaway environment); its
-# sysroot has no omp.h, so the host GCC's (declarations only) is borrowed.
+# Compile the typed CPU operators that aarch64 builds (mla_kernels.cpu_ops.PORTABLE_SOURCES: the indexer, the
+# linear-attention layers' delta rule and convolution, the instruction-set cap) for aarch64 on an x86-64 machine,
+# against this environment's torch headers: a check that they build there, not that they run. The cross compiler is
+# zig's clang (pip's ziglang, in a throwaway environment); its sysroot has no omp.h, so the host GCC's (declarations
+# only) is borrowed.
 #
 #   bash bench/cross_build_aarch64.sh        # prints one line per source, exits non-zero if one fails
 set -euo pipefail

@@ -29,11 +29,12 @@ def _exact(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 @functools.cache
 def failure(kind: str) -> str | None:
-    """None where the kernels of ``kind`` ("core", "bf16", "f16", "fp8", "int4", "ggml", "w8a8", "fp4", "amx") are
-    exact here, else why not. Only where the operators are loaded (``cpu_ops.failure()`` is None)."""
+    """None where the kernels of ``kind`` ("core", "bf16", "f16", "fp8", "int4", "ggml", "w8a8", "fp4", "amx",
+    "delta") are exact here (the delta rule's: equal to torch's float32 to rounding), else why not. Only where the
+    operators are loaded (``cpu_ops.failure()`` is None)."""
     g = torch.Generator().manual_seed(0)
     checks = {"core": _core, "bf16": _half, "f16": _half, "fp8": _fp8, "int4": _int4, "ggml": _ggml, "w8a8": _w8a8,
-              "fp4": _fp4, "amx": _amx}
+              "fp4": _fp4, "amx": _amx, "delta": _delta}
     return checks[kind](g, kind)
 
 
@@ -282,4 +283,39 @@ def _fp4(g: torch.Generator, kind: str) -> str | None:
                 want = x.double() @ dequantize_fp4(fmt, packed, ones, one).double().T
                 if not _exact(ops.fp4_linear(x, packed, ones, one, variant), want):
                     return f"the {fmt} kernel's ({variant}) products differ from the exact result on this CPU"
+    return None
+
+
+def _delta(g: torch.Generator, kind: str) -> str | None:
+    """The linear-attention decode operators against the same step in torch on a small random batch: each variant of
+    the delta rule this process runs (a tail of state columns included), and the short convolution."""
+    ops = _ops()
+    rows, heads, dk, dv, slots = 3, 2, 8, 12, torch.tensor([2, 0, 3])
+    q, k = (torch.nn.functional.normalize(torch.randn(rows, heads, dk, generator=g), dim=-1) for _ in range(2))
+    v, beta = torch.randn(rows, heads, dv, generator=g), torch.rand(rows, heads, generator=g)
+    gate = -torch.rand(rows, heads, dk, generator=g)
+    state = torch.randn(4, heads, dk, dv, generator=g)
+    s = state[slots] * gate.exp().unsqueeze(-1)
+    s = s + k.unsqueeze(-1) * ((v - torch.einsum("bhkv,bhk->bhv", s, k)) * beta.unsqueeze(-1)).unsqueeze(-2)
+    want = torch.einsum("bhkv,bhk->bhv", s, q)
+    for variant in cpu_kernels.delta_variants():
+        got_state = state.clone()
+        got = ops.delta_rule_step(q, k, v, gate, beta, got_state, slots, variant)
+        if not (torch.allclose(got, want, rtol=1e-5, atol=1e-5) and torch.allclose(got_state[slots], s, rtol=1e-5,
+                                                                                    atol=1e-5)):
+            return f"the delta rule's {variant} kernel differs from torch's on this CPU"
+        # the same three tokens as one sequence each through the prefill operator (token after token: here one each)
+        got_state = state.clone()
+        got = ops.delta_rule_prefill(q, k, v, gate, beta, got_state, slots, torch.tensor([0, 1, 2, 3]), variant)
+        if not (torch.allclose(got, want, rtol=1e-5, atol=1e-5) and torch.allclose(got_state[slots], s, rtol=1e-5,
+                                                                                    atol=1e-5)):
+            return f"the delta rule's {variant} prefill kernel differs from torch's on this CPU"
+    x, conv = torch.randn(rows, 10, generator=g), torch.randn(4, 10, 3, generator=g)
+    taps = torch.randn(10, 4, generator=g)
+    window = torch.cat([conv[slots], x.unsqueeze(-1)], dim=-1)
+    got_conv = conv.clone()
+    got = ops.short_conv_step(x, got_conv, taps, slots)
+    if not (torch.allclose(got, torch.nn.functional.silu((window * taps).sum(-1)), rtol=1e-5, atol=1e-6)
+            and torch.equal(got_conv[slots], window[..., 1:])):
+        return "the short convolution kernel differs from torch's on this CPU"
     return None

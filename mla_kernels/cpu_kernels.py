@@ -53,14 +53,18 @@ import torch
 from . import cpu_check, cpu_ops
 
 # the kernels' families, as cpu_check checks them
-KINDS = ("core", "bf16", "f16", "fp8", "int4", "ggml", "w8a8", "fp4", "amx")
+KINDS = ("core", "bf16", "f16", "fp8", "int4", "ggml", "w8a8", "fp4", "amx", "delta")
 
 
 @functools.cache
 def failure(kind: str = "core") -> str | None:
     """None where the kernels of ``kind`` (``KINDS``; "core": float32 and int8 products, the norm, the attention and
     the tables) are built and exact on this machine, else why not. Every kind needs "core". "ops": the operators are
-    built and loaded (``dense_linear`` calls a kernel only where its caller's plan found that kernel exact)."""
+    built and loaded (``dense_linear`` calls a kernel only where its caller's plan found that kernel exact). "delta":
+    the linear-attention operators (``delta_rule_step``, ``delta_rule_prefill``, ``short_conv_step``), built on every
+    architecture."""
+    if kind == "delta":
+        return cpu_ops.failure() or cpu_check.failure("delta")
     if not cpu_ops.x86():
         return f"the kernels are written for x86-64 (this CPU: {platform.machine()})"
     why = cpu_ops.failure()
@@ -158,6 +162,39 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``F.rms_norm(x, (K,), weight, eps)`` for float32 rows ``x [..., K]``, on one thread."""
     return ops().rms_norm(x, weight, eps)  # type: ignore[no-any-return]
+
+
+def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    state: torch.Tensor, slots: torch.Tensor, *, variant: str = "auto") -> torch.Tensor:
+    """One token of ``B`` sequences through the gated delta rule (``q, k`` prepared, ``g`` the log forget gate: float32
+    ``[B, H, d_k]``; ``v [B, H, d_v]``, ``beta [B, H]``), each sequence's state ``state[slots[b]]`` (float32 ``[N, H,
+    d_k, d_v]``, contiguous) updated in place; returns the outputs ``[B, H, d_v]``. Only where ``failure("delta")`` is
+    None."""
+    return torch.ops.mla_kernels.delta_rule_step(q, k, v, g, beta, state, slots, variant)  # type: ignore[no-any-return]
+
+
+def delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       state: torch.Tensor, slots: torch.Tensor, cu: torch.Tensor, *, variant: str = "auto"
+                       ) -> torch.Tensor:
+    """The tokens ``cu[s] .. cu[s + 1]`` of sequence ``s`` (``[T, H, ...]`` as ``delta_rule_step``'s rows) through the
+    rule token by token from its state ``state[slots[s]]``, updated in place (a fresh sequence's slot zeroed by the
+    caller); returns the outputs ``[T, H, d_v]``. Only where ``failure("delta")`` is None."""
+    return torch.ops.mla_kernels.delta_rule_prefill(  # type: ignore[no-any-return]
+        q, k, v, g, beta, state, slots, cu, variant)
+
+
+def short_conv_step(x: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The causal short convolution of one new input row per sequence (``x [B, C]`` float32) over its window ``[conv
+    [slots[b]] ; x[b]]`` (``conv [N, C, K - 1]`` float32, updated in place), taps ``weight [C, K]``, silu applied:
+    ``[B, C]`` float32. Only where ``failure("delta")`` is None."""
+    return torch.ops.mla_kernels.short_conv_step(x, conv, weight, slots)  # type: ignore[no-any-return]
+
+
+def delta_variants() -> tuple[str, ...]:
+    """The variants of ``delta_rule_step`` this process runs, widest first ("avx512", "avx2", "generic")."""
+    if cpu_ops.failure() is not None:
+        return ()
+    return tuple(v.split(":")[0] for v in torch.ops.mla_kernels.delta_rule_variants() if v.endswith(":runs"))
 
 
 @functools.cache

@@ -1,11 +1,14 @@
 """CPU kernels as typed torch operators (``torch.ops.mla_kernels.*``), built once per machine.
 
 The sources register their operators with ``TORCH_LIBRARY``: ``csrc/ops/indexer.cpp`` (the sparse-attention
-indexer's scores, every architecture) and, on x86-64, ``csrc/ops/cpu_kernels.cpp`` over the C decode kernels of
-``csrc/*.c`` (products, absorbed attention, norms, MoE rows, the whole decoder layer; entry points and table layouts
-declared once in ``csrc/mla_cpu.h``), compiled as C++ into the same library. Each operator has a schema and a CPU
-implementation, so it shows under its own name in the profiler and is checked by the dispatcher, and those that take
-tensors have a shape function (``_register_fakes``), so they trace.
+indexer's scores, every architecture), ``csrc/ops/delta_rule.cpp`` (the linear-attention layers' decode step: the gated
+delta rule's update over the state slots and the short convolution, every architecture: ``csrc/delta_rule.h`` over the
+vector vocabulary per x86 level, and over ``csrc/vec_scalar.h``'s one lane anywhere) and, on x86-64,
+``csrc/ops/cpu_kernels.cpp`` over the C decode kernels of ``csrc/*.c`` (products, absorbed attention, norms, MoE rows,
+the whole decoder layer; entry points and table layouts declared once in ``csrc/mla_cpu.h``), compiled as C++ into
+the same library. Each operator has a schema and a CPU implementation, so it shows under its own name in the profiler
+and is checked by the dispatcher, and those that take tensors have a shape function (``_register_fakes``), so they
+trace.
 
 The first process that needs them builds them with ``torch.utils.cpp_extension`` into a folder of ``cache_dir()``
 named by a digest of the sources, headers, flags, compiler and torch's version; every later process, and every
@@ -43,13 +46,15 @@ logger = logging.getLogger("mla_runtime")
 CSRC = Path(__file__).resolve().parent / "csrc"
 # every architecture: the indexer; x86-64 adds the AVX2 kernels of csrc/*.c (mla_cpu.h), compiled as C++ into the
 # same library and registered by ops/cpu_kernels.cpp
-PORTABLE_SOURCES = (CSRC / "ops" / "indexer.cpp", CSRC / "ops" / "isa.cpp", CSRC / "cpu_features.c")
+PORTABLE_SOURCES = (CSRC / "ops" / "indexer.cpp", CSRC / "ops" / "isa.cpp", CSRC / "ops" / "delta_rule.cpp",
+                    CSRC / "cpu_features.c")
 X86_SOURCES = (CSRC / "gemv_f32.c", CSRC / "mla_decode_f32.c", CSRC / "mla_layer_f32.c", CSRC / "gemv_fp8.c",
                CSRC / "gemv_int4.c", CSRC / "gemv_ggml.c", CSRC / "gemm_w8a8.c", CSRC / "gemm_fp4.c",
                CSRC / "amx_bf16.c", CSRC / "ops" / "cpu_kernels.cpp")
 HEADERS = (CSRC / "mla_cpu.h", CSRC / "simd.h", CSRC / "isa_cap.h", CSRC / "amx_emulate.h", CSRC / "vec_avx2.h",
            CSRC / "vec_avx512.h", CSRC / "vec_end.h", CSRC / "decode_attention.h", CSRC / "few_rows.h",
-           CSRC / "int4_rows.h", CSRC / "ggml_rows.h", CSRC / "w8a8_rows.h", CSRC / "fp4_rows.h")
+           CSRC / "int4_rows.h", CSRC / "ggml_rows.h", CSRC / "w8a8_rows.h", CSRC / "fp4_rows.h",
+           CSRC / "vec_scalar.h", CSRC / "delta_rule.h")
 CFLAGS = ("-O3", "-std=c++17", "-fopenmp")  # OpenMP: the kernels' threads are torch's pool
 # the x86 baseline (every AVX2 CPU has FMA and F16C): wider instruction sets are chosen per function at run time
 X86_CFLAGS = ("-mavx2", "-mfma", "-mf16c")
@@ -334,7 +339,8 @@ def summary() -> str:
     if why is not None:
         return f"unavailable: {why}"
     runs = [v.split(":", 1)[0] for v in torch.ops.mla_kernels.cpu_variants() if v.endswith(":runs")]
-    kernels = "the decode kernels, the prefill attention and the indexer" if x86() else "the indexer"
+    kernels = ("the decode kernels, the prefill attention, the indexer and the linear-attention decode step" if x86()
+               else "the indexer and the linear-attention decode step")
     capped = f"; capped at {isa_cap()} by ${ISA_ENV}" if isa_cap() != ISA_LEVELS[-1] else ""
     emulated = f"; AMX tiles emulated in software by ${EMULATE_AMX_ENV}" if emulated_amx() else ""
     return f"torch.ops.mla_kernels ({kernels}; indexer variant {runs[0] if runs else 'none'}{capped}{emulated})"
@@ -368,7 +374,19 @@ def _register_fakes() -> None:
     def _(q, weights, cache, scales, block_tables, req_indices, key_lens, max_len, variant="auto"):  # type: ignore[no-untyped-def]
         return q.new_empty((q.shape[0], max_len), dtype=torch.float32)
 
-    _FAKES.append("indexer_scores")
+    @lib.register_fake("mla_kernels::delta_rule_step")
+    def _(q, k, v, g, beta, state, slots, variant="auto"):  # type: ignore[no-untyped-def]
+        return q.new_empty((q.shape[0], q.shape[1], v.shape[2]), dtype=torch.float32)
+
+    @lib.register_fake("mla_kernels::delta_rule_prefill")
+    def _(q, k, v, g, beta, state, slots, cu, variant="auto"):  # type: ignore[no-untyped-def]
+        return q.new_empty((q.shape[0], q.shape[1], v.shape[2]), dtype=torch.float32)
+
+    @lib.register_fake("mla_kernels::short_conv_step")
+    def _(x, conv, weight, slots):  # type: ignore[no-untyped-def]
+        return x.new_empty(x.shape, dtype=torch.float32)
+
+    _FAKES.extend(["indexer_scores", "delta_rule_step", "delta_rule_prefill", "short_conv_step"])
     if not x86():
         return
 

@@ -14,7 +14,8 @@ The probes are rules, never timings, so the path (and the low bits of a result) 
 - oneDNN per dtype (float32, bfloat16, float16): a small integer weight packed and multiplied must equal the exact
   product bit for bit (``fast_path_failure``). Where it fails, float32 takes ``F.linear`` (``plain``) and a half dtype
   takes ``F.linear`` in that dtype where the CPU computes in it natively, else a float32 copy (``upcast``).
-- the compiled kernels: ``mla_kernels.cpu_kernels.failure(kind)`` (they build here and pass their own checks).
+- the compiled kernels: ``mla_kernels.cpu_kernels.failure(kind)`` (they build here and pass their own checks),
+  the linear-attention layers' decode operators among them (``delta_failure``).
 - ATen's int8 products: exact on small integers (``int8_aten_failure``).
 - native half-precision arithmetic: ``torch.cpu.get_capabilities()`` under ``$MLA_CPU_ISA``'s cap.
 """
@@ -133,6 +134,9 @@ class KernelPlan:
     # each matrix in one layout: oneDNN's blocked copies and AMX's tiles left out, where the load would not fit the
     # machine with them (the Worker's memory check); products of many rows run oneDNN on the plain weight
     one_layout: bool = False
+    # the compiled decode step of the linear-attention layers (the gated delta rule's update over the state slots,
+    # the short convolution; ``layers.kda``): else their torch paths
+    delta_failure: str | None = NOT_CPU
 
     def choice(self, dtype: torch.dtype) -> GemmChoice:
         if dtype not in PROBED_DTYPES:
@@ -236,7 +240,8 @@ def _resolve(mode: str) -> KernelPlan:
         w8a8_failure="cpu_gemm=plain forces the fallback" if mode == "plain" else cpu_kernels.failure("w8a8"),
         fp4_failure="cpu_gemm=plain forces the fallback" if mode == "plain" else cpu_kernels.failure("fp4"),
         native_bf16=tuple(native_arithmetic(torch.bfloat16)),
-        ops_failure="cpu_gemm=plain forces the fallbacks" if mode == "plain" else cpu_kernels.failure("ops"))
+        ops_failure="cpu_gemm=plain forces the fallbacks" if mode == "plain" else cpu_kernels.failure("ops"),
+        delta_failure="cpu_gemm=plain forces the fallbacks" if mode == "plain" else cpu_kernels.failure("delta"))
     for dtype in PROBED_DTYPES:
         choice = plan.choice(dtype)
         logger.debug("CPU products of %s weights under cpu_gemm=%s: %s, computing in %s: %s", dtype_name(dtype), mode,

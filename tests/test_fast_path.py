@@ -1974,7 +1974,8 @@ def test_every_cpu_operator_has_a_shape_function():
     # no tensors, or the custom-class tables (raw addresses, which tracing cannot stand in for): eager only, as the
     # decode step that calls them
     untraced = {"cpu_variants", "product_variants", "limits", "set_max_isa", "max_isa", "mlp_table", "layer_table",
-                "decode_step", "gated_mlps", "moe_row", "decoder_layer", "decoder_layer_hidden"}
+                "decode_step", "gated_mlps", "moe_row", "decoder_layer", "decoder_layer_hidden",
+                "delta_rule_variants"}
     for name in names - untraced:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"mla_kernels::{name}", "Meta"), name
     with FakeTensorMode():
@@ -1994,3 +1995,13 @@ def test_every_cpu_operator_has_a_shape_function():
         out = ops.dense_linear(torch.empty(2, 3, 8, dtype=torch.bfloat16), torch.empty(4, 8), None, None, None,
                                [8, 0, 0], True)
         assert out.shape == (2, 3, 4) and out.dtype == torch.bfloat16
+        out = ops.delta_rule_step(torch.empty(2, 3, 4), torch.empty(2, 3, 4), torch.empty(2, 3, 5),
+                                  torch.empty(2, 3, 4), torch.empty(2, 3), torch.empty(6, 3, 4, 5),
+                                  torch.empty(2, dtype=torch.long))
+        assert out.shape == (2, 3, 5) and out.dtype == torch.float32
+        out = ops.delta_rule_prefill(torch.empty(7, 3, 4), torch.empty(7, 3, 4), torch.empty(7, 3, 5),
+                                     torch.empty(7, 3, 4), torch.empty(7, 3), torch.empty(6, 3, 4, 5),
+                                     torch.empty(2, dtype=torch.long), torch.empty(3, dtype=torch.long))
+        assert out.shape == (7, 3, 5) and out.dtype == torch.float32
+        assert ops.short_conv_step(torch.empty(2, 7), torch.empty(6, 7, 3), torch.empty(7, 4),
+                                   torch.empty(2, dtype=torch.long)).shape == (2, 7)

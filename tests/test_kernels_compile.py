@@ -20,7 +20,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from mla_kernels import decode, latent_store, prefill
+from mla_kernels import decode, latent_store, linear_attention, prefill
 
 target = GPUTarget("cuda", 90, 32)
 
@@ -52,6 +52,14 @@ build(prefill._prefill_kernel,
       dict(qn_ptr="*bf16", qr_ptr="*bf16", kn_ptr="*bf16", kr_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16",
            cu_q_ptr="*i32", cu_k_ptr="*i32", lse_ptr="*fp32", sm_scale="fp32"),
       dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DN=128, BLOCK_DR=64, BLOCK_DV=128, COMPUTE_FP32=False, DOT_PRECISION="tf32"))
+build(linear_attention._recurrent_kernel,
+      dict(q_ptr="*fp32", k_ptr="*fp32", v_ptr="*fp32", g_ptr="*fp32", beta_ptr="*fp32", state_ptr="*fp32",
+           slots_ptr="*i64", out_ptr="*fp32"),
+      dict(BLOCK_K=128, BLOCK_V=32))
+build(linear_attention._sequence_kernel,
+      dict(q_ptr="*fp32", k_ptr="*fp32", v_ptr="*fp32", g_ptr="*fp32", beta_ptr="*fp32", state_ptr="*fp32",
+           slots_ptr="*i64", cu_ptr="*i64", out_ptr="*fp32"),
+      dict(BLOCK_K=128, BLOCK_V=32))
 """
 
 
@@ -62,4 +70,4 @@ def test_kernels_compile_for_sm90() -> None:
     result = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600,
                             cwd=Path(__file__).resolve().parents[1])
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("compiled") == 11
+    assert result.stdout.count("compiled") == 13

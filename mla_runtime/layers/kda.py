@@ -17,21 +17,61 @@ convolution's last ``conv_kernel - 1`` inputs and the recurrent ``[H, d_k, d_v]`
 whose step starts at position 0 starts from zeros (whatever its slot held before); a one-token step of a sequence
 already started updates its state recurrently (all such rows of a step at once); any longer step runs the chunked
 form of the rule from the slot's state. Each sequence reads and writes its own slot only.
+
+The kernels are chosen once per layer when the weights are prepared (``prepare_inference``, recorded as
+``KimiDeltaAttention.kernels``): on CPU tensors the compiled operators where the kernel plan has them
+(``KernelPlan.delta_failure`` None: ``mla_kernels.cpu_kernels.short_conv_step`` and ``delta_rule_step`` for the decode
+rows, ``delta_rule_prefill`` for longer steps, all updating the slots in place), on CUDA tensors the Triton kernels of
+the rule (``mla_kernels.linear_attention``), else the float32 torch reference (``layers.delta_rule``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mla_kernels import cpu_kernels, linear_attention
 from mla_runtime.cache.state_cache import LayerState
 from mla_runtime.config import LinearAttentionConfig, ModelConfig
 from mla_runtime.forward_batch import ForwardBatch
+from mla_runtime.kernel_plan import KernelPlan
 from mla_runtime.layers import delta_rule
 from mla_runtime.layers.linear import Linear
+
+DECODE_KERNELS = ("compiled", "triton", "torch")
+
+
+@dataclass(frozen=True)
+class LinearKernels:
+    """What runs a linear-attention layer's rule and convolution, and why. ``decode`` (the one-token rows of started
+    sequences): "compiled" (the CPU operators: the short convolution and the rule's update, in place over the state
+    slots), "triton" (the rule's update on CUDA; the convolution in torch) or "torch" (the float32 reference).
+    ``prefill`` (every longer step of a sequence): "compiled" (the CPU operator running the rule token by token from
+    the slot's state), "triton" (the same on CUDA) or "torch" (the chunked WY form)."""
+
+    decode: str = "torch"
+    reason: str = "not prepared"
+    prefill: str = "torch"
+
+    def __post_init__(self) -> None:
+        if self.decode not in DECODE_KERNELS or self.prefill not in DECODE_KERNELS:
+            raise ValueError(f"linear kernels: decode {self.decode!r} and prefill {self.prefill!r} must each be one "
+                             f"of {', '.join(DECODE_KERNELS)}")
+
+
+def linear_kernels(plan: KernelPlan, device: torch.device) -> LinearKernels:
+    """The kernels of a layer whose weights are on ``device``, under the model's kernel ``plan``."""
+    if device.type == "cuda":
+        return LinearKernels("triton", "the Triton delta-rule kernels (mla_kernels.linear_attention) on CUDA tensors",
+                             prefill="triton")
+    if device.type == "cpu" and plan.delta_failure is None:
+        return LinearKernels("compiled", "the compiled CPU operators (delta_rule_step, delta_rule_prefill, "
+                             "short_conv_step)", prefill="compiled")
+    return LinearKernels("torch", plan.delta_failure or f"no compiled kernel for {device.type} tensors")
 
 
 class ShortConv(nn.Module):
@@ -98,6 +138,11 @@ class KimiDeltaAttention(nn.Module):
         self.g_b_proj = Linear(lin.head_dim, width, dtype) if lin.low_rank_gates else None
         self.o_norm = GatedHeadNorm(lin.head_dim, cfg.rms_norm_eps, dtype)
         self.o_proj = Linear(width, hidden, dtype)
+        self.kernels = LinearKernels()  # the decode rows' kernels (prepare_inference)
+
+    def prepare_inference(self, plan: KernelPlan) -> None:
+        """Choose the decode rows' kernels for the weights' device under ``plan`` (once the weights are final)."""
+        self.kernels = linear_kernels(plan, self.conv1d.weight.device)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, state: LayerState) -> torch.Tensor:
         """``x [T, d]`` (the step's tokens, normed) -> ``[T, d]``, each sequence's state in ``state`` updated."""
@@ -141,15 +186,24 @@ class KimiDeltaAttention(nn.Module):
     def _decode_rows(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, out: torch.Tensor,
                      slots: tuple[int, ...], state: LayerState) -> None:
         """One token each of ``len(slots)`` started sequences: the convolution over its window, one step of the
-        rule; their states written back to their slots."""
+        rule; their states written back to their slots (by ``self.kernels``)."""
         idx = torch.tensor(slots, dtype=torch.long, device=mixed.device)
-        window = torch.cat([state.conv.index_select(0, idx), mixed.float().unsqueeze(-1)], dim=-1)  # [B, C, K]
-        state.conv.index_copy_(0, idx, window[..., 1:])
-        conv = F.silu((window * self.conv1d.weight.float().squeeze(1)).sum(-1)).to(mixed.dtype)
+        taps = self.conv1d.weight.float().squeeze(1)  # [C, K]
+        if self.kernels.decode == "compiled":
+            conv = cpu_kernels.short_conv_step(mixed.float(), state.conv, taps, idx).to(mixed.dtype)
+        else:
+            window = torch.cat([state.conv.index_select(0, idx), mixed.float().unsqueeze(-1)], dim=-1)  # [B, C, K]
+            state.conv.index_copy_(0, idx, window[..., 1:])
+            conv = F.silu((window * taps).sum(-1)).to(mixed.dtype)
         q, k, v = self._split(conv)
-        o, new = delta_rule.recurrent_step(q, k, v, g, beta, state.recurrent.index_select(0, idx))
-        state.recurrent.index_copy_(0, idx, new)
-        out.copy_(o)
+        if self.kernels.decode == "compiled":
+            out.copy_(cpu_kernels.delta_rule_step(q, k, v, g, beta, state.recurrent, idx))
+        elif self.kernels.decode == "triton":
+            out.copy_(linear_attention.recurrent_step(q, k, v, g, beta, state.recurrent, idx))
+        else:
+            o, new = delta_rule.recurrent_step(q, k, v, g, beta, state.recurrent.index_select(0, idx))
+            state.recurrent.index_copy_(0, idx, new)
+            out.copy_(o)
 
     def _sequence(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slot: int, fresh: bool,
                   state: LayerState) -> torch.Tensor:
@@ -160,6 +214,13 @@ class KimiDeltaAttention(nn.Module):
         state.conv[slot] = window[:, window.shape[1] - (self.kernel - 1):]
         conv = F.conv1d(window.unsqueeze(0), self.conv1d.weight.float(), groups=window.shape[0])[0]  # [C, L]
         q, k, v = self._split(F.silu(conv).t().to(mixed.dtype))
+        if self.kernels.prefill != "torch":  # in place in the slot
+            if fresh:
+                state.recurrent[slot].zero_()
+            run = (cpu_kernels.delta_rule_prefill if self.kernels.prefill == "compiled"
+                   else linear_attention.sequence_steps)
+            return run(q, k, v, g, beta, state.recurrent, torch.tensor([slot], device=q.device),
+                       torch.tensor([0, q.shape[0]], device=q.device))
         start = torch.zeros_like(state.recurrent[slot]) if fresh else state.recurrent[slot]
         o, state.recurrent[slot] = delta_rule.chunked(q, k, v, g, beta, start)
         return o
