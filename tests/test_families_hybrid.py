@@ -173,14 +173,20 @@ def test_greedy_tokens_match_transformers(checkpoint):
 
 
 def test_many_requests_with_aborts_leave_every_state_slot_free(checkpoint):
+    """Prompts sharing prefixes (hits resume from state snapshots), aborts at any stage, preemption, two snapshots
+    for four slots (evicted, least recently used first): every slot and snapshot free at the end, and every snapshot
+    gone with the cached blocks it belongs to."""
     path, _ = checkpoint
+    cfg = ModelConfig.from_pretrained(path)
     llm = LLM(str(path), dtype="float32", max_model_len=128, kv_cache_memory=str(10 * 16 * 2 * 40 * 4),
-              block_size=16, max_num_seqs=4, max_num_batched_tokens=32)
+              block_size=16, max_num_seqs=4, max_num_batched_tokens=32,
+              state_snapshot_memory=2 * cfg.state_bytes_per_sequence + 100)
     engine = llm.engine
-    slots = engine.scheduler.states
-    assert slots is not None and slots.num_slots == 4
+    slots, snapshots = engine.scheduler.states, engine.scheduler.snapshots
+    assert slots is not None and slots.num_slots == 4 and snapshots is not None and snapshots.num_snapshots == 2
     rng = random.Random(3)
-    ps = prompts(tuple(rng.randint(1, 90) for _ in range(24)), seed=5)
+    heads = prompts((20, 40), seed=6)
+    ps = [rng.choice(heads + [[]]) + p for p in prompts(tuple(rng.randint(1, 60) for _ in range(24)), seed=5)]
     try:
         for i, p in enumerate(ps):
             engine.add_request(f"r{i}", {"prompt_token_ids": p}, SamplingParams(max_tokens=rng.randint(1, 20)))
@@ -196,7 +202,13 @@ def test_many_requests_with_aborts_leave_every_state_slot_free(checkpoint):
         assert step > len(ps) // 4 and engine.scheduler.num_preemptions > 0  # the small cache preempted some
         assert slots.num_free == slots.num_slots
         engine.pool.check_whole()
-        assert all(s.state_slot is None for s in engine.scheduler.waiting)
+        snapshots.check_whole()
+        assert all(s.state_slot is None and s.state_restore is None and not s.state_snapshots
+                   for s in engine.scheduler.waiting)
+        assert engine.stats().prefix_hit_tokens > 0 and snapshots.num_evictions > 0
+        engine.pool.watermark = 1e-9
+        engine.pool.relieve_pressure()  # every idle cached block evicted: their snapshots go with them
+        assert engine.pool.num_cached_blocks == 0 and snapshots.num_committed == 0
     finally:
         llm.shutdown()
 
@@ -211,17 +223,53 @@ def test_engine_info_and_prefix_caching(checkpoint):
         assert info.state_bytes_per_sequence == cfg.state_bytes_per_sequence == 2 * 4 * (2 * 16 * 16 + 96 * 3)
         assert info.state_bytes == 3 * info.state_bytes_per_sequence
         assert info.cache_bytes_per_token == latent_bytes_per_token(cfg, "float32", "float32") == 2 * 40 * 4
-        assert not info.prefix_caching and not llm.engine.pool.enable_prefix_caching
+        # one state snapshot per slot by default: the prefix cache resumes the linear layers from them
+        assert info.prefix_caching and llm.engine.pool.enable_prefix_caching
+        assert (info.state_snapshots, info.state_snapshot_bytes) == (3, info.state_bytes)
         metrics = {(m.name, tuple(s.labels.items())): s.value
                    for m in EngineCollector(llm.engine.stats, info, "tiny").collect() for s in m.samples}
         assert metrics[("mla_state_cache_bytes_per_sequence", ())] == info.state_bytes_per_sequence
         assert metrics[("mla_latent_cache_bytes_per_token", ())] == info.cache_bytes_per_token
         assert metrics[("mla_memory_bytes", (("part", "state_cache"),))] == info.state_bytes
+        assert metrics[("mla_memory_bytes", (("part", "state_snapshots"),))] == info.state_snapshot_bytes
         p = prompts((40,), seed=9)[0]
         first = llm.generate([{"prompt_token_ids": p}], GREEDY)[0]
         again = llm.generate([{"prompt_token_ids": p}], GREEDY)[0]
         assert again.outputs[0].token_ids == first.outputs[0].token_ids
-        assert llm.engine.stats().prefix_hit_tokens == 0
+        assert llm.engine.stats().prefix_hit_tokens == 32  # up to the snapshot at the last full block
+    finally:
+        llm.shutdown()
+    for settings in ({"state_snapshot_memory": 0}, {"enable_prefix_caching": False}):
+        llm = LLM(str(path), dtype="float32", max_model_len=128, kv_cache_memory="1MiB", block_size=16, **settings)
+        try:
+            info = llm.engine.info()
+            assert not info.prefix_caching and info.state_snapshots == info.state_snapshot_bytes == 0
+        finally:
+            llm.shutdown()
+    with pytest.raises(InvalidParam, match="state_snapshot_memory"):
+        LLM(str(path), dtype="float32", max_model_len=128, kv_cache_memory="1MiB", state_snapshot_memory=100)
+
+
+def test_prefix_hits_give_the_tokens_of_transformers(checkpoint):
+    """A shared system prompt (several block boundaries long) and a second turn on a first one's answer: the repeats
+    resume from the state snapshots (hits counted, only at snapshot boundaries) with transformers' greedy tokens."""
+    path, hf = checkpoint
+    system = prompts((37,), seed=20)[0]
+    first = [system + tail for tail in prompts((3, 20), seed=120)]
+    llm = LLM(str(path), dtype="float32", max_model_len=160, kv_cache_memory="1MiB", block_size=16,
+              max_num_batched_tokens=24, max_num_seqs=4)
+    try:
+        engine = llm.engine
+        outs = llm.generate([{"prompt_token_ids": first[0]}], GREEDY)
+        assert engine.stats().prefix_hit_tokens == 0 and engine.scheduler.snapshots is not None
+        answer = list(outs[0].outputs[0].token_ids)
+        turns = [first[1], first[0] + answer + prompts((9,), seed=220)[0], system + prompts((30,), seed=320)[0]]
+        again = llm.generate([{"prompt_token_ids": p} for p in turns], GREEDY)
+        # each resumes after the first prompt's two full blocks (its snapshot), not after the system prompt's 37
+        assert engine.stats().prefix_hit_tokens == 3 * 32
+        for p, out in zip(turns, again):
+            assert list(out.outputs[0].token_ids) == hf_greedy(hf, p, GREEDY.max_tokens)
+        engine.scheduler.snapshots.check_whole()
     finally:
         llm.shutdown()
 
@@ -408,3 +456,49 @@ def test_the_scheduler_admits_a_sequence_only_with_a_free_state_slot():
     scheduler.finish(seqs[1], "abort")
     scheduler.finish(seqs[2], "abort")
     assert slots.num_free == 2
+
+
+def test_state_snapshots_pin_evict_and_bound_the_pool_s_prefix_hits():
+    from mla_runtime.cache.state_cache import StateSnapshots
+    from mla_runtime.engine.block_pool import BlockPool, block_hash
+
+    snaps = StateSnapshots(2)
+    a, b = snaps.reserve(), snaps.reserve()
+    assert a is not None and b is not None and snaps.reserve() is None  # both pending
+    assert snaps.commit(a, 10) and not snaps.commit(b, 10)  # a second snapshot of one hash is given back
+    assert snaps.has(10) and snaps.num_free == 2 and snaps.num_committed == 1
+    pinned = snaps.acquire(10)
+    c = snaps.reserve()
+    assert pinned == a and c is not None and snaps.reserve() is None  # the pinned one is never evicted
+    snaps.commit(c, 11)
+    snaps.forget(10)  # forgotten while pinned: freed at its release
+    assert not snaps.has(10) and snaps.num_free == 1
+    snaps.release(pinned)
+    assert snaps.num_free == 2
+    d, e = snaps.reserve(), snaps.reserve()  # the second evicts the idle snapshot of hash 11
+    assert snaps.num_evictions == 1 and not snaps.has(11)
+    assert d is not None and e is not None
+    snaps.discard(d)
+    with pytest.raises(AssertionError, match="1 pending"):
+        snaps.check_whole()
+    snaps.discard(e)
+    snaps.check_whole()
+
+    pool = BlockPool(8, 16)
+    pool.attach_states(snaps)
+    tokens = list(range(2, 50))
+    hashes = [block_hash(None, tokens[:16])]
+    hashes += [block_hash(hashes[0], tokens[16:32]), block_hash(None, [1] * 16)]
+    blocks = pool.allocate(2)
+    for blk, h in zip(blocks, hashes):
+        pool.register(blk, h)
+    pool.free(blocks)
+    assert pool.lookup(hashes[:2], 40) == []  # cached blocks, no snapshot: no hit
+    s = snaps.reserve()
+    assert s is not None
+    snaps.commit(s, hashes[0])
+    assert pool.lookup(hashes[:2], 40) == blocks[:1] and pool.num_indexed(hashes) == 2  # up to the snapshot
+    pool.free(blocks[:1])
+    pool.watermark = 1e-9
+    pool.relieve_pressure()  # the block goes, its snapshot with it
+    assert not snaps.has(hashes[0]) and snaps.num_committed == 0

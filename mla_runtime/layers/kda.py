@@ -16,7 +16,9 @@ The layer keeps no per-token cache. A sequence's state lives in its slot of the 
 convolution's last ``conv_kernel - 1`` inputs and the recurrent ``[H, d_k, d_v]`` state, both float32. A sequence
 whose step starts at position 0 starts from zeros (whatever its slot held before); a one-token step of a sequence
 already started updates its state recurrently (all such rows of a step at once); any longer step runs the chunked
-form of the rule from the slot's state. Each sequence reads and writes its own slot only.
+form of the rule from the slot's state. Each sequence reads and writes its own slot only. A step may ask for a
+sequence's states after its first ``n`` new tokens (``ForwardBatch.state_snapshots``: a prefix-cache snapshot): its
+tokens then run in two parts, and the slot's states between them are copied to the snapshot's row.
 """
 
 from __future__ import annotations
@@ -109,14 +111,25 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.sigmoid(self.b_proj(x).float())
         out = torch.empty(t, h, dk, dtype=torch.float32, device=x.device)
         first = self._decodes(batch)
+        cuts: dict[int, list[tuple[int, int]]] = {}  # sequence -> (tokens, state row) of its snapshots
+        for b, n, row in sorted(batch.state_snapshots):
+            cuts.setdefault(b, []).append((n, row))
         if first:
             self._decode_rows(mixed[:first], g[:first], beta[:first], out[:first], batch.state_slots[:first], state)
+            for b in range(first):
+                for _, row in cuts.get(b, []):
+                    state.copy_row(batch.state_slots[b], row)
         start = first
         for b in range(first, batch.num_seqs):
-            n = batch.query_lens[b]
-            rows = slice(start, start + n)
-            out[rows] = self._sequence(mixed[rows], g[rows], beta[rows], batch.state_slots[b],
-                                       batch.context_lens_list[b] == 0, state)
+            n, slot, done = batch.query_lens[b], batch.state_slots[b], 0
+            for cut, row in [*cuts.get(b, []), (n, -1)]:
+                if cut > done:  # the tokens up to the cut, from the slot's state (zeros at the sequence's start)
+                    part = slice(start + done, start + cut)
+                    out[part] = self._sequence(mixed[part], g[part], beta[part], slot,
+                                               done == 0 and batch.context_lens_list[b] == 0, state)
+                    done = cut
+                if row >= 0:
+                    state.copy_row(slot, row)
             start += n
         gate = (self.g_proj(x) if self.g_proj is not None
                 else cast(Linear, self.g_b_proj)(cast(Linear, self.g_a_proj)(x))).view(t, h, dk)
