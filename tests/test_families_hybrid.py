@@ -502,3 +502,46 @@ def test_state_snapshots_pin_evict_and_bound_the_pool_s_prefix_hits():
     pool.watermark = 1e-9
     pool.relieve_pressure()  # the block goes, its snapshot with it
     assert not snaps.has(hashes[0]) and snaps.num_committed == 0
+
+
+# -- GLM-5-Next's linear-attention layer (KDA with low-rank gates, A_log [H], bounded forget gate) ---------------------
+def test_glm5_next_linear_layer_and_its_state_snapshots_match_transformers():
+    """``KimiDeltaAttention`` with ``flat_a_log`` holding transformers' ``Glm5NextTextLinearAttention`` weights: one
+    prompt whole, and again in two steps whose first also snapshots its states after 9 tokens (the prefix-cache cut);
+    a third run resumed from the snapshot gives the whole prompt's outputs after the cut."""
+    from types import SimpleNamespace
+
+    import transformers as tf
+    from transformers.models.glm5_next import modeling_glm5_next as glm
+
+    from mla_runtime.config import LinearAttentionConfig
+    from mla_runtime.layers.kda import KimiDeltaAttention
+
+    config = tf.Glm5NextTextConfig(hidden_size=48, linear_num_heads=3, linear_head_dim=8, linear_conv_kernel_dim=4,
+                                   num_hidden_layers=2, layer_types=["linear_attention", "indexed_attention"])
+    torch.manual_seed(0)
+    hf = glm.Glm5NextTextLinearAttention(config, 0).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(0.5 * torch.randn(p.shape) if name.endswith(("A_log", "dt_bias")) else
+                    torch.randn(p.shape) * (p.shape[-1] ** -0.5 if p.dim() > 1 else 0.1) + (p.dim() == 1) * 1.0)
+    lin = LinearAttentionConfig(layers=(True, False), num_heads=3, head_dim=8, conv_kernel=4,
+                                gate_lower_bound=config.linear_lower_bound, flat_a_log=True)
+    cfg = SimpleNamespace(linear_attention=lin, hidden_size=48, rms_norm_eps=config.rms_norm_eps)
+    ours = KimiDeltaAttention(cfg, torch.float32, 0)  # type: ignore[arg-type]
+    missing = ours.load_state_dict(hf.state_dict(), strict=False)
+    assert not missing.missing_keys and not missing.unexpected_keys
+    x = torch.randn(1, 23, 48)
+    with torch.no_grad():
+        ref = hf(x)[0]
+    states = StateCache(lin, 2, num_snapshots=1)
+    layer_state = states.layers[0]
+    row = states.snapshot_row(0)
+    whole = ours(x[0], ForwardBatch.build([[2] * 23], [0], [[0, 1]], 16, state_slots=[0]), layer_state)
+    first = ours(x[0, :14], ForwardBatch.build([[2] * 14], [0], [[0]], 16, state_slots=[1],
+                                               state_snapshots=[(0, 9, row)]), layer_state)
+    rest = ours(x[0, 14:], ForwardBatch.build([[2] * 9], [14], [[0, 1]], 16, state_slots=[1]), layer_state)
+    states.copy_row(row, 1)  # a prefix hit after 9 tokens
+    resumed = ours(x[0, 9:], ForwardBatch.build([[2] * 14], [9], [[0, 1]], 16, state_slots=[1]), layer_state)
+    for got, want in ((whole, ref), (torch.cat([first, rest]), ref), (resumed, ref[9:])):
+        assert float((got - want).abs().max() / want.abs().max()) <= 1e-5

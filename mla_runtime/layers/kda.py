@@ -47,8 +47,8 @@ class ShortConv(nn.Module):
 
 class ForgetGate(nn.Module):
     """The log forget gate ``[T, H, d_k]`` from ``f(x) + dt_bias``: ``-exp(A_log) softplus(.)``, or
-    ``lower_bound sigmoid(exp(A_log) .)`` with a lower bound. ``f`` low-rank (``f_b(f_a(x))``, Kimi Linear: ``A_log
-    [1, 1, H, 1]``) or full (``f_proj``, Ling: ``A_log [H]``)."""
+    ``lower_bound sigmoid(exp(A_log) .)`` with a lower bound. ``f`` low-rank (``f_b(f_a(x))``, Kimi Linear, GLM-5-Next)
+    or full (``f_proj``, Ling); ``A_log [1, 1, H, 1]`` (Kimi Linear) or ``[H]`` (``flat_a_log``)."""
 
     def __init__(self, hidden: int, lin: LinearAttentionConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -58,7 +58,7 @@ class ForgetGate(nn.Module):
         self.f_a_proj = Linear(hidden, head_dim, dtype) if lin.low_rank_gates else None
         self.f_b_proj = Linear(head_dim, heads * head_dim, dtype) if lin.low_rank_gates else None
         self.dt_bias = nn.Parameter(torch.empty(heads * head_dim, dtype=torch.float32), requires_grad=False)
-        shape = (1, 1, heads, 1) if lin.low_rank_gates else (heads,)
+        shape = (heads,) if lin.flat_a_log else (1, 1, heads, 1)
         self.A_log = nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
