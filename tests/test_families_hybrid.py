@@ -432,6 +432,9 @@ def test_the_planner_counts_the_state_slots_beside_the_latent_cache(checkpoint):
     need = {n: load_requirement(cfg, dtype="float32", device="cpu", max_model_len=128, max_num_seqs=n,
                                 kv_cache_memory=2**20).cache_bytes for n in (1, 9)}
     assert need[9] - need[1] == 8 * cfg.state_bytes_per_sequence
+    snapshots = load_requirement(cfg, dtype="float32", device="cpu", max_model_len=128, max_num_seqs=1,
+                                 kv_cache_memory=2**20, state_snapshots=3).cache_bytes
+    assert snapshots - need[1] == 3 * cfg.state_bytes_per_sequence  # prefix caching's state snapshots
 
 
 def test_the_scheduler_admits_a_sequence_only_with_a_free_state_slot():

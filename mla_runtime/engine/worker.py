@@ -235,7 +235,7 @@ class Worker:
             cache_dtype=self.cache_dtype.dtype, block_size=c.block_size, max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             kv_cache_memory=None if c.kv_cache_memory is None else int(c.kv_cache_memory),
-            latent_rank=c.latent_rank, cpu=self.cpu)
+            latent_rank=c.latent_rank, cpu=self.cpu, state_snapshots=self.num_state_snapshots)
         try:
             check_load_memory(self.checkpoint_config, available, settings, where)
         except InsufficientMemory as e:
