@@ -1,8 +1,10 @@
 """Hybrid models (``kimi_linear``, ``bailing_hybrid``): MLA layers between Kimi Delta Attention layers, against
 transformers' own classes on tiny random checkpoints. The gated delta rule's chunked and recurrent forms against a
 per-token reference; prefill logits whole and chunked; greedy tokens through ``LLM`` (mixed lengths together, chunked
-prefill, preemption: ``tests/test_conformance.py`` runs those cells); every state slot free after many requests with
-aborts; the settings a hybrid does not run with refused by name; the state bytes shown beside the latent bytes."""
+prefill, preemption: ``tests/test_conformance.py`` runs those cells); prefix hits resumed from state snapshots with
+transformers' tokens; every state slot and snapshot free after many requests with aborts, preemption and shared
+prefixes; the settings a hybrid does not run with refused by name; the state and snapshot bytes shown beside the
+latent bytes; GLM-5-Next's linear-attention layer against transformers'."""
 
 from __future__ import annotations
 
@@ -537,14 +539,23 @@ def test_glm5_next_linear_layer_and_its_state_snapshots_match_transformers():
     x = torch.randn(1, 23, 48)
     with torch.no_grad():
         ref = hf(x)[0]
-    states = StateCache(lin, 2, num_snapshots=1)
+    states = StateCache(lin, 2, num_snapshots=2)
     layer_state = states.layers[0]
-    row = states.snapshot_row(0)
-    whole = ours(x[0], ForwardBatch.build([[2] * 23], [0], [[0, 1]], 16, state_slots=[0]), layer_state)
-    first = ours(x[0, :14], ForwardBatch.build([[2] * 14], [0], [[0]], 16, state_slots=[1],
-                                               state_snapshots=[(0, 9, row)]), layer_state)
-    rest = ours(x[0, 14:], ForwardBatch.build([[2] * 9], [14], [[0, 1]], 16, state_slots=[1]), layer_state)
-    states.copy_row(row, 1)  # a prefix hit after 9 tokens
-    resumed = ours(x[0, 9:], ForwardBatch.build([[2] * 14], [9], [[0, 1]], 16, state_slots=[1]), layer_state)
-    for got, want in ((whole, ref), (torch.cat([first, rest]), ref), (resumed, ref[9:])):
+    row, decode_row = states.snapshot_row(0), states.snapshot_row(1)
+
+    def run(start: int, end: int, slot: int, snapshots=()) -> torch.Tensor:
+        batch = ForwardBatch.build([[2] * (end - start)], [start], [[0, 1]], 16, state_slots=[slot],
+                                   state_snapshots=snapshots)
+        return ours(x[0, start:end], batch, layer_state)
+
+    whole = run(0, 23, 0)
+    first = run(0, 14, 1, [(0, 9, row)])  # a prefill chunk cut after 9 tokens
+    one = run(14, 15, 1, [(0, 1, decode_row)])  # a one-token step (a decode row) snapshotting after it
+    rest = run(15, 23, 1)
+    states.copy_row(row, 1)  # prefix hits after 9 and 15 tokens
+    resumed = run(9, 23, 1)
+    states.copy_row(decode_row, 0)
+    resumed_later = run(15, 23, 0)
+    for got, want in ((whole, ref), (torch.cat([first, one, rest]), ref), (resumed, ref[9:]),
+                      (resumed_later, ref[15:])):
         assert float((got - want).abs().max() / want.abs().max()) <= 1e-5
