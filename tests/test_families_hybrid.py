@@ -424,13 +424,17 @@ def test_the_planner_counts_the_state_slots_beside_the_latent_cache(checkpoint):
 
     path, _ = checkpoint
     cfg = ModelConfig.from_pretrained(path)
-    plans = {n: plan_memory(cfg, dtype="float32", device_memory_bytes=2**30, max_seq_len=128, max_num_seqs=n)
-             for n in (1, 9)}
+    plans = {n: plan_memory(cfg, dtype="float32", device_memory_bytes=2**30, max_seq_len=128, max_num_seqs=n,
+                            state_snapshots=0) for n in (1, 9)}
     assert plans[9].state_bytes == 9 * cfg.state_bytes_per_sequence > 0
     assert plans[1].weight_bytes == plans[9].weight_bytes > 0
     budgets = {n: p.cache_budget_bytes + p.activation_bytes for n, p in plans.items()}
     assert budgets[1] - budgets[9] == 8 * cfg.state_bytes_per_sequence  # the activations reserve moves with seqs too
     assert "state cache (hybrid)" in format_report(plans[9], cfg)
+    default = plan_memory(cfg, dtype="float32", device_memory_bytes=2**30, max_seq_len=128, max_num_seqs=9)
+    assert default.state_snapshots == 9  # the engine's default: one prefix-cache snapshot per sequence
+    assert plans[9].cache_budget_bytes - default.cache_budget_bytes == default.state_snapshot_bytes > 0
+    assert "state snapshots (hybrid)" in format_report(default, cfg)
     need = {n: load_requirement(cfg, dtype="float32", device="cpu", max_model_len=128, max_num_seqs=n,
                                 kv_cache_memory=2**20).cache_bytes for n in (1, 9)}
     assert need[9] - need[1] == 8 * cfg.state_bytes_per_sequence
