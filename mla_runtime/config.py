@@ -202,7 +202,8 @@ class LinearAttentionConfig:
     ``conv_kernel - 1`` inputs (``cache/state_cache.py``). Variations: the forget gate's and the output gate's
     projections low-rank (``low_rank_gates``: Kimi Linear's ``f_a``/``f_b`` and ``g_a``/``g_b``) or full (Ling's
     ``f_proj``, ``g_proj``); the forget gate ``-exp(A) softplus(x)`` (``gate_lower_bound`` None) or bounded,
-    ``lower_bound * sigmoid(exp(A) x)`` (Ling's safe gate)."""
+    ``lower_bound * sigmoid(exp(A) x)`` (Ling's safe gate); the forget rates ``A_log`` stored ``[1, 1, H, 1]``
+    (Kimi Linear) or ``[H]`` (``flat_a_log``: Ling's, and GLM-5-Next's beside low-rank gates)."""
 
     layers: tuple[bool, ...]
     num_heads: int
@@ -210,6 +211,7 @@ class LinearAttentionConfig:
     conv_kernel: int
     low_rank_gates: bool = True
     gate_lower_bound: float | None = None
+    flat_a_log: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "head_dim", "conv_kernel"):
@@ -823,7 +825,9 @@ def _parse_linear_attention(raw: dict[str, Any]) -> LinearAttentionConfig | None
                                  conv_kernel=int(_required(raw, "linear_conv_kernel")),
                                  low_rank_gates=bool(raw.get("linear_low_rank_gates", True)),
                                  gate_lower_bound=None if raw.get("linear_gate_lower_bound") is None
-                                 else float(raw["linear_gate_lower_bound"]))
+                                 else float(raw["linear_gate_lower_bound"]),
+                                 flat_a_log=bool(raw.get("linear_flat_a_log", not raw.get("linear_low_rank_gates",
+                                                                                           True))))
 
 
 def _parse_indexer(raw: dict[str, Any]) -> IndexerConfig | None:

@@ -37,6 +37,9 @@ class ForwardBatch:
     host_block_tables: Sequence[Sequence[int]] | None = None  # the block ids of each sequence, as given to build
     # a hybrid model's state slot of each sequence (``cache/state_cache.py``); None: a model without linear layers
     state_slots: tuple[int, ...] | None = None
+    # a hybrid's prefix-cache snapshots: (sequence, tokens, state row): its states after that many of its new tokens
+    # are copied to that row of the state cache
+    state_snapshots: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -84,19 +87,24 @@ class ForwardBatch:
             logits_indices=self.logits_indices[first:] - t0, query_lens=self.query_lens[first:],
             context_lens_list=self.context_lens_list[first:], block_size=self.block_size,
             host_block_tables=None if self.host_block_tables is None else self.host_block_tables[first:],
-            state_slots=None if self.state_slots is None else self.state_slots[first:])
+            state_slots=None if self.state_slots is None else self.state_slots[first:],
+            state_snapshots=tuple((b - first, n, r) for b, n, r in self.state_snapshots if b >= first))
 
     @classmethod
     def build(cls, token_chunks: Sequence[Sequence[int]], context_lens: Sequence[int],
               block_tables: Sequence[Sequence[int]], block_size: int,
-              device: torch.device | str = "cpu", state_slots: Sequence[int] | None = None) -> ForwardBatch:
+              device: torch.device | str = "cpu", state_slots: Sequence[int] | None = None,
+              state_snapshots: Sequence[tuple[int, int, int]] = ()) -> ForwardBatch:
         """Build from plain lists: the new token ids, cached length and block ids of each sequence (and, for a hybrid
-        model, its state slot)."""
+        model, its state slot and the step's state snapshots)."""
         if not (len(token_chunks) == len(context_lens) == len(block_tables)):
             raise ValueError("token_chunks, context_lens and block_tables must have one entry per sequence")
         if state_slots is not None and (len(state_slots) != len(token_chunks)
                                         or len(set(state_slots)) != len(state_slots)):
             raise ValueError(f"state_slots {list(state_slots)}: one distinct slot per sequence expected")
+        for b, n, _ in state_snapshots:
+            if not (0 <= b < len(token_chunks) and 0 < n <= len(token_chunks[b])):
+                raise ValueError(f"state snapshot after {n} tokens of sequence {b}: not within its new tokens")
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -137,4 +145,4 @@ class ForwardBatch:
             seq_start_loc=ssl, context_lens=cl, block_tables=tables.view(num_seqs, width), token_seq_lens=tsl,
             token_req_idx=tri, logits_indices=logits_t, query_lens=qlens, context_lens_list=list(context_lens),
             block_size=block_size, host_block_tables=block_tables,
-            state_slots=None if state_slots is None else tuple(state_slots))
+            state_slots=None if state_slots is None else tuple(state_slots), state_snapshots=tuple(state_snapshots))

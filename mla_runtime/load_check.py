@@ -65,7 +65,8 @@ def load_requirement(config: ModelConfig, *, dtype: str | torch.dtype, device: s
                      num_mtp_layers: int = 0, latent_cache_layout: str = "replicated",
                      cache_dtype: str | torch.dtype = "auto", block_size: int = 64, max_num_seqs: int = 256,
                      max_num_batched_tokens: int | None = None, kv_cache_memory: int | None = None,
-                     latent_rank: int | None = None, cpu: CpuLayouts | None = None) -> LoadRequirement:
+                     latent_rank: int | None = None, cpu: CpuLayouts | None = None,
+                     state_snapshots: int = 0) -> LoadRequirement:
     """The bytes one rank needs to load ``config``'s checkpoint (the worker's settings) and start:
 
         weights     the loaded weights (``weight_footprint``, with ``cpu``: the probed layouts of a CPU ``device``)
@@ -73,7 +74,8 @@ def load_requirement(config: ModelConfig, *, dtype: str | torch.dtype, device: s
                     rank; an FP8 one loaded dequantised is read whole) as float32, + ``LOAD_MARGIN_CPU_BYTES`` on a CPU
         activations the reserve for one step (``activation_reserve_bytes``)
         cache       ``kv_cache_memory`` when set, else one sequence of ``max_model_len`` tokens (whole blocks): the
-                    least cache the engine starts with; plus a hybrid's ``max_num_seqs`` state slots
+                    least cache the engine starts with; plus a hybrid's ``max_num_seqs`` state slots and its
+                    ``state_snapshots`` (prefix caching)
 
     ``config`` is the checkpoint's own: the load holds its weights before any truncation to ``latent_rank``, which
     sets the width the cache and the activations have."""
@@ -91,7 +93,7 @@ def load_requirement(config: ModelConfig, *, dtype: str | torch.dtype, device: s
     per_token = latent_bytes_per_token(served, cache_dtype, model_dtype, num_mtp_layers)
     if latent_cache_layout == "sharded" and tp > 1:
         per_token //= tp
-    cache = config.state_bytes_per_sequence * max_num_seqs + (
+    cache = config.state_bytes_per_sequence * (max_num_seqs + state_snapshots) + (
         kv_cache_memory if kv_cache_memory is not None else -(-max_model_len // block_size) * block_size * per_token)
     return LoadRequirement(weights, transient, activations, cache, per_token, block_size, max_model_len,
                            kv_cache_memory is not None)

@@ -239,11 +239,16 @@ class MemoryPlan:
     host_capacity_tokens: int = 0     # tokens the host tier holds
     weights: WeightFootprint | None = None  # the per-rank weights by part (their total is weight_bytes)
     state_bytes_per_sequence: int = 0  # a hybrid's linear-attention states of one sequence (0: not a hybrid)
+    state_snapshots: int = 0  # a hybrid's state snapshots for prefix caching (state_snapshot_memory)
 
     @property
     def state_bytes(self) -> int:
         """A hybrid's state slots, one per sequence of ``max_num_seqs``, beside the latent cache."""
         return self.state_bytes_per_sequence * self.max_num_seqs
+
+    @property
+    def state_snapshot_bytes(self) -> int:
+        return self.state_bytes_per_sequence * self.state_snapshots
 
     @property
     def fits(self) -> bool:
@@ -356,17 +361,18 @@ def plan_memory(config: ModelConfig, *, dtype: str | torch.dtype, cache_dtype: s
                 max_num_seqs: int, block_size: int = 64, max_num_batched_tokens: int | None = None,
                 tensor_parallel_size: int = 1, latent_cache_layout: str = "replicated",
                 disk_bytes: int | None = None, quantization: str | None = None,
-                host_bytes: int | None = None, cpu: CpuLayouts | None = None) -> MemoryPlan:
+                host_bytes: int | None = None, cpu: CpuLayouts | None = None,
+                state_snapshots: int | None = None) -> MemoryPlan:
     """Split one rank's ``device_memory_bytes`` into weights, activations and latent cache blocks.
 
     The weights are what the rank holds once loaded (``weight_footprint``): ``quantization`` ``int8``/``int4``/``fp8``
     for weight-only quantised products, an FP8 checkpoint's products in its FP8 blocks without it. ``cpu``: a CPU's
     probed layouts (``KernelPlan.layouts``) add the float weights' second layout; None (a GPU): none.
 
-    Raises ``ValueError`` naming the argument for bad input, and when weights (plus the activation
-    reserve) do not fit, saying by how much and what to change. ``disk_bytes``: the disk tier's bound, and
-    ``host_bytes``: the host-RAM tier's size per rank, whose capacities in tokens the plan then reports.
-    """
+    Raises ``ValueError`` naming the argument for bad input, and when weights (plus the activation reserve) do not
+    fit, saying by how much and what to change. ``disk_bytes``: the disk tier's bound, and ``host_bytes``: the
+    host-RAM tier's size per rank, whose capacities in tokens the plan then reports. ``state_snapshots``: a hybrid's
+    state snapshots for prefix caching (default the engine's, one per sequence)."""
     checkpoint_dtype = resolve_model_dtype(dtype, config)
     model_dtype = checkpoint_dtype if cpu is None else cpu.dtype
     quantization = check_weight_quantization(quantization)
@@ -384,9 +390,9 @@ def plan_memory(config: ModelConfig, *, dtype: str | torch.dtype, cache_dtype: s
     if weights > usable:
         raise ValueError(_weights_do_not_fit(config, model_dtype, tp, weights, usable, device_memory_bytes,
                                              memory_utilization, quantization, cpu))
-    activations = _activations_that_fit(config, model_dtype, max_num_batched_tokens, max_num_seqs, tp, weights,
-                                        usable)
-    budget = usable - weights - activations - config.state_bytes_per_sequence * max_num_seqs  # a hybrid's states
+    activations = _activations_that_fit(config, model_dtype, max_num_batched_tokens, max_num_seqs, tp, weights, usable)
+    snapshots = max_num_seqs if state_snapshots is None and config.state_bytes_per_sequence else state_snapshots or 0
+    budget = usable - weights - activations - config.state_bytes_per_sequence * (max_num_seqs + snapshots)  # hybrids
     latent = latent_bytes_per_token(config, cache.dtype, model_dtype)
     holders = tp if latent_cache_layout == "sharded" else 1  # ranks that split the tokens between them
     num_blocks = budget // (latent * block_size)
@@ -399,15 +405,14 @@ def plan_memory(config: ModelConfig, *, dtype: str | torch.dtype, cache_dtype: s
         max_num_batched_tokens=max_num_batched_tokens, device_memory_bytes=device_memory_bytes,
         memory_utilization=memory_utilization, usable_bytes=usable,
         parameter_count=parameter_count(config), weight_bytes=weights,
-        total_weight_bytes=weight_bytes(config, model_dtype, 1, quantization, cpu=cpu),
-        activation_bytes=activations,
+        total_weight_bytes=weight_bytes(config, model_dtype, 1, quantization, cpu=cpu), activation_bytes=activations,
         cache_budget_bytes=budget, latent_bytes_per_token=latent,
         cache_bytes_per_token_per_rank=latent / holders,
         mha_bytes_per_token=mha_bytes_per_token(config, cache.dtype),
         num_blocks=num_blocks, max_tokens=num_blocks * block_size * holders,
         max_sequences=num_blocks * holders // blocks_per_sequence, blocks_per_sequence=blocks_per_sequence,
         disk_bytes=disk_bytes, disk_file_bytes=disk_file_bytes, disk_capacity_tokens=disk_tokens,
-        host_bytes=host_bytes, state_bytes_per_sequence=config.state_bytes_per_sequence,
+        host_bytes=host_bytes, state_bytes_per_sequence=config.state_bytes_per_sequence, state_snapshots=snapshots,
         host_capacity_tokens=0 if host_bytes is None else host_tier_capacity(host_bytes, latent / holders, block_size),
         weights=footprint,
     )

@@ -97,6 +97,8 @@ def format_report(plan: MemoryPlan, config: ModelConfig, model: str = "") -> str
         *([bytes_row("state cache (hybrid)", plan.state_bytes, f"({plan.max_num_seqs:,} seqs x "
                                                                   f"{plan.state_bytes_per_sequence:,} B)")]
           if plan.state_bytes else []),
+        *([bytes_row("state snapshots (hybrid)", plan.state_snapshot_bytes,
+                     f"({plan.state_snapshots:,} prefix-cache snapshots)")] if plan.state_snapshot_bytes else []),
         bytes_row("latent cache budget", plan.cache_budget_bytes),
         "",
         *format_per_token(config, plan.cache_dtype, tp, plan.latent_cache_layout),

@@ -481,6 +481,8 @@ def _generate(path: Path, settings: dict[str, Any], ps: list[list[int]], one_at_
             if again != out:
                 bad = [i for i, (a, b) in enumerate(zip(out, again)) if a != b]
                 raise AssertionError(f"the re-run on the prefix cache changed the tokens of prompts {bad}")
+            if not llm.engine.stats().prefix_hit_tokens:  # a hybrid's hits too (from its state snapshots)
+                raise AssertionError("the cell is meant to take prefixes from the cache, and none was taken")
         return out
     finally:
         llm.shutdown()

@@ -1,8 +1,10 @@
 """Hybrid models (``kimi_linear``, ``bailing_hybrid``): MLA layers between Kimi Delta Attention layers, against
 transformers' own classes on tiny random checkpoints. The gated delta rule's chunked and recurrent forms against a
 per-token reference; prefill logits whole and chunked; greedy tokens through ``LLM`` (mixed lengths together, chunked
-prefill, preemption: ``tests/test_conformance.py`` runs those cells); every state slot free after many requests with
-aborts; the settings a hybrid does not run with refused by name; the state bytes shown beside the latent bytes."""
+prefill, preemption: ``tests/test_conformance.py`` runs those cells); prefix hits resumed from state snapshots with
+transformers' tokens; every state slot and snapshot free after many requests with aborts, preemption and shared
+prefixes; the settings a hybrid does not run with refused by name; the state and snapshot bytes shown beside the
+latent bytes; GLM-5-Next's linear-attention layer against transformers'."""
 
 from __future__ import annotations
 
@@ -173,14 +175,20 @@ def test_greedy_tokens_match_transformers(checkpoint):
 
 
 def test_many_requests_with_aborts_leave_every_state_slot_free(checkpoint):
+    """Prompts sharing prefixes (hits resume from state snapshots), aborts at any stage, preemption, two snapshots
+    for four slots (evicted, least recently used first): every slot and snapshot free at the end, and every snapshot
+    gone with the cached blocks it belongs to."""
     path, _ = checkpoint
+    cfg = ModelConfig.from_pretrained(path)
     llm = LLM(str(path), dtype="float32", max_model_len=128, kv_cache_memory=str(10 * 16 * 2 * 40 * 4),
-              block_size=16, max_num_seqs=4, max_num_batched_tokens=32)
+              block_size=16, max_num_seqs=4, max_num_batched_tokens=32,
+              state_snapshot_memory=2 * cfg.state_bytes_per_sequence + 100)
     engine = llm.engine
-    slots = engine.scheduler.states
-    assert slots is not None and slots.num_slots == 4
+    slots, snapshots = engine.scheduler.states, engine.scheduler.snapshots
+    assert slots is not None and slots.num_slots == 4 and snapshots is not None and snapshots.num_snapshots == 2
     rng = random.Random(3)
-    ps = prompts(tuple(rng.randint(1, 90) for _ in range(24)), seed=5)
+    heads = prompts((20, 40), seed=6)
+    ps = [rng.choice(heads + [[]]) + p for p in prompts(tuple(rng.randint(1, 60) for _ in range(24)), seed=5)]
     try:
         for i, p in enumerate(ps):
             engine.add_request(f"r{i}", {"prompt_token_ids": p}, SamplingParams(max_tokens=rng.randint(1, 20)))
@@ -196,7 +204,13 @@ def test_many_requests_with_aborts_leave_every_state_slot_free(checkpoint):
         assert step > len(ps) // 4 and engine.scheduler.num_preemptions > 0  # the small cache preempted some
         assert slots.num_free == slots.num_slots
         engine.pool.check_whole()
-        assert all(s.state_slot is None for s in engine.scheduler.waiting)
+        snapshots.check_whole()
+        assert all(s.state_slot is None and s.state_restore is None and not s.state_snapshots
+                   for s in engine.scheduler.waiting)
+        assert engine.stats().prefix_hit_tokens > 0 and snapshots.num_evictions > 0
+        engine.pool.watermark = 1e-9
+        engine.pool.relieve_pressure()  # every idle cached block evicted: their snapshots go with them
+        assert engine.pool.num_cached_blocks == 0 and snapshots.num_committed == 0
     finally:
         llm.shutdown()
 
@@ -211,17 +225,53 @@ def test_engine_info_and_prefix_caching(checkpoint):
         assert info.state_bytes_per_sequence == cfg.state_bytes_per_sequence == 2 * 4 * (2 * 16 * 16 + 96 * 3)
         assert info.state_bytes == 3 * info.state_bytes_per_sequence
         assert info.cache_bytes_per_token == latent_bytes_per_token(cfg, "float32", "float32") == 2 * 40 * 4
-        assert not info.prefix_caching and not llm.engine.pool.enable_prefix_caching
+        # one state snapshot per slot by default: the prefix cache resumes the linear layers from them
+        assert info.prefix_caching and llm.engine.pool.enable_prefix_caching
+        assert (info.state_snapshots, info.state_snapshot_bytes) == (3, info.state_bytes)
         metrics = {(m.name, tuple(s.labels.items())): s.value
                    for m in EngineCollector(llm.engine.stats, info, "tiny").collect() for s in m.samples}
         assert metrics[("mla_state_cache_bytes_per_sequence", ())] == info.state_bytes_per_sequence
         assert metrics[("mla_latent_cache_bytes_per_token", ())] == info.cache_bytes_per_token
         assert metrics[("mla_memory_bytes", (("part", "state_cache"),))] == info.state_bytes
+        assert metrics[("mla_memory_bytes", (("part", "state_snapshots"),))] == info.state_snapshot_bytes
         p = prompts((40,), seed=9)[0]
         first = llm.generate([{"prompt_token_ids": p}], GREEDY)[0]
         again = llm.generate([{"prompt_token_ids": p}], GREEDY)[0]
         assert again.outputs[0].token_ids == first.outputs[0].token_ids
-        assert llm.engine.stats().prefix_hit_tokens == 0
+        assert llm.engine.stats().prefix_hit_tokens == 32  # up to the snapshot at the last full block
+    finally:
+        llm.shutdown()
+    for settings in ({"state_snapshot_memory": 0}, {"enable_prefix_caching": False}):
+        llm = LLM(str(path), dtype="float32", max_model_len=128, kv_cache_memory="1MiB", block_size=16, **settings)
+        try:
+            info = llm.engine.info()
+            assert not info.prefix_caching and info.state_snapshots == info.state_snapshot_bytes == 0
+        finally:
+            llm.shutdown()
+    with pytest.raises(InvalidParam, match="state_snapshot_memory"):
+        LLM(str(path), dtype="float32", max_model_len=128, kv_cache_memory="1MiB", state_snapshot_memory=100)
+
+
+def test_prefix_hits_give_the_tokens_of_transformers(checkpoint):
+    """A shared system prompt (several block boundaries long) and a second turn on a first one's answer: the repeats
+    resume from the state snapshots (hits counted, only at snapshot boundaries) with transformers' greedy tokens."""
+    path, hf = checkpoint
+    system = prompts((37,), seed=20)[0]
+    first = [system + tail for tail in prompts((3, 20), seed=120)]
+    llm = LLM(str(path), dtype="float32", max_model_len=160, kv_cache_memory="1MiB", block_size=16,
+              max_num_batched_tokens=24, max_num_seqs=4)
+    try:
+        engine = llm.engine
+        outs = llm.generate([{"prompt_token_ids": first[0]}], GREEDY)
+        assert engine.stats().prefix_hit_tokens == 0 and engine.scheduler.snapshots is not None
+        answer = list(outs[0].outputs[0].token_ids)
+        turns = [first[1], first[0] + answer + prompts((9,), seed=220)[0], system + prompts((30,), seed=320)[0]]
+        again = llm.generate([{"prompt_token_ids": p} for p in turns], GREEDY)
+        # each resumes after the first prompt's two full blocks (its snapshot), not after the system prompt's 37
+        assert engine.stats().prefix_hit_tokens == 3 * 32
+        for p, out in zip(turns, again):
+            assert list(out.outputs[0].token_ids) == hf_greedy(hf, p, GREEDY.max_tokens)
+        engine.scheduler.snapshots.check_whole()
     finally:
         llm.shutdown()
 
@@ -374,16 +424,23 @@ def test_the_planner_counts_the_state_slots_beside_the_latent_cache(checkpoint):
 
     path, _ = checkpoint
     cfg = ModelConfig.from_pretrained(path)
-    plans = {n: plan_memory(cfg, dtype="float32", device_memory_bytes=2**30, max_seq_len=128, max_num_seqs=n)
-             for n in (1, 9)}
+    plans = {n: plan_memory(cfg, dtype="float32", device_memory_bytes=2**30, max_seq_len=128, max_num_seqs=n,
+                            state_snapshots=0) for n in (1, 9)}
     assert plans[9].state_bytes == 9 * cfg.state_bytes_per_sequence > 0
     assert plans[1].weight_bytes == plans[9].weight_bytes > 0
     budgets = {n: p.cache_budget_bytes + p.activation_bytes for n, p in plans.items()}
     assert budgets[1] - budgets[9] == 8 * cfg.state_bytes_per_sequence  # the activations reserve moves with seqs too
     assert "state cache (hybrid)" in format_report(plans[9], cfg)
+    default = plan_memory(cfg, dtype="float32", device_memory_bytes=2**30, max_seq_len=128, max_num_seqs=9)
+    assert default.state_snapshots == 9  # the engine's default: one prefix-cache snapshot per sequence
+    assert plans[9].cache_budget_bytes - default.cache_budget_bytes == default.state_snapshot_bytes > 0
+    assert "state snapshots (hybrid)" in format_report(default, cfg)
     need = {n: load_requirement(cfg, dtype="float32", device="cpu", max_model_len=128, max_num_seqs=n,
                                 kv_cache_memory=2**20).cache_bytes for n in (1, 9)}
     assert need[9] - need[1] == 8 * cfg.state_bytes_per_sequence
+    snapshots = load_requirement(cfg, dtype="float32", device="cpu", max_model_len=128, max_num_seqs=1,
+                                 kv_cache_memory=2**20, state_snapshots=3).cache_bytes
+    assert snapshots - need[1] == 3 * cfg.state_bytes_per_sequence  # prefix caching's state snapshots
 
 
 def test_the_scheduler_admits_a_sequence_only_with_a_free_state_slot():
@@ -408,3 +465,101 @@ def test_the_scheduler_admits_a_sequence_only_with_a_free_state_slot():
     scheduler.finish(seqs[1], "abort")
     scheduler.finish(seqs[2], "abort")
     assert slots.num_free == 2
+
+
+def test_state_snapshots_pin_evict_and_bound_the_pool_s_prefix_hits():
+    from mla_runtime.cache.state_cache import StateSnapshots
+    from mla_runtime.engine.block_pool import BlockPool, block_hash
+
+    snaps = StateSnapshots(2)
+    a, b = snaps.reserve(), snaps.reserve()
+    assert a is not None and b is not None and snaps.reserve() is None  # both pending
+    assert snaps.commit(a, 10) and not snaps.commit(b, 10)  # a second snapshot of one hash is given back
+    assert snaps.has(10) and snaps.num_free == 2 and snaps.num_committed == 1
+    pinned = snaps.acquire(10)
+    c = snaps.reserve()
+    assert pinned == a and c is not None and snaps.reserve() is None  # the pinned one is never evicted
+    snaps.commit(c, 11)
+    snaps.forget(10)  # forgotten while pinned: freed at its release
+    assert not snaps.has(10) and snaps.num_free == 1
+    snaps.release(pinned)
+    assert snaps.num_free == 2
+    d, e = snaps.reserve(), snaps.reserve()  # the second evicts the idle snapshot of hash 11
+    assert snaps.num_evictions == 1 and not snaps.has(11)
+    assert d is not None and e is not None
+    snaps.discard(d)
+    with pytest.raises(AssertionError, match="1 pending"):
+        snaps.check_whole()
+    snaps.discard(e)
+    snaps.check_whole()
+
+    pool = BlockPool(8, 16)
+    pool.attach_states(snaps)
+    tokens = list(range(2, 50))
+    hashes = [block_hash(None, tokens[:16])]
+    hashes += [block_hash(hashes[0], tokens[16:32]), block_hash(None, [1] * 16)]
+    blocks = pool.allocate(2)
+    for blk, h in zip(blocks, hashes):
+        pool.register(blk, h)
+    pool.free(blocks)
+    assert pool.lookup(hashes[:2], 40) == []  # cached blocks, no snapshot: no hit
+    s = snaps.reserve()
+    assert s is not None
+    snaps.commit(s, hashes[0])
+    assert pool.lookup(hashes[:2], 40) == blocks[:1] and pool.num_indexed(hashes) == 2  # up to the snapshot
+    pool.free(blocks[:1])
+    pool.watermark = 1e-9
+    pool.relieve_pressure()  # the block goes, its snapshot with it
+    assert not snaps.has(hashes[0]) and snaps.num_committed == 0
+
+
+# -- GLM-5-Next's linear-attention layer (KDA with low-rank gates, A_log [H], bounded forget gate) ---------------------
+def test_glm5_next_linear_layer_and_its_state_snapshots_match_transformers():
+    """``KimiDeltaAttention`` with ``flat_a_log`` holding transformers' ``Glm5NextTextLinearAttention`` weights: one
+    prompt whole, and again in two steps whose first also snapshots its states after 9 tokens (the prefix-cache cut);
+    a third run resumed from the snapshot gives the whole prompt's outputs after the cut."""
+    from types import SimpleNamespace
+
+    import transformers as tf
+    from transformers.models.glm5_next import modeling_glm5_next as glm
+
+    from mla_runtime.config import LinearAttentionConfig
+    from mla_runtime.layers.kda import KimiDeltaAttention
+
+    config = tf.Glm5NextTextConfig(hidden_size=48, linear_num_heads=3, linear_head_dim=8, linear_conv_kernel_dim=4,
+                                   num_hidden_layers=2, layer_types=["linear_attention", "indexed_attention"])
+    torch.manual_seed(0)
+    hf = glm.Glm5NextTextLinearAttention(config, 0).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(0.5 * torch.randn(p.shape) if name.endswith(("A_log", "dt_bias")) else
+                    torch.randn(p.shape) * (p.shape[-1] ** -0.5 if p.dim() > 1 else 0.1) + (p.dim() == 1) * 1.0)
+    lin = LinearAttentionConfig(layers=(True, False), num_heads=3, head_dim=8, conv_kernel=4,
+                                gate_lower_bound=config.linear_lower_bound, flat_a_log=True)
+    cfg = SimpleNamespace(linear_attention=lin, hidden_size=48, rms_norm_eps=config.rms_norm_eps)
+    ours = KimiDeltaAttention(cfg, torch.float32, 0)  # type: ignore[arg-type]
+    missing = ours.load_state_dict(hf.state_dict(), strict=False)
+    assert not missing.missing_keys and not missing.unexpected_keys
+    x = torch.randn(1, 23, 48)
+    with torch.no_grad():
+        ref = hf(x)[0]
+    states = StateCache(lin, 2, num_snapshots=2)
+    layer_state = states.layers[0]
+    row, decode_row = states.snapshot_row(0), states.snapshot_row(1)
+
+    def run(start: int, end: int, slot: int, snapshots=()) -> torch.Tensor:
+        batch = ForwardBatch.build([[2] * (end - start)], [start], [[0, 1]], 16, state_slots=[slot],
+                                   state_snapshots=snapshots)
+        return ours(x[0, start:end], batch, layer_state)
+
+    whole = run(0, 23, 0)
+    first = run(0, 14, 1, [(0, 9, row)])  # a prefill chunk cut after 9 tokens
+    one = run(14, 15, 1, [(0, 1, decode_row)])  # a one-token step (a decode row) snapshotting after it
+    rest = run(15, 23, 1)
+    states.copy_row(row, 1)  # prefix hits after 9 and 15 tokens
+    resumed = run(9, 23, 1)
+    states.copy_row(decode_row, 0)
+    resumed_later = run(15, 23, 0)
+    for got, want in ((whole, ref), (torch.cat([first, one, rest]), ref), (resumed, ref[9:]),
+                      (resumed_later, ref[15:])):
+        assert float((got - want).abs().max() / want.abs().max()) <= 1e-5

@@ -9,10 +9,18 @@ state_bytes_per_sequence``), as the latent cache's bytes per token are per token
 ``StateSlots`` hands the slot ids out (the scheduler takes one when it admits a sequence and gives it back on every
 path that ends or suspends its run: finish, abort, preemption); the tensors never move. A slot's content is not
 cleared when it is given back: the model starts a sequence's first step from zeros, whatever its slot holds.
+
+Prefix caching keeps *snapshots*: the states of every linear layer at the end of a cached prefix (a block boundary),
+in ``num_snapshots`` more rows of the same tensors (snapshot ``i`` is row ``num_slots + i``). A step writes one
+while it computes the prefix's last token, and a sequence that takes the prefix from the cache starts from a copy of
+it in its slot (``copy_row``). ``StateSnapshots`` is the scheduler's side: which snapshot holds the states after
+which block hash, pinned while a sequence is restored from it, pending while a step is to write it; a snapshot is
+forgotten with its block hash (the block pool's index) or, when the budget is full, least recently used first.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -22,27 +30,46 @@ from mla_runtime.config import LinearAttentionConfig
 
 @dataclass
 class LayerState:
-    recurrent: torch.Tensor  # [slots, H, d_k, d_v] float32
-    conv: torch.Tensor  # [slots, 3 H d_k, conv_kernel - 1] float32
+    recurrent: torch.Tensor  # [slots + snapshots, H, d_k, d_v] float32
+    conv: torch.Tensor  # [slots + snapshots, 3 H d_k, conv_kernel - 1] float32
+
+    def copy_row(self, src: int, dst: int) -> None:
+        self.recurrent[dst].copy_(self.recurrent[src])
+        self.conv[dst].copy_(self.conv[src])
 
 
 class StateCache:
-    def __init__(self, lin: LinearAttentionConfig, num_slots: int, device: torch.device | str = "cpu") -> None:
-        if num_slots < 1:
-            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-        self.num_slots = num_slots
-        h, d = lin.num_heads, lin.head_dim
-        self.layers = [LayerState(torch.zeros(num_slots, h, d, d, dtype=torch.float32, device=device),
-                                  torch.zeros(num_slots, lin.conv_channels, lin.conv_kernel - 1,
+    def __init__(self, lin: LinearAttentionConfig, num_slots: int, device: torch.device | str = "cpu",
+                 num_snapshots: int = 0) -> None:
+        if num_slots < 1 or num_snapshots < 0:
+            raise ValueError(f"num_slots must be >= 1 and num_snapshots >= 0, got {num_slots}, {num_snapshots}")
+        self.num_slots, self.num_snapshots = num_slots, num_snapshots
+        h, d, rows = lin.num_heads, lin.head_dim, num_slots + num_snapshots
+        self.layers = [LayerState(torch.zeros(rows, h, d, d, dtype=torch.float32, device=device),
+                                  torch.zeros(rows, lin.conv_channels, lin.conv_kernel - 1,
                                               dtype=torch.float32, device=device))
                        for _ in range(lin.num_layers)]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for s in self.layers for t in (s.recurrent, s.conv))
+        """Bytes of the sequences' slots (the snapshots apart: ``snapshot_nbytes``)."""
+        return self.bytes_per_slot * self.num_slots
+
+    def snapshot_nbytes(self) -> int:
+        return self.bytes_per_slot * self.num_snapshots
 
     @property
     def bytes_per_slot(self) -> int:
-        return self.nbytes() // self.num_slots
+        return sum(t[0].numel() * t.element_size() for s in self.layers for t in (s.recurrent, s.conv))
+
+    def snapshot_row(self, snapshot: int) -> int:
+        if not 0 <= snapshot < self.num_snapshots:
+            raise ValueError(f"snapshot {snapshot} out of range ({self.num_snapshots} snapshots)")
+        return self.num_slots + snapshot
+
+    def copy_row(self, src: int, dst: int) -> None:
+        """Every layer's states of row ``src`` into row ``dst`` (a slot or a snapshot's row)."""
+        for s in self.layers:
+            s.copy_row(src, dst)
 
 
 class StateSlots:
@@ -67,3 +94,103 @@ class StateSlots:
         if not 0 <= slot < self.num_slots or slot in self._free:
             raise ValueError(f"state slot {slot} is not taken")
         self._free.append(slot)
+
+
+class StateSnapshots:
+    """The snapshot ids of a ``StateCache`` and the block hash each one holds the states after (plain integers: the
+    scheduler's side). A snapshot is *free*, *pending* (``reserve``d for a step to write; ``commit`` names its hash,
+    ``discard`` gives it back), or *committed* to a hash; a committed one is *pinned* while sequences restore from it
+    (``acquire``/``release``). Only committed, unpinned snapshots are evicted: by ``forget`` (their hash left the
+    prefix cache) or, when ``reserve`` finds no free one, least recently used first."""
+
+    def __init__(self, num_snapshots: int) -> None:
+        self.num_snapshots = num_snapshots
+        self._free = list(range(num_snapshots - 1, -1, -1))
+        self._by_hash: dict[int, int] = {}  # committed: block hash -> snapshot
+        self._hash_of: dict[int, int] = {}  # committed: snapshot -> block hash
+        self._idle: OrderedDict[int, None] = OrderedDict()  # committed and unpinned, least recently used first
+        self._pins: dict[int, int] = {}  # snapshot -> sequences restoring from it
+        self._pending: set[int] = set()
+        self.num_evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        """Snapshots a ``reserve`` can take now (free, or committed and unpinned)."""
+        return len(self._free) + len(self._idle)
+
+    @property
+    def num_committed(self) -> int:
+        return len(self._by_hash)
+
+    def has(self, block_hash: int) -> bool:
+        return block_hash in self._by_hash
+
+    def reserve(self) -> int | None:
+        """A snapshot for a step to write (None: every one is pending or pinned)."""
+        if self._free:
+            s = self._free.pop()
+        elif self._idle:
+            s = next(iter(self._idle))
+            self._drop(s)
+            self.num_evictions += 1
+            self._free.pop()
+        else:
+            return None
+        self._pending.add(s)
+        return s
+
+    def commit(self, snapshot: int, block_hash: int) -> bool:
+        """The pending ``snapshot`` now holds the states after ``block_hash``; False (and given back) when another
+        snapshot holds them already."""
+        self._pending.remove(snapshot)
+        if block_hash in self._by_hash:
+            self._free.append(snapshot)
+            return False
+        self._by_hash[block_hash], self._hash_of[snapshot] = snapshot, block_hash
+        self._idle[snapshot] = None
+        return True
+
+    def discard(self, snapshot: int) -> None:
+        """Give back a pending snapshot whose step never ran (its sequence ended or was preempted first)."""
+        self._pending.remove(snapshot)
+        self._free.append(snapshot)
+
+    def acquire(self, block_hash: int) -> int:
+        """Pin the snapshot of ``block_hash`` for a sequence that restores from it."""
+        s = self._by_hash[block_hash]
+        self._idle.pop(s, None)
+        self._pins[s] = self._pins.get(s, 0) + 1
+        return s
+
+    def release(self, snapshot: int) -> None:
+        """Unpin, once the restore is done (or its sequence ended before it)."""
+        n = self._pins[snapshot] - 1
+        if n:
+            self._pins[snapshot] = n
+            return
+        del self._pins[snapshot]
+        if snapshot in self._hash_of:
+            self._idle[snapshot] = None  # most recently used
+        else:  # its hash was forgotten while pinned
+            self._free.append(snapshot)
+
+    def forget(self, block_hash: int) -> None:
+        """The prefix cache forgot ``block_hash``: its snapshot goes with it (at its release, if pinned)."""
+        s = self._by_hash.get(block_hash)
+        if s is None:
+            return
+        if s in self._pins:
+            del self._by_hash[block_hash], self._hash_of[s]
+        else:
+            self._drop(s)
+
+    def _drop(self, snapshot: int) -> None:
+        del self._by_hash[self._hash_of.pop(snapshot)]
+        self._idle.pop(snapshot, None)
+        self._free.append(snapshot)
+
+    def check_whole(self) -> None:
+        """Raise unless no snapshot is pending or pinned (every one free or idle)."""
+        if self._pending or self._pins or self.num_free != self.num_snapshots:
+            raise AssertionError(f"state snapshots not whole: {len(self._pending)} pending, {len(self._pins)} pinned, "
+                                 f"{self.num_free} of {self.num_snapshots} free or idle")

@@ -22,6 +22,10 @@ A lower tier (``LowerTier``: the host-RAM tier and/or the disk tier, ``cache/hos
   blocks, registered, and returned as hits like this pool's own;
 - ``prefetch`` lets the tier read ahead for a queued sequence.
 
+A hybrid model's prefix hits also need its linear layers' states at the prefix's end (``PrefixStates``: the state
+snapshots, ``cache/state_cache.StateSnapshots``, attached with ``attach_states``): ``lookup`` then takes the longest
+cached prefix that ends at a block whose hash has a snapshot, and a hash the index forgets takes its snapshot along.
+
 The pool deals only in integer ids; it knows nothing of tensors.
 """
 
@@ -53,6 +57,14 @@ class LowerTier(Protocol):
     def prefetch(self, hashes: Sequence[int]) -> None: ...
 
 
+class PrefixStates(Protocol):
+    """What a hybrid's prefix hit needs besides the blocks: a snapshot of the states after a block hash."""
+
+    def has(self, block_hash: int) -> bool: ...
+
+    def forget(self, block_hash: int) -> None: ...
+
+
 class NoFreeBlocksError(RuntimeError):
     pass
 
@@ -81,6 +93,12 @@ class BlockPool:
         self.write_through = False
         self.lower_query_tokens = 0
         self.lower_hit_tokens = 0
+        self.states: PrefixStates | None = None
+
+    def attach_states(self, states: PrefixStates) -> None:
+        if not self.enable_prefix_caching:
+            raise ValueError("state snapshots need enable_prefix_caching")
+        self.states = states
 
     def attach_lower_tier(self, tier: LowerTier, write_through: bool = False) -> None:
         if not self.enable_prefix_caching:
@@ -151,6 +169,8 @@ class BlockPool:
             if self.lower is not None:
                 self.lower.store(h, b)  # write before free (a no-op when already on disk)
             del self._index[h]
+            if self.states is not None:
+                self.states.forget(h)
         self.block_hashes[b] = None
         self.num_evictions += 1
         return b
@@ -178,6 +198,9 @@ class BlockPool:
             if b is None:
                 break
             hit.append(b)
+        if self.states is not None:  # a hybrid resumes only where the states after the prefix are kept
+            while hit and not self.states.has(hashes[len(hit) - 1]):
+                hit.pop()
         for b in hit:
             if self.ref_counts[b] == 0:
                 self._evictable.pop(b, None)
@@ -186,6 +209,13 @@ class BlockPool:
         if self.lower is not None and len(hit) < len(hashes):
             hit += self._load_lower(hashes[len(hit):])
         return hit
+
+    def num_indexed(self, hashes: Sequence[int]) -> int:
+        """How many leading ``hashes`` the index holds (no reference taken, no snapshot needed)."""
+        n = 0
+        while n < len(hashes) and hashes[n] in self._index:
+            n += 1
+        return n
 
     def _load_lower(self, hashes: Sequence[int]) -> list[int]:
         """Continue a prefix in the lower tier: load the blocks found there into fresh blocks (as many as are free)

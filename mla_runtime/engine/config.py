@@ -79,6 +79,11 @@ class EngineConfig:
     enable_prefix_caching: bool = field(default=True, metadata=opt(
         "kv_cache.prefix_caching", "keep the blocks of finished prompts so that later prompts with the same "
                                    "prefix skip its prefill"))
+    # a hybrid model's prefix caching keeps its linear layers' states at cached prefixes' ends (cache/state_cache.py)
+    state_snapshot_memory: int | str | None = field(default=None, metadata=opt(
+        "kv_cache.state_snapshot_memory", "bytes of a hybrid model's state snapshots, the linear-attention states "
+                                          "at the end of cached prefixes, e.g. 2GiB; 0: no prefix caching for a "
+                                          "hybrid (default: as many snapshots as max-num-seqs)"))
     # between steps, idle cached prefix blocks are freed (LRU first) while more than this fraction of the
     # latent-cache blocks is in use or cached (1.0: only when an allocation needs them)
     cache_watermark: float = field(default=0.8, metadata=opt(
@@ -179,6 +184,8 @@ class EngineConfig:
                              f"got {self.kv_cache_dtype!r}")
         if self.kv_cache_memory is not None:
             object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+        if self.state_snapshot_memory is not None:
+            object.__setattr__(self, "state_snapshot_memory", parse_bytes(self.state_snapshot_memory))
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

@@ -95,7 +95,10 @@ class EngineInfo:
     # a hybrid model's linear-attention states: bytes of one sequence's, and of every slot (0: no linear layers)
     state_bytes_per_sequence: int = 0
     state_bytes: int = 0
-    prefix_caching: bool = True  # whether prefixes are cached (off for hybrid models)
+    # a hybrid's prefix caching: its state snapshots (the linear layers' states at cached prefixes' ends) and bytes
+    state_snapshots: int = 0
+    state_snapshot_bytes: int = 0
+    prefix_caching: bool = True  # whether prefixes are cached (for a hybrid: only with state snapshots)
 
     @classmethod
     def of(cls, worker: Worker, num_blocks: int, num_threads: int) -> EngineInfo:
@@ -117,6 +120,8 @@ class EngineInfo:
             cpu_gemm=worker.gemm_info, cpu_heap=worker.heap,
             state_bytes_per_sequence=worker.state_bytes_per_sequence,
             state_bytes=worker.state_cache_bytes(),
+            state_snapshots=worker.num_state_snapshots,
+            state_snapshot_bytes=worker.state_snapshot_nbytes(),
             prefix_caching=worker.prefix_caching)
         host, disk = worker.host_tier, worker.disk_tier
         if host is not None:

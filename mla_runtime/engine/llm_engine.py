@@ -73,8 +73,11 @@ class LLMEngine:
         self.pool = BlockPool(w.cache.num_blocks, config.block_size, w.prefix_caching, config.cache_watermark)
         self.kv_tier = attach_lower_tier(w, self.pool, self.tp_group, config.kv_cache_write_through)
         self.proposer = make_proposer(config, w, self.tp_group)
+        snapshots = w.state_snapshots()
+        if snapshots is not None:
+            self.pool.attach_states(snapshots)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, w.max_num_batched_tokens,
-                                   self.proposer.trailing_slots, w.state_slots())
+                                   self.proposer.trailing_slots, w.state_slots(), snapshots)
         self.runner = ModelRunner(w, config.seed, self.tp_group, self.thread_tuner)
         self.requests: dict[str, RequestState] = {}
         self.grammars = GrammarCompiler(self.tokenizer, w.model_config.vocab_size, self.runner.sampler.eos_token_ids)

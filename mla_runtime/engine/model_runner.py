@@ -41,6 +41,19 @@ class PreparedStep:
     masks: Future[TokenMasks] | None
 
 
+def state_copies(plan: StepPlan) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]]:
+    """A hybrid's state copies of a step: ``(snapshot, slot)`` restored before it (prefix hits), and ``(sequence,
+    tokens, snapshot)``: the states after that many of the sequence's new tokens written to the snapshot."""
+    restores: list[tuple[int, int]] = []
+    snapshots: list[tuple[int, int, int]] = []
+    for b, (seq, n) in enumerate(zip(plan.seqs, plan.num_new_tokens)):
+        if seq.state_restore is not None:
+            restores.append((seq.state_restore, cast(int, seq.state_slot)))
+        start = seq.num_computed_tokens
+        snapshots += [(b, end - start, s) for end, s, _ in seq.state_snapshots if start < end <= start + n]
+    return restores, snapshots
+
+
 class ModelRunner:
     def __init__(self, worker: Worker, seed: int, tp_group: TensorParallelGroup | None = None,
                  thread_tuner: ThreadTuner | None = None) -> None:
@@ -83,7 +96,8 @@ class ModelRunner:
                 rows.extend(range(end - 1 - k, end))
         slots = [cast(int, s.state_slot) for s in plan.seqs] if plan.seqs and plan.seqs[0].state_slot is not None \
             else None
-        return PreparedStep(StepInput(chunks, contexts, tables, rows, slots), seqs, drafts,
+        restores, snapshots = state_copies(plan)
+        return PreparedStep(StepInput(chunks, contexts, tables, rows, slots, restores, snapshots), seqs, drafts,
                             self.masks.start(seqs, drafts))
 
     def execute(self, prepared: PreparedStep) -> torch.Tensor | None:

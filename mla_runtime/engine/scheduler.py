@@ -25,6 +25,12 @@ what runs after the step and writes there.
 A hybrid model's linear-attention layers keep a state per running sequence in a slot of the state cache
 (``states``): a sequence takes a slot when it is admitted (it waits while none is free) and gives it back wherever
 its blocks go back — finish, abort, preemption (a preempted sequence recomputes its state from its first token).
+With prefix caching, a hybrid's admitted sequence reserves state snapshots (``snapshots``) at the last full block
+boundary of its tokens and where its tokens leave the cached blocks (a shared prefix, say a system prompt, that
+another sequence left without a snapshot at its end), each written by the step that computes that position and
+committed with that block's hash; a prefix hit ends only at a block whose hash has one (the pool's lookup), pins it
+and copies it into the sequence's slot before its first step. Pending and pinned snapshots go back wherever the slot
+goes back.
 
 The scheduler deals only in sequences, token counts, block ids and slot ids, and hands the step on as a
 ``StepPlan``.
@@ -37,7 +43,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from mla_runtime.cache.state_cache import StateSlots
+from mla_runtime.cache.state_cache import StateSlots, StateSnapshots
 from mla_runtime.engine.block_pool import BlockPool, block_hash
 from mla_runtime.engine.sequence import Sequence, SequenceStatus
 
@@ -82,9 +88,11 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
-                 trailing_slots: int = 0, states: StateSlots | None = None) -> None:
+                 trailing_slots: int = 0, states: StateSlots | None = None,
+                 snapshots: StateSnapshots | None = None) -> None:
         self.pool = pool
         self.states = states  # a hybrid model's state slots (None: no linear-attention layers)
+        self.snapshots = snapshots  # a hybrid's state snapshots of cached prefixes (None: no prefix caching)
         self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -126,6 +134,7 @@ class Scheduler:
             assert self.states is not None
             self.states.give_back(seq.state_slot)
             seq.state_slot = None
+        self._release_snapshots(seq)
         self.pool.free(seq.block_table)
         seq.block_table = []
         seq.block_hashes = []
@@ -139,6 +148,30 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def _release_snapshots(self, seq: Sequence) -> None:
+        """Unpin the snapshot ``seq`` was to be restored from; give back the one it was to write."""
+        if self.snapshots is None:
+            return
+        if seq.state_restore is not None:
+            self.snapshots.release(seq.state_restore)
+            seq.state_restore = None
+        for _, snapshot, _ in seq.state_snapshots:
+            self.snapshots.discard(snapshot)
+        seq.state_snapshots = []
+
+    def _plan_snapshots(self, seq: Sequence, hashes: list[int]) -> None:
+        """An admitted hybrid sequence (``hashes``: its prefix hashes): pending snapshots where its tokens leave the
+        cached blocks and at their last full block boundary, each unless its hash has one (or every snapshot is
+        pinned or pending)."""
+        assert self.snapshots is not None
+        for k in sorted({self.pool.num_indexed(hashes), len(hashes)}):
+            end = k * self.block_size
+            if end <= seq.num_computed_tokens or self.snapshots.has(hashes[k - 1]):
+                continue
+            snapshot = self.snapshots.reserve()
+            if snapshot is not None:
+                seq.state_snapshots.append((end, snapshot, hashes[k - 1]))
+
     def _prefix_hashes(self, seq: Sequence) -> list[int]:
         """Hashes of the full blocks a new sequence may take from the cache (at least one token is
         always left to compute, so the step has logits to sample from)."""
@@ -150,13 +183,17 @@ class Scheduler:
             hashes.append(parent)
         return hashes
 
-    def _admit_prefix(self, seq: Sequence) -> None:
+    def _admit_prefix(self, seq: Sequence) -> list[int]:
+        """Take the cached prefix of ``seq`` (a hybrid's with its states' snapshot, pinned); its prefix hashes."""
         hashes = self._prefix_hashes(seq)
         hit = self.pool.lookup(hashes, seq.num_tokens)
         seq.block_table = hit
         seq.block_hashes = hashes[: len(hit)]
         seq.num_computed_tokens = len(hit) * self.block_size
         seq.num_cached_prompt_tokens = seq.num_computed_tokens
+        if hit and self.snapshots is not None:
+            seq.state_restore = self.snapshots.acquire(hashes[len(hit) - 1])
+        return hashes
 
     def _waits_for_sibling(self, seq: Sequence) -> bool:
         """Samples 2..n of a request wait until sample 1 has cached the prompt, then share its blocks."""
@@ -238,8 +275,7 @@ class Scheduler:
         seq = self.waiting[0]
         if self._waits_for_sibling(seq):
             return 0
-        if not seq.block_table:
-            self._admit_prefix(seq)
+        hashes = self._admit_prefix(seq) if not seq.block_table else []
         n = min(seq.num_uncomputed, budget)
         need = self._blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
         if need > self.pool.num_free_blocks or (self.states is not None and not self.states.num_free):
@@ -247,6 +283,8 @@ class Scheduler:
             return 0
         if self.states is not None:
             seq.state_slot = self.states.take()
+        if self.snapshots is not None and hashes:
+            self._plan_snapshots(seq, hashes)
         seq.block_table += self.pool.allocate(need)
         self.waiting.popleft()
         seq.status = SequenceStatus.RUNNING
@@ -280,3 +318,15 @@ class Scheduler:
                 h = block_hash(parent, tokens[k * self.block_size:(k + 1) * self.block_size])
                 seq.block_hashes.append(h)
                 self.pool.register(seq.block_table[k], h)
+            if self.snapshots is not None:
+                self._snapshots_done(seq)
+
+    def _snapshots_done(self, seq: Sequence) -> None:
+        """After a step of ``seq``: its restore is done; a snapshot its step wrote is committed to its hash."""
+        assert self.snapshots is not None
+        if seq.state_restore is not None:
+            self.snapshots.release(seq.state_restore)
+            seq.state_restore = None
+        while seq.state_snapshots and seq.num_computed_tokens >= seq.state_snapshots[0][0]:
+            _, snapshot, h = seq.state_snapshots.pop(0)
+            self.snapshots.commit(snapshot, h)

@@ -36,6 +36,11 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # hashes of the full, computed blocks
     num_computed_tokens: int = 0  # tokens whose latent is in the cache
     state_slot: int | None = None  # a hybrid model's state slot while running (cache/state_cache.py)
+    # a hybrid's prefix hit: the pinned state snapshot copied into its slot before its first step
+    state_restore: int | None = None
+    # a hybrid's snapshots to write, in position order: (a block boundary, the snapshot, the hash of the block ending
+    # there)
+    state_snapshots: list[tuple[int, int, int]] = field(default_factory=list)
     num_cached_prompt_tokens: int = 0  # tokens served by the prefix cache at (re)admission
     finish_reason: str | None = None
     generator: torch.Generator | None = None

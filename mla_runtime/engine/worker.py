@@ -35,7 +35,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -45,7 +45,7 @@ from mla_runtime.attention import AttentionMetadata
 from mla_runtime.cache.disk_tier import DiskTier, file_sha256, model_fingerprint
 from mla_runtime.cache.host_tier import HostTier
 from mla_runtime.cache.latent_cache import LatentCache
-from mla_runtime.cache.state_cache import StateCache, StateSlots
+from mla_runtime.cache.state_cache import StateCache, StateSlots, StateSnapshots
 from mla_runtime.config import ModelConfig
 from mla_runtime.dtypes import CacheDtype, auto_cache_dtype, index_cache_dtype, resolve_cache_dtype
 from mla_runtime.engine.config import EngineConfig
@@ -83,6 +83,10 @@ class StepInput:
     block_tables: list[list[int]]  # block ids of each sequence
     logit_rows: list[int]  # rows of the step's new tokens whose logits are needed
     state_slots: list[int] | None = None  # a hybrid model's state slot of each sequence (None: no linear layers)
+    # a hybrid's prefix hits: (snapshot, slot) copied before the step; (sequence, tokens, snapshot): the states
+    # after that many of the sequence's new tokens written to the snapshot (``cache/state_cache.py``)
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    state_snapshots: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -181,12 +185,29 @@ class Worker:
         # a hybrid's linear layers: a fixed state per running sequence, one slot for each of max_num_seqs
         self.state_bytes_per_sequence = cfg.state_bytes_per_sequence
         self.state_bytes = self.state_bytes_per_sequence * config.max_num_seqs
+        self.num_state_snapshots = self._num_state_snapshots()
+        self.state_snapshot_bytes = self.state_bytes_per_sequence * self.num_state_snapshots
         self.weight_bytes = weight_bytes(self.checkpoint_config, self.dtype, tp, self.quantization,
                                          cpu=self.cpu, num_mtp_layers=self.num_mtp_layers,
                                          latent_cache_layout=config.latent_cache_layout)
         self.activation_bytes = activation_reserve_bytes(
             cfg, dtype=self.dtype, max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, tensor_parallel_size=tp)
+
+    def _num_state_snapshots(self) -> int:
+        """A hybrid's state snapshots for prefix caching: what ``state_snapshot_memory`` holds (default one per state
+        slot); 0 without prefix caching or linear-attention layers."""
+        c, per = self.config, self.state_bytes_per_sequence
+        if not per or not c.enable_prefix_caching:
+            return 0
+        if c.state_snapshot_memory is None:
+            return c.max_num_seqs
+        n = int(c.state_snapshot_memory) // per
+        if int(c.state_snapshot_memory) and not n:
+            raise InvalidParam("state_snapshot_memory", f"state_snapshot_memory ({int(c.state_snapshot_memory):,} B) "
+                               f"holds no state snapshot of {per:,} B: give at least that, or 0 for no prefix "
+                               f"caching of this hybrid model")
+        return n
 
     @property
     def model_dtype(self) -> torch.dtype:
@@ -203,6 +224,10 @@ class Worker:
     def state_cache_bytes(self) -> int:
         """Bytes of the per-sequence state slots allocated (0: none)."""
         return 0 if self.cache is None or self.cache.states is None else self.cache.states.nbytes()
+
+    def state_snapshot_nbytes(self) -> int:
+        """Bytes of the prefix-cache state snapshots allocated (0: none)."""
+        return 0 if self.cache is None or self.cache.states is None else self.cache.states.snapshot_nbytes()
 
     @property
     def cpu(self) -> CpuLayouts | None:
@@ -230,7 +255,7 @@ class Worker:
             cache_dtype=self.cache_dtype.dtype, block_size=c.block_size, max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             kv_cache_memory=None if c.kv_cache_memory is None else int(c.kv_cache_memory),
-            latent_rank=c.latent_rank, cpu=self.cpu)
+            latent_rank=c.latent_rank, cpu=self.cpu, state_snapshots=self.num_state_snapshots)
         try:
             check_load_memory(self.checkpoint_config, available, settings, where)
         except InsufficientMemory as e:
@@ -305,7 +330,8 @@ class Worker:
         else:
             on_gpu = self.device.type == "cuda"
             free = torch.cuda.mem_get_info(self.device)[0] if on_gpu else available_host_memory()
-            free = max(0, free - self.state_bytes)  # the state slots are allocated beside the latent cache
+            # the state slots and snapshots are allocated beside the latent cache
+            free = max(0, free - self.state_bytes - self.state_snapshot_bytes)
             budget = cache_budget_bytes(on_gpu=on_gpu, free_bytes=free, activation_bytes=self.activation_bytes,
                                         bytes_per_token=self.bytes_per_token_per_rank, block_size=c.block_size,
                                         max_model_len=self.max_model_len, max_num_seqs=c.max_num_seqs)
@@ -323,24 +349,31 @@ class Worker:
         self.cache = LatentCache(self.model.num_cache_layers, num_blocks, block, cfg.latent_dim, dtype, self.device,
                                  cfg.index_dim, index_cache_dtype(dtype, self.dtype))
         if cfg.linear_attention is not None:
-            self.cache.states = StateCache(cfg.linear_attention, self.config.max_num_seqs, self.device)
+            self.cache.states = StateCache(cfg.linear_attention, self.config.max_num_seqs, self.device,
+                                           self.num_state_snapshots)
             logger.info("hybrid model: %d linear-attention layers keep %.1f KiB of state per sequence (%d slots, "
-                        "%.1f MiB); prefix caching is off (a cached prefix would need the recurrent state at its end)",
-                        cfg.linear_attention.num_layers, self.state_bytes_per_sequence / 2**10,
-                        self.config.max_num_seqs, self.state_bytes / 2**20)
+                        "%.1f MiB); prefix caching: %s", cfg.linear_attention.num_layers,
+                        self.state_bytes_per_sequence / 2**10, self.config.max_num_seqs, self.state_bytes / 2**20,
+                        f"{self.num_state_snapshots} state snapshots ({self.state_snapshot_bytes / 2**20:.1f} MiB)"
+                        if self.prefix_caching else "off (no state snapshot)")
         if self.device.type == "cpu":  # the load's transient buffers are gone: from here on, steps allocate
             self.heap = host_heap.retain(self.activation_bytes, self.config.cpu_heap)
         return self.cache
 
     @property
     def prefix_caching(self) -> bool:
-        """Whether the block pool indexes prefixes: as configured, but never for a hybrid model (its linear layers'
-        state at a prefix's end is not kept, so a cached prefix cannot be resumed)."""
-        return self.config.enable_prefix_caching and self.model_config.linear_attention is None
+        """Whether the block pool indexes prefixes: as configured; for a hybrid model only with state snapshots (a
+        cached prefix resumes from its linear layers' states at its end)."""
+        return self.config.enable_prefix_caching and (self.model_config.linear_attention is None
+                                                      or self.num_state_snapshots > 0)
 
     def state_slots(self) -> StateSlots | None:
         """The scheduler's allocator of the state cache's slots (None: the model has no linear layers)."""
         return None if self.model_config.linear_attention is None else StateSlots(self.config.max_num_seqs)
+
+    def state_snapshots(self) -> StateSnapshots | None:
+        """The scheduler's side of a hybrid's state snapshots (None: no linear layers or no prefix caching)."""
+        return StateSnapshots(self.num_state_snapshots) if self.num_state_snapshots else None
 
     def cache_fingerprint(self) -> str:
         """What decides the bytes of a cached latent (``cache/disk_tier.model_fingerprint``): a disk tier written
@@ -404,11 +437,22 @@ class Worker:
         hidden = self.graphs.run(step) if self.graphs is not None else None
         if hidden is None:
             batch = ForwardBatch.build(step.token_chunks, step.context_lens, step.block_tables,
-                                       self.config.block_size, self.device, step.state_slots)
+                                       self.config.block_size, self.device, step.state_slots,
+                                       self._snapshot_rows(step))
             hidden = self.forward(batch)
         if not step.logit_rows:
             return None
         return self.model.compute_logits(hidden[step.logit_rows])
+
+    def _snapshot_rows(self, step: StepInput) -> list[tuple[int, int, int]]:
+        """Restore a hybrid's prefix hits into their slots; the step's snapshots as state-cache rows."""
+        if not (step.state_restores or step.state_snapshots):
+            return []
+        states = self.cache.states if self.cache is not None else None
+        assert states is not None
+        for snapshot, slot in step.state_restores:
+            states.copy_row(states.snapshot_row(snapshot), slot)
+        return [(b, n, states.snapshot_row(s)) for b, n, s in step.state_snapshots]
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """The model over one step's batch: the step's attention metadata, then every layer -> hidden states
@@ -453,8 +497,9 @@ class Worker:
 
 def check_hybrid_settings(config: EngineConfig, cfg: ModelConfig) -> None:
     """Refuse, by name, the settings a hybrid model (linear-attention layers) does not run with: its layers' states
-    are advanced by every token a step computes, so drafts to verify are not possible; a cached prefix cannot resume
-    them, so it has no prefix-cache tiers; it runs on one rank, and its latent rank is not truncated."""
+    are advanced by every token a step computes, so drafts to verify are not possible; its prefix cache keeps state
+    snapshots in memory only, so it has no prefix-cache tiers; it runs on one rank, and its latent rank is not
+    truncated."""
     if cfg.linear_attention is None:
         return
     refused = {"tensor_parallel_size": config.tensor_parallel_size > 1,

@@ -16,7 +16,9 @@ The layer keeps no per-token cache. A sequence's state lives in its slot of the 
 convolution's last ``conv_kernel - 1`` inputs and the recurrent ``[H, d_k, d_v]`` state, both float32. A sequence
 whose step starts at position 0 starts from zeros (whatever its slot held before); a one-token step of a sequence
 already started updates its state recurrently (all such rows of a step at once); any longer step runs the chunked
-form of the rule from the slot's state. Each sequence reads and writes its own slot only.
+form of the rule from the slot's state. Each sequence reads and writes its own slot only. A step may ask for a
+sequence's states after its first ``n`` new tokens (``ForwardBatch.state_snapshots``: a prefix-cache snapshot): its
+tokens then run in two parts, and the slot's states between them are copied to the snapshot's row.
 
 The kernels are chosen once per layer when the weights are prepared (``prepare_inference``, recorded as
 ``KimiDeltaAttention.kernels``): on CPU tensors the compiled operators where the kernel plan has them
@@ -85,8 +87,8 @@ class ShortConv(nn.Module):
 
 class ForgetGate(nn.Module):
     """The log forget gate ``[T, H, d_k]`` from ``f(x) + dt_bias``: ``-exp(A_log) softplus(.)``, or
-    ``lower_bound sigmoid(exp(A_log) .)`` with a lower bound. ``f`` low-rank (``f_b(f_a(x))``, Kimi Linear: ``A_log
-    [1, 1, H, 1]``) or full (``f_proj``, Ling: ``A_log [H]``)."""
+    ``lower_bound sigmoid(exp(A_log) .)`` with a lower bound. ``f`` low-rank (``f_b(f_a(x))``, Kimi Linear, GLM-5-Next)
+    or full (``f_proj``, Ling); ``A_log [1, 1, H, 1]`` (Kimi Linear) or ``[H]`` (``flat_a_log``)."""
 
     def __init__(self, hidden: int, lin: LinearAttentionConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -96,7 +98,7 @@ class ForgetGate(nn.Module):
         self.f_a_proj = Linear(hidden, head_dim, dtype) if lin.low_rank_gates else None
         self.f_b_proj = Linear(head_dim, heads * head_dim, dtype) if lin.low_rank_gates else None
         self.dt_bias = nn.Parameter(torch.empty(heads * head_dim, dtype=torch.float32), requires_grad=False)
-        shape = (1, 1, heads, 1) if lin.low_rank_gates else (heads,)
+        shape = (heads,) if lin.flat_a_log else (1, 1, heads, 1)
         self.A_log = nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -154,14 +156,25 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.sigmoid(self.b_proj(x).float())
         out = torch.empty(t, h, dk, dtype=torch.float32, device=x.device)
         first = self._decodes(batch)
+        cuts: dict[int, list[tuple[int, int]]] = {}  # sequence -> (tokens, state row) of its snapshots
+        for b, n, row in sorted(batch.state_snapshots):
+            cuts.setdefault(b, []).append((n, row))
         if first:
             self._decode_rows(mixed[:first], g[:first], beta[:first], out[:first], batch.state_slots[:first], state)
+            for b in range(first):
+                for _, row in cuts.get(b, []):
+                    state.copy_row(batch.state_slots[b], row)
         start = first
         for b in range(first, batch.num_seqs):
-            n = batch.query_lens[b]
-            rows = slice(start, start + n)
-            out[rows] = self._sequence(mixed[rows], g[rows], beta[rows], batch.state_slots[b],
-                                       batch.context_lens_list[b] == 0, state)
+            n, slot, done = batch.query_lens[b], batch.state_slots[b], 0
+            for cut, row in [*cuts.get(b, []), (n, -1)]:
+                if cut > done:  # the tokens up to the cut, from the slot's state (zeros at the sequence's start)
+                    part = slice(start + done, start + cut)
+                    out[part] = self._sequence(mixed[part], g[part], beta[part], slot,
+                                               done == 0 and batch.context_lens_list[b] == 0, state)
+                    done = cut
+                if row >= 0:
+                    state.copy_row(slot, row)
             start += n
         gate = (self.g_proj(x) if self.g_proj is not None
                 else cast(Linear, self.g_b_proj)(cast(Linear, self.g_a_proj)(x))).view(t, h, dk)

@@ -151,13 +151,14 @@ class EngineCollector(Collector):
 def _memory_metrics(d: EngineInfo) -> Iterator[GaugeMetricFamily]:
     """Memory by part, and the caches' sizes: the latent cache's bytes per token, a hybrid's state bytes per
     sequence."""
-    mem = GaugeMetricFamily("mla_memory_bytes", "Memory by part: weights, latent cache, a hybrid model's state cache, "
-                            "planned activation reserve, other (measured process/device memory beyond weights and "
-                            "caches)", labels=["part"])
-    weights, caches = d.weight_bytes, d.cache_bytes + d.state_bytes
+    mem = GaugeMetricFamily("mla_memory_bytes", "Memory by part: weights, latent cache, a hybrid model's state cache "
+                            "and state snapshots, planned activation reserve, other (measured process/device memory "
+                            "beyond weights and caches)", labels=["part"])
+    weights, caches = d.weight_bytes, d.cache_bytes + d.state_bytes + d.state_snapshot_bytes
     mem.add_metric(["weights"], weights)
     mem.add_metric(["latent_cache"], d.cache_bytes)
     mem.add_metric(["state_cache"], d.state_bytes)
+    mem.add_metric(["state_snapshots"], d.state_snapshot_bytes)
     mem.add_metric(["activations_reserve"], d.activation_bytes)
     mem.add_metric(["other"], max(0, _process_memory_bytes(d.device) - weights - caches))
     yield mem

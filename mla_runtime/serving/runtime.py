@@ -183,9 +183,12 @@ class ServingRuntime:
                     d.cache_dtype, d.block_size, d.num_blocks, human_bytes(d.cache_bytes_per_token),
                     d.max_concurrent_tokens, d.max_model_len, d.max_num_seqs, d.max_num_batched_tokens)
         if d.state_bytes_per_sequence:
-            logger.info("state cache: %s/sequence over %d slots (%s); prefix caching off for this hybrid model",
-                        human_bytes(d.state_bytes_per_sequence), d.max_num_seqs, human_bytes(d.state_bytes))
-        total = d.weight_bytes + d.cache_bytes + d.state_bytes + d.activation_bytes
+            logger.info("state cache: %s/sequence over %d slots (%s); %s", human_bytes(d.state_bytes_per_sequence),
+                        d.max_num_seqs, human_bytes(d.state_bytes),
+                        f"prefix caching with {d.state_snapshots} state snapshots "
+                        f"({human_bytes(d.state_snapshot_bytes)})" if d.prefix_caching
+                        else "prefix caching off for this hybrid model")
+        total = d.weight_bytes + d.cache_bytes + d.state_bytes + d.state_snapshot_bytes + d.activation_bytes
         logger.info("memory on %s: weights %s | latent cache %s | activations (reserve) %s | total %s",
                     d.device, human_bytes(d.weight_bytes), human_bytes(d.cache_bytes),
                     human_bytes(d.activation_bytes), human_bytes(total))
