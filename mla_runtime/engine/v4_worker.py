@@ -111,6 +111,7 @@ class V4Worker(Worker):
         self.bytes_per_token = self.bytes_per_token_per_rank = self.kinds.block_bytes_per_token
         self.state_bytes_per_sequence = self.kinds.fixed_bytes
         self.state_bytes = self.state_bytes_per_sequence * config.max_num_seqs
+        self.num_state_snapshots = self.state_snapshot_bytes = 0  # prefix caching is off: no state snapshot
         self.weight_bytes = v4_weights(self.v4_config, self.dtype)[0]
         self.activation_bytes = activation_reserve_bytes(
             cfg, dtype=self.dtype, max_num_batched_tokens=self.max_num_batched_tokens,
