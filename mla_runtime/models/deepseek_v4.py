@@ -44,6 +44,7 @@ from torch import nn
 from mla_kernels import topk_lowest_first
 from mla_runtime.config import RopeConfig
 from mla_runtime.forward_batch import ForwardBatch
+from mla_runtime.layers.hyper import HyperConnection, clamped_swiglu, rms
 from mla_runtime.layers.rotary import rope_inv_freq
 
 LAYER_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
@@ -206,11 +207,6 @@ def _rope(p: dict[str, Any], label: str) -> RopeConfig:
 
 
 # -- small pieces ------------------------------------------------------------------------------------------------------
-def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Unweighted RMS norm over the last dim (in ``x``'s dtype, the scale computed in float32)."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
-
-
 class Norm(nn.Module):
     """RMS norm with a weight, computed in float32."""
 
@@ -463,39 +459,6 @@ class V4Attention(nn.Module):
 
 
 # -- hyper-connections -------------------------------------------------------------------------------------------------
-class HyperConnection(nn.Module):
-    """Mixes the ``N`` residual streams around one block: from the RMS-normalised streams, ``pre [N]`` collapses
-    them into the block's input, ``post [N]`` spreads its output, ``comb [N, N]`` (Sinkhorn-normalised towards a
-    doubly stochastic matrix) mixes the streams themselves. Float32."""
-
-    def __init__(self, n: int, hidden: int, iters: int, eps: float, norm_eps: float) -> None:
-        super().__init__()
-        self.n, self.iters, self.eps, self.norm_eps = n, iters, eps, norm_eps
-        self.fn = _param((2 + n) * n, n * hidden)
-        self.base = _param((2 + n) * n)
-        self.scale = _param(3)
-
-    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``streams [T, N, d]`` -> ``post [T, N]``, ``comb [T, N, N]``, the block's input ``[T, d]``."""
-        n = self.n
-        mixes = F.linear(rms(streams.flatten(1).float(), self.norm_eps), self.fn)
-        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
-        pre = torch.sigmoid(pre_w * self.scale[0] + pre_b) + self.eps
-        post = 2 * torch.sigmoid(post_w * self.scale[1] + post_b)
-        comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * self.scale[2] + comb_b.view(n, n), dim=-1) + self.eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        return post, comb, (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-
-    @staticmethod
-    def merge(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        dtype = streams.dtype
-        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(1) + comb.to(dtype).transpose(-1, -2) @ streams
-
-
 class HyperHead(nn.Module):
     """The streams' final collapse (before the final norm)."""
 
@@ -513,10 +476,6 @@ class HyperHead(nn.Module):
 
 
 # -- MoE ---------------------------------------------------------------------------------------------------------------
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
-
-
 class SharedExpert(nn.Module):
     def __init__(self, hidden: int, inter: int, limit: float, dtype: torch.dtype) -> None:
         super().__init__()

@@ -1,0 +1,66 @@
+"""Manifold-constrained hyper-connections and the clamped SwiGLU, shared by DeepSeek-V4 and GLM-5-Next.
+
+Hyper-connections keep ``N`` residual streams per token (``hc_mult``) instead of one. Around each block (the
+attention, the MLP) a learned mix computed from the RMS-normalised streams collapses them into the block's input
+(``pre [N]``), spreads the block's output back (``post [N]``) and mixes the streams themselves (``comb [N, N]``,
+Sinkhorn-normalised towards a doubly stochastic matrix), all in float32::
+
+    pre, post, comb = HyperConnection(streams)          streams [T, N, d]
+    out = block(sum_n pre[n] streams[n])
+    streams = post[:, None] out + comb^T streams        HyperConnection.merge
+
+The clamped SwiGLU (``swiglu_limit``) is ``silu(min(gate, limit)) * clamp(up, -limit, limit)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Unweighted RMS norm over the last dim (in ``x``'s dtype, the scale computed in float32)."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(*shape, dtype=torch.float32), requires_grad=False)
+
+
+class HyperConnection(nn.Module):
+    """Mixes the ``N`` residual streams around one block: from the RMS-normalised streams, ``pre [N]`` collapses
+    them into the block's input, ``post [N]`` spreads its output, ``comb [N, N]`` (Sinkhorn-normalised towards a
+    doubly stochastic matrix) mixes the streams themselves. Float32."""
+
+    def __init__(self, n: int, hidden: int, iters: int, eps: float, norm_eps: float) -> None:
+        super().__init__()
+        self.n, self.iters, self.eps, self.norm_eps = n, iters, eps, norm_eps
+        self.fn = _param((2 + n) * n, n * hidden)
+        self.base = _param((2 + n) * n)
+        self.scale = _param(3)
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``streams [T, N, d]`` -> ``post [T, N]``, ``comb [T, N, N]``, the block's input ``[T, d]``."""
+        n = self.n
+        mixes = F.linear(rms(streams.flatten(1).float(), self.norm_eps), self.fn.float())
+        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
+        pre = torch.sigmoid(pre_w * self.scale[0] + pre_b) + self.eps
+        post = 2 * torch.sigmoid(post_w * self.scale[1] + post_b)
+        comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * self.scale[2] + comb_b.view(n, n), dim=-1) + self.eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        return post, comb, (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+    @staticmethod
+    def merge(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """The streams after the block: ``post`` spreads ``out [T, d]``, ``comb`` mixes ``streams [T, N, d]``."""
+        dtype = streams.dtype
+        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(1) + comb.to(dtype).transpose(-1, -2) @ streams

@@ -1,0 +1,335 @@
+"""GLM-5-Next's text model (``glm5_next``, ``glm5_next_text``) in torch: one sequence at a time, over its state.
+
+A hybrid (``docs/hybrid-models.md``): Kimi Delta Attention layers (``layers/kda.py``, Kimi Linear's low-rank gates
+with a flat ``A_log [H]`` and the bounded forget gate) between MLA layers without RoPE (``qk_rope_head_dim`` 0: the
+cached latent is the normed ``d_c`` row alone) whose attention is sparse: a pooled indexer (``layers/pooled_indexer``)
+chooses each query's tokens, and a layer whose ``indexer_types`` entry is ``shared`` reuses the selection of the
+layer before it (which must be a ``full`` MLA layer, as transformers requires). The residual is ``hc_mult`` streams
+mixed around every block (``layers/hyper.py``), collapsed by their mean before the final norm. The MLPs, dense or
+MoE (``mlp_layer_types``), clamp their SwiGLU at ``swiglu_limit``; the routed experts are stored packed
+(``gate_up_proj [E, 2 i, d]``, ``down_proj [E, d, i]``), the router is DeepSeek-V3's.
+
+``Glm5NextState`` is what one sequence keeps between steps: per MLA layer its latents and its indexer's keys and
+pool gate scores, per linear layer its recurrent and convolution states (a one-slot ``StateCache``). A step may hold
+any number of the sequence's tokens (a prompt, a chunk of one, a decode). Only the text model: the vision tower's
+weights are not read, and a prompt holding an image or video placeholder token is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mla_runtime.cache.state_cache import StateCache
+from mla_runtime.config import LinearAttentionConfig, MoEConfig
+from mla_runtime.families import _indexer_kinds
+from mla_runtime.forward_batch import ForwardBatch
+from mla_runtime.layers.hyper import HyperConnection, clamped_swiglu
+from mla_runtime.layers.kda import KimiDeltaAttention
+from mla_runtime.layers.moe import Router
+from mla_runtime.layers.pooled_indexer import PooledIndexer
+
+_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=154880, hidden_size=4096, intermediate_size=12288, num_hidden_layers=45, num_attention_heads=64,
+    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=256, qk_rope_head_dim=0, v_head_dim=256,
+    moe_intermediate_size=2048, num_experts_per_tok=8, n_routed_experts=288, n_shared_experts=1, n_group=1,
+    topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-5, swiglu_limit=10.0,
+    linear_head_dim=128, linear_num_heads=64, linear_conv_kernel_dim=4, linear_lower_bound=-5.0, hc_mult=4,
+    hc_eps=1e-6, hc_sinkhorn_iters=20, index_topk=2048, index_head_dim=128, index_n_heads=32, index_kpool=16,
+    index_kpool_always_select_tail=True, tie_word_embeddings=False, hidden_act="silu")
+MEDIA_TOKENS = ("image_token_id", "video_token_id", "image_start_token_id", "image_end_token_id",
+                "video_start_token_id", "video_end_token_id")
+
+
+@dataclass(frozen=True)
+class Glm5NextConfig:
+    """The text model's settings (transformers' ``Glm5NextTextConfig`` defaults where ``config.json`` is silent)."""
+
+    g: dict[str, Any]
+    linear: tuple[bool, ...]
+    moe: tuple[bool, ...]
+    shared: tuple[bool, ...]
+    media_tokens: frozenset[int] = field(default_factory=frozenset)
+
+    @staticmethod
+    def from_raw(raw: dict[str, Any]) -> Glm5NextConfig:
+        """From a ``glm5_next`` (its ``text_config``, or flat) or ``glm5_next_text`` ``config.json``."""
+        text = raw.get("text_config") or {k: v for k, v in raw.items() if k != "vision_config"}
+        g = {**_DEFAULTS, **{k: v for k, v in text.items() if v is not None or k == "linear_lower_bound"}}
+        n = int(g["num_hidden_layers"])
+        kinds = [("indexed_attention" if k == "full_attention" else k) for k in
+                 (g.get("layer_types") or ["indexed_attention" if i % 4 == 3 else "linear_attention"
+                                           for i in range(n)])]
+        mlp = g.get("mlp_layer_types") or ["dense"] * min(3, n) + ["sparse"] * max(n - 3, 0)
+        indexers = _indexer_kinds({**g, "index_skip_topk_offset": g.get("index_skip_topk_offset", 2)})
+        _check(g, n, kinds, mlp, indexers)
+        shared = tuple(k == "indexed_attention" and s == "shared" for k, s in zip(kinds, indexers))
+        media = frozenset(int(raw[k]) for k in MEDIA_TOKENS if raw.get(k) is not None)
+        return Glm5NextConfig(g, tuple(k == "linear_attention" for k in kinds), tuple(m == "sparse" for m in mlp),
+                              shared, media)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.g[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def linear_attention(self) -> LinearAttentionConfig:
+        return LinearAttentionConfig(layers=self.linear, num_heads=int(self.linear_num_heads),
+                                     head_dim=int(self.linear_head_dim), conv_kernel=int(self.linear_conv_kernel_dim),
+                                     gate_lower_bound=self.linear_lower_bound, flat_a_log=True)
+
+
+def _check(g: dict[str, Any], n: int, kinds: list[str], mlp: list[str], indexers: list[str]) -> None:
+    """Refuse what transformers' model would not run, by name."""
+    for name, values, allowed in (("layer_types", kinds, {"linear_attention", "indexed_attention"}),
+                                  ("mlp_layer_types", mlp, {"dense", "sparse"}),
+                                  ("indexer_types", indexers, {"full", "shared"})):
+        if len(values) != n or set(values) - allowed:
+            raise ValueError(f"glm5_next: {name} must list {n} layers, each one of {sorted(allowed)}: got {values}")
+    if int(g["qk_rope_head_dim"]) != 0:
+        raise ValueError(f"glm5_next: qk_rope_head_dim must be 0 (its MLA layers carry no RoPE), got "
+                         f"{g['qk_rope_head_dim']}")
+    if g.get("q_lora_rank") is None:
+        raise ValueError("glm5_next: q_lora_rank is required (the indexer reads the query's low-rank q_resid)")
+    if g["hidden_act"] != "silu":
+        raise ValueError(f"glm5_next: hidden_act {g['hidden_act']!r} is not supported (silu)")
+    for i, (kind, mode) in enumerate(zip(kinds, indexers)):
+        if kind == "indexed_attention" and mode == "shared" and not (
+                i and kinds[i - 1] == "indexed_attention" and indexers[i - 1] == "full"):
+            raise ValueError(f"glm5_next: layer {i} shares the previous layer's indexer selection (indexer_types "
+                             f"'shared'), but layer {i - 1} is not an MLA layer with its own indexer ('full')")
+    if not g["index_kpool_always_select_tail"] and int(g["index_kpool"]) > 1:
+        raise ValueError("glm5_next: index_kpool_always_select_tail false is not supported (a query before its first "
+                         "complete pool would attend to nothing)")
+    if not any(k == "indexed_attention" for k in kinds):
+        raise ValueError("glm5_next: no MLA layer (layer_types lists no 'indexed_attention')")
+
+
+def _linear(rows: int, cols: int, dtype: torch.dtype) -> nn.Linear:
+    layer = nn.Linear(cols, rows, bias=False, dtype=dtype)
+    layer.weight.requires_grad_(False)
+    return layer
+
+
+class Norm(nn.Module):
+    """Weighted RMS norm, as transformers' ``LlamaRMSNorm``: float32, cast back before the weight."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+# -- per-sequence state ------------------------------------------------------------------------------------------------
+@dataclass
+class Glm5NextState:
+    """One sequence's state: per MLA layer its latents ``[L, d_c]``, indexer keys and pool gate scores
+    ``[L, d_I]``; its linear layers' states in slot 0 of ``states``."""
+
+    states: StateCache
+    latents: list[torch.Tensor]
+    index_keys: list[torch.Tensor]
+    index_gates: list[torch.Tensor]
+    length: int = 0
+
+    @staticmethod
+    def empty(cfg: Glm5NextConfig, dtype: torch.dtype) -> Glm5NextState:
+        mla = sum(not x for x in cfg.linear)
+        blank = [torch.zeros(0, int(cfg.kv_lora_rank), dtype=dtype) for _ in range(mla)]
+        keys = [torch.zeros(0, int(cfg.index_head_dim), dtype=dtype) for _ in range(2 * mla)]
+        return Glm5NextState(StateCache(cfg.linear_attention(), 1), blank, keys[:mla], keys[mla:])
+
+
+# -- attention ---------------------------------------------------------------------------------------------------------
+class Glm5NextAttention(nn.Module):
+    """MLA without RoPE over the sequence's latents, each query attending to the tokens its selection names."""
+
+    def __init__(self, cfg: Glm5NextConfig, layer: int, index: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        d, r, c = int(cfg.hidden_size), int(cfg.q_lora_rank), int(cfg.kv_lora_rank)
+        self.index, self.heads = index, int(cfg.num_attention_heads)
+        self.nope, self.v_dim = int(cfg.qk_nope_head_dim), int(cfg.v_head_dim)
+        self.q_a_proj, self.kv_a_proj_with_mqa = _linear(r, d, dtype), _linear(c, d, dtype)
+        self.q_a_layernorm, self.kv_a_layernorm = Norm(r, cfg.rms_norm_eps, dtype), Norm(c, cfg.rms_norm_eps, dtype)
+        self.q_b_proj = _linear(self.heads * self.nope, r, dtype)
+        self.kv_b_proj = _linear(self.heads * (self.nope + self.v_dim), c, dtype)
+        self.o_proj = _linear(d, self.heads * self.v_dim, dtype)
+        self.indexer = None if cfg.shared[layer] else PooledIndexer(
+            d, r, int(cfg.index_n_heads), int(cfg.index_head_dim), int(cfg.index_topk), int(cfg.index_kpool),
+            bool(cfg.index_kpool_always_select_tail), dtype)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, st: Glm5NextState, shared: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output ``[T, d]`` and the step's selection ``[T, width]`` (for a ``shared`` layer after it)."""
+        t, j = h.shape[0], self.index
+        q_resid = self.q_a_layernorm(self.q_a_proj(h))
+        q = self.q_b_proj(q_resid).view(t, self.heads, self.nope)
+        st.latents[j] = torch.cat([st.latents[j], self.kv_a_layernorm(self.kv_a_proj_with_mqa(h))])
+        if self.indexer is not None:
+            keys, gates = self.indexer.keys(h)
+            st.index_keys[j] = torch.cat([st.index_keys[j], keys])
+            st.index_gates[j] = torch.cat([st.index_gates[j], gates])
+            selection = self.indexer(h, q_resid, positions, st.index_keys[j], st.index_gates[j])
+        else:
+            assert shared is not None
+            selection = shared
+        kv = self.kv_b_proj(st.latents[j]).view(-1, self.heads, self.nope + self.v_dim)
+        k, v = kv.split([self.nope, self.v_dim], dim=-1)
+        keys = st.latents[j].shape[0]
+        visible = torch.zeros(t, keys + 1, dtype=torch.bool, device=h.device)
+        visible.scatter_(1, torch.where(selection >= 0, selection, keys), True)
+        logits = torch.einsum("thd,khd->htk", q, k) * self.nope ** -0.5
+        logits = logits.masked_fill(~visible[:, :keys].unsqueeze(0), float("-inf"))
+        probs = logits.float().softmax(dim=-1).to(q.dtype)
+        out = torch.einsum("htk,khd->thd", probs, v).reshape(t, -1)
+        return self.o_proj(out), selection
+
+
+# -- MLP and MoE -------------------------------------------------------------------------------------------------------
+class ClampedMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, limit: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.limit = limit
+        self.gate_proj, self.up_proj = _linear(inter, hidden, dtype), _linear(inter, hidden, dtype)
+        self.down_proj = _linear(hidden, inter, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+class PackedExperts(nn.Module):
+    """The routed experts, stored packed: ``gate_up_proj [E, 2 i, d]`` (gate rows first), ``down_proj [E, d, i]``."""
+
+    def __init__(self, experts: int, hidden: int, inter: int, limit: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.limit = limit
+        self.gate_up_proj = nn.Parameter(torch.zeros(experts, 2 * inter, hidden, dtype=dtype), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.zeros(experts, hidden, inter, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in experts.unique().tolist():
+            rows, slot = torch.where(experts == e)
+            gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[e]) * weights[rows, slot, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+        return out
+
+
+class Glm5NextMoE(nn.Module):
+    def __init__(self, cfg: Glm5NextConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        d, i, limit = int(cfg.hidden_size), int(cfg.moe_intermediate_size), float(cfg.swiglu_limit)
+        moe = MoEConfig(n_routed_experts=int(cfg.n_routed_experts), n_shared_experts=int(cfg.n_shared_experts),
+                        num_experts_per_tok=int(cfg.num_experts_per_tok), moe_intermediate_size=i,
+                        n_group=int(cfg.n_group), topk_group=int(cfg.topk_group), topk_method="noaux_tc",
+                        scoring_func="sigmoid", routed_scaling_factor=float(cfg.routed_scaling_factor),
+                        norm_topk_prob=bool(cfg.norm_topk_prob))
+        self.gate = Router(moe, d)
+        self.experts = PackedExperts(moe.n_routed_experts, d, i, limit, dtype)
+        self.shared_experts = ClampedMLP(d, i * moe.n_shared_experts, limit, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.gate(x)
+        return self.experts(x, weights, experts) + self.shared_experts(x)
+
+
+# -- the model ---------------------------------------------------------------------------------------------------------
+class Glm5NextDecoderLayer(nn.Module):
+    def __init__(self, cfg: Glm5NextConfig, layer: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        d, eps, n = int(cfg.hidden_size), float(cfg.rms_norm_eps), int(cfg.hc_mult)
+        self.linear = cfg.linear[layer]
+        self.index = index = sum(cfg.linear[i] == self.linear for i in range(layer))
+        kda_cfg = SimpleNamespace(linear_attention=cfg.linear_attention(), hidden_size=d, rms_norm_eps=eps)
+        self.self_attn: nn.Module = (KimiDeltaAttention(cast(Any, kda_cfg), dtype, index) if self.linear
+                                     else Glm5NextAttention(cfg, layer, index, dtype))
+        self.mlp: nn.Module = (Glm5NextMoE(cfg, dtype) if cfg.moe[layer] else
+                               ClampedMLP(d, int(cfg.intermediate_size), float(cfg.swiglu_limit), dtype))
+        self.input_layernorm, self.post_attention_layernorm = Norm(d, eps, dtype), Norm(d, eps, dtype)
+        self.attn_hc = HyperConnection(n, d, int(cfg.hc_sinkhorn_iters), float(cfg.hc_eps), eps)
+        self.ffn_hc = HyperConnection(n, d, int(cfg.hc_sinkhorn_iters), float(cfg.hc_eps), eps)
+
+    def forward(self, streams: torch.Tensor, positions: torch.Tensor, st: Glm5NextState,
+                selection: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The streams ``[T, N, d]`` after the layer, and its selection (None: a linear layer)."""
+        post, comb, x = self.attn_hc(streams)
+        h = self.input_layernorm(x)
+        if self.linear:
+            start, t = int(positions[0]), h.shape[0]
+            blocks = list(range((start + t + 15) // 16))
+            batch = ForwardBatch.build([[0] * t], [start], [blocks], 16, device=h.device, state_slots=[0])
+            out, selection = self.self_attn(h, batch, st.states.layers[self.index]), None
+        else:
+            out, selection = self.self_attn(h, positions, st, selection)
+        streams = HyperConnection.merge(streams, out, post, comb)
+        post, comb, x = self.ffn_hc(streams)
+        return HyperConnection.merge(streams, self.mlp(self.post_attention_layernorm(x)), post, comb), selection
+
+
+class Glm5NextModel(nn.Module):
+    def __init__(self, cfg: Glm5NextConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        d = int(cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(int(cfg.vocab_size), d, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(Glm5NextDecoderLayer(cfg, i, dtype) for i in range(len(cfg.linear)))
+        self.norm = Norm(d, float(cfg.rms_norm_eps), dtype)
+
+
+class Glm5NextForCausalLM(nn.Module):
+    """The text model. Parameter names are transformers' text model's (``model.layers...``, ``lm_head``);
+    ``load_state_dict_hf`` also reads the multimodal wrapper's (``model.language_model...``)."""
+
+    def __init__(self, cfg: Glm5NextConfig, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config, self.dtype = cfg, dtype
+        self.model = Glm5NextModel(cfg, dtype)
+        self.lm_head = _linear(int(cfg.vocab_size), int(cfg.hidden_size), dtype)
+
+    def new_state(self) -> Glm5NextState:
+        return Glm5NextState.empty(self.config, self.dtype)
+
+    def check_text_only(self, ids: list[int]) -> None:
+        """Refuse image and video placeholder tokens: the vision tower is not served."""
+        media = sorted(set(ids) & self.config.media_tokens)
+        if media:
+            raise ValueError(f"glm5_next: the prompt holds image/video placeholder tokens {media}; only the text "
+                             f"model is served (images and videos are not supported)")
+
+    @torch.no_grad()
+    def forward(self, ids: list[int], st: Glm5NextState) -> torch.Tensor:
+        """The logits ``[T, vocab]`` of the sequence's next tokens ``ids``; ``st`` advances by them."""
+        self.check_text_only(ids)
+        if not ids:
+            raise ValueError("glm5_next: a step needs at least one token")
+        device = self.lm_head.weight.device
+        positions = torch.arange(st.length, st.length + len(ids), device=device)
+        x = self.model.embed_tokens(torch.tensor(ids, device=device))
+        streams = x.unsqueeze(1).expand(-1, int(self.config.hc_mult), -1).contiguous()
+        selection: torch.Tensor | None = None
+        for layer in self.model.layers:
+            streams, selection = layer(streams, positions, st, selection)
+        st.length += len(ids)
+        return self.lm_head(self.model.norm(streams.mean(dim=1)))
+
+    def load_state_dict_hf(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Load transformers' tensors (text model or the multimodal wrapper; the vision tower's are not read)."""
+        mine: dict[str, torch.Tensor] = {}
+        for name, t in tensors.items():
+            if name.startswith(("model.visual.", "visual.")) or ".visual." in name:
+                continue
+            mine[name.replace("model.language_model.", "model.")] = t
+        missing, unexpected = self.load_state_dict(mine, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"glm5_next: checkpoint tensors missing {missing[:8]}, not used {unexpected[:8]}")
