@@ -315,7 +315,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
                      "qk_rope_head_dim", "v_head_dim", "max_position_embeddings"):
-            if getattr(self, name) < 1:
+            nope_ok = name == "qk_rope_head_dim" and self.family == "glm5_next"  # its MLA layers carry no RoPE
+            if getattr(self, name) < 1 and not (nope_ok and getattr(self, name) == 0):
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.qk_nope_head_dim < 0:
             raise ValueError(f"qk_nope_head_dim must be >= 0, got {self.qk_nope_head_dim}")

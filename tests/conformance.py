@@ -63,12 +63,17 @@ HYBRID = ("kimi_linear", "bailing_hybrid")  # MLA layers between linear-attentio
 V4 = ("deepseek_v4",)
 V4_PROMPT_LENS = (1, 9, 17, 40, 70)
 V4_NEW_TOKENS = 8
-MODEL_TYPES = DENSE + SPARSE + HYBRID + V4
+# GLM-5-Next's text model: linear-attention layers between pooled-indexer MLA layers, hyper-connections; it runs in
+# torch over per-sequence state slots as V4 does (V4's fewer prompts), without prefix caching (no state snapshots)
+GLM5 = ("glm5_next",)
+MODEL_TYPES = DENSE + SPARSE + HYBRID + V4 + GLM5
 DRAWN_TYPES = DENSE + SPARSE + HYBRID  # the drawn cells' families (V4's steps are too slow for the suite's draws)
 # hybrids run on one rank without speculative decoding (their linear layers' states advance with every token)
 ONE_RANK_NO_DRAFTS = DENSE + SPARSE
-# V4 runs in torch in float32 or bfloat16: no quantised weights, no attention backend to choose
+# V4 and GLM-5-Next run in torch in float32 or bfloat16: no quantised weights, no attention backend to choose
 NOT_V4 = DENSE + SPARSE + HYBRID
+# the prefix-cache cell needs hits: GLM-5-Next's worker keeps no state snapshots (prefix caching off)
+PREFIX_CACHED = DENSE + SPARSE + HYBRID + V4
 # the families whose checkpoints' MTP layers the runtime serves (A.X-K1/K2, LongCat-Flash and Mistral Large 4 drop
 # theirs, as transformers does); the MTP cell adds one to the checkpoint, built by the family's own decoder layer
 MTP_FAMILIES = tuple(t for t in ONE_RANK_NO_DRAFTS if t not in ("axk1", "axk2", "longcat_flash", "mistral_large4"))
@@ -152,6 +157,8 @@ def text_config(model_type: str, rng: random.Random | None) -> dict[str, Any]:
             cfg.pop(name)
     if model_type == "deepseek_v4":
         return v4_config(rng)
+    if model_type == "glm5_next":
+        return glm5_next_config(rng)
     if model_type == "mistral_large4":
         cfg.update(q_lora_rank=None, no_rope_layers=([1, 0] + [1] * layers)[:layers],
                    indexer_types=(["full", "full", "shared"] + ["full"] * layers)[:layers],
@@ -174,6 +181,21 @@ def v4_config(rng: random.Random | None) -> dict[str, Any]:
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         mlp_layer_types=["hash_moe", "moe", "moe", "moe"], max_position_embeddings=512, bos_token_id=0,
         eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+
+
+def glm5_next_config(rng: random.Random | None) -> dict[str, Any]:
+    """GLM-5-Next's text configuration: linear-attention and MLA layers (one reusing the previous one's selection),
+    pools of 4 tokens with a top-k of 8 below the longer prompts, two hyper-connection streams, dense and MoE MLPs."""
+    return dict(
+        vocab_size=VOCAB, hidden_size=_pick(rng, 48, 32, 48), intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=_pick(rng, 2, 2, 4), num_key_value_heads=_pick(rng, 2, 2, 4), q_lora_rank=24,
+        kv_lora_rank=_pick(rng, 32, 16, 32), qk_nope_head_dim=16, qk_rope_head_dim=0, v_head_dim=16,
+        moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, linear_head_dim=8,
+        linear_num_heads=2, hc_mult=2, hc_sinkhorn_iters=4, index_topk=8, index_head_dim=16,
+        index_n_heads=_pick(rng, 2, 2, 4), index_kpool=4, max_position_embeddings=512, pad_token_id=None,
+        bos_token_id=0, eos_token_id=None,
+        layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
+        indexer_types=["full", "full", "shared", "full"], mlp_layer_types=["dense", "sparse", "sparse", "dense"])
 
 
 V4_LAYER_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
@@ -218,6 +240,10 @@ def build(model_type: str, seed: int | None = None) -> torch.nn.Module:
                       pos_emb_height=4, pos_emb_width=4)
         model = tf.Kimi_K25ForConditionalGeneration(tf.Kimi_K25Config(
             text_config={**cfg, "model_type": "deepseek_v3"}, vision_config=vision, projection_hidden_size=32))
+    elif model_type == "glm5_next":  # the multimodal wrapper, as the checkpoints ship (its vision tower unused)
+        vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=cfg["hidden_size"],
+                      projection_intermediate_size=32, patch_size=4, spatial_merge_size=2, temporal_patch_size=1)
+        model = tf.Glm5NextForConditionalGeneration(tf.Glm5NextConfig(text_config=cfg, vision_config=vision))
     elif model_type == "mistral_large4":
         vision = dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, head_dim=8, patch_size=4, image_size=16)
@@ -381,12 +407,12 @@ CELLS: dict[str, Cell] = {c.name: c for c in (
     Cell("batched"),
     Cell("one-at-a-time", {"max_num_seqs": 1}, one_at_a_time=True),
     Cell("chunked", {"max_num_batched_tokens": 24}),
-    Cell("prefix-cache", shared_prefix=40),
+    Cell("prefix-cache", shared_prefix=40, families=PREFIX_CACHED),
     Cell("preemption", {"kv_cache_tokens": 320, "max_num_seqs": 12}, must_preempt=True, families=NOT_V4),
-    # V4's fewer prompts: a cache of 10 blocks for their 13, a budget that chunks the longer prompts
+    # V4's and GLM-5-Next's fewer prompts: a cache of 10 blocks for their 13, a budget that chunks the longer prompts
     Cell("chunked-preemption", {"max_model_len": 128, "kv_cache_tokens": 160, "max_num_seqs": 5,
                                 "max_num_batched_tokens": 24},
-         must_preempt=True, families=V4),
+         must_preempt=True, families=V4 + GLM5),
     Cell("torch-backend", {"attention_backend": "torch"}, families=NOT_V4),
     Cell("triton-interpreted", {"attention_backend": "triton"}, families=NOT_V4),
     Cell("tp2-replicated", {"tensor_parallel_size": 2}, families=ONE_RANK_NO_DRAFTS),
@@ -500,17 +526,22 @@ def _bytes_per_token(path: Path) -> int:
         from mla_runtime.models.v4_sizes import cache_kinds
 
         return cache_kinds(V4Config.from_raw(raw), 4).block_bytes_per_token
+    if raw.get("model_type") == "glm5_next":
+        from mla_runtime.engine.glm5_worker import bytes_per_token
+        from mla_runtime.models.glm5_next import Glm5NextConfig
+
+        return bytes_per_token(Glm5NextConfig.from_raw(raw), 4)
     return latent_bytes_per_token(ModelConfig.from_pretrained(path), "auto", "float32")
 
 
 def prompt_lens(model_type: str) -> tuple[int, ...]:
     """The lengths of a family's prompts: ``PROMPT_LENS``, V4's fewer ``V4_PROMPT_LENS``."""
-    return V4_PROMPT_LENS if model_type in V4 else PROMPT_LENS
+    return V4_PROMPT_LENS if model_type in V4 + GLM5 else PROMPT_LENS
 
 
 def new_tokens(model_type: str) -> int:
     """The greedy tokens generated after each prompt: ``NEW_TOKENS``, V4's fewer ``V4_NEW_TOKENS``."""
-    return V4_NEW_TOKENS if model_type in V4 else NEW_TOKENS
+    return V4_NEW_TOKENS if model_type in V4 + GLM5 else NEW_TOKENS
 
 
 def run_cell(family: Family, cell: Cell, lens: tuple[int, ...] | None = None) -> Result:

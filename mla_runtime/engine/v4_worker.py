@@ -41,6 +41,7 @@ from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.hub import resolve_model
 from mla_runtime.kernel_plan import OFF_CPU
 from mla_runtime.models.deepseek_v4 import DeepseekV4ForCausalLM, V4Config, V4StateCache, load_deepseek_v4
+from mla_runtime.models.glm5_next import MODEL_TYPES as GLM5_NEXT_TYPES
 from mla_runtime.models.v4_sizes import V4CacheKinds, cache_kinds, model_config, v4_weights
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 from mla_runtime.plan import (
@@ -66,10 +67,10 @@ class ReleasingSlots(StateSlots):
         self.release(slot)
 
 
-def check_v4_settings(config: EngineConfig) -> None:
-    """Refuse, by name, the settings a V4 model does not run with: its states advance with every token a step
-    computes (no drafts to verify), a cached prefix cannot resume them (no prefix-cache tiers), it runs in torch on one
-    rank in bfloat16 or float32."""
+def check_v4_settings(config: EngineConfig, family: str = "deepseek_v4", doc: str = "docs/deepseek-v4.md") -> None:
+    """Refuse, by name, the settings a V4 (or GLM-5-Next) model does not run with: its states advance with every
+    token a step computes (no drafts to verify), a cached prefix cannot resume them (no prefix-cache tiers), it runs
+    in torch on one rank in bfloat16 or float32."""
     refused = {"tensor_parallel_size": config.tensor_parallel_size > 1,
                "num_speculative_tokens": config.num_speculative_tokens > 0,
                "speculative_method": config.speculative_method == "mtp", "latent_rank": config.latent_rank is not None,
@@ -79,11 +80,11 @@ def check_v4_settings(config: EngineConfig) -> None:
                "dtype": config.dtype not in V4_DTYPES}
     for name, bad in refused.items():
         if bad:
-            raise InvalidParam(name, f"{name}={getattr(config, name)!r}: deepseek_v4 runs with "
+            raise InvalidParam(name, f"{name}={getattr(config, name)!r}: {family} runs with "
                                f"tensor_parallel_size 1, no speculative decoding, its full latent rank, no "
                                f"prefix-cache tiers (kv_cache_dir, kv_cache_host_bytes), no quantization, "
                                f"kv_cache_dtype 'auto' and dtype one of "
-                               f"{sorted(V4_DTYPES)} (docs/deepseek-v4.md)")
+                               f"{sorted(V4_DTYPES)} ({doc})")
 
 
 class V4Worker(Worker):
@@ -215,18 +216,29 @@ class V4Worker(Worker):
         return self.v4_model.compute_logits(hidden[step.logit_rows])
 
 
-def is_v4_checkpoint(config: EngineConfig) -> bool:
-    """Whether ``config.model`` is a ``deepseek_v4`` checkpoint (a folder, or a hub repo id it downloads)."""
+def checkpoint_model_type(config: EngineConfig) -> str | None:
+    """``config.model``'s ``model_type`` (a folder, or a hub repo id it downloads); None where it cannot be read."""
     try:
         raw = load_config_dict(resolve_model(config.model, config.revision))
     except (OSError, ValueError):
-        return False  # the ordinary worker reports what is wrong with it
-    return raw.get("model_type") == "deepseek_v4"
+        return None  # the ordinary worker reports what is wrong with it
+    return raw.get("model_type")
+
+
+def is_v4_checkpoint(config: EngineConfig) -> bool:
+    """Whether ``config.model`` is a ``deepseek_v4`` checkpoint (a folder, or a hub repo id it downloads)."""
+    return checkpoint_model_type(config) == "deepseek_v4"
 
 
 def make_worker(config: EngineConfig, par: ParallelContext = SINGLE_RANK) -> Worker:
-    """The worker of ``config.model``: ``V4Worker`` for a ``deepseek_v4`` checkpoint, else ``Worker``."""
-    return V4Worker(config, par) if is_v4_checkpoint(config) else Worker(config, par)
+    """The worker of ``config.model``: ``V4Worker`` for a ``deepseek_v4`` checkpoint, ``Glm5NextWorker`` for a
+    ``glm5_next`` one, else ``Worker``."""
+    model_type = checkpoint_model_type(config)
+    if model_type in GLM5_NEXT_TYPES:
+        from mla_runtime.engine.glm5_worker import Glm5NextWorker
+
+        return Glm5NextWorker(config, par)
+    return V4Worker(config, par) if model_type == "deepseek_v4" else Worker(config, par)
 
 
 __all__ = ["ReleasingSlots", "V4Worker", "check_v4_settings", "make_worker"]

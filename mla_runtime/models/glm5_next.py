@@ -17,7 +17,9 @@ weights are not read, and a prompt holding an image or video placeholder token i
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -27,7 +29,7 @@ from torch import nn
 
 from mla_runtime.cache.state_cache import StateCache
 from mla_runtime.config import LinearAttentionConfig, MoEConfig
-from mla_runtime.families import _indexer_kinds
+from mla_runtime.families import _indexer_kinds, _kimi_linear_name
 from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.layers.hyper import HyperConnection, clamped_swiglu
 from mla_runtime.layers.kda import KimiDeltaAttention
@@ -42,6 +44,7 @@ _DEFAULTS: dict[str, Any] = dict(
     linear_head_dim=128, linear_num_heads=64, linear_conv_kernel_dim=4, linear_lower_bound=-5.0, hc_mult=4,
     hc_eps=1e-6, hc_sinkhorn_iters=20, index_topk=2048, index_head_dim=128, index_n_heads=32, index_kpool=16,
     index_kpool_always_select_tail=True, tie_word_embeddings=False, hidden_act="silu")
+MODEL_TYPES = ("glm5_next", "glm5_next_text")
 MEDIA_TOKENS = ("image_token_id", "video_token_id", "image_start_token_id", "image_end_token_id",
                 "video_start_token_id", "video_end_token_id")
 
@@ -308,8 +311,9 @@ class Glm5NextForCausalLM(nn.Module):
                              f"model is served (images and videos are not supported)")
 
     @torch.no_grad()
-    def forward(self, ids: list[int], st: Glm5NextState) -> torch.Tensor:
-        """The logits ``[T, vocab]`` of the sequence's next tokens ``ids``; ``st`` advances by them."""
+    def hidden(self, ids: list[int], st: Glm5NextState) -> torch.Tensor:
+        """The hidden states ``[T, d]`` (after the final norm) of the sequence's next tokens ``ids``; ``st``
+        advances by them."""
         self.check_text_only(ids)
         if not ids:
             raise ValueError("glm5_next: a step needs at least one token")
@@ -321,15 +325,130 @@ class Glm5NextForCausalLM(nn.Module):
         for layer in self.model.layers:
             streams, selection = layer(streams, positions, st, selection)
         st.length += len(ids)
-        return self.lm_head(self.model.norm(streams.mean(dim=1)))
+        return cast(torch.Tensor, self.model.norm(streams.mean(dim=1)))
+
+    def forward(self, ids: list[int], st: Glm5NextState) -> torch.Tensor:
+        """The logits ``[T, vocab]`` float32 of the sequence's next tokens ``ids``; ``st`` advances by them."""
+        return self.compute_logits(self.hidden(ids, st))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head.weight).float()
+
+    def forward_batch(self, batch: ForwardBatch, states: Glm5NextStateCache) -> torch.Tensor:
+        """Hidden states ``[T, d]`` of an engine step (any mix of prompts, chunks and decodes, each sequence with its
+        state slot), each sequence computed over its own slot's state."""
+        if batch.state_slots is None:
+            raise ValueError("a glm5_next step needs each sequence's state slot (ForwardBatch.state_slots)")
+        starts, ids = batch.query_start_loc.tolist(), batch.input_ids.tolist()
+        return torch.cat([self.hidden(ids[starts[b]:starts[b] + q], states.state(slot, ctx)) for b, (q, ctx, slot) in
+                          enumerate(zip(batch.query_lens, batch.context_lens_list, batch.state_slots))])
 
     def load_state_dict_hf(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Load transformers' tensors (text model or the multimodal wrapper; the vision tower's are not read)."""
-        mine: dict[str, torch.Tensor] = {}
-        for name, t in tensors.items():
-            if name.startswith(("model.visual.", "visual.")) or ".visual." in name:
-                continue
-            mine[name.replace("model.language_model.", "model.")] = t
-        missing, unexpected = self.load_state_dict(mine, strict=False)
-        if missing or unexpected:
-            raise ValueError(f"glm5_next: checkpoint tensors missing {missing[:8]}, not used {unexpected[:8]}")
+        """Load a checkpoint's tensors (transformers' saved layout or its in-memory names, of the text model or the
+        multimodal wrapper); the vision tower's are not read."""
+        mine = _pack_experts(_join_convs({n: t for name, t in tensors.items()
+                                          if (n := stored_name(name)) is not None}))
+        own = self.state_dict()
+        missing, unknown = sorted(set(own) - set(mine)), sorted(set(mine) - set(own))
+        bad = [k for k in set(own) & set(mine) if own[k].shape != mine[k].shape]
+        if missing or unknown or bad:
+            raise ValueError(f"glm5_next: not the checkpoint this config describes: missing {missing[:5]}, "
+                             f"unexpected {unknown[:5]}, shapes differ {bad[:5]}")
+        self.load_state_dict({k: v.to(own[k].dtype) for k, v in mine.items()})
+
+
+# -- the engine's slots and loading ------------------------------------------------------------------------------------
+class Glm5NextStateCache:
+    """The running sequences' states, one per slot of the engine's state slots; a sequence's first step (no cached
+    tokens) starts its slot afresh, whatever the slot held."""
+
+    def __init__(self, model: Glm5NextForCausalLM, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.model = model
+        self.slots: list[Glm5NextState | None] = [None] * num_slots
+
+    def state(self, slot: int, context_len: int) -> Glm5NextState:
+        if not 0 <= slot < len(self.slots):
+            raise ValueError(f"state slot {slot} is out of range (0..{len(self.slots) - 1})")
+        if context_len == 0:
+            self.slots[slot] = self.model.new_state()
+        st = self.slots[slot]
+        if st is None or st.length != context_len:
+            raise RuntimeError(f"state slot {slot} holds {0 if st is None else st.length} tokens; the step continues "
+                               f"after {context_len}")
+        return st
+
+    def release(self, slot: int) -> None:
+        self.slots[slot] = None
+
+
+_HC = {"hc_attn_": "attn_hc.", "hc_ffn_": "ffn_hc."}
+
+
+def stored_name(name: str) -> str | None:
+    """A checkpoint tensor's name -> the model's (None: the vision tower's, not read). The multimodal wrapper's
+    ``model.language_model.`` is the text model's ``model.``; transformers saves the hyper-connections as
+    ``hc_attn_fn`` (``attn_hc.fn``), the forget gate's tensors beside the projections (Kimi Linear's layout)."""
+    if name.startswith(("model.visual.", "visual.")):
+        return None
+    name = name.replace("model.language_model.", "model.")
+    if not name.startswith(("model.", "lm_head.")):
+        name = "model." + name
+    for old, new in _HC.items():
+        name = name.replace(f".{old}", f".{new}")
+    return _kimi_linear_name(name)
+
+
+def _join_convs(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The saved ``q_conv1d``/``k_conv1d``/``v_conv1d`` taps -> one ``conv1d`` over ``[q ; k ; v]``."""
+    out = {k: v for k, v in tensors.items() if not k.endswith(("q_conv1d.weight", "k_conv1d.weight",
+                                                               "v_conv1d.weight"))}
+    for name in tensors:
+        if name.endswith(".q_conv1d.weight"):
+            head = name[:-len("q_conv1d.weight")]
+            out[head + "conv1d.weight"] = torch.cat([tensors[f"{head}{p}_conv1d.weight"] for p in "qkv"])
+    return out
+
+
+def _pack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert ``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`` -> the packed ``gate_up_proj``,
+    ``down_proj`` (a checkpoint already packed passes as it is)."""
+    out: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for name, t in tensors.items():
+        head, sep, tail = name.partition(".mlp.experts.")
+        pieces = tail.split(".")
+        if sep and len(pieces) == 3 and pieces[0].isdigit():
+            parts.setdefault(head, {}).setdefault(pieces[1], {})[int(pieces[0])] = t
+        else:
+            out[name] = t
+    for head, kinds in parts.items():
+        order = sorted(kinds.get("gate_proj", {}))
+        if set(kinds) != {"gate_proj", "up_proj", "down_proj"} or any(sorted(v) != order for v in kinds.values()):
+            raise ValueError(f"{head}: routed experts need gate_proj, up_proj and down_proj for every expert")
+        out[f"{head}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([kinds["gate_proj"][e], kinds["up_proj"][e]]) for e in order])
+        out[f"{head}.mlp.experts.down_proj"] = torch.stack([kinds["down_proj"][e] for e in order])
+    return out
+
+
+def load_glm5_next(path: str | Path, dtype: torch.dtype = torch.float32) -> Glm5NextForCausalLM:
+    """A ``glm5_next`` (or ``glm5_next_text``) checkpoint: ``config.json`` and ``*.safetensors``, float tensors."""
+    from safetensors.torch import load_file
+
+    root = Path(path)
+    raw = json.loads((root / "config.json").read_text())
+    if raw.get("model_type") not in MODEL_TYPES:
+        raise ValueError(f"{root}: model_type {raw.get('model_type')!r} is not one of {MODEL_TYPES}")
+    if raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config"):
+        raise ValueError(f"{root}: quantised glm5_next checkpoints are not supported (load bfloat16 or float32)")
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{root}: no *.safetensors files")
+    model = Glm5NextForCausalLM(Glm5NextConfig.from_raw(raw), dtype)
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    model.load_state_dict_hf(tensors)
+    return model.eval()

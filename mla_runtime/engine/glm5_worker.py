@@ -1,0 +1,141 @@
+"""``Glm5NextWorker``: the engine's worker for GLM-5-Next's text model (``glm5_next``, ``models/glm5_next.py``).
+
+It runs as DeepSeek-V4's (``engine/v4_worker.py``): each running sequence owns a state slot (``Glm5NextStateCache``:
+its MLA layers' latents and indexer keys, its linear layers' recurrent and convolution states), handed out by the
+scheduler's ``StateSlots`` and dropped when given back (finish, abort, preemption: a preempted sequence recomputes
+from its first token); the block pool counts what grows with a sequence, its latent rows and indexer keys
+(``bytes_per_token``), so the scheduler preempts when they would outgrow the budget. A step (any mix of prompts,
+prefill chunks and decodes) runs ``Glm5NextForCausalLM.forward_batch`` over the slots, in torch.
+
+Prefix caching is off (a cached prefix would need the linear layers' states at its end: the state snapshots of
+``cache/state_cache.py`` are not wired to this model yet), and what V4 refuses is refused here by name
+(``check_v4_settings``). The vision tower is not served: a prompt holding an image or video placeholder token fails
+with a message that says so.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from mla_runtime.cache.latent_cache import LatentCache
+from mla_runtime.cache.state_cache import StateCache
+from mla_runtime.config import ModelConfig, load_config_dict
+from mla_runtime.dtypes import resolve_cache_dtype
+from mla_runtime.engine.config import EngineConfig
+from mla_runtime.engine.v4_worker import V4_DTYPES, V4Worker, check_v4_settings
+from mla_runtime.engine.worker import StepInput, rank_device
+from mla_runtime.forward_batch import ForwardBatch
+from mla_runtime.hub import resolve_model
+from mla_runtime.kernel_plan import OFF_CPU
+from mla_runtime.models.glm5_next import Glm5NextConfig, Glm5NextForCausalLM, Glm5NextStateCache, load_glm5_next
+from mla_runtime.parallel import SINGLE_RANK, ParallelContext
+from mla_runtime.plan import activation_reserve_bytes, default_max_num_batched_tokens
+
+logger = logging.getLogger("mla_runtime")
+DOC = "docs/hybrid-models.md"
+
+
+def model_config(cfg: Glm5NextConfig) -> ModelConfig:
+    """What the engine reads of any model (vocabulary, special tokens, context, widths) for a GLM-5-Next checkpoint:
+    its latent is ``kv_lora_rank`` wide, with no RoPE dims."""
+    g = cfg.g
+    return ModelConfig(
+        family="glm5_next", model_type="glm5_next", vocab_size=int(g["vocab_size"]), hidden_size=int(g["hidden_size"]),
+        intermediate_size=int(g["intermediate_size"]), num_hidden_layers=len(cfg.linear),
+        num_attention_heads=int(g["num_attention_heads"]), kv_lora_rank=int(g["kv_lora_rank"]),
+        q_lora_rank=int(g["q_lora_rank"]), qk_nope_head_dim=int(g["qk_nope_head_dim"]), qk_rope_head_dim=0,
+        v_head_dim=int(g["v_head_dim"]), max_position_embeddings=int(g.get("max_position_embeddings") or 1048576),
+        rms_norm_eps=float(g["rms_norm_eps"]), tie_word_embeddings=False, bos_token_id=g.get("bos_token_id"),
+        eos_token_id=g.get("eos_token_id"))
+
+
+def bytes_per_token(cfg: Glm5NextConfig, dtype_bytes: int) -> int:
+    """What a sequence keeps per token: every MLA layer's latent row and, where it has its own indexer, the
+    indexer's key and pool gate score."""
+    mla = [i for i, lin in enumerate(cfg.linear) if not lin]
+    own = sum(not cfg.shared[i] for i in mla)
+    return (len(mla) * int(cfg.kv_lora_rank) + own * 2 * int(cfg.index_head_dim)) * dtype_bytes
+
+
+class Glm5NextWorker(V4Worker):
+    """The ``Worker`` of a ``glm5_next`` checkpoint (the module's docstring): same start-up calls, same steps."""
+
+    def __init__(self, config: EngineConfig, par: ParallelContext = SINGLE_RANK) -> None:
+        check_v4_settings(config, "glm5_next", DOC)
+        self.config, self.par = config, par
+        self.model_path = resolve_model(config.model, config.revision)
+        raw = load_config_dict(self.model_path)
+        self.glm_config = Glm5NextConfig.from_raw(raw)
+        cfg = self.checkpoint_config = self.model_config = model_config(self.glm_config)
+        self.device = rank_device(config.device, 1, par.rank)
+        text = raw.get("text_config") or raw
+        self.dtype = V4_DTYPES[config.dtype] or V4_DTYPES.get(str(text.get("dtype") or raw.get("dtype")),
+                                                             None) or torch.float32
+        self.quantization, self.num_mtp_layers, self.plan, self.heap = None, 0, OFF_CPU, ""
+        self.cache_dtype = resolve_cache_dtype("auto", self.dtype)
+        self.max_model_len = config.max_model_len or cfg.max_position_embeddings
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's max_position_embeddings "
+                             f"({cfg.max_position_embeddings})")
+        self.max_num_batched_tokens = config.max_num_batched_tokens or default_max_num_batched_tokens(
+            self.max_model_len, config.max_num_seqs)
+        self.bytes_per_token = self.bytes_per_token_per_rank = bytes_per_token(self.glm_config, self.dtype.itemsize)
+        self.state_bytes_per_sequence = StateCache(self.glm_config.linear_attention(), 1, "meta").bytes_per_slot
+        self.state_bytes = self.state_bytes_per_sequence * config.max_num_seqs
+        self.num_state_snapshots = self.state_snapshot_bytes = 0  # prefix caching is off: no state snapshot
+        with torch.device("meta"):
+            meta = Glm5NextForCausalLM(self.glm_config, self.dtype)
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in (*meta.parameters(), *meta.buffers()))
+        self.activation_bytes = activation_reserve_bytes(
+            cfg, dtype=self.dtype, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs) + (int(self.glm_config.hc_mult) * cfg.hidden_size
+                                                 * self.dtype.itemsize * self.max_num_batched_tokens)
+        self.model = None
+        self.glm_model: Glm5NextForCausalLM | None = None
+        self.v4_model = None
+        self.states = None
+        self.cache: LatentCache | None = None
+        self.last_step = None
+        self.quantized = False
+        self.weights_fingerprint = None
+        self.disk_tier = self.host_tier = None
+        self.graphs = None
+
+    def load(self) -> None:  # type: ignore[override]
+        """Load the weights (checked against the sha256 manifest first with ``verify_weights``)."""
+        from mla_runtime import checksums
+
+        self.check_memory()
+        if self.config.verify_weights:
+            self.weights_fingerprint = checksums.verify(self.model_path)
+        else:
+            self.weights_fingerprint = checksums.manifest_fingerprint(self.model_path)
+        self.glm_model = load_glm5_next(self.model_path, self.dtype).to(self.device)
+
+    def allocate(self, num_blocks: int, cache_dtype: torch.dtype | None = None) -> LatentCache:
+        """The block pool's bookkeeping cache (no layers) and the ``max_num_seqs`` state slots."""
+        assert self.glm_model is not None
+        self.cache = LatentCache(0, num_blocks, self.config.block_size, int(self.glm_config.kv_lora_rank),
+                                 self.dtype, self.device)
+        self.states = Glm5NextStateCache(self.glm_model, self.config.max_num_seqs)  # type: ignore[assignment]
+        logger.info("glm5_next: %d state slots of %.1f KiB (the linear layers' states) plus %d B per token (latents, "
+                    "indexer keys; %d blocks of %d tokens); prefix caching is off (a cached prefix would need the "
+                    "linear layers' states at its end)", self.config.max_num_seqs,
+                    self.state_bytes_per_sequence / 2**10, self.bytes_per_token, num_blocks, self.config.block_size)
+        return self.cache
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> torch.Tensor | None:
+        """Run one step over the sequences' slots; fp32 logits ``[len(logit_rows), V]`` (None without rows)."""
+        assert self.glm_model is not None and self.states is not None
+        batch = ForwardBatch.build(step.token_chunks, step.context_lens, step.block_tables, self.config.block_size,
+                                   self.device, step.state_slots)
+        hidden = self.glm_model.forward_batch(batch, self.states)  # type: ignore[arg-type]
+        if not step.logit_rows:
+            return None
+        return self.glm_model.compute_logits(hidden[step.logit_rows])
+
+
+__all__ = ["Glm5NextWorker", "bytes_per_token", "model_config"]
