@@ -64,7 +64,7 @@ V4 = ("deepseek_v4",)
 V4_PROMPT_LENS = (1, 9, 17, 40, 70)
 V4_NEW_TOKENS = 8
 # GLM-5-Next's text model: linear-attention layers between pooled-indexer MLA layers, hyper-connections; it runs in
-# torch over per-sequence state slots as V4 does (V4's fewer prompts), without prefix caching (no state snapshots)
+# torch over per-sequence state slots as V4 does (V4's fewer prompts), with state snapshots for prefix caching
 GLM5 = ("glm5_next",)
 MODEL_TYPES = DENSE + SPARSE + HYBRID + V4 + GLM5
 DRAWN_TYPES = DENSE + SPARSE + HYBRID  # the drawn cells' families (V4's steps are too slow for the suite's draws)
@@ -72,8 +72,6 @@ DRAWN_TYPES = DENSE + SPARSE + HYBRID  # the drawn cells' families (V4's steps a
 ONE_RANK_NO_DRAFTS = DENSE + SPARSE
 # V4 and GLM-5-Next run in torch in float32 or bfloat16: no quantised weights, no attention backend to choose
 NOT_V4 = DENSE + SPARSE + HYBRID
-# the prefix-cache cell needs hits: GLM-5-Next's worker keeps no state snapshots (prefix caching off)
-PREFIX_CACHED = DENSE + SPARSE + HYBRID + V4
 # the families whose checkpoints' MTP layers the runtime serves (A.X-K1/K2, LongCat-Flash and Mistral Large 4 drop
 # theirs, as transformers does); the MTP cell adds one to the checkpoint, built by the family's own decoder layer
 MTP_FAMILIES = tuple(t for t in ONE_RANK_NO_DRAFTS if t not in ("axk1", "axk2", "longcat_flash", "mistral_large4"))
@@ -407,7 +405,7 @@ CELLS: dict[str, Cell] = {c.name: c for c in (
     Cell("batched"),
     Cell("one-at-a-time", {"max_num_seqs": 1}, one_at_a_time=True),
     Cell("chunked", {"max_num_batched_tokens": 24}),
-    Cell("prefix-cache", shared_prefix=40, families=PREFIX_CACHED),
+    Cell("prefix-cache", shared_prefix=40),
     Cell("preemption", {"kv_cache_tokens": 320, "max_num_seqs": 12}, must_preempt=True, families=NOT_V4),
     # V4's and GLM-5-Next's fewer prompts: a cache of 10 blocks for their 13, a budget that chunks the longer prompts
     Cell("chunked-preemption", {"max_model_len": 128, "kv_cache_tokens": 160, "max_num_seqs": 5,

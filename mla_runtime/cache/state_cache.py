@@ -43,7 +43,7 @@ class StateCache:
                  num_snapshots: int = 0) -> None:
         if num_slots < 1 or num_snapshots < 0:
             raise ValueError(f"num_slots must be >= 1 and num_snapshots >= 0, got {num_slots}, {num_snapshots}")
-        self.num_slots, self.num_snapshots = num_slots, num_snapshots
+        self.lin, self.num_slots, self.num_snapshots = lin, num_slots, num_snapshots
         h, d, rows = lin.num_heads, lin.head_dim, num_slots + num_snapshots
         self.layers = [LayerState(torch.zeros(rows, h, d, d, dtype=torch.float32, device=device),
                                   torch.zeros(rows, lin.conv_channels, lin.conv_kernel - 1,

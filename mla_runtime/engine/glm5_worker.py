@@ -7,15 +7,18 @@ from its first token); the block pool counts what grows with a sequence, its lat
 (``bytes_per_token``), so the scheduler preempts when they would outgrow the budget. A step (any mix of prompts,
 prefill chunks and decodes) runs ``Glm5NextForCausalLM.forward_batch`` over the slots, in torch.
 
-Prefix caching is off (a cached prefix would need the linear layers' states at its end: the state snapshots of
-``cache/state_cache.py`` are not wired to this model yet), and what V4 refuses is refused here by name
-(``check_v4_settings``). The vision tower is not served: a prompt holding an image or video placeholder token fails
-with a message that says so.
+Prefix caching works as for the other hybrids (``docs/hybrid-models.md``): the scheduler's state snapshots at block
+boundaries are copies of a sequence's state (``Glm5NextState.copy``: its linear layers' states copied, its latents
+and indexer keys shared, as no step writes into them), taken during the step that computes the boundary's token
+(``ForwardBatch.state_snapshots``) and copied into the slot of a sequence that hits the prefix
+(``StepInput.state_restores``). What V4 refuses is refused here by name (``check_v4_settings``). The vision tower is
+not served: a prompt holding an image or video placeholder token fails with a message that says so.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import torch
 
@@ -84,7 +87,8 @@ class Glm5NextWorker(V4Worker):
         self.bytes_per_token = self.bytes_per_token_per_rank = bytes_per_token(self.glm_config, self.dtype.itemsize)
         self.state_bytes_per_sequence = StateCache(self.glm_config.linear_attention(), 1, "meta").bytes_per_slot
         self.state_bytes = self.state_bytes_per_sequence * config.max_num_seqs
-        self.num_state_snapshots = self.state_snapshot_bytes = 0  # prefix caching is off: no state snapshot
+        self.num_state_snapshots = self._num_state_snapshots()
+        self.state_snapshot_bytes = self.state_bytes_per_sequence * self.num_state_snapshots
         with torch.device("meta"):
             meta = Glm5NextForCausalLM(self.glm_config, self.dtype)
         self.weight_bytes = sum(t.numel() * t.element_size() for t in (*meta.parameters(), *meta.buffers()))
@@ -119,20 +123,29 @@ class Glm5NextWorker(V4Worker):
         assert self.glm_model is not None
         self.cache = LatentCache(0, num_blocks, self.config.block_size, int(self.glm_config.kv_lora_rank),
                                  self.dtype, self.device)
-        self.states = Glm5NextStateCache(self.glm_model, self.config.max_num_seqs)  # type: ignore[assignment]
+        self.states = Glm5NextStateCache(self.glm_model, self.config.max_num_seqs,  # type: ignore[assignment]
+                                         self.num_state_snapshots)
         logger.info("glm5_next: %d state slots of %.1f KiB (the linear layers' states) plus %d B per token (latents, "
-                    "indexer keys; %d blocks of %d tokens); prefix caching is off (a cached prefix would need the "
-                    "linear layers' states at its end)", self.config.max_num_seqs,
-                    self.state_bytes_per_sequence / 2**10, self.bytes_per_token, num_blocks, self.config.block_size)
+                    "indexer keys; %d blocks of %d tokens); prefix caching: %s", self.config.max_num_seqs,
+                    self.state_bytes_per_sequence / 2**10, self.bytes_per_token, num_blocks, self.config.block_size,
+                    f"{self.num_state_snapshots} state snapshots" if self.prefix_caching else "off")
         return self.cache
+
+    @property
+    def prefix_caching(self) -> bool:
+        """As configured, with state snapshots (a cached prefix resumes from its linear layers' states at its end)."""
+        return self.config.enable_prefix_caching and self.num_state_snapshots > 0
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor | None:
         """Run one step over the sequences' slots; fp32 logits ``[len(logit_rows), V]`` (None without rows)."""
         assert self.glm_model is not None and self.states is not None
+        states = cast(Glm5NextStateCache, self.states)
+        for snapshot, slot in step.state_restores:
+            states.restore(snapshot, slot)
         batch = ForwardBatch.build(step.token_chunks, step.context_lens, step.block_tables, self.config.block_size,
-                                   self.device, step.state_slots)
-        hidden = self.glm_model.forward_batch(batch, self.states)  # type: ignore[arg-type]
+                                   self.device, step.state_slots, step.state_snapshots)
+        hidden = self.glm_model.forward_batch(batch, states)
         if not step.logit_rows:
             return None
         return self.glm_model.compute_logits(hidden[step.logit_rows])

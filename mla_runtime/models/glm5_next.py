@@ -145,12 +145,24 @@ class Glm5NextState:
     index_gates: list[torch.Tensor]
     length: int = 0
 
+    def copy(self) -> Glm5NextState:
+        """A copy that later steps of either leave alone: the linear layers' states copied; the per-token tensors
+        shared (a step appends by building new ones, never writing into them)."""
+        lin = self.states.layers
+        device = lin[0].recurrent.device if lin else "cpu"
+        out = Glm5NextState(StateCache(self.states.lin, 1, device), list(self.latents), list(self.index_keys),
+                            list(self.index_gates), self.length)
+        for dst, src in zip(out.states.layers, lin):
+            dst.recurrent.copy_(src.recurrent)
+            dst.conv.copy_(src.conv)
+        return out
+
     @staticmethod
-    def empty(cfg: Glm5NextConfig, dtype: torch.dtype) -> Glm5NextState:
+    def empty(cfg: Glm5NextConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> Glm5NextState:
         mla = sum(not x for x in cfg.linear)
-        blank = [torch.zeros(0, int(cfg.kv_lora_rank), dtype=dtype) for _ in range(mla)]
-        keys = [torch.zeros(0, int(cfg.index_head_dim), dtype=dtype) for _ in range(2 * mla)]
-        return Glm5NextState(StateCache(cfg.linear_attention(), 1), blank, keys[:mla], keys[mla:])
+        blank = [torch.zeros(0, int(cfg.kv_lora_rank), dtype=dtype, device=device) for _ in range(mla)]
+        keys = [torch.zeros(0, int(cfg.index_head_dim), dtype=dtype, device=device) for _ in range(2 * mla)]
+        return Glm5NextState(StateCache(cfg.linear_attention(), 1, device), blank, keys[:mla], keys[mla:])
 
 
 # -- attention ---------------------------------------------------------------------------------------------------------
@@ -188,11 +200,11 @@ class Glm5NextAttention(nn.Module):
             selection = shared
         kv = self.kv_b_proj(st.latents[j]).view(-1, self.heads, self.nope + self.v_dim)
         k, v = kv.split([self.nope, self.v_dim], dim=-1)
-        keys = st.latents[j].shape[0]
-        visible = torch.zeros(t, keys + 1, dtype=torch.bool, device=h.device)
-        visible.scatter_(1, torch.where(selection >= 0, selection, keys), True)
+        n = st.latents[j].shape[0]
+        visible = torch.zeros(t, n + 1, dtype=torch.bool, device=h.device)
+        visible.scatter_(1, torch.where(selection >= 0, selection, n), True)  # column n: nothing chosen
         logits = torch.einsum("thd,khd->htk", q, k) * self.nope ** -0.5
-        logits = logits.masked_fill(~visible[:, :keys].unsqueeze(0), float("-inf"))
+        logits = logits.masked_fill(~visible[:, :n].unsqueeze(0), float("-inf"))
         probs = logits.float().softmax(dim=-1).to(q.dtype)
         out = torch.einsum("htk,khd->thd", probs, v).reshape(t, -1)
         return self.o_proj(out), selection
@@ -301,7 +313,7 @@ class Glm5NextForCausalLM(nn.Module):
         self.lm_head = _linear(int(cfg.vocab_size), int(cfg.hidden_size), dtype)
 
     def new_state(self) -> Glm5NextState:
-        return Glm5NextState.empty(self.config, self.dtype)
+        return Glm5NextState.empty(self.config, self.dtype, self.lm_head.weight.device)
 
     def check_text_only(self, ids: list[int]) -> None:
         """Refuse image and video placeholder tokens: the vision tower is not served."""
@@ -336,12 +348,22 @@ class Glm5NextForCausalLM(nn.Module):
 
     def forward_batch(self, batch: ForwardBatch, states: Glm5NextStateCache) -> torch.Tensor:
         """Hidden states ``[T, d]`` of an engine step (any mix of prompts, chunks and decodes, each sequence with its
-        state slot), each sequence computed over its own slot's state."""
+        state slot), each sequence computed over its own slot's state; a sequence's snapshots
+        (``batch.state_snapshots``: after its first ``n`` new tokens, into snapshot ``s``) taken on the way."""
         if batch.state_slots is None:
             raise ValueError("a glm5_next step needs each sequence's state slot (ForwardBatch.state_slots)")
         starts, ids = batch.query_start_loc.tolist(), batch.input_ids.tolist()
-        return torch.cat([self.hidden(ids[starts[b]:starts[b] + q], states.state(slot, ctx)) for b, (q, ctx, slot) in
-                          enumerate(zip(batch.query_lens, batch.context_lens_list, batch.state_slots))])
+        outs = []
+        for b, (q, ctx, slot) in enumerate(zip(batch.query_lens, batch.context_lens_list, batch.state_slots)):
+            st, done = states.state(slot, ctx), 0
+            for n, s in sorted((n, s) for sb, n, s in batch.state_snapshots if sb == b):
+                if n > done:
+                    outs.append(self.hidden(ids[starts[b] + done:starts[b] + n], st))
+                    done = n
+                states.snapshots[s] = st.copy()
+            if done < q:
+                outs.append(self.hidden(ids[starts[b] + done:starts[b] + q], st))
+        return torch.cat(outs)
 
     def load_state_dict_hf(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load a checkpoint's tensors (transformers' saved layout or its in-memory names, of the text model or the
@@ -362,11 +384,12 @@ class Glm5NextStateCache:
     """The running sequences' states, one per slot of the engine's state slots; a sequence's first step (no cached
     tokens) starts its slot afresh, whatever the slot held."""
 
-    def __init__(self, model: Glm5NextForCausalLM, num_slots: int) -> None:
-        if num_slots < 1:
-            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+    def __init__(self, model: Glm5NextForCausalLM, num_slots: int, num_snapshots: int = 0) -> None:
+        if num_slots < 1 or num_snapshots < 0:
+            raise ValueError(f"num_slots must be >= 1 and num_snapshots >= 0, got {num_slots}, {num_snapshots}")
         self.model = model
         self.slots: list[Glm5NextState | None] = [None] * num_slots
+        self.snapshots: list[Glm5NextState | None] = [None] * num_snapshots  # the prefix cache's, by id
 
     def state(self, slot: int, context_len: int) -> Glm5NextState:
         if not 0 <= slot < len(self.slots):
@@ -381,6 +404,13 @@ class Glm5NextStateCache:
 
     def release(self, slot: int) -> None:
         self.slots[slot] = None
+
+    def restore(self, snapshot: int, slot: int) -> None:
+        """Slot ``slot`` resumes from snapshot ``snapshot`` (a prefix hit): a copy of its state."""
+        st = self.snapshots[snapshot]
+        if st is None:
+            raise RuntimeError(f"state snapshot {snapshot} was never taken")
+        self.slots[slot] = st.copy()
 
 
 _HC = {"hc_attn_": "attn_hc.", "hc_ffn_": "ffn_hc."}
