@@ -79,3 +79,33 @@ def test_glm5_next_refuses_media_tokens_and_impossible_sharing():
         Glm5NextConfig.from_raw(bad)
     with pytest.raises(ValueError, match="qk_rope_head_dim must be 0"):
         Glm5NextConfig.from_raw({**TEXT, "qk_rope_head_dim": 8})
+
+
+def test_glm5_next_checkpoint_serves_text_and_refuses_image_prompts(tmp_path):
+    """transformers' multimodal checkpoint (vision tower included) loads as the text model, generates transformers'
+    greedy tokens, and a prompt holding the image placeholder is refused by name before it is scheduled."""
+    from mla_runtime import LLM, SamplingParams
+    from mla_runtime.errors import InvalidParam
+    from mla_runtime.models.glm5_next import load_glm5_next
+    from tests import conformance as C
+
+    hf = C.build("glm5_next")
+    hf.config.image_token_id = 250  # within the tiny vocabulary
+    hf.save_pretrained(tmp_path)
+    model = load_glm5_next(tmp_path)
+    ids = C.prompts((21,))[0]
+    want = C.reference(hf, ids, 4).tokens
+    st = model.new_state()
+    logits, got = model(ids, st)[-1], []
+    for _ in range(4):
+        got.append(int(logits.argmax()))
+        logits = model([got[-1]], st)[-1]
+    assert got == want
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=64, block_size=16)
+    try:
+        greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        with pytest.raises(InvalidParam, match=r"placeholder tokens \[250\].*vision tower is not served"):
+            llm.generate([{"prompt_token_ids": [5, 250, 6]}], greedy)
+        assert list(llm.generate([{"prompt_token_ids": ids}], greedy)[0].outputs[0].token_ids) == want
+    finally:
+        llm.shutdown()

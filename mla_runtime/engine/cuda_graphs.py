@@ -331,8 +331,8 @@ def start_decode_graphs(worker: Worker) -> DecodeGraphs | None:
         reason = "tensor parallelism"
     elif worker.num_mtp_layers:
         reason = "MTP drafting reads the eager step's batch"
-    elif worker.model_config.family == "deepseek_v4":
-        reason = "deepseek_v4 runs its steps in torch over the sequences' state slots"
+    elif worker.model_config.family in ("deepseek_v4", "glm5_next"):
+        reason = f"{worker.model_config.family} runs its steps in torch over the sequences' state slots"
     elif worker.model_config.linear_attention is not None:
         reason = "a hybrid model's linear-attention layers run eagerly"
     elif worker.resolved.attention_backend == "cpu":

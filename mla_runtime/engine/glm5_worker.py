@@ -29,6 +29,7 @@ from mla_runtime.dtypes import resolve_cache_dtype
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.engine.v4_worker import V4_DTYPES, V4Worker, check_v4_settings
 from mla_runtime.engine.worker import StepInput, rank_device
+from mla_runtime.errors import InvalidParam
 from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.hub import resolve_model
 from mla_runtime.kernel_plan import OFF_CPU
@@ -135,6 +136,13 @@ class Glm5NextWorker(V4Worker):
     def prefix_caching(self) -> bool:
         """As configured, with state snapshots (a cached prefix resumes from its linear layers' states at its end)."""
         return self.config.enable_prefix_caching and self.num_state_snapshots > 0
+
+    def check_prompt(self, ids: list[int]) -> None:
+        """Refuse a prompt holding an image or video placeholder token: only the text model is served."""
+        media = sorted(set(ids) & self.glm_config.media_tokens)
+        if media:
+            raise InvalidParam("prompt", f"the prompt holds image/video placeholder tokens {media}: glm5_next's "
+                               f"vision tower is not served (text prompts only; {DOC})")
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor | None:

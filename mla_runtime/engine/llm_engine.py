@@ -129,6 +129,7 @@ class LLMEngine:
         text, ids = tokenize(self.tokenizer, prompt)
         vocab = w.model_config.vocab_size
         check_request(ids, params, vocab, w.max_model_len, isinstance(prompt, Tokenized) and prompt.vocab == vocab)
+        w.check_prompt(ids)
         return new_request(request_id, text, ids, params, self.tokenizer, self._seq_ids, w.device, arrival_time,
                            self.grammars)
 

@@ -367,6 +367,10 @@ class Worker:
         return self.config.enable_prefix_caching and (self.model_config.linear_attention is None
                                                       or self.num_state_snapshots > 0)
 
+    def check_prompt(self, ids: list[int]) -> None:
+        """Refuse a prompt this model cannot run (``InvalidParam``); every prompt here (a multimodal wrapper's
+        placeholder tokens are refused by the worker of a model that serves its text model only)."""
+
     def state_slots(self) -> StateSlots | None:
         """The scheduler's allocator of the state cache's slots (None: the model has no linear layers)."""
         return None if self.model_config.linear_attention is None else StateSlots(self.config.max_num_seqs)
