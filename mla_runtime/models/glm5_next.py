@@ -64,6 +64,7 @@ class Glm5NextConfig:
         """From a ``glm5_next`` (its ``text_config``, or flat) or ``glm5_next_text`` ``config.json``."""
         text = raw.get("text_config") or {k: v for k, v in raw.items() if k != "vision_config"}
         g = {**_DEFAULTS, **{k: v for k, v in text.items() if v is not None or k == "linear_lower_bound"}}
+        _linear_settings(g)
         n = int(g["num_hidden_layers"])
         kinds = [("indexed_attention" if k == "full_attention" else k) for k in
                  (g.get("layer_types") or ["indexed_attention" if i % 4 == 3 else "linear_attention"
@@ -86,6 +87,16 @@ class Glm5NextConfig:
         return LinearAttentionConfig(layers=self.linear, num_heads=int(self.linear_num_heads),
                                      head_dim=int(self.linear_head_dim), conv_kernel=int(self.linear_conv_kernel_dim),
                                      gate_lower_bound=self.linear_lower_bound, flat_a_log=True)
+
+
+def _linear_settings(g: dict[str, Any]) -> None:
+    """The original layout's ``linear_attn_config`` over the flat ``linear_*`` fields, as transformers reads it."""
+    lin = g.get("linear_attn_config") or {}
+    for name, key in (("linear_head_dim", "head_dim"), ("linear_num_heads", "num_heads"),
+                      ("linear_conv_kernel_dim", "short_conv_kernel_size"), ("linear_lower_bound", "gate_lower_bound")):
+        g[name] = lin.get(key, g[name])
+    if lin and lin.get("safe_gate", True) and g["linear_lower_bound"] is None:
+        g["linear_lower_bound"] = -5.0
 
 
 def _check(g: dict[str, Any], n: int, kinds: list[str], mlp: list[str], indexers: list[str]) -> None:
@@ -370,6 +381,8 @@ class Glm5NextForCausalLM(nn.Module):
         multimodal wrapper); the vision tower's are not read."""
         mine = _pack_experts(_join_convs({n: t for name, t in tensors.items()
                                           if (n := stored_name(name)) is not None}))
+        if self.config.tie_word_embeddings and "lm_head.weight" not in mine and "model.embed_tokens.weight" in mine:
+            mine["lm_head.weight"] = mine["model.embed_tokens.weight"]
         own = self.state_dict()
         missing, unknown = sorted(set(own) - set(mine)), sorted(set(mine) - set(own))
         bad = [k for k in set(own) & set(mine) if own[k].shape != mine[k].shape]
