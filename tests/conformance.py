@@ -184,9 +184,10 @@ def v4_config(rng: random.Random | None) -> dict[str, Any]:
 def glm5_next_config(rng: random.Random | None) -> dict[str, Any]:
     """GLM-5-Next's text configuration: linear-attention and MLA layers (one reusing the previous one's selection),
     pools of 4 tokens with a top-k of 8 below the longer prompts, two hyper-connection streams, dense and MoE MLPs."""
+    heads = _pick(rng, 2, 2, 4)
     return dict(
         vocab_size=VOCAB, hidden_size=_pick(rng, 48, 32, 48), intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=_pick(rng, 2, 2, 4), num_key_value_heads=_pick(rng, 2, 2, 4), q_lora_rank=24,
+        num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=24,
         kv_lora_rank=_pick(rng, 32, 16, 32), qk_nope_head_dim=16, qk_rope_head_dim=0, v_head_dim=16,
         moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, linear_head_dim=8,
         linear_num_heads=2, hc_mult=2, hc_sinkhorn_iters=4, index_topk=8, index_head_dim=16,

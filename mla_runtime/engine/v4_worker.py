@@ -144,10 +144,11 @@ class V4Worker(Worker):
         needed = self.weight_bytes + self.state_bytes + self.activation_bytes
         if needed > available:
             raise InsufficientMemory(
-                f"deepseek_v4: the weights ({self.weight_bytes / 2**30:.2f} GiB), {self.config.max_num_seqs} state "
-                f"slots ({self.state_bytes / 2**30:.2f} GiB) and the activations ({self.activation_bytes / 2**30:.2f} "
-                f"GiB) need {needed / 2**30:.2f} GiB; {available / 2**30:.2f} GiB are available on {self.device}: "
-                f"lower max_num_seqs or max_num_batched_tokens", needed, available)
+                f"{self.model_config.family}: the weights ({self.weight_bytes / 2**30:.2f} GiB), "
+                f"{self.config.max_num_seqs} state slots ({self.state_bytes / 2**30:.2f} GiB) and the activations "
+                f"({self.activation_bytes / 2**30:.2f} GiB) need {needed / 2**30:.2f} GiB; "
+                f"{available / 2**30:.2f} GiB are available on {self.device}: lower max_num_seqs or "
+                f"max_num_batched_tokens", needed, available)
 
     def load(self) -> None:  # type: ignore[override]
         """Load the weights (checked against the sha256 manifest first with ``verify_weights``)."""
