@@ -24,18 +24,15 @@ import torch
 
 from mla_runtime.cache.latent_cache import LatentCache
 from mla_runtime.cache.state_cache import StateCache
-from mla_runtime.config import ModelConfig, load_config_dict
-from mla_runtime.dtypes import resolve_cache_dtype
+from mla_runtime.config import ModelConfig
 from mla_runtime.engine.config import EngineConfig
-from mla_runtime.engine.v4_worker import V4_DTYPES, V4Worker, check_v4_settings
-from mla_runtime.engine.worker import StepInput, rank_device
+from mla_runtime.engine.v4_worker import V4Worker, check_v4_settings
+from mla_runtime.engine.worker import StepInput
 from mla_runtime.errors import InvalidParam
 from mla_runtime.forward_batch import ForwardBatch
-from mla_runtime.hub import resolve_model
-from mla_runtime.kernel_plan import OFF_CPU
 from mla_runtime.models.glm5_next import Glm5NextConfig, Glm5NextForCausalLM, Glm5NextStateCache, load_glm5_next
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
-from mla_runtime.plan import activation_reserve_bytes, default_max_num_batched_tokens
+from mla_runtime.plan import activation_reserve_bytes
 
 logger = logging.getLogger("mla_runtime")
 DOC = "docs/hybrid-models.md"
@@ -68,23 +65,10 @@ class Glm5NextWorker(V4Worker):
 
     def __init__(self, config: EngineConfig, par: ParallelContext = SINGLE_RANK) -> None:
         check_v4_settings(config, "glm5_next", DOC)
-        self.config, self.par = config, par
-        self.model_path = resolve_model(config.model, config.revision)
-        raw = load_config_dict(self.model_path)
+        raw = self._open(config, par)
         self.glm_config = Glm5NextConfig.from_raw(raw)
-        cfg = self.checkpoint_config = self.model_config = model_config(self.glm_config)
-        self.device = rank_device(config.device, 1, par.rank)
         text = raw.get("text_config") or raw
-        self.dtype = V4_DTYPES[config.dtype] or V4_DTYPES.get(str(text.get("dtype") or raw.get("dtype")),
-                                                             None) or torch.float32
-        self.quantization, self.num_mtp_layers, self.plan, self.heap = None, 0, OFF_CPU, ""
-        self.cache_dtype = resolve_cache_dtype("auto", self.dtype)
-        self.max_model_len = config.max_model_len or cfg.max_position_embeddings
-        if self.max_model_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's max_position_embeddings "
-                             f"({cfg.max_position_embeddings})")
-        self.max_num_batched_tokens = config.max_num_batched_tokens or default_max_num_batched_tokens(
-            self.max_model_len, config.max_num_seqs)
+        cfg = self._settle(model_config(self.glm_config), text.get("dtype") or raw.get("dtype"))
         self.bytes_per_token = self.bytes_per_token_per_rank = bytes_per_token(self.glm_config, self.dtype.itemsize)
         self.state_bytes_per_sequence = StateCache(self.glm_config.linear_attention(), 1, "meta").bytes_per_slot
         self.state_bytes = self.state_bytes_per_sequence * config.max_num_seqs

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -32,10 +33,10 @@ from mla_runtime.cache.disk_tier import DiskTier
 from mla_runtime.cache.host_tier import HostTier
 from mla_runtime.cache.latent_cache import LatentCache
 from mla_runtime.cache.state_cache import StateSlots
-from mla_runtime.config import load_config_dict
+from mla_runtime.config import ModelConfig, load_config_dict
 from mla_runtime.dtypes import resolve_cache_dtype
 from mla_runtime.engine.config import EngineConfig
-from mla_runtime.engine.worker import StepInput, Worker, available_host_memory, rank_device
+from mla_runtime.engine.worker import StepInput, Worker, available_host_memory, rank_device, sequence_limits
 from mla_runtime.errors import InsufficientMemory, InvalidParam
 from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.hub import resolve_model
@@ -48,7 +49,6 @@ from mla_runtime.plan import (
     activation_reserve_bytes,
     cache_budget_bytes,
     cache_num_blocks,
-    default_max_num_batched_tokens,
 )
 
 logger = logging.getLogger("mla_runtime")
@@ -90,24 +90,28 @@ def check_v4_settings(config: EngineConfig, family: str = "deepseek_v4", doc: st
 class V4Worker(Worker):
     """The ``Worker`` of a ``deepseek_v4`` checkpoint (the module's docstring): same start-up calls, same steps."""
 
-    def __init__(self, config: EngineConfig, par: ParallelContext = SINGLE_RANK) -> None:
-        check_v4_settings(config)
+    def _open(self, config: EngineConfig, par: ParallelContext) -> dict[str, Any]:
+        """Hold the settings and find the checkpoint; its raw config."""
         self.config, self.par = config, par
         self.model_path = resolve_model(config.model, config.revision)
-        raw = load_config_dict(self.model_path)
-        self.v4_config = V4Config.from_raw(raw)
-        cfg = self.checkpoint_config = self.model_config = model_config(self.v4_config)
-        self.device = rank_device(config.device, 1, par.rank)
-        self.dtype = V4_DTYPES[config.dtype] or V4_DTYPES.get(str(raw.get("dtype") or raw.get("torch_dtype")),
-                                                             None) or torch.float32
+        return load_config_dict(self.model_path)
+
+    def _settle(self, cfg: ModelConfig, checkpoint_dtype: object) -> ModelConfig:
+        """What every model run in torch over state slots resolves alike: the device, the dtype (the setting's, else
+        the checkpoint's ``checkpoint_dtype``, else float32), no quantization or CPU plan, the sequence limits."""
+        self.checkpoint_config = self.model_config = cfg
+        self.device = rank_device(self.config.device, 1, self.par.rank)
+        self.dtype = V4_DTYPES[self.config.dtype] or V4_DTYPES.get(str(checkpoint_dtype), None) or torch.float32
         self.quantization, self.num_mtp_layers, self.plan, self.heap = None, 0, OFF_CPU, ""
         self.cache_dtype = resolve_cache_dtype("auto", self.dtype)
-        self.max_model_len = config.max_model_len or cfg.max_position_embeddings
-        if self.max_model_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's max_position_embeddings "
-                             f"({cfg.max_position_embeddings})")
-        self.max_num_batched_tokens = config.max_num_batched_tokens or default_max_num_batched_tokens(
-            self.max_model_len, config.max_num_seqs)
+        self.max_model_len, self.max_num_batched_tokens = sequence_limits(self.config, cfg.max_position_embeddings)
+        return cfg
+
+    def __init__(self, config: EngineConfig, par: ParallelContext = SINGLE_RANK) -> None:
+        check_v4_settings(config)
+        raw = self._open(config, par)
+        self.v4_config = V4Config.from_raw(raw)
+        cfg = self._settle(model_config(self.v4_config), raw.get("dtype") or raw.get("torch_dtype"))
         self.kinds: V4CacheKinds = cache_kinds(self.v4_config, self.dtype.itemsize)
         self.bytes_per_token = self.bytes_per_token_per_rank = self.kinds.block_bytes_per_token
         self.state_bytes_per_sequence = self.kinds.fixed_bytes

@@ -122,6 +122,17 @@ def available_host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
+
+def sequence_limits(config: EngineConfig, max_positions: int) -> tuple[int, int]:
+    """``(max_model_len, max_num_batched_tokens)`` of ``config`` for a model of ``max_positions`` positions (its
+    own where the config leaves them 0); a longer ``max_model_len`` is refused."""
+    max_model_len = config.max_model_len or max_positions
+    if max_model_len > max_positions:
+        raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
+                         f"({max_positions})")
+    return max_model_len, config.max_num_batched_tokens or default_max_num_batched_tokens(max_model_len,
+                                                                                          config.max_num_seqs)
+
 class Worker:
     def __init__(self, config: EngineConfig, par: ParallelContext = SINGLE_RANK) -> None:
         self.config = config
@@ -153,12 +164,7 @@ class Worker:
             self.dtype, self.quantization = resolve_cpu_format(config.dtype, self.dtype, self.quantization, self.plan)
         self.cache_dtype: CacheDtype = resolve_cache_dtype(
             config.kv_cache_dtype, auto_cache_dtype(config.dtype, checkpoint_dtype, self.dtype, self.quantization))
-        self.max_model_len = config.max_model_len or cfg.max_position_embeddings
-        if self.max_model_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's max_position_embeddings "
-                             f"({cfg.max_position_embeddings})")
-        self.max_num_batched_tokens = config.max_num_batched_tokens or default_max_num_batched_tokens(
-            self.max_model_len, config.max_num_seqs)
+        self.max_model_len, self.max_num_batched_tokens = sequence_limits(config, cfg.max_position_embeddings)
         # what the model is built from: the checkpoint's shape and the settings resolved for this machine, once
         self.resolved = ResolvedConfig(
             self.checkpoint_config, self.dtype, self.device, par, attention.resolve(config.attention_backend,
