@@ -28,6 +28,26 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
+def frozen_linear(rows: int, cols: int, dtype: torch.dtype) -> nn.Linear:
+    """A bias-free ``[rows, cols]`` linear layer whose weight a checkpoint fills (no gradient)."""
+    layer = nn.Linear(cols, rows, bias=False, dtype=dtype)
+    layer.weight.requires_grad_(False)
+    return layer
+
+
+class ClampedMLP(nn.Module):
+    """``down(clamped_swiglu(gate(x), up(x), limit))``: a dense MLP or a shared expert of either model."""
+
+    def __init__(self, hidden: int, inter: int, limit: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.limit = limit
+        self.gate_proj, self.up_proj = frozen_linear(inter, hidden, dtype), frozen_linear(inter, hidden, dtype)
+        self.down_proj = frozen_linear(hidden, inter, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
 def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.zeros(*shape, dtype=torch.float32), requires_grad=False)
 

@@ -44,7 +44,7 @@ from torch import nn
 from mla_kernels import topk_lowest_first
 from mla_runtime.config import RopeConfig
 from mla_runtime.forward_batch import ForwardBatch
-from mla_runtime.layers.hyper import HyperConnection, clamped_swiglu, rms
+from mla_runtime.layers.hyper import ClampedMLP, HyperConnection, clamped_swiglu, frozen_linear, rms
 from mla_runtime.layers.rotary import rope_inv_freq
 
 LAYER_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
@@ -246,10 +246,6 @@ class Rotary:
         return torch.cat([x[..., :-d], rotated], dim=-1)
 
 
-def _linear(rows: int, cols: int, dtype: torch.dtype) -> nn.Linear:
-    layer = nn.Linear(cols, rows, bias=False, dtype=dtype)
-    layer.weight.requires_grad_(False)
-    return layer
 
 
 def _param(*shape: int, dtype: torch.dtype = torch.float32) -> nn.Parameter:
@@ -312,8 +308,8 @@ class Compressor(nn.Module):
         super().__init__()
         width = 2 * dim if overlap else dim
         self.dim, self.rate, self.overlap = dim, rate, overlap
-        self.kv_proj = _linear(width, hidden, dtype)
-        self.gate_proj = _linear(width, hidden, dtype)
+        self.kv_proj = frozen_linear(width, hidden, dtype)
+        self.gate_proj = frozen_linear(width, hidden, dtype)
         self.position_bias = _param(rate, width)
         self.kv_norm = Norm(dim, eps)
         self.rotary = Rotary(rope, rope_dim, dtype)
@@ -350,7 +346,7 @@ class Compressor(nn.Module):
 class Scorer(nn.Module):
     def __init__(self, hidden: int, heads: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weights_proj = _linear(heads, hidden, dtype)
+        self.weights_proj = frozen_linear(heads, hidden, dtype)
 
 
 class Indexer(Compressor):
@@ -363,7 +359,7 @@ class Indexer(Compressor):
         super().__init__(cfg.hidden_size, cfg.index_head_dim, rate, True, cfg.compress_rope, cfg.rope_dim,
                          cfg.rms_norm_eps, dtype)
         self.heads, self.topk = cfg.index_n_heads, cfg.index_topk
-        self.q_b_proj = _linear(cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank, dtype)
+        self.q_b_proj = frozen_linear(cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank, dtype)
         self.scorer = Scorer(cfg.hidden_size, cfg.index_n_heads, dtype)
 
     def select(self, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor, st: CompressorState
@@ -401,13 +397,13 @@ class V4Attention(nn.Module):
         h, d, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
         self.kind, self.heads, self.dim, self.eps = cfg.layer_types[layer], h, d, eps
         self.window, self.groups = cfg.sliding_window, cfg.o_groups
-        self.q_a_proj = _linear(cfg.q_lora_rank, cfg.hidden_size, dtype)
+        self.q_a_proj = frozen_linear(cfg.q_lora_rank, cfg.hidden_size, dtype)
         self.q_a_norm = Norm(cfg.q_lora_rank, eps)
-        self.q_b_proj = _linear(h * d, cfg.q_lora_rank, dtype)
-        self.kv_proj = _linear(d, cfg.hidden_size, dtype)
+        self.q_b_proj = frozen_linear(h * d, cfg.q_lora_rank, dtype)
+        self.kv_proj = frozen_linear(d, cfg.hidden_size, dtype)
         self.kv_norm = Norm(d, eps)
-        self.o_a_proj = _linear(cfg.o_groups * cfg.o_lora_rank, h * d // cfg.o_groups, dtype)
-        self.o_b_proj = _linear(cfg.hidden_size, cfg.o_groups * cfg.o_lora_rank, dtype)
+        self.o_a_proj = frozen_linear(cfg.o_groups * cfg.o_lora_rank, h * d // cfg.o_groups, dtype)
+        self.o_b_proj = frozen_linear(cfg.hidden_size, cfg.o_groups * cfg.o_lora_rank, dtype)
         self.sinks = _param(h)
         self.rate = cfg.compress_rates.get(self.kind, 0)
         self.compressor: Compressor | None = None
@@ -476,17 +472,6 @@ class HyperHead(nn.Module):
 
 
 # -- MoE ---------------------------------------------------------------------------------------------------------------
-class SharedExpert(nn.Module):
-    def __init__(self, hidden: int, inter: int, limit: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.limit = limit
-        self.gate_proj, self.up_proj = _linear(inter, hidden, dtype), _linear(inter, hidden, dtype)
-        self.down_proj = _linear(hidden, inter, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
-
-
 class Router(nn.Module):
     """Scores ``score_fn(x W)``; the experts by a fixed token table (``hash``) or by the top scores plus the
     correction bias; the chosen scores normalised to sum 1, times ``routed_scaling_factor``."""
@@ -536,7 +521,7 @@ class V4MoE(nn.Module):
         super().__init__()
         self.gate = Router(cfg, cfg.mlp_layer_types[layer] == "hash_moe", dtype)
         self.experts = Experts(cfg, dtype)
-        self.shared_experts = SharedExpert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit, dtype)
+        self.shared_experts = ClampedMLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit, dtype)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         experts, weights = self.gate(x, input_ids)
@@ -610,7 +595,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         super().__init__()
         self.config, self.dtype = cfg, dtype
         self.model = V4Model(cfg, dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else frozen_linear(cfg.vocab_size, cfg.hidden_size, dtype)
 
     def new_state(self) -> V4SequenceState:
         return V4SequenceState.empty(self.config)

@@ -31,7 +31,7 @@ from mla_runtime.cache.state_cache import StateCache
 from mla_runtime.config import LinearAttentionConfig, MoEConfig
 from mla_runtime.families import _indexer_kinds, _kimi_linear_name
 from mla_runtime.forward_batch import ForwardBatch
-from mla_runtime.layers.hyper import HyperConnection, clamped_swiglu
+from mla_runtime.layers.hyper import ClampedMLP, HyperConnection, clamped_swiglu, frozen_linear
 from mla_runtime.layers.kda import KimiDeltaAttention
 from mla_runtime.layers.moe import Router
 from mla_runtime.layers.pooled_indexer import PooledIndexer
@@ -125,10 +125,6 @@ def _check(g: dict[str, Any], n: int, kinds: list[str], mlp: list[str], indexers
         raise ValueError("glm5_next: no MLA layer (layer_types lists no 'indexed_attention')")
 
 
-def _linear(rows: int, cols: int, dtype: torch.dtype) -> nn.Linear:
-    layer = nn.Linear(cols, rows, bias=False, dtype=dtype)
-    layer.weight.requires_grad_(False)
-    return layer
 
 
 class Norm(nn.Module):
@@ -185,11 +181,11 @@ class Glm5NextAttention(nn.Module):
         d, r, c = int(cfg.hidden_size), int(cfg.q_lora_rank), int(cfg.kv_lora_rank)
         self.index, self.heads = index, int(cfg.num_attention_heads)
         self.nope, self.v_dim = int(cfg.qk_nope_head_dim), int(cfg.v_head_dim)
-        self.q_a_proj, self.kv_a_proj_with_mqa = _linear(r, d, dtype), _linear(c, d, dtype)
+        self.q_a_proj, self.kv_a_proj_with_mqa = frozen_linear(r, d, dtype), frozen_linear(c, d, dtype)
         self.q_a_layernorm, self.kv_a_layernorm = Norm(r, cfg.rms_norm_eps, dtype), Norm(c, cfg.rms_norm_eps, dtype)
-        self.q_b_proj = _linear(self.heads * self.nope, r, dtype)
-        self.kv_b_proj = _linear(self.heads * (self.nope + self.v_dim), c, dtype)
-        self.o_proj = _linear(d, self.heads * self.v_dim, dtype)
+        self.q_b_proj = frozen_linear(self.heads * self.nope, r, dtype)
+        self.kv_b_proj = frozen_linear(self.heads * (self.nope + self.v_dim), c, dtype)
+        self.o_proj = frozen_linear(d, self.heads * self.v_dim, dtype)
         self.indexer = None if cfg.shared[layer] else PooledIndexer(
             d, r, int(cfg.index_n_heads), int(cfg.index_head_dim), int(cfg.index_topk), int(cfg.index_kpool),
             bool(cfg.index_kpool_always_select_tail), dtype)
@@ -222,17 +218,6 @@ class Glm5NextAttention(nn.Module):
 
 
 # -- MLP and MoE -------------------------------------------------------------------------------------------------------
-class ClampedMLP(nn.Module):
-    def __init__(self, hidden: int, inter: int, limit: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.limit = limit
-        self.gate_proj, self.up_proj = _linear(inter, hidden, dtype), _linear(inter, hidden, dtype)
-        self.down_proj = _linear(hidden, inter, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
-
-
 class PackedExperts(nn.Module):
     """The routed experts, stored packed: ``gate_up_proj [E, 2 i, d]`` (gate rows first), ``down_proj [E, d, i]``."""
 
@@ -321,7 +306,7 @@ class Glm5NextForCausalLM(nn.Module):
         super().__init__()
         self.config, self.dtype = cfg, dtype
         self.model = Glm5NextModel(cfg, dtype)
-        self.lm_head = _linear(int(cfg.vocab_size), int(cfg.hidden_size), dtype)
+        self.lm_head = frozen_linear(int(cfg.vocab_size), int(cfg.hidden_size), dtype)
 
     def new_state(self) -> Glm5NextState:
         return Glm5NextState.empty(self.config, self.dtype, self.lm_head.weight.device)
