@@ -179,13 +179,21 @@ def run_worker(path: Path, quantization: str, args) -> dict:
 @dataclass(frozen=True)
 class Peer:
     """A llama.cpp build and the flags it runs with: ``bench`` for llama-bench (decode at batch 1, prefill),
-    ``batched`` for llama-batched-bench (decode at batch 4 and 8)."""
+    ``batched`` for llama-batched-bench (decode at batch 4 and 8). ``depth_flag``: how its llama-bench times decode
+    after a prompt (mainline ``-d PROMPT``; ik_llama.cpp's ``-gp PROMPT,STEPS``, "tg@pp")."""
 
     name: str
     bin: Path
     bench: tuple[str, ...]
     batched: tuple[str, ...]
     setup: str
+    depth_flag: str = "-d"
+
+    def decode_args(self) -> tuple[str, ...]:
+        """llama-bench's arguments for STEPS decode tokens after PROMPT_LEN tokens of context."""
+        if self.depth_flag == "-gp":
+            return ("-p", "0", "-n", "0", "-gp", f"{PROMPT_LEN},{STEPS}")
+        return ("-p", "0", "-n", str(STEPS), "-d", str(PROMPT_LEN))
 
     def version(self) -> str:
         said = self.bin.parent.parent / "VERSION"
@@ -201,7 +209,7 @@ PEERS = {
     # of mapping it)
     "ik_llama.cpp": Peer("ik_llama.cpp", HERE / "ik_llama.cpp" / "build" / "bin",
                          ("-mla", "3", "-fa", "1", "-fmoe", "1", "-rtr", "1"), ("-mla", "3", "-fa", "on", "-rtr"),
-                         "IK_LLAMA_SRC=DIR bash bench/setup_peers.sh ik_llama.cpp"),
+                         "IK_LLAMA_SRC=DIR bash bench/setup_peers.sh ik_llama.cpp", depth_flag="-gp"),
 }
 
 
@@ -222,7 +230,7 @@ def llama_measure(gguf: Path, args, peer: Peer) -> dict:
     def bench(batch: int) -> float:
         if batch == 1:
             out = subprocess.run([str(peer.bin / "llama-bench"), "-m", str(gguf), "-t", str(args.threads), "-r", "1",
-                                  "-o", "json", "-p", "0", "-n", str(STEPS), "-d", str(PROMPT_LEN), *peer.bench],
+                                  "-o", "json", *peer.decode_args(), *peer.bench],
                                  capture_output=True, text=True, check=True)
             return float(json.loads(out.stdout)[0]["avg_ts"])
         out = subprocess.run([str(peer.bin / "llama-batched-bench"), "-m", str(gguf), "-t", str(args.threads), "-tb",
