@@ -47,10 +47,17 @@ sys.path.insert(0, str(HERE))
 PRESET = HERE.parent / "mla_runtime" / "model_configs" / "deepseek-v2-lite.json"
 PROMPT_LEN, STEPS = 64, 16
 BATCHES = (1, 4, 8)
+# Decode at batch > 1 runs two workloads. "same": every sequence of the batch has the same prompt and, greedy, the same
+# tokens -- what llama-batched-bench times (it feeds token 0 at every position of every sequence), so its routed
+# experts are a batch-1 step's; the peers' batch columns are this. "distinct": a different random prompt per sequence,
+# as a server's batch is, so the batch touches ~3.5x (batch 4) and ~6x (batch 8) the routed experts of one token at
+# DeepSeek-V2-Lite's 64 experts, top-6; mla-runtime only (llama-batched-bench cannot feed different prompts).
+WORKLOADS = ("same", "distinct")
 PREFILL_LENS = (128, 512)  # prompts whose prefill (batch 1, one step, the first token's logits) is timed
 # bytes per weight of each format, scales included (q8_0/q4_0: a float16 scale per 32 weights; int8: a bfloat16 scale
 # per row, negligible; int4: a float16 scale per 32)
 BYTES = {"int8": 1.0, "int4": 18 / 32, "q8_0": 34 / 32, "q4_0": 18 / 32}
+LLAMA_TYPES = {"q8_0": "q8_0", "q4_0": "q4_0", "q4_k_m": "Q4_K_M"}  # --llama-formats: llama-quantize's type names
 
 
 def high_water_mark() -> int:
@@ -109,6 +116,11 @@ def step_bytes(cfg: dict, fmt: str, batch: int) -> float:
     return matrices * BYTES[fmt] + cfg["num_hidden_layers"] * kv_b * factors
 
 
+def decode_key(batch: int, workload: str = "same") -> str:
+    """A decode result's key: "1", "4" (the same prompt in every sequence), "4d" (distinct prompts)."""
+    return f"{batch}d" if workload == "distinct" else str(batch)
+
+
 # -- one mla-runtime measurement, in its own process -------------------------------------------------------------
 def worker(path: str, quantization: str, rounds: int, threads: int, limit: int, temperature: float) -> None:
     t0 = time.perf_counter()  # the load's seconds include importing torch and the runtime, as llama.cpp's its start
@@ -119,23 +131,24 @@ def worker(path: str, quantization: str, rounds: int, threads: int, limit: int, 
     torch.set_num_threads(threads)
     base = rss()
     guard = MemoryGuard(limit)
-    llm = LLM(path, dtype="float32", quantization=quantization,
+    llm = LLM(path, dtype="float32", quantization=None if quantization == "stored" else quantization,
               max_model_len=max(PROMPT_LEN + STEPS, *PREFILL_LENS) + 64,
               max_num_seqs=max(BATCHES), kv_cache_memory="256MiB", enable_prefix_caching=False, num_threads=threads)
     load_s = time.perf_counter() - t0
     loaded = rss()
     engine = llm.engine
     params = SamplingParams(max_tokens=STEPS + 2, temperature=temperature, ignore_eos=True)
-    vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+    vocab = json.loads((Path(path) / "config.json" if Path(path).is_dir() else PRESET).read_text())["vocab_size"]
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, min(vocab, 30000), (PROMPT_LEN,), generator=g).tolist() for _ in range(max(BATCHES))]
-    tok_s: dict[int, list[float]] = {b: [] for b in BATCHES}
+    runs = [(b, w) for b in BATCHES for w in (WORKLOADS if b > 1 else WORKLOADS[:1])]
+    tok_s: dict[str, list[float]] = {decode_key(b, w): [] for b, w in runs}
     prefill: dict[int, list[float]] = {k: [] for k in PREFILL_LENS}
     n = 0
     for _ in range(rounds):
-        for batch in BATCHES:
-            for p in prompts[:batch]:
-                engine.add_request(f"r{n}", {"prompt_token_ids": p}, params)
+        for batch, workload in runs:
+            for i in range(batch):
+                engine.add_request(f"r{n}", {"prompt_token_ids": prompts[i if workload == "distinct" else 0]}, params)
                 n += 1
             engine.step()  # the prompts
             engine.step()  # a first decode step
@@ -146,7 +159,7 @@ def worker(path: str, quantization: str, rounds: int, threads: int, limit: int, 
                 times.append(time.perf_counter() - t)
             while engine.has_unfinished_requests():
                 engine.step()
-            tok_s[batch].append(batch / statistics.median(times))
+            tok_s[decode_key(batch, workload)].append(batch / statistics.median(times))
         for length in PREFILL_LENS:  # a fresh prompt each time: no prefix is cached
             prompt = torch.randint(100, min(vocab, 30000), (length,), generator=g).tolist()
             engine.add_request(f"r{n}", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, ignore_eos=True))
@@ -157,8 +170,8 @@ def worker(path: str, quantization: str, rounds: int, threads: int, limit: int, 
             prefill[length].append(length / (time.perf_counter() - t))
     peak = guard.stop()
     print(json.dumps({"load_s": load_s, "peak_rss": peak, "loaded_rss": loaded, "base_rss": base,
-                      "tok_s": {str(b): statistics.median(v) for b, v in tok_s.items()},
-                      "tok_s_rounds": {str(b): v for b, v in tok_s.items()},
+                      "tok_s": {k: statistics.median(v) for k, v in tok_s.items()},
+                      "tok_s_rounds": tok_s,
                       "prefill": {str(k): statistics.median(v) for k, v in prefill.items()},
                       "prefill_rounds": {str(k): v for k, v in prefill.items()}}), flush=True)
 
@@ -273,6 +286,8 @@ def llama_measure(gguf: Path, args, peer: Peer) -> dict:
 
 
 def llama_files(src: Path, work: Path, formats: list[str]) -> dict[str, Path]:
+    """The peers' GGUF files of ``src``: q8_0 by llama.cpp's converter, the others by its ``llama-quantize`` from the
+    q8_0 file (``--allow-requantize``: the timing does not depend on the values)."""
     from llama_peer import BIN, CONVERTER_PYTHON
 
     q8 = work / "v2lite-q8_0.gguf"
@@ -280,14 +295,23 @@ def llama_files(src: Path, work: Path, formats: list[str]) -> dict[str, Path]:
         print("  converting to q8_0 GGUF (llama.cpp's converter) ...", flush=True)
         subprocess.run([str(CONVERTER_PYTHON), str(HERE / "llama_convert.py"), str(src), "--outtype", "q8_0",
                         "--outfile", str(q8)], check=True, capture_output=True)
-    q4 = work / "v2lite-q4_0.gguf"
-    if "q4_0" not in formats:
-        return {"q8_0": q8}
-    if not q4.exists():
-        print("  llama-quantize q8_0 -> q4_0 ...", flush=True)
-        subprocess.run([str(BIN / "llama-quantize"), "--allow-requantize", str(q8), str(q4), "q4_0",
-                        str(os.cpu_count())], check=True, capture_output=True)
-    return {f: {"q8_0": q8, "q4_0": q4}[f] for f in formats}
+    files = {}
+    for fmt in formats:
+        out = work / f"v2lite-{fmt}.gguf"
+        if not out.exists():
+            print(f"  llama-quantize q8_0 -> {LLAMA_TYPES[fmt]} ...", flush=True)
+            subprocess.run([str(BIN / "llama-quantize"), "--allow-requantize", str(q8), str(out), LLAMA_TYPES[fmt],
+                            str(os.cpu_count())], check=True, capture_output=True)
+        files[fmt] = out
+    return files
+
+
+def gguf_bytes_per_weight(path: Path) -> float:
+    """The mean bytes a weight takes in a GGUF file's product matrices (a mixed file's, Q4_K_M's, across its types)."""
+    from gguf import GGUFReader
+
+    tensors = [t for t in GGUFReader(path).tensors if len(t.shape) >= 2 and "token_embd" not in t.name]
+    return sum(int(t.n_bytes) for t in tensors) / sum(int(t.n_elements) for t in tensors)
 
 
 def warm(path: Path) -> None:
@@ -308,47 +332,52 @@ def machine() -> str:
 
 def report(results: dict, cfg: dict, bandwidth: float, args) -> str:
     gib = 2**30
+    keys = [decode_key(b) for b in BATCHES] + [decode_key(b, "distinct") for b in BATCHES if b > 1]
+    heads = [f"b{b} tok/s" for b in BATCHES] + [f"b{b} distinct" for b in BATCHES if b > 1]
     lens = " | ".join(f"prefill {k} tok/s" for k in PREFILL_LENS)
-    decodes = " | ".join(f"b{b} tok/s" for b in BATCHES)
     versions = [f"{n}: {r['version']}" for n, r in results.items() if r.get("version")]
     lines = [f"Machine: {machine()}; streaming bandwidth {bandwidth / 1e9:.1f} GB/s (roofline.stream_bandwidth).",
              f"Model: DeepSeek-V2-Lite's config ({cfg['num_hidden_layers']} layers), random bfloat16 weights; "
              f"{args.threads} threads, {args.rounds} rounds, prompt {PROMPT_LEN} tokens, {STEPS} decode steps "
              f"({'greedy' if args.temperature == 0 else f'temperature {args.temperature}'} in mla-runtime); "
+             f"b4/b8: every sequence the same (as llama-batched-bench); distinct: a prompt each; "
              f"prefill: one prompt of each length at batch 1.",
              *([f"Peers: {'; '.join(versions)}."] if versions else []),
              "",
-             f"| system | weights from | peak RSS | load s | {decodes} | b1 bandwidth fraction | {lens} |",
-             "|---|---|---:|---:|" + "---:|" * (len(BATCHES) + 1 + len(PREFILL_LENS))]
+             f"| system | weights from | peak RSS | load s | {' | '.join(heads)} | b1 bandwidth fraction | {lens} |",
+             "|---|---|---:|---:|" + "---:|" * (len(keys) + 1 + len(PREFILL_LENS))]
     for name, r in results.items():
         if "error" in r:
-            lines.append(f"| {name} | | {r['error']} | |" + " |" * (len(BATCHES) + 1 + len(PREFILL_LENS)))
+            lines.append(f"| {name} | | {r['error']} | |" + " |" * (len(keys) + 1 + len(PREFILL_LENS)))
             continue
         fmt = name.split()[-1]
         frac = step_bytes(cfg, fmt, 1) * r["tok_s"]["1"] / bandwidth
         peak = f"{r['peak_rss'] / gib:.2f} GiB" if "peak_rss" in r else "–"
         load = f"{r['load_s']:.1f}" if r.get("load_s") is not None else "–"
-        tok = " | ".join(f"{r['tok_s'][str(b)]:.2f}" for b in BATCHES)
+        tok = " | ".join(f"{r['tok_s'][k]:.2f}" if k in r["tok_s"] else "–" for k in keys)
         pre = " | ".join(f"{r['prefill'][str(k)]:.1f}" for k in PREFILL_LENS)
         lines.append(f"| {name} | {r.get('source', '')} | {peak} | {load} | {tok} | {frac:.2f} | {pre} |")
     return "\n".join(lines + [""] + ratios(results)) + "\n"
 
 
+# mla-runtime's rows and the peers' format each is compared with
+PAIRS = (("bf16 int8", "q8_0"), ("pre int8", "q8_0"), ("gguf q8_0", "q8_0"), ("bf16 int4", "q4_0"),
+         ("pre int4", "q4_0"), ("gguf q4_0", "q4_0"), ("gguf q4_k_m", "q4_k_m"))
+
+
 def ratios(results: dict) -> list[str]:
-    """mla-runtime over each peer's same-size format, by batch and prefill length."""
+    """mla-runtime over each peer's same-size format, by batch and prefill length (batches: the same workload)."""
     out = []
-    for ours, fmt in (("int8", "q8_0"), ("int4", "q4_0")):
-        for source in ("bf16", "pre"):
-            a = results.get(f"mla-runtime {source} {ours}")
-            for peer in PEERS:
-                b = results.get(f"{peer} {fmt}")
-                if not a or not b or "error" in a or "error" in b:
-                    continue
-                dec = ", ".join(f"batch {k} {a['tok_s'][str(k)] / b['tok_s'][str(k)]:.2f}×" for k in BATCHES)
-                pre = ", ".join(f"prefill {k} {a['prefill'][str(k)] / b['prefill'][str(k)]:.2f}×"
-                                for k in PREFILL_LENS)
-                out.append(f"- {ours} ({source}) ÷ {peer} {fmt}: {dec}, {pre}"
-                           + (f"; load {a['load_s'] / b['load_s']:.2f}× {peer}'s" if b.get("load_s") else ""))
+    for ours, fmt in PAIRS:
+        a = results.get(f"mla-runtime {ours}")
+        for peer in PEERS:
+            b = results.get(f"{peer} {fmt}")
+            if not a or not b or "error" in a or "error" in b:
+                continue
+            dec = ", ".join(f"batch {k} {a['tok_s'][str(k)] / b['tok_s'][str(k)]:.2f}×" for k in BATCHES)
+            pre = ", ".join(f"prefill {k} {a['prefill'][str(k)] / b['prefill'][str(k)]:.2f}×" for k in PREFILL_LENS)
+            out.append(f"- {ours} ÷ {peer} {fmt}: {dec}, {pre}"
+                       + (f"; load {a['load_s'] / b['load_s']:.2f}× {peer}'s" if b.get("load_s") else ""))
     return out
 
 
@@ -362,11 +391,12 @@ def main() -> None:
                     help="what to measure: mla (mla-runtime) and the peers llama.cpp, ik_llama.cpp (a peer that is not "
                          "built is named in the report with the command that builds it)")
     ap.add_argument("--modes", default="bf16:int8,bf16:int4,pre:int8,pre:int4",
-                    help="mla-runtime modes: SOURCE:QUANTIZATION, SOURCE bf16 (quantised while loading) or pre "
-                         "(a pre-quantised checkpoint)")
+                    help="mla-runtime modes: SOURCE:QUANTIZATION, SOURCE bf16 (quantised while loading), pre "
+                         "(a pre-quantised checkpoint) or gguf (the peers' own GGUF file of a --llama-formats "
+                         "type, as stored: gguf:q8_0, gguf:q4_0, gguf:q4_k_m)")
     ap.add_argument("--rss-limit", type=int, default=int(21.5 * 2**30), help="bytes: a worker stops itself past it")
     ap.add_argument("--keep", action="store_true", help="keep the pre-quantised copies")
-    ap.add_argument("--llama-formats", default="q8_0,q4_0", help="the peers' formats to measure (q8_0, q4_0)")
+    ap.add_argument("--llama-formats", default="q8_0,q4_0", help="the peers' formats to measure (q8_0, q4_0, q4_k_m)")
     ap.add_argument("--out", type=Path, default=None, help="write the report here too")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="mla-runtime's decode sampling (0: greedy, as llama-bench's; 1.0: the API's default)")
@@ -394,37 +424,42 @@ def main() -> None:
         print(f"  {time.perf_counter() - t0:.0f} s", flush=True)
     bandwidth = stream_bandwidth()
     results: dict[str, dict] = {}
-    systems = args.systems.split(",")
-    if "mla" in systems:
-        for mode in args.modes.split(","):
-            source, quantization = mode.split(":")
-            path = src
-            if source == "pre":
-                path = args.work / f"{src.name}-{quantization}"
-                if not (path / "config.json").exists():
-                    t0 = time.perf_counter()
-                    write_quantized_checkpoint(src, path, quantization)
-                    print(f"  wrote {path.name} in {time.perf_counter() - t0:.0f} s", flush=True)
-            warm(path)
-            r = run_worker(path, quantization, args)
-            r["source"] = "bf16 checkpoint" if source == "bf16" else "pre-quantised"
-            results[f"mla-runtime {source} {quantization}"] = r
-            print(f"  {json.dumps(r)}", flush=True)
-            if source == "pre" and not args.keep:
-                shutil.rmtree(path)
+    systems, modes = args.systems.split(","), args.modes.split(",") if "mla" in args.systems.split(",") else []
     peers = [PEERS[name] for name in systems if name in PEERS]
+    formats = args.llama_formats.split(",") if peers else []
+    files = {}
+    if formats or any(m.startswith("gguf:") for m in modes):
+        files = llama_files(src, args.work, sorted(set(formats) | {m[5:] for m in modes if m.startswith("gguf:")}))
+        BYTES.update({f: gguf_bytes_per_weight(path) for f, path in files.items() if f not in BYTES})
+    for mode in modes:
+        source, quantization = mode.split(":")
+        path = src
+        if source == "pre":
+            path = args.work / f"{src.name}-{quantization}"
+            if not (path / "config.json").exists():
+                t0 = time.perf_counter()
+                write_quantized_checkpoint(src, path, quantization)
+                print(f"  wrote {path.name} in {time.perf_counter() - t0:.0f} s", flush=True)
+        elif source == "gguf":
+            path = files[quantization]
+        warm(path)
+        r = run_worker(path, "stored" if source == "gguf" else quantization, args)
+        r["source"] = {"bf16": "bf16 checkpoint", "pre": "pre-quantised", "gguf": "the peers' GGUF"}[source]
+        results[f"mla-runtime {source} {quantization}"] = r
+        print(f"  {json.dumps(r)}", flush=True)
+        if source == "pre" and not args.keep:
+            shutil.rmtree(path)
     for peer in [p for p in peers if not (p.bin / "llama-bench").exists()]:
-        for fmt in args.llama_formats.split(","):
+        for fmt in formats:
             results[f"{peer.name} {fmt}"] = {"error": f"not built ({peer.setup})"}
-    if any((p.bin / "llama-bench").exists() for p in peers):
-        for fmt, gguf in llama_files(src, args.work, args.llama_formats.split(",")).items():
-            warm(gguf)
-            for peer in [p for p in peers if (p.bin / "llama-bench").exists()]:
-                print(f"  {peer.name} {fmt} ...", flush=True)
-                r = llama_measure(gguf, args, peer)
-                r["source"] = "GGUF"
-                results[f"{peer.name} {fmt}"] = r
-                print(f"  {json.dumps(r)}", flush=True)
+    for fmt in formats:
+        warm(files[fmt])
+        for peer in [p for p in peers if (p.bin / "llama-bench").exists()]:
+            print(f"  {peer.name} {fmt} ...", flush=True)
+            r = llama_measure(files[fmt], args, peer)
+            r["source"] = "GGUF"
+            results[f"{peer.name} {fmt}"] = r
+            print(f"  {json.dumps(r)}", flush=True)
     text = report(results, cfg, bandwidth, args)
     print(text)
     if args.out:

@@ -444,8 +444,12 @@ def _byte_level_bpe(g: GgufModel, tokens: list[str]) -> Any:
     user-defined (4) added, both matched whole; BOS (EOS) prepended (appended) where the file asks for it."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
+    vocab = {t: i for i, t in enumerate(tokens)}
     merges = [tuple(m.split(" ", 1)) for m in g.value("tokenizer.ggml.merges") or []]
-    tokenizer = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
+    # a merge whose parts or result are not tokens never yields a token (llama.cpp falls back to the bytes): the BPE
+    # model cannot hold one, so it is left out
+    merges = [m for m in merges if len(m) == 2 and m[0] in vocab and m[1] in vocab and m[0] + m[1] in vocab]
+    tokenizer = Tokenizer(models.BPE(vocab, merges))
     splits = PRE_TOKENIZER_SPLITS.get(str(g.value("tokenizer.ggml.pre")))
     if splits is not None:
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
