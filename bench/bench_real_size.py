@@ -1,6 +1,8 @@
 """A real-size model on this machine: DeepSeek-V2-Lite's exact config and tensor names (15.7 B parameters, 31 GB of
-bfloat16), random weights, loaded with int8 and int4 from the bfloat16 checkpoint and from pre-quantised
-(compressed-tensors) copies of it, next to llama.cpp running the same weights as q8_0 / q4_0 GGUF.
+bfloat16), random weights, loaded with int8 and int4 from the bfloat16 checkpoint, from pre-quantised
+(compressed-tensors) copies of it and from the peers' own GGUF files (``gguf:q8_0``, ``gguf:q4_0``,
+``gguf:q4_k_m``: the very files they run), next to llama.cpp and ik_llama.cpp running the same weights as q8_0 / q4_0 /
+Q4_K_M GGUF.
 
     python bench/bench_real_size.py --work /tmp/real_size               # everything (about an hour on 2 cores)
     python bench/bench_real_size.py --work /tmp/real_size --systems mla  # mla-runtime only
@@ -11,8 +13,11 @@ count: it loads the config at 26 or 27 layers only.)
 
 For each mla-runtime mode a fresh process loads the model and reports its peak resident memory (sampled every few
 milliseconds, and the kernel's own high-water mark ``VmHWM``), the load's seconds (importing torch and the runtime
-included), decode tokens/s at batch 1 and 8 (the median step after the prompt) and prefill tokens/s of one prompt
-of 128 and of 512 tokens (batch 1, to the first token's logits; the median of the rounds). The process guards its
+included), decode tokens/s at batch 1, 4 and 8 (the median step after the prompt) and prefill tokens/s of one
+prompt of 128 and of 512 tokens (batch 1, to the first token's logits; the median of the rounds). Batches of 4 and
+8 are timed twice (``WORKLOADS``): every sequence the same, which is what ``llama-batched-bench`` times and so what
+the peers' columns hold, and a different prompt per sequence (mla-runtime only), which is what a server sees and
+which reads several times the routed experts. The process guards its
 own memory: past ``--rss-limit`` it stops itself with a message instead of letting the OOM killer pick a victim.
 llama.cpp (``bash bench/setup_peers.sh llama.cpp``) runs its own converter (q8_0) and ``llama-quantize`` (q4_0 from
 the q8_0 file, ``--allow-requantize``: the timing does not depend on the values), then ``llama-bench`` (batch 1;
