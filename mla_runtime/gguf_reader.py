@@ -5,12 +5,21 @@ Every tensor is a view of the file's copy-on-write map (the ``gguf`` package's `
 the rows it is asked for (a block of rows, or this rank's rows), and ``matrix`` keeps the stored bytes of this rank's
 part of a matrix, an expert of a stacked tensor being its run of rows. Q4_0 matrices become ``Int4Weight``\\ s
 (``layers.gguf_weight.int4_from_q4_0``), other types ``GgufWeight``\\ s.
+
+Bytes that are copied out of the map (a Q4_0 matrix moved into the int4 format, a tensor widened to float) are then
+released from the process (``release_pages``): their pages would otherwise stay resident beside the copy, and a
+q4_0 file would take twice its size. A released page is read from the file again if it is touched.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import logging
 import math
+import mmap
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +32,33 @@ from mla_runtime.layers.qweight import QuantizedWeight
 logger = logging.getLogger("mla_runtime")
 STORED_GGUF = "stored gguf"  # a product matrix kept in the ggml types the file stores it in
 STORED_Q4_0 = "stored q4_0"  # ... all of it Q4_0: moved into the int4 format
+
+
+@functools.cache
+def _madvise() -> object | None:
+    """libc's ``madvise`` (Linux), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return libc.madvise
+
+
+def release_pages(view: torch.Tensor) -> None:
+    """Let the kernel drop the pages of the map under ``view`` (a view of the file's private, never written map) from
+    this process: ``MADV_DONTNEED``, after their bytes were copied out. Elsewhere than on Linux, nothing."""
+    advise = _madvise()
+    if advise is None or view.numel() == 0:
+        return
+    page = mmap.PAGESIZE
+    start = view.data_ptr() // page * page
+    end = view.data_ptr() + _span_bytes(view)
+    advise(start, end - start, mmap.MADV_DONTNEED)  # type: ignore[operator]
+
+
+def _span_bytes(view: torch.Tensor) -> int:
+    """The bytes from a view's first element to the end of its last."""
+    return (sum((n - 1) * st for n, st in zip(view.shape, view.stride())) + 1) * view.element_size()
 
 
 class GgufTensors:
@@ -78,8 +114,11 @@ class GgufTensors:
             type_name = self.model.tensors[tensor].type_name
             rows = (shard[1], shard[2]) if shard is not None and shard[0] == 0 and len(shape) == 2 else None
             data = self._rows(tensor, source.expert, rows)
-            values = dequantize_rows(type_name, data, shape[-1]) if type_name not in FLOAT_TYPES else \
-                data.contiguous().view(_FLOAT[type_name])
+            if type_name in FLOAT_TYPES:  # a view of the map
+                values = data.contiguous().view(_FLOAT[type_name])
+            else:
+                values = dequantize_rows(type_name, data, shape[-1])
+                release_pages(data)
             if rows is not None:
                 return values.reshape(rows[1] - rows[0], *shape[1:])
             whole = values.reshape(shape)
@@ -127,12 +166,14 @@ class GgufTensors:
                 logger.info("%s: this rank's columns [%d, %d) cut %s's blocks of %d: widened to float32", tensor, a,
                             b, type_name, block)
                 wide = dequantize_rows(type_name, data, k)[:, a:b].contiguous()
+                release_pages(data)
                 return GgufWeight([("F32", wide.view(torch.uint8).to(device))], b - a, dtype)
             data, k = data[:, a // block * size: b // block * size], b - a
-        data = data.to(device)
         if kind == STORED_Q4_0:
-            return int4_from_q4_0(data.contiguous(), k, dtype)
-        return GgufWeight([(type_name, data)], k, dtype)
+            weight = int4_from_q4_0(data.to(device).contiguous(), k, dtype)
+            release_pages(data)
+            return weight
+        return GgufWeight([(type_name, data.to(device))], k, dtype)
 
 
 _FLOAT = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}

@@ -5,6 +5,7 @@ the dequantised weights, split files, and the refusals (unsupported types, a mis
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -535,3 +536,29 @@ def test_bad_files_are_refused_by_name(written, tmp_path):
     with pytest.raises(CheckpointError, match=r"shape mismatch: model\.layers\.0\.self_attn\.q_proj\.weight: "
                                               r"checkpoint \[256, 64\], config expects \[128, 64\]"):
         load_weights(model, wrong, device=torch.device("cpu"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="releasing a map's pages (madvise) is Linux's")
+def test_bytes_copied_out_of_the_map_leave_the_process(tmp_path):
+    """``release_pages`` drops a view's pages of the file's private map from the process's resident memory (a q4_0
+    file's matrices are copied into the int4 format, and would otherwise be resident twice), and the view still
+    reads the file's bytes afterwards."""
+    from mla_runtime.gguf_reader import release_pages
+
+    path = tmp_path / "blob"
+    want = np.random.default_rng(0).integers(0, 256, 64 << 20, dtype=np.uint8)
+    want.tofile(path)
+    view = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c")).reshape(1024, -1)
+    before = _rss_file()
+    assert int(view.sum()) == int(want.sum())  # every page read
+    touched = _rss_file()
+    release_pages(view[128:])  # all but the first eighth
+    after = _rss_file()
+    assert touched - before > 60 << 20 and touched - after > 50 << 20, (before, touched, after)
+    assert torch.equal(view[100:200], torch.from_numpy(want.reshape(1024, -1)[100:200]))
+
+
+def _rss_file() -> int:
+    """The process's resident file-backed bytes (``RssFile``)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssFile:"))
