@@ -1,4 +1,5 @@
-"""Manifold-constrained hyper-connections and the clamped SwiGLU, shared by DeepSeek-V4 and GLM-5-Next.
+"""Manifold-constrained hyper-connections, the clamped SwiGLU and the packed routed experts, shared by the models of
+their own (DeepSeek-V4, GLM-5-Next, Hunyuan V4).
 
 Hyper-connections keep ``N`` residual streams per token (``hc_mult``) instead of one. Around each block (the
 attention, the MLP) a learned mix computed from the RMS-normalised streams collapses them into the block's input
@@ -9,7 +10,8 @@ Sinkhorn-normalised towards a doubly stochastic matrix), all in float32::
     out = block(sum_n pre[n] streams[n])
     streams = post[:, None] out + comb^T streams        HyperConnection.merge
 
-The clamped SwiGLU (``swiglu_limit``) is ``silu(min(gate, limit)) * clamp(up, -limit, limit)``.
+The clamped SwiGLU (``swiglu_limit``) is ``silu(min(gate, limit)) * clamp(up, -limit, limit)``; the routed experts
+(``PackedExperts``) apply it to each expert's rows of a step, their weights stored packed as transformers keeps them.
 """
 
 from __future__ import annotations
@@ -46,6 +48,27 @@ class ClampedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+class PackedExperts(nn.Module):
+    """The routed experts, stored packed: ``gate_up_proj [E, 2 i, d]`` (gate rows first), ``down_proj [E, d, i]``;
+    each token's output is the sum of its chosen experts' clamped SwiGLU MLPs times their routing weights."""
+
+    def __init__(self, experts: int, hidden: int, inter: int, limit: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.limit = limit
+        self.gate_up_proj = nn.Parameter(torch.zeros(experts, 2 * inter, hidden, dtype=dtype), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.zeros(experts, hidden, inter, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """``x [T, d]``, each token's routing ``weights`` and chosen ``experts`` ``[T, k]`` -> ``[T, d]``."""
+        out = torch.zeros_like(x)
+        for e in experts.unique().tolist():
+            rows, slot = torch.where(experts == e)
+            gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[e]) * weights[rows, slot, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+        return out
 
 
 def _param(*shape: int) -> nn.Parameter:

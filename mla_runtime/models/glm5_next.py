@@ -31,7 +31,7 @@ from mla_runtime.cache.state_cache import StateCache
 from mla_runtime.config import LinearAttentionConfig, MoEConfig
 from mla_runtime.families import _indexer_kinds, _kimi_linear_name
 from mla_runtime.forward_batch import ForwardBatch
-from mla_runtime.layers.hyper import ClampedMLP, HyperConnection, clamped_swiglu, frozen_linear
+from mla_runtime.layers.hyper import ClampedMLP, HyperConnection, PackedExperts, frozen_linear
 from mla_runtime.layers.kda import KimiDeltaAttention
 from mla_runtime.layers.moe import Router
 from mla_runtime.layers.pooled_indexer import PooledIndexer
@@ -218,25 +218,6 @@ class Glm5NextAttention(nn.Module):
 
 
 # -- MLP and MoE -------------------------------------------------------------------------------------------------------
-class PackedExperts(nn.Module):
-    """The routed experts, stored packed: ``gate_up_proj [E, 2 i, d]`` (gate rows first), ``down_proj [E, d, i]``."""
-
-    def __init__(self, experts: int, hidden: int, inter: int, limit: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.limit = limit
-        self.gate_up_proj = nn.Parameter(torch.zeros(experts, 2 * inter, hidden, dtype=dtype), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.zeros(experts, hidden, inter, dtype=dtype), requires_grad=False)
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        for e in experts.unique().tolist():
-            rows, slot = torch.where(experts == e)
-            gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[e]) * weights[rows, slot, None]
-            out.index_add_(0, rows, y.to(out.dtype))
-        return out
-
-
 class Glm5NextMoE(nn.Module):
     def __init__(self, cfg: Glm5NextConfig, dtype: torch.dtype) -> None:
         super().__init__()
