@@ -266,12 +266,16 @@ def is_v4_checkpoint(config: EngineConfig) -> bool:
 
 def make_worker(config: EngineConfig, par: ParallelContext = SINGLE_RANK) -> Worker:
     """The worker of ``config.model``: ``V4Worker`` for a ``deepseek_v4`` checkpoint, ``Glm5NextWorker`` for a
-    ``glm5_next`` one, else ``Worker``."""
+    ``glm5_next`` one, ``HyV4Worker`` for a ``hy_v4`` one, else ``Worker``."""
     model_type = checkpoint_model_type(config)
     if model_type in GLM5_NEXT_TYPES:
         from mla_runtime.engine.glm5_worker import Glm5NextWorker
 
         return Glm5NextWorker(config, par)
+    if model_type == "hy_v4":
+        from mla_runtime.engine.hy_v4_worker import HyV4Worker
+
+        return HyV4Worker(config, par)
     return V4Worker(config, par) if model_type == "deepseek_v4" else Worker(config, par)
 
 

@@ -10,6 +10,10 @@ Sinkhorn-normalised towards a doubly stochastic matrix), all in float32::
     out = block(sum_n pre[n] streams[n])
     streams = post[:, None] out + comb^T streams        HyperConnection.merge
 
+Hunyuan V4's independent form (``IndependentHyperConnection``) has no ``comb``: the streams pass the block unmixed,
+``streams = post[:, None] out + streams``, and its ``post`` is ``hc_magnitude sigmoid(.) + eps``. Both models collapse
+the streams at the end with ``HyperHead``'s ``pre`` alone.
+
 The clamped SwiGLU (``swiglu_limit``) is ``silu(min(gate, limit)) * clamp(up, -limit, limit)``; the routed experts
 (``PackedExperts``) apply it to each expert's rows of a step, their weights stored packed as transformers keeps them.
 """
@@ -107,3 +111,45 @@ class HyperConnection(nn.Module):
         """The streams after the block: ``post`` spreads ``out [T, d]``, ``comb`` mixes ``streams [T, N, d]``."""
         dtype = streams.dtype
         return post.to(dtype).unsqueeze(-1) * out.unsqueeze(1) + comb.to(dtype).transpose(-1, -2) @ streams
+
+
+class IndependentHyperConnection(nn.Module):
+    """Hunyuan V4's hyper-connection: ``pre [N]`` and ``post [N]`` from the RMS-normalised streams, no stream mix
+    (the module docstring). Float32."""
+
+    def __init__(self, n: int, hidden: int, magnitude: float, eps: float, norm_eps: float) -> None:
+        super().__init__()
+        self.n, self.magnitude, self.eps, self.norm_eps = n, magnitude, eps, norm_eps
+        self.fn = _param(2 * n, n * hidden)
+        self.base = _param(2 * n)
+        self.scale = _param(2)
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``streams [T, N, d]`` -> ``post [T, N]``, the block's input ``[T, d]``."""
+        mixes = F.linear(rms(streams.flatten(1).float(), self.norm_eps), self.fn.float())
+        pre_w, post_w = mixes.split(self.n, dim=-1)
+        pre_b, post_b = self.base.split(self.n)
+        pre = torch.sigmoid(pre_w * self.scale[0] + pre_b) + self.eps
+        post = self.magnitude * torch.sigmoid(post_w * self.scale[1] + post_b) + self.eps
+        return post, (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+    @staticmethod
+    def merge(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor) -> torch.Tensor:
+        """The streams after the block, in float32 and cast back: ``post`` spreads ``out [T, d]`` over them."""
+        return (post.unsqueeze(-1) * out.float().unsqueeze(1) + streams.float()).to(streams.dtype)
+
+
+class HyperHead(nn.Module):
+    """The streams' final collapse (before the final norm): ``sum_n pre[n] streams[n]``."""
+
+    def __init__(self, n: int, hidden: int, eps: float, norm_eps: float) -> None:
+        super().__init__()
+        self.eps, self.norm_eps = eps, norm_eps
+        self.hc_fn = _param(n, n * hidden)
+        self.hc_base = _param(n)
+        self.hc_scale = _param(1)
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        mixes = F.linear(rms(streams.flatten(1).float(), self.norm_eps), self.hc_fn)
+        pre = torch.sigmoid(mixes * self.hc_scale + self.hc_base) + self.eps
+        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

@@ -44,7 +44,7 @@ from torch import nn
 from mla_kernels import topk_lowest_first
 from mla_runtime.config import RopeConfig
 from mla_runtime.forward_batch import ForwardBatch
-from mla_runtime.layers.hyper import ClampedMLP, HyperConnection, PackedExperts, frozen_linear, rms
+from mla_runtime.layers.hyper import ClampedMLP, HyperConnection, HyperHead, PackedExperts, frozen_linear, rms
 from mla_runtime.layers.rotary import rope_inv_freq
 
 LAYER_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
@@ -452,23 +452,6 @@ class V4Attention(nn.Module):
         both = torch.cat([logits.float(), sinks], dim=-1)
         probs = (both - both.amax(dim=-1, keepdim=True)).softmax(dim=-1)[..., :-1]
         return torch.einsum("thk,kd->thd", probs.to(keys.dtype), keys)
-
-
-# -- hyper-connections -------------------------------------------------------------------------------------------------
-class HyperHead(nn.Module):
-    """The streams' final collapse (before the final norm)."""
-
-    def __init__(self, n: int, hidden: int, eps: float, norm_eps: float) -> None:
-        super().__init__()
-        self.eps, self.norm_eps = eps, norm_eps
-        self.hc_fn = _param(n, n * hidden)
-        self.hc_base = _param(n)
-        self.hc_scale = _param(1)
-
-    def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        mixes = F.linear(rms(streams.flatten(1).float(), self.norm_eps), self.hc_fn)
-        pre = torch.sigmoid(mixes * self.hc_scale + self.hc_base) + self.eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
 
 
 # -- MoE ---------------------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ weights are not read, and a prompt holding an image or video placeholder token i
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -324,23 +325,9 @@ class Glm5NextForCausalLM(nn.Module):
         return F.linear(hidden, self.lm_head.weight).float()
 
     def forward_batch(self, batch: ForwardBatch, states: Glm5NextStateCache) -> torch.Tensor:
-        """Hidden states ``[T, d]`` of an engine step (any mix of prompts, chunks and decodes, each sequence with its
-        state slot), each sequence computed over its own slot's state; a sequence's snapshots
-        (``batch.state_snapshots``: after its first ``n`` new tokens, into snapshot ``s``) taken on the way."""
-        if batch.state_slots is None:
-            raise ValueError("a glm5_next step needs each sequence's state slot (ForwardBatch.state_slots)")
-        starts, ids = batch.query_start_loc.tolist(), batch.input_ids.tolist()
-        outs = []
-        for b, (q, ctx, slot) in enumerate(zip(batch.query_lens, batch.context_lens_list, batch.state_slots)):
-            st, done = states.state(slot, ctx), 0
-            for n, s in sorted((n, s) for sb, n, s in batch.state_snapshots if sb == b):
-                if n > done:
-                    outs.append(self.hidden(ids[starts[b] + done:starts[b] + n], st))
-                    done = n
-                states.snapshots[s] = st.copy()
-            if done < q:
-                outs.append(self.hidden(ids[starts[b] + done:starts[b] + q], st))
-        return torch.cat(outs)
+        """Hidden states ``[T, d]`` of an engine step, each sequence over its own slot's state
+        (``Glm5NextStateCache.run_batch``)."""
+        return states.run_batch(batch, self.hidden)
 
     def load_state_dict_hf(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load a checkpoint's tensors (transformers' saved layout or its in-memory names, of the text model or the
@@ -361,16 +348,17 @@ class Glm5NextForCausalLM(nn.Module):
 # -- the engine's slots and loading ------------------------------------------------------------------------------------
 class Glm5NextStateCache:
     """The running sequences' states, one per slot of the engine's state slots; a sequence's first step (no cached
-    tokens) starts its slot afresh, whatever the slot held."""
+    tokens) starts its slot afresh (``model.new_state()``), whatever the slot held. Any model of its own whose
+    per-sequence state has ``length`` and ``copy()`` runs its steps over it (GLM-5-Next, Hunyuan V4)."""
 
-    def __init__(self, model: Glm5NextForCausalLM, num_slots: int, num_snapshots: int = 0) -> None:
+    def __init__(self, model: Any, num_slots: int, num_snapshots: int = 0) -> None:
         if num_slots < 1 or num_snapshots < 0:
             raise ValueError(f"num_slots must be >= 1 and num_snapshots >= 0, got {num_slots}, {num_snapshots}")
         self.model = model
-        self.slots: list[Glm5NextState | None] = [None] * num_slots
-        self.snapshots: list[Glm5NextState | None] = [None] * num_snapshots  # the prefix cache's, by id
+        self.slots: list[Any] = [None] * num_slots
+        self.snapshots: list[Any] = [None] * num_snapshots  # the prefix cache's, by id
 
-    def state(self, slot: int, context_len: int) -> Glm5NextState:
+    def state(self, slot: int, context_len: int) -> Any:
         if not 0 <= slot < len(self.slots):
             raise ValueError(f"state slot {slot} is out of range (0..{len(self.slots) - 1})")
         if context_len == 0:
@@ -383,6 +371,25 @@ class Glm5NextStateCache:
 
     def release(self, slot: int) -> None:
         self.slots[slot] = None
+
+    def run_batch(self, batch: ForwardBatch, hidden: Callable[[list[int], Any], torch.Tensor]) -> torch.Tensor:
+        """Hidden states ``[T, d]`` of an engine step (any mix of prompts, chunks and decodes, each sequence with its
+        state slot): ``hidden(ids, state)`` over each sequence's slot, its snapshots (``batch.state_snapshots``: after
+        its first ``n`` new tokens, into snapshot ``s``) taken on the way."""
+        if batch.state_slots is None:
+            raise ValueError("a step of a model of its own needs each sequence's state slot (ForwardBatch.state_slots)")
+        starts, ids = batch.query_start_loc.tolist(), batch.input_ids.tolist()
+        outs = []
+        for b, (q, ctx, slot) in enumerate(zip(batch.query_lens, batch.context_lens_list, batch.state_slots)):
+            st, done = self.state(slot, ctx), 0
+            for n, s in sorted((n, s) for sb, n, s in batch.state_snapshots if sb == b):
+                if n > done:
+                    outs.append(hidden(ids[starts[b] + done:starts[b] + n], st))
+                    done = n
+                self.snapshots[s] = st.copy()
+            if done < q:
+                outs.append(hidden(ids[starts[b] + done:starts[b] + q], st))
+        return torch.cat(outs)
 
     def restore(self, snapshot: int, slot: int) -> None:
         """Slot ``slot`` resumes from snapshot ``snapshot`` (a prefix hit): a copy of its state."""
