@@ -7,10 +7,12 @@ pool counts what grows with a sequence (``bytes_per_token``: its latent rows and
 preempts when they would outgrow the budget. A step (any mix of prompts, prefill chunks and decodes) runs
 ``HyV4ForCausalLM.forward_batch`` over the slots, in torch.
 
-Prefix caching takes state snapshots as GLM-5-Next's does: a snapshot at a block boundary shares the sequence's
-latents and keys up to there (no step writes into them), so it costs no bytes of its own beyond the blocks that
-already count those tokens; a sequence that hits the prefix resumes from a copy. What V4 refuses is refused here by
-name (``check_v4_settings``).
+Prefix caching takes state snapshots as GLM-5-Next's does (``max_num_seqs`` of them; ``state_snapshot_memory`` 0
+turns it off): a snapshot at a block boundary keeps the sequence's latents and keys up to there (tensors no step
+writes into again), and a sequence that hits the prefix resumes from a copy. The cached blocks count those rows once
+the sequence that took it has finished; while it runs, the snapshot's rows are a second copy of its prefix that the
+block pool does not count (at most one prefix per snapshot). What V4 refuses is refused here by name
+(``check_v4_settings``).
 """
 
 from __future__ import annotations
@@ -58,8 +60,10 @@ class HyV4Worker(V4Worker):
         cfg = self._settle(model_config(self.hy_config), raw.get("dtype") or raw.get("torch_dtype"))
         self.bytes_per_token = self.bytes_per_token_per_rank = bytes_per_token(self.hy_config, self.dtype.itemsize)
         self.state_bytes_per_sequence = self.state_bytes = 0  # nothing fixed: all it keeps grows with the tokens
-        self.num_state_snapshots = config.max_num_seqs if config.enable_prefix_caching else 0
-        self.state_snapshot_bytes = 0  # a snapshot shares the blocks' tokens
+        off = not config.enable_prefix_caching or (config.state_snapshot_memory is not None
+                                                   and not int(config.state_snapshot_memory))
+        self.num_state_snapshots = 0 if off else config.max_num_seqs  # state_snapshot_memory 0: no prefix caching
+        self.state_snapshot_bytes = 0  # nothing fixed: a snapshot holds the rows of its prefix (the module docstring)
         self._size_streams(cfg, lambda: HyV4ForCausalLM(self.hy_config, self.dtype), int(self.hy_config.hc_mult))
         self._unloaded()
 
