@@ -69,7 +69,10 @@ GLM5 = ("glm5_next",)
 # Hunyuan V4: MLA with DSA (shared selections), sinks, an output gate and hyper-connections; in torch over per-sequence
 # state slots as GLM-5-Next (V4's fewer prompts; a top-k of 6, below all but the shortest)
 HYV4 = ("hy_v4",)
-OWN = V4 + GLM5 + HYV4  # models of their own
+# dots3-note's text model: indexed (DSA) and sliding-window MLA layers of their own widths, gated heads; in torch over
+# per-sequence state slots as GLM-5-Next (V4's fewer prompts: past its window of 5 and its top-k of 6)
+DOTS3 = ("dots3_note",)
+OWN = V4 + GLM5 + HYV4 + DOTS3  # models of their own
 MODEL_TYPES = DENSE + SPARSE + HYBRID + OWN
 DRAWN_TYPES = DENSE + SPARSE + HYBRID  # the drawn cells' families (V4's steps are too slow for the suite's draws)
 # hybrids run on one rank without speculative decoding (their linear layers' states advance with every token)
@@ -163,6 +166,8 @@ def text_config(model_type: str, rng: random.Random | None) -> dict[str, Any]:
         return glm5_next_config(rng)
     if model_type == "hy_v4":
         return hy_v4_config(rng)
+    if model_type == "dots3_note":
+        return dots3_note_config(rng)
     if model_type == "mistral_large4":
         cfg.update(q_lora_rank=None, no_rope_layers=([1, 0] + [1] * layers)[:layers],
                    indexer_types=(["full", "full", "shared"] + ["full"] * layers)[:layers],
@@ -217,6 +222,21 @@ def hy_v4_config(rng: random.Random | None) -> dict[str, Any]:
         indexer_types=["full", "shared", "full", "shared"])
 
 
+def dots3_note_config(rng: random.Random | None) -> dict[str, Any]:
+    """dots3-note's text configuration: indexed layers (top-k 6) and sliding-window layers (a window of 5) with widths
+    of their own, dense and MoE MLPs, two expert groups."""
+    heads = _pick(rng, 2, 2, 4)
+    return dict(
+        vocab_size=VOCAB, hidden_size=_pick(rng, 48, 32, 48), intermediate_size=64, num_hidden_layers=5,
+        num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=24, kv_lora_rank=_pick(rng, 32, 16, 32),
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, head_dim=24, moe_intermediate_size=16,
+        shared_experts_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+        index_topk=6, index_head_dim=16, index_n_heads=_pick(rng, 2, 2, 4), sliding_window=_pick(rng, 5, 3, 5, 8),
+        swa_num_attention_heads=4, swa_num_key_value_heads=4, swa_q_lora_rank=16, swa_kv_lora_rank=24,
+        swa_head_dim=20, swa_qk_nope_head_dim=12, swa_v_head_dim=8, max_position_embeddings=512, pad_token_id=None,
+        bos_token_id=0, eos_token_id=None)
+
+
 V4_LAYER_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 
 
@@ -263,6 +283,15 @@ def build(model_type: str, seed: int | None = None) -> torch.nn.Module:
         vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=cfg["hidden_size"],
                       projection_intermediate_size=32, patch_size=4, spatial_merge_size=2, temporal_patch_size=1)
         model = tf.Glm5NextForConditionalGeneration(tf.Glm5NextConfig(text_config=cfg, vision_config=vision))
+    elif model_type == "dots3_note":  # the multimodal wrapper, as the checkpoints ship (its towers unused)
+        vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=4,
+                      moe_intermediate_size=16, adapter_in_dim=16, adapter_out_dim=cfg["hidden_size"],
+                      pyramid_num_routed=[-1])
+        audio = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                     downsample_hidden_size=8, adapter_input_size=16, adapter_out_dim=cfg["hidden_size"],
+                     feature_size=16)
+        model = tf.Dots3NoteForConditionalGeneration(tf.Dots3NoteConfig(text_config=cfg, vision_config=vision,
+                                                                        audio_config=audio))
     elif model_type == "mistral_large4":
         vision = dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, head_dim=8, patch_size=4, image_size=16)
@@ -550,6 +579,11 @@ def _bytes_per_token(path: Path) -> int:
         from mla_runtime.models.glm5_next import Glm5NextConfig
 
         return bytes_per_token(Glm5NextConfig.from_raw(raw), 4)
+    if raw.get("model_type") == "dots3_note":
+        from mla_runtime.engine.dots3_worker import bytes_per_token as dots3_bytes
+        from mla_runtime.models.dots3_note import Dots3Config
+
+        return dots3_bytes(Dots3Config.from_raw(raw), 4)
     if raw.get("model_type") == "hy_v4":
         from mla_runtime.engine.hy_v4_worker import bytes_per_token as hy_bytes
         from mla_runtime.models.hy_v4 import HyV4Config

@@ -126,7 +126,7 @@ class V4Worker(Worker):
 
     def _size_streams(self, cfg: ModelConfig, build: Callable[[], torch.nn.Module], streams: int) -> None:
         """The weights' bytes (of the model ``build`` makes, on the meta device) and the activations' reserve, with
-        ``streams`` residual streams (hyper-connections) per token of a step."""
+        ``streams`` residual streams (hyper-connections; 0 without) per token of a step."""
         with torch.device("meta"):
             meta = build()
         self.weight_bytes = sum(t.numel() * t.element_size() for t in (*meta.parameters(), *meta.buffers()))
@@ -266,12 +266,17 @@ def is_v4_checkpoint(config: EngineConfig) -> bool:
 
 def make_worker(config: EngineConfig, par: ParallelContext = SINGLE_RANK) -> Worker:
     """The worker of ``config.model``: ``V4Worker`` for a ``deepseek_v4`` checkpoint, ``Glm5NextWorker`` for a
-    ``glm5_next`` one, ``HyV4Worker`` for a ``hy_v4`` one, else ``Worker``."""
+    ``glm5_next`` one, ``HyV4Worker`` for a ``hy_v4`` one, ``Dots3Worker`` for a ``dots3_note`` one, else
+    ``Worker``."""
     model_type = checkpoint_model_type(config)
     if model_type in GLM5_NEXT_TYPES:
         from mla_runtime.engine.glm5_worker import Glm5NextWorker
 
         return Glm5NextWorker(config, par)
+    if model_type in ("dots3_note", "dots3_note_text"):
+        from mla_runtime.engine.dots3_worker import Dots3Worker
+
+        return Dots3Worker(config, par)
     if model_type == "hy_v4":
         from mla_runtime.engine.hy_v4_worker import HyV4Worker
 

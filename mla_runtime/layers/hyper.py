@@ -75,6 +75,28 @@ class PackedExperts(nn.Module):
         return out
 
 
+def pack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert ``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`` -> the packed ``gate_up_proj``,
+    ``down_proj`` (a checkpoint already packed passes as it is)."""
+    out: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for name, t in tensors.items():
+        head, sep, tail = name.partition(".mlp.experts.")
+        pieces = tail.split(".")
+        if sep and len(pieces) == 3 and pieces[0].isdigit():
+            parts.setdefault(head, {}).setdefault(pieces[1], {})[int(pieces[0])] = t
+        else:
+            out[name] = t
+    for head, kinds in parts.items():
+        order = sorted(kinds.get("gate_proj", {}))
+        if set(kinds) != {"gate_proj", "up_proj", "down_proj"} or any(sorted(v) != order for v in kinds.values()):
+            raise ValueError(f"{head}: routed experts need gate_proj, up_proj and down_proj for every expert")
+        out[f"{head}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([kinds["gate_proj"][e], kinds["up_proj"][e]]) for e in order])
+        out[f"{head}.mlp.experts.down_proj"] = torch.stack([kinds["down_proj"][e] for e in order])
+    return out
+
+
 def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.zeros(*shape, dtype=torch.float32), requires_grad=False)
 

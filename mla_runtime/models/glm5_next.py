@@ -32,7 +32,7 @@ from mla_runtime.cache.state_cache import StateCache
 from mla_runtime.config import LinearAttentionConfig, MoEConfig
 from mla_runtime.families import _indexer_kinds, _kimi_linear_name
 from mla_runtime.forward_batch import ForwardBatch
-from mla_runtime.layers.hyper import ClampedMLP, HyperConnection, PackedExperts, frozen_linear
+from mla_runtime.layers.hyper import ClampedMLP, HyperConnection, PackedExperts, frozen_linear, pack_experts
 from mla_runtime.layers.kda import KimiDeltaAttention
 from mla_runtime.layers.moe import Router
 from mla_runtime.layers.pooled_indexer import PooledIndexer
@@ -332,7 +332,7 @@ class Glm5NextForCausalLM(nn.Module):
     def load_state_dict_hf(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load a checkpoint's tensors (transformers' saved layout or its in-memory names, of the text model or the
         multimodal wrapper); the vision tower's are not read."""
-        mine = _pack_experts(_join_convs({n: t for name, t in tensors.items()
+        mine = pack_experts(_join_convs({n: t for name, t in tensors.items()
                                           if (n := stored_name(name)) is not None}))
         if self.config.tie_word_embeddings and "lm_head.weight" not in mine and "model.embed_tokens.weight" in mine:
             mine["lm_head.weight"] = mine["model.embed_tokens.weight"]
@@ -424,28 +424,6 @@ def _join_convs(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if name.endswith(".q_conv1d.weight"):
             head = name[:-len("q_conv1d.weight")]
             out[head + "conv1d.weight"] = torch.cat([tensors[f"{head}{p}_conv1d.weight"] for p in "qkv"])
-    return out
-
-
-def _pack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per-expert ``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`` -> the packed ``gate_up_proj``,
-    ``down_proj`` (a checkpoint already packed passes as it is)."""
-    out: dict[str, torch.Tensor] = {}
-    parts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
-    for name, t in tensors.items():
-        head, sep, tail = name.partition(".mlp.experts.")
-        pieces = tail.split(".")
-        if sep and len(pieces) == 3 and pieces[0].isdigit():
-            parts.setdefault(head, {}).setdefault(pieces[1], {})[int(pieces[0])] = t
-        else:
-            out[name] = t
-    for head, kinds in parts.items():
-        order = sorted(kinds.get("gate_proj", {}))
-        if set(kinds) != {"gate_proj", "up_proj", "down_proj"} or any(sorted(v) != order for v in kinds.values()):
-            raise ValueError(f"{head}: routed experts need gate_proj, up_proj and down_proj for every expert")
-        out[f"{head}.mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([kinds["gate_proj"][e], kinds["up_proj"][e]]) for e in order])
-        out[f"{head}.mlp.experts.down_proj"] = torch.stack([kinds["down_proj"][e] for e in order])
     return out
 
 
