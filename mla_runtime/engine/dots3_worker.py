@@ -5,8 +5,9 @@ over ``Dots3State``), handed out by the scheduler's ``StateSlots`` and dropped w
 preemption: a preempted sequence recomputes from its first token). The block pool counts what grows with a sequence
 (``bytes_per_token``: the indexed and full layers' latent rows and the indexer keys); the sliding layers' windows are
 the fixed part of a slot (``state_bytes_per_sequence``), as a hybrid's linear-attention states are. Prefix caching
-takes state snapshots as the hybrids do (``state_snapshot_memory``; each snapshot's windows are counted, the longer
-layers' rows it keeps are those of the cached blocks). What V4 refuses is refused here by name
+takes state snapshots as the hybrids do (``state_snapshot_memory``): each snapshot's windows are counted; the other
+layers' rows it keeps are counted by the cached blocks once the sequence that took it has finished (while it runs,
+they are a second copy of its prefix). What V4 refuses is refused here by name
 (``check_v4_settings``). The vision and audio towers are not served: a prompt holding one of their placeholder tokens
 fails with a message that says so.
 """
