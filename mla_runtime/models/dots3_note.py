@@ -63,7 +63,7 @@ class Dots3Config:
     g: dict[str, Any]
     kinds: tuple[str, ...]
     moe: tuple[bool, ...]
-    widths: tuple[dict[str, int], ...]
+    widths: tuple[dict[str, Any], ...]
     ropes: dict[str, tuple[float, int]]
     media_tokens: frozenset[int] = field(default_factory=frozenset)
 
@@ -97,7 +97,7 @@ def _default_kinds(g: dict[str, Any], n: int) -> list[str]:
     return [dense if not swa or i < 2 or i % 4 == 1 else "sliding_attention" for i in range(n)]
 
 
-def _widths(g: dict[str, Any], i: int, kind: str) -> dict[str, int]:
+def _widths(g: dict[str, Any], i: int, kind: str) -> dict[str, Any]:
     """Layer ``i``'s attention widths: the global ones, a sliding layer's ``swa_*`` defaults, ``per_layer_config``."""
     out = {k: g[k] for k in _WIDTHS}
     per = g.get("per_layer_config") or {}
@@ -105,18 +105,18 @@ def _widths(g: dict[str, Any], i: int, kind: str) -> dict[str, int]:
         swa = {k: g.get(f"swa_{k}", v) for k, v in _SWA.items()}
         swa["qk_rope_head_dim"] = g.get("swa_qk_rope_head_dim", swa["head_dim"] - swa["qk_nope_head_dim"])
         out.update(swa)
-    out.update({k: v for k, v in (per.get(str(i)) or per.get(i) or {}).items()})  # type: ignore[call-overload]
-    return {k: (int(out[k]) if out[k] is not None else None) for k in _WIDTHS} | {
-        k: v for k, v in out.items() if k not in _WIDTHS}
+    out.update(per.get(str(i)) or per.get(i) or {})
+    return {k: (None if v is None else int(v)) if k in _WIDTHS else v for k, v in out.items()}
 
 
-def _ropes(g: dict[str, Any], kinds: list[str], widths: tuple[dict[str, int], ...]) -> dict[str, tuple[float, int]]:
+def _ropes(g: dict[str, Any], kinds: list[str], widths: tuple[dict[str, Any], ...]) -> dict[str, tuple[float, int]]:
     """Each kind's RoPE: its base and rotated dims (``head_dim x partial_rotary_factor``, as transformers)."""
     params = g.get("rope_parameters") or g.get("rope_scaling") or {}
     out = {}
     for kind in set(kinds):
         w = widths[kinds.index(kind)]
-        p = params.get(kind) if isinstance(params.get(kind), dict) else (params if "rope_theta" in params else {})
+        nested = params.get(kind)
+        p: dict[str, Any] = nested if isinstance(nested, dict) else (params if "rope_theta" in params else {})
         if p.get("rope_type", "default") != "default":
             raise ValueError(f"dots3_note: rope_type {p.get('rope_type')!r} of the {kind} layers is not supported "
                              f"(default)")
@@ -125,7 +125,7 @@ def _ropes(g: dict[str, Any], kinds: list[str], widths: tuple[dict[str, int], ..
     return out
 
 
-def _check(g: dict[str, Any], n: int, kinds: list[str], mlp: list[str], widths: tuple[dict[str, int], ...]) -> None:
+def _check(g: dict[str, Any], n: int, kinds: list[str], mlp: list[str], widths: tuple[dict[str, Any], ...]) -> None:
     """Refuse, by name, what transformers' model would not run or this one does not."""
     for name, values, allowed in (("layer_types", kinds, set(KINDS)), ("mlp_layer_types", mlp, {"dense", "sparse"})):
         if len(values) != n or set(values) - allowed:
