@@ -66,7 +66,14 @@ V4_NEW_TOKENS = 8
 # GLM-5-Next's text model: linear-attention layers between pooled-indexer MLA layers, hyper-connections; it runs in
 # torch over per-sequence state slots as V4 does (V4's fewer prompts), with state snapshots for prefix caching
 GLM5 = ("glm5_next",)
-MODEL_TYPES = DENSE + SPARSE + HYBRID + V4 + GLM5
+# Hunyuan V4: MLA with DSA (shared selections), sinks, an output gate and hyper-connections; in torch over per-sequence
+# state slots as GLM-5-Next (V4's fewer prompts; a top-k of 6, below all but the shortest)
+HYV4 = ("hy_v4",)
+# dots3-note's text model: indexed (DSA) and sliding-window MLA layers of their own widths, gated heads; in torch over
+# per-sequence state slots as GLM-5-Next (V4's fewer prompts: past its window of 5 and its top-k of 6)
+DOTS3 = ("dots3_note",)
+OWN = V4 + GLM5 + HYV4 + DOTS3  # models of their own
+MODEL_TYPES = DENSE + SPARSE + HYBRID + OWN
 DRAWN_TYPES = DENSE + SPARSE + HYBRID  # the drawn cells' families (V4's steps are too slow for the suite's draws)
 # hybrids run on one rank without speculative decoding (their linear layers' states advance with every token)
 ONE_RANK_NO_DRAFTS = DENSE + SPARSE
@@ -157,6 +164,10 @@ def text_config(model_type: str, rng: random.Random | None) -> dict[str, Any]:
         return v4_config(rng)
     if model_type == "glm5_next":
         return glm5_next_config(rng)
+    if model_type == "hy_v4":
+        return hy_v4_config(rng)
+    if model_type == "dots3_note":
+        return dots3_note_config(rng)
     if model_type == "mistral_large4":
         cfg.update(q_lora_rank=None, no_rope_layers=([1, 0] + [1] * layers)[:layers],
                    indexer_types=(["full", "full", "shared"] + ["full"] * layers)[:layers],
@@ -195,6 +206,35 @@ def glm5_next_config(rng: random.Random | None) -> dict[str, Any]:
         bos_token_id=0, eos_token_id=None,
         layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
         indexer_types=["full", "full", "shared", "full"], mlp_layer_types=["dense", "sparse", "sparse", "dense"])
+
+
+def hy_v4_config(rng: random.Random | None) -> dict[str, Any]:
+    """Hunyuan V4's configuration: dense and MoE MLPs, layers with their own indexer and layers sharing the last one's
+    selection (index_topk 6), two hyper-connection streams, learnable sinks, a tight SwiGLU clamp."""
+    heads = _pick(rng, 2, 2, 4)
+    return dict(
+        vocab_size=VOCAB, hidden_size=_pick(rng, 48, 32, 48), intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=24, kv_lora_rank=_pick(rng, 32, 16, 32),
+        qk_nope_head_dim=16, qk_rope_head_dim=_pick(rng, 8, 8, 16), v_head_dim=16, moe_intermediate_size=16,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, hc_mult=2, index_topk=6, index_head_dim=16,
+        index_n_heads=_pick(rng, 2, 2, 4), swiglu_limit=2.0, max_position_embeddings=512, pad_token_id=None,
+        bos_token_id=0, eos_token_id=None, mlp_layer_types=["dense", "sparse", "sparse", "dense"],
+        indexer_types=["full", "shared", "full", "shared"])
+
+
+def dots3_note_config(rng: random.Random | None) -> dict[str, Any]:
+    """dots3-note's text configuration: indexed layers (top-k 6) and sliding-window layers (a window of 5) with widths
+    of their own, dense and MoE MLPs, two expert groups."""
+    heads = _pick(rng, 2, 2, 4)
+    return dict(
+        vocab_size=VOCAB, hidden_size=_pick(rng, 48, 32, 48), intermediate_size=64, num_hidden_layers=5,
+        num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=24, kv_lora_rank=_pick(rng, 32, 16, 32),
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, head_dim=24, moe_intermediate_size=16,
+        shared_experts_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+        index_topk=6, index_head_dim=16, index_n_heads=_pick(rng, 2, 2, 4), sliding_window=_pick(rng, 5, 3, 5, 8),
+        swa_num_attention_heads=4, swa_num_key_value_heads=4, swa_q_lora_rank=16, swa_kv_lora_rank=24,
+        swa_head_dim=20, swa_qk_nope_head_dim=12, swa_v_head_dim=8, max_position_embeddings=512, pad_token_id=None,
+        bos_token_id=0, eos_token_id=None)
 
 
 V4_LAYER_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
@@ -243,6 +283,15 @@ def build(model_type: str, seed: int | None = None) -> torch.nn.Module:
         vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=cfg["hidden_size"],
                       projection_intermediate_size=32, patch_size=4, spatial_merge_size=2, temporal_patch_size=1)
         model = tf.Glm5NextForConditionalGeneration(tf.Glm5NextConfig(text_config=cfg, vision_config=vision))
+    elif model_type == "dots3_note":  # the multimodal wrapper, as the checkpoints ship (its towers unused)
+        vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=4,
+                      moe_intermediate_size=16, adapter_in_dim=16, adapter_out_dim=cfg["hidden_size"],
+                      pyramid_num_routed=[-1])
+        audio = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                     downsample_hidden_size=8, adapter_input_size=16, adapter_out_dim=cfg["hidden_size"],
+                     feature_size=16)
+        model = tf.Dots3NoteForConditionalGeneration(tf.Dots3NoteConfig(text_config=cfg, vision_config=vision,
+                                                                        audio_config=audio))
     elif model_type == "mistral_large4":
         vision = dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, head_dim=8, patch_size=4, image_size=16)
@@ -253,7 +302,7 @@ def build(model_type: str, seed: int | None = None) -> torch.nn.Module:
                   "mistral4": "Mistral4", "glm4_moe_lite": "Glm4MoeLite", "minicpm3": "MiniCPM3", "youtu": "Youtu",
                   "deepseek_v32": "DeepseekV32", "glm_moe_dsa": "GlmMoeDsa", "axk2": "AXK2",
                   "kimi_linear": "KimiLinear", "bailing_hybrid": "BailingHybrid",
-                  "deepseek_v4": "DeepseekV4"}[model_type]
+                  "deepseek_v4": "DeepseekV4", "hy_v4": "HYV4"}[model_type]
         config = getattr(tf, f"{prefix}Config")(**cfg)
         model = getattr(tf, f"{prefix}ForCausalLM", None)
         model = tf.AutoModelForCausalLM.from_config(config) if model is None else model(config)
@@ -411,7 +460,7 @@ CELLS: dict[str, Cell] = {c.name: c for c in (
     # V4's and GLM-5-Next's fewer prompts: a cache of 10 blocks for their 13, a budget that chunks the longer prompts
     Cell("chunked-preemption", {"max_model_len": 128, "kv_cache_tokens": 160, "max_num_seqs": 5,
                                 "max_num_batched_tokens": 24},
-         must_preempt=True, families=V4 + GLM5),
+         must_preempt=True, families=OWN),
     Cell("torch-backend", {"attention_backend": "torch"}, families=NOT_V4),
     Cell("triton-interpreted", {"attention_backend": "triton"}, families=NOT_V4),
     Cell("tp2-replicated", {"tensor_parallel_size": 2}, families=ONE_RANK_NO_DRAFTS),
@@ -530,17 +579,27 @@ def _bytes_per_token(path: Path) -> int:
         from mla_runtime.models.glm5_next import Glm5NextConfig
 
         return bytes_per_token(Glm5NextConfig.from_raw(raw), 4)
+    if raw.get("model_type") == "dots3_note":
+        from mla_runtime.engine.dots3_worker import bytes_per_token as dots3_bytes
+        from mla_runtime.models.dots3_note import Dots3Config
+
+        return dots3_bytes(Dots3Config.from_raw(raw), 4)
+    if raw.get("model_type") == "hy_v4":
+        from mla_runtime.engine.hy_v4_worker import bytes_per_token as hy_bytes
+        from mla_runtime.models.hy_v4 import HyV4Config
+
+        return hy_bytes(HyV4Config.from_raw(raw), 4)
     return latent_bytes_per_token(ModelConfig.from_pretrained(path), "auto", "float32")
 
 
 def prompt_lens(model_type: str) -> tuple[int, ...]:
     """The lengths of a family's prompts: ``PROMPT_LENS``, V4's fewer ``V4_PROMPT_LENS``."""
-    return V4_PROMPT_LENS if model_type in V4 + GLM5 else PROMPT_LENS
+    return V4_PROMPT_LENS if model_type in OWN else PROMPT_LENS
 
 
 def new_tokens(model_type: str) -> int:
     """The greedy tokens generated after each prompt: ``NEW_TOKENS``, V4's fewer ``V4_NEW_TOKENS``."""
-    return V4_NEW_TOKENS if model_type in V4 + GLM5 else NEW_TOKENS
+    return V4_NEW_TOKENS if model_type in OWN else NEW_TOKENS
 
 
 def run_cell(family: Family, cell: Cell, lens: tuple[int, ...] | None = None) -> Result:

@@ -57,6 +57,7 @@ from typing import Any
 import torch
 
 from mla_runtime.engine.worker import StepInput, Worker
+from mla_runtime.families import OWN_MODEL
 from mla_runtime.forward_batch import ForwardBatch
 
 logger = logging.getLogger("mla_runtime")
@@ -331,7 +332,7 @@ def start_decode_graphs(worker: Worker) -> DecodeGraphs | None:
         reason = "tensor parallelism"
     elif worker.num_mtp_layers:
         reason = "MTP drafting reads the eager step's batch"
-    elif worker.model_config.family in ("deepseek_v4", "glm5_next"):
+    elif worker.model_config.family in OWN_MODEL:
         reason = f"{worker.model_config.family} runs its steps in torch over the sequences' state slots"
     elif worker.model_config.linear_attention is not None:
         reason = "a hybrid model's linear-attention layers run eagerly"

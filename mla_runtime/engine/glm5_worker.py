@@ -18,21 +18,16 @@ not served: a prompt holding an image or video placeholder token fails with a me
 from __future__ import annotations
 
 import logging
-from typing import cast
 
 import torch
 
-from mla_runtime.cache.latent_cache import LatentCache
 from mla_runtime.cache.state_cache import StateCache
 from mla_runtime.config import ModelConfig
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.engine.v4_worker import V4Worker, check_v4_settings
-from mla_runtime.engine.worker import StepInput
 from mla_runtime.errors import InvalidParam
-from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.models.glm5_next import Glm5NextConfig, Glm5NextForCausalLM, Glm5NextStateCache, load_glm5_next
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
-from mla_runtime.plan import activation_reserve_bytes
 
 logger = logging.getLogger("mla_runtime")
 DOC = "docs/hybrid-models.md"
@@ -74,47 +69,20 @@ class Glm5NextWorker(V4Worker):
         self.state_bytes = self.state_bytes_per_sequence * config.max_num_seqs
         self.num_state_snapshots = self._num_state_snapshots()
         self.state_snapshot_bytes = self.state_bytes_per_sequence * self.num_state_snapshots
-        with torch.device("meta"):
-            meta = Glm5NextForCausalLM(self.glm_config, self.dtype)
-        self.weight_bytes = sum(t.numel() * t.element_size() for t in (*meta.parameters(), *meta.buffers()))
-        self.activation_bytes = activation_reserve_bytes(
-            cfg, dtype=self.dtype, max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs) + (int(self.glm_config.hc_mult) * cfg.hidden_size
-                                                 * self.dtype.itemsize * self.max_num_batched_tokens)
-        self.model = None
-        self.glm_model: Glm5NextForCausalLM | None = None
-        self.v4_model = None
-        self.states = None
-        self.cache: LatentCache | None = None
-        self.last_step = None
-        self.quantized = False
-        self.weights_fingerprint = None
-        self.disk_tier = self.host_tier = None
-        self.graphs = None
+        self._size_streams(cfg, lambda: Glm5NextForCausalLM(self.glm_config, self.dtype), int(self.glm_config.hc_mult))
+        self._unloaded()
 
-    def load(self) -> None:  # type: ignore[override]
-        """Load the weights (checked against the sha256 manifest first with ``verify_weights``)."""
-        from mla_runtime import checksums
+    def _load_model(self) -> torch.nn.Module:
+        return load_glm5_next(self.model_path, self.dtype)
 
-        self.check_memory()
-        if self.config.verify_weights:
-            self.weights_fingerprint = checksums.verify(self.model_path)
-        else:
-            self.weights_fingerprint = checksums.manifest_fingerprint(self.model_path)
-        self.glm_model = load_glm5_next(self.model_path, self.dtype).to(self.device)
+    def _new_states(self) -> Glm5NextStateCache:
+        return Glm5NextStateCache(self.own_model, self.config.max_num_seqs, self.num_state_snapshots)
 
-    def allocate(self, num_blocks: int, cache_dtype: torch.dtype | None = None) -> LatentCache:
-        """The block pool's bookkeeping cache (no layers) and the ``max_num_seqs`` state slots."""
-        assert self.glm_model is not None
-        self.cache = LatentCache(0, num_blocks, self.config.block_size, int(self.glm_config.kv_lora_rank),
-                                 self.dtype, self.device)
-        self.states = Glm5NextStateCache(self.glm_model, self.config.max_num_seqs,  # type: ignore[assignment]
-                                         self.num_state_snapshots)
-        logger.info("glm5_next: %d state slots of %.1f KiB (the linear layers' states) plus %d B per token (latents, "
-                    "indexer keys; %d blocks of %d tokens); prefix caching: %s", self.config.max_num_seqs,
-                    self.state_bytes_per_sequence / 2**10, self.bytes_per_token, num_blocks, self.config.block_size,
-                    f"{self.num_state_snapshots} state snapshots" if self.prefix_caching else "off")
-        return self.cache
+    def _allocation_line(self, num_blocks: int) -> str:
+        snapshots = f"{self.num_state_snapshots} state snapshots" if self.prefix_caching else "off"
+        return (f"glm5_next: {self.config.max_num_seqs} state slots of {self.state_bytes_per_sequence / 2**10:.1f} KiB "
+                f"(the linear layers' states) plus {self.bytes_per_token} B per token (latents, indexer keys; "
+                f"{num_blocks} blocks of {self.config.block_size} tokens); prefix caching: {snapshots}")
 
     @property
     def prefix_caching(self) -> bool:
@@ -127,20 +95,6 @@ class Glm5NextWorker(V4Worker):
         if media:
             raise InvalidParam("prompt", f"the prompt holds image/video placeholder tokens {media}: glm5_next's "
                                f"vision tower is not served (text prompts only; {DOC})")
-
-    @torch.inference_mode()
-    def execute(self, step: StepInput) -> torch.Tensor | None:
-        """Run one step over the sequences' slots; fp32 logits ``[len(logit_rows), V]`` (None without rows)."""
-        assert self.glm_model is not None and self.states is not None
-        states = cast(Glm5NextStateCache, self.states)
-        for snapshot, slot in step.state_restores:
-            states.restore(snapshot, slot)
-        batch = ForwardBatch.build(step.token_chunks, step.context_lens, step.block_tables, self.config.block_size,
-                                   self.device, step.state_slots, step.state_snapshots)
-        hidden = self.glm_model.forward_batch(batch, states)
-        if not step.logit_rows:
-            return None
-        return self.glm_model.compute_logits(hidden[step.logit_rows])
 
 
 __all__ = ["Glm5NextWorker", "bytes_per_token", "model_config"]

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -41,7 +41,7 @@ from mla_runtime.errors import InsufficientMemory, InvalidParam
 from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.hub import resolve_model
 from mla_runtime.kernel_plan import OFF_CPU
-from mla_runtime.models.deepseek_v4 import DeepseekV4ForCausalLM, V4Config, V4StateCache, load_deepseek_v4
+from mla_runtime.models.deepseek_v4 import V4Config, V4StateCache, load_deepseek_v4
 from mla_runtime.models.glm5_next import MODEL_TYPES as GLM5_NEXT_TYPES
 from mla_runtime.models.v4_sizes import V4CacheKinds, cache_kinds, model_config, v4_weights
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
@@ -122,9 +122,24 @@ class V4Worker(Worker):
             cfg, dtype=self.dtype, max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs) + (self.v4_config.hc_mult * cfg.hidden_size * self.dtype.itemsize
                                                  * self.max_num_batched_tokens)
+        self._unloaded()
+
+    def _size_streams(self, cfg: ModelConfig, build: Callable[[], torch.nn.Module], streams: int) -> None:
+        """The weights' bytes (of the model ``build`` makes, on the meta device) and the activations' reserve, with
+        ``streams`` residual streams (hyper-connections; 0 without) per token of a step."""
+        with torch.device("meta"):
+            meta = build()
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in (*meta.parameters(), *meta.buffers()))
+        self.activation_bytes = activation_reserve_bytes(
+            cfg, dtype=self.dtype, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.config.max_num_seqs) + (streams * cfg.hidden_size * self.dtype.itemsize
+                                                      * self.max_num_batched_tokens)
+
+    def _unloaded(self) -> None:
+        """What a worker of a model of its own holds before ``load``: no model, slots, cache, tiers or graphs."""
         self.model = None
-        self.v4_model: DeepseekV4ForCausalLM | None = None
-        self.states: V4StateCache | None = None
+        self.own_model: Any = None  # the model of its own (``forward_batch``, ``compute_logits``)
+        self.states: Any = None  # its slots' states (``state``, ``release``; ``restore`` with state snapshots)
         self.cache: LatentCache | None = None
         self.last_step = None
         self.quantized = False
@@ -161,7 +176,10 @@ class V4Worker(Worker):
             self.weights_fingerprint = checksums.verify(self.model_path)
         else:
             self.weights_fingerprint = checksums.manifest_fingerprint(self.model_path)
-        self.v4_model = load_deepseek_v4(self.model_path, self.dtype).to(self.device)
+        self.own_model = self._load_model().to(self.device)
+
+    def _load_model(self) -> torch.nn.Module:
+        return load_deepseek_v4(self.model_path, self.dtype)
 
     def num_blocks(self) -> int:
         """Blocks of ``block_size`` tokens whose compressed entries fit the budget: ``kv_cache_memory``, else the
@@ -179,16 +197,25 @@ class V4Worker(Worker):
         return cache_num_blocks(budget, self.bytes_per_token, c.block_size, self.max_model_len)
 
     def allocate(self, num_blocks: int, cache_dtype: torch.dtype | None = None) -> LatentCache:
-        """The block pool's bookkeeping cache (no layers) and the ``max_num_seqs`` state slots."""
-        assert self.v4_model is not None
-        self.cache = LatentCache(0, num_blocks, self.config.block_size, self.v4_config.head_dim, self.dtype,
-                                 self.device)
-        self.states = V4StateCache(self.v4_config, self.config.max_num_seqs)
-        logger.info("deepseek_v4: %d state slots of up to %.1f KiB fixed (windows, partial windows) plus %d B of "
-                    "compressed entries per token (%d blocks of %d tokens); prefix caching is off (a cached prefix "
-                    "would need the compressors' partial windows at its end)", self.config.max_num_seqs,
-                    self.state_bytes_per_sequence / 2**10, self.bytes_per_token, num_blocks, self.config.block_size)
+        """The block pool's bookkeeping cache (no layers: nothing is written to it) and the ``max_num_seqs`` state
+        slots (``_new_states``), logged (``_allocation_line``)."""
+        assert self.own_model is not None
+        cfg = self.model_config
+        self.cache = LatentCache(0, num_blocks, self.config.block_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                                 self.dtype, self.device)
+        self.states = self._new_states()
+        logger.info(self._allocation_line(num_blocks))
         return self.cache
+
+    def _new_states(self) -> Any:
+        return V4StateCache(self.v4_config, self.config.max_num_seqs)
+
+    def _allocation_line(self, num_blocks: int) -> str:
+        return (f"deepseek_v4: {self.config.max_num_seqs} state slots of up to "
+                f"{self.state_bytes_per_sequence / 2**10:.1f} KiB fixed (windows, partial windows) plus "
+                f"{self.bytes_per_token} B of compressed entries per token ({num_blocks} blocks of "
+                f"{self.config.block_size} tokens); prefix caching is off (a cached prefix would need the compressors' "
+                f"partial windows at its end)")
 
     @property
     def prefix_caching(self) -> bool:
@@ -212,13 +239,15 @@ class V4Worker(Worker):
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor | None:
         """Run one step over the sequences' slots; fp32 logits ``[len(logit_rows), V]`` (None without rows)."""
-        assert self.v4_model is not None and self.states is not None
+        assert self.own_model is not None and self.states is not None
+        for snapshot, slot in step.state_restores:  # prefix hits (models with state snapshots)
+            self.states.restore(snapshot, slot)
         batch = ForwardBatch.build(step.token_chunks, step.context_lens, step.block_tables, self.config.block_size,
-                                   self.device, step.state_slots)
-        hidden = self.v4_model.forward_batch(batch, self.states)
+                                   self.device, step.state_slots, step.state_snapshots)
+        hidden = self.own_model.forward_batch(batch, self.states)
         if not step.logit_rows:
             return None
-        return self.v4_model.compute_logits(hidden[step.logit_rows])
+        return cast(torch.Tensor, self.own_model.compute_logits(hidden[step.logit_rows]))
 
 
 def checkpoint_model_type(config: EngineConfig) -> str | None:
@@ -237,12 +266,21 @@ def is_v4_checkpoint(config: EngineConfig) -> bool:
 
 def make_worker(config: EngineConfig, par: ParallelContext = SINGLE_RANK) -> Worker:
     """The worker of ``config.model``: ``V4Worker`` for a ``deepseek_v4`` checkpoint, ``Glm5NextWorker`` for a
-    ``glm5_next`` one, else ``Worker``."""
+    ``glm5_next`` one, ``HyV4Worker`` for a ``hy_v4`` one, ``Dots3Worker`` for a ``dots3_note`` one, else
+    ``Worker``."""
     model_type = checkpoint_model_type(config)
     if model_type in GLM5_NEXT_TYPES:
         from mla_runtime.engine.glm5_worker import Glm5NextWorker
 
         return Glm5NextWorker(config, par)
+    if model_type in ("dots3_note", "dots3_note_text"):
+        from mla_runtime.engine.dots3_worker import Dots3Worker
+
+        return Dots3Worker(config, par)
+    if model_type == "hy_v4":
+        from mla_runtime.engine.hy_v4_worker import HyV4Worker
+
+        return HyV4Worker(config, par)
     return V4Worker(config, par) if model_type == "deepseek_v4" else Worker(config, par)
 
 

@@ -1,4 +1,5 @@
-"""Manifold-constrained hyper-connections and the clamped SwiGLU, shared by DeepSeek-V4 and GLM-5-Next.
+"""Manifold-constrained hyper-connections, the clamped SwiGLU and the packed routed experts, shared by the models of
+their own (DeepSeek-V4, GLM-5-Next, Hunyuan V4).
 
 Hyper-connections keep ``N`` residual streams per token (``hc_mult``) instead of one. Around each block (the
 attention, the MLP) a learned mix computed from the RMS-normalised streams collapses them into the block's input
@@ -9,7 +10,12 @@ Sinkhorn-normalised towards a doubly stochastic matrix), all in float32::
     out = block(sum_n pre[n] streams[n])
     streams = post[:, None] out + comb^T streams        HyperConnection.merge
 
-The clamped SwiGLU (``swiglu_limit``) is ``silu(min(gate, limit)) * clamp(up, -limit, limit)``.
+Hunyuan V4's independent form (``IndependentHyperConnection``) has no ``comb``: the streams pass the block unmixed,
+``streams = post[:, None] out + streams``, and its ``post`` is ``hc_magnitude sigmoid(.) + eps``. Both models collapse
+the streams at the end with ``HyperHead``'s ``pre`` alone.
+
+The clamped SwiGLU (``swiglu_limit``) is ``silu(min(gate, limit)) * clamp(up, -limit, limit)``; the routed experts
+(``PackedExperts``) apply it to each expert's rows of a step, their weights stored packed as transformers keeps them.
 """
 
 from __future__ import annotations
@@ -48,6 +54,49 @@ class ClampedMLP(nn.Module):
         return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
 
+class PackedExperts(nn.Module):
+    """The routed experts, stored packed: ``gate_up_proj [E, 2 i, d]`` (gate rows first), ``down_proj [E, d, i]``;
+    each token's output is the sum of its chosen experts' clamped SwiGLU MLPs times their routing weights."""
+
+    def __init__(self, experts: int, hidden: int, inter: int, limit: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.limit = limit
+        self.gate_up_proj = nn.Parameter(torch.zeros(experts, 2 * inter, hidden, dtype=dtype), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.zeros(experts, hidden, inter, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """``x [T, d]``, each token's routing ``weights`` and chosen ``experts`` ``[T, k]`` -> ``[T, d]``."""
+        out = torch.zeros_like(x)
+        for e in experts.unique().tolist():
+            rows, slot = torch.where(experts == e)
+            gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[e]) * weights[rows, slot, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+        return out
+
+
+def pack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert ``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`` -> the packed ``gate_up_proj``,
+    ``down_proj`` (a checkpoint already packed passes as it is)."""
+    out: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for name, t in tensors.items():
+        head, sep, tail = name.partition(".mlp.experts.")
+        pieces = tail.split(".")
+        if sep and len(pieces) == 3 and pieces[0].isdigit():
+            parts.setdefault(head, {}).setdefault(pieces[1], {})[int(pieces[0])] = t
+        else:
+            out[name] = t
+    for head, kinds in parts.items():
+        order = sorted(kinds.get("gate_proj", {}))
+        if set(kinds) != {"gate_proj", "up_proj", "down_proj"} or any(sorted(v) != order for v in kinds.values()):
+            raise ValueError(f"{head}: routed experts need gate_proj, up_proj and down_proj for every expert")
+        out[f"{head}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([kinds["gate_proj"][e], kinds["up_proj"][e]]) for e in order])
+        out[f"{head}.mlp.experts.down_proj"] = torch.stack([kinds["down_proj"][e] for e in order])
+    return out
+
+
 def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.zeros(*shape, dtype=torch.float32), requires_grad=False)
 
@@ -84,3 +133,45 @@ class HyperConnection(nn.Module):
         """The streams after the block: ``post`` spreads ``out [T, d]``, ``comb`` mixes ``streams [T, N, d]``."""
         dtype = streams.dtype
         return post.to(dtype).unsqueeze(-1) * out.unsqueeze(1) + comb.to(dtype).transpose(-1, -2) @ streams
+
+
+class IndependentHyperConnection(nn.Module):
+    """Hunyuan V4's hyper-connection: ``pre [N]`` and ``post [N]`` from the RMS-normalised streams, no stream mix
+    (the module docstring). Float32."""
+
+    def __init__(self, n: int, hidden: int, magnitude: float, eps: float, norm_eps: float) -> None:
+        super().__init__()
+        self.n, self.magnitude, self.eps, self.norm_eps = n, magnitude, eps, norm_eps
+        self.fn = _param(2 * n, n * hidden)
+        self.base = _param(2 * n)
+        self.scale = _param(2)
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``streams [T, N, d]`` -> ``post [T, N]``, the block's input ``[T, d]``."""
+        mixes = F.linear(rms(streams.flatten(1).float(), self.norm_eps), self.fn.float())
+        pre_w, post_w = mixes.split(self.n, dim=-1)
+        pre_b, post_b = self.base.split(self.n)
+        pre = torch.sigmoid(pre_w * self.scale[0] + pre_b) + self.eps
+        post = self.magnitude * torch.sigmoid(post_w * self.scale[1] + post_b) + self.eps
+        return post, (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+    @staticmethod
+    def merge(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor) -> torch.Tensor:
+        """The streams after the block, in float32 and cast back: ``post`` spreads ``out [T, d]`` over them."""
+        return (post.unsqueeze(-1) * out.float().unsqueeze(1) + streams.float()).to(streams.dtype)
+
+
+class HyperHead(nn.Module):
+    """The streams' final collapse (before the final norm): ``sum_n pre[n] streams[n]``."""
+
+    def __init__(self, n: int, hidden: int, eps: float, norm_eps: float) -> None:
+        super().__init__()
+        self.eps, self.norm_eps = eps, norm_eps
+        self.hc_fn = _param(n, n * hidden)
+        self.hc_base = _param(n)
+        self.hc_scale = _param(1)
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        mixes = F.linear(rms(streams.flatten(1).float(), self.norm_eps), self.hc_fn)
+        pre = torch.sigmoid(mixes * self.hc_scale + self.hc_base) + self.eps
+        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

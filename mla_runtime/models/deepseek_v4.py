@@ -44,7 +44,7 @@ from torch import nn
 from mla_kernels import topk_lowest_first
 from mla_runtime.config import RopeConfig
 from mla_runtime.forward_batch import ForwardBatch
-from mla_runtime.layers.hyper import ClampedMLP, HyperConnection, clamped_swiglu, frozen_linear, rms
+from mla_runtime.layers.hyper import ClampedMLP, HyperConnection, HyperHead, PackedExperts, frozen_linear, rms
 from mla_runtime.layers.rotary import rope_inv_freq
 
 LAYER_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
@@ -454,23 +454,6 @@ class V4Attention(nn.Module):
         return torch.einsum("thk,kd->thd", probs.to(keys.dtype), keys)
 
 
-# -- hyper-connections -------------------------------------------------------------------------------------------------
-class HyperHead(nn.Module):
-    """The streams' final collapse (before the final norm)."""
-
-    def __init__(self, n: int, hidden: int, eps: float, norm_eps: float) -> None:
-        super().__init__()
-        self.eps, self.norm_eps = eps, norm_eps
-        self.hc_fn = _param(n, n * hidden)
-        self.hc_base = _param(n)
-        self.hc_scale = _param(1)
-
-    def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        mixes = F.linear(rms(streams.flatten(1).float(), self.norm_eps), self.hc_fn)
-        pre = torch.sigmoid(mixes * self.hc_scale + self.hc_base) + self.eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-
-
 # -- MoE ---------------------------------------------------------------------------------------------------------------
 class Router(nn.Module):
     """Scores ``score_fn(x W)``; the experts by a fixed token table (``hash``) or by the top scores plus the
@@ -498,34 +481,17 @@ class Router(nn.Module):
         return experts, weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scale
 
 
-class Experts(nn.Module):
-    def __init__(self, cfg: V4Config, dtype: torch.dtype) -> None:
-        super().__init__()
-        e, i, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        self.limit = cfg.swiglu_limit
-        self.gate_up_proj = _param(e, 2 * i, d, dtype=dtype)
-        self.down_proj = _param(e, d, i, dtype=dtype)
-
-    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        for e in experts.unique().tolist():
-            rows, slot = torch.where(experts == e)
-            gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[e]) * weights[rows, slot, None]
-            out.index_add_(0, rows, y.to(out.dtype))
-        return out
-
-
 class V4MoE(nn.Module):
     def __init__(self, cfg: V4Config, layer: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.gate = Router(cfg, cfg.mlp_layer_types[layer] == "hash_moe", dtype)
-        self.experts = Experts(cfg, dtype)
+        self.experts = PackedExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                                     cfg.swiglu_limit, dtype)
         self.shared_experts = ClampedMLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit, dtype)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         experts, weights = self.gate(x, input_ids)
-        return self.experts(x, experts, weights) + self.shared_experts(x)
+        return self.experts(x, weights, experts) + self.shared_experts(x)
 
 
 # -- the model ---------------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ weights are not read, and a prompt holding an image or video placeholder token i
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -31,7 +32,7 @@ from mla_runtime.cache.state_cache import StateCache
 from mla_runtime.config import LinearAttentionConfig, MoEConfig
 from mla_runtime.families import _indexer_kinds, _kimi_linear_name
 from mla_runtime.forward_batch import ForwardBatch
-from mla_runtime.layers.hyper import ClampedMLP, HyperConnection, clamped_swiglu, frozen_linear
+from mla_runtime.layers.hyper import ClampedMLP, HyperConnection, PackedExperts, frozen_linear, pack_experts
 from mla_runtime.layers.kda import KimiDeltaAttention
 from mla_runtime.layers.moe import Router
 from mla_runtime.layers.pooled_indexer import PooledIndexer
@@ -218,25 +219,6 @@ class Glm5NextAttention(nn.Module):
 
 
 # -- MLP and MoE -------------------------------------------------------------------------------------------------------
-class PackedExperts(nn.Module):
-    """The routed experts, stored packed: ``gate_up_proj [E, 2 i, d]`` (gate rows first), ``down_proj [E, d, i]``."""
-
-    def __init__(self, experts: int, hidden: int, inter: int, limit: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.limit = limit
-        self.gate_up_proj = nn.Parameter(torch.zeros(experts, 2 * inter, hidden, dtype=dtype), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.zeros(experts, hidden, inter, dtype=dtype), requires_grad=False)
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        for e in experts.unique().tolist():
-            rows, slot = torch.where(experts == e)
-            gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[e]) * weights[rows, slot, None]
-            out.index_add_(0, rows, y.to(out.dtype))
-        return out
-
-
 class Glm5NextMoE(nn.Module):
     def __init__(self, cfg: Glm5NextConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -343,28 +325,14 @@ class Glm5NextForCausalLM(nn.Module):
         return F.linear(hidden, self.lm_head.weight).float()
 
     def forward_batch(self, batch: ForwardBatch, states: Glm5NextStateCache) -> torch.Tensor:
-        """Hidden states ``[T, d]`` of an engine step (any mix of prompts, chunks and decodes, each sequence with its
-        state slot), each sequence computed over its own slot's state; a sequence's snapshots
-        (``batch.state_snapshots``: after its first ``n`` new tokens, into snapshot ``s``) taken on the way."""
-        if batch.state_slots is None:
-            raise ValueError("a glm5_next step needs each sequence's state slot (ForwardBatch.state_slots)")
-        starts, ids = batch.query_start_loc.tolist(), batch.input_ids.tolist()
-        outs = []
-        for b, (q, ctx, slot) in enumerate(zip(batch.query_lens, batch.context_lens_list, batch.state_slots)):
-            st, done = states.state(slot, ctx), 0
-            for n, s in sorted((n, s) for sb, n, s in batch.state_snapshots if sb == b):
-                if n > done:
-                    outs.append(self.hidden(ids[starts[b] + done:starts[b] + n], st))
-                    done = n
-                states.snapshots[s] = st.copy()
-            if done < q:
-                outs.append(self.hidden(ids[starts[b] + done:starts[b] + q], st))
-        return torch.cat(outs)
+        """Hidden states ``[T, d]`` of an engine step, each sequence over its own slot's state
+        (``Glm5NextStateCache.run_batch``)."""
+        return states.run_batch(batch, self.hidden)
 
     def load_state_dict_hf(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load a checkpoint's tensors (transformers' saved layout or its in-memory names, of the text model or the
         multimodal wrapper); the vision tower's are not read."""
-        mine = _pack_experts(_join_convs({n: t for name, t in tensors.items()
+        mine = pack_experts(_join_convs({n: t for name, t in tensors.items()
                                           if (n := stored_name(name)) is not None}))
         if self.config.tie_word_embeddings and "lm_head.weight" not in mine and "model.embed_tokens.weight" in mine:
             mine["lm_head.weight"] = mine["model.embed_tokens.weight"]
@@ -380,16 +348,17 @@ class Glm5NextForCausalLM(nn.Module):
 # -- the engine's slots and loading ------------------------------------------------------------------------------------
 class Glm5NextStateCache:
     """The running sequences' states, one per slot of the engine's state slots; a sequence's first step (no cached
-    tokens) starts its slot afresh, whatever the slot held."""
+    tokens) starts its slot afresh (``model.new_state()``), whatever the slot held. Any model of its own whose
+    per-sequence state has ``length`` and ``copy()`` runs its steps over it (GLM-5-Next, Hunyuan V4)."""
 
-    def __init__(self, model: Glm5NextForCausalLM, num_slots: int, num_snapshots: int = 0) -> None:
+    def __init__(self, model: Any, num_slots: int, num_snapshots: int = 0) -> None:
         if num_slots < 1 or num_snapshots < 0:
             raise ValueError(f"num_slots must be >= 1 and num_snapshots >= 0, got {num_slots}, {num_snapshots}")
         self.model = model
-        self.slots: list[Glm5NextState | None] = [None] * num_slots
-        self.snapshots: list[Glm5NextState | None] = [None] * num_snapshots  # the prefix cache's, by id
+        self.slots: list[Any] = [None] * num_slots
+        self.snapshots: list[Any] = [None] * num_snapshots  # the prefix cache's, by id
 
-    def state(self, slot: int, context_len: int) -> Glm5NextState:
+    def state(self, slot: int, context_len: int) -> Any:
         if not 0 <= slot < len(self.slots):
             raise ValueError(f"state slot {slot} is out of range (0..{len(self.slots) - 1})")
         if context_len == 0:
@@ -402,6 +371,25 @@ class Glm5NextStateCache:
 
     def release(self, slot: int) -> None:
         self.slots[slot] = None
+
+    def run_batch(self, batch: ForwardBatch, hidden: Callable[[list[int], Any], torch.Tensor]) -> torch.Tensor:
+        """Hidden states ``[T, d]`` of an engine step (any mix of prompts, chunks and decodes, each sequence with its
+        state slot): ``hidden(ids, state)`` over each sequence's slot, its snapshots (``batch.state_snapshots``: after
+        its first ``n`` new tokens, into snapshot ``s``) taken on the way."""
+        if batch.state_slots is None:
+            raise ValueError("a step of a model of its own needs each sequence's state slot (ForwardBatch.state_slots)")
+        starts, ids = batch.query_start_loc.tolist(), batch.input_ids.tolist()
+        outs = []
+        for b, (q, ctx, slot) in enumerate(zip(batch.query_lens, batch.context_lens_list, batch.state_slots)):
+            st, done = self.state(slot, ctx), 0
+            for n, s in sorted((n, s) for sb, n, s in batch.state_snapshots if sb == b):
+                if n > done:
+                    outs.append(hidden(ids[starts[b] + done:starts[b] + n], st))
+                    done = n
+                self.snapshots[s] = st.copy()
+            if done < q:
+                outs.append(hidden(ids[starts[b] + done:starts[b] + q], st))
+        return torch.cat(outs)
 
     def restore(self, snapshot: int, slot: int) -> None:
         """Slot ``slot`` resumes from snapshot ``snapshot`` (a prefix hit): a copy of its state."""
@@ -436,28 +424,6 @@ def _join_convs(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if name.endswith(".q_conv1d.weight"):
             head = name[:-len("q_conv1d.weight")]
             out[head + "conv1d.weight"] = torch.cat([tensors[f"{head}{p}_conv1d.weight"] for p in "qkv"])
-    return out
-
-
-def _pack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per-expert ``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`` -> the packed ``gate_up_proj``,
-    ``down_proj`` (a checkpoint already packed passes as it is)."""
-    out: dict[str, torch.Tensor] = {}
-    parts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
-    for name, t in tensors.items():
-        head, sep, tail = name.partition(".mlp.experts.")
-        pieces = tail.split(".")
-        if sep and len(pieces) == 3 and pieces[0].isdigit():
-            parts.setdefault(head, {}).setdefault(pieces[1], {})[int(pieces[0])] = t
-        else:
-            out[name] = t
-    for head, kinds in parts.items():
-        order = sorted(kinds.get("gate_proj", {}))
-        if set(kinds) != {"gate_proj", "up_proj", "down_proj"} or any(sorted(v) != order for v in kinds.values()):
-            raise ValueError(f"{head}: routed experts need gate_proj, up_proj and down_proj for every expert")
-        out[f"{head}.mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([kinds["gate_proj"][e], kinds["up_proj"][e]]) for e in order])
-        out[f"{head}.mlp.experts.down_proj"] = torch.stack([kinds["down_proj"][e] for e in order])
     return out
 
 
