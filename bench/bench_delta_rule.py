@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable
 
 import torch
-
 from bench_hybrid_ttft import cpu_model
+
 from mla_kernels import cpu_kernels
 from mla_runtime.layers import delta_rule
 

@@ -102,7 +102,8 @@ def _chunked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, 
 def _pairs(k_ptr, q_ptr, g_ptr, a, n, heads, h, dk, offs_k, offs_c, CHUNK: tl.constexpr,
            BLOCK_K: tl.constexpr):
     """A_ts = sum_i k_ti D_ts,i k_si (s < t) and B_ts = sum_i q_ti D_ts,i k_si (s <= t) of the block's ``n`` tokens
-    from ``a`` (zero past them), the keys decayed token by token in ``w`` (row s: k_s times the product of exp(g_r), s < r <= t)."""
+    from ``a`` (zero past them), the keys decayed token by token in ``w`` (row s: k_s times the product of exp(g_r),
+    s < r <= t)."""
     w = tl.zeros((CHUNK, BLOCK_K), dtype=tl.float32)
     pa = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
     pb = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)

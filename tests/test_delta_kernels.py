@@ -6,6 +6,7 @@ transformers with the kernels chosen at prepare time."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -84,7 +85,7 @@ def test_compiled_prefill_equals_the_chunked_form_for_each_sequence_in_every_var
     """The WY blocks of 32 tokens (the default), of 7 (a block's padding in every part), and the token loop."""
     for variant in cpu_kernels.delta_variants():
         for block in (32, 7, 0):
-            check_prefill(lambda *args: cpu_kernels.delta_rule_prefill(*args, variant=variant, block=block))
+            check_prefill(functools.partial(cpu_kernels.delta_rule_prefill, variant=variant, block=block))
     q, k, v, gate, beta, state = step_inputs(rows=78, heads=3, slots=4, seed=2)
     slots = torch.tensor([2, 0, 3, 1])
     for cu, block, message in ((torch.tensor([0, 5, 45, 40, 78]), 32, "must not decrease"),
