@@ -214,12 +214,12 @@ struct Prefill {
 void load_block(WyBlock& w, const Prefill& p, int64_t a, int64_t c, int64_t h) {
   w.c = c, w.cr = round_up(c, 4), w.cw = round_up(c, 16);
   for (int64_t t = 0; t < w.cr; ++t) {
-    const int64_t row = ((a + t) * p.heads + h) * p.dk;
-    for (int64_t i = 0; i < w.dkp; ++i) {
-      const bool real = t < c && i < p.dk;
-      w.qs[t * w.dkp + i] = real ? p.q[row + i] : 0.0f;
-      w.ks[t * w.dkp + i] = real ? p.k[row + i] : 0.0f;
-      w.gs[t * w.dkp + i] = real ? p.g[row + i] : 0.0f;
+    float* dst[3] = {w.qs + t * w.dkp, w.ks + t * w.dkp, w.gs + t * w.dkp};
+    const float* src[3] = {p.q, p.k, p.g};
+    const int64_t real = t < c ? p.dk : 0, row = t < c ? ((a + t) * p.heads + h) * p.dk : 0;
+    for (int x = 0; x < 3; ++x) {
+      std::copy(src[x] + row, src[x] + row + real, dst[x]);
+      std::fill(dst[x] + real, dst[x] + w.dkp, 0.0f);
     }
   }
   std::fill(w.wt, w.wt + w.dkp * w.cw, 0.0f);
