@@ -80,21 +80,34 @@ V_TARGET static void SFX(wy_gates)(const WyBlock &w) {
     }
 }
 
-/* A and B ([cr, cw], zeroed by the caller), the keys decayed in wt [dkp, cw] (zeroed; column s: key s). */
+/* A and B ([cr, cw], zeroed by the caller), the keys decayed in wt [dkp, cw] (zeroed; column s: key s), two vectors of
+ * columns a pass over the key channels. */
 V_TARGET static void SFX(wy_pairs)(const WyBlock &w) {
     for (int64_t t = 0; t < w.c; ++t) {
         const float *e = w.e + t * w.dkp, *kt = w.ks + t * w.dkp, *qt = w.qs + t * w.dkp;
-        for (int64_t s = 0; s < t; s += VL) {  // the vectors of columns s < t (the later columns are still zero)
-            V a = V_ZERO(), b = V_ZERO();
+        for (int64_t s = 0; s < t; s += 2 * VL) {  // the columns s < t (the later ones are still zero)
+            const bool two = s + VL < t;
+            V a0 = V_ZERO(), b0 = V_ZERO(), a1 = V_ZERO(), b1 = V_ZERO();
             for (int64_t i = 0; i < w.dkp; ++i) {
                 float *col = w.wt + i * w.cw + s;
-                const V decayed = V_MUL(V_LOAD(col), V_SET1(e[i]));
-                V_STORE(col, decayed);
-                a = V_FMA(V_SET1(kt[i]), decayed, a);
-                b = V_FMA(V_SET1(qt[i]), decayed, b);
+                const V ei = V_SET1(e[i]), ki = V_SET1(kt[i]), qi = V_SET1(qt[i]);
+                const V d0 = V_MUL(V_LOAD(col), ei);
+                V_STORE(col, d0);
+                a0 = V_FMA(ki, d0, a0);
+                b0 = V_FMA(qi, d0, b0);
+                if (two) {
+                    const V d1 = V_MUL(V_LOAD(col + VL), ei);
+                    V_STORE(col + VL, d1);
+                    a1 = V_FMA(ki, d1, a1);
+                    b1 = V_FMA(qi, d1, b1);
+                }
             }
-            V_STORE(w.a + t * w.cw + s, a);
-            V_STORE(w.b + t * w.cw + s, b);
+            V_STORE(w.a + t * w.cw + s, a0);
+            V_STORE(w.b + t * w.cw + s, b0);
+            if (two) {
+                V_STORE(w.a + t * w.cw + s + VL, a1);
+                V_STORE(w.b + t * w.cw + s + VL, b1);
+            }
         }
         float own = 0.0f;
         for (int64_t i = 0; i < w.dkp; ++i) {
