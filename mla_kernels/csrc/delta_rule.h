@@ -55,10 +55,11 @@ V_TARGET static void SFX(delta_head)(float *S, const float *q, const float *k, c
  *             row), then O_t += sum_{s<=t} B_ts U_s
  *     state   S = egc * S + kl^T U
  *
- * The products over the state take tiles of WY_ROWS rows and two vectors of columns in registers; the padding (rows
- * to a multiple of 4, key channels to 16, state columns to 32) keeps every loop whole and adds zeros only. */
+ * The products over the state take tiles of WY_ROWS rows and WY_COLS vectors of columns in registers; the padding
+ * (rows to a multiple of 4, key channels to 16, state columns to 32) keeps every loop whole and adds zeros only. */
 
-#define WY_ROWS (VL >= 16 ? 4 : 2)
+#define WY_ROWS (VL >= 16 ? 4 : 2)  // a tile's rows: its accumulators fit the registers (32 zmm, 16 ymm)
+#define WY_COLS (VL > 1 ? 2 : 32)   // a tile's vectors of columns (one lane: 32, for the compiler to vectorize)
 
 V_TARGET static void SFX(wy_gates)(const WyBlock &w) {
     for (int64_t i = 0; i < w.dkp; i += VL) {
@@ -118,29 +119,30 @@ V_TARGET static void SFX(wy_pairs)(const WyBlock &w) {
     }
 }
 
-/* U = kd S and O = qd S over tiles of rows (tokens) and columns; then U = beta (V - U) on the real rows. */
+/* U = kd S and O = qd S over tiles of rows (tokens) and WY_COLS vectors of columns; then U = beta (V - U) on the real
+ * rows. */
 V_TARGET static void SFX(wy_start)(const WyBlock &w) {
-    constexpr int R = WY_ROWS;
-    for (int64_t j = 0; j < w.dvp; j += 2 * VL) {
+    constexpr int R = WY_ROWS, N = WY_COLS;
+    for (int64_t j = 0; j < w.dvp; j += N * VL) {
         for (int64_t t = 0; t < w.cr; t += R) {
-            V u[R][2], o[R][2];
-            for (int r = 0; r < R; ++r) u[r][0] = u[r][1] = o[r][0] = o[r][1] = V_ZERO();
+            V u[R][N], o[R][N];
+            for (int r = 0; r < R; ++r)
+                for (int n = 0; n < N; ++n) u[r][n] = o[r][n] = V_ZERO();
             for (int64_t i = 0; i < w.dkp; ++i) {
-                const V s0 = V_LOAD(w.S + i * w.dvp + j), s1 = V_LOAD(w.S + i * w.dvp + j + VL);
+                const float *row = w.S + i * w.dvp + j;
                 for (int r = 0; r < R; ++r) {
                     const V kb = V_SET1(w.kd[(t + r) * w.dkp + i]), qb = V_SET1(w.qd[(t + r) * w.dkp + i]);
-                    u[r][0] = V_FMA(kb, s0, u[r][0]);
-                    u[r][1] = V_FMA(kb, s1, u[r][1]);
-                    o[r][0] = V_FMA(qb, s0, o[r][0]);
-                    o[r][1] = V_FMA(qb, s1, o[r][1]);
+                    for (int n = 0; n < N; ++n) {
+                        u[r][n] = V_FMA(kb, V_LOAD(row + n * VL), u[r][n]);
+                        o[r][n] = V_FMA(qb, V_LOAD(row + n * VL), o[r][n]);
+                    }
                 }
             }
-            for (int r = 0; r < R; ++r) {
-                V_STORE(w.u + (t + r) * w.dvp + j, u[r][0]);
-                V_STORE(w.u + (t + r) * w.dvp + j + VL, u[r][1]);
-                V_STORE(w.o + (t + r) * w.dvp + j, o[r][0]);
-                V_STORE(w.o + (t + r) * w.dvp + j + VL, o[r][1]);
-            }
+            for (int r = 0; r < R; ++r)
+                for (int n = 0; n < N; ++n) {
+                    V_STORE(w.u + (t + r) * w.dvp + j + n * VL, u[r][n]);
+                    V_STORE(w.o + (t + r) * w.dvp + j + n * VL, o[r][n]);
+                }
         }
     }
     for (int64_t t = 0; t < w.c; ++t) {
@@ -165,29 +167,25 @@ V_TARGET static void SFX(wy_solve)(const WyBlock &w) {
     }
 }
 
-/* S = egc * S + kl^T U over tiles of rows (key channels) and columns. */
+/* S = egc * S + kl^T U over tiles of rows (key channels) and WY_COLS vectors of columns. */
 V_TARGET static void SFX(wy_state)(const WyBlock &w) {
-    constexpr int R = WY_ROWS;
+    constexpr int R = WY_ROWS, N = WY_COLS;
     for (int64_t i = 0; i < w.dkp; i += R) {
-        for (int64_t j = 0; j < w.dvp; j += 2 * VL) {
-            V acc[R][2];
+        for (int64_t j = 0; j < w.dvp; j += N * VL) {
+            V acc[R][N];
             for (int r = 0; r < R; ++r) {
                 const V e = V_SET1(w.egc[i + r]);
-                acc[r][0] = V_MUL(V_LOAD(w.S + (i + r) * w.dvp + j), e);
-                acc[r][1] = V_MUL(V_LOAD(w.S + (i + r) * w.dvp + j + VL), e);
+                for (int n = 0; n < N; ++n) acc[r][n] = V_MUL(V_LOAD(w.S + (i + r) * w.dvp + j + n * VL), e);
             }
             for (int64_t s = 0; s < w.c; ++s) {
-                const V u0 = V_LOAD(w.u + s * w.dvp + j), u1 = V_LOAD(w.u + s * w.dvp + j + VL);
+                const float *u = w.u + s * w.dvp + j;
                 for (int r = 0; r < R; ++r) {
                     const V kb = V_SET1(w.kl[s * w.dkp + i + r]);
-                    acc[r][0] = V_FMA(kb, u0, acc[r][0]);
-                    acc[r][1] = V_FMA(kb, u1, acc[r][1]);
+                    for (int n = 0; n < N; ++n) acc[r][n] = V_FMA(kb, V_LOAD(u + n * VL), acc[r][n]);
                 }
             }
-            for (int r = 0; r < R; ++r) {
-                V_STORE(w.S + (i + r) * w.dvp + j, acc[r][0]);
-                V_STORE(w.S + (i + r) * w.dvp + j + VL, acc[r][1]);
-            }
+            for (int r = 0; r < R; ++r)
+                for (int n = 0; n < N; ++n) V_STORE(w.S + (i + r) * w.dvp + j + n * VL, acc[r][n]);
         }
     }
 }
@@ -202,3 +200,4 @@ V_TARGET static void SFX(wy_block)(const WyBlock &w) {
 }
 
 #undef WY_ROWS
+#undef WY_COLS
