@@ -379,7 +379,7 @@ def _register_fakes() -> None:
         return q.new_empty((q.shape[0], q.shape[1], v.shape[2]), dtype=torch.float32)
 
     @lib.register_fake("mla_kernels::delta_rule_prefill")
-    def _(q, k, v, g, beta, state, slots, cu, variant="auto", block=32):  # type: ignore[no-untyped-def]
+    def _(q, k, v, g, beta, state, slots, cu, variant="auto", block=16):  # type: ignore[no-untyped-def]
         return q.new_empty((q.shape[0], q.shape[1], v.shape[2]), dtype=torch.float32)
 
     @lib.register_fake("mla_kernels::short_conv_step")

@@ -61,30 +61,42 @@ def test_compiled_delta_rule_step_equals_the_reference_in_every_variant():
 LENS = (1, 5, 33, 0, 100)  # tokens of each sequence of a prefill call: none a multiple of the 32-token block
 
 
+@functools.cache
+def prefill_case(heads: int) -> tuple[tuple[torch.Tensor, ...], list[tuple[torch.Tensor, torch.Tensor] | None]]:
+    """The inputs of a prefill call over the sequences of ``LENS`` (each from its own nonzero slot) and each
+    sequence's outputs and state by ``delta_rule.chunked`` (None for the empty one)."""
+    q, k, v, gate, beta, state = step_inputs(rows=sum(LENS), heads=heads, slots=6, seed=2)
+    cu, slots = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()]), torch.tensor([2, 0, 5, 3, 1])
+    wants: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+    for s in range(len(LENS)):
+        a, b = int(cu[s]), int(cu[s + 1])
+        wants.append(delta_rule.chunked(q[a:b], k[a:b], v[a:b], gate[a:b], beta[a:b], state[slots[s]]) if b > a
+                     else None)
+    return (q, k, v, gate, beta, state, slots, cu), wants
+
+
 def check_prefill(prefill, heads: int = 3) -> None:
     """``prefill(q, k, v, g, beta, state, slots, cu)`` (the state updated in place) runs each sequence of ``LENS``
     from its own nonzero slot as ``delta_rule.chunked`` does, and leaves the empty sequence's and the unused slot
     as they were."""
-    q, k, v, gate, beta, state = step_inputs(rows=sum(LENS), heads=heads, slots=6, seed=2)
-    cu, slots = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()]), torch.tensor([2, 0, 5, 3, 1])
+    (q, k, v, gate, beta, state, slots, cu), wants = prefill_case(heads)
     got_state = state.clone()
     got = prefill(q, k, v, gate, beta, got_state, slots, cu)
-    for s in range(len(LENS)):
-        a, b = int(cu[s]), int(cu[s + 1])
-        if a == b:
+    for s, want in enumerate(wants):
+        if want is None:
             assert torch.equal(got_state[slots[s]], state[slots[s]])
             continue
-        want, want_state = delta_rule.chunked(q[a:b], k[a:b], v[a:b], gate[a:b], beta[a:b], state[slots[s]])
-        torch.testing.assert_close(got[a:b], want, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(got_state[slots[s]], want_state, rtol=1e-4, atol=1e-5)
+        a, b = int(cu[s]), int(cu[s + 1])
+        torch.testing.assert_close(got[a:b], want[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got_state[slots[s]], want[1], rtol=1e-4, atol=1e-5)
     assert torch.equal(got_state[4], state[4])
 
 
 @needs_ops
 def test_compiled_prefill_equals_the_chunked_form_for_each_sequence_in_every_variant():
-    """The WY blocks of 32 tokens (the default), of 7 (a block's padding in every part), and the token loop."""
+    """The WY blocks of 16 tokens (the default), of 32, of 7 (a block's padding in every part), and the token loop."""
     for variant in cpu_kernels.delta_variants():
-        for block in (32, 7, 0):
+        for block in (16, 32, 7, 0):
             check_prefill(functools.partial(cpu_kernels.delta_rule_prefill, variant=variant, block=block))
     q, k, v, gate, beta, state = step_inputs(rows=78, heads=3, slots=4, seed=2)
     slots = torch.tensor([2, 0, 3, 1])

@@ -86,7 +86,15 @@ V_TARGET static void SFX(wy_gates)(const WyBlock &w) {
 V_TARGET static void SFX(wy_pairs)(const WyBlock &w) {
     for (int64_t t = 0; t < w.c; ++t) {
         const float *e = w.e + t * w.dkp, *kt = w.ks + t * w.dkp, *qt = w.qs + t * w.dkp;
-        for (int64_t s = 0; s < t; s += 2 * VL) {  // the columns s < t (the later ones are still zero)
+        for (int64_t i = 0; VL == 1 && i < w.dkp; ++i) {  // one lane: rows of columns, for the compiler to vectorize
+            float *col = w.wt + i * w.cw, *a = w.a + t * w.cw, *b = w.b + t * w.cw;
+            for (int64_t s = 0; s < t; ++s) {
+                col[s] *= e[i];
+                a[s] = fmaf(kt[i], col[s], a[s]);
+                b[s] = fmaf(qt[i], col[s], b[s]);
+            }
+        }
+        for (int64_t s = 0; VL > 1 && s < t; s += 2 * VL) {  // the columns s < t (the later ones are still zero)
             const bool two = s + VL < t;
             V a0 = V_ZERO(), b0 = V_ZERO(), a1 = V_ZERO(), b1 = V_ZERO();
             for (int64_t i = 0; i < w.dkp; ++i) {
@@ -156,7 +164,13 @@ V_TARGET static void SFX(wy_start)(const WyBlock &w) {
 V_TARGET static void SFX(wy_solve)(const WyBlock &w) {
     for (int64_t t = 0; t < w.c; ++t) {
         const float beta = w.beta[t * w.beta_stride], *a = w.a + t * w.cw, *b = w.b + t * w.cw;
-        for (int64_t j = 0; j < w.dvp; j += VL) {
+        float *ut = w.u + t * w.dvp, *ot = w.o + t * w.dvp;
+        for (int64_t s = 0; VL == 1 && s <= t; ++s) {  // one lane: whole rows, for the compiler to vectorize
+            const float *us = w.u + s * w.dvp, coef = s < t ? -beta * a[s] : 0.0f;
+            for (int64_t j = 0; s < t && j < w.dvp; ++j) ut[j] = fmaf(coef, us[j], ut[j]);
+            for (int64_t j = 0; j < w.dvp; ++j) ot[j] = fmaf(b[s], us[j], ot[j]);
+        }
+        for (int64_t j = 0; VL > 1 && j < w.dvp; j += VL) {
             V u = V_LOAD(w.u + t * w.dvp + j);
             for (int64_t s = 0; s < t; ++s) u = V_FMA(V_SET1(-beta * a[s]), V_LOAD(w.u + s * w.dvp + j), u);
             V_STORE(w.u + t * w.dvp + j, u);

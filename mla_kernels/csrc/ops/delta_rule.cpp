@@ -8,7 +8,7 @@
 //       gather or scatter of the states
 //   mla_kernels::delta_rule_prefill(q, k, g [T, H, d_k] f32, v [T, H, d_v] f32, beta [T, H] f32,
 //                                   state [N, H, d_k, d_v] f32 (updated in place), slots [S] i64, cu [S + 1] i64,
-//                                   str variant="auto", int block=32) -> o [T, H, d_v] f32
+//                                   str variant="auto", int block=16) -> o [T, H, d_v] f32
 //       the tokens cu[s] .. cu[s + 1] of sequence s (a prompt or a prefill chunk), in order, from its state
 //       state[slots[s]] (the caller zeroes a fresh sequence's slot), in the chunked (WY) form of
 //       layers/delta_rule.chunked, `block` tokens a block (1 .. 64): a triangular solve and products over the block
@@ -351,7 +351,7 @@ TORCH_LIBRARY_FRAGMENT(mla_kernels, m) {
   m.def("delta_rule_step(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, Tensor slots, "
         "str variant=\"auto\") -> Tensor");
   m.def("delta_rule_prefill(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, Tensor slots, "
-        "Tensor cu, str variant=\"auto\", int block=32) -> Tensor");
+        "Tensor cu, str variant=\"auto\", int block=16) -> Tensor");
   m.def("short_conv_step(Tensor x, Tensor(a!) conv, Tensor weight, Tensor slots) -> Tensor");
   m.def("delta_rule_variants() -> str[]", &delta_rule_variants);
 }
