@@ -304,7 +304,7 @@ def _delta(g: torch.Generator, kind: str) -> str | None:
         if not (torch.allclose(got, want, rtol=1e-5, atol=1e-5) and torch.allclose(got_state[slots], s, rtol=1e-5,
                                                                                     atol=1e-5)):
             return f"the delta rule's {variant} kernel differs from torch's on this CPU"
-        # the same three tokens as one sequence each through the prefill operator (token after token: here one each)
+        # the same three tokens as one sequence each through the prefill operator (its chunked form: a block each)
         got_state = state.clone()
         got = ops.delta_rule_prefill(q, k, v, gate, beta, got_state, slots, torch.tensor([0, 1, 2, 3]), variant)
         if not (torch.allclose(got, want, rtol=1e-5, atol=1e-5) and torch.allclose(got_state[slots], s, rtol=1e-5,

@@ -174,13 +174,14 @@ def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
 
 
 def delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                       state: torch.Tensor, slots: torch.Tensor, cu: torch.Tensor, *, variant: str = "auto"
-                       ) -> torch.Tensor:
+                       state: torch.Tensor, slots: torch.Tensor, cu: torch.Tensor, *, variant: str = "auto",
+                       block: int = 16) -> torch.Tensor:
     """The tokens ``cu[s] .. cu[s + 1]`` of sequence ``s`` (``[T, H, ...]`` as ``delta_rule_step``'s rows) through the
-    rule token by token from its state ``state[slots[s]]``, updated in place (a fresh sequence's slot zeroed by the
-    caller); returns the outputs ``[T, H, d_v]``. Only where ``failure("delta")`` is None."""
+    rule in its chunked (WY) form, ``block`` tokens a block (1 to 64; 0: token after token, for comparison), from its
+    state ``state[slots[s]]``, updated in place (a fresh sequence's slot zeroed by the caller); returns the outputs
+    ``[T, H, d_v]``. Only where ``failure("delta")`` is None."""
     return torch.ops.mla_kernels.delta_rule_prefill(  # type: ignore[no-any-return]
-        q, k, v, g, beta, state, slots, cu, variant)
+        q, k, v, g, beta, state, slots, cu, variant, block)
 
 
 def short_conv_step(x: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

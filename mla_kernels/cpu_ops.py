@@ -54,7 +54,7 @@ X86_SOURCES = (CSRC / "gemv_f32.c", CSRC / "mla_decode_f32.c", CSRC / "mla_layer
 HEADERS = (CSRC / "mla_cpu.h", CSRC / "simd.h", CSRC / "isa_cap.h", CSRC / "amx_emulate.h", CSRC / "vec_avx2.h",
            CSRC / "vec_avx512.h", CSRC / "vec_end.h", CSRC / "decode_attention.h", CSRC / "few_rows.h",
            CSRC / "int4_rows.h", CSRC / "ggml_rows.h", CSRC / "w8a8_rows.h", CSRC / "fp4_rows.h",
-           CSRC / "vec_scalar.h", CSRC / "delta_rule.h")
+           CSRC / "vec_scalar.h", CSRC / "delta_rule.h", CSRC / "vec_exp.h")
 CFLAGS = ("-O3", "-std=c++17", "-fopenmp")  # OpenMP: the kernels' threads are torch's pool
 # the x86 baseline (every AVX2 CPU has FMA and F16C): wider instruction sets are chosen per function at run time
 X86_CFLAGS = ("-mavx2", "-mfma", "-mf16c")
@@ -379,7 +379,7 @@ def _register_fakes() -> None:
         return q.new_empty((q.shape[0], q.shape[1], v.shape[2]), dtype=torch.float32)
 
     @lib.register_fake("mla_kernels::delta_rule_prefill")
-    def _(q, k, v, g, beta, state, slots, cu, variant="auto"):  # type: ignore[no-untyped-def]
+    def _(q, k, v, g, beta, state, slots, cu, variant="auto", block=16):  # type: ignore[no-untyped-def]
         return q.new_empty((q.shape[0], q.shape[1], v.shape[2]), dtype=torch.float32)
 
     @lib.register_fake("mla_kernels::short_conv_step")

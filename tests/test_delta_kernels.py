@@ -1,10 +1,12 @@
-"""The linear-attention layers' decode kernels against the float32 torch reference (``layers/delta_rule.py``,
-``layers/kda.py``): the compiled CPU operators (``delta_rule_step``, ``short_conv_step``) in every variant this CPU
-runs and under ``MLA_CPU_ISA=avx2``, the Triton kernel through its interpreter, their refusals of bad input, and a
-hybrid model's decode logits against transformers with the kernels chosen at prepare time."""
+"""The linear-attention layers' kernels against the float32 torch reference (``layers/delta_rule.py``,
+``layers/kda.py``): the compiled CPU operators (``delta_rule_step``, the chunked ``delta_rule_prefill``,
+``short_conv_step``) in every variant this CPU runs and under ``MLA_CPU_ISA=avx2``, the Triton kernels (the step and
+the chunked prefill) through the interpreter, their refusals of bad input, and a hybrid model's decode logits against
+transformers with the kernels chosen at prepare time."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -56,27 +58,53 @@ def test_compiled_delta_rule_step_equals_the_reference_in_every_variant():
         check_step(torch.ops.mla_kernels.delta_rule_step, (variant,))
 
 
+LENS = (1, 5, 33, 0, 100)  # tokens of each sequence of a prefill call: none a multiple of the 32-token block
+
+
+@functools.cache
+def prefill_case(heads: int) -> tuple[tuple[torch.Tensor, ...], list[tuple[torch.Tensor, torch.Tensor] | None]]:
+    """The inputs of a prefill call over the sequences of ``LENS`` (each from its own nonzero slot) and each
+    sequence's outputs and state by ``delta_rule.chunked`` (None for the empty one)."""
+    q, k, v, gate, beta, state = step_inputs(rows=sum(LENS), heads=heads, slots=6, seed=2)
+    cu, slots = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()]), torch.tensor([2, 0, 5, 3, 1])
+    wants: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+    for s in range(len(LENS)):
+        a, b = int(cu[s]), int(cu[s + 1])
+        wants.append(delta_rule.chunked(q[a:b], k[a:b], v[a:b], gate[a:b], beta[a:b], state[slots[s]]) if b > a
+                     else None)
+    return (q, k, v, gate, beta, state, slots, cu), wants
+
+
+def check_prefill(prefill, heads: int = 3) -> None:
+    """``prefill(q, k, v, g, beta, state, slots, cu)`` (the state updated in place) runs each sequence of ``LENS``
+    from its own nonzero slot as ``delta_rule.chunked`` does, and leaves the empty sequence's and the unused slot
+    as they were."""
+    (q, k, v, gate, beta, state, slots, cu), wants = prefill_case(heads)
+    got_state = state.clone()
+    got = prefill(q, k, v, gate, beta, got_state, slots, cu)
+    for s, want in enumerate(wants):
+        if want is None:
+            assert torch.equal(got_state[slots[s]], state[slots[s]])
+            continue
+        a, b = int(cu[s]), int(cu[s + 1])
+        torch.testing.assert_close(got[a:b], want[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got_state[slots[s]], want[1], rtol=1e-4, atol=1e-5)
+    assert torch.equal(got_state[4], state[4])
+
+
 @needs_ops
 def test_compiled_prefill_equals_the_chunked_form_for_each_sequence_in_every_variant():
-    """Sequences of 5, 40, 0 and 33 tokens in one call, each from its own slot, against ``delta_rule.chunked``."""
-    lens = [5, 40, 0, 33]
-    q, k, v, gate, beta, state = step_inputs(rows=sum(lens), heads=3, slots=4, seed=2)
-    cu, slots = torch.tensor([0, 5, 45, 45, 78]), torch.tensor([2, 0, 3, 1])
+    """The WY blocks of 16 tokens (the default), of 32, of 7 (a block's padding in every part), and the token loop."""
     for variant in cpu_kernels.delta_variants():
-        got_state = state.clone()
-        got = cpu_kernels.delta_rule_prefill(q, k, v, gate, beta, got_state, slots, cu, variant=variant)
-        for s in range(4):
-            a, b = int(cu[s]), int(cu[s + 1])
-            if a == b:
-                assert torch.equal(got_state[slots[s]], state[slots[s]])
-                continue
-            want, want_state = delta_rule.chunked(q[a:b], k[a:b], v[a:b], gate[a:b], beta[a:b], state[slots[s]])
-            torch.testing.assert_close(got[a:b], want, rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(got_state[slots[s]], want_state, rtol=1e-4, atol=1e-5)
-    for cu, message in ((torch.tensor([0, 5, 45, 40, 78]), "must not decrease"),
-                        (torch.tensor([0, 5, 45, 45, 77]), "from 0 to the 78 tokens")):
+        for block in (16, 32, 7, 0):
+            check_prefill(functools.partial(cpu_kernels.delta_rule_prefill, variant=variant, block=block))
+    q, k, v, gate, beta, state = step_inputs(rows=78, heads=3, slots=4, seed=2)
+    slots = torch.tensor([2, 0, 3, 1])
+    for cu, block, message in ((torch.tensor([0, 5, 45, 40, 78]), 32, "must not decrease"),
+                               (torch.tensor([0, 5, 45, 45, 77]), 32, "from 0 to the 78 tokens"),
+                               (torch.tensor([0, 5, 45, 45, 78]), 65, "block must be 0")):
         with pytest.raises(ValueError, match=message):
-            cpu_kernels.delta_rule_prefill(q, k, v, gate, beta, state, slots, cu)
+            cpu_kernels.delta_rule_prefill(q, k, v, gate, beta, state, slots, cu, block=block)
 
 
 @needs_ops
@@ -123,6 +151,7 @@ def test_under_an_avx2_cap_the_operators_run_the_avx2_variant_and_equal_the_refe
         with pytest.raises(ValueError, match="cannot run the avx512 variant"):  # above the cap, or not on this CPU
             ops.delta_rule_step(q, k, v, gate, beta, state, torch.tensor([0, 1, 2]), "avx512")
         check_step(cpu_kernels.delta_rule_step)
+        check_prefill(cpu_kernels.delta_rule_prefill)
     finally:
         ops.set_max_isa(before)
 
@@ -139,17 +168,14 @@ def test_triton_delta_rule_kernels_equal_the_reference():
         return out.cpu()
 
     check_step(on_device)
-    lens = [5, 40, 0, 9]
-    q, k, v, gate, beta, state = step_inputs(rows=sum(lens), heads=3, slots=4, seed=2)
-    cu, slots = torch.tensor([0, 5, 45, 45, 54]), torch.tensor([2, 0, 3, 1])
-    moved = [t.to(device) for t in (q, k, v, gate, beta, state.clone(), slots, cu)]  # the state updated in place
-    got = linear_attention.sequence_steps(*moved).cpu()
-    for s in (0, 1, 3):
-        a, b = int(cu[s]), int(cu[s + 1])
-        want, want_state = delta_rule.chunked(q[a:b], k[a:b], v[a:b], gate[a:b], beta[a:b], state[slots[s]])
-        torch.testing.assert_close(got[a:b], want, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(moved[5][slots[s]].cpu(), want_state, rtol=1e-4, atol=1e-5)
-    assert torch.equal(moved[5][slots[2]].cpu(), state[slots[2]])
+
+    def chunked(*args):
+        moved = [t.to(device) for t in args]
+        out = linear_attention.chunked(*moved)
+        args[5].copy_(moved[5].cpu())
+        return out.cpu()
+
+    check_prefill(chunked, heads=2)
     q, k, v, gate, beta, state = step_inputs()
     with pytest.raises(ValueError, match="state must be contiguous float32"):
         linear_attention.recurrent_step(q, k, v, gate, beta, state.double(), torch.tensor([0, 1, 2]))

@@ -56,10 +56,10 @@ build(linear_attention._recurrent_kernel,
       dict(q_ptr="*fp32", k_ptr="*fp32", v_ptr="*fp32", g_ptr="*fp32", beta_ptr="*fp32", state_ptr="*fp32",
            slots_ptr="*i64", out_ptr="*fp32"),
       dict(BLOCK_K=128, BLOCK_V=32))
-build(linear_attention._sequence_kernel,
+build(linear_attention._chunked_kernel,
       dict(q_ptr="*fp32", k_ptr="*fp32", v_ptr="*fp32", g_ptr="*fp32", beta_ptr="*fp32", state_ptr="*fp32",
            slots_ptr="*i64", cu_ptr="*i64", out_ptr="*fp32"),
-      dict(BLOCK_K=128, BLOCK_V=32))
+      dict(CHUNK=32, BLOCK_K=128, BLOCK_V=32))
 """
 
 

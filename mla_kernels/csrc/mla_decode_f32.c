@@ -127,31 +127,7 @@ int64_t mla_decode_scratch(int64_t rows, int64_t heads, int64_t d_c, int64_t slo
 #define PREFILL_ROWS MLA_PREFILL_ROWS  /* rows of one head a task of the prefill attention (decode_attention.h) */
 #define GEMM_KC 128    /* rows of the absorbed factors a pass of small_gemm (decode_attention.h) */
 
-/* e^x for eight floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^7 (relative error below
- * 2e-7 on that range), times 2^n built in the exponent bits. Inputs below -87 give 0 (softmax only feeds x <= 0). */
-#define EXP_BODY(V, SET1, FMA, FNMA, MUL)                                                                            \
-    const V n = ROUND(MUL(x, SET1(1.44269504088896341f)));                                                          \
-    V r = FNMA(n, SET1(0.693359375f), x); /* ln2 in two parts: exact n * hi */                                       \
-    r = FNMA(n, SET1(-2.12194440e-4f), r);                                                                           \
-    V p = SET1(1.0f / 5040);                                                                                         \
-    p = FMA(p, r, SET1(1.0f / 720));                                                                                 \
-    p = FMA(p, r, SET1(1.0f / 120));                                                                                 \
-    p = FMA(p, r, SET1(1.0f / 24));                                                                                  \
-    p = FMA(p, r, SET1(1.0f / 6));                                                                                   \
-    p = FMA(p, r, SET1(0.5f));                                                                                       \
-    p = FMA(p, r, SET1(1.0f));                                                                                       \
-    p = FMA(p, r, SET1(1.0f));
-
-#define ROUND(v) _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-static inline __m256 exp8(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.0f);
-    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lo);
-    EXP_BODY(__m256, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_mul_ps)
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
-#undef ROUND
+#include "vec_exp.h"
 
 /* Eight e4m3 bytes as float16 bits (e4m3_half_bits, eight lanes): the sign extended into bits 7-15, the magnitude
  * shifted to bits 7-13, bit 14 cleared, then set again for the NaN magnitude 0x7f (its + 0x80 carries into it). */
@@ -177,17 +153,6 @@ static inline __m256i e4m3_half16(const uint8_t *p) {
 /* The attention for AVX-512 (16 lanes; F, BW, VL, DQ), the same source */
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")
-#define ROUND(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-static inline __m512 exp16(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.0f);
-    const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ);  /* exp8's lanes that are not below -87 */
-    x = _mm512_max_ps(x, lo);
-    EXP_BODY(__m512, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_fnmadd_ps, _mm512_mul_ps)
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
-}
-#undef ROUND
-
 #include "vec_avx512.h"
 #include "decode_attention.h"
 #include "vec_end.h"

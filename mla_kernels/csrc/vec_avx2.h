@@ -11,7 +11,7 @@
  *                                  doubled, as floats (exactly; t: the 16 doubled values as int8 in an __m128i; the
  *                                  including file defines e2m1_8/16)
  *     V_HSUM(v), V_HMAX(v)         the sum and the largest of the lanes
- *     V_EXP(v)                     e^v lane by lane (for v <= 0; the including file defines exp8/exp16)
+ *     V_EXP(v)                     e^v lane by lane (for v <= 0: exp8 / exp16 of vec_exp.h, included first)
  *     VI, VI_STEP                  the integer vector, and the int16 values one step of a dot product takes
  *     VI_W8(p), VI_X16(p)          VI_STEP int8 values from p as int16; VI_STEP int16 values from p
  *     VI_DOT(a, w, x)              a plus the products w x summed in pairs (int32 lanes)

@@ -231,7 +231,7 @@ class KimiDeltaAttention(nn.Module):
             if fresh:
                 state.recurrent[slot].zero_()
             run = (cpu_kernels.delta_rule_prefill if self.kernels.prefill == "compiled"
-                   else linear_attention.sequence_steps)
+                   else linear_attention.chunked)
             return run(q, k, v, g, beta, state.recurrent, torch.tensor([slot], device=q.device),
                        torch.tensor([0, q.shape[0]], device=q.device))
         start = torch.zeros_like(state.recurrent[slot]) if fresh else state.recurrent[slot]
