@@ -32,7 +32,6 @@ the released layout (which transformers saves) and those names.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -46,6 +45,7 @@ from mla_runtime.config import RopeConfig
 from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.layers.hyper import ClampedMLP, HyperConnection, HyperHead, PackedExperts, frozen_linear, rms
 from mla_runtime.layers.rotary import rope_inv_freq
+from mla_runtime.models.own_checkpoint import read_checkpoint
 
 LAYER_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 _RATE_KINDS = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
@@ -695,24 +695,9 @@ def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def load_deepseek_v4(path: str | Path, dtype: torch.dtype = torch.float32) -> DeepseekV4ForCausalLM:
     """A ``deepseek_v4`` checkpoint (``config.json`` and ``*.safetensors``, bfloat16 or float32 tensors, in the
     released layout or transformers' names)."""
-    from safetensors.torch import load_file
-
-    root = Path(path)
-    raw = json.loads((root / "config.json").read_text())
-    if raw.get("model_type") != "deepseek_v4":
-        raise ValueError(f"{root}: model_type {raw.get('model_type')!r} is not deepseek_v4")
-    if raw.get("quantization_config"):
-        raise ValueError(f"{root}: quantised deepseek_v4 checkpoints are not supported (load bfloat16 or float32)")
+    root, raw, stored = read_checkpoint(path, ("deepseek_v4",))
     model = DeepseekV4ForCausalLM(V4Config.from_raw(raw), dtype)
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{root}: no *.safetensors files")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        for name, t in load_file(str(f)).items():
-            mine = stored_name(name)
-            if mine is not None:
-                tensors[mine] = t
+    tensors = {mine: t for name, t in stored.items() if (mine := stored_name(name)) is not None}
     tensors = _stack_experts(tensors)
     own = model.state_dict()
     missing, unknown = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))

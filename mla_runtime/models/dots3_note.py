@@ -21,7 +21,6 @@ text model: the vision and audio towers are not read, and a prompt holding one o
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +36,7 @@ from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.layers.hyper import ClampedMLP, PackedExperts, frozen_linear, pack_experts
 from mla_runtime.layers.moe import Router
 from mla_runtime.models.glm5_next import Glm5NextStateCache, Norm
+from mla_runtime.models.own_checkpoint import read_checkpoint
 
 MODEL_TYPES = ("dots3_note", "dots3_note_text")
 MEDIA_TOKENS = ("image_token_id", "video_token_id", "audio_token_id")
@@ -386,20 +386,7 @@ def stored_name(name: str, layers: int) -> str | None:
 
 def load_dots3_note(path: str | Path, dtype: torch.dtype = torch.float32) -> Dots3NoteForCausalLM:
     """A ``dots3_note`` (or ``dots3_note_text``) checkpoint: ``config.json`` and ``*.safetensors``, float tensors."""
-    from safetensors.torch import load_file
-
-    root = Path(path)
-    raw = json.loads((root / "config.json").read_text())
-    if raw.get("model_type") not in MODEL_TYPES:
-        raise ValueError(f"{root}: model_type {raw.get('model_type')!r} is not one of {MODEL_TYPES}")
-    if raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config"):
-        raise ValueError(f"{root}: quantised dots3_note checkpoints are not supported (load bfloat16 or float32)")
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{root}: no *.safetensors files")
+    _, raw, tensors = read_checkpoint(path, MODEL_TYPES)
     model = Dots3NoteForCausalLM(Dots3Config.from_raw(raw), dtype)
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        tensors.update(load_file(str(f)))
     model.load_state_dict_hf(tensors)
     return model.eval()

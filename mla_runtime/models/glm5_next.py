@@ -17,7 +17,6 @@ weights are not read, and a prompt holding an image or video placeholder token i
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +35,7 @@ from mla_runtime.layers.hyper import ClampedMLP, HyperConnection, PackedExperts,
 from mla_runtime.layers.kda import KimiDeltaAttention
 from mla_runtime.layers.moe import Router
 from mla_runtime.layers.pooled_indexer import PooledIndexer
+from mla_runtime.models.own_checkpoint import read_checkpoint
 
 _DEFAULTS: dict[str, Any] = dict(
     vocab_size=154880, hidden_size=4096, intermediate_size=12288, num_hidden_layers=45, num_attention_heads=64,
@@ -429,20 +429,7 @@ def _join_convs(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def load_glm5_next(path: str | Path, dtype: torch.dtype = torch.float32) -> Glm5NextForCausalLM:
     """A ``glm5_next`` (or ``glm5_next_text``) checkpoint: ``config.json`` and ``*.safetensors``, float tensors."""
-    from safetensors.torch import load_file
-
-    root = Path(path)
-    raw = json.loads((root / "config.json").read_text())
-    if raw.get("model_type") not in MODEL_TYPES:
-        raise ValueError(f"{root}: model_type {raw.get('model_type')!r} is not one of {MODEL_TYPES}")
-    if raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config"):
-        raise ValueError(f"{root}: quantised glm5_next checkpoints are not supported (load bfloat16 or float32)")
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{root}: no *.safetensors files")
+    _, raw, tensors = read_checkpoint(path, MODEL_TYPES)
     model = Glm5NextForCausalLM(Glm5NextConfig.from_raw(raw), dtype)
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        tensors.update(load_file(str(f)))
     model.load_state_dict_hf(tensors)
     return model.eval()

@@ -22,7 +22,6 @@ tokens (a prompt, a chunk of one, a decode); the engine's slots are ``Glm5NextSt
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -37,6 +36,7 @@ from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.layers.hyper import ClampedMLP, HyperHead, IndependentHyperConnection, PackedExperts, frozen_linear
 from mla_runtime.layers.moe import Router
 from mla_runtime.models.glm5_next import Glm5NextStateCache, Norm
+from mla_runtime.models.own_checkpoint import read_checkpoint
 
 _DEFAULTS: dict[str, Any] = dict(
     vocab_size=120832, hidden_size=2816, intermediate_size=6912, moe_intermediate_size=768, num_hidden_layers=34,
@@ -329,20 +329,7 @@ def stored_name(name: str) -> str | None:
 
 def load_hy_v4(path: str | Path, dtype: torch.dtype = torch.float32) -> HyV4ForCausalLM:
     """A ``hy_v4`` checkpoint: ``config.json`` and ``*.safetensors``, float tensors."""
-    from safetensors.torch import load_file
-
-    root = Path(path)
-    raw = json.loads((root / "config.json").read_text())
-    if raw.get("model_type") != "hy_v4":
-        raise ValueError(f"{root}: model_type {raw.get('model_type')!r} is not 'hy_v4'")
-    if raw.get("quantization_config"):
-        raise ValueError(f"{root}: quantised hy_v4 checkpoints are not supported (load bfloat16 or float32)")
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{root}: no *.safetensors files")
+    _, raw, tensors = read_checkpoint(path, ("hy_v4",))
     model = HyV4ForCausalLM(HyV4Config.from_raw(raw), dtype)
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        tensors.update(load_file(str(f)))
     model.load_state_dict_hf(tensors)
     return model.eval()
