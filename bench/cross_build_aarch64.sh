@@ -23,7 +23,7 @@ for src in $sources; do
   obj="$OUT/$(basename "$src" .cpp).o"
   if "$OUT/zig/bin/python" -m ziglang c++ -target aarch64-linux-gnu -std=c++17 -O2 -fopenmp -c "${includes[@]}" \
       -I"$OUT/include" -DTORCH_EXTENSION_NAME=mla_kernels_ops -Wno-c++20-extensions -Wno-ignored-attributes \
-      "$src" -o "$obj" 2> "$obj.log"; then
+      -x c++ "$src" -o "$obj" 2> "$obj.log"; then  # .c sources are C++ here, as the extension builder's g++ takes them
     echo "aarch64: ${src#"$ROOT"/} builds ($(file -b "$obj" | cut -d, -f1-2))"
   else
     echo "aarch64: ${src#"$ROOT"/} FAILS: $(grep -m1 -i error "$obj.log")"; status=1
