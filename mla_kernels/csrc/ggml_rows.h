@@ -4,38 +4,86 @@
  *
  * A run of 32 weight values that shares an activation scale meets the prepared row's int8 values in 256-bit integer
  * vectors: its exact integer sum (AVX2: maddubs and madd; VNNI: vpdpbusd where no int16 multiplier follows) lands in
- * an int32 lane, eight runs to a vector (gg_sums8), and the eight sums are scaled in float32 together, one FMA (two
+ * an int32 lane, eight runs to a vector (gg_run_sums), and the eight sums are scaled in float32 together, one FMA (two
  * with minimums) into an accumulator of eight floats per (weight row, input row). The float operations are 256-bit
  * in both variants and the integer sums are exact, so both give the same bits, and each (weight row, input row) pair
  * sees the same operations whatever rows share the call. */
 
-/* Block i's (of 8 in a step) 32 int8 weights w against 32 int8 activations x: eight int32 partial sums of the
- * exact products (AVX2: |w| x (x signed as w) in int16 pairs, at most 32512, then int32; VNNI: vpdpbusd on the same
- * operands). */
-VI_TARGET static inline __attribute__((always_inline)) __m256i SFX(gg_dot32)(__m256i w, __m256i x) {
+/* The eight runs of 32 values of a step, prepared once for every input row: kind GG_S8 (Q8_0's signed values w),
+ * GG_U8 (unsigned values u, at most 31) or GG_MUL (unsigned values u, at most 63, and int16 multipliers of maddubs'
+ * pair sums, sixteen a run). AVX2 keeps a run a vector (S8: |w| and w, whose signs the activations take); AVX-512
+ * two runs a vector (S8: |w| and the mask of the negative w). */
+#ifndef GG_RUN_KINDS
+#define GG_RUN_KINDS
+enum { GG_S8, GG_U8, GG_MUL };
+#endif
 #if VL == 8
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)),
-                             _mm256_set1_epi16(1));
+typedef struct {
+    __m256i v[8], m[8];
+} SFX(GgRuns);
 #else
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+typedef struct {
+    __m512i v[4], m[4];
+    __mmask64 neg[4];
+} SFX(GgRuns);
+#endif
+
+VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_runs)(SFX(GgRuns) *r, const __m256i *w,
+                                                                        const __m256i *mul, const int KIND) {
+#if VL == 8
+    for (int i = 0; i < 8; i++) {
+        r->v[i] = KIND == GG_S8 ? _mm256_sign_epi8(w[i], w[i]) : w[i];
+        if (KIND == GG_S8) r->m[i] = w[i];
+        if (KIND == GG_MUL) r->m[i] = mul[i];
+    }
+#else
+    for (int q = 0; q < 4; q++) {
+        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(w[2 * q]), w[2 * q + 1], 1);
+        r->v[q] = KIND == GG_S8 ? _mm512_abs_epi8(v) : v;
+        if (KIND == GG_S8) r->neg[q] = _mm512_movepi8_mask(v);
+        if (KIND == GG_MUL) r->m[q] = _mm512_inserti64x4(_mm512_castsi256_si512(mul[2 * q]), mul[2 * q + 1], 1);
+    }
 #endif
 }
 
-/* The same for 32 unsigned weights u (at most 31): maddubs' pairs at most 7874, or vpdpbusd. */
-VI_TARGET static inline __attribute__((always_inline)) __m256i SFX(gg_udot32)(__m256i u, __m256i x) {
+/* The eight runs' exact integer sums against the input row's 256 int8 values at xa: lane i run i's sum of
+ * (multiplier) x value x activation. AVX2: maddubs' int16 pair sums (at most 2 x 128 x 127 = 32512), madd by one or
+ * by the multipliers, then the eight vectors' lanes summed by hadd; AVX-512: vpdpbusd (S8: the activations negated
+ * where w is negative), or maddubs and madd, two runs a vector, their lanes summed by unpacks. */
+VI_TARGET static inline __attribute__((always_inline)) __m256i SFX(gg_run_sums)(const SFX(GgRuns) *r, const uint8_t *xa,
+                                                                               const int KIND) {
 #if VL == 8
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
-#else
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
-#endif
-}
-
-/* Eight vectors of eight int32 partial sums -> one vector of their eight sums (lane i: p[i]'s), exact. */
-VI_TARGET static inline __attribute__((always_inline)) __m256i SFX(gg_sums8)(const __m256i *p) {
+    __m256i p[8];
+    for (int i = 0; i < 8; i++) {
+        const __m256i a = _mm256_loadu_si256((const __m256i *)(xa + 32 * i));
+        const __m256i pairs = _mm256_maddubs_epi16(r->v[i], KIND == GG_S8 ? _mm256_sign_epi8(a, r->m[i]) : a);
+        p[i] = _mm256_madd_epi16(pairs, KIND == GG_MUL ? r->m[i] : _mm256_set1_epi16(1));
+    }
     const __m256i h01 = _mm256_hadd_epi32(p[0], p[1]), h23 = _mm256_hadd_epi32(p[2], p[3]);
     const __m256i h45 = _mm256_hadd_epi32(p[4], p[5]), h67 = _mm256_hadd_epi32(p[6], p[7]);
     const __m256i lo = _mm256_hadd_epi32(h01, h23), hi = _mm256_hadd_epi32(h45, h67);
     return _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
+#else
+    __m512i z[4];
+    for (int q = 0; q < 4; q++) {
+        const __m512i a = _mm512_loadu_si512((const void *)(xa + 64 * q));
+        if (KIND == GG_S8)
+            z[q] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), r->v[q],
+                                       _mm512_mask_sub_epi8(a, r->neg[q], _mm512_setzero_si512(), a));
+        else if (KIND == GG_U8)
+            z[q] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), r->v[q], a);
+        else
+            z[q] = _mm512_madd_epi16(_mm512_maddubs_epi16(r->v[q], a), r->m[q]);
+    }
+    /* each 128-bit chunk's sum: u's chunk c holds z[0..3]'s chunk c sums; runs 2q and 2q + 1 are z[q]'s chunks 0, 1
+     * and 2, 3 */
+    const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(z[0], z[1]), _mm512_unpackhi_epi32(z[0], z[1]));
+    const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(z[2], z[3]), _mm512_unpackhi_epi32(z[2], z[3]));
+    const __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
+    const __m512i c = _mm512_shuffle_i64x2(u, u, _MM_SHUFFLE(3, 1, 2, 0));
+    const __m256i v = _mm256_add_epi32(_mm512_castsi512_si256(c), _mm512_extracti64x4_epi64(c, 1));
+    return _mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+#endif
 }
 
 /* A step's block i of a 32-value type T at p: its 32 values (Q8_0 signed; else unsigned, Q5_0's offset 16 not
@@ -54,7 +102,7 @@ VI_TARGET static inline __attribute__((always_inline)) __m256i SFX(gg_small_bloc
 
 /* Rows [r0, r1) of c's matrix in a 32-value type T (Q8_0, Q4_1, Q5_0, Q5_1) times c's prepared rows, read in place:
  * a step takes eight blocks (the row's last step its remaining ones, the rest zero) and sums each block's 32
- * products u a exactly in int32 (gg_dot32 or the unsigned dot, gg_sums8), less Q5_0's 16 x the group's activation
+ * products u a exactly in int32 (gg_run_sums), less Q5_0's 16 x the group's activation
  * sum; block i's float(sum) x (its float16 scale x its activation group's scale) goes into lane i of the input row's
  * one accumulator of eight floats, one FMA for eight blocks, and Q4_1 / Q5_1 add float(the group's activation sum) x
  * (the block's minimum x the group's scale), a second. A row's sum is simd.h's hsum of the eight. Both variants run
@@ -62,7 +110,7 @@ VI_TARGET static inline __attribute__((always_inline)) __m256i SFX(gg_small_bloc
 VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_small_rows)(const GgCall *c, int64_t r0, int64_t r1,
                                                                               const int T) {
     const int64_t nb = c->k / 32, bytes = gg_format(T).bytes;
-    const int mins = T == GG_Q4_1 || T == GG_Q5_1;
+    const int mins = T == GG_Q4_1 || T == GG_Q5_1, kind = T == GG_Q8_0 ? GG_S8 : GG_U8;
     for (int64_t t = 0; t < c->m; t += GG_TILE) {
         const int mb = c->m - t < GG_TILE ? (int)(c->m - t) : GG_TILE;
         for (int64_t r = r0; r < r1; r++) {
@@ -79,16 +127,13 @@ VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_small_rows)(c
                     w[i] = i < nv ? SFX(gg_small_block)(p + bytes * i, hd + i, hm + i, T) : _mm256_setzero_si256();
                 const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)hd));
                 const __m256 wm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)hm));
+                SFX(GgRuns) runs;
+                SFX(gg_runs)(&runs, w, NULL, kind);
                 for (int j = 0; j < mb; j++) {
                     const uint8_t *x = c->xp + (t + j) * c->xstride;
                     const uint8_t *xa = x + 32 * b;
-                    __m256i part[8];
-                    for (int i = 0; i < 8; i++) {
-                        const __m256i a = _mm256_loadu_si256((const __m256i *)(xa + 32 * i));
-                        part[i] = T == GG_Q8_0 ? SFX(gg_dot32)(w[i], a) : SFX(gg_udot32)(w[i], a);
-                    }
                     const __m256 d = _mm256_loadu_ps((const float *)(x + c->kp) + b);
-                    __m256i sum = SFX(gg_sums8)(part), as = _mm256_setzero_si256();
+                    __m256i sum = SFX(gg_run_sums)(&runs, xa, kind), as = _mm256_setzero_si256();
                     if (T != GG_Q8_0)  /* the groups' activation sums */
                         as = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(x + c->kp + c->kp / 8 + 4 * b)),
                                                _mm256_set1_epi16(1));
@@ -209,7 +254,7 @@ VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_super)(const 
 }
 
 /* K-quant (T) rows [r0, r1) of c's matrix times c's prepared rows, read in place a super-block at a time: group g's
- * integer sum of scale u a (maddubs' pair sums times the int16 multipliers, then gg_sums8), less Q3_K's and Q6_K's
+ * integer sum of scale u a (maddubs' pair sums times the int16 multipliers, then gg_run_sums), less Q3_K's and Q6_K's
  * offset term, exact in int32 and in float32 (at most 2^24), is added as float(sum) x (d x the group's activation
  * scale) into lane g of the input row's accumulator of eight floats; Q2_K, Q4_K and Q5_K add float(the minimum term)
  * x (-dmin x the activation scale) the same way, a second FMA a super-block. A row's sum is simd.h's hsum of the
@@ -229,16 +274,14 @@ VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_k_rows)(const
                 for (int l = 0; l < 4; l++) _mm_prefetch((const char *)p + 1024 + 64 * l, _MM_HINT_T0);
                 SFX(GgSuper) s;
                 SFX(gg_super)(p, T, &s);
+                SFX(GgRuns) runs;
+                SFX(gg_runs)(&runs, s.u, s.sc, GG_MUL);
                 for (int j = 0; j < mb; j++) {
                     const uint8_t *x = c->xp + (t + j) * c->xstride;
                     const uint8_t *xa = x + 256 * b;
-                    __m256i part[8];
-                    for (int g = 0; g < 8; g++)
-                        part[g] = _mm256_madd_epi16(_mm256_maddubs_epi16(s.u[g], _mm256_loadu_si256((const __m256i *)(xa + 32 * g))),
-                                                    s.sc[g]);
                     const __m256 gs = _mm256_loadu_ps((const float *)(x + c->kp) + 8 * b);
                     const __m256i a16 = _mm256_loadu_si256((const __m256i *)(x + c->kp + c->kp / 8) + b);
-                    const __m256i off = _mm256_madd_epi16(s.off, a16), sum = SFX(gg_sums8)(part);
+                    const __m256i off = _mm256_madd_epi16(s.off, a16), sum = SFX(gg_run_sums)(&runs, xa, GG_MUL);
                     if (sub) {
                         acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum, off)),
                                                  _mm256_mul_ps(_mm256_set1_ps(s.d), gs), acc[j]);
