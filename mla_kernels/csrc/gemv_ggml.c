@@ -105,15 +105,10 @@ static inline __attribute__((always_inline)) __m256i gg_nib32(const uint8_t *qs,
     return v;
 }
 
-/* Q4_K / Q5_K's sub-block j scale and minimum from their 12 bytes q (6 bits each). */
-static inline void gg_scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
-    if (j < 4) {
-        *sc = q[j] & 63;
-        *m = q[j + 4] & 63;
-    } else {
-        *sc = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
-        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
+static inline uint32_t gg_u32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
 }
 
 #include "vec_avx2.h"

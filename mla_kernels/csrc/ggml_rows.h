@@ -1,6 +1,6 @@
 /* The products of gemv_ggml.c (weights in ggml's block types, read as stored), written once over the vector
  * vocabulary (vec_avx2.h, vec_avx512.h) and included once per instruction set. gemv_ggml.c defines GgCall, GgFormat,
- * the bit helpers (gg_bits, gg_nib32, gg_scale_min_k4) and GG_TILE before the first inclusion.
+ * the bit helpers (gg_bits, gg_nib32, gg_u32) and GG_TILE before the first inclusion.
  *
  * A run of 32 weight values that shares an activation scale meets the prepared row's int8 values in 256-bit integer
  * vectors: its exact integer sum (AVX2: maddubs and madd; VNNI: vpdpbusd where no int16 multiplier follows) lands in
@@ -86,18 +86,27 @@ VI_TARGET static inline __attribute__((always_inline)) __m256i SFX(gg_run_sums)(
 #endif
 }
 
-/* A step's block i of a 32-value type T at p: its 32 values (Q8_0 signed; else unsigned, Q5_0's offset 16 not
- * taken off) and its float16 scale and minimum bits. */
-VI_TARGET static inline __attribute__((always_inline)) __m256i SFX(gg_small_block)(const uint8_t *p, uint16_t *d,
-                                                                                   uint16_t *m, const int T) {
-    memcpy(d, p, 2);
-    if (T == GG_Q4_1 || T == GG_Q5_1) memcpy(m, p + 2, 2);
+/* A step's block of a 32-value type T at p: its 32 values (Q8_0 signed; else unsigned, Q5_0's offset 16 not taken
+ * off). */
+VI_TARGET static inline __attribute__((always_inline)) __m256i SFX(gg_small_block)(const uint8_t *p, const int T) {
     switch (T) {
         case GG_Q8_0: return _mm256_loadu_si256((const __m256i *)(p + 2));
         case GG_Q5_0: return gg_nib32(p + 6, p + 2);
         case GG_Q4_1: return gg_nib32(p + 4, NULL);
         default: return gg_nib32(p + 8, p + 4);
     }
+}
+
+/* The float16 fields at offset `at` of a step's nv blocks (`bytes` apart) as eight floats, zero past nv: built in a
+ * register (a vector load of eight just-stored halves would wait on the stores). */
+VI_TARGET static inline __attribute__((always_inline)) __m256 SFX(gg_halves8)(const uint8_t *p, int bytes, int at, int nv) {
+    uint16_t h[8];
+    for (int i = 0; i < 8; i++) {
+        h[i] = 0;
+        if (i < nv) memcpy(h + i, p + bytes * i + at, 2);
+    }
+    return _mm256_cvtph_ps(_mm_setr_epi16((short)h[0], (short)h[1], (short)h[2], (short)h[3], (short)h[4], (short)h[5],
+                                          (short)h[6], (short)h[7]));
 }
 
 /* Rows [r0, r1) of c's matrix in a 32-value type T (Q8_0, Q4_1, Q5_0, Q5_1) times c's prepared rows, read in place:
@@ -121,12 +130,10 @@ VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_small_rows)(c
                 const uint8_t *p = wr + b * bytes;
                 const int nv = nb - b < 8 ? (int)(nb - b) : 8;
                 __m256i w[8];
-                uint16_t hd[8] = {0}, hm[8] = {0};
                 for (int l = 0; l < (8 * bytes + 63) / 64; l++) _mm_prefetch((const char *)p + 1024 + 64 * l, _MM_HINT_T0);
-                for (int i = 0; i < 8; i++)
-                    w[i] = i < nv ? SFX(gg_small_block)(p + bytes * i, hd + i, hm + i, T) : _mm256_setzero_si256();
-                const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)hd));
-                const __m256 wm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)hm));
+                for (int i = 0; i < 8; i++) w[i] = i < nv ? SFX(gg_small_block)(p + bytes * i, T) : _mm256_setzero_si256();
+                const __m256 ws = SFX(gg_halves8)(p, (int)bytes, 0, nv);
+                const __m256 wm = mins ? SFX(gg_halves8)(p, (int)bytes, 2, nv) : _mm256_setzero_ps();
                 SFX(GgRuns) runs;
                 SFX(gg_runs)(&runs, w, NULL, kind);
                 for (int j = 0; j < mb; j++) {
@@ -157,17 +164,20 @@ typedef struct {
     float d, dm;
 } SFX(GgSuper);
 
-/* sc[g] from the sixteen sub-block scales (16-value sub-blocks), off from the sixteen offset or minimum factors */
-VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_super_scales)(const int16_t *sc, const int16_t *off,
+/* sc[g] from the sixteen sub-block scales s16 (int16; 16-value sub-blocks, equal pairs for 32-value ones): lane
+ * pair g broadcast, its first in the low half, its second in the high half. */
+VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_super_scales)(__m256i s16, __m256i off,
                                                                                 SFX(GgSuper) *o) {
-    for (int g = 0; g < 8; g++) o->sc[g] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * g + 1]), _mm_set1_epi16(sc[2 * g]));
-    o->off = _mm256_loadu_si256((const __m256i *)off);
+    const __m256i pick = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3,
+                                          2, 3, 2, 3, 2, 3);
+    for (int g = 0; g < 8; g++)
+        o->sc[g] = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(s16, _mm256_set1_epi32(g)), pick);
+    o->off = off;
 }
 
 /* Q6_K: in each half n of 128 values, value 32 t + l (l < 32) takes the nibble t / 2 of ql[64 n + 32 (t % 2) + l]
  * and bits 2t, 2t + 1 of qh[32 n + l]; sub-block v / 16 with its int8 scale; offset 32. */
 VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_super_q6_k)(const uint8_t *p, SFX(GgSuper) *o) {
-    int16_t sc[16], off[16];
     for (int n = 0; n < 2; n++) {
         const __m256i h = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * n));
         const __m256i l0 = _mm256_loadu_si256((const __m256i *)(p + 64 * n));
@@ -175,20 +185,18 @@ VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_super_q6_k)(c
         const __m256i low[4] = {gg_bits(l0, 0, 0x0f), gg_bits(l1, 0, 0x0f), gg_bits(l0, 4, 0x0f), gg_bits(l1, 4, 0x0f)};
         for (int t = 0; t < 4; t++) o->u[4 * n + t] = _mm256_or_si256(low[t], _mm256_slli_epi16(gg_bits(h, 2 * t, 3), 4));
     }
-    for (int i = 0; i < 16; i++) {
-        sc[i] = (int8_t)p[192 + i];
-        off[i] = (int16_t)(32 * sc[i]);  /* at most 4096 */
-    }
-    SFX(gg_super_scales)(sc, off, o);
+    const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 192)));
+    SFX(gg_super_scales)(s16, _mm256_slli_epi16(s16, 5), o);  /* 32 x scale: at most 4096 */
     o->d = gg_f16(p + 208);
     o->dm = 0.0f;
 }
 
 /* Q4_K (qh NULL) or Q5_K: value 64 c + l (l < 32) is the low nibble of qs[32 c + l], 64 c + 32 + l its high nibble,
- * with bit 2c or 2c + 1 of qh[l] as the fifth bit; sub-block v / 32 with its 6-bit scale and minimum. */
+ * with bit 2c or 2c + 1 of qh[l] as the fifth bit; sub-block v / 32 with its 6-bit scale and minimum from the 12 bytes
+ * q at p + 4 (j < 4: the low 6 bits of q[j] and q[j + 4]; j >= 4: the low and the high nibble of q[j + 4] with the top
+ * 2 bits of q[j - 4] and q[j]), unpacked four at a time: bytes 0..7 the scales, 8..15 the minimums. */
 VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_super_q45_k)(const uint8_t *p, const uint8_t *qh,
                                                                                const uint8_t *qs, SFX(GgSuper) *o) {
-    int16_t sc[16], m[16];
     const __m256i h = qh ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
     for (int c = 0; c < 4; c++) {
         const __m256i b = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
@@ -199,13 +207,13 @@ VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_super_q45_k)(
             o->u[2 * c + 1] = _mm256_or_si256(o->u[2 * c + 1], _mm256_slli_epi16(gg_bits(h, 2 * c + 1, 1), 4));
         }
     }
-    for (int g = 0; g < 8; g++) {
-        int s, mn;
-        gg_scale_min_k4(g, p + 4, &s, &mn);
-        sc[2 * g] = sc[2 * g + 1] = (int16_t)s;
-        m[2 * g] = m[2 * g + 1] = (int16_t)mn;
-    }
-    SFX(gg_super_scales)(sc, m, o);
+    const uint32_t q0 = gg_u32(p + 4), q1 = gg_u32(p + 8), q2 = gg_u32(p + 12);
+    const uint32_t m6 = 0x3f3f3f3fu, m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
+    const __m128i sm = _mm_setr_epi32((int)(q0 & m6), (int)((q2 & m4) | (((q0 >> 6) & m2) << 4)), (int)(q1 & m6),
+                                      (int)(((q2 >> 4) & m4) | (((q1 >> 6) & m2) << 4)));
+    const __m128i pairs = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    SFX(gg_super_scales)(_mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, pairs)),
+                         _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, _mm_add_epi8(pairs, _mm_set1_epi8(8)))), o);
     o->d = gg_f16(p);
     o->dm = -gg_f16(p + 2);
 }
@@ -216,8 +224,7 @@ VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_super_q45_k)(
  * 8..11, less 32. */
 VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_super_q23_k)(const uint8_t *p, const int T,
                                                                                SFX(GgSuper) *o) {
-    int16_t sc[16], off[16];
-    const uint8_t *qs = T == GG_Q3_K ? p + 32 : p + 16, *s3 = p + 96;
+    const uint8_t *qs = T == GG_Q3_K ? p + 32 : p + 16;
     const __m256i h = T == GG_Q3_K ? _mm256_loadu_si256((const __m256i *)p) : _mm256_setzero_si256();
     for (int n = 0; n < 2; n++) {
         const __m256i b = _mm256_loadu_si256((const __m256i *)(qs + 32 * n));
@@ -227,19 +234,22 @@ VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_super_q23_k)(
                 o->u[4 * n + j] = _mm256_or_si256(o->u[4 * n + j], _mm256_slli_epi16(gg_bits(h, 4 * n + j, 1), 2));
         }
     }
-    for (int i = 0; i < 16; i++) {
-        if (T == GG_Q3_K) {
-            const int low = i < 8 ? s3[i] & 0x0f : s3[i - 8] >> 4, high = (s3[8 + i % 4] >> (2 * (i / 4))) & 3;
-            sc[i] = (int16_t)((low | high << 4) - 32);
-            off[i] = (int16_t)(4 * sc[i]);
-        } else {
-            sc[i] = (int16_t)(p[i] & 0x0f);
-            off[i] = (int16_t)(p[i] >> 4);
-        }
+    if (T == GG_Q3_K) {  /* scales 0..3, 4..7, 8..11, 12..15: a word's low nibbles or high, with 2 bits of word 2 */
+        const uint32_t a0 = gg_u32(p + 96), a1 = gg_u32(p + 100), a2 = gg_u32(p + 104), m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
+        const __m128i s8 = _mm_setr_epi32((int)((a0 & m4) | ((a2 & m2) << 4)), (int)((a1 & m4) | (((a2 >> 2) & m2) << 4)),
+                                          (int)(((a0 >> 4) & m4) | (((a2 >> 4) & m2) << 4)),
+                                          (int)(((a1 >> 4) & m4) | (((a2 >> 6) & m2) << 4)));
+        const __m256i s16 = _mm256_cvtepi8_epi16(_mm_sub_epi8(s8, _mm_set1_epi8(32)));
+        SFX(gg_super_scales)(s16, _mm256_slli_epi16(s16, 2), o);
+        o->d = gg_f16(p + 108);
+        o->dm = 0.0f;
+    } else {
+        const __m128i b = _mm_loadu_si128((const __m128i *)p), low = _mm_set1_epi8(0x0f);
+        SFX(gg_super_scales)(_mm256_cvtepu8_epi16(_mm_and_si128(b, low)),
+                             _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), low)), o);
+        o->d = gg_f16(p + 80);
+        o->dm = -gg_f16(p + 82);
     }
-    SFX(gg_super_scales)(sc, off, o);
-    o->d = gg_f16(T == GG_Q3_K ? p + 108 : p + 80);
-    o->dm = T == GG_Q3_K ? 0.0f : -gg_f16(p + 82);
 }
 
 VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_super)(const uint8_t *p, const int T,
