@@ -2,10 +2,11 @@
  * vocabulary (vec_avx2.h, vec_avx512.h) and included once per instruction set. gemv_ggml.c defines GgCall, GgFormat,
  * the bit helpers (gg_bits, gg_nib32, gg_u32) and GG_TILE before the first inclusion.
  *
- * A run of 32 weight values that shares an activation scale meets the prepared row's int8 values in 256-bit integer
- * vectors: its exact integer sum (AVX2: maddubs and madd; VNNI: vpdpbusd where no int16 multiplier follows) lands in
- * an int32 lane, eight runs to a vector (gg_run_sums), and the eight sums are scaled in float32 together, one FMA (two
- * with minimums) into an accumulator of eight floats per (weight row, input row). The float operations are 256-bit
+ * A run of 32 weight values that shares an activation scale meets the prepared row's int8 values in integer vectors
+ * (AVX2: a run a 256-bit vector, maddubs and madd; AVX-512: two runs a 512-bit vector, vpdpbusd where no int16
+ * multiplier follows, else maddubs and madd): its exact integer sum lands in an int32 lane, eight runs to a vector
+ * (gg_run_sums), and the eight sums are scaled in float32 together, one FMA (two with minimums) into an accumulator
+ * of eight floats per (weight row, input row). The float operations are 256-bit
  * in both variants and the integer sums are exact, so both give the same bits, and each (weight row, input row) pair
  * sees the same operations whatever rows share the call. */
 
