@@ -1,68 +1,308 @@
 /* The products of gemv_ggml.c (weights in ggml's block types, read as stored), written once over the vector
- * vocabulary (vec_avx2.h, vec_avx512.h) and included once per instruction set. gemv_ggml.c defines GgUnit, GgCall,
- * the decoders (gg_decode) and GG_TILE before the first inclusion.
+ * vocabulary (vec_avx2.h, vec_avx512.h) and included once per instruction set. gemv_ggml.c defines GgCall, GgFormat,
+ * the bit helpers (gg_bits, gg_nib32, gg_u32) and GG_TILE before the first inclusion.
  *
- * A unit's decoded values u (unsigned bytes, or signed for Q8_0) meet a prepared row's int8 values a four at a time in
- * int32 lanes: lane l of a step sums u a over values 4l..4l+3 (VI_DOT_U8 / VI_DOT_S8), less the format's offset
- * times the lane's activation sum (an exact shift: Q6_K's 32, Q5_0's 16, Q3_K's 4), and is added as a float into the
- * lane's accumulator times (the lane's weight scale x its activation scale), one FMA; formats with minimums add the
- * lane's activation sum times (the lane's minimum x its activation scale), a second FMA. A step is 64 values: AVX-512
- * one vector of 16 lanes (groups g and g + 1 in its halves), AVX2 two vectors of 8 lanes into two accumulators (even
- * and odd groups), so that lane l of AVX2's two accumulators receives the float operations lanes l and l + 8 of
- * AVX-512's one receives; a row's sum adds those two first, then the eight in simd.h's hsum order. Both variants thus
- * give the same bits, and each (weight row, input row) pair has its own accumulators and sees the same operations
- * whatever rows share the call. */
+ * A run of 32 weight values that shares an activation scale meets the prepared row's int8 values in integer vectors
+ * (AVX2: a run a 256-bit vector, maddubs and madd; AVX-512: two runs a 512-bit vector, vpdpbusd where no int16
+ * multiplier follows, else maddubs and madd): its exact integer sum lands in an int32 lane, eight runs to a vector
+ * (gg_run_sums), and the eight sums are scaled in float32 together, one FMA (two with minimums) into an accumulator
+ * of eight floats per (weight row, input row). The float operations are 256-bit
+ * in both variants and the integer sums are exact, so both give the same bits, and each (weight row, input row) pair
+ * sees the same operations whatever rows share the call. */
 
+/* The eight runs of 32 values of a step, prepared once for every input row: kind GG_S8 (Q8_0's signed values w),
+ * GG_U8 (unsigned values u, at most 31) or GG_MUL (unsigned values u, at most 63, and int16 multipliers of maddubs'
+ * pair sums, sixteen a run). AVX2 keeps a run a vector (S8: |w| and w, whose signs the activations take); AVX-512
+ * two runs a vector (S8: |w| and the mask of the negative w). */
+#ifndef GG_RUN_KINDS
+#define GG_RUN_KINDS
+enum { GG_S8, GG_U8, GG_MUL };
+#endif
 #if VL == 8
-#define GG_ACCS 2
-#define GG_FOLD(acc) hsum(_mm256_add_ps(acc[0], acc[1]))
+typedef struct {
+    __m256i v[8], m[8];
+} SFX(GgRuns);
 #else
-#define GG_ACCS 1
-#define GG_FOLD(acc) \
-    hsum(_mm256_add_ps(_mm512_castps512_ps256(acc[0]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[0]), 1))))
+typedef struct {
+    __m512i v[4], m[4];
+    __mmask64 neg[4];
+} SFX(GgRuns);
 #endif
 
-/* One decoded unit (values 0 .. nv) against one prepared row (xa: its int8 values, xs: the lane sums, xd: the lane
- * scales, each at the unit's first value), into acc. SGN, SHIFT and MINS are constants of the format. */
-VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_dot)(const GgUnit *b, const int8_t *xa,
-                                                                       const int32_t *xs, const float *xd, int nv,
-                                                                       V *acc, const int SGN, const int SHIFT,
-                                                                       const int MINS) {
-    for (int i = 0; i < nv; i += 4 * VL) {
-        V *ac = acc + (i / (4 * VL)) % GG_ACCS;
-        const VI u = VI_LOAD(b->u + i), a = VI_LOAD(xa + i);
-        VI s = SGN ? VI_DOT_S8(VI_ZERO(), u, a) : VI_DOT_U8(VI_ZERO(), u, a);
-        if (SHIFT) s = VI_SUB32(s, VI_SLLI32(VI_LOAD(xs + i / 4), SHIFT));
-        const V d = V_LOAD(xd + i / 4);
-        *ac = V_FMA(VI_FLOAT(s), V_MUL(V_LOAD(b->ws + i / 4), d), *ac);
-        if (MINS) *ac = V_FMA(VI_FLOAT(VI_LOAD(xs + i / 4)), V_MUL(V_LOAD(b->wm + i / 4), d), *ac);
+VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_runs)(SFX(GgRuns) *r, const __m256i *w,
+                                                                        const __m256i *mul, const int KIND) {
+#if VL == 8
+    for (int i = 0; i < 8; i++) {
+        r->v[i] = KIND == GG_S8 ? _mm256_sign_epi8(w[i], w[i]) : w[i];
+        if (KIND == GG_S8) r->m[i] = w[i];
+        if (KIND == GG_MUL) r->m[i] = mul[i];
+    }
+#else
+    for (int q = 0; q < 4; q++) {
+        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(w[2 * q]), w[2 * q + 1], 1);
+        r->v[q] = KIND == GG_S8 ? _mm512_abs_epi8(v) : v;
+        if (KIND == GG_S8) r->neg[q] = _mm512_movepi8_mask(v);
+        if (KIND == GG_MUL) r->m[q] = _mm512_inserti64x4(_mm512_castsi256_si512(mul[2 * q]), mul[2 * q + 1], 1);
+    }
+#endif
+}
+
+/* The eight runs' exact integer sums against the input row's 256 int8 values at xa: lane i run i's sum of
+ * (multiplier) x value x activation. AVX2: maddubs' int16 pair sums (at most 2 x 128 x 127 = 32512), madd by one or
+ * by the multipliers, then the eight vectors' lanes summed by hadd; AVX-512: vpdpbusd (S8: the activations negated
+ * where w is negative), or maddubs and madd, two runs a vector, their lanes summed by unpacks. */
+VI_TARGET static inline __attribute__((always_inline)) __m256i SFX(gg_run_sums)(const SFX(GgRuns) *r, const uint8_t *xa,
+                                                                               const int KIND) {
+#if VL == 8
+    __m256i p[8];
+    for (int i = 0; i < 8; i++) {
+        const __m256i a = _mm256_loadu_si256((const __m256i *)(xa + 32 * i));
+        const __m256i pairs = _mm256_maddubs_epi16(r->v[i], KIND == GG_S8 ? _mm256_sign_epi8(a, r->m[i]) : a);
+        p[i] = _mm256_madd_epi16(pairs, KIND == GG_MUL ? r->m[i] : _mm256_set1_epi16(1));
+    }
+    const __m256i h01 = _mm256_hadd_epi32(p[0], p[1]), h23 = _mm256_hadd_epi32(p[2], p[3]);
+    const __m256i h45 = _mm256_hadd_epi32(p[4], p[5]), h67 = _mm256_hadd_epi32(p[6], p[7]);
+    const __m256i lo = _mm256_hadd_epi32(h01, h23), hi = _mm256_hadd_epi32(h45, h67);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
+#else
+    __m512i z[4];
+    for (int q = 0; q < 4; q++) {
+        const __m512i a = _mm512_loadu_si512((const void *)(xa + 64 * q));
+        if (KIND == GG_S8)
+            z[q] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), r->v[q],
+                                       _mm512_mask_sub_epi8(a, r->neg[q], _mm512_setzero_si512(), a));
+        else if (KIND == GG_U8)
+            z[q] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), r->v[q], a);
+        else
+            z[q] = _mm512_madd_epi16(_mm512_maddubs_epi16(r->v[q], a), r->m[q]);
+    }
+    /* each 128-bit chunk's sum: u's chunk c holds z[0..3]'s chunk c sums; runs 2q and 2q + 1 are z[q]'s chunks 0, 1
+     * and 2, 3 */
+    const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(z[0], z[1]), _mm512_unpackhi_epi32(z[0], z[1]));
+    const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(z[2], z[3]), _mm512_unpackhi_epi32(z[2], z[3]));
+    const __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
+    const __m512i c = _mm512_shuffle_i64x2(u, u, _MM_SHUFFLE(3, 1, 2, 0));
+    const __m256i v = _mm256_add_epi32(_mm512_castsi512_si256(c), _mm512_extracti64x4_epi64(c, 1));
+    return _mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+#endif
+}
+
+/* A step's block of a 32-value type T at p: its 32 values (Q8_0 signed; else unsigned, Q5_0's offset 16 not taken
+ * off). */
+VI_TARGET static inline __attribute__((always_inline)) __m256i SFX(gg_small_block)(const uint8_t *p, const int T) {
+    switch (T) {
+        case GG_Q8_0: return _mm256_loadu_si256((const __m256i *)(p + 2));
+        case GG_Q5_0: return gg_nib32(p + 6, p + 2);
+        case GG_Q4_1: return gg_nib32(p + 4, NULL);
+        default: return gg_nib32(p + 8, p + 4);
     }
 }
 
-/* Weight rows [r0, r1) of c's matrix, type T (a constant), times c's prepared rows: each row decoded a unit at a
- * time, once per tile of GG_TILE input rows, each decoded unit multiplied into every row of the tile. */
-VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_rows_t)(const GgCall *c, int64_t r0, int64_t r1,
-                                                                          const int T) {
-    const GgFormat f = gg_format(T);
-    GgUnit unit __attribute__((aligned(64)));
+/* The float16 fields at offset `at` of a step's nv blocks (`bytes` apart) as eight floats, zero past nv: built in a
+ * register (a vector load of eight just-stored halves would wait on the stores). */
+VI_TARGET static inline __attribute__((always_inline)) __m256 SFX(gg_halves8)(const uint8_t *p, int bytes, int at, int nv) {
+    uint16_t h[8];
+    for (int i = 0; i < 8; i++) {
+        h[i] = 0;
+        if (i < nv) memcpy(h + i, p + bytes * i + at, 2);
+    }
+    return _mm256_cvtph_ps(_mm_setr_epi16((short)h[0], (short)h[1], (short)h[2], (short)h[3], (short)h[4], (short)h[5],
+                                          (short)h[6], (short)h[7]));
+}
+
+/* Rows [r0, r1) of c's matrix in a 32-value type T (Q8_0, Q4_1, Q5_0, Q5_1) times c's prepared rows, read in place:
+ * a step takes eight blocks (the row's last step its remaining ones, the rest zero) and sums each block's 32
+ * products u a exactly in int32 (gg_run_sums), less Q5_0's 16 x the group's activation
+ * sum; block i's float(sum) x (its float16 scale x its activation group's scale) goes into lane i of the input row's
+ * one accumulator of eight floats, one FMA for eight blocks, and Q4_1 / Q5_1 add float(the group's activation sum) x
+ * (the block's minimum x the group's scale), a second. A row's sum is simd.h's hsum of the eight. Both variants run
+ * these same float operations on the same integers. */
+VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_small_rows)(const GgCall *c, int64_t r0, int64_t r1,
+                                                                              const int T) {
+    const int64_t nb = c->k / 32, bytes = gg_format(T).bytes;
+    const int mins = T == GG_Q4_1 || T == GG_Q5_1, kind = T == GG_Q8_0 ? GG_S8 : GG_U8;
     for (int64_t t = 0; t < c->m; t += GG_TILE) {
         const int mb = c->m - t < GG_TILE ? (int)(c->m - t) : GG_TILE;
         for (int64_t r = r0; r < r1; r++) {
             const uint8_t *wr = c->w + r * c->row_stride;
-            V acc[GG_TILE][GG_ACCS];
-            for (int j = 0; j < mb; j++)
-                for (int q = 0; q < GG_ACCS; q++) acc[j][q] = V_ZERO();
-            for (int64_t v = 0; v < c->kp; v += f.unit) {
-                const int64_t blocks = (c->k - v) / f.block;
-                _mm_prefetch((const char *)(wr + v / f.block * f.bytes) + 1024, _MM_HINT_T0);
-                gg_decode(T, wr + v / f.block * f.bytes, blocks < f.unit / f.block ? blocks : f.unit / f.block, &unit);
+            __m256 acc[GG_TILE];
+            for (int j = 0; j < mb; j++) acc[j] = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nb; b += 8) {
+                const uint8_t *p = wr + b * bytes;
+                const int nv = nb - b < 8 ? (int)(nb - b) : 8;
+                __m256i w[8];
+                for (int l = 0; l < (8 * bytes + 63) / 64; l++) _mm_prefetch((const char *)p + 1024 + 64 * l, _MM_HINT_T0);
+                for (int i = 0; i < 8; i++) w[i] = i < nv ? SFX(gg_small_block)(p + bytes * i, T) : _mm256_setzero_si256();
+                const __m256 ws = SFX(gg_halves8)(p, (int)bytes, 0, nv);
+                const __m256 wm = mins ? SFX(gg_halves8)(p, (int)bytes, 2, nv) : _mm256_setzero_ps();
+                SFX(GgRuns) runs;
+                SFX(gg_runs)(&runs, w, NULL, kind);
                 for (int j = 0; j < mb; j++) {
                     const uint8_t *x = c->xp + (t + j) * c->xstride;
-                    SFX(gg_dot)(&unit, (const int8_t *)x + v, (const int32_t *)(x + c->kp) + v / 4,
-                                (const float *)(x + 2 * c->kp) + v / 4, f.unit, acc[j], f.sgn, f.shift, f.mins);
+                    const uint8_t *xa = x + 32 * b;
+                    const __m256 d = _mm256_loadu_ps((const float *)(x + c->kp) + b);
+                    __m256i sum = SFX(gg_run_sums)(&runs, xa, kind), as = _mm256_setzero_si256();
+                    if (T != GG_Q8_0)  /* the groups' activation sums */
+                        as = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(x + c->kp + c->kp / 8 + 4 * b)),
+                                               _mm256_set1_epi16(1));
+                    if (T == GG_Q5_0) sum = _mm256_sub_epi32(sum, _mm256_slli_epi32(as, 4));
+                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(ws, d), acc[j]);
+                    if (mins) acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(as), _mm256_mul_ps(wm, d), acc[j]);
                 }
             }
-            for (int j = 0; j < mb; j++) c->y[(t + j) * c->n + r] = GG_FOLD(acc[j]);
+            for (int j = 0; j < mb; j++) c->y[(t + j) * c->n + r] = hsum(acc[j]);
+        }
+    }
+}
+
+/* A K-quant super-block as eight groups of 32 values (a group: an activation scale's values), in registers: u[g] the
+ * unsigned values, sc[g] the sixteen int16 multipliers of maddubs' pair sums (a pair of sub-block v / 16 times that
+ * sub-block's integer scale), off the int16 multipliers of the row's sixteen 16-value activation sums that give each
+ * group's offset term (Q3_K, Q6_K: the offset times the scale; subtracted from the sum) or minimum term (Q2_K, Q4_K,
+ * Q5_K: the integer minimum; scaled by dm = -dmin), and d. */
+typedef struct {
+    __m256i u[8], sc[8], off;
+    float d, dm;
+} SFX(GgSuper);
+
+/* sc[g] from the sixteen sub-block scales s16 (int16; 16-value sub-blocks, equal pairs for 32-value ones): lane
+ * pair g broadcast, its first in the low half, its second in the high half. */
+VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_super_scales)(__m256i s16, __m256i off,
+                                                                                SFX(GgSuper) *o) {
+    const __m256i pick = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3,
+                                          2, 3, 2, 3, 2, 3);
+    for (int g = 0; g < 8; g++)
+        o->sc[g] = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(s16, _mm256_set1_epi32(g)), pick);
+    o->off = off;
+}
+
+/* Q6_K: in each half n of 128 values, value 32 t + l (l < 32) takes the nibble t / 2 of ql[64 n + 32 (t % 2) + l]
+ * and bits 2t, 2t + 1 of qh[32 n + l]; sub-block v / 16 with its int8 scale; offset 32. */
+VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_super_q6_k)(const uint8_t *p, SFX(GgSuper) *o) {
+    for (int n = 0; n < 2; n++) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * n));
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(p + 64 * n));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(p + 64 * n + 32));
+        const __m256i low[4] = {gg_bits(l0, 0, 0x0f), gg_bits(l1, 0, 0x0f), gg_bits(l0, 4, 0x0f), gg_bits(l1, 4, 0x0f)};
+        for (int t = 0; t < 4; t++) o->u[4 * n + t] = _mm256_or_si256(low[t], _mm256_slli_epi16(gg_bits(h, 2 * t, 3), 4));
+    }
+    const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 192)));
+    SFX(gg_super_scales)(s16, _mm256_slli_epi16(s16, 5), o);  /* 32 x scale: at most 4096 */
+    o->d = gg_f16(p + 208);
+    o->dm = 0.0f;
+}
+
+/* Q4_K (qh NULL) or Q5_K: value 64 c + l (l < 32) is the low nibble of qs[32 c + l], 64 c + 32 + l its high nibble,
+ * with bit 2c or 2c + 1 of qh[l] as the fifth bit; sub-block v / 32 with its 6-bit scale and minimum from the 12 bytes
+ * q at p + 4 (j < 4: the low 6 bits of q[j] and q[j + 4]; j >= 4: the low and the high nibble of q[j + 4] with the top
+ * 2 bits of q[j - 4] and q[j]), unpacked four at a time: bytes 0..7 the scales, 8..15 the minimums. */
+VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_super_q45_k)(const uint8_t *p, const uint8_t *qh,
+                                                                               const uint8_t *qs, SFX(GgSuper) *o) {
+    const __m256i h = qh ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {
+        const __m256i b = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+        o->u[2 * c] = gg_bits(b, 0, 0x0f);
+        o->u[2 * c + 1] = gg_bits(b, 4, 0x0f);
+        if (qh) {
+            o->u[2 * c] = _mm256_or_si256(o->u[2 * c], _mm256_slli_epi16(gg_bits(h, 2 * c, 1), 4));
+            o->u[2 * c + 1] = _mm256_or_si256(o->u[2 * c + 1], _mm256_slli_epi16(gg_bits(h, 2 * c + 1, 1), 4));
+        }
+    }
+    const uint32_t q0 = gg_u32(p + 4), q1 = gg_u32(p + 8), q2 = gg_u32(p + 12);
+    const uint32_t m6 = 0x3f3f3f3fu, m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
+    const __m128i sm = _mm_setr_epi32((int)(q0 & m6), (int)((q2 & m4) | (((q0 >> 6) & m2) << 4)), (int)(q1 & m6),
+                                      (int)(((q2 >> 4) & m4) | (((q1 >> 6) & m2) << 4)));
+    const __m128i pairs = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    SFX(gg_super_scales)(_mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, pairs)),
+                         _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, _mm_add_epi8(pairs, _mm_set1_epi8(8)))), o);
+    o->d = gg_f16(p);
+    o->dm = -gg_f16(p + 2);
+}
+
+/* Q2_K or Q3_K: in each half n of 128 values, value 32 j + l takes bits 2j, 2j + 1 of qs[32 n + l] (Q3_K: plus 4
+ * where bit 4n + j of hm[l] is set, offset 4); sub-block v / 16. Q2_K's scale and minimum: the low and high nibble of
+ * byte v / 16; Q3_K's 6-bit scales: the low 4 bits from bytes 0..7 (low nibbles, then high), the top 2 from bytes
+ * 8..11, less 32. */
+VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_super_q23_k)(const uint8_t *p, const int T,
+                                                                               SFX(GgSuper) *o) {
+    const uint8_t *qs = T == GG_Q3_K ? p + 32 : p + 16;
+    const __m256i h = T == GG_Q3_K ? _mm256_loadu_si256((const __m256i *)p) : _mm256_setzero_si256();
+    for (int n = 0; n < 2; n++) {
+        const __m256i b = _mm256_loadu_si256((const __m256i *)(qs + 32 * n));
+        for (int j = 0; j < 4; j++) {
+            o->u[4 * n + j] = gg_bits(b, 2 * j, 3);
+            if (T == GG_Q3_K)
+                o->u[4 * n + j] = _mm256_or_si256(o->u[4 * n + j], _mm256_slli_epi16(gg_bits(h, 4 * n + j, 1), 2));
+        }
+    }
+    if (T == GG_Q3_K) {  /* scales 0..3, 4..7, 8..11, 12..15: a word's low nibbles or high, with 2 bits of word 2 */
+        const uint32_t a0 = gg_u32(p + 96), a1 = gg_u32(p + 100), a2 = gg_u32(p + 104), m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
+        const __m128i s8 = _mm_setr_epi32((int)((a0 & m4) | ((a2 & m2) << 4)), (int)((a1 & m4) | (((a2 >> 2) & m2) << 4)),
+                                          (int)(((a0 >> 4) & m4) | (((a2 >> 4) & m2) << 4)),
+                                          (int)(((a1 >> 4) & m4) | (((a2 >> 6) & m2) << 4)));
+        const __m256i s16 = _mm256_cvtepi8_epi16(_mm_sub_epi8(s8, _mm_set1_epi8(32)));
+        SFX(gg_super_scales)(s16, _mm256_slli_epi16(s16, 2), o);
+        o->d = gg_f16(p + 108);
+        o->dm = 0.0f;
+    } else {
+        const __m128i b = _mm_loadu_si128((const __m128i *)p), low = _mm_set1_epi8(0x0f);
+        SFX(gg_super_scales)(_mm256_cvtepu8_epi16(_mm_and_si128(b, low)),
+                             _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), low)), o);
+        o->d = gg_f16(p + 80);
+        o->dm = -gg_f16(p + 82);
+    }
+}
+
+VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_super)(const uint8_t *p, const int T,
+                                                                         SFX(GgSuper) *o) {
+    switch (T) {
+        case GG_Q2_K: SFX(gg_super_q23_k)(p, GG_Q2_K, o); return;
+        case GG_Q3_K: SFX(gg_super_q23_k)(p, GG_Q3_K, o); return;
+        case GG_Q4_K: SFX(gg_super_q45_k)(p, NULL, p + 16, o); return;
+        case GG_Q5_K: SFX(gg_super_q45_k)(p, p + 16, p + 48, o); return;
+        default: SFX(gg_super_q6_k)(p, o); return;
+    }
+}
+
+/* K-quant (T) rows [r0, r1) of c's matrix times c's prepared rows, read in place a super-block at a time: group g's
+ * integer sum of scale u a (maddubs' pair sums times the int16 multipliers, then gg_run_sums), less Q3_K's and Q6_K's
+ * offset term, exact in int32 and in float32 (at most 2^24), is added as float(sum) x (d x the group's activation
+ * scale) into lane g of the input row's accumulator of eight floats; Q2_K, Q4_K and Q5_K add float(the minimum term)
+ * x (-dmin x the activation scale) the same way, a second FMA a super-block. A row's sum is simd.h's hsum of the
+ * eight. Both variants run the same instructions. */
+VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_k_rows)(const GgCall *c, int64_t r0, int64_t r1,
+                                                                          const int T) {
+    const int64_t nb = c->k / 256, bytes = gg_format(T).bytes;
+    const int sub = T == GG_Q3_K || T == GG_Q6_K;
+    for (int64_t t = 0; t < c->m; t += GG_TILE) {
+        const int mb = c->m - t < GG_TILE ? (int)(c->m - t) : GG_TILE;
+        for (int64_t r = r0; r < r1; r++) {
+            const uint8_t *wr = c->w + r * c->row_stride;
+            __m256 acc[GG_TILE];
+            for (int j = 0; j < mb; j++) acc[j] = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *p = wr + b * bytes;
+                for (int l = 0; l < 4; l++) _mm_prefetch((const char *)p + 1024 + 64 * l, _MM_HINT_T0);
+                SFX(GgSuper) s;
+                SFX(gg_super)(p, T, &s);
+                SFX(GgRuns) runs;
+                SFX(gg_runs)(&runs, s.u, s.sc, GG_MUL);
+                for (int j = 0; j < mb; j++) {
+                    const uint8_t *x = c->xp + (t + j) * c->xstride;
+                    const uint8_t *xa = x + 256 * b;
+                    const __m256 gs = _mm256_loadu_ps((const float *)(x + c->kp) + 8 * b);
+                    const __m256i a16 = _mm256_loadu_si256((const __m256i *)(x + c->kp + c->kp / 8) + b);
+                    const __m256i off = _mm256_madd_epi16(s.off, a16), sum = SFX(gg_run_sums)(&runs, xa, GG_MUL);
+                    if (sub) {
+                        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum, off)),
+                                                 _mm256_mul_ps(_mm256_set1_ps(s.d), gs), acc[j]);
+                    } else {
+                        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(_mm256_set1_ps(s.d), gs), acc[j]);
+                        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(off), _mm256_mul_ps(_mm256_set1_ps(s.dm), gs), acc[j]);
+                    }
+                }
+            }
+            for (int j = 0; j < mb; j++) c->y[(t + j) * c->n + r] = hsum(acc[j]);
         }
     }
 }
@@ -70,17 +310,15 @@ VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_rows_t)(const
 /* The same for the call's type, chosen at run time (each case a copy specialised to its type). */
 VI_TARGET static void SFX(gg_rows)(const GgCall *c, int64_t r0, int64_t r1) {
     switch (c->type) {
-        case GG_Q8_0: SFX(gg_rows_t)(c, r0, r1, GG_Q8_0); break;
-        case GG_Q4_1: SFX(gg_rows_t)(c, r0, r1, GG_Q4_1); break;
-        case GG_Q5_0: SFX(gg_rows_t)(c, r0, r1, GG_Q5_0); break;
-        case GG_Q5_1: SFX(gg_rows_t)(c, r0, r1, GG_Q5_1); break;
-        case GG_Q2_K: SFX(gg_rows_t)(c, r0, r1, GG_Q2_K); break;
-        case GG_Q3_K: SFX(gg_rows_t)(c, r0, r1, GG_Q3_K); break;
-        case GG_Q4_K: SFX(gg_rows_t)(c, r0, r1, GG_Q4_K); break;
-        case GG_Q5_K: SFX(gg_rows_t)(c, r0, r1, GG_Q5_K); break;
-        default: SFX(gg_rows_t)(c, r0, r1, GG_Q6_K); break;
+        case GG_Q8_0: SFX(gg_small_rows)(c, r0, r1, GG_Q8_0); break;
+        case GG_Q4_1: SFX(gg_small_rows)(c, r0, r1, GG_Q4_1); break;
+        case GG_Q5_0: SFX(gg_small_rows)(c, r0, r1, GG_Q5_0); break;
+        case GG_Q5_1: SFX(gg_small_rows)(c, r0, r1, GG_Q5_1); break;
+        case GG_Q2_K: SFX(gg_k_rows)(c, r0, r1, GG_Q2_K); break;
+        case GG_Q3_K: SFX(gg_k_rows)(c, r0, r1, GG_Q3_K); break;
+        case GG_Q4_K: SFX(gg_k_rows)(c, r0, r1, GG_Q4_K); break;
+        case GG_Q5_K: SFX(gg_k_rows)(c, r0, r1, GG_Q5_K); break;
+        default: SFX(gg_k_rows)(c, r0, r1, GG_Q6_K); break;
     }
 }
 
-#undef GG_ACCS
-#undef GG_FOLD
