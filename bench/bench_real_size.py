@@ -41,6 +41,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -244,35 +245,53 @@ def batched_speed(text: str) -> float:
     return float(numbers[-1][7])
 
 
+def run_peer(cmd: list[str], cwd: Path) -> tuple[str, str, int]:
+    """Run a peer's command in ``cwd`` (where its log files land): (stdout, stderr, the process's peak RSS in bytes,
+    its ``ru_maxrss`` from ``wait4``: the pages of the mapped file it touched count)."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, cmd, stdout, stderr)
+    return stdout, stderr, usage.ru_maxrss * 1024
+
+
 def llama_measure(gguf: Path, args, peer: Peer) -> dict:
+    peaks = []
+
+    def run(cmd: list[str]) -> tuple[str, str]:
+        stdout, stderr, peak = run_peer(cmd, args.work)
+        peaks.append(peak)
+        return stdout, stderr
+
     def bench(batch: int) -> float:
         if batch == 1:
-            out = subprocess.run([str(peer.bin / "llama-bench"), "-m", str(gguf), "-t", str(args.threads), "-r", "1",
-                                  "-o", "json", *peer.decode_args(), *peer.bench],
-                                 capture_output=True, text=True, check=True)
-            return float(json.loads(out.stdout)[0]["avg_ts"])
-        out = subprocess.run([str(peer.bin / "llama-batched-bench"), "-m", str(gguf), "-t", str(args.threads), "-tb",
-                              str(args.threads), "-c", str(batch * (PROMPT_LEN + STEPS) + 64), "-npp",
-                              str(PROMPT_LEN), "-ntg", str(STEPS), "-npl", str(batch), *peer.batched,
-                              *(() if peer.name == "ik_llama.cpp" else ("--output-format", "jsonl"))],
-                             capture_output=True, text=True, check=True)
-        return batched_speed(out.stdout + out.stderr)
+            out, _ = run([str(peer.bin / "llama-bench"), "-m", str(gguf), "-t", str(args.threads), "-r", "1",
+                          "-o", "json", *peer.decode_args(), *peer.bench])
+            return float(json.loads(out)[0]["avg_ts"])
+        out, err = run([str(peer.bin / "llama-batched-bench"), "-m", str(gguf), "-t", str(args.threads), "-tb",
+                        str(args.threads), "-c", str(batch * (PROMPT_LEN + STEPS) + 64), "-npp",
+                        str(PROMPT_LEN), "-ntg", str(STEPS), "-npl", str(batch), *peer.batched,
+                        *(() if peer.name == "ik_llama.cpp" else ("--output-format", "jsonl"))])
+        return batched_speed(out + err)
 
     def start() -> float:
         """Seconds from the process's start to its first generated token (one token of prompt, one generated)."""
         t0 = time.perf_counter()
-        subprocess.run([str(peer.bin / "llama-batched-bench"), "-m", str(gguf), "-t", str(args.threads), "-tb",
-                        str(args.threads), "-c", "256", "-npp", "1", "-ntg", "1", "-npl", "1", *peer.batched],
-                       capture_output=True, text=True, check=True)
+        run([str(peer.bin / "llama-batched-bench"), "-m", str(gguf), "-t", str(args.threads), "-tb",
+             str(args.threads), "-c", "256", "-npp", "1", "-ntg", "1", "-npl", "1", *peer.batched])
         return time.perf_counter() - t0
 
     def prefill(length: int) -> float:
         """Prompt tokens/s of one ``length``-token prompt (``llama-bench -p``, flash attention on)."""
         flags = peer.bench if "-fa" in peer.bench else ("-fa", "on")
-        out = subprocess.run([str(peer.bin / "llama-bench"), "-m", str(gguf), "-t", str(args.threads), "-r", "1",
-                              "-o", "json", "-p", str(length), "-n", "0", *flags],
-                             capture_output=True, text=True, check=True)
-        return float(json.loads(out.stdout)[0]["avg_ts"])
+        out, _ = run([str(peer.bin / "llama-bench"), "-m", str(gguf), "-t", str(args.threads), "-r", "1",
+                      "-o", "json", "-p", str(length), "-n", "0", *flags])
+        return float(json.loads(out)[0]["avg_ts"])
 
     tok_s: dict[int, list[float]] = {b: [] for b in BATCHES}
     prefills: dict[int, list[float]] = {k: [] for k in PREFILL_LENS}
@@ -283,7 +302,7 @@ def llama_measure(gguf: Path, args, peer: Peer) -> dict:
             tok_s[batch].append(bench(batch))
         for length in PREFILL_LENS:
             prefills[length].append(prefill(length))
-    return {"load_s": statistics.median(loads),
+    return {"load_s": statistics.median(loads), "peak_rss": max(peaks),
             "tok_s": {str(b): statistics.median(v) for b, v in tok_s.items()},
             "tok_s_rounds": {str(b): v for b, v in tok_s.items()},
             "prefill": {str(k): statistics.median(v) for k, v in prefills.items()},
@@ -348,6 +367,8 @@ def report(results: dict, cfg: dict, bandwidth: float, args) -> str:
              f"b4/b8: every sequence the same (as llama-batched-bench); distinct: a prompt each; "
              f"prefill: one prompt of each length at batch 1.",
              *([f"Peers: {'; '.join(versions)}."] if versions else []),
+             "Peak RSS: mla-runtime's process high-water mark (VmHWM); a peer's, the largest ru_maxrss of its runs "
+             "of the format (the pages of the mapped file it touched count, as they do for mla-runtime).",
              "",
              f"| system | weights from | peak RSS | load s | {' | '.join(heads)} | b1 bandwidth fraction | {lens} |",
              "|---|---|---:|---:|" + "---:|" * (len(keys) + 1 + len(PREFILL_LENS))]

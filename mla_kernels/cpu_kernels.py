@@ -121,6 +121,14 @@ def ggml_linear(x: torch.Tensor, weight: torch.Tensor, type_number: int, *, vari
     return y if bias is None else y.add_(bias)
 
 
+def ggml_parts(parts: list[torch.Tensor], type_numbers: list[int], k: int) -> torch.Tensor:
+    """The operand the whole-MLP and whole-layer kernels' tables (``cpu_tables``) read for a matrix stacked from parts
+    in ggml block types (each as ``ggml_linear`` takes its weight, ``type_numbers`` theirs): an int64 table of the
+    parts' types, addresses, row strides and rows (``csrc/mla_cpu.h``). It points into the parts: whoever holds it
+    keeps them."""
+    return ops().ggml_parts(parts, type_numbers, k)  # type: ignore[no-any-return]
+
+
 def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, *, variant: str = "auto",
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x · Wᵀ (+ bias)`` in float32 for any number of rows ``x [..., K]``, each rounded to int8 on the fly, and an

@@ -424,6 +424,10 @@ def _register_fakes() -> None:
     def _(x, w, type, variant="auto"):  # type: ignore[no-untyped-def]
         return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=torch.float32)
 
+    @lib.register_fake("mla_kernels::ggml_parts")
+    def _(parts, types, k):  # type: ignore[no-untyped-def]
+        return parts[0].new_empty((3 + 4 * len(parts),), dtype=torch.int64)
+
     @lib.register_fake("mla_kernels::amx_pack")
     def _(w):  # type: ignore[no-untyped-def]
         return w.new_empty((w.shape[0] // 16, w.shape[1] // 32, 16, 32))
@@ -442,5 +446,5 @@ def _register_fakes() -> None:
 
     lib.register_fake("mla_kernels::rope_store", lambda *args, **kwargs: None)
     _FAKES.extend(["linear", "dense_linear", "amx_pack", "amx_linear", "int4_from_stored", "linear_int4", "ggml_linear",
-                   "rms_norm",
+                   "ggml_parts", "rms_norm",
                    "absorbed_decode", "rope_store"])

@@ -10,8 +10,9 @@ import torch
 
 from . import cpu_kernels
 
-# a weight operand: a float32 / bfloat16 / float16 [N, K] matrix, int8 [N, K] with float32 row scales [N], or int4
-# nibbles [N, Kp / 2] (int4_format.pack_int4) with float16 group scales [N, Kp / 32]
+# a weight operand: a float32 / bfloat16 / float16 [N, K] matrix, int8 [N, K] with float32 row scales [N], int4
+# nibbles [N, Kp / 2] (int4_format.pack_int4) with float16 group scales [N, Kp / 32], or the int64 parts table of a
+# matrix in ggml block types (cpu_kernels.ggml_parts: {parts, N, K, ...})
 Operand = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 ROUTE_SCORING = ("softmax", "sigmoid")
@@ -36,7 +37,8 @@ def split(operand: Operand | None) -> tuple[torch.Tensor | None, torch.Tensor | 
 
 def operand_rows(operand: Operand) -> int:
     """The number of rows ``N`` of an operand's matrix."""
-    return (operand[0] if isinstance(operand, tuple) else operand).shape[0]
+    weight = operand[0] if isinstance(operand, tuple) else operand
+    return int(weight[1]) if weight.dtype == torch.int64 else weight.shape[0]
 
 
 class GatedMLPTable:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from mla_kernels import cpu_kernels, cpu_tables
 from mla_runtime import LLM, SamplingParams
 from mla_runtime.config import ModelConfig
 from mla_runtime.gguf_meta import BLOCK_NAMES, GgufError, open_gguf
@@ -27,6 +28,7 @@ from tests.gguf_files import (
     OWN_QUANTISERS,
     TypePick,
     dequantized,
+    kquant_bytes,
     products_in,
     q8_rounded,
     reference_model,
@@ -250,6 +252,59 @@ def test_a_gguf_weight_multiplies_as_its_dequantised_matrix(type_name):
     assert weight.nbytes == raw.numel()
     with pytest.raises(ValueError, match="uint8"):
         GgufWeight([(type_name, raw[:, :-2])], 64, torch.float32)
+
+
+def _stored_rows(type_name: str, rows: int, k: int, seed: int) -> tuple[str, torch.Tensor]:
+    """(type, uint8 rows) of a random ``[rows, k]`` matrix stored as ``type_name``."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    w = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    if type_name in OWN_QUANTISERS:
+        return type_name, torch.from_numpy(OWN_QUANTISERS[type_name](w.numpy())).reshape(rows, -1)
+    if type_name.endswith("_K"):  # valid blocks of random quants
+        return type_name, torch.from_numpy(kquant_bytes(type_name, rows, k, seed))
+    return type_name, torch.from_numpy(np.ascontiguousarray(quantize(w.numpy(), GGMLQuantizationType[type_name])))
+
+
+@pytest.mark.skipif(cpu_kernels.failure("ggml") is not None, reason="the compiled GGUF kernels do not run here")
+def test_the_one_row_mlp_kernel_reads_stored_blocks():
+    """A MoE layer's experts in ggml block types, each gate_up stacked from two types, go into the compiled one-row
+    MLP kernel's table as stored (no float copy) and give what their products give one by one."""
+    d, inter = 256, 256
+    types = [("Q4_K", "Q6_K", "Q5_0"), ("Q8_0", "Q8_0", "Q8_0"), ("Q2_K", "Q3_K", "Q5_K")]
+    mlps = [(GgufWeight([_stored_rows(a, inter, d, 3 * e), _stored_rows(b, inter, d, 3 * e + 1)], d, torch.float32),
+             GgufWeight([_stored_rows(c, d, inter, 3 * e + 2)], inter, torch.float32))
+            for e, (a, b, c) in enumerate(types)]
+    table = cpu_tables.GatedMLPTable([(g.row_operand(), w.row_operand()) for g, w in mlps])
+    assert table.table.kinds() == ["ggml"] * 6
+    x = torch.randn(1, d)
+
+    def one(gate_up: GgufWeight, down: GgufWeight) -> torch.Tensor:
+        gate, up = gate_up.matmul(x, None).chunk(2, dim=-1)
+        return down.matmul(gate / (1 + torch.exp(-gate)) * up, None)
+    # the kernel adds each expert's output with one rounding (a fused multiply-add): float32 rounding apart
+    torch.testing.assert_close(table(x, [0, 2], [0.3, 0.7]), one(*mlps[0]) * 0.3 + one(*mlps[2]) * 0.7,
+                               rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="ggml_parts: no kernel reads ggml type 2"):  # Q4_0: the int4 kernels'
+        cpu_kernels.ggml_parts([mlps[0][0].parts[0][1]], [2], d)
+    with pytest.raises(ValueError, match="must be CPU uint8 rows"):
+        cpu_kernels.ggml_parts([mlps[0][0].parts[0][1][:, :-1]], [12], d)
+
+
+@pytest.mark.skipif(cpu_kernels.failure("ggml") is not None, reason="the compiled GGUF kernels do not run here")
+def test_decode_steps_run_the_whole_layer_kernel_on_stored_blocks(written, monkeypatch):
+    """Every layer of a file of nine block types decodes in the compiled whole-layer kernel (one call a layer), and a
+    batch's tokens are each prompt's tokens alone."""
+    _, path, _ = written("v3_mixed_kquants")
+    rows: list[int] = []
+    real = cpu_tables.decoder_layer
+    monkeypatch.setattr(cpu_tables, "decoder_layer", lambda t, s, *a: rows.append(s.rows) or real(t, s, *a))
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB")
+    prompts = [*PROMPTS, [7, 7, 8], list(range(50, 60))]
+    batched = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)]
+    assert batched == [llm.generate([{"prompt_token_ids": p}], PARAMS)[0].outputs[0].token_ids for p in prompts]
+    assert 1 in rows and max(rows) > 1
 
 
 def test_split_files_load_from_the_first_part_or_the_folder(written, tmp_path):

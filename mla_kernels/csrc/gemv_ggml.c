@@ -164,27 +164,81 @@ static void gg_prepare_row(const float *x, int64_t k, uint8_t *out) {
     }
 }
 
-/* Y [rows, n] = X [rows, k] W^T in float32, W [n, row_bytes] in ggml type `type` (the file's comment), row r at
- * w + r w_stride. */
-void mla_gemm_ggml(int64_t type, const uint8_t *w, int64_t w_stride, const float *x, float *y, int64_t rows,
-                   int64_t n, int64_t k, int64_t threads, int64_t variant) {
-    const int64_t row_bytes = mla_ggml_row_bytes(type, k), xs = mla_gg_prepared_bytes(k);
-    if (!row_bytes) abort();  /* ops/cpu_kernels.cpp checks the type and the row */
+void mla_gg_prepare(const float *x, int64_t k, uint8_t *out) { gg_prepare_row(x, k, out); }
+
+typedef void (*GgRun)(const GgCall *, int64_t, int64_t);
+
+static GgRun gg_run(int64_t variant) { return variant == GG_AVX512_VNNI ? gg_rows_avx512 : gg_rows_avx2; }
+
+/* Part p of a parts table (mla_cpu.h, GG_PARTS) as a call over the prepared rows xp (stride xs) of m rows, its
+ * outputs at columns [first, first + its rows) of y [m, n]. */
+static GgCall gg_part_call(const int64_t *parts, int64_t p, int64_t first, const uint8_t *xp, int64_t xs, float *y,
+                           int64_t m) {
+    const int64_t *f = parts + GG_HEAD + p * GG_PART_FIELDS, n = parts[1], k = parts[2];
+    const GgCall c = {(const uint8_t *)(intptr_t)f[1], xp, y + first, f[0], f[2], xs, m, n, k, gg_padded(k)};
+    return c;
+}
+
+/* Y [rows, n] = X [rows, k] W^T in float32 for W a parts table (mla_cpu.h): the rows prepared once, then each part's
+ * weight rows in blocks (about GG_BLOCK_BYTES, at least about four a thread), every block over every input row. */
+void mla_gemm_gg_parts(const int64_t *parts, const float *x, float *y, int64_t rows, int64_t threads,
+                       int64_t variant) {
+    const int64_t np = parts[0], k = parts[2], xs = mla_gg_prepared_bytes(k);
     uint8_t *xp = (uint8_t *)alloc_lines((size_t)(rows * xs));
-    if (!xp) abort();  /* ops/cpu_kernels.cpp bounds the rows */
-    const GgCall c = {w, xp, y, type, w_stride, xs, rows, n, k, gg_padded(k)};
-    int64_t block = GG_BLOCK_BYTES / row_bytes;
-    const int64_t balanced = n / (4 * threads);  /* at least about four blocks a thread */
-    block = block < balanced ? block : balanced;
-    block = block < 1 ? 1 : block;
-    const int64_t blocks = (n + block - 1) / block;
-    void (*run)(const GgCall *, int64_t, int64_t) = variant == GG_AVX512_VNNI ? gg_rows_avx512 : gg_rows_avx2;
+    if (!xp || np > GG_MAX_PARTS) abort();  /* ops/cpu_kernels.cpp bounds the rows and the parts */
+    GgCall calls[GG_MAX_PARTS];
+    int64_t block[GG_MAX_PARTS], starts[GG_MAX_PARTS + 1] = {0};
+    for (int64_t p = 0, first = 0; p < np; p++) {
+        const int64_t *f = parts + GG_HEAD + p * GG_PART_FIELDS, balanced = f[3] / (4 * threads);
+        calls[p] = gg_part_call(parts, p, first, xp, xs, y, rows);
+        block[p] = GG_BLOCK_BYTES / mla_ggml_row_bytes(f[0], k);
+        block[p] = block[p] < balanced ? block[p] : balanced;
+        block[p] = block[p] < 1 ? 1 : block[p];
+        starts[p + 1] = starts[p] + (f[3] + block[p] - 1) / block[p];
+        first += f[3];
+    }
+    const GgRun run = gg_run(variant);
     #pragma omp parallel num_threads((int)threads)
     {
         #pragma omp for schedule(static)
         for (int64_t j = 0; j < rows; j++) gg_prepare_row(x + j * k, k, xp + j * xs);
         #pragma omp for schedule(static)
-        for (int64_t b = 0; b < blocks; b++) run(&c, b * block, b * block + block < n ? b * block + block : n);
+        for (int64_t b = 0; b < starts[np]; b++) {
+            int64_t p = 0;
+            while (b >= starts[p + 1]) p++;
+            const int64_t r0 = (b - starts[p]) * block[p], end = parts[GG_HEAD + p * GG_PART_FIELDS + 3];
+            run(&calls[p], r0, r0 + block[p] < end ? r0 + block[p] : end);
+        }
     }
     free(xp);
+}
+
+/* Y [rows, n] = X [rows, k] W^T in float32, W [n, row_bytes] in ggml type `type` (the file's comment), row r at
+ * w + r w_stride: a table of one part. */
+void mla_gemm_ggml(int64_t type, const uint8_t *w, int64_t w_stride, const float *x, float *y, int64_t rows,
+                   int64_t n, int64_t k, int64_t threads, int64_t variant) {
+    if (!mla_ggml_row_bytes(type, k)) abort();  /* ops/cpu_kernels.cpp checks the type and the row */
+    const int64_t parts[GG_HEAD + GG_PART_FIELDS] = {1, n, k, type, (int64_t)(intptr_t)w, w_stride, n};
+    mla_gemm_gg_parts(parts, x, y, rows, threads, variant);
+}
+
+/* Inside a parallel region: this thread's share of the rows of y [n] = alpha (W x) (+ y when add) for one prepared
+ * row xp, W a parts table; the same bits as mla_gemm_gg_parts's row. No barrier. */
+#define GG_SHARE_ROWS 64
+void mla_gg_share(int64_t variant, const int64_t *parts, const uint8_t *xp, float *y, float alpha, int add) {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads(), n = parts[1];
+    const int64_t r0 = n * t / nt, r1 = n * (t + 1) / nt;
+    const GgRun run = gg_run(variant);
+    float out[GG_SHARE_ROWS];
+    for (int64_t p = 0, first = 0; p < parts[0]; first += parts[GG_HEAD + p * GG_PART_FIELDS + 3], p++) {
+        const int64_t *f = parts + GG_HEAD + p * GG_PART_FIELDS;
+        const int64_t a = r0 > first ? r0 : first, b = r1 < first + f[3] ? r1 : first + f[3];
+        for (int64_t c0 = a; c0 < b; c0 += GG_SHARE_ROWS) {  /* a run of rows into out, then scaled into y */
+            const int64_t len = b - c0 < GG_SHARE_ROWS ? b - c0 : GG_SHARE_ROWS;
+            GgCall c = gg_part_call(parts, p, 0, xp, 0, out, 1);
+            c.w += (c0 - first) * f[2];
+            run(&c, 0, len);
+            for (int64_t i = 0; i < len; i++) y[c0 + i] = alpha * out[i] + (add ? y[c0 + i] : 0.0f);
+        }
+    }
 }

@@ -18,9 +18,20 @@
 
 /* A weight operand of the tables: its weight pointer, its scales pointer and its kind: W_F32 (float32, no scales),
  * W_I8 (int8 with a float32 scale per row), W_BF16 / W_F16 (bfloat16 / float16, no scales: read at two bytes,
- * widened exactly) or W_I4 + v (group-wise int4 with float16 scales, gemv_int4.c, run by its variant v).
- * ops/cpu_kernels.cpp builds the tables (mla_kernels::mlp_table, layer_table, step_table) from typed arguments. */
-enum WeightKind { W_F32 = 0, W_I8 = 1, W_BF16 = 2, W_F16 = 3, W_I4 = 4 };
+ * widened exactly), W_I4 + v (group-wise int4 with float16 scales, gemv_int4.c, run by its variant v) or W_GG + v
+ * (ggml block types as a GGUF file stores them, gemv_ggml.c, run by its variant v: the weight pointer is the
+ * matrix's parts table, GG_PARTS, and there are no scales). ops/cpu_kernels.cpp builds the tables
+ * (mla_kernels::mlp_table, layer_table, step_table) from typed arguments. */
+enum WeightKind { W_F32 = 0, W_I8 = 1, W_BF16 = 2, W_F16 = 3, W_I4 = 4, W_GG = 16 };
+#define W_IS_I4(kind) ((kind) >= W_I4 && (kind) < W_GG)
+#define W_IS_GG(kind) ((kind) >= W_GG)
+
+/* A matrix [n, k] in ggml block types, stacked from parts of whole rows (an expert's gate_proj rows in one type
+ * beside its up_proj rows in another): int64 {P, n, k, then for each part its ggml type, the address of its first
+ * row, its row stride in bytes and its row count}; the parts' rows add up to n. */
+#define GG_HEAD 3
+#define GG_PART_FIELDS 4
+#define GG_MAX_PARTS 8
 
 /* The element type of a latent cache the attention reads and rope_store writes: float32, or bfloat16 / float16 rows
  * (written rounded to nearest even, as torch rounds; read widened exactly), or int8 / float8_e4m3fn rows with two
@@ -90,6 +101,10 @@ void mla_i4_share(int64_t variant, const uint8_t *w, const uint16_t *scales, con
  * for a type or k the kernels do not take. */
 void mla_gemm_ggml(int64_t type, const uint8_t *w, int64_t w_stride, const float *x, float *y, int64_t rows,
                    int64_t n, int64_t k, int64_t threads, int64_t variant);
+void mla_gemm_gg_parts(const int64_t *parts, const float *x, float *y, int64_t rows, int64_t threads,
+                       int64_t variant);
+void mla_gg_prepare(const float *x, int64_t k, uint8_t *out);
+void mla_gg_share(int64_t variant, const int64_t *parts, const uint8_t *xp, float *y, float alpha, int add);
 int64_t mla_ggml_row_bytes(int64_t type, int64_t k);
 int64_t mla_ggml_variants(void);
 int64_t mla_gg_prepared_bytes(int64_t k);

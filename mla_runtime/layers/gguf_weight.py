@@ -38,6 +38,7 @@ from mla_runtime.layers.qweight import WIDEN_CHUNK_ELEMENTS, QuantizedWeight, de
 
 FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 KERNEL_TYPES = frozenset(GGML_TYPES)  # the types the compiled CPU kernels multiply as stored
+GGML_MAX_PARTS = 8  # the parts a matrix may have in the compiled layer and MLP kernels' tables (csrc/mla_cpu.h)
 
 
 def block_shape(type_name: str) -> tuple[int, int]:
@@ -122,7 +123,7 @@ class GgufWeight(QuantizedWeight):
     """A ``[N, K]`` matrix in ggml block types (module docstring): ``parts`` is a list of (type name, uint8
     ``[rows, row_bytes]``), stacked in row order."""
 
-    __slots__ = ("parts", "k", "kernel")
+    __slots__ = ("parts", "k", "kernel", "operand")
     scheme = "gguf"
 
     def __init__(self, parts: Sequence[tuple[str, torch.Tensor]], k: int, dtype: torch.dtype) -> None:
@@ -136,6 +137,7 @@ class GgufWeight(QuantizedWeight):
         device = parts[0][1].device
         self._release_float((sum(d.shape[0] for _, d in parts), k), dtype, device)
         self.parts, self.k = [(t, d) for t, d in parts], k
+        self.operand: torch.Tensor | None = None  # row_operand's parts table, made at its first call
         self.bind(default_plan(device))
 
     def bind(self, plan: KernelPlan) -> GgufWeight:
@@ -183,8 +185,18 @@ class GgufWeight(QuantizedWeight):
         """The bytes a ``[rows, k]`` matrix takes in ``type_name``."""
         return rows * row_bytes(type_name, k)
 
-    def row_operand(self) -> None:
-        return None  # the compiled layer and MLP kernels read float32, int8 or int4 matrices
+    def row_operand(self) -> torch.Tensor | None:
+        """The matrix as the compiled layer and MLP kernels read it (``cpu_tables.Operand``: the parts table of
+        ``cpu_kernels.ggml_parts``, made once and kept beside the parts it points into), where every part is in a type
+        they read; else None (the matrix runs product by product)."""
+        if not self.kernel or len(self.parts) > GGML_MAX_PARTS or any(t not in KERNEL_TYPES for t in self.types):
+            return None
+        if self.operand is None:
+            from gguf import GGMLQuantizationType
+
+            self.operand = cpu_kernels.ggml_parts([d for _, d in self.parts],
+                                                  [int(GGMLQuantizationType[t]) for t in self.types], self.k)
+        return self.operand
 
     def _dequantize_rows(self, r0: int, r1: int) -> torch.Tensor:
         out, first = [], 0

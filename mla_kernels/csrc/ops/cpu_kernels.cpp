@@ -305,6 +305,38 @@ Tensor ggml_linear(const Tensor& x, const Tensor& w, int64_t type, c10::string_v
   return y;
 }
 
+// The parts table (../mla_cpu.h, GG_HEAD) of a matrix [sum of the parts' rows, k] stacked from parts in ggml block
+// types (types[i]: ggml's number), each as ggml_linear takes its weight. The table holds the parts' addresses: whoever
+// holds it keeps the parts.
+Tensor ggml_parts(at::TensorList parts, at::IntArrayRef types, int64_t k) {
+  const char* op = "ggml_parts";
+  const int64_t np = static_cast<int64_t>(parts.size());
+  TORCH_CHECK_VALUE(np >= 1 && np <= GG_MAX_PARTS && static_cast<int64_t>(types.size()) == np, op,
+                    ": 1 to ", GG_MAX_PARTS, " parts, one type each; got ", np, " parts and ", types.size(), " types");
+  Tensor table = at::empty({GG_HEAD + np * GG_PART_FIELDS}, at::kLong);
+  int64_t* t = table.data_ptr<int64_t>();
+  int64_t n = 0;
+  for (int64_t p = 0; p < np; ++p) {
+    const Tensor& w = parts[p];
+    const int64_t row_bytes = mla_ggml_row_bytes(types[p], k);
+    TORCH_CHECK_VALUE(row_bytes > 0, op, ": no kernel reads ggml type ", types[p], " in rows of ", k, " values");
+    TORCH_CHECK_VALUE(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.size(0) >= 1 &&
+                          w.size(1) == row_bytes && w.stride(1) == 1 && w.stride(0) >= row_bytes,
+                      op, ": part ", p, " must be CPU uint8 rows [N, ", row_bytes, "] (each row contiguous), got ",
+                      w.scalar_type(), " ", w.sizes(), " with strides ", w.strides());
+    int64_t* f = t + GG_HEAD + p * GG_PART_FIELDS;
+    f[0] = types[p];
+    f[1] = address(w);
+    f[2] = w.stride(0);
+    f[3] = w.size(0);
+    n += w.size(0);
+  }
+  t[0] = np;
+  t[1] = n;
+  t[2] = k;
+  return table;
+}
+
 // compressed-tensors' pack-quantized int4 bytes [N, K / 2] (low nibble first) -> the nibble order linear reads.
 Tensor int4_from_stored(const Tensor& stored) {
   TORCH_CHECK_VALUE(stored.device().is_cpu() && stored.scalar_type() == at::kByte && stored.dim() == 2 &&
@@ -593,15 +625,43 @@ void rope_store(const Tensor& latent, const Tensor& norm, double eps, const Tens
 // -- the table-driven kernels ------------------------------------------------------------------------------------
 
 const char* kind_name(int64_t kind) {
-  return kind >= W_I4 ? "int4" : kind == W_I8 ? "int8" : kind == W_BF16 ? "bfloat16" : kind == W_F16 ? "float16"
-                                                                                                    : "float32";
+  return W_IS_GG(kind) ? "ggml" : W_IS_I4(kind) ? "int4" : kind == W_I8 ? "int8" : kind == W_BF16 ? "bfloat16"
+       : kind == W_F16 ? "float16" : "float32";
+}
+
+// The rows of a table's weight operand: a ggml parts table's n, else the weight's first size.
+int64_t operand_rows(const Tensor& w) {
+  return w.scalar_type() == at::kLong && w.dim() == 1 && w.numel() >= GG_HEAD ? w.data_ptr<int64_t>()[1]
+                                                                               : w.dim() == 2 ? w.size(0) : -1;
+}
+
+// A ggml parts table (ggml_parts) as an operand [n, k]: its structure checked again.
+int64_t ggml_operand(const Tensor& w, const OptTensor& scales, int64_t n, int64_t k, const char* name) {
+  const int64_t* t = w.data_ptr<int64_t>();
+  const int64_t np = w.numel() >= GG_HEAD ? t[0] : 0, runs = mla_ggml_variants();
+  TORCH_CHECK_VALUE(runs != 0, name, ": no ggml variant runs on this CPU");
+  TORCH_CHECK_VALUE(np >= 1 && np <= GG_MAX_PARTS && w.numel() == GG_HEAD + np * GG_PART_FIELDS && t[1] == n &&
+                        t[2] == k && !scales.has_value(),
+                    name, ": a ggml operand is a parts table (mla_kernels::ggml_parts) of [", n, ", ", k,
+                    "] with no scales");
+  int64_t rows = 0;
+  for (int64_t p = 0; p < np; ++p) {
+    const int64_t* f = t + GG_HEAD + p * GG_PART_FIELDS;
+    TORCH_CHECK_VALUE(mla_ggml_row_bytes(f[0], k) > 0 && f[2] >= mla_ggml_row_bytes(f[0], k) && f[3] >= 1, name,
+                      ": part ", p, " of the ggml operand is not rows of ", k, " values in a type the kernels read");
+    rows += f[3];
+  }
+  TORCH_CHECK_VALUE(rows == n, name, ": the ggml operand's parts hold ", rows, " rows, not ", n);
+  return W_GG + fastest(runs);
 }
 
 // A weight operand [n, k] of a table: its three fields (weight, scales, kind), from the weight's dtype, checked.
 void operand(int64_t* out, const Tensor& w, const OptTensor& scales, int64_t n, int64_t k, const char* name) {
   const at::ScalarType dtype = w.scalar_type();
   int64_t kind = W_F32;
-  if (dtype == at::kByte) {  // int4
+  if (dtype == at::kLong && w.dim() == 1) {
+    kind = ggml_operand(w, scales, n, k, name);
+  } else if (dtype == at::kByte) {  // int4
     const int64_t kp = cdiv(k, 32) * 32, runs = mla_i4_variants();
     TORCH_CHECK_VALUE(runs != 0, name, ": no int4 variant runs on this CPU");
     expect(w, dtype, {n, kp / 2}, name, "the int4 nibbles");
@@ -610,7 +670,8 @@ void operand(int64_t* out, const Tensor& w, const OptTensor& scales, int64_t n, 
     kind = W_I4 + fastest(runs);
   } else {
     TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kChar, name,
-                      ": a table's weights are float32, bfloat16, float16, int8 or packed int4, got ", dtype);
+                      ": a table's weights are float32, bfloat16, float16, int8, packed int4 or ggml parts, got ",
+                      dtype);
     expect(w, dtype, {n, k}, name, "the weight");
     TORCH_CHECK_VALUE(scales.has_value() == (dtype == at::kChar), name, ": int8 weights (only) come with row scales");
     if (dtype == at::kChar) expect(*scales, at::kFloat, {n}, name, "the row scales");
@@ -634,13 +695,13 @@ struct MlpTable : torch::CustomClassHolder {
     TORCH_CHECK_VALUE(n >= 1 && down.size() == gate_up.size() && gate_up_scales.size() == gate_up.size() &&
                           down_scales.size() == gate_up.size(),
                       "MlpTable: one gate_up, down and scales (or None) per MLP");
-    hidden = down[0].size(0);
+    hidden = operand_rows(down[0]);
     table = at::zeros({n, MLP_FIELDS}, at::kLong);
     int64_t* row = table.data_ptr<int64_t>();
     for (int64_t e = 0; e < n; ++e, row += MLP_FIELDS) {
-      TORCH_CHECK_VALUE(gate_up[e].dim() == 2 && gate_up[e].size(0) % 2 == 0 && down[e].dim() == 2,
+      TORCH_CHECK_VALUE(operand_rows(gate_up[e]) > 0 && operand_rows(gate_up[e]) % 2 == 0 && operand_rows(down[e]) > 0,
                         "MlpTable: MLP ", e, " has gate_up ", gate_up[e].sizes(), " and down ", down[e].sizes());
-      const int64_t inter = gate_up[e].size(0) / 2;
+      const int64_t inter = operand_rows(gate_up[e]) / 2;
       operand(row, gate_up[e], gate_up_scales.get(e), 2 * inter, hidden, "MlpTable: gate_up");
       operand(row + 3, down[e], down_scales.get(e), hidden, inter, "MlpTable: down");
       row[6] = inter;
@@ -975,6 +1036,7 @@ TORCH_LIBRARY_FRAGMENT(mla_kernels, m) {
   m.def("w8a8_linear(Tensor x, Tensor w, Tensor scales, str variant=\"auto\") -> Tensor");
   m.def("int4_from_stored(Tensor stored) -> Tensor");
   m.def("ggml_linear(Tensor x, Tensor w, int type, str variant=\"auto\") -> Tensor");
+  m.def("ggml_parts(Tensor[] parts, int[] types, int k) -> Tensor");
   m.def("amx_pack(Tensor w) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor packed) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -1032,6 +1094,7 @@ TORCH_LIBRARY_IMPL(mla_kernels, CPU, m) {
   m.impl("fp4_linear", &fp4_linear);
   m.impl("int4_from_stored", &int4_from_stored);
   m.impl("ggml_linear", &ggml_linear);
+  m.impl("ggml_parts", &ggml_parts);
   m.impl("amx_pack", &amx_pack);
   m.impl("amx_linear", &amx_linear);
   m.impl("rms_norm", &rms_norm);
