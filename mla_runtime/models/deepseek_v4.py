@@ -43,9 +43,18 @@ from torch import nn
 from mla_kernels import topk_lowest_first
 from mla_runtime.config import RopeConfig
 from mla_runtime.forward_batch import ForwardBatch
-from mla_runtime.layers.hyper import ClampedMLP, HyperConnection, HyperHead, PackedExperts, frozen_linear, rms
+from mla_runtime.layers.hyper import (
+    ClampedMLP,
+    HyperConnection,
+    HyperHead,
+    PackedExperts,
+    StoredLinear,
+    frozen_linear,
+    rms,
+)
 from mla_runtime.layers.rotary import rope_inv_freq
 from mla_runtime.models.own_checkpoint import read_checkpoint
+from mla_runtime.models.v4_stored import install_stored, split_stored, stored_matrix, v4_quantization
 
 LAYER_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 _RATE_KINDS = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
@@ -430,6 +439,8 @@ class V4Attention(nn.Module):
         out = self._attend(q, keys, visible)
         out = Rotary.apply(out, cos, -sin)  # the values' rotation, taken back at the query's position
         grouped = out.reshape(t, self.groups, -1)
+        if isinstance(self.o_a_proj, StoredLinear):  # as the checkpoint stores it: each group's block of rows
+            return self.o_b_proj(self.o_a_proj.grouped(grouped))
         w = self.o_a_proj.weight.view(self.groups, -1, grouped.shape[-1])
         return self.o_b_proj(torch.einsum("tgi,goi->tgo", grouped, w).flatten(1))
 
@@ -692,11 +703,19 @@ def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_deepseek_v4(path: str | Path, dtype: torch.dtype = torch.float32) -> DeepseekV4ForCausalLM:
-    """A ``deepseek_v4`` checkpoint (``config.json`` and ``*.safetensors``, bfloat16 or float32 tensors, in the
-    released layout or transformers' names)."""
-    root, raw, stored = read_checkpoint(path, ("deepseek_v4",))
+def load_deepseek_v4(path: str | Path, dtype: torch.dtype = torch.float32,
+                     device: torch.device | str | None = None) -> DeepseekV4ForCausalLM:
+    """A ``deepseek_v4`` checkpoint (``config.json`` and ``*.safetensors``, in the released layout or transformers'
+    names): bfloat16 or float32 tensors, or the released FP8 / MXFP4 ones, kept as stored (``v4_stored``) on
+    ``device`` (default: where the tensors load, the CPU)."""
+    root, raw, stored = read_checkpoint(path, ("deepseek_v4",), quantized=True)
+    quant = v4_quantization(raw)
     model = DeepseekV4ForCausalLM(V4Config.from_raw(raw), dtype)
+    if quant is not None:
+        stored, pairs = split_stored(stored)
+        matrices = {mine: stored_matrix(name, w.to(device or w.device), s, quant, ".mlp.experts." in mine, dtype)
+                    for name, (w, s) in pairs.items() if (mine := stored_name(name)) is not None}
+        install_stored(model, matrices)
     tensors = {mine: t for name, t in stored.items() if (mine := stored_name(name)) is not None}
     tensors = _stack_experts(tensors)
     own = model.state_dict()
@@ -709,7 +728,7 @@ def load_deepseek_v4(path: str | Path, dtype: torch.dtype = torch.float32) -> De
         raise ValueError(f"{root}: shapes differ from the config's: " + ", ".join(
             f"{k} {tuple(tensors[k].shape)} (expected {tuple(own[k].shape)})" for k in bad[:5]))
     model.load_state_dict({k: v.to(own[k].dtype) for k, v in tensors.items()})
-    return model.eval()
+    return (model if device is None else model.to(device)).eval()
 
 
 def ceil_div(a: int, b: int) -> int:
