@@ -23,7 +23,9 @@ the model has no linear layer for (``install_stored``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -171,6 +173,32 @@ def install_stored(model: nn.Module, matrices: dict[str, QuantizedWeight]) -> No
                            [kinds["w2"][e] for e in order])
 
 
+def stored_weight_bytes(root: Path, dtype: torch.dtype) -> int:
+    """Bytes the loaded model holds for a quantised V4 checkpoint (read from the files' headers, no tensor read): FP8
+    and MXFP4 matrices as stored, FP8 block scales in float32, MXFP4 scales a byte each, every other tensor in
+    ``dtype``; the MTP layers, which are not read, left out."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[str, int]] = {}
+    for f in sorted(root.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as handle:
+            for name in handle.keys():
+                if not name.startswith(("mtp.", "model.mtp.")):
+                    piece = handle.get_slice(name)
+                    shapes[name] = (piece.get_dtype(), math.prod(piece.get_shape()))
+    total = 0
+    for name, (kind, numel) in shapes.items():
+        suffix = next((s for s in SCALE_SUFFIXES if name.endswith(s)), None)
+        if suffix is not None:
+            weight = shapes.get(name[:-len(suffix)] + ".weight", ("", 0))[0]
+            total += numel * (4 if weight == "F8_E4M3" else 1)
+        elif kind in ("F8_E4M3", "I8", "U8", "F4"):
+            total += numel
+        else:
+            total += numel * dtype.itemsize
+    return total
+
+
 def _has(model: nn.Module, path: str) -> bool:
     try:
         model.get_submodule(path)
@@ -179,4 +207,5 @@ def _has(model: nn.Module, path: str) -> bool:
     return True
 
 
-__all__ = ["V4Quantization", "install_stored", "split_stored", "stored_matrix", "v4_quantization"]
+__all__ = ["V4Quantization", "install_stored", "split_stored", "stored_matrix", "stored_weight_bytes",
+           "v4_quantization"]
