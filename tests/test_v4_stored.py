@@ -174,7 +174,7 @@ def test_fp8_experts_with_float_scales(dirs: dict[str, Path]) -> None:
     """FP8 experts (``expert_dtype`` fp8) and float32 ``weight_scale_inv``: the runtime's logits on the stored
     weights are its logits on the dequantised ones (which the float tests hold to transformers')."""
     ours, ref = load_deepseek_v4(dirs["fp8"]), load_deepseek_v4(dirs["fp8_dequant"])
-    assert isinstance(ours.model.layers[0].mlp.experts.stored[1][0], Fp8Weight)  # type: ignore[index]
+    assert isinstance(ours.model.layers[0].mlp.experts.stored[1][0], Fp8Weight)
     for p in prompts():
         a = ours.compute_logits(ours(torch.tensor(p), ours.new_state()))
         b = ref.compute_logits(ref(torch.tensor(p), ref.new_state()))
