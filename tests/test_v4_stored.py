@@ -32,8 +32,11 @@ FLOAT_KEPT = (".compressor.wkv.", ".compressor.wgate.", ".indexer.weights_proj."
 PROMPT_LENS, NEW_TOKENS = (45, 19), 8
 
 
-def quantized_names(name: str) -> str | None:
-    """``fp8``, ``experts`` or None (kept float) for a checkpoint tensor's released name."""
+def quantized_names(name: str, head: bool) -> str | None:
+    """``fp8``, ``experts`` or None (kept float) for a checkpoint tensor's released name (``head``: the lm_head
+    quantised too)."""
+    if name == "head.weight":
+        return "fp8" if head else None
     if not name.endswith(".weight") or any(k in name for k in FLOAT_KEPT) or ".layers." not in "." + name:
         return None
     if ".ffn.experts." in name:
@@ -90,7 +93,7 @@ def write_stored(float_dir: Path, stored_dir: Path, dequant_dir: Path, experts: 
     stored, dequant = {}, dict(tensors)
     for name, w in tensors.items():
         bare = name.removeprefix("model.")
-        kind = quantized_names(bare)
+        kind = quantized_names(bare, head=experts == "fp8")
         if kind is None:
             stored[bare] = w
             continue
@@ -171,10 +174,11 @@ def test_weights_stay_as_stored(dirs: dict[str, Path]) -> None:
 
 
 def test_fp8_experts_with_float_scales(dirs: dict[str, Path]) -> None:
-    """FP8 experts (``expert_dtype`` fp8) and float32 ``weight_scale_inv``: the runtime's logits on the stored
-    weights are its logits on the dequantised ones (which the float tests hold to transformers')."""
+    """FP8 experts (``expert_dtype`` fp8), float32 ``weight_scale_inv`` and an FP8 lm_head: the runtime's logits on
+    the stored weights are its logits on the dequantised ones (which the float tests hold to transformers')."""
     ours, ref = load_deepseek_v4(dirs["fp8"]), load_deepseek_v4(dirs["fp8_dequant"])
     assert isinstance(ours.model.layers[0].mlp.experts.stored[1][0], Fp8Weight)
+    assert isinstance(ours.lm_head, StoredLinear)
     for p in prompts():
         a = ours.compute_logits(ours(torch.tensor(p), ours.new_state()))
         b = ref.compute_logits(ref(torch.tensor(p), ref.new_state()))
@@ -219,6 +223,10 @@ def test_stray_and_mismatched_tensors_are_refused_by_name(dirs: dict[str, Path],
     no_scale = _altered(dirs["fp4"], tmp_path / "a", lambda t: t.pop("layers.1.attn.wq_a.scale"))
     with pytest.raises(ValueError, match=r"layers\.1\.attn\.wq_a\.weight.*without a scale"):
         load_deepseek_v4(no_scale)
+    wrong = _altered(dirs["fp4"], tmp_path / "s", lambda t: t.update(
+        {"layers.1.attn.wq_a.scale": torch.ones(2, 2).to(torch.float8_e8m0fnu)}))
+    with pytest.raises(ValueError, match=r"layers\.1\.attn\.wq_a\.weight: .*scales \[1, 4\]"):
+        load_deepseek_v4(wrong)
     raw = json.loads((dirs["fp4"] / "config.json").read_text())
     (tmp_path / "b").mkdir()
     shutil.copy(dirs["fp4"] / "model.safetensors", tmp_path / "b" / "model.safetensors")

@@ -27,7 +27,8 @@ previous window's overlapping half (CSA) and every compressed entry so far. A st
 sequence's tokens (a prompt, a chunk of one, a decode): the result does not depend on how the tokens are split.
 An engine step (``ForwardBatch`` with each sequence's state slot) runs through ``forward_batch`` over a
 ``V4StateCache`` (one state per slot). Parameter names are transformers' in-memory ones; ``load_deepseek_v4`` reads
-the released layout (which transformers saves) and those names.
+the released layout (which transformers saves) and those names, and the released FP8 / MXFP4 checkpoints, whose
+matrices stay as stored (``v4_stored``: ``StoredLinear`` layers, ``PackedExperts.keep_stored``).
 """
 
 from __future__ import annotations
@@ -572,7 +573,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         super().__init__()
         self.config, self.dtype = cfg, dtype
         self.model = V4Model(cfg, dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else frozen_linear(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.lm_head: nn.Module | None = (None if cfg.tie_word_embeddings
+                                          else frozen_linear(cfg.vocab_size, cfg.hidden_size, dtype))
 
     def new_state(self) -> V4SequenceState:
         return V4SequenceState.empty(self.config)
@@ -602,6 +604,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         return torch.cat(outs)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.lm_head, StoredLinear):  # a head the checkpoint stores quantised
+            return self.lm_head(hidden).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 

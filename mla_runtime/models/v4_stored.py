@@ -80,18 +80,21 @@ def split_stored(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tens
     """(the float tensors, each quantised ``X.weight`` with its scale) of a checkpoint's tensors: a scale without
     its weight, or a quantised weight without its scale, is refused by name."""
     floats: dict[str, torch.Tensor] = {}
-    scales: dict[str, torch.Tensor] = {}
+    scales: dict[str, tuple[str, torch.Tensor]] = {}
     for name, t in tensors.items():
         suffix = next((s for s in SCALE_SUFFIXES if name.endswith(s)), None)
         if suffix is None:
             floats[name] = t
         else:
-            scales[name[:-len(suffix)] + ".weight"] = t
+            scales[name[:-len(suffix)] + ".weight"] = (name, t)
     pairs = {}
-    for name, scale in scales.items():
-        if name not in floats:
-            raise ValueError(f"deepseek_v4: the scale of {name} has no weight {name} beside it")
-        pairs[name] = (floats.pop(name), scale)
+    for name, (scale_name, scale) in scales.items():
+        if name in floats:
+            pairs[name] = (floats.pop(name), scale)
+        elif scale_name.endswith(".weight_scale_inv"):
+            raise ValueError(f"deepseek_v4: {scale_name} has no weight {name} beside it")
+        else:  # a parameter that is called scale (transformers' in-memory ``attn_hc.scale``)
+            floats[scale_name] = scale
     stray = sorted(n for n, t in floats.items() if (not t.is_floating_point() and n.endswith(".weight"))
                    or t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2))
     if stray:
@@ -129,16 +132,17 @@ def stored_matrix(name: str, weight: torch.Tensor, scale: torch.Tensor, q: V4Qua
     ``expert_dtype``, any other FP8."""
     want = q.experts if expert else "fp8"
     if weight.dtype == torch.float8_e4m3fn and want == "fp8":
-        if scale.dim() != 2:
-            raise ValueError(f"deepseek_v4: {name}: FP8 scales must be one per {q.block} block, got "
-                             f"{tuple(scale.shape)}")
-        return Fp8Weight(weight, _fp8_scales(name, scale).to(weight.device), q.block, dtype)
+        scales = _fp8_scales(name, scale).to(weight.device)
+        try:
+            return Fp8Weight(weight, scales, q.block, dtype)
+        except ValueError as e:
+            raise ValueError(f"deepseek_v4: {name}: {e}") from None
     if weight.dtype in _FP4_DTYPES and want == "mxfp4":
-        packed = weight.contiguous().view(torch.uint8)
         if weight.dim() != 2 or tuple(scale.shape) != (weight.shape[0], 2 * weight.shape[1] // MX_GROUP):
             raise ValueError(f"deepseek_v4: {name}: MXFP4 stores [N, K / 2] bytes and [N, K / 32] scales, got "
                              f"{tuple(weight.shape)} and {tuple(scale.shape)}")
-        return Mxfp4Weight(packed, _mx_exponents(name, scale).to(weight.device), None, dtype)
+        return Mxfp4Weight(weight.contiguous().view(torch.uint8), _mx_exponents(name, scale).to(weight.device),
+                           None, dtype)
     raise ValueError(f"deepseek_v4: {name} is stored as {weight.dtype}; the config's scheme stores "
                      f"{'routed experts' if expert else 'it'} as {want}")
 
