@@ -604,10 +604,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         return torch.cat(outs)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.lm_head, StoredLinear):  # a head the checkpoint stores quantised
+        if self.lm_head is not None:  # a linear layer, or the checkpoint's quantised head (``StoredLinear``)
             return self.lm_head(hidden).float()
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return F.linear(hidden, self.model.embed_tokens.weight).float()
 
     def step(self, batch: list[tuple[torch.Tensor, V4SequenceState]]) -> list[torch.Tensor]:
         """One step of several sequences (any mix of prompts, chunks and decodes): each sequence's last logits
