@@ -46,9 +46,9 @@ def quantized_names(name: str, head: bool) -> str | None:
     return None
 
 
-def fp8_blocks(w: torch.Tensor, ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [N, K]`` -> e4m3 values and one scale per ``BLOCK`` (UE8M0: the next power of two of amax / 448)."""
-    bn, bk = BLOCK
+def fp8_blocks(w: torch.Tensor, ue8m0: bool, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [N, K]`` -> e4m3 values and one scale per ``block`` (UE8M0: the next power of two of amax / 448)."""
+    bn, bk = block
     n, k = w.shape
     amax = w.abs().reshape(n // bn, bn, k // bk, bk).amax(dim=(1, 3))
     scale = amax / 448.0
@@ -59,8 +59,8 @@ def fp8_blocks(w: torch.Tensor, ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor
     return q, scale.to(torch.float8_e8m0fnu) if ue8m0 else scale.float()
 
 
-def fp8_dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return q.float() * scale.float().repeat_interleave(BLOCK[0], 0).repeat_interleave(BLOCK[1], 1)
+def fp8_dequantized(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = BLOCK) -> torch.Tensor:
+    return q.float() * scale.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
 
 
 def mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,7 +83,8 @@ def mxfp4_dequantized(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     return values * torch.exp2(scale.view(torch.uint8).float() - 127).repeat_interleave(32, 1)
 
 
-def write_stored(float_dir: Path, stored_dir: Path, dequant_dir: Path, experts: str, ue8m0: bool) -> None:
+def write_stored(float_dir: Path, stored_dir: Path, dequant_dir: Path, experts: str, ue8m0: bool,
+                 block: tuple[int, int] = BLOCK) -> None:
     """``float_dir`` (transformers' save) -> ``stored_dir`` in the released quantised layout (no ``model.``
     prefix; scales as ``X.scale`` for UE8M0, ``X.weight_scale_inv`` for float32) and ``dequant_dir``: the same
     float checkpoint with every quantised tensor replaced by its dequantisation."""
@@ -98,10 +99,10 @@ def write_stored(float_dir: Path, stored_dir: Path, dequant_dir: Path, experts: 
             stored[bare] = w
             continue
         fp4 = kind == "experts" and experts == "fp4"
-        q, s = mxfp4(w) if fp4 else fp8_blocks(w, ue8m0)
-        dequant[name] = mxfp4_dequantized(q, s) if fp4 else fp8_dequantized(q, s)
+        q, s = mxfp4(w.float()) if fp4 else fp8_blocks(w.float(), ue8m0, block)
+        dequant[name] = (mxfp4_dequantized(q, s) if fp4 else fp8_dequantized(q, s, block)).to(w.dtype)
         # the writer's dequantisation is transformers' own
-        assert torch.equal(Fp8Dequantize(None)._dequantize_one(q, s, torch.float32), dequant[name]), name
+        assert torch.equal(Fp8Dequantize(None)._dequantize_one(q, s, w.dtype), dequant[name]), name
         stored[bare] = q
         stored[bare[:-len("weight")] + ("scale" if ue8m0 else "weight_scale_inv")] = s
     for d, ts in ((stored_dir, stored), (dequant_dir, dequant)):
@@ -110,7 +111,7 @@ def write_stored(float_dir: Path, stored_dir: Path, dequant_dir: Path, experts: 
     raw = json.loads((float_dir / "config.json").read_text())
     shutil.copy(float_dir / "config.json", dequant_dir / "config.json")
     raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": list(BLOCK), "scale_fmt": "ue8m0" if ue8m0 else "float"}
+                                  "weight_block_size": list(block), "scale_fmt": "ue8m0" if ue8m0 else "float"}
     raw["expert_dtype"] = experts  # beside the quantization config, as V4 ships it
     (stored_dir / "config.json").write_text(json.dumps(raw))
 
