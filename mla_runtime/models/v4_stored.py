@@ -70,8 +70,8 @@ def v4_quantization(raw: dict[str, Any]) -> V4Quantization | None:
     if q.get("modules_to_convert"):
         bad.append("modules_to_convert (FP8 embeddings)")
     if bad:
-        raise ValueError("deepseek_v4: quantization_config not supported: " + "; ".join(bad) + " (the released "
-                         "checkpoints' FP8 blocks with FP4 or FP8 experts are: docs/deepseek-v4.md)")
+        raise ValueError("deepseek_v4: quantization_config not supported: " + "; ".join(bad) + " (read: the "
+                         "released checkpoints' FP8 blocks with FP4 or FP8 experts, docs/deepseek-v4.md)")
     return V4Quantization((int(block[0]), int(block[1])), EXPERT_DTYPES[str(expert_dtype)])
 
 
