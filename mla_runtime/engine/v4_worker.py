@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -44,6 +45,7 @@ from mla_runtime.kernel_plan import OFF_CPU
 from mla_runtime.models.deepseek_v4 import V4Config, V4StateCache, load_deepseek_v4
 from mla_runtime.models.glm5_next import MODEL_TYPES as GLM5_NEXT_TYPES
 from mla_runtime.models.v4_sizes import V4CacheKinds, cache_kinds, model_config, v4_weights
+from mla_runtime.models.v4_stored import stored_weight_bytes, v4_quantization
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 from mla_runtime.plan import (
     activation_reserve_bytes,
@@ -118,6 +120,8 @@ class V4Worker(Worker):
         self.state_bytes = self.state_bytes_per_sequence * config.max_num_seqs
         self.num_state_snapshots = self.state_snapshot_bytes = 0  # prefix caching is off: no state snapshot
         self.weight_bytes = v4_weights(self.v4_config, self.dtype)[0]
+        if v4_quantization(raw) is not None:  # the released FP8 / MXFP4 weights, kept as stored
+            self.weight_bytes = stored_weight_bytes(Path(self.model_path), self.dtype)
         self.activation_bytes = activation_reserve_bytes(
             cfg, dtype=self.dtype, max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs) + (self.v4_config.hc_mult * cfg.hidden_size * self.dtype.itemsize
@@ -179,7 +183,7 @@ class V4Worker(Worker):
         self.own_model = self._load_model().to(self.device)
 
     def _load_model(self) -> torch.nn.Module:
-        return load_deepseek_v4(self.model_path, self.dtype)
+        return load_deepseek_v4(self.model_path, self.dtype, self.device)
 
     def num_blocks(self) -> int:
         """Blocks of ``block_size`` tokens whose compressed entries fit the budget: ``kv_cache_memory``, else the

@@ -15,7 +15,9 @@ Hunyuan V4's independent form (``IndependentHyperConnection``) has no ``comb``: 
 the streams at the end with ``HyperHead``'s ``pre`` alone.
 
 The clamped SwiGLU (``swiglu_limit``) is ``silu(min(gate, limit)) * clamp(up, -limit, limit)``; the routed experts
-(``PackedExperts``) apply it to each expert's rows of a step, their weights stored packed as transformers keeps them.
+(``PackedExperts``) apply it to each expert's rows of a step, their weights stored packed as transformers keeps them,
+or, from a quantised checkpoint, each expert's matrices as stored (``keep_stored``: ``QuantizedWeight``s, FP8 blocks
+or MXFP4, whose products run their formats' kernels). ``StoredLinear`` is a linear layer over such a matrix.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from mla_runtime.layers.fp8 import Fp8Weight
+from mla_runtime.layers.qweight import QuantizedWeight, released_like
 
 
 def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -54,25 +59,106 @@ class ClampedMLP(nn.Module):
         return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
 
+def row_blocks(matrix: QuantizedWeight, count: int) -> list[QuantizedWeight]:
+    """``matrix`` split into ``count`` equal blocks of rows, each keeping its stored bytes (an FP8 matrix whose blocks
+    end on its scale blocks is sliced; otherwise each row keeps its own scale row, ``select_rows``)."""
+    rows = matrix.shape[0] // count
+    if isinstance(matrix, Fp8Weight) and rows % matrix.block[0] == 0:
+        per = rows // matrix.block[0]
+        return [Fp8Weight(matrix.weight[g * rows:(g + 1) * rows], matrix.scale_inv[g * per:(g + 1) * per],
+                          matrix.block, matrix.plain.dtype) for g in range(count)]
+    return [matrix.select_rows(torch.arange(g * rows, (g + 1) * rows)) for g in range(count)]
+
+
+class StoredLinear(nn.Module):
+    """A bias-free linear layer over a checkpoint's stored matrix (a ``QuantizedWeight``), its products run by the
+    format's kernels. ``groups`` > 1: a grouped projection (V4's ``o_a_proj``), whose ``grouped`` product multiplies
+    each group of the input by its own block of rows."""
+
+    def __init__(self, matrix: QuantizedWeight, groups: int = 1) -> None:
+        super().__init__()
+        if groups < 1 or matrix.shape[0] % groups:
+            raise ValueError(f"StoredLinear: {groups} groups do not divide the {matrix.shape[0]} rows")
+        self.shape, self.dtype = matrix.shape, matrix.plain.dtype
+        self.blocks = [matrix] if groups == 1 else row_blocks(matrix, groups)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A stand-in of the float weight: its shape and dtype, no values."""
+        return released_like(self.shape, self.dtype, self.blocks[0].plain.device)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored matrix and its scales."""
+        return sum(m.nbytes for m in self.blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.blocks) != 1:
+            raise RuntimeError("a grouped StoredLinear multiplies through grouped()")
+        return self.blocks[0].matmul(x, None)
+
+    def grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, groups, K / groups]`` -> ``[T, N]``: group ``g`` times its block of rows."""
+        return torch.cat([m.matmul(x[:, g].contiguous(), None) for g, m in enumerate(self.blocks)], dim=-1)
+
+
 class PackedExperts(nn.Module):
     """The routed experts, stored packed: ``gate_up_proj [E, 2 i, d]`` (gate rows first), ``down_proj [E, d, i]``;
-    each token's output is the sum of its chosen experts' clamped SwiGLU MLPs times their routing weights."""
+    each token's output is the sum of its chosen experts' clamped SwiGLU MLPs times their routing weights. From a
+    quantised checkpoint (``keep_stored``) each expert's matrices instead, as stored."""
 
     def __init__(self, experts: int, hidden: int, inter: int, limit: float, dtype: torch.dtype) -> None:
         super().__init__()
-        self.limit = limit
+        self.limit, self.sizes = limit, (experts, hidden, inter)
         self.gate_up_proj = nn.Parameter(torch.zeros(experts, 2 * inter, hidden, dtype=dtype), requires_grad=False)
         self.down_proj = nn.Parameter(torch.zeros(experts, hidden, inter, dtype=dtype), requires_grad=False)
+        self.stored: tuple[list[list[QuantizedWeight]], list[QuantizedWeight]] | None = None
+
+    def keep_stored(self, gate: list[QuantizedWeight], up: list[QuantizedWeight], down: list[QuantizedWeight]) -> None:
+        """Run on each expert's stored ``gate [i, d]``, ``up [i, d]`` and ``down [d, i]`` matrices (gate and up
+        stacked into one where their format stacks them as stored); the packed float parameters are dropped."""
+        experts, hidden, inter = self.sizes
+        shapes = {"gate": (gate, (inter, hidden)), "up": (up, (inter, hidden)), "down": (down, (hidden, inter))}
+        for name, (mats, shape) in shapes.items():
+            bad = [e for e, m in enumerate(mats) if tuple(m.shape) != shape]
+            if len(mats) != experts or bad:
+                raise ValueError(f"routed experts: {len(mats)} {name} matrices (expected {experts} of {list(shape)})"
+                                 + (f"; expert {bad[0]}'s is {list(mats[bad[0]].shape)}" if bad else ""))
+        del self.gate_up_proj, self.down_proj
+        self.stored = ([_stacked(g, u) for g, u in zip(gate, up)], list(down))
+
+    def _gate_up(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        if self.stored is None:
+            return F.linear(x, self.gate_up_proj[e])
+        return torch.cat([m.matmul(x, None) for m in self.stored[0][e]], dim=-1)
+
+    def _down(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.down_proj[e]) if self.stored is None else self.stored[1][e].matmul(x, None)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """``x [T, d]``, each token's routing ``weights`` and chosen ``experts`` ``[T, k]`` -> ``[T, d]``."""
         out = torch.zeros_like(x)
         for e in experts.unique().tolist():
             rows, slot = torch.where(experts == e)
-            gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[e]) * weights[rows, slot, None]
+            gate, up = self._gate_up(e, x[rows]).chunk(2, dim=-1)
+            y = self._down(e, clamped_swiglu(gate, up, self.limit)) * weights[rows, slot, None]
             out.index_add_(0, rows, y.to(out.dtype))
         return out
+
+    def stored_bytes(self) -> int:
+        """Bytes of the stored expert matrices (0 for the packed float parameters)."""
+        if self.stored is None:
+            return 0
+        return sum(m.nbytes for ms in self.stored[0] for m in ms) + sum(m.nbytes for m in self.stored[1])
+
+
+def _stacked(gate: QuantizedWeight, up: QuantizedWeight) -> list[QuantizedWeight]:
+    """``[gate; up]`` as one matrix where the format stacks the two as stored (FP8: ``gate`` ending on a block of
+    rows; MXFP4 always), else the two."""
+    try:
+        return [type(gate).cat([gate, up])]
+    except (ValueError, NotImplementedError):
+        return [gate, up]
 
 
 def pack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

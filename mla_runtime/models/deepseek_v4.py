@@ -27,7 +27,8 @@ previous window's overlapping half (CSA) and every compressed entry so far. A st
 sequence's tokens (a prompt, a chunk of one, a decode): the result does not depend on how the tokens are split.
 An engine step (``ForwardBatch`` with each sequence's state slot) runs through ``forward_batch`` over a
 ``V4StateCache`` (one state per slot). Parameter names are transformers' in-memory ones; ``load_deepseek_v4`` reads
-the released layout (which transformers saves) and those names.
+the released layout (which transformers saves) and those names, and the released FP8 / MXFP4 checkpoints, whose
+matrices stay as stored (``v4_stored``: ``StoredLinear`` layers, ``PackedExperts.keep_stored``).
 """
 
 from __future__ import annotations
@@ -43,9 +44,18 @@ from torch import nn
 from mla_kernels import topk_lowest_first
 from mla_runtime.config import RopeConfig
 from mla_runtime.forward_batch import ForwardBatch
-from mla_runtime.layers.hyper import ClampedMLP, HyperConnection, HyperHead, PackedExperts, frozen_linear, rms
+from mla_runtime.layers.hyper import (
+    ClampedMLP,
+    HyperConnection,
+    HyperHead,
+    PackedExperts,
+    StoredLinear,
+    frozen_linear,
+    rms,
+)
 from mla_runtime.layers.rotary import rope_inv_freq
 from mla_runtime.models.own_checkpoint import read_checkpoint
+from mla_runtime.models.v4_stored import install_stored, split_stored, stored_matrix, v4_quantization
 
 LAYER_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 _RATE_KINDS = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
@@ -430,6 +440,8 @@ class V4Attention(nn.Module):
         out = self._attend(q, keys, visible)
         out = Rotary.apply(out, cos, -sin)  # the values' rotation, taken back at the query's position
         grouped = out.reshape(t, self.groups, -1)
+        if isinstance(self.o_a_proj, StoredLinear):  # as the checkpoint stores it: each group's block of rows
+            return self.o_b_proj(self.o_a_proj.grouped(grouped))
         w = self.o_a_proj.weight.view(self.groups, -1, grouped.shape[-1])
         return self.o_b_proj(torch.einsum("tgi,goi->tgo", grouped, w).flatten(1))
 
@@ -561,7 +573,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         super().__init__()
         self.config, self.dtype = cfg, dtype
         self.model = V4Model(cfg, dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else frozen_linear(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.lm_head: nn.Module | None = (None if cfg.tie_word_embeddings
+                                          else frozen_linear(cfg.vocab_size, cfg.hidden_size, dtype))
 
     def new_state(self) -> V4SequenceState:
         return V4SequenceState.empty(self.config)
@@ -591,8 +604,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         return torch.cat(outs)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:  # a linear layer, or the checkpoint's quantised head (``StoredLinear``)
+            return self.lm_head(hidden).float()
+        return F.linear(hidden, self.model.embed_tokens.weight).float()
 
     def step(self, batch: list[tuple[torch.Tensor, V4SequenceState]]) -> list[torch.Tensor]:
         """One step of several sequences (any mix of prompts, chunks and decodes): each sequence's last logits
@@ -692,11 +706,19 @@ def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_deepseek_v4(path: str | Path, dtype: torch.dtype = torch.float32) -> DeepseekV4ForCausalLM:
-    """A ``deepseek_v4`` checkpoint (``config.json`` and ``*.safetensors``, bfloat16 or float32 tensors, in the
-    released layout or transformers' names)."""
-    root, raw, stored = read_checkpoint(path, ("deepseek_v4",))
+def load_deepseek_v4(path: str | Path, dtype: torch.dtype = torch.float32,
+                     device: torch.device | str | None = None) -> DeepseekV4ForCausalLM:
+    """A ``deepseek_v4`` checkpoint (``config.json`` and ``*.safetensors``, in the released layout or transformers'
+    names): bfloat16 or float32 tensors, or the released FP8 / MXFP4 ones, kept as stored (``v4_stored``) on
+    ``device`` (default: where the tensors load, the CPU)."""
+    root, raw, stored = read_checkpoint(path, ("deepseek_v4",), quantized=True)
+    quant = v4_quantization(raw)
     model = DeepseekV4ForCausalLM(V4Config.from_raw(raw), dtype)
+    if quant is not None:
+        stored, pairs = split_stored(stored)
+        matrices = {mine: stored_matrix(name, w.to(device or w.device), s, quant, ".mlp.experts." in mine, dtype)
+                    for name, (w, s) in pairs.items() if (mine := stored_name(name)) is not None}
+        install_stored(model, matrices)
     tensors = {mine: t for name, t in stored.items() if (mine := stored_name(name)) is not None}
     tensors = _stack_experts(tensors)
     own = model.state_dict()
@@ -709,7 +731,7 @@ def load_deepseek_v4(path: str | Path, dtype: torch.dtype = torch.float32) -> De
         raise ValueError(f"{root}: shapes differ from the config's: " + ", ".join(
             f"{k} {tuple(tensors[k].shape)} (expected {tuple(own[k].shape)})" for k in bad[:5]))
     model.load_state_dict({k: v.to(own[k].dtype) for k, v in tensors.items()})
-    return model.eval()
+    return (model if device is None else model.to(device)).eval()
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -1,6 +1,6 @@
 """Reading the checkpoint of a model of its own (DeepSeek-V4, GLM-5-Next, Hunyuan V4, dots3-note:
-``families.OWN_MODEL``): a folder of ``config.json`` and ``*.safetensors`` holding float tensors, refused by name
-where it is another model type, quantised, or holds no weights."""
+``families.OWN_MODEL``): a folder of ``config.json`` and ``*.safetensors``, refused by name where it is another model
+type, quantised (but for DeepSeek-V4's stored scheme, read by ``v4_stored``), or holds no weights."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from typing import Any
 import torch
 
 
-def read_checkpoint(path: str | Path, model_types: tuple[str, ...]) -> tuple[Path, dict[str, Any],
-                                                                           dict[str, torch.Tensor]]:
+def read_checkpoint(path: str | Path, model_types: tuple[str, ...], quantized: bool = False
+                    ) -> tuple[Path, dict[str, Any], dict[str, torch.Tensor]]:
     """(the folder, its config, every tensor of its ``*.safetensors`` by stored name) of a checkpoint whose
-    ``model_type`` is one of ``model_types``."""
+    ``model_type`` is one of ``model_types``; ``quantized``: a ``quantization_config`` is the caller's to read
+    (DeepSeek-V4's stored FP8 / MXFP4, ``v4_stored``), else it is refused."""
     from safetensors.torch import load_file
 
     root = Path(path)
@@ -22,7 +23,8 @@ def read_checkpoint(path: str | Path, model_types: tuple[str, ...]) -> tuple[Pat
     name = model_types[0]
     if raw.get("model_type") not in model_types:
         raise ValueError(f"{root}: model_type {raw.get('model_type')!r} is not {' or '.join(model_types)}")
-    if raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config"):
+    stored = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
+    if stored and not quantized:
         raise ValueError(f"{root}: quantised {name} checkpoints are not supported (load bfloat16 or float32)")
     files = sorted(root.glob("*.safetensors"))
     if not files:
