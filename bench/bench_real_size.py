@@ -454,7 +454,8 @@ def report(results: dict, cfg: dict, bandwidth: float, args) -> str:
 # mla-runtime's rows and the peers' format each is compared with
 PAIRS = (("bf16 int8", "q8_0"), ("pre int8", "q8_0"), ("gguf q8_0", "q8_0"), ("bf16 w8a8", "q8_0"),
          ("pre w8a8", "q8_0"), ("bf16 int4", "q4_0"), ("pre int4", "q4_0"), ("gguf q4_0", "q4_0"),
-         ("gguf q4_k_m", "q4_k_m"), ("bf16 w4a16", "q4_k_m"), ("pre w4a16", "q4_k_m"))
+         ("gguf q4_k_m", "q4_k_m"), ("bf16 w4a16", "q4_0"), ("pre w4a16", "q4_0"), ("bf16 w4a16", "q4_k_m"),
+         ("pre w4a16", "q4_k_m"))
 
 
 def ratios(results: dict) -> list[str]:
