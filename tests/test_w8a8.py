@@ -27,6 +27,7 @@ from mla_runtime.kernel_plan import kernel_plan
 from mla_runtime.layers.quantization import finish_quantization, quantized_weights
 from mla_runtime.layers.w8a8 import W8A8Weight, quantize_w8a8
 from mla_runtime.loader import load_model
+from mla_runtime.parallel import ParallelContext
 from tests.checkpoints import build_hf_model
 
 needs_kernel = pytest.mark.skipif(cpu_kernels.failure("w8a8") is not None,
@@ -303,6 +304,24 @@ def test_two_ranks_give_one_ranks_tokens(written, written_reference):
     """Tensor parallel over two ranks: ``o_proj`` and the dense and shared ``down_proj`` hold half of ``K`` each and
     round their slices with the whole row's amax (the ranks' MAX), so the tokens are one rank's and transformers'."""
     assert runtime_tokens(written[1], tensor_parallel_size=2) == written_reference
+
+
+def test_a_rank_quantising_its_columns_while_loading_takes_the_whole_rows_scales(written):
+    """A float checkpoint quantised to W8A8 while loading under two ranks: each rank's columns of a row-parallel matrix
+    (``o_proj``, the dense and shared ``down_proj``) are one rank's columns, their scales the whole rows'; a
+    column-parallel one (``q_proj``'s rows) is one rank's rows."""
+    src, _, _ = written
+    one = load_model(src, dtype="float32", quantization="w8a8")
+    for rank in (0, 1):
+        part = load_model(src, dtype="float32", quantization="w8a8", par=ParallelContext(rank, 2))
+        for i, owner in ((0, "mlp"), (1, "mlp.shared_experts")):
+            got, want = part.get_submodule(f"model.layers.{i}.{owner}"), one.get_submodule(f"model.layers.{i}.{owner}")
+            k = got.down_packed.shape[1]
+            assert torch.equal(got.down_packed.scales, want.down_packed.scales)
+            assert torch.equal(got.down_packed.qweight, want.down_packed.qweight[:, rank * k:(rank + 1) * k])
+        got, want = part.model.layers[1].self_attn.o_proj.packed, one.model.layers[1].self_attn.o_proj.packed
+        k = got.shape[1]
+        assert torch.equal(got.dequantize(), want.dequantize()[:, rank * k:(rank + 1) * k])
 
 
 def test_a_v2_checkpoint_gives_the_reference_tokens(tiny_checkpoint, tmp_path):

@@ -33,11 +33,12 @@ from mla_runtime.layers.qweight import PackedWeight, QuantizedWeight, default_pl
 from mla_runtime.parallel import ParallelContext
 
 
-def quantize_w8a8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_w8a8(weight: torch.Tensor, absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight [N, K]`` -> (``q [N, K]`` int8, ``scales [N]`` float32): symmetric, per output channel (a zero row
-    gets the scale 1)."""
+    gets the scale 1); ``absmax [N]``: the rows' largest magnitudes given (a tensor-parallel rank's columns of a
+    row-parallel matrix take the whole rows', so that its integers are one rank's), at least this part's."""
     w = weight.detach().float()
-    absmax = torch.linalg.vector_norm(w, float("inf"), dim=1)
+    absmax = torch.linalg.vector_norm(w, float("inf"), dim=1) if absmax is None else absmax.float()
     scales = torch.where(absmax > 0, absmax / W8A8_QMAX, torch.ones_like(absmax))
     q = torch.div(w, scales.unsqueeze(1)).round_().clamp_(-W8A8_QMAX, W8A8_QMAX).to(torch.int8)
     return q, scales
@@ -69,8 +70,8 @@ class W8A8Weight(QuantizedWeight):
         return self
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor) -> W8A8Weight:
-        return cls(*quantize_w8a8(weight), weight.dtype)
+    def quantize(cls, weight: torch.Tensor, absmax: torch.Tensor | None = None) -> W8A8Weight:
+        return cls(*quantize_w8a8(weight, absmax), weight.dtype)
 
     @classmethod
     def cat(cls, parts: Sequence[QuantizedWeight]) -> W8A8Weight:
