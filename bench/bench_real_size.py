@@ -1,8 +1,8 @@
 """A real-size model on this machine: DeepSeek-V2-Lite's exact config and tensor names (15.7 B parameters, 31 GB of
-bfloat16), random weights, loaded with int8 and int4 from the bfloat16 checkpoint, from pre-quantised
-(compressed-tensors) copies of it and from the peers' own GGUF files (``gguf:q8_0``, ``gguf:q4_0``,
-``gguf:q4_k_m``: the very files they run), next to llama.cpp and ik_llama.cpp running the same weights as q8_0 / q4_0 /
-Q4_K_M GGUF.
+bfloat16), random weights, loaded with int8 and int4 (and W8A8, W4A16: ``--modes pre:w8a8,pre:w4a16``) from the
+bfloat16 checkpoint, from pre-quantised (compressed-tensors) copies of it and from the peers' own GGUF files
+(``gguf:q8_0``, ``gguf:q4_0``, ``gguf:q4_k_m``: the very files they run), next to llama.cpp and ik_llama.cpp running
+the same weights as q8_0 / q4_0 / Q4_K_M GGUF.
 
     python bench/bench_real_size.py --work /tmp/real_size               # everything (about an hour on 2 cores)
     python bench/bench_real_size.py --work /tmp/real_size --systems mla  # mla-runtime only
@@ -23,7 +23,10 @@ llama.cpp (``bash bench/setup_peers.sh llama.cpp``) runs its own converter (q8_0
 the q8_0 file, ``--allow-requantize``: the timing does not depend on the values), then ``llama-bench`` (batch 1;
 its prefill with ``-p``, flash attention on) and ``llama-batched-bench`` (batch 8); its load time is the wall time
 of a process that loads the file and generates one token (llama.cpp maps the file and reads the weights as the
-first token touches them; it repacks q4_0 for its AVX2 kernels). The two systems run one after the other (their
+first token touches them; it repacks q4_0 for its AVX2 kernels). Every peer process runs in ``--work`` (where it
+writes its ``llama.log``), started by a small launcher process (``Launcher``) that reads back its peak resident
+memory (``os.wait4``'s ``ru_maxrss``); a peer's "peak RSS" is the largest over its runs of a format, and counts the
+pages of the GGUF file it maps and touched. The two systems run one after the other (their
 weights do not fit this machine's memory together), each over the same files on the same warm page cache.
 
 The "fraction of bandwidth" is the weight bytes one decode token reads (every matrix of a step once: attention,
@@ -61,8 +64,10 @@ BATCHES = (1, 4, 8)
 WORKLOADS = ("same", "distinct")
 PREFILL_LENS = (128, 512)  # prompts whose prefill (batch 1, one step, the first token's logits) is timed
 # bytes per weight of each format, scales included (q8_0/q4_0: a float16 scale per 32 weights; int8: a bfloat16 scale
-# per row, negligible; int4: a float16 scale per 32)
-BYTES = {"int8": 1.0, "int4": 18 / 32, "q8_0": 34 / 32, "q4_0": 18 / 32}
+# per row, negligible; int4: a float16 scale per 32; w8a8: a float32 scale per row, negligible; w4a16: a float16 scale
+# and a byte zero point per 128 -- DeepSeek-V2-Lite's dense down_proj, whose 10944 inputs are not whole groups of 128,
+# takes int4's groups of 32, a 0.3% share of the weights left out here)
+BYTES = {"int8": 1.0, "int4": 18 / 32, "w8a8": 1.0, "w4a16": 0.5 + 3 / 128, "q8_0": 34 / 32, "q4_0": 18 / 32}
 LLAMA_TYPES = {"q8_0": "q8_0", "q4_0": "q4_0", "q4_k_m": "Q4_K_M"}  # --llama-formats: llama-quantize's type names
 
 
@@ -194,6 +199,67 @@ def run_worker(path: Path, quantization: str, args) -> dict:
     return json.loads(lines[-1])
 
 
+# -- the peers' processes: their output, wall time and peak resident memory --------------------------------------
+@dataclass(frozen=True)
+class Ran:
+    """A finished peer process: exit status, wall seconds, peak RSS in bytes (``ru_maxrss``), its output."""
+
+    rc: int
+    wall_s: float
+    maxrss: int
+    stdout: str
+    stderr: str
+
+
+def run_rusage(cmd: list[str], cwd: Path) -> Ran:
+    """Run ``cmd`` in ``cwd`` to its end and return its peak resident set: ``os.wait4``'s ``ru_maxrss`` of that child
+    (KiB on Linux), its output read back from temporary files (``wait4`` reaps the child, so ``communicate`` cannot)."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        return Ran(proc.returncode, wall, usage.ru_maxrss * 1024, out.read().decode(errors="replace"),
+                   err.read().decode(errors="replace"))
+
+
+def launcher() -> None:
+    """``--launcher``: run each command read from stdin (a JSON line ``{"cmd", "cwd"}``) and answer a JSON line of its
+    ``Ran``."""
+    for line in sys.stdin:
+        req = json.loads(line)
+        print(json.dumps(run_rusage(req["cmd"], Path(req["cwd"])).__dict__), flush=True)
+
+
+class Launcher:
+    """A small process that starts the peers' commands. Linux carries a process's high-water mark of resident memory
+    across ``exec``, so a child of this benchmark (which imports torch and writes quantised copies) would report at
+    least the benchmark's own peak as its ``ru_maxrss``: the launcher starts before the benchmark grows, and
+    ``floor`` is what its children inherit (a ``true``'s ``ru_maxrss``), tens of MiB."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, __file__, "--launcher"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        self.floor = self.run(["true"], Path("/")).maxrss
+
+    def run(self, cmd: list[str], cwd: Path, check: bool = True) -> Ran:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"cmd": cmd, "cwd": str(cwd)}) + "\n")
+        self.proc.stdin.flush()
+        ran = Ran(**json.loads(self.proc.stdout.readline()))
+        if check and ran.rc != 0:
+            raise RuntimeError(f"{Path(cmd[0]).name} exited {ran.rc}: {(ran.stderr or ran.stdout)[-500:]}")
+        return ran
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait()
+
+
 # -- the llama.cpp family of peers -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Peer:
@@ -245,53 +311,46 @@ def batched_speed(text: str) -> float:
     return float(numbers[-1][7])
 
 
-def run_peer(cmd: list[str], cwd: Path) -> tuple[str, str, int]:
-    """Run a peer's command in ``cwd`` (where its log files land): (stdout, stderr, the process's peak RSS in bytes,
-    its ``ru_maxrss`` from ``wait4``: the pages of the mapped file it touched count)."""
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=err, text=True)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
-    if proc.returncode:
-        raise subprocess.CalledProcessError(proc.returncode, cmd, stdout, stderr)
-    return stdout, stderr, usage.ru_maxrss * 1024
+def llama_measure(gguf: Path, args, peer: Peer, launcher: Launcher) -> dict:
+    """One peer on one GGUF file: its load, decode and prefill speeds, and its peak RSS (the largest ``ru_maxrss`` of
+    its processes). Each runs in ``--work``, where it writes its ``llama.log``."""
+    peak = 0
 
-
-def llama_measure(gguf: Path, args, peer: Peer) -> dict:
-    peaks = []
-
-    def run(cmd: list[str]) -> tuple[str, str]:
-        stdout, stderr, peak = run_peer(cmd, args.work)
-        peaks.append(peak)
-        return stdout, stderr
+    def run(cmd: list[str]) -> Ran:
+        nonlocal peak
+        ran = launcher.run(cmd, args.work)
+        peak = max(peak, ran.maxrss)
+        return ran
 
     def bench(batch: int) -> float:
         if batch == 1:
-            out, _ = run([str(peer.bin / "llama-bench"), "-m", str(gguf), "-t", str(args.threads), "-r", "1",
-                          "-o", "json", *peer.decode_args(), *peer.bench])
-            return float(json.loads(out)[0]["avg_ts"])
-        out, err = run([str(peer.bin / "llama-batched-bench"), "-m", str(gguf), "-t", str(args.threads), "-tb",
-                        str(args.threads), "-c", str(batch * (PROMPT_LEN + STEPS) + 64), "-npp",
-                        str(PROMPT_LEN), "-ntg", str(STEPS), "-npl", str(batch), *peer.batched,
-                        *(() if peer.name == "ik_llama.cpp" else ("--output-format", "jsonl"))])
-        return batched_speed(out + err)
+            out = run([str(peer.bin / "llama-bench"), "-m", str(gguf), "-t", str(args.threads), "-r", "1",
+                       "-o", "json", *peer.decode_args(), *peer.bench])
+            return float(json.loads(out.stdout)[0]["avg_ts"])
+        cmd = [str(peer.bin / "llama-batched-bench"), "-m", str(gguf), "-t", str(args.threads), "-tb",
+               str(args.threads), "-c", str(batch * (PROMPT_LEN + STEPS) + 64), "-npp", str(PROMPT_LEN),
+               "-ntg", str(STEPS), "-npl", str(batch), *peer.batched,
+               *(() if peer.name == "ik_llama.cpp" else ("--output-format", "jsonl"))]
+        for attempt in range(3):  # llama-batched-bench now and then ends (status 0) without printing its row
+            out = run(cmd)
+            try:
+                return batched_speed(out.stdout + out.stderr)
+            except RuntimeError:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
     def start() -> float:
         """Seconds from the process's start to its first generated token (one token of prompt, one generated)."""
-        t0 = time.perf_counter()
-        run([str(peer.bin / "llama-batched-bench"), "-m", str(gguf), "-t", str(args.threads), "-tb",
-             str(args.threads), "-c", "256", "-npp", "1", "-ntg", "1", "-npl", "1", *peer.batched])
-        return time.perf_counter() - t0
+        return run([str(peer.bin / "llama-batched-bench"), "-m", str(gguf), "-t", str(args.threads), "-tb",
+                    str(args.threads), "-c", "256", "-npp", "1", "-ntg", "1", "-npl", "1", *peer.batched]).wall_s
 
     def prefill(length: int) -> float:
         """Prompt tokens/s of one ``length``-token prompt (``llama-bench -p``, flash attention on)."""
         flags = peer.bench if "-fa" in peer.bench else ("-fa", "on")
-        out, _ = run([str(peer.bin / "llama-bench"), "-m", str(gguf), "-t", str(args.threads), "-r", "1",
-                      "-o", "json", "-p", str(length), "-n", "0", *flags])
-        return float(json.loads(out)[0]["avg_ts"])
+        out = run([str(peer.bin / "llama-bench"), "-m", str(gguf), "-t", str(args.threads), "-r", "1",
+                   "-o", "json", "-p", str(length), "-n", "0", *flags])
+        return float(json.loads(out.stdout)[0]["avg_ts"])
 
     tok_s: dict[int, list[float]] = {b: [] for b in BATCHES}
     prefills: dict[int, list[float]] = {k: [] for k in PREFILL_LENS}
@@ -302,7 +361,7 @@ def llama_measure(gguf: Path, args, peer: Peer) -> dict:
             tok_s[batch].append(bench(batch))
         for length in PREFILL_LENS:
             prefills[length].append(prefill(length))
-    return {"load_s": statistics.median(loads), "peak_rss": max(peaks),
+    return {"load_s": statistics.median(loads), "peak_rss": peak, "rss_floor": launcher.floor,
             "tok_s": {str(b): statistics.median(v) for b, v in tok_s.items()},
             "tok_s_rounds": {str(b): v for b, v in tok_s.items()},
             "prefill": {str(k): statistics.median(v) for k, v in prefills.items()},
@@ -318,14 +377,14 @@ def llama_files(src: Path, work: Path, formats: list[str]) -> dict[str, Path]:
     if not q8.exists():
         print("  converting to q8_0 GGUF (llama.cpp's converter) ...", flush=True)
         subprocess.run([str(CONVERTER_PYTHON), str(HERE / "llama_convert.py"), str(src), "--outtype", "q8_0",
-                        "--outfile", str(q8)], check=True, capture_output=True)
+                        "--outfile", str(q8)], check=True, capture_output=True, cwd=work)
     files = {}
     for fmt in formats:
         out = work / f"v2lite-{fmt}.gguf"
         if not out.exists():
             print(f"  llama-quantize q8_0 -> {LLAMA_TYPES[fmt]} ...", flush=True)
             subprocess.run([str(BIN / "llama-quantize"), "--allow-requantize", str(q8), str(out), LLAMA_TYPES[fmt],
-                            str(os.cpu_count())], check=True, capture_output=True)
+                            str(os.cpu_count())], check=True, capture_output=True, cwd=work)
         files[fmt] = out
     return files
 
@@ -360,6 +419,7 @@ def report(results: dict, cfg: dict, bandwidth: float, args) -> str:
     heads = [f"b{b} tok/s" for b in BATCHES] + [f"b{b} distinct" for b in BATCHES if b > 1]
     lens = " | ".join(f"prefill {k} tok/s" for k in PREFILL_LENS)
     versions = [f"{n}: {r['version']}" for n, r in results.items() if r.get("version")]
+    floors = [r["rss_floor"] for r in results.values() if r.get("rss_floor")]
     lines = [f"Machine: {machine()}; streaming bandwidth {bandwidth / 1e9:.1f} GB/s (roofline.stream_bandwidth).",
              f"Model: DeepSeek-V2-Lite's config ({cfg['num_hidden_layers']} layers), random bfloat16 weights; "
              f"{args.threads} threads, {args.rounds} rounds, prompt {PROMPT_LEN} tokens, {STEPS} decode steps "
@@ -367,8 +427,13 @@ def report(results: dict, cfg: dict, bandwidth: float, args) -> str:
              f"b4/b8: every sequence the same (as llama-batched-bench); distinct: a prompt each; "
              f"prefill: one prompt of each length at batch 1.",
              *([f"Peers: {'; '.join(versions)}."] if versions else []),
-             "Peak RSS: mla-runtime's process high-water mark (VmHWM); a peer's, the largest ru_maxrss of its runs "
-             "of the format (the pages of the mapped file it touched count, as they do for mla-runtime).",
+             *([f"Peak RSS: mla-runtime's, its process's (sampled, and the kernel's VmHWM); a peer's, the largest "
+                f"ru_maxrss (os.wait4) of its processes over a format's runs. RSS counts the pages of a mapped file "
+                f"that a process touched: llama.cpp maps the GGUF file and reads its weights through the mapping, so "
+                f"its figure includes the file's pages (shared with the page cache, not memory of its own); "
+                f"ik_llama.cpp with -rtr reads the file and repacks the weights into its own memory. At most "
+                f"{max(floors) / 2**20:.0f} MiB of a peer's figure is the high-water mark its launcher passes on "
+                f"across exec."] if floors else []),
              "",
              f"| system | weights from | peak RSS | load s | {' | '.join(heads)} | b1 bandwidth fraction | {lens} |",
              "|---|---|---:|---:|" + "---:|" * (len(keys) + 1 + len(PREFILL_LENS))]
@@ -387,8 +452,10 @@ def report(results: dict, cfg: dict, bandwidth: float, args) -> str:
 
 
 # mla-runtime's rows and the peers' format each is compared with
-PAIRS = (("bf16 int8", "q8_0"), ("pre int8", "q8_0"), ("gguf q8_0", "q8_0"), ("bf16 int4", "q4_0"),
-         ("pre int4", "q4_0"), ("gguf q4_0", "q4_0"), ("gguf q4_k_m", "q4_k_m"))
+PAIRS = (("bf16 int8", "q8_0"), ("pre int8", "q8_0"), ("gguf q8_0", "q8_0"), ("bf16 w8a8", "q8_0"),
+         ("pre w8a8", "q8_0"), ("bf16 int4", "q4_0"), ("pre int4", "q4_0"), ("gguf q4_0", "q4_0"),
+         ("gguf q4_k_m", "q4_k_m"), ("bf16 w4a16", "q4_0"), ("pre w4a16", "q4_0"), ("bf16 w4a16", "q4_k_m"),
+         ("pre w4a16", "q4_k_m"))
 
 
 def ratios(results: dict) -> list[str]:
@@ -428,10 +495,18 @@ def main() -> None:
                     help="mla-runtime's decode sampling (0: greedy, as llama-bench's; 1.0: the API's default)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--quantization", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--launcher", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args.worker, args.quantization, args.rounds, args.threads, args.rss_limit, args.temperature)
         return
+    if args.launcher:
+        launcher()
+        return
+    args.work = args.work.resolve()  # the peers run in it: every path they are given is absolute
+    systems = args.systems.split(",")
+    # started first, while this process is small: its children inherit its high-water mark (Launcher)
+    peer_launcher = Launcher() if any(name in PEERS for name in systems) else None
 
     from roofline import stream_bandwidth
 
@@ -450,7 +525,7 @@ def main() -> None:
         print(f"  {time.perf_counter() - t0:.0f} s", flush=True)
     bandwidth = stream_bandwidth()
     results: dict[str, dict] = {}
-    systems, modes = args.systems.split(","), args.modes.split(",") if "mla" in args.systems.split(",") else []
+    modes = args.modes.split(",") if "mla" in systems else []
     peers = [PEERS[name] for name in systems if name in PEERS]
     formats = args.llama_formats.split(",") if peers else []
     files = {}
@@ -469,7 +544,8 @@ def main() -> None:
         elif source == "gguf":
             path = files[quantization]
         warm(path)
-        r = run_worker(path, "stored" if source == "gguf" else quantization, args)
+        # a pre-quantised copy loads as stored (a w4a16 copy is an int4 checkpoint: asking for w4a16 would be refused)
+        r = run_worker(path, "stored" if source in ("gguf", "pre") else quantization, args)
         r["source"] = {"bf16": "bf16 checkpoint", "pre": "pre-quantised", "gguf": "the peers' GGUF"}[source]
         results[f"mla-runtime {source} {quantization}"] = r
         print(f"  {json.dumps(r)}", flush=True)
@@ -482,10 +558,13 @@ def main() -> None:
         warm(files[fmt])
         for peer in [p for p in peers if (p.bin / "llama-bench").exists()]:
             print(f"  {peer.name} {fmt} ...", flush=True)
-            r = llama_measure(files[fmt], args, peer)
+            assert peer_launcher is not None
+            r = llama_measure(files[fmt], args, peer, peer_launcher)
             r["source"] = "GGUF"
             results[f"{peer.name} {fmt}"] = r
             print(f"  {json.dumps(r)}", flush=True)
+    if peer_launcher is not None:
+        peer_launcher.close()
     text = report(results, cfg, bandwidth, args)
     print(text)
     if args.out:

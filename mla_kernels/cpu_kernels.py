@@ -130,11 +130,12 @@ def ggml_parts(parts: list[torch.Tensor], type_numbers: list[int], k: int) -> to
 
 
 def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, *, variant: str = "auto",
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, row_amax: torch.Tensor | None = None) -> torch.Tensor:
     """``x · Wᵀ (+ bias)`` in float32 for any number of rows ``x [..., K]``, each rounded to int8 on the fly, and an
     int8 weight ``[N, K]`` with float32 row scales ``[N]`` (``mla_kernels.w8a8_format``: the same values); only where
-    ``failure("w8a8")`` is None."""
-    y = ops().w8a8_linear(x, weight, scales, variant)
+    ``failure("w8a8")`` is None. ``row_amax`` (float32, one a row): the amax each row is rounded with in place of its
+    own (a tensor-parallel rank's slice of ``K``)."""
+    y = ops().w8a8_linear(x, weight, scales, variant, row_amax)
     return y if bias is None else y.add_(bias)
 
 

@@ -395,7 +395,7 @@ def _register_fakes() -> None:
         return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=torch.float32)
 
     @lib.register_fake("mla_kernels::w8a8_linear")
-    def _(x, w, scales, variant="auto"):  # type: ignore[no-untyped-def]
+    def _(x, w, scales, variant="auto", row_amax=None):  # type: ignore[no-untyped-def]
         return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=torch.float32)
 
     @lib.register_fake("mla_kernels::fp4_linear")

@@ -6,7 +6,9 @@ activations; SGLang's ``w8a8_int8``)::
     sx = amax(|x|) / 127      xq = round(x / sx), to nearest even      (a row of zeros: sx = 0, xq = 0)
     y = float32(xq · qᵀ) * sx * sw       (the integer sums exact in int32; the two multiplications in that order)
 
-Both the kernel and ``w8a8_product`` compute exactly these values, so they agree bit for bit."""
+Both the kernel and ``w8a8_product`` compute exactly these values, so they agree bit for bit. Either takes the rows'
+``amax`` from outside in place of their own: a tensor-parallel rank holding a slice of ``K`` rounds its slice with the
+whole row's amax (the ranks' MAX), as one rank rounds the whole row."""
 
 from __future__ import annotations
 
@@ -15,10 +17,16 @@ import torch
 W8A8_QMAX = 127
 
 
-def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` float -> (``xq [M, K]`` int8, ``sx [M]`` float32) by the rule above."""
+def row_amax(x: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` float -> ``amax(|x|)`` of each row, float32 ``[M]``."""
+    return x.float().abs().amax(dim=1)
+
+
+def quantize_rows_int8(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` float -> (``xq [M, K]`` int8, ``sx [M]`` float32) by the rule above (``amax [M]``: the rows'
+    amax given, at least their own)."""
     rows = x.float()
-    sx = rows.abs().amax(dim=1) / W8A8_QMAX
+    sx = (row_amax(rows) if amax is None else amax.float()) / W8A8_QMAX
     scaled = torch.where(sx.unsqueeze(1) > 0, rows / sx.unsqueeze(1), torch.zeros((), dtype=torch.float32,
                                                                                    device=rows.device))
     return scaled.round_().to(torch.int8), sx
@@ -34,8 +42,9 @@ def int_products(xq: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return (xq.double() @ q.double().t()).to(torch.int32)
 
 
-def w8a8_product(x: torch.Tensor, q: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
+def w8a8_product(x: torch.Tensor, q: torch.Tensor, sw: torch.Tensor, amax: torch.Tensor | None = None
+                 ) -> torch.Tensor:
     """``x [M, K]`` (float) times the W8A8 weight ``q [N, K]`` int8 with float32 row scales ``sw [N]``: float32
-    ``[M, N]``, the kernel's values (module docstring)."""
-    xq, sx = quantize_rows_int8(x)
+    ``[M, N]``, the kernel's values (module docstring; ``amax [M]``: the rows' amax given)."""
+    xq, sx = quantize_rows_int8(x, amax)
     return int_products(xq, q).float() * sx.unsqueeze(1) * sw.float().unsqueeze(0)

@@ -9,6 +9,9 @@ Five schemes map onto the runtime's formats; their tensors load as stored, with 
   zero points. A matrix ``X`` is ``X.weight_packed`` (int32 ``[N, K/8]``), ``X.weight_scale`` (``[N, K/g]``) and
   ``X.weight_shape`` (with ``X.weight_zero_point`` and ``X.weight_g_idx`` where it has them): ``stored_int4``
   reads it, as it reads AWQ's and GPTQ's int4 layouts.
+- ``w4a16`` (written only): the ``int4`` format with asymmetric groups of 128 and zero points (llm-compressor's
+  ``W4A16_ASYM``, as AWQ's checkpoints hold them): ``X.weight_zero_point`` (int32 ``[N / 8, K / 128]``, the signed
+  zero points packed along the rows) beside the three tensors above; it loads as ``int4`` (``stored_int4``).
 - ``w8a8``: the ``int8`` weights above with input activations quantised dynamically, int8, symmetric, strategy
   ``token`` (``config.W8A8_ACTIVATIONS``); also SGLang's ``quant_method: w8a8_int8`` (the same two tensors). The
   scales are held in float32 (``layers.w8a8``).
@@ -26,12 +29,13 @@ widths, asymmetric int8, other float formats) is refused at load with an error n
 leaves unquantised loads as stored; other matrices its ``ignore`` list leaves unquantised are quantised by the runtime
 while loading, as it does for any checkpoint.
 
-``mla-runtime quantize --model SRC --quantization int8|int4|w8a8|mxfp4|nvfp4 --out DIR`` writes one from any
+``mla-runtime quantize --model SRC --quantization int8|int4|w4a16|w8a8|mxfp4|nvfp4 --out DIR`` writes one from any
 checkpoint the runtime loads (bfloat16, float32, FP8 blocks): the matrices it quantises (every attention projection
 except ``kv_b_proj``, the MLPs and experts, an untied lm_head) in the runtime's own scheme (int4: symmetric groups of
-32), everything else as stored (FP8 ones dequantised to bfloat16), one shard per decoder layer, with the permissions
-``open`` gives a new file (0o644 under umask 022), and the tokenizer, chat-template, generation and MTP
-draft-vocabulary (``speculative_token_map.json``) files copied.
+32; w4a16: ``layers.int4``'s W4A16 rule; a matrix whose ``K`` is not a whole number of the scheme's groups stays
+float, named in ``ignore``, for loading to quantise), everything else as stored (FP8 ones dequantised to bfloat16),
+one shard per decoder layer, with the permissions ``open`` gives a new file (0o644 under umask 022), and the
+tokenizer, chat-template, generation and MTP draft-vocabulary (``speculative_token_map.json``) files copied.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from typing import Any
 import torch
 
 from mla_kernels.fp4_format import GROUPS
-from mla_runtime.config import INT4_GROUP, STORED_FORMATS, W8A8_ACTIVATIONS, Int4Layout
+from mla_runtime.config import INT4_GROUP, STORED_FORMATS, W4A16_GROUP, W8A8_ACTIVATIONS, Int4Layout
 from mla_runtime.layers.fp4 import Fp4Weight, Mxfp4Weight, Nvfp4Weight
 from mla_runtime.layers.int4 import Int4Weight
 from mla_runtime.layers.quantization import Int8Weight
@@ -119,7 +123,8 @@ def _weight_args(quantization: str) -> Any:
         scale_dtype = torch.uint8 if quantization == "mxfp4" else torch.float8_e4m3fn
         return QuantizationArgs(num_bits=bits, type="float", symmetric=True, strategy=strategy, group_size=group,
                                 scale_dtype=scale_dtype)
-    return QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy=strategy, group_size=group)
+    return QuantizationArgs(num_bits=bits, type="int", symmetric=quantization != "w4a16", strategy=strategy,
+                            group_size=group)
 
 
 def _compress_fp4(weight: Fp4Weight) -> dict[str, torch.Tensor]:
@@ -156,15 +161,24 @@ def compress(weight: QuantizedWeight) -> dict[str, torch.Tensor]:
         scale = weight.scales.unsqueeze(1)
         args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
         compressor: Any = IntQuantizationCompressor
-    elif isinstance(weight, Int4Weight):
+    elif isinstance(weight, Int4Weight) and weight.q4_0:
         q, scale = weight.to_int()
         args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=INT4_GROUP)
         compressor = PackedQuantizationCompressor
+    elif isinstance(weight, Int4Weight) and weight.zeros is not None and weight.group == W4A16_GROUP \
+            and weight.orders is None:
+        scale = weight.scales
+        args = _weight_args("w4a16")
+        compressor = PackedQuantizationCompressor
     else:
-        raise TypeError(f"compress: int8, W8A8, int4 or FP4 matrices, got {type(weight).__name__}")
-    # exact: every value is an integer times its scale, so the library's division gives the integers back
+        raise TypeError(f"compress: int8, W8A8, int4 (Q4_0's or W4A16's groups) or FP4 matrices, got "
+                        f"{type(weight).__name__}")
+    # exact: every value is an integer (less its zero point) times its scale, so the library's division gives the
+    # integers back
     dense = weight.dequantize()
     state = {"weight": dense, "weight_scale": scale}
+    if isinstance(weight, Int4Weight) and weight.zeros is not None:  # the library's zero points are signed
+        state["weight_zero_point"] = (weight.zeros.to(torch.int16) - 8).to(torch.int8)
     return dict(compressor.compress(state, QuantizationScheme(targets=["Linear"], weights=args)))
 
 
@@ -315,7 +329,7 @@ def _convert(name: str, tensors: dict[str, torch.Tensor], ignore: set[str], read
     scale_name = name[: -len("weight")] + "weight_scale_inv" if name.endswith(".weight") else None
     fp8 = scale_name if scale_name in scales else None
     k = reader.shape(name)[-1]
-    group = INT4_GROUP if quantization == "int4" else GROUPS.get(quantization, 1)
+    group = {"int4": INT4_GROUP, "w4a16": W4A16_GROUP}.get(quantization, GROUPS.get(quantization, 1))
     if product and name.endswith(".weight") and k % group == 0:  # the library's layouts hold whole groups
         # the format's groups span whole rows
         fmt = WEIGHT_FORMATS[quantization]
@@ -334,7 +348,7 @@ def _convert(name: str, tensors: dict[str, torch.Tensor], ignore: set[str], read
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
-    """``mla-runtime quantize --model SRC --quantization int8|int4|w8a8|mxfp4|nvfp4 --out DIR``."""
+    """``mla-runtime quantize --model SRC --quantization int8|int4|w4a16|w8a8|mxfp4|nvfp4 --out DIR``."""
     import time
 
     from mla_runtime.help_format import DefaultsHelpFormatter

@@ -590,7 +590,11 @@ SCHEMES = {"int8": ("int-quantized", 8, "channel", None), "int4": ("pack-quantiz
 # mxfp4 / nvfp4: E2M1 values, two a byte, with UE8M0 scales per 32 / E4M3 scales per 16 and a global scale
 FP4_SCHEMES = {"mxfp4": ("mxfp4-pack-quantized", 4, "group", 32),
                "nvfp4": ("nvfp4-pack-quantized", 4, "tensor_group", 16)}
-STORED_FORMATS = {**SCHEMES, "w8a8": SCHEMES["int8"], **FP4_SCHEMES}
+# w4a16: int4 weights in asymmetric groups of W4A16_GROUP with zero points (llm-compressor's W4A16_ASYM), written
+# as "int4" is; a checkpoint of it loads as stored as "int4" (Int4Layout: compressed-tensors, 128, asymmetric)
+W4A16_GROUP = 128
+STORED_FORMATS = {**SCHEMES, "w4a16": ("pack-quantized", 4, "group", W4A16_GROUP), "w8a8": SCHEMES["int8"],
+                  **FP4_SCHEMES}
 # the input activations a W8A8 int8 scheme quantises: int8, symmetric, one scale per token computed when it runs
 W8A8_ACTIVATIONS = {"type": "int", "num_bits": 8, "strategy": "token", "dynamic": True, "symmetric": True}
 W8A8_METHOD = "w8a8_int8"  # SGLang's quant_method for int8 weights [N, K] with scales [N, 1] and W8A8_ACTIVATIONS

@@ -153,7 +153,7 @@ class KernelPlan:
     def integer_kernels(self, scheme: str) -> bool:
         """Whether ``scheme``'s (``int8``, ``int4``) products take the compiled integer kernels: a row's result is then
         the same bits whatever rows share its product."""
-        return {"int8": self.row_kernels, "int4": self.int4_failure is None,
+        return {"int8": self.row_kernels, "int4": self.int4_failure is None, "w4a16": self.int4_failure is None,
                 "w8a8": self.w8a8_failure is None}.get(scheme, False)
 
     def rows_independent(self, scheme: str) -> bool:

@@ -68,6 +68,7 @@ from mla_runtime.layers.quantization import (
 )
 from mla_runtime.layers.qweight import QuantizedWeight
 from mla_runtime.layers.rotary import RotaryEmbedding
+from mla_runtime.layers.w8a8 import W8A8Weight
 from mla_runtime.models.deepseek import DeepseekForCausalLM
 from mla_runtime.models.hybrid import causal_lm
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
@@ -515,6 +516,25 @@ def _row_chunks(reader: _Reader | GgufTensors, name: str, shard: tuple[int, int,
                           else _dequantized(cast(_Reader, reader), name, scale_name, block, part))
 
 
+def _whole_rows_absmax(reader: _Reader | GgufTensors, name: str, scale_name: str | None,
+                       block: tuple[int, int] | None, dtype: torch.dtype) -> torch.Tensor:
+    """The largest magnitude of each whole row of a checkpoint matrix in ``dtype`` (the model's, which the matrix is
+    converted to before it is quantised), float32 ``[N]``, read a block of rows at a time."""
+    return torch.cat([torch.linalg.vector_norm(chunk.to(dtype).float(), float("inf"), dim=1)
+                      for _, chunk in _row_chunks(reader, name, None, scale_name, block)])
+
+
+class _WholeRowScales:
+    """W8A8 for a tensor-parallel rank's columns of a row-parallel matrix: each row's scale from the whole row's
+    largest magnitude (``absmax``), as one rank quantises it, so that the rank's integers are one rank's columns."""
+
+    def __init__(self, absmax: torch.Tensor) -> None:
+        self.absmax = absmax
+
+    def quantize(self, chunk: torch.Tensor) -> W8A8Weight:
+        return W8A8Weight.quantize(chunk, self.absmax.to(chunk.device))
+
+
 def _dequantized(reader: _Reader, name: str, scale_name: str, block: tuple[int, int] | None,
                  shard: tuple[int, int, int, int] | None) -> torch.Tensor:
     """Float32 of (a part of) an FP8 block tensor: a part of the rows reads only those rows and their scales."""
@@ -784,8 +804,11 @@ def _fill_one(cfg: ModelConfig, name: str, slot: Any, param: nn.Parameter, kind:
         scale = reader.get(cast(str, scale_name), _scale_shard(slot.shard, block)).to(device)
         matrices.add(slot.param, expert, first, Fp8Weight(weight, scale.float(), block, param.dtype))
         return 0
-    fmt = None if src.quantization is None else WEIGHT_FORMATS[src.quantization]
+    fmt: Any = None if src.quantization is None else WEIGHT_FORMATS[src.quantization]
     fp8_scale = scale_name if scale_name in src.scale_names else None
+    if fmt is W8A8Weight and slot.shard is not None and slot.shard[0] == 1 and len(reader.shape(name)) == 2:
+        # a row-parallel rank's columns
+        fmt = _WholeRowScales(_whole_rows_absmax(reader, name, fp8_scale, cfg.fp8_block_size, param.dtype))
     converted = 0
     for row, chunk in _row_chunks(reader, name, slot.shard, fp8_scale, cfg.fp8_block_size):
         chunk = chunk.to(device=device, dtype=param.dtype)

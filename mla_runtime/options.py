@@ -27,7 +27,7 @@ CPU_GEMM_MODES = ("auto", "onednn", "plain")
 # library's defaults
 CPU_HEAP_MODES = ("retain", "system")
 # the formats of layers.quantization.WEIGHT_FORMATS
-WEIGHT_QUANTIZATIONS = ("int8", "int4", "fp8", "bf16", "fp16", "w8a8", "mxfp4", "nvfp4")
+WEIGHT_QUANTIZATIONS = ("int8", "int4", "w4a16", "fp8", "bf16", "fp16", "w8a8", "mxfp4", "nvfp4")
 # the names of dtypes.CACHE_DTYPES (which maps them to torch dtypes)
 CACHE_DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "fp8", "fp8_e4m3", "int8")
 # how decode steps use CUDA graphs (engine/cuda_graphs.py): capture them on CUDA, or run them eagerly through the

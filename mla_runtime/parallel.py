@@ -63,6 +63,12 @@ class ParallelContext:
         dist.all_reduce(x)
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' elementwise maximum of ``x`` (in place)."""
+        if self.enabled:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        return x
+
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         if not self.enabled:
             return x

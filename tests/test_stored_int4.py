@@ -1,6 +1,7 @@
 """4-bit checkpoints with zero points and groups of 32/64/128 (AWQ, GPTQ, compressed-tensors W4A16) load as stored
 and run in the int4 path: the kernel's asymmetric and wider groups, the loaded weights against each writer's
-reference, greedy tokens against transformers, the planner's bytes, tensor-parallel slices and what is refused."""
+reference, greedy tokens against transformers, the planner's bytes, tensor-parallel slices and what is refused; and
+the runtime's own W4A16 (asymmetric groups of 128), quantised while loading or written by ``mla-runtime quantize``."""
 
 from __future__ import annotations
 
@@ -16,14 +17,16 @@ from safetensors.torch import load_file, save_file
 
 from mla_kernels import cpu_kernels, cpu_ops, int4_format
 from mla_runtime import LLM, SamplingParams, stored_int4
+from mla_runtime.compressed import main as quantize_main
 from mla_runtime.config import Int4Layout, ModelConfig, UnsupportedScheme, parse_awq_gptq_config
 from mla_runtime.footprint import weight_footprint
-from mla_runtime.layers.int4 import Int4Weight
+from mla_runtime.layers.int4 import Int4Weight, W4A16Weight, layout_bytes, quantize_w4a16
 from mla_runtime.layers.quantization import finish_quantization, quantized_weights
 from mla_runtime.loader import CheckpointError, _Reader, checkpoint_files, load_model
 from mla_runtime.parallel import ParallelContext
 from mla_runtime.stored_int4 import read_int4
 from tests.int4_checkpoints import (
+    _library_dequantized,
     float_source,
     write_awq,
     write_compressed_tensors,
@@ -237,8 +240,9 @@ def _expected(ref: dict[str, torch.Tensor], prefix: str, *names: str) -> torch.T
     return torch.cat([ref[f"{prefix}.{n}.weight"] for n in names])
 
 
-def _assert_loaded_as_written(model, ref: dict[str, torch.Tensor]) -> int:
-    """Every product (and kv_b_proj, lm_head) of ``model`` equals the reference; the count of int4 matrices."""
+def _assert_loaded_as_written(model, ref: dict[str, torch.Tensor], float_head: bool = True) -> int:
+    """Every product (and kv_b_proj, lm_head: stored float, or quantised) of ``model`` equals the reference; the count
+    of int4 matrices."""
     count = 0
 
     def same(weight, want: torch.Tensor, what: str) -> None:
@@ -272,7 +276,10 @@ def _assert_loaded_as_written(model, ref: dict[str, torch.Tensor]) -> int:
             same(gate_up, ref[f"{p}.mlp.experts.gate_up_proj"][e] if fused else _expected(ref, x, "gate_proj",
                                                                                            "up_proj"), x)
             same(down, ref[f"{p}.mlp.experts.down_proj"][e] if fused else ref[f"{x}.down_proj.weight"], x)
-    assert torch.equal(model.lm_head.detach().float(), ref["lm_head.weight"])  # stored float, loaded as it is
+    if float_head:
+        assert torch.equal(model.lm_head.detach().float(), ref["lm_head.weight"])  # stored float, loaded as it is
+    else:
+        same(model.lm_head_packed, ref["lm_head.weight"], "lm_head")
     return count
 
 
@@ -433,3 +440,85 @@ def test_groups_a_g_idx_cannot_make_contiguous_are_refused(written, tmp_path):
     (tmp_path / "bad" / "config.json").write_text((path / "config.json").read_text())
     with pytest.raises((ValueError, CheckpointError), match="o_proj.g_idx: its groups do not each hold 32 inputs"):
         load_model(tmp_path / "bad", dtype="float32")
+
+
+# -- the runtime's own W4A16 ----------------------------------------------------------------------------------------
+def test_w4a16_takes_the_librarys_scales_and_zero_points():
+    """The W4A16 rule's zero points are compressed-tensors' own (``calculate_qparams`` on the groups' min and max) and
+    its scales are the library's rounded to float16; the values it gives lie within half a step of the weights. A
+    matrix whose K is not a multiple of 128 takes Q4_0's groups of 32."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(24, 384, generator=g) * torch.rand(24, 1, generator=g)
+    w[0, :128] = 0.0  # a group of zeros
+    w[1, 128:256] = w[1, 128:256].abs() + 0.5  # a group above 0: its range widened to hold 0
+    q, scales, zeros = quantize_w4a16(w)
+    groups = w.view(24, 3, 128)
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=128)
+    lib_scales, lib_zeros = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+    assert torch.equal(zeros[1:].long() - 8, lib_zeros[1:].long()) and torch.equal(scales[1:], lib_scales[1:].half())
+    weight = W4A16Weight.quantize(w)
+    assert weight.scheme == "w4a16" and weight.group == 128 and weight.zeros is not None
+    deq = weight.dequantize()
+    assert torch.equal(deq, (q.float() - zeros.float().repeat_interleave(128, 1)) * scales.float().repeat_interleave(
+        128, 1))
+    assert not deq[0, :128].any()
+    assert ((deq - w).abs() <= scales.float().repeat_interleave(128, 1) * 0.5 + 1e-6).all()
+    assert weight.nbytes == W4A16Weight.stored_bytes(24, 384) == layout_bytes(24, 384, 128, True)
+    odd = torch.randn(5, 96, generator=g)
+    assert W4A16Weight.quantize(odd).q4_0 and torch.equal(W4A16Weight.quantize(odd).dequantize(),
+                                                          Int4Weight.quantize(odd).dequantize())
+
+
+@pytest.fixture(scope="module")
+def w4a16_written(tmp_path_factory):
+    """A float checkpoint and its W4A16 copy written by ``mla-runtime quantize --quantization w4a16``."""
+    src = float_source(tmp_path_factory.mktemp("w4a16_src"), "v3")
+    out = tmp_path_factory.mktemp("w4a16") / "copy"
+    assert quantize_main(["--model", str(src), "--quantization", "w4a16", "--out", str(out)]) == 0
+    return src, out
+
+
+def _written_reference(out: Path) -> dict[str, torch.Tensor]:
+    """The copy's tensors, each stored matrix unpacked by the library's own helpers (``scale * (q - zero)``)."""
+    stored: dict[str, torch.Tensor] = {}
+    for f in sorted(out.glob("*.safetensors")):
+        stored.update(load_file(str(f)))
+    ref = {n: t.float() for n, t in stored.items()}
+    for name in [n for n in stored if n.endswith(".weight_packed")]:
+        ref[name[: -len("_packed")]] = _library_dequantized(stored, name[: -len("weight_packed")], 128)
+    return ref
+
+
+def test_a_written_w4a16_copy_loads_as_stored_with_the_weights_of_quantising_while_loading(w4a16_written):
+    src, out = w4a16_written
+    q = json.loads((out / "config.json").read_text())["quantization_config"]
+    weights = q["config_groups"]["group_0"]["weights"]
+    assert q["format"] == "pack-quantized" and (weights["symmetric"], weights["group_size"]) == (False, 128)
+    cfg = ModelConfig.from_pretrained(out)
+    assert cfg.stored_quantization == "int4" and cfg.stored_layout == Int4Layout("compressed-tensors", 128, False)
+    stored = load_model(out, dtype="float32")
+    # the library's own unpacking of the copy gives what the loader holds
+    assert _assert_loaded_as_written(stored, _written_reference(out), float_head=False) > 10
+    at_load = load_model(src, dtype="float32", quantization="w4a16")
+    finish_quantization(stored, "int4")
+    finish_quantization(at_load, "w4a16")
+    a, b = quantized_weights(stored), quantized_weights(at_load)
+    assert len(a) == len(b) > 10 and {(w.group, w.zeros is not None) for w in a} == {(128, True)}
+    assert all(torch.equal(x.dequantize(), y.dequantize()) for x, y in zip(a, b))
+    assert weight_footprint(ModelConfig.from_pretrained(src), "float32", 1, "w4a16").quantized_bytes == \
+        sum(w.nbytes for w in b)
+
+
+def test_a_written_w4a16_copy_gives_transformers_tokens_on_its_weights(w4a16_written, tmp_path):
+    """With the widened products (float32 rows) the copy's greedy tokens are transformers' on the weights it stores."""
+    _, out = w4a16_written
+    prompt = [5, 9, 2, 7, 11, 3, 40, 17]
+    llm = LLM(str(out), dtype="float32", cpu_gemm="plain", kv_cache_memory="8MiB")
+    got = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=8, temperature=0.0,
+                                                                      ignore_eos=True))[0].outputs[0].token_ids
+    reference = _reference(_written_reference(out), out, tmp_path / "reference")
+    want = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    assert list(got) == want[0, len(prompt):].tolist()

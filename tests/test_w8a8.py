@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mla_kernels import cpu_kernels, cpu_ops
-from mla_kernels.w8a8_format import quantize_rows_int8, w8a8_product
+from mla_kernels.w8a8_format import int_products, quantize_rows_int8, row_amax, w8a8_product
 from mla_runtime import LLM, SamplingParams
 from mla_runtime.compressed import main as quantize_main
 from mla_runtime.config import ModelConfig, UnsupportedScheme, parse_quantization_config
@@ -27,6 +27,7 @@ from mla_runtime.kernel_plan import kernel_plan
 from mla_runtime.layers.quantization import finish_quantization, quantized_weights
 from mla_runtime.layers.w8a8 import W8A8Weight, quantize_w8a8
 from mla_runtime.loader import load_model
+from mla_runtime.parallel import ParallelContext
 from tests.checkpoints import build_hf_model
 
 needs_kernel = pytest.mark.skipif(cpu_kernels.failure("w8a8") is not None,
@@ -83,6 +84,31 @@ def test_the_kernel_equals_the_exact_reference_bit_for_bit_in_every_variant(vari
                        exact_reference(x, big, torch.ones(3)))
 
 
+def test_slices_rounded_with_the_whole_rows_amax_sum_to_one_ranks_integers():
+    """A row-parallel product split over two ranks (each a slice of ``K``): rounded with the rows' shared amax, the
+    slices' integers are the whole row's, so their int32 sums add up to one rank's exactly; the kernel takes the
+    given amax as the torch product does, bit for bit."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(9, 256, generator=g) * 3
+    x[:, 100] = 40.0  # the largest value of every row lies in the first slice
+    x[-1] = 0.0
+    q = torch.randint(-128, 128, (21, 256), generator=g, dtype=torch.int8)
+    sw = torch.rand(21, generator=g) + 0.1
+    whole, sx = quantize_rows_int8(x)
+    amax = torch.maximum(row_amax(x[:, :128]), row_amax(x[:, 128:]))  # what the ranks' MAX all-reduce gives
+    parts = [quantize_rows_int8(x[:, a:a + 128], amax) for a in (0, 128)]
+    assert torch.equal(torch.cat([parts[0][0], parts[1][0]], dim=1), whole)
+    assert all(torch.equal(s, sx) for _, s in parts)
+    assert not torch.equal(quantize_rows_int8(x[:, 128:])[0], whole[:, 128:])  # its own amax rounds otherwise
+    assert torch.equal(int_products(parts[0][0], q[:, :128]) + int_products(parts[1][0], q[:, 128:]),
+                       int_products(whole, q))
+    if cpu_kernels.failure("w8a8") is None:
+        for a in (0, 128):
+            part = q[:, a:a + 128].contiguous()
+            assert torch.equal(cpu_kernels.w8a8_linear(x[:, a:a + 128], part, sw, row_amax=amax),
+                               w8a8_product(x[:, a:a + 128], part, sw, amax))
+
+
 @needs_kernel
 def test_the_operator_refuses_what_its_tensors_do_not_hold():
     ops = cpu_kernels.ops()
@@ -93,6 +119,8 @@ def test_the_operator_refuses_what_its_tensors_do_not_hold():
         ops.w8a8_linear(torch.ones(2, 8), q, sw.double())
     with pytest.raises(ValueError, match="unknown variant 'sse'"):
         ops.w8a8_linear(torch.ones(2, 8), q, sw, "sse")
+    with pytest.raises(ValueError, match="the rows' amax"):
+        ops.w8a8_linear(torch.ones(2, 8), q, sw, "auto", torch.ones(3))
 
 
 def test_the_weight_takes_the_kernel_or_torch_with_the_same_bits():
@@ -233,7 +261,10 @@ def reference_tokens(path: Path, variant: str = "v3") -> list[list[int]]:
 def runtime_tokens(path: Path, **kwargs) -> list[list[int]]:
     llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB", **kwargs)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+    finally:
+        llm.shutdown()
 
 
 def test_both_layouts_load_as_stored(written):
@@ -254,12 +285,43 @@ def test_both_layouts_load_as_stored(written):
         LLM(str(ct), dtype="float32", quantization="int8", kv_cache_memory="8MiB")
 
 
-def test_greedy_tokens_equal_transformers_on_the_dequantised_model_with_rows_rounded_per_token(written):
+@pytest.fixture(scope="module")
+def written_reference(written):
+    """transformers' greedy tokens on the written W8A8 copy (``reference_tokens``)."""
+    return reference_tokens(written[1])
+
+
+def test_greedy_tokens_equal_transformers_on_the_dequantised_model_with_rows_rounded_per_token(written,
+                                                                                             written_reference):
     src, ct, sglang = written
-    want = reference_tokens(ct)
+    want = written_reference
     assert runtime_tokens(ct) == want
     assert runtime_tokens(sglang) == want
     assert runtime_tokens(ct, cpu_gemm="plain") == want  # torch's int8 products: the same bits
+
+
+def test_two_ranks_give_one_ranks_tokens(written, written_reference):
+    """Tensor parallel over two ranks: ``o_proj`` and the dense and shared ``down_proj`` hold half of ``K`` each and
+    round their slices with the whole row's amax (the ranks' MAX), so the tokens are one rank's and transformers'."""
+    assert runtime_tokens(written[1], tensor_parallel_size=2) == written_reference
+
+
+def test_a_rank_quantising_its_columns_while_loading_takes_the_whole_rows_scales(written):
+    """A float checkpoint quantised to W8A8 while loading under two ranks: each rank's columns of a row-parallel matrix
+    (``o_proj``, the dense and shared ``down_proj``) are one rank's columns, their scales the whole rows'; a
+    column-parallel one (``q_proj``'s rows) is one rank's rows."""
+    src, _, _ = written
+    one = load_model(src, dtype="float32", quantization="w8a8")
+    for rank in (0, 1):
+        part = load_model(src, dtype="float32", quantization="w8a8", par=ParallelContext(rank, 2))
+        for i, owner in ((0, "mlp"), (1, "mlp.shared_experts")):
+            got, want = part.get_submodule(f"model.layers.{i}.{owner}"), one.get_submodule(f"model.layers.{i}.{owner}")
+            k = got.down_packed.shape[1]
+            assert torch.equal(got.down_packed.scales, want.down_packed.scales)
+            assert torch.equal(got.down_packed.qweight, want.down_packed.qweight[:, rank * k:(rank + 1) * k])
+        got, want = part.model.layers[1].self_attn.o_proj.packed, one.model.layers[1].self_attn.o_proj.packed
+        k = got.shape[1]
+        assert torch.equal(got.dequantize(), want.dequantize()[:, rank * k:(rank + 1) * k])
 
 
 def test_a_v2_checkpoint_gives_the_reference_tokens(tiny_checkpoint, tmp_path):

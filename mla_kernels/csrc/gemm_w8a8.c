@@ -7,7 +7,9 @@
  * the sum exact in int32 (int8 values sign-extended to int16, multiplied and summed in pairs: vpmaddwd on AVX2,
  * vpdpwssd on AVX-512 VNNI), then turned to float32 and scaled, the two multiplications in that order. Both variants
  * (w8a8_rows.h, once per instruction set) compute the same integers, so the same bits, and a row's result does not
- * depend on the rows beside it. torch computes the same values (mla_runtime.layers.w8a8: torch._int_mm). */
+ * depend on the rows beside it. torch computes the same values (mla_runtime.layers.w8a8: torch._int_mm). Given
+ * row_amax (not NULL), row j takes amax = row_amax[j] in place of its own: a tensor-parallel rank holding a slice of
+ * K rounds its slice with the whole row's amax (the ranks' MAX), as one rank would. */
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
@@ -18,9 +20,11 @@
 
 /* One row rounded to int8 values held as int16, by the rule above; returns its scale. Division and rounding as
  * torch computes them (an IEEE division, nearbyintf under the default rounding mode: to nearest even). */
-static float quantize_row_i8(const float *x, int16_t *q, int64_t k) {
+static float quantize_row_i8(const float *x, int16_t *q, int64_t k, const float *given_amax) {
     float amax = 0.0f;
-    for (int64_t i = 0; i < k; i++) amax = fmaxf(amax, fabsf(x[i]));
+    if (given_amax) amax = *given_amax;
+    else
+        for (int64_t i = 0; i < k; i++) amax = fmaxf(amax, fabsf(x[i]));
     const float s = amax / 127.0f;
     if (!(s > 0.0f)) {
         memset(q, 0, (size_t)k * sizeof(int16_t));
@@ -37,13 +41,13 @@ static float quantize_row_i8(const float *x, int16_t *q, int64_t k) {
 #include "w8a8_rows.h"
 #include "vec_end.h"
 
-void mla_gemm_w8a8(const int8_t *w, const float *scale, const float *x, float *y, int64_t rows, int64_t n, int64_t k,
-                   int64_t threads, int64_t variant) {
+void mla_gemm_w8a8(const int8_t *w, const float *scale, const float *x, const float *row_amax, float *y, int64_t rows,
+                   int64_t n, int64_t k, int64_t threads, int64_t variant) {
     const int vnni = variant < 0 ? (int)(mla_i8_variants() >> 1 & 1) : variant == 1;
     int16_t *xq = (int16_t *)alloc_lines((size_t)(rows * k) * sizeof(int16_t));
     float *sx = (float *)malloc((size_t)rows * sizeof(float));
     if (!xq || !sx) abort(); /* ops/cpu_kernels.cpp bounds the rows a call takes */
-    for (int64_t j = 0; j < rows; j++) sx[j] = quantize_row_i8(x + j * k, xq + j * k, k);
+    for (int64_t j = 0; j < rows; j++) sx[j] = quantize_row_i8(x + j * k, xq + j * k, k, row_amax ? row_amax + j : NULL);
     (vnni ? w8a8_rows_avx512 : w8a8_rows_avx2)(w, scale, xq, sx, y, rows, n, k, threads);
     free(xq);
     free(sx);

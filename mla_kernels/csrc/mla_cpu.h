@@ -83,8 +83,8 @@ int64_t mla_i8_variants(void);
 enum { FP4_MX = 0, FP4_NV = 1 }; /* gemm_fp4.c: MXFP4 (UE8M0 scales per 32) and NVFP4 (E4M3 per 16, global) */
 void mla_gemm_fp4(int64_t kind, const uint8_t *w, const uint8_t *scales, const float *global, const float *x,
                   float *y, int64_t m, int64_t n, int64_t k, int64_t threads, int64_t variant);
-void mla_gemm_w8a8(const int8_t *w, const float *scale, const float *x, float *y, int64_t rows, int64_t n, int64_t k,
-                   int64_t threads, int64_t variant);
+void mla_gemm_w8a8(const int8_t *w, const float *scale, const float *x, const float *row_amax, float *y, int64_t rows,
+                   int64_t n, int64_t k, int64_t threads, int64_t variant);
 void mla_gemm_fp8(const uint8_t *w, const float *scale, int64_t bn, int64_t bk, const float *x, float *y,
                   int64_t m, int64_t n, int64_t k, int64_t threads);
 void mla_gemm_i4(const uint8_t *w, const uint16_t *scales, const float *x, float *y, int64_t rows, int64_t n,

@@ -26,6 +26,13 @@ group (0 to 16), ``W ≈ scale * (nibble - z)`` (the format above is ``z = 8``);
 of the input rows' groups of 32; the zero's term is ``-z`` times the rounded inputs' integer sum, exact) or the same
 widening; only Q4_0's form (``q4_0``) takes the fused one-row decode kernels.
 
+W4A16 (``quantization="w4a16"``, ``W4A16Weight``): the asymmetric groups of 128 of AWQ's and llm-compressor's
+``W4A16_ASYM`` checkpoints, made at load or by ``mla-runtime quantize`` (compressed-tensors' min/max rule: the group's
+range widened to hold 0, ``s = (max - min) / 15`` in float32, at least ``2^-24``; ``zero = round(clamp(-8 - min / s,
+-8, 7))``; ``s`` stored rounded to float16; ``q = clamp(round(x / fp16(s) + zero), -8, 7)``; ``W = fp16(s) * (q -
+zero)``), held as the stored checkpoints' groups are (a nibble ``q + 8``, a zero point ``zero + 8``). A matrix whose
+``K`` is not a multiple of 128 takes Q4_0's groups of 32, as a written checkpoint leaves it float for loading to.
+
 Products: on the CPU, every product (decoding, a speculative verification, a batch, a prefill; 64 rows a pass) runs
 the compiled kernel of ``mla_kernels.cpu_kernels`` (``linear``, ``csrc/gemv_int4.c``; AVX2, or AVX-512
 VNNI where the CPU has it, with the same bits) where it builds and its check passes (``KernelPlan.int4_failure``): it
@@ -51,6 +58,7 @@ import torch.nn.functional as F
 
 from mla_kernels import cpu_kernels
 from mla_kernels.int4_format import INT4_GROUP, pack_int4, unpack_int4
+from mla_runtime.config import W4A16_GROUP
 from mla_runtime.kernel_plan import KernelPlan
 from mla_runtime.layers.qweight import QuantizedWeight, default_plan
 
@@ -312,6 +320,51 @@ class Int4Weight(QuantizedWeight):
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype)
+
+
+def quantize_w4a16(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight [N, K]`` (``K`` a multiple of 128) -> (``q [N, K]`` uint8 nibbles in [0, 15], ``scales [N, K / 128]``
+    float16, ``zeros [N, K / 128]`` uint8 in [0, 15]) by the W4A16 rule (module docstring), a block of rows at a
+    time: ``W = scale * (q - zero)``."""
+    n, k = weight.shape
+    if k % W4A16_GROUP:
+        raise ValueError(f"quantize_w4a16: K must be a multiple of {W4A16_GROUP}, got {k}")
+    q = torch.empty(n, k, dtype=torch.uint8, device=weight.device)
+    scales = torch.empty(n, k // W4A16_GROUP, dtype=torch.float16, device=weight.device)
+    zeros = torch.empty(n, k // W4A16_GROUP, dtype=torch.uint8, device=weight.device)
+    step = max(1, CHUNK_ELEMENTS // k)
+    for r0 in range(0, n, step):
+        w = weight[r0:r0 + step].detach().float().reshape(-1, k // W4A16_GROUP, W4A16_GROUP)
+        lo, hi = w.amin(-1).clamp(max=0.0), w.amax(-1).clamp(min=0.0)
+        s = ((hi - lo) / 15).clamp(2.0 ** -24, float(torch.finfo(torch.float16).max))
+        zero = (-8 - lo / s).clamp(-8, 7).round()
+        s16 = s.to(torch.float16)
+        values = (w / s16.float().unsqueeze(-1) + zero.unsqueeze(-1)).round().clamp(-8, 7)
+        q[r0:r0 + step] = (values + 8).to(torch.uint8).view(-1, k)
+        scales[r0:r0 + step], zeros[r0:r0 + step] = s16, (zero + 8).to(torch.uint8)
+    return q, scales, zeros
+
+
+class W4A16Weight(Int4Weight):
+    """An int4 matrix made by ``quantization="w4a16"``: asymmetric groups of 128 (module docstring); Q4_0's groups of
+    32 where ``K`` is not a multiple of 128."""
+
+    __slots__ = ()
+    scheme = "w4a16"
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Int4Weight:
+        if weight.shape[1] % W4A16_GROUP:
+            return Int4Weight.quantize(weight)
+        q, scales, zeros = quantize_w4a16(weight)
+        return cls.from_unsigned(q, scales, zeros, W4A16_GROUP, weight.dtype)
+
+    @classmethod
+    def stored_bytes(cls, rows: int, k: int, block: tuple[int, int] | None = None) -> int:
+        """Half a byte a value, a float16 scale and a byte zero point per 128 values of a row (Q4_0's bytes where
+        ``K`` is not a multiple of 128)."""
+        return layout_bytes(rows, k, W4A16_GROUP, True) if k % W4A16_GROUP == 0 else layout_bytes(rows, k, GROUP,
+                                                                                                     False)
 
 
 def nibbles_from_words(words: torch.Tensor, k: int) -> torch.Tensor:

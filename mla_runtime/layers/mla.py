@@ -73,7 +73,7 @@ class MLAttention(nn.Module):
             self.q_a_proj.fused = self.kv_a_proj_with_mqa.fused = True  # prepare_inference() stacks the two
         self.kv_a_layernorm = RMSNorm(self.d_c, cfg.latent_eps, dtype)
         self.kv_b_proj = Linear(self.d_c, self.n_h * (self.d_n + self.d_v), dtype)
-        self.o_proj = Linear(self.n_h * self.d_v, hidden, dtype, bias=bias)
+        self.o_proj = Linear(self.n_h * self.d_v, hidden, dtype, bias=bias, row_parallel=self.par)  # this rank's heads
         self.rotary = RotaryEmbedding(cfg.rope, self.d_r)
         self.d_c_in, self.rope = self.d_c, cfg.uses_rope(layer)  # the latent's width kv_a_proj_with_mqa gives; RoPE
         self.latent_down: nn.Parameter | None = None  # [r, d_c_in] when the latent rank is truncated (latent_rank)

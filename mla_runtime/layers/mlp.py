@@ -10,6 +10,7 @@ from mla_kernels import cpu_tables
 from mla_runtime.kernel_plan import KernelPlan
 from mla_runtime.layers.bf16 import half_mlp
 from mla_runtime.layers.cpu_gemm import PackedWeight, linear, prepared
+from mla_runtime.layers.w8a8 import share_row_amax
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 
 
@@ -41,6 +42,7 @@ class GatedMLP(nn.Module):
         """Prepare the weights for ``plan`` (pack the float ones, bind the quantised ones)."""
         self.gate_up_packed = prepared(self.gate_up_proj, self.gate_up_packed, plan)
         self.down_packed = prepared(self.down_proj, self.down_packed, plan)
+        share_row_amax(self.down_packed, self.par)  # down_proj's columns are this rank's share of the intermediate
         self.row_table = None
 
     @property

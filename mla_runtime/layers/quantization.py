@@ -58,7 +58,7 @@ from mla_runtime.layers.bf16 import Bf16Weight, F16Weight
 from mla_runtime.layers.cpu_gemm import PackedWeight
 from mla_runtime.layers.fp4 import Mxfp4Weight, Nvfp4Weight
 from mla_runtime.layers.fp8 import Fp8Weight
-from mla_runtime.layers.int4 import Int4Weight
+from mla_runtime.layers.int4 import Int4Weight, W4A16Weight
 from mla_runtime.layers.linear import Linear
 from mla_runtime.layers.mla import MLAttention
 from mla_runtime.layers.mlp import GatedMLP
@@ -164,12 +164,13 @@ class Int8Weight(QuantizedWeight):
 
 
 # the ``quantization`` values and the formats they make: int8 (above), int4 (``layers.int4``: groups of 32 with
-# llama.cpp Q4_0's rounding), fp8 (``layers.fp8``: DeepSeek's 128 x 128 FP8 blocks, which FP8 checkpoints keep) and
-# bf16 / fp16 (``layers.bf16``: bfloat16 / float16 weights in a float32 model), w8a8 (``layers.w8a8``: int8 weights
-# with rows rounded to int8 per token), mxfp4 / nvfp4 (``layers.fp4``: E2M1 values with group scales)
-WEIGHT_FORMATS: dict[str, type[QuantizedWeight]] = {"int8": Int8Weight, "int4": Int4Weight, "fp8": Fp8Weight,
-                                                    "bf16": Bf16Weight, "fp16": F16Weight, "w8a8": W8A8Weight,
-                                                    "mxfp4": Mxfp4Weight, "nvfp4": Nvfp4Weight}
+# llama.cpp Q4_0's rounding; w4a16: asymmetric groups of 128 with zero points), fp8 (``layers.fp8``: DeepSeek's
+# 128 x 128 FP8 blocks, which FP8 checkpoints keep) and bf16 / fp16 (``layers.bf16``: bfloat16 / float16 weights in a
+# float32 model), w8a8 (``layers.w8a8``: int8 weights with rows rounded to int8 per token), mxfp4 / nvfp4
+# (``layers.fp4``: E2M1 values with group scales)
+WEIGHT_FORMATS: dict[str, type[QuantizedWeight]] = {"int8": Int8Weight, "int4": Int4Weight, "w4a16": W4A16Weight,
+                                                    "fp8": Fp8Weight, "bf16": Bf16Weight, "fp16": F16Weight,
+                                                    "w8a8": W8A8Weight, "mxfp4": Mxfp4Weight, "nvfp4": Nvfp4Weight}
 
 
 def release(module: nn.Module, name: str, device: torch.device) -> None:

@@ -12,26 +12,33 @@ number of rows, 64 a pass) where it builds and its check passes (``KernelPlan.w8
 ``torch._int_mm``: the same integers and the same two multiplications, so the same bits on every path, and a row's
 result does not depend on the rows beside it. A matrix stored as a checkpoint's int8 tensor on a CPU is a view of
 the mapped file, as ``int8``'s are. The weight reads one byte per value plus four bytes per row.
+
+Under tensor parallelism a row-parallel matrix (``o_proj``, ``down_proj``: each rank holds a slice of ``K`` and sees
+its slice of every input row) rounds its slice with the whole row's amax, the ranks' maximum (``share_row_amax``: one
+all-reduce of a value per row), so that every rank's integers are the ones one rank computes, and the ranks' scaled
+partial sums add up to one rank's product up to the float32 additions of the reduction, as every sharded product does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch
 
 from mla_kernels import cpu_kernels
-from mla_kernels.w8a8_format import W8A8_QMAX, w8a8_product
+from mla_kernels.w8a8_format import W8A8_QMAX, row_amax, w8a8_product
 from mla_runtime.kernel_plan import KernelPlan
-from mla_runtime.layers.qweight import QuantizedWeight, default_plan, stack_rows
+from mla_runtime.layers.qweight import PackedWeight, QuantizedWeight, default_plan, stack_rows
+from mla_runtime.parallel import ParallelContext
 
 
-def quantize_w8a8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_w8a8(weight: torch.Tensor, absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight [N, K]`` -> (``q [N, K]`` int8, ``scales [N]`` float32): symmetric, per output channel (a zero row
-    gets the scale 1)."""
+    gets the scale 1); ``absmax [N]``: the rows' largest magnitudes given (a tensor-parallel rank's columns of a
+    row-parallel matrix take the whole rows', so that its integers are one rank's), at least this part's."""
     w = weight.detach().float()
-    absmax = torch.linalg.vector_norm(w, float("inf"), dim=1)
+    absmax = torch.linalg.vector_norm(w, float("inf"), dim=1) if absmax is None else absmax.float()
     scales = torch.where(absmax > 0, absmax / W8A8_QMAX, torch.ones_like(absmax))
     q = torch.div(w, scales.unsqueeze(1)).round_().clamp_(-W8A8_QMAX, W8A8_QMAX).to(torch.int8)
     return q, scales
@@ -40,7 +47,9 @@ def quantize_w8a8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class W8A8Weight(QuantizedWeight):
     """A W8A8 int8 ``[N, K]`` matrix (module docstring): what ``cpu_gemm.linear`` runs in place of the float weight."""
 
-    __slots__ = ("qweight", "scales", "kernel")
+    # shared_amax: for a row-parallel shard, the ranks' maximum of a [rows] vector (``share_row_amax``); None: the rows'
+    # own amax
+    __slots__ = ("qweight", "scales", "kernel", "shared_amax")
     scheme = "w8a8"
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
@@ -52,6 +61,7 @@ class W8A8Weight(QuantizedWeight):
                              f"{tuple(qweight.shape)} and {scales.dtype} {tuple(scales.shape)}")
         self._release_float(qweight.shape, dtype, qweight.device)
         self.qweight, self.scales = qweight, scales.float().contiguous()
+        self.shared_amax: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.bind(default_plan(qweight.device))
 
     def bind(self, plan: KernelPlan) -> W8A8Weight:
@@ -60,8 +70,8 @@ class W8A8Weight(QuantizedWeight):
         return self
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor) -> W8A8Weight:
-        return cls(*quantize_w8a8(weight), weight.dtype)
+    def quantize(cls, weight: torch.Tensor, absmax: torch.Tensor | None = None) -> W8A8Weight:
+        return cls(*quantize_w8a8(weight, absmax), weight.dtype)
 
     @classmethod
     def cat(cls, parts: Sequence[QuantizedWeight]) -> W8A8Weight:
@@ -98,9 +108,18 @@ class W8A8Weight(QuantizedWeight):
         """``x [..., K]`` (any float dtype) -> ``x · Wᵀ (+ bias)`` in ``x``'s dtype, rows rounded to int8 per row."""
         n, k = self.qweight.shape
         wide_bias = None if bias is None else bias.float()
+        rows = x.reshape(-1, k)
+        amax = None if self.shared_amax is None else self.shared_amax(row_amax(rows))
         if self.kernel and x.numel():
-            return cpu_kernels.w8a8_linear(x, self.qweight, self.scales, bias=wide_bias).to(x.dtype)
-        y = w8a8_product(x.reshape(-1, k), self.qweight, self.scales)
+            return cpu_kernels.w8a8_linear(x, self.qweight, self.scales, bias=wide_bias, row_amax=amax).to(x.dtype)
+        y = w8a8_product(rows, self.qweight, self.scales, amax)
         if wide_bias is not None:
             y = y + wide_bias
         return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def share_row_amax(weight: PackedWeight | None, par: ParallelContext) -> None:
+    """Make a row-parallel shard's W8A8 products (``weight``, this rank's columns of the matrix) round their input rows
+    with the whole row's amax: the ranks' maximum of their slices' (module docstring). Other formats: nothing."""
+    if isinstance(weight, W8A8Weight):
+        weight.shared_amax = par.all_reduce_max if par.enabled else None

@@ -977,21 +977,25 @@ Tensor fp4_linear(const Tensor& x, const Tensor& w, const Tensor& scales, const 
 }
 
 // W8A8: x [..., K] rows rounded to int8 per row on the fly (../gemm_w8a8.c), int8 weight w [N, K] with float32 row
-// scales [N]; any number of rows, MLA_QUANT_ROWS a pass; "auto" or a variant of the int8 family.
-Tensor w8a8_linear(const Tensor& x, const Tensor& w, const Tensor& scales, c10::string_view variant) {
+// scales [N]; any number of rows, MLA_QUANT_ROWS a pass; "auto" or a variant of the int8 family. row_amax (float32,
+// one a row): the amax each row is rounded with, in place of its own (a tensor-parallel rank's slice of K).
+Tensor w8a8_linear(const Tensor& x, const Tensor& w, const Tensor& scales, c10::string_view variant,
+                   const OptTensor& row_amax) {
   const char* op = "w8a8_linear";
   check_rows(x, op);
   const int64_t n = w.dim() == 2 ? w.size(0) : 0, k = x.size(-1), rows = k ? x.numel() / k : 0;
   expect(w, at::kChar, {n, k}, op, "the weight");
   expect(scales, at::kFloat, {n}, op, "the row scales");
+  if (row_amax) expect(*row_amax, at::kFloat, {rows}, op, "the rows' amax");
   TORCH_CHECK_VALUE(k >= 1, op, ": rows of at least one value, got x ", x.sizes());
   const int64_t v = variant_index(variant, mla_i8_variants(), QUANT_VARIANTS, op);
   const Tensor xs = x.to(at::kFloat).contiguous();
   Tensor y = rows_out(x, n);
   const float* xp = ptr<const float>(xs);
+  const float* ap = row_amax ? ptr<const float>(*row_amax) : nullptr;
   float* yp = ptr<float>(y);
   for (int64_t r0 = 0; r0 < rows; r0 += MLA_QUANT_ROWS)
-    mla_gemm_w8a8(ptr<const int8_t>(w), ptr<const float>(scales), xp + r0 * k, yp + r0 * n,
+    mla_gemm_w8a8(ptr<const int8_t>(w), ptr<const float>(scales), xp + r0 * k, ap ? ap + r0 : nullptr, yp + r0 * n,
                   std::min<int64_t>(MLA_QUANT_ROWS, rows - r0), n, k, threads(), v);
   return y;
 }
@@ -1033,7 +1037,7 @@ TORCH_LIBRARY_FRAGMENT(mla_kernels, m) {
   m.def("linear_int4(Tensor x, Tensor w, Tensor scales, Tensor? zeros=None, int group=32, str variant=\"auto\") -> "
         "Tensor");
   m.def("fp4_linear(Tensor x, Tensor w, Tensor scales, Tensor? global_scales=None, str variant=\"auto\") -> Tensor");
-  m.def("w8a8_linear(Tensor x, Tensor w, Tensor scales, str variant=\"auto\") -> Tensor");
+  m.def("w8a8_linear(Tensor x, Tensor w, Tensor scales, str variant=\"auto\", Tensor? row_amax=None) -> Tensor");
   m.def("int4_from_stored(Tensor stored) -> Tensor");
   m.def("ggml_linear(Tensor x, Tensor w, int type, str variant=\"auto\") -> Tensor");
   m.def("ggml_parts(Tensor[] parts, int[] types, int k) -> Tensor");
