@@ -580,15 +580,15 @@ def _bytes_per_token(path: Path) -> int:
 
         return bytes_per_token(Glm5NextConfig.from_raw(raw), 4)
     if raw.get("model_type") == "dots3_note":
-        from mla_runtime.engine.dots3_worker import bytes_per_token as dots3_bytes
         from mla_runtime.models.dots3_note import Dots3Config
+        from mla_runtime.models.row_sizes import dots3_kinds
 
-        return dots3_bytes(Dots3Config.from_raw(raw), 4)
+        return dots3_kinds(Dots3Config.from_raw(raw), 4).bytes_per_token
     if raw.get("model_type") == "hy_v4":
-        from mla_runtime.engine.hy_v4_worker import bytes_per_token as hy_bytes
         from mla_runtime.models.hy_v4 import HyV4Config
+        from mla_runtime.models.row_sizes import hy_v4_kinds
 
-        return hy_bytes(HyV4Config.from_raw(raw), 4)
+        return hy_v4_kinds(HyV4Config.from_raw(raw), 4).bytes_per_token
     return latent_bytes_per_token(ModelConfig.from_pretrained(path), "auto", "float32")
 
 
