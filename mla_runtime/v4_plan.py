@@ -17,6 +17,11 @@ expert); each rank's cache budget is ``usable - weights / ranks - activation res
 head, so a head split gives a rank no smaller share of a sequence: the node holds a sequence's whole cache on one
 rank (data-parallel attention), ``ranks x`` the sequences one rank holds. The report gives that count, and the
 smaller one where every rank holds every sequence.
+
+The plan itself (``OwnModelPlan``, ``plan_own_model``: weights on the meta device, the activation reserve with the
+residual streams, a cache budget, sequences of ``kinds.sequence_bytes``), its report's budget and verdict lines, and
+the refusal of what serving refuses (``refusal``) are shared with Hunyuan V4's and dots3-note's plan
+(``row_plan``).
 """
 
 from __future__ import annotations
