@@ -68,6 +68,9 @@ def test_plan_bytes_are_what_a_sequence_keeps_and_the_worker_counts(checkpoints,
     assert worker.bytes_per_token == plan.kinds.bytes_per_token
     assert worker.state_bytes_per_sequence == plan.kinds.window_bytes
     assert worker.weight_bytes == plan.weight_bytes
+    n = worker.config.max_num_seqs  # prefix caching's state snapshots: the windows again, one per slot
+    assert worker.state_snapshot_bytes == plan_rows(raw, dtype="bfloat16", device_memory_bytes=2**30,
+                                                    max_num_seqs=n).reserved_bytes == n * plan.kinds.window_bytes
     assert (plan.kinds.window_bytes > 0) == (family == "dots3_note")  # only dots3-note has sliding layers
 
 
