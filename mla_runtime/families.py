@@ -660,7 +660,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
 )}
 # families with a model of their own, not the MLA decoder ``ModelConfig`` describes: the engine builds it
 # (``engine/v4_worker.py``, ``engine/glm5_worker.py``, ``engine/hy_v4_worker.py``, ``engine/dots3_worker.py``), the
-# planner sizes V4's (``plan.v4_report``); DeepSeek's MLA loader and its tools do not
+# planner sizes V4's (``v4_plan``), Hunyuan V4's and dots3-note's (``row_plan``); DeepSeek's MLA loader and its tools
+# do not
 OWN_MODEL = {"deepseek_v4": (
     "model_type 'deepseek_v4' has its own model (mla_runtime.models.deepseek_v4; docs/deepseek-v4.md): LLM, the "
     "server and `mla-runtime plan` load and size it; the MLA model's loader and tools (latent rank, sweep, export) "
@@ -670,12 +671,13 @@ OWN_MODEL = {"deepseek_v4": (
     "export) do not read it, and its vision tower is not served")}
 OWN_MODEL["glm5_next_text"] = OWN_MODEL["glm5_next"]
 OWN_MODEL["hy_v4"] = (
-    "model_type 'hy_v4' (Hunyuan V4) has its own model (mla_runtime.models.hy_v4; docs/deepseek-v4.md): LLM and the "
-    "server load it; the MLA model's loader and tools (plan, latent rank, sweep, export) do not read it")
+    "model_type 'hy_v4' (Hunyuan V4) has its own model (mla_runtime.models.hy_v4; docs/deepseek-v4.md): LLM, the "
+    "server and `mla-runtime plan` load and size it; the MLA model's loader and tools (latent rank, sweep, export) do "
+    "not read it")
 OWN_MODEL["dots3_note"] = (
     "model_type 'dots3_note' (dots3-note's text model) has its own model (mla_runtime.models.dots3_note; "
-    "docs/deepseek-v4.md): LLM and the server load it; the MLA model's loader and tools (plan, latent rank, sweep, "
-    "export) do not read it, and its vision and audio towers are not served")
+    "docs/deepseek-v4.md): LLM, the server and `mla-runtime plan` load and size it; the MLA model's loader and tools "
+    "(latent rank, sweep, export) do not read it, and its vision and audio towers are not served")
 OWN_MODEL["dots3_note_text"] = OWN_MODEL["dots3_note"]
 # checkpoints that name only their architecture
 ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}

@@ -118,7 +118,7 @@ def default_max_num_batched_tokens(max_seq_len: int, max_num_seqs: int) -> int:
 
 def activation_reserve_bytes(config: ModelConfig, *, dtype: str | torch.dtype = "auto",
                              max_num_batched_tokens: int, max_num_seqs: int,
-                             tensor_parallel_size: int = 1) -> int:
+                             tensor_parallel_size: int = 1, residual_streams: int = 0) -> int:
     """Conservative bytes for one step's activations, per rank.
 
     With ``T = max_num_batched_tokens`` tokens in flight, ``b`` bytes per model-dtype element,
@@ -134,6 +134,9 @@ def activation_reserve_bytes(config: ModelConfig, *, dtype: str | torch.dtype = 
                                                                 copies, shared experts, dispatched copies
           router   8·n_routed                              fp32 router logits + scores (MoE models)
         reserve = T·per_token + 2·4·min(max_num_seqs, T)·vocab + ACTIVATION_OVERHEAD_BYTES
+
+    A model with ``residual_streams`` hyper-connection streams (DeepSeek-V4's and its relatives' ``hc_mult``; 0
+    without) also keeps ``T·streams·d·b`` for them.
 
     The logits term is fp32 logits and probabilities for one sampled row per sequence (full vocab:
     vocab-parallel logits are gathered). The fixed 256 MiB overhead covers kernel workspaces
@@ -164,7 +167,7 @@ def activation_reserve_bytes(config: ModelConfig, *, dtype: str | torch.dtype = 
         widths.append(3 * (experts + shard(m.n_shared_experts * m.moe_intermediate_size))
                       + m.num_experts_per_tok * d)
         router = 2 * 4 * m.router_experts
-    per_token = b * (2 * d + max(widths)) + router
+    per_token = b * (2 * d + max(widths) + residual_streams * d) + router
     logits = 2 * 4 * min(max_num_seqs, max_num_batched_tokens) * config.vocab_size
     return max_num_batched_tokens * per_token + logits + ACTIVATION_OVERHEAD_BYTES
 

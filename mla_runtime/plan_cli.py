@@ -30,6 +30,7 @@ from mla_runtime.help_format import DefaultsHelpFormatter
 from mla_runtime.kernel_plan import CpuLayouts, kernel_plan, resolve_cpu_format
 from mla_runtime.options import LATENT_CACHE_LAYOUTS, WEIGHT_QUANTIZATIONS, parse_bytes
 from mla_runtime.plan import MemoryPlan, gib, latent_bytes_per_token, mha_bytes_per_token, plan_memory
+from mla_runtime.row_plan import ROW_MODELS, check_row_settings, format_row_report, plan_rows
 from mla_runtime.v4_plan import format_v4_report, plan_v4
 
 
@@ -177,32 +178,45 @@ def _probed_cpu(dtype: str, config: ModelConfig, quantization: str | None) -> tu
     return plan.layouts(model_dtype), quantization if chosen == stored else chosen
 
 
-def _v4_main(args: argparse.Namespace, prog: str) -> int | None:
-    """A ``deepseek_v4`` model's plan (``v4_plan``), printed; None for any other model."""
+def _own_plan(args: argparse.Namespace, raw: dict) -> tuple[str, bool, bool]:
+    """The report of a model of its own (``v4_plan``, ``row_plan``) and whether the weights and the sequences fit."""
+    kw = dict(dtype=args.dtype, device_memory_bytes=args.device_memory, memory_utilization=args.memory_utilization,
+              max_seq_len=args.max_seq_len, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    if raw["model_type"] == "deepseek_v4":
+        v4 = plan_v4(raw, ranks=args.tensor_parallel_size, **kw)
+        return format_v4_report(v4, args.model), v4.weights_fit, v4.fits
+    check_row_settings(raw["model_type"], tensor_parallel_size=args.tensor_parallel_size,
+                       quantization=args.quantization, cache_dtype=args.cache_dtype,
+                       kv_cache_host_bytes=args.kv_cache_host_bytes, kv_cache_disk_bytes=args.kv_cache_disk_bytes)
+    rows = plan_rows(raw, **kw)
+    return format_row_report(rows, args.model, raw["model_type"]), rows.weights_fit, rows.fits
+
+
+def _own_main(args: argparse.Namespace, prog: str) -> int | None:
+    """A model of its own's plan (``deepseek_v4``: ``v4_plan``; ``hy_v4``, ``dots3_note``: ``row_plan``), printed;
+    None for any other model."""
     try:
         raw = load_config_dict(args.model)
     except (OSError, ValueError):
         return None  # the MLA planner reports what is wrong with it
-    if raw.get("model_type") != "deepseek_v4":
+    if raw.get("model_type") not in ("deepseek_v4", *ROW_MODELS):
         return None
     try:
-        plan = plan_v4(raw, dtype=args.dtype, device_memory_bytes=args.device_memory,
-                       memory_utilization=args.memory_utilization, ranks=args.tensor_parallel_size,
-                       max_seq_len=args.max_seq_len, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens)
+        report, weights_fit, fits = _own_plan(args, raw)
     except ValueError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    print(format_v4_report(plan, args.model))
-    return 0 if plan.fits else 1 if plan.weights_fit else 2
+    print(report)
+    return 0 if fits else 1 if weights_fit else 2
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m mla_runtime.plan") -> int:
     """Print the plan; 0 when the requested sequences fit, 1 when they do not, 2 on bad input."""
     args = build_parser(prog).parse_args(argv)
-    v4 = _v4_main(args, prog)
-    if v4 is not None:
-        return v4
+    own = _own_main(args, prog)
+    if own is not None:
+        return own
     try:
         config = ModelConfig.from_pretrained(args.model)
     except ValueError as e:

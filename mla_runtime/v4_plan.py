@@ -17,22 +17,38 @@ expert); each rank's cache budget is ``usable - weights / ranks - activation res
 head, so a head split gives a rank no smaller share of a sequence: the node holds a sequence's whole cache on one
 rank (data-parallel attention), ``ranks x`` the sequences one rank holds. The report gives that count, and the
 smaller one where every rank holds every sequence.
+
+The plan itself (``OwnModelPlan``, ``plan_own_model``: weights on the meta device, the activation reserve with the
+residual streams, a cache budget, sequences of ``kinds.sequence_bytes``), its report's budget and verdict lines, and
+the refusal of what serving refuses (``refusal``) are shared with Hunyuan V4's and dots3-note's plan
+(``row_plan``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
 from mla_runtime.config import ModelConfig
 from mla_runtime.dtypes import dtype_name
-from mla_runtime.models.deepseek_v4 import V4Config
-from mla_runtime.models.v4_sizes import V4CacheKinds, cache_kinds, model_config, v4_weights
+from mla_runtime.models.deepseek_v4 import DeepseekV4ForCausalLM, V4Config
+from mla_runtime.models.v4_sizes import V4CacheKinds, cache_kinds, meta_weights, model_config
 from mla_runtime.plan import activation_reserve_bytes, default_max_num_batched_tokens, gib
 
+DOC = "docs/deepseek-v4.md"
 V32_LATENT, V32_INDEX = 512 + 64, 128  # DeepSeek-V3.2's cached values per token per layer: d_c + d_r, indexer key
 V4_PLAN_DTYPES = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def refusal(name: str, value: object, family: str, doc: str = DOC) -> str:
+    """The message that refuses the setting ``name`` (``value``) for a model of its own: serving's
+    ``check_v4_settings`` and the planner say the same."""
+    return (f"{name}={value!r}: {family} runs with tensor_parallel_size 1, no speculative decoding, its full latent "
+            f"rank, no prefix-cache tiers (kv_cache_dir, kv_cache_host_bytes), no quantization, kv_cache_dtype 'auto' "
+            f"and dtype one of {sorted(V4_PLAN_DTYPES)} ({doc})")
 
 
 def v32_style_bytes(layers: int, tokens: int, dtype_bytes: int = 2) -> int:
@@ -40,9 +56,21 @@ def v32_style_bytes(layers: int, tokens: int, dtype_bytes: int = 2) -> int:
     return layers * (V32_LATENT + V32_INDEX) * dtype_bytes * tokens
 
 
+class SequenceKinds(Protocol):
+    """A model's cache kinds, as far as a plan reads them: the bytes of one sequence."""
+
+    def sequence_bytes(self, tokens: int) -> int: ...
+
+
+K = TypeVar("K", bound=SequenceKinds)
+
+
 @dataclass(frozen=True)
-class V4MemoryPlan:
-    kinds: V4CacheKinds
+class OwnModelPlan(Generic[K]):
+    """The plan of a model of its own (V4, Hunyuan V4, dots3-note): its weights and activations, and sequences of
+    ``kinds.sequence_bytes`` in what is left."""
+
+    kinds: K
     layers: int
     parameter_count: int
     dtype: torch.dtype
@@ -53,6 +81,7 @@ class V4MemoryPlan:
     activation_bytes: int  # one rank
     max_seq_len: int
     max_num_seqs: int
+    reserved_bytes: int = 0  # one rank, set aside beside the weights and activations (state snapshots)
 
     @property
     def usable_bytes(self) -> int:
@@ -65,7 +94,7 @@ class V4MemoryPlan:
     @property
     def cache_budget_bytes(self) -> int:
         """One rank's cache budget (negative: the weights and activations alone do not fit)."""
-        return self.usable_bytes - self.weight_bytes_per_rank - self.activation_bytes
+        return self.usable_bytes - self.weight_bytes_per_rank - self.activation_bytes - self.reserved_bytes
 
     @property
     def sequence_bytes(self) -> int:
@@ -89,47 +118,93 @@ class V4MemoryPlan:
         return self.weights_fit and self.max_num_seqs <= self.max_sequences
 
 
+V4MemoryPlan = OwnModelPlan[V4CacheKinds]
+
+
+def plan_dtype(family: str, dtype: str, ranks: int = 1, max_num_seqs: int = 1,
+               memory_utilization: float = 0.92) -> torch.dtype:
+    """The weights' dtype of a plan (``auto``: bfloat16), after checking the plan's numbers; a ``ValueError`` naming
+    what is wrong."""
+    if dtype not in V4_PLAN_DTYPES:
+        raise ValueError(f"dtype: {family} runs in {sorted(V4_PLAN_DTYPES)}, not {dtype!r}")
+    if ranks < 1 or max_num_seqs < 1 or not 0 < memory_utilization <= 1:
+        raise ValueError("tensor_parallel_size and max_num_seqs must be >= 1, memory_utilization in (0, 1]")
+    return V4_PLAN_DTYPES[dtype]
+
+
+def plan_own_model(kinds: K, layers: int, build: Callable[[], torch.nn.Module], mc: ModelConfig, dtype: torch.dtype,
+                   streams: int, *, device_memory_bytes: int, memory_utilization: float = 0.92, ranks: int = 1,
+                   max_seq_len: int | None = None, max_num_seqs: int = 1, max_num_batched_tokens: int | None = None,
+                   reserved_bytes: int = 0) -> OwnModelPlan[K]:
+    """The plan of a model of its own: the weights of the model ``build`` makes (on the meta device), the MLA
+    planner's activation reserve of ``mc`` with ``streams`` residual streams, and ``kinds`` per sequence."""
+    seq_len = max_seq_len or mc.max_position_embeddings
+    batched = max_num_batched_tokens or default_max_num_batched_tokens(seq_len, max_num_seqs)
+    activations = activation_reserve_bytes(mc, dtype=dtype, max_num_batched_tokens=batched,
+                                           max_num_seqs=max_num_seqs, residual_streams=streams)
+    weights, params = meta_weights(build)
+    return OwnModelPlan(kinds, layers, params, dtype, weights, ranks, device_memory_bytes, memory_utilization,
+                        activations, seq_len, max_num_seqs, reserved_bytes)
+
+
 def plan_v4(raw: dict, *, dtype: str = "auto", device_memory_bytes: int, memory_utilization: float = 0.92,
             ranks: int = 1, max_seq_len: int | None = None, max_num_seqs: int = 1,
             max_num_batched_tokens: int | None = None) -> V4MemoryPlan:
     """The plan of the V4 ``config.json`` ``raw`` on ``ranks`` devices of ``device_memory_bytes`` each."""
-    if dtype not in V4_PLAN_DTYPES:
-        raise ValueError(f"dtype: deepseek_v4 runs in {sorted(V4_PLAN_DTYPES)}, not {dtype!r}")
-    if ranks < 1 or max_num_seqs < 1 or not 0 < memory_utilization <= 1:
-        raise ValueError("tensor_parallel_size and max_num_seqs must be >= 1, memory_utilization in (0, 1]")
+    torch_dtype = plan_dtype("deepseek_v4", dtype, ranks, max_num_seqs, memory_utilization)
     cfg = V4Config.from_raw(raw)
-    torch_dtype = V4_PLAN_DTYPES[dtype]
-    seq_len = max_seq_len or cfg.max_position_embeddings
-    mc: ModelConfig = model_config(cfg)
-    batched = max_num_batched_tokens or default_max_num_batched_tokens(seq_len, max_num_seqs)
-    activations = activation_reserve_bytes(mc, dtype=torch_dtype, max_num_batched_tokens=batched,
-                                           max_num_seqs=max_num_seqs) + (
-        cfg.hc_mult * cfg.hidden_size * torch_dtype.itemsize * batched)
-    weights, params = v4_weights(cfg, torch_dtype)
-    return V4MemoryPlan(cache_kinds(cfg, torch_dtype.itemsize), cfg.num_hidden_layers,
-                        params, torch_dtype, weights, ranks, device_memory_bytes,
-                        memory_utilization, activations, seq_len, max_num_seqs)
+    return plan_own_model(cache_kinds(cfg, torch_dtype.itemsize), cfg.num_hidden_layers,
+                          lambda: DeepseekV4ForCausalLM(cfg, torch_dtype), model_config(cfg), torch_dtype,
+                          cfg.hc_mult, device_memory_bytes=device_memory_bytes,
+                          memory_utilization=memory_utilization, ranks=ranks, max_seq_len=max_seq_len,
+                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
 
 
-def _row(label: str, value: str, note: str = "") -> str:
+def report_row(label: str, value: str, note: str = "") -> str:
     return f"  {label:<44}{value:>20}{'  ' + note if note else ''}"
+
+
+def format_budget(plan: OwnModelPlan, reserved: str = "") -> list[str]:
+    """Report lines: the header's settings line, then the weights, the activation reserve, what is ``reserved``
+    (its label) and the cache budget."""
+    node = f"{plan.ranks} x {gib(plan.device_memory_bytes)}"
+    return [
+        f"  dtype {dtype_name(plan.dtype)}, {plan.ranks} rank(s): {node}, utilization {plan.memory_utilization}",
+        "",
+        report_row("weights (whole model)", f"{plan.weight_bytes:,} B", gib(plan.weight_bytes)),
+        report_row("weights per rank", f"{plan.weight_bytes_per_rank:,} B", gib(plan.weight_bytes_per_rank)),
+        report_row("activation reserve per rank", f"{plan.activation_bytes:,} B", gib(plan.activation_bytes)),
+        *([report_row(reserved, f"{plan.reserved_bytes:,} B", gib(plan.reserved_bytes))] if reserved else []),
+        report_row("cache budget per rank", f"{plan.cache_budget_bytes:,} B", gib(max(0, plan.cache_budget_bytes))),
+    ]
+
+
+def format_verdict(plan: OwnModelPlan) -> str:
+    """The report's last line: whether the weights fit, then whether the requested sequences do."""
+    node = f"{plan.ranks} x {gib(plan.device_memory_bytes)}"
+    if not plan.weights_fit:
+        return f"  the weights and activations alone DO NOT FIT {node}"
+    verdict = "FITS" if plan.fits else "DOES NOT FIT"
+    return (f"  weights FIT {node}; requested {plan.max_num_seqs:,} x {plan.max_seq_len:,} tokens: {verdict} "
+            f"({plan.max_sequences:,} fit)")
 
 
 def format_v4_kinds(k: V4CacheKinds, dtype_bytes: int) -> list[str]:
     """Report lines: the bytes per token of each kind of V4 cache, and each per-sequence part."""
     return [
-        _row(f"CSA entries (1/{k.csa_rate} tokens)", f"{k.csa_entry_bytes / k.csa_rate:,.2f} B/token",
-             f"= {k.csa_entry_bytes // max(1, k.csa_layers * dtype_bytes)} values x {dtype_bytes} B x "
-             f"{k.csa_layers} CSA layers / {k.csa_rate}"),
-        _row(f"indexer keys (1/{k.csa_rate} tokens)", f"{k.index_key_bytes / k.csa_rate:,.2f} B/token",
-             f"= {k.index_key_bytes // max(1, k.csa_layers * dtype_bytes)} values x {dtype_bytes} B x "
-             f"{k.csa_layers} CSA layers / {k.csa_rate}"),
-        _row(f"HCA entries (1/{k.hca_rate} tokens)", f"{k.hca_entry_bytes / k.hca_rate:,.2f} B/token",
-             f"= {k.hca_entry_bytes // max(1, k.hca_layers * dtype_bytes)} values x {dtype_bytes} B x "
-             f"{k.hca_layers} HCA layers / {k.hca_rate}"),
-        _row("compressed entries per token", f"{k.bytes_per_token:,.2f} B/token"),
-        _row("sliding windows per sequence", f"{k.window_bytes:,} B", gib(k.window_bytes)),
-        _row("compressor partial state per sequence", f"{k.partial_bytes:,} B", f"{gib(k.partial_bytes)}  (at most)"),
+        report_row(f"CSA entries (1/{k.csa_rate} tokens)", f"{k.csa_entry_bytes / k.csa_rate:,.2f} B/token",
+                   f"= {k.csa_entry_bytes // max(1, k.csa_layers * dtype_bytes)} values x {dtype_bytes} B x "
+                   f"{k.csa_layers} CSA layers / {k.csa_rate}"),
+        report_row(f"indexer keys (1/{k.csa_rate} tokens)", f"{k.index_key_bytes / k.csa_rate:,.2f} B/token",
+                   f"= {k.index_key_bytes // max(1, k.csa_layers * dtype_bytes)} values x {dtype_bytes} B x "
+                   f"{k.csa_layers} CSA layers / {k.csa_rate}"),
+        report_row(f"HCA entries (1/{k.hca_rate} tokens)", f"{k.hca_entry_bytes / k.hca_rate:,.2f} B/token",
+                   f"= {k.hca_entry_bytes // max(1, k.hca_layers * dtype_bytes)} values x {dtype_bytes} B x "
+                   f"{k.hca_layers} HCA layers / {k.hca_rate}"),
+        report_row("compressed entries per token", f"{k.bytes_per_token:,.2f} B/token"),
+        report_row("sliding windows per sequence", f"{k.window_bytes:,} B", gib(k.window_bytes)),
+        report_row("compressor partial state per sequence", f"{k.partial_bytes:,} B",
+                   f"{gib(k.partial_bytes)}  (at most)"),
     ]
 
 
@@ -137,35 +212,25 @@ def format_v4_report(plan: V4MemoryPlan, model: str) -> str:
     """The operator's account of a V4 plan (what ``mla-runtime plan`` prints for a ``deepseek_v4`` model)."""
     k, b, n = plan.kinds, plan.dtype.itemsize, plan.max_seq_len
     v32 = v32_style_bytes(plan.layers, n, b)
-    node = f"{plan.ranks} x {gib(plan.device_memory_bytes)}"
-    lines = [
+    return "\n".join([
         f"Memory plan for {model} (deepseek_v4: {plan.layers} layers, {k.csa_layers} CSA, {k.hca_layers} HCA, "
         f"{k.sliding_layers} sliding; {plan.parameter_count:,} parameters)",
-        f"  dtype {dtype_name(plan.dtype)}, {plan.ranks} rank(s): {node}, utilization {plan.memory_utilization}",
-        "",
-        _row("weights (whole model)", f"{plan.weight_bytes:,} B", gib(plan.weight_bytes)),
-        _row("weights per rank", f"{plan.weight_bytes_per_rank:,} B", gib(plan.weight_bytes_per_rank)),
-        _row("activation reserve per rank", f"{plan.activation_bytes:,} B", gib(plan.activation_bytes)),
-        _row("cache budget per rank", f"{plan.cache_budget_bytes:,} B", gib(max(0, plan.cache_budget_bytes))),
+        *format_budget(plan),
         "",
         *format_v4_kinds(k, b),
         "",
-        _row(f"KV per sequence at {n:,} tokens", f"{plan.sequence_bytes:,} B", gib(plan.sequence_bytes)),
-        _row("  a V3.2-style stack of as many layers", f"{v32:,} B",
-             f"{gib(v32)}  ({plan.layers} x (576 + 128) values x {b} B per token; {v32 / plan.sequence_bytes:.1f}x)"),
-        _row(f"sequences of {n:,} tokens per rank", f"{plan.sequences_per_rank:,}"),
-        _row(f"sequences of {n:,} tokens on the {plan.ranks} ranks", f"{plan.max_sequences:,}",
-             "(each sequence's cache on one rank)"),
-        _row("  if every rank held every sequence", f"{plan.sequences_per_rank:,}"),
+        report_row(f"KV per sequence at {n:,} tokens", f"{plan.sequence_bytes:,} B", gib(plan.sequence_bytes)),
+        report_row("  a V3.2-style stack of as many layers", f"{v32:,} B",
+                   f"{gib(v32)}  ({plan.layers} x (576 + 128) values x {b} B per token; "
+                   f"{v32 / plan.sequence_bytes:.1f}x)"),
+        report_row(f"sequences of {n:,} tokens per rank", f"{plan.sequences_per_rank:,}"),
+        report_row(f"sequences of {n:,} tokens on the {plan.ranks} ranks", f"{plan.max_sequences:,}",
+                   "(each sequence's cache on one rank)"),
+        report_row("  if every rank held every sequence", f"{plan.sequences_per_rank:,}"),
         "",
-    ]
-    if not plan.weights_fit:
-        lines.append(f"  the weights and activations alone DO NOT FIT {node}")
-    else:
-        verdict = "FITS" if plan.fits else "DOES NOT FIT"
-        lines.append(f"  weights FIT {node}; requested {plan.max_num_seqs:,} x {n:,} tokens: {verdict} "
-                     f"({plan.max_sequences:,} fit)")
-    return "\n".join(lines)
+        format_verdict(plan),
+    ])
 
 
-__all__ = ["V4MemoryPlan", "format_v4_report", "plan_v4", "v32_style_bytes"]
+__all__ = ["DOC", "OwnModelPlan", "V4MemoryPlan", "format_budget", "format_v4_report", "format_verdict", "plan_dtype",
+           "plan_own_model", "plan_v4", "refusal", "report_row", "v32_style_bytes"]

@@ -237,6 +237,20 @@ def dots3_note_config(rng: random.Random | None) -> dict[str, Any]:
         bos_token_id=0, eos_token_id=None)
 
 
+def dots3_note_multimodal(text: dict[str, Any]) -> Any:
+    """transformers' multimodal dots3-note configuration (as the checkpoints ship) around the text configuration
+    ``text``, with the smallest vision and audio towers."""
+    import transformers as tf
+
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=4,
+                  moe_intermediate_size=16, adapter_in_dim=16, adapter_out_dim=text["hidden_size"],
+                  pyramid_num_routed=[-1])
+    audio = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                 downsample_hidden_size=8, adapter_input_size=16, adapter_out_dim=text["hidden_size"],
+                 feature_size=16)
+    return tf.Dots3NoteConfig(text_config=text, vision_config=vision, audio_config=audio)
+
+
 V4_LAYER_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 
 
@@ -284,14 +298,7 @@ def build(model_type: str, seed: int | None = None) -> torch.nn.Module:
                       projection_intermediate_size=32, patch_size=4, spatial_merge_size=2, temporal_patch_size=1)
         model = tf.Glm5NextForConditionalGeneration(tf.Glm5NextConfig(text_config=cfg, vision_config=vision))
     elif model_type == "dots3_note":  # the multimodal wrapper, as the checkpoints ship (its towers unused)
-        vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=4,
-                      moe_intermediate_size=16, adapter_in_dim=16, adapter_out_dim=cfg["hidden_size"],
-                      pyramid_num_routed=[-1])
-        audio = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                     downsample_hidden_size=8, adapter_input_size=16, adapter_out_dim=cfg["hidden_size"],
-                     feature_size=16)
-        model = tf.Dots3NoteForConditionalGeneration(tf.Dots3NoteConfig(text_config=cfg, vision_config=vision,
-                                                                        audio_config=audio))
+        model = tf.Dots3NoteForConditionalGeneration(dots3_note_multimodal(cfg))
     elif model_type == "mistral_large4":
         vision = dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, head_dim=8, patch_size=4, image_size=16)
@@ -580,15 +587,15 @@ def _bytes_per_token(path: Path) -> int:
 
         return bytes_per_token(Glm5NextConfig.from_raw(raw), 4)
     if raw.get("model_type") == "dots3_note":
-        from mla_runtime.engine.dots3_worker import bytes_per_token as dots3_bytes
         from mla_runtime.models.dots3_note import Dots3Config
+        from mla_runtime.models.row_sizes import dots3_kinds
 
-        return dots3_bytes(Dots3Config.from_raw(raw), 4)
+        return dots3_kinds(Dots3Config.from_raw(raw), 4).bytes_per_token
     if raw.get("model_type") == "hy_v4":
-        from mla_runtime.engine.hy_v4_worker import bytes_per_token as hy_bytes
         from mla_runtime.models.hy_v4 import HyV4Config
+        from mla_runtime.models.row_sizes import hy_v4_kinds
 
-        return hy_bytes(HyV4Config.from_raw(raw), 4)
+        return hy_v4_kinds(HyV4Config.from_raw(raw), 4).bytes_per_token
     return latent_bytes_per_token(ModelConfig.from_pretrained(path), "auto", "float32")
 
 

@@ -24,7 +24,7 @@ LEVELS = {
     "layers": 3,
     "models": 4,
     "loader": 5, "latent_rank": 5, "plan": 5, "footprint": 5, "load_check": 5, "plan_cli": 5, "token_map": 5,
-    "compressed": 5, "stored_int4": 5, "random_checkpoint": 5, "gguf_reader": 5, "v4_plan": 5,
+    "compressed": 5, "stored_int4": 5, "random_checkpoint": 5, "gguf_reader": 5, "v4_plan": 5, "row_plan": 5,
     "engine": 7, "llm": 7,
     "serving": 9,
     "cli": 10, "sweep": 10, "benchmark": 10, "warm": 10,

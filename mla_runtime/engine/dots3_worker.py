@@ -14,46 +14,15 @@ fails with a message that says so.
 
 from __future__ import annotations
 
-from mla_runtime.config import ModelConfig
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.engine.v4_worker import V4Worker, check_v4_settings
 from mla_runtime.errors import InvalidParam
 from mla_runtime.models.dots3_note import Dots3Config, Dots3NoteForCausalLM, load_dots3_note
 from mla_runtime.models.glm5_next import Glm5NextStateCache
+from mla_runtime.models.row_sizes import dots3_kinds, dots3_model_config
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 
 DOC = "docs/deepseek-v4.md"
-
-
-def model_config(cfg: Dots3Config) -> ModelConfig:
-    """What the engine reads of any model (vocabulary, special tokens, context, widths) for a dots3-note checkpoint:
-    the widths of its first layer that is not sliding."""
-    g = cfg.g
-    w = next((w for w, k in zip(cfg.widths, cfg.kinds) if k != "sliding_attention"), cfg.widths[0])
-    return ModelConfig(
-        family="dots3_note", model_type="dots3_note", vocab_size=int(g["vocab_size"]),
-        hidden_size=int(g["hidden_size"]), intermediate_size=int(g["intermediate_size"]),
-        num_hidden_layers=len(cfg.kinds), num_attention_heads=w["num_attention_heads"],
-        kv_lora_rank=w["kv_lora_rank"], q_lora_rank=w["q_lora_rank"], qk_nope_head_dim=w["qk_nope_head_dim"],
-        qk_rope_head_dim=w["qk_rope_head_dim"], v_head_dim=w["v_head_dim"],
-        max_position_embeddings=int(g["max_position_embeddings"]), rms_norm_eps=float(g["rms_norm_eps"]),
-        tie_word_embeddings=bool(g["tie_word_embeddings"]), bos_token_id=g.get("bos_token_id"),
-        eos_token_id=g.get("eos_token_id"))
-
-
-def bytes_per_token(cfg: Dots3Config, dtype_bytes: int) -> int:
-    """What a sequence keeps per token: the latent row of every layer that is not sliding and the indexer key of
-    every indexed layer."""
-    rows = sum(w["kv_lora_rank"] + w["qk_rope_head_dim"] for w, k in zip(cfg.widths, cfg.kinds)
-               if k != "sliding_attention")
-    return (rows + cfg.kinds.count("indexed_attention") * int(cfg.index_head_dim)) * dtype_bytes
-
-
-def window_bytes(cfg: Dots3Config, dtype_bytes: int) -> int:
-    """A sequence's fixed part: the sliding layers' last ``sliding_window - 1`` latent rows."""
-    rows = sum(w["kv_lora_rank"] + w["qk_rope_head_dim"] for w, k in zip(cfg.widths, cfg.kinds)
-               if k == "sliding_attention")
-    return rows * max(int(cfg.sliding_window) - 1, 0) * dtype_bytes
 
 
 class Dots3Worker(V4Worker):
@@ -64,9 +33,10 @@ class Dots3Worker(V4Worker):
         raw = self._open(config, par)
         self.dots_config = Dots3Config.from_raw(raw)
         text = raw.get("text_config") or raw
-        cfg = self._settle(model_config(self.dots_config), text.get("dtype") or raw.get("dtype"))
-        self.bytes_per_token = self.bytes_per_token_per_rank = bytes_per_token(self.dots_config, self.dtype.itemsize)
-        self.state_bytes_per_sequence = window_bytes(self.dots_config, self.dtype.itemsize)
+        cfg = self._settle(dots3_model_config(self.dots_config), text.get("dtype") or raw.get("dtype"))
+        kinds = dots3_kinds(self.dots_config, self.dtype.itemsize)  # rows, keys, windows (models.row_sizes)
+        self.bytes_per_token = self.bytes_per_token_per_rank = kinds.bytes_per_token
+        self.state_bytes_per_sequence = kinds.window_bytes
         self.state_bytes = self.state_bytes_per_sequence * config.max_num_seqs
         self.num_state_snapshots = self._num_state_snapshots()
         self.state_snapshot_bytes = self.state_bytes_per_sequence * self.num_state_snapshots
@@ -98,4 +68,4 @@ class Dots3Worker(V4Worker):
                                f"dots3_note's vision and audio towers are not served (text prompts only; {DOC})")
 
 
-__all__ = ["Dots3Worker", "bytes_per_token", "model_config", "window_bytes"]
+__all__ = ["Dots3Worker"]

@@ -3,9 +3,9 @@
 It runs as GLM-5-Next's (``engine/glm5_worker.py``): each running sequence owns a state slot (``Glm5NextStateCache``
 over ``HyV4State``: every layer's latents and its indexer's keys), handed out by the scheduler's ``StateSlots`` and
 dropped when given back (finish, abort, preemption: a preempted sequence recomputes from its first token); the block
-pool counts what grows with a sequence (``bytes_per_token``: its latent rows and indexer keys), so the scheduler
-preempts when they would outgrow the budget. A step (any mix of prompts, prefill chunks and decodes) runs
-``HyV4ForCausalLM.forward_batch`` over the slots, in torch.
+pool counts what grows with a sequence (``bytes_per_token``: its latent rows and indexer keys, ``models.row_sizes``),
+so the scheduler preempts when they would outgrow the budget. A step (any mix of prompts, prefill chunks and decodes)
+runs ``HyV4ForCausalLM.forward_batch`` over the slots, in torch.
 
 Prefix caching takes state snapshots as GLM-5-Next's does (``max_num_seqs`` of them; ``state_snapshot_memory`` 0
 turns it off): a snapshot at a block boundary keeps the sequence's latents and keys up to there (tensors no step
@@ -17,37 +17,14 @@ block pool does not count (at most one prefix per snapshot). What V4 refuses is 
 
 from __future__ import annotations
 
-from mla_runtime.config import ModelConfig
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.engine.v4_worker import V4Worker, check_v4_settings
 from mla_runtime.models.glm5_next import Glm5NextStateCache
 from mla_runtime.models.hy_v4 import HyV4Config, HyV4ForCausalLM, load_hy_v4
+from mla_runtime.models.row_sizes import hy_v4_kinds, hy_v4_model_config
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 
 DOC = "docs/deepseek-v4.md"
-
-
-def model_config(cfg: HyV4Config) -> ModelConfig:
-    """What the engine reads of any model (vocabulary, special tokens, context, widths) for a Hunyuan V4
-    checkpoint."""
-    g = cfg.g
-    return ModelConfig(
-        family="hy_v4", model_type="hy_v4", vocab_size=int(g["vocab_size"]), hidden_size=int(g["hidden_size"]),
-        intermediate_size=int(g["intermediate_size"]), num_hidden_layers=len(cfg.moe),
-        num_attention_heads=int(g["num_attention_heads"]), kv_lora_rank=int(g["kv_lora_rank"]),
-        q_lora_rank=int(g["q_lora_rank"]), qk_nope_head_dim=int(g["qk_nope_head_dim"]),
-        qk_rope_head_dim=int(g["qk_rope_head_dim"]), v_head_dim=int(g["v_head_dim"]),
-        max_position_embeddings=int(g["max_position_embeddings"]), rms_norm_eps=float(g["rms_norm_eps"]),
-        tie_word_embeddings=bool(g["tie_word_embeddings"]), bos_token_id=g.get("bos_token_id"),
-        eos_token_id=g.get("eos_token_id"))
-
-
-def bytes_per_token(cfg: HyV4Config, dtype_bytes: int) -> int:
-    """What a sequence keeps per token: every layer's latent row (``d_c + d_r``) and, where it has its own indexer,
-    the indexer's key."""
-    latent = int(cfg.kv_lora_rank) + int(cfg.qk_rope_head_dim)
-    own = sum(not s for s in cfg.shared)
-    return (len(cfg.moe) * latent + own * int(cfg.index_head_dim)) * dtype_bytes
 
 
 class HyV4Worker(V4Worker):
@@ -57,8 +34,9 @@ class HyV4Worker(V4Worker):
         check_v4_settings(config, "hy_v4", DOC)
         raw = self._open(config, par)
         self.hy_config = HyV4Config.from_raw(raw)
-        cfg = self._settle(model_config(self.hy_config), raw.get("dtype") or raw.get("torch_dtype"))
-        self.bytes_per_token = self.bytes_per_token_per_rank = bytes_per_token(self.hy_config, self.dtype.itemsize)
+        cfg = self._settle(hy_v4_model_config(self.hy_config), raw.get("dtype") or raw.get("torch_dtype"))
+        kinds = hy_v4_kinds(self.hy_config, self.dtype.itemsize)  # latent rows, indexer keys (models.row_sizes)
+        self.bytes_per_token = self.bytes_per_token_per_rank = kinds.bytes_per_token
         self.state_bytes_per_sequence = self.state_bytes = 0  # nothing fixed: all it keeps grows with the tokens
         off = not config.enable_prefix_caching or (config.state_snapshot_memory is not None
                                                    and not int(config.state_snapshot_memory))
@@ -84,4 +62,4 @@ class HyV4Worker(V4Worker):
         return self.config.enable_prefix_caching and self.num_state_snapshots > 0
 
 
-__all__ = ["HyV4Worker", "bytes_per_token", "model_config"]
+__all__ = ["HyV4Worker"]

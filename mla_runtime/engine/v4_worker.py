@@ -44,7 +44,7 @@ from mla_runtime.hub import resolve_model
 from mla_runtime.kernel_plan import OFF_CPU
 from mla_runtime.models.deepseek_v4 import V4Config, V4StateCache, load_deepseek_v4
 from mla_runtime.models.glm5_next import MODEL_TYPES as GLM5_NEXT_TYPES
-from mla_runtime.models.v4_sizes import V4CacheKinds, cache_kinds, model_config, v4_weights
+from mla_runtime.models.v4_sizes import V4CacheKinds, cache_kinds, meta_weights, model_config, v4_weights
 from mla_runtime.models.v4_stored import stored_weight_bytes, v4_quantization
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 from mla_runtime.plan import (
@@ -52,6 +52,7 @@ from mla_runtime.plan import (
     cache_budget_bytes,
     cache_num_blocks,
 )
+from mla_runtime.v4_plan import refusal
 
 logger = logging.getLogger("mla_runtime")
 V4_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -82,11 +83,7 @@ def check_v4_settings(config: EngineConfig, family: str = "deepseek_v4", doc: st
                "dtype": config.dtype not in V4_DTYPES}
     for name, bad in refused.items():
         if bad:
-            raise InvalidParam(name, f"{name}={getattr(config, name)!r}: {family} runs with "
-                               f"tensor_parallel_size 1, no speculative decoding, its full latent rank, no "
-                               f"prefix-cache tiers (kv_cache_dir, kv_cache_host_bytes), no quantization, "
-                               f"kv_cache_dtype 'auto' and dtype one of "
-                               f"{sorted(V4_DTYPES)} ({doc})")
+            raise InvalidParam(name, refusal(name, getattr(config, name), family, doc))
 
 
 class V4Worker(Worker):
@@ -124,20 +121,16 @@ class V4Worker(Worker):
             self.weight_bytes = stored_weight_bytes(Path(self.model_path), self.dtype)
         self.activation_bytes = activation_reserve_bytes(
             cfg, dtype=self.dtype, max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs) + (self.v4_config.hc_mult * cfg.hidden_size * self.dtype.itemsize
-                                                 * self.max_num_batched_tokens)
+            max_num_seqs=config.max_num_seqs, residual_streams=self.v4_config.hc_mult)
         self._unloaded()
 
     def _size_streams(self, cfg: ModelConfig, build: Callable[[], torch.nn.Module], streams: int) -> None:
         """The weights' bytes (of the model ``build`` makes, on the meta device) and the activations' reserve, with
         ``streams`` residual streams (hyper-connections; 0 without) per token of a step."""
-        with torch.device("meta"):
-            meta = build()
-        self.weight_bytes = sum(t.numel() * t.element_size() for t in (*meta.parameters(), *meta.buffers()))
+        self.weight_bytes = meta_weights(build)[0]
         self.activation_bytes = activation_reserve_bytes(
             cfg, dtype=self.dtype, max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=self.config.max_num_seqs) + (streams * cfg.hidden_size * self.dtype.itemsize
-                                                      * self.max_num_batched_tokens)
+            max_num_seqs=self.config.max_num_seqs, residual_streams=streams)
 
     def _unloaded(self) -> None:
         """What a worker of a model of its own holds before ``load``: no model, slots, cache, tiers or graphs."""
@@ -187,14 +180,15 @@ class V4Worker(Worker):
 
     def num_blocks(self) -> int:
         """Blocks of ``block_size`` tokens whose compressed entries fit the budget: ``kv_cache_memory``, else the
-        planner's share of the memory left after the slots' fixed part."""
+        planner's share of the memory left after the slots' fixed part and the state snapshots."""
         c = self.config
         if c.kv_cache_memory is not None:
             budget = int(c.kv_cache_memory)
         else:
             on_gpu = self.device.type == "cuda"
             free = torch.cuda.mem_get_info(self.device)[0] if on_gpu else available_host_memory()
-            budget = cache_budget_bytes(on_gpu=on_gpu, free_bytes=max(0, free - self.state_bytes),
+            free = max(0, free - self.state_bytes - self.state_snapshot_bytes)  # allocated beside the blocks
+            budget = cache_budget_bytes(on_gpu=on_gpu, free_bytes=free,
                                         activation_bytes=self.activation_bytes, bytes_per_token=self.bytes_per_token,
                                         block_size=c.block_size, max_model_len=self.max_model_len,
                                         max_num_seqs=c.max_num_seqs)

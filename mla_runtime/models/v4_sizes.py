@@ -19,6 +19,7 @@ bytes at a given length from the same rules, and these functions agree with it (
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -101,13 +102,19 @@ def model_config(cfg: V4Config) -> ModelConfig:
         tie_word_embeddings=cfg.tie_word_embeddings, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id)
 
 
-def v4_weights(cfg: V4Config, dtype: torch.dtype) -> tuple[int, int]:
-    """The model's weights: (bytes of its parameters and buffers, parameters: the hash-routing tables, buffers, not
-    counted), counted on the meta device (nothing allocated)."""
+def meta_weights(build: Callable[[], torch.nn.Module]) -> tuple[int, int]:
+    """The weights of the model ``build`` makes, counted on the meta device (nothing allocated): (bytes of its
+    parameters and buffers, each at its own dtype; parameters: buffers, such as V4's hash-routing tables, not
+    counted)."""
     with torch.device("meta"):
-        model = DeepseekV4ForCausalLM(cfg, dtype)
+        model = build()
     params = list(model.parameters())
     return (sum(t.numel() * t.element_size() for t in (*params, *model.buffers())), sum(p.numel() for p in params))
 
 
-__all__ = ["V4CacheKinds", "cache_kinds", "model_config", "v4_weights"]
+def v4_weights(cfg: V4Config, dtype: torch.dtype) -> tuple[int, int]:
+    """The V4 model's weights (``meta_weights``)."""
+    return meta_weights(lambda: DeepseekV4ForCausalLM(cfg, dtype))
+
+
+__all__ = ["V4CacheKinds", "cache_kinds", "meta_weights", "model_config", "v4_weights"]
