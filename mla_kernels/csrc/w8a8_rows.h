@@ -75,7 +75,8 @@ VI_TARGET static void SFX(w8a8_rows)(const int8_t *w, const float *sw, const int
 }
 
 /* Inside a parallel region: this thread's share of the rows of y [n] = alpha (W x) (+ y when add) for one input row
- * xq (scale sx), through the same tiles as w8a8_rows (each output's integer sum exact, so the same bits). No barrier. */
+ * xq (scale sx), through the same tiles as w8a8_rows (each output's integer sum exact, so the same bits). No
+ * barrier. */
 VI_TARGET static void SFX(w8a8_share)(const int8_t *w, const float *sw, const int16_t *xq, float sx, float *y,
                                       int64_t n, int64_t k, float alpha, int add) {
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();

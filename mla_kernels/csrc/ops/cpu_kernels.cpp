@@ -722,11 +722,11 @@ void operand(int64_t* out, const Tensor& w, const OptTensor& scales, int64_t n, 
   } else {
     TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kChar, name,
                       ": a table's weights are float32, bfloat16, float16, int8, packed int4 or FP4, or ggml parts, ",
-                      "got ",
-                      dtype);
+                      "got ", dtype);
     expect(w, dtype, {n, k}, name, "the weight");
     TORCH_CHECK_VALUE(scales.has_value() == (dtype == at::kChar), name, ": int8 weights (only) come with row scales");
-    kind = dtype == at::kChar ? int8_kind(*scales, n, name) : dtype == at::kBFloat16 ? W_BF16 : dtype == at::kHalf ? W_F16 : W_F32;
+    kind = dtype == at::kChar ? int8_kind(*scales, n, name)
+         : dtype == at::kBFloat16 ? W_BF16 : dtype == at::kHalf ? W_F16 : W_F32;
   }
   out[0] = address(w);
   out[1] = address(scales);
