@@ -129,6 +129,14 @@ def ggml_parts(parts: list[torch.Tensor], type_numbers: list[int], k: int) -> to
     return ops().ggml_parts(parts, type_numbers, k)  # type: ignore[no-any-return]
 
 
+def fp4_table(packed: torch.Tensor, scales: torch.Tensor, global_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """The FP4 table of a matrix as ``fp4_linear`` takes it (its ``K`` a whole number of groups): int64 ``{format, N,
+    K, scales' address, global scales' address}`` (``csrc/mla_cpu.h``). ``(packed, table)`` is the matrix's operand in
+    the whole-MLP and whole-layer kernels' tables (``cpu_tables``). It points into the scales: whoever holds it keeps
+    them."""
+    return ops().fp4_table(packed, scales, global_scales)  # type: ignore[no-any-return]
+
+
 def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, *, variant: str = "auto",
                 bias: torch.Tensor | None = None, row_amax: torch.Tensor | None = None) -> torch.Tensor:
     """``x · Wᵀ (+ bias)`` in float32 for any number of rows ``x [..., K]``, each rounded to int8 on the fly, and an

@@ -10,9 +10,11 @@ import torch
 
 from . import cpu_kernels
 
-# a weight operand: a float32 / bfloat16 / float16 [N, K] matrix, int8 [N, K] with float32 row scales [N], int4
-# nibbles [N, Kp / 2] (int4_format.pack_int4) with float16 group scales [N, Kp / 32], or the int64 parts table of a
-# matrix in ggml block types (cpu_kernels.ggml_parts: {parts, N, K, ...})
+# a weight operand: a float32 / bfloat16 / float16 [N, K] matrix; int8 [N, K] with float32 row scales [N] (rows rounded
+# to int16, as cpu_kernels.linear rounds them) or [N, 1] (W8A8: rows rounded to int8 per row, as cpu_kernels.w8a8_linear
+# rounds them, the scales shaped as W8A8 checkpoints store them); int4 nibbles [N, Kp / 2] (int4_format.pack_int4) with
+# float16 group scales [N, Kp / 32]; FP4 nibbles [N, K / 2] with their int64 FP4 table (cpu_kernels.fp4_table: {format,
+# N, K, ...}); or the int64 parts table of a matrix in ggml block types (cpu_kernels.ggml_parts: {parts, N, K, ...})
 Operand = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 ROUTE_SCORING = ("softmax", "sigmoid")

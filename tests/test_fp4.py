@@ -6,6 +6,7 @@ model; tensor-parallel shards that cut a scale group refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -16,7 +17,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mla_kernels import cpu_kernels, cpu_ops
+from mla_kernels import cpu_kernels, cpu_ops, cpu_tables
 from mla_kernels.fp4_format import dequantize_fp4, group_scales, pack_nibbles, round_to_e2m1
 from mla_runtime import LLM, SamplingParams
 from mla_runtime.compressed import main as quantize_main
@@ -28,6 +29,7 @@ from mla_runtime.layers.fp4 import Fp4Weight, Mxfp4Weight, Nvfp4Weight
 from mla_runtime.layers.quantization import finish_quantization, quantized_weights
 from mla_runtime.loader import _Reader, checkpoint_files, load_model
 from tests.checkpoints import build_hf_model, save_checkpoint
+from tests.test_w8a8 import open_gates
 
 FORMATS = {"mxfp4": Mxfp4Weight, "nvfp4": Nvfp4Weight}
 VARIANT = "v3_noq_halfsplit"  # every product's K a multiple of 32
@@ -142,6 +144,45 @@ def test_the_operator_refuses_what_its_tensors_do_not_hold():
         ops.fp4_linear(torch.ones(1, 40), w.packed, w.scales, w.global_scales)
     with pytest.raises(ValueError, match="scales are uint8 \\(MXFP4\\) or float8_e4m3fn"):
         ops.fp4_linear(torch.ones(1, 64), w.packed, w.scales.float(), w.global_scales)
+
+
+def _silu_mlp(gate_up: Fp4Weight, down: Fp4Weight, x: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.matmul(x, None).chunk(2, dim=-1)
+    return down.matmul(gate / (1 + torch.exp(-gate)) * up, None)
+
+
+@needs_kernel
+@pytest.mark.parametrize("variant", FORMATS)
+def test_the_one_row_mlp_kernel_reads_fp4_matrices(variant):
+    """A MoE layer's FP4 experts (NVFP4: each row its own global scale) go into the compiled one-row MLP kernel's
+    table as stored (the nibbles and a table of their scales) and give what their products give one by one (float32
+    rows, as fp4_linear reads them): an expert alone the same bits. A K padded to whole groups, or a plan without the
+    FP4 kernel, leaves a matrix without an operand."""
+    g = torch.Generator().manual_seed(5)
+    d, inter = 256, 96
+    gate_ups = [open_gates(inter, d, g) for _ in range(3)]
+    mlps = [(FORMATS[variant].quantize(w), random_weight(variant, d, inter, g)) for w, _ in gate_ups]
+    table = cpu_tables.GatedMLPTable([(a.row_operand(), b.row_operand()) for a, b in mlps])
+    assert table.table.kinds() == ["fp4"] * 6
+    x = gate_ups[2][1]
+    assert torch.equal(table(x, [2], [1.0]), _silu_mlp(*mlps[2], x))
+    torch.testing.assert_close(table(x, [0, 2], [0.3, 0.7]),
+                               _silu_mlp(*mlps[0], x) * 0.3 + _silu_mlp(*mlps[2], x) * 0.7, rtol=1e-5, atol=1e-4)
+    gate_up, down = mlps[0]
+    with pytest.raises(ValueError, match="the FP4 table is not one of a matrix \\[256, 96\\]"):
+        cpu_tables.GatedMLPTable([(gate_up.row_operand(), (down.packed, mlps[1][0].row_operand()[1]))])
+    assert FORMATS[variant].quantize(torch.randn(4, 40, generator=g)).row_operand() is None  # K padded to 64
+    gate_up.bind(dataclasses.replace(kernel_plan("auto"), fp4_failure="left out"))
+    assert gate_up.row_operand() is None
+
+
+@needs_kernel
+def test_the_fp4_table_refuses_what_its_tensors_do_not_hold():
+    w = random_weight("nvfp4", 4, 64, torch.Generator().manual_seed(3))
+    with pytest.raises(ValueError, match="come with global scales"):
+        cpu_kernels.fp4_table(w.packed, w.scales)
+    with pytest.raises(ValueError, match="the group scales must be a contiguous CPU Float8_e4m3fn tensor \\[4, 4\\]"):
+        cpu_kernels.fp4_table(w.packed, w.scales[:, :2].contiguous(), w.global_scales)
 
 
 _TRITON = """
@@ -300,6 +341,33 @@ def test_a_process_capped_at_avx2_gives_the_same_tokens(written):
     said = json.loads(done.stdout.strip().splitlines()[-1])
     assert said["variants"] == ["avx2"] and said["failure"] is None
     assert said["tokens"] == reference_tokens(out["nvfp4"], "nvfp4")
+
+
+@needs_kernel
+def test_decode_steps_run_the_whole_layer_kernel_on_fp4_matrices(written, monkeypatch):
+    """Every layer of an MXFP4 model decodes in the compiled whole-layer kernel (one call a layer, its matrices read as
+    FP4), and a batch's tokens are each prompt's tokens alone."""
+    path = written[1]["mxfp4"]
+    rows: list[int] = []
+    kinds: set[str] = set()
+    tables: set[int] = set()
+    real = cpu_tables.decoder_layer
+
+    def counted(table, step, *args):  # type: ignore[no-untyped-def]
+        rows.append(step.rows)
+        tables.add(id(table))
+        kinds.update(table.table.kinds())
+        return real(table, step, *args)
+
+    monkeypatch.setattr(cpu_tables, "decoder_layer", counted)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB")
+    layers = ModelConfig.from_pretrained(path).num_hidden_layers
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompts = [*PROMPTS, [7, 7, 8], list(range(50, 60))]
+    batched = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    assert batched == [llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0].token_ids for p in prompts]
+    assert kinds == {"fp4"} and 1 in rows and max(rows) > 1
+    assert len(rows) % layers == 0 and len(tables) == layers  # every layer of every step
 
 
 @pytest.mark.parametrize("variant", FORMATS)

@@ -6,6 +6,7 @@ against transformers run on the dequantised weights with its activations rounded
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -17,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mla_kernels import cpu_kernels, cpu_ops
+from mla_kernels import cpu_kernels, cpu_ops, cpu_tables
 from mla_kernels.w8a8_format import int_products, quantize_rows_int8, row_amax, w8a8_product
 from mla_runtime import LLM, SamplingParams
 from mla_runtime.compressed import main as quantize_main
@@ -143,6 +144,51 @@ def test_the_weight_takes_the_kernel_or_torch_with_the_same_bits():
         W8A8Weight(q.float(), s, torch.float32)
     with pytest.raises(ValueError, match="float scales"):
         W8A8Weight(q, s[:3], torch.float32)
+
+
+def open_gates(rows: int, d: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a gated MLP's gate_up ``[2 rows, d]``, an input row ``[1, d]``) whose gates come out above 104, where
+    ``g / (1 + exp(-g))`` is ``g`` exactly in every exp: the MLP's output is its products' bits alone."""
+    gate_up = torch.randn(2 * rows, d, generator=g) * 0.05
+    gate_up[:rows, 0] = 5.0
+    x = torch.randn(1, d, generator=g) * 30
+    x[0, 0] = 100.0
+    return gate_up, x
+
+
+def _silu_mlp(gate_up: W8A8Weight, down: W8A8Weight, x: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.matmul(x, None).chunk(2, dim=-1)
+    return down.matmul(gate / (1 + torch.exp(-gate)) * up, None)
+
+
+@needs_kernel
+def test_the_one_row_mlp_kernel_reads_w8a8_matrices_with_their_rounding():
+    """A MoE layer's W8A8 experts go into the compiled one-row MLP kernel's table as stored (their row scales as
+    ``[N, 1]``: each input row rounded to int8, not int8's int16) and give what their products give one by one: an
+    expert alone the same bits. A row-parallel shard (its rows rounded with the ranks' amax), or a matrix where the plan
+    leaves the W8A8 kernel out, has no operand."""
+    g = torch.Generator().manual_seed(4)
+    d, inter = 160, 96  # K not a multiple of the vector width: the tiles' scalar tails
+    gate_ups = [open_gates(inter, d, g) for _ in range(3)]
+    mlps = [(W8A8Weight.quantize(w), W8A8Weight.quantize(torch.randn(d, inter, generator=g) * 0.05))
+            for w, _ in gate_ups]
+    table = cpu_tables.GatedMLPTable([(a.row_operand(), b.row_operand()) for a, b in mlps])
+    assert table.table.kinds() == ["w8a8"] * 6
+    x = gate_ups[1][1]
+    assert torch.equal(table(x, [1], [1.0]), _silu_mlp(*mlps[1], x))
+    torch.testing.assert_close(table(x, [0, 2], [0.3, 0.7]),
+                               _silu_mlp(*mlps[0], x) * 0.3 + _silu_mlp(*mlps[2], x) * 0.7, rtol=1e-5, atol=1e-7)
+    gate_up, down = mlps[0]
+    as_int8 = cpu_tables.GatedMLPTable([((gate_up.qweight, gate_up.scales), (down.qweight, down.scales))])
+    assert as_int8.table.kinds() == ["int8", "int8"]  # the same tensors, scales [N]: int8's rounding
+    with pytest.raises(ValueError, match="the W8A8 row scales must be a contiguous CPU Float tensor \\[192, 1\\]"):
+        cpu_tables.GatedMLPTable([((gate_up.qweight, gate_up.scales.view(-1, 2)), down.row_operand())])
+    down.shared_amax = lambda amax: amax  # a row-parallel shard: its rows rounded with the ranks' amax
+    assert down.row_operand() is None
+    gate_up.bind(dataclasses.replace(kernel_plan("auto"), w8a8_failure="left out"))
+    assert gate_up.row_operand() is None
+    gate_up.bind(kernel_plan("plain"))
+    assert gate_up.row_operand() is None
 
 
 # -- configurations ---------------------------------------------------------------------------------------------
@@ -322,6 +368,33 @@ def test_a_rank_quantising_its_columns_while_loading_takes_the_whole_rows_scales
         got, want = part.model.layers[1].self_attn.o_proj.packed, one.model.layers[1].self_attn.o_proj.packed
         k = got.shape[1]
         assert torch.equal(got.dequantize(), want.dequantize()[:, rank * k:(rank + 1) * k])
+
+
+@needs_kernel
+def test_decode_steps_run_the_whole_layer_kernel_on_w8a8_matrices(written, monkeypatch):
+    """Every layer of a W8A8 model decodes in the compiled whole-layer kernel (one call a layer, its matrices read as
+    W8A8), and a batch's tokens are each prompt's tokens alone."""
+    _, ct, _ = written
+    rows: list[int] = []
+    kinds: set[str] = set()
+    tables: set[int] = set()
+    real = cpu_tables.decoder_layer
+
+    def counted(table, step, *args):  # type: ignore[no-untyped-def]
+        rows.append(step.rows)
+        tables.add(id(table))
+        kinds.update(table.table.kinds())
+        return real(table, step, *args)
+
+    monkeypatch.setattr(cpu_tables, "decoder_layer", counted)
+    llm = LLM(str(ct), dtype="float32", kv_cache_memory="8MiB")
+    layers = ModelConfig.from_pretrained(ct).num_hidden_layers
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompts = [*PROMPTS, [7, 7, 8], list(range(50, 60))]
+    batched = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    assert batched == [llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0].token_ids for p in prompts]
+    assert kinds == {"w8a8"} and 1 in rows and max(rows) > 1
+    assert len(rows) % layers == 0 and len(tables) == layers  # every layer of every step
 
 
 def test_a_v2_checkpoint_gives_the_reference_tokens(tiny_checkpoint, tmp_path):

@@ -53,4 +53,22 @@ V_TARGET static void SFX(fp4_rows)(int64_t kind, const uint8_t *w, const uint8_t
     }
 }
 
+/* Inside a parallel region: this thread's share of the rows of y [n] = alpha (W x) (+ y when add) for one float32 row
+ * x, W the FP4 matrix w with its FP4 table (mla_cpu.h, FP4_FIELDS): each row's scales decoded and its sum taken as
+ * fp4_rows takes them, so the same bits. No barrier. */
+V_TARGET static void SFX(fp4_share)(const uint8_t *w, const int64_t *fp4, const float *x, float *y, float alpha,
+                                    int add) {
+    const int64_t kind = fp4[0], n = fp4[1], k = fp4[2], group = fp4_group(kind), groups = k / group;
+    const uint8_t *scales = (const uint8_t *)(intptr_t)fp4[3];
+    const float *global = (const float *)(intptr_t)fp4[4];
+    const __m128i table = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    float gs[groups], out;
+    for (int64_t r = n * t / nt; r < n * (t + 1) / nt; r++) {
+        fp4_scales(kind, scales + r * groups, global ? global[r] : 1.0f, gs, groups);
+        SFX(fp4_tile)(w + r * (k / 2), gs, x, &out, 1, n, k, group, table);
+        y[r] = alpha * out + (add ? y[r] : 0.0f);
+    }
+}
+
 #undef FP4_BLOCK

@@ -59,3 +59,11 @@ void mla_gemm_fp4(int64_t kind, const uint8_t *w, const uint8_t *scales, const f
     const int wide = variant < 0 ? (int)(mla_float_variants() >> 1 & 1) : variant == 1;
     (wide ? fp4_rows_avx512 : fp4_rows_avx2)(kind, w, scales, global, x, y, m, n, k, threads);
 }
+
+/* Inside a parallel region: this thread's share of the rows of y [n] = alpha (W x) (+ y when add) for one float32 row
+ * x, W the nibbles w with their FP4 table (mla_cpu.h); the same bits as mla_gemm_fp4's row in that variant. No
+ * barrier. */
+void mla_fp4_share(int64_t variant, const uint8_t *w, const int64_t *fp4, const float *x, float *y, float alpha,
+                   int add) {
+    (variant == 1 ? fp4_share_avx512 : fp4_share_avx2)(w, fp4, x, y, alpha, add);
+}

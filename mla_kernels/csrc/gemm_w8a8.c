@@ -52,3 +52,12 @@ void mla_gemm_w8a8(const int8_t *w, const float *scale, const float *x, const fl
     free(xq);
     free(sx);
 }
+
+float mla_w8a8_prepare(const float *x, int16_t *xq, int64_t k) { return quantize_row_i8(x, xq, k, NULL); }
+
+/* Inside a parallel region: this thread's share of the rows of y [n] = alpha (W x) (+ y when add) for one input row
+ * prepared by mla_w8a8_prepare (xq, sx); the same bits as mla_gemm_w8a8's row. No barrier. */
+void mla_w8a8_share(int64_t variant, const int8_t *w, const float *scale, const int16_t *xq, float sx, float *y,
+                    int64_t n, int64_t k, float alpha, int add) {
+    (variant == 1 ? w8a8_share_avx512 : w8a8_share_avx2)(w, scale, xq, sx, y, n, k, alpha, add);
+}

@@ -151,14 +151,16 @@ static inline float f16_value(uint16_t v) { return _cvtsh_ss(v); }
 DOT2_HALF(dot2_bf16, widen_bf16, bf16_value)
 DOT2_HALF(dot2_f16, widen_f16, f16_value)
 
-/* One input row in the forms the operands read: x (float32), xq (int16, scale sx: int8 weights), x8 (prepared for
- * int4 weights: mla_q8_prepare), xg (prepared for ggml block types: mla_gg_prepare); a form no operand reads may be
- * absent. */
+/* One input row in the forms the operands read: x (float32: float, half and FP4 weights), xq (int16, scale sx: int8
+ * weights), x8 (prepared for int4 weights: mla_q8_prepare), xg (prepared for ggml block types: mla_gg_prepare), xw
+ * (rounded to int8 per row, scale sw: W8A8 weights, mla_w8a8_prepare); a form no operand reads may be absent. */
 typedef struct {
     const float *x;
     const int16_t *xq;
     float sx;
     const uint8_t *x8, *xg;
+    const int16_t *xw;
+    float sw;
 } Row;
 
 /* Inside a parallel region: this thread's share of rows [0, n) of y = alpha * (W x) (+ y when add), W the operand
@@ -166,6 +168,15 @@ typedef struct {
 static void product_rows(const int64_t *op, const Row *in, int64_t n, int64_t k, float alpha, int add, float *y) {
     if (W_IS_GG(op[2])) {
         mla_gg_share(op[2] - W_GG, (const int64_t *)op[0], in->xg, y, alpha, add);
+        return;
+    }
+    if (W_IS_W8A8(op[2])) {
+        mla_w8a8_share(op[2] - W_W8A8, (const int8_t *)op[0], (const float *)op[1], in->xw, in->sw, y, n, k, alpha,
+                       add);
+        return;
+    }
+    if (W_IS_FP4(op[2])) {
+        mla_fp4_share(op[2] - W_FP4, (const uint8_t *)op[0], (const int64_t *)op[1], in->x, y, alpha, add);
         return;
     }
     if (W_IS_I4(op[2])) {
@@ -198,7 +209,7 @@ static void product_rows(const int64_t *op, const Row *in, int64_t n, int64_t k,
 
 void mla_gemv_f32(const float *w, const float *x, float *y, int64_t n, int64_t k, int64_t threads) {
     const int64_t op[3] = {(int64_t)(intptr_t)w, 0, W_F32};
-    const Row in = {x, NULL, 0.0f, NULL, NULL};
+    const Row in = {x, NULL, 0.0f, NULL, NULL, NULL, 0.0f};
     #pragma omp parallel num_threads((int)threads)
     product_rows(op, &in, n, k, 1.0f, 0, y);
 }
@@ -206,7 +217,7 @@ void mla_gemv_f32(const float *w, const float *x, float *y, int64_t n, int64_t k
 void mla_gemv_half(const uint16_t *w, int64_t kind, const float *x, float *y, int64_t n, int64_t k,
                    int64_t threads) {
     const int64_t op[3] = {(int64_t)(intptr_t)w, 0, kind};
-    const Row in = {x, NULL, 0.0f, NULL, NULL};
+    const Row in = {x, NULL, 0.0f, NULL, NULL, NULL, 0.0f};
     #pragma omp parallel num_threads((int)threads)
     product_rows(op, &in, n, k, 1.0f, 0, y);
 }
@@ -216,7 +227,7 @@ void mla_gemv_i8(const int8_t *w, const float *scale, const float *x, float *y, 
     int16_t xq[k];
     const float sx = quantize16(x, xq, k);
     const int64_t op[3] = {(int64_t)(intptr_t)w, (int64_t)(intptr_t)scale, W_I8};
-    const Row in = {NULL, xq, sx, NULL, NULL};
+    const Row in = {NULL, xq, sx, NULL, NULL, NULL, 0.0f};
     #pragma omp parallel num_threads((int)threads)
     product_rows(op, &in, n, k, 1.0f, 0, y);
 }
@@ -379,12 +390,13 @@ void mla_rms_norm_f32(const float *x, int64_t ld, const float *weight, float *y,
 typedef struct {
     int16_t *xq;
     uint8_t *x8, *xg;
-    float sx;
+    int16_t *xw;
+    float sx, sw;
 } QBuf;
 
 /* (one thread) the forms of x [k] that operands of these kinds read */
 static Row prepare_row(const float *x, int64_t k, int kinds, QBuf *q) {
-    Row in = {x, NULL, 0.0f, NULL, NULL};
+    Row in = {x, NULL, 0.0f, NULL, NULL, NULL, 0.0f};
     if (kinds & (1 << W_I8)) {
         q->sx = quantize16(x, q->xq, k);
         in.xq = q->xq;
@@ -398,12 +410,18 @@ static Row prepare_row(const float *x, int64_t k, int kinds, QBuf *q) {
         mla_gg_prepare(x, k, q->xg);
         in.xg = q->xg;
     }
+    if (kinds & (1 << W_W8A8)) {
+        q->sw = mla_w8a8_prepare(x, q->xw, k);
+        in.xw = q->xw;
+        in.sw = q->sw;
+    }
     return in;
 }
 
-static int kind_bit(int64_t kind) {  /* the input form a kind reads: float32 rows for float32 and half weights */
+static int kind_bit(int64_t kind) {  /* the input form a kind reads: float32 rows for float32, half and FP4 weights */
     if (W_IS_GG(kind)) return 1 << W_GG;
-    return kind == W_BF16 || kind == W_F16 ? 1 << W_F32 : 1 << (W_IS_I4(kind) ? W_I4 : (int)kind);
+    if (W_IS_W8A8(kind)) return 1 << W_W8A8;
+    return kind == W_BF16 || kind == W_F16 || W_IS_FP4(kind) ? 1 << W_F32 : 1 << (W_IS_I4(kind) ? W_I4 : (int)kind);
 }
 
 static void gated_mlps(const float *x, float *y, int64_t d, const int64_t *table, const int64_t *ids, const float *w,
@@ -416,7 +434,7 @@ static void gated_mlps(const float *x, float *y, int64_t d, const int64_t *table
     for (int64_t e = 0; e < n; e++) kinds |= kind_bit(table[ids[e] * MLP_FIELDS + 2]);
     #pragma omp single
     prepare_row(x, d, kinds, xs);  /* cheap next to any product */
-    const Row in = {x, xs->xq, xs->sx, xs->x8, xs->xg};
+    const Row in = {x, xs->xq, xs->sx, xs->x8, xs->xg, xs->xw, xs->sw};
     for (int64_t e = 0; e < n; e++) {
         const int64_t *mlp = table + ids[e] * MLP_FIELDS, inter = mlp[6];
         float *act = scratch + 2 * inter;
@@ -428,7 +446,7 @@ static void gated_mlps(const float *x, float *y, int64_t d, const int64_t *table
             #pragma omp single
             prepare_row(act, inter, kind_bit(mlp[5]), as);
         }
-        const Row mid = {act, as->xq, as->sx, as->x8, as->xg};
+        const Row mid = {act, as->xq, as->sx, as->x8, as->xg, as->xw, as->sw};
         product_rows(mlp + 3, &mid, d, inter, w[e], e > 0, y);
         #pragma omp barrier  /* the next MLP's gate_up output overwrites the scratch this one read */
     }
@@ -444,10 +462,10 @@ static int64_t largest_inter(const int64_t *table, const int64_t *ids, int64_t n
 void mla_gated_mlps(const float *x, float *y, int64_t d, const int64_t *table, const int64_t *ids, const float *w,
                     int64_t n, float *scratch, int64_t threads) {
     const int64_t inter = largest_inter(table, ids, n);
-    int16_t xq[d], aq[inter];
+    int16_t xq[d], aq[inter], xw[d], aw[inter];
     uint8_t x8[mla_q8_row_bytes(d)], a8[mla_q8_row_bytes(inter)];
     uint8_t xg[mla_gg_prepared_bytes(d)], ag[mla_gg_prepared_bytes(inter)];
-    QBuf xs = {xq, x8, xg, 0.0f}, as = {aq, a8, ag, 0.0f};
+    QBuf xs = {xq, x8, xg, xw, 0.0f, 0.0f}, as = {aq, a8, ag, aw, 0.0f, 0.0f};
     #pragma omp parallel num_threads((int)threads)
     gated_mlps(x, y, d, table, ids, w, n, scratch, &xs, &as);
 }
@@ -529,12 +547,12 @@ void mla_moe_row(const float *x, float *y, int64_t d, const float *router, const
     float *logits = scratch + 3 * max_inter, *route_scratch = logits + E, *w = route_scratch + 4 * E + cfg[2];
     int64_t ids[MOE_MAX_TOPK + 1];
     int64_t n = 0;
-    int16_t xq[d], aq[max_inter];
+    int16_t xq[d], aq[max_inter], xw[d], aw[max_inter];
     uint8_t x8[mla_q8_row_bytes(d)], a8[mla_q8_row_bytes(max_inter)];
     uint8_t xg[mla_gg_prepared_bytes(d)], ag[mla_gg_prepared_bytes(max_inter)];
-    QBuf xs = {xq, x8, xg, 0.0f}, as = {aq, a8, ag, 0.0f};
+    QBuf xs = {xq, x8, xg, xw, 0.0f, 0.0f}, as = {aq, a8, ag, aw, 0.0f, 0.0f};
     const int64_t router_op[3] = {(int64_t)(intptr_t)router, 0, W_F32};
-    const Row in = {x, NULL, 0.0f, NULL, NULL};
+    const Row in = {x, NULL, 0.0f, NULL, NULL, NULL, 0.0f};
     #pragma omp parallel num_threads((int)threads)
     {
         product_rows(router_op, &in, E, d, 1.0f, 0, logits);

@@ -17,14 +17,27 @@
 #define MLA_PREFILL_KEY_PAD 64    /* columns the prefill attention may read past the last key, and its scores hold */
 
 /* A weight operand of the tables: its weight pointer, its scales pointer and its kind: W_F32 (float32, no scales),
- * W_I8 (int8 with a float32 scale per row), W_BF16 / W_F16 (bfloat16 / float16, no scales: read at two bytes,
- * widened exactly), W_I4 + v (group-wise int4 with float16 scales, gemv_int4.c, run by its variant v) or W_GG + v
- * (ggml block types as a GGUF file stores them, gemv_ggml.c, run by its variant v: the weight pointer is the
- * matrix's parts table, GG_PARTS, and there are no scales). ops/cpu_kernels.cpp builds the tables
- * (mla_kernels::mlp_table, layer_table, step_table) from typed arguments. */
-enum WeightKind { W_F32 = 0, W_I8 = 1, W_BF16 = 2, W_F16 = 3, W_I4 = 4, W_GG = 16 };
-#define W_IS_I4(kind) ((kind) >= W_I4 && (kind) < W_GG)
+ * W_I8 (int8 with a float32 scale per row; the input rows rounded to int16 with a power-of-two scale), W_BF16 / W_F16
+ * (bfloat16 / float16, no scales: read at two bytes, widened exactly), W_I4 + v (group-wise int4 with float16
+ * scales, gemv_int4.c, run by its variant v), W_W8A8 + v (int8 with a float32 scale per row, the input rows rounded
+ * to int8 per row: gemm_w8a8.c, run by its variant v; ops/cpu_kernels.cpp tells it from W_I8 by its scales' shape,
+ * [n, 1] as W8A8 checkpoints store them against int8's [n]), W_FP4 + v (E2M1 nibbles [n, k / 2]: gemm_fp4.c, run by
+ * its variant v; the scales pointer is the matrix's FP4 table, FP4_FIELDS) or W_GG + v (ggml block types as a GGUF
+ * file stores them, gemv_ggml.c, run by its variant v: the weight pointer is the matrix's parts table, GG_PARTS, and
+ * there are no scales). Each kind's products give a row the same bits as the matrix's own product (linear,
+ * w8a8_linear, fp4_linear, linear_int4, ggml_linear), alone or beside other rows. ops/cpu_kernels.cpp builds the
+ * tables (mla_kernels::mlp_table, layer_table, step_table) from typed arguments. */
+enum WeightKind { W_F32 = 0, W_I8 = 1, W_BF16 = 2, W_F16 = 3, W_I4 = 4, W_W8A8 = 8, W_FP4 = 12, W_GG = 16 };
+#define W_IS_I4(kind) ((kind) >= W_I4 && (kind) < W_W8A8)
+#define W_IS_W8A8(kind) ((kind) >= W_W8A8 && (kind) < W_FP4)
+#define W_IS_FP4(kind) ((kind) >= W_FP4 && (kind) < W_GG)
 #define W_IS_GG(kind) ((kind) >= W_GG)
+
+/* The FP4 table of a matrix [n, k] (k a whole number of groups): int64 {format (FP4_MX or FP4_NV), n, k, the
+ * address of its group scales [n, k / group] (MXFP4 UE8M0 bytes, NVFP4 E4M3 bytes), the address of its float32
+ * global scales [n] (NVFP4; 0 for MXFP4)}. */
+#define FP4_FIELDS 5
+enum { FP4_MX = 0, FP4_NV = 1 }; /* gemm_fp4.c: MXFP4 (UE8M0 scales per 32) and NVFP4 (E4M3 per 16, global) */
 
 /* A matrix [n, k] in ggml block types, stacked from parts of whole rows (an expert's gate_proj rows in one type
  * beside its up_proj rows in another): int64 {P, n, k, then for each part its ggml type, the address of its first
@@ -80,11 +93,15 @@ void mla_gemm_few_half(const uint16_t *w, int64_t kind, const float *x, float *y
 void mla_gemm_few_i8(const int8_t *w, const float *scale, const float *x, float *y, int64_t m, int64_t n, int64_t k,
                      int64_t threads, int64_t variant);
 int64_t mla_i8_variants(void);
-enum { FP4_MX = 0, FP4_NV = 1 }; /* gemm_fp4.c: MXFP4 (UE8M0 scales per 32) and NVFP4 (E4M3 per 16, global) */
 void mla_gemm_fp4(int64_t kind, const uint8_t *w, const uint8_t *scales, const float *global, const float *x,
                   float *y, int64_t m, int64_t n, int64_t k, int64_t threads, int64_t variant);
+void mla_fp4_share(int64_t variant, const uint8_t *w, const int64_t *fp4, const float *x, float *y, float alpha,
+                   int add);
 void mla_gemm_w8a8(const int8_t *w, const float *scale, const float *x, const float *row_amax, float *y, int64_t rows,
                    int64_t n, int64_t k, int64_t threads, int64_t variant);
+float mla_w8a8_prepare(const float *x, int16_t *xq, int64_t k);
+void mla_w8a8_share(int64_t variant, const int8_t *w, const float *scale, const int16_t *xq, float sx, float *y,
+                    int64_t n, int64_t k, float alpha, int add);
 void mla_gemm_fp8(const uint8_t *w, const float *scale, int64_t bn, int64_t bk, const float *x, float *y,
                   int64_t m, int64_t n, int64_t k, int64_t threads);
 void mla_gemm_i4(const uint8_t *w, const uint16_t *scales, const float *x, float *y, int64_t rows, int64_t n,

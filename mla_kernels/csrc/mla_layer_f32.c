@@ -12,9 +12,9 @@
  *     x += MLP(h)   the dense MLP or the MoE layer (router, routing, routed and shared experts); without an MLP
  *                   table the caller runs it, and finds h at the start of the scratch buffer
  *
- * Weights are float32, bfloat16, float16, int8 with a float32 scale per row, group-wise int4 (gemv_int4.c) or ggml
- * block types as a GGUF file stores them (gemv_ggml.c); the
- * absorbed factors float32 or bfloat16 (quantised models). The layer's weights and sizes are a table of 64-bit
+ * Weights are float32, bfloat16, float16, int8 with a float32 scale per row (the input rows rounded to int16, or to
+ * int8 per row for W8A8: gemm_w8a8.c), group-wise int4 (gemv_int4.c), FP4 (gemm_fp4.c) or ggml block types as a
+ * GGUF file stores them (gemv_ggml.c); the absorbed factors float32 or bfloat16 (quantised models). The layer's weights and sizes are a table of 64-bit
  * integers (LayerField), the step's rows another (StepField), both built by ops/cpu_kernels.cpp, which checks every
  * shape once when it builds them. The Python side costs one call a
  * layer instead of about fifteen (each some microseconds of dispatch: bench/RESULTS.md). */
@@ -38,6 +38,11 @@ static void product(const int64_t *L, int w_field, const float *x, float *y, int
                 : mla_gemm_few_half((const uint16_t *)w, kind, x, y, m, n, k, threads, -1));
     else if (W_IS_GG(kind))
         mla_gemm_gg_parts((const int64_t *)w, x, y, m, threads, kind - W_GG);
+    else if (W_IS_W8A8(kind))
+        mla_gemm_w8a8((const int8_t *)w, (const float *)scale, x, NULL, y, m, n, k, threads, kind - W_W8A8);
+    else if (W_IS_FP4(kind))
+        mla_gemm_fp4(((const int64_t *)scale)[0], (const uint8_t *)w, PTR(const uint8_t *, (const int64_t *)scale, 3),
+                     PTR(const float *, (const int64_t *)scale, 4), x, y, m, n, k, threads, kind - W_FP4);
     else if (W_IS_I4(kind))
         mla_gemm_i4((const uint8_t *)w, (const uint16_t *)scale, x, y, m, n, k, threads, kind - W_I4);
     else if (kind == W_I8)

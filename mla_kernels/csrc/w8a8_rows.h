@@ -74,5 +74,23 @@ VI_TARGET static void SFX(w8a8_rows)(const int8_t *w, const float *sw, const int
 #undef W8_TILE
 }
 
+/* Inside a parallel region: this thread's share of the rows of y [n] = alpha (W x) (+ y when add) for one input row
+ * xq (scale sx), through the same tiles as w8a8_rows (each output's integer sum exact, so the same bits). No
+ * barrier. */
+VI_TARGET static void SFX(w8a8_share)(const int8_t *w, const float *sw, const int16_t *xq, float sx, float *y,
+                                      int64_t n, int64_t k, float alpha, int add) {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t r0 = n * t / nt, r1 = n * (t + 1) / nt;
+    for (int64_t c0 = r0; c0 < r1; c0 += W8_STREAMS) {
+        float out[W8_STREAMS];
+        const int r = r1 - c0 < W8_STREAMS ? (int)(r1 - c0) : W8_STREAMS;
+        if (r == W8_STREAMS)
+            SFX(w8a8_tile)(w + c0 * k, sw + c0, xq, &sx, out, 0, W8_STREAMS, 1, n, k);
+        else
+            for (int q = 0; q < r; q++) SFX(w8a8_tile)(w + (c0 + q) * k, sw + c0 + q, xq, &sx, out + q, 0, 1, 1, n, k);
+        for (int q = 0; q < r; q++) y[c0 + q] = alpha * out[q] + (add ? y[c0 + q] : 0.0f);
+    }
+}
+
 #undef W8_STREAMS
 #undef W8_BLOCK

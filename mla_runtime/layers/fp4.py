@@ -48,7 +48,7 @@ def _by_row_blocks(weight: torch.Tensor, quantize: Callable[[torch.Tensor], Fp4W
 class Fp4Weight(QuantizedWeight):
     """An FP4 ``[N, K]`` matrix (module docstring); ``Mxfp4Weight`` and ``Nvfp4Weight`` are its two variants."""
 
-    __slots__ = ("packed", "scales", "global_scales", "k", "kernel")
+    __slots__ = ("packed", "scales", "global_scales", "k", "kernel", "operand")
     variant: ClassVar[str]
     scale_dtype: ClassVar[torch.dtype]
 
@@ -73,6 +73,7 @@ class Fp4Weight(QuantizedWeight):
         self._release_float((n, k), dtype, packed.device)
         self.packed, self.scales, self.k = packed, scales.contiguous(), k
         self.global_scales = None if global_scales is None else global_scales.float().contiguous()
+        self.operand: torch.Tensor | None = None  # row_operand's FP4 table, made at its first call
         self.bind(default_plan(packed.device))
 
     def bind(self, plan: KernelPlan) -> Fp4Weight:
@@ -106,9 +107,15 @@ class Fp4Weight(QuantizedWeight):
         groups = -(-k // GROUPS[cls.variant])
         return rows * groups * GROUPS[cls.variant] // 2 + rows * groups + (4 * rows if cls.variant == "nvfp4" else 0)
 
-    def row_operand(self) -> None:
-        """None: the compiled decode step's tables do not read FP4 matrices (their layers run call by call)."""
-        return None
+    def row_operand(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The matrix as the compiled layer and MLP kernels read it (``cpu_tables.Operand``: the nibbles and their FP4
+        table, ``cpu_kernels.fp4_table``, made once and kept beside the scales it points into), where its kernel runs
+        and ``K`` is whole groups; else None (the matrix runs product by product)."""
+        if not self.kernel or 2 * self.packed.shape[1] != self.k or not self.packed.is_contiguous():
+            return None
+        if self.operand is None:
+            self.operand = cpu_kernels.fp4_table(self.packed, self.scales, self.global_scales)
+        return self.packed, self.operand
 
     def _dequantize_rows(self, r0: int, r1: int) -> torch.Tensor:
         glob = None if self.global_scales is None else self.global_scales[r0:r1]

@@ -93,9 +93,12 @@ class W8A8Weight(QuantizedWeight):
         """A byte a value and a float32 scale a row."""
         return rows * k + 4 * rows
 
-    def row_operand(self) -> None:
-        """None: the compiled decode step's tables do not read W8A8 matrices (their layers run call by call)."""
-        return None
+    def row_operand(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The matrix as the compiled layer and MLP kernels read it (``cpu_tables.Operand``: the row scales shaped
+        ``[N, 1]``, which marks W8A8's rounding of the rows), where its kernel runs and each row is rounded with its
+        own amax (not a row-parallel shard's shared one); else None (product by product)."""
+        own = self.kernel and self.shared_amax is None and self.qweight.is_contiguous()
+        return (self.qweight, self.scales.view(-1, 1)) if own else None
 
     def _dequantize_rows(self, r0: int, r1: int) -> torch.Tensor:
         return self.qweight[r0:r1].float() * self.scales[r0:r1].unsqueeze(1)

@@ -337,6 +337,31 @@ Tensor ggml_parts(at::TensorList parts, at::IntArrayRef types, int64_t k) {
   return table;
 }
 
+// The FP4 table (../mla_cpu.h, FP4_FIELDS) of an FP4 matrix w [N, K / 2] as fp4_linear takes it (its K a whole number
+// of groups: no padding): the scales operand of the tables' W_FP4 operand (w, this table). The table holds the
+// scales' addresses: whoever holds it keeps them.
+Tensor fp4_table(const Tensor& w, const Tensor& scales, const OptTensor& global) {
+  const char* op = "fp4_table";
+  const bool mx = scales.scalar_type() == at::kByte;
+  TORCH_CHECK_VALUE(mx || scales.scalar_type() == at::kFloat8_e4m3fn, op, ": scales are uint8 (MXFP4) or ",
+                    "float8_e4m3fn (NVFP4), got ", scales.scalar_type());
+  TORCH_CHECK_VALUE(mx != global.has_value(), op, ": NVFP4 scales (and only they) come with global scales [N]");
+  const int64_t group = mx ? 32 : 16, n = w.dim() == 2 ? w.size(0) : 0, k = w.dim() == 2 ? 2 * w.size(1) : 0;
+  TORCH_CHECK_VALUE(n >= 1 && k >= group && k % group == 0, op, ": the packed weight must be uint8 [N, K / 2] of ",
+                    "whole groups of ", group, ", got ", w.scalar_type(), " ", w.sizes());
+  expect(w, at::kByte, {n, k / 2}, op, "the packed weight");
+  expect(scales, scales.scalar_type(), {n, k / group}, op, "the group scales");
+  if (global) expect(*global, at::kFloat, {n}, op, "the global scales");
+  Tensor table = at::empty({FP4_FIELDS}, at::kLong);
+  int64_t* t = table.data_ptr<int64_t>();
+  t[0] = mx ? FP4_MX : FP4_NV;
+  t[1] = n;
+  t[2] = k;
+  t[3] = address(scales);
+  t[4] = address(global);
+  return table;
+}
+
 // compressed-tensors' pack-quantized int4 bytes [N, K / 2] (low nibble first) -> the nibble order linear reads.
 Tensor int4_from_stored(const Tensor& stored) {
   TORCH_CHECK_VALUE(stored.device().is_cpu() && stored.scalar_type() == at::kByte && stored.dim() == 2 &&
@@ -625,8 +650,8 @@ void rope_store(const Tensor& latent, const Tensor& norm, double eps, const Tens
 // -- the table-driven kernels ------------------------------------------------------------------------------------
 
 const char* kind_name(int64_t kind) {
-  return W_IS_GG(kind) ? "ggml" : W_IS_I4(kind) ? "int4" : kind == W_I8 ? "int8" : kind == W_BF16 ? "bfloat16"
-       : kind == W_F16 ? "float16" : "float32";
+  return W_IS_GG(kind) ? "ggml" : W_IS_FP4(kind) ? "fp4" : W_IS_W8A8(kind) ? "w8a8" : W_IS_I4(kind) ? "int4"
+       : kind == W_I8 ? "int8" : kind == W_BF16 ? "bfloat16" : kind == W_F16 ? "float16" : "float32";
 }
 
 // The rows of a table's weight operand: a ggml parts table's n, else the weight's first size.
@@ -655,12 +680,38 @@ int64_t ggml_operand(const Tensor& w, const OptTensor& scales, int64_t n, int64_
   return W_GG + fastest(runs);
 }
 
+// FP4 nibbles w with their FP4 table (fp4_table) as an operand [n, k]: the table checked again.
+int64_t fp4_operand(const Tensor& w, const Tensor& table, int64_t n, int64_t k, const char* name) {
+  expect(table, at::kLong, {FP4_FIELDS}, name, "the FP4 table (mla_kernels::fp4_table)");
+  const int64_t* t = table.data_ptr<int64_t>();
+  TORCH_CHECK_VALUE((t[0] == FP4_MX || t[0] == FP4_NV) && t[1] == n && t[2] == k && t[3] != 0 &&
+                        (t[4] != 0) == (t[0] == FP4_NV),
+                    name, ": the FP4 table is not one of a matrix [", n, ", ", k, "] (mla_kernels::fp4_table)");
+  expect(w, at::kByte, {n, k / 2}, name, "the FP4 nibbles");
+  return W_FP4 + fastest(mla_float_variants());  // fp4_linear's "auto"
+}
+
+// An int8 weight's row scales: [n] for int8 (W_I8: rows rounded to int16), [n, 1] for W8A8 (W_W8A8: rows rounded to
+// int8 per row, as w8a8_linear rounds them; W8A8 checkpoints store their scales so).
+int64_t int8_kind(const Tensor& scales, int64_t n, const char* name) {
+  if (scales.dim() != 2) {
+    expect(scales, at::kFloat, {n}, name, "the row scales");
+    return W_I8;
+  }
+  expect(scales, at::kFloat, {n, 1}, name, "the W8A8 row scales");
+  return W_W8A8 + fastest(mla_i8_variants());  // w8a8_linear's "auto"
+}
+
 // A weight operand [n, k] of a table: its three fields (weight, scales, kind), from the weight's dtype, checked.
+// uint8 weights are int4 nibbles with float16 group scales, or FP4 nibbles with their FP4 table (int64); int8
+// weights are int8 or W8A8 by their scales' shape (int8_kind).
 void operand(int64_t* out, const Tensor& w, const OptTensor& scales, int64_t n, int64_t k, const char* name) {
   const at::ScalarType dtype = w.scalar_type();
   int64_t kind = W_F32;
   if (dtype == at::kLong && w.dim() == 1) {
     kind = ggml_operand(w, scales, n, k, name);
+  } else if (dtype == at::kByte && scales.has_value() && scales->scalar_type() == at::kLong) {
+    kind = fp4_operand(w, *scales, n, k, name);
   } else if (dtype == at::kByte) {  // int4
     const int64_t kp = cdiv(k, 32) * 32, runs = mla_i4_variants();
     TORCH_CHECK_VALUE(runs != 0, name, ": no int4 variant runs on this CPU");
@@ -670,12 +721,12 @@ void operand(int64_t* out, const Tensor& w, const OptTensor& scales, int64_t n, 
     kind = W_I4 + fastest(runs);
   } else {
     TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kChar, name,
-                      ": a table's weights are float32, bfloat16, float16, int8, packed int4 or ggml parts, got ",
-                      dtype);
+                      ": a table's weights are float32, bfloat16, float16, int8, packed int4 or FP4, or ggml parts, ",
+                      "got ", dtype);
     expect(w, dtype, {n, k}, name, "the weight");
     TORCH_CHECK_VALUE(scales.has_value() == (dtype == at::kChar), name, ": int8 weights (only) come with row scales");
-    if (dtype == at::kChar) expect(*scales, at::kFloat, {n}, name, "the row scales");
-    kind = dtype == at::kChar ? W_I8 : dtype == at::kBFloat16 ? W_BF16 : dtype == at::kHalf ? W_F16 : W_F32;
+    kind = dtype == at::kChar ? int8_kind(*scales, n, name)
+         : dtype == at::kBFloat16 ? W_BF16 : dtype == at::kHalf ? W_F16 : W_F32;
   }
   out[0] = address(w);
   out[1] = address(scales);
@@ -1041,6 +1092,7 @@ TORCH_LIBRARY_FRAGMENT(mla_kernels, m) {
   m.def("int4_from_stored(Tensor stored) -> Tensor");
   m.def("ggml_linear(Tensor x, Tensor w, int type, str variant=\"auto\") -> Tensor");
   m.def("ggml_parts(Tensor[] parts, int[] types, int k) -> Tensor");
+  m.def("fp4_table(Tensor w, Tensor scales, Tensor? global_scales=None) -> Tensor");
   m.def("amx_pack(Tensor w) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor packed) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -1099,6 +1151,7 @@ TORCH_LIBRARY_IMPL(mla_kernels, CPU, m) {
   m.impl("int4_from_stored", &int4_from_stored);
   m.impl("ggml_linear", &ggml_linear);
   m.impl("ggml_parts", &ggml_parts);
+  m.impl("fp4_table", &fp4_table);
   m.impl("amx_pack", &amx_pack);
   m.impl("amx_linear", &amx_linear);
   m.impl("rms_norm", &rms_norm);
