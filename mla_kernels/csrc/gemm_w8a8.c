@@ -48,7 +48,12 @@ void mla_gemm_w8a8(const int8_t *w, const float *scale, const float *x, const fl
     float *sx = (float *)malloc((size_t)rows * sizeof(float));
     if (!xq || !sx) abort(); /* ops/cpu_kernels.cpp bounds the rows a call takes */
     for (int64_t j = 0; j < rows; j++) sx[j] = quantize_row_i8(x + j * k, xq + j * k, k, row_amax ? row_amax + j : NULL);
-    (vnni ? w8a8_rows_avx512 : w8a8_rows_avx2)(w, scale, xq, sx, y, rows, n, k, threads);
+    if (rows == 1) {  /* a decode step's row: the weight read as streams (w8a8_share), the same bits */
+        #pragma omp parallel num_threads((int)threads)
+        (vnni ? w8a8_share_avx512 : w8a8_share_avx2)(w, scale, xq, sx[0], y, n, k, 1.0f, 0);
+    } else {
+        (vnni ? w8a8_rows_avx512 : w8a8_rows_avx2)(w, scale, xq, sx, y, rows, n, k, threads);
+    }
     free(xq);
     free(sx);
 }
