@@ -121,6 +121,15 @@ def ggml_linear(x: torch.Tensor, weight: torch.Tensor, type_number: int, *, vari
     return y if bias is None else y.add_(bias)
 
 
+def int4_table(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group: int,
+               k: int) -> torch.Tensor:
+    """The scales operand the whole-MLP and whole-layer kernels' tables (``cpu_tables``) read beside a grouped int4
+    matrix's nibbles (``linear_int4``'s operands: groups of 32, 64 or 128, zero points or none): an int64 table of
+    its scales' and zeros' addresses and its group (``csrc/mla_cpu.h``). It points into them: whoever holds it keeps
+    them."""
+    return ops().int4_table(packed, scales, zeros, group, k)  # type: ignore[no-any-return]
+
+
 def ggml_parts(parts: list[torch.Tensor], type_numbers: list[int], k: int) -> torch.Tensor:
     """The operand the whole-MLP and whole-layer kernels' tables (``cpu_tables``) read for a matrix stacked from parts
     in ggml block types (each as ``ggml_linear`` takes its weight, ``type_numbers`` theirs): an int64 table of the

@@ -424,6 +424,10 @@ def _register_fakes() -> None:
     def _(x, w, type, variant="auto"):  # type: ignore[no-untyped-def]
         return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=torch.float32)
 
+    @lib.register_fake("mla_kernels::int4_table")
+    def _(w, scales, zeros, group, k):  # type: ignore[no-untyped-def]
+        return w.new_empty((6,), dtype=torch.int64)
+
     @lib.register_fake("mla_kernels::ggml_parts")
     def _(parts, types, k):  # type: ignore[no-untyped-def]
         return parts[0].new_empty((3 + 4 * len(parts),), dtype=torch.int64)
@@ -450,5 +454,5 @@ def _register_fakes() -> None:
 
     lib.register_fake("mla_kernels::rope_store", lambda *args, **kwargs: None)
     _FAKES.extend(["linear", "dense_linear", "amx_pack", "amx_linear", "int4_from_stored", "linear_int4", "ggml_linear",
-                   "ggml_parts", "fp4_table", "rms_norm",
+                   "ggml_parts", "int4_table", "fp4_table", "rms_norm",
                    "absorbed_decode", "rope_store"])

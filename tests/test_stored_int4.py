@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mla_kernels import cpu_kernels, cpu_ops, int4_format
+from mla_kernels import cpu_kernels, cpu_ops, cpu_tables, int4_format
 from mla_runtime import LLM, SamplingParams, stored_int4
 from mla_runtime.compressed import main as quantize_main
 from mla_runtime.config import Int4Layout, ModelConfig, UnsupportedScheme, parse_awq_gptq_config
@@ -113,7 +113,48 @@ def test_widened_path_is_the_dequantised_product(gemm_mode, plan, group, monkeyp
         assert ((got.double() - x.double() @ dq.double().T).abs() <= _tolerance(dq, x)).all()
     else:
         torch.testing.assert_close(got, x @ dq.T, rtol=1e-5, atol=1e-6)
-    assert w.row_operand() is None  # the fused one-row kernels read Q4_0 only: this matrix runs product by product
+    assert (w.row_operand() is not None) == w.kernel  # the fused kernels read it where its product is compiled
+
+
+@pytest.mark.skipif(cpu_kernels.failure("int4") is not None, reason="the compiled int4 kernels do not run here")
+def test_the_one_row_mlp_kernel_reads_grouped_and_asymmetric_int4():
+    """Experts in groups of 64 and 128, with zero points or without (AWQ, GPTQ, W4A16), go into the compiled one-row
+    MLP kernel's table as their nibbles and an int4 table, with the bits of their products one by one; a matrix that
+    reads its inputs reordered (act-order) stays out."""
+    d, inter = 256, 128
+    kinds = [(128, True), (64, False), (32, True)]
+    mlps = [(_random_weight(2 * inter, d, g, asym, seed=2 * e), _random_weight(d, inter, g, asym, seed=2 * e + 1))
+            for e, (g, asym) in enumerate(kinds)]
+    table = cpu_tables.GatedMLPTable([(g.row_operand(), w.row_operand()) for g, w in mlps])
+    assert table.table.kinds() == ["int4 groups"] * 6
+    x = torch.randn(1, d)
+
+    def one(gate_up: Int4Weight, down: Int4Weight) -> torch.Tensor:
+        gate, up = gate_up.matmul(x, None).chunk(2, dim=-1)
+        return down.matmul(gate / (1 + torch.exp(-gate)) * up, None)
+    for e in range(3):  # one expert at weight 1: the products' bits (the activation's exp aside: float32 rounding)
+        torch.testing.assert_close(table(x, [e], [1.0]), one(*mlps[e]), rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="int4_table: groups of 32, 64 or 128"):
+        cpu_kernels.int4_table(mlps[0][0].packed, mlps[0][0].scales, mlps[0][0].zeros, 96, d)
+    reordered = _random_weight(8, 64, 32, False, seed=9)
+    reordered.orders = [(8, torch.randperm(64))]
+    assert reordered.row_operand() is None
+
+
+@pytest.mark.skipif(cpu_kernels.failure("int4") is not None, reason="the compiled int4 kernels do not run here")
+def test_an_awq_model_decodes_in_the_whole_layer_kernel(written, monkeypatch):
+    """Every layer of a stored AWQ checkpoint decodes in the compiled whole-layer kernel, and a batch's tokens are
+    each prompt's tokens alone."""
+    path, _ = written("awq", "v3")
+    rows: list[int] = []
+    real = cpu_tables.decoder_layer
+    monkeypatch.setattr(cpu_tables, "decoder_layer", lambda t, s, *a: rows.append(s.rows) or real(t, s, *a))
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 9, 2, 7, 11, 3, 40, 17], [7, 7, 8], list(range(50, 60))]
+    batched = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    assert batched == [llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0].token_ids for p in prompts]
+    assert 1 in rows and max(rows) > 1
 
 
 def test_an_input_order_is_applied_to_the_rows():

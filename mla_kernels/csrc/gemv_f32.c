@@ -179,6 +179,10 @@ static void product_rows(const int64_t *op, const Row *in, int64_t n, int64_t k,
         mla_fp4_share(op[2] - W_FP4, (const uint8_t *)op[0], (const int64_t *)op[1], in->x, y, alpha, add);
         return;
     }
+    if (W_IS_I4G(op[2])) {
+        mla_i4g_share(op[2] - W_I4G, (const uint8_t *)op[0], (const int64_t *)op[1], in->x8, y, alpha, add);
+        return;
+    }
     if (W_IS_I4(op[2])) {
         mla_i4_share(op[2] - W_I4, (const uint8_t *)op[0], (const uint16_t *)op[1], in->x8, y, n, k, alpha, add);
         return;
@@ -421,6 +425,7 @@ static Row prepare_row(const float *x, int64_t k, int kinds, QBuf *q) {
 static int kind_bit(int64_t kind) {  /* the input form a kind reads: float32 rows for float32, half and FP4 weights */
     if (W_IS_GG(kind)) return 1 << W_GG;
     if (W_IS_W8A8(kind)) return 1 << W_W8A8;
+    if (W_IS_I4G(kind)) return 1 << W_I4;  /* the int4 kernels' prepared row */
     return kind == W_BF16 || kind == W_F16 || W_IS_FP4(kind) ? 1 << W_F32 : 1 << (W_IS_I4(kind) ? W_I4 : (int)kind);
 }
 

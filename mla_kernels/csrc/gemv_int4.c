@@ -229,6 +229,17 @@ void mla_i4_share(int64_t variant, const uint8_t *w, const uint16_t *scales, con
     i4_one_row(variant, &mat, xp, y, n * t / nt, n * (t + 1) / nt, alpha, add);
 }
 
+/* Inside a parallel region: this thread's share of the rows of a grouped int4 matrix (its int4 table, mla_cpu.h)
+ * times one prepared row xp, into y [n] (y = alpha * product (+ y where add)): mla_gemm_i4_groups's one row, the
+ * same bits. No barrier. */
+void mla_i4g_share(int64_t variant, const uint8_t *w, const int64_t *table, const uint8_t *xp, float *y, float alpha,
+                   int add) {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads(), n = table[1], group = table[5];
+    const i4_mat mat = {w, (const uint16_t *)(intptr_t)table[3], (const uint8_t *)(intptr_t)table[4],
+                        i4_groups(table[2]), group == 128 ? 2 : group == 64 ? 1 : 0};
+    i4_one_row(variant, &mat, xp, y, n * t / nt, n * (t + 1) / nt, alpha, add);
+}
+
 /* Y [rows, n] = X [rows, k] W^T in float32, W as above with a float16 scale (bit patterns) per group of `group`
  * values (32, 64 or 128; k a multiple of it where it is over 32) and zeros [n, groups] in [0, 16] (NULL: 8). */
 void mla_gemm_i4_groups(const uint8_t *w, const uint16_t *scales, const uint8_t *zeros, int64_t group, const float *x,

@@ -24,20 +24,27 @@
  * [n, 1] as W8A8 checkpoints store them against int8's [n]), W_FP4 + v (E2M1 nibbles [n, k / 2]: gemm_fp4.c, run by
  * its variant v; the scales pointer is the matrix's FP4 table, FP4_FIELDS) or W_GG + v (ggml block types as a GGUF
  * file stores them, gemv_ggml.c, run by its variant v: the weight pointer is the matrix's parts table, GG_PARTS, and
- * there are no scales). Each kind's products give a row the same bits as the matrix's own product (linear,
+ * there are no scales) or W_I4G + v (int4 nibbles in groups of 32, 64 or 128, with or without zero points:
+ * gemv_int4.c's grouped products, run by its variant v; the scales pointer is the matrix's int4 table, I4G_FIELDS). Each kind's products give a row the same bits as the matrix's own product (linear,
  * w8a8_linear, fp4_linear, linear_int4, ggml_linear), alone or beside other rows. ops/cpu_kernels.cpp builds the
  * tables (mla_kernels::mlp_table, layer_table, step_table) from typed arguments. */
-enum WeightKind { W_F32 = 0, W_I8 = 1, W_BF16 = 2, W_F16 = 3, W_I4 = 4, W_W8A8 = 8, W_FP4 = 12, W_GG = 16 };
+enum WeightKind { W_F32 = 0, W_I8 = 1, W_BF16 = 2, W_F16 = 3, W_I4 = 4, W_W8A8 = 8, W_FP4 = 12, W_GG = 16, W_I4G = 20 };
 #define W_IS_I4(kind) ((kind) >= W_I4 && (kind) < W_W8A8)
 #define W_IS_W8A8(kind) ((kind) >= W_W8A8 && (kind) < W_FP4)
 #define W_IS_FP4(kind) ((kind) >= W_FP4 && (kind) < W_GG)
-#define W_IS_GG(kind) ((kind) >= W_GG)
+#define W_IS_GG(kind) ((kind) >= W_GG && (kind) < W_I4G)
+#define W_IS_I4G(kind) ((kind) >= W_I4G)
 
 /* The FP4 table of a matrix [n, k] (k a whole number of groups): int64 {format (FP4_MX or FP4_NV), n, k, the
  * address of its group scales [n, k / group] (MXFP4 UE8M0 bytes, NVFP4 E4M3 bytes), the address of its float32
  * global scales [n] (NVFP4; 0 for MXFP4)}. */
 #define FP4_FIELDS 5
 enum { FP4_MX = 0, FP4_NV = 1 }; /* gemm_fp4.c: MXFP4 (UE8M0 scales per 32) and NVFP4 (E4M3 per 16, global) */
+
+/* The int4 table of a grouped int4 matrix [n, k] (nibbles [n, kp / 2], kp = k rounded up to 32): int64 {W_I4G (what
+ * the table is), n, k, the address of its float16 scales [n, kp / group], the address of its zero points
+ * [n, kp / group] (uint8 in [0, 16]; 0: none, the nibble less 8), the group (32, 64 or 128)}. */
+#define I4G_FIELDS 6
 
 /* A matrix [n, k] in ggml block types, stacked from parts of whole rows (an expert's gate_proj rows in one type
  * beside its up_proj rows in another): int64 {P, n, k, then for each part its ggml type, the address of its first
@@ -109,6 +116,8 @@ void mla_gemm_i4(const uint8_t *w, const uint16_t *scales, const float *x, float
 void mla_gemm_i4_groups(const uint8_t *w, const uint16_t *scales, const uint8_t *zeros, int64_t group, const float *x,
                         float *y, int64_t rows, int64_t n, int64_t k, int64_t threads, int64_t variant);
 int64_t mla_i4_variants(void);
+void mla_i4g_share(int64_t variant, const uint8_t *w, const int64_t *table, const uint8_t *xp, float *y, float alpha,
+                   int add);
 void mla_i4_from_stored(const uint8_t *src, uint8_t *dst, int64_t groups, int64_t threads);
 int64_t mla_q8_row_bytes(int64_t k);
 void mla_q8_prepare(const float *x, int64_t rows, int64_t k, uint8_t *out);

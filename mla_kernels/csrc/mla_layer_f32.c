@@ -43,6 +43,10 @@ static void product(const int64_t *L, int w_field, const float *x, float *y, int
     else if (W_IS_FP4(kind))
         mla_gemm_fp4(((const int64_t *)scale)[0], (const uint8_t *)w, PTR(const uint8_t *, (const int64_t *)scale, 3),
                      PTR(const float *, (const int64_t *)scale, 4), x, y, m, n, k, threads, kind - W_FP4);
+    else if (W_IS_I4G(kind))
+        mla_gemm_i4_groups((const uint8_t *)w, PTR(const uint16_t *, (const int64_t *)scale, 3),
+                           PTR(const uint8_t *, (const int64_t *)scale, 4), ((const int64_t *)scale)[5], x, y, m, n, k,
+                           threads, kind - W_I4G);
     else if (W_IS_I4(kind))
         mla_gemm_i4((const uint8_t *)w, (const uint16_t *)scale, x, y, m, n, k, threads, kind - W_I4);
     else if (kind == W_I8)

@@ -143,7 +143,7 @@ class Int4Weight(QuantizedWeight):
     """A group-wise int4 ``[N, K]`` matrix (module docstring): what ``cpu_gemm.linear`` runs in place of the float
     weight."""
 
-    __slots__ = ("packed", "scales", "k", "kernel", "group", "zeros", "orders")
+    __slots__ = ("packed", "scales", "k", "kernel", "group", "zeros", "orders", "table")
     scheme = "int4"
 
     def __init__(self, packed: torch.Tensor, scales: torch.Tensor, k: int, dtype: torch.dtype, *, group: int = GROUP,
@@ -161,6 +161,7 @@ class Int4Weight(QuantizedWeight):
         self.packed, self.scales, self.k = packed.contiguous(), scales.contiguous(), k
         self.group, self.orders = group, orders
         self.zeros = None if zeros is None else zeros.contiguous()
+        self.table: torch.Tensor | None = None  # row_operand's int4 table of a grouped matrix, made at its first call
         self.bind(default_plan(packed.device))
 
     def bind(self, plan: KernelPlan) -> Int4Weight:
@@ -270,8 +271,17 @@ class Int4Weight(QuantizedWeight):
 
     def row_operand(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The matrix as the compiled layer and MLP kernels read it (``cpu_tables.Operand``), where they run: a matrix
-        in Q4_0's form (``q4_0``); any other runs product by product."""
-        return (self.packed, self.scales) if self.kernel and self.q4_0 else None
+        in Q4_0's form (``q4_0``) as its nibbles and scales; one in other groups or with zero points (AWQ, GPTQ
+        without act-order, W4A16) as its nibbles and the int4 table of its scales and zeros (``cpu_kernels.int4_table``:
+        ``linear_int4``'s product, the same bits). One whose blocks of rows read their inputs reordered (GPTQ's
+        act-order) runs product by product."""
+        if not self.kernel or self.orders is not None:
+            return None
+        if self.q4_0:
+            return self.packed, self.scales
+        if self.table is None:
+            self.table = cpu_kernels.int4_table(self.packed, self.scales, self.zeros, self.group, self.k)
+        return self.packed, self.table
 
     def _dequantize_rows(self, r0: int, r1: int) -> torch.Tensor:
         q = unpack_int4(self.packed[r0:r1]).float().view(r1 - r0, -1, self.group)

@@ -362,6 +362,31 @@ Tensor fp4_table(const Tensor& w, const Tensor& scales, const OptTensor& global)
   return table;
 }
 
+// The int4 table (../mla_cpu.h, I4G_FIELDS) of a grouped int4 matrix as linear_int4 takes it (nibbles w [N, Kp / 2],
+// float16 scales and, for asymmetric groups, uint8 zero points [N, Kp / group], K values a row): the scales operand
+// of the tables' W_I4G operand (w, this table). The table holds the scales' and zeros' addresses: whoever holds it
+// keeps them.
+Tensor int4_table(const Tensor& w, const Tensor& scales, const OptTensor& zeros, int64_t group, int64_t k) {
+  const char* op = "int4_table";
+  TORCH_CHECK_VALUE(group == 32 || group == 64 || group == 128, op, ": groups of 32, 64 or 128 values, got ", group);
+  TORCH_CHECK_VALUE(k >= 1 && (group == 32 || k % group == 0), op, ": rows of ", k, " values are not whole groups of ",
+                    group);
+  const int64_t n = w.dim() == 2 ? w.size(0) : 0, kp = cdiv(k, 32) * 32;
+  TORCH_CHECK_VALUE(n >= 1, op, ": the nibbles must be uint8 [N, ", kp / 2, "], got ", w.sizes());
+  expect(w, at::kByte, {n, kp / 2}, op, "the int4 nibbles");
+  expect(scales, at::kHalf, {n, cdiv(kp, group)}, op, "the int4 group scales");
+  if (zeros) expect(*zeros, at::kByte, {n, cdiv(kp, group)}, op, "the int4 zero points");
+  Tensor table = at::empty({I4G_FIELDS}, at::kLong);
+  int64_t* t = table.data_ptr<int64_t>();
+  t[0] = W_I4G;
+  t[1] = n;
+  t[2] = k;
+  t[3] = address(scales);
+  t[4] = address(zeros);
+  t[5] = group;
+  return table;
+}
+
 // compressed-tensors' pack-quantized int4 bytes [N, K / 2] (low nibble first) -> the nibble order linear reads.
 Tensor int4_from_stored(const Tensor& stored) {
   TORCH_CHECK_VALUE(stored.device().is_cpu() && stored.scalar_type() == at::kByte && stored.dim() == 2 &&
@@ -651,6 +676,7 @@ void rope_store(const Tensor& latent, const Tensor& norm, double eps, const Tens
 
 const char* kind_name(int64_t kind) {
   return W_IS_GG(kind) ? "ggml" : W_IS_FP4(kind) ? "fp4" : W_IS_W8A8(kind) ? "w8a8" : W_IS_I4(kind) ? "int4"
+       : W_IS_I4G(kind) ? "int4 groups"
        : kind == W_I8 ? "int8" : kind == W_BF16 ? "bfloat16" : kind == W_F16 ? "float16" : "float32";
 }
 
@@ -691,6 +717,16 @@ int64_t fp4_operand(const Tensor& w, const Tensor& table, int64_t n, int64_t k, 
   return W_FP4 + fastest(mla_float_variants());  // fp4_linear's "auto"
 }
 
+// Grouped int4 nibbles w with their int4 table (int4_table) as an operand [n, k]: the table checked again.
+int64_t i4g_operand(const Tensor& w, const Tensor& table, int64_t n, int64_t k, const char* name) {
+  const int64_t* t = table.data_ptr<int64_t>(), runs = mla_i4_variants();
+  TORCH_CHECK_VALUE(runs != 0, name, ": no int4 variant runs on this CPU");
+  TORCH_CHECK_VALUE(t[0] == W_I4G && t[1] == n && t[2] == k && t[3] != 0 && (t[5] == 32 || t[5] == 64 || t[5] == 128),
+                    name, ": the int4 table is not one of a matrix [", n, ", ", k, "] (mla_kernels::int4_table)");
+  expect(w, at::kByte, {n, cdiv(k, 32) * 16}, name, "the int4 nibbles");
+  return W_I4G + fastest(runs);  // linear_int4's "auto"
+}
+
 // An int8 weight's row scales: [n] for int8 (W_I8: rows rounded to int16), [n, 1] for W8A8 (W_W8A8: rows rounded to
 // int8 per row, as w8a8_linear rounds them; W8A8 checkpoints store their scales so).
 int64_t int8_kind(const Tensor& scales, int64_t n, const char* name) {
@@ -710,6 +746,9 @@ void operand(int64_t* out, const Tensor& w, const OptTensor& scales, int64_t n, 
   int64_t kind = W_F32;
   if (dtype == at::kLong && w.dim() == 1) {
     kind = ggml_operand(w, scales, n, k, name);
+  } else if (dtype == at::kByte && scales.has_value() && scales->scalar_type() == at::kLong &&
+             scales->dim() == 1 && scales->numel() == I4G_FIELDS) {
+    kind = i4g_operand(w, *scales, n, k, name);
   } else if (dtype == at::kByte && scales.has_value() && scales->scalar_type() == at::kLong) {
     kind = fp4_operand(w, *scales, n, k, name);
   } else if (dtype == at::kByte) {  // int4
@@ -1093,6 +1132,7 @@ TORCH_LIBRARY_FRAGMENT(mla_kernels, m) {
   m.def("ggml_linear(Tensor x, Tensor w, int type, str variant=\"auto\") -> Tensor");
   m.def("ggml_parts(Tensor[] parts, int[] types, int k) -> Tensor");
   m.def("fp4_table(Tensor w, Tensor scales, Tensor? global_scales=None) -> Tensor");
+  m.def("int4_table(Tensor w, Tensor scales, Tensor? zeros, int group, int k) -> Tensor");
   m.def("amx_pack(Tensor w) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor packed) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -1152,6 +1192,7 @@ TORCH_LIBRARY_IMPL(mla_kernels, CPU, m) {
   m.impl("ggml_linear", &ggml_linear);
   m.impl("ggml_parts", &ggml_parts);
   m.impl("fp4_table", &fp4_table);
+  m.impl("int4_table", &int4_table);
   m.impl("amx_pack", &amx_pack);
   m.impl("amx_linear", &amx_linear);
   m.impl("rms_norm", &rms_norm);
