@@ -29,6 +29,7 @@ from mla_runtime.layers.fp4 import Fp4Weight, Mxfp4Weight, Nvfp4Weight
 from mla_runtime.layers.quantization import finish_quantization, quantized_weights
 from mla_runtime.loader import _Reader, checkpoint_files, load_model
 from tests.checkpoints import build_hf_model, save_checkpoint
+from tests.layer_kernel import decode_in_layer_kernel
 from tests.test_w8a8 import open_gates
 
 FORMATS = {"mxfp4": Mxfp4Weight, "nvfp4": Nvfp4Weight}
@@ -347,27 +348,7 @@ def test_a_process_capped_at_avx2_gives_the_same_tokens(written):
 def test_decode_steps_run_the_whole_layer_kernel_on_fp4_matrices(written, monkeypatch):
     """Every layer of an MXFP4 model decodes in the compiled whole-layer kernel (one call a layer, its matrices read as
     FP4), and a batch's tokens are each prompt's tokens alone."""
-    path = written[1]["mxfp4"]
-    rows: list[int] = []
-    kinds: set[str] = set()
-    tables: set[int] = set()
-    real = cpu_tables.decoder_layer
-
-    def counted(table, step, *args):  # type: ignore[no-untyped-def]
-        rows.append(step.rows)
-        tables.add(id(table))
-        kinds.update(table.table.kinds())
-        return real(table, step, *args)
-
-    monkeypatch.setattr(cpu_tables, "decoder_layer", counted)
-    llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB")
-    layers = ModelConfig.from_pretrained(path).num_hidden_layers
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    prompts = [*PROMPTS, [7, 7, 8], list(range(50, 60))]
-    batched = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
-    assert batched == [llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0].token_ids for p in prompts]
-    assert kinds == {"fp4"} and 1 in rows and max(rows) > 1
-    assert len(rows) % layers == 0 and len(tables) == layers  # every layer of every step
+    assert decode_in_layer_kernel(written[1]["mxfp4"], monkeypatch) == {"fp4"}
 
 
 @pytest.mark.parametrize("variant", FORMATS)

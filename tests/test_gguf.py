@@ -34,6 +34,7 @@ from tests.gguf_files import (
     reference_model,
     write_gguf,
 )
+from tests.layer_kernel import decode_in_layer_kernel
 
 # llama.cpp stores only YaRN's mscale_all_dim for this architecture and applies no magnitude of its own to the rotary
 # tables: a GGUF stands for DeepSeek's configs, whose mscale equals it
@@ -296,15 +297,7 @@ def test_the_one_row_mlp_kernel_reads_stored_blocks():
 def test_decode_steps_run_the_whole_layer_kernel_on_stored_blocks(written, monkeypatch):
     """Every layer of a file of nine block types decodes in the compiled whole-layer kernel (one call a layer), and a
     batch's tokens are each prompt's tokens alone."""
-    _, path, _ = written("v3_mixed_kquants")
-    rows: list[int] = []
-    real = cpu_tables.decoder_layer
-    monkeypatch.setattr(cpu_tables, "decoder_layer", lambda t, s, *a: rows.append(s.rows) or real(t, s, *a))
-    llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB")
-    prompts = [*PROMPTS, [7, 7, 8], list(range(50, 60))]
-    batched = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)]
-    assert batched == [llm.generate([{"prompt_token_ids": p}], PARAMS)[0].outputs[0].token_ids for p in prompts]
-    assert 1 in rows and max(rows) > 1
+    assert "ggml" in decode_in_layer_kernel(written("v3_mixed_kquants")[1], monkeypatch)
 
 
 def test_split_files_load_from_the_first_part_or_the_folder(written, tmp_path):

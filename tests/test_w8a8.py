@@ -30,6 +30,7 @@ from mla_runtime.layers.w8a8 import W8A8Weight, quantize_w8a8
 from mla_runtime.loader import load_model
 from mla_runtime.parallel import ParallelContext
 from tests.checkpoints import build_hf_model
+from tests.layer_kernel import decode_in_layer_kernel
 
 needs_kernel = pytest.mark.skipif(cpu_kernels.failure("w8a8") is not None,
                                   reason=f"the W8A8 kernel does not run here: {cpu_kernels.failure('w8a8')}")
@@ -374,27 +375,7 @@ def test_a_rank_quantising_its_columns_while_loading_takes_the_whole_rows_scales
 def test_decode_steps_run_the_whole_layer_kernel_on_w8a8_matrices(written, monkeypatch):
     """Every layer of a W8A8 model decodes in the compiled whole-layer kernel (one call a layer, its matrices read as
     W8A8), and a batch's tokens are each prompt's tokens alone."""
-    _, ct, _ = written
-    rows: list[int] = []
-    kinds: set[str] = set()
-    tables: set[int] = set()
-    real = cpu_tables.decoder_layer
-
-    def counted(table, step, *args):  # type: ignore[no-untyped-def]
-        rows.append(step.rows)
-        tables.add(id(table))
-        kinds.update(table.table.kinds())
-        return real(table, step, *args)
-
-    monkeypatch.setattr(cpu_tables, "decoder_layer", counted)
-    llm = LLM(str(ct), dtype="float32", kv_cache_memory="8MiB")
-    layers = ModelConfig.from_pretrained(ct).num_hidden_layers
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    prompts = [*PROMPTS, [7, 7, 8], list(range(50, 60))]
-    batched = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
-    assert batched == [llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0].token_ids for p in prompts]
-    assert kinds == {"w8a8"} and 1 in rows and max(rows) > 1
-    assert len(rows) % layers == 0 and len(tables) == layers  # every layer of every step
+    assert decode_in_layer_kernel(written[1], monkeypatch) == {"w8a8"}
 
 
 def test_a_v2_checkpoint_gives_the_reference_tokens(tiny_checkpoint, tmp_path):
