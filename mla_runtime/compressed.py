@@ -267,7 +267,9 @@ def write_quantized_checkpoint(src: str | Path, out: str | Path, quantization: s
     quantises it (from its float32 values), so loading ``out`` gives the same weights without the work."""
     from safetensors.torch import save_file
 
-    from mla_runtime.config import ModelConfig
+    from mla_runtime.config import ModelConfig, load_config_dict
+    from mla_runtime.gguf_meta import gguf_files, load_gguf_tokenizer, open_gguf
+    from mla_runtime.gguf_reader import GgufTensors
     from mla_runtime.layers.quantization import quantized_parameter_names
     from mla_runtime.loader import _Reader, checkpoint_files, checkpoint_layout
     from mla_runtime.models.hybrid import causal_lm
@@ -276,23 +278,25 @@ def write_quantized_checkpoint(src: str | Path, out: str | Path, quantization: s
     if quantization not in STORED_FORMATS:
         raise ValueError(f"quantization: {', '.join(STORED_FORMATS)}, got {quantization!r}")
     src, out = Path(src), Path(out)
-    raw = json.loads((src / "config.json").read_text())
+    gguf = gguf_files(src) is not None  # a GGUF file: its blocks widened to float32, then quantised
+    raw = {k: v for k, v in load_config_dict(src).items() if k != "gguf_stored_bits"}
     cfg = ModelConfig.from_pretrained(src)
-    if cfg.stored_quantization is not None:
+    if cfg.stored_quantization is not None and not gguf:
         raise ValueError(f"{src} is already quantised ({cfg.stored_quantization}); quantise its original instead")
     out.mkdir(parents=True, exist_ok=True)
-    files = checkpoint_files(src)
+    reader: Any = GgufTensors(open_gguf(src), torch.device("cpu")) if gguf else _Reader(checkpoint_files(src))
+    files: dict[str, Path] = reader.files
     with torch.device("meta"):
         model = causal_lm(ResolvedConfig(cfg, torch.float32, num_mtp_layers=cfg.num_nextn_predict_layers))
     products = set(quantized_parameter_names(model))
     table = checkpoint_layout(cfg, num_mtp_layers=cfg.num_nextn_predict_layers)
-    reader = _Reader(files)
     block = cfg.fp8_block_size
     scales = {n for n in files if n.endswith(".weight_scale_inv")}
-    shards: dict[Path, list[str]] = {}
+    shards: dict[Path | str, list[str]] = {}
     for name, f in files.items():
-        if name not in scales:
-            shards.setdefault(f, []).append(name)
+        if name not in scales:  # a GGUF's tensors lie in one file: written a decoder layer a shard
+            shards.setdefault(".".join(name.split(".")[:3]) if gguf and name.startswith("model.layers.") else f,
+                              []).append(name)
     weight_map: dict[str, str] = {}
     ignore: set[str] = set()
     for i, names in enumerate(shards.values()):
@@ -313,7 +317,11 @@ def write_quantized_checkpoint(src: str | Path, out: str | Path, quantization: s
     if block is not None:
         raw["torch_dtype"] = "bfloat16"  # what the FP8 source's unquantised tensors are written in
     (out / "config.json").write_text(json.dumps(raw, indent=2))
-    for extra in COPIED_FILES:
+    if gguf:  # the tokenizer the file's metadata describes, chat template included
+        tokenizer = load_gguf_tokenizer(src)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(out))
+    for extra in () if gguf else COPIED_FILES:
         if (src / extra).is_file():
             shutil.copyfile(src / extra, out / extra)  # the content: the permissions are the umask's
     return out
@@ -357,7 +365,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     ap = argparse.ArgumentParser(prog=prog, formatter_class=DefaultsHelpFormatter,
                                  description="Write a checkpoint's weights pre-quantised, in the compressed-tensors "
                                              "format: loading it then reads the quantised weights as stored.")
-    ap.add_argument("--model", required=True, help="checkpoint folder or hub repo id")
+    ap.add_argument("--model", required=True, help="checkpoint folder, GGUF file or hub repo id")
     ap.add_argument("--revision", default=None, help="hub revision (with a repo id)")
     ap.add_argument("--quantization", required=True, choices=sorted(STORED_FORMATS))
     ap.add_argument("--out", required=True, help="folder to write (created; must not hold a checkpoint already)")

@@ -513,6 +513,32 @@ def test_the_demo_model_as_a_gguf_file_answers_as_its_checkpoint(demo_gguf):
     assert got[0].outputs[0].text == want[0].outputs[0].text
 
 
+def test_quantize_writes_a_gguf_file_in_our_formats(demo_gguf, written, tmp_path):
+    """``mla-runtime quantize`` takes a GGUF file: its matrices (block types widened to float32 first) quantised as
+    loading quantises them, the config and the tokenizer with its chat template from the metadata."""
+    from mla_runtime.compressed import main as quantize_main
+    from mla_runtime.layers.quantization import Int8Weight
+    from mla_runtime.tokenizer import apply_chat_template
+
+    out = tmp_path / "demo-int8"
+    assert quantize_main(["--model", str(demo_gguf), "--quantization", "int8", "--out", str(out)]) == 0
+    want_tok, got_tok = load_tokenizer(demo_gguf), load_tokenizer(out)
+    chat = [{"role": "user", "content": "Write a loop."}]
+    assert apply_chat_template(got_tok, chat) == apply_chat_template(want_tok, chat)
+    assert got_tok.encode("def fibonacci(n):") == want_tok.encode("def fibonacci(n):")
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    want = LLM(str(demo_gguf), dtype="float32", quantization="int8", kv_cache_memory="16MiB").generate(["f"], params)
+    got = LLM(str(out), dtype="float32", kv_cache_memory="16MiB").generate(["f"], params)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    _, path, _ = written("v3_mixed_kquants")  # K-quant blocks: int8 of the values they stand for
+    quantize_main(["--model", str(path), "--quantization", "int8", "--out", str(tmp_path / "kq")])
+    stored, copy = load_model(path, dtype="float32"), load_model(tmp_path / "kq", dtype="float32")
+    a = stored.model.layers[1].mlp.experts.gate_up_packed[0]  # an expert's gate Q2_K beside its up Q3_K
+    b = copy.model.layers[1].mlp.experts.gate_up_packed[0]
+    assert isinstance(a, GgufWeight) and a.types == ["Q2_K", "Q3_K"] and isinstance(b, Int8Weight)
+    assert torch.equal(b.dequantize(), Int8Weight.quantize(a.dequantize()).dequantize())
+
+
 @pytest.mark.parametrize("pre, pieces", [
     # DeepSeek-V2's splits run in turn: its ASCII-punctuation one (whose ":-~" takes in the Latin letters) cuts "mega"
     # from a run of letters it did not start
