@@ -268,7 +268,7 @@ def write_quantized_checkpoint(src: str | Path, out: str | Path, quantization: s
     from safetensors.torch import save_file
 
     from mla_runtime.config import ModelConfig, load_config_dict
-    from mla_runtime.gguf_meta import gguf_files, load_gguf_tokenizer, open_gguf
+    from mla_runtime.gguf_meta import gguf_files, open_gguf
     from mla_runtime.gguf_reader import GgufTensors
     from mla_runtime.layers.quantization import quantized_parameter_names
     from mla_runtime.loader import _Reader, checkpoint_files, checkpoint_layout
@@ -292,11 +292,7 @@ def write_quantized_checkpoint(src: str | Path, out: str | Path, quantization: s
     table = checkpoint_layout(cfg, num_mtp_layers=cfg.num_nextn_predict_layers)
     block = cfg.fp8_block_size
     scales = {n for n in files if n.endswith(".weight_scale_inv")}
-    shards: dict[Path | str, list[str]] = {}
-    for name, f in files.items():
-        if name not in scales:  # a GGUF's tensors lie in one file: written a decoder layer a shard
-            shards.setdefault(".".join(name.split(".")[:3]) if gguf and name.startswith("model.layers.") else f,
-                              []).append(name)
+    shards = _shards(files, scales, gguf)
     weight_map: dict[str, str] = {}
     ignore: set[str] = set()
     for i, names in enumerate(shards.values()):
@@ -317,14 +313,34 @@ def write_quantized_checkpoint(src: str | Path, out: str | Path, quantization: s
     if block is not None:
         raw["torch_dtype"] = "bfloat16"  # what the FP8 source's unquantised tensors are written in
     (out / "config.json").write_text(json.dumps(raw, indent=2))
-    if gguf:  # the tokenizer the file's metadata describes, chat template included
+    _copy_tokenizer(src, out, gguf)
+    return out
+
+
+def _shards(files: dict[str, Path], scales: set[str], gguf: bool) -> dict[Path | str, list[str]]:
+    """The tensors each output shard holds: a source shard's (its FP8 scales left out), or for a GGUF file, whose
+    tensors lie in one file, a decoder layer's."""
+    shards: dict[Path | str, list[str]] = {}
+    for name, f in files.items():
+        if name not in scales:
+            shards.setdefault(".".join(name.split(".")[:3]) if gguf and name.startswith("model.layers.") else f,
+                              []).append(name)
+    return shards
+
+
+def _copy_tokenizer(src: Path, out: Path, gguf: bool) -> None:
+    """The source's tokenizer files into ``out``; for a GGUF file, the tokenizer its metadata describes (chat
+    template included)."""
+    from mla_runtime.gguf_meta import load_gguf_tokenizer
+
+    if gguf:
         tokenizer = load_gguf_tokenizer(src)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(out))
-    for extra in () if gguf else COPIED_FILES:
+        return
+    for extra in COPIED_FILES:
         if (src / extra).is_file():
             shutil.copyfile(src / extra, out / extra)  # the content: the permissions are the umask's
-    return out
 
 
 def _convert(name: str, tensors: dict[str, torch.Tensor], ignore: set[str], reader: Any, product: bool,
