@@ -325,17 +325,24 @@ PRODUCT_PARAMS = {
 }
 
 
+# the tensors outside the blocks that load as stored: the head, and an untied embedding (``layers.embedding``)
+TOP_STORED = {"output.weight": "lm_head", "token_embd.weight": "model.embed_tokens.weight"}
+
+
 def stored_bits(g: GgufModel) -> dict[str, float]:
-    """The bits per weight of each product parameter the file stores quantised: its tensors' bytes over their values
-    (a float tensor stacked with a quantised one stays in its type too); one stored in float types alone is left out,
-    as it loads in the model's format."""
+    """The bits per weight of each product parameter (and untied embedding) the file stores quantised: its tensors'
+    bytes over their values (a float tensor stacked with a quantised one stays in its type too); one stored in float
+    types alone is left out, as it loads in the model's format. (On more than one rank the embedding loads widened:
+    ``footprint.weight_footprint`` leaves it out there.)"""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     sizes: dict[str, list[int]] = {}
     quantised: set[str] = set()
     for name, t in g.tensors.items():
         m = _BLOCK_RE.match(name)
-        template = "lm_head" if name == "output.weight" else PRODUCT_PARAMS.get(m[2]) if m else None
+        template = TOP_STORED.get(name) if name in TOP_STORED else PRODUCT_PARAMS.get(m[2]) if m else None
+        if name == "token_embd.weight" and "output.weight" not in g.tensors:
+            continue  # a tied table is the head's weight too, and loads in the model's format
         if template is None or t.type_name not in SUPPORTED_TYPES:
             continue
         param = template.format(i=m[1] if m else "")

@@ -211,6 +211,17 @@ class GgufWeight(QuantizedWeight):
         """The float32 matrix this one stands for."""
         return self._dequantize_rows(0, self.shape[0])
 
+    def gather_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Float32 rows ``index`` of the matrix: each part's rows picked from its bytes, then widened together."""
+        out = torch.empty(index.numel(), self.k, dtype=torch.float32, device=index.device)
+        first = 0
+        for type_name, data in self.parts:
+            mine = ((index >= first) & (index < first + data.shape[0])).nonzero().flatten()
+            if mine.numel():
+                out[mine] = dequantize_rows(type_name, data[index[mine] - first], self.k)
+            first += data.shape[0]
+        return out
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [..., K]`` (any float dtype) -> ``x · Wᵀ (+ bias)`` in ``x``'s dtype: each part of a type the compiled
         kernels read from its blocks, the others widened a block of rows at a time (module docstring)."""
