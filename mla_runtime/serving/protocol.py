@@ -269,6 +269,7 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool's answer names the call
+    reasoning_content: str | None = None  # an assistant's earlier thinking, for a format that shows it again
 
     def text(self, index: int) -> str:
         if self.content is None:
@@ -323,6 +324,8 @@ class ChatRequest(OpenAIFields):
                 msg["tool_calls"] = m.tool_calls
             if m.tool_call_id is not None:
                 msg["tool_call_id"] = m.tool_call_id
+            if m.reasoning_content is not None and m.role == "assistant":
+                msg["reasoning_content"] = m.reasoning_content
             out.append(msg)
         return out
 
