@@ -565,9 +565,9 @@ def every_marker() -> set[str]:
 
 
 # the template text that tells each syntax apart, most specific first
-_TEMPLATE_SIGNS = ((DSML_V4_CALLS, "deepseek_v4"), (DSML_TAG, "deepseek_v32"), (KIMI_SECTION, "kimi_k2"), ("<arg_key>", "glm45"),
-                   (MISTRAL_CALLS, "mistral"), (CPM_CALLS, "minicpm3"), ("<longcat_tool_call>", "longcat"),
-                   ("<tool_call>", "hermes"))
+_TEMPLATE_SIGNS = ((DSML_V4_CALLS, "deepseek_v4"), (DSML_TAG, "deepseek_v32"), (KIMI_SECTION, "kimi_k2"),
+                   ("<arg_key>", "glm45"), (MISTRAL_CALLS, "mistral"), (CPM_CALLS, "minicpm3"),
+                   ("<longcat_tool_call>", "longcat"), ("<tool_call>", "hermes"))
 
 
 def choose_tool_parser(setting: str, model_type: str | None, chat_template: Any) -> str | None:
