@@ -10,17 +10,20 @@ where that fails, again with the text as the client sent it.
 
 A checkpoint whose chat format is written in code rather than in a template (DeepSeek-V4's ships
 ``encoding/encoding_dsv4.py``) has a built-in format where its tokenizer has no ``chat_template``: ``load_tokenizer``
-records it (``chat_format``) from the checkpoint's ``model_type`` (``BUILT_IN_FORMATS``), and ``apply_chat_template``
-renders with it (``v4_chat.render``).
+records it (``chat_format``) from the checkpoint's ``model_type`` (``BUILT_IN_FORMATS``; not where the checkpoint's
+``encoding/`` folder holds another encoder), and ``apply_chat_template`` renders with it (``v4_chat.render``).
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger("mla_runtime")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 BUILT_IN_FORMATS = ("deepseek_v4",)  # model types whose chat format is built in (module docstring)
@@ -40,10 +43,26 @@ def load_tokenizer(path: str | Path) -> Any | None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(p), local_files_only=True, trust_remote_code=False)
-    model_type = _model_type(p)
-    if model_type in BUILT_IN_FORMATS and not getattr(tokenizer, "chat_template", None):
-        setattr(tokenizer, FORMAT_ATTR, model_type)
+    built_in = _built_in_format(p)
+    if built_in is not None and not getattr(tokenizer, "chat_template", None):
+        setattr(tokenizer, FORMAT_ATTR, built_in)
     return tokenizer
+
+
+def _built_in_format(path: Path) -> str | None:
+    """The built-in chat format of the checkpoint at ``path``: its ``model_type``'s, unless the checkpoint's own
+    encoder is another one (an ``encoding/`` folder without DeepSeek-V4's ``encoding_dsv4.py``: V4.1's encoder writes
+    another format)."""
+    model_type = _model_type(path)
+    if model_type not in BUILT_IN_FORMATS:
+        return None
+    encoders = path / "encoding"
+    if encoders.is_dir() and not (encoders / "encoding_dsv4.py").is_file():
+        logger.warning("%s: the checkpoint's chat encoder (encoding/) is not DeepSeek-V4's encoding_dsv4.py: its "
+                       "chats are not rendered with the built-in DeepSeek-V4 format; give the tokenizer a "
+                       "chat_template", path)
+        return None
+    return model_type
 
 
 def _model_type(path: Path) -> str | None:

@@ -199,6 +199,11 @@ def test_a_checkpoint_without_a_template_is_rendered_with_the_built_in_format(tm
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
     assert chat_format(load_tokenizer(tmp_path)) is None  # another model's: none built in
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
+    (tmp_path / "encoding").mkdir()
+    (tmp_path / "encoding" / "encoding.py").write_text("")
+    assert chat_format(load_tokenizer(tmp_path)) is None  # an encoder of another format (V4.1's)
+    (tmp_path / "encoding" / "encoding_dsv4.py").write_text("")
+    assert chat_format(load_tokenizer(tmp_path)) == "deepseek_v4"
     tok = copy.deepcopy(tok)
     tok.chat_template = "{{ messages[0]['content'] }}"
     tok.save_pretrained(tmp_path)
