@@ -26,7 +26,8 @@ Thinking is on by default; ``chat_template_kwargs`` sets the rest (``OPTIONS``):
 ``enable_thinking``) false for the non-thinking mode; ``reasoning_effort`` ``"high"`` (the default: nothing is
 written), ``"max"`` or ``"none"`` (the non-thinking mode); ``drop_thinking`` false to keep earlier turns' thinking
 (it is always kept where the request has tools, as the encoder keeps it); ``response_format``: a schema (any JSON
-value) the answer must follow, shown to the model after the system text.
+value) the answer must follow, shown to the model after the system text. A chat request's own ``reasoning_effort``
+(OpenAI's levels) sets the format's where ``chat_template_kwargs`` does not (``request_effort``).
 """
 
 from __future__ import annotations
@@ -105,6 +106,19 @@ def options(kwargs: dict[str, Any]) -> V4Options:
                      response_format=kwargs.get("response_format"))
 
 
+# OpenAI's reasoning_effort levels, as the format's: no thinking, or thinking at the default or maximum effort
+REQUEST_EFFORTS = {"none": "none", "minimal": "high", "low": "high", "medium": "high", "high": "high",
+                   "xhigh": "high", "max": "max"}
+
+
+def request_effort(value: str) -> str:
+    """The format's ``reasoning_effort`` for a chat request's own ``reasoning_effort`` (OpenAI's levels, and ``max``):
+    V4 thinks at one default effort or at the maximum; an unknown level is an ``InvalidParam``."""
+    if value not in REQUEST_EFFORTS:
+        raise InvalidParam("reasoning_effort", f"must be one of {', '.join(REQUEST_EFFORTS)}, got {value!r}")
+    return REQUEST_EFFORTS[value]
+
+
 def _json(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
@@ -162,7 +176,8 @@ def _user_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _order_results(turns: list[dict[str, Any]]) -> None:
     """Each user turn's tool results in the order of the last calls made before it (by ``tool_call_id``; a result
-    naming no call made goes first), in the places the results take among its parts."""
+    naming no call made is ordered as the first call's, as the encoder orders it), in the places the results take
+    among its parts."""
     order: dict[str, int] = {}
     for turn in turns:
         if turn["role"] == "assistant" and turn.get("tool_calls"):

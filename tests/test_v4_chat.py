@@ -260,6 +260,25 @@ def test_the_server_thinks_by_default_and_parses_v4_calls(v4_server):
         assert got["finish_reason"] == "tool_calls" and got["message"]["content"] == "Checking."
         assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
                 for c in got["message"]["tool_calls"]] == [("get_weather", {"city": "Paris", "days": 3})]
-    r = httpx.post(v4_server.base + "/v1/chat/completions", timeout=60, json={
-        "messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"reasoning_effort": "low"}})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+    for body, param in (({"chat_template_kwargs": {"reasoning_effort": "low"}}, "chat_template_kwargs"),
+                        ({"reasoning_effort": "extreme"}, "reasoning_effort")):
+        r = httpx.post(v4_server.base + "/v1/chat/completions", timeout=60,
+                       json={"messages": [{"role": "user", "content": "x"}], **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_the_requests_own_reasoning_effort_sets_the_formats(v4_server):
+    """OpenAI's ``reasoning_effort``: ``none`` answers without thinking (all content), ``max`` writes the maximum
+    effort's instruction (a longer prompt), the other levels think at the default effort."""
+    bias = {str(i): -100 for i in v4_server.app.state.runtime.tokenizer.encode("</think>")}
+    plain = chat(v4_server, max_tokens=3, logit_bias=bias, reasoning_effort="none")["message"]
+    assert plain["content"] and plain["reasoning_content"] is None
+
+    def prompt_tokens(**body) -> int:
+        r = httpx.post(v4_server.base + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "x"}], "max_tokens": 1, **body})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    assert prompt_tokens(reasoning_effort="low") == prompt_tokens() < prompt_tokens(reasoning_effort="max")
+    assert prompt_tokens(reasoning_effort="max", chat_template_kwargs={"reasoning_effort": "high"}) == prompt_tokens()

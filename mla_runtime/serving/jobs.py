@@ -27,6 +27,7 @@ from mla_runtime.serving.runtime import ServingRuntime
 from mla_runtime.serving.tool_parsers import choose_tool_parser, every_marker
 from mla_runtime.serving.tools import renders_tools
 from mla_runtime.tokenizer import apply_chat_template, chat_format
+from mla_runtime.v4_chat import request_effort
 
 PROMPT_TAIL_TOKENS = 32  # the prompt's last tokens, read for an open <think> (the template's generation prompt)
 
@@ -157,7 +158,7 @@ class JobBuilder:
         tools = req.tool_mode(self.tool_syntax())
         messages = req.plain_messages()
         self.check_text("".join(m["content"] for m in messages), "messages")
-        ids = self.chat_prompt(messages, req.tool_dicts() if tools else None, req.chat_template_kwargs)
+        ids = self.chat_prompt(messages, req.tool_dicts() if tools else None, self.template_kwargs(req))
         requested, param = req.requested_max_tokens()
         max_tokens = self.output_limit([len(ids)], requested, param, None, prompt_param="messages")
         params, reasoning = req.sampling_params(max_tokens), self.reasoning(ids)
@@ -167,6 +168,18 @@ class JobBuilder:
                    stream=req.stream, include_usage=bool(req.stream_options and req.stream_options.include_usage),
                    logprobs=req.logprobs_count(), token_text=self.token_text, tools=tools, raw_text=self.raw_text,
                    reasoning=reasoning)
+
+    def template_kwargs(self, req: ChatRequest) -> dict[str, Any] | None:
+        """The request's ``chat_template_kwargs``, with its ``reasoning_effort`` as the variable of DeepSeek-V4's
+        built-in format where the format renders the chat and the variable is not set (``v4_chat.request_effort``)."""
+        kwargs = req.chat_template_kwargs
+        if req.reasoning_effort is None or chat_format(self.rt.tokenizer) != "deepseek_v4" \
+                or "reasoning_effort" in (kwargs or {}):
+            return kwargs
+        try:
+            return {**(kwargs or {}), "reasoning_effort": request_effort(req.reasoning_effort)}
+        except InvalidParam as e:
+            raise ApiError(400, f"{e.param}: {e}", param=e.param) from e
 
     def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                     template_kwargs: dict[str, Any] | None) -> list[int]:

@@ -315,6 +315,9 @@ class ChatRequest(OpenAIFields):
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, description=(
         "Variables for the chat template besides the messages, e.g. {\"thinking\": true}"))
+    reasoning_effort: str | None = Field(default=None, description=(
+        "OpenAI's reasoning effort (none, minimal, low, medium, high, xhigh; and max): read by DeepSeek-V4's built-in "
+        "chat format (none: no thinking; max: its maximum effort; the others: its default), ignored by chat templates"))
 
     def plain_messages(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
