@@ -1,6 +1,6 @@
 """DeepSeek-V4's chat format, built in: its checkpoints ship the prompt format as a Python encoder
 (``encoding/encoding_dsv4.py``), not as a chat template, so a ``deepseek_v4`` checkpoint whose tokenizer has no
-``chat_template`` has its chats rendered here (``tokenizer.apply_chat_template``).
+``chat_template`` has its chats rendered here (by ``mla_runtime.tokenizer.apply_chat_template``).
 
 The prompt, as DeepSeek-V4's encoder writes it:
 
