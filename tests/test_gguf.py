@@ -233,7 +233,7 @@ def test_the_test_k_quantisers_follow_the_block_layout(type_name, tolerance):
 
 @pytest.mark.parametrize("type_name", sorted(TORCH_BLOCKS))
 def test_the_torch_dequantisers_equal_the_packages(type_name):
-    """The torch dequantisers another device takes give the ``gguf`` package's values, on quantised weights and on
+    """The torch dequantisers give the ``gguf`` package's values, on quantised weights and on
     random bytes (every bit of every field read where the package reads it)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import quantize
