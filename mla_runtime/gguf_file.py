@@ -96,7 +96,7 @@ class GgufHeader:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.map = np.memmap(path, dtype=np.uint8, mode="c")
-        cursor = _Cursor(memoryview(self.map))
+        cursor = _Cursor(memoryview(self.map.data))
         try:
             self._read(cursor)
         except struct.error as e:
