@@ -90,7 +90,8 @@ def test_engine_info_is_the_planners_and_prefix_caching_takes_sized_snapshots(ch
         finally:
             llm.shutdown()
     with pytest.raises(InvalidParam, match="state_snapshot_memory") as e:
-        LLM(str(checkpoint), dtype="float32", max_model_len=96, kv_cache_memory="64KiB", state_snapshot_memory=1000)
+        LLM(str(checkpoint), dtype="float32", max_model_len=96, block_size=16, kv_cache_memory="64KiB",
+            state_snapshot_memory=1000)
     assert f"{state_bytes(cfg, 16, 4):,} B" in str(e.value)
 
 
