@@ -16,6 +16,8 @@ while it computes the prefix's last token, and a sequence that takes the prefix 
 it in its slot (``copy_row``). ``StateSnapshots`` is the scheduler's side: which snapshot holds the states after
 which block hash, pinned while a sequence is restored from it, pending while a step is to write it; a snapshot is
 forgotten with its block hash (the block pool's index) or, when the budget is full, least recently used first.
+``SizedSnapshots`` is the same for a state that grows with its sequence (DeepSeek-V4's): each snapshot is as large
+as the prefix it ends, and the snapshots held stay within a byte budget.
 """
 
 from __future__ import annotations

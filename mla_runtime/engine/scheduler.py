@@ -28,9 +28,11 @@ its blocks go back — finish, abort, preemption (a preempted sequence recompute
 With prefix caching, a hybrid's admitted sequence reserves state snapshots (``snapshots``) at the last full block
 boundary of its tokens and where its tokens leave the cached blocks (a shared prefix, say a system prompt, that
 another sequence left without a snapshot at its end), each written by the step that computes that position and
-committed with that block's hash; a prefix hit ends only at a block whose hash has one (the pool's lookup), pins it
-and copies it into the sequence's slot before its first step. Pending and pinned snapshots go back wherever the slot
-goes back.
+committed with that block's hash (``reserve(end)``: a snapshot of a state that grows, DeepSeek-V4's, is sized by
+its position); a prefix hit ends only at a block whose hash has one (the pool's lookup), pins it and copies it into
+the sequence's slot before its first step. Pending and pinned snapshots go back wherever the slot goes back. A model
+whose restored state is the sequence's own copy of the prefix's rows (``own_prefix_copies``) holds fresh blocks for
+them in place of the cached ones, so that the pool counts each running sequence's rows once.
 
 The scheduler deals only in sequences, token counts, block ids and slot ids, and hands the step on as a
 ``StepPlan``.

@@ -15,9 +15,15 @@ model runs under (scheduler, block pool, sampler, ``LLM``, the server); only wha
 - **steps**: ``execute`` runs ``DeepseekV4ForCausalLM.forward_batch`` over the slots (any mix of prompts, prefill
   chunks and decodes), then the logits of the rows asked for.
 
-What V4 does not do here is refused by name at start-up (``check_v4_settings``), and prefix caching is off (a
-cached prefix would need the compressors' partial windows and every layer's window at the prefix's end, which are
-not kept): logged, ``EngineInfo.prefix_caching`` false.
+- **prefix caching**: state snapshots of the whole state (every window, partial window, compressed entry and
+  indexer key) at block boundaries, taken and restored as a hybrid's (``V4StateCache.run_batch``, ``restore``). A
+  snapshot is as large as its prefix (``snapshot_bytes``), so the scheduler's side is ``SizedSnapshots``: they stay
+  within ``state_snapshot_memory`` bytes (default room for ``max_num_seqs`` snapshots of ``max_model_len`` tokens;
+  0: no prefix caching), least recently used evicted first, their tensors dropped as they are freed. A sequence
+  restored from one keeps its own copy of the prefix's entries, so it holds fresh blocks for them
+  (``own_prefix_copies``).
+
+What V4 does not do here is refused by name at start-up (``check_v4_settings``).
 """
 
 from __future__ import annotations

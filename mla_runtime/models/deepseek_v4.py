@@ -26,9 +26,10 @@ latents and, per compressor (the attention's and the indexer's), the tokens of t
 previous window's overlapping half (CSA) and every compressed entry so far. A step may hold any number of the
 sequence's tokens (a prompt, a chunk of one, a decode): the result does not depend on how the tokens are split.
 An engine step (``ForwardBatch`` with each sequence's state slot) runs through ``forward_batch`` over a
-``V4StateCache`` (one state per slot). Parameter names are transformers' in-memory ones; ``load_deepseek_v4`` reads
-the released layout (which transformers saves) and those names, and the released FP8 / MXFP4 checkpoints, whose
-matrices stay as stored (``v4_stored``: ``StoredLinear`` layers, ``PackedExperts.keep_stored``).
+``V4StateCache`` (one state per slot; prefix caching's snapshots beside them, copies of a state at a block boundary:
+``V4SequenceState.copy``). Parameter names are transformers' in-memory ones; ``load_deepseek_v4`` reads the released
+layout (which transformers saves) and those names, and the released FP8 / MXFP4 checkpoints, whose matrices stay as
+stored (``v4_stored``: ``StoredLinear`` layers, ``PackedExperts.keep_stored``).
 """
 
 from __future__ import annotations
