@@ -18,7 +18,7 @@ model runs under (scheduler, block pool, sampler, ``LLM``, the server); only wha
 - **prefix caching**: state snapshots of the whole state (every window, partial window, compressed entry and
   indexer key) at block boundaries, taken and restored as a hybrid's (``V4StateCache.run_batch``, ``restore``). A
   snapshot is as large as its prefix (``snapshot_bytes``), so the scheduler's side is ``SizedSnapshots``: they stay
-  within ``state_snapshot_memory`` bytes (default room for ``max_num_seqs`` snapshots of ``max_model_len`` tokens;
+  within ``state_snapshot_memory`` bytes (default room for ``max_num_seqs`` snapshots of ``SNAPSHOT_TOKENS`` tokens;
   0: no prefix caching), least recently used evicted first, their tensors dropped as they are freed. A sequence
   restored from one keeps its own copy of the prefix's entries, so it holds fresh blocks for them
   (``own_prefix_copies``).
@@ -62,6 +62,9 @@ from mla_runtime.v4_plan import refusal
 
 logger = logging.getLogger("mla_runtime")
 V4_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+# the default snapshot budget: room for max_num_seqs snapshots of prefixes this long (or max_model_len if shorter):
+# a system prompt, a conversation's first turns; longer ones fit while the budget holds them
+SNAPSHOT_TOKENS = 8192
 
 
 class ReleasingSlots(StateSlots):
@@ -140,14 +143,15 @@ class V4Worker(Worker):
 
     def _v4_snapshots(self) -> tuple[int, int]:
         """Prefix caching's state snapshots: how many ids, and the bytes they may hold together
-        (``state_snapshot_memory``; default room for ``max_num_seqs`` snapshots of ``max_model_len`` tokens, one per
-        slot as a hybrid's). A snapshot is as large as the prefix it ends (``snapshot_bytes``): the ids are as many as
-        snapshots of one block fit; ``SizedSnapshots`` keeps those held within the bytes. (0, 0): no prefix caching."""
+        (``state_snapshot_memory``; default room for ``max_num_seqs`` snapshots, one per slot as a hybrid's, of
+        ``SNAPSHOT_TOKENS`` tokens or ``max_model_len`` if shorter). A snapshot is as large as the prefix it ends
+        (``snapshot_bytes``): the ids are as many as snapshots of one block fit; ``SizedSnapshots`` keeps those held
+        within the bytes. (0, 0): no prefix caching."""
         c = self.config
         if not c.enable_prefix_caching:
             return 0, 0
-        budget = (c.max_num_seqs * self.snapshot_bytes(self.max_model_len) if c.state_snapshot_memory is None
-                  else int(c.state_snapshot_memory))
+        default = c.max_num_seqs * self.snapshot_bytes(min(self.max_model_len, SNAPSHOT_TOKENS))
+        budget = default if c.state_snapshot_memory is None else int(c.state_snapshot_memory)
         smallest = self.snapshot_bytes(c.block_size)
         if 0 < budget < smallest:
             raise InvalidParam("state_snapshot_memory", f"state_snapshot_memory ({budget:,} B) holds no state snapshot "
@@ -185,17 +189,19 @@ class V4Worker(Worker):
         return "torch"
 
     def check_memory(self) -> None:
-        """Refuse a load whose weights, slots and activations the memory cannot hold, before any weight is read."""
+        """Refuse a load whose weights, slots, state snapshots and activations the memory cannot hold, before any
+        weight is read."""
         on_gpu = self.device.type == "cuda"
         available = torch.cuda.mem_get_info(self.device)[0] if on_gpu else available_host_memory()
-        needed = self.weight_bytes + self.state_bytes + self.activation_bytes
+        needed = self.weight_bytes + self.state_bytes + self.state_snapshot_bytes + self.activation_bytes
         if needed > available:
             raise InsufficientMemory(
                 f"{self.model_config.family}: the weights ({self.weight_bytes / 2**30:.2f} GiB), "
-                f"{self.config.max_num_seqs} state slots ({self.state_bytes / 2**30:.2f} GiB) and the activations "
+                f"{self.config.max_num_seqs} state slots ({self.state_bytes / 2**30:.2f} GiB), the state snapshots "
+                f"({self.state_snapshot_bytes / 2**30:.2f} GiB) and the activations "
                 f"({self.activation_bytes / 2**30:.2f} GiB) need {needed / 2**30:.2f} GiB; "
-                f"{available / 2**30:.2f} GiB are available on {self.device}: lower max_num_seqs or "
-                f"max_num_batched_tokens", needed, available)
+                f"{available / 2**30:.2f} GiB are available on {self.device}: lower max_num_seqs, "
+                f"state_snapshot_memory or max_num_batched_tokens", needed, available)
 
     def load(self) -> None:  # type: ignore[override]
         """Load the weights (checked against the sha256 manifest first with ``verify_weights``)."""
