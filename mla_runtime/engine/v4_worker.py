@@ -50,7 +50,14 @@ from mla_runtime.hub import resolve_model
 from mla_runtime.kernel_plan import OFF_CPU
 from mla_runtime.models.deepseek_v4 import V4Config, V4StateCache, load_deepseek_v4, state_bytes
 from mla_runtime.models.glm5_next import MODEL_TYPES as GLM5_NEXT_TYPES
-from mla_runtime.models.v4_sizes import V4CacheKinds, cache_kinds, meta_weights, model_config, v4_weights
+from mla_runtime.models.v4_sizes import (
+    V4CacheKinds,
+    cache_kinds,
+    default_snapshot_bytes,
+    meta_weights,
+    model_config,
+    v4_weights,
+)
 from mla_runtime.models.v4_stored import stored_weight_bytes, v4_quantization
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 from mla_runtime.plan import (
@@ -62,9 +69,6 @@ from mla_runtime.v4_plan import refusal
 
 logger = logging.getLogger("mla_runtime")
 V4_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
-# the default snapshot budget: room for max_num_seqs snapshots of prefixes this long (or max_model_len if shorter):
-# a system prompt, a conversation's first turns; longer ones fit while the budget holds them
-SNAPSHOT_TOKENS = 8192
 
 
 class ReleasingSlots(StateSlots):
@@ -143,14 +147,14 @@ class V4Worker(Worker):
 
     def _v4_snapshots(self) -> tuple[int, int]:
         """Prefix caching's state snapshots: how many ids, and the bytes they may hold together
-        (``state_snapshot_memory``; default room for ``max_num_seqs`` snapshots, one per slot as a hybrid's, of
-        ``SNAPSHOT_TOKENS`` tokens or ``max_model_len`` if shorter). A snapshot is as large as the prefix it ends
-        (``snapshot_bytes``): the ids are as many as snapshots of one block fit; ``SizedSnapshots`` keeps those held
-        within the bytes. (0, 0): no prefix caching."""
+        (``state_snapshot_memory``; default ``models.v4_sizes.default_snapshot_bytes``: room for ``max_num_seqs``
+        snapshots, one per slot as a hybrid's, of ``SNAPSHOT_TOKENS`` tokens or ``max_model_len`` if shorter). A
+        snapshot is as large as the prefix it ends (``snapshot_bytes``): the ids are as many as snapshots of one block
+        fit; ``SizedSnapshots`` keeps those held within the bytes. (0, 0): no prefix caching."""
         c = self.config
         if not c.enable_prefix_caching:
             return 0, 0
-        default = c.max_num_seqs * self.snapshot_bytes(min(self.max_model_len, SNAPSHOT_TOKENS))
+        default = default_snapshot_bytes(self.v4_config, c.max_num_seqs, self.max_model_len, self.dtype.itemsize)
         budget = default if c.state_snapshot_memory is None else int(c.state_snapshot_memory)
         smallest = self.snapshot_bytes(c.block_size)
         if 0 < budget < smallest:
