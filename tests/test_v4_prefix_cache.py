@@ -126,8 +126,9 @@ def test_a_batch_of_hits_and_misses(model: tuple[Path, Any], cold: dict[tuple[in
 
 
 def test_aborts_and_finishes_release_every_snapshot_and_block(model: tuple[Path, Any]) -> None:
-    """Requests sharing the prefix aborted at every stage (queued, restoring, prefilling, decoding) under a snapshot
-    budget of two snapshots: nothing is left held, and the snapshots' bytes stay within the budget throughout."""
+    """Requests sharing the prefix aborted at every stage (queued, prefilling, decoding) under a snapshot budget of
+    two snapshots: nothing is left held, the snapshots' bytes stay within the budget throughout, and no block is held
+    by two running sequences (each hit holds blocks of its own for its copy of the prefix)."""
     budget = 2 * state_bytes(CFG, 48, 4)
     llm = engine(Path(model[0]), max_num_batched_tokens=24, max_num_seqs=3, state_snapshot_memory=budget)
     e, rng = llm.engine, random.Random(3)
@@ -143,6 +144,9 @@ def test_aborts_and_finishes_release_every_snapshot_and_block(model: tuple[Path,
             e.step()
             step += 1
             assert snapshots.used_bytes <= budget and e.worker.states.snapshot_nbytes() <= budget
+            # a hit holds fresh blocks for its own copy of the prefix: no block counts two running sequences
+            held = [b for s in e.scheduler.running for b in s.block_table]
+            assert len(held) == len(set(held))
             if step % 4 == 0 and e.requests:
                 e.abort(rng.choice(sorted(e.requests)))
         assert e.stats().prefix_hit_tokens > 0 and snapshots.num_evictions > 0
