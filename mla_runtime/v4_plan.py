@@ -35,7 +35,7 @@ import torch
 from mla_runtime.config import ModelConfig
 from mla_runtime.dtypes import dtype_name
 from mla_runtime.models.deepseek_v4 import DeepseekV4ForCausalLM, V4Config
-from mla_runtime.models.v4_sizes import V4CacheKinds, cache_kinds, meta_weights, model_config
+from mla_runtime.models.v4_sizes import V4CacheKinds, cache_kinds, default_snapshot_bytes, meta_weights, model_config
 from mla_runtime.plan import activation_reserve_bytes, default_max_num_batched_tokens, gib
 
 DOC = "docs/deepseek-v4.md"
@@ -153,11 +153,16 @@ def plan_v4(raw: dict, *, dtype: str = "auto", device_memory_bytes: int, memory_
     """The plan of the V4 ``config.json`` ``raw`` on ``ranks`` devices of ``device_memory_bytes`` each."""
     torch_dtype = plan_dtype("deepseek_v4", dtype, ranks, max_num_seqs, memory_utilization)
     cfg = V4Config.from_raw(raw)
+    mc = model_config(cfg)
+    # prefix caching's state snapshots, as serving sets them aside by default: one per sequence slot of a rank
+    snapshots = default_snapshot_bytes(cfg, -(-max_num_seqs // ranks), max_seq_len or mc.max_position_embeddings,
+                                       torch_dtype.itemsize)
     return plan_own_model(cache_kinds(cfg, torch_dtype.itemsize), cfg.num_hidden_layers,
-                          lambda: DeepseekV4ForCausalLM(cfg, torch_dtype), model_config(cfg), torch_dtype,
+                          lambda: DeepseekV4ForCausalLM(cfg, torch_dtype), mc, torch_dtype,
                           cfg.hc_mult, device_memory_bytes=device_memory_bytes,
                           memory_utilization=memory_utilization, ranks=ranks, max_seq_len=max_seq_len,
-                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                          reserved_bytes=snapshots)
 
 
 def report_row(label: str, value: str, note: str = "") -> str:
@@ -215,7 +220,7 @@ def format_v4_report(plan: V4MemoryPlan, model: str) -> str:
     return "\n".join([
         f"Memory plan for {model} (deepseek_v4: {plan.layers} layers, {k.csa_layers} CSA, {k.hca_layers} HCA, "
         f"{k.sliding_layers} sliding; {plan.parameter_count:,} parameters)",
-        *format_budget(plan),
+        *format_budget(plan, "state snapshots per rank (prefix caching)"),
         "",
         *format_v4_kinds(k, b),
         "",
