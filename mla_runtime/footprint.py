@@ -143,7 +143,7 @@ def _count(cfg: ModelConfig, tp: int, num_mtp_layers: int) -> Inventory:
     table = checkpoint_layout(cfg, model.par, frozenset(), num_mtp_layers)
     products = quantized_parameter_names(model)
     kept = _kept(model, table, products)
-    packs, sources = _packs(model), _sources(table)
+    packs, sources = _packs(model, bool(cfg.stored_bits)), _sources(table)
     params = tuple(
         Param(name, tuple(p.shape), _component(cfg, name), p.dtype == torch.float32, name in products,
               packs.get(name, ""), *_layout(p, sources.get(name)), name in kept)
@@ -190,11 +190,14 @@ def _kept(model: DeepseekForCausalLM, table: dict[str, Slot | None], products: l
     return frozenset(n for n, kind in kinds.items() if kind == STORED_FP8)
 
 
-def _packs(model: DeepseekForCausalLM) -> dict[str, str]:
+def _packs(model: DeepseekForCausalLM, gguf: bool) -> dict[str, str]:
     """The matrices a CPU's products keep a second layout of (``cpu_gemm.PackedWeight``): every linear layer's (those
-    stacked with a partner: the stacked copy's), the MLPs' and experts', an untied lm_head."""
+    stacked with a partner: the stacked copy's), the MLPs' and experts', an untied lm_head; not a GGUF model's
+    ``kv_b_proj`` (``Linear.one_layout``)."""
     packs = {"lm_head": "linear"} if model.lm_head is not None else {}
     for prefix, module in model.named_modules():
+        if gguf and prefix.endswith(".kv_b_proj"):
+            continue
         if isinstance(module, Linear):
             packs[f"{prefix}.weight"] = "fused" if module.fused else "linear"
         elif isinstance(module, GatedMLP | Experts):

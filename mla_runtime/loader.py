@@ -668,6 +668,8 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
     kinds = _weight_kinds(cfg, table, params, quantization, scale_names, products)
     if isinstance(reader, GgufTensors):
         kinds.update(_gguf_kinds(table, reader, products + _stored_embedding(model)))
+        for attn in model.attention_layers():  # kv_b_proj, widened from the file: one layout (Linear.one_layout)
+            attn.kv_b_proj.one_layout = True
     _allocate_float_parameters(model, table, kinds, device)
     matrices = _QuantizedMatrices({n: params[n].shape for n in kinds})
     _fill(model, table, kinds, reader, matrices, _Sources(quantization, compressed, scale_names, device))

@@ -28,9 +28,13 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.packed: PackedWeight | None = None
         self.fused = False  # True: its owner runs it stacked with another layer, so it keeps no packed copy
+        # True: the weight keeps no second layout (``KernelPlan.one_layout``): the loader's choice for a float matrix
+        # beside products kept as a GGUF file stores them, whose copies would outweigh the products' gain
+        self.one_layout = False
 
     def prepare_inference(self, plan: KernelPlan) -> None:
         fused = self.fused and not (self.packed is not None and self.packed.quantized)
+        plan = plan.with_one_layout() if self.one_layout else plan
         self.packed = None if fused else prepared(self.weight, self.packed, plan)
         share_row_amax(self.packed, self.row_parallel)
 
