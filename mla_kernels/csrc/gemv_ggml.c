@@ -33,7 +33,9 @@
  *
  * Each thread takes blocks of weight rows (GG_BLOCK_BYTES, so that a block stays in L2) and passes over them once
  * per tile of GG_TILE input rows: a prefill chunk's rows read the weight from memory once, and the unpacked values of
- * a block or super-block serve every row of the tile. */
+ * a block or super-block serve every row of the tile. With AVX-512 + VNNI, a Q8_0 call of many input rows instead
+ * interleaves its weight rows eight at a time (ggml_rows.h, gg_q8_0_r8): one vector holds eight rows' sums, with the
+ * same bits. */
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>

@@ -307,10 +307,109 @@ VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_k_rows)(const
     }
 }
 
+#if VL == 16
+/* Q8_0 rows of a call of at least GG_R8_MIN_ROWS input rows (the AVX-512 + VNNI variant): eight weight rows at a
+ * time, interleaved into a buffer once (block b: eight vectors of 32 bytes, vector q holding values 4q..4q+3 of each of
+ * the eight rows, lane i row i, as unsigned w + 128; then the eight rows' float16 scales as floats), then every input
+ * row passes over the buffer: each block's eight rows' exact sums of w a in the int32 lanes of one vector (vpdpbusd
+ * against the four activations broadcast, from -128 x the block's activation sum), turned to float and added times
+ * (scale x the group's activation scale) into the accumulator of the block's phase b % 8; the eight phases are summed
+ * as simd.h's hsum sums the lanes of gg_small_rows's accumulator. Each row sees the same integers and float
+ * operations, in the same order, as in gg_small_rows: the same bits, with no sum across lanes per block. */
+#define GG_R8_MIN_ROWS 8
+
+VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_r8_pack)(const GgCall *c, int64_t r, int rows,
+                                                                           uint8_t *buf, float *ws) {
+    const int64_t nb = c->k / 32;
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i v[8];
+        for (int i = 0; i < 8; i++) {
+            const uint8_t *p = c->w + (r + (i < rows ? i : 0)) * c->row_stride + b * 34;
+            v[i] = i < rows ? _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 2)), flip) : flip;
+            ws[8 * b + i] = i < rows ? gg_f16(p) : 0.0f;
+        }
+        /* 8 x 8 transpose of 32-bit words: out[q] word i = v[i] word q */
+        const __m256i t0 = _mm256_unpacklo_epi32(v[0], v[1]), t1 = _mm256_unpackhi_epi32(v[0], v[1]);
+        const __m256i t2 = _mm256_unpacklo_epi32(v[2], v[3]), t3 = _mm256_unpackhi_epi32(v[2], v[3]);
+        const __m256i t4 = _mm256_unpacklo_epi32(v[4], v[5]), t5 = _mm256_unpackhi_epi32(v[4], v[5]);
+        const __m256i t6 = _mm256_unpacklo_epi32(v[6], v[7]), t7 = _mm256_unpackhi_epi32(v[6], v[7]);
+        const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
+        const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
+        const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
+        const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
+        __m256i *o = (__m256i *)(buf + 256 * b);
+        _mm256_store_si256(o + 0, _mm256_permute2x128_si256(u0, u4, 0x20));
+        _mm256_store_si256(o + 1, _mm256_permute2x128_si256(u1, u5, 0x20));
+        _mm256_store_si256(o + 2, _mm256_permute2x128_si256(u2, u6, 0x20));
+        _mm256_store_si256(o + 3, _mm256_permute2x128_si256(u3, u7, 0x20));
+        _mm256_store_si256(o + 4, _mm256_permute2x128_si256(u0, u4, 0x31));
+        _mm256_store_si256(o + 5, _mm256_permute2x128_si256(u1, u5, 0x31));
+        _mm256_store_si256(o + 6, _mm256_permute2x128_si256(u2, u6, 0x31));
+        _mm256_store_si256(o + 7, _mm256_permute2x128_si256(u3, u7, 0x31));
+    }
+}
+
+/* Block b of the buffer against input row x: the eight rows' exact sums of w a. */
+VI_TARGET static inline __attribute__((always_inline)) __m256i SFX(gg_r8_block)(const uint8_t *buf, const uint8_t *x,
+                                                                               const int16_t *h, int64_t b) {
+    const __m256i *w = (const __m256i *)(buf + 256 * b);
+    const uint8_t *a = x + 32 * b;
+    __m256i s = _mm256_set1_epi32(-128 * ((int32_t)h[2 * b] + (int32_t)h[2 * b + 1]));
+    for (int q = 0; q < 8; q++)
+        s = _mm256_dpbusd_epi32(s, _mm256_load_si256(w + q), _mm256_set1_epi32((int32_t)gg_u32(a + 4 * q)));
+    return s;
+}
+
+VI_TARGET static void SFX(gg_q8_0_r8)(const GgCall *c, int64_t r0, int64_t r1) {
+    const int64_t nb = c->k / 32;
+    uint8_t *buf = (uint8_t *)alloc_lines((size_t)(nb * 256));
+    float *ws = (float *)alloc_lines((size_t)(nb * 8 * 4));
+    if (!buf || !ws) abort();
+    for (int64_t r = r0; r < r1; r += 8) {
+        const int rows = r1 - r < 8 ? (int)(r1 - r) : 8;
+        SFX(gg_r8_pack)(c, r, rows, buf, ws);
+        for (int64_t j = 0; j < c->m; j++) {
+            const uint8_t *x = c->xp + j * c->xstride;
+            const float *g = (const float *)(x + c->kp);
+            const int16_t *h = (const int16_t *)(x + c->kp + c->kp / 8);
+            __m256 acc[8];
+            for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+            int64_t b = 0;
+            for (; b + 8 <= nb; b += 8)
+                for (int i = 0; i < 8; i++) {
+                    const __m256i s = SFX(gg_r8_block)(buf, x, h, b + i);
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(_mm256_load_ps(ws + 8 * (b + i)),
+                                                                                  _mm256_set1_ps(g[b + i])), acc[i]);
+                }
+            for (int i = 0; b + i < nb; i++) {
+                const __m256i s = SFX(gg_r8_block)(buf, x, h, b + i);
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(_mm256_load_ps(ws + 8 * (b + i)),
+                                                                              _mm256_set1_ps(g[b + i])), acc[i]);
+            }
+            const __m256 t = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[1], acc[5])),
+                                           _mm256_add_ps(_mm256_add_ps(acc[2], acc[6]), _mm256_add_ps(acc[3], acc[7])));
+            float out[8];
+            _mm256_storeu_ps(out, t);
+            for (int i = 0; i < rows; i++) c->y[j * c->n + r + i] = out[i];
+        }
+    }
+    free(buf);
+    free(ws);
+}
+#endif
+
 /* The same for the call's type, chosen at run time (each case a copy specialised to its type). */
 VI_TARGET static void SFX(gg_rows)(const GgCall *c, int64_t r0, int64_t r1) {
     switch (c->type) {
+#if VL == 16
+        case GG_Q8_0:
+            if (c->m >= GG_R8_MIN_ROWS) SFX(gg_q8_0_r8)(c, r0, r1);
+            else SFX(gg_small_rows)(c, r0, r1, GG_Q8_0);
+            break;
+#else
         case GG_Q8_0: SFX(gg_small_rows)(c, r0, r1, GG_Q8_0); break;
+#endif
         case GG_Q4_1: SFX(gg_small_rows)(c, r0, r1, GG_Q4_1); break;
         case GG_Q5_0: SFX(gg_small_rows)(c, r0, r1, GG_Q5_0); break;
         case GG_Q5_1: SFX(gg_small_rows)(c, r0, r1, GG_Q5_1); break;
