@@ -87,6 +87,8 @@ class StepInput:
     # after that many of the sequence's new tokens written to the snapshot (``cache/state_cache.py``)
     state_restores: list[tuple[int, int]] = field(default_factory=list)
     state_snapshots: list[tuple[int, int, int]] = field(default_factory=list)
+    # state slots rank 0 gave back since the last step: every other rank drops their states before the step
+    state_releases: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -380,6 +382,10 @@ class Worker:
     def state_slots(self) -> StateSlots | None:
         """The scheduler's allocator of the state cache's slots (None: the model has no linear layers)."""
         return None if self.model_config.linear_attention is None else StateSlots(self.config.max_num_seqs)
+
+    def take_state_releases(self) -> list[int]:
+        """The state slots given back since the last call, for the other ranks (``StepInput.state_releases``)."""
+        return []
 
     def state_snapshots(self) -> StateSnapshots | None:
         """The scheduler's side of a hybrid's state snapshots (None: no linear layers or no prefix caching)."""
