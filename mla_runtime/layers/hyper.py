@@ -146,7 +146,7 @@ class PackedExperts(nn.Module):
                 continue  # another rank's expert
             rows, slot = torch.where(experts == e)
             gate, up = self._gate_up(e - self.first, x[rows]).chunk(2, dim=-1)
-            y = self._down(e, clamped_swiglu(gate, up, self.limit)) * weights[rows, slot, None]
+            y = self._down(e - self.first, clamped_swiglu(gate, up, self.limit)) * weights[rows, slot, None]
             out.index_add_(0, rows, y.to(out.dtype))
         return out
 

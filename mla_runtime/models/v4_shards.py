@@ -78,6 +78,8 @@ def shard_tensor(cfg: Any, name: str, t: torch.Tensor, par: ParallelContext) -> 
     if not par.enabled or split is None:
         return t
     kind, dim = split
+    if kind == "experts" and t.shape[0] != cfg.n_routed_experts:
+        return t  # stacked from this rank's experts only (``expert_on_rank``)
     start, stop, rows = _span(cfg, kind, t.shape[dim], par)
     part = t.narrow(dim, start, stop - start)
     if part.shape[dim] < rows:
