@@ -22,7 +22,8 @@ CORE = [("deepseek_v32", "batched"), ("glm_moe_dsa", "batched"), ("axk2", "batch
         ("mistral_large4", "batched"), ("deepseek_v3", "batched"), ("deepseek_v32", "chunked"),
         ("deepseek_v32", "int8"), ("glm_moe_dsa", "mtp"), ("kimi_linear", "batched"), ("kimi_linear", "chunked"),
         ("kimi_linear", "preemption"), ("bailing_hybrid", "chunked"),
-        ("deepseek_v4", "chunked-preemption"), ("deepseek_v4", "tp2-replicated"), ("glm5_next", "batched"), ("glm5_next", "chunked-preemption"),
+        ("deepseek_v4", "chunked-preemption"), ("deepseek_v4", "tp2-replicated"), ("glm5_next", "batched"),
+        ("glm5_next", "chunked-preemption"),
         ("glm5_next", "prefix-cache"), ("hy_v4", "chunked-preemption"),
         ("dots3_note", "chunked-preemption")]
 SEED = int(os.environ.get("MLA_CONFORMANCE_SEED") or time.time_ns() % 1_000_000)
