@@ -731,10 +731,11 @@ def load_deepseek_v4(path: str | Path, dtype: torch.dtype = torch.float32, devic
     names): bfloat16 or float32 tensors, or the released FP8 / MXFP4 ones, kept as stored (``v4_stored``) on
     ``device`` (default: where the tensors load, the CPU). Under tensor parallelism (``par``) this rank's shard
     (``v4_shards``): the routed experts of other ranks are not read."""
-    root, raw, _ = read_checkpoint(path, ("deepseek_v4",), quantized=True, keep=lambda _: False)
+    root, raw, _ = read_checkpoint(path, ("deepseek_v4",), quantized=True, keep=lambda _: False)  # the config
     cfg = V4Config.from_raw(raw)
+    # not read: the MTP layers, the other ranks' routed experts (and their scales)
     root, raw, stored = read_checkpoint(path, ("deepseek_v4",), quantized=True,
-                                        keep=lambda name: _kept(cfg, name, par))
+                                        keep=lambda name: _rank_name(cfg, name, par) is not None)
     quant = v4_quantization(raw)
     model = DeepseekV4ForCausalLM(cfg, dtype, par)
     if quant is not None:
@@ -763,12 +764,6 @@ def _rank_name(cfg: V4Config, name: str, par: ParallelContext) -> str | None:
     for what this rank does not read (the MTP layers, the other ranks' experts)."""
     mine = stored_name(name)
     return None if mine is None else expert_on_rank(cfg, mine, par)
-
-
-def _kept(cfg: V4Config, name: str, par: ParallelContext) -> bool:
-    """Whether this rank reads the tensor ``name`` (not the MTP layers', nor another rank's routed experts' or their
-    scales)."""
-    return _rank_name(cfg, name, par) is not None
 
 
 def ceil_div(a: int, b: int) -> int:
