@@ -82,6 +82,7 @@ def test_engine_info_is_the_planners_and_prefix_caching_is_off(checkpoint: Path)
 
 @pytest.mark.parametrize("settings, name", [
     ({"num_speculative_tokens": 2}, "num_speculative_tokens"),
+    ({"tensor_parallel_size": 2, "latent_cache_layout": "sharded", "block_size": 32}, "latent_cache_layout"),
     ({"kv_cache_dir": "unused-dir"}, "kv_cache_dir"),
     ({"latent_rank": 16}, "latent_rank"),
     ({"quantization": "int8"}, "quantization"),

@@ -80,6 +80,7 @@ def check_v4_settings(config: EngineConfig, family: str = "deepseek_v4", doc: st
     token a step computes (no drafts to verify), a cached prefix cannot resume them (no prefix-cache tiers), it runs
     in torch in bfloat16 or float32 (V4 on any number of ranks, the others on one)."""
     refused = {"tensor_parallel_size": config.tensor_parallel_size > 1 and family != "deepseek_v4",
+               "latent_cache_layout": config.tensor_parallel_size > 1 and config.latent_cache_layout != "replicated",
                "num_speculative_tokens": config.num_speculative_tokens > 0,
                "speculative_method": config.speculative_method == "mtp", "latent_rank": config.latent_rank is not None,
                "kv_cache_dir": config.kv_cache_dir is not None, "kv_cache_host_bytes": bool(config.kv_cache_host_bytes),
