@@ -1,6 +1,6 @@
 """GGUF files (llama.cpp's format) as a checkpoint: where they are, the model config and the tokenizer their metadata
-describe, and each tensor's name in the Hugging Face layout the loader reads. Read with the ``gguf`` package, whose
-reader maps the file (``np.memmap``): nothing here reads a weight.
+describe, and each tensor's name in the Hugging Face layout the loader reads. Read by ``gguf_file`` (the header
+parsed from the file's bytes, the file mapped with ``np.memmap``): nothing here reads a weight.
 
 - **Files**: ``PATH.gguf``; the first part of a split model (``NAME-00001-of-0000N.gguf``, the others beside it); or
   a folder with no ``config.json`` that holds one GGUF or the parts of one split model.
@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from mla_runtime.gguf_file import GgufFormatError, GgufHeader, type_name
 
 GGUF_MAGIC = b"GGUF"
 SPLIT_RE = re.compile(r"^(?P<stem>.+)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -137,44 +139,37 @@ def is_gguf_file(path: Path) -> bool:
 
 @dataclass(frozen=True)
 class GgufTensor:
-    """One tensor of the files: its file's reader entry (``gguf.ReaderTensor``), its ggml type's name and its shape
-    in torch order (rows last-but-one)."""
+    """One tensor of the files: its ggml type's name, its shape in torch order (rows last-but-one) and its bytes (a
+    view of its file's copy-on-write map)."""
 
     name: str
     type_name: str
     shape: tuple[int, ...]
-    entry: Any
+    data: np.ndarray
 
 
 class GgufModel:
-    """The parts of one GGUF model, opened with ``gguf.GGUFReader`` (copy-on-write maps): the first part's metadata,
-    every part's tensors."""
+    """The parts of one GGUF model (``gguf_file.GgufHeader``: copy-on-write maps): the first part's metadata, every
+    part's tensors."""
 
     def __init__(self, files: list[Path]) -> None:
-        from gguf import GGUFReader
-
         self.files = files
-        self.readers = []
+        self.headers = []
         for f in files:
             if not is_gguf_file(f):
                 raise GgufError(f"{f}: not a GGUF file (it does not start with the bytes 'GGUF')")
             try:
-                reader = GGUFReader(f, "c")
-            except (ValueError, IndexError, OSError) as e:
+                self.headers.append(GgufHeader(f))
+            except (GgufFormatError, OSError) as e:
                 raise GgufError(f"{f}: unreadable GGUF ({e})") from e
-            if reader.byte_order != "I":
-                raise GgufError(f"{f}: its byte order is not this machine's (a big-endian GGUF); convert it")
-            self.readers.append(reader)
         self.tensors: dict[str, GgufTensor] = {}
-        for reader in self.readers:
-            for t in reader.tensors:
-                shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-                self.tensors[t.name] = GgufTensor(t.name, t.tensor_type.name, shape, t)
+        for header in self.headers:
+            for t in header.tensors:
+                self.tensors[t.name] = GgufTensor(t.name, type_name(t.type_id), tuple(reversed(t.dims)), t.data)
 
     def value(self, key: str, default: Any = None) -> Any:
         """A metadata value of the first part (strings decoded, arrays as lists), or ``default``."""
-        field = self.readers[0].get_field(key)
-        return default if field is None else field.contents()
+        return self.headers[0].values.get(key, default)
 
     @property
     def architecture(self) -> str:
@@ -247,7 +242,7 @@ def _minicpm3(g: GgufModel, raw: dict[str, Any]) -> dict[str, Any]:
     ``_long`` within the file's context length (where llama.cpp uses the short factors)."""
     out: dict[str, Any] = {"model_type": "minicpm3", "architectures": ["MiniCPM3ForCausalLM"], **MINICPM3_SCALES}
     if all(n in g.tensors for n in ROPE_FACTORS):
-        long, short = (np.asarray(g.tensors[n].entry.data, dtype=np.float32).reshape(-1).tolist()
+        long, short = (g.tensors[n].data.view(np.float32).reshape(-1).tolist()
                        for n in ROPE_FACTORS)
         out["rope_scaling"] = {"rope_type": "longrope", "type": "longrope", "long_factor": long, "short_factor": short,
                                "original_max_position_embeddings": raw["max_position_embeddings"]}
@@ -325,17 +320,24 @@ PRODUCT_PARAMS = {
 }
 
 
+# the tensors outside the blocks that load as stored: the head, and an untied embedding (``layers.embedding``)
+TOP_STORED = {"output.weight": "lm_head", "token_embd.weight": "model.embed_tokens.weight"}
+
+
 def stored_bits(g: GgufModel) -> dict[str, float]:
-    """The bits per weight of each product parameter the file stores quantised: its tensors' bytes over their values
-    (a float tensor stacked with a quantised one stays in its type too); one stored in float types alone is left out,
-    as it loads in the model's format."""
+    """The bits per weight of each product parameter (and untied embedding) the file stores quantised: its tensors'
+    bytes over their values (a float tensor stacked with a quantised one stays in its type too); one stored in float
+    types alone is left out, as it loads in the model's format. (On more than one rank the embedding loads widened:
+    ``footprint.weight_footprint`` leaves it out there.)"""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     sizes: dict[str, list[int]] = {}
     quantised: set[str] = set()
     for name, t in g.tensors.items():
         m = _BLOCK_RE.match(name)
-        template = "lm_head" if name == "output.weight" else PRODUCT_PARAMS.get(m[2]) if m else None
+        template = TOP_STORED.get(name) if name in TOP_STORED else PRODUCT_PARAMS.get(m[2]) if m else None
+        if name == "token_embd.weight" and "output.weight" not in g.tensors:
+            continue  # a tied table is the head's weight too, and loads in the model's format
         if template is None or t.type_name not in SUPPORTED_TYPES:
             continue
         param = template.format(i=m[1] if m else "")

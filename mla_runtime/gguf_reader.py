@@ -1,7 +1,7 @@
 """A GGUF model's tensors under the Hugging Face names the loader reads (``gguf_meta.hf_names``), through the same
 calls as the safetensors reader (``files``, ``shape``, ``get``), plus the product matrices as stored (``matrix``).
 
-Every tensor is a view of the file's copy-on-write map (the ``gguf`` package's ``np.memmap``): ``get`` widens only
+Every tensor is a view of the file's copy-on-write map (``gguf_file``'s ``np.memmap``): ``get`` widens only
 the rows it is asked for (a block of rows, or this rank's rows), and ``matrix`` keeps the stored bytes of this rank's
 part of a matrix, an expert of a stacked tensor being its run of rows. Q4_0 matrices become ``Int4Weight``\\ s
 (``layers.gguf_weight.int4_from_q4_0``), other types ``GgufWeight``\\ s.
@@ -79,7 +79,7 @@ class GgufTensors:
         t = self.model.tensors[tensor]
         k = t.shape[-1]
         n = math.prod(t.shape[:-1]) if len(t.shape) > 1 else 1
-        data = torch.from_numpy(np.asarray(t.entry.data).view(np.uint8).reshape(n, row_bytes(t.type_name, k)))
+        data = torch.from_numpy(np.asarray(t.data).reshape(n, row_bytes(t.type_name, k)))
         per = n if expert is None else math.prod(t.shape[1:-1]) if len(t.shape) > 2 else 1
         start = 0 if expert is None else expert * per
         a, b = (0, per) if rows is None else rows

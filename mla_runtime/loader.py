@@ -607,6 +607,12 @@ def _weight_kinds(cfg: ModelConfig, table: dict[str, Slot | None], params: Mappi
     return kinds
 
 
+def _stored_embedding(model: DeepseekForCausalLM) -> list[str]:
+    """The embedding, where a GGUF file's quantised table may stay as stored (``layers.embedding``): on one rank (a
+    rank's vocabulary rows may be padded) and untied (a tied table is the lm_head's weight as well)."""
+    return [] if model.par.enabled or model.lm_head is None else ["model.embed_tokens.weight"]
+
+
 def _gguf_kinds(table: dict[str, Slot | None], reader: GgufTensors, product_names: list[str]) -> dict[str, str]:
     """The products a GGUF file stores quantised, kept as stored (``gguf_reader.GgufTensors.stored_kind``); the ones
     it stores in a float type load as any checkpoint's do."""
@@ -661,7 +667,7 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
         products = [p for p in products if p != "lm_head" or p in stored_params]
     kinds = _weight_kinds(cfg, table, params, quantization, scale_names, products)
     if isinstance(reader, GgufTensors):
-        kinds.update(_gguf_kinds(table, reader, products))
+        kinds.update(_gguf_kinds(table, reader, products + _stored_embedding(model)))
     _allocate_float_parameters(model, table, kinds, device)
     matrices = _QuantizedMatrices({n: params[n].shape for n in kinds})
     _fill(model, table, kinds, reader, matrices, _Sources(quantization, compressed, scale_names, device))

@@ -7,17 +7,27 @@ Chat templates read an earlier tool call's ``arguments`` in two ways: as an obje
 ``items()``, others write it with ``tojson``) or as the JSON text itself (DeepSeek-V3.1's joins it to its markers
 with ``+``). OpenAI clients send the text: a template is rendered with the objects (``template_messages``), and
 where that fails, again with the text as the client sent it.
+
+A checkpoint whose chat format is written in code rather than in a template (DeepSeek-V4's ships
+``encoding/encoding_dsv4.py``) has a built-in format where its tokenizer has no ``chat_template``: ``load_tokenizer``
+records it (``chat_format``) from the checkpoint's ``model_type`` (``BUILT_IN_FORMATS``; not where the checkpoint's
+``encoding/`` folder holds another encoder), and ``apply_chat_template`` renders with it (``v4_chat.render``).
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+logger = logging.getLogger("mla_runtime")
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+BUILT_IN_FORMATS = ("deepseek_v4",)  # model types whose chat format is built in (module docstring)
+FORMAT_ATTR = "mla_chat_format"  # the tokenizer's attribute naming its built-in format
 
 
 def load_tokenizer(path: str | Path) -> Any | None:
@@ -32,7 +42,43 @@ def load_tokenizer(path: str | Path) -> Any | None:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(p), local_files_only=True, trust_remote_code=False)
+    tokenizer = AutoTokenizer.from_pretrained(str(p), local_files_only=True, trust_remote_code=False)
+    built_in = _built_in_format(p)
+    if built_in is not None and not getattr(tokenizer, "chat_template", None):
+        setattr(tokenizer, FORMAT_ATTR, built_in)
+    return tokenizer
+
+
+def _built_in_format(path: Path) -> str | None:
+    """The built-in chat format of the checkpoint at ``path``: its ``model_type``'s, unless the checkpoint's own
+    encoder is another one (an ``encoding/`` folder without DeepSeek-V4's ``encoding_dsv4.py``: V4.1's encoder writes
+    another format)."""
+    model_type = _model_type(path)
+    if model_type not in BUILT_IN_FORMATS:
+        return None
+    encoders = path / "encoding"
+    if encoders.is_dir() and not (encoders / "encoding_dsv4.py").is_file():
+        logger.warning("%s: the checkpoint's chat encoder (encoding/) is not DeepSeek-V4's encoding_dsv4.py: its "
+                       "chats are not rendered with the built-in DeepSeek-V4 format; give the tokenizer a "
+                       "chat_template", path)
+        return None
+    return model_type
+
+
+def _model_type(path: Path) -> str | None:
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config.get("model_type") if isinstance(config, dict) else None
+
+
+def chat_format(tokenizer: Any) -> str | None:
+    """The built-in chat format a tokenizer renders chats with (module docstring): None where it has a template of
+    its own, or none at all."""
+    if tokenizer is None or getattr(tokenizer, "chat_template", None):
+        return None
+    return getattr(tokenizer, FORMAT_ATTR, None)
 
 
 def _template_call(call: Any) -> Any:
@@ -90,11 +136,12 @@ def _rendered(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[s
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
                         tools: list[dict[str, Any]] | None = None,
                         template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """Token ids of a chat, using the tokenizer's template (or a plain ``role: content`` layout); ``tools``:
-    OpenAI tool definitions, for a template that shows them to the model; ``template_kwargs``: variables the template
-    reads besides the messages (``{"thinking": True}``). A key that names one of ``apply_chat_template``'s own
-    arguments is refused (``ValueError``): the runtime sets those; so is a template that fails to render (jinja's
-    errors, ``raise_exception`` included)."""
+    """Token ids of a chat, using the tokenizer's template or built-in format (or a plain ``role: content`` layout);
+    ``tools``: OpenAI tool definitions, for a template that shows them to the model; ``template_kwargs``: variables
+    the template reads besides the messages (``{"thinking": True}``). A key that names one of
+    ``apply_chat_template``'s own arguments is refused (``ValueError``): the runtime sets those; so is a template that
+    fails to render (jinja's errors, ``raise_exception`` included), and a chat or variable the built-in format cannot
+    render (``InvalidParam`` naming the field)."""
     if tokenizer is None:
         raise ValueError("chat requests need a tokenizer, and this checkpoint has none")
     template_kwargs = template_kwargs or {}
@@ -104,6 +151,10 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
         taken = sorted(own & set(template_kwargs))
         if taken:
             raise ValueError(f"{taken[0]!r} is an argument of apply_chat_template, not a template variable")
+    if chat_format(tokenizer) == "deepseek_v4":
+        from mla_runtime.v4_chat import render
+
+        return list(tokenizer.encode(render(messages, tools, template_kwargs), add_special_tokens=False))
     if getattr(tokenizer, "chat_template", None):
         ids = _rendered(tokenizer, messages, tools, template_kwargs)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):

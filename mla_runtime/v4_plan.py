@@ -15,7 +15,8 @@ partial state``. Against it the report sets the same layer count as a V3.2-style
 Ranks (``--tensor-parallel-size``: the GPUs of a node) split the weights as serving does (``models/v4_shards.py``: the
 query heads and their output groups, the routed experts, the shared expert, the vocabulary; the KV head, compressors,
 indexer, router, norms and hyper-connections whole): a rank's weights are counted on its own model, built on the meta
-device. Each rank's cache budget is ``usable - a rank's weights - activation reserve``. V4 attends one shared KV
+device. Each rank's cache budget is ``usable - a rank's weights - activation reserve - state snapshots`` (prefix
+caching's default snapshot budget, ``max_num_seqs`` of them, on every rank). V4 attends one shared KV
 head, so a head split gives a rank no smaller share of a sequence: every rank holds every sequence's whole state, and
 the node holds as many sequences as one rank does.
 
@@ -37,7 +38,14 @@ from mla_runtime.config import ModelConfig
 from mla_runtime.dtypes import dtype_name
 from mla_runtime.models.deepseek_v4 import DeepseekV4ForCausalLM, V4Config
 from mla_runtime.models.v4_shards import check_v4_parallel
-from mla_runtime.models.v4_sizes import V4CacheKinds, cache_kinds, meta_weights, model_config, v4_weights
+from mla_runtime.models.v4_sizes import (
+    V4CacheKinds,
+    cache_kinds,
+    default_snapshot_bytes,
+    meta_weights,
+    model_config,
+    v4_weights,
+)
 from mla_runtime.parallel import ParallelContext
 from mla_runtime.plan import activation_reserve_bytes, default_max_num_batched_tokens, gib
 
@@ -164,11 +172,17 @@ def plan_v4(raw: dict, *, dtype: str = "auto", device_memory_bytes: int, memory_
     torch_dtype = plan_dtype("deepseek_v4", dtype, ranks, max_num_seqs, memory_utilization)
     cfg = V4Config.from_raw(raw)
     check_v4_parallel(cfg, ranks)
+    mc = model_config(cfg)
+    # prefix caching's state snapshots, as serving sets them aside by default: one per sequence slot, on every rank
+    # (every rank holds every sequence's state, and so every snapshot)
+    snapshots = default_snapshot_bytes(cfg, max_num_seqs, max_seq_len or mc.max_position_embeddings,
+                                       torch_dtype.itemsize)
     plan = plan_own_model(cache_kinds(cfg, torch_dtype.itemsize), cfg.num_hidden_layers,
-                          lambda: DeepseekV4ForCausalLM(cfg, torch_dtype), model_config(cfg), torch_dtype,
+                          lambda: DeepseekV4ForCausalLM(cfg, torch_dtype), mc, torch_dtype,
                           cfg.hc_mult, device_memory_bytes=device_memory_bytes,
                           memory_utilization=memory_utilization, ranks=ranks, max_seq_len=max_seq_len,
-                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                          reserved_bytes=snapshots)
     shard = v4_weights(cfg, torch_dtype, ParallelContext(0, ranks))[0]  # rank 0's: the vocabulary's padded rows too
     return replace(plan, rank_weight_bytes=shard)
 
@@ -228,7 +242,7 @@ def format_v4_report(plan: V4MemoryPlan, model: str) -> str:
     return "\n".join([
         f"Memory plan for {model} (deepseek_v4: {plan.layers} layers, {k.csa_layers} CSA, {k.hca_layers} HCA, "
         f"{k.sliding_layers} sliding; {plan.parameter_count:,} parameters)",
-        *format_budget(plan),
+        *format_budget(plan, "state snapshots per rank (prefix caching)"),
         "",
         *format_v4_kinds(k, b),
         "",

@@ -19,7 +19,7 @@ LEVELS = {
     "config": 1, "dtypes": 1, "errors": 1, "parallel": 1, "forward_batch": 1, "sampling_params": 1, "outputs": 1,
     "env": 1, "options": 1, "host_heap": 1,
     "hub": 1, "tokenizer": 1, "cache": 1, "help_format": 1, "checksums": 1, "resolved_config": 1, "families": 1,
-    "kernel_plan": 1, "gguf_meta": 1,
+    "kernel_plan": 1, "gguf_meta": 1, "gguf_file": 1, "v4_chat": 1,
     "attention": 2,  # the backends take tensors and a layer id: they never import the layer modules above them
     "layers": 3,
     "models": 4,

@@ -181,7 +181,26 @@ def test_stored_types_load_as_stored(written):
     assert {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q5_0", "Q5_1", "Q8_0"} <= types
     assert any(isinstance(w, GgufWeight) and w.types == ["Q2_K", "Q3_K"] for w in weights)
     assert any(isinstance(w, Int4Weight) for w in weights)
-    assert model.model.embed_tokens.weight.dtype == torch.float32  # Q6_K embedding, widened at load
+    embedding = model.model.embed_tokens
+    assert isinstance(embedding.stored, GgufWeight) and embedding.stored.types == ["Q6_K"]  # not widened at load
+    assert embedding.weight.untyped_storage().nbytes() <= 4  # the float table is a released stand-in
+    ids = torch.tensor([[5, 0, 5], [model.config.vocab_size - 1, 17, 2]])
+    assert torch.equal(embedding(ids), embedding.stored.dequantize()[ids])
+
+
+def test_an_embedding_looks_up_the_rows_of_any_stored_format():
+    """A lookup widens the rows it reads to the values the whole matrix widened holds: a GGUF matrix of two parts of
+    different types, and a Q4_0 matrix moved into the int4 format; repeated and unordered ids."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    torch.manual_seed(4)
+    w = torch.randn(40, 256) * 0.1
+    parts = [_stored_rows("Q8_0", 24, 256, 5), _stored_rows("Q4_K", 16, 256, 6)]
+    q4_0 = int4_from_q4_0(torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType.Q4_0)), 256, torch.float32)
+    ids = torch.tensor([39, 3, 24, 3, 23, 0])
+    for matrix in (GgufWeight(parts, 256, torch.float32), q4_0):
+        assert torch.equal(matrix.gather_rows(ids), matrix.dequantize()[ids])
 
 
 def test_q4_0_is_the_int4_format(written):
@@ -214,7 +233,7 @@ def test_the_test_k_quantisers_follow_the_block_layout(type_name, tolerance):
 
 @pytest.mark.parametrize("type_name", sorted(TORCH_BLOCKS))
 def test_the_torch_dequantisers_equal_the_packages(type_name):
-    """The torch dequantisers another device takes give the ``gguf`` package's values, on quantised weights and on
+    """The torch dequantisers give the ``gguf`` package's values, on quantised weights and on
     random bytes (every bit of every field read where the package reads it)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import quantize

@@ -75,6 +75,8 @@ def wrap(syntax: str, calls: list[tuple[str, dict]]) -> str:
         return "<｜tool▁calls▁begin｜>" + "".join(v31(*c) for c in calls) + "<｜tool▁calls▁end｜>"
     if syntax == "deepseek_v32":
         return "\n\n<｜DSML｜function_calls>\n" + "".join(dsml(*c) for c in calls) + "</｜DSML｜function_calls>"
+    if syntax == "deepseek_v4":
+        return "\n\n<｜DSML｜tool_calls>\n" + "".join(dsml(*c) for c in calls) + "</｜DSML｜tool_calls>"
     if syntax == "kimi_k2":
         body = "".join(kimi(i)(*c) for i, c in enumerate(calls))
         return "<|tool_calls_section_begin|>" + body + "<|tool_calls_section_end|>"
@@ -89,8 +91,8 @@ def wrap(syntax: str, calls: list[tuple[str, dict]]) -> str:
     return "\n".join(one(*c) for c in calls)
 
 
-SYNTAXES = ["deepseek_v3", "deepseek_v31", "deepseek_v32", "kimi_k2", "glm45", "mistral", "mistral_old", "minicpm3",
-            "hermes", "longcat", "longcat_tags"]
+SYNTAXES = ["deepseek_v3", "deepseek_v31", "deepseek_v32", "deepseek_v4", "kimi_k2", "glm45", "mistral", "mistral_old",
+            "minicpm3", "hermes", "longcat", "longcat_tags"]
 PARSER_OF = {"mistral_old": "mistral", "longcat_tags": "longcat"}  # a syntax's second layout, read by the same parser
 
 
@@ -298,6 +300,8 @@ def test_a_streamed_auto_answer_is_decoded_and_parsed_in_linear_work(syntax):
     ("deepseek_v3", "{% if tools %}<｜tool▁calls▁begin｜>function<｜tool▁sep｜>```json{% endif %}", "deepseek_v3"),
     ("deepseek_v3", "{% if tools %}<｜tool▁calls▁begin｜>{{ name }}<｜tool▁sep｜>{% endif %}", "deepseek_v31"),
     ("deepseek_v32", None, "deepseek_v32"),
+    ("deepseek_v4", None, "deepseek_v4"),
+    ("deepseek_v32", "{{ '<｜DSML｜tool_calls>' }}<｜DSML｜invoke", "deepseek_v4"),
     ("kimi_k25", "<|tool_calls_section_begin|>", "kimi_k2"),
     ("kimi_k2", None, "kimi_k2"),
     ("glm_moe_dsa", "<tool_call>{{ name }}<arg_key>", "glm45"),

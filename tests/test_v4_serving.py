@@ -1,9 +1,10 @@
 """DeepSeek-V4 through the engine: ``LLM`` and the HTTP server load a tiny ``deepseek_v4`` checkpoint built by
 transformers' classes and serve it over state slots. Requests admitted, chunked, preempted and aborted at every stage
 leave every slot, every slot's state and every block free; the start-up facts (bytes per token of the compressed
-entries, fixed bytes per sequence, prefix caching off) are the planner's; the settings V4 does not run with are
-refused by name; two ranks serve it, their greedy tokens one rank's and transformers'. Greedy tokens against
-transformers: ``tests/test_conformance.py`` (``deepseek_v4`` cells)."""
+entries, fixed bytes per sequence, the state snapshots' budget) are the planner's; the settings V4 does not run with
+are refused by name; two ranks serve it, their greedy tokens one rank's and transformers'. Greedy tokens against
+transformers: ``tests/test_conformance.py`` (``deepseek_v4`` cells); prefix hits against a cold engine and
+transformers: ``tests/test_v4_prefix_cache.py``."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import pytest
 
 from mla_runtime import LLM, SamplingParams
 from mla_runtime.errors import InvalidParam
-from mla_runtime.models.deepseek_v4 import V4Config, load_deepseek_v4
+from mla_runtime.models.deepseek_v4 import V4Config, load_deepseek_v4, state_bytes
 from mla_runtime.models.v4_sizes import cache_kinds
+from mla_runtime.serving.metrics import EngineCollector
 from mla_runtime.v4_plan import plan_v4
 from tests.test_families_v4 import CONFIG, build, prompts
 
@@ -60,8 +62,9 @@ def test_aborts_preemption_and_chunks_free_every_slot_state_and_block(checkpoint
         llm.shutdown()
 
 
-def test_engine_info_is_the_planners_and_prefix_caching_is_off(checkpoint: Path) -> None:
-    kinds = cache_kinds(V4Config.from_raw({**CONFIG, "model_type": "deepseek_v4"}), 4)
+def test_engine_info_is_the_planners_and_prefix_caching_takes_sized_snapshots(checkpoint: Path) -> None:
+    cfg = V4Config.from_raw({**CONFIG, "model_type": "deepseek_v4"})
+    kinds = cache_kinds(cfg, 4)
     llm = LLM(str(checkpoint), dtype="float32", max_model_len=96, block_size=16, max_num_seqs=2,
               kv_cache_memory="64KiB")
     try:
@@ -69,15 +72,29 @@ def test_engine_info_is_the_planners_and_prefix_caching_is_off(checkpoint: Path)
         assert info.family == "deepseek_v4" and info.layers == 4 and info.d_c + info.d_r == 32
         assert info.cache_bytes_per_token == kinds.block_bytes_per_token
         assert info.state_bytes_per_sequence == kinds.fixed_bytes
-        assert not info.prefix_caching and not llm.engine.pool.enable_prefix_caching
-        p = list(range(2, 50))
-        first = llm.generate([{"prompt_token_ids": p}], GREEDY)[0].outputs[0].token_ids
-        again = llm.generate([{"prompt_token_ids": p}], GREEDY)[0].outputs[0].token_ids
-        assert first == again and llm.engine.stats().prefix_hit_tokens == 0
         assert info.state_bytes == 2 * kinds.fixed_bytes  # the slots' fixed part, set aside
-        assert llm.engine.worker.states.nbytes() == 0  # the slots' states went with their sequences
+        # prefix caching on: by default room for one snapshot of max_model_len tokens per slot, each snapshot as
+        # large as the whole state at its prefix's end; as many ids as snapshots of one block fit
+        assert info.prefix_caching and llm.engine.pool.enable_prefix_caching
+        assert info.state_snapshot_bytes == 2 * state_bytes(cfg, 96, 4)
+        assert info.state_snapshots == info.state_snapshot_bytes // state_bytes(cfg, 16, 4)
+        metrics = {(m.name, tuple(x.labels.items())): x.value
+                   for m in EngineCollector(llm.engine.stats, info, "tiny").collect() for x in m.samples}
+        assert metrics[("mla_memory_bytes", (("part", "state_snapshots"),))] == info.state_snapshot_bytes
     finally:
         llm.shutdown()
+    for settings in ({"state_snapshot_memory": 0}, {"enable_prefix_caching": False}):
+        llm = LLM(str(checkpoint), dtype="float32", max_model_len=96, kv_cache_memory="64KiB", **settings)
+        try:
+            info = llm.engine.info()
+            assert not info.prefix_caching and info.state_snapshots == info.state_snapshot_bytes == 0
+            assert llm.engine.scheduler.snapshots is None and not llm.engine.pool.enable_prefix_caching
+        finally:
+            llm.shutdown()
+    with pytest.raises(InvalidParam, match="state_snapshot_memory") as e:
+        LLM(str(checkpoint), dtype="float32", max_model_len=96, block_size=16, kv_cache_memory="64KiB",
+            state_snapshot_memory=1000)
+    assert f"{state_bytes(cfg, 16, 4):,} B" in str(e.value)
 
 
 @pytest.mark.parametrize("settings, name", [
@@ -118,9 +135,9 @@ def test_the_server_serves_deepseek_v4(checkpoint: Path) -> None:
 
 def test_two_ranks_serve_deepseek_v4(checkpoint: Path) -> None:
     """``tensor_parallel_size=2``: a batch of prompts past the window and several compressed entries of each kind,
-    fewer slots than prompts (a slot given back is taken again); each rank holds half the heads, output groups,
-    experts and vocabulary, and the whole state of every sequence; the greedy tokens are one rank's and
-    transformers'."""
+    fewer slots than prompts (a slot given back is taken again), then a prompt again (resumed on every rank from its
+    state snapshot); each rank holds half the heads, output groups, experts and vocabulary, and the whole state of
+    every sequence; the greedy tokens are one rank's and transformers'."""
     import torch
 
     ps = [p for p in prompts() if len(p) > 40] + [prompts()[3]]  # 45, 70 and 19 tokens
@@ -140,8 +157,11 @@ def test_two_ranks_serve_deepseek_v4(checkpoint: Path) -> None:
         held = sum(t.numel() * t.element_size() for t in (*w.own_model.parameters(), *w.own_model.buffers()))
         plan = plan_v4({**CONFIG, "model_type": "deepseek_v4"}, dtype="float32", device_memory_bytes=2**30, ranks=2)
         assert w.weight_bytes == held == plan.weight_bytes_per_rank < plan.weight_bytes
-        # the slots given back after the last step reach the other rank with the next one
-        assert w.take_state_releases() and w.states.nbytes() == 0 and not w.take_state_releases()
+        again = llm.generate([{"prompt_token_ids": ps[1]}], GREEDY)[0]
+        assert again.num_cached_tokens > 0 and list(again.outputs[0].token_ids) == want[1]
+        # the slot given back after the last step reaches the other rank with the next one
+        released, _ = w.take_state_releases()
+        assert released and w.states.nbytes() == 0 and w.take_state_releases() == ([], [])
     finally:
         llm.shutdown()
     assert got == want == ref

@@ -12,7 +12,7 @@ import torch
 
 from mla_runtime.config import PRESET_DIR
 from mla_runtime.models.deepseek_v4 import DeepseekV4ForCausalLM, V4Config, state_bytes
-from mla_runtime.models.v4_sizes import cache_kinds
+from mla_runtime.models.v4_sizes import cache_kinds, default_snapshot_bytes
 from mla_runtime.plan_cli import main
 from mla_runtime.v4_plan import plan_v4, v32_style_bytes
 
@@ -96,6 +96,10 @@ def test_plan_says_flash_fits_one_8_x_h200_node(capsys: pytest.CaptureFixture[st
     assert plan.weight_bytes // 8 < plan.weight_bytes_per_rank < plan.weight_bytes // 8 * 1.05
     assert plan.max_sequences == plan.sequences_per_rank and "every rank holds every sequence's cache" in out
     assert f"FITS ({plan.max_sequences:,} fit)" in out and "5,120.00 B/token" in out and "184.00 B/token" in out
+    # prefix caching's snapshots, as serving sets them aside: one 8,192-token state per sequence slot of a rank
+    assert plan.reserved_bytes == default_snapshot_bytes(V4Config.from_raw(preset("deepseek-v4-flash")), 1, M, 2)
+    assert plan.reserved_bytes == state_bytes(V4Config.from_raw(preset("deepseek-v4-flash")), 8192, 2)
+    assert "state snapshots per rank (prefix caching)" in out
     assert main(["--model", "deepseek-v4-flash", "--max-num-seqs", str(plan.max_sequences + 1), *args]) == 1
     assert main(["--model", "deepseek-v4-pro", "--max-num-seqs", "1", *args]) == 2  # bfloat16 weights: 2.9 TiB
     assert "DO NOT FIT" in capsys.readouterr().out

@@ -16,11 +16,14 @@ while it computes the prefix's last token, and a sequence that takes the prefix 
 it in its slot (``copy_row``). ``StateSnapshots`` is the scheduler's side: which snapshot holds the states after
 which block hash, pinned while a sequence is restored from it, pending while a step is to write it; a snapshot is
 forgotten with its block hash (the block pool's index) or, when the budget is full, least recently used first.
+``SizedSnapshots`` is the same for a state that grows with its sequence (DeepSeek-V4's): each snapshot is as large
+as the prefix it ends, and the snapshots held stay within a byte budget.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -125,8 +128,9 @@ class StateSnapshots:
     def has(self, block_hash: int) -> bool:
         return block_hash in self._by_hash
 
-    def reserve(self) -> int | None:
-        """A snapshot for a step to write (None: every one is pending or pinned)."""
+    def reserve(self, tokens: int = 0) -> int | None:
+        """A snapshot for a step to write after ``tokens`` tokens of its sequence (every snapshot here is the same
+        size, whatever ``tokens``; None: every one is pending or pinned)."""
         if self._free:
             s = self._free.pop()
         elif self._idle:
@@ -144,7 +148,7 @@ class StateSnapshots:
         snapshot holds them already."""
         self._pending.remove(snapshot)
         if block_hash in self._by_hash:
-            self._free.append(snapshot)
+            self._give_back(snapshot)
             return False
         self._by_hash[block_hash], self._hash_of[snapshot] = snapshot, block_hash
         self._idle[snapshot] = None
@@ -153,7 +157,7 @@ class StateSnapshots:
     def discard(self, snapshot: int) -> None:
         """Give back a pending snapshot whose step never ran (its sequence ended or was preempted first)."""
         self._pending.remove(snapshot)
-        self._free.append(snapshot)
+        self._give_back(snapshot)
 
     def acquire(self, block_hash: int) -> int:
         """Pin the snapshot of ``block_hash`` for a sequence that restores from it."""
@@ -172,7 +176,7 @@ class StateSnapshots:
         if snapshot in self._hash_of:
             self._idle[snapshot] = None  # most recently used
         else:  # its hash was forgotten while pinned
-            self._free.append(snapshot)
+            self._give_back(snapshot)
 
     def forget(self, block_hash: int) -> None:
         """The prefix cache forgot ``block_hash``: its snapshot goes with it (at its release, if pinned)."""
@@ -187,6 +191,10 @@ class StateSnapshots:
     def _drop(self, snapshot: int) -> None:
         del self._by_hash[self._hash_of.pop(snapshot)]
         self._idle.pop(snapshot, None)
+        self._give_back(snapshot)
+
+    def _give_back(self, snapshot: int) -> None:
+        """``snapshot`` is free again (the one place a taken snapshot becomes free)."""
         self._free.append(snapshot)
 
     def check_whole(self) -> None:
@@ -194,3 +202,47 @@ class StateSnapshots:
         if self._pending or self._pins or self.num_free != self.num_snapshots:
             raise AssertionError(f"state snapshots not whole: {len(self._pending)} pending, {len(self._pins)} pinned, "
                                  f"{self.num_free} of {self.num_snapshots} free or idle")
+
+
+class SizedSnapshots(StateSnapshots):
+    """``StateSnapshots`` of a state that grows with its sequence (DeepSeek-V4's compressed entries): a snapshot taken
+    after ``tokens`` tokens holds ``size(tokens)`` bytes, and the snapshots held (pending, committed, pinned) stay
+    within ``budget_bytes`` (``state_snapshot_memory``). ``reserve`` evicts committed, unpinned snapshots, least
+    recently used first, until the new one fits; ``drop`` is called with a snapshot's id whenever it is free again,
+    so that the states it held go at once (the worker's side: nothing outlives its place in the budget)."""
+
+    def __init__(self, num_snapshots: int, budget_bytes: int, size: Callable[[int], int],
+                 drop: Callable[[int], None]) -> None:
+        super().__init__(num_snapshots)
+        self.budget_bytes, self.size, self.drop = budget_bytes, size, drop
+        self._bytes: dict[int, int] = {}  # held snapshot -> its bytes
+        self.used_bytes = 0
+
+    def reserve(self, tokens: int = 0) -> int | None:
+        """A snapshot for a step to write after ``tokens`` tokens (None: it cannot fit beside the pending and pinned
+        ones, or it is larger than the whole budget)."""
+        need = self.size(tokens)
+        if need > self.budget_bytes:
+            return None
+        while (self.used_bytes + need > self.budget_bytes or not self._free) and self._idle:
+            self._drop(next(iter(self._idle)))
+            self.num_evictions += 1
+        if self.used_bytes + need > self.budget_bytes or not self._free:
+            return None
+        s = self._free.pop()
+        self._pending.add(s)
+        self._bytes[s] = need
+        self.used_bytes += need
+        return s
+
+    def _give_back(self, snapshot: int) -> None:
+        self.used_bytes -= self._bytes.pop(snapshot)
+        super()._give_back(snapshot)
+        self.drop(snapshot)
+
+    def check_whole(self) -> None:
+        """``StateSnapshots.check_whole``, and the bytes held are those of the committed snapshots."""
+        super().check_whole()
+        if self.used_bytes != sum(self._bytes.values()) or set(self._bytes) != set(self._hash_of):
+            raise AssertionError(f"state snapshots hold {self.used_bytes:,} B for {len(self._bytes)} snapshots; "
+                                 f"{self.num_committed} are committed")

@@ -82,8 +82,9 @@ class EngineConfig:
     # a hybrid model's prefix caching keeps its linear layers' states at cached prefixes' ends (cache/state_cache.py)
     state_snapshot_memory: int | str | None = field(default=None, metadata=opt(
         "kv_cache.state_snapshot_memory", "bytes of a hybrid model's state snapshots, the linear-attention states "
-                                          "at the end of cached prefixes, e.g. 2GiB; 0: no prefix caching for a "
-                                          "hybrid (default: as many snapshots as max-num-seqs)"))
+                                          "(DeepSeek-V4: the whole state) at the end of cached prefixes, e.g. 2GiB; "
+                                          "0: no prefix caching for such a model (default: as many snapshots as "
+                                          "max-num-seqs, for V4 of 8192-token prefixes)"))
     # between steps, idle cached prefix blocks are freed (LRU first) while more than this fraction of the
     # latent-cache blocks is in use or cached (1.0: only when an allocation needs them)
     cache_watermark: float = field(default=0.8, metadata=opt(

@@ -77,7 +77,7 @@ class LLMEngine:
         if snapshots is not None:
             self.pool.attach_states(snapshots)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, w.max_num_batched_tokens,
-                                   self.proposer.trailing_slots, w.state_slots(), snapshots)
+                                   self.proposer.trailing_slots, w.state_slots(), snapshots, w.own_prefix_copies)
         self.runner = ModelRunner(w, config.seed, self.tp_group, self.thread_tuner)
         self.requests: dict[str, RequestState] = {}
         self.grammars = GrammarCompiler(self.tokenizer, w.model_config.vocab_size, self.runner.sampler.eos_token_ids)

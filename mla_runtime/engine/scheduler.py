@@ -28,9 +28,11 @@ its blocks go back — finish, abort, preemption (a preempted sequence recompute
 With prefix caching, a hybrid's admitted sequence reserves state snapshots (``snapshots``) at the last full block
 boundary of its tokens and where its tokens leave the cached blocks (a shared prefix, say a system prompt, that
 another sequence left without a snapshot at its end), each written by the step that computes that position and
-committed with that block's hash; a prefix hit ends only at a block whose hash has one (the pool's lookup), pins it
-and copies it into the sequence's slot before its first step. Pending and pinned snapshots go back wherever the slot
-goes back.
+committed with that block's hash (``reserve(end)``: a snapshot of a state that grows, DeepSeek-V4's, is sized by
+its position); a prefix hit ends only at a block whose hash has one (the pool's lookup), pins it and copies it into
+the sequence's slot before its first step. Pending and pinned snapshots go back wherever the slot goes back. A model
+whose restored state is the sequence's own copy of the prefix's rows (``own_prefix_copies``) holds fresh blocks for
+them in place of the cached ones, so that the pool counts each running sequence's rows once.
 
 The scheduler deals only in sequences, token counts, block ids and slot ids, and hands the step on as a
 ``StepPlan``.
@@ -89,10 +91,13 @@ class StepPlan:
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
                  trailing_slots: int = 0, states: StateSlots | None = None,
-                 snapshots: StateSnapshots | None = None) -> None:
+                 snapshots: StateSnapshots | None = None, own_prefix_copies: bool = False) -> None:
         self.pool = pool
         self.states = states  # a hybrid model's state slots (None: no linear-attention layers)
         self.snapshots = snapshots  # a hybrid's state snapshots of cached prefixes (None: no prefix caching)
+        # a model whose restored state is a copy of the prefix's rows of its own (DeepSeek-V4): a prefix hit holds
+        # fresh blocks for them, not the cached ones (``_own_prefix``)
+        self.own_prefix_copies = own_prefix_copies
         self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -168,7 +173,7 @@ class Scheduler:
             end = k * self.block_size
             if end <= seq.num_computed_tokens or self.snapshots.has(hashes[k - 1]):
                 continue
-            snapshot = self.snapshots.reserve()
+            snapshot = self.snapshots.reserve(end)
             if snapshot is not None:
                 seq.state_snapshots.append((end, snapshot, hashes[k - 1]))
 
@@ -278,9 +283,12 @@ class Scheduler:
         hashes = self._admit_prefix(seq) if not seq.block_table else []
         n = min(seq.num_uncomputed, budget)
         need = self._blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
-        if need > self.pool.num_free_blocks or (self.states is not None and not self.states.num_free):
+        copies = len(seq.block_table) if self.own_prefix_copies else 0
+        if need + copies > self.pool.num_free_blocks or (self.states is not None and not self.states.num_free):
             self._release(seq)  # give the prefix hits back; retry next step
             return 0
+        if copies:
+            self._own_prefix(seq)
         if self.states is not None:
             seq.state_slot = self.states.take()
         if self.snapshots is not None and hashes:
@@ -290,6 +298,14 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         return n
+
+    def _own_prefix(self, seq: Sequence) -> None:
+        """A prefix hit of a model whose sequences keep every token's rows in a state of their own: the copy of the
+        prefix's rows restored into its slot is its own, so it holds fresh blocks for them and gives the cached ones
+        back to the cache (still indexed; their rows are counted by the snapshot it was restored from)."""
+        hit = seq.block_table
+        seq.block_table = self.pool.allocate(len(hit))  # taken while the hit is held: never evicts its blocks
+        self.pool.free(hit)
 
     def _reserve_trailing(self, seqs: list[Sequence], counts: list[int]) -> None:
         """Blocks for ``trailing_slots`` slots past the end of each sequence that reaches its end, in the order

@@ -17,11 +17,18 @@ model runs under (scheduler, block pool, sampler, ``LLM``, the server); only wha
 - **ranks** (``tensor_parallel_size``): each rank loads its shard (``models/v4_shards.py``: its query heads and output
   groups, routed experts, a slice of the shared expert and of the vocabulary; the KV head, compressors, indexer and
   hyper-connections whole) and holds every slot's whole state, as every rank computes the same latents and entries;
-  rank 0's slots given back reach the other ranks with the next step (``StepInput.state_releases``).
+  rank 0's slots given back and snapshots freed reach the other ranks with the next step (``StepInput.state_releases``,
+  ``snapshot_drops``).
 
-What V4 does not do here is refused by name at start-up (``check_v4_settings``), and prefix caching is off (a
-cached prefix would need the compressors' partial windows and every layer's window at the prefix's end, which are
-not kept): logged, ``EngineInfo.prefix_caching`` false.
+- **prefix caching**: state snapshots of the whole state (every window, partial window, compressed entry and
+  indexer key) at block boundaries, taken and restored as a hybrid's (``V4StateCache.run_batch``, ``restore``). A
+  snapshot is as large as its prefix (``snapshot_bytes``), so the scheduler's side is ``SizedSnapshots``: they stay
+  within ``state_snapshot_memory`` bytes (default room for ``max_num_seqs`` snapshots of ``SNAPSHOT_TOKENS`` tokens;
+  0: no prefix caching), least recently used evicted first, their tensors dropped as they are freed. A sequence
+  restored from one keeps its own copy of the prefix's entries, so it holds fresh blocks for them
+  (``own_prefix_copies``).
+
+What V4 does not do here is refused by name at start-up (``check_v4_settings``).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from mla_runtime import checksums
 from mla_runtime.cache.disk_tier import DiskTier
 from mla_runtime.cache.host_tier import HostTier
 from mla_runtime.cache.latent_cache import LatentCache
-from mla_runtime.cache.state_cache import StateSlots
+from mla_runtime.cache.state_cache import SizedSnapshots, StateSlots, StateSnapshots
 from mla_runtime.config import ModelConfig, load_config_dict
 from mla_runtime.dtypes import resolve_cache_dtype
 from mla_runtime.engine.config import EngineConfig
@@ -46,10 +53,17 @@ from mla_runtime.errors import InsufficientMemory, InvalidParam
 from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.hub import resolve_model
 from mla_runtime.kernel_plan import OFF_CPU
-from mla_runtime.models.deepseek_v4 import V4Config, V4StateCache, load_deepseek_v4
+from mla_runtime.models.deepseek_v4 import V4Config, V4StateCache, load_deepseek_v4, state_bytes
 from mla_runtime.models.glm5_next import MODEL_TYPES as GLM5_NEXT_TYPES
 from mla_runtime.models.v4_shards import check_v4_parallel
-from mla_runtime.models.v4_sizes import V4CacheKinds, cache_kinds, meta_weights, model_config, v4_weights
+from mla_runtime.models.v4_sizes import (
+    V4CacheKinds,
+    cache_kinds,
+    default_snapshot_bytes,
+    meta_weights,
+    model_config,
+    v4_weights,
+)
 from mla_runtime.models.v4_stored import stored_weight_bytes, v4_quantization
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 from mla_runtime.plan import (
@@ -95,6 +109,8 @@ def check_v4_settings(config: EngineConfig, family: str = "deepseek_v4", doc: st
 class V4Worker(Worker):
     """The ``Worker`` of a ``deepseek_v4`` checkpoint (the module's docstring): same start-up calls, same steps."""
 
+    sized_snapshots = False  # V4's own (set in its ``__init__``): snapshots as large as their prefixes
+
     def _open(self, config: EngineConfig, par: ParallelContext) -> dict[str, Any]:
         """Hold the settings and find the checkpoint; its raw config."""
         self.config, self.par = config, par
@@ -122,7 +138,8 @@ class V4Worker(Worker):
         self.bytes_per_token = self.bytes_per_token_per_rank = self.kinds.block_bytes_per_token
         self.state_bytes_per_sequence = self.kinds.fixed_bytes
         self.state_bytes = self.state_bytes_per_sequence * config.max_num_seqs
-        self.num_state_snapshots = self.state_snapshot_bytes = 0  # prefix caching is off: no state snapshot
+        self.sized_snapshots = self.own_prefix_copies = True  # a snapshot holds the whole state: it grows
+        self.num_state_snapshots, self.state_snapshot_bytes = self._v4_snapshots()
         self.weight_bytes = v4_weights(self.v4_config, self.dtype, par)[0]  # this rank's shard
         if v4_quantization(raw) is not None:  # the released FP8 / MXFP4 weights, kept as stored
             self.weight_bytes = stored_weight_bytes(Path(self.model_path), self.dtype, self.v4_config, par)
@@ -130,6 +147,29 @@ class V4Worker(Worker):
             cfg, dtype=self.dtype, max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, residual_streams=self.v4_config.hc_mult)
         self._unloaded()
+
+    def snapshot_bytes(self, tokens: int) -> int:
+        """Bytes of a state snapshot after ``tokens`` tokens: the whole state of a sequence that long (windows,
+        partial windows, every compressed entry and indexer key so far; ``models.deepseek_v4.state_bytes``)."""
+        return state_bytes(self.v4_config, tokens, self.dtype.itemsize)
+
+    def _v4_snapshots(self) -> tuple[int, int]:
+        """Prefix caching's state snapshots: how many ids, and the bytes they may hold together
+        (``state_snapshot_memory``; default ``models.v4_sizes.default_snapshot_bytes``: room for ``max_num_seqs``
+        snapshots, one per slot as a hybrid's, of ``SNAPSHOT_TOKENS`` tokens or ``max_model_len`` if shorter). A
+        snapshot is as large as the prefix it ends (``snapshot_bytes``): the ids are as many as snapshots of one block
+        fit; ``SizedSnapshots`` keeps those held within the bytes. (0, 0): no prefix caching."""
+        c = self.config
+        if not c.enable_prefix_caching:
+            return 0, 0
+        default = default_snapshot_bytes(self.v4_config, c.max_num_seqs, self.max_model_len, self.dtype.itemsize)
+        budget = default if c.state_snapshot_memory is None else int(c.state_snapshot_memory)
+        smallest = self.snapshot_bytes(c.block_size)
+        if 0 < budget < smallest:
+            raise InvalidParam("state_snapshot_memory", f"state_snapshot_memory ({budget:,} B) holds no state snapshot "
+                               f"of deepseek_v4 (one of a {c.block_size}-token prefix takes {smallest:,} B): give at "
+                               f"least that, or 0 for no prefix caching")
+        return budget // smallest, budget
 
     def _size_streams(self, cfg: ModelConfig, build: Callable[[], torch.nn.Module], streams: int) -> None:
         """The weights' bytes (of the model ``build`` makes, on the meta device) and the activations' reserve, with
@@ -144,7 +184,9 @@ class V4Worker(Worker):
         self.model = None
         self.own_model: Any = None  # the model of its own (``forward_batch``, ``compute_logits``)
         self.states: Any = None  # its slots' states (``state``, ``release``; ``restore`` with state snapshots)
-        self.released: list[int] = []  # rank 0's slots given back since the last step (``take_state_releases``)
+        # rank 0's slots given back and snapshots freed since the last step (``take_state_releases``)
+        self.released: list[int] = []
+        self.dropped: list[int] = []
         self.cache: LatentCache | None = None
         self.last_step = None
         self.quantized = False
@@ -162,17 +204,19 @@ class V4Worker(Worker):
         return "torch"
 
     def check_memory(self) -> None:
-        """Refuse a load whose weights, slots and activations the memory cannot hold, before any weight is read."""
+        """Refuse a load whose weights, slots, state snapshots and activations the memory cannot hold, before any
+        weight is read."""
         on_gpu = self.device.type == "cuda"
         available = torch.cuda.mem_get_info(self.device)[0] if on_gpu else available_host_memory()
-        needed = self.weight_bytes + self.state_bytes + self.activation_bytes
+        needed = self.weight_bytes + self.state_bytes + self.state_snapshot_bytes + self.activation_bytes
         if needed > available:
             raise InsufficientMemory(
                 f"{self.model_config.family}: the weights ({self.weight_bytes / 2**30:.2f} GiB), "
-                f"{self.config.max_num_seqs} state slots ({self.state_bytes / 2**30:.2f} GiB) and the activations "
+                f"{self.config.max_num_seqs} state slots ({self.state_bytes / 2**30:.2f} GiB), the state snapshots "
+                f"({self.state_snapshot_bytes / 2**30:.2f} GiB) and the activations "
                 f"({self.activation_bytes / 2**30:.2f} GiB) need {needed / 2**30:.2f} GiB; "
-                f"{available / 2**30:.2f} GiB are available on {self.device}: lower max_num_seqs or "
-                f"max_num_batched_tokens", needed, available)
+                f"{available / 2**30:.2f} GiB are available on {self.device}: lower max_num_seqs, "
+                f"state_snapshot_memory or max_num_batched_tokens", needed, available)
 
     def load(self) -> None:  # type: ignore[override]
         """Load the weights (checked against the sha256 manifest first with ``verify_weights``)."""
@@ -214,21 +258,36 @@ class V4Worker(Worker):
         return self.cache
 
     def _new_states(self) -> Any:
-        return V4StateCache(self.v4_config, self.config.max_num_seqs)
+        return V4StateCache(self.v4_config, self.config.max_num_seqs, self.num_state_snapshots)
 
     def _allocation_line(self, num_blocks: int) -> str:
+        snapshots = (f"state snapshots in {self.state_snapshot_bytes / 2**20:.1f} MiB (each the whole state at its "
+                     f"prefix's end: {self.snapshot_bytes(self.config.block_size):,} B after one block)"
+                     if self.prefix_caching else "off")
         return (f"deepseek_v4: {self.config.max_num_seqs} state slots of up to "
                 f"{self.state_bytes_per_sequence / 2**10:.1f} KiB fixed (windows, partial windows) plus "
                 f"{self.bytes_per_token} B of compressed entries per token ({num_blocks} blocks of "
-                f"{self.config.block_size} tokens); prefix caching is off (a cached prefix would need the compressors' "
-                f"partial windows at its end)")
+                f"{self.config.block_size} tokens); prefix caching: {snapshots}")
 
     @property
     def prefix_caching(self) -> bool:
-        return False
+        """As configured, with state snapshots (a cached prefix resumes from a copy of the state at its end)."""
+        return self.config.enable_prefix_caching and self.num_state_snapshots > 0
 
     def state_slots(self) -> StateSlots:
         return ReleasingSlots(self.config.max_num_seqs, self._release)
+
+    def state_snapshots(self) -> StateSnapshots | None:
+        """V4's snapshots, sized by the prefix they end (``SizedSnapshots`` within ``state_snapshot_bytes``); the
+        fixed-size ones of a model whose worker runs as this one (``Worker.state_snapshots``)."""
+        if not self.sized_snapshots or not self.num_state_snapshots:
+            return super().state_snapshots()
+        return SizedSnapshots(self.num_state_snapshots, self.state_snapshot_bytes, self.snapshot_bytes,
+                              self._drop_snapshot)
+
+    def state_snapshot_nbytes(self) -> int:
+        """V4's snapshot budget (``state_snapshot_memory``), what its snapshots may hold together."""
+        return self.state_snapshot_bytes if self.sized_snapshots else super().state_snapshot_nbytes()
 
     def _release(self, slot: int) -> None:
         if self.states is not None:
@@ -236,9 +295,16 @@ class V4Worker(Worker):
         if self.par.enabled:
             self.released.append(slot)
 
-    def take_state_releases(self) -> list[int]:
-        out, self.released = self.released, []
+    def take_state_releases(self) -> tuple[list[int], list[int]]:
+        out = self.released, self.dropped
+        self.released, self.dropped = [], []
         return out
+
+    def _drop_snapshot(self, snapshot: int) -> None:
+        if self.states is not None:
+            self.states.drop(snapshot)
+        if self.par.enabled:
+            self.dropped.append(snapshot)
 
     def state_cache_bytes(self) -> int:
         """The slots' fixed part set aside (windows, partial windows: ``max_num_seqs`` of them); the entries are the
@@ -252,8 +318,10 @@ class V4Worker(Worker):
     def execute(self, step: StepInput) -> torch.Tensor | None:
         """Run one step over the sequences' slots; fp32 logits ``[len(logit_rows), V]`` (None without rows)."""
         assert self.own_model is not None and self.states is not None
-        for slot in step.state_releases:  # rank 0's slots given back (done there already)
+        for slot in step.state_releases:  # rank 0's slots given back and snapshots freed (done there already)
             self.states.release(slot)
+        for snapshot in step.snapshot_drops:
+            self.states.drop(snapshot)
         for snapshot, slot in step.state_restores:  # prefix hits (models with state snapshots)
             self.states.restore(snapshot, slot)
         batch = ForwardBatch.build(step.token_chunks, step.context_lens, step.block_tables, self.config.block_size,

@@ -87,8 +87,10 @@ class StepInput:
     # after that many of the sequence's new tokens written to the snapshot (``cache/state_cache.py``)
     state_restores: list[tuple[int, int]] = field(default_factory=list)
     state_snapshots: list[tuple[int, int, int]] = field(default_factory=list)
-    # state slots rank 0 gave back since the last step: every other rank drops their states before the step
+    # state slots rank 0 gave back, and state snapshots it freed, since the last step: every other rank drops them
+    # before the step (models whose every rank holds every state: DeepSeek-V4)
     state_releases: list[int] = field(default_factory=list)
+    snapshot_drops: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,10 @@ def sequence_limits(config: EngineConfig, max_positions: int) -> tuple[int, int]
                                                                                           config.max_num_seqs)
 
 class Worker:
+    # whether a prefix hit's sequence keeps its own copy of the prefix's rows (a state of its own, DeepSeek-V4's) and
+    # so holds fresh blocks for them (``Scheduler.own_prefix_copies``); the paged latent cache shares the cached ones
+    own_prefix_copies = False
+
     def __init__(self, config: EngineConfig, par: ParallelContext = SINGLE_RANK) -> None:
         self.config = config
         self.par = par
@@ -383,9 +389,10 @@ class Worker:
         """The scheduler's allocator of the state cache's slots (None: the model has no linear layers)."""
         return None if self.model_config.linear_attention is None else StateSlots(self.config.max_num_seqs)
 
-    def take_state_releases(self) -> list[int]:
-        """The state slots given back since the last call, for the other ranks (``StepInput.state_releases``)."""
-        return []
+    def take_state_releases(self) -> tuple[list[int], list[int]]:
+        """The state slots given back and the state snapshots freed since the last call, for the other ranks
+        (``StepInput.state_releases``, ``snapshot_drops``)."""
+        return [], []
 
     def state_snapshots(self) -> StateSnapshots | None:
         """The scheduler's side of a hybrid's state snapshots (None: no linear layers or no prefix caching)."""

@@ -13,8 +13,8 @@ On a CPU whose compiled kernels passed their check (``KernelPlan.ggml_failure``)
 scaled in float32; a row's result the same bits whatever rows share the product). Other parts, and every part off a
 CPU or under ``cpu_gemm=plain``, widen the weight to float32 a block of output rows at a time
 (``QuantizedWeight.widened_product``: about ``WIDEN_CHUNK_ELEMENTS`` values, never the whole matrix) and multiply in
-float32: on a CPU through the ``gguf`` package's dequantisers (numpy); on another device Q8_0, Q4_K and Q6_K (a
-Q4_K_M or Q5_K_M file's most common types) by torch there, the others through the CPU.
+float32: Q8_0, Q4_K and Q6_K (a Q4_K_M or Q5_K_M file's most common types) widened by torch on the weight's device,
+the others by the ``gguf`` package's dequantisers (numpy) through the CPU.
 
 Q4_0 is the runtime's int4 number format exactly (``layers.int4``: groups of 32 along ``K``, one float16 scale,
 ``q[j] + 8`` in the low nibble of byte ``j`` and ``q[j + 16] + 8`` in its high nibble), so a Q4_0 matrix becomes an
@@ -103,13 +103,12 @@ TORCH_BLOCKS = {"Q8_0": (34, _q8_0), "Q4_K": (144, _q4_k), "Q6_K": (210, _q6_k)}
 
 def dequantize_rows(type_name: str, data: torch.Tensor, k: int) -> torch.Tensor:
     """Float32 ``[rows, k]`` of rows stored as ``type_name`` (``data``: uint8 ``[rows, row_bytes]``), on ``data``'s
-    device: on a CPU the ``gguf`` package's dequantisers (numpy: 2-6x torch's time on these byte operations); on
-    another device torch for Q8_0, Q4_K and Q6_K (checked against the package by the tests), the package's for the
-    others through the CPU."""
+    device: Q8_0, Q4_K and Q6_K by torch (the same values as the ``gguf`` package's dequantisers, as the tests check,
+    in a fraction of numpy's time on these byte operations), the others by the package, through the CPU."""
     rows = data.shape[0]
     if type_name in FLOAT_DTYPES:
         return data.contiguous().view(FLOAT_DTYPES[type_name]).float().reshape(rows, k)
-    if type_name in TORCH_BLOCKS and data.device.type != "cpu":
+    if type_name in TORCH_BLOCKS:
         size, widen = TORCH_BLOCKS[type_name]
         return widen(data.reshape(-1, size)).reshape(rows, k)
     from gguf import GGMLQuantizationType
@@ -210,6 +209,17 @@ class GgufWeight(QuantizedWeight):
     def dequantize(self) -> torch.Tensor:
         """The float32 matrix this one stands for."""
         return self._dequantize_rows(0, self.shape[0])
+
+    def gather_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Float32 rows ``index`` of the matrix: each part's rows picked from its bytes, then widened together."""
+        out = torch.empty(index.numel(), self.k, dtype=torch.float32, device=index.device)
+        first = 0
+        for type_name, data in self.parts:
+            mine = ((index >= first) & (index < first + data.shape[0])).nonzero().flatten()
+            if mine.numel():
+                out[mine] = dequantize_rows(type_name, data[index[mine] - first], self.k)
+            first += data.shape[0]
+        return out
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [..., K]`` (any float dtype) -> ``x · Wᵀ (+ bias)`` in ``x``'s dtype: each part of a type the compiled

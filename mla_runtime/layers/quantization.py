@@ -56,6 +56,7 @@ from mla_kernels import cpu_kernels
 from mla_runtime.kernel_plan import KernelPlan
 from mla_runtime.layers.bf16 import Bf16Weight, F16Weight
 from mla_runtime.layers.cpu_gemm import PackedWeight
+from mla_runtime.layers.embedding import VocabEmbedding
 from mla_runtime.layers.fp4 import Mxfp4Weight, Nvfp4Weight
 from mla_runtime.layers.fp8 import Fp8Weight
 from mla_runtime.layers.int4 import Int4Weight, W4A16Weight
@@ -223,6 +224,8 @@ def install_quantized(model: nn.Module, weights: dict[str, QuantizedMatrices]) -
             module.row_table = None
         elif attr == "lm_head":
             model.__dict__["lm_head_packed"] = weight  # a plain attribute, as prepare_inference sets it
+        elif isinstance(module, VocabEmbedding):  # an embedding kept as stored: its rows widened per lookup
+            module.stored = cast(QuantizedWeight, weight)
         else:
             raise ValueError(f"{name}: not a parameter that is quantised")
         first = weight[0] if isinstance(weight, list) else weight

@@ -139,6 +139,13 @@ class QuantizedWeight(PackedWeight):
         """Float32 rows ``[r0, r1)`` of the matrix."""
         raise NotImplementedError
 
+    def gather_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Float32 ``[len(index), K]``: the rows ``index`` (int64, any order, repeats allowed) of the matrix, each
+        widened on its own (an embedding kept as stored looks its tokens up this way)."""
+        unique, where = torch.unique(index, return_inverse=True)
+        rows = [self._dequantize_rows(int(r), int(r) + 1) for r in unique.tolist()]
+        return (torch.cat(rows) if rows else torch.empty(0, self.shape[1]))[where]
+
     def widened_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [..., K] · Wᵀ (+ bias)`` in ``x``'s dtype by widening the weight to float32 a block of output rows at a
         time (about ``WIDEN_CHUNK_ELEMENTS`` values: bounded temporaries) and ``F.linear``, or on a CPU oneDNN's float32

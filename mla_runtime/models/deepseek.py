@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mla_kernels import cpu_tables
@@ -25,6 +24,7 @@ from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.kernel_plan import KernelPlan
 from mla_runtime.layers.cpu_gemm import PackedWeight, linear, prepared
 from mla_runtime.layers.decoder_kernel import decode_step, layer_weights
+from mla_runtime.layers.embedding import VocabEmbedding
 from mla_runtime.layers.linear import Linear
 from mla_runtime.layers.mla import MLAttention, attention_layer
 from mla_runtime.layers.mlp import GatedMLP
@@ -33,23 +33,6 @@ from mla_runtime.layers.norm import RMSNorm, decoder_norm
 from mla_runtime.layers.qweight import QuantizedWeight, released_like
 from mla_runtime.parallel import ParallelContext
 from mla_runtime.resolved_config import ResolvedConfig
-
-
-class VocabEmbedding(nn.Module):
-    """Token embedding; under tensor parallelism each rank holds ``ceil(V / N)`` rows of the vocabulary."""
-
-    def __init__(self, vocab: int, hidden: int, dtype: torch.dtype, par: ParallelContext) -> None:
-        super().__init__()
-        self.par = par
-        self.start, self.stop, rows = par.vocab_split(vocab)
-        self.weight = nn.Parameter(torch.zeros(rows, hidden, dtype=dtype), requires_grad=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if not self.par.enabled:
-            return F.embedding(ids, self.weight)
-        mine = (ids >= self.start) & (ids < self.stop)
-        local = torch.where(mine, ids - self.start, torch.zeros_like(ids))
-        return self.par.all_reduce(F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype))
 
 
 class DecoderLayer(nn.Module):

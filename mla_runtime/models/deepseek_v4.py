@@ -26,13 +26,15 @@ latents and, per compressor (the attention's and the indexer's), the tokens of t
 previous window's overlapping half (CSA) and every compressed entry so far. A step may hold any number of the
 sequence's tokens (a prompt, a chunk of one, a decode): the result does not depend on how the tokens are split.
 An engine step (``ForwardBatch`` with each sequence's state slot) runs through ``forward_batch`` over a
-``V4StateCache`` (one state per slot). Parameter names are transformers' in-memory ones; ``load_deepseek_v4`` reads
-the released layout (which transformers saves) and those names, and the released FP8 / MXFP4 checkpoints, whose
-matrices stay as stored (``v4_stored``: ``StoredLinear`` layers, ``PackedExperts.keep_stored``).
+``V4StateCache`` (one state per slot; prefix caching's snapshots beside them, copies of a state at a block boundary:
+``V4SequenceState.copy``). Parameter names are transformers' in-memory ones; ``load_deepseek_v4`` reads the released
+layout (which transformers saves) and those names, and the released FP8 / MXFP4 checkpoints, whose matrices stay as
+stored (``v4_stored``: ``StoredLinear`` layers, ``PackedExperts.keep_stored``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -281,6 +283,15 @@ class CompressorState:
     def count(self) -> int:
         return 0 if self.entries is None else int(self.entries.shape[0])
 
+    def copy(self) -> CompressorState:
+        """A copy later steps of either leave alone: the partial window and the overlapping half cloned (they may be
+        views of a whole step's projections), the entries shared (a step appends by building a new tensor)."""
+        def clone(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.clone()
+
+        return CompressorState(clone(self.buffer_kv), clone(self.buffer_gate), clone(self.overlap_kv),
+                               clone(self.overlap_gate), self.entries)
+
 
 @dataclass
 class LayerState:
@@ -299,6 +310,12 @@ class V4SequenceState:
     @staticmethod
     def empty(cfg: V4Config) -> V4SequenceState:
         return V4SequenceState([LayerState() for _ in range(cfg.num_hidden_layers)])
+
+    def copy(self) -> V4SequenceState:
+        """The state as it is now, which later steps of either leave alone (a state snapshot, a prefix hit's slot):
+        every window and partial window cloned, every compressed entry and indexer key shared (never written into)."""
+        return V4SequenceState([LayerState(None if ly.window is None else ly.window.clone(), ly.compressor.copy(),
+                                           ly.indexer.copy()) for ly in self.layers], self.length)
 
     def nbytes(self) -> int:
         tensors: list[torch.Tensor | None] = []
@@ -548,13 +565,17 @@ class V4Model(nn.Module):
 class V4StateCache:
     """The states of the running sequences, one per slot of the engine's state slots (``cache.state_cache.
     StateSlots`` hands the ids out; the scheduler gives a slot back on finish, abort and preemption). A sequence's
-    first step (no cached tokens) starts its slot afresh, whatever the slot held."""
+    first step (no cached tokens) starts its slot afresh, whatever the slot held. Prefix caching keeps
+    ``num_snapshots`` more: a sequence's state at a block boundary (``V4SequenceState.copy``), written during the step
+    that computes the boundary's token (``ForwardBatch.state_snapshots``), copied into the slot of a sequence that
+    hits the prefix (``restore``) and dropped when the scheduler frees it (``drop``)."""
 
-    def __init__(self, cfg: V4Config, num_slots: int) -> None:
-        if num_slots < 1:
-            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+    def __init__(self, cfg: V4Config, num_slots: int, num_snapshots: int = 0) -> None:
+        if num_slots < 1 or num_snapshots < 0:
+            raise ValueError(f"num_slots must be >= 1 and num_snapshots >= 0, got {num_slots}, {num_snapshots}")
         self.cfg = cfg
         self.slots: list[V4SequenceState | None] = [None] * num_slots
+        self.snapshots: list[V4SequenceState | None] = [None] * num_snapshots
 
     def state(self, slot: int, context_len: int) -> V4SequenceState:
         """Slot ``slot``'s state for a step that continues after ``context_len`` tokens."""
@@ -572,8 +593,41 @@ class V4StateCache:
         """Drop slot ``slot``'s state (its sequence finished, was aborted or preempted)."""
         self.slots[slot] = None
 
+    def run_batch(self, batch: ForwardBatch, hidden: Callable[[torch.Tensor, V4SequenceState], torch.Tensor]
+                  ) -> torch.Tensor:
+        """Hidden states ``[T, d]`` of an engine step: ``hidden(ids, state)`` over each sequence's slot, its snapshots
+        (``batch.state_snapshots``: after its first ``n`` new tokens, into snapshot ``s``) taken on the way."""
+        if batch.state_slots is None:
+            raise ValueError("a deepseek_v4 step needs each sequence's state slot (ForwardBatch.state_slots)")
+        starts, outs = batch.query_start_loc.tolist(), []
+        for b, (q, ctx, slot) in enumerate(zip(batch.query_lens, batch.context_lens_list, batch.state_slots)):
+            st, done = self.state(slot, ctx), 0
+            for n, s in sorted((n, s) for sb, n, s in batch.state_snapshots if sb == b):
+                if n > done:
+                    outs.append(hidden(batch.input_ids[starts[b] + done:starts[b] + n], st))
+                    done = n
+                self.snapshots[s] = st.copy()
+            if done < q:
+                outs.append(hidden(batch.input_ids[starts[b] + done:starts[b] + q], st))
+        return torch.cat(outs)
+
+    def restore(self, snapshot: int, slot: int) -> None:
+        """Slot ``slot`` resumes from snapshot ``snapshot`` (a prefix hit): a copy of its state."""
+        st = self.snapshots[snapshot]
+        if st is None:
+            raise RuntimeError(f"state snapshot {snapshot} was never taken")
+        self.slots[slot] = st.copy()
+
+    def drop(self, snapshot: int) -> None:
+        """Drop snapshot ``snapshot``'s state (the scheduler freed it)."""
+        self.snapshots[snapshot] = None
+
     def nbytes(self) -> int:
         return sum(st.nbytes() for st in self.slots if st is not None)
+
+    def snapshot_nbytes(self) -> int:
+        """Bytes the snapshots hold, each counted whole (its entries may share tensors with a slot or another)."""
+        return sum(st.nbytes() for st in self.snapshots if st is not None)
 
 
 class DeepseekV4ForCausalLM(nn.Module):
@@ -609,13 +663,8 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def forward_batch(self, batch: ForwardBatch, states: V4StateCache) -> torch.Tensor:
         """Hidden states ``[T, d]`` of an engine step (``ForwardBatch``: any mix of prompts, chunks and decodes,
-        each sequence with its state slot), each sequence computed over its own slot's state."""
-        if batch.state_slots is None:
-            raise ValueError("a deepseek_v4 step needs each sequence's state slot (ForwardBatch.state_slots)")
-        starts = batch.query_start_loc.tolist()
-        outs = [self(batch.input_ids[starts[b]:starts[b] + q], states.state(slot, ctx))
-                for b, (q, ctx, slot) in enumerate(zip(batch.query_lens, batch.context_lens_list, batch.state_slots))]
-        return torch.cat(outs)
+        each sequence with its state slot; the step's state snapshots), each sequence over its own slot's state."""
+        return states.run_batch(batch, self)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[R, V]`` (under tensor parallelism every rank's vocabulary rows, gathered on every rank)."""

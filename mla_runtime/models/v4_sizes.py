@@ -25,10 +25,13 @@ from dataclasses import dataclass
 import torch
 
 from mla_runtime.config import ModelConfig
-from mla_runtime.models.deepseek_v4 import DeepseekV4ForCausalLM, V4Config
+from mla_runtime.models.deepseek_v4 import DeepseekV4ForCausalLM, V4Config, state_bytes
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 
 CSA, HCA, SLIDING = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
+# prefix caching's default snapshot budget: room for one snapshot per sequence slot of a prefix this long (or the
+# context limit if shorter): a system prompt, a conversation's first turns; longer ones fit while the budget holds them
+SNAPSHOT_TOKENS = 8192
 
 
 @dataclass(frozen=True)
@@ -118,4 +121,12 @@ def v4_weights(cfg: V4Config, dtype: torch.dtype, par: ParallelContext = SINGLE_
     return meta_weights(lambda: DeepseekV4ForCausalLM(cfg, dtype, par))
 
 
-__all__ = ["V4CacheKinds", "cache_kinds", "meta_weights", "model_config", "v4_weights"]
+def default_snapshot_bytes(cfg: V4Config, max_num_seqs: int, max_model_len: int, dtype_bytes: int) -> int:
+    """The default ``state_snapshot_memory`` of a V4 model served with ``max_num_seqs`` slots: ``max_num_seqs``
+    snapshots of ``SNAPSHOT_TOKENS`` tokens (``max_model_len`` if shorter), each the whole state at its prefix's end
+    (``state_bytes``)."""
+    return max_num_seqs * state_bytes(cfg, min(max_model_len, SNAPSHOT_TOKENS), dtype_bytes)
+
+
+__all__ = ["SNAPSHOT_TOKENS", "V4CacheKinds", "cache_kinds", "default_snapshot_bytes", "meta_weights", "model_config",
+           "v4_weights"]

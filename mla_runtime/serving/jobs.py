@@ -26,7 +26,8 @@ from mla_runtime.serving.responses import Job
 from mla_runtime.serving.runtime import ServingRuntime
 from mla_runtime.serving.tool_parsers import choose_tool_parser, every_marker
 from mla_runtime.serving.tools import renders_tools
-from mla_runtime.tokenizer import apply_chat_template
+from mla_runtime.tokenizer import apply_chat_template, chat_format
+from mla_runtime.v4_chat import request_effort
 
 PROMPT_TAIL_TOKENS = 32  # the prompt's last tokens, read for an open <think> (the template's generation prompt)
 
@@ -76,13 +77,14 @@ class JobBuilder:
 
     def tool_syntax(self) -> str | None:
         """The syntax ``tool_choice: "auto"`` parses (``tool_parsers.py``), resolved against the model once; None
-        where the server parses none or the chat template does not show the model the tools."""
+        where the server parses none or the chat template does not show the model the tools (a built-in format,
+        ``tokenizer.chat_format``, shows them)."""
         if self._tool_syntax is None:
             llm = self.rt.llm
             model_type = llm.engine.model_config.model_type if llm is not None else None
-            template = getattr(self.rt.tokenizer, "chat_template", None)
-            syntax = choose_tool_parser(self.config.tool_call_parser, model_type, template)
-            self._tool_syntax = (syntax if renders_tools(template) else None,)
+            template, built_in = getattr(self.rt.tokenizer, "chat_template", None), chat_format(self.rt.tokenizer)
+            syntax = choose_tool_parser(self.config.tool_call_parser, built_in or model_type, template)
+            self._tool_syntax = (syntax if built_in or renders_tools(template) else None,)
         return self._tool_syntax[0]
 
     def tokenized(self, prompt: str | list[int]) -> tuple[Tokenized, int]:
@@ -156,7 +158,7 @@ class JobBuilder:
         tools = req.tool_mode(self.tool_syntax())
         messages = req.plain_messages()
         self.check_text("".join(m["content"] for m in messages), "messages")
-        ids = self.chat_prompt(messages, req.tool_dicts() if tools else None, req.chat_template_kwargs)
+        ids = self.chat_prompt(messages, req.tool_dicts() if tools else None, self.template_kwargs(req))
         requested, param = req.requested_max_tokens()
         max_tokens = self.output_limit([len(ids)], requested, param, None, prompt_param="messages")
         params, reasoning = req.sampling_params(max_tokens), self.reasoning(ids)
@@ -167,12 +169,26 @@ class JobBuilder:
                    logprobs=req.logprobs_count(), token_text=self.token_text, tools=tools, raw_text=self.raw_text,
                    reasoning=reasoning)
 
+    def template_kwargs(self, req: ChatRequest) -> dict[str, Any] | None:
+        """The request's ``chat_template_kwargs``, with its ``reasoning_effort`` as the variable of DeepSeek-V4's
+        built-in format where the format renders the chat and the variable is not set (``v4_chat.request_effort``)."""
+        kwargs = req.chat_template_kwargs
+        if req.reasoning_effort is None or chat_format(self.rt.tokenizer) != "deepseek_v4" \
+                or "reasoning_effort" in (kwargs or {}):
+            return kwargs
+        try:
+            return {**(kwargs or {}), "reasoning_effort": request_effort(req.reasoning_effort)}
+        except InvalidParam as e:
+            raise ApiError(400, f"{e.param}: {e}", param=e.param) from e
+
     def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                     template_kwargs: dict[str, Any] | None) -> list[int]:
-        """The chat's prompt token ids; a template that fails on the request's messages or
+        """The chat's prompt token ids; a template (or built-in format) that fails on the request's messages or
         ``chat_template_kwargs`` is a 400 naming the field."""
         try:
             return apply_chat_template(self.rt.tokenizer, messages, tools, template_kwargs)
+        except InvalidParam as e:
+            raise ApiError(400, f"{e.param}: {e}", param=e.param) from e
         except ValueError as e:
             param = "chat_template_kwargs" if template_kwargs and "template" in str(e) else "messages"
             raise ApiError(400, f"{param}: {e}", param=param) from e
@@ -182,8 +198,8 @@ class JobBuilder:
         if self._reasoning_parser is None:
             llm = self.rt.llm
             model_type = llm.engine.model_config.model_type if llm is not None else None
-            template = getattr(self.rt.tokenizer, "chat_template", None)
-            self._reasoning_parser = (choose_parser(self.config.reasoning_parser, model_type, template),)
+            template, built_in = getattr(self.rt.tokenizer, "chat_template", None), chat_format(self.rt.tokenizer)
+            self._reasoning_parser = (choose_parser(self.config.reasoning_parser, built_in or model_type, template),)
         return self._reasoning_parser[0]
 
     def constrained_after_thinking(self, params: SamplingParams, reasoning: Reasoning

@@ -269,6 +269,7 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool's answer names the call
+    reasoning_content: str | None = None  # an assistant's earlier thinking, for a format that shows it again
 
     def text(self, index: int) -> str:
         if self.content is None:
@@ -314,6 +315,9 @@ class ChatRequest(OpenAIFields):
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, description=(
         "Variables for the chat template besides the messages, e.g. {\"thinking\": true}"))
+    reasoning_effort: str | None = Field(default=None, description=(
+        "OpenAI's reasoning effort (none, minimal, low, medium, high, xhigh; and max): read by DeepSeek-V4's built-in "
+        "chat format (none: no thinking; max: its maximum effort; the others: its default), ignored by chat templates"))
 
     def plain_messages(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -323,6 +327,8 @@ class ChatRequest(OpenAIFields):
                 msg["tool_calls"] = m.tool_calls
             if m.tool_call_id is not None:
                 msg["tool_call_id"] = m.tool_call_id
+            if m.reasoning_content is not None and m.role == "assistant":
+                msg["reasoning_content"] = m.reasoning_content
             out.append(msg)
         return out
 

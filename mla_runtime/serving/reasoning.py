@@ -3,9 +3,9 @@
 
 The parser is chosen from the model (``reasoning_parser: auto``, the default): ``deepseek_r1`` where the chat template
 writes ``<think>`` or ``</think>`` (DeepSeek-R1, DeepSeek-V3.1 and later, Kimi-K2-Thinking, GLM's thinking
-templates) or the ``model_type`` is one of ``THINKING_MODEL_TYPES``; ``none`` elsewhere. ``--reasoning-parser``
-sets it instead. The markers must be text the tokenizer keeps when it decodes (they are ordinary tokens in those
-tokenizers).
+templates) or the ``model_type`` is one of ``THINKING_MODEL_TYPES`` (DeepSeek-V4's built-in format,
+``v4_chat.py``, thinks by default); ``none`` elsewhere. ``--reasoning-parser`` sets it instead. The markers must be
+text the tokenizer keeps when it decodes (they are ordinary tokens in those tokenizers).
 
 Two shapes of output are read: one that starts with ``<think>`` (the template leaves the model to open its thinking),
 and one that starts inside the thinking, with only ``</think>`` to come, where the rendered prompt ends in an open
@@ -24,9 +24,9 @@ from typing import Any
 
 START, END = "<think>", "</think>"
 REASONING_PARSERS = ("auto", "deepseek_r1", "none")
-# model types whose released checkpoints all think in <think> blocks by default (GLM-4.7-Flash, GLM-5): the parser is
-# on for them even where the checkpoint ships no chat template that says so
-THINKING_MODEL_TYPES = frozenset({"glm4_moe_lite", "glm_moe_dsa"})
+# model types whose released checkpoints all think in <think> blocks by default (GLM-4.7-Flash, GLM-5, DeepSeek-V4):
+# the parser is on for them even where the checkpoint ships no chat template that says so
+THINKING_MODEL_TYPES = frozenset({"glm4_moe_lite", "glm_moe_dsa", "deepseek_v4"})
 
 
 def choose_parser(setting: str, model_type: str | None, chat_template: Any) -> str | None:

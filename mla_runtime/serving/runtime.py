@@ -187,7 +187,7 @@ class ServingRuntime:
                         d.max_num_seqs, human_bytes(d.state_bytes),
                         f"prefix caching with {d.state_snapshots} state snapshots "
                         f"({human_bytes(d.state_snapshot_bytes)})" if d.prefix_caching
-                        else "prefix caching off for this hybrid model")
+                        else "prefix caching off for this model (no state snapshots)")
         total = d.weight_bytes + d.cache_bytes + d.state_bytes + d.state_snapshot_bytes + d.activation_bytes
         logger.info("memory on %s: weights %s | latent cache %s | activations (reserve) %s | total %s",
                     d.device, human_bytes(d.weight_bytes), human_bytes(d.cache_bytes),

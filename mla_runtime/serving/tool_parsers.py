@@ -27,6 +27,8 @@ The syntaxes (``TOOL_CALL_PARSERS``), as the families' published chat templates 
   holding one ``<｜DSML｜invoke name="NAME">`` element per call, each holding one
   ``<｜DSML｜parameter name="P" string="true|false">VALUE</｜DSML｜parameter>`` per argument; ``string="true"``
   marks a value written as plain text, ``false`` one written as JSON.
+- ``deepseek_v4`` (DeepSeek-V4): V3.2's DSML elements in a ``<｜DSML｜tool_calls>`` block; the blank line the
+  format writes before the block is not content.
 - ``kimi_k2`` (Kimi-K2): ``<|tool_calls_section_begin|>``, then per call ``<|tool_call_begin|>functions.NAME:IDX
   <|tool_call_argument_begin|>ARGS<|tool_call_end|>``, then ``<|tool_calls_section_end|>``; the call's id is
   ``functions.NAME:IDX`` (IDX counts the conversation's calls), and it is returned as the call's ``id``.
@@ -63,10 +65,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-TOOL_CALL_PARSERS = ("auto", "deepseek_v3", "deepseek_v31", "deepseek_v32", "kimi_k2", "glm45", "mistral", "minicpm3",
-                     "hermes", "longcat", "none")
+TOOL_CALL_PARSERS = ("auto", "deepseek_v3", "deepseek_v31", "deepseek_v32", "deepseek_v4", "kimi_k2", "glm45",
+                     "mistral", "minicpm3", "hermes", "longcat", "none")
 # model types whose chat template may not say which syntax they write; any other falls back to hermes
 MODEL_TYPE_PARSERS = {"deepseek_v2": "deepseek_v3", "deepseek_v3": "deepseek_v3", "deepseek_v32": "deepseek_v32",
+                      "deepseek_v4": "deepseek_v4",
                       "kimi_k2": "kimi_k2", "kimi_k25": "kimi_k2", "glm4_moe_lite": "glm45", "glm_moe_dsa": "glm45",
                       "mistral4": "mistral", "mistral_large4": "mistral", "mistral_large4_text": "mistral",
                       "longcat_flash": "longcat", "minicpm3": "minicpm3"}
@@ -75,6 +78,7 @@ FALLBACK = "hermes"
 DS_CALLS, DS_CALL, DS_SEP = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>"
 DS_CALL_END, DS_CALLS_END = "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"
 DSML_TAG = "｜DSML｜"
+DSML_V4_CALLS = f"<{DSML_TAG}tool_calls>"
 KIMI_SECTION, KIMI_CALL = "<|tool_calls_section_begin|>", "<|tool_call_begin|>"
 KIMI_ARGS, KIMI_CALL_END = "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 KIMI_SECTION_END = "<|tool_calls_section_end|>"
@@ -165,7 +169,11 @@ class ToolParser:
         i = text.find(self.begin)
         if i < 0:
             return Parsed(self.content_of(text, end)[0])
-        return Parsed(self.content_of(text[:i], True)[0], self.scan(text, i, end).calls, True)
+        return Parsed(self.before_calls(text[:i]), self.scan(text, i, end).calls, True)
+
+    def before_calls(self, head: str) -> str:
+        """The content of ``head``, the whole text before the calls' opening marker."""
+        return self.content_of(head, True)[0]
 
     def content_of(self, head: str, end: bool) -> tuple[str, int]:
         """The content of ``head`` (text with no call marker), and how many of its characters that settles: all at the
@@ -264,6 +272,24 @@ class Dsml(ToolParser):
             start = text.find(self.INVOKE_START, pos)
             resume = start if start >= 0 else max(resume, len(text) - held(text, self.INVOKE_START))
         return Scan(found, resume, len(found) - (bool(found) and not found[-1].complete))
+
+
+class DsmlV4(Dsml):
+    """DeepSeek-V4's DSML: V3.2's elements in a ``<｜DSML｜tool_calls>`` block, after a blank line that is not
+    content (module docstring)."""
+
+    name = "deepseek_v4"
+    begin = DSML_V4_CALLS
+    markers = (begin,)
+    LEAD = "\n\n"
+
+    def content_of(self, head: str, end: bool) -> tuple[str, int]:
+        """As ``ToolParser.content_of``, also holding back a blank line that may be the one before the block."""
+        used = len(head) if end else len(head) - held(head, self.LEAD + self.begin)
+        return head[:used], used
+
+    def before_calls(self, head: str) -> str:
+        return head.removesuffix(self.LEAD)
 
 
 class GLM(ToolParser):
@@ -526,7 +552,7 @@ def make_parser(name: str, strings: frozenset[tuple[str, str]] = frozenset()) ->
         return Delimited(name, KIMI_SECTION, KIMI_CALL, KIMI_ARGS, KIMI_CALL_END, _KIMI_MARKERS, _kimi_header,
                          strings)
     simple: dict[str, Callable[[frozenset[tuple[str, str]]], ToolParser]] = {
-        "deepseek_v32": Dsml, "glm45": GLM, "mistral": Mistral, "minicpm3": Pythonic,
+        "deepseek_v32": Dsml, "deepseek_v4": DsmlV4, "glm45": GLM, "mistral": Mistral, "minicpm3": Pythonic,
         "hermes": lambda s: Hermes(strings=s), "longcat": Longcat}
     if name not in simple:
         raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {name!r}")
@@ -539,9 +565,9 @@ def every_marker() -> set[str]:
 
 
 # the template text that tells each syntax apart, most specific first
-_TEMPLATE_SIGNS = ((DSML_TAG, "deepseek_v32"), (KIMI_SECTION, "kimi_k2"), ("<arg_key>", "glm45"),
-                   (MISTRAL_CALLS, "mistral"), (CPM_CALLS, "minicpm3"), ("<longcat_tool_call>", "longcat"),
-                   ("<tool_call>", "hermes"))
+_TEMPLATE_SIGNS = ((DSML_V4_CALLS, "deepseek_v4"), (DSML_TAG, "deepseek_v32"), (KIMI_SECTION, "kimi_k2"),
+                   ("<arg_key>", "glm45"), (MISTRAL_CALLS, "mistral"), (CPM_CALLS, "minicpm3"),
+                   ("<longcat_tool_call>", "longcat"), ("<tool_call>", "hermes"))
 
 
 def choose_tool_parser(setting: str, model_type: str | None, chat_template: Any) -> str | None:
@@ -594,7 +620,7 @@ class ToolStream:
                 self.pending = text[used:]
                 self.content += len(content)
                 return content, []
-            content = self.parser.content_of(text[:i], True)[0]
+            content = self.parser.before_calls(text[:i])
             self.content += len(content)
             self.started, text = True, text[i:]
         found = self.parser.scan(text, 0, False)
