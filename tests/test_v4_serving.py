@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from mla_runtime import LLM, SamplingParams
 from mla_runtime.errors import InvalidParam
@@ -138,8 +139,6 @@ def test_two_ranks_serve_deepseek_v4(checkpoint: Path) -> None:
     fewer slots than prompts (a slot given back is taken again), then a prompt again (resumed on every rank from its
     state snapshot); each rank holds half the heads, output groups, experts and vocabulary, and the whole state of
     every sequence; the greedy tokens are one rank's and transformers'."""
-    import torch
-
     ps = [p for p in prompts() if len(p) > 40] + [prompts()[3]]  # 45, 70 and 19 tokens
     one = load_deepseek_v4(checkpoint)
     want = [one.generate_greedy(p, GREEDY.max_tokens) for p in ps]
