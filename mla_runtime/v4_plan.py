@@ -12,11 +12,13 @@ so a sequence of ``L`` tokens costs ``floor(L / 4) x (CSA + index bytes) + floor
 partial state``. Against it the report sets the same layer count as a V3.2-style stack (every layer caching the
 ``d_c + d_r`` latent and an indexer key per token: DeepSeek-V3.2's 512 + 64 + 128 values).
 
-Ranks (``--tensor-parallel-size``: the GPUs of a node) split the weights evenly (the experts, the bulk, shard by
-expert); each rank's cache budget is ``usable - weights / ranks - activation reserve``. V4 attends one shared KV
-head, so a head split gives a rank no smaller share of a sequence: the node holds a sequence's whole cache on one
-rank (data-parallel attention), ``ranks x`` the sequences one rank holds. The report gives that count, and the
-smaller one where every rank holds every sequence.
+Ranks (``--tensor-parallel-size``: the GPUs of a node) split the weights as serving does (``models/v4_shards.py``: the
+query heads and their output groups, the routed experts, the shared expert, the vocabulary; the KV head, compressors,
+indexer, router, norms and hyper-connections whole): a rank's weights are counted on its own model, built on the meta
+device. Each rank's cache budget is ``usable - a rank's weights - activation reserve - state snapshots`` (prefix
+caching's default snapshot budget, ``max_num_seqs`` of them, on every rank). V4 attends one shared KV
+head, so a head split gives a rank no smaller share of a sequence: every rank holds every sequence's whole state, and
+the node holds as many sequences as one rank does.
 
 The plan itself (``OwnModelPlan``, ``plan_own_model``: weights on the meta device, the activation reserve with the
 residual streams, a cache budget, sequences of ``kinds.sequence_bytes``), its report's budget and verdict lines, and
@@ -27,7 +29,7 @@ the refusal of what serving refuses (``refusal``) are shared with Hunyuan V4's a
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Generic, Protocol, TypeVar
 
 import torch
@@ -35,7 +37,16 @@ import torch
 from mla_runtime.config import ModelConfig
 from mla_runtime.dtypes import dtype_name
 from mla_runtime.models.deepseek_v4 import DeepseekV4ForCausalLM, V4Config
-from mla_runtime.models.v4_sizes import V4CacheKinds, cache_kinds, default_snapshot_bytes, meta_weights, model_config
+from mla_runtime.models.v4_shards import check_v4_parallel
+from mla_runtime.models.v4_sizes import (
+    V4CacheKinds,
+    cache_kinds,
+    default_snapshot_bytes,
+    meta_weights,
+    model_config,
+    v4_weights,
+)
+from mla_runtime.parallel import ParallelContext
 from mla_runtime.plan import activation_reserve_bytes, default_max_num_batched_tokens, gib
 
 DOC = "docs/deepseek-v4.md"
@@ -45,10 +56,13 @@ V4_PLAN_DTYPES = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float32":
 
 def refusal(name: str, value: object, family: str, doc: str = DOC) -> str:
     """The message that refuses the setting ``name`` (``value``) for a model of its own: serving's
-    ``check_v4_settings`` and the planner say the same."""
-    return (f"{name}={value!r}: {family} runs with tensor_parallel_size 1, no speculative decoding, its full latent "
-            f"rank, no prefix-cache tiers (kv_cache_dir, kv_cache_host_bytes), no quantization, kv_cache_dtype 'auto' "
-            f"and dtype one of {sorted(V4_PLAN_DTYPES)} ({doc})")
+    ``check_v4_settings`` and the planner say the same (DeepSeek-V4 runs on any number of ranks, the others on
+    one)."""
+    ranks = ("every rank holding every sequence's state (latent_cache_layout 'replicated'), "
+             if family == "deepseek_v4" else "tensor_parallel_size 1, ")
+    return (f"{name}={value!r}: {family} runs with {ranks}no speculative decoding, its full latent rank, no "
+            f"prefix-cache tiers (kv_cache_dir, kv_cache_host_bytes), no quantization, kv_cache_dtype 'auto' and dtype "
+            f"one of {sorted(V4_PLAN_DTYPES)} ({doc})")
 
 
 def v32_style_bytes(layers: int, tokens: int, dtype_bytes: int = 2) -> int:
@@ -82,6 +96,7 @@ class OwnModelPlan(Generic[K]):
     max_seq_len: int
     max_num_seqs: int
     reserved_bytes: int = 0  # one rank, set aside beside the weights and activations (state snapshots)
+    rank_weight_bytes: int | None = None  # one rank's shard (None: the whole model split evenly)
 
     @property
     def usable_bytes(self) -> int:
@@ -89,6 +104,8 @@ class OwnModelPlan(Generic[K]):
 
     @property
     def weight_bytes_per_rank(self) -> int:
+        if self.rank_weight_bytes is not None:
+            return self.rank_weight_bytes
         return -(-self.weight_bytes // self.ranks)
 
     @property
@@ -106,8 +123,9 @@ class OwnModelPlan(Generic[K]):
 
     @property
     def max_sequences(self) -> int:
-        """Sequences of ``max_seq_len`` the ranks hold, each sequence's cache on one rank."""
-        return self.ranks * self.sequences_per_rank
+        """Sequences of ``max_seq_len`` the ranks hold: one rank's count, as every rank holds every sequence's cache
+        (a model of its own attends one shared KV head, which every rank computes)."""
+        return self.sequences_per_rank
 
     @property
     def weights_fit(self) -> bool:
@@ -153,16 +171,20 @@ def plan_v4(raw: dict, *, dtype: str = "auto", device_memory_bytes: int, memory_
     """The plan of the V4 ``config.json`` ``raw`` on ``ranks`` devices of ``device_memory_bytes`` each."""
     torch_dtype = plan_dtype("deepseek_v4", dtype, ranks, max_num_seqs, memory_utilization)
     cfg = V4Config.from_raw(raw)
+    check_v4_parallel(cfg, ranks)
     mc = model_config(cfg)
-    # prefix caching's state snapshots, as serving sets them aside by default: one per sequence slot of a rank
-    snapshots = default_snapshot_bytes(cfg, -(-max_num_seqs // ranks), max_seq_len or mc.max_position_embeddings,
+    # prefix caching's state snapshots, as serving sets them aside by default: one per sequence slot, on every rank
+    # (every rank holds every sequence's state, and so every snapshot)
+    snapshots = default_snapshot_bytes(cfg, max_num_seqs, max_seq_len or mc.max_position_embeddings,
                                        torch_dtype.itemsize)
-    return plan_own_model(cache_kinds(cfg, torch_dtype.itemsize), cfg.num_hidden_layers,
+    plan = plan_own_model(cache_kinds(cfg, torch_dtype.itemsize), cfg.num_hidden_layers,
                           lambda: DeepseekV4ForCausalLM(cfg, torch_dtype), mc, torch_dtype,
                           cfg.hc_mult, device_memory_bytes=device_memory_bytes,
                           memory_utilization=memory_utilization, ranks=ranks, max_seq_len=max_seq_len,
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                           reserved_bytes=snapshots)
+    shard = v4_weights(cfg, torch_dtype, ParallelContext(0, ranks))[0]  # rank 0's: the vocabulary's padded rows too
+    return replace(plan, rank_weight_bytes=shard)
 
 
 def report_row(label: str, value: str, note: str = "") -> str:
@@ -230,8 +252,7 @@ def format_v4_report(plan: V4MemoryPlan, model: str) -> str:
                    f"{v32 / plan.sequence_bytes:.1f}x)"),
         report_row(f"sequences of {n:,} tokens per rank", f"{plan.sequences_per_rank:,}"),
         report_row(f"sequences of {n:,} tokens on the {plan.ranks} ranks", f"{plan.max_sequences:,}",
-                   "(each sequence's cache on one rank)"),
-        report_row("  if every rank held every sequence", f"{plan.sequences_per_rank:,}"),
+                   "(every rank holds every sequence's cache)"),
         "",
         format_verdict(plan),
     ])

@@ -2,8 +2,9 @@
 transformers' classes and serve it over state slots. Requests admitted, chunked, preempted and aborted at every stage
 leave every slot, every slot's state and every block free; the start-up facts (bytes per token of the compressed
 entries, fixed bytes per sequence, the state snapshots' budget) are the planner's; the settings V4 does not run with
-are refused by name. Greedy tokens against transformers: ``tests/test_conformance.py`` (``deepseek_v4`` cells);
-prefix hits against a cold engine and transformers: ``tests/test_v4_prefix_cache.py``."""
+are refused by name; two ranks serve it, their greedy tokens one rank's and transformers'. Greedy tokens against
+transformers: ``tests/test_conformance.py`` (``deepseek_v4`` cells); prefix hits against a cold engine and
+transformers: ``tests/test_v4_prefix_cache.py``."""
 
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from mla_runtime import LLM, SamplingParams
 from mla_runtime.errors import InvalidParam
-from mla_runtime.models.deepseek_v4 import V4Config, state_bytes
+from mla_runtime.models.deepseek_v4 import V4Config, load_deepseek_v4, state_bytes
 from mla_runtime.models.v4_sizes import cache_kinds
 from mla_runtime.serving.metrics import EngineCollector
-from tests.test_families_v4 import CONFIG, build
+from mla_runtime.v4_plan import plan_v4
+from tests.test_families_v4 import CONFIG, build, prompts
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
@@ -96,8 +99,8 @@ def test_engine_info_is_the_planners_and_prefix_caching_takes_sized_snapshots(ch
 
 
 @pytest.mark.parametrize("settings, name", [
-    ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
     ({"num_speculative_tokens": 2}, "num_speculative_tokens"),
+    ({"tensor_parallel_size": 2, "latent_cache_layout": "sharded", "block_size": 32}, "latent_cache_layout"),
     ({"kv_cache_dir": "unused-dir"}, "kv_cache_dir"),
     ({"latent_rank": 16}, "latent_rank"),
     ({"quantization": "int8"}, "quantization"),
@@ -129,3 +132,42 @@ def test_the_server_serves_deepseek_v4(checkpoint: Path) -> None:
         assert after[("mla_running_sequences",)] == 0 and after[("mla_latent_cache_blocks_used",)] == 0
     finally:
         live.stop()
+
+
+def test_two_ranks_serve_deepseek_v4(checkpoint: Path) -> None:
+    """``tensor_parallel_size=2``: a batch of prompts past the window and several compressed entries of each kind,
+    fewer slots than prompts (a slot given back is taken again), then a prompt again (resumed on every rank from its
+    state snapshot); each rank holds half the heads, output groups, experts and vocabulary, and the whole state of
+    every sequence; the greedy tokens are one rank's and transformers'."""
+    ps = [p for p in prompts() if len(p) > 40] + [prompts()[3]]  # 45, 70 and 19 tokens
+    one = load_deepseek_v4(checkpoint)
+    want = [one.generate_greedy(p, GREEDY.max_tokens) for p in ps]
+    hf = build()
+    with torch.no_grad():
+        ref = [hf.generate(torch.tensor([p]), max_new_tokens=4, do_sample=False, min_new_tokens=4)[0, len(p):].tolist()
+               for p in ps]
+    llm = LLM(str(checkpoint), dtype="float32", max_model_len=96, kv_cache_memory="64KiB", max_num_seqs=2,
+              max_num_batched_tokens=32, tensor_parallel_size=2)
+    try:
+        got = [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)]
+        w = llm.engine.worker
+        attn, moe = w.own_model.model.layers[1].self_attn, w.own_model.model.layers[1].mlp
+        assert (attn.heads, attn.groups, moe.experts.sizes[0]) == (2, 1, 2)
+        held = sum(t.numel() * t.element_size() for t in (*w.own_model.parameters(), *w.own_model.buffers()))
+        plan = plan_v4({**CONFIG, "model_type": "deepseek_v4"}, dtype="float32", device_memory_bytes=2**30, ranks=2)
+        assert w.weight_bytes == held == plan.weight_bytes_per_rank < plan.weight_bytes
+        again = llm.generate([{"prompt_token_ids": ps[1]}], GREEDY)[0]
+        assert again.num_cached_tokens > 0 and list(again.outputs[0].token_ids) == want[1]
+        # the slot given back after the last step reaches the other rank with the next one
+        released, _ = w.take_state_releases()
+        assert released and w.states.nbytes() == 0 and w.take_state_releases() == ([], [])
+    finally:
+        llm.shutdown()
+    assert got == want == ref
+
+
+def test_a_rank_count_that_does_not_split_v4_is_refused_by_name(checkpoint: Path) -> None:
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 .*num_attention_heads \(4\).*candidates: \[1, 2\]"):
+        LLM(str(checkpoint), max_model_len=64, kv_cache_memory="1MiB", tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="o_groups"):
+        plan_v4({**CONFIG, "model_type": "deepseek_v4"}, device_memory_bytes=2**30, ranks=4)

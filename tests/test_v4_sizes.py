@@ -91,6 +91,10 @@ def test_plan_says_flash_fits_one_8_x_h200_node(capsys: pytest.CaptureFixture[st
     assert plan.weights_fit and plan.sequence_bytes == cache_kinds(V4Config.from_raw(
         preset("deepseek-v4-flash")), 2).sequence_bytes(M)
     assert plan.sequences_per_rank == plan.cache_budget_bytes // plan.sequence_bytes and plan.sequences_per_rank > 0
+    # a rank's weights are its shard (the KV head, compressors and indexer whole on every rank), and every rank holds
+    # every sequence's state: the node holds one rank's sequences
+    assert plan.weight_bytes // 8 < plan.weight_bytes_per_rank < plan.weight_bytes // 8 * 1.05
+    assert plan.max_sequences == plan.sequences_per_rank and "every rank holds every sequence's cache" in out
     assert f"FITS ({plan.max_sequences:,} fit)" in out and "5,120.00 B/token" in out and "184.00 B/token" in out
     # prefix caching's snapshots, as serving sets them aside: one 8,192-token state per sequence slot of a rank
     assert plan.reserved_bytes == default_snapshot_bytes(V4Config.from_raw(preset("deepseek-v4-flash")), 1, M, 2)

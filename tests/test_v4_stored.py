@@ -245,3 +245,39 @@ def test_stray_and_mismatched_tensors_are_refused_by_name(dirs: dict[str, Path],
         "layers.2.ffn.gate.scale": torch.ones(1, 4)}))
     with pytest.raises(ValueError, match=r"layers\.2\.mlp\.gate\.weight is stored quantised"):
         load_deepseek_v4(router)
+
+
+def _dense(m: Any) -> torch.Tensor:
+    """A ``StoredLinear``'s (or a stored matrix's) float weight ``[N, K]``, by its product with the identity."""
+    blocks = m.blocks if isinstance(m, StoredLinear) else [m]
+    eye = torch.eye(blocks[0].shape[1])
+    return torch.cat([b.matmul(eye, None) for b in blocks], dim=-1).T
+
+
+def test_each_rank_loads_its_shard_as_stored(dirs: dict[str, Path]) -> None:
+    """Two ranks' shards of the FP8 checkpoint (FP8 experts and head): each rank's heads, output groups, shared
+    expert slice and vocabulary rows are those of the whole model's stored matrices (cut on the scale blocks, or a
+    scale row per row where the rows end inside a block), its experts whole, its bytes what the headers say."""
+    from mla_runtime.models.v4_stored import stored_weight_bytes
+    from mla_runtime.parallel import ParallelContext
+
+    whole = load_deepseek_v4(dirs["fp8"])
+    for rank in (0, 1):
+        par = ParallelContext(rank, 2)
+        mine = load_deepseek_v4(dirs["fp8"], par=par)
+        for layer, full in zip(mine.model.layers, whole.model.layers):
+            a, b = layer.self_attn, full.self_attn
+            for name, dim in (("q_b_proj", 0), ("o_a_proj", 0), ("o_b_proj", 1)):
+                want = _dense(getattr(b, name)).chunk(2, dim=dim)[rank]
+                assert torch.equal(_dense(getattr(a, name)), want), name
+            assert torch.equal(a.sinks, b.sinks.chunk(2)[rank]) and torch.equal(_dense(a.kv_proj), _dense(b.kv_proj))
+            s, t = layer.mlp.shared_experts, full.mlp.shared_experts
+            assert torch.equal(_dense(s.gate_proj), _dense(t.gate_proj).chunk(2)[rank])
+            assert torch.equal(_dense(s.down_proj), _dense(t.down_proj).chunk(2, dim=1)[rank])
+            down, full_down = layer.mlp.experts.stored[1], full.mlp.experts.stored[1]
+            assert len(down) == 2 and all(torch.equal(_dense(d), _dense(full_down[2 * rank + e]))
+                                          for e, d in enumerate(down))
+        assert torch.equal(_dense(mine.lm_head), _dense(whole.lm_head).chunk(2)[rank])
+        held = sum(_stored_bytes(mine))
+        counted = stored_weight_bytes(dirs["fp8"], torch.float32, whole.config, par)
+        assert abs(counted - held) < 0.05 * held, (counted, held)

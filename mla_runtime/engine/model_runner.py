@@ -97,8 +97,8 @@ class ModelRunner:
         slots = [cast(int, s.state_slot) for s in plan.seqs] if plan.seqs and plan.seqs[0].state_slot is not None \
             else None
         restores, snapshots = state_copies(plan)
-        return PreparedStep(StepInput(chunks, contexts, tables, rows, slots, restores, snapshots), seqs, drafts,
-                            self.masks.start(seqs, drafts))
+        step = StepInput(chunks, contexts, tables, rows, slots, restores, snapshots, *self.worker.take_state_releases())
+        return PreparedStep(step, seqs, drafts, self.masks.start(seqs, drafts))
 
     def execute(self, prepared: PreparedStep) -> torch.Tensor | None:
         """Run the step on every rank; the logits of its rows (None: no row needs any)."""

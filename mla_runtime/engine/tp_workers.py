@@ -6,8 +6,9 @@ Two ways to start the ranks:
   the engine and every other rank calls ``run_torchrun_worker`` (``LLM`` and the server do that themselves), which
   returns when rank 0 shuts down.
 
-Every rank is a ``Worker`` (``engine/worker.py``): it loads its shard, then runs the commands rank 0 broadcasts,
-in the order rank 0 runs them on its own worker — ``truncate`` (the latent-rank calibration tokens, when
+Every rank is a ``Worker`` (``engine/worker.py``; ``make_worker``'s for a model of its own, DeepSeek-V4's
+``V4Worker``): it loads its shard, then runs the commands rank 0 broadcasts, in the order rank 0 runs them on its own
+worker — ``truncate`` (the latent-rank calibration tokens, when
 ``latent_rank`` is set: every rank folds the same bases, computed on rank 0), ``allocate`` (the block count
 rank 0 sized, so that every rank holds the same block ids), then one ``step`` per engine step (a ``StepInput``:
 plain integer lists, from which each rank builds its own batch and attention metadata), and ``stop``. With lower
@@ -46,6 +47,7 @@ import torch.distributed as dist
 from mla_runtime import env
 from mla_runtime.cache.disk_tier import agree_min, broadcast_blocks
 from mla_runtime.engine.config import EngineConfig
+from mla_runtime.engine.v4_worker import make_worker
 from mla_runtime.engine.worker import StepInput, Worker, local_rank, rank_device
 from mla_runtime.parallel import ParallelContext
 
@@ -149,7 +151,7 @@ def _receive() -> tuple:
 
 def serve_worker(rank: int, world: int, config: EngineConfig) -> None:
     """Load this rank's shard and run rank 0's commands until it says stop."""
-    worker = Worker(config, ParallelContext(rank, world, config.latent_cache_layout))
+    worker = make_worker(config, ParallelContext(rank, world, config.latent_cache_layout))
     _slow_load()
     worker.load()
     while (command := _receive())[0] != "stop":

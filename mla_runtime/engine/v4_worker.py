@@ -13,7 +13,12 @@ model runs under (scheduler, block pool, sampler, ``LLM``, the server); only wha
   tokens as under any model, so the scheduler preempts when the entries would outgrow the budget; the latent cache it
   allocates has no layers (nothing is written to it);
 - **steps**: ``execute`` runs ``DeepseekV4ForCausalLM.forward_batch`` over the slots (any mix of prompts, prefill
-  chunks and decodes), then the logits of the rows asked for.
+  chunks and decodes), then the logits of the rows asked for;
+- **ranks** (``tensor_parallel_size``): each rank loads its shard (``models/v4_shards.py``: its query heads and output
+  groups, routed experts, a slice of the shared expert and of the vocabulary; the KV head, compressors, indexer and
+  hyper-connections whole) and holds every slot's whole state, as every rank computes the same latents and entries;
+  rank 0's slots given back and snapshots freed reach the other ranks with the next step (``StepInput.state_releases``,
+  ``snapshot_drops``).
 
 - **prefix caching**: state snapshots of the whole state (every window, partial window, compressed entry and
   indexer key) at block boundaries, taken and restored as a hybrid's (``V4StateCache.run_batch``, ``restore``). A
@@ -50,6 +55,7 @@ from mla_runtime.hub import resolve_model
 from mla_runtime.kernel_plan import OFF_CPU
 from mla_runtime.models.deepseek_v4 import V4Config, V4StateCache, load_deepseek_v4, state_bytes
 from mla_runtime.models.glm5_next import MODEL_TYPES as GLM5_NEXT_TYPES
+from mla_runtime.models.v4_shards import check_v4_parallel
 from mla_runtime.models.v4_sizes import (
     V4CacheKinds,
     cache_kinds,
@@ -86,8 +92,9 @@ class ReleasingSlots(StateSlots):
 def check_v4_settings(config: EngineConfig, family: str = "deepseek_v4", doc: str = "docs/deepseek-v4.md") -> None:
     """Refuse, by name, the settings a V4 (or GLM-5-Next) model does not run with: its states advance with every
     token a step computes (no drafts to verify), a cached prefix cannot resume them (no prefix-cache tiers), it runs
-    in torch on one rank in bfloat16 or float32."""
-    refused = {"tensor_parallel_size": config.tensor_parallel_size > 1,
+    in torch in bfloat16 or float32 (V4 on any number of ranks, the others on one)."""
+    refused = {"tensor_parallel_size": config.tensor_parallel_size > 1 and family != "deepseek_v4",
+               "latent_cache_layout": config.tensor_parallel_size > 1 and config.latent_cache_layout != "replicated",
                "num_speculative_tokens": config.num_speculative_tokens > 0,
                "speculative_method": config.speculative_method == "mtp", "latent_rank": config.latent_rank is not None,
                "kv_cache_dir": config.kv_cache_dir is not None, "kv_cache_host_bytes": bool(config.kv_cache_host_bytes),
@@ -114,7 +121,7 @@ class V4Worker(Worker):
         """What every model run in torch over state slots resolves alike: the device, the dtype (the setting's, else
         the checkpoint's ``checkpoint_dtype``, else float32), no quantization or CPU plan, the sequence limits."""
         self.checkpoint_config = self.model_config = cfg
-        self.device = rank_device(self.config.device, 1, self.par.rank)
+        self.device = rank_device(self.config.device, self.config.tensor_parallel_size, self.par.rank)
         self.dtype = V4_DTYPES[self.config.dtype] or V4_DTYPES.get(str(checkpoint_dtype), None) or torch.float32
         self.quantization, self.num_mtp_layers, self.plan, self.heap = None, 0, OFF_CPU, ""
         self.cache_dtype = resolve_cache_dtype("auto", self.dtype)
@@ -125,6 +132,7 @@ class V4Worker(Worker):
         check_v4_settings(config)
         raw = self._open(config, par)
         self.v4_config = V4Config.from_raw(raw)
+        check_v4_parallel(self.v4_config, config.tensor_parallel_size)
         cfg = self._settle(model_config(self.v4_config), raw.get("dtype") or raw.get("torch_dtype"))
         self.kinds: V4CacheKinds = cache_kinds(self.v4_config, self.dtype.itemsize)
         self.bytes_per_token = self.bytes_per_token_per_rank = self.kinds.block_bytes_per_token
@@ -132,9 +140,9 @@ class V4Worker(Worker):
         self.state_bytes = self.state_bytes_per_sequence * config.max_num_seqs
         self.sized_snapshots = self.own_prefix_copies = True  # a snapshot holds the whole state: it grows
         self.num_state_snapshots, self.state_snapshot_bytes = self._v4_snapshots()
-        self.weight_bytes = v4_weights(self.v4_config, self.dtype)[0]
+        self.weight_bytes = v4_weights(self.v4_config, self.dtype, par)[0]  # this rank's shard
         if v4_quantization(raw) is not None:  # the released FP8 / MXFP4 weights, kept as stored
-            self.weight_bytes = stored_weight_bytes(Path(self.model_path), self.dtype)
+            self.weight_bytes = stored_weight_bytes(Path(self.model_path), self.dtype, self.v4_config, par)
         self.activation_bytes = activation_reserve_bytes(
             cfg, dtype=self.dtype, max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, residual_streams=self.v4_config.hc_mult)
@@ -176,6 +184,9 @@ class V4Worker(Worker):
         self.model = None
         self.own_model: Any = None  # the model of its own (``forward_batch``, ``compute_logits``)
         self.states: Any = None  # its slots' states (``state``, ``release``; ``restore`` with state snapshots)
+        # rank 0's slots given back and snapshots freed since the last step (``take_state_releases``)
+        self.released: list[int] = []
+        self.dropped: list[int] = []
         self.cache: LatentCache | None = None
         self.last_step = None
         self.quantized = False
@@ -217,7 +228,7 @@ class V4Worker(Worker):
         self.own_model = self._load_model().to(self.device)
 
     def _load_model(self) -> torch.nn.Module:
-        return load_deepseek_v4(self.model_path, self.dtype, self.device)
+        return load_deepseek_v4(self.model_path, self.dtype, self.device, self.par)
 
     def num_blocks(self) -> int:
         """Blocks of ``block_size`` tokens whose compressed entries fit the budget: ``kv_cache_memory``, else the
@@ -281,10 +292,19 @@ class V4Worker(Worker):
     def _release(self, slot: int) -> None:
         if self.states is not None:
             self.states.release(slot)
+        if self.par.enabled:
+            self.released.append(slot)
+
+    def take_state_releases(self) -> tuple[list[int], list[int]]:
+        out = self.released, self.dropped
+        self.released, self.dropped = [], []
+        return out
 
     def _drop_snapshot(self, snapshot: int) -> None:
         if self.states is not None:
             self.states.drop(snapshot)
+        if self.par.enabled:
+            self.dropped.append(snapshot)
 
     def state_cache_bytes(self) -> int:
         """The slots' fixed part set aside (windows, partial windows: ``max_num_seqs`` of them); the entries are the
@@ -298,6 +318,10 @@ class V4Worker(Worker):
     def execute(self, step: StepInput) -> torch.Tensor | None:
         """Run one step over the sequences' slots; fp32 logits ``[len(logit_rows), V]`` (None without rows)."""
         assert self.own_model is not None and self.states is not None
+        for slot in step.state_releases:  # rank 0's slots given back and snapshots freed (done there already)
+            self.states.release(slot)
+        for snapshot in step.snapshot_drops:
+            self.states.drop(snapshot)
         for snapshot, slot in step.state_restores:  # prefix hits (models with state snapshots)
             self.states.restore(snapshot, slot)
         batch = ForwardBatch.build(step.token_chunks, step.context_lens, step.block_tables, self.config.block_size,

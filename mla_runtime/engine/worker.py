@@ -87,6 +87,10 @@ class StepInput:
     # after that many of the sequence's new tokens written to the snapshot (``cache/state_cache.py``)
     state_restores: list[tuple[int, int]] = field(default_factory=list)
     state_snapshots: list[tuple[int, int, int]] = field(default_factory=list)
+    # state slots rank 0 gave back, and state snapshots it freed, since the last step: every other rank drops them
+    # before the step (models whose every rank holds every state: DeepSeek-V4)
+    state_releases: list[int] = field(default_factory=list)
+    snapshot_drops: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -384,6 +388,11 @@ class Worker:
     def state_slots(self) -> StateSlots | None:
         """The scheduler's allocator of the state cache's slots (None: the model has no linear layers)."""
         return None if self.model_config.linear_attention is None else StateSlots(self.config.max_num_seqs)
+
+    def take_state_releases(self) -> tuple[list[int], list[int]]:
+        """The state slots given back and the state snapshots freed since the last call, for the other ranks
+        (``StepInput.state_releases``, ``snapshot_drops``)."""
+        return [], []
 
     def state_snapshots(self) -> StateSnapshots | None:
         """The scheduler's side of a hybrid's state snapshots (None: no linear layers or no prefix caching)."""

@@ -105,11 +105,14 @@ class StoredLinear(nn.Module):
 class PackedExperts(nn.Module):
     """The routed experts, stored packed: ``gate_up_proj [E, 2 i, d]`` (gate rows first), ``down_proj [E, d, i]``;
     each token's output is the sum of its chosen experts' clamped SwiGLU MLPs times their routing weights. From a
-    quantised checkpoint (``keep_stored``) each expert's matrices instead, as stored."""
+    quantised checkpoint (``keep_stored``) each expert's matrices instead, as stored. ``first``: the first of the
+    model's experts these are (under tensor parallelism a rank holds ``experts`` from it; a token's other experts are
+    other ranks')."""
 
-    def __init__(self, experts: int, hidden: int, inter: int, limit: float, dtype: torch.dtype) -> None:
+    def __init__(self, experts: int, hidden: int, inter: int, limit: float, dtype: torch.dtype, first: int = 0
+                 ) -> None:
         super().__init__()
-        self.limit, self.sizes = limit, (experts, hidden, inter)
+        self.limit, self.sizes, self.first = limit, (experts, hidden, inter), first
         self.gate_up_proj = nn.Parameter(torch.zeros(experts, 2 * inter, hidden, dtype=dtype), requires_grad=False)
         self.down_proj = nn.Parameter(torch.zeros(experts, hidden, inter, dtype=dtype), requires_grad=False)
         self.stored: tuple[list[list[QuantizedWeight]], list[QuantizedWeight]] | None = None
@@ -139,9 +142,11 @@ class PackedExperts(nn.Module):
         """``x [T, d]``, each token's routing ``weights`` and chosen ``experts`` ``[T, k]`` -> ``[T, d]``."""
         out = torch.zeros_like(x)
         for e in experts.unique().tolist():
+            if not self.first <= e < self.first + self.sizes[0]:
+                continue  # another rank's expert
             rows, slot = torch.where(experts == e)
-            gate, up = self._gate_up(e, x[rows]).chunk(2, dim=-1)
-            y = self._down(e, clamped_swiglu(gate, up, self.limit)) * weights[rows, slot, None]
+            gate, up = self._gate_up(e - self.first, x[rows]).chunk(2, dim=-1)
+            y = self._down(e - self.first, clamped_swiglu(gate, up, self.limit)) * weights[rows, slot, None]
             out.index_add_(0, rows, y.to(out.dtype))
         return out
 

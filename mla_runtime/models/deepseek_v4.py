@@ -56,8 +56,11 @@ from mla_runtime.layers.hyper import (
     rms,
 )
 from mla_runtime.layers.rotary import rope_inv_freq
+from mla_runtime.models.deepseek import VocabEmbedding
 from mla_runtime.models.own_checkpoint import read_checkpoint
+from mla_runtime.models.v4_shards import check_v4_parallel, expert_on_rank, shard_stored, shard_tensor
 from mla_runtime.models.v4_stored import install_stored, split_stored, stored_matrix, v4_quantization
+from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 
 LAYER_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 _RATE_KINDS = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
@@ -419,18 +422,22 @@ class CSACompressor(Compressor):
 
 # -- attention ---------------------------------------------------------------------------------------------------------
 class V4Attention(nn.Module):
-    def __init__(self, cfg: V4Config, layer: int, dtype: torch.dtype) -> None:
+    """V4's attention; under tensor parallelism (``par``) this rank's heads, their sinks and the output groups they
+    feed (``v4_shards``), the shared KV head, compressors and indexer whole, the output summed over the ranks."""
+
+    def __init__(self, cfg: V4Config, layer: int, dtype: torch.dtype, par: ParallelContext = SINGLE_RANK) -> None:
         super().__init__()
-        h, d, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
+        n, d, eps = par.world_size, cfg.head_dim, cfg.rms_norm_eps
+        h, groups, self.par = cfg.num_attention_heads // n, cfg.o_groups // n, par
         self.kind, self.heads, self.dim, self.eps = cfg.layer_types[layer], h, d, eps
-        self.window, self.groups = cfg.sliding_window, cfg.o_groups
+        self.window, self.groups = cfg.sliding_window, groups
         self.q_a_proj = frozen_linear(cfg.q_lora_rank, cfg.hidden_size, dtype)
         self.q_a_norm = Norm(cfg.q_lora_rank, eps)
         self.q_b_proj = frozen_linear(h * d, cfg.q_lora_rank, dtype)
         self.kv_proj = frozen_linear(d, cfg.hidden_size, dtype)
         self.kv_norm = Norm(d, eps)
-        self.o_a_proj = frozen_linear(cfg.o_groups * cfg.o_lora_rank, h * d // cfg.o_groups, dtype)
-        self.o_b_proj = frozen_linear(cfg.hidden_size, cfg.o_groups * cfg.o_lora_rank, dtype)
+        self.o_a_proj = frozen_linear(groups * cfg.o_lora_rank, h * d // groups, dtype)
+        self.o_b_proj = frozen_linear(cfg.hidden_size, groups * cfg.o_lora_rank, dtype)
         self.sinks = _param(h)
         self.rate = cfg.compress_rates.get(self.kind, 0)
         self.compressor: Compressor | None = None
@@ -458,9 +465,9 @@ class V4Attention(nn.Module):
         out = Rotary.apply(out, cos, -sin)  # the values' rotation, taken back at the query's position
         grouped = out.reshape(t, self.groups, -1)
         if isinstance(self.o_a_proj, StoredLinear):  # as the checkpoint stores it: each group's block of rows
-            return self.o_b_proj(self.o_a_proj.grouped(grouped))
+            return self.par.all_reduce(self.o_b_proj(self.o_a_proj.grouped(grouped)))
         w = self.o_a_proj.weight.view(self.groups, -1, grouped.shape[-1])
-        return self.o_b_proj(torch.einsum("tgi,goi->tgo", grouped, w).flatten(1))
+        return self.par.all_reduce(self.o_b_proj(torch.einsum("tgi,goi->tgo", grouped, w).flatten(1)))
 
     def _window_keys(self, latent: torch.Tensor, positions: torch.Tensor, st: LayerState
                      ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -511,25 +518,29 @@ class Router(nn.Module):
 
 
 class V4MoE(nn.Module):
-    def __init__(self, cfg: V4Config, layer: int, dtype: torch.dtype) -> None:
+    """The router (whole on every rank), the routed experts (this rank's, whole) and the shared expert (its slice of
+    the intermediate size), summed over the ranks."""
+
+    def __init__(self, cfg: V4Config, layer: int, dtype: torch.dtype, par: ParallelContext = SINGLE_RANK) -> None:
         super().__init__()
+        n, self.par = par.world_size, par
         self.gate = Router(cfg, cfg.mlp_layer_types[layer] == "hash_moe", dtype)
-        self.experts = PackedExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
-                                     cfg.swiglu_limit, dtype)
-        self.shared_experts = ClampedMLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit, dtype)
+        self.experts = PackedExperts(cfg.n_routed_experts // n, cfg.hidden_size, cfg.moe_intermediate_size,
+                                     cfg.swiglu_limit, dtype, first=par.split(cfg.n_routed_experts)[0])
+        self.shared_experts = ClampedMLP(cfg.hidden_size, cfg.moe_intermediate_size // n, cfg.swiglu_limit, dtype)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         experts, weights = self.gate(x, input_ids)
-        return self.experts(x, weights, experts) + self.shared_experts(x)
+        return self.par.all_reduce(self.experts(x, weights, experts) + self.shared_experts(x))
 
 
 # -- the model ---------------------------------------------------------------------------------------------------------
 class V4DecoderLayer(nn.Module):
-    def __init__(self, cfg: V4Config, layer: int, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: V4Config, layer: int, dtype: torch.dtype, par: ParallelContext = SINGLE_RANK) -> None:
         super().__init__()
         n, d, eps = cfg.hc_mult, cfg.hidden_size, cfg.rms_norm_eps
-        self.self_attn = V4Attention(cfg, layer, dtype)
-        self.mlp = V4MoE(cfg, layer, dtype)
+        self.self_attn = V4Attention(cfg, layer, dtype, par)
+        self.mlp = V4MoE(cfg, layer, dtype, par)
         self.input_layernorm, self.post_attention_layernorm = Norm(d, eps), Norm(d, eps)
         self.attn_hc = HyperConnection(n, d, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
         self.ffn_hc = HyperConnection(n, d, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
@@ -543,11 +554,10 @@ class V4DecoderLayer(nn.Module):
 
 
 class V4Model(nn.Module):
-    def __init__(self, cfg: V4Config, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: V4Config, dtype: torch.dtype, par: ParallelContext = SINGLE_RANK) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(V4DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, par)
+        self.layers = nn.ModuleList(V4DecoderLayer(cfg, i, dtype, par) for i in range(cfg.num_hidden_layers))
         self.norm = Norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps)
 
@@ -621,14 +631,18 @@ class V4StateCache:
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    """DeepSeek-V4 over per-sequence states: ``forward(input_ids, state)`` computes a step of one sequence."""
+    """DeepSeek-V4 over per-sequence states: ``forward(input_ids, state)`` computes a step of one sequence. Under
+    tensor parallelism (``par``) each rank holds its shard (``v4_shards``) and runs every step with the others."""
 
-    def __init__(self, cfg: V4Config, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, cfg: V4Config, dtype: torch.dtype = torch.float32, par: ParallelContext = SINGLE_RANK
+                 ) -> None:
         super().__init__()
-        self.config, self.dtype = cfg, dtype
-        self.model = V4Model(cfg, dtype)
+        check_v4_parallel(cfg, par.world_size)
+        self.config, self.dtype, self.par = cfg, dtype, par
+        self.model = V4Model(cfg, dtype, par)
+        rows = par.vocab_split(cfg.vocab_size)[2]
         self.lm_head: nn.Module | None = (None if cfg.tie_word_embeddings
-                                          else frozen_linear(cfg.vocab_size, cfg.hidden_size, dtype))
+                                          else frozen_linear(rows, cfg.hidden_size, dtype))
 
     def new_state(self) -> V4SequenceState:
         return V4SequenceState.empty(self.config)
@@ -653,9 +667,14 @@ class DeepseekV4ForCausalLM(nn.Module):
         return states.run_batch(batch, self)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits ``[R, V]`` (under tensor parallelism every rank's vocabulary rows, gathered on every rank)."""
         if self.lm_head is not None:  # a linear layer, or the checkpoint's quantised head (``StoredLinear``)
-            return self.lm_head(hidden).float()
-        return F.linear(hidden, self.model.embed_tokens.weight).float()
+            logits = self.lm_head(hidden).float()
+        else:
+            logits = F.linear(hidden, self.model.embed_tokens.weight).float()
+        if not self.par.enabled:
+            return logits
+        return self.par.all_gather(logits, dim=-1)[:, :self.config.vocab_size]
 
     def step(self, batch: list[tuple[torch.Tensor, V4SequenceState]]) -> list[torch.Tensor]:
         """One step of several sequences (any mix of prompts, chunks and decodes): each sequence's last logits
@@ -755,21 +774,27 @@ def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_deepseek_v4(path: str | Path, dtype: torch.dtype = torch.float32,
-                     device: torch.device | str | None = None) -> DeepseekV4ForCausalLM:
+def load_deepseek_v4(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                     par: ParallelContext = SINGLE_RANK) -> DeepseekV4ForCausalLM:
     """A ``deepseek_v4`` checkpoint (``config.json`` and ``*.safetensors``, in the released layout or transformers'
     names): bfloat16 or float32 tensors, or the released FP8 / MXFP4 ones, kept as stored (``v4_stored``) on
-    ``device`` (default: where the tensors load, the CPU)."""
-    root, raw, stored = read_checkpoint(path, ("deepseek_v4",), quantized=True)
+    ``device`` (default: where the tensors load, the CPU). Under tensor parallelism (``par``) this rank's shard
+    (``v4_shards``): the routed experts of other ranks are not read."""
+    root, raw, _ = read_checkpoint(path, ("deepseek_v4",), quantized=True, keep=lambda _: False)  # the config
+    cfg = V4Config.from_raw(raw)
+    # not read: the MTP layers, the other ranks' routed experts (and their scales)
+    root, raw, stored = read_checkpoint(path, ("deepseek_v4",), quantized=True,
+                                        keep=lambda name: _rank_name(cfg, name, par) is not None)
     quant = v4_quantization(raw)
-    model = DeepseekV4ForCausalLM(V4Config.from_raw(raw), dtype)
+    model = DeepseekV4ForCausalLM(cfg, dtype, par)
     if quant is not None:
         stored, pairs = split_stored(stored)
-        matrices = {mine: stored_matrix(name, w.to(device or w.device), s, quant, ".mlp.experts." in mine, dtype)
-                    for name, (w, s) in pairs.items() if (mine := stored_name(name)) is not None}
+        matrices = {mine: shard_stored(cfg, mine, stored_matrix(name, w.to(device or w.device), s, quant,
+                                                                ".mlp.experts." in mine, dtype), par)
+                    for name, (w, s) in pairs.items() if (mine := _rank_name(cfg, name, par)) is not None}
         install_stored(model, matrices)
-    tensors = {mine: t for name, t in stored.items() if (mine := stored_name(name)) is not None}
-    tensors = _stack_experts(tensors)
+    tensors = {mine: t for name, t in stored.items() if (mine := _rank_name(cfg, name, par)) is not None}
+    tensors = {k: shard_tensor(cfg, k, t, par) for k, t in _stack_experts(tensors).items()}
     own = model.state_dict()
     missing, unknown = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
     if missing or unknown:
@@ -781,6 +806,13 @@ def load_deepseek_v4(path: str | Path, dtype: torch.dtype = torch.float32,
             f"{k} {tuple(tensors[k].shape)} (expected {tuple(own[k].shape)})" for k in bad[:5]))
     model.load_state_dict({k: v.to(own[k].dtype) for k, v in tensors.items()})
     return (model if device is None else model.to(device)).eval()
+
+
+def _rank_name(cfg: V4Config, name: str, par: ParallelContext) -> str | None:
+    """A checkpoint tensor's model name on this rank (a routed expert's renumbered among this rank's experts), None
+    for what this rank does not read (the MTP layers, the other ranks' experts)."""
+    mine = stored_name(name)
+    return None if mine is None else expert_on_rank(cfg, mine, par)
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -5,17 +5,20 @@ type, quantised (but for DeepSeek-V4's stored scheme, read by ``v4_stored``), or
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 
-def read_checkpoint(path: str | Path, model_types: tuple[str, ...], quantized: bool = False
-                    ) -> tuple[Path, dict[str, Any], dict[str, torch.Tensor]]:
+def read_checkpoint(path: str | Path, model_types: tuple[str, ...], quantized: bool = False,
+                    keep: Callable[[str], bool] | None = None) -> tuple[Path, dict[str, Any], dict[str, torch.Tensor]]:
     """(the folder, its config, every tensor of its ``*.safetensors`` by stored name) of a checkpoint whose
     ``model_type`` is one of ``model_types``; ``quantized``: a ``quantization_config`` is the caller's to read
-    (DeepSeek-V4's stored FP8 / MXFP4, ``v4_stored``), else it is refused."""
+    (DeepSeek-V4's stored FP8 / MXFP4, ``v4_stored``), else it is refused. ``keep``: read only the tensors whose
+    names it keeps (a tensor-parallel rank's)."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     root = Path(path)
@@ -31,5 +34,9 @@ def read_checkpoint(path: str | Path, model_types: tuple[str, ...], quantized: b
         raise FileNotFoundError(f"{root}: no *.safetensors files")
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
-        tensors.update(load_file(str(f)))
+        if keep is None:
+            tensors.update(load_file(str(f)))
+            continue
+        with safe_open(str(f), framework="pt") as handle:
+            tensors.update({name: handle.get_tensor(name) for name in handle.keys() if keep(name)})
     return root, raw, tensors

@@ -26,6 +26,7 @@ import torch
 
 from mla_runtime.config import ModelConfig
 from mla_runtime.models.deepseek_v4 import DeepseekV4ForCausalLM, V4Config, state_bytes
+from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 
 CSA, HCA, SLIDING = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
 # prefix caching's default snapshot budget: room for one snapshot per sequence slot of a prefix this long (or the
@@ -115,9 +116,9 @@ def meta_weights(build: Callable[[], torch.nn.Module]) -> tuple[int, int]:
     return (sum(t.numel() * t.element_size() for t in (*params, *model.buffers())), sum(p.numel() for p in params))
 
 
-def v4_weights(cfg: V4Config, dtype: torch.dtype) -> tuple[int, int]:
-    """The V4 model's weights (``meta_weights``)."""
-    return meta_weights(lambda: DeepseekV4ForCausalLM(cfg, dtype))
+def v4_weights(cfg: V4Config, dtype: torch.dtype, par: ParallelContext = SINGLE_RANK) -> tuple[int, int]:
+    """The V4 model's weights (``meta_weights``): one rank's shard under tensor parallelism (``par``)."""
+    return meta_weights(lambda: DeepseekV4ForCausalLM(cfg, dtype, par))
 
 
 def default_snapshot_bytes(cfg: V4Config, max_num_seqs: int, max_model_len: int, dtype_bytes: int) -> int:

@@ -36,6 +36,7 @@ from mla_runtime.layers.fp4 import Mxfp4Weight
 from mla_runtime.layers.fp8 import Fp8Weight
 from mla_runtime.layers.hyper import PackedExperts, StoredLinear
 from mla_runtime.layers.qweight import QuantizedWeight
+from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 
 SCALE_SUFFIXES = (".weight_scale_inv", ".scale")
 EXPERT_DTYPES = {"fp4": "mxfp4", "fp8": "fp8"}
@@ -177,11 +178,14 @@ def install_stored(model: nn.Module, matrices: dict[str, QuantizedWeight]) -> No
                            [kinds["w2"][e] for e in order])
 
 
-def stored_weight_bytes(root: Path, dtype: torch.dtype) -> int:
+def stored_weight_bytes(root: Path, dtype: torch.dtype, cfg: Any = None, par: ParallelContext = SINGLE_RANK) -> int:
     """Bytes the loaded model holds for a quantised V4 checkpoint (read from the files' headers, no tensor read): FP8
     and MXFP4 matrices as stored, FP8 block scales in float32, MXFP4 scales a byte each, every other tensor in
-    ``dtype``; the MTP layers, which are not read, left out."""
+    ``dtype``; the MTP layers, which are not read, left out. Under tensor parallelism (``par``, with the model's
+    ``V4Config`` ``cfg``) one rank's: its experts, and its share of what it splits (``v4_shards``)."""
     from safetensors import safe_open
+
+    from mla_runtime.models.v4_shards import shard_fraction
 
     shapes: dict[str, tuple[str, int]] = {}
     for f in sorted(root.glob("*.safetensors")):
@@ -192,6 +196,10 @@ def stored_weight_bytes(root: Path, dtype: torch.dtype) -> int:
                     shapes[name] = (piece.get_dtype(), math.prod(piece.get_shape()))
     total = 0
     for name, (kind, numel) in shapes.items():
+        kept, parts = shard_fraction(cfg, name, par)
+        if not kept:
+            continue
+        numel //= parts
         suffix = next((s for s in SCALE_SUFFIXES if name.endswith(s)), None)
         if suffix is not None:
             weight = shapes.get(name[:-len(suffix)] + ".weight", ("", 0))[0]
