@@ -318,6 +318,26 @@ VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_k_rows)(const
  * operations, in the same order, as in gg_small_rows: the same bits, with no sum across lanes per block. */
 #define GG_R8_MIN_ROWS 8
 
+/* The 8 x 8 transpose of 32-bit words into o: o[q] word i = v[i] word q. */
+VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_r8_transpose)(const __m256i *v, __m256i *o) {
+    const __m256i t0 = _mm256_unpacklo_epi32(v[0], v[1]), t1 = _mm256_unpackhi_epi32(v[0], v[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(v[2], v[3]), t3 = _mm256_unpackhi_epi32(v[2], v[3]);
+    const __m256i t4 = _mm256_unpacklo_epi32(v[4], v[5]), t5 = _mm256_unpackhi_epi32(v[4], v[5]);
+    const __m256i t6 = _mm256_unpacklo_epi32(v[6], v[7]), t7 = _mm256_unpackhi_epi32(v[6], v[7]);
+    const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
+    const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
+    const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
+    const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
+    _mm256_store_si256(o + 0, _mm256_permute2x128_si256(u0, u4, 0x20));
+    _mm256_store_si256(o + 1, _mm256_permute2x128_si256(u1, u5, 0x20));
+    _mm256_store_si256(o + 2, _mm256_permute2x128_si256(u2, u6, 0x20));
+    _mm256_store_si256(o + 3, _mm256_permute2x128_si256(u3, u7, 0x20));
+    _mm256_store_si256(o + 4, _mm256_permute2x128_si256(u0, u4, 0x31));
+    _mm256_store_si256(o + 5, _mm256_permute2x128_si256(u1, u5, 0x31));
+    _mm256_store_si256(o + 6, _mm256_permute2x128_si256(u2, u6, 0x31));
+    _mm256_store_si256(o + 7, _mm256_permute2x128_si256(u3, u7, 0x31));
+}
+
 VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_r8_pack)(const GgCall *c, int64_t r, int rows,
                                                                            uint8_t *buf, float *ws) {
     const int64_t nb = c->k / 32;
@@ -329,36 +349,63 @@ VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_r8_pack)(cons
             v[i] = i < rows ? _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 2)), flip) : flip;
             ws[8 * b + i] = i < rows ? gg_f16(p) : 0.0f;
         }
-        /* 8 x 8 transpose of 32-bit words: out[q] word i = v[i] word q */
-        const __m256i t0 = _mm256_unpacklo_epi32(v[0], v[1]), t1 = _mm256_unpackhi_epi32(v[0], v[1]);
-        const __m256i t2 = _mm256_unpacklo_epi32(v[2], v[3]), t3 = _mm256_unpackhi_epi32(v[2], v[3]);
-        const __m256i t4 = _mm256_unpacklo_epi32(v[4], v[5]), t5 = _mm256_unpackhi_epi32(v[4], v[5]);
-        const __m256i t6 = _mm256_unpacklo_epi32(v[6], v[7]), t7 = _mm256_unpackhi_epi32(v[6], v[7]);
-        const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
-        const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
-        const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
-        const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
-        __m256i *o = (__m256i *)(buf + 256 * b);
-        _mm256_store_si256(o + 0, _mm256_permute2x128_si256(u0, u4, 0x20));
-        _mm256_store_si256(o + 1, _mm256_permute2x128_si256(u1, u5, 0x20));
-        _mm256_store_si256(o + 2, _mm256_permute2x128_si256(u2, u6, 0x20));
-        _mm256_store_si256(o + 3, _mm256_permute2x128_si256(u3, u7, 0x20));
-        _mm256_store_si256(o + 4, _mm256_permute2x128_si256(u0, u4, 0x31));
-        _mm256_store_si256(o + 5, _mm256_permute2x128_si256(u1, u5, 0x31));
-        _mm256_store_si256(o + 6, _mm256_permute2x128_si256(u2, u6, 0x31));
-        _mm256_store_si256(o + 7, _mm256_permute2x128_si256(u3, u7, 0x31));
+        SFX(gg_r8_transpose)(v, (__m256i *)(buf + 256 * b));
     }
 }
 
-/* Block b of the buffer against input row x: the eight rows' exact sums of w a. */
+/* Block b of the buffer against input row x: the eight rows' exact sums of w a (two chains of vpdpbusd, whose
+ * int32 sums are exact in any order). */
 VI_TARGET static inline __attribute__((always_inline)) __m256i SFX(gg_r8_block)(const uint8_t *buf, const uint8_t *x,
                                                                                const int16_t *h, int64_t b) {
     const __m256i *w = (const __m256i *)(buf + 256 * b);
     const uint8_t *a = x + 32 * b;
-    __m256i s = _mm256_set1_epi32(-128 * ((int32_t)h[2 * b] + (int32_t)h[2 * b + 1]));
-    for (int q = 0; q < 8; q++)
-        s = _mm256_dpbusd_epi32(s, _mm256_load_si256(w + q), _mm256_set1_epi32((int32_t)gg_u32(a + 4 * q)));
-    return s;
+    __m256i s0 = _mm256_set1_epi32(-128 * ((int32_t)h[2 * b] + (int32_t)h[2 * b + 1])), s1 = _mm256_setzero_si256();
+    for (int q = 0; q < 8; q += 2) {
+        s0 = _mm256_dpbusd_epi32(s0, _mm256_load_si256(w + q), _mm256_set1_epi32((int32_t)gg_u32(a + 4 * q)));
+        s1 = _mm256_dpbusd_epi32(s1, _mm256_load_si256(w + q + 1), _mm256_set1_epi32((int32_t)gg_u32(a + 4 * q + 4)));
+    }
+    return _mm256_add_epi32(s0, s1);
+}
+
+/* The eight phases of a row's accumulators summed as simd.h's hsum sums lanes: ((0 + 4) + (1 + 5)) + ((2 + 6) +
+ * (3 + 7)); the first `rows` lanes (weight rows) stored at y. */
+VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_r8_store)(const __m256 *acc, float *y, int rows) {
+    const __m256 t = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[1], acc[5])),
+                                   _mm256_add_ps(_mm256_add_ps(acc[2], acc[6]), _mm256_add_ps(acc[3], acc[7])));
+    float out[8];
+    _mm256_storeu_ps(out, t);
+    for (int i = 0; i < rows; i++) y[i] = out[i];
+}
+
+/* NR (1 or 2) input rows from row j against the packed rows: block b into phase b % 8. */
+VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_r8_rows)(const GgCall *c, const uint8_t *buf,
+                                                                           const float *ws, int64_t r, int rows,
+                                                                           int64_t j, const int NR) {
+    const int64_t nb = c->k / 32;
+    const uint8_t *x[2];
+    const float *g[2];
+    const int16_t *h[2];
+    __m256 acc[2][8];
+    for (int t = 0; t < NR; t++) {
+        x[t] = c->xp + (j + t) * c->xstride;
+        g[t] = (const float *)(x[t] + c->kp);
+        h[t] = (const int16_t *)(x[t] + c->kp + c->kp / 8);
+        for (int i = 0; i < 8; i++) acc[t][i] = _mm256_setzero_ps();
+    }
+    for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) {
+            const int64_t b = b0 + i;
+            if (b >= nb) break;
+            const __m256 scale = _mm256_load_ps(ws + 8 * b);
+            for (int t = 0; t < NR; t++) {
+                const __m256i s = SFX(gg_r8_block)(buf, x[t], h[t], b);
+                acc[t][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(scale, _mm256_set1_ps(g[t][b])),
+                                            acc[t][i]);
+            }
+        }
+    }
+    for (int t = 0; t < NR; t++) SFX(gg_r8_store)(acc[t], c->y + (j + t) * c->n + r, rows);
 }
 
 VI_TARGET static void SFX(gg_q8_0_r8)(const GgCall *c, int64_t r0, int64_t r1) {
@@ -369,33 +416,123 @@ VI_TARGET static void SFX(gg_q8_0_r8)(const GgCall *c, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r += 8) {
         const int rows = r1 - r < 8 ? (int)(r1 - r) : 8;
         SFX(gg_r8_pack)(c, r, rows, buf, ws);
-        for (int64_t j = 0; j < c->m; j++) {
-            const uint8_t *x = c->xp + j * c->xstride;
-            const float *g = (const float *)(x + c->kp);
-            const int16_t *h = (const int16_t *)(x + c->kp + c->kp / 8);
-            __m256 acc[8];
-            for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
-            int64_t b = 0;
-            for (; b + 8 <= nb; b += 8)
-                for (int i = 0; i < 8; i++) {
-                    const __m256i s = SFX(gg_r8_block)(buf, x, h, b + i);
-                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(_mm256_load_ps(ws + 8 * (b + i)),
-                                                                                  _mm256_set1_ps(g[b + i])), acc[i]);
-                }
-            for (int i = 0; b + i < nb; i++) {
-                const __m256i s = SFX(gg_r8_block)(buf, x, h, b + i);
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(_mm256_load_ps(ws + 8 * (b + i)),
-                                                                              _mm256_set1_ps(g[b + i])), acc[i]);
-            }
-            const __m256 t = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[1], acc[5])),
-                                           _mm256_add_ps(_mm256_add_ps(acc[2], acc[6]), _mm256_add_ps(acc[3], acc[7])));
-            float out[8];
-            _mm256_storeu_ps(out, t);
-            for (int i = 0; i < rows; i++) c->y[j * c->n + r + i] = out[i];
-        }
+        int64_t j = 0;
+        for (; j + 2 <= c->m; j += 2) SFX(gg_r8_rows)(c, buf, ws, r, rows, j, 2);
+        if (j < c->m) SFX(gg_r8_rows)(c, buf, ws, r, rows, j, 1);
     }
     free(buf);
     free(ws);
+}
+
+/* A K-quant call's weight rows r .. r + rows (T), unpacked (gg_super) and interleaved eight rows at a time into one
+ * super-block's part of the buffer: its 256 values as eight groups of eight vectors (vector q of group g: values
+ * 32 g + 4 q .. + 3 of each row, a row a lane, unsigned), then the sixteen 16-value sub-blocks' integer scales and
+ * offset (or minimum) multipliers as int32 vectors, then d and dm as float vectors. */
+#define GG_K8_BYTES (2048 + 2 * 16 * 32 + 2 * 32)
+
+VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_k8_pack)(const GgCall *c, int64_t r, int rows,
+                                                                           int64_t b, uint8_t *out, const int T) {
+    const int64_t bytes = gg_format(T).bytes;
+    int32_t *sc = (int32_t *)(out + 2048), *off = sc + 16 * 8;
+    float *d = (float *)(off + 16 * 8), *dm = d + 8;
+    __m256i v[8][8];
+    for (int i = 0; i < 8; i++) {
+        SFX(GgSuper) sup;
+        SFX(gg_super)(c->w + (r + (i < rows ? i : 0)) * c->row_stride + b * bytes, T, &sup);
+        int16_t s16[16], o16[16];
+        _mm256_storeu_si256((__m256i *)o16, sup.off);
+        for (int g = 0; g < 8; g++) {
+            int16_t m[16];
+            _mm256_storeu_si256((__m256i *)m, sup.sc[g]);
+            s16[2 * g] = m[0];
+            s16[2 * g + 1] = m[8];
+            v[g][i] = i < rows ? sup.u[g] : _mm256_setzero_si256();
+        }
+        for (int l = 0; l < 16; l++) {
+            sc[8 * l + i] = i < rows ? s16[l] : 0;
+            off[8 * l + i] = i < rows ? o16[l] : 0;
+        }
+        d[i] = i < rows ? sup.d : 0.0f;
+        dm[i] = i < rows ? sup.dm : 0.0f;
+    }
+    for (int g = 0; g < 8; g++) SFX(gg_r8_transpose)(v[g], (__m256i *)(out + 256 * g));
+}
+
+/* Group g of a packed super-block against input row x's super-block (a: its 256 values, h: its sixteen 16-value
+ * sums): the eight rows' integer sum (scales applied) and offset (or minimum) term, as gg_k_rows's lane g. */
+VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_k8_group)(const uint8_t *sb, const uint8_t *a,
+                                                                            const int16_t *h, int g, __m256i *sum,
+                                                                            __m256i *off, const int T) {
+    const __m256i *w = (const __m256i *)(sb + 256 * g), *sc = (const __m256i *)(sb + 2048), *of = sc + 16;
+    __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+    for (int q = 0; q < 4; q++) {
+        lo = _mm256_dpbusd_epi32(lo, _mm256_load_si256(w + q), _mm256_set1_epi32((int32_t)gg_u32(a + 32 * g + 4 * q)));
+        hi = _mm256_dpbusd_epi32(hi, _mm256_load_si256(w + 4 + q),
+                                 _mm256_set1_epi32((int32_t)gg_u32(a + 32 * g + 16 + 4 * q)));
+    }
+    if (T == GG_Q4_K || T == GG_Q5_K) {  /* 32-value sub-blocks: both halves share the scale and the minimum */
+        *sum = _mm256_mullo_epi32(_mm256_add_epi32(lo, hi), _mm256_load_si256(sc + 2 * g));
+        *off = _mm256_mullo_epi32(_mm256_load_si256(of + 2 * g), _mm256_set1_epi32(h[2 * g] + h[2 * g + 1]));
+        return;
+    }
+    *sum = _mm256_add_epi32(_mm256_mullo_epi32(lo, _mm256_load_si256(sc + 2 * g)),
+                            _mm256_mullo_epi32(hi, _mm256_load_si256(sc + 2 * g + 1)));
+    *off = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_load_si256(of + 2 * g), _mm256_set1_epi32(h[2 * g])),
+                            _mm256_mullo_epi32(_mm256_load_si256(of + 2 * g + 1), _mm256_set1_epi32(h[2 * g + 1])));
+}
+
+/* NR (1 or 2) input rows from row j against the packed super-blocks: group g into phase g. */
+VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_k8_rows)(const GgCall *c, const uint8_t *buf,
+                                                                           int64_t r, int rows, int64_t j,
+                                                                           const int T, const int NR) {
+    const int64_t nb = c->k / 256;
+    const int sub = T == GG_Q3_K || T == GG_Q6_K;
+    const uint8_t *x[2];
+    const float *gs[2];
+    const int16_t *h[2];
+    __m256 acc[2][8];
+    for (int t = 0; t < NR; t++) {
+        x[t] = c->xp + (j + t) * c->xstride;
+        gs[t] = (const float *)(x[t] + c->kp);
+        h[t] = (const int16_t *)(x[t] + c->kp + c->kp / 8);
+        for (int g = 0; g < 8; g++) acc[t][g] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *sb = buf + b * GG_K8_BYTES;
+        const __m256 d = _mm256_load_ps((const float *)(sb + 3072)), dm = _mm256_load_ps((const float *)(sb + 3104));
+#pragma GCC unroll 8
+        for (int g = 0; g < 8; g++)
+            for (int t = 0; t < NR; t++) {
+                __m256i sum, off;
+                SFX(gg_k8_group)(sb, x[t] + 256 * b, h[t] + 16 * b, g, &sum, &off, T);
+                const __m256 gv = _mm256_set1_ps(gs[t][8 * b + g]);
+                if (sub) {
+                    acc[t][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum, off)), _mm256_mul_ps(d, gv),
+                                                acc[t][g]);
+                } else {
+                    acc[t][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, gv), acc[t][g]);
+                    acc[t][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(off), _mm256_mul_ps(dm, gv), acc[t][g]);
+                }
+            }
+    }
+    for (int t = 0; t < NR; t++) SFX(gg_r8_store)(acc[t], c->y + (j + t) * c->n + r, rows);
+}
+
+/* K-quant rows of a call of at least GG_R8_MIN_ROWS input rows, eight weight rows at a time (gg_k8_pack): each group
+ * g's sums for eight rows in one vector, added as gg_k_rows adds lane g (the same integers, the same float operations
+ * in the same order), the eight groups' accumulators summed in simd.h's hsum order: the same bits. */
+VI_TARGET static void SFX(gg_k_r8)(const GgCall *c, int64_t r0, int64_t r1, const int T) {
+    const int64_t nb = c->k / 256;
+    uint8_t *buf = (uint8_t *)alloc_lines((size_t)(nb * GG_K8_BYTES));
+    if (!buf) abort();
+    for (int64_t r = r0; r < r1; r += 8) {
+        const int rows = r1 - r < 8 ? (int)(r1 - r) : 8;
+        for (int64_t b = 0; b < nb; b++) SFX(gg_k8_pack)(c, r, rows, b, buf + b * GG_K8_BYTES, T);
+        int64_t j = 0;
+        for (; j + 2 <= c->m; j += 2) SFX(gg_k8_rows)(c, buf, r, rows, j, T, 2);
+        if (j < c->m) SFX(gg_k8_rows)(c, buf, r, rows, j, T, 1);
+    }
+    free(buf);
 }
 #endif
 
@@ -413,11 +550,17 @@ VI_TARGET static void SFX(gg_rows)(const GgCall *c, int64_t r0, int64_t r1) {
         case GG_Q4_1: SFX(gg_small_rows)(c, r0, r1, GG_Q4_1); break;
         case GG_Q5_0: SFX(gg_small_rows)(c, r0, r1, GG_Q5_0); break;
         case GG_Q5_1: SFX(gg_small_rows)(c, r0, r1, GG_Q5_1); break;
-        case GG_Q2_K: SFX(gg_k_rows)(c, r0, r1, GG_Q2_K); break;
-        case GG_Q3_K: SFX(gg_k_rows)(c, r0, r1, GG_Q3_K); break;
-        case GG_Q4_K: SFX(gg_k_rows)(c, r0, r1, GG_Q4_K); break;
-        case GG_Q5_K: SFX(gg_k_rows)(c, r0, r1, GG_Q5_K); break;
-        default: SFX(gg_k_rows)(c, r0, r1, GG_Q6_K); break;
+#if VL == 16
+#define GG_K_CASE(T) if (c->m >= GG_R8_MIN_ROWS) SFX(gg_k_r8)(c, r0, r1, T); else SFX(gg_k_rows)(c, r0, r1, T)
+#else
+#define GG_K_CASE(T) SFX(gg_k_rows)(c, r0, r1, T)
+#endif
+        case GG_Q2_K: GG_K_CASE(GG_Q2_K); break;
+        case GG_Q3_K: GG_K_CASE(GG_Q3_K); break;
+        case GG_Q4_K: GG_K_CASE(GG_Q4_K); break;
+        case GG_Q5_K: GG_K_CASE(GG_Q5_K); break;
+        default: GG_K_CASE(GG_Q6_K); break;
+#undef GG_K_CASE
     }
 }
 
