@@ -316,7 +316,7 @@ VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_k_rows)(const
  * (scale x the group's activation scale) into the accumulator of the block's phase b % 8; the eight phases are summed
  * as simd.h's hsum sums the lanes of gg_small_rows's accumulator. Each row sees the same integers and float
  * operations, in the same order, as in gg_small_rows: the same bits, with no sum across lanes per block. */
-#define GG_R8_MIN_ROWS 8
+#define GG_R8_MIN_ROWS 24
 
 /* The 8 x 8 transpose of 32-bit words into o: o[q] word i = v[i] word q. */
 VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_r8_transpose)(const __m256i *v, __m256i *o) {
