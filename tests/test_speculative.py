@@ -168,6 +168,9 @@ class FixedLogits:
     def execute(self, step):
         return self.row.expand(len(step.logit_rows), -1).clone()
 
+    def take_state_releases(self):
+        return [], []  # no state slots: nothing for other ranks to release
+
 
 @pytest.mark.parametrize("params, drafts, expected", [
     # row j sees drafts[:j] as generated: the accepted first draft (0) is penalised at row 1, which then picks 1
