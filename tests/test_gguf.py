@@ -201,6 +201,7 @@ def test_an_embedding_looks_up_the_rows_of_any_stored_format():
     ids = torch.tensor([39, 3, 24, 3, 23, 0])
     for matrix in (GgufWeight(parts, 256, torch.float32), q4_0):
         assert torch.equal(matrix.gather_rows(ids), matrix.dequantize()[ids])
+        assert matrix.gather_rows(ids[:0]).shape == (0, 256)  # an empty step looks nothing up
 
 
 def test_q4_0_is_the_int4_format(written):

@@ -140,11 +140,13 @@ class QuantizedWeight(PackedWeight):
         raise NotImplementedError
 
     def gather_rows(self, index: torch.Tensor) -> torch.Tensor:
-        """Float32 ``[len(index), K]``: the rows ``index`` (int64, any order, repeats allowed) of the matrix, each
-        widened on its own (an embedding kept as stored looks its tokens up this way)."""
+        """Float32 ``[len(index), K]``: the rows ``index`` (int64, any order, repeats allowed) of the matrix, widened
+        (an embedding kept as stored looks its tokens up this way): the matrix of those rows (``select_rows``),
+        each distinct row once."""
+        if not index.numel():
+            return torch.empty(0, self.shape[1], device=index.device)
         unique, where = torch.unique(index, return_inverse=True)
-        rows = [self._dequantize_rows(int(r), int(r) + 1) for r in unique.tolist()]
-        return (torch.cat(rows) if rows else torch.empty(0, self.shape[1]))[where]
+        return self.select_rows(unique).dequantize()[where]
 
     def widened_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [..., K] · Wᵀ (+ bias)`` in ``x``'s dtype by widening the weight to float32 a block of output rows at a
