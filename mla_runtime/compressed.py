@@ -65,9 +65,12 @@ CT_INT4 = Int4Layout("compressed-tensors", INT4_GROUP, True)  # the int4 layout 
 FP4_FORMATS: dict[str, type[Fp4Weight]] = {"mxfp4": Mxfp4Weight, "nvfp4": Nvfp4Weight}
 
 
-def stored_names(name: str, quantization: str, layout: Int4Layout | None = None) -> list[str]:
-    """The tensors a stored matrix ``<base>.weight`` may be stored as (``layout``: an int4 checkpoint's)."""
+def stored_names(name: str, quantization: str, layout: Int4Layout | None = None, modelopt: bool = False) -> list[str]:
+    """The tensors a stored matrix ``<base>.weight`` may be stored as (``layout``: an int4 checkpoint's;
+    ``modelopt``: a ModelOpt export's)."""
     base = name[: -len("weight")]
+    if modelopt:  # ModelOpt NVFP4: the packed values keep the name ``weight``; its input_scale is not applied
+        return [name, base + "weight_scale", base + "weight_scale_2", base + "input_scale"]
     if quantization == "int4":
         return int4_names(base, layout or CT_INT4)[1]
     if quantization in FP4_FORMATS:
@@ -86,12 +89,13 @@ def is_stored_compressed(name: str, files: Collection[str], quantization: str,
     return marker in files
 
 
-def stored_shape(reader: Any, name: str, quantization: str, layout: Int4Layout | None = None) -> list[int]:
+def stored_shape(reader: Any, name: str, quantization: str, layout: Int4Layout | None = None,
+                 modelopt: bool = False) -> list[int]:
     """``[N, K]`` of a stored matrix ``<base>.weight``."""
     if quantization == "int4":
         return int4_shape(reader, name[: -len("weight")], layout or CT_INT4)
     if quantization in FP4_FORMATS:
-        n, half = reader.shape(name[: -len("weight")] + "weight_packed")
+        n, half = reader.shape(stored_names(name, quantization, modelopt=modelopt)[0])
         return [n, 2 * half]
     return list(reader.shape(name))
 
@@ -183,14 +187,14 @@ def compress(weight: QuantizedWeight) -> dict[str, torch.Tensor]:
 
 
 def read_stored(reader: Any, name: str, quantization: str, shard: tuple[int, int, int, int] | None,
-                dtype: torch.dtype, device: torch.device,
-                layout: Int4Layout | None = None) -> Iterator[tuple[int, QuantizedWeight]]:
+                dtype: torch.dtype, device: torch.device, layout: Int4Layout | None = None,
+                modelopt: bool = False) -> Iterator[tuple[int, QuantizedWeight]]:
     """(first row, rows) of the matrix ``<base>.weight`` as stored (this rank's part of it: ``shard`` on the rows, or
     on the columns at group boundaries), made into the runtime's format without re-quantising; an int4 matrix in
     blocks of rows (``stored_int4.read_int4``), read and converted one at a time."""
     base = name[: -len("weight")]
     if quantization in FP4_FORMATS:
-        yield 0, read_fp4(reader, name, quantization, shard, dtype, device)
+        yield 0, read_fp4(reader, name, quantization, shard, dtype, device, modelopt)
         return
     if quantization == "w8a8":
         yield 0, read_w8a8(reader, name, shard, dtype, device)
@@ -217,14 +221,15 @@ def read_w8a8(reader: Any, name: str, shard: tuple[int, int, int, int] | None, d
 
 
 def read_fp4(reader: Any, name: str, quantization: str, shard: tuple[int, int, int, int] | None, dtype: torch.dtype,
-             device: torch.device) -> QuantizedWeight:
+             device: torch.device, modelopt: bool = False) -> QuantizedWeight:
     """The MXFP4 / NVFP4 matrix ``<base>.weight`` as compressed-tensors stores it (``weight_packed [N, K / 2]`` uint8,
-    ``weight_scale [N, K / group]`` uint8 exponents or float8_e4m3fn, NVFP4's ``weight_global_scale [1]``): this
-    rank's rows, or its columns, which must start and end on the groups of the scales."""
+    ``weight_scale [N, K / group]`` uint8 exponents or float8_e4m3fn, NVFP4's ``weight_global_scale [1]``), or as a
+    ModelOpt export stores NVFP4 (``modelopt``: ``weight``, ``weight_scale`` and ``weight_scale_2``): this rank's
+    rows, or its columns, which must start and end on the groups of the scales."""
     fmt = FP4_FORMATS[quantization]
     group = GROUPS[quantization]
-    names = stored_names(name, quantization)
-    n, k = stored_shape(reader, name, quantization)
+    names = stored_names(name, quantization, modelopt=modelopt)
+    n, k = stored_shape(reader, name, quantization, modelopt=modelopt)
     if shard is not None and shard[0] != 0:
         a, b = shard[1], shard[2]
         if a % group or b % group:
@@ -237,13 +242,25 @@ def read_fp4(reader: Any, name: str, quantization: str, shard: tuple[int, int, i
         packed, scale = reader.get(names[0], shard), reader.get(names[1], shard)
     if quantization == "mxfp4" and scale.dtype != torch.uint8:
         raise ValueError(f"{names[1]}: MXFP4 scales are uint8 exponents (UE8M0), got {scale.dtype}")
-    glob = None
-    if quantization == "nvfp4":
-        stored = reader.get(names[2]).float().reshape(-1)
-        if stored.numel() != 1:
-            raise ValueError(f"{names[2]}: one global scale per tensor expected, got {stored.numel()}")
-        glob = stored.to(device).expand(packed.shape[0]).contiguous()
+    glob = None if quantization != "nvfp4" else _global_scale(reader, names[2], modelopt)
+    if glob is not None:
+        glob = glob.to(device).expand(packed.shape[0]).contiguous()
     return fmt(packed.to(device).contiguous(), scale.to(device).contiguous(), glob, dtype)
+
+
+def _global_scale(reader: Any, name: str, modelopt: bool) -> torch.Tensor:
+    """An NVFP4 tensor's global scale ``[1]`` as the runtime holds it, a divisor: compressed-tensors'
+    ``weight_global_scale`` as stored; ModelOpt's ``weight_scale_2``, a multiplier (``amax / (6 × 448)``), as its
+    float32 reciprocal (so a group's scale ``e4m3 / (1 / weight_scale_2)`` is ModelOpt's ``e4m3 × weight_scale_2``
+    to one float32 rounding)."""
+    stored = reader.get(name).float().reshape(-1)
+    if stored.numel() != 1:
+        raise ValueError(f"{name}: one global scale per tensor expected, got {stored.numel()}")
+    if not modelopt:
+        return stored
+    if not bool(torch.isfinite(stored).all()) or bool((stored < 0).any()):
+        raise ValueError(f"{name}: a ModelOpt weight_scale_2 is finite and not negative, got {stored.item()}")
+    return 1.0 / stored  # 0 (an all-zero tensor): an infinite divisor, every group's scale 0
 
 
 # -- writing ------------------------------------------------------------------------------------------------------
