@@ -52,8 +52,16 @@ from typing import Any
 import torch
 
 from mla_kernels.fp4_format import GROUPS
-from mla_runtime.config import INT4_GROUP, STORED_FORMATS, W4A16_GROUP, W8A8_ACTIVATIONS, Int4Layout
+from mla_runtime.config import (
+    INT4_GROUP,
+    MODELOPT_FP8_BLOCK,
+    STORED_FORMATS,
+    W4A16_GROUP,
+    W8A8_ACTIVATIONS,
+    Int4Layout,
+)
 from mla_runtime.layers.fp4 import Fp4Weight, Mxfp4Weight, Nvfp4Weight
+from mla_runtime.layers.fp8 import Fp8Weight
 from mla_runtime.layers.int4 import Int4Weight
 from mla_runtime.layers.quantization import Int8Weight
 from mla_runtime.layers.qweight import QuantizedWeight
@@ -196,6 +204,9 @@ def read_stored(reader: Any, name: str, quantization: str, shard: tuple[int, int
     if quantization in FP4_FORMATS:
         yield 0, read_fp4(reader, name, quantization, shard, dtype, device, modelopt)
         return
+    if quantization == "fp8" and modelopt:
+        yield 0, read_modelopt_fp8(reader, name, shard, dtype, device)
+        return
     if quantization == "w8a8":
         yield 0, read_w8a8(reader, name, shard, dtype, device)
         return
@@ -205,6 +216,25 @@ def read_stored(reader: Any, name: str, quantization: str, shard: tuple[int, int
         yield 0, Int8Weight(q.to(device).contiguous(), scale.reshape(-1).to(device, torch.bfloat16), dtype)
         return
     yield from read_int4(reader, name, layout or CT_INT4, shard, dtype, device)
+
+
+def read_modelopt_fp8(reader: Any, name: str, shard: tuple[int, int, int, int] | None, dtype: torch.dtype,
+                      device: torch.device) -> Fp8Weight:
+    """A ModelOpt FP8 matrix ``<base>.weight`` (float8_e4m3fn ``[N, K]``, a view of the mapped file on a CPU where it
+    is whole) with its one float32 ``<base>.weight_scale`` (a multiplier, ``amax / 448``): this rank's rows or columns,
+    in blocks of ``MODELOPT_FP8_BLOCK`` that all hold that scale, so that the block-FP8 products run it as stored and
+    matrices of different scales stack."""
+    base = name[: -len("weight")]
+    q = reader.stored(name, shard)
+    if q.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{name}: a ModelOpt FP8 weight is stored as float8_e4m3fn, got {q.dtype}")
+    scale = reader.get(base + "weight_scale").float().reshape(-1)
+    if scale.numel() != 1 or not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
+        raise ValueError(f"{base}weight_scale: one finite, non-negative scale per tensor expected (ModelOpt's FP8), "
+                         f"got {scale.numel()} values")
+    rows, cols = q.shape[0], -(-q.shape[1] // MODELOPT_FP8_BLOCK[1])
+    scales = scale.to(device).expand(rows, cols).contiguous()
+    return Fp8Weight(q.to(device), scales, MODELOPT_FP8_BLOCK, dtype)
 
 
 def read_w8a8(reader: Any, name: str, shard: tuple[int, int, int, int] | None, dtype: torch.dtype,

@@ -621,7 +621,8 @@ W8A8_ACTIVATIONS = {"type": "int", "num_bits": 8, "strategy": "token", "dynamic"
 W8A8_METHOD = "w8a8_int8"  # SGLang's quant_method for int8 weights [N, K] with scales [N, 1] and W8A8_ACTIVATIONS
 INT4_METHODS = ("compressed-tensors", "awq", "gptq")  # the quant_method values of int4 checkpoints loaded as stored
 MODELOPT_METHOD = "modelopt"  # NVIDIA ModelOpt's export (hf_quant_config.json, or config.json's quantization_config)
-MODELOPT_ALGOS = {"NVFP4": "nvfp4"}  # ModelOpt's quant_algo -> the runtime format its weights load as
+MODELOPT_ALGOS = {"NVFP4": "nvfp4", "FP8": "fp8"}  # ModelOpt's quant_algo -> the runtime format its weights load as
+MODELOPT_FP8_BLOCK = (1, 128)  # a ModelOpt FP8 tensor's one scale, held per row and 128 values (layers.fp8 blocks)
 MODELOPT_FILE = "hf_quant_config.json"  # where a ModelOpt export writes its quantization config
 MODELOPT_GROUP = 16  # NVFP4's group size, the only one ModelOpt writes
 
@@ -775,7 +776,7 @@ def parse_modelopt_config(q: dict[str, Any]) -> StoredScheme:
         raise UnsupportedScheme(f"{where}: quant_algo={algo or None!r} is not supported (supported: "
                                 f"{', '.join(MODELOPT_ALGOS)})")
     group = body.get("group_size")
-    if group is not None and int(group) != MODELOPT_GROUP:
+    if algo == "NVFP4" and group is not None and int(group) != MODELOPT_GROUP:
         raise UnsupportedScheme(f"{where}: group_size={group} is not supported for {algo} (groups of "
                                 f"{MODELOPT_GROUP} are)")
     exclude = body.get("exclude_modules", body.get("ignore")) or []
@@ -810,7 +811,7 @@ def _parse_fp8(raw: dict[str, Any]) -> tuple[int, int] | None:
     method = q.get("quant_method")
     if method != "fp8":
         raise ValueError(f"quantization_config.quant_method: block 'fp8', 'compressed-tensors' (int8, int4, W8A8, "
-                         f"MXFP4, NVFP4), 'awq' and 'gptq' (int4), {W8A8_METHOD!r} and 'modelopt' (NVFP4) are "
+                         f"MXFP4, NVFP4), 'awq' and 'gptq' (int4), {W8A8_METHOD!r} and 'modelopt' (NVFP4, FP8) are "
                          f"supported, got {method!r}")
     block = q.get("weight_block_size") or [128, 128]
     if len(block) != 2 or min(block) < 1:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mla_runtime.config import Int4Layout, ModelConfig, modelopt_excluded
+from mla_runtime.config import MODELOPT_FP8_BLOCK, Int4Layout, ModelConfig, modelopt_excluded
 from mla_runtime.dtypes import dtype_name, resolve_model_dtype
 from mla_runtime.kernel_plan import CpuLayouts
 from mla_runtime.layers.fp8 import Fp8Weight
@@ -290,6 +290,7 @@ class _Formats:
     layout: Int4Layout | None = None  # a pre-quantised int4 checkpoint's groups (None: the runtime's own)
     float_head: bool = False  # a pre-quantised checkpoint's lm_head, stored unquantised, loads so
     stored: bool = False  # the products load as a pre-quantised checkpoint stores them (Param.unquantized: wide)
+    stored_block: tuple[int, int] | None = None  # a pre-quantised FP8 checkpoint's blocks (ModelOpt's)
 
     def of(self, param: Param) -> tuple[type[QuantizedWeight] | None, tuple[int, int] | None]:
         """The format ``param`` is held in (None: a float tensor) and its FP8 blocks."""
@@ -297,7 +298,7 @@ class _Formats:
             return Fp8Weight, self.fp8_block
         if self.scheme is not None and param.product and not (self.float_head and param.name == "lm_head") \
                 and not (self.stored and param.unquantized):
-            return WEIGHT_FORMATS[self.scheme], None
+            return WEIGHT_FORMATS[self.scheme], self.stored_block
         return None, None
 
     def matrix_bytes(self, fmt: type[QuantizedWeight], rows: int, k: int, block: tuple[int, int] | None) -> int:
@@ -376,7 +377,8 @@ def weight_footprint(config: ModelConfig, dtype: str | torch.dtype = "auto", ten
                        row_kernels and scheme == "int8",  # Int8Weight.row_scales: float32 scales for the row kernels
                        cpu is not None and cpu.bf16_blocked and scheme == "bf16",  # Bf16Weight.native: a second copy
                        _stored_bits(config, tp), config.stored_layout if stored else None,
-                       stored and config.stored_float_head, stored)
+                       stored and config.stored_float_head, stored,
+                       MODELOPT_FP8_BLOCK if stored and scheme == "fp8" else None)
     inv = inventory(config, tp, num_mtp_layers)
     float_bytes, quantized, packed = _parameter_bytes(inv, formats)
     decode_kernel = row_kernels and model_dtype == torch.float32 and not (latent_cache_layout == "sharded" and tp > 1)

@@ -23,6 +23,7 @@ from mla_runtime.compressed import main as quantize_main
 from mla_runtime.config import ModelConfig, UnsupportedScheme, parse_modelopt_config
 from mla_runtime.footprint import weight_footprint
 from mla_runtime.layers.fp4 import Nvfp4Weight
+from mla_runtime.layers.fp8 import Fp8Weight
 from mla_runtime.layers.quantization import finish_quantization, quantized_weights
 from mla_runtime.loader import load_model
 from tests.checkpoints import build_hf_model, save_checkpoint
@@ -53,6 +54,14 @@ def modelopt_nvfp4(weight: torch.Tensor) -> dict[str, torch.Tensor]:
             "weight_scale_2": scale_2.reshape(()), "input_scale": torch.tensor(0.02)}
 
 
+def modelopt_fp8(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """ModelOpt's FP8 export of one matrix: one float32 ``weight_scale = amax / 448`` for the tensor, the values
+    divided by it and rounded to float8_e4m3fn."""
+    scale = weight.float().abs().amax() / 448
+    return {"weight": (weight.float() / scale).to(torch.float8_e4m3fn), "weight_scale": scale.reshape(()),
+            "input_scale": torch.tensor(0.02)}
+
+
 def modelopt_dequantized(weight: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
     """ModelOpt's dequantisation: ``e2m1 × weight_scale × weight_scale_2``, in float32."""
     n = weight.shape[0]
@@ -65,16 +74,18 @@ def excluded(name: str) -> bool:
     return any(fnmatch.fnmatchcase(name[: -len(".weight")], p) for p in EXCLUDE)
 
 
-def write_modelopt(src: Path, out: Path, form: str = "hf_quant_config") -> Path:
-    """``src`` (a float checkpoint) in ModelOpt's NVFP4 layout: every Linear of the decoder layers not in ``EXCLUDE``
-    quantised, the rest bfloat16, the KV cache scales an FP8 KV cache export adds; the quantization config in
-    ``hf_quant_config.json`` (``form``: the published R1-FP4 form) or in config.json (``config``: newer exports)."""
+def write_modelopt(src: Path, out: Path, form: str = "hf_quant_config", algo: str = "NVFP4") -> Path:
+    """``src`` (a float checkpoint) in ModelOpt's ``algo`` layout (NVFP4, FP8): every Linear of the decoder layers
+    not in ``EXCLUDE`` quantised, the rest bfloat16, the KV cache scales an FP8 KV cache export adds; the
+    quantization config in ``hf_quant_config.json`` (``form``: the published R1-FP4 form) or in config.json
+    (``config``: newer exports)."""
     out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
+    quantize = modelopt_nvfp4 if algo == "NVFP4" else modelopt_fp8
     for name, t in load_file(str(src / "model.safetensors")).items():
         if t.dim() == 2 and ".layers." in name and name.endswith(".weight") and not excluded(name):
             base = name[: -len("weight")]
-            tensors.update({base + key: v for key, v in modelopt_nvfp4(t).items()})
+            tensors.update({base + key: v for key, v in quantize(t).items()})
         else:
             tensors[name] = t.to(torch.bfloat16)
         if name.endswith("self_attn.kv_b_proj.weight"):
@@ -83,9 +94,9 @@ def write_modelopt(src: Path, out: Path, form: str = "hf_quant_config") -> Path:
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((src / "config.json").read_text())
     cfg["torch_dtype"] = "bfloat16"
-    body = {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8", "group_size": 16, "exclude_modules": EXCLUDE}
+    body = {"quant_algo": algo, "kv_cache_quant_algo": "FP8", "group_size": 16, "exclude_modules": EXCLUDE}
     if form == "config":
-        cfg["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+        cfg["quantization_config"] = {"quant_method": "modelopt", "quant_algo": algo, "group_size": 16,
                                       "ignore": EXCLUDE, "kv_cache_scheme": {"type": "float", "num_bits": 8}}
     else:
         (out / "hf_quant_config.json").write_text(json.dumps(
@@ -105,8 +116,10 @@ def reference_model(path: Path):
         if name.endswith((".weight_scale", ".weight_scale_2", ".input_scale", ".k_scale", ".v_scale")):
             continue
         base = name[: -len("weight")]
-        w = modelopt_dequantized(t, stored[base + "weight_scale"], stored[base + "weight_scale_2"]) \
-            if base + "weight_scale" in stored else t.float()
+        if base + "weight_scale_2" in stored:
+            w = modelopt_dequantized(t, stored[base + "weight_scale"], stored[base + "weight_scale_2"])
+        else:  # FP8: its value times the tensor's scale; else bfloat16
+            w = t.float() * stored[base + "weight_scale"] if base + "weight_scale" in stored else t.float()
         state[name] = w.to(torch.bfloat16).float() if name.endswith("kv_b_proj.weight") else w
     ref = path.parent / (path.name + "_reference")
     ref.mkdir(exist_ok=True)
@@ -121,18 +134,27 @@ def reference_model(path: Path):
 def written(tmp_path_factory):
     src = save_checkpoint(build_hf_model(VARIANT), tmp_path_factory.mktemp("modelopt_src"))
     root = tmp_path_factory.mktemp("modelopt")
-    return {form: write_modelopt(src, root / form, form) for form in ("hf_quant_config", "config")}
+    out = {form: write_modelopt(src, root / form, form) for form in ("hf_quant_config", "config")}
+    return {**out, "fp8": write_modelopt(src, root / "fp8", "hf_quant_config", "FP8")}
 
 
-@pytest.fixture(scope="module")
-def reference_tokens(written):
-    hf = reference_model(written["hf_quant_config"])
+def generate(hf) -> list[list[int]]:
     out = []
     for prompt in PROMPTS:
         ids = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                           do_sample=False)
         out.append(ids[0, len(prompt):].tolist())
     return out
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(written):
+    return generate(reference_model(written["hf_quant_config"]))
+
+
+@pytest.fixture(scope="module")
+def fp8_reference_tokens(written):
+    return generate(reference_model(written["fp8"]))
 
 
 def runtime_tokens(path: Path, **kwargs) -> list[list[int]]:
@@ -144,11 +166,11 @@ def runtime_tokens(path: Path, **kwargs) -> list[list[int]]:
         llm.shutdown()
 
 
-def test_both_config_forms_read_as_nvfp4_with_their_exclusions(written):
-    for path in written.values():
+def test_both_config_forms_read_with_their_exclusions(written):
+    for form, path in written.items():
         cfg = ModelConfig.from_pretrained(path)
-        assert cfg.stored_quantization == "nvfp4" and cfg.stored_exclude == tuple(EXCLUDE)
-        assert cfg.stored_float_head and cfg.fp8_block_size is None
+        assert cfg.stored_quantization == ("fp8" if form == "fp8" else "nvfp4")
+        assert cfg.stored_exclude == tuple(EXCLUDE) and cfg.stored_float_head and cfg.fp8_block_size is None
 
 
 def test_the_loaded_weights_are_the_stored_bytes_and_modelopts_values(written):
@@ -186,17 +208,38 @@ def test_two_ranks_equal_one_rank(written, reference_tokens):
     assert runtime_tokens(written["hf_quant_config"], tensor_parallel_size=2) == reference_tokens
 
 
-def test_the_planner_counts_the_bytes_the_model_holds(written):
-    path = written["hf_quant_config"]
+@pytest.mark.parametrize(("form", "scheme"), [("hf_quant_config", "nvfp4"), ("fp8", "fp8")])
+def test_the_planner_counts_the_bytes_the_model_holds(written, form, scheme):
+    path = written[form]
     model = load_model(path, dtype="float32")
-    finish_quantization(model, "nvfp4")
+    finish_quantization(model, scheme)
     weights = quantized_weights(model)
-    assert {w.scheme for w in weights} == {"nvfp4"}
+    assert {w.scheme for w in weights} == {scheme}
     planned = weight_footprint(ModelConfig.from_pretrained(path), "float32")
-    assert planned.format == "nvfp4" and planned.quantized_bytes == sum(w.nbytes for w in weights)
+    assert planned.format == scheme and planned.quantized_bytes == sum(w.nbytes for w in weights)
 
 
-@pytest.mark.parametrize("algo", ["W4A8_AWQ", "MIXED_PRECISION", "FP8_PB_WO", "INT4_AWQ"])
+def test_fp8_weights_load_as_stored_with_modelopts_values(written):
+    path = written["fp8"]
+    model = load_model(path, dtype="float32")
+    layer = model.model.layers[1]
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        for prefix, weight in (("model.layers.1.self_attn.o_proj.", layer.self_attn.o_proj.packed),
+                               ("model.layers.1.mlp.experts.3.down_proj.", layer.mlp.experts.down_packed[3])):
+            stored, scale = f.get_tensor(prefix + "weight"), f.get_tensor(prefix + "weight_scale")
+            assert isinstance(weight, Fp8Weight)
+            assert torch.equal(weight.weight.view(torch.uint8), stored.view(torch.uint8))
+            assert torch.equal(weight.dequantize(), stored.float() * scale)  # exactly: the scale multiplies
+    assert isinstance(layer.mlp.experts.gate_up_packed[3], Fp8Weight)  # gate and up, each with its own scale
+    assert not isinstance(model.model.layers[0].self_attn.o_proj.packed, Fp8Weight)
+
+
+def test_fp8_greedy_tokens_equal_transformers_and_two_ranks_equal_one(written, fp8_reference_tokens):
+    assert runtime_tokens(written["fp8"]) == fp8_reference_tokens
+    assert runtime_tokens(written["fp8"], tensor_parallel_size=2) == fp8_reference_tokens
+
+
+@pytest.mark.parametrize("algo", ["W4A8_AWQ", "MIXED_PRECISION", "FP8_PB_WO", "FP8_PER_CHANNEL_PER_TOKEN"])
 def test_an_algorithm_the_runtime_cannot_run_is_refused_naming_it(written, tmp_path, algo):
     with pytest.raises(UnsupportedScheme, match=f"quant_algo='{algo}' is not supported"):
         parse_modelopt_config({"quant_method": "modelopt", "quantization": {"quant_algo": algo}})
