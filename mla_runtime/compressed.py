@@ -21,6 +21,12 @@ Five schemes map onto the runtime's formats; their tensors load as stored, with 
   ``[N, K/32]`` / float8_e4m3fn ``[N, K/16]``) and, for NVFP4, ``X.weight_global_scale`` (float32 ``[1]``, which
   divides). FP4 input activations (NVFP4's W4A4 scheme) are not applied: the products take the model dtype's rows.
 
+NVIDIA ModelOpt's exports (``hf_quant_config.json``, or ``quant_method: modelopt``; ``config.parse_modelopt_config``)
+load here too (``modelopt=True``): NVFP4 as ``X.weight`` (the packed nibbles), ``X.weight_scale`` (E4M3 per 16) and
+``X.weight_scale_2`` (a float32 per tensor that multiplies: held as its reciprocal, the runtime's global scale
+dividing), FP8 as ``X.weight`` (float8_e4m3fn) with one float32 ``X.weight_scale`` (``read_modelopt_fp8``). Their
+``input_scale`` is not applied. The modules their ``exclude_modules`` names stay unquantised (``loader``).
+
 The int8 scales are held in bfloat16 (the type the int8 kernels take), so a float32 scale is rounded to 8 significant
 bits; int4 scales in float16; every other stored value is used as it is.
 
@@ -282,7 +288,7 @@ def _global_scale(reader: Any, name: str, modelopt: bool) -> torch.Tensor:
     """An NVFP4 tensor's global scale ``[1]`` as the runtime holds it, a divisor: compressed-tensors'
     ``weight_global_scale`` as stored; ModelOpt's ``weight_scale_2``, a multiplier (``amax / (6 × 448)``), as its
     float32 reciprocal (so a group's scale ``e4m3 / (1 / weight_scale_2)`` is ModelOpt's ``e4m3 × weight_scale_2``
-    to one float32 rounding)."""
+    to a few float32 roundings: relative 2.5e-7)."""
     stored = reader.get(name).float().reshape(-1)
     if stored.numel() != 1:
         raise ValueError(f"{name}: one global scale per tensor expected, got {stored.numel()}")
