@@ -20,7 +20,7 @@ from __future__ import annotations
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.engine.v4_worker import V4Worker, check_v4_settings
 from mla_runtime.models.glm5_next import Glm5NextStateCache
-from mla_runtime.models.hy_v4 import HyV4Config, HyV4ForCausalLM, load_hy_v4
+from mla_runtime.models.hy_v4 import HyV4Config, HyV4ForCausalLM, check_hy_v4_parallel, load_hy_v4
 from mla_runtime.models.row_sizes import hy_v4_kinds, hy_v4_model_config
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 
@@ -34,6 +34,7 @@ class HyV4Worker(V4Worker):
         check_v4_settings(config, "hy_v4", DOC)
         raw = self._open(config, par)
         self.hy_config = HyV4Config.from_raw(raw)
+        check_hy_v4_parallel(self.hy_config, config.tensor_parallel_size)
         cfg = self._settle(hy_v4_model_config(self.hy_config), raw.get("dtype") or raw.get("torch_dtype"))
         kinds = hy_v4_kinds(self.hy_config, self.dtype.itemsize)  # latent rows, indexer keys (models.row_sizes)
         self.bytes_per_token = self.bytes_per_token_per_rank = kinds.bytes_per_token
@@ -42,11 +43,11 @@ class HyV4Worker(V4Worker):
                                                    and not int(config.state_snapshot_memory))
         self.num_state_snapshots = 0 if off else config.max_num_seqs  # state_snapshot_memory 0: no prefix caching
         self.state_snapshot_bytes = 0  # nothing fixed: a snapshot holds the rows of its prefix (the module docstring)
-        self._size_streams(cfg, lambda: HyV4ForCausalLM(self.hy_config, self.dtype), int(self.hy_config.hc_mult))
+        self._size_streams(cfg, lambda: HyV4ForCausalLM(self.hy_config, self.dtype, par), int(self.hy_config.hc_mult))
         self._unloaded()
 
     def _load_model(self) -> HyV4ForCausalLM:
-        return load_hy_v4(self.model_path, self.dtype)
+        return load_hy_v4(self.model_path, self.dtype, self.par)
 
     def _new_states(self) -> Glm5NextStateCache:
         return Glm5NextStateCache(self.own_model, self.config.max_num_seqs, self.num_state_snapshots)

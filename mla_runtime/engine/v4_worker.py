@@ -71,7 +71,7 @@ from mla_runtime.plan import (
     cache_budget_bytes,
     cache_num_blocks,
 )
-from mla_runtime.v4_plan import refusal
+from mla_runtime.v4_plan import SPLIT_FAMILIES, refusal
 
 logger = logging.getLogger("mla_runtime")
 V4_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -92,8 +92,9 @@ class ReleasingSlots(StateSlots):
 def check_v4_settings(config: EngineConfig, family: str = "deepseek_v4", doc: str = "docs/deepseek-v4.md") -> None:
     """Refuse, by name, the settings a V4 (or GLM-5-Next) model does not run with: its states advance with every
     token a step computes (no drafts to verify), a cached prefix cannot resume them (no prefix-cache tiers), it runs
-    in torch in bfloat16 or float32 (V4 on any number of ranks, the others on one)."""
-    refused = {"tensor_parallel_size": config.tensor_parallel_size > 1 and family != "deepseek_v4",
+    in torch in bfloat16 or float32 (V4, Hunyuan V4 and dots3-note on any number of ranks that splits them, every
+    rank holding every state; GLM-5-Next on one)."""
+    refused = {"tensor_parallel_size": config.tensor_parallel_size > 1 and family not in SPLIT_FAMILIES,
                "latent_cache_layout": config.tensor_parallel_size > 1 and config.latent_cache_layout != "replicated",
                "num_speculative_tokens": config.num_speculative_tokens > 0,
                "speculative_method": config.speculative_method == "mtp", "latent_rank": config.latent_rank is not None,
