@@ -111,6 +111,10 @@ class V4Worker(Worker):
     """The ``Worker`` of a ``deepseek_v4`` checkpoint (the module's docstring): same start-up calls, same steps."""
 
     sized_snapshots = False  # V4's own (set in its ``__init__``): snapshots as large as their prefixes
+    # every model run over state slots keeps each token's rows in the sequence's own state: a sequence restored from a
+    # snapshot holds its own copy of the prefix's rows (its first step extends a copy of them), so it holds fresh
+    # blocks for them (``Scheduler.own_prefix_copies``) and the pool counts every running sequence's rows once
+    own_prefix_copies = True
 
     def _open(self, config: EngineConfig, par: ParallelContext) -> dict[str, Any]:
         """Hold the settings and find the checkpoint; its raw config."""
@@ -139,7 +143,7 @@ class V4Worker(Worker):
         self.bytes_per_token = self.bytes_per_token_per_rank = self.kinds.block_bytes_per_token
         self.state_bytes_per_sequence = self.kinds.fixed_bytes
         self.state_bytes = self.state_bytes_per_sequence * config.max_num_seqs
-        self.sized_snapshots = self.own_prefix_copies = True  # a snapshot holds the whole state: it grows
+        self.sized_snapshots = True  # a snapshot holds the whole state: it grows
         self.num_state_snapshots, self.state_snapshot_bytes = self._v4_snapshots()
         self.weight_bytes = v4_weights(self.v4_config, self.dtype, par)[0]  # this rank's shard
         if v4_quantization(raw) is not None:  # the released FP8 / MXFP4 weights, kept as stored

@@ -58,4 +58,6 @@ def _read(handle: Any, name: str, part: Part | None) -> torch.Tensor:
     if span is None:
         return handle.get_tensor(name)
     dim, start, stop = span
-    return piece[(slice(None),) * dim + (slice(start, stop),)]
+    t = piece[(slice(None),) * dim + (slice(start, stop),)]
+    # a slice of columns is cut from the rows read whole: keep only its own values, not a view of them
+    return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
