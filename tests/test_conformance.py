@@ -4,8 +4,8 @@ must go to the lowest position whatever the batch; int8 weights batched and alon
 rounding depends on the rows beside it; MTP verification on a sparse family; a hybrid, whose linear-attention states
 must stay each sequence's own when batched, chunked and preempted; GLM-5-Next's pooled indexer and hyper-connections
 over its state slots; DeepSeek-V4 batched on two ranks; Hunyuan V4's shared selections, sinks and output gate, and
-dots3-note's sliding and indexed layers, batched, chunked and preempted, and on two ranks), plus cells drawn from a seed that the run
-prints (``$MLA_CONFORMANCE_SEED`` replays one; ``$MLA_CONFORMANCE_DRAWS`` sets how many). ``python
+dots3-note's sliding and indexed layers, batched, chunked and preempted, and on two ranks), plus cells drawn from a
+seed that the run prints (``$MLA_CONFORMANCE_SEED`` replays one; ``$MLA_CONFORMANCE_DRAWS`` sets how many). ``python
 bench/conformance.py`` runs the whole matrix."""
 
 from __future__ import annotations
