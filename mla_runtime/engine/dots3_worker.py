@@ -7,8 +7,11 @@ preemption: a preempted sequence recomputes from its first token). The block poo
 the fixed part of a slot (``state_bytes_per_sequence``), as a hybrid's linear-attention states are. Prefix caching
 takes state snapshots as the hybrids do (``state_snapshot_memory``): each snapshot's windows are counted; the other
 layers' rows it keeps are counted by the cached blocks once the sequence that took it has finished (while it runs,
-they are a second copy of its prefix). What V4 refuses is refused here by name
-(``check_v4_settings``). The vision and audio towers are not served: a prompt holding one of their placeholder tokens
+they are a second copy of its prefix). A sequence resumed from a snapshot extends a copy of the prefix's rows of its
+own, so it holds fresh blocks for them, as V4's does (``own_prefix_copies``). Under tensor parallelism each rank loads
+and reads only its shard (``models/v4_shards.py``: each layer's share of its heads, its routed experts, slices of the
+MLPs and of the vocabulary) and holds every slot's whole state, as V4's ranks do. What V4 refuses is refused here by
+name (``check_v4_settings``). The vision and audio towers are not served: a prompt holding one of their placeholder tokens
 fails with a message that says so.
 """
 
