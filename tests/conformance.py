@@ -636,11 +636,14 @@ def run_cell(family: Family, cell: Cell, lens: tuple[int, ...] | None = None) ->
 
 
 def applicable(family: Family, cell: Cell) -> bool:
-    """The cell runs on the family's checkpoint: its family has what the cell needs, and its ranks split the heads
-    (a drawn configuration with an odd head count has no two-rank layout, and says so at start)."""
+    """The cell runs on the family's checkpoint: its family has what the cell needs, and its ranks split every layer's
+    heads (a drawn configuration with an odd head count has no two-rank layout, and says so at start)."""
     ranks = int(cell.llm.get("tensor_parallel_size", 1))
-    heads = int(family.hf.config.get_text_config().num_attention_heads)
-    return family.model_type in cell.families and heads % ranks == 0
+    text = family.hf.config.get_text_config().to_dict()  # dots3-note's sliding layers have head counts of their own
+    per_layer = (text.get("per_layer_config") or {}).values()
+    heads = [int(text["num_attention_heads"])] + [int(p["num_attention_heads"]) for p in per_layer
+                                                  if p.get("num_attention_heads")]
+    return family.model_type in cell.families and all(h % ranks == 0 for h in heads)
 
 
 def sample(rng: random.Random, count: int) -> list[tuple[str, int, str]]:

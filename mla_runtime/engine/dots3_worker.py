@@ -11,8 +11,8 @@ they are a second copy of its prefix). A sequence resumed from a snapshot extend
 own, so it holds fresh blocks for them, as V4's does (``own_prefix_copies``). Under tensor parallelism each rank loads
 and reads only its shard (``models/v4_shards.py``: each layer's share of its heads, its routed experts, slices of the
 MLPs and of the vocabulary) and holds every slot's whole state, as V4's ranks do. What V4 refuses is refused here by
-name (``check_v4_settings``). The vision and audio towers are not served: a prompt holding one of their placeholder tokens
-fails with a message that says so.
+name (``check_v4_settings``). The vision and audio towers are not served: a prompt holding one of their placeholder
+tokens fails with a message that says so.
 """
 
 from __future__ import annotations
