@@ -43,7 +43,7 @@ from mla_runtime.layers.hyper import ClampedMLP, PackedExperts, frozen_linear, p
 from mla_runtime.layers.moe import Router
 from mla_runtime.models.glm5_next import Glm5NextStateCache, Norm
 from mla_runtime.models.own_checkpoint import read_checkpoint
-from mla_runtime.models.v4_shards import DOTS3_SPLITS, check_parallel, expert_on_rank, pad_vocab, read_part
+from mla_runtime.models.v4_shards import DOTS3_SPLITS, check_parallel, read_shard
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 
 MODEL_TYPES = ("dots3_note", "dots3_note_text")
@@ -428,16 +428,7 @@ def load_dots3_note(path: str | Path, dtype: torch.dtype = torch.float32, par: P
     under tensor parallelism (``par``) this rank's shard, the only part of the files it reads."""
     _, raw, _ = read_checkpoint(path, MODEL_TYPES, keep=lambda _: False)  # the config
     cfg = Dots3Config.from_raw(raw)
-    layers = len(cfg.kinds)
-
-    def mine(name: str) -> str | None:  # the model's name on this rank (None: not read)
-        n = stored_name(name, layers)
-        return None if n is None else expert_on_rank(cfg, n, par)
-
-    _, _, tensors = read_checkpoint(
-        path, MODEL_TYPES, keep=lambda name: mine(name) is not None,
-        part=lambda name, shape: read_part(cfg, cast(str, mine(name)), shape, par, DOTS3_SPLITS))
     model = Dots3NoteForCausalLM(cfg, dtype, par)
-    model.load_state_dict_hf({n: pad_vocab(cfg, n, t, par) for name, t in tensors.items()
-                              if (n := mine(name)) is not None})
+    layers = len(cfg.kinds)
+    model.load_state_dict_hf(read_shard(path, MODEL_TYPES, cfg, par, DOTS3_SPLITS, lambda n: stored_name(n, layers)))
     return model.eval()

@@ -43,7 +43,7 @@ from mla_runtime.layers.hyper import ClampedMLP, HyperHead, IndependentHyperConn
 from mla_runtime.layers.moe import Router
 from mla_runtime.models.glm5_next import Glm5NextStateCache, Norm
 from mla_runtime.models.own_checkpoint import read_checkpoint
-from mla_runtime.models.v4_shards import HY_V4_SPLITS, check_parallel, expert_on_rank, pad_vocab, read_part
+from mla_runtime.models.v4_shards import HY_V4_SPLITS, check_parallel, read_shard
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 
 _DEFAULTS: dict[str, Any] = dict(
@@ -370,15 +370,6 @@ def load_hy_v4(path: str | Path, dtype: torch.dtype = torch.float32, par: Parall
     (``par``) this rank's shard, the only part of the files it reads."""
     _, raw, _ = read_checkpoint(path, ("hy_v4",), keep=lambda _: False)  # the config
     cfg = HyV4Config.from_raw(raw)
-
-    def mine(name: str) -> str | None:  # the model's name on this rank (None: not read)
-        n = stored_name(name)
-        return None if n is None else expert_on_rank(cfg, n, par)
-
-    _, _, tensors = read_checkpoint(
-        path, ("hy_v4",), keep=lambda name: mine(name) is not None,
-        part=lambda name, shape: read_part(cfg, cast(str, mine(name)), shape, par, HY_V4_SPLITS))
     model = HyV4ForCausalLM(cfg, dtype, par)
-    model.load_state_dict_hf({n: pad_vocab(cfg, n, t, par) for name, t in tensors.items()
-                              if (n := mine(name)) is not None})
+    model.load_state_dict_hf(read_shard(path, ("hy_v4",), cfg, par, HY_V4_SPLITS, stored_name))
     return model.eval()

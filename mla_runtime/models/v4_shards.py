@@ -31,12 +31,15 @@ matrix, its experts of the packed ones.
 from __future__ import annotations
 
 import re
-from typing import Any
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, cast
 
 import torch
 
 from mla_runtime.layers.fp8 import Fp8Weight
 from mla_runtime.layers.qweight import QuantizedWeight
+from mla_runtime.models.own_checkpoint import read_checkpoint
 from mla_runtime.parallel import ParallelContext
 
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
@@ -120,6 +123,21 @@ def pad_vocab(cfg: Any, name: str, part: torch.Tensor, par: ParallelContext) -> 
     return part
 
 
+def read_shard(path: str | Path, model_types: tuple[str, ...], cfg: Any, par: ParallelContext,
+               splits: dict[str, tuple[str, int]], rename: Callable[[str], str | None]) -> dict[str, torch.Tensor]:
+    """This rank's tensors of a float checkpoint by the model's names (``rename``: a stored name -> the model's, None
+    for one not read), read from the files as this rank keeps them: its part of each split tensor only
+    (``read_part``), the vocabulary's padded to ``ceil(V / N)`` rows; per-expert tensors of this rank's experts only,
+    renumbered from 0 (``expert_on_rank``)."""
+    def mine(name: str) -> str | None:
+        model_name = rename(name)
+        return None if model_name is None else expert_on_rank(cfg, model_name, par)
+
+    _, _, tensors = read_checkpoint(path, model_types, keep=lambda name: mine(name) is not None,
+                                    part=lambda name, shape: read_part(cfg, cast(str, mine(name)), shape, par, splits))
+    return {n: pad_vocab(cfg, n, t, par) for name, t in tensors.items() if (n := mine(name)) is not None}
+
+
 def shard_tensor(cfg: Any, name: str, t: torch.Tensor, par: ParallelContext,
                  splits: dict[str, tuple[str, int]] = V4_SPLITS) -> torch.Tensor:
     """This rank's part of the float tensor ``name`` (padded with zero rows for the vocabulary's last shard)."""
@@ -185,4 +203,4 @@ def shard_fraction(cfg: Any, name: str, par: ParallelContext) -> tuple[bool, int
 
 
 __all__ = ["DOTS3_SPLITS", "HY_V4_SPLITS", "V4_SPLITS", "check_parallel", "check_v4_parallel", "expert_on_rank",
-           "pad_vocab", "read_part", "shard_fraction", "shard_stored", "shard_tensor"]
+           "pad_vocab", "read_part", "read_shard", "shard_fraction", "shard_stored", "shard_tensor"]
