@@ -7,7 +7,8 @@ the conformance matrix's tiny checkpoints (``tests/conformance.py``, built by tr
   cells ``hy_v4 tp2-replicated`` and ``dots3_note tp2-replicated``;
 - prefix hits: a sequence restored from a state snapshot keeps its own copy of the prefix's rows, so it holds fresh
   blocks for them (``Worker.own_prefix_copies``): two hits of one prefix running together share no block, their
-  tokens are a cold engine's, and every block, slot and snapshot pin is free again after them."""
+  tokens are a cold engine's, and every block, slot and snapshot pin is free again after them; a snapshot the prefix
+  cache forgets drops its rows at once."""
 
 from __future__ import annotations
 
@@ -125,7 +126,11 @@ def test_prefix_hits_hold_blocks_of_their_own_and_give_every_block_back(checkpoi
                     outs[out.request_id] = list(out.outputs[0].token_ids)
         got += [outs["hit1"], outs["hit2"]]
         assert engine.pool.num_free_blocks == free and engine.scheduler.states.num_free == 3
-        engine.scheduler.snapshots.check_whole()
+        snapshots, states = engine.scheduler.snapshots, engine.worker.states
+        snapshots.check_whole()
+        assert len([s for s in states.snapshots if s is not None]) == snapshots.num_committed > 0
+        engine.pool.free(engine.pool.allocate(free))  # every cached block evicted: their hashes and snapshots go
+        assert snapshots.num_committed == 0 and all(s is None for s in states.snapshots)  # the rows with them
     finally:
         llm.shutdown()
     assert got == want

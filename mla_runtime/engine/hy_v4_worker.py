@@ -13,7 +13,9 @@ writes into again), and a sequence that hits the prefix resumes from a copy. The
 the sequence that took it has finished; while it runs, the snapshot's rows are a second copy of its prefix that the
 block pool does not count (at most one prefix per snapshot). A sequence resumed from a snapshot extends a copy of the
 prefix's rows of its own, so it holds fresh blocks for them, as V4's does (``own_prefix_copies``): the cached blocks go
-back to the cache, still indexed. What V4 refuses is refused here by name (``check_v4_settings``).
+back to the cache, still indexed. A snapshot the scheduler frees (its hash evicted, or the snapshot itself) drops its
+rows at once, on every rank (``V4Worker.state_snapshots``). What V4 refuses is refused here by name
+(``check_v4_settings``).
 
 Under tensor parallelism (``tensor_parallel_size``) each rank loads and reads only its shard (``models/v4_shards.py``:
 its heads, routed experts, slices of the MLPs and of the vocabulary) and holds every slot's whole state, as V4's ranks

@@ -284,9 +284,12 @@ class V4Worker(Worker):
 
     def state_snapshots(self) -> StateSnapshots | None:
         """V4's snapshots, sized by the prefix they end (``SizedSnapshots`` within ``state_snapshot_bytes``); the
-        fixed-size ones of a model whose worker runs as this one (``Worker.state_snapshots``)."""
-        if not self.sized_snapshots or not self.num_state_snapshots:
-            return super().state_snapshots()
+        fixed-size ones of a model whose worker runs as this one. Either way a freed snapshot's tensors (its rows grow
+        with its prefix) are dropped at once, on every rank (``_drop_snapshot``)."""
+        if not self.num_state_snapshots:
+            return None
+        if not self.sized_snapshots:
+            return StateSnapshots(self.num_state_snapshots, self._drop_snapshot)
         return SizedSnapshots(self.num_state_snapshots, self.state_snapshot_bytes, self.snapshot_bytes,
                               self._drop_snapshot)
 
