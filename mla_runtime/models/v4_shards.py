@@ -45,10 +45,11 @@ from mla_runtime.parallel import ParallelContext
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 # the model's names (within a layer) -> (what it splits by, the dim it splits)
 V4_SPLITS = {"self_attn.q_b_proj.weight": ("heads", 0), "self_attn.sinks": ("heads", 0),
-           "self_attn.o_a_proj.weight": ("groups", 0), "self_attn.o_b_proj.weight": ("groups", 1),
-           "mlp.shared_experts.gate_proj.weight": ("inter", 0), "mlp.shared_experts.up_proj.weight": ("inter", 0),
-           "mlp.shared_experts.down_proj.weight": ("inter", 1), "mlp.experts.gate_up_proj": ("experts", 0),
-           "mlp.experts.down_proj": ("experts", 0)}
+             "self_attn.o_a_proj.weight": ("groups", 0), "self_attn.o_b_proj.weight": ("groups", 1),
+             "mlp.shared_experts.gate_proj.weight": ("inter", 0), "mlp.shared_experts.up_proj.weight": ("inter", 0),
+             "mlp.shared_experts.down_proj.weight": ("inter", 1), "mlp.experts.gate_up_proj": ("experts", 0),
+             "mlp.experts.down_proj": ("experts", 0)}
+# Hunyuan V4's and dots3-note's: MLA's per-head projections, the dense MLPs too
 _MLA_SPLITS = {"self_attn.q_b_proj.weight": ("heads", 0), "self_attn.kv_b_proj.weight": ("heads", 0),
                "self_attn.o_proj.weight": ("heads", 1), "self_attn.sinks": ("heads", 0),
                "mlp.gate_proj.weight": ("inter", 0), "mlp.up_proj.weight": ("inter", 0),
