@@ -324,16 +324,21 @@ VI_TARGET static inline __attribute__((always_inline)) __m256i SFX(gg_sum8)(cons
     return _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
 }
 
-/* One super-block's float step for eight weight rows (lanes) and one input row, the rows' exact integer totals in
- * isum (Q3_K, Q6_K: the offset term taken off) and msum (Q2_K, Q4_K, Q5_K: the minimum term), G the input row's
- * super-block scale: acc + float(isum) x (d x G), then + float(msum) x (dm x G), as gg_k_rows adds them a row at a
- * time. */
-VI_TARGET static inline __attribute__((always_inline)) __m256 SFX(gg_k_step)(__m256 acc, __m256i isum, __m256i msum,
-                                                                            __m256 d, __m256 dm, float g,
-                                                                            const int sub) {
-    const __m256 gv = _mm256_set1_ps(g);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, gv), acc);
-    return sub ? acc : _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dm, gv), acc);
+/* Eight super-blocks' values (lanes) for one input row: float(isum) x (d x G), plus float(msum) x (dm x G) by an FMA
+ * where the type has minimums; isum the exact integer total (Q3_K, Q6_K: the offset term taken off), msum the
+ * minimums' term, G the input row's super-block activation scale. A row's result is the sum of its super-blocks'
+ * values added in order, in gg_k_tile (lanes: a row's super-blocks) as in gg_k8_rows (lanes: rows). */
+VI_TARGET static inline __attribute__((always_inline)) __m256 SFX(gg_k_value)(__m256i isum, __m256i msum, __m256 d,
+                                                                             __m256 dm, __m256 g, const int sub) {
+    __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, g));
+    if (!sub) v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dm, g), v);
+    __asm__("" : "+x"(v));  /* rounded here: the compiler may not fuse the product into the sum it is added to */
+    return v;
+}
+
+/* A K-quant super-block's float16 d and (negated) dmin offsets. */
+static inline __attribute__((always_inline)) int SFX(gg_k_d_at)(const int T) {
+    return T == GG_Q6_K ? 208 : T == GG_Q3_K ? 108 : T == GG_Q2_K ? 80 : 0;
 }
 
 /* The K form of prepared row x (gemv_ggml.c): its values, super-block scales and 16-value sums. */
@@ -364,10 +369,16 @@ VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_runs_q45_k)(c
                                                    _mm256_set1_epi8((char)(2 << (2 * q))), 1);
             r->v[q] = _mm512_mask_add_epi8(r->v[q], _mm512_test_epi8_mask(h, bit), r->v[q], _mm512_set1_epi8(16));
         }
-    const uint32_t q0 = gg_u32(p + 4), q1 = gg_u32(p + 8), q2 = gg_u32(p + 12);
-    const uint32_t m6 = 0x3f3f3f3fu, m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
-    const __m128i sm = _mm_setr_epi32((int)(q0 & m6), (int)((q2 & m4) | (((q0 >> 6) & m2) << 4)), (int)(q1 & m6),
-                                      (int)(((q2 >> 4) & m4) | (((q1 >> 6) & m2) << 4)));
+    /* the 12 bytes q at p + 4 (and four bytes of qs after them, unused) to scales 0..3 = q[0..3] & 63, 4..7 =
+     * (q[8..11] & 15) | (q[0..3] >> 6) << 4, minimums 0..3 = q[4..7] & 63, 4..7 = (q[8..11] >> 4) | (q[4..7] >> 6) << 4,
+     * in vector registers */
+    const __m128i q = _mm_loadu_si128((const __m128i *)(p + 4));
+    const __m128i lo = _mm_shuffle_epi8(q, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+    const __m128i top = _mm_shuffle_epi8(q, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+    const __m128i sm = _mm_or_si128(
+        _mm_and_si128(_mm_srlv_epi32(lo, _mm_setr_epi32(0, 0, 0, 4)), _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f,
+                                                                                      0x0f0f0f0f)),
+        _mm_and_si128(_mm_srli_epi16(top, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030)));
     const __m256i s16 = _mm256_cvtepu8_epi16(sm);  /* lanes 0..7 the scales, 8..15 the minimums */
     const __m512i z16 = _mm512_castsi256_si512(s16);
     for (int q = 0; q < 4; q++)
@@ -404,16 +415,13 @@ VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_runs_q6_k)(co
 }
 #endif
 
-/* Super-block p of type T as runs, with its offset (or minimum) multipliers and d, dm (GgSuper's). */
+/* Super-block p of type T as runs, with its offset (or minimum) multipliers (d and dm: read eight at a time). */
 VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_k_unpack)(const uint8_t *p, const int T,
-                                                                            SFX(GgRuns) *r, __m256i *off, float *d,
-                                                                            float *dm) {
+                                                                            SFX(GgRuns) *r, __m256i *off) {
 #if VL == 16
     if (T == GG_Q4_K || T == GG_Q5_K || T == GG_Q6_K) {
         if (T == GG_Q6_K) SFX(gg_runs_q6_k)(p, r, off);
         else SFX(gg_runs_q45_k)(p, T == GG_Q5_K ? p + 16 : NULL, T == GG_Q5_K ? p + 48 : p + 16, r, off);
-        *d = gg_f16(T == GG_Q6_K ? p + 208 : p);
-        *dm = T == GG_Q6_K ? 0.0f : -gg_f16(p + 2);
         return;
     }
 #endif
@@ -421,28 +429,25 @@ VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_k_unpack)(con
     SFX(gg_super)(p, T, &s);
     SFX(gg_runs)(r, s.u, s.sc, GG_MUL);
     *off = s.off;
-    *d = s.d;
-    *dm = s.dm;
 }
 
 /* K-quant (T) rows [r0, r1) of c's matrix times c's prepared rows (their K form: one activation scale a
  * super-block), read in place a row at a time, eight super-blocks a step: each super-block unpacked once for a tile
  * of input rows, its exact integer total against each (gg_run_total; the offset or minimum term from the 16-value
- * sums), the eight totals gathered into one vector's lanes (gg_sum8), then added in order, as gg_k8_rows's lanes
- * add them: acc + float(isum) x (d x G), then + float(msum) x (dm x G), G the input row's super-block scale. The
- * same float operations whatever rows share the call, and in both variants. */
-VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_k_rows)(const GgCall *c, int64_t r0, int64_t r1,
-                                                                          const int T) {
+ * sums), the eight totals gathered into one vector's lanes (gg_sum8), made values (gg_k_value) and added to the
+ * row's sum in order, as gg_k8_rows's lanes add them. The same float operations whatever rows share the call, and
+ * in both variants. */
+VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_k_tile)(const GgCall *c, int64_t r0, int64_t r1,
+                                                                          const int T, const int ONE) {
     const int64_t nb = c->k / 256, bytes = gg_format(T).bytes;
     const int sub = T == GG_Q3_K || T == GG_Q6_K;
     for (int64_t t = 0; t < c->m; t += GG_TILE) {
-        const int mb = c->m - t < GG_TILE ? (int)(c->m - t) : GG_TILE;
+        const int mb = ONE ? 1 : c->m - t < GG_TILE ? (int)(c->m - t) : GG_TILE;
         for (int64_t r = r0; r < r1; r++) {
             float acc[GG_TILE] = {0};
             for (int64_t b0 = 0; b0 < nb; b0 += 8) {
                 const int nv = nb - b0 < 8 ? (int)(nb - b0) : 8;
                 __m256i tot[GG_TILE][8], mt[GG_TILE][8];
-                float dv[8], dmv[8];
                 for (int i = 0; i < 8; i++) {
                     if (i >= nv) {
                         for (int j = 0; j < mb; j++) tot[j][i] = mt[j][i] = _mm256_setzero_si256();
@@ -452,7 +457,7 @@ VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_k_rows)(const
                     for (int l = 0; l < 4; l++) _mm_prefetch((const char *)p + GG_AHEAD + 64 * l, _MM_HINT_T0);
                     SFX(GgRuns) runs;
                     __m256i offm;
-                    SFX(gg_k_unpack)(p, T, &runs, &offm, dv + i, dmv + i);
+                    SFX(gg_k_unpack)(p, T, &runs, &offm);
                     for (int j = 0; j < mb; j++) {
                         const uint8_t *x = c->xp + (t + j) * c->xstride;
                         const __m256i a16 = _mm256_loadu_si256((const __m256i *)(GG_KH(x, c->kp) + 16 * (b0 + i)));
@@ -462,20 +467,29 @@ VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_k_rows)(const
                         mt[j][i] = off;
                     }
                 }
+                const uint8_t *p0 = c->w + r * c->row_stride + b0 * bytes;
+                const __m256 d = SFX(gg_halves8)(p0, (int)bytes, SFX(gg_k_d_at)(T), nv);
+                const __m256 dm = sub ? _mm256_setzero_ps()
+                                      : _mm256_sub_ps(_mm256_setzero_ps(),
+                                                      SFX(gg_halves8)(p0, (int)bytes, SFX(gg_k_d_at)(T) + 2, nv));
                 for (int j = 0; j < mb; j++) {
                     const float *g = GG_KG(c->xp + (t + j) * c->xstride, c->kp) + b0;
-                    int32_t is[8], ms[8];
-                    _mm256_storeu_si256((__m256i *)is, SFX(gg_sum8)(tot[j]));
-                    if (!sub) _mm256_storeu_si256((__m256i *)ms, SFX(gg_sum8)(mt[j]));
-                    for (int i = 0; i < nv; i++) {
-                        acc[j] = fmaf((float)is[i], dv[i] * g[i], acc[j]);
-                        if (!sub) acc[j] = fmaf((float)ms[i], dmv[i] * g[i], acc[j]);
-                    }
+                    float v[8];
+                    _mm256_storeu_ps(v, SFX(gg_k_value)(SFX(gg_sum8)(tot[j]), sub ? tot[j][0] : SFX(gg_sum8)(mt[j]), d, dm,
+                                                        _mm256_loadu_ps(g), sub));
+                    for (int i = 0; i < nv; i++) acc[j] += v[i];
                 }
             }
             for (int j = 0; j < mb; j++) c->y[(t + j) * c->n + r] = acc[j];
         }
     }
+}
+
+/* A call of one input row (a decode step's) takes its own copy, whose sums stay in registers. */
+VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_k_rows)(const GgCall *c, int64_t r0, int64_t r1,
+                                                                          const int T) {
+    if (c->m == 1) SFX(gg_k_tile)(c, r0, r1, T, 1);
+    else SFX(gg_k_tile)(c, r0, r1, T, 0);
 }
 
 #if VL == 16
@@ -653,7 +667,7 @@ VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_k8_group)(con
 }
 
 /* NR (1 or 2) input rows from row j against the packed super-blocks: each super-block's eight groups' integer sums
- * added in int32 (exact), then stepped (gg_k_step) as gg_k_rows steps a row. */
+ * added in int32 (exact), its value (gg_k_value) added to each row's sum as gg_k_tile adds a row's. */
 VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_k8_rows)(const GgCall *c, const uint8_t *buf,
                                                                            int64_t r, int rows, int64_t j,
                                                                            const int T, const int NR) {
@@ -679,8 +693,8 @@ VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_k8_rows)(cons
                 osum[t] = _mm256_add_epi32(osum[t], off);
             }
         for (int t = 0; t < NR; t++)
-            acc[t] = SFX(gg_k_step)(acc[t], sub ? _mm256_sub_epi32(isum[t], osum[t]) : isum[t], osum[t], d, dm,
-                                    GG_KG(x[t], c->kp)[b], sub);
+            acc[t] = _mm256_add_ps(acc[t], SFX(gg_k_value)(sub ? _mm256_sub_epi32(isum[t], osum[t]) : isum[t], osum[t],
+                                                           d, dm, _mm256_set1_ps(GG_KG(x[t], c->kp)[b]), sub));
     }
     for (int t = 0; t < NR; t++) {
         float out[8];
