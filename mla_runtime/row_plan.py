@@ -12,24 +12,29 @@ them (every layer every token's row, every selecting layer its key), where that 
 sets aside ``max_num_seqs`` copies of the windows for its state snapshots, as serving does by default.
 
 The weights are the model's parameters counted on the meta device, in bfloat16 (``--dtype auto``: the checkpoint's
-dtype where it names float32) or float32: these models load float checkpoints only. What serving refuses for them
-(``check_v4_settings``) the plan refuses by name: tensor parallelism, quantization, a cache dtype, the prefix-cache
-tiers. The plan itself is V4's (``v4_plan.OwnModelPlan``, ``plan_own_model``) on one rank.
+dtype where it names float32) or float32; a local checkpoint in DeepSeek-V4's stored scheme (FP8 blocks, MXFP4
+experts) is counted as serving holds it, from its files' headers (``v4_plan.counted_as_stored``). What serving
+refuses for them (``check_v4_settings``) the plan refuses by name: tensor parallelism, quantization, a cache dtype,
+the prefix-cache tiers. The plan itself is V4's (``v4_plan.OwnModelPlan``, ``plan_own_model``) on one rank.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from mla_runtime.models.dots3_note import Dots3Config, Dots3NoteForCausalLM
+from mla_runtime.models.dots3_note import stored_name as dots3_name
 from mla_runtime.models.hy_v4 import HyV4Config, HyV4ForCausalLM
+from mla_runtime.models.hy_v4 import stored_name as hy_v4_name
 from mla_runtime.models.row_sizes import RowCacheKinds, dots3_kinds, dots3_model_config, hy_v4_kinds, hy_v4_model_config
 from mla_runtime.plan import gib
 from mla_runtime.v4_plan import (
     DOC,
     OwnModelPlan,
+    counted_as_stored,
     format_budget,
     format_verdict,
     plan_dtype,
@@ -63,9 +68,9 @@ def _checkpoint_dtype(dtype: str, stated: object) -> str:
 
 def plan_rows(raw: dict[str, Any], *, dtype: str = "auto", device_memory_bytes: int,
               memory_utilization: float = 0.92, max_seq_len: int | None = None, max_num_seqs: int = 1,
-              max_num_batched_tokens: int | None = None) -> RowMemoryPlan:
+              max_num_batched_tokens: int | None = None, checkpoint: Path | None = None) -> RowMemoryPlan:
     """The plan of the ``hy_v4`` or ``dots3_note`` ``config.json`` ``raw`` on one device of
-    ``device_memory_bytes``."""
+    ``device_memory_bytes`` (a local ``checkpoint`` in V4's stored FP8 / MXFP4 scheme: its weights as stored)."""
     family = raw.get("model_type")
     if family not in ROW_MODELS:
         raise ValueError(f"model_type {family!r}: the latent-row planner plans {list(ROW_MODELS)}")
@@ -79,17 +84,24 @@ def plan_rows(raw: dict[str, Any], *, dtype: str = "auto", device_memory_bytes: 
 
         def build() -> torch.nn.Module:
             return HyV4ForCausalLM(hy, torch_dtype)
+
+        def keep(name: str) -> bool:
+            return hy_v4_name(name) is not None
     else:
         dots = Dots3Config.from_raw(raw)
         kinds, mc, streams = dots3_kinds(dots, b), dots3_model_config(dots), 0
 
         def build() -> torch.nn.Module:
             return Dots3NoteForCausalLM(dots, torch_dtype)
-    return plan_own_model(kinds, kinds.layers, build, mc, torch_dtype, streams,
+
+        def keep(name: str) -> bool:
+            return dots3_name(name, len(dots.kinds)) is not None
+    plan = plan_own_model(kinds, kinds.layers, build, mc, torch_dtype, streams,
                           device_memory_bytes=device_memory_bytes, memory_utilization=memory_utilization,
                           max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens,
                           reserved_bytes=max_num_seqs * kinds.window_bytes)
+    return counted_as_stored(plan, raw, family, checkpoint, keep)
 
 
 def format_row_kinds(k: RowCacheKinds) -> list[str]:

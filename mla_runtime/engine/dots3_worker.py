@@ -17,7 +17,7 @@ from __future__ import annotations
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.engine.v4_worker import V4Worker, check_v4_settings
 from mla_runtime.errors import InvalidParam
-from mla_runtime.models.dots3_note import Dots3Config, Dots3NoteForCausalLM, load_dots3_note
+from mla_runtime.models.dots3_note import Dots3Config, Dots3NoteForCausalLM, load_dots3_note, stored_name
 from mla_runtime.models.glm5_next import Glm5NextStateCache
 from mla_runtime.models.row_sizes import dots3_kinds, dots3_model_config
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
@@ -41,10 +41,12 @@ class Dots3Worker(V4Worker):
         self.num_state_snapshots = self._num_state_snapshots()
         self.state_snapshot_bytes = self.state_bytes_per_sequence * self.num_state_snapshots
         self._size_streams(cfg, lambda: Dots3NoteForCausalLM(self.dots_config, self.dtype), 0)
+        layers = len(self.dots_config.kinds)
+        self._count_stored(raw, "dots3_note", lambda name: stored_name(name, layers) is not None)
         self._unloaded()
 
     def _load_model(self) -> Dots3NoteForCausalLM:
-        return load_dots3_note(self.model_path, self.dtype)
+        return load_dots3_note(self.model_path, self.dtype, self.device)
 
     def _new_states(self) -> Glm5NextStateCache:
         return Glm5NextStateCache(self.own_model, self.config.max_num_seqs, self.num_state_snapshots)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.engine.v4_worker import V4Worker, check_v4_settings
 from mla_runtime.models.glm5_next import Glm5NextStateCache
-from mla_runtime.models.hy_v4 import HyV4Config, HyV4ForCausalLM, load_hy_v4
+from mla_runtime.models.hy_v4 import HyV4Config, HyV4ForCausalLM, load_hy_v4, stored_name
 from mla_runtime.models.row_sizes import hy_v4_kinds, hy_v4_model_config
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 
@@ -43,10 +43,11 @@ class HyV4Worker(V4Worker):
         self.num_state_snapshots = 0 if off else config.max_num_seqs  # state_snapshot_memory 0: no prefix caching
         self.state_snapshot_bytes = 0  # nothing fixed: a snapshot holds the rows of its prefix (the module docstring)
         self._size_streams(cfg, lambda: HyV4ForCausalLM(self.hy_config, self.dtype), int(self.hy_config.hc_mult))
+        self._count_stored(raw, "hy_v4", lambda name: stored_name(name) is not None)
         self._unloaded()
 
     def _load_model(self) -> HyV4ForCausalLM:
-        return load_hy_v4(self.model_path, self.dtype)
+        return load_hy_v4(self.model_path, self.dtype, self.device)
 
     def _new_states(self) -> Glm5NextStateCache:
         return Glm5NextStateCache(self.own_model, self.config.max_num_seqs, self.num_state_snapshots)

@@ -37,6 +37,7 @@ from mla_runtime.layers.hyper import ClampedMLP, PackedExperts, frozen_linear, p
 from mla_runtime.layers.moe import Router
 from mla_runtime.models.glm5_next import Glm5NextStateCache, Norm
 from mla_runtime.models.own_checkpoint import read_checkpoint
+from mla_runtime.models.v4_stored import PROJ_EXPERT_NAMES, load_stored
 
 MODEL_TYPES = ("dots3_note", "dots3_note_text")
 MEDIA_TOKENS = ("image_token_id", "video_token_id", "audio_token_id")
@@ -345,7 +346,8 @@ class Dots3NoteForCausalLM(nn.Module):
         return self.compute_logits(self.hidden(ids, st))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head.weight).float()
+        """Float32 logits (the head a linear layer, or the checkpoint's quantised one, ``StoredLinear``)."""
+        return cast(torch.Tensor, self.lm_head(hidden)).float()
 
     def forward_batch(self, batch: ForwardBatch, states: Glm5NextStateCache) -> torch.Tensor:
         """Hidden states ``[T, d]`` of an engine step, each sequence over its own slot's state."""
@@ -384,9 +386,16 @@ def stored_name(name: str, layers: int) -> str | None:
     return name
 
 
-def load_dots3_note(path: str | Path, dtype: torch.dtype = torch.float32) -> Dots3NoteForCausalLM:
-    """A ``dots3_note`` (or ``dots3_note_text``) checkpoint: ``config.json`` and ``*.safetensors``, float tensors."""
-    _, raw, tensors = read_checkpoint(path, MODEL_TYPES)
-    model = Dots3NoteForCausalLM(Dots3Config.from_raw(raw), dtype)
-    model.load_state_dict_hf(tensors)
-    return model.eval()
+def load_dots3_note(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+                    ) -> Dots3NoteForCausalLM:
+    """A ``dots3_note`` (or ``dots3_note_text``) checkpoint: ``config.json`` and ``*.safetensors``, float tensors or
+    V4's stored FP8 blocks and MXFP4 (or FP8) routed experts, kept as stored (``v4_stored``) on ``device`` (default:
+    where the tensors load, the CPU). The towers' and the MTP layer's tensors are not read."""
+    _, raw, _ = read_checkpoint(path, MODEL_TYPES, quantized=True, keep=lambda _: False)  # the config
+    cfg = Dots3Config.from_raw(raw)
+    n = len(cfg.kinds)
+    _, raw, tensors = read_checkpoint(path, MODEL_TYPES, quantized=True, keep=lambda s: stored_name(s, n) is not None)
+    model = Dots3NoteForCausalLM(cfg, dtype)
+    model.load_state_dict_hf(load_stored(model, raw, tensors, "dots3_note", lambda s: stored_name(s, n), dtype, device,
+                                         PROJ_EXPERT_NAMES))
+    return (model if device is None else model.to(device)).eval()

@@ -37,6 +37,7 @@ from mla_runtime.layers.hyper import ClampedMLP, HyperHead, IndependentHyperConn
 from mla_runtime.layers.moe import Router
 from mla_runtime.models.glm5_next import Glm5NextStateCache, Norm
 from mla_runtime.models.own_checkpoint import read_checkpoint
+from mla_runtime.models.v4_stored import PROJ_EXPERT_NAMES, load_stored
 
 _DEFAULTS: dict[str, Any] = dict(
     vocab_size=120832, hidden_size=2816, intermediate_size=6912, moe_intermediate_size=768, num_hidden_layers=34,
@@ -294,7 +295,8 @@ class HyV4ForCausalLM(nn.Module):
         return self.compute_logits(self.hidden(ids, st))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden.float(), self.lm_head.weight.float())
+        """Float32 logits (the head a linear layer, or the checkpoint's quantised one, ``StoredLinear``)."""
+        return cast(torch.Tensor, self.lm_head(hidden.float())).float()
 
     def forward_batch(self, batch: ForwardBatch, states: Glm5NextStateCache) -> torch.Tensor:
         """Hidden states ``[T, d]`` of an engine step, each sequence over its own slot's state."""
@@ -327,9 +329,13 @@ def stored_name(name: str) -> str | None:
     return name
 
 
-def load_hy_v4(path: str | Path, dtype: torch.dtype = torch.float32) -> HyV4ForCausalLM:
-    """A ``hy_v4`` checkpoint: ``config.json`` and ``*.safetensors``, float tensors."""
-    _, raw, tensors = read_checkpoint(path, ("hy_v4",))
+def load_hy_v4(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+               ) -> HyV4ForCausalLM:
+    """A ``hy_v4`` checkpoint: ``config.json`` and ``*.safetensors``, float tensors or V4's stored FP8 blocks and
+    MXFP4 (or FP8) routed experts, one matrix per expert, kept as stored (``v4_stored``) on ``device`` (default:
+    where the tensors load, the CPU)."""
+    _, raw, tensors = read_checkpoint(path, ("hy_v4",), quantized=True, keep=lambda n: stored_name(n) is not None)
     model = HyV4ForCausalLM(HyV4Config.from_raw(raw), dtype)
-    model.load_state_dict_hf(tensors)
-    return model.eval()
+    model.load_state_dict_hf(load_stored(model, raw, tensors, "hy_v4", stored_name, dtype, device,
+                                         PROJ_EXPERT_NAMES))
+    return (model if device is None else model.to(device)).eval()
