@@ -9,7 +9,8 @@ takes state snapshots as the hybrids do (``state_snapshot_memory``): each snapsh
 layers' rows it keeps are counted by the cached blocks once the sequence that took it has finished (while it runs,
 they are a second copy of its prefix). What V4 refuses is refused here by name
 (``check_v4_settings``). The vision and audio towers are not served: a prompt holding one of their placeholder tokens
-fails with a message that says so.
+fails with a message that says so. A checkpoint in V4's stored FP8 / MXFP4 scheme loads as stored, and its weights
+are counted as stored (``V4Worker._count_stored``).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ turns it off): a snapshot at a block boundary keeps the sequence's latents and k
 writes into again), and a sequence that hits the prefix resumes from a copy. The cached blocks count those rows once
 the sequence that took it has finished; while it runs, the snapshot's rows are a second copy of its prefix that the
 block pool does not count (at most one prefix per snapshot). What V4 refuses is refused here by name
-(``check_v4_settings``).
+(``check_v4_settings``). A checkpoint in V4's stored FP8 / MXFP4 scheme loads as stored, and its weights are counted
+as stored (``V4Worker._count_stored``).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ counts is the vision tower's (``pyramid_num_routed``), and transformers' text mo
 ``Dots3State`` is what one sequence keeps between steps: per layer its latents ``[L, d_c + d_r]`` (a sliding layer
 only its last ``sliding_window - 1``, with the position of the first) and per indexed layer its indexer keys. Only the
 text model: the vision and audio towers are not read, and a prompt holding one of their placeholder tokens is refused.
+A checkpoint in DeepSeek-V4's stored FP8 / MXFP4 scheme keeps its matrices as stored (``v4_stored.load_stored``).
 """
 
 from __future__ import annotations

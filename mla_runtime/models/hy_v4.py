@@ -13,7 +13,8 @@ token, RoPE on halves as GLM-5's), plus three things of its own:
 The residual is ``hc_mult`` streams (``layers/hyper.py``'s ``IndependentHyperConnection``: no stream mix), collapsed
 by ``HyperHead`` before the final norm; the lm_head runs in float32. Per layer the MLP is dense or MoE
 (``mlp_layer_types``): plain SwiGLU dense MLPs and shared experts, routed experts (stored packed) clamped at
-``swiglu_limit``, DeepSeek-V3's sigmoid router with its correction bias. The checkpoint's MTP layers are not read.
+``swiglu_limit``, DeepSeek-V3's sigmoid router with its correction bias. The checkpoint's MTP layers are not read; a
+checkpoint in DeepSeek-V4's stored FP8 / MXFP4 scheme keeps its matrices as stored (``v4_stored.load_stored``).
 
 ``HyV4State`` is what one sequence keeps between steps: per layer its ``[L, d_c + d_r]`` latents (normed, rotated)
 and, per ``full`` layer, its indexer's ``[L, index_head_dim]`` keys. A step may hold any number of the sequence's

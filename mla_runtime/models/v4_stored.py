@@ -18,7 +18,12 @@ scale, ``X.scale`` (the released name) or ``X.weight_scale_inv`` (transformers')
 What the checkpoint leaves unquantised (the embedding, the head, norms, the router, the hyper-connections, and in
 V4-Flash the compressors' and the indexer's ``wkv``/``wgate``/``weights_proj``, shipped in bfloat16) loads as before,
 in the model's dtype. Any other scheme, setting, scale or stored dtype is refused by name, as is a quantised tensor
-the model has no linear layer for (``install_stored``).
+the model has no linear layer for (``install_stored``) and experts stored packed, several in one tensor (each stored
+matrix is one ``[N, K]`` matrix).
+
+Hunyuan V4 and dots3-note read the same scheme through ``load_stored``: their routed experts one matrix per expert,
+``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`` (``PROJ_EXPERT_NAMES``; V4's ``w1``/``w3``/``w2``), the
+family named in every error.
 """
 
 from __future__ import annotations
