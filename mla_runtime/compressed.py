@@ -21,6 +21,12 @@ Five schemes map onto the runtime's formats; their tensors load as stored, with 
   ``[N, K/32]`` / float8_e4m3fn ``[N, K/16]``) and, for NVFP4, ``X.weight_global_scale`` (float32 ``[1]``, which
   divides). FP4 input activations (NVFP4's W4A4 scheme) are not applied: the products take the model dtype's rows.
 
+NVIDIA ModelOpt's exports (``hf_quant_config.json``, or ``quant_method: modelopt``; ``config.parse_modelopt_config``)
+load here too (``modelopt=True``): NVFP4 as ``X.weight`` (the packed nibbles), ``X.weight_scale`` (E4M3 per 16) and
+``X.weight_scale_2`` (a float32 per tensor that multiplies: held as its reciprocal, the runtime's global scale
+dividing), FP8 as ``X.weight`` (float8_e4m3fn) with one float32 ``X.weight_scale`` (``read_modelopt_fp8``). Their
+``input_scale`` is not applied. The modules their ``exclude_modules`` names stay unquantised (``loader``).
+
 The int8 scales are held in bfloat16 (the type the int8 kernels take), so a float32 scale is rounded to 8 significant
 bits; int4 scales in float16; every other stored value is used as it is.
 
@@ -52,8 +58,16 @@ from typing import Any
 import torch
 
 from mla_kernels.fp4_format import GROUPS
-from mla_runtime.config import INT4_GROUP, STORED_FORMATS, W4A16_GROUP, W8A8_ACTIVATIONS, Int4Layout
+from mla_runtime.config import (
+    INT4_GROUP,
+    MODELOPT_FP8_BLOCK,
+    STORED_FORMATS,
+    W4A16_GROUP,
+    W8A8_ACTIVATIONS,
+    Int4Layout,
+)
 from mla_runtime.layers.fp4 import Fp4Weight, Mxfp4Weight, Nvfp4Weight
+from mla_runtime.layers.fp8 import Fp8Weight
 from mla_runtime.layers.int4 import Int4Weight
 from mla_runtime.layers.quantization import Int8Weight
 from mla_runtime.layers.qweight import QuantizedWeight
@@ -65,9 +79,12 @@ CT_INT4 = Int4Layout("compressed-tensors", INT4_GROUP, True)  # the int4 layout 
 FP4_FORMATS: dict[str, type[Fp4Weight]] = {"mxfp4": Mxfp4Weight, "nvfp4": Nvfp4Weight}
 
 
-def stored_names(name: str, quantization: str, layout: Int4Layout | None = None) -> list[str]:
-    """The tensors a stored matrix ``<base>.weight`` may be stored as (``layout``: an int4 checkpoint's)."""
+def stored_names(name: str, quantization: str, layout: Int4Layout | None = None, modelopt: bool = False) -> list[str]:
+    """The tensors a stored matrix ``<base>.weight`` may be stored as (``layout``: an int4 checkpoint's;
+    ``modelopt``: a ModelOpt export's)."""
     base = name[: -len("weight")]
+    if modelopt:  # ModelOpt NVFP4: the packed values keep the name ``weight``; its input_scale is not applied
+        return [name, base + "weight_scale", base + "weight_scale_2", base + "input_scale"]
     if quantization == "int4":
         return int4_names(base, layout or CT_INT4)[1]
     if quantization in FP4_FORMATS:
@@ -86,12 +103,13 @@ def is_stored_compressed(name: str, files: Collection[str], quantization: str,
     return marker in files
 
 
-def stored_shape(reader: Any, name: str, quantization: str, layout: Int4Layout | None = None) -> list[int]:
+def stored_shape(reader: Any, name: str, quantization: str, layout: Int4Layout | None = None,
+                 modelopt: bool = False) -> list[int]:
     """``[N, K]`` of a stored matrix ``<base>.weight``."""
     if quantization == "int4":
         return int4_shape(reader, name[: -len("weight")], layout or CT_INT4)
     if quantization in FP4_FORMATS:
-        n, half = reader.shape(name[: -len("weight")] + "weight_packed")
+        n, half = reader.shape(stored_names(name, quantization, modelopt=modelopt)[0])
         return [n, 2 * half]
     return list(reader.shape(name))
 
@@ -183,14 +201,17 @@ def compress(weight: QuantizedWeight) -> dict[str, torch.Tensor]:
 
 
 def read_stored(reader: Any, name: str, quantization: str, shard: tuple[int, int, int, int] | None,
-                dtype: torch.dtype, device: torch.device,
-                layout: Int4Layout | None = None) -> Iterator[tuple[int, QuantizedWeight]]:
+                dtype: torch.dtype, device: torch.device, layout: Int4Layout | None = None,
+                modelopt: bool = False) -> Iterator[tuple[int, QuantizedWeight]]:
     """(first row, rows) of the matrix ``<base>.weight`` as stored (this rank's part of it: ``shard`` on the rows, or
     on the columns at group boundaries), made into the runtime's format without re-quantising; an int4 matrix in
     blocks of rows (``stored_int4.read_int4``), read and converted one at a time."""
     base = name[: -len("weight")]
     if quantization in FP4_FORMATS:
-        yield 0, read_fp4(reader, name, quantization, shard, dtype, device)
+        yield 0, read_fp4(reader, name, quantization, shard, dtype, device, modelopt)
+        return
+    if quantization == "fp8" and modelopt:
+        yield 0, read_modelopt_fp8(reader, name, shard, dtype, device)
         return
     if quantization == "w8a8":
         yield 0, read_w8a8(reader, name, shard, dtype, device)
@@ -201,6 +222,25 @@ def read_stored(reader: Any, name: str, quantization: str, shard: tuple[int, int
         yield 0, Int8Weight(q.to(device).contiguous(), scale.reshape(-1).to(device, torch.bfloat16), dtype)
         return
     yield from read_int4(reader, name, layout or CT_INT4, shard, dtype, device)
+
+
+def read_modelopt_fp8(reader: Any, name: str, shard: tuple[int, int, int, int] | None, dtype: torch.dtype,
+                      device: torch.device) -> Fp8Weight:
+    """A ModelOpt FP8 matrix ``<base>.weight`` (float8_e4m3fn ``[N, K]``, a view of the mapped file on a CPU where it
+    is whole) with its one float32 ``<base>.weight_scale`` (a multiplier, ``amax / 448``): this rank's rows or columns,
+    in blocks of ``MODELOPT_FP8_BLOCK`` that all hold that scale, so that the block-FP8 products run it as stored and
+    matrices of different scales stack."""
+    base = name[: -len("weight")]
+    q = reader.stored(name, shard)
+    if q.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{name}: a ModelOpt FP8 weight is stored as float8_e4m3fn, got {q.dtype}")
+    scale = reader.get(base + "weight_scale").float().reshape(-1)
+    if scale.numel() != 1 or not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
+        raise ValueError(f"{base}weight_scale: one finite, non-negative scale per tensor expected (ModelOpt's FP8), "
+                         f"got {scale.numel()} values")
+    rows, cols = q.shape[0], -(-q.shape[1] // MODELOPT_FP8_BLOCK[1])
+    scales = scale.to(device).expand(rows, cols).contiguous()
+    return Fp8Weight(q.to(device), scales, MODELOPT_FP8_BLOCK, dtype)
 
 
 def read_w8a8(reader: Any, name: str, shard: tuple[int, int, int, int] | None, dtype: torch.dtype,
@@ -217,14 +257,15 @@ def read_w8a8(reader: Any, name: str, shard: tuple[int, int, int, int] | None, d
 
 
 def read_fp4(reader: Any, name: str, quantization: str, shard: tuple[int, int, int, int] | None, dtype: torch.dtype,
-             device: torch.device) -> QuantizedWeight:
+             device: torch.device, modelopt: bool = False) -> QuantizedWeight:
     """The MXFP4 / NVFP4 matrix ``<base>.weight`` as compressed-tensors stores it (``weight_packed [N, K / 2]`` uint8,
-    ``weight_scale [N, K / group]`` uint8 exponents or float8_e4m3fn, NVFP4's ``weight_global_scale [1]``): this
-    rank's rows, or its columns, which must start and end on the groups of the scales."""
+    ``weight_scale [N, K / group]`` uint8 exponents or float8_e4m3fn, NVFP4's ``weight_global_scale [1]``), or as a
+    ModelOpt export stores NVFP4 (``modelopt``: ``weight``, ``weight_scale`` and ``weight_scale_2``): this rank's
+    rows, or its columns, which must start and end on the groups of the scales."""
     fmt = FP4_FORMATS[quantization]
     group = GROUPS[quantization]
-    names = stored_names(name, quantization)
-    n, k = stored_shape(reader, name, quantization)
+    names = stored_names(name, quantization, modelopt=modelopt)
+    n, k = stored_shape(reader, name, quantization, modelopt=modelopt)
     if shard is not None and shard[0] != 0:
         a, b = shard[1], shard[2]
         if a % group or b % group:
@@ -237,13 +278,25 @@ def read_fp4(reader: Any, name: str, quantization: str, shard: tuple[int, int, i
         packed, scale = reader.get(names[0], shard), reader.get(names[1], shard)
     if quantization == "mxfp4" and scale.dtype != torch.uint8:
         raise ValueError(f"{names[1]}: MXFP4 scales are uint8 exponents (UE8M0), got {scale.dtype}")
-    glob = None
-    if quantization == "nvfp4":
-        stored = reader.get(names[2]).float().reshape(-1)
-        if stored.numel() != 1:
-            raise ValueError(f"{names[2]}: one global scale per tensor expected, got {stored.numel()}")
-        glob = stored.to(device).expand(packed.shape[0]).contiguous()
+    glob = None if quantization != "nvfp4" else _global_scale(reader, names[2], modelopt)
+    if glob is not None:
+        glob = glob.to(device).expand(packed.shape[0]).contiguous()
     return fmt(packed.to(device).contiguous(), scale.to(device).contiguous(), glob, dtype)
+
+
+def _global_scale(reader: Any, name: str, modelopt: bool) -> torch.Tensor:
+    """An NVFP4 tensor's global scale ``[1]`` as the runtime holds it, a divisor: compressed-tensors'
+    ``weight_global_scale`` as stored; ModelOpt's ``weight_scale_2``, a multiplier (``amax / (6 × 448)``), as its
+    float32 reciprocal (so a group's scale ``e4m3 / (1 / weight_scale_2)`` is ModelOpt's ``e4m3 × weight_scale_2``
+    to a few float32 roundings: relative 2.5e-7)."""
+    stored = reader.get(name).float().reshape(-1)
+    if stored.numel() != 1:
+        raise ValueError(f"{name}: one global scale per tensor expected, got {stored.numel()}")
+    if not modelopt:
+        return stored
+    if not bool(torch.isfinite(stored).all()) or bool((stored < 0).any()):
+        raise ValueError(f"{name}: a ModelOpt weight_scale_2 is finite and not negative, got {stored.item()}")
+    return 1.0 / stored  # 0 (an all-zero tensor): an infinite divisor, every group's scale 0
 
 
 # -- writing ------------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ Every field is validated when the config is built; a bad value raises ``ValueErr
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import re
@@ -269,6 +270,9 @@ class ModelConfig:
     stored_quantization: str | None = None  # "int8"/"int4"/"w8a8"/"mxfp4"/"nvfp4": a pre-quantised checkpoint
     stored_layout: Int4Layout | None = None  # how a pre-quantised int4 checkpoint stores its matrices
     stored_float_head: bool = False  # a pre-quantised checkpoint whose (untied) lm_head is stored unquantised
+    # a ModelOpt checkpoint (``modelopt``): its ``exclude_modules`` patterns, the modules it stores unquantised, which
+    # stay in the model dtype; None: any other checkpoint
+    stored_exclude: tuple[str, ...] | None = None
     num_nextn_predict_layers: int = 0
     # µP (MiniCPM3): the embeddings are multiplied by ``embedding_scale``, each residual branch (attention, MLP) by
     # ``residual_scale`` before it is added, and the final hidden state divided by ``lm_head_divisor`` before lm_head
@@ -496,9 +500,26 @@ def load_config_dict(path: str | Path) -> dict[str, Any]:
         return config_dict(path)
     cfg_file = resolve_model_path(path)
     try:
-        return json.loads(cfg_file.read_text())
+        raw = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{cfg_file}: not valid JSON ({e})") from e
+    return _with_modelopt_config(raw, cfg_file.parent / MODELOPT_FILE)
+
+
+def _with_modelopt_config(raw: dict[str, Any], quant_file: Path) -> dict[str, Any]:
+    """``raw`` with a ModelOpt export's ``hf_quant_config.json`` (beside config.json; its producer ``modelopt``) as its
+    ``quantization_config`` where config.json has none: NVIDIA's published checkpoints describe their quantisation
+    there alone."""
+    if raw.get("quantization_config") or not quant_file.is_file():
+        return raw
+    try:
+        q = json.loads(quant_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{quant_file}: not valid JSON ({e})") from e
+    producer = q.get("producer") if isinstance(q, dict) else None
+    if not isinstance(producer, dict) or str(producer.get("name", "")).lower() != MODELOPT_METHOD:
+        return raw
+    return {**raw, "quantization_config": {"quant_method": MODELOPT_METHOD, **q}}
 
 
 def _required(raw: dict[str, Any], name: str) -> Any:
@@ -599,6 +620,11 @@ STORED_FORMATS = {**SCHEMES, "w4a16": ("pack-quantized", 4, "group", W4A16_GROUP
 W8A8_ACTIVATIONS = {"type": "int", "num_bits": 8, "strategy": "token", "dynamic": True, "symmetric": True}
 W8A8_METHOD = "w8a8_int8"  # SGLang's quant_method for int8 weights [N, K] with scales [N, 1] and W8A8_ACTIVATIONS
 INT4_METHODS = ("compressed-tensors", "awq", "gptq")  # the quant_method values of int4 checkpoints loaded as stored
+MODELOPT_METHOD = "modelopt"  # NVIDIA ModelOpt's export (hf_quant_config.json, or config.json's quantization_config)
+MODELOPT_ALGOS = {"NVFP4": "nvfp4", "FP8": "fp8"}  # ModelOpt's quant_algo -> the runtime format its weights load as
+MODELOPT_FP8_BLOCK = (1, 128)  # a ModelOpt FP8 tensor's one scale, held per row and 128 values (layers.fp8 blocks)
+MODELOPT_FILE = "hf_quant_config.json"  # where a ModelOpt export writes its quantization config
+MODELOPT_GROUP = 16  # NVFP4's group size, the only one ModelOpt writes
 
 
 class UnsupportedScheme(ValueError):
@@ -626,6 +652,7 @@ class StoredScheme:
     format: str
     layout: Int4Layout | None = None
     float_head: bool = False  # the checkpoint leaves lm_head unquantised
+    exclude: tuple[str, ...] | None = None  # ModelOpt's exclude_modules (ModelConfig.stored_exclude)
 
 
 def _int4_group(where: str, group: Any) -> int:
@@ -729,6 +756,36 @@ def parse_awq_gptq_config(q: dict[str, Any]) -> StoredScheme:
     return StoredScheme("int4", fmt, layout, not q.get("lm_head", False))
 
 
+def modelopt_excluded(name: str, patterns: tuple[str, ...]) -> bool:
+    """Whether the module ``name`` (a checkpoint name less its ``.weight``) matches one of ModelOpt's
+    ``exclude_modules`` (shell wildcards: ``model.layers.*.self_attn*``, ``*.mlp.gate``, ``lm_head``)."""
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def parse_modelopt_config(q: dict[str, Any]) -> StoredScheme:
+    """The runtime format of a ModelOpt checkpoint's quantization config, in either of the forms its exports write:
+    ``hf_quant_config.json``'s ``{"quantization": {"quant_algo", "group_size", "exclude_modules",
+    "kv_cache_quant_algo"}}`` (folded into ``quantization_config`` by ``load_config_dict``) or config.json's flat
+    ``{"quant_algo", "ignore", "kv_cache_scheme", ...}``; ``UnsupportedScheme`` naming an algorithm (or a group size)
+    the runtime cannot run as stored. A KV cache algorithm is not applied: the cache's dtype is the runtime's own."""
+    nested = q.get("quantization")
+    body = nested if isinstance(nested, dict) else q
+    algo = str(body.get("quant_algo") or "").upper()
+    where = "quantization_config (modelopt)"
+    if algo not in MODELOPT_ALGOS:
+        raise UnsupportedScheme(f"{where}: quant_algo={algo or None!r} is not supported (supported: "
+                                f"{', '.join(MODELOPT_ALGOS)})")
+    group = body.get("group_size")
+    if algo == "NVFP4" and group is not None and int(group) != MODELOPT_GROUP:
+        raise UnsupportedScheme(f"{where}: group_size={group} is not supported for {algo} (groups of "
+                                f"{MODELOPT_GROUP} are)")
+    exclude = body.get("exclude_modules", body.get("ignore")) or []
+    if not isinstance(exclude, list) or not all(isinstance(e, str) for e in exclude):
+        raise UnsupportedScheme(f"{where}: exclude_modules must be a list of module names, got {exclude!r}")
+    patterns = tuple(exclude)
+    return StoredScheme(MODELOPT_ALGOS[algo], MODELOPT_METHOD, None, modelopt_excluded("lm_head", patterns), patterns)
+
+
 def _stored_scheme(raw: dict[str, Any]) -> StoredScheme | None:
     """The scheme of a pre-quantised checkpoint (compressed-tensors, AWQ, GPTQ), None for any other."""
     q = raw.get("quantization_config")
@@ -741,17 +798,21 @@ def _stored_scheme(raw: dict[str, Any]) -> StoredScheme | None:
         return parse_awq_gptq_config(q)
     if method == W8A8_METHOD:  # SGLang's W8A8 int8: every matrix it stores carries its weight_scale
         return StoredScheme("w8a8", W8A8_METHOD)
+    if str(method).lower().startswith(MODELOPT_METHOD):  # modelopt, modelopt_fp4
+        return parse_modelopt_config(q)
     return None
 
 
 def _parse_fp8(raw: dict[str, Any]) -> tuple[int, int] | None:
     q = raw.get("quantization_config")
-    if not q or q.get("quant_method") in (*INT4_METHODS, W8A8_METHOD):
+    if not q or q.get("quant_method") in (*INT4_METHODS, W8A8_METHOD) \
+            or str(q.get("quant_method")).lower().startswith(MODELOPT_METHOD):
         return None
     method = q.get("quant_method")
     if method != "fp8":
         raise ValueError(f"quantization_config.quant_method: block 'fp8', 'compressed-tensors' (int8, int4, W8A8, "
-                         f"MXFP4, NVFP4), 'awq' and 'gptq' (int4) and {W8A8_METHOD!r} are supported, got {method!r}")
+                         f"MXFP4, NVFP4), 'awq' and 'gptq' (int4), {W8A8_METHOD!r} and 'modelopt' (NVFP4, FP8) are "
+                         f"supported, got {method!r}")
     block = q.get("weight_block_size") or [128, 128]
     if len(block) != 2 or min(block) < 1:
         raise ValueError(f"quantization_config.weight_block_size must be two positive ints, got {block}")
@@ -797,6 +858,7 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         stored_quantization=None if stored is None else stored.quantization,
         stored_layout=None if stored is None else stored.layout,
         stored_float_head=stored is not None and stored.float_head,
+        stored_exclude=None if stored is None else stored.exclude,
         num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
         embedding_scale=float(raw.get("embedding_scale", 1.0)),
         residual_scale=float(raw.get("residual_scale", 1.0)),

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mla_runtime.config import Int4Layout, ModelConfig
+from mla_runtime.config import MODELOPT_FP8_BLOCK, Int4Layout, ModelConfig, modelopt_excluded
 from mla_runtime.dtypes import dtype_name, resolve_model_dtype
 from mla_runtime.kernel_plan import CpuLayouts
 from mla_runtime.layers.fp8 import Fp8Weight
@@ -75,6 +75,7 @@ class Param:
     piece: int  # elements of the largest checkpoint tensor behind it: this rank's part of it ...
     whole: int  # ... and the whole tensor
     kept: bool  # a product an FP8 checkpoint keeps in its blocks
+    unquantized: bool = False  # a product a ModelOpt checkpoint stores unquantised (exclude_modules): model dtype
 
     @property
     def numel(self) -> int:
@@ -142,11 +143,11 @@ def _count(cfg: ModelConfig, tp: int, num_mtp_layers: int) -> Inventory:
         model = causal_lm(rc)
     table = checkpoint_layout(cfg, model.par, frozenset(), num_mtp_layers)
     products = quantized_parameter_names(model)
-    kept = _kept(model, table, products)
+    kept, wide = _kept(model, table, products), _excluded(cfg, table, products)
     packs, sources = _packs(model, bool(cfg.stored_bits)), _sources(table)
     params = tuple(
         Param(name, tuple(p.shape), _component(cfg, name), p.dtype == torch.float32, name in products,
-              packs.get(name, ""), *_layout(p, sources.get(name)), name in kept)
+              packs.get(name, ""), *_layout(p, sources.get(name)), name in kept, name in wide)
         for name, p in model.named_parameters())
     attention = model.attention_layers()
     w_uk = sum(a.n_h * a.d_n * a.d_c for a in attention)
@@ -188,6 +189,17 @@ def _kept(model: DeepseekForCausalLM, table: dict[str, Slot | None], products: l
               if slot is not None and slot.param in stored and name.endswith(".weight")}
     kinds = _weight_kinds(model.config, table, dict(model.named_parameters()), None, scales, products)
     return frozenset(n for n, kind in kinds.items() if kind == STORED_FP8)
+
+
+def _excluded(cfg: ModelConfig, table: dict[str, Slot | None], products: list[str]) -> frozenset[str]:
+    """The products a ModelOpt checkpoint stores unquantised, which load in the model dtype (``loader.load_weights``):
+    those whose every checkpoint tensor is a module its ``exclude_modules`` names."""
+    if cfg.stored_exclude is None:
+        return frozenset()
+    patterns, wanted = cfg.stored_exclude, set(products)
+    quantized = {slot.param for name, slot in table.items() if slot is not None and slot.param in wanted
+                 and name.endswith(".weight") and not modelopt_excluded(name[: -len(".weight")], patterns)}
+    return frozenset(wanted - quantized)
 
 
 def _packs(model: DeepseekForCausalLM, gguf: bool) -> dict[str, str]:
@@ -277,13 +289,16 @@ class _Formats:
     stored_bits: dict[str, float]  # a GGUF file's products kept as stored: bits per weight, by parameter
     layout: Int4Layout | None = None  # a pre-quantised int4 checkpoint's groups (None: the runtime's own)
     float_head: bool = False  # a pre-quantised checkpoint's lm_head, stored unquantised, loads so
+    stored: bool = False  # the products load as a pre-quantised checkpoint stores them (Param.unquantized: wide)
+    stored_block: tuple[int, int] | None = None  # a pre-quantised FP8 checkpoint's blocks (ModelOpt's)
 
     def of(self, param: Param) -> tuple[type[QuantizedWeight] | None, tuple[int, int] | None]:
         """The format ``param`` is held in (None: a float tensor) and its FP8 blocks."""
         if self.keeps_fp8 and param.kept:
             return Fp8Weight, self.fp8_block
-        if self.scheme is not None and param.product and not (self.float_head and param.name == "lm_head"):
-            return WEIGHT_FORMATS[self.scheme], None
+        if self.scheme is not None and param.product and not (self.float_head and param.name == "lm_head") \
+                and not (self.stored and param.unquantized):
+            return WEIGHT_FORMATS[self.scheme], self.stored_block
         return None, None
 
     def matrix_bytes(self, fmt: type[QuantizedWeight], rows: int, k: int, block: tuple[int, int] | None) -> int:
@@ -362,7 +377,8 @@ def weight_footprint(config: ModelConfig, dtype: str | torch.dtype = "auto", ten
                        row_kernels and scheme == "int8",  # Int8Weight.row_scales: float32 scales for the row kernels
                        cpu is not None and cpu.bf16_blocked and scheme == "bf16",  # Bf16Weight.native: a second copy
                        _stored_bits(config, tp), config.stored_layout if stored else None,
-                       stored and config.stored_float_head)
+                       stored and config.stored_float_head, stored,
+                       MODELOPT_FP8_BLOCK if stored and scheme == "fp8" else None)
     inv = inventory(config, tp, num_mtp_layers)
     float_bytes, quantized, packed = _parameter_bytes(inv, formats)
     decode_kernel = row_kernels and model_dtype == torch.float32 and not (latent_cache_layout == "sharded" and tp > 1)

@@ -23,7 +23,7 @@ from mla_runtime.config import PRESET_DIR
 logger = logging.getLogger("mla_runtime")
 
 ALLOW_PATTERNS = [
-    "config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
+    "config.json", "hf_quant_config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "vocab.json",
     "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
 ]

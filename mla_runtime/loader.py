@@ -80,6 +80,8 @@ STORED_FP8 = "stored fp8"  # a product matrix kept in the FP8 blocks the checkpo
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _IGNORED_RE = re.compile(r"rotary_emb\.inv_freq$")
+# a ModelOpt export's activation and KV cache scales: the products take unquantised rows, the cache is the runtime's
+MODELOPT_UNUSED = (".input_scale", ".k_scale", ".v_scale")
 _FUSED_EXPERTS_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj$")
 _POST_MLP_NORM_RE = re.compile(r"^model\.layers\.(\d+)\.post_mlp_layernorm\.weight$")
 _EXPERT_RE = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
@@ -664,7 +666,9 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
     products = quantized_parameter_names(model)
     if stored is not None:  # an lm_head the checkpoint left unquantised loads as stored (ModelConfig.stored_float_head)
         stored_params = {slot.param for n, slot in table.items() if slot is not None and n in compressed}
-        products = [p for p in products if p != "lm_head" or p in stored_params]
+        # a ModelOpt export's unquantised modules (its exclude_modules) stay so: NVIDIA leaves them wide on purpose
+        keeps_float = cfg.stored_exclude is not None
+        products = [p for p in products if p in stored_params or (p != "lm_head" and not keeps_float)]
     kinds = _weight_kinds(cfg, table, params, quantization, scale_names, products)
     if isinstance(reader, GgufTensors):
         kinds.update(_gguf_kinds(table, reader, products + _stored_embedding(model)))
@@ -709,12 +713,12 @@ def _check_checkpoint(path: Path, cfg: ModelConfig, table: dict[str, Any], param
                       reader: _Reader | GgufTensors, compressed: set[str], scale_names: set[str]) -> None:
     """Every problem of the checkpoint against the model's layout (``table``) in one ``CheckpointError``: tensors
     missing, unexpected or of another shape, FP8 scales without a block size."""
-    stored = cfg.stored_quantization
+    stored, modelopt = cfg.stored_quantization, cfg.stored_exclude is not None
     files = reader.files
-    companions = {c for n in compressed for c in stored_names(n, cast(str, stored), cfg.stored_layout)}
+    companions = {c for n in compressed for c in stored_names(n, cast(str, stored), cfg.stored_layout, modelopt)}
     missing = sorted(n for n in table if n not in files and n not in compressed)
     unexpected = sorted(n for n in files if n not in table and n not in scale_names and n not in companions
-                        and not _mtp_or_ignored(n, cfg))
+                        and not _mtp_or_ignored(n, cfg) and not (modelopt and n.endswith(MODELOPT_UNUSED)))
     mismatched = []
     for name, slot in table.items():
         if (name not in files and name not in compressed) or slot is None:
@@ -723,7 +727,7 @@ def _check_checkpoint(path: Path, cfg: ModelConfig, table: dict[str, Any], param
         if slot.shard is not None:
             want[slot.shard[0]] = slot.shard[3]
         if name in compressed:
-            got = stored_shape(reader, name, cast(str, stored), cfg.stored_layout)
+            got = stored_shape(reader, name, cast(str, stored), cfg.stored_layout, modelopt)
         else:
             got = reader.shape(name)
         if got != want:
@@ -795,7 +799,7 @@ def _fill_one(cfg: ModelConfig, name: str, slot: Any, param: nn.Parameter, kind:
     expert, first = _piece_position(param, slot.index)
     if name in src.compressed:
         for row, piece in read_stored(reader, name, cast(str, stored), slot.shard, param.dtype, device,
-                                      cfg.stored_layout):
+                                      cfg.stored_layout, cfg.stored_exclude is not None):
             if kind is None:  # stored quantised, kept in the model dtype (kv_b_proj): its dequantised values
                 with torch.no_grad():
                     param[slot.index][row: row + piece.shape[0]].copy_(piece.dequantize())

@@ -31,14 +31,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
 from mla_runtime.config import ModelConfig
 from mla_runtime.dtypes import dtype_name
 from mla_runtime.models.deepseek_v4 import DeepseekV4ForCausalLM, V4Config
-from mla_runtime.models.v4_shards import check_v4_parallel
+from mla_runtime.models.v4_shards import V4_SPLITS, check_v4_parallel
 from mla_runtime.models.v4_sizes import (
     V4CacheKinds,
     cache_kinds,
@@ -56,12 +56,16 @@ V32_LATENT, V32_INDEX = 512 + 64, 128  # DeepSeek-V3.2's cached values per token
 V4_PLAN_DTYPES = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
+# the models of their own that run under tensor parallelism (``models/v4_shards.py``), every rank holding every state
+SPLIT_FAMILIES = ("deepseek_v4", "hy_v4", "dots3_note", "dots3_note_text")
+
+
 def refusal(name: str, value: object, family: str, doc: str = DOC) -> str:
     """The message that refuses the setting ``name`` (``value``) for a model of its own: serving's
-    ``check_v4_settings`` and the planner say the same (DeepSeek-V4 runs on any number of ranks, the others on
-    one)."""
+    ``check_v4_settings`` and the planner say the same (DeepSeek-V4, Hunyuan V4 and dots3-note run on any number of
+    ranks that splits them, GLM-5-Next on one)."""
     ranks = ("every rank holding every sequence's state (latent_cache_layout 'replicated'), "
-             if family == "deepseek_v4" else "tensor_parallel_size 1, ")
+             if family in SPLIT_FAMILIES else "tensor_parallel_size 1, ")
     return (f"{name}={value!r}: {family} runs with {ranks}no speculative decoding, its full latent rank, no "
             f"prefix-cache tiers (kv_cache_dir, kv_cache_host_bytes), no quantization, kv_cache_dtype 'auto' and dtype "
             f"one of {sorted(V4_PLAN_DTYPES)} ({doc})")
@@ -190,16 +194,19 @@ def plan_v4(raw: dict, *, dtype: str = "auto", device_memory_bytes: int, memory_
     return counted_as_stored(replace(plan, rank_weight_bytes=shard), raw, "deepseek_v4", checkpoint, cfg=cfg)
 
 
-def counted_as_stored(plan: OwnModelPlan[K], raw: dict, family: str, checkpoint: Path | None,
-                      keep: Callable[[str], bool] | None = None, cfg: V4Config | None = None) -> OwnModelPlan[K]:
+def counted_as_stored(plan: OwnModelPlan[K], raw: dict, family: str, checkpoint: Path | None, cfg: Any = None,
+                      rename: Callable[[str], str | None] | None = None,
+                      splits: dict[str, tuple[str, int]] = V4_SPLITS) -> OwnModelPlan[K]:
     """``plan`` with the weights of a local ``checkpoint`` folder in V4's stored scheme (FP8 blocks, MXFP4 experts)
-    counted as serving holds them (``v4_stored.stored_weight_bytes``, from the files' headers; ``keep``: the tensors
-    the model reads; a V4 rank's shard by ``cfg``); a float checkpoint's, or a preset's, plan as it is."""
+    counted as serving holds them (``v4_stored.stored_weight_bytes``, from the files' headers; ``rename``: a stored
+    name -> the model's, None for a tensor it does not read, default V4's; a rank's shard by ``cfg`` and the model's
+    ``splits``); a float checkpoint's, or a preset's, plan as it is."""
     if checkpoint is None or v4_quantization(raw, family) is None or not any(checkpoint.glob("*.safetensors")):
         return plan
+    keep = None if rename is None else (lambda name: rename(name) is not None)
     whole = stored_weight_bytes(checkpoint, plan.dtype, keep=keep)
     par = ParallelContext(0, plan.ranks)
-    rank = whole if plan.ranks == 1 else stored_weight_bytes(checkpoint, plan.dtype, cfg, par)
+    rank = whole if plan.ranks == 1 else stored_weight_bytes(checkpoint, plan.dtype, cfg, par, keep, rename, splits)
     return replace(plan, weight_bytes=whole, rank_weight_bytes=rank)
 
 

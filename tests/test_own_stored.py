@@ -4,7 +4,9 @@ built by transformers' classes, its attention, indexer, dense-MLP and shared-exp
 matrix per expert as MXFP4 (two E2M1 values a byte, a UE8M0 scale per 32), the router, norms, gates and head left in
 float. The runtime keeps the stored bytes, their products are the dequantised weights', and its greedy tokens over a
 batch of prompts are transformers' on the dequantised checkpoint; the worker counts the weights as stored; a layout or
-format the models cannot take is refused naming the tensor."""
+format the models cannot take is refused naming the tensor. On two ranks (``tensor_parallel_size=2``, blocks the
+heads' and MLPs' slices end on) the tokens are one rank's, each rank holding its experts and its cut of the FP8
+blocks, counted as the planner counts a rank's shard; a slice that ends inside a block is refused naming it."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from mla_runtime.layers.fp8 import Fp8Weight
 from mla_runtime.layers.hyper import PackedExperts, StoredLinear
 from mla_runtime.models.dots3_note import load_dots3_note
 from mla_runtime.models.hy_v4 import load_hy_v4
+from mla_runtime.parallel import ParallelContext
 from mla_runtime.row_plan import plan_rows
 from tests.conformance import _recorded_selections
 from tests.test_v4_stored import mxfp4, mxfp4_dequantized
@@ -65,10 +68,10 @@ def build(family: str) -> torch.nn.Module:
     return _randomised(tf.Dots3NoteForCausalLM(config))
 
 
-def fp8_blocks(w: torch.Tensor, ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [N, K]`` -> e4m3 values and one scale per ``BLOCK`` (``[ceil(N / bn), ceil(K / bk)]``, the last blocks
+def fp8_blocks(w: torch.Tensor, ue8m0: bool, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [N, K]`` -> e4m3 values and one scale per ``block`` (``[ceil(N / bn), ceil(K / bk)]``, the last blocks
     partial; UE8M0: the next power of two of amax / 448)."""
-    bn, bk = BLOCK
+    bn, bk = block
     n, k = w.shape
     padded = torch.zeros(-(-n // bn) * bn, -(-k // bk) * bk)
     padded[:n, :k] = w
@@ -76,12 +79,12 @@ def fp8_blocks(w: torch.Tensor, ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor
     scale = amax / 448.0
     if ue8m0:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
-    q = (w / _wide(scale, n, k)).clamp(-448, 448).to(torch.float8_e4m3fn)
+    q = (w / _wide(scale, n, k, block)).clamp(-448, 448).to(torch.float8_e4m3fn)
     return q, scale.to(torch.float8_e8m0fnu) if ue8m0 else scale.float()
 
 
-def _wide(scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    return scale.float().repeat_interleave(BLOCK[0], 0).repeat_interleave(BLOCK[1], 1)[:n, :k]
+def _wide(scale: torch.Tensor, n: int, k: int, block: tuple[int, int] = BLOCK) -> torch.Tensor:
+    return scale.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:n, :k]
 
 
 def _per_expert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -120,10 +123,11 @@ def kind_of(name: str) -> str | None:
     return "experts" if ".mlp.experts." in name else "fp8"
 
 
-def write_stored(float_dir: Path, stored_dir: Path, dequant_dir: Path, ue8m0: bool) -> dict[str, tuple[Any, Any]]:
-    """``float_dir`` (transformers' save) -> ``stored_dir``: FP8 blocks, MXFP4 experts one matrix per expert, scales
-    as ``X.weight_scale_inv``; ``dequant_dir``: transformers' layout with every stored tensor replaced by its
-    dequantisation. Returns the stored ``(values, scale)`` of each quantised tensor by stored name."""
+def write_stored(float_dir: Path, stored_dir: Path, dequant_dir: Path, ue8m0: bool,
+                 block: tuple[int, int] = BLOCK) -> dict[str, tuple[Any, Any]]:
+    """``float_dir`` (transformers' save) -> ``stored_dir``: FP8 ``block`` blocks, MXFP4 experts one matrix per
+    expert, scales as ``X.weight_scale_inv``; ``dequant_dir``: transformers' layout with every stored tensor replaced
+    by its dequantisation. Returns the stored ``(values, scale)`` of each quantised tensor by stored name."""
     original = load_file(str(next(float_dir.glob("*.safetensors"))))
     stored, dequant, written = {}, {}, {}
     for name, w in _per_expert(original).items():
@@ -131,8 +135,8 @@ def write_stored(float_dir: Path, stored_dir: Path, dequant_dir: Path, ue8m0: bo
         if kind is None:
             stored[name] = dequant[name] = w
             continue
-        q, s = mxfp4(w.float()) if kind == "experts" else fp8_blocks(w.float(), ue8m0)
-        dense = mxfp4_dequantized(q, s) if kind == "experts" else q.float() * _wide(s, *w.shape)
+        q, s = mxfp4(w.float()) if kind == "experts" else fp8_blocks(w.float(), ue8m0, block)
+        dense = mxfp4_dequantized(q, s) if kind == "experts" else q.float() * _wide(s, *w.shape, block)
         dequant[name], written[name] = dense.to(w.dtype), (q, s)
         stored[name], stored[name.removesuffix("weight") + "weight_scale_inv"] = q, s
     for d, ts in ((stored_dir, stored), (dequant_dir, _in_layout_of(original, dequant))):
@@ -141,7 +145,7 @@ def write_stored(float_dir: Path, stored_dir: Path, dequant_dir: Path, ue8m0: bo
     raw = json.loads((float_dir / "config.json").read_text())
     shutil.copy(float_dir / "config.json", dequant_dir / "config.json")
     raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": list(BLOCK), "scale_fmt": "ue8m0" if ue8m0 else "float",
+                                  "weight_block_size": list(block), "scale_fmt": "ue8m0" if ue8m0 else "float",
                                   "expert_dtype": "fp4"}
     (stored_dir / "config.json").write_text(json.dumps(raw))
     return written
@@ -285,3 +289,61 @@ def test_layouts_and_formats_not_read_are_refused_by_name(checkpoint: dict[str, 
         {**raw, "quantization_config": {**raw["quantization_config"], "expert_dtype": "nvfp4"}}))
     with pytest.raises(ValueError, match=rf"{family}: quantization_config not supported: expert_dtype 'nvfp4'"):
         load(tmp_path / "scheme")
+
+
+def _greedy(model: Any, prompt: list[int], n: int) -> list[int]:
+    st, out = model.new_state(), []
+    logits = model(prompt, st)[-1]
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        logits = model([out[-1]], st)[-1]
+    return out
+
+
+def _held(model: torch.nn.Module) -> int:
+    """Bytes a loaded model holds: its float tensors, and its stored matrices and experts as stored."""
+    held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    return held + sum(m.nbytes if isinstance(m, StoredLinear) else m.stored_bytes() for m in model.modules()
+                      if isinstance(m, (StoredLinear, PackedExperts)))
+
+
+def test_two_ranks_give_one_ranks_tokens_on_a_stored_checkpoint(checkpoint: dict[str, Any], tmp_path: Path) -> None:
+    """On blocks that the heads' and the MLPs' slices end on, two ranks (each its routed experts and its cut of the
+    FP8 blocks, counted as the planner counts a rank's shard) give one rank's greedy tokens."""
+    family, load = checkpoint["family"], LOADERS[checkpoint["family"]]
+    stored = tmp_path / "stored"
+    write_stored(checkpoint["float"], stored, tmp_path / "dequant", ue8m0=family == "dots3_note", block=(8, 8))
+    one = load(stored)
+    want = [_greedy(one, p, NEW_TOKENS) for p in prompts()]
+    llm = LLM(str(stored), dtype="float32", max_model_len=64, kv_cache_memory="1MiB", max_num_seqs=3,
+              max_num_batched_tokens=32, tensor_parallel_size=2)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts()],
+                            SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+        w = llm.engine.worker
+        held = _held(w.own_model)
+        assert abs(w.weight_bytes - held) < 0.05 * held and held < 0.7 * _held(one), (w.weight_bytes, held)
+        raw = json.loads((stored / "config.json").read_text())
+        plan = plan_rows(raw, dtype="float32", device_memory_bytes=1 << 30, ranks=2, checkpoint=stored)
+        assert plan.weight_bytes_per_rank == w.weight_bytes < plan.weight_bytes
+    finally:
+        llm.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    parts = [load(stored, par=ParallelContext(r, 2)) for r in (0, 1)]
+    o_proj = "model.layers.1.self_attn.o_proj"
+    halves = [p.get_submodule(o_proj).blocks[0] for p in parts]
+    assert all(isinstance(h, Fp8Weight) for h in halves)
+    assert torch.equal(torch.cat([h.weight for h in halves], 1).view(torch.uint8),
+                       one.get_submodule(o_proj).blocks[0].weight.view(torch.uint8))
+    moe = next(n for n, m in one.named_modules() if isinstance(m, PackedExperts))
+    whole, second = one.get_submodule(moe).stored, parts[1].get_submodule(moe).stored
+    assert whole is not None and second is not None and len(second[1]) == len(whole[1]) // 2
+    assert torch.equal(second[1][0].packed, whole[1][len(whole[1]) // 2].packed)  # rank 1's first expert: the middle
+
+
+def test_a_rank_cut_inside_a_stored_block_is_refused_by_name(checkpoint: dict[str, Any]) -> None:
+    """``BLOCK``'s 16 columns hold both heads' outputs: two ranks would cut ``o_proj`` inside its blocks."""
+    family = checkpoint["family"]
+    with pytest.raises(ValueError, match=rf"{family}: tensor_parallel_size=2 cuts model\.layers\.\d+\.\S+ input "
+                                         r"columns \[\d+, \d+\) off its stored blocks \(Fp8Weight \(8, 16\)\)"):
+        LOADERS[family](checkpoint["stored"], par=ParallelContext(1, 2))

@@ -42,6 +42,8 @@ from mla_runtime.layers.fp4 import Mxfp4Weight
 from mla_runtime.layers.fp8 import Fp8Weight
 from mla_runtime.layers.hyper import PackedExperts, StoredLinear
 from mla_runtime.layers.qweight import QuantizedWeight
+from mla_runtime.models.own_checkpoint import read_checkpoint
+from mla_runtime.models.v4_shards import V4_SPLITS, expert_on_rank, shard_fraction, shard_stored, shard_tensor
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 
 SCALE_SUFFIXES = (".weight_scale_inv", ".scale")
@@ -201,32 +203,46 @@ def install_stored(model: nn.Module, matrices: dict[str, QuantizedWeight], famil
                            [kinds[down][e] for e in order])
 
 
-def load_stored(model: nn.Module, raw: dict[str, Any], tensors: dict[str, torch.Tensor], family: str,
+def load_stored(model: nn.Module, path: str | Path, model_types: tuple[str, ...], cfg: Any,
                 rename: Callable[[str], str | None], dtype: torch.dtype, device: torch.device | str | None = None,
-                expert_names: tuple[str, str, str] = V4_EXPERT_NAMES) -> dict[str, torch.Tensor]:
-    """For a model of its own (Hunyuan V4, dots3-note) that reads V4's stored scheme: put a quantised checkpoint's
-    matrices in ``model`` as stored (on ``device``; ``rename``: a checkpoint name -> the model's, None for what it
-    does not read) and return the float tensors left for its own loading; a float checkpoint's tensors as given."""
+                par: ParallelContext = SINGLE_RANK, splits: dict[str, tuple[str, int]] = V4_SPLITS,
+                expert_names: tuple[str, str, str] = PROJ_EXPERT_NAMES) -> dict[str, torch.Tensor]:
+    """For a model of its own (Hunyuan V4, dots3-note, of config ``cfg``) whose checkpoint at ``path`` is in V4's
+    stored scheme: put its quantised matrices in ``model`` as stored (on ``device``; ``rename``: a stored name -> the
+    model's, None for what it does not read) and return its float tensors, by the model's names, for its own loading.
+    Under tensor parallelism (``par``, the model's ``splits``) this rank's shard, as V4's (``v4_shards``): only its
+    routed experts are read (renumbered from 0), the other tensors read whole and cut (``shard_stored``: an FP8
+    matrix on its scale blocks, a column cut inside a block refused by name; ``shard_tensor``)."""
+    family = model_types[0]
+
+    def mine(name: str) -> str | None:
+        model_name = rename(name)
+        return None if model_name is None else expert_on_rank(cfg, model_name, par)
+
+    _, raw, tensors = read_checkpoint(path, model_types, quantized=True, keep=lambda name: mine(name) is not None)
     quant = v4_quantization(raw, family)
     if quant is None:
-        return tensors
+        raise ValueError(f"{family}: {path} is not in V4's stored scheme (no quantization_config)")
     floats, pairs = split_stored(tensors, family)
-    matrices = {mine: stored_matrix(name, w.to(device or w.device), s, quant, ".mlp.experts." in mine, dtype, family)
-                for name, (w, s) in pairs.items() if (mine := rename(name)) is not None}
+    matrices = {}
+    for name, (w, s) in pairs.items():
+        if (m := mine(name)) is not None:
+            stored = stored_matrix(name, w.to(device or w.device), s, quant, ".mlp.experts." in m, dtype, family)
+            matrices[m] = shard_stored(cfg, m, stored, par, splits, family)
     install_stored(model, matrices, family, expert_names)
-    return floats
+    return {m: shard_tensor(cfg, m, t, par, splits) for name, t in floats.items() if (m := mine(name)) is not None}
 
 
 def stored_weight_bytes(root: Path, dtype: torch.dtype, cfg: Any = None, par: ParallelContext = SINGLE_RANK,
-                        keep: Callable[[str], bool] | None = None) -> int:
+                        keep: Callable[[str], bool] | None = None, rename: Callable[[str], str | None] | None = None,
+                        splits: dict[str, tuple[str, int]] = V4_SPLITS) -> int:
     """Bytes the loaded model holds for a quantised checkpoint (read from the files' headers, no tensor read): FP8
     and MXFP4 matrices as stored, FP8 block scales in float32, MXFP4 scales a byte each, every other tensor in
     ``dtype``; what the model does not read left out (``keep``: the names it reads; default V4's, all but the MTP
-    layers). Under tensor parallelism (``par``, with the model's
-    ``V4Config`` ``cfg``) one rank's: its experts, and its share of what it splits (``v4_shards``)."""
+    layers). Under tensor parallelism (``par``, with the model's config ``cfg``) one rank's: its experts, and its
+    share of what it splits (``v4_shards.shard_fraction``; ``rename``: a stored name -> the model's, default V4's;
+    ``splits``: the model's)."""
     from safetensors import safe_open
-
-    from mla_runtime.models.v4_shards import shard_fraction
 
     shapes: dict[str, tuple[str, int]] = {}
     for f in sorted(root.glob("*.safetensors")):
@@ -237,7 +253,7 @@ def stored_weight_bytes(root: Path, dtype: torch.dtype, cfg: Any = None, par: Pa
                     shapes[name] = (piece.get_dtype(), math.prod(piece.get_shape()))
     total = 0
     for name, (kind, numel) in shapes.items():
-        kept, parts = shard_fraction(cfg, name, par)
+        kept, parts = shard_fraction(cfg, name, par, rename, splits)
         if not kept:
             continue
         numel //= parts
