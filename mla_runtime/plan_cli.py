@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -180,9 +181,10 @@ def _probed_cpu(dtype: str, config: ModelConfig, quantization: str | None) -> tu
 
 def _own_plan(args: argparse.Namespace, raw: dict) -> tuple[str, bool, bool]:
     """The report of a model of its own (``v4_plan``, ``row_plan``) and whether the weights and the sequences fit."""
+    folder = Path(args.model)  # a local checkpoint: stored FP8 / MXFP4 weights counted as held
     kw = dict(dtype=args.dtype, device_memory_bytes=args.device_memory, memory_utilization=args.memory_utilization,
               max_seq_len=args.max_seq_len, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens, checkpoint=folder if folder.is_dir() else None)
     if raw["model_type"] == "deepseek_v4":
         v4 = plan_v4(raw, ranks=args.tensor_parallel_size, **kw)
         return format_v4_report(v4, args.model), v4.weights_fit, v4.fits

@@ -12,29 +12,38 @@ them (every layer every token's row, every selecting layer its key), where that 
 sets aside ``max_num_seqs`` copies of the windows for its state snapshots, as serving does by default.
 
 The weights are the model's parameters counted on the meta device, in bfloat16 (``--dtype auto``: the checkpoint's
-dtype where it names float32) or float32: these models load float checkpoints only. What serving refuses for them
-(``check_v4_settings``) the plan refuses by name: quantization, a cache dtype, the prefix-cache tiers, a rank count
-that does not split the model. The plan itself is V4's (``v4_plan.OwnModelPlan``, ``plan_own_model``): on ``ranks``
-devices a rank's weights are its shard (``models/v4_shards.py``, counted on rank 0's model: the vocabulary's padded
-rows), and every rank holds every sequence's rows, as serving's ranks do.
+The weights are the model's parameters counted on the meta device, in bfloat16 (``--dtype auto``: the checkpoint's
+dtype where it names float32) or float32; a local checkpoint in DeepSeek-V4's stored scheme (FP8 blocks, MXFP4
+experts) is counted as serving holds it, from its files' headers (``v4_plan.counted_as_stored``). What serving
+refuses for them (``check_v4_settings``) the plan refuses by name: quantization, a cache dtype, the prefix-cache
+tiers, a rank count that does not split the model. The plan itself is V4's (``v4_plan.OwnModelPlan``,
+``plan_own_model``): on ``ranks`` devices a rank's weights are its shard (``models/v4_shards.py``, counted on rank
+0's model: the vocabulary's padded rows; a stored checkpoint's from its headers), and every rank holds every
+sequence's rows, as serving's ranks do.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from mla_runtime.models.dots3_note import Dots3Config, Dots3NoteForCausalLM
+from mla_runtime.models.dots3_note import stored_name as dots3_name
 from mla_runtime.models.hy_v4 import HyV4Config, HyV4ForCausalLM
+from mla_runtime.models.hy_v4 import stored_name as hy_v4_name
 from mla_runtime.models.row_sizes import RowCacheKinds, dots3_kinds, dots3_model_config, hy_v4_kinds, hy_v4_model_config
+from mla_runtime.models.v4_shards import DOTS3_SPLITS, HY_V4_SPLITS
 from mla_runtime.models.v4_sizes import meta_weights
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 from mla_runtime.plan import gib
 from mla_runtime.v4_plan import (
     DOC,
     OwnModelPlan,
+    counted_as_stored,
     format_budget,
     format_verdict,
     plan_dtype,
@@ -66,9 +75,9 @@ def _checkpoint_dtype(dtype: str, stated: object) -> str:
 
 def plan_rows(raw: dict[str, Any], *, dtype: str = "auto", device_memory_bytes: int,
               memory_utilization: float = 0.92, ranks: int = 1, max_seq_len: int | None = None, max_num_seqs: int = 1,
-              max_num_batched_tokens: int | None = None) -> RowMemoryPlan:
+              max_num_batched_tokens: int | None = None, checkpoint: Path | None = None) -> RowMemoryPlan:
     """The plan of the ``hy_v4`` or ``dots3_note`` ``config.json`` ``raw`` on ``ranks`` devices of
-    ``device_memory_bytes`` each."""
+    ``device_memory_bytes`` each (a local ``checkpoint`` in V4's stored FP8 / MXFP4 scheme: its weights as stored)."""
     family = raw.get("model_type")
     if family not in ROW_MODELS:
         raise ValueError(f"model_type {family!r}: the latent-row planner plans {list(ROW_MODELS)}")
@@ -82,19 +91,28 @@ def plan_rows(raw: dict[str, Any], *, dtype: str = "auto", device_memory_bytes: 
 
         def build(par: ParallelContext = SINGLE_RANK) -> torch.nn.Module:
             return HyV4ForCausalLM(hy, torch_dtype, par)  # refuses a rank count that does not split it
+
+        cfg: Any = hy
+        rename: Callable[[str], str | None] = hy_v4_name
+        splits = HY_V4_SPLITS
     else:
         dots = Dots3Config.from_raw(raw)
         kinds, mc, streams = dots3_kinds(dots, b), dots3_model_config(dots), 0
 
         def build(par: ParallelContext = SINGLE_RANK) -> torch.nn.Module:
             return Dots3NoteForCausalLM(dots, torch_dtype, par)
+
+        def rename(name: str) -> str | None:
+            return dots3_name(name, len(dots.kinds))
+
+        cfg, splits = dots, DOTS3_SPLITS
     shard = meta_weights(lambda: build(ParallelContext(0, ranks)))[0]  # rank 0's: the vocabulary's padded rows too
     plan = plan_own_model(kinds, kinds.layers, build, mc, torch_dtype, streams,
                           device_memory_bytes=device_memory_bytes, memory_utilization=memory_utilization, ranks=ranks,
                           max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens,
                           reserved_bytes=max_num_seqs * kinds.window_bytes)
-    return replace(plan, rank_weight_bytes=shard)
+    return counted_as_stored(replace(plan, rank_weight_bytes=shard), raw, family, checkpoint, cfg, rename, splits)
 
 
 def format_row_kinds(k: RowCacheKinds) -> list[str]:
@@ -132,8 +150,9 @@ def format_row_report(plan: RowMemoryPlan, model: str, family: str) -> str:
                                 f"{gib(plain)}  ({k.plain_values:,} values x {k.dtype_bytes} B per token: every "
                                 f"layer's row, every selecting layer's key; {plain / plan.sequence_bytes:.2f}x)"))
     return "\n".join([*lines, report_row(f"sequences of {n:,} tokens that fit", f"{plan.max_sequences:,}"), "",
-                      format_verdict(plan), f"  unquantized, every rank holding every sequence's rows: serving "
-                      f"refuses quantization, a cache dtype and the prefix-cache tiers for {family} ({DOC})"])
+                      format_verdict(plan), f"  weights as the checkpoint stores them, every rank holding every "
+                      f"sequence's rows: serving refuses quantization, a cache dtype and the prefix-cache tiers for "
+                      f"{family} ({DOC})"])
 
 
 __all__ = ["ROW_MODELS", "RowMemoryPlan", "check_row_settings", "format_row_kinds", "format_row_report", "plan_rows"]

@@ -30,14 +30,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Generic, Protocol, TypeVar
+from pathlib import Path
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
 from mla_runtime.config import ModelConfig
 from mla_runtime.dtypes import dtype_name
 from mla_runtime.models.deepseek_v4 import DeepseekV4ForCausalLM, V4Config
-from mla_runtime.models.v4_shards import check_v4_parallel
+from mla_runtime.models.v4_shards import V4_SPLITS, check_v4_parallel
 from mla_runtime.models.v4_sizes import (
     V4CacheKinds,
     cache_kinds,
@@ -46,6 +47,7 @@ from mla_runtime.models.v4_sizes import (
     model_config,
     v4_weights,
 )
+from mla_runtime.models.v4_stored import stored_weight_bytes, v4_quantization
 from mla_runtime.parallel import ParallelContext
 from mla_runtime.plan import activation_reserve_bytes, default_max_num_batched_tokens, gib
 
@@ -171,8 +173,9 @@ def plan_own_model(kinds: K, layers: int, build: Callable[[], torch.nn.Module], 
 
 def plan_v4(raw: dict, *, dtype: str = "auto", device_memory_bytes: int, memory_utilization: float = 0.92,
             ranks: int = 1, max_seq_len: int | None = None, max_num_seqs: int = 1,
-            max_num_batched_tokens: int | None = None) -> V4MemoryPlan:
-    """The plan of the V4 ``config.json`` ``raw`` on ``ranks`` devices of ``device_memory_bytes`` each."""
+            max_num_batched_tokens: int | None = None, checkpoint: Path | None = None) -> V4MemoryPlan:
+    """The plan of the V4 ``config.json`` ``raw`` on ``ranks`` devices of ``device_memory_bytes`` each (a local
+    ``checkpoint`` in the released FP8 / MXFP4 scheme: its weights as stored)."""
     torch_dtype = plan_dtype("deepseek_v4", dtype, ranks, max_num_seqs, memory_utilization)
     cfg = V4Config.from_raw(raw)
     check_v4_parallel(cfg, ranks)
@@ -188,7 +191,23 @@ def plan_v4(raw: dict, *, dtype: str = "auto", device_memory_bytes: int, memory_
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                           reserved_bytes=snapshots)
     shard = v4_weights(cfg, torch_dtype, ParallelContext(0, ranks))[0]  # rank 0's: the vocabulary's padded rows too
-    return replace(plan, rank_weight_bytes=shard)
+    return counted_as_stored(replace(plan, rank_weight_bytes=shard), raw, "deepseek_v4", checkpoint, cfg=cfg)
+
+
+def counted_as_stored(plan: OwnModelPlan[K], raw: dict, family: str, checkpoint: Path | None, cfg: Any = None,
+                      rename: Callable[[str], str | None] | None = None,
+                      splits: dict[str, tuple[str, int]] = V4_SPLITS) -> OwnModelPlan[K]:
+    """``plan`` with the weights of a local ``checkpoint`` folder in V4's stored scheme (FP8 blocks, MXFP4 experts)
+    counted as serving holds them (``v4_stored.stored_weight_bytes``, from the files' headers; ``rename``: a stored
+    name -> the model's, None for a tensor it does not read, default V4's; a rank's shard by ``cfg`` and the model's
+    ``splits``); a float checkpoint's, or a preset's, plan as it is."""
+    if checkpoint is None or v4_quantization(raw, family) is None or not any(checkpoint.glob("*.safetensors")):
+        return plan
+    keep = None if rename is None else (lambda name: rename(name) is not None)
+    whole = stored_weight_bytes(checkpoint, plan.dtype, keep=keep)
+    par = ParallelContext(0, plan.ranks)
+    rank = whole if plan.ranks == 1 else stored_weight_bytes(checkpoint, plan.dtype, cfg, par, keep, rename, splits)
+    return replace(plan, weight_bytes=whole, rank_weight_bytes=rank)
 
 
 def report_row(label: str, value: str, note: str = "") -> str:

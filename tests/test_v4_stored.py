@@ -180,6 +180,25 @@ def test_weights_stay_as_stored(dirs: dict[str, Path]) -> None:
     assert torch.allclose(a, b, atol=3e-2), (a - b).abs().max().item()
 
 
+def test_the_planner_counts_the_weights_as_stored(dirs: dict[str, Path]) -> None:
+    """``mla-runtime plan`` on a stored checkpoint folder counts its weights as the worker does (from the files'
+    headers), on one rank and per rank of two; on the float folder, and a preset, as the model's parameters."""
+    from mla_runtime.models.v4_stored import stored_weight_bytes
+    from mla_runtime.parallel import ParallelContext
+    from mla_runtime.v4_plan import plan_v4
+
+    raw = json.loads((dirs["fp8"] / "config.json").read_text())
+    cfg = load_deepseek_v4(dirs["fp8"]).config
+    kw: dict[str, Any] = dict(dtype="float32", device_memory_bytes=1 << 30)
+    one = plan_v4(raw, checkpoint=dirs["fp8"], **kw)
+    assert one.weight_bytes == one.weight_bytes_per_rank == stored_weight_bytes(dirs["fp8"], torch.float32)
+    two = plan_v4(raw, checkpoint=dirs["fp8"], ranks=2, **kw)
+    assert two.weight_bytes_per_rank == stored_weight_bytes(dirs["fp8"], torch.float32, cfg, ParallelContext(0, 2))
+    float_raw = json.loads((dirs["float"] / "config.json").read_text())
+    assert plan_v4(float_raw, checkpoint=dirs["float"], **kw).weight_bytes == plan_v4(float_raw, **kw).weight_bytes
+    assert one.weight_bytes < 0.6 * plan_v4(float_raw, **kw).weight_bytes
+
+
 def test_fp8_experts_with_float_scales(dirs: dict[str, Path]) -> None:
     """FP8 experts (``expert_dtype`` fp8), float32 ``weight_scale_inv`` and an FP8 lm_head: the runtime's logits on
     the stored weights are its logits on the dequantised ones (which the float tests hold to transformers')."""

@@ -12,7 +12,9 @@ own, so it holds fresh blocks for them, as V4's does (``own_prefix_copies``). Un
 and reads only its shard (``models/v4_shards.py``: each layer's share of its heads, its routed experts, slices of the
 MLPs and of the vocabulary) and holds every slot's whole state, as V4's ranks do. What V4 refuses is refused here by
 name (``check_v4_settings``). The vision and audio towers are not served: a prompt holding one of their placeholder
-tokens fails with a message that says so.
+tokens fails with a message that says so. A checkpoint in V4's stored FP8 / MXFP4 scheme loads as stored, on any
+number of ranks that splits it, and its weights are counted as stored, a rank's its shard's
+(``V4Worker._count_stored``).
 """
 
 from __future__ import annotations
@@ -20,9 +22,16 @@ from __future__ import annotations
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.engine.v4_worker import V4Worker, check_v4_settings
 from mla_runtime.errors import InvalidParam
-from mla_runtime.models.dots3_note import Dots3Config, Dots3NoteForCausalLM, check_dots3_parallel, load_dots3_note
+from mla_runtime.models.dots3_note import (
+    Dots3Config,
+    Dots3NoteForCausalLM,
+    check_dots3_parallel,
+    load_dots3_note,
+    stored_name,
+)
 from mla_runtime.models.glm5_next import Glm5NextStateCache
 from mla_runtime.models.row_sizes import dots3_kinds, dots3_model_config
+from mla_runtime.models.v4_shards import DOTS3_SPLITS
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 
 DOC = "docs/deepseek-v4.md"
@@ -45,10 +54,12 @@ class Dots3Worker(V4Worker):
         self.num_state_snapshots = self._num_state_snapshots()
         self.state_snapshot_bytes = self.state_bytes_per_sequence * self.num_state_snapshots
         self._size_streams(cfg, lambda: Dots3NoteForCausalLM(self.dots_config, self.dtype, par), 0)
+        layers = len(self.dots_config.kinds)
+        self._count_stored(raw, "dots3_note", self.dots_config, lambda name: stored_name(name, layers), DOTS3_SPLITS)
         self._unloaded()
 
     def _load_model(self) -> Dots3NoteForCausalLM:
-        return load_dots3_note(self.model_path, self.dtype, self.par)
+        return load_dots3_note(self.model_path, self.dtype, self.device, self.par)
 
     def _new_states(self) -> Glm5NextStateCache:
         return Glm5NextStateCache(self.own_model, self.config.max_num_seqs, self.num_state_snapshots)

@@ -15,11 +15,13 @@ block pool does not count (at most one prefix per snapshot). A sequence resumed 
 prefix's rows of its own, so it holds fresh blocks for them, as V4's does (``own_prefix_copies``): the cached blocks go
 back to the cache, still indexed. A snapshot the scheduler frees (its hash evicted, or the snapshot itself) drops its
 rows at once, on every rank (``V4Worker.state_snapshots``). What V4 refuses is refused here by name
-(``check_v4_settings``).
+(``check_v4_settings``). A checkpoint in V4's stored FP8 / MXFP4 scheme loads as stored, and its weights are counted
+as stored (``V4Worker._count_stored``).
 
 Under tensor parallelism (``tensor_parallel_size``) each rank loads and reads only its shard (``models/v4_shards.py``:
 its heads, routed experts, slices of the MLPs and of the vocabulary) and holds every slot's whole state, as V4's ranks
-do; the slots given back and snapshots freed on rank 0 reach the others with the next step.
+do; the slots given back and snapshots freed on rank 0 reach the others with the next step. A stored checkpoint's
+rank reads its experts only and cuts the rest once read, its weights counted as its shard's.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from __future__ import annotations
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.engine.v4_worker import V4Worker, check_v4_settings
 from mla_runtime.models.glm5_next import Glm5NextStateCache
-from mla_runtime.models.hy_v4 import HyV4Config, HyV4ForCausalLM, check_hy_v4_parallel, load_hy_v4
+from mla_runtime.models.hy_v4 import HyV4Config, HyV4ForCausalLM, check_hy_v4_parallel, load_hy_v4, stored_name
 from mla_runtime.models.row_sizes import hy_v4_kinds, hy_v4_model_config
+from mla_runtime.models.v4_shards import HY_V4_SPLITS
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 
 DOC = "docs/deepseek-v4.md"
@@ -51,10 +54,11 @@ class HyV4Worker(V4Worker):
         self.num_state_snapshots = 0 if off else config.max_num_seqs  # state_snapshot_memory 0: no prefix caching
         self.state_snapshot_bytes = 0  # nothing fixed: a snapshot holds the rows of its prefix (the module docstring)
         self._size_streams(cfg, lambda: HyV4ForCausalLM(self.hy_config, self.dtype, par), int(self.hy_config.hc_mult))
+        self._count_stored(raw, "hy_v4", self.hy_config, stored_name, HY_V4_SPLITS)
         self._unloaded()
 
     def _load_model(self) -> HyV4ForCausalLM:
-        return load_hy_v4(self.model_path, self.dtype, self.par)
+        return load_hy_v4(self.model_path, self.dtype, self.device, self.par)
 
     def _new_states(self) -> Glm5NextStateCache:
         return Glm5NextStateCache(self.own_model, self.config.max_num_seqs, self.num_state_snapshots)

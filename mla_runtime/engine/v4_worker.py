@@ -184,6 +184,17 @@ class V4Worker(Worker):
             cfg, dtype=self.dtype, max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=self.config.max_num_seqs, residual_streams=streams)
 
+    def _count_stored(self, raw: dict[str, Any], family: str, cfg: Any, rename: Callable[[str], str | None],
+                      splits: dict[str, tuple[str, int]]) -> None:
+        """A checkpoint in V4's stored scheme (FP8 blocks, MXFP4 experts) is held as stored: its weights are counted
+        from its files' headers (``rename``: a stored name -> the model's, None for a tensor it does not read), this
+        rank's shard of them under tensor parallelism (``cfg``'s experts, ``splits``), not at the float model's
+        size."""
+        if v4_quantization(raw, family) is not None:
+            self.weight_bytes = stored_weight_bytes(Path(self.model_path), self.dtype, cfg, self.par,
+                                                    keep=lambda name: rename(name) is not None, rename=rename,
+                                                    splits=splits)
+
     def _unloaded(self) -> None:
         """What a worker of a model of its own holds before ``load``: no model, slots, cache, tiers or graphs."""
         self.model = None

@@ -17,11 +17,13 @@ counts is the vision tower's (``pyramid_num_routed``), and transformers' text mo
 ``Dots3State`` is what one sequence keeps between steps: per layer its latents ``[L, d_c + d_r]`` (a sliding layer
 only its last ``sliding_window - 1``, with the position of the first) and per indexed layer its indexer keys. Only the
 text model: the vision and audio towers are not read, and a prompt holding one of their placeholder tokens is refused.
+A checkpoint in DeepSeek-V4's stored FP8 / MXFP4 scheme keeps its matrices as stored (``v4_stored.load_stored``).
 
 Under tensor parallelism (``par``) each rank holds its shard (``v4_shards.DOTS3_SPLITS``: each layer's share of its own
-heads, its routed experts, slices of the MLPs and of the vocabulary) and reads only it from the files; the latent
-projections and the indexers are whole on every rank, so every rank keeps the same state. The attention's and the
-MLP's partial outputs are summed over the ranks (one all-reduce each), the logits gathered.
+heads, its routed experts, slices of the MLPs and of the vocabulary) and reads only it from the files (of a stored
+checkpoint: only its routed experts, the rest cut once read); the latent projections and the indexers are whole on every
+rank, so every rank keeps the same state. The attention's and the MLP's partial outputs are summed over the ranks (one
+all-reduce each), the logits gathered.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from mla_runtime.layers.moe import Router
 from mla_runtime.models.glm5_next import Glm5NextStateCache, Norm
 from mla_runtime.models.own_checkpoint import read_checkpoint
 from mla_runtime.models.v4_shards import DOTS3_SPLITS, check_parallel, read_shard
+from mla_runtime.models.v4_stored import load_stored, v4_quantization
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 
 MODEL_TYPES = ("dots3_note", "dots3_note_text")
@@ -363,8 +366,9 @@ class Dots3NoteForCausalLM(nn.Module):
         return self.compute_logits(self.hidden(ids, st))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits ``[R, V]`` (under tensor parallelism every rank's vocabulary rows, gathered)."""
-        logits = F.linear(hidden, self.lm_head.weight).float()
+        """float32 logits ``[R, V]`` (the head a linear layer, or the checkpoint's quantised one, ``StoredLinear``;
+        under tensor parallelism every rank's vocabulary rows, gathered)."""
+        logits = cast(torch.Tensor, self.lm_head(hidden)).float()
         if not self.par.enabled:
             return logits
         return self.par.all_gather(logits, dim=-1)[:, :int(self.config.vocab_size)]
@@ -422,13 +426,24 @@ def check_dots3_parallel(cfg: Dots3Config, world: int) -> None:
     check_parallel("dots3_note", sizes, world)
 
 
-def load_dots3_note(path: str | Path, dtype: torch.dtype = torch.float32, par: ParallelContext = SINGLE_RANK
-                    ) -> Dots3NoteForCausalLM:
-    """A ``dots3_note`` (or ``dots3_note_text``) checkpoint: ``config.json`` and ``*.safetensors``, float tensors;
-    under tensor parallelism (``par``) this rank's shard, the only part of the files it reads."""
-    _, raw, _ = read_checkpoint(path, MODEL_TYPES, keep=lambda _: False)  # the config
+def load_dots3_note(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                    par: ParallelContext = SINGLE_RANK) -> Dots3NoteForCausalLM:
+    """A ``dots3_note`` (or ``dots3_note_text``) checkpoint: ``config.json`` and ``*.safetensors``, float tensors or
+    V4's stored FP8 blocks and MXFP4 (or FP8) routed experts, kept as stored (``v4_stored``) on ``device`` (default:
+    where the tensors load, the CPU). The towers' and the MTP layer's tensors are not read. Under tensor parallelism
+    (``par``) this rank's shard: of a float checkpoint only its part of the files is read (``read_shard``), of a
+    stored one its experts, the rest cut once read."""
+    _, raw, _ = read_checkpoint(path, MODEL_TYPES, quantized=True, keep=lambda _: False)  # the config
     cfg = Dots3Config.from_raw(raw)
     model = Dots3NoteForCausalLM(cfg, dtype, par)
     layers = len(cfg.kinds)
-    model.load_state_dict_hf(read_shard(path, MODEL_TYPES, cfg, par, DOTS3_SPLITS, lambda n: stored_name(n, layers)))
-    return model.eval()
+
+    def rename(name: str) -> str | None:
+        return stored_name(name, layers)
+
+    if v4_quantization(raw, "dots3_note") is None:
+        tensors = read_shard(path, MODEL_TYPES, cfg, par, DOTS3_SPLITS, rename)
+    else:
+        tensors = load_stored(model, path, MODEL_TYPES, cfg, rename, dtype, device, par, DOTS3_SPLITS)
+    model.load_state_dict_hf(tensors)
+    return (model if device is None else model.to(device)).eval()

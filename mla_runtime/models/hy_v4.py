@@ -13,16 +13,18 @@ token, RoPE on halves as GLM-5's), plus three things of its own:
 The residual is ``hc_mult`` streams (``layers/hyper.py``'s ``IndependentHyperConnection``: no stream mix), collapsed
 by ``HyperHead`` before the final norm; the lm_head runs in float32. Per layer the MLP is dense or MoE
 (``mlp_layer_types``): plain SwiGLU dense MLPs and shared experts, routed experts (stored packed) clamped at
-``swiglu_limit``, DeepSeek-V3's sigmoid router with its correction bias. The checkpoint's MTP layers are not read.
+``swiglu_limit``, DeepSeek-V3's sigmoid router with its correction bias. The checkpoint's MTP layers are not read; a
+checkpoint in DeepSeek-V4's stored FP8 / MXFP4 scheme keeps its matrices as stored (``v4_stored.load_stored``).
 
 ``HyV4State`` is what one sequence keeps between steps: per layer its ``[L, d_c + d_r]`` latents (normed, rotated)
 and, per ``full`` layer, its indexer's ``[L, index_head_dim]`` keys. A step may hold any number of the sequence's
 tokens (a prompt, a chunk of one, a decode); the engine's slots are ``Glm5NextStateCache``'s.
 
 Under tensor parallelism (``par``) each rank holds its shard (``v4_shards.HY_V4_SPLITS``: its heads, routed experts,
-slices of the MLPs and of the vocabulary) and reads only it from the files; the latent projections, the indexer and
-the hyper-connections are whole on every rank, so every rank keeps the same state. The attention's and the MLP's
-partial outputs are summed over the ranks (one all-reduce each), the logits gathered.
+slices of the MLPs and of the vocabulary) and reads only it from the files (of a stored checkpoint: only its routed
+experts, the rest cut once read); the latent projections, the indexer and the hyper-connections are whole on every rank,
+so every rank keeps the same state. The attention's and the MLP's partial outputs are summed over the ranks (one
+all-reduce each), the logits gathered.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from mla_runtime.layers.moe import Router
 from mla_runtime.models.glm5_next import Glm5NextStateCache, Norm
 from mla_runtime.models.own_checkpoint import read_checkpoint
 from mla_runtime.models.v4_shards import HY_V4_SPLITS, check_parallel, read_shard
+from mla_runtime.models.v4_stored import load_stored, v4_quantization
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 
 _DEFAULTS: dict[str, Any] = dict(
@@ -314,8 +317,9 @@ class HyV4ForCausalLM(nn.Module):
         return self.compute_logits(self.hidden(ids, st))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits ``[R, V]`` (under tensor parallelism every rank's vocabulary rows, gathered)."""
-        logits = F.linear(hidden.float(), self.lm_head.weight.float())
+        """float32 logits ``[R, V]`` (the head a linear layer, or the checkpoint's quantised one, ``StoredLinear``;
+        under tensor parallelism every rank's vocabulary rows, gathered)."""
+        logits = cast(torch.Tensor, self.lm_head(hidden.float())).float()
         if not self.par.enabled:
             return logits
         return self.par.all_gather(logits, dim=-1)[:, :int(self.config.vocab_size)]
@@ -364,12 +368,18 @@ def check_hy_v4_parallel(cfg: HyV4Config, world: int) -> None:
     check_parallel("hy_v4", sizes, world)
 
 
-def load_hy_v4(path: str | Path, dtype: torch.dtype = torch.float32, par: ParallelContext = SINGLE_RANK
-               ) -> HyV4ForCausalLM:
-    """A ``hy_v4`` checkpoint: ``config.json`` and ``*.safetensors``, float tensors; under tensor parallelism
-    (``par``) this rank's shard, the only part of the files it reads."""
-    _, raw, _ = read_checkpoint(path, ("hy_v4",), keep=lambda _: False)  # the config
+def load_hy_v4(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+               par: ParallelContext = SINGLE_RANK) -> HyV4ForCausalLM:
+    """A ``hy_v4`` checkpoint: ``config.json`` and ``*.safetensors``, float tensors or V4's stored FP8 blocks and
+    MXFP4 (or FP8) routed experts, one matrix per expert, kept as stored (``v4_stored``) on ``device`` (default:
+    where the tensors load, the CPU). Under tensor parallelism (``par``) this rank's shard: of a float checkpoint
+    only its part of the files is read (``read_shard``), of a stored one its experts, the rest cut once read."""
+    _, raw, _ = read_checkpoint(path, ("hy_v4",), quantized=True, keep=lambda _: False)  # the config
     cfg = HyV4Config.from_raw(raw)
     model = HyV4ForCausalLM(cfg, dtype, par)
-    model.load_state_dict_hf(read_shard(path, ("hy_v4",), cfg, par, HY_V4_SPLITS, stored_name))
-    return model.eval()
+    if v4_quantization(raw, "hy_v4") is None:
+        tensors = read_shard(path, ("hy_v4",), cfg, par, HY_V4_SPLITS, stored_name)
+    else:
+        tensors = load_stored(model, path, ("hy_v4",), cfg, stored_name, dtype, device, par, HY_V4_SPLITS)
+    model.load_state_dict_hf(tensors)
+    return (model if device is None else model.to(device)).eval()

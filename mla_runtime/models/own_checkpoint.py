@@ -1,6 +1,7 @@
 """Reading the checkpoint of a model of its own (DeepSeek-V4, GLM-5-Next, Hunyuan V4, dots3-note:
 ``families.OWN_MODEL``): a folder of ``config.json`` and ``*.safetensors``, refused by name where it is another model
-type, quantised (but for DeepSeek-V4's stored scheme, read by ``v4_stored``), or holds no weights."""
+type, quantised (but for DeepSeek-V4's stored scheme, which V4, Hunyuan V4 and dots3-note read through
+``v4_stored``), or holds no weights."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def read_checkpoint(path: str | Path, model_types: tuple[str, ...], quantized: b
                     ) -> tuple[Path, dict[str, Any], dict[str, torch.Tensor]]:
     """(the folder, its config, every tensor of its ``*.safetensors`` by stored name) of a checkpoint whose
     ``model_type`` is one of ``model_types``; ``quantized``: a ``quantization_config`` is the caller's to read
-    (DeepSeek-V4's stored FP8 / MXFP4, ``v4_stored``), else it is refused. ``keep``: read only the tensors whose
+    (V4's stored FP8 / MXFP4, ``v4_stored``), else it is refused. ``keep``: read only the tensors whose
     names it keeps (a tensor-parallel rank's); ``part``: of a tensor (its stored name and shape), read only
     ``(dim, start, stop)`` (a rank's slice; None: the whole)."""
     from safetensors import safe_open

@@ -160,15 +160,17 @@ def expert_on_rank(cfg: Any, name: str, par: ParallelContext) -> str | None:
     return None if not start <= e < stop else name[:m.start(1)] + str(e - start) + name[m.end(1):]
 
 
-def shard_stored(cfg: Any, name: str, m: QuantizedWeight, par: ParallelContext) -> QuantizedWeight:
-    """This rank's part of the stored matrix ``name`` (a routed expert's is whole: ``expert_on_rank`` chose it)."""
-    split = _split_of(name)
+def shard_stored(cfg: Any, name: str, m: QuantizedWeight, par: ParallelContext,
+                 splits: dict[str, tuple[str, int]] = V4_SPLITS, family: str = "deepseek_v4") -> QuantizedWeight:
+    """This rank's part of the stored matrix ``name`` (the model's name, in its ``splits``; a routed expert's is
+    whole: ``expert_on_rank`` chose it)."""
+    split = _split_of(name, splits)
     if not par.enabled or split is None or ".mlp.experts." in name:
         return m
     kind, dim = split
     start, stop, rows = _span(cfg, kind, m.shape[dim], par)
     if stop - start != rows:
-        raise ValueError(f"deepseek_v4: {name} is stored quantised; its vocabulary does not split evenly over "
+        raise ValueError(f"{family}: {name} is stored quantised; its vocabulary does not split evenly over "
                          f"tensor_parallel_size={par.world_size}: load it with tensor_parallel_size 1")
     if dim == 0:
         if isinstance(m, Fp8Weight) and start % m.block[0] == 0 and (stop % m.block[0] == 0 or stop == m.shape[0]):
@@ -178,15 +180,17 @@ def shard_stored(cfg: Any, name: str, m: QuantizedWeight, par: ParallelContext) 
     if isinstance(m, Fp8Weight) and start % m.block[1] == 0 and (stop % m.block[1] == 0 or stop == m.shape[1]):
         bk = m.block[1]
         return Fp8Weight(m.weight[:, start:stop], m.scale_inv[:, start // bk:-(-stop // bk)], m.block, m.plain.dtype)
-    raise ValueError(f"deepseek_v4: tensor_parallel_size={par.world_size} cuts {name}'s input columns "
+    raise ValueError(f"{family}: tensor_parallel_size={par.world_size} cuts {name}'s input columns "
                      f"[{start}, {stop}) off its stored blocks ({type(m).__name__}"
                      f"{' ' + str(m.block) if isinstance(m, Fp8Weight) else ''}): load it with a tensor_parallel_size "
                      f"whose slices end on the blocks, or with 1")
 
 
-def shard_fraction(cfg: Any, name: str, par: ParallelContext) -> tuple[bool, int]:
+def shard_fraction(cfg: Any, name: str, par: ParallelContext, rename: Callable[[str], str | None] | None = None,
+                   splits: dict[str, tuple[str, int]] = V4_SPLITS) -> tuple[bool, int]:
     """For sizing a stored checkpoint from its files' headers: (whether this rank keeps the tensor ``name``, in the
-    released layout or the model's, and the parts of it this rank keeps 1 in: 1 whole, ``N`` a shard)."""
+    stored layout or the model's, and the parts of it this rank keeps 1 in: 1 whole, ``N`` a shard); ``rename``: a
+    stored name -> the model's (default DeepSeek-V4's), ``splits`` the model's."""
     from mla_runtime.models.deepseek_v4 import stored_name
 
     if not par.enabled:
@@ -195,12 +199,12 @@ def shard_fraction(cfg: Any, name: str, par: ParallelContext) -> tuple[bool, int
     for suffix in (".weight_scale_inv", ".scale"):
         if name.endswith(suffix):
             base = name[:-len(suffix)] + ".weight"
-    mine = stored_name(base)
+    mine = (rename or stored_name)(base)
     if mine is None or expert_on_rank(cfg, mine, par) is None:
         return False, 1
     if _EXPERT.search(mine):
         return True, 1
-    return True, (par.world_size if _split_of(mine) is not None else 1)
+    return True, (par.world_size if _split_of(mine, splits) is not None else 1)
 
 
 __all__ = ["DOTS3_SPLITS", "HY_V4_SPLITS", "V4_SPLITS", "check_parallel", "check_v4_parallel", "expert_on_rank",
