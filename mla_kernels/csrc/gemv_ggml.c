@@ -38,9 +38,10 @@
  *
  * Each thread takes blocks of weight rows (GG_BLOCK_BYTES, so that a block stays in L2) and passes over them once
  * per tile of GG_TILE input rows: a prefill chunk's rows read the weight from memory once, and the unpacked values of
- * a block or super-block serve every row of the tile. With AVX-512 + VNNI, a Q8_0 or K-quant call of at least 24
- * input rows (GG_R8_MIN_ROWS: below that, packing the rows costs what it saves) instead unpacks and interleaves its weight rows eight at a time into a buffer (ggml_rows.h, gg_q8_0_r8,
- * gg_k_r8): one vector holds eight rows' sums of a block or group, so no sum runs across lanes per block, and each row
+ * a block or super-block serve every row of the tile. With AVX-512 + VNNI, a Q8_0, Q5_0 or K-quant call of at least
+ * 24 input rows (GG_R8_MIN_ROWS: below that, packing the rows costs what it saves) instead unpacks and interleaves
+ * its weight rows eight at a time into a buffer (ggml_rows.h, gg_r8_call, gg_k_r8): one vector holds eight rows'
+ * sums of a block or super-block, so no sum runs across lanes per block, and each row
  * gets the same integers and float operations in the same order: the same bits. On this 2-core Zen 4, [2816, 2048]
  * times 256 rows: Q8_0 1.7x, Q4_K 1.4x, Q6_K 1.35x the tile path's speed. A row is read GG_AHEAD bytes ahead of its
  * use: at 1024 a one-row Q5_0 product streamed 17.5 GB/s here, at 4096 21.5. */
@@ -148,7 +149,10 @@ int64_t mla_ggml_row_bytes(int64_t type, int64_t k) {
 static int64_t gg_padded(int64_t k) { return (k + 255) / 256 * 256; }  /* a whole number of super-blocks */
 
 /* Bytes of one prepared row of k values: two forms (the file's comment). */
-int64_t mla_gg_prepared_bytes(int64_t k) { return GG_K_FORM(gg_padded(k)) + gg_padded(k) + gg_padded(k) / 64 + gg_padded(k) / 8; }
+int64_t mla_gg_prepared_bytes(int64_t k) {
+    const int64_t kp = gg_padded(k);
+    return GG_K_FORM(kp) + kp + kp / 64 + kp / 8;
+}
 
 /* The values x [g0, g0 + n) rounded to int8 with one scale (a NaN where a value is not finite, else amax / 127;
  * values to nearest even) at a, the scale at *scale, and each run of 16 rounded values' sum at h. */

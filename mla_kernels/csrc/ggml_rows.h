@@ -154,7 +154,8 @@ VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_small_rows)(c
             for (int64_t b = 0; b < nb; b += 8) {
                 const uint8_t *p = wr + b * bytes;
                 const int nv = nb - b < 8 ? (int)(nb - b) : 8;
-                for (int l = 0; l < (8 * bytes + 63) / 64; l++) _mm_prefetch((const char *)p + GG_AHEAD + 64 * l, _MM_HINT_T0);
+                for (int l = 0; l < (8 * bytes + 63) / 64; l++)
+                    _mm_prefetch((const char *)p + GG_AHEAD + 64 * l, _MM_HINT_T0);
                 const __m256 ws = SFX(gg_halves8)(p, (int)bytes, 0, nv);
                 const __m256 wm = mins ? SFX(gg_halves8)(p, (int)bytes, 2, nv) : _mm256_setzero_ps();
                 SFX(GgRuns) runs;
@@ -370,8 +371,8 @@ VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_runs_q45_k)(c
             r->v[q] = _mm512_mask_add_epi8(r->v[q], _mm512_test_epi8_mask(h, bit), r->v[q], _mm512_set1_epi8(16));
         }
     /* the 12 bytes q at p + 4 (and four bytes of qs after them, unused) to scales 0..3 = q[0..3] & 63, 4..7 =
-     * (q[8..11] & 15) | (q[0..3] >> 6) << 4, minimums 0..3 = q[4..7] & 63, 4..7 = (q[8..11] >> 4) | (q[4..7] >> 6) << 4,
-     * in vector registers */
+     * (q[8..11] & 15) | (q[0..3] >> 6) << 4, minimums 0..3 = q[4..7] & 63,
+     * 4..7 = (q[8..11] >> 4) | (q[4..7] >> 6) << 4, in vector registers */
     const __m128i q = _mm_loadu_si128((const __m128i *)(p + 4));
     const __m128i lo = _mm_shuffle_epi8(q, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
     const __m128i top = _mm_shuffle_epi8(q, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
@@ -475,8 +476,8 @@ VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_k_tile)(const
                 for (int j = 0; j < mb; j++) {
                     const float *g = GG_KG(c->xp + (t + j) * c->xstride, c->kp) + b0;
                     float v[8];
-                    _mm256_storeu_ps(v, SFX(gg_k_value)(SFX(gg_sum8)(tot[j]), sub ? tot[j][0] : SFX(gg_sum8)(mt[j]), d, dm,
-                                                        _mm256_loadu_ps(g), sub));
+                    const __m256i msum = sub ? tot[j][0] : SFX(gg_sum8)(mt[j]);
+                    _mm256_storeu_ps(v, SFX(gg_k_value)(SFX(gg_sum8)(tot[j]), msum, d, dm, _mm256_loadu_ps(g), sub));
                     for (int i = 0; i < nv; i++) acc[j] += v[i];
                 }
             }
@@ -523,15 +524,19 @@ VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_r8_transpose)
     _mm256_store_si256(o + 7, _mm256_permute2x128_si256(u3, u7, 0x31));
 }
 
+/* Weight rows r .. r + rows of a Q8_0 or Q5_0 (T) call, interleaved into buf as w + 128 (Q5_0: w = u - 16), their
+ * scales into ws. */
 VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_r8_pack)(const GgCall *c, int64_t r, int rows,
-                                                                           uint8_t *buf, float *ws) {
-    const int64_t nb = c->k / 32;
-    const __m256i flip = _mm256_set1_epi8((char)0x80);
+                                                                           uint8_t *buf, float *ws, const int T) {
+    const int64_t nb = c->k / 32, bytes = gg_format(T).bytes;
+    const __m256i flip = _mm256_set1_epi8((char)0x80), shift = _mm256_set1_epi8(128 - 16);
     for (int64_t b = 0; b < nb; b++) {
         __m256i v[8];
         for (int i = 0; i < 8; i++) {
-            const uint8_t *p = c->w + (r + (i < rows ? i : 0)) * c->row_stride + b * 34;
-            v[i] = i < rows ? _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 2)), flip) : flip;
+            const uint8_t *p = c->w + (r + (i < rows ? i : 0)) * c->row_stride + b * bytes;
+            const __m256i w = T == GG_Q8_0 ? _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 2)), flip)
+                                           : _mm256_add_epi8(SFX(gg_small_block)(p, GG_Q5_0), shift);
+            v[i] = i < rows ? w : flip;
             ws[8 * b + i] = i < rows ? gg_f16(p) : 0.0f;
         }
         SFX(gg_r8_transpose)(v, (__m256i *)(buf + 256 * b));
@@ -593,14 +598,16 @@ VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_r8_rows)(cons
     for (int t = 0; t < NR; t++) SFX(gg_r8_store)(acc[t], c->y + (j + t) * c->n + r, rows);
 }
 
-VI_TARGET static void SFX(gg_q8_0_r8)(const GgCall *c, int64_t r0, int64_t r1) {
+/* Q8_0 or Q5_0 (T) rows of a call of at least GG_R8_MIN_ROWS input rows, eight weight rows at a time. Q5_0's block
+ * sum is Q8_0's over w = u - 16: the integer gg_small_rows takes (its sum of u a less 16 times the activation sum). */
+VI_TARGET static void SFX(gg_r8_call)(const GgCall *c, int64_t r0, int64_t r1, const int T) {
     const int64_t nb = c->k / 32;
     uint8_t *buf = (uint8_t *)alloc_lines((size_t)(nb * 256));
     float *ws = (float *)alloc_lines((size_t)(nb * 8 * 4));
     if (!buf || !ws) abort();
     for (int64_t r = r0; r < r1; r += 8) {
         const int rows = r1 - r < 8 ? (int)(r1 - r) : 8;
-        SFX(gg_r8_pack)(c, r, rows, buf, ws);
+        SFX(gg_r8_pack)(c, r, rows, buf, ws, T);
         int64_t j = 0;
         for (; j + 2 <= c->m; j += 2) SFX(gg_r8_rows)(c, buf, ws, r, rows, j, 2);
         if (j < c->m) SFX(gg_r8_rows)(c, buf, ws, r, rows, j, 1);
@@ -726,14 +733,18 @@ VI_TARGET static void SFX(gg_rows)(const GgCall *c, int64_t r0, int64_t r1) {
     switch (c->type) {
 #if VL == 16
         case GG_Q8_0:
-            if (c->m >= GG_R8_MIN_ROWS) SFX(gg_q8_0_r8)(c, r0, r1);
+            if (c->m >= GG_R8_MIN_ROWS) SFX(gg_r8_call)(c, r0, r1, GG_Q8_0);
             else SFX(gg_small_rows)(c, r0, r1, GG_Q8_0);
+            break;
+        case GG_Q5_0:
+            if (c->m >= GG_R8_MIN_ROWS) SFX(gg_r8_call)(c, r0, r1, GG_Q5_0);
+            else SFX(gg_small_rows)(c, r0, r1, GG_Q5_0);
             break;
 #else
         case GG_Q8_0: SFX(gg_small_rows)(c, r0, r1, GG_Q8_0); break;
+        case GG_Q5_0: SFX(gg_small_rows)(c, r0, r1, GG_Q5_0); break;
 #endif
         case GG_Q4_1: SFX(gg_small_rows)(c, r0, r1, GG_Q4_1); break;
-        case GG_Q5_0: SFX(gg_small_rows)(c, r0, r1, GG_Q5_0); break;
         case GG_Q5_1: SFX(gg_small_rows)(c, r0, r1, GG_Q5_1); break;
 #if VL == 16
 #define GG_K_CASE(T) if (c->m >= GG_R8_MIN_ROWS) SFX(gg_k_r8)(c, r0, r1, T); else SFX(gg_k_rows)(c, r0, r1, T)
