@@ -38,8 +38,9 @@
  *
  * Each thread takes blocks of weight rows (GG_BLOCK_BYTES, so that a block stays in L2) and passes over them once
  * per tile of GG_TILE input rows: a prefill chunk's rows read the weight from memory once, and the unpacked values of
- * a block or super-block serve every row of the tile. With AVX-512 + VNNI, a Q8_0, Q5_0 or K-quant call of at least
- * 24 input rows (GG_R8_MIN_ROWS: below that, packing the rows costs what it saves) instead unpacks and interleaves
+ * a block or super-block serve every row of the tile. With AVX-512 + VNNI, a Q8_0 or Q5_0 call of at least 12 input
+ * rows (GG_R8_MIN_SMALL) or a K-quant call of at least 24 (GG_R8_MIN_ROWS: below these, packing the rows costs what
+ * it saves) instead unpacks and interleaves
  * its weight rows eight at a time into a buffer (ggml_rows.h, gg_r8_call, gg_k_r8): one vector holds eight rows'
  * sums of a block or super-block, so no sum runs across lanes per block, and each row
  * gets the same integers and float operations in the same order: the same bits. On this 2-core Zen 4, [2816, 2048]
