@@ -58,11 +58,13 @@ def refusal(name: str, value: object, family: str, doc: str = DOC) -> str:
     """The message that refuses the setting ``name`` (``value``) for a model of its own: serving's
     ``check_v4_settings`` and the planner say the same (DeepSeek-V4 runs on any number of ranks, the others on
     one)."""
-    ranks = ("every rank holding every sequence's state (latent_cache_layout 'replicated'), "
-             if family == "deepseek_v4" else "tensor_parallel_size 1, ")
-    return (f"{name}={value!r}: {family} runs with {ranks}no speculative decoding, its full latent rank, no "
-            f"prefix-cache tiers (kv_cache_dir, kv_cache_host_bytes), no quantization, kv_cache_dtype 'auto' and dtype "
-            f"one of {sorted(V4_PLAN_DTYPES)} ({doc})")
+    v4 = family == "deepseek_v4"
+    ranks = "every rank holding every sequence's state (latent_cache_layout 'replicated'), " if v4 else \
+        "tensor_parallel_size 1, "
+    tiers = "the prefix-cache tiers (kv_cache_dir, kv_cache_host_bytes) on one rank only" if v4 else \
+        "no prefix-cache tiers (kv_cache_dir, kv_cache_host_bytes)"
+    return (f"{name}={value!r}: {family} runs with {ranks}no speculative decoding, its full latent rank, {tiers}, "
+            f"no quantization, kv_cache_dtype 'auto' and dtype one of {sorted(V4_PLAN_DTYPES)} ({doc})")
 
 
 def v32_style_bytes(layers: int, tokens: int, dtype_bytes: int = 2) -> int:

@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import queue
+import shutil
 import struct
 import threading
 import time
@@ -78,7 +79,7 @@ class SnapshotTierStats:
     host_usage_bytes: int
     host_capacity_bytes: int
     disk_usage_bytes: int
-    disk_capacity_bytes: int | None
+    disk_capacity_bytes: int
 
 
 class _Corrupt(Exception):
@@ -93,11 +94,14 @@ class SnapshotDisk:
         self.root = Path(directory)
         self.folder = self.root / f"{fingerprint[:16]}-states"
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.fingerprint, self.capacity_bytes, self.queue_bytes = fingerprint, capacity_bytes, queue_bytes
+        self.fingerprint, self.queue_bytes = fingerprint, queue_bytes
         self._lock = threading.Condition()
         self._pending: dict[str, Snapshot] = {}  # key -> snapshot queued for writing (readable meanwhile)
         self._queued_bytes = 0
         self._usage = sum(size for _, size, _ in self._files())
+        # as the latent disk tier's: by default what is there plus 90 % of the free space
+        self.capacity_bytes = capacity_bytes if capacity_bytes is not None else (
+            self._usage + int(LOW_WATERMARK * shutil.disk_usage(self.root).free))
         self.counts = dict.fromkeys(("hits", "files_written", "write_drops", "corrupt_files"), 0)
         self._writes: queue.Queue[str | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="mla-snapshot-writer", daemon=True)
@@ -292,7 +296,7 @@ class SnapshotDisk:
 
     def _make_room(self, incoming: int) -> None:
         """Keep the snapshot files under ``capacity_bytes``: least recently used ones go down to the low watermark."""
-        if self.capacity_bytes is None or self._usage + incoming <= self.capacity_bytes:
+        if self._usage + incoming <= self.capacity_bytes:
             return
         files = self._files()
         usage = sum(size for _, size, _ in files)
@@ -318,12 +322,15 @@ class SnapshotTier:
         self.closed = False
 
     def store(self, block_hash: int, snapshot: Snapshot, persist: bool = False) -> None:
-        """Keep ``snapshot`` (its tensors on the host, never written into afterwards); ``persist``: on disk too."""
+        """Keep ``snapshot`` (its tensors on the host, never written into afterwards); ``persist``: write it to the
+        disk tier alone (write-through of a snapshot that stays in memory)."""
         if self.closed:
             return
         self.counts["stored"] += 1
-        if persist and self.disk is not None:
-            self.disk.store(block_hash, snapshot)
+        if persist:  # write-through: the snapshot stays in memory, and goes to disk at once
+            if self.disk is not None:
+                self.disk.store(block_hash, snapshot)
+            return
         if block_hash in self._lru:
             self._lru.move_to_end(block_hash)
             return
@@ -393,7 +400,7 @@ class SnapshotTier:
                                  corrupt_files=disk["corrupt_files"], host_usage_bytes=self.usage_bytes,
                                  host_capacity_bytes=self.capacity_bytes,
                                  disk_usage_bytes=d.usage_bytes if d is not None else 0,
-                                 disk_capacity_bytes=d.capacity_bytes if d is not None else None)
+                                 disk_capacity_bytes=d.capacity_bytes if d is not None else 0)
 
 
 def _specs(raw: object) -> list[tuple[str, str, list[int]]]:
