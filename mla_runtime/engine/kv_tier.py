@@ -148,3 +148,6 @@ class SnapshotTierDriver:
         if self.store.tier.disk is not None:
             logger.info("state snapshot tier: %d snapshots handed to the disk tier at shutdown (%.2f s)", n,
                         time.monotonic() - t0)
+
+
+TierDriver = LowerTierDriver | SnapshotTierDriver  # what an engine closes at shutdown

@@ -26,12 +26,7 @@ from mla_runtime.config import ModelConfig
 from mla_runtime.engine.block_pool import BlockPool
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.engine.info import EngineInfo, EngineStats, TokenCounts
-from mla_runtime.engine.kv_tier import (
-    LowerTierDriver,
-    SnapshotTierDriver,
-    attach_lower_tier,
-    attach_snapshot_tier,
-)
+from mla_runtime.engine.kv_tier import TierDriver, attach_lower_tier, attach_snapshot_tier
 from mla_runtime.engine.model_runner import ModelRunner
 from mla_runtime.engine.proposer import make_proposer
 from mla_runtime.engine.requests import (
@@ -76,8 +71,7 @@ class LLMEngine:
         assert w.cache is not None
         self.thread_tuner = ThreadTuner.for_engine(config.num_threads, w.device, tp)
         self.pool = BlockPool(w.cache.num_blocks, config.block_size, w.prefix_caching, config.cache_watermark)
-        self.kv_tier: LowerTierDriver | SnapshotTierDriver | None = attach_lower_tier(
-            w, self.pool, self.tp_group, config.kv_cache_write_through)
+        self.kv_tier: TierDriver | None = attach_lower_tier(w, self.pool, self.tp_group, config.kv_cache_write_through)
         self.proposer = make_proposer(config, w, self.tp_group)
         snapshots = w.state_snapshots()
         if snapshots is not None:
