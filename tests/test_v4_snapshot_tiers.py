@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from mla_runtime import LLM, SamplingParams
-from mla_runtime.cache.snapshot_tier import Snapshot, SnapshotTier
+from mla_runtime.cache.snapshot_tier import Snapshot, SnapshotDisk, SnapshotTier
 from mla_runtime.cache.state_cache import SizedSnapshots
 from mla_runtime.engine.block_pool import block_hash
 from mla_runtime.models.deepseek_v4 import state_bytes
@@ -251,3 +252,32 @@ def test_write_through_writes_a_snapshot_as_it_is_committed(model: tuple[Path, A
         assert disk.tokens(prefix_hash(HITS[0], 2)) == 32 and tier_of(llm).stats().host_usage_bytes == 0
     finally:
         llm.shutdown()
+
+
+def test_the_tiers_keep_snapshots_within_their_bounds_and_read_back_every_dtype(tmp_path: Path) -> None:
+    """Host RAM of two snapshots over a disk tier: the least recently used one goes to a file, which reads back
+    bit for bit (float32, bfloat16, an empty tensor); a truncated file is a counted miss, deleted."""
+    def snap(seed: int) -> Snapshot:
+        g = torch.Generator().manual_seed(seed)
+        return Snapshot({"0.window": torch.randn(3, 8, generator=g).to(torch.bfloat16),
+                         "1.compressor.overlap_gate": torch.randn(2, 4, generator=g),
+                         "1.compressor.entries": torch.empty(0, 4)}, tokens=16 * seed)
+
+    one = snap(1).nbytes
+    disk = SnapshotDisk(tmp_path, "f" * 64, capacity_bytes=10 * one)
+    tier = SnapshotTier(2 * one, disk)
+    for h in (1, 2, 3):
+        tier.store(h, snap(h))
+    assert tier.usage_bytes <= 2 * one and tier.stats().host_evictions == 1 and disk.flush(30)
+    assert [tier.tokens(h) for h in (1, 2, 3, 4)] == [16, 32, 48, None]
+    got = tier.load(1)  # from its file
+    assert got is not None and got.tokens == 16 and tier.stats().disk_hits == 1
+    for name, t in snap(1).tensors.items():
+        assert got.tensors[name].dtype == t.dtype and torch.equal(got.tensors[name], t)
+    path = disk.path(disk.key(1))
+    path.write_bytes(path.read_bytes()[:-5])
+    assert tier.load(1) is None and not path.exists() and tier.stats().corrupt_files == 1
+    for h in range(10, 40):  # the directory stays within its bound
+        disk.store(h, snap(h % 3 + 1), wait=True)
+    assert disk.flush(30) and sum(f.stat().st_size for f in tmp_path.rglob("*.snap")) <= 10 * one + 1024
+    assert tier.close() == 2 and tier.usage_bytes == 0
