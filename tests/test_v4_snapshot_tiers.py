@@ -21,6 +21,7 @@ from mla_runtime.cache.snapshot_tier import Snapshot, SnapshotDisk, SnapshotTier
 from mla_runtime.cache.state_cache import SizedSnapshots
 from mla_runtime.engine.block_pool import block_hash
 from mla_runtime.models.deepseek_v4 import state_bytes
+from mla_runtime.models.v4_sizes import cache_kinds
 from tests.test_v4_prefix_cache import (  # noqa: F401  (fixtures)
     BLOCK,
     CFG,
@@ -281,3 +282,21 @@ def test_the_tiers_keep_snapshots_within_their_bounds_and_read_back_every_dtype(
         disk.store(h, snap(h % 3 + 1), wait=True)
     assert disk.flush(30) and sum(f.stat().st_size for f in tmp_path.rglob("*.snap")) <= 10 * one + 1024
     assert tier.close() == 2 and tier.usage_bytes == 0
+
+
+def test_preemption_with_the_tiers_gives_the_same_tokens(model: tuple[Path, Any],  # noqa: F811
+                                                         cold: dict[tuple[int, ...], list[int]],  # noqa: F811
+                                                         tmp_path: Path) -> None:
+    """A cache of 8 blocks and a memory budget of one snapshot over host RAM and a disk tier: sequences sharing the
+    prefix are preempted and resumed from snapshots brought back from the tiers; nothing is left held."""
+    per_token = cache_kinds(CFG, 4).block_bytes_per_token
+    llm = engine(model[0], max_num_batched_tokens=24, max_num_seqs=4, kv_cache_memory=per_token * BLOCK * 8,
+                 state_snapshot_memory=state_bytes(CFG, 48, 4), kv_cache_host_bytes=SNAP, kv_cache_dir=str(tmp_path))
+    try:
+        run(llm, [HITS[0]])
+        evict_all(llm)
+        assert run(llm, HITS) == [cold[tuple(p)] for p in HITS]
+        assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.scheduler.snapshots.num_lower_hits > 0
+        check_whole(llm)
+    finally:
+        llm.shutdown()
