@@ -186,10 +186,9 @@ def _own_plan(args: argparse.Namespace, raw: dict) -> tuple[str, bool, bool]:
     if raw["model_type"] == "deepseek_v4":
         v4 = plan_v4(raw, ranks=args.tensor_parallel_size, **kw)
         return format_v4_report(v4, args.model), v4.weights_fit, v4.fits
-    check_row_settings(raw["model_type"], tensor_parallel_size=args.tensor_parallel_size,
-                       quantization=args.quantization, cache_dtype=args.cache_dtype,
+    check_row_settings(raw["model_type"], quantization=args.quantization, cache_dtype=args.cache_dtype,
                        kv_cache_host_bytes=args.kv_cache_host_bytes, kv_cache_disk_bytes=args.kv_cache_disk_bytes)
-    rows = plan_rows(raw, **kw)
+    rows = plan_rows(raw, ranks=args.tensor_parallel_size, **kw)
     return format_row_report(rows, args.model, raw["model_type"]), rows.weights_fit, rows.fits
 
 

@@ -13,12 +13,15 @@ sets aside ``max_num_seqs`` copies of the windows for its state snapshots, as se
 
 The weights are the model's parameters counted on the meta device, in bfloat16 (``--dtype auto``: the checkpoint's
 dtype where it names float32) or float32: these models load float checkpoints only. What serving refuses for them
-(``check_v4_settings``) the plan refuses by name: tensor parallelism, quantization, a cache dtype, the prefix-cache
-tiers. The plan itself is V4's (``v4_plan.OwnModelPlan``, ``plan_own_model``) on one rank.
+(``check_v4_settings``) the plan refuses by name: quantization, a cache dtype, the prefix-cache tiers, a rank count
+that does not split the model. The plan itself is V4's (``v4_plan.OwnModelPlan``, ``plan_own_model``): on ``ranks``
+devices a rank's weights are its shard (``models/v4_shards.py``, counted on rank 0's model: the vocabulary's padded
+rows), and every rank holds every sequence's rows, as serving's ranks do.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -26,6 +29,8 @@ import torch
 from mla_runtime.models.dots3_note import Dots3Config, Dots3NoteForCausalLM
 from mla_runtime.models.hy_v4 import HyV4Config, HyV4ForCausalLM
 from mla_runtime.models.row_sizes import RowCacheKinds, dots3_kinds, dots3_model_config, hy_v4_kinds, hy_v4_model_config
+from mla_runtime.models.v4_sizes import meta_weights
+from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 from mla_runtime.plan import gib
 from mla_runtime.v4_plan import (
     DOC,
@@ -42,12 +47,10 @@ ROW_MODELS = ("hy_v4", "dots3_note", "dots3_note_text")
 RowMemoryPlan = OwnModelPlan[RowCacheKinds]
 
 
-def check_row_settings(family: str, *, tensor_parallel_size: int = 1, quantization: str | None = None,
-                       cache_dtype: str = "auto", kv_cache_host_bytes: int | None = None,
-                       kv_cache_disk_bytes: int | None = None) -> None:
+def check_row_settings(family: str, *, quantization: str | None = None, cache_dtype: str = "auto",
+                       kv_cache_host_bytes: int | None = None, kv_cache_disk_bytes: int | None = None) -> None:
     """Refuse, by serving's names and words (``refusal``), the settings ``family`` is not served with."""
-    refused = {"tensor_parallel_size": (tensor_parallel_size, tensor_parallel_size != 1),
-               "quantization": (quantization, quantization not in (None, "none")),
+    refused = {"quantization": (quantization, quantization not in (None, "none")),
                "kv_cache_dtype": (cache_dtype, cache_dtype != "auto"),
                "kv_cache_host_bytes": (kv_cache_host_bytes, kv_cache_host_bytes is not None),
                "kv_cache_dir": (kv_cache_disk_bytes, kv_cache_disk_bytes is not None)}
@@ -62,34 +65,36 @@ def _checkpoint_dtype(dtype: str, stated: object) -> str:
 
 
 def plan_rows(raw: dict[str, Any], *, dtype: str = "auto", device_memory_bytes: int,
-              memory_utilization: float = 0.92, max_seq_len: int | None = None, max_num_seqs: int = 1,
+              memory_utilization: float = 0.92, ranks: int = 1, max_seq_len: int | None = None, max_num_seqs: int = 1,
               max_num_batched_tokens: int | None = None) -> RowMemoryPlan:
-    """The plan of the ``hy_v4`` or ``dots3_note`` ``config.json`` ``raw`` on one device of
-    ``device_memory_bytes``."""
+    """The plan of the ``hy_v4`` or ``dots3_note`` ``config.json`` ``raw`` on ``ranks`` devices of
+    ``device_memory_bytes`` each."""
     family = raw.get("model_type")
     if family not in ROW_MODELS:
         raise ValueError(f"model_type {family!r}: the latent-row planner plans {list(ROW_MODELS)}")
     text = raw.get("text_config") or raw
     stated = text.get("dtype") or text.get("torch_dtype") or raw.get("dtype") or raw.get("torch_dtype")
-    torch_dtype = plan_dtype(family, _checkpoint_dtype(dtype, stated), 1, max_num_seqs, memory_utilization)
+    torch_dtype = plan_dtype(family, _checkpoint_dtype(dtype, stated), ranks, max_num_seqs, memory_utilization)
     b = torch_dtype.itemsize
     if family == "hy_v4":
         hy = HyV4Config.from_raw(raw)
         kinds, mc, streams = hy_v4_kinds(hy, b), hy_v4_model_config(hy), int(hy.hc_mult)
 
-        def build() -> torch.nn.Module:
-            return HyV4ForCausalLM(hy, torch_dtype)
+        def build(par: ParallelContext = SINGLE_RANK) -> torch.nn.Module:
+            return HyV4ForCausalLM(hy, torch_dtype, par)  # refuses a rank count that does not split it
     else:
         dots = Dots3Config.from_raw(raw)
         kinds, mc, streams = dots3_kinds(dots, b), dots3_model_config(dots), 0
 
-        def build() -> torch.nn.Module:
-            return Dots3NoteForCausalLM(dots, torch_dtype)
-    return plan_own_model(kinds, kinds.layers, build, mc, torch_dtype, streams,
-                          device_memory_bytes=device_memory_bytes, memory_utilization=memory_utilization,
+        def build(par: ParallelContext = SINGLE_RANK) -> torch.nn.Module:
+            return Dots3NoteForCausalLM(dots, torch_dtype, par)
+    shard = meta_weights(lambda: build(ParallelContext(0, ranks)))[0]  # rank 0's: the vocabulary's padded rows too
+    plan = plan_own_model(kinds, kinds.layers, build, mc, torch_dtype, streams,
+                          device_memory_bytes=device_memory_bytes, memory_utilization=memory_utilization, ranks=ranks,
                           max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens,
                           reserved_bytes=max_num_seqs * kinds.window_bytes)
+    return replace(plan, rank_weight_bytes=shard)
 
 
 def format_row_kinds(k: RowCacheKinds) -> list[str]:
@@ -127,8 +132,8 @@ def format_row_report(plan: RowMemoryPlan, model: str, family: str) -> str:
                                 f"{gib(plain)}  ({k.plain_values:,} values x {k.dtype_bytes} B per token: every "
                                 f"layer's row, every selecting layer's key; {plain / plan.sequence_bytes:.2f}x)"))
     return "\n".join([*lines, report_row(f"sequences of {n:,} tokens that fit", f"{plan.max_sequences:,}"), "",
-                      format_verdict(plan), f"  one rank, unquantized: serving refuses tensor parallelism, "
-                      f"quantization, a cache dtype and the prefix-cache tiers for {family} ({DOC})"])
+                      format_verdict(plan), f"  unquantized, every rank holding every sequence's rows: serving "
+                      f"refuses quantization, a cache dtype and the prefix-cache tiers for {family} ({DOC})"])
 
 
 __all__ = ["ROW_MODELS", "RowMemoryPlan", "check_row_settings", "format_row_kinds", "format_row_report", "plan_rows"]

@@ -54,15 +54,18 @@ V32_LATENT, V32_INDEX = 512 + 64, 128  # DeepSeek-V3.2's cached values per token
 V4_PLAN_DTYPES = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
+# the models of their own that run under tensor parallelism (``models/v4_shards.py``), every rank holding every state
+SPLIT_FAMILIES = ("deepseek_v4", "hy_v4", "dots3_note", "dots3_note_text")
+
+
 def refusal(name: str, value: object, family: str, doc: str = DOC) -> str:
     """The message that refuses the setting ``name`` (``value``) for a model of its own: serving's
-    ``check_v4_settings`` and the planner say the same (DeepSeek-V4 runs on any number of ranks, the others on
-    one)."""
-    v4 = family == "deepseek_v4"
-    ranks = "every rank holding every sequence's state (latent_cache_layout 'replicated'), " if v4 else \
-        "tensor_parallel_size 1, "
-    tiers = "the prefix-cache tiers (kv_cache_dir, kv_cache_host_bytes) on one rank only" if v4 else \
-        "no prefix-cache tiers (kv_cache_dir, kv_cache_host_bytes)"
+    ``check_v4_settings`` and the planner say the same (DeepSeek-V4, Hunyuan V4 and dots3-note run on any number of
+    ranks that splits them, GLM-5-Next on one; DeepSeek-V4 alone keeps its prefixes in the tiers, on one rank)."""
+    ranks = ("every rank holding every sequence's state (latent_cache_layout 'replicated'), "
+             if family in SPLIT_FAMILIES else "tensor_parallel_size 1, ")
+    tiers = "the prefix-cache tiers (kv_cache_dir, kv_cache_host_bytes) on one rank only" \
+        if family == "deepseek_v4" else "no prefix-cache tiers (kv_cache_dir, kv_cache_host_bytes)"
     return (f"{name}={value!r}: {family} runs with {ranks}no speculative decoding, its full latent rank, {tiers}, "
             f"no quantization, kv_cache_dtype 'auto' and dtype one of {sorted(V4_PLAN_DTYPES)} ({doc})")
 

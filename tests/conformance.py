@@ -77,7 +77,8 @@ MODEL_TYPES = DENSE + SPARSE + HYBRID + OWN
 DRAWN_TYPES = DENSE + SPARSE + HYBRID  # the drawn cells' families (V4's steps are too slow for the suite's draws)
 # hybrids run on one rank without speculative decoding (their linear layers' states advance with every token)
 ONE_RANK_NO_DRAFTS = DENSE + SPARSE
-# (DeepSeek-V4 runs on two ranks too: its heads and experts split, every rank holding every sequence's state)
+# (DeepSeek-V4, Hunyuan V4 and dots3-note run on two ranks too: their heads and experts split, every rank holding every
+# sequence's state)
 # V4 and GLM-5-Next run in torch in float32 or bfloat16: no quantised weights, no attention backend to choose
 NOT_V4 = DENSE + SPARSE + HYBRID
 # the families whose checkpoints' MTP layers the runtime serves (A.X-K1/K2, LongCat-Flash and Mistral Large 4 drop
@@ -471,7 +472,7 @@ CELLS: dict[str, Cell] = {c.name: c for c in (
          must_preempt=True, families=OWN),
     Cell("torch-backend", {"attention_backend": "torch"}, families=NOT_V4),
     Cell("triton-interpreted", {"attention_backend": "triton"}, families=NOT_V4),
-    Cell("tp2-replicated", {"tensor_parallel_size": 2}, families=ONE_RANK_NO_DRAFTS + V4),
+    Cell("tp2-replicated", {"tensor_parallel_size": 2}, families=ONE_RANK_NO_DRAFTS + V4 + HYV4 + DOTS3),
     Cell("tp2-sharded", {"tensor_parallel_size": 2, "latent_cache_layout": "sharded", "block_size": 32},
          families=ONE_RANK_NO_DRAFTS),
     Cell("int8", {"quantization": "int8"}, weights="int8", families=NOT_V4),
@@ -635,11 +636,14 @@ def run_cell(family: Family, cell: Cell, lens: tuple[int, ...] | None = None) ->
 
 
 def applicable(family: Family, cell: Cell) -> bool:
-    """The cell runs on the family's checkpoint: its family has what the cell needs, and its ranks split the heads
-    (a drawn configuration with an odd head count has no two-rank layout, and says so at start)."""
+    """The cell runs on the family's checkpoint: its family has what the cell needs, and its ranks split every layer's
+    heads (a drawn configuration with an odd head count has no two-rank layout, and says so at start)."""
     ranks = int(cell.llm.get("tensor_parallel_size", 1))
-    heads = int(family.hf.config.get_text_config().num_attention_heads)
-    return family.model_type in cell.families and heads % ranks == 0
+    text = family.hf.config.get_text_config().to_dict()  # dots3-note's sliding layers have head counts of their own
+    per_layer = (text.get("per_layer_config") or {}).values()
+    heads = [int(text["num_attention_heads"])] + [int(p["num_attention_heads"]) for p in per_layer
+                                                  if p.get("num_attention_heads")]
+    return family.model_type in cell.families and all(h % ranks == 0 for h in heads)
 
 
 def sample(rng: random.Random, count: int) -> list[tuple[str, int, str]]:

@@ -53,11 +53,12 @@ def kquant_bytes(type_name: str, rows: int, k: int, seed: int) -> np.ndarray:
     return data.reshape(rows, -1)
 
 
-def q8_rounded(x: torch.Tensor) -> torch.Tensor:
-    """Float32 rows ``x [rows, K]`` as the compiled GGUF kernels round them before their products: each group of 32
-    values to int8, ``round(x · 127 / amax)`` to nearest even, times its scale ``amax / 127`` (float32 arithmetic)."""
+def q8_rounded(x: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """Float32 rows ``x [rows, K]`` as the compiled GGUF kernels round them before their products: each group of
+    ``group`` values (32 for the 32-value types, 256 for the K-quants) to int8, ``round(x · 127 / amax)`` to nearest
+    even, times its scale ``amax / 127`` (float32 arithmetic)."""
     rows, k = x.shape
-    groups = x.float().reshape(rows, -1, 32)
+    groups = x.float().reshape(rows, -1, group)
     amax = groups.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
     return (torch.round(groups * inv).clamp(-127, 127) * (amax / 127.0)).reshape(rows, k)

@@ -82,6 +82,7 @@ def test_hy_v4_refuses_what_it_does_not_run(tmp_path):
     hf.save_pretrained(tmp_path)  # transformers' saved names (its hyper-connections', sinks', gates')
     model = load_hy_v4(tmp_path)
     assert torch.equal(model(_prompt()[:9], model.new_state()), ours(_prompt()[:9], ours.new_state()))
-    for setting in ({"quantization": "int8"}, {"tensor_parallel_size": 2}, {"num_speculative_tokens": 2}):
+    for setting in ({"quantization": "int8"}, {"latent_cache_layout": "sharded", "tensor_parallel_size": 2},
+                    {"num_speculative_tokens": 2}):
         with pytest.raises(InvalidParam, match=f"{next(iter(setting))}=.*hy_v4 runs with"):
             LLM(str(tmp_path), dtype="float32", **setting)

@@ -69,14 +69,15 @@ def _shapes(type_name: str) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("type_name", sorted(GGML_TYPES))
 def test_each_kernel_is_its_rounded_rows_times_the_dequantised_weight(type_name, variant):
-    """Within float32 summation order of the exact product of the rounded rows (``q8_rounded``) and the weight the
-    ``gguf`` package dequantises; a row's bits the same alone and among 5 and 64 rows, and in every variant."""
+    """Within float32 summation order of the exact product of the rounded rows (``q8_rounded``: groups of 32, and of
+    256 for the K-quants) and the weight the ``gguf`` package dequantises; a row's bits the same alone and among 5 and
+    64 rows, and in every variant."""
     _variant_or_skip(variant)
     for n, k in _shapes(type_name):
         w, wide = _operands(type_name, n, k, seed=n + k)
         g = torch.Generator().manual_seed(n * k)
         x = torch.randn(64, k, generator=g) * torch.logspace(-2, 2, k)[torch.randperm(k, generator=g)]
-        xr = q8_rounded(x).double()
+        xr = q8_rounded(x, 256 if type_name.endswith("_K") else 32).double()
         got = cpu_kernels.ggml_linear(x, w, _type_number(type_name), variant=variant)
         want = xr @ wide.double().T
         assert got.dtype == torch.float32 and got.shape == (64, n)
@@ -184,7 +185,7 @@ def test_a_gguf_weight_takes_the_kernels_for_their_parts_and_widens_the_others()
     assert torch.equal(got[..., :12].reshape(6, 12), cpu_kernels.ggml_linear(rows, q4, _type_number("Q4_K")) + 1)
     assert torch.equal(got[..., 17:].reshape(6, 7), cpu_kernels.ggml_linear(rows, q6, _type_number("Q6_K")) + 1)
     torch.testing.assert_close(got[..., 12:17], x @ f16.float().T + 1)
-    torch.testing.assert_close(got[..., :12], q8_rounded(rows).reshape(2, 3, 256) @ q4_wide.T + 1)
+    torch.testing.assert_close(got[..., :12], q8_rounded(rows, 256).reshape(2, 3, 256) @ q4_wide.T + 1)
     weight.bind(kernel_plan("plain"))
     assert not weight.kernel
     want = x @ torch.cat([q4_wide, f16.float(), q6_wide]).T + 1

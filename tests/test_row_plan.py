@@ -1,7 +1,8 @@
 """The plan of Hunyuan V4 and dots3-note (``row_plan.py``, ``models/row_sizes.py``) on tiny configs written by
 transformers' own classes: the per-token and per-sequence bytes against what a sequence's state holds after a
 prompt, the weights against the model's parameters, both against the workers' start-up numbers, and ``mla-runtime
-plan``'s report and exit codes (fits, does not fit, weights do not fit, tensor parallelism and quantization refused)."""
+plan``'s report and exit codes (fits, does not fit, weights do not fit, quantization and a rank count that does not
+split the model refused); on two ranks a rank's weights are its shard's, as the worker of rank 0 counts them."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from mla_runtime.engine.dots3_worker import Dots3Worker
 from mla_runtime.engine.hy_v4_worker import HyV4Worker
 from mla_runtime.models.dots3_note import Dots3Config, Dots3NoteForCausalLM
 from mla_runtime.models.hy_v4 import HyV4Config, HyV4ForCausalLM
+from mla_runtime.parallel import ParallelContext
 from mla_runtime.plan_cli import main
 from mla_runtime.row_plan import plan_rows
 from tests.conformance import dots3_note_multimodal
@@ -72,6 +74,13 @@ def test_plan_bytes_are_what_a_sequence_keeps_and_the_worker_counts(checkpoints,
     assert worker.state_snapshot_bytes == plan_rows(raw, dtype="bfloat16", device_memory_bytes=2**30,
                                                     max_num_seqs=n).reserved_bytes == n * plan.kinds.window_bytes
     assert (plan.kinds.window_bytes > 0) == (family == "dots3_note")  # only dots3-note has sliding layers
+    two = plan_rows(raw, dtype="bfloat16", device_memory_bytes=2**30, max_seq_len=17, ranks=2)
+    rank0 = worker_of(EngineConfig(model=str(checkpoints[family]), dtype="bfloat16", tensor_parallel_size=2),
+                      ParallelContext(0, 2))
+    shard = model_of(config_of.from_raw(raw), torch.bfloat16, ParallelContext(0, 2))
+    assert two.weight_bytes_per_rank == rank0.weight_bytes == sum(p.numel() * p.element_size()
+                                                                  for p in shard.parameters()) < plan.weight_bytes
+    assert two.weight_bytes == plan.weight_bytes and two.sequence_bytes == plan.sequence_bytes
 
 
 def _cli(checkpoint: Path, *args: str) -> int:
@@ -94,13 +103,15 @@ def test_plan_cli_reports_the_kinds_and_exits_as_v4s(checkpoints, family, capsys
     assert f"DOES NOT FIT ({over.max_sequences:,} fit)" in capsys.readouterr().out
     assert _cli(checkpoints[family], "--device-memory", "200MiB") == 2  # the activation reserve alone is 256 MiB
     assert "the weights and activations alone DO NOT FIT" in capsys.readouterr().out
-    for refused, name in ((["--tensor-parallel-size", "2"], "tensor_parallel_size=2"),
-                          (["--quantization", "int8"], "quantization='int8'"),
+    for refused, name in ((["--quantization", "int8"], "quantization='int8'"),
                           (["--cache-dtype", "fp8"], "kv_cache_dtype='fp8'"),
                           (["--kv-cache-host-bytes", "1GiB"], "kv_cache_host_bytes=")):
         assert _cli(checkpoints[family], "--device-memory", "1GiB", *refused) == 2
         err = capsys.readouterr().err
-        assert name in err and f"{family} runs with tensor_parallel_size 1" in err
+        assert name in err and f"{family} runs with every rank holding every sequence's state" in err
+    assert _cli(checkpoints[family], "--device-memory", "1GiB", "--tensor-parallel-size", "3") == 2
+    assert f"tensor_parallel_size=3 cannot split this {family} model" in capsys.readouterr().err
+    assert _cli(checkpoints[family], "--device-memory", "1GiB", "--tensor-parallel-size", "2") == 0
 
 
 def test_float32_and_a_bad_dtype(checkpoints):

@@ -18,18 +18,23 @@
  *     Q5_K   5       32       0       -dmin m_sub
  *     Q6_K   6       16       32      -
  *
- * Each row is read in place, its values unpacked in registers (ggml_rows.h): each run of 32 values that shares an
- * activation scale (a block of the 32-value types, a 32-value group of a super-block) gets its exact integer dot
- * product with the input row, the weight's integer sub-block scales applied in integer arithmetic, and each such sum
- * is scaled in float32 once: float(sum) x (ws x the activation scale), ws the block's or super-block's float16 scale.
+ * Each row is read in place, its values unpacked in registers (ggml_rows.h). A 32-value block gets its exact integer
+ * dot product with the input row, scaled in float32 once: float(sum) x (ws x the group's activation scale). A K-quant
+ * super-block's integer sum, its integer sub-block scales and offsets applied, is exact in int32 and scaled once:
+ * float(sum) x (d x the super-block's activation scale), plus the minimums' term the same way.
  *
- * Activations are rounded once per call to int8 with one float32 scale per group of 32 values, as gemv_int4.c rounds
- * them: a = round(x 127 / amax) to nearest even, scale amax / 127 (a group holding infinity or NaN gets a NaN scale,
- * so its products come out NaN). A prepared row of kp values (k rounded up to 256, the padding zero) holds
+ * Activations are rounded once per call to int8, as gemv_int4.c rounds them: a = round(x 127 / amax) to nearest
+ * even, scale amax / 127 (a group holding infinity or NaN gets a NaN scale, so its products come out NaN), in two
+ * forms: one float32 scale per group of 32 values (read by the 32-value types) and one per group of 256, a
+ * super-block (read by the K-quants, as ggml's own Q8_K: then a super-block's whole integer sum, scales applied,
+ * is exact in int32 and meets one float scale). A prepared row of kp values (k rounded up to 256, the padding zero)
+ * holds
  *
- *     a  [kp] int8        the rounded values
+ *     a  [kp] int8        the values rounded in groups of 32
  *     g  [kp / 32] f32    each group's scale
  *     h  [kp / 16] int16  each run of 16 values' sum (the offsets' and minimums' terms)
+ *
+ * and then, from GG_K_FORM(kp), the same three for groups of 256 (g: kp / 256 scales).
  *
  * Each thread takes blocks of weight rows (GG_BLOCK_BYTES, so that a block stays in L2) and passes over them once
  * per tile of GG_TILE input rows: a prefill chunk's rows read the weight from memory once, and the unpacked values of
@@ -37,7 +42,8 @@
  * input rows (GG_R8_MIN_ROWS: below that, packing the rows costs what it saves) instead unpacks and interleaves its weight rows eight at a time into a buffer (ggml_rows.h, gg_q8_0_r8,
  * gg_k_r8): one vector holds eight rows' sums of a block or group, so no sum runs across lanes per block, and each row
  * gets the same integers and float operations in the same order: the same bits. On this 2-core Zen 4, [2816, 2048]
- * times 256 rows: Q8_0 1.7x, Q4_K 1.4x, Q6_K 1.35x the tile path's speed. */
+ * times 256 rows: Q8_0 1.7x, Q4_K 1.4x, Q6_K 1.35x the tile path's speed. A row is read GG_AHEAD bytes ahead of its
+ * use: at 1024 a one-row Q5_0 product streamed 17.5 GB/s here, at 4096 21.5. */
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
@@ -52,6 +58,10 @@ enum { GG_Q4_1 = 3, GG_Q5_0 = 6, GG_Q5_1 = 7, GG_Q8_0 = 8, GG_Q2_K = 10, GG_Q3_K
 #define GG_GROUP 32             /* activation values per scale */
 #define GG_TILE 8               /* input rows a pass over a block of weight rows */
 #define GG_BLOCK_BYTES 65536    /* weight bytes of a block of rows */
+#define GG_K_FORM(kp) ((kp) + (kp) / 4)  /* where a prepared row's second form (groups of 256) starts */
+#ifndef GG_AHEAD
+#define GG_AHEAD 4096          /* bytes a row is read ahead of its use (prefetched) */
+#endif
 
 typedef struct {
     int block, bytes;  /* values and bytes of a block */
@@ -137,35 +147,42 @@ int64_t mla_ggml_row_bytes(int64_t type, int64_t k) {
 
 static int64_t gg_padded(int64_t k) { return (k + 255) / 256 * 256; }  /* a whole number of super-blocks */
 
-/* Bytes of one prepared row of k values. */
-int64_t mla_gg_prepared_bytes(int64_t k) { return gg_padded(k) + gg_padded(k) / 4; }
+/* Bytes of one prepared row of k values: two forms (the file's comment). */
+int64_t mla_gg_prepared_bytes(int64_t k) { return GG_K_FORM(gg_padded(k)) + gg_padded(k) + gg_padded(k) / 64 + gg_padded(k) / 8; }
 
-/* One row x [k] -> its prepared form at out (the file's comment). */
+/* The values x [g0, g0 + n) rounded to int8 with one scale (a NaN where a value is not finite, else amax / 127;
+ * values to nearest even) at a, the scale at *scale, and each run of 16 rounded values' sum at h. */
+static void gg_round_group(const float *x, int64_t k, int64_t g0, int n, int8_t *a, float *scale, int16_t *h) {
+    float amax = 0.0f;
+    int finite = 1;
+    for (int i = 0; i < n; i++) {
+        const float v = g0 + i < k ? x[g0 + i] : 0.0f;
+        finite &= isfinite(v) != 0;
+        amax = fabsf(v) > amax ? fabsf(v) : amax;
+    }
+    const float inv = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+    *scale = !finite ? NAN : amax / 127.0f;
+    for (int i = 0; i < n; i++) {  /* to nearest even (the default rounding mode) */
+        const float q = finite && g0 + i < k ? nearbyintf(x[g0 + i] * inv) : 0.0f;  /* 0 x an infinite inv: 0 */
+        a[i] = (int8_t)(q > 127.0f ? 127 : q < -127.0f ? -127 : q == q ? q : 0);
+    }
+    for (int l = 0; l < n / 16; l++) {
+        int sum = 0;
+        for (int i = 0; i < 16; i++) sum += a[16 * l + i];
+        h[l] = (int16_t)sum;
+    }
+}
+
+/* One row x [k] -> its prepared form at out (the file's comment): groups of 32, then of 256. */
 static void gg_prepare_row(const float *x, int64_t k, uint8_t *out) {
     const int64_t kp = gg_padded(k);
-    int8_t *a = (int8_t *)out;
-    float *gs = (float *)(out + kp);
-    int16_t *h = (int16_t *)(out + kp + kp / 8);
-    for (int64_t g = 0; g < kp; g += GG_GROUP) {
-        float v[GG_GROUP], amax = 0.0f;
-        int finite = 1;
-        for (int i = 0; i < GG_GROUP; i++) {
-            v[i] = g + i < k ? x[g + i] : 0.0f;
-            finite &= isfinite(v[i]) != 0;
-            amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
-        }
-        const float scale = !finite ? NAN : amax / 127.0f, inv = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
-        for (int i = 0; i < GG_GROUP; i++) {  /* to nearest even (the default rounding mode) */
-            const float q = finite ? nearbyintf(v[i] * inv) : 0.0f;  /* NaN only for 0 x an infinite inv: 0 */
-            a[g + i] = (int8_t)(q > 127.0f ? 127 : q < -127.0f ? -127 : q == q ? q : 0);
-        }
-        gs[g / GG_GROUP] = scale;
-        for (int l = 0; l < GG_GROUP / 16; l++) {
-            int sum = 0;
-            for (int i = 0; i < 16; i++) sum += a[g + 16 * l + i];
-            h[(g + 16 * l) / 16] = (int16_t)sum;
-        }
-    }
+    uint8_t *k_form = out + GG_K_FORM(kp);
+    for (int64_t g = 0; g < kp; g += GG_GROUP)
+        gg_round_group(x, k, g, GG_GROUP, (int8_t *)out + g, (float *)(out + kp) + g / GG_GROUP,
+                       (int16_t *)(out + kp + kp / 8) + g / 16);
+    for (int64_t g = 0; g < kp; g += 256)
+        gg_round_group(x, k, g, 256, (int8_t *)k_form + g, (float *)(k_form + kp) + g / 256,
+                       (int16_t *)(k_form + kp + kp / 64) + g / 16);
 }
 
 void mla_gg_prepare(const float *x, int64_t k, uint8_t *out) { gg_prepare_row(x, k, out); }

@@ -98,6 +98,30 @@ VI_TARGET static inline __attribute__((always_inline)) __m256i SFX(gg_small_bloc
     }
 }
 
+#if VL == 16
+/* Two blocks of a 32-value type T other than Q8_0 from p (only the first where `left` is 1, none where it is 0 or
+ * less) as one AVX-512 run vector, unsigned values 0..31 then 32..63: each block's 16 bytes broadcast to both
+ * 128-bit halves of its 256-bit half, shifted by 0 or 4 and masked to nibbles, the fifth bits (Q5_0, Q5_1) added as
+ * 16 through a 64-bit byte mask. */
+VI_TARGET static inline __attribute__((always_inline)) __m512i SFX(gg_small_pair)(const uint8_t *p, int left,
+                                                                                 const int T) {
+    const int bytes = gg_format(T).bytes, qs = T == GG_Q5_0 ? 6 : T == GG_Q4_1 ? 4 : 8, qh = T == GG_Q5_0 ? 2 : 4;
+    if (left <= 0) return _mm512_setzero_si512();
+    const __m256i b0 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p + qs)));
+    const __m256i b1 = left > 1 ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p + bytes + qs)))
+                                : _mm256_setzero_si256();
+    const __m512i shift = _mm512_setr_epi64(0, 0, 0x0004000400040004LL, 0x0004000400040004LL, 0, 0,
+                                            0x0004000400040004LL, 0x0004000400040004LL);
+    __m512i v = _mm512_and_si512(_mm512_srlv_epi16(_mm512_inserti64x4(_mm512_castsi256_si512(b0), b1, 1), shift),
+                                 _mm512_set1_epi8(0x0f));
+    if (T != GG_Q4_1) {
+        const uint64_t high = (uint64_t)gg_u32(p + qh) | (left > 1 ? (uint64_t)gg_u32(p + bytes + qh) << 32 : 0);
+        v = _mm512_mask_add_epi8(v, (__mmask64)high, v, _mm512_set1_epi8(16));
+    }
+    return v;
+}
+#endif
+
 /* The float16 fields at offset `at` of a step's nv blocks (`bytes` apart) as eight floats, zero past nv: built in a
  * register (a vector load of eight just-stored halves would wait on the stores). */
 VI_TARGET static inline __attribute__((always_inline)) __m256 SFX(gg_halves8)(const uint8_t *p, int bytes, int at, int nv) {
@@ -130,13 +154,21 @@ VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_small_rows)(c
             for (int64_t b = 0; b < nb; b += 8) {
                 const uint8_t *p = wr + b * bytes;
                 const int nv = nb - b < 8 ? (int)(nb - b) : 8;
-                __m256i w[8];
-                for (int l = 0; l < (8 * bytes + 63) / 64; l++) _mm_prefetch((const char *)p + 1024 + 64 * l, _MM_HINT_T0);
-                for (int i = 0; i < 8; i++) w[i] = i < nv ? SFX(gg_small_block)(p + bytes * i, T) : _mm256_setzero_si256();
+                for (int l = 0; l < (8 * bytes + 63) / 64; l++) _mm_prefetch((const char *)p + GG_AHEAD + 64 * l, _MM_HINT_T0);
                 const __m256 ws = SFX(gg_halves8)(p, (int)bytes, 0, nv);
                 const __m256 wm = mins ? SFX(gg_halves8)(p, (int)bytes, 2, nv) : _mm256_setzero_ps();
                 SFX(GgRuns) runs;
-                SFX(gg_runs)(&runs, w, NULL, kind);
+#if VL == 16
+                if (T != GG_Q8_0)
+                    for (int q = 0; q < 4; q++) runs.v[q] = SFX(gg_small_pair)(p + 2 * q * bytes, nv - 2 * q, T);
+                else
+#endif
+                {
+                    __m256i w[8];
+                    for (int i = 0; i < 8; i++)
+                        w[i] = i < nv ? SFX(gg_small_block)(p + bytes * i, T) : _mm256_setzero_si256();
+                    SFX(gg_runs)(&runs, w, NULL, kind);
+                }
                 for (int j = 0; j < mb; j++) {
                     const uint8_t *x = c->xp + (t + j) * c->xstride;
                     const uint8_t *xa = x + 32 * b;
@@ -264,12 +296,141 @@ VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_super)(const 
     }
 }
 
-/* K-quant (T) rows [r0, r1) of c's matrix times c's prepared rows, read in place a super-block at a time: group g's
- * integer sum of scale u a (maddubs' pair sums times the int16 multipliers, then gg_run_sums), less Q3_K's and Q6_K's
- * offset term, exact in int32 and in float32 (at most 2^24), is added as float(sum) x (d x the group's activation
- * scale) into lane g of the input row's accumulator of eight floats; Q2_K, Q4_K and Q5_K add float(the minimum term)
- * x (-dmin x the activation scale) the same way, a second FMA a super-block. A row's sum is simd.h's hsum of the
- * eight. Both variants run the same instructions. */
+/* A super-block's runs (scales applied: maddubs' pair sums times the int16 multipliers) against the input row's 256
+ * int8 values at xa, in eight int32 lanes whose sum is the exact integer total (AVX-512: two runs a vector, the
+ * halves added). */
+VI_TARGET static inline __attribute__((always_inline)) __m256i SFX(gg_run_total)(const SFX(GgRuns) *r,
+                                                                                const uint8_t *xa) {
+#if VL == 8
+    __m256i s = _mm256_setzero_si256();
+    for (int i = 0; i < 8; i++)
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(r->v[i],
+                                                  _mm256_loadu_si256((const __m256i *)(xa + 32 * i))), r->m[i]));
+    return s;
+#else
+    __m512i s = _mm512_setzero_si512();
+    for (int q = 0; q < 4; q++)
+        s = _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_maddubs_epi16(r->v[q],
+                                                  _mm512_loadu_si512((const void *)(xa + 64 * q))), r->m[q]));
+    return _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+#endif
+}
+
+/* Lane i: the sum of v[i]'s eight int32 lanes (exact). */
+VI_TARGET static inline __attribute__((always_inline)) __m256i SFX(gg_sum8)(const __m256i *v) {
+    const __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
+    const __m256i h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);
+    const __m256i lo = _mm256_hadd_epi32(h01, h23), hi = _mm256_hadd_epi32(h45, h67);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
+}
+
+/* One super-block's float step for eight weight rows (lanes) and one input row, the rows' exact integer totals in
+ * isum (Q3_K, Q6_K: the offset term taken off) and msum (Q2_K, Q4_K, Q5_K: the minimum term), G the input row's
+ * super-block scale: acc + float(isum) x (d x G), then + float(msum) x (dm x G), as gg_k_rows adds them a row at a
+ * time. */
+VI_TARGET static inline __attribute__((always_inline)) __m256 SFX(gg_k_step)(__m256 acc, __m256i isum, __m256i msum,
+                                                                            __m256 d, __m256 dm, float g,
+                                                                            const int sub) {
+    const __m256 gv = _mm256_set1_ps(g);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, gv), acc);
+    return sub ? acc : _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dm, gv), acc);
+}
+
+/* The K form of prepared row x (gemv_ggml.c): its values, super-block scales and 16-value sums. */
+#ifndef GG_KA
+#define GG_KA(x, kp) ((x) + GG_K_FORM(kp))
+#define GG_KG(x, kp) ((const float *)((x) + GG_K_FORM(kp) + (kp)))
+#define GG_KH(x, kp) ((const int16_t *)((x) + GG_K_FORM(kp) + (kp) + (kp) / 64))
+#endif
+
+#if VL == 16
+/* Q4_K and Q5_K (qh non-NULL) straight into the AVX-512 runs, two groups a vector: run vector q holds groups 2q
+ * (the low nibbles of qs[32 q ..]) and 2q + 1 (their high nibbles), Q5_K's fifth bits set by a byte mask; each
+ * vector's int16 multipliers permuted from the sixteen scales and minimums at once. */
+VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_runs_q45_k)(const uint8_t *p, const uint8_t *qh,
+                                                                              const uint8_t *qs, SFX(GgRuns) *r,
+                                                                              __m256i *off) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    const __m512i h = qh ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)qh)) : _mm512_setzero_si512();
+    for (int n = 0; n < 2; n++) {
+        const __m512i z = _mm512_loadu_si512((const void *)(qs + 64 * n));
+        const __m512i lo = _mm512_and_si512(z, low), hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), low);
+        r->v[2 * n] = _mm512_shuffle_i64x2(lo, hi, 0x44);
+        r->v[2 * n + 1] = _mm512_shuffle_i64x2(lo, hi, 0xEE);
+    }
+    if (qh)  /* group g takes bit g of qh[l] */
+        for (int q = 0; q < 4; q++) {
+            const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * q))),
+                                                   _mm256_set1_epi8((char)(2 << (2 * q))), 1);
+            r->v[q] = _mm512_mask_add_epi8(r->v[q], _mm512_test_epi8_mask(h, bit), r->v[q], _mm512_set1_epi8(16));
+        }
+    const uint32_t q0 = gg_u32(p + 4), q1 = gg_u32(p + 8), q2 = gg_u32(p + 12);
+    const uint32_t m6 = 0x3f3f3f3fu, m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
+    const __m128i sm = _mm_setr_epi32((int)(q0 & m6), (int)((q2 & m4) | (((q0 >> 6) & m2) << 4)), (int)(q1 & m6),
+                                      (int)(((q2 >> 4) & m4) | (((q1 >> 6) & m2) << 4)));
+    const __m256i s16 = _mm256_cvtepu8_epi16(sm);  /* lanes 0..7 the scales, 8..15 the minimums */
+    const __m512i z16 = _mm512_castsi256_si512(s16);
+    for (int q = 0; q < 4; q++)
+        r->m[q] = _mm512_permutexvar_epi16(_mm512_inserti64x4(_mm512_set1_epi16((short)(2 * q)),
+                                                              _mm256_set1_epi16((short)(2 * q + 1)), 1), z16);
+    *off = _mm256_permutexvar_epi16(_mm256_setr_epi16(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15),
+                                    s16);
+}
+
+/* Q6_K straight into the AVX-512 runs: run vector q holds groups 2q and 2q + 1, the low or high nibbles of
+ * ql[64 (q / 2) ..] (already in group order) with their two high bits from qh, shifted into place per half. */
+VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_runs_q6_k)(const uint8_t *p, SFX(GgRuns) *r,
+                                                                             __m256i *off) {
+    const __m512i low = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
+    const __m512i qh = _mm512_loadu_si512((const void *)(p + 128));
+    const __m512i up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i down = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    for (int n = 0; n < 2; n++) {
+        const __m512i z = _mm512_loadu_si512((const void *)(p + 64 * n));
+        const __m512i h = _mm512_shuffle_i64x2(qh, qh, n ? 0xEE : 0x44);  /* qh[32 n ..] in both halves */
+        r->v[2 * n] = _mm512_or_si512(_mm512_and_si512(z, low), _mm512_and_si512(_mm512_sllv_epi16(h, up), top));
+        r->v[2 * n + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(z, 4), low),
+                                          _mm512_and_si512(_mm512_srlv_epi16(h, down), top));
+    }
+    const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 192)));
+    const __m512i z16 = _mm512_castsi256_si512(s16);
+    for (int q = 0; q < 4; q++)
+        r->m[q] = _mm512_permutexvar_epi16(_mm512_setr_epi64(  /* lanes 8 j .. 8 j + 7: sub-block 4 q + j */
+            0x0001000100010001LL * (4 * q), 0x0001000100010001LL * (4 * q), 0x0001000100010001LL * (4 * q + 1),
+            0x0001000100010001LL * (4 * q + 1), 0x0001000100010001LL * (4 * q + 2),
+            0x0001000100010001LL * (4 * q + 2), 0x0001000100010001LL * (4 * q + 3),
+            0x0001000100010001LL * (4 * q + 3)), z16);
+    *off = _mm256_slli_epi16(s16, 5);  /* 32 x scale */
+}
+#endif
+
+/* Super-block p of type T as runs, with its offset (or minimum) multipliers and d, dm (GgSuper's). */
+VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_k_unpack)(const uint8_t *p, const int T,
+                                                                            SFX(GgRuns) *r, __m256i *off, float *d,
+                                                                            float *dm) {
+#if VL == 16
+    if (T == GG_Q4_K || T == GG_Q5_K || T == GG_Q6_K) {
+        if (T == GG_Q6_K) SFX(gg_runs_q6_k)(p, r, off);
+        else SFX(gg_runs_q45_k)(p, T == GG_Q5_K ? p + 16 : NULL, T == GG_Q5_K ? p + 48 : p + 16, r, off);
+        *d = gg_f16(T == GG_Q6_K ? p + 208 : p);
+        *dm = T == GG_Q6_K ? 0.0f : -gg_f16(p + 2);
+        return;
+    }
+#endif
+    SFX(GgSuper) s;
+    SFX(gg_super)(p, T, &s);
+    SFX(gg_runs)(r, s.u, s.sc, GG_MUL);
+    *off = s.off;
+    *d = s.d;
+    *dm = s.dm;
+}
+
+/* K-quant (T) rows [r0, r1) of c's matrix times c's prepared rows (their K form: one activation scale a
+ * super-block), read in place a row at a time, eight super-blocks a step: each super-block unpacked once for a tile
+ * of input rows, its exact integer total against each (gg_run_total; the offset or minimum term from the 16-value
+ * sums), the eight totals gathered into one vector's lanes (gg_sum8), then added in order, as gg_k8_rows's lanes
+ * add them: acc + float(isum) x (d x G), then + float(msum) x (dm x G), G the input row's super-block scale. The
+ * same float operations whatever rows share the call, and in both variants. */
 VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_k_rows)(const GgCall *c, int64_t r0, int64_t r1,
                                                                           const int T) {
     const int64_t nb = c->k / 256, bytes = gg_format(T).bytes;
@@ -277,32 +438,42 @@ VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_k_rows)(const
     for (int64_t t = 0; t < c->m; t += GG_TILE) {
         const int mb = c->m - t < GG_TILE ? (int)(c->m - t) : GG_TILE;
         for (int64_t r = r0; r < r1; r++) {
-            const uint8_t *wr = c->w + r * c->row_stride;
-            __m256 acc[GG_TILE];
-            for (int j = 0; j < mb; j++) acc[j] = _mm256_setzero_ps();
-            for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *p = wr + b * bytes;
-                for (int l = 0; l < 4; l++) _mm_prefetch((const char *)p + 1024 + 64 * l, _MM_HINT_T0);
-                SFX(GgSuper) s;
-                SFX(gg_super)(p, T, &s);
-                SFX(GgRuns) runs;
-                SFX(gg_runs)(&runs, s.u, s.sc, GG_MUL);
+            float acc[GG_TILE] = {0};
+            for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+                const int nv = nb - b0 < 8 ? (int)(nb - b0) : 8;
+                __m256i tot[GG_TILE][8], mt[GG_TILE][8];
+                float dv[8], dmv[8];
+                for (int i = 0; i < 8; i++) {
+                    if (i >= nv) {
+                        for (int j = 0; j < mb; j++) tot[j][i] = mt[j][i] = _mm256_setzero_si256();
+                        continue;
+                    }
+                    const uint8_t *p = c->w + r * c->row_stride + (b0 + i) * bytes;
+                    for (int l = 0; l < 4; l++) _mm_prefetch((const char *)p + GG_AHEAD + 64 * l, _MM_HINT_T0);
+                    SFX(GgRuns) runs;
+                    __m256i offm;
+                    SFX(gg_k_unpack)(p, T, &runs, &offm, dv + i, dmv + i);
+                    for (int j = 0; j < mb; j++) {
+                        const uint8_t *x = c->xp + (t + j) * c->xstride;
+                        const __m256i a16 = _mm256_loadu_si256((const __m256i *)(GG_KH(x, c->kp) + 16 * (b0 + i)));
+                        const __m256i main = SFX(gg_run_total)(&runs, GG_KA(x, c->kp) + 256 * (b0 + i));
+                        const __m256i off = _mm256_madd_epi16(offm, a16);
+                        tot[j][i] = sub ? _mm256_sub_epi32(main, off) : main;
+                        mt[j][i] = off;
+                    }
+                }
                 for (int j = 0; j < mb; j++) {
-                    const uint8_t *x = c->xp + (t + j) * c->xstride;
-                    const uint8_t *xa = x + 256 * b;
-                    const __m256 gs = _mm256_loadu_ps((const float *)(x + c->kp) + 8 * b);
-                    const __m256i a16 = _mm256_loadu_si256((const __m256i *)(x + c->kp + c->kp / 8) + b);
-                    const __m256i off = _mm256_madd_epi16(s.off, a16), sum = SFX(gg_run_sums)(&runs, xa, GG_MUL);
-                    if (sub) {
-                        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum, off)),
-                                                 _mm256_mul_ps(_mm256_set1_ps(s.d), gs), acc[j]);
-                    } else {
-                        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(_mm256_set1_ps(s.d), gs), acc[j]);
-                        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(off), _mm256_mul_ps(_mm256_set1_ps(s.dm), gs), acc[j]);
+                    const float *g = GG_KG(c->xp + (t + j) * c->xstride, c->kp) + b0;
+                    int32_t is[8], ms[8];
+                    _mm256_storeu_si256((__m256i *)is, SFX(gg_sum8)(tot[j]));
+                    if (!sub) _mm256_storeu_si256((__m256i *)ms, SFX(gg_sum8)(mt[j]));
+                    for (int i = 0; i < nv; i++) {
+                        acc[j] = fmaf((float)is[i], dv[i] * g[i], acc[j]);
+                        if (!sub) acc[j] = fmaf((float)ms[i], dmv[i] * g[i], acc[j]);
                     }
                 }
             }
-            for (int j = 0; j < mb; j++) c->y[(t + j) * c->n + r] = hsum(acc[j]);
+            for (int j = 0; j < mb; j++) c->y[(t + j) * c->n + r] = acc[j];
         }
     }
 }
@@ -481,41 +652,41 @@ VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_k8_group)(con
                             _mm256_mullo_epi32(_mm256_load_si256(of + 2 * g + 1), _mm256_set1_epi32(h[2 * g + 1])));
 }
 
-/* NR (1 or 2) input rows from row j against the packed super-blocks: group g into phase g. */
+/* NR (1 or 2) input rows from row j against the packed super-blocks: each super-block's eight groups' integer sums
+ * added in int32 (exact), then stepped (gg_k_step) as gg_k_rows steps a row. */
 VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_k8_rows)(const GgCall *c, const uint8_t *buf,
                                                                            int64_t r, int rows, int64_t j,
                                                                            const int T, const int NR) {
     const int64_t nb = c->k / 256;
     const int sub = T == GG_Q3_K || T == GG_Q6_K;
     const uint8_t *x[2];
-    const float *gs[2];
-    const int16_t *h[2];
-    __m256 acc[2][8];
+    __m256 acc[2];
     for (int t = 0; t < NR; t++) {
         x[t] = c->xp + (j + t) * c->xstride;
-        gs[t] = (const float *)(x[t] + c->kp);
-        h[t] = (const int16_t *)(x[t] + c->kp + c->kp / 8);
-        for (int g = 0; g < 8; g++) acc[t][g] = _mm256_setzero_ps();
+        acc[t] = _mm256_setzero_ps();
     }
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *sb = buf + b * GG_K8_BYTES;
         const __m256 d = _mm256_load_ps((const float *)(sb + 3072)), dm = _mm256_load_ps((const float *)(sb + 3104));
+        __m256i isum[2], osum[2];
+        for (int t = 0; t < NR; t++) isum[t] = osum[t] = _mm256_setzero_si256();
 #pragma GCC unroll 8
         for (int g = 0; g < 8; g++)
             for (int t = 0; t < NR; t++) {
                 __m256i sum, off;
-                SFX(gg_k8_group)(sb, x[t] + 256 * b, h[t] + 16 * b, g, &sum, &off, T);
-                const __m256 gv = _mm256_set1_ps(gs[t][8 * b + g]);
-                if (sub) {
-                    acc[t][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum, off)), _mm256_mul_ps(d, gv),
-                                                acc[t][g]);
-                } else {
-                    acc[t][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, gv), acc[t][g]);
-                    acc[t][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(off), _mm256_mul_ps(dm, gv), acc[t][g]);
-                }
+                SFX(gg_k8_group)(sb, GG_KA(x[t], c->kp) + 256 * b, GG_KH(x[t], c->kp) + 16 * b, g, &sum, &off, T);
+                isum[t] = _mm256_add_epi32(isum[t], sum);
+                osum[t] = _mm256_add_epi32(osum[t], off);
             }
+        for (int t = 0; t < NR; t++)
+            acc[t] = SFX(gg_k_step)(acc[t], sub ? _mm256_sub_epi32(isum[t], osum[t]) : isum[t], osum[t], d, dm,
+                                    GG_KG(x[t], c->kp)[b], sub);
     }
-    for (int t = 0; t < NR; t++) SFX(gg_r8_store)(acc[t], c->y + (j + t) * c->n + r, rows);
+    for (int t = 0; t < NR; t++) {
+        float out[8];
+        _mm256_storeu_ps(out, acc[t]);
+        for (int i = 0; i < rows; i++) c->y[(j + t) * c->n + r + i] = out[i];
+    }
 }
 
 /* K-quant rows of a call of at least GG_R8_MIN_ROWS input rows, eight weight rows at a time (gg_k8_pack): each group

@@ -105,10 +105,13 @@ class StateSnapshots:
     scheduler's side). A snapshot is *free*, *pending* (``reserve``d for a step to write; ``commit`` names its hash,
     ``discard`` gives it back), or *committed* to a hash; a committed one is *pinned* while sequences restore from it
     (``acquire``/``release``). Only committed, unpinned snapshots are evicted: by ``forget`` (their hash left the
-    prefix cache) or, when ``reserve`` finds no free one, least recently used first."""
+    prefix cache) or, when ``reserve`` finds no free one, least recently used first. ``drop``, if given, is called
+    with a snapshot's id whenever it is free again (a model whose snapshots hold tensors of their own lets them go at
+    once, not when the id is next written)."""
 
-    def __init__(self, num_snapshots: int) -> None:
+    def __init__(self, num_snapshots: int, drop: Callable[[int], None] | None = None) -> None:
         self.num_snapshots = num_snapshots
+        self.drop = drop
         self._free = list(range(num_snapshots - 1, -1, -1))
         self._by_hash: dict[int, int] = {}  # committed: block hash -> snapshot
         self._hash_of: dict[int, int] = {}  # committed: snapshot -> block hash
@@ -197,6 +200,8 @@ class StateSnapshots:
     def _give_back(self, snapshot: int) -> None:
         """``snapshot`` is free again (the one place a taken snapshot becomes free)."""
         self._free.append(snapshot)
+        if self.drop is not None:
+            self.drop(snapshot)
 
     def check_whole(self) -> None:
         """Raise unless no snapshot is pending or pinned (every one free or idle)."""
@@ -215,8 +220,8 @@ class SizedSnapshots(StateSnapshots):
     def __init__(self, num_snapshots: int, budget_bytes: int, size: Callable[[int], int],
                  drop: Callable[[int], None], lower: SnapshotLower | None = None,
                  write_through: bool = False) -> None:
-        super().__init__(num_snapshots)
-        self.budget_bytes, self.size, self.drop = budget_bytes, size, drop
+        super().__init__(num_snapshots, drop)
+        self.budget_bytes, self.size = budget_bytes, size
         self.lower, self.write_through = lower, write_through and lower is not None
         self._bytes: dict[int, int] = {}  # held snapshot -> its bytes
         self.used_bytes = 0
@@ -292,7 +297,6 @@ class SizedSnapshots(StateSnapshots):
     def _give_back(self, snapshot: int) -> None:
         self.used_bytes -= self._bytes.pop(snapshot)
         super()._give_back(snapshot)
-        self.drop(snapshot)
 
     def check_whole(self) -> None:
         """``StateSnapshots.check_whole``, and the bytes held are those of the committed snapshots."""

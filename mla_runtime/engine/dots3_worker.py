@@ -7,9 +7,12 @@ preemption: a preempted sequence recomputes from its first token). The block poo
 the fixed part of a slot (``state_bytes_per_sequence``), as a hybrid's linear-attention states are. Prefix caching
 takes state snapshots as the hybrids do (``state_snapshot_memory``): each snapshot's windows are counted; the other
 layers' rows it keeps are counted by the cached blocks once the sequence that took it has finished (while it runs,
-they are a second copy of its prefix). What V4 refuses is refused here by name
-(``check_v4_settings``). The vision and audio towers are not served: a prompt holding one of their placeholder tokens
-fails with a message that says so.
+they are a second copy of its prefix). A sequence resumed from a snapshot extends a copy of the prefix's rows of its
+own, so it holds fresh blocks for them, as V4's does (``own_prefix_copies``). Under tensor parallelism each rank loads
+and reads only its shard (``models/v4_shards.py``: each layer's share of its heads, its routed experts, slices of the
+MLPs and of the vocabulary) and holds every slot's whole state, as V4's ranks do. What V4 refuses is refused here by
+name (``check_v4_settings``). The vision and audio towers are not served: a prompt holding one of their placeholder
+tokens fails with a message that says so.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.engine.v4_worker import V4Worker, check_v4_settings
 from mla_runtime.errors import InvalidParam
-from mla_runtime.models.dots3_note import Dots3Config, Dots3NoteForCausalLM, load_dots3_note
+from mla_runtime.models.dots3_note import Dots3Config, Dots3NoteForCausalLM, check_dots3_parallel, load_dots3_note
 from mla_runtime.models.glm5_next import Glm5NextStateCache
 from mla_runtime.models.row_sizes import dots3_kinds, dots3_model_config
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
@@ -32,6 +35,7 @@ class Dots3Worker(V4Worker):
         check_v4_settings(config, "dots3_note", DOC)
         raw = self._open(config, par)
         self.dots_config = Dots3Config.from_raw(raw)
+        check_dots3_parallel(self.dots_config, config.tensor_parallel_size)
         text = raw.get("text_config") or raw
         cfg = self._settle(dots3_model_config(self.dots_config), text.get("dtype") or raw.get("dtype"))
         kinds = dots3_kinds(self.dots_config, self.dtype.itemsize)  # rows, keys, windows (models.row_sizes)
@@ -40,11 +44,11 @@ class Dots3Worker(V4Worker):
         self.state_bytes = self.state_bytes_per_sequence * config.max_num_seqs
         self.num_state_snapshots = self._num_state_snapshots()
         self.state_snapshot_bytes = self.state_bytes_per_sequence * self.num_state_snapshots
-        self._size_streams(cfg, lambda: Dots3NoteForCausalLM(self.dots_config, self.dtype), 0)
+        self._size_streams(cfg, lambda: Dots3NoteForCausalLM(self.dots_config, self.dtype, par), 0)
         self._unloaded()
 
     def _load_model(self) -> Dots3NoteForCausalLM:
-        return load_dots3_note(self.model_path, self.dtype)
+        return load_dots3_note(self.model_path, self.dtype, self.par)
 
     def _new_states(self) -> Glm5NextStateCache:
         return Glm5NextStateCache(self.own_model, self.config.max_num_seqs, self.num_state_snapshots)

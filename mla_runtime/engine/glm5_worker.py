@@ -11,7 +11,10 @@ Prefix caching works as for the other hybrids (``docs/hybrid-models.md``): the s
 boundaries are copies of a sequence's state (``Glm5NextState.copy``: its linear layers' states copied, its latents
 and indexer keys shared, as no step writes into them), taken during the step that computes the boundary's token
 (``ForwardBatch.state_snapshots``) and copied into the slot of a sequence that hits the prefix
-(``StepInput.state_restores``). What V4 refuses is refused here by name (``check_v4_settings``). The vision tower is
+(``StepInput.state_restores``). The restored sequence's first step extends a copy of the prefix's latents and keys of
+its own, so it holds fresh blocks for them, as V4's does (``own_prefix_copies``); a snapshot the scheduler frees drops
+its rows at once (``V4Worker.state_snapshots``). What V4 refuses is refused here by
+name (``check_v4_settings``): it runs on one rank. The vision tower is
 not served: a prompt holding an image or video placeholder token fails with a message that says so.
 """
 

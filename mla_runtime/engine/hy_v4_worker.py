@@ -11,8 +11,15 @@ Prefix caching takes state snapshots as GLM-5-Next's does (``max_num_seqs`` of t
 turns it off): a snapshot at a block boundary keeps the sequence's latents and keys up to there (tensors no step
 writes into again), and a sequence that hits the prefix resumes from a copy. The cached blocks count those rows once
 the sequence that took it has finished; while it runs, the snapshot's rows are a second copy of its prefix that the
-block pool does not count (at most one prefix per snapshot). What V4 refuses is refused here by name
+block pool does not count (at most one prefix per snapshot). A sequence resumed from a snapshot extends a copy of the
+prefix's rows of its own, so it holds fresh blocks for them, as V4's does (``own_prefix_copies``): the cached blocks go
+back to the cache, still indexed. A snapshot the scheduler frees (its hash evicted, or the snapshot itself) drops its
+rows at once, on every rank (``V4Worker.state_snapshots``). What V4 refuses is refused here by name
 (``check_v4_settings``).
+
+Under tensor parallelism (``tensor_parallel_size``) each rank loads and reads only its shard (``models/v4_shards.py``:
+its heads, routed experts, slices of the MLPs and of the vocabulary) and holds every slot's whole state, as V4's ranks
+do; the slots given back and snapshots freed on rank 0 reach the others with the next step.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from __future__ import annotations
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.engine.v4_worker import V4Worker, check_v4_settings
 from mla_runtime.models.glm5_next import Glm5NextStateCache
-from mla_runtime.models.hy_v4 import HyV4Config, HyV4ForCausalLM, load_hy_v4
+from mla_runtime.models.hy_v4 import HyV4Config, HyV4ForCausalLM, check_hy_v4_parallel, load_hy_v4
 from mla_runtime.models.row_sizes import hy_v4_kinds, hy_v4_model_config
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 
@@ -34,6 +41,7 @@ class HyV4Worker(V4Worker):
         check_v4_settings(config, "hy_v4", DOC)
         raw = self._open(config, par)
         self.hy_config = HyV4Config.from_raw(raw)
+        check_hy_v4_parallel(self.hy_config, config.tensor_parallel_size)
         cfg = self._settle(hy_v4_model_config(self.hy_config), raw.get("dtype") or raw.get("torch_dtype"))
         kinds = hy_v4_kinds(self.hy_config, self.dtype.itemsize)  # latent rows, indexer keys (models.row_sizes)
         self.bytes_per_token = self.bytes_per_token_per_rank = kinds.bytes_per_token
@@ -42,11 +50,11 @@ class HyV4Worker(V4Worker):
                                                    and not int(config.state_snapshot_memory))
         self.num_state_snapshots = 0 if off else config.max_num_seqs  # state_snapshot_memory 0: no prefix caching
         self.state_snapshot_bytes = 0  # nothing fixed: a snapshot holds the rows of its prefix (the module docstring)
-        self._size_streams(cfg, lambda: HyV4ForCausalLM(self.hy_config, self.dtype), int(self.hy_config.hc_mult))
+        self._size_streams(cfg, lambda: HyV4ForCausalLM(self.hy_config, self.dtype, par), int(self.hy_config.hc_mult))
         self._unloaded()
 
     def _load_model(self) -> HyV4ForCausalLM:
-        return load_hy_v4(self.model_path, self.dtype)
+        return load_hy_v4(self.model_path, self.dtype, self.par)
 
     def _new_states(self) -> Glm5NextStateCache:
         return Glm5NextStateCache(self.own_model, self.config.max_num_seqs, self.num_state_snapshots)

@@ -95,8 +95,9 @@ class Scheduler:
         self.pool = pool
         self.states = states  # a hybrid model's state slots (None: no linear-attention layers)
         self.snapshots = snapshots  # a hybrid's state snapshots of cached prefixes (None: no prefix caching)
-        # a model whose restored state is a copy of the prefix's rows of its own (DeepSeek-V4): a prefix hit holds
-        # fresh blocks for them, not the cached ones (``_own_prefix``)
+        # a model whose restored state is a copy of the prefix's rows of its own (the models over state slots: V4,
+        # GLM-5-Next, Hunyuan V4, dots3-note): a prefix hit holds fresh blocks for them, not the cached ones
+        # (``_own_prefix``)
         self.own_prefix_copies = own_prefix_copies
         self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs

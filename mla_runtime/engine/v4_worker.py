@@ -80,7 +80,7 @@ from mla_runtime.plan import (
     cache_budget_bytes,
     cache_num_blocks,
 )
-from mla_runtime.v4_plan import refusal
+from mla_runtime.v4_plan import SPLIT_FAMILIES, refusal
 
 logger = logging.getLogger("mla_runtime")
 V4_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -101,9 +101,10 @@ class ReleasingSlots(StateSlots):
 def check_v4_settings(config: EngineConfig, family: str = "deepseek_v4", doc: str = "docs/deepseek-v4.md") -> None:
     """Refuse, by name, the settings a V4 (or GLM-5-Next) model does not run with: its states advance with every
     token a step computes (no drafts to verify), only V4's state snapshots go to the prefix-cache tiers (on one
-    rank), it runs in torch in bfloat16 or float32 (V4 on any number of ranks, the others on one)."""
+    rank), it runs in torch in bfloat16 or float32 (V4, Hunyuan V4 and dots3-note on any number of ranks that splits
+    them, every rank holding every state; GLM-5-Next on one)."""
     tiers_refused = family != "deepseek_v4" or config.tensor_parallel_size > 1
-    refused = {"tensor_parallel_size": config.tensor_parallel_size > 1 and family != "deepseek_v4",
+    refused = {"tensor_parallel_size": config.tensor_parallel_size > 1 and family not in SPLIT_FAMILIES,
                "latent_cache_layout": config.tensor_parallel_size > 1 and config.latent_cache_layout != "replicated",
                "num_speculative_tokens": config.num_speculative_tokens > 0,
                "speculative_method": config.speculative_method == "mtp", "latent_rank": config.latent_rank is not None,
@@ -160,6 +161,10 @@ class V4Worker(Worker):
     """The ``Worker`` of a ``deepseek_v4`` checkpoint (the module's docstring): same start-up calls, same steps."""
 
     sized_snapshots = False  # V4's own (set in its ``__init__``): snapshots as large as their prefixes
+    # every model run over state slots keeps each token's rows in the sequence's own state: a sequence restored from a
+    # snapshot holds its own copy of the prefix's rows (its first step extends a copy of them), so it holds fresh
+    # blocks for them (``Scheduler.own_prefix_copies``) and the pool counts every running sequence's rows once
+    own_prefix_copies = True
 
     def _open(self, config: EngineConfig, par: ParallelContext) -> dict[str, Any]:
         """Hold the settings and find the checkpoint; its raw config."""
@@ -188,7 +193,7 @@ class V4Worker(Worker):
         self.bytes_per_token = self.bytes_per_token_per_rank = self.kinds.block_bytes_per_token
         self.state_bytes_per_sequence = self.kinds.fixed_bytes
         self.state_bytes = self.state_bytes_per_sequence * config.max_num_seqs
-        self.sized_snapshots = self.own_prefix_copies = True  # a snapshot holds the whole state: it grows
+        self.sized_snapshots = True  # a snapshot holds the whole state: it grows
         self.num_state_snapshots, self.state_snapshot_bytes = self._v4_snapshots()
         self.weight_bytes = v4_weights(self.v4_config, self.dtype, par)[0]  # this rank's shard
         if v4_quantization(raw) is not None:  # the released FP8 / MXFP4 weights, kept as stored
@@ -331,9 +336,13 @@ class V4Worker(Worker):
 
     def state_snapshots(self) -> StateSnapshots | None:
         """V4's snapshots, sized by the prefix they end (``SizedSnapshots`` within ``state_snapshot_bytes``); the
-        fixed-size ones of a model whose worker runs as this one (``Worker.state_snapshots``)."""
-        if not self.sized_snapshots or not self.num_state_snapshots:
-            return super().state_snapshots()
+        fixed-size ones of a model whose worker runs as this one. Either way a freed snapshot's tensors (its rows grow
+        with its prefix) are dropped at once, on every rank (``_drop_snapshot``); V4's go to the lower tiers first,
+        when it has any (``SnapshotStore``)."""
+        if not self.num_state_snapshots:
+            return None
+        if not self.sized_snapshots:
+            return StateSnapshots(self.num_state_snapshots, self._drop_snapshot)
         store = None if self.snapshot_tier is None else SnapshotStore(self, self.snapshot_tier)
         self.snapshot_store = store
         return SizedSnapshots(self.num_state_snapshots, self.state_snapshot_bytes, self.snapshot_bytes,

@@ -138,8 +138,9 @@ def sequence_limits(config: EngineConfig, max_positions: int) -> tuple[int, int]
                                                                                           config.max_num_seqs)
 
 class Worker:
-    # whether a prefix hit's sequence keeps its own copy of the prefix's rows (a state of its own, DeepSeek-V4's) and
-    # so holds fresh blocks for them (``Scheduler.own_prefix_copies``); the paged latent cache shares the cached ones
+    # whether a prefix hit's sequence keeps its own copy of the prefix's rows (a state of its own, the models over
+    # state slots: ``V4Worker``) and so holds fresh blocks for them (``Scheduler.own_prefix_copies``); the paged
+    # latent cache shares the cached ones
     own_prefix_copies = False
 
     def __init__(self, config: EngineConfig, par: ParallelContext = SINGLE_RANK) -> None:

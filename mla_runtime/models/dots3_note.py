@@ -17,6 +17,11 @@ counts is the vision tower's (``pyramid_num_routed``), and transformers' text mo
 ``Dots3State`` is what one sequence keeps between steps: per layer its latents ``[L, d_c + d_r]`` (a sliding layer
 only its last ``sliding_window - 1``, with the position of the first) and per indexed layer its indexer keys. Only the
 text model: the vision and audio towers are not read, and a prompt holding one of their placeholder tokens is refused.
+
+Under tensor parallelism (``par``) each rank holds its shard (``v4_shards.DOTS3_SPLITS``: each layer's share of its own
+heads, its routed experts, slices of the MLPs and of the vocabulary) and reads only it from the files; the latent
+projections and the indexers are whole on every rank, so every rank keeps the same state. The attention's and the
+MLP's partial outputs are summed over the ranks (one all-reduce each), the logits gathered.
 """
 
 from __future__ import annotations
@@ -33,10 +38,13 @@ from torch import nn
 from mla_kernels import topk_lowest_first
 from mla_runtime.config import MoEConfig
 from mla_runtime.forward_batch import ForwardBatch
+from mla_runtime.layers.embedding import VocabEmbedding
 from mla_runtime.layers.hyper import ClampedMLP, PackedExperts, frozen_linear, pack_experts
 from mla_runtime.layers.moe import Router
 from mla_runtime.models.glm5_next import Glm5NextStateCache, Norm
 from mla_runtime.models.own_checkpoint import read_checkpoint
+from mla_runtime.models.v4_shards import DOTS3_SPLITS, check_parallel, read_shard
+from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 
 MODEL_TYPES = ("dots3_note", "dots3_note_text")
 MEDIA_TOKENS = ("image_token_id", "video_token_id", "audio_token_id")
@@ -208,12 +216,14 @@ class Dots3Indexer(nn.Module):
 
 
 class Dots3Attention(nn.Module):
-    """MLA over the sequence's latents (a sliding layer's window, an indexed layer's selection), gated per head."""
+    """MLA over the sequence's latents (a sliding layer's window, an indexed layer's selection), gated per head;
+    under tensor parallelism this rank's heads (its output a part of the sum over the ranks)."""
 
-    def __init__(self, cfg: Dots3Config, layer: int, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: Dots3Config, layer: int, dtype: torch.dtype, par: ParallelContext = SINGLE_RANK) -> None:
         super().__init__()
         w, d, eps = cfg.widths[layer], int(cfg.hidden_size), float(cfg.rms_norm_eps)
-        self.layer, self.kind, self.heads, self.c = layer, cfg.kinds[layer], w["num_attention_heads"], w["kv_lora_rank"]
+        heads = w["num_attention_heads"] // par.world_size
+        self.layer, self.kind, self.heads, self.c = layer, cfg.kinds[layer], heads, w["kv_lora_rank"]
         self.nope, self.rope, self.v_dim = w["qk_nope_head_dim"], w["qk_rope_head_dim"], w["v_head_dim"]
         self.theta, rot = cfg.ropes[self.kind]
         if rot != self.rope:
@@ -267,7 +277,10 @@ class Dots3Attention(nn.Module):
 
 # -- MoE and the model -------------------------------------------------------------------------------------------------
 class Dots3MoE(nn.Module):
-    def __init__(self, cfg: Dots3Config, dtype: torch.dtype) -> None:
+    """The router (whole), this rank's routed experts (whole) and its slice of the shared experts: a part of the sum
+    over the ranks."""
+
+    def __init__(self, cfg: Dots3Config, dtype: torch.dtype, par: ParallelContext = SINGLE_RANK) -> None:
         super().__init__()
         d, i = int(cfg.hidden_size), int(cfg.moe_intermediate_size)
         moe = MoEConfig(n_routed_experts=int(cfg.n_routed_experts), n_shared_experts=int(cfg.n_shared_experts),
@@ -275,10 +288,12 @@ class Dots3MoE(nn.Module):
                         n_group=int(cfg.n_group), topk_group=int(cfg.topk_group), topk_method="noaux_tc",
                         scoring_func="sigmoid", routed_scaling_factor=float(cfg.routed_scaling_factor),
                         norm_topk_prob=bool(cfg.norm_topk_prob))
+        n = par.world_size
         self.gate = Router(moe, d)
-        self.experts = PackedExperts(moe.n_routed_experts, d, i, float("inf"), dtype)
+        self.experts = PackedExperts(moe.n_routed_experts // n, d, i, float("inf"), dtype,
+                                     first=par.split(moe.n_routed_experts)[0])
         shared = int(cfg.shared_experts_intermediate_size) * moe.n_shared_experts
-        self.shared_experts = ClampedMLP(d, shared, float("inf"), dtype)
+        self.shared_experts = ClampedMLP(d, shared // n, float("inf"), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.gate(x)
@@ -286,38 +301,41 @@ class Dots3MoE(nn.Module):
 
 
 class Dots3DecoderLayer(nn.Module):
-    def __init__(self, cfg: Dots3Config, layer: int, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: Dots3Config, layer: int, dtype: torch.dtype, par: ParallelContext = SINGLE_RANK) -> None:
         super().__init__()
         d, eps = int(cfg.hidden_size), float(cfg.rms_norm_eps)
-        self.self_attn = Dots3Attention(cfg, layer, dtype)
-        self.mlp: nn.Module = (Dots3MoE(cfg, dtype) if cfg.moe[layer] else
-                               ClampedMLP(d, int(cfg.intermediate_size), float("inf"), dtype))
+        self.par = par
+        self.self_attn = Dots3Attention(cfg, layer, dtype, par)
+        self.mlp: nn.Module = (Dots3MoE(cfg, dtype, par) if cfg.moe[layer] else
+                               ClampedMLP(d, int(cfg.intermediate_size) // par.world_size, float("inf"), dtype))
         self.input_layernorm, self.post_attention_layernorm = Norm(d, eps, dtype), Norm(d, eps, dtype)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, st: Dots3State) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, st)
-        return cast(torch.Tensor, x + self.mlp(self.post_attention_layernorm(x)))
+        x = x + self.par.all_reduce(self.self_attn(self.input_layernorm(x), positions, st))
+        return cast(torch.Tensor, x + self.par.all_reduce(self.mlp(self.post_attention_layernorm(x))))
 
 
 class Dots3Model(nn.Module):
-    def __init__(self, cfg: Dots3Config, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: Dots3Config, dtype: torch.dtype, par: ParallelContext = SINGLE_RANK) -> None:
         super().__init__()
         d = int(cfg.hidden_size)
-        self.embed_tokens = nn.Embedding(int(cfg.vocab_size), d, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(Dots3DecoderLayer(cfg, i, dtype) for i in range(len(cfg.kinds)))
+        self.embed_tokens = VocabEmbedding(int(cfg.vocab_size), d, dtype, par)
+        self.layers = nn.ModuleList(Dots3DecoderLayer(cfg, i, dtype, par) for i in range(len(cfg.kinds)))
         self.norm = Norm(d, float(cfg.rms_norm_eps), dtype)
 
 
 class Dots3NoteForCausalLM(nn.Module):
     """The text model; parameter names are transformers' text model's (``load_state_dict_hf`` also reads the
-    multimodal wrapper's and the released layout's)."""
+    multimodal wrapper's and the released layout's). Under tensor parallelism (``par``) this rank's shard (the module
+    docstring)."""
 
-    def __init__(self, cfg: Dots3Config, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, cfg: Dots3Config, dtype: torch.dtype = torch.float32, par: ParallelContext = SINGLE_RANK
+                 ) -> None:
         super().__init__()
-        self.config, self.dtype = cfg, dtype
-        self.model = Dots3Model(cfg, dtype)
-        self.lm_head = frozen_linear(int(cfg.vocab_size), int(cfg.hidden_size), dtype)
+        check_dots3_parallel(cfg, par.world_size)
+        self.config, self.dtype, self.par = cfg, dtype, par
+        self.model = Dots3Model(cfg, dtype, par)
+        self.lm_head = frozen_linear(par.vocab_split(int(cfg.vocab_size))[2], int(cfg.hidden_size), dtype)
 
     def new_state(self) -> Dots3State:
         return Dots3State.empty(self.config, self.dtype, self.lm_head.weight.device)
@@ -345,7 +363,11 @@ class Dots3NoteForCausalLM(nn.Module):
         return self.compute_logits(self.hidden(ids, st))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head.weight).float()
+        """float32 logits ``[R, V]`` (under tensor parallelism every rank's vocabulary rows, gathered)."""
+        logits = F.linear(hidden, self.lm_head.weight).float()
+        if not self.par.enabled:
+            return logits
+        return self.par.all_gather(logits, dim=-1)[:, :int(self.config.vocab_size)]
 
     def forward_batch(self, batch: ForwardBatch, states: Glm5NextStateCache) -> torch.Tensor:
         """Hidden states ``[T, d]`` of an engine step, each sequence over its own slot's state."""
@@ -384,9 +406,29 @@ def stored_name(name: str, layers: int) -> str | None:
     return name
 
 
-def load_dots3_note(path: str | Path, dtype: torch.dtype = torch.float32) -> Dots3NoteForCausalLM:
-    """A ``dots3_note`` (or ``dots3_note_text``) checkpoint: ``config.json`` and ``*.safetensors``, float tensors."""
-    _, raw, tensors = read_checkpoint(path, MODEL_TYPES)
-    model = Dots3NoteForCausalLM(Dots3Config.from_raw(raw), dtype)
-    model.load_state_dict_hf(tensors)
+def check_dots3_parallel(cfg: Dots3Config, world: int) -> None:
+    """Refuse, saying what to change, a ``tensor_parallel_size`` that does not split every layer's heads, the experts
+    and the MLPs of ``cfg``."""
+    sizes: dict[str, int] = {}
+    for i, w in enumerate(cfg.widths):  # each head count once, by the first layer that has it
+        if w["num_attention_heads"] not in sizes.values():
+            sizes[f"num_attention_heads of layer {i}"] = w["num_attention_heads"]
+    if any(cfg.moe):
+        sizes.update({"n_routed_experts": int(cfg.n_routed_experts),
+                      "shared_experts_intermediate_size x n_shared_experts":
+                          int(cfg.shared_experts_intermediate_size) * int(cfg.n_shared_experts)})
+    if not all(cfg.moe):
+        sizes["intermediate_size"] = int(cfg.intermediate_size)
+    check_parallel("dots3_note", sizes, world)
+
+
+def load_dots3_note(path: str | Path, dtype: torch.dtype = torch.float32, par: ParallelContext = SINGLE_RANK
+                    ) -> Dots3NoteForCausalLM:
+    """A ``dots3_note`` (or ``dots3_note_text``) checkpoint: ``config.json`` and ``*.safetensors``, float tensors;
+    under tensor parallelism (``par``) this rank's shard, the only part of the files it reads."""
+    _, raw, _ = read_checkpoint(path, MODEL_TYPES, keep=lambda _: False)  # the config
+    cfg = Dots3Config.from_raw(raw)
+    model = Dots3NoteForCausalLM(cfg, dtype, par)
+    layers = len(cfg.kinds)
+    model.load_state_dict_hf(read_shard(path, MODEL_TYPES, cfg, par, DOTS3_SPLITS, lambda n: stored_name(n, layers)))
     return model.eval()

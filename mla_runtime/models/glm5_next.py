@@ -398,6 +398,10 @@ class Glm5NextStateCache:
             raise RuntimeError(f"state snapshot {snapshot} was never taken")
         self.slots[slot] = st.copy()
 
+    def drop(self, snapshot: int) -> None:
+        """Drop snapshot ``snapshot``'s state (the scheduler freed it): its rows go now, not when it is next taken."""
+        self.snapshots[snapshot] = None
+
 
 _HC = {"hc_attn_": "attn_hc.", "hc_ffn_": "ffn_hc."}
 

@@ -18,6 +18,11 @@ by ``HyperHead`` before the final norm; the lm_head runs in float32. Per layer t
 ``HyV4State`` is what one sequence keeps between steps: per layer its ``[L, d_c + d_r]`` latents (normed, rotated)
 and, per ``full`` layer, its indexer's ``[L, index_head_dim]`` keys. A step may hold any number of the sequence's
 tokens (a prompt, a chunk of one, a decode); the engine's slots are ``Glm5NextStateCache``'s.
+
+Under tensor parallelism (``par``) each rank holds its shard (``v4_shards.HY_V4_SPLITS``: its heads, routed experts,
+slices of the MLPs and of the vocabulary) and reads only it from the files; the latent projections, the indexer and
+the hyper-connections are whole on every rank, so every rank keeps the same state. The attention's and the MLP's
+partial outputs are summed over the ranks (one all-reduce each), the logits gathered.
 """
 
 from __future__ import annotations
@@ -33,10 +38,13 @@ from torch import nn
 from mla_kernels import topk_lowest_first
 from mla_runtime.config import MoEConfig
 from mla_runtime.forward_batch import ForwardBatch
+from mla_runtime.layers.embedding import VocabEmbedding
 from mla_runtime.layers.hyper import ClampedMLP, HyperHead, IndependentHyperConnection, PackedExperts, frozen_linear
 from mla_runtime.layers.moe import Router
 from mla_runtime.models.glm5_next import Glm5NextStateCache, Norm
 from mla_runtime.models.own_checkpoint import read_checkpoint
+from mla_runtime.models.v4_shards import HY_V4_SPLITS, check_parallel, read_shard
+from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 
 _DEFAULTS: dict[str, Any] = dict(
     vocab_size=120832, hidden_size=2816, intermediate_size=6912, moe_intermediate_size=768, num_hidden_layers=34,
@@ -165,12 +173,14 @@ class HyV4Indexer(nn.Module):
 
 
 class HyV4Attention(nn.Module):
-    """MLA over the sequence's latents, each query attending to its selection, with sinks and an output gate."""
+    """MLA over the sequence's latents, each query attending to its selection, with sinks and an output gate; under
+    tensor parallelism this rank's heads (its output a part of the sum over the ranks)."""
 
-    def __init__(self, cfg: HyV4Config, layer: int, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: HyV4Config, layer: int, dtype: torch.dtype, par: ParallelContext = SINGLE_RANK) -> None:
         super().__init__()
         d, r, c = int(cfg.hidden_size), int(cfg.q_lora_rank), int(cfg.kv_lora_rank)
-        self.layer, self.heads, self.c, self.theta = layer, int(cfg.num_attention_heads), c, cfg.rope_theta
+        heads = int(cfg.num_attention_heads) // par.world_size
+        self.layer, self.heads, self.c, self.theta = layer, heads, c, cfg.rope_theta
         self.nope, self.rope, self.v_dim = int(cfg.qk_nope_head_dim), int(cfg.qk_rope_head_dim), int(cfg.v_head_dim)
         self.q_a_proj, self.kv_a_proj_with_mqa = frozen_linear(r, d, dtype), frozen_linear(c + self.rope, d, dtype)
         self.q_a_layernorm, self.kv_a_layernorm = Norm(r, cfg.rms_norm_eps, dtype), Norm(c, cfg.rms_norm_eps, dtype)
@@ -213,7 +223,10 @@ class HyV4Attention(nn.Module):
 
 # -- MoE and the model -------------------------------------------------------------------------------------------------
 class HyV4MoE(nn.Module):
-    def __init__(self, cfg: HyV4Config, dtype: torch.dtype) -> None:
+    """The router (whole), this rank's routed experts (whole) and its slice of the shared experts: a part of the sum
+    over the ranks."""
+
+    def __init__(self, cfg: HyV4Config, dtype: torch.dtype, par: ParallelContext = SINGLE_RANK) -> None:
         super().__init__()
         d, i = int(cfg.hidden_size), int(cfg.moe_intermediate_size)
         moe = MoEConfig(n_routed_experts=int(cfg.n_routed_experts), n_shared_experts=int(cfg.n_shared_experts),
@@ -221,9 +234,11 @@ class HyV4MoE(nn.Module):
                         n_group=int(cfg.n_group), topk_group=int(cfg.topk_group), topk_method="noaux_tc",
                         scoring_func="sigmoid", routed_scaling_factor=float(cfg.routed_scaling_factor),
                         norm_topk_prob=bool(cfg.norm_topk_prob))
+        n = par.world_size
         self.gate = Router(moe, d)
-        self.experts = PackedExperts(moe.n_routed_experts, d, i, float(cfg.swiglu_limit), dtype)
-        self.shared_experts = ClampedMLP(d, i * moe.n_shared_experts, float("inf"), dtype)
+        self.experts = PackedExperts(moe.n_routed_experts // n, d, i, float(cfg.swiglu_limit), dtype,
+                                     first=par.split(moe.n_routed_experts)[0])
+        self.shared_experts = ClampedMLP(d, i * moe.n_shared_experts // n, float("inf"), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.gate(x)
@@ -231,12 +246,13 @@ class HyV4MoE(nn.Module):
 
 
 class HyV4DecoderLayer(nn.Module):
-    def __init__(self, cfg: HyV4Config, layer: int, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: HyV4Config, layer: int, dtype: torch.dtype, par: ParallelContext = SINGLE_RANK) -> None:
         super().__init__()
         d, eps, n = int(cfg.hidden_size), float(cfg.rms_norm_eps), int(cfg.hc_mult)
-        self.self_attn = HyV4Attention(cfg, layer, dtype)
-        self.mlp: nn.Module = (HyV4MoE(cfg, dtype) if cfg.moe[layer] else
-                               ClampedMLP(d, int(cfg.intermediate_size), float("inf"), dtype))
+        self.par = par
+        self.self_attn = HyV4Attention(cfg, layer, dtype, par)
+        self.mlp: nn.Module = (HyV4MoE(cfg, dtype, par) if cfg.moe[layer] else
+                               ClampedMLP(d, int(cfg.intermediate_size) // par.world_size, float("inf"), dtype))
         self.input_layernorm, self.post_attention_layernorm = Norm(d, eps, dtype), Norm(d, eps, dtype)
         self.attn_hc = IndependentHyperConnection(n, d, float(cfg.hc_magnitude), float(cfg.hc_eps), eps)
         self.ffn_hc = IndependentHyperConnection(n, d, float(cfg.hc_magnitude), float(cfg.hc_eps), eps)
@@ -245,30 +261,34 @@ class HyV4DecoderLayer(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         post, x = self.attn_hc(streams)
         out, selection = self.self_attn(self.input_layernorm(x), positions, st, selection)
-        streams = IndependentHyperConnection.merge(streams, out, post)
+        streams = IndependentHyperConnection.merge(streams, self.par.all_reduce(out), post)
         post, x = self.ffn_hc(streams)
-        return IndependentHyperConnection.merge(streams, self.mlp(self.post_attention_layernorm(x)), post), selection
+        out = self.par.all_reduce(self.mlp(self.post_attention_layernorm(x)))
+        return IndependentHyperConnection.merge(streams, out, post), selection
 
 
 class HyV4Model(nn.Module):
-    def __init__(self, cfg: HyV4Config, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: HyV4Config, dtype: torch.dtype, par: ParallelContext = SINGLE_RANK) -> None:
         super().__init__()
         d, eps = int(cfg.hidden_size), float(cfg.rms_norm_eps)
-        self.embed_tokens = nn.Embedding(int(cfg.vocab_size), d, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(HyV4DecoderLayer(cfg, i, dtype) for i in range(len(cfg.moe)))
+        self.embed_tokens = VocabEmbedding(int(cfg.vocab_size), d, dtype, par)
+        self.layers = nn.ModuleList(HyV4DecoderLayer(cfg, i, dtype, par) for i in range(len(cfg.moe)))
         self.norm = Norm(d, eps, dtype)
         self.hc_head = HyperHead(int(cfg.hc_mult), d, float(cfg.hc_eps), eps)
 
 
 class HyV4ForCausalLM(nn.Module):
-    """The model; parameter names are transformers' in-memory ones (``load_state_dict_hf`` reads the saved layout)."""
+    """The model; parameter names are transformers' in-memory ones (``load_state_dict_hf`` reads the saved layout).
+    Under tensor parallelism (``par``) this rank's shard (the module docstring)."""
 
-    def __init__(self, cfg: HyV4Config, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, cfg: HyV4Config, dtype: torch.dtype = torch.float32, par: ParallelContext = SINGLE_RANK
+                 ) -> None:
         super().__init__()
-        self.config, self.dtype = cfg, dtype
-        self.model = HyV4Model(cfg, dtype)
-        self.lm_head = frozen_linear(int(cfg.vocab_size), int(cfg.hidden_size), torch.float32)
+        check_hy_v4_parallel(cfg, par.world_size)
+        self.config, self.dtype, self.par = cfg, dtype, par
+        self.model = HyV4Model(cfg, dtype, par)
+        rows = par.vocab_split(int(cfg.vocab_size))[2]
+        self.lm_head = frozen_linear(rows, int(cfg.hidden_size), torch.float32)
 
     def new_state(self) -> HyV4State:
         return HyV4State.empty(self.config, self.dtype, self.lm_head.weight.device)
@@ -294,7 +314,11 @@ class HyV4ForCausalLM(nn.Module):
         return self.compute_logits(self.hidden(ids, st))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden.float(), self.lm_head.weight.float())
+        """float32 logits ``[R, V]`` (under tensor parallelism every rank's vocabulary rows, gathered)."""
+        logits = F.linear(hidden.float(), self.lm_head.weight.float())
+        if not self.par.enabled:
+            return logits
+        return self.par.all_gather(logits, dim=-1)[:, :int(self.config.vocab_size)]
 
     def forward_batch(self, batch: ForwardBatch, states: Glm5NextStateCache) -> torch.Tensor:
         """Hidden states ``[T, d]`` of an engine step, each sequence over its own slot's state."""
@@ -327,9 +351,25 @@ def stored_name(name: str) -> str | None:
     return name
 
 
-def load_hy_v4(path: str | Path, dtype: torch.dtype = torch.float32) -> HyV4ForCausalLM:
-    """A ``hy_v4`` checkpoint: ``config.json`` and ``*.safetensors``, float tensors."""
-    _, raw, tensors = read_checkpoint(path, ("hy_v4",))
-    model = HyV4ForCausalLM(HyV4Config.from_raw(raw), dtype)
-    model.load_state_dict_hf(tensors)
+def check_hy_v4_parallel(cfg: HyV4Config, world: int) -> None:
+    """Refuse, saying what to change, a ``tensor_parallel_size`` that does not split ``cfg``'s heads, experts and
+    MLPs."""
+    sizes = {"num_attention_heads": int(cfg.num_attention_heads), "n_routed_experts": int(cfg.n_routed_experts),
+             "moe_intermediate_size x n_shared_experts": int(cfg.moe_intermediate_size) * int(cfg.n_shared_experts),
+             "intermediate_size": int(cfg.intermediate_size)}
+    if all(cfg.moe):
+        del sizes["intermediate_size"]  # no dense MLP
+    if not any(cfg.moe):
+        del sizes["n_routed_experts"], sizes["moe_intermediate_size x n_shared_experts"]
+    check_parallel("hy_v4", sizes, world)
+
+
+def load_hy_v4(path: str | Path, dtype: torch.dtype = torch.float32, par: ParallelContext = SINGLE_RANK
+               ) -> HyV4ForCausalLM:
+    """A ``hy_v4`` checkpoint: ``config.json`` and ``*.safetensors``, float tensors; under tensor parallelism
+    (``par``) this rank's shard, the only part of the files it reads."""
+    _, raw, _ = read_checkpoint(path, ("hy_v4",), keep=lambda _: False)  # the config
+    cfg = HyV4Config.from_raw(raw)
+    model = HyV4ForCausalLM(cfg, dtype, par)
+    model.load_state_dict_hf(read_shard(path, ("hy_v4",), cfg, par, HY_V4_SPLITS, stored_name))
     return model.eval()

@@ -1,6 +1,6 @@
-"""DeepSeek-V4 under tensor parallelism: which part of each tensor a rank keeps.
+"""The models of their own under tensor parallelism: which part of each tensor a rank keeps.
 
-Each of ``N`` ranks keeps (names are the model's, ``deepseek_v4.stored_name``):
+DeepSeek-V4 (``V4_SPLITS``): each of ``N`` ranks keeps (names are the model's, ``deepseek_v4.stored_name``):
 
 - the query heads ``[r h / N, (r + 1) h / N)``: their rows of ``q_b_proj`` and their ``sinks``; with them the output
   groups they feed (``o_groups / N`` of them, heads ``g h / G ..`` feed group ``g``): those groups' rows of the
@@ -17,50 +17,77 @@ Each of ``N`` ranks keeps (names are the model's, ``deepseek_v4.stored_name``):
 
 A released FP8 / MXFP4 checkpoint shards the same way (``shard_stored``): whole experts; an FP8 matrix cut on its
 scale blocks (rows off a block boundary keep a scale row each), a column cut off a block boundary refused by name.
+
+Hunyuan V4 and dots3-note (``HY_V4_SPLITS``, ``DOTS3_SPLITS``) split the same way, by their own names: each rank keeps
+its query heads' rows of ``q_b_proj`` and ``kv_b_proj``, their columns of ``o_proj``, their output gates' rows
+(``gate_proj`` / ``g_proj``) and sinks; its routed experts whole, its slice of the shared expert's and the dense MLPs'
+intermediate size; its vocabulary rows. The latent projections, norms, the indexer (whose top-k then needs no
+collective and is the same on every rank), the router and the hyper-connections stay whole, so every rank computes
+the same latents and indexer keys and holds every sequence's state. A dots3-note sliding layer splits its own head
+count. A rank reads only its part of each split tensor from the files (``read_part``): its rows or columns of a
+matrix, its experts of the packed ones.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, cast
 
 import torch
 
 from mla_runtime.layers.fp8 import Fp8Weight
 from mla_runtime.layers.qweight import QuantizedWeight
+from mla_runtime.models.own_checkpoint import read_checkpoint
 from mla_runtime.parallel import ParallelContext
 
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 # the model's names (within a layer) -> (what it splits by, the dim it splits)
-_SPLITS = {"self_attn.q_b_proj.weight": ("heads", 0), "self_attn.sinks": ("heads", 0),
-           "self_attn.o_a_proj.weight": ("groups", 0), "self_attn.o_b_proj.weight": ("groups", 1),
-           "mlp.shared_experts.gate_proj.weight": ("inter", 0), "mlp.shared_experts.up_proj.weight": ("inter", 0),
-           "mlp.shared_experts.down_proj.weight": ("inter", 1), "mlp.experts.gate_up_proj": ("experts", 0),
-           "mlp.experts.down_proj": ("experts", 0)}
+V4_SPLITS = {"self_attn.q_b_proj.weight": ("heads", 0), "self_attn.sinks": ("heads", 0),
+             "self_attn.o_a_proj.weight": ("groups", 0), "self_attn.o_b_proj.weight": ("groups", 1),
+             "mlp.shared_experts.gate_proj.weight": ("inter", 0), "mlp.shared_experts.up_proj.weight": ("inter", 0),
+             "mlp.shared_experts.down_proj.weight": ("inter", 1), "mlp.experts.gate_up_proj": ("experts", 0),
+             "mlp.experts.down_proj": ("experts", 0)}
+# Hunyuan V4's and dots3-note's: MLA's per-head projections, the dense MLPs too
+_MLA_SPLITS = {"self_attn.q_b_proj.weight": ("heads", 0), "self_attn.kv_b_proj.weight": ("heads", 0),
+               "self_attn.o_proj.weight": ("heads", 1), "self_attn.sinks": ("heads", 0),
+               "mlp.gate_proj.weight": ("inter", 0), "mlp.up_proj.weight": ("inter", 0),
+               "mlp.down_proj.weight": ("inter", 1), "mlp.shared_experts.gate_proj.weight": ("inter", 0),
+               "mlp.shared_experts.up_proj.weight": ("inter", 0), "mlp.shared_experts.down_proj.weight": ("inter", 1),
+               "mlp.experts.gate_up_proj": ("experts", 0), "mlp.experts.down_proj": ("experts", 0)}
+HY_V4_SPLITS = {**_MLA_SPLITS, "self_attn.gate_proj.weight": ("heads", 0)}  # the output gate: v_head_dim per head
+DOTS3_SPLITS = {**_MLA_SPLITS, "self_attn.g_proj.weight": ("heads", 0)}  # the output gate: one per head
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def check_parallel(family: str, sizes: dict[str, int], world: int) -> None:
+    """Refuse, saying what to change, a ``tensor_parallel_size`` (``world``) that does not divide every one of
+    ``sizes`` (what a rank takes its share of: heads, output groups, experts, intermediate sizes)."""
+    if world == 1:
+        return
+    bad = [f"{k} ({v})" for k, v in sizes.items() if v % world]
+    if bad:
+        fit = [n for n in range(1, min(sizes.values()) + 1) if all(v % n == 0 for v in sizes.values())]
+        raise ValueError(f"tensor_parallel_size={world} cannot split this {family} model: " + ", ".join(bad)
+                         + f" not divisible by it (candidates: {fit})")
 
 
 def check_v4_parallel(cfg: Any, world: int) -> None:
     """Refuse, saying what to change, a ``tensor_parallel_size`` that does not split ``cfg`` (a ``V4Config``)."""
-    if world == 1:
-        return
-    sizes = {"num_attention_heads": cfg.num_attention_heads, "o_groups": cfg.o_groups,
-             "n_routed_experts": cfg.n_routed_experts, "moe_intermediate_size": cfg.moe_intermediate_size}
-    bad = [f"{k} ({v})" for k, v in sizes.items() if v % world]
-    if bad:
-        fit = [n for n in range(1, cfg.o_groups + 1) if all(v % n == 0 for v in sizes.values())]
-        raise ValueError(f"tensor_parallel_size={world} cannot split this deepseek_v4 model: " + ", ".join(bad)
-                         + f" not divisible by it (candidates: {fit})")
+    check_parallel("deepseek_v4", {"num_attention_heads": cfg.num_attention_heads, "o_groups": cfg.o_groups,
+                                   "n_routed_experts": cfg.n_routed_experts,
+                                   "moe_intermediate_size": cfg.moe_intermediate_size}, world)
 
 
-def _split_of(name: str) -> tuple[str, int] | None:
-    """(what ``name`` splits by, its dim), or None for a tensor every rank keeps whole."""
+def _split_of(name: str, splits: dict[str, tuple[str, int]] = V4_SPLITS) -> tuple[str, int] | None:
+    """(what ``name`` splits by, its dim) in the model's ``splits``, or None for a tensor every rank keeps whole."""
     if name in _VOCAB:
         return "vocab", 0
     _, sep, rest = name.partition(".layers.")
     if not sep:
         return None
-    return _SPLITS.get(rest.split(".", 1)[1] if "." in rest else rest)
+    return splits.get(rest.split(".", 1)[1] if "." in rest else rest)
 
 
 def _span(cfg: Any, kind: str, size: int, par: ParallelContext) -> tuple[int, int, int]:
@@ -72,21 +99,54 @@ def _span(cfg: Any, kind: str, size: int, par: ParallelContext) -> tuple[int, in
     return start, stop, stop - start
 
 
-def shard_tensor(cfg: Any, name: str, t: torch.Tensor, par: ParallelContext) -> torch.Tensor:
-    """This rank's part of the float tensor ``name`` (padded with zero rows for the vocabulary's last shard)."""
-    split = _split_of(name)
+def read_part(cfg: Any, name: str, shape: list[int] | torch.Size, par: ParallelContext,
+              splits: dict[str, tuple[str, int]] = V4_SPLITS) -> tuple[int, int, int] | None:
+    """``(dim, start, stop)``: the part of the tensor ``name`` (the model's name; ``shape`` as stored) this rank
+    keeps, or None for the whole of it (kept whole, or stacked from this rank's experts only)."""
+    split = _split_of(name, splits)
     if not par.enabled or split is None:
-        return t
+        return None
     kind, dim = split
-    if kind == "experts" and t.shape[0] != cfg.n_routed_experts:
-        return t  # stacked from this rank's experts only (``expert_on_rank``)
-    start, stop, rows = _span(cfg, kind, t.shape[dim], par)
-    part = t.narrow(dim, start, stop - start)
-    if part.shape[dim] < rows:
-        pad = list(part.shape)
-        pad[dim] = rows - part.shape[dim]
-        part = torch.cat([part, part.new_zeros(pad)], dim=dim)
-    return part.contiguous()
+    if kind == "experts" and shape[0] != cfg.n_routed_experts:
+        return None  # stacked from this rank's experts only (``expert_on_rank``)
+    start, stop, _ = _span(cfg, kind, shape[dim], par)
+    return dim, start, stop
+
+
+def pad_vocab(cfg: Any, name: str, part: torch.Tensor, par: ParallelContext) -> torch.Tensor:
+    """This rank's vocabulary rows ``part`` of ``name`` with zero rows added up to ``ceil(V / N)`` (the last
+    shard's); any other tensor as it is."""
+    if not par.enabled or name not in _VOCAB:
+        return part
+    rows = par.vocab_split(cfg.vocab_size)[2]
+    if part.shape[0] < rows:
+        part = torch.cat([part, part.new_zeros(rows - part.shape[0], *part.shape[1:])])
+    return part
+
+
+def read_shard(path: str | Path, model_types: tuple[str, ...], cfg: Any, par: ParallelContext,
+               splits: dict[str, tuple[str, int]], rename: Callable[[str], str | None]) -> dict[str, torch.Tensor]:
+    """This rank's tensors of a float checkpoint by the model's names (``rename``: a stored name -> the model's, None
+    for one not read), read from the files as this rank keeps them: its part of each split tensor only
+    (``read_part``), the vocabulary's padded to ``ceil(V / N)`` rows; per-expert tensors of this rank's experts only,
+    renumbered from 0 (``expert_on_rank``)."""
+    def mine(name: str) -> str | None:
+        model_name = rename(name)
+        return None if model_name is None else expert_on_rank(cfg, model_name, par)
+
+    _, _, tensors = read_checkpoint(path, model_types, keep=lambda name: mine(name) is not None,
+                                    part=lambda name, shape: read_part(cfg, cast(str, mine(name)), shape, par, splits))
+    return {n: pad_vocab(cfg, n, t, par) for name, t in tensors.items() if (n := mine(name)) is not None}
+
+
+def shard_tensor(cfg: Any, name: str, t: torch.Tensor, par: ParallelContext,
+                 splits: dict[str, tuple[str, int]] = V4_SPLITS) -> torch.Tensor:
+    """This rank's part of the float tensor ``name`` (padded with zero rows for the vocabulary's last shard)."""
+    span = read_part(cfg, name, t.shape, par, splits)
+    if span is None:
+        return t
+    dim, start, stop = span
+    return pad_vocab(cfg, name, t.narrow(dim, start, stop - start), par).contiguous()
 
 
 def expert_on_rank(cfg: Any, name: str, par: ParallelContext) -> str | None:
@@ -143,4 +203,5 @@ def shard_fraction(cfg: Any, name: str, par: ParallelContext) -> tuple[bool, int
     return True, (par.world_size if _split_of(mine) is not None else 1)
 
 
-__all__ = ["check_v4_parallel", "expert_on_rank", "shard_fraction", "shard_stored", "shard_tensor"]
+__all__ = ["DOTS3_SPLITS", "HY_V4_SPLITS", "V4_SPLITS", "check_parallel", "check_v4_parallel", "expert_on_rank",
+           "pad_vocab", "read_part", "read_shard", "shard_fraction", "shard_stored", "shard_tensor"]
