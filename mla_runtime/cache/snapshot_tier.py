@@ -150,8 +150,8 @@ class SnapshotDisk:
                     return None
                 (n,) = struct.unpack("<I", head[8:])
                 meta = json.loads(f.read(min(n, 1 << 20)))
-            tokens = meta.get("tokens")
-            return tokens if isinstance(tokens, int) else None
+            tokens = meta.get("tokens") if isinstance(meta, dict) else None
+            return tokens if isinstance(tokens, int) and tokens > 0 else None  # a bad one: no room is reserved
         except (OSError, ValueError):
             return None
 
