@@ -63,12 +63,13 @@ SPLIT_FAMILIES = ("deepseek_v4", "hy_v4", "dots3_note", "dots3_note_text")
 def refusal(name: str, value: object, family: str, doc: str = DOC) -> str:
     """The message that refuses the setting ``name`` (``value``) for a model of its own: serving's
     ``check_v4_settings`` and the planner say the same (DeepSeek-V4, Hunyuan V4 and dots3-note run on any number of
-    ranks that splits them, GLM-5-Next on one)."""
+    ranks that splits them, GLM-5-Next on one; DeepSeek-V4 alone keeps its prefixes in the tiers, on one rank)."""
     ranks = ("every rank holding every sequence's state (latent_cache_layout 'replicated'), "
              if family in SPLIT_FAMILIES else "tensor_parallel_size 1, ")
-    return (f"{name}={value!r}: {family} runs with {ranks}no speculative decoding, its full latent rank, no "
-            f"prefix-cache tiers (kv_cache_dir, kv_cache_host_bytes), no quantization, kv_cache_dtype 'auto' and dtype "
-            f"one of {sorted(V4_PLAN_DTYPES)} ({doc})")
+    tiers = "the prefix-cache tiers (kv_cache_dir, kv_cache_host_bytes) on one rank only" \
+        if family == "deepseek_v4" else "no prefix-cache tiers (kv_cache_dir, kv_cache_host_bytes)"
+    return (f"{name}={value!r}: {family} runs with {ranks}no speculative decoding, its full latent rank, {tiers}, "
+            f"no quantization, kv_cache_dtype 'auto' and dtype one of {sorted(V4_PLAN_DTYPES)} ({doc})")
 
 
 def v32_style_bytes(layers: int, tokens: int, dtype_bytes: int = 2) -> int:

@@ -101,12 +101,12 @@ def test_engine_info_is_the_planners_and_prefix_caching_takes_sized_snapshots(ch
 @pytest.mark.parametrize("settings, name", [
     ({"num_speculative_tokens": 2}, "num_speculative_tokens"),
     ({"tensor_parallel_size": 2, "latent_cache_layout": "sharded", "block_size": 32}, "latent_cache_layout"),
-    ({"kv_cache_dir": "unused-dir"}, "kv_cache_dir"),
+    ({"kv_cache_dir": "unused-dir", "tensor_parallel_size": 2}, "kv_cache_dir"),  # the tiers: on one rank
     ({"latent_rank": 16}, "latent_rank"),
     ({"quantization": "int8"}, "quantization"),
     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
     ({"dtype": "float16"}, "dtype"),
-    ({"kv_cache_host_bytes": "1MiB"}, "kv_cache_host_bytes"),
+    ({"kv_cache_host_bytes": "1MiB", "tensor_parallel_size": 2}, "kv_cache_host_bytes"),
 ])
 def test_settings_v4_does_not_run_with_are_refused_by_name(checkpoint: Path, settings: dict, name: str) -> None:
     with pytest.raises(InvalidParam, match=name) as e:

@@ -23,8 +23,9 @@ as the prefix it ends, and the snapshots held stay within a byte budget.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -217,11 +218,14 @@ class SizedSnapshots(StateSnapshots):
     so that the states it held go at once (the worker's side: nothing outlives its place in the budget)."""
 
     def __init__(self, num_snapshots: int, budget_bytes: int, size: Callable[[int], int],
-                 drop: Callable[[int], None]) -> None:
+                 drop: Callable[[int], None], lower: SnapshotLower | None = None,
+                 write_through: bool = False) -> None:
         super().__init__(num_snapshots, drop)
         self.budget_bytes, self.size = budget_bytes, size
+        self.lower, self.write_through = lower, write_through and lower is not None
         self._bytes: dict[int, int] = {}  # held snapshot -> its bytes
         self.used_bytes = 0
+        self.num_lower_hits = 0  # snapshots brought back from the lower tiers
 
     def reserve(self, tokens: int = 0) -> int | None:
         """A snapshot for a step to write after ``tokens`` tokens (None: it cannot fit beside the pending and pinned
@@ -240,6 +244,56 @@ class SizedSnapshots(StateSnapshots):
         self.used_bytes += need
         return s
 
+    def commit(self, snapshot: int, block_hash: int) -> bool:
+        """``StateSnapshots.commit``; with write-through the lower tiers keep it on disk at once too."""
+        if not super().commit(snapshot, block_hash):
+            return False
+        if self.write_through:
+            assert self.lower is not None
+            self.lower.store(block_hash, snapshot, persist=True)
+        return True
+
+    def forget(self, block_hash: int) -> None:
+        """``StateSnapshots.forget``; the lower tiers keep the snapshot (a pinned one now: its state is still whole)."""
+        s = self._by_hash.get(block_hash)
+        if s is not None and s in self._pins and self.lower is not None:
+            self.lower.store(block_hash, s)
+        super().forget(block_hash)
+
+    def _drop(self, snapshot: int) -> None:
+        """A committed, unpinned snapshot leaves the budget: the lower tiers keep it first, when there are any."""
+        if self.lower is not None:
+            self.lower.store(self._hash_of[snapshot], snapshot)
+        super()._drop(snapshot)
+
+    def reachable(self, block_hash: int) -> bool:
+        """Whether a snapshot after ``block_hash`` is held here or in a lower tier."""
+        return self.has(block_hash) or (self.lower is not None and self.lower.tokens(block_hash) is not None)
+
+    def bring_in(self, block_hash: int) -> bool:
+        """Make the snapshot after ``block_hash`` one of the committed snapshots here (loaded from a lower tier when it
+        is not here, within the budget); False when no tier has one that loads (then nothing is held for it)."""
+        if self.has(block_hash):
+            return True
+        tokens = None if self.lower is None else self.lower.tokens(block_hash)
+        if tokens is None:
+            return False
+        assert self.lower is not None
+        s = self.reserve(tokens)
+        if s is None:
+            return False
+        if not self.lower.load(block_hash, s, tokens):
+            self.discard(s)
+            return False
+        self.commit(s, block_hash)
+        self.num_lower_hits += 1
+        return True
+
+    def committed(self) -> list[tuple[int, int]]:
+        """``(block hash, snapshot)`` of every committed snapshot, most recently used first."""
+        idle = [(self._hash_of[s], s) for s in reversed(self._idle)]
+        return [(h, s) for h, s in self._by_hash.items() if s in self._pins] + idle
+
     def _give_back(self, snapshot: int) -> None:
         self.used_bytes -= self._bytes.pop(snapshot)
         super()._give_back(snapshot)
@@ -250,3 +304,39 @@ class SizedSnapshots(StateSnapshots):
         if self.used_bytes != sum(self._bytes.values()) or set(self._bytes) != set(self._hash_of):
             raise AssertionError(f"state snapshots hold {self.used_bytes:,} B for {len(self._bytes)} snapshots; "
                                  f"{self.num_committed} are committed")
+
+
+class SnapshotLower(Protocol):
+    """Where a ``SizedSnapshots``' snapshots go when they leave its budget (the worker's side: it holds the states)."""
+
+    def store(self, block_hash: int, snapshot: int, persist: bool = False) -> None: ...
+
+    def tokens(self, block_hash: int) -> int | None: ...
+
+    def load(self, block_hash: int, snapshot: int, tokens: int) -> bool: ...
+
+
+class SnapshotBlocks:
+    """The block pool's lower tier (``engine/block_pool.LowerTier``) for a model whose blocks hold no rows, only
+    count them (DeepSeek-V4: everything a prefix hit needs is its snapshot): a prefix continues past the pool's own
+    blocks up to the last of its hashes whose snapshot a lower tier holds. ``load`` brings that snapshot back into
+    ``snapshots`` (the pool then registers the fresh, empty blocks it allocated for the prefix); a block evicted from
+    the pool needs nothing stored (its snapshot, if any, goes to the lower tiers on its own)."""
+
+    def __init__(self, snapshots: SizedSnapshots) -> None:
+        self.snapshots = snapshots
+
+    def store(self, block_hash: int, block: int) -> None:
+        return None
+
+    def lookup(self, hashes: Sequence[int]) -> int:
+        n = len(hashes)
+        while n and not self.snapshots.reachable(hashes[n - 1]):
+            n -= 1
+        return n
+
+    def load(self, hashes: Sequence[int], blocks: Sequence[int]) -> int:
+        return len(hashes) if hashes and self.snapshots.bring_in(hashes[-1]) else 0
+
+    def prefetch(self, hashes: Sequence[int]) -> None:
+        return None

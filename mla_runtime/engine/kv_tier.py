@@ -11,6 +11,9 @@ alone (``cache/disk_tier.py``); both take the same calls.
 
 A graceful shutdown (``close``) first stores every full block the pool still holds that is not on disk yet, then
 waits for the writers up to the timeout (with a host tier alone, nothing outlives the process: it only closes).
+
+DeepSeek-V4's blocks hold no rows: its prefix hits are state snapshots, whose own tiers (``cache/snapshot_tier.py``)
+``attach_snapshot_tier`` puts under the pool instead, and ``SnapshotTierDriver`` closes at shutdown.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ from collections.abc import Sequence
 
 from mla_runtime.cache.disk_tier import DiskTier, agree_min, broadcast_blocks
 from mla_runtime.cache.host_tier import HostTier
+from mla_runtime.cache.state_cache import SizedSnapshots, SnapshotBlocks, StateSnapshots
 from mla_runtime.engine.block_pool import BlockPool
 from mla_runtime.engine.tp_workers import TensorParallelGroup
+from mla_runtime.engine.v4_worker import SnapshotStore
 from mla_runtime.engine.worker import Worker
 
 logger = logging.getLogger("mla_runtime")
@@ -111,3 +116,38 @@ class LowerTierDriver:
         except RuntimeError as e:  # a tensor-parallel rank is gone
             logger.error("disk tier: flush at shutdown failed: %s", e)
             self.tier.close(timeout)
+
+
+def attach_snapshot_tier(worker: Worker, pool: BlockPool, snapshots: StateSnapshots) -> SnapshotTierDriver | None:
+    """Put DeepSeek-V4's state snapshot tiers (if its worker opened any) under ``pool``: a prefix continues wherever
+    a tier holds the snapshot at its end (``SnapshotBlocks``); log their capacity."""
+    store = getattr(worker, "snapshot_store", None)
+    if not isinstance(store, SnapshotStore) or not isinstance(snapshots, SizedSnapshots):
+        return None
+    pool.attach_lower_tier(SnapshotBlocks(snapshots))
+    tier = store.tier
+    disk = tier.disk
+    logger.info("state snapshot tiers: %s B of host RAM, %s", f"{tier.capacity_bytes:,}",
+                f"disk tier {disk.folder} ({disk.usage_bytes:,} B of snapshots in use)" if disk is not None
+                else "no disk tier: nothing survives a restart")
+    return SnapshotTierDriver(store, snapshots)
+
+
+class SnapshotTierDriver:
+    """Closes the state snapshot tiers at shutdown: the committed snapshots still in memory, and host RAM's, are
+    written to the disk tier (when there is one) within the timeout."""
+
+    def __init__(self, store: SnapshotStore, snapshots: SizedSnapshots) -> None:
+        self.store, self.snapshots = store, snapshots
+
+    def shutdown(self, pool: BlockPool, timeout: float) -> None:
+        t0 = time.monotonic()
+        resident = [(h, held) for h, s in self.snapshots.committed()
+                    if (held := self.store.snapshot(s)) is not None]
+        n = self.store.tier.close(resident, timeout)
+        if self.store.tier.disk is not None:
+            logger.info("state snapshot tier: %d snapshots handed to the disk tier at shutdown (%.2f s)", n,
+                        time.monotonic() - t0)
+
+
+TierDriver = LowerTierDriver | SnapshotTierDriver  # what an engine closes at shutdown

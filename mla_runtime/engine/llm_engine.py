@@ -26,7 +26,7 @@ from mla_runtime.config import ModelConfig
 from mla_runtime.engine.block_pool import BlockPool
 from mla_runtime.engine.config import EngineConfig
 from mla_runtime.engine.info import EngineInfo, EngineStats, TokenCounts
-from mla_runtime.engine.kv_tier import attach_lower_tier
+from mla_runtime.engine.kv_tier import TierDriver, attach_lower_tier, attach_snapshot_tier
 from mla_runtime.engine.model_runner import ModelRunner
 from mla_runtime.engine.proposer import make_proposer
 from mla_runtime.engine.requests import (
@@ -71,11 +71,12 @@ class LLMEngine:
         assert w.cache is not None
         self.thread_tuner = ThreadTuner.for_engine(config.num_threads, w.device, tp)
         self.pool = BlockPool(w.cache.num_blocks, config.block_size, w.prefix_caching, config.cache_watermark)
-        self.kv_tier = attach_lower_tier(w, self.pool, self.tp_group, config.kv_cache_write_through)
+        self.kv_tier: TierDriver | None = attach_lower_tier(w, self.pool, self.tp_group, config.kv_cache_write_through)
         self.proposer = make_proposer(config, w, self.tp_group)
         snapshots = w.state_snapshots()
         if snapshots is not None:
             self.pool.attach_states(snapshots)
+            self.kv_tier = self.kv_tier or attach_snapshot_tier(w, self.pool, snapshots)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, w.max_num_batched_tokens,
                                    self.proposer.trailing_slots, w.state_slots(), snapshots, w.own_prefix_copies)
         self.runner = ModelRunner(w, config.seed, self.tp_group, self.thread_tuner)

@@ -41,9 +41,11 @@ from typing import Any, cast
 import torch
 
 from mla_runtime import checksums
-from mla_runtime.cache.disk_tier import DiskTier
+from mla_runtime.cache.disk_tier import DiskTier, model_fingerprint
 from mla_runtime.cache.host_tier import HostTier
 from mla_runtime.cache.latent_cache import LatentCache
+from mla_runtime.cache.snapshot_tier import FORMAT_VERSION as SNAPSHOT_FORMAT
+from mla_runtime.cache.snapshot_tier import Snapshot, SnapshotDisk, SnapshotTier
 from mla_runtime.cache.state_cache import SizedSnapshots, StateSlots, StateSnapshots
 from mla_runtime.config import ModelConfig, load_config_dict
 from mla_runtime.dtypes import resolve_cache_dtype
@@ -53,7 +55,14 @@ from mla_runtime.errors import InsufficientMemory, InvalidParam
 from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.hub import resolve_model
 from mla_runtime.kernel_plan import OFF_CPU
-from mla_runtime.models.deepseek_v4 import V4Config, V4StateCache, load_deepseek_v4, state_bytes
+from mla_runtime.models.deepseek_v4 import (
+    V4Config,
+    V4StateCache,
+    load_deepseek_v4,
+    state_bytes,
+    state_from_tensors,
+    state_tensors,
+)
 from mla_runtime.models.glm5_next import MODEL_TYPES as GLM5_NEXT_TYPES
 from mla_runtime.models.v4_shards import check_v4_parallel
 from mla_runtime.models.v4_sizes import (
@@ -91,20 +100,61 @@ class ReleasingSlots(StateSlots):
 
 def check_v4_settings(config: EngineConfig, family: str = "deepseek_v4", doc: str = "docs/deepseek-v4.md") -> None:
     """Refuse, by name, the settings a V4 (or GLM-5-Next) model does not run with: its states advance with every
-    token a step computes (no drafts to verify), a cached prefix cannot resume them (no prefix-cache tiers), it runs
-    in torch in bfloat16 or float32 (V4, Hunyuan V4 and dots3-note on any number of ranks that splits them, every
-    rank holding every state; GLM-5-Next on one)."""
+    token a step computes (no drafts to verify), only V4's state snapshots go to the prefix-cache tiers (on one
+    rank), it runs in torch in bfloat16 or float32 (V4, Hunyuan V4 and dots3-note on any number of ranks that splits
+    them, every rank holding every state; GLM-5-Next on one)."""
+    tiers_refused = family != "deepseek_v4" or config.tensor_parallel_size > 1
     refused = {"tensor_parallel_size": config.tensor_parallel_size > 1 and family not in SPLIT_FAMILIES,
                "latent_cache_layout": config.tensor_parallel_size > 1 and config.latent_cache_layout != "replicated",
                "num_speculative_tokens": config.num_speculative_tokens > 0,
                "speculative_method": config.speculative_method == "mtp", "latent_rank": config.latent_rank is not None,
-               "kv_cache_dir": config.kv_cache_dir is not None, "kv_cache_host_bytes": bool(config.kv_cache_host_bytes),
+               "kv_cache_dir": tiers_refused and config.kv_cache_dir is not None,
+               "kv_cache_host_bytes": tiers_refused and bool(config.kv_cache_host_bytes),
                "quantization": config.quantization is not None,
                "kv_cache_dtype": config.kv_cache_dtype not in ("auto", None),
                "dtype": config.dtype not in V4_DTYPES}
     for name, bad in refused.items():
         if bad:
             raise InvalidParam(name, refusal(name, getattr(config, name), family, doc))
+
+
+class SnapshotStore:
+    """The lower tiers of ``SizedSnapshots`` on the worker's side (``cache/state_cache.SnapshotLower``): a snapshot's
+    state handed to the ``SnapshotTier`` as named host tensors, and loaded back into a snapshot only once it checks
+    out against this model (``state_from_tensors``; one that does not is logged, dropped and recomputed)."""
+
+    def __init__(self, worker: V4Worker, tier: SnapshotTier) -> None:
+        self.worker, self.tier = worker, tier
+
+    def snapshot(self, snapshot: int) -> Snapshot | None:
+        """Snapshot ``snapshot``'s state as the tier keeps it (None: it holds none)."""
+        states = self.worker.states
+        st = None if states is None else states.snapshots[snapshot]
+        if st is None:
+            return None
+        return Snapshot({k: t.to("cpu") for k, t in state_tensors(st).items()}, st.length)
+
+    def store(self, block_hash: int, snapshot: int, persist: bool = False) -> None:
+        held = self.snapshot(snapshot)
+        if held is not None:
+            self.tier.store(block_hash, held, persist)
+
+    def tokens(self, block_hash: int) -> int | None:
+        return self.tier.tokens(block_hash)
+
+    def load(self, block_hash: int, snapshot: int, tokens: int) -> bool:
+        w = self.worker
+        held = self.tier.load(block_hash)
+        if held is None or w.states is None:
+            return False
+        try:
+            if held.tokens != tokens:
+                raise ValueError(f"a snapshot of {held.tokens} tokens where {tokens} were expected")
+            w.states.snapshots[snapshot] = state_from_tensors(w.v4_config, held.tensors, tokens, w.dtype, w.device)
+        except ValueError as e:
+            self.tier.reject(block_hash, str(e))
+            return False
+        return True
 
 
 class V4Worker(Worker):
@@ -209,6 +259,8 @@ class V4Worker(Worker):
         self.weights_fingerprint: str | None = None
         self.disk_tier: DiskTier | None = None
         self.host_tier: HostTier | None = None
+        self.snapshot_tier: SnapshotTier | None = None  # the state snapshots' lower tiers (``open_lower_tier``)
+        self.snapshot_store: SnapshotStore | None = None
         self.graphs = None
 
     @property
@@ -296,13 +348,16 @@ class V4Worker(Worker):
     def state_snapshots(self) -> StateSnapshots | None:
         """V4's snapshots, sized by the prefix they end (``SizedSnapshots`` within ``state_snapshot_bytes``); the
         fixed-size ones of a model whose worker runs as this one. Either way a freed snapshot's tensors (its rows grow
-        with its prefix) are dropped at once, on every rank (``_drop_snapshot``)."""
+        with its prefix) are dropped at once, on every rank (``_drop_snapshot``); V4's go to the lower tiers first,
+        when it has any (``SnapshotStore``)."""
         if not self.num_state_snapshots:
             return None
         if not self.sized_snapshots:
             return StateSnapshots(self.num_state_snapshots, self._drop_snapshot)
+        store = None if self.snapshot_tier is None else SnapshotStore(self, self.snapshot_tier)
+        self.snapshot_store = store
         return SizedSnapshots(self.num_state_snapshots, self.state_snapshot_bytes, self.snapshot_bytes,
-                              self._drop_snapshot)
+                              self._drop_snapshot, store, self.config.kv_cache_write_through)
 
     def state_snapshot_nbytes(self) -> int:
         """V4's snapshot budget (``state_snapshot_memory``), what its snapshots may hold together."""
@@ -331,7 +386,39 @@ class V4Worker(Worker):
         return 0 if self.states is None else self.state_bytes
 
     def open_lower_tier(self) -> None:
+        """No latent tiers (the blocks hold no rows); the state snapshots' tiers (``cache/snapshot_tier.py``) under
+        the same settings, on one rank: the disk tier when ``kv_cache_dir`` is set, host RAM over it when
+        ``snapshot_host_bytes()`` is not 0."""
+        c = self.config
+        if not (self.sized_snapshots and self.prefix_caching) or self.par.enabled:
+            return None
+        disk = None
+        if c.kv_cache_dir is not None:
+            bound = None if c.kv_cache_disk_bytes is None else int(c.kv_cache_disk_bytes)
+            disk = SnapshotDisk(c.kv_cache_dir, self.snapshot_fingerprint(), bound)
+        host = self.snapshot_host_bytes()
+        if host or disk is not None:
+            self.snapshot_tier = SnapshotTier(host, disk)
         return None
+
+    def snapshot_fingerprint(self) -> str:
+        """What decides a state snapshot's bytes (beside the checkpoint, which ``model_fingerprint`` covers): a
+        snapshot written under any other value is never looked up."""
+        settings = {"kind": "deepseek_v4 state snapshots", "format": SNAPSHOT_FORMAT, "dtype": str(self.dtype),
+                    "block_size": self.config.block_size}
+        return model_fingerprint(self.model_path, settings)
+
+    def snapshot_host_bytes(self) -> int:
+        """Host RAM for the snapshots that leave ``state_snapshot_memory``: ``kv_cache_host_bytes``, or by default a
+        quarter of the available RAM on CUDA and none on a CPU (whose snapshots are in host RAM already)."""
+        c = self.config
+        if c.kv_cache_host_bytes is not None:
+            n, smallest = int(c.kv_cache_host_bytes), self.snapshot_bytes(c.block_size)
+            if 0 < n < smallest:
+                raise InvalidParam("kv_cache_host_bytes", f"kv_cache_host_bytes ({n:,} B) holds no state snapshot of "
+                                   f"deepseek_v4 ({smallest:,} B after one block): give at least that, or 0 for none")
+            return n
+        return available_host_memory() // 4 if self.device.type == "cuda" else 0
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor | None:
@@ -385,4 +472,4 @@ def make_worker(config: EngineConfig, par: ParallelContext = SINGLE_RANK) -> Wor
     return V4Worker(config, par) if model_type == "deepseek_v4" else Worker(config, par)
 
 
-__all__ = ["ReleasingSlots", "V4Worker", "check_v4_settings", "make_worker"]
+__all__ = ["ReleasingSlots", "SnapshotStore", "V4Worker", "check_v4_settings", "make_worker"]

@@ -34,7 +34,7 @@ stored (``v4_stored``: ``StoredLinear`` layers, ``PackedExperts.keep_stored``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -324,6 +324,52 @@ class V4SequenceState:
             for c in (layer.compressor, layer.indexer):
                 tensors += [c.buffer_kv, c.buffer_gate, c.overlap_kv, c.overlap_gate, c.entries]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+COMPRESSOR_FIELDS = ("buffer_kv", "buffer_gate", "overlap_kv", "overlap_gate", "entries")
+
+
+def state_tensors(st: V4SequenceState) -> dict[str, torch.Tensor]:
+    """``st``'s tensors by name (``<layer>.window``, ``<layer>.<compressor|indexer>.<field>``; those not there yet
+    left out), as they are (for a snapshot tier to keep: ``state_from_tensors`` turns them back)."""
+    out: dict[str, torch.Tensor] = {}
+    for i, ly in enumerate(st.layers):
+        if ly.window is not None:
+            out[f"{i}.window"] = ly.window
+        for part, c in (("compressor", ly.compressor), ("indexer", ly.indexer)):
+            for name in COMPRESSOR_FIELDS:
+                t = getattr(c, name)
+                if t is not None:
+                    out[f"{i}.{part}.{name}"] = t
+    return out
+
+
+def state_from_tensors(cfg: V4Config, tensors: Mapping[str, torch.Tensor], tokens: int, dtype: torch.dtype,
+                       device: torch.device | str) -> V4SequenceState:
+    """The state ``state_tensors`` took after ``tokens`` tokens, on ``device``; ValueError unless it is one this
+    model keeps: every name known, every tensor 2-D and of the model's dtype (overlapping gates: float32), a window
+    of ``head_dim`` channels, and the bytes those of a state that long (``state_bytes``)."""
+    st = V4SequenceState.empty(cfg)
+    st.length = tokens
+    for name, t in tensors.items():
+        parts = name.split(".")
+        if not parts[0].isdigit() or int(parts[0]) >= len(st.layers) or t.dim() != 2:
+            raise ValueError(f"{name}: no such state tensor of this model, or not 2-D")
+        ly = st.layers[int(parts[0])]
+        want = torch.float32 if name.endswith("overlap_gate") else dtype  # its slot bias added in float32
+        if t.dtype != want:
+            raise ValueError(f"{name}: {t.dtype}, expected {want}")
+        t = t.to(device)
+        if parts[1:] == ["window"] and t.shape[1] == cfg.head_dim:
+            ly.window = t
+        elif len(parts) == 3 and parts[1] in ("compressor", "indexer") and parts[2] in COMPRESSOR_FIELDS:
+            setattr(ly.compressor if parts[1] == "compressor" else ly.indexer, parts[2], t)
+        else:
+            raise ValueError(f"{name}: no such state tensor of this model (shape {tuple(t.shape)})")
+    if not 0 < tokens <= cfg.max_position_embeddings or st.nbytes() != state_bytes(cfg, tokens, dtype.itemsize):
+        raise ValueError(f"{st.nbytes():,} B for {tokens} tokens; this model keeps "
+                         f"{state_bytes(cfg, max(tokens, 0), dtype.itemsize):,} B")
+    return st
 
 
 # -- compressors and the indexer ---------------------------------------------------------------------------------------
@@ -838,4 +884,5 @@ def state_bytes(cfg: V4Config, tokens: int, dtype_bytes: int = 4) -> int:
     return total
 
 
-__all__ = ["DeepseekV4ForCausalLM", "V4Config", "V4SequenceState", "V4StateCache", "load_deepseek_v4"]
+__all__ = ["DeepseekV4ForCausalLM", "V4Config", "V4SequenceState", "V4StateCache", "load_deepseek_v4",
+           "state_from_tensors", "state_tensors"]
