@@ -29,9 +29,10 @@ The stored-format cells (``stored-int4``, ``stored-w4a16``, ``stored-w8a8``, ``s
 stored (``stored_formats``), and compare the batch with the same checkpoint run one prompt at a time as the int8 cell
 does, within the same bounds, near-ties measured on transformers holding the checkpoint's dequantised weights. Every
 product of every format gives a row the same bits whatever rows share its call; the formats whose products round
-their input rows to int8 in groups of 32 (int4, W4A16 loaded as int4, the GGUF block types) make the float parts'
-rounding differences between batch shapes changes of up to 1/254 of a group's largest value, a hundred times the
-int8 cell's, and the batch and the prompts alone then part at gaps wider than these bounds (``docs/testing.md``).
+their input rows to int8 (in groups of 32: int4, W4A16 loaded as int4, the GGUF block types; per row: W8A8) make the
+float parts' rounding differences between batch shapes changes of up to 1/254 of a group's largest value, a hundred
+times the int8 cell's, and the batch and the prompts alone then part at gaps wider than these bounds
+(``ROUNDED_ROWS``, ``docs/testing.md``).
 
 ``bench/conformance.py`` runs the whole matrix; ``tests/test_conformance.py`` a fixed core and cells drawn from a
 printed seed.
@@ -94,14 +95,16 @@ NOT_V4 = DENSE + SPARSE + HYBRID
 # the families whose checkpoints' MTP layers the runtime serves (A.X-K1/K2, LongCat-Flash and Mistral Large 4 drop
 # theirs, as transformers does); the MTP cell adds one to the checkpoint, built by the family's own decoder layer
 MTP_FAMILIES = tuple(t for t in ONE_RANK_NO_DRAFTS if t not in ("axk1", "axk2", "longcat_flash", "mistral_large4"))
-# the stored formats' families (stored_formats): compressed-tensors checkpoints of the families whose stored names are
-# transformers' own; GGUF files of DeepSeek-V2/V3 (llama.cpp's deepseek2: MiniCPM3's metadata carries no value head
-# width, which llama.cpp takes as hidden_size / heads, and the matrix's configurations have widths of their own);
+# the stored formats' families (stored_formats): compressed-tensors checkpoints of the families whose stored names
+# write_quantized_checkpoint maps (it reads a checkpoint under its stored names, without the loader's renaming of
+# Kimi-K2.5's and Mistral Large 4's, and so quantises none of theirs); GGUF files of DeepSeek-V2/V3 (llama.cpp's
+# deepseek2: MiniCPM3's metadata carries no value head width, which llama.cpp takes as hidden_size / heads, and the
+# matrix's configurations have widths of their own);
 # ModelOpt's NVFP4 exports of the DeepSeek layouts NVIDIA publishes
-COMPRESSED_FAMILIES = NOT_V4
+COMPRESSED_FAMILIES = tuple(t for t in NOT_V4 if t not in ("kimi_k25", "mistral_large4"))
 GGUF_FAMILIES = ("deepseek_v2", "deepseek_v3")
-# the stored formats whose products round their input rows to int8 in groups of 32 (module docstring)
-ROUNDED_ROWS = ("stored-int4", "stored-w4a16", "gguf-q8_0", "gguf-q4_k_m")
+# the stored formats whose products round their input rows to int8 (module docstring)
+ROUNDED_ROWS = ("stored-int4", "stored-w4a16", "stored-w8a8", "gguf-q8_0", "gguf-q4_k_m")
 MODELOPT_FAMILIES = ("deepseek_v2", "deepseek_v3")
 
 
