@@ -1,7 +1,8 @@
 """The whole conformance matrix (``tests/conformance.py``): every supported model_type, in its fixed configuration and
 in configurations drawn from seeds, under every cell (batching, chunked prefill, prefix caching, preemption, each
-attention backend, two tensor-parallel layouts, int8 weights, prompt lookup, MTP), against transformers run one prompt
-at a time. Writes a report with the machine and the time it took; exits 1 when a cell fails.
+attention backend, two tensor-parallel layouts, int8 weights, prompt lookup, MTP, checkpoints stored in the
+compressed-tensors, GGUF and ModelOpt formats), against transformers run one prompt at a time. Writes a report with
+the machine and the time it took; exits 1 when a cell fails.
 
     python bench/conformance.py                                  # everything, fixed configs + seeds 1 and 2
     python bench/conformance.py --families deepseek_v32 axk2 --cells batched chunked --seeds 7

@@ -24,6 +24,16 @@ the one-token MoE call against the grouped one) a change of up to 2^-15 of a row
 near a rounding boundary, so bit-identical int8 answers across batches would need every float path to be bit-identical
 across row counts.
 
+The stored-format cells (``stored-int4``, ``stored-w4a16``, ``stored-w8a8``, ``stored-mxfp4``, ``stored-nvfp4``,
+``gguf-q8_0``, ``gguf-q4_k_m``, ``modelopt-nvfp4``) write the family's checkpoint in a format the runtime loads as
+stored (``stored_formats``), and compare the batch with the same checkpoint run one prompt at a time as the int8 cell
+does, within the same bounds, near-ties measured on transformers holding the checkpoint's dequantised weights. Every
+product of every format gives a row the same bits whatever rows share its call; the formats whose products round
+their input rows to int8 (in groups of 32: int4, W4A16 loaded as int4, the GGUF block types; per row: W8A8) make the
+float parts' rounding differences between batch shapes changes of up to 1/254 of a group's largest value, a hundred
+times the int8 cell's, and the batch and the prompts alone then part at gaps wider than these bounds
+(``ROUNDED_ROWS``, ``docs/testing.md``).
+
 ``bench/conformance.py`` runs the whole matrix; ``tests/test_conformance.py`` a fixed core and cells drawn from a
 printed seed.
 """
@@ -43,6 +53,7 @@ from typing import Any
 import torch
 
 from mla_kernels import topk_lowest_first
+from tests import stored_formats
 
 VOCAB = 256
 PROMPT_LENS = (1, 5, 16, 17, 63, 64, 65, 130, 200, 3, 33, 97)
@@ -84,6 +95,17 @@ NOT_V4 = DENSE + SPARSE + HYBRID
 # the families whose checkpoints' MTP layers the runtime serves (A.X-K1/K2, LongCat-Flash and Mistral Large 4 drop
 # theirs, as transformers does); the MTP cell adds one to the checkpoint, built by the family's own decoder layer
 MTP_FAMILIES = tuple(t for t in ONE_RANK_NO_DRAFTS if t not in ("axk1", "axk2", "longcat_flash", "mistral_large4"))
+# the stored formats' families (stored_formats): compressed-tensors checkpoints of the families whose stored names
+# write_quantized_checkpoint maps (it reads a checkpoint under its stored names, without the loader's renaming of
+# Kimi-K2.5's and Mistral Large 4's, and so quantises none of theirs); GGUF files of DeepSeek-V2/V3 (llama.cpp's
+# deepseek2: MiniCPM3's metadata carries no value head width, which llama.cpp takes as hidden_size / heads, and the
+# matrix's configurations have widths of their own);
+# ModelOpt's NVFP4 exports of the DeepSeek layouts NVIDIA publishes
+COMPRESSED_FAMILIES = tuple(t for t in NOT_V4 if t not in ("kimi_k25", "mistral_large4"))
+GGUF_FAMILIES = ("deepseek_v2", "deepseek_v3")
+# the stored formats whose products round their input rows to int8 (module docstring)
+ROUNDED_ROWS = ("stored-int4", "stored-w4a16", "stored-w8a8", "gguf-q8_0", "gguf-q4_k_m")
+MODELOPT_FAMILIES = ("deepseek_v2", "deepseek_v3")
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -273,12 +295,15 @@ def ordinary_init(model: torch.nn.Module, seed: int) -> None:
                 b.copy_(0.1 * torch.randn(b.shape, generator=g))
 
 
-def build(model_type: str, seed: int | None = None) -> torch.nn.Module:
-    """transformers' model of ``model_type``: the fixed configuration (seed None) or one drawn from ``seed``."""
+def build(model_type: str, seed: int | None = None, width: int | None = None) -> torch.nn.Module:
+    """transformers' model of ``model_type``: the fixed configuration (seed None) or one drawn from ``seed``; with
+    ``width``, at that hidden size."""
     import transformers as tf
 
     rng = None if seed is None else random.Random(seed)
     cfg = text_config(model_type, rng)
+    if width is not None:
+        cfg["hidden_size"] = width
     torch.manual_seed(0 if seed is None else seed)
     if model_type == "longcat_flash":
         lc = dict(vocab_size=VOCAB, hidden_size=cfg["hidden_size"], num_layers=_pick(rng, 2, 1, 2),
@@ -338,26 +363,35 @@ INT8_MATRICES = ("q_proj", "q_a_proj", "q_b_proj", "q_gate_proj", "kv_a_proj_wit
                  "up_proj", "down_proj", "gate_up_proj", "lm_head")
 
 
-@torch.no_grad()
-def int8_weights(hf: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``hf`` with the values ``quantization="int8"`` computes with: each matrix the engine quantises (the
-    attention's projections but ``kv_b_proj`` and the indexer's, the MLPs and experts, the lm_head) as its int8
-    values times their per-row scales, ``kv_b_proj`` rounded to bfloat16; embeddings, norms, routers, the indexer and
-    a hybrid's linear-attention layers as they are."""
-    from mla_runtime.layers.quantization import quantize_int8
-
-    out = copy.deepcopy(hf)
+def product_params(hf: torch.nn.Module) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
+    """(name, owner, parameter) of each matrix a quantising load turns into a product (the attention's projections
+    but the indexer's, the MLPs and experts, an untied lm_head) and of ``kv_b_proj``, which it holds in bfloat16;
+    embeddings, norms, routers, the indexer and a hybrid's linear-attention layers are none."""
     kinds = getattr(hf.config.get_text_config(), "layer_types", None) or []
-    for name, param in out.named_parameters():
+    tied = hf.config.get_text_config().tie_word_embeddings
+    for name, param in hf.named_parameters():
         parts = name.split(".")
         owner = parts[-2] if parts[-1] == "weight" else parts[-1]
         layer = int(parts[parts.index("layers") + 1]) if "layers" in parts else len(kinds)
         linear = layer < len(kinds) and kinds[layer] == "linear_attention" and "self_attn" in parts
-        if "indexer" in parts or param.dim() < 2 or linear:
+        if "indexer" in parts or param.dim() < 2 or linear or (owner == "lm_head" and tied):
             continue
+        if owner == "kv_b_proj" or owner in INT8_MATRICES:
+            yield name, owner, param
+
+
+@torch.no_grad()
+def int8_weights(hf: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``hf`` with the values ``quantization="int8"`` computes with: each matrix the engine quantises
+    (``product_params``) as its int8 values times their per-row scales, ``kv_b_proj`` rounded to bfloat16; embeddings,
+    norms, routers, the indexer and a hybrid's linear-attention layers as they are."""
+    from mla_runtime.layers.quantization import quantize_int8
+
+    out = copy.deepcopy(hf)
+    for _, owner, param in product_params(out):
         if owner == "kv_b_proj":
             param.copy_(param.to(torch.bfloat16))
-        elif owner in INT8_MATRICES and (owner != "lm_head" or not hf.config.get_text_config().tie_word_embeddings):
+        else:
             rows = param.reshape(-1, param.shape[-1])
             q, scales = quantize_int8(rows)
             param.copy_((q.float() * scales.float().unsqueeze(1)).view_as(param))
@@ -453,9 +487,10 @@ class Cell:
     one_at_a_time: bool = False  # the prompts sent one by one
     shared_prefix: int = 0  # prompts sharing a prefix; the batch runs twice, the second on the cached prefixes
     # "int8": compared with the same settings run one prompt at a time, near-ties measured on transformers holding
-    # the int8 engine's weights (int8_weights)
+    # the int8 engine's weights (int8_weights); "stored": the same, for a checkpoint stored quantised (checkpoint),
+    # near-ties measured on transformers holding its dequantised weights (stored_formats)
     weights: str = ""
-    checkpoint: str = ""  # "mtp": a random MTP layer added
+    checkpoint: str = ""  # "mtp": a random MTP layer added; a stored format (stored_formats.FORMATS): written in it
     must_preempt: bool = False  # the cache is small enough that sequences are preempted (checked)
     families: tuple[str, ...] = MODEL_TYPES
 
@@ -479,6 +514,10 @@ CELLS: dict[str, Cell] = {c.name: c for c in (
     Cell("prompt-lookup", {"num_speculative_tokens": 3}, families=ONE_RANK_NO_DRAFTS),
     Cell("mtp", {"speculative_method": "mtp", "num_speculative_tokens": 1}, checkpoint="mtp",
          families=MTP_FAMILIES),
+    *(Cell(kind, weights="stored", checkpoint=kind, families=COMPRESSED_FAMILIES)
+      for kind in stored_formats.FORMATS if kind.startswith("stored-")),
+    *(Cell(kind, weights="stored", checkpoint=kind, families=GGUF_FAMILIES) for kind in stored_formats.GGUF),
+    Cell("modelopt-nvfp4", weights="stored", checkpoint="modelopt-nvfp4", families=MODELOPT_FAMILIES),
 )}
 
 
@@ -514,18 +553,33 @@ class Family:
         self.hf.save_pretrained(self.path)
         self._refs: dict[int, list[Reference]] = {}
         self._mtp: Path | None = None
+        self._stored: dict[str, tuple[Path, torch.nn.Module]] = {}
 
     def references(self, ps: list[list[int]], shared_prefix: int) -> list[Reference]:
         if shared_prefix not in self._refs:
             self._refs[shared_prefix] = [reference(self.hf, p, new_tokens(self.model_type)) for p in ps]
         return self._refs[shared_prefix]
 
-    def forced(self, ps: list[list[int]], tokens: list[list[int]], weights: str) -> list[Reference]:
-        """``tokens`` (one list per prompt) with their near-ties measured on the reference holding ``weights``."""
-        hf = int8_weights(self.hf) if weights == "int8" else self.hf
+    def forced(self, ps: list[list[int]], tokens: list[list[int]], weights: str, kind: str = "") -> list[Reference]:
+        """``tokens`` (one list per prompt) with their near-ties measured on the reference holding ``weights`` (for
+        a stored format, the dequantised weights of the checkpoint ``kind``)."""
+        hf = int8_weights(self.hf) if weights == "int8" else self.stored(kind)[1] if weights == "stored" else self.hf
         return [reference(hf, p, forced=t) for p, t in zip(ps, tokens)]
 
+    def stored(self, kind: str) -> tuple[Path, torch.nn.Module]:
+        """The checkpoint written in the stored format ``kind`` and transformers on its dequantised weights."""
+        if kind not in self._stored:
+            hf, src = self.hf, self.path
+            if stored_formats.needs_wide(kind):  # the same configuration at a hidden size of whole K-quant blocks
+                hf = build(self.model_type, self.seed, width=stored_formats.KQUANT_WIDTH)
+                src = self.path.with_name(f"{self.path.name}-wide")
+                hf.save_pretrained(src)
+            self._stored[kind] = stored_formats.write(kind, hf, src, self.path.with_name(f"{self.path.name}-{kind}"))
+        return self._stored[kind]
+
     def checkpoint(self, kind: str) -> Path:
+        if kind in stored_formats.FORMATS:
+            return self.stored(kind)[0]
         if kind != "mtp":
             return self.path
         if self._mtp is None:
@@ -620,12 +674,12 @@ def run_cell(family: Family, cell: Cell, lens: tuple[int, ...] | None = None) ->
                     must_preempt=cell.must_preempt, n=new_tokens(family.model_type))
     if cell.weights:
         alone = _generate(path, {**cell.llm, "max_num_seqs": 1}, ps, True, n=new_tokens(family.model_type))
-        refs = family.forced(ps, alone, cell.weights)
+        refs = family.forced(ps, alone, cell.weights, cell.checkpoint)
     else:
         refs = family.references(ps, cell.shared_prefix)
     equal, accepted, failed = 0, [], []
     for n, ref, tokens in zip(lens, refs, got):
-        ok, why = explain(ref, tokens, *((INT8_TIE, INT8_TIE) if cell.weights == "int8" else (LOGIT_TIE, SCORE_TIE)))
+        ok, why = explain(ref, tokens, *((INT8_TIE, INT8_TIE) if cell.weights else (LOGIT_TIE, SCORE_TIE)))
         if why == "equal":
             equal += 1
         elif ok:
@@ -648,7 +702,11 @@ def applicable(family: Family, cell: Cell) -> bool:
 
 def sample(rng: random.Random, count: int) -> list[tuple[str, int, str]]:
     """``count`` cells drawn from ``rng``: (model_type, config seed, cell name)."""
-    cheap = [c for c in CELLS if not c.startswith(("tp2", "triton", "mtp"))]  # the others start processes or interpret
+    # the others start processes or interpret; the stored formats whose batch parts from the prompts alone beyond the
+    # bounds (module docstring) run in the bench matrix only, as does ModelOpt's, whose writer takes every decoder
+    # matrix's rows in whole groups of 16 (drawn widths of 24 are not)
+    cheap = [c for c in CELLS if not c.startswith(("tp2", "triton", "mtp")) and c not in ROUNDED_ROWS
+             and c != "modelopt-nvfp4"]
     out = []
     for _ in range(count):
         model_type = rng.choice(DRAWN_TYPES)

@@ -4,7 +4,8 @@ must go to the lowest position whatever the batch; int8 weights batched and alon
 rounding depends on the rows beside it; MTP verification on a sparse family; a hybrid, whose linear-attention states
 must stay each sequence's own when batched, chunked and preempted; GLM-5-Next's pooled indexer and hyper-connections
 over its state slots; DeepSeek-V4 batched on two ranks; Hunyuan V4's shared selections, sinks and output gate, and
-dots3-note's sliding and indexed layers, batched, chunked and preempted, and on two ranks), plus cells drawn from a
+dots3-note's sliding and indexed layers, batched, chunked and preempted, and on two ranks; a checkpoint stored in
+NVFP4, written by ``mla-runtime quantize``, batched and alone), plus cells drawn from a
 seed that the run prints (``$MLA_CONFORMANCE_SEED`` replays one; ``$MLA_CONFORMANCE_DRAWS`` sets how many). ``python
 bench/conformance.py`` runs the whole matrix."""
 
@@ -25,7 +26,7 @@ CORE = [("deepseek_v32", "batched"), ("glm_moe_dsa", "batched"), ("axk2", "batch
         ("deepseek_v4", "chunked-preemption"), ("deepseek_v4", "tp2-replicated"), ("glm5_next", "batched"),
         ("glm5_next", "chunked-preemption"),
         ("glm5_next", "prefix-cache"), ("hy_v4", "chunked-preemption"), ("hy_v4", "tp2-replicated"),
-        ("dots3_note", "chunked-preemption"), ("dots3_note", "tp2-replicated")]
+        ("dots3_note", "chunked-preemption"), ("dots3_note", "tp2-replicated"), ("deepseek_v2", "stored-nvfp4")]
 SEED = int(os.environ.get("MLA_CONFORMANCE_SEED") or time.time_ns() % 1_000_000)
 DRAWS = C.sample(random.Random(SEED), int(os.environ.get("MLA_CONFORMANCE_DRAWS") or 3))
 
