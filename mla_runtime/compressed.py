@@ -321,10 +321,9 @@ def write_quantized_checkpoint(src: str | Path, out: str | Path, quantization: s
     from safetensors.torch import save_file
 
     from mla_runtime.config import ModelConfig, load_config_dict
-    from mla_runtime.gguf_meta import gguf_files, open_gguf
-    from mla_runtime.gguf_reader import GgufTensors
+    from mla_runtime.gguf_meta import gguf_files
     from mla_runtime.layers.quantization import quantized_parameter_names
-    from mla_runtime.loader import _Reader, checkpoint_files, checkpoint_layout
+    from mla_runtime.loader import _open_reader, checkpoint_layout
     from mla_runtime.models.hybrid import causal_lm
     from mla_runtime.resolved_config import ResolvedConfig
 
@@ -337,7 +336,8 @@ def write_quantized_checkpoint(src: str | Path, out: str | Path, quantization: s
     if cfg.stored_quantization is not None and not gguf:
         raise ValueError(f"{src} is already quantised ({cfg.stored_quantization}); quantise its original instead")
     out.mkdir(parents=True, exist_ok=True)
-    reader: Any = GgufTensors(open_gguf(src), torch.device("cpu")) if gguf else _Reader(checkpoint_files(src))
+    # the tensors under the model's names (the family's renaming, as loading reads them), written under those names
+    reader: Any = _open_reader(src, cfg, torch.device("cpu"))
     files: dict[str, Path] = reader.files
     with torch.device("meta"):
         model = causal_lm(ResolvedConfig(cfg, torch.float32, num_mtp_layers=cfg.num_nextn_predict_layers))

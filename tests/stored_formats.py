@@ -118,7 +118,15 @@ def compressed_reference(hf: torch.nn.Module, path: Path) -> torch.nn.Module:
 
 def _stored_views(out: torch.nn.Module) -> Callable[[str], torch.Tensor | None]:
     """The parameter (or one expert's part of a fused one) of ``out`` a stored tensor's name names; None if none."""
+    from mla_runtime.families import FAMILIES
+
     params = dict(out.named_parameters())
+    family = FAMILIES.get(out.config.model_type)
+    if family is not None:  # the runtime writes the model's names: transformers' own under the family's renaming
+        for hf_name, p in list(params.items()):
+            renamed = family.rename(hf_name)
+            if renamed is not None:
+                params.setdefault(renamed, p)
 
     def view(name: str) -> torch.Tensor | None:
         if name in params:

@@ -66,6 +66,27 @@ def test_a_written_checkpoint_loads_the_same_weights_as_quantising_on_load(writt
     assert size < 0.6 * sum(f.stat().st_size for f in src.glob("*.safetensors"))  # float32 source
 
 
+@pytest.mark.parametrize("model_type", ["kimi_k25", "mistral_large4"])
+def test_a_family_stored_under_names_of_its_own_is_quantised_when_written(tmp_path, model_type):
+    """A checkpoint whose tensor names the family renames (Kimi-K2.5's multimodal layout, Mistral Large 4's own) is
+    quantised under the model's names: the copy holds the same int4 weights as quantising the source while loading."""
+    from tests.conformance import build
+
+    src, out = tmp_path / "src", tmp_path / "int4"
+    build(model_type).save_pretrained(src)
+    assert main(["--model", str(src), "--quantization", "int4", "--out", str(out)]) == 0
+    on_load = load_model(src, dtype="float32", quantization="int4")
+    stored = load_model(out, dtype="float32")
+    for model in (on_load, stored):
+        finish_quantization(model, "int4")
+    a, b = quantized_weights(on_load), quantized_weights(stored)
+    assert len(a) == len(b) > 0
+    assert all(torch.equal(x.dequantize(), y.dequantize()) for x, y in zip(a, b))
+    with open(out / "model.safetensors.index.json") as f:
+        packed = [n for n in json.load(f)["weight_map"] if n.endswith(".weight_packed")]
+    assert len(packed) >= len(a)  # every quantised matrix stored packed (a stacked one from its parts)
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_the_engine_serves_a_prequantised_checkpoint(written, scheme):
     src, out = written
