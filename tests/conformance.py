@@ -102,8 +102,8 @@ MTP_FAMILIES = tuple(t for t in ONE_RANK_NO_DRAFTS if t not in ("axk1", "axk2", 
 # matrix's configurations have widths of their own);
 # ModelOpt's NVFP4 exports of the DeepSeek layouts NVIDIA publishes
 COMPRESSED_FAMILIES = NOT_V4
-# Mistral Large 4's stored FP4 cells part from the prompts alone beyond the bounds on one drawn configuration (seed 2:
-# a prompt of 16 tokens, stored-nvfp4, at an indexer boundary gap of 2.7e-3): in the bench matrix, not drawn
+# Mistral Large 4's stored FP4 cells part from the prompts alone beyond the bounds on one drawn configuration (a
+# prompt of 16 tokens, stored-nvfp4, at an indexer boundary gap of 2.7e-3; docs/testing.md): in the bench matrix only
 STORED_BENCH_ONLY = ("mistral_large4",)
 GGUF_FAMILIES = ("deepseek_v2", "deepseek_v3")
 # the stored formats whose products round their input rows to int8 (module docstring)
