@@ -912,6 +912,37 @@ def test_absorbed_decode_kernel_matches_the_planned_torch_path(rows, heads, dims
 
 
 @needs_row_kernel
+@pytest.mark.parametrize("heads, dims", [(16, (64, 64, 512, 64)), (6, (16, 16, 32, 24)), (3, (16, 8, 72, 24)),
+                                         (2, (8, 8, 40, 20))])
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", ["avx2", "avx512"])
+def test_absorbed_decode_gives_a_row_the_same_bits_whatever_rows_share_the_call(heads, dims, weights, variant):
+    """A decode's attention does not depend on the batch it is in: each row of a call of 12 equals the same row
+    computed alone and among 2, 3 and 5 (the absorption and up-projection of one row sum in the order of many, and
+    the threads' split by rows or by heads computes each head the same way). Over int8-rounding formats a last-bit
+    difference here parts a batch from the prompts alone."""
+    if variant not in cpu_kernels.variants("float"):
+        pytest.skip(f"this CPU does not execute the attention's {variant} variant (it runs "
+                    f"{list(cpu_kernels.variants('float'))})")
+    d_n, d_r, d_c, d_v = dims
+    g = torch.Generator().manual_seed(heads)
+    rows, keys = 12, 300
+    q_n, q_r = torch.randn(rows, heads, d_n, generator=g), torch.randn(rows, heads, d_r, generator=g)
+    w_uk = (torch.randn(heads, d_n, d_c, generator=g) / d_n ** 0.5).to(weights)
+    w_uv_t = (torch.randn(heads, d_c, d_v, generator=g) / d_c ** 0.5).to(weights)
+    cache = torch.randn(keys, d_c + d_r, generator=g)
+    lens = torch.randint(1, 90, (rows,), generator=g)
+    slots = torch.stack([torch.randperm(keys, generator=g)[:90] for _ in range(rows)])
+    call = cpu_kernels.ops().absorbed_decode
+    together = call(q_n, q_r, w_uk, w_uv_t, cache, slots, lens, 0.1, variant)
+    for m in (1, 2, 3, 5):
+        for t in range(0, rows - m + 1, 4):
+            part = call(q_n[t:t + m].clone(), q_r[t:t + m].clone(), w_uk, w_uv_t, cache, slots[t:t + m].clone(),
+                        lens[t:t + m].clone(), 0.1, variant)
+            assert torch.equal(part, together[t:t + m]), (m, t)
+
+
+@needs_row_kernel
 def test_absorbed_decode_kernel_rejects_what_it_cannot_compute():
     q = torch.randn(1, 2, 16)
     slots, lens = torch.zeros(1, 4, dtype=torch.int64), torch.ones(1, dtype=torch.int64)

@@ -32,29 +32,22 @@ static inline __attribute__((always_inline)) V SFX(load_w)(const void *b, int64_
     return bf16 ? V_BF16((const uint16_t *)b + i) : V_LOAD((const float *)b + i);
 }
 
-/* y[0:n] = sum_i x[i] b[i][0:n] for one row x and a row-major b [k, n], reading b front to back as two sequential
- * streams (its two halves side by side, each summed into its own accumulator in L1; one stream was 10-17 % slower
- * from memory). The one-row case of small_gemm, whose column blocks stream a cold matrix more slowly. */
+/* y[0:n] = sum_i x[i] b[i][0:n] for one row x and a row-major b [k, n], reading b front to back (small_gemm's column
+ * blocks stream a cold matrix more slowly). Every sum runs over i in order as small_gemm's do, its columns past the
+ * last block of 4 VL by the same scalar expression: a row's result does not depend on how many rows share the call. */
 static inline __attribute__((always_inline)) void SFX(vec_mat)(const float *x, const void *b, int64_t k, int64_t n,
                                                                float *y, const int bf16) {
-    const int64_t nv = n - n % VL, half = k / 2;
-    float y2[n];
-    for (int64_t j = 0; j < n; j++) y[j] = y2[j] = 0.0f;
-    for (int64_t i = 0; i < half; i++) {
-        const int64_t ra = i * n, rb = (i + half) * n;
-        const V pa = V_SET1(x[i]), pb = V_SET1(x[i + half]);
-        for (int64_t j = 0; j < nv; j += VL) {
-            V_STORE(y + j, V_FMA(pa, SFX(load_w)(b, ra + j, bf16), V_LOAD(y + j)));
-            V_STORE(y2 + j, V_FMA(pb, SFX(load_w)(b, rb + j, bf16), V_LOAD(y2 + j)));
-        }
-        for (int64_t j = nv; j < n; j++) {
-            y[j] += x[i] * load1(b, ra + j, bf16);
-            y2[j] += x[i + half] * load1(b, rb + j, bf16);
-        }
+    const int64_t nb = n - n % (4 * VL);
+    for (int64_t j = 0; j < n; j++) y[j] = 0.0f;
+    for (int64_t i = 0; i < k; i++) {
+        const V p = V_SET1(x[i]);
+        for (int64_t j = 0; j < nb; j += VL) V_STORE(y + j, V_FMA(p, SFX(load_w)(b, i * n + j, bf16), V_LOAD(y + j)));
     }
-    for (int64_t i = 2 * half; i < k; i++)  /* an odd k's last row */
-        for (int64_t j = 0; j < n; j++) y[j] += x[i] * load1(b, i * n + j, bf16);
-    for (int64_t j = 0; j < n; j++) y[j] += y2[j];
+    for (int64_t j = nb; j < n; j++) {
+        float x0 = 0.0f;
+        for (int64_t i = 0; i < k; i++) x0 += x[i] * load1(b, i * n + j, bf16);
+        y[j] = x0;
+    }
 }
 
 /* c[t][0:n] = sum_k a[t][k] b[k][0:n] for t < m: rows of a (row stride lda) times the row-major b [k, n] (float32 or
@@ -147,7 +140,9 @@ static inline __attribute__((always_inline)) void SFX(tile4x2)(const float *cons
 
 /* s[h * ld + j] = scale * (q[h] . key_j[:d_c] + qr[h] . key_j[d_c:]) for nh heads and the keys j0 and j0 + 1
  * (key_j = row slot[j] of the cache, width values; with one = 1 only j0). Four heads by two keys at a time when d_c
- * and d_r are multiples of VL, else one dot product at a time. */
+ * and d_r are multiples of VL (the last four repeating the last head where nh is not a multiple: a head's score is
+ * the same whichever heads share its call, as the threads' split of the heads varies with the rows), else one dot
+ * product at a time. */
 static inline __attribute__((always_inline)) void SFX(scores)(const float *const *q, const float *const *qr,
                                                               const void *cache, int64_t width, const int64_t *slot,
                                                               int64_t j0, int one, int64_t nh, int64_t d_c,
@@ -159,12 +154,17 @@ static inline __attribute__((always_inline)) void SFX(scores)(const float *const
     const float cb = kscale(cs, sb, 0, ck), rb = kscale(cs, sb, 1, ck);
     int64_t h = 0;
     if (d_c % VL == 0 && d_r % VL == 0) {
-        for (; h + 4 <= nh; h += 4) {
+        for (; h < nh; h += 4) {
+            const float *qh[4], *rh[4];
+            for (int u = 0; u < 4; u++) {
+                qh[u] = q[h + u < nh ? h + u : nh - 1];
+                rh[u] = qr[h + u < nh ? h + u : nh - 1];
+            }
             V acc[8];
             for (int u = 0; u < 8; u++) acc[u] = V_ZERO();
-            SFX(tile4x2)(q + h, ka, kb, d_c, acc, ck, V_SET1(ca), V_SET1(cb));
-            SFX(tile4x2)(qr + h, ka + d_c * es, kb + d_c * es, d_r, acc, ck, V_SET1(ra), V_SET1(rb));
-            for (int u = 0; u < 4; u++) {
+            SFX(tile4x2)(qh, ka, kb, d_c, acc, ck, V_SET1(ca), V_SET1(cb));
+            SFX(tile4x2)(rh, ka + d_c * es, kb + d_c * es, d_r, acc, ck, V_SET1(ra), V_SET1(rb));
+            for (int u = 0; u < 4 && h + u < nh; u++) {
                 s[(h + u) * ld + j0] = scale * V_HSUM(acc[2 * u]);
                 if (!one) s[(h + u) * ld + j0 + 1] = scale * V_HSUM(acc[2 * u + 1]);
             }

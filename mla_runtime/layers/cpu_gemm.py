@@ -85,8 +85,9 @@ class PackedWeight:
     layouts, and the row limits with which ``dense_linear`` picks each product's route."""
 
     __slots__ = ("plain", "blocked", "wide", "amx", "plain_gemv", "row_kernel", "upcast", "aten_max_rows", "bf16_rows",
-                 "onednn", "compiled", "operand", "rows")
+                 "onednn", "compiled", "operand", "rows", "paired")
     quantized = False  # True: a weight-only quantised matrix (``layers.quantization``)
+    rounds_to_int8 = False  # True: its products round their input rows to int8 (``rows_invariant``)
 
     def __init__(self, weight: torch.Tensor, plan: KernelPlan) -> None:
         self.plain = weight.detach()
@@ -126,6 +127,7 @@ class PackedWeight:
         self.operand: torch.Tensor | None = self.blocked if self.blocked is not None else self.wide
         self.rows = (KERNEL_MAX_ROWS if self.row_kernel else self.bf16_rows, self.aten_max_rows,
                      AMX_MAX_ROWS if self.amx is not None else 0)
+        self.paired = False  # a lone row's product computed as two (rows_invariant)
 
     @staticmethod
     def make(weight: torch.Tensor, plan: KernelPlan) -> PackedWeight | None:
@@ -144,9 +146,21 @@ class PackedWeight:
         read at two bytes (``bf16_rows``)."""
         return self.plain if self.row_kernel or self.bf16_rows else None
 
+    def rows_invariant(self) -> None:
+        """Give every row of a product the same bits whatever rows share it: oneDNN's product on the blocked layout
+        for every count of rows (the few-row kernels, ATen's and AMX's sum in other orders), a lone row computed as
+        two (oneDNN's one-row kernel splits a wide product's sums). For a model whose products round their rows,
+        where a last-bit difference becomes a step of the rounding (``DeepseekForCausalLM.rows_invariant``). Only
+        where the blocked float32 layout is kept (the ``onednn`` path); elsewhere the routes stay."""
+        if self.onednn and self.blocked is not None and self.blocked.dtype == torch.float32:
+            self.rows, self.plain_gemv, self.row_kernel, self.amx, self.paired = (0, 0, 0), False, False, None, True
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [..., K] · Wᵀ (+ bias)`` in ``x``'s dtype: the compiled ``dense_linear``, which picks the route by the
         count of rows, or where it does not load the torch fallback on the layout kept for many rows."""
+        if self.paired and x.numel() == x.shape[-1]:
+            two = self.matmul(x.reshape(1, -1).expand(2, -1).contiguous(), bias)
+            return two[:1].reshape(*x.shape[:-1], two.shape[-1])
         if self.compiled:
             return cpu_kernels.dense_linear(x, self.plain, self.operand, self.amx, bias, self.rows, self.onednn)
         one_row = self.plain_gemv and x.numel() == x.shape[-1]  # oneDNN streams the plain weight faster for one row

@@ -139,6 +139,10 @@ class GgufWeight(QuantizedWeight):
         self.operand: torch.Tensor | None = None  # row_operand's parts table, made at its first call
         self.bind(default_plan(device))
 
+    @property
+    def rounds_to_int8(self) -> bool:  # type: ignore[override]
+        return bool(self.kernel)  # the kernels round the rows to int8 (ggml's Q8_0 / Q8_K); the fallback widens
+
     def bind(self, plan: KernelPlan) -> GgufWeight:
         super().bind(plan)
         self.kernel = self.on_cpu and plan.ggml_failure is None  # else every part widened per product

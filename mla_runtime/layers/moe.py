@@ -48,6 +48,16 @@ from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 HOST_GROUPING_MAX_PAIRS = 1024  # up to this many (token, expert) pairs, group them in Python instead of sorting
 
 
+def sigmoid_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.sigmoid()`` for ``[T, E]``, each element through ATen's vectorised loop whatever ``T``: the rows are
+    padded to a multiple of 64 columns. (A contiguous tensor is one flat loop, whose last elements, short of a whole
+    vector, take the scalar formula, which rounds differently: an expert's score would depend on how many tokens
+    share the step.)"""
+    e = logits.shape[-1]
+    padded = F.pad(logits, (0, -e % 64))
+    return padded.sigmoid_()[..., :e].contiguous()
+
+
 class Router(nn.Module):
     def __init__(self, cfg: MoEConfig, hidden: int) -> None:
         super().__init__()
@@ -57,6 +67,9 @@ class Router(nn.Module):
         self.e_score_correction_bias = (
             nn.Parameter(torch.zeros(cfg.router_experts, dtype=torch.float32), requires_grad=False)
             if cfg.topk_method == "noaux_tc" and cfg.correction_bias != "none" else None)
+        # the logits' product where every row must get the same bits at any batch (the model's rows_invariant:
+        # PackedWeight.rows_invariant); None: F.linear
+        self.packed: PackedWeight | None = None
 
     def kernel_route(self) -> torch.Tensor | None:
         """This router's settings for the compiled one-row MoE kernel (``cpu_tables.route_config``), or None: also
@@ -72,13 +85,13 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, d]`` → (weights ``[T, k]`` fp32, expert ids ``[T, k]``)."""
         cfg = self.cfg
-        logits = F.linear(x if x.dtype == torch.float32 else x.float(), self.weight)  # [T, E]
+        logits = linear(x if x.dtype == torch.float32 else x.float(), self.weight, None, self.packed)  # [T, E]
         num_tokens = logits.shape[0]
         per_group = cfg.router_experts // cfg.n_group
         if cfg.scoring_func == "softmax":
             scores = logits.softmax(dim=-1)
         else:
-            scores = logits.sigmoid()
+            scores = sigmoid_rows(logits)
         choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
         if cfg.topk_method == "group_limited_greedy" or (cfg.topk_method == "noaux_tc" and cfg.n_group > 1):
             grouped = choice.view(num_tokens, cfg.n_group, per_group)

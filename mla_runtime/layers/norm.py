@@ -25,6 +25,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
         self.kernel = False  # prepare_inference(): whether few float32 CPU rows take the compiled kernel
+        self.every_row = False  # True: every count of rows takes it (the model's rows_invariant)
 
     def prepare_inference(self, plan: KernelPlan) -> None:
         w = self.weight
@@ -33,7 +34,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = (x.shape[-1],)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # one fused op
-            if self.kernel and x.numel() <= KERNEL_MAX_ROWS * x.shape[-1] and x.stride(-1) == 1:
+            if self.kernel and (self.every_row or x.numel() <= KERNEL_MAX_ROWS * x.shape[-1]) and x.stride(-1) == 1:
                 return cpu_kernels.rms_norm(x, self.weight, self.eps)
             return F.rms_norm(x, shape, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), shape, None, self.eps).to(x.dtype)  # round, then scale

@@ -88,7 +88,7 @@ class QuantizedWeight(PackedWeight):
         self.rows = (0, 0, 0)
         self.upcast = self.plain_gemv = self.row_kernel = self.onednn = self.compiled = False
         self.aten_max_rows = self.bf16_rows = 0
-        self.widened_onednn = False
+        self.widened_onednn = self.paired = False
 
     def bind(self, plan: KernelPlan) -> QuantizedWeight:
         """Take ``plan``'s paths for this matrix: its format's compiled kernel where the plan runs it (subclasses),

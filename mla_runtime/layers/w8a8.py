@@ -47,6 +47,8 @@ def quantize_w8a8(weight: torch.Tensor, absmax: torch.Tensor | None = None) -> t
 class W8A8Weight(QuantizedWeight):
     """A W8A8 int8 ``[N, K]`` matrix (module docstring): what ``cpu_gemm.linear`` runs in place of the float weight."""
 
+    rounds_to_int8 = True  # every path rounds each row to int8
+
     # shared_amax: for a row-parallel shard, the ranks' maximum of a [rows] vector (``share_row_amax``); None: the rows'
     # own amax
     __slots__ = ("qweight", "scales", "kernel", "shared_amax")

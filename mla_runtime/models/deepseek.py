@@ -28,7 +28,7 @@ from mla_runtime.layers.embedding import VocabEmbedding
 from mla_runtime.layers.linear import Linear
 from mla_runtime.layers.mla import MLAttention, attention_layer
 from mla_runtime.layers.mlp import GatedMLP
-from mla_runtime.layers.moe import MoE
+from mla_runtime.layers.moe import Experts, MoE, Router
 from mla_runtime.layers.norm import RMSNorm, decoder_norm
 from mla_runtime.layers.qweight import QuantizedWeight, released_like
 from mla_runtime.parallel import ParallelContext
@@ -193,6 +193,7 @@ class DeepseekForCausalLM(nn.Module):
         self.draft_ids: torch.Tensor | None = None  # their token ids, ascending (None: the whole head)
         self.draft_head: torch.Tensor | None = None
         self.draft_head_packed: PackedWeight | None = None
+        self.rows_invariant = False  # prepare_inference: every float part gives a row the same bits at any batch
 
     def decoder_layer(self, rc: ResolvedConfig, i: int) -> nn.Module:
         """Decoder layer ``i`` (a subclass with other layer kinds overrides this)."""
@@ -218,11 +219,45 @@ class DeepseekForCausalLM(nn.Module):
         for attn in self.attention_layers():
             if learned is not None:  # LeRoPE: the learned frequencies, folded into every layer's tables
                 attn.rotary.scale_frequencies(learned.alpha.float().exp())
-        self.prepare_attention()
         self.lm_head_packed = prepared(self.lm_head_weight, self.lm_head_packed, self.plan)
         if self.draft_head is not None and self.draft_head_packed is not None:
             self.draft_head_packed = prepared(self.draft_head, self.draft_head_packed, self.plan)
+        self.rows_invariant = any(p is not None and p.rounds_to_int8 for p in self.packed_weights())
+        if self.rows_invariant:
+            self._make_rows_invariant()
+        self.prepare_attention()
         return self
+
+    def packed_weights(self) -> list[PackedWeight | None]:
+        """Every prepared matrix of the model: its linear layers', MLPs' and experts', and the lm_head's."""
+        found: list[PackedWeight | None] = [self.lm_head_packed, self.draft_head_packed]
+        for module in self.modules():
+            if isinstance(module, Linear):
+                found.append(module.packed)
+            elif isinstance(module, Router):
+                found.append(module.packed)
+            elif isinstance(module, (GatedMLP, Experts)):
+                packed = (module.gate_up_packed, module.down_packed)
+                found += [w for p in packed for w in (p if isinstance(p, list) else [p])]
+        return found
+
+    def _make_rows_invariant(self) -> None:
+        """A model whose products round their input rows to int8 (int4, W4A16, W8A8, the GGUF block types): a last-bit
+        difference in the float parts between batch shapes would become a step of that rounding, and a prompt's
+        answer would depend on what shares its steps. So every float part gives a row the same bits whatever rows
+        share its call: the norms take the compiled kernel at every count of rows, the float products oneDNN's
+        (``PackedWeight.rows_invariant``), and the MLPs and decoder layers run call by call on every step (their
+        one-row kernels compute the routing and the activation in arithmetic of their own)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.every_row = module.kernel
+            elif isinstance(module, (GatedMLP, Experts)):
+                module.row_table = False
+            elif isinstance(module, Router):
+                module.packed = PackedWeight.make(module.weight, self.plan)
+        for packed in self.packed_weights():
+            if packed is not None and not packed.quantized:
+                packed.rows_invariant()
 
     def prepare_attention(self) -> None:
         """Hand every attention layer to the backend as it is now (``attention/layer.py``), record which compiled
@@ -232,6 +267,8 @@ class DeepseekForCausalLM(nn.Module):
             attn.kernels = self.attention.prepare_layer(attention_layer(attn, self.plan))
         for layer in self.model.layers:
             cast(DecoderLayer, layer).prepare_kernel()
+            if self.rows_invariant:  # call by call (_make_rows_invariant)
+                cast(DecoderLayer, layer).kernel = None
 
     def attention_layers(self) -> list[MLAttention]:
         """Every layer that attends over the latent cache, in cache order: the decoder's (a LongCat layer's blocks in

@@ -1,0 +1,52 @@
+"""A prompt's logits do not depend on the batch it is computed in, where the products round their rows to int8.
+
+The int4, W4A16, W8A8 and GGUF kernels round each input row to int8 (in groups, or per row). A last-bit difference
+in the float parts of the model between batch shapes (a norm, the router's or ``kv_b_proj``'s product, the absorbed
+attention, a layer's one-row kernel) then moves an element across a rounding step, and the difference grows to
+1e-2 in the logits: enough to change a greedy token. Such a model makes every float part give a row the same bits
+whatever rows share its call (``DeepseekForCausalLM.rows_invariant``); these tests run prompts together and alone,
+prefill and decode, and compare the logits bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mla_kernels import cpu_kernels
+from mla_runtime.layers.quantization import finish_quantization
+from mla_runtime.loader import load_model
+from tests.conformance import build, prompts
+from tests.model_utils import PagedRunner
+
+needs_kernels = pytest.mark.skipif(cpu_kernels.failure("int4") is not None or cpu_kernels.failure("w8a8") is not None,
+                                   reason="the compiled integer and float kernels do not build on this machine")
+
+
+@needs_kernels
+@pytest.mark.parametrize("model_type, seed", [("deepseek_v2", 2), ("minicpm3", None), ("deepseek_v3", 1)])
+@pytest.mark.parametrize("scheme", ["int4", "w8a8"])
+def test_a_prompt_gets_the_same_logits_in_any_batch(tmp_path, model_type, seed, scheme):
+    build(model_type, seed).save_pretrained(tmp_path)
+    model = load_model(tmp_path, dtype="float32", quantization=scheme)
+    finish_quantization(model, scheme)
+    assert model.rows_invariant
+    ps = prompts((1, 2, 3, 5, 9, 11, 12, 17, 26, 40), seed=3)  # fewest tokens first, as the engine's steps order them
+    together = PagedRunner(model, len(ps), 64)
+    first = together.step(dict(enumerate(ps)))
+    steps = [together.step({i: [(7 * i + s) % 50 + 1 for _ in range(1)] for i in range(len(ps))}) for s in range(3)]
+    for i, p in enumerate(ps):
+        alone = PagedRunner(model, 1, 64, seed=i)
+        assert torch.equal(alone.step({0: p})[0], first[i]), f"prompt {i}: prefill"
+        for s, step in enumerate(steps):
+            assert torch.equal(alone.step({0: [(7 * i + s) % 50 + 1]})[0], step[i]), f"prompt {i}: decode step {s}"
+
+
+def test_a_model_whose_products_keep_their_rows_keeps_its_fast_paths(tiny_checkpoint):
+    """bfloat16 and int8 (rows rounded to int16) models keep the one-row kernels and the row-count routes."""
+    ckpt, _ = tiny_checkpoint("v3")
+    for scheme in (None, "int8"):
+        model = load_model(ckpt, dtype="float32", quantization=scheme)
+        if scheme:
+            finish_quantization(model, scheme)
+        assert not model.rows_invariant
