@@ -26,7 +26,15 @@ needs_kernels = pytest.mark.skipif(cpu_kernels.failure("int4") is not None or cp
 @needs_kernels
 @pytest.mark.parametrize("model_type, seed", [("deepseek_v2", 2), ("minicpm3", None), ("deepseek_v3", 1)])
 @pytest.mark.parametrize("scheme", ["int4", "w8a8"])
-def test_a_prompt_gets_the_same_logits_in_any_batch(tmp_path, model_type, seed, scheme):
+def test_a_prompt_gets_the_same_logits_in_any_batch(tmp_path, monkeypatch, model_type, seed, scheme):
+    """Ten prompts prefilled in one step (the short ones planned and computed by the compiled layers, the rest call
+    by call) and three decode steps of ten rows (compiled calls of up to eight), against each prompt alone."""
+    from mla_kernels import cpu_tables
+
+    compiled_rows: list[int] = []
+    real = cpu_tables.decoder_layer
+    monkeypatch.setattr(cpu_tables, "decoder_layer",
+                        lambda t, s, x, *a: compiled_rows.append(s.rows) or real(t, s, x, *a))
     build(model_type, seed).save_pretrained(tmp_path)
     model = load_model(tmp_path, dtype="float32", quantization=scheme)
     finish_quantization(model, scheme)
@@ -35,6 +43,8 @@ def test_a_prompt_gets_the_same_logits_in_any_batch(tmp_path, model_type, seed, 
     together = PagedRunner(model, len(ps), 64)
     first = together.step(dict(enumerate(ps)))
     steps = [together.step({i: [(7 * i + s) % 50 + 1 for _ in range(1)] for i in range(len(ps))}) for s in range(3)]
+    if model.model.layers[0].kernel_table() is not None:  # MiniCPM3's layers run call by call throughout
+        assert max(compiled_rows) == cpu_kernels.max_rows(torch.float32)  # the decodes: 8 + 2
     for i, p in enumerate(ps):
         alone = PagedRunner(model, 1, 64, seed=i)
         assert torch.equal(alone.step({0: p})[0], first[i]), f"prompt {i}: prefill"

@@ -60,13 +60,11 @@ static void product(const int64_t *L, int w_field, const float *x, float *y, int
 #define MAX_ROWS MLA_FEW_ROWS  /* rows a call takes */
 #define MAX_TOPK MLA_MOE_MAX_TOPK
 
-/* The MLP's scratch floats for t rows: one row, mla_moe_row's (3 max(I) + 5 E + n_group + MAX_TOPK + 1; dense: 3 I);
- * more, mlp_rows' (logits [t, E], the routing's 4 E + n_group, the rows of one expert [t, d], its gate_up [t, 2 I],
- * its activations [t, I] and outputs [t, d]). */
+/* The MLP's scratch floats for t rows, mlp_rows' (logits [t, E], the routing's 4 E + n_group, the rows of one
+ * expert [t, d], its gate_up [t, 2 I], its activations [t, I] and outputs [t, d]). */
 static int64_t mlp_scratch(const int64_t *L, int64_t t) {
     const int64_t *route = PTR(const int64_t *, L, L_ROUTE);
     const int64_t experts = route ? route[6] : 0, groups = route ? route[2] : 0, d = L[L_D], inter = L[L_MAX_INTER];
-    if (t == 1) return 3 * inter + (route ? 5 * experts + groups + MAX_TOPK + 1 : 0);
     return t * experts + 4 * experts + groups + t * d + 3 * t * inter + t * d;
 }
 
@@ -82,9 +80,11 @@ static void gated_rows(const int64_t *L, const int64_t *mlp, const float *xs, in
     product(mlp, 3, act, h, n, d, inter, threads);
 }
 
-/* The MLP of t rows h [t, d] -> y [t, d]: the dense MLP (table row 0), or the MoE layer: each row routed, then
- * expert by expert (ascending) the rows that chose it, gathered, through the expert once, their outputs times
- * the routing weights added to theirs; then the shared experts over every row. */
+/* The MLP of t rows h [t, d] -> y [t, d]: the dense MLP (table row 0), or the MoE layer: each row routed (its
+ * logits by the one-row product, whatever t), then expert by expert (ascending) the rows that chose it, gathered,
+ * through the expert once, their outputs times the routing weights added to theirs; then the shared experts over
+ * every row. One path for every t: a row's output does not depend on the rows beside it where the experts'
+ * products do not (the integer formats' kernels). */
 static void mlp_rows(const int64_t *L, const float *h, int64_t t, float *y, float *scratch, int64_t threads) {
     const int64_t d = L[L_D], *table = PTR(const int64_t *, L, L_MLP_TABLE);
     const int64_t *cfg = PTR(const int64_t *, L, L_ROUTE);
@@ -98,8 +98,8 @@ static void mlp_rows(const int64_t *L, const float *h, int64_t t, float *y, floa
     const float *f = PTR(const float *, L, L_FLOATS);
     int64_t ids[MAX_ROWS][MAX_TOPK], k[MAX_ROWS];
     float w[MAX_ROWS][MAX_TOPK];
-    const int64_t router[3] = {L[L_ROUTER], 0, W_F32};
-    product(router, 0, h, logits, t, experts, d, threads);
+    for (int64_t j = 0; j < t; j++)
+        mla_gemv_f32(PTR(const float *, L, L_ROUTER), h + j * d, logits + j * experts, experts, d, threads);
     for (int64_t j = 0; j < t; j++)
         k[j] = mla_route_row(logits + j * experts, cfg, PTR(const float *, L, L_ROUTE_BIAS), f[5], ids[j], w[j],
                              route_scratch);
@@ -139,7 +139,7 @@ static void residual(float *x, const float *y, int64_t n) {
 
 /* x [T, d] in place through one decoder layer (the file's comment); cache: the layer's flat latent rows, of
  * cache_kind (CacheKind), with cache_scales [S, 2] for an int8 or e4m3 cache. Returns 1
- * when it also ran the MLP (one row and a table), else 0: then h = RMSNorm(x) is at scratch[0 : T d]. */
+ * when it also ran the MLP (the layer has an MLP table), else 0: then h = RMSNorm(x) is at scratch[0 : T d]. */
 int64_t mla_decoder_layer(const int64_t *L, const int64_t *S, float *x, void *cache, int64_t cache_kind,
                           float *cache_scales, float *scratch) {
     const float *f = PTR(const float *, L, L_FLOATS);
@@ -169,18 +169,7 @@ int64_t mla_decoder_layer(const int64_t *L, const int64_t *S, float *x, void *ca
     mla_rms_norm_f32(x, d, PTR(const float *, L, L_POST_NORM), h, t, d, f[1]);
     if (!L[L_MLP_TABLE]) return 0;
     float *y = mlp + mlp_scratch(L, t);
-    const int64_t *table = PTR(const int64_t *, L, L_MLP_TABLE);
-    if (t > 1) {
-        mlp_rows(L, h, t, y, mlp, threads);
-    } else if (L[L_ROUTER]) {
-        mla_moe_row(h, y, d, PTR(const float *, L, L_ROUTER), PTR(const int64_t *, L, L_ROUTE),
-                    PTR(const float *, L, L_ROUTE_BIAS), f[5], table, L[L_FIRST], L[L_COUNT], L[L_SHARED], mlp,
-                    L[L_MAX_INTER], threads);
-    } else {
-        const int64_t id = 0;
-        const float one = 1.0f;
-        mla_gated_mlps(h, y, d, table, &id, &one, 1, mlp, threads);
-    }
+    mlp_rows(L, h, t, y, mlp, threads);
     residual(x, y, t * d);
     return 1;
 }

@@ -151,8 +151,10 @@ class PackedWeight:
         for every count of rows (the few-row kernels, ATen's and AMX's sum in other orders), a lone row computed as
         two (oneDNN's one-row kernel splits a wide product's sums). For a model whose products round their rows,
         where a last-bit difference becomes a step of the rounding (``DeepseekForCausalLM.rows_invariant``). Only
-        where the blocked float32 layout is kept (the ``onednn`` path); elsewhere the routes stay."""
-        if self.onednn and self.blocked is not None and self.blocked.dtype == torch.float32:
+        on the ``onednn`` path of a float32 weight (oneDNN's product on the plain weight gives the blocked one's bits);
+        elsewhere the routes stay."""
+        if self.onednn and self.plain.dtype == torch.float32 and (self.blocked is not None or self.operand is None):
+            self.operand = self.blocked if self.blocked is not None else self.plain  # one layout: the plain weight
             self.rows, self.plain_gemv, self.row_kernel, self.amx, self.paired = (0, 0, 0), False, False, None, True
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -190,6 +192,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if packed is None:
         return F.linear(x, weight, bias)
     return packed.matmul(x, bias)
+
+
+def onednn_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [T, K] · Wᵀ`` for float32 rows and weight by oneDNN's product, a lone row computed as two: a row gets the
+    same bits at every ``T`` (``PackedWeight.rows_invariant``)."""
+    if x.shape[0] == 1:
+        return onednn_linear(x.expand(2, -1).contiguous(), weight)[:1]
+    return onednn_linear(x.contiguous(), weight)
 
 
 def torch_product(x: torch.Tensor, operand: torch.Tensor, bias: torch.Tensor | None, onednn: bool) -> torch.Tensor:

@@ -27,6 +27,7 @@ layers whose residual branches are scaled (µP: the compiled call adds them as t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -151,3 +152,30 @@ def decode_step(meta: AttentionMetadata, first: cpu_tables.DecoderLayerTable | N
     rope = meta.rope if rope is None else rope
     return cpu_tables.DecodeStep(rope.cos, rope.sin, meta.slot_mapping.contiguous(), plan.slots, plan.lens,
                                  first.heads, first.d_c)
+
+
+@dataclass(frozen=True)
+class PlannedRows:
+    """A step of a model whose every part must give a row the same bits whatever shares its step
+    (``DeepseekForCausalLM.rows_invariant``): its leading planned rows ``[0, rows)`` (decodes and short chunks,
+    ``attention/cpu.py``) run the compiled layers, ``chunks`` of at most ``cpu_kernels.max_rows`` rows each, and the
+    rows after them (``rest``: their own batch) the torch path. Whether a row is planned depends on its own sequence's
+    chunk alone, so a token takes the same path, and gets the same bits, batched or alone."""
+
+    chunks: tuple[tuple[int, int, cpu_tables.DecodeStep], ...]
+    rows: int
+    rest: AttentionMetadata | None
+
+
+def planned_rows(meta: AttentionMetadata, first: cpu_tables.DecoderLayerTable | None) -> PlannedRows | None:
+    """The step's planned rows as compiled calls (``PlannedRows``), or None where there are none, the first layer has
+    no table or the step's RoPE tables are not float32 (a float32 model's)."""
+    plan, rows = meta.decode_plan, meta.num_planned
+    if first is None or plan is None or not rows or meta.rope.cos.dtype != torch.float32:
+        return None
+    most = cpu_kernels.max_rows(torch.float32)
+    bounds = [(r0, min(r0 + most, rows)) for r0 in range(0, rows, most)]
+    chunks = tuple((r0, r1, cpu_tables.DecodeStep(meta.rope.cos[r0:r1], meta.rope.sin[r0:r1],
+                                                  meta.slot_mapping[r0:r1].contiguous(), plan.slots[r0:r1],
+                                                  plan.lens[r0:r1], first.heads, first.d_c)) for r0, r1 in bounds)
+    return PlannedRows(chunks, rows, meta.rest)

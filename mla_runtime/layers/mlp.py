@@ -37,6 +37,7 @@ class GatedMLP(nn.Module):
         self.gate_up_packed: PackedWeight | None = None
         self.down_packed: PackedWeight | None = None
         self.row_table: cpu_tables.GatedMLPTable | bool | None = None  # one-row kernel (row_table); None: not made yet
+        self.row_call = True  # a lone row takes that kernel here (the model's rows_invariant: only in its layer call)
 
     def prepare_inference(self, plan: KernelPlan) -> None:
         """Prepare the weights for ``plan`` (pack the float ones, bind the quantised ones)."""
@@ -56,7 +57,7 @@ class GatedMLP(nn.Module):
         return self.row_table
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == x.shape[-1] and x.dtype == torch.float32:  # one row: one kernel call
+        if x.numel() == x.shape[-1] and x.dtype == torch.float32 and self.row_call:  # one row: one kernel call
             table = self.one_row_table()
             if isinstance(table, cpu_tables.GatedMLPTable):
                 out = table(x, [0], [1.0])

@@ -39,7 +39,7 @@ from mla_kernels import cpu_tables
 from mla_runtime.config import MoEConfig
 from mla_runtime.kernel_plan import KernelPlan
 from mla_runtime.layers.bf16 import half_mlp
-from mla_runtime.layers.cpu_gemm import PackedWeight, linear, prepared
+from mla_runtime.layers.cpu_gemm import PackedWeight, linear, onednn_rows, prepared
 from mla_runtime.layers.fp8 import Fp8Weight
 from mla_runtime.layers.mlp import GatedMLP, row_table
 from mla_runtime.layers.norm import RMSNorm
@@ -67,9 +67,9 @@ class Router(nn.Module):
         self.e_score_correction_bias = (
             nn.Parameter(torch.zeros(cfg.router_experts, dtype=torch.float32), requires_grad=False)
             if cfg.topk_method == "noaux_tc" and cfg.correction_bias != "none" else None)
-        # the logits' product where every row must get the same bits at any batch (the model's rows_invariant:
-        # PackedWeight.rows_invariant); None: F.linear
-        self.packed: PackedWeight | None = None
+        # True: the logits by oneDNN's product at every count of rows (the model's rows_invariant: onednn_rows);
+        # else F.linear
+        self.onednn = False
 
     def kernel_route(self) -> torch.Tensor | None:
         """This router's settings for the compiled one-row MoE kernel (``cpu_tables.route_config``), or None: also
@@ -85,7 +85,8 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, d]`` → (weights ``[T, k]`` fp32, expert ids ``[T, k]``)."""
         cfg = self.cfg
-        logits = linear(x if x.dtype == torch.float32 else x.float(), self.weight, None, self.packed)  # [T, E]
+        rows = x if x.dtype == torch.float32 else x.float()
+        logits = onednn_rows(rows, self.weight) if self.onednn else F.linear(rows, self.weight)  # [T, E]
         num_tokens = logits.shape[0]
         per_group = cfg.router_experts // cfg.n_group
         if cfg.scoring_func == "softmax":
@@ -349,9 +350,10 @@ class MoE(nn.Module):
         self.experts = Experts(cfg.n_routed_experts, hidden, cfg.moe_intermediate_size, dtype, par)
         self.shared_experts = (GatedMLP(hidden, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, bias,
                                         par, reduce=False) if cfg.n_shared_experts else None)
+        self.row_call = True  # a lone row takes the one-row kernel here (the model's rows_invariant: only in its layer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 1 and x.dtype == torch.float32:  # one token: the whole layer in one kernel call
+        if x.shape[0] == 1 and x.dtype == torch.float32 and self.row_call:  # one token: the layer in one kernel call
             table = self.experts.one_row_table(self.shared_experts)
             route = self.gate.kernel_route()
             if isinstance(table, cpu_tables.GatedMLPTable) and route is not None:

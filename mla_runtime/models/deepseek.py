@@ -23,7 +23,7 @@ from mla_runtime.config import ModelConfig
 from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.kernel_plan import KernelPlan
 from mla_runtime.layers.cpu_gemm import PackedWeight, linear, prepared
-from mla_runtime.layers.decoder_kernel import decode_step, layer_weights
+from mla_runtime.layers.decoder_kernel import PlannedRows, decode_step, layer_weights, planned_rows
 from mla_runtime.layers.embedding import VocabEmbedding
 from mla_runtime.layers.linear import Linear
 from mla_runtime.layers.mla import MLAttention, attention_layer
@@ -67,13 +67,31 @@ class DecoderLayer(nn.Module):
         return self.kernel
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: LayerCache,
-                step: cpu_tables.DecodeStep | None = None) -> torch.Tensor:
+                step: cpu_tables.DecodeStep | PlannedRows | None = None) -> torch.Tensor:
         """``x [T, d]`` through the layer; ``step`` (``decode_step``): the layer runs as one compiled call where it
         can, and then ``x`` is updated in place."""
         table = self.kernel_table() if step is not None else None
-        if step is not None and table is not None:
+        if isinstance(step, PlannedRows) and table is not None:
+            return self._planned(x, step, table, cache)
+        if isinstance(step, cpu_tables.DecodeStep) and table is not None:
             h = cpu_tables.decoder_layer(table, step, x, cache.kv.view(-1, cache.kv.shape[-1]), cache.flat_scales)
             return x if h is None else x + self.mlp(h)
+        return self._call_by_call(x, meta, cache)
+
+    def _planned(self, x: torch.Tensor, step: PlannedRows, table: cpu_tables.DecoderLayerTable,
+                 cache: LayerCache) -> torch.Tensor:
+        """``step``'s planned rows of ``x`` in place through the compiled layer, a chunk a call, and the rest of the
+        step call by call as a batch of its own."""
+        for r0, r1, chunk in step.chunks:
+            part = x[r0:r1]
+            h = cpu_tables.decoder_layer(table, chunk, part, cache.kv.view(-1, cache.kv.shape[-1]), cache.flat_scales)
+            if h is not None:
+                part += self.mlp(h)
+        if step.rest is not None:
+            x[step.rows:] = self._call_by_call(x[step.rows:], step.rest, cache)
+        return x
+
+    def _call_by_call(self, x: torch.Tensor, meta: AttentionMetadata, cache: LayerCache) -> torch.Tensor:
         s = self.residual_scale
         if s != 1.0:
             x = x + self.self_attn(self.input_layernorm(x), meta, cache) * s
@@ -112,7 +130,7 @@ class LongcatDecoderLayer(nn.Module):
         return None
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, caches: list[LayerCache],
-                step: cpu_tables.DecodeStep | None = None) -> torch.Tensor:
+                step: cpu_tables.DecodeStep | PlannedRows | None = None) -> torch.Tensor:
         shortcut: torch.Tensor | None = None
         for b, (attn, mlp) in enumerate(zip(self.self_attn, self.mlps)):
             x = x + attn(self.input_layernorm[b](x), meta, caches[b])
@@ -234,8 +252,6 @@ class DeepseekForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 found.append(module.packed)
-            elif isinstance(module, Router):
-                found.append(module.packed)
             elif isinstance(module, (GatedMLP, Experts)):
                 packed = (module.gate_up_packed, module.down_packed)
                 found += [w for p in packed for w in (p if isinstance(p, list) else [p])]
@@ -245,16 +261,17 @@ class DeepseekForCausalLM(nn.Module):
         """A model whose products round their input rows to int8 (int4, W4A16, W8A8, the GGUF block types): a last-bit
         difference in the float parts between batch shapes would become a step of that rounding, and a prompt's
         answer would depend on what shares its steps. So every float part gives a row the same bits whatever rows
-        share its call: the norms take the compiled kernel at every count of rows, the float products oneDNN's
-        (``PackedWeight.rows_invariant``), and the MLPs and decoder layers run call by call on every step (their
-        one-row kernels compute the routing and the activation in arithmetic of their own)."""
+        share its call: the norms take the compiled kernel at every count of rows, the float products and the
+        router's oneDNN's (``PackedWeight.rows_invariant``, ``onednn_rows``), a lone row's MLP the torch path (the
+        one-row MLP kernels compute the routing and the activation in arithmetic of their own), and a step's planned
+        rows the compiled layers, chunk by chunk, whatever else the step holds (``PlannedRows``)."""
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.every_row = module.kernel
-            elif isinstance(module, (GatedMLP, Experts)):
-                module.row_table = False
+            elif isinstance(module, (GatedMLP, MoE)):
+                module.row_call = False
             elif isinstance(module, Router):
-                module.packed = PackedWeight.make(module.weight, self.plan)
+                module.onednn = module.weight.device.type == "cpu" and self.plan.choice(torch.float32).path == "onednn"
         for packed in self.packed_weights():
             if packed is not None and not packed.quantized:
                 packed.rows_invariant()
@@ -267,8 +284,6 @@ class DeepseekForCausalLM(nn.Module):
             attn.kernels = self.attention.prepare_layer(attention_layer(attn, self.plan))
         for layer in self.model.layers:
             cast(DecoderLayer, layer).prepare_kernel()
-            if self.rows_invariant:  # call by call (_make_rows_invariant)
-                cast(DecoderLayer, layer).kernel = None
 
     def attention_layers(self) -> list[MLAttention]:
         """Every layer that attends over the latent cache, in cache order: the decoder's (a LongCat layer's blocks in
@@ -306,10 +321,13 @@ class DeepseekForCausalLM(nn.Module):
             x = layer(x, meta, cache.layers[i] if k == 1 else cache.layers[i * k:(i + 1) * k], step)
         return self.model.norm(x if step is None else x.to(self.dtype))
 
-    def _decode_step(self, meta: AttentionMetadata, cache: LatentCache) -> cpu_tables.DecodeStep | None:
+    def _decode_step(self, meta: AttentionMetadata, cache: LatentCache) -> cpu_tables.DecodeStep | PlannedRows | None:
         """The step's rows for the compiled decoder layers, where the step and the first layer take them. A bfloat16
         model's layers compute such a step in float32 (float32 RoPE tables, its bfloat16 weights and cache read as
         they are), so every layer must take the compiled call: its hidden state never meets a bfloat16 product."""
+        if self.rows_invariant and self.dtype == torch.float32 and self.model.layers and not self.par.enabled \
+                and isinstance(self.model.layers[0], DecoderLayer) and meta.backend.name == "cpu":
+            return planned_rows(meta, self.model.layers[0].kernel_table())
         if not self.model.layers or self.par.enabled or not meta.backend.compiled_rows(meta, cache.layers[0]):
             return None
         layers = [cast(DecoderLayer, layer) for layer in self.model.layers]
