@@ -20,7 +20,9 @@ The MLP is part of the call where its weights take the compiled kernels: a dense
 DeepSeek's routing, then expert by expert the rows that chose it, each expert's weights read once for all of them,
 then the shared experts); the routing's float32 arithmetic is the kernel's own, so a MoE layer's output equals the
 torch path's to float rounding rather than bit for bit. Left to the torch path: tensor parallelism, biased
-projections, a truncated latent rank, steps with prefill chunks or more than eight rows,
+projections, a truncated latent rank, steps with prefill chunks or more than eight rows (except in a model whose
+products round their rows to int8: there a step's planned rows take the compiled call, eight at a time, and the rest
+of the step the torch path: ``PlannedRows``),
 layers whose residual branches are scaled (µP: the compiled call adds them as they are), and A.X-K2's variations
 (its gated query projection and output gate, its gated norms): the compiled call has neither.
 """
