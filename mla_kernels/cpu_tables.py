@@ -93,6 +93,7 @@ class LayerWeights:
     o: Operand
     mlp: GatedMLPTable | None = None
     moe: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float, int, int, int] | None = None
+    one_path: bool = False  # one row's MLP takes the path of several (a row's bits then do not depend on the step)
 
 
 class DecoderLayerTable:
@@ -103,7 +104,7 @@ class DecoderLayerTable:
         self.table = cpu_kernels.ops().layer_table(
             *w.norms, *split(w.qa), *split(w.kva), *split(w.qb), w.w_uk, w.w_uv_t, *split(w.o),
             None if w.mlp is None else w.mlp.table, router, route, bias, first, count, shared,
-            [w.dims[k] for k in LAYER_DIMS], w.interleave, [*w.eps, w.scale, scaling])
+            [w.dims[k] for k in LAYER_DIMS], w.interleave, [*w.eps, w.scale, scaling], w.one_path)
         self.heads, self.hidden, self.d_c = w.dims["heads"], w.dims["d"], w.dims["d_c"]
 
 

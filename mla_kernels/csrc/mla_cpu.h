@@ -75,6 +75,7 @@ enum LayerField {
     L_FIRST, L_COUNT, L_SHARED, L_MAX_INTER,  /* its experts in the table (mla_moe_row), the largest I */
     L_D, L_Q_LORA, L_HEADS, L_D_N, L_D_R, L_D_C, L_D_V, L_INTERLEAVE,
     L_FLOATS,  /* float32 [6]: the four norms' eps, the softmax scale, the routed scaling factor */
+    L_ONE_PATH,  /* 1: the MLP of one row takes the path of several (a row's bits do not depend on the step's rows) */
     L_FIELDS
 };
 

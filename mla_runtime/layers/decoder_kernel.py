@@ -93,10 +93,11 @@ def _mlp_table(mlp: nn.Module) -> tuple[cpu_tables.GatedMLPTable | None, tuple |
 
 
 def layer_weights(norms: tuple[nn.Module, nn.Module], attn: MLAttention, mlp: nn.Module,
-                  residual_scale: float = 1.0) -> cpu_tables.LayerWeights | None:
+                  residual_scale: float = 1.0, one_path: bool = False) -> cpu_tables.LayerWeights | None:
     """The layer (input and post-attention norms, attention, MLP) as the compiled call reads it, or None where any
     part of its attention does not take the compiled kernels, or its residual branches are scaled, or it has
-    A.X-K2's variations (``_call_by_call``)."""
+    A.X-K2's variations (``_call_by_call``). ``one_path``: one row's MLP computed as several rows' are (the model's
+    ``rows_invariant``)."""
     first, second = norms
     if _call_by_call(norms, attn) or not (isinstance(first, RMSNorm) and isinstance(second, RMSNorm)):
         return None
@@ -140,7 +141,7 @@ def layer_weights(norms: tuple[nn.Module, nn.Module], attn: MLAttention, mlp: nn
     return cpu_tables.LayerWeights(
         dims=dims, norms=(in_norm, post_norm, q_norm_weight, kv_norm),
         eps=eps, scale=attn.scale, interleave=attn.rotary.interleave, qa=qa, kva=kva, qb=qb, w_uk=attn.w_uk,
-        w_uv_t=attn.w_uv_t, o=o, mlp=table, moe=cast(tuple, moe) if moe is not None else None)
+        w_uv_t=attn.w_uv_t, o=o, mlp=table, moe=cast(tuple, moe) if moe is not None else None, one_path=one_path)
 
 
 def decode_step(meta: AttentionMetadata, first: cpu_tables.DecoderLayerTable | None,

@@ -54,12 +54,12 @@ class DecoderLayer(nn.Module):
         # the layer as one compiled call on the decode steps that take it (prepare_kernel), or None: call by call
         self.kernel: cpu_tables.DecoderLayerTable | None = None
 
-    def prepare_kernel(self) -> None:
+    def prepare_kernel(self, one_path: bool = False) -> None:
         """Decide whether the layer's decode steps run as one compiled call (``layers.decoder_kernel``), from its
         weights as they are now and the kernels its attention backend chose (``prepare_attention``), and keep the
-        table they read."""
+        table they read; ``one_path``: a row's bits must not depend on the rows beside it (``rows_invariant``)."""
         weights = layer_weights((self.input_layernorm, self.post_attention_layernorm), self.self_attn, self.mlp,
-                                self.residual_scale)
+                                self.residual_scale, one_path)
         self.kernel = None if weights is None else cpu_tables.DecoderLayerTable(weights)
 
     def kernel_table(self) -> cpu_tables.DecoderLayerTable | None:
@@ -123,7 +123,7 @@ class LongcatDecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.ModuleList(RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
                                                       for _ in range(blocks))
 
-    def prepare_kernel(self) -> None:
+    def prepare_kernel(self, one_path: bool = False) -> None:
         """No compiled table: the layer runs call by call."""
 
     def kernel_table(self) -> None:
@@ -283,7 +283,7 @@ class DeepseekForCausalLM(nn.Module):
         for attn in self.attention_layers():
             attn.kernels = self.attention.prepare_layer(attention_layer(attn, self.plan))
         for layer in self.model.layers:
-            cast(DecoderLayer, layer).prepare_kernel()
+            cast(DecoderLayer, layer).prepare_kernel(self.rows_invariant)
 
     def attention_layers(self) -> list[MLAttention]:
         """Every layer that attends over the latent cache, in cache order: the decoder's (a LongCat layer's blocks in

@@ -46,7 +46,7 @@ class HybridDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def prepare_kernel(self) -> None:
+    def prepare_kernel(self, one_path: bool = False) -> None:
         """No compiled table: the layer runs call by call."""
 
     def kernel_table(self) -> None:

@@ -884,7 +884,8 @@ struct LayerTable : torch::CustomClassHolder {
              const OptTensor& qb, const OptTensor& qb_scales, const Tensor& w_uk, const Tensor& w_uv_t,
              const Tensor& o, const OptTensor& o_scales, c10::optional<MlpRef> mlp_table,
              const OptTensor& router, const OptTensor& route, const OptTensor& route_bias, int64_t first,
-             int64_t count, int64_t shared, at::IntArrayRef dims, bool interleave, at::ArrayRef<double> floats) {
+             int64_t count, int64_t shared, at::IntArrayRef dims, bool interleave, at::ArrayRef<double> floats,
+             bool one_path) {
     const char* op = "LayerTable";
     TORCH_CHECK_VALUE(dims.size() == 7 && floats.size() == 6, "LayerTable: dims are d, q_lora, heads, d_n, d_r, d_c, ",
                       "d_v; floats the four norms' eps, the softmax scale and the routed scaling factor");
@@ -945,6 +946,7 @@ struct LayerTable : torch::CustomClassHolder {
     const int fields[7] = {L_D, L_Q_LORA, L_HEADS, L_D_N, L_D_R, L_D_C, L_D_V};
     for (int i = 0; i < 7; ++i) L[fields[i]] = dims[i];
     L[L_INTERLEAVE] = interleave;
+    L[L_ONE_PATH] = one_path;
     Tensor f = at::empty({6}, at::kFloat);
     for (int i = 0; i < 6; ++i) f.data_ptr<float>()[i] = static_cast<float>(floats[i]);
     keep.push_back(f);
@@ -1156,17 +1158,18 @@ TORCH_LIBRARY_FRAGMENT(mla_kernels, m) {
   m.def("layer_table(Tensor in_norm, Tensor post_norm, Tensor? q_norm, Tensor kv_norm, Tensor qa, Tensor? qa_scales, "
         "Tensor? kva, Tensor? kva_scales, Tensor? qb, Tensor? qb_scales, Tensor w_uk, Tensor w_uv_t, Tensor o, "
         "Tensor? o_scales, __torch__.torch.classes.mla_kernels.MlpTable? mlp, Tensor? router, Tensor? route, "
-        "Tensor? route_bias, int first, int count, int shared, int[] dims, bool interleave, float[] floats) -> "
+        "Tensor? route_bias, int first, int count, int shared, int[] dims, bool interleave, float[] floats, "
+        "bool one_path=False) -> "
         "__torch__.torch.classes.mla_kernels.LayerTable",
         [](const Tensor& in_norm, const Tensor& post_norm, const OptTensor& q_norm, const Tensor& kv_norm,
            const Tensor& qa, const OptTensor& qa_s, const OptTensor& kva, const OptTensor& kva_s, const OptTensor& qb,
            const OptTensor& qb_s, const Tensor& w_uk, const Tensor& w_uv_t, const Tensor& o, const OptTensor& o_s,
            c10::optional<MlpRef> mlp, const OptTensor& router, const OptTensor& route, const OptTensor& bias,
            int64_t first, int64_t count, int64_t shared, at::IntArrayRef dims, bool interleave,
-           at::ArrayRef<double> floats) {
+           at::ArrayRef<double> floats, bool one_path) {
           return c10::make_intrusive<LayerTable>(in_norm, post_norm, q_norm, kv_norm, qa, qa_s, kva, kva_s, qb, qb_s,
                                                  w_uk, w_uv_t, o, o_s, std::move(mlp), router, route, bias, first,
-                                                 count, shared, dims, interleave, floats);
+                                                 count, shared, dims, interleave, floats, one_path);
         });
   m.def("decode_step(Tensor cos, Tensor sin, Tensor slots, Tensor keys, Tensor lens, int heads, int d_c) -> "
         "__torch__.torch.classes.mla_kernels.DecodeStep",
