@@ -127,6 +127,9 @@ def _stored_views(out: torch.nn.Module) -> Callable[[str], torch.Tensor | None]:
             renamed = family.rename(hf_name)
             if renamed is not None:
                 params.setdefault(renamed, p)
+    for hf_name, p in list(params.items()):  # A.X-K2's query and gate projection, which checkpoints store as q_b_proj
+        if hf_name.endswith("self_attn.q_gate_proj.weight"):
+            params.setdefault(hf_name.replace("q_gate_proj", "q_b_proj"), p)
 
     def view(name: str) -> torch.Tensor | None:
         if name in params:
