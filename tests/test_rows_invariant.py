@@ -24,6 +24,8 @@ needs_kernels = pytest.mark.skipif(cpu_kernels.failure("int4") is not None or cp
 
 
 @needs_kernels
+# drawn DeepSeek-V2 and -V3 configurations whose batches parted from their prompts alone (V2's at a decode, V3's at its
+# sigmoid router), and MiniCPM3's fixed one, whose layers run call by call
 @pytest.mark.parametrize("model_type, seed", [("deepseek_v2", 2), ("minicpm3", None), ("deepseek_v3", 1)])
 @pytest.mark.parametrize("scheme", ["int4", "w8a8"])
 def test_a_prompt_gets_the_same_logits_in_any_batch(tmp_path, monkeypatch, model_type, seed, scheme):

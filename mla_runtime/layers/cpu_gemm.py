@@ -155,13 +155,13 @@ class PackedWeight:
         elsewhere the routes stay."""
         if self.onednn and self.plain.dtype == torch.float32 and (self.blocked is not None or self.operand is None):
             self.operand = self.blocked if self.blocked is not None else self.plain  # one layout: the plain weight
-            self.rows, self.plain_gemv, self.row_kernel, self.amx, self.paired = (0, 0, 0), False, False, None, True
+            self.rows, self.plain_gemv, self.row_kernel, self.paired = (0, 0, 0), False, False, True
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [..., K] · Wᵀ (+ bias)`` in ``x``'s dtype: the compiled ``dense_linear``, which picks the route by the
         count of rows, or where it does not load the torch fallback on the layout kept for many rows."""
         if self.paired and x.numel() == x.shape[-1]:
-            two = self.matmul(x.reshape(1, -1).expand(2, -1).contiguous(), bias)
+            two = self.matmul(doubled(x), bias)
             return two[:1].reshape(*x.shape[:-1], two.shape[-1])
         if self.compiled:
             return cpu_kernels.dense_linear(x, self.plain, self.operand, self.amx, bias, self.rows, self.onednn)
@@ -194,11 +194,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return packed.matmul(x, bias)
 
 
+def doubled(x: torch.Tensor) -> torch.Tensor:
+    """A lone row ``x [..., K]`` as two rows ``[2, K]``: oneDNN's one-row kernel splits a wide product's sums, its
+    kernel for two rows sums as for any larger count (``PackedWeight.rows_invariant``)."""
+    return x.reshape(1, -1).expand(2, -1).contiguous()
+
+
 def onednn_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x [T, K] · Wᵀ`` for float32 rows and weight by oneDNN's product, a lone row computed as two: a row gets the
     same bits at every ``T`` (``PackedWeight.rows_invariant``)."""
     if x.shape[0] == 1:
-        return onednn_linear(x.expand(2, -1).contiguous(), weight)[:1]
+        return onednn_linear(doubled(x), weight)[:1]
     return onednn_linear(x.contiguous(), weight)
 
 

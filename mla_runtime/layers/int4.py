@@ -143,12 +143,12 @@ class Int4Weight(QuantizedWeight):
     """A group-wise int4 ``[N, K]`` matrix (module docstring): what ``cpu_gemm.linear`` runs in place of the float
     weight."""
 
+    __slots__ = ("packed", "scales", "k", "kernel", "group", "zeros", "orders", "table")
+    scheme = "int4"
+
     @property
     def rounds_to_int8(self) -> bool:  # type: ignore[override]
         return bool(self.kernel)  # the kernels round the rows to int8 in groups of 32; the fallback widens
-
-    __slots__ = ("packed", "scales", "k", "kernel", "group", "zeros", "orders", "table")
-    scheme = "int4"
 
     def __init__(self, packed: torch.Tensor, scales: torch.Tensor, k: int, dtype: torch.dtype, *, group: int = GROUP,
                  zeros: torch.Tensor | None = None, orders: Orders | None = None) -> None:

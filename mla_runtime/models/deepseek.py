@@ -28,8 +28,9 @@ from mla_runtime.layers.embedding import VocabEmbedding
 from mla_runtime.layers.linear import Linear
 from mla_runtime.layers.mla import MLAttention, attention_layer
 from mla_runtime.layers.mlp import GatedMLP
-from mla_runtime.layers.moe import Experts, MoE, Router
+from mla_runtime.layers.moe import MoE, Router
 from mla_runtime.layers.norm import RMSNorm, decoder_norm
+from mla_runtime.layers.quantization import quantized_weights
 from mla_runtime.layers.qweight import QuantizedWeight, released_like
 from mla_runtime.parallel import ParallelContext
 from mla_runtime.resolved_config import ResolvedConfig
@@ -240,22 +241,11 @@ class DeepseekForCausalLM(nn.Module):
         self.lm_head_packed = prepared(self.lm_head_weight, self.lm_head_packed, self.plan)
         if self.draft_head is not None and self.draft_head_packed is not None:
             self.draft_head_packed = prepared(self.draft_head, self.draft_head_packed, self.plan)
-        self.rows_invariant = any(p is not None and p.rounds_to_int8 for p in self.packed_weights())
+        self.rows_invariant = any(w.rounds_to_int8 for w in quantized_weights(self))
         if self.rows_invariant:
             self._make_rows_invariant()
         self.prepare_attention()
         return self
-
-    def packed_weights(self) -> list[PackedWeight | None]:
-        """Every prepared matrix of the model: its linear layers', MLPs' and experts', and the lm_head's."""
-        found: list[PackedWeight | None] = [self.lm_head_packed, self.draft_head_packed]
-        for module in self.modules():
-            if isinstance(module, Linear):
-                found.append(module.packed)
-            elif isinstance(module, (GatedMLP, Experts)):
-                packed = (module.gate_up_packed, module.down_packed)
-                found += [w for p in packed for w in (p if isinstance(p, list) else [p])]
-        return found
 
     def _make_rows_invariant(self) -> None:
         """A model whose products round their input rows to int8 (int4, W4A16, W8A8, the GGUF block types): a last-bit
@@ -272,9 +262,10 @@ class DeepseekForCausalLM(nn.Module):
                 module.row_call = False
             elif isinstance(module, Router):
                 module.onednn = module.weight.device.type == "cpu" and self.plan.choice(torch.float32).path == "onednn"
-        for packed in self.packed_weights():
-            if packed is not None and not packed.quantized:
-                packed.rows_invariant()
+            for value in vars(module).values():  # the float matrices (quantised_weights: the others)
+                for packed in value if isinstance(value, list) else [value]:
+                    if isinstance(packed, PackedWeight) and not packed.quantized:
+                        packed.rows_invariant()
 
     def prepare_attention(self) -> None:
         """Hand every attention layer to the backend as it is now (``attention/layer.py``), record which compiled
