@@ -28,11 +28,11 @@ The stored-format cells (``stored-int4``, ``stored-w4a16``, ``stored-w8a8``, ``s
 ``gguf-q8_0``, ``gguf-q4_k_m``, ``modelopt-nvfp4``) write the family's checkpoint in a format the runtime loads as
 stored (``stored_formats``), and compare the batch with the same checkpoint run one prompt at a time as the int8 cell
 does, within the same bounds, near-ties measured on transformers holding the checkpoint's dequantised weights. Every
-product of every format gives a row the same bits whatever rows share its call; the formats whose products round
-their input rows to int8 (in groups of 32: int4, W4A16 loaded as int4, the GGUF block types; per row: W8A8) make the
-float parts' rounding differences between batch shapes changes of up to 1/254 of a group's largest value, a hundred
-times the int8 cell's, and the batch and the prompts alone then part at gaps wider than these bounds
-(``ROUNDED_ROWS``, ``docs/testing.md``).
+product of every format gives a row the same bits whatever rows share its call. The formats whose products round
+their input rows to int8 (in groups of 32: int4, W4A16 loaded as int4, the GGUF block types; per row: W8A8) would
+turn the float parts' rounding differences between batch shapes into changes of up to 1/254 of a group's largest
+value; such a model runs every part so that a row's bits do not depend on the batch
+(``DeepseekForCausalLM.rows_invariant``, ``docs/testing.md``), and its batch equals its prompts alone.
 
 ``bench/conformance.py`` runs the whole matrix; ``tests/test_conformance.py`` a fixed core and cells drawn from a
 printed seed.
@@ -106,8 +106,6 @@ COMPRESSED_FAMILIES = NOT_V4
 # prompt of 16 tokens, stored-nvfp4, at an indexer boundary gap of 2.7e-3; docs/testing.md): in the bench matrix only
 STORED_BENCH_ONLY = ("mistral_large4",)
 GGUF_FAMILIES = ("deepseek_v2", "deepseek_v3")
-# the stored formats whose products round their input rows to int8 (module docstring)
-ROUNDED_ROWS = ("stored-int4", "stored-w4a16", "stored-w8a8", "gguf-q8_0", "gguf-q4_k_m")
 MODELOPT_FAMILIES = ("deepseek_v2", "deepseek_v3")
 
 
@@ -705,11 +703,9 @@ def applicable(family: Family, cell: Cell) -> bool:
 
 def sample(rng: random.Random, count: int) -> list[tuple[str, int, str]]:
     """``count`` cells drawn from ``rng``: (model_type, config seed, cell name)."""
-    # the others start processes or interpret; the stored formats whose batch parts from the prompts alone beyond the
-    # bounds (module docstring) run in the bench matrix only, as does ModelOpt's, whose writer takes every decoder
-    # matrix's rows in whole groups of 16 (drawn widths of 24 are not)
-    cheap = [c for c in CELLS if not c.startswith(("tp2", "triton", "mtp")) and c not in ROUNDED_ROWS
-             and c != "modelopt-nvfp4"]
+    # the others start processes or interpret; ModelOpt's cell runs in the bench matrix only: its writer takes every
+    # decoder matrix's rows in whole groups of 16 (drawn widths of 24 are not)
+    cheap = [c for c in CELLS if not c.startswith(("tp2", "triton", "mtp")) and c != "modelopt-nvfp4"]
     out = []
     for _ in range(count):
         model_type = rng.choice(DRAWN_TYPES)

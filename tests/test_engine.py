@@ -467,6 +467,58 @@ def test_the_step_plan_puts_decodes_first_and_budgets_extra_tokens():
         StepPlan((a, b), (3, 1))
 
 
+def test_fixed_chunks_cut_a_prompt_at_the_same_places_in_any_batch():
+    """With ``chunk_size`` a prefill's chunks end at multiples of it (or at the prompt's end) whatever the budget has
+    left: a chunk that does not fit waits whole, and no new sequence is admitted past it."""
+    from mla_runtime.engine.block_pool import BlockPool
+    from mla_runtime.engine.scheduler import Scheduler
+    from mla_runtime.engine.sequence import Sequence
+
+    assert Scheduler.fixed_chunk_size(40, 16) == 16 and Scheduler.fixed_chunk_size(8192, 16) == 4096
+    assert Scheduler.fixed_chunk_size(24, 16) == 16 and Scheduler.fixed_chunk_size(10, 16) == 10
+    with pytest.raises(ValueError, match="chunk_size"):
+        Scheduler(BlockPool(16, 16), max_num_seqs=8, max_num_batched_tokens=40, chunk_size=41)
+    scheduler = Scheduler(BlockPool(32, 16), max_num_seqs=8, max_num_batched_tokens=40, chunk_size=16)
+    a, b, c, d = (Sequence(i, str(i), 0, list(range(2 + 60 * i, 2 + 60 * i + n)), GREEDY)
+                  for i, n in enumerate((5, 30, 40, 3)))
+    for seq in (a, b, c):
+        scheduler.add(seq)
+    first = scheduler.schedule()  # a whole, and the first chunks of b and c (3 of the budget left)
+    assert first.seqs == (a, b, c) and first.num_new_tokens == (5, 16, 16)
+    scheduler.on_step_done(first)
+    a.append_token(5)
+    scheduler.add(d)
+    second = scheduler.schedule()  # a's decode, b's last 14, c's second chunk of 16; 9 left: d's 3 tokens fit
+    assert second.seqs == (a, d, b, c) and second.num_new_tokens == (1, 3, 14, 16)
+    scheduler.on_step_done(second)
+    for seq in (a, b, d):
+        seq.append_token(7)
+    e = Sequence(9, "9", 0, list(range(200, 230)), GREEDY)
+    scheduler.add(e)
+    third = scheduler.schedule()  # three decodes; c's last 8 (its end); e's first chunk of 16 fits in the 29 left
+    assert third.seqs == (a, b, d, c, e) and third.num_new_tokens == (1, 1, 1, 8, 16)
+    # a prefill whose chunk does not fit waits whole and holds admissions back
+    tight = Scheduler(BlockPool(32, 16), max_num_seqs=8, max_num_batched_tokens=20, chunk_size=16)
+    decodes = [Sequence(20 + i, f"d{i}", 0, [3], GREEDY) for i in range(6)]
+    for seq in decodes:
+        tight.add(seq)
+    tight.on_step_done(tight.schedule())
+    for seq in decodes:
+        seq.append_token(4)
+    long_seq, late = Sequence(30, "long", 0, list(range(40)), GREEDY), Sequence(31, "late", 0, [5, 6], GREEDY)
+    tight.add(long_seq)
+    tight.add(late)
+    plan = tight.schedule()  # 6 decodes leave 14 < 16: the long prompt waits, and so does the short one behind it
+    assert plan.seqs == tuple(decodes) and long_seq.num_computed_tokens == 0 and not long_seq.block_table
+    for seq in decodes[:3]:
+        tight.finish(seq, "length")
+    tight.on_step_done(plan)
+    for seq in decodes[3:]:
+        seq.append_token(4)
+    plan = tight.schedule()  # 3 decodes leave 17: its first chunk of 16 runs; the one token left is too few for late
+    assert plan.seqs == (*decodes[3:], long_seq) and plan.num_new_tokens == (1, 1, 1, 16)
+
+
 def test_prompt_ids_are_range_checked_once(v3, monkeypatch):
     """Token ids a caller has checked (the server's ``Tokenized`` prompt, checked against this vocabulary) are not
     checked again by the engine; any other prompt's are, and an id outside the vocabulary is refused by name."""

@@ -62,3 +62,39 @@ def test_a_model_whose_products_keep_their_rows_keeps_its_fast_paths(tiny_checkp
         if scheme:
             finish_quantization(model, scheme)
         assert not model.rows_invariant
+
+
+@needs_kernels
+# the fixed configurations cut into chunks by a small budget; a sparse (DSA) and a hybrid configuration whose batches
+# parted from their prompts alone at the default budget (the conformance matrix's stored cells)
+@pytest.mark.parametrize("model_type, seed, kind, budget", [
+    ("minicpm3", None, "stored-int4", 30), ("deepseek_v3", None, "gguf-q4_k_m", 64),
+    ("glm_moe_dsa", 2, "stored-w4a16", None), ("bailing_hybrid", 2, "stored-w4a16", None)])
+def test_the_engine_gives_a_prompt_the_same_tokens_in_any_batch(tmp_path, model_type, seed, kind, budget):
+    """The conformance matrix's twelve prompts, 1 to 200 tokens, batched and alone through the engine, greedy tokens
+    equal. Each case failed before its fix:
+    - under a small budget, the budget's leftovers cut the prompts: a chunk's rows took other paths in the batch than
+      alone (the absorbed one for a chunk of a few, float32 or bfloat16 attention by its size); the engine now cuts
+      each prompt into fixed chunks (``Scheduler.chunk_size``);
+    - a sparse layer's indexer selected nothing when no row of the step saw more keys than its top-k, so a short
+      prompt attended densely alone and over its selection beside a long one; and prefill chunks took masked dense
+      attention or the gathered one by the whole step's cost (the backend's ``rows_invariant``);
+    - a linear-attention layer's gates (sigmoid, softplus) rounded an element by where it fell in the step's flat
+      loop (``kda.wide``).
+    No prefix is taken from the cache: a hit starts the prompt's computation at its block, not at a chunk's start."""
+    from mla_runtime import LLM, SamplingParams
+    from tests.conformance import PROMPT_LENS, Family
+
+    path = Family(model_type, seed, tmp_path).checkpoint(kind)
+    llm = LLM(str(path), dtype="float32", max_model_len=256, block_size=16, enable_prefix_caching=False,
+              **({"max_num_batched_tokens": budget} if budget else {}))
+    try:
+        assert llm.engine.worker.model.rows_invariant
+        assert llm.engine.scheduler.chunk_size == (budget // 2 // 16 * 16 or 16 if budget else 1024)
+        greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        reqs = [{"prompt_token_ids": p} for p in prompts(PROMPT_LENS)]
+        together = [o.outputs[0].token_ids for o in llm.generate(reqs, greedy)]
+        alone = [llm.generate([r], greedy)[0].outputs[0].token_ids for r in reqs]
+    finally:
+        llm.shutdown()
+    assert [n for n, a, b in zip(PROMPT_LENS, together, alone) if a != b] == []

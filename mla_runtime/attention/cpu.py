@@ -165,11 +165,14 @@ class CpuBackend(PagedBackend):
     def sparse_forward(self, layer_id: int, q_n: torch.Tensor, q_r: torch.Tensor, meta: AttentionMetadata,
                        cache: LayerCache, selected: torch.Tensor) -> torch.Tensor:
         """Sparse attention: the selection as a gather plan (``sparse_plan``), attended like a planned decode (a
-        compiled call where the layer takes the compiled kernels; an int8 / fp8 cache's rows dequantised)."""
+        compiled call where the layer takes the compiled kernels; an int8 / fp8 cache's rows dequantised). Prefill
+        chunks take masked dense attention where the step's rows make it cheaper, a decision of the whole step that
+        a rows-invariant backend never takes."""
         layer = self.layers[layer_id]
         d = meta.num_planned if meta.decode_plan is not None else 0
         rest = meta.rest if d else meta
-        if d == q_n.shape[0] or rest is None or not self._dense_cheaper(rest, layer, selected.shape[1]) \
+        if d == q_n.shape[0] or rest is None or self.rows_invariant \
+                or not self._dense_cheaper(rest, layer, selected.shape[1]) \
                 or q_n.dtype not in (torch.float32, torch.bfloat16):
             batch = meta.batch
             plan = sparse_plan(selected, batch.block_tables, batch.token_req_idx, batch.block_size)

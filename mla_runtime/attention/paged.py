@@ -33,6 +33,9 @@ class PagedBackend:
         self.kernels = kernels
         self.path = path
         self.layers: dict[int, AttentionLayer] = {}  # prepare_layer's, by layer id
+        # True: a row's bits must not depend on the rows beside it (the model's rows_invariant): a sparse layer's
+        # indexer selects for every step, and every row attends over its selection by the same path
+        self.rows_invariant = False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(kernels={self.kernels!r}, path={self.path!r})"

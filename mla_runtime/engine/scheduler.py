@@ -34,6 +34,13 @@ the sequence's slot before its first step. Pending and pinned snapshots go back 
 whose restored state is the sequence's own copy of the prefix's rows (``own_prefix_copies``) holds fresh blocks for
 them in place of the cached ones, so that the pool counts each running sequence's rows once.
 
+Fixed chunks (``chunk_size``, for a model whose rows must not depend on the batch: the engine passes one for a
+``rows_invariant`` model): a prefill's chunks end at multiples of ``chunk_size`` of its own positions, or at its end,
+and each runs whole in one step or waits for the next. A prompt is then cut at the same places alone or in any batch,
+so each of its tokens takes the same attention path over the same chunks; without it, the cut falls where another
+sequence's tokens leave the budget. While a running prefill waits for its chunk, no new sequence is admitted (the
+decodes, which take the budget first, drain, and the chunk fits).
+
 The scheduler deals only in sequences, token counts, block ids and slot ids, and hands the step on as a
 ``StepPlan``.
 """
@@ -91,7 +98,11 @@ class StepPlan:
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
                  trailing_slots: int = 0, states: StateSlots | None = None,
-                 snapshots: StateSnapshots | None = None, own_prefix_copies: bool = False) -> None:
+                 snapshots: StateSnapshots | None = None, own_prefix_copies: bool = False,
+                 chunk_size: int | None = None) -> None:
+        if chunk_size is not None and not 1 <= chunk_size <= max_num_batched_tokens:
+            raise ValueError(f"chunk_size must lie in 1..max_num_batched_tokens ({max_num_batched_tokens}), "
+                             f"got {chunk_size}")
         self.pool = pool
         self.states = states  # a hybrid model's state slots (None: no linear-attention layers)
         self.snapshots = snapshots  # a hybrid's state snapshots of cached prefixes (None: no prefix caching)
@@ -103,12 +114,22 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.trailing_slots = trailing_slots
+        self.chunk_size = chunk_size  # None: a prefill takes what the budget leaves (module docstring: fixed chunks)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_computed_tokens_total = 0  # tokens run through the model (prefix hits excluded)
         self.seconds_above_watermark = 0.0  # while the occupied blocks stayed above the watermark after relief
         self._pressure_checked: tuple[float, bool] | None = None  # (when, above) at the last relief
+
+    @staticmethod
+    def fixed_chunk_size(max_num_batched_tokens: int, block_size: int) -> int:
+        """The fixed chunk for a budget: half of it in whole cache blocks (a block at least, the budget at most), so a
+        chunk fits beside decodes of half the budget (more decodes hold it back until some finish). It depends on
+        the budget alone, not on how many sequences may run, so ``max_num_seqs=1`` cuts a prompt where a batch
+        does."""
+        half = max_num_batched_tokens // 2
+        return min(max_num_batched_tokens, max(block_size, half - half % block_size))
 
     # -- queue ---------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -230,13 +251,17 @@ class Scheduler:
         order = [s for s in self.running if s.num_uncomputed == 1] + \
             [s for s in self.running if s.num_uncomputed > 1]
         scheduled: set[int] = set()
+        chunk_waits = False  # a running prefill waits for budget for its whole fixed chunk
         for seq in order:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             more = self._extra_for(seq, budget, extra) if extra else ()
-            n = min(seq.num_uncomputed, budget) + len(more)
+            n = self._chunk(seq, budget) + len(more)
+            if not n:
+                chunk_waits = True
+                continue
             need = self._blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
             while need > self.pool.num_free_blocks:
                 victims = [v for v in self.running if v.seq_id not in scheduled]
@@ -253,7 +278,8 @@ class Scheduler:
             counts.append(n)
             extras.append(more)
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted \
+                and not chunk_waits:
             n = self._admit(budget)
             if not n:
                 break
@@ -264,6 +290,16 @@ class Scheduler:
         if self.trailing_slots:
             self._reserve_trailing(seqs, counts)
         return StepPlan.ordered(seqs, counts, extras)
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """The tokens of ``seq`` the step takes with ``budget`` left: all it has left that fit, or with fixed chunks
+        its next chunk whole, or none (it waits)."""
+        n = min(seq.num_uncomputed, budget)
+        if self.chunk_size is None or seq.num_uncomputed == 1:
+            return n
+        start = seq.num_computed_tokens
+        whole = min(seq.num_tokens, (start // self.chunk_size + 1) * self.chunk_size) - start
+        return whole if whole <= budget else 0
 
     def _extra_for(self, seq: Sequence, budget: int, extra: Mapping[int, list[int]]) -> tuple[int, ...]:
         """A one-token decode's extra tokens, cut to the budget its own token leaves; none when their blocks are
@@ -282,7 +318,10 @@ class Scheduler:
         if self._waits_for_sibling(seq):
             return 0
         hashes = self._admit_prefix(seq) if not seq.block_table else []
-        n = min(seq.num_uncomputed, budget)
+        n = self._chunk(seq, budget)
+        if not n:
+            self._release(seq)  # give the prefix hits back; its chunk fits a later step
+            return 0
         need = self._blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
         copies = len(seq.block_table) if self.own_prefix_copies else 0
         if need + copies > self.pool.num_free_blocks or (self.states is not None and not self.states.num_free):

@@ -124,14 +124,16 @@ class Indexer(nn.Module):
     def forward(self, h: torch.Tensor, q_resid: torch.Tensor | None, meta: AttentionMetadata, cache: LayerCache
                 ) -> torch.Tensor | None:
         """Store the new tokens' indexer keys; return each query's selected token positions ``[T, topk]`` int32
-        (``-1``: none), or None when no query of the step sees more than ``topk`` keys (attend to all of them)."""
+        (``-1``: none), or None when no query of the step sees more than ``topk`` keys (attend to all of them), a
+        decision of the whole step that a rows-invariant backend never takes (a row of a short prompt would attend by
+        one path alone and by another beside a long one)."""
         assert cache.index is not None, "a sparse-attention layer needs a cache with indexer keys"
         cos, sin = meta.rope.cos, meta.rope.sin
         k = self.rotate(F.layer_norm(self.wk(h), (self.head_dim,), self.k_norm.weight, self.k_norm.bias,
                                      INDEXER_NORM_EPS), cos, sin)
         store_index_keys(cache.index, cache.index_scales, k, meta.slot_mapping)
         batch = meta.batch
-        if max(batch.key_lens) <= self.topk:
+        if max(batch.key_lens) <= self.topk and not meta.backend.rows_invariant:
             return None
         q = self.rotate(self.queries(h, q_resid, meta.batch.positions), cos, sin)
         w = self.weights_proj(h).float() * self.weight_scale

@@ -76,6 +76,15 @@ def linear_kernels(plan: KernelPlan, device: torch.device) -> LinearKernels:
     return LinearKernels("torch", plan.delta_failure or f"no compiled kernel for {device.type} tensors")
 
 
+def wide(x: torch.Tensor, exact: bool) -> torch.Tensor:
+    """``x`` in float32, or float64 where ``exact``: for an elementwise op whose float32 value must not depend on the
+    rows sharing its call. ATen runs such an op as one flat loop, split between threads; the elements short of a whole
+    vector at the end of each share take the scalar formula, which rounds differently from the vectorised one, so in
+    float32 an element's value would depend on how many rows the call holds. Both formulas agree in float64 far below
+    float32's rounding, so the result rounded back to float32 is the same (the model's ``rows_invariant``)."""
+    return x.double() if exact else x.float()
+
+
 class ShortConv(nn.Module):
     """The depthwise causal convolution's taps, ``weight [channels, 1, kernel]`` (the checkpoint's layout), kept in
     float32 whatever the model's dtype: the convolution runs in float32."""
@@ -100,14 +109,15 @@ class ForgetGate(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(heads * head_dim, dtype=torch.float32), requires_grad=False)
         shape = (heads,) if lin.flat_a_log else (1, 1, heads, 1)
         self.A_log = nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False)
+        self.exact = False  # True: computed in float64 (``wide``; the model's rows_invariant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         f = self.f_proj(x) if self.f_proj is not None else cast(Linear, self.f_b_proj)(cast(Linear, self.f_a_proj)(x))
-        raw = (f.float() + self.dt_bias.float()).view(-1, self.heads, self.head_dim)
-        rate = self.A_log.float().exp().view(self.heads, 1)
+        raw = wide(f.float() + self.dt_bias.float(), self.exact).view(-1, self.heads, self.head_dim)
+        rate = wide(self.A_log.float().exp(), self.exact).view(self.heads, 1)
         if self.lower_bound is not None:
-            return self.lower_bound * torch.sigmoid(rate * raw)
-        return -rate * F.softplus(raw, threshold=20.0)
+            return (self.lower_bound * torch.sigmoid(rate * raw)).float()
+        return (-rate * F.softplus(raw, threshold=20.0)).float()
 
 
 class GatedHeadNorm(nn.Module):
@@ -117,10 +127,11 @@ class GatedHeadNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+        self.exact = False  # True: the gate's sigmoid in float64 (``wide``; the model's rows_invariant)
 
     def forward(self, o: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         normed = F.rms_norm(o.float(), (o.shape[-1],), self.weight.float(), self.eps)
-        return (normed * torch.sigmoid(gate.float())).to(dtype)
+        return (normed * torch.sigmoid(wide(gate, self.exact)).float()).to(dtype)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -141,6 +152,11 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = GatedHeadNorm(lin.head_dim, cfg.rms_norm_eps, dtype)
         self.o_proj = Linear(width, hidden, dtype)
         self.kernels = LinearKernels()  # the decode rows' kernels (prepare_inference)
+        self.exact = False  # True: the step's elementwise gates in float64 (``wide``; the model's rows_invariant)
+
+    def rows_invariant(self) -> None:
+        """Every row's gates the same bits whatever rows share the step (``wide``)."""
+        self.exact = self.forget_gate.exact = self.o_norm.exact = True
 
     def prepare_inference(self, plan: KernelPlan) -> None:
         """Choose the decode rows' kernels for the weights' device under ``plan`` (once the weights are final)."""
@@ -153,7 +169,7 @@ class KimiDeltaAttention(nn.Module):
         t, h, dk = x.shape[0], self.heads, self.head_dim
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3 H d_k]
         g = self.forget_gate(x)
-        beta = torch.sigmoid(self.b_proj(x).float())
+        beta = torch.sigmoid(wide(self.b_proj(x), self.exact)).float()
         out = torch.empty(t, h, dk, dtype=torch.float32, device=x.device)
         first = self._decodes(batch)
         cuts: dict[int, list[tuple[int, int]]] = {}  # sequence -> (tokens, state row) of its snapshots

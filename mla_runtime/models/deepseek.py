@@ -25,6 +25,7 @@ from mla_runtime.kernel_plan import KernelPlan
 from mla_runtime.layers.cpu_gemm import PackedWeight, linear, prepared
 from mla_runtime.layers.decoder_kernel import PlannedRows, decode_step, layer_weights, planned_rows
 from mla_runtime.layers.embedding import VocabEmbedding
+from mla_runtime.layers.kda import KimiDeltaAttention
 from mla_runtime.layers.linear import Linear
 from mla_runtime.layers.mla import MLAttention, attention_layer
 from mla_runtime.layers.mlp import GatedMLP
@@ -254,7 +255,9 @@ class DeepseekForCausalLM(nn.Module):
         share its call: the norms take the compiled kernel at every count of rows, the float products and the
         router's oneDNN's (``PackedWeight.rows_invariant``, ``onednn_rows``), a lone row's MLP the torch path (the
         one-row MLP kernels compute the routing and the activation in arithmetic of their own), and a step's planned
-        rows the compiled layers, chunk by chunk, whatever else the step holds (``PlannedRows``)."""
+        rows the compiled layers, chunk by chunk, whatever else the step holds (``PlannedRows``); a sparse layer's
+        rows attend over their indexer's selection by one path (the backend's ``rows_invariant``)."""
+        self.attention.rows_invariant = True
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.every_row = module.kernel
@@ -262,6 +265,8 @@ class DeepseekForCausalLM(nn.Module):
                 module.row_call = False
             elif isinstance(module, Router):
                 module.onednn = module.weight.device.type == "cpu" and self.plan.choice(torch.float32).path == "onednn"
+            elif isinstance(module, KimiDeltaAttention):
+                module.rows_invariant()
             for value in vars(module).values():  # the float matrices (quantised_weights: the others)
                 for packed in value if isinstance(value, list) else [value]:
                     if isinstance(packed, PackedWeight) and not packed.quantized:
