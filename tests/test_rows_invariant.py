@@ -98,3 +98,22 @@ def test_the_engine_gives_a_prompt_the_same_tokens_in_any_batch(tmp_path, model_
     finally:
         llm.shutdown()
     assert [n for n, a, b in zip(PROMPT_LENS, together, alone) if a != b] == []
+
+
+@pytest.mark.parametrize("threads", [2, 7])
+def test_the_routers_sigmoid_gives_a_row_the_same_bits_at_any_row_and_thread_count(threads):
+    """``sigmoid_rows`` (and the linear-attention gates through ``elementwise.wide``): a row's scores alone equal its
+    scores among up to 1499 rows, under 2 and 7 threads (in float32, ATen's flat loop takes the scalar formula at the
+    end of each thread's share, and with 7 threads a row of 1500 such rows got other bits than alone)."""
+    from mla_runtime.layers.moe import sigmoid_rows
+
+    x = torch.randn(1500, 72, generator=torch.Generator().manual_seed(0)) * 4
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        full = sigmoid_rows(x)
+        for n in (1, 5, 517, 999, 1499):
+            assert torch.equal(sigmoid_rows(x[:n]), full[:n]), n
+    finally:
+        torch.set_num_threads(before)
+    assert torch.allclose(full, x.sigmoid(), rtol=1e-6, atol=0)

@@ -42,6 +42,7 @@ from mla_runtime.config import LinearAttentionConfig, ModelConfig
 from mla_runtime.forward_batch import ForwardBatch
 from mla_runtime.kernel_plan import KernelPlan
 from mla_runtime.layers import delta_rule
+from mla_runtime.layers.elementwise import wide
 from mla_runtime.layers.linear import Linear
 
 DECODE_KERNELS = ("compiled", "triton", "torch")
@@ -74,15 +75,6 @@ def linear_kernels(plan: KernelPlan, device: torch.device) -> LinearKernels:
         return LinearKernels("compiled", "the compiled CPU operators (delta_rule_step, delta_rule_prefill, "
                              "short_conv_step)", prefill="compiled")
     return LinearKernels("torch", plan.delta_failure or f"no compiled kernel for {device.type} tensors")
-
-
-def wide(x: torch.Tensor, exact: bool) -> torch.Tensor:
-    """``x`` in float32, or float64 where ``exact``: for an elementwise op whose float32 value must not depend on the
-    rows sharing its call. ATen runs such an op as one flat loop, split between threads; the elements short of a whole
-    vector at the end of each share take the scalar formula, which rounds differently from the vectorised one, so in
-    float32 an element's value would depend on how many rows the call holds. Both formulas agree in float64 far below
-    float32's rounding, so the result rounded back to float32 is the same (the model's ``rows_invariant``)."""
-    return x.double() if exact else x.float()
 
 
 class ShortConv(nn.Module):

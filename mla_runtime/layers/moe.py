@@ -40,6 +40,7 @@ from mla_runtime.config import MoEConfig
 from mla_runtime.kernel_plan import KernelPlan
 from mla_runtime.layers.bf16 import half_mlp
 from mla_runtime.layers.cpu_gemm import PackedWeight, linear, onednn_rows, prepared
+from mla_runtime.layers.elementwise import wide
 from mla_runtime.layers.fp8 import Fp8Weight
 from mla_runtime.layers.mlp import GatedMLP, row_table
 from mla_runtime.layers.norm import RMSNorm
@@ -49,13 +50,9 @@ HOST_GROUPING_MAX_PAIRS = 1024  # up to this many (token, expert) pairs, group t
 
 
 def sigmoid_rows(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.sigmoid()`` for ``[T, E]``, each element through ATen's vectorised loop whatever ``T``: the rows are
-    padded to a multiple of 64 columns. (A contiguous tensor is one flat loop, whose last elements, short of a whole
-    vector, take the scalar formula, which rounds differently: an expert's score would depend on how many tokens
-    share the step.)"""
-    e = logits.shape[-1]
-    padded = F.pad(logits, (0, -e % 64))
-    return padded.sigmoid_()[..., :e].contiguous()
+    """``logits.sigmoid()`` for ``[T, E]`` in float32, computed in float64 (``elementwise.wide``): an expert's score
+    does not depend on how many tokens share the step, nor on the thread count."""
+    return wide(logits).sigmoid().float()
 
 
 class Router(nn.Module):
