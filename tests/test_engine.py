@@ -468,17 +468,17 @@ def test_the_step_plan_puts_decodes_first_and_budgets_extra_tokens():
 
 
 def test_fixed_chunks_cut_a_prompt_at_the_same_places_in_any_batch():
-    """With ``chunk_size`` a prefill's chunks end at multiples of it (or at the prompt's end) whatever the budget has
-    left: a chunk that does not fit waits whole, and no new sequence is admitted past it."""
+    """With fixed chunks (``chunk_size``, half the budget in whole blocks) a prefill's chunks end at multiples of it
+    (or at the prompt's end) whatever the budget has left: a chunk that does not fit waits whole, and no new sequence
+    is admitted past it."""
     from mla_runtime.engine.block_pool import BlockPool
     from mla_runtime.engine.scheduler import Scheduler
     from mla_runtime.engine.sequence import Sequence
 
     assert Scheduler.fixed_chunk_size(40, 16) == 16 and Scheduler.fixed_chunk_size(8192, 16) == 4096
     assert Scheduler.fixed_chunk_size(24, 16) == 16 and Scheduler.fixed_chunk_size(10, 16) == 10
-    with pytest.raises(ValueError, match="chunk_size"):
-        Scheduler(BlockPool(16, 16), max_num_seqs=8, max_num_batched_tokens=40, chunk_size=41)
-    scheduler = Scheduler(BlockPool(32, 16), max_num_seqs=8, max_num_batched_tokens=40, chunk_size=16)
+    scheduler = Scheduler(BlockPool(32, 16), max_num_seqs=8, max_num_batched_tokens=40, fixed_chunks=True)
+    assert scheduler.chunk_size == 16
     a, b, c, d = (Sequence(i, str(i), 0, list(range(2 + 60 * i, 2 + 60 * i + n)), GREEDY)
                   for i, n in enumerate((5, 30, 40, 3)))
     for seq in (a, b, c):
@@ -498,7 +498,8 @@ def test_fixed_chunks_cut_a_prompt_at_the_same_places_in_any_batch():
     third = scheduler.schedule()  # three decodes; c's last 8 (its end); e's first chunk of 16 fits in the 29 left
     assert third.seqs == (a, b, d, c, e) and third.num_new_tokens == (1, 1, 1, 8, 16)
     # a prefill whose chunk does not fit waits whole and holds admissions back
-    tight = Scheduler(BlockPool(32, 16), max_num_seqs=8, max_num_batched_tokens=20, chunk_size=16)
+    tight = Scheduler(BlockPool(32, 16), max_num_seqs=8, max_num_batched_tokens=20, fixed_chunks=True)
+    assert tight.chunk_size == 16
     decodes = [Sequence(20 + i, f"d{i}", 0, [3], GREEDY) for i in range(6)]
     for seq in decodes:
         tight.add(seq)

@@ -77,14 +77,9 @@ class LLMEngine:
         if snapshots is not None:
             self.pool.attach_states(snapshots)
             self.kv_tier = self.kv_tier or attach_snapshot_tier(w, self.pool, snapshots)
-        # a model whose rows must not depend on the batch cuts its prompts at the same places in any batch
-        chunk = Scheduler.fixed_chunk_size(w.max_num_batched_tokens, config.block_size) \
-            if getattr(w.model, "rows_invariant", False) else None
-        if chunk is not None:
-            logger.info("rows-invariant model: prefill chunks fixed at %d tokens", chunk)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, w.max_num_batched_tokens,
                                    self.proposer.trailing_slots, w.state_slots(), snapshots, w.own_prefix_copies,
-                                   chunk)
+                                   fixed_chunks=w.rows_invariant)
         self.runner = ModelRunner(w, config.seed, self.tp_group, self.thread_tuner)
         self.requests: dict[str, RequestState] = {}
         self.grammars = GrammarCompiler(self.tokenizer, w.model_config.vocab_size, self.runner.sampler.eos_token_ids)

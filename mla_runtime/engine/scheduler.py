@@ -34,7 +34,7 @@ the sequence's slot before its first step. Pending and pinned snapshots go back 
 whose restored state is the sequence's own copy of the prefix's rows (``own_prefix_copies``) holds fresh blocks for
 them in place of the cached ones, so that the pool counts each running sequence's rows once.
 
-Fixed chunks (``chunk_size``, for a model whose rows must not depend on the batch: the engine passes one for a
+Fixed chunks (``fixed_chunks``, for a model whose rows must not depend on the batch: the engine asks for them for a
 ``rows_invariant`` model): a prefill's chunks end at multiples of ``chunk_size`` of its own positions, or at its end,
 and each runs whole in one step or waits for the next. A prompt is then cut at the same places alone or in any batch,
 so each of its tokens takes the same attention path over the same chunks; without it, the cut falls where another
@@ -47,6 +47,7 @@ The scheduler deals only in sequences, token counts, block ids and slot ids, and
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -55,6 +56,8 @@ from dataclasses import dataclass
 from mla_runtime.cache.state_cache import StateSlots, StateSnapshots
 from mla_runtime.engine.block_pool import BlockPool, block_hash
 from mla_runtime.engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger("mla_runtime")
 
 
 @dataclass(frozen=True)
@@ -99,10 +102,7 @@ class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
                  trailing_slots: int = 0, states: StateSlots | None = None,
                  snapshots: StateSnapshots | None = None, own_prefix_copies: bool = False,
-                 chunk_size: int | None = None) -> None:
-        if chunk_size is not None and not 1 <= chunk_size <= max_num_batched_tokens:
-            raise ValueError(f"chunk_size must lie in 1..max_num_batched_tokens ({max_num_batched_tokens}), "
-                             f"got {chunk_size}")
+                 fixed_chunks: bool = False) -> None:
         self.pool = pool
         self.states = states  # a hybrid model's state slots (None: no linear-attention layers)
         self.snapshots = snapshots  # a hybrid's state snapshots of cached prefixes (None: no prefix caching)
@@ -114,7 +114,11 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.trailing_slots = trailing_slots
-        self.chunk_size = chunk_size  # None: a prefill takes what the budget leaves (module docstring: fixed chunks)
+        # None: a prefill takes what the budget leaves; with fixed_chunks, the fixed chunk (module docstring)
+        self.chunk_size = self.fixed_chunk_size(max_num_batched_tokens, pool.block_size) if fixed_chunks else None
+        if self.chunk_size is not None:
+            logger.info("prefill chunks fixed at %d tokens (a model whose rows must not depend on the batch)",
+                        self.chunk_size)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0

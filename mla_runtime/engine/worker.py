@@ -315,6 +315,12 @@ class Worker:
                 logger.info("MTP draft vocabulary: %s", source)
         return self.model
 
+    @property
+    def rows_invariant(self) -> bool:
+        """Whether the model's rows must not depend on the batch (``DeepseekForCausalLM.rows_invariant``): the
+        scheduler then cuts its prompts into fixed chunks (``Scheduler.chunk_size``)."""
+        return bool(getattr(self.model, "rows_invariant", False))
+
     def truncate_latent(self, calibration: Sequence[Sequence[int]] | None, rank: int | None = None,
                         method: str | None = None) -> None:
         """Cache ``rank`` (default ``latent_rank``) values per token, with the ``method`` (default
