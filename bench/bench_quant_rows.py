@@ -2,11 +2,13 @@
 
     python bench/bench_quant_rows.py                                  # 2 threads, 16 64 128 rows, the model's shapes
     python bench/bench_quant_rows.py --rows 64 --shapes 4096x1024 --formats int8
+    python bench/bench_quant_rows.py --rows 16 48 128 --shapes 2816x2048 2048x1408 --formats int8 w8a8
 
 A prefill's products multiply many input rows into each weight row while it is in cache, so these are timed with the
 weight hot (the same matrix every call), unlike ``bench_gemv.py``'s decode products, which stream it from memory. For
 each format, shape ``[N, K]`` (``N`` outputs, ``K`` inputs) and row count it prints the best of ``--repeats`` calls
-of every variant of ``cpu_kernels.linear`` this CPU runs (``avx2``, ``avx512_vnni``), in milliseconds and in
+of every variant of ``cpu_kernels.linear`` (W8A8: of its operator, which rounds the rows to int8 per row inside the
+call) this CPU runs (``avx2``, ``avx512_vnni``), in milliseconds and in
 multiply-adds a second, beside oneDNN's float32 product of the dequantised weight in its blocked layout (what a
 float32 model of the same shape computes). Set ``MLA_CPU_ISA=avx2`` to see what an AVX2 CPU runs.
 """
@@ -24,6 +26,7 @@ from mla_runtime.kernel_plan import kernel_plan, onednn_linear, reorder
 from mla_runtime.layers.int4 import Int4Weight
 from mla_runtime.layers.quantization import Int8Weight
 from mla_runtime.layers.qweight import QuantizedWeight
+from mla_runtime.layers.w8a8 import W8A8Weight
 
 # the benchmark model's products (bench/peer_checkpoint.py): q_b, the stacked q_a / kv_a, o_proj, an expert's
 # gate_up and down, the dense MLP's, and the lm_head
@@ -41,12 +44,15 @@ def best_ms(fn: Callable[[], object], repeats: int) -> float:
 
 
 def candidates(fmt: str, weight: QuantizedWeight, x: torch.Tensor) -> dict[str, Callable[[], object]]:
-    if isinstance(weight, Int8Weight):
-        operand: tuple[torch.Tensor, torch.Tensor] = (weight.qweight, weight.row_scales)
+    out: dict[str, Callable[[], object]]
+    if isinstance(weight, W8A8Weight):  # its rows rounded to int8 per row inside the call
+        out = {f"{fmt} {v}": (lambda v=v: cpu_kernels.ops().w8a8_linear(x, weight.qweight, weight.scales, v))
+               for v in cpu_kernels.variants("int8")}
     else:
-        operand = (weight.packed, weight.scales)
-    out: dict[str, Callable[[], object]] = {
-        f"{fmt} {v}": (lambda v=v: cpu_kernels.linear(x, *operand, variant=v)) for v in cpu_kernels.variants(fmt)}
+        operand = (weight.qweight, weight.row_scales) if isinstance(weight, Int8Weight) else \
+            (weight.packed, weight.scales)
+        out = {f"{fmt} {v}": (lambda v=v: cpu_kernels.linear(x, *operand, variant=v))
+               for v in cpu_kernels.variants(fmt)}
     if kernel_plan().choice(torch.float32).path == "onednn":
         blocked = reorder(weight.dequantize())
         out["float32 oneDNN"] = lambda: onednn_linear(x, blocked)
@@ -57,7 +63,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 64, 128])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), help="NxK: N outputs, K inputs")
-    ap.add_argument("--formats", nargs="+", default=["int8", "int4"], choices=["int8", "int4"])
+    ap.add_argument("--formats", nargs="+", default=["int8", "int4"], choices=["int8", "int4", "w8a8"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
@@ -68,7 +74,7 @@ def main() -> None:
     print("| format, path | shape | rows | ms | G multiply-adds/s |\n|---|---|---:|---:|---:|")
     g = torch.Generator().manual_seed(0)
     for fmt in args.formats:
-        kind = Int8Weight if fmt == "int8" else Int4Weight
+        kind = {"int8": Int8Weight, "int4": Int4Weight, "w8a8": W8A8Weight}[fmt]
         for shape in args.shapes:
             n, k = (int(v) for v in shape.split("x"))
             weight = kind.quantize(torch.randn(n, k, generator=g) / k ** 0.5)

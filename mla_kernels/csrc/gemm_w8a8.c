@@ -5,7 +5,8 @@
  *     y[j, c] = float(sum_i w[c, i] * xq[j, i]) * sx[j] * sw[c]
  *
  * the sum exact in int32 (int8 values sign-extended to int16, multiplied and summed in pairs: vpmaddwd on AVX2,
- * vpdpwssd on AVX-512 VNNI), then turned to float32 and scaled, the two multiplications in that order. Both variants
+ * vpdpwssd on AVX-512 VNNI for a lone row; several rows on AVX-512 VNNI as unsigned bytes xq + 128 against the
+ * signed weight bytes, vpdpbusd, less 128 times the weight row's sum), then turned to float32 and scaled, the two multiplications in that order. Both variants
  * (w8a8_rows.h, once per instruction set) compute the same integers, so the same bits, and a row's result does not
  * depend on the rows beside it. torch computes the same values (mla_runtime.layers.w8a8: torch._int_mm). Given
  * row_amax (not NULL), row j takes amax = row_amax[j] in place of its own: a tensor-parallel rank holding a slice of
@@ -51,8 +52,14 @@ void mla_gemm_w8a8(const int8_t *w, const float *scale, const float *x, const fl
     if (rows == 1) {  /* a decode step's row: the weight read as streams (w8a8_share), the same bits */
         #pragma omp parallel num_threads((int)threads)
         (vnni ? w8a8_share_avx512 : w8a8_share_avx2)(w, scale, xq, sx[0], y, n, k, 1.0f, 0);
+    } else if (vnni) {
+        uint8_t *xu = (uint8_t *)alloc_lines((size_t)(rows * k));
+        if (!xu) abort();
+        for (int64_t i = 0; i < rows * k; i++) xu[i] = (uint8_t)(xq[i] + 128);
+        w8a8_rows_avx512(w, scale, xq, xu, sx, y, rows, n, k, threads);
+        free(xu);
     } else {
-        (vnni ? w8a8_rows_avx512 : w8a8_rows_avx2)(w, scale, xq, sx, y, rows, n, k, threads);
+        w8a8_rows_avx2(w, scale, xq, NULL, sx, y, rows, n, k, threads);
     }
     free(xq);
     free(sx);
