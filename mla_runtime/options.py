@@ -23,6 +23,9 @@ LATENT_CACHE_LAYOUTS = ("replicated", "sharded")
 # the CPU products (layers/cpu_gemm.py): auto, the fast paths where their probes pass; onednn, oneDNN without the
 # compiled kernels; plain, the fallbacks only
 CPU_GEMM_MODES = ("auto", "onednn", "plain")
+# whether a row's bits may depend on the rows sharing its steps (models/deepseek.py, rows_invariant): auto, not where
+# the products round their rows to int8 (int4, W4A16, W8A8, GGUF); on, not for any weights; off, the fast paths
+BATCH_INVARIANT_MODES = ("auto", "on", "off")
 # a CPU engine's heap (host_heap.py): retain, freed activations stay mapped for the next step; system, the C
 # library's defaults
 CPU_HEAP_MODES = ("retain", "system")

@@ -41,6 +41,9 @@ class ResolvedConfig:
     # what computes the products (``kernel_plan``): a CPU's probed paths under the engine's cpu_gemm setting, or
     # OFF_CPU on another device; every weight is prepared against it
     plan: KernelPlan = OFF_CPU
+    # whether every part gives a row the same bits whatever rows share its call (BATCH_INVARIANT_MODES; the model's
+    # rows_invariant)
+    batch_invariant: str = "auto"
 
     @property
     def cpu(self) -> CpuLayouts | None:

@@ -66,11 +66,14 @@ def test_a_model_whose_products_keep_their_rows_keeps_its_fast_paths(tiny_checkp
 
 @needs_kernels
 # the fixed configurations cut into chunks by a small budget; a sparse (DSA) and a hybrid configuration whose batches
-# parted from their prompts alone at the default budget (the conformance matrix's stored cells)
-@pytest.mark.parametrize("model_type, seed, kind, budget", [
-    ("minicpm3", None, "stored-int4", 30), ("deepseek_v3", None, "gguf-q4_k_m", 64),
-    ("glm_moe_dsa", 2, "stored-w4a16", None), ("bailing_hybrid", 2, "stored-w4a16", None)])
-def test_the_engine_gives_a_prompt_the_same_tokens_in_any_batch(tmp_path, model_type, seed, kind, budget):
+# parted from their prompts alone at the default budget (the conformance matrix's stored cells); and FP4 weights, whose
+# products keep their rows' float values, batch-invariant when asked (a Mistral Large 4 configuration whose batch
+# parted from its prompts alone at indexer near-ties)
+@pytest.mark.parametrize("model_type, seed, kind, budget, mode", [
+    ("minicpm3", None, "stored-int4", 30, "auto"), ("deepseek_v3", None, "gguf-q4_k_m", 64, "auto"),
+    ("glm_moe_dsa", 2, "stored-w4a16", None, "auto"), ("bailing_hybrid", 2, "stored-w4a16", None, "auto"),
+    ("mistral_large4", 2, "stored-nvfp4", None, "on")])
+def test_the_engine_gives_a_prompt_the_same_tokens_in_any_batch(tmp_path, model_type, seed, kind, budget, mode):
     """The conformance matrix's twelve prompts, 1 to 200 tokens, batched and alone through the engine, greedy tokens
     equal. Each case failed before its fix:
     - under a small budget, the budget's leftovers cut the prompts: a chunk's rows took other paths in the batch than
@@ -80,14 +83,16 @@ def test_the_engine_gives_a_prompt_the_same_tokens_in_any_batch(tmp_path, model_
       prompt attended densely alone and over its selection beside a long one; and prefill chunks took masked dense
       attention or the gathered one by the whole step's cost (the backend's ``rows_invariant``);
     - a linear-attention layer's gates (sigmoid, softplus) rounded an element by where it fell in the step's flat
-      loop (``kda.wide``).
+      loop (``elementwise.wide``);
+    - FP4 models are not batch-invariant by default (their products keep the rows' float values): with
+      ``batch_invariant="on"`` they are.
     No prefix is taken from the cache: a hit starts the prompt's computation at its block, not at a chunk's start."""
     from mla_runtime import LLM, SamplingParams
     from tests.conformance import PROMPT_LENS, Family
 
     path = Family(model_type, seed, tmp_path).checkpoint(kind)
     llm = LLM(str(path), dtype="float32", max_model_len=256, block_size=16, enable_prefix_caching=False,
-              **({"max_num_batched_tokens": budget} if budget else {}))
+              batch_invariant=mode, **({"max_num_batched_tokens": budget} if budget else {}))
     try:
         assert llm.engine.worker.model.rows_invariant
         assert llm.engine.scheduler.chunk_size == (budget // 2 // 16 * 16 or 16 if budget else 1024)
@@ -117,3 +122,21 @@ def test_the_routers_sigmoid_gives_a_row_the_same_bits_at_any_row_and_thread_cou
     finally:
         torch.set_num_threads(before)
     assert torch.allclose(full, x.sigmoid(), rtol=1e-6, atol=0)
+
+
+def test_batch_invariance_can_be_turned_off_and_a_bad_mode_is_refused(tmp_path):
+    """``batch_invariant="off"``: a stored int4 model keeps its fast paths and the budget's chunks; an unknown mode is
+    refused by name."""
+    from mla_runtime import LLM
+    from mla_runtime.engine.config import EngineConfig
+    from mla_runtime.errors import InvalidParam
+    from tests.conformance import Family
+
+    path = Family("deepseek_v2", None, tmp_path).checkpoint("stored-int4")
+    llm = LLM(str(path), dtype="float32", max_model_len=256, batch_invariant="off")
+    try:
+        assert not llm.engine.worker.model.rows_invariant and llm.engine.scheduler.chunk_size is None
+    finally:
+        llm.shutdown()
+    with pytest.raises(InvalidParam, match="batch_invariant must be one of auto, on, off"):
+        EngineConfig(model=str(path), batch_invariant="always")

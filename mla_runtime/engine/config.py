@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from mla_runtime.errors import InvalidParam
 from mla_runtime.options import (
     ATTENTION_PATHS,
+    BATCH_INVARIANT_MODES,
     CACHE_DTYPE_NAMES,
     CPU_GEMM_MODES,
     CPU_HEAP_MODES,
@@ -125,6 +126,12 @@ class EngineConfig:
     cpu_gemm: str | None = field(default=None, metadata=opt(
         "engine.cpu_gemm", "CPU products: auto (the fast paths where their probes pass), onednn (oneDNN without the "
                            "compiled kernels) or plain (the fallbacks) (default: auto)", choices=CPU_GEMM_MODES))
+    # whether a prompt's answer may depend on what shares its steps (BATCH_INVARIANT_MODES; models/deepseek.py,
+    # rows_invariant): auto, never where the products round their rows to int8
+    batch_invariant: str = field(default="auto", metadata=opt(
+        "engine.batch_invariant", "a prompt's tokens independent of the batch: auto (where the products round their "
+                                  "rows to int8: int4, W4A16, W8A8, GGUF), on (any weights, some speed given up) or "
+                                  "off (the fastest paths) (default: auto)", choices=BATCH_INVARIANT_MODES))
     # a CPU engine's heap (host_heap.py): retain, freed activations stay mapped for the next step (glibc);
     # system, the C library's defaults
     cpu_heap: str = field(default="retain", metadata=opt(
@@ -218,6 +225,9 @@ class EngineConfig:
         if self.cpu_heap not in CPU_HEAP_MODES:
             raise InvalidParam("cpu_heap", f"cpu_heap must be one of {', '.join(CPU_HEAP_MODES)}, "
                                f"got {self.cpu_heap!r}")
+        if self.batch_invariant not in BATCH_INVARIANT_MODES:
+            raise InvalidParam("batch_invariant", f"batch_invariant must be one of {', '.join(BATCH_INVARIANT_MODES)}, "
+                               f"got {self.batch_invariant!r}")
         if self.cpu_gemm is not None and self.cpu_gemm not in CPU_GEMM_MODES:
             raise InvalidParam("cpu_gemm", f"cpu_gemm must be one of {', '.join(CPU_GEMM_MODES)} or None, "
                                f"got {self.cpu_gemm!r}")

@@ -179,7 +179,8 @@ class Worker:
             self.checkpoint_config, self.dtype, self.device, par, attention.resolve(config.attention_backend,
                                                                                      self.device),
             config.attention_path, self.num_mtp_layers, self.quantization, self.cache_dtype, config.block_size,
-            self.max_model_len, self.max_num_batched_tokens, config.max_num_seqs, self.plan)
+            self.max_model_len, self.max_num_batched_tokens, config.max_num_seqs, self.plan,
+            config.batch_invariant)
         self._size()
         self.model: DeepseekForCausalLM | None = None
         self.cache: LatentCache | None = None

@@ -8,10 +8,11 @@ as stored. From a float checkpoint, the weights are quantised per channel at loa
 A product (``mla_kernels.w8a8_format``) rounds each input row to int8 with one scale (``amax / 127``, to nearest even),
 sums the int8 × int8 products exactly in int32 and scales the sums, ``float32(sum) * sx * s``: on a CPU the compiled
 kernel (``csrc/gemm_w8a8.c``; AVX2 ``vpmaddwd`` on values sign-extended to int16; AVX-512 VNNI ``vpdpwssd`` so for a
-lone row and ``vpdpbusd`` on the rows offset to unsigned bytes for several, any number of rows) where it builds and its check passes (``KernelPlan.w8a8_failure``), elsewhere
-``torch._int_mm``: the same integers and the same two multiplications, so the same bits on every path, and a row's
-result does not depend on the rows beside it. A matrix stored as a checkpoint's int8 tensor on a CPU is a view of
-the mapped file, as ``int8``'s are. The weight reads one byte per value plus four bytes per row.
+lone row, ``vpdpbusd`` on the rows offset to unsigned bytes for several) where it builds and its check passes
+(``KernelPlan.w8a8_failure``), elsewhere ``torch._int_mm``: the same integers and the same two multiplications, so
+the same bits on every path, and a row's result does not depend on the rows beside it. A matrix stored as a
+checkpoint's int8 tensor on a CPU is a view of the mapped file, as ``int8``'s are. The weight reads one byte per
+value plus four bytes per row.
 
 Under tensor parallelism a row-parallel matrix (``o_proj``, ``down_proj``: each rank holds a slice of ``K`` and sees
 its slice of every input row) rounds its slice with the whole row's amax, the ranks' maximum (``share_row_amax``: one

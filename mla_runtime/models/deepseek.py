@@ -242,7 +242,9 @@ class DeepseekForCausalLM(nn.Module):
         self.lm_head_packed = prepared(self.lm_head_weight, self.lm_head_packed, self.plan)
         if self.draft_head is not None and self.draft_head_packed is not None:
             self.draft_head_packed = prepared(self.draft_head, self.draft_head_packed, self.plan)
-        self.rows_invariant = any(w.rounds_to_int8 for w in quantized_weights(self))
+        mode = self.resolved.batch_invariant  # auto: where the products round their rows to int8
+        self.rows_invariant = mode == "on" or (mode == "auto"
+                                               and any(w.rounds_to_int8 for w in quantized_weights(self)))
         if self.rows_invariant:
             self._make_rows_invariant()
         self.prepare_attention()
