@@ -7,11 +7,13 @@ the machine and the time it took; exits 1 when a cell fails.
     python bench/conformance.py                                  # everything, fixed configs + seeds 1 and 2
     python bench/conformance.py --families deepseek_v32 axk2 --cells batched chunked --seeds 7
     python bench/conformance.py --replay deepseek_v32:1234:prefix-cache   # one cell the suite drew, by its seed
+    python bench/conformance.py --families mistral_large4 --cells stored-nvfp4 --batch-invariant on
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import subprocess
@@ -47,6 +49,8 @@ def main() -> int:
     ap.add_argument("--no-fixed", action="store_true", help="only the seeded configurations")
     ap.add_argument("--replay", help="model_type:seed:cell (seed 'fixed' for the fixed configuration)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "conformance.md")
+    ap.add_argument("--batch-invariant", choices=("auto", "on", "off"),
+                    help="the engine's batch_invariant in every cell (default: each cell's own, auto)")
     args = ap.parse_args()
 
     if args.replay:
@@ -72,6 +76,8 @@ def main() -> int:
                 continue
             for name in cells:
                 cell = C.CELLS[name]
+                if args.batch_invariant:
+                    cell = dataclasses.replace(cell, llm={**cell.llm, "batch_invariant": args.batch_invariant})
                 if not C.applicable(family, cell):
                     skipped += 1
                     continue
