@@ -674,7 +674,15 @@ def run_cell(family: Family, cell: Cell, lens: tuple[int, ...] | None = None) ->
     got = _generate(path, cell.llm, ps, cell.one_at_a_time, repeat=cell.shared_prefix > 0,
                     must_preempt=cell.must_preempt, n=new_tokens(family.model_type))
     if cell.weights:
-        alone = _generate(path, {**cell.llm, "max_num_seqs": 1}, ps, True, n=new_tokens(family.model_type))
+        from mla_runtime.engine.config import EngineConfig
+        from mla_runtime.plan import default_max_num_batched_tokens
+
+        # one at a time under the batch's token budget: a budget of one sequence's would cut the longer prompts into
+        # other chunks than the batch's (a batch-invariant model's chunks are half the budget)
+        budget = cell.llm.get("max_num_batched_tokens") or default_max_num_batched_tokens(
+            int(cell.llm.get("max_model_len", 256)), int(cell.llm.get("max_num_seqs", EngineConfig.max_num_seqs)))
+        alone = _generate(path, {**cell.llm, "max_num_seqs": 1, "max_num_batched_tokens": budget}, ps, True,
+                          n=new_tokens(family.model_type))
         refs = family.forced(ps, alone, cell.weights, cell.checkpoint)
     else:
         refs = family.references(ps, cell.shared_prefix)

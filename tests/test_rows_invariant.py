@@ -65,13 +65,15 @@ def test_a_model_whose_products_keep_their_rows_keeps_its_fast_paths(tiny_checkp
 
 
 @needs_kernels
-# the fixed configurations cut into chunks by a small budget; a sparse (DSA) and a hybrid configuration whose batches
-# parted from their prompts alone at the default budget (the conformance matrix's stored cells); and FP4 weights, whose
+# the fixed configurations cut into chunks by a small budget; a sparse (DSA), a hybrid and a DeepSeek-V3 configuration
+# whose batches parted from their prompts alone at the default budget (the conformance matrix's stored cells); and FP4
+# weights, whose
 # products keep their rows' float values, batch-invariant when asked (a Mistral Large 4 configuration whose batch
 # parted from its prompts alone at indexer near-ties)
 @pytest.mark.parametrize("model_type, seed, kind, budget, mode", [
     ("minicpm3", None, "stored-int4", 30, "auto"), ("deepseek_v3", None, "gguf-q4_k_m", 64, "auto"),
     ("glm_moe_dsa", 2, "stored-w4a16", None, "auto"), ("bailing_hybrid", 2, "stored-w4a16", None, "auto"),
+    ("deepseek_v3", 3, "gguf-q4_k_m", None, "auto"),
     ("mistral_large4", 2, "stored-nvfp4", None, "on")])
 def test_the_engine_gives_a_prompt_the_same_tokens_in_any_batch(tmp_path, model_type, seed, kind, budget, mode):
     """The conformance matrix's twelve prompts, 1 to 200 tokens, batched and alone through the engine, greedy tokens
@@ -82,6 +84,7 @@ def test_the_engine_gives_a_prompt_the_same_tokens_in_any_batch(tmp_path, model_
     - a sparse layer's indexer selected nothing when no row of the step saw more keys than its top-k, so a short
       prompt attended densely alone and over its selection beside a long one; and prefill chunks took masked dense
       attention or the gathered one by the whole step's cost (the backend's ``rows_invariant``);
+    - a prefill chunk took the absorbed or the up-projected attention by the whole step's cost (``choose_path``);
     - a linear-attention layer's gates (sigmoid, softplus) rounded an element by where it fell in the step's flat
       loop (``elementwise.wide``);
     - FP4 models are not batch-invariant by default (their products keep the rows' float values): with
@@ -140,3 +143,20 @@ def test_batch_invariance_can_be_turned_off_and_a_bad_mode_is_refused(tmp_path):
         llm.shutdown()
     with pytest.raises(InvalidParam, match="batch_invariant must be one of auto, on, off"):
         EngineConfig(model=str(path), batch_invariant="always")
+
+
+def test_a_rows_invariant_step_takes_the_up_projected_path_for_its_prompts_whatever_their_count():
+    """``choose_path`` picks the cheaper attention for a whole step by its totals, so a prompt alone and the same prompt
+    beside others could take different paths; a rows-invariant backend's prompts take the up-projected one always,
+    its decode steps the absorbed one."""
+    from mla_runtime.attention.metadata import AttentionDims, choose_path
+    from mla_runtime.forward_batch import ForwardBatch
+
+    dims = AttentionDims(d_c=512, d_r=64, d_n=128, d_v=128)
+    alone = ForwardBatch.build([[1] * 20], [4000], [list(range(252))], 16)  # a short chunk over a long context
+    together = ForwardBatch.build([[1] * 20, [2] * 2000], [4000, 0], [list(range(252)), list(range(300, 425))], 16)
+    assert (choose_path(alone, dims, "auto"), choose_path(together, dims, "auto")) == ("absorbed", "naive")
+    assert choose_path(alone, dims, "auto", True) == choose_path(together, dims, "auto", True) == "naive"
+    decode = ForwardBatch.build([[1], [2]], [30, 40], [[0, 1], [2, 3, 4]], 16)
+    assert choose_path(decode, dims, "auto", True) == "absorbed"
+    assert choose_path(alone, dims, "absorbed", True) == "absorbed"  # a path the settings force stays

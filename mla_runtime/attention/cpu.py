@@ -85,9 +85,9 @@ class CpuBackend(PagedBackend):
         if seqs < batch.num_seqs:
             tail = batch.tail(seqs)
             rest = AttentionMetadata(self, tail, rope.tail(d), tail.slot_mapping, tail.token_seq_lens,
-                                     choose_path(tail, dims, self.path), host_cu_seqlens(tail))
+                                     choose_path(tail, dims, self.path, self.rows_invariant), host_cu_seqlens(tail))
         return AttentionMetadata(self, batch, rope, batch.slot_mapping, batch.token_seq_lens,
-                                 choose_path(batch, dims, self.path), host_cu_seqlens(batch),
+                                 choose_path(batch, dims, self.path, self.rows_invariant), host_cu_seqlens(batch),
                                  _plan(batch, seqs, d, kv.device), d, rest)
 
     def compiled_rows(self, meta: AttentionMetadata, cache: LayerCache) -> bool:

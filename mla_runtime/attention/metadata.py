@@ -62,13 +62,16 @@ class AttentionMetadata:
         return self.decode_plan is not None and self.num_planned == self.slot_mapping.shape[0]
 
 
-def choose_path(batch: ForwardBatch, dims: AttentionDims, forced: str) -> str:
+def choose_path(batch: ForwardBatch, dims: AttentionDims, forced: str, rows_invariant: bool = False) -> str:
     """``absorbed`` or ``naive`` for the whole batch: decode steps always absorb; otherwise the cheaper of the two by
-    a FLOP count per head (the causal half is the same for both), unless ``forced``."""
+    a FLOP count per head (the causal half is the same for both), unless ``forced``. A rows-invariant backend's
+    prefill rows take ``naive`` always: by the step's count a row's path would follow what shares its step."""
     if forced != "auto":
         return forced
     if batch.is_decode:
         return "absorbed"
+    if rows_invariant:
+        return "naive"
     pairs = sum(q * k for q, k in zip(batch.query_lens, batch.key_lens))
     keys = sum(batch.key_lens)
     absorbed = pairs * (2 * dims.d_c + dims.d_r) + batch.num_tokens * dims.d_c * (dims.d_n + dims.d_v)

@@ -51,7 +51,7 @@ class PagedBackend:
                 ) -> AttentionMetadata:
         """The step's metadata: every layer attends through it."""
         return AttentionMetadata(self, batch, rope, batch.slot_mapping, batch.token_seq_lens,
-                                 choose_path(batch, dims, self.path), host_cu_seqlens(batch))
+                                 choose_path(batch, dims, self.path, self.rows_invariant), host_cu_seqlens(batch))
 
     def compiled_rows(self, meta: AttentionMetadata, cache: LayerCache) -> bool:
         """Whether the step's rows take the compiled CPU decode kernels (never, here)."""
