@@ -160,3 +160,21 @@ def test_a_rows_invariant_step_takes_the_up_projected_path_for_its_prompts_whate
     decode = ForwardBatch.build([[1], [2]], [30, 40], [[0, 1], [2, 3, 4]], 16)
     assert choose_path(decode, dims, "auto", True) == "absorbed"
     assert choose_path(alone, dims, "absorbed", True) == "absorbed"  # a path the settings force stays
+
+
+@needs_kernels
+def test_a_short_chunk_is_planned_whatever_short_chunks_come_before_it(tmp_path, monkeypatch):
+    """A step's planned rows are its leading short chunks; one that reads many keys (``PLANNED_EXTRA_KEY_BYTES``,
+    shrunk here to the tiny model's scale) ended the run, and a short prompt after it took the up-projected path in
+    the batch and the absorbed one alone. A rows-invariant backend plans by the chunks' lengths alone."""
+    from mla_runtime.attention import cpu
+
+    monkeypatch.setattr(cpu, "PLANNED_EXTRA_KEY_BYTES", 20 << 10)
+    build("deepseek_v2", 2).save_pretrained(tmp_path)
+    model = load_model(tmp_path, dtype="float32", quantization="int4")
+    finish_quantization(model, "int4")
+    long, more, short = prompts((200, 5, 7), seed=4)
+    together = PagedRunner(model, 2, 256)
+    together.step({0: long})
+    both = together.step({0: more, 1: short})  # 5 new tokens over 200 keys, then a 7-token prompt
+    assert torch.equal(both[1], PagedRunner(model, 1, 256).step({0: short})[0])

@@ -74,11 +74,13 @@ class CpuBackend(PagedBackend):
     def prepare(self, batch: ForwardBatch, rope: RopeTables, dims: AttentionDims, cache: LatentCache
                 ) -> AttentionMetadata:
         """The step's metadata: with a gather plan of its leading short rows, and the sequences after them as a
-        batch of their own (``rest``), where it has such rows."""
+        batch of their own (``rest``), where it has such rows. A short chunk whose rows read many keys ends the run
+        (``PLANNED_EXTRA_KEY_BYTES``), and with it every short chunk after it, so a rows-invariant backend plans by
+        the chunks' lengths alone: a chunk's path must not follow the chunks before it."""
         kv = cache.layers[0].kv
         key_bytes = kv.shape[-1] * kv.element_size()
-        seqs, d = (0, 0) if self.path == "naive" else batch.leading_short(PLANNED_MAX_QUERY_LEN,
-                                                                          PLANNED_EXTRA_KEY_BYTES // key_bytes)
+        limit = None if self.rows_invariant else PLANNED_EXTRA_KEY_BYTES // key_bytes
+        seqs, d = (0, 0) if self.path == "naive" else batch.leading_short(PLANNED_MAX_QUERY_LEN, limit)
         if not d:
             return super().prepare(batch, rope, dims, cache)
         rest = None
