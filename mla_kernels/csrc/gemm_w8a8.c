@@ -6,7 +6,8 @@
  *
  * the sum exact in int32 (int8 values sign-extended to int16, multiplied and summed in pairs: vpmaddwd on AVX2,
  * vpdpwssd on AVX-512 VNNI for a lone row; several rows on AVX-512 VNNI as unsigned bytes xq + 128 against the
- * signed weight bytes, vpdpbusd, less 128 times the weight row's sum), then turned to float32 and scaled, the two multiplications in that order. Both variants
+ * signed weight bytes, vpdpbusd, less 128 times the weight row's sum), then turned to float32 and scaled, the two
+ * multiplications in that order. Both variants
  * (w8a8_rows.h, once per instruction set) compute the same integers, so the same bits, and a row's result does not
  * depend on the rows beside it. torch computes the same values (mla_runtime.layers.w8a8: torch._int_mm). Given
  * row_amax (not NULL), row j takes amax = row_amax[j] in place of its own: a tensor-parallel rank holding a slice of

@@ -100,8 +100,10 @@ VI_TARGET static void SFX(w8a8_rows)(const int8_t *w, const float *sw, const int
     const int64_t tiles = (n + W8_STREAMS - 1) / W8_STREAMS;
 #if VL == 16
 #define W8_TILE(R, M)                                                                                                \
-    if (xu) SFX(w8a8_tile_u8)(w, sw, xu + j * k, xq + j * k, sx + j, wsum + (c0 - first), y + j * n, c0, R, M, n, k); \
-    else SFX(w8a8_tile)(w, sw, xq + j * k, sx + j, y + j * n, c0, R, M, n, k)
+    if (xu)                                                                                                          \
+        SFX(w8a8_tile_u8)(w, sw, xu + j * k, xq + j * k, sx + j, wsum + (c0 - first), y + j * n, c0, R, M, n, k);   \
+    else                                                                                                             \
+        SFX(w8a8_tile)(w, sw, xq + j * k, sx + j, y + j * n, c0, R, M, n, k)
 #else
     (void)xu;
 #define W8_TILE(R, M) SFX(w8a8_tile)(w, sw, xq + j * k, sx + j, y + j * n, c0, R, M, n, k)
