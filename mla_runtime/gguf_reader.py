@@ -26,7 +26,15 @@ import numpy as np
 import torch
 
 from mla_runtime.gguf_meta import FLOAT_TYPES, GgufModel, Source, check_types, hf_names
-from mla_runtime.layers.gguf_weight import GgufWeight, block_shape, dequantize_rows, int4_from_q4_0, row_bytes
+from mla_runtime.layers.gguf_weight import (
+    RUN,
+    GgufWeight,
+    block_shape,
+    dequantize_rows,
+    int4_from_q4_0,
+    row_bytes,
+    run_scales,
+)
 from mla_runtime.layers.qweight import QuantizedWeight
 
 logger = logging.getLogger("mla_runtime")
@@ -59,6 +67,9 @@ def release_pages(view: torch.Tensor) -> None:
 def _span_bytes(view: torch.Tensor) -> int:
     """The bytes from a view's first element to the end of its last."""
     return (sum((n - 1) * st for n, st in zip(view.shape, view.stride())) + 1) * view.element_size()
+
+
+RunScales = tuple[torch.Tensor, torch.Tensor]  # a factor's runs' scales and offsets
 
 
 class GgufTensors:
@@ -136,6 +147,27 @@ class GgufTensors:
         v_b = dequantize_rows(self.model.tensors[v_name].type_name, self._rows(v_name, None, None), rank)
         w_uk = k_b.reshape(heads, rank, nope).transpose(1, 2)
         return torch.cat([w_uk, v_b.reshape(heads, v_dim, rank)], dim=1).reshape(heads * (nope + v_dim), rank)
+
+    def absorbed_scales(self, name: str) -> tuple[RunScales, RunScales] | None:
+        """The run scales and offsets (``gguf_weight.run_scales``) of ``kv_b_proj`` ``name``'s absorbed factors, laid
+        out as ``W_UK [H, d_n, d_c]`` and ``W_UV^T [H, d_c, d_v]`` take them (``[H, d_n / 32, d_c]``, ``[H, d_c / 32,
+        d_v]``): where the file splits it into ``attn_k_b`` and ``attn_v_b``, whose blocks run along ``d_n`` and
+        ``d_c``, in types with 32-value runs; else None."""
+        source = self.sources[name]
+        if len(source.tensors) != 2:  # a joined attn_kv_b's blocks run along d_c in both factors
+            return None
+        k_name, v_name = source.tensors
+        heads, rank, nope = self.model.tensors[k_name].shape
+        v_dim = self.model.tensors[v_name].shape[1]
+        uk = run_scales(self.model.tensors[k_name].type_name, self._rows(k_name, None, None), nope)
+        uv = run_scales(self.model.tensors[v_name].type_name, self._rows(v_name, None, None), rank)
+        if uk is None or uv is None:
+            return None
+        def laid(t: torch.Tensor, rows: int, runs: int) -> torch.Tensor:  # [H rows, runs] -> [H, runs, rows]
+            return t.reshape(heads, rows, runs).transpose(1, 2).contiguous()
+
+        return ((laid(uk[0], rank, nope // RUN), laid(uk[1], rank, nope // RUN)),
+                (laid(uv[0], v_dim, rank // RUN), laid(uv[1], v_dim, rank // RUN)))
 
     # -- matrices as stored ------------------------------------------------------------------------------------
     def stored_kind(self, names: list[str]) -> str | None:

@@ -679,12 +679,24 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
     _fill(model, table, kinds, reader, matrices, _Sources(quantization, compressed, scale_names, device))
     _fold_lora_scales(model)
     install_quantized(model, matrices.result())
+    if isinstance(reader, GgufTensors):
+        _absorbed_scales(model, reader)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.materialize(device)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise CheckpointError(f"{path}: nothing loaded into {', '.join(left[:5])}")
+
+
+def _absorbed_scales(model: DeepseekForCausalLM, reader: GgufTensors) -> None:
+    """Each attention layer's absorbed factors' run scales from a GGUF file that stores them in runs of 32
+    (``GgufTensors.absorbed_scales``), for the compiled decode kernels' runs (``layers.factor_runs``)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    for attn in model.attention_layers():
+        name = f"{names[id(attn)]}.kv_b_proj.weight"
+        if name in reader.sources:
+            attn.factor_scales = reader.absorbed_scales(name)
 
 
 def _open_reader(path: Path, cfg: ModelConfig, device: torch.device) -> _Reader | GgufTensors:

@@ -98,6 +98,9 @@ CASES = {
     "v3_q4_0_tied": (lambda: tiny("v3", q_lora_rank=None, tie_word_embeddings=True), products_in("Q4_0"), False),
     "v3_mixed_kquants": (lambda: tiny("v3", hidden_size=256, q_lora_rank=64), by_kind(MIXED, "Q8_0"), True),
     "minicpm3_q8_0": (lambda: tiny("minicpm3"), products_in("Q8_0"), False),
+    # Q4_K_M's absorbed factors (attn_k_b Q5_0, attn_v_b Q4_K), wide enough for whole runs: decoded as runs
+    "v2_runs_kv_b": (lambda: tiny("v2", qk_nope_head_dim=32, kv_lora_rank=256, v_head_dim=32),
+                     by_kind({"attn_k_b": "Q5_0", "attn_v_b": "Q4_K"}, "Q8_0"), True),
 }
 
 
@@ -318,6 +321,24 @@ def test_decode_steps_run_the_whole_layer_kernel_on_stored_blocks(written, monke
     """Every layer of a file of nine block types decodes in the compiled whole-layer kernel (one call a layer), and a
     batch's tokens are each prompt's tokens alone."""
     assert "ggml" in decode_in_layer_kernel(written("v3_mixed_kquants")[1], monkeypatch)
+
+
+@pytest.mark.skipif(cpu_kernels.failure("ggml") is not None, reason="the compiled GGUF kernels do not run here")
+def test_the_decode_reads_the_absorbed_factors_as_runs(written, monkeypatch):
+    """A file whose attn_k_b and attn_v_b run in 32-value blocks (Q5_0, Q4_K) decodes on the factors as runs (uint8,
+    1.25 bytes a value, the same values: the greedy test above holds for this case), in the whole-layer kernel, and a
+    batch's tokens are each prompt's alone; a file whose factors are floats keeps float factors."""
+    from mla_runtime.layers.mla import MLAttention
+
+    def attentions(path):
+        llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB")
+        return [m for m in llm.engine.worker.model.modules() if isinstance(m, MLAttention)]
+    runs = attentions(written("v2_runs_kv_b")[1])
+    assert runs and all(a.factor_runs is not None for a in runs)
+    uk, uv = runs[0].factor_runs
+    assert uk.dtype == torch.uint8 and uk.shape == (4, 32 + 8, 256) and uv.shape == (4, 256 + 64, 32)
+    assert all(a.factor_runs is None for a in attentions(written("v3_f16_split_kv_b")[1]))
+    decode_in_layer_kernel(written("v2_runs_kv_b")[1], monkeypatch)
 
 
 def test_split_files_load_from_the_first_part_or_the_folder(written, tmp_path):

@@ -17,7 +17,7 @@
 #define GEMM_ROWS 4     /* 4 x 4 vectors of sums in AVX-512's 32 registers */
 #endif
 
-/* VL cached values from c + i as floats, times sv (quantised caches: the part's scale, kscale); ck, as load_w's bf16,
+/* VL cached values from c + i as floats, times sv (quantised caches: the part's scale, kscale); ck, as load_w's wf,
  * a constant wherever this is inlined. */
 static inline __attribute__((always_inline)) V SFX(load_c)(const void *c, int64_t i, const int ck, const V sv) {
     if (ck == C_I8) return V_MUL(V_I8((const int8_t *)c + i), sv);
@@ -26,26 +26,32 @@ static inline __attribute__((always_inline)) V SFX(load_c)(const void *c, int64_
                                                           : V_LOAD((const float *)c + i);
 }
 
-/* VL weights from b + i as floats: float32, or bfloat16. The weight format is a compile-time constant wherever this is
- * inlined, so each format gets its own loops. */
-static inline __attribute__((always_inline)) V SFX(load_w)(const void *b, int64_t i, const int bf16) {
-    return bf16 ? V_BF16((const uint16_t *)b + i) : V_LOAD((const float *)b + i);
+/* VL weights at (i, j .. j + VL - 1) of a head's k x n factor b as floats, in format wf (FactorFormat: float32,
+ * bfloat16, or runs, whose values fma(A, q, B) are the ones load1w gives). The format is a compile-time constant
+ * wherever this is inlined, so each format gets its own loops. */
+static inline __attribute__((always_inline)) V SFX(load_w)(const void *b, int64_t k, int64_t n, int64_t i, int64_t j,
+                                                           const int wf) {
+    if (wf == FACTOR_RUNS) {
+        const float *a = (const float *)((const int8_t *)b + k * n) + i / FACTOR_RUN * n + j;
+        return V_FMA(V_LOAD(a), V_I8((const int8_t *)b + i * n + j), V_LOAD(a + k / FACTOR_RUN * n));
+    }
+    return wf == FACTOR_BF16 ? V_BF16((const uint16_t *)b + i * n + j) : V_LOAD((const float *)b + i * n + j);
 }
 
 /* y[0:n] = sum_i x[i] b[i][0:n] for one row x and a row-major b [k, n], reading b front to back (small_gemm's column
  * blocks stream a cold matrix more slowly). Every sum runs over i in order as small_gemm's do, its columns past the
  * last block of 4 VL by the same scalar expression: a row's result does not depend on how many rows share the call. */
 static inline __attribute__((always_inline)) void SFX(vec_mat)(const float *x, const void *b, int64_t k, int64_t n,
-                                                               float *y, const int bf16) {
+                                                               float *y, const int wf) {
     const int64_t nb = n - n % (4 * VL);
     for (int64_t j = 0; j < n; j++) y[j] = 0.0f;
     for (int64_t i = 0; i < k; i++) {
         const V p = V_SET1(x[i]);
-        for (int64_t j = 0; j < nb; j += VL) V_STORE(y + j, V_FMA(p, SFX(load_w)(b, i * n + j, bf16), V_LOAD(y + j)));
+        for (int64_t j = 0; j < nb; j += VL) V_STORE(y + j, V_FMA(p, SFX(load_w)(b, k, n, i, j, wf), V_LOAD(y + j)));
     }
     for (int64_t j = nb; j < n; j++) {
         float x0 = 0.0f;
-        for (int64_t i = 0; i < k; i++) x0 += x[i] * load1(b, i * n + j, bf16);
+        for (int64_t i = 0; i < k; i++) x0 = fmaf(x[i], load1w(b, k, n, i, j, wf), x0);
         y[j] = x0;
     }
 }
@@ -58,12 +64,12 @@ static inline __attribute__((always_inline)) void SFX(vec_mat)(const float *x, c
  * would: a row's result does not depend on the tile it is in. */
 static inline __attribute__((always_inline)) void SFX(small_gemm)(const float *a, int64_t lda, const void *b,
                                                                   int64_t k, int64_t n, float *c, int64_t ldc,
-                                                                  int64_t m, const int bf16) {
+                                                                  int64_t m, const int wf) {
     if (m == 1) {
-        SFX(vec_mat)(a, b, k, n, c, bf16);
+        SFX(vec_mat)(a, b, k, n, c, wf);
         return;
     }
-    prefetch(b, k * n * (bf16 ? 2 : 4));
+    prefetch(b, factor_bytes(k, n, wf));
     const int64_t nb = n - n % (4 * VL);
     for (int64_t k0 = 0; k0 < k; k0 += GEMM_KC) {
         const int64_t k1 = k0 + GEMM_KC < k ? k0 + GEMM_KC : k;
@@ -81,7 +87,7 @@ static inline __attribute__((always_inline)) void SFX(small_gemm)(const float *a
                     for (int u = 0; u < 4; u++) acc[r][u] = k0 ? V_LOAD(cr[r] + j + VL * u) : V_ZERO();
                 for (int64_t i = k0; i < k1; i++) {
                     V bv[4];
-                    for (int u = 0; u < 4; u++) bv[u] = SFX(load_w)(b, i * n + j + VL * u, bf16);
+                    for (int u = 0; u < 4; u++) bv[u] = SFX(load_w)(b, k, n, i, j + VL * u, wf);
                     for (int r = 0; r < GEMM_ROWS; r++) {
                         const V p = V_SET1(ar[r][i]);
                         for (int u = 0; u < 4; u++) acc[r][u] = V_FMA(p, bv[u], acc[r][u]);
@@ -93,7 +99,7 @@ static inline __attribute__((always_inline)) void SFX(small_gemm)(const float *a
             for (int r = 0; r < GEMM_ROWS && t + r < m; r++)  /* columns past the last block */
                 for (int64_t j = nb; j < n; j++) {
                     float x0 = k0 ? cr[r][j] : 0.0f;
-                    for (int64_t i = k0; i < k1; i++) x0 += ar[r][i] * load1(b, i * n + j, bf16);
+                    for (int64_t i = k0; i < k1; i++) x0 = fmaf(ar[r][i], load1w(b, k, n, i, j, wf), x0);
                     cr[r][j] = x0;
                 }
         }
@@ -237,9 +243,9 @@ static inline __attribute__((always_inline)) void SFX(absorbed_decode)(
                                  const void *w_uv_t, const void *cache, const float *cs,
                                  const int64_t *slots, int64_t slot_stride, const int64_t *lens, float scale,
                                  float *out, float *scratch, int64_t scratch_stride, int64_t rows, int64_t heads,
-                                 int64_t d_n, int64_t d_r, int64_t d_c, int64_t d_v, int64_t threads, const int bf16,
+                                 int64_t d_n, int64_t d_r, int64_t d_c, int64_t d_v, int64_t threads, const int wf,
                                  const int ck) {
-    const int64_t esize = bf16 ? 2 : 4, width = d_c + d_r, by_rows = mla_decode_by_rows(rows, heads, threads);
+    const int64_t uk_bytes = factor_bytes(d_n, d_c, wf), uv_bytes = factor_bytes(d_c, d_v, wf), width = d_c + d_r, by_rows = mla_decode_by_rows(rows, heads, threads);
     const int64_t group = by_rows ? heads : (heads + threads - 1) / threads;
     if (group > MAX_GROUP) abort();  /* ops/cpu_kernels.cpp runs enough threads that this cannot happen */
     #pragma omp parallel num_threads((int)threads)
@@ -255,8 +261,8 @@ static inline __attribute__((always_inline)) void SFX(absorbed_decode)(
         float *s = o_lat + m * group * d_c;              /* [group][slot_stride] */
         /* absorb: q~[t] = q_n[t, h] W_UK[h], every row of a head at once */
         for (int64_t h = h0; h < h1 && m; h++)
-            SFX(small_gemm)(q_n + t0 * qn_t + h * qn_h, qn_t, (const char *)w_uk + h * d_n * d_c * esize, d_n, d_c,
-                            q_abs + (h - h0) * d_c, group * d_c, m, bf16);
+            SFX(small_gemm)(q_n + t0 * qn_t + h * qn_h, qn_t, (const char *)w_uk + h * uk_bytes, d_n, d_c,
+                            q_abs + (h - h0) * d_c, group * d_c, m, wf);
         /* attend: keys outer and this thread's heads inner for the scores, heads outer for the weighted sum */
         const float *qa[MAX_GROUP], *qr[MAX_GROUP];
         float *ol[MAX_GROUP];
@@ -279,8 +285,8 @@ static inline __attribute__((always_inline)) void SFX(absorbed_decode)(
         }
         /* up-project: out[t, h] = o_lat[t] W_UV^T[h], every row of a head at once */
         for (int64_t h = h0; h < h1 && m; h++)
-            SFX(small_gemm)(o_lat + (h - h0) * d_c, group * d_c, (const char *)w_uv_t + h * d_c * d_v * esize, d_c,
-                            d_v, out + t0 * heads * d_v + h * d_v, heads * d_v, m, bf16);
+            SFX(small_gemm)(o_lat + (h - h0) * d_c, group * d_c, (const char *)w_uv_t + h * uv_bytes, d_c,
+                            d_v, out + t0 * heads * d_v + h * d_v, heads * d_v, m, wf);
     }
 }
 

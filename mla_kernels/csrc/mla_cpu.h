@@ -68,7 +68,7 @@ enum LayerField {
     L_QA_W, L_QA_S, L_QA_K,  /* [q_lora + d_c + d_r, d] stacked q_a/kv_a; without q_lora_rank: q_proj [H (d_n + d_r), d] */
     L_KVA_W, L_KVA_S, L_KVA_K,  /* kv_a [d_c + d_r, d] without q_lora_rank, else 0 */
     L_QB_W, L_QB_S, L_QB_K,  /* q_b [H (d_n + d_r), q_lora] (0 without q_lora_rank) */
-    L_W_UK, L_W_UV_T, L_W_BF16,  /* [H, d_n, d_c], [H, d_c, d_v]: float32, or bfloat16 where L_W_BF16 is 1 */
+    L_W_UK, L_W_UV_T, L_W_FORMAT,  /* [H, d_n, d_c], [H, d_c, d_v] in the FactorFormat L_W_FORMAT */
     L_O_W, L_O_S, L_O_K,  /* o_proj [d, H d_v] */
     L_MLP_TABLE,  /* an MLP table: the dense MLP (row 0) or the experts and shared experts; 0: none */
     L_ROUTER, L_ROUTE, L_ROUTE_BIAS,  /* a MoE layer's router [E, d], route config and correction bias; else 0 */
@@ -142,6 +142,12 @@ int64_t mla_amx_bf16(void);
 void mla_amx_pack_bf16(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k);
 void mla_amx_linear_bf16(const float *xf, const uint16_t *xb, int64_t ld, const uint16_t *packed, float *y,
                          int64_t m, int64_t n, int64_t k, int64_t threads);
+/* The absorbed factors' formats (W_UK [H, k = d_n, n = d_c], W_UV^T [H, k = d_c, n = d_v]): float32, bfloat16, or
+ * runs: a head's k x n int8 values q, then float32 A and B [k / FACTOR_RUN, n], the value at (i, j) fma(A[i / 32][j],
+ * q[i][j], B[i / 32][j]): a quantised checkpoint's factors exactly, where its blocks of 32 run along k (a GGUF file's
+ * attn_k_b and attn_v_b in 32-value or K-quant types), at 1.25 bytes a value. */
+enum { FACTOR_F32 = 0, FACTOR_BF16 = 1, FACTOR_RUNS = 2 };
+#define FACTOR_RUN 32
 int64_t mla_decode_by_rows(int64_t rows, int64_t heads, int64_t threads);
 int64_t mla_decode_scratch(int64_t rows, int64_t heads, int64_t d_c, int64_t slot_stride, int64_t threads);
 void mla_absorbed_decode_f32(const float *q_n, int64_t qn_t, int64_t qn_h, const float *q_r, int64_t qr_t,
@@ -167,6 +173,12 @@ void mla_absorbed_decode_bf16w(const float *q_n, int64_t qn_t, int64_t qn_h, con
                                const int64_t *lens, float scale, float *out, float *scratch, int64_t scratch_stride,
                                int64_t rows, int64_t heads, int64_t d_n, int64_t d_r, int64_t d_c, int64_t d_v,
                                int64_t threads, int64_t cache_kind, int64_t variant);
+void mla_absorbed_decode_runs(const float *q_n, int64_t qn_t, int64_t qn_h, const float *q_r, int64_t qr_t,
+                              int64_t qr_h, const void *w_uk, const void *w_uv_t, const void *cache,
+                              const float *cache_scales, const int64_t *slots, int64_t slot_stride,
+                              const int64_t *lens, float scale, float *out, float *scratch, int64_t scratch_stride,
+                              int64_t rows, int64_t heads, int64_t d_n, int64_t d_r, int64_t d_c, int64_t d_v,
+                              int64_t threads, int64_t cache_kind, int64_t variant);
 void mla_rope_store_f32(const float *latent, int64_t lat_ld, const float *norm, float eps, float *q, int64_t q_t,
                         int64_t q_h, int64_t heads, int64_t d_n, const float *cos, const float *sin, int64_t cs_ld,
                         void *cache, int64_t cache_kind, float *cache_scales, const int64_t *slots, int64_t rows,

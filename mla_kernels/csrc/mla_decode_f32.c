@@ -55,6 +55,21 @@ static inline __attribute__((always_inline)) float load1(const void *b, int64_t 
     return ((const float *)b)[i];
 }
 
+/* The factor value at (i, j) of a head's k x n factor b in format wf (FactorFormat), alone. */
+static inline __attribute__((always_inline)) float load1w(const void *b, int64_t k, int64_t n, int64_t i, int64_t j,
+                                                          const int wf) {
+    if (wf == FACTOR_RUNS) {
+        const float *a = (const float *)((const int8_t *)b + k * n) + i / FACTOR_RUN * n + j;
+        return fmaf(a[0], (float)((const int8_t *)b)[i * n + j], a[k / FACTOR_RUN * n]);
+    }
+    return load1(b, i * n + j, wf == FACTOR_BF16);
+}
+
+/* Bytes of a head's k x n factor in format wf. */
+static inline __attribute__((always_inline)) int64_t factor_bytes(int64_t k, int64_t n, const int wf) {
+    return wf == FACTOR_RUNS ? k * n + 8 * (k / FACTOR_RUN) * n : k * n * (wf == FACTOR_BF16 ? 2 : 4);
+}
+
 /* Bytes of a cached value. */
 static inline __attribute__((always_inline)) int64_t cache_bytes(const int ck) {
     return ck == C_F32 ? 4 : ck == C_BF16 || ck == C_F16 ? 2 : 1;
@@ -157,24 +172,27 @@ static inline __m256i e4m3_half16(const uint8_t *p) {
 #include "decode_attention.h"
 #include "vec_end.h"
 
-/* One function per instruction set, factor format (f32, bf16w) and cache kind, each with its own loops. */
+/* One function per instruction set, factor format (f32, bf16w, runs) and cache kind, each with its own loops. */
 #define DECODE_FORM(ISA, W, WB, C, CK) \
     static void decode_##ISA##_##W##_##C(DECODE_PARAMS) { absorbed_decode_##ISA(DECODE_ARGS, WB, CK); }
 #define DECODE_FORMS(ISA, W, WB)                                                                                     \
     DECODE_FORM(ISA, W, WB, c32, C_F32) DECODE_FORM(ISA, W, WB, cbf16, C_BF16) DECODE_FORM(ISA, W, WB, cf16, C_F16) \
     DECODE_FORM(ISA, W, WB, ci8, C_I8) DECODE_FORM(ISA, W, WB, cfp8, C_FP8)
-DECODE_FORMS(avx512, f32, 0)
-DECODE_FORMS(avx512, bf16w, 1)
+DECODE_FORMS(avx512, f32, FACTOR_F32)
+DECODE_FORMS(avx512, bf16w, FACTOR_BF16)
+DECODE_FORMS(avx512, runs, FACTOR_RUNS)
 #pragma GCC pop_options
-DECODE_FORMS(avx2, f32, 0)
-DECODE_FORMS(avx2, bf16w, 1)
+DECODE_FORMS(avx2, f32, FACTOR_F32)
+DECODE_FORMS(avx2, bf16w, FACTOR_BF16)
+DECODE_FORMS(avx2, runs, FACTOR_RUNS)
 
 typedef void (*DecodeFn)(DECODE_PARAMS);
-/* [AVX-512][bfloat16 factors][cache kind] */
+/* [AVX-512][factor format][cache kind] */
 #define DECODE_ROW(ISA, W) {decode_##ISA##_##W##_c32, decode_##ISA##_##W##_cbf16, decode_##ISA##_##W##_cf16, \
                             decode_##ISA##_##W##_ci8, decode_##ISA##_##W##_cfp8}
-static const DecodeFn DECODE[2][2][5] = {{DECODE_ROW(avx2, f32), DECODE_ROW(avx2, bf16w)},
-                                         {DECODE_ROW(avx512, f32), DECODE_ROW(avx512, bf16w)}};
+static const DecodeFn DECODE[2][3][5] = {
+    {DECODE_ROW(avx2, f32), DECODE_ROW(avx2, bf16w), DECODE_ROW(avx2, runs)},
+    {DECODE_ROW(avx512, f32), DECODE_ROW(avx512, bf16w), DECODE_ROW(avx512, runs)}};
 
 /* The variant a call runs: the one named (0 AVX2, 1 AVX-512), else (-1) AVX-512 where the CPU runs it (the same
  * probe as the few-row float products: mla_float_variants). */
@@ -182,12 +200,17 @@ static int attention_avx512(int64_t variant) { return variant < 0 ? (mla_float_v
 
 /* float32 W_UK and W_UV^T */
 void mla_absorbed_decode_f32(DECODE_PARAMS, int64_t cache_kind, int64_t variant) {
-    DECODE[attention_avx512(variant)][0][cache_kind](DECODE_ARGS);
+    DECODE[attention_avx512(variant)][FACTOR_F32][cache_kind](DECODE_ARGS);
 }
 
 /* bfloat16 W_UK and W_UV^T (read at half the bytes; everything else float32) */
 void mla_absorbed_decode_bf16w(DECODE_PARAMS, int64_t cache_kind, int64_t variant) {
-    DECODE[attention_avx512(variant)][1][cache_kind](DECODE_ARGS);
+    DECODE[attention_avx512(variant)][FACTOR_BF16][cache_kind](DECODE_ARGS);
+}
+
+/* W_UK and W_UV^T as runs of int8 values with a float32 scale and offset (FactorFormat): 1.25 bytes a value */
+void mla_absorbed_decode_runs(DECODE_PARAMS, int64_t cache_kind, int64_t variant) {
+    DECODE[attention_avx512(variant)][FACTOR_RUNS][cache_kind](DECODE_ARGS);
 }
 
 /* The prefill's up-projected attention (float32), by the variant a call runs. */

@@ -162,7 +162,9 @@ int64_t mla_decoder_layer(const int64_t *L, const int64_t *S, float *x, void *ca
     mla_rope_store_f32(qa + q_lora, lat_w, PTR(const float *, L, L_KV_NORM), f[3], q, heads * qk, qk, heads, d_n,
                        PTR(const float *, S, S_COS), PTR(const float *, S, S_SIN), S[S_CS_LD], cache, cache_kind,
                        cache_scales, PTR(const int64_t *, S, S_SLOTS), t, d_c, d_r, L[L_INTERLEAVE]);
-    (L[L_W_BF16] ? mla_absorbed_decode_bf16w : mla_absorbed_decode_f32)(
+    (L[L_W_FORMAT] == FACTOR_RUNS   ? mla_absorbed_decode_runs
+     : L[L_W_FORMAT] == FACTOR_BF16 ? mla_absorbed_decode_bf16w
+                                    : mla_absorbed_decode_f32)(
         q, heads * qk, qk, q + d_n, heads * qk, qk, PTR(const void *, L, L_W_UK), PTR(const void *, L, L_W_UV_T), cache,
         cache_scales, PTR(const int64_t *, S, S_KEYS), S[S_KEY_STRIDE], PTR(const int64_t *, S, S_LENS), f[4], o, att,
         S[S_DECODE_STRIDE], t, heads, d_n, d_r, d_c, d_v, S[S_DECODE_THREADS], cache_kind, -1);

@@ -216,7 +216,7 @@ class CpuBackend(PagedBackend):
         """Absorbed attention of the plan's rows over the keys it gathers for each -> ``[N, n_h, d_v]``: one compiled
         call where the layer takes the kernels."""
         if self.kernels_of[layer.layer_id].attention and q_n.dtype in (torch.float32, torch.bfloat16):
-            out = cpu_kernels.ops().absorbed_decode(q_n.float(), q_r.float(), layer.w_uk, layer.w_uv_t,
+            out = cpu_kernels.ops().absorbed_decode(q_n.float(), q_r.float(), *layer.kernel_factors,
                                                     cache.kv.view(-1, cache.kv.shape[-1]), plan.slots, plan.lens,
                                                     layer.scale, scales=cache.flat_scales)
             return out if out.dtype == q_n.dtype else out.to(q_n.dtype)  # type: ignore[no-any-return]

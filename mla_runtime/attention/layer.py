@@ -45,6 +45,9 @@ class AttentionLayer:
     validate: bool  # kernel arguments are checked by this layer (the first: once per step)
     w_uk: Tensor  # [n_h, d_n, d_c]: the absorbed key factor (prepared copies, or views of kv_b_proj)
     w_uv_t: Tensor  # [n_h, d_c, d_v]: the absorbed value factor, transposed
+    # the two as the compiled decode kernels read them: the same tensors, or the same values as runs (uint8
+    # [n_h, k + k / 4, n]: layers.factor_runs)
+    kernel_factors: tuple[Tensor, Tensor]
     rebuild: Callable[[Tensor], Tensor]  # kv_b_proj: the latents c [S, d_c] -> keys and values [S, n_h (d_n + d_v)]
     rebuild_in_bfloat16: bool  # rebuild's products of many rows round them to bfloat16 (``CpuBackend.naive``)
     # project's queries and latent -> q_n [T, n_h, d_n], q_r [T, n_h, d_r], the normed (truncated) latent, k_r

@@ -133,6 +133,7 @@ def layer_weights(norms: tuple[nn.Module, nn.Module], attn: MLAttention, mlp: nn
     if qa is None or o is None or not _unbiased(attn.o_proj) or (kva is None) == (qb is None):
         return None
     table, moe = _mlp_table(mlp)
+    factors = (attn.w_uk, attn.w_uv_t) if half else attn.kernel_factors() or (attn.w_uk, attn.w_uv_t)
     if half and table is None:  # the caller's MLP would take float32 rows to bfloat16 weights
         return None
     dims = dict(d=attn.o_proj.out_features, q_lora=attn.q_a_proj.out_features if q_lora else 0, heads=attn.n_h,
@@ -140,8 +141,8 @@ def layer_weights(norms: tuple[nn.Module, nn.Module], attn: MLAttention, mlp: nn
     eps = (first.eps, second.eps, q_norm.eps if q_norm is not None else 0.0, attn.kv_a_layernorm.eps)
     return cpu_tables.LayerWeights(
         dims=dims, norms=(in_norm, post_norm, q_norm_weight, kv_norm),
-        eps=eps, scale=attn.scale, interleave=attn.rotary.interleave, qa=qa, kva=kva, qb=qb, w_uk=attn.w_uk,
-        w_uv_t=attn.w_uv_t, o=o, mlp=table, moe=cast(tuple, moe) if moe is not None else None, one_path=one_path)
+        eps=eps, scale=attn.scale, interleave=attn.rotary.interleave, qa=qa, kva=kva, qb=qb, w_uk=factors[0],
+        w_uv_t=factors[1], o=o, mlp=table, moe=cast(tuple, moe) if moe is not None else None, one_path=one_path)
 
 
 def decode_step(meta: AttentionMetadata, first: cpu_tables.DecoderLayerTable | None,

@@ -99,6 +99,28 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
 
 
 TORCH_BLOCKS = {"Q8_0": (34, _q8_0), "Q4_K": (144, _q4_k), "Q6_K": (210, _q6_k)}  # bytes a block, its dequantiser
+RUN = 32  # values of a run: one scale and one offset (run_scales, layers.factor_runs)
+_RUN_BLOCKS = ("Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1")  # 32-value blocks: a float16 scale (and minimum) each
+_RUN_SUPERS = ("Q4_K", "Q5_K")  # super-blocks of eight 32-value sub-blocks: d sc and -dmin m each
+
+
+def run_scales(type_name: str, data: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each run of ``RUN`` values' scale ``A`` and offset ``B`` (float32 ``[rows, k / RUN]``) of rows stored as
+    ``type_name`` (uint8 ``[rows, row_bytes]``): each value is ``A q + B`` for a small integer ``q`` (Q8_0, Q4_0,
+    Q5_0: ``d``, 0; Q4_1, Q5_1: ``d``, ``m``; Q4_K, Q5_K: ``d sc``, ``-dmin m``). None for the other types (16-value
+    sub-blocks, floats)."""
+    rows = data.shape[0]
+    if type_name in _RUN_BLOCKS:
+        blocks = data.reshape(rows, k // RUN, block_shape(type_name)[1])
+        a = _half(blocks[..., 0:2]).reshape(rows, k // RUN)
+        b = _half(blocks[..., 2:4]).reshape(rows, k // RUN) if type_name in ("Q4_1", "Q5_1") else torch.zeros_like(a)
+        return a, b
+    if type_name in _RUN_SUPERS:
+        blocks = data.reshape(rows * (k // 256), block_shape(type_name)[1])
+        sc, mn = _k_scales(blocks[:, 4:16])
+        a, b = _half(blocks[:, 0:2]) * sc, -(_half(blocks[:, 2:4]) * mn)
+        return a.reshape(rows, k // RUN), b.reshape(rows, k // RUN)
+    return None
 
 
 def dequantize_rows(type_name: str, data: torch.Tensor, k: int) -> torch.Tensor:

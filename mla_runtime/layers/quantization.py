@@ -269,6 +269,7 @@ def round_absorbed_factors(attn: MLAttention, plan: KernelPlan, rows_independent
     w_uk, w_uv = attn.w_uk_uv()
     dtype = torch.bfloat16 if attn.kernels.decode else w_uk.dtype
     attn.w_uk, attn.w_uv_t = w_uk.to(dtype).contiguous(), w_uv.transpose(1, 2).to(dtype).contiguous()
+    attn.factor_runs = None  # the unrounded values' runs, if any, are not these factors
 
 
 def plan_of(model: nn.Module) -> KernelPlan:

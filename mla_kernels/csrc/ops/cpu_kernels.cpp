@@ -498,13 +498,33 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
 
 // -- attention -----------------------------------------------------------------------------------------------------
 
+// The absorbed factors' format (mla_cpu.h, FactorFormat), both checked: w_uk [H, d_n, d_c] and w_uv_t [H, d_c, d_v]
+// float32, or both bfloat16, or both uint8 runs [H, k + k / 4, n] (k int8 rows of a head, then its float32 scales and
+// offsets a run of FACTOR_RUN rows; k a multiple of FACTOR_RUN).
+int64_t factor_format(const Tensor& w_uk, const Tensor& w_uv_t, int64_t heads, int64_t d_n, int64_t d_c, int64_t d_v,
+                      const char* op) {
+  const at::ScalarType wt = w_uk.scalar_type();
+  TORCH_CHECK_VALUE(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kByte,
+                    op, ": w_uk is float32, bfloat16 or uint8 runs, got ", wt);
+  if (wt != at::kByte) {
+    expect(w_uk, wt, {heads, d_n, d_c}, op, "w_uk");
+    expect(w_uv_t, wt, {heads, d_c, d_v}, op, "w_uv_t");
+    return wt == at::kBFloat16 ? FACTOR_BF16 : FACTOR_F32;
+  }
+  TORCH_CHECK_VALUE(d_n % FACTOR_RUN == 0 && d_c % FACTOR_RUN == 0, op, ": runs factors need d_n and d_c multiples of ",
+                    FACTOR_RUN, ", got ", d_n, " and ", d_c);
+  expect(w_uk, wt, {heads, d_n + d_n / 4, d_c}, op, "w_uk (runs)");
+  expect(w_uv_t, wt, {heads, d_c + d_c / 4, d_v}, op, "w_uv_t (runs)");
+  return FACTOR_RUNS;
+}
+
 constexpr int64_t DECODE_SCRATCH_BYTES = 64 << 20;  // the absorbed decode's scratch per call; more rows: more calls
 
 // Threads for the absorbed decode of `heads` heads: torch's, or more so that no thread takes over MAX_GROUP heads.
 int64_t decode_threads(int64_t heads) { return std::max(threads(), cdiv(heads, MLA_DECODE_MAX_GROUP)); }
 
 // A layer's absorbed decode attention: q_n [T, H, d_n], rotated q_r [T, H, d_r] (float32; row and head strides free),
-// w_uk [H, d_n, d_c], w_uv_t [H, d_c, d_v] (float32, or both bfloat16), cache [S, d_c + d_r] latent rows (float32,
+// w_uk [H, d_n, d_c], w_uv_t [H, d_c, d_v] (factor_format), cache [S, d_c + d_r] latent rows (float32,
 // bfloat16, float16, or int8 / float8_e4m3fn with their scales [S, 2]), slots [T, L] int64 (row t reads cache[slots[t, :lens[t]]]), lens [T] int64 -> out [T, H, d_v] float32.
 Tensor absorbed_decode(const Tensor& q_n, const Tensor& q_r, const Tensor& w_uk, const Tensor& w_uv_t,
                        const Tensor& cache, const Tensor& slots, const Tensor& lens, double scale,
@@ -517,17 +537,16 @@ Tensor absorbed_decode(const Tensor& q_n, const Tensor& q_r, const Tensor& w_uk,
   const int64_t d_c = w_uk.size(2), d_v = w_uv_t.size(2);
   expect_rows(q_n, {rows, heads, d_n}, op, "q_n");
   expect_rows(q_r, {rows, heads, d_r}, op, "q_r");
-  const at::ScalarType wt = w_uk.scalar_type();
-  TORCH_CHECK_VALUE(wt == at::kFloat || wt == at::kBFloat16, "absorbed_decode: w_uk is float32 or bfloat16, got ", wt);
-  expect(w_uk, wt, {heads, d_n, d_c}, op, "w_uk");
-  expect(w_uv_t, wt, {heads, d_c, d_v}, op, "w_uv_t");
+  const int64_t wf = factor_format(w_uk, w_uv_t, heads, d_n, d_c, d_v, op);
   const int64_t kind = expect_cache(cache, scales, d_c + d_r, op);
   expect_keys(slots, lens, rows, cache.size(0), op);
   const int64_t nt = decode_threads(heads), per_row = cdiv(heads, nt) * 2 * d_c;
   const int64_t step = std::max<int64_t>(1, DECODE_SCRATCH_BYTES / (4 * nt * std::max<int64_t>(per_row, 1)));
   const auto floats = q_n.options().dtype(at::kFloat);
   Tensor out = at::empty({rows, heads, d_v}, floats);
-  auto kernel = wt == at::kBFloat16 ? &mla_absorbed_decode_bf16w : &mla_absorbed_decode_f32;
+  auto kernel = wf == FACTOR_RUNS   ? &mla_absorbed_decode_runs
+                : wf == FACTOR_BF16 ? &mla_absorbed_decode_bf16w
+                                    : &mla_absorbed_decode_f32;
   for (int64_t r0 = 0; r0 < rows; r0 += step) {
     const int64_t m = std::min(step, rows - r0), stride = mla_decode_scratch(m, heads, d_c, slots.size(1), nt);
     Tensor scratch = at::empty({nt, stride}, floats);
@@ -915,13 +934,10 @@ struct LayerTable : torch::CustomClassHolder {
     if (kva.has_value()) weights(L_KVA_W, *kva, kva_scales, d_c + d_r, d, "LayerTable: kva");
     if (qb.has_value()) weights(L_QB_W, *qb, qb_scales, heads * qk, q_lora, "LayerTable: qb");
     weights(L_O_W, o, o_scales, d, heads * d_v, "LayerTable: o");
-    const at::ScalarType wt = w_uk.scalar_type() == at::kBFloat16 ? at::kBFloat16 : at::kFloat;
-    expect(w_uk, wt, {heads, d_n, d_c}, op, "w_uk");
-    expect(w_uv_t, wt, {heads, d_c, d_v}, op, "w_uv_t");
+    L[L_W_FORMAT] = factor_format(w_uk, w_uv_t, heads, d_n, d_c, d_v, op);
     keep.insert(keep.end(), {w_uk, w_uv_t});
     L[L_W_UK] = address(w_uk);
     L[L_W_UV_T] = address(w_uv_t);
-    L[L_W_BF16] = wt == at::kBFloat16;
     if (mlp_table.has_value()) {
       mlp = *mlp_table;
       TORCH_CHECK_VALUE(mlp->hidden == d, "LayerTable: the MLP table's width ", mlp->hidden, " is not the layer's ", d);
