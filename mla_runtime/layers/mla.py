@@ -99,7 +99,8 @@ class MLAttention(nn.Module):
         if self.factor_scales is not None:
             (a_uk, b_uk), (a_uv, b_uv) = self.factor_scales
             uk, uv = absorbed_runs(self.w_uk, a_uk, b_uk), absorbed_runs(self.w_uv_t, a_uv, b_uv)
-            self.factor_runs = (uk, uv) if uk is not None and uv is not None else None
+            if uk is not None and uv is not None:  # the kernels read the runs: the float factors stay views
+                self.factor_runs, self.w_uk, self.w_uv_t = (uk, uv), w_uk, w_uv.transpose(1, 2)
         stack_input_projections(self, plan)
 
     def kernel_factors(self) -> tuple[torch.Tensor, torch.Tensor] | None:
