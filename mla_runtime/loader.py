@@ -58,6 +58,7 @@ from mla_runtime.families import FAMILIES
 from mla_runtime.gguf_meta import gguf_files, open_gguf
 from mla_runtime.gguf_reader import STORED_GGUF, STORED_Q4_0, GgufTensors
 from mla_runtime.kernel_plan import OFF_CPU, kernel_plan, resolve_cpu_format
+from mla_runtime.layers.factor_runs import FactorRuns
 from mla_runtime.layers.fp8 import Fp8Weight
 from mla_runtime.layers.quantization import (
     WEIGHT_FORMATS,
@@ -679,8 +680,7 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
     _fill(model, table, kinds, reader, matrices, _Sources(quantization, compressed, scale_names, device))
     _fold_lora_scales(model)
     install_quantized(model, matrices.result())
-    if isinstance(reader, GgufTensors):
-        _absorbed_scales(model, reader)
+    _absorbed_scales(model, reader)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.materialize(device)
@@ -689,14 +689,16 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
         raise CheckpointError(f"{path}: nothing loaded into {', '.join(left[:5])}")
 
 
-def _absorbed_scales(model: DeepseekForCausalLM, reader: GgufTensors) -> None:
+def _absorbed_scales(model: DeepseekForCausalLM, reader: _Reader | GgufTensors) -> None:
     """Each attention layer's absorbed factors' run scales from a GGUF file that stores them in runs of 32
     (``GgufTensors.absorbed_scales``), for the compiled decode kernels' runs (``layers.factor_runs``)."""
+    if not isinstance(reader, GgufTensors):
+        return
     names = {id(m): n for n, m in model.named_modules()}
     for attn in model.attention_layers():
         name = f"{names[id(attn)]}.kv_b_proj.weight"
-        if name in reader.sources:
-            attn.factor_scales = reader.absorbed_scales(name)
+        scales = reader.absorbed_scales(name) if name in reader.sources else None
+        attn.factor_runs = FactorRuns(scales) if scales is not None else None
 
 
 def _open_reader(path: Path, cfg: ModelConfig, device: torch.device) -> _Reader | GgufTensors:

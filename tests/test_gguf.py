@@ -334,8 +334,8 @@ def test_the_decode_reads_the_absorbed_factors_as_runs(written, monkeypatch):
         llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB")
         return [m for m in llm.engine.worker.model.modules() if isinstance(m, MLAttention)]
     runs = attentions(written("v2_runs_kv_b")[1])
-    assert runs and all(a.factor_runs is not None for a in runs)
-    uk, uv = runs[0].factor_runs
+    assert runs and all(a.factor_runs is not None and a.factor_runs.runs is not None for a in runs)
+    uk, uv = runs[0].factor_runs.runs
     assert uk.dtype == torch.uint8 and uk.shape == (4, 32 + 8, 256) and uv.shape == (4, 256 + 64, 32)
     assert all(a.factor_runs is None for a in attentions(written("v3_f16_split_kv_b")[1]))
     decode_in_layer_kernel(written("v2_runs_kv_b")[1], monkeypatch)

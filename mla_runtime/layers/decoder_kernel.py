@@ -40,7 +40,7 @@ from mla_runtime.attention.metadata import AttentionMetadata
 from mla_runtime.attention.rope_tables import RopeTables
 from mla_runtime.layers.cpu_gemm import PackedWeight
 from mla_runtime.layers.linear import Linear
-from mla_runtime.layers.mla import MLAttention
+from mla_runtime.layers.mla import MLAttention, kernel_factors
 from mla_runtime.layers.mlp import GatedMLP
 from mla_runtime.layers.moe import MoE
 from mla_runtime.layers.norm import RMSNorm
@@ -133,7 +133,7 @@ def layer_weights(norms: tuple[nn.Module, nn.Module], attn: MLAttention, mlp: nn
     if qa is None or o is None or not _unbiased(attn.o_proj) or (kva is None) == (qb is None):
         return None
     table, moe = _mlp_table(mlp)
-    factors = (attn.w_uk, attn.w_uv_t) if half else attn.kernel_factors() or (attn.w_uk, attn.w_uv_t)
+    factors = (attn.w_uk, attn.w_uv_t) if half else kernel_factors(attn) or (attn.w_uk, attn.w_uv_t)
     if half and table is None:  # the caller's MLP would take float32 rows to bfloat16 weights
         return None
     dims = dict(d=attn.o_proj.out_features, q_lora=attn.q_a_proj.out_features if q_lora else 0, heads=attn.n_h,

@@ -16,6 +16,8 @@ their bytes (DeepSeek-V2-Lite: 8.4 MB a layer and token in float32, 2.6 MB as ru
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from mla_runtime.layers.gguf_weight import RUN
@@ -41,3 +43,26 @@ def absorbed_runs(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Te
     out[:, :k] = q.to(torch.int8).view(torch.uint8)
     out[:, k:] = torch.cat([a, b], dim=1).contiguous().view(torch.uint8).reshape(h, k // 4, n)
     return out
+
+
+@dataclass
+class FactorRuns:
+    """A layer's factors as runs: the run scales and offsets the loader read (``(A, B)`` of ``W_UK``, then of
+    ``W_UV^T``) and, once ``absorbed_factors`` found them exact, the two runs tensors the kernels read."""
+
+    scales: tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    runs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def absorbed_factors(fr: FactorRuns | None, w_uk: torch.Tensor, w_uv: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float ``W_UK`` and ``W_UV^T`` a layer keeps from the views ``w_uk [H, d_n, d_c]``, ``w_uv [H, d_v, d_c]``:
+    contiguous copies; or, where ``fr``'s runs give back every value (``fr.runs`` is then set), the views themselves
+    (the kernels read the runs, and the torch paths multiply views as well)."""
+    if fr is not None:
+        (a_uk, b_uk), (a_uv, b_uv) = fr.scales
+        uk, uv = absorbed_runs(w_uk, a_uk, b_uk), absorbed_runs(w_uv.transpose(1, 2), a_uv, b_uv)
+        fr.runs = (uk, uv) if uk is not None and uv is not None else None
+        if fr.runs is not None:
+            return w_uk, w_uv.transpose(1, 2)
+    return w_uk.contiguous(), w_uv.transpose(1, 2).contiguous()

@@ -45,7 +45,7 @@ from mla_runtime.config import ModelConfig
 from mla_runtime.kernel_plan import KernelPlan
 from mla_runtime.layers.bf16 import Bf16Weight
 from mla_runtime.layers.cpu_gemm import PackedWeight, linear
-from mla_runtime.layers.factor_runs import absorbed_runs
+from mla_runtime.layers.factor_runs import FactorRuns, absorbed_factors
 from mla_runtime.layers.indexer import Indexer, LogPositionScaling, log_position_scaled, sparse_selection
 from mla_runtime.layers.linear import Linear
 from mla_runtime.layers.norm import RMSNorm
@@ -78,13 +78,9 @@ class MLAttention(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rope, self.d_r)
         self.d_c_in, self.rope = self.d_c, cfg.uses_rope(layer)  # the latent's width kv_a_proj_with_mqa gives; RoPE
         self.latent_down: nn.Parameter | None = None  # [r, d_c_in] when the latent rank is truncated (latent_rank)
-        # contiguous W_UK [n_h, d_n, d_c] and W_UVᵀ [n_h, d_c, d_v] (prepare_inference): one batched GEMM each
-        self.w_uk: torch.Tensor | None = None
+        self.w_uk: torch.Tensor | None = None  # W_UK [n_h, d_n, d_c], W_UVᵀ [n_h, d_c, d_v]: prepare_inference's
         self.w_uv_t: torch.Tensor | None = None
-        # a quantised checkpoint's run scales of the two factors (the loader's, from a GGUF file: ``factor_runs``), and
-        # the factors as runs for the compiled decode kernels where they give back every value (prepare_inference)
-        self.factor_scales: tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
-        self.factor_runs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.factor_runs: FactorRuns | None = None  # a GGUF file's factors as runs for the kernels (the loader's)
         self.qkv_a: PackedWeight | None = None  # q_a_proj and kv_a_proj_with_mqa stacked: one GEMM
         self.qkv_a_bias: torch.Tensor | None = None
         # the compiled CPU kernels that run this layer, as its backend decided (``attention_layer``)
@@ -94,21 +90,8 @@ class MLAttention(nn.Module):
     def prepare_inference(self, plan: KernelPlan) -> None:
         """Cache the absorbed weights and the stacked input projection (call again when the weights change)."""
         w_uk, w_uv = self.w_uk_uv()
-        self.w_uk, self.w_uv_t = w_uk.contiguous(), w_uv.transpose(1, 2).contiguous()
-        self.factor_runs = None
-        if self.factor_scales is not None:
-            (a_uk, b_uk), (a_uv, b_uv) = self.factor_scales
-            uk, uv = absorbed_runs(self.w_uk, a_uk, b_uk), absorbed_runs(self.w_uv_t, a_uv, b_uv)
-            if uk is not None and uv is not None:  # the kernels read the runs: the float factors stay views
-                self.factor_runs, self.w_uk, self.w_uv_t = (uk, uv), w_uk, w_uv.transpose(1, 2)
+        self.w_uk, self.w_uv_t = absorbed_factors(self.factor_runs, w_uk, w_uv)  # one batched GEMM each
         stack_input_projections(self, plan)
-
-    def kernel_factors(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The absorbed factors the compiled float32 decode kernels read: the runs where kept (``factor_runs``), else
-        the prepared copies (None before ``prepare_inference``)."""
-        if self.factor_runs is not None:
-            return self.factor_runs
-        return None if self.w_uk is None or self.w_uv_t is None else (self.w_uk, self.w_uv_t)
 
     def w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``W_UK [n_h, d_n, d_c]`` and ``W_UV [n_h, d_v, d_c]`` (views of ``kv_b_proj``)."""
@@ -153,6 +136,14 @@ class MLAttention(nn.Module):
         return q_n, q_r, c, k_r
 
 
+def kernel_factors(attn: MLAttention) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The absorbed factors the compiled float32 decode kernels read: the runs where kept (``factor_runs``), else
+    the prepared factors (None before ``prepare_inference``)."""
+    if attn.factor_runs is not None and attn.factor_runs.runs is not None:
+        return attn.factor_runs.runs
+    return None if attn.w_uk is None or attn.w_uv_t is None else (attn.w_uk, attn.w_uv_t)
+
+
 def attention_layer(attn: MLAttention, plan: KernelPlan) -> AttentionLayer:
     """What the attention backend holds of ``attn`` once its weights are final (``attention/layer.py``), under the
     load's kernel ``plan``."""
@@ -164,7 +155,7 @@ def attention_layer(attn: MLAttention, plan: KernelPlan) -> AttentionLayer:
     return AttentionLayer(
         layer_id=attn.layer, dtype=attn.kv_b_proj.weight.dtype, n_h=attn.n_h, d_c=attn.d_c, d_r=attn.d_r,
         d_n=attn.d_n, d_v=attn.d_v, scale=attn.scale, validate=attn.validate, w_uk=w_uk, w_uv_t=w_uv_t,
-        kernel_factors=attn.kernel_factors() or (w_uk, w_uv_t),
+        kernel_factors=kernel_factors(attn) or (w_uk, w_uv_t),
         rebuild=attn.kv_b_proj, rebuild_in_bfloat16=isinstance(packed, Bf16Weight) and packed.native is not None,
         split=attn.split, rotate=attn.rotary, interleave=attn.rotary.interleave,
         latent_norm=(norm.weight, norm.eps) if attn.latent_down is None else None,
