@@ -315,6 +315,8 @@ class ModelConfig:
     # a GGUF file: the bits per weight of each product parameter (by model name) it stores quantised, which load as
     # stored (``gguf_meta.stored_bits``); the planner counts them so
     stored_bits: tuple[tuple[str, float], ...] = ()
+    # a GGUF file whose absorbed factors the compiled decode reads as runs (``gguf_meta.factor_runs``)
+    factor_runs: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
@@ -877,8 +879,15 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         logit_softcap=float(raw.get("logit_softcap") or 0.0),
         linear_attention=_parse_linear_attention(raw),
         attention_head_gate=bool(raw.get("attention_head_gate", False)),
-        stored_bits=tuple(sorted((str(k), float(v)) for k, v in (raw.get("gguf_stored_bits") or {}).items())),
+        **_gguf_fields(raw),
     )
+
+
+def _gguf_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """A GGUF file's own fields (``gguf_meta.config_dict``): its stored products' bits, and whether the decode reads
+    its absorbed factors as runs."""
+    return {"stored_bits": tuple(sorted((str(k), float(v)) for k, v in (raw.get("gguf_stored_bits") or {}).items())),
+            "factor_runs": bool(raw.get("gguf_factor_runs", False))}
 
 
 def _parse_linear_attention(raw: dict[str, Any]) -> LinearAttentionConfig | None:

@@ -354,7 +354,8 @@ def weight_footprint(config: ModelConfig, dtype: str | torch.dtype = "auto", ten
       the MoE routers in float32; and per attention layer its absorbed factors' copies ``w_uk``/``w_uv_t``: bfloat16
       with ``quantization`` where the compiled CPU decode kernel runs (a float32 model on a CPU that builds it,
       replicated cache), else the model dtype (``w_uk`` is a view of ``kv_b_proj`` where a rank has one head and it
-      keeps that dtype).
+      keeps that dtype); a GGUF file's factors as runs (``config.factor_runs``, a float32 model on one rank and a
+      CPU): 1.25 bytes a value, no copies.
     - ``cpu`` (a CPU's probed layouts, ``KernelPlan.layouts``) only: each float matrix's second layout,
       ``extra_bytes_per_element`` (0 on the ``plain`` path), and where ``q_a_proj`` and ``kv_a_proj_with_mqa`` run
       stacked, their stacked copy; where the compiled one-row kernels run, int8 matrices' float32 copy of their scales
@@ -382,11 +383,13 @@ def weight_footprint(config: ModelConfig, dtype: str | torch.dtype = "auto", ten
     inv = inventory(config, tp, num_mtp_layers)
     float_bytes, quantized, packed = _parameter_bytes(inv, formats)
     decode_kernel = row_kernels and model_dtype == torch.float32 and not (latent_cache_layout == "sharded" and tp > 1)
-    absorbed_element = 2 if scheme is not None and decode_kernel else model_dtype.itemsize
+    absorbed_element: float = 2 if scheme is not None and decode_kernel else model_dtype.itemsize
     w_uk = 0 if inv.single_head and absorbed_element == model_dtype.itemsize else inv.w_uk
+    if config.factor_runs and cpu is not None and tp == 1 and model_dtype == torch.float32:
+        absorbed_element, w_uk = 1.25, inv.w_uk  # int8 values and a float32 scale and offset a run of 32: no copies
     name = scheme or ("fp8 (checkpoint blocks)" if keeps else "gguf (file blocks)" if config.stored_bits else
                       dtype_name(model_dtype))
-    return WeightFootprint(model_dtype, name, float_bytes, quantized, (w_uk + inv.w_uv) * absorbed_element, packed,
+    return WeightFootprint(model_dtype, name, float_bytes, quantized, int((w_uk + inv.w_uv) * absorbed_element), packed,
                            inv.largest_read_unkept if keeps else inv.largest_read)
 
 

@@ -228,6 +228,7 @@ def config_dict(path: str | Path) -> dict[str, Any]:
         "hidden_act": "silu", "attention_bias": False, "num_nextn_predict_layers": 0,
     }
     raw["gguf_stored_bits"] = stored_bits(g)
+    raw["gguf_factor_runs"] = factor_runs(g, layers)
     if g.architecture == "minicpm3":
         return {**raw, **_minicpm3(g, raw)}
     raw.update(_moe(g, layers))
@@ -322,6 +323,24 @@ PRODUCT_PARAMS = {
 
 # the tensors outside the blocks that load as stored: the head, and an untied embedding (``layers.embedding``)
 TOP_STORED = {"output.weight": "lm_head", "token_embd.weight": "model.embed_tokens.weight"}
+
+
+RUN = 32  # values of a run: one scale and one offset (gguf_weight.run_scales, layers.factor_runs)
+RUN_BLOCKS = ("Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1")  # 32-value blocks: a float16 scale (and minimum) each
+RUN_SUPERS = ("Q4_K", "Q5_K")  # super-blocks of eight 32-value sub-blocks: d sc and -dmin m each
+
+
+def factor_runs(g: GgufModel, layers: int) -> bool:
+    """Whether every layer splits ``kv_b_proj`` into ``attn_k_b`` and ``attn_v_b`` in types of 32-value runs along
+    whole runs (``layers.factor_runs``: the compiled decode then reads the absorbed factors as runs); the planner
+    counts them so."""
+    for i in range(layers):
+        k_b, v_b = g.tensors.get(f"blk.{i}.attn_k_b.weight"), g.tensors.get(f"blk.{i}.attn_v_b.weight")
+        if k_b is None or v_b is None or not {k_b.type_name, v_b.type_name} <= set(RUN_BLOCKS + RUN_SUPERS):
+            return False
+        if k_b.shape[-1] % RUN or v_b.shape[-1] % RUN:
+            return False
+    return layers > 0
 
 
 def stored_bits(g: GgufModel) -> dict[str, float]:

@@ -438,13 +438,16 @@ def test_a_missing_or_foreign_file_is_refused(tmp_path):
         resolve_model(str(other))
 
 
-def test_the_planner_counts_the_stored_blocks(written):
-    """The planner's bytes of a GGUF model's products are the file's blocks: what the loaded model holds."""
+@pytest.mark.parametrize("case", ["v3_mixed_kquants", "v2_runs_kv_b"])
+def test_the_planner_counts_the_stored_blocks(written, case):
+    """The planner's bytes of a GGUF model's products are the file's blocks: what the loaded model holds (with the
+    absorbed factors as runs where the file's types allow them)."""
     from mla_runtime.footprint import weight_footprint
     from tests.test_plan import CPU, _resident_bytes
 
-    _, path, _ = written("v3_mixed_kquants")
+    _, path, _ = written(case)
     cfg = ModelConfig.from_pretrained(path)
+    assert cfg.factor_runs == (case == "v2_runs_kv_b")
     planned = weight_footprint(cfg, "float32", cpu=CPU())
     loaded = load_model(path, dtype="float32")
     assert planned.format == "gguf (file blocks)"

@@ -294,8 +294,8 @@ def test_planner_bytes_equal_what_the_cache_allocates(cache_dtype):
 
 # -- weights as loaded: the planner's bytes against what a loaded model holds --------------------------------
 def _resident_bytes(model: torch.nn.Module) -> int:
-    """Bytes a loaded model's tensors hold: every tensor its modules keep (parameters, buffers, absorbed copies,
-    packed layouts, quantised matrices and their scales), each storage once. Left out: RoPE buffers, the
+    """Bytes a loaded model's tensors hold: every tensor its modules keep (parameters, buffers, absorbed copies or
+    runs, packed layouts, quantised matrices and their scales), each storage once. Left out: RoPE buffers, the
     1-element stand-ins of released weights and the routers' settings for the compiled MoE call (``route``: a
     few integers, made with the layers' compiled tables when the weights are prepared): the planner does not count
     them. oneDNN's blocked copies are opaque
@@ -303,6 +303,7 @@ def _resident_bytes(model: torch.nn.Module) -> int:
     visible). A storage the runtime did not allocate (a mapped checkpoint file, whose matrices run as stored)
     counts the bytes its views cover: the pages nothing reads never become resident."""
     from mla_runtime.layers.cpu_gemm import PackedWeight
+    from mla_runtime.layers.factor_runs import FactorRuns
     from mla_runtime.layers.rotary import RotaryEmbedding
 
     found: dict[object, int] = {}
@@ -325,6 +326,8 @@ def _resident_bytes(model: torch.nn.Module) -> int:
         elif isinstance(value, dict):
             for v in value.values():
                 visit(v)
+        elif isinstance(value, FactorRuns):  # a GGUF file's absorbed factors as runs
+            visit(vars(value))
         elif isinstance(value, PackedWeight):
             for cls in type(value).__mro__:
                 for slot in getattr(cls, "__slots__", ()):

@@ -48,9 +48,10 @@ def absorbed_runs(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Te
 @dataclass
 class FactorRuns:
     """A layer's factors as runs: the run scales and offsets the loader read (``(A, B)`` of ``W_UK``, then of
-    ``W_UV^T``) and, once ``absorbed_factors`` found them exact, the two runs tensors the kernels read."""
+    ``W_UV^T``; released by ``absorbed_factors``) and, where it found them exact, the two runs tensors the kernels
+    read."""
 
-    scales: tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    scales: tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None  # released once used
     runs: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
@@ -60,9 +61,12 @@ def absorbed_factors(fr: FactorRuns | None, w_uk: torch.Tensor, w_uv: torch.Tens
     contiguous copies; or, where ``fr``'s runs give back every value (``fr.runs`` is then set), the views themselves
     (the kernels read the runs, and the torch paths multiply views as well)."""
     if fr is not None:
-        (a_uk, b_uk), (a_uv, b_uv) = fr.scales
-        uk, uv = absorbed_runs(w_uk, a_uk, b_uk), absorbed_runs(w_uv.transpose(1, 2), a_uv, b_uv)
-        fr.runs = (uk, uv) if uk is not None and uv is not None else None
-        if fr.runs is not None:
-            return w_uk, w_uv.transpose(1, 2)
+        fr.runs = None
+        if fr.scales is not None:  # (a second call, the scales released: the weights may have changed, no runs)
+            (a_uk, b_uk), (a_uv, b_uv) = fr.scales
+            uk, uv = absorbed_runs(w_uk, a_uk, b_uk), absorbed_runs(w_uv.transpose(1, 2), a_uv, b_uv)
+            fr.scales = None  # the runs hold them
+            if uk is not None and uv is not None:
+                fr.runs = (uk, uv)
+                return w_uk, w_uv.transpose(1, 2)
     return w_uk.contiguous(), w_uv.transpose(1, 2).contiguous()

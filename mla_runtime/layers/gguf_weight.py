@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from mla_kernels import cpu_kernels
 from mla_kernels.cpu_check import GGML_TYPES
+from mla_runtime.gguf_meta import RUN, RUN_BLOCKS, RUN_SUPERS
 from mla_runtime.kernel_plan import KernelPlan
 from mla_runtime.layers.int4 import Int4Weight
 from mla_runtime.layers.qweight import WIDEN_CHUNK_ELEMENTS, QuantizedWeight, default_plan
@@ -99,9 +100,6 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
 
 
 TORCH_BLOCKS = {"Q8_0": (34, _q8_0), "Q4_K": (144, _q4_k), "Q6_K": (210, _q6_k)}  # bytes a block, its dequantiser
-RUN = 32  # values of a run: one scale and one offset (run_scales, layers.factor_runs)
-_RUN_BLOCKS = ("Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1")  # 32-value blocks: a float16 scale (and minimum) each
-_RUN_SUPERS = ("Q4_K", "Q5_K")  # super-blocks of eight 32-value sub-blocks: d sc and -dmin m each
 
 
 def run_scales(type_name: str, data: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -110,12 +108,12 @@ def run_scales(type_name: str, data: torch.Tensor, k: int) -> tuple[torch.Tensor
     Q5_0: ``d``, 0; Q4_1, Q5_1: ``d``, ``m``; Q4_K, Q5_K: ``d sc``, ``-dmin m``). None for the other types (16-value
     sub-blocks, floats)."""
     rows = data.shape[0]
-    if type_name in _RUN_BLOCKS:
+    if type_name in RUN_BLOCKS:
         blocks = data.reshape(rows, k // RUN, block_shape(type_name)[1])
         a = _half(blocks[..., 0:2]).reshape(rows, k // RUN)
         b = _half(blocks[..., 2:4]).reshape(rows, k // RUN) if type_name in ("Q4_1", "Q5_1") else torch.zeros_like(a)
         return a, b
-    if type_name in _RUN_SUPERS:
+    if type_name in RUN_SUPERS:
         blocks = data.reshape(rows * (k // 256), block_shape(type_name)[1])
         sc, mn = _k_scales(blocks[:, 4:16])
         a, b = _half(blocks[:, 0:2]) * sc, -(_half(blocks[:, 2:4]) * mn)
