@@ -178,16 +178,64 @@ static void gg_round_group(const float *x, int64_t k, int64_t g0, int n, int8_t 
     }
 }
 
-/* One row x [k] -> its prepared form at out (the file's comment): groups of 32, then of 256. */
+/* gg_round_group for a whole group inside the row (x: its n values, n a multiple of 16) with AVX2: the same
+ * values (the largest magnitude is exact in any order, and each value is the same product rounded the same way). */
+__attribute__((target("avx2,fma"))) static void gg_round_group_avx2(const float *x, int n, int8_t *a, float *scale,
+                                                                    int16_t *h) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), zero = _mm256_setzero_ps();
+    __m256 top = zero, odd = zero;
+    for (int i = 0; i < n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        top = _mm256_max_ps(_mm256_and_ps(v, magnitude), top);  /* a NaN lane keeps top, as the loop above */
+        odd = _mm256_or_ps(odd, _mm256_cmp_ps(_mm256_sub_ps(v, v), zero, _CMP_NEQ_UQ));  /* infinite or NaN */
+    }
+    float lanes[8], amax = 0.0f;
+    _mm256_storeu_ps(lanes, top);
+    for (int i = 0; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
+    const int finite = _mm256_movemask_ps(odd) == 0;
+    *scale = !finite ? NAN : amax / 127.0f;
+    if (!finite || amax == 0.0f) {
+        memset(a, 0, (size_t)n);
+        memset(h, 0, (size_t)n / 16 * sizeof(int16_t));
+        return;
+    }
+    const __m256 inv = _mm256_set1_ps(127.0f / amax), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+    for (int i = 0; i < n; i += 16) {
+        __m256i q[2];
+        for (int u = 0; u < 2; u++) {
+            const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * u), inv),
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            q[u] = _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+        }
+        const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), _MM_SHUFFLE(3, 1, 2, 0));
+        _mm_storeu_si128((__m128i *)(a + i), _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+        const __m256i s = _mm256_madd_epi16(w, _mm256_set1_epi16(1));  /* eight pair sums of the sixteen */
+        const __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        const __m128i u = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(1, 0, 3, 2)));
+        h[i / 16] = (int16_t)_mm_cvtsi128_si32(_mm_add_epi32(u, _mm_shuffle_epi32(u, _MM_SHUFFLE(2, 3, 0, 1))));
+    }
+}
+
+/* One row x [k] -> its prepared form at out (the file's comment): groups of 32, then of 256; whole groups inside
+ * the row with AVX2 where the CPU has it (wherever these kernels run), the others by gg_round_group. */
 static void gg_prepare_row(const float *x, int64_t k, uint8_t *out) {
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     const int64_t kp = gg_padded(k);
     uint8_t *k_form = out + GG_K_FORM(kp);
-    for (int64_t g = 0; g < kp; g += GG_GROUP)
-        gg_round_group(x, k, g, GG_GROUP, (int8_t *)out + g, (float *)(out + kp) + g / GG_GROUP,
-                       (int16_t *)(out + kp + kp / 8) + g / 16);
-    for (int64_t g = 0; g < kp; g += 256)
-        gg_round_group(x, k, g, 256, (int8_t *)k_form + g, (float *)(k_form + kp) + g / 256,
-                       (int16_t *)(k_form + kp + kp / 64) + g / 16);
+    for (int64_t g = 0; g < kp; g += GG_GROUP) {
+        int8_t *a = (int8_t *)out + g;
+        float *scale = (float *)(out + kp) + g / GG_GROUP;
+        int16_t *h = (int16_t *)(out + kp + kp / 8) + g / 16;
+        if (avx2 && g + GG_GROUP <= k) gg_round_group_avx2(x + g, GG_GROUP, a, scale, h);
+        else gg_round_group(x, k, g, GG_GROUP, a, scale, h);
+    }
+    for (int64_t g = 0; g < kp; g += 256) {
+        int8_t *a = (int8_t *)k_form + g;
+        float *scale = (float *)(k_form + kp) + g / 256;
+        int16_t *h = (int16_t *)(k_form + kp + kp / 64) + g / 16;
+        if (avx2 && g + 256 <= k) gg_round_group_avx2(x + g, 256, a, scale, h);
+        else gg_round_group(x, k, g, 256, a, scale, h);
+    }
 }
 
 void mla_gg_prepare(const float *x, int64_t k, uint8_t *out) { gg_prepare_row(x, k, out); }
