@@ -14,7 +14,10 @@ count: it loads the config at 26 or 27 layers only.)
 For each mla-runtime mode a fresh process loads the model and reports its peak resident memory (sampled every few
 milliseconds, and the kernel's own high-water mark ``VmHWM``), the load's seconds (importing torch and the runtime
 included), decode tokens/s at batch 1, 4 and 8 (the median step after the prompt) and prefill tokens/s of one
-prompt of 128 and of 512 tokens (batch 1, to the first token's logits; the median of the rounds). Batches of 4 and
+prompt of 128 and of 512 tokens (batch 1, to the first token's logits; the median of the rounds). Before the timed
+rounds each process runs one untimed prompt of 512 tokens, as ``llama-bench`` runs a warm-up: it also touches the
+pages of nearly every routed expert, which a GGUF file mapped here faults in on first use where llama.cpp's load
+maps them all. Batches of 4 and
 8 are timed twice (``WORKLOADS``): every sequence the same, which is what ``llama-batched-bench`` times and so what
 the peers' columns hold, and a different prompt per sequence (mla-runtime only), which is what a server sees and
 which reads several times the routed experts. The process guards its
@@ -22,8 +25,8 @@ own memory: past ``--rss-limit`` it stops itself with a message instead of letti
 llama.cpp (``bash bench/setup_peers.sh llama.cpp``) runs its own converter (q8_0) and ``llama-quantize`` (q4_0 from
 the q8_0 file, ``--allow-requantize``: the timing does not depend on the values), then ``llama-bench`` (batch 1;
 its prefill with ``-p``, flash attention on) and ``llama-batched-bench`` (batch 8); its load time is the wall time
-of a process that loads the file and generates one token (llama.cpp maps the file and reads the weights as the
-first token touches them; it repacks q4_0 for its AVX2 kernels). Every peer process runs in ``--work`` (where it
+of a process that loads the file and generates one token (llama.cpp maps the file with ``MAP_POPULATE``, so its load
+maps every page of it; it repacks q4_0 for its AVX2 kernels). Every peer process runs in ``--work`` (where it
 writes its ``llama.log``), started by a small launcher process (``Launcher``) that reads back its peak resident
 memory (``os.wait4``'s ``ru_maxrss``); a peer's "peak RSS" is the largest over its runs of a format, and counts the
 pages of the GGUF file it maps and touched. The two systems run one after the other (their
@@ -152,6 +155,10 @@ def worker(path: str, quantization: str, rounds: int, threads: int, limit: int, 
     vocab = json.loads((Path(path) / "config.json" if Path(path).is_dir() else PRESET).read_text())["vocab_size"]
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, min(vocab, 30000), (PROMPT_LEN,), generator=g).tolist() for _ in range(max(BATCHES))]
+    warm_up = torch.randint(100, min(vocab, 30000), (max(PREFILL_LENS),), generator=torch.Generator().manual_seed(1))
+    engine.add_request("warm-up", {"prompt_token_ids": warm_up.tolist()}, SamplingParams(max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished_requests():  # untimed (the module docstring)
+        engine.step()
     runs = [(b, w) for b in BATCHES for w in (WORKLOADS if b > 1 else WORKLOADS[:1])]
     tok_s: dict[str, list[float]] = {decode_key(b, w): [] for b, w in runs}
     prefill: dict[int, list[float]] = {k: [] for k in PREFILL_LENS}

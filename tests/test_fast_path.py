@@ -2005,7 +2005,7 @@ def test_every_cpu_operator_has_a_shape_function():
     # no tensors, or the custom-class tables (raw addresses, which tracing cannot stand in for): eager only, as the
     # decode step that calls them
     untraced = {"cpu_variants", "product_variants", "limits", "set_max_isa", "max_isa", "mlp_table", "layer_table",
-                "decode_step", "gated_mlps", "moe_row", "decoder_layer", "decoder_layer_hidden",
+                "decode_step", "gated_mlps", "ggml_mlps", "moe_row", "decoder_layer", "decoder_layer_hidden",
                 "delta_rule_variants"}
     for name in names - untraced:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"mla_kernels::{name}", "Meta"), name

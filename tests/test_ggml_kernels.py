@@ -191,3 +191,45 @@ def test_a_gguf_weight_takes_the_kernels_for_their_parts_and_widens_the_others()
     want = x @ torch.cat([q4_wide, f16.float(), q6_wide]).T + 1
     torch.testing.assert_close(weight.matmul(x, torch.ones(24)), want)
     assert kernel_plan("plain").ggml_failure == "cpu_gemm=plain forces the fallback"
+
+
+def test_the_mlps_of_a_steps_rows_in_one_region_equal_each_mlp_alone():
+    """``ggml_mlps``, the whole-layer kernel's MoE over a step's rows (every MLP's products in one parallel region):
+    each MLP's output for each of its rows equals, bit for bit, that row through that MLP alone (``gated_mlps`` with
+    weight 1). MLPs of mixed types (gate and up apart) and intermediate sizes, rows in any order, a shared MLP over
+    every row, enough rows for the interleaved kernels, and 1 to 3 threads."""
+    _kernel_or_skip()
+    from mla_kernels.cpu_tables import GatedMLPTable
+
+    d, keep = 256, []
+
+    def matrix(types: list[str], n: int, k: int, seed: int) -> torch.Tensor:
+        parts = [_operands(t, n // len(types), k, seed + i)[0] for i, t in enumerate(types)]
+        keep.extend(parts)
+        return cpu_kernels.ggml_parts(parts, [_type_number(t) for t in types], k)
+
+    mlps = [(matrix(["Q4_K", "Q6_K"], 2 * 96, d, 1), matrix(["Q8_0"], d, 96, 2)),
+            (matrix(["Q5_0"], 2 * 256, d, 3), matrix(["Q4_K"], d, 256, 4)),
+            (matrix(["Q8_0", "Q5_K"], 2 * 128, d, 5), matrix(["Q5_0"], d, 128, 6))]
+    table = GatedMLPTable(mlps)
+    x = torch.randn(20, d, generator=torch.Generator().manual_seed(0))
+    ids, rows = [2, 0, 1, 2], [[3], [7, 1, 4], list(range(19, 5, -1)), list(range(20))]
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(table.ggml_rows(x, ids, rows))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    alone = torch.stack([table(x[r], [i], [1.0]) for i, group in zip(ids, rows) for r in group])
+    assert outs[0].shape == (sum(map(len, rows)), d) and bool((outs[0] != 0).any())
+    assert torch.equal(outs[0], alone)
+    with pytest.raises(ValueError, match="ggml_mlps: row 20 of 20"):
+        table.ggml_rows(x, [0], [[20]])
+    with pytest.raises(ValueError, match="ggml_mlps: MLP 3 of 3"):
+        table.ggml_rows(x, [3], [[0]])
+    floats = GatedMLPTable([(torch.randn(2 * 32, d), torch.randn(d, 32))])
+    with pytest.raises(ValueError, match="ggml_mlps: MLP 0's weights are float32, not ggml block types"):
+        floats.ggml_rows(x, [0], [[0]])

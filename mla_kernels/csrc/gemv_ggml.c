@@ -253,37 +253,72 @@ static GgCall gg_part_call(const int64_t *parts, int64_t p, int64_t first, const
     return c;
 }
 
+/* A list of products run in one loop: call c's weight rows [0, rows[c]) in blocks of block[c] rows (as
+ * mla_gemm_gg_parts cuts them), numbered [starts[c], starts[c + 1]) in list order. */
+typedef struct {
+    GgCall *calls;
+    int64_t *block, *rows, *starts, count;
+} GgList;
+
+static GgList gg_list(int64_t capacity) {
+    GgList l = {(GgCall *)malloc((size_t)capacity * sizeof(GgCall)),
+                (int64_t *)malloc((size_t)capacity * 2 * sizeof(int64_t)), NULL,
+                (int64_t *)calloc((size_t)capacity + 1, sizeof(int64_t)), 0};
+    if (!l.calls || !l.block || !l.starts) abort();
+    l.rows = l.block + capacity;
+    return l;
+}
+
+static void gg_list_free(GgList *l) {
+    free(l->calls);
+    free(l->block);
+    free(l->starts);
+}
+
+/* Append the parts of W (a parts table) times the m prepared rows at xp (stride xs), into y [m, n]. */
+static void gg_list_add(GgList *l, const int64_t *parts, const uint8_t *xp, int64_t xs, float *y, int64_t m,
+                        int64_t threads) {
+    for (int64_t p = 0, first = 0; p < parts[0]; p++) {
+        const int64_t *f = parts + GG_HEAD + p * GG_PART_FIELDS, c = l->count++;
+        const int64_t fit = GG_BLOCK_BYTES / mla_ggml_row_bytes(f[0], parts[2]), balanced = f[3] / (4 * threads);
+        const int64_t block = fit < balanced ? fit : balanced;
+        l->block[c] = block < 1 ? 1 : block;
+        l->rows[c] = f[3];
+        l->calls[c] = gg_part_call(parts, p, first, xp, xs, y, m);
+        l->starts[c + 1] = l->starts[c] + (f[3] + l->block[c] - 1) / l->block[c];
+        first += f[3];
+    }
+}
+
+/* Inside a parallel region: every block of the list, dealt over the team in list order (each thread a stretch of
+ * consecutive blocks); the loop's barrier ends it. */
+static void gg_list_run(const GgList *l, GgRun run) {
+    #pragma omp for schedule(static)
+    for (int64_t b = 0; b < l->starts[l->count]; b++) {
+        int64_t c = 0;
+        while (b >= l->starts[c + 1]) c++;
+        const int64_t r0 = (b - l->starts[c]) * l->block[c], r1 = r0 + l->block[c];
+        run(&l->calls[c], r0, r1 < l->rows[c] ? r1 : l->rows[c]);
+    }
+}
+
 /* Y [rows, n] = X [rows, k] W^T in float32 for W a parts table (mla_cpu.h): the rows prepared once, then each part's
  * weight rows in blocks (about GG_BLOCK_BYTES, at least about four a thread), every block over every input row. */
 void mla_gemm_gg_parts(const int64_t *parts, const float *x, float *y, int64_t rows, int64_t threads,
                        int64_t variant) {
-    const int64_t np = parts[0], k = parts[2], xs = mla_gg_prepared_bytes(k);
+    const int64_t k = parts[2], xs = mla_gg_prepared_bytes(k);
     uint8_t *xp = (uint8_t *)alloc_lines((size_t)(rows * xs));
-    if (!xp || np > GG_MAX_PARTS) abort();  /* ops/cpu_kernels.cpp bounds the rows and the parts */
-    GgCall calls[GG_MAX_PARTS];
-    int64_t block[GG_MAX_PARTS], starts[GG_MAX_PARTS + 1] = {0};
-    for (int64_t p = 0, first = 0; p < np; p++) {
-        const int64_t *f = parts + GG_HEAD + p * GG_PART_FIELDS, balanced = f[3] / (4 * threads);
-        calls[p] = gg_part_call(parts, p, first, xp, xs, y, rows);
-        block[p] = GG_BLOCK_BYTES / mla_ggml_row_bytes(f[0], k);
-        block[p] = block[p] < balanced ? block[p] : balanced;
-        block[p] = block[p] < 1 ? 1 : block[p];
-        starts[p + 1] = starts[p] + (f[3] + block[p] - 1) / block[p];
-        first += f[3];
-    }
+    if (!xp || parts[0] > GG_MAX_PARTS) abort();  /* ops/cpu_kernels.cpp bounds the rows and the parts */
+    GgList list = gg_list(parts[0]);
+    gg_list_add(&list, parts, xp, xs, y, rows, threads);
     const GgRun run = gg_run(variant);
     #pragma omp parallel num_threads((int)threads)
     {
         #pragma omp for schedule(static)
         for (int64_t j = 0; j < rows; j++) gg_prepare_row(x + j * k, k, xp + j * xs);
-        #pragma omp for schedule(static)
-        for (int64_t b = 0; b < starts[np]; b++) {
-            int64_t p = 0;
-            while (b >= starts[p + 1]) p++;
-            const int64_t r0 = (b - starts[p]) * block[p], end = parts[GG_HEAD + p * GG_PART_FIELDS + 3];
-            run(&calls[p], r0, r0 + block[p] < end ? r0 + block[p] : end);
-        }
+        gg_list_run(&list, run);
     }
+    gg_list_free(&list);
     free(xp);
 }
 
@@ -315,4 +350,66 @@ void mla_gg_share(int64_t variant, const int64_t *parts, const uint8_t *xp, floa
             for (int64_t i = 0; i < len; i++) y[c0 + i] = alpha * out[i] + (add ? y[c0 + i] : 0.0f);
         }
     }
+}
+
+
+/* Gated MLPs over rows of h [t, d], every product in ggml block types of one variant, in one parallel region: MLP i
+ * (the row ids[i] of table, MLP_FIELDS) over the counts[i] rows rows[i][..] of h, its outputs [counts[i], d] at
+ * out + offset_i d, offset_i the counts before it (out [sum counts, d]). Each output is gated_rows' (mla_layer_f32.c):
+ * down(silu(gate h) * up h), the same bits, as every product's row is computed alone. The h rows are prepared once;
+ * all gate_up products are one loop of blocks, then the activations (each prepared for the down products), then all
+ * down products: three barriers where a product each would take two, and each thread streams one stretch of
+ * weights per loop. */
+void mla_gg_mlps(int64_t variant, const int64_t *table, const int64_t *ids, const int64_t *const *rows,
+                 const int64_t *counts, int64_t n, const float *h, int64_t t, int64_t d, float *out,
+                 int64_t threads) {
+    int64_t inter = 1, pairs[n + 1], parts = 0;
+    pairs[0] = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t *mlp = table + ids[i] * MLP_FIELDS;
+        inter = mlp[6] > inter ? mlp[6] : inter;
+        pairs[i + 1] = pairs[i] + counts[i];
+        parts += ((const int64_t *)mlp[0])[0] + ((const int64_t *)mlp[3])[0];
+    }
+    const int64_t total = pairs[n], xs_d = mla_gg_prepared_bytes(d), xs_i = mla_gg_prepared_bytes(inter);
+    uint8_t *xh = (uint8_t *)alloc_lines((size_t)((t + total) * xs_d + total * xs_i));
+    float *gate_up = (float *)alloc_lines((size_t)(total * 3 * inter) * sizeof(float));
+    if (!xh || !gate_up) abort();
+    uint8_t *xin = xh + t * xs_d, *xa = xin + total * xs_d;  /* each pair's gathered h row; its activation row */
+    GgList up = gg_list(parts), down = gg_list(parts);
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t *mlp = table + ids[i] * MLP_FIELDS;
+        gg_list_add(&up, (const int64_t *)mlp[0], xin + pairs[i] * xs_d, xs_d, gate_up + pairs[i] * 2 * inter,
+                    counts[i], threads);
+        gg_list_add(&down, (const int64_t *)mlp[3], xa + pairs[i] * xs_i, xs_i, out + pairs[i] * d, counts[i],
+                    threads);
+    }
+    const GgRun run = gg_run(variant);
+    #pragma omp parallel num_threads((int)threads)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t j = 0; j < t; j++) gg_prepare_row(h + j * d, d, xh + j * xs_d);
+        #pragma omp for schedule(static)
+        for (int64_t p = 0; p < total; p++) {
+            int64_t i = 0;
+            while (p >= pairs[i + 1]) i++;
+            memcpy(xin + p * xs_d, xh + rows[i][p - pairs[i]] * xs_d, (size_t)xs_d);
+        }
+        gg_list_run(&up, run);
+        #pragma omp for schedule(static)
+        for (int64_t p = 0; p < total; p++) {
+            int64_t i = 0;
+            while (p >= pairs[i + 1]) i++;
+            const int64_t I = table[ids[i] * MLP_FIELDS + 6], j = p - pairs[i];
+            const float *g = gate_up + pairs[i] * 2 * inter + j * 2 * I;
+            float *act = gate_up + total * 2 * inter + p * inter;
+            for (int64_t r = 0; r < I; r++) act[r] = g[r] / (1.0f + expf(-g[r])) * g[I + r];
+            gg_prepare_row(act, I, xa + p * xs_i);
+        }
+        gg_list_run(&down, run);
+    }
+    gg_list_free(&up);
+    gg_list_free(&down);
+    free(xh);
+    free(gate_up);
 }

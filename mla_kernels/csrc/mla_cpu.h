@@ -132,6 +132,8 @@ void mla_gemm_gg_parts(const int64_t *parts, const float *x, float *y, int64_t r
                        int64_t variant);
 void mla_gg_prepare(const float *x, int64_t k, uint8_t *out);
 void mla_gg_share(int64_t variant, const int64_t *parts, const uint8_t *xp, float *y, float alpha, int add);
+void mla_gg_mlps(int64_t variant, const int64_t *table, const int64_t *ids, const int64_t *const *rows,
+                 const int64_t *counts, int64_t n, const float *h, int64_t t, int64_t d, float *out, int64_t threads);
 int64_t mla_ggml_row_bytes(int64_t type, int64_t k);
 int64_t mla_ggml_variants(void);
 int64_t mla_gg_prepared_bytes(int64_t k);

@@ -20,6 +20,7 @@
  * layer instead of about fifteen (each some microseconds of dispatch: bench/RESULTS.md). */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "mla_cpu.h"
@@ -81,6 +82,62 @@ static void gated_rows(const int64_t *L, const int64_t *mlp, const float *xs, in
     product(mlp, 3, act, h, n, d, inter, threads);
 }
 
+/* The variant of the ggml-type kernels that both products of each of the n MLPs (table rows ids) read, or -1 where
+ * one reads another kind or variant. */
+static int64_t gg_variant(const int64_t *table, const int64_t *ids, int64_t n) {
+    int64_t variant = -1;
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t f = 2; f <= 5; f += 3) {
+            const int64_t kind = table[ids[i] * MLP_FIELDS + f];
+            if (!W_IS_GG(kind) || (variant >= 0 && kind - W_GG != variant)) return -1;
+            variant = kind - W_GG;
+        }
+    return variant;
+}
+
+#define MAX_MLPS (MAX_ROWS * MAX_TOPK + 1)  /* the MLPs one call's rows can reach: routed, then one shared */
+
+/* The MLPs a layer call runs: MLP i (table row ids[i]) over the counts[i] rows rows[i] of h, their outputs times
+ * weights[i] added to theirs (in list order), the last the shared experts' when shared. */
+typedef struct {
+    int64_t n, shared, ids[MAX_MLPS], counts[MAX_MLPS], rows[MAX_MLPS][MAX_ROWS];
+    float weights[MAX_MLPS][MAX_ROWS];
+} MlpList;
+
+/* y [t, d] = the list's MLPs over h, each output times its weight added in list order (y zeroed first; the shared
+ * experts' added unweighted). Every product in ggml types: all in one region (mla_gg_mlps); else MLP by MLP. */
+static void run_mlps(const int64_t *L, const int64_t *table, const MlpList *m, const float *h, int64_t t, float *y,
+                     float *scratch, int64_t threads) {
+    const int64_t d = L[L_D], inter = L[L_MAX_INTER], variant = gg_variant(table, m->ids, m->n);
+    float *xs = scratch, *gate_up = xs + t * d, *act = gate_up + 2 * t * inter, *out = act + t * inter;
+    const int64_t *rows[MAX_MLPS];
+    int64_t first = 0, total = 0;
+    for (int64_t i = 0; i < m->n; i++) {
+        rows[i] = m->rows[i];
+        total += m->counts[i];
+    }
+    float *outs = variant >= 0 ? (float *)malloc((size_t)(total * d) * sizeof(float)) : NULL;
+    if (variant >= 0 && !outs) abort();
+    if (variant >= 0) mla_gg_mlps(variant, table, m->ids, rows, m->counts, m->n, h, t, d, outs, threads);
+    for (int64_t i = 0; i < t * d; i++) y[i] = 0.0f;
+    for (int64_t i = 0; i < m->n; first += m->counts[i], i++) {
+        const int64_t n = m->counts[i];
+        if (outs) {
+            out = outs + first * d;
+        } else {
+            for (int64_t j = 0; j < n; j++) memcpy(xs + j * d, h + m->rows[i][j] * d, d * sizeof(float));
+            gated_rows(L, table + m->ids[i] * MLP_FIELDS, xs, n, gate_up, act, out, threads);
+        }
+        if (m->shared && i == m->n - 1) {
+            for (int64_t r = 0; r < t * d; r++) y[r] += out[r];
+        } else {
+            for (int64_t j = 0; j < n; j++)
+                for (int64_t r = 0; r < d; r++) y[m->rows[i][j] * d + r] += out[j * d + r] * m->weights[i][j];
+        }
+    }
+    free(outs);
+}
+
 /* The MLP of t rows h [t, d] -> y [t, d]: the dense MLP (table row 0), or the MoE layer: each row routed (its
  * logits by the one-row product, whatever t), then expert by expert (ascending) the rows that chose it, gathered,
  * through the expert once, their outputs times the routing weights added to theirs; then the shared experts over
@@ -90,41 +147,41 @@ static void gated_rows(const int64_t *L, const int64_t *mlp, const float *xs, in
 static void mlp_rows(const int64_t *L, const float *h, int64_t t, float *y, float *scratch, int64_t threads) {
     const int64_t d = L[L_D], *table = PTR(const int64_t *, L, L_MLP_TABLE);
     const int64_t *cfg = PTR(const int64_t *, L, L_ROUTE);
-    const int64_t experts = cfg ? cfg[6] : 0, inter = L[L_MAX_INTER];
-    float *logits = scratch, *route_scratch = logits + t * experts, *xs = route_scratch + 4 * experts + (cfg ? cfg[2] : 0);
-    float *gate_up = xs + t * d, *act = gate_up + 2 * t * inter, *out = act + t * inter;
-    if (!cfg) {
-        gated_rows(L, table, h, t, gate_up, act, y, threads);
-        return;
-    }
-    const float *f = PTR(const float *, L, L_FLOATS);
-    int64_t ids[MAX_ROWS][MAX_TOPK], k[MAX_ROWS];
-    float w[MAX_ROWS][MAX_TOPK];
-    for (int64_t j = 0; j < t; j++)
-        mla_gemv_f32(PTR(const float *, L, L_ROUTER), h + j * d, logits + j * experts, experts, d, threads);
-    for (int64_t j = 0; j < t; j++)
-        k[j] = mla_route_row(logits + j * experts, cfg, PTR(const float *, L, L_ROUTE_BIAS), f[5], ids[j], w[j],
-                             route_scratch);
-    for (int64_t i = 0; i < t * d; i++) y[i] = 0.0f;
-    for (int64_t e = L[L_FIRST]; e < L[L_FIRST] + L[L_COUNT]; e++) {
-        int64_t rows[MAX_ROWS], n = 0;
-        float weight[MAX_ROWS];
+    const int64_t experts = cfg ? cfg[6] : 0;
+    float *logits = scratch, *route_scratch = logits + t * experts, *rest = route_scratch + 4 * experts + (cfg ? cfg[2] : 0);
+    static __thread MlpList m;  /* 100 KB: off the stack */
+    m.n = 0;
+    m.shared = !cfg || L[L_SHARED] >= 0;
+    if (cfg) {
+        const float *f = PTR(const float *, L, L_FLOATS);
+        int64_t ids[MAX_ROWS][MAX_TOPK], k[MAX_ROWS];
+        float w[MAX_ROWS][MAX_TOPK];
         for (int64_t j = 0; j < t; j++)
-            for (int64_t i = 0; i < k[j]; i++)
-                if (ids[j][i] == e) {
-                    rows[n] = j;
-                    weight[n++] = w[j][i];
-                }
-        if (!n) continue;
-        for (int64_t j = 0; j < n; j++) memcpy(xs + j * d, h + rows[j] * d, d * sizeof(float));
-        gated_rows(L, table + (e - L[L_FIRST]) * MLP_FIELDS, xs, n, gate_up, act, out, threads);
-        for (int64_t j = 0; j < n; j++)
-            for (int64_t i = 0; i < d; i++) y[rows[j] * d + i] += out[j * d + i] * weight[j];
+            mla_gemv_f32(PTR(const float *, L, L_ROUTER), h + j * d, logits + j * experts, experts, d, threads);
+        for (int64_t j = 0; j < t; j++)
+            k[j] = mla_route_row(logits + j * experts, cfg, PTR(const float *, L, L_ROUTE_BIAS), f[5], ids[j], w[j],
+                                 route_scratch);
+        for (int64_t e = L[L_FIRST]; e < L[L_FIRST] + L[L_COUNT]; e++) {
+            int64_t n = 0;
+            for (int64_t j = 0; j < t; j++)
+                for (int64_t i = 0; i < k[j]; i++)
+                    if (ids[j][i] == e) {
+                        m.rows[m.n][n] = j;
+                        m.weights[m.n][n++] = w[j][i];
+                    }
+            if (n) {
+                m.ids[m.n] = e - L[L_FIRST];
+                m.counts[m.n++] = n;
+            }
+        }
     }
-    if (L[L_SHARED] >= 0) {
-        gated_rows(L, table + L[L_SHARED] * MLP_FIELDS, h, t, gate_up, act, out, threads);
-        for (int64_t i = 0; i < t * d; i++) y[i] += out[i];
+    if (m.shared) {  /* the dense MLP, or the shared experts: every row */
+        m.ids[m.n] = cfg ? L[L_SHARED] : 0;
+        m.counts[m.n] = t;
+        for (int64_t j = 0; j < t; j++) m.rows[m.n][j] = j;
+        m.n++;
     }
+    run_mlps(L, table, &m, h, t, y, rest, threads);
 }
 
 /* Scratch floats one call needs, laid out as in mla_decoder_layer. */
