@@ -686,3 +686,27 @@ def _rss_file() -> int:
     """The process's resident file-backed bytes (``RssFile``)."""
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssFile:"))
+
+
+@pytest.mark.skipif(cpu_kernels.failure("ggml") is not None, reason="the compiled GGUF kernels do not run here")
+def test_a_prompts_experts_run_as_compiled_calls_over_all_their_pairs(written, monkeypatch):
+    """Routed experts all in ggml block types (here Q8_0): a prompt's MoE runs as compiled calls over many (token,
+    expert) pairs at once (``Experts._in_one_call``, about ``PAIRS_PER_CALL`` each), and a batch's tokens are each
+    prompt's alone (the greedy test above: transformers'). Experts partly in the int4 format (a Q4_0 down) run
+    expert by expert."""
+    from mla_runtime.layers.moe import PAIRS_PER_CALL, Experts
+
+    calls: list[int] = []
+    real = cpu_tables.GatedMLPTable.ggml_rows
+    monkeypatch.setattr(cpu_tables.GatedMLPTable, "ggml_rows",
+                        lambda self, x, ids, rows: calls.append(sum(map(len, rows))) or real(self, x, ids, rows))
+    llm = LLM(str(written("v2_q8_0_split_kv_b")[1]), dtype="float32", kv_cache_memory="8MiB")
+    prompts = [list(range(3, 100)), [5, 9, 2, 7, 11, 3], list(range(40, 77))]
+    batched = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)]
+    assert batched == [llm.generate([{"prompt_token_ids": p}], PARAMS)[0].outputs[0].token_ids for p in prompts]
+    assert calls and max(calls) >= PAIRS_PER_CALL and max(calls) < 2 * PAIRS_PER_CALL
+    def tables(case: str) -> list[cpu_tables.GatedMLPTable | None]:
+        return [m.ggml_table() for m in load_model(written(case)[1], dtype="float32").modules()
+                if isinstance(m, Experts)]
+    assert all(t is not None for t in tables("v2_q8_0_split_kv_b"))
+    assert tables("v3_mixed_kquants") and all(t is None for t in tables("v3_mixed_kquants"))

@@ -290,15 +290,25 @@ static void gg_list_add(GgList *l, const int64_t *parts, const uint8_t *xp, int6
     }
 }
 
-/* Inside a parallel region: every block of the list, dealt over the team in list order (each thread a stretch of
- * consecutive blocks); the loop's barrier ends it. */
+static inline void gg_list_block(const GgList *l, int64_t b, GgRun run) {
+    int64_t c = 0;
+    while (b >= l->starts[c + 1]) c++;
+    const int64_t r0 = (b - l->starts[c]) * l->block[c], r1 = r0 + l->block[c];
+    run(&l->calls[c], r0, r1 < l->rows[c] ? r1 : l->rows[c]);
+}
+
+/* Inside a parallel region: every block of the list; the loop's barrier ends it. Where every call has the same rows
+ * the blocks cost alike and are dealt in list order (each thread a stretch of consecutive blocks: one stream of
+ * weights); else a thread takes the next block when it is done with one. */
 static void gg_list_run(const GgList *l, GgRun run) {
-    #pragma omp for schedule(static)
-    for (int64_t b = 0; b < l->starts[l->count]; b++) {
-        int64_t c = 0;
-        while (b >= l->starts[c + 1]) c++;
-        const int64_t r0 = (b - l->starts[c]) * l->block[c], r1 = r0 + l->block[c];
-        run(&l->calls[c], r0, r1 < l->rows[c] ? r1 : l->rows[c]);
+    int even = 1;
+    for (int64_t c = 1; c < l->count; c++) even &= l->calls[c].m == l->calls[0].m;
+    if (even) {
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < l->starts[l->count]; b++) gg_list_block(l, b, run);
+    } else {
+        #pragma omp for schedule(dynamic)
+        for (int64_t b = 0; b < l->starts[l->count]; b++) gg_list_block(l, b, run);
     }
 }
 

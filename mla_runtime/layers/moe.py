@@ -46,6 +46,9 @@ from mla_runtime.layers.mlp import GatedMLP, row_table
 from mla_runtime.layers.norm import RMSNorm
 from mla_runtime.parallel import SINGLE_RANK, ParallelContext
 
+# (token, expert) pairs a compiled call over experts in ggml block types takes (Experts._in_one_call): its scratch
+# (each pair's gate_up, activations and output rows) stays within a few MB
+PAIRS_PER_CALL = 256
 HOST_GROUPING_MAX_PAIRS = 1024  # up to this many (token, expert) pairs, group them in Python instead of sorting
 
 
@@ -176,6 +179,8 @@ class Experts(nn.Module):
         self.down_list: list[torch.Tensor] = []
         # one-row kernel over these experts and the layer's shared experts (one_row_table); None: not made yet
         self.row_table: cpu_tables.GatedMLPTable | bool | None = None
+        # the same of the experts alone where all are in ggml block types (ggml_table); None: not made yet
+        self.ggml: cpu_tables.GatedMLPTable | bool | None = None
         # block-FP8 experts on a GPU: their matrices stacked for the grouped kernel (fp8_stacks), with the lists they
         # were made from; None: not made yet (or the lists changed)
         self._fp8: tuple[list, list, Fp8Stacks | None] | None = None
@@ -187,7 +192,7 @@ class Experts(nn.Module):
                                                                                                   self.num_experts))]
         self.down_packed = [prepared(w, p, plan) for w, p in zip(self.down_list, _aligned(self.down_packed,
                                                                                            self.num_experts))]
-        self.row_table = None
+        self.row_table = self.ggml = None
 
     def one_row_table(self, shared: GatedMLP | None) -> cpu_tables.GatedMLPTable | bool:
         """The compiled kernel's table of this rank's experts (ids ``0..num_experts-1``), then the shared experts
@@ -198,6 +203,36 @@ class Experts(nn.Module):
                 mlps.append((shared.gate_up_packed, shared.down_packed) if not shared.biased else (None, None))
             self.row_table = row_table(mlps)
         return self.row_table
+
+    def ggml_table(self) -> cpu_tables.GatedMLPTable | None:
+        """The compiled table of this rank's experts where every one is in ggml block types the kernels read (a GGUF
+        file's, as stored): then any number of rows runs as one call (``_in_one_call``); else None."""
+        if self.ggml is None:
+            table = row_table(list(zip(self.gate_up_packed, self.down_packed))) if self.gate_up_packed else False
+            ggml = isinstance(table, cpu_tables.GatedMLPTable) and set(table.table.kinds()) == {"ggml"}
+            self.ggml = table if ggml else False
+        return self.ggml if isinstance(self.ggml, cpu_tables.GatedMLPTable) else None
+
+    def _in_one_call(self, table: cpu_tables.GatedMLPTable, x: torch.Tensor, weights: torch.Tensor,
+                     expert_ids: torch.Tensor) -> torch.Tensor:
+        """Every (token, expert) pair of this rank in one compiled call (``GatedMLPTable.ggml_rows``: all experts'
+        products in one parallel region, each row the bits it has alone), then weighted and summed into each token in
+        ascending expert order, as expert by expert. The decode steps' layer kernel computes the same."""
+        order, groups = self._groups(expert_ids)
+        out = torch.zeros_like(x)
+        if not groups:
+            return out
+        tokens = order // expert_ids.shape[1]
+        listed, parts, ids, rows, start, done = tokens.tolist(), [], [], [], 0, 0
+        for i, (e, n) in enumerate(groups):  # calls of about PAIRS_PER_CALL pairs: their scratch stays small
+            ids.append(e)
+            rows.append(listed[start:start + n])
+            start += n
+            if start - done >= PAIRS_PER_CALL or i == len(groups) - 1:
+                parts.append(table.ggml_rows(x, ids, rows))
+                ids, rows, done = [], [], start
+        h = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return out.index_add_(0, tokens, h * weights.reshape(-1).index_select(0, order).unsqueeze(-1))
 
     def _groups(self, expert_ids: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """This rank's (token, slot) pair indices ``t * top_k + j`` grouped by local expert (experts ascending,
@@ -285,6 +320,9 @@ class Experts(nn.Module):
                 return self._fp8_grouped(x, weights, expert_ids, stacks)
             if self.float_stacks():
                 return self._device_grouped(x, weights, expert_ids)
+        table = self.ggml_table() if x.dtype == torch.float32 and x.device.type == "cpu" else None
+        if table is not None:
+            return self._in_one_call(table, x, weights, expert_ids)
         top_k = expert_ids.shape[1]
         if x.shape[0] == 1:  # one token: no gathering or scattering; the weights as Python floats (exact)
             out: torch.Tensor | None = None
