@@ -149,9 +149,10 @@ static void mlp_rows(const int64_t *L, const float *h, int64_t t, float *y, floa
     const int64_t *cfg = PTR(const int64_t *, L, L_ROUTE);
     const int64_t experts = cfg ? cfg[6] : 0;
     float *logits = scratch, *route_scratch = logits + t * experts, *rest = route_scratch + 4 * experts + (cfg ? cfg[2] : 0);
-    static __thread MlpList m;  /* 100 KB: off the stack */
-    m.n = 0;
-    m.shared = !cfg || L[L_SHARED] >= 0;
+    MlpList *m = (MlpList *)malloc(sizeof(MlpList));  /* about 57 KB: off the stack */
+    if (!m) abort();
+    m->n = 0;
+    m->shared = !cfg || L[L_SHARED] >= 0;
     if (cfg) {
         const float *f = PTR(const float *, L, L_FLOATS);
         int64_t ids[MAX_ROWS][MAX_TOPK], k[MAX_ROWS];
@@ -166,22 +167,23 @@ static void mlp_rows(const int64_t *L, const float *h, int64_t t, float *y, floa
             for (int64_t j = 0; j < t; j++)
                 for (int64_t i = 0; i < k[j]; i++)
                     if (ids[j][i] == e) {
-                        m.rows[m.n][n] = j;
-                        m.weights[m.n][n++] = w[j][i];
+                        m->rows[m->n][n] = j;
+                        m->weights[m->n][n++] = w[j][i];
                     }
             if (n) {
-                m.ids[m.n] = e - L[L_FIRST];
-                m.counts[m.n++] = n;
+                m->ids[m->n] = e - L[L_FIRST];
+                m->counts[m->n++] = n;
             }
         }
     }
-    if (m.shared) {  /* the dense MLP, or the shared experts: every row */
-        m.ids[m.n] = cfg ? L[L_SHARED] : 0;
-        m.counts[m.n] = t;
-        for (int64_t j = 0; j < t; j++) m.rows[m.n][j] = j;
-        m.n++;
+    if (m->shared) {  /* the dense MLP, or the shared experts: every row */
+        m->ids[m->n] = cfg ? L[L_SHARED] : 0;
+        m->counts[m->n] = t;
+        for (int64_t j = 0; j < t; j++) m->rows[m->n][j] = j;
+        m->n++;
     }
-    run_mlps(L, table, &m, h, t, y, rest, threads);
+    run_mlps(L, table, m, h, t, y, rest, threads);
+    free(m);
 }
 
 /* Scratch floats one call needs, laid out as in mla_decoder_layer. */
