@@ -25,7 +25,7 @@ their sources are ``csrc/*.c`` and ``csrc/ops/cpu_kernels.cpp``):
   int8 / float8_e4m3fn rows with their per-token ``scales [S, 2]`` (quantised as ``common.quantize_per_token``,
   read as ``common.dequantize_rows``);
 - ``mlp_table`` / ``gated_mlps`` / ``moe_row``: gated MLPs of one row, or a MoE layer's router, routing, routed and
-  shared experts in one call; ``ggml_mlps``: MLPs in ggml block types over rows of a step, all in one parallel
+  shared experts in one call; ``mlps_rows``: MLPs in ggml block types over rows of a step, all in one parallel
   region; ``layer_table`` / ``decode_step`` / ``decoder_layer``: a whole decoder layer of one to ``max_rows`` rows
   (``mla_kernels.cpu_tables`` builds the tables).
 

@@ -58,12 +58,13 @@ class GatedMLPTable:
         """``sum_i weights[i] * mlp_{ids[i]}(x)`` for one float32 row ``x [..., d]``."""
         return cpu_kernels.ops().gated_mlps(x, self.table, list(ids), [float(w) for w in weights])  # type: ignore[no-any-return]
 
-    def ggml_rows(self, x: torch.Tensor, ids: list[int], rows: list[list[int]]) -> torch.Tensor:
-        """MLP ``ids[i]`` over the rows ``rows[i]`` of ``x [t, d]`` (float32), every MLP in ggml block types: their
-        outputs stacked in that order, ``[sum of len(rows[i]), d]``, in one parallel region (the whole-layer kernel's
-        MoE of a step's rows)."""
+    def mlps_rows(self, x: torch.Tensor, ids: list[int], rows: list[list[int]]) -> torch.Tensor:
+        """MLP ``ids[i]`` over the rows ``rows[i]`` of ``x [t, d]`` (float32): their outputs stacked in that order,
+        unweighted, ``[sum of len(rows[i]), d]``, as the whole-layer kernel computes a step's: where every MLP is in
+        ggml block types (any ``t``), or for one row, all in one parallel region; else MLP by MLP (``t`` at most
+        ``max_rows``)."""
         flat = [r for group in rows for r in group]
-        return cpu_kernels.ops().ggml_mlps(x, self.table, list(ids), [len(g) for g in rows], flat)  # type: ignore[no-any-return]
+        return cpu_kernels.ops().mlps_rows(x, self.table, list(ids), [len(g) for g in rows], flat)  # type: ignore[no-any-return]
 
     def moe_row(self, x: torch.Tensor, router: torch.Tensor, route: torch.Tensor, bias: torch.Tensor | None,
                 scaling: float, first: int, count: int, shared: int) -> torch.Tensor:

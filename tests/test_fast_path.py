@@ -1143,6 +1143,52 @@ def test_gated_mlp_table_matches_torch_for_float32_and_int8_weights():
     assert table.table.kinds() == ["float32", "float32", "float32", "float32", "int8", "int8"]
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4", "w4a16", "w8a8", "mxfp4", "nvfp4"])
+def test_one_rows_mlps_in_one_region_have_the_bits_of_several_rows_products(scheme):
+    """``mlps_rows``, the whole-layer kernel's MLPs of a step's rows (each MLP's outputs apart, unweighted): for one
+    row every MLP's products run in one parallel region (``mla_mlps_row``), for several expert by expert as whole
+    products; a row's output through each MLP has the same bits both ways, in the quantised formats (those whose bits
+    a row must keep in any batch: ``DeepseekForCausalLM.rows_invariant``; float32 weights' one-row and few-row
+    kernels sum in different orders, and such a model's float products take oneDNN instead)."""
+    if cpu_kernels.failure() is not None:
+        pytest.skip(f"the kernels do not build here: {cpu_kernels.failure()}")
+    from mla_runtime.kernel_plan import kernel_plan
+    from mla_runtime.layers.fp4 import Mxfp4Weight, Nvfp4Weight
+    from mla_runtime.layers.int4 import Int4Weight, W4A16Weight
+    from mla_runtime.layers.w8a8 import W8A8Weight
+
+    g = torch.Generator().manual_seed(11)
+    d, inters, keep = 256, (128, 256), []
+
+    def operand(w: torch.Tensor):  # type: ignore[no-untyped-def]
+        if scheme == "int8":
+            scale = w.abs().amax(dim=1) / 127
+            return (w / scale[:, None]).round().to(torch.int8), scale
+        kind = {"int4": Int4Weight, "w4a16": W4A16Weight, "w8a8": W8A8Weight, "mxfp4": Mxfp4Weight,
+                "nvfp4": Nvfp4Weight}[scheme]
+        keep.append(kind.quantize(w).bind(kernel_plan()))  # the table points into its scales
+        found = keep[-1].row_operand()
+        if found is None:
+            pytest.skip(f"{scheme}'s kernel does not run here")
+        return found
+
+    table = cpu_tables.GatedMLPTable([(operand(torch.randn(2 * i, d, generator=g) / 16),
+                                       operand(torch.randn(d, i, generator=g) / 16)) for i in inters])
+    x = torch.randn(5, d, generator=g)
+    ids, rows = [0, 1, 0], [[0, 3], [1, 4, 0], [2]]
+    many = table.mlps_rows(x, ids, rows)
+    assert many.shape == (6, d) and bool((many != 0).any())
+    at = 0
+    for i, group in zip(ids, rows):
+        for r in group:
+            assert torch.equal(table.mlps_rows(x[r:r + 1], [i], [[0]])[0], many[at])
+            at += 1
+    both = table.mlps_rows(x[3:4], [1, 0], [[0], [0]])  # two MLPs of one row, one region
+    assert torch.equal(both[1], many[1]) and torch.equal(both[0], table.mlps_rows(x[3:4], [1], [[0]])[0])
+    with pytest.raises(ValueError, match="mlps_rows: 1 to 8 rows where an MLP is not in ggml block types, got 9"):
+        table.mlps_rows(torch.randn(9, d), [0], [[0]])
+
+
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_one_token_moe_and_mlp_with_and_without_the_kernel(quantization, monkeypatch):
     """A prepared MoE layer (routed and shared experts) and a dense MLP give one token the same output through the
@@ -2005,7 +2051,7 @@ def test_every_cpu_operator_has_a_shape_function():
     # no tensors, or the custom-class tables (raw addresses, which tracing cannot stand in for): eager only, as the
     # decode step that calls them
     untraced = {"cpu_variants", "product_variants", "limits", "set_max_isa", "max_isa", "mlp_table", "layer_table",
-                "decode_step", "gated_mlps", "ggml_mlps", "moe_row", "decoder_layer", "decoder_layer_hidden",
+                "decode_step", "gated_mlps", "mlps_rows", "moe_row", "decoder_layer", "decoder_layer_hidden",
                 "delta_rule_variants"}
     for name in names - untraced:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"mla_kernels::{name}", "Meta"), name

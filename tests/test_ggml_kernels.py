@@ -194,10 +194,11 @@ def test_a_gguf_weight_takes_the_kernels_for_their_parts_and_widens_the_others()
 
 
 def test_the_mlps_of_a_steps_rows_in_one_region_equal_each_mlp_alone():
-    """``ggml_mlps``, the whole-layer kernel's MoE over a step's rows (every MLP's products in one parallel region):
-    each MLP's output for each of its rows equals, bit for bit, that row through that MLP alone (``gated_mlps`` with
-    weight 1). MLPs of mixed types (gate and up apart) and intermediate sizes, rows in any order, a shared MLP over
-    every row, enough rows for the interleaved kernels, and 1 to 3 threads."""
+    """``mlps_rows``, the whole-layer kernel's MoE over a step's rows (in ggml types every MLP's products in one
+    parallel region, for any number of rows): each MLP's output for each of its rows equals, bit for bit, that row
+    through that MLP alone (``gated_mlps`` with weight 1). MLPs of mixed types (gate and up apart) and intermediate
+    sizes, rows in any order, a shared MLP over every row, enough rows for the interleaved kernels, 1 to 3
+    threads."""
     _kernel_or_skip()
     from mla_kernels.cpu_tables import GatedMLPTable
 
@@ -219,17 +220,14 @@ def test_the_mlps_of_a_steps_rows_in_one_region_equal_each_mlp_alone():
         outs = []
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
-            outs.append(table.ggml_rows(x, ids, rows))
+            outs.append(table.mlps_rows(x, ids, rows))
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(o, outs[0]) for o in outs)
     alone = torch.stack([table(x[r], [i], [1.0]) for i, group in zip(ids, rows) for r in group])
     assert outs[0].shape == (sum(map(len, rows)), d) and bool((outs[0] != 0).any())
     assert torch.equal(outs[0], alone)
-    with pytest.raises(ValueError, match="ggml_mlps: row 20 of 20"):
-        table.ggml_rows(x, [0], [[20]])
-    with pytest.raises(ValueError, match="ggml_mlps: MLP 3 of 3"):
-        table.ggml_rows(x, [3], [[0]])
-    floats = GatedMLPTable([(torch.randn(2 * 32, d), torch.randn(d, 32))])
-    with pytest.raises(ValueError, match="ggml_mlps: MLP 0's weights are float32, not ggml block types"):
-        floats.ggml_rows(x, [0], [[0]])
+    with pytest.raises(ValueError, match="mlps_rows: row 20 of 20"):
+        table.mlps_rows(x, [0], [[20]])
+    with pytest.raises(ValueError, match="mlps_rows: MLP 3 of 3"):
+        table.mlps_rows(x, [3], [[0]])

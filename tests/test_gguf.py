@@ -697,8 +697,8 @@ def test_a_prompts_experts_run_as_compiled_calls_over_all_their_pairs(written, m
     from mla_runtime.layers.moe import PAIRS_PER_CALL, Experts
 
     calls: list[int] = []
-    real = cpu_tables.GatedMLPTable.ggml_rows
-    monkeypatch.setattr(cpu_tables.GatedMLPTable, "ggml_rows",
+    real = cpu_tables.GatedMLPTable.mlps_rows
+    monkeypatch.setattr(cpu_tables.GatedMLPTable, "mlps_rows",
                         lambda self, x, ids, rows: calls.append(sum(map(len, rows))) or real(self, x, ids, rows))
     llm = LLM(str(written("v2_q8_0_split_kv_b")[1]), dtype="float32", kv_cache_memory="8MiB")
     prompts = [list(range(3, 100)), [5, 9, 2, 7, 11, 3], list(range(40, 77))]

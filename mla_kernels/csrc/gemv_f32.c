@@ -475,6 +475,58 @@ void mla_gated_mlps(const float *x, float *y, int64_t d, const int64_t *table, c
     gated_mlps(x, y, d, table, ids, w, n, scratch, &xs, &as);
 }
 
+/* n gated MLPs (table rows ids) of one row x [d], each output apart, unweighted: out [n, d], in one parallel region:
+ * every gate_up product, then the activations (each MLP's prepared on its own), then every down product, with
+ * barriers between the three only. Each product's rows are split over the threads by product_rows, whose row has the
+ * bits of the whole-matrix kernels' (the layer's several-row path, mla_layer_f32.c). */
+void mla_mlps_row(const float *x, int64_t d, const int64_t *table, const int64_t *ids, int64_t n, float *out,
+                  int64_t threads) {
+    const int64_t inter = largest_inter(table, ids, n), q8 = mla_q8_row_bytes(inter), gg = mla_gg_prepared_bytes(inter);
+    int kinds = 0;
+    for (int64_t e = 0; e < n; e++) kinds |= kind_bit(table[ids[e] * MLP_FIELDS + 2]);
+    int16_t xq[d], xw[d];
+    uint8_t x8[mla_q8_row_bytes(d)], xg[mla_gg_prepared_bytes(d)];
+    QBuf xs = {xq, x8, xg, xw, 0.0f, 0.0f};
+    float *gate_up = (float *)malloc((size_t)(n * 3 * inter) * sizeof(float));
+    int16_t *aq = (int16_t *)malloc((size_t)(n * 2 * inter) * sizeof(int16_t));
+    uint8_t *a8 = (uint8_t *)malloc((size_t)(n * (q8 + gg))), *ag = a8 + n * q8;
+    QBuf *as = (QBuf *)malloc((size_t)n * sizeof(QBuf));
+    if (!gate_up || !aq || !a8 || !as) abort();
+    for (int64_t e = 0; e < n; e++) {
+        const QBuf b = {aq + e * 2 * inter, a8 + e * q8, ag + e * gg, aq + e * 2 * inter + inter, 0.0f, 0.0f};
+        as[e] = b;
+    }
+    #pragma omp parallel num_threads((int)threads)
+    {
+        #pragma omp single
+        prepare_row(x, d, kinds, &xs);
+        const Row in = {x, xs.xq, xs.sx, xs.x8, xs.xg, xs.xw, xs.sw};
+        for (int64_t e = 0; e < n; e++) {
+            const int64_t *mlp = table + ids[e] * MLP_FIELDS;
+            product_rows(mlp, &in, 2 * mlp[6], d, 1.0f, 0, gate_up + e * 2 * inter);
+        }
+        #pragma omp barrier
+        #pragma omp for schedule(static)
+        for (int64_t e = 0; e < n; e++) {
+            const int64_t *mlp = table + ids[e] * MLP_FIELDS, I = mlp[6];
+            const float *g = gate_up + e * 2 * inter;
+            float *act = gate_up + n * 2 * inter + e * inter;
+            for (int64_t r = 0; r < I; r++) act[r] = g[r] / (1.0f + expf(-g[r])) * g[I + r];
+            if (mlp[5] != W_F32) prepare_row(act, I, kind_bit(mlp[5]), &as[e]);
+        }
+        for (int64_t e = 0; e < n; e++) {
+            const int64_t *mlp = table + ids[e] * MLP_FIELDS;
+            const float *act = gate_up + n * 2 * inter + e * inter;
+            const Row mid = {act, as[e].xq, as[e].sx, as[e].x8, as[e].xg, as[e].xw, as[e].sw};
+            product_rows(mlp + 3, &mid, d, mlp[6], 1.0f, 0, out + e * d);
+        }
+    }
+    free(gate_up);
+    free(aq);
+    free(a8);
+    free(as);
+}
+
 /* The index of the largest of v[0:n] not yet taken (ties: the lowest index), or -1. */
 static int64_t argmax_free(const float *v, const char *taken, int64_t n) {
     int64_t best = -1;

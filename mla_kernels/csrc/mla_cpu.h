@@ -187,6 +187,10 @@ void mla_rope_store_f32(const float *latent, int64_t lat_ld, const float *norm, 
                         int64_t d_c, int64_t d_r, int64_t interleave);
 void mla_gated_mlps(const float *x, float *y, int64_t d, const int64_t *table, const int64_t *ids, const float *w,
                     int64_t n, float *scratch, int64_t threads);
+void mla_mlps_row(const float *x, int64_t d, const int64_t *table, const int64_t *ids, int64_t n, float *out,
+                  int64_t threads);
+void mla_mlps_rows(const int64_t *table, const int64_t *ids, const int64_t *const *rows, const int64_t *counts,
+                   int64_t n, const float *h, int64_t t, int64_t d, float *out, int64_t threads);
 int64_t mla_route_row(const float *logits, const int64_t *cfg, const float *bias, float scaling, int64_t *ids,
                       float *w, float *scratch);
 void mla_moe_row(const float *x, float *y, int64_t d, const float *router, const int64_t *cfg, const float *bias,

@@ -61,19 +61,19 @@ static void product(const int64_t *L, int w_field, const float *x, float *y, int
 #define MAX_ROWS MLA_FEW_ROWS  /* rows a call takes */
 #define MAX_TOPK MLA_MOE_MAX_TOPK
 
-/* The MLP's scratch floats for t rows, mlp_rows' (logits [t, E], the routing's 4 E + n_group, the rows of one
- * expert [t, d], its gate_up [t, 2 I], its activations [t, I] and outputs [t, d]). */
+/* The MLP's scratch floats for t rows: mla_moe_row's for one row, else mlp_rows' (logits [t, E] and the routing's
+ * 4 E + n_group; the MLPs' rows are mla_mlps_rows' own). */
 static int64_t mlp_scratch(const int64_t *L, int64_t t) {
     const int64_t *route = PTR(const int64_t *, L, L_ROUTE);
-    const int64_t experts = route ? route[6] : 0, groups = route ? route[2] : 0, d = L[L_D], inter = L[L_MAX_INTER];
+    const int64_t experts = route ? route[6] : 0, groups = route ? route[2] : 0, inter = L[L_MAX_INTER];
     if (t == 1 && !L[L_ONE_PATH]) return 3 * inter + (route ? 5 * experts + groups + MAX_TOPK + 1 : 0);
-    return t * experts + 4 * experts + groups + t * d + 3 * t * inter + t * d;
+    return t * experts + 4 * experts + groups;
 }
 
 /* One gated MLP (a row of the MLP table) of n rows xs [n, d] -> h [n, d]: gate_up [n, 2 I], act [n, I] scratch. */
-static void gated_rows(const int64_t *L, const int64_t *mlp, const float *xs, int64_t n, float *gate_up, float *act,
-                       float *h, int64_t threads) {
-    const int64_t d = L[L_D], inter = mlp[6];
+static void gated_rows(int64_t d, const int64_t *mlp, const float *xs, int64_t n, float *gate_up, float *act, float *h,
+                       int64_t threads) {
+    const int64_t inter = mlp[6];
     product(mlp, 0, xs, gate_up, n, 2 * inter, d, threads);
     for (int64_t j = 0; j < n; j++) {
         const float *g = gate_up + j * 2 * inter;
@@ -104,34 +104,57 @@ typedef struct {
     float weights[MAX_MLPS][MAX_ROWS];
 } MlpList;
 
-/* y [t, d] = the list's MLPs over h, each output times its weight added in list order (y zeroed first; the shared
- * experts' added unweighted). Every product in ggml types: all in one region (mla_gg_mlps); else MLP by MLP. */
+/* MLP i (table row ids[i]) over the counts[i] rows rows[i][..] of h [t, d]: out [sum counts, d], each MLP's outputs
+ * in turn, unweighted. Every product in ggml types: all in one parallel region (mla_gg_mlps); else one row: all in
+ * one region too (mla_mlps_row); else MLP by MLP, each product a call. The same bits for a row every way: each
+ * product's row is computed alone, the activation by the same expression. */
+void mla_mlps_rows(const int64_t *table, const int64_t *ids, const int64_t *const *rows, const int64_t *counts,
+                   int64_t n, const float *h, int64_t t, int64_t d, float *out, int64_t threads) {
+    const int64_t variant = gg_variant(table, ids, n);
+    if (variant >= 0) {
+        mla_gg_mlps(variant, table, ids, rows, counts, n, h, t, d, out, threads);
+        return;
+    }
+    if (t == 1) {  /* every MLP over the one row */
+        mla_mlps_row(h, d, table, ids, n, out, threads);
+        return;
+    }
+    int64_t inter = 1, most = 1;
+    for (int64_t i = 0; i < n; i++) {
+        inter = table[ids[i] * MLP_FIELDS + 6] > inter ? table[ids[i] * MLP_FIELDS + 6] : inter;
+        most = counts[i] > most ? counts[i] : most;
+    }
+    float *xs = (float *)malloc((size_t)(most * (d + 3 * inter)) * sizeof(float));
+    if (!xs) abort();
+    for (int64_t i = 0, first = 0; i < n; first += counts[i], i++) {
+        for (int64_t j = 0; j < counts[i]; j++) memcpy(xs + j * d, h + rows[i][j] * d, d * sizeof(float));
+        gated_rows(d, table + ids[i] * MLP_FIELDS, xs, counts[i], xs + most * d, xs + most * (d + 2 * inter),
+                   out + first * d, threads);
+    }
+    free(xs);
+}
+
+/* y [t, d] = the list's MLPs over h (mla_mlps_rows), each output times its weight added in list order (y zeroed
+ * first; the shared experts' added unweighted). */
 static void run_mlps(const int64_t *L, const int64_t *table, const MlpList *m, const float *h, int64_t t, float *y,
-                     float *scratch, int64_t threads) {
-    const int64_t d = L[L_D], inter = L[L_MAX_INTER], variant = gg_variant(table, m->ids, m->n);
-    float *xs = scratch, *gate_up = xs + t * d, *act = gate_up + 2 * t * inter, *out = act + t * inter;
+                     int64_t threads) {
+    const int64_t d = L[L_D];
     const int64_t *rows[MAX_MLPS];
     int64_t first = 0, total = 0;
     for (int64_t i = 0; i < m->n; i++) {
         rows[i] = m->rows[i];
         total += m->counts[i];
     }
-    float *outs = variant >= 0 ? (float *)malloc((size_t)(total * d) * sizeof(float)) : NULL;
-    if (variant >= 0 && !outs) abort();
-    if (variant >= 0) mla_gg_mlps(variant, table, m->ids, rows, m->counts, m->n, h, t, d, outs, threads);
+    float *outs = (float *)malloc((size_t)(total * d) * sizeof(float));
+    if (!outs) abort();
+    mla_mlps_rows(table, m->ids, rows, m->counts, m->n, h, t, d, outs, threads);
     for (int64_t i = 0; i < t * d; i++) y[i] = 0.0f;
     for (int64_t i = 0; i < m->n; first += m->counts[i], i++) {
-        const int64_t n = m->counts[i];
-        if (outs) {
-            out = outs + first * d;
-        } else {
-            for (int64_t j = 0; j < n; j++) memcpy(xs + j * d, h + m->rows[i][j] * d, d * sizeof(float));
-            gated_rows(L, table + m->ids[i] * MLP_FIELDS, xs, n, gate_up, act, out, threads);
-        }
+        const float *out = outs + first * d;
         if (m->shared && i == m->n - 1) {
             for (int64_t r = 0; r < t * d; r++) y[r] += out[r];
         } else {
-            for (int64_t j = 0; j < n; j++)
+            for (int64_t j = 0; j < m->counts[i]; j++)
                 for (int64_t r = 0; r < d; r++) y[m->rows[i][j] * d + r] += out[j * d + r] * m->weights[i][j];
         }
     }
@@ -148,7 +171,7 @@ static void mlp_rows(const int64_t *L, const float *h, int64_t t, float *y, floa
     const int64_t d = L[L_D], *table = PTR(const int64_t *, L, L_MLP_TABLE);
     const int64_t *cfg = PTR(const int64_t *, L, L_ROUTE);
     const int64_t experts = cfg ? cfg[6] : 0;
-    float *logits = scratch, *route_scratch = logits + t * experts, *rest = route_scratch + 4 * experts + (cfg ? cfg[2] : 0);
+    float *logits = scratch, *route_scratch = logits + t * experts;
     MlpList *m = (MlpList *)malloc(sizeof(MlpList));  /* about 57 KB: off the stack */
     if (!m) abort();
     m->n = 0;
@@ -182,7 +205,7 @@ static void mlp_rows(const int64_t *L, const float *h, int64_t t, float *y, floa
         for (int64_t j = 0; j < t; j++) m->rows[m->n][j] = j;
         m->n++;
     }
-    run_mlps(L, table, m, h, t, y, rest, threads);
+    run_mlps(L, table, m, h, t, y, threads);
     free(m);
 }
 

@@ -215,7 +215,7 @@ class Experts(nn.Module):
 
     def _in_one_call(self, table: cpu_tables.GatedMLPTable, x: torch.Tensor, weights: torch.Tensor,
                      expert_ids: torch.Tensor) -> torch.Tensor:
-        """Every (token, expert) pair of this rank in one compiled call (``GatedMLPTable.ggml_rows``: all experts'
+        """Every (token, expert) pair of this rank in one compiled call (``GatedMLPTable.mlps_rows``: all experts'
         products in one parallel region, each row the bits it has alone), then weighted and summed into each token in
         ascending expert order, as expert by expert. The decode steps' layer kernel computes the same."""
         order, groups = self._groups(expert_ids)
@@ -229,7 +229,7 @@ class Experts(nn.Module):
             rows.append(listed[start:start + n])
             start += n
             if start - done >= PAIRS_PER_CALL or i == len(groups) - 1:
-                parts.append(table.ggml_rows(x, ids, rows))
+                parts.append(table.mlps_rows(x, ids, rows))
                 ids, rows, done = [], [], start
         h = parts[0] if len(parts) == 1 else torch.cat(parts)
         return out.index_add_(0, tokens, h * weights.reshape(-1).index_select(0, order).unsqueeze(-1))

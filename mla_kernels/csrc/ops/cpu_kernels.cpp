@@ -855,12 +855,13 @@ Tensor gated_mlps(const Tensor& x, const MlpRef& table, at::IntArrayRef ids, at:
   return y;
 }
 
-// The MLPs ids (each in ggml block types of one variant) over rows of x [t, d]: MLP i over the counts[i] rows
-// rows[c_i .. c_i + counts[i]) of x (c_i the counts before it), its outputs [counts[i], d] stacked in that order:
-// the whole-layer kernel's MoE of a step's rows in one parallel region (mla_gg_mlps).
-Tensor ggml_mlps(const Tensor& x, const MlpRef& table, at::IntArrayRef ids, at::IntArrayRef counts,
+// The MLPs ids over rows of x [t, d]: MLP i over the counts[i] rows rows[c_i .. c_i + counts[i]) of x (c_i the
+// counts before it), its outputs [counts[i], d] stacked in that order, unweighted: what the whole-layer kernel's MLP
+// of a step's rows computes (mla_mlps_rows: MLPs in ggml block types, or one row, in one parallel region). At most
+// MLA_FEW_ROWS rows unless every MLP is in ggml block types.
+Tensor mlps_rows(const Tensor& x, const MlpRef& table, at::IntArrayRef ids, at::IntArrayRef counts,
                  at::IntArrayRef rows) {
-  const char* op = "ggml_mlps";
+  const char* op = "mlps_rows";
   TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(0) >= 1 &&
                         x.size(1) == table->hidden,
                     op, ": float32 CPU rows [t, ", table->hidden, "], got ", x.scalar_type(), " ", x.sizes());
@@ -870,26 +871,24 @@ Tensor ggml_mlps(const Tensor& x, const MlpRef& table, at::IntArrayRef ids, at::
                     counts.size(), " counts");
   const int64_t* mlps = ptr<const int64_t>(table->table);
   std::vector<const int64_t*> starts;
-  int64_t total = 0, variant = -1;
+  int64_t total = 0;
+  bool ggml = true;
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK_VALUE(ids[i] >= 0 && ids[i] < table->size(), op, ": MLP ", ids[i], " of ", table->size());
     TORCH_CHECK_VALUE(counts[i] >= 1, op, ": MLP ", ids[i], " over ", counts[i], " rows");
-    for (int64_t f : {2, 5}) {
-      const int64_t kind = mlps[ids[i] * MLP_FIELDS + f];
-      TORCH_CHECK_VALUE(W_IS_GG(kind) && (variant < 0 || kind - W_GG == variant), op, ": MLP ", ids[i],
-                        "'s weights are ", kind_name(kind), ", not ggml block types of one variant");
-      variant = kind - W_GG;
-    }
+    ggml = ggml && W_IS_GG(mlps[ids[i] * MLP_FIELDS + 2]) && W_IS_GG(mlps[ids[i] * MLP_FIELDS + 5]);
     starts.push_back(rows.data() + total);
     total += counts[i];
   }
+  TORCH_CHECK_VALUE(ggml || t <= MLA_FEW_ROWS, op, ": 1 to ", MLA_FEW_ROWS,
+                    " rows where an MLP is not in ggml block types, got ", t);
   TORCH_CHECK_VALUE(static_cast<int64_t>(rows.size()) == total, op, ": ", total, " row indices for the counts, got ",
                     rows.size());
   for (int64_t r : rows) TORCH_CHECK_VALUE(r >= 0 && r < t, op, ": row ", r, " of ", t);
   const Tensor xs = x.contiguous();
   Tensor out = at::empty({total, table->hidden}, xs.options());
-  mla_gg_mlps(variant, mlps, ids.data(), starts.data(), counts.data(), n, ptr<const float>(xs), t, table->hidden,
-              ptr<float>(out), threads());
+  mla_mlps_rows(mlps, ids.data(), starts.data(), counts.data(), n, ptr<const float>(xs), t, table->hidden,
+                ptr<float>(out), threads());
   return out;
 }
 
@@ -1206,9 +1205,9 @@ TORCH_LIBRARY_FRAGMENT(mla_kernels, m) {
   m.def("gated_mlps(Tensor x, __torch__.torch.classes.mla_kernels.MlpTable table, int[] ids, float[] weights) -> "
         "Tensor",
         &gated_mlps);
-  m.def("ggml_mlps(Tensor x, __torch__.torch.classes.mla_kernels.MlpTable table, int[] ids, int[] counts, "
+  m.def("mlps_rows(Tensor x, __torch__.torch.classes.mla_kernels.MlpTable table, int[] ids, int[] counts, "
         "int[] rows) -> Tensor",
-        &ggml_mlps);
+        &mlps_rows);
   m.def("moe_row(Tensor x, __torch__.torch.classes.mla_kernels.MlpTable table, Tensor router, Tensor route, "
         "Tensor? bias, float scaling, int first, int count, int shared) -> Tensor",
         &moe_row);
