@@ -203,7 +203,7 @@ def _ggml(g: torch.Generator, kind: str) -> str | None:
     """Every variant the CPU executes, every type: random blocks with power-of-two float16 fields (sums of products
     exact in float32) against the ``gguf`` package's dequantised rows, times activations that round to themselves
     (integers, each group of 32 holding a magnitude 127: scale 1); a row of an odd count of 32-value blocks
-    included."""
+    included; Q4_K also repacked eight rows at a time (``ggml_repack``)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -212,7 +212,8 @@ def _ggml(g: torch.Generator, kind: str) -> str | None:
         return "no ggml-type variant runs on this CPU"
     for type_name, fields in GGML_TYPES.items():
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
-        for n, k, rows in ((5, 2 * block, 1), (3, 3 * block, 9)):
+        repacked = ((8, 2 * block, 5),) if type_name == "Q4_K" else ()
+        for n, k, rows in ((5, 2 * block, 1), (3, 3 * block, 9)) + repacked:
             w = torch.randint(0, 256, (n, k // block, size), generator=g, dtype=torch.uint8)
             for offset, value in zip(fields, (0.5, 0.25)):
                 w[..., offset:offset + 2] = torch.tensor([value], dtype=torch.float16).view(torch.uint8)
@@ -224,6 +225,10 @@ def _ggml(g: torch.Generator, kind: str) -> str | None:
                 got = _ops().ggml_linear(x, w, int(GGMLQuantizationType[type_name]), variant)
                 if not _exact(got, x.double() @ wide.T):
                     return f"the {type_name} kernel's ({variant}) products differ from the exact result on this CPU"
+                if n % 8 == 0 and type_name == "Q4_K":
+                    got = _ops().ggml_linear(x, _ops().ggml_repack(w, k), cpu_kernels.Q4_K_R8, variant)
+                    if not _exact(got, x.double() @ wide.T):
+                        return f"the repacked Q4_K kernel's ({variant}) products differ from the exact result"
     return None
 
 

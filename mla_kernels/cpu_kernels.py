@@ -139,6 +139,17 @@ def ggml_parts(parts: list[torch.Tensor], type_numbers: list[int], k: int) -> to
     return ops().ggml_parts(parts, type_numbers, k)  # type: ignore[no-any-return]
 
 
+Q4_K_R8 = 1012  # the type number of Q4_K rows repacked by ``ggml_repack`` (``csrc/mla_cpu.h``: MLA_GG_Q4_K_R8)
+
+
+def ggml_repack(weight: torch.Tensor, k: int) -> torch.Tensor:
+    """Q4_K rows (uint8 ``[N, K / 256 · 144]``, ``N`` a multiple of 8) repacked for the kernels: uint8
+    ``[N, K / 256 · 148]`` of type ``Q4_K_R8``, the same values with eight rows interleaved a super-block at a time
+    and their scales unpacked to bytes (``csrc/ggml_rows.h``, ``gg_q4r8_rows``); ``ggml_linear`` and the tables read
+    it with the bits of the stored rows' products."""
+    return ops().ggml_repack(weight, k)  # type: ignore[no-any-return]
+
+
 def fp4_table(packed: torch.Tensor, scales: torch.Tensor, global_scales: torch.Tensor | None = None) -> torch.Tensor:
     """The FP4 table of a matrix as ``fp4_linear`` takes it (its ``K`` a whole number of groups): int64 ``{format, N,
     K, scales' address, global scales' address}`` (``csrc/mla_cpu.h``). ``(packed, table)`` is the matrix's operand in

@@ -432,6 +432,10 @@ def _register_fakes() -> None:
     def _(parts, types, k):  # type: ignore[no-untyped-def]
         return parts[0].new_empty((3 + 4 * len(parts),), dtype=torch.int64)
 
+    @lib.register_fake("mla_kernels::ggml_repack")
+    def _(w, k):  # type: ignore[no-untyped-def]
+        return w.new_empty((w.shape[0], k // 256 * 148), dtype=torch.uint8)
+
     @lib.register_fake("mla_kernels::fp4_table")
     def _(w, scales, global_scales=None):  # type: ignore[no-untyped-def]
         return w.new_empty((5,), dtype=torch.int64)
@@ -454,5 +458,5 @@ def _register_fakes() -> None:
 
     lib.register_fake("mla_kernels::rope_store", lambda *args, **kwargs: None)
     _FAKES.extend(["linear", "dense_linear", "amx_pack", "amx_linear", "int4_from_stored", "linear_int4", "ggml_linear",
-                   "ggml_parts", "int4_table", "fp4_table", "rms_norm",
+                   "ggml_parts", "ggml_repack", "int4_table", "fp4_table", "rms_norm",
                    "absorbed_decode", "rope_store"])

@@ -331,7 +331,8 @@ def write_quantized_checkpoint(src: str | Path, out: str | Path, quantization: s
         raise ValueError(f"quantization: {', '.join(STORED_FORMATS)}, got {quantization!r}")
     src, out = Path(src), Path(out)
     gguf = gguf_files(src) is not None  # a GGUF file: its blocks widened to float32, then quantised
-    raw = {k: v for k, v in load_config_dict(src).items() if k not in ("gguf_stored_bits", "gguf_factor_runs")}
+    raw = {k: v for k, v in load_config_dict(src).items() if k not in ("gguf_stored_bits", "gguf_repacked_bits",
+                                                                         "gguf_factor_runs")}
     cfg = ModelConfig.from_pretrained(src)
     if cfg.stored_quantization is not None and not gguf:
         raise ValueError(f"{src} is already quantised ({cfg.stored_quantization}); quantise its original instead")

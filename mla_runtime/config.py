@@ -315,6 +315,8 @@ class ModelConfig:
     # a GGUF file: the bits per weight of each product parameter (by model name) it stores quantised, which load as
     # stored (``gguf_meta.stored_bits``); the planner counts them so
     stored_bits: tuple[tuple[str, float], ...] = ()
+    # ... and as the compiled CPU kernels hold them (Q4_K repacked: ``gguf_meta.stored_bits``)
+    repacked_bits: tuple[tuple[str, float], ...] = ()
     # a GGUF file whose absorbed factors the compiled decode reads as runs (``gguf_meta.factor_runs``)
     factor_runs: bool = False
 
@@ -887,6 +889,8 @@ def _gguf_fields(raw: dict[str, Any]) -> dict[str, Any]:
     """A GGUF file's own fields (``gguf_meta.config_dict``): its stored products' bits, and whether the decode reads
     its absorbed factors as runs."""
     return {"stored_bits": tuple(sorted((str(k), float(v)) for k, v in (raw.get("gguf_stored_bits") or {}).items())),
+            "repacked_bits": tuple(sorted((str(k), float(v))
+                                          for k, v in (raw.get("gguf_repacked_bits") or {}).items())),
             "factor_runs": bool(raw.get("gguf_factor_runs", False))}
 
 

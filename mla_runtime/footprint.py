@@ -267,9 +267,10 @@ class WeightFootprint:
         return self.float_bytes + self.quantized_bytes + self.absorbed_bytes + self.packed_bytes
 
 
-def _stored_bits(config: ModelConfig, tp: int) -> dict[str, float]:
-    """A GGUF file's parameters kept as stored, by parameter: its embedding only on one rank (``loader``)."""
-    bits = dict(config.stored_bits)
+def _stored_bits(config: ModelConfig, tp: int, repacked: bool) -> dict[str, float]:
+    """A GGUF file's parameters kept as stored, by parameter (``repacked``: as the compiled kernels hold them): its
+    embedding only on one rank (``loader``)."""
+    bits = dict(config.repacked_bits if repacked and config.repacked_bits else config.stored_bits)
     if tp > 1:
         bits.pop("model.embed_tokens.weight", None)
     return bits
@@ -377,7 +378,8 @@ def weight_footprint(config: ModelConfig, dtype: str | torch.dtype = "auto", ten
     formats = _Formats(scheme, keeps, config.fp8_block_size, model_dtype.itemsize, extra,
                        row_kernels and scheme == "int8",  # Int8Weight.row_scales: float32 scales for the row kernels
                        cpu is not None and cpu.bf16_blocked and scheme == "bf16",  # Bf16Weight.native: a second copy
-                       _stored_bits(config, tp), config.stored_layout if stored else None,
+                       _stored_bits(config, tp, cpu is not None and cpu.ggml_repack),
+                       config.stored_layout if stored else None,
                        stored and config.stored_float_head, stored,
                        MODELOPT_FP8_BLOCK if stored and scheme == "fp8" else None)
     inv = inventory(config, tp, num_mtp_layers)

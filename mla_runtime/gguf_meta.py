@@ -228,6 +228,7 @@ def config_dict(path: str | Path) -> dict[str, Any]:
         "hidden_act": "silu", "attention_bias": False, "num_nextn_predict_layers": 0,
     }
     raw["gguf_stored_bits"] = stored_bits(g)
+    raw["gguf_repacked_bits"] = stored_bits(g, repacked=True)
     raw["gguf_factor_runs"] = factor_runs(g, layers)
     if g.architecture == "minicpm3":
         return {**raw, **_minicpm3(g, raw)}
@@ -325,6 +326,7 @@ PRODUCT_PARAMS = {
 TOP_STORED = {"output.weight": "lm_head", "token_embd.weight": "model.embed_tokens.weight"}
 
 
+R8_BYTES = 148  # a repacked Q4_K row's bytes a super-block: 144, its 12 bytes of 6-bit scales as 16 (GgufWeight)
 RUN = 32  # values of a run: one scale and one offset (gguf_weight.run_scales, layers.factor_runs)
 RUN_BLOCKS = ("Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1")  # 32-value blocks: a float16 scale (and minimum) each
 RUN_SUPERS = ("Q4_K", "Q5_K")  # super-blocks of eight 32-value sub-blocks: d sc and -dmin m each
@@ -343,11 +345,12 @@ def factor_runs(g: GgufModel, layers: int) -> bool:
     return layers > 0
 
 
-def stored_bits(g: GgufModel) -> dict[str, float]:
+def stored_bits(g: GgufModel, repacked: bool = False) -> dict[str, float]:
     """The bits per weight of each product parameter (and untied embedding) the file stores quantised: its tensors'
     bytes over their values (a float tensor stacked with a quantised one stays in its type too); one stored in float
     types alone is left out, as it loads in the model's format. (On more than one rank the embedding loads widened:
-    ``footprint.weight_footprint`` leaves it out there.)"""
+    ``footprint.weight_footprint`` leaves it out there.) ``repacked``: as the compiled CPU kernels hold them, a Q4_K
+    matrix of whole groups of eight rows in 148 bytes a super-block (``GgufWeight.repack``)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     sizes: dict[str, list[int]] = {}
@@ -363,6 +366,8 @@ def stored_bits(g: GgufModel) -> dict[str, float]:
         if t.type_name not in FLOAT_TYPES:
             quantised.add(param)
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType[t.type_name]]
+        if repacked and t.type_name == "Q4_K" and len(t.shape) > 1 and t.shape[-2] % 8 == 0:
+            size = R8_BYTES
         values = 1
         for d in t.shape:
             values *= d

@@ -202,10 +202,13 @@ class GgufTensors:
                 return GgufWeight([("F32", wide.view(torch.uint8).to(device))], b - a, dtype)
             data, k = data[:, a // block * size: b // block * size], b - a
         if kind == STORED_Q4_0:
-            weight = int4_from_q4_0(data.to(device).contiguous(), k, dtype)
+            int4 = int4_from_q4_0(data.to(device).contiguous(), k, dtype)
             release_pages(data)
-            return weight
-        return GgufWeight([(type_name, data.to(device))], k, dtype)
+            return int4
+        weight = GgufWeight([(type_name, data.to(device))], k, dtype)
+        if weight.repack():  # Q4_K read faster repacked: the map's pages under the stored rows are let go
+            release_pages(data)
+        return weight
 
 
 _FLOAT = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}

@@ -94,6 +94,7 @@ class CpuLayouts:
     row_kernels: bool  # the compiled few-row kernels run (they read float32 copies of int8 scales)
     bf16_blocked: bool = False  # bf16 weights keep oneDNN's blocked bfloat16 copy for many-row products (layers.bf16)
     one_layout: bool = False  # each matrix in one layout (``KernelPlan.one_layout``)
+    ggml_repack: bool = False  # the ggml kernels run: a GGUF file's Q4_K matrices are held repacked (GgufWeight.repack)
 
     def with_one_layout(self) -> CpuLayouts | None:
         """These facts with the second layouts of the ``onednn`` path left out (an ``upcast`` path's float32 copy, which
@@ -181,7 +182,8 @@ class KernelPlan:
     def layouts(self, dtype: torch.dtype) -> CpuLayouts:
         """The planner's facts about this plan for a model of ``dtype``: what the products hold beside its weights."""
         extra = self.choice(dtype).extra_bytes_per_element if dtype in PROBED_DTYPES else 0
-        full = CpuLayouts(dtype, extra, self.row_kernels, self.choice(torch.bfloat16).path == "onednn")
+        full = CpuLayouts(dtype, extra, self.row_kernels, self.choice(torch.bfloat16).path == "onednn",
+                          ggml_repack=self.ggml_failure is None)
         if not self.one_layout:
             return full
         return full.with_one_layout() or dataclasses.replace(full, one_layout=True)

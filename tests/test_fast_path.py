@@ -2069,6 +2069,7 @@ def test_every_cpu_operator_has_a_shape_function():
         assert ops.int4_from_stored(torch.empty(4, 16, dtype=torch.uint8)).shape == (4, 16)
         out = ops.ggml_linear(torch.empty(2, 3, 256), torch.empty(4, 144, dtype=torch.uint8), 12)
         assert out.shape == (2, 3, 4) and out.dtype == torch.float32
+        assert ops.ggml_repack(torch.empty(16, 288, dtype=torch.uint8), 512).shape == (16, 296)
         out = ops.dense_linear(torch.empty(2, 3, 8, dtype=torch.bfloat16), torch.empty(4, 8), None, None, None,
                                [8, 0, 0], True)
         assert out.shape == (2, 3, 4) and out.dtype == torch.bfloat16

@@ -14,7 +14,7 @@ import torch
 from mla_kernels import cpu_kernels, cpu_ops
 from mla_kernels.cpu_check import GGML_TYPES
 from mla_runtime.kernel_plan import kernel_plan
-from mla_runtime.layers.gguf_weight import KERNEL_TYPES, GgufWeight
+from mla_runtime.layers.gguf_weight import KERNEL_TYPES, GgufWeight, q4_k_from_r8, type_number
 from tests.gguf_files import dequantized, kquant_bytes, q8_rounded, quantize_q4_k, quantize_q6_k
 
 VARIANTS = ("avx2", "avx512_vnni")
@@ -205,16 +205,18 @@ def test_the_mlps_of_a_steps_rows_in_one_region_equal_each_mlp_alone():
     d, keep = 256, []
 
     def matrix(types: list[str], n: int, k: int, seed: int) -> torch.Tensor:
-        parts = [_operands(t, n // len(types), k, seed + i)[0] for i, t in enumerate(types)]
+        parts = [_operands(t.removesuffix("_R8"), n // len(types), k, seed + i)[0] for i, t in enumerate(types)]
+        parts = [cpu_kernels.ggml_repack(p, k) if t == "Q4_K_R8" else p for p, t in zip(parts, types)]
         keep.extend(parts)
-        return cpu_kernels.ggml_parts(parts, [_type_number(t) for t in types], k)
+        return cpu_kernels.ggml_parts(parts, [type_number(t) for t in types], k)
 
     mlps = [(matrix(["Q4_K", "Q6_K"], 2 * 96, d, 1), matrix(["Q8_0"], d, 96, 2)),
             (matrix(["Q5_0"], 2 * 256, d, 3), matrix(["Q4_K"], d, 256, 4)),
-            (matrix(["Q8_0", "Q5_K"], 2 * 128, d, 5), matrix(["Q5_0"], d, 128, 6))]
+            (matrix(["Q8_0", "Q5_K"], 2 * 128, d, 5), matrix(["Q5_0"], d, 128, 6)),
+            (matrix(["Q6_K", "Q4_K_R8"], 2 * 256, d, 7), matrix(["Q4_K_R8"], d, 256, 8))]
     table = GatedMLPTable(mlps)
     x = torch.randn(20, d, generator=torch.Generator().manual_seed(0))
-    ids, rows = [2, 0, 1, 2], [[3], [7, 1, 4], list(range(19, 5, -1)), list(range(20))]
+    ids, rows = [2, 0, 3, 1, 2], [[3], [7, 1, 4], [5, 0, 11, 2, 9], list(range(19, 5, -1)), list(range(20))]
     before = torch.get_num_threads()
     try:
         outs = []
@@ -229,5 +231,54 @@ def test_the_mlps_of_a_steps_rows_in_one_region_equal_each_mlp_alone():
     assert torch.equal(outs[0], alone)
     with pytest.raises(ValueError, match="mlps_rows: row 20 of 20"):
         table.mlps_rows(x, [0], [[20]])
-    with pytest.raises(ValueError, match="mlps_rows: MLP 3 of 3"):
-        table.mlps_rows(x, [3], [[0]])
+    with pytest.raises(ValueError, match="mlps_rows: MLP 4 of 4"):
+        table.mlps_rows(x, [4], [[0]])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_q4_k_repacked_eight_rows_at_a_time_has_the_stored_rows_bits(variant):
+    """Q4_K rows repacked for the kernels (``ggml_repack``: eight rows interleaved a super-block at a time, scales
+    unpacked to bytes) hold the stored bytes exactly (turned back by ``q4_k_from_r8``), and their products equal the
+    stored rows' bit for bit: for 1 to 30 input rows (every tail of the kernel's passes of four, and the counts where
+    the stored path switches to its interleaved kernel), several super-blocks a row, and rows past a thread's block,
+    at 1 and 3 threads."""
+    _variant_or_skip(variant)
+    before = torch.get_num_threads()
+    try:
+        for n, k in ((8, 256), (48, 1024), (520, 512)):
+            stored = _operands("Q4_K", n, k, n)[0]
+            repacked = cpu_kernels.ggml_repack(stored, k)
+            assert repacked.shape == (n, k // 256 * 148) and torch.equal(q4_k_from_r8(repacked), stored)
+            for threads in (1, 3):
+                torch.set_num_threads(threads)
+                for m in (1, 2, 3, 4, 5, 7, 9, 24, 30):
+                    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+                    want = cpu_kernels.ggml_linear(x, stored, _type_number("Q4_K"), variant=variant)
+                    got = cpu_kernels.ggml_linear(x, repacked, cpu_kernels.Q4_K_R8, variant=variant)
+                    assert torch.equal(got, want), (n, k, m, threads)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_repacked_matrix_is_whole_groups_of_eight_rows():
+    """The repack takes whole groups of eight Q4_K rows; a repacked part must start on a group and lie back to back;
+    a GgufWeight repacks only the parts that are whole groups, with the same products and values."""
+    _kernel_or_skip()
+    stored = _operands("Q4_K", 24, 256, 1)[0]
+    with pytest.raises(ValueError, match="ggml_repack: Q4_K rows must be .* a multiple of 8"):
+        cpu_kernels.ggml_repack(stored[:12], 256)
+    with pytest.raises(ValueError, match="ggml_repack: Q4_K rows of 200 values"):
+        cpu_kernels.ggml_repack(stored, 200)
+    repacked = cpu_kernels.ggml_repack(stored, 256)
+    with pytest.raises(ValueError, match="ggml_linear: a repacked Q4_K weight is whole groups of 8 rows"):
+        cpu_kernels.ggml_linear(torch.randn(1, 256), repacked[:12], cpu_kernels.Q4_K_R8)
+    q8 = _operands("Q8_0", 5, 256, 2)[0]
+    with pytest.raises(ValueError, match="ggml_parts: part 1 .* whole groups of 8 rows from a multiple of 8"):
+        cpu_kernels.ggml_parts([q8, repacked], [_type_number("Q8_0"), cpu_kernels.Q4_K_R8], 256)
+    weight = GgufWeight([("Q4_K", stored), ("Q4_K", stored[:12]), ("Q8_0", q8)], 256, torch.float32)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    before, values = weight.matmul(x, None), weight.dequantize()
+    assert weight.repack() and weight.types == ["Q4_K_R8", "Q4_K", "Q8_0"]
+    assert torch.equal(weight.matmul(x, None), before) and torch.equal(weight.dequantize(), values)
+    assert torch.equal(weight.gather_rows(torch.tensor([30, 3, 17, 3])), values[[30, 3, 17, 3]])
+    assert not GgufWeight([("Q8_0", q8)], 256, torch.float32).repack()

@@ -175,13 +175,15 @@ def test_greedy_tokens_equal_transformers_on_the_dequantised_weights(written, ca
 
 
 def test_stored_types_load_as_stored(written):
-    """Q4_0 matrices become int4 ones (the bytes moved), the other block types stay in them; a matrix stacked from
-    tensors of two types (an expert's gate Q2_K and up Q3_K) keeps both."""
+    """Q4_0 matrices become int4 ones (the bytes moved), the other block types stay in them (Q4_K repacked eight rows
+    at a time where the compiled kernels read it); a matrix stacked from tensors of two types (an expert's gate Q2_K
+    and up Q3_K) keeps both."""
     _, path, _ = written("v3_mixed_kquants")
     model = load_model(path, dtype="float32")
     weights = quantized_weights(model)
     types = {t for w in weights if isinstance(w, GgufWeight) for t in w.types}
-    assert {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q5_0", "Q5_1", "Q8_0"} <= types
+    q4_k = "Q4_K_R8" if all(w.kernel for w in weights if isinstance(w, GgufWeight)) else "Q4_K"
+    assert {"Q2_K", "Q3_K", q4_k, "Q5_K", "Q6_K", "Q4_1", "Q5_0", "Q5_1", "Q8_0"} <= types
     assert any(isinstance(w, GgufWeight) and w.types == ["Q2_K", "Q3_K"] for w in weights)
     assert any(isinstance(w, Int4Weight) for w in weights)
     embedding = model.model.embed_tokens
@@ -200,9 +202,12 @@ def test_an_embedding_looks_up_the_rows_of_any_stored_format():
     torch.manual_seed(4)
     w = torch.randn(40, 256) * 0.1
     parts = [_stored_rows("Q8_0", 24, 256, 5), _stored_rows("Q4_K", 16, 256, 6)]
+    if cpu_kernels.failure("ggml") is None:  # Q4_K repacked for the kernels: its rows turned back into Q4_K's
+        parts.append(("Q4_K_R8", cpu_kernels.ggml_repack(_stored_rows("Q4_K", 16, 256, 7)[1], 256)))
     q4_0 = int4_from_q4_0(torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType.Q4_0)), 256, torch.float32)
-    ids = torch.tensor([39, 3, 24, 3, 23, 0])
+    ids = torch.tensor([39, 3, 24, 3, 23, 0] + ([50, 41, 55] if len(parts) == 3 else []))
     for matrix in (GgufWeight(parts, 256, torch.float32), q4_0):
+        ids = ids % matrix.shape[0]
         assert torch.equal(matrix.gather_rows(ids), matrix.dequantize()[ids])
         assert matrix.gather_rows(ids[:0]).shape == (0, 256)  # an empty step looks nothing up
 

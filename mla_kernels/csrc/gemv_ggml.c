@@ -50,6 +50,7 @@
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "mla_cpu.h"
 #include "simd.h"
@@ -57,6 +58,10 @@
 /* ggml's type numbers */
 enum { GG_Q4_1 = 3, GG_Q5_0 = 6, GG_Q5_1 = 7, GG_Q8_0 = 8, GG_Q2_K = 10, GG_Q3_K = 11, GG_Q4_K = 12, GG_Q5_K = 13,
        GG_Q6_K = 14 };
+/* Q4_K rows repacked at load eight at a time (mla_ggml_repack, ggml_rows.h's gg_q4r8_rows): a number of ours, apart
+ * from ggml's */
+enum { GG_Q4_K_R8 = MLA_GG_Q4_K_R8 };
+#define GG_Q4R8_BYTES 1184      /* an eight-row super-block of GG_Q4_K_R8: 8 x 148 */
 #define GG_GROUP 32             /* activation values per scale */
 #define GG_TILE 8               /* input rows a pass over a block of weight rows */
 #define GG_BLOCK_BYTES 65536    /* weight bytes of a block of rows */
@@ -71,7 +76,7 @@ typedef struct {
 
 static inline __attribute__((always_inline)) GgFormat gg_format(const int t) {
     const GgFormat f[] = {{32, 34}, {32, 20}, {32, 22}, {32, 24}, {256, 84}, {256, 110}, {256, 144}, {256, 176},
-                          {256, 210}, {0, 0}};
+                          {256, 210}, {256, 148}, {0, 0}};
     switch (t) {
         case GG_Q8_0: return f[0];
         case GG_Q4_1: return f[1];
@@ -82,7 +87,8 @@ static inline __attribute__((always_inline)) GgFormat gg_format(const int t) {
         case GG_Q4_K: return f[6];
         case GG_Q5_K: return f[7];
         case GG_Q6_K: return f[8];
-        default: return f[9];
+        case GG_Q4_K_R8: return f[9];
+        default: return f[10];
     }
 }
 
@@ -281,8 +287,8 @@ static void gg_list_add(GgList *l, const int64_t *parts, const uint8_t *xp, int6
     for (int64_t p = 0, first = 0; p < parts[0]; p++) {
         const int64_t *f = parts + GG_HEAD + p * GG_PART_FIELDS, c = l->count++;
         const int64_t fit = GG_BLOCK_BYTES / mla_ggml_row_bytes(f[0], parts[2]), balanced = f[3] / (4 * threads);
-        const int64_t block = fit < balanced ? fit : balanced;
-        l->block[c] = block < 1 ? 1 : block;
+        const int64_t block = fit < balanced ? fit : balanced, unit = f[0] == GG_Q4_K_R8 ? 8 : 1;
+        l->block[c] = block < unit ? unit : block / unit * unit;  /* a repacked part in whole eight-row groups */
         l->rows[c] = f[3];
         l->calls[c] = gg_part_call(parts, p, first, xp, xs, y, m);
         l->starts[c + 1] = l->starts[c] + (f[3] + l->block[c] - 1) / l->block[c];
@@ -341,12 +347,84 @@ void mla_gemm_ggml(int64_t type, const uint8_t *w, int64_t w_stride, const float
     mla_gemm_gg_parts(parts, x, y, rows, threads, variant);
 }
 
+/* The 6-bit scales and minimums of a Q4_K super-block's 12 bytes q: j < 4 the low 6 bits of q[j] and q[j + 4];
+ * j >= 4 the low and the high nibble of q[j + 4] over the top 2 bits of q[j - 4] and q[j]. */
+static void gg_q4_k_scales(const uint8_t *q, uint8_t *sc, uint8_t *mn) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = q[j] & 63;
+        mn[j] = q[j + 4] & 63;
+        sc[j + 4] = (uint8_t)((q[j + 8] & 15) | (q[j] >> 6) << 4);
+        mn[j + 4] = (uint8_t)((q[j + 8] >> 4) | (q[j + 4] >> 6) << 4);
+    }
+}
+
+/* Fault in the pages of [p, p + bytes) before they are first written, in one call (MADV_POPULATE_WRITE, Linux 5.14;
+ * elsewhere, or on an older kernel, a no-op), under transparent huge pages where the kernel grants them: a load's
+ * repacked matrices, gigabytes, otherwise take a fault every 4 KiB (here 1.0 -> 2.2-2.7 GB/s repacked). The pages'
+ * contents do not change. */
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+static void gg_fault_in(void *p, int64_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    const uintptr_t huge = (uintptr_t)1 << 21, page = 4096, at = (uintptr_t)p, end = at + (uintptr_t)bytes;
+    const uintptr_t a = (at + huge - 1) & ~(huge - 1), b = end & ~(huge - 1);
+    if (b > a) madvise((void *)a, b - a, MADV_HUGEPAGE);
+    madvise((void *)(at & ~(page - 1)), ((end + page - 1) & ~(page - 1)) - (at & ~(page - 1)), MADV_POPULATE_WRITE);
+#else
+    (void)p;
+    (void)bytes;
+#endif
+}
+
+/* Row i (of eight) of a Q4_K super-block p into the eight-row super-block o of GG_Q4_K_R8 (ggml_rows.h's
+ * gg_q4r8_rows gives the layout): each group's 16 nibble bytes (values v and v + 16) made once and dealt four bytes
+ * to each of the group's four vectors, then its scales, minimums, d and dmin. */
+static void gg_q4r8_row(const uint8_t *p, int i, uint8_t *o) {
+    const __m128i low = _mm_set1_epi8(0x0f), high = _mm_set1_epi8((char)0xf0);
+    for (int c = 0; c < 4; c++) {  /* groups 2c (the low nibbles of qs[32 c ..]) and 2c + 1 (the high) */
+        const __m128i a = _mm_loadu_si128((const __m128i *)(p + 16 + 32 * c));
+        const __m128i z = _mm_loadu_si128((const __m128i *)(p + 32 + 32 * c));
+        const __m128i row[2] = {_mm_or_si128(_mm_and_si128(a, low), _mm_slli_epi16(_mm_and_si128(z, low), 4)),
+                                _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), low), _mm_and_si128(z, high))};
+        for (int h = 0; h < 2; h++) {
+            uint32_t words[4];
+            _mm_storeu_si128((__m128i *)words, row[h]);
+            for (int q = 0; q < 4; q++) memcpy(o + 128 * (2 * c + h) + 32 * q + 4 * i, words + q, 4);
+        }
+    }
+    uint8_t sc[8], mn[8];
+    gg_q4_k_scales(p + 4, sc, mn);
+    for (int g = 0; g < 8; g++) {
+        o[1024 + 8 * g + i] = sc[g];
+        o[1088 + 16 * (g / 2) + 2 * i + g % 2] = mn[g];
+    }
+    memcpy(o + 1152 + 2 * i, p, 2);
+    memcpy(o + 1168 + 2 * i, p + 2, 2);
+}
+
+/* Q4_K rows into GG_Q4_K_R8: eight rows' super-block b at out + (group x k / 256 + b) x GG_Q4R8_BYTES. Each thread
+ * faults in the pages of its own groups first. */
+void mla_ggml_repack_q4_k(const uint8_t *w, int64_t w_stride, int64_t n, int64_t k, uint8_t *out, int64_t threads) {
+    const int64_t nb = k / 256, groups = n / 8, bytes = nb * GG_Q4R8_BYTES;
+    #pragma omp parallel num_threads((int)threads)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t g0 = groups * t / nt, g1 = groups * (t + 1) / nt;
+        gg_fault_in(out + g0 * bytes, (g1 - g0) * bytes);
+        for (int64_t g = g0; g < g1; g++)
+            for (int64_t b = 0; b < nb; b++)
+                for (int i = 0; i < 8; i++)
+                    gg_q4r8_row(w + (8 * g + i) * w_stride + b * 144, i, out + g * bytes + b * GG_Q4R8_BYTES);
+    }
+}
+
 /* Inside a parallel region: this thread's share of the rows of y [n] = alpha (W x) (+ y when add) for one prepared
  * row xp, W a parts table; the same bits as mla_gemm_gg_parts's row. No barrier. */
 #define GG_SHARE_ROWS 64
 void mla_gg_share(int64_t variant, const int64_t *parts, const uint8_t *xp, float *y, float alpha, int add) {
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads(), n = parts[1];
-    const int64_t r0 = n * t / nt, r1 = n * (t + 1) / nt;
+    const int64_t r0 = n * t / nt / 8 * 8, r1 = t + 1 == nt ? n : n * (t + 1) / nt / 8 * 8;  /* whole groups of 8 */
     const GgRun run = gg_run(variant);
     float out[GG_SHARE_ROWS];
     for (int64_t p = 0, first = 0; p < parts[0]; first += parts[GG_HEAD + p * GG_PART_FIELDS + 3], p++) {

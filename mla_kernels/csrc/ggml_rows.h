@@ -729,6 +729,93 @@ VI_TARGET static void SFX(gg_k_r8)(const GgCall *c, int64_t r0, int64_t r1, cons
 }
 #endif
 
+/* GG_Q4_K_R8: Q4_K rows repacked at load eight at a time (gemv_ggml.c, mla_ggml_repack_q4_k), an eight-row
+ * super-block of GG_Q4R8_BYTES read as one stream:
+ *
+ *     [0, 1024)     group g (32 values) at 128 g: four vectors of 32 bytes, vector q's byte 4 i + j holding row i's
+ *                   value 4 q + j in its low nibble and value 16 + 4 q + j in its high nibble
+ *     [1024, 1088)  byte 8 g + i: row i's scale of group g
+ *     [1088, 1152)  byte 16 p + 2 i + e: row i's minimum of group 2 p + e
+ *     [1152, 1168)  the rows' float16 d; [1168, 1184) their float16 dmin
+ *
+ * A nibble vector masked or shifted is a vector of eight rows' four values (a row a lane), met by four activations
+ * broadcast: each group's eight rows' exact sums in one vector, with no sum across lanes, at any count of input rows
+ * and with no packing per call. The integers are gg_k8_rows's and gg_k_tile's (the scales applied in int32, the
+ * minimums' term from the 16-value sums), and each super-block's value is gg_k_value's, added in order: the bits of
+ * a stored Q4_K row's product. */
+VI_TARGET static inline __attribute__((always_inline)) __m256i SFX(gg_dpbusd)(__m256i acc, __m256i u, __m256i a) {
+#if VL == 16
+    return _mm256_dpbusd_epi32(acc, u, a);
+#else  /* u at most 15: maddubs' pair sums stay far from int16's bounds */
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1)));
+#endif
+}
+
+#define GG_Q4R8_NR (VL == 16 ? 4 : 2)  /* input rows a pass over an eight-row group */
+
+/* NR input rows from row j against the eight weight rows from r (a multiple of 8). */
+VI_TARGET static inline __attribute__((always_inline)) void SFX(gg_q4r8_rows)(const GgCall *c, int64_t r, int64_t j,
+                                                                             const int NR) {
+    const int64_t nb = c->k / 256;
+    const uint8_t *grp = c->w + r * c->row_stride, *xa[GG_Q4R8_NR];
+    const int16_t *xh[GG_Q4R8_NR];
+    const float *xg[GG_Q4R8_NR];
+    __m256 acc[GG_Q4R8_NR];
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    for (int t = 0; t < NR; t++) {
+        const uint8_t *x = c->xp + (j + t) * c->xstride;
+        xa[t] = GG_KA(x, c->kp);
+        xh[t] = GG_KH(x, c->kp);
+        xg[t] = GG_KG(x, c->kp);
+        acc[t] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *sb = grp + b * GG_Q4R8_BYTES;
+        for (int l = 0; l < (GG_Q4R8_BYTES + 63) / 64; l++)
+            _mm_prefetch((const char *)sb + GG_AHEAD + 64 * l, _MM_HINT_T0);
+        __m256i isum[GG_Q4R8_NR], msum[GG_Q4R8_NR];
+        for (int t = 0; t < NR; t++) isum[t] = msum[t] = _mm256_setzero_si256();
+        for (int g = 0; g < 8; g++) {
+            __m256i s0[GG_Q4R8_NR], s1[GG_Q4R8_NR];
+            for (int t = 0; t < NR; t++) s0[t] = s1[t] = _mm256_setzero_si256();
+            for (int q = 0; q < 4; q++) {
+                const __m256i n = _mm256_loadu_si256((const __m256i *)(sb + 128 * g + 32 * q));
+                const __m256i lo = _mm256_and_si256(n, low), hi = _mm256_and_si256(_mm256_srli_epi16(n, 4), low);
+                for (int t = 0; t < NR; t++) {
+                    const uint8_t *a = xa[t] + 256 * b + 32 * g + 4 * q;
+                    s0[t] = SFX(gg_dpbusd)(s0[t], lo, _mm256_set1_epi32((int32_t)gg_u32(a)));
+                    s1[t] = SFX(gg_dpbusd)(s1[t], hi, _mm256_set1_epi32((int32_t)gg_u32(a + 16)));
+                }
+            }
+            const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sb + 1024 + 8 * g)));
+            for (int t = 0; t < NR; t++)
+                isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(_mm256_add_epi32(s0[t], s1[t]), sc));
+        }
+        for (int p = 0; p < 4; p++) {  /* lane i: row i's minimums of groups 2p, 2p + 1 times their 32-value sums */
+            const __m256i m = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(sb + 1088 + 16 * p)));
+            for (int t = 0; t < NR; t++) {
+                const int16_t *h = xh[t] + 16 * b + 4 * p;
+                const uint32_t pair = (uint32_t)(uint16_t)(h[0] + h[1]) | (uint32_t)(uint16_t)(h[2] + h[3]) << 16;
+                msum[t] = _mm256_add_epi32(msum[t], _mm256_madd_epi16(m, _mm256_set1_epi32((int32_t)pair)));
+            }
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 1152)));
+        const __m256 dm = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 1168))));
+        for (int t = 0; t < NR; t++)
+            acc[t] = _mm256_add_ps(acc[t], SFX(gg_k_value)(isum[t], msum[t], d, dm, _mm256_set1_ps(xg[t][b]), 0));
+    }
+    for (int t = 0; t < NR; t++) _mm256_storeu_ps(c->y + (j + t) * c->n + r, acc[t]);
+}
+
+/* Rows [r0, r1) of a GG_Q4_K_R8 call (both multiples of 8), GG_Q4R8_NR input rows a pass. */
+VI_TARGET static void SFX(gg_q4r8_call)(const GgCall *c, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r += 8) {
+        int64_t j = 0;
+        for (; j + GG_Q4R8_NR <= c->m; j += GG_Q4R8_NR) SFX(gg_q4r8_rows)(c, r, j, GG_Q4R8_NR);
+        for (; j < c->m; j++) SFX(gg_q4r8_rows)(c, r, j, 1);
+    }
+}
+
 /* The same for the call's type, chosen at run time (each case a copy specialised to its type). */
 VI_TARGET static void SFX(gg_rows)(const GgCall *c, int64_t r0, int64_t r1) {
     switch (c->type) {
@@ -752,6 +839,7 @@ VI_TARGET static void SFX(gg_rows)(const GgCall *c, int64_t r0, int64_t r1) {
 #else
 #define GG_K_CASE(T) SFX(gg_k_rows)(c, r0, r1, T)
 #endif
+        case GG_Q4_K_R8: SFX(gg_q4r8_call)(c, r0, r1); break;
         case GG_Q2_K: GG_K_CASE(GG_Q2_K); break;
         case GG_Q3_K: GG_K_CASE(GG_Q3_K); break;
         case GG_Q4_K: GG_K_CASE(GG_Q4_K); break;

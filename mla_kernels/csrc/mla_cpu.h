@@ -135,6 +135,10 @@ void mla_gg_share(int64_t variant, const int64_t *parts, const uint8_t *xp, floa
 void mla_gg_mlps(int64_t variant, const int64_t *table, const int64_t *ids, const int64_t *const *rows,
                  const int64_t *counts, int64_t n, const float *h, int64_t t, int64_t d, float *out, int64_t threads);
 int64_t mla_ggml_row_bytes(int64_t type, int64_t k);
+/* Q4_K rows [n, k] (row r at w + r w_stride; n a multiple of 8) repacked into out [n, k / 256 x 148], type
+ * MLA_GG_Q4_K_R8: the same values, eight rows interleaved a super-block at a time (gemv_ggml.c). */
+#define MLA_GG_Q4_K_R8 1012
+void mla_ggml_repack_q4_k(const uint8_t *w, int64_t w_stride, int64_t n, int64_t k, uint8_t *out, int64_t threads);
 int64_t mla_ggml_variants(void);
 int64_t mla_gg_prepared_bytes(int64_t k);
 void mla_rms_norm_f32(const float *x, int64_t ld, const float *weight, float *y, int64_t m, int64_t k, float eps);

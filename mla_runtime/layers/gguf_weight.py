@@ -32,13 +32,14 @@ import torch.nn.functional as F
 
 from mla_kernels import cpu_kernels
 from mla_kernels.cpu_check import GGML_TYPES
-from mla_runtime.gguf_meta import RUN, RUN_BLOCKS, RUN_SUPERS
+from mla_runtime.gguf_meta import R8_BYTES, RUN, RUN_BLOCKS, RUN_SUPERS
 from mla_runtime.kernel_plan import KernelPlan
 from mla_runtime.layers.int4 import Int4Weight
 from mla_runtime.layers.qweight import WIDEN_CHUNK_ELEMENTS, QuantizedWeight, default_plan
 
 FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-KERNEL_TYPES = frozenset(GGML_TYPES)  # the types the compiled CPU kernels multiply as stored
+Q4_K_R8 = "Q4_K_R8"  # Q4_K rows repacked for the kernels (``GgufWeight.repack``), eight rows interleaved
+KERNEL_TYPES = frozenset(GGML_TYPES) | {Q4_K_R8}  # the types the compiled CPU kernels multiply as stored
 GGML_MAX_PARTS = 8  # the parts a matrix may have in the compiled layer and MLP kernels' tables (csrc/mla_cpu.h)
 
 
@@ -46,7 +47,47 @@ def block_shape(type_name: str) -> tuple[int, int]:
     """(values per block, bytes per block) of a ggml type."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+    if type_name == Q4_K_R8:
+        return 256, R8_BYTES
     return cast(tuple[int, int], GGML_QUANT_SIZES[GGMLQuantizationType[type_name]])
+
+
+def type_number(type_name: str) -> int:
+    """The number the compiled kernels know a type by: ggml's, or ``cpu_kernels.Q4_K_R8``."""
+    from gguf import GGMLQuantizationType
+
+    return cpu_kernels.Q4_K_R8 if type_name == Q4_K_R8 else int(GGMLQuantizationType[type_name])
+
+
+def q4_k_from_r8(data: torch.Tensor) -> torch.Tensor:
+    """The Q4_K rows (uint8 ``[N, K / 256 · 144]``) of Q4_K_R8 rows (``[N, K / 256 · 148]``,
+    ``cpu_kernels.ggml_repack``): the exact bytes they were repacked from. An eight-row super-block holds four nibble
+    vectors per group of 32 values (byte ``4 i + j`` of vector ``q``: row ``i``'s value ``4 q + j`` low,
+    ``16 + 4 q + j`` high), the rows' scales (byte ``8 g + i``), minimums (byte ``16 p + 2 i + e``: group
+    ``2 p + e``), ``d`` and ``dmin``."""
+    n, nb = data.shape[0], data.shape[1] // R8_BYTES
+    sb = data.reshape(n // 8, nb, 8 * R8_BYTES)
+    nib = sb[..., :1024].reshape(n // 8, nb, 8, 4, 8, 4)  # [G, b, group, q, row, j]
+    u = torch.stack([nib & 15, nib >> 4], dim=3)  # [G, b, group, half, q, row, j]: value 16 half + 4 q + j
+    u = u.permute(0, 5, 1, 2, 3, 4, 6).reshape(n, nb, 4, 2, 32)  # [row, b, c, h, v]: group 2 c + h
+    qs = u[..., 0, :] | (u[..., 1, :] << 4)  # [row, b, c, 32]: nibble h of byte 32 c + v
+    sc = sb[..., 1024:1088].reshape(n // 8, nb, 8, 8).permute(0, 3, 1, 2).reshape(n, nb, 8)
+    mn = sb[..., 1088:1152].reshape(n // 8, nb, 4, 8, 2).permute(0, 3, 1, 2, 4).reshape(n, nb, 8)
+    packed = torch.cat([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), mn[..., :4] | ((mn[..., 4:] >> 4) << 6),
+                        (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)], dim=-1)
+    halves = sb[..., 1152:1184].reshape(n // 8, nb, 2, 8, 2).permute(0, 3, 1, 2, 4).reshape(n, nb, 4)
+    return torch.cat([halves, packed, qs.reshape(n, nb, 128)], dim=-1).reshape(n, nb * 144)
+
+
+def stored_rows(type_name: str, data: torch.Tensor, index: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """Rows ``index`` of a part (its type and bytes) as the file stores them: Q4_K_R8's rows from their groups of
+    eight turned back into Q4_K."""
+    if type_name != Q4_K_R8:
+        return type_name, data[index]
+    groups = torch.unique(index // 8)
+    wide = q4_k_from_r8(data.reshape(data.shape[0] // 8, -1)[groups].reshape(-1, data.shape[1]))
+    at = torch.searchsorted(groups, index // 8) * 8 + index % 8
+    return "Q4_K", wide[at]
 
 
 def row_bytes(type_name: str, k: int) -> int:
@@ -126,6 +167,8 @@ def dequantize_rows(type_name: str, data: torch.Tensor, k: int) -> torch.Tensor:
     device: Q8_0, Q4_K and Q6_K by torch (the same values as the ``gguf`` package's dequantisers, as the tests check,
     in a fraction of numpy's time on these byte operations), the others by the package, through the CPU."""
     rows = data.shape[0]
+    if type_name == Q4_K_R8:
+        return dequantize_rows("Q4_K", q4_k_from_r8(data), k)
     if type_name in FLOAT_DTYPES:
         return data.contiguous().view(FLOAT_DTYPES[type_name]).float().reshape(rows, k)
     if type_name in TORCH_BLOCKS:
@@ -189,8 +232,7 @@ class GgufWeight(QuantizedWeight):
         picked: list[tuple[str, torch.Tensor]] = []
         for row in index.tolist():
             i = max(j for j, s in enumerate(starts) if s <= row)
-            type_name, data = self.parts[i]
-            picked.append((type_name, data[row - starts[i]: row - starts[i] + 1]))
+            picked.append(stored_rows(*self.parts[i], torch.tensor([row - starts[i]])))
         merged: list[tuple[str, torch.Tensor]] = []
         for type_name, data in picked:  # runs of one type become one part
             if merged and merged[-1][0] == type_name:
@@ -214,12 +256,27 @@ class GgufWeight(QuantizedWeight):
         they read; else None (the matrix runs product by product)."""
         if not self.kernel or len(self.parts) > GGML_MAX_PARTS or any(t not in KERNEL_TYPES for t in self.types):
             return None
+        first = 0
+        for type_name, data in self.parts:  # a repacked part starts on a group of eight rows
+            if type_name == Q4_K_R8 and first % 8:
+                return None
+            first += data.shape[0]
         if self.operand is None:
-            from gguf import GGMLQuantizationType
-
-            self.operand = cpu_kernels.ggml_parts([d for _, d in self.parts],
-                                                  [int(GGMLQuantizationType[t]) for t in self.types], self.k)
+            self.operand = cpu_kernels.ggml_parts([d for _, d in self.parts], [type_number(t) for t in self.types],
+                                                  self.k)
         return self.operand
+
+    def repack(self) -> bool:
+        """Where the compiled kernels read this matrix, each Q4_K part of whole groups of eight rows becomes Q4_K_R8
+        (``cpu_kernels.ggml_repack``: the same values, read as one stream at every count of input rows, with the
+        stored rows' bits, about twice as fast in cache): True if a part did, and the matrix no longer holds its
+        stored bytes. A matrix the kernels do not read keeps its parts."""
+        if not self.kernel or not any(t == "Q4_K" and d.shape[0] % 8 == 0 for t, d in self.parts):
+            return False
+        self.parts = [(Q4_K_R8, cpu_kernels.ggml_repack(d, self.k)) if t == "Q4_K" and d.shape[0] % 8 == 0
+                      else (t, d) for t, d in self.parts]
+        self.operand = None
+        return True
 
     def _dequantize_rows(self, r0: int, r1: int) -> torch.Tensor:
         out, first = [], 0
@@ -241,7 +298,7 @@ class GgufWeight(QuantizedWeight):
         for type_name, data in self.parts:
             mine = ((index >= first) & (index < first + data.shape[0])).nonzero().flatten()
             if mine.numel():
-                out[mine] = dequantize_rows(type_name, data[index[mine] - first], self.k)
+                out[mine] = dequantize_rows(*stored_rows(type_name, data, index[mine] - first), self.k)
             first += data.shape[0]
         return out
 
@@ -250,13 +307,11 @@ class GgufWeight(QuantizedWeight):
         kernels read from its blocks, the others widened a block of rows at a time (module docstring)."""
         if not self.kernel or not x.numel() or not any(t in KERNEL_TYPES for t in self.types):
             return self.widened_product(x, bias)
-        from gguf import GGMLQuantizationType
-
         rows = x.reshape(-1, self.k)
         outputs, first = [], 0
         for type_name, data in self.parts:
             if type_name in KERNEL_TYPES:
-                outputs.append(cpu_kernels.ggml_linear(rows, data, int(GGMLQuantizationType[type_name])))
+                outputs.append(cpu_kernels.ggml_linear(rows, data, type_number(type_name)))
             else:
                 outputs.append(self._part_widened(rows, first, first + data.shape[0]))
             first += data.shape[0]

@@ -278,6 +278,12 @@ Tensor linear_int4(const Tensor& x, const Tensor& w, const Tensor& scales, const
   return y;
 }
 
+// A part of a ggml matrix in type `type`, `rows` rows from row `first` with row stride `stride`: a repacked Q4_K
+// part (MLA_GG_Q4_K_R8) is whole groups of eight rows from a multiple of 8, back to back.
+bool gg_part_whole(int64_t type, int64_t first, int64_t rows, int64_t stride, int64_t row_bytes) {
+  return type != MLA_GG_Q4_K_R8 || (first % 8 == 0 && rows % 8 == 0 && stride == row_bytes);
+}
+
 // x [..., K] (any float dtype, computed in float32) times W [N, K]ᵀ -> float32 [..., N], W in a ggml block type as a
 // GGUF file stores it: uint8 [N, K / B x size] (rows may lie apart) for type (ggml's number) Q8_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K,
 // Q5_K or Q6_K (../gemv_ggml.c); rows rounded to int8 per group of 32. Any number of rows, MLA_QUANT_ROWS a kernel
@@ -294,6 +300,8 @@ Tensor ggml_linear(const Tensor& x, const Tensor& w, int64_t type, c10::string_v
                     op, ": the weight's blocks must be CPU uint8 rows [N, ", row_bytes, "] (each row contiguous), got ",
                     w.scalar_type(), " ", w.sizes(), " with strides ", w.strides());
   TORCH_CHECK_VALUE(n >= 1 && rows >= 1, op, ": empty operands, x ", x.sizes(), " and weight ", w.sizes());
+  TORCH_CHECK_VALUE(gg_part_whole(type, 0, n, w.stride(0), row_bytes), op,
+                    ": a repacked Q4_K weight is whole groups of 8 rows, back to back; got ", w.sizes());
   const int64_t runs = mla_ggml_variants();
   TORCH_CHECK_VALUE(runs != 0, op, ": no variant runs on this CPU");
   const int64_t v = variant_index(variant, runs, QUANT_VARIANTS, op);
@@ -324,6 +332,8 @@ Tensor ggml_parts(at::TensorList parts, at::IntArrayRef types, int64_t k) {
                           w.size(1) == row_bytes && w.stride(1) == 1 && w.stride(0) >= row_bytes,
                       op, ": part ", p, " must be CPU uint8 rows [N, ", row_bytes, "] (each row contiguous), got ",
                       w.scalar_type(), " ", w.sizes(), " with strides ", w.strides());
+    TORCH_CHECK_VALUE(gg_part_whole(types[p], n, w.size(0), w.stride(0), row_bytes), op, ": part ", p,
+                      " (repacked Q4_K) must be whole groups of 8 rows from a multiple of 8, back to back");
     int64_t* f = t + GG_HEAD + p * GG_PART_FIELDS;
     f[0] = types[p];
     f[1] = address(w);
@@ -335,6 +345,21 @@ Tensor ggml_parts(at::TensorList parts, at::IntArrayRef types, int64_t k) {
   t[1] = n;
   t[2] = k;
   return table;
+}
+
+// Q4_K rows w [N, K / 256 x 144] (N a multiple of 8, each row contiguous) repacked for the kernels: uint8
+// [N, K / 256 x 148] in type MLA_GG_Q4_K_R8 (../gemv_ggml.c), the same values eight rows interleaved.
+Tensor ggml_repack(const Tensor& w, int64_t k) {
+  const char* op = "ggml_repack";
+  const int64_t from = mla_ggml_row_bytes(12, k), to = mla_ggml_row_bytes(MLA_GG_Q4_K_R8, k);
+  TORCH_CHECK_VALUE(from > 0, op, ": Q4_K rows of ", k, " values are not whole super-blocks of 256");
+  TORCH_CHECK_VALUE(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.size(0) % 8 == 0 &&
+                        w.size(0) >= 8 && w.size(1) == from && w.stride(1) == 1 && w.stride(0) >= from,
+                    op, ": Q4_K rows must be CPU uint8 [N, ", from, "], N a multiple of 8, each row contiguous; got ",
+                    w.scalar_type(), " ", w.sizes(), " with strides ", w.strides());
+  Tensor out = at::empty({w.size(0), to}, at::kByte);
+  mla_ggml_repack_q4_k(ptr<const uint8_t>(w), w.stride(0), w.size(0), k, ptr<uint8_t>(out), threads());
+  return out;
 }
 
 // The FP4 table (../mla_cpu.h, FP4_FIELDS) of an FP4 matrix w [N, K / 2] as fp4_linear takes it (its K a whole number
@@ -717,8 +742,9 @@ int64_t ggml_operand(const Tensor& w, const OptTensor& scales, int64_t n, int64_
   int64_t rows = 0;
   for (int64_t p = 0; p < np; ++p) {
     const int64_t* f = t + GG_HEAD + p * GG_PART_FIELDS;
-    TORCH_CHECK_VALUE(mla_ggml_row_bytes(f[0], k) > 0 && f[2] >= mla_ggml_row_bytes(f[0], k) && f[3] >= 1, name,
-                      ": part ", p, " of the ggml operand is not rows of ", k, " values in a type the kernels read");
+    TORCH_CHECK_VALUE(mla_ggml_row_bytes(f[0], k) > 0 && f[2] >= mla_ggml_row_bytes(f[0], k) && f[3] >= 1 &&
+                          gg_part_whole(f[0], rows, f[3], f[2], mla_ggml_row_bytes(f[0], k)),
+                      name, ": part ", p, " of the ggml operand is not rows of ", k, " values in a type the kernels read");
     rows += f[3];
   }
   TORCH_CHECK_VALUE(rows == n, name, ": the ggml operand's parts hold ", rows, " rows, not ", n);
@@ -1186,6 +1212,7 @@ TORCH_LIBRARY_FRAGMENT(mla_kernels, m) {
   m.def("int4_from_stored(Tensor stored) -> Tensor");
   m.def("ggml_linear(Tensor x, Tensor w, int type, str variant=\"auto\") -> Tensor");
   m.def("ggml_parts(Tensor[] parts, int[] types, int k) -> Tensor");
+  m.def("ggml_repack(Tensor w, int k) -> Tensor");
   m.def("fp4_table(Tensor w, Tensor scales, Tensor? global_scales=None) -> Tensor");
   m.def("int4_table(Tensor w, Tensor scales, Tensor? zeros, int group, int k) -> Tensor");
   m.def("amx_pack(Tensor w) -> Tensor");
@@ -1250,6 +1277,7 @@ TORCH_LIBRARY_IMPL(mla_kernels, CPU, m) {
   m.impl("int4_from_stored", &int4_from_stored);
   m.impl("ggml_linear", &ggml_linear);
   m.impl("ggml_parts", &ggml_parts);
+  m.impl("ggml_repack", &ggml_repack);
   m.impl("fp4_table", &fp4_table);
   m.impl("int4_table", &int4_table);
   m.impl("amx_pack", &amx_pack);
