@@ -45,7 +45,12 @@
  * sums of a block or super-block, so no sum runs across lanes per block, and each row
  * gets the same integers and float operations in the same order: the same bits. On this 2-core Zen 4, [2816, 2048]
  * times 256 rows: Q8_0 1.7x, Q4_K 1.4x, Q6_K 1.35x the tile path's speed. A row is read GG_AHEAD bytes ahead of its
- * use: at 1024 a one-row Q5_0 product streamed 17.5 GB/s here, at 4096 21.5. */
+ * use: at 1024 a one-row Q5_0 product streamed 17.5 GB/s here, at 4096 21.5.
+ *
+ * Q4_K rows may also be repacked once, at load (mla_ggml_repack_q4_k, type GG_Q4_K_R8): eight rows interleaved a
+ * super-block at a time with their scales unpacked to bytes, read as one stream by gg_q4r8_rows (ggml_rows.h) at any
+ * count of input rows, in both variants, with the stored rows' bits: [2816, 2048] at one row, one thread, in cache,
+ * 0.203 -> 0.089 ms on this Zen 4. */
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
