@@ -179,10 +179,11 @@ class GgufTensors:
         return STORED_Q4_0 if types == {"Q4_0"} else STORED_GGUF
 
     def matrix(self, name: str, shard: tuple[int, int, int, int] | None, dtype: torch.dtype,
-               device: torch.device, kind: str) -> QuantizedWeight:
+               device: torch.device, kind: str, repack: bool = False) -> QuantizedWeight:
         """This rank's part of the matrix ``name`` as stored (``kind``: ``STORED_Q4_0`` or ``STORED_GGUF``), for a
         weight of ``dtype``: its rows, or its columns where they start and end on the type's blocks (else those
-        columns widened to float32, the one case a product does not keep the file's bytes)."""
+        columns widened to float32, the one case a product does not keep the file's bytes). ``repack``: the model's
+        plan runs the compiled ggml kernels, which read Q4_K faster repacked (``GgufWeight.repack``)."""
         source = self.sources[name]
         if len(source.tensors) != 1:
             raise ValueError(f"{name}: rebuilt from {', '.join(source.tensors)}, it loads widened (get), not as stored")
@@ -206,7 +207,7 @@ class GgufTensors:
             release_pages(data)
             return int4
         weight = GgufWeight([(type_name, data.to(device))], k, dtype)
-        if weight.repack():  # Q4_K read faster repacked: the map's pages under the stored rows are let go
+        if repack and weight.repack():  # the map's pages under the stored rows are let go
             release_pages(data)
         return weight
 

@@ -677,7 +677,8 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
             attn.kv_b_proj.one_layout = True
     _allocate_float_parameters(model, table, kinds, device)
     matrices = _QuantizedMatrices({n: params[n].shape for n in kinds})
-    _fill(model, table, kinds, reader, matrices, _Sources(quantization, compressed, scale_names, device))
+    ggml_kernels = device.type == "cpu" and model.plan.ggml_failure is None
+    _fill(model, table, kinds, reader, matrices, _Sources(quantization, compressed, scale_names, device, ggml_kernels))
     _fold_lora_scales(model)
     install_quantized(model, matrices.result())
     _absorbed_scales(model, reader)
@@ -779,6 +780,7 @@ class _Sources:
     compressed: set[str]
     scale_names: set[str]
     device: torch.device
+    ggml_kernels: bool = False  # the model's plan reads ggml blocks in the compiled kernels (a GGUF's Q4_K repacked)
 
 
 def _fill(model: DeepseekForCausalLM, table: dict[str, Any], kinds: dict[str, str], reader: _Reader | GgufTensors,
@@ -821,7 +823,7 @@ def _fill_one(cfg: ModelConfig, name: str, slot: Any, param: nn.Parameter, kind:
                 matrices.add(slot.param, expert, first + row, piece)
         return 0
     if kind in (STORED_GGUF, STORED_Q4_0):
-        matrix = cast(GgufTensors, reader).matrix(name, slot.shard, param.dtype, device, kind)
+        matrix = cast(GgufTensors, reader).matrix(name, slot.shard, param.dtype, device, kind, src.ggml_kernels)
         matrices.add(slot.param, expert, first, matrix)
         return 0
     if kind == STORED_FP8:

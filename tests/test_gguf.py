@@ -174,6 +174,21 @@ def test_greedy_tokens_equal_transformers_on_the_dequantised_weights(written, ca
     assert got == want
 
 
+@pytest.mark.parametrize("case", ["v3_mixed_kquants", "v2_q8_0_split_kv_b"])
+def test_the_widened_products_under_cpu_gemm_plain_give_transformers_tokens(written, case):
+    """Under ``cpu_gemm=plain`` no compiled kernel reads the blocks: every product widens the stored weight (Q4_K kept
+    as stored, not repacked), and the greedy tokens still equal transformers' on the dequantised weights, batched."""
+    model, path, stored = written(case)
+    ref = reference_model(model, stored)
+    want = [ref.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):].tolist()
+            for p in PROMPTS]
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB", cpu_gemm="plain")
+    weights = [w for w in quantized_weights(llm.engine.worker.model) if isinstance(w, GgufWeight)]
+    assert weights and not any("Q4_K_R8" in w.types for w in weights)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS)]
+    assert got == want
+
+
 def test_stored_types_load_as_stored(written):
     """Q4_0 matrices become int4 ones (the bytes moved), the other block types stay in them (Q4_K repacked eight rows
     at a time where the compiled kernels read it); a matrix stacked from tensors of two types (an expert's gate Q2_K
