@@ -502,12 +502,14 @@ def test_hash_and_verify_a_gguf_file(written, tmp_path):
         checksums.verify(path)
 
 
-def test_two_ranks_read_their_slices_and_equal_one_rank(tmp_path):
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K"])
+def test_two_ranks_read_their_slices_and_equal_one_rank(tmp_path, type_name):
     """Under tensor parallelism each rank loads its part of every matrix from the file: rows, or columns on block
     boundaries (o_proj, down_proj: 64 of 128 columns each), or columns that cut Q8_0's blocks (the shared expert's
-    down_proj: 16 of 32 columns each) widened; the tokens are one rank's."""
+    down_proj: 16 of 32 columns each) widened; Q4_K's rows (whole super-blocks of the hidden size) repacked by each
+    rank where the kernels read them; the tokens are one rank's."""
     model = tiny("v2", intermediate_size=128, v_head_dim=32, n_shared_experts=1)
-    path, _ = write_gguf(model, tmp_path / "m.gguf", products_in("Q8_0"), split_kv_b=True)
+    path, _ = write_gguf(model, tmp_path / "m.gguf", products_in(type_name), split_kv_b=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     want = [o.outputs[0].token_ids for o in LLM(str(path), dtype="float32", kv_cache_memory="8MiB")
             .generate(prompts, PARAMS)]
