@@ -350,7 +350,7 @@ def stored_bits(g: GgufModel, repacked: bool = False) -> dict[str, float]:
     bytes over their values (a float tensor stacked with a quantised one stays in its type too); one stored in float
     types alone is left out, as it loads in the model's format. (On more than one rank the embedding loads widened:
     ``footprint.weight_footprint`` leaves it out there.) ``repacked``: as the compiled CPU kernels hold them, a Q4_K
-    matrix of whole groups of eight rows in 148 bytes a super-block (``GgufWeight.repack``)."""
+    product of whole groups of eight rows in 148 bytes a super-block (``GgufWeight.repack``; not the embedding)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     sizes: dict[str, list[int]] = {}
@@ -366,7 +366,8 @@ def stored_bits(g: GgufModel, repacked: bool = False) -> dict[str, float]:
         if t.type_name not in FLOAT_TYPES:
             quantised.add(param)
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType[t.type_name]]
-        if repacked and t.type_name == "Q4_K" and len(t.shape) > 1 and t.shape[-2] % 8 == 0:
+        if repacked and t.type_name == "Q4_K" and len(t.shape) > 1 and t.shape[-2] % 8 == 0 \
+                and name != "token_embd.weight":  # an embedding is looked up, not repacked
             size = R8_BYTES
         values = 1
         for d in t.shape:

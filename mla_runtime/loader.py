@@ -41,7 +41,7 @@ import re
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -610,10 +610,13 @@ def _weight_kinds(cfg: ModelConfig, table: dict[str, Slot | None], params: Mappi
     return kinds
 
 
+EMBEDDING = "model.embed_tokens.weight"
+
+
 def _stored_embedding(model: DeepseekForCausalLM) -> list[str]:
     """The embedding, where a GGUF file's quantised table may stay as stored (``layers.embedding``): on one rank (a
     rank's vocabulary rows may be padded) and untied (a tied table is the lm_head's weight as well)."""
-    return [] if model.par.enabled or model.lm_head is None else ["model.embed_tokens.weight"]
+    return [] if model.par.enabled or model.lm_head is None else [EMBEDDING]
 
 
 def _gguf_kinds(table: dict[str, Slot | None], reader: GgufTensors, product_names: list[str]) -> dict[str, str]:
@@ -677,8 +680,7 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, quantization: str
             attn.kv_b_proj.one_layout = True
     _allocate_float_parameters(model, table, kinds, device)
     matrices = _QuantizedMatrices({n: params[n].shape for n in kinds})
-    ggml_kernels = device.type == "cpu" and model.plan.ggml_failure is None
-    _fill(model, table, kinds, reader, matrices, _Sources(quantization, compressed, scale_names, device, ggml_kernels))
+    _fill(model, table, kinds, reader, matrices, _Sources(quantization, compressed, scale_names, device))
     _fold_lora_scales(model)
     install_quantized(model, matrices.result())
     _absorbed_scales(model, reader)
@@ -789,6 +791,7 @@ def _fill(model: DeepseekForCausalLM, table: dict[str, Any], kinds: dict[str, st
     handing freed pages back to the system every ``TRIM_BYTES`` converted."""
     from tqdm import tqdm
 
+    src = replace(src, ggml_kernels=src.device.type == "cpu" and model.plan.ggml_failure is None)
     params = dict(model.named_parameters())
     # on a terminal only (disable=None), and on one rank only
     bar = tqdm(total=sum(slot is not None for slot in table.values()), desc="loading weights", unit="tensor",
@@ -823,7 +826,8 @@ def _fill_one(cfg: ModelConfig, name: str, slot: Any, param: nn.Parameter, kind:
                 matrices.add(slot.param, expert, first + row, piece)
         return 0
     if kind in (STORED_GGUF, STORED_Q4_0):
-        matrix = cast(GgufTensors, reader).matrix(name, slot.shard, param.dtype, device, kind, src.ggml_kernels)
+        repack = src.ggml_kernels and name != EMBEDDING  # a stored embedding is looked up, never multiplied
+        matrix = cast(GgufTensors, reader).matrix(name, slot.shard, param.dtype, device, kind, repack)
         matrices.add(slot.param, expert, first, matrix)
         return 0
     if kind == STORED_FP8:
