@@ -327,6 +327,14 @@ TOP_STORED = {"output.weight": "lm_head", "token_embd.weight": "model.embed_toke
 
 
 R8_BYTES = 148  # a repacked Q4_K row's bytes a super-block: 144, its 12 bytes of 6-bit scales as 16 (GgufWeight)
+
+
+def repacks(type_name: str, rows: int) -> bool:
+    """Whether the compiled CPU kernels hold a product's part of ``rows`` rows in ``type_name`` repacked
+    (``GgufWeight.repack``, Q4_K_R8): Q4_K in whole groups of eight rows. The one rule the load and the planner
+    share."""
+    return type_name == "Q4_K" and rows % 8 == 0
+
 RUN = 32  # values of a run: one scale and one offset (gguf_weight.run_scales, layers.factor_runs)
 RUN_BLOCKS = ("Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1")  # 32-value blocks: a float16 scale (and minimum) each
 RUN_SUPERS = ("Q4_K", "Q5_K")  # super-blocks of eight 32-value sub-blocks: d sc and -dmin m each
@@ -366,7 +374,7 @@ def stored_bits(g: GgufModel, repacked: bool = False) -> dict[str, float]:
         if t.type_name not in FLOAT_TYPES:
             quantised.add(param)
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType[t.type_name]]
-        if repacked and t.type_name == "Q4_K" and len(t.shape) > 1 and t.shape[-2] % 8 == 0 \
+        if repacked and len(t.shape) > 1 and repacks(t.type_name, t.shape[-2]) \
                 and name != "token_embd.weight":  # an embedding is looked up, not repacked
             size = R8_BYTES
         values = 1

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from mla_kernels import cpu_kernels
 from mla_kernels.cpu_check import GGML_TYPES
-from mla_runtime.gguf_meta import R8_BYTES, RUN, RUN_BLOCKS, RUN_SUPERS
+from mla_runtime.gguf_meta import R8_BYTES, RUN, RUN_BLOCKS, RUN_SUPERS, repacks
 from mla_runtime.kernel_plan import KernelPlan
 from mla_runtime.layers.int4 import Int4Weight
 from mla_runtime.layers.qweight import WIDEN_CHUNK_ELEMENTS, QuantizedWeight, default_plan
@@ -271,10 +271,10 @@ class GgufWeight(QuantizedWeight):
         (``cpu_kernels.ggml_repack``: the same values, read as one stream at every count of input rows, with the
         stored rows' bits, about twice as fast in cache): True if a part did, and the matrix no longer holds its
         stored bytes. A matrix the kernels do not read keeps its parts."""
-        if not self.kernel or not any(t == "Q4_K" and d.shape[0] % 8 == 0 for t, d in self.parts):
+        if not self.kernel or not any(repacks(t, d.shape[0]) for t, d in self.parts):
             return False
-        self.parts = [(Q4_K_R8, cpu_kernels.ggml_repack(d, self.k)) if t == "Q4_K" and d.shape[0] % 8 == 0
-                      else (t, d) for t, d in self.parts]
+        self.parts = [(Q4_K_R8, cpu_kernels.ggml_repack(d, self.k)) if repacks(t, d.shape[0]) else (t, d)
+                      for t, d in self.parts]
         self.operand = None
         return True
 

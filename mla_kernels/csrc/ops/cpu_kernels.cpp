@@ -351,7 +351,8 @@ Tensor ggml_parts(at::TensorList parts, at::IntArrayRef types, int64_t k) {
 // [N, K / 256 x 148] in type MLA_GG_Q4_K_R8 (../gemv_ggml.c), the same values eight rows interleaved.
 Tensor ggml_repack(const Tensor& w, int64_t k) {
   const char* op = "ggml_repack";
-  const int64_t from = mla_ggml_row_bytes(12, k), to = mla_ggml_row_bytes(MLA_GG_Q4_K_R8, k);
+  const int64_t q4_k = 12;  // ggml's number for Q4_K
+  const int64_t from = mla_ggml_row_bytes(q4_k, k), to = mla_ggml_row_bytes(MLA_GG_Q4_K_R8, k);
   TORCH_CHECK_VALUE(from > 0, op, ": Q4_K rows of ", k, " values are not whole super-blocks of 256");
   TORCH_CHECK_VALUE(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.size(0) % 8 == 0 &&
                         w.size(0) >= 8 && w.size(1) == from && w.stride(1) == 1 && w.stride(0) >= from,
