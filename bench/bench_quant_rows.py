@@ -8,7 +8,7 @@ A prefill's products multiply many input rows into each weight row while it is i
 weight hot (the same matrix every call), unlike ``bench_gemv.py``'s decode products, which stream it from memory. For
 each format, shape ``[N, K]`` (``N`` outputs, ``K`` inputs) and row count it prints the best of ``--repeats`` calls
 of every variant of ``cpu_kernels.linear`` (W8A8: of its operator, which rounds the rows to int8 per row inside the
-call) this CPU runs (``avx2``, ``avx512_vnni``), in milliseconds and in
+call) this CPU runs (``avx2``, ``avx512_vnni``; W8A8 also ``amx``, its int8 tiles), in milliseconds and in
 multiply-adds a second, beside oneDNN's float32 product of the dequantised weight in its blocked layout (what a
 float32 model of the same shape computes). Set ``MLA_CPU_ISA=avx2`` to see what an AVX2 CPU runs.
 """
@@ -47,7 +47,7 @@ def candidates(fmt: str, weight: QuantizedWeight, x: torch.Tensor) -> dict[str, 
     out: dict[str, Callable[[], object]]
     if isinstance(weight, W8A8Weight):  # its rows rounded to int8 per row inside the call
         out = {f"{fmt} {v}": (lambda v=v: cpu_kernels.ops().w8a8_linear(x, weight.qweight, weight.scales, v))
-               for v in cpu_kernels.variants("int8")}
+               for v in cpu_kernels.variants("w8a8")}
     else:
         operand = (weight.qweight, weight.row_scales) if isinstance(weight, Int8Weight) else \
             (weight.packed, weight.scales)

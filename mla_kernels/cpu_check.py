@@ -233,12 +233,12 @@ def _ggml(g: torch.Generator, kind: str) -> str | None:
 
 
 def _w8a8(g: torch.Generator, kind: str) -> str | None:
-    """Every int8 variant the CPU executes against ``w8a8_format.w8a8_product`` (its exact int32 sums), bit for bit:
-    row and column tails, rows that round to themselves (largest magnitude 127), random float rows, a zero row, and
-    sums past float32's exact integers (2^24)."""
+    """Every W8A8 variant the CPU executes (AMX int8 tiles included) against ``w8a8_format.w8a8_product`` (its exact
+    int32 sums), bit for bit: row and column tails, rows that round to themselves (largest magnitude 127), random float
+    rows, a zero row, and sums past float32's exact integers (2^24)."""
     ops = _ops()
     cases = []
-    for n, k, rows in ((37, 77, 1), (9, 64, 5), (70, 512, 13), (5, 33, 70)):
+    for n, k, rows in ((37, 77, 1), (9, 64, 5), (70, 512, 13), (5, 33, 70), (40, 200, 20)):
         w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
         sw = torch.rand(n, generator=g) + 0.5
         x = torch.randn(rows, k, generator=g) * 3
@@ -248,7 +248,7 @@ def _w8a8(g: torch.Generator, kind: str) -> str | None:
     ints[:, 0] = 127.0
     cases.append((ints, torch.randint(-128, 128, (7, 96), generator=g, dtype=torch.int8), torch.full((7,), 0.5)))
     cases.append((torch.full((2, 2048), 1.5), torch.full((3, 2048), 127, dtype=torch.int8), torch.ones(3)))
-    for variant in cpu_kernels.variants("int8"):
+    for variant in cpu_kernels.variants("w8a8"):
         for x, w, sw in cases:
             if not torch.equal(ops.w8a8_linear(x, w, sw, variant), w8a8_product(x, w, sw)):
                 return f"the W8A8 kernel ({variant}) differs from its exact integer products on this CPU"

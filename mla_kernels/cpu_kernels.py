@@ -245,10 +245,10 @@ def _variants() -> tuple[tuple[str, bool], ...]:
 
 def variants(kind: str, runs_only: bool = True) -> tuple[str, ...]:
     """The variants of the ``kind`` products, slowest first: "float" (float32, bfloat16 and float16 weights, and the
-    absorbed attention: "avx2", "avx512"), "int8", "int4" or "ggml" ("avx2", "avx512_vnni"); those this CPU
-    executes, or all that are built (``runs_only=False``). ``linear`` takes the fastest unless told (float: AVX-512
-    for float32 weights from four rows on, for half weights from two). The int8, int4 and ggml ones give identical
-    results; the float ones each sum in their own order, and within one a row's result does not depend on the rows
-    beside it."""
+    absorbed attention: "avx2", "avx512"), "int8", "int4" or "ggml" ("avx2", "avx512_vnni"), "w8a8" ("avx2",
+    "avx512_vnni", "amx": AMX int8 tiles from a few rows on); those this CPU executes, or all that are built
+    (``runs_only=False``). ``linear`` takes the fastest unless told (float: AVX-512 for float32 weights from four rows
+    on, for half weights from two). The int8, int4, ggml and w8a8 ones give identical results; the float ones each
+    sum in their own order, and within one a row's result does not depend on the rows beside it."""
     return tuple(name.split(".", 1)[1] for name, runs in _variants()
                  if name.startswith(kind + ".") and (runs or not runs_only))

@@ -31,6 +31,7 @@ from mla_kernels import (  # noqa: E402
 )
 from mla_kernels.common import dequantize_rows, quantize_per_token  # noqa: E402
 from mla_kernels.reference import ref_mla_decode  # noqa: E402
+from mla_kernels.w8a8_format import w8a8_product  # noqa: E402
 from mla_runtime import LLM, SamplingParams  # noqa: E402
 from mla_runtime import kernel_plan as kernel_plan_module  # noqa: E402
 from mla_runtime.attention.paged import PagedBackend  # noqa: E402
@@ -1719,7 +1720,8 @@ def test_a_process_capped_at_avx2_computes_the_avx2_variants_bits(tmp_path):
     got = torch.load(out)
     assert said["cap"] == "avx2" and "capped at avx2 by $MLA_CPU_ISA" in said["summary"]
     assert [v for v in said["products"] if v.endswith(":runs")] == ["float.avx2:runs", "int8.avx2:runs",
-                                                                    "int4.avx2:runs", "ggml.avx2:runs"]
+                                                                    "int4.avx2:runs", "ggml.avx2:runs",
+                                                                    "w8a8.avx2:runs"]
     assert [v for v in said["indexer"] if v.endswith(":runs")] == ["avx2:runs", "generic:runs"]
     assert said["amx"] == "$MLA_CPU_ISA caps this process at avx2, below the AMX tiles" and said["native_bf16"] == []
     if "avx512" in cpu_kernels.variants("float"):  # what it left out, this CPU runs
@@ -1759,12 +1761,12 @@ def emulated_tiles_unrunnable() -> str | None:
     return None
 
 
-def amx_skip(why: str) -> str:
+def amx_skip(why: str, what: str = "bfloat16") -> str:
     """Why an AMX test skips here, and where it runs instead when the CPU merely has no tiles."""
     elsewhere = "" if cpu_ops.isa_cap() != "amx" else (
         " (test_the_amx_route_runs_on_emulated_tiles_where_the_cpu_has_none runs it over tiles emulated in software, "
         "on CPUs with AVX512-BF16)")
-    return f"this CPU does not execute the AMX bfloat16 products: {why}{elsewhere}"
+    return f"this CPU does not execute the AMX {what} products: {why}{elsewhere}"
 
 
 def test_amx_products_are_the_bfloat16_product_where_the_cpu_has_tiles():
@@ -1839,6 +1841,39 @@ def test_a_prefill_takes_the_amx_tiles_as_near_the_float32_logits_as_onednn(tiny
     assert err["auto"] <= 2e-2 and err["auto"] <= 1.5 * err["onednn"], err
 
 
+def test_w8a8_products_of_several_rows_run_on_the_amx_int8_tiles_where_the_cpu_has_them():
+    """Where the CPU has AMX int8 tiles, W8A8's products of 8 rows or more run on them (its "amx" variant, the one
+    "auto" takes there): the exact integer sums of ``w8a8_format.w8a8_product`` bit for bit, which are the AVX-512
+    VNNI variant's bits, for partial tiles of weight rows and of input rows, K past its last 64 values and a chunk of
+    64 rows; a row's result is the same bits alone (fewer rows take the VNNI products). Elsewhere asking for the
+    variant is refused by name, and the test is skipped."""
+    if cpu_kernels.failure("w8a8") is not None:
+        pytest.skip(f"the W8A8 kernels do not run here: {cpu_kernels.failure('w8a8')}")
+    assert cpu_kernels.variants("w8a8", runs_only=False) == ("avx2", "avx512_vnni", "amx")
+    ops = cpu_kernels.ops()
+    if "amx" not in cpu_kernels.variants("w8a8"):
+        assert not dict(ops.limits())["amx_int8"] or cpu_ops.isa_cap() != "amx"
+        with pytest.raises(ValueError, match="cannot run the amx variant"):
+            ops.w8a8_linear(torch.randn(8, 64), torch.ones(16, 64, dtype=torch.int8), torch.ones(16), "amx")
+        why = (f"${cpu_ops.ISA_ENV} caps this process at {cpu_ops.isa_cap()}" if cpu_ops.isa_cap() != "amx" else
+               "no AMX int8 tiles (amx-tile, amx-int8 beside AVX-512 VNNI), or the kernel does not let a process use "
+               "them")
+        pytest.skip(amx_skip(why, "int8"))
+    assert dict(ops.limits())["amx_int8"] == 1
+    g = torch.Generator().manual_seed(8)
+    for m, n, k in ((8, 16, 64), (64, 2816 // 11, 2048), (23, 45, 777), (9, 100, 1408)):
+        x = torch.randn(m, k, generator=g) * 3
+        x[0] = 0.0
+        w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+        sw = torch.rand(n, generator=g) + 0.25
+        got = ops.w8a8_linear(x, w, sw, "amx")
+        assert torch.equal(got, w8a8_product(x, w, sw)), (m, n, k)
+        assert torch.equal(ops.w8a8_linear(x, w, sw, "avx512_vnni"), got)
+        assert torch.equal(ops.w8a8_linear(x, w, sw, "auto"), got)
+        for i in (1, m - 1):
+            assert torch.equal(ops.w8a8_linear(x[i:i + 1], w, sw, "amx"), got[i:i + 1])
+
+
 def test_the_amx_route_runs_on_emulated_tiles_where_the_cpu_has_none():
     """On a CPU with AVX512-BF16 and no AMX, a process whose operators are built over tiles emulated in software
     (``$MLA_CPU_EMULATE_AMX=1``: a build of its own) takes the whole AMX route, and the AMX tests pass in it: the
@@ -1855,10 +1890,11 @@ def test_the_amx_route_runs_on_emulated_tiles_where_the_cpu_has_none():
         pytest.skip(why)
     env = {**os.environ, cpu_ops.EMULATE_AMX_ENV: "1"}
     run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs", __file__, "-k",
-                          "amx_products_are_the_bfloat16_product or prefill_takes_the_amx_tiles"],
+                          "amx_products_are_the_bfloat16_product or prefill_takes_the_amx_tiles or "
+                          "run_on_the_amx_int8_tiles"],
                          env=env, cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True,
                          timeout=900, check=False)
-    assert run.returncode == 0 and "2 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.returncode == 0 and "3 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
 
 
 def test_the_amx_products_compute_the_bfloat16_product_on_emulated_tiles(tmp_path):

@@ -1,14 +1,15 @@
-/* The AMX tile instructions that amx_bf16.c uses, in software, so that its products run on a CPU without AMX: for
- * tests only. Two ways in: the typed operators built with MLA_AMX_EMULATE defined (amx_bf16.c includes this header
- * then, and mla_amx_bf16() answers from the CPU's AVX512-BF16 alone: mla_kernels.cpu_ops does so when
- * $MLA_CPU_EMULATE_AMX is 1), or a test program that compiles amx_bf16.c with -include of this header (it takes
- * <immintrin.h> itself first, so amx_bf16.c's own inclusion is a no-op). Either way the tile intrinsics become
- * functions over eight 1 KB tiles per thread.
+/* The AMX tile instructions that amx_bf16.c and amx_int8.c use, in software, so that their products run on a CPU
+ * without AMX: for tests only. Two ways in: the typed operators built with MLA_AMX_EMULATE defined (the two sources
+ * include this header then, and mla_amx_bf16() answers from the CPU's AVX512-BF16 alone, mla_amx_int8() from AVX2:
+ * mla_kernels.cpu_ops does so when $MLA_CPU_EMULATE_AMX is 1), or a test program that compiles amx_bf16.c with
+ * -include of this header (it takes <immintrin.h> itself first, so amx_bf16.c's own inclusion is a no-op). Either way
+ * the tile intrinsics become functions over eight 1 KB tiles per thread.
  *
  * Each instruction checks what the hardware faults on (a tile used before a configuration, a configuration other
- * than palette 1, a tile wider than 64 bytes or taller than 16 rows, the shapes of TDPBF16PS's operands) and aborts
- * with a message instead. TDPBF16PS accumulates each pair of products into its float32 sum as the SDM's pseudocode
- * gives it, widening the bfloat16 values exactly. */
+ * than palette 1, a tile wider than 64 bytes or taller than 16 rows, the shapes of TDPBF16PS's and TDPBSSD's
+ * operands) and aborts with a message instead. TDPBF16PS accumulates each pair of products into its float32 sum as the SDM's pseudocode
+ * gives it, widening the bfloat16 values exactly; TDPBSSD sums each four products of signed bytes into its int32 sum
+ * (wrapping as the hardware's int32 addition does). */
 #ifndef MLA_AMX_EMULATE_H
 #define MLA_AMX_EMULATE_H
 #include <immintrin.h>
@@ -95,6 +96,26 @@ static void emu_dpbf16ps(int c, int a, int b) {
         }
 }
 
+/* c[m][n] += sum over k of a[m][4k + i] b[k][4n + i], i < 4, signed bytes, in int32 */
+static void emu_dpbssd(int c, int a, int b) {
+    emu_check(c);
+    emu_check(a);
+    emu_check(b);
+    if (emu_tiles.rows[c] != emu_tiles.rows[a] || emu_tiles.colsb[c] != emu_tiles.colsb[b] ||
+        emu_tiles.colsb[a] != 4 * emu_tiles.rows[b])
+        emu_fault("TDPBSSD operands whose shapes do not match", c);
+    for (int m = 0; m < emu_tiles.rows[c]; m++)
+        for (int n = 0; n < emu_tiles.colsb[c] / 4; n++) {
+            uint32_t acc;
+            memcpy(&acc, emu_tiles.data[c][m] + 4 * n, 4);
+            for (int k = 0; k < emu_tiles.colsb[a] / 4; k++)
+                for (int i = 0; i < 4; i++)
+                    acc += (uint32_t)((int32_t)(int8_t)emu_tiles.data[a][m][4 * k + i] *
+                                      (int32_t)(int8_t)emu_tiles.data[b][k][4 * n + i]);
+            memcpy(emu_tiles.data[c][m] + 4 * n, &acc, 4);
+        }
+}
+
 #undef _tile_loadconfig
 #undef _tile_release
 #undef _tile_zero
@@ -107,4 +128,6 @@ static void emu_dpbf16ps(int c, int a, int b) {
 #define _tile_loadd(t, base, stride) emu_loadd(t, base, stride)
 #define _tile_stored(t, base, stride) emu_stored(t, base, stride)
 #define _tile_dpbf16ps(c, a, b) emu_dpbf16ps(c, a, b)
+#undef _tile_dpbssd
+#define _tile_dpbssd(c, a, b) emu_dpbssd(c, a, b)
 #endif

@@ -10,7 +10,8 @@ static int64_t probe(void) {
            (HAS("avx512f") && HAS("avx512bw") && HAS("avx512vl") && HAS("avx512dq") && HAS("avx512cd")
                 ? MLA_CPU_AVX512 : 0) |
            (HAS("avx512vnni") ? MLA_CPU_VNNI : 0) | (HAS("avx512bf16") ? MLA_CPU_BF16 : 0) |
-           (HAS("amx-tile") && HAS("amx-bf16") ? MLA_CPU_AMX : 0);
+           (HAS("amx-tile") && HAS("amx-bf16") ? MLA_CPU_AMX : 0) |
+           (HAS("amx-tile") && HAS("amx-int8") ? MLA_CPU_AMX_INT8 : 0);
 }
 #else
 static int64_t probe(void) { return 0; }

@@ -6,10 +6,9 @@
  *
  * the sum exact in int32 (int8 values sign-extended to int16, multiplied and summed in pairs: vpmaddwd on AVX2,
  * vpdpwssd on AVX-512 VNNI for a lone row; several rows on AVX-512 VNNI as unsigned bytes xq + 128 against the
- * signed weight bytes, vpdpbusd, less 128 times the weight row's sum), then turned to float32 and scaled, the two
- * multiplications in that order. Both variants
- * (w8a8_rows.h, once per instruction set) compute the same integers, so the same bits, and a row's result does not
- * depend on the rows beside it. torch computes the same values (mla_runtime.layers.w8a8: torch._int_mm). Given
+ * signed weight bytes, vpdpbusd, less 128 times the weight row's sum; on AMX tiles, amx_int8.c, TDPBSSD), then turned to
+ * float32 and scaled, the two multiplications in that order. Every variant (w8a8_rows.h, once per instruction set, and
+ * amx_int8.c) computes the same integers, so the same bits, and a row's result does not depend on the rows beside it. torch computes the same values (mla_runtime.layers.w8a8: torch._int_mm). Given
  * row_amax (not NULL), row j takes amax = row_amax[j] in place of its own: a tensor-parallel rank holding a slice of
  * K rounds its slice with the whole row's amax (the ranks' MAX), as one rank would. */
 #include <math.h>
@@ -43,14 +42,24 @@ static float quantize_row_i8(const float *x, int16_t *q, int64_t k, const float 
 #include "w8a8_rows.h"
 #include "vec_end.h"
 
+/* The variants this process runs, bit i for variant i: 0 AVX2, 1 AVX-512 VNNI, 2 AMX int8 tiles (amx_int8.c: from
+ * AMX_W8A8_ROWS rows, the AVX-512 VNNI products below them). */
+int64_t mla_w8a8_variants(void) { return mla_i8_variants() | (mla_amx_int8() && (mla_i8_variants() & 2)) << 2; }
+
+/* The rows from which the AMX variant takes the tiles: fewer stream the weight as fast through the VNNI products */
+#define AMX_W8A8_ROWS 8
+
 void mla_gemm_w8a8(const int8_t *w, const float *scale, const float *x, const float *row_amax, float *y, int64_t rows,
                    int64_t n, int64_t k, int64_t threads, int64_t variant) {
-    const int vnni = variant < 0 ? (int)(mla_i8_variants() >> 1 & 1) : variant == 1;
+    if (variant < 0) variant = mla_w8a8_variants() >> 2 & 1 ? 2 : mla_i8_variants() >> 1 & 1;
+    const int vnni = variant >= 1, tiles = variant == 2 && rows >= AMX_W8A8_ROWS;
     int16_t *xq = (int16_t *)alloc_lines((size_t)(rows * k) * sizeof(int16_t));
     float *sx = (float *)malloc((size_t)rows * sizeof(float));
     if (!xq || !sx) abort(); /* ops/cpu_kernels.cpp bounds the rows a call takes */
     for (int64_t j = 0; j < rows; j++) sx[j] = quantize_row_i8(x + j * k, xq + j * k, k, row_amax ? row_amax + j : NULL);
-    if (rows == 1) {  /* a decode step's row: the weight read as streams (w8a8_share), the same bits */
+    if (tiles) {
+        mla_amx_w8a8(w, scale, xq, sx, y, rows, n, k, threads);
+    } else if (rows == 1) {  /* a decode step's row: the weight read as streams (w8a8_share), the same bits */
         #pragma omp parallel num_threads((int)threads)
         (vnni ? w8a8_share_avx512 : w8a8_share_avx2)(w, scale, xq, sx[0], y, n, k, 1.0f, 0);
     } else if (vnni) {
@@ -72,5 +81,5 @@ float mla_w8a8_prepare(const float *x, int16_t *xq, int64_t k) { return quantize
  * prepared by mla_w8a8_prepare (xq, sx); the same bits as mla_gemm_w8a8's row. No barrier. */
 void mla_w8a8_share(int64_t variant, const int8_t *w, const float *scale, const int16_t *xq, float sx, float *y,
                     int64_t n, int64_t k, float alpha, int add) {
-    (variant == 1 ? w8a8_share_avx512 : w8a8_share_avx2)(w, scale, xq, sx, y, n, k, alpha, add);
+    (variant >= 1 ? w8a8_share_avx512 : w8a8_share_avx2)(w, scale, xq, sx, y, n, k, alpha, add);
 }

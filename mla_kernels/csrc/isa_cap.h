@@ -8,8 +8,10 @@
 
 enum IsaLevel { MLA_ISA_BASE = 0, MLA_ISA_AVX2 = 1, MLA_ISA_AVX512 = 2, MLA_ISA_AMX = 3 };
 /* Features, as bits: AVX2 with FMA, F16C and BMI2 (x86-64-v3); AVX-512 F, BW, VL, DQ and CD (x86-64-v4); and on top of
- * it VNNI, BF16 (dot products and conversions), the AMX tiles with their bfloat16 products. */
-enum CpuFeature { MLA_CPU_AVX2 = 1, MLA_CPU_AVX512 = 2, MLA_CPU_VNNI = 4, MLA_CPU_BF16 = 8, MLA_CPU_AMX = 16 };
+ * it VNNI, BF16 (dot products and conversions), the AMX tiles with their bfloat16 products, and with their int8 ones. */
+enum CpuFeature {
+    MLA_CPU_AVX2 = 1, MLA_CPU_AVX512 = 2, MLA_CPU_VNNI = 4, MLA_CPU_BF16 = 8, MLA_CPU_AMX = 16, MLA_CPU_AMX_INT8 = 32
+};
 
 #ifdef __cplusplus
 extern "C" {

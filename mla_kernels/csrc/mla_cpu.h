@@ -1,5 +1,5 @@
-/* The entry points of the compiled CPU kernels (gemv_f32.c, gemv_fp8.c, gemv_int4.c, gemv_ggml.c, amx_bf16.c,
- * mla_decode_f32.c, mla_layer_f32.c). Every source includes this header, so a definition that drifts from its declaration fails the
+/* The entry points of the compiled CPU kernels (gemv_f32.c, gemv_fp8.c, gemv_int4.c, gemv_ggml.c, gemm_w8a8.c,
+ * gemm_fp4.c, amx_bf16.c, amx_int8.c, mla_decode_f32.c, mla_layer_f32.c). Every source includes this header, so a definition that drifts from its declaration fails the
  * build; ops/cpu_kernels.cpp registers each as a typed torch operator (mla_kernels::*). Pointers are row-major
  * buffers, sizes are element counts, "threads" the OpenMP threads a call may use. */
 #ifndef MLA_CPU_H
@@ -101,6 +101,7 @@ void mla_gemm_few_half(const uint16_t *w, int64_t kind, const float *x, float *y
 void mla_gemm_few_i8(const int8_t *w, const float *scale, const float *x, float *y, int64_t m, int64_t n, int64_t k,
                      int64_t threads, int64_t variant);
 int64_t mla_i8_variants(void);
+int64_t mla_w8a8_variants(void);
 void mla_gemm_fp4(int64_t kind, const uint8_t *w, const uint8_t *scales, const float *global, const float *x,
                   float *y, int64_t m, int64_t n, int64_t k, int64_t threads, int64_t variant);
 void mla_fp4_share(int64_t variant, const uint8_t *w, const int64_t *fp4, const float *x, float *y, float alpha,
@@ -148,6 +149,12 @@ int64_t mla_amx_bf16(void);
 void mla_amx_pack_bf16(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k);
 void mla_amx_linear_bf16(const float *xf, const uint16_t *xb, int64_t ld, const uint16_t *packed, float *y,
                          int64_t m, int64_t n, int64_t k, int64_t threads);
+/* AMX int8 products (amx_int8.c): 1 where this CPU and kernel run them; y [m, n] = W8A8's product of int8 rows xq
+ * [m, k] (held as int16, scales sx [m]) and the int8 weight w [n, k] as stored (row scales sw [n]), the same bits as
+ * gemm_w8a8.c's other variants. */
+int64_t mla_amx_int8(void);
+void mla_amx_w8a8(const int8_t *w, const float *sw, const int16_t *xq, const float *sx, float *y, int64_t m, int64_t n,
+                  int64_t k, int64_t threads);
 /* The absorbed factors' formats (W_UK [H, k = d_n, n = d_c], W_UV^T [H, k = d_c, n = d_v]): float32, bfloat16, or
  * runs: a head's k x n int8 values q, then float32 A and B [k / FACTOR_RUN, n], the value at (i, j) fma(A[i / 32][j],
  * q[i][j], B[i / 32][j]): a quantised checkpoint's factors exactly, where its blocks of 32 run along k (a GGUF file's

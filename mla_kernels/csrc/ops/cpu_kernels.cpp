@@ -94,29 +94,40 @@ int64_t expect_keys(const Tensor& slots, const Tensor& lens, int64_t t, int64_t 
 
 // -- products ------------------------------------------------------------------------------------------------------
 
-// The products' variants, slowest first (bit i of mla_float_variants() / mla_i8_variants() / mla_i4_variants()):
-// the few-row float products (float32, bfloat16, float16 weights), and the int8 and int4 ones.
+// The products' variants, slowest first (bit i of mla_float_variants() / mla_i8_variants() / mla_i4_variants() /
+// mla_w8a8_variants()): the few-row float products (float32, bfloat16, float16 weights), the int8 and int4 ones, and
+// W8A8's, whose third takes AMX int8 tiles.
 const char* const FLOAT_VARIANTS[] = {"avx2", "avx512"};
 const char* const QUANT_VARIANTS[] = {"avx2", "avx512_vnni"};
+const char* const W8A8_VARIANTS[] = {"avx2", "avx512_vnni", "amx"};
 
-// Variant 1 of each family is AVX-512: above a process capped at AVX2 (isa_cap.h).
-bool above_cap(int64_t i) { return i == 1 && !mla_isa_allows(MLA_ISA_AVX512); }
+// Variant 1 of each family is AVX-512, variant 2 AMX: above a process capped below them (isa_cap.h).
+bool above_cap(int64_t i) {
+  return (i == 1 && !mla_isa_allows(MLA_ISA_AVX512)) || (i == 2 && !mla_isa_allows(MLA_ISA_AMX));
+}
 
-// "auto" (-1: the fastest this CPU runs) or the index of a variant the CPU runs.
-int64_t variant_index(c10::string_view name, int64_t runs, const char* const* names, const char* op) {
+// "auto" (-1: the fastest this CPU runs) or the index of a variant the CPU runs, of `count` names.
+int64_t variant_index(c10::string_view name, int64_t runs, const char* const* names, const char* op,
+                      int64_t count = 2) {
   if (name == "auto") return -1;
-  for (int64_t i = 0; i < 2; ++i) {
+  for (int64_t i = 0; i < count; ++i) {
     if (name == names[i]) {
-      TORCH_CHECK_VALUE(runs >> i & 1, op, ": this ", above_cap(i) ? "process (capped at AVX2 by MLA_CPU_ISA)" : "CPU",
+      TORCH_CHECK_VALUE(runs >> i & 1, op, ": this ",
+                        above_cap(i) ? (i == 1 ? "process (capped at AVX2 by MLA_CPU_ISA)"
+                                               : "process (capped below AMX by MLA_CPU_ISA)")
+                                     : "CPU",
                         " cannot run the ", names[i], " variant");
       return i;
     }
   }
-  TORCH_CHECK_VALUE(false, op, ": unknown variant '", name, "' (auto, ", names[0], ", ", names[1], ")");
+  std::string known = names[0];
+  for (int64_t i = 1; i < count; ++i) known += std::string(", ") + names[i];
+  TORCH_CHECK_VALUE(false, op, ": unknown variant '", name, "' (auto, ", known, ")");
   return -1;
 }
 
-int64_t fastest(int64_t runs) { return runs >> 1 & 1 ? 1 : 0; }
+// The fastest of the variants `runs` holds: the last.
+int64_t fastest(int64_t runs) { return runs >> 2 & 1 ? 2 : runs >> 1 & 1 ? 1 : 0; }
 
 bool quantized(at::ScalarType w) { return w == at::kChar || w == at::kByte || w == at::kFloat8_e4m3fn; }
 
@@ -781,7 +792,7 @@ int64_t int8_kind(const Tensor& scales, int64_t n, const char* name) {
     return W_I8;
   }
   expect(scales, at::kFloat, {n, 1}, name, "the W8A8 row scales");
-  return W_W8A8 + fastest(mla_i8_variants());  // w8a8_linear's "auto"
+  return W_W8A8 + fastest(mla_w8a8_variants());  // w8a8_linear's "auto"
 }
 
 // A weight operand [n, k] of a table: its three fields (weight, scales, kind), from the weight's dtype, checked.
@@ -1160,7 +1171,7 @@ Tensor w8a8_linear(const Tensor& x, const Tensor& w, const Tensor& scales, c10::
   expect(scales, at::kFloat, {n}, op, "the row scales");
   if (row_amax) expect(*row_amax, at::kFloat, {rows}, op, "the rows' amax");
   TORCH_CHECK_VALUE(k >= 1, op, ": rows of at least one value, got x ", x.sizes());
-  const int64_t v = variant_index(variant, mla_i8_variants(), QUANT_VARIANTS, op);
+  const int64_t v = variant_index(variant, mla_w8a8_variants(), W8A8_VARIANTS, op, 3);
   const Tensor xs = x.to(at::kFloat).contiguous();
   Tensor y = rows_out(x, n);
   const float* xp = ptr<const float>(xs);
@@ -1175,14 +1186,15 @@ Tensor w8a8_linear(const Tensor& x, const Tensor& w, const Tensor& scales, c10::
 // -- what this library holds -----------------------------------------------------------------------------------
 
 // The products' variants, each "<family>.<name>:runs", "...:cannot run here" or "...:above the ISA cap" (float,
-// int8, int4, ggml).
+// int8, int4, ggml, w8a8).
 std::vector<std::string> product_variants() {
   std::vector<std::string> out;
-  const int64_t masks[4] = {mla_float_variants(), mla_i8_variants(), mla_i4_variants(), mla_ggml_variants()};
-  const char* families[4] = {"float", "int8", "int4", "ggml"};
-  const char* const* names[4] = {FLOAT_VARIANTS, QUANT_VARIANTS, QUANT_VARIANTS, QUANT_VARIANTS};
-  for (int f = 0; f < 4; ++f)
-    for (int64_t i = 0; i < 2; ++i)
+  const int64_t masks[5] = {mla_float_variants(), mla_i8_variants(), mla_i4_variants(), mla_ggml_variants(),
+                            mla_w8a8_variants()};
+  const char* families[5] = {"float", "int8", "int4", "ggml", "w8a8"};
+  const char* const* names[5] = {FLOAT_VARIANTS, QUANT_VARIANTS, QUANT_VARIANTS, QUANT_VARIANTS, W8A8_VARIANTS};
+  for (int f = 0; f < 5; ++f)
+    for (int64_t i = 0; i < (f == 4 ? 3 : 2); ++i)
       out.push_back(std::string(families[f]) + "." + names[f][i] +
                     (masks[f] >> i & 1 ? ":runs" : above_cap(i) ? ":above the ISA cap" : ":cannot run here"));
   return out;
@@ -1194,6 +1206,7 @@ c10::Dict<std::string, int64_t> limits() {
   out.insert("quant_rows", MLA_QUANT_ROWS);
   out.insert("moe_max_topk", MLA_MOE_MAX_TOPK);
   out.insert("amx_bf16", mla_amx_bf16());
+  out.insert("amx_int8", mla_amx_int8());
   return out;
 }
 
