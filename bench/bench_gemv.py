@@ -27,6 +27,8 @@ Candidates (a candidate the CPU or torch build cannot run is listed as unsupport
   (one to eight rows) — ``cpu_kernels.linear`` (the rows rounded to int16, integer multiply-adds);
 - ``int4 pack-mm g32 fp32x`` / ``bf16x`` — ``torch.ops.aten._weight_int4pack_mm_for_cpu``: 4-bit weight,
   scale and zero per 32-element group;
+- ``w8a8 avx2`` / ``avx512_vnni`` / ``amx`` (``--families w8a8``) — ``cpu_kernels.ops().w8a8_linear`` in each variant
+  this CPU runs: the rows rounded to int8 per row, exact int32 sums (``amx``: AMX int8 tiles from 8 rows);
 - ``torchao int8wo`` — ``torchao.quantization.Int8WeightOnlyConfig`` where torchao is importable (optional).
 """
 
@@ -122,6 +124,19 @@ def int8_candidates(n: int, k: int, rows: int, cold_mib: int) -> dict[str, tuple
     return out
 
 
+def w8a8_candidates(n: int, k: int, rows: int, cold_mib: int) -> dict[str, tuple[Call, int]]:
+    """W8A8's operator in each variant this CPU runs (``amx``: its int8 tiles from 8 rows), weights streamed."""
+    if cpu_kernels.failure("w8a8") is not None:
+        return {"w8a8": (None, f"unsupported: {cpu_kernels.failure('w8a8')}")}  # type: ignore[dict-item]
+    g = torch.Generator().manual_seed(0)
+    nbytes = n * k + n * 4
+    ws = [torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8) for _ in range(copies_for(nbytes, cold_mib))]
+    scales = torch.rand(n, generator=g) / 127
+    x = torch.randn(rows, k, generator=g)
+    op = cpu_kernels.ops().w8a8_linear
+    return {f"w8a8 {v}": (lambda v=v: [op(x, w, scales, v) for w in ws], nbytes) for v in cpu_kernels.variants("w8a8")}
+
+
 def int4_candidates(n: int, k: int, rows: int, cold_mib: int, group: int = 32) -> dict[str, tuple[Call, int]]:
     g = torch.Generator().manual_seed(0)
     nbytes = n * k // 2 + (k // group) * n * 2 * 4
@@ -207,7 +222,8 @@ def main() -> None:
             cands: dict[str, tuple[Call, int]] = {}
             makers = {"fp32": functools.partial(float_candidates, dtype=torch.float32),
                       "bf16": functools.partial(float_candidates, dtype=torch.bfloat16),
-                      "int8": int8_candidates, "int4": int4_candidates, "torchao": torchao_candidates}
+                      "int8": int8_candidates, "int4": int4_candidates, "w8a8": w8a8_candidates,
+                      "torchao": torchao_candidates}
             for fam in args.families:
                 cands.update(makers[fam](n, k, rows, cold_mib=args.cold_mib))
             for name, res in measure(cands, args.rounds).items():

@@ -218,8 +218,10 @@ def test_served_with_speculation_streams_the_same_text():
             streamed = "".join(e["text"] for e in events)
             assert streamed == whole["text"] and sum(len(e["token_ids"]) for e in events) == 40
             accepted = live.metrics()[("mla_spec_accepted_tokens_total", ("method", "prompt_lookup"))]
-            texts[k] = (whole["text"], len(events), accepted)
+            texts[k] = (whole["text"], len(events), accepted, max(len(e["token_ids"]) for e in events))
         finally:
             live.stop()
     assert texts[4][0] == texts[0][0]
-    assert texts[4][2] > 0 and texts[4][1] < texts[0][1]  # accepted drafts: fewer, larger events
+    # accepted drafts: a step's tokens stream as one event (a slow reader may also get several steps' tokens in one
+    # event, with or without speculation: how many events there are is the reader's timing, not the engine's)
+    assert texts[4][2] > 0 and texts[4][3] > 1
