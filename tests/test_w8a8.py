@@ -82,6 +82,10 @@ def test_the_kernel_equals_the_exact_reference_bit_for_bit_in_every_variant(vari
         assert torch.equal(got, exact_reference(x, q, sw)), (m, n, k)
         for i in (0, m // 2):
             assert torch.equal(cpu_kernels.ops().w8a8_linear(x[i:i + 1], q, sw, variant), got[i:i + 1])
+    halves = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5] * 5).repeat(9, 1)  # to even, as torch rounds
+    q = torch.randint(-128, 128, (20, 40), generator=g, dtype=torch.int8)
+    assert torch.equal(cpu_kernels.ops().w8a8_linear(halves, q, torch.ones(20), variant),
+                       exact_reference(halves, q, torch.ones(20)))
     big = torch.full((3, 2048), 127, dtype=torch.int8)  # 2048 * 127 * 127 > 2^24: float32 sums would round
     x = torch.full((2, 2048), 0.75)
     assert torch.equal(cpu_kernels.ops().w8a8_linear(x, big, torch.ones(3), variant),

@@ -30,7 +30,7 @@
 #include "amx_emulate.h"  /* the tile instructions in software: tests on CPUs without AMX */
 #endif
 
-#define AMX_I8_TARGET __attribute__((target("amx-tile,amx-int8")))
+#define AMX_I8_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,amx-tile,amx-int8")))
 
 /* ldtilecfg's configuration (palette 1): bytes per row and rows of each of the eight tiles */
 struct TileConfigI8 {
@@ -42,8 +42,8 @@ struct TileConfigI8 {
 int64_t mla_amx_int8(void) {
     static int known = -1;
     if (known < 0) {
-#ifdef MLA_AMX_EMULATE  /* emulated tiles: plain C beside them */
-        known = (int)mla_cpu_has(MLA_CPU_AVX2);
+#ifdef MLA_AMX_EMULATE  /* emulated tiles, AVX-512 beside them */
+        known = (int)mla_cpu_has(MLA_CPU_AVX512 | MLA_CPU_VNNI);
 #else  /* the tiles, and the kernel's leave to use their state */
         known = mla_cpu_has(MLA_CPU_AMX_INT8) &&
                 syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
@@ -53,16 +53,20 @@ int64_t mla_amx_int8(void) {
 }
 
 /* rows xq [m, k] (int8 values held as int16) into TDPBSSD's second operand: for each block of 16 rows and each 64
- * values of K, 16 lines of 64 bytes, line g holding each row's values 4g .. 4g + 3 (rows past m: zeros) */
-static void pack_rows(const int16_t *xq, int64_t m, int64_t k, int8_t *out) {
+ * values of K, 16 lines of 64 bytes, line g holding each row's values 4g .. 4g + 3 (rows past m: zeros); a row's 64
+ * values narrowed to bytes at once, their 16 groups of four scattered down the lines */
+AMX_I8_TARGET static void pack_rows(const int16_t *xq, int64_t m, int64_t k, int8_t *out) {
     const int64_t kt = k / 64;
     memset(out, 0, (size_t)((m + 15) / 16 * kt) * 1024);
+    const __m512i lines = _mm512_mullo_epi32(_mm512_set1_epi32(16), _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7,
+                                                                                      6, 5, 4, 3, 2, 1, 0));
     for (int64_t j = 0; j < m; j++)
         for (int64_t kb = 0; kb < kt; kb++) {
-            int8_t *tile = out + ((j / 16) * kt + kb) * 1024 + (j % 16) * 4;
             const int16_t *src = xq + j * k + kb * 64;
-            for (int64_t g = 0; g < 16; g++)
-                for (int64_t i = 0; i < 4; i++) tile[g * 64 + i] = (int8_t)src[4 * g + i];
+            const __m256i lo = _mm512_cvtepi16_epi8(_mm512_loadu_si512((const void *)src));
+            const __m256i hi = _mm512_cvtepi16_epi8(_mm512_loadu_si512((const void *)(src + 32)));
+            const __m512i bytes = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+            _mm512_i32scatter_epi32(out + ((j / 16) * kt + kb) * 1024 + (j % 16) * 4, lines, bytes, 4);
         }
 }
 
@@ -78,6 +82,27 @@ AMX_I8_TARGET static void configure(struct TileConfigI8 *cfg, int a, int b, int 
     cfg->rows[6] = 16, cfg->colsb[6] = (uint16_t)(4 * p);           /* input rows */
     cfg->rows[7] = 16, cfg->colsb[7] = (uint16_t)(4 * q1);
     _tile_loadconfig(cfg);
+}
+
+/* y[j, c] = float(sum) * sx[j] * sw[c] for the sums of a tile, sums[r][i] for weight row c0 + r (r < rows) and
+ * input row j0 + i (i < cols), K's last values (kv .. k) added in scalar integers first; each input row's outputs
+ * written as one run of 16 (the sums read down a column), the same two multiplications in the same order */
+AMX_I8_TARGET static void finish(int32_t sums[16][16], const int8_t *w, const float *sw, const int16_t *xq,
+                                 const float *sx, float *y, int64_t c0, int rows, int64_t j0, int cols, int64_t n,
+                                 int64_t k, int64_t kv) {
+    if (kv < k)
+        for (int r = 0; r < rows; r++)
+            for (int i = 0; i < cols; i++)
+                for (int64_t e = kv; e < k; e++) sums[r][i] += (int32_t)w[(c0 + r) * k + e] * xq[(j0 + i) * k + e];
+    const __mmask16 keep = (__mmask16)((1u << rows) - 1);
+    const __m512i down = _mm512_mullo_epi32(_mm512_set1_epi32(16), _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7,
+                                                                                     6, 5, 4, 3, 2, 1, 0));
+    const __m512 scale = _mm512_maskz_loadu_ps(keep, sw + c0);
+    for (int i = 0; i < cols; i++) {
+        const __m512 s = _mm512_cvtepi32_ps(_mm512_i32gather_epi32(down, &sums[0][i], 4));
+        _mm512_mask_storeu_ps(y + (j0 + i) * n + c0, keep,
+                              _mm512_mul_ps(_mm512_mul_ps(s, _mm512_set1_ps(sx[j0 + i])), scale));
+    }
 }
 
 AMX_I8_TARGET static void tiles_i8(const int8_t *w, const float *sw, const int8_t *xb, const int16_t *xq,
@@ -128,20 +153,9 @@ AMX_I8_TARGET static void tiles_i8(const int8_t *w, const float *sw, const int8_
                 if (b) _tile_stored(1, sums[1], 64);
                 if (q) _tile_stored(2, sums[2], 64);
                 if (b && q) _tile_stored(3, sums[3], 64);
-                /* sums[t][r][c]: weight row c0 + 16 (t & 1) + r against input row j0 + 16 (t >> 1) + c */
-                for (int t = 0; t < 4; t++) {
-                    const int rows = t & 1 ? b : a, cols = t >> 1 ? q : p;
-                    for (int r = 0; r < rows; r++) {
-                        const int64_t c = c0 + 16 * (t & 1) + r;
-                        const int8_t *wr = w + c * k;
-                        for (int i = 0; i < cols; i++) {
-                            const int64_t j = j0 + 16 * (t >> 1) + i;
-                            int32_t s = sums[t][r][i];
-                            for (int64_t e = kv; e < k; e++) s += (int32_t)wr[e] * xq[j * k + e];
-                            y[j * n + c] = (float)s * sx[j] * sw[c];
-                        }
-                    }
-                }
+                for (int t = 0; t < 4; t++)
+                    finish(sums[t], w, sw, xq, sx, y, c0 + 16 * (t & 1), t & 1 ? b : a, j0 + 16 * (t >> 1),
+                           t >> 1 ? q : p, n, k, kv);
             }
         }
         _tile_release();

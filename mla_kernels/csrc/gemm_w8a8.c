@@ -20,18 +20,34 @@
 #include "simd.h"
 
 /* One row rounded to int8 values held as int16, by the rule above; returns its scale. Division and rounding as
- * torch computes them (an IEEE division, nearbyintf under the default rounding mode: to nearest even). */
+ * torch computes them (an IEEE division, rounded to nearest even), eight values a step: the same values as the scalar
+ * nearbyintf(x[i] / s) (a NaN's conversion keeps its low 16 bits, as the scalar conversion to int16 does). */
 static float quantize_row_i8(const float *x, int16_t *q, int64_t k, const float *given_amax) {
     float amax = 0.0f;
+    int64_t i = 0;
     if (given_amax) amax = *given_amax;
-    else
-        for (int64_t i = 0; i < k; i++) amax = fmaxf(amax, fabsf(x[i]));
+    else {  /* NaNs left out, as fmaxf leaves them out: max_ps returns its second operand when either is NaN */
+        const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        __m256 m = _mm256_setzero_ps();
+        for (; i + 8 <= k; i += 8) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask), m);
+        amax = hmax8(m);
+        for (; i < k; i++) amax = fmaxf(amax, fabsf(x[i]));
+    }
     const float s = amax / 127.0f;
     if (!(s > 0.0f)) {
         memset(q, 0, (size_t)k * sizeof(int16_t));
         return s == 0.0f ? 0.0f : s;
     }
-    for (int64_t i = 0; i < k; i++) q[i] = (int16_t)nearbyintf(x[i] / s);
+    const __m256 sv = _mm256_set1_ps(s);
+    const __m256i low = _mm256_set1_epi32(0xffff);
+    for (i = 0; i + 16 <= k; i += 16) {
+        const int r = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        const __m256i a = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), sv), r));
+        const __m256i b = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + i + 8), sv), r));
+        const __m256i ab = _mm256_packus_epi32(_mm256_and_si256(a, low), _mm256_and_si256(b, low));
+        _mm256_storeu_si256((__m256i *)(q + i), _mm256_permute4x64_epi64(ab, 0xd8));
+    }
+    for (; i < k; i++) q[i] = (int16_t)nearbyintf(x[i] / s);
     return s;
 }
 
@@ -56,6 +72,7 @@ void mla_gemm_w8a8(const int8_t *w, const float *scale, const float *x, const fl
     int16_t *xq = (int16_t *)alloc_lines((size_t)(rows * k) * sizeof(int16_t));
     float *sx = (float *)malloc((size_t)rows * sizeof(float));
     if (!xq || !sx) abort(); /* ops/cpu_kernels.cpp bounds the rows a call takes */
+    #pragma omp parallel for num_threads((int)(rows >= 8 ? threads : 1))  /* a decode step's rows: no fork */
     for (int64_t j = 0; j < rows; j++) sx[j] = quantize_row_i8(x + j * k, xq + j * k, k, row_amax ? row_amax + j : NULL);
     if (tiles) {
         mla_amx_w8a8(w, scale, xq, sx, y, rows, n, k, threads);
