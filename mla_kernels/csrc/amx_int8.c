@@ -11,7 +11,8 @@
  * the layout TDPBSSD reads ([row blocks of 16][K / 64][16 groups of four values][16 rows][4]). Each step of K loads
  * two weight tiles (32 weight rows) and two input tiles (32 rows), and accumulates four 16 x 16 int32 tiles; each
  * thread takes whole pairs of weight blocks, and while its first rows pass over one pair it prefetches the next
- * pair's (a weight streamed from memory: 48 rows of [2048, 1408] 0.36 -> 0.28 ms, bench_gemv.py, 2-core Xeon). K's last k % 64 values are summed in scalar integers into the same sums.
+ * pair's (a weight streamed from memory: 48 rows of [2048, 1408] 0.36 -> 0.28 ms, bench_gemv.py, 2-core Xeon). K's
+ * last k % 64 values are summed in scalar integers into the same sums.
  *
  * AMX needs the kernel's permission to use the tile state (Linux 5.16 and later: arch_prctl ARCH_REQ_XCOMP_PERM);
  * mla_amx_int8() asks for it once and answers 0 where the CPU, the kernel or the compiler cannot run these, or the
