@@ -137,13 +137,13 @@ AMX_I8_TARGET static void tiles_i8(const int8_t *w, const float *sw, const int8_
                 if (b) _tile_zero(1);
                 if (q) _tile_zero(2);
                 if (b && q) _tile_zero(3);
-                /* the first pass over a pair of weight blocks also asks for the next pair's rows (read from
-                 * memory as 32 short strides, which the hardware prefetchers do not follow), one line of each a step */
+                /* the first pass over a pair of weight blocks also asks for the next pair's rows (the tiles read
+                 * them as 32 short strides, which the hardware prefetchers do not follow), as many lines a step */
                 const int8_t *ahead = j0 == 0 && g + 1 < g1 ? w0 + 32 * k : NULL;
                 const int ahead_rows = ahead ? (int)(n - c0 - 32 < 32 ? n - c0 - 32 : 32) : 0;
                 for (int64_t kb = 0; kb < kt; kb++) {
-                    for (int r = 0; r < ahead_rows; r++)
-                        _mm_prefetch((const char *)(ahead + r * k + kb * 64), _MM_HINT_T1);
+                    for (int r = 0; r < ahead_rows; r++)  /* the pair's rows are one run of memory: in order */
+                        _mm_prefetch((const char *)(ahead + (kb * ahead_rows + r) * 64), _MM_HINT_T1);
                     _tile_loadd(4, w0 + kb * 64, k);
                     _tile_loadd(6, x0 + kb * 1024, 64);
                     _tile_dpbssd(0, 4, 6);
