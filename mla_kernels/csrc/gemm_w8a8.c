@@ -65,6 +65,14 @@ int64_t mla_w8a8_variants(void) { return mla_i8_variants() | (mla_amx_int8() && 
 /* The rows from which the AMX variant takes the tiles: fewer stream the weight as fast through the VNNI products */
 #define AMX_W8A8_ROWS 8
 
+/* Fewer rows than this read each thread's share of the weight as long streams (w8a8_streams); more pass over tiles of
+ * adjacent rows kept in cache (w8a8_rows). A [2816, 2048] weight streamed from memory, 2-core Xeon, VNNI: 8 rows 388
+ * -> 255 µs, 16 rows 613 -> 477; AVX2: 4 rows 587 -> 303 (bench_gemv.py --families w8a8); from about 48 rows the two
+ * tie. */
+#ifndef W8A8_STREAM_ROWS
+#define W8A8_STREAM_ROWS 33
+#endif
+
 void mla_gemm_w8a8(const int8_t *w, const float *scale, const float *x, const float *row_amax, float *y, int64_t rows,
                    int64_t n, int64_t k, int64_t threads, int64_t variant) {
     if (variant < 0) variant = mla_w8a8_variants() >> 2 & 1 ? 2 : mla_i8_variants() >> 1 & 1;
@@ -83,10 +91,10 @@ void mla_gemm_w8a8(const int8_t *w, const float *scale, const float *x, const fl
         uint8_t *xu = (uint8_t *)alloc_lines((size_t)(rows * k));
         if (!xu) abort();
         for (int64_t i = 0; i < rows * k; i++) xu[i] = (uint8_t)(xq[i] + 128);
-        w8a8_rows_avx512(w, scale, xq, xu, sx, y, rows, n, k, threads);
+        (rows < W8A8_STREAM_ROWS ? w8a8_streams_avx512 : w8a8_rows_avx512)(w, scale, xq, xu, sx, y, rows, n, k, threads);
         free(xu);
     } else {
-        w8a8_rows_avx2(w, scale, xq, NULL, sx, y, rows, n, k, threads);
+        (rows < W8A8_STREAM_ROWS ? w8a8_streams_avx2 : w8a8_rows_avx2)(w, scale, xq, NULL, sx, y, rows, n, k, threads);
     }
     free(xq);
     free(sx);
