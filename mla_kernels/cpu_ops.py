@@ -51,9 +51,9 @@ PORTABLE_SOURCES = (CSRC / "ops" / "indexer.cpp", CSRC / "ops" / "isa.cpp", CSRC
 X86_SOURCES = (CSRC / "gemv_f32.c", CSRC / "mla_decode_f32.c", CSRC / "mla_layer_f32.c", CSRC / "gemv_fp8.c",
                CSRC / "gemv_int4.c", CSRC / "gemv_ggml.c", CSRC / "gemm_w8a8.c", CSRC / "gemm_fp4.c",
                CSRC / "amx_bf16.c", CSRC / "amx_int8.c", CSRC / "ops" / "cpu_kernels.cpp")
-HEADERS = (CSRC / "mla_cpu.h", CSRC / "simd.h", CSRC / "isa_cap.h", CSRC / "amx_emulate.h", CSRC / "vec_avx2.h",
-           CSRC / "vec_avx512.h", CSRC / "vec_end.h", CSRC / "decode_attention.h", CSRC / "few_rows.h",
-           CSRC / "int4_rows.h", CSRC / "ggml_rows.h", CSRC / "w8a8_rows.h", CSRC / "fp4_rows.h",
+HEADERS = (CSRC / "mla_cpu.h", CSRC / "simd.h", CSRC / "isa_cap.h", CSRC / "amx_emulate.h", CSRC / "amx_tiles.h",
+           CSRC / "vec_avx2.h", CSRC / "vec_avx512.h", CSRC / "vec_end.h", CSRC / "decode_attention.h",
+           CSRC / "few_rows.h", CSRC / "int4_rows.h", CSRC / "ggml_rows.h", CSRC / "w8a8_rows.h", CSRC / "fp4_rows.h",
            CSRC / "vec_scalar.h", CSRC / "delta_rule.h", CSRC / "vec_exp.h")
 CFLAGS = ("-O3", "-std=c++17", "-fopenmp")  # OpenMP: the kernels' threads are torch's pool
 # the x86 baseline (every AVX2 CPU has FMA and F16C): wider instruction sets are chosen per function at run time

@@ -22,9 +22,8 @@
 
 #if defined(__x86_64__) && defined(__linux__) && (__GNUC__ >= 11 || defined(__clang__))
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#include "amx_tiles.h"
 #include "simd.h"
 #ifdef MLA_AMX_EMULATE
 #include "amx_emulate.h"  /* the tile instructions in software: tests on CPUs without AMX */
@@ -32,23 +31,9 @@
 
 #define AMX_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
 
-/* The tile configuration of ldtilecfg (palette 1): bytes per row and rows of each of the eight tiles. */
-struct TileConfig {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
 int64_t mla_amx_bf16(void) {
-    static int known = -1;
-    if (known < 0) {
-#ifdef MLA_AMX_EMULATE  /* emulated tiles; the rows are still rounded by AVX512-BF16 */
-        known = (int)mla_cpu_has(MLA_CPU_AVX512 | MLA_CPU_BF16);
-#else  /* the tiles, and the kernel's leave to use their state */
-        known = mla_cpu_has(MLA_CPU_AVX512 | MLA_CPU_BF16 | MLA_CPU_AMX) &&
-                syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-#endif
-    }
+    static int known = -1;  /* emulated tiles: the rows are still rounded by AVX512-BF16 */
+    if (known < 0) known = amx_usable(MLA_CPU_AVX512 | MLA_CPU_BF16 | MLA_CPU_AMX, MLA_CPU_AVX512 | MLA_CPU_BF16);
     return known && mla_isa_allows(MLA_ISA_AMX);
 }
 

@@ -24,9 +24,8 @@
 
 #if defined(__x86_64__) && defined(__linux__) && (__GNUC__ >= 11 || defined(__clang__))
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#include "amx_tiles.h"
 #include "simd.h"
 #ifdef MLA_AMX_EMULATE
 #include "amx_emulate.h"  /* the tile instructions in software: tests on CPUs without AMX */
@@ -34,23 +33,9 @@
 
 #define AMX_I8_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,amx-tile,amx-int8")))
 
-/* ldtilecfg's configuration (palette 1): bytes per row and rows of each of the eight tiles */
-struct TileConfigI8 {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
 int64_t mla_amx_int8(void) {
-    static int known = -1;
-    if (known < 0) {
-#ifdef MLA_AMX_EMULATE  /* emulated tiles, AVX-512 beside them */
-        known = (int)mla_cpu_has(MLA_CPU_AVX512 | MLA_CPU_VNNI);
-#else  /* the tiles, and the kernel's leave to use their state */
-        known = mla_cpu_has(MLA_CPU_AMX_INT8) &&
-                syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-#endif
-    }
+    static int known = -1;  /* emulated tiles: AVX-512 beside them */
+    if (known < 0) known = amx_usable(MLA_CPU_AMX_INT8, MLA_CPU_AVX512 | MLA_CPU_VNNI);
     return known && mla_isa_allows(MLA_ISA_AMX);
 }
 
@@ -73,7 +58,7 @@ AMX_I8_TARGET static void pack_rows(const int16_t *xq, int64_t m, int64_t k, int
 }
 
 /* the tile shapes of one (weight block pair, row block pair): a and b weight rows (b may be 0), p and q input rows */
-AMX_I8_TARGET static void configure(struct TileConfigI8 *cfg, int a, int b, int p, int q) {
+AMX_I8_TARGET static void configure(struct TileConfig *cfg, int a, int b, int p, int q) {
     const int b1 = b ? b : 1, q1 = q ? q : 1;  /* an unused tile keeps a legal shape */
     cfg->rows[0] = (uint8_t)a, cfg->colsb[0] = (uint16_t)(4 * p);   /* sums: weight block 0 x row block 0 */
     cfg->rows[1] = (uint8_t)b1, cfg->colsb[1] = (uint16_t)(4 * p);  /* weight block 1 x row block 0 */
@@ -114,7 +99,7 @@ AMX_I8_TARGET static void tiles_i8(const int8_t *w, const float *sw, const int8_
     {
         const int64_t id = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t g0 = id * groups / nt, g1 = (id + 1) * groups / nt;
-        struct TileConfigI8 cfg;
+        struct TileConfig cfg;
         memset(&cfg, 0, sizeof cfg);
         cfg.palette = 1;
         int64_t shape = -1;
