@@ -76,14 +76,20 @@ static float emu_bf16(const uint8_t *p) {
     return f;
 }
 
-/* c[m][n] += a[m][2k] b[k][2n] + a[m][2k + 1] b[k][2n + 1] over k, in float32 */
-static void emu_dpbf16ps(int c, int a, int b) {
+/* A tile product's operands: each configured, and their shapes as the hardware requires (c: M x N, a: M x K, b:
+ * K / 4 x N in rows of 4-byte groups) */
+static void emu_dot_operands(int c, int a, int b, const char *mismatch) {
     emu_check(c);
     emu_check(a);
     emu_check(b);
     if (emu_tiles.rows[c] != emu_tiles.rows[a] || emu_tiles.colsb[c] != emu_tiles.colsb[b] ||
         emu_tiles.colsb[a] != 4 * emu_tiles.rows[b])
-        emu_fault("TDPBF16PS operands whose shapes do not match", c);
+        emu_fault(mismatch, c);
+}
+
+/* c[m][n] += a[m][2k] b[k][2n] + a[m][2k + 1] b[k][2n + 1] over k, in float32 */
+static void emu_dpbf16ps(int c, int a, int b) {
+    emu_dot_operands(c, a, b, "TDPBF16PS operands whose shapes do not match");
     for (int m = 0; m < emu_tiles.rows[c]; m++)
         for (int n = 0; n < emu_tiles.colsb[c] / 4; n++) {
             float acc;
@@ -98,12 +104,7 @@ static void emu_dpbf16ps(int c, int a, int b) {
 
 /* c[m][n] += sum over k of a[m][4k + i] b[k][4n + i], i < 4, signed bytes, in int32 */
 static void emu_dpbssd(int c, int a, int b) {
-    emu_check(c);
-    emu_check(a);
-    emu_check(b);
-    if (emu_tiles.rows[c] != emu_tiles.rows[a] || emu_tiles.colsb[c] != emu_tiles.colsb[b] ||
-        emu_tiles.colsb[a] != 4 * emu_tiles.rows[b])
-        emu_fault("TDPBSSD operands whose shapes do not match", c);
+    emu_dot_operands(c, a, b, "TDPBSSD operands whose shapes do not match");
     for (int m = 0; m < emu_tiles.rows[c]; m++)
         for (int n = 0; n < emu_tiles.colsb[c] / 4; n++) {
             uint32_t acc;
